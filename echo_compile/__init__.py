@@ -1,0 +1,1 @@
+"""echo-compile: the public API (filled in as the runtime lands)."""
