@@ -1,0 +1,142 @@
+"""The KV cache the model talks to: per layer, the host KV pool rows, the paged indexer key cache
+and (when offloading) the GPU pool that caches recently selected rows.
+
+The model calls four methods per layer and never knows whether offloading is on:
+``store`` (echo::offload), ``select`` (echo::indexer_topk), ``fetch`` (echo::recall, or the
+device-resident pool itself when offloading is off) and ``read`` (prefill's gather of a request's
+rows). Every tensor here is a module buffer allocated once, so torch.compile treats it as static
+and CUDA graphs replay over it; each layer has buffers of its own (views of one shared base would
+make Inductor clone the whole base, compile_notes.md §1.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from custom_ops import attention as _attention  # noqa: F401  (registers echo::sparse_mla_decode)
+from custom_ops.host_pool import allocate_host_rows
+from custom_ops.indexer import indexer_topk
+from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE, ROW_BYTES, check_fmt
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    num_layers: int
+    host_tokens: int  # N_H: host KV pool rows per layer (a multiple of the 64-token page)
+    gpu_tokens: int  # N_G: GPU pool rows per layer when offloading (ignored otherwise)
+    topk: int  # the model's index_topk
+    fmt: str = "bf16"  # KV row format: "bf16" (1152 B) or "fp8" (656 B)
+    offload: bool = True  # False: the whole KV pool lives in device memory (GPU-only policy)
+    max_batch: int = 64  # the largest decode batch (bounds the fixed-size recall buffers)
+
+    def __post_init__(self) -> None:
+        check_fmt(self.fmt)
+        if self.num_layers <= 0:
+            raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
+        if self.host_tokens <= 0 or self.host_tokens % PAGE:
+            raise ValueError(
+                f"CacheConfig.host_tokens must be a positive multiple of {PAGE}, got {self.host_tokens}"
+            )
+        if self.topk <= 0 or self.max_batch <= 0:
+            raise ValueError("CacheConfig.topk and max_batch must be positive")
+        if self.offload and self.gpu_tokens < self.topk:
+            raise ValueError(
+                f"CacheConfig.gpu_tokens={self.gpu_tokens} cannot hold one request's selection "
+                f"(topk={self.topk})"
+            )
+
+    @property
+    def row_bytes(self) -> int:
+        return ROW_BYTES[self.fmt]
+
+
+@torch.library.custom_op("echo::offload", mutates_args=("host_kv", "index_k"))
+def offload(
+    host_kv: torch.Tensor,  # [N_H, row] uint8
+    index_k: torch.Tensor,  # [N_H // 64, 8448] uint8
+    rows: torch.Tensor,  # [T, row] uint8
+    index_rows: torch.Tensor,  # [T, 132] uint8
+    slots: torch.Tensor,  # [T] int64 host slots, -1 = padding (nothing written)
+) -> None:
+    if rows.shape[0] != slots.shape[0] or index_rows.shape != (rows.shape[0], INDEX_ROW_BYTES):
+        raise ValueError("offload: rows [T, row], index_rows [T, 132] and slots [T] must agree on T")
+    if rows.shape[1] != host_kv.shape[1]:
+        raise ValueError(f"offload: row width {rows.shape[1]} != pool row width {host_kv.shape[1]}")
+    if host_kv.is_cuda:
+        from custom_ops import cache_kernels
+
+        cache_kernels.offload_cuda(host_kv, index_k, rows, index_rows, slots)
+        return
+    offload_ref(host_kv, index_k, rows, index_rows, slots)
+
+
+def offload_ref(host_kv, index_k, rows, index_rows, slots) -> None:
+    keep = slots >= 0
+    s = slots[keep].long()
+    host_kv[s] = rows[keep]
+    page, off = s // PAGE, s % PAGE
+    flat = index_k.view(-1)
+    base = page * INDEX_PAGE_BYTES
+    vidx = (base + off * 128)[:, None] + torch.arange(128, device=slots.device)
+    sidx = (base + PAGE * 128 + off * 4)[:, None] + torch.arange(4, device=slots.device)
+    flat[vidx] = index_rows[keep][:, :128]
+    flat[sidx] = index_rows[keep][:, 128:]
+
+
+@offload.register_fake
+def _(host_kv, index_k, rows, index_rows, slots) -> None:
+    return None
+
+
+class LayerKV(nn.Module):
+    """One layer's cache state (see the module docstring)."""
+
+    def __init__(self, cfg: CacheConfig, layer_id: int, host_kv: torch.Tensor, device: torch.device):
+        super().__init__()
+        self.fmt = cfg.fmt
+        self.topk = cfg.topk
+        self.layer_id = layer_id
+        self.offloading = cfg.offload
+        self.register_buffer("host_kv", host_kv, persistent=False)
+        self.register_buffer(
+            "index_k",
+            torch.zeros(cfg.host_tokens // PAGE, INDEX_PAGE_BYTES, dtype=torch.uint8, device=device),
+            persistent=False,
+        )
+        self.pool: nn.Module | None = None
+        if cfg.offload:
+            from custom_ops.gpu_pool import GpuPool
+
+            self.pool = GpuPool(cfg, device)
+
+    def store(self, rows: torch.Tensor, index_rows: torch.Tensor, slots: torch.Tensor) -> None:
+        torch.ops.echo.offload(self.host_kv, self.index_k, rows, index_rows, slots)
+
+    def select(
+        self, q_fp8: torch.Tensor, weights: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return indexer_topk(q_fp8, weights, self.index_k, block_table, seq_lens, self.topk)
+
+    def fetch(self, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pool is None:
+            return self.host_kv, host_slots
+        return self.pool.gpu_kv, self.pool.recall(self.host_kv, host_slots)
+
+    def read(self, host_slots: torch.Tensor) -> torch.Tensor:
+        return self.host_kv[host_slots]
+
+
+class KVCache(nn.Module):
+    """Every layer's ``LayerKV``. Host slots are handed out by the scheduler (outside the graph)."""
+
+    def __init__(self, cfg: CacheConfig, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.config = cfg
+        device = torch.device(device)
+        host = allocate_host_rows(
+            cfg.num_layers, cfg.host_tokens, cfg.row_bytes, device, pinned=cfg.offload
+        )
+        self.layers = nn.ModuleList(LayerKV(cfg, i, host[i], device) for i in range(cfg.num_layers))
