@@ -1,0 +1,314 @@
+"""Load a Hugging Face DeepSeek-V3.2 checkpoint directory into ``DeepseekV32ForCausalLM``.
+
+The model is built on the meta device, materialised on the target device, and every checkpoint
+tensor is placed by an explicit name mapping (docs/CONTRACTS.md), shard by shard:
+- ``X`` -> parameter ``X`` (cast to the parameter's dtype: norms may be bf16, fp16 or fp32);
+- FP8 ``X.weight`` (e4m3) + ``X.weight_scale_inv`` -> ``X.weight`` dequantised (128x128 blocks);
+- AWQ ``X.qweight/qzeros/scales`` -> the AWQ module's parameters of the same names;
+- ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.S`` -> slice E (gate then up along the output
+  axis) of ``mlp.experts.w13_S`` / ``mlp.experts.w2_S``;
+- layers ``>= num_hidden_layers`` (MTP) -> kept aside, unconverted, in ``LoadExtras.mtp``.
+Every problem raises ``ValueError`` naming the tensor and the file: missing, unexpected, wrong
+shape, wrong kind of dtype, a shard the index names that is not there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from model.checkpoint import resolve_model
+from model.config import ModelConfig
+from model.fp8_weights import weight_dequant_fp8
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+_EXPERT = re.compile(
+    r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale_inv|qweight|qzeros|scales)"
+)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass
+class LoadExtras:
+    """What ``load_model`` returns besides the model."""
+
+    config: ModelConfig
+    path: Path
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    # MTP layers (``model.layers.{num_hidden_layers + k}.*``) exactly as stored, on the CPU.
+    mtp: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: parameter ``param``, optionally expert ``expert`` and
+    half ``part`` (0 gate, 1 up) of a stacked ``w13`` parameter."""
+
+    param: str
+    expert: int | None = None
+    part: int | None = None
+    out_axis: int = 0  # the output-features axis of the expert slice (AWQ packs it last)
+
+    @property
+    def piece(self) -> tuple[str, int | None, int | None]:
+        return (self.param, self.expert, self.part)
+
+
+def _target(name: str) -> _Target:
+    """The parameter (slice) that checkpoint tensor ``name`` loads into."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return _Target(name)
+    prefix, e, proj, suffix = m.groups()
+    out_axis = 0 if suffix == "weight" else -1
+    if proj == "down_proj":
+        return _Target(f"{prefix}.w2_{suffix}", int(e), None, out_axis)
+    return _Target(f"{prefix}.w13_{suffix}", int(e), 0 if proj == "gate_proj" else 1, out_axis)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype in _FLOAT or dtype == torch.float64:
+        return "float"
+    if dtype == torch.float8_e4m3fn:
+        return "fp8"
+    return str(dtype).removeprefix("torch.")
+
+
+class _Loader:
+    """Places the tensors of one checkpoint into the (materialised) parameters of ``model``."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, path: Path):
+        self.config = config
+        self.path = path
+        # persistent buffers are loaded like parameters (state_dict is exactly what a file holds)
+        self.params: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.loaded: set[tuple[str, int | None, int | None]] = set()
+        self.fp8: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, str]] = {}
+        self.mtp: dict[str, torch.Tensor] = {}
+
+    def _where(self, name: str, file: str) -> str:
+        return f"tensor {name!r} in {self.path / file}"
+
+    def add(self, name: str, t: torch.Tensor, file: str) -> None:
+        lm = _LAYER.match(name)
+        if lm is not None and int(lm.group(1)) >= self.config.num_hidden_layers:
+            self.mtp[name] = t
+            return
+        module = name.rsplit(".", 1)[0]
+        if t.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):
+            # NOTE: an FP8 weight and its scale may sit in different shards; pair them up first.
+            w, s, _ = self.fp8.get(module, (None, None, file))
+            if name.endswith(".weight_scale_inv"):
+                s = t
+            elif name.endswith(".weight"):
+                w = t
+            else:
+                raise ValueError(f"{self._where(name, file)}: FP8 is only supported for weights")
+            if w is None or s is None:
+                self.fp8[module] = (w, s, file)
+                return
+            del self.fp8[module]
+            name, t = module + ".weight", self._dequant(module, w, s, file)
+        self._copy(name, t, file)
+
+    def _dequant(self, module: str, w: torch.Tensor, s: torch.Tensor, file: str) -> torch.Tensor:
+        if s.dtype != torch.float32:
+            raise ValueError(
+                f"{self._where(module + '.weight_scale_inv', file)}: dtype {s.dtype}, "
+                "expected float32"
+            )
+        try:
+            return weight_dequant_fp8(w, s)
+        except ValueError as e:
+            raise ValueError(f"{self._where(module + '.weight_scale_inv', file)}: {e}") from e
+
+    def _copy(self, name: str, t: torch.Tensor, file: str) -> None:
+        tgt = _target(name)
+        p = self.params.get(tgt.param)
+        if p is None:
+            hint = ""
+            module = name.rsplit(".", 1)[0]
+            siblings = sorted(k for k in self.params if k.rsplit(".", 1)[0] == module)
+            if siblings:
+                hint = f" (the model holds {', '.join(siblings)} there)"
+            raise ValueError(
+                f"unexpected {self._where(name, file)}: the model has no parameter "
+                f"{tgt.param!r}{hint}"
+            )
+        if tgt.piece in self.loaded:
+            raise ValueError(f"{self._where(name, file)}: loaded twice")
+        dest = p.data
+        if tgt.expert is not None:
+            if tgt.expert >= dest.shape[0]:
+                raise ValueError(
+                    f"unexpected {self._where(name, file)}: expert {tgt.expert} but "
+                    f"{tgt.param!r} holds {dest.shape[0]} experts"
+                )
+            dest = dest[tgt.expert]
+            if tgt.part is not None:
+                half = dest.shape[tgt.out_axis] // 2
+                dest = dest.narrow(tgt.out_axis, tgt.part * half, half)
+        if tuple(t.shape) != tuple(dest.shape):
+            raise ValueError(
+                f"{self._where(name, file)}: shape {list(t.shape)}, but {tgt.param!r} "
+                f"expects {list(dest.shape)}"
+            )
+        if _kind(t.dtype) != _kind(dest.dtype):
+            raise ValueError(
+                f"{self._where(name, file)}: dtype {t.dtype} cannot load into {tgt.param!r} "
+                f"of dtype {dest.dtype}"
+            )
+        with torch.no_grad():
+            dest.copy_(t)
+        self.loaded.add(tgt.piece)
+
+    def finish(self, index: str) -> None:
+        """Raise for FP8 halves without partner and parameters never (fully) loaded."""
+        for module, (_, s, file) in self.fp8.items():
+            have, miss = "weight", "weight_scale_inv"
+            if s is not None:
+                have, miss = miss, have
+            raise ValueError(
+                f"missing tensor '{module}.{miss}' (its {have} is in {self.path / file})"
+            )
+        missing: list[str] = []
+        for name, p in self.params.items():
+            m = re.fullmatch(r"(.*\.mlp\.experts)\.(w13|w2)_(\w+)", name)
+            if m is None:
+                if (name, None, None) not in self.loaded:
+                    missing.append(name)
+                continue
+            prefix, which, suffix = m.groups()
+            parts = ((0, "gate_proj"), (1, "up_proj")) if which == "w13" else ((None, "down_proj"),)
+            for e in range(p.shape[0]):
+                for part, proj in parts:
+                    if (name, e, part) not in self.loaded:
+                        missing.append(f"{prefix}.{e}.{proj}.{suffix}")
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(
+                f"missing tensor(s) in {self.path / index}: {', '.join(missing[:8])}{more} "
+                "(parameters the checkpoint never provided)"
+            )
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise ValueError(f"{path.parent}: no {path.name} ({what})")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _shards(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """(index file name, {shard file: [tensor names]}) of the checkpoint at ``path``."""
+    if (path / INDEX_FILE).is_file():
+        index = _read_json(path / INDEX_FILE, "the shard index")
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise ValueError(f"{path / INDEX_FILE}: expected a 'weight_map' of tensor -> file")
+        files: dict[str, list[str]] = defaultdict(list)
+        for name, f in wm.items():
+            files[f].append(name)
+        for f, names in files.items():
+            if not (path / f).is_file():
+                raise ValueError(
+                    f"{path / INDEX_FILE} names shard {f!r} (e.g. for tensor {names[0]!r}), "
+                    f"but {path / f} does not exist"
+                )
+        return INDEX_FILE, dict(files)
+    if (path / SINGLE_FILE).is_file():
+        with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
+            return SINGLE_FILE, {SINGLE_FILE: list(f.keys())}
+    raise ValueError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE}")
+
+
+def load_weights(model: nn.Module, path: str | Path, config: ModelConfig,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Materialise ``model`` (built on the meta device) on ``device`` and fill it from the
+    checkpoint at ``path``; returns the MTP tensors kept aside. Raises ``ValueError`` on any
+    missing / unexpected / misshapen tensor."""
+    path = Path(path)
+    index, files = _shards(path)
+    model.to_empty(device=device)
+    _init_non_persistent_buffers(model)
+    loader = _Loader(model, config, path)
+    for file, names in files.items():
+        try:
+            f = safe_open(str(path / file), framework="pt", device="cpu")
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
+        with f:
+            keys = set(f.keys())
+            for name in names:
+                if name not in keys:
+                    raise ValueError(
+                        f"missing tensor {name!r}: {path / index} places it in {path / file}, "
+                        "which does not contain it"
+                    )
+                loader.add(name, f.get_tensor(name), file)
+            extra = sorted(keys - set(names))
+            if extra:
+                raise ValueError(
+                    f"unexpected tensor {extra[0]!r} in {path / file}: not listed for this file "
+                    f"in {path / index}"
+                )
+    loader.finish(index)
+    return loader.mtp
+
+
+def _init_non_persistent_buffers(model: nn.Module) -> None:
+    """``to_empty`` leaves buffers uninitialised; recompute those not in the checkpoint."""
+    for m in model.modules():
+        fn = getattr(m, "init_buffers", None)
+        if callable(fn):
+            fn()
+
+
+def _cast_half_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give the model's 16-bit float parameters ``dtype`` (fp32 ones, e.g. the router bias,
+    stay fp32)."""
+    if dtype not in _FLOAT:
+        raise ValueError(f"load_model: dtype must be bfloat16, float16 or float32, got {dtype}")
+    for m in model.modules():
+        for k, p in list(m.named_parameters(recurse=False)):
+            if p.dtype in (torch.bfloat16, torch.float16) and p.dtype != dtype:
+                setattr(m, k, nn.Parameter(p.to(dtype), requires_grad=False))
+
+
+def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, LoadExtras]:
+    """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``) as
+    ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights."""
+    from model.model import DeepseekV32ForCausalLM
+
+    path = resolve_model(path_or_name)
+    config = ModelConfig.from_json(_require(path, "config.json"))
+    _require(path, "tokenizer.json")
+    gen = path / "generation_config.json"
+    generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+    with torch.device("meta"):
+        model = DeepseekV32ForCausalLM(config)
+    _cast_half_params(model, dtype)
+    mtp = load_weights(model, path, config, device)
+    model.requires_grad_(False)
+    model.eval()
+    return model, LoadExtras(config, path, generation_config, mtp)
+
+
+def _require(path: Path, name: str) -> Path:
+    if not (path / name).is_file():
+        raise ValueError(f"{path}: no {name} (not a Hugging Face checkpoint directory?)")
+    return path / name
