@@ -1,0 +1,118 @@
+"""The ``echo-compile`` command: demo, generate, serve, make-checkpoint, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="checkpoint directory, or tiny / tiny-fp8 / tiny-awq")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--host-tokens", type=int, default=16384, help="host KV pool rows per layer")
+    p.add_argument("--gpu-tokens", type=int, default=1024, help="GPU pool rows per layer")
+    p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--no-offload", action="store_true", help="keep the whole KV cache on the device")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--compile", dest="compile", action="store_true", default=None,
+                   help="capture CUDA graphs (default on CUDA)")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+
+
+def _engine_options(a: argparse.Namespace) -> dict:
+    opts = dict(
+        max_batch=a.max_batch, host_tokens=a.host_tokens, gpu_tokens=a.gpu_tokens,
+        kv_format=a.kv_format, offload=not a.no_offload, max_model_len=a.max_model_len,
+    )
+    if a.device:
+        opts["device"] = a.device
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="echo-compile", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="offloaded long-context decode on the tiny model, lossless check")
+    d.add_argument("--model", default="tiny")
+    d.add_argument("--requests", type=int, default=4)
+    d.add_argument("--min-len", type=int, default=200)
+    d.add_argument("--max-len", type=int, default=400)
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
+    d.add_argument("--device", default=None)
+    d.add_argument("--compile", action="store_true", help="compile the steps (CUDA graphs on CUDA)")
+
+    g = sub.add_parser("generate", help="generate text for prompts given as arguments")
+    _engine_args(g)
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--served-model-name", default=None)
+
+    m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
+    m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
+    m.add_argument("--out", required=True)
+    q = m.add_mutually_exclusive_group()
+    q.add_argument("--fp8", action="store_true", help="official FP8 format (weight_scale_inv)")
+    q.add_argument("--awq", action="store_true", help="AutoAWQ 4-bit gemm format")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--layers", type=int, default=None, help="bench preset: number of layers")
+    m.add_argument("--experts", type=int, default=None, help="bench preset: routed experts")
+
+    b = sub.add_parser("bench", help="end-to-end offloading vs GPU-only benchmark (GPU)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="options of benchmarks/e2e (see --help)")
+
+    a = ap.parse_args(argv)
+    if a.cmd == "demo":
+        from echo_compile.demo import run_demo
+
+        return run_demo(a)
+    if a.cmd == "generate":
+        from echo_compile.llm import LLM
+        from runtime.sampling_params import SamplingParams
+
+        llm = LLM(a.model, compile=a.compile, **_engine_options(a))
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                seed=a.seed)
+        for r in llm.generate(a.prompts, params, progress=True):
+            print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
+        return 0
+    if a.cmd == "serve":
+        from echo_compile.llm import LLM
+        from runtime.async_engine import AsyncEngine
+        from runtime.server import serve
+
+        llm = LLM(a.model, compile=a.compile, **_engine_options(a))
+        serve(AsyncEngine(llm.engine), a.served_model_name or a.model, host=a.host, port=a.port,
+              api_key=a.api_key)
+        return 0
+    if a.cmd == "make-checkpoint":
+        from model.checkpoint import make_checkpoint
+
+        kw = {}
+        if a.layers is not None:
+            kw["num_layers"] = a.layers
+        if a.experts is not None:
+            kw["n_experts"] = a.experts
+        out = make_checkpoint(a.out, preset=a.preset, fp8=a.fp8, awq=a.awq, seed=a.seed, **kw)
+        print(f"wrote {out}")
+        return 0
+    if a.cmd == "bench":
+        from echo_compile.bench import main as bench_main
+
+        return bench_main(a.args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The offline Python API: ``LLM(model, **engine options).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from echo_compile.compiled import compile_runner, warmup
+from runtime.engine import Engine, EngineConfig, StepOutput
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float  # time to first token
+    latency_s: float  # arrival to finish
+    itl_s: list[float] = field(default_factory=list)  # inter-token latencies
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None
+    stats: RequestStats
+
+
+class LLM:
+    """Load a checkpoint and serve it offline.
+
+    ``model``: a checkpoint directory, or ``"tiny"`` / ``"tiny-fp8"`` / ``"tiny-awq"`` (generated on
+    first use). Engine options (``EngineConfig``): ``max_batch``, ``host_tokens`` (host KV pool rows
+    per layer), ``gpu_tokens`` (GPU pool rows per layer), ``kv_format`` ("bf16" | "fp8"),
+    ``offload`` (False: the whole KV cache on the device), ``max_model_len``, ``prefill_chunk``,
+    ``decode_buckets``, ``device``. ``compile`` (default: on CUDA) captures every bucket into CUDA
+    graphs at start-up, then forbids recompiles.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        compile: bool | None = None,  # noqa: A002
+        progress: bool = True,
+        **engine_options,
+    ):
+        from model.checkpoint import resolve_model
+        from model.loader import load_model
+
+        if "device" not in engine_options:
+            engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        config = EngineConfig(**engine_options)
+        path = resolve_model(model)
+        net, extras = load_model(path, device=config.device)
+        self.model_path = path
+        self.engine = Engine(net, net.config, Tokenizer.from_dir(path), config, model_name=model)
+        self.warmup_s = 0.0
+        if compile if compile is not None else config.device.startswith("cuda"):
+            compile_runner(self.engine.runner)
+            self.warmup_s = warmup(self.engine.runner, progress=progress)
+            torch.compiler.set_stance("fail_on_recompile")
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_bos=True)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion (continuous batching) and return results in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        acc = {i: _Acc(i, self._encode(p), sp) for i, p, sp in zip(ids, prompts, params)}
+        for a in acc.values():
+            self.engine.add_request(a.request_id, a.prompt_ids, a.params)
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), desc="generating", disable=not progress, unit="req")
+        while any(not a.done for a in acc.values()):
+            for out in self.engine.step():
+                if out.request_id in acc:
+                    acc[out.request_id].add(out)
+                    bar.update(int(out.finished))
+        bar.close()
+        return [acc[i].result() for i in ids]
+
+    def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        """Yield each step's output of one request as it is produced (other requests may run)."""
+        rid = f"gen-{next(self._ids)}"
+        self.engine.add_request(rid, self._encode(prompt), params or SamplingParams())
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> GenerationResult:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([self.tokenizer.encode(text, add_bos=False)], params)[0]
+
+
+class _Acc:
+    """Collects one request's step outputs."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.text: list[str] = []
+        self.times: list[float] = []
+        self.t0 = time.perf_counter()
+        self.done = False
+        self.reason: str | None = None
+
+    def add(self, out: StepOutput) -> None:
+        self.tokens += out.new_token_ids
+        self.logprobs += out.new_logprobs or []
+        self.text.append(out.new_text)
+        self.times.append(time.perf_counter())
+        self.done, self.reason = out.finished, out.finish_reason
+
+    def result(self) -> GenerationResult:
+        t = self.times
+        stats = RequestStats(
+            len(self.prompt_ids), len(self.tokens), (t[0] - self.t0) if t else 0.0,
+            (t[-1] - self.t0) if t else 0.0, [b - a for a, b in zip(t, t[1:])],
+        )
+        return GenerationResult(
+            self.request_id, self.prompt_ids, "".join(self.text), self.tokens, self.reason,
+            self.logprobs if self.params.logprobs else None, stats,
+        )
+
+
+def generate(
+    prompts: str | Sequence[str | Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    model: str = "tiny",
+    **options,
+) -> list[GenerationResult]:
+    """One call: load ``model``, generate, return the results."""
+    return LLM(model, **options).generate(prompts, params)

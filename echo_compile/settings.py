@@ -1,0 +1,31 @@
+"""Every torch.compile / Dynamo / Inductor setting echo-compile uses, in one place.
+
+Why each one (compile_notes.md has the sources):
+- ``recompile_limit``: one static graph per decode bucket and per prefill bucket; the default of 8
+  would turn the 9th bucket into a hard failure under fullgraph=True.
+- ``cudagraph_or_error`` (strict mode, tests): a cudagraph skip raises instead of silently running
+  eagerly; ``graph_partition`` is left at its default, and tests assert zero partitions instead.
+- ``fx_graph_cache`` off in strict mode: ReinplaceCounters are only filled on a cache miss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compile_mode(device: torch.device) -> str | None:
+    """reduce-overhead (CUDA graphs) on CUDA; Inductor's default on CPU, where there are no graphs."""
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+def apply(num_graphs: int, strict: bool = False) -> None:
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, num_graphs + 4)
+    dynamo_config.accumulated_recompile_limit = max(
+        dynamo_config.accumulated_recompile_limit, 4 * (num_graphs + 4)
+    )
+    if strict:
+        inductor_config.triton.cudagraph_or_error = True
+        inductor_config.fx_graph_cache = False

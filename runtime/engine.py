@@ -1,0 +1,231 @@
+"""The engine loop: schedule -> prepare -> forward -> postprocess.
+
+Offline ``generate()`` (echo_compile.LLM) and the server (runtime.async_engine) drive the same
+``step()``. The engine owns the scheduler, the KV cache and the model runner; it never touches the
+model's internals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from custom_ops.kv_cache import CacheConfig, KVCache
+from model.config import ModelConfig
+from runtime.detokenize import RequestDetokenizer
+from runtime.model_runner import (
+    ModelRunner,
+    default_decode_buckets,
+    default_prefill_buckets,
+)
+from runtime.request import PAGE, Request, Status
+from runtime.sampler import sample
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options (the ``LLM(...)`` keyword arguments)."""
+
+    max_batch: int = 8  # largest decode batch (the largest captured bucket)
+    host_tokens: int = 16384  # host KV pool rows per layer
+    gpu_tokens: int = 1024  # GPU pool rows per layer when offloading
+    kv_format: str = "bf16"  # "bf16" | "fp8"
+    offload: bool = True
+    max_model_len: int = 4096
+    prefill_chunk: int = 2048
+    decode_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... max_batch
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.host_tokens % PAGE:
+            raise ValueError(f"host_tokens must be a multiple of {PAGE}, got {self.host_tokens}")
+        if self.max_batch <= 0:
+            raise ValueError(f"max_batch must be positive, got {self.max_batch}")
+        if self.prefill_chunk <= 0 or self.prefill_chunk % 16:
+            raise ValueError(f"prefill_chunk must be a positive multiple of 16, got {self.prefill_chunk}")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        b = self.decode_buckets or default_decode_buckets(self.max_batch)
+        if b[-1] != self.max_batch or list(b) != sorted(set(b)):
+            raise ValueError(f"decode_buckets must be increasing and end at max_batch, got {b}")
+        return tuple(b)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        model_name: str = "model",
+    ):
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.device = torch.device(config.device)
+        self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+        self.cache = KVCache(
+            CacheConfig(
+                num_layers=model_config.num_hidden_layers,
+                host_tokens=config.host_tokens,
+                gpu_tokens=config.gpu_tokens,
+                topk=model_config.index_topk,
+                fmt=config.kv_format,
+                offload=config.offload,
+                max_batch=config.max_batch,
+            ),
+            self.device,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch=config.max_batch,
+                max_model_len=self.max_model_len,
+                host_tokens=config.host_tokens,
+                topk=model_config.index_topk,
+                gpu_tokens=config.gpu_tokens if config.offload else None,
+                prefill_chunk=config.prefill_chunk,
+            )
+        )
+        self.runner = ModelRunner(
+            model, self.cache, self.device, self.max_model_len,
+            config.buckets, default_prefill_buckets(config.prefill_chunk),
+        )
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, RequestDetokenizer] = {}
+        self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
+        self.num_steps = 0
+        self.num_decode_steps = 0
+        self.decode_rows = 0  # sum of decode batch sizes: / num_decode_steps = effective batch
+        self.generated_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req = Request(request_id, list(prompt_token_ids), params)
+        self.scheduler.add(req)  # raises ValueError for requests that can never fit
+        self.requests[request_id] = req
+        self._detok[request_id] = RequestDetokenizer(self.tokenizer, params)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _finish(self, req: Request, reason: str) -> None:
+        pages = self.scheduler.remove(req)
+        if pages:
+            # Forget every host slot of the request in every layer's GPU pool before the pages are
+            # handed out again: a stale host->GPU entry would serve another request's rows.
+            slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)).flatten()
+            self.cache.release(slots.to(self.device))
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.forward(batch)
+        return self._postprocess(batch, logits)
+
+    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
+        self.num_steps += 1
+        now = time.perf_counter()
+        if batch.is_decode:
+            self.num_decode_steps += 1
+            self.decode_rows += len(batch.requests)
+            for r in batch.requests:
+                r.num_computed = r.num_tokens
+            sampling = batch.requests
+        else:
+            req = batch.requests[0]
+            req.num_computed = batch.chunk_end
+            if req.in_prefill:
+                return []  # more prompt chunks to go: nothing sampled yet
+            sampling = [req]
+        tokens, logprobs = self._sample(sampling, logits)
+        outs = []
+        for r, tok, lp in zip(sampling, tokens, logprobs):
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            r.token_times.append(now)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            text, reason = self._detok[r.request_id].add(tok, len(r.output_ids))
+            if reason is not None:
+                self._finish(r, reason)
+            r.check()
+            outs.append(StepOutput(
+                r.request_id, [tok], [lp] if r.params.logprobs else None, text, reason is not None,
+                reason, len(r.prompt_ids), len(r.output_ids),
+            ))
+        self.generated_tokens += len(sampling)
+        self._recent.append((now, len(sampling)))
+        return outs
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        ps = [r.params for r in reqs]
+        dev = logits.device
+        temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+        seeds = torch.tensor(
+            [p.seed if p.seed is not None else hash(r.request_id) & 0x7FFFFFFF for r, p in zip(reqs, ps)],
+            dtype=torch.int64, device=dev,
+        )
+        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
+        tok, lp = sample(logits.float(), temperature, top_k, top_p, seeds, steps)
+        return tok.tolist(), lp.tolist()  # the one host sync of a step, outside any graph
+
+    # ---- observability -------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float | list[float]]:
+        if len(self._recent) >= 2:
+            dt = self._recent[-1][0] - self._recent[0][0]
+            tps = sum(n for _, n in list(self._recent)[1:]) / dt if dt > 0 else 0.0
+        else:
+            tps = 0.0
+        pool = self.cache.stats()
+        alloc = self.scheduler.pages
+        return {
+            "running": float(len(self.scheduler.running)),
+            "waiting": float(len(self.scheduler.waiting)),
+            "generated_tokens": float(self.generated_tokens),
+            "tokens_per_s": tps,
+            "host_pool_usage": 1.0 - alloc.num_free / alloc.num_pages,
+            "gpu_pool_usage": pool["gpu_pool_usage"],
+            "hit_rate": pool["hit_rate"],
+            "recalled_rows_per_step": pool["recalled_rows_per_step"],
+        }

@@ -1,0 +1,160 @@
+"""Turns a scheduled batch into fixed-shape device tensors and runs one forward step.
+
+Shapes are static per bucket so a compiled step (echo_compile) can replay a CUDA graph: the decode
+batch is padded to the next bucket (padded rows: seq_len 0, out_slot -1, ignored by every op), the
+prefill chunk to the next chunk bucket, and the block table always has ``pages_per_seq`` columns.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from custom_ops.kv_cache import KVCache
+from model.forward_meta import ForwardMeta
+from runtime.request import PAGE, Request
+from runtime.scheduler import ScheduledBatch
+
+StepInputs = tuple[torch.Tensor, ...]  # input_ids, positions, out_slots, block_table, seq_lens, logits_indices
+
+
+class StepModule(nn.Module):
+    """The function a step runs: model + cache as submodules, so that their parameters and buffers
+    are static inputs to torch.compile (and CUDA graphs replay over them without copies)."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, is_decode: bool):
+        super().__init__()
+        self.model = model
+        self.cache = cache
+        self.is_decode = is_decode
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        meta = ForwardMeta(input_ids, positions, out_slots, block_table, seq_lens, logits_indices, self.is_decode)
+        return self.model(meta, self.cache)
+
+
+def next_bucket(n: int, buckets: Sequence[int]) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def default_decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 32, 48, 64, 80, ... up to max_batch (DESIGN.md, Graph capture)."""
+    out, b = [], 1
+    while b < min(max_batch, 32):
+        out.append(b)
+        b *= 2
+    b = 32
+    while b < max_batch:
+        out.append(b)
+        b += 16
+    out.append(max_batch)
+    return tuple(sorted(set(out)))
+
+
+def default_prefill_buckets(chunk: int) -> tuple[int, ...]:
+    out, b = [], 16
+    while b < chunk:
+        out.append(b)
+        b *= 2
+    out.append(chunk)
+    return tuple(out)
+
+
+class ModelRunner:
+    """Prepares inputs and calls the decode/prefill step functions (eager by default; echo_compile
+    replaces ``decode_fn``/``prefill_fn`` with compiled ones)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: KVCache,
+        device: torch.device,
+        max_model_len: int,
+        decode_buckets: Sequence[int],
+        prefill_buckets: Sequence[int],
+    ):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.pages_per_seq = -(-max_model_len // PAGE)
+        self.decode_buckets = tuple(decode_buckets)
+        self.prefill_buckets = tuple(prefill_buckets)
+        self.decode_step = StepModule(model, cache, is_decode=True)
+        self.prefill_step = StepModule(model, cache, is_decode=False)
+        self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
+        self.prefill_fn: Callable[..., torch.Tensor] = self.prefill_step
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def _block_table(self, reqs: Sequence[Request], rows: int) -> torch.Tensor:
+        bt = torch.zeros(rows, self.pages_per_seq, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            bt[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        return bt
+
+    def decode_inputs(self, reqs: Sequence[Request], bucket: int) -> StepInputs:
+        ids = torch.zeros(bucket, dtype=torch.int64)
+        pos = torch.zeros(bucket, dtype=torch.int64)
+        slots = torch.full((bucket,), -1, dtype=torch.int64)
+        lens = torch.zeros(bucket, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            p = r.num_tokens - 1  # the newest token, not yet in the cache
+            ids[i], pos[i], slots[i], lens[i] = r.token_at(p), p, r.slot_of(p), p + 1
+        logits_idx = torch.arange(bucket, dtype=torch.int64)
+        return self._to_device(ids, pos, slots, self._block_table(reqs, bucket), lens, logits_idx)
+
+    def prefill_inputs(self, req: Request, start: int, end: int, bucket: int) -> StepInputs:
+        n = end - start
+        ids = torch.zeros(bucket, dtype=torch.int64)
+        pos = torch.zeros(bucket, dtype=torch.int64)
+        slots = torch.full((bucket,), -1, dtype=torch.int64)
+        ids[:n] = torch.tensor(req.prompt_ids[start:end], dtype=torch.int64)
+        pos[:n] = torch.arange(start, end, dtype=torch.int64)
+        pos[n:] = end - 1  # padding repeats the last position; its out_slot is -1 (never written)
+        slots[:n] = torch.tensor([req.slot_of(p) for p in range(start, end)], dtype=torch.int64)
+        lens = torch.tensor([end], dtype=torch.int32)
+        logits_idx = torch.tensor([n - 1], dtype=torch.int64)
+        return self._to_device(ids, pos, slots, self._block_table([req], 1), lens, logits_idx)
+
+    def padding_inputs(self, is_decode: bool, bucket: int) -> StepInputs:
+        """Inputs made only of padding (seq_len 0, out_slot -1): for warm-up and graph capture."""
+        rows = bucket if is_decode else 1
+        return self._to_device(
+            torch.zeros(bucket, dtype=torch.int64),
+            torch.zeros(bucket, dtype=torch.int64),
+            torch.full((bucket,), -1, dtype=torch.int64),
+            torch.zeros(rows, self.pages_per_seq, dtype=torch.int32),
+            torch.zeros(rows, dtype=torch.int32),
+            torch.arange(rows, dtype=torch.int64) if is_decode else torch.tensor([bucket - 1]),
+        )
+
+    def _to_device(self, *ts: torch.Tensor) -> StepInputs:
+        if self.device.type == "cuda":
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in ts)
+        return ts
+
+    # ---- forward -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits fp32 [len(batch.requests), V] (for prefill: of the chunk's last token)."""
+        if batch.is_decode:
+            n = len(batch.requests)
+            bucket = next_bucket(n, self.decode_buckets)
+            logits = self.decode_fn(*self.decode_inputs(batch.requests, bucket))
+            return logits[:n]
+        req = batch.requests[0]
+        bucket = next_bucket(batch.chunk_end - batch.chunk_start, self.prefill_buckets)
+        return self.prefill_fn(*self.prefill_inputs(req, batch.chunk_start, batch.chunk_end, bucket))

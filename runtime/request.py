@@ -1,0 +1,66 @@
+"""One generation request and its length bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from runtime.sampling_params import SamplingParams
+
+PAGE = 64  # tokens per host page (the block table's unit)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Request state. Invariants (``check``):
+    - ``num_computed <= num_tokens``: tokens whose KV row is in the cache never outrun the tokens known;
+    - while running, ``len(pages) * PAGE >= len(prompt_ids) + params.max_tokens``: host pages for the
+      whole lifetime are reserved at admission, so a running request never waits for memory.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def slot_of(self, pos: int) -> int:
+        """Host slot of token ``pos`` (page-granular block table)."""
+        return self.pages[pos // PAGE] * PAGE + pos % PAGE
+
+    def check(self) -> None:
+        if self.num_computed > self.num_tokens:
+            raise AssertionError(f"{self.request_id}: computed {self.num_computed} > tokens {self.num_tokens}")
+        if self.status is Status.RUNNING and len(self.pages) * PAGE < self.max_total_tokens:
+            raise AssertionError(f"{self.request_id}: {len(self.pages)} pages < {self.max_total_tokens} tokens")
