@@ -163,19 +163,15 @@ class Engine:
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
         self.num_steps += 1
+        if not batch.is_decode:
+            batch.requests[0].num_computed = batch.chunk_end  # prefill samples nothing
+            return []
         now = time.perf_counter()
-        if batch.is_decode:
-            self.num_decode_steps += 1
-            self.decode_rows += len(batch.requests)
-            for r in batch.requests:
-                r.num_computed = r.num_tokens
-            sampling = batch.requests
-        else:
-            req = batch.requests[0]
-            req.num_computed = batch.chunk_end
-            if req.in_prefill:
-                return []  # more prompt chunks to go: nothing sampled yet
-            sampling = [req]
+        self.num_decode_steps += 1
+        self.decode_rows += len(batch.requests)
+        sampling = batch.requests
+        for r in sampling:
+            r.num_computed = r.num_tokens
         tokens, logprobs = self._sample(sampling, logits)
         outs = []
         for r, tok, lp in zip(sampling, tokens, logprobs):

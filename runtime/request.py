@@ -48,8 +48,16 @@ class Request:
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
+    def prefill_end(self) -> int:
+        """Prefill writes the KV of prompt tokens [0, prompt_len - 1); the last prompt token goes
+        through a decode step, which samples the first output token. So every token is sampled by
+        decode, and a request whose KV was injected (benchmarks) is in the same state as one that
+        was prefilled."""
+        return len(self.prompt_ids) - 1
+
+    @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < self.prefill_end
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)

@@ -7,7 +7,8 @@ Policy (vLLM-v0 style, kept simple):
   so the guaranteed recall never has to evict a token selected in the same step). A request that
   does not fit waits; nothing is dropped. One that could never fit is rejected at ``add``.
 - A running request with prompt tokens left gets one prefill chunk per step (prefill first);
-  otherwise every running request decodes one token.
+  otherwise every running request decodes one token (the first decode step of a request processes
+  its last prompt token and samples its first output token).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Scheduler:
         self._admit()
         for req in self.running:
             if req.in_prefill:
-                end = min(req.num_computed + self.cfg.prefill_chunk, len(req.prompt_ids))
+                end = min(req.num_computed + self.cfg.prefill_chunk, req.prefill_end)
                 return ScheduledBatch(False, [req], req.num_computed, end)
         if not self.running:
             return None
