@@ -1,0 +1,205 @@
+"""Batched token sampling without host syncs.
+
+Every row of the batch is sampled on the device from its own parameters (temperature, top-k,
+top-p, seed, step) with fixed shapes and no ``.item()`` / ``.tolist()``, so the sampler can be
+compiled into the decode step (fullgraph, CUDA graphs).
+
+Sampling uses the exponential race: with ``E_v ~ Exp(1)`` independent per token,
+``argmax_v p_v / E_v`` is distributed as ``p``. ``E_v`` comes from an integer hash of
+(seed, step, vocab index) computed in torch, so a seeded request reproduces exactly whatever else
+is in the batch and wherever its row is, and no generator state is carried between steps.
+
+Logprob reported for the chosen token (``logprobs`` output):
+- sampled rows (temperature > 0): the log-probability under the distribution actually sampled from,
+  i.e. ``log_softmax(logits / temperature)`` after top-k and top-p filtering, renormalised over
+  the kept tokens;
+- greedy rows (temperature 0): ``log_softmax(logits)`` of the unscaled, unfiltered model
+  distribution (the temperature -> 0 limit is a point mass whose logprob is always 0).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+# Odd multipliers below 2**31, so that (x < 2**32) * c < 2**63 never overflows int64.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x5BD1E995
+_GOLDEN = 0x9E3779B9  # spreads consecutive vocab indices before mixing
+_SALT_SEED_HI = 0x85EBCA6B
+_SALT_STEP = 0x27D4EB2F
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (xorshift-multiply, lowbias32 style) on int64 values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _M32
+    return x ^ (x >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from (seed, step); [B] int64 in [0, 2**32)."""
+    # NOTE: >> on int64 is arithmetic; masking afterwards gives the two's-complement halves, so
+    # negative seeds are fine.
+    lo = seeds & _M32
+    hi = (seeds >> 32) & _M32
+    h = _mix32(lo)
+    h = _mix32(h ^ hi ^ _SALT_SEED_HI)
+    return _mix32(h ^ (steps & _M32) ^ _SALT_STEP)
+
+
+def exponential_noise(
+    seeds: torch.Tensor, steps: torch.Tensor, vocab_ids: torch.Tensor
+) -> torch.Tensor:
+    """``E ~ Exp(1)`` for each (row, vocab id): fp32 [B, N], a pure function of its inputs.
+
+    ``vocab_ids`` is [B, N] or [N] int64 (the token each column stands for), so noise is attached
+    to the token, not to its position after sorting.
+    """
+    key = _row_keys(seeds, steps)[:, None]  # [B, 1]
+    x = (vocab_ids * _GOLDEN + key) & _M32  # [B, N]; vocab_ids < 2**31, so no overflow
+    x = _mix32(_mix32(x) ^ key)
+    # t ~ U(0, 1). Built from 0 upwards so that fp32 keeps full relative precision for small t,
+    # where the race is decided (small E wins); E = -log(1 - t) keeps that precision via log1p.
+    # Clamp: for x near 2**32 the fp32 sum rounds up to 1, which would give E = inf.
+    t = ((x.to(torch.float32) + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
+    return -torch.log1p(-t)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+    filters: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. Returns ``(token_ids int64 [B], logprobs fp32 [B])``.
+
+    Args:
+        logits: fp32 [B, V].
+        temperature: fp32 [B]; 0 = greedy (argmax) for that row.
+        top_k: int64 [B]; -1 (or any value < 1) disables top-k for that row.
+        top_p: fp32 [B] in (0, 1]; 1 disables top-p for that row.
+        seeds: int64 [B], the request's seed.
+        steps: int64 [B], how many tokens the request has generated before this one.
+        all_greedy: static hint (the caller knows its batch's temperatures on the host): every
+            row is greedy, skip the sampling path entirely.
+        filters: static hint: ``False`` when no row uses top-k or top-p, which skips the sort.
+            Rows sample the same token either way (the noise is tied to the vocab id).
+
+    See the module docstring for which logprob is returned.
+    """
+    _check_inputs(logits, temperature, top_k, top_p, seeds, steps)
+    B, V = logits.shape
+    greedy_ids = logits.argmax(dim=-1)  # [B]
+    greedy_lp = torch.log_softmax(logits, dim=-1).gather(-1, greedy_ids[:, None]).squeeze(-1)
+    if all_greedy:
+        return greedy_ids, greedy_lp
+
+    is_greedy = temperature <= 0
+    t = torch.where(is_greedy, torch.ones_like(temperature), temperature)  # avoid 0-division
+    scaled = logits / t[:, None]  # [B, V]
+    if filters:
+        # Sort once: top-k is a rank mask and top-p a cumulative-mass mask in sorted order.
+        # stable=True: ties keep vocab order, so top_k=1 picks exactly what argmax picks.
+        vals, ids = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V] each
+        ranks = torch.arange(V, device=logits.device)
+        k = torch.where(top_k >= 1, top_k, V)  # [B]
+        vals = vals.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumsum; 0 for the top token
+        # NOTE: skip rows with top_p == 1: fp32 cumsum can reach 1.0 before the tail and would
+        # otherwise drop tokens that an unfiltered row keeps.
+        cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        vals = vals.masked_fill(cut, float("-inf"))
+    else:
+        vals = scaled
+        ids = torch.arange(V, device=logits.device).expand(B, V)
+    logp = torch.log_softmax(vals, dim=-1)  # [B, V]; -inf on filtered tokens
+    noise = exponential_noise(seeds, steps, ids)  # [B, V]
+    pos = (logp - torch.log(noise)).argmax(dim=-1, keepdim=True)  # [B, 1]: argmax p / E
+    sampled = ids.gather(-1, pos).squeeze(-1)
+    sampled_lp = logp.gather(-1, pos).squeeze(-1)
+    token_ids = torch.where(is_greedy, greedy_ids, sampled)
+    return token_ids, torch.where(is_greedy, greedy_lp, sampled_lp)
+
+
+def _check_inputs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> None:
+    # Shape and dtype checks only: they are static, so they cost nothing under torch.compile.
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be fp32 [B, V], got {logits.dtype} {tuple(logits.shape)}")
+    B = logits.shape[0]
+    for name, x, dtype in (
+        ("temperature", temperature, torch.float32),
+        ("top_k", top_k, torch.int64),
+        ("top_p", top_p, torch.float32),
+        ("seeds", seeds, torch.int64),
+        ("steps", steps, torch.int64),
+    ):
+        if x.shape != (B,) or x.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} [{B}], got {x.dtype} {tuple(x.shape)}")
+
+
+class SamplingBatch(NamedTuple):
+    """Per-row sampling tensors plus the static hints, built on the host by ``prepare_batch``."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    steps: torch.Tensor
+    all_greedy: bool
+    filters: bool
+
+
+def prepare_batch(
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    steps: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> SamplingBatch:
+    """Build the [B] tensors of ``sample`` from each row's params, seed (``request_seed``) and step.
+
+    Rows are in batch order; the engine pads with greedy rows if it needs a fixed batch size.
+    """
+    if not (len(params) == len(seeds) == len(steps)):
+        raise ValueError(
+            f"prepare_batch: params, seeds and steps differ in length "
+            f"({len(params)}, {len(seeds)}, {len(steps)})"
+        )
+    f32, i64 = torch.float32, torch.int64
+    return SamplingBatch(
+        temperature=torch.tensor([p.temperature for p in params], dtype=f32, device=device),
+        top_k=torch.tensor([p.top_k for p in params], dtype=i64, device=device),
+        top_p=torch.tensor([p.top_p for p in params], dtype=f32, device=device),
+        seeds=torch.tensor(list(seeds), dtype=i64, device=device),
+        steps=torch.tensor(list(steps), dtype=i64, device=device),
+        all_greedy=all(p.greedy for p in params),
+        filters=any(not p.greedy and (p.top_k >= 1 or p.top_p < 1) for p in params),
+    )
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request samples with: its own, or a fresh random one drawn once per request."""
+    if params.seed is not None:
+        return params.seed
+    return random.SystemRandom().getrandbits(63)
