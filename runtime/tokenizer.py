@@ -1,0 +1,272 @@
+"""Tokenizer (HF ``tokenizer.json`` + ``tokenizer_config.json``), the chat template, and streaming
+detokenisation with stop strings."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as a string or as a serialised AddedToken.
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"tokenizer_config.json: cannot read special token {value!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise ``ValueError`` naming the first problem: ``messages`` must be a non-empty list of
+    ``{"role": "system" | "user" | "assistant", "content": str}`` dicts."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}"
+            )
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special tokens and chat template of its checkpoint."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = self._special_id(bos_token, "bos_token")
+        self.eos_token_id = self._special_id(eos_token, "eos_token")
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        if chat_template is not None:
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.globals["raise_exception"] = _raise_exception
+            try:
+                self._template = env.from_string(chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"chat_template does not parse: {e}") from e
+
+    def _special_id(self, token: str | None, name: str) -> int | None:
+        if token is None:
+            return None
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"{name} {token!r} is not in the tokenizer's vocabulary")
+        return tid
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` (bos/eos tokens, chat_template;
+        a ``chat_template.jinja`` file next to them takes precedence, as in recent HF exports)."""
+        path = Path(path)
+        tok_file, cfg_file = path / "tokenizer.json", path / "tokenizer_config.json"
+        if not tok_file.is_file():
+            raise ValueError(f"no tokenizer.json in {path}")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # the library raises a bare Exception on bad files
+            raise ValueError(f"{tok_file}: cannot load tokenizer: {e}") from e
+        cfg: dict[str, Any] = {}
+        if cfg_file.is_file():
+            try:
+                cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{cfg_file}: invalid JSON: {e}") from e
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{cfg_file}: chat_template must be a string")
+        return cls(
+            tok,
+            bos_token=_token_content(cfg.get("bos_token")),
+            eos_token=_token_content(cfg.get("eos_token")),
+            chat_template=template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (ids are in ``[0, vocab_size)``)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in it are recognised as special tokens.
+
+        The BOS is added here (not by the tokenizer's post-processor), so ``add_bos=False`` is
+        exact: use it for chat-templated text, whose template already writes ``bos_token``.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (special tokens such as EOS dropped by default)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` with the checkpoint's chat template (sandboxed jinja2).
+
+        Raises ``ValueError`` for malformed messages, a missing template, or an error the template
+        raises (``raise_exception``)."""
+        validate_messages(messages)
+        if self._template is None:
+            raise ValueError("this model's tokenizer_config.json has no chat_template")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:  # includes the sandbox's SecurityError
+            raise ValueError(f"chat template: {e}") from e
+
+
+class StopStringChecker:
+    """Finds stop strings in streamed text.
+
+    ``feed`` returns the text that is safe to show: it holds back a tail that could be the start
+    of a stop string, and after a hit returns only the text before the stop string (``hit`` then
+    names it). ``flush`` returns the held-back tail when generation ends for another reason.
+    """
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        self.stop = tuple(stop)
+        self.hit: str | None = None
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if self.hit is not None:
+            return ""
+        buf = self._held + text
+        # The held tail contains no complete stop string, so the earliest match in buf is new.
+        best = -1
+        for s in self.stop:
+            i = buf.find(s)
+            if i != -1 and (best == -1 or i < best):
+                best, self.hit = i, s
+        if best != -1:
+            self._held = ""
+            return buf[:best]
+        keep = self._partial_tail(buf)
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), longest, -1):
+                if buf.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.hit is not None else held
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, fed one at a time, into text deltas.
+
+    Decodes a small window of recent tokens and returns what it adds to the text. A delta ending
+    in U+FFFD (a multi-byte UTF-8 character split across tokens) is held back until the next token
+    completes it. With ``stop`` strings, text that could start a stop string is held back too, and
+    after a hit ``stopped`` is true, ``stop_string`` names it and the text ends before it.
+
+    ``prompt_ids`` (optional) give the decoder context, so tokenizers that strip a leading space at
+    the start of a decode (SentencePiece-style) render the first generated token correctly.
+    """
+
+    # Prompt tokens used as decoding context: enough for any tokenizer's merge window.
+    CONTEXT = 5
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids[-self.CONTEXT :]) if prompt_ids else []
+        # Invariant: ids[prefix:read] decode to text already emitted; ids[read:] are pending.
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._stop = StopStringChecker(stop)
+        self.text = ""  # everything returned so far
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.hit is not None
+
+    @property
+    def stop_string(self) -> str | None:
+        return self._stop.hit
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; returns the new text that is safe to show (maybe "")."""
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new, or an incomplete UTF-8 sequence: wait for more bytes
+        self._prefix, self._read = self._read, len(self._ids)
+        return self._emit(self._stop.feed(new_text[len(prefix_text) :]))
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is still held back (an incomplete character is
+        rendered as U+FFFD; a partial stop string is shown, since no stop string followed)."""
+        if self.stopped:
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        pending = self._decode(self._ids[self._prefix :])[len(prefix_text) :]
+        self._prefix = self._read = len(self._ids)
+        return self._emit(self._stop.feed(pending) + self._stop.flush())
+
+    def _emit(self, delta: str) -> str:
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -1,0 +1,206 @@
+"""runtime.tokenizer: loading, encode/decode, chat template, incremental detokenisation, stops."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_utils import BOS, EOS, make_tokenizer_dir
+
+from runtime.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+
+MIXED = "Hello wörld! 世界 🎉 ok — ñ done"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.flush())
+    return deltas
+
+
+# ---- Tokenizer ---------------------------------------------------------------------------------
+def test_from_dir_special_tokens_and_round_trip(tok: Tokenizer) -> None:
+    assert tok.bos_token_id == 0 and tok.eos_token_id == 1
+    assert tok.bos_token == BOS and tok.eos_token == EOS  # eos given as an AddedToken dict
+    ids = tok.encode(MIXED)
+    assert ids[0] == tok.bos_token_id and tok.bos_token_id not in ids[1:]
+    assert tok.encode(MIXED, add_bos=False) == ids[1:]
+    assert tok.decode(ids) == MIXED
+    assert tok.decode(ids, skip_special_tokens=False) == BOS + MIXED
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    # Special-token text inside the input is one token.
+    assert tok.encode(f"a{EOS}b", add_bos=False).count(tok.eos_token_id) == 1
+
+
+def test_from_dir_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    d = make_tokenizer_dir(tmp_path / "t")
+    (d / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        Tokenizer.from_dir(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}), encoding="utf-8")
+    with pytest.raises(ValueError, match="eos_token"):
+        Tokenizer.from_dir(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    with pytest.raises(ValueError, match="chat_template"):
+        Tokenizer.from_dir(d)
+
+
+def test_chat_template_and_jinja_file(tmp_path: Path, tok: Tokenizer) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(msgs)
+    assert text == f"{BOS}<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
+    assert not tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("<|assistant|>")
+    ids = tok.encode(text, add_bos=False)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    d = make_tokenizer_dir(tmp_path / "j")
+    (d / "chat_template.jinja").write_text("{{ messages | length }}", encoding="utf-8")
+    assert Tokenizer.from_dir(d).apply_chat_template(msgs) == "2"
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "non-empty list"),
+        ("hi", "non-empty list"),
+        (["hi"], r"messages\[0\] must be an object"),
+        ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role"),
+        ([{"role": "user"}], r"messages\[0\]\.content"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": 3}], r"messages\[1\]"),
+        ([{"role": "assistant", "content": "x"}], "must not start with an assistant"),
+    ],
+)
+def test_chat_template_rejects_bad_messages(tok: Tokenizer, messages: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tok.apply_chat_template(messages)  # type: ignore[arg-type]
+
+
+def test_chat_template_is_sandboxed(tmp_path: Path) -> None:
+    d = make_tokenizer_dir(tmp_path / "s")
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": evil}))
+    t = Tokenizer.from_dir(d)
+    with pytest.raises(ValueError, match="chat template"):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+    assert t.bos_token_id is None
+    with pytest.raises(ValueError, match="no chat_template"):
+        Tokenizer(t._tok).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# ---- IncrementalDetokenizer --------------------------------------------------------------------
+def test_incremental_multibyte_utf8(tok: Tokenizer) -> None:
+    ids = tok.encode(MIXED, add_bos=False)
+    # The test tokenizer never saw non-ASCII text: each such character spans several tokens.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tok)
+    deltas = _stream(detok, ids)
+    assert "".join(deltas) == MIXED == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas[:-1]  # something was held back until its character completed
+
+
+def test_incremental_skips_special_tokens_and_uses_prompt_context(tok: Tokenizer) -> None:
+    prompt = tok.encode("Hello")
+    out = tok.encode(" world! 🎉", add_bos=False) + [tok.eos_token_id]
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    assert "".join(_stream(detok, out)) == " world! 🎉"
+
+
+def test_incremental_invalid_utf8_is_flushed(tok: Tokenizer) -> None:
+    ids = tok.encode("é", add_bos=False)
+    assert len(ids) == 2
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(ids[0]) == ""  # the first byte of a two-byte character
+    assert detok.flush() == "\ufffd"  # generation ended mid-character: show the replacement
+
+
+def test_stop_string_across_tokens(tok: Tokenizer) -> None:
+    text = "Hello world. The end is near"
+    detok = IncrementalDetokenizer(tok, stop=("end is", "zzz"))
+    deltas = []
+    for i in tok.encode(text, add_bos=False):
+        deltas.append(detok.add(i))
+        if detok.stopped:
+            break
+    assert detok.stopped and detok.stop_string == "end is"
+    assert "".join(deltas) == "Hello world. The " == detok.text
+    assert detok.add(5) == "" and detok.flush() == ""  # nothing after a hit
+
+
+def test_stop_string_prefix_is_held_then_released(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, stop=("world!!",))
+    deltas = _stream(detok, tok.encode("Hello world! bye", add_bos=False))
+    assert not detok.stopped
+    assert "".join(deltas) == "Hello world! bye"
+    seen = ""
+    for d in deltas[:-1]:
+        seen += d
+        assert not seen.endswith("world!")  # held until it can no longer be the stop string
+    # Ending on a partial stop string: flush releases it.
+    detok = IncrementalDetokenizer(tok, stop=("world!!",))
+    deltas = _stream(detok, tok.encode("Hello world!", add_bos=False))
+    assert deltas[-1].endswith("world!") and "".join(deltas) == "Hello world!"
+
+
+def test_stop_checker_earliest_match_wins() -> None:
+    c = StopStringChecker(("cd", "bcde"))
+    assert c.feed("ab") == "a"  # "b" may start "bcde"
+    assert c.feed("cdef") == "" and c.hit == "bcde"  # "bcde" starts before "cd"
+    c = StopStringChecker(("de", "bcx"))
+    assert c.feed("abcdef") == "abc" and c.hit == "de"
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStringChecker(("",))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+)
+def test_stop_checker_matches_reference(text: str, stops: list[str], cuts: list[int]) -> None:
+    c = StopStringChecker(stops)
+    bounds = sorted({0, len(text), *(min(x, len(text)) for x in cuts)})
+    out = ""
+    for a, b in itertools.pairwise(bounds):
+        out += c.feed(text[a:b])
+        # Never shows text that turns out to be (part of) a stop string.
+        assert not any(s in out for s in stops)
+    out += c.flush()
+    hits = [(text.find(s), s) for s in stops if s in text]
+    expected = text[: min(hits)[0]] if hits else text
+    assert out == expected
+    assert (c.hit is not None) == bool(hits)
+
+
+# ---- the tiny checkpoint's tokenizer (model/checkpoint.py) -------------------------------------
+def test_tiny_checkpoint_tokenizer(tmp_path: Path) -> None:
+    from model import checkpoint as ck
+    from model.presets import preset_config
+
+    # Only the tokenizer files of the checkpoint: the same functions make_checkpoint writes with.
+    (tmp_path / "tokenizer.json").write_text(ck.train_tokenizer(512).to_str(), encoding="utf-8")
+    cfg = ck.tokenizer_config(preset_config("tiny"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    tok = Tokenizer.from_dir(tmp_path)
+    assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi there"}]
+    text = tok.apply_chat_template(msgs)
+    assert text == f"{ck.BOS}S{ck.USER}Hi there{ck.ASSISTANT}"
+    ids = tok.encode(text, add_bos=False)
+    assert ids[0] == 0 and ids[-1] == tok.encode(ck.ASSISTANT, add_bos=False)[0]
+    # The post-processor of tokenizer.json also adds a BOS; encode() must not add a second one.
+    assert tok.encode("Hi").count(0) == 1
+    detok = IncrementalDetokenizer(tok, stop=("the",), prompt_ids=ids)
+    out = "".join(_stream(detok, tok.encode(" The morning train 🚂 left the station", False)))
+    assert out == " The morning train 🚂 left " and detok.stopped
