@@ -1,0 +1,436 @@
+"""Triton kernels for AWQ 4-bit weights (W4A16): a dense GEMM and a fused, expert-grouped MoE.
+
+Format (AutoAWQ "gemm", dsv32_arch.md §4.2): ``qweight int32 [K, N/8]``,
+``qzeros int32 [K/128, N/8]``, ``scales fp16|bf16 [K/128, N]``; nibble i (bits 4i..4i+3) of word c
+holds column ``8c + ORDER[i]``, ``ORDER = [0,2,4,6,1,3,5,7]``, so column offset ch sits at bit
+``4 * REVERSE[ch]``, ``REVERSE = [0,4,1,5,2,6,3,7] = ch // 2 + 4 * (ch % 2)``.
+``W^T[k, n] = (q - z) * s``; ``y = x @ W^T``.
+
+Both kernels dequantise in the K loop: a K tile never crosses a group of 128 (``128 % BK == 0``), so
+the integer tile ``q - z`` (exact in bf16/fp16) goes through ``tl.dot`` and the group's scale is
+applied to the fp32 partial product, ``acc += dot(x, q - z) * s``: W is never rounded to 16 bits.
+
+MoE grouping follows vLLM's ``moe_align_block_size`` with static sizes and no host syncs: the T*k
+(token, expert) pairs are sorted by expert on the device, each expert's run is padded to BLOCK_M
+slots, and the grid has a static ``cdiv(T*k, BLOCK_M) + min(E, T*k)`` row blocks; blocks past the
+last expert exit at once.
+
+NOTE: the Triton interpreter (CPU CI) multiplies bf16 tiles as their raw uint16 bits in ``tl.dot``,
+converts int32 to bf16 wrongly and truncates fp32 to bf16. Launchers pass ``INTERPRET=True`` there:
+both dot operands are converted to fp32 and bf16 stores are rounded by hand (same results).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128
+PACK = 8  # 4-bit values per int32 word
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- device helpers --------------------------------------------------------------------------
+
+
+@triton.jit
+def _awq_shifts(BN: tl.constexpr):
+    """Bit offset of each of BN consecutive output columns inside its int32 word."""
+    ch = tl.arange(0, BN) % 8
+    return ((ch // 2) + (ch % 2) * 4) * 4
+
+
+@triton.jit
+def _w4_tile(qw_ptrs, qz_ptrs, s_ptrs, pn_mask, n_mask, shifts):
+    """Load a [BK, BN/8] packed tile and its group's zeros/scales; return ((q - z) int32 [BK, BN],
+    scales fp32 [BN])."""
+    p = tl.load(qw_ptrs, mask=pn_mask[None, :], other=0)  # [BK, BN/8] int32
+    # Repeat each word 8 times along N: [BK, BN], word of column n is n // 8.
+    p = tl.interleave(p, p)
+    p = tl.interleave(p, p)
+    p = tl.interleave(p, p)
+    q = (p >> shifts[None, :]) & 0xF  # arithmetic shift is fine: only the low nibble is kept
+    zw = tl.load(qz_ptrs, mask=n_mask, other=0)  # [BN] int32 (gathered word of each column)
+    z = (zw >> shifts) & 0xF
+    s = tl.load(s_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    return q - z[None, :], s
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    """``a [BM, BK] @ b [BK, BN]`` in fp32; b (int32 ``q - z`` or 16-bit) is cast to a's dtype,
+    exact for the integers -15..15."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit
+def _store(ptrs, acc, mask, INTERPRET: tl.constexpr):
+    """Store fp32 ``acc`` in the pointee dtype (round to nearest even when narrowing)."""
+    dst: tl.constexpr = ptrs.dtype.element_ty
+    if INTERPRET and dst == tl.bfloat16:
+        # The interpreter truncates fp32 -> bf16: round the fp32 bits to nearest-even first.
+        u = acc.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        acc = u.to(tl.float32, bitcast=True)
+    tl.store(ptrs, acc.to(dst), mask=mask)
+
+
+# ---- dense W4A16 GEMM ------------------------------------------------------------------------
+
+
+@triton.jit
+def w4a16_gemm_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
+    M, N, K, stride_xm, stride_os, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[split, m, n] = sum over this split's K tiles of x[m, k] * W^T[k, n] (fp32 when
+    SPLIT_K > 1, else directly in out's dtype). Grid: (cdiv(M, BM) * cdiv(N, BN), SPLIT_K)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_blocks = tl.cdiv(N, BN)
+    pid_m = pid // n_blocks
+    pid_n = pid % n_blocks
+    N8 = N // 8
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_pn = pid_n * (BN // 8) + tl.arange(0, BN // 8)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    pn_mask = offs_pn < N8
+    shifts = _awq_shifts(BN)
+
+    n_tiles = K // BK
+    per_split = tl.cdiv(n_tiles, SPLIT_K)
+    t0 = pid_k * per_split
+    t1 = tl.minimum(t0 + per_split, n_tiles)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for t in range(t0, t1):
+        k = t * BK + offs_k
+        g = (t * BK) // 128
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0
+        )
+        w, s = _w4_tile(
+            qw_ptr + k[:, None] * N8 + offs_pn[None, :], qz_ptr + g * N8 + offs_n // 8,
+            s_ptr + g * N + offs_n, pn_mask, n_mask, shifts,
+        )
+        acc += _dot(x, w, INTERPRET) * s[None, :]
+    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    _store(out, acc, m_mask[:, None] & n_mask[None, :], INTERPRET)
+
+
+def _check_awq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               k: int, n: int, lead: tuple[int, ...] = ()) -> None:
+    """ValueError unless qweight/qzeros/scales have the AWQ shapes and dtypes for in=k, out=n."""
+    if k % GROUP or n % PACK:
+        raise ValueError(f"{name}: in={k} must be a multiple of {GROUP} and out={n} of {PACK}")
+    want = {
+        "qweight": (qweight, (*lead, k, n // PACK)),
+        "qzeros": (qzeros, (*lead, k // GROUP, n // PACK)),
+        "scales": (scales, (*lead, k // GROUP, n)),
+    }
+    for what, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: {what} must have shape {list(shape)}, got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {what} must be contiguous")
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(
+            f"{name}: qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}"
+        )
+    if scales.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}: scales must be float16 or bfloat16, got {scales.dtype}")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def linear_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
+    """Launch configuration of ``w4a16_gemm_kernel`` for an [m, k] x [k, n] product."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bn = 64
+    bk = 128
+    tiles = (m + bm - 1) // bm * ((n + bn - 1) // bn)
+    split = 1
+    # Decode GEMMs have few output tiles: split K until there are about two programs per SM.
+    while tiles * split < 2 * num_sms and split * 2 <= k // bk and split < 16:
+        split *= 2
+    return {"BM": bm, "BN": bn, "BK": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+
+def w4a16_linear_triton(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W^T`` with AWQ ``W``; fp32 accumulation; returns [M, N] in x's dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"w4a16_linear: x must be 2-D [M, K], got shape {list(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"w4a16_linear: x must be float16 or bfloat16, got {x.dtype}")
+    m, k = x.shape
+    n = qweight.shape[-1] * PACK
+    _check_awq("w4a16_linear", qweight, qzeros, scales, k, n)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or linear_config(m, n, k, _num_sms(x.device))
+    if GROUP % cfg["BK"] or cfg["BN"] % 16 or cfg["BM"] < 16:
+        raise ValueError(
+            f"w4a16_linear: bad config {cfg}: need 128 % BK == 0, BN % 16 == 0, BM >= 16"
+        )
+    split = cfg["SPLIT_K"]
+    if split == 1:
+        out = torch.empty((1, m, n), device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
+    w4a16_gemm_kernel[grid](
+        x, qweight, qzeros, scales, out, m, n, k, x.stride(0), out.stride(0), out.stride(1),
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SPLIT_K=split, INTERPRET=_INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+
+
+# ---- fused MoE -------------------------------------------------------------------------------
+
+
+def moe_align(
+    topk_ids: torch.Tensor, n_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the T*k (token, expert) pairs by expert in fixed-size buffers, without host syncs.
+
+    Returns ``sorted_ids int32 [max_blocks * block_m]`` (pair index ``t * k + j``, or ``T*k`` in
+    padding slots) and ``block_expert int32 [max_blocks]`` (the expert of each row block, or
+    ``n_experts`` for blocks past the end), ``max_blocks = cdiv(T*k, block_m) + min(E, T*k)``.
+    """
+    flat = topk_ids.reshape(-1).long()  # [P]
+    p = flat.numel()
+    max_blocks = triton.cdiv(p, block_m) + min(n_experts, p)
+    dev = flat.device
+    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_start = torch.cumsum(padded, 0) - padded  # [E] first slot of each expert's run
+    cnt_start = torch.cumsum(counts, 0) - counts  # [E] first position of the expert in sort order
+    order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert
+    e_sorted = flat[order]
+    dest = pad_start[e_sorted] + torch.arange(p, device=dev) - cnt_start[e_sorted]
+    sorted_ids = torch.full((max_blocks * block_m,), p, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_end = torch.cumsum(padded, 0) // block_m  # [E] one past each expert's last block
+    block_ids = torch.arange(max_blocks, device=dev)
+    block_expert = torch.searchsorted(block_end, block_ids, right=True).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, w_ptr, z_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+    num_pairs, N, K, E,
+    stride_am, stride_we, stride_wk, stride_wn, stride_ze, stride_se, stride_om,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, W4: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One row block (pairs of one expert) x BN output columns.
+
+    Row r of the block is pair ``p = sorted_ids[r]``; it reads A row ``p // A_ROW_DIV`` and writes
+    out row ``p``. GATED: the weight has 2N output columns (gate then up), out = silu(gate) * up
+    (fp32). MUL_WEIGHT: out = acc * topk_w[p]. W4: AWQ weight [E, K, 2N/8 or N/8] (+ zeros,
+    scales); else a 16-bit weight [E, N_total, K] addressed through (stride_wk, stride_wn).
+    Grid: (max_blocks, cdiv(N, BN)).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= E:
+        return
+    ids = tl.load(sorted_ids_ptr + pid_m * BM + tl.arange(0, BM))  # [BM] pair indices
+    row_mask = ids < num_pairs
+    a_rows = ids // A_ROW_DIV
+
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_mask = offs_n < N
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * stride_we
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+    if W4:
+        NW = N * 2 if GATED else N  # columns of the (gate|up) weight
+        offs_pn = pid_n * (BN // 8) + tl.arange(0, BN // 8)
+        pn_mask = offs_pn < N // 8
+        shifts = _awq_shifts(BN)
+        z_base = z_ptr + e64 * stride_ze
+        s_base = s_ptr + e64 * stride_se
+
+    for k0 in range(0, K, BK):
+        k = k0 + offs_k
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=row_mask[:, None], other=0.0
+        )
+        if W4:
+            g = k0 // 128
+            w, s = _w4_tile(
+                w_base + k[:, None] * stride_wk + offs_pn[None, :],
+                z_base + g * (NW // 8) + offs_n // 8, s_base + g * NW + offs_n,
+                pn_mask, n_mask, shifts,
+            )
+            acc += _dot(a, w, INTERPRET) * s[None, :]
+            if GATED:
+                wu, su = _w4_tile(
+                    w_base + k[:, None] * stride_wk + (N // 8 + offs_pn)[None, :],
+                    z_base + g * (NW // 8) + (N + offs_n) // 8, s_base + g * NW + N + offs_n,
+                    pn_mask, n_mask, shifts,
+                )
+                acc_up += _dot(a, wu, INTERPRET) * su[None, :]
+        else:
+            w = tl.load(
+                w_base + k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                mask=n_mask[None, :], other=0.0,
+            )
+            acc += _dot(a, w, INTERPRET)
+            if GATED:
+                wu = tl.load(
+                    w_base + k[:, None] * stride_wk + (N + offs_n)[None, :] * stride_wn,
+                    mask=n_mask[None, :], other=0.0,
+                )
+                acc_up += _dot(a, wu, INTERPRET)
+
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, fp32
+    if MUL_WEIGHT:
+        tw = tl.load(topk_w_ptr + ids, mask=row_mask, other=0.0)
+        acc = acc * tw[:, None]
+    out = out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    _store(out, acc, row_mask[:, None] & n_mask[None, :], INTERPRET)
+
+
+def moe_config(num_pairs: int, n_experts: int) -> dict[str, int]:
+    """Launch configuration of ``moe_gemm_kernel`` (both GEMMs)."""
+    per_expert = num_pairs / n_experts
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    return {"BM": bm, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
+
+
+def _check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"moe: x must be a 2-D float16 or bfloat16 tensor [T, D], got {x.dtype} {list(x.shape)}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe: topk_ids must be [T={x.shape[0]}, k], got {list(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"moe: topk_weights must match topk_ids {list(topk_ids.shape)}, "
+            f"got {list(topk_weights.shape)}"
+        )
+
+
+def _launch_moe(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    w13: tuple[torch.Tensor, ...], w2: tuple[torch.Tensor, ...], n_experts: int, inter: int,
+    config: dict[str, int] | None,
+) -> torch.Tensor:
+    """Shared by the W4 and 16-bit paths; ``w13``/``w2`` are (qweight, qzeros, scales) or
+    (weight,)."""
+    t, d = x.shape
+    topk = topk_ids.shape[1]
+    p = t * topk
+    w4 = len(w13) == 3
+    cfg = config or moe_config(p, n_experts)
+    if GROUP % cfg["BK"] or cfg["BN"] % 16 or cfg["BM"] < 16:
+        raise ValueError(f"moe: bad config {cfg}: need 128 % BK == 0, BN % 16 == 0, BM >= 16")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    sorted_ids, block_expert = moe_align(topk_ids, n_experts, cfg["BM"])
+    n_blocks = block_expert.numel()
+    tw = topk_weights.reshape(-1).float().contiguous()  # [P]
+    common = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], INTERPRET=_INTERPRET,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    def strides(w: tuple[torch.Tensor, ...]) -> tuple[int, int, int, int, int]:
+        if w4:  # qweight [E, K, N/8], qzeros [E, G, N/8], scales [E, G, N]
+            return w[0].stride(0), w[0].stride(1), 1, w[1].stride(0), w[2].stride(0)
+        return w[0].stride(0), w[0].stride(2), w[0].stride(1), 0, 0  # weight [E, N, K]
+
+    def zs(w: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (w[1], w[2]) if w4 else (w[0], w[0])
+
+    h = torch.empty((p, inter), device=x.device, dtype=x.dtype)  # silu(gate) * up per pair
+    moe_gemm_kernel[(n_blocks, triton.cdiv(inter, cfg["BN"]))](
+        x, w13[0], *zs(w13), h, sorted_ids, block_expert, tw, p, inter, d, n_experts,
+        x.stride(0), *strides(w13), h.stride(0),
+        A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, W4=w4, **common,
+    )
+    y = torch.empty((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
+    moe_gemm_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
+        h, w2[0], *zs(w2), y, sorted_ids, block_expert, tw, p, d, inter, n_experts,
+        h.stride(0), *strides(w2), y.stride(0),
+        A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, W4=w4, **common,
+    )
+    return y.view(t, topk, d).sum(1)  # [T, D] fp32
+
+
+def moe_w4a16_triton(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor, w13_scales: torch.Tensor,
+    w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor, w2_scales: torch.Tensor,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Fused AWQ MoE: fp32 ``sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
+    ``e = topk_ids[t, j]``."""
+    _check_moe_inputs(x, topk_ids, topk_weights)
+    if w13_qweight.dim() != 3:
+        raise ValueError(
+            f"moe_w4a16: w13_qweight must be [E, D, 2I/8], got {list(w13_qweight.shape)}"
+        )
+    e, d = w13_qweight.shape[:2]
+    inter = w13_qweight.shape[2] * PACK // 2
+    if d != x.shape[1]:
+        raise ValueError(f"moe_w4a16: x has D={x.shape[1]} but w13_qweight has D={d}")
+    _check_awq("moe_w4a16 (w13)", w13_qweight, w13_qzeros, w13_scales, d, 2 * inter, (e,))
+    _check_awq("moe_w4a16 (w2)", w2_qweight, w2_qzeros, w2_scales, inter, d, (e,))
+    if inter % PACK:
+        raise ValueError(f"moe_w4a16: the intermediate size {inter} must be a multiple of {PACK}")
+    return _launch_moe(
+        x, topk_ids, topk_weights, (w13_qweight, w13_qzeros, w13_scales),
+        (w2_qweight, w2_qzeros, w2_scales), e, inter, config,
+    )
+
+
+def moe_bf16_triton(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    w13_weight: torch.Tensor, w2_weight: torch.Tensor, config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """The same fused MoE with 16-bit weights ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``."""
+    _check_moe_inputs(x, topk_ids, topk_weights)
+    if w13_weight.dim() != 3 or w2_weight.dim() != 3:
+        raise ValueError("moe_bf16: w13_weight must be [E, 2I, D] and w2_weight [E, D, I]")
+    e, two_i, d = w13_weight.shape
+    inter = two_i // 2
+    if d != x.shape[1] or tuple(w2_weight.shape) != (e, d, inter) or two_i % 2:
+        raise ValueError(
+            f"moe_bf16: shapes do not match: x {list(x.shape)}, w13 {list(w13_weight.shape)}, "
+            f"w2 {list(w2_weight.shape)}"
+        )
+    if w13_weight.dtype != x.dtype or w2_weight.dtype != x.dtype:
+        raise ValueError(f"moe_bf16: weights must have x's dtype {x.dtype}")
+    if d % GROUP or inter % GROUP:
+        raise ValueError(f"moe_bf16: D={d} and I={inter} must be multiples of {GROUP}")
+    return _launch_moe(x, topk_ids, topk_weights, (w13_weight,), (w2_weight,), e, inter, config)

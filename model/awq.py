@@ -1,0 +1,264 @@
+"""AWQ 4-bit weights (AutoAWQ "gemm" format, dsv32_arch.md §4): packing, round-to-nearest
+quantisation, dequantisation, and the modules that replace ``nn.Linear`` and the stacked experts.
+
+Format for a linear with in=K, out=N and groups of 128 along K:
+``qweight int32 [K, N/8]``, ``qzeros int32 [K/128, N/8]`` (same packing), ``scales fp16|bf16
+[K/128, N]``; nibble i (bits 4i..4i+3) of word c holds column ``8c + AWQ_ORDER[i]``,
+``AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)``. ``W^T[k, n] = (q[k, n] - z[k//128, n]) * s[k//128, n]``
+and ``y = x @ W^T``: the checkpoint is [in, out], the transpose of ``nn.Linear.weight``.
+
+Integration (``model/loader.py``, ``model/checkpoint.py``):
+- build the model on the meta device, then ``convert_to_awq(model, config.quantization)`` swaps
+  every quantised ``nn.Linear`` for ``AWQLinear`` and every stacked ``Experts`` for ``AWQExperts``;
+  their parameters carry the checkpoint's names (``qweight``, ``qzeros``, ``scales``; experts
+  ``w13_*``/``w2_*`` with gate then up along the packed output axis, the last one);
+- after loading, ``densify_awq(model)`` turns ``kv_b_proj`` back into a bf16 ``nn.Linear``: the MLA
+  absorbed decode reads its weight as W_UK / W_UV;
+- the checkpoint generator writes ``awq_quantize(weight [out, in])``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import custom_ops.awq  # noqa: F401  (registers torch.ops.echo.w4a16_linear / moe_w4a16)
+from custom_ops.awq import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, awq_dequantize_t, awq_unpack
+from model.config import QuantConfig
+
+__all__ = [
+    "AWQ_ORDER", "AWQ_REVERSE_ORDER", "GROUP", "AWQExperts", "AWQLinear", "awq_dequantize",
+    "awq_dequantize_t", "awq_pack", "awq_quantize", "awq_unpack", "convert_to_awq", "densify_awq",
+]
+
+PACK = 8
+DENSE_AFTER_LOAD = ("kv_b_proj",)  # AWQ in the checkpoint, dense bf16 in the model (W_UK / W_UV)
+
+
+def awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """4-bit integers ``[..., K, N]`` (0..15) -> int32 words ``[..., K, N/8]`` in AWQ order."""
+    n = values.shape[-1]
+    if n % PACK:
+        raise ValueError(f"awq_pack: the last dim ({n}) must be a multiple of {PACK}")
+    if values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise ValueError(f"awq_pack: values must be an integer tensor, got {values.dtype}")
+    v = values.to(torch.int64)
+    if v.numel() and (v.min() < 0 or v.max() > 15):
+        raise ValueError(f"awq_pack: values must lie in 0..15, got [{v.min()}, {v.max()}]")
+    v = v.unflatten(-1, (n // PACK, PACK))  # [..., K, N/8, 8]
+    word = torch.zeros(v.shape[:-1], dtype=torch.int64, device=v.device)
+    for i, ch in enumerate(AWQ_ORDER):
+        word |= v[..., ch] << (4 * i)
+    # [0, 2^32) -> the int32 with the same bits (words with nibble 7 >= 8 are negative)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def awq_quantize(
+    weight: torch.Tensor, scales_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit quantisation of ``weight [out, in]`` per group of 128
+    along ``in`` -> ``(qweight [in, out/8], qzeros [in/128, out/8], scales [in/128, out])``.
+
+    The range of each group is widened to contain 0 (so the zero point is a 4-bit integer) and the
+    scale is rounded *up* to ``scales_dtype``; then every element satisfies ``|w - w_hat| <= s/2``.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"awq_quantize: weight must be 2-D [out, in], got {list(weight.shape)}")
+    n, k = weight.shape
+    if k % GROUP or n % PACK:
+        raise ValueError(f"awq_quantize: need in % {GROUP} == 0 and out % {PACK} == 0, got "
+                         f"[out={n}, in={k}]")
+    if scales_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"awq_quantize: scales_dtype must be float16 or bfloat16, got {scales_dtype}"
+        )
+    w = weight.float().t().reshape(k // GROUP, GROUP, n)  # [G, 128, N]
+    wmax = w.amax(dim=1).clamp_min(0)  # [G, N]
+    wmin = w.amin(dim=1).clamp_max(0)
+    fi = torch.finfo(scales_dtype)
+    s = ((wmax - wmin) / 15).clamp_min(fi.tiny)
+    # NOTE: times (1 + eps) before round-to-nearest gives a stored scale >= s: the 16 levels cover
+    # [wmin, wmax], so only the clamp of a .5 tie can touch 0 or 15 (still within s/2).
+    scales = (s * (1 + fi.eps)).to(scales_dtype)  # [G, N]
+    sf = scales.float()
+    z = (-torch.round(wmin / sf)).clamp(0, 15)  # [G, N]
+    q = (torch.round(w / sf.unsqueeze(1)) + z.unsqueeze(1)).clamp(0, 15)  # [G, 128, N]
+    qweight = awq_pack(q.reshape(k, n).to(torch.int32))
+    return qweight, awq_pack(z.to(torch.int32)), scales
+
+
+def awq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The ``nn.Linear`` weight ``[..., out, in]`` in ``dtype`` (one rounding of the exact fp32
+    values). Leading dims (experts) are kept. ``awq_dequantize_t`` gives fp32 ``[..., in, out]``."""
+    return awq_dequantize_t(qweight, qzeros, scales).transpose(-1, -2).contiguous().to(dtype)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class AWQLinear(nn.Module):
+    """``y = x @ W^T`` with an AWQ weight (no bias); x bf16/fp16 ``[..., in]`` -> ``[..., out]``."""
+
+    def __init__(self, in_features: int, out_features: int,
+                 scales_dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        if in_features % GROUP or out_features % PACK:
+            raise ValueError(f"AWQLinear: need in_features % {GROUP} == 0 and out_features % "
+                             f"{PACK} == 0, got in={in_features}, out={out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        k, n = in_features, out_features
+        self.qweight = _param((k, n // PACK), torch.int32, device)
+        self.qzeros = _param((k // GROUP, n // PACK), torch.int32, device)
+        self.scales = _param((k // GROUP, n), scales_dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.echo.w4a16_linear(
+            x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales
+        )  # [M, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scales_dtype: torch.dtype = torch.float16) -> AWQLinear:
+        """Quantise a dense linear (round to nearest), e.g. for tests and benchmarks."""
+        if linear.bias is not None:
+            raise ValueError("AWQLinear.from_linear: linears with a bias are not supported")
+        m = cls(linear.in_features, linear.out_features, scales_dtype, linear.weight.device)
+        with torch.no_grad():
+            for p, t in zip((m.qweight, m.qzeros, m.scales),
+                            awq_quantize(linear.weight, scales_dtype), strict=True):
+                p.copy_(t)
+        return m
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The ``nn.Linear`` weight ``[out, in]`` this module computes with."""
+        return awq_dequantize(self.qweight, self.qzeros, self.scales, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w4a16 g{GROUP}"
+
+
+class AWQExperts(nn.Module):
+    """The routed experts with AWQ weights, a drop-in for ``model.moe.Experts``.
+
+    ``w13_qweight [E, D, 2I/8]``, ``w13_qzeros [E, D/128, 2I/8]``, ``w13_scales [E, D/128, 2I]``
+    (gate columns then up columns), ``w2_qweight [E, I, D/8]``, ``w2_qzeros [E, I/128, D/8]``,
+    ``w2_scales [E, I/128, D]``. ``forward(x [T, D], topk_ids [T, k], topk_weights [T, k])`` ->
+    fp32 ``[T, D] = sum_j w[t, j] * down(silu(gate(x)) * up(x))`` through ``echo::moe_w4a16``.
+    """
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int,
+                 scales_dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        if dim % GROUP or inter_dim % GROUP:
+            raise ValueError(f"AWQExperts: dim ({dim}) and inter_dim ({inter_dim}) must be "
+                             f"multiples of {GROUP}")
+        self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
+        e, d, i = n_experts, dim, inter_dim
+        self.w13_qweight = _param((e, d, 2 * i // PACK), torch.int32, device)
+        self.w13_qzeros = _param((e, d // GROUP, 2 * i // PACK), torch.int32, device)
+        self.w13_scales = _param((e, d // GROUP, 2 * i), scales_dtype, device)
+        self.w2_qweight = _param((e, i, d // PACK), torch.int32, device)
+        self.w2_qzeros = _param((e, i // GROUP, d // PACK), torch.int32, device)
+        self.w2_scales = _param((e, i // GROUP, d), scales_dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.echo.moe_w4a16(
+            x, topk_ids, topk_weights, self.w13_qweight, self.w13_qzeros, self.w13_scales,
+            self.w2_qweight, self.w2_qzeros, self.w2_scales,
+        )
+
+    @classmethod
+    def from_dense(cls, w13_weight: torch.Tensor, w2_weight: torch.Tensor,
+                   scales_dtype: torch.dtype = torch.float16) -> AWQExperts:
+        """Quantise stacked dense experts ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``."""
+        e, two_i, d = w13_weight.shape
+        m = cls(e, d, two_i // 2, scales_dtype, w13_weight.device)
+        with torch.no_grad():
+            for j in range(e):
+                for pre, w in (("w13", w13_weight[j]), ("w2", w2_weight[j])):
+                    qw, qz, s = awq_quantize(w, scales_dtype)
+                    getattr(m, f"{pre}_qweight")[j].copy_(qw)
+                    getattr(m, f"{pre}_qzeros")[j].copy_(qz)
+                    getattr(m, f"{pre}_scales")[j].copy_(s)
+        return m
+
+    def dequantized_weights(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+        """``(w13_weight [E, 2I, D], w2_weight [E, D, I])`` as ``model.moe.Experts`` holds them."""
+        return (awq_dequantize(self.w13_qweight, self.w13_qzeros, self.w13_scales, dtype),
+                awq_dequantize(self.w2_qweight, self.w2_qzeros, self.w2_scales, dtype))
+
+    def extra_repr(self) -> str:
+        return (f"n_experts={self.n_experts}, dim={self.dim}, inter_dim={self.inter_dim}, "
+                f"w4a16 g{GROUP}")
+
+
+def _is_stacked_experts(m: nn.Module) -> bool:
+    w13, w2 = getattr(m, "w13_weight", None), getattr(m, "w2_weight", None)
+    return isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3
+
+
+def convert_to_awq(
+    model: nn.Module, quant_config: QuantConfig, scales_dtype: torch.dtype = torch.float16
+) -> list[str]:
+    """Swap, in place, every ``nn.Linear`` (except ``lm_head``, which AWQ checkpoints keep 16-bit)
+    and every stacked experts module (``w13_weight``/``w2_weight``) whose qualified name is not
+    skipped by ``quant_config.awq_skips`` for ``AWQLinear`` / ``AWQExperts`` on the same device
+    (meta is fine). Returns the converted names. ``scales_dtype``: the checkpoint's scales dtype."""
+    if quant_config.method != "awq":
+        raise ValueError(
+            f"convert_to_awq: quant_config.method is {quant_config.method!r}, not 'awq'"
+        )
+    done: list[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            # NOTE: "name." so that "mlp.gate." matches the router module "...mlp.gate" itself.
+            if child_name == "lm_head" or quant_config.awq_skips(name + "."):
+                continue
+            if isinstance(child, nn.Linear):
+                if child.bias is not None:
+                    raise ValueError(
+                        f"convert_to_awq: {name} has a bias; AWQ linears here have none"
+                    )
+                try:
+                    new: nn.Module = AWQLinear(child.in_features, child.out_features, scales_dtype,
+                                               child.weight.device)
+                except ValueError as e:
+                    raise ValueError(f"convert_to_awq: {name}: {e}") from e
+            elif _is_stacked_experts(child):
+                e, two_i, d = child.w13_weight.shape
+                try:
+                    new = AWQExperts(e, d, two_i // 2, scales_dtype, child.w13_weight.device)
+                except ValueError as err:
+                    raise ValueError(f"convert_to_awq: {name}: {err}") from err
+            else:
+                continue
+            setattr(parent, child_name, new)
+            done.append(name)
+    return done
+
+
+def densify_awq(
+    model: nn.Module, patterns: tuple[str, ...] = DENSE_AFTER_LOAD,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[str]:
+    """After loading: replace each ``AWQLinear`` whose name contains one of ``patterns`` with a
+    bias-free ``nn.Linear`` holding the dequantised weight in ``dtype``. Returns the names."""
+    done: list[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if not isinstance(child, AWQLinear) or not any(p in name for p in patterns):
+                continue
+            dense = nn.Linear(child.in_features, child.out_features, bias=False, dtype=dtype,
+                              device=child.qweight.device)
+            dense.weight = nn.Parameter(child.dequantized_weight(dtype), requires_grad=False)
+            setattr(parent, child_name, dense)
+            done.append(name)
+    return done
