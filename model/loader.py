@@ -243,7 +243,6 @@ def load_weights(model: nn.Module, path: str | Path, config: ModelConfig,
     path = Path(path)
     index, files = _shards(path)
     model.to_empty(device=device)
-    _init_non_persistent_buffers(model)
     loader = _Loader(model, config, path)
     for file, names in files.items():
         try:
@@ -266,15 +265,23 @@ def load_weights(model: nn.Module, path: str | Path, config: ModelConfig,
                     f"in {path / index}"
                 )
     loader.finish(index)
+    _init_non_persistent_buffers(model)
     return loader.mtp
 
 
 def _init_non_persistent_buffers(model: nn.Module) -> None:
-    """``to_empty`` leaves buffers uninitialised; recompute those not in the checkpoint."""
-    for m in model.modules():
-        fn = getattr(m, "init_buffers", None)
-        if callable(fn):
-            fn()
+    """``to_empty`` leaves buffers uninitialised: the model recomputes those not in the checkpoint
+    (rope frequencies, Hadamard matrices) in its ``init_buffers()``."""
+    persistent = set(model.state_dict(keep_vars=True))
+    computed = [name for name, _ in model.named_buffers() if name not in persistent]
+    init = getattr(model, "init_buffers", None)
+    if callable(init):
+        init()
+    elif computed:
+        raise TypeError(
+            f"{type(model).__name__} has non-persistent buffers ({computed[0]}, ...) but no "
+            "init_buffers() method to recompute them after to_empty()"
+        )
 
 
 def _cast_half_params(model: nn.Module, dtype: torch.dtype) -> None:
@@ -302,7 +309,16 @@ def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
+    awq = config.quantization is not None and config.quantization.method == "awq"
+    if awq:
+        from model.awq import convert_to_awq
+
+        convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
     mtp = load_weights(model, path, config, device)
+    if awq:
+        from model.awq import densify_awq
+
+        densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
     model.requires_grad_(False)
     model.eval()
     return model, LoadExtras(config, path, generation_config, mtp)

@@ -1,0 +1,420 @@
+"""The safetensors loader (model/loader.py) against generated tiny checkpoints."""
+
+import importlib.util
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from model import checkpoint as ck
+from model.fp8_weights import weight_dequant_fp8
+from model.loader import load_model, load_weights
+from model.presets import preset_config
+
+TINY = preset_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return ck.make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tmp_path_factory):
+    return ck.make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-fp8", fp8=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return load_model(tiny)
+
+
+def expected_params(config, seed=0):
+    """Parameter name -> value, from the generator's bf16 tensors and CONTRACTS.md's stacking."""
+    specs = ck.checkpoint_tensor_specs(config)
+    t = {n: ck.init_tensor(n, s, config, seed) for n, s in specs.items()}
+    out = {}
+    for n, v in t.items():
+        layer = re.match(r"model\.layers\.(\d+)\.", n)
+        if layer and int(layer.group(1)) >= config.num_hidden_layers:
+            continue  # MTP
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", n)
+        if m is None:
+            out[n] = v
+            continue
+        prefix, e = m.group(1), int(m.group(2))
+        if m.group(3) == "gate":
+            out[f"{prefix}.w13_weight", e] = torch.cat([v, t[f"{prefix}.{e}.up_proj.weight"]])
+        elif m.group(3) == "down":
+            out[f"{prefix}.w2_weight", e] = v
+    stacked = {}
+    for k in [k for k in out if isinstance(k, tuple)]:
+        stacked.setdefault(k[0], {})[k[1]] = out.pop(k)
+    for name, per_e in stacked.items():
+        out[name] = torch.stack([per_e[e] for e in range(len(per_e))])
+    return out
+
+
+# ---- round trips -------------------------------------------------------------------------------
+def test_tiny_loads_back_identical(loaded, tiny):
+    model, extras = loaded
+    params = dict(model.named_parameters())
+    want = expected_params(TINY)
+    assert set(params) == set(want)
+    for name, p in params.items():
+        assert p.device.type == "cpu" and not p.requires_grad
+        assert torch.equal(p, want[name].to(p.dtype)), name
+    # the model's fp32 parameters got the bf16 checkpoint values cast (CONTRACTS.md)
+    assert params["model.layers.1.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    assert params["model.layers.1.mlp.experts.w13_weight"].shape == (8, 256, 256)
+    assert extras.config == TINY and extras.path == tiny
+    assert extras.generation_config["top_p"] == 0.95
+
+
+def test_buffers_are_recomputed_not_garbage(loaded):
+    from model.model import DeepseekV32ForCausalLM
+
+    model, _ = loaded
+    fresh = DeepseekV32ForCausalLM(TINY)  # built directly on the CPU
+    fresh.init_buffers()
+    bufs = dict(model.named_buffers())
+    assert bufs, "the model has rope / Hadamard buffers"
+    for name, b in fresh.named_buffers():
+        assert torch.equal(bufs[name], b), name
+
+
+def test_mtp_layer_is_kept_aside(loaded, tiny):
+    model, extras = loaded
+    mtp = "model.layers.4."
+    assert set(extras.mtp) == {k for k in ck.checkpoint_tensor_specs(TINY) if k.startswith(mtp)}
+    assert not any(n.startswith(mtp) for n in model.state_dict())
+    w = extras.mtp[mtp + "eh_proj.weight"]
+    assert w.shape == (256, 512) and w.dtype == torch.bfloat16
+    spec = ck.checkpoint_tensor_specs(TINY)[mtp + "eh_proj.weight"]
+    assert torch.equal(w, ck.init_tensor(mtp + "eh_proj.weight", spec, TINY))
+
+
+def test_fp8_checkpoint_loads_dequantised(loaded, tiny_fp8):
+    model_bf16, _ = loaded
+    model, extras = load_model(tiny_fp8)
+    assert extras.config.quantization.method == "fp8"
+    ref = dict(model_bf16.named_parameters())
+    n_diff = 0
+    for name, p in model.named_parameters():
+        r = ref[name].float()
+        if torch.equal(p, ref[name]):
+            continue
+        n_diff += 1
+        module = name.rsplit(".", 1)[0]
+        assert ck.is_quantized_linear(module) or name.endswith(("w13_weight", "w2_weight")), name
+        # e4m3 rounds a value to <= 2^-4 relative (subnormals: 2^-10 of the block scale, at most
+        # amax / 448), then the fp32 result is rounded to the bf16 parameter (<= 2^-9 relative)
+        bound = (2**-4 + 2**-8) * r.abs() + 2**-10 * r.abs().max() / 448
+        assert ((p.float() - r).abs() <= bound).all(), name
+        assert (p.float() - r).norm() / r.norm() > 1e-3, name  # really went through FP8
+    # all FP8 linears of the 4 built layers: 7 attention + (3 dense | 2 stacked + 3 shared)
+    assert n_diff == 4 * 7 + 3 + 3 * 5
+    # the ragged kv_a block: dequantised with the scale of its own 64 rows
+    name = "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"
+    q = load_file(tiny_fp8 / shard_of(tiny_fp8, name))
+    dq = weight_dequant_fp8(q[name], q[name + "_scale_inv"]).to(torch.bfloat16)
+    assert torch.equal(dict(model.named_parameters())[name], dq)
+
+
+# ---- corrupt checkpoints -----------------------------------------------------------------------
+def copy_ckpt(src, tmp_path):
+    dst = tmp_path / "ck"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit(path, fn):
+    """Apply ``fn(tensors: dict, shard: str)`` to every shard, keeping the index in step."""
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    wm = {}
+    for shard in sorted({v for v in index["weight_map"].values()}):
+        t = load_file(path / shard)
+        fn(t, shard)
+        save_file(t, str(path / shard), metadata={"format": "pt"})
+        wm.update({k: shard for k in t})
+    index["weight_map"] = wm
+    index_file.write_text(json.dumps(index))
+
+
+def shard_of(path, name):
+    return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def test_missing_shard_is_named(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+    shard = shard_of(path, "model.layers.2.self_attn.o_proj.weight")
+    (path / shard).unlink()
+    with pytest.raises(ValueError, match=rf"names shard '{shard}' .* does not exist"):
+        load_model(path)
+
+
+def test_wrong_shape_names_tensor_and_file(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+    name = "model.layers.1.self_attn.q_a_proj.weight"
+
+    def transpose(t, shard):
+        if name in t:
+            t[name] = t[name].t().contiguous()
+
+    edit(path, transpose)
+    msg = rf"'{re.escape(name)}' in .*{shard_of(path, name)}: shape \[256, 128\].* \[128, 256\]"
+    with pytest.raises(ValueError, match=msg):
+        load_model(path)
+
+
+def test_unexpected_tensor_is_named(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+
+    def add(t, shard):
+        if "model.norm.weight" in t:
+            t["model.layers.1.self_attn.rotary.weight"] = torch.ones(4)
+
+    edit(path, add)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.1\.self_attn\.rotary"
+                                         r"\.weight' in .*model-0000\d-of-0000\d"):
+        load_model(path)
+
+
+def test_tensor_not_in_index_is_unexpected(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+    shard = shard_of(path, "lm_head.weight")
+    t = load_file(path / shard)
+    t["extra.weight"] = torch.zeros(2)
+    save_file(t, str(path / shard))
+    with pytest.raises(ValueError, match=rf"unexpected tensor 'extra\.weight' in .*{shard}: not "
+                                         "listed"):
+        load_model(path)
+
+
+def test_expert_beyond_the_model_is_unexpected(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+
+    def add(t, shard):
+        if "model.layers.1.mlp.experts.7.up_proj.weight" in t:
+            t["model.layers.1.mlp.experts.8.up_proj.weight"] = torch.zeros(128, 256)
+
+    edit(path, add)
+    with pytest.raises(ValueError, match=r"experts\.8\.up_proj\.weight' in .*: expert 8 but .* "
+                                         "holds 8 experts"):
+        load_model(path)
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+    gone = ("model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.0.input_layernorm.weight")
+    edit(path, lambda t, shard: [t.pop(n) for n in gone if n in t])
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) in .*model\.safetensors\.index\.json"
+                                         r": model\.layers\.0\.input_layernorm\.weight, "
+                                         r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight "):
+        load_model(path)
+
+
+def test_index_entry_missing_from_its_file(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+    name = "model.layers.3.mlp.gate.weight"
+    shard = shard_of(path, name)
+    t = load_file(path / shard)
+    del t[name]
+    save_file(t, str(path / shard))
+    with pytest.raises(ValueError, match=rf"missing tensor '{re.escape(name)}': .* places it in "
+                                         rf".*{shard}, which does not contain it"):
+        load_model(path)
+
+
+def test_wrong_dtype_class_is_named(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def to_int(t, shard):
+        if name in t:
+            t[name] = t[name].to(torch.int32)
+
+    edit(path, to_int)
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}' in .*: dtype torch\.int32 cannot"):
+        load_model(path)
+
+
+def test_norms_in_fp16_and_fp32_are_accepted(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+
+    def recast(t, shard):
+        for k in t:
+            if k.endswith("layernorm.weight"):
+                t[k] = t[k].to(torch.float16 if "q_a" in k else torch.float32)
+
+    edit(path, recast)
+    model, _ = load_model(path)
+    assert torch.equal(model.model.layers[1].input_layernorm.weight, torch.ones(256))
+
+
+def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
+    path = copy_ckpt(tiny_fp8, tmp_path)
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
+    edit(path, lambda t, shard: t.pop(name, None))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.kv_a_proj"
+                                         r"_with_mqa\.weight_scale_inv' \(its weight is in "):
+        load_model(path)
+
+    path = copy_ckpt(tiny_fp8, tmp_path / "b")
+
+    def crop(t, shard):
+        if name in t:
+            t[name] = t[name][:4].contiguous()  # drops the ragged block's scale
+
+    edit(path, crop)
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}' in .*needs scale_inv of shape "
+                                         r"\(5, 2\), got \(4, 2\)"):
+        load_model(path)
+
+
+def test_missing_or_bad_metadata_files(tiny, tmp_path):
+    path = copy_ckpt(tiny, tmp_path)
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_model(path)
+    path = copy_ckpt(tiny, tmp_path / "b")
+    (path / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(path)
+    path = copy_ckpt(tiny, tmp_path / "c")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        load_model(path)
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg["n_group"] = 3
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        load_model(path)
+    path = copy_ckpt(tiny, tmp_path / "d")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="expected a 'weight_map'"):
+        load_model(path)
+    path = copy_ckpt(tiny, tmp_path / "e")
+    shard = shard_of(path, "lm_head.weight")
+    (path / shard).write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match=rf"{shard}: not a readable safetensors file"):
+        load_model(path)
+    with pytest.raises(ValueError, match="expected one of"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_load_model_dtype_argument(tiny):
+    model, _ = load_model(tiny, dtype=torch.float16)
+    p = dict(model.named_parameters())
+    assert p["lm_head.weight"].dtype == torch.float16
+    assert p["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype must be"):
+        load_model(tiny, dtype=torch.int8)
+
+
+# ---- AWQ placement (a stand-in module: the names of CONTRACTS.md) ------------------------------
+class _AWQLinear(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.qweight = nn.Parameter(torch.empty(k, n // 8, dtype=torch.int32), requires_grad=False)
+        self.qzeros = nn.Parameter(torch.empty(k // 128, n // 8, dtype=torch.int32),
+                                   requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(k // 128, n, dtype=torch.float16))
+
+
+class _AWQExperts(nn.Module):
+    def __init__(self, e, d, i):
+        super().__init__()
+        for w, k, n in (("w13", d, 2 * i), ("w2", i, d)):
+            setattr(self, f"{w}_qweight", nn.Parameter(
+                torch.empty(e, k, n // 8, dtype=torch.int32), requires_grad=False))
+            setattr(self, f"{w}_qzeros", nn.Parameter(
+                torch.empty(e, k // 128, n // 8, dtype=torch.int32), requires_grad=False))
+            setattr(self, f"{w}_scales", nn.Parameter(torch.empty(e, k // 128, n,
+                                                                  dtype=torch.float16)))
+
+
+def awq_stand_in(e, d, i):
+    """Layer 1 of a model whose q_a_proj and experts are AWQ modules (layer 0 empty)."""
+    with torch.device("meta"):
+        layer = nn.Module()
+        layer.self_attn = nn.Module()
+        layer.self_attn.q_a_proj = _AWQLinear(d, 128)
+        layer.mlp = nn.Module()
+        layer.mlp.experts = _AWQExperts(e, d, i)
+        model = nn.Module()
+        model.model = nn.Module()
+        model.model.layers = nn.ModuleList([nn.Module(), layer])
+    return model
+
+
+def test_awq_tensors_go_to_the_stacked_awq_params(tmp_path):
+    e, d, i = 3, 256, 128
+    model = awq_stand_in(e, d, i)
+    g = torch.Generator().manual_seed(0)
+
+    def awq(k, n):
+        return {"qweight": torch.randint(-2**31, 2**31 - 1, (k, n // 8), generator=g,
+                                         dtype=torch.int32),
+                "qzeros": torch.randint(-2**31, 2**31 - 1, (k // 128, n // 8), generator=g,
+                                        dtype=torch.int32),
+                "scales": torch.rand(k // 128, n, generator=g).half()}
+
+    t = {f"model.layers.1.self_attn.q_a_proj.{k}": v for k, v in awq(d, 128).items()}
+    for x in range(e):
+        for proj, (k, n) in (("gate_proj", (d, i)), ("up_proj", (d, i)), ("down_proj", (i, d))):
+            for s, v in awq(k, n).items():
+                t[f"model.layers.1.mlp.experts.{x}.{proj}.{s}"] = v
+    save_file(t, str(tmp_path / "model.safetensors"))  # the single-file layout
+    assert load_weights(model, tmp_path, TINY) == {}
+    p = dict(model.named_parameters())
+    for s in ("qweight", "qzeros", "scales"):
+        assert torch.equal(p[f"model.layers.1.self_attn.q_a_proj.{s}"],
+                           t[f"model.layers.1.self_attn.q_a_proj.{s}"])
+        for x in range(e):
+            w13, w2 = p[f"model.layers.1.mlp.experts.w13_{s}"][x], p[
+                f"model.layers.1.mlp.experts.w2_{s}"][x]
+            half = w13.shape[-1] // 2  # the output axis is the last one for AWQ
+            assert torch.equal(w13[..., :half], t[f"model.layers.1.mlp.experts.{x}.gate_proj.{s}"])
+            assert torch.equal(w13[..., half:], t[f"model.layers.1.mlp.experts.{x}.up_proj.{s}"])
+            assert torch.equal(w2, t[f"model.layers.1.mlp.experts.{x}.down_proj.{s}"])
+    # a 16-bit weight where the model expects AWQ tensors: named, with what the model holds
+    t["model.layers.1.self_attn.q_a_proj.weight"] = torch.zeros(128, 256)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no parameter 'model\.layers\.1\.self_attn\.q_a_proj\."
+                                         r"weight' \(the model holds .*q_a_proj\.qweight"):
+        load_weights(awq_stand_in(e, d, i), tmp_path, TINY)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("model.awq") is None, reason="model/awq.py not there")
+def test_awq_checkpoint_loads_into_the_model(tmp_path, loaded):
+    from model.awq import awq_dequantize
+
+    path = ck.make_checkpoint(tmp_path / "awq", awq=True)
+    model, extras = load_model(path)
+    assert extras.config.quantization.method == "awq"
+    stored = {}
+    for f in path.glob("*.safetensors"):
+        stored.update(load_file(f))
+    p = dict(model.named_parameters())
+    ref = dict(loaded[0].named_parameters())
+    a = "model.layers.1.self_attn."
+    for s in ("qweight", "qzeros", "scales"):
+        assert torch.equal(p[f"{a}q_b_proj.{s}"], stored[f"{a}q_b_proj.{s}"])
+        w13 = p[f"model.layers.2.mlp.experts.w13_{s}"]
+        half = w13.shape[-1] // 2
+        assert torch.equal(w13[5, :, half:], stored[f"model.layers.2.mlp.experts.5.up_proj.{s}"])
+    # kv_b_proj is AWQ in the file and dense in the model (densify_awq after loading)
+    kv_b = awq_dequantize(*(stored[f"{a}kv_b_proj.{s}"] for s in ("qweight", "qzeros", "scales")))
+    assert torch.equal(p[f"{a}kv_b_proj.weight"], kv_b.to(torch.bfloat16))
+    # 16-bit where QuantTrio keeps it: indexer, router gate, dense layer 0, last layer, MTP
+    for name in (f"{a}indexer.wq_b.weight", "model.layers.1.mlp.gate.weight",
+                 "model.layers.0.self_attn.q_a_proj.weight",
+                 "model.layers.3.mlp.experts.w2_weight"):
+        assert torch.equal(p[name], ref[name]), name
+    assert "model.layers.4.mlp.experts.0.up_proj.weight" in extras.mtp
