@@ -71,13 +71,13 @@ def _dot(a, b, INTERPRET: tl.constexpr):
 @triton.jit
 def _store(ptrs, acc, mask, INTERPRET: tl.constexpr):
     """Store fp32 ``acc`` in the pointee dtype (round to nearest even when narrowing)."""
-    dst: tl.constexpr = ptrs.dtype.element_ty
-    if INTERPRET and dst == tl.bfloat16:
-        # The interpreter truncates fp32 -> bf16: round the fp32 bits to nearest-even first.
-        u = acc.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        acc = u.to(tl.float32, bitcast=True)
-    tl.store(ptrs, acc.to(dst), mask=mask)
+    if INTERPRET:
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            # The interpreter truncates fp32 -> bf16: round the fp32 bits to nearest-even first.
+            u = acc.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+            acc = u.to(tl.float32, bitcast=True)
+    tl.store(ptrs, acc.to(ptrs.dtype.element_ty), mask=mask)
 
 
 # ---- dense W4A16 GEMM ------------------------------------------------------------------------
@@ -86,8 +86,8 @@ def _store(ptrs, acc, mask, INTERPRET: tl.constexpr):
 @triton.jit
 def w4a16_gemm_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
-    M, N, K, stride_xm, stride_os, stride_om,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    M, N, K, stride_xm, stride_os, stride_om, SPLIT_K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """out[split, m, n] = sum over this split's K tiles of x[m, k] * W^T[k, n] (fp32 when
@@ -196,8 +196,8 @@ def w4a16_linear_triton(
         out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
     w4a16_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out, m, n, k, x.stride(0), out.stride(0), out.stride(1),
-        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SPLIT_K=split, INTERPRET=_INTERPRET,
+        x, qweight, qzeros, scales, out, m, n, k, x.stride(0), out.stride(0), out.stride(1), split,
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], INTERPRET=_INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
