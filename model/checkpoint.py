@@ -196,7 +196,8 @@ def _source_name(name: str) -> str:
 
 
 def init_tensor(name: str, spec: Spec, config: ModelConfig, seed: int = 0) -> torch.Tensor:
-    """The bf16-flavour value of checkpoint tensor ``name``: a function of (name, seed) only."""
+    """The bf16-flavour value of checkpoint tensor ``name``: depends on (name, seed, config) only,
+    not on the order in which tensors are generated."""
     shape, dtype = spec
     name = _source_name(name)
     if name.endswith("norm.weight"):  # RMSNorm / LayerNorm weights (incl. enorm, hnorm)

@@ -100,9 +100,12 @@ class _Loader:
     def _where(self, name: str, file: str) -> str:
         return f"tensor {name!r} in {self.path / file}"
 
-    def add(self, name: str, t: torch.Tensor, file: str) -> None:
+    def is_mtp(self, name: str) -> bool:
         lm = _LAYER.match(name)
-        if lm is not None and int(lm.group(1)) >= self.config.num_hidden_layers:
+        return lm is not None and int(lm.group(1)) >= self.config.num_hidden_layers
+
+    def add(self, name: str, t: torch.Tensor, file: str) -> None:
+        if self.is_mtp(name):
             self.mtp[name] = t
             return
         module = name.rsplit(".", 1)[0]
@@ -176,11 +179,18 @@ class _Loader:
     def finish(self, index: str) -> None:
         """Raise for FP8 halves without partner and parameters never (fully) loaded."""
         for module, (_, s, file) in self.fp8.items():
-            have, miss = "weight", "weight_scale_inv"
-            if s is not None:
-                have, miss = miss, have
+            if s is None:
+                raise ValueError(
+                    f"missing tensor '{module}.weight_scale_inv' (its FP8 weight is in "
+                    f"{self.path / file})"
+                )
+            if _target(module + ".weight").piece in self.loaded:
+                raise ValueError(
+                    f"unexpected {self._where(module + '.weight_scale_inv', file)}: "
+                    f"'{module}.weight' is not FP8"
+                )
             raise ValueError(
-                f"missing tensor '{module}.{miss}' (its {have} is in {self.path / file})"
+                f"missing tensor '{module}.weight' (its weight_scale_inv is in {self.path / file})"
             )
         missing: list[str] = []
         for name, p in self.params.items():
@@ -235,11 +245,16 @@ def _shards(path: Path) -> tuple[str, dict[str, list[str]]]:
     raise ValueError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE}")
 
 
-def load_weights(model: nn.Module, path: str | Path, config: ModelConfig,
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load_weights(
+    model: nn.Module,
+    path: str | Path,
+    config: ModelConfig,
+    device: str | torch.device = "cpu",
+    keep_mtp: bool = True,
+) -> dict[str, torch.Tensor]:
     """Materialise ``model`` (built on the meta device) on ``device`` and fill it from the
-    checkpoint at ``path``; returns the MTP tensors kept aside. Raises ``ValueError`` on any
-    missing / unexpected / misshapen tensor."""
+    checkpoint at ``path``; returns the MTP tensors kept aside (none read if not ``keep_mtp``).
+    Raises ``ValueError`` on any missing / unexpected / misshapen tensor."""
     path = Path(path)
     index, files = _shards(path)
     model.to_empty(device=device)
@@ -257,7 +272,8 @@ def load_weights(model: nn.Module, path: str | Path, config: ModelConfig,
                         f"missing tensor {name!r}: {path / index} places it in {path / file}, "
                         "which does not contain it"
                     )
-                loader.add(name, f.get_tensor(name), file)
+                if keep_mtp or not loader.is_mtp(name):
+                    loader.add(name, f.get_tensor(name), file)
             extra = sorted(keys - set(names))
             if extra:
                 raise ValueError(
@@ -296,9 +312,11 @@ def _cast_half_params(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, LoadExtras]:
+               dtype: torch.dtype = torch.bfloat16,
+               keep_mtp: bool = True) -> tuple[nn.Module, LoadExtras]:
     """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``) as
-    ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights."""
+    ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights.
+    ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies)."""
     from model.model import DeepseekV32ForCausalLM
 
     path = resolve_model(path_or_name)
@@ -314,7 +332,7 @@ def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
         from model.awq import convert_to_awq
 
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
-    mtp = load_weights(model, path, config, device)
+    mtp = load_weights(model, path, config, device, keep_mtp)
     if awq:
         from model.awq import densify_awq
 

@@ -96,6 +96,8 @@ def test_mtp_layer_is_kept_aside(loaded, tiny):
     assert w.shape == (256, 512) and w.dtype == torch.bfloat16
     spec = ck.checkpoint_tensor_specs(TINY)[mtp + "eh_proj.weight"]
     assert torch.equal(w, ck.init_tensor(mtp + "eh_proj.weight", spec, TINY))
+    _, skipped = load_model(tiny, keep_mtp=False)
+    assert skipped.mtp == {}
 
 
 def test_fp8_checkpoint_loads_dequantised(loaded, tiny_fp8):
@@ -262,7 +264,7 @@ def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
     name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
     edit(path, lambda t, shard: t.pop(name, None))
     with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.kv_a_proj"
-                                         r"_with_mqa\.weight_scale_inv' \(its weight is in "):
+                                         r"_with_mqa\.weight_scale_inv' \(its FP8 weight is in "):
         load_model(path)
 
     path = copy_ckpt(tiny_fp8, tmp_path / "b")
@@ -274,6 +276,18 @@ def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
     edit(path, crop)
     with pytest.raises(ValueError, match=rf"'{re.escape(name)}' in .*needs scale_inv of shape "
                                          r"\(5, 2\), got \(4, 2\)"):
+        load_model(path)
+
+    path = copy_ckpt(tiny_fp8, tmp_path / "c")
+    weight = name.removesuffix("_scale_inv")
+
+    def unquantize(t, shard):
+        if weight in t:
+            t[weight] = t[weight].to(torch.bfloat16)
+
+    edit(path, unquantize)
+    with pytest.raises(ValueError, match=rf"unexpected tensor '{re.escape(name)}' in .*: "
+                                         rf"'{re.escape(weight)}' is not FP8"):
         load_model(path)
 
 
