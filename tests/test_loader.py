@@ -432,3 +432,33 @@ def test_awq_checkpoint_loads_into_the_model(tmp_path, loaded):
                  "model.layers.3.mlp.experts.w2_weight"):
         assert torch.equal(p[name], ref[name]), name
     assert "model.layers.4.mlp.experts.0.up_proj.weight" in extras.mtp
+
+
+# ---- the generated weights give a usable model -------------------------------------------------
+def last_logits(model, ids):
+    from custom_ops.kv_cache import CacheConfig, KVCache
+    from model.forward_meta import ForwardMeta
+
+    c, t = model.config, len(ids)
+    cache = KVCache(CacheConfig(num_layers=c.num_hidden_layers, host_tokens=128, gpu_tokens=64,
+                                topk=c.index_topk, offload=False))
+    meta = ForwardMeta(
+        input_ids=torch.tensor(ids), positions=torch.arange(t), out_slots=torch.arange(t),
+        block_table=torch.arange(2, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([t], dtype=torch.int32), logits_indices=torch.tensor([t - 1]),
+        is_decode=False)
+    with torch.no_grad():
+        return model(meta, cache)[0]
+
+
+def test_generated_weights_give_sane_logits(loaded, tiny_fp8):
+    model, _ = loaded
+    prompts = ([0, 44, 73, 341, 83], [0, 264, 499, 315, 432, 18], [0, 7])
+    logits = torch.stack([last_logits(model, p) for p in prompts])  # [3, V]
+    assert torch.isfinite(logits).all()
+    # lm_head std = hidden_size^-0.5: logits ~ unit scale, neither flat nor saturated
+    assert ((logits.std(-1) > 0.5) & (logits.std(-1) < 2)).all()
+    assert torch.corrcoef(logits).triu(1).abs().max() < 0.9  # the prompt matters
+    fp8_model, _ = load_model(tiny_fp8)
+    fp8 = last_logits(fp8_model, prompts[0])
+    assert torch.corrcoef(torch.stack([fp8, logits[0]]))[0, 1] > 0.98
