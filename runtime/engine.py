@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,18 +118,27 @@ class Engine:
         self._detok: dict[str, RequestDetokenizer] = {}
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
         self.num_steps = 0
+        self.kv_injector: Callable[[Engine, Request], None] | None = None
+        self.finished_requests: list[Request] = []  # kept for statistics (benchmarks)
+        self.keep_finished = False
         self.num_decode_steps = 0
         self.decode_rows = 0  # sum of decode batch sizes: / num_decode_steps = effective batch
         self.generated_tokens = 0
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, inject_kv: bool = False
+    ) -> None:
+        """Queue a request. ``inject_kv`` (benchmarks): ``self.kv_injector`` writes the prompt's KV
+        at admission instead of a prefill, as in a prefill/decode-disaggregated deployment."""
+        if inject_kv and self.kv_injector is None:
+            raise ValueError("inject_kv needs engine.kv_injector to be set")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        req = Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, list(prompt_token_ids), params, inject_kv=inject_kv)
         self.scheduler.add(req)  # raises ValueError for requests that can never fit
         self.requests[request_id] = req
         self._detok[request_id] = RequestDetokenizer(self.tokenizer, params)
@@ -152,10 +162,17 @@ class Engine:
         req.finish_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        if self.keep_finished:
+            self.finished_requests.append(req)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        while batch is not None and not batch.is_decode and batch.requests[0].inject_kv:
+            req = batch.requests[0]
+            self.kv_injector(self, req)  # type: ignore[misc]
+            req.num_computed = req.prefill_end
+            batch = self.scheduler.schedule()
         if batch is None:
             return []
         logits = self.runner.forward(batch)

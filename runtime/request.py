@@ -32,6 +32,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    inject_kv: bool = False  # benchmarks: the prompt's KV is written directly, not prefilled
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
