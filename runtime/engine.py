@@ -23,7 +23,7 @@ from runtime.model_runner import (
     default_prefill_buckets,
 )
 from runtime.request import PAGE, Request, Status
-from runtime.sampler import sample
+from runtime.sampler import prepare_batch, request_seed, sample
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.tokenizer import Tokenizer
@@ -78,7 +78,7 @@ class Engine:
         self,
         model: torch.nn.Module,
         model_config: ModelConfig,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         config: EngineConfig,
         model_name: str = "model",
     ):
@@ -116,6 +116,7 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, RequestDetokenizer] = {}
+        self._seeds: dict[str, int] = {}
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
         self.num_steps = 0
         self.kv_injector: Callable[[Engine, Request], None] | None = None
@@ -141,7 +142,10 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params, inject_kv=inject_kv)
         self.scheduler.add(req)  # raises ValueError for requests that can never fit
         self.requests[request_id] = req
-        self._detok[request_id] = RequestDetokenizer(self.tokenizer, params)
+        self._detok[request_id] = RequestDetokenizer(
+            self.tokenizer, params, req.prompt_ids, self.model_config.eos_token_id
+        )
+        self._seeds[request_id] = request_seed(params)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -162,6 +166,7 @@ class Engine:
         req.finish_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        self._seeds.pop(req.request_id, None)
         if self.keep_finished:
             self.finished_requests.append(req)
 
@@ -210,17 +215,14 @@ class Engine:
         return outs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        ps = [r.params for r in reqs]
-        dev = logits.device
-        temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
-        seeds = torch.tensor(
-            [p.seed if p.seed is not None else hash(r.request_id) & 0x7FFFFFFF for r, p in zip(reqs, ps)],
-            dtype=torch.int64, device=dev,
+        sb = prepare_batch(
+            [r.params for r in reqs], [self._seeds[r.request_id] for r in reqs],
+            [len(r.output_ids) for r in reqs], logits.device,
         )
-        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
-        tok, lp = sample(logits.float(), temperature, top_k, top_p, seeds, steps)
+        tok, lp = sample(
+            logits.float(), sb.temperature, sb.top_k, sb.top_p, sb.seeds, sb.steps,
+            all_greedy=sb.all_greedy, filters=sb.filters,
+        )
         return tok.tolist(), lp.tolist()  # the one host sync of a step, outside any graph
 
     # ---- observability -------------------------------------------------------------------------
