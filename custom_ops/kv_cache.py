@@ -140,3 +140,29 @@ class KVCache(nn.Module):
             cfg.num_layers, cfg.host_tokens, cfg.row_bytes, device, pinned=cfg.offload
         )
         self.layers = nn.ModuleList(LayerKV(cfg, i, host[i], device) for i in range(cfg.num_layers))
+
+    def release(self, host_slots: torch.Tensor) -> None:
+        """Forget a finished request's host slots in every layer's GPU pool (echo::release).
+        Call it before the pages are handed out again: a stale host->GPU entry would serve the
+        old rows to the next owner. Freeing the pages is the scheduler's HostSlotAllocator's job."""
+        for layer in self.layers:
+            if layer.pool is not None:
+                layer.pool.release(host_slots.to(torch.int32))
+
+    def layer_stats(self) -> list[dict[str, float]]:
+        """Per-layer GPU-pool statistics (one host sync; call between steps)."""
+        return [layer.pool.stats() for layer in self.layers if layer.pool is not None]
+
+    def stats(self) -> dict[str, float | list[float]]:
+        """Pool usage (mean over layers), hit rate per layer, recalled rows per step and layer.
+        Without offloading there is no GPU pool: empty lists and zeros."""
+        per = self.layer_stats()
+        n = max(len(per), 1)
+        return {
+            "gpu_pool_usage": sum(p["gpu_pool_usage"] for p in per) / n,
+            "gpu_pool_usage_per_layer": [p["gpu_pool_usage"] for p in per],
+            "hit_rate": [p["hit_rate"] for p in per],
+            "recalled_rows_per_step": sum(p["recalled_rows_per_step"] for p in per) / n,
+            "recalled_rows_per_step_per_layer": [p["recalled_rows_per_step"] for p in per],
+            "overflow": sum(p["overflow"] for p in per),
+        }

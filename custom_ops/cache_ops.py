@@ -1,0 +1,397 @@
+"""The GPU-pool cache manager ops (ECHO's graph-friendly cache manager): ``echo::allocate``,
+``echo::free``, ``echo::recall`` and ``echo::release``, with their pure-torch references (the CPU
+implementation and the specification the Triton kernels in cache_kernels.py are tested against).
+
+Per-layer state (all fixed-shape buffers of ``GpuPool``, DESIGN.md "State"):
+- ``gpu_free [N_G] int8``: 1 = slot free.
+- ``gpu_priority [N_G] int32``: the step clock when the slot was last selected or filled; -1 free.
+- ``gpu_to_host [N_G] int32`` / ``host_to_gpu [N_H] int32``: the two maps, -1 = none.
+- ``indices [CAP] int32``: output of allocate / free (slots taken or evicted), -1 padded.
+- ``miss_host [CAP] int32``: recall's scratch list of distinct missed host slots.
+- ``meta [16] int32``: the clock, the free count and the kernels' counters (layout below).
+- ``hist [256] int32``: free's scratch histogram of slot ages (zero between ops).
+- ``stats [4] int64``: running totals the engine reads between steps (no sync inside a step).
+
+Priority is a per-layer step clock: recall stamps every selected slot with the clock and then
+advances it, so a slot's *age* (clock - stamp) counts the steps since it was last selected, and
+free evicts the oldest first. Ages are bucketed (``age_bucket``): exact for the 127 most recent
+steps, then 32-step buckets up to ~4200 steps, then one bucket for everything older; within a
+bucket the order is unspecified (the reference takes the lowest slot index, the kernel whatever
+its atomics give). The clock wraps at 2^30 and ages are computed modulo 2^30, so int32 never
+overflows; a slot untouched for 2^30 steps (~4 months at 100 steps/s) merely looks young once.
+
+Slots selected in the current step have age 0 and are never evicted. CAP = min(max_batch * topk,
+N_G) bounds the selected entries per call (the scheduler keeps B * k <= N_G), which also
+guarantees that recall always finds enough evictable slots. Shortfalls that a broken caller could
+still cause are counted in ``meta[OVERFLOW]`` instead of synchronising with the host.
+
+Every size that varies per step (how many to allocate, how many misses) lives in a device tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ---- meta layout (int32) ------------------------------------------------------------------------
+CLOCK = 0  # current step clock, in [0, CLOCK_MASK]
+NFREE = 1  # number of free slots (== gpu_free.sum() between ops)
+OVERFLOW = 2  # sticky count of requests that could not be met (capacity violated)
+IDX_HW = 3  # indices[IDX_HW:] are all -1 (lets kernels pad only what the last call wrote)
+NMISS = 4  # scratch: distinct misses of the running recall
+ALLOC_CTR = 5  # scratch: allocate's ranking counter
+VICT_CTR = 6  # scratch: free's victim counter
+EQ_CTR = 7  # scratch: free's rank counter inside the threshold bucket
+DONE = 8  # scratch: programs finished (the last one finalises and resets the scratch)
+LAST_ALLOC = 9  # slots taken by the last allocate / recall
+LAST_EVICT = 10  # slots evicted by the last free / recall
+LAST_MISS = 11  # distinct misses of the last recall
+META_LEN = 16
+SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE)
+
+# ---- stats layout (int64, cumulative) -----------------------------------------------------------
+SELECTED = 0  # valid selected entries seen by recall
+RECALLED = 1  # rows copied host -> GPU (distinct misses)
+STEPS = 2  # recall calls
+EVICTED = 3  # slots evicted
+STATS_LEN = 4
+
+CLOCK_MASK = (1 << 30) - 1
+AGE_EXACT = 128
+AGE_SHIFT = 5
+NBINS = 256
+PENDING = -2  # host_to_gpu value of a miss claimed inside a recall (never visible between ops)
+
+
+def age_bucket(age: torch.Tensor) -> torch.Tensor:
+    """Eviction bucket of an age >= 1; a higher bucket is evicted first (bucket 0 = never)."""
+    return torch.where(
+        age < AGE_EXACT, age, ((age - AGE_EXACT) >> AGE_SHIFT).add(AGE_EXACT).clamp(max=NBINS - 1)
+    )
+
+
+def _check_state(
+    op: str,
+    gpu_free: torch.Tensor,
+    gpu_priority: torch.Tensor,
+    gpu_to_host: torch.Tensor,
+    host_to_gpu: torch.Tensor,
+    meta: torch.Tensor,
+    indices: torch.Tensor | None = None,
+) -> None:
+    n_g = gpu_to_host.shape[0] if gpu_to_host.dim() == 1 else -1
+    n_h = host_to_gpu.shape[0] if host_to_gpu.dim() == 1 else -1
+    want = {
+        "gpu_free": (gpu_free, torch.int8, n_g),
+        "gpu_priority": (gpu_priority, torch.int32, n_g),
+        "gpu_to_host": (gpu_to_host, torch.int32, n_g),
+        "host_to_gpu": (host_to_gpu, torch.int32, n_h),
+        "meta": (meta, torch.int32, META_LEN),
+    }
+    if indices is not None:
+        want["indices"] = (indices, torch.int32, indices.shape[0] if indices.dim() else -1)
+    for name, (t, dtype, n) in want.items():
+        if t.dtype != dtype or t.dim() != 1 or t.shape[0] != n or n <= 0:
+            raise ValueError(f"{op}: {name} must be a 1-D {dtype} tensor of {n} entries, got "
+                             f"{t.dtype} {list(t.shape)}")
+        if t.device != gpu_to_host.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the pool on {gpu_to_host.device}")
+    if indices is not None and indices.shape[0] > n_g:
+        raise ValueError(f"{op}: indices ({indices.shape[0]}) cannot exceed the pool ({n_g})")
+
+
+def _check_count(op: str, n: torch.Tensor, device: torch.device) -> None:
+    if n.shape != (1,) or n.dtype != torch.int32 or n.device != device:
+        raise ValueError(f"{op}: n must be an int32 tensor of shape [1] on {device}, got "
+                         f"{n.dtype} {list(n.shape)} on {n.device}")
+
+
+def _check_slots(op: str, name: str, slots: torch.Tensor, device: torch.device) -> None:
+    if slots.dtype not in (torch.int32, torch.int64) or slots.device != device:
+        raise ValueError(f"{op}: {name} must be int32/int64 host slots on {device}, got "
+                         f"{slots.dtype} on {slots.device}")
+
+
+def _host_in_range(op: str, name: str, h: torch.Tensor, n_h: int) -> None:
+    """Reference-only check (it syncs): host slots >= 0 must be < N_H."""
+    if h.numel() and int(h.max()) >= n_h:
+        raise ValueError(f"{op}: {name} holds host slot {int(h.max())} >= N_H = {n_h}")
+
+
+# ---- references ---------------------------------------------------------------------------------
+def _write_indices(indices: torch.Tensor, meta: torch.Tensor, slots: torch.Tensor) -> None:
+    indices.fill_(-1)
+    indices[: slots.numel()] = slots.to(torch.int32)
+    meta[IDX_HW] = slots.numel()
+
+
+def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed: int):
+    """Evict ``needed`` evictable slots, oldest bucket first, lowest slot index first within one."""
+    clock = int(meta[CLOCK])
+    p = gpu_priority.long()
+    age = (clock - p) & CLOCK_MASK
+    evictable = (p >= 0) & (age > 0)
+    k = min(needed, int(evictable.sum()))
+    victims = torch.empty(0, dtype=torch.long, device=p.device)
+    if k > 0:
+        bucket = torch.where(evictable, age_bucket(age), -1)
+        victims = torch.sort(bucket, descending=True, stable=True).indices[:k]
+        host_to_gpu[gpu_to_host[victims].long()] = -1
+        gpu_to_host[victims] = -1
+        gpu_priority[victims] = -1
+        gpu_free[victims] = 1
+    _write_indices(indices, meta, victims)
+    meta[NFREE] += k
+    meta[LAST_EVICT] = k
+    stats[EVICTED] += k
+    if k < needed:
+        meta[OVERFLOW] += 1
+
+
+def _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, want: torch.Tensor):
+    """Map the distinct, non-resident host slots ``want`` (int64) onto the lowest free slots."""
+    n = want.numel()
+    slots = torch.nonzero(gpu_free).flatten()[:n]
+    k = slots.numel()
+    gpu_to_host[slots] = want[:k].to(torch.int32)
+    host_to_gpu[want[:k]] = slots.to(torch.int32)
+    gpu_priority[slots] = meta[CLOCK]
+    gpu_free[slots] = 0
+    meta[NFREE] -= k
+    meta[LAST_ALLOC] = k
+    if k < n:
+        meta[OVERFLOW] += 1
+    return slots
+
+
+def _protect_ref(gpu_priority, host_to_gpu, meta, protect: torch.Tensor, op: str) -> None:
+    h = protect.reshape(-1).long()
+    h = h[h >= 0]
+    _host_in_range(op, "protect", h, host_to_gpu.shape[0])
+    g = host_to_gpu[h].long()
+    gpu_priority[g[g >= 0]] = meta[CLOCK]
+
+
+def allocate_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
+    n_ = int(n[0])
+    if not 0 <= n_ <= min(indices.shape[0], want_host.numel()):
+        raise ValueError(f"allocate: n = {n_} must be in [0, min(CAP = {indices.shape[0]}, "
+                         f"len(want_host) = {want_host.numel()})]")
+    w = want_host.reshape(-1)[:n_].long()
+    if n_ and int(w.min()) < 0:
+        raise ValueError("allocate: want_host[:n] must be host slots >= 0")
+    _host_in_range("allocate", "want_host", w, host_to_gpu.shape[0])
+    if torch.unique(w).numel() != n_:
+        raise ValueError("allocate: want_host[:n] holds a host slot twice")
+    if n_ and bool((host_to_gpu[w] >= 0).any()):
+        raise ValueError("allocate: a host slot in want_host[:n] is already on the GPU")
+    slots = _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, w)
+    _write_indices(indices, meta, slots)
+
+
+def free_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, protect, n):
+    n_ = int(n[0])
+    if not 0 <= n_ <= indices.shape[0]:
+        raise ValueError(f"free: n = {n_} must be in [0, CAP = {indices.shape[0]}]")
+    _protect_ref(gpu_priority, host_to_gpu, meta, protect, "free")
+    needed = max(n_ - int(meta[NFREE]), 0)
+    _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed)
+
+
+def recall_ref(
+    host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
+    stats, host_slots,
+) -> torch.Tensor:
+    hs = host_slots.long()
+    valid = hs >= 0
+    _host_in_range("recall", "host_slots", hs[valid], host_to_gpu.shape[0])
+    clock = int(meta[CLOCK])
+    hc = hs.clamp(min=0)
+    g = torch.where(valid, host_to_gpu[hc].long(), -1)
+    hit = g >= 0
+    gpu_priority[g[hit]] = clock  # protect: age 0 is never evicted in this step
+    miss = torch.unique(hs[valid & ~hit])  # duplicates within the batch are recalled once
+    stats[SELECTED] += int(valid.sum())
+    needed = max(miss.numel() - int(meta[NFREE]), 0)
+    _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed)
+    slots = _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, miss)
+    gpu_kv[slots] = host_kv[miss[: slots.numel()]].to(gpu_kv.device)
+    miss_host[: miss.numel()] = miss.to(torch.int32)
+    out = torch.where(valid, host_to_gpu[hc], -1).to(torch.int32)
+    stats[RECALLED] += slots.numel()
+    stats[STEPS] += 1
+    meta[LAST_MISS] = miss.numel()
+    meta[CLOCK] = (clock + 1) & CLOCK_MASK
+    return out
+
+
+def release_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:
+    h = host_slots.reshape(-1).long()
+    h = h[h >= 0]
+    _host_in_range("release", "host_slots", h, host_to_gpu.shape[0])
+    g = host_to_gpu[h].long()
+    g = torch.unique(g[g >= 0])
+    host_to_gpu[h] = -1
+    gpu_to_host[g] = -1
+    gpu_priority[g] = -1
+    gpu_free[g] = 1
+    meta[NFREE] += g.numel()
+
+
+# ---- registrations ------------------------------------------------------------------------------
+_MAPS = ("gpu_free", "gpu_priority", "gpu_to_host", "host_to_gpu")
+
+
+@torch.library.custom_op("echo::allocate", mutates_args=(*_MAPS, "indices", "meta"))
+def allocate(
+    gpu_free: torch.Tensor,
+    gpu_priority: torch.Tensor,
+    gpu_to_host: torch.Tensor,
+    host_to_gpu: torch.Tensor,
+    indices: torch.Tensor,
+    meta: torch.Tensor,
+    want_host: torch.Tensor,  # [M] int32: distinct, non-resident host slots to place (first n)
+    n: torch.Tensor,  # [1] int32: how many
+) -> None:
+    """Take n free slots, map them to want_host[:n], stamp them with the clock; the slots go to
+    indices[:n] in the order of want_host (-1 padded). Short of free slots: fewer, and OVERFLOW."""
+    _check_state("allocate", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
+    _check_count("allocate", n, gpu_free.device)
+    if want_host.dtype != torch.int32 or want_host.dim() != 1 or want_host.device != n.device:
+        raise ValueError("allocate: want_host must be a 1-D int32 tensor on the pool's device")
+    if gpu_free.is_cuda:
+        from custom_ops import cache_kernels
+
+        cache_kernels.allocate_cuda(
+            gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n
+        )
+        return
+    allocate_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n)
+
+
+@allocate.register_fake
+def _(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n) -> None:
+    return None
+
+
+@torch.library.custom_op("echo::free", mutates_args=(*_MAPS, "indices", "meta", "hist", "stats"))
+def free_slots(
+    gpu_free: torch.Tensor,
+    gpu_priority: torch.Tensor,
+    gpu_to_host: torch.Tensor,
+    host_to_gpu: torch.Tensor,
+    indices: torch.Tensor,
+    meta: torch.Tensor,
+    hist: torch.Tensor,
+    stats: torch.Tensor,
+    protect: torch.Tensor,  # host slots selected this step (any shape, -1 = none)
+    n: torch.Tensor,  # [1] int32: free slots wanted
+) -> None:
+    """Stamp the resident slots of ``protect`` with the clock, then evict exactly
+    max(n - free, 0) of the oldest other slots (their maps cleared; nothing is written back: the
+    host copy is authoritative). The evicted slots go to indices (-1 padded)."""
+    _check_state("free", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
+    _check_count("free", n, gpu_free.device)
+    _check_slots("free", "protect", protect, gpu_free.device)
+    if hist.shape != (NBINS,) or hist.dtype != torch.int32:
+        raise ValueError(f"free: hist must be int32 [{NBINS}]")
+    if stats.shape != (STATS_LEN,) or stats.dtype != torch.int64:
+        raise ValueError(f"free: stats must be int64 [{STATS_LEN}]")
+    if gpu_free.is_cuda:
+        from custom_ops import cache_kernels
+
+        cache_kernels.free_cuda(
+            gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, protect, n
+        )
+        return
+    free_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, protect, n)
+
+
+@free_slots.register_fake
+def _(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, protect, n):
+    return None
+
+
+@torch.library.custom_op(
+    "echo::recall",
+    mutates_args=("gpu_kv", *_MAPS, "indices", "miss_host", "meta", "hist", "stats"),
+)
+def recall(
+    host_kv: torch.Tensor,  # [N_H, row] uint8 (UVA view of pinned memory on CUDA)
+    gpu_kv: torch.Tensor,  # [N_G, row] uint8
+    gpu_free: torch.Tensor,
+    gpu_priority: torch.Tensor,
+    gpu_to_host: torch.Tensor,
+    host_to_gpu: torch.Tensor,
+    indices: torch.Tensor,
+    miss_host: torch.Tensor,
+    meta: torch.Tensor,
+    hist: torch.Tensor,
+    stats: torch.Tensor,
+    host_slots: torch.Tensor,  # [B, k] int32 selected host slots, -1 padded
+) -> torch.Tensor:
+    """Guaranteed recall: protect the selected slots, evict exactly max(misses - free, 0), place
+    the distinct misses, copy their rows host -> GPU, advance the clock. Returns gpu_slots [B, k]
+    int32 with entry j = the GPU slot of host_slots entry j (-1 stays -1)."""
+    _check_state("recall", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
+    if host_slots.dtype != torch.int32 or host_slots.dim() != 2:
+        raise ValueError(f"recall: host_slots must be int32 [B, k], got {host_slots.dtype} "
+                         f"{list(host_slots.shape)}")
+    if host_slots.numel() > indices.shape[0]:
+        raise ValueError(
+            f"recall: {host_slots.numel()} selected entries exceed the pool's capacity per step "
+            f"CAP = min(max_batch * topk, N_G) = {indices.shape[0]}: the scheduler must keep "
+            f"B * k within it"
+        )
+    if host_kv.dtype != torch.uint8 or gpu_kv.dtype != torch.uint8 or host_kv.dim() != 2:
+        raise ValueError("recall: host_kv and gpu_kv must be uint8 [rows, row_bytes]")
+    if gpu_kv.shape != (gpu_to_host.shape[0], host_kv.shape[1]):
+        raise ValueError(f"recall: gpu_kv {list(gpu_kv.shape)} must be [N_G, {host_kv.shape[1]}]")
+    if host_kv.shape[0] != host_to_gpu.shape[0]:
+        raise ValueError(f"recall: host_kv has {host_kv.shape[0]} rows, host_to_gpu "
+                         f"{host_to_gpu.shape[0]}")
+    if miss_host.shape != indices.shape or miss_host.dtype != torch.int32:
+        raise ValueError("recall: miss_host must be int32 shaped like indices")
+    if gpu_free.is_cuda:
+        from custom_ops import cache_kernels
+
+        return cache_kernels.recall_cuda(
+            host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host,
+            meta, hist, stats, host_slots,
+        )
+    return recall_ref(
+        host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host,
+        meta, stats, host_slots,
+    )
+
+
+@recall.register_fake
+def _(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
+      hist, stats, host_slots):
+    return torch.empty_like(host_slots)
+
+
+@torch.library.custom_op("echo::release", mutates_args=(*_MAPS, "meta"))
+def release(
+    gpu_free: torch.Tensor,
+    gpu_priority: torch.Tensor,
+    gpu_to_host: torch.Tensor,
+    host_to_gpu: torch.Tensor,
+    meta: torch.Tensor,
+    host_slots: torch.Tensor,  # host slots of finished requests (any shape, -1 ignored)
+) -> None:
+    """Forget host slots: their GPU slots (if any) become free and both maps are cleared. Must
+    run before the host pages are handed out again, or a stale GPU copy would be served."""
+    _check_state("release", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta)
+    _check_slots("release", "host_slots", host_slots, gpu_free.device)
+    if gpu_free.is_cuda:
+        from custom_ops import cache_kernels
+
+        cache_kernels.release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta,
+                                   host_slots)
+        return
+    release_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots)
+
+
+@release.register_fake
+def _(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:
+    return None

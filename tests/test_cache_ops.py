@@ -1,0 +1,357 @@
+"""The cache-manager ops: opcheck, reference semantics, Triton kernels against the references
+(TRITON_INTERPRET=1 on CPU, real kernels when CUDA is present) on fresh random states, the
+invariant checker, the host slot allocator and the host pool."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from custom_ops import cache_kernels as K
+from custom_ops import cache_ops as C
+from custom_ops.gpu_pool import GpuPool
+from custom_ops.host_pool import allocate_host_rows
+from custom_ops.host_slots import HostSlotAllocator
+from custom_ops.invariants import CacheInvariantError, check_pool, fill_random
+from custom_ops.kv_cache import CacheConfig, KVCache, offload_ref
+from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
+
+
+def make_pool(n_g, n_h, topk, max_batch, fmt="fp8", device="cpu", seed=0, occupied=None):
+    cfg = CacheConfig(1, n_h, n_g, topk, fmt=fmt, max_batch=max_batch)
+    gen = torch.Generator().manual_seed(seed)
+    pool = GpuPool(cfg, device)
+    host_kv = torch.randint(0, 256, (n_h, cfg.row_bytes), dtype=torch.uint8, generator=gen)
+    host_kv = host_kv.to(device)
+    occ = n_g if occupied is None else occupied
+    fill_random(pool, occ, gen, host_kv=host_kv)
+    return pool, host_kv, gen
+
+
+def selection(pool, gen, b, k, hits, misses, dups=0, pad=True):
+    """[b, k] int32: `hits` resident and `misses` non-resident distinct host slots, `dups` of them
+    repeated, shuffled, -1 padded."""
+    h2g = pool.host_to_gpu.cpu()
+    res = torch.nonzero(h2g >= 0).flatten()
+    non = torch.nonzero(h2g < 0).flatten()
+    hits, misses = min(hits, res.numel()), min(misses, non.numel())
+    s = torch.cat([res[torch.randperm(res.numel(), generator=gen)[:hits]],
+                   non[torch.randperm(non.numel(), generator=gen)[:misses]]])
+    if dups and s.numel():
+        s = torch.cat([s, s[torch.randint(0, s.numel(), (dups,), generator=gen)]])
+    s = s[torch.randperm(s.numel(), generator=gen)][: b * k]
+    out = torch.full((b * k,), -1, dtype=torch.int32)
+    pos = torch.randperm(b * k, generator=gen)[: s.numel()] if pad else torch.arange(s.numel())
+    out[pos] = s.int()
+    return out.view(b, k).to(pool.gpu_kv.device)
+
+
+def state(p):
+    return (p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu)
+
+
+def resident(p) -> dict[int, int]:
+    """host slot -> stamp: the placement-independent view of a pool."""
+    h2g = p.host_to_gpu.long().cpu()
+    h = torch.nonzero(h2g >= 0).flatten()
+    return dict(zip(h.tolist(), p.gpu_priority.long().cpu()[h2g[h]].tolist(), strict=True))
+
+
+def assert_same_up_to_ties(before, ref, ker):
+    """Ref and kernel may evict different slots of the threshold age bucket (and place rows in
+    different free slots); everything else must agree."""
+    rb, rr, rk = resident(before), resident(ref), resident(ker)
+    clock = int(before.meta[C.CLOCK])
+
+    def bucket(h):
+        return int(C.age_bucket(torch.tensor((clock - rb[h]) & C.CLOCK_MASK)))
+
+    ev_r, ev_k = rb.keys() - rr.keys(), rb.keys() - rk.keys()
+    assert sorted(map(bucket, ev_r)) == sorted(map(bucket, ev_k))
+    assert rr.keys() - rb.keys() == rk.keys() - rb.keys()
+    assert all(rr[h] == rk[h] for h in rr.keys() & rk.keys())
+    keep = [C.CLOCK, C.NFREE, C.OVERFLOW, C.IDX_HW, C.LAST_EVICT]
+    assert ref.meta[keep].tolist() == ker.meta[keep].tolist()
+    assert ref.totals.tolist() == ker.totals.tolist()
+    for p, ev in ((ref, ev_r), (ker, ev_k)):
+        hw = int(p.meta[C.IDX_HW])
+        slots = set(p.indices[:hw].tolist())
+        assert hw == 0 or slots == {int(before.host_to_gpu[h]) for h in ev} or ev == set()
+
+
+# ---- opcheck ------------------------------------------------------------------------------------
+def test_opcheck_every_op():
+    pool, host_kv, gen = make_pool(300, 1024, 16, 4, occupied=280)
+    hs = selection(pool, gen, 4, 16, hits=30, misses=20, dups=3)
+    n = torch.tensor([25], dtype=torch.int32)
+    want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:40].int()
+    base = (*state(pool), pool.indices, pool.meta)
+    torch.library.opcheck(torch.ops.echo.allocate.default, (*base, want, torch.tensor([15])
+                                                             .int()))
+    torch.library.opcheck(torch.ops.echo.free.default, (*base, pool.hist, pool.totals, hs, n))
+    torch.library.opcheck(torch.ops.echo.recall.default, (
+        host_kv, pool.gpu_kv, *state(pool), pool.indices, pool.miss_host, pool.meta, pool.hist,
+        pool.totals, hs))
+    torch.library.opcheck(torch.ops.echo.release.default, (*state(pool), pool.meta, hs))
+    index_k = torch.zeros(1024 // PAGE, INDEX_PAGE_BYTES, dtype=torch.uint8)
+    rows = torch.randint(0, 256, (5, host_kv.shape[1]), dtype=torch.uint8, generator=gen)
+    irows = torch.randint(0, 256, (5, INDEX_ROW_BYTES), dtype=torch.uint8, generator=gen)
+    slots = torch.tensor([3, -1, 700, 64, 1023])
+    torch.library.opcheck(torch.ops.echo.offload.default, (host_kv, index_k, rows, irows, slots))
+
+
+# ---- reference semantics ------------------------------------------------------------------------
+def test_recall_reference_semantics():
+    pool, host_kv, gen = make_pool(512, 4096, 32, 8)  # full pool
+    hs = selection(pool, gen, 8, 32, hits=150, misses=60, dups=20)
+    before = copy.deepcopy(pool)
+    out = pool.recall(host_kv, hs)
+    check_pool(pool, selected=hs, gpu_slots=out, host_kv=host_kv)
+    valid = hs >= 0
+    assert torch.equal(out >= 0, valid)  # order kept, -1 stays -1
+    assert torch.equal(pool.gpu_kv[out[valid].long()], host_kv[hs[valid].long()])
+    n_miss = torch.unique(hs[valid & (before.host_to_gpu[hs.clamp(min=0).long()] < 0)]).numel()
+    assert int(pool.meta[C.LAST_MISS]) == n_miss == int(pool.totals[C.RECALLED])  # dups once
+    assert int(pool.meta[C.LAST_EVICT]) == max(n_miss - int(before.meta[C.NFREE]), 0)
+    assert int(pool.totals[C.SELECTED]) == int(valid.sum())
+    # Evicted slots come from the oldest buckets: none older survives unselected.
+    rb, ra = resident(before), resident(pool)
+    clock = int(before.meta[C.CLOCK])
+    age = {h: (clock - s) & C.CLOCK_MASK for h, s in rb.items()}
+    ev = rb.keys() - ra.keys()
+    kept = {h for h in rb.keys() & ra.keys() if ra[h] == rb[h]}  # untouched survivors
+    bucket = lambda h: int(C.age_bucket(torch.tensor(age[h])))  # noqa: E731
+    assert ev and min(map(bucket, ev)) >= max(map(bucket, kept))
+    assert not ev & set(hs[valid].tolist())
+
+
+def test_free_exact_count_protection_and_overflow():
+    pool, _, gen = make_pool(400, 2048, 50, 8, occupied=390)
+    hs = selection(pool, gen, 8, 50, hits=390, misses=0)  # protect every resident slot but 0
+    pool.free(hs, torch.tensor([30], dtype=torch.int32))
+    # 10 free already, every resident slot protected: nothing can be evicted -> overflow.
+    assert int(pool.meta[C.LAST_EVICT]) == 0 and int(pool.meta[C.OVERFLOW]) == 1
+    pool, _, gen = make_pool(400, 2048, 50, 8, occupied=390)
+    hs = selection(pool, gen, 2, 50, hits=60, misses=0)
+    prot = set(hs[hs >= 0].tolist())
+    before = resident(pool)
+    pool.free(hs, torch.tensor([37], dtype=torch.int32))
+    check_pool(pool)
+    gone = before.keys() - resident(pool).keys()
+    assert len(gone) == 27 and not gone & prot  # exactly max(37 - 10, 0)
+    pool.free(hs, torch.tensor([37], dtype=torch.int32))
+    assert int(pool.meta[C.LAST_EVICT]) == 0 and int(pool.indices[0]) == -1  # 37 free already
+
+
+def test_allocate_reference_and_bad_input():
+    pool, _, _ = make_pool(100, 1024, 10, 4, occupied=90)
+    want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:20].int()
+    pool.allocate(want, torch.tensor([12], dtype=torch.int32))  # only 10 free
+    check_pool(pool, allow_overflow=True)
+    assert int(pool.meta[C.LAST_ALLOC]) == 10 and int(pool.meta[C.OVERFLOW]) == 1
+    assert torch.equal(pool.indices[:10], pool.host_to_gpu[want[:10].long()])
+    assert bool((pool.indices[10:] == -1).all())
+    with pytest.raises(ValueError, match="already on the GPU"):
+        pool.allocate(want, torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="twice"):
+        pool.allocate(torch.tensor([5, 5], dtype=torch.int32), torch.tensor([2]).int())
+    with pytest.raises(ValueError, match="int32 tensor of shape"):
+        pool.allocate(want, torch.tensor([1]))
+    with pytest.raises(ValueError, match="capacity per step"):
+        pool.recall(torch.zeros(1024, 656, dtype=torch.uint8), torch.zeros(5, 10).int())
+    with pytest.raises(ValueError, match="N_H"):
+        pool.recall(torch.zeros(1024, 656, dtype=torch.uint8), torch.full((1, 4), 5000).int())
+
+
+def test_release_frees_gpu_slots_and_tolerates_duplicates():
+    pool, host_kv, gen = make_pool(256, 1024, 32, 4, occupied=200)
+    res = torch.nonzero(pool.host_to_gpu >= 0).flatten()[:50]
+    lst = torch.cat([res, res[:5], torch.tensor([-1, 3, 900])])
+    on_gpu = {h for h in lst.tolist() if h >= 0 and int(pool.host_to_gpu[h]) >= 0}
+    pool.release(lst)
+    check_pool(pool, host_kv=host_kv)
+    assert int(pool.meta[C.NFREE]) == 56 + len(on_gpu)
+    assert bool((pool.host_to_gpu[lst[lst >= 0]] == -1).all())
+
+
+def test_clock_wraps_without_breaking_eviction_order():
+    pool, host_kv, gen = make_pool(128, 1024, 16, 4)
+    pool.meta[C.CLOCK] = C.CLOCK_MASK - 2
+    for _ in range(6):
+        hs = selection(pool, gen, 4, 16, hits=30, misses=10)
+        out = pool.recall(host_kv, hs)
+        check_pool(pool, selected=hs, gpu_slots=out, host_kv=host_kv)
+    assert int(pool.meta[C.CLOCK]) == 3
+
+
+# ---- kernels vs references ----------------------------------------------------------------------
+CASES = [  # n_g, n_h, topk, max_batch, occupied, hits, misses, dups, fmt
+    (37, 128, 8, 4, 37, 10, 9, 2, "fp8"),
+    (1024, 4096, 64, 16, 1024, 600, 37, 5, "fp8"),
+    (1500, 4096, 64, 16, 700, 300, 500, 40, "bf16"),
+    (3000, 8192, 128, 16, 3000, 1000, 1000, 100, "fp8"),
+    (2049, 4096, 128, 8, 2049, 0, 1024, 0, "bf16"),
+    (700, 2048, 32, 16, 0, 0, 300, 30, "fp8"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_recall_kernel_matches_reference(case, device):
+    n_g, n_h, topk, mb, occ, hits, misses, dups, fmt = case
+    for seed in range(2):  # fresh random states
+        pool, host_kv, gen = make_pool(n_g, n_h, topk, mb, fmt, device, seed, occ)
+        for _ in range(2):  # and a second step on the state the first one left
+            hs = selection(pool, gen, mb, topk, hits, misses, dups)
+            ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+            o_ref = C.recall_ref(host_kv, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host,
+                                 ref.meta, ref.totals, hs)
+            o_ker = K.recall_cuda(host_kv, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host,
+                                  ker.meta, ker.hist, ker.totals, hs)
+            check_pool(ker, selected=hs, gpu_slots=o_ker, host_kv=host_kv)
+            check_pool(ref, selected=hs, gpu_slots=o_ref, host_kv=host_kv)
+            assert torch.equal(ker.gpu_kv[o_ker[hs >= 0].long()], ref.gpu_kv[o_ref[hs >= 0].long()])
+            assert_same_up_to_ties(pool, ref, ker)
+            pool = ker
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_free_and_allocate_kernels_match_reference(case, device):
+    n_g, n_h, topk, mb, occ, hits, _, _, fmt = case
+    cap = min(mb * topk, n_g)
+    for seed in range(2):
+        pool, _, gen = make_pool(n_g, n_h, topk, mb, fmt, device, seed, occ)
+        prot = selection(pool, gen, mb, topk, hits, 0)
+        n = torch.tensor([int(torch.randint(0, cap + 1, (1,), generator=gen))],
+                         dtype=torch.int32, device=device)
+        ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+        C.free_ref(*state(ref), ref.indices, ref.meta, ref.totals, prot, n)
+        K.free_cuda(*state(ker), ker.indices, ker.meta, ker.hist, ker.totals, prot, n)
+        check_pool(ker, allow_overflow=True)
+        assert_same_up_to_ties(pool, ref, ker)
+        # allocate on the state free left: exact agreement up to placement
+        pool = ker
+        non = torch.nonzero(pool.host_to_gpu < 0).flatten()
+        want = non[torch.randperm(non.numel(), generator=gen)[:cap].to(device)].int()
+        n = torch.tensor([min(int(n), want.numel())], dtype=torch.int32, device=device)
+        ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+        C.allocate_ref(*state(ref), ref.indices, ref.meta, want, n)
+        K.allocate_cuda(*state(ker), ker.indices, ker.meta, want, n)
+        check_pool(ker, allow_overflow=True)
+        assert resident(ref) == resident(ker)
+        assert ref.meta.tolist()[:4] == ker.meta.tolist()[:4]
+        k = int(ker.meta[C.LAST_ALLOC])
+        assert torch.equal(ker.indices[:k], ker.host_to_gpu[want[:k].long()])
+        assert bool((ker.indices[k:] == -1).all())
+
+
+def test_allocate_kernel_when_short_of_free_slots(device):
+    pool, _, gen = make_pool(1500, 4096, 64, 16, device=device, occupied=1480)
+    want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:64].int()
+    n = torch.tensor([50], dtype=torch.int32, device=device)
+    K.allocate_cuda(*state(pool), pool.indices, pool.meta, want, n)
+    check_pool(pool, allow_overflow=True)
+    assert int(pool.meta[C.LAST_ALLOC]) == 20 and int(pool.meta[C.OVERFLOW]) == 1
+    assert int(pool.meta[C.NFREE]) == 0
+
+
+@pytest.mark.parametrize("n_g,occ,m", [(64, 60, 70), (2500, 2500, 3000), (1100, 100, 1)])
+def test_release_kernel_matches_reference(n_g, occ, m, device):
+    pool, _, gen = make_pool(n_g, 8192, 32, 4, device=device, occupied=occ)
+    lst = torch.randint(-1, 8192, (m,), generator=gen).to(device)
+    ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+    C.release_ref(*state(ref), ref.meta, lst)
+    K.release_cuda(*state(ker), ker.meta, lst)
+    check_pool(ker)
+    assert resident(ref) == resident(ker) and torch.equal(ref.meta, ker.meta)
+
+
+@pytest.mark.parametrize("fmt,t,n_h", [("fp8", 1, 128), ("bf16", 64, 4096), ("fp8", 300, 8192)])
+def test_offload_kernel_matches_reference(fmt, t, n_h, device):
+    gen = torch.Generator().manual_seed(t)
+    row = 656 if fmt == "fp8" else 1152
+    host = torch.randint(0, 256, (n_h, row), dtype=torch.uint8, generator=gen).to(device)
+    index_k = torch.randint(0, 256, (n_h // PAGE, INDEX_PAGE_BYTES), dtype=torch.uint8,
+                            generator=gen).to(device)
+    rows = torch.randint(0, 256, (t, row), dtype=torch.uint8, generator=gen).to(device)
+    irows = torch.randint(0, 256, (t, INDEX_ROW_BYTES), dtype=torch.uint8, generator=gen).to(device)
+    slots = torch.randperm(n_h, generator=gen)[:t]
+    slots[torch.rand(t, generator=gen) < 0.2] = -1
+    slots = slots.to(device)
+    h_ref, i_ref = host.clone(), index_k.clone()
+    offload_ref(h_ref, i_ref, rows, irows, slots)
+    K.offload_cuda(host, index_k, rows, irows, slots)
+    assert torch.equal(host, h_ref) and torch.equal(index_k, i_ref)
+
+
+# ---- the invariant checker catches what it claims to ------------------------------------------
+@pytest.mark.parametrize("corrupt", ["map", "free", "prio", "nfree", "pending", "scratch", "row"])
+def test_invariant_checker_catches_corruption(corrupt):
+    pool, host_kv, gen = make_pool(64, 512, 16, 4, occupied=40)
+    check_pool(pool, host_kv=host_kv)
+    g = int(torch.nonzero(pool.gpu_free == 0)[0])
+    h = int(pool.gpu_to_host[g])
+    if corrupt == "map":
+        pool.host_to_gpu[h] = (g + 1) % 64
+    elif corrupt == "free":
+        pool.gpu_free[g] = 1
+    elif corrupt == "prio":
+        pool.gpu_priority[g] = -1
+    elif corrupt == "nfree":
+        pool.meta[C.NFREE] += 1
+    elif corrupt == "pending":
+        pool.host_to_gpu[int(torch.nonzero(pool.host_to_gpu < 0)[0])] = C.PENDING
+    elif corrupt == "scratch":
+        pool.meta[C.ALLOC_CTR] = 3
+    else:
+        pool.gpu_kv[g, 7] ^= 1
+    with pytest.raises(CacheInvariantError):
+        check_pool(pool, host_kv=host_kv)
+
+
+# ---- host slots, host pool, KVCache ------------------------------------------------------------
+def test_host_slot_allocator():
+    a = HostSlotAllocator(10)
+    p1 = a.alloc(4)
+    assert p1 == [0, 1, 2, 3] and a.num_free == 6 and a.num_used == 4
+    assert a.alloc(7) is None and a.num_free == 6  # nothing taken on failure
+    p2 = a.alloc(6)
+    assert sorted(p1 + p2) == list(range(10)) and a.alloc(1) is None
+    a.free(p1)
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free([p1[0]])
+    with pytest.raises(ValueError, match="out of range"):
+        a.free([10])
+    assert a.alloc(2) == [0, 1] and a.num_free == 2
+    assert HostSlotAllocator.slots_of([2])[:3] == [128, 129, 130]
+
+
+def test_host_pool_cpu_and_size_error():
+    rows = allocate_host_rows(3, 128, 656, torch.device("cpu"), pinned=True)
+    assert len(rows) == 3 and rows[0].shape == (128, 656) and rows[0].dtype == torch.uint8
+    assert rows[0].data_ptr() != rows[1].data_ptr()  # separate bases, not views of one
+    with pytest.raises(ValueError, match=r"\d+ bytes"):
+        allocate_host_rows(61, 2**40, 656, torch.device("cpu"), pinned=True)
+
+
+def test_kvcache_fetch_release_stats_cpu():
+    cfg = CacheConfig(num_layers=2, host_tokens=1024, gpu_tokens=128, topk=32, max_batch=4)
+    cache = KVCache(cfg)
+    gen = torch.Generator().manual_seed(1)
+    for layer in cache.layers:
+        layer.host_kv.copy_(torch.randint(0, 256, layer.host_kv.shape, dtype=torch.uint8,
+                                          generator=gen))
+    hs = torch.randint(0, 1024, (4, 32), generator=gen).int()
+    hs[0, 5:] = -1
+    for layer in cache.layers:
+        pool, slots = layer.fetch(hs)
+        v = hs >= 0
+        assert torch.equal(pool[slots[v].long()], layer.host_kv[hs[v].long()])
+        check_pool(layer.pool, selected=hs, gpu_slots=slots, host_kv=layer.host_kv)
+    st = cache.stats()
+    assert len(st["hit_rate"]) == 2 and st["hit_rate"][0] < 0.2 and st["gpu_pool_usage"] > 0
+    cache.release(hs.long())
+    for layer in cache.layers:
+        check_pool(layer.pool)
+        assert int(layer.pool.meta[C.NFREE]) == 128
