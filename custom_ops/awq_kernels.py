@@ -44,9 +44,16 @@ def _awq_shifts(BN: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(qw_ptrs, qz_ptrs, s_ptrs, pn_mask, n_mask, shifts):
-    """Load a [BK, BN/8] packed tile and its group's zeros/scales; return ((q - z) int32 [BK, BN],
-    scales fp32 [BN])."""
+def _w4_tile(qw_ptrs, qz_ptrs, s_ptrs, pn_mask, n_mask, shifts, DTYPE: tl.constexpr,
+             MAGIC: tl.constexpr):
+    """Load a packed [BK, BN/8] tile and its group's zeros and scales.
+
+    Returns ``(w [BK, BN], zc fp32 [BN], s fp32 [BN])`` with ``w = q + c`` (exact in DTYPE) and
+    ``zc = z + c``, so that ``x @ (q - z) = x @ w - rowsum(x) * zc``. MAGIC: ``c = 2^mantissa``
+    (128 for bf16, 1024 for fp16): OR-ing the nibble into the mantissa of c *is* the 16-bit value
+    ``c + q``, with no int->float conversion (those run at a quarter of the ALU rate and made the
+    dequantisation, not HBM, the bottleneck). Else ``c = 0`` and ``w = q`` as int32.
+    """
     p = tl.load(qw_ptrs, mask=pn_mask[None, :], other=0)  # [BK, BN/8] int32
     # Repeat each word 8 times along N: [BK, BN], word of column n is n // 8.
     p = tl.interleave(p, p)
@@ -54,18 +61,40 @@ def _w4_tile(qw_ptrs, qz_ptrs, s_ptrs, pn_mask, n_mask, shifts):
     p = tl.interleave(p, p)
     q = (p >> shifts[None, :]) & 0xF  # arithmetic shift is fine: only the low nibble is kept
     zw = tl.load(qz_ptrs, mask=n_mask, other=0)  # [BN] int32 (gathered word of each column)
-    z = (zw >> shifts) & 0xF
+    zc = ((zw >> shifts) & 0xF).to(tl.float32)
     s = tl.load(s_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    return q - z[None, :], s
+    # NOTE: one return statement: Triton's code generator would also visit a return placed
+    # after a constexpr-if whose body returned.
+    if MAGIC:
+        if DTYPE == tl.bfloat16:
+            w = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
+            zc = zc + 128.0
+        else:
+            w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
+            zc = zc + 1024.0
+    else:
+        w = q
+    return w, zc, s
 
 
 @triton.jit
 def _dot(a, b, INTERPRET: tl.constexpr):
-    """``a [BM, BK] @ b [BK, BN]`` in fp32; b (int32 ``q - z`` or 16-bit) is cast to a's dtype,
-    exact for the integers -15..15."""
+    """``a [BM, BK] @ b [BK, BN]`` in fp32; b (int32 ``q`` or 16-bit) is cast to a's dtype,
+    exact for small integers."""
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b.to(a.dtype))
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        out = tl.dot(a, b.to(a.dtype))
+    return out
+
+
+@triton.jit
+def _w4_step(acc, a, w_ptrs, z_ptrs, s_ptrs, pn_mask, n_mask, shifts, MAGIC: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """``acc += a @ W^T`` for one K tile inside one group: ``(a @ w - rowsum(a) * zc) * s``."""
+    w, zc, s = _w4_tile(w_ptrs, z_ptrs, s_ptrs, pn_mask, n_mask, shifts, a.dtype, MAGIC)
+    rs = tl.sum(a.to(tl.float32), axis=1)  # [BM]
+    return acc + (_dot(a, w, INTERPRET) - rs[:, None] * zc[None, :]) * s[None, :]
 
 
 @triton.jit
@@ -87,7 +116,7 @@ def _store(ptrs, acc, mask, INTERPRET: tl.constexpr):
 def w4a16_gemm_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
     M, N, K, stride_xm, stride_os, stride_om, SPLIT_K,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAGIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """out[split, m, n] = sum over this split's K tiles of x[m, k] * W^T[k, n] (fp32 when
@@ -119,13 +148,24 @@ def w4a16_gemm_kernel(
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0
         )
-        w, s = _w4_tile(
-            qw_ptr + k[:, None] * N8 + offs_pn[None, :], qz_ptr + g * N8 + offs_n // 8,
-            s_ptr + g * N + offs_n, pn_mask, n_mask, shifts,
+        acc = _w4_step(
+            acc, x, qw_ptr + k[:, None] * N8 + offs_pn[None, :], qz_ptr + g * N8 + offs_n // 8,
+            s_ptr + g * N + offs_n, pn_mask, n_mask, shifts, MAGIC, INTERPRET,
         )
-        acc += _dot(x, w, INTERPRET) * s[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     _store(out, acc, m_mask[:, None] & n_mask[None, :], INTERPRET)
+
+
+@triton.jit
+def splitk_sum_kernel(part_ptr, out_ptr, numel, SPLIT_K, BLOCK: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """out[i] = sum_s part[s, i] (fp32), stored in out's dtype: one launch for sum and cast."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for sk in range(0, SPLIT_K):
+        acc += tl.load(part_ptr + sk * numel + offs, mask=mask, other=0.0)
+    _store(out_ptr + offs, acc, mask, INTERPRET)
 
 
 def _check_awq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -167,7 +207,8 @@ def linear_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     # Decode GEMMs have few output tiles: split K until there are about two programs per SM.
     while tiles * split < 2 * num_sms and split * 2 <= k // bk and split < 16:
         split *= 2
-    return {"BM": bm, "BN": bn, "BK": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    return {"BM": bm, "BN": bn, "BK": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 3,
+            "MAGIC": True}
 
 
 def w4a16_linear_triton(
@@ -197,10 +238,16 @@ def w4a16_linear_triton(
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
     w4a16_gemm_kernel[grid](
         x, qweight, qzeros, scales, out, m, n, k, x.stride(0), out.stride(0), out.stride(1), split,
-        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], INTERPRET=_INTERPRET,
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], MAGIC=cfg.get("MAGIC", True),
+        INTERPRET=_INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+    if split == 1:
+        return out[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, m * n, split, BLOCK=1024,
+                                                   INTERPRET=_INTERPRET, num_warps=4)
+    return y
 
 
 # ---- fused MoE -------------------------------------------------------------------------------
@@ -242,7 +289,8 @@ def moe_gemm_kernel(
     num_pairs, N, K, E,
     stride_am, stride_we, stride_wk, stride_wn, stride_ze, stride_se, stride_om,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, W4: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAGIC: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One row block (pairs of one expert) x BN output columns.
 
@@ -284,19 +332,17 @@ def moe_gemm_kernel(
         )
         if W4:
             g = k0 // 128
-            w, s = _w4_tile(
-                w_base + k[:, None] * stride_wk + offs_pn[None, :],
+            acc = _w4_step(
+                acc, a, w_base + k[:, None] * stride_wk + offs_pn[None, :],
                 z_base + g * (NW // 8) + offs_n // 8, s_base + g * NW + offs_n,
-                pn_mask, n_mask, shifts,
+                pn_mask, n_mask, shifts, MAGIC, INTERPRET,
             )
-            acc += _dot(a, w, INTERPRET) * s[None, :]
             if GATED:
-                wu, su = _w4_tile(
-                    w_base + k[:, None] * stride_wk + (N // 8 + offs_pn)[None, :],
+                acc_up = _w4_step(
+                    acc_up, a, w_base + k[:, None] * stride_wk + (N // 8 + offs_pn)[None, :],
                     z_base + g * (NW // 8) + (N + offs_n) // 8, s_base + g * NW + N + offs_n,
-                    pn_mask, n_mask, shifts,
+                    pn_mask, n_mask, shifts, MAGIC, INTERPRET,
                 )
-                acc_up += _dot(a, wu, INTERPRET) * su[None, :]
         else:
             w = tl.load(
                 w_base + k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
@@ -323,7 +369,7 @@ def moe_config(num_pairs: int, n_experts: int) -> dict[str, int]:
     """Launch configuration of ``moe_gemm_kernel`` (both GEMMs)."""
     per_expert = num_pairs / n_experts
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    return {"BM": bm, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
+    return {"BM": bm, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True}
 
 
 def _check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -361,7 +407,8 @@ def _launch_moe(
     sorted_ids, block_expert = moe_align(topk_ids, n_experts, cfg["BM"])
     n_blocks = block_expert.numel()
     tw = topk_weights.reshape(-1).float().contiguous()  # [P]
-    common = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], INTERPRET=_INTERPRET,
+    common = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], MAGIC=cfg.get("MAGIC", True),
+                  INTERPRET=_INTERPRET,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     def strides(w: tuple[torch.Tensor, ...]) -> tuple[int, int, int, int, int]:

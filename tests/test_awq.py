@@ -185,10 +185,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-LINEAR_CASES = [  # (M, K, N, x dtype, scales dtype, config)
+LINEAR_CASES = [  # (M, K, N, x dtype, scales dtype, config); MAGIC: 16-bit magic-number dequant
     (1, 128, 32, torch.bfloat16, torch.float16, dict(BM=16, BN=32, BK=128, SPLIT_K=1)),
     (3, 256, 64, torch.bfloat16, torch.bfloat16, dict(BM=16, BN=32, BK=64, SPLIT_K=2)),
-    (17, 384, 200, torch.float16, torch.float16, dict(BM=16, BN=64, BK=32, SPLIT_K=3)),
+    (17, 384, 200, torch.float16, torch.float16, dict(BM=16, BN=64, BK=32, SPLIT_K=3, MAGIC=False)),
     (33, 256, 48, torch.bfloat16, torch.float16, dict(BM=32, BN=16, BK=128, SPLIT_K=1)),
     (5, 512, 96, torch.float16, torch.bfloat16, None),  # the launcher's own heuristic
 ]
@@ -210,18 +210,18 @@ def test_w4a16_linear_kernel_matches_reference(case):
     torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=atol)
 
 
-MOE_CASES = [  # (T, E, k, D, I, x dtype, config BM/BN/BK)
-    (1, 4, 2, 128, 128, torch.bfloat16, (16, 32, 128)),
-    (6, 8, 3, 256, 128, torch.bfloat16, (16, 64, 64)),
-    (20, 4, 2, 128, 256, torch.float16, (32, 32, 128)),
+MOE_CASES = [  # (T, E, k, D, I, x dtype, config BM/BN/BK/MAGIC)
+    (1, 4, 2, 128, 128, torch.bfloat16, (16, 32, 128, True)),
+    (6, 8, 3, 256, 128, torch.bfloat16, (16, 64, 64, False)),
+    (20, 4, 2, 128, 256, torch.float16, (32, 32, 128, True)),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
 def test_moe_kernels_match_reference(case):
-    t, e, topk, d, inter, dtype, (bm, bn, bk) = MOE_CASES[case]
+    t, e, topk, d, inter, dtype, (bm, bn, bk, magic) = MOE_CASES[case]
     g = torch.Generator().manual_seed(200 + case)
-    cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=1)
+    cfg = dict(BM=bm, BN=bn, BK=bk, MAGIC=magic, num_warps=4, num_stages=1)
     x, ids, w, w13, w2 = _moe_inputs(t, e, topk, d, inter, g, dtype)
     y = K.moe_w4a16_triton(x, ids, w, *w13, *w2, config=cfg)
     ref = ops.moe_w4a16_ref(x, ids, w, *w13, *w2)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from custom_ops import awq as ops
+from custom_ops import awq_kernels as K
 
 pytestmark = pytest.mark.cuda
 
@@ -41,6 +42,24 @@ def test_w4a16_linear_real_shapes(name, m):
     ref = ops.w4a16_linear_ref(x, *w)  # fp32 dequant + fp32 matmul
     assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
     assert _rel(y, ref) < 4e-3  # one rounding of the output to 16 bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("magic", [True, False])
+def test_dequant_modes_real_shapes(magic, dtype):
+    """Both dequantisation modes (magic-number 16-bit / int->float) at expert shapes."""
+    gen = torch.Generator("cuda").manual_seed(int(magic) + 2 * (dtype == torch.float16))
+    for m in (1, 96):
+        x = torch.randn(m, D, device="cuda", generator=gen).to(dtype)
+        w = _awq(D, 2048, gen=gen)
+        cfg = {**K.linear_config(m, 2048, D, 132), "MAGIC": magic}
+        y = K.w4a16_linear_triton(x, *w, config=cfg)
+        assert _rel(y, ops.w4a16_linear_ref(x, *w)) < 4e-3
+    x, ids, tw = _moe_case(24, 16, 8, gen, dtype)
+    w13, w2 = _awq(D, 2 * I_MOE, (16,), gen=gen), _awq(I_MOE, D, (16,), gen=gen)
+    cfg = {**K.moe_config(24 * 8, 16), "MAGIC": magic}
+    y = K.moe_w4a16_triton(x, ids, tw, *w13, *w2, config=cfg)
+    assert _rel(y, ops.moe_w4a16_ref(x, ids, tw, *w13, *w2)) < 4e-3
 
 
 def _moe_case(t, e, topk, gen, dtype=torch.bfloat16):
