@@ -262,7 +262,7 @@ def sparse_mla_decode_cuda(
         q, pool.view(torch.bfloat16), pool, pool.view(torch.float32), slots, out, part, ml,
         H, K, k_split, q.stride(0), q.stride(1), slots.stride(0), softmax_scale * _LOG2E,
         FP8=fmt == "fp8", ROW=row, BH=bh, BK=bk, SPLIT=split, F32_DOT=not q.is_cuda,
-        STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        STAGES=cfg.num_stages, num_warps=cfg.num_warps if bh >= 64 else 4,
     )  # fmt: skip
     if split:
         _combine_kernel[(B * H,)](
