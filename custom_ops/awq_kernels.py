@@ -198,14 +198,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 def linear_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
-    """Launch configuration of ``w4a16_gemm_kernel`` for an [m, k] x [k, n] product."""
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn = 64
+    """Launch configuration of ``w4a16_gemm_kernel`` for an [m, k] x [k, n] product.
+
+    From the H200 sweep in benchmarks/results/awq_h200.json (7168 -> 2048): BM=32 was slower than
+    BM=64 at M=32; BN=128 with split-K to about one program per SM was best at M=128; the rest of
+    the configurations were within noise of each other at M <= 64.
+    """
+    bm = 16 if m <= 16 else 64
+    bn = 128 if m > 64 else 64
     bk = 128
     tiles = (m + bm - 1) // bm * ((n + bn - 1) // bn)
     split = 1
-    # Decode GEMMs have few output tiles: split K until there are about two programs per SM.
-    while tiles * split < 2 * num_sms and split * 2 <= k // bk and split < 16:
+    # Decode GEMMs have few output tiles: split K until there is about one program per SM.
+    while tiles * split < num_sms and split * 2 <= k // bk and split < 16:
         split *= 2
     return {"BM": bm, "BN": bn, "BK": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 3,
             "MAGIC": True}
@@ -366,10 +371,14 @@ def moe_gemm_kernel(
 
 
 def moe_config(num_pairs: int, n_experts: int) -> dict[str, int]:
-    """Launch configuration of ``moe_gemm_kernel`` (both GEMMs)."""
-    per_expert = num_pairs / n_experts
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    return {"BM": bm, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True}
+    """Launch configuration of ``moe_gemm_kernel`` (both GEMMs), from the H200 sweep in
+    benchmarks/results/awq_h200.json: BM=16 up to 16 pairs per expert, else 64; with BM=16, BN=128
+    beat BN=64 by 10-15% (BK=128 / 8 warps for a handful of pairs, BK=64 / 4 warps beyond)."""
+    if num_pairs > 16 * n_experts:  # BM=32 was slower than BM=64 (E=16: T=64 vs T=128)
+        return {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3, "MAGIC": True}
+    if num_pairs <= 64:
+        return {"BM": 16, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 3, "MAGIC": True}
+    return {"BM": 16, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "MAGIC": True}
 
 
 def _check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

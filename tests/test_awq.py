@@ -214,14 +214,16 @@ MOE_CASES = [  # (T, E, k, D, I, x dtype, config BM/BN/BK/MAGIC)
     (1, 4, 2, 128, 128, torch.bfloat16, (16, 32, 128, True)),
     (6, 8, 3, 256, 128, torch.bfloat16, (16, 64, 64, False)),
     (20, 4, 2, 128, 256, torch.float16, (32, 32, 128, True)),
+    (9, 4, 2, 256, 128, torch.bfloat16, None),  # the launcher's own heuristic
 ]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
 def test_moe_kernels_match_reference(case):
-    t, e, topk, d, inter, dtype, (bm, bn, bk, magic) = MOE_CASES[case]
+    t, e, topk, d, inter, dtype, c = MOE_CASES[case]
     g = torch.Generator().manual_seed(200 + case)
-    cfg = dict(BM=bm, BN=bn, BK=bk, MAGIC=magic, num_warps=4, num_stages=1)
+    cfg = None if c is None else dict(BM=c[0], BN=c[1], BK=c[2], MAGIC=c[3], num_warps=4,
+                                      num_stages=1)
     x, ids, w, w13, w2 = _moe_inputs(t, e, topk, d, inter, g, dtype)
     y = K.moe_w4a16_triton(x, ids, w, *w13, *w2, config=cfg)
     ref = ops.moe_w4a16_ref(x, ids, w, *w13, *w2)
@@ -410,3 +412,32 @@ def test_modules_compile_fullgraph():
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # no graph breaks
     torch.testing.assert_close(compiled(x, ids, w), step(x, ids, w))
+
+
+def test_tiny_awq_checkpoint_loads_into_converted_model(tmp_path):
+    """checkpoint.py (--awq) -> convert_to_awq -> loader.load_weights -> densify_awq: every
+    tensor finds its parameter, and the modules compute what the bf16 weights they came from do."""
+    from model.checkpoint import checkpoint_tensor_specs, init_tensor, make_checkpoint
+    from model.config import ModelConfig
+    from model.loader import load_weights
+    from model.model import DeepseekV32ForCausalLM
+
+    path = make_checkpoint(tmp_path / "awq", "tiny", awq=True)
+    config = ModelConfig.from_json(path)
+    with torch.device("meta"):
+        model = DeepseekV32ForCausalLM(config)
+    converted = convert_to_awq(model, config.quantization)
+    assert any(n.endswith("mlp.experts") for n in converted)
+    load_weights(model, path, config)  # raises on any missing / unexpected / misshapen tensor
+    assert densify_awq(model) == [n for n in converted if n.endswith("kv_b_proj")] != []
+    specs = checkpoint_tensor_specs(config)
+    g = torch.Generator().manual_seed(12)
+    mods = dict(model.named_modules())
+    for name in converted:
+        if name.endswith("kv_b_proj"):
+            w = init_tensor(name + ".weight", specs[name + ".weight"], config)
+            assert type(mods[name]) is nn.Linear and _rel(mods[name].weight, w) < 0.15
+        elif name.endswith("o_proj"):
+            w = init_tensor(name + ".weight", specs[name + ".weight"], config)
+            x = torch.randn(3, w.shape[1], generator=g).bfloat16()
+            assert _rel(mods[name](x), F.linear(x, w)) < 0.15  # 4-bit RTN of Gaussian weights
