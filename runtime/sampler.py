@@ -74,6 +74,20 @@ def exponential_noise(
     return -torch.log1p(-t)
 
 
+def _blocked_cumsum(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """``x.cumsum(-1)`` for [B, V] as a scan within blocks plus a scan of the block totals.
+
+    NOTE: inductor (torch 2.11, CUDA) fails to generate code for one long [B, 129280] scan
+    (its split-scan path); short scans of both levels compile fine. Fixed shapes throughout.
+    """
+    B, V = x.shape
+    xp = torch.nn.functional.pad(x, (0, (-V) % block))  # [B, nb * block]
+    inner = xp.view(B, -1, block).cumsum(dim=-1)  # [B, nb, block]
+    totals = inner[..., -1]  # [B, nb]
+    before = totals.cumsum(dim=-1) - totals  # mass of the earlier blocks
+    return (inner + before[..., None]).view(B, -1)[:, :V]
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -119,7 +133,7 @@ def sample(
         k = torch.where(top_k >= 1, top_k, V)  # [B]
         vals = vals.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
         probs = torch.softmax(vals, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumsum; 0 for the top token
+        mass_before = _blocked_cumsum(probs) - probs  # exclusive cumsum; 0 for the top token
         # NOTE: skip rows with top_p == 1: fp32 cumsum can reach 1.0 before the tail and would
         # otherwise drop tokens that an unfiltered row keeps.
         cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
