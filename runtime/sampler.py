@@ -31,7 +31,6 @@ _M32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so that (x < 2**32) * c < 2**63 never overflows int64.
 _MUL1 = 0x7FEB352D
 _MUL2 = 0x5BD1E995
-_GOLDEN = 0x9E3779B9  # spreads consecutive vocab indices before mixing
 _SALT_SEED_HI = 0x85EBCA6B
 _SALT_STEP = 0x27D4EB2F
 
@@ -65,7 +64,10 @@ def exponential_noise(
     to the token, not to its position after sorting.
     """
     key = _row_keys(seeds, steps)[:, None]  # [B, 1]
-    x = (vocab_ids * _GOLDEN + key) & _M32  # [B, N]; vocab_ids < 2**31, so no overflow
+    # NOTE: no multiply on vocab_ids: inductor folds an arange into Triton's int32 index math,
+    # where a constant >= 2**31 does not compile. The second mix, keyed again, decorrelates rows
+    # whose keys differ by a small offset.
+    x = (vocab_ids + key) & _M32  # [B, N]
     x = _mix32(_mix32(x) ^ key)
     # t ~ U(0, 1). Built from 0 upwards so that fp32 keeps full relative precision for small t,
     # where the race is decided (small E wins); E = -log(1 - t) keeps that precision via log1p.

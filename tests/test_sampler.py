@@ -94,6 +94,15 @@ def test_noise_is_exponential() -> None:
     assert abs((e < 0.1).float().mean().item() - 0.09516) < 0.007
 
 
+def test_noise_rows_are_uncorrelated() -> None:
+    # Neighbouring seeds and steps (and the same stream shifted by one token) look independent.
+    ids = torch.arange(20000)
+    e = exponential_noise(torch.tensor([7, 8, 7]), torch.tensor([3, 3, 4]), ids)
+    pairs = [(e[0], e[1]), (e[0], e[2]), (e[0, 1:], e[1, :-1]), (e[0, 1:], e[2, :-1])]
+    for a, b in pairs:
+        assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.04
+
+
 def test_steps_give_fresh_draws() -> None:
     logits = torch.zeros(200, 16)  # uniform over 16 tokens
     ids, _ = sample(
