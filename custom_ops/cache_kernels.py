@@ -255,8 +255,9 @@ def _copy_out_kernel(host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, sta
         tl.store(meta + M_LAST_MISS, tl.atomic_xchg(meta + M_NMISS, 0))
         tl.atomic_xchg(meta + M_DONE, 0)
         tl.store(meta + M_CLOCK, (tl.load(meta + M_CLOCK) + 1) & CLOCK_MASK)
-        tl.atomic_add(stats + S_RECALLED, tl.load(meta + M_LAST_ALLOC).to(tl.int64))
-        tl.atomic_add(stats + S_STEPS, tl.full([], 1, tl.int64))
+        nalloc = tl.load(meta + M_LAST_ALLOC).to(tl.int64)
+        tl.atomic_add(stats + S_RECALLED, nalloc)
+        tl.atomic_add(stats + S_STEPS, nalloc * 0 + 1)
 
 
 @triton.jit
