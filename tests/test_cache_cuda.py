@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from test_cache_ops import assert_same_up_to_ties, selection, state
+from test_cache_ops import CacheStep, assert_same_up_to_ties, selection, state
 
 from custom_ops import cache_kernels as K
 from custom_ops import cache_ops as C
@@ -166,23 +166,6 @@ def test_recall_in_cuda_graph_replays_with_new_selections():
         assert torch.equal(pool.gpu_kv[out.flatten().long()], ref.gpu_kv[o_ref.flatten().long()])
 
 
-class _Step(torch.nn.Module):
-    """What a decode step does with the cache, per layer: write the new token, recall the
-    selection, read the selected rows (the attention's input)."""
-
-    def __init__(self, cache: KVCache):
-        super().__init__()
-        self.cache = cache
-
-    def forward(self, rows, irows, new_slots, host_slots):
-        outs = []
-        for layer in self.cache.layers:
-            layer.store(rows, irows, new_slots)
-            pool, slots = layer.fetch(host_slots)
-            outs.append(pool[slots.clamp(min=0).long()] * (slots >= 0)[..., None])
-        return torch.stack(outs)
-
-
 def test_compiled_step_reduce_overhead_no_skips():
     if DEV != "cuda":
         pytest.skip("needs CUDA")
@@ -191,8 +174,8 @@ def test_compiled_step_reduce_overhead_no_skips():
     torch._dynamo.reset()
     counters.clear()
     cfg = CacheConfig(2, 65536, 8192, 256, fmt="fp8", max_batch=8)
-    step = torch.compile(_Step(KVCache(cfg, "cuda")), mode="reduce-overhead", fullgraph=True)
-    eager = _Step(KVCache(cfg, "cuda"))  # same (empty) start state
+    step = torch.compile(CacheStep(KVCache(cfg, "cuda")), mode="reduce-overhead", fullgraph=True)
+    eager = CacheStep(KVCache(cfg, "cuda"))  # same (empty) start state
     gen = torch.Generator().manual_seed(SEED + 2)
     written = torch.randperm(65536, generator=gen)
     pos = 0

@@ -88,6 +88,31 @@ def assert_same_up_to_ties(before, ref, ker):
         assert torch.equal(got, b_h2g[ev].sort().values)
 
 
+class CacheStep(torch.nn.Module):
+    """What a decode step does with the cache, per layer: write the new tokens, recall the
+    selection, read the selected rows (the attention's input)."""
+
+    def __init__(self, cache: KVCache):
+        super().__init__()
+        self.cache = cache
+
+    def forward(self, rows, irows, new_slots, host_slots):
+        outs = []
+        for layer in self.cache.layers:
+            layer.store(rows, irows, new_slots)
+            pool, slots = layer.fetch(host_slots)
+            outs.append(pool[slots.clamp(min=0).long()] * (slots >= 0)[..., None])
+        return torch.stack(outs)
+
+
+def step_inputs(gen, written, pos, b=8, k=64, row=656):
+    rows = torch.randint(0, 256, (b, row), dtype=torch.uint8, generator=gen)
+    irows = torch.randint(0, 256, (b, INDEX_ROW_BYTES), dtype=torch.uint8, generator=gen)
+    hs = written[: pos + b][torch.randint(0, pos + b, (b, k), generator=gen)].int()
+    hs[torch.rand(b, k, generator=gen) < 0.1] = -1
+    return rows, irows, written[pos : pos + b], hs
+
+
 # ---- opcheck ------------------------------------------------------------------------------------
 def test_opcheck_every_op():
     pool, host_kv, gen = make_pool(300, 1024, 16, 4, occupied=280)
@@ -362,3 +387,62 @@ def test_kvcache_fetch_release_stats_cpu():
     for layer in cache.layers:
         check_pool(layer.pool)
         assert int(layer.pool.meta[C.NFREE]) == 128
+
+
+# ---- torch.compile on CPU: one graph, in-place, CUDA-graph ready -------------------------------
+def test_compiled_step_cpu_inductor_matches_eager_without_clones():
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import ReinplaceCounters, counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ReinplaceCounters.clear()
+    cfg = CacheConfig(2, 4096, 1024, 64, fmt="fp8", max_batch=8)
+    gen = torch.Generator().manual_seed(3)
+    written = torch.randperm(4096, generator=gen)
+    with inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        step = torch.compile(CacheStep(KVCache(cfg)), fullgraph=True)
+        eager = CacheStep(KVCache(cfg))
+        for i in range(4):
+            args = step_inputs(gen, written, 8 * i)
+            assert torch.equal(step(*args), eager(*args))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert ReinplaceCounters.get_total_missed() == 0  # no buffer cloned by Inductor
+    for layer in step._orig_mod.cache.layers:
+        check_pool(layer.pool, host_kv=layer.host_kv)
+
+
+def test_compiled_step_is_cudagraph_ready():
+    """compile_notes.md §6 lint: the AOT graph has no cudagraph-incompatible node (sync, dynamic
+    shape) and every input it mutates is a static buffer (so reduce-overhead will not skip)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.utils import get_static_address_type
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    found = {}
+
+    def lint(gm, example_inputs):
+        def fw(g, _):
+            found["bad"] = get_first_incompatible_cudagraph_node(g)
+            ph = [n for n in g.graph.nodes if n.op == "placeholder"]
+            copies = [n for n in g.graph.nodes if n.target is torch.ops.aten.copy_.default]
+            mutated = [n.args[0] for n in copies if n.args[0].op == "placeholder"]
+            found["mutated"] = len(mutated)
+            found["plain"] = [m.name for m in mutated
+                              if get_static_address_type(example_inputs[ph.index(m)]) is None]
+            return make_boxed_func(g.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw,
+                                     keep_inference_input_mutations=True)
+
+    torch._dynamo.reset()
+    cfg = CacheConfig(2, 4096, 1024, 64, fmt="fp8", max_batch=8)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        torch.compile(CacheStep(KVCache(cfg)), backend=lint, fullgraph=True)(
+            *step_inputs(gen, torch.randperm(4096, generator=gen), 0))
+    assert found["bad"] is None
+    # 2 layers x (offload: host_kv, index_k; recall: gpu_kv, 4 maps, indices, miss_host, meta,
+    # hist, stats), all module buffers
+    assert found["mutated"] == 2 * 12 and found["plain"] == []
