@@ -20,10 +20,12 @@ bucket the order is unspecified (the reference takes the lowest slot index, the 
 its atomics give). The clock wraps at 2^30 and ages are computed modulo 2^30, so int32 never
 overflows; a slot untouched for 2^30 steps (~4 months at 100 steps/s) merely looks young once.
 
-Slots selected in the current step have age 0 and are never evicted. CAP = min(max_batch * topk,
-N_G) bounds the selected entries per call (the scheduler keeps B * k <= N_G), which also
-guarantees that recall always finds enough evictable slots. Shortfalls that a broken caller could
-still cause are counted in ``meta[OVERFLOW]`` instead of synchronising with the host.
+Slots selected in the current step have age 0 and are never evicted. The scheduler keeps the
+real (non-padded) rows of a batch within B * k <= N_G, so recall always finds enough evictable
+slots; CAP = min(max_batch * topk, N_G) bounds the misses one call places (padded rows, all -1,
+may take the shape past it). Shortfalls a broken caller could still cause (more misses than CAP or
+than evictable slots) leave those entries -1 and are counted in ``meta[OVERFLOW]`` instead of
+synchronising with the host.
 
 Every size that varies per step (how many to allocate, how many misses) lives in a device tensor.
 """
@@ -147,8 +149,10 @@ def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, 
         meta[OVERFLOW] += 1
 
 
-def _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, want: torch.Tensor):
-    """Map the distinct, non-resident host slots ``want`` (int64) onto the lowest free slots."""
+def _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, want: torch.Tensor,
+               requested: int):
+    """Map the distinct, non-resident host slots ``want`` (int64) onto the lowest free slots;
+    fewer than ``requested`` placed counts as an overflow."""
     n = want.numel()
     slots = torch.nonzero(gpu_free).flatten()[:n]
     k = slots.numel()
@@ -158,7 +162,7 @@ def _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, want: tor
     gpu_free[slots] = 0
     meta[NFREE] -= k
     meta[LAST_ALLOC] = k
-    if k < n:
+    if k < requested:
         meta[OVERFLOW] += 1
     return slots
 
@@ -184,7 +188,7 @@ def allocate_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta
         raise ValueError("allocate: want_host[:n] holds a host slot twice")
     if n_ and bool((host_to_gpu[w] >= 0).any()):
         raise ValueError("allocate: a host slot in want_host[:n] is already on the GPU")
-    slots = _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, w)
+    slots = _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, w, n_)
     _write_indices(indices, meta, slots)
 
 
@@ -211,11 +215,15 @@ def recall_ref(
     gpu_priority[g[hit]] = clock  # protect: age 0 is never evicted in this step
     miss = torch.unique(hs[valid & ~hit])  # duplicates within the batch are recalled once
     stats[SELECTED] += int(valid.sum())
-    needed = max(miss.numel() - int(meta[NFREE]), 0)
+    # At most CAP misses are placed (the kernel's miss list); more only if the caller broke the
+    # capacity rule: the rest stay -1 in the output and count as an overflow.
+    placeable = miss[: indices.shape[0]]
+    needed = max(placeable.numel() - int(meta[NFREE]), 0)
     _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed)
-    slots = _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, miss)
-    gpu_kv[slots] = host_kv[miss[: slots.numel()]].to(gpu_kv.device)
-    miss_host[: miss.numel()] = miss.to(torch.int32)
+    slots = _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, placeable,
+                       miss.numel())
+    gpu_kv[slots] = host_kv[placeable[: slots.numel()]].to(gpu_kv.device)
+    miss_host[: placeable.numel()] = placeable.to(torch.int32)
     out = torch.where(valid, host_to_gpu[hc], -1).to(torch.int32)
     stats[RECALLED] += slots.numel()
     stats[STEPS] += 1
@@ -336,12 +344,6 @@ def recall(
     if host_slots.dtype != torch.int32 or host_slots.dim() != 2:
         raise ValueError(f"recall: host_slots must be int32 [B, k], got {host_slots.dtype} "
                          f"{list(host_slots.shape)}")
-    if host_slots.numel() > indices.shape[0]:
-        raise ValueError(
-            f"recall: {host_slots.numel()} selected entries exceed the pool's capacity per step "
-            f"CAP = min(max_batch * topk, N_G) = {indices.shape[0]}: the scheduler must keep "
-            f"B * k within it"
-        )
     if host_kv.dtype != torch.uint8 or gpu_kv.dtype != torch.uint8 or host_kv.dim() != 2:
         raise ValueError("recall: host_kv and gpu_kv must be uint8 [rows, row_bytes]")
     if gpu_kv.shape != (gpu_to_host.shape[0], host_kv.shape[1]):
