@@ -196,6 +196,6 @@ class KernelCacheMachine(CacheMachine):
 
 _fast = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestCacheReference = CacheMachine.TestCase
-TestCacheReference.settings = settings(max_examples=40, stateful_step_count=20, **_fast)
+TestCacheReference.settings = settings(max_examples=25, stateful_step_count=15, **_fast)
 TestCacheKernels = KernelCacheMachine.TestCase
-TestCacheKernels.settings = settings(max_examples=12, stateful_step_count=12, **_fast)
+TestCacheKernels.settings = settings(max_examples=10, stateful_step_count=10, **_fast)
