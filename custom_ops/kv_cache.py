@@ -140,6 +140,11 @@ class KVCache(nn.Module):
             cfg.num_layers, cfg.host_tokens, cfg.row_bytes, device, pinned=cfg.offload
         )
         self.layers = nn.ModuleList(LayerKV(cfg, i, host[i], device) for i in range(cfg.num_layers))
+        # Buffers reachable from a compiled module are static inputs already; marking them too keeps
+        # them static when the cache is passed some other way (a plain argument), so mutating them
+        # never makes CUDA-graph trees skip a graph (compile_notes.md §2.1).
+        for buf in self.buffers():
+            torch._dynamo.mark_static_address(buf, guard=False)
 
     def release(self, host_slots: torch.Tensor) -> None:
         """Forget a finished request's host slots in every layer's GPU pool (echo::release).

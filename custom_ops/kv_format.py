@@ -59,9 +59,10 @@ def unpack_kv_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def pack_index_k(k_fp8: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     """k_fp8 [N, 128] e4m3 and k_scale [N] or [N, 1] fp32 -> uint8 [N, 132] (values, then scale)."""
-    return torch.cat(
-        [k_fp8.view(torch.uint8), k_scale.reshape(-1, 1).float().contiguous().view(torch.uint8)], dim=-1
-    )
+    # NOTE: view the flat fp32 vector as bytes, then reshape: Inductor on CUDA rejects a dtype view
+    # of an [N, 1] tensor whose last stride is not 1.
+    scale_bytes = k_scale.reshape(-1).float().contiguous().view(torch.uint8).view(-1, 4)
+    return torch.cat([k_fp8.view(torch.uint8), scale_bytes], dim=-1)
 
 
 def index_cache_gather(index_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

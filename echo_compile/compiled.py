@@ -40,13 +40,15 @@ def _wrap(compiled: nn.Module, device: torch.device):
     return run
 
 
-def compile_runner(runner: ModelRunner, strict: bool = False) -> None:
-    """Replace ``runner``'s eager step functions by fullgraph torch.compile'd ones."""
+def compile_runner(runner: ModelRunner, strict: bool = False, prefill: bool = True) -> None:
+    """Replace ``runner``'s eager decode (and, with ``prefill``, prefill) step by fullgraph
+    torch.compile'd ones."""
     settings.apply(len(runner.decode_buckets) + len(runner.prefill_buckets), strict=strict)
     mode = settings.compile_mode(runner.device)
     opts = dict(fullgraph=True, dynamic=False, mode=mode)
     runner.decode_fn = _wrap(torch.compile(runner.decode_step, **opts), runner.device)
-    runner.prefill_fn = _wrap(torch.compile(runner.prefill_step, **opts), runner.device)
+    if prefill:
+        runner.prefill_fn = _wrap(torch.compile(runner.prefill_step, **opts), runner.device)
 
 
 @torch.no_grad()

@@ -6,6 +6,10 @@ Why each one (compile_notes.md has the sources):
 - ``cudagraph_or_error`` (strict mode, tests): a cudagraph skip raises instead of silently running
   eagerly; ``graph_partition`` is left at its default, and tests assert zero partitions instead.
 - ``fx_graph_cache`` off in strict mode: ReinplaceCounters are only filled on a cache miss.
+- ``emulate_precision_casts``: Inductor rounds every intermediate to bf16 where eager does, instead
+  of keeping fused intermediates in fp32. With it the compiled decode step is bit-identical to the
+  eager one on the same cache state (tests/test_compile.py); without it the logits drift by ~1e-2,
+  which flips near-ties at the indexer's top-k boundary.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def apply(num_graphs: int, strict: bool = False) -> None:
     dynamo_config.accumulated_recompile_limit = max(
         dynamo_config.accumulated_recompile_limit, 4 * (num_graphs + 4)
     )
+    inductor_config.emulate_precision_casts = True
     if strict:
         inductor_config.triton.cudagraph_or_error = True
         inductor_config.fx_graph_cache = False
