@@ -123,15 +123,22 @@ def run_system(
     offload = system != "gpu-only"
     max_len = wl.max_ctx + wl.output_len + 64
     topk = model.config.index_topk
+    # Only the batch sizes this workload produces are captured (each bucket is a compile): with
+    # all requests arriving at once, offloading runs waves of `batch`; GPU-only runs as many whole
+    # requests as its pool holds, padded to that bucket.
     if offload:
-        batch = min(max_batch, gpu_pool // topk)
+        batch = min(max_batch, gpu_pool // topk, wl.requests)
+        rest = wl.requests % batch
+        buckets = tuple(sorted({batch, rest} - {0}))
         cfg = EngineConfig(max_batch=batch, host_tokens=host_tokens, gpu_tokens=gpu_pool,
-                           kv_format=kv_format, offload=True, max_model_len=max_len, device=device)
+                           kv_format=kv_format, offload=True, max_model_len=max_len,
+                           decode_buckets=buckets, device=device)
     else:
-        fits = max(1, gpu_pool // max_len)
-        batch = min(max_batch, fits)
+        per_req = -(-(wl.max_ctx + wl.output_len) // 64) * 64
+        batch = max(1, min(max_batch, gpu_pool // per_req))
         cfg = EngineConfig(max_batch=batch, host_tokens=gpu_pool // 64 * 64, gpu_tokens=gpu_pool,
-                           kv_format=kv_format, offload=False, max_model_len=max_len, device=device)
+                           kv_format=kv_format, offload=False, max_model_len=max_len,
+                           decode_buckets=(batch,), device=device)
     engine = Engine(model, model.config, tokenizer, cfg, model_name="bench")
     warm = 0.0
     if system != "offload-eager":
@@ -200,6 +207,8 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="echo-compile bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=("bench", "tiny"), default="bench",
+                    help="tiny: a CPU dry run of the harness")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64)
@@ -221,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     from model.model import DeepseekV32ForCausalLM
     from model.presets import preset_config
 
-    cfg = preset_config("bench", num_layers=a.layers, n_experts=a.experts)
+    if a.preset == "bench":
+        cfg = preset_config("bench", num_layers=a.layers, n_experts=a.experts)
+    else:
+        cfg = preset_config("tiny")
     torch.manual_seed(0)
     with torch.device(a.device):
         model = DeepseekV32ForCausalLM(cfg)

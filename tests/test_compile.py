@@ -31,6 +31,7 @@ def make_engine(tiny, offload: bool) -> Engine:
     return Engine(model, model.config, tok, EngineConfig(
         max_batch=4, host_tokens=4096, gpu_tokens=4 * model.config.index_topk, offload=offload,
         max_model_len=512, decode_buckets=(4,), prefill_chunk=64,
+        device=str(next(model.parameters()).device),
     ))
 
 
