@@ -59,9 +59,11 @@ def unpack_kv_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def pack_index_k(k_fp8: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     """k_fp8 [N, 128] e4m3 and k_scale [N] or [N, 1] fp32 -> uint8 [N, 132] (values, then scale)."""
-    # NOTE: view the flat fp32 vector as bytes, then reshape: Inductor on CUDA rejects a dtype view
-    # of an [N, 1] tensor whose last stride is not 1.
-    scale_bytes = k_scale.reshape(-1).float().contiguous().view(torch.uint8).view(-1, 4)
+    # NOTE: the fp32 scale's bytes are cut out of its int32 bit pattern (little-endian) instead of
+    # a float->byte dtype view: Inductor rejects such views when a size-1 dim gets stride 0 (N == 1).
+    bits = k_scale.reshape(-1, 1).float().view(torch.int32)  # [N, 1], same element size: any stride
+    shifts = torch.arange(0, 32, 8, device=bits.device, dtype=torch.int32)
+    scale_bytes = ((bits >> shifts) & 0xFF).to(torch.uint8)  # [N, 4]
     return torch.cat([k_fp8.view(torch.uint8), scale_bytes], dim=-1)
 
 
