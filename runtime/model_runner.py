@@ -93,6 +93,7 @@ class ModelRunner:
         self.pages_per_seq = -(-max_model_len // PAGE)
         self.decode_buckets = tuple(decode_buckets)
         self.prefill_buckets = tuple(prefill_buckets)
+        self._decode_bt: dict[int, tuple[torch.Tensor, list[Request | None]]] = {}
         self.decode_step = StepModule(model, cache, is_decode=True)
         self.prefill_step = StepModule(model, cache, is_decode=False)
         self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
@@ -102,19 +103,50 @@ class ModelRunner:
     def _block_table(self, reqs: Sequence[Request], rows: int) -> torch.Tensor:
         bt = torch.zeros(rows, self.pages_per_seq, dtype=torch.int32)
         for i, r in enumerate(reqs):
-            bt[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+            row = r.block_row()
+            bt[i, : row.shape[0]] = row
+        return bt
+
+    def _decode_block_table(self, reqs: Sequence[Request], bucket: int) -> torch.Tensor:
+        """The decode block table [bucket, P], kept per bucket and rewritten only in rows whose
+        request changed: a request's pages are fixed from admission to finish, so a steady decode
+        batch rewrites nothing (rebuilding 32 rows of 1500 pages took milliseconds a step).
+        NOTE: the buffer is reused while the previous step's host->device copy of it could still
+        be in flight only in theory: every step ends with the sampled tokens' host sync."""
+        if bucket not in self._decode_bt:
+            pin = self.device.type == "cuda"
+            self._decode_bt[bucket] = (
+                torch.zeros(bucket, self.pages_per_seq, dtype=torch.int32, pin_memory=pin),
+                [None] * bucket,
+            )
+        bt, owners = self._decode_bt[bucket]
+        for i in range(bucket):
+            r = reqs[i] if i < len(reqs) else None
+            if owners[i] is r:
+                continue
+            owners[i] = r
+            if r is None:
+                bt[i].zero_()
+            else:
+                row = r.block_row()
+                bt[i, : row.shape[0]] = row
+                bt[i, row.shape[0] :] = 0
         return bt
 
     def decode_inputs(self, reqs: Sequence[Request], bucket: int) -> StepInputs:
+        n = len(reqs)
+        last = [r.num_tokens - 1 for r in reqs]  # the newest token of each, not yet in the cache
         ids = torch.zeros(bucket, dtype=torch.int64)
         pos = torch.zeros(bucket, dtype=torch.int64)
         slots = torch.full((bucket,), -1, dtype=torch.int64)
         lens = torch.zeros(bucket, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            p = r.num_tokens - 1  # the newest token, not yet in the cache
-            ids[i], pos[i], slots[i], lens[i] = r.token_at(p), p, r.slot_of(p), p + 1
+        ids[:n] = torch.tensor([r.token_at(p) for r, p in zip(reqs, last)], dtype=torch.int64)
+        pos[:n] = torch.tensor(last, dtype=torch.int64)
+        slots[:n] = torch.tensor([r.slot_of(p) for r, p in zip(reqs, last)], dtype=torch.int64)
+        lens[:n] = pos[:n].to(torch.int32) + 1
         logits_idx = torch.arange(bucket, dtype=torch.int64)
-        return self._to_device(ids, pos, slots, self._block_table(reqs, bucket), lens, logits_idx)
+        bt = self._decode_block_table(reqs, bucket)
+        return self._to_device(ids, pos, slots, bt, lens, logits_idx)
 
     def prefill_inputs(self, req: Request, start: int, end: int, bucket: int) -> StepInputs:
         n = end - start
@@ -143,7 +175,9 @@ class ModelRunner:
 
     def _to_device(self, *ts: torch.Tensor) -> StepInputs:
         if self.device.type == "cuda":
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in ts)
+            return tuple(
+                (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True) for t in ts
+            )
         return ts
 
     # ---- forward -------------------------------------------------------------------------------

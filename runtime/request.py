@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.sampling_params import SamplingParams
 
 PAGE = 64  # tokens per host page (the block table's unit)
@@ -39,6 +41,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    _block_row: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +66,13 @@ class Request:
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def block_row(self) -> torch.Tensor:
+        """The request's pages as an int32 tensor: built once, since pages are reserved for the
+        whole lifetime at admission (a per-step rebuild of 1500-page rows cost ~0.1 ms each)."""
+        if self._block_row is None or self._block_row.shape[0] != len(self.pages):
+            self._block_row = torch.tensor(self.pages, dtype=torch.int32)
+        return self._block_row
 
     def slot_of(self, pos: int) -> int:
         """Host slot of token ``pos`` (page-granular block table)."""
