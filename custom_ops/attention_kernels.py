@@ -35,7 +35,7 @@ class MlaConfig:
     """Launch shapes. Defaults are the H200 choice; tests use small ones."""
 
     block_h: int = 64  # heads per program (wgmma M; fewer heads are padded up to 16)
-    block_k: int = 32  # selected rows per iteration
+    block_k: int = 64  # selected rows per iteration
     num_warps: int = 8
     num_stages: int = 2
     n_split: int | None = None  # splits of the selected list; None: enough programs for the SMs

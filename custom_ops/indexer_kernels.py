@@ -52,8 +52,8 @@ class IndexerConfig:
     score_tokens: int = 1024  # tokens per program of the scores kernel (multiple of score_block)
     score_warps: int = 4
     score_stages: int = 3
-    fuse_hist: bool = True  # first radix histogram inside the scores kernel
-    sel_block: int = 1024  # scores per iteration of the selection passes (power of two)
+    fuse_hist: bool = False  # first radix histogram inside the scores kernel
+    sel_block: int = 2048  # scores per iteration of the selection passes (power of two)
     sel_chunk: int | None = None  # tokens per selection program; None: about 4 programs per SM
     resolve_block: int = 1024  # candidates per iteration of the resolve program (power of two)
     sel_warps: int = 4
