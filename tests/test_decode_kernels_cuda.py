@@ -68,7 +68,8 @@ def test_indexer_deterministic_fused_and_op(indexer_inputs: dict) -> None:
     for _ in range(2):
         h2, k2 = ik.indexer_topk_cuda(*args, TOPK)
         assert torch.equal(host, h2) and torch.equal(kth.view(torch.int32), k2.view(torch.int32))
-    h3, k3 = ik.indexer_topk_cuda(*args, TOPK, ik.IndexerConfig(fuse_hist=False))
+    # the default scores kernel is unfused; the fused-histogram variant must select the same
+    h3, k3 = ik.indexer_topk_cuda(*args, TOPK, ik.IndexerConfig(fuse_hist=True))
     assert torch.equal(host, h3) and torch.equal(kth, k3)
     h4, k4 = torch.ops.echo.indexer_topk(*args, TOPK)  # the op dispatches to the kernels
     assert torch.equal(host, h4) and torch.equal(kth, k4)
