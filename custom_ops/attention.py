@@ -38,7 +38,9 @@ def sparse_mla_decode(
 ) -> torch.Tensor:
     check_fmt(fmt)
     if q.dim() != 3 or q.shape[-1] != KV_LORA + 64 or q.dtype != torch.bfloat16:
-        raise ValueError(f"sparse_mla_decode: q must be bf16 [B, H, 576], got {q.dtype} {list(q.shape)}")
+        raise ValueError(
+            f"sparse_mla_decode: q must be bf16 [B, H, 576], got {q.dtype} {list(q.shape)}"
+        )
     if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != ROW_BYTES[fmt]:
         raise ValueError(f"sparse_mla_decode: pool must be uint8 [N, {ROW_BYTES[fmt]}] for {fmt}")
     if slots.dim() != 2 or slots.shape[0] != q.shape[0] or slots.dtype != torch.int32:

@@ -51,14 +51,22 @@ def indexer_topk_ref(
 def _check(q_fp8, weights, index_cache, block_table, seq_lens, topk) -> None:
     if q_fp8.dim() != 3 or q_fp8.shape[-1] != 128 or q_fp8.dtype != torch.uint8:
         raise ValueError(
-            f"indexer_topk: q must be the e4m3 bytes as uint8 [B, H, 128], got {q_fp8.dtype} {list(q_fp8.shape)}"
+            "indexer_topk: q must be the e4m3 bytes as uint8 [B, H, 128], got "
+            f"{q_fp8.dtype} {list(q_fp8.shape)}"
         )
     B, H = q_fp8.shape[:2]
     if weights.shape != (B, H) or weights.dtype != torch.float32:
-        raise ValueError(f"indexer_topk: weights must be fp32 [{B}, {H}], got {weights.dtype} {list(weights.shape)}")
+        raise ValueError(
+            f"indexer_topk: weights must be fp32 [{B}, {H}], got "
+            f"{weights.dtype} {list(weights.shape)}"
+        )
     if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError("indexer_topk: block_table must be [B, P] and seq_lens [B]")
-    if index_cache.dtype != torch.uint8 or index_cache.dim() != 2 or index_cache.shape[1] != PAGE * 132:
+    if (
+        index_cache.dtype != torch.uint8
+        or index_cache.dim() != 2
+        or index_cache.shape[1] != PAGE * 132
+    ):
         raise ValueError(f"indexer_topk: index cache must be uint8 [pages, {PAGE * 132}]")
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk must be positive, got {topk}")
@@ -77,7 +85,9 @@ def indexer_topk(
     if q_fp8.is_cuda:
         from custom_ops import indexer_kernels
 
-        return indexer_kernels.indexer_topk_cuda(q_fp8, weights, index_cache, block_table, seq_lens, topk)
+        return indexer_kernels.indexer_topk_cuda(
+            q_fp8, weights, index_cache, block_table, seq_lens, topk
+        )
     return indexer_topk_ref(q_fp8, weights, index_cache, block_table, seq_lens, topk)
 
 

@@ -38,7 +38,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
         if self.host_tokens <= 0 or self.host_tokens % PAGE:
             raise ValueError(
-                f"CacheConfig.host_tokens must be a positive multiple of {PAGE}, got {self.host_tokens}"
+                f"CacheConfig.host_tokens must be a positive multiple of {PAGE}, "
+                f"got {self.host_tokens}"
             )
         if self.topk <= 0 or self.max_batch <= 0:
             raise ValueError("CacheConfig.topk and max_batch must be positive")
@@ -62,7 +63,9 @@ def offload(
     slots: torch.Tensor,  # [T] int64 host slots, -1 = padding (nothing written)
 ) -> None:
     if rows.shape[0] != slots.shape[0] or index_rows.shape != (rows.shape[0], INDEX_ROW_BYTES):
-        raise ValueError("offload: rows [T, row], index_rows [T, 132] and slots [T] must agree on T")
+        raise ValueError(
+            "offload: rows [T, row], index_rows [T, 132] and slots [T] must agree on T"
+        )
     if rows.shape[1] != host_kv.shape[1]:
         raise ValueError(f"offload: row width {rows.shape[1]} != pool row width {host_kv.shape[1]}")
     if host_kv.is_cuda:
@@ -94,7 +97,9 @@ def _(host_kv, index_k, rows, index_rows, slots) -> None:
 class LayerKV(nn.Module):
     """One layer's cache state (see the module docstring)."""
 
-    def __init__(self, cfg: CacheConfig, layer_id: int, host_kv: torch.Tensor, device: torch.device):
+    def __init__(
+        self, cfg: CacheConfig, layer_id: int, host_kv: torch.Tensor, device: torch.device
+    ):
         super().__init__()
         self.fmt = cfg.fmt
         self.topk = cfg.topk
@@ -103,7 +108,9 @@ class LayerKV(nn.Module):
         self.register_buffer("host_kv", host_kv, persistent=False)
         self.register_buffer(
             "index_k",
-            torch.zeros(cfg.host_tokens // PAGE, INDEX_PAGE_BYTES, dtype=torch.uint8, device=device),
+            torch.zeros(
+                cfg.host_tokens // PAGE, INDEX_PAGE_BYTES, dtype=torch.uint8, device=device
+            ),
             persistent=False,
         )
         self.pool: nn.Module | None = None
@@ -116,7 +123,11 @@ class LayerKV(nn.Module):
         torch.ops.echo.offload(self.host_kv, self.index_k, rows, index_rows, slots)
 
     def select(
-        self, q_fp8: torch.Tensor, weights: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        q_fp8: torch.Tensor,
+        weights: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return indexer_topk(q_fp8, weights, self.index_k, block_table, seq_lens, self.topk)
 

@@ -40,7 +40,11 @@ def pack_kv_rows(c_kv: torch.Tensor, k_pe: torch.Tensor, fmt: str) -> torch.Tens
         return torch.cat([c_kv, k_pe], dim=-1).contiguous().view(torch.uint8)
     q, s = act_quant(c_kv, 128, "ue8m0")  # [N, 512] e4m3, [N, 4] fp32
     return torch.cat(
-        [q.view(torch.uint8), s.contiguous().view(torch.uint8), k_pe.contiguous().view(torch.uint8)],
+        [
+            q.view(torch.uint8),
+            s.contiguous().view(torch.uint8),
+            k_pe.contiguous().view(torch.uint8),
+        ],
         dim=-1,
     )
 
@@ -60,21 +64,28 @@ def unpack_kv_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
 def pack_index_k(k_fp8: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     """k_fp8 [N, 128] e4m3 and k_scale [N] or [N, 1] fp32 -> uint8 [N, 132] (values, then scale)."""
     # NOTE: the fp32 scale's bytes are cut out of its int32 bit pattern (little-endian) instead of
-    # a float->byte dtype view: Inductor rejects such views when a size-1 dim gets stride 0 (N == 1).
+    # a float->byte dtype view: Inductor rejects such views when a size-1 dim gets stride 0
+    # (N == 1).
     bits = k_scale.reshape(-1, 1).float().view(torch.int32)  # [N, 1], same element size: any stride
     shifts = torch.arange(0, 32, 8, device=bits.device, dtype=torch.int32)
     scale_bytes = ((bits >> shifts) & 0xFF).to(torch.uint8)  # [N, 4]
     return torch.cat([k_fp8.view(torch.uint8), scale_bytes], dim=-1)
 
 
-def index_cache_gather(index_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def index_cache_gather(
+    index_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read indexer keys of host ``slots`` (any shape, >= 0) from the paged cache [pages, 8448]:
     returns (k fp32 values [..., 128], scale fp32 [...])."""
     page, off = slots // PAGE, slots % PAGE
     flat = index_cache.view(-1)
     base = page.long() * INDEX_PAGE_BYTES
-    vidx = (base + off.long() * INDEX_DIM).unsqueeze(-1) + torch.arange(INDEX_DIM, device=slots.device)
-    sidx = (base + PAGE * INDEX_DIM + off.long() * 4).unsqueeze(-1) + torch.arange(4, device=slots.device)
+    vidx = (base + off.long() * INDEX_DIM).unsqueeze(-1) + torch.arange(
+        INDEX_DIM, device=slots.device
+    )
+    sidx = (base + PAGE * INDEX_DIM + off.long() * 4).unsqueeze(-1) + torch.arange(
+        4, device=slots.device
+    )
     k = flat[vidx].view(FP8_DTYPE).float()
     s = flat[sidx].contiguous().view(torch.float32).squeeze(-1)
     return k, s

@@ -1,4 +1,5 @@
-"""echo-compile: DeepSeek-V3.2 serving with the KV cache offloaded to host memory, torch.compile-native.
+"""echo-compile: DeepSeek-V3.2 serving with the KV cache offloaded to host memory,
+torch.compile-native.
 
 Public API:
 - ``LLM(model, **engine options)`` with ``generate``, ``generate_stream`` and ``chat``;

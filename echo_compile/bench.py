@@ -71,7 +71,9 @@ def make_injector(seed: int = 0):
     """The KV writer: random FP8-round-tripped latents and random indexer keys, chunk by chunk."""
 
     def inject(engine: Engine, req: Request) -> None:
-        gen = torch.Generator(device=engine.device).manual_seed(seed + hash(req.request_id) % 10_000)
+        gen = torch.Generator(device=engine.device).manual_seed(
+            seed + hash(req.request_id) % 10_000
+        )
         n = req.prefill_end
         chunk = 16384
         for start in range(0, n, chunk):
@@ -110,12 +112,21 @@ def _pct(xs: list[float], scale: float = 1.0) -> dict[str, float]:
     if not xs:
         return {}
     t = torch.tensor(xs, dtype=torch.float64) * scale
-    return {f"p{q}": float(torch.quantile(t, q / 100)) for q in (50, 90, 99)} | {"mean": float(t.mean())}
+    return {f"p{q}": float(torch.quantile(t, q / 100)) for q in (50, 90, 99)} | {
+        "mean": float(t.mean())
+    }
 
 
 def run_system(
-    model: torch.nn.Module, tokenizer, wl: Workload, system: str, gpu_pool: int, host_tokens: int,
-    kv_format: str, max_batch: int, device: str,
+    model: torch.nn.Module,
+    tokenizer,
+    wl: Workload,
+    system: str,
+    gpu_pool: int,
+    host_tokens: int,
+    kv_format: str,
+    max_batch: int,
+    device: str,
 ) -> SystemResult:
     from echo_compile.compiled import compile_runner, warmup
 
@@ -130,15 +141,29 @@ def run_system(
         batch = min(max_batch, gpu_pool // topk, wl.requests)
         rest = wl.requests % batch
         buckets = tuple(sorted({batch, rest} - {0}))
-        cfg = EngineConfig(max_batch=batch, host_tokens=host_tokens, gpu_tokens=gpu_pool,
-                           kv_format=kv_format, offload=True, max_model_len=max_len,
-                           decode_buckets=buckets, device=device)
+        cfg = EngineConfig(
+            max_batch=batch,
+            host_tokens=host_tokens,
+            gpu_tokens=gpu_pool,
+            kv_format=kv_format,
+            offload=True,
+            max_model_len=max_len,
+            decode_buckets=buckets,
+            device=device,
+        )
     else:
         per_req = -(-(wl.max_ctx + wl.output_len) // 64) * 64
         batch = max(1, min(max_batch, gpu_pool // per_req))
-        cfg = EngineConfig(max_batch=batch, host_tokens=gpu_pool // 64 * 64, gpu_tokens=gpu_pool,
-                           kv_format=kv_format, offload=False, max_model_len=max_len,
-                           decode_buckets=(batch,), device=device)
+        cfg = EngineConfig(
+            max_batch=batch,
+            host_tokens=gpu_pool // 64 * 64,
+            gpu_tokens=gpu_pool,
+            kv_format=kv_format,
+            offload=False,
+            max_model_len=max_len,
+            decode_buckets=(batch,),
+            device=device,
+        )
     engine = Engine(model, model.config, tokenizer, cfg, model_name="bench")
     warm = 0.0
     if system != "offload-eager":
@@ -157,7 +182,9 @@ def run_system(
 
     engine.kv_injector = injector
     engine.keep_finished = True
-    params = SamplingParams(max_tokens=wl.output_len, temperature=wl.temperature, ignore_eos=True, seed=wl.seed)
+    params = SamplingParams(
+        max_tokens=wl.output_len, temperature=wl.temperature, ignore_eos=True, seed=wl.seed
+    )
     rng = random.Random(wl.seed)
     pending = sorted(zip(wl.arrivals(), range(wl.requests)))
     t0 = time.perf_counter()
@@ -182,20 +209,32 @@ def run_system(
     itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
     gen = sum(len(r.output_ids) for r in reqs)
     return SystemResult(
-        system=system, gpu_pool_tokens=gpu_pool, throughput_tok_s=gen / max(wall - inject_s, 1e-9),
+        system=system,
+        gpu_pool_tokens=gpu_pool,
+        throughput_tok_s=gen / max(wall - inject_s, 1e-9),
         effective_batch=engine.decode_rows / max(engine.num_decode_steps, 1),
-        decode_steps=engine.num_decode_steps, generated_tokens=gen, wall_s=wall, inject_s=inject_s,
+        decode_steps=engine.num_decode_steps,
+        generated_tokens=gen,
+        wall_s=wall,
+        inject_s=inject_s,
         step_ms_median=float(torch.tensor(step_times).median()) * 1e3 if step_times else 0.0,
-        ttft_s=_pct(ttft), itl_ms=_pct(itl, 1e3), hit_rate=list(m["hit_rate"]),
-        recalled_rows_per_step=float(m["recalled_rows_per_step"]), warmup_s=warm,
+        ttft_s=_pct(ttft),
+        itl_ms=_pct(itl, 1e3),
+        hit_rate=list(m["hit_rate"]),
+        recalled_rows_per_step=float(m["recalled_rows_per_step"]),
+        warmup_s=warm,
     )
 
 
 def environment() -> dict:
     import triton
 
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
-           "triton": triton.__version__, "python": platform.python_version()}
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
@@ -205,10 +244,17 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="echo-compile bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=("bench", "tiny"), default="bench",
-                    help="tiny: a CPU dry run of the harness")
+    ap = argparse.ArgumentParser(
+        prog="echo-compile bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--preset",
+        choices=("bench", "tiny"),
+        default="bench",
+        help="tiny: a CPU dry run of the harness",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64)
@@ -222,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--systems", default="offload,gpu-only,offload-eager")
-    ap.add_argument("--eager-pools", default="200000", help="pool sizes at which offload-eager runs")
+    ap.add_argument(
+        "--eager-pools", default="200000", help="pool sizes at which offload-eager runs"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
     a = ap.parse_args(argv)
@@ -247,12 +295,21 @@ def main(argv: list[str] | None = None) -> int:
             if system == "offload-eager" and str(pool) not in a.eager_pools.split(","):
                 continue
             r = run_system(model, None, wl, system, pool, host, a.kv_format, a.max_batch, a.device)
-            print(f"{system:14s} pool {pool:7d}: {r.throughput_tok_s:9.1f} tok/s, batch "
-                  f"{r.effective_batch:5.1f}, hit rate {sum(r.hit_rate) / max(len(r.hit_rate), 1):.3f}",
-                  flush=True)
+            print(
+                f"{system:14s} pool {pool:7d}: {r.throughput_tok_s:9.1f} tok/s, batch "
+                f"{r.effective_batch:5.1f}, hit rate "
+                f"{sum(r.hit_rate) / max(len(r.hit_rate), 1):.3f}",
+                flush=True,
+            )
             results.append(asdict(r))
-    out = {"environment": environment(), "model": cfg.to_dict(), "workload": asdict(wl),
-           "host_tokens": host, "kv_format": a.kv_format, "results": results}
+    out = {
+        "environment": environment(),
+        "model": cfg.to_dict(),
+        "workload": asdict(wl),
+        "host_tokens": host,
+        "kv_format": a.kv_format,
+        "results": results,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {a.out}")

@@ -7,23 +7,36 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="checkpoint directory, or tiny / tiny-fp8 / tiny-awq")
+    p.add_argument(
+        "--model", default="tiny", help="checkpoint directory, or tiny / tiny-fp8 / tiny-awq"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--host-tokens", type=int, default=16384, help="host KV pool rows per layer")
     p.add_argument("--gpu-tokens", type=int, default=1024, help="GPU pool rows per layer")
     p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--no-offload", action="store_true", help="keep the whole KV cache on the device")
+    p.add_argument(
+        "--no-offload", action="store_true", help="keep the whole KV cache on the device"
+    )
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--compile", dest="compile", action="store_true", default=None,
-                   help="capture CUDA graphs (default on CUDA)")
+    p.add_argument(
+        "--compile",
+        dest="compile",
+        action="store_true",
+        default=None,
+        help="capture CUDA graphs (default on CUDA)",
+    )
     p.add_argument("--no-compile", dest="compile", action="store_false")
 
 
 def _engine_options(a: argparse.Namespace) -> dict:
     opts = dict(
-        max_batch=a.max_batch, host_tokens=a.host_tokens, gpu_tokens=a.gpu_tokens,
-        kv_format=a.kv_format, offload=not a.no_offload, max_model_len=a.max_model_len,
+        max_batch=a.max_batch,
+        host_tokens=a.host_tokens,
+        gpu_tokens=a.gpu_tokens,
+        kv_format=a.kv_format,
+        offload=not a.no_offload,
+        max_model_len=a.max_model_len,
     )
     if a.device:
         opts["device"] = a.device
@@ -34,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="echo-compile", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="offloaded long-context decode on the tiny model, lossless check")
+    d = sub.add_parser(
+        "demo", help="offloaded long-context decode on the tiny model, lossless check"
+    )
     d.add_argument("--model", default="tiny")
     d.add_argument("--requests", type=int, default=4)
     d.add_argument("--min-len", type=int, default=200)
@@ -86,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.sampling_params import SamplingParams
 
         llm = LLM(a.model, compile=a.compile, **_engine_options(a))
-        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                                seed=a.seed)
+        params = SamplingParams(
+            max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed
+        )
         for r in llm.generate(a.prompts, params, progress=True):
             print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
         return 0
@@ -97,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.server import serve
 
         llm = LLM(a.model, compile=a.compile, **_engine_options(a))
-        serve(AsyncEngine(llm.engine), a.served_model_name or a.model, host=a.host, port=a.port,
-              api_key=a.api_key)
+        serve(
+            AsyncEngine(llm.engine),
+            a.served_model_name or a.model,
+            host=a.host,
+            port=a.port,
+            api_key=a.api_key,
+        )
         return 0
     if a.cmd == "make-checkpoint":
         from model.checkpoint import make_checkpoint

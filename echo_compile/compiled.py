@@ -8,8 +8,10 @@
 
 Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conventions)::
 
-    logits = cm.decode(input_ids [B], positions [B], out_slots [B], block_table [B, P], seq_lens [B])
-    logits = cm.prefill(input_ids [T], positions [T], out_slots [T], block_table [1, P], seq_lens [1])
+    logits = cm.decode(input_ids [B], positions [B], out_slots [B], block_table [B, P],
+                       seq_lens [B])
+    logits = cm.prefill(input_ids [T], positions [T], out_slots [T], block_table [1, P],
+                        seq_lens [1])
 
 ``decode`` returns fp32 logits [B, V] (B padded internally to the next bucket and cut back);
 ``prefill`` returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
@@ -52,7 +54,9 @@ def compile_runner(runner: ModelRunner, strict: bool = False, prefill: bool = Tr
 
 
 @torch.no_grad()
-def warmup(runner: ModelRunner, calls: int = 3, progress: bool = True, prefill: bool = True) -> float:
+def warmup(
+    runner: ModelRunner, calls: int = 3, progress: bool = True, prefill: bool = True
+) -> float:
     """Compile and capture every bucket (``calls`` runs each: warm-up, record, replay) on padding
     rows that every op ignores; returns the seconds it took."""
     t0 = time.perf_counter()
@@ -83,7 +87,9 @@ class CompiledModel:
         strict: bool = False,
     ):
         self.cache = KVCache(cache_config, device)
-        self.runner = ModelRunner(model, self.cache, device, max_model_len, decode_buckets, prefill_buckets)
+        self.runner = ModelRunner(
+            model, self.cache, device, max_model_len, decode_buckets, prefill_buckets
+        )
         compile_runner(self.runner, strict=strict)
 
     @property
@@ -103,8 +109,11 @@ class CompiledModel:
         n = input_ids.shape[0]
         b = next_bucket(n, self.runner.decode_buckets)
         args = (
-            self._pad(input_ids, b, 0), self._pad(positions, b, 0), self._pad(out_slots, b, -1),
-            self._pad(block_table, b, 0), self._pad(seq_lens, b, 0),
+            self._pad(input_ids, b, 0),
+            self._pad(positions, b, 0),
+            self._pad(out_slots, b, -1),
+            self._pad(block_table, b, 0),
+            self._pad(seq_lens, b, 0),
             torch.arange(b, device=input_ids.device),
         )
         return self.runner.decode_fn(*args)[:n]
@@ -114,8 +123,11 @@ class CompiledModel:
         b = next_bucket(n, self.runner.prefill_buckets)
         last = positions[n - 1 : n]
         args = (
-            self._pad(input_ids, b, 0), torch.cat([positions, last.expand(b - n)]),
-            self._pad(out_slots, b, -1), block_table, seq_lens,
+            self._pad(input_ids, b, 0),
+            torch.cat([positions, last.expand(b - n)]),
+            self._pad(out_slots, b, -1),
+            block_table,
+            seq_lens,
             torch.tensor([n - 1], device=input_ids.device),
         )
         return self.runner.prefill_fn(*args)
@@ -144,8 +156,13 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     cm = CompiledModel(
         model,
         CacheConfig(
-            num_layers=cfg.num_hidden_layers, host_tokens=host_tokens, gpu_tokens=gpu_tokens,
-            topk=cfg.index_topk, fmt=kv_format, offload=offload, max_batch=max_batch,
+            num_layers=cfg.num_hidden_layers,
+            host_tokens=host_tokens,
+            gpu_tokens=gpu_tokens,
+            topk=cfg.index_topk,
+            fmt=kv_format,
+            offload=offload,
+            max_batch=max_batch,
         ),
         device,
         max_model_len,

@@ -29,32 +29,51 @@ def run_demo(a: argparse.Namespace) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rng = random.Random(0)
     lens = [rng.randint(a.min_len, a.max_len) for _ in range(a.requests)]
-    common = dict(max_batch=a.requests, kv_format=a.kv_format, device=device, progress=False,
-                  compile=a.compile, max_model_len=a.max_len + a.max_tokens + 64)
+    common = dict(
+        max_batch=a.requests,
+        kv_format=a.kv_format,
+        device=device,
+        progress=False,
+        compile=a.compile,
+        max_model_len=a.max_len + a.max_tokens + 64,
+    )
     # host pages: each request reserves ceil((prompt + max_tokens) / 64) pages
     host = sum(-(-(n + a.max_tokens) // 64) for n in lens) * 64
     gpu_only = LLM(a.model, offload=False, host_tokens=host, **common)
     cfg = gpu_only.engine.model_config
     topk, vocab = cfg.index_topk, cfg.vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(n)] for n in lens]
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=a.max_tokens, temperature=0.0, logprobs=True, ignore_eos=True
+    )
     # The smallest GPU pool the scheduler accepts: one selection per decode row and layer.
     gpu_pool = a.requests * topk
     off = LLM(a.model, offload=True, host_tokens=host, gpu_tokens=gpu_pool, **common)
     kv_rows = sum(lens) + a.requests * a.max_tokens
 
-    print(f"echo-compile demo on {device}: {a.requests} requests of {min(lens)}-{max(lens)} tokens, "
-          f"{a.max_tokens} new tokens each, top-k {topk}, KV format {a.kv_format}")
-    print(f"KV rows per layer: {kv_rows}; GPU pool per layer: {gpu_pool} rows "
-          f"({gpu_pool / kv_rows:.0%} of the KV cache)")
+    print(
+        f"echo-compile demo on {device}: {a.requests} requests of {min(lens)}-{max(lens)} tokens, "
+        f"{a.max_tokens} new tokens each, top-k {topk}, KV format {a.kv_format}"
+    )
+    print(
+        f"KV rows per layer: {kv_rows}; GPU pool per layer: {gpu_pool} rows "
+        f"({gpu_pool / kv_rows:.0%} of the KV cache)"
+    )
     res_off, dt_off, m_off = _run(off, prompts, params)
     res_gpu, dt_gpu, m_gpu = _run(gpu_only, prompts, params)
     gen = sum(r.stats.completion_tokens for r in res_off)
-    print(f"offloaded : {gen / dt_off:8.1f} tok/s, effective batch {m_off['effective_batch']:.1f}, "
-          f"{m_off['recalled_rows_per_step']:.1f} recalled rows per step per layer")
+    print(
+        f"offloaded : {gen / dt_off:8.1f} tok/s, effective batch {m_off['effective_batch']:.1f}, "
+        f"{m_off['recalled_rows_per_step']:.1f} recalled rows per step per layer"
+    )
     print(f"GPU-only  : {gen / dt_gpu:8.1f} tok/s, effective batch {m_gpu['effective_batch']:.1f}")
     print("hit rate per layer: " + ", ".join(f"{h:.3f}" for h in m_off["hit_rate"]))
-    same = all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(res_off, res_gpu))
-    print(f"lossless check (tokens and logprobs bit for bit vs GPU-only): {'PASS' if same else 'FAIL'}")
+    same = all(
+        x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(res_off, res_gpu)
+    )
+    print(
+        "lossless check (tokens and logprobs bit for bit vs GPU-only): "
+        f"{'PASS' if same else 'FAIL'}"
+    )
     print(f"first request's tokens (random weights, so not text): {res_off[0].token_ids[:16]}")
     return 0 if same else 1

@@ -52,6 +52,8 @@ def lint_backend(report: LintReport):
                             report.mutated_non_static.append(dst.name)
             return g
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, keep_inference_input_mutations=True)
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=fw, keep_inference_input_mutations=True
+        )
 
     return backend

@@ -18,7 +18,7 @@ import torch
 
 
 def compile_mode(device: torch.device) -> str | None:
-    """reduce-overhead (CUDA graphs) on CUDA; Inductor's default on CPU, where there are no graphs."""
+    """reduce-overhead (CUDA graphs) on CUDA; Inductor's default on CPU (no graphs there)."""
     return "reduce-overhead" if device.type == "cuda" else None
 
 

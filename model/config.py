@@ -16,7 +16,8 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 
-# Cache formats and FP8 blocks are hard-wired to these (dsv32_arch.md §3, "synthetic-checkpoint advice").
+# Cache formats and FP8 blocks are hard-wired to these (dsv32_arch.md §3,
+# "synthetic-checkpoint advice").
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 INDEX_HEAD_DIM = 128
@@ -40,11 +41,14 @@ class QuantConfig:
         method = d.get("quant_method")
         if method == "fp8":
             if d.get("fmt", "e4m3") != "e4m3":
-                raise ValueError(f"quantization_config.fmt: only 'e4m3' is supported, got {d['fmt']!r}")
+                raise ValueError(
+                    f"quantization_config.fmt: only 'e4m3' is supported, got {d['fmt']!r}"
+                )
             block = tuple(d.get("weight_block_size", (128, 128)))
             if block != (128, 128):
                 raise ValueError(
-                    f"quantization_config.weight_block_size: only [128, 128] is supported, got {list(block)}"
+                    "quantization_config.weight_block_size: only [128, 128] is supported, "
+                    f"got {list(block)}"
                 )
             return QuantConfig(method="fp8", weight_block_size=block, scale_fmt=d.get("scale_fmt"))
         if method == "awq":
@@ -53,18 +57,29 @@ class QuantConfig:
             version = str(d.get("version", "gemm")).lower()
             zero = d.get("zero_point", True)
             if bits != 4:
-                raise ValueError(f"quantization_config.bits: only 4-bit AWQ is supported, got {bits}")
+                raise ValueError(
+                    f"quantization_config.bits: only 4-bit AWQ is supported, got {bits}"
+                )
             if group != 128:
-                raise ValueError(f"quantization_config.group_size: only 128 is supported, got {group}")
+                raise ValueError(
+                    f"quantization_config.group_size: only 128 is supported, got {group}"
+                )
             if version != "gemm":
                 raise ValueError(
-                    f"quantization_config.version: only the 'gemm' AWQ layout is supported, got {version!r}"
+                    "quantization_config.version: only the 'gemm' AWQ layout is supported, "
+                    f"got {version!r}"
                 )
             if zero is not True:
-                raise ValueError("quantization_config.zero_point: only zero_point=true AWQ is supported")
+                raise ValueError(
+                    "quantization_config.zero_point: only zero_point=true AWQ is supported"
+                )
             skip = d.get("modules_to_not_convert") or ()
             return QuantConfig(
-                method="awq", bits=4, group_size=128, zero_point=True, version="gemm",
+                method="awq",
+                bits=4,
+                group_size=128,
+                zero_point=True,
+                version="gemm",
                 modules_to_not_convert=tuple(skip),
             )
         raise ValueError(
@@ -74,20 +89,25 @@ class QuantConfig:
     def to_dict(self) -> dict[str, Any]:
         if self.method == "fp8":
             d: dict[str, Any] = {
-                "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
                 "weight_block_size": list(self.weight_block_size),
             }
             if self.scale_fmt is not None:
                 d["scale_fmt"] = self.scale_fmt
             return d
         return {
-            "quant_method": "awq", "bits": self.bits, "group_size": self.group_size,
-            "version": self.version, "zero_point": self.zero_point,
+            "quant_method": "awq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "version": self.version,
+            "zero_point": self.zero_point,
             "modules_to_not_convert": list(self.modules_to_not_convert),
         }
 
     def awq_skips(self, module_name: str) -> bool:
-        """True when an AWQ checkpoint keeps ``module_name`` in 16-bit (substring match, as vLLM)."""
+        """True when an AWQ checkpoint keeps ``module_name`` in 16-bit (substring match)."""
         return any(s in module_name for s in self.modules_to_not_convert)
 
 
@@ -105,14 +125,30 @@ class RopeScaling:
 
 # (field name, type) of every required config.json field, in the order of dsv32_arch.md §1.
 _REQUIRED: tuple[tuple[str, type], ...] = (
-    ("vocab_size", int), ("hidden_size", int), ("intermediate_size", int),
-    ("moe_intermediate_size", int), ("num_hidden_layers", int), ("first_k_dense_replace", int),
-    ("num_attention_heads", int), ("q_lora_rank", int), ("kv_lora_rank", int),
-    ("qk_nope_head_dim", int), ("qk_rope_head_dim", int), ("v_head_dim", int),
-    ("n_routed_experts", int), ("n_shared_experts", int), ("num_experts_per_tok", int),
-    ("n_group", int), ("topk_group", int), ("routed_scaling_factor", float),
-    ("rms_norm_eps", float), ("max_position_embeddings", int), ("rope_theta", float),
-    ("index_n_heads", int), ("index_head_dim", int), ("index_topk", int),
+    ("vocab_size", int),
+    ("hidden_size", int),
+    ("intermediate_size", int),
+    ("moe_intermediate_size", int),
+    ("num_hidden_layers", int),
+    ("first_k_dense_replace", int),
+    ("num_attention_heads", int),
+    ("q_lora_rank", int),
+    ("kv_lora_rank", int),
+    ("qk_nope_head_dim", int),
+    ("qk_rope_head_dim", int),
+    ("v_head_dim", int),
+    ("n_routed_experts", int),
+    ("n_shared_experts", int),
+    ("num_experts_per_tok", int),
+    ("n_group", int),
+    ("topk_group", int),
+    ("routed_scaling_factor", float),
+    ("rms_norm_eps", float),
+    ("max_position_embeddings", int),
+    ("rope_theta", float),
+    ("index_n_heads", int),
+    ("index_head_dim", int),
+    ("index_topk", int),
 )
 
 
@@ -168,31 +204,83 @@ class ModelConfig:
                 need(v > 0, name, f"must be a positive integer, got {v}")
             else:
                 need(v >= 0, name, f"must be >= 0, got {v}")
-        need(self.kv_lora_rank == KV_LORA_RANK, "kv_lora_rank",
-             f"the KV cache formats are built for {KV_LORA_RANK}, got {self.kv_lora_rank}")
-        need(self.qk_rope_head_dim == QK_ROPE_HEAD_DIM, "qk_rope_head_dim",
-             f"the KV cache formats are built for {QK_ROPE_HEAD_DIM}, got {self.qk_rope_head_dim}")
-        need(self.index_head_dim == INDEX_HEAD_DIM, "index_head_dim",
-             f"the indexer cache format is built for {INDEX_HEAD_DIM}, got {self.index_head_dim}")
-        need(self.hidden_size % 128 == 0, "hidden_size",
-             f"must be a multiple of 128 (FP8 blocks, AWQ groups), got {self.hidden_size}")
-        need(self.n_routed_experts % self.n_group == 0, "n_routed_experts",
-             f"{self.n_routed_experts} is not divisible by n_group={self.n_group}")
-        need(self.topk_group <= self.n_group, "topk_group",
-             f"{self.topk_group} exceeds n_group={self.n_group}")
+        need(
+            self.kv_lora_rank == KV_LORA_RANK,
+            "kv_lora_rank",
+            f"the KV cache formats are built for {KV_LORA_RANK}, got {self.kv_lora_rank}",
+        )
+        need(
+            self.qk_rope_head_dim == QK_ROPE_HEAD_DIM,
+            "qk_rope_head_dim",
+            f"the KV cache formats are built for {QK_ROPE_HEAD_DIM}, got {self.qk_rope_head_dim}",
+        )
+        need(
+            self.index_head_dim == INDEX_HEAD_DIM,
+            "index_head_dim",
+            f"the indexer cache format is built for {INDEX_HEAD_DIM}, got {self.index_head_dim}",
+        )
+        need(
+            self.hidden_size % 128 == 0,
+            "hidden_size",
+            f"must be a multiple of 128 (FP8 blocks, AWQ groups), got {self.hidden_size}",
+        )
+        need(
+            self.n_routed_experts % self.n_group == 0,
+            "n_routed_experts",
+            f"{self.n_routed_experts} is not divisible by n_group={self.n_group}",
+        )
+        need(
+            self.topk_group <= self.n_group,
+            "topk_group",
+            f"{self.topk_group} exceeds n_group={self.n_group}",
+        )
         per_group = self.n_routed_experts // self.n_group
-        need(self.num_experts_per_tok <= self.topk_group * per_group, "num_experts_per_tok",
-             f"{self.num_experts_per_tok} exceeds the experts of topk_group={self.topk_group} groups")
-        need(per_group >= 2, "n_group", "group scores sum the top-2 experts of a group: need >= 2 per group")
-        need(self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
-             f"{self.first_k_dense_replace} exceeds num_hidden_layers={self.num_hidden_layers}")
-        need(self.moe_layer_freq == 1, "moe_layer_freq", f"only 1 is supported, got {self.moe_layer_freq}")
-        need(self.topk_method == "noaux_tc", "topk_method", f"only 'noaux_tc' is supported, got {self.topk_method!r}")
-        need(self.scoring_func == "sigmoid", "scoring_func", f"only 'sigmoid' is supported, got {self.scoring_func!r}")
-        need(self.hidden_act == "silu", "hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
-        need(not self.tie_word_embeddings, "tie_word_embeddings", "DeepSeek-V3.2 has a separate lm_head")
-        need(self.index_topk <= self.max_position_embeddings, "index_topk",
-             f"{self.index_topk} exceeds max_position_embeddings={self.max_position_embeddings}")
+        need(
+            self.num_experts_per_tok <= self.topk_group * per_group,
+            "num_experts_per_tok",
+            f"{self.num_experts_per_tok} exceeds the experts of "
+            f"topk_group={self.topk_group} groups",
+        )
+        need(
+            per_group >= 2,
+            "n_group",
+            "group scores sum the top-2 experts of a group: need >= 2 per group",
+        )
+        need(
+            self.first_k_dense_replace <= self.num_hidden_layers,
+            "first_k_dense_replace",
+            f"{self.first_k_dense_replace} exceeds num_hidden_layers={self.num_hidden_layers}",
+        )
+        need(
+            self.moe_layer_freq == 1,
+            "moe_layer_freq",
+            f"only 1 is supported, got {self.moe_layer_freq}",
+        )
+        need(
+            self.topk_method == "noaux_tc",
+            "topk_method",
+            f"only 'noaux_tc' is supported, got {self.topk_method!r}",
+        )
+        need(
+            self.scoring_func == "sigmoid",
+            "scoring_func",
+            f"only 'sigmoid' is supported, got {self.scoring_func!r}",
+        )
+        need(
+            self.hidden_act == "silu",
+            "hidden_act",
+            f"only 'silu' is supported, got {self.hidden_act!r}",
+        )
+        need(
+            not self.tie_word_embeddings,
+            "tie_word_embeddings",
+            "DeepSeek-V3.2 has a separate lm_head",
+        )
+        need(
+            self.index_topk <= self.max_position_embeddings,
+            "index_topk",
+            f"{self.index_topk} exceeds max_position_embeddings={self.max_position_embeddings}",
+        )
 
     # ---- derived constants -------------------------------------------------------------------
     @property
@@ -218,7 +306,8 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"config.json field 'model_type': expected one of {SUPPORTED_MODEL_TYPES}, got {mt!r}"
+                "config.json field 'model_type': expected one of "
+                f"{SUPPORTED_MODEL_TYPES}, got {mt!r}"
             )
         kw: dict[str, Any] = {}
         for name, typ in _REQUIRED:
@@ -236,18 +325,31 @@ class ModelConfig:
         else:
             kind = rs.get("type", rs.get("rope_type"))
             if kind != "yarn":
-                raise ValueError(f"config.json field 'rope_scaling.type': only 'yarn' is supported, got {kind!r}")
+                raise ValueError(
+                    f"config.json field 'rope_scaling.type': only 'yarn' is supported, got {kind!r}"
+                )
             kw["rope_scaling"] = RopeScaling(
                 factor=float(rs.get("factor", 40.0)),
-                original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
+                original_max_position_embeddings=int(
+                    rs.get("original_max_position_embeddings", 4096)
+                ),
                 beta_fast=float(rs.get("beta_fast", 32)),
                 beta_slow=float(rs.get("beta_slow", 1)),
                 mscale=float(rs.get("mscale", 1.0)),
                 mscale_all_dim=float(rs.get("mscale_all_dim", 1.0)),
             )
-        for name in ("num_nextn_predict_layers", "moe_layer_freq", "topk_method", "scoring_func",
-                     "norm_topk_prob", "hidden_act", "tie_word_embeddings", "bos_token_id",
-                     "eos_token_id", "torch_dtype"):
+        for name in (
+            "num_nextn_predict_layers",
+            "moe_layer_freq",
+            "topk_method",
+            "scoring_func",
+            "norm_topk_prob",
+            "hidden_act",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "torch_dtype",
+        ):
             if name in d and d[name] is not None:
                 kw[name] = d[name]
         if isinstance(kw.get("eos_token_id"), list):

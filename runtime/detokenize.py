@@ -20,7 +20,9 @@ class RequestDetokenizer:
         self.params = params
         self.eos = eos_token_id
         self.detok = (
-            IncrementalDetokenizer(tokenizer, params.stop, prompt_ids) if tokenizer is not None else None
+            IncrementalDetokenizer(tokenizer, params.stop, prompt_ids)
+            if tokenizer is not None
+            else None
         )
 
     def add(self, token_id: int, num_generated: int) -> tuple[str, str | None]:

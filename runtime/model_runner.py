@@ -18,7 +18,9 @@ from model.forward_meta import ForwardMeta
 from runtime.request import PAGE, Request
 from runtime.scheduler import ScheduledBatch
 
-StepInputs = tuple[torch.Tensor, ...]  # input_ids, positions, out_slots, block_table, seq_lens, logits_indices
+StepInputs = tuple[
+    torch.Tensor, ...
+]  # input_ids, positions, out_slots, block_table, seq_lens, logits_indices
 
 
 class StepModule(nn.Module):
@@ -40,7 +42,9 @@ class StepModule(nn.Module):
         seq_lens: torch.Tensor,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        meta = ForwardMeta(input_ids, positions, out_slots, block_table, seq_lens, logits_indices, self.is_decode)
+        meta = ForwardMeta(
+            input_ids, positions, out_slots, block_table, seq_lens, logits_indices, self.is_decode
+        )
         return self.model(meta, self.cache)
 
 
@@ -176,7 +180,8 @@ class ModelRunner:
     def _to_device(self, *ts: torch.Tensor) -> StepInputs:
         if self.device.type == "cuda":
             return tuple(
-                (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True) for t in ts
+                (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
+                for t in ts
             )
         return ts
 
@@ -191,4 +196,6 @@ class ModelRunner:
             return logits[:n]
         req = batch.requests[0]
         bucket = next_bucket(batch.chunk_end - batch.chunk_start, self.prefill_buckets)
-        return self.prefill_fn(*self.prefill_inputs(req, batch.chunk_start, batch.chunk_end, bucket))
+        return self.prefill_fn(
+            *self.prefill_inputs(req, batch.chunk_start, batch.chunk_end, bucket)
+        )

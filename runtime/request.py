@@ -22,9 +22,10 @@ class Status(enum.Enum):
 @dataclass
 class Request:
     """Request state. Invariants (``check``):
-    - ``num_computed <= num_tokens``: tokens whose KV row is in the cache never outrun the tokens known;
-    - while running, ``len(pages) * PAGE >= len(prompt_ids) + params.max_tokens``: host pages for the
-      whole lifetime are reserved at admission, so a running request never waits for memory.
+    - ``num_computed <= num_tokens``: tokens whose KV row is in the cache never outrun the tokens
+      known;
+    - while running, ``len(pages) * PAGE >= len(prompt_ids) + params.max_tokens``: host pages for
+      the whole lifetime are reserved at admission, so a running request never waits for memory.
     """
 
     request_id: str
@@ -80,6 +81,10 @@ class Request:
 
     def check(self) -> None:
         if self.num_computed > self.num_tokens:
-            raise AssertionError(f"{self.request_id}: computed {self.num_computed} > tokens {self.num_tokens}")
+            raise AssertionError(
+                f"{self.request_id}: computed {self.num_computed} > tokens {self.num_tokens}"
+            )
         if self.status is Status.RUNNING and len(self.pages) * PAGE < self.max_total_tokens:
-            raise AssertionError(f"{self.request_id}: {len(self.pages)} pages < {self.max_total_tokens} tokens")
+            raise AssertionError(
+                f"{self.request_id}: {len(self.pages)} pages < {self.max_total_tokens} tokens"
+            )

@@ -31,10 +31,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0 or self.prefill_chunk <= 0 or self.max_model_len <= 0:
-            raise ValueError("SchedulerConfig: max_batch, prefill_chunk and max_model_len must be positive")
+            raise ValueError(
+                "SchedulerConfig: max_batch, prefill_chunk and max_model_len must be positive"
+            )
         if self.gpu_tokens is not None and self.gpu_tokens < self.topk:
             raise ValueError(
-                f"GPU pool of {self.gpu_tokens} tokens per layer cannot hold one selection of {self.topk}"
+                f"GPU pool of {self.gpu_tokens} tokens per layer cannot hold one selection "
+                f"of {self.topk}"
             )
 
     @property

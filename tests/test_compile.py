@@ -28,11 +28,21 @@ def tiny():
 
 def make_engine(tiny, offload: bool) -> Engine:
     model, tok = tiny
-    return Engine(model, model.config, tok, EngineConfig(
-        max_batch=4, host_tokens=4096, gpu_tokens=4 * model.config.index_topk, offload=offload,
-        max_model_len=512, decode_buckets=(4,), prefill_chunk=64,
-        device=str(next(model.parameters()).device),
-    ))
+    return Engine(
+        model,
+        model.config,
+        tok,
+        EngineConfig(
+            max_batch=4,
+            host_tokens=4096,
+            gpu_tokens=4 * model.config.index_topk,
+            offload=offload,
+            max_model_len=512,
+            decode_buckets=(4,),
+            prefill_chunk=64,
+            device=str(next(model.parameters()).device),
+        ),
+    )
 
 
 def drive(engine: Engine, steps: int = 12) -> list[torch.Tensor]:

@@ -5,7 +5,6 @@ recompile after warm-up, and offloading on/off bit-identical under compilation."
 from __future__ import annotations
 
 import pytest
-import torch
 
 from echo_compile.compiled import compile_runner, warmup
 
@@ -15,9 +14,9 @@ pytestmark = pytest.mark.cuda
 def test_decode_graphs_gates_and_lossless():
     import torch._dynamo
     import torch._inductor.config as ic
+    from test_compile import drive, make_engine  # the CPU test's engine and driver
     from torch._dynamo.utils import ReinplaceCounters, counters
 
-    from test_compile import drive, make_engine  # the CPU test's engine and driver
     from model.checkpoint import resolve_model
     from model.loader import load_model
     from runtime.tokenizer import Tokenizer

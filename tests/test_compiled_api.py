@@ -13,12 +13,20 @@ from runtime.model_runner import ModelRunner
 
 def test_compiled_model_prefill_then_decode_matches_eager():
     model, _ = load_model(resolve_model("tiny"))
-    kw = dict(host_tokens=1024, gpu_tokens=2 * model.config.index_topk, max_batch=2,
-              max_model_len=256, decode_buckets=(2,), prefill_chunk=64)
+    kw = dict(
+        host_tokens=1024,
+        gpu_tokens=2 * model.config.index_topk,
+        max_batch=2,
+        max_model_len=256,
+        decode_buckets=(2,),
+        prefill_chunk=64,
+    )
     cm = echo_compile.compile(model, **kw)
     assert isinstance(cm.cache, KVCache) and cm.model is model
     # an eager twin with its own cache, driven through the same runner code
-    eager = ModelRunner(model, KVCache(cm.cache.config), torch.device("cpu"), 256, (2,), (16, 32, 64))
+    eager = ModelRunner(
+        model, KVCache(cm.cache.config), torch.device("cpu"), 256, (2,), (16, 32, 64)
+    )
     P = cm.runner.pages_per_seq
     bt = torch.zeros(2, P, dtype=torch.int32)
     bt[0, :2] = torch.tensor([0, 1])
@@ -33,9 +41,12 @@ def test_compiled_model_prefill_then_decode_matches_eager():
         out = cm.prefill(*args)
         pad = 64 - n
         ref = eager.prefill_step(
-            torch.cat([ids[:n], ids.new_zeros(pad)]), torch.cat([pos, pos[-1:].expand(pad)]),
-            torch.cat([slots, slots.new_full((pad,), -1)]), bt[b : b + 1],
-            torch.tensor([n], dtype=torch.int32), torch.tensor([n - 1]),
+            torch.cat([ids[:n], ids.new_zeros(pad)]),
+            torch.cat([pos, pos[-1:].expand(pad)]),
+            torch.cat([slots, slots.new_full((pad,), -1)]),
+            bt[b : b + 1],
+            torch.tensor([n], dtype=torch.int32),
+            torch.tensor([n - 1]),
         )
         assert out.shape == (1, model.config.vocab_size)
         torch.testing.assert_close(out, ref, rtol=0, atol=5e-2 * float(ref.abs().max()))

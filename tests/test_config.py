@@ -27,10 +27,21 @@ def test_bench_softmax_scale_matches_reference():
         ({"index_topk": "many"}, "index_topk"),
         ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling.type"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
-        ({"quantization_config": {"quant_method": "awq", "bits": 8, "group_size": 128}},
-         "quantization_config.bits"),
-        ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
-                                  "version": "gemv"}}, "quantization_config.version"),
+        (
+            {"quantization_config": {"quant_method": "awq", "bits": 8, "group_size": 128}},
+            "quantization_config.bits",
+        ),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "awq",
+                    "bits": 4,
+                    "group_size": 128,
+                    "version": "gemv",
+                }
+            },
+            "quantization_config.version",
+        ),
     ],
 )
 def test_bad_config_names_the_field(change, field):
@@ -50,10 +61,21 @@ def test_missing_field_is_named(tmp_path):
 
 def test_quantization_configs_recognised():
     d = tiny_config_dict()
-    d["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    d["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
     assert ModelConfig.from_dict(d).quantization.method == "fp8"
-    d["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
-                                "zero_point": True, "modules_to_not_convert": ["indexer", "model.layers.0."]}
+    d["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "version": "gemm",
+        "zero_point": True,
+        "modules_to_not_convert": ["indexer", "model.layers.0."],
+    }
     q = ModelConfig.from_dict(d).quantization
     assert q.awq_skips("model.layers.0.mlp.gate_proj") and not q.awq_skips("model.layers.10.mlp")

@@ -22,7 +22,9 @@ def _record_logits(engine: Engine) -> list[tuple[bool, list[str], torch.Tensor]]
 
     def wrapped(batch):
         out = forward(batch)
-        log.append((batch.is_decode, [r.request_id for r in batch.requests], out.detach().cpu().clone()))
+        log.append(
+            (batch.is_decode, [r.request_id for r in batch.requests], out.detach().cpu().clone())
+        )
         return out
 
     engine.runner.forward = wrapped
@@ -33,19 +35,27 @@ def run_engine(model, tok, offload: bool, fmt: str, lens: list[int], steps: int,
     topk = model.config.index_topk
     n = len(lens)
     eng = Engine(
-        model, model.config, tok,
+        model,
+        model.config,
+        tok,
         EngineConfig(
-            max_batch=n, host_tokens=64 * (sum(-(-(x + steps) // 64) for x in lens) + n),
+            max_batch=n,
+            host_tokens=64 * (sum(-(-(x + steps) // 64) for x in lens) + n),
             gpu_tokens=n * topk,  # the smallest pool the scheduler accepts
-            kv_format=fmt, offload=offload, max_model_len=max(lens) + steps + 64,
-            prefill_chunk=128, device=device,
+            kv_format=fmt,
+            offload=offload,
+            max_model_len=max(lens) + steps + 64,
+            prefill_chunk=128,
+            device=device,
         ),
     )
     log = _record_logits(eng)
     rng = random.Random(1)
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for i, n_tok in enumerate(lens):
-        eng.add_request(f"r{i}", [rng.randrange(2, model.config.vocab_size) for _ in range(n_tok)], params)
+        eng.add_request(
+            f"r{i}", [rng.randrange(2, model.config.vocab_size) for _ in range(n_tok)], params
+        )
     while eng.has_unfinished():
         eng.step()
     return eng, log
@@ -64,7 +74,9 @@ def check_lossless(device: str, fmt: str, lens: list[int], steps: int) -> None:
     assert len(log_off) == len(log_gpu)
     for (d1, ids1, a), (d2, ids2, b) in zip(log_off, log_gpu):
         assert (d1, ids1) == (d2, ids2)
-        assert torch.equal(a, b), f"logits differ at a {'decode' if d1 else 'prefill'} step of {ids1}"
+        assert torch.equal(a, b), (
+            f"logits differ at a {'decode' if d1 else 'prefill'} step of {ids1}"
+        )
     # The pool really was too small: rows were recalled on every layer, and misses happened.
     stats = off.cache.stats()
     assert all(h < 1.0 for h in stats["hit_rate"]), stats
