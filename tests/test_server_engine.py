@@ -1,0 +1,340 @@
+"""The OpenAI-compatible server over the REAL engine (tiny checkpoints, CPU, KV cache offloaded).
+
+Every request is greedy, so a served response must equal offline ``LLM.generate()`` token for
+token: completions and chat, streaming and not, 32 concurrent streams, and the AWQ checkpoint.
+The GPU pool is the smallest the scheduler accepts (max_batch x index_topk rows per layer) and the
+prompts are longer than top-k, so decoding evicts and recalls rows (the ``offline`` fixture checks
+that the hit rate is below 1). After the requests end, or their clients disconnect, both pools are
+empty again.
+
+NOTE: the server batches requests differently from the offline run, and the CPU forward is not
+batch-invariant: bf16 logits move by ~5e-7, and AWQ ones by up to ~0.04 (its CPU reference
+matmuls run in fp32, then round to bf16, so the batch's summation order can flip a bf16 ulp).
+Greedy tokens still match because every offline argmax wins by a margin well above that noise;
+``offline_greedy`` checks it, so a prompt that would make these tests flaky fails there, by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from server_utils import running_server
+
+from echo_compile.llm import LLM, GenerationResult
+from model.awq import AWQExperts, AWQLinear
+from runtime.async_engine import AsyncEngine
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import ScheduledBatch
+from runtime.server import build_app
+
+MODEL = "tiny"
+MAX_TOKENS = 8
+# Top-1 minus top-2 logit every offline argmax must win by, and how far a served logprob may be
+# from the offline one: a few times the batch-composition noise (see the NOTE above).
+BF16_MARGIN, BF16_LOGPROB_TOL = 1e-4, 1e-3
+AWQ_MARGIN, AWQ_LOGPROB_TOL = 0.1, 0.08
+ENGINE_OPTIONS: dict[str, Any] = dict(
+    device="cpu", compile=False, max_batch=8, host_tokens=64 * 64,
+    gpu_tokens=8 * 32,  # max_batch x index_topk: the smallest pool, so offloading really evicts
+    max_model_len=512, progress=False,
+)
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request: a completion prompt (text or ids) or a chat conversation."""
+
+    name: str
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [0] + [rng.randrange(5, 512) for _ in range(n - 1)]  # BOS, then no special tokens
+
+
+_FOX = "The quick brown fox jumps over the lazy dog while the server streams every token. "
+_NUM = "Numbers 0123456789, punctuation (a) [b] {c}: hello world, hello there! "
+CASES = [
+    Case("text-fox", prompt=_FOX * 3),
+    Case("text-num", prompt=_NUM * 2),
+    Case("text-mix", prompt=_NUM + _FOX * 2),
+    Case("ids-70", prompt=_ids(1, 70)),
+    Case("ids-110", prompt=_ids(2, 110)),
+    Case("ids-150", prompt=_ids(3, 150)),
+    Case("chat-user", messages=[{"role": "user", "content": _FOX * 3}]),
+    Case("chat-system", messages=[
+        {"role": "system", "content": _NUM},
+        {"role": "user", "content": "Hello there! " + _FOX},
+        {"role": "assistant", "content": "Hello world."},
+        {"role": "user", "content": "Numbers, please!"},
+    ]),
+]
+BY_NAME = {c.name: c for c in CASES}
+
+
+def prompt_ids(llm: LLM, case: Case) -> list[int]:
+    """The ids the server builds: BOS + text for completions, the chat template for chat."""
+    tok = llm.tokenizer
+    if case.messages is not None:
+        return tok.encode(tok.apply_chat_template(case.messages), add_bos=False)
+    if isinstance(case.prompt, str):
+        return tok.encode(case.prompt, add_bos=True)
+    return list(case.prompt or [])
+
+
+def offline_greedy(
+    llm: LLM, cases: list[Case], min_margin: float = BF16_MARGIN
+) -> dict[str, GenerationResult]:
+    """``llm.generate`` over the cases; checks that every argmax wins by ``min_margin``."""
+    margins: list[float] = []
+    forward = llm.engine.runner.forward
+
+    def recording(batch: ScheduledBatch) -> torch.Tensor:
+        logits = forward(batch)
+        if batch.is_decode:
+            top = logits[: len(batch.requests)].float().topk(2, dim=-1).values
+            margins.extend((top[:, 0] - top[:, 1]).tolist())
+        return logits
+
+    llm.engine.runner.forward = recording
+    try:
+        results = llm.generate([prompt_ids(llm, c) for c in cases], GREEDY)
+    finally:
+        llm.engine.runner.forward = forward
+    assert min(margins) > min_margin, "a near-tie argmax: pick other prompts (see the docstring)"
+    for c, r in zip(cases, results, strict=True):
+        assert 60 <= len(r.prompt_token_ids) <= 150, (c.name, len(r.prompt_token_ids))
+        assert r.finish_reason == "length" and len(r.token_ids) == MAX_TOKENS, c.name
+    return {c.name: r for c, r in zip(cases, results, strict=True)}
+
+
+# ---- what a client sees --------------------------------------------------------------------------
+@dataclass
+class Served:
+    text: str
+    tokens: list[str]  # token strings from the logprobs
+    logprobs: list[float]
+    finish_reason: str | None
+    completion_tokens: int | None
+
+
+async def ask(client: openai.AsyncOpenAI, case: Case, stream: bool, model: str = MODEL) -> Served:
+    """Send ``case`` greedy with logprobs (streamed or not) and collect what comes back."""
+    common: dict[str, Any] = dict(model=model, max_tokens=MAX_TOKENS, temperature=0, stream=stream)
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    out = Served("", [], [], None, None)
+    if case.is_chat:
+        r = await client.chat.completions.create(messages=case.messages, logprobs=True, **common)
+        if not stream:
+            c = r.choices[0]
+            items = c.logprobs.content
+            return Served(c.message.content, [t.token for t in items], [t.logprob for t in items],
+                          c.finish_reason, r.usage.completion_tokens)
+        async for chunk in r:
+            if chunk.usage is not None:
+                out.completion_tokens = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                out.text += c.delta.content or ""
+                items = c.logprobs.content if c.logprobs else []
+                out.tokens += [t.token for t in items]
+                out.logprobs += [t.logprob for t in items]
+                out.finish_reason = c.finish_reason or out.finish_reason
+        return out
+    r = await client.completions.create(prompt=case.prompt, logprobs=0, **common)
+    if not stream:
+        c = r.choices[0]
+        return Served(c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.finish_reason,
+                      r.usage.completion_tokens)
+    async for chunk in r:
+        if chunk.usage is not None:
+            out.completion_tokens = chunk.usage.completion_tokens
+        for c in chunk.choices:
+            out.text += c.text
+            out.tokens += c.logprobs.tokens if c.logprobs else []
+            out.logprobs += c.logprobs.token_logprobs if c.logprobs else []
+            out.finish_reason = c.finish_reason or out.finish_reason
+    return out
+
+
+def ask_all(url: str, requests: list[tuple[Case, bool]], model: str = MODEL) -> list[Served]:
+    """Send every (case, stream) request at once, each from its own connection."""
+
+    async def main() -> list[Served]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(ask(client, c, s, model) for c, s in requests))
+
+    return asyncio.run(main())
+
+
+def assert_same(llm: LLM, served: Served, ref: GenerationResult, what: str,
+                lp_tol: float = BF16_LOGPROB_TOL) -> None:
+    strings = [llm.tokenizer.decode([i], skip_special_tokens=False) for i in ref.token_ids]
+    assert served.text == ref.text, what
+    assert served.tokens == strings, what
+    assert served.logprobs == pytest.approx(ref.logprobs, abs=lp_tol), what  # batch rounding only
+    assert (served.finish_reason, served.completion_tokens) == ("length", MAX_TOKENS), what
+
+
+def metrics(aengine: AsyncEngine) -> dict[str, Any]:
+    """``engine.metrics()`` read on the engine's loop thread. ``host_pool_usage`` is
+    ``1 - pages.num_free / pages.num_pages``, so 0.0 means every host page is free."""
+    return asyncio.run(aengine.metrics())
+
+
+def wait_for(aengine: AsyncEngine, ok: Callable[[dict[str, Any]], bool],
+             timeout_s: float = 15.0) -> dict[str, Any]:
+    """Poll the metrics until ``ok(metrics)`` or the timeout; returns the last metrics."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(aengine)
+        if ok(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def assert_pools_empty(aengine: AsyncEngine) -> None:
+    m = wait_for(aengine, lambda m: (m["running"], m["waiting"]) == (0.0, 0.0))
+    assert (m["running"], m["waiting"]) == (0.0, 0.0), m
+    assert m["host_pool_usage"] == 0.0, m  # pages.num_free == pages.num_pages
+    assert m["gpu_pool_usage"] == 0.0, m  # no GPU pool row of any layer is held
+    # Nothing runs, waits or is queued now, so the loop thread sleeps and the engine can be read.
+    eng = aengine.engine
+    assert eng.scheduler.pages.num_free == eng.scheduler.pages.num_pages
+    assert eng.cache.stats()["gpu_pool_usage_per_layer"] == [0.0] * len(eng.cache.layers)
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(MODEL, offload=True, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def offline(llm: LLM) -> dict[str, GenerationResult]:
+    """Offline greedy results, made on ``llm`` before the server wraps its engine."""
+    refs = offline_greedy(llm, CASES)
+    stats = llm.engine.cache.stats()
+    assert all(h < 1.0 for h in stats["hit_rate"]) and stats["recalled_rows_per_step"] > 0, stats
+    return refs
+
+
+@pytest.fixture(scope="module")
+def aengine(llm: LLM, offline: dict[str, GenerationResult]) -> Iterator[AsyncEngine]:
+    a = AsyncEngine(llm.engine)  # from here on only its loop thread calls the engine
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(aengine: AsyncEngine) -> Iterator[str]:
+    with running_server(build_app(aengine, MODEL)) as base:
+        yield base
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_greedy_responses_equal_offline_generate(
+    url: str, llm: LLM, offline: dict[str, GenerationResult], chat: bool
+) -> None:
+    names = ["chat-user", "chat-system"] if chat else ["text-fox", "ids-110"]
+    requests = [(BY_NAME[n], stream) for n in names for stream in (False, True)]
+    for (case, stream), served in zip(requests, ask_all(url, requests), strict=True):
+        assert_same(llm, served, offline[case.name], f"{case.name} stream={stream}")
+
+
+def test_32_concurrent_streams_then_pools_empty(
+    url: str, llm: LLM, offline: dict[str, GenerationResult], aengine: AsyncEngine
+) -> None:
+    requests = [(CASES[i % len(CASES)], True) for i in range(32)]
+    served = ask_all(url, requests)
+    for i, ((case, _), s) in enumerate(zip(requests, served, strict=True)):
+        assert_same(llm, s, offline[case.name], f"client {i} ({case.name})")
+    assert_pools_empty(aengine)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_disconnect_aborts_and_frees_slots(url: str, aengine: AsyncEngine, stream: bool) -> None:
+    assert_pools_empty(aengine)
+    tokens_before = aengine.generation_tokens_total
+    max_tokens = 400  # seconds of CPU decode if it ran to the end
+    body = {"model": MODEL, "prompt": _ids(7, 80), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+
+    async def client(http: httpx.AsyncClient) -> None:
+        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+            async for _ in r.aiter_lines():
+                pass
+
+    async def main() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            task = asyncio.create_task(client(http))
+            deadline = time.monotonic() + 30
+            while True:  # until the request decodes (or the client ends: the test then fails)
+                m = await aengine.metrics()
+                if m["gpu_pool_usage"] > 0.0 or task.done() or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+            task.cancel()  # closes the connection: the client is gone mid-generation
+            await asyncio.gather(task, return_exceptions=True)
+            return m
+
+    busy = asyncio.run(main())
+    # The pool checks below can fail: while the request decodes it holds host pages and GPU rows.
+    assert busy["running"] == 1.0, busy
+    assert busy["host_pool_usage"] > 0.0 and busy["gpu_pool_usage"] > 0.0, busy
+    assert_pools_empty(aengine)
+    assert aengine.generation_tokens_total - tokens_before < max_tokens  # aborted before the end
+
+
+def test_offload_on_off_same_tokens(url: str, offline: dict[str, GenerationResult]) -> None:
+    gpu_only = LLM(MODEL, offload=False, **ENGINE_OPTIONS)
+    assert gpu_only.engine.cache.stats()["hit_rate"] == []  # really no GPU pool
+    refs = offline_greedy(gpu_only, CASES)
+    for c in CASES:  # same requests in the same batches: lossless means bit-identical
+        assert refs[c.name].token_ids == offline[c.name].token_ids, c.name
+        assert refs[c.name].logprobs == offline[c.name].logprobs, c.name
+    requests = [(BY_NAME["ids-150"], False), (BY_NAME["chat-system"], True)]
+    for (case, _), served in zip(requests, ask_all(url, requests), strict=True):
+        assert_same(gpu_only, served, refs[case.name], case.name)
+
+
+def test_awq_checkpoint_offloaded_generates_and_serves(
+    offline: dict[str, GenerationResult],
+) -> None:
+    awq = LLM("tiny-awq", offload=True, **ENGINE_OPTIONS)
+    cases = [BY_NAME["ids-70"], BY_NAME["ids-110"]]  # argmax margins > 0.13 on this checkpoint
+    refs = offline_greedy(awq, cases, AWQ_MARGIN)
+    # The 4-bit weights are really used: AWQ modules, and logprobs unlike the bf16 model's.
+    assert any(isinstance(m, (AWQLinear, AWQExperts)) for m in awq.engine.runner.model.modules())
+    for c in cases:
+        assert refs[c.name].logprobs != pytest.approx(offline[c.name].logprobs, abs=1e-2), c.name
+    assert awq.engine.cache.stats()["recalled_rows_per_step"] > 0
+    a = AsyncEngine(awq.engine)
+    try:
+        with running_server(build_app(a, "tiny-awq")) as base:
+            requests = [(c, s) for c in cases for s in (False, True)]
+            for (case, stream), served in zip(requests, ask_all(base, requests, "tiny-awq"),
+                                              strict=True):
+                what = f"{case.name} stream={stream}"
+                assert_same(awq, served, refs[case.name], what, AWQ_LOGPROB_TOL)
+        assert_pools_empty(a)
+    finally:
+        a.shutdown()
