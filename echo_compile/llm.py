@@ -108,7 +108,9 @@ class LLM:
         bar.close()
         return [acc[i].result() for i in ids]
 
-    def generate_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StepOutput]:
+    def generate_stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[StepOutput]:
         """Yield each step's output of one request as it is produced (other requests may run)."""
         rid = f"gen-{next(self._ids)}"
         self.engine.add_request(rid, self._encode(prompt), params or SamplingParams())
@@ -147,12 +149,20 @@ class _Acc:
     def result(self) -> GenerationResult:
         t = self.times
         stats = RequestStats(
-            len(self.prompt_ids), len(self.tokens), (t[0] - self.t0) if t else 0.0,
-            (t[-1] - self.t0) if t else 0.0, [b - a for a, b in zip(t, t[1:])],
+            len(self.prompt_ids),
+            len(self.tokens),
+            (t[0] - self.t0) if t else 0.0,
+            (t[-1] - self.t0) if t else 0.0,
+            [b - a for a, b in zip(t, t[1:])],
         )
         return GenerationResult(
-            self.request_id, self.prompt_ids, "".join(self.text), self.tokens, self.reason,
-            self.logprobs if self.params.logprobs else None, stats,
+            self.request_id,
+            self.prompt_ids,
+            "".join(self.text),
+            self.tokens,
+            self.reason,
+            self.logprobs if self.params.logprobs else None,
+            stats,
         )
 
 

@@ -22,7 +22,7 @@ from runtime.model_runner import (
     default_decode_buckets,
     default_prefill_buckets,
 )
-from runtime.request import PAGE, Request, Status
+from runtime.request import PAGE, Request
 from runtime.sampler import prepare_batch, request_seed, sample
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -49,7 +49,9 @@ class EngineConfig:
         if self.max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {self.max_batch}")
         if self.prefill_chunk <= 0 or self.prefill_chunk % 16:
-            raise ValueError(f"prefill_chunk must be a positive multiple of 16, got {self.prefill_chunk}")
+            raise ValueError(
+                f"prefill_chunk must be a positive multiple of 16, got {self.prefill_chunk}"
+            )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
@@ -111,8 +113,12 @@ class Engine:
             )
         )
         self.runner = ModelRunner(
-            model, self.cache, self.device, self.max_model_len,
-            config.buckets, default_prefill_buckets(config.prefill_chunk),
+            model,
+            self.cache,
+            self.device,
+            self.max_model_len,
+            config.buckets,
+            default_prefill_buckets(config.prefill_chunk),
         )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, RequestDetokenizer] = {}
@@ -128,7 +134,11 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, inject_kv: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        inject_kv: bool = False,
     ) -> None:
         """Queue a request. ``inject_kv`` (benchmarks): ``self.kv_injector`` writes the prompt's KV
         at admission instead of a prefill, as in a prefill/decode-disaggregated deployment."""
@@ -160,7 +170,9 @@ class Engine:
         if pages:
             # Forget every host slot of the request in every layer's GPU pool before the pages are
             # handed out again: a stale host->GPU entry would serve another request's rows.
-            slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)).flatten()
+            slots = (
+                torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
+            ).flatten()
             self.cache.release(slots.to(self.device))
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
@@ -206,22 +218,38 @@ class Engine:
             if reason is not None:
                 self._finish(r, reason)
             r.check()
-            outs.append(StepOutput(
-                r.request_id, [tok], [lp] if r.params.logprobs else None, text, reason is not None,
-                reason, len(r.prompt_ids), len(r.output_ids),
-            ))
+            outs.append(
+                StepOutput(
+                    r.request_id,
+                    [tok],
+                    [lp] if r.params.logprobs else None,
+                    text,
+                    reason is not None,
+                    reason,
+                    len(r.prompt_ids),
+                    len(r.output_ids),
+                )
+            )
         self.generated_tokens += len(sampling)
         self._recent.append((now, len(sampling)))
         return outs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         sb = prepare_batch(
-            [r.params for r in reqs], [self._seeds[r.request_id] for r in reqs],
-            [len(r.output_ids) for r in reqs], logits.device,
+            [r.params for r in reqs],
+            [self._seeds[r.request_id] for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            logits.device,
         )
         tok, lp = sample(
-            logits.float(), sb.temperature, sb.top_k, sb.top_p, sb.seeds, sb.steps,
-            all_greedy=sb.all_greedy, filters=sb.filters,
+            logits.float(),
+            sb.temperature,
+            sb.top_k,
+            sb.top_p,
+            sb.seeds,
+            sb.steps,
+            all_greedy=sb.all_greedy,
+            filters=sb.filters,
         )
         return tok.tolist(), lp.tolist()  # the one host sync of a step, outside any graph
 
