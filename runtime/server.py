@@ -22,143 +22,25 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.async_engine import AsyncEngine, RequestStream
 from runtime.engine import StepOutput
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.openai_protocol import (
+    CONTEXT_CODE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_unsupported,
+    sampling_params,
+    validation_error,
+)
+from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
-CONTEXT_CODE = "context_length_exceeded"
-
-
-class APIError(Exception):
-    """An error answered with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type_
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-# ---- request bodies: known fields strictly typed (no "5" for 5), unknown fields ignored --------
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Strict):
-    include_usage: bool | None = None
-
-
-# Optional fields accept an explicit null, meaning the default (as the OpenAI API does).
-class _SamplingRequest(_Strict):
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None  # default 1
-    top_p: float | None = None  # default 1
-    top_k: int | None = None  # extension; default -1 (disabled)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
-    ignore_eos: bool | None = None  # extension
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
-    echo: bool | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatMessage(_Strict):
-    role: str
-    content: str
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-
-# Friendlier messages for union-typed fields, whose raw errors list one failure per member type.
-_FIELD_HINTS = {
-    "prompt": "prompt must be a string or a list of token ids (one prompt per request)",
-    "stop": "stop must be a string or a list of strings",
-}
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error')}")
-    if not loc:
-        return APIError(400, f"request body must be a JSON object: {err.get('msg')}")
-    if loc[0] in _FIELD_HINTS and len(loc) > 1:
-        return APIError(400, _FIELD_HINTS[loc[0]], param=loc[0])
-    return APIError(400, f"{'.'.join(loc)}: {err.get('msg')}", param=loc[0])
-
-
-def _check_unsupported(req: _SamplingRequest) -> None:
-    """400 for options this server does not implement, rather than silently ignoring them."""
-    bad: list[tuple[str, str]] = []
-    if req.n not in (None, 1):
-        bad.append(("n", f"n must be 1 (one choice per request), got {req.n}"))
-    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
-        if getattr(req, name):
-            bad.append((name, f"{name} is not supported"))
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            bad.append(("echo", "echo is not supported"))
-        if req.best_of not in (None, 1):
-            bad.append(("best_of", "best_of must be 1"))
-        if req.suffix:
-            bad.append(("suffix", "suffix is not supported"))
-        if req.logprobs not in (None, 0):
-            bad.append(("logprobs", "logprobs must be 0: only the chosen tokens' logprobs are "
-                        "returned, not top alternatives"))
-    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
-        bad.append(("top_logprobs", "top_logprobs must be 0: top alternatives are not returned"))
-    if bad:
-        raise APIError(400, bad[0][1], param=bad[0][0])
-
-
-def _sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
-    def default(value: Any, fallback: Any) -> Any:
-        return fallback if value is None else value
-
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=default(req.temperature, 1.0),
-            top_p=default(req.top_p, 1.0), top_k=default(req.top_k, -1), seed=req.seed,
-            stop=req.stop or (), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
-        )
-    except SamplingParamsError as e:
-        raise APIError(400, str(e), param=e.param) from e
 
 
 @dataclass
@@ -247,7 +129,9 @@ class _Metrics:
         self.tokens = prom.Counter("echo_generation_tokens", "Generated tokens", registry=r)
         buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
         self.latency = prom.Histogram(
-            "echo_request_latency_seconds", "End-to-end request latency", registry=r,
+            "echo_request_latency_seconds",
+            "End-to-end request latency",
+            registry=r,
             buckets=buckets,
         )
         self._tokens_seen = 0
@@ -289,8 +173,10 @@ class _Handlers:
                 raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
             return limit - n_prompt
         if max_tokens >= 1 and n_prompt + max_tokens > limit:
-            msg = (f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
-                   f"{max_tokens} for the completion).")
+            msg = (
+                f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
+                f"{max_tokens} for the completion)."
+            )
             raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
         return max_tokens
 
@@ -305,10 +191,18 @@ class _Handlers:
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
-    async def respond(self, request: Request, stream: RequestStream, streaming: bool,
-                      include_usage: bool, head: dict[str, Any], chunk: Chunk,
-                      final: Callable[[_Result], dict[str, Any]], t0: float,
-                      first: dict | None = None) -> Response:
+    async def respond(
+        self,
+        request: Request,
+        stream: RequestStream,
+        streaming: bool,
+        include_usage: bool,
+        head: dict[str, Any],
+        chunk: Chunk,
+        final: Callable[[_Result], dict[str, Any]],
+        t0: float,
+        first: dict | None = None,
+    ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
         when the request arrived (perf_counter), for the latency histogram."""
         if not streaming:
@@ -346,7 +240,7 @@ class _Handlers:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         t0 = time.perf_counter()
         self.check_model(req.model)
-        _check_unsupported(req)
+        check_unsupported(req)
         if isinstance(req.prompt, str):
             ids = self.tokenizer.encode(req.prompt, add_bos=True)
         else:
@@ -355,12 +249,16 @@ class _Handlers:
                 msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
                 raise APIError(400, msg, param="prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
-        params = _sampling_params(req, max_tokens, logprobs=req.logprobs is not None)
+        params = sampling_params(req, max_tokens, logprobs=req.logprobs is not None)
         self.max_tokens(len(ids), max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = await self.start(rid, ids, params)
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         offset = [0]  # text emitted so far, for text_offset
 
         def logprobs(token_ids: list[int], lps: list[float], start: int) -> dict | None:
@@ -368,21 +266,33 @@ class _Handlers:
                 return None
             toks = self.token_strings(token_ids)
             offsets = [start + sum(len(t) for t in toks[:i]) for i in range(len(toks))]
-            return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None,
-                    "text_offset": offsets}
+            return {
+                "tokens": toks,
+                "token_logprobs": lps,
+                "top_logprobs": None,
+                "text_offset": offsets,
+            }
 
         def chunk(out: StepOutput) -> dict[str, Any] | None:
             if not (out.new_text or out.finished or req.logprobs is not None):
                 return None
             lp = logprobs(out.new_token_ids, out.new_logprobs or [], offset[0])
             offset[0] += len(out.new_text)
-            choice = {"index": 0, "text": out.new_text, "logprobs": lp,
-                      "finish_reason": out.finish_reason}
+            choice = {
+                "index": 0,
+                "text": out.new_text,
+                "logprobs": lp,
+                "finish_reason": out.finish_reason,
+            }
             return {**head, "choices": [choice]}
 
         def final(res: _Result) -> dict[str, Any]:
-            choice = {"index": 0, "text": res.text, "finish_reason": res.finish_reason,
-                      "logprobs": logprobs(res.token_ids, res.logprobs, 0)}
+            choice = {
+                "index": 0,
+                "text": res.text,
+                "finish_reason": res.finish_reason,
+                "logprobs": logprobs(res.token_ids, res.logprobs, 0),
+            }
             return {**head, "choices": [choice], "usage": res.usage()}
 
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -391,49 +301,76 @@ class _Handlers:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.perf_counter()
         self.check_model(req.model)
-        _check_unsupported(req)
+        check_unsupported(req)
         try:
             text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         ids = self.tokenizer.encode(text, add_bos=False)  # the template writes the BOS itself
-        requested = req.max_tokens if req.max_completion_tokens is None \
-            else req.max_completion_tokens
+        requested = (
+            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        )
         max_tokens = self.max_tokens(len(ids), requested, "messages")
-        params = _sampling_params(req, max_tokens, logprobs=bool(req.logprobs))
+        params = sampling_params(req, max_tokens, logprobs=bool(req.logprobs))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.start(rid, ids, params)
-        head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
 
         def logprobs(token_ids: list[int], lps: list[float]) -> dict | None:
             if not req.logprobs:
                 return None
             toks = self.token_strings(token_ids)
-            return {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(toks, lps, strict=True)
-            ]}
+            return {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(toks, lps, strict=True)
+                ]
+            }
 
         def chunk(out: StepOutput) -> dict[str, Any] | None:
             if not (out.new_text or out.finished or req.logprobs):
                 return None
             delta = {"content": out.new_text} if out.new_text else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": out.finish_reason,
-                      "logprobs": logprobs(out.new_token_ids, out.new_logprobs or [])}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": out.finish_reason,
+                "logprobs": logprobs(out.new_token_ids, out.new_logprobs or []),
+            }
             return {**head, "choices": [choice]}
 
         def final(res: _Result) -> dict[str, Any]:
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
-                      "logprobs": logprobs(res.token_ids, res.logprobs),
-                      "finish_reason": res.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": res.text},
+                "logprobs": logprobs(res.token_ids, res.logprobs),
+                "finish_reason": res.finish_reason,
+            }
             return {**head, "object": "chat.completion", "choices": [choice], "usage": res.usage()}
 
-        first_choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}
+        first_choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self.respond(request, stream, bool(req.stream), usage, head, chunk, final, t0,
-                                  first={**head, "choices": [first_choice]})
+        return await self.respond(
+            request,
+            stream,
+            bool(req.stream),
+            usage,
+            head,
+            chunk,
+            final,
+            t0,
+            first={**head, "choices": [first_choice]},
+        )
 
     async def prometheus(self) -> Response:
         try:
@@ -479,7 +416,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _validation_error(e).response()
+        return validation_error(e).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -497,8 +434,13 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
 
     @app.get("/v1/models")
     async def _models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "echo-compile",
-                "max_model_len": async_engine.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "echo-compile",
+            "max_model_len": async_engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -509,8 +451,13 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     return app
 
 
-def serve(async_engine: AsyncEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None) -> None:
+def serve(
+    async_engine: AsyncEngine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+) -> None:
     """Serve until interrupted, then stop the engine loop."""
     try:
         app = build_app(async_engine, model_name, api_key)
