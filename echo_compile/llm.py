@@ -68,6 +68,11 @@ class LLM:
         if compile if compile is not None else config.device.startswith("cuda"):
             compile_runner(self.engine.runner)
             self.warmup_s = warmup(self.engine.runner, progress=progress)
+            if progress:
+                r = self.engine.runner
+                n = len(r.decode_buckets) + len(r.prefill_buckets)
+                print(f"echo-compile: captured {n} step graphs in {self.warmup_s:.1f} s")
+            # From here on a request can never trigger a compile: a recompile raises instead.
             torch.compiler.set_stance("fail_on_recompile")
         self._ids = itertools.count()
 
