@@ -165,6 +165,19 @@ class KVCache(nn.Module):
             if layer.pool is not None:
                 layer.pool.release(host_slots.to(torch.int32))
 
+    def reset_pools(self) -> None:
+        """Empty every layer's GPU pool in place. Nothing is lost: the host pool is authoritative.
+        Used after a failed step, whose half-applied recall may have left the maps inconsistent."""
+        for layer in self.layers:
+            if layer.pool is not None:
+                layer.pool.reset()
+
+    def reset_stats(self) -> None:
+        """Zero the running hit/recall totals (e.g. after the warm-up's padding steps)."""
+        for layer in self.layers:
+            if layer.pool is not None:
+                layer.pool.totals.zero_()
+
     def layer_stats(self) -> list[dict[str, float]]:
         """Per-layer GPU-pool statistics (one host sync; call between steps)."""
         return [layer.pool.stats() for layer in self.layers if layer.pool is not None]

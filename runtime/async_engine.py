@@ -237,6 +237,8 @@ class AsyncEngine:
         except Exception:
             logger.exception("engine step failed; failing the requests it was running")
             self._fail_all("error", "engine step failed")
+            # a half-applied step may have left the GPU pools' maps inconsistent: start them afresh
+            self._guard(lambda: self.engine.recover(), None)
             return
         for out in outputs:
             sink = self._sinks.get(out.request_id)

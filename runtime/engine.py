@@ -44,16 +44,32 @@ class EngineConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"):
+            positive_int(name)
         if self.host_tokens % PAGE:
             raise ValueError(f"host_tokens must be a multiple of {PAGE}, got {self.host_tokens}")
-        if self.max_batch <= 0:
-            raise ValueError(f"max_batch must be positive, got {self.max_batch}")
-        if self.prefill_chunk <= 0 or self.prefill_chunk % 16:
-            raise ValueError(
-                f"prefill_chunk must be a positive multiple of 16, got {self.prefill_chunk}"
-            )
-        if self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.prefill_chunk % 16:
+            raise ValueError(f"prefill_chunk must be a multiple of 16, got {self.prefill_chunk}")
+        if self.kv_format not in ("bf16", "fp8"):
+            raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be True or False, got {self.offload!r}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        b = self.decode_buckets
+        if b is not None and (
+            not b or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
+        ):
+            raise ValueError(f"decode_buckets must be positive integers, got {b!r}")
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -89,7 +105,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = torch.device(config.device)
-        self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+        # A request reserves its pages at admission, so it can never be longer than the host pool.
+        self.max_model_len = min(
+            config.max_model_len, model_config.max_position_embeddings, config.host_tokens
+        )
         self.cache = KVCache(
             CacheConfig(
                 num_layers=model_config.num_hidden_layers,
@@ -147,6 +166,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_token_ids):
+            raise ValueError("prompt token ids must be integers")
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         req = Request(request_id, list(prompt_token_ids), params, inject_kv=inject_kv)
@@ -166,14 +187,14 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def _finish(self, req: Request, reason: str) -> None:
-        pages = self.scheduler.remove(req)
-        if pages:
-            # Forget every host slot of the request in every layer's GPU pool before the pages are
-            # handed out again: a stale host->GPU entry would serve another request's rows.
+        if req.pages:
+            # Forget every host slot of the request in every layer's GPU pool BEFORE its pages go
+            # back to the allocator: a stale host->GPU entry would serve the next owner old rows.
             slots = (
-                torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
+                torch.tensor(req.pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
             ).flatten()
             self.cache.release(slots.to(self.device))
+        self.scheduler.remove(req)
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
@@ -181,6 +202,27 @@ class Engine:
         self._seeds.pop(req.request_id, None)
         if self.keep_finished:
             self.finished_requests.append(req)
+
+    def recover(self) -> None:
+        """After a failed step: abort every request and empty the GPU pools, whose maps a
+        half-applied recall may have left inconsistent (the host pool is authoritative)."""
+        for req in list(self.requests.values()):
+            try:
+                self._finish(req, "error")
+            except Exception:  # keep going: the pools are reset below anyway
+                self.scheduler.remove(req)
+                self.requests.pop(req.request_id, None)
+        self.cache.reset_pools()
+
+    def check_pools(self) -> None:
+        """Raise if a recall ever had more misses than free GPU-pool rows. The scheduler's
+        admission (B x topk <= N_G) makes this impossible; a non-zero count is a bug, and the
+        selections it dropped would have changed the output."""
+        overflow = self.cache.stats()["overflow"]
+        if overflow:
+            raise RuntimeError(
+                f"GPU pool overflow in {overflow:.0f} recall(s): a capacity-check bug"
+            )
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -230,6 +272,8 @@ class Engine:
                     len(r.output_ids),
                 )
             )
+        if any(o.finished for o in outs):
+            self.check_pools()
         self.generated_tokens += len(sampling)
         self._recent.append((now, len(sampling)))
         return outs
@@ -255,6 +299,7 @@ class Engine:
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:
+        """Observability counters (syncs with the device: call between steps)."""
         if len(self._recent) >= 2:
             dt = self._recent[-1][0] - self._recent[0][0]
             tps = sum(n for _, n in list(self._recent)[1:]) / dt if dt > 0 else 0.0
@@ -271,4 +316,5 @@ class Engine:
             "gpu_pool_usage": pool["gpu_pool_usage"],
             "hit_rate": pool["hit_rate"],
             "recalled_rows_per_step": pool["recalled_rows_per_step"],
+            "recall_overflow": float(pool["overflow"]),
         }
