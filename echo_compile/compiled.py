@@ -32,11 +32,16 @@ from echo_compile import settings
 from runtime.model_runner import ModelRunner, next_bucket
 
 
-def _wrap(compiled: nn.Module, device: torch.device):
+def _wrap(compiled: nn.Module, runner: ModelRunner):
     def run(*args: torch.Tensor) -> torch.Tensor:
-        if device.type == "cuda":
+        if runner.device.type == "cuda":
             # decode and prefill graphs alternate: start a new cudagraph-tree generation each call
             torch.compiler.cudagraph_mark_step_begin()
+        if runner.frozen:
+            # after warm-up no request may trigger a compile; the stance is scoped to our own calls
+            # so that other torch.compile users in the process are not affected
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return compiled(*args).clone()
         return compiled(*args).clone()
 
     return run
@@ -48,9 +53,12 @@ def compile_runner(runner: ModelRunner, strict: bool = False, prefill: bool = Tr
     settings.apply(len(runner.decode_buckets) + len(runner.prefill_buckets), strict=strict)
     mode = settings.compile_mode(runner.device)
     opts = dict(fullgraph=True, dynamic=False, mode=mode)
-    runner.decode_fn = _wrap(torch.compile(runner.decode_step, **opts), runner.device)
+    runner.decode_fn = _wrap(torch.compile(runner.decode_step, **opts), runner)
     if prefill:
-        runner.prefill_fn = _wrap(torch.compile(runner.prefill_step, **opts), runner.device)
+        # a compiled prefill has fixed shapes: its block table spans max_model_len (see
+        # ModelRunner.prefill_inputs), so it suits short max_model_len only
+        runner.prefill_static_width = True
+        runner.prefill_fn = _wrap(torch.compile(runner.prefill_step, **opts), runner)
 
 
 @torch.no_grad()
@@ -58,11 +66,13 @@ def warmup(
     runner: ModelRunner, calls: int = 3, progress: bool = True, prefill: bool = True
 ) -> float:
     """Compile and capture every bucket (``calls`` runs each: warm-up, record, replay) on padding
-    rows that every op ignores; returns the seconds it took."""
+    rows that every op ignores, then forbid recompiles of these steps; returns the seconds it
+    took."""
     t0 = time.perf_counter()
     jobs = [("decode", b) for b in runner.decode_buckets]
     if prefill:
         jobs += [("prefill", b) for b in runner.prefill_buckets]
+    runner.frozen = False
     for kind, b in tqdm(jobs, desc="capturing graphs", disable=not progress, unit="graph"):
         args = runner.padding_inputs(kind == "decode", b)
         fn = runner.decode_fn if kind == "decode" else runner.prefill_fn
@@ -70,6 +80,8 @@ def warmup(
             fn(*args)
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
+    runner.cache.reset_stats()  # the padding steps are not traffic
+    runner.frozen = True
     return time.perf_counter() - t0
 
 

@@ -14,6 +14,8 @@ from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
+COMPILED_PREFILL_MAX_LEN = 16384
+
 
 @dataclass
 class RequestStats:
@@ -66,14 +68,17 @@ class LLM:
         self.engine = Engine(net, net.config, Tokenizer.from_dir(path), config, model_name=model)
         self.warmup_s = 0.0
         if compile if compile is not None else config.device.startswith("cuda"):
-            compile_runner(self.engine.runner)
-            self.warmup_s = warmup(self.engine.runner, progress=progress)
+            # The compiled prefill's block table spans max_model_len (fixed shapes), so prefill is
+            # compiled only for short contexts; long prompts prefill eagerly over their own pages.
+            prefill = self.engine.max_model_len <= COMPILED_PREFILL_MAX_LEN
+            compile_runner(self.engine.runner, prefill=prefill)
+            # warm-up captures every bucket, then forbids recompiles of the engine's steps: from
+            # here on a request can never trigger a compile
+            self.warmup_s = warmup(self.engine.runner, progress=progress, prefill=prefill)
             if progress:
                 r = self.engine.runner
-                n = len(r.decode_buckets) + len(r.prefill_buckets)
+                n = len(r.decode_buckets) + (len(r.prefill_buckets) if prefill else 0)
                 print(f"echo-compile: captured {n} step graphs in {self.warmup_s:.1f} s")
-            # From here on a request can never trigger a compile: a recompile raises instead.
-            torch.compiler.set_stance("fail_on_recompile")
         self._ids = itertools.count()
 
     @property
@@ -100,8 +105,15 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         acc = {i: _Acc(i, self._encode(p), sp) for i, p, sp in zip(ids, prompts, params)}
-        for a in acc.values():
-            self.engine.add_request(a.request_id, a.prompt_ids, a.params)
+        added: list[str] = []
+        try:
+            for a in acc.values():
+                self.engine.add_request(a.request_id, a.prompt_ids, a.params)
+                added.append(a.request_id)
+        except Exception:
+            for rid in added:  # a bad prompt rejects the whole call: leave nothing queued
+                self.engine.abort_request(rid)
+            raise
         from tqdm import tqdm
 
         bar = tqdm(total=len(ids), desc="generating", disable=not progress, unit="req")
@@ -116,15 +128,22 @@ class LLM:
     def generate_stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> Iterator[StepOutput]:
-        """Yield each step's output of one request as it is produced (other requests may run)."""
+        """Yield each step's output of one request as it is produced (other requests may run).
+        Closing the iterator early aborts the request and frees its slots."""
         rid = f"gen-{next(self._ids)}"
         self.engine.add_request(rid, self._encode(prompt), params or SamplingParams())
-        while True:
-            for out in self.engine.step():
-                if out.request_id == rid:
-                    yield out
-                    if out.finished:
-                        return
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+                        if done:
+                            break
+        finally:
+            if not done:
+                self.engine.abort_request(rid)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> GenerationResult:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

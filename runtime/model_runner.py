@@ -100,6 +100,10 @@ class ModelRunner:
         self._decode_bt: dict[int, tuple[torch.Tensor, list[Request | None]]] = {}
         self.decode_step = StepModule(model, cache, is_decode=True)
         self.prefill_step = StepModule(model, cache, is_decode=False)
+        self.frozen = False  # set by echo_compile after warm-up: compiled steps may not recompile
+        # False: a prefill's block table spans only the request's pages (eager, any width);
+        # True: always pages_per_seq wide (fixed shapes for a compiled prefill)
+        self.prefill_static_width = False
         self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
         self.prefill_fn: Callable[..., torch.Tensor] = self.prefill_step
 
@@ -163,7 +167,12 @@ class ModelRunner:
         slots[:n] = torch.tensor([req.slot_of(p) for p in range(start, end)], dtype=torch.int64)
         lens = torch.tensor([end], dtype=torch.int32)
         logits_idx = torch.tensor([n - 1], dtype=torch.int64)
-        return self._to_device(ids, pos, slots, self._block_table([req], 1), lens, logits_idx)
+        # The explicit prefill attends over every position the block table covers (causality masks
+        # the rest), so an eager prefill passes only the pages it needs: ~end tokens of work
+        # instead of max_model_len.
+        width = self.pages_per_seq if self.prefill_static_width else -(-end // PAGE)
+        bt = self._block_table([req], 1)[:, :width].contiguous()
+        return self._to_device(ids, pos, slots, bt, lens, logits_idx)
 
     def padding_inputs(self, is_decode: bool, bucket: int) -> StepInputs:
         """Inputs made only of padding (seq_len 0, out_slot -1): for warm-up and graph capture."""

@@ -95,3 +95,47 @@ def test_offload_equals_gpu_only_bit_for_bit(fmt):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_offload_equals_gpu_only_bit_for_bit_cuda(fmt):
     check_lossless("cuda", fmt, lens=[97, 150, 211, 300, 400], steps=40)
+
+
+def test_lossless_with_page_reuse_and_abort():
+    """More requests than decode rows, staggered lengths and one abort mid-decode: pages and GPU
+    slots are released and handed to later requests; logits must stay bit-identical."""
+    path = resolve_model("tiny")
+    model, _ = load_model(path)
+    tok = Tokenizer.from_dir(path)
+    topk = model.config.index_topk
+    logs = {}
+    for offload in (True, False):
+        eng = Engine(
+            model,
+            model.config,
+            tok,
+            EngineConfig(
+                max_batch=2,
+                host_tokens=64 * 16,
+                gpu_tokens=2 * topk,
+                offload=offload,
+                max_model_len=320,
+                prefill_chunk=64,
+            ),
+        )
+        log = _record_logits(eng)
+        rng = random.Random(7)
+        for i in range(5):
+            n = rng.randint(80, 200)
+            params = SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True)
+            eng.add_request(f"r{i}", [rng.randrange(2, 512) for _ in range(n)], params)
+        steps = 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            if steps == 12:
+                eng.abort_request("r1")
+        assert eng.scheduler.pages.num_free == eng.scheduler.pages.num_pages
+        if offload:
+            assert eng.cache.stats()["gpu_pool_usage"] == 0.0
+        logs[offload] = log
+    assert len(logs[True]) == len(logs[False]) > 20
+    for (d1, ids1, a), (d2, ids2, b) in zip(logs[True], logs[False]):
+        assert (d1, ids1) == (d2, ids2)
+        assert torch.equal(a, b)
