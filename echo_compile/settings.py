@@ -7,9 +7,10 @@ Why each one (compile_notes.md has the sources):
   eagerly; ``graph_partition`` is left at its default, and tests assert zero partitions instead.
 - ``fx_graph_cache`` off in strict mode: ReinplaceCounters are only filled on a cache miss.
 - ``emulate_precision_casts``: Inductor rounds every intermediate to bf16 where eager does, instead
-  of keeping fused intermediates in fp32. With it the compiled decode step is bit-identical to the
-  eager one on the same cache state (tests/test_compile.py); without it the logits drift by ~1e-2,
-  which flips near-ties at the indexer's top-k boundary.
+  of keeping fused intermediates in fp32. With it the compiled decode step equals eager bit for bit
+  on most steps (an fp32 reduction-order ulp still flips a bf16 rounding now and then,
+  docs/compile.md); without it the logits drift by ~1e-2, which flips near-ties at the indexer's
+  top-k boundary.
 """
 
 from __future__ import annotations
