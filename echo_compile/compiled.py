@@ -119,6 +119,12 @@ class CompiledModel:
 
     def decode(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
         n = input_ids.shape[0]
+        cfg = self.cache.config
+        if cfg.offload and n * cfg.topk > cfg.gpu_tokens:
+            # the guaranteed recall needs every row's selection on the GPU at once
+            raise ValueError(
+                f"decode batch {n} x top-k {cfg.topk} exceeds the GPU pool of {cfg.gpu_tokens} rows"
+            )
         b = next_bucket(n, self.runner.decode_buckets)
         args = (
             self._pad(input_ids, b, 0),

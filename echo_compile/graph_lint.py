@@ -28,7 +28,6 @@ class LintReport:
 
 def lint_backend(report: LintReport):
     """A Dynamo backend that records the report and runs the graph eagerly."""
-    from torch._dynamo.backends.common import aot_autograd  # noqa: F401
     from torch._dynamo.utils import get_static_address_type
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.utils import get_first_incompatible_cudagraph_node

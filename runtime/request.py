@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from custom_ops.kv_format import PAGE  # tokens per host page (the block table's unit)
 from runtime.sampling_params import SamplingParams
-
-PAGE = 64  # tokens per host page (the block table's unit)
 
 
 class Status(enum.Enum):
