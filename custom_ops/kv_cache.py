@@ -31,6 +31,10 @@ class CacheConfig:
     fmt: str = "bf16"  # KV row format: "bf16" (1152 B) or "fp8" (656 B)
     offload: bool = True  # False: the whole KV pool lives in device memory (GPU-only policy)
     max_batch: int = 64  # the largest decode batch (bounds the fixed-size recall buffers)
+    # Offloading only: rows of the device-resident buffer that holds the KV of the request being
+    # prefilled (its longest context), so prefill chunks read their context from the device, not
+    # back over PCIe. 0: read it from the host pool.
+    prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_fmt(self.fmt)
@@ -43,6 +47,8 @@ class CacheConfig:
             )
         if self.topk <= 0 or self.max_batch <= 0:
             raise ValueError("CacheConfig.topk and max_batch must be positive")
+        if self.prefill_tokens < 0:
+            raise ValueError(f"CacheConfig.prefill_tokens must be >= 0, got {self.prefill_tokens}")
         if self.offload and self.gpu_tokens < self.topk:
             raise ValueError(
                 f"CacheConfig.gpu_tokens={self.gpu_tokens} cannot hold one request's selection "
@@ -114,13 +120,31 @@ class LayerKV(nn.Module):
             persistent=False,
         )
         self.pool: nn.Module | None = None
+        self.register_buffer("prefill_kv", None, persistent=False)
         if cfg.offload:
             from custom_ops.gpu_pool import GpuPool
 
             self.pool = GpuPool(cfg, device)
+            if cfg.prefill_tokens > 0:
+                # one extra row: padding tokens of a chunk are written there and never read
+                self.prefill_kv = torch.zeros(
+                    cfg.prefill_tokens + 1, cfg.row_bytes, dtype=torch.uint8, device=device
+                )
 
-    def store(self, rows: torch.Tensor, index_rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def store(
+        self,
+        rows: torch.Tensor,
+        index_rows: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Write the tokens' rows through to the host pool and the indexer cache; a prefill also
+        passes ``positions`` and keeps the rows on the device for its next chunks."""
         torch.ops.echo.offload(self.host_kv, self.index_k, rows, index_rows, slots)
+        if self.prefill_kv is not None and positions is not None:
+            dump = self.prefill_kv.shape[0] - 1
+            dst = torch.where(slots >= 0, positions, torch.full_like(positions, dump))
+            self.prefill_kv.index_copy_(0, dst, rows)
 
     def select(
         self,
@@ -136,7 +160,11 @@ class LayerKV(nn.Module):
             return self.host_kv, host_slots
         return self.pool.gpu_kv, self.pool.recall(self.host_kv, host_slots)
 
-    def read(self, host_slots: torch.Tensor) -> torch.Tensor:
+    def read(self, host_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of the request being prefilled, at token ``positions`` (host ``host_slots``):
+        from the device-resident prefill buffer when there is one, else from the host pool."""
+        if self.prefill_kv is not None:
+            return self.prefill_kv[positions]
         return self.host_kv[host_slots]
 
 

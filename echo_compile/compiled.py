@@ -181,6 +181,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
             fmt=kv_format,
             offload=offload,
             max_batch=max_batch,
+            prefill_tokens=max_model_len if offload else 0,
         ),
         device,
         max_model_len,

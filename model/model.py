@@ -215,7 +215,10 @@ class MLA(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin, interleaved=True)  # [T, 64]
         q_idx, w_idx, index_rows = self.indexer(x, qr, cos, sin)
         rows = pack_kv_rows(c_kv, k_pe, cache_layer.fmt)  # [T, row] uint8
-        cache_layer.store(rows, index_rows, meta.out_slots)  # padding (slot -1) writes nothing
+        # padding (slot -1) writes nothing; a prefill keeps its rows on the device for later chunks
+        cache_layer.store(
+            rows, index_rows, meta.out_slots, None if meta.is_decode else meta.positions
+        )
         if meta.is_decode:
             o = self._decode(q_nope, q_pe, q_idx, w_idx, meta, cache_layer)
         else:
@@ -279,7 +282,7 @@ class MLA(nn.Module):
         n = bt.shape[1] * PAGE
         pos_all = torch.arange(n, device=bt.device)
         slots_all = bt[0, pos_all // PAGE].long() * PAGE + pos_all % PAGE  # [L] host slots
-        kv_all = unpack_kv_rows(cache_layer.read(slots_all), cache_layer.fmt)  # [L, 576] bf16
+        kv_all = unpack_kv_rows(cache_layer.read(slots_all, pos_all), cache_layer.fmt)  # [L, 576]
         c_all, pe_all = torch.split(kv_all, [self.kv_lora_rank, rope], dim=-1)
         kvb = self.kv_b_proj(c_all).view(n, h, nope + dv)  # [L, H, nope+v]
         k_nope, v = torch.split(kvb, [nope, dv], dim=-1)

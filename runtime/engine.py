@@ -118,6 +118,7 @@ class Engine:
                 fmt=config.kv_format,
                 offload=config.offload,
                 max_batch=config.max_batch,
+                prefill_tokens=self.max_model_len if config.offload else 0,
             ),
             self.device,
         )
