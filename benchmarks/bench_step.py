@@ -24,9 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echo_compile.bench import Workload, environment, run_system  # noqa: E402
-from model.model import DeepseekV32ForCausalLM  # noqa: E402
-from model.presets import preset_config  # noqa: E402
+from echo_compile.bench import Workload, build_model, environment, run_system  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/step_h200.json")
     a = ap.parse_args(argv)
 
-    if a.preset == "bench":
-        cfg = preset_config("bench", num_layers=a.layers, n_experts=a.experts)
-    else:
-        cfg = preset_config("tiny")
-    with torch.device(a.device):
-        model = DeepseekV32ForCausalLM(cfg)
-    model.random_init_(seed=0).eval()
+    model = build_model(a.preset, a.layers, a.experts, a.device)
+    cfg = model.config
     rows = []
     for b in [int(x) for x in a.batches.split(",")]:
         wl = Workload(requests=b, min_ctx=a.ctx, max_ctx=a.ctx, output_len=a.steps)

@@ -229,6 +229,21 @@ def run_system(
     )
 
 
+def build_model(preset: str, layers: int, experts: int, device: str) -> torch.nn.Module:
+    """The benchmark model with deterministic random weights, built directly on ``device``:
+    ``bench`` (real V3.2 attention/indexer dims, ``layers`` and ``experts`` chosen) or ``tiny``."""
+    from model.model import DeepseekV32ForCausalLM
+    from model.presets import preset_config
+
+    if preset == "bench":
+        cfg = preset_config("bench", num_layers=layers, n_experts=experts)
+    else:
+        cfg = preset_config("tiny")
+    with torch.device(device):
+        model = DeepseekV32ForCausalLM(cfg)
+    return model.random_init_(seed=0).eval()
+
+
 def environment() -> dict:
     import triton
 
@@ -284,18 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
     a = ap.parse_args(argv)
 
-    from model.model import DeepseekV32ForCausalLM
-    from model.presets import preset_config
-
-    if a.preset == "bench":
-        cfg = preset_config("bench", num_layers=a.layers, n_experts=a.experts)
-    else:
-        cfg = preset_config("tiny")
-    torch.manual_seed(0)
-    with torch.device(a.device):
-        model = DeepseekV32ForCausalLM(cfg)
-    model.random_init_(seed=0)
-    model.eval()
+    model = build_model(a.preset, a.layers, a.experts, a.device)
+    cfg = model.config
     if a.workload == "sharegpt":
         wl = sharegpt_like(a.requests)
         wl.rate, wl.temperature = a.rate, a.temperature
