@@ -175,15 +175,17 @@ class StopStringChecker:
         if self.hit is not None:
             return ""
         buf = self._held + text
-        # The held tail contains no complete stop string, so the earliest match in buf is new.
-        best = -1
+        # The held tail contains no complete stop string, so every match in buf is new. Generation
+        # stops where the first stop string is complete (earliest end; on a tie, the longer one):
+        # the same answer however the text is chunked.
+        best: tuple[int, int] | None = None
         for s in self.stop:
             i = buf.find(s)
-            if i != -1 and (best == -1 or i < best):
-                best, self.hit = i, s
-        if best != -1:
+            if i != -1 and (best is None or (i + len(s), i) < best):
+                best, self.hit = (i + len(s), i), s
+        if best is not None:
             self._held = ""
-            return buf[:best]
+            return buf[: best[1]]
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]

@@ -152,10 +152,17 @@ def test_stop_string_prefix_is_held_then_released(tok: Tokenizer) -> None:
     assert deltas[-1].endswith("world!") and "".join(deltas) == "Hello world!"
 
 
-def test_stop_checker_earliest_match_wins() -> None:
+def test_stop_checker_first_completed_match_wins() -> None:
     c = StopStringChecker(("cd", "bcde"))
     assert c.feed("ab") == "a"  # "b" may start "bcde"
-    assert c.feed("cdef") == "" and c.hit == "bcde"  # "bcde" starts before "cd"
+    # "cd" is complete before "bcde" is: text arriving a character at a time would stop there
+    assert c.feed("cdef") == "b" and c.hit == "cd"
+    c = StopStringChecker(("b", "aba"))  # found by hypothesis: the answer must not depend on chunks
+    assert c.feed("aab") + c.feed("a") == "aa" and c.hit == "b"
+    c = StopStringChecker(("b", "aba"))
+    assert c.feed("aaba") == "aa" and c.hit == "b"
+    c = StopStringChecker(("bc", "abc"))  # same end: the longer one, which starts first
+    assert c.feed("xabcd") == "x" and c.hit == "abc"
     c = StopStringChecker(("de", "bcx"))
     assert c.feed("abcdef") == "abc" and c.hit == "de"
     with pytest.raises(ValueError, match="non-empty"):
@@ -177,8 +184,9 @@ def test_stop_checker_matches_reference(text: str, stops: list[str], cuts: list[
         # Never shows text that turns out to be (part of) a stop string.
         assert not any(s in out for s in stops)
     out += c.flush()
-    hits = [(text.find(s), s) for s in stops if s in text]
-    expected = text[: min(hits)[0]] if hits else text
+    # generation stops where a stop string is first complete (earliest end, then earliest start)
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    expected = text[: min(hits)[1]] if hits else text
     assert out == expected
     assert (c.hit is not None) == bool(hits)
 
