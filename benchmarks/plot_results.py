@@ -5,9 +5,15 @@
 Reads the results JSONs (any of them may be missing: its figures are skipped with a note) and
 writes PNGs with matplotlib's Agg backend:
 
-    e2e_throughput.png     e2e_h200.json: throughput per system at each measured GPU pool size,
-                           effective batch and mean hit rate on each bar
-    e2e_hit_rate.png       e2e_h200.json: per-layer hit rate of the offload system(s)
+    e2e_throughput.png     e2e_h200.json (Fig. 13): throughput per system at each measured GPU pool
+                           size, all requests at once (rate inf; rows without a rate count as
+                           such), effective batch and mean hit rate on each bar, offload / GPU-only
+                           ratio above each pool
+    e2e_rate_sweep.png     e2e_h200.json (Fig. 12): throughput vs Poisson request rate per system,
+                           effective batch at each point (skipped without finite-rate rows)
+    e2e_hit_rate.png       e2e_h200.json: per-layer hit rate of the offload system(s), all at once
+    e2e_breakdown.png      e2e_h200.json "breakdown": ms per eager decode step by category
+                           (attention, indexer, cache management, moe, dense mlp, other) per pool
     decode_kernels.png     decode_kernels_h200.json: kernel times per swept config vs targets
     cache_ops.png          cache_ops_h200.json: op latencies and recall bandwidth vs targets
     awq_vs_bf16.png        awq_h200.json: W4A16 vs bf16 latency by batch size
@@ -79,26 +85,77 @@ def mean(xs: list[float]) -> float:
 # ------------------------------------------------------------------------------------------------
 # (a), (b): end to end
 
+E2E_COLORS = {"offload": C_BEST, "gpu-only": C_BASE, "offload-eager": "#7fb3d5"}
+# echo_compile.breakdown.CATEGORIES, in its order; any other key of a file is drawn after them
+BREAKDOWN_CATEGORIES = ("attention", "indexer", "cache management", "moe", "dense mlp", "other")
+BREAKDOWN_COLORS = ("#2a7ab0", "#e08a3c", "#c0392b", "#5b9e5b", "#9b6fb5", "#9aa5b1")
+
+
+def _rate(r: dict) -> float:
+    """A row's request rate (req/s); rows of older files have none: all requests at once."""
+    v = r.get("rate")
+    return float("inf") if v is None else float(v)
+
+
+def _pool_label(p) -> str:
+    return f"GPU pool {int(p):,} tokens/layer" if p is not None else "GPU pool ?"
+
+
+def _join(vals) -> str:
+    vs = sorted({v for v in vals if v is not None})
+    return "/".join(f"{v:,}" if isinstance(v, int) else str(v) for v in vs)
+
+
+def _e2e_title(d: dict, rows: list[dict]) -> str:
+    wl, m = d.get("workload", {}), d.get("model", {})
+    reqs = _join(r.get("requests") for r in rows)
+    rep = f", repeat {d['repeat']:g}" if isinstance(d.get("repeat"), (int, float)) else ""
+    return (
+        f"{reqs or wl.get('requests', '?')} requests, context "
+        f"{wl.get('min_ctx', '?'):,}-{wl.get('max_ctx', '?'):,}, "
+        f"{wl.get('output_len', '?')} output tokens, "
+        f"{m.get('num_hidden_layers', '?')} layers, {d.get('kv_format', '?')} KV{rep}"
+    )
+
 
 def plot_e2e(d: dict, out: Path, written: list[Path]) -> None:
     rows = [r for r in d.get("results", []) if "throughput_tok_s" in r]
     if not rows:
         print("skip: e2e: no results")
-        return
-    wl = d.get("workload", {})
-    pools = sorted({r.get("gpu_pool_tokens") for r in rows}, key=lambda p: (p is None, p))
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    colors = {"offload": C_BEST, "gpu-only": C_BASE, "offload-eager": "#7fb3d5"}
+    at_once = [r for r in rows if math.isinf(_rate(r))]
+    swept = [r for r in rows if not math.isinf(_rate(r))]
+    if rows and not at_once:
+        print("skip: e2e throughput / hit rate: no all-at-once (rate inf) rows")
+    if at_once:
+        _e2e_throughput(d, at_once, out, written)
+        _e2e_hit_rate(d, at_once, out, written)
+    if rows and not swept:
+        print("skip: e2e rate sweep: no finite-rate rows")
+    if swept:
+        _e2e_rate_sweep(d, swept, out, written)
+    if d.get("breakdown"):
+        _e2e_breakdown(d, out, written)
+    else:
+        print("skip: e2e breakdown: the file has no breakdown")
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+
+def _e2e_throughput(d: dict, rows: list[dict], out: Path, written: list[Path]) -> None:
+    """Fig. 13: throughput per system at each GPU pool size, requests all at once."""
+    pools = sorted({r.get("gpu_pool_tokens") for r in rows}, key=lambda p: (p is None, -(p or 0)))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+
+    def row(sys_name, pool):
+        return next(
+            (r for r in rows if r["system"] == sys_name and r.get("gpu_pool_tokens") == pool),
+            None,
+        )
+
+    fig, ax = plt.subplots(figsize=(max(7.5, 2.6 * len(pools) + 1.5), 4.6))
     width = 0.8 / len(systems)
     top = max(r["throughput_tok_s"] for r in rows)
     for i, sys_name in enumerate(systems):
         for j, pool in enumerate(pools):
-            r = next(
-                (r for r in rows if r["system"] == sys_name and r.get("gpu_pool_tokens") == pool),
-                None,
-            )
+            r = row(sys_name, pool)
             if r is None:
                 continue
             x = j + (i - (len(systems) - 1) / 2) * width
@@ -106,61 +163,266 @@ def plot_e2e(d: dict, out: Path, written: list[Path]) -> None:
                 x,
                 r["throughput_tok_s"],
                 width * 0.92,
-                color=colors.get(sys_name, C_OTHER),
-                label=sys_name if j == 0 else None,
+                color=E2E_COLORS.get(sys_name, C_OTHER),
+                label=sys_name,
             )
             hr = mean(r.get("hit_rate") or [])
             hr_s = "n/a" if math.isnan(hr) else f"{hr:.3f}"
-            ax.text(
-                x,
-                r["throughput_tok_s"] + top * 0.015,
+            ax.annotate(
                 f"{r['throughput_tok_s']:.0f} tok/s\nbatch {r.get('effective_batch', 0):.1f}\n"
                 f"hit rate {hr_s}",
+                (x, r["throughput_tok_s"]),
+                xytext=(0, 2),
+                textcoords="offset points",
                 ha="center",
                 va="bottom",
                 fontsize=8,
             )
+    for j, pool in enumerate(pools):
+        off, base = row("offload", pool), row("gpu-only", pool)
+        if off is None or base is None or not base["throughput_tok_s"]:
+            continue
+        group_top = max(r["throughput_tok_s"] for r in rows if r.get("gpu_pool_tokens") == pool)
+        ax.annotate(
+            f"offload / GPU-only = {off['throughput_tok_s'] / base['throughput_tok_s']:.1f}x",
+            (j, group_top),
+            xytext=(0, 40),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            fontweight="bold",
+        )
     ax.set_xticks(range(len(pools)))
-    ax.set_xticklabels([f"GPU pool {p:,} tokens/layer" if p else "GPU pool ?" for p in pools])
+    ax.set_xticklabels([_pool_label(p) for p in pools])
     ax.set_ylabel("decode throughput (tokens/s)")
-    ax.set_ylim(0, top * 1.35)
-    ax.set_title(
-        f"End to end: {wl.get('requests', '?')} requests, context "
-        f"{wl.get('min_ctx', '?'):,}-{wl.get('max_ctx', '?'):,}, "
-        f"{wl.get('output_len', '?')} output tokens, "
-        f"{d.get('model', {}).get('num_hidden_layers', '?')} layers, "
-        f"{d.get('kv_format', '?')} KV",
-        fontsize=10,
-    )
-    ax.legend(fontsize=8, loc="upper right")
+    ax.set_ylim(0, top * 1.55)
+    ax.set_title(f"End to end, all requests at once: {_e2e_title(d, rows)}", fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles, strict=True))
+    ax.legend(uniq.values(), uniq.keys(), fontsize=8, loc="upper right", ncol=len(uniq))
     ax.grid(axis="y", alpha=0.3)
     source_note(fig, d, "e2e_h200.json")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     save(fig, out, "e2e_throughput.png", written)
 
+
+def _e2e_hit_rate(d: dict, rows: list[dict], out: Path, written: list[Path]) -> None:
     hr_rows = [r for r in rows if r.get("hit_rate")]
     if not hr_rows:
         print("skip: e2e hit rate: no system reports per-layer hit rates")
         return
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    hr_rows.sort(key=lambda r: (-(r.get("gpu_pool_tokens") or 0), r["system"]))
     n_layers = max(len(r["hit_rate"]) for r in hr_rows)
+    n_bars = n_layers * len(hr_rows)
+    lines = n_bars > 40  # too many bars to read: one line per system and pool instead
+    width_in = min(16, max(6.5, (0.14 * n_layers if lines else 0.32 * n_bars) + 2))
+    fig, ax = plt.subplots(figsize=(width_in, 4.0))
     width = 0.8 / len(hr_rows)
+    pools = list(dict.fromkeys(r.get("gpu_pool_tokens") for r in hr_rows))
+    hatches = ["", "//", "..", "xx", "\\\\", "++"]
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v", "P"]
     for i, r in enumerate(hr_rows):
+        label = (
+            f"{r['system']}, pool {r.get('gpu_pool_tokens') or 0:,} "
+            f"(mean {mean(r['hit_rate']):.3f})"
+        )
+        color = E2E_COLORS.get(r["system"], C_OTHER)
+        pi = pools.index(r.get("gpu_pool_tokens"))
+        if lines:
+            ax.plot(
+                range(len(r["hit_rate"])),
+                r["hit_rate"],
+                ls=styles[pi % len(styles)],
+                marker=markers[pi % len(markers)],
+                ms=3,
+                lw=1,
+                color=color,
+                label=label,
+            )
+            continue
         xs = [k + (i - (len(hr_rows) - 1) / 2) * width for k in range(len(r["hit_rate"]))]
-        label = f"{r['system']} (pool {r.get('gpu_pool_tokens', 0):,})"
-        ax.bar(xs, r["hit_rate"], width * 0.92, label=label, color=colors.get(r["system"], C_OTHER))
-        for x, h in zip(xs, r["hit_rate"], strict=True):
-            ax.text(x, h, f"{h:.3f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(n_layers))
-    ax.set_xticklabels([f"layer {k}" for k in range(n_layers)])
+        ax.bar(
+            xs,
+            r["hit_rate"],
+            width * 0.92,
+            label=label,
+            color=color,
+            hatch=hatches[pi % len(hatches)],
+            edgecolor="white",
+            linewidth=0,
+        )
+        if n_bars <= 16:
+            for x, h in zip(xs, r["hit_rate"], strict=True):
+                ax.text(x, h, f"{h:.3f}", ha="center", va="bottom", fontsize=8)
+        else:
+            for x, h in zip(xs, r["hit_rate"], strict=True):
+                ax.text(x, h, f" {h:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
+    step = max(1, math.ceil(n_layers / 24))
+    ax.set_xticks(range(0, n_layers, step))
+    if n_layers > 12:
+        ax.set_xticklabels([str(k) for k in range(0, n_layers, step)], fontsize=8)
+        ax.set_xlabel("layer", fontsize=8)
+    else:
+        ax.set_xticklabels([f"layer {k}" for k in range(0, n_layers, step)], fontsize=8)
     ax.set_ylabel("GPU-pool hit rate of selected rows")
-    ax.set_ylim(0, max(max(r["hit_rate"]) for r in hr_rows) * 1.3)
-    ax.set_title("Per-layer hit rate, offload systems", fontsize=10)
-    ax.legend(fontsize=8)
+    lo = min(min(r["hit_rate"]) for r in hr_rows)
+    hi = max(max(r["hit_rate"]) for r in hr_rows)
+    if lines:
+        pad = max(hi - lo, 0.01)
+        ax.set_ylim(max(0.0, lo - 0.3 * pad), hi + 0.9 * pad)  # zoomed; room for the legend
+        ax.set_xlim(-1, n_layers)
+    else:
+        ax.set_ylim(0, hi * 1.45)
+    ax.set_title("Per-layer hit rate, offload systems, all requests at once", fontsize=10)
+    ax.legend(fontsize=8, ncol=2 if len(hr_rows) > 3 else 1, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
     source_note(fig, d, "e2e_h200.json")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     save(fig, out, "e2e_hit_rate.png", written)
+
+
+def _e2e_rate_sweep(d: dict, rows: list[dict], out: Path, written: list[Path]) -> None:
+    """Fig. 12: throughput vs Poisson request rate, per system (and pool, if several)."""
+    pools = list(dict.fromkeys(r.get("gpu_pool_tokens") for r in rows))
+    keys = list(dict.fromkeys((r["system"], r.get("gpu_pool_tokens")) for r in rows))
+    markers = ["o", "s", "^", "D", "v", "P"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    for i, (sys_name, pool) in enumerate(keys):
+        pts = sorted(
+            (r for r in rows if r["system"] == sys_name and r.get("gpu_pool_tokens") == pool),
+            key=_rate,
+        )
+        xs = [_rate(r) for r in pts]
+        ys = [r["throughput_tok_s"] for r in pts]
+        label = sys_name + (f", pool {pool or 0:,}" if len(pools) > 1 else "")
+        ax.plot(
+            xs,
+            ys,
+            marker=markers[i % len(markers)],
+            ms=5,
+            color=E2E_COLORS.get(sys_name, C_OTHER),
+            ls="-" if pools.index(pool) == 0 else "--",
+            label=label,
+        )
+        for x, y, r in zip(xs, ys, pts, strict=True):
+            ax.annotate(
+                f"B={r.get('effective_batch', 0):.1f}",
+                (x, y),
+                xytext=(0, 7 if i % 2 == 0 else -9),
+                textcoords="offset points",
+                ha="center",
+                va="bottom" if i % 2 == 0 else "top",
+                fontsize=8,
+            )
+    rates = sorted({_rate(r) for r in rows})
+    ax.set_xscale("log")
+    ax.set_xticks(rates)
+    ax.set_xticklabels([f"{x:g}" for x in rates])
+    ax.minorticks_off()
+    if len(rates) == 1:
+        ax.set_xlim(rates[0] / 2, rates[0] * 2)
+    else:
+        ax.set_xlim(rates[0] / 1.4, rates[-1] * 1.4)
+    top = max(r["throughput_tok_s"] for r in rows)
+    ax.set_ylim(0, top * 1.25)
+    ax.set_xlabel("request rate (requests/s, Poisson arrivals; log)")
+    ax.set_ylabel("decode throughput (tokens/s)")
+    wl, m = d.get("workload", {}), d.get("model", {})
+    rep = f", repeat {d['repeat']:g}" if isinstance(d.get("repeat"), (int, float)) else ""
+    ax.set_title(
+        f"Throughput vs request rate, {_pool_label(pools[0]) if len(pools) == 1 else 'GPU pools '}"
+        f"{'' if len(pools) == 1 else _join(pools)}, "
+        f"{_join(r.get('requests') for r in rows) or '?'} requests per point\n"
+        f"context {wl.get('min_ctx', '?'):,}-{wl.get('max_ctx', '?'):,}, "
+        f"{wl.get('output_len', '?')} output tokens, {m.get('num_hidden_layers', '?')} layers, "
+        f"{d.get('kv_format', '?')} KV{rep}; B = effective batch",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    source_note(fig, d, "e2e_h200.json")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    save(fig, out, "e2e_rate_sweep.png", written)
+
+
+def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
+    """Stacked ms per eager decode step by category, one bar per profiled pool."""
+    bd = d["breakdown"]
+
+    def pool_key(k: str):
+        try:
+            return (0, -int(k))
+        except ValueError:
+            return (1, k)
+
+    entries = [(k, bd[k]) for k in sorted(bd, key=pool_key) if bd[k].get("ms_per_step")]
+    if not entries:
+        print("skip: e2e breakdown: no entry has ms_per_step")
+        return
+    cats = list(BREAKDOWN_CATEGORIES)
+    for _, e in entries:
+        cats += [c for c in e["ms_per_step"] if c not in cats]
+    colors = {
+        c: BREAKDOWN_COLORS[i] if i < len(BREAKDOWN_COLORS) else C_OTHER for i, c in enumerate(cats)
+    }
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.75 * len(entries)))
+    top = max(e.get("total_ms", sum(e["ms_per_step"].values())) for _, e in entries)
+    labels = []
+    for y, (k, e) in enumerate(entries):
+        left = 0.0
+        for c in cats:
+            v = e["ms_per_step"].get(c)
+            if not v:
+                continue
+            ax.barh(y, v, left=left, color=colors[c], label=c if y == 0 else None, height=0.6)
+            if v >= top * 0.06:
+                ax.text(
+                    left + v / 2, y, f"{v:.1f}", ha="center", va="center", fontsize=7, color="w"
+                )
+            left += v
+        total = e.get("total_ms", left)
+        unc = e.get("unclaimed_ms") or 0.0
+        ax.text(
+            left,
+            y,
+            f" total {total:.1f} ms" + (f"\n (other incl. {unc:.1f} unclaimed)" if unc else ""),
+            va="center",
+            fontsize=8,
+        )
+        hr = mean(e.get("hit_rate") or [])
+        pool = f"pool {int(k):,}" if pool_key(k)[0] == 0 else f"pool {k}"
+        labels.append(
+            f"{pool}\nbatch {e.get('batch', '?')}, hit rate "
+            + ("n/a" if math.isnan(hr) else f"{hr:.3f}")
+        )
+    ax.set_yticks(range(len(entries)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, top * 1.3)
+    ax.set_ylim(len(entries) - 0.5, -0.5 - 0.7)  # room for the legend above the bars
+    times = {e.get("time") for _, e in entries}
+    kind = (
+        "GPU kernel time"
+        if times == {"device"}
+        else "CPU time"
+        if times == {"cpu"}
+        else "GPU kernel or CPU time"
+    )
+    ax.set_xlabel(f"eager decode step, {kind} (ms)")
+    m = d.get("model", {})
+    rep = f", repeat {d['repeat']:g}" if isinstance(d.get("repeat"), (int, float)) else ""
+    ax.set_title(
+        f"Where an offload-eager decode step's time goes: {m.get('num_hidden_layers', '?')} "
+        f"layers, {d.get('kv_format', '?')} KV{rep}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="upper center", ncol=len(cats), frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    source_note(fig, d, "e2e_h200.json")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    save(fig, out, "e2e_breakdown.png", written)
 
 
 # ------------------------------------------------------------------------------------------------

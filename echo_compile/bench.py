@@ -10,22 +10,31 @@ GPU pool tokens per layer:
   by how many whole requests fit), compiled;
 - ``offload-eager``: offloading without CUDA graphs.
 
-Selection locality. Random weights do not give real attention's temporal locality, so locality is
-set by the sampling temperature: at 0 (greedy) a random model mostly repeats its input token, the
-indexer query barely changes between steps and the selections overlap heavily; higher temperatures
-draw fresh tokens and the overlap falls. The measured per-layer hit rate is reported next to every
-throughput figure; do not read a throughput without it.
+Selection locality. Random weights do not give real attention's temporal locality (the paper
+measures GPU-pool hit rates of 0.97-0.99). The knob is ``--repeat``: the probability that a
+request's next decode input is its previous input token rather than the sampled one (sampling
+still runs). At 1.0 every layer-0 indexer query differs from the last only by RoPE, so its
+selections overlap heavily; deeper layers see the drift of the attention outputs and overlap less;
+at 0 the model's own (greedy or sampled) tokens make every query new. The measured per-layer hit
+rate is reported next to every throughput figure; do not read a throughput without it.
+
+Runs: every system at every ``--gpu-pools`` size with all requests at once (Fig. 13), and at
+``--rate-pool`` a Poisson rate sweep (Fig. 12); ``offload-eager`` at ``--eager-pools``, where the
+eager step is also profiled for the time breakdown (echo_compile.breakdown). Results are written
+after every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
+import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -91,12 +100,36 @@ def make_injector(seed: int = 0):
     return inject
 
 
+class BenchEngine(Engine):
+    """The engine plus the benchmark's locality knob: with probability ``repeat`` a request's next
+    input token is its previous input token instead of the sampled one (its logprob is then the
+    sampled token's; the benchmark reads neither). Sampling still runs every step."""
+
+    def __init__(self, *args, repeat: float = 0.0, seed: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not 0.0 <= repeat <= 1.0:
+            raise ValueError(f"repeat must be a probability in [0, 1], got {repeat!r}")
+        self.repeat = repeat
+        self._repeat_rng = random.Random(seed)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        tokens, logprobs = super()._sample(reqs, logits)
+        if self.repeat > 0:
+            for i, r in enumerate(reqs):
+                if self._repeat_rng.random() < self.repeat:
+                    tokens[i] = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
+        return tokens, logprobs
+
+
 @dataclass
 class SystemResult:
     system: str
     gpu_pool_tokens: int
+    rate: float
+    requests: int
     throughput_tok_s: float
     effective_batch: float
+    max_batch: int
     decode_steps: int
     generated_tokens: int
     wall_s: float
@@ -118,115 +151,158 @@ def _pct(xs: list[float], scale: float = 1.0) -> dict[str, float]:
     }
 
 
-def run_system(
-    model: torch.nn.Module,
-    tokenizer,
-    wl: Workload,
-    system: str,
-    gpu_pool: int,
-    host_tokens: int,
-    kv_format: str,
-    max_batch: int,
-    device: str,
-) -> SystemResult:
-    from echo_compile.compiled import compile_runner, warmup
+def batch_cap(system: str, gpu_pool: int, topk: int, min_len: int, max_batch: int) -> int:
+    """The largest decode batch a system runs with a pool of ``gpu_pool`` rows per layer:
+    offloading needs B x topk <= N_G; GPU-only holds whole requests, so at most this many of the
+    shortest (``min_len`` tokens, page-rounded) fit."""
+    if system == "gpu-only":
+        return max(1, min(max_batch, gpu_pool // (-(-min_len // 64) * 64)))
+    return max(1, min(max_batch, gpu_pool // topk))
 
-    lens = wl.lengths()
-    offload = system != "gpu-only"
-    max_len = wl.max_ctx + wl.output_len + 64
-    topk = model.config.index_topk
-    # Only the batch sizes this workload produces are captured (each bucket is a compile): with
-    # all requests arriving at once, offloading runs waves of `batch`; GPU-only runs as many whole
-    # requests as its pool holds, padded to that bucket.
-    if offload:
-        batch = min(max_batch, gpu_pool // topk, wl.requests)
-        rest = wl.requests % batch
-        buckets = tuple(sorted({batch, rest} - {0}))
+
+class System:
+    """One system under test, built once (compiled systems: compiled and their graphs captured)
+    and then run over one or more workloads, one after another."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        system: str,
+        gpu_pool: int,
+        host_tokens: int,
+        kv_format: str,
+        max_len: int,
+        batch: int,
+        buckets: tuple[int, ...],
+        device: str,
+        repeat: float,
+        seed: int = 0,
+    ):
+        from echo_compile.compiled import compile_runner, warmup
+
+        if system not in SYSTEMS:
+            raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
+        self.system, self.gpu_pool, self.model = system, gpu_pool, model
+        offload = system != "gpu-only"
         cfg = EngineConfig(
             max_batch=batch,
-            host_tokens=host_tokens,
+            # GPU-only keeps the KV in a device pool of N_G rows: the "host" pool is that pool
+            host_tokens=host_tokens if offload else gpu_pool // 64 * 64,
             gpu_tokens=gpu_pool,
             kv_format=kv_format,
-            offload=True,
+            offload=offload,
             max_model_len=max_len,
-            decode_buckets=buckets,
+            decode_buckets=tuple(sorted({b for b in buckets if 0 < b < batch} | {batch})),
             device=device,
         )
-    else:
-        # The pool admits requests by their real lengths, so up to this many of the shortest fit.
-        # (The H200 run in docs/e2e_report.md predates this: it capped GPU-only at the count of the
-        # longest requests that fit, batch 1.)
-        per_req = -(-(wl.min_ctx + wl.output_len) // 64) * 64
-        batch = max(1, min(max_batch, gpu_pool // per_req))
-        cfg = EngineConfig(
-            max_batch=batch,
-            host_tokens=gpu_pool // 64 * 64,
-            gpu_tokens=gpu_pool,
-            kv_format=kv_format,
-            offload=False,
-            max_model_len=max_len,
-            device=device,
+        self.engine = BenchEngine(
+            model, model.config, None, cfg, model_name="bench", repeat=repeat, seed=seed
         )
-    engine = Engine(model, model.config, tokenizer, cfg, model_name="bench")
-    warm = 0.0
-    if system != "offload-eager":
-        compile_runner(engine.runner)
-        warm = warmup(engine.runner, progress=True, prefill=False)
-    inject = make_injector(wl.seed)
-    inject_s = 0.0
+        self.warmup_s = 0.0
+        if system != "offload-eager":
+            torch._dynamo.reset()  # a fresh compile per engine: earlier engines' graphs are gone
+            compile_runner(self.engine.runner)
+            self.warmup_s = warmup(self.engine.runner, progress=True, prefill=False)
+        self.inject = make_injector(seed)
+        self.inject_s = 0.0
+        self.engine.kv_injector = self._inject
+        self.engine.keep_finished = True
 
-    def injector(eng: Engine, req: Request) -> None:
-        nonlocal inject_s
+    def _inject(self, eng: Engine, req: Request) -> None:
         t = time.perf_counter()
-        inject(eng, req)
+        self.inject(eng, req)
         if eng.device.type == "cuda":
             torch.cuda.synchronize()
-        inject_s += time.perf_counter() - t
+        self.inject_s += time.perf_counter() - t
 
-    engine.kv_injector = injector
-    engine.keep_finished = True
-    params = SamplingParams(
-        max_tokens=wl.output_len, temperature=wl.temperature, ignore_eos=True, seed=wl.seed
-    )
-    rng = random.Random(wl.seed)
-    pending = sorted(zip(wl.arrivals(), range(wl.requests)))
-    t0 = time.perf_counter()
-    step_times, done = [], {}
-    while pending or engine.has_unfinished():
-        now = time.perf_counter() - t0
-        while pending and pending[0][0] <= now:
-            _, i = pending.pop(0)
-            prompt = [rng.randrange(2, model.config.vocab_size) for _ in range(lens[i])]
-            engine.add_request(f"r{i}", prompt, params, inject_kv=True)
-        ts = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step_times.append(time.perf_counter() - ts)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    m = engine.metrics()
-    reqs = engine.finished_requests
-    ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time]
-    itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
-    gen = sum(len(r.output_ids) for r in reqs)
-    return SystemResult(
-        system=system,
-        gpu_pool_tokens=gpu_pool,
-        throughput_tok_s=gen / max(wall - inject_s, 1e-9),
-        effective_batch=engine.decode_rows / max(engine.num_decode_steps, 1),
-        decode_steps=engine.num_decode_steps,
-        generated_tokens=gen,
-        wall_s=wall,
-        inject_s=inject_s,
-        step_ms_median=float(torch.tensor(step_times).median()) * 1e3 if step_times else 0.0,
-        ttft_s=_pct(ttft),
-        itl_ms=_pct(itl, 1e3),
-        hit_rate=list(m["hit_rate"]),
-        recalled_rows_per_step=float(m["recalled_rows_per_step"]),
-        warmup_s=warm,
-    )
+    def _add(self, wl: Workload, i: int, length: int, rng: random.Random) -> None:
+        prompt = [rng.randrange(2, self.model.config.vocab_size) for _ in range(length)]
+        params = SamplingParams(
+            max_tokens=wl.output_len, temperature=wl.temperature, ignore_eos=True, seed=wl.seed
+        )
+        self.engine.add_request(f"r{i}", prompt, params, inject_kv=True)
+
+    def run(self, wl: Workload) -> SystemResult:
+        """Serve ``wl`` (requests arrive at their Poisson times) until every request is done."""
+        engine = self.engine
+        engine.reset_stats()
+        self.inject_s = 0.0
+        lens = wl.lengths()
+        rng = random.Random(wl.seed)
+        pending = sorted(zip(wl.arrivals(), range(wl.requests)))
+        t0 = time.perf_counter()
+        step_times: list[float] = []
+        while pending or engine.has_unfinished():
+            now = time.perf_counter() - t0
+            while pending and pending[0][0] <= now:
+                _, i = pending.pop(0)
+                self._add(wl, i, lens[i], rng)
+            if not engine.has_unfinished():  # idle until the next arrival
+                time.sleep(max(0.0, min(pending[0][0] - now, 0.01)))
+                continue
+            ts = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - ts)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        m = engine.metrics()
+        reqs = engine.finished_requests
+        ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time]
+        itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
+        gen = sum(len(r.output_ids) for r in reqs)
+        return SystemResult(
+            system=self.system,
+            gpu_pool_tokens=self.gpu_pool,
+            rate=wl.rate,
+            requests=wl.requests,
+            throughput_tok_s=gen / max(wall - self.inject_s, 1e-9),
+            effective_batch=engine.decode_rows / max(engine.num_decode_steps, 1),
+            max_batch=engine.config.max_batch,
+            decode_steps=engine.num_decode_steps,
+            generated_tokens=gen,
+            wall_s=wall,
+            inject_s=self.inject_s,
+            step_ms_median=float(torch.tensor(step_times).median()) * 1e3 if step_times else 0.0,
+            ttft_s=_pct(ttft),
+            itl_ms=_pct(itl, 1e3),
+            hit_rate=list(m["hit_rate"]),
+            recalled_rows_per_step=float(m["recalled_rows_per_step"]),
+            warmup_s=self.warmup_s,
+        )
+
+    def breakdown(self, wl: Workload, warm_steps: int = 4, steps: int = 8) -> dict:
+        """Profile ``steps`` decode steps at the workload's full batch (all requests admitted,
+        ``warm_steps`` run first); per-step time by category (see echo_compile.breakdown)."""
+        from echo_compile.breakdown import profile_steps
+
+        if self.system != "offload-eager":
+            raise ValueError("the breakdown profiles the eager system (offload-eager)")
+        engine = self.engine
+        engine.reset_stats()
+        lens = wl.lengths()
+        rng = random.Random(wl.seed)
+        n = min(wl.requests, engine.config.max_batch)
+        for i in range(n):
+            self._add(replace(wl, output_len=warm_steps + steps + 1), i, lens[i], rng)
+        while engine.num_decode_steps < warm_steps:
+            engine.step()
+        out = profile_steps(self.model, engine.step, steps, cuda=engine.device.type == "cuda")
+        while engine.has_unfinished():
+            engine.step()
+        out["batch"] = n
+        out["hit_rate"] = list(engine.metrics()["hit_rate"])
+        return out
+
+    def close(self) -> None:
+        """Free the pools (pinned host memory, device memory) before the next system is built."""
+        self.engine = None  # type: ignore[assignment]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+SYSTEMS = ("offload", "gpu-only", "offload-eager")
 
 
 def build_model(preset: str, layers: int, experts: int, device: str) -> torch.nn.Module:
@@ -261,6 +337,14 @@ def environment() -> dict:
     return env
 
 
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="echo-compile bench",
@@ -285,50 +369,121 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-ctx", type=int, default=80_000)
     ap.add_argument("--max-ctx", type=int, default=100_000)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--rate", type=float, default=float("inf"))
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--gpu-pools", default="325000,200000,110000")
+    ap.add_argument(
+        "--repeat",
+        type=float,
+        default=1.0,
+        help="probability that a decode input repeats the previous one (selection locality)",
+    )
+    ap.add_argument("--gpu-pools", default="325000,200000,110000", help="N_G per layer, each")
     ap.add_argument("--host-tokens", type=int, default=0, help="default: enough for every request")
     ap.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--systems", default="offload,gpu-only,offload-eager")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--eager-pools", default="200000", help="pools at which offload-eager runs")
     ap.add_argument(
-        "--eager-pools", default="200000", help="pool sizes at which offload-eager runs"
+        "--rates",
+        default="2,4,8,16",
+        help="Poisson request rates (req/s) of the rate sweep (Fig. 12); empty: no sweep",
+    )
+    ap.add_argument(
+        "--rate-pool", type=int, default=None, help="the sweep's GPU pool (default 200000 if run)"
+    )
+    ap.add_argument("--rate-requests", type=int, default=32, help="requests per sweep point")
+    ap.add_argument(
+        "--breakdown-steps",
+        type=int,
+        default=8,
+        help="profiled eager steps for the time breakdown (at --eager-pools); 0: none",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
     a = ap.parse_args(argv)
+    systems = a.systems.split(",")
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
+    if not 0.0 <= a.repeat <= 1.0:
+        ap.error(f"--repeat must be in [0, 1], got {a.repeat}")
+    pools, rates = _ints(a.gpu_pools), _floats(a.rates)
+    if any(r <= 0 for r in rates):
+        ap.error(f"--rates must be positive, got {a.rates!r}")
+    if not pools:
+        ap.error("--gpu-pools: give at least one pool size")
+    if a.rate_pool is None:
+        a.rate_pool = 200_000 if 200_000 in pools else pools[0]
+    if rates and a.rate_pool not in pools:
+        ap.error(f"--rate-pool {a.rate_pool} must be one of --gpu-pools {a.gpu_pools}")
 
+    longest = a.max_ctx if a.workload == "long" else sharegpt_like(1).max_ctx
+    if "gpu-only" in systems and min(pools) < longest + a.output_len:
+        ap.error(
+            f"gpu-only: a GPU pool of {min(pools)} rows cannot hold the longest request "
+            f"({longest} + {a.output_len} tokens)"
+        )
+    t_start = time.perf_counter()
     model = build_model(a.preset, a.layers, a.experts, a.device)
     cfg = model.config
     if a.workload == "sharegpt":
         wl = sharegpt_like(a.requests)
-        wl.rate, wl.temperature = a.rate, a.temperature
+        wl.temperature = a.temperature
     else:
-        wl = Workload(a.requests, a.min_ctx, a.max_ctx, a.output_len, a.rate, a.temperature)
+        wl = Workload(a.requests, a.min_ctx, a.max_ctx, a.output_len, temperature=a.temperature)
+    sweep = [replace(wl, requests=a.rate_requests, rate=r) for r in rates]
     host = a.host_tokens or -(-(sum(wl.lengths()) + a.requests * (a.output_len + 128)) // 64) * 64
-    results = []
-    for pool in [int(x) for x in a.gpu_pools.split(",")]:
-        for system in a.systems.split(","):
-            if system == "offload-eager" and str(pool) not in a.eager_pools.split(","):
-                continue
-            r = run_system(model, None, wl, system, pool, host, a.kv_format, a.max_batch, a.device)
-            print(
-                f"{system:14s} pool {pool:7d}: {r.throughput_tok_s:9.1f} tok/s, batch "
-                f"{r.effective_batch:5.1f}, hit rate "
-                f"{sum(r.hit_rate) / max(len(r.hit_rate), 1):.3f}",
-                flush=True,
-            )
-            results.append(asdict(r))
+    max_len = wl.max_ctx + wl.output_len + 64
     out = {
         "environment": environment(),
+        "command": "echo-compile bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": cfg.to_dict(),
         "workload": asdict(wl),
+        "repeat": a.repeat,
         "host_tokens": host,
         "kv_format": a.kv_format,
-        "results": results,
+        "results": [],
+        "breakdown": {},
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {a.out}")
+    path = Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every run, so a cut-short session still leaves its results
+        out["elapsed_s"] = time.perf_counter() - t_start
+        path.write_text(json.dumps(out, indent=1))
+
+    for pool in pools:
+        for system in systems:
+            eager = system == "offload-eager"
+            if eager and pool not in _ints(a.eager_pools):
+                continue
+            runs = [wl] + (sweep if pool == a.rate_pool and not eager else [])
+            cap = batch_cap(system, pool, cfg.index_topk, wl.min_ctx + wl.output_len, a.max_batch)
+            cap = min(cap, max(r.requests for r in runs))
+            buckets = {r.requests % cap for r in runs if r.rate == float("inf")} - {0}
+            if len(runs) > 1 and system == "offload":  # arrivals spread out: smaller batches too
+                buckets |= {16}
+            sut = System(
+                model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
+                a.repeat, wl.seed,
+            )  # fmt: skip
+            for run in runs:
+                r = sut.run(run)
+                out["results"].append(asdict(r))
+                save()
+                print(
+                    f"{system:14s} pool {pool:7d} rate {run.rate:5g}: "
+                    f"{r.throughput_tok_s:9.1f} tok/s, batch {r.effective_batch:5.1f}, "
+                    f"hit rate {' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
+                    f"(warm-up {r.warmup_s:.0f} s, {time.perf_counter() - t_start:.0f} s in)",
+                    flush=True,
+                )
+            if eager and a.breakdown_steps > 0:
+                bd = sut.breakdown(wl, steps=a.breakdown_steps)
+                out["breakdown"][str(pool)] = bd
+                save()
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["ms_per_step"].items())
+                print(f"breakdown pool {pool} (ms/step, eager {bd['time']} time): {parts}")
+            sut.close()
+    save()
+    print(f"wrote {a.out} ({out['elapsed_s']:.0f} s)")
     return 0

@@ -215,6 +215,14 @@ class Engine:
                 self.requests.pop(req.request_id, None)
         self.cache.reset_pools()
 
+    def reset_stats(self) -> None:
+        """Zero the step/token counters and the pools' hit/recall totals, and forget finished
+        requests (benchmarks: one engine measures several workloads in turn)."""
+        self.num_steps = self.num_decode_steps = self.decode_rows = self.generated_tokens = 0
+        self._recent.clear()
+        self.finished_requests.clear()
+        self.cache.reset_stats()
+
     def check_pools(self) -> None:
         """Raise if a recall ever had more misses than free GPU-pool rows. The scheduler's
         admission (B x topk <= N_G) makes this impossible; a non-zero count is a bug, and the

@@ -1,0 +1,121 @@
+"""Where a decode step's time goes: attention, indexer, cache management, MoE, dense MLP, other.
+
+Decode steps of an *eager* engine run under ``torch.profiler``; every kernel's device time (CPU
+time on a CPU run) is charged to the innermost named region that launched it:
+- the ``echo::`` custom ops by name: ``sparse_mla_decode`` is attention, ``indexer_topk`` the
+  indexer's selection, ``allocate``/``free``/``recall``/``release``/``offload`` cache management,
+  ``moe_bf16``/``moe_w4a16`` MoE;
+- module regions entered by forward hooks: each layer's ``indexer`` (its projections), ``MoE`` and
+  dense ``MLP`` blocks;
+- everything else (projections, norms, RoPE, lm_head, sampling) is ``other``.
+Eager, because inside a CUDA graph the profiler cannot tell which op launched a kernel. The custom
+ops run the same kernels compiled or not; Inductor fuses the small element-wise work in ``other``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+CATEGORIES = ("attention", "indexer", "cache management", "moe", "dense mlp", "other")
+
+_OPS = {
+    "echo::sparse_mla_decode": "attention",
+    "echo::indexer_topk": "indexer",
+    "echo::allocate": "cache management",
+    "echo::free": "cache management",
+    "echo::recall": "cache management",
+    "echo::release": "cache management",
+    "echo::offload": "cache management",
+    "echo::moe_bf16": "moe",
+    "echo::moe_w4a16": "moe",
+}
+_REGION = "echo_breakdown:"
+
+
+def _hook_regions(model: nn.Module) -> list:
+    """Forward hooks that open a profiler region around each indexer, MoE and dense MLP."""
+    from model.model import Indexer
+    from model.moe import MLP, MoE
+
+    handles = []
+    for mod in model.modules():
+        if isinstance(mod, Indexer):
+            name = "indexer"
+        elif isinstance(mod, MoE):
+            name = "moe"
+        elif isinstance(mod, MLP) and not _inside_moe(model, mod):
+            name = "dense mlp"
+        else:
+            continue
+        stack: list = []
+
+        def pre(_m, _a, name=name, stack=stack):
+            rf = torch.profiler.record_function(_REGION + name)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(_m, _a, _o, stack=stack):
+            stack.pop().__exit__(None, None, None)
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    return handles
+
+
+def _inside_moe(model: nn.Module, mlp: nn.Module) -> bool:
+    from model.moe import MoE
+
+    return any(mlp is m for moe in model.modules() if isinstance(moe, MoE) for m in moe.modules())
+
+
+def _category(event) -> str:
+    e = event
+    while e is not None:
+        if e.name in _OPS:
+            return _OPS[e.name]
+        if e.name.startswith(_REGION):
+            return e.name[len(_REGION) :]
+        e = e.cpu_parent
+    return "other"
+
+
+def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda: bool) -> dict:
+    """Run ``step()`` ``steps`` times under the profiler; per-step milliseconds by category
+    (device time on CUDA, CPU time otherwise) and their total."""
+    handles = _hook_regions(model)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    try:
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    # On CUDA the kernels appear twice: charged to the CPU op that launched them and as events of
+    # their own; categories come from the first, the total from the second (the difference, kernels
+    # no op claimed, is reported and counted as "other").
+    us = dict.fromkeys(CATEGORIES, 0.0)
+    kernels_us = 0.0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU:
+            t = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+            if t > 0:
+                us[_category(ev)] += t
+        elif cuda:
+            kernels_us += ev.time_range.elapsed_us()
+    unclaimed = max(kernels_us - sum(us.values()), 0.0) if cuda else 0.0
+    us["other"] += unclaimed
+    ms = {k: v / 1e3 / steps for k, v in us.items()}
+    return {
+        "ms_per_step": ms,
+        "total_ms": sum(ms.values()),
+        "unclaimed_ms": unclaimed / 1e3 / steps,
+        "time": "device" if cuda else "cpu",
+    }

@@ -1,0 +1,120 @@
+"""The end-to-end benchmark harness (echo-compile bench) on the tiny preset: the runs it makes, the
+locality knob, the time breakdown, and its argument errors. The numbers themselves come from the
+H200 (benchmarks/results/); here only that they are computed and consistent."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from echo_compile import bench
+from echo_compile.breakdown import CATEGORIES
+
+ARGS = [
+    "--preset", "tiny", "--device", "cpu", "--requests", "4", "--min-ctx", "200",
+    "--max-ctx", "300", "--output-len", "4", "--max-batch", "4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    return bench.build_model("tiny", 0, 0, "cpu")
+
+
+def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
+    out = tmp_path / "e2e.json"
+    argv = ARGS + ["--gpu-pools", "704,384", "--eager-pools", "384", "--rate-pool", "384"]
+    argv += ["--rates", "400", "--rate-requests", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())
+    runs = {(r["system"], r["gpu_pool_tokens"], r["rate"]) for r in d["results"]}
+    inf = math.inf
+    assert runs == {
+        ("offload", 704, inf), ("gpu-only", 704, inf),
+        ("offload", 384, inf), ("offload", 384, 400.0), ("gpu-only", 384, inf),
+        ("gpu-only", 384, 400.0), ("offload-eager", 384, inf),
+    }  # fmt: skip
+    layers = d["model"]["num_hidden_layers"]
+    for r in d["results"]:
+        assert r["generated_tokens"] == r["requests"] * 4
+        assert r["throughput_tok_s"] > 0 and 1 <= r["effective_batch"] <= r["max_batch"]
+        offload = r["system"] != "gpu-only"
+        assert len(r["hit_rate"]) == (layers if offload else 0)
+        assert all(0 <= h <= 1 for h in r["hit_rate"])
+        assert (r["recalled_rows_per_step"] > 0) == offload
+    # GPU-only holds whole requests: 384 rows fit one of these, 704 two; offloading is bounded by
+    # B x topk <= N_G and the max batch
+    caps = {(r["system"], r["gpu_pool_tokens"]): r["max_batch"] for r in d["results"]}
+    assert caps[("gpu-only", 384)] == 1 and caps[("gpu-only", 704)] == 2
+    assert caps[("offload", 384)] == 4
+    bd = d["breakdown"]["384"]
+    assert set(bd["ms_per_step"]) == set(CATEGORIES) and bd["batch"] == 4
+    for part in ("attention", "indexer", "cache management", "moe"):
+        assert bd["ms_per_step"][part] > 0, part
+    assert bd["total_ms"] == pytest.approx(sum(bd["ms_per_step"].values()))
+
+
+def _eager_system(model, repeat: float) -> bench.System:
+    return bench.System(model, "offload-eager", 256, 4096, "fp8", 512, 2, (), "cpu", repeat, seed=0)
+
+
+def test_repeat_feeds_the_previous_input_and_raises_locality(model) -> None:
+    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=12, temperature=1.0)
+    hit = {}
+    for repeat in (0.0, 1.0):
+        sut = _eager_system(model, repeat)
+        r = sut.run(wl)
+        reqs = sut.engine.finished_requests
+        if repeat == 1.0:  # every decode input is the prompt's last token
+            assert all(set(q.output_ids) == {q.prompt_ids[-1]} for q in reqs)
+        else:
+            assert any(len(set(q.output_ids)) > 1 for q in reqs)
+        hit[repeat] = r.hit_rate
+        sut.close()
+    assert hit[1.0][0] > hit[0.0][0] + 0.1, hit
+
+
+def test_repeat_zero_is_the_plain_engine(model) -> None:
+    """The knob off changes nothing: greedy outputs equal the engine's own."""
+    from runtime.engine import Engine
+
+    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=6)
+    sut = _eager_system(model, 0.0)
+    sut.run(wl)
+    ours = sorted((q.request_id, q.output_ids) for q in sut.engine.finished_requests)
+    base = _eager_system(model, 0.0)
+    base.engine._sample = Engine._sample.__get__(base.engine)  # the unmodified sampler
+    base.run(wl)
+    theirs = sorted((q.request_id, q.output_ids) for q in base.engine.finished_requests)
+    assert ours == theirs
+
+
+def test_batch_cap() -> None:
+    assert bench.batch_cap("offload", 200_000, 2048, 80_256, 64) == 64
+    assert bench.batch_cap("offload", 110_000, 2048, 80_256, 64) == 53
+    assert bench.batch_cap("gpu-only", 200_000, 2048, 80_256, 64) == 2
+    assert bench.batch_cap("gpu-only", 325_000, 2048, 80_256, 64) == 4
+    assert bench.batch_cap("gpu-only", 50_000, 2048, 80_256, 64) == 1
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--repeat", "1.5"], "--repeat"),
+        (["--systems", "offload,vllm"], "unknown system 'vllm'"),
+        (["--gpu-pools", "256"], "cannot hold the longest request"),
+        (["--rates", "2,-1"], "--rates must be positive"),
+        (["--rate-pool", "999"], "--rate-pool 999 must be one of"),
+    ],
+)
+def test_bench_rejects_bad_arguments(extra, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(ARGS + ["--gpu-pools", "704"] + extra)
+    assert message in capsys.readouterr().err
+
+
+def test_bench_engine_rejects_bad_repeat(model) -> None:
+    with pytest.raises(ValueError, match="repeat must be a probability"):
+        _eager_system(model, -0.5)
