@@ -368,7 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-ctx", type=int, default=80_000)
     ap.add_argument("--max-ctx", type=int, default=100_000)
-    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="tokens per request (InfiniteBench: 256; 128 keeps the default run under 10 min)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument(
         "--repeat",
@@ -390,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rate-pool", type=int, default=None, help="the sweep's GPU pool (default 200000 if run)"
     )
-    ap.add_argument("--rate-requests", type=int, default=32, help="requests per sweep point")
+    ap.add_argument("--rate-requests", type=int, default=16, help="requests per sweep point")
     ap.add_argument(
         "--breakdown-steps",
         type=int,

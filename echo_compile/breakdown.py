@@ -84,6 +84,9 @@ def _category(event) -> str:
 def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda: bool) -> dict:
     """Run ``step()`` ``steps`` times under the profiler; per-step milliseconds by category
     (device time on CUDA, CPU time otherwise) and their total."""
+    # On CUDA the kernels appear twice: charged to the CPU op that launched them and as events of
+    # their own; categories come from the first, the total from the second. Kernels no op claimed
+    # are counted as "other" and listed by name.
     handles = _hook_regions(model)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -98,24 +101,25 @@ def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda
     finally:
         for h in handles:
             h.remove()
-    # On CUDA the kernels appear twice: charged to the CPU op that launched them and as events of
-    # their own; categories come from the first, the total from the second (the difference, kernels
-    # no op claimed, is reported and counted as "other").
     us = dict.fromkeys(CATEGORIES, 0.0)
-    kernels_us = 0.0
+    by_name: dict[str, float] = {}  # device time per kernel name: all, minus what ops claimed
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CPU:
             t = ev.self_device_time_total if cuda else ev.self_cpu_time_total
             if t > 0:
                 us[_category(ev)] += t
+            for k in ev.kernels if cuda else ():
+                by_name[k.name] = by_name.get(k.name, 0.0) - k.duration
         elif cuda:
-            kernels_us += ev.time_range.elapsed_us()
-    unclaimed = max(kernels_us - sum(us.values()), 0.0) if cuda else 0.0
+            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.time_range.elapsed_us()
+    unclaimed = sum(v for v in by_name.values() if v > 0)
     us["other"] += unclaimed
+    top = sorted(((v, n) for n, v in by_name.items() if v > 0), reverse=True)[:8]
     ms = {k: v / 1e3 / steps for k, v in us.items()}
     return {
         "ms_per_step": ms,
         "total_ms": sum(ms.values()),
         "unclaimed_ms": unclaimed / 1e3 / steps,
+        "unclaimed_top": {n[:120]: v / 1e3 / steps for v, n in top},
         "time": "device" if cuda else "cpu",
     }
