@@ -110,7 +110,8 @@ def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda
                 us[_category(ev)] += t
             for k in ev.kernels if cuda else ():
                 by_name[k.name] = by_name.get(k.name, 0.0) - k.duration
-        elif cuda:
+        elif cuda and not (ev.is_user_annotation or ev.name.startswith(_REGION)):
+            # (a region also shows up on the device as an annotation spanning its kernels)
             by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.time_range.elapsed_us()
     unclaimed = sum(v for v in by_name.values() if v > 0)
     us["other"] += unclaimed
