@@ -215,8 +215,14 @@ class System:
             torch.cuda.synchronize()
         self.inject_s += time.perf_counter() - t
 
-    def _add(self, wl: Workload, i: int, length: int, rng: random.Random) -> None:
-        prompt = [rng.randrange(2, self.model.config.vocab_size) for _ in range(length)]
+    def _prompts(self, wl: Workload) -> list[list[int]]:
+        """The requests' prompt token ids (random: only their lengths matter), made before any
+        timing starts."""
+        rng = random.Random(wl.seed)
+        vocab = self.model.config.vocab_size
+        return [[rng.randrange(2, vocab) for _ in range(n)] for n in wl.lengths()]
+
+    def _add(self, wl: Workload, i: int, prompt: list[int]) -> None:
         params = SamplingParams(
             max_tokens=wl.output_len, temperature=wl.temperature, ignore_eos=True, seed=wl.seed
         )
@@ -227,8 +233,7 @@ class System:
         engine = self.engine
         engine.reset_stats()
         self.inject_s = 0.0
-        lens = wl.lengths()
-        rng = random.Random(wl.seed)
+        prompts = self._prompts(wl)
         pending = sorted(zip(wl.arrivals(), range(wl.requests)))
         t0 = time.perf_counter()
         step_times: list[float] = []
@@ -236,7 +241,7 @@ class System:
             now = time.perf_counter() - t0
             while pending and pending[0][0] <= now:
                 _, i = pending.pop(0)
-                self._add(wl, i, lens[i], rng)
+                self._add(wl, i, prompts[i])
             if not engine.has_unfinished():  # idle until the next arrival
                 time.sleep(max(0.0, min(pending[0][0] - now, 0.01)))
                 continue
@@ -280,11 +285,10 @@ class System:
             raise ValueError("the breakdown profiles the eager system (offload-eager)")
         engine = self.engine
         engine.reset_stats()
-        lens = wl.lengths()
-        rng = random.Random(wl.seed)
+        prompts = self._prompts(wl)
         n = min(wl.requests, engine.config.max_batch)
         for i in range(n):
-            self._add(replace(wl, output_len=warm_steps + steps + 1), i, lens[i], rng)
+            self._add(replace(wl, output_len=warm_steps + steps + 1), i, prompts[i])
         while engine.num_decode_steps < warm_steps:
             engine.step()
         out = profile_steps(self.model, engine.step, steps, cuda=engine.device.type == "cuda")
