@@ -228,8 +228,9 @@ def summary(res: dict) -> list[str]:
     if ok_scores:
         best = max(ok_scores, key=lambda r: r["tb_s"])
         ceiling = res.get("ceilings", {}).get("copy_tb_s", float("nan"))
+        default = next((r for r in ix["scores"] if r["config"] == ik.IndexerConfig().__dict__), {})
         lines.append(f"scores kernel: best {best['tb_s']:.2f} TB/s ({best['us']:.1f} us), default "
-                     f"{ix['scores'][0].get('tb_s', float('nan')):.2f} TB/s; target >= "
+                     f"{default.get('tb_s', float('nan')):.2f} TB/s; target >= "
                      f"{TARGETS['scores_tb_s']} TB/s; copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
     ok_topk = [r for r in ix.get("topk_standalone", []) if "us" in r and r.get("exact")]
     if ok_topk:

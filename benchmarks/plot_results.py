@@ -13,6 +13,8 @@ writes PNGs with matplotlib's Agg backend:
                            effective batch at each point (skipped without finite-rate rows)
     e2e_hit_rate.png       e2e_h200.json: per-layer hit rate of the offload system(s), all at once
     e2e_breakdown.png      e2e_h200.json "breakdown": ms per eager decode step by category
+    step_breakdown.png     step_h200.json: the same at B=1/16/64, with compiled / GPU-only / eager
+                           step times (bench_step.py)
                            (attention, indexer, cache management, moe, dense mlp, other) per pool
     decode_kernels.png     decode_kernels_h200.json: kernel times per swept config vs targets
     cache_ops.png          cache_ops_h200.json: op latencies and recall bandwidth vs targets
@@ -347,6 +349,27 @@ def _e2e_rate_sweep(d: dict, rows: list[dict], out: Path, written: list[Path]) -
     save(fig, out, "e2e_rate_sweep.png", written)
 
 
+ANNOTATION = "echo_breakdown:"
+
+
+def corrected_breakdown(e: dict) -> dict:
+    """A breakdown entry without the double count of runs made before the fix in
+    echo_compile/breakdown.py: there a region's device-side annotation (named echo_breakdown:*,
+    spanning the region's kernels) was counted as an unclaimed kernel, inside "other". The entry
+    lists its unclaimed time by name, so that share is taken out exactly."""
+    annot = sum(v for n, v in (e.get("unclaimed_top") or {}).items() if n.startswith(ANNOTATION))
+    if not annot:
+        return e
+    ms = dict(e["ms_per_step"])
+    ms["other"] = ms.get("other", 0.0) - annot
+    return e | {
+        "ms_per_step": ms,
+        "total_ms": e.get("total_ms", sum(e["ms_per_step"].values())) - annot,
+        "unclaimed_ms": (e.get("unclaimed_ms") or 0.0) - annot,
+        "annotation_ms_removed": annot,
+    }
+
+
 def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
     """Stacked ms per eager decode step by category, one bar per profiled pool."""
     bd = d["breakdown"]
@@ -357,10 +380,59 @@ def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
         except ValueError:
             return (1, k)
 
-    entries = [(k, bd[k]) for k in sorted(bd, key=pool_key) if bd[k].get("ms_per_step")]
+    entries = []
+    for k in sorted(bd, key=pool_key):
+        if bd[k].get("ms_per_step"):
+            pool = f"pool {int(k):,}" if pool_key(k)[0] == 0 else f"pool {k}"
+            entries.append((pool, corrected_breakdown(bd[k])))
     if not entries:
         print("skip: e2e breakdown: no entry has ms_per_step")
         return
+    m = d.get("model", {})
+    rep = f", repeat {d['repeat']:g}" if isinstance(d.get("repeat"), (int, float)) else ""
+    title = (
+        f"Where an offload-eager decode step's time goes: {m.get('num_hidden_layers', '?')} "
+        f"layers, {d.get('kv_format', '?')} KV{rep}"
+    )
+    _breakdown_figure(d, entries, title, "e2e_h200.json", out, "e2e_breakdown.png", written)
+
+
+def plot_step(d: dict, out: Path, written: list[Path]) -> None:
+    """step_h200.json: the eager step's breakdown at each batch, with the compiled step time."""
+    entries = []
+    for r in d.get("rows", []):
+        e = r.get("breakdown")
+        if not e or not e.get("ms_per_step"):
+            continue
+        st = r.get("step_ms", {})
+        entries.append(
+            (
+                f"B={r['batch']}, compiled step {st.get('offload', float('nan')):.1f} ms\n"
+                f"(GPU-only {st.get('gpu_only', float('nan')):.1f}, "
+                f"eager {st.get('offload_eager', float('nan')):.1f})",
+                corrected_breakdown(e),
+            )
+        )
+    if not entries:
+        print("skip: step: no row has a breakdown")
+        return
+    m = d.get("model", {})
+    title = (
+        f"Decode step by batch: {m.get('num_hidden_layers', '?')} layers, context "
+        f"{d.get('ctx', '?'):,}, {d.get('kv_format', '?')} KV, repeat {d.get('repeat', '?')}"
+    )
+    _breakdown_figure(d, entries, title, "step_h200.json", out, "step_breakdown.png", written)
+
+
+def _breakdown_figure(
+    d: dict,
+    entries: list[tuple[str, dict]],
+    title: str,
+    file: str,
+    out: Path,
+    name: str,
+    written: list[Path],
+) -> None:
     cats = list(BREAKDOWN_CATEGORIES)
     for _, e in entries:
         cats += [c for c in e["ms_per_step"] if c not in cats]
@@ -370,7 +442,7 @@ def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.75 * len(entries)))
     top = max(e.get("total_ms", sum(e["ms_per_step"].values())) for _, e in entries)
     labels = []
-    for y, (k, e) in enumerate(entries):
+    for y, (label, e) in enumerate(entries):
         left = 0.0
         for c in cats:
             v = e["ms_per_step"].get(c)
@@ -384,23 +456,19 @@ def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
             left += v
         total = e.get("total_ms", left)
         unc = e.get("unclaimed_ms") or 0.0
-        ax.text(
-            left,
-            y,
-            f" total {total:.1f} ms" + (f"\n (other incl. {unc:.1f} unclaimed)" if unc else ""),
-            va="center",
-            fontsize=8,
-        )
+        note = f"\n (other incl. {unc:.1f} unclaimed)" if unc > 0.005 else ""
+        if e.get("annotation_ms_removed"):
+            note += f"\n ({e['annotation_ms_removed']:.1f} ms double count removed)"
+        ax.text(left, y, f" total {total:.1f} ms" + note, va="center", fontsize=8)
         hr = mean(e.get("hit_rate") or [])
-        pool = f"pool {int(k):,}" if pool_key(k)[0] == 0 else f"pool {k}"
         labels.append(
-            f"{pool}\nbatch {e.get('batch', '?')}, hit rate "
+            f"{label}\nbatch {e.get('batch', '?')}, hit rate "
             + ("n/a" if math.isnan(hr) else f"{hr:.3f}")
         )
     ax.set_yticks(range(len(entries)))
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, top * 1.3)
+    ax.set_xlim(0, top * 1.35)
     ax.set_ylim(len(entries) - 0.5, -0.5 - 0.7)  # room for the legend above the bars
     times = {e.get("time") for _, e in entries}
     kind = (
@@ -411,18 +479,12 @@ def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
         else "GPU kernel or CPU time"
     )
     ax.set_xlabel(f"eager decode step, {kind} (ms)")
-    m = d.get("model", {})
-    rep = f", repeat {d['repeat']:g}" if isinstance(d.get("repeat"), (int, float)) else ""
-    ax.set_title(
-        f"Where an offload-eager decode step's time goes: {m.get('num_hidden_layers', '?')} "
-        f"layers, {d.get('kv_format', '?')} KV{rep}",
-        fontsize=9,
-    )
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper center", ncol=len(cats), frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    source_note(fig, d, "e2e_h200.json")
+    source_note(fig, d, file)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save(fig, out, "e2e_breakdown.png", written)
+    save(fig, out, name, written)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -769,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     written: list[Path] = []
     for file, fn in (
         ("e2e_h200.json", plot_e2e),
+        ("step_h200.json", plot_step),
         ("decode_kernels_h200.json", plot_decode),
         ("cache_ops_h200.json", plot_cache),
         ("awq_h200.json", plot_awq),
