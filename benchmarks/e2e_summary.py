@@ -1,0 +1,144 @@
+"""The tables of docs/e2e_report.md and docs/compile.md, from the committed result files.
+
+    python benchmarks/e2e_summary.py [--e2e benchmarks/results/e2e_h200.json]
+                                     [--step benchmarks/results/step_h200.json]
+
+Prints markdown. Every number is a field of the JSON or a ratio of fields:
+- "measured" throughput is the bench's own: generated tokens / (wall - KV injection);
+- "steady" throughput is effective batch / median decode step: the decode rate with the batch
+  full, without the ramp-up, the last partial wave and the host work between requests.
+Breakdowns are shown as plot_results.corrected_breakdown gives them (runs made before the
+annotation fix in echo_compile/breakdown.py double-counted the profiled regions; the entry lists
+that time by name and it is taken out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plot_results import BREAKDOWN_CATEGORIES, corrected_breakdown  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rate(r: dict) -> float:
+    v = r.get("rate")
+    return math.inf if v is None else float(v)
+
+
+def steady(r: dict) -> float:
+    return r["effective_batch"] / r["step_ms_median"] * 1e3 if r["step_ms_median"] else 0.0
+
+
+def _hits(r: dict) -> str:
+    h = r.get("hit_rate") or []
+    return " / ".join(f"{x:.2f}" for x in h) if h else "-"
+
+
+def e2e_tables(d: dict) -> list[str]:
+    rows = d["results"]
+    env, wl = d["environment"], d["workload"]
+    out = [
+        f"`{d.get('command', 'echo-compile bench')}` — {env['device']}, torch {env['torch']}, "
+        f"triton {env['triton']}, {env['date']}; {d['model']['num_hidden_layers']} layers, "
+        f"{wl['requests']} requests of {wl['min_ctx']:,}-{wl['max_ctx']:,} tokens, "
+        f"{wl['output_len']} outputs, {d['kv_format']} KV, repeat {d.get('repeat', '?')}"
+        + (f", {d['elapsed_s']:.0f} s in all" if "elapsed_s" in d else ""),
+        "",
+        "| pool | system | measured tok/s | steady tok/s | eff. batch (max) | step p50 | "
+        "ITL p50 / p99 | TTFT p50 | hit rate per layer | recalled rows/step/layer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    once = [r for r in rows if _rate(r) == math.inf]
+    for r in once:
+        out.append(
+            f"| {r['gpu_pool_tokens']:,} | {r['system']} | {r['throughput_tok_s']:.0f} | "
+            f"{steady(r):.0f} | {r['effective_batch']:.1f} ({r.get('max_batch', '?')}) | "
+            f"{r['step_ms_median']:.2f} ms | {r['itl_ms'].get('p50', 0):.1f} / "
+            f"{r['itl_ms'].get('p99', 0):.1f} ms | {r['ttft_s'].get('p50', 0):.2f} s | "
+            f"{_hits(r)} | {r['recalled_rows_per_step']:,.0f} |"
+        )
+    out += ["", "| pool | offload / GPU-only, measured | steady | offload compiled / eager |"]
+    out.append("|---|---|---|---|")
+    for pool in dict.fromkeys(r["gpu_pool_tokens"] for r in once):
+        by = {r["system"]: r for r in once if r["gpu_pool_tokens"] == pool}
+        off, gpu, eager = by.get("offload"), by.get("gpu-only"), by.get("offload-eager")
+        ratio = f"{off['throughput_tok_s'] / gpu['throughput_tok_s']:.2f}x" if off and gpu else "-"
+        st = f"{steady(off) / steady(gpu):.2f}x" if off and gpu else "-"
+        gr = f"{off['throughput_tok_s'] / eager['throughput_tok_s']:.2f}x" if off and eager else "-"
+        out.append(f"| {pool:,} | {ratio} | {st} | {gr} |")
+    sweep = [r for r in rows if _rate(r) != math.inf]
+    if sweep:
+        out += ["", "| rate (req/s) | system | measured tok/s | eff. batch | ITL p50 | TTFT p50 |"]
+        out.append("|---|---|---|---|---|---|")
+        for r in sorted(sweep, key=lambda r: (r["system"], _rate(r))):
+            out.append(
+                f"| {_rate(r):g} | {r['system']} | {r['throughput_tok_s']:.0f} | "
+                f"{r['effective_batch']:.1f} | {r['itl_ms'].get('p50', 0):.1f} ms | "
+                f"{r['ttft_s'].get('p50', 0):.2f} s |"
+            )
+    for pool, e in (d.get("breakdown") or {}).items():
+        out += ["", breakdown_row_header(), "|---|---|---|---|---|---|---|---|---|"]
+        out.append(breakdown_row(f"pool {int(pool):,}, batch {e.get('batch')}", e))
+    return out
+
+
+def breakdown_row_header() -> str:
+    return "| eager step | " + " | ".join(BREAKDOWN_CATEGORIES) + " | total | cache share |"
+
+
+def breakdown_row(label: str, e: dict) -> str:
+    e = corrected_breakdown(e)
+    ms = e["ms_per_step"]
+    cells = " | ".join(f"{ms.get(c, 0.0):.2f}" for c in BREAKDOWN_CATEGORIES)
+    share = ms.get("cache management", 0.0) / e["total_ms"]
+    return f"| {label} | {cells} | {e['total_ms']:.2f} ms | {share:.0%} |"
+
+
+def step_tables(d: dict) -> list[str]:
+    env = d["environment"]
+    out = [
+        f"`benchmarks/bench_step.py` — {env['device']}, torch {env['torch']}, {env['date']}; "
+        f"{d['model']['num_hidden_layers']} layers, context {d['ctx']:,}, {d['steps']} steps, "
+        f"{d['kv_format']} KV, repeat {d.get('repeat', '?')}",
+        "",
+        "| B | offload compiled | offload eager | graphs speed-up | GPU-only compiled | "
+        "1 - GPU-only / offload | hit rate per layer |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        st = r["step_ms"]
+        out.append(
+            f"| {r['batch']} | {st['offload']:.2f} ms | {st['offload_eager']:.2f} ms | "
+            f"{r['graphs_speedup']:.2f}x | {st['gpu_only']:.2f} ms | "
+            f"{r['cache_management_share']:.0%} | {_hits(r)} |"
+        )
+    out += ["", breakdown_row_header(), "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        if r.get("breakdown"):
+            out.append(breakdown_row(f"B={r['batch']}", r["breakdown"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--e2e", type=Path, default=ROOT / "benchmarks/results/e2e_h200.json")
+    ap.add_argument("--step", type=Path, default=ROOT / "benchmarks/results/step_h200.json")
+    a = ap.parse_args(argv)
+    for path, fn in ((a.e2e, e2e_tables), (a.step, step_tables)):
+        if path.exists():
+            print(f"## {path.name}\n")
+            print("\n".join(fn(json.loads(path.read_text()))) + "\n")
+        else:
+            print(f"({path} not found)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
