@@ -2,8 +2,10 @@
 
 Decode-only with injected KV (the paper's prefill/decode-disaggregated setup): each admitted
 request's prompt KV (all but its last token) is written by ``LayerKV.store`` — the write path
-prefill uses — from random latents, then generation is measured. Systems, same model and the same
-GPU pool tokens per layer:
+prefill uses — from random latents, then generation is measured; generation throughput leaves the
+injection time out. ``--mode full`` prefills every prompt instead (eager chunks, the explicit form
+over the whole context: for small runs), and its throughput includes the prefill. Systems, same
+model and the same GPU pool tokens per layer:
 - ``offload``: echo-compile with the KV in pinned host memory, a GPU pool of N_G rows per layer,
   compiled (CUDA graphs);
 - ``gpu-only``: the KV on the device in a pool of N_G rows (the SGLang policy: the batch is bounded
@@ -55,6 +57,7 @@ class Workload:
     rate: float = float("inf")  # requests/s (Poisson); inf = all at once
     temperature: float = 0.0
     seed: int = 0
+    prefill: bool = False  # full mode: the engine prefills each prompt instead of injecting KV
 
     def lengths(self) -> list[int]:
         rng = random.Random(self.seed)
@@ -125,6 +128,7 @@ class BenchEngine(Engine):
 class SystemResult:
     system: str
     gpu_pool_tokens: int
+    mode: str
     rate: float
     requests: int
     throughput_tok_s: float
@@ -201,7 +205,9 @@ class System:
         self.warmup_s = 0.0
         if system != "offload-eager":
             torch._dynamo.reset()  # a fresh compile per engine: earlier engines' graphs are gone
-            compile_runner(self.engine.runner)
+            # decode only: a compiled prefill has static shapes over max_model_len (see
+            # compile_runner); the full mode's prefill chunks run eagerly
+            compile_runner(self.engine.runner, prefill=False)
             self.warmup_s = warmup(self.engine.runner, progress=True, prefill=False)
         self.inject = make_injector(seed)
         self.inject_s = 0.0
@@ -226,7 +232,7 @@ class System:
         params = SamplingParams(
             max_tokens=wl.output_len, temperature=wl.temperature, ignore_eos=True, seed=wl.seed
         )
-        self.engine.add_request(f"r{i}", prompt, params, inject_kv=True)
+        self.engine.add_request(f"r{i}", prompt, params, inject_kv=not wl.prefill)
 
     def run(self, wl: Workload) -> SystemResult:
         """Serve ``wl`` (requests arrive at their Poisson times) until every request is done."""
@@ -259,6 +265,7 @@ class System:
         return SystemResult(
             system=self.system,
             gpu_pool_tokens=self.gpu_pool,
+            mode="full" if wl.prefill else "decode-only",
             rate=wl.rate,
             requests=wl.requests,
             throughput_tok_s=gen / max(wall - self.inject_s, 1e-9),
@@ -369,6 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         default="long",
         help="long: InfiniteBench-like lengths (--min-ctx/--max-ctx); sharegpt: short prompts",
     )
+    ap.add_argument(
+        "--mode",
+        choices=("decode-only", "full"),
+        default="decode-only",
+        help="decode-only: inject each prompt's KV (PD-disaggregated); full: prefill it too "
+        "(eager, explicit form: for small runs)",
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-ctx", type=int, default=80_000)
     ap.add_argument("--max-ctx", type=int, default=100_000)
@@ -439,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         wl.temperature = a.temperature
     else:
         wl = Workload(a.requests, a.min_ctx, a.max_ctx, a.output_len, temperature=a.temperature)
+    wl.prefill = a.mode == "full"
     sweep = [replace(wl, requests=a.rate_requests, rate=r) for r in rates]
     host = a.host_tokens or -(-(sum(wl.lengths()) + a.requests * (a.output_len + 128)) // 64) * 64
     max_len = wl.max_ctx + wl.output_len + 64

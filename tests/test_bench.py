@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -118,3 +119,27 @@ def test_bench_rejects_bad_arguments(extra, message, capsys) -> None:
 def test_bench_engine_rejects_bad_repeat(model) -> None:
     with pytest.raises(ValueError, match="repeat must be a probability"):
         _eager_system(model, -0.5)
+
+
+def test_full_mode_prefills_instead_of_injecting(model) -> None:
+    """--mode full: the engine runs prefill steps for the prompts and no KV is injected."""
+    wl = bench.Workload(requests=2, min_ctx=150, max_ctx=200, output_len=4)
+    for prefill in (False, True):
+        sut = _eager_system(model, 0.0)
+        r = sut.run(replace(wl, prefill=prefill))
+        eng = sut.engine
+        assert r.mode == ("full" if prefill else "decode-only")
+        assert (sut.inject_s > 0) == (not prefill)
+        assert (eng.num_steps > eng.num_decode_steps) == prefill  # prefill chunks are steps
+        assert r.generated_tokens == 8 and r.decode_steps == 4
+        sut.close()
+
+
+def test_full_mode_cli(tmp_path) -> None:
+    out = tmp_path / "full.json"
+    argv = ARGS + ["--mode", "full", "--gpu-pools", "384", "--rates", "", "--out", str(out)]
+    argv += ["--systems", "offload-eager", "--eager-pools", "384", "--breakdown-steps", "0"]
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["workload"]["prefill"] is True
+    assert [r["mode"] for r in d["results"]] == ["full"]
