@@ -113,6 +113,10 @@ class BenchEngine(Engine):
         if not 0.0 <= repeat <= 1.0:
             raise ValueError(f"repeat must be a probability in [0, 1], got {repeat!r}")
         self.repeat = repeat
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the knob's random stream (each benchmark run starts from the same state)."""
         self._repeat_rng = random.Random(seed)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -138,6 +142,8 @@ class SystemResult:
     generated_tokens: int
     wall_s: float
     inject_s: float
+    serve_s: float  # wall - inject: the time the throughput divides by
+    steps_s: float  # of which in engine steps (decode, and prefill in full mode)
     step_ms_median: float
     ttft_s: dict[str, float] = field(default_factory=dict)
     itl_ms: dict[str, float] = field(default_factory=dict)
@@ -199,12 +205,12 @@ class System:
             decode_buckets=tuple(sorted({b for b in buckets if 0 < b < batch} | {batch})),
             device=device,
         )
+        torch._dynamo.reset()  # a fresh compile per engine: no earlier engine's graphs or guards
         self.engine = BenchEngine(
             model, model.config, None, cfg, model_name="bench", repeat=repeat, seed=seed
         )
         self.warmup_s = 0.0
         if system != "offload-eager":
-            torch._dynamo.reset()  # a fresh compile per engine: earlier engines' graphs are gone
             # decode only: a compiled prefill has static shapes over max_model_len (see
             # compile_runner); the full mode's prefill chunks run eagerly
             compile_runner(self.engine.runner, prefill=False)
@@ -238,13 +244,22 @@ class System:
         """Serve ``wl`` (requests arrive at their Poisson times) until every request is done."""
         engine = self.engine
         engine.reset_stats()
+        engine.reseed(wl.seed)
         self.inject_s = 0.0
         prompts = self._prompts(wl)
-        pending = sorted(zip(wl.arrivals(), range(wl.requests)))
+        arrivals = wl.arrivals()
+        pending = sorted(zip(arrivals, range(wl.requests)))
         t0 = time.perf_counter()
+
+        def clock() -> float:
+            # The serving clock. Injecting KV stands in for receiving it from a prefill instance:
+            # its time is left out, and arrivals do not advance while it runs.
+            return time.perf_counter() - t0 - self.inject_s
+
         step_times: list[float] = []
+        ttft: list[float] = []
         while pending or engine.has_unfinished():
-            now = time.perf_counter() - t0
+            now = clock()
             while pending and pending[0][0] <= now:
                 _, i = pending.pop(0)
                 self._add(wl, i, prompts[i])
@@ -252,14 +267,17 @@ class System:
                 time.sleep(max(0.0, min(pending[0][0] - now, 0.01)))
                 continue
             ts = time.perf_counter()
-            engine.step()
+            outs = engine.step()
             step_times.append(time.perf_counter() - ts)
+            done = clock()
+            for o in outs:
+                if o.completion_tokens == 1:  # its first token: from its arrival time
+                    ttft.append(done - arrivals[int(o.request_id[1:])])
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         m = engine.metrics()
         reqs = engine.finished_requests
-        ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time]
         itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
         gen = sum(len(r.output_ids) for r in reqs)
         return SystemResult(
@@ -275,6 +293,8 @@ class System:
             generated_tokens=gen,
             wall_s=wall,
             inject_s=self.inject_s,
+            serve_s=wall - self.inject_s,
+            steps_s=sum(step_times) - self.inject_s,  # all injection happens inside steps
             step_ms_median=float(torch.tensor(step_times).median()) * 1e3 if step_times else 0.0,
             ttft_s=_pct(ttft),
             itl_ms=_pct(itl, 1e3),
@@ -298,16 +318,18 @@ class System:
             self._add(replace(wl, output_len=warm_steps + steps + 1), i, prompts[i])
         while engine.num_decode_steps < warm_steps:
             engine.step()
+        engine.cache.reset_stats()  # the hit rate of the profiled steps alone
         out = profile_steps(self.model, engine.step, steps, cuda=engine.device.type == "cuda")
-        while engine.has_unfinished():
-            engine.step()
         out["batch"] = n
         out["hit_rate"] = list(engine.metrics()["hit_rate"])
+        while engine.has_unfinished():
+            engine.step()
         return out
 
     def close(self) -> None:
         """Free the pools (pinned host memory, device memory) before the next system is built."""
         self.engine = None  # type: ignore[assignment]
+        torch._dynamo.reset()  # the compiled step and its CUDA graphs hold the cache's buffers
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -404,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--eager-pools", default="200000", help="pools at which offload-eager runs")
+    ap.add_argument(
+        "--eager-pools", default=None, help="pools at which offload-eager runs (default 200000)"
+    )
     ap.add_argument(
         "--rates",
         default="2,4,8,16",
@@ -435,19 +459,16 @@ def main(argv: list[str] | None = None) -> int:
     if not pools:
         ap.error("--gpu-pools: give at least one pool size")
     if a.rate_pool is None:
-        a.rate_pool = 200_000 if 200_000 in pools else pools[0]
+        a.rate_pool = 200_000 if 200_000 in pools else pools[0]  # as --eager-pools
     if rates and a.rate_pool not in pools:
         ap.error(f"--rate-pool {a.rate_pool} must be one of --gpu-pools {a.gpu_pools}")
 
-    longest = a.max_ctx if a.workload == "long" else sharegpt_like(1).max_ctx
-    if "gpu-only" in systems and min(pools) < longest + a.output_len:
-        ap.error(
-            f"gpu-only: a GPU pool of {min(pools)} rows cannot hold the longest request "
-            f"({longest} + {a.output_len} tokens)"
-        )
-    t_start = time.perf_counter()
-    model = build_model(a.preset, a.layers, a.experts, a.device)
-    cfg = model.config
+    if a.requests < 1 or (rates and a.rate_requests < 1):
+        ap.error("--requests and --rate-requests must be at least 1")
+    default_pool = 200_000 if 200_000 in pools else pools[0]
+    eager_pools = _ints(a.eager_pools) if a.eager_pools is not None else [default_pool]
+    if "offload-eager" in systems and not set(eager_pools) <= set(pools):
+        ap.error(f"--eager-pools {a.eager_pools} must be among --gpu-pools {a.gpu_pools}")
     if a.workload == "sharegpt":
         wl = sharegpt_like(a.requests)
         wl.temperature = a.temperature
@@ -455,7 +476,22 @@ def main(argv: list[str] | None = None) -> int:
         wl = Workload(a.requests, a.min_ctx, a.max_ctx, a.output_len, temperature=a.temperature)
     wl.prefill = a.mode == "full"
     sweep = [replace(wl, requests=a.rate_requests, rate=r) for r in rates]
-    host = a.host_tokens or -(-(sum(wl.lengths()) + a.requests * (a.output_len + 128)) // 64) * 64
+
+    def pages(n: int) -> int:
+        return -(-n // 64) * 64
+
+    longest = pages(wl.max_ctx + wl.output_len)
+    if "gpu-only" in systems and min(pools) // 64 * 64 < longest:
+        ap.error(
+            f"gpu-only: a GPU pool of {min(pools)} rows cannot hold the longest request "
+            f"({wl.max_ctx} + {wl.output_len} tokens, {longest} rows in whole pages)"
+        )
+    # every request of the largest workload at once, in whole pages
+    most = max([wl] + sweep, key=lambda w: w.requests)
+    host = a.host_tokens or sum(pages(n + wl.output_len) for n in most.lengths())
+    t_start = time.perf_counter()
+    model = build_model(a.preset, a.layers, a.experts, a.device)
+    cfg = model.config
     max_len = wl.max_ctx + wl.output_len + 64
     out = {
         "environment": environment(),
@@ -478,14 +514,14 @@ def main(argv: list[str] | None = None) -> int:
     for pool in pools:
         for system in systems:
             eager = system == "offload-eager"
-            if eager and pool not in _ints(a.eager_pools):
+            if eager and pool not in eager_pools:
                 continue
             runs = [wl] + (sweep if pool == a.rate_pool and not eager else [])
             cap = batch_cap(system, pool, cfg.index_topk, wl.min_ctx + wl.output_len, a.max_batch)
             cap = min(cap, max(r.requests for r in runs))
             buckets = {r.requests % cap for r in runs if r.rate == float("inf")} - {0}
             if len(runs) > 1 and system == "offload":  # arrivals spread out: smaller batches too
-                buckets |= {16}
+                buckets |= {b for b in (16, 32) if b < 2 * a.rate_requests}
             sut = System(
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
                 a.repeat, wl.seed,

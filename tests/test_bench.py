@@ -45,6 +45,8 @@ def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
         assert len(r["hit_rate"]) == (layers if offload else 0)
         assert all(0 <= h <= 1 for h in r["hit_rate"])
         assert (r["recalled_rows_per_step"] > 0) == offload
+        assert 0 < r["steps_s"] <= r["serve_s"] <= r["wall_s"]
+        assert 0 <= r["ttft_s"]["p50"] <= r["serve_s"]
     # GPU-only holds whole requests: 384 rows fit one of these, 704 two; offloading is bounded by
     # B x topk <= N_G and the max batch
     caps = {(r["system"], r["gpu_pool_tokens"]): r["max_batch"] for r in d["results"]}
@@ -77,19 +79,20 @@ def test_repeat_feeds_the_previous_input_and_raises_locality(model) -> None:
     assert hit[1.0][0] > hit[0.0][0] + 0.1, hit
 
 
-def test_repeat_zero_is_the_plain_engine(model) -> None:
-    """The knob off changes nothing: greedy outputs equal the engine's own."""
-    from runtime.engine import Engine
-
-    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=6)
-    sut = _eager_system(model, 0.0)
-    sut.run(wl)
-    ours = sorted((q.request_id, q.output_ids) for q in sut.engine.finished_requests)
-    base = _eager_system(model, 0.0)
-    base.engine._sample = Engine._sample.__get__(base.engine)  # the unmodified sampler
-    base.run(wl)
-    theirs = sorted((q.request_id, q.output_ids) for q in base.engine.finished_requests)
-    assert ours == theirs
+def test_runs_of_one_system_do_not_leak_into_each_other(model) -> None:
+    """A System reused for a second workload reports exactly what a fresh System reports."""
+    wl = bench.Workload(requests=3, min_ctx=200, max_ctx=300, output_len=5, temperature=1.0)
+    first = _eager_system(model, 0.5)
+    first.run(replace(wl, seed=7, output_len=3))  # a different workload first
+    again = first.run(wl)
+    first.close()
+    fresh = _eager_system(model, 0.5)
+    alone = fresh.run(wl)
+    fresh.close()
+    for field in ("decode_steps", "generated_tokens", "effective_batch", "hit_rate"):
+        assert getattr(again, field) == getattr(alone, field), field
+    assert again.recalled_rows_per_step == alone.recalled_rows_per_step
+    assert again.decode_steps == 5 * 2  # a wave of 2 (the max batch), then 1
 
 
 def test_batch_cap() -> None:
@@ -108,6 +111,9 @@ def test_batch_cap() -> None:
         (["--gpu-pools", "256"], "cannot hold the longest request"),
         (["--rates", "2,-1"], "--rates must be positive"),
         (["--rate-pool", "999"], "--rate-pool 999 must be one of"),
+        (["--eager-pools", "999"], "--eager-pools 999 must be among"),
+        (["--requests", "0"], "--requests and --rate-requests must be at least 1"),
+        (["--gpu-pools", "310"], "cannot hold the longest request"),  # 304 tokens: 5 pages > 4
     ],
 )
 def test_bench_rejects_bad_arguments(extra, message, capsys) -> None:
