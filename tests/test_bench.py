@@ -116,9 +116,11 @@ def test_batch_cap() -> None:
         (["--gpu-pools", "310"], "cannot hold the longest request"),  # 304 tokens: 5 pages > 4
     ],
 )
-def test_bench_rejects_bad_arguments(extra, message, capsys) -> None:
+def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:
+    # (--out: a case that wrongly passed validation must not overwrite the committed results)
+    argv = ARGS + ["--out", str(tmp_path / "x.json"), "--gpu-pools", "704"] + extra
     with pytest.raises(SystemExit):
-        bench.main(ARGS + ["--gpu-pools", "704"] + extra)
+        bench.main(argv)
     assert message in capsys.readouterr().err
 
 

@@ -28,3 +28,15 @@ def test_dependency_direction():
                 if m and m.group(1) in names:
                     bad.append(f"{f.relative_to(ROOT)}: {line.strip()}")
     assert not bad, bad
+
+
+def test_committed_results_come_from_the_gpu():
+    """benchmarks/results/*_h200.json are H200 measurements: a CPU dry run (or a test) that wrote
+    to the default output path would show up here."""
+    import json
+
+    files = sorted((ROOT / "benchmarks" / "results").glob("*_h200*.json"))
+    assert files
+    for f in files:
+        d = json.loads(f.read_text())
+        assert "H200" in str(d.get("environment", d).get("device")), f.name
