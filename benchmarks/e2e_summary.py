@@ -85,7 +85,8 @@ def e2e_tables(d: dict) -> list[str]:
             )
     for pool, e in (d.get("breakdown") or {}).items():
         out += ["", breakdown_row_header(), "|---|---|---|---|---|---|---|---|---|"]
-        out.append(breakdown_row(f"pool {int(pool):,}, batch {e.get('batch')}", e))
+        name = f"pool {int(pool):,}" if pool.isdigit() else pool.replace(" ", ", pool ")
+        out.append(breakdown_row(f"{name}, batch {e.get('batch')}", e))
     return out
 
 

@@ -383,7 +383,7 @@ def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
     entries = []
     for k in sorted(bd, key=pool_key):
         if bd[k].get("ms_per_step"):
-            pool = f"pool {int(k):,}" if pool_key(k)[0] == 0 else f"pool {k}"
+            pool = f"pool {int(k):,}" if pool_key(k)[0] == 0 else k.replace(" ", ", pool ")
             entries.append((pool, corrected_breakdown(bd[k])))
     if not entries:
         print("skip: e2e breakdown: no entry has ms_per_step")
@@ -391,7 +391,7 @@ def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
     m = d.get("model", {})
     rep = f", repeat {d['repeat']:g}" if isinstance(d.get("repeat"), (int, float)) else ""
     title = (
-        f"Where an offload-eager decode step's time goes: {m.get('num_hidden_layers', '?')} "
+        f"Where an eager decode step's time goes: {m.get('num_hidden_layers', '?')} "
         f"layers, {d.get('kv_format', '?')} KV{rep}"
     )
     _breakdown_figure(d, entries, title, "e2e_h200.json", out, "e2e_breakdown.png", written)

@@ -52,11 +52,16 @@ def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
     caps = {(r["system"], r["gpu_pool_tokens"]): r["max_batch"] for r in d["results"]}
     assert caps[("gpu-only", 384)] == 1 and caps[("gpu-only", 704)] == 2
     assert caps[("offload", 384)] == 4
+    assert set(d["breakdown"]) == {"384", "gpu-only 384"}  # offload-eager's and GPU-only's
     bd = d["breakdown"]["384"]
     assert set(bd["ms_per_step"]) == set(CATEGORIES) and bd["batch"] == 4
     for part in ("attention", "indexer", "cache management", "moe"):
         assert bd["ms_per_step"][part] > 0, part
     assert bd["total_ms"] == pytest.approx(sum(bd["ms_per_step"].values()))
+    gpu = d["breakdown"]["gpu-only 384"]
+    assert gpu["batch"] == 1 and gpu["hit_rate"] == []  # no GPU pool: nothing recalled
+    # offloading's cache management is the recall + offload; GPU-only only writes its rows
+    assert gpu["ms_per_step"]["cache management"] < bd["ms_per_step"]["cache management"]
 
 
 def _eager_system(model, repeat: float) -> bench.System:
@@ -151,3 +156,16 @@ def test_full_mode_cli(tmp_path) -> None:
     d = json.loads(out.read_text())
     assert d["workload"]["prefill"] is True
     assert [r["mode"] for r in d["results"]] == ["full"]
+
+
+def test_breakdown_of_a_compiled_system_runs_eagerly_then_restores_it(model) -> None:
+    wl = bench.Workload(requests=1, min_ctx=200, max_ctx=200, output_len=3)
+    sut = bench.System(model, "gpu-only", 320, 320, "fp8", 320, 1, (), "cpu", 1.0)
+    runner = sut.engine.runner
+    compiled = runner.decode_fn
+    assert compiled != runner.decode_step
+    bd = sut.breakdown(wl, warm_steps=1, steps=2)
+    assert runner.decode_fn is compiled and bd["total_ms"] > 0
+    r = sut.run(wl)  # the frozen compiled step again: a recompile would raise
+    assert r.generated_tokens == 3
+    sut.close()
