@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from echo_compile import bench
+from echo_compile import bench, bench_cli
 from echo_compile.breakdown import CATEGORIES
 
 ARGS = [
@@ -28,7 +28,7 @@ def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
     out = tmp_path / "e2e.json"
     argv = ARGS + ["--gpu-pools", "704,384", "--eager-pools", "384", "--rate-pool", "384"]
     argv += ["--rates", "400", "--rate-requests", "2", "--out", str(out)]
-    assert bench.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     d = json.loads(out.read_text())
     runs = {(r["system"], r["gpu_pool_tokens"], r["rate"]) for r in d["results"]}
     inf = math.inf
@@ -125,7 +125,7 @@ def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:
     # (--out: a case that wrongly passed validation must not overwrite the committed results)
     argv = ARGS + ["--out", str(tmp_path / "x.json"), "--gpu-pools", "704"] + extra
     with pytest.raises(SystemExit):
-        bench.main(argv)
+        bench_cli.main(argv)
     assert message in capsys.readouterr().err
 
 
@@ -152,7 +152,7 @@ def test_full_mode_cli(tmp_path) -> None:
     out = tmp_path / "full.json"
     argv = ARGS + ["--mode", "full", "--gpu-pools", "384", "--rates", "", "--out", str(out)]
     argv += ["--systems", "offload-eager", "--eager-pools", "384", "--breakdown-steps", "0"]
-    assert bench.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     d = json.loads(out.read_text())
     assert d["workload"]["prefill"] is True
     assert [r["mode"] for r in d["results"]] == ["full"]

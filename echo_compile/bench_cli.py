@@ -1,0 +1,208 @@
+"""The command line of ``echo-compile bench`` (the harness and what it measures: bench.py).
+
+    python -m echo_compile.cli bench [options]     (= echo-compile bench; --help lists them)
+
+Runs every system at every GPU pool size, the rate sweep at one pool, and the breakdown profiles,
+and writes one JSON (after every run, so a cut-short session keeps what it measured)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from echo_compile import bench
+from echo_compile.bench import (
+    SYSTEMS,
+    System,
+    Workload,
+    batch_cap,
+    build_model,
+    environment,
+    sharegpt_like,
+)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="echo-compile bench",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--preset",
+        choices=("bench", "tiny"),
+        default="bench",
+        help="tiny: a CPU dry run of the harness",
+    )
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument(
+        "--workload",
+        choices=("long", "sharegpt"),
+        default="long",
+        help="long: InfiniteBench-like lengths (--min-ctx/--max-ctx); sharegpt: short prompts",
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("decode-only", "full"),
+        default="decode-only",
+        help="decode-only: inject each prompt's KV (PD-disaggregated); full: prefill it too "
+        "(eager, explicit form: for small runs)",
+    )
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--min-ctx", type=int, default=80_000)
+    ap.add_argument("--max-ctx", type=int, default=100_000)
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="tokens per request (InfiniteBench: 256; 128 keeps the default run under 10 min)",
+    )
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--repeat",
+        type=float,
+        default=1.0,
+        help="probability that a decode input repeats the previous one (selection locality)",
+    )
+    ap.add_argument("--gpu-pools", default="325000,200000,110000", help="N_G per layer, each")
+    ap.add_argument("--host-tokens", type=int, default=0, help="default: enough for every request")
+    ap.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument(
+        "--eager-pools", default=None, help="pools at which offload-eager runs (default 200000)"
+    )
+    ap.add_argument(
+        "--rates",
+        default="2,4,8,16",
+        help="Poisson request rates (req/s) of the rate sweep (Fig. 12); empty: no sweep",
+    )
+    ap.add_argument(
+        "--rate-pool", type=int, default=None, help="the sweep's GPU pool (default 200000 if run)"
+    )
+    ap.add_argument("--rate-requests", type=int, default=16, help="requests per sweep point")
+    ap.add_argument(
+        "--breakdown-steps",
+        type=int,
+        default=8,
+        help="profiled eager steps of offload-eager and gpu-only (at --eager-pools); 0: none",
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
+    a = ap.parse_args(argv)
+    systems = a.systems.split(",")
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
+    if not 0.0 <= a.repeat <= 1.0:
+        ap.error(f"--repeat must be in [0, 1], got {a.repeat}")
+    pools, rates = _ints(a.gpu_pools), _floats(a.rates)
+    if any(r <= 0 for r in rates):
+        ap.error(f"--rates must be positive, got {a.rates!r}")
+    if not pools:
+        ap.error("--gpu-pools: give at least one pool size")
+    if a.rate_pool is None:
+        a.rate_pool = 200_000 if 200_000 in pools else pools[0]  # as --eager-pools
+    if rates and a.rate_pool not in pools:
+        ap.error(f"--rate-pool {a.rate_pool} must be one of --gpu-pools {a.gpu_pools}")
+
+    if a.requests < 1 or (rates and a.rate_requests < 1):
+        ap.error("--requests and --rate-requests must be at least 1")
+    default_pool = 200_000 if 200_000 in pools else pools[0]
+    eager_pools = _ints(a.eager_pools) if a.eager_pools is not None else [default_pool]
+    if "offload-eager" in systems and not set(eager_pools) <= set(pools):
+        ap.error(f"--eager-pools {a.eager_pools} must be among --gpu-pools {a.gpu_pools}")
+    if a.workload == "sharegpt":
+        wl = sharegpt_like(a.requests)
+        wl.temperature = a.temperature
+    else:
+        wl = Workload(a.requests, a.min_ctx, a.max_ctx, a.output_len, temperature=a.temperature)
+    wl.prefill = a.mode == "full"
+    sweep = [replace(wl, requests=a.rate_requests, rate=r) for r in rates]
+
+    def pages(n: int) -> int:
+        return -(-n // 64) * 64
+
+    longest = pages(wl.max_ctx + wl.output_len)
+    if "gpu-only" in systems and min(pools) // 64 * 64 < longest:
+        ap.error(
+            f"gpu-only: a GPU pool of {min(pools)} rows cannot hold the longest request "
+            f"({wl.max_ctx} + {wl.output_len} tokens, {longest} rows in whole pages)"
+        )
+    # every request of the largest workload at once, in whole pages
+    most = max([wl] + sweep, key=lambda w: w.requests)
+    host = a.host_tokens or sum(pages(n + wl.output_len) for n in most.lengths())
+    t_start = time.perf_counter()
+    model = build_model(a.preset, a.layers, a.experts, a.device)
+    cfg = model.config
+    max_len = wl.max_ctx + wl.output_len + 64
+    out = {
+        "environment": environment(),
+        "command": "echo-compile bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": cfg.to_dict(),
+        "workload": asdict(wl),
+        "repeat": a.repeat,
+        "host_tokens": host,
+        "kv_format": a.kv_format,
+        "results": [],
+        "breakdown": {},
+    }
+    path = Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every run, so a cut-short session still leaves its results
+        out["elapsed_s"] = time.perf_counter() - t_start
+        path.write_text(json.dumps(out, indent=1))
+
+    for pool in pools:
+        for system in systems:
+            eager = system == "offload-eager"
+            if eager and pool not in eager_pools:
+                continue
+            runs = [wl] + (sweep if pool == a.rate_pool and not eager else [])
+            cap = batch_cap(system, pool, cfg.index_topk, wl.min_ctx + wl.output_len, a.max_batch)
+            cap = min(cap, max(r.requests for r in runs))
+            buckets = {r.requests % cap for r in runs if r.rate == float("inf")} - {0}
+            if len(runs) > 1 and system == "offload":  # arrivals spread out: smaller batches too
+                buckets |= {b for b in (16, 32) if b < 2 * a.rate_requests}
+            sut = System(
+                model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
+                a.repeat, wl.seed,
+            )  # fmt: skip
+            for run in runs:
+                r = sut.run(run)
+                out["results"].append(asdict(r))
+                save()
+                print(
+                    f"{system:14s} pool {pool:7d} rate {run.rate:5g}: "
+                    f"{r.throughput_tok_s:9.1f} tok/s, batch {r.effective_batch:5.1f}, "
+                    f"hit rate {' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
+                    f"(warm-up {r.warmup_s:.0f} s, {time.perf_counter() - t_start:.0f} s in)",
+                    flush=True,
+                )
+            if system != "offload" and pool in eager_pools and a.breakdown_steps > 0:
+                bd = sut.breakdown(wl, steps=a.breakdown_steps)
+                key = str(pool) if eager else f"{system} {pool}"  # offload-eager: the pool alone
+                out["breakdown"][key] = bd
+                save()
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["ms_per_step"].items())
+                print(f"breakdown {key} (ms/step, eager {bd['time']} time): {parts}")
+            sut.close()
+    save()
+    print(f"wrote {a.out} ({out['elapsed_s']:.0f} s)")
+    return 0
