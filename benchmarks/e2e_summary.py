@@ -22,14 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plot_results import BREAKDOWN_CATEGORIES, corrected_breakdown  # noqa: E402
+from plot_results import BREAKDOWN_CATEGORIES, corrected_breakdown, row_rate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rate(r: dict) -> float:
-    v = r.get("rate")
-    return math.inf if v is None else float(v)
 
 
 def steady(r: dict) -> float:
@@ -55,7 +50,7 @@ def e2e_tables(d: dict) -> list[str]:
         "ITL p50 / p99 | TTFT p50 | hit rate per layer | recalled rows/step/layer |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    once = [r for r in rows if _rate(r) == math.inf]
+    once = [r for r in rows if row_rate(r) == math.inf]
     for r in once:
         out.append(
             f"| {r['gpu_pool_tokens']:,} | {r['system']} | {r['throughput_tok_s']:.0f} | "
@@ -73,13 +68,13 @@ def e2e_tables(d: dict) -> list[str]:
         st = f"{steady(off) / steady(gpu):.2f}x" if off and gpu else "-"
         gr = f"{off['throughput_tok_s'] / eager['throughput_tok_s']:.2f}x" if off and eager else "-"
         out.append(f"| {pool:,} | {ratio} | {st} | {gr} |")
-    sweep = [r for r in rows if _rate(r) != math.inf]
+    sweep = [r for r in rows if row_rate(r) != math.inf]
     if sweep:
         out += ["", "| rate (req/s) | system | measured tok/s | eff. batch | ITL p50 | TTFT p50 |"]
         out.append("|---|---|---|---|---|---|")
-        for r in sorted(sweep, key=lambda r: (r["system"], _rate(r))):
+        for r in sorted(sweep, key=lambda r: (r["system"], row_rate(r))):
             out.append(
-                f"| {_rate(r):g} | {r['system']} | {r['throughput_tok_s']:.0f} | "
+                f"| {row_rate(r):g} | {r['system']} | {r['throughput_tok_s']:.0f} | "
                 f"{r['effective_batch']:.1f} | {r['itl_ms'].get('p50', 0):.1f} ms | "
                 f"{r['ttft_s'].get('p50', 0):.2f} s |"
             )

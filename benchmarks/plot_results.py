@@ -93,7 +93,7 @@ BREAKDOWN_CATEGORIES = ("attention", "indexer", "cache management", "moe", "dens
 BREAKDOWN_COLORS = ("#2a7ab0", "#e08a3c", "#c0392b", "#5b9e5b", "#9b6fb5", "#9aa5b1")
 
 
-def _rate(r: dict) -> float:
+def row_rate(r: dict) -> float:
     """A row's request rate (req/s); rows of older files have none: all requests at once."""
     v = r.get("rate")
     return float("inf") if v is None else float(v)
@@ -124,8 +124,8 @@ def plot_e2e(d: dict, out: Path, written: list[Path]) -> None:
     rows = [r for r in d.get("results", []) if "throughput_tok_s" in r]
     if not rows:
         print("skip: e2e: no results")
-    at_once = [r for r in rows if math.isinf(_rate(r))]
-    swept = [r for r in rows if not math.isinf(_rate(r))]
+    at_once = [r for r in rows if math.isinf(row_rate(r))]
+    swept = [r for r in rows if not math.isinf(row_rate(r))]
     if rows and not at_once:
         print("skip: e2e throughput / hit rate: no all-at-once (rate inf) rows")
     if at_once:
@@ -294,9 +294,9 @@ def _e2e_rate_sweep(d: dict, rows: list[dict], out: Path, written: list[Path]) -
     for i, (sys_name, pool) in enumerate(keys):
         pts = sorted(
             (r for r in rows if r["system"] == sys_name and r.get("gpu_pool_tokens") == pool),
-            key=_rate,
+            key=row_rate,
         )
-        xs = [_rate(r) for r in pts]
+        xs = [row_rate(r) for r in pts]
         ys = [r["throughput_tok_s"] for r in pts]
         label = sys_name + (f", pool {pool or 0:,}" if len(pools) > 1 else "")
         ax.plot(
@@ -318,7 +318,7 @@ def _e2e_rate_sweep(d: dict, rows: list[dict], out: Path, written: list[Path]) -
                 va="bottom" if i % 2 == 0 else "top",
                 fontsize=8,
             )
-    rates = sorted({_rate(r) for r in rows})
+    rates = sorted({row_rate(r) for r in rows})
     ax.set_xscale("log")
     ax.set_xticks(rates)
     ax.set_xticklabels([f"{x:g}" for x in rates])

@@ -169,3 +169,24 @@ def test_breakdown_of_a_compiled_system_runs_eagerly_then_restores_it(model) -> 
     r = sut.run(wl)  # the frozen compiled step again: a recompile would raise
     assert r.generated_tokens == 3
     sut.close()
+
+
+def test_reports_render_the_committed_results(tmp_path, capsys) -> None:
+    """benchmarks/plot_results.py and e2e_summary.py run on the committed H200 files (what the
+    docs' figures and tables are made from)."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import e2e_summary
+    import plot_results
+
+    assert plot_results.main(["--out", str(tmp_path)]) == 0
+    figs = {p.name for p in tmp_path.glob("*.png")}
+    assert {"e2e_throughput.png", "e2e_rate_sweep.png", "e2e_breakdown.png"} <= figs
+    assert "step_breakdown.png" in figs
+    capsys.readouterr()
+    assert e2e_summary.main([]) == 0
+    text = capsys.readouterr().out
+    assert "| 200,000 | 7.95x | 23.13x | 1.42x |" in text  # the report's ratio row, recomputed
