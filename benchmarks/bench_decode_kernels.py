@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_decode_kernels import (  # noqa: E402
     _gen,
     _randn,
+    _tie_scores,
     attention_close,
     make_indexer_inputs,
     make_pool,
@@ -124,7 +125,7 @@ def bench_indexer(res: dict) -> None:
         for fused in (True, False) if i == 0 else (True,):
             row = {"config": cfg.__dict__ | {"fuse_hist": fused}}
             try:
-                hists = torch.zeros(B, 2, 256, dtype=torch.int32, device=DEV) if fused else None
+                hists = torch.zeros(B, 4, 256, dtype=torch.int32, device=DEV) if fused else None
                 s = ik.index_scores(*args, cfg, hists)
                 err = ((s - ref).abs() / mag.clamp(min=1e-30))[torch.isfinite(ref)].max()
                 row["max_err_over_term_magnitude"] = float(err)
@@ -163,6 +164,19 @@ def bench_indexer(res: dict) -> None:
         out["topk_standalone"].append(row)
         log(f"topk {row}")
     out["torch_topk_us"] = graph_time_us(functools.partial(torch.topk, scores, TOPK, dim=1), 20)
+    # the default selection on other score distributions ("ties": five distinct values, "equal":
+    # one) and at B = 1, where a row is split into the most chunks
+    out["topk_by_kind"] = []
+    for kind in ("scores", "ties", "equal"):
+        for b in (1, B):
+            s = scores[:b] if kind == "scores" else _tie_scores(b, L, _gen(12), kind).to(DEV)
+            call = functools.partial(ik.topk_from_scores, s, bt[:b], sl[:b], TOPK, sel_cfgs[0])
+            host, kth = call()
+            want_k = select_ref(s, bt[:b], sl[:b], TOPK)
+            exact = bool(torch.equal(host, want_k[0]) and torch.equal(kth, want_k[1]))
+            row = {"kind": kind, "B": b, "exact": exact, "us": graph_time_us(call, 40)}
+            out["topk_by_kind"].append(row)
+            log(f"topk {row}")
     host, kth = ik.indexer_topk_cuda(*args, TOPK)
     out["full_op_exact"] = bool(torch.equal(host, want[0]) and torch.equal(kth, want[1]))
     out["full_op_us"] = graph_time_us(functools.partial(ik.indexer_topk_cuda, *args, TOPK), 10)

@@ -6,21 +6,21 @@ Two stages, all grids sized from static shapes, live lengths read on the device,
    fp8 keys of its past tokens, read page by page through the block table (one ``tl.dot`` per
    ``score_block`` tokens, fp32 accumulate), then ReLU, head weights, the key's scale:
    ``score[b, t] = k_scale[t] * sum_h w[b, h] * relu(q[b, h] . k[t])`` and -inf at t >= seq_len.
-   It also adds the first radix histogram (top 8 bits of each score's order key) to a per-request
-   histogram with integer atomics (counts are exact, so the result does not depend on the order).
-2. Exact top-k by radix select over the order-preserving int32 key of each fp32 score:
-   ``_hist_kernel``      histogram of bits 23..16 among scores whose top 8 bits are the threshold
-                         bin (grid B x chunks);
-   ``_classify_kernel``  with the 16-bit threshold prefix known, count the scores above it per chunk
-                         and copy the keys sharing it ("candidates", usually a few hundred) into the
-                         chunk's own region of a scratch buffer (grid B x chunks);
-   ``_resolve_kernel``   one program per request finishes the radix select on the candidates
-                         (bits 15..8, then 7..0) and gives the exact threshold key, how many tied
-                         scores to take, and per chunk the output offset and its share of the ties
-                         (grid B);
-   ``_output_kernel``    writes the host slots of the selected tokens in ascending position, ties
-                         going to the earlier token, and the -1 padding (grid B x chunks).
-   Everything is integer counting and prefix sums in a fixed order: the output is deterministic.
+   With ``fuse_hist`` it also adds the first radix histogram (top 8 bits of each score's order
+   key) to a per-request histogram with integer atomics (counts are exact, whatever the order).
+2. Exact top-k by radix select over the order-preserving int32 key of each fp32 score, every
+   kernel a grid of B x chunks (a fixed split of each row) reading the scores once:
+   ``_hist_kernel``      four passes, one per key byte from the top: the histogram of the byte
+                         among the keys whose higher bytes are those of the k-th largest key (known
+                         from the earlier passes' histograms); after the fourth, that key (the
+                         threshold) and how many of the keys equal to it to take are known;
+   ``_count_kernel``     per chunk, the keys above the threshold and equal to it;
+   ``_output_kernel``    from every chunk's counts, its output offset and share of the ties (they go
+                         to the earlier token); writes the host slots of the selected tokens in
+                         ascending position and the -1 padding.
+   The work per program does not depend on the scores: many tied or close scores (a whole row of
+   equal values) cost what distinct ones do. Everything is integer counting and prefix sums in a
+   fixed order: the output is deterministic.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ class IndexerConfig:
     fuse_hist: bool = False  # first radix histogram inside the scores kernel
     sel_block: int = 2048  # scores per iteration of the selection passes (power of two)
     sel_chunk: int | None = None  # tokens per selection program; None: about 4 programs per SM
-    resolve_block: int = 1024  # candidates per iteration of the resolve program (power of two)
     sel_warps: int = 4
 
 
@@ -129,7 +128,7 @@ def _scores_kernel(
     bt_ptr,  # [B, P] int32
     sl_ptr,  # [B] int32
     score_ptr,  # [B, L] fp32 out
-    hist_ptr,  # [B, 2, 256] int32, pass-1 histogram accumulated into [:, 0] when FUSE_HIST
+    hist_ptr,  # [B, 4, 256] int32, pass-1 histogram accumulated into [:, 0] when FUSE_HIST
     n_heads,
     bt_stride,
     L,
@@ -177,7 +176,7 @@ def _scores_kernel(
     if FUSE_HIST:
         bins = tl.arange(0, 256)
         # integer atomics on the few non-empty bins: exact counts whatever the order
-        tl.atomic_add(hist_ptr + b * 512 + bins, hist, mask=hist > 0, sem="relaxed")
+        tl.atomic_add(hist_ptr + b * 1024 + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,16 +184,39 @@ def _scores_kernel(
 
 
 @triton.jit
+def _threshold(hist_ptr, b, k):
+    """The k-th largest live key of request b (k >= 1) from its four radix histograms, and how
+    many of the keys equal to it are selected."""
+    bins = tl.arange(0, 256)
+    h = hist_ptr + b * 1024 + bins
+    top1, k1 = _select_bin(tl.load(h), k)
+    top2, k2 = _select_bin(tl.load(h + 256), k1)
+    top3, k3 = _select_bin(tl.load(h + 512), k2)
+    top4, need = _select_bin(tl.load(h + 768), k3)
+    return (((top1 - 128) * 256 + top2) * 256 + top3) * 256 + top4, need
+
+
+@triton.jit
 def _hist_kernel(score_ptr, sl_ptr, hist_ptr, L, topk, CH, PASS: tl.constexpr, BLK: tl.constexpr):
-    """PASS 1: histogram of bits 31..24 of every live key. PASS 2: of bits 23..16 among the keys
-    in the pass-1 threshold bin. Accumulated into hist[b, PASS - 1] with integer atomics."""
+    """Radix pass PASS (1..4): the histogram of key byte PASS (bits 31..24 first) among the live
+    keys whose higher bytes equal those of the k-th largest key, known from the earlier passes.
+    Accumulated into hist[b, PASS - 1] with integer atomics."""
     b = tl.program_id(0)
     start = tl.program_id(1) * CH
     seq_len = tl.load(sl_ptr + b)
     k = tl.minimum(topk, seq_len)
     bins = tl.arange(0, 256)
-    if PASS == 2:
-        top1, _ = _select_bin(tl.load(hist_ptr + b * 512 + bins), k)
+    h = hist_ptr + b * 1024 + bins
+    prefix = 0  # the higher bytes of the k-th largest key (bits 31..32-8*(PASS-1)), signed
+    if PASS >= 2:
+        top, k = _select_bin(tl.load(h), k)
+        prefix = top - 128
+    if PASS >= 3:
+        top, k = _select_bin(tl.load(h + 256), k)
+        prefix = prefix * 256 + top
+    if PASS >= 4:
+        top, k = _select_bin(tl.load(h + 512), k)
+        prefix = prefix * 256 + top
     n_iter = tl.cdiv(tl.minimum(tl.maximum(seq_len - start, 0), CH), BLK)
     hist = tl.zeros([256], dtype=tl.int32)
     for i in range(n_iter):
@@ -203,114 +225,33 @@ def _hist_kernel(score_ptr, sl_ptr, hist_ptr, L, topk, CH, PASS: tl.constexpr, B
         if PASS == 1:
             hist += tl.histogram((key >> 24) + 128, 256, mask=live)
         else:
-            in_bin = live & ((key >> 24) + 128 == top1)
-            hist += tl.histogram((key >> 16) & 255, 256, mask=in_bin)
-    tl.atomic_add(hist_ptr + b * 512 + (PASS - 1) * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+            match = live & ((key >> (40 - 8 * PASS)) == prefix)
+            hist += tl.histogram((key >> (32 - 8 * PASS)) & 255, 256, mask=match)
+    tl.atomic_add(h + (PASS - 1) * 256, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _classify_kernel(
-    score_ptr, sl_ptr, hist_ptr, cand_ptr, cnt_ptr, state_ptr, L, topk, CH, C, BLK: tl.constexpr
-):
+def _count_kernel(score_ptr, sl_ptr, hist_ptr, cnt_ptr, kth_ptr, L, topk, CH, BLK: tl.constexpr):
+    """Per chunk, the live keys above the threshold and equal to it; kth of each request."""
     b = tl.program_id(0)
     c = tl.program_id(1)
+    C = tl.num_programs(1)
     start = c * CH
     seq_len = tl.load(sl_ptr + b)
     k = tl.minimum(topk, seq_len)
-    bins = tl.arange(0, 256)
-    top1, k1 = _select_bin(tl.load(hist_ptr + b * 512 + bins), k)
-    top2, k2 = _select_bin(tl.load(hist_ptr + b * 512 + 256 + bins), k1)
-    p16 = (top1 - 128) * 256 + top2  # = key >> 16 of the k-th largest key
+    tau, _ = _threshold(hist_ptr, b, tl.maximum(k, 1))
     n_iter = tl.cdiv(tl.minimum(tl.maximum(seq_len - start, 0), CH), BLK)
-    n_above = 0
-    n_cand = 0
-    region = cand_ptr + (b * C + c).to(tl.int64) * CH  # this chunk's own candidate region
+    n_gt = 0
+    n_eq = 0
     for i in range(n_iter):
         t = start + i * BLK + tl.arange(0, BLK)
         key, live = _load_keys(score_ptr, b, L, t, seq_len)
-        hi = key >> 16
-        above = (live & (hi > p16)).to(tl.int32)
-        cand = (live & (hi == p16)).to(tl.int32)
-        tl.store(region + n_cand + tl.cumsum(cand, 0) - 1, key, mask=cand > 0)
-        n_above += tl.sum(above, 0)
-        n_cand += tl.sum(cand, 0)
-    tl.store(cnt_ptr + (b * C + c) * 2, n_above)
-    tl.store(cnt_ptr + (b * C + c) * 2 + 1, n_cand)
+        n_gt += tl.sum((live & (key > tau)).to(tl.int32), 0)
+        n_eq += tl.sum((live & (key == tau)).to(tl.int32), 0)
+    tl.store(cnt_ptr + (b * C + c) * 2, n_gt)
+    tl.store(cnt_ptr + (b * C + c) * 2 + 1, n_eq)
     if c == 0:
-        tl.store(state_ptr + b * 2, p16)
-        tl.store(state_ptr + b * 2 + 1, k2)
-
-
-@triton.jit
-def _cand_load(base, j0, total, incl, excl, cc, CH, RB: tl.constexpr):
-    """Candidates j0 .. j0+RB of a request, seen as one list in chunk order."""
-    j = j0 + tl.arange(0, RB)
-    jm = j < total
-    cj = tl.sum((j[:, None] >= incl[None, :]).to(tl.int32), 1)  # chunk holding candidate j
-    first = tl.sum(tl.where(cc[None, :] == cj[:, None], excl[None, :], 0), 1)
-    key = tl.load(base + cj.to(tl.int64) * CH + (j - first), mask=jm, other=0)
-    return key, jm, cj
-
-
-@triton.jit
-def _resolve_kernel(
-    sl_ptr,
-    state_ptr,
-    cand_ptr,
-    cnt_ptr,
-    plan_ptr,  # [B, 2, C] int32 out: output offset, ties to take, per chunk
-    tau_ptr,  # [B] int32 out: threshold key
-    kth_ptr,  # [B] fp32 out
-    topk,
-    CH,
-    C,
-    CP: tl.constexpr,  # chunks padded to a power of two
-    RB: tl.constexpr,
-):
-    b = tl.program_id(0)
-    seq_len = tl.load(sl_ptr + b)
-    k = tl.minimum(topk, seq_len)
-    p16 = tl.load(state_ptr + b * 2)
-    k2 = tl.load(state_ptr + b * 2 + 1)
-    cc = tl.arange(0, CP)
-    cm = cc < C
-    n_above = tl.load(cnt_ptr + (b * C + cc) * 2, mask=cm, other=0)
-    n_cand = tl.load(cnt_ptr + (b * C + cc) * 2 + 1, mask=cm, other=0)
-    incl = tl.cumsum(n_cand, 0)
-    excl = incl - n_cand
-    total = tl.sum(n_cand, 0)
-    base = cand_ptr + (b * C).to(tl.int64) * CH
-    # bits 15..8 among the candidates (all share bits 31..16)
-    hist = tl.zeros([256], dtype=tl.int32)
-    for j0 in range(0, total, RB):
-        key, jm, cj = _cand_load(base, j0, total, incl, excl, cc, CH, RB)
-        hist += tl.histogram((key >> 8) & 255, 256, mask=jm)
-    top3, k3 = _select_bin(hist, k2)
-    p24 = p16 * 256 + top3
-    # bits 7..0 among those sharing bits 31..8
-    hist = tl.zeros([256], dtype=tl.int32)
-    for j0 in range(0, total, RB):
-        key, jm, cj = _cand_load(base, j0, total, incl, excl, cc, CH, RB)
-        hist += tl.histogram(key & 255, 256, mask=jm & ((key >> 8) == p24))
-    top4, need = _select_bin(hist, k3)
-    tau = p24 * 256 + top4  # the k-th largest key; `need` of the keys equal to it are selected
-    gt = tl.zeros([CP], dtype=tl.int32)
-    eq = tl.zeros([CP], dtype=tl.int32)
-    for j0 in range(0, total, RB):
-        key, jm, cj = _cand_load(base, j0, total, incl, excl, cc, CH, RB)
-        own = (cj[:, None] == cc[None, :]) & jm[:, None]  # [RB, CP] one-hot of the chunk
-        gt += tl.sum((own & (key > tau)[:, None]).to(tl.int32), 0)
-        eq += tl.sum((own & (key == tau)[:, None]).to(tl.int32), 0)
-    # ties go to the earlier token: chunk by chunk in position order
-    eq_before = tl.cumsum(eq, 0) - eq
-    take = tl.minimum(tl.maximum(need - eq_before, 0), eq)
-    sel = n_above + gt + take
-    off = tl.cumsum(sel, 0) - sel
-    has = k > 0
-    tl.store(plan_ptr + (b * 2) * C + cc, tl.where(has, off, 0), mask=cm)
-    tl.store(plan_ptr + (b * 2 + 1) * C + cc, tl.where(has, take, 0), mask=cm)
-    tl.store(tau_ptr + b, tl.where(has, tau, _MAX_KEY))
-    tl.store(kth_ptr + b, tl.where(has, _key_to_float(tau), float("-inf")))
+        tl.store(kth_ptr + b, tl.where(k > 0, _key_to_float(tau), float("-inf")))
 
 
 @triton.jit
@@ -318,25 +259,35 @@ def _output_kernel(
     score_ptr,
     sl_ptr,
     bt_ptr,
-    plan_ptr,
-    tau_ptr,
+    hist_ptr,
+    cnt_ptr,
     out_ptr,  # [B, topk] int32 out
     L,
     topk,
     CH,
-    C,
     bt_stride,
     PADCH,
+    CP: tl.constexpr,  # chunks padded to a power of two
     BLK: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    C = tl.num_programs(1)
     start = c * CH
     seq_len = tl.load(sl_ptr + b)
     k = tl.minimum(topk, seq_len)
-    tau = tl.load(tau_ptr + b)
-    off = tl.load(plan_ptr + (b * 2) * C + c)
-    take = tl.load(plan_ptr + (b * 2 + 1) * C + c)
+    tau, need = _threshold(hist_ptr, b, tl.maximum(k, 1))
+    # this chunk's output offset and share of the ties (they go to the earlier token), from every
+    # chunk's counts in position order
+    cc = tl.arange(0, CP)
+    cm = cc < C
+    n_gt = tl.load(cnt_ptr + (b * C + cc) * 2, mask=cm, other=0)
+    n_eq = tl.load(cnt_ptr + (b * C + cc) * 2 + 1, mask=cm, other=0)
+    take_all = tl.minimum(tl.maximum(need - (tl.cumsum(n_eq, 0) - n_eq), 0), n_eq)
+    sel_all = n_gt + take_all
+    off = tl.sum(tl.where(cc < c, sel_all, 0), 0)
+    take = tl.where(k > 0, tl.sum(tl.where(cc == c, take_all, 0), 0), 0)
+    tau = tl.where(k > 0, tau, _MAX_KEY)  # an empty request selects nothing
     n_iter = tl.cdiv(tl.minimum(tl.maximum(seq_len - start, 0), CH), BLK)
     n_sel = 0
     n_eq = 0
@@ -344,7 +295,7 @@ def _output_kernel(
         t = start + i * BLK + tl.arange(0, BLK)
         key, live = _load_keys(score_ptr, b, L, t, seq_len)
         eq = (live & (key == tau)).to(tl.int32)
-        rank = n_eq + tl.cumsum(eq, 0) - 1  # among this request's ties, in position order
+        rank = n_eq + tl.cumsum(eq, 0) - 1  # among this chunk's ties, in position order
         sel = ((live & (key > tau)) | ((eq > 0) & (rank < take))).to(tl.int32)
         pos = off + n_sel + tl.cumsum(sel, 0) - 1
         page = tl.load(bt_ptr + b * bt_stride + t // _PAGE, mask=sel > 0, other=0)
@@ -374,7 +325,7 @@ def index_scores(
     block_table: torch.Tensor,  # [B, P] int32
     seq_lens: torch.Tensor,  # [B] int32
     cfg: IndexerConfig,
-    hists: torch.Tensor | None = None,  # [B, 2, 256] int32 zeros: gets the pass-1 histogram
+    hists: torch.Tensor | None = None,  # [B, 4, 256] int32 zeros: gets the pass-1 histogram
 ) -> torch.Tensor:
     """Index scores [B, P*64] fp32 (-inf past each request's length)."""
     B, n_heads = q_u8.shape[:2]
@@ -412,7 +363,7 @@ def topk_from_scores(
     seq_lens: torch.Tensor,  # [B] int32
     topk: int,
     cfg: IndexerConfig,
-    hists: torch.Tensor | None = None,  # [B, 2, 256] with pass 1 done, or None to run it here
+    hists: torch.Tensor | None = None,  # [B, 4, 256] zeros but pass 1 done, or None: run it here
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of each row's first seq_len scores, as ``indexer_topk_ref`` selects them:
     host slots ascending by position (-1 padded) and the lowest selected score."""
@@ -420,29 +371,23 @@ def topk_from_scores(
     dev = scores.device
     chunk, C = _chunking(B, L, cfg, dev)
     blk, warps = cfg.sel_block, cfg.sel_warps
+    first = 2  # the radix pass to start from
     if hists is None:
-        hists = torch.zeros((B, 2, _NBINS), dtype=torch.int32, device=dev)
+        hists = torch.zeros((B, 4, _NBINS), dtype=torch.int32, device=dev)
+        first = 1
+    for p in range(first, 5):
         _hist_kernel[(B, C)](
-            scores, seq_lens, hists, L, topk, chunk, PASS=1, BLK=blk, num_warps=warps
+            scores, seq_lens, hists, L, topk, chunk, PASS=p, BLK=blk, num_warps=warps
         )
-    _hist_kernel[(B, C)](scores, seq_lens, hists, L, topk, chunk, PASS=2, BLK=blk, num_warps=warps)
-    cand = torch.empty((B, C * chunk), dtype=torch.int32, device=dev)
     cnt = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
-    state = torch.empty((B, 2), dtype=torch.int32, device=dev)
-    _classify_kernel[(B, C)](
-        scores, seq_lens, hists, cand, cnt, state, L, topk, chunk, C, BLK=blk, num_warps=warps
-    )
-    plan = torch.empty((B, 2, C), dtype=torch.int32, device=dev)
-    tau = torch.empty((B,), dtype=torch.int32, device=dev)
     kth = torch.empty((B,), dtype=torch.float32, device=dev)
-    _resolve_kernel[(B,)](
-        seq_lens, state, cand, cnt, plan, tau, kth, topk, chunk, C,
-        CP=triton.next_power_of_2(C), RB=cfg.resolve_block, num_warps=warps,
-    )  # fmt: skip
+    _count_kernel[(B, C)](
+        scores, seq_lens, hists, cnt, kth, L, topk, chunk, BLK=blk, num_warps=warps
+    )
     out = torch.empty((B, topk), dtype=torch.int32, device=dev)
     _output_kernel[(B, C)](
-        scores, seq_lens, block_table, plan, tau, out, L, topk, chunk, C, block_table.stride(0),
-        triton.cdiv(topk, C), BLK=blk, num_warps=warps,
+        scores, seq_lens, block_table, hists, cnt, out, L, topk, chunk, block_table.stride(0),
+        triton.cdiv(topk, C), CP=triton.next_power_of_2(C), BLK=blk, num_warps=warps,
     )  # fmt: skip
     return out, kth
 
@@ -474,7 +419,7 @@ def indexer_topk_cuda(
     B = q_u8.shape[0]
     hists = None
     if cfg.fuse_hist:
-        hists = torch.zeros((B, 2, _NBINS), dtype=torch.int32, device=q_u8.device)
+        hists = torch.zeros((B, 4, _NBINS), dtype=torch.int32, device=q_u8.device)
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     scores = index_scores(q_u8, weights, index_cache, block_table, seq_lens, cfg, hists)
     return topk_from_scores(scores, block_table, seq_lens, topk, cfg, hists)

@@ -83,7 +83,8 @@ def _category(event) -> str:
 
 def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda: bool) -> dict:
     """Run ``step()`` ``steps`` times under the profiler; per-step milliseconds by category
-    (device time on CUDA, CPU time otherwise) and their total."""
+    (device time on CUDA, CPU time otherwise) and their total; on CUDA also the kernels that
+    took the most device time, by name, whatever launched them."""
     # On CUDA the kernels appear twice: charged to the CPU op that launched them and as events of
     # their own; categories come from the first, the total from the second. Kernels no op claimed
     # are counted as "other" and listed by name.
@@ -103,6 +104,7 @@ def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda
             h.remove()
     us = dict.fromkeys(CATEGORIES, 0.0)
     by_name: dict[str, float] = {}  # device time per kernel name: all, minus what ops claimed
+    kernels: dict[str, float] = {}  # device time per kernel name: all
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CPU:
             t = ev.self_device_time_total if cuda else ev.self_cpu_time_total
@@ -113,14 +115,17 @@ def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda
         elif cuda and not (ev.is_user_annotation or ev.name.startswith(_REGION)):
             # (a region also shows up on the device as an annotation spanning its kernels)
             by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.time_range.elapsed_us()
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.time_range.elapsed_us()
     unclaimed = sum(v for v in by_name.values() if v > 0)
     us["other"] += unclaimed
     top = sorted(((v, n) for n, v in by_name.items() if v > 0), reverse=True)[:8]
+    heavy = sorted(((v, n) for n, v in kernels.items()), reverse=True)[:12]
     ms = {k: v / 1e3 / steps for k, v in us.items()}
     return {
         "ms_per_step": ms,
         "total_ms": sum(ms.values()),
         "unclaimed_ms": unclaimed / 1e3 / steps,
         "unclaimed_top": {n[:120]: v / 1e3 / steps for v, n in top},
+        "top_kernels": {n[:120]: v / 1e3 / steps for v, n in heavy},  # device time (CUDA only)
         "time": "device" if cuda else "cpu",
     }

@@ -177,8 +177,7 @@ def order_key_torch(score: torch.Tensor) -> torch.Tensor:
 # scores within fp32 rounding of any summation order: a small multiple of 2^-24 per term, of the
 # sum of the terms' magnitudes (the GPU file allows more: fp8 tensor-core accumulation)
 SCORE_REL = 1e-5
-SMALL = ik.IndexerConfig(score_block=64, score_tokens=128, sel_block=64, sel_chunk=64,
-                         resolve_block=16)  # fmt: skip
+SMALL = ik.IndexerConfig(score_block=64, score_tokens=128, sel_block=64, sel_chunk=64)
 # lengths: empty, below topk, exact page multiples, above topk, the whole table
 CASES = [
     (1, 5, 8, [300], 64),
@@ -203,7 +202,7 @@ def test_select_ref_is_the_reference(case: int, device: str) -> None:
 def test_scores_and_histogram(case: int, device: str) -> None:
     B, P, Hi, lens, topk = CASES[case]
     inp = make_indexer_inputs(B, P, Hi, lens, _gen(200 + case, device))
-    hists = torch.zeros(B, 2, 256, dtype=torch.int32, device=device)
+    hists = torch.zeros(B, 4, 256, dtype=torch.int32, device=device)
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     scores = ik.index_scores(*args, SMALL, hists)
     ref, mag = scores_ref(inp)
@@ -214,11 +213,11 @@ def test_scores_and_histogram(case: int, device: str) -> None:
     for b in range(B):
         want = torch.bincount(digit[b][valid[b]].long(), minlength=256).int()
         assert torch.equal(hists[b, 0].cpu(), want.cpu())
-    assert not hists[:, 1].any()
+    assert not hists[:, 1:].any()
 
 
 @pytest.mark.parametrize("cfg", [SMALL, ik.IndexerConfig(), ik.IndexerConfig(fuse_hist=False,
-                                 sel_block=32, sel_chunk=96, resolve_block=32)])  # fmt: skip
+                                 sel_block=32, sel_chunk=96)])  # fmt: skip
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_indexer_topk_vs_reference(case: int, cfg: ik.IndexerConfig, device: str) -> None:
     B, P, Hi, lens, topk = CASES[case]
@@ -241,6 +240,8 @@ def _tie_scores(B: int, L: int, gen: torch.Generator, kind: str) -> torch.Tensor
     if kind == "ties":  # a few distinct values: thresholds fall inside long runs of ties
         s = torch.randint(-2, 3, (B, L), generator=gen).float()
         s[s == 0] = torch.where(torch.rand(int((s == 0).sum()), generator=gen) < 0.5, -0.0, 0.0)
+    elif kind == "equal":  # one value: every live score is a candidate, the first k are taken
+        s = torch.full((B, L), 0.25)
     elif kind == "spread":  # signs and magnitudes from 1e-30 to 1e30, some -inf
         mag = torch.exp((torch.randn(B, L, generator=gen) * 20).clamp(-80, 80))  # finite
         s = torch.randn(B, L, generator=gen) * mag
@@ -251,7 +252,7 @@ def _tie_scores(B: int, L: int, gen: torch.Generator, kind: str) -> torch.Tensor
     return s
 
 
-@pytest.mark.parametrize("kind", ["ties", "spread", "near"])
+@pytest.mark.parametrize("kind", ["ties", "equal", "spread", "near"])
 @pytest.mark.parametrize("topk", [8, 33, 64])
 def test_topk_exact(kind: str, topk: int, device: str) -> None:
     B, P = 4, 5
@@ -263,7 +264,7 @@ def test_topk_exact(kind: str, topk: int, device: str) -> None:
         scores[b, int(lens[b]) :] = 1e30
     bt = torch.randperm(B * P + 2, generator=gen)[: B * P].view(B, P).int().to(device)
     want = select_ref(scores, bt, lens, topk)
-    for cfg in (SMALL, ik.IndexerConfig(sel_block=128, sel_chunk=128, resolve_block=64)):
+    for cfg in (SMALL, ik.IndexerConfig(sel_block=128, sel_chunk=128)):
         host, kth = ik.topk_from_scores(scores, bt, lens, topk, cfg)
         assert torch.equal(host, want[0]), (kind, cfg)
         assert torch.equal(kth, want[1]), (kind, cfg)

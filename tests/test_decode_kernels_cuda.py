@@ -75,10 +75,10 @@ def test_indexer_deterministic_fused_and_op(indexer_inputs: dict) -> None:
     assert torch.equal(host, h4) and torch.equal(kth, k4)
 
 
-@pytest.mark.parametrize("kind", ["ties", "spread", "near"])
+@pytest.mark.parametrize("kind", ["ties", "equal", "spread", "near"])
 def test_topk_exact_full_size(kind: str) -> None:
-    # "ties": a few distinct values, so ~1/5 of a row are candidates (the resolve program's slow
-    # path); "near": values one ulp apart, every radix digit decides
+    # "ties": a few distinct values, thresholds inside long runs of ties; "near": values one ulp
+    # apart, every radix digit decides
     scores = _tie_scores(B, L, _gen(3), kind).cuda()
     lens = torch.tensor(LENS, dtype=torch.int32, device="cuda")
     bt = torch.randperm(B * P + 5, device="cuda")[: B * P].view(B, P).int()
