@@ -36,6 +36,14 @@ def _hits(r: dict) -> str:
     return " / ".join(f"{x:.2f}" for x in h) if h else "-"
 
 
+def _serving(r: dict) -> str:
+    """The time the throughput divides by, and how much of it the engine's steps and taking
+    requests in (add_request) took; the rest is the loop around them."""
+    if "add_s" not in r:
+        return "-"
+    return f"{r['serve_s']:.2f}: {r['steps_s']:.2f} + {r['add_s']:.2f}"
+
+
 def e2e_tables(d: dict) -> list[str]:
     rows = d["results"]
     env, wl = d["environment"], d["workload"]
@@ -47,8 +55,9 @@ def e2e_tables(d: dict) -> list[str]:
         + (f", {d['elapsed_s']:.0f} s in all" if "elapsed_s" in d else ""),
         "",
         "| pool | system | measured tok/s | steady tok/s | eff. batch (max) | step p50 | "
-        "ITL p50 / p99 | TTFT p50 | hit rate per layer | recalled rows/step/layer |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "ITL p50 / p99 | TTFT p50 | serving s: steps + intake | hit rate per layer | "
+        "recalled rows/step/layer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     once = [r for r in rows if row_rate(r) == math.inf]
     for r in once:
@@ -57,7 +66,7 @@ def e2e_tables(d: dict) -> list[str]:
             f"{steady(r):.0f} | {r['effective_batch']:.1f} ({r.get('max_batch', '?')}) | "
             f"{r['step_ms_median']:.2f} ms | {r['itl_ms'].get('p50', 0):.1f} / "
             f"{r['itl_ms'].get('p99', 0):.1f} ms | {r['ttft_s'].get('p50', 0):.2f} s | "
-            f"{_hits(r)} | {r['recalled_rows_per_step']:,.0f} |"
+            f"{_serving(r)} | {_hits(r)} | {r['recalled_rows_per_step']:,.0f} |"
         )
     out += ["", "| pool | offload / GPU-only, measured | steady | offload compiled / eager |"]
     out.append("|---|---|---|---|")
@@ -78,10 +87,12 @@ def e2e_tables(d: dict) -> list[str]:
                 f"{r['effective_batch']:.1f} | {r['itl_ms'].get('p50', 0):.1f} ms | "
                 f"{r['ttft_s'].get('p50', 0):.2f} s |"
             )
-    for pool, e in (d.get("breakdown") or {}).items():
+    if d.get("breakdown"):
         out += ["", breakdown_row_header(), "|---|---|---|---|---|---|---|---|---|"]
-        name = f"pool {int(pool):,}" if pool.isdigit() else pool.replace(" ", ", pool ")
-        out.append(breakdown_row(f"{name}, batch {e.get('batch')}", e))
+    for pool, e in (d.get("breakdown") or {}).items():
+        system, _, n = pool.rpartition(" ")  # keys: "200000" (offloading), "gpu-only 200000"
+        label = f"{system or 'offload'}, pool {int(n):,}, batch {e.get('batch')}"
+        out.append(breakdown_row(label, e))
     return out
 
 
@@ -116,9 +127,10 @@ def step_tables(d: dict) -> list[str]:
             f"{r['cache_management_share']:.0%} | {_hits(r)} |"
         )
     out += ["", breakdown_row_header(), "|---|---|---|---|---|---|---|---|---|"]
-    for r in d["rows"]:
-        if r.get("breakdown"):
-            out.append(breakdown_row(f"B={r['batch']}", r["breakdown"]))
+    for key, name in (("breakdown", "offload"), ("breakdown_gpu_only", "GPU-only")):
+        for r in d["rows"]:
+            if r.get(key):
+                out.append(breakdown_row(f"{name}, B={r['batch']}", r[key]))
     return out
 
 

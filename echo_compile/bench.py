@@ -140,6 +140,7 @@ class SystemResult:
     inject_s: float
     serve_s: float  # wall - inject: the time the throughput divides by
     steps_s: float  # of which in engine steps (decode, and prefill in full mode)
+    add_s: float  # and in taking requests in (engine.add_request: checks, queueing)
     step_ms_median: float
     ttft_s: dict[str, float] = field(default_factory=dict)
     itl_ms: dict[str, float] = field(default_factory=dict)
@@ -254,11 +255,14 @@ class System:
 
         step_times: list[float] = []
         ttft: list[float] = []
+        add_s = 0.0
         while pending or engine.has_unfinished():
             now = clock()
             while pending and pending[0][0] <= now:
                 _, i = pending.pop(0)
+                ta = time.perf_counter()
                 self._add(wl, i, prompts[i])
+                add_s += time.perf_counter() - ta
             if not engine.has_unfinished():  # idle until the next arrival
                 time.sleep(max(0.0, min(pending[0][0] - now, 0.01)))
                 continue
@@ -291,6 +295,7 @@ class System:
             inject_s=self.inject_s,
             serve_s=wall - self.inject_s,
             steps_s=sum(step_times) - self.inject_s,  # all injection happens inside steps
+            add_s=add_s,
             step_ms_median=float(torch.tensor(step_times).median()) * 1e3 if step_times else 0.0,
             ttft_s=_pct(ttft),
             itl_ms=_pct(itl, 1e3),

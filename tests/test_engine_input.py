@@ -1,0 +1,49 @@
+"""Engine.add_request rejects bad prompts with an error that names the problem, and keeps what it
+had already accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.checkpoint import resolve_model
+from model.loader import load_model
+from runtime.engine import Engine, EngineConfig
+from runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    model, _ = load_model(resolve_model("tiny"))
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 8, gpu_tokens=2 * model.config.index_topk)
+    return Engine(model, model.config, None, cfg)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([1, 2, True], "integers"),
+        ([1, 2.0], "integers"),
+        ([1, "2"], "integers"),
+        ([1, -1], "must be in"),
+        ([1, 10**6], "must be in"),
+        ([], "empty"),
+    ],
+)
+def test_bad_prompt_ids_are_rejected_and_nothing_is_lost(engine: Engine, ids, message) -> None:
+    params = SamplingParams(max_tokens=2)
+    engine.add_request("ok", [5, 6, 7], params)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", ids, params)
+    assert "bad" not in engine.requests and "ok" in engine.requests
+    engine.abort_request("ok")
+    assert not engine.has_unfinished()
+
+
+def test_a_long_prompt_is_checked_in_milliseconds(engine: Engine) -> None:
+    import time
+
+    ids = [i % 500 for i in range(100_000)]
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match="can never fit"):  # checked, then too long for the pool
+        engine.add_request("long", ids, SamplingParams(max_tokens=1))
+    assert time.perf_counter() - t < 0.05
