@@ -190,4 +190,4 @@ def test_reports_render_the_committed_results(tmp_path, capsys) -> None:
     capsys.readouterr()
     assert e2e_summary.main([]) == 0
     text = capsys.readouterr().out
-    assert "| 200,000 | 7.95x | 23.13x | 1.42x |" in text  # the report's ratio row, recomputed
+    assert "| 200,000 | 8.60x | 10.42x | 2.36x |" in text  # the report's ratio row, recomputed
