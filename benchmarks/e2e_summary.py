@@ -22,7 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plot_results import BREAKDOWN_CATEGORIES, corrected_breakdown, row_rate  # noqa: E402
+from plot_results import (  # noqa: E402
+    BREAKDOWN_CATEGORIES,
+    breakdown_label,
+    corrected_breakdown,
+    row_rate,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,9 +95,7 @@ def e2e_tables(d: dict) -> list[str]:
     if d.get("breakdown"):
         out += ["", breakdown_row_header(), "|---|---|---|---|---|---|---|---|---|"]
     for pool, e in (d.get("breakdown") or {}).items():
-        system, _, n = pool.rpartition(" ")  # keys: "200000" (offloading), "gpu-only 200000"
-        label = f"{system or 'offload'}, pool {int(n):,}, batch {e.get('batch')}"
-        out.append(breakdown_row(label, e))
+        out.append(breakdown_row(f"{breakdown_label(pool)}, batch {e.get('batch')}", e))
     return out
 
 

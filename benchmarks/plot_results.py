@@ -370,6 +370,12 @@ def corrected_breakdown(e: dict) -> dict:
     }
 
 
+def breakdown_label(key: str) -> str:
+    """A breakdown entry's key ("200000": offloading's; "gpu-only 200000") as "system, pool N"."""
+    system, _, n = key.rpartition(" ")
+    return f"{system or 'offload'}, pool {int(n):,}"
+
+
 def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
     """Stacked ms per eager decode step by category, one bar per profiled pool."""
     bd = d["breakdown"]
@@ -383,8 +389,7 @@ def _e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
     entries = []
     for k in sorted(bd, key=pool_key):
         if bd[k].get("ms_per_step"):
-            pool = f"pool {int(k):,}" if pool_key(k)[0] == 0 else k.replace(" ", ", pool ")
-            entries.append((pool, corrected_breakdown(bd[k])))
+            entries.append((breakdown_label(k), corrected_breakdown(bd[k])))
     if not entries:
         print("skip: e2e breakdown: no entry has ms_per_step")
         return
