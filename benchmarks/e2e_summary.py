@@ -84,13 +84,17 @@ def e2e_tables(d: dict) -> list[str]:
         out.append(f"| {pool:,} | {ratio} | {st} | {gr} |")
     sweep = [r for r in rows if row_rate(r) != math.inf]
     if sweep:
-        out += ["", "| rate (req/s) | system | measured tok/s | eff. batch | ITL p50 | TTFT p50 |"]
-        out.append("|---|---|---|---|---|---|")
+        out += [
+            "",
+            "| rate (req/s) | system | measured tok/s | eff. batch | ITL p50 | TTFT p50 | "
+            "hit rate per layer |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in sorted(sweep, key=lambda r: (r["system"], row_rate(r))):
             out.append(
                 f"| {row_rate(r):g} | {r['system']} | {r['throughput_tok_s']:.0f} | "
                 f"{r['effective_batch']:.1f} | {r['itl_ms'].get('p50', 0):.1f} ms | "
-                f"{r['ttft_s'].get('p50', 0):.2f} s |"
+                f"{r['ttft_s'].get('p50', 0):.2f} s | {_hits(r)} |"
             )
     if d.get("breakdown"):
         out += ["", breakdown_row_header(), "|---|---|---|---|---|---|---|---|---|"]

@@ -309,8 +309,10 @@ def _e2e_rate_sweep(d: dict, rows: list[dict], out: Path, written: list[Path]) -
             label=label,
         )
         for x, y, r in zip(xs, ys, pts, strict=True):
+            hr = mean(r.get("hit_rate") or [])
             ax.annotate(
-                f"B={r.get('effective_batch', 0):.1f}",
+                f"B={r.get('effective_batch', 0):.1f}"
+                + ("" if math.isnan(hr) else f"\nhit {hr:.2f}"),
                 (x, y),
                 xytext=(0, 7 if i % 2 == 0 else -9),
                 textcoords="offset points",
@@ -339,7 +341,7 @@ def _e2e_rate_sweep(d: dict, rows: list[dict], out: Path, written: list[Path]) -
         f"{_join(r.get('requests') for r in rows) or '?'} requests per point\n"
         f"context {wl.get('min_ctx', '?'):,}-{wl.get('max_ctx', '?'):,}, "
         f"{wl.get('output_len', '?')} output tokens, {m.get('num_hidden_layers', '?')} layers, "
-        f"{d.get('kv_format', '?')} KV{rep}; B = effective batch",
+        f"{d.get('kv_format', '?')} KV{rep}; B = eff. batch, hit = mean hit rate",
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="upper left")
