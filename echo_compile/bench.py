@@ -142,6 +142,7 @@ class SystemResult:
     steps_s: float  # of which in engine steps (decode, and prefill in full mode)
     add_s: float  # and in taking requests in (engine.add_request: checks, queueing)
     step_ms_median: float
+    step_ms: dict[str, float] = field(default_factory=dict)  # percentiles, mean and max
     ttft_s: dict[str, float] = field(default_factory=dict)
     itl_ms: dict[str, float] = field(default_factory=dict)
     hit_rate: list[float] = field(default_factory=list)
@@ -297,6 +298,7 @@ class System:
             steps_s=sum(step_times) - self.inject_s,  # all injection happens inside steps
             add_s=add_s,
             step_ms_median=float(torch.tensor(step_times).median()) * 1e3 if step_times else 0.0,
+            step_ms=_pct(step_times, 1e3) | ({"max": max(step_times) * 1e3} if step_times else {}),
             ttft_s=_pct(ttft),
             itl_ms=_pct(itl, 1e3),
             hit_rate=list(m["hit_rate"]),

@@ -47,6 +47,8 @@ def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
         assert (r["recalled_rows_per_step"] > 0) == offload
         assert 0 < r["steps_s"] and r["steps_s"] + r["add_s"] <= r["serve_s"] <= r["wall_s"]
         assert r["add_s"] > 0
+        st = r["step_ms"]
+        assert 0 < st["p50"] <= st["p99"] <= st["max"] and st["mean"] <= st["max"]
         assert 0 <= r["ttft_s"]["p50"] <= r["serve_s"]
     # GPU-only holds whole requests: 384 rows fit one of these, 704 two; offloading is bounded by
     # B x topk <= N_G and the max batch
