@@ -93,15 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         a.device,
         a.repeat,
     )
-    if a.device != "cuda":  # the op runs its torch reference on CPU: call the kernels instead
-        import custom_ops.indexer as ix
+    import custom_ops.indexer as ix
 
+    ref = ix.indexer_topk_ref
+    if a.device != "cuda":  # the op runs its torch reference on CPU: call the kernels instead
         ix.indexer_topk_ref = lambda *args: spy(*args)
     ik.indexer_topk_cuda = spy
     try:
         sut.run(Workload(requests=1, min_ctx=a.ctx, max_ctx=a.ctx, output_len=a.steps))
     finally:
-        ik.indexer_topk_cuda = real
+        ik.indexer_topk_cuda, ix.indexer_topk_ref = real, ref
     layers = model.config.num_hidden_layers
     for c in calls:
         c["layer"] = c["call"] % layers

@@ -1,7 +1,7 @@
 """The exact top-k selection, another version of it against the current one, on the same scores.
 
-    git show 3910879:custom_ops/indexer_kernels.py > ik_old.py   # the one-program resolve
-    python benchmarks/topk_probe.py --old ik_old.py --out benchmarks/results/topk_probe_h200.json
+    git show 3910879:custom_ops/indexer_kernels.py > ik_v1.py   # the one-program resolve
+    python benchmarks/topk_probe.py --old ik_v1.py --out benchmarks/results/topk_probe_h200.json
 
 For each batch B and live length, fp32 scores drawn from N(0, 1) (the shape of the bench model's
 scores: ~50 of 90K share the k-th score's top 16 bits, ``score_stats_h200.json``) are selected by
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_exact"] = bool(
                     torch.equal(host, want[0]) and torch.equal(kth, want[1])
                 )
-                row[f"{name}_us"] = graph_time_us(call, 20) if DEV == "cuda" else float("nan")
+                row[f"{name}_us"] = graph_time_us(call, 20) if DEV == "cuda" else None
             rows.append(row)
             print(row, flush=True)
     out = {"environment": environment(), "old": str(a.old), "topk": TOPK, "rows": rows}

@@ -168,9 +168,11 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
         ids = list(prompt_token_ids)
-        # builtins over the whole list, not a Python loop per token: 100K-token prompts
-        if ids and not set(map(type, ids)) <= {int}:  # (bool is not int here)
-            raise ValueError("prompt token ids must be integers")
+        # builtins over the whole list first (100K-token prompts); the per-token check only when
+        # some id is not a plain int (an int subclass other than bool is still accepted)
+        if ids and not set(map(type, ids)) <= {int}:
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("prompt token ids must be integers")
         if ids and not (0 <= min(ids) and max(ids) < vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         req = Request(request_id, ids, params, inject_kv=inject_kv)

@@ -37,3 +37,14 @@ def test_bad_prompt_ids_are_rejected_and_nothing_is_lost(engine: Engine, ids, me
     assert "bad" not in engine.requests and "ok" in engine.requests
     engine.abort_request("ok")
     assert not engine.has_unfinished()
+
+
+def test_int_subclasses_other_than_bool_are_ids(engine: Engine) -> None:
+    import enum
+
+    class Tok(enum.IntEnum):
+        A = 7
+
+    engine.add_request("enum", [5, Tok.A], SamplingParams(max_tokens=2))
+    assert engine.requests["enum"].prompt_ids == [5, 7]
+    engine.abort_request("enum")
