@@ -28,11 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from custom_ops import cache_kernels as K  # noqa: E402
-from custom_ops import cache_ops as C  # noqa: E402
-from custom_ops.gpu_pool import GpuPool  # noqa: E402
-from custom_ops.host_pool import allocate_host_rows  # noqa: E402
-from custom_ops.invariants import check_pool, fill_random  # noqa: E402
-from custom_ops.kv_cache import CacheConfig  # noqa: E402
+from custom_ops import cache_layout as C  # noqa: E402
+from custom_ops.cache.gpu_pool import GpuPool  # noqa: E402
+from custom_ops.cache.host_pool import allocate_host_rows  # noqa: E402
+from custom_ops.cache.invariants import check_pool, fill_random  # noqa: E402
+from custom_ops.cache.kv_cache import CacheConfig  # noqa: E402
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE  # noqa: E402
 
 N_G, N_H, B, TOPK = 200_000, 2_097_152, 64, 2048

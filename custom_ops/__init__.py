@@ -1,2 +1,10 @@
-"""echo-compile's ``echo::`` custom ops: FP8 helpers, KV row formats, the host KV pool, the
-per-layer GPU cache manager and the attention/indexer kernels. Depends on torch and triton only."""
+"""echo-compile's ``echo::`` custom ops (FP8 helpers, KV row formats, the cache-manager, indexer,
+attention and AWQ ops) and, in ``custom_ops.cache``, the cache state they run on. Depends on torch
+and triton only.
+
+Importing the package registers every ``echo::`` op with its reference (the CPU kernel) and its
+fake implementation, like any torch extension; the Triton modules are imported on an op's first
+CUDA call.
+"""
+
+from custom_ops import attention, awq, cache_ops, indexer  # noqa: F401  (registers the echo:: ops)

@@ -32,10 +32,7 @@ def sparse_mla_decode_ref(
     return o.to(torch.bfloat16)
 
 
-@torch.library.custom_op("echo::sparse_mla_decode", mutates_args=())
-def sparse_mla_decode(
-    q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, softmax_scale: float, fmt: str
-) -> torch.Tensor:
+def _check(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, fmt: str) -> None:
     check_fmt(fmt)
     if q.dim() != 3 or q.shape[-1] != KV_LORA + 64 or q.dtype != torch.bfloat16:
         raise ValueError(
@@ -45,11 +42,23 @@ def sparse_mla_decode(
         raise ValueError(f"sparse_mla_decode: pool must be uint8 [N, {ROW_BYTES[fmt]}] for {fmt}")
     if slots.dim() != 2 or slots.shape[0] != q.shape[0] or slots.dtype != torch.int32:
         raise ValueError("sparse_mla_decode: slots must be int32 [B, K]")
-    if q.is_cuda:
-        from custom_ops import attention_kernels
 
-        return attention_kernels.sparse_mla_decode_cuda(q, pool, slots, softmax_scale, fmt)
+
+@torch.library.custom_op("echo::sparse_mla_decode", mutates_args=())
+def sparse_mla_decode(
+    q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, softmax_scale: float, fmt: str
+) -> torch.Tensor:
+    """Default kernel (CPU): the reference."""
+    _check(q, pool, slots, fmt)
     return sparse_mla_decode_ref(q, pool, slots, softmax_scale, fmt)
+
+
+@sparse_mla_decode.register_kernel("cuda")
+def _(q, pool, slots, softmax_scale, fmt):
+    _check(q, pool, slots, fmt)
+    from custom_ops import attention_kernels  # Triton: imported on the first CUDA call
+
+    return attention_kernels.sparse_mla_decode_cuda(q, pool, slots, softmax_scale, fmt)
 
 
 @sparse_mla_decode.register_fake

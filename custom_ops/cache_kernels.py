@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops import cache_ops as C
+from custom_ops import cache_layout as C
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 # Globals read inside kernels must be constexpr.

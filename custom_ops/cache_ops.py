@@ -1,6 +1,8 @@
-"""The GPU-pool cache manager ops (ECHO's graph-friendly cache manager): ``echo::allocate``,
-``echo::free``, ``echo::recall`` and ``echo::release``, with their pure-torch references (the CPU
-implementation and the specification the Triton kernels in cache_kernels.py are tested against).
+"""The cache ops: ECHO's graph-friendly GPU-pool manager (``echo::allocate``, ``echo::free``,
+``echo::recall``, ``echo::release``) and ``echo::offload`` (new rows to the host pool and the
+indexer cache), with their pure-torch references: every op's default kernel (CPU) and the
+specification its Triton kernel in cache_kernels.py (the CUDA kernel) is tested against. The state
+layout (``meta``, ``stats``, age buckets) is in cache_layout.py.
 
 Per-layer state (all fixed-shape buffers of ``GpuPool``, DESIGN.md "State"):
 - ``gpu_free [N_G] int8``: 1 = slot free.
@@ -34,41 +36,25 @@ from __future__ import annotations
 
 import torch
 
-# ---- meta layout (int32) ------------------------------------------------------------------------
-CLOCK = 0  # current step clock, in [0, CLOCK_MASK]
-NFREE = 1  # number of free slots (== gpu_free.sum() between ops)
-OVERFLOW = 2  # sticky count of requests that could not be met (capacity violated)
-IDX_HW = 3  # indices[IDX_HW:] are all -1 (lets kernels pad only what the last call wrote)
-NMISS = 4  # scratch: distinct misses of the running recall
-ALLOC_CTR = 5  # scratch: allocate's ranking counter
-VICT_CTR = 6  # scratch: free's victim counter
-EQ_CTR = 7  # scratch: free's rank counter inside the threshold bucket
-DONE = 8  # scratch: programs finished (the last one finalises and resets the scratch)
-LAST_ALLOC = 9  # slots taken by the last allocate / recall
-LAST_EVICT = 10  # slots evicted by the last free / recall
-LAST_MISS = 11  # distinct misses of the last recall
-META_LEN = 16
-SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE)
-
-# ---- stats layout (int64, cumulative) -----------------------------------------------------------
-SELECTED = 0  # valid selected entries seen by recall
-RECALLED = 1  # rows copied host -> GPU (distinct misses)
-STEPS = 2  # recall calls
-EVICTED = 3  # slots evicted
-STATS_LEN = 4
-
-CLOCK_MASK = (1 << 30) - 1
-AGE_EXACT = 128
-AGE_SHIFT = 5
-NBINS = 256
-PENDING = -2  # host_to_gpu value of a miss claimed inside a recall (never visible between ops)
-
-
-def age_bucket(age: torch.Tensor) -> torch.Tensor:
-    """Eviction bucket of an age >= 1; a higher bucket is evicted first (bucket 0 = never)."""
-    return torch.where(
-        age < AGE_EXACT, age, ((age - AGE_EXACT) >> AGE_SHIFT).add(AGE_EXACT).clamp(max=NBINS - 1)
-    )
+from custom_ops.cache_layout import (
+    CLOCK,
+    CLOCK_MASK,
+    EVICTED,
+    IDX_HW,
+    LAST_ALLOC,
+    LAST_EVICT,
+    LAST_MISS,
+    META_LEN,
+    NBINS,
+    NFREE,
+    OVERFLOW,
+    RECALLED,
+    SELECTED,
+    STATS_LEN,
+    STEPS,
+    age_bucket,
+)
+from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 
 def _check_state(
@@ -245,10 +231,86 @@ def release_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slo
     meta[NFREE] += g.numel()
 
 
-# ---- registrations ------------------------------------------------------------------------------
+def offload_ref(host_kv, index_k, rows, index_rows, slots) -> None:
+    keep = slots >= 0
+    s = slots[keep].long()
+    host_kv[s] = rows[keep]
+    page, off = s // PAGE, s % PAGE
+    flat = index_k.view(-1)
+    base = page * INDEX_PAGE_BYTES
+    vidx = (base + off * 128)[:, None] + torch.arange(128, device=slots.device)
+    sidx = (base + PAGE * 128 + off * 4)[:, None] + torch.arange(4, device=slots.device)
+    flat[vidx] = index_rows[keep][:, :128]
+    flat[sidx] = index_rows[keep][:, 128:]
+
+
+# ---- input checks (one per op, shared by its reference and its CUDA kernel) ---------------------
 _MAPS = ("gpu_free", "gpu_priority", "gpu_to_host", "host_to_gpu")
 
 
+def _check_allocate(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
+    _check_state("allocate", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
+    _check_count("allocate", n, gpu_free.device)
+    if want_host.dtype != torch.int32 or want_host.dim() != 1 or want_host.device != n.device:
+        raise ValueError("allocate: want_host must be a 1-D int32 tensor on the pool's device")
+
+
+def _check_free(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats,
+                protect, n):
+    _check_state("free", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
+    _check_count("free", n, gpu_free.device)
+    _check_slots("free", "protect", protect, gpu_free.device)
+    if hist.shape != (NBINS,) or hist.dtype != torch.int32:
+        raise ValueError(f"free: hist must be int32 [{NBINS}]")
+    if stats.shape != (STATS_LEN,) or stats.dtype != torch.int64:
+        raise ValueError(f"free: stats must be int64 [{STATS_LEN}]")
+
+
+def _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
+                  miss_host, meta, hist, stats, host_slots):
+    _check_state("recall", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
+    if host_slots.dtype != torch.int32 or host_slots.dim() != 2:
+        raise ValueError(f"recall: host_slots must be int32 [B, k], got {host_slots.dtype} "
+                         f"{list(host_slots.shape)}")
+    if host_kv.dtype != torch.uint8 or gpu_kv.dtype != torch.uint8 or host_kv.dim() != 2:
+        raise ValueError("recall: host_kv and gpu_kv must be uint8 [rows, row_bytes]")
+    if gpu_kv.shape != (gpu_to_host.shape[0], host_kv.shape[1]):
+        raise ValueError(f"recall: gpu_kv {list(gpu_kv.shape)} must be [N_G, {host_kv.shape[1]}]")
+    if host_kv.shape[0] != host_to_gpu.shape[0]:
+        raise ValueError(f"recall: host_kv has {host_kv.shape[0]} rows, host_to_gpu "
+                         f"{host_to_gpu.shape[0]}")
+    if miss_host.shape != indices.shape or miss_host.dtype != torch.int32:
+        raise ValueError("recall: miss_host must be int32 shaped like indices")
+
+
+def _check_release(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots):
+    _check_state("release", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta)
+    _check_slots("release", "host_slots", host_slots, gpu_free.device)
+
+
+def _check_offload(host_kv, index_k, rows, index_rows, slots):
+    if rows.shape[0] != slots.shape[0] or index_rows.shape != (rows.shape[0], INDEX_ROW_BYTES):
+        raise ValueError(
+            "offload: rows [T, row], index_rows [T, 132] and slots [T] must agree on T"
+        )
+    if rows.shape[1] != host_kv.shape[1]:
+        raise ValueError(f"offload: row width {rows.shape[1]} != pool row width {host_kv.shape[1]}")
+
+
+def _cuda_kernel(check, launcher: str):
+    """An op's CUDA kernel: the op's input checks, then the Triton launcher
+    ``cache_kernels.<launcher>``; Triton is imported on the first CUDA call, not on import."""
+
+    def run(*args):
+        check(*args)
+        from custom_ops import cache_kernels
+
+        return getattr(cache_kernels, launcher)(*args)
+
+    return run
+
+
+# ---- registrations: the reference is every op's default kernel, Triton its CUDA kernel -----------
 @torch.library.custom_op("echo::allocate", mutates_args=(*_MAPS, "indices", "meta"))
 def allocate(
     gpu_free: torch.Tensor,
@@ -262,18 +324,12 @@ def allocate(
 ) -> None:
     """Take n free slots, map them to want_host[:n], stamp them with the clock; the slots go to
     indices[:n] in the order of want_host (-1 padded). Short of free slots: fewer, and OVERFLOW."""
-    _check_state("allocate", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
-    _check_count("allocate", n, gpu_free.device)
-    if want_host.dtype != torch.int32 or want_host.dim() != 1 or want_host.device != n.device:
-        raise ValueError("allocate: want_host must be a 1-D int32 tensor on the pool's device")
-    if gpu_free.is_cuda:
-        from custom_ops import cache_kernels
+    args = (gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n)
+    _check_allocate(*args)
+    allocate_ref(*args)
 
-        cache_kernels.allocate_cuda(
-            gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n
-        )
-        return
-    allocate_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n)
+
+allocate.register_kernel("cuda")(_cuda_kernel(_check_allocate, "allocate_cuda"))
 
 
 @allocate.register_fake
@@ -297,21 +353,12 @@ def free_slots(
     """Stamp the resident slots of ``protect`` with the clock, then evict exactly
     max(n - free, 0) of the oldest other slots (their maps cleared; nothing is written back: the
     host copy is authoritative). The evicted slots go to indices (-1 padded)."""
-    _check_state("free", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
-    _check_count("free", n, gpu_free.device)
-    _check_slots("free", "protect", protect, gpu_free.device)
-    if hist.shape != (NBINS,) or hist.dtype != torch.int32:
-        raise ValueError(f"free: hist must be int32 [{NBINS}]")
-    if stats.shape != (STATS_LEN,) or stats.dtype != torch.int64:
-        raise ValueError(f"free: stats must be int64 [{STATS_LEN}]")
-    if gpu_free.is_cuda:
-        from custom_ops import cache_kernels
-
-        cache_kernels.free_cuda(
-            gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, protect, n
-        )
-        return
+    _check_free(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats,
+                protect, n)
     free_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, protect, n)
+
+
+free_slots.register_kernel("cuda")(_cuda_kernel(_check_free, "free_cuda"))
 
 
 @free_slots.register_fake
@@ -340,30 +387,15 @@ def recall(
     """Guaranteed recall: protect the selected slots, evict exactly max(misses - free, 0), place
     the distinct misses, copy their rows host -> GPU, advance the clock. Returns gpu_slots [B, k]
     int32 with entry j = the GPU slot of host_slots entry j (-1 stays -1)."""
-    _check_state("recall", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
-    if host_slots.dtype != torch.int32 or host_slots.dim() != 2:
-        raise ValueError(f"recall: host_slots must be int32 [B, k], got {host_slots.dtype} "
-                         f"{list(host_slots.shape)}")
-    if host_kv.dtype != torch.uint8 or gpu_kv.dtype != torch.uint8 or host_kv.dim() != 2:
-        raise ValueError("recall: host_kv and gpu_kv must be uint8 [rows, row_bytes]")
-    if gpu_kv.shape != (gpu_to_host.shape[0], host_kv.shape[1]):
-        raise ValueError(f"recall: gpu_kv {list(gpu_kv.shape)} must be [N_G, {host_kv.shape[1]}]")
-    if host_kv.shape[0] != host_to_gpu.shape[0]:
-        raise ValueError(f"recall: host_kv has {host_kv.shape[0]} rows, host_to_gpu "
-                         f"{host_to_gpu.shape[0]}")
-    if miss_host.shape != indices.shape or miss_host.dtype != torch.int32:
-        raise ValueError("recall: miss_host must be int32 shaped like indices")
-    if gpu_free.is_cuda:
-        from custom_ops import cache_kernels
-
-        return cache_kernels.recall_cuda(
-            host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host,
-            meta, hist, stats, host_slots,
-        )
+    _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
+                  miss_host, meta, hist, stats, host_slots)
     return recall_ref(
         host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host,
         meta, stats, host_slots,
     )
+
+
+recall.register_kernel("cuda")(_cuda_kernel(_check_recall, "recall_cuda"))
 
 
 @recall.register_fake
@@ -383,17 +415,36 @@ def release(
 ) -> None:
     """Forget host slots: their GPU slots (if any) become free and both maps are cleared. Must
     run before the host pages are handed out again, or a stale GPU copy would be served."""
-    _check_state("release", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta)
-    _check_slots("release", "host_slots", host_slots, gpu_free.device)
-    if gpu_free.is_cuda:
-        from custom_ops import cache_kernels
+    args = (gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots)
+    _check_release(*args)
+    release_ref(*args)
 
-        cache_kernels.release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta,
-                                   host_slots)
-        return
-    release_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots)
+
+release.register_kernel("cuda")(_cuda_kernel(_check_release, "release_cuda"))
 
 
 @release.register_fake
 def _(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:
+    return None
+
+
+@torch.library.custom_op("echo::offload", mutates_args=("host_kv", "index_k"))
+def offload(
+    host_kv: torch.Tensor,  # [N_H, row] uint8 (UVA view of pinned memory on CUDA)
+    index_k: torch.Tensor,  # [N_H // 64, 8448] uint8: the paged indexer key cache
+    rows: torch.Tensor,  # [T, row] uint8
+    index_rows: torch.Tensor,  # [T, 132] uint8
+    slots: torch.Tensor,  # [T] int64 host slots, -1 = padding (nothing written)
+) -> None:
+    """Write each token's KV row to the host pool and its indexer key (128 e4m3 + fp32 scale)
+    to the paged indexer cache, at its host slot."""
+    _check_offload(host_kv, index_k, rows, index_rows, slots)
+    offload_ref(host_kv, index_k, rows, index_rows, slots)
+
+
+offload.register_kernel("cuda")(_cuda_kernel(_check_offload, "offload_cuda"))
+
+
+@offload.register_fake
+def _(host_kv, index_k, rows, index_rows, slots) -> None:
     return None

@@ -81,14 +81,19 @@ def indexer_topk(
     seq_lens: torch.Tensor,
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default kernel (CPU): the reference."""
     _check(q_fp8, weights, index_cache, block_table, seq_lens, topk)
-    if q_fp8.is_cuda:
-        from custom_ops import indexer_kernels
-
-        return indexer_kernels.indexer_topk_cuda(
-            q_fp8, weights, index_cache, block_table, seq_lens, topk
-        )
     return indexer_topk_ref(q_fp8, weights, index_cache, block_table, seq_lens, topk)
+
+
+@indexer_topk.register_kernel("cuda")
+def _(q_fp8, weights, index_cache, block_table, seq_lens, topk):
+    _check(q_fp8, weights, index_cache, block_table, seq_lens, topk)
+    from custom_ops import indexer_kernels  # Triton: imported on the first CUDA call
+
+    return indexer_kernels.indexer_topk_cuda(
+        q_fp8, weights, index_cache, block_table, seq_lens, topk
+    )
 
 
 @indexer_topk.register_fake

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from custom_ops.kv_cache import CacheConfig, KVCache
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.kv_cache import KVCache
 from echo_compile import settings
 from runtime.model_runner import ModelRunner, next_bucket
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from custom_ops import attention as _attention  # noqa: F401  (registers echo::sparse_mla_decode)
 from custom_ops.fp8 import act_quant, fp8_round_trip
-from custom_ops.kv_cache import KVCache, LayerKV
+from custom_ops.cache.kv_cache import KVCache, LayerKV
 from custom_ops.kv_format import (
     PAGE,
     index_cache_gather,

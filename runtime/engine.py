@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from custom_ops.kv_cache import CacheConfig, KVCache
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.kv_cache import KVCache
 from model.config import ModelConfig
 from runtime.detokenize import RequestDetokenizer
 from runtime.model_runner import (

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from custom_ops.kv_cache import KVCache
+from custom_ops.cache.kv_cache import KVCache
 from model.forward_meta import ForwardMeta
 from runtime.request import PAGE, Request
 from runtime.scheduler import ScheduledBatch

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from custom_ops.host_slots import HostSlotAllocator
+from runtime.host_slots import HostSlotAllocator
 from runtime.request import PAGE, Request, Status
 
 

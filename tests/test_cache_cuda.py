@@ -18,11 +18,14 @@ import torch
 from test_cache_ops import CacheStep, assert_same_up_to_ties, selection, state
 
 from custom_ops import cache_kernels as K
+from custom_ops import cache_layout as L
 from custom_ops import cache_ops as C
-from custom_ops.gpu_pool import GpuPool
-from custom_ops.host_pool import PinnedRows, allocate_host_rows
-from custom_ops.invariants import check_pool, fill_random
-from custom_ops.kv_cache import CacheConfig, KVCache, offload_ref
+from custom_ops.cache.gpu_pool import GpuPool
+from custom_ops.cache.host_pool import PinnedRows, allocate_host_rows
+from custom_ops.cache.invariants import check_pool, fill_random
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.kv_cache import KVCache
+from custom_ops.cache_ops import offload_ref
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 pytestmark = pytest.mark.cuda
@@ -161,7 +164,7 @@ def test_recall_in_cuda_graph_replays_with_new_selections():
         graph.replay()
         torch.cuda.synchronize()
         check_pool(pool, selected=static_hs, gpu_slots=out, host_kv=host)
-        assert int(pool.meta[C.LAST_MISS]) == misses, step
+        assert int(pool.meta[L.LAST_MISS]) == misses, step
         assert_same_up_to_ties(before, ref, pool)
         assert torch.equal(pool.gpu_kv[out.flatten().long()], ref.gpu_kv[o_ref.flatten().long()])
 

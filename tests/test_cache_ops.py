@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from custom_ops import cache_kernels as K
+from custom_ops import cache_layout as L
 from custom_ops import cache_ops as C
-from custom_ops.gpu_pool import GpuPool
-from custom_ops.host_pool import allocate_host_rows
-from custom_ops.host_slots import HostSlotAllocator
-from custom_ops.invariants import CacheInvariantError, check_pool, fill_random
-from custom_ops.kv_cache import CacheConfig, KVCache, offload_ref
+from custom_ops.cache.gpu_pool import GpuPool
+from custom_ops.cache.host_pool import allocate_host_rows
+from runtime.host_slots import HostSlotAllocator
+from custom_ops.cache.invariants import CacheInvariantError, check_pool, fill_random
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.kv_cache import KVCache
+from custom_ops.cache_ops import offload_ref
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 
@@ -73,18 +76,18 @@ def assert_same_up_to_ties(before, ref, ker):
     different free slots); everything else must agree. Vectorised: runs at full H200 sizes."""
     sb, sr, sk = stamps(before), stamps(ref), stamps(ker)
     inb, inr, ink = sb >= 0, sr >= 0, sk >= 0
-    bucket = C.age_bucket((int(before.meta[C.CLOCK]) - sb) & C.CLOCK_MASK)
+    bucket = L.age_bucket((int(before.meta[L.CLOCK]) - sb) & L.CLOCK_MASK)
     ev_r, ev_k = inb & ~inr, inb & ~ink
     assert torch.equal(bucket[ev_r].sort().values, bucket[ev_k].sort().values)
     assert torch.equal(inr & ~inb, ink & ~inb)  # the same host slots placed
     both = inr & ink
     assert torch.equal(sr[both], sk[both])
-    keep = [C.CLOCK, C.NFREE, C.OVERFLOW, C.IDX_HW, C.LAST_EVICT]
+    keep = [L.CLOCK, L.NFREE, L.OVERFLOW, L.IDX_HW, L.LAST_EVICT]
     assert ref.meta[keep].tolist() == ker.meta[keep].tolist()
     assert ref.totals.tolist() == ker.totals.tolist()
     b_h2g = before.host_to_gpu.long().cpu()
     for p, ev in ((ref, ev_r), (ker, ev_k)):  # indices = the evicted slots
-        got = p.indices[: int(p.meta[C.IDX_HW])].long().cpu().sort().values
+        got = p.indices[: int(p.meta[L.IDX_HW])].long().cpu().sort().values
         assert torch.equal(got, b_h2g[ev].sort().values)
 
 
@@ -145,16 +148,16 @@ def test_recall_reference_semantics():
     assert torch.equal(out >= 0, valid)  # order kept, -1 stays -1
     assert torch.equal(pool.gpu_kv[out[valid].long()], host_kv[hs[valid].long()])
     n_miss = torch.unique(hs[valid & (before.host_to_gpu[hs.clamp(min=0).long()] < 0)]).numel()
-    assert int(pool.meta[C.LAST_MISS]) == n_miss == int(pool.totals[C.RECALLED])  # dups once
-    assert int(pool.meta[C.LAST_EVICT]) == max(n_miss - int(before.meta[C.NFREE]), 0)
-    assert int(pool.totals[C.SELECTED]) == int(valid.sum())
+    assert int(pool.meta[L.LAST_MISS]) == n_miss == int(pool.totals[L.RECALLED])  # dups once
+    assert int(pool.meta[L.LAST_EVICT]) == max(n_miss - int(before.meta[L.NFREE]), 0)
+    assert int(pool.totals[L.SELECTED]) == int(valid.sum())
     # Evicted slots come from the oldest buckets: none older survives unselected.
     rb, ra = resident(before), resident(pool)
-    clock = int(before.meta[C.CLOCK])
-    age = {h: (clock - s) & C.CLOCK_MASK for h, s in rb.items()}
+    clock = int(before.meta[L.CLOCK])
+    age = {h: (clock - s) & L.CLOCK_MASK for h, s in rb.items()}
     ev = rb.keys() - ra.keys()
     kept = {h for h in rb.keys() & ra.keys() if ra[h] == rb[h]}  # untouched survivors
-    bucket = lambda h: int(C.age_bucket(torch.tensor(age[h])))  # noqa: E731
+    bucket = lambda h: int(L.age_bucket(torch.tensor(age[h])))  # noqa: E731
     assert ev and min(map(bucket, ev)) >= max(map(bucket, kept))
     assert not ev & set(hs[valid].tolist())
 
@@ -164,7 +167,7 @@ def test_free_exact_count_protection_and_overflow():
     hs = selection(pool, gen, 8, 50, hits=390, misses=0)  # protect every resident slot but 0
     pool.free(hs, torch.tensor([30], dtype=torch.int32))
     # 10 free already, every resident slot protected: nothing can be evicted -> overflow.
-    assert int(pool.meta[C.LAST_EVICT]) == 0 and int(pool.meta[C.OVERFLOW]) == 1
+    assert int(pool.meta[L.LAST_EVICT]) == 0 and int(pool.meta[L.OVERFLOW]) == 1
     pool, _, gen = make_pool(400, 2048, 50, 8, occupied=390)
     hs = selection(pool, gen, 2, 50, hits=60, misses=0)
     prot = set(hs[hs >= 0].tolist())
@@ -174,7 +177,7 @@ def test_free_exact_count_protection_and_overflow():
     gone = before.keys() - resident(pool).keys()
     assert len(gone) == 27 and not gone & prot  # exactly max(37 - 10, 0)
     pool.free(hs, torch.tensor([37], dtype=torch.int32))
-    assert int(pool.meta[C.LAST_EVICT]) == 0 and int(pool.indices[0]) == -1  # 37 free already
+    assert int(pool.meta[L.LAST_EVICT]) == 0 and int(pool.indices[0]) == -1  # 37 free already
 
 
 def test_allocate_reference_and_bad_input():
@@ -182,7 +185,7 @@ def test_allocate_reference_and_bad_input():
     want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:20].int()
     pool.allocate(want, torch.tensor([12], dtype=torch.int32))  # only 10 free
     check_pool(pool, allow_overflow=True)
-    assert int(pool.meta[C.LAST_ALLOC]) == 10 and int(pool.meta[C.OVERFLOW]) == 1
+    assert int(pool.meta[L.LAST_ALLOC]) == 10 and int(pool.meta[L.OVERFLOW]) == 1
     assert torch.equal(pool.indices[:10], pool.host_to_gpu[want[:10].long()])
     assert bool((pool.indices[10:] == -1).all())
     with pytest.raises(ValueError, match="already on the GPU"):
@@ -202,18 +205,18 @@ def test_release_frees_gpu_slots_and_tolerates_duplicates():
     on_gpu = {h for h in lst.tolist() if h >= 0 and int(pool.host_to_gpu[h]) >= 0}
     pool.release(lst)
     check_pool(pool, host_kv=host_kv)
-    assert int(pool.meta[C.NFREE]) == 56 + len(on_gpu)
+    assert int(pool.meta[L.NFREE]) == 56 + len(on_gpu)
     assert bool((pool.host_to_gpu[lst[lst >= 0]] == -1).all())
 
 
 def test_clock_wraps_without_breaking_eviction_order():
     pool, host_kv, gen = make_pool(128, 1024, 16, 4)
-    pool.meta[C.CLOCK] = C.CLOCK_MASK - 2
+    pool.meta[L.CLOCK] = L.CLOCK_MASK - 2
     for _ in range(6):
         hs = selection(pool, gen, 4, 16, hits=30, misses=10)
         out = pool.recall(host_kv, hs)
         check_pool(pool, selected=hs, gpu_slots=out, host_kv=host_kv)
-    assert int(pool.meta[C.CLOCK]) == 3
+    assert int(pool.meta[L.CLOCK]) == 3
 
 
 # ---- kernels vs references ----------------------------------------------------------------------
@@ -271,7 +274,7 @@ def test_free_and_allocate_kernels_match_reference(case, device):
         check_pool(ker, allow_overflow=True)
         assert resident(ref) == resident(ker)
         assert ref.meta.tolist()[:4] == ker.meta.tolist()[:4]
-        k = int(ker.meta[C.LAST_ALLOC])
+        k = int(ker.meta[L.LAST_ALLOC])
         assert torch.equal(ker.indices[:k], ker.host_to_gpu[want[:k].long()])
         assert bool((ker.indices[k:] == -1).all())
 
@@ -296,8 +299,8 @@ def test_recall_padded_bucket_and_capacity_overflow(device):
         out = (C.recall_ref(*args, p.totals, hs) if impl == "ref"
                else K.recall_cuda(*args, p.hist, p.totals, hs))
         check_pool(p, host_kv=host_kv, allow_overflow=True)
-        assert int(p.meta[C.OVERFLOW]) == 1 and int(p.meta[C.LAST_ALLOC]) == 64, impl
-        assert int((out >= 0).sum()) == 64 and int(p.totals[C.RECALLED]) == 64
+        assert int(p.meta[L.OVERFLOW]) == 1 and int(p.meta[L.LAST_ALLOC]) == 64, impl
+        assert int((out >= 0).sum()) == 64 and int(p.totals[L.RECALLED]) == 64
         placed = out >= 0
         assert torch.equal(p.gpu_kv[out[placed].long()], host_kv[hs[placed].long()])
 
@@ -308,8 +311,8 @@ def test_allocate_kernel_when_short_of_free_slots(device):
     n = torch.tensor([50], dtype=torch.int32, device=device)
     K.allocate_cuda(*state(pool), pool.indices, pool.meta, want, n)
     check_pool(pool, allow_overflow=True)
-    assert int(pool.meta[C.LAST_ALLOC]) == 20 and int(pool.meta[C.OVERFLOW]) == 1
-    assert int(pool.meta[C.NFREE]) == 0
+    assert int(pool.meta[L.LAST_ALLOC]) == 20 and int(pool.meta[L.OVERFLOW]) == 1
+    assert int(pool.meta[L.NFREE]) == 0
 
 
 @pytest.mark.parametrize("n_g,occ,m", [(64, 60, 70), (2500, 2500, 3000), (1100, 100, 1)])
@@ -355,11 +358,11 @@ def test_invariant_checker_catches_corruption(corrupt):
     elif corrupt == "prio":
         pool.gpu_priority[g] = -1
     elif corrupt == "nfree":
-        pool.meta[C.NFREE] += 1
+        pool.meta[L.NFREE] += 1
     elif corrupt == "pending":
-        pool.host_to_gpu[int(torch.nonzero(pool.host_to_gpu < 0)[0])] = C.PENDING
+        pool.host_to_gpu[int(torch.nonzero(pool.host_to_gpu < 0)[0])] = L.PENDING
     elif corrupt == "scratch":
-        pool.meta[C.ALLOC_CTR] = 3
+        pool.meta[L.ALLOC_CTR] = 3
     else:
         pool.gpu_kv[g, 7] ^= 1
     with pytest.raises(CacheInvariantError):
@@ -410,7 +413,7 @@ def test_kvcache_fetch_release_stats_cpu():
     cache.release(hs.long())
     for layer in cache.layers:
         check_pool(layer.pool)
-        assert int(layer.pool.meta[C.NFREE]) == 128
+        assert int(layer.pool.meta[L.NFREE]) == 128
 
 
 # ---- torch.compile on CPU: one graph, in-place, CUDA-graph ready -------------------------------

@@ -1,7 +1,7 @@
 """A hypothesis state machine drives random offload / recall / release sequences through a small
 KVCache and checks it against a plain Python model after every step: which host slots each
 layer's GPU pool holds, their stamps, the clock, the running totals, the rows, and every
-invariant of custom_ops/invariants.py.
+invariant of custom_ops/cache/invariants.py.
 
 The model cannot know which slots of the threshold age bucket an eviction picks (the kernel's
 choice depends on its atomics), so it checks that the choice is legal (exactly max(misses - free,
@@ -25,10 +25,11 @@ from hypothesis.stateful import (
 )
 
 from custom_ops import cache_kernels as K
-from custom_ops import cache_ops as C
-from custom_ops.host_slots import HostSlotAllocator
-from custom_ops.invariants import check_pool
-from custom_ops.kv_cache import CacheConfig, KVCache
+from custom_ops import cache_layout as C
+from runtime.host_slots import HostSlotAllocator
+from custom_ops.cache.invariants import check_pool
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.kv_cache import KVCache
 from custom_ops.kv_format import INDEX_ROW_BYTES, PAGE
 
 N_H, N_G, TOPK, MAX_B, LAYERS = 1024, 96, 16, 4, 2  # B * k = 64 <= N_G

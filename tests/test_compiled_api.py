@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import echo_compile
-from custom_ops.kv_cache import KVCache
+from custom_ops.cache.kv_cache import KVCache
 from model.checkpoint import resolve_model
 from model.loader import load_model
 from runtime.model_runner import ModelRunner

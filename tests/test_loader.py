@@ -436,7 +436,8 @@ def test_awq_checkpoint_loads_into_the_model(tmp_path, loaded):
 
 # ---- the generated weights give a usable model -------------------------------------------------
 def last_logits(model, ids):
-    from custom_ops.kv_cache import CacheConfig, KVCache
+    from custom_ops.cache.config import CacheConfig
+    from custom_ops.cache.kv_cache import KVCache
     from model.forward_meta import ForwardMeta
 
     c, t = model.config, len(ids)

@@ -9,15 +9,13 @@ are read between steps with ``stats()``; nothing in ``recall`` synchronises with
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from custom_ops import cache_ops as C
-
-if TYPE_CHECKING:
-    from custom_ops.kv_cache import CacheConfig
+import custom_ops  # noqa: F401  (registers the echo:: cache ops this module calls)
+from custom_ops import cache_layout as C
+from custom_ops.cache.config import CacheConfig
 
 
 class GpuPool(nn.Module):
@@ -62,7 +60,7 @@ class GpuPool(nn.Module):
             host_slots,
         )
         if self.debug and not torch.compiler.is_compiling():
-            from custom_ops.invariants import check_pool
+            from custom_ops.cache.invariants import check_pool
 
             check_pool(self, selected=host_slots, gpu_slots=out, host_kv=host_kv)
         return out
@@ -93,7 +91,7 @@ class GpuPool(nn.Module):
 
     def _debug_check(self) -> None:
         if self.debug and not torch.compiler.is_compiling():
-            from custom_ops.invariants import check_pool
+            from custom_ops.cache.invariants import check_pool
 
             check_pool(self)
 

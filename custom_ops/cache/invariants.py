@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops import cache_ops as C
+from custom_ops import cache_layout as C
 
 
 class CacheInvariantError(AssertionError):

@@ -11,93 +11,15 @@ make Inductor clone the whole base, compile_notes.md §1.5).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from custom_ops import attention as _attention  # noqa: F401  (registers echo::sparse_mla_decode)
-from custom_ops.host_pool import allocate_host_rows
+import custom_ops  # noqa: F401  (registers every echo:: op this module calls)
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.gpu_pool import GpuPool
+from custom_ops.cache.host_pool import allocate_host_rows
 from custom_ops.indexer import indexer_topk
-from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE, ROW_BYTES, check_fmt
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    num_layers: int
-    host_tokens: int  # N_H: host KV pool rows per layer (a multiple of the 64-token page)
-    gpu_tokens: int  # N_G: GPU pool rows per layer when offloading (ignored otherwise)
-    topk: int  # the model's index_topk
-    fmt: str = "bf16"  # KV row format: "bf16" (1152 B) or "fp8" (656 B)
-    offload: bool = True  # False: the whole KV pool lives in device memory (GPU-only policy)
-    max_batch: int = 64  # the largest decode batch (bounds the fixed-size recall buffers)
-    # Offloading only: rows of the device-resident buffer that holds the KV of the request being
-    # prefilled (its longest context), so prefill chunks read their context from the device, not
-    # back over PCIe. 0: read it from the host pool.
-    prefill_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        check_fmt(self.fmt)
-        if self.num_layers <= 0:
-            raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
-        if self.host_tokens <= 0 or self.host_tokens % PAGE:
-            raise ValueError(
-                f"CacheConfig.host_tokens must be a positive multiple of {PAGE}, "
-                f"got {self.host_tokens}"
-            )
-        if self.topk <= 0 or self.max_batch <= 0:
-            raise ValueError("CacheConfig.topk and max_batch must be positive")
-        if self.prefill_tokens < 0:
-            raise ValueError(f"CacheConfig.prefill_tokens must be >= 0, got {self.prefill_tokens}")
-        if self.offload and self.gpu_tokens < self.topk:
-            raise ValueError(
-                f"CacheConfig.gpu_tokens={self.gpu_tokens} cannot hold one request's selection "
-                f"(topk={self.topk})"
-            )
-
-    @property
-    def row_bytes(self) -> int:
-        return ROW_BYTES[self.fmt]
-
-
-@torch.library.custom_op("echo::offload", mutates_args=("host_kv", "index_k"))
-def offload(
-    host_kv: torch.Tensor,  # [N_H, row] uint8
-    index_k: torch.Tensor,  # [N_H // 64, 8448] uint8
-    rows: torch.Tensor,  # [T, row] uint8
-    index_rows: torch.Tensor,  # [T, 132] uint8
-    slots: torch.Tensor,  # [T] int64 host slots, -1 = padding (nothing written)
-) -> None:
-    if rows.shape[0] != slots.shape[0] or index_rows.shape != (rows.shape[0], INDEX_ROW_BYTES):
-        raise ValueError(
-            "offload: rows [T, row], index_rows [T, 132] and slots [T] must agree on T"
-        )
-    if rows.shape[1] != host_kv.shape[1]:
-        raise ValueError(f"offload: row width {rows.shape[1]} != pool row width {host_kv.shape[1]}")
-    if host_kv.is_cuda:
-        from custom_ops import cache_kernels
-
-        cache_kernels.offload_cuda(host_kv, index_k, rows, index_rows, slots)
-        return
-    offload_ref(host_kv, index_k, rows, index_rows, slots)
-
-
-def offload_ref(host_kv, index_k, rows, index_rows, slots) -> None:
-    keep = slots >= 0
-    s = slots[keep].long()
-    host_kv[s] = rows[keep]
-    page, off = s // PAGE, s % PAGE
-    flat = index_k.view(-1)
-    base = page * INDEX_PAGE_BYTES
-    vidx = (base + off * 128)[:, None] + torch.arange(128, device=slots.device)
-    sidx = (base + PAGE * 128 + off * 4)[:, None] + torch.arange(4, device=slots.device)
-    flat[vidx] = index_rows[keep][:, :128]
-    flat[sidx] = index_rows[keep][:, 128:]
-
-
-@offload.register_fake
-def _(host_kv, index_k, rows, index_rows, slots) -> None:
-    return None
+from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
 
 
 class LayerKV(nn.Module):
@@ -122,8 +44,6 @@ class LayerKV(nn.Module):
         self.pool: nn.Module | None = None
         self.register_buffer("prefill_kv", None, persistent=False)
         if cfg.offload:
-            from custom_ops.gpu_pool import GpuPool
-
             self.pool = GpuPool(cfg, device)
             if cfg.prefill_tokens > 0:
                 # one extra row: padding tokens of a chunk are written there and never read

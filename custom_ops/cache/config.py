@@ -1,0 +1,48 @@
+"""``CacheConfig``: the geometry of the KV cache (host pool, GPU pools, indexer cache), validated
+once; every cache-state module and the runtime build from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from custom_ops.kv_format import PAGE, ROW_BYTES, check_fmt
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    num_layers: int
+    host_tokens: int  # N_H: host KV pool rows per layer (a multiple of the 64-token page)
+    gpu_tokens: int  # N_G: GPU pool rows per layer when offloading (ignored otherwise)
+    topk: int  # the model's index_topk
+    fmt: str = "bf16"  # KV row format: "bf16" (1152 B) or "fp8" (656 B)
+    offload: bool = True  # False: the whole KV pool lives in device memory (GPU-only policy)
+    max_batch: int = 64  # the largest decode batch (bounds the fixed-size recall buffers)
+    # Offloading only: rows of the device-resident buffer that holds the KV of the request being
+    # prefilled (its longest context), so prefill chunks read their context from the device, not
+    # back over PCIe. 0: read it from the host pool.
+    prefill_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_fmt(self.fmt)
+        if self.num_layers <= 0:
+            raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
+        if self.host_tokens <= 0 or self.host_tokens % PAGE:
+            raise ValueError(
+                f"CacheConfig.host_tokens must be a positive multiple of {PAGE}, "
+                f"got {self.host_tokens}"
+            )
+        if self.topk <= 0 or self.max_batch <= 0:
+            raise ValueError("CacheConfig.topk and max_batch must be positive")
+        if self.prefill_tokens < 0:
+            raise ValueError(f"CacheConfig.prefill_tokens must be >= 0, got {self.prefill_tokens}")
+        if self.offload and self.gpu_tokens < self.topk:
+            raise ValueError(
+                f"CacheConfig.gpu_tokens={self.gpu_tokens} cannot hold one request's selection "
+                f"(topk={self.topk})"
+            )
+
+    @property
+    def row_bytes(self) -> int:
+        return ROW_BYTES[self.fmt]
+
+

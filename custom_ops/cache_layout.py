@@ -1,0 +1,44 @@
+"""The layout of a GPU pool's cache-manager state, shared by the ``echo::`` cache ops' references
+(cache_ops.py), their Triton kernels (cache_kernels.py), the pool state (cache/gpu_pool.py) and the
+invariant checker: the ``meta`` and ``stats`` entries, the step clock and the age buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ---- meta layout (int32) ------------------------------------------------------------------------
+CLOCK = 0  # current step clock, in [0, CLOCK_MASK]
+NFREE = 1  # number of free slots (== gpu_free.sum() between ops)
+OVERFLOW = 2  # sticky count of requests that could not be met (capacity violated)
+IDX_HW = 3  # indices[IDX_HW:] are all -1 (lets kernels pad only what the last call wrote)
+NMISS = 4  # scratch: distinct misses of the running recall
+ALLOC_CTR = 5  # scratch: allocate's ranking counter
+VICT_CTR = 6  # scratch: free's victim counter
+EQ_CTR = 7  # scratch: free's rank counter inside the threshold bucket
+DONE = 8  # scratch: programs finished (the last one finalises and resets the scratch)
+LAST_ALLOC = 9  # slots taken by the last allocate / recall
+LAST_EVICT = 10  # slots evicted by the last free / recall
+LAST_MISS = 11  # distinct misses of the last recall
+META_LEN = 16
+SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE)
+
+# ---- stats layout (int64, cumulative) -----------------------------------------------------------
+SELECTED = 0  # valid selected entries seen by recall
+RECALLED = 1  # rows copied host -> GPU (distinct misses)
+STEPS = 2  # recall calls
+EVICTED = 3  # slots evicted
+STATS_LEN = 4
+
+CLOCK_MASK = (1 << 30) - 1
+AGE_EXACT = 128
+AGE_SHIFT = 5
+NBINS = 256
+PENDING = -2  # host_to_gpu value of a miss claimed inside a recall (never visible between ops)
+
+
+def age_bucket(age: torch.Tensor) -> torch.Tensor:
+    """Eviction bucket of an age >= 1; a higher bucket is evicted first (bucket 0 = never)."""
+    return torch.where(
+        age < AGE_EXACT, age, ((age - AGE_EXACT) >> AGE_SHIFT).add(AGE_EXACT).clamp(max=NBINS - 1)
+    )
