@@ -14,7 +14,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import prometheus_client as prom
@@ -36,34 +35,12 @@ from runtime.openai_protocol import (
     sampling_params,
     validation_error,
 )
+from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
-
-
-@dataclass
-class _Result:
-    """A whole generation, accumulated from its outputs."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def add(self, out: StepOutput) -> None:
-        self.text += out.new_text
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.new_logprobs or []
-        self.finish_reason = out.finish_reason
-        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
-
-    def usage(self) -> dict[str, int]:
-        p, c = self.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def _sse(obj: Any) -> str:
@@ -199,14 +176,14 @@ class _Handlers:
         include_usage: bool,
         head: dict[str, Any],
         chunk: Chunk,
-        final: Callable[[_Result], dict[str, Any]],
+        final: Callable[[RequestOutput], dict[str, Any]],
         t0: float,
         first: dict | None = None,
     ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
         when the request arrived (perf_counter), for the latency histogram."""
         if not streaming:
-            res = _Result()
+            res = RequestOutput()
             async for out in _outputs(stream, request):
                 res.add(out)
             if res.finish_reason is None:  # the client left: nobody reads this
@@ -219,7 +196,7 @@ class _Handlers:
         async def events() -> AsyncIterator[str]:
             if first is not None:
                 yield _sse(first)
-            res = _Result()
+            res = RequestOutput()
             async for out in _outputs(stream, request):
                 res.add(out)
                 if (err := _failure(out.finish_reason)) is not None:
@@ -286,7 +263,7 @@ class _Handlers:
             }
             return {**head, "choices": [choice]}
 
-        def final(res: _Result) -> dict[str, Any]:
+        def final(res: RequestOutput) -> dict[str, Any]:
             choice = {
                 "index": 0,
                 "text": res.text,
@@ -344,7 +321,7 @@ class _Handlers:
             }
             return {**head, "choices": [choice]}
 
-        def final(res: _Result) -> dict[str, Any]:
+        def final(res: RequestOutput) -> dict[str, Any]:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": res.text},

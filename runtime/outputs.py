@@ -1,0 +1,38 @@
+"""``RequestOutput``: one request's generation accumulated from its per-step ``StepOutput`` s, the
+one accumulator behind offline ``generate()`` and the server's non-streaming responses."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.engine import StepOutput
+
+
+@dataclass
+class RequestOutput:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # empty unless the request asked for them
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of each output
+    finish_reason: str | None = None  # None: not finished (or the stream was left early)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: StepOutput) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs or []
+        self.token_times.append(time.perf_counter())
+        self.finish_reason = out.finish_reason
+        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def usage(self) -> dict[str, int]:
+        p, c = self.prompt_tokens, self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
