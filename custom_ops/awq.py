@@ -39,8 +39,12 @@ def awq_dequantize_t(
     are kept."""
     q = awq_unpack(qweight)  # [..., K, N]
     z = awq_unpack(qzeros)  # [..., K/128, N]
-    if (z.shape[-2] * GROUP != q.shape[-2] or tuple(scales.shape) != tuple(z.shape)
-            or z.shape[:-2] != q.shape[:-2] or z.shape[-1] != q.shape[-1]):
+    if (
+        z.shape[-2] * GROUP != q.shape[-2]
+        or tuple(scales.shape) != tuple(z.shape)
+        or z.shape[:-2] != q.shape[:-2]
+        or z.shape[-1] != q.shape[-1]
+    ):
         raise ValueError(
             f"awq_dequantize: inconsistent shapes qweight {list(qweight.shape)}, "
             f"qzeros {list(qzeros.shape)}, scales {list(scales.shape)} (group {GROUP})"
@@ -87,8 +91,11 @@ def _(x, qweight, qzeros, scales):
 
 
 def _moe_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_t: torch.Tensor, w2_t: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_t: torch.Tensor,
+    w2_t: torch.Tensor,
 ) -> torch.Tensor:
     """Per-expert loop over the tokens routed to it. ``w13_t [E, D, 2I]``, ``w2_t [E, I, D]`` fp32
     (input-major, as AWQ stores them)."""
@@ -109,9 +116,15 @@ def _moe_ref(
 
 
 def moe_w4a16_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor, w13_scales: torch.Tensor,
-    w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor, w2_scales: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    w2_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Reference for ``echo::moe_w4a16`` (fp32 dequantised weights, plain torch)."""
     w13_t = awq_dequantize_t(w13_qweight, w13_qzeros, w13_scales)  # [E, D, 2I]
@@ -125,15 +138,28 @@ def moe_w4a16_ref(
 
 @torch.library.custom_op("echo::moe_w4a16", mutates_args=(), device_types="cuda")
 def moe_w4a16(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor, w13_scales: torch.Tensor,
-    w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor, w2_scales: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    w2_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Routed AWQ experts: ``x [T, D] -> fp32 [T, D] = sum_j w[t, j] * down(silu(gate(x)) * up(x))``
     with ``e = topk_ids[t, j]`` (int32/int64) and ``w = topk_weights`` (any float dtype)."""
     return K.moe_w4a16_triton(
-        x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales,
-        w2_qweight, w2_qzeros, w2_scales,
+        x,
+        topk_ids,
+        topk_weights,
+        w13_qweight,
+        w13_qzeros,
+        w13_scales,
+        w2_qweight,
+        w2_qzeros,
+        w2_scales,
     )
 
 
@@ -141,26 +167,36 @@ moe_w4a16.register_kernel("cpu")(moe_w4a16_ref)
 
 
 @moe_w4a16.register_fake
-def _(x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales, w2_qweight, w2_qzeros,
-      w2_scales):
+def _(
+    x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales, w2_qweight, w2_qzeros, w2_scales
+):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
 def moe_bf16_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_weight: torch.Tensor, w2_weight: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_weight: torch.Tensor,
+    w2_weight: torch.Tensor,
 ) -> torch.Tensor:
     """Reference for ``echo::moe_bf16``: ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``."""
     return _moe_ref(
-        x, topk_ids, topk_weights,
-        w13_weight.float().transpose(1, 2), w2_weight.float().transpose(1, 2),
+        x,
+        topk_ids,
+        topk_weights,
+        w13_weight.float().transpose(1, 2),
+        w2_weight.float().transpose(1, 2),
     )
 
 
 @torch.library.custom_op("echo::moe_bf16", mutates_args=(), device_types="cuda")
 def moe_bf16(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_weight: torch.Tensor, w2_weight: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_weight: torch.Tensor,
+    w2_weight: torch.Tensor,
 ) -> torch.Tensor:
     """The fused MoE with 16-bit stacked weights (same kernels as ``moe_w4a16``)."""
     return K.moe_bf16_triton(x, topk_ids, topk_weights, w13_weight, w2_weight)
