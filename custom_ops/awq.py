@@ -21,6 +21,7 @@ from custom_ops import awq_kernels as K
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column offset AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column offset ch sits in nibble REVERSE[ch]
 GROUP = K.GROUP
+PACK = K.PACK  # the one definition is in awq_kernels.py; model/awq.py imports it from here
 
 
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 import custom_ops.awq  # noqa: F401  (registers torch.ops.echo.w4a16_linear / moe_w4a16)
-from custom_ops.awq import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, awq_dequantize_t, awq_unpack
+from custom_ops.awq import (
+    AWQ_ORDER,
+    AWQ_REVERSE_ORDER,
+    GROUP,
+    PACK,
+    awq_dequantize_t,
+    awq_unpack,
+)
 from model.config import QuantConfig
 
 __all__ = [
@@ -41,7 +48,6 @@ __all__ = [
     "densify_awq",
 ]
 
-PACK = 8
 DENSE_AFTER_LOAD = ("kv_b_proj",)  # AWQ in the checkpoint, dense bf16 in the model (W_UK / W_UV)
 
 
