@@ -1,7 +1,7 @@
 """AWQ 4-bit (W4A16) ops: ``echo::w4a16_linear`` and ``echo::moe_w4a16`` (+ ``echo::moe_bf16``).
 
 Each op has a pure-torch reference (the CPU kernel), a Triton kernel (CUDA, ``awq_kernels.py``) and
-a fake implementation. Format, AutoAWQ "gemm" (dsv32_arch.md §4.2), for a linear with in=K, out=N:
+a fake implementation. Format, AutoAWQ "gemm" (docs/model_notes.md), for a linear with in=K, out=N:
 ``qweight int32 [K, N/8]``, ``qzeros int32 [K/128, N/8]``, ``scales fp16|bf16 [K/128, N]``;
 nibble i of a word holds column ``8c + ORDER[i]``; ``W^T[k, n] = (q[k, n] - z[k // 128, n]) *
 s[k // 128, n]`` and ``y = x @ W^T``.

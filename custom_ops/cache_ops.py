@@ -2,7 +2,7 @@
 ``echo::free``, ``echo::recall`` and ``echo::release``, with their pure-torch references (the CPU
 implementation and the specification the Triton kernels in cache_kernels.py are tested against).
 
-Per-layer state (all fixed-shape buffers of ``GpuPool``, DESIGN.md "State"):
+Per-layer state (all fixed-shape buffers of ``GpuPool``, docs/cache_ops.md "State"):
 - ``gpu_free [N_G] int8``: 1 = slot free.
 - ``gpu_priority [N_G] int32``: the step clock when the slot was last selected or filled; -1 free.
 - ``gpu_to_host [N_G] int32`` / ``host_to_gpu [N_H] int32``: the two maps, -1 = none.

@@ -1,4 +1,4 @@
-"""AWQ 4-bit weights (AutoAWQ "gemm" format, dsv32_arch.md §4): packing, round-to-nearest
+"""AWQ 4-bit weights (AutoAWQ "gemm" format, docs/model_notes.md): packing, round-to-nearest
 quantisation, dequantisation, and the modules that replace ``nn.Linear`` and the stacked experts.
 
 Format for a linear with in=K, out=N and groups of 128 along K:
