@@ -1,7 +1,7 @@
 """AWQ 4-bit (W4A16) ops: ``echo::w4a16_linear`` and ``echo::moe_w4a16`` (+ ``echo::moe_bf16``).
 
 Each op has a pure-torch reference (the CPU kernel), a Triton kernel (CUDA, ``awq_kernels.py``) and
-a fake implementation. Format, AutoAWQ "gemm" (dsv32_arch.md §4.2), for a linear with in=K, out=N:
+a fake implementation. Format, AutoAWQ "gemm" (docs/model_notes.md), for a linear with in=K, out=N:
 ``qweight int32 [K, N/8]``, ``qzeros int32 [K/128, N/8]``, ``scales fp16|bf16 [K/128, N]``;
 nibble i of a word holds column ``8c + ORDER[i]``; ``W^T[k, n] = (q[k, n] - z[k // 128, n]) *
 s[k // 128, n]`` and ``y = x @ W^T``.
@@ -21,6 +21,7 @@ from custom_ops import awq_kernels as K
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column offset AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column offset ch sits in nibble REVERSE[ch]
 GROUP = K.GROUP
+PACK = K.PACK  # the one definition is in awq_kernels.py; model/awq.py imports it from here
 
 
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -39,8 +40,12 @@ def awq_dequantize_t(
     are kept."""
     q = awq_unpack(qweight)  # [..., K, N]
     z = awq_unpack(qzeros)  # [..., K/128, N]
-    if (z.shape[-2] * GROUP != q.shape[-2] or tuple(scales.shape) != tuple(z.shape)
-            or z.shape[:-2] != q.shape[:-2] or z.shape[-1] != q.shape[-1]):
+    if (
+        z.shape[-2] * GROUP != q.shape[-2]
+        or tuple(scales.shape) != tuple(z.shape)
+        or z.shape[:-2] != q.shape[:-2]
+        or z.shape[-1] != q.shape[-1]
+    ):
         raise ValueError(
             f"awq_dequantize: inconsistent shapes qweight {list(qweight.shape)}, "
             f"qzeros {list(qzeros.shape)}, scales {list(scales.shape)} (group {GROUP})"
@@ -87,8 +92,11 @@ def _(x, qweight, qzeros, scales):
 
 
 def _moe_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_t: torch.Tensor, w2_t: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_t: torch.Tensor,
+    w2_t: torch.Tensor,
 ) -> torch.Tensor:
     """Per-expert loop over the tokens routed to it. ``w13_t [E, D, 2I]``, ``w2_t [E, I, D]`` fp32
     (input-major, as AWQ stores them)."""
@@ -109,9 +117,15 @@ def _moe_ref(
 
 
 def moe_w4a16_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor, w13_scales: torch.Tensor,
-    w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor, w2_scales: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    w2_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Reference for ``echo::moe_w4a16`` (fp32 dequantised weights, plain torch)."""
     w13_t = awq_dequantize_t(w13_qweight, w13_qzeros, w13_scales)  # [E, D, 2I]
@@ -125,15 +139,28 @@ def moe_w4a16_ref(
 
 @torch.library.custom_op("echo::moe_w4a16", mutates_args=(), device_types="cuda")
 def moe_w4a16(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_qweight: torch.Tensor, w13_qzeros: torch.Tensor, w13_scales: torch.Tensor,
-    w2_qweight: torch.Tensor, w2_qzeros: torch.Tensor, w2_scales: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_qzeros: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_qzeros: torch.Tensor,
+    w2_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Routed AWQ experts: ``x [T, D] -> fp32 [T, D] = sum_j w[t, j] * down(silu(gate(x)) * up(x))``
     with ``e = topk_ids[t, j]`` (int32/int64) and ``w = topk_weights`` (any float dtype)."""
     return K.moe_w4a16_triton(
-        x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales,
-        w2_qweight, w2_qzeros, w2_scales,
+        x,
+        topk_ids,
+        topk_weights,
+        w13_qweight,
+        w13_qzeros,
+        w13_scales,
+        w2_qweight,
+        w2_qzeros,
+        w2_scales,
     )
 
 
@@ -141,26 +168,36 @@ moe_w4a16.register_kernel("cpu")(moe_w4a16_ref)
 
 
 @moe_w4a16.register_fake
-def _(x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales, w2_qweight, w2_qzeros,
-      w2_scales):
+def _(
+    x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales, w2_qweight, w2_qzeros, w2_scales
+):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
 def moe_bf16_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_weight: torch.Tensor, w2_weight: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_weight: torch.Tensor,
+    w2_weight: torch.Tensor,
 ) -> torch.Tensor:
     """Reference for ``echo::moe_bf16``: ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``."""
     return _moe_ref(
-        x, topk_ids, topk_weights,
-        w13_weight.float().transpose(1, 2), w2_weight.float().transpose(1, 2),
+        x,
+        topk_ids,
+        topk_weights,
+        w13_weight.float().transpose(1, 2),
+        w2_weight.float().transpose(1, 2),
     )
 
 
 @torch.library.custom_op("echo::moe_bf16", mutates_args=(), device_types="cuda")
 def moe_bf16(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_weight: torch.Tensor, w2_weight: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_weight: torch.Tensor,
+    w2_weight: torch.Tensor,
 ) -> torch.Tensor:
     """The fused MoE with 16-bit stacked weights (same kernels as ``moe_w4a16``)."""
     return K.moe_bf16_triton(x, topk_ids, topk_weights, w13_weight, w2_weight)

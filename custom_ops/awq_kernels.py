@@ -1,6 +1,6 @@
 """Triton kernels for AWQ 4-bit weights (W4A16): a dense GEMM and a fused, expert-grouped MoE.
 
-Format (AutoAWQ "gemm", dsv32_arch.md §4.2): ``qweight int32 [K, N/8]``,
+Format (AutoAWQ "gemm", docs/model_notes.md): ``qweight int32 [K, N/8]``,
 ``qzeros int32 [K/128, N/8]``, ``scales fp16|bf16 [K/128, N]``; nibble i (bits 4i..4i+3) of word c
 holds column ``8c + ORDER[i]``, ``ORDER = [0,2,4,6,1,3,5,7]``, so column offset ch sits at bit
 ``4 * REVERSE[ch]``, ``REVERSE = [0,4,1,5,2,6,3,7] = ch // 2 + 4 * (ch % 2)``.

@@ -4,7 +4,7 @@ indexer cache), with their pure-torch references: every op's default kernel (CPU
 specification its Triton kernel in cache_kernels.py (the CUDA kernel) is tested against. The state
 layout (``meta``, ``stats``, age buckets) is in cache_layout.py.
 
-Per-layer state (all fixed-shape buffers of ``GpuPool``, DESIGN.md "State"):
+Per-layer state (all fixed-shape buffers of ``GpuPool``, docs/cache_ops.md "State"):
 - ``gpu_free [N_G] int8``: 1 = slot free.
 - ``gpu_priority [N_G] int32``: the step clock when the slot was last selected or filled; -1 free.
 - ``gpu_to_host [N_G] int32`` / ``host_to_gpu [N_H] int32``: the two maps, -1 = none.

@@ -1,6 +1,6 @@
-"""FP8 e4m3 block quantisation as the DeepSeek reference's ``act_quant`` (dsv32_arch.md §2.4
-step 4): per block of 128, ``amax = max(|x|, 1e-4)``, ``s = amax / 448``, with ``ue8m0`` rounded up
-to a power of two; ``y = clamp(x / s, ±448)`` cast to e4m3. Scales are fp32."""
+"""FP8 e4m3 block quantisation as the DeepSeek reference's ``act_quant`` (docs/model_notes.md,
+indexer step 4): per block of 128, ``amax = max(|x|, 1e-4)``, ``s = amax / 448``, with ``ue8m0``
+rounded up to a power of two; ``y = clamp(x / s, ±448)`` cast to e4m3. Scales are fp32."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``echo::indexer_topk``: the lightning indexer's scores over every past token of each decode
-request, and the exact top-k of them (dsv32_arch.md §2.4 steps 6-7).
+request, and the exact top-k of them (docs/model_notes.md, indexer steps 6-7).
 
 score[b, t] = k_scale[t] * Σ_h weights[b, h] * ReLU(Σ_d q[b, h, d] * k[t, d])   (fp32, fp8 inputs)
 

@@ -3,9 +3,9 @@
 MLA latent row (one per token per layer), stored as ``uint8 [row_bytes]``:
 - ``bf16``: 512 c_kv + 64 k_pe, bf16 (1152 B; what the public ECHO code stores).
 - ``fp8``: FlashMLA's 656-byte format: 512 e4m3 c_kv, 4 fp32 scales (one per 128), 64 bf16 k_pe.
-The model's c_kv has already been through the FP8 round trip (REF-NEW simulates the deployed
-precision), so both formats decode to the same bf16 values: re-quantising an FP8-representable
-vector with power-of-two scales is exact.
+The model's c_kv has already been through the FP8 round trip (the reference simulates the deployed
+precision; docs/model_notes.md), so both formats decode to the same bf16 values: re-quantising an
+FP8-representable vector with power-of-two scales is exact.
 
 Indexer key row: 128 e4m3 + 1 fp32 scale (132 B). The paged indexer cache holds, per page of 64
 tokens, the 64x128 value bytes and then the 64 fp32 scales (8448 B a page).

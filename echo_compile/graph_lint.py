@@ -1,6 +1,6 @@
 """Checks that a compiled step would be CUDA-graph safe, usable without a GPU (CPU CI).
 
-Both checks use private torch APIs (compile_notes.md §6); they are pinned here, in one helper:
+Both checks use private torch APIs (docs/graph_notes.md); they are pinned here, in one helper:
 - no node that disables CUDA graphs (``.item()``, ``nonzero``, boolean indexing, data-dependent
   shapes, ops tagged cudagraph-unsafe): ``get_first_incompatible_cudagraph_node``;
 - every graph input the step mutates is static (a parameter, a buffer or a

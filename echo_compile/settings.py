@@ -1,6 +1,6 @@
 """Every torch.compile / Dynamo / Inductor setting echo-compile uses, in one place.
 
-Why each one (compile_notes.md has the sources):
+Why each one (docs/graph_notes.md, settings, gives the background):
 - ``recompile_limit``: one static graph per decode bucket and per prefill bucket; the default of 8
   would turn the 9th bucket into a hard failure under fullgraph=True.
 - ``cudagraph_or_error`` (strict mode, tests): a cudagraph skip raises instead of silently running

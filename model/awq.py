@@ -1,4 +1,4 @@
-"""AWQ 4-bit weights (AutoAWQ "gemm" format, dsv32_arch.md §4): packing, round-to-nearest
+"""AWQ 4-bit weights (AutoAWQ "gemm" format, docs/model_notes.md): packing, round-to-nearest
 quantisation, dequantisation, and the modules that replace ``nn.Linear`` and the stacked experts.
 
 Format for a linear with in=K, out=N and groups of 128 along K:
@@ -23,15 +23,31 @@ import torch
 from torch import nn
 
 import custom_ops.awq  # noqa: F401  (registers torch.ops.echo.w4a16_linear / moe_w4a16)
-from custom_ops.awq import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, awq_dequantize_t, awq_unpack
+from custom_ops.awq import (
+    AWQ_ORDER,
+    AWQ_REVERSE_ORDER,
+    GROUP,
+    PACK,
+    awq_dequantize_t,
+    awq_unpack,
+)
 from model.config import QuantConfig
 
 __all__ = [
-    "AWQ_ORDER", "AWQ_REVERSE_ORDER", "GROUP", "AWQExperts", "AWQLinear", "awq_dequantize",
-    "awq_dequantize_t", "awq_pack", "awq_quantize", "awq_unpack", "convert_to_awq", "densify_awq",
+    "AWQ_ORDER",
+    "AWQ_REVERSE_ORDER",
+    "GROUP",
+    "AWQExperts",
+    "AWQLinear",
+    "awq_dequantize",
+    "awq_dequantize_t",
+    "awq_pack",
+    "awq_quantize",
+    "awq_unpack",
+    "convert_to_awq",
+    "densify_awq",
 ]
 
-PACK = 8
 DENSE_AFTER_LOAD = ("kv_b_proj",)  # AWQ in the checkpoint, dense bf16 in the model (W_UK / W_UV)
 
 
@@ -66,8 +82,9 @@ def awq_quantize(
         raise ValueError(f"awq_quantize: weight must be 2-D [out, in], got {list(weight.shape)}")
     n, k = weight.shape
     if k % GROUP or n % PACK:
-        raise ValueError(f"awq_quantize: need in % {GROUP} == 0 and out % {PACK} == 0, got "
-                         f"[out={n}, in={k}]")
+        raise ValueError(
+            f"awq_quantize: need in % {GROUP} == 0 and out % {PACK} == 0, got [out={n}, in={k}]"
+        )
     if scales_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"awq_quantize: scales_dtype must be float16 or bfloat16, got {scales_dtype}"
@@ -88,7 +105,9 @@ def awq_quantize(
 
 
 def awq_dequantize(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """The ``nn.Linear`` weight ``[..., out, in]`` in ``dtype`` (one rounding of the exact fp32
@@ -103,12 +122,19 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
 class AWQLinear(nn.Module):
     """``y = x @ W^T`` with an AWQ weight (no bias); x bf16/fp16 ``[..., in]`` -> ``[..., out]``."""
 
-    def __init__(self, in_features: int, out_features: int,
-                 scales_dtype: torch.dtype = torch.float16, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scales_dtype: torch.dtype = torch.float16,
+        device=None,
+    ):
         super().__init__()
         if in_features % GROUP or out_features % PACK:
-            raise ValueError(f"AWQLinear: need in_features % {GROUP} == 0 and out_features % "
-                             f"{PACK} == 0, got in={in_features}, out={out_features}")
+            raise ValueError(
+                f"AWQLinear: need in_features % {GROUP} == 0 and out_features % "
+                f"{PACK} == 0, got in={in_features}, out={out_features}"
+            )
         self.in_features, self.out_features = in_features, out_features
         k, n = in_features, out_features
         self.qweight = _param((k, n // PACK), torch.int32, device)
@@ -128,8 +154,11 @@ class AWQLinear(nn.Module):
             raise ValueError("AWQLinear.from_linear: linears with a bias are not supported")
         m = cls(linear.in_features, linear.out_features, scales_dtype, linear.weight.device)
         with torch.no_grad():
-            for p, t in zip((m.qweight, m.qzeros, m.scales),
-                            awq_quantize(linear.weight, scales_dtype), strict=True):
+            for p, t in zip(
+                (m.qweight, m.qzeros, m.scales),
+                awq_quantize(linear.weight, scales_dtype),
+                strict=True,
+            ):
                 p.copy_(t)
         return m
 
@@ -150,12 +179,19 @@ class AWQExperts(nn.Module):
     fp32 ``[T, D] = sum_j w[t, j] * down(silu(gate(x)) * up(x))`` through ``echo::moe_w4a16``.
     """
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int,
-                 scales_dtype: torch.dtype = torch.float16, device=None):
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        inter_dim: int,
+        scales_dtype: torch.dtype = torch.float16,
+        device=None,
+    ):
         super().__init__()
         if dim % GROUP or inter_dim % GROUP:
-            raise ValueError(f"AWQExperts: dim ({dim}) and inter_dim ({inter_dim}) must be "
-                             f"multiples of {GROUP}")
+            raise ValueError(
+                f"AWQExperts: dim ({dim}) and inter_dim ({inter_dim}) must be multiples of {GROUP}"
+            )
         self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
         e, d, i = n_experts, dim, inter_dim
         self.w13_qweight = _param((e, d, 2 * i // PACK), torch.int32, device)
@@ -169,13 +205,24 @@ class AWQExperts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         return torch.ops.echo.moe_w4a16(
-            x, topk_ids, topk_weights, self.w13_qweight, self.w13_qzeros, self.w13_scales,
-            self.w2_qweight, self.w2_qzeros, self.w2_scales,
+            x,
+            topk_ids,
+            topk_weights,
+            self.w13_qweight,
+            self.w13_qzeros,
+            self.w13_scales,
+            self.w2_qweight,
+            self.w2_qzeros,
+            self.w2_scales,
         )
 
     @classmethod
-    def from_dense(cls, w13_weight: torch.Tensor, w2_weight: torch.Tensor,
-                   scales_dtype: torch.dtype = torch.float16) -> AWQExperts:
+    def from_dense(
+        cls,
+        w13_weight: torch.Tensor,
+        w2_weight: torch.Tensor,
+        scales_dtype: torch.dtype = torch.float16,
+    ) -> AWQExperts:
         """Quantise stacked dense experts ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``."""
         e, two_i, d = w13_weight.shape
         m = cls(e, d, two_i // 2, scales_dtype, w13_weight.device)
@@ -190,12 +237,16 @@ class AWQExperts(nn.Module):
 
     def dequantized_weights(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
         """``(w13_weight [E, 2I, D], w2_weight [E, D, I])`` as ``model.moe.Experts`` holds them."""
-        return (awq_dequantize(self.w13_qweight, self.w13_qzeros, self.w13_scales, dtype),
-                awq_dequantize(self.w2_qweight, self.w2_qzeros, self.w2_scales, dtype))
+        return (
+            awq_dequantize(self.w13_qweight, self.w13_qzeros, self.w13_scales, dtype),
+            awq_dequantize(self.w2_qweight, self.w2_qzeros, self.w2_scales, dtype),
+        )
 
     def extra_repr(self) -> str:
-        return (f"n_experts={self.n_experts}, dim={self.dim}, inter_dim={self.inter_dim}, "
-                f"w4a16 g{GROUP}")
+        return (
+            f"n_experts={self.n_experts}, dim={self.dim}, inter_dim={self.inter_dim}, "
+            f"w4a16 g{GROUP}"
+        )
 
 
 def _is_stacked_experts(m: nn.Module) -> bool:
@@ -227,8 +278,9 @@ def convert_to_awq(
                         f"convert_to_awq: {name} has a bias; AWQ linears here have none"
                     )
                 try:
-                    new: nn.Module = AWQLinear(child.in_features, child.out_features, scales_dtype,
-                                               child.weight.device)
+                    new: nn.Module = AWQLinear(
+                        child.in_features, child.out_features, scales_dtype, child.weight.device
+                    )
                 except ValueError as e:
                     raise ValueError(f"convert_to_awq: {name}: {e}") from e
             elif _is_stacked_experts(child):
@@ -245,7 +297,8 @@ def convert_to_awq(
 
 
 def densify_awq(
-    model: nn.Module, patterns: tuple[str, ...] = DENSE_AFTER_LOAD,
+    model: nn.Module,
+    patterns: tuple[str, ...] = DENSE_AFTER_LOAD,
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[str]:
     """After loading: replace each ``AWQLinear`` whose name contains one of ``patterns`` with a
@@ -256,8 +309,13 @@ def densify_awq(
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if not isinstance(child, AWQLinear) or not any(p in name for p in patterns):
                 continue
-            dense = nn.Linear(child.in_features, child.out_features, bias=False, dtype=dtype,
-                              device=child.qweight.device)
+            dense = nn.Linear(
+                child.in_features,
+                child.out_features,
+                bias=False,
+                dtype=dtype,
+                device=child.qweight.device,
+            )
             dense.weight = nn.Parameter(child.dequantized_weight(dtype), requires_grad=False)
             setattr(parent, child_name, dense)
             done.append(name)

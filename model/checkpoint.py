@@ -1,6 +1,6 @@
 """Synthetic Hugging Face DeepSeek-V3.2 checkpoints: the tiny model the CPU tests and the demo run.
 
-``make_checkpoint`` writes a directory laid out like the real hub repos (dsv32_arch.md §1, §3, §4):
+``make_checkpoint`` writes a directory laid out like the real hub repos (docs/model_notes.md):
 ``config.json``, ``generation_config.json``, sharded ``model-0000k-of-0000n.safetensors`` with
 ``model.safetensors.index.json``, ``tokenizer.json`` and ``tokenizer_config.json``. Three flavours:
 bf16, official FP8 (128x128 block scales) and QuantTrio-style AWQ 4-bit. ``resolve_model`` turns the
@@ -53,8 +53,8 @@ GENERATION_CONFIG = {
     "do_sample": True, "temperature": 1.0, "top_p": 0.95,
 }
 
-# Linears the official checkpoint stores in FP8 (§3 table), by module-name suffix. NOT: the router
-# gate (`mlp.gate`), `indexer.weights_proj`, `eh_proj`, embeddings, heads and norms.
+# Linears the official checkpoint stores in FP8 (docs/model_notes.md), by module-name suffix.
+# NOT: the router gate (`mlp.gate`), `indexer.weights_proj`, `eh_proj`, embeddings, heads, norms.
 QUANTIZED_LINEARS = (
     "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
     "self_attn.kv_b_proj", "self_attn.o_proj", "indexer.wq_b", "indexer.wk",
@@ -115,7 +115,7 @@ def _layer_specs(c: ModelConfig, layer: int) -> dict[str, Spec]:
 def checkpoint_tensor_specs(config: ModelConfig) -> dict[str, Spec]:
     """Every tensor of the bf16 HF checkpoint of ``config``, in file order: name -> (shape, dtype).
 
-    Includes the MTP layers ``model.layers.{num_hidden_layers + k}.*`` (dsv32_arch.md §2.6).
+    Includes the MTP layers ``model.layers.{num_hidden_layers + k}.*`` (docs/model_notes.md).
     """
     c, bf16 = config, torch.bfloat16
     V, D = c.vocab_size, c.hidden_size
@@ -143,7 +143,7 @@ def is_quantized_linear(module: str) -> bool:
 
 
 def awq_modules_to_not_convert(config: ModelConfig) -> tuple[str, ...]:
-    """QuantTrio's exclusions (dsv32_arch.md §4.1) adapted to ``config``: router gate, indexer, the
+    """QuantTrio's exclusions (docs/model_notes.md) adapted to ``config``: router gate, indexer, the
     dense layers, the last layer and the MTP layers stay 16-bit."""
     keep = list(range(config.first_k_dense_replace)) + [config.num_hidden_layers - 1]
     keep += [config.num_hidden_layers + k for k in range(config.num_nextn_predict_layers)]

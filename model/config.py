@@ -1,6 +1,6 @@
 """ModelConfig: a DeepSeek-V3.2 configuration parsed from a Hugging Face ``config.json``.
 
-Every quirk of the HF format is handled here and nowhere else (dsv32_arch.md §1): the yarn
+Every quirk of the HF format is handled here and nowhere else (docs/model_notes.md): the yarn
 ``rope_scaling`` block (key ``type`` or ``rope_type``), the ``quantization_config`` for the official
 FP8 checkpoints and for AutoAWQ "gemm" checkpoints, and the derived constants (YaRN softmax scale).
 Bad input raises ``ValueError`` naming the field.
@@ -16,8 +16,8 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 
-# Cache formats and FP8 blocks are hard-wired to these (dsv32_arch.md §3,
-# "synthetic-checkpoint advice").
+# Cache formats and FP8 blocks are hard-wired to these (docs/model_notes.md,
+# fixed dimensions).
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 INDEX_HEAD_DIM = 128
@@ -123,7 +123,7 @@ class RopeScaling:
     mscale_all_dim: float = 1.0
 
 
-# (field name, type) of every required config.json field, in the order of dsv32_arch.md §1.
+# (field name, type) of every required config.json field, in V3.2's config.json order.
 _REQUIRED: tuple[tuple[str, type], ...] = (
     ("vocab_size", int),
     ("hidden_size", int),
@@ -289,7 +289,7 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """MLA softmax scale, ``qk_head_dim**-0.5 * mscale**2`` with the YaRN mscale (§2.3)."""
+        """MLA softmax scale, ``qk_head_dim**-0.5 * mscale**2`` (YaRN; docs/model_notes.md)."""
         scale = self.qk_head_dim**-0.5
         rs = self.rope_scaling
         if rs is not None and self.max_position_embeddings > rs.original_max_position_embeddings:

@@ -1,4 +1,4 @@
-"""FP8 block-quantised weights, the official DeepSeek-V3.2 checkpoint format (dsv32_arch.md §3).
+"""FP8 block-quantised weights, the official DeepSeek-V3.2 checkpoint format (docs/model_notes.md).
 
 A linear ``X`` with weight ``[out, in]`` is stored as ``X.weight`` (float8_e4m3fn, ``[out, in]``)
 and ``X.weight_scale_inv`` (fp32, ``[ceil(out/128), ceil(in/128)]``), one scale per 128x128 block:

@@ -1,5 +1,5 @@
-"""DeepSeek-V3.2 in plain PyTorch, following the fixed DeepSeek reference (REF-NEW in
-dsv32_arch.md §2; gotchas §6) with the Hugging Face parameter names (docs/CONTRACTS.md).
+"""DeepSeek-V3.2 in plain PyTorch, following the fixed DeepSeek reference (docs/model_notes.md,
+"which reference") with the Hugging Face parameter names (docs/CONTRACTS.md).
 
 Tokens are flat: a step carries ``T`` tokens of ``B`` requests (``ForwardMeta``). The KV cache is
 the ``KVCache`` passed in; the model only calls its per-layer ``store``/``select``/``fetch``/
@@ -10,8 +10,8 @@ Attention has the reference's two forms:
   ``kv_b_proj`` from the request's cached latent rows, masked by the indexer's top-k and causality;
 - decode (``T == B``, one token per request): the absorbed (MQA) form over the ``index_topk`` rows
   the indexer op selects, the form the serving kernels use.
-Both read the same cached rows (the latent after REF-NEW's FP8 round trip), so they agree up to
-bf16 rounding (tests/test_model.py measures it).
+Both read the same cached rows (the latent after the reference's FP8 round trip), so they agree up
+to bf16 rounding (tests/test_model.py measures it).
 
 The decode step is torch.compile(fullgraph=True, mode="reduce-overhead")-friendly: fixed shapes,
 no host syncs, no Python branching on tensor values; per-step values come in through ``meta``.
@@ -74,7 +74,7 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias, fp32 math (the indexer's ``k_norm``, gotcha §6.2)."""
+    """LayerNorm with weight and bias, fp32 math (the indexer's ``k_norm``, docs/model_notes.md)."""
 
     def __init__(self, dim: int, eps: float = LAYERNORM_EPS):
         super().__init__()
@@ -101,7 +101,7 @@ def index_scores(
 ) -> torch.Tensor:
     """Index scores ``[Q, L]``: ``k_scale[t] * Σ_h w[q, h] * ReLU(q_h · k_t)``, the formula (and
     the operation order) of ``custom_ops.indexer.indexer_topk_ref``. ReLU before the head weights
-    (gotcha §6.3)."""
+    (docs/model_notes.md, indexer step 6)."""
     logits = torch.einsum("qhd,td->qht", q_fp8.float(), k)  # [Q, Hi, L]
     return (logits.relu() * weights.float()[:, :, None]).sum(dim=1) * k_scale  # [Q, L]
 
@@ -122,8 +122,8 @@ def prefill_topk_mask(score: torch.Tensor, positions: torch.Tensor, topk: int) -
 
 
 class Indexer(nn.Module):
-    """DSA lightning indexer (§2.4): FP8 queries of ``index_n_heads`` heads and one FP8 key per
-    token, both Hadamard-rotated; head weights from ``weights_proj`` in fp32."""
+    """DSA lightning indexer (docs/model_notes.md): FP8 queries of ``index_n_heads`` heads and one
+    FP8 key per token, both Hadamard-rotated; head weights from ``weights_proj`` in fp32."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -133,7 +133,7 @@ class Indexer(nn.Module):
         self.wq_b = _linear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = _linear(config.hidden_size, self.head_dim)
         self.k_norm = LayerNorm(self.head_dim)
-        # REF-NEW holds weights_proj in fp32 (the checkpoint stores bf16; gotcha §6.4).
+        # fp32 as in the fixed reference (the checkpoint stores bf16; docs/model_notes.md, indexer)
         self.weights_proj = _linear(config.hidden_size, self.n_heads, dtype=torch.float32)
         self.softmax_scale = self.head_dim**-0.5
         self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
@@ -149,7 +149,7 @@ class Indexer(nn.Module):
         fp32 ``[T, Hi]``, key rows uint8 ``[T, 132]`` for the indexer cache)."""
         t = x.shape[0]
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)  # [T, Hi, 128]
-        # rope FIRST in the indexer, and non-interleaved (gotcha §6.1, the 2025-11 fix)
+        # rope FIRST in the indexer, and non-interleaved (docs/model_notes.md, rope layouts)
         q_pe, q_nope = torch.split(q, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         q = torch.cat([apply_rope(q_pe, cos, sin, interleaved=False), q_nope], dim=-1)
         k = self.k_norm(self.wk(x))  # [T, 128]
@@ -170,7 +170,7 @@ class Indexer(nn.Module):
 
 
 class MLA(nn.Module):
-    """Multi-head latent attention with the DSA indexer (§2.3)."""
+    """Multi-head latent attention with the DSA indexer (docs/model_notes.md, MLA)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -204,13 +204,13 @@ class MLA(nn.Module):
         t = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]: also the indexer's query input
         q = self.q_b_proj(qr).view(t, self.n_heads, self.qk_head_dim)  # [T, H, 192]
-        # nope FIRST in MLA, rope interleaved (gotcha §6.1)
+        # nope FIRST in MLA, rope interleaved (docs/model_notes.md, rope layouts)
         q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, interleaved=True)  # [T, H, 64]
         kv = self.kv_a_proj_with_mqa(x)  # [T, 576]
         c_kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        # REF-NEW: the deployed cache is FP8, so the latent goes through FP8 and back before it is
-        # cached or used; k_pe stays bf16.
+        # the reference: the deployed cache is FP8, so the latent goes through FP8 and back before
+        # it is cached or used; k_pe stays bf16.
         c_kv = fp8_round_trip(self.kv_a_layernorm(c_kv))  # [T, 512]
         k_pe = apply_rope(k_pe, cos, sin, interleaved=True)  # [T, 64]
         q_idx, w_idx, index_rows = self.indexer(x, qr, cos, sin)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 feed-forward blocks (dsv32_arch.md §2.5): the dense ``MLP`` (layers below
+"""DeepSeek-V3.2 feed-forward blocks (docs/model_notes.md): the dense ``MLP`` (layers below
 ``first_k_dense_replace`` and the shared experts), the router ``Gate`` and the ``MoE`` with its
 routed experts stacked in one module (``Experts``: ``w13_weight [E, 2I, D]``, ``w2_weight
 [E, D, I]``, docs/CONTRACTS.md).
@@ -48,7 +48,7 @@ class Gate(nn.Module):
         e, d = config.n_routed_experts, config.hidden_size
         self.weight = nn.Parameter(torch.empty(e, d, dtype=DTYPE))
         # fp32 like the reference and vLLM; config validation guarantees topk_method == noaux_tc,
-        # the condition under which the bias exists (§2.5 quirk).
+        # the condition under which the bias exists (docs/model_notes.md, MoE gate).
         self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

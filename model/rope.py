@@ -1,5 +1,5 @@
-"""YaRN rotary position embedding of DeepSeek-V3.2 (dsv32_arch.md §2.2) and the indexer's
-Hadamard rotation (§2.4 step 3).
+"""YaRN rotary position embedding of DeepSeek-V3.2 (docs/model_notes.md, rope layouts) and the
+indexer's Hadamard rotation (docs/model_notes.md, indexer step 3).
 
 The reference precomputes ``freqs_cis`` for every position up to ``max_seq_len``; here only the 32
 inverse frequencies are held (a non-persistent buffer) and cos/sin are computed from the step's
@@ -7,7 +7,7 @@ inverse frequencies are held (a non-persistent buffer) and cos/sin are computed 
 reference's ``torch.outer(t, freqs)``. Nothing depends on a Python int that changes per step, so a
 compiled decode step replays for any position.
 
-Two layouts of the 64 rope dims (gotcha §6.1):
+Two layouts of the 64 rope dims (docs/model_notes.md, rope layouts):
 - interleaved (MLA): pairs ``(x[2j], x[2j+1])`` = (re, im), GPT-J style;
 - non-interleaved (indexer): pairs ``(x[j], x[j+32])``, NeoX / rotate-half style.
 """
@@ -74,7 +74,7 @@ class YarnRotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angle = positions.float()[:, None] * self.inv_freq[None, :]  # [T, 32]
-        # cos/sin of unit magnitude: YaRN's mscale goes into the softmax scale only (§2.2).
+        # cos/sin of unit magnitude: YaRN's mscale enters the softmax scale only (model_notes.md)
         return torch.cos(angle), torch.sin(angle)
 
 

@@ -56,7 +56,7 @@ def next_bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def default_decode_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, 16, 32, 48, 64, 80, ... up to max_batch (DESIGN.md, Graph capture)."""
+    """1, 2, 4, 8, 16, 32, 48, 64, 80, ... up to max_batch (docs/compile.md, why it captures)."""
     out, b = [], 1
     while b < min(max_batch, 32):
         out.append(b)

@@ -22,7 +22,7 @@ from model.awq import (
 )
 from model.config import QuantConfig
 
-SPEC_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # dsv32_arch.md §4.2, written out again on purpose
+SPEC_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # docs/model_notes.md, written out again on purpose
 
 
 def _words(*shape: int, gen: torch.Generator) -> torch.Tensor:

@@ -11,7 +11,7 @@ from custom_ops import awq_kernels as K
 pytestmark = pytest.mark.cuda
 
 D, I_MOE = 7168, 2048  # hidden, moe_intermediate_size
-LINEARS = {  # name: (in, out), dsv32_arch.md §4.2
+LINEARS = {  # name: (in, out), V3.2's sizes
     "q_a": (7168, 1536), "q_b": (1536, 24576), "kv_a": (7168, 576), "kv_b": (512, 32768),
     "o": (16384, 7168), "expert_gate": (7168, 2048), "expert_down": (2048, 7168),
 }

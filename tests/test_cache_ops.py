@@ -440,7 +440,7 @@ def test_compiled_step_cpu_inductor_matches_eager_without_clones():
 
 
 def test_compiled_step_is_cudagraph_ready():
-    """compile_notes.md §6 lint: the AOT graph has no cudagraph-incompatible node (sync, dynamic
+    """docs/graph_notes.md's lint: the AOT graph has no cudagraph-incompatible node (sync, dynamic
     shape) and every input it mutates is a static buffer (so reduce-overhead will not skip)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.utils import get_static_address_type

@@ -13,7 +13,7 @@ def test_presets_parse_and_round_trip():
 
 
 def test_bench_softmax_scale_matches_reference():
-    # 192**-0.5 * (0.1 * ln 40 + 1)**2 (dsv32_arch.md §2.3)
+    # 192**-0.5 * (0.1 * ln 40 + 1)**2 (docs/model_notes.md, MLA)
     assert preset_config("bench").softmax_scale == pytest.approx(0.1352338, rel=1e-6)
 
 

@@ -176,7 +176,7 @@ def _dense_mla(mla: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     q = mla.q_b_proj(mla.q_a_layernorm(mla.q_a_proj(x))).view(n, h, nope + rope)
     q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], cos, sin, True)], -1).float()
     kv = mla.kv_a_proj_with_mqa(x)
-    c_kv = fp8_round_trip(mla.kv_a_layernorm(kv[:, :512]))  # REF-NEW's simulated FP8 cache
+    c_kv = fp8_round_trip(mla.kv_a_layernorm(kv[:, :512]))  # the reference's simulated FP8 cache
     k_pe = apply_rope(kv[:, 512:], cos, sin, True)
     kvb = mla.kv_b_proj(c_kv).view(n, h, nope + dv)
     k = torch.cat([kvb[..., :nope], k_pe[:, None].expand(n, h, rope)], -1).float()
@@ -391,7 +391,7 @@ def test_decode_step_compiles_fullgraph_cudagraph_safe(
     cfg: ModelConfig, model: DeepseekV32ForCausalLM
 ) -> None:
     """fullgraph=True (no graph break) and no cudagraph-incompatible node (host sync, data-
-    dependent shape) in the decode step, checked on the AOT graph (compile_notes.md §6)."""
+    dependent shape) in the decode step, checked on the AOT graph (docs/graph_notes.md)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
 

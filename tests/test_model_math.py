@@ -1,4 +1,4 @@
-"""The model's formulas against naive re-derivations (dsv32_arch.md §2): YaRN frequencies, the
+"""The model's formulas against naive re-derivations (docs/model_notes.md): YaRN frequencies, the
 two rope layouts, the Hadamard rotation, FP8 act_quant, the indexer score, router, MoE, norms."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_yarn_frequencies_closed_form() -> None:
 
     short = dataclasses.replace(cfg, max_position_embeddings=4096)
     assert torch.allclose(yarn_inv_freq(short).double(), base, rtol=1e-6)
-    # the softmax scale of §2.3 (mscale² folded in, cos/sin unscaled)
+    # the MLA softmax scale of docs/model_notes.md (mscale² folded in, cos/sin unscaled)
     assert math.isclose(cfg.softmax_scale, 0.1352338, rel_tol=1e-6)
 
 

@@ -1,7 +1,7 @@
 """``GpuPool``: one layer's GPU cache of host KV rows and its cache-manager state.
 
 Every tensor is a module buffer allocated once and only mutated in place, so torch.compile treats
-them as static inputs and CUDA graphs replay over them (compile_notes.md §2.2). The ops are the
+them as static inputs and CUDA graphs replay over them (docs/graph_notes.md). The ops are the
 ``echo::`` custom ops of cache_ops.py. Running statistics live in a device buffer (``totals``) and
 are read between steps with ``stats()``; nothing in ``recall`` synchronises with the host.
 """

@@ -7,7 +7,7 @@
   of two (a 45 GiB pool would pin 64 GiB). The tensor handed out is CUDA-typed, built from the
   mapped device pointer through ``__cuda_array_interface__``: under torch.compile a CPU tensor in
   the graph would stop CUDA-graph capture. Each layer gets its own allocation (one base tensor per
-  layer: views of one shared base make Inductor clone the whole base, compile_notes.md §1.5).
+  layer: views of one shared base make Inductor clone the whole base, docs/graph_notes.md).
 - CUDA without offloading: device memory (the GPU-only policy).
 
 The pool is sized once at start; a request for more memory than the machine has fails here with

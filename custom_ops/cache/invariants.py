@@ -1,6 +1,6 @@
 """Invariants of a layer's GPU pool, checked by tests and by ``GpuPool(debug=True)``.
 
-Between ops (DESIGN.md "Invariants"):
+Between ops (docs/cache_ops.md, "Invariants"):
 - gpu_to_host and host_to_gpu are inverse bijections on the occupied slots;
 - free <=> priority == -1 <=> gpu_to_host == -1, and meta[NFREE] counts the free slots;
 - no slot is handed out twice (the bijection, and no slot twice in ``indices``);

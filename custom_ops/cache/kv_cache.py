@@ -6,7 +6,7 @@ The model calls four methods per layer and never knows whether offloading is on:
 device-resident pool itself when offloading is off) and ``read`` (prefill's gather of a request's
 rows). Every tensor here is a module buffer allocated once, so torch.compile treats it as static
 and CUDA graphs replay over it; each layer has buffers of its own (views of one shared base would
-make Inductor clone the whole base, compile_notes.md §1.5).
+make Inductor clone the whole base, docs/graph_notes.md).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class KVCache(nn.Module):
         self.layers = nn.ModuleList(LayerKV(cfg, i, host[i], device) for i in range(cfg.num_layers))
         # Buffers reachable from a compiled module are static inputs already; marking them too keeps
         # them static when the cache is passed some other way (a plain argument), so mutating them
-        # never makes CUDA-graph trees skip a graph (compile_notes.md §2.1).
+        # never makes CUDA-graph trees skip a graph (docs/graph_notes.md, static inputs).
         for buf in self.buffers():
             torch._dynamo.mark_static_address(buf, guard=False)
 
