@@ -1,7 +1,9 @@
 """AWQ 4-bit (W4A16) ops: ``echo::w4a16_linear`` and ``echo::moe_w4a16`` (+ ``echo::moe_bf16``).
 
-Each op has a pure-torch reference (the CPU kernel), a Triton kernel (CUDA, ``awq_kernels.py``) and
-a fake implementation. Format, AutoAWQ "gemm" (docs/model_notes.md), for a linear with in=K, out=N:
+Each op has a pure-torch reference (its default kernel), a Triton kernel (its CUDA kernel,
+``awq_kernels.py``, imported on first use) and a fake implementation; the format and its checks
+are in ``awq_format.py``. Format, AutoAWQ "gemm" (docs/model_notes.md), for a linear with in=K,
+out=N:
 ``qweight int32 [K, N/8]``, ``qzeros int32 [K/128, N/8]``, ``scales fp16|bf16 [K/128, N]``;
 nibble i of a word holds column ``8c + ORDER[i]``; ``W^T[k, n] = (q[k, n] - z[k // 128, n]) *
 s[k // 128, n]`` and ``y = x @ W^T``.
@@ -16,12 +18,20 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops import awq_kernels as K
+from custom_ops.awq_format import (
+    AWQ_REVERSE_ORDER,
+    GROUP,
+    PACK,
+    check_awq,
+    check_moe_inputs,
+)
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column offset AWQ_ORDER[i]
-AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column offset ch sits in nibble REVERSE[ch]
-GROUP = K.GROUP
-PACK = K.PACK  # the one definition is in awq_kernels.py; model/awq.py imports it from here
+
+def _triton():
+    """The Triton kernels, imported on the first CUDA call (not when the ops register)."""
+    from custom_ops import awq_kernels
+
+    return awq_kernels
 
 
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -67,25 +77,28 @@ def w4a16_linear_ref(
             "w4a16_linear: x must be a 2-D float16 or bfloat16 tensor, "
             f"got {x.dtype} {list(x.shape)}"
         )
-    n = qweight.shape[-1] * K.PACK
-    K._check_awq("w4a16_linear", qweight, qzeros, scales, x.shape[-1], n)
+    n = qweight.shape[-1] * PACK
+    check_awq("w4a16_linear", qweight, qzeros, scales, x.shape[-1], n)
     return (x.float() @ awq_dequantize_t(qweight, qzeros, scales)).to(x.dtype)
 
 
-@torch.library.custom_op("echo::w4a16_linear", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("echo::w4a16_linear", mutates_args=())
 def w4a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 ) -> torch.Tensor:
-    """``x [M, K] @ W^T -> [M, N]`` (x bf16/fp16) with AWQ weights; Triton on CUDA."""
-    return K.w4a16_linear_triton(x, qweight, qzeros, scales)
+    """``x [M, K] @ W^T -> [M, N]`` (x bf16/fp16) with AWQ weights; the reference by default,
+    Triton on CUDA."""
+    return w4a16_linear_ref(x, qweight, qzeros, scales)
 
 
-w4a16_linear.register_kernel("cpu")(w4a16_linear_ref)
+@w4a16_linear.register_kernel("cuda")
+def _(x, qweight, qzeros, scales):
+    return _triton().w4a16_linear_triton(x, qweight, qzeros, scales)
 
 
 @w4a16_linear.register_fake
 def _(x, qweight, qzeros, scales):
-    return x.new_empty((x.shape[0], qweight.shape[-1] * K.PACK))
+    return x.new_empty((x.shape[0], qweight.shape[-1] * PACK))
 
 
 # ---- moe_w4a16 / moe_bf16 --------------------------------------------------------------------
@@ -100,7 +113,7 @@ def _moe_ref(
 ) -> torch.Tensor:
     """Per-expert loop over the tokens routed to it. ``w13_t [E, D, 2I]``, ``w2_t [E, I, D]`` fp32
     (input-major, as AWQ stores them)."""
-    K._check_moe_inputs(x, topk_ids, topk_weights)
+    check_moe_inputs(x, topk_ids, topk_weights)
     t, d = x.shape
     inter = w13_t.shape[-1] // 2
     out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
@@ -137,7 +150,7 @@ def moe_w4a16_ref(
     return _moe_ref(x, topk_ids, topk_weights, w13_t, w2_t)
 
 
-@torch.library.custom_op("echo::moe_w4a16", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("echo::moe_w4a16", mutates_args=())
 def moe_w4a16(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -150,21 +163,17 @@ def moe_w4a16(
     w2_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Routed AWQ experts: ``x [T, D] -> fp32 [T, D] = sum_j w[t, j] * down(silu(gate(x)) * up(x))``
-    with ``e = topk_ids[t, j]`` (int32/int64) and ``w = topk_weights`` (any float dtype)."""
-    return K.moe_w4a16_triton(
-        x,
-        topk_ids,
-        topk_weights,
-        w13_qweight,
-        w13_qzeros,
-        w13_scales,
-        w2_qweight,
-        w2_qzeros,
-        w2_scales,
-    )
+    with ``e = topk_ids[t, j]`` (int32/int64) and ``w = topk_weights`` (any float dtype); the
+    reference by default, Triton on CUDA."""
+    w = (w13_qweight, w13_qzeros, w13_scales, w2_qweight, w2_qzeros, w2_scales)
+    return moe_w4a16_ref(x, topk_ids, topk_weights, *w)
 
 
-moe_w4a16.register_kernel("cpu")(moe_w4a16_ref)
+@moe_w4a16.register_kernel("cuda")
+def _(x, topk_ids, topk_weights, w13_qweight, w13_qzeros, w13_scales, w2_qweight, w2_qzeros,
+      w2_scales):  # fmt: skip
+    w = (w13_qweight, w13_qzeros, w13_scales, w2_qweight, w2_qzeros, w2_scales)
+    return _triton().moe_w4a16_triton(x, topk_ids, topk_weights, *w)
 
 
 @moe_w4a16.register_fake
@@ -191,7 +200,7 @@ def moe_bf16_ref(
     )
 
 
-@torch.library.custom_op("echo::moe_bf16", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("echo::moe_bf16", mutates_args=())
 def moe_bf16(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -199,11 +208,14 @@ def moe_bf16(
     w13_weight: torch.Tensor,
     w2_weight: torch.Tensor,
 ) -> torch.Tensor:
-    """The fused MoE with 16-bit stacked weights (same kernels as ``moe_w4a16``)."""
-    return K.moe_bf16_triton(x, topk_ids, topk_weights, w13_weight, w2_weight)
+    """The fused MoE with 16-bit stacked weights (same kernels as ``moe_w4a16``); the reference
+    by default, Triton on CUDA."""
+    return moe_bf16_ref(x, topk_ids, topk_weights, w13_weight, w2_weight)
 
 
-moe_bf16.register_kernel("cpu")(moe_bf16_ref)
+@moe_bf16.register_kernel("cuda")
+def _(x, topk_ids, topk_weights, w13_weight, w2_weight):
+    return _triton().moe_bf16_triton(x, topk_ids, topk_weights, w13_weight, w2_weight)
 
 
 @moe_bf16.register_fake

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP = 128
-PACK = 8  # 4-bit values per int32 word
+from custom_ops.awq_format import GROUP, PACK, check_awq, check_moe_inputs
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -168,29 +168,6 @@ def splitk_sum_kernel(part_ptr, out_ptr, numel, SPLIT_K, BLOCK: tl.constexpr,
     _store(out_ptr + offs, acc, mask, INTERPRET)
 
 
-def _check_awq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               k: int, n: int, lead: tuple[int, ...] = ()) -> None:
-    """ValueError unless qweight/qzeros/scales have the AWQ shapes and dtypes for in=k, out=n."""
-    if k % GROUP or n % PACK:
-        raise ValueError(f"{name}: in={k} must be a multiple of {GROUP} and out={n} of {PACK}")
-    want = {
-        "qweight": (qweight, (*lead, k, n // PACK)),
-        "qzeros": (qzeros, (*lead, k // GROUP, n // PACK)),
-        "scales": (scales, (*lead, k // GROUP, n)),
-    }
-    for what, (t, shape) in want.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: {what} must have shape {list(shape)}, got {list(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: {what} must be contiguous")
-    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
-        raise ValueError(
-            f"{name}: qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}"
-        )
-    if scales.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"{name}: scales must be float16 or bfloat16, got {scales.dtype}")
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -227,7 +204,7 @@ def w4a16_linear_triton(
         raise ValueError(f"w4a16_linear: x must be float16 or bfloat16, got {x.dtype}")
     m, k = x.shape
     n = qweight.shape[-1] * PACK
-    _check_awq("w4a16_linear", qweight, qzeros, scales, k, n)
+    check_awq("w4a16_linear", qweight, qzeros, scales, k, n)
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or linear_config(m, n, k, _num_sms(x.device))
@@ -381,22 +358,6 @@ def moe_config(num_pairs: int, n_experts: int) -> dict[str, int]:
     return {"BM": 16, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "MAGIC": True}
 
 
-def _check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"moe: x must be a 2-D float16 or bfloat16 tensor [T, D], got {x.dtype} {list(x.shape)}"
-        )
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"moe: topk_ids must be [T={x.shape[0]}, k], got {list(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(
-            f"moe: topk_weights must match topk_ids {list(topk_ids.shape)}, "
-            f"got {list(topk_weights.shape)}"
-        )
-
-
 def _launch_moe(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: tuple[torch.Tensor, ...], w2: tuple[torch.Tensor, ...], n_experts: int, inter: int,
@@ -451,7 +412,7 @@ def moe_w4a16_triton(
 ) -> torch.Tensor:
     """Fused AWQ MoE: fp32 ``sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
     ``e = topk_ids[t, j]``."""
-    _check_moe_inputs(x, topk_ids, topk_weights)
+    check_moe_inputs(x, topk_ids, topk_weights)
     if w13_qweight.dim() != 3:
         raise ValueError(
             f"moe_w4a16: w13_qweight must be [E, D, 2I/8], got {list(w13_qweight.shape)}"
@@ -460,8 +421,8 @@ def moe_w4a16_triton(
     inter = w13_qweight.shape[2] * PACK // 2
     if d != x.shape[1]:
         raise ValueError(f"moe_w4a16: x has D={x.shape[1]} but w13_qweight has D={d}")
-    _check_awq("moe_w4a16 (w13)", w13_qweight, w13_qzeros, w13_scales, d, 2 * inter, (e,))
-    _check_awq("moe_w4a16 (w2)", w2_qweight, w2_qzeros, w2_scales, inter, d, (e,))
+    check_awq("moe_w4a16 (w13)", w13_qweight, w13_qzeros, w13_scales, d, 2 * inter, (e,))
+    check_awq("moe_w4a16 (w2)", w2_qweight, w2_qzeros, w2_scales, inter, d, (e,))
     if inter % PACK:
         raise ValueError(f"moe_w4a16: the intermediate size {inter} must be a multiple of {PACK}")
     return _launch_moe(
@@ -475,7 +436,7 @@ def moe_bf16_triton(
     w13_weight: torch.Tensor, w2_weight: torch.Tensor, config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """The same fused MoE with 16-bit weights ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``."""
-    _check_moe_inputs(x, topk_ids, topk_weights)
+    check_moe_inputs(x, topk_ids, topk_weights)
     if w13_weight.dim() != 3 or w2_weight.dim() != 3:
         raise ValueError("moe_bf16: w13_weight must be [E, 2I, D] and w2_weight [E, D, I]")
     e, two_i, d = w13_weight.shape

@@ -22,15 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import custom_ops.awq  # noqa: F401  (registers torch.ops.echo.w4a16_linear / moe_w4a16)
-from custom_ops.awq import (
-    AWQ_ORDER,
-    AWQ_REVERSE_ORDER,
-    GROUP,
-    PACK,
-    awq_dequantize_t,
-    awq_unpack,
-)
+import custom_ops  # noqa: F401  (registers torch.ops.echo.w4a16_linear / moe_w4a16)
+from custom_ops.awq import awq_dequantize_t, awq_unpack
+from custom_ops.awq_format import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, PACK
 from model.config import QuantConfig
 
 __all__ = [

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops import attention as _attention  # noqa: F401  (registers echo::sparse_mla_decode)
-from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.cache.kv_cache import KVCache, LayerKV
+from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.kv_format import (
     PAGE,
     index_cache_gather,

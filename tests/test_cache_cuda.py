@@ -20,10 +20,10 @@ from test_cache_ops import CacheStep, assert_same_up_to_ties, selection, state
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as L
 from custom_ops import cache_ops as C
+from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
 from custom_ops.cache.host_pool import PinnedRows, allocate_host_rows
 from custom_ops.cache.invariants import check_pool, fill_random
-from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.kv_cache import KVCache
 from custom_ops.cache_ops import offload_ref
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE

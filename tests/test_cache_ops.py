@@ -12,14 +12,14 @@ import torch
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as L
 from custom_ops import cache_ops as C
+from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
 from custom_ops.cache.host_pool import allocate_host_rows
-from runtime.host_slots import HostSlotAllocator
 from custom_ops.cache.invariants import CacheInvariantError, check_pool, fill_random
-from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.kv_cache import KVCache
 from custom_ops.cache_ops import offload_ref
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
+from runtime.host_slots import HostSlotAllocator
 
 
 def make_pool(n_g, n_h, topk, max_batch, fmt="fp8", device="cpu", seed=0, occupied=None):

@@ -26,11 +26,11 @@ from hypothesis.stateful import (
 
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as C
-from runtime.host_slots import HostSlotAllocator
-from custom_ops.cache.invariants import check_pool
 from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.invariants import check_pool
 from custom_ops.cache.kv_cache import KVCache
 from custom_ops.kv_format import INDEX_ROW_BYTES, PAGE
+from runtime.host_slots import HostSlotAllocator
 
 N_H, N_G, TOPK, MAX_B, LAYERS = 1024, 96, 16, 4, 2  # B * k = 64 <= N_G
 

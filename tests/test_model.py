@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from custom_ops.fp8 import fp8_round_trip
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.kv_cache import KVCache
+from custom_ops.fp8 import fp8_round_trip
 from custom_ops.kv_format import index_cache_gather
 from model.config import ModelConfig
 from model.forward_meta import ForwardMeta
