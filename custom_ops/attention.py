@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.kv_format import KV_LORA, ROW_BYTES, check_fmt, unpack_kv_rows
+from custom_ops.kv_format import KV_LORA, ROPE, ROW_BYTES, check_fmt, unpack_kv_rows
 
 
 def sparse_mla_decode_ref(
@@ -34,7 +34,7 @@ def sparse_mla_decode_ref(
 
 def _check(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, fmt: str) -> None:
     check_fmt(fmt)
-    if q.dim() != 3 or q.shape[-1] != KV_LORA + 64 or q.dtype != torch.bfloat16:
+    if q.dim() != 3 or q.shape[-1] != KV_LORA + ROPE or q.dtype != torch.bfloat16:
         raise ValueError(
             f"sparse_mla_decode: q must be bf16 [B, H, 576], got {q.dtype} {list(q.shape)}"
         )

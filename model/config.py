@@ -14,13 +14,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from custom_ops.kv_format import INDEX_DIM, KV_LORA, ROPE
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 
-# Cache formats and FP8 blocks are hard-wired to these (docs/model_notes.md,
-# fixed dimensions).
-KV_LORA_RANK = 512
-QK_ROPE_HEAD_DIM = 64
-INDEX_HEAD_DIM = 128
+# Cache formats are hard-wired to the latent, rope and indexer-key widths of custom_ops.kv_format
+# (docs/model_notes.md, fixed dimensions): a config with others is refused below.
+KV_LORA_RANK = KV_LORA
+QK_ROPE_HEAD_DIM = ROPE
+INDEX_HEAD_DIM = INDEX_DIM
 
 
 @dataclass(frozen=True)
