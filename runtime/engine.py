@@ -148,6 +148,7 @@ class Engine:
         # Batch-level hooks on each decode step's logits, applied in order before sampling
         # (see ``runtime.sampler.LogitsProcessor``).
         self.logits_processors: list[LogitsProcessor] = []
+        self.prompt_kv_load_s = 0.0  # time spent writing received prompt KV (add_request)
         self.finished_requests: list[Request] = []  # kept for statistics (benchmarks)
         self.keep_finished = False
         self.num_decode_steps = 0
@@ -250,6 +251,7 @@ class Engine:
         """Zero the step/token counters and the pools' hit/recall totals, and forget finished
         requests (benchmarks: one engine measures several workloads in turn)."""
         self.num_steps = self.num_decode_steps = self.decode_rows = self.generated_tokens = 0
+        self.prompt_kv_load_s = 0.0
         self._recent.clear()
         self.finished_requests.clear()
         self.cache.reset_stats()
@@ -282,6 +284,7 @@ class Engine:
         chunk by chunk, through the prefill's own write path) in place of its prefill."""
         src, n = req.prompt_kv, req.prefill_end
         row_bytes = self.cache.config.row_bytes
+        t0 = time.perf_counter()
         try:
             for start in range(0, n, self.PROMPT_KV_CHUNK):
                 end = min(start + self.PROMPT_KV_CHUNK, n)
@@ -295,6 +298,11 @@ class Engine:
         except ValueError:
             self._finish(req, "error")  # its pages hold a partial prompt: never decode them
             raise
+        if self.device.type == "cuda":
+            # so that prompt_kv_load_s is the load's own time (the decode step after it syncs on
+            # its sampled tokens anyway)
+            torch.cuda.synchronize(self.device)
+        self.prompt_kv_load_s += time.perf_counter() - t0
         req.num_computed = n
         req.prompt_kv = None  # the rows are in the cache now; let the source go
 
