@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -178,19 +180,46 @@ def test_breakdown_of_a_compiled_system_runs_eagerly_and_leaves_it_as_it_was(mod
 def test_reports_render_the_committed_results(tmp_path, capsys) -> None:
     """benchmarks/plot_results.py and e2e_summary.py run on the committed H200 files (what the
     docs' figures and tables are made from)."""
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    import e2e_summary
-    import plot_results
+    from benchmarks import e2e_summary, plot_results
 
     assert plot_results.main(["--out", str(tmp_path)]) == 0
     figs = {p.name for p in tmp_path.glob("*.png")}
     assert {"e2e_throughput.png", "e2e_rate_sweep.png", "e2e_breakdown.png"} <= figs
-    assert "step_breakdown.png" in figs
+    assert {"step_breakdown.png", "decode_kernels.png", "cache_ops.png", "awq_vs_bf16.png"} <= figs
     capsys.readouterr()
     assert e2e_summary.main([]) == 0
     text = capsys.readouterr().out
     assert "| 200,000 | 8.60x | 10.42x | 2.36x |" in text  # the report's ratio row, recomputed
+
+
+def test_reports_and_the_profiler_agree_on_the_categories() -> None:
+    from benchmarks.report_data import BREAKDOWN_CATEGORIES
+
+    assert BREAKDOWN_CATEGORIES == CATEGORIES
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _code_lines(files):
+    for f in files:
+        for line in f.read_text().splitlines():
+            yield f.relative_to(ROOT), line.strip()
+
+
+def test_benchmarks_run_as_modules_without_sys_path_edits() -> None:
+    bad = [(f, ln) for f, ln in _code_lines(ROOT.glob("benchmarks/**/*.py")) if "sys.path" in ln]
+    assert not bad, bad
+
+
+def test_the_product_never_imports_the_harness_or_matplotlib() -> None:
+    """matplotlib is the bench extra's; the harness is imported only by the bench command."""
+    files = [f for pkg in ("custom_ops", "model", "runtime", "echo_compile") for f in
+             (ROOT / pkg).rglob("*.py") if "bench" not in f.relative_to(ROOT).parts]  # fmt: skip
+    bad = []
+    for f, ln in _code_lines(files):
+        if re.match(r"(from|import) matplotlib", ln):
+            bad.append((f, ln))
+        if re.match(r"(from|import) echo_compile\.bench", ln) and f != Path("echo_compile/cli.py"):
+            bad.append((f, ln))
+    assert not bad, bad
