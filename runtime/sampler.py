@@ -249,8 +249,11 @@ def force_tokens(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int
         raise ValueError(f"force_tokens: {len(rows)} rows but {len(tokens)} tokens")
     if not rows:
         return logits
-    r = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
-    t = torch.tensor(list(tokens), dtype=torch.int64, device=logits.device)
+    idx = torch.tensor([list(rows), list(tokens)], dtype=torch.int64)
+    if logits.is_cuda:
+        # pinned + non_blocking: a pageable copy would wait for the step's graph to finish
+        idx = idx.pin_memory().to(logits.device, non_blocking=True)
+    r, t = idx[0], idx[1]
     logits[r] = float("-inf")
     logits[r, t] = 0.0
     return logits

@@ -1,7 +1,6 @@
 """Engine.add_request(..., prompt_kv=...): a prompt whose KV was computed by another engine's
 prefill decodes exactly as if it had been prefilled here (the decode side of prefill/decode
-disaggregation), and bad KV is rejected with an error naming the problem. Also the logits
-processor hook the benchmark's locality knob uses."""
+disaggregation), and bad KV is rejected with an error naming the problem."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from model.checkpoint import resolve_model
 from model.loader import load_model
 from runtime.engine import Engine, EngineConfig
 from runtime.prompt_kv import PromptKV
-from runtime.sampler import force_tokens
 from runtime.sampling_params import SamplingParams
 
 # 300 tokens: several pages, more than index_topk (32) so selection is sparse; 20: fewer than
@@ -28,7 +26,9 @@ def model():
     return load_model(resolve_model("tiny"))[0]
 
 
-def _engine(model, fmt: str = "bf16", offload: bool = True, max_batch: int = 3) -> Engine:
+def _engine(
+    model, fmt: str = "bf16", offload: bool = True, max_batch: int = 3, device: str = "cpu"
+) -> Engine:
     cfg = EngineConfig(
         max_batch=max_batch,
         host_tokens=64 * 24,
@@ -36,6 +36,7 @@ def _engine(model, fmt: str = "bf16", offload: bool = True, max_batch: int = 3) 
         kv_format=fmt,
         offload=offload,
         max_model_len=512,
+        device=device,
     )
     return Engine(model, model.config, None, cfg)
 
@@ -62,10 +63,10 @@ def _run(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
     return out
 
 
-def _prefill_elsewhere(model, fmt: str, prompts) -> list[PromptKV]:
+def _prefill_elsewhere(model, fmt: str, prompts, device: str = "cpu") -> list[PromptKV]:
     """A prefill engine: prefill each prompt, then hand its KV over (max_tokens=1: it would
     decode one token; it is aborted once its prompt KV is taken)."""
-    sender = _engine(model, fmt, offload=True, max_batch=1)
+    sender = _engine(model, fmt, offload=True, max_batch=1, device=device)
     kvs = []
     for i, p in enumerate(prompts):
         sender.add_request(f"p{i}", p, SamplingParams(max_tokens=1))
@@ -76,18 +77,17 @@ def _prefill_elsewhere(model, fmt: str, prompts) -> list[PromptKV]:
     return kvs
 
 
-@pytest.mark.parametrize(("fmt", "offload"), [("bf16", True), ("fp8", False)])
-def test_received_prompt_kv_decodes_like_a_local_prefill(model, fmt, offload) -> None:
+def check_received_kv_decodes_like_a_local_prefill(model, fmt, offload, device="cpu") -> None:
     prompts = _prompts(model)
-    local = _engine(model, fmt, offload)
+    local = _engine(model, fmt, offload, device=device)
     for i, (p, sp) in enumerate(zip(prompts, PARAMS)):
         local.add_request(f"r{i}", p, sp)
     expected = _run(local)
     assert local.num_steps > local.num_decode_steps  # the local engine did prefill
 
-    kvs = _prefill_elsewhere(model, fmt, prompts)
+    kvs = _prefill_elsewhere(model, fmt, prompts, device)
     assert [kv.num_tokens for kv in kvs] == [n - 1 for n in LENGTHS]
-    decode = _engine(model, fmt, offload)
+    decode = _engine(model, fmt, offload, device=device)
     for i, (p, sp, kv) in enumerate(zip(prompts, PARAMS, kvs)):
         decode.add_request(f"r{i}", p, sp, prompt_kv=kv)
     got = _run(decode)
@@ -96,6 +96,19 @@ def test_received_prompt_kv_decodes_like_a_local_prefill(model, fmt, offload) ->
     for rid in expected:
         assert got[rid][0] == expected[rid][0], rid
         assert torch.equal(torch.tensor(got[rid][1]), torch.tensor(expected[rid][1])), rid
+
+
+@pytest.mark.parametrize(("fmt", "offload"), [("bf16", True), ("fp8", False)])
+def test_received_prompt_kv_decodes_like_a_local_prefill(model, fmt, offload) -> None:
+    check_received_kv_decodes_like_a_local_prefill(model, fmt, offload)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_received_prompt_kv_decodes_like_a_local_prefill_cuda(fmt) -> None:
+    """On the GPU: the host pool is pinned memory the kernels read directly (eager engines)."""
+    model = load_model(resolve_model("tiny"), device="cuda")[0]
+    check_received_kv_decodes_like_a_local_prefill(model, fmt, True, "cuda")
 
 
 def test_the_received_rows_land_in_the_request_slots(model) -> None:
@@ -173,31 +186,3 @@ def test_prompt_kv_of_a_request_not_prefilled_is_refused(model) -> None:
     eng.abort_request("r")
     eng.add_request("one", [5], SamplingParams(max_tokens=2))  # one token: nothing to hand over
     assert eng.prompt_kv("one").num_tokens == 0
-
-
-def test_logits_processors_steer_sampling(model) -> None:
-    """A processor that forces token 7 on every other row: those rows generate only 7 (greedy
-    and sampled alike, logprob 0); the others are what they were without it."""
-    prompts = _prompts(model)[:2]
-
-    def run(procs) -> dict:
-        eng = _engine(model)
-        eng.logits_processors.extend(procs)
-        for i, (p, sp) in enumerate(zip(prompts, PARAMS[1:])):
-            eng.add_request(f"r{i}", p, sp)
-        return _run(eng)
-
-    seen = []
-
-    def force_r0(reqs, logits):
-        seen.append([r.request_id for r in reqs])
-        rows = [i for i, r in enumerate(reqs) if r.request_id == "r0"]
-        return force_tokens(logits, rows, [7] * len(rows))
-
-    free, forced = run([]), run([force_r0])
-    assert forced["r0"] == ([7] * 6, [0.0] * 6) and free["r0"][0] != [7] * 6
-    assert forced["r1"] == free["r1"]
-    assert seen and all(ids == ["r0", "r1"] for ids in seen)  # one call per decode step
-
-    with pytest.raises(ValueError, match="must return a tensor of shape"):
-        run([lambda reqs, logits: logits[:, :3]])
