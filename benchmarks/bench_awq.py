@@ -1,6 +1,6 @@
 """AWQ W4A16 vs bf16 at decode batch sizes, on one GPU (H200).
 
-    python benchmarks/bench_awq.py --out benchmarks/results/awq_h200.json [--sweep]
+    python -m benchmarks.bench_awq --out benchmarks/results/awq_h200.json [--sweep]
 
 Times (CUDA-graph replays, median of many) the W4A16 linear against ``torch.nn.functional.linear``
 in bf16, and the fused W4A16 MoE against the same Triton MoE with bf16 weights (and, for 16
@@ -18,16 +18,14 @@ import datetime
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from custom_ops import awq_kernels as K  # noqa: E402
+from benchmarks.cuda_timer import graph_time
+from custom_ops import awq_kernels as K
 
 D, I_MOE, TOPK = 7168, 2048, 8
 L2_BYTES = 60 << 20
@@ -35,30 +33,8 @@ START = time.monotonic()
 
 
 def graph_time_ms(calls, replays: int = 15) -> float:
-    """Median time of one call (ms): capture all ``calls`` in one CUDA graph, time its replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # compile and warm up outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times) / len(calls)
+    """Median time of one call (ms): all ``calls`` in one CUDA graph (benchmarks.cuda_timer)."""
+    return graph_time(calls, replays).median_us / 1e3
 
 
 def copy_ceiling_gbps() -> float:
@@ -73,8 +49,7 @@ def copy_ceiling_gbps() -> float:
 
 def rand_awq(k: int, n: int, lead=(), sdtype=torch.float16):
     qw = torch.randint(-(2**31), 2**31, (*lead, k, n // 8), dtype=torch.int64, device="cuda")
-    qz = torch.randint(-(2**31), 2**31, (*lead, k // 128, n // 8), dtype=torch.int64,
-                       device="cuda")
+    qz = torch.randint(-(2**31), 2**31, (*lead, k // 128, n // 8), dtype=torch.int64, device="cuda")
     s = (torch.rand((*lead, k // 128, n), device="cuda") * 2e-3 + 1e-4).to(sdtype)
     return qw.to(torch.int32), qz.to(torch.int32), s
 
@@ -90,8 +65,9 @@ def copies_for(nbytes: int) -> int:
 # ---- linear ----------------------------------------------------------------------------------
 
 
-def bench_linear(k: int, n: int, batches: list[int], hbm: float, config=None,
-                 with_bf16: bool = True) -> list[dict]:
+def bench_linear(
+    k: int, n: int, batches: list[int], hbm: float, config=None, with_bf16: bool = True
+) -> list[dict]:
     rows = []
     ra, rb = copies_for(awq_bytes(k, n)), copies_for(2 * k * n) if with_bf16 else 0
     wa = [rand_awq(k, n) for _ in range(ra)]
@@ -99,21 +75,35 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, config=None,
     for m in batches:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfg = config or K.linear_config(m, n, k, K._num_sms(x.device))
-        t_awq = graph_time_ms([lambda w=w, x=x, c=cfg: K.w4a16_linear_triton(x, *w, config=c)
-                               for w in wa])
+        t_awq = graph_time_ms(
+            [lambda w=w, x=x, c=cfg: K.w4a16_linear_triton(x, *w, config=c) for w in wa]
+        )
         i2f = {**cfg, "MAGIC": False}
-        t_i2f = graph_time_ms([lambda w=w, x=x, c=i2f: K.w4a16_linear_triton(x, *w, config=c)
-                               for w in wa]) if with_bf16 else math.nan
+        t_i2f = (
+            graph_time_ms(
+                [lambda w=w, x=x, c=i2f: K.w4a16_linear_triton(x, *w, config=c) for w in wa]
+            )
+            if with_bf16
+            else math.nan
+        )
         t_bf16 = graph_time_ms([lambda w=w, x=x: F.linear(x, w) for w in wb]) if wb else math.nan
         ba, bb = awq_bytes(k, n), 2 * k * n
-        rows.append({
-            "in": k, "out": n, "M": m, "awq_us": t_awq * 1e3, "bf16_us": t_bf16 * 1e3,
-            "awq_int2float_dequant_us": t_i2f * 1e3,
-            "speedup_vs_bf16": t_bf16 / t_awq,
-            "awq_weight_GBps": ba / t_awq / 1e6, "bf16_weight_GBps": bb / t_bf16 / 1e6,
-            "awq_frac_hbm": ba / t_awq / 1e6 / hbm, "bf16_frac_hbm": bb / t_bf16 / 1e6 / hbm,
-            "config": cfg,
-        })
+        rows.append(
+            {
+                "in": k,
+                "out": n,
+                "M": m,
+                "awq_us": t_awq * 1e3,
+                "bf16_us": t_bf16 * 1e3,
+                "awq_int2float_dequant_us": t_i2f * 1e3,
+                "speedup_vs_bf16": t_bf16 / t_awq,
+                "awq_weight_GBps": ba / t_awq / 1e6,
+                "bf16_weight_GBps": bb / t_bf16 / 1e6,
+                "awq_frac_hbm": ba / t_awq / 1e6 / hbm,
+                "bf16_frac_hbm": bb / t_bf16 / 1e6 / hbm,
+                "config": cfg,
+            }
+        )
     del wa, wb
     return rows
 
@@ -139,8 +129,9 @@ def dense_all_experts(x, ids, w, w13, w2):
     return (y.transpose(0, 1).gather(1, idx).float() * w.unsqueeze(-1)).sum(1)
 
 
-def bench_moe(e: int, batches: list[int], hbm: float, with_bf16: bool = True,
-              config=None) -> list[dict]:
+def bench_moe(
+    e: int, batches: list[int], hbm: float, with_bf16: bool = True, config=None
+) -> list[dict]:
     rows = []
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,)), rand_awq(I_MOE, D, (e,))
     per_expert_awq = awq_bytes(D, 2 * I_MOE) + awq_bytes(I_MOE, D)
@@ -153,10 +144,17 @@ def bench_moe(e: int, batches: list[int], hbm: float, with_bf16: bool = True,
         routes = routings(t, e, 8)
         touched = statistics.mean(torch.unique(ids).numel() for ids, _ in routes)
         cfg = config or K.moe_config(t * TOPK, e)
-        t_awq = graph_time_ms([lambda r=r, x=x, c=cfg: K.moe_w4a16_triton(
-            x, r[0], r[1], *w13, *w2, config=c) for r in routes])
+        t_awq = graph_time_ms(
+            [
+                lambda r=r, x=x, c=cfg: K.moe_w4a16_triton(x, r[0], r[1], *w13, *w2, config=c)
+                for r in routes
+            ]
+        )
         row = {
-            "experts": e, "topk": TOPK, "T": t, "experts_touched": touched,
+            "experts": e,
+            "topk": TOPK,
+            "T": t,
+            "experts_touched": touched,
             "awq_us": t_awq * 1e3,
             "awq_weight_GBps": touched * per_expert_awq / t_awq / 1e6,
             "config": cfg,
@@ -165,23 +163,38 @@ def bench_moe(e: int, batches: list[int], hbm: float, with_bf16: bool = True,
         if with_bf16:
             i2f = {**cfg, "MAGIC": False}
             row["awq_int2float_dequant_us"] = 1e3 * graph_time_ms(
-                [lambda r=r, x=x, c=i2f: K.moe_w4a16_triton(x, r[0], r[1], *w13, *w2, config=c)
-                 for r in routes])
-            t_b = graph_time_ms([lambda r=r, x=x: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b,
-                                                                config=config) for r in routes])
-            row.update({
-                "bf16_triton_us": t_b * 1e3, "speedup_vs_bf16_triton": t_b / t_awq,
-                "bf16_weight_GBps": touched * per_expert_bf16 / t_b / 1e6,
-            })
+                [
+                    lambda r=r, x=x, c=i2f: K.moe_w4a16_triton(x, r[0], r[1], *w13, *w2, config=c)
+                    for r in routes
+                ]
+            )
+            t_b = graph_time_ms(
+                [
+                    lambda r=r, x=x: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b, config=config)
+                    for r in routes
+                ]
+            )
+            row.update(
+                {
+                    "bf16_triton_us": t_b * 1e3,
+                    "speedup_vs_bf16_triton": t_b / t_awq,
+                    "bf16_weight_GBps": touched * per_expert_bf16 / t_b / 1e6,
+                }
+            )
             row["bf16_frac_hbm"] = row["bf16_weight_GBps"] / hbm
             if e <= 16:
-                t_d = graph_time_ms([lambda r=r, x=x: dense_all_experts(x, r[0], r[1], w13b, w2b)
-                                     for r in routes])
-                row.update({"bf16_dense_all_experts_us": t_d * 1e3,
-                            "speedup_vs_bf16_dense": t_d / t_awq})
+                t_d = graph_time_ms(
+                    [lambda r=r, x=x: dense_all_experts(x, r[0], r[1], w13b, w2b) for r in routes]
+                )
+                row.update(
+                    {"bf16_dense_all_experts_us": t_d * 1e3, "speedup_vs_bf16_dense": t_d / t_awq}
+                )
         rows.append(row)
-        print(f"  moe E={e} T={t}: awq {t_awq * 1e3:.1f} us" + (
-            f", bf16 triton {row['bf16_triton_us']:.1f} us" if with_bf16 else ""), flush=True)
+        print(
+            f"  moe E={e} T={t}: awq {t_awq * 1e3:.1f} us"
+            + (f", bf16 triton {row['bf16_triton_us']:.1f} us" if with_bf16 else ""),
+            flush=True,
+        )
     return rows
 
 
@@ -192,15 +205,27 @@ def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     out = []
     for bm in [16 if m <= 16 else 32 if m <= 32 else 64] + ([128] if m > 64 else []):
         tiles_m = (m + bm - 1) // bm
-        for bn, bk, warps, stages in [(64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),
-                                      (256, 64, 8, 3)]:
+        for bn, bk, warps, stages in [
+            (64, 128, 4, 3),
+            (128, 128, 4, 3),
+            (128, 64, 4, 4),
+            (256, 64, 8, 3),
+        ]:
             for waves in (1, 2, 4):
                 tiles = tiles_m * ((n + bn - 1) // bn)
                 split = 1
                 while tiles * split < waves * sms and split * 2 <= k // bk and split < 32:
                     split *= 2
-                out.append({"BM": bm, "BN": bn, "BK": bk, "SPLIT_K": split,
-                            "num_warps": warps if bm < 128 else 8, "num_stages": stages})
+                out.append(
+                    {
+                        "BM": bm,
+                        "BN": bn,
+                        "BK": bk,
+                        "SPLIT_K": split,
+                        "num_warps": warps if bm < 128 else 8,
+                        "num_stages": stages,
+                    }
+                )
     uniq = {json.dumps(c, sort_keys=True): c for c in out}
     return list(uniq.values())
 
@@ -210,8 +235,13 @@ def moe_candidates(t: int, e: int) -> list[dict]:
     bms = [16] + ([32] if per > 8 else []) + ([64] if per > 24 else [])
     out = []
     for bm in bms:
-        for bn, bk, warps, stages in [(32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4),
-                                      (128, 64, 4, 3), (128, 128, 8, 3)]:
+        for bn, bk, warps, stages in [
+            (32, 128, 4, 3),
+            (64, 128, 4, 3),
+            (64, 128, 4, 4),
+            (128, 64, 4, 3),
+            (128, 128, 8, 3),
+        ]:
             out.append({"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages})
     return out
 
@@ -219,8 +249,17 @@ def moe_candidates(t: int, e: int) -> list[dict]:
 def sweep(hbm: float, budget_s: float) -> list[dict]:
     res = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    jobs = [("moe256", 1), ("linear", 1), ("moe256", 128), ("linear", 128), ("moe256", 16),
-            ("moe16", 128), ("linear", 16), ("linear", 64), ("moe16", 8)]
+    jobs = [
+        ("moe256", 1),
+        ("linear", 1),
+        ("moe256", 128),
+        ("linear", 128),
+        ("moe256", 16),
+        ("moe16", 128),
+        ("linear", 16),
+        ("linear", 64),
+        ("moe16", 8),
+    ]
     for kind, size in jobs:
         if time.monotonic() - START > budget_s:
             print(f"sweep: budget reached, skipping {kind} {size} and later", flush=True)
@@ -267,8 +306,10 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     props = torch.cuda.get_device_properties(0)
     result: dict = {
-        "device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
-        "torch": torch.__version__, "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": "CUDA graph of R calls over R weight copies / routings, median of 15 replays",
         "hbm_reference_GBps": 4300,
@@ -303,22 +344,30 @@ def main() -> None:
         result["sweep"] = sweep(hbm, args.budget_s)
         save()
 
-    print(f"\n{'linear in x out':>16} {'M':>4} {'awq us':>8} {'i2f us':>8} {'bf16 us':>8} "
-          f"{'x bf16':>7} {'awq %HBM':>8} {'bf16 %HBM':>9}")
+    print(
+        f"\n{'linear in x out':>16} {'M':>4} {'awq us':>8} {'i2f us':>8} {'bf16 us':>8} "
+        f"{'x bf16':>7} {'awq %HBM':>8} {'bf16 %HBM':>9}"
+    )
     for r in result["linear"]:
-        print(f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['awq_us']:8.1f} "
-              f"{r['awq_int2float_dequant_us']:8.1f} {r['bf16_us']:8.1f} "
-              f"{r['speedup_vs_bf16']:7.2f} {100 * r['awq_frac_hbm']:8.0f} "
-              f"{100 * r['bf16_frac_hbm']:9.0f}")
-    print(f"\n{'moe E':>6} {'T':>4} {'touched':>7} {'awq us':>8} {'i2f us':>8} {'bf16 us':>8} "
-          f"{'x bf16':>7} {'awq %HBM':>8} {'bf16 %HBM':>9} {'dense us':>9}")
+        print(
+            f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['awq_us']:8.1f} "
+            f"{r['awq_int2float_dequant_us']:8.1f} {r['bf16_us']:8.1f} "
+            f"{r['speedup_vs_bf16']:7.2f} {100 * r['awq_frac_hbm']:8.0f} "
+            f"{100 * r['bf16_frac_hbm']:9.0f}"
+        )
+    print(
+        f"\n{'moe E':>6} {'T':>4} {'touched':>7} {'awq us':>8} {'i2f us':>8} {'bf16 us':>8} "
+        f"{'x bf16':>7} {'awq %HBM':>8} {'bf16 %HBM':>9} {'dense us':>9}"
+    )
     for r in result["moe"]:
-        print(f"{r['experts']:>6} {r['T']:>4} {r['experts_touched']:7.1f} {r['awq_us']:8.1f} "
-              f"{r.get('awq_int2float_dequant_us', float('nan')):8.1f} "
-              f"{r.get('bf16_triton_us', float('nan')):8.1f} "
-              f"{r.get('speedup_vs_bf16_triton', float('nan')):7.2f} "
-              f"{100 * r['awq_frac_hbm']:8.0f} {100 * r.get('bf16_frac_hbm', float('nan')):9.0f} "
-              f"{r.get('bf16_dense_all_experts_us', float('nan')):9.1f}")
+        print(
+            f"{r['experts']:>6} {r['T']:>4} {r['experts_touched']:7.1f} {r['awq_us']:8.1f} "
+            f"{r.get('awq_int2float_dequant_us', float('nan')):8.1f} "
+            f"{r.get('bf16_triton_us', float('nan')):8.1f} "
+            f"{r.get('speedup_vs_bf16_triton', float('nan')):7.2f} "
+            f"{100 * r['awq_frac_hbm']:8.0f} {100 * r.get('bf16_frac_hbm', float('nan')):9.0f} "
+            f"{r.get('bf16_dense_all_experts_us', float('nan')):9.1f}"
+        )
     print(f"\nwrote {out} in {time.monotonic() - START:.0f} s")
 
 

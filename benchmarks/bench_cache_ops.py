@@ -1,6 +1,6 @@
 """Cache-manager ops on one GPU, each captured in a CUDA graph, per layer.
 
-    python benchmarks/bench_cache_ops.py --out benchmarks/results/cache_ops_h200.json
+    python -m benchmarks.bench_cache_ops --out benchmarks/results/cache_ops_h200.json
 
 Sizes of the issue: N_G = 200K GPU slots, N_H = 2M host slots (2^21), B = 64, k = 2048. Each
 measurement captures R consecutive calls (with their own inputs) in one graph and reports the
@@ -17,28 +17,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from custom_ops import cache_kernels as K  # noqa: E402
-from custom_ops import cache_layout as C  # noqa: E402
-from custom_ops.cache.gpu_pool import GpuPool  # noqa: E402
-from custom_ops.cache.host_pool import allocate_host_rows  # noqa: E402
-from custom_ops.cache.invariants import check_pool, fill_random  # noqa: E402
-from custom_ops.cache.kv_cache import CacheConfig  # noqa: E402
-from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE  # noqa: E402
+from benchmarks.cuda_timer import graph_time
+from custom_ops import cache_kernels as K
+from custom_ops import cache_layout as C
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.gpu_pool import GpuPool
+from custom_ops.cache.host_pool import allocate_host_rows
+from custom_ops.cache.invariants import check_pool, fill_random
+from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 N_G, N_H, B, TOPK = 200_000, 2_097_152, 64, 2048
 DEV = torch.device("cuda")
-TARGETS = {"allocate_us": 3.0, "free_us": 8.0, "recall_2048_rows_GBps": 40.0,
-           "alloc_free_recall_offload_us_at_0.97": 15.0}
+TARGETS = {
+    "allocate_us": 3.0,
+    "free_us": 8.0,
+    "recall_2048_rows_GBps": 40.0,
+    "alloc_free_recall_offload_us_at_0.97": 15.0,
+}
 
 
 def snapshot(pool: GpuPool, rows: bool = False) -> dict[str, torch.Tensor]:
@@ -53,27 +54,11 @@ def restore(pool: GpuPool, snap: dict[str, torch.Tensor]) -> None:
 
 
 def time_graph(calls: list[Callable[[], object]], before: Callable[[], None], reps: int) -> dict:
-    """Median per-call time (us) of ``calls`` captured in one CUDA graph."""
-    before()
-    for c in calls[:1]:  # warm-up: compiles the kernels outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    before()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(reps):
-        before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times),
-            "calls_per_graph": len(calls), "replays": reps, "graph": graph}
+    """Median per-call time (us) of ``calls`` captured in one CUDA graph (benchmarks.cuda_timer;
+    only the first call warms up: the calls mutate the pool, ``before`` restores it), and the
+    graph, replayed once more by the callers to check its result."""
+    t = graph_time(calls, reps, before, warm=1)
+    return t.summary() | {"graph": t.graph}
 
 
 def public(r: dict) -> dict:
@@ -90,8 +75,9 @@ def make_pool(fmt: str, gen: torch.Generator, resident_from: int) -> tuple[GpuPo
     return pool, host
 
 
-def recall_steps(pool: GpuPool, n_steps: int, n_miss: int, fresh: torch.Tensor,
-                 gen: torch.Generator) -> tuple[list[torch.Tensor], torch.Tensor]:
+def recall_steps(
+    pool: GpuPool, n_steps: int, n_miss: int, fresh: torch.Tensor, gen: torch.Generator
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Selections [B, k] of a decode run: the hits of step s are drawn from step s-1's selection
     (on the GPU for sure after its recall), the misses are fresh host slots."""
     total = B * TOPK
@@ -127,9 +113,12 @@ def bench_recall(pool, host, n_miss, n_steps, fresh, gen, reps) -> tuple[dict, t
     assert torch.equal(pool.gpu_kv[out.flatten().long()], host[steps[-1].flatten().long()])
     restore(pool, snap)
     row = host.shape[1]
-    r.update(misses_per_step=n_miss, hit_rate=1 - n_miss / (B * TOPK),
-             recalled_bytes_per_step=n_miss * row,
-             effective_GBps=n_miss * row / (r["median_us"] * 1e3))
+    r.update(
+        misses_per_step=n_miss,
+        hit_rate=1 - n_miss / (B * TOPK),
+        recalled_bytes_per_step=n_miss * row,
+        effective_GBps=n_miss * row / (r["median_us"] * 1e3),
+    )
     return public(r), fresh
 
 
@@ -140,8 +129,9 @@ def bench_allocate(pool, n, calls, gen, reps) -> dict:
     non = non[torch.randperm(non.numel(), generator=gen)[: n * calls]].int().to(DEV)
     wants = [non[i * n : (i + 1) * n] for i in range(calls)]
     cnt = torch.tensor([n], dtype=torch.int32, device=DEV)
-    r = time_graph([(lambda w=w: pool.allocate(w, cnt)) for w in wants],
-                   lambda: restore(pool, snap), reps)
+    r = time_graph(
+        [(lambda w=w: pool.allocate(w, cnt)) for w in wants], lambda: restore(pool, snap), reps
+    )
     restore(pool, snap)
     r["graph"].replay()
     torch.cuda.synchronize()
@@ -159,8 +149,9 @@ def bench_free(pool, n, calls, gen, reps) -> dict:
     protect = protect.to(DEV)
     # free evicts max(n - free, 0): ask for n more each call so that each call evicts n.
     cnts = [torch.tensor([n * (i + 1)], dtype=torch.int32, device=DEV) for i in range(calls)]
-    r = time_graph([(lambda c=c: pool.free(protect, c)) for c in cnts],
-                   lambda: restore(pool, snap), reps)
+    r = time_graph(
+        [(lambda c=c: pool.free(protect, c)) for c in cnts], lambda: restore(pool, snap), reps
+    )
     restore(pool, snap)
     r["graph"].replay()
     torch.cuda.synchronize()
@@ -176,8 +167,11 @@ def bench_offload(host, t, calls, gen, reps) -> dict:
     rows = torch.randint(0, 256, (t, row), dtype=torch.uint8, device=DEV)
     irows = torch.randint(0, 256, (t, INDEX_ROW_BYTES), dtype=torch.uint8, device=DEV)
     slots = [torch.randperm(N_H, generator=gen)[:t].to(DEV) for _ in range(calls)]
-    r = time_graph([(lambda s=s: torch.ops.echo.offload(host, index_k, rows, irows, s))
-                    for s in slots], lambda: None, reps)
+    r = time_graph(
+        [(lambda s=s: torch.ops.echo.offload(host, index_k, rows, irows, s)) for s in slots],
+        lambda: None,
+        reps,
+    )
     torch.cuda.synchronize()
     assert torch.equal(host[slots[-1]], rows)
     return {**public(r), "rows": t}
@@ -204,9 +198,22 @@ def bench_copy(host, n_rows, calls, gen, reps) -> dict:
 
     def copy_kernel(miss_host: torch.Tensor) -> None:
         K._copy_out_kernel[(n_copy,)](
-            hw, gw, miss_host, h2g, dummy, dummy, meta, stats, 0, n_copy, ROW_W=row_w,
-            ROW_WP=1 << (row_w - 1).bit_length(), RPI=K.ROWS_PER_ITER, BLOCK=K.LIST_BLOCK,
-            num_warps=4)
+            hw,
+            gw,
+            miss_host,
+            h2g,
+            dummy,
+            dummy,
+            meta,
+            stats,
+            0,
+            n_copy,
+            ROW_W=row_w,
+            ROW_WP=1 << (row_w - 1).bit_length(),
+            RPI=K.ROWS_PER_ITER,
+            BLOCK=K.LIST_BLOCK,
+            num_warps=4,
+        )
 
     calls_ = [(lambda m=m: copy_kernel(m)) for m in src.int()]
     kern = time_graph(calls_, flush.zero_, reps)
@@ -215,13 +222,15 @@ def bench_copy(host, n_rows, calls, gen, reps) -> dict:
     nbytes = n_rows * row
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    mem = time_graph([lambda: dev_buf.copy_(pinned, non_blocking=True)] * calls, flush.zero_,
-                     reps)
-    return {"rows": n_rows, "bytes": nbytes,
-            "gather_kernel_us": kern["median_us"],
-            "gather_kernel_GBps": nbytes / (kern["median_us"] * 1e3),
-            "memcpy_async_us": mem["median_us"],
-            "memcpy_async_GBps": nbytes / (mem["median_us"] * 1e3)}
+    mem = time_graph([lambda: dev_buf.copy_(pinned, non_blocking=True)] * calls, flush.zero_, reps)
+    return {
+        "rows": n_rows,
+        "bytes": nbytes,
+        "gather_kernel_us": kern["median_us"],
+        "gather_kernel_GBps": nbytes / (kern["median_us"] * 1e3),
+        "memcpy_async_us": mem["median_us"],
+        "memcpy_async_GBps": nbytes / (mem["median_us"] * 1e3),
+    }
 
 
 class SlicingAllocator:
@@ -255,21 +264,24 @@ def bench_sglang(n: int, iters: int) -> dict:
     end.record()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e6 / iters
-    return {"n": n, "alloc_plus_free_wall_us": wall,
-            "alloc_plus_free_gpu_us": start.elapsed_time(end) * 1e3 / iters,
-            "free_list_len": len(a.free_slots)}
+    return {
+        "n": n,
+        "alloc_plus_free_wall_us": wall,
+        "alloc_plus_free_gpu_us": start.elapsed_time(end) * 1e3 / iters,
+        "free_list_len": len(a.free_slots),
+    }
 
 
-def recall_all_misses(pool: GpuPool, host: torch.Tensor, fresh: torch.Tensor, reps: int,
-                      gen: torch.Generator) -> dict:
+def recall_all_misses(
+    pool: GpuPool, host: torch.Tensor, fresh: torch.Tensor, reps: int, gen: torch.Generator
+) -> dict:
     """Recall of 2048 rows, all misses (B = 1, full pool): the op's own bandwidth."""
     n = min(2048, pool.capacity)  # 2048 at full size
     fill_random(pool, N_G, gen, host_kv=host, host_slots=torch.arange(N_H // 2))
     snap = snapshot(pool, rows=True)
     hs = fresh[torch.randperm(fresh.numel(), generator=gen)[:n]].int().view(1, n).to(DEV)
     outs: list[torch.Tensor] = []
-    r = time_graph([lambda: outs.append(pool.recall(host, hs))], lambda: restore(pool, snap),
-                   reps)
+    r = time_graph([lambda: outs.append(pool.recall(host, hs))], lambda: restore(pool, snap), reps)
     restore(pool, snap)
     r["graph"].replay()
     torch.cuda.synchronize()
@@ -279,8 +291,9 @@ def recall_all_misses(pool: GpuPool, host: torch.Tensor, fresh: torch.Tensor, re
     return {**public(r), "rows": n, "GBps": n * host.shape[1] / (r["median_us"] * 1e3)}
 
 
-def bench_format(fmt: str, step: Callable, gen: torch.Generator, reps: int,
-                 fresh_all: torch.Tensor) -> None:
+def bench_format(
+    fmt: str, step: Callable, gen: torch.Generator, reps: int, fresh_all: torch.Tensor
+) -> None:
     pool, host = make_pool(fmt, gen, N_H // 2)
     fresh = fresh_all[torch.randperm(fresh_all.numel(), generator=gen)]
     cases = [("recall_37_misses", 37, 16), ("recall_hit_0.97", B * TOPK * 3 // 100, 8)]
@@ -289,8 +302,9 @@ def bench_format(fmt: str, step: Callable, gen: torch.Generator, reps: int,
     for name, n_miss, calls in cases:
         box = {}
 
-        def run(n_miss: int = n_miss, calls: int = calls, box: dict = box,
-                fresh: torch.Tensor = fresh) -> dict:
+        def run(
+            n_miss: int = n_miss, calls: int = calls, box: dict = box, fresh: torch.Tensor = fresh
+        ) -> dict:
             r, box["fresh"] = bench_recall(pool, host, n_miss, calls, fresh, gen, reps)
             return r
 
@@ -316,11 +330,16 @@ def main() -> None:
     props = torch.cuda.get_device_properties(DEV)
     import triton
 
-    res: dict = {"device": props.name, "sms": props.multi_processor_count,
-                 "torch": torch.__version__, "triton": triton.__version__,
-                 "sizes": {"N_G": N_G, "N_H": N_H, "B": B, "k": TOPK},
-                 "method": "per call, per layer: median over replays of a CUDA graph of R calls "
-                           "/ R; state restored before each replay", "targets": TARGETS}
+    res: dict = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "sizes": {"N_G": N_G, "N_H": N_H, "B": B, "k": TOPK},
+        "method": "per call, per layer: median over replays of a CUDA graph of R calls "
+        "/ R; state restored before each replay",
+        "targets": TARGETS,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

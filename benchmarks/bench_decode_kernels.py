@@ -1,6 +1,6 @@
 """Decode kernels on one GPU (H200): the indexer (scores + exact top-k) and sparse MLA attention.
 
-    python benchmarks/bench_decode_kernels.py --out benchmarks/results/decode_kernels_h200.json
+    python -m benchmarks.bench_decode_kernels --out benchmarks/results/decode_kernels_h200.json
 
 Sizes of the targets: indexer at B = 64 requests of 100,032 tokens (64 index heads x 128, fp8),
 top-2048; attention at B = 64, H = 128, K = 2048 selected rows from a 200K-row pool, bf16 and fp8
@@ -18,7 +18,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -30,11 +29,13 @@ if "--dry-run" in sys.argv:  # read when the kernels are defined, so before impo
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from benchmarks.cuda_timer import graph_time  # noqa: E402
+from custom_ops import attention_kernels as ak  # noqa: E402
+from custom_ops import indexer_kernels as ik  # noqa: E402
+from custom_ops.attention import sparse_mla_decode_ref  # noqa: E402
 
-from test_decode_kernels import (  # noqa: E402
+# the tests' input builders and references (tests/ is a namespace package from the repo root)
+from tests.test_decode_kernels import (  # noqa: E402
     _gen,
     _randn,
     _tie_scores,
@@ -44,10 +45,6 @@ from test_decode_kernels import (  # noqa: E402
     scores_ref,
     select_ref,
 )
-
-from custom_ops import attention_kernels as ak  # noqa: E402
-from custom_ops import indexer_kernels as ik  # noqa: E402
-from custom_ops.attention import sparse_mla_decode_ref  # noqa: E402
 
 B, P, HI, TOPK = 64, 1563, 64, 2048
 L = P * 64
@@ -63,32 +60,12 @@ START = time.monotonic()
 
 
 def graph_time_us(fn, n_calls: int, replays: int = 7) -> float:
-    """Median time of one call (µs): ``n_calls`` calls captured in one CUDA graph, replayed."""
+    """Median time of one call (µs): ``n_calls`` calls captured in one CUDA graph, replayed
+    (benchmarks.cuda_timer)."""
     if DEV == "cpu":  # dry run: exercise the code path only
         fn()
         return float("nan")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n_calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n_calls)
-    del g
-    return statistics.median(times)
+    return graph_time([fn] * n_calls, replays, warm=1).median_us
 
 
 def log(msg: str) -> None:

@@ -1,15 +1,12 @@
 """The tables of docs/e2e_report.md and docs/compile.md, from the committed result files.
 
-    python benchmarks/e2e_summary.py [--e2e benchmarks/results/e2e_h200.json]
-                                     [--step benchmarks/results/step_h200.json]
+    python -m benchmarks.e2e_summary [--e2e benchmarks/results/e2e_h200.json]
+                                      [--step benchmarks/results/step_h200.json]
 
 Prints markdown. Every number is a field of the JSON or a ratio of fields:
 - "measured" throughput is the bench's own: generated tokens / (wall - KV injection);
 - "steady" throughput is effective batch / median decode step: the decode rate with the batch
   full, without the ramp-up, the last partial wave and the host work between requests.
-Breakdowns are shown as plot_results.corrected_breakdown gives them (runs made before the
-annotation fix in echo_compile/breakdown.py double-counted the profiled regions; the entry lists
-that time by name and it is taken out).
 """
 
 from __future__ import annotations
@@ -20,16 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from plot_results import (  # noqa: E402
-    BREAKDOWN_CATEGORIES,
-    breakdown_label,
-    corrected_breakdown,
-    row_rate,
-)
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.report_data import BREAKDOWN_CATEGORIES, RESULTS, breakdown_label, row_rate
 
 
 def steady(r: dict) -> float:
@@ -108,7 +96,6 @@ def breakdown_row_header() -> str:
 
 
 def breakdown_row(label: str, e: dict) -> str:
-    e = corrected_breakdown(e)
     ms = e["ms_per_step"]
     cells = " | ".join(f"{ms.get(c, 0.0):.2f}" for c in BREAKDOWN_CATEGORIES)
     share = ms.get("cache management", 0.0) / e["total_ms"]
@@ -143,8 +130,8 @@ def step_tables(d: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--e2e", type=Path, default=ROOT / "benchmarks/results/e2e_h200.json")
-    ap.add_argument("--step", type=Path, default=ROOT / "benchmarks/results/step_h200.json")
+    ap.add_argument("--e2e", type=Path, default=RESULTS / "e2e_h200.json")
+    ap.add_argument("--step", type=Path, default=RESULTS / "step_h200.json")
     a = ap.parse_args(argv)
     for path, fn in ((a.e2e, e2e_tables), (a.step, step_tables)):
         if path.exists():

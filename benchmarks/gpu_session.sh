@@ -19,9 +19,9 @@ stage() { # name seconds command...
 }
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$log"
 stage "cuda tests: lossless + compile gates" 110 python -m pytest -q -m cuda tests/test_lossless.py tests/test_compile_cuda.py
-stage "step time eager vs compiled" 270 python benchmarks/bench_step.py --out "$OUT/step_h200.json"
+stage "step time eager vs compiled" 270 python -m benchmarks.bench_step --out "$OUT/step_h200.json"
 stage "cuda tests: decode kernels" 60 python -m pytest -q -m cuda tests/test_decode_kernels_cuda.py
 stage "cuda tests: cache ops" 50 python -m pytest -q -m cuda tests/test_cache_cuda.py
-stage "decode kernels bench" 45 python benchmarks/bench_decode_kernels.py --out "$OUT/decode_kernels_h200.json"
-stage "cache ops bench" 40 python benchmarks/bench_cache_ops.py --reps 10 --out "$OUT/cache_ops_h200.json"
+stage "decode kernels bench" 45 python -m benchmarks.bench_decode_kernels --out "$OUT/decode_kernels_h200.json"
+stage "cache ops bench" 40 python -m benchmarks.bench_cache_ops --reps 10 --out "$OUT/cache_ops_h200.json"
 grep -E "^===|passed|failed|error|tok/s" "$log" | tail -40

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every option after `bench` belongs to the benchmark's own parser
-        from echo_compile.bench_cli import main as bench_main
+        from echo_compile.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     a = ap.parse_args(argv)

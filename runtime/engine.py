@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +22,9 @@ from runtime.model_runner import (
     default_decode_buckets,
     default_prefill_buckets,
 )
+from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.request import PAGE, Request
-from runtime.sampler import prepare_batch, request_seed, sample
+from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.tokenizer import Tokenizer
@@ -146,7 +146,10 @@ class Engine:
         self._seeds: dict[str, int] = {}
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
         self.num_steps = 0
-        self.kv_injector: Callable[[Engine, Request], None] | None = None
+        # Batch-level hooks on each decode step's logits, applied in order before sampling
+        # (see ``runtime.sampler.LogitsProcessor``).
+        self.logits_processors: list[LogitsProcessor] = []
+        self.prompt_kv_load_s = 0.0  # time spent writing received prompt KV (add_request)
         self.finished_requests: list[Request] = []  # kept for statistics (benchmarks)
         self.keep_finished = False
         self.num_decode_steps = 0
@@ -159,12 +162,16 @@ class Engine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        inject_kv: bool = False,
+        prompt_kv: PromptKVSource | None = None,
     ) -> None:
-        """Queue a request. ``inject_kv`` (benchmarks): ``self.kv_injector`` writes the prompt's KV
-        at admission instead of a prefill, as in a prefill/decode-disaggregated deployment."""
-        if inject_kv and self.kv_injector is None:
-            raise ValueError("inject_kv needs engine.kv_injector to be set")
+        """Queue a request.
+
+        ``prompt_kv``: the prompt's KV computed elsewhere (a prefill instance, as in a
+        prefill/decode-disaggregated deployment; ``runtime.prompt_kv`` describes the rows): at
+        admission it is written into the request's host slots instead of running a prefill, and
+        decoding starts from the last prompt token. Its layer count, token count
+        (``len(prompt) - 1``) and row width are checked here; the chunks a generator yields are
+        checked as they are written."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
@@ -176,13 +183,34 @@ class Engine:
                 raise ValueError("prompt token ids must be integers")
         if ids and not (0 <= min(ids) and max(ids) < vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        req = Request(request_id, ids, params, inject_kv=inject_kv)
+        if prompt_kv is not None:
+            check_source(
+                prompt_kv,
+                self.model_config.num_hidden_layers,
+                max(len(ids) - 1, 0),
+                self.cache.config.row_bytes,
+                self.cache.config.fmt,
+            )
+        req = Request(request_id, ids, params, prompt_kv=prompt_kv)
         self.scheduler.add(req)  # raises ValueError for requests that can never fit
         self.requests[request_id] = req
         self._detok[request_id] = RequestDetokenizer(
             self.tokenizer, params, req.prompt_ids, self.model_config.eos_token_id
         )
         self._seeds[request_id] = request_seed(params)
+
+    def prompt_kv(self, request_id: str) -> PromptKV:
+        """The KV rows of a running request's prompt once it is prefilled (the sending side of
+        prefill/decode disaggregation: ``add_request(..., prompt_kv=...)`` on another engine
+        with the same model and KV format continues from them)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        # (a one-token prompt has no KV to hand over: nothing to wait for)
+        if req.prefill_end and (not req.pages or req.in_prefill or req.prompt_kv is not None):
+            raise ValueError(f"request {request_id!r} is not prefilled yet")
+        slots = [req.slot_of(p) for p in range(req.prefill_end)]
+        return read_prompt_kv(self.cache.layers, slots)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -224,6 +252,7 @@ class Engine:
         """Zero the step/token counters and the pools' hit/recall totals, and forget finished
         requests (benchmarks: one engine measures several workloads in turn)."""
         self.num_steps = self.num_decode_steps = self.decode_rows = self.generated_tokens = 0
+        self.prompt_kv_load_s = 0.0
         self._recent.clear()
         self.finished_requests.clear()
         self.cache.reset_stats()
@@ -241,15 +270,42 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
-        while batch is not None and not batch.is_decode and batch.requests[0].inject_kv:
-            req = batch.requests[0]
-            self.kv_injector(self, req)  # type: ignore[misc]
-            req.num_computed = req.prefill_end
+        while batch is not None and not batch.is_decode and batch.requests[0].prompt_kv is not None:
+            self._load_prompt_kv(batch.requests[0])
             batch = self.scheduler.schedule()
         if batch is None:
             return []
         logits = self.runner.forward(batch)
         return self._postprocess(batch, logits)
+
+    PROMPT_KV_CHUNK = 16384  # tokens written per store call: bounds the staging memory
+
+    def _load_prompt_kv(self, req: Request) -> None:
+        """Write a just-admitted request's received prompt KV into its host slots (every layer,
+        chunk by chunk, through the prefill's own write path) in place of its prefill."""
+        src, n = req.prompt_kv, req.prefill_end
+        row_bytes = self.cache.config.row_bytes
+        t0 = time.perf_counter()
+        try:
+            for start in range(0, n, self.PROMPT_KV_CHUNK):
+                end = min(start + self.PROMPT_KV_CHUNK, n)
+                slots = torch.tensor(
+                    [req.slot_of(p) for p in range(start, end)], device=self.device
+                )
+                for i, layer in enumerate(self.cache.layers):
+                    kv, index = src.chunk(i, start, end)  # type: ignore[union-attr]
+                    check_chunk(kv, index, end - start, row_bytes, f"layer {i} [{start}, {end})")
+                    layer.store(kv.to(self.device), index.to(self.device), slots)
+        except ValueError:
+            self._finish(req, "error")  # its pages hold a partial prompt: never decode them
+            raise
+        if self.device.type == "cuda":
+            # so that prompt_kv_load_s is the load's own time (the decode step after it syncs on
+            # its sampled tokens anyway)
+            torch.cuda.synchronize(self.device)
+        self.prompt_kv_load_s += time.perf_counter() - t0
+        req.num_computed = n
+        req.prompt_kv = None  # the rows are in the cache now; let the source go
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
         self.num_steps += 1
@@ -299,8 +355,16 @@ class Engine:
             [len(r.output_ids) for r in reqs],
             logits.device,
         )
+        logits = logits.float()
+        for proc in self.logits_processors:
+            out = proc(reqs, logits)
+            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+                raise ValueError(
+                    f"logits processor {proc!r} must return a tensor of shape {tuple(logits.shape)}"
+                )
+            logits = out.float()
         tok, lp = sample(
-            logits.float(),
+            logits,
             sb.temperature,
             sb.top_k,
             sb.top_p,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from custom_ops.kv_format import PAGE  # tokens per host page (the block table's unit)
+from runtime.prompt_kv import PromptKVSource
 from runtime.sampling_params import SamplingParams
 
 
@@ -34,7 +35,9 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
-    inject_kv: bool = False  # benchmarks: the prompt's KV is written directly, not prefilled
+    # the prompt's KV computed elsewhere (runtime.prompt_kv): written at admission instead of a
+    # prefill, then dropped
+    prompt_kv: PromptKVSource | None = field(default=None, repr=False)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -55,8 +58,8 @@ class Request:
     def prefill_end(self) -> int:
         """Prefill writes the KV of prompt tokens [0, prompt_len - 1); the last prompt token goes
         through a decode step, which samples the first output token. So every token is sampled by
-        decode, and a request whose KV was injected (benchmarks) is in the same state as one that
-        was prefilled."""
+        decode, and a request whose prompt KV was received (``prompt_kv``) is in the same state as
+        one that was prefilled."""
         return len(self.prompt_ids) - 1
 
     @property

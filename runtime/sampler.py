@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.request import Request
 
 _M32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so that (x < 2**32) * c < 2**63 never overflows int64.
@@ -219,3 +222,38 @@ def request_seed(params: SamplingParams) -> int:
     if params.seed is not None:
         return params.seed
     return random.SystemRandom().getrandbits(63)
+
+
+class LogitsProcessor(Protocol):
+    """A hook on each decode step's logits before sampling: ``Engine.logits_processors`` holds
+    them, applied in order (batch-level, like vLLM v1's logits processors).
+
+    Called with the step's requests, in batch order (their ``prompt_ids``, ``output_ids``,
+    ``params`` and ``request_id`` say what each row is), and the fp32 logits ``[B, V]`` of those
+    rows; returns logits of the same shape (it may modify them in place). Runs on the host, once
+    per decode step, outside any captured graph; device work in it should be a few batched ops
+    (a per-row Python loop of kernels costs more than a compiled step's own launches). Sampling
+    then runs on what it returns: greedy rows take its argmax, sampled rows its distribution,
+    and logprobs are computed from it.
+    """
+
+    def __call__(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor: ...
+
+
+def force_tokens(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """Make each row in ``rows`` choose its token in ``tokens`` whatever the sampling parameters:
+    every other logit of the row becomes -inf (the row's distribution is then a point mass, so
+    greedy and sampled rows alike pick it, with logprob 0). In place on ``logits`` [B, V]; two
+    indexed writes for the whole batch. For logits processors."""
+    if len(rows) != len(tokens):
+        raise ValueError(f"force_tokens: {len(rows)} rows but {len(tokens)} tokens")
+    if not rows:
+        return logits
+    idx = torch.tensor([list(rows), list(tokens)], dtype=torch.int64)
+    if logits.is_cuda:
+        # pinned + non_blocking: a pageable copy would wait for the step's graph to finish
+        idx = idx.pin_memory().to(logits.device, non_blocking=True)
+    r, t = idx[0], idx[1]
+    logits[r] = float("-inf")
+    logits[r, t] = 0.0
+    return logits

@@ -1,10 +1,12 @@
 """``echo-compile bench``: the paper's experiment on one GPU, offloading vs GPU-only side by side.
 
-Decode-only with injected KV (the paper's prefill/decode-disaggregated setup): each admitted
-request's prompt KV (all but its last token) is written by ``LayerKV.store`` — the write path
-prefill uses — from random latents, then generation is measured; generation throughput leaves the
-injection time out. ``--mode full`` prefills every prompt instead (eager chunks, the explicit form
-over the whole context: for small runs), and its throughput includes the prefill. Systems, same
+Decode-only with injected KV (the paper's prefill/decode-disaggregated setup): each request is
+added with ``Engine.add_request(..., prompt_kv=RandomPromptKV(...))``, the engine's public intake
+of a prompt's KV computed elsewhere, so at admission its prompt KV (all but its last token) is
+written from random latents through the write path prefill uses, then generation is measured;
+generation throughput leaves the injection time (``Engine.prompt_kv_load_s``) out. ``--mode full``
+prefills every prompt instead (eager chunks, the explicit form over the whole context: for small
+runs), and its throughput includes the prefill. Systems, same
 model and the same GPU pool tokens per layer:
 - ``offload``: echo-compile with the KV in pinned host memory, a GPU pool of N_G rows per layer,
   compiled (CUDA graphs);
@@ -15,15 +17,16 @@ model and the same GPU pool tokens per layer:
 Selection locality. Random weights do not give real attention's temporal locality (the paper
 measures GPU-pool hit rates of 0.97-0.99). The knob is ``--repeat``: the probability that a
 request's next decode input is its previous input token rather than the sampled one (sampling
-still runs). At 1.0 every layer-0 indexer query differs from the last only by RoPE, so its
-selections overlap heavily; deeper layers see the drift of the attention outputs and overlap less;
-at 0 the model's own (greedy or sampled) tokens make every query new. The measured per-layer hit
-rate is reported next to every throughput figure; do not read a throughput without it.
+still runs; ``RepeatPrevious``, a logits processor on ``Engine.logits_processors``). At 1.0
+every layer-0 indexer query differs from the last only by RoPE, so its selections overlap heavily;
+deeper layers see the drift of the attention outputs and overlap less; at 0 the model's own
+(greedy or sampled) tokens make every query new. The measured per-layer hit rate is reported next
+to every throughput figure; do not read a throughput without it.
 
 Runs: every system at every ``--gpu-pools`` size with all requests at once (Fig. 13), and at
 ``--rate-pool`` a Poisson rate sweep (Fig. 12); ``offload-eager`` at ``--eager-pools``, where the
 eager steps of offload-eager and gpu-only are also profiled for the time breakdown
-(echo_compile.breakdown). Results are written after every run.
+(echo_compile.bench.breakdown). Results are written after every run.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from custom_ops.fp8 import act_quant, fp8_round_trip
-from custom_ops.kv_format import pack_index_k, pack_kv_rows
+from custom_ops.kv_format import ROW_BYTES, pack_index_k, pack_kv_rows
 from runtime.engine import Engine, EngineConfig
-from runtime.request import Request
+from runtime.sampler import force_tokens
 from runtime.sampling_params import SamplingParams
 
 
@@ -76,36 +79,41 @@ def sharegpt_like(requests: int, seed: int = 0) -> Workload:
     return Workload(requests=requests, min_ctx=64, max_ctx=1024, output_len=256, seed=seed)
 
 
-def make_injector(seed: int = 0):
-    """The KV writer: random FP8-round-tripped latents and random indexer keys, chunk by chunk."""
+class RandomPromptKV:
+    """A request's prompt KV as a prefill instance would send it (a ``runtime.prompt_kv`` source):
+    random FP8-round-tripped latents and random indexer keys, made chunk by chunk as the engine
+    writes them, so a 100K-token prompt is never held whole.
 
-    def inject(engine: Engine, req: Request) -> None:
+    NOTE: one generator serves every chunk, so the rows depend on the order in which chunks are
+    asked for; the engine asks chunk by chunk, every layer of a chunk in turn, always."""
+
+    def __init__(
+        self, request_id: str, num_tokens: int, num_layers: int, fmt: str, device, seed: int = 0
+    ):
+        self.num_tokens, self.num_layers, self.fmt = num_tokens, num_layers, fmt
+        self.row_bytes = ROW_BYTES[fmt]
+        self.device = torch.device(device)
         # crc32, not hash(): Python salts str hashes per process, and the KV must be reproducible
-        gen = torch.Generator(device=engine.device)
-        gen.manual_seed(seed + zlib.crc32(req.request_id.encode()))
-        n = req.prefill_end
-        chunk = 16384
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            slots = torch.tensor([req.slot_of(p) for p in range(start, end)], device=engine.device)
-            for layer in engine.cache.layers:
-                c = torch.randn(end - start, 512, generator=gen, device=engine.device)
-                pe = torch.randn(end - start, 64, generator=gen, device=engine.device)
-                k = torch.randn(end - start, 128, generator=gen, device=engine.device)
-                kq, ks = act_quant(k)
-                rows = pack_kv_rows(fp8_round_trip(c.bfloat16()), pe.bfloat16(), layer.fmt)
-                layer.store(rows, pack_index_k(kq, ks.squeeze(-1)), slots)
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(seed + zlib.crc32(request_id.encode()))
 
-    return inject
+    def chunk(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, gen, dev = end - start, self.gen, self.device
+        c = torch.randn(n, 512, generator=gen, device=dev)
+        pe = torch.randn(n, 64, generator=gen, device=dev)
+        k = torch.randn(n, 128, generator=gen, device=dev)
+        kq, ks = act_quant(k)
+        rows = pack_kv_rows(fp8_round_trip(c.bfloat16()), pe.bfloat16(), self.fmt)
+        return rows, pack_index_k(kq, ks.squeeze(-1))
 
 
-class BenchEngine(Engine):
-    """The engine plus the benchmark's locality knob: with probability ``repeat`` a request's next
-    input token is its previous input token instead of the sampled one (its logprob is then the
-    sampled token's; the benchmark reads neither). Sampling still runs every step."""
+class RepeatPrevious:
+    """The benchmark's locality knob, a logits processor (``Engine.logits_processors``): with
+    probability ``repeat`` a request's next input token is its previous input token instead of
+    the one the model would pick (that row's logits become a point mass on it, so sampling still
+    runs every step; the benchmark reads no logprob)."""
 
-    def __init__(self, *args, repeat: float = 0.0, seed: int = 0, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, repeat: float, seed: int = 0):
         if not 0.0 <= repeat <= 1.0:
             raise ValueError(f"repeat must be a probability in [0, 1], got {repeat!r}")
         self.repeat = repeat
@@ -113,15 +121,15 @@ class BenchEngine(Engine):
 
     def reseed(self, seed: int) -> None:
         """Restart the knob's random stream (each benchmark run starts from the same state)."""
-        self._repeat_rng = random.Random(seed)
+        self.rng = random.Random(seed)
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        tokens, logprobs = super()._sample(reqs, logits)
-        if self.repeat > 0:
-            for i, r in enumerate(reqs):
-                if self._repeat_rng.random() < self.repeat:
-                    tokens[i] = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
-        return tokens, logprobs
+    def __call__(self, reqs, logits: torch.Tensor) -> torch.Tensor:
+        if self.repeat <= 0:
+            return logits
+        rows = [i for i in range(len(reqs)) if self.rng.random() < self.repeat]
+        prev = [reqs[i].output_ids[-1] if reqs[i].output_ids else reqs[i].prompt_ids[-1]
+                for i in rows]  # fmt: skip
+        return force_tokens(logits, rows, prev)
 
 
 @dataclass
@@ -185,7 +193,9 @@ class System:
         device: str,
         repeat: float,
         seed: int = 0,
+        compile: bool = True,  # False: every system eager (a quick dry run of the harness)
     ):
+        self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import compile_runner, warmup
 
         if system not in SYSTEMS:
@@ -204,26 +214,22 @@ class System:
             device=device,
         )
         torch._dynamo.reset()  # a fresh compile per engine: no earlier engine's graphs or guards
-        self.engine = BenchEngine(
-            model, model.config, None, cfg, model_name="bench", repeat=repeat, seed=seed
-        )
+        self.engine = Engine(model, model.config, None, cfg, model_name="bench")
+        self.engine.logits_processors.append(self.locality)
+        self.compiled = compile and system != "offload-eager"
         self.warmup_s = 0.0
-        if system != "offload-eager":
+        if self.compiled:
             # decode only: a compiled prefill has static shapes over max_model_len (see
             # compile_runner); the full mode's prefill chunks run eagerly
             compile_runner(self.engine.runner, prefill=False)
             self.warmup_s = warmup(self.engine.runner, progress=True, prefill=False)
-        self.inject = make_injector(seed)
-        self.inject_s = 0.0
-        self.engine.kv_injector = self._inject
+        self.seed = seed
         self.engine.keep_finished = True
 
-    def _inject(self, eng: Engine, req: Request) -> None:
-        t = time.perf_counter()
-        self.inject(eng, req)
-        if eng.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.inject_s += time.perf_counter() - t
+    @property
+    def inject_s(self) -> float:
+        """Seconds the engine spent writing received prompt KV since the last reset_stats."""
+        return self.engine.prompt_kv_load_s
 
     def _prompts(self, wl: Workload) -> list[list[int]]:
         """The requests' prompt token ids (random: only their lengths matter), made before any
@@ -232,18 +238,23 @@ class System:
         vocab = self.model.config.vocab_size
         return [[rng.randrange(2, vocab) for _ in range(n)] for n in wl.lengths()]
 
-    def _add(self, wl: Workload, i: int, prompt: list[int]) -> None:
+    def _add(self, wl: Workload, i: int, prompt: list[int], engine: Engine | None = None) -> None:
+        engine = engine or self.engine
         params = SamplingParams(
             max_tokens=wl.output_len, temperature=wl.temperature, ignore_eos=True, seed=wl.seed
         )
-        self.engine.add_request(f"r{i}", prompt, params, inject_kv=not wl.prefill)
+        rid = f"r{i}"
+        kv = None
+        if not wl.prefill:
+            n, layers = len(prompt) - 1, engine.model_config.num_hidden_layers
+            kv = RandomPromptKV(rid, n, layers, engine.config.kv_format, engine.device, self.seed)
+        engine.add_request(rid, prompt, params, prompt_kv=kv)
 
     def run(self, wl: Workload) -> SystemResult:
         """Serve ``wl`` (requests arrive at their Poisson times) until every request is done."""
         engine = self.engine
         engine.reset_stats()
-        engine.reseed(wl.seed)
-        self.inject_s = 0.0
+        self.locality.reseed(wl.seed)
         prompts = self._prompts(wl)
         arrivals = wl.arrivals()
         pending = sorted(zip(arrivals, range(wl.requests)))
@@ -309,25 +320,28 @@ class System:
 
     def breakdown(self, wl: Workload, warm_steps: int = 4, steps: int = 8) -> dict:
         """Profile ``steps`` decode steps at the workload's full batch (all requests admitted,
-        ``warm_steps`` run first); per-step time by category (see echo_compile.breakdown).
-        The steps run eagerly: a compiled system's eager step function stands in meanwhile."""
-        from echo_compile.breakdown import profile_steps
-
-        engine = self.engine
-        runner = engine.runner
-        compiled_fn, runner.decode_fn = runner.decode_fn, runner.decode_step
+        ``warm_steps`` run first); per-step time by category (see echo_compile.bench.breakdown).
+        The steps run eagerly (the profiler cannot attribute kernels inside a CUDA graph): a
+        compiled system is profiled through an eager engine of the same configuration and model,
+        built for it and dropped after (its own compiled engine is left as it was)."""
+        if not self.compiled:
+            return self._breakdown(self.engine, wl, warm_steps, steps)
+        eager = Engine(self.model, self.model.config, None, self.engine.config, model_name="bench")
+        eager.logits_processors.append(self.locality)
         try:
-            return self._breakdown(wl, warm_steps, steps, profile_steps)
+            return self._breakdown(eager, wl, warm_steps, steps)
         finally:
-            runner.decode_fn = compiled_fn
+            del eager
+            gc.collect()
 
-    def _breakdown(self, wl: Workload, warm_steps: int, steps: int, profile_steps) -> dict:
-        engine = self.engine
+    def _breakdown(self, engine: Engine, wl: Workload, warm_steps: int, steps: int) -> dict:
+        from echo_compile.bench.breakdown import profile_steps
+
         engine.reset_stats()
         prompts = self._prompts(wl)
         n = min(wl.requests, engine.config.max_batch)
         for i in range(n):
-            self._add(replace(wl, output_len=warm_steps + steps + 1), i, prompts[i])
+            self._add(replace(wl, output_len=warm_steps + steps + 1), i, prompts[i], engine)
         while engine.num_decode_steps < warm_steps:
             engine.step()
         engine.cache.reset_stats()  # the hit rate of the profiled steps alone

@@ -1,4 +1,4 @@
-"""The command line of ``echo-compile bench`` (the harness and what it measures: bench.py).
+"""The command line of ``echo-compile bench`` (the harness and what it measures: harness.py).
 
     python -m echo_compile.cli bench [options]     (= echo-compile bench; --help lists them)
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from echo_compile import bench
-from echo_compile.bench import (
+from echo_compile.bench import harness
+from echo_compile.bench.harness import (
     SYSTEMS,
     System,
     Workload,
@@ -39,7 +39,7 @@ def _floats(s: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="echo-compile bench",
-        description=bench.__doc__,
+        description=harness.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
@@ -102,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         default=8,
         help="profiled eager steps of offload-eager and gpu-only (at --eager-pools); 0: none",
     )
+    ap.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run every system eagerly (a quick dry run of the harness; the numbers then say "
+        "nothing about CUDA graphs)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
     a = ap.parse_args(argv)
@@ -159,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": a.repeat,
         "host_tokens": host,
         "kv_format": a.kv_format,
+        "compiled": a.compile,
         "results": [],
         "breakdown": {},
     }
@@ -182,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 buckets |= {b for b in (16, 32) if b < 2 * a.rate_requests}
             sut = System(
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
-                a.repeat, wl.seed,
+                a.repeat, wl.seed, a.compile,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)

@@ -1,0 +1,42 @@
+"""What every figure shares: the Agg backend, colours, the source line, saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+DPI = 90
+C_OLD, C_BEST, C_OTHER, C_BASE, C_TARGET = "#9aa5b1", "#2a7ab0", "#c7d6e3", "#e08a3c", "#c0392b"
+
+
+def save(fig, out: Path, name: str, written: list[Path]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    p = out / name
+    fig.savefig(p, dpi=DPI)
+    plt.close(fig)
+    written.append(p)
+    print(f"wrote {p} ({p.stat().st_size / 1024:.0f} KB)")
+
+
+def source_note(fig, d: dict, file: str) -> None:
+    env = d.get("environment", d)
+    bits = [
+        file,
+        env.get("device"),
+        f"torch {env.get('torch')}",
+        f"triton {env.get('triton')}",
+        str(env.get("date", ""))[:10],
+    ]
+    fig.text(
+        0.99,
+        0.005,
+        " | ".join(b for b in bits if b and b != "torch None" and b != "triton None"),
+        ha="right",
+        va="bottom",
+        fontsize=7,
+        color="#666",
+    )

@@ -1,0 +1,82 @@
+"""Engine.logits_processors, the hook on each decode step's logits (the benchmark's locality knob
+uses it), and sampler.force_tokens, which makes rows choose given tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model.checkpoint import resolve_model
+from model.loader import load_model
+from runtime.engine import Engine, EngineConfig
+from runtime.sampler import force_tokens, prepare_batch, sample
+from runtime.sampling_params import SamplingParams
+
+PARAMS = (
+    SamplingParams(max_tokens=6, temperature=0.8, seed=11, ignore_eos=True, logprobs=True),
+    SamplingParams(max_tokens=6, temperature=1.0, top_k=5, seed=5, ignore_eos=True, logprobs=True),
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(resolve_model("tiny"))[0]
+
+
+def _run(model, procs) -> dict[str, tuple[list[int], list[float]]]:
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 12, gpu_tokens=2 * model.config.index_topk)
+    eng = Engine(model, model.config, None, cfg)
+    eng.logits_processors.extend(procs)
+    rng = random.Random(3)
+    for i, sp in enumerate(PARAMS):
+        prompt = [rng.randrange(2, model.config.vocab_size) for _ in range(100 + 50 * i)]
+        eng.add_request(f"r{i}", prompt, sp)
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks += o.new_token_ids
+            lps += o.new_logprobs or []
+    return out
+
+
+def test_force_tokens_wins_over_greedy_and_sampling() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, seed=1),
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=2),
+        SamplingParams(temperature=0.0),
+    ]
+    sb = prepare_batch(params, [1, 2, 3, 4], [0] * 4)
+    free, _ = sample(logits.clone(), *sb[:5], filters=sb.filters)
+    forced = force_tokens(logits.clone(), [0, 1, 2], [7, 8, 9])
+    assert torch.isinf(forced[:3]).sum() == 3 * 49 and torch.equal(forced[3], logits[3])
+    tok, lp = sample(forced, *sb[:5], filters=sb.filters)
+    assert tok.tolist() == [7, 8, 9, int(free[3])]
+    assert lp[:3].tolist() == [0.0, 0.0, 0.0]
+    assert force_tokens(logits, [], []) is logits
+    with pytest.raises(ValueError, match="2 rows but 1 tokens"):
+        force_tokens(logits, [0, 1], [3])
+
+
+def test_logits_processors_steer_sampling(model) -> None:
+    """A processor that forces token 7 on r0's row: r0 generates only 7 (logprob 0), r1 what it
+    generates without the processor; the processor sees the batch's requests every step."""
+    seen = []
+
+    def force_r0(reqs, logits):
+        seen.append([r.request_id for r in reqs])
+        rows = [i for i, r in enumerate(reqs) if r.request_id == "r0"]
+        return force_tokens(logits, rows, [7] * len(rows))
+
+    free, forced = _run(model, []), _run(model, [force_r0])
+    assert forced["r0"] == ([7] * 6, [0.0] * 6) and free["r0"][0] != [7] * 6
+    assert forced["r1"] == free["r1"]
+    assert seen and all(ids == ["r0", "r1"] for ids in seen)  # one call per decode step
+
+    with pytest.raises(ValueError, match="must return a tensor of shape"):
+        _run(model, [lambda reqs, logits: logits[:, :3]])
