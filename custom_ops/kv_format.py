@@ -26,6 +26,16 @@ PAGE = 64
 INDEX_PAGE_BYTES = PAGE * INDEX_ROW_BYTES  # 8448
 
 
+def pages_for(tokens: int) -> int:
+    """Whole pages that hold ``tokens`` tokens (host slots are handed out a page at a time)."""
+    return -(-tokens // PAGE)
+
+
+def whole_pages(rows: int) -> int:
+    """``rows`` rounded down to whole pages (the rows a pool of ``rows`` can hand out)."""
+    return rows // PAGE * PAGE
+
+
 def check_fmt(fmt: str) -> None:
     if fmt not in ROW_BYTES:
         raise ValueError(f"KV row format must be 'bf16' or 'fp8', got {fmt!r}")

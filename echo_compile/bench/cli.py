@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from custom_ops.kv_format import PAGE, pages_for, whole_pages
 from echo_compile.bench import harness
 from echo_compile.bench.harness import (
     SYSTEMS,
@@ -142,18 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     wl.prefill = a.mode == "full"
     sweep = [replace(wl, requests=a.rate_requests, rate=r) for r in rates]
 
-    def pages(n: int) -> int:
-        return -(-n // 64) * 64
-
-    longest = pages(wl.max_ctx + wl.output_len)
-    if "gpu-only" in systems and min(pools) // 64 * 64 < longest:
+    longest = pages_for(wl.max_ctx + wl.output_len) * PAGE
+    if "gpu-only" in systems and whole_pages(min(pools)) < longest:
         ap.error(
             f"gpu-only: a GPU pool of {min(pools)} rows cannot hold the longest request "
             f"({wl.max_ctx} + {wl.output_len} tokens, {longest} rows in whole pages)"
         )
     # every request of the largest workload at once, in whole pages
     most = max([wl] + sweep, key=lambda w: w.requests)
-    host = a.host_tokens or sum(pages(n + wl.output_len) for n in most.lengths())
+    host = a.host_tokens or PAGE * sum(pages_for(n + wl.output_len) for n in most.lengths())
     t_start = time.perf_counter()
     model = build_model(a.preset, a.layers, a.experts, a.device)
     cfg = model.config

@@ -41,7 +41,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from custom_ops.fp8 import act_quant, fp8_round_trip
-from custom_ops.kv_format import ROW_BYTES, pack_index_k, pack_kv_rows
+from custom_ops.kv_format import (
+    PAGE,
+    ROW_BYTES,
+    pack_index_k,
+    pack_kv_rows,
+    pages_for,
+    whole_pages,
+)
 from runtime.engine import Engine, EngineConfig
 from runtime.sampler import force_tokens
 from runtime.sampling_params import SamplingParams
@@ -172,7 +179,7 @@ def batch_cap(system: str, gpu_pool: int, topk: int, min_len: int, max_batch: in
     offloading needs B x topk <= N_G; GPU-only holds whole requests, so at most this many of the
     shortest (``min_len`` tokens, page-rounded) fit."""
     if system == "gpu-only":
-        return max(1, min(max_batch, gpu_pool // (-(-min_len // 64) * 64)))
+        return max(1, min(max_batch, gpu_pool // (pages_for(min_len) * PAGE)))
     return max(1, min(max_batch, gpu_pool // topk))
 
 
@@ -205,7 +212,7 @@ class System:
         cfg = EngineConfig(
             max_batch=batch,
             # GPU-only keeps the KV in a device pool of N_G rows: the "host" pool is that pool
-            host_tokens=host_tokens if offload else gpu_pool // 64 * 64,
+            host_tokens=host_tokens if offload else whole_pages(gpu_pool),
             gpu_tokens=gpu_pool,
             kv_format=kv_format,
             offload=offload,
