@@ -28,7 +28,7 @@ from model.fp8_weights import scale_shape, weight_quant_fp8
 from model.presets import preset_config
 
 # Bump whenever the generated files change (weights, tokenizer, layout): it names the cache dir.
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: tiny-fp8 scales are ue8m0 (powers of two), as its config declares
 BUILTIN_MODELS = {"tiny": "bf16", "tiny-fp8": "fp8", "tiny-awq": "awq"}
 CACHE_ENV = "ECHO_COMPILE_CACHE"
 
@@ -226,7 +226,7 @@ def _quantize(name: str, w: torch.Tensor, q: QuantConfig | None) -> dict[str, to
     if q is None or leaf != "weight" or not is_quantized_linear(module):
         return {name: w}
     if q.method == "fp8":
-        w8, s = weight_quant_fp8(w)
+        w8, s = weight_quant_fp8(w, scale_fmt=q.scale_fmt)  # write what config.json declares
         return {name: w8, module + ".weight_scale_inv": s}
     if not _awq_quantized(module, q):
         return {name: w}
