@@ -4,7 +4,9 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import re
+import stat
 
 import jinja2
 import pytest
@@ -366,6 +368,21 @@ def test_resolve_model_generates_once_into_the_cache(tmp_path, monkeypatch, tiny
     assert ck.resolve_model("tiny") == path
     assert ck.resolve_model(str(tiny)) == tiny
     assert ck.resolve_model(tiny) == tiny
+
+
+def test_resolve_model_cache_honours_the_umask(tmp_path, monkeypatch):
+    """Like any cache: dirs 0777 & ~umask, files 0666 & ~umask (was 0700 / 0600: mkdtemp and
+    safetensors both create private paths)."""
+    monkeypatch.setenv("ECHO_COMPILE_CACHE", str(tmp_path / "cache"))
+    old = os.umask(0o027)  # a umask that is not the default, so the modes are its doing
+    try:
+        path = ck.resolve_model("tiny")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    files = sorted(path.iterdir())
+    assert any(f.suffix == ".safetensors" for f in files)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o640 for f in files}
 
 
 def test_resolve_model_losing_a_race_keeps_the_winner(tmp_path, monkeypatch):
