@@ -331,7 +331,10 @@ def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
     from model.model import DeepseekV32ForCausalLM
 
     path = resolve_model(path_or_name)
-    config = ModelConfig.from_json(_require(path, "config.json"))
+    raw = _read_json(_require(path, "config.json"), "model config")
+    if not isinstance(raw, dict):  # NOTE: from_dict would fail on it with an AttributeError
+        raise ValueError(f"{path}/config.json: expected a JSON object, not {type(raw).__name__}")
+    config = ModelConfig.from_dict(raw)
     _require(path, "tokenizer.json")
     gen = path / "generation_config.json"
     generation_config = _read_json(gen, "generation config") if gen.is_file() else {}

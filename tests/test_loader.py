@@ -325,6 +325,9 @@ def test_missing_or_bad_metadata_files(tiny, tmp_path):
     (path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
         load_model(path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, not list"):
+        load_model(path)
     cfg = json.loads((tiny / "config.json").read_text())
     cfg["n_group"] = 3
     (path / "config.json").write_text(json.dumps(cfg))
