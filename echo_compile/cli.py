@@ -19,8 +19,8 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: $ECHO_COMPILE_THREADS, else 1 on up to 2 cores, "
-        "half the cores above; see echo_compile/threads.py)",
+        help="CPU threads for torch (default: $ECHO_COMPILE_THREADS, else $OMP_NUM_THREADS, else "
+        "1 on up to 2 usable cores and half the cores above; see echo_compile/threads.py)",
     )
 
 

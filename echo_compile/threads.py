@@ -3,9 +3,10 @@
 torch starts one intra-op thread per CPU it sees. On a small or shared machine that oversubscribes
 the cores: OpenMP threads spin waiting for each other while another process holds a core, and the
 tiny model's ops are too small to gain from threads anyway. Measured on a 2-core VM shared with
-other jobs, ``echo-compile demo`` took 7.5-13 s with one thread and 49-74 s with two (the issue's
-own run: 17 s vs 118 s). So: one thread on up to 2 usable cores; above that half of them (about the
-physical cores where CPUs are hyperthreads, and headroom for the server's and tokenizer's threads).
+other jobs (load 1-7), ``echo-compile demo`` took 6-19 s wall and ~6 s CPU with one thread, 50-114 s
+wall and 26-38 s CPU with two: the second thread only spins. So: one thread on up to 2 usable cores;
+above that half of them (not measured: about the physical cores where CPUs are hyperthreads, and
+headroom for the server's and the tokenizer's threads).
 
 Override with ``--threads N`` on the command line or ``ECHO_COMPILE_THREADS=N``; a set
 ``OMP_NUM_THREADS`` (which torch already honours) is left alone.
