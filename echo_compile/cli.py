@@ -5,6 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+# NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
+# --help) must answer without the seconds torch takes to import. Commands import what they run.
+
+# What a user can cause: a bad path or file (OSError, incl. FileNotFoundError and PermissionError),
+# a bad value or a corrupt config.json (ValueError, incl. json.JSONDecodeError and
+# SamplingParamsError). They print one line and exit 2; anything else is a bug and tracebacks.
+USER_ERRORS = (ValueError, OSError)
+
+
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: $ECHO_COMPILE_THREADS, else $OMP_NUM_THREADS, else "
+        "1 on up to 2 usable cores and half the cores above; see echo_compile/threads.py)",
+    )
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -27,6 +45,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="capture CUDA graphs (default on CUDA)",
     )
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    _threads_arg(p)
 
 
 def _engine_options(a: argparse.Namespace) -> dict:
@@ -43,7 +62,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
     return opts
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="echo-compile", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -58,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
     d.add_argument("--device", default=None)
     d.add_argument("--compile", action="store_true", help="compile the steps (CUDA graphs on CUDA)")
+    _threads_arg(d)
 
     g = sub.add_parser("generate", help="generate text for prompts given as arguments")
     _engine_args(g)
@@ -83,31 +103,51 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--layers", type=int, default=None, help="bench preset: number of layers")
     m.add_argument("--experts", type=int, default=None, help="bench preset: routed experts")
+    _threads_arg(m)
 
     sub.add_parser("bench", help="end-to-end offloading vs GPU-only benchmark (see bench --help)")
+    return ap
 
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # every option after `bench` belongs to the benchmark's own parser
-        from echo_compile.bench.cli import main as bench_main
 
-        return bench_main(argv[1:])
-    a = ap.parse_args(argv)
+def check_device(device: str | None) -> None:
+    """A CUDA device asked for where there is none: one clear error instead of torch's assert."""
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "no CUDA device is visible" if torch.version.cuda else "torch is built without CUDA"
+        raise ValueError(f"--device {device}: CUDA is not available ({why}); use --device cpu")
+
+
+def _sampling_params(a: argparse.Namespace):
+    from runtime.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed
+    )
+
+
+def _run(a: argparse.Namespace) -> int:
+    from echo_compile.threads import configure_threads
+
+    configure_threads(a.threads)
     if a.cmd == "demo":
         from echo_compile.demo import run_demo
 
+        check_device(a.device)
         return run_demo(a)
     if a.cmd == "generate":
+        params = _sampling_params(a)  # NOTE: checked before the model loads, not after
+        check_device(a.device)
         from echo_compile.llm import LLM
-        from runtime.sampling_params import SamplingParams
 
         llm = LLM(a.model, compile=a.compile, **_engine_options(a))
-        params = SamplingParams(
-            max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed
-        )
         for r in llm.generate(a.prompts, params, progress=True):
             print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
         return 0
     if a.cmd == "serve":
+        check_device(a.device)
         from echo_compile.llm import LLM
         from runtime.async_engine import AsyncEngine
         from runtime.server import serve
@@ -132,7 +172,26 @@ def main(argv: list[str] | None = None) -> int:
         out = make_checkpoint(a.out, preset=a.preset, fp8=a.fp8, awq=a.awq, seed=a.seed, **kw)
         print(f"wrote {out}")
         return 0
+    raise AssertionError(f"unhandled command {a.cmd!r}")  # argparse allows only the above
+
+
+def _user_error(e: BaseException) -> int:
+    msg = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
+    print(f"echo-compile: error: {msg}", file=sys.stderr)
     return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["bench"]:  # every option after `bench` belongs to the benchmark's parser
+            from echo_compile.bench.cli import main as bench_main
+
+            return bench_main(argv[1:])
+        a = _parser().parse_args(argv)  # --help and usage errors exit here, before any torch
+        return _run(a)
+    except USER_ERRORS as e:
+        return _user_error(e)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,20 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[li
     return results, dt, m
 
 
+def _check_args(a: argparse.Namespace) -> None:
+    if a.requests < 1:
+        raise ValueError(f"--requests must be at least 1, got {a.requests}")
+    if not 1 <= a.min_len <= a.max_len:
+        raise ValueError(
+            f"--min-len and --max-len must satisfy 1 <= min <= max, got {a.min_len}, {a.max_len}"
+        )
+
+
 def run_demo(a: argparse.Namespace) -> int:
+    _check_args(a)  # NOTE: bad flags fail here, before two models load
+    params = SamplingParams(
+        max_tokens=a.max_tokens, temperature=0.0, logprobs=True, ignore_eos=True
+    )
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rng = random.Random(0)
     lens = [rng.randint(a.min_len, a.max_len) for _ in range(a.requests)]
@@ -43,9 +56,6 @@ def run_demo(a: argparse.Namespace) -> int:
     cfg = gpu_only.engine.model_config
     topk, vocab = cfg.index_topk, cfg.vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(n)] for n in lens]
-    params = SamplingParams(
-        max_tokens=a.max_tokens, temperature=0.0, logprobs=True, ignore_eos=True
-    )
     # The smallest GPU pool the scheduler accepts: one selection per decode row and layer.
     gpu_pool = a.requests * topk
     off = LLM(a.model, offload=True, host_tokens=host, gpu_tokens=gpu_pool, **common)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from echo_compile.compiled import compile_runner, warmup
+from echo_compile.threads import configure_threads
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
@@ -59,6 +60,7 @@ class LLM:
         from model.checkpoint import resolve_model
         from model.loader import load_model
 
+        configure_threads()  # once per process: ECHO_COMPILE_THREADS, else by usable cores
         if "device" not in engine_options:
             engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(**engine_options)

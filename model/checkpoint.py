@@ -28,7 +28,7 @@ from model.fp8_weights import scale_shape, weight_quant_fp8
 from model.presets import preset_config
 
 # Bump whenever the generated files change (weights, tokenizer, layout): it names the cache dir.
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: tiny-fp8 scales are ue8m0 (powers of two), as its config declares
 BUILTIN_MODELS = {"tiny": "bf16", "tiny-fp8": "fp8", "tiny-awq": "awq"}
 CACHE_ENV = "ECHO_COMPILE_CACHE"
 
@@ -226,7 +226,7 @@ def _quantize(name: str, w: torch.Tensor, q: QuantConfig | None) -> dict[str, to
     if q is None or leaf != "weight" or not is_quantized_linear(module):
         return {name: w}
     if q.method == "fp8":
-        w8, s = weight_quant_fp8(w)
+        w8, s = weight_quant_fp8(w, scale_fmt=q.scale_fmt)  # write what config.json declares
         return {name: w8, module + ".weight_scale_inv": s}
     if not _awq_quantized(module, q):
         return {name: w}
@@ -295,6 +295,13 @@ def tokenizer_config(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _umask() -> int:
+    # NOTE: the only portable way to read the umask is to set it; set it straight back
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -353,6 +360,9 @@ def make_checkpoint(out_dir: str | Path, preset: str | ModelConfig = "tiny", fp8
                 weight_map[sname] = fname
                 total += t.numel() * t.element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        # NOTE: safetensors creates its files 0600 whatever the umask; give them the mode any
+        # other file gets (0644 under umask 022), so a shared cache or checkpoint is readable
+        os.chmod(out / fname, 0o666 & ~_umask())
     _write_json(out / "model.safetensors.index.json",
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(out / "config.json", config.to_dict())
@@ -382,6 +392,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
             return final
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; it becomes the cache entry
         try:
             make_checkpoint(tmp, "tiny", fp8=flavour == "fp8", awq=flavour == "awq")
             os.rename(tmp, final)  # atomic; fails if another process got there first

@@ -54,6 +54,13 @@ def weight_quant_fp8(
     return w8, s
 
 
+def is_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Elementwise: ``scale`` is a positive finite power of two, i.e. representable as UE8M0 (an
+    8-bit exponent, no mantissa), what ``scale_fmt="ue8m0"`` declares for every scale."""
+    mantissa, _ = torch.frexp(scale.float())  # scale = mantissa * 2^e, mantissa in [0.5, 1)
+    return (mantissa == 0.5) & torch.isfinite(scale)
+
+
 def weight_dequant_fp8(
     w8: torch.Tensor,
     scale_inv: torch.Tensor,

@@ -9,7 +9,8 @@ tensor is placed by an explicit name mapping (docs/CONTRACTS.md), shard by shard
   axis) of ``mlp.experts.w13_S`` / ``mlp.experts.w2_S``;
 - layers ``>= num_hidden_layers`` (MTP) -> kept aside, unconverted, in ``LoadExtras.mtp``.
 Every problem raises ``ValueError`` naming the tensor and the file: missing, unexpected, wrong
-shape, wrong kind of dtype, a shard the index names that is not there.
+shape, wrong kind of dtype, a shard the index names that is not there, FP8 scales that are not
+powers of two where config.json declares ``scale_fmt: ue8m0``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from model.checkpoint import resolve_model
 from model.config import ModelConfig
-from model.fp8_weights import weight_dequant_fp8
+from model.fp8_weights import is_ue8m0, weight_dequant_fp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -131,6 +132,16 @@ class _Loader:
                 f"{self._where(module + '.weight_scale_inv', file)}: dtype {s.dtype}, "
                 "expected float32"
             )
+        q = self.config.quantization
+        if q is not None and q.scale_fmt == "ue8m0":
+            bad = (~is_ue8m0(s)).nonzero()
+            if len(bad):
+                i = tuple(bad[0].tolist())
+                raise ValueError(
+                    f"{self._where(module + '.weight_scale_inv', file)}: config.json declares "
+                    f"scale_fmt 'ue8m0' (power-of-two scales), but {len(bad)} of its {s.numel()} "
+                    f"scales are not powers of two (e.g. {s[i].item()!r} at {list(i)})"
+                )
         try:
             return weight_dequant_fp8(w, s)
         except ValueError as e:
@@ -320,7 +331,10 @@ def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
     from model.model import DeepseekV32ForCausalLM
 
     path = resolve_model(path_or_name)
-    config = ModelConfig.from_json(_require(path, "config.json"))
+    raw = _read_json(_require(path, "config.json"), "model config")
+    if not isinstance(raw, dict):  # NOTE: from_dict would fail on it with an AttributeError
+        raise ValueError(f"{path}/config.json: expected a JSON object, not {type(raw).__name__}")
+    config = ModelConfig.from_dict(raw)
     _require(path, "tokenizer.json")
     gen = path / "generation_config.json"
     generation_config = _read_json(gen, "generation config") if gen.is_file() else {}

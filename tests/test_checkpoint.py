@@ -3,7 +3,10 @@
 import hashlib
 import importlib.util
 import json
+import math
+import os
 import re
+import stat
 
 import jinja2
 import pytest
@@ -197,13 +200,33 @@ def test_fp8_checkpoint_dequantises_to_the_bf16_weights(tiny, tiny_fp8):
         rel = ((dq - w).norm() / w.norm()).item()
         assert 1e-3 < rel < 2**-4, (name, rel)
     assert n_fp8 == 5 * 7 + 4 * 27 + 3
-    # the ragged block of kv_a_proj_with_mqa (rows 512..575): scale from its 64 real rows only
+    # the ragged block of kv_a_proj_with_mqa (rows 512..575): scale from its 64 real rows only,
+    # rounded up to a power of two as config.json's scale_fmt ue8m0 declares
+    assert cfg["quantization_config"]["scale_fmt"] == "ue8m0"
     name = "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"
     s = q[name + "_scale_inv"]
     assert s.shape == (5, 2)
     w = ref[name].float()
-    assert torch.equal(s[4, 1], w[512:, 128:].abs().max() / 448)
-    assert torch.equal(s[0, 0], w[:128, :128].abs().max() / 448)
+    for blk, got in ((w[512:, 128:], s[4, 1]), (w[:128, :128], s[0, 0])):
+        exact = (blk.abs().max() / 448).item()
+        assert got.item() == 2.0 ** math.ceil(math.log2(exact)) and got.item() > exact
+
+
+def test_fp8_checkpoint_scales_are_what_its_config_declares(tiny, tiny_fp8):
+    """scale_fmt ue8m0: every weight_scale_inv is the smallest power of two >= its block's
+    amax / 448 (the bf16 weights are the ones the FP8 flavour was quantised from)."""
+    ref, q = read_all(tiny), read_all(tiny_fp8)
+    names = [k.removesuffix("_scale_inv") for k in q if k.endswith("weight_scale_inv")]
+    assert len(names) == 5 * 7 + 4 * 27 + 3
+    for name in names:
+        s = q[name + "_scale_inv"].double()
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s), name
+        w = ref[name].double()
+        ob, ib = s.shape
+        wp = torch.zeros(ob * 128, ib * 128, dtype=torch.float64)
+        wp[: w.shape[0], : w.shape[1]] = w.abs()
+        exact = wp.view(ob, 128, ib, 128).amax(dim=(1, 3)) / 448
+        assert (s >= exact).all() and (s / 2 < exact).all(), name
 
 
 def test_make_checkpoint_bad_arguments(tmp_path):
@@ -345,6 +368,21 @@ def test_resolve_model_generates_once_into_the_cache(tmp_path, monkeypatch, tiny
     assert ck.resolve_model("tiny") == path
     assert ck.resolve_model(str(tiny)) == tiny
     assert ck.resolve_model(tiny) == tiny
+
+
+def test_resolve_model_cache_honours_the_umask(tmp_path, monkeypatch):
+    """Like any cache: dirs 0777 & ~umask, files 0666 & ~umask (was 0700 / 0600: mkdtemp and
+    safetensors both create private paths)."""
+    monkeypatch.setenv("ECHO_COMPILE_CACHE", str(tmp_path / "cache"))
+    old = os.umask(0o027)  # a umask that is not the default, so the modes are its doing
+    try:
+        path = ck.resolve_model("tiny")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    files = sorted(path.iterdir())
+    assert any(f.suffix == ".safetensors" for f in files)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o640 for f in files}
 
 
 def test_resolve_model_losing_a_race_keeps_the_winner(tmp_path, monkeypatch):

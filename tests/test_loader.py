@@ -114,8 +114,9 @@ def test_fp8_checkpoint_loads_dequantised(loaded, tiny_fp8):
         module = name.rsplit(".", 1)[0]
         assert ck.is_quantized_linear(module) or name.endswith(("w13_weight", "w2_weight")), name
         # e4m3 rounds a value to <= 2^-4 relative (subnormals: 2^-10 of the block scale, at most
-        # amax / 448), then the fp32 result is rounded to the bf16 parameter (<= 2^-9 relative)
-        bound = (2**-4 + 2**-8) * r.abs() + 2**-10 * r.abs().max() / 448
+        # 2 amax / 448 once rounded up to a power of two by ue8m0), then the fp32 result is
+        # rounded to the bf16 parameter (<= 2^-9 relative)
+        bound = (2**-4 + 2**-8) * r.abs() + 2**-10 * 2 * r.abs().max() / 448
         assert ((p.float() - r).abs() <= bound).all(), name
         assert (p.float() - r).norm() / r.norm() > 1e-3, name  # really went through FP8
     # all FP8 linears of the 4 built layers: 7 attention + (3 dense | 2 stacked + 3 shared)
@@ -291,6 +292,26 @@ def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
         load_model(path)
 
 
+def test_ue8m0_scales_that_are_not_powers_of_two_are_rejected(tiny_fp8, tmp_path):
+    name = "model.layers.2.mlp.experts.3.up_proj.weight_scale_inv"
+
+    def perturb(t, shard):
+        if name in t:
+            t[name][0, 1] *= 1.5  # 2^k * 1.5: a valid fp32 scale, not a UE8M0 one
+
+    path = copy_ckpt(tiny_fp8, tmp_path)
+    edit(path, perturb)
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}' in .*scale_fmt 'ue8m0' .*1 of its "
+                                         r"2 scales are not powers of two .* at \[0, 1\]"):
+        load_model(path)
+    # the same scales load where the config declares no scale format: the check is the format's
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["quantization_config"].pop("scale_fmt") == "ue8m0"
+    (path / "config.json").write_text(json.dumps(cfg))
+    model, extras = load_model(path)
+    assert extras.config.quantization.scale_fmt is None
+
+
 def test_missing_or_bad_metadata_files(tiny, tmp_path):
     path = copy_ckpt(tiny, tmp_path)
     (path / "tokenizer.json").unlink()
@@ -303,6 +324,9 @@ def test_missing_or_bad_metadata_files(tiny, tmp_path):
     path = copy_ckpt(tiny, tmp_path / "c")
     (path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        load_model(path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, not list"):
         load_model(path)
     cfg = json.loads((tiny / "config.json").read_text())
     cfg["n_group"] = 3

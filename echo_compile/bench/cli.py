@@ -113,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
     a = ap.parse_args(argv)
+    if a.preset != "tiny" and not a.device.startswith("cuda"):
+        # NOTE: the bench preset is the full-size attention on a GPU's memory budget; on a CPU it
+        # would spend minutes building the model before anything fails
+        ap.error(
+            f"--preset {a.preset} needs a CUDA device (--device is {a.device!r}); "
+            "use --preset tiny for a CPU dry run of the harness"
+        )
     systems = a.systems.split(",")
     for s in systems:
         if s not in SYSTEMS:

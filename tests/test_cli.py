@@ -1,0 +1,207 @@
+"""The ``echo-compile`` command as a user drives it: --help without torch, one-line user errors
+(exit 2) and flags checked before any model loads."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from echo_compile import cli, threads
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs the console script's module as `python -m echo_compile.cli ARGS` does, then reports whether
+# torch got imported and the exit code.
+HELP_PROBE = """
+import runpy, sys
+sys.argv = ["echo-compile", *sys.argv[1:]]
+try:
+    runpy.run_module("echo_compile.cli", run_name="__main__")
+    code = 0
+except SystemExit as e:
+    code = e.code
+print("TORCH" if "torch" in sys.modules else "NO-TORCH", code)
+"""
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, err: str, *parts: str) -> None:
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("echo-compile: error: "), err
+    for p in parts:
+        assert p in lines[0], (p, lines[0])
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["demo"], ["generate"], ["serve"], ["make-checkpoint"]], ids=lambda a: a[:1]
+)
+def test_help_does_not_import_torch(args):
+    r = subprocess.run(
+        [sys.executable, "-c", HELP_PROBE, *args, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    *usage, verdict = r.stdout.strip().splitlines()
+    assert verdict == "NO-TORCH 0"
+    assert usage[0].startswith("usage: echo-compile")
+
+
+def test_the_package_names_still_import():
+    import echo_compile
+    from echo_compile import LLM, SamplingParams, compile, generate
+    from echo_compile.compiled import compile as compile_fn
+    from echo_compile.llm import LLM as LLMClass
+
+    assert LLM is LLMClass and compile is compile_fn and callable(generate)
+    assert SamplingParams(max_tokens=3).max_tokens == 3
+    assert set(echo_compile.__all__) <= set(dir(echo_compile))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        echo_compile.nope  # noqa: B018
+
+
+def test_bad_model_dir_is_one_line(capsys, tmp_path):
+    rc, _, err = run_main(capsys, "generate", "--model", str(tmp_path / "nope"), "hi")
+    assert_one_line_error(rc, err, "nope", "existing checkpoint directory")
+
+
+def test_corrupt_config_json_is_one_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 512,')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    rc, _, err = run_main(capsys, "generate", "--model", str(tmp_path), "--device", "cpu", "hi")
+    assert_one_line_error(rc, err, str(tmp_path / "config.json"), "not valid JSON")
+
+
+def test_corrupt_config_json_from_the_command_line(tmp_path):
+    """The whole path a user sees: stderr is one line, the exit status 2, no traceback."""
+    (tmp_path / "config.json").write_text("not json")
+    env = dict(os.environ, ECHO_COMPILE_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "echo_compile.cli", "generate", "--model", str(tmp_path), "hi"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 2, r.stderr
+    assert_one_line_error(r.returncode, r.stderr, f"{tmp_path / 'config.json'}: not valid JSON")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+@pytest.mark.parametrize("cmd", [["generate", "hi"], ["demo"], ["serve"]], ids=lambda c: c[0])
+def test_cuda_without_cuda_is_one_line(capsys, monkeypatch, cmd):
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("echo_compile.llm.LLM", no_load)
+    monkeypatch.setattr("echo_compile.demo.LLM", no_load)
+    rc, _, err = run_main(capsys, cmd[0], "--device", "cuda", *cmd[1:])
+    assert_one_line_error(rc, err, "--device cuda: CUDA is not available")
+
+
+def test_unwritable_out_is_one_line(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    rc, _, err = run_main(capsys, "make-checkpoint", "--out", str(blocker / "ck"))
+    assert_one_line_error(rc, err, str(blocker))
+    rc, _, err = run_main(capsys, "make-checkpoint", "--out", str(blocker))
+    assert_one_line_error(rc, err, "exists and is not an empty directory")
+
+
+def test_a_bug_still_tracebacks(monkeypatch, tmp_path):
+    def bug(*a, **k):
+        raise RuntimeError("a real bug")
+
+    monkeypatch.setattr("model.checkpoint.make_checkpoint", bug)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        cli.main(["make-checkpoint", "--out", str(tmp_path / "ck")])
+
+
+@pytest.mark.parametrize(
+    "flags, param",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+    ],
+)
+def test_sampling_flags_are_checked_before_the_model_loads(capsys, monkeypatch, flags, param):
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the flags were checked")
+
+    monkeypatch.setattr("echo_compile.llm.LLM", no_load)
+    rc, _, err = run_main(capsys, "generate", *flags, "hi")
+    assert_one_line_error(rc, err, param)
+
+
+@pytest.mark.parametrize(
+    "flags, what",
+    [
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--min-len", "500", "--max-len", "100"], "--min-len"),
+        (["--requests", "0"], "--requests"),
+    ],
+)
+def test_demo_flags_are_checked_before_the_models_load(capsys, monkeypatch, flags, what):
+    def no_load(*a, **k):
+        raise AssertionError("a model loaded before the flags were checked")
+
+    monkeypatch.setattr("echo_compile.demo.LLM", no_load)
+    rc, _, err = run_main(capsys, "demo", "--device", "cpu", *flags)
+    assert_one_line_error(rc, err, what)
+
+
+def test_bad_thread_counts_are_one_line(capsys, monkeypatch, tmp_path):
+    out = str(tmp_path / "ck")
+    rc, _, err = run_main(capsys, "make-checkpoint", "--threads", "0", "--out", out)
+    assert_one_line_error(rc, err, "--threads must be a positive integer")
+    monkeypatch.setenv("ECHO_COMPILE_THREADS", "many")
+    monkeypatch.setattr(threads, "_configured", False)  # as in a fresh process
+    rc, _, err = run_main(capsys, "make-checkpoint", "--out", out)
+    assert_one_line_error(rc, err, "ECHO_COMPILE_THREADS must be a positive integer", "'many'")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_threads_flag_sets_torch_threads(capsys, monkeypatch, tmp_path):
+    seen = []
+
+    def fake_make(out, **kw):
+        seen.append(torch.get_num_threads())
+        return Path(out)
+
+    monkeypatch.setattr("model.checkpoint.make_checkpoint", fake_make)
+    n = 2 if torch.get_num_threads() == 1 else 1  # differs from the current count
+    rc, out, _ = run_main(capsys, "make-checkpoint", "--threads", str(n), "--out", str(tmp_path))
+    assert rc == 0 and seen == [n] and out.startswith("wrote ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_bench_on_cpu_refuses_the_full_size_model(capsys, monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("started building the model")
+
+    monkeypatch.setattr("echo_compile.bench_cli.build_model", no_build)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--preset bench needs a CUDA device" in err and "--preset tiny" in err
