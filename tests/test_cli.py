@@ -199,7 +199,7 @@ def test_bench_on_cpu_refuses_the_full_size_model(capsys, monkeypatch):
     def no_build(*a, **k):
         raise AssertionError("started building the model")
 
-    monkeypatch.setattr("echo_compile.bench_cli.build_model", no_build)
+    monkeypatch.setattr("echo_compile.bench.cli.build_model", no_build)
     with pytest.raises(SystemExit) as e:
         cli.main(["bench"])
     assert e.value.code == 2
