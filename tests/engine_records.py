@@ -16,17 +16,16 @@ from runtime.request import PAGE, Request
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
-_TINY: tuple | None = None
+_TINY: dict[str, tuple] = {}
 
 
-def tiny():
-    """(model, tokenizer) of the tiny checkpoint on CPU, loaded once per test process."""
-    global _TINY
-    if _TINY is None:
+def tiny(device: str = "cpu"):
+    """(model, tokenizer) of the tiny checkpoint on ``device``, loaded once per test process."""
+    if device not in _TINY:
         path = resolve_model("tiny")
-        model, _ = load_model(path)
-        _TINY = (model, Tokenizer.from_dir(path))
-    return _TINY
+        model, _ = load_model(path, device=device)
+        _TINY[device] = (model, Tokenizer.from_dir(path))
+    return _TINY[device]
 
 
 def positions_of(req: Request, host_slots: torch.Tensor) -> torch.Tensor:
@@ -93,8 +92,9 @@ class Recorder:
             pool, slots = fetch(host_slots)
             valid = host_slots >= 0
             assert torch.equal(slots >= 0, valid), "a selected row has no GPU slot (or vice versa)"
-            rows_attended = pool[slots[valid].long()]
-            rows_selected = layer.host_kv[host_slots[valid].long()]
+            rows_attended = pool[slots[valid].long()].cpu()
+            host = layer.host_kv  # pinned host memory (or its device view) when offloading
+            rows_selected = host[host_slots[valid].long().to(host.device)].cpu()
             assert torch.equal(rows_attended, rows_selected), f"layer {lid}: wrong rows on GPU"
             self.fetch_checks += 1
             return pool, slots
@@ -113,7 +113,7 @@ def run(
 ) -> tuple[Engine, Recorder, dict[str, list[int]]]:
     """Run ``prompts`` to completion on a fresh engine over the shared tiny model; returns the
     engine, its recorder and the generated token ids per request id."""
-    model, tok = tiny()
+    model, tok = tiny(cfg.device)
     eng = Engine(model, model.config, tok, cfg)
     rec = Recorder(eng)
     for i, (p, sp) in enumerate(zip(prompts, params)):

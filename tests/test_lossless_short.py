@@ -19,7 +19,17 @@ LENS = [5, 150, 20, 31, 97]  # three shorter than topk = 32, one of them one tok
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_lossless_with_prompts_shorter_than_topk(fmt):
-    model, _ = tiny()
+    check_short_lossless(fmt, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_lossless_with_prompts_shorter_than_topk_cuda(fmt):
+    check_short_lossless(fmt, "cuda")  # eager; the compiled runs are tests/test_lossless.py's
+
+
+def check_short_lossless(fmt: str, device: str) -> None:
+    model, _ = tiny(device)
     topk = model.config.index_topk
     assert sum(n < topk for n in LENS) >= 2 and sum(n > 2 * topk for n in LENS) >= 2
     prompts = random_prompts(LENS, model.config.vocab_size, seed=21)
@@ -28,7 +38,7 @@ def test_lossless_with_prompts_shorter_than_topk(fmt):
     for offload in (True, False):
         cfg = EngineConfig(max_batch=len(LENS), host_tokens=64 * 16,
                            gpu_tokens=len(LENS) * topk, kv_format=fmt, offload=offload,
-                           max_model_len=192, prefill_chunk=64)  # fmt: skip
+                           max_model_len=192, prefill_chunk=64, device=device)  # fmt: skip
         runs[offload] = run(cfg, prompts, params)
     (off, rec_off, out_off), (_, rec_gpu, out_gpu) = runs[True], runs[False]
     assert out_off == out_gpu
