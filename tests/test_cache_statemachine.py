@@ -13,6 +13,7 @@ Two backends: the ops (the CPU references, what the CPU engine runs) and the Tri
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from custom_ops.kv_format import INDEX_ROW_BYTES, PAGE
 from runtime.host_slots import HostSlotAllocator
 
 N_H, N_G, TOPK, MAX_B, LAYERS = 1024, 96, 16, 4, 2  # B * k = 64 <= N_G
+AGE_EXACT = C.AGE_EXACT
 
 
 def bucket(age: int) -> int:
@@ -74,8 +76,9 @@ class CacheMachine(RuleBasedStateMachine):
         for layer in self.cache.layers:
             row = layer.host_kv.shape[1]
             rows = torch.randint(0, 256, (len(slots), row), dtype=torch.uint8, generator=self.gen)
-            irows = torch.randint(0, 256, (len(slots), INDEX_ROW_BYTES), dtype=torch.uint8,
-                                  generator=self.gen)
+            irows = torch.randint(
+                0, 256, (len(slots), INDEX_ROW_BYTES), dtype=torch.uint8, generator=self.gen
+            )
             rows, irows = rows.to(self.dev), irows.to(self.dev)
             if self.KERNELS:
                 K.offload_cuda(layer.host_kv, layer.index_k, rows, irows, s)
@@ -110,8 +113,11 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def recall(self, data) -> None:
-        rids = data.draw(st.lists(st.sampled_from(sorted(self.requests)), min_size=1,
-                                  max_size=MAX_B, unique=True))
+        rids = data.draw(
+            st.lists(
+                st.sampled_from(sorted(self.requests)), min_size=1, max_size=MAX_B, unique=True
+            )
+        )
         b = data.draw(st.integers(len(rids), MAX_B))  # padded batch rows carry nothing
         share = data.draw(st.booleans())  # a padded row repeats row 0 (dedupe)
         for li, layer in enumerate(self.cache.layers):
@@ -129,9 +135,20 @@ class CacheMachine(RuleBasedStateMachine):
     def _recall_layer(self, li: int, layer, hs: torch.Tensor) -> None:
         pool = layer.pool
         if self.KERNELS:
-            out = K.recall_cuda(layer.host_kv, pool.gpu_kv, pool.gpu_free, pool.gpu_priority,
-                                pool.gpu_to_host, pool.host_to_gpu, pool.indices, pool.miss_host,
-                                pool.meta, pool.hist, pool.totals, hs)
+            out = K.recall_cuda(
+                layer.host_kv,
+                pool.gpu_kv,
+                pool.gpu_free,
+                pool.gpu_priority,
+                pool.gpu_to_host,
+                pool.host_to_gpu,
+                pool.indices,
+                pool.miss_host,
+                pool.meta,
+                pool.hist,
+                pool.totals,
+                hs,
+            )
             kv = pool.gpu_kv
         else:
             kv, out = layer.fetch(hs)
@@ -158,7 +175,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.res[li] = after
         t = self.totals[li]
         t[0], t[1], t[2] = t[0] + int(valid.sum()), t[1] + len(misses), t[2] + 1
-        assert pool.totals[: 3].tolist() == t
+        assert pool.totals[:3].tolist() == t
+
+    # Steps that pass without selecting anything resident: ages then cross into the 32-step buckets
+    # (age >= 128), several stamps share one bucket, and an eviction may take only part of it.
+    # Plain 15-step runs never get past age 15; the steps are steered to the bucket edges.
+    @rule(steps=st.one_of(
+        st.sampled_from([AGE_EXACT - 2, AGE_EXACT - 1, AGE_EXACT, 31, 32, 33, 4190, 4200, 70000]),
+        st.integers(1, 5000),
+    ))  # fmt: skip
+    def idle(self, steps: int) -> None:
+        self.clock = (self.clock + steps) & C.CLOCK_MASK
+        for layer in self.cache.layers:
+            layer.pool.meta[C.CLOCK] = self.clock
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -169,8 +198,9 @@ class CacheMachine(RuleBasedStateMachine):
         if self.KERNELS:
             for layer in self.cache.layers:
                 p = layer.pool
-                K.release_cuda(p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu, p.meta,
-                               slots)
+                K.release_cuda(
+                    p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu, p.meta, slots
+                )
         else:
             self.cache.release(slots)
         self.pages.free(pages)  # after release: the pages may now be handed out again
@@ -200,3 +230,41 @@ TestCacheReference = CacheMachine.TestCase
 TestCacheReference.settings = settings(max_examples=25, stateful_step_count=15, **_fast)
 TestCacheKernels = KernelCacheMachine.TestCase
 TestCacheKernels.settings = settings(max_examples=10, stateful_step_count=10, **_fast)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernel"])
+def test_eviction_partly_empties_an_age_bucket(kernels: bool) -> None:
+    """Residents stamped at clocks 0, 10, 20, 25; at clock 200 their ages 200 / 190 / 180 / 175 fall
+    in buckets 130 / 129 / 129 / 129. Three misses in a full pool of 8 evict the two of bucket 130
+    and exactly one of the six in bucket 129 (any one: the order inside a bucket is free)."""
+    cfg = CacheConfig(1, N_H, 8, 4, max_batch=2)
+    cache = KVCache(cfg, "cpu")
+    layer = cache.layers[0]
+    pool = layer.pool
+    layer.store(
+        torch.randint(0, 256, (16, layer.host_kv.shape[1]), dtype=torch.uint8),
+        torch.zeros(16, INDEX_ROW_BYTES, dtype=torch.uint8),
+        torch.arange(16),
+    )
+
+    def recall(clock: int, slots: list[int]) -> None:
+        pool.meta[C.CLOCK] = clock
+        hs = torch.full((2, 4), -1, dtype=torch.int32)
+        hs[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        if kernels:
+            out = K.recall_cuda(layer.host_kv, pool.gpu_kv, pool.gpu_free, pool.gpu_priority,
+                                pool.gpu_to_host, pool.host_to_gpu, pool.indices, pool.miss_host,
+                                pool.meta, pool.hist, pool.totals, hs)  # fmt: skip
+        else:
+            out = layer.fetch(hs)[1]
+        check_pool(pool, selected=hs, gpu_slots=out, host_kv=layer.host_kv)
+
+    for clock, slots in [(0, [0, 1]), (10, [2, 3]), (20, [4, 5]), (25, [6, 7])]:
+        recall(clock, slots)
+    assert set(resident(pool)) == set(range(8))
+    assert [bucket(200 - c) for c in (0, 10, 20, 25)] == [130, 129, 129, 129]
+    recall(200, [8, 9, 10])
+    after = set(resident(pool))
+    evicted = set(range(8)) - after
+    assert after >= {8, 9, 10} and len(after) == 8
+    assert {0, 1} <= evicted and len(evicted & set(range(2, 8))) == 1

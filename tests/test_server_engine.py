@@ -17,6 +17,7 @@ Greedy tokens still match because every offline argmax wins by a margin well abo
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -43,9 +44,13 @@ MAX_TOKENS = 8
 BF16_MARGIN, BF16_LOGPROB_TOL = 1e-4, 1e-3
 AWQ_MARGIN, AWQ_LOGPROB_TOL = 0.1, 0.08
 ENGINE_OPTIONS: dict[str, Any] = dict(
-    device="cpu", compile=False, max_batch=8, host_tokens=64 * 64,
+    device="cpu",
+    compile=False,
+    max_batch=8,
+    host_tokens=64 * 64,
     gpu_tokens=8 * 32,  # max_batch x index_topk: the smallest pool, so offloading really evicts
-    max_model_len=512, progress=False,
+    max_model_len=512,
+    progress=False,
 )
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
 
@@ -78,12 +83,15 @@ CASES = [
     Case("ids-110", prompt=_ids(2, 110)),
     Case("ids-150", prompt=_ids(3, 150)),
     Case("chat-user", messages=[{"role": "user", "content": _FOX * 3}]),
-    Case("chat-system", messages=[
-        {"role": "system", "content": _NUM},
-        {"role": "user", "content": "Hello there! " + _FOX},
-        {"role": "assistant", "content": "Hello world."},
-        {"role": "user", "content": "Numbers, please!"},
-    ]),
+    Case(
+        "chat-system",
+        messages=[
+            {"role": "system", "content": _NUM},
+            {"role": "user", "content": "Hello there! " + _FOX},
+            {"role": "assistant", "content": "Hello world."},
+            {"role": "user", "content": "Numbers, please!"},
+        ],
+    ),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -145,8 +153,13 @@ async def ask(client: openai.AsyncOpenAI, case: Case, stream: bool, model: str =
         if not stream:
             c = r.choices[0]
             items = c.logprobs.content
-            return Served(c.message.content, [t.token for t in items], [t.logprob for t in items],
-                          c.finish_reason, r.usage.completion_tokens)
+            return Served(
+                c.message.content,
+                [t.token for t in items],
+                [t.logprob for t in items],
+                c.finish_reason,
+                r.usage.completion_tokens,
+            )
         async for chunk in r:
             if chunk.usage is not None:
                 out.completion_tokens = chunk.usage.completion_tokens
@@ -160,8 +173,13 @@ async def ask(client: openai.AsyncOpenAI, case: Case, stream: bool, model: str =
     r = await client.completions.create(prompt=case.prompt, logprobs=0, **common)
     if not stream:
         c = r.choices[0]
-        return Served(c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.finish_reason,
-                      r.usage.completion_tokens)
+        return Served(
+            c.text,
+            c.logprobs.tokens,
+            c.logprobs.token_logprobs,
+            c.finish_reason,
+            r.usage.completion_tokens,
+        )
     async for chunk in r:
         if chunk.usage is not None:
             out.completion_tokens = chunk.usage.completion_tokens
@@ -177,15 +195,17 @@ def ask_all(url: str, requests: list[tuple[Case, bool]], model: str = MODEL) -> 
     """Send every (case, stream) request at once, each from its own connection."""
 
     async def main() -> list[Served]:
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
-                                      timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="x", max_retries=0, timeout=120
+        ) as client:
             return await asyncio.gather(*(ask(client, c, s, model) for c, s in requests))
 
     return asyncio.run(main())
 
 
-def assert_same(llm: LLM, served: Served, ref: GenerationResult, what: str,
-                lp_tol: float = BF16_LOGPROB_TOL) -> None:
+def assert_same(
+    llm: LLM, served: Served, ref: GenerationResult, what: str, lp_tol: float = BF16_LOGPROB_TOL
+) -> None:
     strings = [llm.tokenizer.decode([i], skip_special_tokens=False) for i in ref.token_ids]
     assert served.text == ref.text, what
     assert served.tokens == strings, what
@@ -199,8 +219,9 @@ def metrics(aengine: AsyncEngine) -> dict[str, Any]:
     return asyncio.run(aengine.metrics())
 
 
-def wait_for(aengine: AsyncEngine, ok: Callable[[dict[str, Any]], bool],
-             timeout_s: float = 15.0) -> dict[str, Any]:
+def wait_for(
+    aengine: AsyncEngine, ok: Callable[[dict[str, Any]], bool], timeout_s: float = 15.0
+) -> dict[str, Any]:
     """Poll the metrics until ``ok(metrics)`` or the timeout; returns the last metrics."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -270,13 +291,75 @@ def test_32_concurrent_streams_then_pools_empty(
     assert_pools_empty(aengine)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_stop_token_ids_and_stop_strings_through_the_real_engine(
+    url: str, offline: dict[str, GenerationResult], aengine: AsyncEngine, stream: bool
+) -> None:
+    """The server's finish logic is the engine's: a stop token id or a stop string ends the
+    served greedy generation where the offline one shows it first."""
+    # a completion case whose greedy output has a token that is new after the first one
+    case, k = next(
+        (c, i)
+        for c in CASES
+        if not c.is_chat
+        for i in range(1, MAX_TOKENS)
+        if offline[c.name].token_ids[i] not in offline[c.name].token_ids[:i]
+    )
+    ref = offline[case.name]
+    j = next(i for i in range(1, len(ref.text) - 1) if ref.text.find(ref.text[i : i + 2]) == i)
+    base = {
+        "model": MODEL,
+        "prompt": case.prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+    def post(extra: dict[str, Any]) -> tuple[str, str | None, int | None]:
+        body = {**base, **extra}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        text, reason, used = "", None, None
+        with httpx.Client(timeout=120) as http:
+            if not stream:
+                r = http.post(url + "/v1/completions", json=body).json()
+                return (
+                    r["choices"][0]["text"],
+                    r["choices"][0]["finish_reason"],
+                    r["usage"]["completion_tokens"],
+                )
+            with http.stream("POST", url + "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    for c in chunk["choices"]:
+                        text += c["text"]
+                        reason = c["finish_reason"] or reason
+                    if chunk.get("usage"):
+                        used = chunk["usage"]["completion_tokens"]
+        return text, reason, used
+
+    text, reason, used = post({"stop_token_ids": [ref.token_ids[k]]})
+    assert (reason, used) == ("stop", k + 1)
+    text, reason, _ = post({"stop": [ref.text[j : j + 2]]})
+    assert (text, reason) == (ref.text[:j], "stop")
+    assert_pools_empty(aengine)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_disconnect_aborts_and_frees_slots(url: str, aengine: AsyncEngine, stream: bool) -> None:
     assert_pools_empty(aengine)
     tokens_before = aengine.generation_tokens_total
     max_tokens = 400  # seconds of CPU decode if it ran to the end
-    body = {"model": MODEL, "prompt": _ids(7, 80), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "model": MODEL,
+        "prompt": _ids(7, 80),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
     async def client(http: httpx.AsyncClient) -> None:
         async with http.stream("POST", url + "/v1/completions", json=body) as r:
@@ -331,8 +414,9 @@ def test_awq_checkpoint_offloaded_generates_and_serves(
     try:
         with running_server(build_app(a, "tiny-awq")) as base:
             requests = [(c, s) for c in cases for s in (False, True)]
-            for (case, stream), served in zip(requests, ask_all(base, requests, "tiny-awq"),
-                                              strict=True):
+            for (case, stream), served in zip(
+                requests, ask_all(base, requests, "tiny-awq"), strict=True
+            ):
                 what = f"{case.name} stream={stream}"
                 assert_same(awq, served, refs[case.name], what, AWQ_LOGPROB_TOL)
         assert_pools_empty(a)

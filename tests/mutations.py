@@ -1,0 +1,161 @@
+"""Mutation check: apply each one-line bug below to a temporary copy of the repository and run the
+test that is meant to catch it; every one must FAIL. Not a pytest module (no ``test_`` prefix):
+run it by hand, it takes a few minutes on 2 cores.
+
+    python tests/mutations.py            # all mutations
+    python tests/mutations.py seq_len    # the ones whose name contains "seq_len"
+
+Prints ``mutation -> tests -> FAILED as expected`` (or ``PASSED: the mutation survived``) per
+line; exits 1 if any mutation survived or no longer applies (its line changed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation(
+        "scheduler ignores B x topk <= gpu_tokens",
+        "runtime/scheduler.py",
+        "return min(self.max_batch, self.gpu_tokens // self.topk)",
+        "return self.max_batch",
+        ("tests/test_scheduler_cap.py", "tests/test_attended_set.py"),
+    ),
+    Mutation(
+        "engine ignores stop_token_ids",
+        "runtime/detokenize.py",
+        "(token_id == self.eos and not p.ignore_eos) or token_id in p.stop_token_ids",
+        "(token_id == self.eos and not p.ignore_eos)",
+        ("tests/test_engine_finish.py::test_stop_token_ids",),
+    ),
+    Mutation(
+        "engine ignores EOS",
+        "runtime/detokenize.py",
+        "(token_id == self.eos and not p.ignore_eos) or token_id in p.stop_token_ids",
+        "token_id in p.stop_token_ids",
+        ("tests/test_engine_finish.py::test_eos_and_ignore_eos",),
+    ),
+    Mutation(
+        "decode seq_len off by one",
+        "runtime/model_runner.py",
+        "lens[:n] = pos[:n].to(torch.int32) + 1",
+        "lens[:n] = pos[:n].to(torch.int32)",
+        ("tests/test_runner_inputs.py",),
+    ),
+    Mutation(
+        "sparse attention does not mask -1 entries (op)",
+        "custom_ops/attention.py",
+        's = s.masked_fill(~valid, float("-inf"))',
+        "s = s",
+        ("tests/test_lossless_short.py::test_attention_ignores_minus_one_entries",),
+    ),
+    Mutation(
+        "the model attends -1 padding as host slot 0",
+        "model/model.py",
+        "pool, slots = cache_layer.fetch(host_slots)",
+        "pool, slots = cache_layer.fetch(host_slots.clamp(min=0))",
+        ("tests/test_golden_logits.py",),
+    ),
+    Mutation(
+        "stop string: one character too few held back",
+        "runtime/tokenizer.py",
+        "for n in range(min(len(s) - 1, len(buf)), longest, -1):",
+        "for n in range(min(len(s) - 2, len(buf)), longest, -1):",
+        ("tests/test_stop_strings_hard.py",),
+    ),
+    Mutation(
+        "top-k ties go to the later token",
+        "custom_ops/indexer.py",
+        "order = torch.sort(-score, dim=1, stable=True).indices[:, :K]",
+        "order = (L - 1 - torch.sort(-score.flip(1), dim=1, stable=True).indices)[:, :K]",
+        ("tests/test_topk_ties.py::test_reference_topk_with_ties",),
+    ),
+    Mutation(
+        "age buckets 128 steps wide instead of 32",
+        "custom_ops/cache_ops.py",
+        "((age - AGE_EXACT) >> AGE_SHIFT)",
+        "((age - AGE_EXACT) >> (AGE_SHIFT + 2))",
+        ("tests/test_cache_statemachine.py::test_eviction_partly_empties_an_age_bucket",),
+    ),
+    Mutation(
+        "indexer rope interleaved (the pre-fix reference bug)",
+        "model/model.py",
+        "q = torch.cat([apply_rope(q_pe, cos, sin, interleaved=False), q_nope], dim=-1)",
+        "q = torch.cat([apply_rope(q_pe, cos, sin, interleaved=True), q_nope], dim=-1)",
+        ("tests/test_golden_logits.py",),
+    ),
+    Mutation(
+        "MoE weights from the bias-corrected scores",
+        "model/moe.py",
+        "weights = original.gather(1, indices)",
+        "weights = scores.gather(1, indices)",
+        ("tests/test_golden_logits.py",),
+    ),
+]
+
+
+def copy_repo(dst: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f)
+
+
+def run_one(m: Mutation) -> bool:
+    """True when the mutation was caught (its tests failed)."""
+    with tempfile.TemporaryDirectory(prefix="mut-") as tmp:
+        root = Path(tmp)
+        copy_repo(root)
+        target = root / m.path
+        text = target.read_text()
+        if text.count(m.old) != 1:
+            print(f"{m.name} -> NOT APPLIED: the line is not in {m.path} exactly once")
+            return False
+        target.write_text(text.replace(m.old, m.new))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests],
+            cwd=root, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        caught = r.returncode == 1  # tests failed (2+ would be an error of the run itself)
+        verdict = (
+            "FAILED as expected" if caught else f"PASSED: the mutation survived (rc {r.returncode})"
+        )
+        print(f"{m.name} -> {' '.join(m.tests)} -> {verdict}", flush=True)
+        if r.returncode not in (0, 1):
+            print(r.stdout[-2000:], r.stderr[-2000:])
+        return caught
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not argv or any(a in m.name for a in argv)]
+    results = [run_one(m) for m in chosen]
+    print(f"{sum(results)}/{len(results)} mutations caught")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

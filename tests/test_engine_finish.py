@@ -1,0 +1,97 @@
+"""When a request finishes, driven through the REAL Engine (tiny checkpoint, CPU, offloading on):
+stop_token_ids, EOS (and ignore_eos), max_tokens and stop strings split across tokens.
+
+Each request runs alone on a fresh engine, with a fixed seed: a seeded request reproduces exactly
+and a batch of one decodes the same batches every run, so a run with a finish rule must be the
+prefix of the unrestricted reference run, up to the token where the rule fires."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from engine_records import tiny
+
+from runtime.engine import Engine, EngineConfig
+from runtime.sampling_params import SamplingParams
+
+N = 16
+CFG = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=64, max_model_len=128)
+PROMPT = "The cache holds"
+
+
+def _run(params: SamplingParams, eos: int | None = None) -> tuple[list[int], list[str], str]:
+    """(token ids, per-step text deltas, finish reason) of PROMPT decoded alone."""
+    model, tok = tiny()
+    mc = model.config if eos is None else dataclasses.replace(model.config, eos_token_id=eos)
+    eng = Engine(model, mc, tok, CFG)
+    eng.add_request("r", tok.encode(PROMPT), params)
+    ids, texts, reasons = [], [], []
+    while eng.has_unfinished():
+        for o in eng.step():
+            ids += o.new_token_ids
+            texts.append(o.new_text)
+            if o.finished:
+                reasons.append(o.finish_reason)
+    assert len(reasons) == 1, reasons  # exactly one finished output
+    assert eng.scheduler.pages.num_free == eng.scheduler.pages.num_pages
+    assert eng.cache.stats()["gpu_pool_usage"] == 0.0
+    return ids, texts, reasons[0]
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": N, "temperature": 1.0, "seed": 11, **kw})
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[int], list[str]]:
+    ids, texts, reason = _run(_params(ignore_eos=True))
+    assert reason == "length" and len(ids) == N
+    assert len(set(ids)) >= 6, "the reference must vary for the stop choices below"
+    return ids, texts
+
+
+def _first_new(ids: list[int], start: int) -> int:
+    """Index of the first token at or after ``start`` that did not occur before it."""
+    return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
+
+
+def test_max_tokens(reference):
+    ids, _, reason = _run(_params(max_tokens=5, ignore_eos=True))
+    assert (ids, reason) == (reference[0][:5], "length")
+
+
+def test_stop_token_ids(reference):
+    ref = reference[0]
+    k = _first_new(ref, 3)
+    ids, _, reason = _run(_params(stop_token_ids=(ref[k], 511 if ref[k] != 511 else 510)))
+    assert (ids, reason) == (ref[: k + 1], "stop")  # the stop token is generated, then it ends
+
+
+def test_eos_and_ignore_eos(reference):
+    ref = reference[0]
+    k = _first_new(ref, 4)
+    ids, _, reason = _run(_params(), eos=ref[k])
+    assert (ids, reason) == (ref[: k + 1], "stop")
+    ids, _, reason = _run(_params(ignore_eos=True), eos=ref[k])
+    assert (ids, reason) == (ref, "length")
+
+
+def test_stop_string_split_across_tokens(reference):
+    ref, deltas = reference
+    full = "".join(deltas)
+    # a stop string made of the last character of one token's text and the first of the next's
+    for i in range(1, len(deltas) - 1):
+        a, b = deltas[i], deltas[i + 1]
+        if not a or not b:
+            continue
+        stop = a[-1] + b[0]
+        cut = full.find(stop)
+        if cut == len("".join(deltas[: i + 1])) - 1:  # its first occurrence is this boundary
+            break
+    else:
+        pytest.fail("no token boundary usable as a split stop string")
+    ids, texts, reason = _run(_params(stop=(stop,)))
+    assert reason == "stop"
+    assert "".join(texts) == full[:cut]  # cut before the stop string, nothing of it streamed
+    assert ids == ref[: i + 2]  # ends on the token that completed the stop string
