@@ -59,6 +59,20 @@ class CacheConfig:
     def row_bytes(self) -> int:
         return ROW_BYTES[self.fmt]
 
+    @property
+    def max_decode_rows(self) -> int:
+        """Decode rows one step may have (see ``max_decode_rows``)."""
+        return max_decode_rows(self.max_batch, self.topk, self.gpu_tokens if self.offload else None)
+
+
+def max_decode_rows(max_batch: int, topk: int, gpu_tokens: int | None) -> int:
+    """The one home of the GPU-pool capacity rule B x topk <= N_G: the guaranteed recall needs every
+    row's selection on the GPU at once, so a step decodes at most N_G // topk rows (and at most
+    ``max_batch``). ``gpu_tokens`` None: no GPU pool (GPU-only), only ``max_batch`` bounds it."""
+    if gpu_tokens is None:
+        return max_batch
+    return min(max_batch, gpu_tokens // topk)
+
 
 @torch.library.custom_op("echo::offload", mutates_args=("host_kv", "index_k"))
 def offload(

@@ -186,7 +186,7 @@ class System:
         repeat: float,
         seed: int = 0,
     ):
-        from echo_compile.compiled import compile_runner, warmup
+        from echo_compile.compiled import StepCompiler
 
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
@@ -202,17 +202,23 @@ class System:
             max_model_len=max_len,
             decode_buckets=tuple(sorted({b for b in buckets if 0 < b < batch} | {batch})),
             device=device,
+            # decode only: a compiled prefill has static shapes over max_model_len (see
+            # EngineConfig.prefill_compiled); the full mode's prefill chunks run eagerly
+            compile_prefill=False,
         )
         torch._dynamo.reset()  # a fresh compile per engine: no earlier engine's graphs or guards
+        compiler = StepCompiler(device) if system != "offload-eager" else None
         self.engine = BenchEngine(
-            model, model.config, None, cfg, model_name="bench", repeat=repeat, seed=seed
+            model,
+            model.config,
+            None,
+            cfg,
+            model_name="bench",
+            repeat=repeat,
+            seed=seed,
+            compiler=compiler,
         )
-        self.warmup_s = 0.0
-        if system != "offload-eager":
-            # decode only: a compiled prefill has static shapes over max_model_len (see
-            # compile_runner); the full mode's prefill chunks run eagerly
-            compile_runner(self.engine.runner, prefill=False)
-            self.warmup_s = warmup(self.engine.runner, progress=True, prefill=False)
+        self.warmup_s = self.engine.runner.warmup(progress=True) if compiler else 0.0
         self.inject = make_injector(seed)
         self.inject_s = 0.0
         self.engine.kv_injector = self._inject

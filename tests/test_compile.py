@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import ReinplaceCounters, counters
 
-from echo_compile.compiled import compile_runner
+from echo_compile.compiled import StepCompiler
 from echo_compile.graph_lint import LintReport, lint_backend
 from model.checkpoint import resolve_model
 from model.loader import load_model
@@ -26,23 +26,24 @@ def tiny():
     return model, Tokenizer.from_dir(path)
 
 
-def make_engine(tiny, offload: bool) -> Engine:
+def make_engine(tiny, offload: bool, compiled: bool = False, strict: bool = False, **kw) -> Engine:
+    """A small engine; ``compiled``: its decode step compiled (prefill too with
+    ``compile_prefill=True``)."""
     model, tok = tiny
-    return Engine(
-        model,
-        model.config,
-        tok,
-        EngineConfig(
-            max_batch=4,
-            host_tokens=4096,
-            gpu_tokens=4 * model.config.index_topk,
-            offload=offload,
-            max_model_len=512,
-            decode_buckets=(4,),
-            prefill_chunk=64,
-            device=str(next(model.parameters()).device),
-        ),
+    device = str(next(model.parameters()).device)
+    opts = dict(
+        max_batch=4,
+        host_tokens=4096,
+        gpu_tokens=4 * model.config.index_topk,
+        offload=offload,
+        max_model_len=512,
+        decode_buckets=(4,),
+        prefill_chunk=64,
+        device=device,
+        compile_prefill=False,
     )
+    compiler = StepCompiler(device, strict=strict) if compiled else None
+    return Engine(model, model.config, tok, EngineConfig(**opts | kw), compiler=compiler)
 
 
 def drive(engine: Engine, steps: int = 12) -> list[torch.Tensor]:
@@ -97,9 +98,7 @@ def test_compiled_decode_lossless_reinplaced_and_close_to_eager(tiny):
     try:
         compiled = {}
         for offload in (True, False):
-            eng = make_engine(tiny, offload)
-            compile_runner(eng.runner, prefill=False)
-            compiled[offload] = drive(eng)
+            compiled[offload] = drive(make_engine(tiny, offload, compiled=True))
     finally:
         ic.fx_graph_cache = old
     assert dict(counters["graph_break"]) == {}
