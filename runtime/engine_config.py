@@ -124,8 +124,9 @@ class EngineConfig:
             fmt=self.kv_format,
             offload=self.offload,
             max_batch=self.max_batch,
-            # whole pages, as the block table reads
-            prefill_tokens=-(-max_len // PAGE) * PAGE if self.offload else 0,
+            # the prefill buffer in BOTH modes, so that offloading and GPU-only compile the same
+            # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
+            prefill_tokens=-(-max_len // PAGE) * PAGE,
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
