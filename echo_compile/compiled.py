@@ -31,7 +31,7 @@ from torch import nn
 
 from echo_compile import settings
 from runtime.engine_config import EngineConfig
-from runtime.model_runner import ModelRunner, StepModule, build_runner, next_bucket
+from runtime.model_runner import ModelRunner, StepModule, build_runner
 
 _step_ids = itertools.count()
 
@@ -110,12 +110,6 @@ class CompiledModel:
     def warmup(self, calls: int = 3, progress: bool = True) -> float:
         return self.runner.warmup(calls, progress)
 
-    def _pad(self, t: torch.Tensor, n: int, value: int) -> torch.Tensor:
-        if t.shape[0] == n:
-            return t
-        pad = t.new_full((n - t.shape[0], *t.shape[1:]), value)
-        return torch.cat([t, pad])
-
     def decode(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
         n = input_ids.shape[0]
         cfg = self.cache.config
@@ -126,29 +120,11 @@ class CompiledModel:
                 f"(max_batch {cfg.max_batch}; offloading: batch x top-k {cfg.topk} <= the GPU "
                 f"pool of {cfg.gpu_tokens} rows)"
             )
-        b = next_bucket(n, self.runner.decode_buckets)
-        args = (
-            self._pad(input_ids, b, 0),
-            self._pad(positions, b, 0),
-            self._pad(out_slots, b, -1),
-            self._pad(block_table, b, 0),
-            self._pad(seq_lens, b, 0),
-            torch.arange(b, device=input_ids.device),
-        )
+        args = self.runner.pad_inputs(True, input_ids, positions, out_slots, block_table, seq_lens)
         return self.runner.decode_fn(*args)[:n]
 
     def prefill(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
-        n = input_ids.shape[0]
-        b = next_bucket(n, self.runner.prefill_buckets)
-        last = positions[n - 1 : n]
-        args = (
-            self._pad(input_ids, b, 0),
-            torch.cat([positions, last.expand(b - n)]),
-            self._pad(out_slots, b, -1),
-            block_table,
-            seq_lens,
-            torch.tensor([n - 1], device=input_ids.device),
-        )
+        args = self.runner.pad_inputs(False, input_ids, positions, out_slots, block_table, seq_lens)
         return self.runner.prefill_fn(*args)
 
 

@@ -52,6 +52,13 @@ class StepModule(nn.Module):
         return self.model(meta, self.cache)
 
 
+def _pad(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
+    """``t`` with rows of ``value`` appended up to ``n`` rows."""
+    if t.shape[0] == n:
+        return t
+    return torch.cat([t, t.new_full((n - t.shape[0], *t.shape[1:]), value)])
+
+
 def next_bucket(n: int, buckets: Sequence[int]) -> int:
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
@@ -218,6 +225,40 @@ class ModelRunner:
             torch.zeros(rows, self.pages_per_seq, dtype=torch.int32),
             torch.zeros(rows, dtype=torch.int32),
             torch.arange(rows, dtype=torch.int64) if is_decode else torch.tensor([bucket - 1]),
+        )
+
+    def pad_inputs(
+        self,
+        is_decode: bool,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> StepInputs:
+        """Step inputs a caller built itself (echo_compile.CompiledModel: device tensors of n rows
+        or n tokens), padded to the next bucket as ``decode_inputs``/``prefill_inputs`` pad: ids
+        0, out_slot -1, decode rows of seq_len 0 with a zero block-table row, prefill padding
+        repeating the last position; logits of every decode row, of a prefill's last token."""
+        n, dev = input_ids.shape[0], input_ids.device
+        if is_decode:
+            b = next_bucket(n, self.decode_buckets)
+            return (
+                _pad(input_ids, b, 0),
+                _pad(positions, b, 0),
+                _pad(out_slots, b, -1),
+                _pad(block_table, b, 0),
+                _pad(seq_lens, b, 0),
+                torch.arange(b, device=dev),
+            )
+        b = next_bucket(n, self.prefill_buckets)
+        return (
+            _pad(input_ids, b, 0),
+            torch.cat([positions, positions[n - 1 : n].expand(b - n)]),
+            _pad(out_slots, b, -1),
+            block_table,
+            seq_lens,
+            torch.tensor([n - 1], device=dev),
         )
 
     def _to_device(self, *ts: torch.Tensor) -> StepInputs:
