@@ -4,7 +4,9 @@
 - the model (weights, static),
 - the ``KVCache`` (host KV pool, paged indexer cache, per-layer GPU pools: static buffers that the
   captured graphs mutate in place),
-- one compiled decode step per decode bucket and one compiled prefill step per chunk bucket.
+- one compiled decode step per decode bucket and, for contexts up to
+  ``runtime.engine_config.COMPILED_PREFILL_MAX_LEN`` (or as ``compile_prefill`` says), one
+  compiled prefill step per chunk bucket (an uncompiled prefill runs eagerly).
 
 Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conventions)::
 
@@ -20,135 +22,109 @@ survive the next CUDA-graph replay. The engine (runtime.Engine) drives the same 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import itertools
+import types
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
-from custom_ops.cache.config import CacheConfig
-from custom_ops.cache.kv_cache import KVCache
 from echo_compile import settings
-from runtime.model_runner import ModelRunner, next_bucket
+from runtime.engine_config import EngineConfig
+from runtime.model_runner import ModelRunner, StepModule, build_runner
+
+_step_ids = itertools.count()
 
 
-def _wrap(compiled: nn.Module, runner: ModelRunner):
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        if runner.device.type == "cuda":
+def _own_code(step: StepModule) -> Callable[..., torch.Tensor]:
+    """``step.forward`` as a method whose code object is this step's alone.
+
+    NOTE: Dynamo keeps its compiled entries on the code object and counts recompiles per code
+    object, and every engine's steps run ``StepModule.forward``: a second engine in the process
+    added its buckets to the first one's entries, hit ``recompile_limit`` and died in warm-up
+    (FailOnRecompileLimitHit, "tensor 'seq_lens' size mismatch"). A copy of the code (renamed, so
+    traces say which step) gives each compiled step a cache of its own, which dies with it;
+    ``torch._dynamo.reset()`` instead would drop a live engine's graphs."""
+    fwd = type(step).forward
+    kind = "decode" if step.is_decode else "prefill"
+    name = f"{fwd.__name__}_{kind}_{next(_step_ids)}"
+    code = fwd.__code__.replace(co_name=name)
+    fn = types.FunctionType(code, fwd.__globals__, name, fwd.__defaults__, fwd.__closure__)
+    return types.MethodType(fn, step)
+
+
+class CompiledStep:
+    """A fullgraph torch.compile'd step (runtime.model_runner.CompiledStep); ``code``: the code
+    object Dynamo keeps this step's compiled entries on (its own, see ``_own_code``)."""
+
+    def __init__(self, compiled: Callable[..., torch.Tensor], device: torch.device, code):
+        self.compiled = compiled
+        self.device = device
+        self.code = code
+        self.frozen = False  # set by ModelRunner.warmup
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
             # decode and prefill graphs alternate: start a new cudagraph-tree generation each call
             torch.compiler.cudagraph_mark_step_begin()
-        if runner.frozen:
+        if self.frozen:
             # after warm-up no request may trigger a compile; the stance is scoped to our own calls
             # so that other torch.compile users in the process are not affected
             with torch.compiler.set_stance("fail_on_recompile"):
-                return compiled(*args).clone()
-        return compiled(*args).clone()
-
-    return run
+                return self.compiled(*args).clone()
+        return self.compiled(*args).clone()  # a copy: the next graph replay overwrites the output
 
 
-def compile_runner(runner: ModelRunner, strict: bool = False, prefill: bool = True) -> None:
-    """Replace ``runner``'s eager decode (and, with ``prefill``, prefill) step by fullgraph
-    torch.compile'd ones."""
-    settings.apply(len(runner.decode_buckets) + len(runner.prefill_buckets), strict=strict)
-    mode = settings.compile_mode(runner.device)
-    opts = dict(fullgraph=True, dynamic=False, mode=mode)
-    runner.decode_fn = _wrap(torch.compile(runner.decode_step, **opts), runner)
-    if prefill:
-        # a compiled prefill has fixed shapes: its block table spans max_model_len (see
-        # ModelRunner.prefill_inputs), so it suits short max_model_len only
-        runner.prefill_static_width = True
-        runner.prefill_fn = _wrap(torch.compile(runner.prefill_step, **opts), runner)
+class StepCompiler:
+    """runtime.model_runner.StepCompiler: fullgraph, static shapes, reduce-overhead (CUDA graphs)
+    on CUDA, with echo_compile.settings; ``strict`` (tests) makes a cudagraph skip an error.
+    ``backend`` other than Inductor: CPU tests of the compile plumbing (Dynamo's caches, guards,
+    fullgraph) that cannot afford Inductor's minute per graph on a small CPU."""
 
+    def __init__(self, device: str | torch.device, strict: bool = False, backend: str = "inductor"):
+        self.device = torch.device(device)
+        self.strict = strict
+        self.backend = backend
 
-@torch.no_grad()
-def warmup(
-    runner: ModelRunner, calls: int = 3, progress: bool = True, prefill: bool = True
-) -> float:
-    """Compile and capture every bucket (``calls`` runs each: warm-up, record, replay) on padding
-    rows that every op ignores, then forbid recompiles of these steps; returns the seconds it
-    took."""
-    t0 = time.perf_counter()
-    jobs = [("decode", b) for b in runner.decode_buckets]
-    if prefill:
-        jobs += [("prefill", b) for b in runner.prefill_buckets]
-    runner.frozen = False
-    for kind, b in tqdm(jobs, desc="capturing graphs", disable=not progress, unit="graph"):
-        args = runner.padding_inputs(kind == "decode", b)
-        fn = runner.decode_fn if kind == "decode" else runner.prefill_fn
-        for _ in range(calls):
-            fn(*args)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    runner.cache.reset_stats()  # the padding steps are not traffic
-    runner.frozen = True
-    return time.perf_counter() - t0
+    def __call__(self, step: StepModule, num_graphs: int) -> CompiledStep:
+        settings.apply(num_graphs, strict=self.strict)
+        opts = {}
+        if self.backend == "inductor":
+            opts["mode"] = settings.compile_mode(self.device)
+        method = _own_code(step)
+        fn = torch.compile(method, fullgraph=True, dynamic=False, backend=self.backend, **opts)
+        return CompiledStep(fn, self.device, method.__func__.__code__)
 
 
 class CompiledModel:
     """See the module docstring."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        cache_config: CacheConfig,
-        device: torch.device,
-        max_model_len: int,
-        decode_buckets: Sequence[int],
-        prefill_buckets: Sequence[int],
-        strict: bool = False,
-    ):
-        self.cache = KVCache(cache_config, device)
-        self.runner = ModelRunner(
-            model, self.cache, device, max_model_len, decode_buckets, prefill_buckets
-        )
-        compile_runner(self.runner, strict=strict)
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.cache = runner.cache
 
     @property
     def model(self) -> nn.Module:
         return self.runner.model
 
-    def warmup(self, calls: int = 3, progress: bool = True, prefill: bool = True) -> float:
-        return warmup(self.runner, calls, progress, prefill)
-
-    def _pad(self, t: torch.Tensor, n: int, value: int) -> torch.Tensor:
-        if t.shape[0] == n:
-            return t
-        pad = t.new_full((n - t.shape[0], *t.shape[1:]), value)
-        return torch.cat([t, pad])
+    def warmup(self, calls: int = 3, progress: bool = True) -> float:
+        return self.runner.warmup(calls, progress)
 
     def decode(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
         n = input_ids.shape[0]
         cfg = self.cache.config
-        if cfg.offload and n * cfg.topk > cfg.gpu_tokens:
+        if n > cfg.max_decode_rows:
             # the guaranteed recall needs every row's selection on the GPU at once
             raise ValueError(
-                f"decode batch {n} x top-k {cfg.topk} exceeds the GPU pool of {cfg.gpu_tokens} rows"
+                f"decode batch {n} exceeds the {cfg.max_decode_rows} rows a step may have "
+                f"(max_batch {cfg.max_batch}; offloading: batch x top-k {cfg.topk} <= the GPU "
+                f"pool of {cfg.gpu_tokens} rows)"
             )
-        b = next_bucket(n, self.runner.decode_buckets)
-        args = (
-            self._pad(input_ids, b, 0),
-            self._pad(positions, b, 0),
-            self._pad(out_slots, b, -1),
-            self._pad(block_table, b, 0),
-            self._pad(seq_lens, b, 0),
-            torch.arange(b, device=input_ids.device),
-        )
+        args = self.runner.pad_inputs(True, input_ids, positions, out_slots, block_table, seq_lens)
         return self.runner.decode_fn(*args)[:n]
 
     def prefill(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
-        n = input_ids.shape[0]
-        b = next_bucket(n, self.runner.prefill_buckets)
-        last = positions[n - 1 : n]
-        args = (
-            self._pad(input_ids, b, 0),
-            torch.cat([positions, last.expand(b - n)]),
-            self._pad(out_slots, b, -1),
-            block_table,
-            seq_lens,
-            torch.tensor([n - 1], device=input_ids.device),
-        )
+        args = self.runner.pad_inputs(False, input_ids, positions, out_slots, block_table, seq_lens)
         return self.runner.prefill_fn(*args)
 
 
@@ -163,32 +139,28 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     max_model_len: int = 4096,
     decode_buckets: Sequence[int] | None = None,
     prefill_chunk: int = 2048,
+    compile_prefill: bool | None = None,
     device: str | torch.device | None = None,
+    strict: bool = False,
     warmup_now: bool = False,
 ) -> CompiledModel:
     """Compile ``model`` (a ``model.DeepseekV32ForCausalLM``) for offloaded decode; see the module
-    docstring for the call signature and the state the returned object owns."""
-    from runtime.model_runner import default_decode_buckets, default_prefill_buckets
-
+    docstring for the call signature and the state the returned object owns. The options are
+    ``runtime.EngineConfig``'s (``compile_prefill``: its prefill policy)."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    cfg = model.config
-    cm = CompiledModel(
-        model,
-        CacheConfig(
-            num_layers=cfg.num_hidden_layers,
-            host_tokens=host_tokens,
-            gpu_tokens=gpu_tokens,
-            topk=cfg.index_topk,
-            fmt=kv_format,
-            offload=offload,
-            max_batch=max_batch,
-            prefill_tokens=max_model_len if offload else 0,
-        ),
-        device,
-        max_model_len,
-        tuple(decode_buckets or default_decode_buckets(max_batch)),
-        default_prefill_buckets(prefill_chunk),
+    config = EngineConfig(
+        max_batch=max_batch,
+        host_tokens=host_tokens,
+        gpu_tokens=gpu_tokens,
+        kv_format=kv_format,
+        offload=offload,
+        max_model_len=max_model_len,
+        prefill_chunk=prefill_chunk,
+        decode_buckets=tuple(decode_buckets) if decode_buckets is not None else None,
+        device=str(device),
+        compile_prefill=compile_prefill,
     )
+    cm = CompiledModel(build_runner(model, config, StepCompiler(device, strict)))
     if warmup_now:
         cm.warmup()
     return cm

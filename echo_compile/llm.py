@@ -9,13 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from echo_compile.compiled import compile_runner, warmup
+from echo_compile.compiled import StepCompiler
 from echo_compile.threads import configure_threads
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
-
-COMPILED_PREFILL_MAX_LEN = 16384
 
 
 @dataclass
@@ -45,8 +43,10 @@ class LLM:
     first use). Engine options (``EngineConfig``): ``max_batch``, ``host_tokens`` (host KV pool rows
     per layer), ``gpu_tokens`` (GPU pool rows per layer), ``kv_format`` ("bf16" | "fp8"),
     ``offload`` (False: the whole KV cache on the device), ``max_model_len``, ``prefill_chunk``,
-    ``decode_buckets``, ``device``. ``compile`` (default: on CUDA) captures every bucket into CUDA
-    graphs at start-up, then forbids recompiles.
+    ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill for contexts up to
+    16384 tokens). ``compile`` (default: on CUDA) captures every bucket into CUDA graphs at
+    start-up, then forbids recompiles. Any number of engines may live in one process: each owns
+    its compiled steps.
     """
 
     def __init__(
@@ -67,20 +67,21 @@ class LLM:
         path = resolve_model(model)
         net, extras = load_model(path, device=config.device)
         self.model_path = path
-        self.engine = Engine(net, net.config, Tokenizer.from_dir(path), config, model_name=model)
-        self.warmup_s = 0.0
-        if compile if compile is not None else config.device.startswith("cuda"):
-            # The compiled prefill's block table spans max_model_len (fixed shapes), so prefill is
-            # compiled only for short contexts; long prompts prefill eagerly over their own pages.
-            prefill = self.engine.max_model_len <= COMPILED_PREFILL_MAX_LEN
-            compile_runner(self.engine.runner, prefill=prefill)
-            # warm-up captures every bucket, then forbids recompiles of the engine's steps: from
-            # here on a request can never trigger a compile
-            self.warmup_s = warmup(self.engine.runner, progress=progress, prefill=prefill)
-            if progress:
-                r = self.engine.runner
-                n = len(r.decode_buckets) + (len(r.prefill_buckets) if prefill else 0)
-                print(f"echo-compile: captured {n} step graphs in {self.warmup_s:.1f} s")
+        compiled = compile if compile is not None else config.device.startswith("cuda")
+        self.engine = Engine(
+            net,
+            net.config,
+            Tokenizer.from_dir(path),
+            config,
+            model_name=model,
+            compiler=StepCompiler(config.device) if compiled else None,
+        )
+        # warm-up captures every bucket, then forbids recompiles of the engine's steps: from here
+        # on a request can never trigger a compile
+        self.warmup_s = self.engine.runner.warmup(progress=progress) if compiled else 0.0
+        if compiled and progress:
+            n = self.engine.runner.num_graphs
+            print(f"echo-compile: captured {n} step graphs in {self.warmup_s:.1f} s")
         self._ids = itertools.count()
 
     @property

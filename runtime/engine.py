@@ -13,71 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from custom_ops.cache.config import CacheConfig
-from custom_ops.cache.kv_cache import KVCache
 from model.config import ModelConfig
 from runtime.detokenize import RequestDetokenizer
-from runtime.model_runner import (
-    ModelRunner,
-    default_decode_buckets,
-    default_prefill_buckets,
-)
+from runtime.engine_config import EngineConfig
+from runtime.model_runner import StepCompiler, build_runner
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.request import PAGE, Request
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine options (the ``LLM(...)`` keyword arguments)."""
-
-    max_batch: int = 8  # largest decode batch (the largest captured bucket)
-    host_tokens: int = 16384  # host KV pool rows per layer
-    gpu_tokens: int = 1024  # GPU pool rows per layer when offloading
-    kv_format: str = "bf16"  # "bf16" | "fp8"
-    offload: bool = True
-    max_model_len: int = 4096
-    prefill_chunk: int = 2048
-    decode_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... max_batch
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        def positive_int(name: str) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-
-        for name in ("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"):
-            positive_int(name)
-        if self.host_tokens % PAGE:
-            raise ValueError(f"host_tokens must be a multiple of {PAGE}, got {self.host_tokens}")
-        if self.prefill_chunk % 16:
-            raise ValueError(f"prefill_chunk must be a multiple of 16, got {self.prefill_chunk}")
-        if self.kv_format not in ("bf16", "fp8"):
-            raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"offload must be True or False, got {self.offload!r}")
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from e
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        b = self.decode_buckets
-        if b is not None and (
-            not b or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
-        ):
-            raise ValueError(f"decode_buckets must be positive integers, got {b!r}")
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        b = self.decode_buckets or default_decode_buckets(self.max_batch)
-        if b[-1] != self.max_batch or list(b) != sorted(set(b)):
-            raise ValueError(f"decode_buckets must be increasing and end at max_batch, got {b}")
-        return tuple(b)
 
 
 @dataclass
@@ -100,47 +45,20 @@ class Engine:
         tokenizer: Tokenizer | None,
         config: EngineConfig,
         model_name: str = "model",
+        compiler: StepCompiler | None = None,
     ):
+        """``compiler`` (echo_compile.compiled.StepCompiler): compile the runner's steps; call
+        ``runner.warmup()`` before serving. None: eager."""
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = torch.device(config.device)
-        # A request reserves its pages at admission, so it can never be longer than the host pool.
-        self.max_model_len = min(
-            config.max_model_len, model_config.max_position_embeddings, config.host_tokens
-        )
-        self.cache = KVCache(
-            CacheConfig(
-                num_layers=model_config.num_hidden_layers,
-                host_tokens=config.host_tokens,
-                gpu_tokens=config.gpu_tokens,
-                topk=model_config.index_topk,
-                fmt=config.kv_format,
-                offload=config.offload,
-                max_batch=config.max_batch,
-                prefill_tokens=self.max_model_len if config.offload else 0,
-            ),
-            self.device,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_batch=config.max_batch,
-                max_model_len=self.max_model_len,
-                host_tokens=config.host_tokens,
-                topk=model_config.index_topk,
-                gpu_tokens=config.gpu_tokens if config.offload else None,
-                prefill_chunk=config.prefill_chunk,
-            )
-        )
-        self.runner = ModelRunner(
-            model,
-            self.cache,
-            self.device,
-            self.max_model_len,
-            config.buckets,
-            default_prefill_buckets(config.prefill_chunk),
-        )
+        # the runner owns the KV cache and the (eager or ``compiler``-compiled) step functions
+        self.runner = build_runner(model, config, compiler, model_config)
+        self.cache = self.runner.cache
+        self.max_model_len = config.model_len(model_config)
+        self.scheduler = Scheduler(config.scheduler_config(model_config))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, RequestDetokenizer] = {}
         self._seeds: dict[str, int] = {}

@@ -8,13 +8,17 @@ prefill chunk to the next chunk bucket, and the block table always has ``pages_p
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from custom_ops.cache.kv_cache import KVCache
+from model.config import ModelConfig
 from model.forward_meta import ForwardMeta
+from runtime.engine_config import EngineConfig
 from runtime.request import PAGE, Request
 from runtime.scheduler import ScheduledBatch
 
@@ -48,6 +52,13 @@ class StepModule(nn.Module):
         return self.model(meta, self.cache)
 
 
+def _pad(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
+    """``t`` with rows of ``value`` appended up to ``n`` rows."""
+    if t.shape[0] == n:
+        return t
+    return torch.cat([t, t.new_full((n - t.shape[0], *t.shape[1:]), value)])
+
+
 def next_bucket(n: int, buckets: Sequence[int]) -> int:
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
@@ -55,32 +66,25 @@ def next_bucket(n: int, buckets: Sequence[int]) -> int:
     return buckets[i]
 
 
-def default_decode_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, 16, 32, 48, 64, 80, ... up to max_batch (docs/compile.md, why it captures)."""
-    out, b = [], 1
-    while b < min(max_batch, 32):
-        out.append(b)
-        b *= 2
-    b = 32
-    while b < max_batch:
-        out.append(b)
-        b += 16
-    out.append(max_batch)
-    return tuple(sorted(set(out)))
+class CompiledStep(Protocol):
+    """A step function a ``StepCompiler`` made."""
+
+    frozen: bool  # set after warm-up: a call that would compile raises instead
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor: ...
 
 
-def default_prefill_buckets(chunk: int) -> tuple[int, ...]:
-    out, b = [], 16
-    while b < chunk:
-        out.append(b)
-        b *= 2
-    out.append(chunk)
-    return tuple(out)
+class StepCompiler(Protocol):
+    """Turns an eager step into a compiled one that serves ``num_graphs`` input shapes (one per
+    bucket). echo_compile.compiled.StepCompiler is the one implementation: it holds every compiler
+    setting, and runtime never imports it."""
+
+    def __call__(self, step: StepModule, num_graphs: int) -> CompiledStep: ...
 
 
 class ModelRunner:
-    """Prepares inputs and calls the decode/prefill step functions (eager by default; echo_compile
-    replaces ``decode_fn``/``prefill_fn`` with compiled ones)."""
+    """Prepares inputs and calls the decode/prefill step functions: eager, or compiled by the
+    ``compiler`` passed in (prefill too when ``compile_prefill``); the runner owns them."""
 
     def __init__(
         self,
@@ -90,6 +94,8 @@ class ModelRunner:
         max_model_len: int,
         decode_buckets: Sequence[int],
         prefill_buckets: Sequence[int],
+        compiler: StepCompiler | None = None,
+        compile_prefill: bool = True,
     ):
         self.model = model
         self.cache = cache
@@ -100,12 +106,47 @@ class ModelRunner:
         self._decode_bt: dict[int, tuple[torch.Tensor, list[Request | None]]] = {}
         self.decode_step = StepModule(model, cache, is_decode=True)
         self.prefill_step = StepModule(model, cache, is_decode=False)
-        self.frozen = False  # set by echo_compile after warm-up: compiled steps may not recompile
-        # False: a prefill's block table spans only the request's pages (eager, any width);
-        # True: always pages_per_seq wide (fixed shapes for a compiled prefill)
-        self.prefill_static_width = False
         self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
         self.prefill_fn: Callable[..., torch.Tensor] = self.prefill_step
+        # (kind, buckets, compiled step) of every compiled step, for warm-up
+        self.compiled: list[tuple[str, tuple[int, ...], CompiledStep]] = []
+        if compiler is not None:
+            dec = compiler(self.decode_step, len(self.decode_buckets))
+            self.decode_fn = dec
+            self.compiled.append(("decode", self.decode_buckets, dec))
+            if compile_prefill:
+                pre = compiler(self.prefill_step, len(self.prefill_buckets))
+                self.prefill_fn = pre
+                self.compiled.append(("prefill", self.prefill_buckets, pre))
+        # False: a prefill's block table spans only the request's pages (eager, any width);
+        # True: always pages_per_seq wide (fixed shapes for a compiled prefill)
+        self.prefill_static_width = self.prefill_fn is not self.prefill_step
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(b) for _, b, _ in self.compiled)
+
+    @torch.no_grad()
+    def warmup(self, calls: int = 3, progress: bool = True) -> float:
+        """Compile and capture every bucket of the compiled steps (``calls`` runs each: warm-up,
+        record, replay) on padding rows that every op ignores, then freeze them (no recompile from
+        here on); returns the seconds it took. Nothing to do for an eager runner."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        jobs = [(kind, b, fn) for kind, buckets, fn in self.compiled for b in buckets]
+        for _, _, fn in self.compiled:
+            fn.frozen = False
+        for kind, b, fn in tqdm(jobs, desc="capturing graphs", disable=not progress, unit="graph"):
+            args = self.padding_inputs(kind == "decode", b)
+            for _ in range(calls):
+                fn(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.cache.reset_stats()  # the padding steps are not traffic
+        for _, _, fn in self.compiled:
+            fn.frozen = True
+        return time.perf_counter() - t0
 
     # ---- inputs --------------------------------------------------------------------------------
     def _block_table(self, reqs: Sequence[Request], rows: int) -> torch.Tensor:
@@ -186,6 +227,40 @@ class ModelRunner:
             torch.arange(rows, dtype=torch.int64) if is_decode else torch.tensor([bucket - 1]),
         )
 
+    def pad_inputs(
+        self,
+        is_decode: bool,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> StepInputs:
+        """Step inputs a caller built itself (echo_compile.CompiledModel: device tensors of n rows
+        or n tokens), padded to the next bucket as ``decode_inputs``/``prefill_inputs`` pad: ids
+        0, out_slot -1, decode rows of seq_len 0 with a zero block-table row, prefill padding
+        repeating the last position; logits of every decode row, of a prefill's last token."""
+        n, dev = input_ids.shape[0], input_ids.device
+        if is_decode:
+            b = next_bucket(n, self.decode_buckets)
+            return (
+                _pad(input_ids, b, 0),
+                _pad(positions, b, 0),
+                _pad(out_slots, b, -1),
+                _pad(block_table, b, 0),
+                _pad(seq_lens, b, 0),
+                torch.arange(b, device=dev),
+            )
+        b = next_bucket(n, self.prefill_buckets)
+        return (
+            _pad(input_ids, b, 0),
+            torch.cat([positions, positions[n - 1 : n].expand(b - n)]),
+            _pad(out_slots, b, -1),
+            block_table,
+            seq_lens,
+            torch.tensor([n - 1], device=dev),
+        )
+
     def _to_device(self, *ts: torch.Tensor) -> StepInputs:
         if self.device.type == "cuda":
             return tuple(
@@ -208,3 +283,26 @@ class ModelRunner:
         return self.prefill_fn(
             *self.prefill_inputs(req, batch.chunk_start, batch.chunk_end, bucket)
         )
+
+
+def build_runner(
+    model: nn.Module,
+    config: EngineConfig,
+    compiler: StepCompiler | None = None,
+    model_config: ModelConfig | None = None,
+) -> ModelRunner:
+    """The one way a runner is made (``Engine`` and ``echo_compile.compile``): its cache, buckets
+    and context limit from ``config`` and the model's config (default ``model.config``), its steps
+    compiled by ``compiler`` (prefill as ``config.prefill_compiled`` says) or eager."""
+    mc = model_config if model_config is not None else model.config
+    device = torch.device(config.device)
+    return ModelRunner(
+        model,
+        KVCache(config.cache_config(mc), device),
+        device,
+        config.model_len(mc),
+        config.buckets,
+        config.prefill_buckets,
+        compiler=compiler,
+        compile_prefill=config.prefill_compiled(mc),
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from custom_ops.cache.config import max_decode_rows
 from runtime.host_slots import HostSlotAllocator
 from runtime.request import PAGE, Request, Status
 
@@ -43,9 +44,7 @@ class SchedulerConfig:
     @property
     def max_running(self) -> int:
         """Decode rows the GPU pools can serve at once (B x topk <= N_G)."""
-        if self.gpu_tokens is None:
-            return self.max_batch
-        return min(self.max_batch, self.gpu_tokens // self.topk)
+        return max_decode_rows(self.max_batch, self.topk, self.gpu_tokens)
 
 
 @dataclass

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from echo_compile.compiled import compile_runner, warmup
-
 pytestmark = pytest.mark.cuda
 
 
@@ -30,9 +28,8 @@ def test_decode_graphs_gates_and_lossless():
     ic.fx_graph_cache = False
     logs = {}
     for offload in (True, False):
-        eng = make_engine(tiny, offload)
-        compile_runner(eng.runner, strict=True, prefill=False)  # cudagraph_or_error=True
-        warmup(eng.runner, calls=3, progress=False, prefill=False)
+        eng = make_engine(tiny, offload, compiled=True, strict=True)  # cudagraph_or_error=True
+        eng.runner.warmup(calls=3, progress=False)
         with torch.compiler.set_stance("fail_on_recompile"):
             logs[offload] = drive(eng)
     assert counters["inductor"]["cudagraph_skips"] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import echo_compile
@@ -23,11 +24,15 @@ def test_compiled_model_prefill_then_decode_matches_eager():
     )
     cm = echo_compile.compile(model, **kw)
     assert isinstance(cm.cache, KVCache) and cm.model is model
+    assert cm.runner.prefill_static_width  # the policy compiles prefill at this max_model_len
+    P = cm.runner.pages_per_seq
+    with pytest.raises(ValueError, match="exceeds the 2 rows"):  # before anything compiles
+        z = torch.zeros(3, dtype=torch.int64)
+        cm.decode(z, z, z, torch.zeros(3, P, dtype=torch.int32), z.int())
     # an eager twin with its own cache, driven through the same runner code
     eager = ModelRunner(
         model, KVCache(cm.cache.config), torch.device("cpu"), 256, (2,), (16, 32, 64)
     )
-    P = cm.runner.pages_per_seq
     bt = torch.zeros(2, P, dtype=torch.int32)
     bt[0, :2] = torch.tensor([0, 1])
     bt[1, :2] = torch.tensor([2, 3])

@@ -17,9 +17,14 @@ class CacheConfig:
     fmt: str = "bf16"  # KV row format: "bf16" (1152 B) or "fp8" (656 B)
     offload: bool = True  # False: the whole KV pool lives in device memory (GPU-only policy)
     max_batch: int = 64  # the largest decode batch (bounds the fixed-size recall buffers)
-    # Offloading only: rows of the device-resident buffer that holds the KV of the request being
-    # prefilled (its longest context), so prefill chunks read their context from the device, not
-    # back over PCIe. 0: read it from the host pool.
+    # Rows of the device-resident buffer that holds the KV of the request being prefilled (its
+    # longest context), so prefill chunks read their context from the device, not back over PCIe.
+    # NOTE: GPU-only has it too (runtime.engine_config builds both alike): then prefill's store and
+    # read are the same ops in both modes, both compile the same prefill graph and Inductor fuses
+    # it the same way, so offloading cannot change a prefill's numerics (with different graphs the
+    # last bits differed and top-k near-ties picked other tokens). The cost is
+    # prefill_tokens x row_bytes of device memory per layer (4096 tokens: 4.7 MB bf16, 2.7 MB fp8).
+    # 0: no buffer, prefill reads its context from host_kv.
     prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -45,4 +50,16 @@ class CacheConfig:
     def row_bytes(self) -> int:
         return ROW_BYTES[self.fmt]
 
+    @property
+    def max_decode_rows(self) -> int:
+        """Decode rows one step may have (see ``max_decode_rows``)."""
+        return max_decode_rows(self.max_batch, self.topk, self.gpu_tokens if self.offload else None)
 
+
+def max_decode_rows(max_batch: int, topk: int, gpu_tokens: int | None) -> int:
+    """The one home of the GPU-pool capacity rule B x topk <= N_G: the guaranteed recall needs every
+    row's selection on the GPU at once, so a step decodes at most N_G // topk rows (and at most
+    ``max_batch``). ``gpu_tokens`` None: no GPU pool (GPU-only), only ``max_batch`` bounds it."""
+    if gpu_tokens is None:
+        return max_batch
+    return min(max_batch, gpu_tokens // topk)

@@ -45,11 +45,11 @@ class LayerKV(nn.Module):
         self.register_buffer("prefill_kv", None, persistent=False)
         if cfg.offload:
             self.pool = GpuPool(cfg, device)
-            if cfg.prefill_tokens > 0:
-                # one extra row: padding tokens of a chunk are written there and never read
-                self.prefill_kv = torch.zeros(
-                    cfg.prefill_tokens + 1, cfg.row_bytes, dtype=torch.uint8, device=device
-                )
+        if cfg.prefill_tokens > 0:  # in both modes (CacheConfig.prefill_tokens says why)
+            # one extra row: padding tokens of a chunk are written there and never read
+            self.prefill_kv = torch.zeros(
+                cfg.prefill_tokens + 1, cfg.row_bytes, dtype=torch.uint8, device=device
+            )
 
     def store(
         self,
@@ -84,6 +84,11 @@ class LayerKV(nn.Module):
         """The rows of the request being prefilled, at token ``positions`` (host ``host_slots``):
         from the device-resident prefill buffer when there is one, else from the host pool."""
         if self.prefill_kv is not None:
+            if positions.shape[0] > self.prefill_kv.shape[0] - 1:  # a shape: no sync, compiles
+                raise ValueError(
+                    f"prefill reads {positions.shape[0]} positions but the prefill buffer holds "
+                    f"{self.prefill_kv.shape[0] - 1} (CacheConfig.prefill_tokens)"
+                )
             return self.prefill_kv[positions]
         return self.host_kv[host_slots]
 

@@ -203,7 +203,7 @@ class System:
         compile: bool = True,  # False: every system eager (a quick dry run of the harness)
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
-        from echo_compile.compiled import compile_runner, warmup
+        from echo_compile.compiled import StepCompiler
 
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
@@ -219,17 +219,16 @@ class System:
             max_model_len=max_len,
             decode_buckets=tuple(sorted({b for b in buckets if 0 < b < batch} | {batch})),
             device=device,
+            # decode only: a compiled prefill has static shapes over max_model_len (see
+            # EngineConfig.prefill_compiled); the full mode's prefill chunks run eagerly
+            compile_prefill=False,
         )
         torch._dynamo.reset()  # a fresh compile per engine: no earlier engine's graphs or guards
-        self.engine = Engine(model, model.config, None, cfg, model_name="bench")
-        self.engine.logits_processors.append(self.locality)
         self.compiled = compile and system != "offload-eager"
-        self.warmup_s = 0.0
-        if self.compiled:
-            # decode only: a compiled prefill has static shapes over max_model_len (see
-            # compile_runner); the full mode's prefill chunks run eagerly
-            compile_runner(self.engine.runner, prefill=False)
-            self.warmup_s = warmup(self.engine.runner, progress=True, prefill=False)
+        compiler = StepCompiler(device) if self.compiled else None
+        self.engine = Engine(model, model.config, None, cfg, model_name="bench", compiler=compiler)
+        self.engine.logits_processors.append(self.locality)
+        self.warmup_s = self.engine.runner.warmup(progress=True) if compiler else 0.0
         self.seed = seed
         self.engine.keep_finished = True
 

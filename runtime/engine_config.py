@@ -1,0 +1,140 @@
+"""EngineConfig: the engine's options, and the one place where the cache, scheduler and bucket
+configurations are derived from them and the model's config (``Engine`` and
+``echo_compile.compile`` both build their runner from it, runtime.model_runner.build_runner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from custom_ops.cache.config import CacheConfig
+from model.config import ModelConfig
+from runtime.request import PAGE
+from runtime.scheduler import SchedulerConfig
+
+# A compiled prefill has fixed shapes: its block table always spans max_model_len (see
+# ModelRunner.prefill_inputs), so every chunk attends over the whole context. By default prefill
+# is compiled only up to this context; longer contexts prefill eagerly over their own pages.
+COMPILED_PREFILL_MAX_LEN = 16384
+
+
+def default_decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 32, 48, 64, 80, ... up to max_batch (docs/compile.md, why it captures)."""
+    out, b = [], 1
+    while b < min(max_batch, 32):
+        out.append(b)
+        b *= 2
+    b = 32
+    while b < max_batch:
+        out.append(b)
+        b += 16
+    out.append(max_batch)
+    return tuple(sorted(set(out)))
+
+
+def default_prefill_buckets(chunk: int) -> tuple[int, ...]:
+    out, b = [], 16
+    while b < chunk:
+        out.append(b)
+        b *= 2
+    out.append(chunk)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options (the ``LLM(...)`` keyword arguments)."""
+
+    max_batch: int = 8  # largest decode batch (the largest captured bucket)
+    host_tokens: int = 16384  # host KV pool rows per layer
+    gpu_tokens: int = 1024  # GPU pool rows per layer when offloading
+    kv_format: str = "bf16"  # "bf16" | "fp8"
+    offload: bool = True
+    max_model_len: int = 4096
+    prefill_chunk: int = 2048
+    decode_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... max_batch
+    device: str = "cpu"
+    # compiled engines only: compile the prefill chunks too. None: when the context limit is at
+    # most COMPILED_PREFILL_MAX_LEN (see prefill_compiled)
+    compile_prefill: bool | None = None
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"):
+            positive_int(name)
+        if self.host_tokens % PAGE:
+            raise ValueError(f"host_tokens must be a multiple of {PAGE}, got {self.host_tokens}")
+        if self.prefill_chunk % 16:
+            raise ValueError(f"prefill_chunk must be a multiple of 16, got {self.prefill_chunk}")
+        if self.kv_format not in ("bf16", "fp8"):
+            raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be True or False, got {self.offload!r}")
+        if self.compile_prefill not in (None, True, False):
+            raise ValueError(
+                f"compile_prefill must be True, False or None, got {self.compile_prefill!r}"
+            )
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        b = self.decode_buckets
+        if b is not None and (
+            not b or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
+        ):
+            raise ValueError(f"decode_buckets must be positive integers, got {b!r}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        b = self.decode_buckets or default_decode_buckets(self.max_batch)
+        if b[-1] != self.max_batch or list(b) != sorted(set(b)):
+            raise ValueError(f"decode_buckets must be increasing and end at max_batch, got {b}")
+        return tuple(b)
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return default_prefill_buckets(self.prefill_chunk)
+
+    def model_len(self, model_config: ModelConfig) -> int:
+        """The context limit a request gets: a request reserves its pages at admission, so it can
+        never be longer than the host pool, nor than the model's positions."""
+        return min(self.max_model_len, model_config.max_position_embeddings, self.host_tokens)
+
+    def prefill_compiled(self, model_config: ModelConfig) -> bool:
+        """The one prefill-compile policy of a compiled engine (``LLM``, ``echo_compile.compile``,
+        the bench): ``compile_prefill`` when set, else compile it for short contexts only."""
+        if self.compile_prefill is not None:
+            return self.compile_prefill
+        return self.model_len(model_config) <= COMPILED_PREFILL_MAX_LEN
+
+    def cache_config(self, model_config: ModelConfig) -> CacheConfig:
+        max_len = self.model_len(model_config)
+        return CacheConfig(
+            num_layers=model_config.num_hidden_layers,
+            host_tokens=self.host_tokens,
+            gpu_tokens=self.gpu_tokens,
+            topk=model_config.index_topk,
+            fmt=self.kv_format,
+            offload=self.offload,
+            max_batch=self.max_batch,
+            # the prefill buffer in BOTH modes, so that offloading and GPU-only compile the same
+            # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
+            prefill_tokens=-(-max_len // PAGE) * PAGE,
+        )
+
+    def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_batch=self.max_batch,
+            max_model_len=self.model_len(model_config),
+            host_tokens=self.host_tokens,
+            topk=model_config.index_topk,
+            gpu_tokens=self.gpu_tokens if self.offload else None,
+            prefill_chunk=self.prefill_chunk,
+        )
