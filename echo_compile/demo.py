@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from custom_ops.kv_format import PAGE, pages_for
 from echo_compile.llm import LLM
 from runtime.sampling_params import SamplingParams
 
@@ -51,7 +52,7 @@ def run_demo(a: argparse.Namespace) -> int:
         max_model_len=a.max_len + a.max_tokens + 64,
     )
     # host pages: each request reserves ceil((prompt + max_tokens) / 64) pages
-    host = sum(-(-(n + a.max_tokens) // 64) for n in lens) * 64
+    host = sum(pages_for(n + a.max_tokens) for n in lens) * PAGE
     gpu_only = LLM(a.model, offload=False, host_tokens=host, **common)
     cfg = gpu_only.engine.model_config
     topk, vocab = cfg.index_topk, cfg.vocab_size

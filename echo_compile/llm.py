@@ -12,6 +12,7 @@ import torch
 from echo_compile.compiled import StepCompiler
 from echo_compile.threads import configure_threads
 from runtime.engine import Engine, EngineConfig, StepOutput
+from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
@@ -154,30 +155,25 @@ class LLM:
 
 
 class _Acc:
-    """Collects one request's step outputs."""
+    """One request of a ``generate()`` call: its step outputs (``RequestOutput``) and arrival."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.text: list[str] = []
-        self.times: list[float] = []
+        self.out = RequestOutput()
         self.t0 = time.perf_counter()
-        self.done = False
-        self.reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.out.finished
 
     def add(self, out: StepOutput) -> None:
-        self.tokens += out.new_token_ids
-        self.logprobs += out.new_logprobs or []
-        self.text.append(out.new_text)
-        self.times.append(time.perf_counter())
-        self.done, self.reason = out.finished, out.finish_reason
+        self.out.add(out)
 
     def result(self) -> GenerationResult:
-        t = self.times
+        o, t = self.out, self.out.token_times
         stats = RequestStats(
             len(self.prompt_ids),
-            len(self.tokens),
+            len(o.token_ids),
             (t[0] - self.t0) if t else 0.0,
             (t[-1] - self.t0) if t else 0.0,
             [b - a for a, b in zip(t, t[1:])],
@@ -185,10 +181,10 @@ class _Acc:
         return GenerationResult(
             self.request_id,
             self.prompt_ids,
-            "".join(self.text),
-            self.tokens,
-            self.reason,
-            self.logprobs if self.params.logprobs else None,
+            o.text,
+            o.token_ids,
+            o.finish_reason,
+            o.logprobs if self.params.logprobs else None,
             stats,
         )
 

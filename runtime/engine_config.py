@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from custom_ops.cache.config import CacheConfig
+from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
 from runtime.request import PAGE
 from runtime.scheduler import SchedulerConfig
@@ -126,7 +127,7 @@ class EngineConfig:
             max_batch=self.max_batch,
             # the prefill buffer in BOTH modes, so that offloading and GPU-only compile the same
             # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
-            prefill_tokens=-(-max_len // PAGE) * PAGE,
+            prefill_tokens=pages_for(max_len) * PAGE,
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:

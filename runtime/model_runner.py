@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from custom_ops.cache.kv_cache import KVCache
+from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
 from model.forward_meta import ForwardMeta
 from runtime.engine_config import EngineConfig
-from runtime.request import PAGE, Request
+from runtime.request import Request
 from runtime.scheduler import ScheduledBatch
 
 StepInputs = tuple[
@@ -100,7 +101,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
-        self.pages_per_seq = -(-max_model_len // PAGE)
+        self.pages_per_seq = pages_for(max_model_len)
         self.decode_buckets = tuple(decode_buckets)
         self.prefill_buckets = tuple(prefill_buckets)
         self._decode_bt: dict[int, tuple[torch.Tensor, list[Request | None]]] = {}
@@ -211,7 +212,7 @@ class ModelRunner:
         # The explicit prefill attends over every position the block table covers (causality masks
         # the rest), so an eager prefill passes only the pages it needs: ~end tokens of work
         # instead of max_model_len.
-        width = self.pages_per_seq if self.prefill_static_width else -(-end // PAGE)
+        width = self.pages_per_seq if self.prefill_static_width else pages_for(end)
         bt = self._block_table([req], 1)[:, :width].contiguous()
         return self._to_device(ids, pos, slots, bt, lens, logits_idx)
 

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from custom_ops.cache.config import max_decode_rows
+from custom_ops.kv_format import pages_for
 from runtime.host_slots import HostSlotAllocator
 from runtime.request import PAGE, Request, Status
 
@@ -72,7 +73,7 @@ class Scheduler:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = "
                 f"{total} exceeds the model's context limit of {self.cfg.max_model_len} tokens"
             )
-        if -(-total // PAGE) > self.pages.num_pages:
+        if pages_for(total) > self.pages.num_pages:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens can never fit the host KV pool "
                 f"({self.pages.num_pages * PAGE} tokens)"
@@ -95,7 +96,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
-            pages = self.pages.alloc(-(-req.max_total_tokens // PAGE))
+            pages = self.pages.alloc(pages_for(req.max_total_tokens))
             if pages is None:
                 break  # host pool full: wait for a running request to finish
             self.waiting.popleft()
