@@ -11,6 +11,12 @@ Why each one (docs/graph_notes.md, settings, gives the background):
   on most steps (an fp32 reduction-order ulp still flips a bf16 rounding now and then,
   docs/compile.md); without it the logits drift by ~1e-2, which flips near-ties at the indexer's
   top-k boundary.
+- ``deterministic``: Inductor picks its reduction configs without timing them on the device. With
+  timing, two compiles of the same step can pick differently split reductions (another summation
+  order): on the H200 two compiled offloading engines run one after the other on the same fp8
+  workload gave different logits in 88 of 130 steps from the first prefill chunk on
+  (benchmarks/results/gpu_session4_h200.log), so neither offload-vs-GPU-only nor run-to-run results
+  could be bit-identical. Inductor warns of a speed cost; it has not been measured here yet.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def apply(num_graphs: int, strict: bool = False) -> None:
         dynamo_config.accumulated_recompile_limit, 4 * (num_graphs + 4)
     )
     inductor_config.emulate_precision_casts = True
+    inductor_config.deterministic = True
     if strict:
         inductor_config.triton.cudagraph_or_error = True
         inductor_config.fx_graph_cache = False
