@@ -58,8 +58,8 @@ def run_demo(a: argparse.Namespace) -> int:
     topk, vocab = cfg.index_topk, cfg.vocab_size
     prompts = [[rng.randrange(2, vocab) for _ in range(n)] for n in lens]
     # The smallest GPU pool the scheduler accepts: one selection per decode row and layer.
-    gpu_pool = a.requests * topk
-    off = LLM(a.model, offload=True, host_tokens=host, gpu_tokens=gpu_pool, **common)
+    gpu_tokens = a.requests * topk
+    off = LLM(a.model, offload=True, host_tokens=host, gpu_tokens=gpu_tokens, **common)
     kv_rows = sum(lens) + a.requests * a.max_tokens
 
     print(
@@ -67,8 +67,8 @@ def run_demo(a: argparse.Namespace) -> int:
         f"{a.max_tokens} new tokens each, top-k {topk}, KV format {a.kv_format}"
     )
     print(
-        f"KV rows per layer: {kv_rows}; GPU pool per layer: {gpu_pool} rows "
-        f"({gpu_pool / kv_rows:.0%} of the KV cache)"
+        f"KV rows per layer: {kv_rows}; GPU pool per layer: {gpu_tokens} rows "
+        f"({gpu_tokens / kv_rows:.0%} of the KV cache)"
     )
     res_off, dt_off, m_off = _run(off, prompts, params)
     res_gpu, dt_gpu, m_gpu = _run(gpu_only, prompts, params)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from custom_ops.cache.config import max_decode_rows
 from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.kv_format import (
     PAGE,
@@ -174,13 +175,13 @@ def _pct(xs: list[float], scale: float = 1.0) -> dict[str, float]:
     }
 
 
-def batch_cap(system: str, gpu_pool: int, topk: int, min_len: int, max_batch: int) -> int:
-    """The largest decode batch a system runs with a pool of ``gpu_pool`` rows per layer:
+def batch_cap(system: str, gpu_tokens: int, topk: int, min_len: int, max_batch: int) -> int:
+    """The largest decode batch a system runs with a pool of ``gpu_tokens`` rows per layer:
     offloading needs B x topk <= N_G; GPU-only holds whole requests, so at most this many of the
     shortest (``min_len`` tokens, page-rounded) fit."""
     if system == "gpu-only":
-        return max(1, min(max_batch, gpu_pool // (pages_for(min_len) * PAGE)))
-    return max(1, min(max_batch, gpu_pool // topk))
+        return max(1, min(max_batch, gpu_tokens // (pages_for(min_len) * PAGE)))
+    return max(1, max_decode_rows(max_batch, topk, gpu_tokens))
 
 
 class System:
@@ -191,7 +192,7 @@ class System:
         self,
         model: torch.nn.Module,
         system: str,
-        gpu_pool: int,
+        gpu_tokens: int,
         host_tokens: int,
         kv_format: str,
         max_len: int,
@@ -207,13 +208,13 @@ class System:
 
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
-        self.system, self.gpu_pool, self.model = system, gpu_pool, model
+        self.system, self.gpu_tokens, self.model = system, gpu_tokens, model
         offload = system != "gpu-only"
         cfg = EngineConfig(
             max_batch=batch,
             # GPU-only keeps the KV in a device pool of N_G rows: the "host" pool is that pool
-            host_tokens=host_tokens if offload else whole_pages(gpu_pool),
-            gpu_tokens=gpu_pool,
+            host_tokens=host_tokens if offload else whole_pages(gpu_tokens),
+            gpu_tokens=gpu_tokens,
             kv_format=kv_format,
             offload=offload,
             max_model_len=max_len,
@@ -301,7 +302,7 @@ class System:
         gen = sum(len(r.output_ids) for r in reqs)
         return SystemResult(
             system=self.system,
-            gpu_pool_tokens=self.gpu_pool,
+            gpu_pool_tokens=self.gpu_tokens,
             mode="full" if wl.prefill else "decode-only",
             rate=wl.rate,
             requests=wl.requests,
