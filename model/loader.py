@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,11 @@ class _Loader:
         self.loaded: set[tuple[str, int | None, int | None]] = set()
         self.fp8: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, str]] = {}
         self.mtp: dict[str, torch.Tensor] = {}
+        # weight scales that break the declared ue8m0 format: reported once, at the end. NOTE: a
+        # warning, not an error: official checkpoints that declare ue8m0 are reported to store
+        # some non-power-of-two weight scales (o_proj), and dequantisation is exact for any fp32
+        # scale, so they load as they are.
+        self.non_ue8m0: list[str] = []
 
     def _where(self, name: str, file: str) -> str:
         return f"tensor {name!r} in {self.path / file}"
@@ -135,13 +141,14 @@ class _Loader:
         q = self.config.quantization
         if q is not None and q.scale_fmt == "ue8m0":
             bad = (~is_ue8m0(s)).nonzero()
-            if len(bad):
+            if len(bad) and not self.non_ue8m0:
                 i = tuple(bad[0].tolist())
-                raise ValueError(
-                    f"{self._where(module + '.weight_scale_inv', file)}: config.json declares "
-                    f"scale_fmt 'ue8m0' (power-of-two scales), but {len(bad)} of its {s.numel()} "
-                    f"scales are not powers of two (e.g. {s[i].item()!r} at {list(i)})"
+                self.non_ue8m0.append(
+                    f"{self._where(module + '.weight_scale_inv', file)}: {len(bad)} of its "
+                    f"{s.numel()} scales are not powers of two (e.g. {s[i].item()!r} at {list(i)})"
                 )
+            elif len(bad):
+                self.non_ue8m0.append(module)
         try:
             return weight_dequant_fp8(w, s)
         except ValueError as e:
@@ -188,7 +195,15 @@ class _Loader:
         self.loaded.add(tgt.piece)
 
     def finish(self, index: str) -> None:
-        """Raise for FP8 halves without partner and parameters never (fully) loaded."""
+        """Raise for FP8 halves without partner and parameters never (fully) loaded; warn once
+        for weight scales that break the declared ue8m0 format."""
+        if self.non_ue8m0:
+            warnings.warn(
+                f"config.json declares scale_fmt 'ue8m0' (power-of-two scales), but "
+                f"{len(self.non_ue8m0)} weight_scale_inv tensor(s) are not: first "
+                f"{self.non_ue8m0[0]}; loaded as stored (dequantisation is exact for any scale)",
+                stacklevel=3,
+            )
         for module, (_, s, file) in self.fp8.items():
             if s is None:
                 raise ValueError(

@@ -34,9 +34,9 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "scheduler ignores B x topk <= gpu_tokens",
-        "runtime/scheduler.py",
-        "return min(self.max_batch, self.gpu_tokens // self.topk)",
-        "return self.max_batch",
+        "custom_ops/cache/config.py",
+        "return min(max_batch, gpu_tokens // topk)",
+        "return max_batch",
         ("tests/test_scheduler_cap.py", "tests/test_attended_set.py"),
     ),
     Mutation(
@@ -90,7 +90,7 @@ MUTATIONS = [
     ),
     Mutation(
         "age buckets 128 steps wide instead of 32",
-        "custom_ops/cache_ops.py",
+        "custom_ops/cache_layout.py",
         "((age - AGE_EXACT) >> AGE_SHIFT)",
         "((age - AGE_EXACT) >> (AGE_SHIFT + 2))",
         ("tests/test_cache_statemachine.py::test_eviction_partly_empties_an_age_bucket",),

@@ -20,14 +20,17 @@ ECHO_OPS = (
 
 
 def test_import_custom_ops_registers_every_op():
-    """A fresh interpreter: ``import custom_ops`` alone makes every op callable (CPU kernel and
-    fake), and leaves the Triton kernel modules unimported until a CUDA call needs them."""
+    """A fresh interpreter: ``import custom_ops`` alone makes every op callable (CPU kernel, a
+    CUDA kernel of its own, fake), and leaves the Triton kernel modules unimported until a CUDA
+    call needs them."""
     code = (
         "import sys, torch, custom_ops\n"
         f"for name in {ECHO_OPS!r}:\n"
         "    op = getattr(torch.ops.echo, name).default\n"
-        "    for key in ('CPU', 'CUDA', 'Meta'):\n"
+        "    for key in ('CPU', 'Meta'):  # CPU: the default (reference) kernel\n"
         "        assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key)\n"
+        "    # a CUDA kernel of its own (the default kernel would cover CUDA too, computed)\n"
+        "    assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), 'CUDA'), name\n"
         "print(sorted(m for m in sys.modules if m.startswith('custom_ops.') and 'kernels' in m))\n"
     )
     out = subprocess.run(
@@ -130,3 +133,20 @@ def test_opcheck_sparse_mla_decode():
         scale = 192**-0.5
         op = torch.ops.echo.sparse_mla_decode.default
         torch.library.opcheck(op, (q, pool, slots, scale, fmt))
+
+
+def test_every_package_is_packaged():
+    """pyproject's package list names every directory of Python files of the four packages (a
+    missing one installs from a checkout but not from a wheel), each with an __init__.py."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])  # fmt: skip
+    dirs = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert dirs == listed
+    assert all((ROOT / d.replace(".", "/") / "__init__.py").exists() for d in dirs)
