@@ -71,12 +71,15 @@ class CompiledStep:
         if self.device.type == "cuda":
             # decode and prefill graphs alternate: start a new cudagraph-tree generation each call
             torch.compiler.cudagraph_mark_step_begin()
-        if self.frozen:
-            # after warm-up no request may trigger a compile; the stance is scoped to our own calls
-            # so that other torch.compile users in the process are not affected
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self.compiled(*args).clone()
-        return self.compiled(*args).clone()  # a copy: the next graph replay overwrites the output
+        # reproducible compiles and runs (settings.py says why), scoped to our own calls as the
+        # stance below is, so that other torch users in the process are not affected
+        with settings.deterministic_algorithms():
+            if self.frozen:
+                # after warm-up no request may trigger a compile
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self.compiled(*args).clone()
+            # a copy: the next graph replay overwrites the output
+            return self.compiled(*args).clone()
 
 
 class StepCompiler:

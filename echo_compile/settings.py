@@ -17,11 +17,38 @@ Why each one (docs/graph_notes.md, settings, gives the background):
   workload gave different logits in 88 of 130 steps from the first prefill chunk on
   (benchmarks/results/gpu_session4_h200.log), so neither offload-vs-GPU-only nor run-to-run results
   could be bit-identical. Inductor warns of a speed cost; it has not been measured here yet.
+- ``deterministic_algorithms()`` around every compiled step call (and so around its compile, which
+  happens in the first call): Inductor's ``deterministic`` flag alone did not make the compiled
+  engine reproducible on the H200 (two fresh processes on the 8-prompt workload of
+  tests/test_lossless_cuda.py: 15-24 of 130 steps differ, and 88 without CUDA graphs; eager runs
+  identical), while with ``torch.use_deterministic_algorithms`` also on, Inductor filters its
+  kernel choices further and empty buffers are filled: both runs identical, and bf16 offload ==
+  GPU-only on all 130 steps (``python -m benchmarks.diag_repro``; benchmarks/results/
+  gpu_session5_h200.log). It is process-global torch state, so it is switched on only for the
+  duration of our own calls and restored after; ``warn_only`` so that an op without a
+  deterministic kernel warns instead of failing a step.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` for the ``with`` body only."""
+    was, warn = (
+        torch.are_deterministic_algorithms_enabled(),
+        (torch.is_deterministic_algorithms_warn_only_enabled()),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def compile_mode(device: torch.device) -> str | None:

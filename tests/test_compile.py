@@ -175,6 +175,43 @@ def test_compiled_prefill_graph_is_the_same_with_and_without_offload(tiny):
     assert graphs[True] == graphs[False], "\n".join(list(diff)[:40])
 
 
+def test_compiled_steps_run_with_deterministic_algorithms_and_restore_the_caller_state():
+    """Inductor's flag alone left compiled runs irreproducible on the H200; every compiled step
+    call (its compile included) runs with torch's deterministic algorithms, and the process-global
+    state is the caller's again afterwards, on success and on error."""
+    from echo_compile.compiled import CompiledStep
+
+    seen = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(
+            (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            )
+        )
+        if x.item() < 0:
+            raise RuntimeError("step failed")
+        return x
+
+    step = CompiledStep(fn, torch.device("cpu"), None)
+    assert not torch.are_deterministic_algorithms_enabled()
+    step(torch.ones(1))
+    step.frozen = True
+    step(torch.ones(1))
+    with pytest.raises(RuntimeError, match="step failed"):
+        step(-torch.ones(1))
+    assert seen == [(True, True)] * 3
+    assert not torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # a caller's own strict setting survives a step
+    try:
+        step(torch.ones(1))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_settings_make_inductor_deterministic():
     """Reduction configs chosen by on-device timing made two compiles of one step disagree on the
     H200 (echo_compile/settings.py): the settings must turn that timing off."""
