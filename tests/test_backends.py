@@ -219,3 +219,35 @@ def test_engine_runs_each_backend_chain_to_the_same_logits(tiny, monkeypatch, pl
     assert calls["schedule"] == (len(got) if dg else 0)  # once per decode step
     assert calls["dg_paged_mqa_logits"] == (len(got) * n_layers if dg else 0)
     assert calls["fi_topk"] == (len(got) * n_layers if plan.topk == "flashinfer" else 0)
+
+
+def test_compiled_decode_with_library_ops_is_graph_safe(tiny, monkeypatch):
+    """The decode step with DeepGEMM scores and FlashInfer top-k (their ops' CPU kernels) compiles
+    fullgraph with no node that disables CUDA graphs, every mutated input static (the shared
+    schedule and top-k scratch buffers included), no graph break, and Inductor reinplaces every
+    mutation (no clone of the shared buffers)."""
+    import torch._inductor.config as ic
+    from test_compile import drive, make_engine
+    from torch._dynamo.utils import ReinplaceCounters, counters
+
+    from echo_compile.graph_lint import LintReport, lint_backend
+
+    plan = sel.Plan("deep_gemm", "flashinfer")
+    monkeypatch.setattr(sel, "plans_for", lambda backend, n, device: (plan,) * n)
+    monkeypatch.setattr(sel, "HEADS", (tiny[0].config.index_n_heads,))
+    eng = make_engine(tiny, offload=True, kernel_backend="auto")
+    report = LintReport()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(eng.runner.decode_step, backend=lint_backend(report), fullgraph=True)
+    with torch.no_grad():
+        step(*eng.runner.padding_inputs(True, 4))
+    assert report.ok, report
+    assert dict(counters["graph_break"]) == {}
+    torch._dynamo.reset()
+    ReinplaceCounters.clear()
+    monkeypatch.setattr(ic, "fx_graph_cache", False)  # the counters fill on a cache miss only
+    logs = drive(make_engine(tiny, offload=True, compiled=True, kernel_backend="auto"), steps=3)
+    assert len(logs) >= 3
+    assert dict(counters["graph_break"]) == {}
+    assert ReinplaceCounters.get_total_missed() == 0
