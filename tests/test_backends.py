@@ -251,3 +251,19 @@ def test_compiled_decode_with_library_ops_is_graph_safe(tiny, monkeypatch):
     assert len(logs) >= 3
     assert dict(counters["graph_break"]) == {}
     assert ReinplaceCounters.get_total_missed() == 0
+
+
+def test_bench_backends_dry_run(tmp_path):
+    """The benchmark's code path at toy sizes on CPU (interpreter, the ops' reference kernels):
+    every correctness check recorded and passing, a suggested auto table, the JSON written."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_backends", "--dry-run", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == 4 and res["all_pass"] is True
+    assert all(r["deep_gemm_scores_ok"] and r["flashinfer_topk_ties_ok"] for r in res["rows"])
+    assert set(res["auto_table"]) == {"scores", "topk"}
