@@ -14,7 +14,7 @@ values, then 64 fp32 scales) is, viewed as ``[pages, 64, 1, 132]``, DeepGEMM's f
 (strides (8448, 132, 132, 1): the values of token j at byte 128 j of its page, its scale at byte
 64 x 128 + 4 j, which is where DeepGEMM reads them; ``fused_kv_view`` and the CPU test check it).
 
-Default kernels (CPU, and the fake-free reference): the logits are the reference scores (-inf past
+Default kernels (CPU): the logits are the reference scores (-inf past
 each length); the schedule is DeepGEMM's private data, so its CPU kernel writes zeros (only the
 DeepGEMM kernel reads it). The library is imported on the first CUDA call.
 """
@@ -129,7 +129,7 @@ def _(q_fp8, weights, index_cache, block_table, seq_lens, schedule, width):
     _check(q_fp8, weights, index_cache, block_table, seq_lens, schedule, width)
     if q_fp8.shape[1] not in HEADS:
         raise ValueError(f"dg_paged_mqa_logits: DeepGEMM needs {HEADS} index heads")
-    q = q_fp8.view(torch.float8_e4m3fn).unsqueeze(1)  # [B, next_n = 1, H, 128]: a view
+    q = q_fp8.contiguous().view(torch.float8_e4m3fn).unsqueeze(1)  # [B, next_n = 1, H, 128]
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     out = _lib().fp8_paged_mqa_logits(
         q, fused_kv_view(index_cache), weights.contiguous(), seq_lens.contiguous(), bt,

@@ -14,7 +14,9 @@ produced) and prefill's indexer (DeepGEMM's ``fp8_mqa_logits`` is for the sparse
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +49,18 @@ def check_backend(name: str) -> None:
 
 @functools.cache
 def installed(backend: str) -> bool:
-    """Whether the library behind ``backend`` can be imported (no import: it may JIT-build)."""
-    return importlib.util.find_spec(LIBRARY[backend]) is not None
+    """Whether the library behind ``backend`` is installed and imports (once per process, when a
+    cache is built, never inside a traced step). A broken install warns and falls back."""
+    name = LIBRARY[backend]
+    if importlib.util.find_spec(name) is None:
+        return False
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # an install that cannot load (no CUDA runtime, ABI mismatch, ...)
+        msg = f"kernel_backend: {name} is installed but does not import ({e}); Triton runs"
+        warnings.warn(msg, stacklevel=2)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
