@@ -162,6 +162,21 @@ def bench_size(data: Inputs, B: int, L: int) -> dict:
             except Exception as e:
                 row[f"flashinfer_{kind}_error"] = f"{type(e).__name__}: {e}"[:2000]
                 check(f"flashinfer_topk_{kind}", False, row, row[f"flashinfer_{kind}_error"][:200])
+        if DEV == "cuda":  # the "library ties" mode: information, not a check of ours
+            for kind in ("scores", "ties"):
+                s = tri if kind == "scores" else _tie_scores(B, L, _gen(12), kind).to(DEV)
+                try:
+                    fio.OPTIONS["ties"] = "library"
+                    got = torch.ops.echo.fi_topk(s, bt, sl, TOPK, data.states)
+                    want = ties.stable_select_ref(s, bt, sl, TOPK)
+                    row[f"library_ties_exact_{kind}"] = bool(
+                        torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                    )
+                except Exception as e:
+                    row[f"library_ties_{kind}_error"] = f"{type(e).__name__}: {e}"[:2000]
+                finally:
+                    fio.OPTIONS["ties"] = "fixup"
+                log(f"library ties {kind}: exact {row.get(f'library_ties_exact_{kind}')}")
     del ref, mag, live
     # --- timings
     cfg = ik.IndexerConfig()
@@ -188,6 +203,12 @@ def bench_size(data: Inputs, B: int, L: int) -> dict:
 
                 raw()  # a first call per mode (JIT)
                 timed["topk_us", f"flashinfer_alone_graph_safe={safe}"] = raw
+
+            def library_ties():
+                fio.OPTIONS["ties"] = "library"
+                return torch.ops.echo.fi_topk(tri, bt, sl, TOPK, data.states)
+
+            timed["topk_us", "flashinfer+sort (library ties)"] = library_ties
     for (group, name), fn in timed.items():
         try:
             row[group][name] = us(fn, 20)
@@ -197,6 +218,7 @@ def bench_size(data: Inputs, B: int, L: int) -> dict:
             traceback.print_exc()
         finally:
             fio.OPTIONS["dsa_graph_safe"] = True
+            fio.OPTIONS["ties"] = "fixup"
     row["scores_tb_s"] = {
         k: bytes_read / v / 1e6 for k, v in row["scores_us"].items() if v and "schedule" not in k
     }

@@ -267,3 +267,27 @@ def test_bench_backends_dry_run(tmp_path):
     assert len(res["rows"]) == 4 and res["all_pass"] is True
     assert all(r["deep_gemm_scores_ok"] and r["flashinfer_topk_ties_ok"] for r in res["rows"])
     assert set(res["auto_table"]) == {"scores", "topk"}
+
+
+def test_sort_positions_kernel_vs_reference():
+    """The "library ties" mode's one kernel: a library's positions (any order, -1 pad) sorted
+    ascending as host slots, and their lowest score; equal to the stable-sort selection when the
+    library picked the stable-sort set."""
+    B, P, topk = 3, 4, 40
+    s = _tie_scores(B, P * PAGE, _gen(8), "ties")
+    lens = torch.tensor([P * PAGE, 25, 0], dtype=torch.int32)
+    bt = torch.randperm(20, generator=_gen(9))[: B * P].view(B, P).int()
+    want = ties.stable_select_ref(s, bt, lens, topk)
+    # the stable-sort set's positions, shuffled, as a library could return them
+    slot_pos = {
+        int(bt[b, p]) * PAGE + o: p * PAGE + o
+        for b in range(B)
+        for p in range(P)
+        for o in range(PAGE)
+    }
+    raw = torch.tensor([[slot_pos[int(h)] if h >= 0 else -1 for h in row] for row in want[0]])
+    raw = raw[:, torch.randperm(topk, generator=_gen(10))].int().contiguous()
+    ref = ties.sort_positions_ref(s, bt, raw)
+    assert torch.equal(ref[0], want[0]) and torch.equal(ref[1], want[1])
+    got = ties_kernels.sort_positions(s.contiguous(), bt, raw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -88,6 +88,30 @@ def test_flashinfer_topk_selects_the_stable_sort_set(kind, B, P, topk):
     assert torch.equal(again[0], host)  # every layer of a step reuses it
 
 
+@pytest.mark.parametrize("kind", ["ties", "equal", "scores"])
+def test_flashinfer_library_tie_break_is_ours(kind, monkeypatch):
+    """The optional "library" ties mode (flashinfer_ops.OPTIONS["ties"]) trusts FlashInfer's
+    tie_break=1 (smaller index first) instead of the fix-up: exact only if that is our rule. A
+    failure here means: keep the default "fixup"."""
+    need("flashinfer")
+    from custom_ops.backends import flashinfer_ops as fio
+
+    B, P, topk = 4, 1563, 2048
+    L = P * 64
+    bt = torch.arange(B * P, dtype=torch.int32, device=DEV).view(B, P)
+    sl = torch.tensor([L, 3000, 2048, 0], dtype=torch.int32, device=DEV)
+    if kind == "scores":
+        inp = make_indexer_inputs(B, P, 64, sl.tolist(), _gen(33, DEV))
+        bt, s = inp["block_table"], scores_ref(inp)[0].relu()
+    else:
+        s = _tie_scores(B, L, _gen(34), kind).to(DEV)
+    monkeypatch.setitem(fio.OPTIONS, "ties", "library")
+    states = torch.zeros(ROW_STATES_BYTES, dtype=torch.uint8, device=DEV)
+    host, kth = torch.ops.echo.fi_topk(s, bt, sl, topk, states)
+    want = ties.stable_select_ref(s, bt, sl, topk)
+    assert torch.equal(host, want[0]) and torch.equal(kth, want[1])
+
+
 def test_fixup_kernels_vs_reference_on_gpu():
     s = _tie_scores(4, 100_032, _gen(41), "ties").to(DEV)
     bt = torch.arange(4 * 1563, dtype=torch.int32, device=DEV).view(4, 1563)

@@ -92,3 +92,20 @@ def kth_from_indices_ref(scores: torch.Tensor, raw: torch.Tensor) -> torch.Tenso
     v = torch.where(raw >= 0, v, torch.full_like(v, float("inf")))
     m = v.min(dim=1).values
     return torch.where(torch.isinf(m) & (m > 0), torch.full_like(m, float("-inf")), m)
+
+
+def sort_positions_ref(
+    scores: torch.Tensor,  # [B, W] fp32
+    block_table: torch.Tensor,  # [B, P] int32
+    raw: torch.Tensor,  # [B, topk] int32: a library's selected positions, -1 = none
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a library whose own tie-break is trusted (FlashInfer's ``tie_break=1``, smaller index
+    first): its positions in ascending order as host slots (-1 last), and their lowest score."""
+    B, K = raw.shape
+    big = torch.iinfo(torch.int32).max
+    pos = torch.sort(torch.where(raw >= 0, raw, big), dim=1).values
+    ok = pos != big
+    p = pos.clamp(max=block_table.shape[1] * PAGE - 1).long()
+    slots = block_table.gather(1, p // PAGE).long() * PAGE + p % PAGE
+    host = torch.where(ok, slots, -1).to(torch.int32)
+    return host, kth_from_indices_ref(scores, raw)

@@ -8,6 +8,8 @@ Three launches, grids from static shapes, live lengths read on the device, no ho
                     -1 padding.
 Two reads of the scores (about 6 us each at B = 64 x 100K on an H200, by bandwidth); the order of
 the output depends only on positions, so it is deterministic.
+``_sort_map_kernel`` (grid B) serves the optional "library ties" mode instead: the library's k
+positions sorted ascending as host slots, and kth (``ties.sort_positions_ref``).
 """
 
 from __future__ import annotations
@@ -134,6 +136,44 @@ def _output_kernel(
     for j0 in range(lo, hi, BLK):
         j = j0 + tl.arange(0, BLK)
         tl.store(out_ptr + b * topk + j, tl.full([BLK], -1, tl.int32), mask=(j >= k) & (j < hi))
+
+
+@triton.jit
+def _sort_map_kernel(
+    score_ptr, raw_ptr, bt_ptr, out_ptr, kth_ptr, W, topk, bt_stride, KP: tl.constexpr
+):
+    """One row: the library's positions sorted ascending (-1 last), as host slots, and kth."""
+    b = tl.program_id(0)
+    j = tl.arange(0, KP)
+    raw = tl.load(raw_ptr + b * topk + j, mask=j < topk, other=-1)
+    ok = raw >= 0
+    v = tl.load(score_ptr + b * W + raw, mask=ok, other=float("inf"))
+    n = tl.sum(ok.to(tl.int32), 0)
+    m = tl.min(tl.where(ok, v, float("inf")), 0)
+    tl.store(kth_ptr + b, tl.where(n > 0, m, float("-inf")))
+    pos = tl.sort(tl.where(ok, raw, 2147483647))
+    live = pos != 2147483647
+    page = tl.load(bt_ptr + b * bt_stride + pos // _PAGE, mask=live, other=0)
+    slot = tl.where(live, page * _PAGE + pos % _PAGE, -1)
+    tl.store(out_ptr + b * topk + j, slot, mask=j < topk)
+
+
+def sort_positions(
+    scores: torch.Tensor, block_table: torch.Tensor, raw: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ties.sort_positions_ref`` on the GPU (or CPU tensors under TRITON_INTERPRET=1)."""
+    B, topk = raw.shape
+    if not (scores.is_contiguous() and raw.is_contiguous() and raw.dtype == torch.int32):
+        raise ValueError("sort_positions: scores and raw int32 indices must be contiguous")
+    bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    out = torch.empty((B, topk), dtype=torch.int32, device=scores.device)
+    kth = torch.empty((B,), dtype=torch.float32, device=scores.device)
+    KP = triton.next_power_of_2(topk)
+    _sort_map_kernel[(B,)](
+        scores, raw, bt, out, kth, scores.shape[1], topk, bt.stride(0), KP=KP,
+        num_warps=8 if KP >= 2048 else 4,
+    )  # fmt: skip
+    return out, kth
 
 
 def kth_from_indices(scores: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
