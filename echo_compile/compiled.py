@@ -147,6 +147,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     decode_buckets: Sequence[int] | None = None,
     prefill_chunk: int = 2048,
     compile_prefill: bool | None = None,
+    kernel_backend: str = "triton",
     device: str | torch.device | None = None,
     strict: bool = False,
     warmup_now: bool = False,
@@ -166,6 +167,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
         decode_buckets=tuple(decode_buckets) if decode_buckets is not None else None,
         device=str(device),
         compile_prefill=compile_prefill,
+        kernel_backend=kernel_backend,
     )
     cm = CompiledModel(build_runner(model, config, StepCompiler(device, strict)))
     if warmup_now:

@@ -354,6 +354,8 @@ class DeepseekV32Model(nn.Module):
         h = self.embed_tokens(meta.input_ids)  # [T, D]
         cos, sin = self.rotary_emb(meta.positions)  # [T, 32] each, shared by MLA and indexer
         residual: torch.Tensor | None = None
+        if meta.is_decode:  # per-step state of the indexer's library backend, shared by layers
+            cache.begin_decode(meta.seq_lens)
         for layer, cache_layer in zip(self.layers, cache.layers, strict=True):
             h, residual = layer(h, residual, cos, sin, meta, cache_layer)
         assert residual is not None  # num_hidden_layers >= 1 (config validation)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from custom_ops.backends.select import check_backend
 from custom_ops.cache.config import CacheConfig
 from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
@@ -59,6 +60,9 @@ class EngineConfig:
     # compiled engines only: compile the prefill chunks too. None: when the context limit is at
     # most COMPILED_PREFILL_MAX_LEN (see prefill_compiled)
     compile_prefill: bool | None = None
+    # decode indexer kernels: "triton" | "deep_gemm" | "flashinfer" | "auto" (per half and batch
+    # size by measured speed); a missing library falls back to Triton (docs/backends.md)
+    kernel_backend: str = "triton"
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -86,6 +90,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from e
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        check_backend(self.kernel_backend)
         b = self.decode_buckets
         if b is not None and (
             not b or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
@@ -128,6 +133,7 @@ class EngineConfig:
             # the prefill buffer in BOTH modes, so that offloading and GPU-only compile the same
             # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
             prefill_tokens=pages_for(max_len) * PAGE,
+            kernel_backend=self.kernel_backend,
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:

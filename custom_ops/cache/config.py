@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from custom_ops.backends.select import check_backend
 from custom_ops.kv_format import PAGE, ROW_BYTES, check_fmt
 
 
@@ -26,9 +27,12 @@ class CacheConfig:
     # prefill_tokens x row_bytes of device memory per layer (4096 tokens: 4.7 MB bf16, 2.7 MB fp8).
     # 0: no buffer, prefill reads its context from host_kv.
     prefill_tokens: int = 0
+    # who computes the decode indexer's scores and top-k (custom_ops/backends/select.py)
+    kernel_backend: str = "triton"
 
     def __post_init__(self) -> None:
         check_fmt(self.fmt)
+        check_backend(self.kernel_backend)
         if self.num_layers <= 0:
             raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
         if self.host_tokens <= 0 or self.host_tokens % PAGE:

@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers every echo:: op this module calls)
+from custom_ops.backends import select as backends
+from custom_ops.backends.deep_gemm_ops import dg_paged_mqa_schedule, schedule_rows
+from custom_ops.backends.flashinfer_ops import ROW_STATES_BYTES
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
 from custom_ops.cache.host_pool import allocate_host_rows
-from custom_ops.indexer import indexer_topk
 from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
 
 
@@ -26,7 +28,12 @@ class LayerKV(nn.Module):
     """One layer's cache state (see the module docstring)."""
 
     def __init__(
-        self, cfg: CacheConfig, layer_id: int, host_kv: torch.Tensor, device: torch.device
+        self,
+        cfg: CacheConfig,
+        layer_id: int,
+        host_kv: torch.Tensor,
+        device: torch.device,
+        shared: dict[str, torch.Tensor | None] | None = None,
     ):
         super().__init__()
         self.fmt = cfg.fmt
@@ -43,6 +50,11 @@ class LayerKV(nn.Module):
         )
         self.pool: nn.Module | None = None
         self.register_buffer("prefill_kv", None, persistent=False)
+        # the indexer's backend per decode batch size, and the library buffers every layer shares
+        # (KVCache allocates them; None when no plan uses the library)
+        self.plans = backends.plans_for(cfg.kernel_backend, cfg.max_batch, device)
+        for name in ("dg_schedule", "fi_row_states"):
+            self.register_buffer(name, (shared or {}).get(name), persistent=False)
         if cfg.offload:
             self.pool = GpuPool(cfg, device)
         if cfg.prefill_tokens > 0:  # in both modes (CacheConfig.prefill_tokens says why)
@@ -73,7 +85,11 @@ class LayerKV(nn.Module):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return indexer_topk(q_fp8, weights, self.index_k, block_table, seq_lens, self.topk)
+        plan = self.plans[min(q_fp8.shape[0], len(self.plans)) - 1]
+        return backends.indexer_select(
+            plan, q_fp8, weights, self.index_k, block_table, seq_lens, self.topk,
+            self.dg_schedule, self.fi_row_states,
+        )  # fmt: skip
 
     def fetch(self, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pool is None:
@@ -103,12 +119,23 @@ class KVCache(nn.Module):
         host = allocate_host_rows(
             cfg.num_layers, cfg.host_tokens, cfg.row_bytes, device, pinned=cfg.offload
         )
-        self.layers = nn.ModuleList(LayerKV(cfg, i, host[i], device) for i in range(cfg.num_layers))
+        shared = _backend_buffers(cfg, device)
+        self.layers = nn.ModuleList(
+            LayerKV(cfg, i, host[i], device, shared) for i in range(cfg.num_layers)
+        )
         # Buffers reachable from a compiled module are static inputs already; marking them too keeps
         # them static when the cache is passed some other way (a plain argument), so mutating them
         # never makes CUDA-graph trees skip a graph (docs/graph_notes.md, static inputs).
         for buf in self.buffers():
             torch._dynamo.mark_static_address(buf, guard=False)
+
+    def begin_decode(self, seq_lens: torch.Tensor) -> None:
+        """Once per decode step, before the layers: DeepGEMM's schedule of this step's lengths,
+        which every layer's indexer reads (a no-op when this batch size does not use it)."""
+        first = self.layers[0]
+        plan = first.plans[min(seq_lens.shape[0], len(first.plans)) - 1]
+        if plan.scores == "deep_gemm" and first.dg_schedule is not None:
+            dg_paged_mqa_schedule(seq_lens, first.dg_schedule)
 
     def release(self, host_slots: torch.Tensor) -> None:
         """Forget a finished request's host slots in every layer's GPU pool (echo::release).
@@ -148,3 +175,19 @@ class KVCache(nn.Module):
             "recalled_rows_per_step_per_layer": [p["recalled_rows_per_step"] for p in per],
             "overflow": sum(p["overflow"] for p in per),
         }
+
+
+def _backend_buffers(cfg: CacheConfig, device: torch.device) -> dict[str, torch.Tensor | None]:
+    """The static buffers the indexer's library backends need, allocated once outside any graph
+    pool and shared by every layer: DeepGEMM's schedule, FlashInfer's top-k scratch."""
+    plans = backends.plans_for(cfg.kernel_backend, cfg.max_batch, device)
+    out: dict[str, torch.Tensor | None] = {"dg_schedule": None, "fi_row_states": None}
+    # NOTE: on CPU a plan is always Triton; the buffers exist there too for a non-Triton option,
+    # so tests can drive the library ops' reference kernels through the cache
+    cpu = device.type == "cpu" and cfg.kernel_backend != "triton"
+    if cpu or any(p.scores == "deep_gemm" for p in plans):
+        rows = schedule_rows(device)
+        out["dg_schedule"] = torch.zeros(rows, 2, dtype=torch.int32, device=device)
+    if cpu or any(p.topk == "flashinfer" for p in plans):
+        out["fi_row_states"] = torch.zeros(ROW_STATES_BYTES, dtype=torch.uint8, device=device)
+    return out

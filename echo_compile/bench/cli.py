@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument(
+        "--kernel-backend",
+        choices=("auto", "triton", "deep_gemm", "flashinfer"),
+        default="triton",
+        help="the decode indexer's kernels, for every system (docs/backends.md)",
+    )
+    ap.add_argument(
         "--eager-pools", default=None, help="pools at which offload-eager runs (default 200000)"
     )
     ap.add_argument(
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_tokens": host,
         "kv_format": a.kv_format,
         "compiled": a.compile,
+        "kernel_backend": a.kernel_backend,
         "results": [],
         "breakdown": {},
     }
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 buckets |= {b for b in (16, 32) if b < 2 * a.rate_requests}
             sut = System(
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
-                a.repeat, wl.seed, a.compile,
+                a.repeat, wl.seed, a.compile, a.kernel_backend,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)

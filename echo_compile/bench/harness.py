@@ -202,6 +202,7 @@ class System:
         repeat: float,
         seed: int = 0,
         compile: bool = True,  # False: every system eager (a quick dry run of the harness)
+        kernel_backend: str = "triton",  # the decode indexer's kernels (docs/backends.md)
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -223,6 +224,7 @@ class System:
             # decode only: a compiled prefill has static shapes over max_model_len (see
             # EngineConfig.prefill_compiled); the full mode's prefill chunks run eagerly
             compile_prefill=False,
+            kernel_backend=kernel_backend,
         )
         torch._dynamo.reset()  # a fresh compile per engine: no earlier engine's graphs or guards
         self.compiled = compile and system != "offload-eager"

@@ -1,0 +1,130 @@
+"""Which backend serves which half of the decode indexer, and the call that runs the choice.
+
+``kernel_backend`` (an engine option): ``triton`` (the fused Triton op, the portable default),
+``deep_gemm`` (DeepGEMM scores, Triton top-k), ``flashinfer`` (Triton scores, FlashInfer top-k +
+the tie fix-up), ``auto`` (per half and batch size, from ``AUTO_TABLE``). A library that is not
+installed, a device that is not CUDA, or a shape the library does not support (DeepGEMM: 32 or 64
+index heads) falls back to Triton. Everything is decided from static shapes when the step is
+traced, so each compiled bucket holds one fixed chain of ops.
+
+What stays Triton in every mode: the fused indexer + prefetch kernel (it needs each score as it is
+produced) and prefill's indexer (DeepGEMM's ``fp8_mqa_logits`` is for the sparse-prefill work).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from custom_ops.backends.deep_gemm_ops import HEADS, dg_paged_mqa_logits, logits_width
+from custom_ops.backends.flashinfer_ops import fi_topk
+from custom_ops.backends.split_ops import index_scores, topk_from_scores
+from custom_ops.indexer import indexer_topk
+from custom_ops.kv_format import PAGE
+
+BACKENDS = ("auto", "triton", "deep_gemm", "flashinfer")
+LIBRARY = {"deep_gemm": "deep_gemm", "flashinfer": "flashinfer"}  # backend -> import name
+
+# ``auto``: per half, the backend for a decode batch of at least ``min_batch`` rows (the last row
+# whose min_batch <= B wins). Source of the numbers: issue 16's H200 measurements at 100K context
+# (DeepGEMM scores 228 us vs Triton 258 at B = 64; FlashInfer top-k 77 us vs Triton 169 at
+# B = 64, 75 vs 27 at B = 1; crossovers not measured). To be re-measured on the H200, with the
+# fix-up's cost included, and refilled from:
+#     python -m benchmarks.bench_backends --out $OUT/bench_backends.json   ("auto_table" there)
+AUTO_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
+    "scores": ((1, "triton"), (16, "deep_gemm")),
+    "topk": ((1, "triton"), (16, "flashinfer")),
+}
+
+
+def check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+
+
+@functools.cache
+def installed(backend: str) -> bool:
+    """Whether the library behind ``backend`` is installed and imports (once per process, when a
+    cache is built, never inside a traced step). A broken install warns and falls back."""
+    name = LIBRARY[backend]
+    if importlib.util.find_spec(name) is None:
+        return False
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # an install that cannot load (no CUDA runtime, ABI mismatch, ...)
+        msg = f"kernel_backend: {name} is installed but does not import ({e}); Triton runs"
+        warnings.warn(msg, stacklevel=2)
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Plan:
+    scores: str  # "triton" | "deep_gemm"
+    topk: str  # "triton" | "flashinfer"
+
+
+def _auto(half: str, batch: int) -> str:
+    out = "triton"
+    for min_batch, name in AUTO_TABLE[half]:
+        if batch >= min_batch:
+            out = name
+    return out
+
+
+def plan(backend: str, batch: int, device: torch.device | str) -> Plan:
+    """The backends of the two halves for a decode batch of ``batch`` rows (index heads are
+    checked at the call: ``indexer_select``)."""
+    check_backend(backend)
+    scores = {"auto": _auto("scores", batch), "deep_gemm": "deep_gemm"}.get(backend, "triton")
+    topk = {"auto": _auto("topk", batch), "flashinfer": "flashinfer"}.get(backend, "triton")
+    cuda = torch.device(device).type == "cuda"
+    if scores == "deep_gemm" and not (cuda and installed("deep_gemm")):
+        scores = "triton"
+    if topk == "flashinfer" and not (cuda and installed("flashinfer")):
+        topk = "triton"
+    return Plan(scores, topk)
+
+
+def plans_for(backend: str, max_batch: int, device: torch.device | str) -> tuple[Plan, ...]:
+    """``plan`` of every batch size 1..max_batch, decided once when the cache is built (the
+    traced step then only indexes a tuple: no import machinery under torch.compile)."""
+    return tuple(plan(backend, b, device) for b in range(1, max_batch + 1))
+
+
+def indexer_select(
+    p: Plan,
+    q_fp8: torch.Tensor,  # [B, Hi, 128] uint8
+    weights: torch.Tensor,  # [B, Hi] fp32
+    index_cache: torch.Tensor,  # [pages, 8448] uint8
+    block_table: torch.Tensor,  # [B, P] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    topk: int,
+    schedule: torch.Tensor | None,  # DeepGEMM's schedule of this step (when p.scores uses it)
+    row_states: torch.Tensor | None,  # FlashInfer's scratch (when p.topk uses it)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``echo::indexer_topk``'s result, (host slots [B, topk], kth [B]), by plan ``p``."""
+    scores_by = p.scores
+    if scores_by == "deep_gemm" and q_fp8.shape[1] not in HEADS:  # a static shape: no sync
+        scores_by = "triton"
+    if scores_by == "triton" and p.topk == "triton":
+        return indexer_topk(q_fp8, weights, index_cache, block_table, seq_lens, topk)
+    if scores_by == "deep_gemm":
+        if schedule is None:
+            raise ValueError("kernel_backend: DeepGEMM scores need the cache's schedule buffer")
+        width = logits_width(block_table.shape[1] * PAGE)
+        scores = dg_paged_mqa_logits(
+            q_fp8, weights, index_cache, block_table, seq_lens, schedule, width
+        )
+    else:
+        scores = index_scores(q_fp8, weights, index_cache, block_table, seq_lens)
+    if p.topk == "flashinfer":
+        if row_states is None:
+            raise ValueError("kernel_backend: FlashInfer top-k needs the cache's row_states buffer")
+        return fi_topk(scores, block_table, seq_lens, topk, row_states)
+    return topk_from_scores(scores, block_table, seq_lens, topk)
