@@ -110,7 +110,7 @@ def _logits_kernel(
 
 
 def prefill_index_logits(
-    q_u8: torch.Tensor,  # [Q, Hi, 128] uint8
+    q_fp8: torch.Tensor,  # [Q, Hi, 128] uint8 (e4m3 bytes)
     weights: torch.Tensor,  # [Q, Hi] fp32
     index_cache: torch.Tensor,  # [pages, 8448] uint8
     block_table: torch.Tensor,  # [1, P] int32
@@ -121,14 +121,14 @@ def prefill_index_logits(
     cfg = cfg or PrefillIndexerConfig()
     if cfg.block_q % 16 or cfg.block_t % 16:
         raise ValueError("PrefillIndexerConfig: block_q and block_t must be multiples of 16")
-    Q, n_heads = q_u8.shape[:2]
+    Q, n_heads = q_fp8.shape[:2]
     L = block_table.shape[1] * PAGE
-    scores = torch.empty((Q, L), dtype=torch.float32, device=q_u8.device)
+    scores = torch.empty((Q, L), dtype=torch.float32, device=q_fp8.device)
     if Q == 0:
         return scores
     grid = (triton.cdiv(Q, cfg.block_q), triton.cdiv(L, cfg.block_t))
     _logits_kernel[grid](
-        q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
+        q_fp8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
         block_table[0].contiguous(), positions.contiguous(), scores, Q, L, n_heads,
         BQ=cfg.block_q, BT=cfg.block_t, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -153,7 +153,7 @@ def prefill_topk_from_scores(
 
 
 def prefill_indexer_topk_cuda(
-    q_u8: torch.Tensor,
+    q_fp8: torch.Tensor,
     weights: torch.Tensor,
     index_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -167,16 +167,16 @@ def prefill_indexer_topk_cuda(
         raise ValueError(
             f"prefill_indexer_topk_cuda: index cache must be contiguous [pages, {INDEX_PAGE_BYTES}]"
         )
-    if q_u8.is_cuda and not (index_cache.is_cuda and block_table.is_cuda and positions.is_cuda):
+    if q_fp8.is_cuda and not (index_cache.is_cuda and block_table.is_cuda and positions.is_cuda):
         raise ValueError("prefill_indexer_topk_cuda: all tensors must be on the GPU")
-    T = q_u8.shape[0]
+    T = q_fp8.shape[0]
     L = block_table.shape[1] * PAGE
     qb = score_rows(L, T, cfg.score_elems)
-    out = torch.empty((T, topk), dtype=torch.int32, device=q_u8.device)
+    out = torch.empty((T, topk), dtype=torch.int32, device=q_fp8.device)
     for s in range(0, T, qb):  # static bounds: shapes only
         e = min(T, s + qb)
         scores = prefill_index_logits(
-            q_u8[s:e], weights[s:e], index_cache, block_table, positions[s:e], cfg
+            q_fp8[s:e], weights[s:e], index_cache, block_table, positions[s:e], cfg
         )
         out[s:e] = prefill_topk_from_scores(scores, positions[s:e], topk, cfg)
     return out
