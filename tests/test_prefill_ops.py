@@ -149,3 +149,12 @@ def test_score_rows_bounds_the_block():
     assert pf.score_rows(64, 2048) == 2048  # short contexts: the whole chunk at once
     assert pf.score_rows(10**9, 2048) == 16  # never fewer than 16 queries (tl.dot's minimum)
     assert pk.score_rows(100_000, 2048, pf.SCORE_ELEMS) == pf.score_rows(100_000, 2048)
+
+
+def test_bench_prefill_help_runs_on_cpu(capsys):
+    from benchmarks import bench_prefill
+
+    with pytest.raises(SystemExit) as e:
+        bench_prefill.main(["--help"])
+    assert e.value.code == 0
+    assert "--ttft" in capsys.readouterr().out
