@@ -85,8 +85,9 @@ def prefill_indexer_topk_ref(
     positions: torch.Tensor,
     topk: int,
 ) -> torch.Tensor:
-    T = q_fp8.shape[0]
-    qb = score_rows(block_table.shape[1] * PAGE, T, SCORE_ELEMS // 4)  # CPU: smaller blocks
+    T, H = q_fp8.shape[:2]
+    # the reference holds [block, H, L] fp32 logits: bound that (a quarter of the kernel's budget)
+    qb = score_rows(block_table.shape[1] * PAGE * max(H, 1), T, SCORE_ELEMS // 4)
     outs = []
     for s in range(0, T, qb):  # static bounds: shapes only
         e = min(T, s + qb)
