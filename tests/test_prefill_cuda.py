@@ -54,7 +54,7 @@ def test_compiled_prefill_above_the_old_16k_limit():
     outs = []
     for offload in (True, False):
         llm = LLM("tiny", max_batch=2, host_tokens=20480, gpu_tokens=2 * 32, kv_format="fp8",
-                  offload=offload, max_model_len=20480, prefill_chunk=256,
+                  offload=offload, max_model_len=20480, prefill_chunk=64,
                   progress=False)  # fmt: skip
         runner = llm.engine.runner
         assert [k for k, _, _ in runner.compiled] == ["decode", "prefill"]
