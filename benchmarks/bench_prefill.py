@@ -34,6 +34,7 @@ if "--dry-run" in sys.argv:  # read when the kernels are defined, so before impo
 
 import torch  # noqa: E402
 
+from custom_ops import attention_kernels as ak  # noqa: E402
 from custom_ops import prefill as pf  # noqa: E402
 from custom_ops import prefill_kernels as pk  # noqa: E402
 from custom_ops.cache.config import CacheConfig  # noqa: E402
@@ -280,6 +281,54 @@ def bench_profile(res: dict, model, a, dev: str) -> None:
         if k in flops and t > 0:
             row |= {"flops": flops[k], "tflop_s": flops[k] / t / 1e12}
         out["parts"][k] = row
+    # launch configurations side by side (the defaults are chosen by reasoning, untimed)
+    out["configs"] = []
+    logit_cfgs = [
+        pk.PrefillIndexerConfig(),
+        pk.PrefillIndexerConfig(block_q=64, block_t=128, num_warps=4, num_stages=3),
+        pk.PrefillIndexerConfig(block_q=128, block_t=64, num_warps=4, num_stages=2),
+        pk.PrefillIndexerConfig(block_q=128, block_t=128, num_warps=8, num_stages=3),
+    ]
+    attn_cfgs = [ak.MlaConfig(), ak.MlaConfig(num_stages=3), ak.MlaConfig(block_k=32)]
+    with torch.no_grad():
+        # the layer timed above rewrote this chunk's indexer keys: a fresh default result
+        base = pk.prefill_index_logits(q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs])
+        for c in logit_cfgs:
+            row = {"op": "prefill_index_logits", "config": {k: v for k, v in c.__dict__.items()
+                                                            if k != "select"}}  # fmt: skip
+            try:
+                got = pk.prefill_index_logits(q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs], c)
+                row["same_as_default"] = bool(torch.allclose(got, base, rtol=1e-5, atol=1e-6))
+                row["ms"] = 1e3 * timed(
+                    lambda c=c: pk.prefill_index_logits(
+                        q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs], c
+                    ),
+                    dev,
+                    reps=a.reps,
+                )
+                row["tflop_s"] = flops["indexer"] / n_blocks / (row["ms"] / 1e3) / 1e12
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["configs"].append(row)
+            log(f"config {row}")
+        o_def = torch.ops.echo.sparse_mla_prefill(q, rows_all, sel, mla.softmax_scale, cl.fmt)
+        for c in attn_cfgs:
+            row = {"op": "sparse_mla_prefill", "config": c.__dict__}
+            try:
+                o = pk.sparse_mla_prefill_cuda(q, rows_all, sel, mla.softmax_scale, cl.fmt, c)
+                row["max_diff_vs_default"] = float((o.float() - o_def.float()).abs().max())
+                row["ms"] = 1e3 * timed(
+                    lambda c=c: pk.sparse_mla_prefill_cuda(
+                        q, rows_all, sel, mla.softmax_scale, cl.fmt, c
+                    ),
+                    dev,
+                    reps=a.reps,
+                )
+                row["tflop_s"] = flops["attention"] / (row["ms"] / 1e3) / 1e12
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["configs"].append(row)
+            log(f"config {row}")
     out["note"] = (
         "indexer/topk timed on the last query block and scaled by the chunk's block count; "
         "projections_etc = layer - the other parts (projections, norms, rope, KV write-through)"
