@@ -3,7 +3,7 @@
 
 Tokens are flat: a step carries ``T`` tokens of ``B`` requests (``ForwardMeta``). The KV cache is
 the ``KVCache`` passed in; the model only calls its per-layer ``store``/``select``/``fetch``/
-``read`` and the ``echo::sparse_mla_decode`` op, so offloading changes no model code.
+``read`` (and reads its ``index_k``) and the attention ops, so offloading changes no model code.
 
 Attention runs in the absorbed (MQA) form, the form the serving kernels use, over the
 ``index_topk`` rows the indexer selects per query:
