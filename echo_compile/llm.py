@@ -44,10 +44,10 @@ class LLM:
     first use). Engine options (``EngineConfig``): ``max_batch``, ``host_tokens`` (host KV pool rows
     per layer), ``gpu_tokens`` (GPU pool rows per layer), ``kv_format`` ("bf16" | "fp8"),
     ``offload`` (False: the whole KV cache on the device), ``max_model_len``, ``prefill_chunk``,
-    ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill for contexts up to
-    16384 tokens). ``compile`` (default: on CUDA) captures every bucket into CUDA graphs at
-    start-up, then forbids recompiles. Any number of engines may live in one process: each owns
-    its compiled steps.
+    ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill, one graph per chunk
+    bucket, for any ``max_model_len``; False: eager prefill). ``compile`` (default: on CUDA)
+    captures every bucket into CUDA graphs at start-up, then forbids recompiles. Any number of
+    engines may live in one process: each owns its compiled steps.
     """
 
     def __init__(

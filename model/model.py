@@ -3,15 +3,15 @@
 
 Tokens are flat: a step carries ``T`` tokens of ``B`` requests (``ForwardMeta``). The KV cache is
 the ``KVCache`` passed in; the model only calls its per-layer ``store``/``select``/``fetch``/
-``read`` and the ``echo::sparse_mla_decode`` op, so offloading changes no model code.
+``read`` (and reads its ``index_k``) and the attention ops, so offloading changes no model code.
 
-Attention has the reference's two forms:
-- prefill (one request, a chunk of ``T`` tokens): the explicit form, keys and values expanded by
-  ``kv_b_proj`` from the request's cached latent rows, masked by the indexer's top-k and causality;
-- decode (``T == B``, one token per request): the absorbed (MQA) form over the ``index_topk`` rows
-  the indexer op selects, the form the serving kernels use.
-Both read the same cached rows (the latent after the reference's FP8 round trip), so they agree up
-to bf16 rounding (tests/test_model.py measures it).
+Attention runs in the absorbed (MQA) form, the form the serving kernels use, over the
+``index_topk`` rows the indexer selects per query:
+- prefill (one request, a chunk of ``T`` tokens): ``echo::prefill_indexer_topk`` selects for every
+  query over its causal prefix, ``echo::sparse_mla_prefill`` attends over the request's rows;
+- decode (``T == B``, one token per request): ``echo::indexer_topk``, ``echo::sparse_mla_decode``.
+The reference's explicit form (keys and values expanded by ``kv_b_proj``) is model/prefill_ref.py,
+what the tests compare with; it agrees up to bf16 rounding (tests/test_prefill_model.py).
 
 The decode step is torch.compile(fullgraph=True, mode="reduce-overhead")-friendly: fixed shapes,
 no host syncs, no Python branching on tensor values; per-step values come in through ``meta``.
@@ -26,14 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from custom_ops import attention as _attention  # noqa: F401  (registers echo::sparse_mla_decode)
+from custom_ops import prefill as _prefill_ops  # noqa: F401  (registers the echo:: prefill ops)
 from custom_ops.cache.kv_cache import KVCache, LayerKV
 from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.kv_format import (
     PAGE,
-    index_cache_gather,
     pack_index_k,
     pack_kv_rows,
-    unpack_kv_rows,
 )
 from model.config import ModelConfig
 from model.forward_meta import ForwardMeta
@@ -42,8 +41,6 @@ from model.rope import YarnRotary, apply_rope, hadamard_matrix, rotate_activatio
 
 DTYPE = torch.bfloat16
 LAYERNORM_EPS = 1e-6  # the reference's LayerNorm default (indexer k_norm)
-# Prefill attention materialises [query block, heads, context] fp32 scores: bound the block.
-PREFILL_BLOCK_ELEMS = 1 << 24
 
 
 # ---- norms -------------------------------------------------------------------------------------
@@ -91,34 +88,6 @@ def _linear(din: int, dout: int, dtype: torch.dtype = DTYPE) -> nn.Linear:
 
 
 # ---- lightning indexer -------------------------------------------------------------------------
-
-
-def index_scores(
-    q_fp8: torch.Tensor,  # [Q, Hi, 128] e4m3
-    weights: torch.Tensor,  # [Q, Hi] fp32, every scale folded in
-    k: torch.Tensor,  # [L, 128] fp32 (dequantised e4m3 values)
-    k_scale: torch.Tensor,  # [L] fp32
-) -> torch.Tensor:
-    """Index scores ``[Q, L]``: ``k_scale[t] * Σ_h w[q, h] * ReLU(q_h · k_t)``, the formula (and
-    the operation order) of ``custom_ops.indexer.indexer_topk_ref``. ReLU before the head weights
-    (docs/model_notes.md, indexer step 6)."""
-    logits = torch.einsum("qhd,td->qht", q_fp8.float(), k)  # [Q, Hi, L]
-    return (logits.relu() * weights.float()[:, :, None]).sum(dim=1) * k_scale  # [Q, L]
-
-
-def prefill_topk_mask(score: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
-    """bool ``[Q, L]``: the keys query ``q`` (at absolute position ``positions[q]``) attends: the
-    top ``min(topk, p + 1)`` causal keys by ``score [Q, L]``, ties to the earlier token, exactly as
-    ``echo::indexer_topk`` selects for a request of ``p + 1`` tokens. Causality is built in."""
-    q, n = score.shape
-    t = torch.arange(n, device=score.device)
-    causal = t[None, :] <= positions[:, None]  # [Q, L]
-    score = torch.where(causal, score, torch.full_like(score, float("-inf")))
-    k = min(topk, n)
-    order = torch.sort(-score, dim=1, stable=True).indices[:, :k]  # [Q, K] best first
-    n_sel = (positions.long() + 1).clamp(max=k)  # [Q]
-    chosen = torch.arange(k, device=score.device)[None, :] < n_sel[:, None]  # [Q, K]
-    return torch.zeros(q, n, dtype=torch.bool, device=score.device).scatter(1, order, chosen)
 
 
 class Indexer(nn.Module):
@@ -269,37 +238,29 @@ class MLA(nn.Module):
         meta: ForwardMeta,
         cache_layer: LayerKV,
     ) -> torch.Tensor:
-        """Explicit form over the request's cached rows (this chunk's rows were stored first).
+        """Sparse prefill in the absorbed form (this chunk's rows were stored first): each query's
+        exact indexer top-k over its causal prefix (``echo::prefill_indexer_topk``, token
+        positions), then ``echo::sparse_mla_prefill`` over those of the request's rows, the decode
+        kernel's form and numerics. The explicit form is model/prefill_ref.py (tests only).
 
-        The context is every position the block table covers (``P * 64``; causality masks the
-        positions past each query, so no host read of seq_len is needed): the runtime should
-        pass a block table no wider than the request needs. Queries are processed in blocks so
-        the fp32 score tensor stays under ``PREFILL_BLOCK_ELEMS``. Scores and softmax in fp32
-        (the reference uses bf16 there; fp32 is what the decode kernel does)."""
-        t, h = q_nope.shape[0], self.n_heads
-        nope, rope, dv = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        The context is every position the block table covers (``P * 64``; the ops mask each
+        query's positions past its own, so no host read of seq_len is needed)."""
         bt = meta.block_table
         n = bt.shape[1] * PAGE
         pos_all = torch.arange(n, device=bt.device)
         slots_all = bt[0, pos_all // PAGE].long() * PAGE + pos_all % PAGE  # [L] host slots
-        kv_all = unpack_kv_rows(cache_layer.read(slots_all, pos_all), cache_layer.fmt)  # [L, 576]
-        c_all, pe_all = torch.split(kv_all, [self.kv_lora_rank, rope], dim=-1)
-        kvb = self.kv_b_proj(c_all).view(n, h, nope + dv)  # [L, H, nope+v]
-        k_nope, v = torch.split(kvb, [nope, dv], dim=-1)
-        k = torch.cat([k_nope, pe_all[:, None, :].expand(n, h, rope)], dim=-1).float()  # [L,H,192]
-        v = v.float()  # [L, H, v]
-        q = torch.cat([q_nope, q_pe], dim=-1).float()  # [T, H, 192]
-        k_idx, k_scale = index_cache_gather(cache_layer.index_k, slots_all)  # [L, 128], [L]
-        qb = max(1, min(t, PREFILL_BLOCK_ELEMS // (max(h, q_idx.shape[1]) * n)))
-        outs = []
-        for s in range(0, t, qb):  # static bounds: T, L are shapes
-            e = min(t, s + qb)
-            score = index_scores(q_idx[s:e], w_idx[s:e], k_idx, k_scale)  # [qb, L]
-            sel = prefill_topk_mask(score, meta.positions[s:e], self.index_topk)  # [qb, L]
-            att = torch.einsum("qhd,thd->qht", q[s:e], k) * self.softmax_scale  # [qb, H, L]
-            att = att.masked_fill(~sel[:, None, :], float("-inf"))
-            outs.append(torch.einsum("qht,thd->qhd", att.softmax(dim=-1), v))  # [qb, H, v]
-        return torch.cat(outs).to(q_nope.dtype)  # [T, H, v]
+        rows = cache_layer.read(slots_all, pos_all)  # [L, row] uint8, by position
+        sel = torch.ops.echo.prefill_indexer_topk(
+            q_idx.view(torch.uint8), w_idx, cache_layer.index_k, bt, meta.positions, self.index_topk
+        )  # [T, topk] int32 positions, -1 pad
+        w = self.kv_b_weight().view(self.n_heads, -1, self.kv_lora_rank)  # [H, nope+v, 512]
+        w_uk = w[:, : self.qk_nope_head_dim]  # [H, nope, 512]
+        w_uv = w[:, self.qk_nope_head_dim :]  # [H, v, 512]
+        q = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe], dim=-1)  # [T, H, 576]
+        o_lat = torch.ops.echo.sparse_mla_prefill(
+            q, rows, sel, self.softmax_scale, cache_layer.fmt
+        )  # [T, H, 512] bf16
+        return torch.einsum("thc,hdc->thd", o_lat, w_uv)  # [T, H, v]
 
 
 # ---- blocks and the model ----------------------------------------------------------------------

@@ -16,9 +16,10 @@ from runtime.request import PAGE
 from runtime.scheduler import SchedulerConfig
 
 # A compiled prefill has fixed shapes: its block table always spans max_model_len (see
-# ModelRunner.prefill_inputs), so every chunk attends over the whole context. By default prefill
-# is compiled only up to this context; longer contexts prefill eagerly over their own pages.
-COMPILED_PREFILL_MAX_LEN = 16384
+# ModelRunner.prefill_inputs). The sparse prefill ops read only each query's causal prefix of it
+# (the indexer skips token tiles past a query block's last position, the top-k reads each query's
+# p + 1 scores, attention only the selected rows), so a compiled prefill costs what the prompt
+# needs whatever the context limit: prefill is compiled by default for every max_model_len.
 
 
 def default_decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -57,8 +58,8 @@ class EngineConfig:
     prefill_chunk: int = 2048
     decode_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... max_batch
     device: str = "cpu"
-    # compiled engines only: compile the prefill chunks too. None: when the context limit is at
-    # most COMPILED_PREFILL_MAX_LEN (see prefill_compiled)
+    # compiled engines only: compile the prefill chunks too (one graph per chunk bucket).
+    # None: yes, for every context limit (see prefill_compiled); False: eager prefill
     compile_prefill: bool | None = None
     # decode indexer kernels: "triton" | "deep_gemm" | "flashinfer" | "auto" (per half and batch
     # size by measured speed); a missing library falls back to Triton (docs/backends.md)
@@ -115,10 +116,10 @@ class EngineConfig:
 
     def prefill_compiled(self, model_config: ModelConfig) -> bool:
         """The one prefill-compile policy of a compiled engine (``LLM``, ``echo_compile.compile``,
-        the bench): ``compile_prefill`` when set, else compile it for short contexts only."""
+        the bench): ``compile_prefill`` when set, else compiled, for any ``max_model_len``."""
         if self.compile_prefill is not None:
             return self.compile_prefill
-        return self.model_len(model_config) <= COMPILED_PREFILL_MAX_LEN
+        return True
 
     def cache_config(self, model_config: ModelConfig) -> CacheConfig:
         max_len = self.model_len(model_config)

@@ -209,9 +209,8 @@ class ModelRunner:
         slots[:n] = torch.tensor([req.slot_of(p) for p in range(start, end)], dtype=torch.int64)
         lens = torch.tensor([end], dtype=torch.int32)
         logits_idx = torch.tensor([n - 1], dtype=torch.int64)
-        # The explicit prefill attends over every position the block table covers (causality masks
-        # the rest), so an eager prefill passes only the pages it needs: ~end tokens of work
-        # instead of max_model_len.
+        # The prefill reads the rows of every position the block table covers (the ops mask each
+        # query's causal prefix), so an eager prefill passes only the pages it needs.
         width = self.pages_per_seq if self.prefill_static_width else pages_for(end)
         bt = self._block_table([req], 1)[:, :width].contiguous()
         return self._to_device(ids, pos, slots, bt, lens, logits_idx)

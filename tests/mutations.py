@@ -75,6 +75,20 @@ MUTATIONS = [
         ("tests/test_golden_logits.py",),
     ),
     Mutation(
+        "prefill reference: a query sees the token after its own",
+        "custom_ops/prefill.py",
+        "causal = t[None, :] <= positions[:, None]",
+        "causal = t[None, :] <= positions[:, None] + 1",
+        ("tests/test_prefill_model.py",),
+    ),
+    Mutation(
+        "prefill logits kernel: a query sees the token after its own",
+        "custom_ops/prefill_kernels.py",
+        's = tl.where(tt[None, :] <= pos[:, None], s, float("-inf"))',
+        's = tl.where(tt[None, :] <= pos[:, None] + 1, s, float("-inf"))',
+        ("tests/test_prefill_ops.py::test_prefill_logits_kernel_matches_reference",),
+    ),
+    Mutation(
         "stop string: one character too few held back",
         "runtime/tokenizer.py",
         "for n in range(min(len(s) - 1, len(buf)), longest, -1):",

@@ -8,7 +8,10 @@ Two measurements, two tolerances:
   must compute that model up to bf16 rounding, which differs between the two matmul paths and
   adds up over 4 layers: 1.4-2.9% measured for prompts within top-k (bound 5e-2). Past top-k a
   rounding difference can swap a near-tied key of the indexer (11% measured on a 58-token
-  prompt), so that comparison is made on dense-attention prompts only.
+  prompt), so that comparison is made on dense-attention prompts only, and with the explicit
+  prefill form (model/prefill_ref.py): layer 2's MoE routing near-ties differ between the two
+  models at both positions of the 2-token prompt, and the absorbed form's other bf16 roundings
+  turn those flips into 8.1% there (1.5-1.8% on the other prompts).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from model.awq import AWQExperts, AWQLinear
 from model.checkpoint import resolve_model
 from model.loader import load_model
 from model.moe import Experts
+from model.prefill_ref import explicit_prefill_in
 
 PROMPTS = ([0, 44, 73, 341, 83], [0, 264, 499, 315, 432, 18], [0, 7], list(range(2, 60)))
 
@@ -62,4 +66,6 @@ def test_tiny_awq_logits_close_to_bf16_and_exact_to_its_dequantised_model():
         assert float(torch.corrcoef(torch.stack([q, ref]))[0, 1]) >= 0.94
         assert rel(q, ref) <= 0.35
         if len(p) <= awq.config.index_topk:
-            assert rel(q, dq) <= 5e-2
+            assert rel(q, dq) <= 0.1  # served (absorbed) form: measured 1.5-8.1%
+            with explicit_prefill_in(awq), explicit_prefill_in(dense):
+                assert rel(last_logits(awq, p), last_logits(dense, p)) <= 5e-2

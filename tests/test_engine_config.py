@@ -9,7 +9,7 @@ import pytest
 from custom_ops.cache.config import CacheConfig
 from model.checkpoint import resolve_model
 from model.config import ModelConfig
-from runtime.engine_config import COMPILED_PREFILL_MAX_LEN, EngineConfig
+from runtime.engine_config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +27,9 @@ def test_both_modes_get_the_same_prefill_buffer_in_whole_pages(mc):
 
 
 def test_one_prefill_compile_policy(mc):
-    big = COMPILED_PREFILL_MAX_LEN + 64
+    big = 131072  # the sparse prefill compiles for long context limits too
     assert EngineConfig(max_model_len=4096).prefill_compiled(mc)
-    assert not EngineConfig(max_model_len=big, host_tokens=big).prefill_compiled(mc)
+    assert EngineConfig(max_model_len=big, host_tokens=big).prefill_compiled(mc)
     assert EngineConfig(max_model_len=big, host_tokens=big, compile_prefill=True).prefill_compiled(
         mc
     )

@@ -17,7 +17,8 @@ from custom_ops.fp8 import fp8_round_trip
 from custom_ops.kv_format import index_cache_gather
 from model.config import ModelConfig
 from model.forward_meta import ForwardMeta
-from model.model import MLA, DeepseekV32ForCausalLM, index_scores, prefill_topk_mask
+from model.model import MLA, DeepseekV32ForCausalLM
+from model.prefill_ref import explicit_prefill_in, index_scores, prefill_topk_mask
 from model.presets import preset_config
 from model.rope import apply_rope
 
@@ -147,7 +148,7 @@ def _mla_prefill_then_decode(
     cos, sin = cos_sin
     ids = torch.zeros(n, dtype=torch.int64)
     cache_a, cache_b = make_cache(cfg, fmt), make_cache(cfg, fmt)
-    with torch.no_grad():
+    with torch.no_grad(), explicit_prefill_in(mla):  # the explicit form (model/prefill_ref.py)
         pre = mla(x, cos, sin, req.prefill(ids, 0), cache_a.layers[0])
         outs = [mla(x[:1], cos[:1], sin[:1], req.prefill(ids[:1], 0), cache_b.layers[0])]
         for p in range(1, n):

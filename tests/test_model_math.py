@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from custom_ops.fp8 import FP8_MAX, act_dequant, act_quant, fp8_round_trip
 from custom_ops.kv_format import pack_kv_rows, unpack_kv_rows
 from model.config import ModelConfig
-from model.model import DeepseekV32ForCausalLM, LayerNorm, RMSNorm, index_scores
+from model.model import DeepseekV32ForCausalLM, LayerNorm, RMSNorm
 from model.moe import MoE
+from model.prefill_ref import index_scores
 from model.presets import preset_config
 from model.rope import (
     YarnRotary,

@@ -1,0 +1,400 @@
+"""Long-context prefill on one GPU (H200): the sparse prefill ops and the TTFT they give.
+
+    python -m benchmarks.bench_prefill --out benchmarks/results/prefill_h200.json
+
+On the bench preset (real V3.2 attention and indexer dimensions, ``--layers`` 4, ``--experts`` 16):
+1. correctness of each prefill kernel against its reference on the GPU (PASS/FAIL, recorded;
+   a failure never stops the timings): indexer logits, top-k, the whole indexer op, attention;
+2. TTFT of one prompt of each ``--ttft`` length (default 8K, 32K, 100K): every chunk of
+   ``--chunk`` tokens through the model (eager, as the engine's eager prefill runs it: block table
+   as wide as the prompt so far) with the KV written through to pinned host memory, then the last
+   token's logits; the old explicit path (model/prefill_ref.py) side by side at ``--old`` only
+   (8K: at ~48 s per 32K prompt it does not fit the budget);
+3. prefill throughput: ``--tput`` prompts of ``--tput-len`` tokens back to back (tokens/s);
+4. where the time goes for one chunk at the end of a ``--profile-ctx`` context, each part timed
+   alone with CUDA events on the model's own shapes: indexer logits, top-k, attention, MoE, and the
+   rest of a layer (projections, norms, rope, KV write-through) = the whole layer minus those, each
+   with its achieved TFLOP/s.
+JSON is written after every measurement; sizes past ``--budget-s`` seconds are skipped (recorded).
+``--dry-run`` runs the same code with the tiny preset at toy sizes on CPU (Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if "--dry-run" in sys.argv:  # read when the kernels are defined, so before importing them
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from custom_ops import attention_kernels as ak  # noqa: E402
+from custom_ops import prefill as pf  # noqa: E402
+from custom_ops import prefill_kernels as pk  # noqa: E402
+from custom_ops.cache.config import CacheConfig  # noqa: E402
+from custom_ops.cache.kv_cache import KVCache  # noqa: E402
+from custom_ops.kv_format import PAGE, pages_for  # noqa: E402
+from echo_compile.bench.harness import build_model, environment  # noqa: E402
+from model.forward_meta import ForwardMeta  # noqa: E402
+from model.prefill_ref import explicit_prefill_in  # noqa: E402
+from tests.test_decode_kernels import (  # noqa: E402
+    SCORE_REL,
+    attention_close,
+    check_scores,
+    make_pool,
+)
+from tests.test_prefill_ops import magnitudes, make_prefill_inputs  # noqa: E402
+
+START = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - START:6.1f}s] {msg}", flush=True)
+
+
+def sync(dev: str) -> None:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev: str, reps: int = 1) -> float:
+    """Median wall seconds of ``fn()`` (synchronised), over ``reps`` runs."""
+    ts = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def check_kernels(res: dict, dev: str, small: bool) -> None:
+    """Each prefill kernel against its reference on the device; PASS/FAIL into res."""
+    out = res["correctness"] = {}
+    gen = torch.Generator(device=dev).manual_seed(1)
+    P, Hi, T, start = (5, 4, 40, 150) if small else (64, 64, 512, 3000)
+    cfg = pk.PrefillIndexerConfig(score_elems=16 * P * PAGE) if small else pk.PrefillIndexerConfig()
+
+    def case(name: str, fn) -> None:
+        try:
+            fn()
+            out[name] = "PASS"
+        except Exception as e:  # report and go on: one failure must not hide the timings
+            out[name] = f"FAIL: {type(e).__name__}: {e}"[:2000]
+            traceback.print_exc()
+        log(f"check {name}: {out[name][:200]}")
+
+    inp = make_prefill_inputs(P, Hi, T, start, 7, gen)
+    topk = 32 if small else 2048
+
+    def logits() -> None:
+        ref = pf.prefill_index_logits_ref(**inp)
+        check_scores(pk.prefill_index_logits(**inp, cfg=cfg), ref, magnitudes(inp), SCORE_REL)
+
+    def select() -> None:
+        s = pf.prefill_index_logits_ref(**inp)
+        want = pf.prefill_topk_from_scores_ref(s, inp["positions"], topk)
+        got = pk.prefill_topk_from_scores(s, inp["positions"], topk, cfg)
+        assert torch.equal(got, want), "top-k differs from the reference on the same scores"
+
+    def whole() -> None:
+        want = pf.prefill_indexer_topk_ref(**inp, topk=topk)
+        got = pk.prefill_indexer_topk_cuda(**inp, topk=topk, cfg=cfg)
+        same = (got == want).all(1).float().mean().item()
+        # rounding may flip a near-tie at the k-th score: count, then require >= 99% of rows
+        out["indexer_rows_identical"] = same
+        assert same >= 0.99, f"only {same:.3f} of the rows select what the reference selects"
+
+    def attention(fmt: str) -> None:
+        Ta, H, L, K = (6, 4, 150, 48) if small else (256, 128, 8192, 2048)
+        q = (torch.randn(Ta, H, 576, generator=gen, device=dev) * 0.3).bfloat16()
+        rows = make_pool(L, fmt, gen)
+        sel = torch.rand(Ta, L, generator=gen, device=dev).argsort(1)[:, :K].sort(1).values.int()
+        sel[0, K // 2 :] = -1
+        ref = pf.sparse_mla_prefill_ref(q, rows, sel, 0.1352, fmt)
+        attention_close(pk.sparse_mla_prefill_cuda(q, rows, sel, 0.1352, fmt), ref)
+
+    case("prefill_index_logits", logits)
+    case("prefill_topk_from_scores", select)
+    case("prefill_indexer_topk", whole)
+    case("sparse_mla_prefill_bf16", lambda: attention("bf16"))
+    case("sparse_mla_prefill_fp8", lambda: attention("fp8"))
+
+
+class Prefiller:
+    """One request's prefill through the model, chunk by chunk (what the engine's eager prefill
+    does, without the scheduler), on a cache sized for ``max_len`` tokens."""
+
+    def __init__(self, model, max_len: int, fmt: str, chunk: int, dev: str):
+        self.model, self.chunk, self.dev = model, chunk, dev
+        c = model.config
+        n = pages_for(max_len) * PAGE
+        cc = CacheConfig(c.num_hidden_layers, n, max(c.index_topk, PAGE), c.index_topk, fmt,
+                         offload=dev.startswith("cuda"), max_batch=1, prefill_tokens=n)  # fmt: skip
+        self.cache = KVCache(cc, dev)
+        self.vocab = c.vocab_size
+
+    def meta(self, ids: torch.Tensor, s: int, e: int) -> ForwardMeta:
+        d = self.dev
+        n = e - s
+        pages = pages_for(e)
+        return ForwardMeta(
+            ids[s:e],
+            torch.arange(s, e, device=d),
+            torch.arange(s, e, device=d),  # host slot = position: pages 0, 1, ... in order
+            torch.arange(pages, dtype=torch.int32, device=d)[None],
+            torch.tensor([e], dtype=torch.int32, device=d),
+            torch.tensor([n - 1], device=d),
+            is_decode=False,
+        )
+
+    def run(self, n_tokens: int, seed: int = 0) -> torch.Tensor:
+        g = torch.Generator(device=self.dev).manual_seed(seed)
+        ids = torch.randint(2, self.vocab, (n_tokens,), generator=g, device=self.dev)
+        logits = None
+        with torch.no_grad():
+            for s in range(0, n_tokens, self.chunk):
+                logits = self.model(self.meta(ids, s, min(n_tokens, s + self.chunk)), self.cache)
+        return logits
+
+
+def bench_ttft(res: dict, model, a, dev: str) -> None:
+    out = res["ttft"] = []
+    lens = [int(x) for x in a.ttft.split(",") if x]
+    old = {int(x) for x in a.old.split(",") if x}
+    pre = Prefiller(model, max(lens + [a.tput_len, a.profile_ctx]), a.kv_format, a.chunk, dev)
+    res["prefiller"] = pre  # reused below (not serialised)
+    log("warm-up (Triton compiles)")
+    pre.run(min(2 * a.chunk, max(lens)))
+    with explicit_prefill_in(model):
+        pre.run(min(a.chunk + 64, max(lens)))
+    for n in lens:
+        for path in ("sparse", "explicit") if n in old else ("sparse",):
+            row = {"tokens": n, "path": path, "chunk": a.chunk}
+            if time.monotonic() - START > a.budget_s:
+                row["skipped"] = "over --budget-s"
+            else:
+                try:
+                    if path == "explicit":
+                        with explicit_prefill_in(model):
+                            row["ttft_s"] = timed(lambda n=n: pre.run(n), dev)
+                    else:
+                        row["ttft_s"] = timed(lambda n=n: pre.run(n), dev)
+                    row["tokens_per_s"] = n / row["ttft_s"]
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                    traceback.print_exc()
+            out.append(row)
+            log(f"ttft {row}")
+            write(res, a.out)
+
+
+def bench_throughput(res: dict, a, dev: str) -> None:
+    pre = res["prefiller"]
+    row = res["throughput"] = {"prompts": a.tput, "tokens_each": a.tput_len}
+    if time.monotonic() - START > a.budget_s:
+        row["skipped"] = "over --budget-s"
+        return
+    t = timed(lambda: [pre.run(a.tput_len, seed=i) for i in range(a.tput)], dev)
+    row |= {"seconds": t, "tokens_per_s": a.tput * a.tput_len / t}
+    log(f"throughput {row}")
+
+
+def _layer_flops(cfg, T: int, ctx_sum: int) -> dict[str, float]:
+    """FLOPs of one layer's parts for T tokens whose causal lengths sum to ctx_sum."""
+    D, H, Hi = cfg.hidden_size, cfg.num_attention_heads, cfg.index_n_heads
+    ql, nope, rope, v = cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    K = cfg.index_topk
+    proj = D * ql + ql * H * (nope + rope) + D * 576 + H * v * D  # MLA projections
+    proj += ql * Hi * 128 + D * 128 + D * Hi  # indexer projections
+    proj += H * nope * 512 + H * 512 * v  # absorption of kv_b_proj into q and o
+    moe = (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * D * cfg.moe_intermediate_size
+    return {
+        "indexer": 2.0 * ctx_sum * Hi * 128,
+        "attention": 2.0 * T * H * min(K, ctx_sum // T) * (576 + 512),
+        "moe": 2.0 * T * moe,
+        "projections_etc": 2.0 * T * proj,
+    }
+
+
+def bench_profile(res: dict, model, a, dev: str) -> None:
+    """One chunk at the end of a profile_ctx context: each part alone, then the whole layer."""
+    out = res["profile"] = {"ctx": a.profile_ctx, "chunk": a.chunk, "parts": {}}
+    if time.monotonic() - START > a.budget_s:
+        out["skipped"] = "over --budget-s"
+        return
+    pre = res["prefiller"]
+    pre.run(a.profile_ctx)  # fills the cache: the chunk's context is real rows
+    cfg = model.config
+    T, n = a.chunk, a.profile_ctx
+    s = n - T
+    ids = torch.randint(2, cfg.vocab_size, (n,), device=dev)
+    meta = pre.meta(ids, s, n)
+    layer_id = min(cfg.first_k_dense_replace, cfg.num_hidden_layers - 1)  # an MoE layer
+    block = model.model.layers[layer_id]
+    cl = pre.cache.layers[layer_id]
+    mla = block.self_attn
+    x = (torch.randn(T, cfg.hidden_size, device=dev) * 0.5).bfloat16()
+    cos, sin = model.model.rotary_emb(meta.positions)
+    with torch.no_grad():
+        qr = mla.q_a_layernorm(mla.q_a_proj(x))
+        q_idx, w_idx, _ = mla.indexer(x, qr, cos, sin)
+        q_u8 = q_idx.view(torch.uint8)
+        bt, pos = meta.block_table, meta.positions
+        rows_needed = pk.score_rows(bt.shape[1] * PAGE, T, pk.PrefillIndexerConfig().score_elems)
+        qs = slice(T - rows_needed, T)  # the last query block (the longest contexts)
+        scores = pk.prefill_index_logits(q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs])
+        L_all = bt.shape[1] * PAGE
+        rows_all = cl.read(torch.arange(L_all, device=dev), torch.arange(L_all, device=dev))
+        sel = torch.ops.echo.prefill_indexer_topk(q_u8, w_idx, cl.index_k, bt, pos, cfg.index_topk)
+        q = (torch.randn(T, mla.n_heads, 576, device=dev) * 0.3).bfloat16()
+        n_blocks = -(-T // rows_needed)
+        parts = {
+            "indexer": lambda: pk.prefill_index_logits(
+                q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs]
+            ),
+            "topk": lambda: pk.prefill_topk_from_scores(scores, pos[qs], cfg.index_topk),
+            "attention": lambda: torch.ops.echo.sparse_mla_prefill(
+                q, rows_all, sel, mla.softmax_scale, cl.fmt
+            ),
+            "moe": lambda: block.mlp(x),
+            "layer": lambda: block(x, None, cos, sin, meta, cl),
+        }
+        times = {k: timed(f, dev, reps=a.reps) for k, f in parts.items()}
+    # the indexer and top-k ran for one query block: scale to the chunk's n_blocks blocks
+    times["indexer"] *= n_blocks
+    times["topk"] *= n_blocks
+    times["projections_etc"] = times["layer"] - sum(
+        times[k] for k in ("indexer", "topk", "attention", "moe")
+    )
+    ctx_sum = int((pos + 1).sum())
+    flops = _layer_flops(cfg, T, ctx_sum)
+    for k, t in times.items():
+        row = {"ms": t * 1e3}
+        if k in flops and t > 0:
+            row |= {"flops": flops[k], "tflop_s": flops[k] / t / 1e12}
+        out["parts"][k] = row
+    # launch configurations side by side (the defaults are chosen by reasoning, untimed)
+    out["configs"] = []
+    logit_cfgs = [
+        pk.PrefillIndexerConfig(),
+        pk.PrefillIndexerConfig(block_q=64, block_t=128, num_warps=4, num_stages=3),
+        pk.PrefillIndexerConfig(block_q=128, block_t=64, num_warps=4, num_stages=2),
+        pk.PrefillIndexerConfig(block_q=128, block_t=128, num_warps=8, num_stages=3),
+    ]
+    attn_cfgs = [ak.MlaConfig(), ak.MlaConfig(num_stages=3), ak.MlaConfig(block_k=32)]
+    with torch.no_grad():
+        # the layer timed above rewrote this chunk's indexer keys: a fresh default result
+        base = pk.prefill_index_logits(q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs])
+        for c in logit_cfgs:
+            row = {"op": "prefill_index_logits", "config": {k: v for k, v in c.__dict__.items()
+                                                            if k != "select"}}  # fmt: skip
+            try:
+                got = pk.prefill_index_logits(q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs], c)
+                row["same_as_default"] = bool(torch.allclose(got, base, rtol=1e-5, atol=1e-6))
+                row["ms"] = 1e3 * timed(
+                    lambda c=c: pk.prefill_index_logits(
+                        q_u8[qs], w_idx[qs], cl.index_k, bt, pos[qs], c
+                    ),
+                    dev,
+                    reps=a.reps,
+                )
+                row["tflop_s"] = flops["indexer"] / n_blocks / (row["ms"] / 1e3) / 1e12
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["configs"].append(row)
+            log(f"config {row}")
+        o_def = torch.ops.echo.sparse_mla_prefill(q, rows_all, sel, mla.softmax_scale, cl.fmt)
+        for c in attn_cfgs:
+            row = {"op": "sparse_mla_prefill", "config": c.__dict__}
+            try:
+                o = pk.sparse_mla_prefill_cuda(q, rows_all, sel, mla.softmax_scale, cl.fmt, c)
+                row["max_diff_vs_default"] = float((o.float() - o_def.float()).abs().max())
+                row["ms"] = 1e3 * timed(
+                    lambda c=c: pk.sparse_mla_prefill_cuda(
+                        q, rows_all, sel, mla.softmax_scale, cl.fmt, c
+                    ),
+                    dev,
+                    reps=a.reps,
+                )
+                row["tflop_s"] = flops["attention"] / (row["ms"] / 1e3) / 1e12
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["configs"].append(row)
+            log(f"config {row}")
+    out["note"] = (
+        "indexer/topk timed on the last query block and scaled by the chunk's block count; "
+        "projections_etc = layer - the other parts (projections, norms, rope, KV write-through)"
+    )
+    log(f"profile {out}")
+
+
+def write(res: dict, path: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({k: v for k, v in res.items() if k != "prefiller"}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/prefill_h200.json")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    ap.add_argument("--ttft", default="8192,32768,100000", help="prompt lengths for TTFT")
+    ap.add_argument("--old", default="8192", help="lengths also run with the explicit path")
+    ap.add_argument("--tput", type=int, default=2, help="prompts of the throughput run")
+    ap.add_argument("--tput-len", type=int, default=32768)
+    ap.add_argument("--profile-ctx", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=5, help="runs per profiled part (median)")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="skip what starts later")
+    ap.add_argument("--dry-run", action="store_true", help="tiny preset, toy sizes, CPU")
+    a = ap.parse_args(argv)
+    dev = "cpu" if a.dry_run else "cuda"
+    if a.dry_run:  # toy sizes through the interpreter: exercises every code path, no timings
+        a.chunk, a.ttft, a.old, a.tput, a.tput_len, a.profile_ctx, a.reps = (
+            32,
+            "48,80",
+            "48",
+            1,
+            48,
+            80,
+            1,
+        )
+    elif not torch.cuda.is_available():
+        print("bench_prefill: needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    res: dict = {"environment": environment(), "args": vars(a), "status": "running"}
+    write(res, a.out)
+    check_kernels(res, dev, small=a.dry_run)
+    write(res, a.out)
+    model = build_model("tiny" if a.dry_run else "bench", a.layers, a.experts, dev)
+    res["model"] = model.config.to_dict()
+    for name, fn in (
+        ("ttft", lambda: bench_ttft(res, model, a, dev)),
+        ("throughput", lambda: bench_throughput(res, a, dev)),
+        ("profile", lambda: bench_profile(res, model, a, dev)),
+    ):
+        try:
+            fn()
+        except Exception as e:
+            res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+            traceback.print_exc()
+        write(res, a.out)
+    res["status"] = "done"
+    res["seconds"] = time.monotonic() - START
+    write(res, a.out)
+    log(f"done in {res['seconds']:.0f} s: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
