@@ -363,9 +363,11 @@ def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
     mtp = load_weights(model, path, config, device, keep_mtp)
     if awq:
-        from model.awq import densify_awq
+        from model.awq import densify_awq, repack_awq_model
 
         densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
+        if torch.device(device).type == "cuda":  # the fast layouts (CPU keeps the AutoAWQ one)
+            repack_awq_model(model)
     model.requires_grad_(False)
     model.eval()
     return model, LoadExtras(config, path, generation_config, mtp)
