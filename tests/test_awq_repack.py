@@ -213,3 +213,26 @@ def test_repacked_linear_captures_in_cuda_graph():
     gr.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+
+
+# ---- the benchmark, on CPU -------------------------------------------------------------------
+
+
+def test_bench_awq_helpers_and_help():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import bench_awq as B
+
+    rows = [
+        {"in": 7168, "out": 4096, "M": m, "tinygemm_us": tg, "repacked_us": rp}
+        for m, tg, rp in ((1, 10.0, 12.0), (8, 20.0, 21.0), (16, 40.0, 22.0), (32, 70.0, 25.0))
+    ]
+    assert B.dispatch_table(rows) == {"7168x4096": 8}
+    cands = B.repacked_candidates(2, 4096, 7168, 132)
+    assert cands[0] == RK.r_config(2, 4096, 7168, 132) and any(not c["DOT"] for c in cands)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_awq", "--help"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "--configs" in out and "--out" in out
