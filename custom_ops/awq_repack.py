@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.awq import awq_unpack
+from custom_ops.awq import _moe_ref, awq_unpack
 from custom_ops.awq_format import GROUP, PACK, WORDS, check_awq, check_repacked
 
 TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 * 8 = 128: every AWQ linear is
@@ -107,6 +107,84 @@ def _(x, qweight_r, zeros_r, scales_r):
 @w4a16_linear_r.register_fake
 def _(x, qweight_r, zeros_r, scales_r):
     return x.new_empty((x.shape[0], qweight_r.shape[1]))
+
+
+# ---- echo::moe_w4a16_r ----------------------------------------------------------------------
+
+
+def repack_awq_experts(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked AutoAWQ experts ``[E, K, N/8]``, ``[E, K/128, N/8]``, ``[E, K/128, N]`` ->
+    ``(qweight_r [E, K/128, N, 16], zeros_r [E, K/128, N], scales_r [E, K/128, N])``."""
+    if qweight.dim() != 3:
+        raise ValueError(
+            f"repack_awq_experts: qweight must be [E, K, N/8], got {list(qweight.shape)}"
+        )
+    parts = [repack_awq(qweight[e], qzeros[e], scales[e]) for e in range(qweight.shape[0])]
+    return tuple(torch.stack(list(t)) for t in zip(*parts, strict=True))  # type: ignore[return-value]
+
+
+def _dequantize_experts_t(qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if qw.dim() != 4 or z.dim() != 3 or s.dim() != 3:
+        raise ValueError(
+            f"moe_w4a16_r: need qweight_r [E, K/128, N, 16], zeros_r/scales_r [E, K/128, N], got "
+            f"{list(qw.shape)}, {list(z.shape)}, {list(s.shape)}"
+        )
+    return torch.stack([dequantize_repacked_t(qw[e], z[e], s[e]) for e in range(qw.shape[0])])
+
+
+def moe_w4a16_r_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight_r: torch.Tensor,
+    w13_zeros_r: torch.Tensor,
+    w13_scales_r: torch.Tensor,
+    w2_qweight_r: torch.Tensor,
+    w2_zeros_r: torch.Tensor,
+    w2_scales_r: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for ``echo::moe_w4a16_r``: the numerics of ``moe_w4a16_ref`` (the same fp32
+    weights, so the same numbers as on the AutoAWQ tensors the experts were repacked from)."""
+    w13_t = _dequantize_experts_t(w13_qweight_r, w13_zeros_r, w13_scales_r)  # [E, D, 2I]
+    w2_t = _dequantize_experts_t(w2_qweight_r, w2_zeros_r, w2_scales_r)  # [E, I, D]
+    if w13_t.shape[1] != x.shape[1] or w2_t.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"moe_w4a16_r: x has D={x.shape[1]}, weights give {w13_t.shape[1]} / {w2_t.shape[2]}"
+        )
+    return _moe_ref(x, topk_ids, topk_weights, w13_t, w2_t)
+
+
+@torch.library.custom_op("echo::moe_w4a16_r", mutates_args=())
+def moe_w4a16_r(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight_r: torch.Tensor,
+    w13_zeros_r: torch.Tensor,
+    w13_scales_r: torch.Tensor,
+    w2_qweight_r: torch.Tensor,
+    w2_zeros_r: torch.Tensor,
+    w2_scales_r: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts over repacked W4 weights: ``x [T, D] -> fp32 [T, D]``, as
+    ``echo::moe_w4a16``; the reference by default, Triton on CUDA (gate and up fused)."""
+    w = (w13_qweight_r, w13_zeros_r, w13_scales_r, w2_qweight_r, w2_zeros_r, w2_scales_r)
+    return moe_w4a16_r_ref(x, topk_ids, topk_weights, *w)
+
+
+@moe_w4a16_r.register_kernel("cuda")
+def _(x, topk_ids, topk_weights, w13_qweight_r, w13_zeros_r, w13_scales_r, w2_qweight_r,
+      w2_zeros_r, w2_scales_r):  # fmt: skip
+    w = (w13_qweight_r, w13_zeros_r, w13_scales_r, w2_qweight_r, w2_zeros_r, w2_scales_r)
+    return _triton().moe_w4a16_r_triton(x, topk_ids, topk_weights, *w)
+
+
+@moe_w4a16_r.register_fake
+def _(x, topk_ids, topk_weights, w13_qweight_r, w13_zeros_r, w13_scales_r, w2_qweight_r,
+      w2_zeros_r, w2_scales_r):  # fmt: skip
+    return x.new_empty(x.shape, dtype=torch.float32)
 
 
 # ---- tinygemm --------------------------------------------------------------------------------

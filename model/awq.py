@@ -235,9 +235,23 @@ class AWQExperts(nn.Module):
         self.w2_qzeros = _param((e, i // GROUP, d // PACK), torch.int32, device)
         self.w2_scales = _param((e, i // GROUP, d), scales_dtype, device)
 
+    repacked = False  # set by repack()
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.repacked:
+            return torch.ops.echo.moe_w4a16_r(
+                x,
+                topk_ids,
+                topk_weights,
+                self.w13_qweight_r,
+                self.w13_zeros_r,
+                self.w13_scales_r,
+                self.w2_qweight_r,
+                self.w2_zeros_r,
+                self.w2_scales_r,
+            )
         return torch.ops.echo.moe_w4a16(
             x,
             topk_ids,
@@ -249,6 +263,25 @@ class AWQExperts(nn.Module):
             self.w2_qzeros,
             self.w2_scales,
         )
+
+    def repack(self) -> None:
+        """Load-time: replace the AutoAWQ ``w13_*``/``w2_*`` tensors by the repacked
+        ``w13_qweight_r``, ``w13_zeros_r``, ``w13_scales_r`` (``[E, D/128, 2I(, 16)]``) and the
+        same for ``w2`` (``echo::moe_w4a16_r``: gate and up fused)."""
+        if self.repacked:
+            raise ValueError("AWQExperts.repack: already repacked")
+        for pre in ("w13", "w2"):
+            with torch.no_grad():
+                parts = R.repack_awq_experts(
+                    getattr(self, f"{pre}_qweight"),
+                    getattr(self, f"{pre}_qzeros"),
+                    getattr(self, f"{pre}_scales"),
+                )
+            for suffix in ("qweight", "qzeros", "scales"):
+                delattr(self, f"{pre}_{suffix}")
+            for suffix, t in zip(("qweight_r", "zeros_r", "scales_r"), parts, strict=True):
+                setattr(self, f"{pre}_{suffix}", nn.Parameter(t, requires_grad=False))
+        self.repacked = True
 
     @classmethod
     def from_dense(
@@ -271,6 +304,18 @@ class AWQExperts(nn.Module):
 
     def dequantized_weights(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
         """``(w13_weight [E, 2I, D], w2_weight [E, D, I])`` as ``model.moe.Experts`` holds them."""
+        if self.repacked:
+            return tuple(
+                R._dequantize_experts_t(
+                    getattr(self, f"{pre}_qweight_r"),
+                    getattr(self, f"{pre}_zeros_r"),
+                    getattr(self, f"{pre}_scales_r"),
+                )
+                .transpose(1, 2)
+                .contiguous()
+                .to(dtype)
+                for pre in ("w13", "w2")
+            )
         return (
             awq_dequantize(self.w13_qweight, self.w13_qzeros, self.w13_scales, dtype),
             awq_dequantize(self.w2_qweight, self.w2_qzeros, self.w2_scales, dtype),
@@ -357,12 +402,15 @@ def densify_awq(
 
 
 def repack_awq_model(model: nn.Module, tinygemm_max_m: int | None = None) -> list[str]:
-    """After loading (and ``densify_awq``): ``AWQLinear.repack`` every AWQ linear of ``model``.
-    ``tinygemm_max_m``: calls of at most this many tokens use tinygemm (default
-    ``custom_ops.awq_repack.TINYGEMM_MAX_M`` on CUDA, none elsewhere; -1 = never). Returns the
-    names. The routed experts (``AWQExperts``) keep the AutoAWQ layout and ``echo::moe_w4a16``."""
+    """After loading (and ``densify_awq``): ``AWQLinear.repack`` every AWQ linear of ``model``
+    and ``AWQExperts.repack`` every block of routed experts. ``tinygemm_max_m``: linear calls of
+    at most this many tokens use tinygemm (default ``custom_ops.awq_repack.TINYGEMM_MAX_M`` on
+    CUDA, none elsewhere; -1 = never). Returns the names."""
     done: list[str] = []
-    for name, m in model.named_modules():
+    for name, m in list(model.named_modules()):
+        if isinstance(m, AWQExperts) and not m.repacked:
+            m.repack()
+            done.append(name)
         if isinstance(m, AWQLinear) and not m.repacked:
             max_m = tinygemm_max_m
             if max_m is None:

@@ -170,6 +170,71 @@ def test_tiny_awq_repacked_logits():
         assert _rel(last_logits(tg, p), b) < 5e-2  # as test_awq_model's bound for bf16 rounding
 
 
+# ---- MoE over repacked experts -----------------------------------------------------------------
+
+
+def _moe(t, e, topk, d, inter, gen, dtype=torch.bfloat16):
+    from test_awq import _moe_inputs
+
+    x, ids, w, w13, w2 = _moe_inputs(t, e, topk, d, inter, gen, dtype)
+    return x, ids, w, w13, w2, R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
+
+
+def test_moe_repacked_reference_equals_the_autoawq_one_and_opcheck():
+    g = torch.Generator().manual_seed(20)
+    x, ids, w, w13, w2, r13, r2 = _moe(5, 4, 2, 256, 128, g)
+    assert r13[0].shape == (4, 2, 256, 16) and r2[0].shape == (4, 1, 256, 16)
+    for e in range(4):
+        assert torch.equal(R.dequantize_repacked_t(r13[0][e], r13[1][e], r13[2][e]),
+                           ops.awq_dequantize_t(w13[0][e], w13[1][e], w13[2][e]))  # fmt: skip
+    ref = ops.moe_w4a16_ref(x, ids, w, *w13, *w2)
+    assert torch.equal(torch.ops.echo.moe_w4a16_r(x, ids, w, *r13, *r2), ref)
+    torch.library.opcheck(torch.ops.echo.moe_w4a16_r, (x, ids, w, *r13, *r2))
+    with pytest.raises(ValueError, match="expert counts"):
+        RK.moe_w4a16_r_triton(x, ids, w, r13[0], r13[1][:2], r13[2], *r2)
+
+
+MOE_CASES = [  # (T, E, k, D, I, dtype, config)
+    (1, 4, 2, 128, 128, torch.bfloat16, dict(BM=16, BN=32)),
+    (6, 8, 3, 128, 128, torch.float16, dict(BM=16, BN=64)),
+    (20, 4, 2, 128, 128, torch.bfloat16, dict(BM=32, BN=32)),
+    (9, 4, 2, 256, 128, torch.bfloat16, None),  # the launcher's own heuristic
+]
+
+
+@pytest.mark.parametrize("case", range(len(MOE_CASES)))
+def test_moe_kernel_matches_reference(case):
+    t, e, topk, d, inter, dtype, cfg = MOE_CASES[case]
+    g = torch.Generator().manual_seed(300 + case)
+    x, ids, w, _, _, r13, r2 = _moe(t, e, topk, d, inter, g, dtype)
+    if cfg is not None:
+        cfg = {**cfg, "num_warps": 4, "num_stages": 1}
+    y = RK.moe_w4a16_r_triton(x, ids, w, *r13, *r2, config=cfg)
+    ref = R.moe_w4a16_r_ref(x, ids, w, *r13, *r2)
+    assert y.dtype == torch.float32 and y.shape == (t, d) and not y.isnan().any()
+    # fp32 summation order, then bf16 rounding flips of the intermediate h
+    assert _rel(y, ref) < 2e-3
+
+
+def test_experts_module_repack():
+    from model.awq import AWQExperts
+
+    g = torch.Generator().manual_seed(21)
+    e, d, inter = 4, 256, 128
+    w13 = (torch.randn(e, 2 * inter, d, generator=g) * 0.05).bfloat16()
+    mod = AWQExperts.from_dense(w13, (torch.randn(e, d, inter, generator=g) * 0.05).bfloat16())
+    x = torch.randn(7, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(7)])
+    w = torch.rand(7, 2, generator=g)
+    before, dense = mod(x, ids, w), mod.dequantized_weights()
+    mod.repack()
+    assert {n for n, _ in mod.named_parameters()} == {
+        f"{p}_{s}" for p in ("w13", "w2") for s in ("qweight_r", "zeros_r", "scales_r")
+    }
+    assert torch.equal(mod(x, ids, w), before)
+    assert all(torch.equal(a, b) for a, b in zip(mod.dequantized_weights(), dense, strict=True))
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 
 V32 = [(7168, 4096), (16384, 7168), (7168, 2048), (2048, 7168)]  # (K, N)
@@ -193,6 +258,35 @@ def test_kernel_and_tinygemm_on_gpu_at_v32_shapes(m):
             fma = {**RK.r_config(m, n, k, 132), "DOT": False, "BM": 4}
             assert _rel(RK.w4a16_linear_r_triton(x, *r, config=fma), ref) < 1e-2
         assert _rel(R.tinygemm_linear(x, *R.tinygemm_pack(qw, qz, s)), ref) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_moe_repacked_on_gpu_256_experts(t):
+    gen = torch.Generator("cuda").manual_seed(t)
+    e, d, inter = 256, 7168, 2048
+
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31, shape, device="cuda", generator=gen,
+                             dtype=torch.int64).to(torch.int32)  # fmt: skip
+
+    def awq(k, n):
+        s = (torch.rand(e, k // 128, n, device="cuda", generator=gen) * 2e-3 + 1e-4).half()
+        return words(e, k, n // 8), words(e, k // 128, n // 8), s
+
+    w13, w2 = awq(d, 2 * inter), awq(inter, d)
+    x = torch.randn(t, d, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
+    w = torch.rand(t, 8, device="cuda", generator=gen)
+    r13, r2 = R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
+    y = torch.ops.echo.moe_w4a16_r(x, ids, w, *r13, *r2)
+    # the reference on the touched experts only (dequantising 256 experts would take long)
+    used = torch.unique(ids)
+    remap = torch.full((e,), -1, dtype=torch.long, device="cuda")
+    remap[used] = torch.arange(used.numel(), device="cuda")
+    sub = [tuple(t_[used] for t_ in part) for part in (w13, w2)]
+    ref = ops.moe_w4a16_ref(x, remap[ids], w, *sub[0], *sub[1])
+    assert _rel(y, ref) < 5e-3
 
 
 @pytest.mark.cuda
