@@ -7,4 +7,4 @@ fake implementation, like any torch extension; the Triton modules are imported o
 CUDA call.
 """
 
-from custom_ops import attention, awq, awq_repack, cache_ops, indexer  # noqa: F401  (registers the echo:: ops)
+from custom_ops import attention, awq, awq_repack, cache_ops, fp8_linear, indexer  # noqa: F401  (registers the echo:: ops)
