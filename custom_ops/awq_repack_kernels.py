@@ -45,7 +45,7 @@ def _group_dot(acc, x_rows, row_mask, w_ptrs, z_ptrs, s_ptrs, n_mask, INTERPRET:
     z = tl.load(z_ptrs, mask=n_mask, other=0).to(tl.float32)  # [BN]
     s = tl.load(s_ptrs, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
     part = tl.zeros_like(acc)
-    rs = tl.zeros([acc.shape[0]], dtype=tl.float32)
+    rs = tl.sum(part, axis=1)  # zeros [BM]
     for i in tl.static_range(8):
         xi = tl.load(x_rows + 16 * i, mask=row_mask[:, None], other=0.0)  # [BM, 16]
         q = (w >> (4 * i)) & 0xF  # [16, BN]: W^T rows 16 i .. 16 i + 15 of the group, + z

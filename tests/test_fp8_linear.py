@@ -159,3 +159,17 @@ def test_kernel_on_gpu_at_v32_shapes(m):
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         y = torch.ops.echo.fp8_linear(x, w8, ws, True)
         assert _rel(y, F8.fp8_linear_ref(x, w8, ws, True)) < 5e-3  # fp8 MMA accumulation
+
+
+def test_bench_fp8_help_on_cpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = [sys.executable, "-m", "benchmarks.bench_fp8"]
+    out = subprocess.run([*run, "--help"], cwd=root, capture_output=True, text=True, check=True)
+    assert "--configs" in out.stdout
+    bad = subprocess.run([*run, "--out", "x.json", "--configs", "{"], cwd=root,
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode != 0 and "JSON list" in bad.stderr
