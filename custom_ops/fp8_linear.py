@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from custom_ops.fp8 import FP8_DTYPE, FP8_MAX
-from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
+from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear, check_moe_fp8
 
 
 def _kernels():
@@ -83,3 +83,60 @@ def _(x, w8, w_scale, ue8m0):
 def _(x, w8, w_scale, ue8m0):
     dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     return x.new_empty((x.shape[0], w8.shape[0]), dtype=dtype)
+
+
+# ---- echo::moe_fp8 ---------------------------------------------------------------------------
+
+
+def moe_fp8_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    ue8m0: bool,
+) -> torch.Tensor:
+    """Reference for ``echo::moe_fp8``: DeepSeek's ``Expert`` with FP8 linears, per expert over
+    the tokens routed to it: ``gu = fp8_linear(x, w13[e])`` (16-bit), ``h = silu(g) * u`` in fp32
+    rounded to x's dtype, ``fp8_linear(h, w2[e])`` (16-bit), weighted sum in fp32."""
+    check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
+    t, d = x.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = fp8_linear_ref(x[tok], w13[e], w13_scale[e], ue8m0)  # [n, 2I]
+        h = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype)
+        y = fp8_linear_ref(h, w2[e], w2_scale[e], ue8m0)  # [n, D]
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
+    return out
+
+
+@torch.library.custom_op("echo::moe_fp8", mutates_args=())
+def moe_fp8(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    ue8m0: bool,
+) -> torch.Tensor:
+    """Routed experts with FP8 block-scaled weights: ``x [T, D] -> fp32 [T, D]``; the reference
+    by default, Triton on CUDA (grouped by expert on the device, gate and up fused)."""
+    return moe_fp8_ref(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
+
+
+@moe_fp8.register_kernel("cuda")
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
+    return _kernels().moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
+
+
+@moe_fp8.register_fake
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
+    return x.new_empty(x.shape, dtype=torch.float32)

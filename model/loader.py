@@ -73,7 +73,7 @@ def _target(name: str) -> _Target:
     if m is None:
         return _Target(name)
     prefix, e, proj, suffix = m.groups()
-    out_axis = 0 if suffix == "weight" else -1
+    out_axis = 0 if suffix in ("weight", "weight_scale_inv") else -1  # AWQ packs it last
     if proj == "down_proj":
         return _Target(f"{prefix}.w2_{suffix}", int(e), None, out_axis)
     return _Target(f"{prefix}.w13_{suffix}", int(e), 0 if proj == "gate_proj" else 1, out_axis)
@@ -129,8 +129,8 @@ class _Loader:
                 self.fp8[module] = (w, s, file)
                 return
             del self.fp8[module]
-            held = self.params.get(module + ".weight")
-            if held is not None and held.dtype == torch.float8_e4m3fn:  # FP8Linear: kept as FP8
+            held = self.params.get(_target(module + ".weight").param)
+            if held is not None and held.dtype == torch.float8_e4m3fn:  # FP8Linear/Experts
                 self._check_scales(module, s, file)
                 self._copy(module + ".weight", w, file)
                 self._copy(module + ".weight_scale_inv", s, file)

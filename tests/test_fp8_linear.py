@@ -13,7 +13,7 @@ from custom_ops import fp8_linear as F8
 from custom_ops import fp8_linear_kernels as FK
 from custom_ops.fp8 import act_dequant, act_quant
 from model.checkpoint import resolve_model
-from model.fp8_weights import FP8Linear, weight_dequant_fp8, weight_quant_fp8
+from model.fp8_weights import FP8Experts, FP8Linear, weight_dequant_fp8, weight_quant_fp8
 from model.loader import load_model
 
 
@@ -120,10 +120,15 @@ def test_tiny_fp8_served_as_fp8():
     fp8, _ = load_model(resolve_model("tiny-fp8"), fp8_weights="fp8")
     bf16, _ = load_model(resolve_model("tiny-fp8"))
     lins = {n: m for n, m in fp8.named_modules() if isinstance(m, FP8Linear)}
-    assert len(lins) >= 10 and not any("kv_b_proj" in n for n in lins)
-    assert not any(isinstance(m, FP8Linear) for m in bf16.modules())
+    experts = {n: m for n, m in fp8.named_modules() if isinstance(m, FP8Experts)}
+    assert len(lins) >= 10 and not any("kv_b_proj" in n for n in lins) and len(experts) >= 2
+    assert not any(isinstance(m, (FP8Linear, FP8Experts)) for m in bf16.modules())
     for n, m in lins.items():  # the stored FP8 tensors, as the bf16 model dequantised them
         assert torch.equal(m.dequantized_weight(), bf16.get_submodule(n).weight), n
+    for n, m in experts.items():
+        w13, w2 = m.dequantized_weights()
+        assert torch.equal(w13, bf16.get_submodule(n).w13_weight)
+        assert torch.equal(w2, bf16.get_submodule(n).w2_weight)
     prompts = ([0, 44, 73, 341, 83], [0, 264, 499, 315, 432, 18])
     got = [last_logits(fp8, p) for p in prompts]
 
@@ -137,9 +142,30 @@ def test_tiny_fp8_served_as_fp8():
             w = weight_dequant_fp8(self.lin.weight, self.lin.weight_scale_inv)
             return (act_dequant(q, s) @ w.t()).to(x.dtype).view(*x.shape[:-1], -1)
 
-    for n, m in lins.items():
+    class ActFP8Experts(nn.Module):
+        def __init__(self, ex: FP8Experts):
+            super().__init__()
+            self.w13, self.w2 = ex.dequantized_weights(torch.float32)
+            self.inter = ex.inter_dim
+
+        def forward(self, x, ids, wts):
+            def lin(a, w):  # an FP8 linear: dequantised FP8 activations x dequantised weights
+                q, s = act_quant(a, 128, "ue8m0")
+                return (act_dequant(q, s) @ w.t()).to(a.dtype)
+
+            out = torch.zeros(x.shape, dtype=torch.float32)
+            for t in range(x.shape[0]):
+                for j in range(ids.shape[1]):
+                    e = int(ids[t, j])
+                    gu = lin(x[t : t + 1], self.w13[e]).float()
+                    h = torch.nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+                    out[t] += wts[t, j] * lin(h.to(x.dtype), self.w2[e])[0].float()
+            return out
+
+    for n, m in [*lins.items(), *experts.items()]:
         parent, _, child = n.rpartition(".")
-        setattr(fp8.get_submodule(parent), child, ActFP8(m))
+        new = ActFP8(m) if isinstance(m, FP8Linear) else ActFP8Experts(m)
+        setattr(fp8.get_submodule(parent), child, new)
     ref = [last_logits(fp8, p) for p in prompts]
     deq = [last_logits(bf16, p) for p in prompts]
     for a, r, d in zip(got, ref, deq, strict=True):
@@ -147,6 +173,62 @@ def test_tiny_fp8_served_as_fp8():
         assert _rel(a, d) < 0.15 and float(torch.corrcoef(torch.stack([a, d]))[0, 1]) > 0.98
     with pytest.raises(ValueError, match="fp8_weights"):
         load_model(resolve_model("tiny-fp8"), fp8_weights="int8")
+
+
+def _experts(e, n, k, gen):
+    ws = [weight_quant_fp8(torch.randn(n, k, generator=gen) * 0.05, scale_fmt="ue8m0")
+          for _ in range(e)]  # fmt: skip
+    return torch.stack([w for w, _ in ws]), torch.stack([s for _, s in ws])
+
+
+MOE_CASES = [  # (T, E, k, D, I, config)
+    (1, 4, 2, 128, 128, dict(BM=16, BN=64)),
+    (7, 8, 3, 256, 128, dict(BM=16, BN=128)),
+    (20, 4, 2, 128, 128, dict(BM=32, BN=32)),
+    (9, 4, 2, 128, 256, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MOE_CASES)))
+def test_moe_fp8_kernel_matches_reference(case):
+    t, e, k, d, inter, cfg = MOE_CASES[case]
+    g = torch.Generator().manual_seed(40 + case)
+    w13, s13 = _experts(e, 2 * inter, d, g)
+    w2, s2 = _experts(e, d, inter, g)
+    x = torch.randn(t, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    if cfg is not None:
+        cfg = {**cfg, "num_warps": 4, "num_stages": 1}
+    y = FK.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, True, config=cfg)
+    ref = F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)
+    assert y.dtype == torch.float32 and y.shape == (t, d)
+    # the same e4m3 operands and 16-bit roundings; fp32 order may flip a rounding of h rarely
+    assert _rel(y, ref) < 2e-3
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.echo.moe_fp8, (x, ids, w, w13, s13, w2, s2, True),
+                          test_utils=utils)  # fmt: skip
+    with pytest.raises(ValueError, match="w2_scale must be"):
+        F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2[:1].contiguous(), True)
+
+
+@pytest.mark.cuda
+def test_moe_fp8_on_gpu_256_experts():
+    gen = torch.Generator("cuda").manual_seed(5)
+    e, d, inter, t = 256, 7168, 2048, 16
+
+    def experts(n, k):
+        w = torch.randn(e, n, k, device="cuda", generator=gen) * 0.02
+        q = [weight_quant_fp8(w[j], scale_fmt="ue8m0") for j in range(e)]
+        return torch.stack([a for a, _ in q]), torch.stack([b for _, b in q])
+
+    w13, s13 = experts(2 * inter, d)
+    w2, s2 = experts(d, inter)
+    x = torch.randn(t, d, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
+    w = torch.rand(t, 8, device="cuda", generator=gen)
+    y = torch.ops.echo.moe_fp8(x, ids, w, w13, s13, w2, s2, True)
+    assert _rel(y, F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)) < 5e-3
 
 
 @pytest.mark.cuda
