@@ -6,9 +6,11 @@ First checks the Triton kernel against its reference on the GPU (``check``: PASS
 the timings run regardless), then times at the DeepSeek-V3.2 shapes (K x N: 7168 x 4096,
 16384 x 7168, 7168 x 2048, 2048 x 7168, 7168 x 576 (kv_a_proj, a ragged last scale block)) and
 M = 1..128: bf16 ``F.linear`` on the dequantised weights (the dequantise-at-load path) against
-the FP8 kernel with its heuristic config and each of ``--configs``. CUDA-graph replays of R
-calls over R weight copies (more bytes than the 60 MB L2), median of 15; weight bytes read per
-µs against a measured copy ceiling. JSON written after every shape.
+the FP8 kernel with its heuristic config and each of ``--configs``; then the fused FP8 MoE
+(``echo::moe_fp8``, 256 experts of V3.2's shapes, top-8, T = 1..128 tokens) against the grouped
+bf16 MoE the bf16 model runs (``echo::moe_bf16``'s Triton kernel). CUDA-graph replays of R calls
+over R weight copies / routings (more bytes than the 60 MB L2), median of 15; weight bytes read
+per µs against a measured copy ceiling. JSON written after every shape.
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_awq import copies_for, copy_ceiling_gbps, graph_time_ms, rel_err
+from benchmarks.bench_awq import (
+    I_MOE,
+    TOPK,
+    D,
+    copies_for,
+    copy_ceiling_gbps,
+    graph_time_ms,
+    rel_err,
+    routings,
+)
+from custom_ops import awq_kernels as K
 from custom_ops import fp8_linear as F8
 from custom_ops import fp8_linear_kernels as FK
 from custom_ops.awq_kernels import _num_sms
@@ -110,10 +122,55 @@ def bench_shape(k: int, n: int, batches: list[int], hbm: float, extra: list[dict
     return rows
 
 
+def rand_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ws = [rand_fp8(k, n) for _ in range(e)]
+    return torch.stack([w for w, _ in ws]), torch.stack([sc for _, sc in ws])
+
+
+def bench_moe(e: int, batches: list[int], hbm: float, result: dict) -> list[dict]:
+    w13, s13 = rand_experts(e, 2 * I_MOE, D)
+    w2, s2 = rand_experts(e, D, I_MOE)
+    # the bf16 grouped MoE on the same (dequantised) weights
+    w13b = torch.stack([weight_dequant_fp8(w13[j], s13[j], dtype=torch.bfloat16) for j in range(e)])
+    w2b = torch.stack([weight_dequant_fp8(w2[j], s2[j], dtype=torch.bfloat16) for j in range(e)])
+    gen = torch.Generator("cuda").manual_seed(2)
+    x = torch.randn(8, D, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(8, e, device="cuda", generator=gen).topk(TOPK, dim=-1).indices
+    wt = torch.rand(8, TOPK, device="cuda", generator=gen)
+    try:  # check first (the bf16 MoE computes the same model with 16-bit activations)
+        err = rel_err(FK.moe_fp8_triton(x, ids, wt, w13, s13, w2, s2, True),
+                      F8.moe_fp8_ref(x, ids, wt, w13, s13, w2, s2, True))  # fmt: skip
+        ok = err < 5e-3
+    except Exception as ex:  # noqa: BLE001
+        err, ok = repr(ex), False
+    result["check"].append({"op": "moe_fp8", "E": e, "T": 8, "rel_err": err, "bound": 5e-3,
+                            "pass": ok})  # fmt: skip
+    print(f"  check moe_fp8 E={e} T=8: {'PASS' if ok else 'FAIL'} {err}", flush=True)
+    per_fp8, per_bf16 = 3 * D * I_MOE, 2 * 3 * D * I_MOE
+    rows = []
+    for t in batches:
+        xt = torch.randn(t, D, device="cuda", dtype=torch.bfloat16)
+        routes = routings(t, e, 8)
+        touched = sum(torch.unique(r[0]).numel() for r in routes) / len(routes)
+        t8 = _time([lambda r=r, x=xt: FK.moe_fp8_triton(x, r[0], r[1], w13, s13, w2, s2, True)
+                    for r in routes])  # fmt: skip
+        tb = _time([lambda r=r, x=xt: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b)
+                    for r in routes])  # fmt: skip
+        row = {"experts": e, "topk": TOPK, "T": t, "experts_touched": touched, "fp8_us": t8,
+               "bf16_triton_us": tb, "speedup_vs_bf16_triton": tb / t8,
+               "fp8_weight_GBps": touched * per_fp8 / t8 / 1e3,
+               "bf16_weight_GBps": touched * per_bf16 / tb / 1e3}  # fmt: skip
+        row["fp8_frac_hbm"] = row["fp8_weight_GBps"] / hbm
+        rows.append(row)
+        print(f"  moe E={e} T={t}: fp8 {t8:.1f} us, bf16 {tb:.1f} us ({tb / t8:.2f}x)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--experts", type=int, default=256, help="routed experts of the MoE (0: skip)")
     ap.add_argument(
         "--configs",
         default="[]",
@@ -161,6 +218,14 @@ def main() -> None:
             print(f"fp8 {k}x{n} failed: {err!r}", flush=True)
         save()
         torch.cuda.empty_cache()
+    result["moe"] = []
+    if args.experts:
+        try:
+            result["moe"] = bench_moe(args.experts, batches, hbm, result)
+        except Exception as err:  # noqa: BLE001
+            result.setdefault("errors", []).append(f"moe E={args.experts}: {err!r}")
+            print(f"moe failed: {err!r}", flush=True)
+        save()
     fails = [c for c in result["check"] if not c["pass"]]
     print(f"\ncheck: {'PASS' if not fails else 'FAIL'} ({len(fails)} of {len(result['check'])})")
     print(
