@@ -1,14 +1,23 @@
 """AWQ W4A16 vs bf16 at decode batch sizes, on one GPU (H200).
 
-    python -m benchmarks.bench_awq --out benchmarks/results/awq_h200.json [--sweep]
+    python -m benchmarks.bench_awq --out $OUT/awq_h200.json [--sweep] [--configs 'JSON list']
 
-Times (CUDA-graph replays, median of many) the W4A16 linear against ``torch.nn.functional.linear``
-in bf16, and the fused W4A16 MoE against the same Triton MoE with bf16 weights (and, for 16
-experts, the dense all-experts bf16 ``model.moe.Experts`` computation), at the DeepSeek-V3.2
-shapes (hidden 7168, moe_intermediate 2048, top-8). Each graph runs R calls over R different weight
-copies (linear) or R different routings (MoE), so weights are read from HBM, not from the 60 MB L2.
-Reports the weight bytes each call must read over its time against a measured copy ceiling.
-``--sweep`` also times candidate launch configurations (to tune ``awq_kernels.*_config``).
+First checks each W4A16 path on the GPU against its reference (``check``: PASS/FAIL per path,
+recorded, never aborting the timings), then times (CUDA-graph replays, median of many), at the
+DeepSeek-V3.2 shapes (K x N: 7168 x 4096 = the shared expert's gate|up, 16384 x 7168 = o_proj,
+7168 x 2048, 2048 x 7168; M = 1..128):
+- the linear, side by side: bf16 ``F.linear``, core torch's int4 tinygemm
+  (``aten._weight_int4pack_mm``), the repacked Triton kernel (``echo::w4a16_linear_r``, its default
+  config, the CUDA-core variant at M <= 4, and each of ``--configs``), the former AutoAWQ-layout
+  kernel, and what ``AWQLinear`` dispatches to (``awq_us``); ``dispatch`` lists, per shape, the
+  largest M where tinygemm beat the repacked kernel (the value for
+  ``custom_ops.awq_repack.TINYGEMM_MAX_M``);
+- the fused W4A16 MoE against the same Triton MoE with bf16 weights (the grouped kernel the bf16
+  model now runs) and, for 16 experts, the former all-experts bf16 computation.
+Each graph runs R calls over R different weight copies (linear) or R different routings (MoE), so
+weights are read from HBM, not from the 60 MB L2. Reports the weight bytes each call must read
+over its time against a measured copy ceiling. ``--sweep`` also times candidate launch
+configurations of the former kernels.
 """
 
 from __future__ import annotations
@@ -25,9 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cuda_timer import graph_time
+from custom_ops import awq as ops
 from custom_ops import awq_kernels as K
+from custom_ops import awq_repack as R
+from custom_ops import awq_repack_kernels as RK
 
 D, I_MOE, TOPK = 7168, 2048, 8
+LINEAR_SHAPES = [(D, 4096), (16384, D), (D, 2048), (2048, D)]  # (K, N)
 L2_BYTES = 60 << 20
 START = time.monotonic()
 
@@ -47,11 +60,13 @@ def copy_ceiling_gbps() -> float:
     return 2 * 4 * n / ms / 1e6
 
 
-def rand_awq(k: int, n: int, lead=(), sdtype=torch.float16):
-    qw = torch.randint(-(2**31), 2**31, (*lead, k, n // 8), dtype=torch.int64, device="cuda")
-    qz = torch.randint(-(2**31), 2**31, (*lead, k // 128, n // 8), dtype=torch.int64, device="cuda")
-    s = (torch.rand((*lead, k // 128, n), device="cuda") * 2e-3 + 1e-4).to(sdtype)
-    return qw.to(torch.int32), qz.to(torch.int32), s
+def rand_awq(k: int, n: int, lead=(), sdtype=torch.float16, gen=None):
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31, shape, dtype=torch.int64, device="cuda",
+                             generator=gen).to(torch.int32)  # fmt: skip
+
+    s = (torch.rand((*lead, k // 128, n), device="cuda", generator=gen) * 2e-3 + 1e-4).to(sdtype)
+    return words(*lead, k, n // 8), words(*lead, k // 128, n // 8), s
 
 
 def awq_bytes(k: int, n: int) -> int:
@@ -65,47 +80,158 @@ def copies_for(nbytes: int) -> int:
 # ---- linear ----------------------------------------------------------------------------------
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_linear(result: dict) -> None:
+    """Each W4A16 path against ``w4a16_linear_ref`` on the GPU: PASS/FAIL, recorded."""
+    checks = result.setdefault("check", [])
+    gen = torch.Generator("cuda").manual_seed(0)
+    for k, n in LINEAR_SHAPES[:2]:
+        w = rand_awq(k, n, gen=gen)
+        r, tg = R.repack_awq(*w), R.tinygemm_pack(*w)
+        for m in (1, 3, 16, 128):
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            ref = ops.w4a16_linear_ref(x, *w)
+            paths = {
+                "repacked": lambda x=x, r=r: RK.w4a16_linear_r_triton(x, *r),
+                "tinygemm": lambda x=x, tg=tg: R.tinygemm_linear(x, *tg),
+                "former": lambda x=x, w=w: K.w4a16_linear_triton(x, *w),
+            }
+            if m <= 4:
+                c = {**RK.r_config(m, n, k, 132), "DOT": False, "BM": 4}
+                paths["repacked_fma"] = lambda x=x, r=r, c=c: RK.w4a16_linear_r_triton(
+                    x, *r, config=c
+                )
+            for name, f in paths.items():
+                # bound: bf16 output rounding, and tinygemm's bf16 scale/zero pairs
+                bound = 2e-2 if name == "tinygemm" else 1e-2
+                try:
+                    err = rel_err(f(), ref)
+                    ok = err < bound
+                except Exception as e:  # a failing path is reported, the timings still run
+                    err, ok = repr(e), False
+                checks.append({"op": f"linear/{name}", "K": k, "N": n, "M": m, "rel_err": err,
+                               "bound": bound, "pass": ok})  # fmt: skip
+                print(f"  check linear {name} {k}x{n} M={m}: {'PASS' if ok else 'FAIL'} {err}")
+
+
+def check_moe(result: dict) -> None:
+    """The repacked fused MoE against ``moe_w4a16_ref`` on the GPU (16 experts of V3.2's
+    shapes): PASS/FAIL, recorded."""
+    checks = result.setdefault("check", [])
+    gen = torch.Generator("cuda").manual_seed(1)
+    e = 16
+    w13, w2 = rand_awq(D, 2 * I_MOE, (e,), gen=gen), rand_awq(I_MOE, D, (e,), gen=gen)
+    r13, r2 = R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
+    for t in (1, 8, 64):
+        x = torch.randn(t, D, device="cuda", generator=gen).bfloat16()
+        ids = torch.rand(t, e, device="cuda", generator=gen).topk(TOPK, dim=-1).indices
+        w = torch.rand(t, TOPK, device="cuda", generator=gen)
+        ref = ops.moe_w4a16_ref(x, ids, w, *w13, *w2)
+        for name, f in (
+            ("repacked", lambda x=x, ids=ids, w=w: RK.moe_w4a16_r_triton(x, ids, w, *r13, *r2)),
+            ("former", lambda x=x, ids=ids, w=w: K.moe_w4a16_triton(x, ids, w, *w13, *w2)),
+        ):
+            try:
+                err = rel_err(f(), ref)
+                ok = err < 5e-3
+            except Exception as ex:  # noqa: BLE001
+                err, ok = repr(ex), False
+            checks.append({"op": f"moe/{name}", "E": e, "T": t, "rel_err": err, "bound": 5e-3,
+                           "pass": ok})  # fmt: skip
+            print(f"  check moe {name} E={e} T={t}: {'PASS' if ok else 'FAIL'} {err}")
+
+
+def _time(calls) -> float:
+    try:
+        return graph_time_ms(calls) * 1e3
+    except Exception as e:  # noqa: BLE001  (one path failing must not stop the others)
+        print(f"    timing failed: {e!r}", flush=True)
+        return math.nan
+
+
 def bench_linear(
-    k: int, n: int, batches: list[int], hbm: float, config=None, with_bf16: bool = True
+    k: int, n: int, batches: list[int], hbm: float, extra_configs: list[dict] | None = None
 ) -> list[dict]:
     rows = []
-    ra, rb = copies_for(awq_bytes(k, n)), copies_for(2 * k * n) if with_bf16 else 0
+    ra, rb = copies_for(awq_bytes(k, n)), copies_for(2 * k * n)
     wa = [rand_awq(k, n) for _ in range(ra)]
+    wr = [R.repack_awq(*w) for w in wa]
+    try:
+        wt = [R.tinygemm_pack(*w) for w in wa]
+    except Exception as e:  # noqa: BLE001
+        print(f"  tinygemm pack failed: {e!r}", flush=True)
+        wt = []
     wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(rb)]
+    ba, bb = awq_bytes(k, n), 2 * k * n
+    sms = K._num_sms(torch.device("cuda"))
     for m in batches:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg = config or K.linear_config(m, n, k, K._num_sms(x.device))
-        t_awq = graph_time_ms(
-            [lambda w=w, x=x, c=cfg: K.w4a16_linear_triton(x, *w, config=c) for w in wa]
+        cfg_old = K.linear_config(m, n, k, sms)
+        cfg = RK.r_config(m, n, k, sms)
+        row = {"in": k, "out": n, "M": m, "config": cfg_old, "repacked_config": cfg}
+        row["former_us"] = _time(
+            [lambda w=w, x=x, c=cfg_old: K.w4a16_linear_triton(x, *w, config=c) for w in wa]
         )
-        i2f = {**cfg, "MAGIC": False}
-        t_i2f = (
-            graph_time_ms(
-                [lambda w=w, x=x, c=i2f: K.w4a16_linear_triton(x, *w, config=c) for w in wa]
+        row["repacked_us"] = _time(
+            [lambda w=w, x=x, c=cfg: RK.w4a16_linear_r_triton(x, *w, config=c) for w in wr]
+        )
+        if m <= 4:
+            fma = {**cfg, "DOT": False, "BM": 4 if m > 2 else m}
+            row["repacked_fma_us"] = _time(
+                [lambda w=w, x=x, c=fma: RK.w4a16_linear_r_triton(x, *w, config=c) for w in wr]
             )
-            if with_bf16
-            else math.nan
+        for i, extra in enumerate(extra_configs or []):
+            c = {**cfg, **extra}
+            row[f"repacked_cfg{i}_us"] = _time(
+                [lambda w=w, x=x, c=c: RK.w4a16_linear_r_triton(x, *w, config=c) for w in wr]
+            )
+        row["tinygemm_us"] = (
+            _time([lambda w=w, x=x: R.tinygemm_linear(x, *w) for w in wt]) if wt else math.nan
         )
-        t_bf16 = graph_time_ms([lambda w=w, x=x: F.linear(x, w) for w in wb]) if wb else math.nan
-        ba, bb = awq_bytes(k, n), 2 * k * n
-        rows.append(
+        row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
+        use_tg = R.use_tinygemm(m, x.dtype) and wt
+        row["awq_us"] = row["tinygemm_us"] if use_tg else row["repacked_us"]
+        row["awq_path"] = "tinygemm" if use_tg else "repacked"
+        best = min(
+            ((v, key) for key, v in row.items() if key.endswith("_us") and key != "bf16_us"
+             and not math.isnan(v)),
+            default=(math.nan, "none_us"),
+        )  # fmt: skip
+        row.update(
             {
-                "in": k,
-                "out": n,
-                "M": m,
-                "awq_us": t_awq * 1e3,
-                "bf16_us": t_bf16 * 1e3,
-                "awq_int2float_dequant_us": t_i2f * 1e3,
-                "speedup_vs_bf16": t_bf16 / t_awq,
-                "awq_weight_GBps": ba / t_awq / 1e6,
-                "bf16_weight_GBps": bb / t_bf16 / 1e6,
-                "awq_frac_hbm": ba / t_awq / 1e6 / hbm,
-                "bf16_frac_hbm": bb / t_bf16 / 1e6 / hbm,
-                "config": cfg,
+                "best_w4_us": best[0],
+                "best_w4_path": best[1].removesuffix("_us"),
+                "speedup_vs_bf16": row["bf16_us"] / row["awq_us"],
+                "best_speedup_vs_bf16": row["bf16_us"] / best[0],
+                "awq_weight_GBps": ba / row["awq_us"] / 1e3,
+                "bf16_weight_GBps": bb / row["bf16_us"] / 1e3,
             }
         )
-    del wa, wb
+        row["awq_frac_hbm"] = row["awq_weight_GBps"] / hbm
+        row["bf16_frac_hbm"] = row["bf16_weight_GBps"] / hbm
+        rows.append(row)
+        print(
+            f"  linear {k}x{n} M={m}: bf16 {row['bf16_us']:.1f}, tinygemm {row['tinygemm_us']:.1f}"
+            f", repacked {row['repacked_us']:.1f}, former {row['former_us']:.1f} us "
+            f"(best {best[1]} {row['best_speedup_vs_bf16']:.2f}x bf16)",
+            flush=True,
+        )
+    del wa, wr, wt, wb
     return rows
+
+
+def dispatch_table(rows: list[dict]) -> dict:
+    """Per shape: the largest M at which tinygemm beat the repacked kernel (0: never)."""
+    out = {}
+    for r in rows:
+        key = f"{r['in']}x{r['out']}"
+        out.setdefault(key, 0)
+        if r["tinygemm_us"] < r["repacked_us"] and r["M"] > out[key]:
+            out[key] = r["M"]
+    return out
 
 
 # ---- MoE -------------------------------------------------------------------------------------
@@ -130,10 +256,12 @@ def dense_all_experts(x, ids, w, w13, w2):
 
 
 def bench_moe(
-    e: int, batches: list[int], hbm: float, with_bf16: bool = True, config=None
-) -> list[dict]:
+    e: int, batches: list[int], hbm: float, with_bf16: bool = True, config=None,
+    with_i2f: bool = False,
+) -> list[dict]:  # fmt: skip
     rows = []
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,)), rand_awq(I_MOE, D, (e,))
+    r13, r2 = R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
     per_expert_awq = awq_bytes(D, 2 * I_MOE) + awq_bytes(I_MOE, D)
     per_expert_bf16 = 2 * 3 * D * I_MOE
     if with_bf16:
@@ -144,23 +272,40 @@ def bench_moe(
         routes = routings(t, e, 8)
         touched = statistics.mean(torch.unique(ids).numel() for ids, _ in routes)
         cfg = config or K.moe_config(t * TOPK, e)
-        t_awq = graph_time_ms(
+        rcfg = RK.moe_r_config(t * TOPK, e)
+        t_former = graph_time_ms(
             [
                 lambda r=r, x=x, c=cfg: K.moe_w4a16_triton(x, r[0], r[1], *w13, *w2, config=c)
                 for r in routes
             ]
         )
+        t_awq = (
+            _time(
+                [
+                    lambda r=r, x=x, c=rcfg: RK.moe_w4a16_r_triton(
+                        x, r[0], r[1], *r13, *r2, config=c
+                    )
+                    for r in routes
+                ]
+            )
+            / 1e3
+        )
+        if math.isnan(t_awq):  # the repacked kernel failed: report the former one as served
+            t_awq = t_former
         row = {
             "experts": e,
             "topk": TOPK,
             "T": t,
             "experts_touched": touched,
             "awq_us": t_awq * 1e3,
+            "former_us": t_former * 1e3,
+            "repacked_speedup_vs_former": t_former / t_awq,
             "awq_weight_GBps": touched * per_expert_awq / t_awq / 1e6,
             "config": cfg,
+            "repacked_config": rcfg,
         }
         row["awq_frac_hbm"] = row["awq_weight_GBps"] / hbm
-        if with_bf16:
+        if with_i2f:
             i2f = {**cfg, "MAGIC": False}
             row["awq_int2float_dequant_us"] = 1e3 * graph_time_ms(
                 [
@@ -168,6 +313,7 @@ def bench_moe(
                     for r in routes
                 ]
             )
+        if with_bf16:
             t_b = graph_time_ms(
                 [
                     lambda r=r, x=x: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b, config=config)
@@ -191,7 +337,7 @@ def bench_moe(
                 )
         rows.append(row)
         print(
-            f"  moe E={e} T={t}: awq {t_awq * 1e3:.1f} us"
+            f"  moe E={e} T={t}: repacked {t_awq * 1e3:.1f} us, former {t_former * 1e3:.1f} us"
             + (f", bf16 triton {row['bf16_triton_us']:.1f} us" if with_bf16 else ""),
             flush=True,
         )
@@ -201,33 +347,19 @@ def bench_moe(
 # ---- sweep -----------------------------------------------------------------------------------
 
 
-def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
-    out = []
-    for bm in [16 if m <= 16 else 32 if m <= 32 else 64] + ([128] if m > 64 else []):
-        tiles_m = (m + bm - 1) // bm
-        for bn, bk, warps, stages in [
-            (64, 128, 4, 3),
-            (128, 128, 4, 3),
-            (128, 64, 4, 4),
-            (256, 64, 8, 3),
-        ]:
-            for waves in (1, 2, 4):
-                tiles = tiles_m * ((n + bn - 1) // bn)
-                split = 1
-                while tiles * split < waves * sms and split * 2 <= k // bk and split < 32:
-                    split *= 2
-                out.append(
-                    {
-                        "BM": bm,
-                        "BN": bn,
-                        "BK": bk,
-                        "SPLIT_K": split,
-                        "num_warps": warps if bm < 128 else 8,
-                        "num_stages": stages,
-                    }
-                )
-    uniq = {json.dumps(c, sort_keys=True): c for c in out}
-    return list(uniq.values())
+def repacked_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """Launch configurations of the repacked kernel around its heuristic (``RK.r_config``)."""
+    base = RK.r_config(m, n, k, sms)
+    out = [base]
+    for bn in (32, 64, 128, 256):
+        for split in (1, 2, 4, 8, 16):
+            for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                if split <= k // 128 and (bn, split) != (base["BN"], base["SPLIT_K"]):
+                    out.append({**base, "BN": bn, "SPLIT_K": split, "num_warps": warps,
+                                "num_stages": stages})  # fmt: skip
+    if m <= 4:
+        out.append({**base, "DOT": False, "BM": 4 if m > 2 else m})
+    return out
 
 
 def moe_candidates(t: int, e: int) -> list[dict]:
@@ -265,15 +397,16 @@ def sweep(hbm: float, budget_s: float) -> list[dict]:
             print(f"sweep: budget reached, skipping {kind} {size} and later", flush=True)
             break
         best = None
-        if kind == "linear":
-            for cfg in linear_candidates(size, 2048, D, sms):
-                try:
-                    row = bench_linear(D, 2048, [size], hbm, cfg, with_bf16=False)[0]
-                except Exception as err:  # a config that does not compile: note it, go on
-                    res.append({"kind": kind, "size": size, "config": cfg, "error": repr(err)})
-                    continue
-                res.append({"kind": kind, "size": size, "config": cfg, "us": row["awq_us"]})
-                best = min(best or (1e9, ""), (row["awq_us"], json.dumps(cfg)))
+        if kind == "linear":  # the repacked kernel, 7168 -> 4096
+            k, n = LINEAR_SHAPES[0]
+            ws = [R.repack_awq(*rand_awq(k, n)) for _ in range(copies_for(awq_bytes(k, n)))]
+            x = torch.randn(size, k, device="cuda", dtype=torch.bfloat16)
+            for cfg in repacked_candidates(size, n, k, sms):
+                us = _time([lambda w=w, c=cfg, x=x: RK.w4a16_linear_r_triton(x, *w, config=c)
+                            for w in ws])  # fmt: skip
+                res.append({"kind": kind, "size": size, "config": cfg, "us": us})
+                if not math.isnan(us):
+                    best = min(best or (1e9, ""), (us, json.dumps(cfg)))
         else:
             e = 256 if kind == "moe256" else 16
             for cfg in moe_candidates(size, e):
@@ -282,8 +415,9 @@ def sweep(hbm: float, budget_s: float) -> list[dict]:
                 except Exception as err:
                     res.append({"kind": kind, "size": size, "config": cfg, "error": repr(err)})
                     continue
-                res.append({"kind": kind, "size": size, "config": cfg, "us": row["awq_us"]})
-                best = min(best or (1e9, ""), (row["awq_us"], json.dumps(cfg)))
+                # the candidates are the former kernel's (awq_kernels.moe_config)
+                res.append({"kind": kind, "size": size, "config": cfg, "us": row["former_us"]})
+                best = min(best or (1e9, ""), (row["former_us"], json.dumps(cfg)))
         print(f"sweep {kind} size={size}: best {best}", flush=True)
     return res
 
@@ -297,8 +431,23 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--experts", default="16,256")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping after this")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="stop sweeping after this")
+    ap.add_argument(
+        "--configs",
+        default="[]",
+        help="JSON list of partial configs of the repacked kernel to time as well at every point, "
+        'e.g. \'[{"BN": 128}, {"SPLIT_K": 8, "num_stages": 4}]\' (merged into its heuristic)',
+    )
+    ap.add_argument("--int2float", action="store_true", help="also the MoE's int->float dequant")
     args = ap.parse_args()
+    try:
+        extra = json.loads(args.configs)
+        if not isinstance(extra, list) or not all(isinstance(c, dict) for c in extra):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(
+            f"bench_awq: --configs must be a JSON list of objects, got {args.configs!r}"
+        ) from None
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq: needs a CUDA GPU")
     import triton
@@ -318,23 +467,38 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
+        result["elapsed_s"] = time.monotonic() - START
         out.write_text(json.dumps(result, indent=1))
 
     hbm = copy_ceiling_gbps()
     result["hbm_copy_GBps"] = hbm
     print(f"{result['device']}: copy ceiling {hbm:.0f} GB/s", flush=True)
-    result["linear"] = []
-    for k, n in [(D, 2048), (2048, D), (16384, D)]:
+    result["extra_configs"] = extra
+    for check in (check_linear, check_moe):
         try:
-            result["linear"] += bench_linear(k, n, batches, hbm)
+            check(result)
+        except Exception as err:  # noqa: BLE001  (a failing check is recorded; timings go on)
+            result.setdefault("check", []).append({"op": check.__name__, "error": repr(err),
+                                                   "pass": False})  # fmt: skip
+            print(f"{check.__name__} failed: {err!r}", flush=True)
+    save()
+    result["linear"] = []
+    for k, n in LINEAR_SHAPES:
+        try:
+            result["linear"] += bench_linear(k, n, batches, hbm, extra)
         except Exception as err:
             result.setdefault("errors", []).append(f"linear {k}x{n}: {err!r}")
             print(f"linear {k}x{n} failed: {err!r}", flush=True)
+        result["dispatch"] = {
+            "tinygemm_max_m_by_shape": dispatch_table(result["linear"]),
+            "in_use": R.TINYGEMM_MAX_M,
+        }
         save()
+        torch.cuda.empty_cache()
     result["moe"] = []
     for e in [int(x) for x in args.experts.split(",")]:
         try:
-            result["moe"] += bench_moe(e, batches, hbm)
+            result["moe"] += bench_moe(e, batches, hbm, with_i2f=args.int2float)
         except Exception as err:
             result.setdefault("errors", []).append(f"moe E={e}: {err!r}")
             print(f"moe E={e} failed: {err!r}", flush=True)
@@ -344,17 +508,20 @@ def main() -> None:
         result["sweep"] = sweep(hbm, args.budget_s)
         save()
 
+    fails = [c for c in result["check"] if not c["pass"]]
+    print(f"\ncheck: {'PASS' if not fails else 'FAIL'} ({len(fails)} of {len(result['check'])})")
     print(
-        f"\n{'linear in x out':>16} {'M':>4} {'awq us':>8} {'i2f us':>8} {'bf16 us':>8} "
-        f"{'x bf16':>7} {'awq %HBM':>8} {'bf16 %HBM':>9}"
+        f"\n{'linear K x N':>16} {'M':>4} {'bf16':>7} {'tinygemm':>8} {'repack':>7} "
+        f"{'former':>7} {'served':>7} {'x bf16':>7} {'best':>14} {'x bf16':>6} {'%HBM':>5}"
     )
     for r in result["linear"]:
         print(
-            f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['awq_us']:8.1f} "
-            f"{r['awq_int2float_dequant_us']:8.1f} {r['bf16_us']:8.1f} "
-            f"{r['speedup_vs_bf16']:7.2f} {100 * r['awq_frac_hbm']:8.0f} "
-            f"{100 * r['bf16_frac_hbm']:9.0f}"
+            f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['bf16_us']:7.1f} {r['tinygemm_us']:8.1f} "
+            f"{r['repacked_us']:7.1f} {r['former_us']:7.1f} {r['awq_us']:7.1f} "
+            f"{r['speedup_vs_bf16']:7.2f} {r['best_w4_path']:>14} "
+            f"{r['best_speedup_vs_bf16']:6.2f} {100 * r['awq_frac_hbm']:5.0f}"
         )
+    print(f"dispatch (largest M where tinygemm won, per shape): {result.get('dispatch')}")
     print(
         f"\n{'moe E':>6} {'T':>4} {'touched':>7} {'awq us':>8} {'i2f us':>8} {'bf16 us':>8} "
         f"{'x bf16':>7} {'awq %HBM':>8} {'bf16 %HBM':>9} {'dense us':>9}"

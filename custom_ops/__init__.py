@@ -7,4 +7,13 @@ fake implementation, like any torch extension; the Triton modules are imported o
 CUDA call.
 """
 
-from custom_ops import attention, awq, backends, cache_ops, indexer, prefill  # noqa: F401  (registers the echo:: ops)
+from custom_ops import (  # noqa: F401  (registers the echo:: ops)
+    attention,
+    awq,
+    awq_repack,
+    backends,
+    cache_ops,
+    fp8_linear,
+    indexer,
+    prefill,
+)

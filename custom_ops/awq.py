@@ -12,6 +12,8 @@ Numerics (kernel and reference alike): ``(q - z) * s`` is exact in fp32, product
 fp32, the output is rounded once to x's dtype. In the MoE, ``silu(gate) * up`` is computed in fp32
 and rounded to x's dtype as the down projection's input; the weighted sum over the k experts is
 fp32 and returned in fp32 (as ``model.moe.Experts``: the caller adds the shared experts in fp32).
+``moe_bf16`` also rounds the gate/up and down outputs to x's dtype, as the bf16 model's 16-bit
+linears do (so the model computes the same numbers through it as through its dense form).
 """
 
 from __future__ import annotations
@@ -190,14 +192,27 @@ def moe_bf16_ref(
     w13_weight: torch.Tensor,
     w2_weight: torch.Tensor,
 ) -> torch.Tensor:
-    """Reference for ``echo::moe_bf16``: ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``."""
-    return _moe_ref(
-        x,
-        topk_ids,
-        topk_weights,
-        w13_weight.float().transpose(1, 2),
-        w2_weight.float().transpose(1, 2),
-    )
+    """Reference for ``echo::moe_bf16``: ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]`` in x's
+    dtype. Numerics of the DeepSeek reference's ``Expert`` (and ``model.moe.MLP``): the gate/up
+    projection and the down projection are 16-bit linears (rounded to x's dtype), ``silu(g) * u``
+    in fp32 rounded to x's dtype, the weighted sum over the k experts in fp32."""
+    check_moe_inputs(x, topk_ids, topk_weights)
+    t, d = x.shape
+    inter = w13_weight.shape[1] // 2
+    if w13_weight.shape[2] != d or w2_weight.shape[1] != d:
+        raise ValueError(
+            f"moe_bf16: x has D={d}, weights give {w13_weight.shape[2]} / {w2_weight.shape[1]}"
+        )
+    out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
+    for e in range(w13_weight.shape[0]):
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = torch.nn.functional.linear(x[tok], w13_weight[e].to(x.dtype))  # [n, 2I] 16-bit
+        h = torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()
+        y = torch.nn.functional.linear(h.to(x.dtype), w2_weight[e].to(x.dtype))  # [n, D]
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
+    return out
 
 
 @torch.library.custom_op("echo::moe_bf16", mutates_args=())
@@ -208,8 +223,9 @@ def moe_bf16(
     w13_weight: torch.Tensor,
     w2_weight: torch.Tensor,
 ) -> torch.Tensor:
-    """The fused MoE with 16-bit stacked weights (same kernels as ``moe_w4a16``); the reference
-    by default, Triton on CUDA."""
+    """The fused MoE with 16-bit stacked weights (the grouped kernels of ``moe_w4a16``, with the
+    projections rounded to x's dtype as ``moe_bf16_ref`` says); the reference by default, Triton
+    on CUDA. ``model.moe.Experts`` calls it."""
     return moe_bf16_ref(x, topk_ids, topk_weights, w13_weight, w2_weight)
 
 

@@ -13,8 +13,15 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column offset AWQ_ORDER[i
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column offset ch sits in nibble REVERSE[ch]
 
 
-def check_awq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               k: int, n: int, lead: tuple[int, ...] = ()) -> None:
+def check_awq(
+    name: str,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    k: int,
+    n: int,
+    lead: tuple[int, ...] = (),
+) -> None:
     """ValueError unless qweight/qzeros/scales have the AWQ shapes and dtypes for in=k, out=n."""
     if k % GROUP or n % PACK:
         raise ValueError(f"{name}: in={k} must be a multiple of {GROUP} and out={n} of {PACK}")
@@ -50,3 +57,44 @@ def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
             f"moe: topk_weights must match topk_ids {list(topk_ids.shape)}, "
             f"got {list(topk_weights.shape)}"
         )
+
+
+# ---- the repacked ("k-major") layout the W4A16 kernels read -----------------------------------
+# Made once at load time from the AutoAWQ tensors (custom_ops/awq_repack.py), for in=K, out=N,
+# G = K/128 groups:
+#   qweight_r int32 [G, N, 16]: word j of (group g, column n) holds, in nibble i (bits 4i..4i+3),
+#                               q[128 g + 16 i + j, n]: a column's group is 64 contiguous bytes,
+#                               a tile of BN columns one contiguous BN * 64-byte block (wide,
+#                               fully coalesced loads), and nibble i of the 16 words of a tile is
+#                               the contiguous K slice [16 i, 16 i + 16) of the group: one shift
+#                               and mask per nibble give a [16, BN] operand of tl.dot, no shuffle;
+#   zeros_r   uint8 [G, N]      the zero point z[g, n] (0..15), unpacked;
+#   scales_r  fp16|bf16 [G, N]  the checkpoint's scales, unchanged.
+# W^T[k, n] = (q[k, n] - z[k // 128, n]) * s[k // 128, n], as in the AutoAWQ format.
+WORDS = GROUP // PACK  # 16 int32 words per (group, column)
+
+
+def check_repacked(
+    name: str, qweight_r: torch.Tensor, zeros_r: torch.Tensor, scales_r: torch.Tensor, k: int
+) -> int:
+    """ValueError unless the three tensors are a repacked W4 weight with in=k; returns out=N."""
+    if qweight_r.dim() != 3 or qweight_r.shape[-1] != WORDS:
+        raise ValueError(
+            f"{name}: qweight_r must be [K/{GROUP}, N, {WORDS}] int32, got {list(qweight_r.shape)}"
+        )
+    g, n = qweight_r.shape[:2]
+    if g * GROUP != k:
+        raise ValueError(f"{name}: x has K={k} but qweight_r holds {g} groups of {GROUP}")
+    for what, t, dtypes in (
+        ("qweight_r", qweight_r, (torch.int32,)),
+        ("zeros_r", zeros_r, (torch.uint8,)),
+        ("scales_r", scales_r, (torch.float16, torch.bfloat16)),
+    ):
+        if what != "qweight_r" and tuple(t.shape) != (g, n):
+            raise ValueError(f"{name}: {what} must have shape {[g, n]}, got {list(t.shape)}")
+        if t.dtype not in dtypes:
+            want = " or ".join(map(str, dtypes))
+            raise ValueError(f"{name}: {what} must be {want}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {what} must be contiguous")
+    return n

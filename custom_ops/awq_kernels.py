@@ -109,6 +109,22 @@ def _store(ptrs, acc, mask, INTERPRET: tl.constexpr):
     tl.store(ptrs, acc.to(ptrs.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _round16(acc, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``acc`` rounded to the 16-bit DT (to nearest even) and back: what a 16-bit linear's
+    output holds."""
+    if INTERPRET:
+        if DT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16 (see the module NOTE)
+            u = acc.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+            out = u.to(tl.float32, bitcast=True)
+        else:
+            out = acc.to(DT).to(tl.float32)
+    else:
+        out = acc.to(DT).to(tl.float32)
+    return out
+
+
 # ---- dense W4A16 GEMM ------------------------------------------------------------------------
 
 
@@ -272,7 +288,7 @@ def moe_gemm_kernel(
     stride_am, stride_we, stride_wk, stride_wn, stride_ze, stride_se, stride_om,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, W4: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAGIC: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, ROUND16: tl.constexpr = False,
 ):
     """One row block (pairs of one expert) x BN output columns.
 
@@ -280,6 +296,7 @@ def moe_gemm_kernel(
     out row ``p``. GATED: the weight has 2N output columns (gate then up), out = silu(gate) * up
     (fp32). MUL_WEIGHT: out = acc * topk_w[p]. W4: AWQ weight [E, K, 2N/8 or N/8] (+ zeros,
     scales); else a 16-bit weight [E, N_total, K] addressed through (stride_wk, stride_wn).
+    ROUND16: the products are rounded to A's dtype first (16-bit linears, ``moe_bf16``).
     Grid: (max_blocks, cdiv(N, BN)).
     """
     pid_m = tl.program_id(0)
@@ -338,6 +355,10 @@ def moe_gemm_kernel(
                 )
                 acc_up += _dot(a, wu, INTERPRET)
 
+    if ROUND16:
+        acc = _round16(acc, a_ptr.dtype.element_ty, INTERPRET)
+        if GATED:
+            acc_up = _round16(acc_up, a_ptr.dtype.element_ty, INTERPRET)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, fp32
     if MUL_WEIGHT:
@@ -378,7 +399,7 @@ def _launch_moe(
     n_blocks = block_expert.numel()
     tw = topk_weights.reshape(-1).float().contiguous()  # [P]
     common = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], MAGIC=cfg.get("MAGIC", True),
-                  INTERPRET=_INTERPRET,
+                  INTERPRET=_INTERPRET, ROUND16=not w4,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     def strides(w: tuple[torch.Tensor, ...]) -> tuple[int, int, int, int, int]:

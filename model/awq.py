@@ -14,7 +14,10 @@ Integration (``model/loader.py``, ``model/checkpoint.py``):
   ``w13_*``/``w2_*`` with gate then up along the packed output axis, the last one);
 - after loading, ``densify_awq(model)`` turns ``kv_b_proj`` back into a bf16 ``nn.Linear``: the MLA
   absorbed decode reads its weight as W_UK / W_UV;
-- the checkpoint generator writes ``awq_quantize(weight [out, in])``.
+- the checkpoint generator writes ``awq_quantize(weight [out, in])``;
+- on CUDA, ``repack_awq_model(model)`` then repacks every ``AWQLinear`` for the fast kernels
+  (``custom_ops/awq_repack.py``): the "k-major" layout of ``echo::w4a16_linear_r`` and, for
+  small M, core torch's int4 tinygemm weight (``AWQLinear.forward`` dispatches by M).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers torch.ops.echo.w4a16_linear / moe_w4a16)
+from custom_ops import awq_repack as R
 from custom_ops.awq import awq_dequantize_t, awq_unpack
 from custom_ops.awq_format import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, PACK
 from model.config import QuantConfig
@@ -40,6 +44,7 @@ __all__ = [
     "awq_unpack",
     "convert_to_awq",
     "densify_awq",
+    "repack_awq_model",
 ]
 
 DENSE_AFTER_LOAD = ("kv_b_proj",)  # AWQ in the checkpoint, dense bf16 in the model (W_UK / W_UV)
@@ -135,11 +140,39 @@ class AWQLinear(nn.Module):
         self.qzeros = _param((k // GROUP, n // PACK), torch.int32, device)
         self.scales = _param((k // GROUP, n), scales_dtype, device)
 
+    repacked = False  # set by repack(): the AutoAWQ parameters are then replaced
+    tinygemm_max_m = -1  # calls of at most this many tokens go to tinygemm (repacked only)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.echo.w4a16_linear(
-            x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales
-        )  # [M, out]
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if not self.repacked:
+            y = torch.ops.echo.w4a16_linear(x2, self.qweight, self.qzeros, self.scales)
+        elif R.use_tinygemm(x2.shape[0], x2.dtype, self.tinygemm_max_m):
+            y = R.tinygemm_linear(x2, self.tg_weight, self.tg_scale_zero)
+        else:
+            y = torch.ops.echo.w4a16_linear_r(x2, self.qweight_r, self.zeros_r, self.scales_r)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def repack(self, tinygemm_max_m: int = -1) -> None:
+        """Load-time: replace ``qweight/qzeros/scales`` by the repacked ``qweight_r/zeros_r/
+        scales_r`` (``echo::w4a16_linear_r``) and, if ``tinygemm_max_m >= 1``, also keep the
+        tinygemm weight ``tg_weight/tg_scale_zero`` for bf16 calls of at most that many tokens
+        (another int4 copy: the two layouts together are still half of bf16)."""
+        if self.repacked:
+            raise ValueError("AWQLinear.repack: already repacked")
+        with torch.no_grad():
+            parts = R.repack_awq(self.qweight, self.qzeros, self.scales)
+            tg = None
+            if tinygemm_max_m >= 1:
+                tg = R.tinygemm_pack(self.qweight, self.qzeros, self.scales)
+        del self.qweight, self.qzeros, self.scales
+        for name, t in zip(("qweight_r", "zeros_r", "scales_r"), parts, strict=True):
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
+        if tg is not None:
+            self.tg_weight = nn.Parameter(tg[0], requires_grad=False)
+            self.tg_scale_zero = nn.Parameter(tg[1], requires_grad=False)
+        self.tinygemm_max_m = tinygemm_max_m if tg is not None else -1
+        self.repacked = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scales_dtype: torch.dtype = torch.float16) -> AWQLinear:
@@ -157,11 +190,18 @@ class AWQLinear(nn.Module):
         return m
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The ``nn.Linear`` weight ``[out, in]`` this module computes with."""
+        """The ``nn.Linear`` weight ``[out, in]`` this module computes with (the Triton path's)."""
+        if self.repacked:
+            wt = R.dequantize_repacked_t(self.qweight_r, self.zeros_r, self.scales_r)
+            return wt.t().contiguous().to(dtype)
         return awq_dequantize(self.qweight, self.qzeros, self.scales, dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, w4a16 g{GROUP}"
+        layout = f", repacked, tinygemm up to M={self.tinygemm_max_m}" if self.repacked else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"w4a16 g{GROUP}{layout}"
+        )
 
 
 class AWQExperts(nn.Module):
@@ -195,9 +235,23 @@ class AWQExperts(nn.Module):
         self.w2_qzeros = _param((e, i // GROUP, d // PACK), torch.int32, device)
         self.w2_scales = _param((e, i // GROUP, d), scales_dtype, device)
 
+    repacked = False  # set by repack()
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.repacked:
+            return torch.ops.echo.moe_w4a16_r(
+                x,
+                topk_ids,
+                topk_weights,
+                self.w13_qweight_r,
+                self.w13_zeros_r,
+                self.w13_scales_r,
+                self.w2_qweight_r,
+                self.w2_zeros_r,
+                self.w2_scales_r,
+            )
         return torch.ops.echo.moe_w4a16(
             x,
             topk_ids,
@@ -209,6 +263,25 @@ class AWQExperts(nn.Module):
             self.w2_qzeros,
             self.w2_scales,
         )
+
+    def repack(self) -> None:
+        """Load-time: replace the AutoAWQ ``w13_*``/``w2_*`` tensors by the repacked
+        ``w13_qweight_r``, ``w13_zeros_r``, ``w13_scales_r`` (``[E, D/128, 2I(, 16)]``) and the
+        same for ``w2`` (``echo::moe_w4a16_r``: gate and up fused)."""
+        if self.repacked:
+            raise ValueError("AWQExperts.repack: already repacked")
+        for pre in ("w13", "w2"):
+            with torch.no_grad():
+                parts = R.repack_awq_experts(
+                    getattr(self, f"{pre}_qweight"),
+                    getattr(self, f"{pre}_qzeros"),
+                    getattr(self, f"{pre}_scales"),
+                )
+            for suffix in ("qweight", "qzeros", "scales"):
+                delattr(self, f"{pre}_{suffix}")
+            for suffix, t in zip(("qweight_r", "zeros_r", "scales_r"), parts, strict=True):
+                setattr(self, f"{pre}_{suffix}", nn.Parameter(t, requires_grad=False))
+        self.repacked = True
 
     @classmethod
     def from_dense(
@@ -231,6 +304,18 @@ class AWQExperts(nn.Module):
 
     def dequantized_weights(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
         """``(w13_weight [E, 2I, D], w2_weight [E, D, I])`` as ``model.moe.Experts`` holds them."""
+        if self.repacked:
+            return tuple(
+                R._dequantize_experts_t(
+                    getattr(self, f"{pre}_qweight_r"),
+                    getattr(self, f"{pre}_zeros_r"),
+                    getattr(self, f"{pre}_scales_r"),
+                )
+                .transpose(1, 2)
+                .contiguous()
+                .to(dtype)
+                for pre in ("w13", "w2")
+            )
         return (
             awq_dequantize(self.w13_qweight, self.w13_qzeros, self.w13_scales, dtype),
             awq_dequantize(self.w2_qweight, self.w2_qzeros, self.w2_scales, dtype),
@@ -312,5 +397,24 @@ def densify_awq(
             )
             dense.weight = nn.Parameter(child.dequantized_weight(dtype), requires_grad=False)
             setattr(parent, child_name, dense)
+            done.append(name)
+    return done
+
+
+def repack_awq_model(model: nn.Module, tinygemm_max_m: int | None = None) -> list[str]:
+    """After loading (and ``densify_awq``): ``AWQLinear.repack`` every AWQ linear of ``model``
+    and ``AWQExperts.repack`` every block of routed experts. ``tinygemm_max_m``: linear calls of
+    at most this many tokens use tinygemm (default ``custom_ops.awq_repack.TINYGEMM_MAX_M`` on
+    CUDA, none elsewhere; -1 = never). Returns the names."""
+    done: list[str] = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, AWQExperts) and not m.repacked:
+            m.repack()
+            done.append(name)
+        if isinstance(m, AWQLinear) and not m.repacked:
+            max_m = tinygemm_max_m
+            if max_m is None:
+                max_m = R.TINYGEMM_MAX_M if m.qweight.device.type == "cuda" else -1
+            m.repack(max_m)
             done.append(name)
     return done

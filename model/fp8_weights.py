@@ -78,3 +78,136 @@ def weight_dequant_fp8(
         )
     s = _expand(scale_inv.float().to(w8.device), tuple(w8.shape), block)
     return (w8.float() * s).to(dtype)
+
+
+# ---- FP8 weights served as FP8 ---------------------------------------------------------------
+
+DENSE_FP8 = ("kv_b_proj",)  # the MLA absorbs its 16-bit weight (W_UK / W_UV): dequantised
+
+
+class FP8Linear(torch.nn.Module):
+    """``y = x @ W^T`` computed in FP8 (``echo::fp8_linear``): the checkpoint's
+    ``weight`` (e4m3 ``[out, in]``) and ``weight_scale_inv`` (fp32 ``[ceil(out/128), in/128]``)
+    kept as they are, one byte per weight; the activations quantised per 128 (``ue8m0``: power-
+    of-two scales, the V3.2 config's ``scale_fmt``), as DeepSeek's reference ``linear`` does with
+    ``gemm_impl="fp8"``. x ``[..., in]`` bf16 -> ``[..., out]`` bf16."""
+
+    def __init__(self, in_features: int, out_features: int, ue8m0: bool = True, device=None):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(
+                f"FP8Linear: in_features ({in_features}) must be a multiple of {BLOCK}"
+            )
+        self.in_features, self.out_features, self.ue8m0 = in_features, out_features, ue8m0
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+            requires_grad=False,
+        )
+        self.weight_scale_inv = torch.nn.Parameter(
+            torch.empty(scale_shape((out_features, in_features)), dtype=torch.float32,
+                        device=device),
+            requires_grad=False,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.echo.fp8_linear(
+            x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, self.ue8m0
+        )  # [M, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, ue8m0: bool = True) -> FP8Linear:
+        """Quantise a dense linear (128 x 128 blocks), e.g. for tests and benchmarks."""
+        m = cls(linear.in_features, linear.out_features, ue8m0, linear.weight.device)
+        w8, s = weight_quant_fp8(linear.weight.detach(), scale_fmt="ue8m0" if ue8m0 else None)
+        with torch.no_grad():
+            m.weight.copy_(w8)
+            m.weight_scale_inv.copy_(s)
+        return m
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return weight_dequant_fp8(self.weight, self.weight_scale_inv, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 "
+            f"128x128 blocks, activations per 128{' (ue8m0)' if self.ue8m0 else ''}"
+        )
+
+
+class FP8Experts(torch.nn.Module):
+    """The routed experts with FP8 weights, a drop-in for ``model.moe.Experts``:
+    ``w13_weight`` e4m3 ``[E, 2I, D]`` (gate rows then up rows) with ``w13_weight_scale_inv``
+    ``[E, 2I/128, D/128]``, ``w2_weight [E, D, I]`` with ``w2_weight_scale_inv [E, D/128, I/128]``
+    (the checkpoint's tensors, stacked as docs/CONTRACTS.md says); ``forward`` is one call of
+    ``echo::moe_fp8`` -> fp32 ``[T, D]``."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, ue8m0: bool = True, device=None):
+        super().__init__()
+        if dim % BLOCK or inter_dim % BLOCK:
+            raise ValueError(
+                f"FP8Experts: dim ({dim}) and inter_dim ({inter_dim}) must be multiples of {BLOCK}"
+            )
+        self.n_experts, self.dim, self.inter_dim, self.ue8m0 = n_experts, dim, inter_dim, ue8m0
+        e, d, i = n_experts, dim, inter_dim
+
+        def param(shape, dtype):
+            return torch.nn.Parameter(
+                torch.empty(shape, dtype=dtype, device=device), requires_grad=False
+            )
+
+        self.w13_weight = param((e, 2 * i, d), FP8_DTYPE)
+        self.w13_weight_scale_inv = param((e, 2 * i // BLOCK, d // BLOCK), torch.float32)
+        self.w2_weight = param((e, d, i), FP8_DTYPE)
+        self.w2_weight_scale_inv = param((e, d // BLOCK, i // BLOCK), torch.float32)
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.echo.moe_fp8(
+            x, topk_ids, topk_weights, self.w13_weight, self.w13_weight_scale_inv,
+            self.w2_weight, self.w2_weight_scale_inv, self.ue8m0,
+        )  # fmt: skip
+
+    def dequantized_weights(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+        """``(w13_weight [E, 2I, D], w2_weight [E, D, I])`` as ``model.moe.Experts`` holds them."""
+        return tuple(
+            torch.stack([weight_dequant_fp8(w[j], s[j], dtype=dtype) for j in range(w.shape[0])])
+            for w, s in ((self.w13_weight, self.w13_weight_scale_inv),
+                         (self.w2_weight, self.w2_weight_scale_inv))
+        )  # fmt: skip
+
+
+def convert_to_fp8(model: torch.nn.Module, fp8_modules: set[str], ue8m0: bool) -> list[str]:
+    """Before loading: swap, in place, each 16-bit ``nn.Linear`` named in ``fp8_modules`` (the
+    modules whose checkpoint weights are FP8: they have a ``weight_scale_inv``) for an
+    ``FP8Linear`` on the same device (meta is fine), so the loader keeps their FP8 tensors.
+    Skipped (they keep the dequantise-at-load path): ``kv_b_proj`` (absorbed by the MLA), fp32
+    linears (``indexer.weights_proj``) and in_features not a multiple of 128. The stacked routed
+    experts (``model.moe.Experts`` at ``...mlp.experts``, FP8 when its expert 0's gate_proj is)
+    become ``FP8Experts``. Returns the converted names."""
+    from model.moe import Experts
+
+    done: list[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if type(child) is Experts and f"{name}.0.gate_proj" in fp8_modules:
+                if child.dim % BLOCK == 0 and child.inter_dim % BLOCK == 0:
+                    e, d, i = child.n_experts, child.dim, child.inter_dim
+                    setattr(parent, child_name, FP8Experts(e, d, i, ue8m0, child.w13_weight.device))
+                    done.append(name)
+                continue
+            if (
+                name not in fp8_modules
+                or type(child) is not torch.nn.Linear
+                or child.bias is not None
+                or child.weight.dtype not in (torch.bfloat16, torch.float16)
+                or child.in_features % BLOCK
+                or any(p in name for p in DENSE_FP8)
+            ):
+                continue
+            new = FP8Linear(child.in_features, child.out_features, ue8m0, child.weight.device)
+            setattr(parent, child_name, new)
+            done.append(name)
+    return done

@@ -73,7 +73,7 @@ def _target(name: str) -> _Target:
     if m is None:
         return _Target(name)
     prefix, e, proj, suffix = m.groups()
-    out_axis = 0 if suffix == "weight" else -1
+    out_axis = 0 if suffix in ("weight", "weight_scale_inv") else -1  # AWQ packs it last
     if proj == "down_proj":
         return _Target(f"{prefix}.w2_{suffix}", int(e), None, out_axis)
     return _Target(f"{prefix}.w13_{suffix}", int(e), 0 if proj == "gate_proj" else 1, out_axis)
@@ -129,10 +129,23 @@ class _Loader:
                 self.fp8[module] = (w, s, file)
                 return
             del self.fp8[module]
+            held = self.params.get(_target(module + ".weight").param)
+            if held is not None and held.dtype == torch.float8_e4m3fn:  # FP8Linear/Experts
+                self._check_scales(module, s, file)
+                self._copy(module + ".weight", w, file)
+                self._copy(module + ".weight_scale_inv", s, file)
+                return
             name, t = module + ".weight", self._dequant(module, w, s, file)
         self._copy(name, t, file)
 
     def _dequant(self, module: str, w: torch.Tensor, s: torch.Tensor, file: str) -> torch.Tensor:
+        self._check_scales(module, s, file)
+        try:
+            return weight_dequant_fp8(w, s)
+        except ValueError as e:
+            raise ValueError(f"{self._where(module + '.weight_scale_inv', file)}: {e}") from e
+
+    def _check_scales(self, module: str, s: torch.Tensor, file: str) -> None:
         if s.dtype != torch.float32:
             raise ValueError(
                 f"{self._where(module + '.weight_scale_inv', file)}: dtype {s.dtype}, "
@@ -149,10 +162,6 @@ class _Loader:
                 )
             elif len(bad):
                 self.non_ue8m0.append(module)
-        try:
-            return weight_dequant_fp8(w, s)
-        except ValueError as e:
-            raise ValueError(f"{self._where(module + '.weight_scale_inv', file)}: {e}") from e
 
     def _copy(self, name: str, t: torch.Tensor, file: str) -> None:
         tgt = _target(name)
@@ -339,10 +348,12 @@ def _cast_half_params(model: nn.Module, dtype: torch.dtype) -> None:
 
 def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.bfloat16,
-               keep_mtp: bool = True) -> tuple[nn.Module, LoadExtras]:
+               keep_mtp: bool = True, fp8_weights: str = "bf16") -> tuple[nn.Module, LoadExtras]:
     """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``) as
     ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights.
-    ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies)."""
+    ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies).
+    ``fp8_weights`` (FP8 checkpoints): ``"bf16"`` dequantises every FP8 weight at load (the
+    reference), ``"fp8"`` keeps the linears FP8 (``model.fp8_weights.FP8Linear``)."""
     from model.model import DeepseekV32ForCausalLM
 
     path = resolve_model(path_or_name)
@@ -357,15 +368,27 @@ def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
     awq = config.quantization is not None and config.quantization.method == "awq"
+    if fp8_weights not in ("bf16", "fp8"):
+        raise ValueError(f"load_model: fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
+    if fp8_weights == "fp8" and config.quantization is not None:
+        if config.quantization.method == "fp8":
+            from model.fp8_weights import convert_to_fp8
+
+            _, files = _shards(path)
+            scaled = {n.removesuffix(".weight_scale_inv") for names in files.values()
+                      for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
+            convert_to_fp8(model, scaled, config.quantization.scale_fmt == "ue8m0")
     if awq:
         from model.awq import convert_to_awq
 
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
     mtp = load_weights(model, path, config, device, keep_mtp)
     if awq:
-        from model.awq import densify_awq
+        from model.awq import densify_awq, repack_awq_model
 
         densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
+        if torch.device(device).type == "cuda":  # the fast layouts (CPU keeps the AutoAWQ one)
+            repack_awq_model(model)
     model.requires_grad_(False)
     model.eval()
     return model, LoadExtras(config, path, generation_config, mtp)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import custom_ops  # noqa: F401  (registers torch.ops.echo.moe_bf16)
 from model.config import ModelConfig
 
 DTYPE = torch.bfloat16
@@ -78,12 +79,12 @@ class Experts(nn.Module):
     ``forward(x [T, D], topk_ids [T, k], topk_weights [T, k] fp32) -> fp32 [T, D]``, the interface
     ``model/awq.py``'s quantised experts keep (the caller accepts either fp32 or x's dtype back).
 
-    NOTE: every expert runs on every token (batched matmuls over E), then each token gathers the
-    outputs of its k experts. Fixed shapes, no host syncs, no per-expert token lists, so the decode
-    step compiles into one CUDA graph. It costs E/k times the routed FLOPs: fine for the tiny and
-    bench presets (8-16 experts), not for 256 experts with large batches, where a grouped kernel
-    (``echo::moe_bf16``) is the way. Gathering (rather than multiplying unrouted outputs by a zero
-    weight) keeps the result exact even if an unrouted expert produced inf.
+    The forward is one call of the grouped ``echo::moe_bf16``: each token runs through its k
+    experts only (on CUDA a Triton kernel that groups the (token, expert) pairs by expert on the
+    device: fixed shapes, no host syncs, so the decode step stays one CUDA graph), with the
+    numerics of the 16-bit ``MLP`` (projections rounded to bf16, ``silu(g) * u`` in fp32, fp32
+    weighted sum). ``forward_all_experts`` is the former form, kept as the test's reference and
+    the fallback for dimensions the kernel does not tile (not multiples of 128).
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
@@ -91,10 +92,22 @@ class Experts(nn.Module):
         self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
         self.w13_weight = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim, dtype=DTYPE))
         self.w2_weight = nn.Parameter(torch.empty(n_experts, dim, inter_dim, dtype=DTYPE))
+        # NOTE: the Triton kernel walks K in tiles of up to 128 without a K mask.
+        self.grouped = dim % 128 == 0 and inter_dim % 128 == 0
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if not self.grouped:
+            return self.forward_all_experts(x, topk_ids, topk_weights)
+        return torch.ops.echo.moe_bf16(x, topk_ids, topk_weights, self.w13_weight, self.w2_weight)
+
+    def forward_all_experts(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every token (batched matmuls over E), then each token gathers its k
+        experts' outputs: E/k times the routed FLOPs. Gathering (rather than multiplying unrouted
+        outputs by a zero weight) keeps the result exact even if an unrouted expert gave inf."""
         t, d = x.shape
         inter = self.inter_dim
         gu = torch.matmul(x.unsqueeze(0), self.w13_weight.transpose(1, 2))  # [E, T, 2I]

@@ -1,0 +1,261 @@
+"""Triton kernel of ``echo::fp8_linear`` (custom_ops/fp8_linear.py): FP8 block-scaled GEMM with the
+per-128 activation quantisation fused into its prologue.
+
+Each program owns a [BM, BN] output tile (``128 % BN == 0``, so one weight scale per K block) and a
+range of K blocks (split-K for the few output tiles of decode). Per K block of 128 it loads the x
+tile in 16 bits, computes the rows' scales (``amax / 448``, ue8m0: the next power of two from the
+fp32 bits, exact), converts to e4m3 in registers, and runs one fp8 ``tl.dot`` against the e4m3
+weight tile (1 byte per weight read from HBM), then ``acc += (dot * s_x) * s_w`` in fp32 (the
+reference's order). Re-quantising x in every N tile costs ``BM * 128`` elements per ``BN * 128``
+weight bytes: nothing at decode sizes, and no extra launch or buffer.
+
+NOTE: the Triton interpreter (CPU CI) rounds fp32 -> e4m3 wrongly when the rounding carries into
+the next binade (124.3 -> 64 instead of 128), so under ``INTERPRET`` the value is first rounded to
+the e4m3 grid by hand (a magic-number add, round to nearest even), which it then converts exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.awq_kernels import _num_sms, _round16, _store, moe_align, splitk_sum_kernel
+from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _pow2_up(s):
+    """The least power of two >= s (s > 0 finite, normal): the exponent bits, plus one unless
+    the mantissa is zero."""
+    b = s.to(tl.int32, bitcast=True)
+    up = (b & 0x7F800000) + 0x00800000
+    return tl.where((b & 0x007FFFFF) == 0, b, up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(v, INTERPRET: tl.constexpr):
+    """fp32 ``v`` (already clamped to ±448) -> e4m3, round to nearest even."""
+    if INTERPRET:
+        e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # unbiased exponent of |v|
+        ue = tl.maximum(e, -6) - 3  # exponent of the e4m3 ulp (subnormals below 2^-6)
+        c = ((ue + 23 + 127) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^(ue + 23)
+        v = (v + c) - c  # rounds to a multiple of 2^ue (fp32 add: nearest even)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_tile(x, UE8M0: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x [BM, 128]`` -> (e4m3 ``[BM, 128]``, fp32 row scales ``[BM]``): DeepSeek's
+    ``act_quant`` of one K block (custom_ops/fp8_linear.py)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # [BM]
+    s = tl.math.div_rn(amax, 448.0)
+    if UE8M0:
+        s = _pow2_up(s)
+    v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
+    return _to_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0), INTERPRET), s
+
+
+@triton.jit
+def _fp8_dot(x8, w, INTERPRET: tl.constexpr):
+    """``x8 [BM, 128] @ w [BN, 128]^T`` in fp32 (e4m3 operands)."""
+    if INTERPRET:
+        d = tl.dot(x8.to(tl.float32), tl.trans(w.to(tl.float32)))
+    else:
+        d = tl.dot(x8, tl.trans(w))
+    return d
+
+
+@triton.jit
+def fp8_linear_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr,
+    M, N, K, stride_xm, stride_os, stride_om, SPLIT_K,
+    BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """out[split, m, n] over this split's K blocks. Grid: (cdiv(N, BN), cdiv(M, BM), SPLIT_K)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    KB = K // 128
+    per_split = tl.cdiv(KB, SPLIT_K)
+    kb0 = pid_k * per_split
+    kb1 = tl.minimum(kb0 + per_split, KB)
+    nb = (pid_n * BN) // 128  # the tile's weight-scale row (128 % BN == 0)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kb * 128 + offs_k[None, :],
+            mask=m_mask[:, None], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        x8, s = _quant_tile(x, UE8M0, INTERPRET)  # [BM, 128] e4m3, [BM]
+        w = tl.load(
+            w_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + offs_k[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
+        )  # fmt: skip  [BN, 128] e4m3
+        sw = tl.load(ws_ptr + nb * KB + kb)
+        acc += (_fp8_dot(x8, w, INTERPRET) * s[:, None]) * sw
+    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    _store(out, acc, m_mask[:, None] & n_mask[None, :], INTERPRET)
+
+
+def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
+    """Launch configuration, by reasoning (not yet timed; ``benchmarks/bench_fp8.py`` tries
+    others): BM the smallest MMA tile covering m (16, 32, 64), BN 128 (one scale block, 16 KB of
+    weights per K block... per program), split-K until about two programs per SM."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bn = 128
+    tiles = -(-m // bm) * -(-n // bn)
+    split = 1
+    while tiles * split < 2 * num_sms and split * 2 <= k // BLOCK and split < 16:
+        split *= 2
+    return {"BM": bm, "BN": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+
+def fp8_linear_triton(
+    x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: bool,
+    config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``x [M, K] -> [M, N]`` with FP8 block-scaled weights (see custom_ops/fp8_linear.py)."""
+    check_fp8_linear(x, w8, w_scale)
+    m, k = x.shape
+    n = w8.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or fp8_config(m, n, k, _num_sms(x.device))
+    bm, bn, split = cfg["BM"], cfg["BN"], cfg["SPLIT_K"]
+    if BLOCK % bn or bn < 16 or bm < 16 or split < 1:
+        raise ValueError(f"fp8_linear: bad config {cfg}: need 128 % BN == 0, BN, BM >= 16")
+    out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+    if split == 1:
+        out = torch.empty((1, m, n), device=x.device, dtype=out_dtype)
+    else:
+        out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    fp8_linear_kernel[grid](
+        x, w8, w_scale, out, m, n, k, x.stride(0), out.stride(0), out.stride(1), split,
+        BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )  # fmt: skip
+    if split == 1:
+        return out[0]
+    y = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](
+        out, y, m * n, split, BLOCK=1024, INTERPRET=_INTERPRET, num_warps=4
+    )
+    return y
+
+
+# ---- fused FP8 MoE ---------------------------------------------------------------------------
+
+
+@triton.jit
+def fp8_moe_kernel(
+    a_ptr, w_ptr, ws_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+    num_pairs, N, K, E, stride_am, stride_om,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One row block (pairs of one expert, ``awq_kernels.moe_align``) x BN output columns of the
+    expert's FP8 weight ``w [E, NW, K]`` (scales ``ws [E, NW/128, K/128]``; NW = 2N when GATED:
+    gate rows then up rows, both from one quantised x tile). Each product is rounded to 16 bits
+    as the reference's FP8 linears return it; GATED: out = silu(gate) * up; MUL_WEIGHT: out =
+    acc * topk_w[p]. Grid: (max_blocks, cdiv(N, BN))."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= E:
+        return
+    ids = tl.load(sorted_ids_ptr + pid_m * BM + tl.arange(0, BM))
+    row_mask = ids < num_pairs
+    a_rows = (ids // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    n_mask = offs_n < N
+    NW = 2 * N if GATED else N
+    KB = K // 128
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * NW * K
+    ws_base = ws_ptr + e64 * (NW // 128) * KB
+    nb = (pid_n * BN) // 128
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, KB):
+        x = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + kb * 128 + offs_k[None, :],
+            mask=row_mask[:, None], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        x8, s = _quant_tile(x, UE8M0, INTERPRET)
+        w = tl.load(w_base + offs_n[:, None].to(tl.int64) * K + kb * 128 + offs_k[None, :],
+                    mask=n_mask[:, None], other=0.0)  # fmt: skip
+        acc += (_fp8_dot(x8, w, INTERPRET) * s[:, None]) * tl.load(ws_base + nb * KB + kb)
+        if GATED:
+            wu = tl.load(
+                w_base + (N + offs_n)[:, None].to(tl.int64) * K + kb * 128 + offs_k[None, :],
+                mask=n_mask[:, None], other=0.0,
+            )  # fmt: skip
+            su = tl.load(ws_base + (N // 128 + nb) * KB + kb)
+            acc_up += (_fp8_dot(x8, wu, INTERPRET) * s[:, None]) * su
+    acc = _round16(acc, a_ptr.dtype.element_ty, INTERPRET)
+    if GATED:
+        acc_up = _round16(acc_up, a_ptr.dtype.element_ty, INTERPRET)
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, fp32
+    if MUL_WEIGHT:
+        tw = tl.load(topk_w_ptr + ids, mask=row_mask, other=0.0)
+        acc = acc * tw[:, None]
+    out = out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    _store(out, acc, row_mask[:, None] & n_mask[None, :], INTERPRET)
+
+
+def moe_fp8_config(num_pairs: int, n_experts: int) -> dict[str, int]:
+    """By reasoning (not yet timed): BM = 16 while experts get few pairs (decode), else 64;
+    BN = 128 (one weight-scale block; 16 KB of e4m3 weights per K block and program)."""
+    bm = 64 if num_pairs > 16 * n_experts else 16
+    return {"BM": bm, "BN": 128, "num_warps": 4, "num_stages": 3}
+
+
+def moe_fp8_triton(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    ue8m0: bool, config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Fused FP8 MoE: fp32 ``[T, D]``; ``w13 [E, 2I, D]``, ``w2 [E, D, I]`` e4m3 with their
+    128 x 128 block scales (custom_ops/fp8_linear.py ``moe_fp8_ref``)."""
+    from custom_ops.fp8_linear_format import check_moe_fp8
+
+    e, inter, d = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
+    t, topk = topk_ids.shape
+    p = t * topk
+    cfg = config or moe_fp8_config(p, e)
+    if BLOCK % cfg["BN"] or cfg["BN"] < 16 or cfg["BM"] < 16:
+        raise ValueError(f"moe_fp8: bad config {cfg}: need 128 % BN == 0, BN, BM >= 16")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    sorted_ids, block_expert = moe_align(topk_ids, e, cfg["BM"])
+    n_blocks = block_expert.numel()
+    tw = topk_weights.reshape(-1).float().contiguous()
+    common = dict(
+        BM=cfg["BM"], BN=cfg["BN"], UE8M0=ue8m0, INTERPRET=_INTERPRET,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )  # fmt: skip
+    h = torch.empty((p, inter), device=x.device, dtype=x.dtype)
+    fp8_moe_kernel[(n_blocks, triton.cdiv(inter, cfg["BN"]))](
+        x, w13, w13_scale, h, sorted_ids, block_expert, tw, p, inter, d, e,
+        x.stride(0), h.stride(0), A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, **common,
+    )  # fmt: skip
+    y = torch.empty((p, d), device=x.device, dtype=torch.float32)
+    fp8_moe_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
+        h, w2, w2_scale, y, sorted_ids, block_expert, tw, p, d, inter, e,
+        h.stride(0), y.stride(0), A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, **common,
+    )  # fmt: skip
+    return y.view(t, topk, d).sum(1)
