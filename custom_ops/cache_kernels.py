@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from custom_ops import cache_layout as C
+from custom_ops.cache_ops import reserve_slots
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 # Globals read inside kernels must be constexpr.
@@ -53,10 +54,17 @@ PAGE_C = tl.constexpr(PAGE)
 IDX_PAGE_W = tl.constexpr(INDEX_PAGE_BYTES // 4)  # int32 words per indexer-cache page (2112)
 IDX_ROW_W = tl.constexpr(INDEX_ROW_BYTES // 4)  # 33 words: 32 of fp8 values, 1 fp32 scale
 
-SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free): one atomic per block
+# Launch configuration (chosen by reasoning, not measured: see docs/cache_ops.md; the benchmark
+# can try others). Pool scans: 196 programs of 1024 slots at N_G = 200K, ~1.5 per SM, one atomic
+# per block; a scan is latency-bound (a few dependent round trips), not bandwidth-bound.
+SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free, recall)
+SCAN_WARPS = 4
 LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
 PAD_BLOCK = 1024  # index-buffer entries per padding store
-ROWS_PER_ITER = 4  # rows per copy-loop iteration and program (bytes in flight over PCIe)
+COPY_UNITS = 512  # 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264
+# programs then move a 2048-row fp8 recall (84K units) in one wave
+COPY_PROGRAMS_PER_SM = 2
+COPY_WARPS = 4
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -112,7 +120,8 @@ def _lookup_kernel(host_slots, h2g, prio, miss_host, meta, stats, total, cap,
 
 @triton.jit
 def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr):
-    """Histogram of the age buckets of evictable slots, only when free must evict."""
+    """Histogram of the age buckets of evictable slots, only when free must evict (with the
+    reserve most calls need not: every program returns after two loads)."""
     pid = tl.program_id(0)
     needed = tl.minimum(tl.load(want_ptr), cap) - tl.load(meta + M_NFREE)
     if needed > 0:
@@ -126,123 +135,189 @@ def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(prio, gpu_free, g2h, h2g, indices, meta, hist, stats, want_ptr, n_g, cap,
-                   BLOCK: tl.constexpr, PAD: tl.constexpr):
-    """Evict exactly max(want - free, 0) slots: every evictable slot in buckets above the
-    threshold bucket T, and the first (by atomic rank) of those in T. Finalise in the last
-    program: free count, index high-water mark, stats, reset of hist and counters."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    nfree = tl.load(meta + M_NFREE)
-    needed = tl.maximum(tl.minimum(tl.load(want_ptr), cap) - nfree, 0)
-    _pad(indices, needed, tl.load(meta + M_IDX_HW), pid, nprog, PAD)
-    if needed > 0:
-        bins = tl.arange(0, NBINS)
-        cnt = tl.load(hist + bins)
-        suffix = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt  # evictable in buckets >= b
-        # T = the highest bucket whose suffix still covers `needed`; T = 1 (take all) on overflow.
-        t = tl.maximum(tl.max(tl.where((suffix >= needed) & (bins > 0), bins, 0), axis=0), 1)
-        take_t = needed - tl.sum(tl.where(bins > t, cnt, 0), axis=0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        p = tl.load(prio + offs, mask=offs < n_g, other=-1)
-        age = (tl.load(meta + M_CLOCK) - p) & CLOCK_MASK
-        b = tl.where((p >= 0) & (age > 0), _bucket(age), 0)
-        eq = ((b == t) & (b > 0)).to(tl.int32)
-        neq = tl.sum(eq, axis=0)
-        base_eq = neq * 0
-        if neq > 0:
-            base_eq = tl.atomic_add(meta + M_EQ_CTR, neq, sem="relaxed")
-        rank = base_eq + tl.cumsum(eq, axis=0) - 1
-        victim = (b > t) | ((eq > 0) & (rank < take_t))
-        vi = victim.to(tl.int32)
-        nv = tl.sum(vi, axis=0)
-        if nv > 0:
-            pos = tl.atomic_add(meta + M_VICT_CTR, nv, sem="relaxed") + tl.cumsum(vi, axis=0) - 1
-            tl.store(indices + pos, offs, mask=victim)
-            hh = tl.load(g2h + offs, mask=victim, other=0)
-            minus1 = tl.full([BLOCK], -1, tl.int32)
-            tl.store(h2g + hh, minus1, mask=victim)
-            tl.store(g2h + offs, minus1, mask=victim)
-            tl.store(prio + offs, minus1, mask=victim)
-            tl.store(gpu_free + offs, tl.full([BLOCK], 1, tl.int8), mask=victim)
-    if _last_program(meta):
-        nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0)
-        tl.atomic_xchg(meta + M_EQ_CTR, 0)
-        tl.atomic_xchg(meta + M_DONE, 0)
-        tl.store(hist + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
-        _pad(indices, nv_total, needed, 0, 1, PAD)  # only on overflow (fewer victims than needed)
-        tl.store(meta + M_NFREE, nfree + nv_total)
-        tl.store(meta + M_IDX_HW, nv_total)
-        tl.store(meta + M_LAST_EVICT, nv_total)
-        tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64))
-        if nv_total < needed:
-            tl.atomic_add(meta + M_OVERFLOW, 1)
+def _evict_place_kernel(
+    prio,
+    gpu_free,
+    g2h,
+    h2g,
+    indices,
+    meta,
+    hist,
+    stats,
+    want_ptr,
+    want_host,
+    n_g,
+    cap,
+    reserve,
+    EVICT: tl.constexpr,
+    PLACE: tl.constexpr,
+    WRITE_IDX: tl.constexpr,
+    PAD_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    """One pass over the pool, per BLOCK-slot block, of up to two phases (free and recall's
+    eviction and recall's and allocate's placement were separate launches before issue 18).
 
-
-@triton.jit
-def _alloc_kernel(gpu_free, prio, g2h, h2g, indices, meta, want_host, want_ptr, n_g, cap,
-                  WRITE_IDX: tl.constexpr, BLOCK: tl.constexpr, PAD: tl.constexpr):
-    """Take n = min(want, cap) free slots: per 1024-slot block, a prefix sum of the free bits and
-    one atomicAdd for the block's base rank; rank r < n maps want_host[r] <-> that slot. Blocks
-    that start after n slots were claimed skip the scan (early exit)."""
+    EVICT: with needed = max(min(want, cap) - free, 0) > 0, evict target = min(needed + reserve,
+    cap) slots (cache_ops.evict_target): every evictable slot in buckets above the threshold
+    bucket T (from hist) and the first, by atomic rank, of those in T.
+    PLACE: take n = min(want, cap) free slots (the block's own victims included: a block knows its
+    victims, so no other block's eviction has to finish first), ranked by a prefix sum of the
+    block's free bits plus one atomicAdd for the block's base; rank r < n maps want_host[r].
+    The last program finalises (free count, index high-water mark, stats, reset of the scratch).
+    Nothing to do (the common case with the reserve): program 0 alone pads ``indices`` and
+    records zeros; no atomics, no barrier."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     want = tl.load(want_ptr)
     n = tl.minimum(want, cap)
     nfree = tl.load(meta + M_NFREE)
     clock = tl.load(meta + M_CLOCK)
-    if WRITE_IDX:
-        _pad(indices, n, tl.load(meta + M_IDX_HW), pid, nprog, PAD)
-    if tl.load(meta + M_ALLOC_CTR, volatile=True) < n:
+    idx_hw = tl.load(meta + M_IDX_HW)
+    needed = tl.maximum(n - nfree, 0)
+    target = tl.where(needed > 0, tl.minimum(needed + reserve, cap), 0)
+    if not EVICT:
+        target = target * 0
+    n_place = n
+    if not PLACE:
+        n_place = n * 0
+    if (target > 0) | (n_place > 0):
+        if EVICT:
+            _pad(indices, target, idx_hw, pid, nprog, PAD)
+        elif WRITE_IDX:
+            _pad(indices, n, idx_hw, pid, nprog, PAD)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        f = (tl.load(gpu_free + offs, mask=offs < n_g, other=0) != 0).to(tl.int32)
-        cnt = tl.sum(f, axis=0)
-        if cnt > 0:
-            base = tl.atomic_add(meta + M_ALLOC_CTR, cnt, sem="relaxed")
-            if base < n:
-                rank = base + tl.cumsum(f, axis=0) - 1
-                take = (f > 0) & (rank < n)
-                hh = tl.load(want_host + rank, mask=take, other=0)
-                tl.store(g2h + offs, hh, mask=take)
-                tl.store(h2g + hh, offs, mask=take)
-                tl.store(prio + offs, tl.zeros([BLOCK], tl.int32) + clock, mask=take)
-                tl.store(gpu_free + offs, tl.zeros([BLOCK], tl.int8), mask=take)
+        inb = offs < n_g
+        f = tl.load(gpu_free + offs, mask=inb, other=0) != 0
+        victim = offs < 0  # all False
+        if EVICT:
+            if target > 0:
+                bins = tl.arange(0, NBINS)
+                cnt = tl.load(hist + bins)
+                suffix = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt  # in buckets >= b
+                # T = the highest bucket whose suffix covers target; T = 1 (take all) if short.
+                t = tl.maximum(
+                    tl.max(tl.where((suffix >= target) & (bins > 0), bins, 0), axis=0), 1
+                )
+                take_t = target - tl.sum(tl.where(bins > t, cnt, 0), axis=0)
+                p = tl.load(prio + offs, mask=inb, other=-1)
+                age = (clock - p) & CLOCK_MASK
+                b = tl.where((p >= 0) & (age > 0), _bucket(age), 0)
+                eq = ((b == t) & (b > 0)).to(tl.int32)
+                neq = tl.sum(eq, axis=0)
+                base_eq = neq * 0
+                if neq > 0:
+                    base_eq = tl.atomic_add(meta + M_EQ_CTR, neq, sem="relaxed")
+                rank = base_eq + tl.cumsum(eq, axis=0) - 1
+                victim = (b > t) | ((eq > 0) & (rank < take_t))
+                vi = victim.to(tl.int32)
+                nv = tl.sum(vi, axis=0)
+                if nv > 0:
+                    pos = tl.atomic_add(meta + M_VICT_CTR, nv, sem="relaxed") + tl.cumsum(vi, 0) - 1
+                    tl.store(indices + pos, offs, mask=victim)
+                    old_h = tl.load(g2h + offs, mask=victim, other=0)
+                    tl.store(h2g + old_h, tl.full([BLOCK], -1, tl.int32), mask=victim)
+                f = f | victim
+        take = offs < 0
+        new_h = tl.zeros([BLOCK], tl.int32)
+        if PLACE:
+            if n_place > 0:
+                fi = f.to(tl.int32)
+                cnt_f = tl.sum(fi, axis=0)
+                if cnt_f > 0:
+                    base = tl.atomic_add(meta + M_ALLOC_CTR, cnt_f, sem="relaxed")
+                    if base < n_place:
+                        rank_f = base + tl.cumsum(fi, axis=0) - 1
+                        take = f & (rank_f < n_place)
+                        new_h = tl.load(want_host + rank_f, mask=take, other=0)
+                        tl.store(h2g + new_h, offs, mask=take)  # new_h was PENDING or absent
+                        if WRITE_IDX:
+                            tl.store(indices + rank_f, offs, mask=take)
+        # One store per array: a victim that is placed again ends occupied, one not placed free.
+        touched = victim | take
+        minus1 = tl.full([BLOCK], -1, tl.int32)
+        tl.store(g2h + offs, tl.where(take, new_h, minus1), mask=touched)
+        tl.store(prio + offs, tl.where(take, clock, minus1), mask=touched)
+        tl.store(gpu_free + offs, tl.where(take, 0, 1).to(tl.int8), mask=touched)
+        if _last_program(meta):
+            nfree_out = nfree
+            if EVICT:
+                nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0)
+                tl.atomic_xchg(meta + M_EQ_CTR, 0)
+                if target > 0:
+                    tl.store(hist + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
+                _pad(indices, nv_total, target, 0, 1, PAD)  # only when short of evictable slots
+                nfree_out = nfree + nv_total
+                tl.store(meta + M_IDX_HW, nv_total)
+                tl.store(meta + M_LAST_EVICT, nv_total)
+                tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64))
+                if nv_total < needed:
+                    tl.atomic_add(meta + M_OVERFLOW, 1)
+            if PLACE:
+                # Every block counted all its free slots, so total < n means the pool ran out:
+                # k = min(total, n) is exactly the number placed.
+                k = tl.minimum(tl.atomic_xchg(meta + M_ALLOC_CTR, 0), n)
+                nfree_out = nfree_out - k
+                tl.store(meta + M_LAST_ALLOC, k)
                 if WRITE_IDX:
-                    tl.store(indices + rank, offs, mask=take)
-    if _last_program(meta):
-        # Blocks skip only once the counter reached n, so total < n means every free slot was
-        # counted: k = min(total, n) is exactly the number placed.
-        k = tl.minimum(tl.atomic_xchg(meta + M_ALLOC_CTR, 0), n)
-        tl.atomic_xchg(meta + M_DONE, 0)
-        tl.store(meta + M_NFREE, nfree - k)
-        tl.store(meta + M_LAST_ALLOC, k)
-        if WRITE_IDX:
-            _pad(indices, k, n, 0, 1, PAD)  # only when short of free slots
-            tl.store(meta + M_IDX_HW, k)
-        if k < want:
-            tl.atomic_add(meta + M_OVERFLOW, 1)
+                    _pad(indices, k, n, 0, 1, PAD)  # only when short of free slots
+                    tl.store(meta + M_IDX_HW, k)
+                if k < want:
+                    tl.atomic_add(meta + M_OVERFLOW, 1)
+            tl.store(meta + M_NFREE, nfree_out)
+            tl.atomic_xchg(meta + M_DONE, 0)
+    elif pid == 0:
+        # Nothing to evict or place: no pass over the pool, no cross-program counter.
+        if PAD_IDX:
+            _pad(indices, 0, idx_hw, 0, 1, PAD)
+            tl.store(meta + M_IDX_HW, 0)
+        if EVICT:
+            tl.store(meta + M_LAST_EVICT, 0)
+        if PLACE:
+            tl.store(meta + M_LAST_ALLOC, 0)
+            if want > 0:  # cap = 0 cannot happen (the pool has slots); kept for symmetry
+                tl.atomic_add(meta + M_OVERFLOW, 1)
 
 
 @triton.jit
-def _copy_out_kernel(host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, stats, total,
-                     n_copy, ROW_W: tl.constexpr, ROW_WP: tl.constexpr, RPI: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """Programs [0, n_copy): copy the placed misses' rows host -> GPU (UVA reads, RPI rows of
-    int32 words per iteration). Programs after: gpu_slots[j] = host_to_gpu[host_slots[j]] and
-    un-claim misses left PENDING (only on overflow). Last program: clock, stats, reset NMISS."""
+def _copy_out_kernel(
+    host_kv,
+    gpu_kv,
+    miss_host,
+    h2g,
+    host_slots,
+    out,
+    meta,
+    stats,
+    total,
+    n_copy,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
+    16-byte units (UPR per row; unit u is word 4 (u % UPR) of row u // UPR): each thread moves
+    whole 16-byte vectors, a warp reads 512 contiguous bytes, and no lane idles on a row padded
+    to a power of two (fp8's 656-byte row padded to 1024 wasted 36% of the lanes). Programs
+    after: gpu_slots[j] = host_to_gpu[host_slots[j]] and un-claim misses left PENDING (only on
+    overflow). Last program: clock, stats, reset NMISS."""
     pid = tl.program_id(0)
     if pid < n_copy:
-        nalloc = tl.load(meta + M_LAST_ALLOC)
-        cols = tl.arange(0, ROW_WP)
-        cmask = cols < ROW_W
-        for start in range(pid * RPI, nalloc, n_copy * RPI):
-            r = start + tl.arange(0, RPI)
-            rmask = r < nalloc
-            h = tl.load(miss_host + r, mask=rmask, other=0)
-            g = tl.load(h2g + h, mask=rmask, other=0)
-            m2 = rmask[:, None] & cmask[None, :]
-            v = tl.load(host_kv + h.to(tl.int64)[:, None] * ROW_W + cols[None, :], mask=m2)
-            tl.store(gpu_kv + g.to(tl.int64)[:, None] * ROW_W + cols[None, :], v, mask=m2)
+        nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+        w4 = tl.arange(0, 4)
+        for start in range(pid * UNITS, nunits, n_copy * UNITS):
+            u = start + tl.arange(0, UNITS)
+            um = u < nunits
+            r = u // UPR
+            word = (u - r * UPR) * 4
+            h = tl.load(miss_host + r, mask=um, other=0)
+            g = tl.load(h2g + h, mask=um, other=0)
+            src = h.to(tl.int64) * (UPR * 4) + word
+            dst = g.to(tl.int64) * (UPR * 4) + word
+            m2 = um[:, None]
+            v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2)
+            tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
     else:
         offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < total
@@ -312,10 +387,11 @@ def _words(t: torch.Tensor, name: str, state: bool) -> torch.Tensor:
 
 
 def _num_copy_programs(device: torch.device) -> int:
-    # Enough programs that ~2 x SMs x 4 rows are in flight: PCIe latency is ~1-2 us, so the copy
-    # needs tens of kilobytes outstanding to run near link speed.
+    # Enough programs that COPY_PROGRAMS_PER_SM x SMs x COPY_UNITS x 16 B are in flight (1 MB at
+    # the defaults): PCIe latency is ~1-2 us, so at ~55 GB/s the copy needs >= ~110 KB
+    # outstanding to run near link speed, and a 2048-row fp8 recall (1.3 MB) is then one wave.
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return COPY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 3  # TRITON_INTERPRET on CPU: few programs, several loop iterations each
 
 
@@ -323,57 +399,199 @@ def _grid(n: int, block: int) -> tuple[int]:
     return (max(1, triton.cdiv(n, block)),)
 
 
-def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
-    n_g = gpu_to_host.shape[0]
-    _alloc_kernel[_grid(n_g, SCAN_BLOCK)](
-        gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n, n_g,
-        indices.shape[0], WRITE_IDX=True, BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=4,
-    )
-
-
-def _evict(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, want):
+def _evict_place(
+    gpu_free,
+    gpu_priority,
+    gpu_to_host,
+    host_to_gpu,
+    indices,
+    meta,
+    hist,
+    stats,
+    want,
+    want_host,
+    evict: bool,
+    place: bool,
+    write_idx: bool,
+) -> None:
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
-    grid = _grid(n_g, SCAN_BLOCK)
-    _hist_kernel[grid](gpu_priority, meta, hist, want, n_g, cap, BLOCK=SCAN_BLOCK, num_warps=4)
-    _select_kernel[grid](
-        gpu_priority, gpu_free, gpu_to_host, host_to_gpu, indices, meta, hist, stats, want, n_g,
-        cap, BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=4,
+    _evict_place_kernel[_grid(n_g, SCAN_BLOCK)](
+        gpu_priority,
+        gpu_free,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        hist,
+        stats,
+        want,
+        want_host,
+        n_g,
+        cap,
+        reserve_slots(n_g),
+        EVICT=evict,
+        PLACE=place,
+        WRITE_IDX=write_idx,
+        PAD_IDX=evict or write_idx,
+        BLOCK=SCAN_BLOCK,
+        PAD=PAD_BLOCK,
+        num_warps=SCAN_WARPS,
     )
 
 
-def free_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats,
-              protect, n):
+def _hist(gpu_priority, meta, hist, want, n_g: int, cap: int) -> None:
+    _hist_kernel[_grid(n_g, SCAN_BLOCK)](
+        gpu_priority, meta, hist, want, n_g, cap, BLOCK=SCAN_BLOCK, num_warps=SCAN_WARPS
+    )
+
+
+def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
+    """1 launch: the placement pass."""
+    _evict_place(
+        gpu_free,
+        gpu_priority,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        meta,
+        meta,
+        n,
+        want_host,
+        evict=False,
+        place=True,
+        write_idx=True,
+    )
+
+
+def free_cuda(
+    gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, protect, n
+):
+    """3 launches: protect, histogram, eviction; the last two return at once when the free slots
+    (the reserve) already cover n."""
     p = protect.reshape(-1)
     _lookup_kernel[_grid(p.numel(), LIST_BLOCK)](
-        p, host_to_gpu, gpu_priority, indices, meta, stats, p.numel(), indices.shape[0],
-        MISSES=False, BLOCK=LIST_BLOCK, num_warps=4,
+        p,
+        host_to_gpu,
+        gpu_priority,
+        indices,
+        meta,
+        stats,
+        p.numel(),
+        indices.shape[0],
+        MISSES=False,
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
     )
-    _evict(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, n)
+    _hist(gpu_priority, meta, hist, n, gpu_to_host.shape[0], indices.shape[0])
+    _evict_place(
+        gpu_free,
+        gpu_priority,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        hist,
+        stats,
+        n,
+        indices,
+        evict=True,
+        place=False,
+        write_idx=False,
+    )
 
 
-def recall_cuda(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
-                miss_host, meta, hist, stats, host_slots) -> torch.Tensor:
+def recall_cuda(
+    host_kv,
+    gpu_kv,
+    gpu_free,
+    gpu_priority,
+    gpu_to_host,
+    host_to_gpu,
+    indices,
+    miss_host,
+    meta,
+    hist,
+    stats,
+    host_slots,
+) -> torch.Tensor:
+    """4 launches: lookup (protect hits, claim misses), histogram (returns at once unless an
+    eviction is due), eviction + placement in one pass, row copy + output."""
     hs = host_slots.reshape(-1)
     total, cap, n_g = hs.numel(), indices.shape[0], gpu_to_host.shape[0]
     out = torch.empty_like(host_slots)
     n_miss = meta[C.NMISS : C.NMISS + 1]  # the live miss count, as a pointer
     _lookup_kernel[_grid(total, LIST_BLOCK)](
-        hs, host_to_gpu, gpu_priority, miss_host, meta, stats, total, cap, MISSES=True,
-        BLOCK=LIST_BLOCK, num_warps=4,
+        hs,
+        host_to_gpu,
+        gpu_priority,
+        miss_host,
+        meta,
+        stats,
+        total,
+        cap,
+        MISSES=True,
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
     )
-    _evict(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, n_miss)
-    _alloc_kernel[_grid(n_g, SCAN_BLOCK)](
-        gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, miss_host, n_miss, n_g,
-        cap, WRITE_IDX=False, BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=4,
+    _hist(gpu_priority, meta, hist, n_miss, n_g, cap)
+    _evict_place(
+        gpu_free,
+        gpu_priority,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        hist,
+        stats,
+        n_miss,
+        miss_host,
+        evict=True,
+        place=True,
+        write_idx=False,
     )
-    row_w = host_kv.shape[1] // 4
-    n_copy = _num_copy_programs(hs.device)
-    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK),)](
-        _words(host_kv, "host_kv", True), _words(gpu_kv, "gpu_kv", True), miss_host, host_to_gpu,
-        hs, out.view(-1), meta, stats, total, n_copy, ROW_W=row_w,
-        ROW_WP=triton.next_power_of_2(row_w), RPI=ROWS_PER_ITER, BLOCK=LIST_BLOCK, num_warps=4,
-    )
+    copy_rows(host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1))
     return out
+
+
+def copy_rows(
+    host_kv,
+    gpu_kv,
+    miss_host,
+    host_to_gpu,
+    meta,
+    stats,
+    hs,
+    out,
+    units: int | None = None,
+    programs_per_sm: int | None = None,
+    warps: int | None = None,
+) -> None:
+    """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots, and
+    out = host_to_gpu[hs]. The keyword arguments override the module's copy configuration (the
+    benchmark tries a few)."""
+    if host_kv.shape[1] % 16:
+        raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
+    n_copy = _num_copy_programs(hs.device)
+    if programs_per_sm is not None and hs.device.type == "cuda":
+        n_copy = programs_per_sm * torch.cuda.get_device_properties(hs.device).multi_processor_count
+    total = hs.numel()
+    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK),)](
+        _words(host_kv, "host_kv", True),
+        _words(gpu_kv, "gpu_kv", True),
+        miss_host,
+        host_to_gpu,
+        hs,
+        out,
+        meta,
+        stats,
+        total,
+        n_copy,
+        UPR=host_kv.shape[1] // 16,
+        UNITS=units or COPY_UNITS,
+        BLOCK=LIST_BLOCK,
+        num_warps=warps or COPY_WARPS,
+    )
 
 
 def release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:

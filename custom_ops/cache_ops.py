@@ -112,13 +112,32 @@ def _write_indices(indices: torch.Tensor, meta: torch.Tensor, slots: torch.Tenso
     meta[IDX_HW] = slots.numel()
 
 
+# An eviction frees a reserve beyond the step's need, so the next steps find free slots and skip
+# the eviction passes over the N_G-sized priority array (issue 18): at N_G = 200K and ~37 misses a
+# step, one eviction in ~85 steps. The reserve is the next-oldest slots, so the order stays
+# oldest-first; only the batch size changes. Pools under 64 slots get no reserve (exact counts).
+RESERVE_SHIFT = 6
+
+
+def reserve_slots(n_g: int) -> int:
+    """Slots an eviction frees beyond what the call needs: 1/64 of the pool."""
+    return n_g >> RESERVE_SHIFT
+
+
+def evict_target(needed: int, n_g: int, cap: int) -> int:
+    """How many slots an eviction that must free ``needed`` takes: 0 when none is needed, else
+    needed + the reserve, capped by CAP (the ``indices`` buffer the victims are listed in)."""
+    return min(needed + reserve_slots(n_g), cap) if needed > 0 else 0
+
+
 def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed: int):
-    """Evict ``needed`` evictable slots, oldest bucket first, lowest slot index first within one."""
+    """Evict evict_target(needed) evictable slots (at least ``needed``, else OVERFLOW), oldest
+    bucket first, lowest slot index first within one."""
     clock = int(meta[CLOCK])
     p = gpu_priority.long()
     age = (clock - p) & CLOCK_MASK
     evictable = (p >= 0) & (age > 0)
-    k = min(needed, int(evictable.sum()))
+    k = min(evict_target(needed, p.numel(), indices.shape[0]), int(evictable.sum()))
     victims = torch.empty(0, dtype=torch.long, device=p.device)
     if k > 0:
         bucket = torch.where(evictable, age_bucket(age), -1)
@@ -350,9 +369,10 @@ def free_slots(
     protect: torch.Tensor,  # host slots selected this step (any shape, -1 = none)
     n: torch.Tensor,  # [1] int32: free slots wanted
 ) -> None:
-    """Stamp the resident slots of ``protect`` with the clock, then evict exactly
-    max(n - free, 0) of the oldest other slots (their maps cleared; nothing is written back: the
-    host copy is authoritative). The evicted slots go to indices (-1 padded)."""
+    """Stamp the resident slots of ``protect`` with the clock, then, when max(n - free, 0) > 0,
+    evict that many of the oldest other slots plus a reserve (``evict_target``; their maps
+    cleared; nothing is written back: the host copy is authoritative). The evicted slots go to
+    indices (-1 padded)."""
     _check_free(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats,
                 protect, n)
     free_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, protect, n)
@@ -384,7 +404,8 @@ def recall(
     stats: torch.Tensor,
     host_slots: torch.Tensor,  # [B, k] int32 selected host slots, -1 padded
 ) -> torch.Tensor:
-    """Guaranteed recall: protect the selected slots, evict exactly max(misses - free, 0), place
+    """Guaranteed recall: protect the selected slots, evict max(misses - free, 0) (plus the reserve
+    of ``evict_target`` when that is > 0), place
     the distinct misses, copy their rows host -> GPU, advance the clock. Returns gpu_slots [B, k]
     int32 with entry j = the GPU slot of host_slots entry j (-1 stays -1)."""
     _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
