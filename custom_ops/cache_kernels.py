@@ -14,6 +14,8 @@ Cross-program coordination, and why it is race-free:
   scratch counters with atomic exchanges. So no separate reset launch is needed.
 - Ops made of several launches (free, recall) hand values from one launch to the next through
   meta; launches on one stream are ordered.
+- A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
+  at its start, the same in every program: program 0 alone records it, nobody touches meta[DONE].
 
 Byte offsets into the pools are computed in int64 (a 2M-row bf16 layer is 2.3 GB > 2 GiB).
 """
@@ -61,8 +63,9 @@ SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free, recal
 SCAN_WARPS = 4
 LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
 PAD_BLOCK = 1024  # index-buffer entries per padding store
-COPY_UNITS = 512  # 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264
-# programs then move a 2048-row fp8 recall (84K units) in one wave
+# 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264 programs
+# then move a 2048-row fp8 recall (84K units) in one wave.
+COPY_UNITS = 512
 COPY_PROGRAMS_PER_SM = 2
 COPY_WARPS = 4
 

@@ -22,6 +22,9 @@ bucket the order is unspecified (the reference takes the lowest slot index, the 
 its atomics give). The clock wraps at 2^30 and ages are computed modulo 2^30, so int32 never
 overflows; a slot untouched for 2^30 steps (~4 months at 100 steps/s) merely looks young once.
 
+An eviction that must free ``needed`` > 0 slots frees ``evict_target(needed)`` = needed + N_G/64
+(capped by CAP) of the oldest: the reserve lets the following steps evict nothing.
+
 Slots selected in the current step have age 0 and are never evicted. The scheduler keeps the
 real (non-padded) rows of a batch within B * k <= N_G, so recall always finds enough evictable
 slots; CAP = min(max_batch * topk, N_G) bounds the misses one call places (padded rows, all -1,
@@ -404,10 +407,10 @@ def recall(
     stats: torch.Tensor,
     host_slots: torch.Tensor,  # [B, k] int32 selected host slots, -1 padded
 ) -> torch.Tensor:
-    """Guaranteed recall: protect the selected slots, evict max(misses - free, 0) (plus the reserve
-    of ``evict_target`` when that is > 0), place
-    the distinct misses, copy their rows host -> GPU, advance the clock. Returns gpu_slots [B, k]
-    int32 with entry j = the GPU slot of host_slots entry j (-1 stays -1)."""
+    """Guaranteed recall: protect the selected slots, evict max(misses - free, 0) (plus the
+    reserve, ``evict_target``, when that is > 0), place the distinct misses, copy their rows
+    host -> GPU, advance the clock. Returns gpu_slots [B, k] int32 with entry j = the GPU slot of
+    host_slots entry j (-1 stays -1)."""
     _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
                   miss_host, meta, hist, stats, host_slots)
     return recall_ref(
