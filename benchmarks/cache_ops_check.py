@@ -159,7 +159,7 @@ def launch_breakdown(replay: Callable[[], None], before: Callable[[], None], cal
     per: dict[str, list[float]] = defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name:
-            per[e.name].append(e.device_time)
+            per[e.name].append(e.time_range.elapsed_us())  # a kernel event: its duration
     return {
         name: {"launches_per_call": len(t) / calls, "us_per_launch": sum(t) / len(t)}
         for name, t in per.items()
