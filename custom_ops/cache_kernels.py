@@ -8,10 +8,12 @@ Cross-program coordination, and why it is race-free:
 - A kernel never reads a counter that another program of the same launch writes, except through
   the atomic that writes it (ranking: the old value of one atomicAdd per block is the block's
   base rank; the ranks inside a block come from a prefix sum).
-- Each multi-program kernel ends with ``_last_program``: after a CTA barrier, one release/acquire
-  atomic on meta[DONE]; the program that sees DONE == grid - 1 is the last, every other program's
-  writes are visible to it, and it alone finalises (free count, clock, stats) and resets the
-  scratch counters with atomic exchanges. So no separate reset launch is needed.
+- The eviction/placement pass, whose results are totals over its programs, ends with
+  ``_last_program``: after a CTA barrier, one release/acquire atomic on meta[DONE]; the program
+  that sees DONE == grid - 1 is the last, every other program's writes are visible to it, and it
+  alone finalises (free count, stats) and resets the scratch counters with atomic exchanges. So
+  no separate reset launch is needed. The copy/output launch needs no totals: its program 0
+  finalises (clock, stats, NMISS), which no other program of that launch reads.
 - Ops made of several launches (free, recall) hand values from one launch to the next through
   meta; launches on one stream are ordered.
 - A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
@@ -306,7 +308,7 @@ def _copy_out_kernel(
     whole 16-byte vectors, a warp reads 512 contiguous bytes, and no lane idles on a row padded
     to a power of two (fp8's 656-byte row padded to 1024 wasted 36% of the lanes). Programs
     after: gpu_slots[j] = host_to_gpu[host_slots[j]] and un-claim misses left PENDING (only on
-    overflow). Last program: clock, stats, reset NMISS."""
+    overflow). Program 0 also advances the clock, adds the stats and resets NMISS."""
     pid = tl.program_id(0)
     if pid < n_copy:
         nunits = tl.load(meta + M_LAST_ALLOC) * UPR
@@ -331,9 +333,12 @@ def _copy_out_kernel(
         g = tl.load(h2g + h, mask=valid, other=-1)
         tl.store(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid & (g == PENDING))
         tl.store(out + offs, tl.maximum(g, -1), mask=inb)
-    if _last_program(meta):
-        tl.store(meta + M_LAST_MISS, tl.atomic_xchg(meta + M_NMISS, 0))
-        tl.atomic_xchg(meta + M_DONE, 0)
+    if pid == 0:
+        # No program of this launch reads what is finalised here (NMISS, CLOCK, the totals; the
+        # copy reads LAST_ALLOC, the output host_to_gpu), so program 0 does it without waiting
+        # for the others: no barrier, no meta[DONE] atomic for the ~400 programs.
+        tl.store(meta + M_LAST_MISS, tl.load(meta + M_NMISS))
+        tl.store(meta + M_NMISS, 0)
         tl.store(meta + M_CLOCK, (tl.load(meta + M_CLOCK) + 1) & CLOCK_MASK)
         nalloc = tl.load(meta + M_LAST_ALLOC).to(tl.int64)
         tl.atomic_add(stats + S_RECALLED, nalloc)
