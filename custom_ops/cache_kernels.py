@@ -158,6 +158,7 @@ def _evict_place_kernel(
     PLACE: tl.constexpr,
     WRITE_IDX: tl.constexpr,
     PAD_IDX: tl.constexpr,
+    HANDOFF: tl.constexpr,
     BLOCK: tl.constexpr,
     PAD: tl.constexpr,
 ):
@@ -172,7 +173,11 @@ def _evict_place_kernel(
     block's free bits plus one atomicAdd for the block's base; rank r < n maps want_host[r].
     The last program finalises (free count, index high-water mark, stats, reset of the scratch).
     Nothing to do (the common case with the reserve): program 0 alone pads ``indices`` and
-    records zeros; no atomics, no barrier."""
+    records zeros; no atomics, no barrier.
+    HANDOFF (recall, whose copy launch follows): placing without evicting, the count placed is
+    known up front (min(n, free): every free slot is counted), so program 0 records it and the
+    copy launch's program 0 updates the free count and resets the rank counter; no barrier and
+    no meta[DONE] atomic here. (NFREE cannot change in this launch: every program reads it.)"""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -247,33 +252,47 @@ def _evict_place_kernel(
         tl.store(g2h + offs, tl.where(take, new_h, minus1), mask=touched)
         tl.store(prio + offs, tl.where(take, clock, minus1), mask=touched)
         tl.store(gpu_free + offs, tl.where(take, 0, 1).to(tl.int8), mask=touched)
-        if _last_program(meta):
+        handoff = target < 0  # False
+        if HANDOFF:
+            handoff = target == 0
+        if handoff:
+            if pid == 0:
+                k0 = tl.minimum(n, nfree)
+                tl.store(meta + M_LAST_ALLOC, k0)
+                tl.store(meta + M_LAST_EVICT, 0)
+                tl.store(meta + M_IDX_HW, 0)
+                if k0 < want:
+                    tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+        elif _last_program(meta):
+            # The acquire above made every program's writes visible; the atomics below need no
+            # ordering of their own, so relaxed ones are issued back to back instead of each
+            # waiting for the last (a round trip each).
             nfree_out = nfree
             if EVICT:
-                nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0)
-                tl.atomic_xchg(meta + M_EQ_CTR, 0)
+                nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
+                tl.atomic_xchg(meta + M_EQ_CTR, 0, sem="relaxed")
                 if target > 0:
                     tl.store(hist + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
                 _pad(indices, nv_total, target, 0, 1, PAD)  # only when short of evictable slots
                 nfree_out = nfree + nv_total
                 tl.store(meta + M_IDX_HW, nv_total)
                 tl.store(meta + M_LAST_EVICT, nv_total)
-                tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64))
+                tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64), sem="relaxed")
                 if nv_total < needed:
-                    tl.atomic_add(meta + M_OVERFLOW, 1)
+                    tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
             if PLACE:
                 # Every block counted all its free slots, so total < n means the pool ran out:
                 # k = min(total, n) is exactly the number placed.
-                k = tl.minimum(tl.atomic_xchg(meta + M_ALLOC_CTR, 0), n)
+                k = tl.minimum(tl.atomic_xchg(meta + M_ALLOC_CTR, 0, sem="relaxed"), n)
                 nfree_out = nfree_out - k
                 tl.store(meta + M_LAST_ALLOC, k)
                 if WRITE_IDX:
                     _pad(indices, k, n, 0, 1, PAD)  # only when short of free slots
                     tl.store(meta + M_IDX_HW, k)
                 if k < want:
-                    tl.atomic_add(meta + M_OVERFLOW, 1)
+                    tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
             tl.store(meta + M_NFREE, nfree_out)
-            tl.atomic_xchg(meta + M_DONE, 0)
+            tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")
     elif pid == 0:
         # Nothing to evict or place: no pass over the pool, no cross-program counter.
         if PAD_IDX:
@@ -339,6 +358,9 @@ def _copy_out_kernel(
         # for the others: no barrier, no meta[DONE] atomic for the ~400 programs.
         tl.store(meta + M_LAST_MISS, tl.load(meta + M_NMISS))
         tl.store(meta + M_NMISS, 0)
+        if tl.load(meta + M_ALLOC_CTR) > 0:  # the placement pass handed its free count over
+            tl.store(meta + M_NFREE, tl.load(meta + M_NFREE) - tl.load(meta + M_LAST_ALLOC))
+            tl.store(meta + M_ALLOC_CTR, 0)
         tl.store(meta + M_CLOCK, (tl.load(meta + M_CLOCK) + 1) & CLOCK_MASK)
         nalloc = tl.load(meta + M_LAST_ALLOC).to(tl.int64)
         tl.atomic_add(stats + S_RECALLED, nalloc)
@@ -423,6 +445,7 @@ def _evict_place(
     evict: bool,
     place: bool,
     write_idx: bool,
+    handoff: bool = False,
 ) -> None:
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
     _evict_place_kernel[_grid(n_g, SCAN_BLOCK)](
@@ -443,6 +466,7 @@ def _evict_place(
         PLACE=place,
         WRITE_IDX=write_idx,
         PAD_IDX=evict or write_idx,
+        HANDOFF=handoff,
         BLOCK=SCAN_BLOCK,
         PAD=PAD_BLOCK,
         num_warps=SCAN_WARPS,
@@ -559,6 +583,7 @@ def recall_cuda(
         evict=True,
         place=True,
         write_idx=False,
+        handoff=True,  # the copy launch right after finalises the placement
     )
     copy_rows(host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1))
     return out
