@@ -176,8 +176,9 @@ def _evict_place_kernel(
     records zeros; no atomics, no barrier.
     HANDOFF (recall, whose copy launch follows): placing without evicting, the count placed is
     known up front (min(n, free): every free slot is counted), so program 0 records it and the
-    copy launch's program 0 updates the free count and resets the rank counter; no barrier and
-    no meta[DONE] atomic here. (NFREE cannot change in this launch: every program reads it.)"""
+    copy launch's program 0 updates the free count and the index high-water mark and resets the
+    rank counter; no barrier and no meta[DONE] atomic here. (NFREE and IDX_HW cannot change in
+    this launch: every program reads them.)"""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -257,10 +258,10 @@ def _evict_place_kernel(
             handoff = target == 0
         if handoff:
             if pid == 0:
+                # Not IDX_HW: the other programs read it for their share of the padding.
                 k0 = tl.minimum(n, nfree)
                 tl.store(meta + M_LAST_ALLOC, k0)
                 tl.store(meta + M_LAST_EVICT, 0)
-                tl.store(meta + M_IDX_HW, 0)
                 if k0 < want:
                     tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
         elif _last_program(meta):
@@ -358,9 +359,10 @@ def _copy_out_kernel(
         # for the others: no barrier, no meta[DONE] atomic for the ~400 programs.
         tl.store(meta + M_LAST_MISS, tl.load(meta + M_NMISS))
         tl.store(meta + M_NMISS, 0)
-        if tl.load(meta + M_ALLOC_CTR) > 0:  # the placement pass handed its free count over
+        if tl.load(meta + M_ALLOC_CTR) > 0:  # the placement pass handed its finalisation over
             tl.store(meta + M_NFREE, tl.load(meta + M_NFREE) - tl.load(meta + M_LAST_ALLOC))
             tl.store(meta + M_ALLOC_CTR, 0)
+            tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
         tl.store(meta + M_CLOCK, (tl.load(meta + M_CLOCK) + 1) & CLOCK_MASK)
         nalloc = tl.load(meta + M_LAST_ALLOC).to(tl.int64)
         tl.atomic_add(stats + S_RECALLED, nalloc)

@@ -207,6 +207,25 @@ def test_eviction_takes_a_reserve_and_later_steps_skip_it(impl, device):
             assert min(bucket[h] for h in ev) >= max(bucket[h] for h in kept)
 
 
+def test_recall_without_eviction_pads_a_long_index_list(device):
+    """A recall that evicts nothing must clear every entry the last call listed, even when that
+    list spans several programs' shares of the padding (1024 entries each): the programs read the
+    high-water mark while the pass runs, so nothing may change it before the copy launch."""
+    pool, host_kv, gen = make_pool(3000, 8192, 128, 16, device=device, occupied=2000)
+    pool.indices[:2048] = torch.arange(2048, dtype=torch.int32, device=device)
+    pool.meta[L.IDX_HW] = 2048  # as after an eviction of 2048 slots
+    check_pool(pool)
+    hs = selection(pool, gen, 16, 128, hits=500, misses=300)
+    ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+    args = lambda p: (host_kv, p.gpu_kv, *state(p), p.indices, p.miss_host, p.meta)  # noqa: E731
+    C.recall_ref(*args(ref), ref.totals, hs)
+    out = K.recall_cuda(*args(ker), ker.hist, ker.totals, hs)
+    check_pool(ker, selected=hs, gpu_slots=out, host_kv=host_kv)
+    assert int(ker.meta[L.LAST_EVICT]) == 0 and int(ker.meta[L.IDX_HW]) == 0
+    assert bool((ker.indices == -1).all())
+    assert_same_up_to_ties(pool, ref, ker)
+
+
 def test_allocate_reference_and_bad_input():
     pool, _, _ = make_pool(100, 1024, 10, 4, occupied=90)
     want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:20].int()
