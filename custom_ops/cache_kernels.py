@@ -13,7 +13,8 @@ Cross-program coordination, and why it is race-free:
   that sees DONE == grid - 1 is the last, every other program's writes are visible to it, and it
   alone finalises (free count, stats) and resets the scratch counters with atomic exchanges. So
   no separate reset launch is needed. The copy/output launch needs no totals: its program 0
-  finalises (clock, stats, NMISS), which no other program of that launch reads.
+  finalises (clock, stats, NMISS; after a placement pass that evicted nothing, also the free
+  count, IDX_HW and the rank counter), which no other program of that launch reads.
 - Ops made of several launches (free, recall) hand values from one launch to the next through
   meta; launches on one stream are ordered.
 - A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
