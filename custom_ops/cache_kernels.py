@@ -186,7 +186,10 @@ def _evict_place_kernel(
     inb = offs < n_g
     # Issued before the counts are known, so its round trip overlaps theirs (a scan is a chain of
     # dependent round trips; this removes one). Unused when there is nothing to do (200 KB).
-    f = tl.load(gpu_free + offs, mask=inb, other=0) != 0
+    # Eviction alone (free) needs no free bits: no load, so its steady step reads no pool array.
+    f = offs < 0
+    if PLACE:
+        f = tl.load(gpu_free + offs, mask=inb, other=0) != 0
     want = tl.load(want_ptr)
     n = tl.minimum(want, cap)
     nfree = tl.load(meta + M_NFREE)
