@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from custom_ops import cache_layout as C
-from custom_ops.cache_ops import reserve_slots
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 # Globals read inside kernels must be constexpr.
@@ -167,7 +166,7 @@ def _evict_place_kernel(
     eviction and recall's and allocate's placement were separate launches before issue 18).
 
     EVICT: with needed = max(min(want, cap) - free, 0) > 0, evict target = min(needed + reserve,
-    cap) slots (cache_ops.evict_target): every evictable slot in buckets above the threshold
+    cap) slots (cache_layout.evict_target): every evictable slot in buckets above the threshold
     bucket T (from hist) and the first, by atomic rank, of those in T.
     PLACE: take n = min(want, cap) free slots (the block's own victims included: a block knows its
     victims, so no other block's eviction has to finish first), ranked by a prefix sum of the
@@ -467,7 +466,7 @@ def _evict_place(
         want_host,
         n_g,
         cap,
-        reserve_slots(n_g),
+        C.reserve_slots(n_g),
         EVICT=evict,
         PLACE=place,
         WRITE_IDX=write_idx,

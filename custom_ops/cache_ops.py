@@ -56,6 +56,8 @@ from custom_ops.cache_layout import (
     STATS_LEN,
     STEPS,
     age_bucket,
+    evict_target,
+    reserve_slots,  # noqa: F401  (re-exported: part of the eviction rule this module specifies)
 )
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
@@ -113,24 +115,6 @@ def _write_indices(indices: torch.Tensor, meta: torch.Tensor, slots: torch.Tenso
     indices.fill_(-1)
     indices[: slots.numel()] = slots.to(torch.int32)
     meta[IDX_HW] = slots.numel()
-
-
-# An eviction frees a reserve beyond the step's need, so the next steps find free slots and skip
-# the eviction passes over the N_G-sized priority array (issue 18): at N_G = 200K and ~37 misses a
-# step, one eviction in ~85 steps. The reserve is the next-oldest slots, so the order stays
-# oldest-first; only the batch size changes. Pools under 64 slots get no reserve (exact counts).
-RESERVE_SHIFT = 6
-
-
-def reserve_slots(n_g: int) -> int:
-    """Slots an eviction frees beyond what the call needs: 1/64 of the pool."""
-    return n_g >> RESERVE_SHIFT
-
-
-def evict_target(needed: int, n_g: int, cap: int) -> int:
-    """How many slots an eviction that must free ``needed`` takes: 0 when none is needed, else
-    needed + the reserve, capped by CAP (the ``indices`` buffer the victims are listed in)."""
-    return min(needed + reserve_slots(n_g), cap) if needed > 0 else 0
 
 
 def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed: int):
