@@ -23,5 +23,5 @@ stage "step time eager vs compiled" 270 python -m benchmarks.bench_step --out "$
 stage "cuda tests: decode kernels" 60 python -m pytest -q -m cuda tests/test_decode_kernels_cuda.py
 stage "cuda tests: cache ops" 50 python -m pytest -q -m cuda tests/test_cache_cuda.py
 stage "decode kernels bench" 45 python -m benchmarks.bench_decode_kernels --out "$OUT/decode_kernels_h200.json"
-stage "cache ops bench" 40 python -m benchmarks.bench_cache_ops --reps 10 --out "$OUT/cache_ops_h200.json"
+stage "cache ops bench" 180 python -m benchmarks.bench_cache_ops --reps 10 --out "$OUT/cache_ops_h200.json"
 grep -E "^===|passed|failed|error|tok/s" "$log" | tail -40

@@ -8,12 +8,17 @@ Cross-program coordination, and why it is race-free:
 - A kernel never reads a counter that another program of the same launch writes, except through
   the atomic that writes it (ranking: the old value of one atomicAdd per block is the block's
   base rank; the ranks inside a block come from a prefix sum).
-- Each multi-program kernel ends with ``_last_program``: after a CTA barrier, one release/acquire
-  atomic on meta[DONE]; the program that sees DONE == grid - 1 is the last, every other program's
-  writes are visible to it, and it alone finalises (free count, clock, stats) and resets the
-  scratch counters with atomic exchanges. So no separate reset launch is needed.
+- The eviction/placement pass, whose results are totals over its programs, ends with
+  ``_last_program``: after a CTA barrier, one release/acquire atomic on meta[DONE]; the program
+  that sees DONE == grid - 1 is the last, every other program's writes are visible to it, and it
+  alone finalises (free count, stats) and resets the scratch counters with atomic exchanges. So
+  no separate reset launch is needed. The copy/output launch needs no totals: its program 0
+  finalises (clock, stats, NMISS; after a placement pass that evicted nothing, also the free
+  count, IDX_HW and the rank counter), which no other program of that launch reads.
 - Ops made of several launches (free, recall) hand values from one launch to the next through
   meta; launches on one stream are ordered.
+- A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
+  at its start, the same in every program: program 0 alone records it, nobody touches meta[DONE].
 
 Byte offsets into the pools are computed in int64 (a 2M-row bf16 layer is 2.3 GB > 2 GiB).
 """
@@ -53,10 +58,18 @@ PAGE_C = tl.constexpr(PAGE)
 IDX_PAGE_W = tl.constexpr(INDEX_PAGE_BYTES // 4)  # int32 words per indexer-cache page (2112)
 IDX_ROW_W = tl.constexpr(INDEX_ROW_BYTES // 4)  # 33 words: 32 of fp8 values, 1 fp32 scale
 
-SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free): one atomic per block
+# Launch configuration (chosen by reasoning, not measured: see docs/cache_ops.md; the benchmark
+# can try others). Pool scans: 196 programs of 1024 slots at N_G = 200K, ~1.5 per SM, one atomic
+# per block; a scan is latency-bound (a few dependent round trips), not bandwidth-bound.
+SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free, recall)
+SCAN_WARPS = 4
 LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
 PAD_BLOCK = 1024  # index-buffer entries per padding store
-ROWS_PER_ITER = 4  # rows per copy-loop iteration and program (bytes in flight over PCIe)
+# 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264 programs
+# then move a 2048-row fp8 recall (84K units) in one wave.
+COPY_UNITS = 512
+COPY_PROGRAMS_PER_SM = 2
+COPY_WARPS = 4
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -112,7 +125,8 @@ def _lookup_kernel(host_slots, h2g, prio, miss_host, meta, stats, total, cap,
 
 @triton.jit
 def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr):
-    """Histogram of the age buckets of evictable slots, only when free must evict."""
+    """Histogram of the age buckets of evictable slots, only when free must evict (with the
+    reserve most calls need not: every program returns after two loads)."""
     pid = tl.program_id(0)
     needed = tl.minimum(tl.load(want_ptr), cap) - tl.load(meta + M_NFREE)
     if needed > 0:
@@ -126,123 +140,214 @@ def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(prio, gpu_free, g2h, h2g, indices, meta, hist, stats, want_ptr, n_g, cap,
-                   BLOCK: tl.constexpr, PAD: tl.constexpr):
-    """Evict exactly max(want - free, 0) slots: every evictable slot in buckets above the
-    threshold bucket T, and the first (by atomic rank) of those in T. Finalise in the last
-    program: free count, index high-water mark, stats, reset of hist and counters."""
+def _evict_place_kernel(
+    prio,
+    gpu_free,
+    g2h,
+    h2g,
+    indices,
+    meta,
+    hist,
+    stats,
+    want_ptr,
+    want_host,
+    n_g,
+    cap,
+    reserve,
+    EVICT: tl.constexpr,
+    PLACE: tl.constexpr,
+    WRITE_IDX: tl.constexpr,
+    PAD_IDX: tl.constexpr,
+    HANDOFF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    """One pass over the pool, per BLOCK-slot block, of up to two phases (free and recall's
+    eviction and recall's and allocate's placement were separate launches before issue 18).
+
+    EVICT: with needed = max(min(want, cap) - free, 0) > 0, evict target = min(needed + reserve,
+    cap) slots (cache_layout.evict_target): every evictable slot in buckets above the threshold
+    bucket T (from hist) and the first, by atomic rank, of those in T.
+    PLACE: take n = min(want, cap) free slots (the block's own victims included: a block knows its
+    victims, so no other block's eviction has to finish first), ranked by a prefix sum of the
+    block's free bits plus one atomicAdd for the block's base; rank r < n maps want_host[r].
+    The last program finalises (free count, index high-water mark, stats, reset of the scratch).
+    Nothing to do (the common case with the reserve): program 0 alone pads ``indices`` and
+    records zeros; no atomics, no barrier.
+    HANDOFF (recall, whose copy launch follows): placing without evicting, the count placed is
+    known up front (min(n, free): every free slot is counted), so program 0 records it and the
+    copy launch's program 0 updates the free count and the index high-water mark and resets the
+    rank counter; no barrier and no meta[DONE] atomic here. (NFREE and IDX_HW cannot change in
+    this launch: every program reads them.)"""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    nfree = tl.load(meta + M_NFREE)
-    needed = tl.maximum(tl.minimum(tl.load(want_ptr), cap) - nfree, 0)
-    _pad(indices, needed, tl.load(meta + M_IDX_HW), pid, nprog, PAD)
-    if needed > 0:
-        bins = tl.arange(0, NBINS)
-        cnt = tl.load(hist + bins)
-        suffix = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt  # evictable in buckets >= b
-        # T = the highest bucket whose suffix still covers `needed`; T = 1 (take all) on overflow.
-        t = tl.maximum(tl.max(tl.where((suffix >= needed) & (bins > 0), bins, 0), axis=0), 1)
-        take_t = needed - tl.sum(tl.where(bins > t, cnt, 0), axis=0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        p = tl.load(prio + offs, mask=offs < n_g, other=-1)
-        age = (tl.load(meta + M_CLOCK) - p) & CLOCK_MASK
-        b = tl.where((p >= 0) & (age > 0), _bucket(age), 0)
-        eq = ((b == t) & (b > 0)).to(tl.int32)
-        neq = tl.sum(eq, axis=0)
-        base_eq = neq * 0
-        if neq > 0:
-            base_eq = tl.atomic_add(meta + M_EQ_CTR, neq, sem="relaxed")
-        rank = base_eq + tl.cumsum(eq, axis=0) - 1
-        victim = (b > t) | ((eq > 0) & (rank < take_t))
-        vi = victim.to(tl.int32)
-        nv = tl.sum(vi, axis=0)
-        if nv > 0:
-            pos = tl.atomic_add(meta + M_VICT_CTR, nv, sem="relaxed") + tl.cumsum(vi, axis=0) - 1
-            tl.store(indices + pos, offs, mask=victim)
-            hh = tl.load(g2h + offs, mask=victim, other=0)
-            minus1 = tl.full([BLOCK], -1, tl.int32)
-            tl.store(h2g + hh, minus1, mask=victim)
-            tl.store(g2h + offs, minus1, mask=victim)
-            tl.store(prio + offs, minus1, mask=victim)
-            tl.store(gpu_free + offs, tl.full([BLOCK], 1, tl.int8), mask=victim)
-    if _last_program(meta):
-        nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0)
-        tl.atomic_xchg(meta + M_EQ_CTR, 0)
-        tl.atomic_xchg(meta + M_DONE, 0)
-        tl.store(hist + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
-        _pad(indices, nv_total, needed, 0, 1, PAD)  # only on overflow (fewer victims than needed)
-        tl.store(meta + M_NFREE, nfree + nv_total)
-        tl.store(meta + M_IDX_HW, nv_total)
-        tl.store(meta + M_LAST_EVICT, nv_total)
-        tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64))
-        if nv_total < needed:
-            tl.atomic_add(meta + M_OVERFLOW, 1)
-
-
-@triton.jit
-def _alloc_kernel(gpu_free, prio, g2h, h2g, indices, meta, want_host, want_ptr, n_g, cap,
-                  WRITE_IDX: tl.constexpr, BLOCK: tl.constexpr, PAD: tl.constexpr):
-    """Take n = min(want, cap) free slots: per 1024-slot block, a prefix sum of the free bits and
-    one atomicAdd for the block's base rank; rank r < n maps want_host[r] <-> that slot. Blocks
-    that start after n slots were claimed skip the scan (early exit)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n_g
+    # Issued before the counts are known, so its round trip overlaps theirs (a scan is a chain of
+    # dependent round trips; this removes one). Unused when there is nothing to do (200 KB).
+    # Eviction alone (free) needs no free bits: no load, so its steady step reads no pool array.
+    f = offs < 0
+    if PLACE:
+        f = tl.load(gpu_free + offs, mask=inb, other=0) != 0
     want = tl.load(want_ptr)
     n = tl.minimum(want, cap)
     nfree = tl.load(meta + M_NFREE)
     clock = tl.load(meta + M_CLOCK)
-    if WRITE_IDX:
-        _pad(indices, n, tl.load(meta + M_IDX_HW), pid, nprog, PAD)
-    if tl.load(meta + M_ALLOC_CTR, volatile=True) < n:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        f = (tl.load(gpu_free + offs, mask=offs < n_g, other=0) != 0).to(tl.int32)
-        cnt = tl.sum(f, axis=0)
-        if cnt > 0:
-            base = tl.atomic_add(meta + M_ALLOC_CTR, cnt, sem="relaxed")
-            if base < n:
-                rank = base + tl.cumsum(f, axis=0) - 1
-                take = (f > 0) & (rank < n)
-                hh = tl.load(want_host + rank, mask=take, other=0)
-                tl.store(g2h + offs, hh, mask=take)
-                tl.store(h2g + hh, offs, mask=take)
-                tl.store(prio + offs, tl.zeros([BLOCK], tl.int32) + clock, mask=take)
-                tl.store(gpu_free + offs, tl.zeros([BLOCK], tl.int8), mask=take)
+    idx_hw = tl.load(meta + M_IDX_HW)
+    needed = tl.maximum(n - nfree, 0)
+    target = tl.where(needed > 0, tl.minimum(needed + reserve, cap), 0)
+    if not EVICT:
+        target = target * 0
+    n_place = n
+    if not PLACE:
+        n_place = n * 0
+    if (target > 0) | (n_place > 0):
+        if EVICT:
+            _pad(indices, target, idx_hw, pid, nprog, PAD)
+        elif WRITE_IDX:
+            _pad(indices, n, idx_hw, pid, nprog, PAD)
+        victim = offs < 0  # all False
+        if EVICT:
+            if target > 0:
+                bins = tl.arange(0, NBINS)
+                cnt = tl.load(hist + bins)
+                suffix = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt  # in buckets >= b
+                # T = the highest bucket whose suffix covers target; T = 1 (take all) if short.
+                t = tl.maximum(
+                    tl.max(tl.where((suffix >= target) & (bins > 0), bins, 0), axis=0), 1
+                )
+                take_t = target - tl.sum(tl.where(bins > t, cnt, 0), axis=0)
+                p = tl.load(prio + offs, mask=inb, other=-1)
+                age = (clock - p) & CLOCK_MASK
+                b = tl.where((p >= 0) & (age > 0), _bucket(age), 0)
+                eq = ((b == t) & (b > 0)).to(tl.int32)
+                neq = tl.sum(eq, axis=0)
+                base_eq = neq * 0
+                if neq > 0:
+                    base_eq = tl.atomic_add(meta + M_EQ_CTR, neq, sem="relaxed")
+                rank = base_eq + tl.cumsum(eq, axis=0) - 1
+                victim = (b > t) | ((eq > 0) & (rank < take_t))
+                vi = victim.to(tl.int32)
+                nv = tl.sum(vi, axis=0)
+                if nv > 0:
+                    pos = tl.atomic_add(meta + M_VICT_CTR, nv, sem="relaxed") + tl.cumsum(vi, 0) - 1
+                    tl.store(indices + pos, offs, mask=victim)
+                    old_h = tl.load(g2h + offs, mask=victim, other=0)
+                    tl.store(h2g + old_h, tl.full([BLOCK], -1, tl.int32), mask=victim)
+                f = f | victim
+        take = offs < 0
+        new_h = tl.zeros([BLOCK], tl.int32)
+        if PLACE:
+            if n_place > 0:
+                fi = f.to(tl.int32)
+                cnt_f = tl.sum(fi, axis=0)
+                if cnt_f > 0:
+                    base = tl.atomic_add(meta + M_ALLOC_CTR, cnt_f, sem="relaxed")
+                    if base < n_place:
+                        rank_f = base + tl.cumsum(fi, axis=0) - 1
+                        take = f & (rank_f < n_place)
+                        new_h = tl.load(want_host + rank_f, mask=take, other=0)
+                        tl.store(h2g + new_h, offs, mask=take)  # new_h was PENDING or absent
+                        if WRITE_IDX:
+                            tl.store(indices + rank_f, offs, mask=take)
+        # One store per array: a victim that is placed again ends occupied, one not placed free.
+        touched = victim | take
+        minus1 = tl.full([BLOCK], -1, tl.int32)
+        tl.store(g2h + offs, tl.where(take, new_h, minus1), mask=touched)
+        tl.store(prio + offs, tl.where(take, clock, minus1), mask=touched)
+        tl.store(gpu_free + offs, tl.where(take, 0, 1).to(tl.int8), mask=touched)
+        handoff = target < 0  # False
+        if HANDOFF:
+            handoff = target == 0
+        if handoff:
+            if pid == 0:
+                # Not IDX_HW: the other programs read it for their share of the padding.
+                k0 = tl.minimum(n, nfree)
+                tl.store(meta + M_LAST_ALLOC, k0)
+                tl.store(meta + M_LAST_EVICT, 0)
+                if k0 < want:
+                    tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+        elif _last_program(meta):
+            # The acquire above made every program's writes visible; the atomics below need no
+            # ordering of their own, so relaxed ones are issued back to back instead of each
+            # waiting for the last (a round trip each).
+            nfree_out = nfree
+            if EVICT:
+                nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
+                tl.atomic_xchg(meta + M_EQ_CTR, 0, sem="relaxed")
+                if target > 0:
+                    tl.store(hist + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
+                _pad(indices, nv_total, target, 0, 1, PAD)  # only when short of evictable slots
+                nfree_out = nfree + nv_total
+                tl.store(meta + M_IDX_HW, nv_total)
+                tl.store(meta + M_LAST_EVICT, nv_total)
+                tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64), sem="relaxed")
+                if nv_total < needed:
+                    tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+            if PLACE:
+                # Every block counted all its free slots, so total < n means the pool ran out:
+                # k = min(total, n) is exactly the number placed.
+                k = tl.minimum(tl.atomic_xchg(meta + M_ALLOC_CTR, 0, sem="relaxed"), n)
+                nfree_out = nfree_out - k
+                tl.store(meta + M_LAST_ALLOC, k)
                 if WRITE_IDX:
-                    tl.store(indices + rank, offs, mask=take)
-    if _last_program(meta):
-        # Blocks skip only once the counter reached n, so total < n means every free slot was
-        # counted: k = min(total, n) is exactly the number placed.
-        k = tl.minimum(tl.atomic_xchg(meta + M_ALLOC_CTR, 0), n)
-        tl.atomic_xchg(meta + M_DONE, 0)
-        tl.store(meta + M_NFREE, nfree - k)
-        tl.store(meta + M_LAST_ALLOC, k)
-        if WRITE_IDX:
-            _pad(indices, k, n, 0, 1, PAD)  # only when short of free slots
-            tl.store(meta + M_IDX_HW, k)
-        if k < want:
-            tl.atomic_add(meta + M_OVERFLOW, 1)
+                    _pad(indices, k, n, 0, 1, PAD)  # only when short of free slots
+                    tl.store(meta + M_IDX_HW, k)
+                if k < want:
+                    tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+            tl.store(meta + M_NFREE, nfree_out)
+            tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")
+    elif pid == 0:
+        # Nothing to evict or place: no pass over the pool, no cross-program counter.
+        if PAD_IDX:
+            _pad(indices, 0, idx_hw, 0, 1, PAD)
+            tl.store(meta + M_IDX_HW, 0)
+        if EVICT:
+            tl.store(meta + M_LAST_EVICT, 0)
+        if PLACE:
+            tl.store(meta + M_LAST_ALLOC, 0)
+            if want > 0:  # cap = 0 cannot happen (the pool has slots); kept for symmetry
+                tl.atomic_add(meta + M_OVERFLOW, 1)
 
 
 @triton.jit
-def _copy_out_kernel(host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, stats, total,
-                     n_copy, ROW_W: tl.constexpr, ROW_WP: tl.constexpr, RPI: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """Programs [0, n_copy): copy the placed misses' rows host -> GPU (UVA reads, RPI rows of
-    int32 words per iteration). Programs after: gpu_slots[j] = host_to_gpu[host_slots[j]] and
-    un-claim misses left PENDING (only on overflow). Last program: clock, stats, reset NMISS."""
+def _copy_out_kernel(
+    host_kv,
+    gpu_kv,
+    miss_host,
+    h2g,
+    host_slots,
+    out,
+    meta,
+    stats,
+    total,
+    n_copy,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
+    16-byte units (UPR per row; unit u is word 4 (u % UPR) of row u // UPR): each thread moves
+    whole 16-byte vectors, a warp reads 512 contiguous bytes, and no lane idles on a row padded
+    to a power of two (fp8's 656-byte row padded to 1024 wasted 36% of the lanes). Programs
+    after: gpu_slots[j] = host_to_gpu[host_slots[j]] and un-claim misses left PENDING (only on
+    overflow). Program 0 also advances the clock, adds the stats and resets NMISS."""
     pid = tl.program_id(0)
     if pid < n_copy:
-        nalloc = tl.load(meta + M_LAST_ALLOC)
-        cols = tl.arange(0, ROW_WP)
-        cmask = cols < ROW_W
-        for start in range(pid * RPI, nalloc, n_copy * RPI):
-            r = start + tl.arange(0, RPI)
-            rmask = r < nalloc
-            h = tl.load(miss_host + r, mask=rmask, other=0)
-            g = tl.load(h2g + h, mask=rmask, other=0)
-            m2 = rmask[:, None] & cmask[None, :]
-            v = tl.load(host_kv + h.to(tl.int64)[:, None] * ROW_W + cols[None, :], mask=m2)
-            tl.store(gpu_kv + g.to(tl.int64)[:, None] * ROW_W + cols[None, :], v, mask=m2)
+        nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+        w4 = tl.arange(0, 4)
+        for start in range(pid * UNITS, nunits, n_copy * UNITS):
+            u = start + tl.arange(0, UNITS)
+            um = u < nunits
+            r = u // UPR
+            word = (u - r * UPR) * 4
+            h = tl.load(miss_host + r, mask=um, other=0)
+            g = tl.load(h2g + h, mask=um, other=0)
+            src = h.to(tl.int64) * (UPR * 4) + word
+            dst = g.to(tl.int64) * (UPR * 4) + word
+            m2 = um[:, None]
+            v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2)
+            tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
     else:
         offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < total
@@ -251,9 +356,16 @@ def _copy_out_kernel(host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, sta
         g = tl.load(h2g + h, mask=valid, other=-1)
         tl.store(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid & (g == PENDING))
         tl.store(out + offs, tl.maximum(g, -1), mask=inb)
-    if _last_program(meta):
-        tl.store(meta + M_LAST_MISS, tl.atomic_xchg(meta + M_NMISS, 0))
-        tl.atomic_xchg(meta + M_DONE, 0)
+    if pid == 0:
+        # No program of this launch reads what is finalised here (NMISS, CLOCK, the totals; the
+        # copy reads LAST_ALLOC, the output host_to_gpu), so program 0 does it without waiting
+        # for the others: no barrier, no meta[DONE] atomic for the ~400 programs.
+        tl.store(meta + M_LAST_MISS, tl.load(meta + M_NMISS))
+        tl.store(meta + M_NMISS, 0)
+        if tl.load(meta + M_ALLOC_CTR) > 0:  # the placement pass handed its finalisation over
+            tl.store(meta + M_NFREE, tl.load(meta + M_NFREE) - tl.load(meta + M_LAST_ALLOC))
+            tl.store(meta + M_ALLOC_CTR, 0)
+            tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
         tl.store(meta + M_CLOCK, (tl.load(meta + M_CLOCK) + 1) & CLOCK_MASK)
         nalloc = tl.load(meta + M_LAST_ALLOC).to(tl.int64)
         tl.atomic_add(stats + S_RECALLED, nalloc)
@@ -312,10 +424,11 @@ def _words(t: torch.Tensor, name: str, state: bool) -> torch.Tensor:
 
 
 def _num_copy_programs(device: torch.device) -> int:
-    # Enough programs that ~2 x SMs x 4 rows are in flight: PCIe latency is ~1-2 us, so the copy
-    # needs tens of kilobytes outstanding to run near link speed.
+    # Enough programs that COPY_PROGRAMS_PER_SM x SMs x COPY_UNITS x 16 B are in flight (1 MB at
+    # the defaults): PCIe latency is ~1-2 us, so at ~55 GB/s the copy needs >= ~110 KB
+    # outstanding to run near link speed, and a 2048-row fp8 recall (1.3 MB) is then one wave.
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return COPY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 3  # TRITON_INTERPRET on CPU: few programs, several loop iterations each
 
 
@@ -323,57 +436,202 @@ def _grid(n: int, block: int) -> tuple[int]:
     return (max(1, triton.cdiv(n, block)),)
 
 
-def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
-    n_g = gpu_to_host.shape[0]
-    _alloc_kernel[_grid(n_g, SCAN_BLOCK)](
-        gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n, n_g,
-        indices.shape[0], WRITE_IDX=True, BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=4,
-    )
-
-
-def _evict(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, want):
+def _evict_place(
+    gpu_free,
+    gpu_priority,
+    gpu_to_host,
+    host_to_gpu,
+    indices,
+    meta,
+    hist,
+    stats,
+    want,
+    want_host,
+    evict: bool,
+    place: bool,
+    write_idx: bool,
+    handoff: bool = False,
+) -> None:
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
-    grid = _grid(n_g, SCAN_BLOCK)
-    _hist_kernel[grid](gpu_priority, meta, hist, want, n_g, cap, BLOCK=SCAN_BLOCK, num_warps=4)
-    _select_kernel[grid](
-        gpu_priority, gpu_free, gpu_to_host, host_to_gpu, indices, meta, hist, stats, want, n_g,
-        cap, BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=4,
+    _evict_place_kernel[_grid(n_g, SCAN_BLOCK)](
+        gpu_priority,
+        gpu_free,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        hist,
+        stats,
+        want,
+        want_host,
+        n_g,
+        cap,
+        C.reserve_slots(n_g),
+        EVICT=evict,
+        PLACE=place,
+        WRITE_IDX=write_idx,
+        PAD_IDX=evict or write_idx,
+        HANDOFF=handoff,
+        BLOCK=SCAN_BLOCK,
+        PAD=PAD_BLOCK,
+        num_warps=SCAN_WARPS,
     )
 
 
-def free_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats,
-              protect, n):
+def _hist(gpu_priority, meta, hist, want, n_g: int, cap: int) -> None:
+    _hist_kernel[_grid(n_g, SCAN_BLOCK)](
+        gpu_priority, meta, hist, want, n_g, cap, BLOCK=SCAN_BLOCK, num_warps=SCAN_WARPS
+    )
+
+
+def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
+    """1 launch: the placement pass."""
+    _evict_place(
+        gpu_free,
+        gpu_priority,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        meta,
+        meta,
+        n,
+        want_host,
+        evict=False,
+        place=True,
+        write_idx=True,
+    )
+
+
+def free_cuda(
+    gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, protect, n
+):
+    """3 launches: protect, histogram, eviction; the last two return at once when the free slots
+    (the reserve) already cover n."""
     p = protect.reshape(-1)
     _lookup_kernel[_grid(p.numel(), LIST_BLOCK)](
-        p, host_to_gpu, gpu_priority, indices, meta, stats, p.numel(), indices.shape[0],
-        MISSES=False, BLOCK=LIST_BLOCK, num_warps=4,
+        p,
+        host_to_gpu,
+        gpu_priority,
+        indices,
+        meta,
+        stats,
+        p.numel(),
+        indices.shape[0],
+        MISSES=False,
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
     )
-    _evict(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, n)
+    _hist(gpu_priority, meta, hist, n, gpu_to_host.shape[0], indices.shape[0])
+    _evict_place(
+        gpu_free,
+        gpu_priority,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        hist,
+        stats,
+        n,
+        indices,
+        evict=True,
+        place=False,
+        write_idx=False,
+    )
 
 
-def recall_cuda(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
-                miss_host, meta, hist, stats, host_slots) -> torch.Tensor:
+def recall_cuda(
+    host_kv,
+    gpu_kv,
+    gpu_free,
+    gpu_priority,
+    gpu_to_host,
+    host_to_gpu,
+    indices,
+    miss_host,
+    meta,
+    hist,
+    stats,
+    host_slots,
+) -> torch.Tensor:
+    """4 launches: lookup (protect hits, claim misses), histogram (returns at once unless an
+    eviction is due), eviction + placement in one pass, row copy + output."""
     hs = host_slots.reshape(-1)
     total, cap, n_g = hs.numel(), indices.shape[0], gpu_to_host.shape[0]
     out = torch.empty_like(host_slots)
     n_miss = meta[C.NMISS : C.NMISS + 1]  # the live miss count, as a pointer
     _lookup_kernel[_grid(total, LIST_BLOCK)](
-        hs, host_to_gpu, gpu_priority, miss_host, meta, stats, total, cap, MISSES=True,
-        BLOCK=LIST_BLOCK, num_warps=4,
+        hs,
+        host_to_gpu,
+        gpu_priority,
+        miss_host,
+        meta,
+        stats,
+        total,
+        cap,
+        MISSES=True,
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
     )
-    _evict(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, n_miss)
-    _alloc_kernel[_grid(n_g, SCAN_BLOCK)](
-        gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, miss_host, n_miss, n_g,
-        cap, WRITE_IDX=False, BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=4,
+    _hist(gpu_priority, meta, hist, n_miss, n_g, cap)
+    _evict_place(
+        gpu_free,
+        gpu_priority,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        meta,
+        hist,
+        stats,
+        n_miss,
+        miss_host,
+        evict=True,
+        place=True,
+        write_idx=False,
+        handoff=True,  # the copy launch right after finalises the placement
     )
-    row_w = host_kv.shape[1] // 4
-    n_copy = _num_copy_programs(hs.device)
-    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK),)](
-        _words(host_kv, "host_kv", True), _words(gpu_kv, "gpu_kv", True), miss_host, host_to_gpu,
-        hs, out.view(-1), meta, stats, total, n_copy, ROW_W=row_w,
-        ROW_WP=triton.next_power_of_2(row_w), RPI=ROWS_PER_ITER, BLOCK=LIST_BLOCK, num_warps=4,
-    )
+    copy_rows(host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1))
     return out
+
+
+def copy_rows(
+    host_kv,
+    gpu_kv,
+    miss_host,
+    host_to_gpu,
+    meta,
+    stats,
+    hs,
+    out,
+    units: int | None = None,
+    programs_per_sm: int | None = None,
+    warps: int | None = None,
+) -> None:
+    """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots, and
+    out = host_to_gpu[hs]. The keyword arguments override the module's copy configuration (the
+    benchmark tries a few)."""
+    if host_kv.shape[1] % 16:
+        raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
+    n_copy = _num_copy_programs(hs.device)
+    if programs_per_sm is not None and hs.device.type == "cuda":
+        n_copy = programs_per_sm * torch.cuda.get_device_properties(hs.device).multi_processor_count
+    total = hs.numel()
+    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK),)](
+        _words(host_kv, "host_kv", True),
+        _words(gpu_kv, "gpu_kv", True),
+        miss_host,
+        host_to_gpu,
+        hs,
+        out,
+        meta,
+        stats,
+        total,
+        n_copy,
+        UPR=host_kv.shape[1] // 16,
+        UNITS=units or COPY_UNITS,
+        BLOCK=LIST_BLOCK,
+        num_warps=warps or COPY_WARPS,
+    )
 
 
 def release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:

@@ -1,6 +1,7 @@
 """The layout of a GPU pool's cache-manager state, shared by the ``echo::`` cache ops' references
 (cache_ops.py), their Triton kernels (cache_kernels.py), the pool state (cache/gpu_pool.py) and the
-invariant checker: the ``meta`` and ``stats`` entries, the step clock and the age buckets.
+invariant checker: the ``meta`` and ``stats`` entries, the step clock, the age buckets and the
+eviction batch (the reserve).
 """
 
 from __future__ import annotations
@@ -42,3 +43,21 @@ def age_bucket(age: torch.Tensor) -> torch.Tensor:
     return torch.where(
         age < AGE_EXACT, age, ((age - AGE_EXACT) >> AGE_SHIFT).add(AGE_EXACT).clamp(max=NBINS - 1)
     )
+
+
+# An eviction frees a reserve beyond the step's need, so the next steps find free slots and skip
+# the eviction passes over the N_G-sized priority array (issue 18): at N_G = 200K and ~37 misses a
+# step, one eviction in ~85 steps. The reserve is the next-oldest slots, so the order stays
+# oldest-first; only the batch size changes. Pools under 64 slots get no reserve (exact counts).
+RESERVE_SHIFT = 6
+
+
+def reserve_slots(n_g: int) -> int:
+    """Slots an eviction frees beyond what the call needs: 1/64 of the pool."""
+    return n_g >> RESERVE_SHIFT
+
+
+def evict_target(needed: int, n_g: int, cap: int) -> int:
+    """How many slots an eviction that must free ``needed`` takes: 0 when none is needed, else
+    needed + the reserve, capped by CAP (the ``indices`` buffer the victims are listed in)."""
+    return min(needed + reserve_slots(n_g), cap) if needed > 0 else 0

@@ -22,6 +22,9 @@ bucket the order is unspecified (the reference takes the lowest slot index, the 
 its atomics give). The clock wraps at 2^30 and ages are computed modulo 2^30, so int32 never
 overflows; a slot untouched for 2^30 steps (~4 months at 100 steps/s) merely looks young once.
 
+An eviction that must free ``needed`` > 0 slots frees ``evict_target(needed)`` = needed + N_G/64
+(capped by CAP) of the oldest: the reserve lets the following steps evict nothing.
+
 Slots selected in the current step have age 0 and are never evicted. The scheduler keeps the
 real (non-padded) rows of a batch within B * k <= N_G, so recall always finds enough evictable
 slots; CAP = min(max_batch * topk, N_G) bounds the misses one call places (padded rows, all -1,
@@ -53,6 +56,8 @@ from custom_ops.cache_layout import (
     STATS_LEN,
     STEPS,
     age_bucket,
+    evict_target,
+    reserve_slots,  # noqa: F401  (re-exported: part of the eviction rule this module specifies)
 )
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
@@ -113,12 +118,13 @@ def _write_indices(indices: torch.Tensor, meta: torch.Tensor, slots: torch.Tenso
 
 
 def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed: int):
-    """Evict ``needed`` evictable slots, oldest bucket first, lowest slot index first within one."""
+    """Evict evict_target(needed) evictable slots (at least ``needed``, else OVERFLOW), oldest
+    bucket first, lowest slot index first within one."""
     clock = int(meta[CLOCK])
     p = gpu_priority.long()
     age = (clock - p) & CLOCK_MASK
     evictable = (p >= 0) & (age > 0)
-    k = min(needed, int(evictable.sum()))
+    k = min(evict_target(needed, p.numel(), indices.shape[0]), int(evictable.sum()))
     victims = torch.empty(0, dtype=torch.long, device=p.device)
     if k > 0:
         bucket = torch.where(evictable, age_bucket(age), -1)
@@ -350,9 +356,10 @@ def free_slots(
     protect: torch.Tensor,  # host slots selected this step (any shape, -1 = none)
     n: torch.Tensor,  # [1] int32: free slots wanted
 ) -> None:
-    """Stamp the resident slots of ``protect`` with the clock, then evict exactly
-    max(n - free, 0) of the oldest other slots (their maps cleared; nothing is written back: the
-    host copy is authoritative). The evicted slots go to indices (-1 padded)."""
+    """Stamp the resident slots of ``protect`` with the clock, then, when max(n - free, 0) > 0,
+    evict that many of the oldest other slots plus a reserve (``evict_target``; their maps
+    cleared; nothing is written back: the host copy is authoritative). The evicted slots go to
+    indices (-1 padded)."""
     _check_free(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats,
                 protect, n)
     free_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, protect, n)
@@ -384,9 +391,10 @@ def recall(
     stats: torch.Tensor,
     host_slots: torch.Tensor,  # [B, k] int32 selected host slots, -1 padded
 ) -> torch.Tensor:
-    """Guaranteed recall: protect the selected slots, evict exactly max(misses - free, 0), place
-    the distinct misses, copy their rows host -> GPU, advance the clock. Returns gpu_slots [B, k]
-    int32 with entry j = the GPU slot of host_slots entry j (-1 stays -1)."""
+    """Guaranteed recall: protect the selected slots, evict max(misses - free, 0) (plus the
+    reserve, ``evict_target``, when that is > 0), place the distinct misses, copy their rows
+    host -> GPU, advance the clock. Returns gpu_slots [B, k] int32 with entry j = the GPU slot of
+    host_slots entry j (-1 stays -1)."""
     _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
                   miss_host, meta, hist, stats, host_slots)
     return recall_ref(

@@ -149,7 +149,8 @@ def test_recall_reference_semantics():
     assert torch.equal(pool.gpu_kv[out[valid].long()], host_kv[hs[valid].long()])
     n_miss = torch.unique(hs[valid & (before.host_to_gpu[hs.clamp(min=0).long()] < 0)]).numel()
     assert int(pool.meta[L.LAST_MISS]) == n_miss == int(pool.totals[L.RECALLED])  # dups once
-    assert int(pool.meta[L.LAST_EVICT]) == max(n_miss - int(before.meta[L.NFREE]), 0)
+    needed = max(n_miss - int(before.meta[L.NFREE]), 0)
+    assert needed > 0 and int(pool.meta[L.LAST_EVICT]) == C.evict_target(needed, 512, 256)
     assert int(pool.totals[L.SELECTED]) == int(valid.sum())
     # Evicted slots come from the oldest buckets: none older survives unselected.
     rb, ra = resident(before), resident(pool)
@@ -175,9 +176,54 @@ def test_free_exact_count_protection_and_overflow():
     pool.free(hs, torch.tensor([37], dtype=torch.int32))
     check_pool(pool)
     gone = before.keys() - resident(pool).keys()
-    assert len(gone) == 27 and not gone & prot  # exactly max(37 - 10, 0)
+    # max(37 - 10, 0) = 27 needed, plus the reserve (400 >> 6 = 6): the next 6 oldest
+    assert len(gone) == 27 + C.reserve_slots(400) == 33 and not gone & prot
     pool.free(hs, torch.tensor([37], dtype=torch.int32))
     assert int(pool.meta[L.LAST_EVICT]) == 0 and int(pool.indices[0]) == -1  # 37 free already
+
+
+@pytest.mark.parametrize("impl", ["ref", "kernel"])
+def test_eviction_takes_a_reserve_and_later_steps_skip_it(impl, device):
+    """A needed eviction frees needed + N_G/64 of the oldest slots; the next step's misses then
+    fit the reserve and nothing is evicted; the one after evicts again (needed + reserve)."""
+    pool, host_kv, gen = make_pool(256, 4096, 32, 4, device=device)  # full, reserve 4, CAP 128
+    assert C.reserve_slots(256) == 4 and C.evict_target(0, 256, 128) == 0
+    for step, (misses, evicted, free_after) in enumerate([(3, 7, 4), (3, 0, 1), (3, 6, 4)]):
+        hs = selection(pool, gen, 4, 32, hits=40, misses=misses)
+        before = copy.deepcopy(pool)
+        args = (host_kv, pool.gpu_kv, *state(pool), pool.indices, pool.miss_host, pool.meta)
+        out = (C.recall_ref(*args, pool.totals, hs) if impl == "ref"
+               else K.recall_cuda(*args, pool.hist, pool.totals, hs))
+        check_pool(pool, selected=hs, gpu_slots=out, host_kv=host_kv)
+        assert int(pool.meta[L.LAST_EVICT]) == evicted, step
+        assert int(pool.meta[L.NFREE]) == free_after and int(pool.meta[L.OVERFLOW]) == 0
+        rb, ra = resident(before), resident(pool)
+        clock = int(before.meta[L.CLOCK])
+        age = {h: (clock - s) & L.CLOCK_MASK for h, s in rb.items()}
+        bucket = {h: int(L.age_bucket(torch.tensor(a))) for h, a in age.items()}
+        ev = rb.keys() - ra.keys()
+        kept = {h for h in rb.keys() & ra.keys() if ra[h] == rb[h]}
+        if ev:  # oldest first: no untouched survivor is older than a victim
+            assert min(bucket[h] for h in ev) >= max(bucket[h] for h in kept)
+
+
+def test_recall_without_eviction_pads_a_long_index_list(device):
+    """A recall that evicts nothing must clear every entry the last call listed, even when that
+    list spans several programs' shares of the padding (1024 entries each): the programs read the
+    high-water mark while the pass runs, so nothing may change it before the copy launch."""
+    pool, host_kv, gen = make_pool(3000, 8192, 128, 16, device=device, occupied=2000)
+    pool.indices[:2048] = torch.arange(2048, dtype=torch.int32, device=device)
+    pool.meta[L.IDX_HW] = 2048  # as after an eviction of 2048 slots
+    check_pool(pool)
+    hs = selection(pool, gen, 16, 128, hits=500, misses=300)
+    ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+    args = lambda p: (host_kv, p.gpu_kv, *state(p), p.indices, p.miss_host, p.meta)  # noqa: E731
+    C.recall_ref(*args(ref), ref.totals, hs)
+    out = K.recall_cuda(*args(ker), ker.hist, ker.totals, hs)
+    check_pool(ker, selected=hs, gpu_slots=out, host_kv=host_kv)
+    assert int(ker.meta[L.LAST_EVICT]) == 0 and int(ker.meta[L.IDX_HW]) == 0
+    assert bool((ker.indices == -1).all())
+    assert_same_up_to_ties(pool, ref, ker)
 
 
 def test_allocate_reference_and_bad_input():

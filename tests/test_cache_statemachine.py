@@ -4,8 +4,9 @@ layer's GPU pool holds, their stamps, the clock, the running totals, the rows, a
 invariant of custom_ops/cache/invariants.py.
 
 The model cannot know which slots of the threshold age bucket an eviction picks (the kernel's
-choice depends on its atomics), so it checks that the choice is legal (exactly max(misses - free,
-0) slots, none selected in this step, none younger than a survivor's bucket) and then adopts it.
+choice depends on its atomics), so it checks that the choice is legal (exactly
+evict_target(max(misses - free, 0)) slots, the reserve included, as far as unselected residents
+allow; none selected in this step; none younger than a survivor's bucket) and then adopts it.
 
 Two backends: the ops (the CPU references, what the CPU engine runs) and the Triton kernels
 (TRITON_INTERPRET=1 on CPU; real kernels when CUDA is present).
@@ -30,10 +31,12 @@ from custom_ops import cache_layout as C
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.invariants import check_pool
 from custom_ops.cache.kv_cache import KVCache
+from custom_ops.cache_ops import evict_target
 from custom_ops.kv_format import INDEX_ROW_BYTES, PAGE
 from runtime.host_slots import HostSlotAllocator
 
 N_H, N_G, TOPK, MAX_B, LAYERS = 1024, 96, 16, 4, 2  # B * k = 64 <= N_G
+CAP = min(MAX_B * TOPK, N_G)
 AGE_EXACT = C.AGE_EXACT
 
 
@@ -59,6 +62,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.gen = torch.Generator().manual_seed(0)
         self.requests: dict[int, tuple[list[int], int]] = {}  # id -> (pages, tokens)
         self.next_id = 0
+        self.evictions = 0  # recalls (per layer) that evicted
         self.clock = C.CLOCK_MASK - 3 if near_wrap else 0  # exercise the clock wrap
         self.res: list[dict[int, int]] = [{} for _ in range(LAYERS)]  # host slot -> stamp
         self.totals = [[0, 0, 0] for _ in range(LAYERS)]  # selected, recalled, steps
@@ -161,7 +165,12 @@ class CacheMachine(RuleBasedStateMachine):
         sel = set(hs[valid].tolist())
         misses = sel - before.keys()
         evicted = before.keys() - after.keys()
-        assert len(evicted) == max(len(misses) - (N_G - len(before)), 0)
+        # max(misses - free, 0) needed; a needed eviction also frees the reserve (N_G >> 6 more
+        # of the oldest, cache_ops.evict_target), as far as unselected residents allow.
+        needed = max(len(misses) - (N_G - len(before)), 0)
+        assert len(evicted) == min(evict_target(needed, N_G, CAP), len(before.keys() - sel))
+        assert len(evicted) >= needed
+        self.evictions += bool(evicted)
         assert not evicted & sel  # selected slots are never evicted
         assert after.keys() == (before.keys() - evicted) | sel
         age = {h: (self.clock - s) & C.CLOCK_MASK for h, s in before.items()}

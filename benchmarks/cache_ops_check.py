@@ -1,0 +1,166 @@
+"""Helpers of benchmarks/bench_cache_ops.py: the GPU correctness stage that runs before any timing
+(every cache kernel against its pure-torch reference at the benchmark's sizes, PASS/FAIL into the
+results, never aborting), the kernel generations the benchmark times side by side (the current
+kernels and the frozen pre-issue-18 copy), and the per-launch breakdown of a captured graph.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from benchmarks import cache_kernels_before
+from custom_ops import cache_kernels
+from custom_ops import cache_layout as C
+from custom_ops import cache_ops as ref
+from custom_ops.cache.invariants import check_pool
+
+
+def state(pool) -> tuple[torch.Tensor, ...]:
+    return pool.gpu_free, pool.gpu_priority, pool.gpu_to_host, pool.host_to_gpu
+
+
+class Kernels:
+    """The three pool ops of one kernel generation, called on a GpuPool's buffers (the launchers
+    directly: in a CUDA graph that is what the custom ops replay)."""
+
+    def __init__(self, mod, reserve: bool):
+        self.mod = mod
+        self.reserve = reserve  # whether its evictions take the reserve (cache_ops.evict_target)
+
+    def allocate(self, pool, want: torch.Tensor, n: torch.Tensor) -> None:
+        self.mod.allocate_cuda(*state(pool), pool.indices, pool.meta, want, n)
+
+    def free(self, pool, protect: torch.Tensor, n: torch.Tensor) -> None:
+        self.mod.free_cuda(
+            *state(pool), pool.indices, pool.meta, pool.hist, pool.totals, protect, n
+        )
+
+    def recall(self, pool, host: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
+        return self.mod.recall_cuda(
+            host, pool.gpu_kv, *state(pool), pool.indices, pool.miss_host, pool.meta, pool.hist,
+            pool.totals, hs,
+        )  # fmt: skip
+
+    def evicts(self, needed: int, n_g: int, cap: int) -> int:
+        """Slots an eviction that needs ``needed`` takes (given enough evictable slots)."""
+        return ref.evict_target(needed, n_g, cap) if self.reserve else max(needed, 0)
+
+
+NEW = Kernels(cache_kernels, reserve=True)
+BEFORE = Kernels(cache_kernels_before, reserve=False)
+
+
+def _stamps(p) -> torch.Tensor:
+    h2g = p.host_to_gpu.long()
+    out = torch.full_like(h2g, -1)
+    on = h2g >= 0
+    out[on] = p.gpu_priority.long()[h2g[on]]
+    return out
+
+
+def same_up_to_ties(before, r, k) -> list[str]:
+    """What differs between the reference's result ``r`` and the kernel's ``k`` from the state
+    ``before``, beyond the choices either may make (which slots of the threshold age bucket are
+    evicted, which free slots take which rows). Empty: they agree."""
+    bad = []
+    sb, sr, sk = _stamps(before), _stamps(r), _stamps(k)
+    inb, inr, ink = sb >= 0, sr >= 0, sk >= 0
+    bucket = C.age_bucket((int(before.meta[C.CLOCK]) - sb) & C.CLOCK_MASK)
+    ev_r, ev_k = inb & ~inr, inb & ~ink
+    if not torch.equal(bucket[ev_r].sort().values, bucket[ev_k].sort().values):
+        bad.append(f"evicted age buckets differ ({int(ev_r.sum())} vs {int(ev_k.sum())} slots)")
+    if not torch.equal(inr & ~inb, ink & ~inb):
+        bad.append("different host slots placed")
+    both = inr & ink
+    if not torch.equal(sr[both], sk[both]):
+        bad.append("stamps differ")
+    keep = [C.CLOCK, C.NFREE, C.OVERFLOW, C.IDX_HW, C.LAST_EVICT, C.LAST_ALLOC]
+    if r.meta[keep].tolist() != k.meta[keep].tolist():
+        bad.append(f"meta {r.meta[keep].tolist()} vs {k.meta[keep].tolist()}")
+    if r.totals.tolist() != k.totals.tolist():
+        bad.append(f"totals {r.totals.tolist()} vs {k.totals.tolist()}")
+    return bad
+
+
+def _outcome(name: str, fn: Callable[[], list[str]]) -> dict:
+    try:
+        bad = fn()
+    except Exception as e:  # a check must never abort the timings that follow
+        bad = [f"{type(e).__name__}: {e}"]
+    verdict = "PASS" if not bad else "FAIL"
+    print(f"check {name}: {verdict}" + (f" ({'; '.join(bad)})" if bad else ""), flush=True)
+    return {"verdict": verdict, "problems": bad}
+
+
+def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
+    """recall(hs), then free(protect, n_free), then allocate(want[:n]) on the state each left:
+    the kernels (custom ops' CUDA path) against the references, invariants and rows included."""
+    out: dict = {}
+    n = torch.tensor([min(want.numel(), n_free)], dtype=torch.int32, device=hs.device)
+    nf = torch.tensor([n_free], dtype=torch.int32, device=hs.device)
+
+    def recall() -> list[str]:
+        r, k = copy.deepcopy(pool), copy.deepcopy(pool)
+        o_r = ref.recall_ref(host, r.gpu_kv, *state(r), r.indices, r.miss_host, r.meta,
+                             r.totals, hs)  # fmt: skip
+        o_k = NEW.recall(k, host, hs)
+        check_pool(k, selected=hs, gpu_slots=o_k, host_kv=host)
+        bad = same_up_to_ties(pool, r, k)
+        valid = hs >= 0
+        if not torch.equal(k.gpu_kv[o_k[valid].long()], r.gpu_kv[o_r[valid].long()]):
+            bad.append("recalled rows differ")
+        for name, b in k.named_buffers():
+            getattr(pool, name).copy_(b)
+        return bad
+
+    def free() -> list[str]:
+        r, k = copy.deepcopy(pool), copy.deepcopy(pool)
+        ref.free_ref(*state(r), r.indices, r.meta, r.totals, protect, nf)
+        NEW.free(k, protect, nf)
+        check_pool(k)
+        bad = same_up_to_ties(pool, r, k)
+        for name, b in k.named_buffers():
+            getattr(pool, name).copy_(b)
+        return bad
+
+    def allocate() -> list[str]:
+        w = want[torch.isin(want, torch.nonzero(pool.host_to_gpu < 0).flatten().int())]
+        r, k = copy.deepcopy(pool), copy.deepcopy(pool)
+        ref.allocate_ref(*state(r), r.indices, r.meta, w, n)
+        NEW.allocate(k, w, n)
+        check_pool(k, allow_overflow=True)
+        bad = same_up_to_ties(pool, r, k)
+        kk = int(k.meta[C.LAST_ALLOC])
+        if not torch.equal(k.indices[:kk], k.host_to_gpu[w[:kk].long()]):
+            bad.append("allocate's indices are not the placed slots in want order")
+        return bad
+
+    out["recall"] = _outcome("recall", recall)
+    out["free"] = _outcome("free", free)
+    out["allocate"] = _outcome("allocate", allocate)
+    return out
+
+
+def launch_breakdown(replay: Callable[[], None], before: Callable[[], None], calls: int) -> dict:
+    """Kernel launches of one graph replay, by kernel name: launches per call and mean device
+    time per launch (us), from the CUDA profiler. Gaps between launches are not in these times:
+    the op's median minus their sum is the launch overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name:
+            per[e.name].append(e.time_range.elapsed_us())  # a kernel event: its duration
+    return {
+        name: {"launches_per_call": len(t) / calls, "us_per_launch": sum(t) / len(t)}
+        for name, t in per.items()
+    }
