@@ -7,4 +7,4 @@ fake implementation, like any torch extension; the Triton modules are imported o
 CUDA call.
 """
 
-from custom_ops import attention, awq, cache_ops, indexer  # noqa: F401  (registers the echo:: ops)
+from custom_ops import attention, awq, cache_ops, indexer, prefetch  # noqa: F401  (registers ops)

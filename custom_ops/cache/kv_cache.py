@@ -18,6 +18,7 @@ import custom_ops  # noqa: F401  (registers every echo:: op this module calls)
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
 from custom_ops.cache.host_pool import allocate_host_rows
+from custom_ops.cache.staging import PREFETCH_STATS, Staging
 from custom_ops.indexer import indexer_topk
 from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
 
@@ -42,9 +43,12 @@ class LayerKV(nn.Module):
             persistent=False,
         )
         self.pool: nn.Module | None = None
+        self.staging: Staging | None = None
         self.register_buffer("prefill_kv", None, persistent=False)
         if cfg.offload:
             self.pool = GpuPool(cfg, device)
+            if cfg.prefetch != "off":
+                self.staging = Staging(cfg, device, self.pool.capacity)
         if cfg.prefill_tokens > 0:  # in both modes (CacheConfig.prefill_tokens says why)
             # one extra row: padding tokens of a chunk are written there and never read
             self.prefill_kv = torch.zeros(
@@ -73,11 +77,16 @@ class LayerKV(nn.Module):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.staging is not None:  # the fused prefetch indexer: same outputs
+            return self.staging.select(self.index_k, self.host_kv, self.pool, q_fp8, weights,
+                                       block_table, seq_lens, self.topk)  # fmt: skip
         return indexer_topk(q_fp8, weights, self.index_k, block_table, seq_lens, self.topk)
 
     def fetch(self, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pool is None:
             return self.host_kv, host_slots
+        if self.staging is not None:
+            return self.pool.gpu_kv, self.staging.recall(self.pool, self.host_kv, host_slots)
         return self.pool.gpu_kv, self.pool.recall(self.host_kv, host_slots)
 
     def read(self, host_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -124,16 +133,25 @@ class KVCache(nn.Module):
         for layer in self.layers:
             if layer.pool is not None:
                 layer.pool.reset()
+            if layer.staging is not None:
+                layer.staging.reset()
 
     def reset_stats(self) -> None:
         """Zero the running hit/recall totals (e.g. after the warm-up's padding steps)."""
         for layer in self.layers:
             if layer.pool is not None:
                 layer.pool.totals.zero_()
+            if layer.staging is not None:
+                layer.staging.totals.zero_()
 
     def layer_stats(self) -> list[dict[str, float]]:
         """Per-layer GPU-pool statistics (one host sync; call between steps)."""
-        return [layer.pool.stats() for layer in self.layers if layer.pool is not None]
+        per = []
+        for layer in self.layers:
+            if layer.pool is not None:
+                s = layer.pool.stats()
+                per.append(s if layer.staging is None else {**s, **layer.staging.stats(s)})
+        return per
 
     def stats(self) -> dict[str, float | list[float]]:
         """Pool usage (mean over layers), hit rate per layer, recalled rows per step and layer.
@@ -147,4 +165,6 @@ class KVCache(nn.Module):
             "recalled_rows_per_step": sum(p["recalled_rows_per_step"] for p in per) / n,
             "recalled_rows_per_step_per_layer": [p["recalled_rows_per_step"] for p in per],
             "overflow": sum(p["overflow"] for p in per),
+            # prefetch (docs/prefetch.md), per layer; empty lists when prefetch is off
+            **{k: [p[k] for p in per if k in p] for k in PREFETCH_STATS},
         }
