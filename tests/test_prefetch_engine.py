@@ -78,3 +78,41 @@ def test_engine_config_prefetch_checks():
         EngineConfig(prefetch="yes")
     with pytest.raises(ValueError, match="prefetch_ratio"):
         EngineConfig(prefetch="global", prefetch_ratio=0)
+
+
+def test_compiled_decode_with_prefetch_lossless_and_graph_safe():
+    """The decode step with prefetch compiles fullgraph with no graph break, no node that would
+    disable CUDA graphs, every cache op reinplaced (no clone of staging or pool state), and its
+    logits equal those of the compiled step with prefetch off."""
+    import torch._inductor.config as ic
+    from torch._dynamo.utils import ReinplaceCounters, counters
+
+    from echo_compile.graph_lint import LintReport, lint_backend
+    from tests import test_compile as tc
+
+    path = resolve_model("tiny")
+    model, _ = load_model(path)
+    tiny = (model, Tokenizer.from_dir(path))
+    eng = tc.make_engine(tiny, offload=True, prefetch="request", prefetch_cap=16)
+    report = LintReport()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(eng.runner.decode_step, backend=lint_backend(report), fullgraph=True)
+    with torch.no_grad():
+        step(*eng.runner.padding_inputs(True, 4))
+    assert report.ok, report
+    torch._dynamo.reset()
+    counters.clear()
+    ReinplaceCounters.clear()
+    old = ic.fx_graph_cache
+    ic.fx_graph_cache = False  # ReinplaceCounters are only filled on a cache miss
+    try:
+        on = tc.drive(tc.make_engine(tiny, True, compiled=True, prefetch="request",
+                                     prefetch_cap=16))  # fmt: skip
+        off = tc.drive(tc.make_engine(tiny, True, compiled=True))
+    finally:
+        ic.fx_graph_cache = old
+    assert dict(counters["graph_break"]) == {}
+    assert ReinplaceCounters.get_total_missed() == 0
+    assert len(on) == len(off) >= 12
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
