@@ -116,3 +116,25 @@ def test_compiled_decode_with_prefetch_lossless_and_graph_safe():
     assert ReinplaceCounters.get_total_missed() == 0
     assert len(on) == len(off) >= 12
     assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+def test_bench_system_with_prefetch_reports_it_and_the_overlap():
+    """echo-compile bench's System: prefetch metrics and pool rows per request in the result; the
+    breakdown measures the consecutive-step top-k overlap from the indexer's own selections."""
+    from echo_compile.bench import harness as bench
+
+    model = bench.build_model("tiny", 4, 16, "cpu")
+    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=6, temperature=1.0)
+    sut = bench.System(model, "offload-eager", 96, 4096, "fp8", 512, 2, (), "cpu", 1.0, seed=0,
+                       prefetch="request")  # fmt: skip
+    r = sut.run(wl)
+    assert r.prefetch == "request" and len(r.prefetch_precision) == 4
+    assert r.pool_rows_per_request == pytest.approx(96 / r.effective_batch)
+    assert sum(r.prefetched_per_step) > 0
+    bd = sut.breakdown(wl, warm_steps=1, steps=1)
+    ov = bd["topk_overlap"]
+    assert len(ov) == 4 and all(0.0 <= x <= 1.0 for x in ov)
+    # --repeat 1.0 feeds the same token: layer 0's query changes only by RoPE, its selection
+    # overlaps heavily from step to step
+    assert ov[0] > 0.5, ov
+    sut.close()
