@@ -272,3 +272,25 @@ def test_bench_prefetch_dry_run(tmp_path):
     res = json.loads(out.read_text())
     assert res["all_pass"] and len(res["checks"]) == 4
     assert any(c["staged"] > 0 for c in res["checks"].values())
+
+
+def test_opcheck_prefetch_ops():
+    """Schemas, fakes and mutation declarations of both ops (torch.library.opcheck)."""
+    inp, host_kv, h2g, st = _prefetch_case(4, "cpu")
+    st["ema"].fill_(-1.0)
+    args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
+    torch.library.opcheck(torch.ops.echo.indexer_topk_prefetch.default, (
+        *args, 32, host_kv, h2g, st["stage_kv"], st["stage_host"], st["host_stage"],
+        st["stage_ctr"], st["ema"], st["pf_stats"], 16, 0.0))  # fmt: skip
+    c = _cache("bf16", "request", cap=16)
+    _fill(c, _gen(12, "cpu"), "bf16")
+    layer = c.layers[0]
+    inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], _gen(13, "cpu"))
+    bt = torch.arange(18, dtype=torch.int32).view(3, 6)
+    sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, torch.tensor([300, 0, 380]).int())
+    s, p = layer.staging, layer.pool
+    assert (s.stage_host >= 0).any()
+    torch.library.opcheck(torch.ops.echo.recall_staged.default, (
+        layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
+        p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, s.stage_kv, s.stage_host,
+        s.host_stage, s.stage_ctr, s.promote_host, s.promote_n, s.totals))  # fmt: skip
