@@ -260,30 +260,33 @@ def _scores_prefetch_kernel(
         s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * ks
         s = tl.where(live, s, float("-inf"))
         tl.store(score_ptr + b * L + t, s, mask=t < L)
-        # ---- prefetch: only the few tokens above the threshold touch the map or the host
-        h = (page * _PAGE + off).to(tl.int32)
+        # ---- prefetch: only blocks with tokens above the threshold touch the map, and only
+        # blocks with candidates the counters and the host (scalar branches: a block with
+        # nothing to stage issues none of the copy's instructions)
         over = live & (s > thr)
-        g = tl.load(h2g_ptr + h, mask=over, other=0)
-        cand = over & (g < 0)
-        ci = cand.to(tl.int32)
-        nc = tl.sum(ci, 0)
-        n_cand += nc
-        claim = tl.minimum(nc, ROWS)  # claim only what this block can copy: no holes
-        base = tl.atomic_add(ctr, claim, mask=claim > 0, sem="relaxed")
-        base = tl.where(claim > 0, base, 0)
-        lr = tl.cumsum(ci, 0) - 1  # rank among this block's candidates
-        n_keep = tl.minimum(tl.maximum(limit - base, 0), claim)
-        keep = cand & (lr < n_keep)
-        slot = slot0 + base + lr
-        tl.store(shost_ptr + slot, h, mask=keep)
-        tl.store(hstage_ptr + h, slot, mask=keep)
-        # the kept candidates' rows, compacted by rank: row j of the copy is candidate lr == j
-        pick = keep[:, None] & (lr[:, None] == rr[None, :])  # [BT, ROWS]
-        hj = tl.sum(tl.where(pick, h[:, None], 0), axis=0).to(tl.int64)  # [ROWS]
-        sj = tl.sum(tl.where(pick, slot[:, None], 0), axis=0).to(tl.int64)
-        m2 = (rr < n_keep)[:, None] & cmask[None, :]
-        v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
-        tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
+        if tl.sum(over.to(tl.int32), 0) > 0:
+            h = (page * _PAGE + off).to(tl.int32)
+            g = tl.load(h2g_ptr + h, mask=over, other=0)
+            cand = over & (g < 0)
+            ci = cand.to(tl.int32)
+            nc = tl.sum(ci, 0)
+            if nc > 0:
+                n_cand += nc
+                claim = tl.minimum(nc, ROWS)  # claim only what this block can copy: no holes
+                base = tl.atomic_add(ctr, claim, sem="relaxed")
+                lr = tl.cumsum(ci, 0) - 1  # rank among this block's candidates
+                n_keep = tl.minimum(tl.maximum(limit - base, 0), claim)
+                keep = cand & (lr < n_keep)
+                slot = slot0 + base + lr
+                tl.store(shost_ptr + slot, h, mask=keep)
+                tl.store(hstage_ptr + h, slot, mask=keep)
+                # the kept candidates' rows, compacted by rank: copy row j = candidate lr == j
+                pick = keep[:, None] & (lr[:, None] == rr[None, :])  # [BT, ROWS]
+                hj = tl.sum(tl.where(pick, h[:, None], 0), axis=0).to(tl.int64)  # [ROWS]
+                sj = tl.sum(tl.where(pick, slot[:, None], 0), axis=0).to(tl.int64)
+                m2 = (rr < n_keep)[:, None] & cmask[None, :]
+                v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
+                tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
     for i in range(n_iter, TPP // BT):
         t = start + i * BT + tt
         tl.store(score_ptr + b * L + t, tl.full([BT], float("-inf"), tl.float32), mask=t < L)
