@@ -138,3 +138,41 @@ def test_bench_system_with_prefetch_reports_it_and_the_overlap():
     # overlaps heavily from step to step
     assert ov[0] > 0.5, ov
     sut.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["request", "global"])
+def test_prefetch_decode_graphs_gates_and_lossless_cuda(mode):
+    """On the GPU: the decode step with prefetch in CUDA graphs (reduce-overhead, strict): zero
+    cudagraph skips and partitions, no graph break, no missed reinplacing, no recompile after
+    warm-up, and logits torch.equal to prefetch off's under compilation."""
+    import torch._dynamo
+    import torch._inductor.config as ic
+    from torch._dynamo.utils import ReinplaceCounters, counters
+
+    from tests import test_compile as tc
+
+    path = resolve_model("tiny")
+    model, _ = load_model(path, device="cuda")
+    tiny = (model, Tokenizer.from_dir(path))
+    torch._dynamo.reset()
+    counters.clear()
+    ReinplaceCounters.clear()
+    ic.fx_graph_cache = False
+    logs = {}
+    for pf in (mode, "off"):
+        eng = tc.make_engine(tiny, True, compiled=True, strict=True, prefetch=pf,
+                             prefetch_cap=16, prefetch_ratio=0.05)  # fmt: skip
+        eng.runner.warmup(calls=3, progress=False)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            logs[pf] = tc.drive(eng)
+        if pf != "off":
+            m = eng.metrics()
+            assert sum(m["prefetched_per_step"]) > 0 and max(m["prefetch_coverage"]) > 0
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["inductor"].get("cudagraph_partitions", 0) == 0
+    assert dict(counters["graph_break"]) == {}
+    assert ReinplaceCounters.get_total_missed() == 0
+    assert len(logs[mode]) >= 12
+    for a, b in zip(logs[mode], logs["off"]):
+        assert torch.equal(a, b)
