@@ -35,14 +35,15 @@ from custom_ops.cache_ops import allocate_ref, free_ref, recall_ref
 from custom_ops.indexer import _check as _check_indexer
 from custom_ops.indexer import indexer_topk_ref
 from custom_ops.kv_format import PAGE, index_cache_gather
-
-# ---- pf_stats layout (int64, cumulative) --------------------------------------------------------
-PF_CANDIDATES = 0  # score > threshold and not on the GPU (before the cap)
-PF_STAGED = 1  # rows copied host -> staging
-PF_PROMOTED = 2  # staged rows the exact top-k selected, moved staging -> pool
-PF_STEPS = 3  # recall_staged calls
-PF_LEN = 4
-EMA_ALPHA = 0.5  # weight of the newest k-th score (ECHO)
+from custom_ops.prefetch_layout import (  # noqa: F401  (also read as prefetch.PF_*)
+    EMA_ALPHA,
+    PF_CANDIDATES,
+    PF_LEN,
+    PF_PROMOTED,
+    PF_STAGED,
+    PF_STEPS,
+    update_ema,
+)
 
 
 def index_scores_ref(q_fp8, weights, index_cache, block_table, seq_lens):
@@ -62,14 +63,6 @@ def stage_limit(seq_lens: torch.Tensor, n_stage: int, ratio: float) -> torch.Ten
     """The global budget (ratio > 0): min(S, floor(ratio * sum(seq_lens))), a device scalar."""
     total = seq_lens.long().sum().double() * ratio
     return torch.clamp(torch.floor(total), max=n_stage).long()
-
-
-def update_ema(ema: torch.Tensor, kth: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """ema[:B] <- 0.5 ema + 0.5 kth where the request is live (in place, no host sync)."""
-    B = kth.shape[0]
-    e = ema[:B]
-    new = EMA_ALPHA * kth + (1.0 - EMA_ALPHA) * e
-    e.copy_(torch.where(seq_lens > 0, new, e))
 
 
 def stage_ref(

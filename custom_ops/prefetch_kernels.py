@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from custom_ops import indexer_kernels as ik
-from custom_ops.prefetch import PF_PROMOTED, PF_STAGED, PF_STEPS, update_ema
+from custom_ops.prefetch_layout import PF_PROMOTED, PF_STAGED, PF_STEPS, update_ema
 
 LIST_BLOCK = 1024
 ROWS_PER_ITER = 4  # rows per copy iteration and program (staging -> pool, device memory)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("custom_ops", "model", "runtime", "echo_compile")
 ECHO_OPS = (
     "allocate", "free", "recall", "release", "offload", "indexer_topk", "sparse_mla_decode",
-    "w4a16_linear", "moe_w4a16", "moe_bf16",
+    "w4a16_linear", "moe_w4a16", "moe_bf16", "indexer_topk_prefetch", "recall_staged",
 )  # fmt: skip
 
 
