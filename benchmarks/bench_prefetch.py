@@ -103,7 +103,8 @@ class Setup:
         for n, t in self.snap.items():
             getattr(self.pool, n).copy_(t)
         self.staging.reset()
-        self.staging.ema[: self.sz["B"]].copy_(self.ema0 if ema is None else ema)
+        keys = self.inp["block_table"][:, 0].long()  # thresholds: at each first host page
+        self.staging.ema[keys] = self.ema0 if ema is None else ema
 
 
 def staged_args(s: Setup, st: Staging, cap: int, ratio: float):
@@ -123,7 +124,7 @@ def check_fused(s: Setup, cap: int, ratio: float, rows: int) -> dict:
     the candidates computed from the unfused scores."""
     s.restore()
     st = s.staging
-    thr = st.ema[: s.sz["B"]].clone()
+    thr = st.ema[s.inp["block_table"][:, 0].long()].clone()
     host, kth = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio),
                                               rows_per_block=rows)  # fmt: skip
     ok = torch.equal(host, s.sel) and torch.equal(kth, s.kth)

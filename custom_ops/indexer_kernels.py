@@ -188,7 +188,7 @@ def _scores_prefetch_kernel(
     bt_ptr,
     sl_ptr,
     score_ptr,
-    ema_ptr,  # [>= B] fp32: per-request threshold
+    ema_ptr,  # [N_H / 64 + 1] fp32: thresholds, keyed by each request's first host page
     h2g_ptr,  # [N_H] int32: the layer's host -> GPU map (read)
     hstage_ptr,  # [N_H] int32 out: staging slot of each staged host slot
     shost_ptr,  # [S] int32 out: host slot of each staging slot
@@ -228,7 +228,7 @@ def _scores_prefetch_kernel(
     q = tl.load(q_ptr + (b * n_heads + hh[:, None]) * _DIM + dd[None, :], mask=hm[:, None], other=0)
     q = q.to(tl.float8e4nv, bitcast=True)  # [HP, 128]
     w = tl.load(w_ptr + b * n_heads + hh, mask=hm, other=0.0)
-    thr = tl.load(ema_ptr + b)
+    thr = tl.load(ema_ptr + tl.load(bt_ptr + b * bt_stride))  # padded rows: any, nothing is live
     if GLOBAL:
         bb = tl.arange(0, BP)
         ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
@@ -551,7 +551,7 @@ def index_scores_prefetch(
     stage_host: torch.Tensor,  # [S] int32
     host_stage: torch.Tensor,  # [N_H] int32
     stage_ctr: torch.Tensor,  # [>= B + 1] int32 zeros
-    ema: torch.Tensor,  # [>= B] fp32
+    ema: torch.Tensor,  # [N_H / 64 + 1] fp32 (prefetch_layout.ema_keys)
     pf_stats: torch.Tensor,  # [4] int64
     cap: int,
     ratio: float,

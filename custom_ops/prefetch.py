@@ -4,7 +4,7 @@ the Triton kernels in indexer_kernels.py / prefetch_kernels.py are tested agains
 
 ``indexer_topk_prefetch`` is ``echo::indexer_topk`` (same outputs, bit for bit) that also, while
 scoring, copies the rows of candidates into a per-layer **staging buffer**: a candidate is a live
-token whose score is strictly above its request's threshold ``ema[b]`` and whose host slot is not
+token whose score is strictly above its request's threshold and whose host slot is not
 on the GPU (``host_to_gpu[h] == -1``). Two caps, chosen by ``ratio``:
 - ``ratio == 0``: per request, at most ``cap`` rows; request b owns staging slots
   ``[b * cap, (b + 1) * cap)`` (ECHO's shipped kernel, cap 64);
@@ -13,7 +13,8 @@ on the GPU (``host_to_gpu[h] == -1``). Two caps, chosen by ``ratio``:
 Which candidates win when a cap binds is scan order in the reference (request-major, then
 position) and atomics order in the kernel: either way only performance depends on it. A staged row
 is recorded in ``stage_host[slot] = h`` and ``host_stage[h] = slot``. Then the exact top-k, then
-the threshold update ``ema[b] = 0.5 * ema[b] + 0.5 * kth[b]`` for live requests (in-graph).
+the threshold update ``ema = 0.5 * ema + 0.5 * kth`` for live requests (in-graph). Thresholds
+live in ``ema [N_H / 64 + 1]``, keyed by each request's first host page (``ema_keys``).
 
 ``recall_staged`` is the guaranteed recall with staging as a second source. The selected rows
 that are staged and not on the GPU still count as misses and go through the pool's normal path:
@@ -42,6 +43,7 @@ from custom_ops.prefetch_layout import (  # noqa: F401  (also read as prefetch.P
     PF_PROMOTED,
     PF_STAGED,
     PF_STEPS,
+    ema_keys,
     update_ema,
 )
 
@@ -82,7 +84,7 @@ def stage_ref(
     """The prefetch decision and copies of indexer_topk_prefetch (scan order when a cap binds)."""
     B, L = score.shape
     S = stage_kv.shape[0]
-    thr = ema[:B].float()[:, None]
+    thr = ema[ema_keys(slots[:, :1] // PAGE, seq_lens, ema.shape[0])][:, None]  # first pages
     g = host_to_gpu[slots.clamp(max=host_to_gpu.shape[0] - 1)]
     cand = torch.isfinite(score) & (score > thr) & (g < 0)  # -inf past seq_len is never > thr
     pf_stats[PF_CANDIDATES] += int(cand.sum())
@@ -134,7 +136,7 @@ def indexer_topk_prefetch_ref(
         ratio,
     )
     host, kth = indexer_topk_ref(q_fp8, weights, index_cache, block_table, seq_lens, topk)
-    update_ema(ema, kth, seq_lens)
+    update_ema(ema, kth, seq_lens, block_table)
     return host, kth
 
 
@@ -244,10 +246,14 @@ def _check_staging(
     if stage_ctr.dtype != torch.int32 or stage_ctr.dim() != 1:
         raise ValueError(f"{op}: stage_ctr must be a 1-D int32 tensor")
     if B is not None:
-        if stage_ctr.shape[0] < B + 1 or ema.dtype != torch.float32 or ema.shape[0] < B:
+        if (
+            stage_ctr.shape[0] < B + 1
+            or ema.dtype != torch.float32
+            or ema.shape != (n_h // 64 + 1,)
+        ):
             raise ValueError(
                 f"{op}: stage_ctr must hold >= B + 1 = {B + 1} counters and ema "
-                f"(fp32) >= B entries for a batch of {B}"
+                f"fp32 [N_H / 64 + 1 = {n_h // 64 + 1}] (a batch of {B})"
             )
         if ratio < 0 or (ratio == 0 and (cap <= 0 or B * cap > S)):
             raise ValueError(
@@ -355,7 +361,7 @@ def indexer_topk_prefetch(
     stage_host: torch.Tensor,  # [S] int32: host slot staged in each slot, -1 empty
     host_stage: torch.Tensor,  # [N_H] int32: staging slot of each host slot, -1 none
     stage_ctr: torch.Tensor,  # [>= B + 1] int32 zeros: per-request claims, then the global one
-    ema: torch.Tensor,  # [>= B] fp32: per-request threshold (EMA of the k-th score)
+    ema: torch.Tensor,  # [N_H / 64 + 1] fp32: thresholds (EMA of the k-th score), ema_keys
     pf_stats: torch.Tensor,  # [PF_LEN] int64
     cap: int,  # rows per request (ratio == 0)
     ratio: float,  # > 0: global budget of ratio * sum(seq_lens) rows

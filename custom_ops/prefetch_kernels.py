@@ -77,7 +77,7 @@ def indexer_topk_prefetch_cuda(
         rows_per_block,
     )
     host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
-    update_ema(ema, kth, seq_lens)
+    update_ema(ema, kth, seq_lens, block_table)
     return host, kth
 
 

@@ -29,7 +29,7 @@ def _staging(B, n_h, row, cap, device):
         stage_host=torch.full((B * cap,), -1, **i32),
         host_stage=torch.full((n_h,), -1, **i32),
         stage_ctr=torch.zeros(B + 1, **i32),
-        ema=torch.zeros(B, dtype=torch.float32, device=device),
+        ema=torch.zeros(n_h // 64 + 1, dtype=torch.float32, device=device),
         pf_stats=torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device),
     )
 
@@ -77,11 +77,14 @@ def test_prefetch_indexer(impl, thr, ratio, device):
         *[inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     )
     fill = {"normal": None, "low": float("-inf"), "high": float("inf")}[thr]
+    # thresholds live at each request's first host page (the last entry: padded rows)
+    keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[0])
     if fill is None:  # a threshold inside the scores: the 40th best score of each request
-        st["ema"].copy_(torch.sort(score, dim=1, descending=True).values[:, 39].clamp(min=-1e30))
+        st["ema"][keys] = torch.sort(score, dim=1, descending=True).values[:, 39].clamp(min=-1e30)
     else:
         st["ema"].fill_(fill)
-    ema0 = st["ema"].clone()
+    ema_all = st["ema"].clone()
+    ema0 = ema_all[keys]
     if impl == "ref":
         host, kth = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, topk, cap, ratio)
         want = _candidates(score, slots, h2g, ema0)
@@ -122,7 +125,10 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     assert int((st["host_stage"] >= 0).sum()) == live.numel()
     # the threshold moved halfway to the k-th score, for live requests only
     exp = torch.where(inp["seq_lens"] > 0, 0.5 * ema0 + 0.5 * kth, ema0)
-    assert torch.equal(st["ema"], exp)
+    assert torch.equal(st["ema"][keys], exp)
+    other = torch.ones_like(ema_all, dtype=torch.bool)
+    other[keys] = False
+    assert torch.equal(st["ema"][other], ema_all[other])  # no other request's threshold moved
 
 
 def _cache(fmt, prefetch, offload=True, cap=8, device="cpu"):
@@ -294,3 +300,23 @@ def test_opcheck_prefetch_ops():
         layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
         p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, s.stage_kv, s.stage_host,
         s.host_stage, s.stage_ctr, s.promote_host, s.promote_n, s.totals))  # fmt: skip
+
+
+def test_thresholds_follow_requests_not_rows():
+    """A request's threshold is keyed by its first host page: swapping batch rows keeps each
+    request's own; release (KVCache.release -> Staging.forget) resets only its pages'."""
+    c = _cache("bf16", "request", cap=8)
+    _fill(c, _gen(14, "cpu"), "bf16")
+    layer = c.layers[0]
+    inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], _gen(15, "cpu"))
+    bt = torch.arange(18, dtype=torch.int32).view(3, 6)
+    lens = torch.tensor([300, 200, 380], dtype=torch.int32)
+    _, kth = layer.select(inp["q_fp8"], inp["weights"], bt, lens)
+    ema = layer.staging.ema
+    assert torch.equal(ema[[0, 6, 12]], 0.5 * kth)  # from 0, alpha 0.5
+    perm = torch.tensor([2, 0, 1])
+    _, kth2 = layer.select(inp["q_fp8"][perm], inp["weights"][perm], bt[perm], lens[perm])
+    assert torch.equal(kth2, kth[perm])
+    assert torch.equal(ema[[0, 6, 12]], 0.75 * kth)  # each request's own, whatever its row
+    c.release(torch.arange(6 * 64, 12 * 64))  # the second request's pages
+    assert ema[6] == 0 and torch.equal(ema[[0, 12]], 0.75 * kth[[0, 2]])

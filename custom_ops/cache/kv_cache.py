@@ -126,6 +126,8 @@ class KVCache(nn.Module):
         for layer in self.layers:
             if layer.pool is not None:
                 layer.pool.release(host_slots.to(torch.int32))
+            if layer.staging is not None:
+                layer.staging.forget(host_slots)
 
     def reset_pools(self) -> None:
         """Empty every layer's GPU pool in place. Nothing is lost: the host pool is authoritative.

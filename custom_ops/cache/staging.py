@@ -14,6 +14,7 @@ from torch import nn
 import custom_ops  # noqa: F401  (registers the echo:: ops this module calls)
 from custom_ops import prefetch as pf
 from custom_ops.cache.config import CacheConfig
+from custom_ops.kv_format import PAGE
 
 # the per-layer metrics KVCache.stats() lists (step stats, /metrics, bench JSON)
 PREFETCH_STATS = ("prefetched_per_step", "prefetch_precision", "prefetch_coverage")
@@ -34,7 +35,8 @@ class Staging(nn.Module):
         buf("stage_host", torch.full((n_stage,), -1, **i32))
         buf("host_stage", torch.full((cfg.host_tokens,), -1, **i32))
         buf("stage_ctr", torch.zeros(cfg.max_batch + 1, **i32))
-        buf("ema", torch.zeros(cfg.max_batch, dtype=torch.float32, device=device))
+        # thresholds keyed by a request's first host page (+ a dump entry for padded rows)
+        buf("ema", torch.zeros(cfg.host_tokens // PAGE + 1, dtype=torch.float32, device=device))
         buf("promote_host", torch.full((capacity,), -1, **i32))
         buf("promote_n", torch.zeros(1, **i32))
         buf("totals", torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device))
@@ -101,6 +103,14 @@ class Staging(nn.Module):
             "recalled_rows_per_step": misses / steps if steps else 0.0,
             "host_copied": pool_stats["recalled"],
         }
+
+    @torch.no_grad()
+    def forget(self, host_slots: torch.Tensor) -> None:
+        """A finished request's pages: their thresholds back to 0 (ECHO's start), so the next
+        request keyed by one of them does not inherit a stranger's threshold. No host sync."""
+        h = host_slots.reshape(-1).long()
+        dump = self.ema.shape[0] - 1
+        self.ema.index_fill_(0, torch.where(h >= 0, h // PAGE, dump), 0.0)
 
     @torch.no_grad()
     def reset(self) -> None:
