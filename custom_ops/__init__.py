@@ -15,5 +15,6 @@ from custom_ops import (  # noqa: F401  (registers the echo:: ops)
     cache_ops,
     fp8_linear,
     indexer,
+    prefetch,
     prefill,
 )

@@ -313,4 +313,8 @@ class Engine:
             "hit_rate": pool["hit_rate"],
             "recalled_rows_per_step": pool["recalled_rows_per_step"],
             "recall_overflow": float(pool["overflow"]),
+            # prefetch, per layer (empty lists when off; docs/prefetch.md)
+            "prefetched_per_step": pool["prefetched_per_step"],
+            "prefetch_precision": pool["prefetch_precision"],
+            "prefetch_coverage": pool["prefetch_coverage"],
         }

@@ -64,6 +64,10 @@ class EngineConfig:
     # decode indexer kernels: "triton" | "deep_gemm" | "flashinfer" | "auto" (per half and batch
     # size by measured speed); a missing library falls back to Triton (docs/backends.md)
     kernel_backend: str = "triton"
+    # lossless decode prefetch with offloading (docs/prefetch.md): "off" | "request" | "global"
+    prefetch: str = "off"
+    prefetch_cap: int = 64  # rows per request and layer ("request"); staging rows = max_batch x it
+    prefetch_ratio: float = 1 / 512  # "global": budget rows per context token of the batch
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -81,6 +85,15 @@ class EngineConfig:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
+        if self.prefetch not in ("off", "request", "global"):
+            raise ValueError(
+                f"prefetch must be 'off', 'request' or 'global', got {self.prefetch!r}"
+            )
+        positive_int("prefetch_cap")
+        if not (isinstance(self.prefetch_ratio, (int, float)) and self.prefetch_ratio > 0):
+            raise ValueError(
+                f"prefetch_ratio must be a positive number, got {self.prefetch_ratio!r}"
+            )
         if self.compile_prefill not in (None, True, False):
             raise ValueError(
                 f"compile_prefill must be True, False or None, got {self.compile_prefill!r}"
@@ -135,6 +148,9 @@ class EngineConfig:
             # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
             prefill_tokens=pages_for(max_len) * PAGE,
             kernel_backend=self.kernel_backend,
+            prefetch=self.prefetch if self.offload else "off",
+            prefetch_cap=self.prefetch_cap,
+            prefetch_ratio=float(self.prefetch_ratio),
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:

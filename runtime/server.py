@@ -104,6 +104,12 @@ class _Metrics:
         self.gauges = {k: prom.Gauge(n, h, registry=r) for k, (n, h) in self.GAUGES.items()}
         self.hit_rate = prom.Gauge("echo_gpu_pool_hit_rate", "GPU pool hits", ["layer"], registry=r)
         self.tokens = prom.Counter("echo_generation_tokens", "Generated tokens", registry=r)
+        self.prefetch = {  # per-layer prefetch metrics (docs/prefetch.md)
+            k: prom.Gauge(f"echo_{k}", h, ["layer"], registry=r)
+            for k, h in (("prefetched_per_step", "KV rows staged by prefetch per step"),
+                         ("prefetch_precision", "Staged rows then selected / staged"),
+                         ("prefetch_coverage", "Misses served from staging / misses"))
+        }  # fmt: skip
         buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
         self.latency = prom.Histogram(
             "echo_request_latency_seconds",
@@ -119,6 +125,9 @@ class _Metrics:
                 gauge.set(snapshot[key])
         for layer, rate in enumerate(snapshot.get("hit_rate") or []):
             self.hit_rate.labels(layer=str(layer)).set(rate)
+        for key, gauge in self.prefetch.items():
+            for layer, v in enumerate(snapshot.get(key) or []):
+                gauge.labels(layer=str(layer)).set(v)
         self.tokens.inc(max(tokens_total - self._tokens_seen, 0))
         self._tokens_seen = max(tokens_total, self._tokens_seen)
 

@@ -17,6 +17,7 @@ ECHO_OPS = (
     "allocate", "free", "recall", "release", "offload", "indexer_topk", "sparse_mla_decode",
     "w4a16_linear", "moe_w4a16", "moe_bf16",
     "w4a16_linear_r", "moe_w4a16_r", "fp8_linear", "moe_fp8",
+    "indexer_topk_prefetch", "recall_staged",
 )  # fmt: skip
 
 

@@ -29,10 +29,25 @@ class CacheConfig:
     prefill_tokens: int = 0
     # who computes the decode indexer's scores and top-k (custom_ops/backends/select.py)
     kernel_backend: str = "triton"
+    # Lossless decode prefetch (docs/prefetch.md; only with offload): "off", "request" (at most
+    # prefetch_cap rows per request and layer) or "global" (prefetch_ratio x the batch's context
+    # rows per layer, at most max_batch x prefetch_cap, the staging buffer's size).
+    prefetch: str = "off"
+    prefetch_cap: int = 64
+    prefetch_ratio: float = 1 / 512
 
     def __post_init__(self) -> None:
         check_fmt(self.fmt)
         check_backend(self.kernel_backend)
+        if self.prefetch not in ("off", "request", "global"):
+            raise ValueError(
+                f"CacheConfig.prefetch must be 'off', 'request' or 'global', got {self.prefetch!r}"
+            )
+        if self.prefetch_cap <= 0 or not self.prefetch_ratio > 0:
+            raise ValueError(
+                f"CacheConfig.prefetch_cap ({self.prefetch_cap}) and prefetch_ratio "
+                f"({self.prefetch_ratio}) must be positive"
+            )
         if self.num_layers <= 0:
             raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
         if self.host_tokens <= 0 or self.host_tokens % PAGE:

@@ -21,6 +21,7 @@ from custom_ops.backends.flashinfer_ops import ROW_STATES_BYTES
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
 from custom_ops.cache.host_pool import allocate_host_rows
+from custom_ops.cache.staging import PREFETCH_STATS, Staging
 from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
 
 
@@ -49,6 +50,7 @@ class LayerKV(nn.Module):
             persistent=False,
         )
         self.pool: nn.Module | None = None
+        self.staging: Staging | None = None
         self.register_buffer("prefill_kv", None, persistent=False)
         # the indexer's backend per decode batch size, and the library buffers every layer shares
         # (KVCache allocates them; None when no plan uses the library)
@@ -57,6 +59,8 @@ class LayerKV(nn.Module):
             self.register_buffer(name, (shared or {}).get(name), persistent=False)
         if cfg.offload:
             self.pool = GpuPool(cfg, device)
+            if cfg.prefetch != "off":
+                self.staging = Staging(cfg, device, self.pool.capacity)
         if cfg.prefill_tokens > 0:  # in both modes (CacheConfig.prefill_tokens says why)
             # one extra row: padding tokens of a chunk are written there and never read
             self.prefill_kv = torch.zeros(
@@ -85,6 +89,9 @@ class LayerKV(nn.Module):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.staging is not None:  # the fused prefetch indexer (Triton only): same outputs
+            return self.staging.select(self.index_k, self.host_kv, self.pool, q_fp8, weights,
+                                       block_table, seq_lens, self.topk)  # fmt: skip
         plan = self.plans[min(q_fp8.shape[0], len(self.plans)) - 1]
         return backends.indexer_select(
             plan, q_fp8, weights, self.index_k, block_table, seq_lens, self.topk,
@@ -94,6 +101,8 @@ class LayerKV(nn.Module):
     def fetch(self, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pool is None:
             return self.host_kv, host_slots
+        if self.staging is not None:
+            return self.pool.gpu_kv, self.staging.recall(self.pool, self.host_kv, host_slots)
         return self.pool.gpu_kv, self.pool.recall(self.host_kv, host_slots)
 
     def read(self, host_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -144,6 +153,8 @@ class KVCache(nn.Module):
         for layer in self.layers:
             if layer.pool is not None:
                 layer.pool.release(host_slots.to(torch.int32))
+            if layer.staging is not None:
+                layer.staging.forget(host_slots)
 
     def reset_pools(self) -> None:
         """Empty every layer's GPU pool in place. Nothing is lost: the host pool is authoritative.
@@ -151,16 +162,25 @@ class KVCache(nn.Module):
         for layer in self.layers:
             if layer.pool is not None:
                 layer.pool.reset()
+            if layer.staging is not None:
+                layer.staging.reset()
 
     def reset_stats(self) -> None:
         """Zero the running hit/recall totals (e.g. after the warm-up's padding steps)."""
         for layer in self.layers:
             if layer.pool is not None:
                 layer.pool.totals.zero_()
+            if layer.staging is not None:
+                layer.staging.totals.zero_()
 
     def layer_stats(self) -> list[dict[str, float]]:
         """Per-layer GPU-pool statistics (one host sync; call between steps)."""
-        return [layer.pool.stats() for layer in self.layers if layer.pool is not None]
+        per = []
+        for layer in self.layers:
+            if layer.pool is not None:
+                s = layer.pool.stats()
+                per.append(s if layer.staging is None else {**s, **layer.staging.stats(s)})
+        return per
 
     def stats(self) -> dict[str, float | list[float]]:
         """Pool usage (mean over layers), hit rate per layer, recalled rows per step and layer.
@@ -174,6 +194,8 @@ class KVCache(nn.Module):
             "recalled_rows_per_step": sum(p["recalled_rows_per_step"] for p in per) / n,
             "recalled_rows_per_step_per_layer": [p["recalled_rows_per_step"] for p in per],
             "overflow": sum(p["overflow"] for p in per),
+            # prefetch (docs/prefetch.md), per layer; empty lists when prefetch is off
+            **{k: [p[k] for p in per if k in p] for k in PREFETCH_STATS},
         }
 
 

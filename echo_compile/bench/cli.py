@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the decode indexer's kernels, for every system (docs/backends.md)",
     )
     ap.add_argument(
+        "--prefetch",
+        default="off",
+        help="lossless decode prefetch of the offloading systems, comma-separated to run each: "
+        "off, request, global (docs/prefetch.md)",
+    )
+    ap.add_argument(
         "--eager-pools", default=None, help="pools at which offload-eager runs (default 200000)"
     )
     ap.add_argument(
@@ -130,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         if s not in SYSTEMS:
             ap.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
+    prefetches = a.prefetch.split(",")
+    for p in prefetches:
+        if p not in ("off", "request", "global"):
+            ap.error(f"--prefetch: unknown mode {p!r} (choose from off, request, global)")
     if not 0.0 <= a.repeat <= 1.0:
         ap.error(f"--repeat must be in [0, 1], got {a.repeat}")
     pools, rates = _ints(a.gpu_pools), _floats(a.rates)
@@ -177,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": a.repeat,
         "host_tokens": host,
         "kv_format": a.kv_format,
+        "prefetch": prefetches,
         "compiled": a.compile,
         "kernel_backend": a.kernel_backend,
         "results": [],
@@ -189,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         out["elapsed_s"] = time.perf_counter() - t_start
         path.write_text(json.dumps(out, indent=1))
 
+    jobs = [(s, p) for s in systems for p in (prefetches if s != "gpu-only" else ["off"])]
     for pool in pools:
-        for system in systems:
+        for system, prefetch in jobs:
             eager = system == "offload-eager"
             if eager and pool not in eager_pools:
                 continue
@@ -202,20 +214,26 @@ def main(argv: list[str] | None = None) -> int:
                 buckets |= {b for b in (16, 32) if b < 2 * a.rate_requests}
             sut = System(
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
-                a.repeat, wl.seed, a.compile, a.kernel_backend,
+                a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)
                 out["results"].append(asdict(r))
                 save()
                 print(
-                    f"{system:14s} pool {pool:7d} rate {run.rate:5g}: "
+                    f"{system:14s} prefetch {prefetch:7s} pool {pool:7d} rate {run.rate:5g}: "
                     f"{r.throughput_tok_s:9.1f} tok/s, batch {r.effective_batch:5.1f}, "
                     f"hit rate {' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
+                    f"at {r.pool_rows_per_request:.0f} pool rows/request "
                     f"(warm-up {r.warmup_s:.0f} s, {time.perf_counter() - t_start:.0f} s in)",
                     flush=True,
                 )
-            if system != "offload" and pool in eager_pools and a.breakdown_steps > 0:
+            if (
+                system != "offload"
+                and prefetch == prefetches[0]
+                and pool in eager_pools
+                and a.breakdown_steps > 0
+            ):
                 bd = sut.breakdown(wl, steps=a.breakdown_steps)
                 key = str(pool) if eager else f"{system} {pool}"  # offload-eager: the pool alone
                 out["breakdown"][key] = bd

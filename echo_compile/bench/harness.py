@@ -164,6 +164,13 @@ class SystemResult:
     hit_rate: list[float] = field(default_factory=list)
     recalled_rows_per_step: float = 0.0
     warmup_s: float = 0.0
+    # the GPU pool rows each decoding request has per layer (N_G / effective batch): the hit rate
+    # means something only next to it (docs/prefetch.md, "Locality")
+    pool_rows_per_request: float = 0.0
+    prefetch: str = "off"
+    prefetched_per_step: list[float] = field(default_factory=list)
+    prefetch_precision: list[float] = field(default_factory=list)
+    prefetch_coverage: list[float] = field(default_factory=list)
 
 
 def _pct(xs: list[float], scale: float = 1.0) -> dict[str, float]:
@@ -203,6 +210,7 @@ class System:
         seed: int = 0,
         compile: bool = True,  # False: every system eager (a quick dry run of the harness)
         kernel_backend: str = "triton",  # the decode indexer's kernels (docs/backends.md)
+        prefetch: str = "off",  # lossless decode prefetch of the offloading systems
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -225,6 +233,7 @@ class System:
             # EngineConfig.prefill_compiled); the full mode's prefill chunks run eagerly
             compile_prefill=False,
             kernel_backend=kernel_backend,
+            prefetch=prefetch if offload else "off",
         )
         torch._dynamo.reset()  # a fresh compile per engine: no earlier engine's graphs or guards
         self.compiled = compile and system != "offload-eager"
@@ -302,6 +311,7 @@ class System:
         reqs = engine.finished_requests
         itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
         gen = sum(len(r.output_ids) for r in reqs)
+        batch = engine.decode_rows / max(engine.num_decode_steps, 1)
         return SystemResult(
             system=self.system,
             gpu_pool_tokens=self.gpu_tokens,
@@ -325,6 +335,11 @@ class System:
             hit_rate=list(m["hit_rate"]),
             recalled_rows_per_step=float(m["recalled_rows_per_step"]),
             warmup_s=self.warmup_s,
+            pool_rows_per_request=self.gpu_tokens / batch if batch else 0.0,
+            prefetch=engine.config.prefetch if engine.config.offload else "off",
+            prefetched_per_step=list(m["prefetched_per_step"]),
+            prefetch_precision=list(m["prefetch_precision"]),
+            prefetch_coverage=list(m["prefetch_coverage"]),
         )
 
     def breakdown(self, wl: Workload, warm_steps: int = 4, steps: int = 8) -> dict:
@@ -350,13 +365,25 @@ class System:
         prompts = self._prompts(wl)
         n = min(wl.requests, engine.config.max_batch)
         for i in range(n):
-            self._add(replace(wl, output_len=warm_steps + steps + 1), i, prompts[i], engine)
+            # + 5: the overlap probe's steps after the profiled ones
+            self._add(replace(wl, output_len=warm_steps + steps + 6), i, prompts[i], engine)
         while engine.num_decode_steps < warm_steps:
             engine.step()
         engine.cache.reset_stats()  # the hit rate of the profiled steps alone
         out = profile_steps(self.model, engine.step, steps, cuda=engine.device.type == "cuda")
         out["batch"] = n
         out["hit_rate"] = list(engine.metrics()["hit_rate"])
+        # the consecutive-step top-k overlap of a few more steps, from the indexer's selections
+        from echo_compile.bench.locality import OverlapProbe
+
+        probe = OverlapProbe(engine.cache)
+        try:
+            for _ in range(min(4, wl.output_len)):
+                if engine.has_unfinished():
+                    engine.step()
+        finally:
+            probe.close()
+        out["topk_overlap"] = probe.overlap()
         while engine.has_unfinished():
             engine.step()
         return out

@@ -1,0 +1,306 @@
+"""ECHO's prefetch microbenchmark on one GPU: indexer + exact top-k + guaranteed recall, with the
+fused lossless prefetch and without, at pool hit rates 0.5 / 0.9 / 0.97 (docs/prefetch.md).
+
+    python -m benchmarks.bench_prefetch --out benchmarks/results/prefetch_h200.json
+
+Sizes of the paper's microbenchmark: batch 16, 128K-token contexts, top-2048, a 300K-row GPU pool
+(full), bf16 rows (ECHO's format; ``--fmt fp8`` for ours). The pool holds a random fraction h of
+each request's exact selection plus filler, so the recall misses (1 - h) x 2048 rows per request.
+The threshold is the exact k-th score of a *previous* query (this query with 10% of its entries
+redrawn), as the in-graph EMA would give in a steady state. Prefetch configurations: per-request
+caps (``--caps``) and a global budget proportional to the context (``--ratios``).
+
+Reported per hit rate: the baseline (unfused indexer + recall), each prefetch configuration
+(fused indexer + staged recall), the parts measured in the same run (unfused scores kernel, full
+indexer, recall at that hit rate and at hit rate 1, i.e. its metadata cost), the bound perfect
+overlap allows (copies hidden under the scoring at most):
+    bound = indexer + recall(1.0) + max(recall(h) - recall(1.0) - scores, 0)
+the speed-ups (baseline / time) and the fraction of the bound reached, precision and coverage;
+and the fused indexer's own slowdown against the unfused one (threshold +inf: nothing staged, and
+with the threshold of the run). Each path is checked against its reference on the GPU first
+(PASS/FAIL in the JSON; a failure never stops the timings). Times: median over replays of a CUDA
+graph of one call, the state restored before each replay (outside the timed window).
+``--dry-run``: the same code at toy sizes on CPU through the Triton interpreter (checks only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if "--dry-run" in sys.argv:  # read when the kernels are defined, so before importing them
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from benchmarks.cuda_timer import graph_time  # noqa: E402
+from custom_ops import indexer_kernels as ik  # noqa: E402
+from custom_ops import prefetch as pf  # noqa: E402
+from custom_ops import prefetch_kernels as pk  # noqa: E402
+from custom_ops.cache.config import CacheConfig  # noqa: E402
+from custom_ops.cache.gpu_pool import GpuPool  # noqa: E402
+from custom_ops.cache.host_pool import allocate_host_rows  # noqa: E402
+from custom_ops.cache.invariants import check_pool, fill_random  # noqa: E402
+from custom_ops.cache.staging import Staging  # noqa: E402
+from tests.test_decode_kernels import _gen, make_indexer_inputs  # noqa: E402
+
+FULL = dict(B=16, ctx=131072, topk=2048, n_g=300_000, heads=64)
+TOY = dict(B=2, ctx=512, topk=64, n_g=400, heads=8)
+HIT_RATES = (0.5, 0.9, 0.97)
+PAPER = {"0.5": 1.29, "0.9": 1.51, "0.97": 1.0}
+
+
+class Setup:
+    def __init__(self, sz: dict, fmt: str, dev: torch.device, n_stage: int, seed: int = 1):
+        self.sz, self.dev = sz, dev
+        g = _gen(seed, str(dev))
+        B, ctx, topk = sz["B"], sz["ctx"], sz["topk"]
+        self.inp = make_indexer_inputs(B, ctx // 64, sz["heads"], [ctx] * B, g)
+        self.args = [self.inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table",
+                                           "seq_lens")]  # fmt: skip
+        n_h = self.inp["index_cache"].shape[0] * 64
+        self.cfg = CacheConfig(1, n_h, sz["n_g"], topk, fmt=fmt, max_batch=B, prefetch="request",
+                               prefetch_cap=n_stage // B)  # fmt: skip
+        pinned = dev.type == "cuda"
+        self.host = allocate_host_rows(1, n_h, self.cfg.row_bytes, dev, pinned=pinned,
+                                       zero=False)[0]  # fmt: skip
+        self.host.random_(0, 256, generator=None)
+        self.pool = GpuPool(self.cfg, dev)
+        self.staging = Staging(self.cfg, dev, self.pool.capacity)
+        self.sel, self.kth = ik.indexer_topk_cuda(*self.args, topk)
+        # the previous step's query: 10% of this one's entries redrawn
+        q = self.inp["q_fp8"]
+        noise = make_indexer_inputs(B, 1, sz["heads"], [1] * B, g)["q_fp8"]  # same law as q
+        mask = torch.rand(q.shape, generator=g, device=dev) < 0.1
+        q_prev = torch.where(mask, noise, q)
+        self.ema0 = ik.indexer_topk_cuda(q_prev, *self.args[1:], topk)[1]
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def set_hit_rate(self, h: float) -> None:
+        """A full pool with a random fraction h of each request's selection resident."""
+        sel = self.sel.cpu().long()
+        B, k = sel.shape
+        keep = torch.rand(B, k, generator=self.gen).argsort(dim=1) < round(h * k)
+        resident = sel[keep & (sel >= 0)]
+        taken = torch.zeros(self.cfg.host_tokens, dtype=torch.bool)
+        taken[sel[sel >= 0]] = True
+        others = torch.nonzero(~taken).flatten()
+        n_fill = self.cfg.gpu_tokens - resident.numel()
+        filler = others[torch.randperm(others.numel(), generator=self.gen)[:n_fill]]
+        slots = torch.cat([resident, filler])
+        fill_random(self.pool, slots.numel(), self.gen, host_kv=self.host, host_slots=slots)
+        self.pool.totals.zero_()
+        self.snap = {n: b.clone() for n, b in self.pool.named_buffers()}
+
+    def restore(self, ema: torch.Tensor | None = None) -> None:
+        for n, t in self.snap.items():
+            getattr(self.pool, n).copy_(t)
+        self.staging.reset()
+        keys = self.inp["block_table"][:, 0].long()  # thresholds: at each first host page
+        self.staging.ema[keys] = self.ema0 if ema is None else ema
+
+
+def staged_args(s: Setup, st: Staging, cap: int, ratio: float):
+    return (*s.args, s.sz["topk"], s.host, s.pool.host_to_gpu, st.stage_kv, st.stage_host,
+            st.host_stage, st.stage_ctr, st.ema, st.totals, cap, ratio)  # fmt: skip
+
+
+def recall_args(s: Setup, st: Staging, sel: torch.Tensor):
+    p = s.pool
+    return (s.host, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
+            p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, st.stage_kv, st.stage_host,
+            st.host_stage, st.stage_ctr, st.promote_host, st.promote_n, st.totals)  # fmt: skip
+
+
+def check_fused(s: Setup, cap: int, ratio: float, rows: int) -> dict:
+    """Fused indexer vs the unfused one (torch.equal), staged rows vs the host, staged set vs
+    the candidates computed from the unfused scores."""
+    s.restore()
+    st = s.staging
+    thr = st.ema[s.inp["block_table"][:, 0].long()].clone()
+    host, kth = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio),
+                                              rows_per_block=rows)  # fmt: skip
+    ok = torch.equal(host, s.sel) and torch.equal(kth, s.kth)
+    scores = ik.index_scores(*s.args, ik.IndexerConfig())
+    t = torch.arange(scores.shape[1], device=s.dev)
+    slots = s.inp["block_table"][:, t // 64].long() * 64 + t % 64
+    cand = (scores > thr[:, None]) & (s.pool.host_to_gpu[slots] < 0)
+    sh = st.stage_host.long()
+    live = sh >= 0
+    is_cand = torch.zeros(s.cfg.host_tokens, dtype=torch.bool, device=s.dev)
+    is_cand[slots[cand]] = True
+    ok &= bool(is_cand[sh[live]].all())
+    ok &= torch.equal(st.stage_kv[live], s.host[sh[live]])
+    ok &= int(st.totals[pf.PF_CANDIDATES]) == int(cand.sum())
+    return {"pass": bool(ok), "staged": int(live.sum()), "candidates": int(cand.sum())}
+
+
+def check_recall(s: Setup, cap: int, ratio: float, rows: int) -> dict:
+    """One prefetch step: the pool invariants, the selection's rows equal to the host's, the
+    staging emptied, promoted == staged and missed; returns precision and coverage."""
+    s.restore()
+    st = s.staging
+    missed0 = s.pool.host_to_gpu[s.sel.clamp(min=0).long()] < 0
+    host, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio), rows_per_block=rows)
+    staged = st.stage_host[st.stage_host >= 0].long()
+    out = pk.recall_staged_cuda(*recall_args(s, st, host))
+    torch.cuda.synchronize() if s.dev.type == "cuda" else None
+    check_pool(s.pool, selected=host, gpu_slots=out, host_kv=s.host)
+    sel = host[host >= 0].long()
+    ok = torch.equal(s.pool.gpu_kv[out[host >= 0].long()], s.host[sel])
+    ok &= not bool((st.stage_host >= 0).any()) and not bool((st.host_stage >= 0).any())
+    in_sel = torch.zeros(s.cfg.host_tokens, dtype=torch.bool, device=s.dev)
+    in_sel[sel[missed0[host >= 0]]] = True
+    useful = int(in_sel[staged].sum())
+    ok &= int(st.totals[pf.PF_PROMOTED]) == useful
+    n_miss = int(missed0[host >= 0].sum())
+    return {
+        "pass": bool(ok),
+        "staged": staged.numel(),
+        "promoted": useful,
+        "misses": n_miss,
+        "precision": useful / max(staged.numel(), 1),
+        "coverage": useful / max(n_miss, 1),
+    }
+
+
+def timed(fn, before, reps: int) -> float:
+    return graph_time([fn], reps, before, warm=1).median_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/prefetch_h200.json")
+    ap.add_argument("--fmt", default="bf16", choices=("bf16", "fp8"))
+    ap.add_argument("--caps", default="64,256", help="per-request caps (rows per request)")
+    ap.add_argument("--ratios", default="0.004", help="global budgets (rows per context token)")
+    ap.add_argument("--pf-rows", default="8", help="staged rows per score block (powers of 2)")
+    ap.add_argument("--hit-rates", default=",".join(map(str, HIT_RATES)))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU, checks only")
+    a = ap.parse_args()
+    dry = a.dry_run
+    dev = torch.device("cpu" if dry else "cuda")
+    sz = TOY if dry else FULL
+    caps = [int(x) for x in a.caps.split(",") if x]
+    ratios = [float(x) for x in a.ratios.split(",") if x]
+    pf_rows = [int(x) for x in a.pf_rows.split(",") if x]
+    hit_rates = [float(x) for x in a.hit_rates.split(",") if x]
+    if dry:
+        caps, ratios = sorted({min(c, 16) for c in caps}), [r * 10 for r in ratios]
+    n_stage = sz["B"] * max(caps + [int(sz["ctx"] * r) for r in ratios])
+    res: dict = {
+        "device": "cpu (interpreter)" if dry else torch.cuda.get_device_name(dev),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sizes": sz | {"fmt": a.fmt, "staging_rows": n_stage}, "paper_speedups": PAPER,
+        "bound": "indexer + recall(1.0) + max(recall(h) - recall(1.0) - scores, 0)",
+        "checks": {}, "results": {},
+    }  # fmt: skip
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out.write_text(json.dumps(res, indent=2))
+
+    def attempt(where: dict, name: str, fn) -> None:
+        t0 = time.time()
+        try:
+            where[name] = fn()
+        except Exception as e:  # recorded, never stops the run
+            where[name] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        print(f"{name}: {json.dumps(where[name])} ({time.time() - t0:.1f} s)", flush=True)
+        save()
+
+    s = Setup(sz, a.fmt, dev, n_stage)
+    topk, B = sz["topk"], sz["B"]
+    configs = [(f"cap{c}", c, 0.0) for c in caps] + [(f"ratio{r:g}", 0, r) for r in ratios]
+    configs = [(f"{n}_rows{r}", c, q, r) for n, c, q in configs for r in pf_rows]
+    for h in hit_rates:
+        s.set_hit_rate(h)
+        for name, cap, ratio, rows in configs:
+            cap_ = cap if ratio == 0 else 1
+            attempt(
+                res["checks"],
+                f"fused_{name}_h{h}",
+                lambda c=cap_, q=ratio, w=rows: check_fused(s, c, q, w),
+            )
+            attempt(res["checks"], f"recall_{name}_h{h}",
+                    lambda c=cap_, q=ratio, w=rows: check_recall(s, c, q, w))  # fmt: skip
+    res["all_pass"] = all(v.get("pass") for v in res["checks"].values())
+    print("checks:", "PASS" if res["all_pass"] else "FAIL", flush=True)
+    save()
+    if dry:
+        return
+    R, st = a.reps, s.staging
+    cfg = ik.IndexerConfig()
+    parts = res["results"].setdefault("parts", {})
+    attempt(parts, "scores_us", lambda: timed(lambda: ik.index_scores(*s.args, cfg), None, R))
+    attempt(parts, "indexer_us",
+            lambda: timed(lambda: ik.indexer_topk_cuda(*s.args, topk), None, R))  # fmt: skip
+    inf = torch.full((B,), float("inf"), device=dev)
+    for rows in pf_rows:
+        attempt(parts, f"fused_indexer_nothing_staged_rows{rows}_us", lambda w=rows: timed(
+            lambda: pk.indexer_topk_prefetch_cuda(*staged_args(s, st, caps[0], 0.0),
+                                                  rows_per_block=w),
+            lambda: s.restore(inf), R))  # fmt: skip
+    s.set_hit_rate(1.0)
+    attempt(parts, "recall_h1.0_us",
+            lambda: timed(lambda: s.pool.recall(s.host, s.sel), s.restore, R))  # fmt: skip
+    for h in hit_rates:
+        r = res["results"].setdefault(f"h{h}", {})
+        s.set_hit_rate(h)
+        attempt(r, "recall_us", lambda: timed(lambda: s.pool.recall(s.host, s.sel), s.restore, R))
+
+        def base():
+            sel, _ = ik.indexer_topk_cuda(*s.args, topk)
+            s.pool.recall(s.host, sel)
+
+        attempt(r, "baseline_us", lambda: timed(base, s.restore, R))
+        try:
+            p = parts
+            copy = r["recall_us"] - p["recall_h1.0_us"]
+            r["bound_us"] = p["indexer_us"] + p["recall_h1.0_us"] + max(copy - p["scores_us"], 0)
+            r["bound_speedup"] = r["baseline_us"] / r["bound_us"]
+        except (KeyError, TypeError):
+            pass
+        for name, cap, ratio, rows in configs:
+            cap_ = cap if ratio == 0 else 1
+
+            def fused(c=cap_, q=ratio, w=rows):
+                pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w)
+
+            def step(c=cap_, q=ratio, w=rows):
+                sel, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w)
+                pk.recall_staged_cuda(*recall_args(s, st, sel))
+
+            attempt(r, f"{name}_fused_indexer_us", lambda: timed(fused, s.restore, R))
+            attempt(r, f"{name}_us", lambda: timed(step, s.restore, R))
+            try:
+                r[f"{name}_speedup"] = r["baseline_us"] / r[f"{name}_us"]
+                r[f"{name}_of_bound"] = r[f"{name}_speedup"] / r["bound_speedup"]
+                c = res["checks"][f"recall_{name}_h{h}"]
+                r[f"{name}_precision"], r[f"{name}_coverage"] = c["precision"], c["coverage"]
+            except (KeyError, TypeError):
+                pass
+            save()
+    try:
+        p = parts
+        key = f"fused_indexer_nothing_staged_rows{pf_rows[0]}_us"
+        res["fused_indexer_slowdown_nothing_staged"] = p[key] / p["indexer_us"] - 1
+    except (KeyError, TypeError):
+        pass
+    save()
+    print(json.dumps(res["results"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

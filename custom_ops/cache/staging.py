@@ -1,0 +1,121 @@
+"""``Staging``: one layer's prefetch state (docs/prefetch.md): the staging buffer the fused indexer
+copies candidates into, its two maps, the per-request threshold (EMA of the exact k-th score) and
+the prefetch statistics. Every tensor is a module buffer allocated once, so CUDA graphs replay
+over it. Memory per layer: S x row bytes of staging (S = max_batch x prefetch_cap; 64 x 64 bf16
+rows: 4.7 MB) plus 4 x N_H bytes for host_stage (the ``pool_size + slot`` encoding ECHO puts in
+host_to_gpu would change the recall's meaning of that map, so the map is separate).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import custom_ops  # noqa: F401  (registers the echo:: ops this module calls)
+from custom_ops import prefetch as pf
+from custom_ops.cache.config import CacheConfig
+from custom_ops.kv_format import PAGE
+
+# the per-layer metrics KVCache.stats() lists (step stats, /metrics, bench JSON)
+PREFETCH_STATS = ("prefetched_per_step", "prefetch_precision", "prefetch_coverage")
+
+
+class Staging(nn.Module):
+    def __init__(self, cfg: CacheConfig, device: torch.device, capacity: int):
+        super().__init__()
+        self.cap = cfg.prefetch_cap
+        self.ratio = cfg.prefetch_ratio if cfg.prefetch == "global" else 0.0
+        n_stage = cfg.max_batch * cfg.prefetch_cap
+        i32 = dict(dtype=torch.int32, device=device)
+
+        def buf(name: str, t: torch.Tensor) -> None:
+            self.register_buffer(name, t, persistent=False)
+
+        buf("stage_kv", torch.zeros(n_stage, cfg.row_bytes, dtype=torch.uint8, device=device))
+        buf("stage_host", torch.full((n_stage,), -1, **i32))
+        buf("host_stage", torch.full((cfg.host_tokens,), -1, **i32))
+        buf("stage_ctr", torch.zeros(cfg.max_batch + 1, **i32))
+        # thresholds keyed by a request's first host page (+ a dump entry for padded rows)
+        buf("ema", torch.zeros(cfg.host_tokens // PAGE + 1, dtype=torch.float32, device=device))
+        buf("promote_host", torch.full((capacity,), -1, **i32))
+        buf("promote_n", torch.zeros(1, **i32))
+        buf("totals", torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device))
+
+    def select(self, index_k, host_kv, pool, q_fp8, weights, block_table, seq_lens, topk):
+        return torch.ops.echo.indexer_topk_prefetch(
+            q_fp8,
+            weights,
+            index_k,
+            block_table,
+            seq_lens,
+            topk,
+            host_kv,
+            pool.host_to_gpu,
+            self.stage_kv,
+            self.stage_host,
+            self.host_stage,
+            self.stage_ctr,
+            self.ema,
+            self.totals,
+            self.cap,
+            self.ratio,
+        )
+
+    def recall(self, pool, host_kv: torch.Tensor, host_slots: torch.Tensor) -> torch.Tensor:
+        return torch.ops.echo.recall_staged(
+            host_kv,
+            pool.gpu_kv,
+            pool.gpu_free,
+            pool.gpu_priority,
+            pool.gpu_to_host,
+            pool.host_to_gpu,
+            pool.indices,
+            pool.miss_host,
+            pool.meta,
+            pool.hist,
+            pool.totals,
+            host_slots,
+            self.stage_kv,
+            self.stage_host,
+            self.host_stage,
+            self.stage_ctr,
+            self.promote_host,
+            self.promote_n,
+            self.totals,
+        )
+
+    def stats(self, pool_stats: dict[str, float]) -> dict[str, float]:
+        """Prefetch metrics of the layer, from its running totals (one host sync):
+        prefetched rows per step, precision = promoted / staged (staged rows the exact top-k then
+        selected), coverage = promoted / misses (misses = promoted + rows recalled from the host),
+        and the hit rate with staged rows counted as misses."""
+        cand, staged, promoted, steps = self.totals.tolist()
+        misses = promoted + pool_stats["recalled"]
+        sel = pool_stats["selected"]
+        return {
+            "prefetch_candidates": float(cand),
+            "prefetched": float(staged),
+            "prefetched_per_step": staged / steps if steps else 0.0,
+            "prefetch_precision": promoted / staged if staged else 0.0,
+            "prefetch_coverage": promoted / misses if misses else 0.0,
+            "hit_rate": 1.0 - misses / sel if sel else 1.0,
+            "recalled": float(misses),
+            "recalled_rows_per_step": misses / steps if steps else 0.0,
+            "host_copied": pool_stats["recalled"],
+        }
+
+    @torch.no_grad()
+    def forget(self, host_slots: torch.Tensor) -> None:
+        """A finished request's pages: their thresholds back to 0 (ECHO's start), so the next
+        request keyed by one of them does not inherit a stranger's threshold. No host sync."""
+        h = host_slots.reshape(-1).long()
+        dump = self.ema.shape[0] - 1
+        self.ema.index_fill_(0, torch.where(h >= 0, h // PAGE, dump), 0.0)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        self.stage_host.fill_(-1)
+        self.host_stage.fill_(-1)
+        self.stage_ctr.zero_()
+        self.ema.zero_()
+        self.totals.zero_()

@@ -1,0 +1,234 @@
+"""CUDA implementations of the prefetch ops (semantics and references in custom_ops/prefetch.py).
+
+- ``indexer_topk_prefetch_cuda``: the fused scores + staging kernel of indexer_kernels.py
+  (``_scores_prefetch_kernel``), the unchanged exact top-k, the in-graph EMA update.
+- ``recall_staged_cuda``: ``_promote_kernel`` (the selected, staged, missing rows: one claim per
+  host slot by an atomic exchange on host_stage, appended with one atomic per block), then the
+  pool's own ``echo::free`` and ``echo::allocate`` for them (the normal protect / evict / allocate
+  path), ``_commit_kernel`` (copy staging -> pool, empty the staging buffer, statistics), then the
+  unchanged ``echo::recall`` for the remaining misses.
+Static grids, live counts read on the device, no host syncs: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops import indexer_kernels as ik
+from custom_ops.prefetch_layout import PF_PROMOTED, PF_STAGED, PF_STEPS, update_ema
+
+LIST_BLOCK = 1024
+ROWS_PER_ITER = 4  # rows per copy iteration and program (staging -> pool, device memory)
+PF_ROWS = 8  # staged rows per score block at most (IndexerConfig-like knob for the benchmark)
+_S_PROMOTED = tl.constexpr(PF_PROMOTED)
+_S_STAGED = tl.constexpr(PF_STAGED)
+_S_STEPS = tl.constexpr(PF_STEPS)
+
+
+def _words(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.shape[-1] % 4 or t.data_ptr() % 16 or not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, 16-byte aligned, rows a multiple of 4 B")
+    return t.view(torch.int32)
+
+
+def indexer_topk_prefetch_cuda(
+    q_fp8,
+    weights,
+    index_cache,
+    block_table,
+    seq_lens,
+    topk,
+    host_kv,
+    host_to_gpu,
+    stage_kv,
+    stage_host,
+    host_stage,
+    stage_ctr,
+    ema,
+    pf_stats,
+    cap,
+    ratio,
+    cfg: ik.IndexerConfig | None = None,
+    rows_per_block: int = PF_ROWS,
+):
+    cfg = cfg or ik.IndexerConfig()
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("indexer_topk_prefetch: block_table and seq_lens must be int32")
+    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    scores = ik.index_scores_prefetch(
+        q_fp8,
+        weights,
+        index_cache,
+        block_table,
+        seq_lens,
+        _words(host_kv, "host_kv"),
+        host_to_gpu,
+        _words(stage_kv, "stage_kv"),
+        stage_host,
+        host_stage,
+        stage_ctr,
+        ema,
+        pf_stats,
+        cap,
+        ratio,
+        cfg,
+        rows_per_block,
+    )
+    host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
+    update_ema(ema, kth, seq_lens, block_table)
+    return host, kth
+
+
+@triton.jit
+def _promote_kernel(
+    host_slots, h2g, hstage, promote_host, promote_src, promote_n, total, cap, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    h = tl.load(host_slots + offs, mask=offs < total, other=-1)
+    valid = h >= 0
+    g = tl.load(h2g + h, mask=valid, other=0)
+    s = tl.load(hstage + h, mask=valid & (g < 0), other=-1)
+    cand = valid & (g < 0) & (s >= 0)
+    # a host slot listed twice is promoted once: only one exchange sees its staging slot
+    old = tl.atomic_xchg(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=cand, sem="relaxed")
+    win = (cand & (old >= 0)).to(tl.int32)
+    nwin = tl.sum(win, 0)
+    base = tl.atomic_add(promote_n, nwin, mask=nwin > 0, sem="relaxed")
+    pos = base + tl.cumsum(win, 0) - 1
+    m = (win > 0) & (pos < cap)
+    tl.store(promote_host + pos, h, mask=m)
+    tl.store(promote_src + pos, old, mask=m)
+
+
+@triton.jit
+def _commit_kernel(
+    stage,
+    gpu_kv,
+    promote_src,
+    indices,
+    promote_n,
+    stage_host,
+    hstage,
+    pf_stats,
+    n_stage,
+    n_copy,
+    ROW_W: tl.constexpr,
+    ROW_WP: tl.constexpr,
+    RPI: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Programs [0, n_copy): pool[indices[i]] = staging[promote_src[i]] for i < n (slot -1: not
+    placed, the recall will fetch it). Programs after: empty the staging buffer, count it."""
+    pid = tl.program_id(0)
+    if pid < n_copy:
+        n = tl.load(promote_n)
+        cols = tl.arange(0, ROW_WP)
+        cmask = cols < ROW_W
+        for start in range(pid * RPI, n, n_copy * RPI):
+            r = start + tl.arange(0, RPI)
+            rm = r < n
+            src = tl.load(promote_src + r, mask=rm, other=0).to(tl.int64)
+            dst = tl.load(indices + r, mask=rm, other=-1)
+            ok = rm & (dst >= 0)
+            m2 = ok[:, None] & cmask[None, :]
+            v = tl.load(stage + src[:, None] * ROW_W + cols[None, :], mask=m2)
+            tl.store(gpu_kv + dst.to(tl.int64)[:, None] * ROW_W + cols[None, :], v, mask=m2)
+            tl.atomic_add(pf_stats + _S_PROMOTED, tl.sum(ok.to(tl.int64), 0), sem="relaxed")
+        if pid == 0:
+            tl.atomic_add(pf_stats + _S_STEPS, (n * 0 + 1).to(tl.int64), sem="relaxed")
+    else:
+        offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
+        h = tl.load(stage_host + offs, mask=offs < n_stage, other=-1)
+        live = h >= 0
+        tl.store(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=live)
+        tl.store(stage_host + offs, tl.full([BLOCK], -1, tl.int32), mask=live)
+        c = tl.sum(live.to(tl.int64), 0)
+        tl.atomic_add(pf_stats + _S_STAGED, c, mask=c > 0, sem="relaxed")
+
+
+def _n_copy(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3  # TRITON_INTERPRET on CPU
+
+
+def recall_staged_cuda(
+    host_kv,
+    gpu_kv,
+    gpu_free,
+    gpu_priority,
+    gpu_to_host,
+    host_to_gpu,
+    indices,
+    miss_host,
+    meta,
+    hist,
+    stats,
+    host_slots,
+    stage_kv,
+    stage_host,
+    host_stage,
+    stage_ctr,
+    promote_host,
+    promote_n,
+    pf_stats,
+):
+    hs = host_slots.reshape(-1)
+    total, cap = hs.numel(), indices.shape[0]
+    # the staging slots of the promoted rows reuse the pool's miss list as scratch: recall
+    # rewrites it from scratch afterwards
+    promote_src = miss_host
+    promote_n.zero_()
+    _promote_kernel[(max(1, triton.cdiv(total, LIST_BLOCK)),)](
+        hs,
+        host_to_gpu,
+        host_stage,
+        promote_host,
+        promote_src,
+        promote_n,
+        total,
+        cap,
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
+    )
+    torch.clamp_(promote_n, max=cap)
+    maps = (gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta)
+    torch.ops.echo.free(*maps, hist, stats, host_slots, promote_n)
+    torch.ops.echo.allocate(*maps, promote_host, promote_n)
+    row_w = host_kv.shape[1] // 4
+    n_copy, n_stage = _n_copy(hs.device), stage_host.shape[0]
+    _commit_kernel[(n_copy + triton.cdiv(n_stage, LIST_BLOCK),)](
+        _words(stage_kv, "stage_kv"),
+        _words(gpu_kv, "gpu_kv"),
+        promote_src,
+        indices,
+        promote_n,
+        stage_host,
+        host_stage,
+        pf_stats,
+        n_stage,
+        n_copy,
+        ROW_W=row_w,
+        ROW_WP=triton.next_power_of_2(row_w),
+        RPI=ROWS_PER_ITER,
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
+    )
+    stage_ctr.zero_()
+    return torch.ops.echo.recall(
+        host_kv,
+        gpu_kv,
+        gpu_free,
+        gpu_priority,
+        gpu_to_host,
+        host_to_gpu,
+        indices,
+        miss_host,
+        meta,
+        hist,
+        stats,
+        host_slots,
+    )

@@ -1,0 +1,322 @@
+"""Lossless prefetch (custom_ops/prefetch.py): the reference ops, the fused Triton indexer and
+the staged recall (TRITON_INTERPRET=1 on CPU, as they are on a GPU), and the lossless property at
+the cache level: prefetch on (both caps, thresholds normal / forced too low / too high) vs off vs
+GPU-only give the same selection and the same attended rows (torch.equal), bf16 and fp8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from custom_ops import indexer_kernels as ik
+from custom_ops import prefetch as pf
+from custom_ops import prefetch_kernels as pk
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.invariants import check_pool
+from custom_ops.cache.kv_cache import KVCache
+from custom_ops.cache_layout import EVICTED, NFREE
+from custom_ops.indexer import indexer_topk_ref
+from custom_ops.kv_format import ROW_BYTES
+from tests.test_decode_kernels import _gen, make_indexer_inputs
+
+SMALL = ik.IndexerConfig(score_block=64, score_tokens=128, sel_block=64, sel_chunk=64)
+
+
+def _staging(B, n_h, row, cap, device):
+    i32 = dict(dtype=torch.int32, device=device)
+    return dict(
+        stage_kv=torch.zeros(B * cap, row, dtype=torch.uint8, device=device),
+        stage_host=torch.full((B * cap,), -1, **i32),
+        host_stage=torch.full((n_h,), -1, **i32),
+        stage_ctr=torch.zeros(B + 1, **i32),
+        ema=torch.zeros(n_h // 64 + 1, dtype=torch.float32, device=device),
+        pf_stats=torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device),
+    )
+
+
+def _prefetch_case(seed, device, fmt="bf16", B=3, P=5, lens=(300, 17, 250), cap=16):
+    g = _gen(seed, device)
+    inp = make_indexer_inputs(B, P, 8, list(lens), g)
+    n_h = inp["index_cache"].shape[0] * 64
+    host_kv = torch.randint(0, 256, (n_h, ROW_BYTES[fmt]), dtype=torch.uint8, generator=g,
+                            device=device)  # fmt: skip
+    h2g = torch.full((n_h,), -1, dtype=torch.int32, device=device)
+    h2g[torch.randperm(n_h, generator=g, device=device)[: n_h // 3]] = 7  # a third "on the GPU"
+    st = _staging(B, n_h, ROW_BYTES[fmt], cap, device)
+    return inp, host_kv, h2g, st
+
+
+def _run(fn, inp, host_kv, h2g, st, topk, cap, ratio, **kw):
+    args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
+    return fn(*args, topk, host_kv, h2g, st["stage_kv"], st["stage_host"], st["host_stage"],
+              st["stage_ctr"], st["ema"], st["pf_stats"], cap, ratio, **kw)  # fmt: skip
+
+
+def _candidates(score, slots, h2g, thr):
+    """Independent statement of the candidate set, per request: host slots above thr, off-GPU."""
+    return [set(slots[b][(score[b] > thr[b]) & (h2g[slots[b]] < 0)].tolist())
+            for b in range(score.shape[0])]  # fmt: skip
+
+
+def _staged(st, B, cap, ratio):
+    sh = st["stage_host"]
+    if ratio > 0:
+        return set(sh[sh >= 0].tolist())
+    return [set(x[x >= 0].tolist()) for x in sh.view(B, cap)]
+
+
+CASES = [(impl, thr, ratio) for impl in ("ref", "triton") for thr in ("normal", "low", "high")
+         for ratio in (0.0, 0.05) if impl == "ref" or (thr == "low") == (ratio > 0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl,thr,ratio", CASES)
+def test_prefetch_indexer(impl, thr, ratio, device):
+    B, cap, topk = 3, 16, 32
+    inp, host_kv, h2g, st = _prefetch_case(11, device)
+    score, slots = pf.index_scores_ref(
+        *[inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
+    )
+    fill = {"normal": None, "low": float("-inf"), "high": float("inf")}[thr]
+    # thresholds live at each request's first host page (the last entry: padded rows)
+    keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[0])
+    if fill is None:  # a threshold inside the scores: the 40th best score of each request
+        st["ema"][keys] = torch.sort(score, dim=1, descending=True).values[:, 39].clamp(min=-1e30)
+    else:
+        st["ema"].fill_(fill)
+    ema_all = st["ema"].clone()
+    ema0 = ema_all[keys]
+    if impl == "ref":
+        host, kth = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, topk, cap, ratio)
+        want = _candidates(score, slots, h2g, ema0)
+    else:  # the fused kernel, many rows per block so only the caps bind
+        host, kth = _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, topk, cap, ratio,
+                         cfg=SMALL, rows_per_block=64)  # fmt: skip
+        s_k = ik.index_scores(
+            *[inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")], SMALL
+        )
+        want = _candidates(s_k, slots, h2g, ema0)
+        host_x, kth_x = ik.indexer_topk_cuda(
+            *[inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")],
+            topk,
+            SMALL,
+        )
+        assert torch.equal(host, host_x) and torch.equal(kth, kth_x)  # the unfused kernel's
+    if impl == "ref":
+        host_r, kth_r = indexer_topk_ref(**inp, topk=topk)
+        assert torch.equal(host, host_r) and torch.equal(kth, kth_r)
+    n_cand = sum(len(w) for w in want)
+    assert int(st["pf_stats"][pf.PF_CANDIDATES]) == n_cand
+    got = _staged(st, B, cap, ratio)
+    if thr == "high":
+        assert n_cand == 0 and not (st["stage_host"] >= 0).any()
+    if ratio > 0:
+        limit = int(pf.stage_limit(inp["seq_lens"], B * cap, ratio))
+        assert got <= set().union(*want) and len(got) == min(limit, n_cand)
+    else:
+        for b in range(B):
+            assert got[b] <= want[b] and len(got[b]) == min(cap, len(want[b]))
+    if thr == "low":
+        assert n_cand > B * cap  # the cap was hit
+    # staged rows are copies of their host rows; host_stage is the inverse map
+    sh = st["stage_host"].long()
+    live = (sh >= 0).nonzero().flatten()
+    assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
+    assert torch.equal(st["host_stage"][sh[live]].long(), live)
+    assert int((st["host_stage"] >= 0).sum()) == live.numel()
+    # the threshold moved halfway to the k-th score, for live requests only
+    exp = torch.where(inp["seq_lens"] > 0, 0.5 * ema0 + 0.5 * kth, ema0)
+    assert torch.equal(st["ema"][keys], exp)
+    other = torch.ones_like(ema_all, dtype=torch.bool)
+    other[keys] = False
+    assert torch.equal(st["ema"][other], ema_all[other])  # no other request's threshold moved
+
+
+def _cache(fmt, prefetch, offload=True, cap=8, device="cpu"):
+    return KVCache(CacheConfig(num_layers=1, host_tokens=64 * 20, gpu_tokens=3 * 32 + 16, topk=32,
+                               fmt=fmt, offload=offload, max_batch=3, prefetch=prefetch,
+                               prefetch_cap=cap, prefetch_ratio=0.02), device)  # fmt: skip
+
+
+def _fill(cache, g, fmt):
+    layer = cache.layers[0]
+    n_h = layer.host_kv.shape[0]
+    rows = torch.randint(0, 256, layer.host_kv.shape, dtype=torch.uint8, generator=g)
+    layer.host_kv.copy_(rows)
+    layer.index_k.copy_(make_indexer_inputs(1, n_h // 64 - 3, 8, [1], g)["index_cache"])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "mode,thr",
+    [
+        ("request", None),
+        ("global", None),
+        ("request", "low"),
+        ("global", "low"),
+        ("request", "high"),
+    ],
+)
+def test_prefetch_lossless_cache(fmt, mode, thr):
+    check_lossless_cache(fmt, mode, thr, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "mode,thr", [("request", None), ("global", None), ("global", "low"), ("request", "high")]
+)
+def test_prefetch_lossless_cache_cuda(fmt, mode, thr):
+    check_lossless_cache(fmt, mode, thr, "cuda")
+
+
+def check_lossless_cache(fmt, mode, thr, device):
+    """Steps of select + fetch over drifting queries, a pool that evicts every step: the attended
+    rows are torch.equal to GPU-only's and to prefetch off's; each recall evicts exactly
+    max(misses - free, 0); the pool invariants hold; staging is empty between steps."""
+    caches = {k: _cache(fmt, p, off, device=device) for k, p, off in
+              (("gpu", "off", False), ("off", "off", True), ("on", mode, True))}  # fmt: skip
+    for c in caches.values():
+        _fill(c, _gen(5, "cpu"), fmt)
+    g = _gen(6, "cpu")
+    bt = torch.arange(18, dtype=torch.int32, device=device).view(3, 6)
+    lens = torch.tensor([300, 200, 380], dtype=torch.int32, device=device)
+    base = {k: v.to(device) for k, v in make_indexer_inputs(3, 6, 8, [1, 1, 1], g).items()}
+    on = caches["on"].layers[0]
+    n_miss = n_sel = 0
+    for step in range(8):
+        inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], g)  # fresh noise, mixed with a fixed query
+        mix = (torch.rand(3, 8, 128, generator=g) < 0.8).to(device)
+        q = torch.where(mix, base["q_fp8"], inp["q_fp8"].to(device))
+        if thr is not None:
+            on.staging.ema.fill_(float("-inf") if thr == "low" else float("inf"))
+        rows = {}
+        for k, c in caches.items():
+            layer = c.layers[0]
+            sel, kth = layer.select(q, base["weights"], bt, lens + step)
+            if k == "on":
+                pool = layer.pool
+                g0 = pool.host_to_gpu[sel[sel >= 0].long()]
+                misses = int((g0 < 0).sum())
+                n_miss, n_sel = n_miss + misses, n_sel + g0.numel()
+                free0, ev0 = int(pool.meta[NFREE]), int(pool.totals[EVICTED])
+            pool_kv, slots = layer.fetch(sel)
+            rows[k] = (sel, pool_kv[slots.clamp(min=0).long()] * (slots >= 0)[..., None])
+            if k == "on":
+                assert int(pool.totals[EVICTED]) - ev0 == max(misses - free0, 0)
+                check_pool(pool, selected=sel, gpu_slots=slots, host_kv=layer.host_kv)
+                assert not (layer.staging.stage_host >= 0).any()
+                assert not (layer.staging.host_stage >= 0).any()
+        for k in ("off", "on"):
+            assert torch.equal(rows[k][0], rows["gpu"][0]) and torch.equal(
+                rows[k][1], rows["gpu"][1]
+            )
+    t = on.staging.totals.tolist()
+    if thr == "high":
+        assert t[pf.PF_STAGED] == 0
+    else:
+        assert t[pf.PF_STAGED] > 0 and t[pf.PF_PROMOTED] > 0  # prefetch really served misses
+    st = caches["on"].stats()
+    assert len(st["prefetch_precision"]) == 1 and 0.0 <= st["prefetch_coverage"][0] <= 1.0
+    # staged rows count as misses (within an age bucket the victims' order is unspecified, so the
+    # resident sets of on and off may part after ties: the count is checked, not equality)
+    per = caches["on"].layer_stats()[0]
+    assert per["recalled"] == n_miss == t[pf.PF_PROMOTED] + per["host_copied"]
+    assert st["hit_rate"][0] == pytest.approx(1 - n_miss / n_sel)
+
+
+def test_recall_staged_triton_matches_reference():
+    """The staged recall's Triton path (interpreter) against its reference from equal states."""
+    outs = []
+    for impl in ("ref", "triton"):
+        c = _cache("fp8", "request", cap=16)
+        _fill(c, _gen(9, "cpu"), "fp8")
+        layer = c.layers[0]
+        g = _gen(10, "cpu")
+        bt = torch.arange(18, dtype=torch.int32).view(3, 6)
+        lens = torch.tensor([300, 200, 380], dtype=torch.int32)
+        res = []
+        for step in range(3):
+            inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], g)
+            sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, lens + step)
+            s = layer.staging
+            p = layer.pool
+            args = (layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host,
+                    p.host_to_gpu, p.indices, p.miss_host, p.meta, p.hist, p.totals, sel,
+                    s.stage_kv, s.stage_host, s.host_stage, s.stage_ctr, s.promote_host,
+                    s.promote_n, s.totals)  # fmt: skip
+            fn = pf.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
+            slots = fn(*args)
+            check_pool(p, selected=sel, gpu_slots=slots, host_kv=layer.host_kv)
+            res.append((sel, p.gpu_kv[slots.clamp(min=0).long()], s.totals.clone(),
+                        p.totals.clone()))  # fmt: skip
+        outs.append(res)
+    for (s1, r1, t1, p1), (s2, r2, t2, p2) in zip(*outs):
+        assert torch.equal(s1, s2) and torch.equal(r1, r2)
+        assert torch.equal(t1, t2) and torch.equal(p1, p2)
+
+
+def test_bad_inputs_raise():
+    inp, host_kv, h2g, st = _prefetch_case(3, "cpu")
+    with pytest.raises(ValueError, match="cap"):
+        _run(torch.ops.echo.indexer_topk_prefetch, inp, host_kv, h2g, st, 32, 999, 0.0)
+    with pytest.raises(ValueError, match="host_kv"):
+        _run(torch.ops.echo.indexer_topk_prefetch, inp, host_kv[:-1], h2g, st, 32, 16, 0.0)
+    with pytest.raises(ValueError, match="prefetch"):
+        CacheConfig(num_layers=1, host_tokens=64, gpu_tokens=64, topk=8, prefetch="on")
+
+
+def test_bench_prefetch_dry_run(tmp_path):
+    """benchmarks/bench_prefetch.py's checks at toy sizes (CPU, interpreter): all PASS."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "pf.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_prefetch", "--dry-run", "--caps", "16",
+           "--ratios", "0.004", "--hit-rates", "0.9", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["all_pass"] and len(res["checks"]) == 4
+    assert any(c["staged"] > 0 for c in res["checks"].values())
+
+
+def test_opcheck_prefetch_ops():
+    """Schemas, fakes and mutation declarations of both ops (torch.library.opcheck)."""
+    inp, host_kv, h2g, st = _prefetch_case(4, "cpu")
+    st["ema"].fill_(-1.0)
+    args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
+    torch.library.opcheck(torch.ops.echo.indexer_topk_prefetch.default, (
+        *args, 32, host_kv, h2g, st["stage_kv"], st["stage_host"], st["host_stage"],
+        st["stage_ctr"], st["ema"], st["pf_stats"], 16, 0.0))  # fmt: skip
+    c = _cache("bf16", "request", cap=16)
+    _fill(c, _gen(12, "cpu"), "bf16")
+    layer = c.layers[0]
+    inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], _gen(13, "cpu"))
+    bt = torch.arange(18, dtype=torch.int32).view(3, 6)
+    sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, torch.tensor([300, 0, 380]).int())
+    s, p = layer.staging, layer.pool
+    assert (s.stage_host >= 0).any()
+    torch.library.opcheck(torch.ops.echo.recall_staged.default, (
+        layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
+        p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, s.stage_kv, s.stage_host,
+        s.host_stage, s.stage_ctr, s.promote_host, s.promote_n, s.totals))  # fmt: skip
+
+
+def test_thresholds_follow_requests_not_rows():
+    """A request's threshold is keyed by its first host page: swapping batch rows keeps each
+    request's own; release (KVCache.release -> Staging.forget) resets only its pages'."""
+    c = _cache("bf16", "request", cap=8)
+    _fill(c, _gen(14, "cpu"), "bf16")
+    layer = c.layers[0]
+    inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], _gen(15, "cpu"))
+    bt = torch.arange(18, dtype=torch.int32).view(3, 6)
+    lens = torch.tensor([300, 200, 380], dtype=torch.int32)
+    _, kth = layer.select(inp["q_fp8"], inp["weights"], bt, lens)
+    ema = layer.staging.ema
+    assert torch.equal(ema[[0, 6, 12]], 0.5 * kth)  # from 0, alpha 0.5
+    perm = torch.tensor([2, 0, 1])
+    _, kth2 = layer.select(inp["q_fp8"][perm], inp["weights"][perm], bt[perm], lens[perm])
+    assert torch.equal(kth2, kth[perm])
+    assert torch.equal(ema[[0, 6, 12]], 0.75 * kth)  # each request's own, whatever its row
+    c.release(torch.arange(6 * 64, 12 * 64))  # the second request's pages
+    assert ema[6] == 0 and torch.equal(ema[[0, 12]], 0.75 * kth[[0, 2]])
