@@ -1,6 +1,7 @@
 """The OpenAI API's request bodies and error format, and their mapping onto ``SamplingParams``.
 
-Known fields are strictly typed (no "5" for 5) and unknown fields ignored; every client error is
+Known fields are strictly typed (no "5" for 5); unknown fields that would change the output
+are refused (``check_unsupported``), the rest ignored; every client error is
 an ``APIError`` answered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
 """
 
@@ -53,7 +54,9 @@ class APIError(Exception):
 
 # ---- request bodies: known fields strictly typed (no "5" for 5), unknown fields ignored --------
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are kept (not validated) so check_unsupported can refuse the ones that would
+    # change the output; the rest are ignored, as the OpenAI API does.
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Strict):
@@ -74,18 +77,12 @@ class _SamplingRequest(_Strict):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int]
-    echo: bool | None = None
     logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
 
 
 class ChatMessage(_Strict):
@@ -97,7 +94,22 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # prompt: add the BOS (default true)
+    add_generation_prompt: bool | None = None  # messages: end with the assistant's turn (true)
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 # Friendlier messages for union-typed fields, whose raw errors list one failure per member type.
@@ -119,33 +131,71 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{'.'.join(loc)}: {err.get('msg')}", param=loc[0])
 
 
+def _neutral(value: Any, *defaults: Any) -> bool:
+    """A field left at a value that changes nothing (absent, null, or a default)."""
+    return value is None or any(value == d and type(value) is type(d) for d in defaults)
+
+
+# Fields this server does not implement, with the values that leave them off. Any other value is a
+# 400 naming the field, never silently ignored. A field stays here until it works.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "prompt_logprobs": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+}
+# Only for completions / only for chat.
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "top_logprobs": (0,),
+    "parallel_tool_calls": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+}
+
+
 def check_unsupported(req: _SamplingRequest) -> None:
-    """400 for options this server does not implement, rather than silently ignoring them."""
-    bad: list[tuple[str, str]] = []
+    """400 for options this server does not implement, rather than silently ignoring them.
+
+    Reads the model's extra fields too: ``extra="ignore"`` would drop them, so the request models
+    keep them (``extra="allow"``) and only this check looks at them."""
+    table = dict(UNSUPPORTED)
+    table.update(UNSUPPORTED_COMPLETION if isinstance(req, CompletionRequest) else UNSUPPORTED_CHAT)
+    fields = {**(req.model_extra or {}), **{k: getattr(req, k) for k in type(req).model_fields}}
     if req.n not in (None, 1):
-        bad.append(("n", f"n must be 1 (one choice per request), got {req.n}"))
-    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
-        if getattr(req, name):
-            bad.append((name, f"{name} is not supported"))
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            bad.append(("echo", "echo is not supported"))
-        if req.best_of not in (None, 1):
-            bad.append(("best_of", "best_of must be 1"))
-        if req.suffix:
-            bad.append(("suffix", "suffix is not supported"))
-        if req.logprobs not in (None, 0):
-            bad.append(
-                (
-                    "logprobs",
-                    "logprobs must be 0: only the chosen tokens' logprobs are "
-                    "returned, not top alternatives",
-                )
-            )
-    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
-        bad.append(("top_logprobs", "top_logprobs must be 0: top alternatives are not returned"))
-    if bad:
-        raise APIError(400, bad[0][1], param=bad[0][0])
+        raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
+    if isinstance(req, CompletionRequest) and req.logprobs not in (None, 0):
+        msg = "logprobs must be 0: only the chosen tokens' logprobs are returned, not top ones"
+        raise APIError(400, msg, param="logprobs")
+    if req.stream_options is not None and not _neutral(
+        (req.stream_options.model_extra or {}).get("continuous_usage_stats"), False
+    ):
+        msg = "stream_options.continuous_usage_stats is not supported"
+        raise APIError(400, msg, param="stream_options")
+    for name, defaults in table.items():
+        if name in fields and not _neutral(fields[name], *defaults):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
 
 
 def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:

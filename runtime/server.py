@@ -1,14 +1,15 @@
 """OpenAI-compatible HTTP server over an ``AsyncEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every client error is an
-OpenAI-style JSON body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET|HEAD /health``, ``GET /metrics`` (Prometheus),
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``. Every client error is an OpenAI-style
+JSON body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. docs/server.md
+describes the options, limits and metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -17,12 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import prometheus_client as prom
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
 
 from runtime.async_engine import AsyncEngine, RequestStream
 from runtime.engine import StepOutput
@@ -31,16 +31,28 @@ from runtime.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     check_unsupported,
     sampling_params,
     validation_error,
 )
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.server_lifecycle import DEFAULT_GRACE_S, serve_app, startup_summary
+from runtime.server_metrics import ServerMetrics
+from runtime.server_middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    ConcurrencyLimitMiddleware,
+    RequestIdMiddleware,
+)
+from runtime.tokenizer import lone_surrogate
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # a 128K-token prompt is ~1 MB of text or of JSON ids
 
 
 def _sse(obj: Any) -> str:
@@ -51,7 +63,8 @@ def _failure(reason: str | None) -> APIError | None:
     if reason == "error":
         return APIError(500, "generation failed in the engine", type_="server_error")
     if reason == "abort":
-        return APIError(503, "the request was aborted (server shutting down)", type_="server_error")
+        msg = "the request was aborted: the server is shutting down (its grace period ended)"
+        return APIError(503, msg, type_="server_error")
     return None
 
 
@@ -87,57 +100,42 @@ async def _outputs(stream: RequestStream, request: Request) -> AsyncIterator[Ste
         await stream.aclose()  # no-op if finished; otherwise aborts: frees the request's slots
 
 
-class _Metrics:
-    """Prometheus metrics in a registry of their own (several apps can live in one process)."""
-
-    GAUGES = {  # engine.metrics() key -> (metric name, help)
-        "running": ("echo_running_requests", "Requests being decoded"),
-        "waiting": ("echo_waiting_requests", "Requests waiting for admission"),
-        "tokens_per_s": ("echo_tokens_per_second", "Recent generation throughput"),
-        "host_pool_usage": ("echo_host_pool_usage", "Fraction of the host KV pool in use"),
-        "gpu_pool_usage": ("echo_gpu_pool_usage", "Fraction of the GPU KV pools in use"),
-        "recalled_rows_per_step": ("echo_recalled_rows_per_step", "KV rows recalled per step"),
-    }
-
-    def __init__(self) -> None:
-        r = self.registry = prom.CollectorRegistry()
-        self.gauges = {k: prom.Gauge(n, h, registry=r) for k, (n, h) in self.GAUGES.items()}
-        self.hit_rate = prom.Gauge("echo_gpu_pool_hit_rate", "GPU pool hits", ["layer"], registry=r)
-        self.tokens = prom.Counter("echo_generation_tokens", "Generated tokens", registry=r)
-        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
-        self.latency = prom.Histogram(
-            "echo_request_latency_seconds",
-            "End-to-end request latency",
-            registry=r,
-            buckets=buckets,
-        )
-        self._tokens_seen = 0
-
-    def update(self, snapshot: dict[str, Any], tokens_total: int) -> None:
-        for key, gauge in self.gauges.items():
-            if isinstance(snapshot.get(key), (int, float)):
-                gauge.set(snapshot[key])
-        for layer, rate in enumerate(snapshot.get("hit_rate") or []):
-            self.hit_rate.labels(layer=str(layer)).set(rate)
-        self.tokens.inc(max(tokens_total - self._tokens_seen, 0))
-        self._tokens_seen = max(tokens_total, self._tokens_seen)
-
-
 Chunk = Callable[[StepOutput], "dict[str, Any] | None"]
 
 
 class _Handlers:
     """The route bodies, sharing the engine, the tokenizer and the metrics."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+        self.engine, self.model_names = engine, model_names
+        self.model_name = model_names[0]  # the metrics' model_name label
         self.tokenizer = engine.tokenizer
-        self.metrics = _Metrics()
+        self.metrics = ServerMetrics(self.model_name)
 
     def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            msg = f"the model {name!r} does not exist; this server serves {self.model_name!r}"
+        if name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            msg = f"the model {name!r} does not exist; this server serves {served}"
             raise APIError(404, msg, param="model", code="model_not_found")
+
+    def context_error(self, n_prompt: str, param: str) -> APIError:
+        limit = self.engine.max_model_len
+        msg = (
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{n_prompt} tokens, which leaves no room for a completion."
+        )
+        return APIError(400, msg, param=param, code=CONTEXT_CODE)
+
+    async def encode(self, text: str, add_bos: bool, param: str) -> list[int]:
+        """Token ids of a prompt, tokenised on a worker thread so a huge prompt cannot stall the
+        event loop (and /health); one that cannot fit the context is refused before tokenising."""
+        if (i := lone_surrogate(text)) is not None:
+            msg = f"{param} contains a lone UTF-16 surrogate (U+{ord(text[i]):04X}) at index {i}"
+            raise APIError(400, msg, param=param)
+        bound = await asyncio.to_thread(self.tokenizer.min_tokens, text)
+        if bound >= self.engine.max_model_len:
+            raise self.context_error(f"at least {bound}", param)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_bos)
 
     def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
         """Reject prompt + max_tokens over the context; a missing max_tokens (chat) becomes what
@@ -146,8 +144,7 @@ class _Handlers:
         head = f"This model's maximum context length is {limit} tokens. However, "
         if max_tokens is None:
             if n_prompt >= limit:
-                msg = f"your prompt has {n_prompt} tokens, which leaves no room for a completion."
-                raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
+                raise self.context_error(str(n_prompt), param)
             return limit - n_prompt
         if max_tokens >= 1 and n_prompt + max_tokens > limit:
             msg = (
@@ -182,13 +179,20 @@ class _Handlers:
     ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
         when the request arrived (perf_counter), for the latency histogram."""
+        times: list[float] = []  # when outputs with tokens arrived: TTFT and inter-token latency
+
+        def add(res: RequestOutput, out: StepOutput) -> None:
+            res.add(out)
+            if out.new_token_ids:
+                times.append(time.perf_counter())
+
         if not streaming:
             res = RequestOutput()
             async for out in _outputs(stream, request):
-                res.add(out)
+                add(res, out)
             if res.finish_reason is None:  # the client left: nobody reads this
                 return Response(status_code=499)
-            self.metrics.latency.observe(time.perf_counter() - t0)
+            self.metrics.observe(res, t0, time.perf_counter(), times)
             if (err := _failure(res.finish_reason)) is not None:
                 raise err
             return JSONResponse(final(res))
@@ -198,15 +202,16 @@ class _Handlers:
                 yield _sse(first)
             res = RequestOutput()
             async for out in _outputs(stream, request):
-                res.add(out)
+                add(res, out)
                 if (err := _failure(out.finish_reason)) is not None:
+                    self.metrics.observe(res, t0, time.perf_counter(), times)
                     yield _sse(err.body())  # the openai client raises APIError on it
                     return
                 if (c := chunk(out)) is not None:
                     yield _sse(c)
             if res.finish_reason is None:  # the client left
                 return
-            self.metrics.latency.observe(time.perf_counter() - t0)
+            self.metrics.observe(res, t0, time.perf_counter(), times)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": res.usage()})
             yield "data: [DONE]\n\n"
@@ -219,7 +224,7 @@ class _Handlers:
         self.check_model(req.model)
         check_unsupported(req)
         if isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt, add_bos=True)
+            ids = await self.encode(req.prompt, True, "prompt")
         else:
             ids, vocab = list(req.prompt), self.tokenizer.vocab_size
             if not ids or any(not 0 <= i < vocab for i in ids):
@@ -234,15 +239,19 @@ class _Handlers:
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": req.model,
         }
-        offset = [0]  # text emitted so far, for text_offset
+        # NOTE: text_offset counts the token strings, not the text emitted so far: text held back
+        # for a partial UTF-8 character or a possible stop string would make streamed offsets lag
+        # the non-streamed ones.
+        offset = [0]
 
         def logprobs(token_ids: list[int], lps: list[float], start: int) -> dict | None:
-            if req.logprobs is None:
-                return None
             toks = self.token_strings(token_ids)
             offsets = [start + sum(len(t) for t in toks[:i]) for i in range(len(toks))]
+            offset[0] = start + sum(len(t) for t in toks)
+            if req.logprobs is None:
+                return None
             return {
                 "tokens": toks,
                 "token_logprobs": lps,
@@ -254,7 +263,6 @@ class _Handlers:
             if not (out.new_text or out.finished or req.logprobs is not None):
                 return None
             lp = logprobs(out.new_token_ids, out.new_logprobs or [], offset[0])
-            offset[0] += len(out.new_text)
             choice = {
                 "index": 0,
                 "text": out.new_text,
@@ -279,11 +287,8 @@ class _Handlers:
         t0 = time.perf_counter()
         self.check_model(req.model)
         check_unsupported(req)
-        try:
-            text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        ids = self.tokenizer.encode(text, add_bos=False)  # the template writes the BOS itself
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        ids = await self.encode_chat(messages)
         requested = (
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
@@ -295,7 +300,7 @@ class _Handlers:
             "id": rid,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": req.model,
         }
 
         def logprobs(token_ids: list[int], lps: list[float]) -> dict | None:
@@ -349,42 +354,87 @@ class _Handlers:
             first={**head, "choices": [first_choice]},
         )
 
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation: bool = True):
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, str) and (j := lone_surrogate(content)) is not None:
+                msg = f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}"
+                raise APIError(400, msg, param="messages")
+        try:
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, add_generation
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return await self.encode(text, False, "messages")  # the template writes the BOS itself
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        if req.model is not None:
+            self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            ids = await self.encode(req.prompt, req.add_special_tokens is not False, "prompt")
+        else:
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages or []]
+            ids = await self.encode_chat(msgs, req.add_generation_prompt is not False)
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": ids,
+        }
+        if req.return_token_strs:
+            body["token_strs"] = self.token_strings(ids)
+        return body
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        if req.model is not None:
+            self.check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= i < vocab for i in req.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
+
     async def prometheus(self) -> Response:
         try:
             snapshot = await self.engine.metrics()
         except Exception:  # still serve the counter and the histogram
             logger.exception("engine.metrics() failed")
             snapshot = {}
+        # The engine averages its last steps whatever their age; this rate falls to 0 when idle.
+        snapshot["tokens_per_s"] = self.engine.tokens_per_s()
         self.metrics.update(snapshot, self.engine.generation_tokens_total)
         body = prom.generate_latest(self.metrics.registry)
         return Response(body, media_type=prom.CONTENT_TYPE_LATEST)
 
 
-class _APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on ``/v1/*``. A plain ASGI middleware, so the key is
-    checked before the body is parsed and ``receive`` (disconnect detection) is left untouched."""
+def build_app(
+    async_engine: AsyncEngine,
+    model_name: str | list[str],
+    api_key: str | None = None,
+    *,
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+    max_concurrent: int | None = None,
+    cors_origins: list[str] | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app over ``async_engine``.
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app, self.key = app, None if api_key is None else api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                msg = "invalid or missing API key (expected Authorization: Bearer <key>)"
-                await APIError(401, msg, code="invalid_api_key").response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app over ``async_engine``, serving the model as ``model_name``.
-
-    ``api_key``: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``
-    (``/health`` and ``/metrics`` stay open)."""
+    - ``model_name``: the name(s) the model is served as; requests may use any of them.
+    - ``api_key``: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``
+      (``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize`` stay open).
+    - ``max_body_bytes``: a larger request body is refused with 413 before it is parsed.
+    - ``max_concurrent``: at most this many generation requests at once; more get 429.
+    - ``cors_origins``: allowed browser origins (``["*"]`` for any); None: no CORS headers.
+    """
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or any(not isinstance(n, str) or not n for n in names):
+        raise ValueError(f"model_name must be a non-empty name or list of them, got {model_name!r}")
+    if max_body_bytes is not None and max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1 or None, got {max_body_bytes}")
+    if max_concurrent is not None and max_concurrent < 1:
+        raise ValueError(f"max_concurrent must be >= 1 or None, got {max_concurrent}")
     app = FastAPI(title="echo-compile", docs_url=None, redoc_url=None, openapi_url=None)
-    h = _Handlers(async_engine, model_name)
+    h = _Handlers(async_engine, names)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -404,40 +454,84 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         logger.exception("unhandled error")
         return APIError(500, "internal server error", type_="server_error").response()
 
-    app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    # Added last = outermost: ids on every answer (429 and 413 too), then limits, then the key.
+    app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(ConcurrencyLimitMiddleware, limit=max_concurrent)
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
+    app.add_middleware(RequestIdMiddleware)
     app.post("/v1/completions")(h.completions)
     app.post("/v1/chat/completions")(h.chat)
+    app.post("/tokenize")(h.tokenize)
+    app.post("/detokenize")(h.detokenize)
     app.get("/metrics")(h.prometheus)
 
-    @app.get("/v1/models")
-    async def _models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
+    def card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "echo-compile",
+            "root": names[0],
             "max_model_len": async_engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/v1/models")
+    async def _models() -> dict[str, Any]:
+        return {"object": "list", "data": [card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def _model(model_id: str) -> dict[str, Any]:
+        h.check_model(model_id)
+        return card(model_id)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def _health() -> Response:
         ok = async_engine.is_alive
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
 
+    @app.get("/version")
+    async def _version() -> dict[str, str]:
+        return {"version": _package_version()}
+
     return app
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("echo-compile")
+    except PackageNotFoundError:  # run from a checkout that was not pip-installed
+        return "unknown"
 
 
 def serve(
     async_engine: AsyncEngine,
-    model_name: str,
+    model_name: str | list[str],
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    asked_max_len: int | None = None,
+    **app_options: Any,
 ) -> None:
-    """Serve until interrupted, then stop the engine loop."""
+    """Serve until SIGTERM / Ctrl-C; then stop admitting, give in-flight requests ``grace_s``
+    seconds, abort the rest, stop the engine loop and exit. ``app_options`` go to ``build_app``;
+    ``asked_max_len``: the context the user asked for, so the start-up line can say when the
+    engine gives less."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
     try:
-        app = build_app(async_engine, model_name, api_key)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        app = build_app(async_engine, names, api_key, **app_options)
+        print(startup_summary(async_engine, ", ".join(names), asked_max_len), flush=True)
+        serve_app(app, async_engine, host, port, grace_s)
     finally:
         async_engine.shutdown()

@@ -282,7 +282,7 @@ def test_models_health_metrics(client: openai.OpenAI, url: str) -> None:
     assert float(lines['echo_gpu_pool_hit_rate{layer="0"}']) == 0.9
     assert float(lines['echo_gpu_pool_hit_rate{layer="1"}']) == 0.8
     assert float(lines["echo_recalled_rows_per_step"]) == 12.0
-    assert float(lines["echo_tokens_per_second"]) == 123.0
+    assert float(lines["echo_tokens_per_second"]) > 0  # the server's own windowed rate
     assert float(lines["echo_generation_tokens_total"]) >= 2
     assert float(lines["echo_request_latency_seconds_count"]) >= 1
     for name in ("echo_running_requests", "echo_waiting_requests", "echo_host_pool_usage",
