@@ -20,6 +20,7 @@ from runtime.model_runner import StepCompiler, build_runner
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.request import PAGE, Request
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
+from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.tokenizer import Tokenizer
@@ -67,6 +68,8 @@ class Engine:
         # Batch-level hooks on each decode step's logits, applied in order before sampling
         # (see ``runtime.sampler.LogitsProcessor``).
         self.logits_processors: list[LogitsProcessor] = []
+        # penalties, logit_bias, min_p, min_tokens, before the processors (sampling_controls.py)
+        self.sampling_controls = SamplingControls(model_config.eos_token_id)
         self.prompt_kv_load_s = 0.0  # time spent writing received prompt KV (add_request)
         self.finished_requests: list[Request] = []  # kept for statistics (benchmarks)
         self.keep_finished = False
@@ -101,6 +104,8 @@ class Engine:
                 raise ValueError("prompt token ids must be integers")
         if ids and not (0 <= min(ids) and max(ids) < vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if prompt_kv is not None:
             check_source(
                 prompt_kv,
@@ -273,7 +278,7 @@ class Engine:
             [len(r.output_ids) for r in reqs],
             logits.device,
         )
-        logits = logits.float()
+        logits = self.sampling_controls(reqs, logits.float())
         for proc in self.logits_processors:
             out = proc(reqs, logits)
             if not isinstance(out, torch.Tensor) or out.shape != logits.shape:

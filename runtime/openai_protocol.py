@@ -78,6 +78,13 @@ class _SamplingRequest(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # sampling controls (runtime.sampling_controls); the last three are vLLM's extensions
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -139,12 +146,6 @@ def _neutral(value: Any, *defaults: Any) -> bool:
 # Fields this server does not implement, with the values that leave them off. Any other value is a
 # 400 naming the field, never silently ignored. A field stays here until it works.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
     "prompt_logprobs": (),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -198,7 +199,21 @@ def check_unsupported(req: _SamplingRequest) -> None:
             raise APIError(400, f"{name} is not supported by this server", param=name)
 
 
-def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            msg = f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}"
+            raise APIError(400, msg, param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def sampling_params(
+    req: _SamplingRequest, max_tokens: int, logprobs: bool, vocab: int
+) -> SamplingParams:
+    """``vocab``: the tokenizer's size, to check logit_bias ids."""
+
     def default(value: Any, fallback: Any) -> Any:
         return fallback if value is None else value
 
@@ -213,6 +228,12 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: bool) -> S
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            presence_penalty=default(req.presence_penalty, 0.0),
+            frequency_penalty=default(req.frequency_penalty, 0.0),
+            repetition_penalty=default(req.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(req.logit_bias, vocab),
+            min_p=default(req.min_p, 0.0),
+            min_tokens=default(req.min_tokens, 0),
         )
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e

@@ -231,7 +231,8 @@ class _Handlers:
                 msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
                 raise APIError(400, msg, param="prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
-        params = sampling_params(req, max_tokens, logprobs=req.logprobs is not None)
+        vocab = self.tokenizer.vocab_size
+        params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
         self.max_tokens(len(ids), max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = await self.start(rid, ids, params)
@@ -293,7 +294,7 @@ class _Handlers:
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
         max_tokens = self.max_tokens(len(ids), requested, "messages")
-        params = sampling_params(req, max_tokens, logprobs=bool(req.logprobs))
+        params = sampling_params(req, max_tokens, bool(req.logprobs), self.tokenizer.vocab_size)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.start(rid, ids, params)
         head = {

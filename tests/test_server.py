@@ -324,7 +324,15 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "n": 2}, 400, "n"),
         (C, {**OK_C, "echo": True}, 400, "echo"),
         (C, {**OK_C, "logprobs": 3}, 400, "logprobs"),
-        (C, {**OK_C, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (C, {**OK_C, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        (C, {**OK_C, "frequency_penalty": "x"}, 400, "frequency_penalty"),
+        (C, {**OK_C, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (C, {**OK_C, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        (C, {**OK_C, "logit_bias": {"100000": 1}}, 400, "logit_bias"),  # over the vocab
+        (C, {**OK_C, "logit_bias": {"5": 500}}, 400, "logit_bias"),
+        (C, {**OK_C, "min_p": -0.1}, 400, "min_p"),
+        (C, {**OK_C, "min_tokens": 3}, 400, "min_tokens"),  # over max_tokens = 2
+        (CHAT, {**OK_CHAT, "min_tokens": 1.5}, 400, "min_tokens"),
         (C, {**OK_C, "model": "gpt-4"}, 404, "model"),
         (C, {**OK_C, "prompt": []}, 400, "prompt"),
         (C, {**OK_C, "prompt": [10**9]}, 400, "prompt"),

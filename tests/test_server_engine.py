@@ -422,3 +422,42 @@ def test_awq_checkpoint_offloaded_generates_and_serves(
         assert_pools_empty(a)
     finally:
         a.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_sampling_controls_through_the_real_engine(
+    url: str, llm: LLM, aengine: AsyncEngine, stream: bool
+) -> None:
+    """logit_bias forces a token, min_tokens holds back an EOS pushed to the top, the penalties
+    are accepted: the controls reach the engine's sampler through the openai client."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    eos = llm.engine.model_config.eos_token_id
+
+    def tokens(**kw: Any) -> tuple[list[int], str | None]:
+        body = dict(model=MODEL, prompt=_ids(5, 70), max_tokens=6, temperature=0.0, logprobs=0)
+        body.update(kw)
+        if not stream:
+            c = client.completions.create(**body).choices[0]
+            return [_token_id(llm, t) for t in c.logprobs.tokens], c.finish_reason
+        ids, reason = [], None
+        for chunk in client.completions.create(**body, stream=True):
+            c = chunk.choices[0]
+            ids += [_token_id(llm, t) for t in (c.logprobs.tokens if c.logprobs else [])]
+            reason = c.finish_reason or reason
+        return ids, reason
+
+    assert tokens(logit_bias={"300": 100})[0] == [300] * 6
+    ids, reason = tokens(logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert len(ids) == 4 and ids[-1] == eos and eos not in ids[:3] and reason == "stop"
+    ids, _ = tokens(presence_penalty=2.0, frequency_penalty=2.0,
+                    extra_body={"repetition_penalty": 2.0, "min_p": 0.1})  # fmt: skip
+    assert len(ids) == 6 and len(set(ids)) == 6  # penalised greedy: no token twice
+    assert_pools_empty(aengine)
+
+
+def _token_id(llm: LLM, text: str) -> int:
+    """The id of a token string as the server reports it (byte-level tokens map one to one)."""
+    ids = [i for i in range(llm.tokenizer.vocab_size)
+           if llm.tokenizer.decode([i], skip_special_tokens=False) == text]  # fmt: skip
+    assert ids, text
+    return ids[0]
