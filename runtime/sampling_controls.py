@@ -35,8 +35,9 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class SamplingControls:
-    """Callable ``(requests, logits [B, V] fp32) -> logits`` (in place on the rows that use a
-    control); ``eos_token_id`` is the token ``min_tokens`` holds back besides the stop ids."""
+    """Callable ``(requests, logits [B, V] fp32) -> logits``: the input when no row uses a control,
+    else a new tensor (the input may be a CUDA graph's output buffer: it is never written).
+    ``eos_token_id`` is the token ``min_tokens`` holds back besides the stop ids."""
 
     def __init__(self, eos_token_id: int | None) -> None:
         self.eos = eos_token_id
@@ -59,8 +60,8 @@ class SamplingControls:
             self.in_prompt[slots],
             reqs,
         )
-        logits[rows] = x
-        return logits
+        index = _to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
+        return logits.index_put((index,), x)
 
     # ---- state -----------------------------------------------------------------------------
     def _update(self, reqs: list[Request], vocab: int, device: torch.device) -> torch.Tensor:

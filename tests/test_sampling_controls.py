@@ -80,7 +80,9 @@ def test_controls_equal_the_reference_over_steps() -> None:
         batch = [r for r in reqs if step % 3 != 1 or r.request_id != "r0"]  # r0 leaves, returns
         logits = torch.randn(len(batch), V, generator=gen) * 3
         ref = torch.stack([reference(x, r, EOS) for x, r in zip(logits, batch, strict=True)])
-        out = controls(batch, logits.clone())
+        given = logits.clone()
+        out = controls(batch, given)
+        assert torch.equal(given, logits)  # never written: it may be a CUDA graph's output
         fresh = SamplingControls(EOS)(batch, logits.clone())  # state rebuilt from the lists
         assert torch.allclose(out, ref, atol=1e-5, rtol=0, equal_nan=False), step
         assert torch.equal(torch.isinf(out), torch.isinf(ref))
