@@ -88,8 +88,9 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
     logprobs: int | None = None
+    echo: bool | None = None
 
 
 class ChatMessage(_Strict):
@@ -121,7 +122,7 @@ class DetokenizeRequest(_Strict):
 
 # Friendlier messages for union-typed fields, whose raw errors list one failure per member type.
 _FIELD_HINTS = {
-    "prompt": "prompt must be a string or a list of token ids (one prompt per request)",
+    "prompt": "prompt must be a string, a list of token ids, or a list of either",
     "stop": "stop must be a string or a list of strings",
 }
 
@@ -162,7 +163,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # Only for completions / only for chat.
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
 }
@@ -184,8 +184,11 @@ def check_unsupported(req: _SamplingRequest) -> None:
     table = dict(UNSUPPORTED)
     table.update(UNSUPPORTED_COMPLETION if isinstance(req, CompletionRequest) else UNSUPPORTED_CHAT)
     fields = {**(req.model_extra or {}), **{k: getattr(req, k) for k in type(req).model_fields}}
-    if req.n not in (None, 1):
-        raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
+    if req.n is not None and req.n < 1:
+        raise APIError(400, f"n must be an integer >= 1, got {req.n}", param="n")
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        msg = "echo with logprobs needs the prompt's logprobs, which are not supported"
+        raise APIError(400, msg, param="echo")
     if isinstance(req, CompletionRequest) and req.logprobs not in (None, 0):
         msg = "logprobs must be 0: only the chosen tokens' logprobs are returned, not top ones"
         raise APIError(400, msg, param="logprobs")

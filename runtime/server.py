@@ -10,11 +10,12 @@ describes the options, limits and metrics.
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import prometheus_client as prom
@@ -47,60 +48,26 @@ from runtime.server_middleware import (
     ConcurrencyLimitMiddleware,
     RequestIdMiddleware,
 )
+from runtime.server_streams import failure, merged, sse
 from runtime.tokenizer import lone_surrogate
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # a 128K-token prompt is ~1 MB of text or of JSON ids
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+Chunk = Callable[[int, StepOutput], "dict[str, Any] | None"]
+MAX_CHOICES = 64  # n x prompts in one request: each is an engine request
 
 
-def _failure(reason: str | None) -> APIError | None:
-    if reason == "error":
-        return APIError(500, "generation failed in the engine", type_="server_error")
-    if reason == "abort":
-        msg = "the request was aborted: the server is shutting down (its grace period ended)"
-        return APIError(503, msg, type_="server_error")
-    return None
+@dataclass
+class _Choice:
+    """One engine request of an HTTP request: a prompt (its index among the prompts) and a seed."""
 
-
-async def _outputs(stream: RequestStream, request: Request) -> AsyncIterator[StepOutput]:
-    """The stream's outputs; stops early, aborting the request, if the client disconnects."""
-    # NOTE: nothing tells a handler that its client left: a non-streaming one never writes before
-    # the end, and a streaming one only learns it when a write fails. So poll, whether or not
-    # outputs arrive meanwhile.
-    task: asyncio.Future[StepOutput] | None = None
-    last_poll = time.monotonic()
-    try:
-        while True:
-            task = asyncio.ensure_future(stream.__anext__())
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if time.monotonic() - last_poll >= DISCONNECT_POLL_S:
-                    last_poll = time.monotonic()
-                    if await request.is_disconnected():
-                        logger.info("client disconnected: aborting %s", stream.request_id)
-                        return
-                if done:
-                    break
-            try:
-                out = task.result()
-            except StopAsyncIteration:
-                return
-            yield out
-            if out.finished:
-                return
-    finally:
-        if task is not None and not task.done():
-            task.cancel()
-        await stream.aclose()  # no-op if finished; otherwise aborts: frees the request's slots
-
-
-Chunk = Callable[[StepOutput], "dict[str, Any] | None"]
+    prompt_index: int
+    ids: list[int]
+    text: str  # the prompt's text, for echo
+    params: SamplingParams
 
 
 class _Handlers:
@@ -154,88 +121,143 @@ class _Handlers:
             raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
         return max_tokens
 
-    async def start(self, rid: str, ids: list[int], params: SamplingParams) -> RequestStream:
+    async def start(self, rid: str, choices: list[_Choice]) -> list[RequestStream]:
+        """Add every choice's request (ids ``rid-0``, ``rid-1``, ...; just ``rid`` for one); if
+        one is refused, the ones already added are aborted."""
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.generate(rid, ids, params)
-        except ValueError as e:  # the engine's verdict (context, host pool, ...): no known field
-            raise APIError(400, str(e)) from e
-        except RuntimeError as e:  # shut down
-            raise APIError(503, str(e), type_="server_error") from e
+            for i, c in enumerate(choices):
+                cid = rid if len(choices) == 1 else f"{rid}-{i}"
+                streams.append(await self.engine.generate(cid, c.ids, c.params))
+        except (ValueError, RuntimeError) as e:
+            for st in streams:
+                await st.aclose()
+            if isinstance(e, ValueError):  # the engine's verdict (context, host pool, ...)
+                raise APIError(400, str(e)) from e
+            raise APIError(503, str(e), type_="server_error") from e  # shut down
+        return streams
 
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
+    @staticmethod
+    def choices_of(
+        prompts: list[tuple[list[int], str]], params: SamplingParams, n: int
+    ) -> list[_Choice]:
+        """``n`` choices per prompt, prompt-major (the OpenAI index order). With a seed, choice
+        ``j`` of a prompt samples with ``seed + j``, so the n choices differ yet reproduce."""
+        if n * len(prompts) > MAX_CHOICES:
+            msg = f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}"
+            raise APIError(400, msg, param="n")
+        out = []
+        for p, (ids, text) in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else _wrap_seed(params.seed + j)
+                out.append(_Choice(p, ids, text, dataclasses.replace(params, seed=seed)))
+        return out
+
     async def respond(
         self,
         request: Request,
-        stream: RequestStream,
+        streams: list[RequestStream],
+        choices: list[_Choice],
         streaming: bool,
         include_usage: bool,
         head: dict[str, Any],
         chunk: Chunk,
-        final: Callable[[RequestOutput], dict[str, Any]],
+        final: Callable[[list[RequestOutput], dict[str, int]], dict[str, Any]],
         t0: float,
-        first: dict | None = None,
+        first: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
-        when the request arrived (perf_counter), for the latency histogram."""
-        times: list[float] = []  # when outputs with tokens arrived: TTFT and inter-token latency
+        when the request arrived (perf_counter), for the latency histograms."""
+        results = [RequestOutput() for _ in streams]
+        times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
 
-        def add(res: RequestOutput, out: StepOutput) -> None:
-            res.add(out)
+        def add(i: int, out: StepOutput) -> None:
+            results[i].add(out)
             if out.new_token_ids:
-                times.append(time.perf_counter())
+                times[i].append(time.perf_counter())
+
+        def observe() -> None:
+            now = time.perf_counter()
+            for res, ts in zip(results, times, strict=True):
+                if res.finish_reason is not None:
+                    self.metrics.observe(res, t0, now, ts)
+
+        def usage() -> dict[str, int]:
+            # prompt tokens once per prompt, as OpenAI counts them; completions summed
+            prompts = {c.prompt_index: len(c.ids) for c in choices}
+            p, c = sum(prompts.values()), sum(r.completion_tokens for r in results)
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
         if not streaming:
-            res = RequestOutput()
-            async for out in _outputs(stream, request):
-                add(res, out)
-            if res.finish_reason is None:  # the client left: nobody reads this
+            async for i, out in merged(streams, request):
+                add(i, out)
+            if any(r.finish_reason is None for r in results):  # the client left
                 return Response(status_code=499)
-            self.metrics.observe(res, t0, time.perf_counter(), times)
-            if (err := _failure(res.finish_reason)) is not None:
-                raise err
-            return JSONResponse(final(res))
+            observe()
+            for r in results:
+                if (err := failure(r.finish_reason)) is not None:
+                    raise err
+            return JSONResponse(final(results, usage()))
 
         async def events() -> AsyncIterator[str]:
-            if first is not None:
-                yield _sse(first)
-            res = RequestOutput()
-            async for out in _outputs(stream, request):
-                add(res, out)
-                if (err := _failure(out.finish_reason)) is not None:
-                    self.metrics.observe(res, t0, time.perf_counter(), times)
-                    yield _sse(err.body())  # the openai client raises APIError on it
+            for i in range(len(streams) if first is not None else 0):
+                if (c := first(i)) is not None:  # type: ignore[misc]
+                    yield sse(c)
+            async for i, out in merged(streams, request):
+                add(i, out)
+                if (err := failure(out.finish_reason)) is not None:
+                    observe()
+                    yield sse(err.body())  # the openai client raises APIError on it
                     return
-                if (c := chunk(out)) is not None:
-                    yield _sse(c)
-            if res.finish_reason is None:  # the client left
+                if (c := chunk(i, out)) is not None:
+                    yield sse(c)
+            if any(r.finish_reason is None for r in results):  # the client left
                 return
-            self.metrics.observe(res, t0, time.perf_counter(), times)
+            observe()
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": res.usage()})
+                yield sse({**head, "choices": [], "usage": usage()})
             yield "data: [DONE]\n\n"
 
         headers = {"Cache-Control": "no-cache"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
+    async def prompts_of(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+        """``(ids, text)`` per prompt: a string, a list of ids, or a list of either."""
+        raw = req.prompt
+        many = isinstance(raw, list) and raw and not isinstance(raw[0], int)
+        items = list(raw) if many else [raw]  # type: ignore[arg-type]
+        vocab = self.tokenizer.vocab_size
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                ids = await self.encode(p, True, "prompt")
+                out.append((ids, p))
+                continue
+            if not p or any(not 0 <= i < vocab for i in p):
+                msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
+                raise APIError(400, msg, param="prompt")
+            text = self.tokenizer.decode(p) if req.echo else ""
+            out.append((list(p), text))
+        if not out:
+            raise APIError(400, "prompt must not be an empty list", param="prompt")
+        return out
+
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         t0 = time.perf_counter()
         self.check_model(req.model)
         check_unsupported(req)
-        if isinstance(req.prompt, str):
-            ids = await self.encode(req.prompt, True, "prompt")
-        else:
-            ids, vocab = list(req.prompt), self.tokenizer.vocab_size
-            if not ids or any(not 0 <= i < vocab for i in ids):
-                msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
-                raise APIError(400, msg, param="prompt")
+        prompts = await self.prompts_of(req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
         vocab = self.tokenizer.vocab_size
         params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
-        self.max_tokens(len(ids), max_tokens, "prompt")
+        for ids, _ in prompts:
+            self.max_tokens(len(ids), max_tokens, "prompt")
+        choices = self.choices_of(prompts, params, req.n or 1)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self.start(rid, ids, params)
+        streams = await self.start(rid, choices)
         head = {
             "id": rid,
             "object": "text_completion",
@@ -245,44 +267,55 @@ class _Handlers:
         # NOTE: text_offset counts the token strings, not the text emitted so far: text held back
         # for a partial UTF-8 character or a possible stop string would make streamed offsets lag
         # the non-streamed ones.
-        offset = [0]
+        offsets = [0] * len(choices)
 
-        def logprobs(token_ids: list[int], lps: list[float], start: int) -> dict | None:
+        def logprobs(i: int, token_ids: list[int], lps: list[float], start: int) -> dict | None:
             toks = self.token_strings(token_ids)
-            offsets = [start + sum(len(t) for t in toks[:i]) for i in range(len(toks))]
-            offset[0] = start + sum(len(t) for t in toks)
+            starts = [start + sum(len(t) for t in toks[:k]) for k in range(len(toks))]
+            offsets[i] = start + sum(len(t) for t in toks)
             if req.logprobs is None:
                 return None
             return {
                 "tokens": toks,
                 "token_logprobs": lps,
                 "top_logprobs": None,
-                "text_offset": offsets,
+                "text_offset": starts,
             }
 
-        def chunk(out: StepOutput) -> dict[str, Any] | None:
+        def first(i: int) -> dict[str, Any] | None:  # echo: the prompt comes first
+            if not req.echo:
+                return None
+            choice = {"index": i, "text": choices[i].text, "logprobs": None, "finish_reason": None}
+            return {**head, "choices": [choice]}
+
+        def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
             if not (out.new_text or out.finished or req.logprobs is not None):
                 return None
-            lp = logprobs(out.new_token_ids, out.new_logprobs or [], offset[0])
+            lp = logprobs(i, out.new_token_ids, out.new_logprobs or [], offsets[i])
             choice = {
-                "index": 0,
+                "index": i,
                 "text": out.new_text,
                 "logprobs": lp,
                 "finish_reason": out.finish_reason,
             }
             return {**head, "choices": [choice]}
 
-        def final(res: RequestOutput) -> dict[str, Any]:
-            choice = {
-                "index": 0,
-                "text": res.text,
-                "finish_reason": res.finish_reason,
-                "logprobs": logprobs(res.token_ids, res.logprobs, 0),
-            }
-            return {**head, "choices": [choice], "usage": res.usage()}
+        def final(results: list[RequestOutput], usage: dict[str, int]) -> dict[str, Any]:
+            out = [
+                {
+                    "index": i,
+                    "text": (choices[i].text if req.echo else "") + res.text,
+                    "finish_reason": res.finish_reason,
+                    "logprobs": logprobs(i, res.token_ids, res.logprobs, 0),
+                }
+                for i, res in enumerate(results)
+            ]
+            return {**head, "choices": out, "usage": usage}
 
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self.respond(request, stream, bool(req.stream), usage, head, chunk, final, t0)
+        return await self.respond(
+            request, streams, choices, bool(req.stream), usage, head, chunk, final, t0, first
+        )
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.perf_counter()
@@ -295,8 +328,9 @@ class _Handlers:
         )
         max_tokens = self.max_tokens(len(ids), requested, "messages")
         params = sampling_params(req, max_tokens, bool(req.logprobs), self.tokenizer.vocab_size)
+        choices = self.choices_of([(ids, "")], params, req.n or 1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.start(rid, ids, params)
+        streams = await self.start(rid, choices)
         head = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -315,44 +349,42 @@ class _Handlers:
                 ]
             }
 
-        def chunk(out: StepOutput) -> dict[str, Any] | None:
+        def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
             if not (out.new_text or out.finished or req.logprobs):
                 return None
             delta = {"content": out.new_text} if out.new_text else {}
             choice = {
-                "index": 0,
+                "index": i,
                 "delta": delta,
                 "finish_reason": out.finish_reason,
                 "logprobs": logprobs(out.new_token_ids, out.new_logprobs or []),
             }
             return {**head, "choices": [choice]}
 
-        def final(res: RequestOutput) -> dict[str, Any]:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": res.text},
-                "logprobs": logprobs(res.token_ids, res.logprobs),
-                "finish_reason": res.finish_reason,
-            }
-            return {**head, "object": "chat.completion", "choices": [choice], "usage": res.usage()}
+        def final(results: list[RequestOutput], usage: dict[str, int]) -> dict[str, Any]:
+            out = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": res.text},
+                    "logprobs": logprobs(res.token_ids, res.logprobs),
+                    "finish_reason": res.finish_reason,
+                }
+                for i, res in enumerate(results)
+            ]
+            return {**head, "object": "chat.completion", "choices": out, "usage": usage}
 
-        first_choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
+        def first(i: int) -> dict[str, Any]:
+            choice = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            return {**head, "choices": [choice]}
+
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
-            request,
-            stream,
-            bool(req.stream),
-            usage,
-            head,
-            chunk,
-            final,
-            t0,
-            first={**head, "choices": [first_choice]},
+            request, streams, choices, bool(req.stream), usage, head, chunk, final, t0, first
         )
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation: bool = True):
@@ -503,6 +535,11 @@ def build_app(
         return {"version": _package_version()}
 
     return app
+
+
+def _wrap_seed(seed: int) -> int:
+    """``seed + j`` kept in int64 (SamplingParams' range), wrapping like the C type would."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def _package_version() -> str:

@@ -183,3 +183,99 @@ def test_concurrent_requests_counted_once(url: str) -> None:
     assert results == [200] * 8
     key = f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}'
     assert _metrics(url)[key] - before.get(key, 0.0) == 8
+
+
+# ---- n > 1, a list of prompts, echo ------------------------------------------------------------
+def test_n_choices_and_prompt_lists(url: str, tok: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    a, b = tok.encode("Hello world"), tok.encode("The lazy dog")
+    r = client.completions.create(
+        model=MODEL, prompt=["Hello world", "The lazy dog"], max_tokens=4, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]  # prompt-major
+    texts = [c.text for c in r.choices]
+    assert texts == [expected(tok, a, 4)[0]] * 2 + [expected(tok, b, 4)[0]] * 2
+    assert r.usage.prompt_tokens == len(a) + len(b)  # once per prompt, not per choice
+    assert r.usage.completion_tokens == 16
+    r = client.completions.create(model=MODEL, prompt=[b, b[:2]], max_tokens=3)
+    assert [c.text for c in r.choices] == [expected(tok, b, 3)[0], expected(tok, b[:2], 3)[0]]
+    # streamed: every chunk names its choice; each choice's text and finish are whole
+    two = ["Hello world", "The lazy dog"]
+    chunks = list(client.completions.create(model=MODEL, prompt=two, max_tokens=5, n=2,
+                                            stream=True))  # fmt: skip
+    by = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)
+    }
+    assert by == {0: expected(tok, a, 5)[0], 1: expected(tok, a, 5)[0],
+                  2: expected(tok, b, 5)[0], 3: expected(tok, b, 5)[0]}  # fmt: skip
+    done = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(done) == [0, 1, 2, 3]
+    # chat n=3
+    msgs = [{"role": "user", "content": "Hi there"}]
+    ids = tok.encode(tok.apply_chat_template(msgs), add_bos=False)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=3)
+    assert [c.message.content for c in r.choices] == [expected(tok, ids, 4)[0]] * 3
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=3,
+                                                 stream=True))  # fmt: skip
+    assert {c.choices[0].index for c in chunks if c.choices[0].delta.role} == {0, 1, 2}
+
+
+def test_echo(url: str, tok: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ids = tok.encode("Hello world")
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True)
+    assert r.choices[0].text == "Hello world" + expected(tok, ids, 3)[0]
+    ids2 = tok.encode("lazy dog", add_bos=False)
+    r = client.completions.create(model=MODEL, prompt=ids2, max_tokens=3, echo=True)
+    assert r.choices[0].text == "lazy dog" + expected(tok, ids2, 3)[0]
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3,
+                                            echo=True, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].text == "Hello world"
+    assert "".join(c.choices[0].text for c in chunks) == "Hello world" + expected(tok, ids, 3)[0]
+
+
+def test_one_refused_choice_aborts_the_others(url: str, engine: FakeEngine) -> None:
+    """The engine refuses the second choice: a 400, and the first one is aborted, not left
+    running."""
+    before, add = set(engine.aborted), engine.add_request
+    calls: list[str] = []
+
+    def flaky_add(rid, ids, params):  # noqa: ANN001, ANN202
+        calls.append(rid)
+        if len(calls) == 2:
+            raise ValueError("the host pool is full")
+        return add(rid, ids, params)
+
+    engine.add_request = flaky_add  # type: ignore[method-assign]
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 50, "n": 3, "ignore_eos": True}
+        r = httpx.post(url + C, json=body)
+    finally:
+        engine.add_request = add  # type: ignore[method-assign]
+    assert r.status_code == 400 and "host pool is full" in r.json()["error"]["message"]
+    assert len(calls) == 2 and calls[0].endswith("-0")
+    assert _wait(lambda: calls[0] in set(engine.aborted) - before)
+    assert not engine.running
+
+
+def _wait(cond, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_choice_seeds() -> None:
+    from runtime.sampling_params import SamplingParams
+    from runtime.server import _Handlers
+
+    choices = _Handlers.choices_of([([1], ""), ([2], "")], SamplingParams(seed=2**63 - 1), 2)
+    assert [c.params.seed for c in choices] == [2**63 - 1, -(2**63), 2**63 - 1, -(2**63)]
+    assert [c.prompt_index for c in choices] == [0, 0, 1, 1]
+    assert [c.params.seed for c in _Handlers.choices_of([([1], "")], SamplingParams(), 2)] == [
+        None,
+        None,
+    ]

@@ -461,3 +461,19 @@ def _token_id(llm: LLM, text: str) -> int:
            if llm.tokenizer.decode([i], skip_special_tokens=False) == text]  # fmt: skip
     assert ids, text
     return ids[0]
+
+
+def test_n_choices_reproduce_single_requests_with_seed_plus_j(
+    url: str, llm: LLM, aengine: AsyncEngine
+) -> None:
+    """n = 3 sampled choices through the real engine: choice j is what one request with seed + j
+    gives, so the choices differ (almost surely) yet reproduce."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    body = dict(model=MODEL, prompt=_ids(6, 80), max_tokens=6, temperature=1.0, logprobs=0)
+    r = client.completions.create(**body, n=3, seed=7)
+    many = [c.logprobs.tokens for c in r.choices]
+    single = [
+        client.completions.create(**body, seed=7 + j).choices[0].logprobs.tokens for j in range(3)
+    ]
+    assert many == single and len({tuple(t) for t in many}) > 1
+    assert_pools_empty(aengine)

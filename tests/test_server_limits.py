@@ -362,11 +362,9 @@ UNSUPPORTED_BOTH = [
     ("structured_outputs", {"json": {}}, None),
     ("use_beam_search", True, False),
     ("length_penalty", 0.5, 1.0),
-    ("n", 2, 1),
     ("stream_options", {"continuous_usage_stats": True}, {"include_usage": False}),
 ]
 UNSUPPORTED_COMPLETION = [
-    ("echo", True, False),
     ("best_of", 2, 1),
     ("suffix", "end", None),
     ("logprobs", 2, 0),
