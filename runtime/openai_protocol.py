@@ -61,6 +61,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far on every chunk
 
 
 # Optional fields accept an explicit null, meaning the default (as the OpenAI API does).
@@ -192,11 +193,6 @@ def check_unsupported(req: _SamplingRequest) -> None:
     if isinstance(req, CompletionRequest) and req.logprobs not in (None, 0):
         msg = "logprobs must be 0: only the chosen tokens' logprobs are returned, not top ones"
         raise APIError(400, msg, param="logprobs")
-    if req.stream_options is not None and not _neutral(
-        (req.stream_options.model_extra or {}).get("continuous_usage_stats"), False
-    ):
-        msg = "stream_options.continuous_usage_stats is not supported"
-        raise APIError(400, msg, param="stream_options")
     for name, defaults in table.items():
         if name in fields and not _neutral(fields[name], *defaults):
             raise APIError(400, f"{name} is not supported by this server", param=name)

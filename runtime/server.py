@@ -161,8 +161,7 @@ class _Handlers:
         request: Request,
         streams: list[RequestStream],
         choices: list[_Choice],
-        streaming: bool,
-        include_usage: bool,
+        req: CompletionRequest | ChatCompletionRequest,
         head: dict[str, Any],
         chunk: Chunk,
         final: Callable[[list[RequestOutput], dict[str, int]], dict[str, Any]],
@@ -170,7 +169,11 @@ class _Handlers:
         first: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
-        when the request arrived (perf_counter), for the latency histograms."""
+        when the request arrived (perf_counter), for the latency histograms. Adds
+        ``stop_reason`` to finished choices, and the usage the stream options ask for."""
+        streaming, opts = bool(req.stream), req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
         results = [RequestOutput() for _ in streams]
         times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
 
@@ -200,12 +203,15 @@ class _Handlers:
             for r in results:
                 if (err := failure(r.finish_reason)) is not None:
                     raise err
-            return JSONResponse(final(results, usage()))
+            body = final(results, usage())
+            for c, res in zip(body["choices"], results, strict=True):
+                c["stop_reason"] = self.stop_reason(choices[c["index"]].params, res)
+            return JSONResponse(body)
 
         async def events() -> AsyncIterator[str]:
             for i in range(len(streams) if first is not None else 0):
                 if (c := first(i)) is not None:  # type: ignore[misc]
-                    yield sse(c)
+                    yield sse({**c, "usage": usage()} if continuous else c)
             async for i, out in merged(streams, request):
                 add(i, out)
                 if (err := failure(out.finish_reason)) is not None:
@@ -213,7 +219,11 @@ class _Handlers:
                     yield sse(err.body())  # the openai client raises APIError on it
                     return
                 if (c := chunk(i, out)) is not None:
-                    yield sse(c)
+                    if out.finished:
+                        c["choices"][0]["stop_reason"] = self.stop_reason(
+                            choices[i].params, results[i]
+                        )
+                    yield sse({**c, "usage": usage()} if continuous else c)
             if any(r.finish_reason is None for r in results):  # the client left
                 return
             observe()
@@ -223,6 +233,22 @@ class _Handlers:
 
         headers = {"Cache-Control": "no-cache"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    def stop_reason(self, params: SamplingParams, res: RequestOutput) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop token id or stop string that ended the choice; None
+        for EOS, a length limit, or an abort."""
+        if res.finish_reason != "stop" or not res.token_ids:
+            return None
+        last = res.token_ids[-1]
+        if last in params.stop_token_ids:
+            return last
+        if not params.stop or (last == self.tokenizer.eos_token_id and not params.ignore_eos):
+            return None
+        # The stop checker ends at the first complete stop string (earliest end, then the longer):
+        # the same rule over the whole decoded output finds which one it was.
+        full = self.tokenizer.decode(res.token_ids)
+        hits = [(i + len(s), i, s) for s in params.stop if (i := full.find(s)) >= 0]
+        return min(hits)[2] if hits else None
 
     async def prompts_of(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
         """``(ids, text)`` per prompt: a string, a list of ids, or a list of either."""
@@ -312,10 +338,7 @@ class _Handlers:
             ]
             return {**head, "choices": out, "usage": usage}
 
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self.respond(
-            request, streams, choices, bool(req.stream), usage, head, chunk, final, t0, first
-        )
+        return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.perf_counter()
@@ -382,10 +405,7 @@ class _Handlers:
             }
             return {**head, "choices": [choice]}
 
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self.respond(
-            request, streams, choices, bool(req.stream), usage, head, chunk, final, t0, first
-        )
+        return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation: bool = True):
         for i, m in enumerate(messages):

@@ -486,8 +486,11 @@ def test_async_engine_contract(tok: Tokenizer) -> None:
             await ae.generate("a", [], SamplingParams())
         ids = tok.encode("Hello world", add_bos=False)
         stream = await ae.generate("b", ids, SamplingParams(max_tokens=4))
+        # (a long request: a short one may have finished, freeing its id, by the second add)
+        long = await ae.generate("dup", ids, SamplingParams(max_tokens=200, ignore_eos=True))
         with pytest.raises(ValueError, match="already in use"):
-            await ae.generate("b", ids, SamplingParams())
+            await ae.generate("dup", ids, SamplingParams())
+        await long.aclose()
         outs = [o async for o in stream]
         assert [o.new_token_ids[0] for o in outs] == ids[::-1][:4]
         assert outs[-1].finished and outs[-1].finish_reason == "length"

@@ -19,6 +19,7 @@ from runtime.server import build_app
 from runtime.tokenizer import Tokenizer
 
 ALIAS = "deepseek-ai/DeepSeek-V3.2"
+PROMPT = "The quick brown fox jumps over the lazy dog."
 C = "/v1/completions"
 
 
@@ -279,3 +280,40 @@ def test_choice_seeds() -> None:
         None,
         None,
     ]
+
+
+# ---- stop_reason, continuous usage -------------------------------------------------------------
+def test_stop_reason(url: str, tok: Tokenizer) -> None:
+    ids = tok.encode(PROMPT)
+    full, _, _ = expected(tok, ids, 40)
+    stop = full[8:11]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40}
+    r = httpx.post(url + C, json={**body, "stop": ["@@", stop]}).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["stop_reason"] == stop
+    stop_id = ids[::-1][3]  # the fake model's 4th output token
+    r = httpx.post(url + C, json={**body, "stop_token_ids": [stop_id]}).json()["choices"][0]
+    assert r["stop_reason"] == stop_id
+    r = httpx.post(url + C, json={**body, "max_tokens": 3}).json()["choices"][0]
+    assert r["finish_reason"] == "length" and r["stop_reason"] is None
+    r = httpx.post(url + C, json=body).json()["choices"][0]  # EOS
+    assert r["finish_reason"] == "stop" and r["stop_reason"] is None
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    chunks = list(client.completions.create(**body, stop=stop, stream=True))
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
+def test_continuous_usage_stats(url: str, tok: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ids = tok.encode("Hello world")
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5,
+                                            stream=True, stream_options=opts))  # fmt: skip
+    seen = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert (
+        seen == sorted(seen)
+        and seen[-1] == 5
+        and all(c.usage.prompt_tokens == len(ids) for c in chunks)
+    )
+    plain = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5,
+                                           stream=True))  # fmt: skip
+    assert all(c.usage is None for c in plain)

@@ -362,7 +362,6 @@ UNSUPPORTED_BOTH = [
     ("structured_outputs", {"json": {}}, None),
     ("use_beam_search", True, False),
     ("length_penalty", 0.5, 1.0),
-    ("stream_options", {"continuous_usage_stats": True}, {"include_usage": False}),
 ]
 UNSUPPORTED_COMPLETION = [
     ("best_of", 2, 1),
