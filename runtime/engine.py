@@ -36,6 +36,8 @@ class StepOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # per new token, its params.top_logprobs most likely (token id, logprob); None when not asked
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Engine:
@@ -241,9 +243,9 @@ class Engine:
         sampling = batch.requests
         for r in sampling:
             r.num_computed = r.num_tokens
-        tokens, logprobs = self._sample(sampling, logits)
+        tokens, logprobs, tops = self._sample(sampling, logits)
         outs = []
-        for r, tok, lp in zip(sampling, tokens, logprobs):
+        for r, tok, lp, top in zip(sampling, tokens, logprobs, tops):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             r.token_times.append(now)
@@ -263,6 +265,7 @@ class Engine:
                     reason,
                     len(r.prompt_ids),
                     len(r.output_ids),
+                    None if top is None else [top],
                 )
             )
         if any(o.finished for o in outs):
@@ -271,7 +274,9 @@ class Engine:
         self._recent.append((now, len(sampling)))
         return outs
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _sample(
+        self, reqs: list[Request], logits: torch.Tensor
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
         sb = prepare_batch(
             [r.params for r in reqs],
             [self._seeds[r.request_id] for r in reqs],
@@ -296,7 +301,16 @@ class Engine:
             all_greedy=sb.all_greedy,
             filters=sb.filters,
         )
-        return tok.tolist(), lp.tolist()  # the one host sync of a step, outside any graph
+        n_top = max(r.params.top_logprobs for r in reqs)
+        if not n_top:
+            return tok.tolist(), lp.tolist(), [None] * len(reqs)  # the step's one host sync
+        # top alternatives: log_softmax of the logits sampled from, before temperature / top-k /
+        # top-p (what a greedy row's own logprob is computed from)
+        top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+        ks = [r.params.top_logprobs for r in reqs]
+        tops = [list(zip(ids[i][:k], vals[i][:k])) if k else None for i, k in enumerate(ks)]
+        return tok.tolist(), lp.tolist(), tops
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:

@@ -103,6 +103,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -168,7 +169,6 @@ UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "top_logprobs": (0,),
     "parallel_tool_calls": (),
     "audio": (),
     "modalities": (["text"],),
@@ -190,9 +190,8 @@ def check_unsupported(req: _SamplingRequest) -> None:
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
         msg = "echo with logprobs needs the prompt's logprobs, which are not supported"
         raise APIError(400, msg, param="echo")
-    if isinstance(req, CompletionRequest) and req.logprobs not in (None, 0):
-        msg = "logprobs must be 0: only the chosen tokens' logprobs are returned, not top ones"
-        raise APIError(400, msg, param="logprobs")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     for name, defaults in table.items():
         if name in fields and not _neutral(fields[name], *defaults):
             raise APIError(400, f"{name} is not supported by this server", param=name)
@@ -212,6 +211,10 @@ def sampling_params(
     req: _SamplingRequest, max_tokens: int, logprobs: bool, vocab: int
 ) -> SamplingParams:
     """``vocab``: the tokenizer's size, to check logit_bias ids."""
+    if isinstance(req, CompletionRequest):
+        top, top_param = req.logprobs or 0, "logprobs"  # the legacy API's logprobs = N
+    else:
+        top, top_param = (req.top_logprobs or 0) if req.logprobs else 0, "top_logprobs"
 
     def default(value: Any, fallback: Any) -> Any:
         return fallback if value is None else value
@@ -233,6 +236,8 @@ def sampling_params(
             logit_bias=_logit_bias(req.logit_bias, vocab),
             min_p=default(req.min_p, 0.0),
             min_tokens=default(req.min_tokens, 0),
+            top_logprobs=top,
         )
     except SamplingParamsError as e:
-        raise APIError(400, str(e), param=e.param) from e
+        param = top_param if e.param == "top_logprobs" else e.param
+        raise APIError(400, str(e).replace("top_logprobs", param), param=param) from e

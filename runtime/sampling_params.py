@@ -8,6 +8,7 @@ from typing import Any
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # as vLLM's default cap
 
 
 class SamplingParamsError(ValueError):
@@ -53,6 +54,8 @@ class SamplingParams:
       ``min_p`` times the top token's. Ignored by greedy rows (the argmax always survives).
     - ``min_tokens``: EOS and ``stop_token_ids`` cannot be chosen before this many tokens
       (stop strings still apply); at most ``max_tokens``.
+    - ``top_logprobs``: 0..20; return that many most likely (token, logprob) per generated token
+      (log-softmax of the logits after the controls, before temperature and top-k / top-p).
     ``runtime.sampling_controls`` applies the last six, on the device, before sampling.
     """
 
@@ -71,6 +74,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -150,6 +154,12 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise SamplingParamsError(
                 "min_p", f"min_p must be a number in [0, 1], got {self.min_p!r}"
+            )
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(
+                "top_logprobs",
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.top_logprobs!r}",
             )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamsError(

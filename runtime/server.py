@@ -57,6 +57,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # a 128K-token prompt is ~1 MB of text or o
 
 
 Chunk = Callable[[int, StepOutput], "dict[str, Any] | None"]
+Top = list[tuple[int, float]]  # one token's most likely (token id, logprob)
 MAX_CHOICES = 64  # n x prompts in one request: each is an engine request
 
 
@@ -138,7 +139,10 @@ class _Handlers:
         return streams
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        return [self.token_string(i) for i in ids]
+
+    def token_string(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @staticmethod
     def choices_of(
@@ -164,7 +168,7 @@ class _Handlers:
         req: CompletionRequest | ChatCompletionRequest,
         head: dict[str, Any],
         chunk: Chunk,
-        final: Callable[[list[RequestOutput], dict[str, int]], dict[str, Any]],
+        final: Callable[[list[RequestOutput], dict[str, int], list[list[Top]]], dict[str, Any]],
         t0: float,
         first: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> Response:
@@ -176,9 +180,11 @@ class _Handlers:
         continuous = bool(opts and opts.continuous_usage_stats)
         results = [RequestOutput() for _ in streams]
         times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
+        tops: list[list[Top]] = [[] for _ in streams]  # top alternatives per token
 
         def add(i: int, out: StepOutput) -> None:
             results[i].add(out)
+            tops[i] += out.new_top_logprobs or []
             if out.new_token_ids:
                 times[i].append(time.perf_counter())
 
@@ -203,7 +209,7 @@ class _Handlers:
             for r in results:
                 if (err := failure(r.finish_reason)) is not None:
                     raise err
-            body = final(results, usage())
+            body = final(results, usage(), tops)
             for c, res in zip(body["choices"], results, strict=True):
                 c["stop_reason"] = self.stop_reason(choices[c["index"]].params, res)
             return JSONResponse(body)
@@ -295,16 +301,21 @@ class _Handlers:
         # the non-streamed ones.
         offsets = [0] * len(choices)
 
-        def logprobs(i: int, token_ids: list[int], lps: list[float], start: int) -> dict | None:
+        def logprobs(
+            i: int, token_ids: list[int], lps: list[float], start: int, top: list[Top] | None
+        ) -> dict | None:
             toks = self.token_strings(token_ids)
             starts = [start + sum(len(t) for t in toks[:k]) for k in range(len(toks))]
             offsets[i] = start + sum(len(t) for t in toks)
             if req.logprobs is None:
                 return None
+            alternatives = None
+            if req.logprobs and top:
+                alternatives = [{self.token_string(t): lp for t, lp in pos} for pos in top]
             return {
                 "tokens": toks,
                 "token_logprobs": lps,
-                "top_logprobs": None,
+                "top_logprobs": alternatives,
                 "text_offset": starts,
             }
 
@@ -317,7 +328,9 @@ class _Handlers:
         def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
             if not (out.new_text or out.finished or req.logprobs is not None):
                 return None
-            lp = logprobs(i, out.new_token_ids, out.new_logprobs or [], offsets[i])
+            lp = logprobs(
+                i, out.new_token_ids, out.new_logprobs or [], offsets[i], out.new_top_logprobs
+            )
             choice = {
                 "index": i,
                 "text": out.new_text,
@@ -326,13 +339,15 @@ class _Handlers:
             }
             return {**head, "choices": [choice]}
 
-        def final(results: list[RequestOutput], usage: dict[str, int]) -> dict[str, Any]:
+        def final(
+            results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
+        ) -> dict[str, Any]:
             out = [
                 {
                     "index": i,
                     "text": (choices[i].text if req.echo else "") + res.text,
                     "finish_reason": res.finish_reason,
-                    "logprobs": logprobs(i, res.token_ids, res.logprobs, 0),
+                    "logprobs": logprobs(i, res.token_ids, res.logprobs, 0, tops[i]),
                 }
                 for i, res in enumerate(results)
             ]
@@ -361,14 +376,21 @@ class _Handlers:
             "model": req.model,
         }
 
-        def logprobs(token_ids: list[int], lps: list[float]) -> dict | None:
+        def entry(t: str, lp: float) -> dict[str, Any]:
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+        def logprobs(token_ids: list[int], lps: list[float], top: list[Top] | None) -> dict | None:
             if not req.logprobs:
                 return None
             toks = self.token_strings(token_ids)
+            top = top or [[] for _ in toks]
             return {
                 "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(toks, lps, strict=True)
+                    {
+                        **entry(t, lp),
+                        "top_logprobs": [entry(self.token_string(i), v) for i, v in alts],
+                    }
+                    for t, lp, alts in zip(toks, lps, top, strict=True)
                 ]
             }
 
@@ -380,16 +402,20 @@ class _Handlers:
                 "index": i,
                 "delta": delta,
                 "finish_reason": out.finish_reason,
-                "logprobs": logprobs(out.new_token_ids, out.new_logprobs or []),
+                "logprobs": logprobs(
+                    out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs
+                ),
             }
             return {**head, "choices": [choice]}
 
-        def final(results: list[RequestOutput], usage: dict[str, int]) -> dict[str, Any]:
+        def final(
+            results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
+        ) -> dict[str, Any]:
             out = [
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": res.text},
-                    "logprobs": logprobs(res.token_ids, res.logprobs),
+                    "logprobs": logprobs(res.token_ids, res.logprobs, tops[i]),
                     "finish_reason": res.finish_reason,
                 }
                 for i, res in enumerate(results)

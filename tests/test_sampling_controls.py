@@ -181,3 +181,42 @@ def test_engine_offload_on_off_identical_with_controls() -> None:
     plain = [SamplingParams(max_tokens=10, temperature=p.temperature, seed=p.seed, top_k=p.top_k,
                             ignore_eos=True) for p in params]  # fmt: skip
     assert run(_cfg(True, len(lens), topk), prompts, plain)[2] != out_off
+
+
+def test_engine_top_logprobs_against_the_recorded_logits() -> None:
+    """top_logprobs = log_softmax(logits).topk(N) of each decode row, the chosen greedy token
+    first; a request that does not ask gets none."""
+    model, _ = tiny("cpu")
+    prompts = random_prompts([20, 40], model.config.vocab_size, seed=4)
+    ask = SamplingParams(max_tokens=4, temperature=0.0, top_logprobs=5, logprobs=True)
+    # NOTE: the batch is [a, b] in add order (both prompts fit one step's prefill budget)
+    plain = SamplingParams(max_tokens=4, temperature=0.0)
+    from runtime.engine import Engine
+
+    model, tok = tiny("cpu")
+    eng = Engine(model, model.config, tok, _cfg(True, 2, model.config.index_topk))
+    logs: list[torch.Tensor] = []
+    fwd = eng.runner.forward
+
+    def recording(batch):  # noqa: ANN001, ANN202
+        out = fwd(batch)
+        if batch.is_decode:
+            logs.append(out[: len(batch.requests)].float().clone())
+        return out
+
+    eng.runner.forward = recording
+    eng.add_request("a", prompts[0], ask)
+    eng.add_request("b", prompts[1], plain)
+    step = 0
+    while eng.has_unfinished():
+        outs = {o.request_id: o for o in eng.step()}
+        if not outs:
+            continue
+        ref = torch.log_softmax(logs[step][0], dim=-1).topk(5)
+        (top,) = outs["a"].new_top_logprobs
+        assert [t for t, _ in top] == ref.indices.tolist()
+        assert [v for _, v in top] == ref.values.tolist()
+        assert top[0][0] == outs["a"].new_token_ids[0] and top[0][1] == outs["a"].new_logprobs[0]
+        assert outs["b"].new_top_logprobs is None
+        step += 1
+    assert step == 4

@@ -353,7 +353,8 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "n": 0}, 400, "n"),
         (C, {**OK_C, "n": 65}, 400, "n"),  # over MAX_CHOICES
         (C, {**OK_C, "echo": True, "logprobs": 0}, 400, "echo"),
-        (C, {**OK_C, "logprobs": 3}, 400, "logprobs"),
+        (C, {**OK_C, "logprobs": 21}, 400, "logprobs"),  # over the cap of 20
+        (C, {**OK_C, "logprobs": -1}, 400, "logprobs"),
         (C, {**OK_C, "presence_penalty": 2.5}, 400, "presence_penalty"),
         (C, {**OK_C, "frequency_penalty": "x"}, 400, "frequency_penalty"),
         (C, {**OK_C, "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -374,7 +375,8 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
         (CHAT, {**OK_CHAT, "messages": "hi"}, 400, "messages"),
         (CHAT, {**OK_CHAT, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
-        (CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+        (CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
+        (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         (CHAT, {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_tokens"),
         (CHAT, {**OK_CHAT, "model": "nope"}, 404, "model"),
     ],

@@ -477,3 +477,29 @@ def test_n_choices_reproduce_single_requests_with_seed_plus_j(
     ]
     assert many == single and len({tuple(t) for t in many}) > 1
     assert_pools_empty(aengine)
+
+
+def test_top_logprobs_through_the_real_engine(url: str, aengine: AsyncEngine) -> None:
+    """Completions ``logprobs: 3`` and chat ``top_logprobs: 2``, streamed and not: N alternatives
+    per token, sorted, the greedy choice first with its own logprob."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    body = dict(model=MODEL, prompt=_ids(7, 70), max_tokens=4, temperature=0.0, logprobs=3)
+    lp = client.completions.create(**body).choices[0].logprobs
+    for tok, chosen, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(alts) <= 3 and max(alts.values()) == alts[tok] == chosen
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**body, stream=True)]
+    assert [a for s in streamed if s for a in s.top_logprobs] == lp.top_logprobs
+    msgs = [{"role": "user", "content": "Numbers, please! " * 4}]
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=msgs, max_tokens=3, temperature=0.0, logprobs=True,
+                  top_logprobs=2)  # fmt: skip
+        if stream:
+            content = [e for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+        else:
+            content = client.chat.completions.create(**kw).choices[0].logprobs.content
+        assert len(content) == 3
+        for e in content:
+            assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+            assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+    assert_pools_empty(aengine)

@@ -366,10 +366,8 @@ UNSUPPORTED_BOTH = [
 UNSUPPORTED_COMPLETION = [
     ("best_of", 2, 1),
     ("suffix", "end", None),
-    ("logprobs", 2, 0),
 ]
 UNSUPPORTED_CHAT = [
-    ("top_logprobs", 2, 0),
     ("parallel_tool_calls", True, None),
     ("audio", {"voice": "x"}, None),
     ("modalities", ["text", "audio"], ["text"]),
