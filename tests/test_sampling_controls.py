@@ -220,3 +220,16 @@ def test_engine_top_logprobs_against_the_recorded_logits() -> None:
         assert outs["b"].new_top_logprobs is None
         step += 1
     assert step == 4
+
+
+def test_benchmark_cli_on_cpu(tmp_path) -> None:  # noqa: ANN001
+    """``--help`` answers without a GPU, and the benchmark refuses to run without one."""
+    from benchmarks import bench_sampling_controls as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    if not torch.cuda.is_available():
+        assert bench.main(["--out", str(tmp_path / "x.json")]) == 2
+    reqs = bench.make_requests(3, 100, 10, seed=0)
+    assert all(r.params.has_controls and len(r.output_ids) == 10 for r in reqs)
