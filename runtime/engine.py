@@ -23,6 +23,7 @@ from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
+from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
 
 
@@ -72,6 +73,10 @@ class Engine:
         self.logits_processors: list[LogitsProcessor] = []
         # penalties, logit_bias, min_p, min_tokens, before the processors (sampling_controls.py)
         self.sampling_controls = SamplingControls(model_config.eos_token_id)
+        # SamplingParams.grammar as a token mask, after the controls (structured_output.py)
+        self.structured_output = StructuredOutput(
+            tokenizer, model_config.vocab_size, model_config.eos_token_id
+        )
         self.prompt_kv_load_s = 0.0  # time spent writing received prompt KV (add_request)
         self.finished_requests: list[Request] = []  # kept for statistics (benchmarks)
         self.keep_finished = False
@@ -108,6 +113,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.grammar is not None:
+            self.structured_output.check(params.grammar)
         if prompt_kv is not None:
             check_source(
                 prompt_kv,
@@ -283,7 +290,7 @@ class Engine:
             [len(r.output_ids) for r in reqs],
             logits.device,
         )
-        logits = self.sampling_controls(reqs, logits.float())
+        logits = self.structured_output(reqs, self.sampling_controls(reqs, logits.float()))
         for proc in self.logits_processors:
             out = proc(reqs, logits)
             if not isinstance(out, torch.Tensor) or out.shape != logits.shape:

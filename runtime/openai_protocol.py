@@ -86,6 +86,7 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema
 
 
 class CompletionRequest(_SamplingRequest):
@@ -154,7 +155,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -207,6 +207,27 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     return out
 
 
+def response_grammar(fmt: dict[str, Any] | None) -> str | None:
+    """The llguidance grammar ``response_format`` asks for (None: free text)."""
+    from runtime.structured_output import json_schema_grammar
+
+    kind = None if fmt is None else fmt.get("type")
+    try:
+        if fmt is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return json_schema_grammar(None)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("json_schema must be an object with a 'schema' object")
+            return json_schema_grammar(spec.get("schema", {}))
+    except ValueError as e:
+        raise APIError(400, f"response_format: {e}", param="response_format") from e
+    msg = f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+    raise APIError(400, msg, param="response_format")
+
+
 def sampling_params(
     req: _SamplingRequest, max_tokens: int, logprobs: bool, vocab: int
 ) -> SamplingParams:
@@ -237,6 +258,7 @@ def sampling_params(
             min_p=default(req.min_p, 0.0),
             min_tokens=default(req.min_tokens, 0),
             top_logprobs=top,
+            grammar=response_grammar(req.response_format),
         )
     except SamplingParamsError as e:
         param = top_param if e.param == "top_logprobs" else e.param

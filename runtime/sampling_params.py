@@ -54,6 +54,8 @@ class SamplingParams:
       ``min_p`` times the top token's. Ignored by greedy rows (the argmax always survives).
     - ``min_tokens``: EOS and ``stop_token_ids`` cannot be chosen before this many tokens
       (stop strings still apply); at most ``max_tokens``.
+    - ``grammar``: an llguidance grammar (``runtime.structured_output.json_schema_grammar`` makes
+      one from a JSON schema) the output must follow; None: free text.
     - ``top_logprobs``: 0..20; return that many most likely (token, logprob) per generated token
       (log-softmax of the logits after the controls, before temperature and top-k / top-p).
     ``runtime.sampling_controls`` applies the last six, on the device, before sampling.
@@ -75,6 +77,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     top_logprobs: int = 0
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -155,6 +158,8 @@ class SamplingParams:
             raise SamplingParamsError(
                 "min_p", f"min_p must be a number in [0, 1], got {self.min_p!r}"
             )
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise SamplingParamsError("grammar", "grammar must be a non-empty string or None")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError(
                 "top_logprobs",

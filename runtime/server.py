@@ -134,7 +134,8 @@ class _Handlers:
             for st in streams:
                 await st.aclose()
             if isinstance(e, ValueError):  # the engine's verdict (context, host pool, ...)
-                raise APIError(400, str(e)) from e
+                param = "response_format" if "grammar" in str(e) else None
+                raise APIError(400, str(e), param=param) from e
             raise APIError(503, str(e), type_="server_error") from e  # shut down
         return streams
 

@@ -560,3 +560,33 @@ def test_soak_64_mixed_requests_with_the_new_parameters(url: str, aengine: Async
     assert [s for s, _, _ in results] == [200] * 64
     assert all(seen == set(range(want)) for _, want, seen in results)
     assert_pools_empty(aengine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_json_schema_response_through_the_real_engine(
+    url: str, aengine: AsyncEngine, stream: bool
+) -> None:
+    """response_format json_schema with the openai client: the random model's output parses and
+    follows the schema because the grammar masks its tokens; a schema that does not compile is
+    a 400 naming response_format."""
+    pytest.importorskip("llguidance")
+    from test_structured_output import SCHEMA, valid
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    msgs = [{"role": "user", "content": "Answer in JSON. " + _FOX}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, response_format=fmt)
+    for seed in (1, 2):
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, seed=seed, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            c = client.chat.completions.create(**kw, seed=seed).choices[0]
+            text, reason = c.message.content, c.finish_reason
+        assert valid(json.loads(text)) and reason == "stop", text
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{**kw, "response_format": bad})
+    assert e.value.body["param"] == "response_format"
+    assert_pools_empty(aengine)

@@ -354,7 +354,6 @@ UNSUPPORTED_BOTH = [
     ("tool_choice", "required", "none"),
     ("functions", [{"name": "f"}], None),
     ("function_call", "auto", None),
-    ("response_format", {"type": "json_object"}, {"type": "text"}),
     ("guided_json", {"type": "object"}, None),
     ("guided_regex", "a+", None),
     ("guided_choice", ["a"], None),
