@@ -534,10 +534,12 @@ def build_app(
         logger.exception("unhandled error")
         return APIError(500, "internal server error", type_="server_error").response()
 
-    # Added last = outermost: ids on every answer (429 and 413 too), then limits, then the key.
-    app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    # Added last = outermost. From the outside in: ids on every answer, CORS (preflights carry no
+    # key), the key (before any body is read), the body cap, then the concurrency count (so a slow
+    # upload holds no generation slot).
     app.add_middleware(ConcurrencyLimitMiddleware, limit=max_concurrent)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -417,3 +417,13 @@ def test_context_check_at_exactly_the_limit(url: str, tok: Tokenizer) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
     r = _post(url, CHAT, {**chat, "messages": chat_of(MAX_MODEL_LEN)})
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_api_key_is_checked_before_the_body_is_read(aengine: AsyncEngine) -> None:
+    """Without the key, a body over the cap is a 401, not a 413: nothing was read."""
+    app = build_app(aengine, MODEL, api_key="k", max_body_bytes=100)
+    with running_server(app) as base:
+        big = json.dumps({**OK_C, "prompt": "a" * 500})
+        assert _post(base, C, big).status_code == 401
+        r = httpx.post(base + C, content=big, headers={"authorization": "Bearer k"}, timeout=10)
+        assert r.status_code == 413
