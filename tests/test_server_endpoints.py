@@ -271,7 +271,7 @@ def _wait(cond, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
 
 def test_choice_seeds() -> None:
     from runtime.sampling_params import SamplingParams
-    from runtime.server import _Handlers
+    from runtime.server_handlers import Handlers as _Handlers
 
     choices = _Handlers.choices_of([([1], ""), ([2], "")], SamplingParams(seed=2**63 - 1), 2)
     assert [c.params.seed for c in choices] == [2**63 - 1, -(2**63), 2**63 - 1, -(2**63)]
