@@ -12,6 +12,7 @@ import sys
 # a bad value or a corrupt config.json (ValueError, incl. json.JSONDecodeError and
 # SamplingParamsError). They print one line and exit 2; anything else is a bug and tracebacks.
 USER_ERRORS = (ValueError, OSError)
+API_KEY_ENV = "ECHO_COMPILE_API_KEY"
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
@@ -91,8 +92,42 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require Authorization: Bearer <key> on /v1/* (default: ${API_KEY_ENV}, which "
+        "keeps the key out of `ps`)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients may use for the model (default: --model)",
+    )
+    s.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM before they are aborted",
+    )
+    s.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="largest request body in MiB; larger ones get 413",
+    )
+    s.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        help="generation requests in flight at once; more get 429 (default: no limit)",
+    )
+    s.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        help="allow browser requests from this origin (repeatable; '*' for any)",
+    )
 
     m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
     m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
@@ -107,6 +142,29 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="end-to-end offloading vs GPU-only benchmark (see bench --help)")
     return ap
+
+
+def serve_options(a: argparse.Namespace) -> dict:
+    """``runtime.server.serve`` keyword arguments from the serve flags (checked before the model
+    loads); the API key falls back to ``$ECHO_COMPILE_API_KEY``."""
+    import os
+
+    if a.shutdown_grace < 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {a.shutdown_grace}")
+    if not a.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb must be > 0, got {a.max_body_mb}")
+    if a.max_concurrent is not None and a.max_concurrent < 1:
+        raise ValueError(f"--max-concurrent must be >= 1, got {a.max_concurrent}")
+    return dict(
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        grace_s=a.shutdown_grace,
+        asked_max_len=a.max_model_len,
+        max_body_bytes=int(a.max_body_mb * 2**20),
+        max_concurrent=a.max_concurrent,
+        cors_origins=a.cors_origin,
+    )
 
 
 def check_device(device: str | None) -> None:
@@ -147,19 +205,14 @@ def _run(a: argparse.Namespace) -> int:
             print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
         return 0
     if a.cmd == "serve":
+        options = serve_options(a)
         check_device(a.device)
         from echo_compile.llm import LLM
         from runtime.async_engine import AsyncEngine
         from runtime.server import serve
 
         llm = LLM(a.model, compile=a.compile, **_engine_options(a))
-        serve(
-            AsyncEngine(llm.engine),
-            a.served_model_name or a.model,
-            host=a.host,
-            port=a.port,
-            api_key=a.api_key,
-        )
+        serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], **options)
         return 0
     if a.cmd == "make-checkpoint":
         from model.checkpoint import make_checkpoint

@@ -11,6 +11,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -106,6 +108,10 @@ class AsyncEngine:
     step ran them all; their state is suspect), aborts them in the engine, and keeps serving.
     """
 
+    # Seconds of history behind ``tokens_per_s``: long enough to smooth steps, short enough that an
+    # idle server reads 0 soon after its last token.
+    RATE_WINDOW_S = 10.0
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
@@ -115,6 +121,10 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: list[_Command] = []
         self._stopping = False
+        self._draining = False  # drain() began: new requests are refused
+        self._rate_lock = threading.Lock()
+        self._token_log: deque[tuple[float, int]] = deque()  # (monotonic time, tokens) per step
+        self._started = time.monotonic()
         self._sinks: dict[str, _Sink] = {}  # loop thread only
         self._thread = threading.Thread(target=self._run, name="echo-engine-loop", daemon=True)
         self._thread.start()
@@ -129,6 +139,8 @@ class AsyncEngine:
         ``Engine.add_request`` (prompt too long, empty, duplicate id, ...) is raised here, before
         any output, so a server can still answer with an HTTP error.
         """
+        if self._draining:
+            raise RuntimeError("the server is shutting down: no new requests are admitted")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         sink = _Sink(loop, queue, prompt_tokens=len(prompt_ids))
@@ -158,7 +170,36 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         """The loop thread is running and accepting requests."""
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and not self._draining
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (read from any thread: a dict's len is atomic)."""
+        return len(self._sinks)
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """Tokens generated per second over the last ``RATE_WINDOW_S`` seconds (fewer just after
+        start-up); it falls to 0 once the server has been idle for the window."""
+        now = time.monotonic() if now is None else now
+        window = min(self.RATE_WINDOW_S, now - self._started)
+        with self._rate_lock:
+            n = sum(k for t, k in self._token_log if t > now - self.RATE_WINDOW_S)
+        return n / window if window > 0 else 0.0
+
+    def drain(self, grace_s: float, poll_s: float = 0.05) -> int:
+        """Graceful shutdown (blocking: call it off the event loop): refuse new requests at once,
+        let in-flight ones run for up to ``grace_s`` seconds, then abort the rest (their streams
+        end with ``finish_reason="abort"``, which frees their slots) and stop the loop thread.
+        Returns how many requests were aborted."""
+        self._draining = True
+        deadline = time.monotonic() + grace_s
+        while self._sinks and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(poll_s)
+        aborted = len(self._sinks)
+        if aborted:
+            logger.warning("grace period over: aborting %d in-flight request(s)", aborted)
+        self.shutdown()  # the loop thread ends every open stream with "abort"
+        return aborted
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the loop thread; unfinished requests end with ``finish_reason="abort"``."""
@@ -240,6 +281,7 @@ class AsyncEngine:
             # a half-applied step may have left the GPU pools' maps inconsistent: start them afresh
             self._guard(lambda: self.engine.recover(), None)
             return
+        self._log_tokens(sum(len(o.new_token_ids) for o in outputs))
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -251,6 +293,13 @@ class AsyncEngine:
             if not sink.push(out):
                 self._sinks.pop(out.request_id, None)
                 self._guard(lambda rid=out.request_id: self.engine.abort_request(rid), None)
+
+    def _log_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        with self._rate_lock:
+            self._token_log.append((now, n))
+            while self._token_log and self._token_log[0][0] <= now - self.RATE_WINDOW_S:
+                self._token_log.popleft()
 
     def _fail_all(self, reason: str, why: str) -> None:
         for rid, sink in list(self._sinks.items()):

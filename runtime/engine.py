@@ -20,8 +20,10 @@ from runtime.model_runner import StepCompiler, build_runner
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.request import PAGE, Request
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
+from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
+from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
 
 
@@ -35,6 +37,8 @@ class StepOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # per new token, its params.top_logprobs most likely (token id, logprob); None when not asked
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Engine:
@@ -67,6 +71,12 @@ class Engine:
         # Batch-level hooks on each decode step's logits, applied in order before sampling
         # (see ``runtime.sampler.LogitsProcessor``).
         self.logits_processors: list[LogitsProcessor] = []
+        # penalties, logit_bias, min_p, min_tokens, before the processors (sampling_controls.py)
+        self.sampling_controls = SamplingControls(model_config.eos_token_id)
+        # SamplingParams.grammar as a token mask, after the controls (structured_output.py)
+        self.structured_output = StructuredOutput(
+            tokenizer, model_config.vocab_size, model_config.eos_token_id
+        )
         self.prompt_kv_load_s = 0.0  # time spent writing received prompt KV (add_request)
         self.finished_requests: list[Request] = []  # kept for statistics (benchmarks)
         self.keep_finished = False
@@ -101,6 +111,10 @@ class Engine:
                 raise ValueError("prompt token ids must be integers")
         if ids and not (0 <= min(ids) and max(ids) < vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.grammar is not None:
+            self.structured_output.check(params.grammar)
         if prompt_kv is not None:
             check_source(
                 prompt_kv,
@@ -236,9 +250,9 @@ class Engine:
         sampling = batch.requests
         for r in sampling:
             r.num_computed = r.num_tokens
-        tokens, logprobs = self._sample(sampling, logits)
+        tokens, logprobs, tops = self._sample(sampling, logits)
         outs = []
-        for r, tok, lp in zip(sampling, tokens, logprobs):
+        for r, tok, lp, top in zip(sampling, tokens, logprobs, tops):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             r.token_times.append(now)
@@ -258,6 +272,7 @@ class Engine:
                     reason,
                     len(r.prompt_ids),
                     len(r.output_ids),
+                    None if top is None else [top],
                 )
             )
         if any(o.finished for o in outs):
@@ -266,14 +281,16 @@ class Engine:
         self._recent.append((now, len(sampling)))
         return outs
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _sample(
+        self, reqs: list[Request], logits: torch.Tensor
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
         sb = prepare_batch(
             [r.params for r in reqs],
             [self._seeds[r.request_id] for r in reqs],
             [len(r.output_ids) for r in reqs],
             logits.device,
         )
-        logits = logits.float()
+        logits = self.structured_output(reqs, self.sampling_controls(reqs, logits.float()))
         for proc in self.logits_processors:
             out = proc(reqs, logits)
             if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
@@ -291,7 +308,16 @@ class Engine:
             all_greedy=sb.all_greedy,
             filters=sb.filters,
         )
-        return tok.tolist(), lp.tolist()  # the one host sync of a step, outside any graph
+        n_top = max(r.params.top_logprobs for r in reqs)
+        if not n_top:
+            return tok.tolist(), lp.tolist(), [None] * len(reqs)  # the step's one host sync
+        # top alternatives: log_softmax of the logits sampled from, before temperature / top-k /
+        # top-p (what a greedy row's own logprob is computed from)
+        top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+        ks = [r.params.top_logprobs for r in reqs]
+        tops = [list(zip(ids[i][:k], vals[i][:k])) if k else None for i, k in enumerate(ks)]
+        return tok.tolist(), lp.tolist(), tops
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:

@@ -1,6 +1,7 @@
 """The OpenAI API's request bodies and error format, and their mapping onto ``SamplingParams``.
 
-Known fields are strictly typed (no "5" for 5) and unknown fields ignored; every client error is
+Known fields are strictly typed (no "5" for 5); unknown fields that would change the output
+are refused (``check_unsupported``), the rest ignored; every client error is
 an ``APIError`` answered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
 """
 
@@ -53,11 +54,14 @@ class APIError(Exception):
 
 # ---- request bodies: known fields strictly typed (no "5" for 5), unknown fields ignored --------
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are kept (not validated) so check_unsupported can refuse the ones that would
+    # change the output; the rest are ignored, as the OpenAI API does.
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far on every chunk
 
 
 # Optional fields accept an explicit null, meaning the default (as the OpenAI API does).
@@ -74,18 +78,21 @@ class _SamplingRequest(_Strict):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    user: str | None = None
+    # sampling controls (runtime.sampling_controls); the last three are vLLM's extensions
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
-    echo: bool | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
     logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: bool | None = None
 
 
 class ChatMessage(_Strict):
@@ -100,9 +107,25 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # prompt: add the BOS (default true)
+    add_generation_prompt: bool | None = None  # messages: end with the assistant's turn (true)
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 # Friendlier messages for union-typed fields, whose raw errors list one failure per member type.
 _FIELD_HINTS = {
-    "prompt": "prompt must be a string or a list of token ids (one prompt per request)",
+    "prompt": "prompt must be a string, a list of token ids, or a list of either",
     "stop": "stop must be a string or a list of strings",
 }
 
@@ -119,36 +142,101 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{'.'.join(loc)}: {err.get('msg')}", param=loc[0])
 
 
+def _neutral(value: Any, *defaults: Any) -> bool:
+    """A field left at a value that changes nothing (absent, null, or a default)."""
+    return value is None or any(value == d and type(value) is type(d) for d in defaults)
+
+
+# Fields this server does not implement, with the values that leave them off. Any other value is a
+# 400 naming the field, never silently ignored. A field stays here until it works.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+}
+# Only for completions / only for chat.
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),
+    "suffix": ("",),
+}
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "parallel_tool_calls": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+}
+
+
 def check_unsupported(req: _SamplingRequest) -> None:
-    """400 for options this server does not implement, rather than silently ignoring them."""
-    bad: list[tuple[str, str]] = []
-    if req.n not in (None, 1):
-        bad.append(("n", f"n must be 1 (one choice per request), got {req.n}"))
-    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
-        if getattr(req, name):
-            bad.append((name, f"{name} is not supported"))
+    """400 for options this server does not implement, rather than silently ignoring them.
+
+    Reads the model's extra fields too: ``extra="ignore"`` would drop them, so the request models
+    keep them (``extra="allow"``) and only this check looks at them."""
+    table = dict(UNSUPPORTED)
+    table.update(UNSUPPORTED_COMPLETION if isinstance(req, CompletionRequest) else UNSUPPORTED_CHAT)
+    fields = {**(req.model_extra or {}), **{k: getattr(req, k) for k in type(req).model_fields}}
+    if req.n is not None and req.n < 1:
+        raise APIError(400, f"n must be an integer >= 1, got {req.n}", param="n")
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        msg = "echo with logprobs needs the prompt's logprobs, which are not supported"
+        raise APIError(400, msg, param="echo")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    for name, defaults in table.items():
+        if name in fields and not _neutral(fields[name], *defaults):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            msg = f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}"
+            raise APIError(400, msg, param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def response_grammar(fmt: dict[str, Any] | None) -> str | None:
+    """The llguidance grammar ``response_format`` asks for (None: free text)."""
+    from runtime.structured_output import json_schema_grammar
+
+    kind = None if fmt is None else fmt.get("type")
+    try:
+        if fmt is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return json_schema_grammar(None)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("json_schema must be an object with a 'schema' object")
+            return json_schema_grammar(spec.get("schema", {}))
+    except ValueError as e:
+        raise APIError(400, f"response_format: {e}", param="response_format") from e
+    msg = f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+    raise APIError(400, msg, param="response_format")
+
+
+def sampling_params(
+    req: _SamplingRequest, max_tokens: int, logprobs: bool, vocab: int
+) -> SamplingParams:
+    """``vocab``: the tokenizer's size, to check logit_bias ids."""
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            bad.append(("echo", "echo is not supported"))
-        if req.best_of not in (None, 1):
-            bad.append(("best_of", "best_of must be 1"))
-        if req.suffix:
-            bad.append(("suffix", "suffix is not supported"))
-        if req.logprobs not in (None, 0):
-            bad.append(
-                (
-                    "logprobs",
-                    "logprobs must be 0: only the chosen tokens' logprobs are "
-                    "returned, not top alternatives",
-                )
-            )
-    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
-        bad.append(("top_logprobs", "top_logprobs must be 0: top alternatives are not returned"))
-    if bad:
-        raise APIError(400, bad[0][1], param=bad[0][0])
+        top, top_param = req.logprobs or 0, "logprobs"  # the legacy API's logprobs = N
+    else:
+        top, top_param = (req.top_logprobs or 0) if req.logprobs else 0, "top_logprobs"
 
-
-def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
     def default(value: Any, fallback: Any) -> Any:
         return fallback if value is None else value
 
@@ -163,6 +251,15 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: bool) -> S
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            presence_penalty=default(req.presence_penalty, 0.0),
+            frequency_penalty=default(req.frequency_penalty, 0.0),
+            repetition_penalty=default(req.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(req.logit_bias, vocab),
+            min_p=default(req.min_p, 0.0),
+            min_tokens=default(req.min_tokens, 0),
+            top_logprobs=top,
+            grammar=response_grammar(req.response_format),
         )
     except SamplingParamsError as e:
-        raise APIError(400, str(e), param=e.param) from e
+        param = top_param if e.param == "top_logprobs" else e.param
+        raise APIError(400, str(e).replace("top_logprobs", param), param=param) from e

@@ -8,6 +8,7 @@ from typing import Any
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # as vLLM's default cap
 
 
 class SamplingParamsError(ValueError):
@@ -42,6 +43,22 @@ class SamplingParams:
     - ``stop_token_ids``: token ids that end generation (besides EOS).
     - ``ignore_eos``: keep generating after EOS (benchmarks).
     - ``logprobs``: return the log-probability of every chosen token.
+    - ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2]): subtract
+      ``presence * [count > 0] + frequency * count`` from the logit of every token generated so
+      far (``count`` = times generated).
+    - ``repetition_penalty`` (> 0, 1 disables): divide positive / multiply negative logits of
+      every token in the prompt or generated so far (CTRL's, as vLLM and HF apply it).
+    - ``logit_bias``: ``{token_id: bias}`` added to those logits, bias in [-100, 100]; stored as a
+      sorted tuple of pairs so the object stays hashable.
+    - ``min_p``: in [0, 1]; drop tokens whose probability (after temperature) is below
+      ``min_p`` times the top token's. Ignored by greedy rows (the argmax always survives).
+    - ``min_tokens``: EOS and ``stop_token_ids`` cannot be chosen before this many tokens
+      (stop strings still apply); at most ``max_tokens``.
+    - ``grammar``: an llguidance grammar (``runtime.structured_output.json_schema_grammar`` makes
+      one from a JSON schema) the output must follow; None: free text.
+    - ``top_logprobs``: 0..20; return that many most likely (token, logprob) per generated token
+      (log-softmax of the logits after the controls, before temperature and top-k / top-p).
+    ``runtime.sampling_controls`` applies the last six, on the device, before sampling.
     """
 
     max_tokens: int = 16
@@ -53,6 +70,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    top_logprobs: int = 0
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -100,6 +125,65 @@ class SamplingParams:
                 raise SamplingParamsError(
                     name, f"{name} must be a boolean, got {getattr(self, name)!r}"
                 )
+
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise SamplingParamsError(name, f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
+            raise SamplingParamsError(
+                "repetition_penalty", f"repetition_penalty must be a finite number > 0, got {rp!r}"
+            )
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else bias
+        if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple))
+            and len(p) == 2
+            and _is_int(p[0])
+            and p[0] >= 0
+            and _is_number(p[1])
+            and -100 <= p[1] <= 100
+            for p in pairs
+        ):
+            raise SamplingParamsError(
+                "logit_bias",
+                f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}",
+            )
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise SamplingParamsError(
+                "min_p", f"min_p must be a number in [0, 1], got {self.min_p!r}"
+            )
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise SamplingParamsError("grammar", "grammar must be a non-empty string or None")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(
+                "top_logprobs",
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.top_logprobs!r}",
+            )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}",
+            )
+
+    @property
+    def has_controls(self) -> bool:
+        """Some penalty, bias, min_p or min_tokens is set (``runtime.sampling_controls``)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or (self.min_p > 0 and not self.greedy)
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,16 @@ def _token_content(value: Any) -> str | None:
     raise ValueError(f"tokenizer_config.json: cannot read special token {value!r}")
 
 
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in ``text`` (JSON allows ``"\\ud83d"``; UTF-8 cannot
+    encode it, and the tokenizer raises a TypeError on it), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -60,6 +70,7 @@ class Tokenizer:
         self.bos_token_id = self._special_id(bos_token, "bos_token")
         self.eos_token_id = self._special_id(eos_token, "eos_token")
         self.chat_template = chat_template
+        self._max_token_chars: int | None = None  # see min_tokens
         self._template: jinja2.Template | None = None
         if chat_template is not None:
             env = ImmutableSandboxedEnvironment(
@@ -126,10 +137,27 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        if (bad := lone_surrogate(text)) is not None:
+            ch = f"U+{ord(text[bad]):04X}"
+            raise ValueError(f"text to encode has a lone surrogate ({ch}) at index {bad}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` that costs no tokenising, so a server can refuse
+        a prompt far over the context at once. 0 (no bound) when the tokenizer normalises text,
+        since a normaliser may shrink it."""
+        if self._tok.normalizer is not None:
+            return 0
+        if self._max_token_chars is None:
+            # +1: a SentencePiece-style decoder drops the leading space a token covers.
+            n = self.vocab_size
+            self._max_token_chars = 1 + max(
+                len(self._tok.decode([i], skip_special_tokens=False)) for i in range(n)
+            )
+        return len(text) // self._max_token_chars
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (special tokens such as EOS dropped by default)."""

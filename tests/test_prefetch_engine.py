@@ -11,7 +11,7 @@ import torch
 from model.checkpoint import resolve_model
 from model.loader import load_model
 from runtime.engine import EngineConfig
-from runtime.server import _Metrics
+from runtime.server_metrics import ServerMetrics
 from runtime.tokenizer import Tokenizer
 from tests import test_lossless as tl
 
@@ -63,7 +63,7 @@ def test_prefetch_equals_gpu_only_bit_for_bit_cuda(fmt, mode):
 
 
 def test_prefetch_metrics_exported():
-    met = _Metrics()
+    met = ServerMetrics("tiny")
     snap = {"hit_rate": [0.5], "prefetched_per_step": [3.0, 4.0], "prefetch_precision": [0.25],
             "prefetch_coverage": [0.75]}  # fmt: skip
     met.update(snap, 0)

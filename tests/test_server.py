@@ -104,14 +104,23 @@ class FakeEngine:
                 text += r.detok.flush()
                 del self.running[r.rid]
             lp = [-(len(r.out) - 1) / 10] if p.logprobs else None
-            outs.append(StepOutput(r.rid, [tok], lp, text, reason is not None, reason,
-                                   len(r.prompt), len(r.out)))
+            outs.append(
+                StepOutput(
+                    r.rid, [tok], lp, text, reason is not None, reason, len(r.prompt), len(r.out)
+                )
+            )
         return outs
 
     def metrics(self) -> dict[str, float | list[float]]:
-        return {"running": float(len(self.running)), "waiting": float(len(self.waiting)),
-                "tokens_per_s": 123.0, "host_pool_usage": 0.5, "gpu_pool_usage": 0.25,
-                "hit_rate": [0.9, 0.8], "recalled_rows_per_step": 12.0}
+        return {
+            "running": float(len(self.running)),
+            "waiting": float(len(self.waiting)),
+            "tokens_per_s": 123.0,
+            "host_pool_usage": 0.5,
+            "gpu_pool_usage": 0.25,
+            "hit_rate": [0.9, 0.8],
+            "recalled_rows_per_step": 12.0,
+        }
 
 
 def expected(tok: Tokenizer, ids: list[int], max_tokens: int, stop: str | None = None):
@@ -198,15 +207,27 @@ def test_completion_stop_string_and_extensions(client: openai.OpenAI, tok: Token
     assert r.usage.completion_tokens == n < 40
     # top_k / ignore_eos are extensions, passed in the body.
     short = tok.encode("Hi", add_bos=False)
-    r = client.completions.create(model=MODEL, prompt=short, max_tokens=7, temperature=0,
-                                  extra_body={"top_k": 3, "ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=short,
+        max_tokens=7,
+        temperature=0,
+        extra_body={"top_k": 3, "ignore_eos": True},
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
 
 
 def test_completion_stream(client: openai.OpenAI, tok: Tokenizer) -> None:
     ids = tok.encode(PROMPT)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text, reason, _ = expected(tok, ids, 12)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     finals = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -223,7 +244,8 @@ def test_chat(client: openai.OpenAI, tok: Tokenizer) -> None:
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == reason and r.usage.prompt_tokens == len(ids)
     assert [c.logprob for c in r.choices[0].logprobs.content] == pytest.approx(
-        [-i / 10 for i in range(6)])
+        [-i / 10 for i in range(6)]
+    )
     # Without max_tokens the completion may use the rest of the context: here it ends at EOS.
     r = client.chat.completions.create(model=MODEL, messages=msgs)
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(ids) + 1
@@ -232,8 +254,9 @@ def test_chat(client: openai.OpenAI, tok: Tokenizer) -> None:
 def test_chat_stream(client: openai.OpenAI, tok: Tokenizer) -> None:
     msgs = [{"role": "user", "content": "Tell me about the lazy dog"}]
     ids = tok.encode(tok.apply_chat_template(msgs), add_bos=False)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=9,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=9, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == expected(tok, ids, 9)[0]
@@ -255,8 +278,9 @@ def test_32_concurrent_streams(url: str, tok: Tokenizer) -> None:
     prompts = [f"Hello {i} world number {i * 7}" for i in range(32)]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None]:
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
-                                                 stream=True)
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, stream=True
+        )
         text, reason = "", None
         async for c in stream:
             text += c.choices[0].text
@@ -282,11 +306,15 @@ def test_models_health_metrics(client: openai.OpenAI, url: str) -> None:
     assert float(lines['echo_gpu_pool_hit_rate{layer="0"}']) == 0.9
     assert float(lines['echo_gpu_pool_hit_rate{layer="1"}']) == 0.8
     assert float(lines["echo_recalled_rows_per_step"]) == 12.0
-    assert float(lines["echo_tokens_per_second"]) == 123.0
+    assert float(lines["echo_tokens_per_second"]) > 0  # the server's own windowed rate
     assert float(lines["echo_generation_tokens_total"]) >= 2
     assert float(lines["echo_request_latency_seconds_count"]) >= 1
-    for name in ("echo_running_requests", "echo_waiting_requests", "echo_host_pool_usage",
-                 "echo_gpu_pool_usage"):
+    for name in (
+        "echo_running_requests",
+        "echo_waiting_requests",
+        "echo_host_pool_usage",
+        "echo_gpu_pool_usage",
+    ):
         assert name in lines
 
 
@@ -312,8 +340,9 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "max_tokens": "5"}, 400, "max_tokens"),
         (C, {**OK_C, "max_tokens": 2.5}, 400, "max_tokens"),
         (C, {**OK_C, "stream": "yes"}, 400, "stream"),
-        (C, {**OK_C, "prompt": ["a", "b"]}, 400, "prompt"),
-        (C, {**OK_C, "prompt": [[1, 2]]}, 400, "prompt"),
+        (C, {**OK_C, "prompt": ["a", 3]}, 400, "prompt"),
+        (C, {**OK_C, "prompt": [[]]}, 400, "prompt"),
+        (C, {**OK_C, "prompt": [[1, 2], "a"]}, 400, "prompt"),
         (C, {**OK_C, "stop": 3}, 400, "stop"),
         (C, {**OK_C, "seed": True}, 400, "seed"),
         (C, {**OK_C, "temperature": -1}, 400, "temperature"),
@@ -321,10 +350,20 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "top_k": 0}, 400, "top_k"),
         (C, {**OK_C, "max_tokens": 0}, 400, "max_tokens"),
         (C, {**OK_C, "stop": [""]}, 400, "stop"),
-        (C, {**OK_C, "n": 2}, 400, "n"),
-        (C, {**OK_C, "echo": True}, 400, "echo"),
-        (C, {**OK_C, "logprobs": 3}, 400, "logprobs"),
-        (C, {**OK_C, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (C, {**OK_C, "n": 0}, 400, "n"),
+        (C, {**OK_C, "n": 65}, 400, "n"),  # over MAX_CHOICES
+        (C, {**OK_C, "echo": True, "logprobs": 0}, 400, "echo"),
+        (C, {**OK_C, "logprobs": 21}, 400, "logprobs"),  # over the cap of 20
+        (C, {**OK_C, "logprobs": -1}, 400, "logprobs"),
+        (C, {**OK_C, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        (C, {**OK_C, "frequency_penalty": "x"}, 400, "frequency_penalty"),
+        (C, {**OK_C, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (C, {**OK_C, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        (C, {**OK_C, "logit_bias": {"100000": 1}}, 400, "logit_bias"),  # over the vocab
+        (C, {**OK_C, "logit_bias": {"5": 500}}, 400, "logit_bias"),
+        (C, {**OK_C, "min_p": -0.1}, 400, "min_p"),
+        (C, {**OK_C, "min_tokens": 3}, 400, "min_tokens"),  # over max_tokens = 2
+        (CHAT, {**OK_CHAT, "min_tokens": 1.5}, 400, "min_tokens"),
         (C, {**OK_C, "model": "gpt-4"}, 404, "model"),
         (C, {**OK_C, "prompt": []}, 400, "prompt"),
         (C, {**OK_C, "prompt": [10**9]}, 400, "prompt"),
@@ -336,7 +375,8 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
         (CHAT, {**OK_CHAT, "messages": "hi"}, 400, "messages"),
         (CHAT, {**OK_CHAT, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
-        (CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+        (CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
+        (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         (CHAT, {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_tokens"),
         (CHAT, {**OK_CHAT, "model": "nope"}, 404, "model"),
     ],
@@ -387,8 +427,13 @@ def test_api_key(aengine: AsyncEngine) -> None:
 
 # ---- disconnects and crashes -------------------------------------------------------------------
 def test_disconnect_mid_stream_aborts(url: str, engine: FakeEngine) -> None:
-    body = {"model": MODEL, "prompt": list(range(10, 110)), "max_tokens": 150,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": list(range(10, 110)),
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "stream": True,
+    }
     engine.step_s = 0.01  # 1.5 s of generation: far longer than noticing the disconnect takes
     try:
         with httpx.stream("POST", url + C, json=body, timeout=10) as r:
@@ -443,8 +488,11 @@ def test_async_engine_contract(tok: Tokenizer) -> None:
             await ae.generate("a", [], SamplingParams())
         ids = tok.encode("Hello world", add_bos=False)
         stream = await ae.generate("b", ids, SamplingParams(max_tokens=4))
+        # (a long request: a short one may have finished, freeing its id, by the second add)
+        long = await ae.generate("dup", ids, SamplingParams(max_tokens=200, ignore_eos=True))
         with pytest.raises(ValueError, match="already in use"):
-            await ae.generate("b", ids, SamplingParams())
+            await ae.generate("dup", ids, SamplingParams())
+        await long.aclose()
         outs = [o async for o in stream]
         assert [o.new_token_ids[0] for o in outs] == ids[::-1][:4]
         assert outs[-1].finished and outs[-1].finish_reason == "length"

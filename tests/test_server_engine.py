@@ -424,3 +424,171 @@ def test_awq_checkpoint_offloaded_generates_and_serves(
         assert_pools_empty(a)
     finally:
         a.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_sampling_controls_through_the_real_engine(
+    url: str, llm: LLM, aengine: AsyncEngine, stream: bool
+) -> None:
+    """logit_bias forces a token, min_tokens holds back an EOS pushed to the top, the penalties
+    are accepted: the controls reach the engine's sampler through the openai client."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    eos = llm.engine.model_config.eos_token_id
+
+    def tokens(**kw: Any) -> tuple[list[int], str | None]:
+        body = dict(model=MODEL, prompt=_ids(5, 70), max_tokens=6, temperature=0.0, logprobs=0)
+        body.update(kw)
+        if not stream:
+            c = client.completions.create(**body).choices[0]
+            return [_token_id(llm, t) for t in c.logprobs.tokens], c.finish_reason
+        ids, reason = [], None
+        for chunk in client.completions.create(**body, stream=True):
+            c = chunk.choices[0]
+            ids += [_token_id(llm, t) for t in (c.logprobs.tokens if c.logprobs else [])]
+            reason = c.finish_reason or reason
+        return ids, reason
+
+    assert tokens(logit_bias={"300": 100})[0] == [300] * 6
+    ids, reason = tokens(logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert len(ids) == 4 and ids[-1] == eos and eos not in ids[:3] and reason == "stop"
+    ids, _ = tokens(presence_penalty=2.0, frequency_penalty=2.0,
+                    extra_body={"repetition_penalty": 2.0, "min_p": 0.1})  # fmt: skip
+    assert len(ids) == 6 and len(set(ids)) == 6  # penalised greedy: no token twice
+    assert_pools_empty(aengine)
+
+
+def _token_id(llm: LLM, text: str) -> int:
+    """The id of a token string as the server reports it (byte-level tokens map one to one)."""
+    ids = [i for i in range(llm.tokenizer.vocab_size)
+           if llm.tokenizer.decode([i], skip_special_tokens=False) == text]  # fmt: skip
+    assert ids, text
+    return ids[0]
+
+
+def test_n_choices_reproduce_single_requests_with_seed_plus_j(
+    url: str, llm: LLM, aengine: AsyncEngine
+) -> None:
+    """n = 3 sampled choices through the real engine: choice j is what one request with seed + j
+    gives, so the choices differ (almost surely) yet reproduce."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    body = dict(model=MODEL, prompt=_ids(6, 80), max_tokens=6, temperature=1.0, logprobs=0)
+    r = client.completions.create(**body, n=3, seed=7)
+    many = [c.logprobs.tokens for c in r.choices]
+    single = [
+        client.completions.create(**body, seed=7 + j).choices[0].logprobs.tokens for j in range(3)
+    ]
+    assert many == single and len({tuple(t) for t in many}) > 1
+    assert_pools_empty(aengine)
+
+
+def test_top_logprobs_through_the_real_engine(url: str, aengine: AsyncEngine) -> None:
+    """Completions ``logprobs: 3`` and chat ``top_logprobs: 2``, streamed and not: N alternatives
+    per token, sorted, the greedy choice first with its own logprob."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    body = dict(model=MODEL, prompt=_ids(7, 70), max_tokens=4, temperature=0.0, logprobs=3)
+    lp = client.completions.create(**body).choices[0].logprobs
+    for tok, chosen, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(alts) <= 3 and max(alts.values()) == alts[tok] == chosen
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**body, stream=True)]
+    assert [a for s in streamed if s for a in s.top_logprobs] == lp.top_logprobs
+    msgs = [{"role": "user", "content": "Numbers, please! " * 4}]
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=msgs, max_tokens=3, temperature=0.0, logprobs=True,
+                  top_logprobs=2)  # fmt: skip
+        if stream:
+            content = [e for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+        else:
+            content = client.chat.completions.create(**kw).choices[0].logprobs.content
+        assert len(content) == 3
+        for e in content:
+            assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+            assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+    assert_pools_empty(aengine)
+
+
+def test_soak_64_mixed_requests_with_the_new_parameters(url: str, aengine: AsyncEngine) -> None:
+    """64 concurrent requests mixing completions and chat, streamed or not, n = 2, a list of
+    prompts, penalties, logit_bias, min_p, min_tokens, top logprobs, echo, stop strings: every
+    one answered 200 with the choices it asked for, then both pools are empty."""
+    rng = random.Random(19)
+
+    def body(i: int) -> tuple[str, dict[str, Any]]:
+        common: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": 4,
+            "temperature": rng.choice([0.0, 0.8]),
+            "seed": i,
+            "presence_penalty": rng.choice([0.0, 1.0]),
+            "frequency_penalty": rng.choice([0.0, 0.5]),
+            "repetition_penalty": rng.choice([1.0, 1.2]),
+            "min_p": rng.choice([0.0, 0.1]),
+            "min_tokens": rng.choice([0, 2]),
+            "logit_bias": {str(rng.randrange(5, 500)): 3.0},
+            "n": rng.choice([1, 2]),
+            "stream": i % 2 == 0,
+            "stop": rng.choice([None, ["the"]]),
+        }
+        if i % 3 == 0:
+            msgs = [{"role": "user", "content": _FOX if i % 2 else _NUM}]
+            return "/v1/chat/completions", {**common, "messages": msgs, "logprobs": True,
+                                            "top_logprobs": 2}  # fmt: skip
+        prompt: Any = [_ids(i, 60), _ids(i + 100, 70)] if i % 3 == 1 else _ids(i, 80)
+        extra = {"echo": True} if i % 4 == 2 else {"logprobs": 2}
+        return "/v1/completions", {**common, "prompt": prompt, **extra}
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int, set[int]]:
+        path, b = body(i)
+        prompts = len(b["prompt"]) if isinstance(b.get("prompt"), list) and isinstance(
+            b["prompt"][0], list) else 1  # fmt: skip
+        want = b["n"] * prompts
+        if not b["stream"]:
+            r = await client.post(url + path, json=b)
+            return r.status_code, want, {c["index"] for c in r.json().get("choices", [])}
+        seen: set[int] = set()
+        async with client.stream("POST", url + path, json=b) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    seen |= {c["index"] for c in chunk["choices"] if c.get("finish_reason")}
+            return r.status_code, want, seen
+
+    async def main() -> list[tuple[int, int, set[int]]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert [s for s, _, _ in results] == [200] * 64
+    assert all(seen == set(range(want)) for _, want, seen in results)
+    assert_pools_empty(aengine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_json_schema_response_through_the_real_engine(
+    url: str, aengine: AsyncEngine, stream: bool
+) -> None:
+    """response_format json_schema with the openai client: the random model's output parses and
+    follows the schema because the grammar masks its tokens; a schema that does not compile is
+    a 400 naming response_format."""
+    pytest.importorskip("llguidance")
+    from test_structured_output import SCHEMA, valid
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    msgs = [{"role": "user", "content": "Answer in JSON. " + _FOX}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, response_format=fmt)
+    for seed in (1, 2):
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, seed=seed, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            c = client.chat.completions.create(**kw, seed=seed).choices[0]
+            text, reason = c.message.content, c.finish_reason
+        assert valid(json.loads(text)) and reason == "stop", text
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{**kw, "response_format": bad})
+    assert e.value.body["param"] == "response_format"
+    assert_pools_empty(aengine)

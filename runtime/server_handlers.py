@@ -1,0 +1,474 @@
+"""The route bodies of the OpenAI-compatible server (``runtime.server`` wires them into the app):
+completions and chat (n choices, prompt lists, echo, logprobs, stop_reason, usage), tokenize and
+detokenize, and the Prometheus scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import prometheus_client as prom
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.async_engine import AsyncEngine, RequestStream
+from runtime.engine import StepOutput
+from runtime.openai_protocol import (
+    CONTEXT_CODE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_unsupported,
+    sampling_params,
+)
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.server_metrics import ServerMetrics
+from runtime.server_streams import failure, merged, sse
+from runtime.tokenizer import lone_surrogate
+
+logger = logging.getLogger(__name__)
+
+Chunk = Callable[[int, StepOutput], "dict[str, Any] | None"]
+Top = list[tuple[int, float]]  # one token's most likely (token id, logprob)
+MAX_CHOICES = 64  # n x prompts in one request: each is an engine request
+
+
+@dataclass
+class _Choice:
+    """One engine request of an HTTP request: a prompt (its index among the prompts) and a seed."""
+
+    prompt_index: int
+    ids: list[int]
+    text: str  # the prompt's text, for echo
+    params: SamplingParams
+
+
+class Handlers:
+    """The route bodies, sharing the engine, the tokenizer and the metrics."""
+
+    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+        self.engine, self.model_names = engine, model_names
+        self.model_name = model_names[0]  # the metrics' model_name label
+        self.tokenizer = engine.tokenizer
+        self.metrics = ServerMetrics(self.model_name)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            msg = f"the model {name!r} does not exist; this server serves {served}"
+            raise APIError(404, msg, param="model", code="model_not_found")
+
+    def context_error(self, n_prompt: str, param: str) -> APIError:
+        limit = self.engine.max_model_len
+        msg = (
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{n_prompt} tokens, which leaves no room for a completion."
+        )
+        return APIError(400, msg, param=param, code=CONTEXT_CODE)
+
+    async def encode(self, text: str, add_bos: bool, param: str) -> list[int]:
+        """Token ids of a prompt, tokenised on a worker thread so a huge prompt cannot stall the
+        event loop (and /health); one that cannot fit the context is refused before tokenising."""
+        if (i := lone_surrogate(text)) is not None:
+            msg = f"{param} contains a lone UTF-16 surrogate (U+{ord(text[i]):04X}) at index {i}"
+            raise APIError(400, msg, param=param)
+        bound = await asyncio.to_thread(self.tokenizer.min_tokens, text)
+        if bound >= self.engine.max_model_len:
+            raise self.context_error(f"at least {bound}", param)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_bos)
+
+    def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
+        """Reject prompt + max_tokens over the context; a missing max_tokens (chat) becomes what
+        the context leaves. Other bad values are left to SamplingParams to name."""
+        limit = self.engine.max_model_len
+        head = f"This model's maximum context length is {limit} tokens. However, "
+        if max_tokens is None:
+            if n_prompt >= limit:
+                raise self.context_error(str(n_prompt), param)
+            return limit - n_prompt
+        if max_tokens >= 1 and n_prompt + max_tokens > limit:
+            msg = (
+                f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
+                f"{max_tokens} for the completion)."
+            )
+            raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
+        return max_tokens
+
+    async def start(self, rid: str, choices: list[_Choice]) -> list[RequestStream]:
+        """Add every choice's request (ids ``rid-0``, ``rid-1``, ...; just ``rid`` for one); if
+        one is refused, the ones already added are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for i, c in enumerate(choices):
+                cid = rid if len(choices) == 1 else f"{rid}-{i}"
+                streams.append(await self.engine.generate(cid, c.ids, c.params))
+        except (ValueError, RuntimeError) as e:
+            for st in streams:
+                await st.aclose()
+            if isinstance(e, ValueError):  # the engine's verdict (context, host pool, ...)
+                param = "response_format" if "grammar" in str(e) else None
+                raise APIError(400, str(e), param=param) from e
+            raise APIError(503, str(e), type_="server_error") from e  # shut down
+        return streams
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self.token_string(i) for i in ids]
+
+    def token_string(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @staticmethod
+    def choices_of(
+        prompts: list[tuple[list[int], str]], params: SamplingParams, n: int
+    ) -> list[_Choice]:
+        """``n`` choices per prompt, prompt-major (the OpenAI index order). With a seed, choice
+        ``j`` of a prompt samples with ``seed + j``, so the n choices differ yet reproduce."""
+        if n * len(prompts) > MAX_CHOICES:
+            msg = f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}"
+            raise APIError(400, msg, param="n")
+        out = []
+        for p, (ids, text) in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else _wrap_seed(params.seed + j)
+                out.append(_Choice(p, ids, text, dataclasses.replace(params, seed=seed)))
+        return out
+
+    async def respond(
+        self,
+        request: Request,
+        streams: list[RequestStream],
+        choices: list[_Choice],
+        req: CompletionRequest | ChatCompletionRequest,
+        head: dict[str, Any],
+        chunk: Chunk,
+        final: Callable[[list[RequestOutput], dict[str, int], list[list[Top]]], dict[str, Any]],
+        t0: float,
+        first: Callable[[int], dict[str, Any] | None] | None = None,
+    ) -> Response:
+        """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
+        when the request arrived (perf_counter), for the latency histograms. Adds
+        ``stop_reason`` to finished choices, and the usage the stream options ask for."""
+        streaming, opts = bool(req.stream), req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        results = [RequestOutput() for _ in streams]
+        times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
+        tops: list[list[Top]] = [[] for _ in streams]  # top alternatives per token
+
+        def add(i: int, out: StepOutput) -> None:
+            results[i].add(out)
+            tops[i] += out.new_top_logprobs or []
+            if out.new_token_ids:
+                times[i].append(time.perf_counter())
+
+        def observe() -> None:
+            now = time.perf_counter()
+            for res, ts in zip(results, times, strict=True):
+                if res.finish_reason is not None:
+                    self.metrics.observe(res, t0, now, ts)
+
+        def usage() -> dict[str, int]:
+            # prompt tokens once per prompt, as OpenAI counts them; completions summed
+            prompts = {c.prompt_index: len(c.ids) for c in choices}
+            p, c = sum(prompts.values()), sum(r.completion_tokens for r in results)
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+        if not streaming:
+            async for i, out in merged(streams, request):
+                add(i, out)
+            if any(r.finish_reason is None for r in results):  # the client left
+                return Response(status_code=499)
+            observe()
+            for r in results:
+                if (err := failure(r.finish_reason)) is not None:
+                    raise err
+            body = final(results, usage(), tops)
+            for c, res in zip(body["choices"], results, strict=True):
+                c["stop_reason"] = self.stop_reason(choices[c["index"]].params, res)
+            return JSONResponse(body)
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(len(streams) if first is not None else 0):
+                if (c := first(i)) is not None:  # type: ignore[misc]
+                    yield sse({**c, "usage": usage()} if continuous else c)
+            async for i, out in merged(streams, request):
+                add(i, out)
+                if (err := failure(out.finish_reason)) is not None:
+                    observe()
+                    yield sse(err.body())  # the openai client raises APIError on it
+                    return
+                if (c := chunk(i, out)) is not None:
+                    if out.finished:
+                        c["choices"][0]["stop_reason"] = self.stop_reason(
+                            choices[i].params, results[i]
+                        )
+                    yield sse({**c, "usage": usage()} if continuous else c)
+            if any(r.finish_reason is None for r in results):  # the client left
+                return
+            observe()
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage()})
+            yield "data: [DONE]\n\n"
+
+        headers = {"Cache-Control": "no-cache"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    def stop_reason(self, params: SamplingParams, res: RequestOutput) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop token id or stop string that ended the choice; None
+        for EOS, a length limit, or an abort."""
+        if res.finish_reason != "stop" or not res.token_ids:
+            return None
+        last = res.token_ids[-1]
+        if last in params.stop_token_ids:
+            return last
+        if not params.stop or (last == self.tokenizer.eos_token_id and not params.ignore_eos):
+            return None
+        # The stop checker ends at the first complete stop string (earliest end, then the longer):
+        # the same rule over the whole decoded output finds which one it was.
+        full = self.tokenizer.decode(res.token_ids)
+        hits = [(i + len(s), i, s) for s in params.stop if (i := full.find(s)) >= 0]
+        return min(hits)[2] if hits else None
+
+    async def prompts_of(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+        """``(ids, text)`` per prompt: a string, a list of ids, or a list of either."""
+        raw = req.prompt
+        many = isinstance(raw, list) and raw and not isinstance(raw[0], int)
+        items = list(raw) if many else [raw]  # type: ignore[arg-type]
+        vocab = self.tokenizer.vocab_size
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                ids = await self.encode(p, True, "prompt")
+                out.append((ids, p))
+                continue
+            if not p or any(not 0 <= i < vocab for i in p):
+                msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
+                raise APIError(400, msg, param="prompt")
+            text = self.tokenizer.decode(p) if req.echo else ""
+            out.append((list(p), text))
+        if not out:
+            raise APIError(400, "prompt must not be an empty list", param="prompt")
+        return out
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self.check_model(req.model)
+        check_unsupported(req)
+        prompts = await self.prompts_of(req)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
+        vocab = self.tokenizer.vocab_size
+        params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
+        for ids, _ in prompts:
+            self.max_tokens(len(ids), max_tokens, "prompt")
+        choices = self.choices_of(prompts, params, req.n or 1)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.start(rid, choices)
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+        }
+        # NOTE: text_offset counts the token strings, not the text emitted so far: text held back
+        # for a partial UTF-8 character or a possible stop string would make streamed offsets lag
+        # the non-streamed ones.
+        offsets = [0] * len(choices)
+
+        def logprobs(
+            i: int, token_ids: list[int], lps: list[float], start: int, top: list[Top] | None
+        ) -> dict | None:
+            toks = self.token_strings(token_ids)
+            starts = [start + sum(len(t) for t in toks[:k]) for k in range(len(toks))]
+            offsets[i] = start + sum(len(t) for t in toks)
+            if req.logprobs is None:
+                return None
+            alternatives = None
+            if req.logprobs and top:
+                alternatives = [{self.token_string(t): lp for t, lp in pos} for pos in top]
+            return {
+                "tokens": toks,
+                "token_logprobs": lps,
+                "top_logprobs": alternatives,
+                "text_offset": starts,
+            }
+
+        def first(i: int) -> dict[str, Any] | None:  # echo: the prompt comes first
+            if not req.echo:
+                return None
+            choice = {"index": i, "text": choices[i].text, "logprobs": None, "finish_reason": None}
+            return {**head, "choices": [choice]}
+
+        def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
+            if not (out.new_text or out.finished or req.logprobs is not None):
+                return None
+            lp = logprobs(
+                i, out.new_token_ids, out.new_logprobs or [], offsets[i], out.new_top_logprobs
+            )
+            choice = {
+                "index": i,
+                "text": out.new_text,
+                "logprobs": lp,
+                "finish_reason": out.finish_reason,
+            }
+            return {**head, "choices": [choice]}
+
+        def final(
+            results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
+        ) -> dict[str, Any]:
+            out = [
+                {
+                    "index": i,
+                    "text": (choices[i].text if req.echo else "") + res.text,
+                    "finish_reason": res.finish_reason,
+                    "logprobs": logprobs(i, res.token_ids, res.logprobs, 0, tops[i]),
+                }
+                for i, res in enumerate(results)
+            ]
+            return {**head, "choices": out, "usage": usage}
+
+        return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self.check_model(req.model)
+        check_unsupported(req)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        ids = await self.encode_chat(messages)
+        requested = (
+            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        )
+        max_tokens = self.max_tokens(len(ids), requested, "messages")
+        params = sampling_params(req, max_tokens, bool(req.logprobs), self.tokenizer.vocab_size)
+        choices = self.choices_of([(ids, "")], params, req.n or 1)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.start(rid, choices)
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.model,
+        }
+
+        def entry(t: str, lp: float) -> dict[str, Any]:
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+        def logprobs(token_ids: list[int], lps: list[float], top: list[Top] | None) -> dict | None:
+            if not req.logprobs:
+                return None
+            toks = self.token_strings(token_ids)
+            top = top or [[] for _ in toks]
+            return {
+                "content": [
+                    {
+                        **entry(t, lp),
+                        "top_logprobs": [entry(self.token_string(i), v) for i, v in alts],
+                    }
+                    for t, lp, alts in zip(toks, lps, top, strict=True)
+                ]
+            }
+
+        def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
+            if not (out.new_text or out.finished or req.logprobs):
+                return None
+            delta = {"content": out.new_text} if out.new_text else {}
+            choice = {
+                "index": i,
+                "delta": delta,
+                "finish_reason": out.finish_reason,
+                "logprobs": logprobs(
+                    out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs
+                ),
+            }
+            return {**head, "choices": [choice]}
+
+        def final(
+            results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
+        ) -> dict[str, Any]:
+            out = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": res.text},
+                    "logprobs": logprobs(res.token_ids, res.logprobs, tops[i]),
+                    "finish_reason": res.finish_reason,
+                }
+                for i, res in enumerate(results)
+            ]
+            return {**head, "object": "chat.completion", "choices": out, "usage": usage}
+
+        def first(i: int) -> dict[str, Any]:
+            choice = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            return {**head, "choices": [choice]}
+
+        return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
+
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation: bool = True):
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, str) and (j := lone_surrogate(content)) is not None:
+                msg = f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}"
+                raise APIError(400, msg, param="messages")
+        try:
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, add_generation
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return await self.encode(text, False, "messages")  # the template writes the BOS itself
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        if req.model is not None:
+            self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            ids = await self.encode(req.prompt, req.add_special_tokens is not False, "prompt")
+        else:
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages or []]
+            ids = await self.encode_chat(msgs, req.add_generation_prompt is not False)
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": ids,
+        }
+        if req.return_token_strs:
+            body["token_strs"] = self.token_strings(ids)
+        return body
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        if req.model is not None:
+            self.check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= i < vocab for i in req.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
+
+    async def prometheus(self) -> Response:
+        try:
+            snapshot = await self.engine.metrics()
+        except Exception:  # still serve the counter and the histogram
+            logger.exception("engine.metrics() failed")
+            snapshot = {}
+        # The engine averages its last steps whatever their age; this rate falls to 0 when idle.
+        snapshot["tokens_per_s"] = self.engine.tokens_per_s()
+        self.metrics.update(snapshot, self.engine.generation_tokens_total)
+        body = prom.generate_latest(self.metrics.registry)
+        return Response(body, media_type=prom.CONTENT_TYPE_LATEST)
+
+
+def _wrap_seed(seed: int) -> int:
+    """``seed + j`` kept in int64 (SamplingParams' range), wrapping like the C type would."""
+    return (seed + 2**63) % 2**64 - 2**63

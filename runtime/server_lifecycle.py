@@ -1,0 +1,96 @@
+"""Start-up and shutdown of the server process: the start-up log line, and SIGTERM / Ctrl-C as a
+graceful drain (stop admitting, finish or abort in-flight requests, free their slots, exit)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from runtime.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 30.0  # how long in-flight requests may run after SIGTERM
+
+
+def startup_summary(async_engine: AsyncEngine, model_name: str, asked_max_len: int | None) -> str:
+    """One line naming what is served: model, device, pools, the real context limit (and why it
+    is less than asked, when it is)."""
+    engine = async_engine.engine
+    cfg = getattr(engine, "config", None)
+    parts = [f"serving {model_name!r}"]
+    if cfg is not None:
+        parts.append(f"device {getattr(cfg, 'device', '?')}")
+        offload = getattr(cfg, "offload", None)
+        parts.append(
+            f"host pool {getattr(cfg, 'host_tokens', '?')} rows/layer, "
+            f"GPU pool {getattr(cfg, 'gpu_tokens', '?')} rows/layer"
+            + ("" if offload is None else f", offload {'on' if offload else 'off'}")
+        )
+        parts.append(f"max_batch {getattr(cfg, 'max_batch', '?')}")
+    limit = async_engine.max_model_len
+    text = f"max_model_len {limit}"
+    if asked_max_len is not None and asked_max_len != limit:
+        why = []
+        if cfg is not None and getattr(cfg, "host_tokens", None) == limit:
+            why.append("the host pool size (--host-tokens)")
+        mc = getattr(engine, "model_config", None)
+        if mc is not None and getattr(mc, "max_position_embeddings", None) == limit:
+            why.append("the model's max_position_embeddings")
+        text += f" (asked {asked_max_len}; limited by {' and '.join(why) or 'the engine'})"
+    parts.append(text)
+    return ", ".join(parts)
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM / SIGINT drains the engine (``AsyncEngine.drain``)
+    before uvicorn's own shutdown; a second one exits at once.
+
+    Without this, uvicorn waits for every open response, so a SIGTERM let each in-flight generation
+    run to its max_tokens."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.async_engine, self.grace_s = async_engine, grace_s
+        self.draining = threading.Event()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining.is_set():  # a second signal: no more waiting
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self.draining.set()
+        logger.info(
+            "signal %s: refusing new requests; in-flight ones get %.0f s, then are aborted",
+            sig,
+            self.grace_s,
+        )
+        threading.Thread(target=self._drain, name="echo-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        aborted = self.async_engine.drain(self.grace_s)
+        logger.info("drained (%d request(s) aborted); stopping the HTTP server", aborted)
+        self.should_exit = True
+
+
+def serve_app(
+    app: Any,
+    async_engine: AsyncEngine,
+    host: str,
+    port: int,
+    grace_s: float = DEFAULT_GRACE_S,
+) -> None:
+    """Run ``app`` until SIGTERM / Ctrl-C, draining the engine first; the engine is shut down
+    whatever happens."""
+    # The drain already ended every response; uvicorn's own wait only covers stragglers.
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+    )
+    try:
+        DrainingServer(config, async_engine, grace_s).run()
+    finally:
+        async_engine.shutdown()

@@ -1,0 +1,127 @@
+"""The server's Prometheus metrics, in a registry of their own (several apps can live in a process).
+
+Two families (docs/server.md has the table):
+- ``echo_*``: engine gauges (pools, hit rate per layer, recall) and the original request metrics,
+  unlabelled as they always were;
+- ``vllm:*``: the names a vLLM dashboard reads, labelled ``model_name``: running / waiting, prompt
+  and generation token counters, TTFT / inter-token / end-to-end histograms, finished requests by
+  ``finished_reason``, KV-cache usage.
+Plus the process metrics of ``prometheus_client`` (``process_*``, ``python_*``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import prometheus_client as prom
+
+from runtime.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, float("inf"))
+
+
+class ServerMetrics:
+    GAUGES = {  # engine.metrics() key -> (metric name, help)
+        "running": ("echo_running_requests", "Requests being decoded"),
+        "waiting": ("echo_waiting_requests", "Requests waiting for admission"),
+        "tokens_per_s": ("echo_tokens_per_second", "Generation throughput over the last window"),
+        "host_pool_usage": ("echo_host_pool_usage", "Fraction of the host KV pool in use"),
+        "gpu_pool_usage": ("echo_gpu_pool_usage", "Fraction of the GPU KV pools in use"),
+        "recalled_rows_per_step": ("echo_recalled_rows_per_step", "KV rows recalled per step"),
+    }
+    VLLM_GAUGES = {  # engine.metrics() key -> vLLM name
+        "running": ("vllm:num_requests_running", "Requests being decoded"),
+        "waiting": ("vllm:num_requests_waiting", "Requests waiting for admission"),
+        "host_pool_usage": ("vllm:kv_cache_usage_perc", "Fraction of the (host) KV cache in use"),
+    }
+
+    def __init__(self, model_name: str) -> None:
+        r = self.registry = prom.CollectorRegistry()
+        self.model_name = model_name
+        prom.ProcessCollector(registry=r)
+        prom.PlatformCollector(registry=r)
+        prom.GCCollector(registry=r)
+        self.gauges = {k: prom.Gauge(n, h, registry=r) for k, (n, h) in self.GAUGES.items()}
+        self.hit_rate = prom.Gauge("echo_gpu_pool_hit_rate", "GPU pool hits", ["layer"], registry=r)
+        self.tokens = prom.Counter("echo_generation_tokens", "Generated tokens", registry=r)
+        self.prefetch = {  # per-layer prefetch metrics (docs/prefetch.md)
+            k: prom.Gauge(f"echo_{k}", h, ["layer"], registry=r)
+            for k, h in (("prefetched_per_step", "KV rows staged by prefetch per step"),
+                         ("prefetch_precision", "Staged rows then selected / staged"),
+                         ("prefetch_coverage", "Misses served from staging / misses"))
+        }  # fmt: skip
+        self.latency = prom.Histogram(
+            "echo_request_latency_seconds",
+            "End-to-end request latency",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        labels = ["model_name"]
+        self.v_gauges = {
+            k: prom.Gauge(n, h, labels, registry=r) for k, (n, h) in self.VLLM_GAUGES.items()
+        }
+        self.v_prompt = prom.Counter("vllm:prompt_tokens", "Prompt tokens", labels, registry=r)
+        self.v_generation = prom.Counter(
+            "vllm:generation_tokens", "Generated tokens", labels, registry=r
+        )
+        self.v_ttft = prom.Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to the first token",
+            labels,
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        )
+        self.v_itl = prom.Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two output tokens",
+            labels,
+            registry=r,
+            buckets=ITL_BUCKETS,
+        )
+        self.v_e2e = prom.Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            labels,
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.v_finished = prom.Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._tokens_seen = 0
+
+    def update(self, snapshot: dict[str, Any], tokens_total: int) -> None:
+        """Engine gauges from ``engine.metrics()``, the generation counter from the total."""
+        for key, gauge in self.gauges.items():
+            if isinstance(snapshot.get(key), (int, float)):
+                gauge.set(snapshot[key])
+        for key, gauge in self.v_gauges.items():
+            if isinstance(snapshot.get(key), (int, float)):
+                gauge.labels(self.model_name).set(snapshot[key])
+        for layer, rate in enumerate(snapshot.get("hit_rate") or []):
+            self.hit_rate.labels(layer=str(layer)).set(rate)
+        for key, gauge in self.prefetch.items():
+            for layer, v in enumerate(snapshot.get(key) or []):
+                gauge.labels(layer=str(layer)).set(v)
+        new = max(tokens_total - self._tokens_seen, 0)
+        self.tokens.inc(new)
+        self.v_generation.labels(self.model_name).inc(new)
+        self._tokens_seen = max(tokens_total, self._tokens_seen)
+
+    def observe(self, res: RequestOutput, t0: float, t_end: float, times: list[float]) -> None:
+        """One finished request: ``t0`` when it arrived, ``t_end`` when its answer was done,
+        ``times`` when each output with new tokens reached the server (perf_counter)."""
+        m = self.model_name
+        self.latency.observe(t_end - t0)
+        self.v_e2e.labels(m).observe(t_end - t0)
+        self.v_prompt.labels(m).inc(res.prompt_tokens)
+        self.v_finished.labels(m, str(res.finish_reason)).inc()
+        if times:
+            self.v_ttft.labels(m).observe(times[0] - t0)
+        for a, b in zip(times, times[1:], strict=False):
+            self.v_itl.labels(m).observe(b - a)

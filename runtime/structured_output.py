@@ -1,0 +1,113 @@
+"""Structured output: a request's ``SamplingParams.grammar`` (an llguidance grammar, e.g. from a
+JSON schema) applied as a token mask before sampling.
+
+llguidance (small, dependency-free Rust wheels; its matcher is what vLLM and SGLang also offer)
+keeps one matcher per request. Each decode step the matcher consumes the tokens its request gained
+since the last step, fills a bit per allowed token into a pinned host buffer, and the buffer goes to
+the device in one copy, where disallowed tokens' logits become -inf; after the grammar is complete
+only EOS is allowed. NOTE: the mask is computed on the host from the grammar state, so this is the
+one part of sampling that needs the sampled tokens on the host first: it runs between steps, at the
+step's existing sync, never inside the captured graph. A matcher is dropped once a step runs
+without its request and rebuilt from the request's tokens if it returns (as the sampling controls'
+state is). The import is lazy: llguidance is needed only when a request has a grammar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.request import Request
+    from runtime.tokenizer import Tokenizer
+
+
+def json_schema_grammar(schema: dict[str, Any] | None) -> str:
+    """The llguidance grammar of a JSON schema (None: any JSON object). Raises ``ValueError``
+    when llguidance is missing or the schema is not a JSON object."""
+    ll = _llguidance()
+    try:
+        # NOTE: compact separators, no free whitespace: with flexible whitespace a weak model
+        # can pad forever and never finish the object (a schema's x-guidance may still ask)
+        return ll.LLMatcher.grammar_from_json_schema(
+            schema if schema is not None else {"type": "object"},
+            defaults={"whitespace_flexible": False},
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"not a JSON schema: {e}") from e
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as e:  # an optional dependency: only structured output needs it
+        raise ValueError(
+            "structured output needs the llguidance package (pip install llguidance)"
+        ) from e
+    return llguidance
+
+
+class StructuredOutput:
+    """Callable ``(requests, logits [B, V]) -> logits``: masks the rows of requests that have a
+    grammar (a new tensor then; the input unchanged), else returns the input."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_id: int | None):
+        self.tokenizer, self.vocab, self.eos = tokenizer, vocab_size, eos_token_id
+        self._lltok: Any = None
+        self.matchers: dict[str, tuple[Any, int]] = {}  # request id -> (matcher, tokens consumed)
+
+    def lltokenizer(self) -> Any:
+        if self._lltok is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            ll = _llguidance()
+            self._lltok = ll.LLTokenizer(
+                self.tokenizer._tok.to_str(), n_vocab=self.vocab, eos_token=self.eos
+            )
+        return self._lltok
+
+    def check(self, grammar: str) -> None:
+        """``ValueError`` naming the problem when ``grammar`` does not compile."""
+        ll = _llguidance()
+        msg = ll.LLMatcher.validate_grammar(grammar, self.lltokenizer())
+        if msg and not msg.startswith("WARNING"):
+            raise ValueError(f"the grammar does not compile: {msg}")
+
+    def __call__(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.params.grammar is not None]
+        live = {requests[i].request_id for i in rows}
+        for rid in [k for k in self.matchers if k not in live]:
+            del self.matchers[rid]
+        if not rows:
+            return logits
+        ll = _llguidance()
+        from llguidance.torch import fill_next_token_bitmask
+
+        words = (self.vocab + 31) // 32
+        bits = torch.full((len(rows), words), -1, dtype=torch.int32)
+        if logits.is_cuda:
+            bits = bits.pin_memory()
+        for k, i in enumerate(rows):
+            r = requests[i]
+            matcher, seen = self.matchers.get(r.request_id, (None, 0))
+            if matcher is None:
+                matcher, seen = ll.LLMatcher(self.lltokenizer(), r.params.grammar, log_level=0), 0
+            matcher.consume_tokens(r.output_ids[seen:])
+            self.matchers[r.request_id] = (matcher, len(r.output_ids))
+            if matcher.is_error() or self.eos is None:
+                # (a logits processor forced a token off the grammar): end the request with EOS
+                # rather than fail the step, and so every request in it
+                bits[k] = 0
+                if self.eos is not None:
+                    word, bit = divmod(self.eos, 32)
+                    bits[k, word] = -(2**31) if bit == 31 else 1 << bit
+                continue
+            fill_next_token_bitmask(matcher, bits, k)
+        mask = bits.to(logits.device, non_blocking=True)  # [A, W] int32
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((mask[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, : logits.shape[1]]
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        masked = logits[index].masked_fill(allowed == 0, float("-inf"))
+        return logits.index_put((index,), masked)

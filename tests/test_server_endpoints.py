@@ -1,0 +1,319 @@
+"""The server's extra endpoints, headers, limits and metrics, over the fake engine of test_server:
+/tokenize, /detokenize, /version, /v1/models/{id}, HEAD /health, X-Request-Id, CORS, several
+served model names, the concurrency limit, and the vLLM-named metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_utils import make_tokenizer_dir, running_server
+from test_server import MAX_MODEL_LEN, MODEL, FakeEngine, expected
+
+from runtime.async_engine import AsyncEngine
+from runtime.server import build_app
+from runtime.tokenizer import Tokenizer
+
+ALIAS = "deepseek-ai/DeepSeek-V3.2"
+PROMPT = "The quick brown fox jumps over the lazy dog."
+C = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def engine(tok: Tokenizer) -> FakeEngine:
+    return FakeEngine(tok)
+
+
+@pytest.fixture(scope="module")
+def aengine(engine: FakeEngine) -> Iterator[AsyncEngine]:
+    a = AsyncEngine(engine)
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(aengine: AsyncEngine) -> Iterator[str]:
+    app = build_app(aengine, [MODEL, ALIAS], cors_origins=["https://ui.example"])
+    with running_server(app) as base:
+        yield base
+
+
+def test_tokenize_and_detokenize(url: str, tok: Tokenizer) -> None:
+    r = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert (
+        body["max_model_len"] == MAX_MODEL_LEN and "".join(body["token_strs"][1:]) == "Hello world"
+    )
+    r = httpx.post(url + "/tokenize", json={"prompt": "Hi", "add_special_tokens": False})
+    assert r.json()["tokens"] == tok.encode("Hi", add_bos=False)
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(url + "/tokenize", json={"model": ALIAS, "messages": msgs})
+    assert r.json()["tokens"] == tok.encode(tok.apply_chat_template(msgs), add_bos=False)
+    r = httpx.post(url + "/detokenize", json={"tokens": tok.encode("Hello world", add_bos=False)})
+    assert r.json() == {"prompt": "Hello world"}
+    # bad input names the field
+    assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == (
+        "tokens"
+    )
+    r = httpx.post(url + "/tokenize", json={"prompt": "a", "messages": msgs})
+    assert r.status_code == 400
+    r = httpx.post(url + "/tokenize", json={"model": "nope", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_version_models_and_head_health(url: str) -> None:
+    assert isinstance(httpx.get(url + "/version").json()["version"], str)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS  # an id with a slash
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    r = httpx.head(url + "/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_several_served_names(url: str, tok: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model=ALIAS, prompt="Hello", max_tokens=3)
+    assert r.model == ALIAS and r.choices[0].text == expected(tok, tok.encode("Hello"), 3)[0]
+    with pytest.raises(openai.NotFoundError, match=ALIAS):  # the error lists the served names
+        client.completions.create(model="other", prompt="Hello", max_tokens=3)
+
+
+def test_request_id_header(url: str) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    r = httpx.post(url + C, json=body, headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    r = httpx.post(url + C, json=body)
+    assert len(r.headers["x-request-id"]) == 32
+    r = httpx.post(url + C, json={**body, "model": "nope"}, headers={"X-Request-Id": "e-1"})
+    assert r.status_code == 404 and r.headers["x-request-id"] == "e-1"  # on errors too
+    r = httpx.get(url + "/health", headers={"X-Request-Id": "x" * 500})
+    assert r.headers["x-request-id"] != "x" * 500  # over-long ids are replaced, not echoed
+
+
+def test_cors(url: str, aengine: AsyncEngine) -> None:
+    pre = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(url + C, headers=pre)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    r = httpx.get(url + "/health", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    with running_server(build_app(aengine, MODEL)) as base:  # off by default
+        r = httpx.get(base + "/health", headers={"Origin": "https://ui.example"})
+        assert "access-control-allow-origin" not in r.headers
+
+
+def test_concurrency_limit(aengine: AsyncEngine, engine: FakeEngine) -> None:
+    long = {"model": MODEL, "prompt": list(range(10, 60)), "max_tokens": 60, "ignore_eos": True}
+    engine.step_s = 0.01
+    try:
+        with running_server(build_app(aengine, MODEL, max_concurrent=1)) as base:
+            with httpx.stream("POST", base + C, json={**long, "stream": True}, timeout=30) as r:
+                lines = r.iter_lines()
+                next(lines)  # the first request is generating
+                busy = httpx.post(base + C, json={**long, "max_tokens": 1})
+                assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+                assert "limit of 1" in busy.json()["error"]["message"]
+                assert httpx.get(base + "/health").status_code == 200  # not counted
+                list(lines)
+            r = httpx.post(base + C, json={**long, "max_tokens": 1})
+            assert r.status_code == 200  # a slot is free again once the stream ended
+    finally:
+        engine.step_s = 0.002
+    with pytest.raises(ValueError, match="max_concurrent"):
+        build_app(aengine, MODEL, max_concurrent=0)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {
+        k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln[:1] != "#")
+    }
+
+
+def test_vllm_named_metrics(url: str, tok: Tokenizer) -> None:
+    label = f'{{model_name="{MODEL}"}}'
+    before = _metrics(url)
+    ids = tok.encode("Hello world", add_bos=False)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    client.completions.create(model=MODEL, prompt=ids, max_tokens=4)  # "length"
+    list(client.completions.create(model=MODEL, prompt=ids, max_tokens=50, stream=True))  # "stop"
+    time.sleep(0.05)
+    m = _metrics(url)
+
+    def delta(name: str) -> float:
+        return m.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta(f"vllm:prompt_tokens_total{label}") == 2 * len(ids)
+    assert delta(f"vllm:generation_tokens_total{label}") == 4 + len(ids) + 1
+    length = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
+    stop = f'vllm:request_success_total{{finished_reason="stop",model_name="{MODEL}"}}'
+    assert delta(length) == 1 and delta(stop) == 1
+    assert delta(f"vllm:time_to_first_token_seconds_count{label}") == 2
+    assert delta(f"vllm:inter_token_latency_seconds_count{label}") == 3 + len(ids)
+    assert delta(f"vllm:e2e_request_latency_seconds_count{label}") == 2
+    assert m[f"vllm:kv_cache_usage_perc{label}"] == 0.5  # the fake engine's host pool usage
+    assert f"vllm:num_requests_running{label}" in m and f"vllm:num_requests_waiting{label}" in m
+    assert "process_cpu_seconds_total" in m and "python_gc_collections_total" in str(m)
+    assert delta("echo_generation_tokens_total") == 4 + len(ids) + 1  # the original names stay
+
+
+def test_concurrent_requests_counted_once(url: str) -> None:
+    """Parallel non-streamed requests all answered; the e2e histogram counts each once."""
+    before = _metrics(url)
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3}
+    results: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(httpx.post(url + C, json=body).status_code))
+        for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 8
+    key = f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}'
+    assert _metrics(url)[key] - before.get(key, 0.0) == 8
+
+
+# ---- n > 1, a list of prompts, echo ------------------------------------------------------------
+def test_n_choices_and_prompt_lists(url: str, tok: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    a, b = tok.encode("Hello world"), tok.encode("The lazy dog")
+    r = client.completions.create(
+        model=MODEL, prompt=["Hello world", "The lazy dog"], max_tokens=4, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]  # prompt-major
+    texts = [c.text for c in r.choices]
+    assert texts == [expected(tok, a, 4)[0]] * 2 + [expected(tok, b, 4)[0]] * 2
+    assert r.usage.prompt_tokens == len(a) + len(b)  # once per prompt, not per choice
+    assert r.usage.completion_tokens == 16
+    r = client.completions.create(model=MODEL, prompt=[b, b[:2]], max_tokens=3)
+    assert [c.text for c in r.choices] == [expected(tok, b, 3)[0], expected(tok, b[:2], 3)[0]]
+    # streamed: every chunk names its choice; each choice's text and finish are whole
+    two = ["Hello world", "The lazy dog"]
+    chunks = list(client.completions.create(model=MODEL, prompt=two, max_tokens=5, n=2,
+                                            stream=True))  # fmt: skip
+    by = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)
+    }
+    assert by == {0: expected(tok, a, 5)[0], 1: expected(tok, a, 5)[0],
+                  2: expected(tok, b, 5)[0], 3: expected(tok, b, 5)[0]}  # fmt: skip
+    done = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(done) == [0, 1, 2, 3]
+    # chat n=3
+    msgs = [{"role": "user", "content": "Hi there"}]
+    ids = tok.encode(tok.apply_chat_template(msgs), add_bos=False)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=3)
+    assert [c.message.content for c in r.choices] == [expected(tok, ids, 4)[0]] * 3
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=3,
+                                                 stream=True))  # fmt: skip
+    assert {c.choices[0].index for c in chunks if c.choices[0].delta.role} == {0, 1, 2}
+
+
+def test_echo(url: str, tok: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ids = tok.encode("Hello world")
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True)
+    assert r.choices[0].text == "Hello world" + expected(tok, ids, 3)[0]
+    ids2 = tok.encode("lazy dog", add_bos=False)
+    r = client.completions.create(model=MODEL, prompt=ids2, max_tokens=3, echo=True)
+    assert r.choices[0].text == "lazy dog" + expected(tok, ids2, 3)[0]
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3,
+                                            echo=True, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].text == "Hello world"
+    assert "".join(c.choices[0].text for c in chunks) == "Hello world" + expected(tok, ids, 3)[0]
+
+
+def test_one_refused_choice_aborts_the_others(url: str, engine: FakeEngine) -> None:
+    """The engine refuses the second choice: a 400, and the first one is aborted, not left
+    running."""
+    before, add = set(engine.aborted), engine.add_request
+    calls: list[str] = []
+
+    def flaky_add(rid, ids, params):  # noqa: ANN001, ANN202
+        calls.append(rid)
+        if len(calls) == 2:
+            raise ValueError("the host pool is full")
+        return add(rid, ids, params)
+
+    engine.add_request = flaky_add  # type: ignore[method-assign]
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 50, "n": 3, "ignore_eos": True}
+        r = httpx.post(url + C, json=body)
+    finally:
+        engine.add_request = add  # type: ignore[method-assign]
+    assert r.status_code == 400 and "host pool is full" in r.json()["error"]["message"]
+    assert len(calls) == 2 and calls[0].endswith("-0")
+    assert _wait(lambda: calls[0] in set(engine.aborted) - before)
+    assert not engine.running
+
+
+def _wait(cond, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_choice_seeds() -> None:
+    from runtime.sampling_params import SamplingParams
+    from runtime.server_handlers import Handlers as _Handlers
+
+    choices = _Handlers.choices_of([([1], ""), ([2], "")], SamplingParams(seed=2**63 - 1), 2)
+    assert [c.params.seed for c in choices] == [2**63 - 1, -(2**63), 2**63 - 1, -(2**63)]
+    assert [c.prompt_index for c in choices] == [0, 0, 1, 1]
+    assert [c.params.seed for c in _Handlers.choices_of([([1], "")], SamplingParams(), 2)] == [
+        None,
+        None,
+    ]
+
+
+# ---- stop_reason, continuous usage -------------------------------------------------------------
+def test_stop_reason(url: str, tok: Tokenizer) -> None:
+    ids = tok.encode(PROMPT)
+    full, _, _ = expected(tok, ids, 40)
+    stop = full[8:11]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40}
+    r = httpx.post(url + C, json={**body, "stop": ["@@", stop]}).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["stop_reason"] == stop
+    stop_id = ids[::-1][3]  # the fake model's 4th output token
+    r = httpx.post(url + C, json={**body, "stop_token_ids": [stop_id]}).json()["choices"][0]
+    assert r["stop_reason"] == stop_id
+    r = httpx.post(url + C, json={**body, "max_tokens": 3}).json()["choices"][0]
+    assert r["finish_reason"] == "length" and r["stop_reason"] is None
+    r = httpx.post(url + C, json=body).json()["choices"][0]  # EOS
+    assert r["finish_reason"] == "stop" and r["stop_reason"] is None
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    chunks = list(client.completions.create(**body, stop=stop, stream=True))
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
+def test_continuous_usage_stats(url: str, tok: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ids = tok.encode("Hello world")
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5,
+                                            stream=True, stream_options=opts))  # fmt: skip
+    seen = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert (
+        seen == sorted(seen)
+        and seen[-1] == 5
+        and all(c.usage.prompt_tokens == len(ids) for c in chunks)
+    )
+    plain = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5,
+                                           stream=True))  # fmt: skip
+    assert all(c.usage is None for c in plain)

@@ -1,0 +1,429 @@
+"""The server's robustness fixes and limits, over the fake engine of test_server, through HTTP:
+lone surrogates, tokenising off the event loop, the early length check and the body cap, streamed
+text_offset, graceful SIGTERM, the start-up line, the API key from the environment, the
+decaying tokens/s, every unsupported parameter refused, and the context limit at its edge."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from server_utils import make_tokenizer_dir, running_server
+from test_server import MAX_MODEL_LEN, MODEL, FakeEngine
+
+from runtime.async_engine import AsyncEngine
+from runtime.server import DEFAULT_MAX_BODY_BYTES, build_app
+from runtime.server_lifecycle import DrainingServer, startup_summary
+from runtime.tokenizer import Tokenizer
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_C = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+class SlowTokenizer:
+    """A tokenizer whose ``encode`` takes ``delay_s`` and is counted: what a 20 MB prompt does."""
+
+    def __init__(self, tok: Tokenizer, delay_s: float = 0.0) -> None:
+        self._tok, self.delay_s, self.encodes = tok, delay_s, 0
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        self.encodes += 1
+        time.sleep(self.delay_s)
+        return self._tok.encode(text, add_bos)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def engine(tok: Tokenizer) -> FakeEngine:
+    e = FakeEngine(tok)
+    e.tokenizer = SlowTokenizer(tok)
+    return e
+
+
+@pytest.fixture(scope="module")
+def aengine(engine: FakeEngine) -> Iterator[AsyncEngine]:
+    a = AsyncEngine(engine)
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(aengine: AsyncEngine) -> Iterator[str]:
+    with running_server(build_app(aengine, MODEL)) as base:
+        yield base
+
+
+def _post(url: str, path: str, body: object, client: httpx.Client | None = None) -> httpx.Response:
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    post = (client or httpx).post
+    return post(url + path, content=data, headers={"content-type": "application/json"}, timeout=30)
+
+
+def _error(r: httpx.Response, status: int, param: str | None) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err
+    return err["message"]
+
+
+# ---- lone surrogates: 400 naming the field, keep-alive connection intact -------------------------
+def test_lone_surrogate_is_a_400_and_the_connection_survives(url: str, tok: Tokenizer) -> None:
+    with httpx.Client() as client:
+        raw = '{"model": "M", "prompt": "a\\ud83d", "max_tokens": 2}'.replace("M", MODEL)
+        assert "surrogate" in _error(_post(url, C, raw, client), 400, "prompt")
+        raw = (
+            '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "\\udc00"}]}'
+        )
+        msg = _error(_post(url, CHAT, raw % MODEL, client), 400, "messages")
+        assert "messages[0].content" in msg and "surrogate" in msg
+        assert _post(url, C, OK_C, client).status_code == 200  # same connection, still served
+    with pytest.raises(ValueError, match="surrogate"):
+        tok.encode("x\ud83d")
+
+
+# ---- tokenising off the loop, the early length check, the body cap -----------------------------
+def test_tokenising_does_not_block_health(url: str, engine: FakeEngine) -> None:
+    engine.tokenizer.delay_s = 1.5
+    try:
+        t = threading.Thread(target=lambda: _post(url, C, OK_C))
+        t.start()
+        time.sleep(0.2)  # the completion is tokenising now
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 0.8  # answered during the 1.5 s encode, not after it
+        t.join()
+    finally:
+        engine.tokenizer.delay_s = 0.0
+
+
+def test_prompt_far_over_the_context_is_refused_without_tokenising(
+    url: str, engine: FakeEngine
+) -> None:
+    before = engine.tokenizer.encodes
+    r = _post(url, C, {**OK_C, "prompt": "x" * 200_000})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    _error(r, 400, "prompt")
+    assert engine.tokenizer.encodes == before
+    assert _post(url, C, {**OK_C, "prompt": "word " * 300}).status_code == 400  # tokenised one
+    assert engine.tokenizer.encodes == before + 1
+
+
+def test_body_size_cap(aengine: AsyncEngine) -> None:
+    assert DEFAULT_MAX_BODY_BYTES is not None  # a cap by default
+    with running_server(build_app(aengine, MODEL, max_body_bytes=2000)) as base:
+        big = json.dumps({**OK_C, "prompt": "a" * 3000})
+        r = _post(base, C, big)
+        assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            for i in range(0, len(big), 500):
+                yield big[i : i + 500].encode()
+
+        r = httpx.post(base + C, content=chunks(), timeout=10)
+        assert r.status_code == 413
+        assert _post(base, C, OK_C).status_code == 200
+        ok = json.dumps(OK_C)
+        small_chunks = (ok[i : i + 7].encode() for i in range(0, len(ok), 7))
+        json_type = {"content-type": "application/json"}
+        r = httpx.post(base + C, content=small_chunks, headers=json_type, timeout=10)
+        assert r.status_code == 200, r.text
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        build_app(aengine, MODEL, max_body_bytes=0)
+
+
+# ---- streamed text_offset == non-streamed ------------------------------------------------------
+def test_streamed_text_offset_equals_non_streamed(
+    tok: Tokenizer, url: str, engine: FakeEngine
+) -> None:
+    # The fake model echoes the prompt reversed: feed it reversed ids so it writes text whose
+    # non-ASCII characters are split over byte tokens, which the stream holds back.
+    out_ids = tok.encode("a\u00e9b \u00fc\u00fc \u4e16x", add_bos=False)
+    body = {"model": MODEL, "prompt": out_ids[::-1], "max_tokens": len(out_ids), "logprobs": 0}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    whole = client.completions.create(**body).choices[0].logprobs
+    chunks = list(client.completions.create(**body, stream=True))
+    streamed = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert any(c.choices[0].text == "" and c.choices[0].logprobs.tokens for c in chunks)  # held
+    assert streamed == whole.text_offset
+    lengths = [len(t) for t in whole.tokens]
+    assert whole.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+# ---- graceful shutdown -------------------------------------------------------------------------
+@pytest.fixture
+def draining(tok: Tokenizer) -> Iterator[tuple[str, DrainingServer, FakeEngine]]:
+    """A DrainingServer (grace 1 s) over its own slow fake engine, in a thread."""
+    engine = FakeEngine(tok, step_s=0.01)
+    ae = AsyncEngine(engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(build_app(ae, MODEL), log_level="warning", timeout_graceful_shutdown=2)
+    server = DrainingServer(config, ae, grace_s=1.0)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server, engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        ae.shutdown()
+        sock.close()
+
+
+def test_sigterm_stops_admitting_then_aborts_after_the_grace_period(draining) -> None:  # noqa: ANN001
+    base, server, engine = draining
+    long = {"model": MODEL, "prompt": list(range(10, 60)), "max_tokens": 200, "ignore_eos": True}
+    short = {**long, "max_tokens": 10}
+    events: list[str] = []
+    results: dict[str, httpx.Response] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", base + C, json={**long, "stream": True}, timeout=30) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    t_long = threading.Thread(target=stream)
+    t_long.start()
+    time.sleep(0.2)  # the long stream is generating (200 steps of 10 ms = 2 s > the 1 s grace)
+    t_short = threading.Thread(target=lambda: results.setdefault("short", _post(base, C, short)))
+    t_short.start()
+    deadline = time.monotonic() + 5
+    while len(engine.running) + len(engine.waiting) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)  # both admitted before the signal
+    t0 = time.monotonic()
+    server.handle_exit(signal.SIGTERM, None)
+    r = _post(base, C, OK_C)  # not admitted, while the others still run
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    assert httpx.get(base + "/health").status_code == 503
+    t_short.join(10)
+    t_long.join(10)
+    assert results["short"].json()["choices"][0]["finish_reason"] == "length"  # within the grace
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert "shutting down" in last["error"]["message"], events[-3:]
+    assert 0.9 < time.monotonic() - t0 < 1.9  # aborted at the end of the grace, not at max_tokens
+    assert not engine.running and not engine.waiting and engine.aborted  # every slot freed
+    deadline = time.monotonic() + 5
+    while not server.should_exit and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.should_exit  # uvicorn is told to exit once drained
+
+
+def test_sigterm_ends_a_real_server_process(tmp_path: Path) -> None:
+    """``serve`` in a child process with a stream in flight: SIGTERM, then exit within the grace."""
+    script = tmp_path / "serve_fake.py"
+    tests = Path(__file__).parent
+    script.write_text(
+        f"""
+import sys
+sys.path.insert(0, {str(tests)!r})
+from server_utils import make_tokenizer_dir
+from test_server import FakeEngine
+from runtime.async_engine import AsyncEngine
+from runtime.server import serve
+from runtime.tokenizer import Tokenizer
+tok = Tokenizer.from_dir(make_tokenizer_dir(__import__("pathlib").Path({str(tmp_path)!r}) / "t"))
+serve(AsyncEngine(FakeEngine(tok, step_s=0.05)), "m", port=int(sys.argv[1]), grace_s=0.5)
+"""
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    cwd = Path(__file__).parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(port)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(cwd)},
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120  # imports torch: slow on a busy machine
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {
+            "model": "m",
+            "prompt": list(range(10, 60)),
+            "max_tokens": 200,  # 10 s of generation
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", base + C, json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            rest = [line for line in lines if line]
+        assert "shutting down" in rest[-1]
+        assert proc.wait(timeout=15) == 0
+        assert time.monotonic() - t0 < 6  # aborted after the 0.5 s grace, not at max_tokens
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate()[0]
+    assert "serving 'm'" in out and "max_model_len 256" in out  # the start-up line
+
+
+# ---- start-up line, API key from the environment, tokens/s -------------------------------------
+def test_startup_summary_names_the_real_context() -> None:
+    cfg = SimpleNamespace(
+        device="cuda", host_tokens=1024, gpu_tokens=256, offload=True, max_batch=8
+    )
+    ae = SimpleNamespace(engine=SimpleNamespace(config=cfg), max_model_len=1024)
+    line = startup_summary(ae, "tiny", asked_max_len=4096)  # type: ignore[arg-type]
+    for part in (
+        "'tiny'",
+        "device cuda",
+        "host pool 1024",
+        "GPU pool 256",
+        "offload on",
+        "max_model_len 1024 (asked 4096; limited by the host pool size (--host-tokens))",
+    ):
+        assert part in line, line
+    assert "asked" not in startup_summary(ae, "tiny", asked_max_len=1024)  # type: ignore[arg-type]
+
+
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from echo_compile.cli import _parser, serve_options
+
+    monkeypatch.setenv("ECHO_COMPILE_API_KEY", "from-env")
+    assert serve_options(_parser().parse_args(["serve"]))["api_key"] == "from-env"
+    args = _parser().parse_args(["serve", "--api-key", "flag"])
+    assert serve_options(args)["api_key"] == "flag"  # the flag wins
+    monkeypatch.delenv("ECHO_COMPILE_API_KEY")
+    assert serve_options(_parser().parse_args(["serve"]))["api_key"] is None
+    with pytest.raises(ValueError, match="--max-concurrent"):
+        serve_options(_parser().parse_args(["serve", "--max-concurrent", "0"]))
+
+
+def test_tokens_per_second_decays_when_idle(tok: Tokenizer) -> None:
+    from runtime.sampling_params import SamplingParams
+
+    ae = AsyncEngine(FakeEngine(tok, step_s=0.001))
+
+    async def run() -> None:
+        stream = await ae.generate("r", tok.encode("Hello world"), SamplingParams(max_tokens=3))
+        _ = [o async for o in stream]
+
+    try:
+        asyncio.run(run())
+        now = time.monotonic()
+        assert ae.tokens_per_s(now) > 0
+        assert ae.tokens_per_s(now + ae.RATE_WINDOW_S + 0.1) == 0.0  # idle for a window: 0
+    finally:
+        ae.shutdown()
+
+
+# ---- every unsupported parameter is refused, its neutral value accepted ------------------------
+# Listed here, not read from the server's table, so dropping a check fails this test.
+UNSUPPORTED_BOTH = [
+    ("prompt_logprobs", 1, None),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
+    ("tool_choice", "required", "none"),
+    ("functions", [{"name": "f"}], None),
+    ("function_call", "auto", None),
+    ("guided_json", {"type": "object"}, None),
+    ("guided_regex", "a+", None),
+    ("guided_choice", ["a"], None),
+    ("guided_grammar", "root ::= 'a'", None),
+    ("structured_outputs", {"json": {}}, None),
+    ("use_beam_search", True, False),
+    ("length_penalty", 0.5, 1.0),
+]
+UNSUPPORTED_COMPLETION = [
+    ("best_of", 2, 1),
+    ("suffix", "end", None),
+]
+UNSUPPORTED_CHAT = [
+    ("parallel_tool_calls", True, None),
+    ("audio", {"voice": "x"}, None),
+    ("modalities", ["text", "audio"], ["text"]),
+    ("prediction", {"type": "content", "content": "x"}, None),
+    ("web_search_options", {}, None),
+]
+CASES = [(C, OK_C, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_COMPLETION] + [
+    (CHAT, OK_CHAT, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_CHAT
+]
+
+
+@pytest.mark.parametrize(
+    "path, ok, name, bad, neutral", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES]
+)
+def test_every_unsupported_parameter_is_refused(
+    url: str, path: str, ok: dict, name: str, bad: object, neutral: object
+) -> None:
+    msg = _error(_post(url, path, {**ok, name: bad}), 400, name)
+    assert name in msg
+    r = _post(url, path, {**ok, name: neutral})
+    assert r.status_code == 200, r.text
+
+
+# ---- the context limit at its edge -------------------------------------------------------------
+def test_context_check_at_exactly_the_limit(url: str, tok: Tokenizer) -> None:
+    ids = tok.encode("Hello world", add_bos=False)
+    room = MAX_MODEL_LEN - len(ids)
+    body = {"model": MODEL, "prompt": ids, "ignore_eos": True}
+    r = _post(url, C, {**body, "max_tokens": room})  # prompt + max_tokens == limit: fits
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == room
+    r = _post(url, C, {**body, "max_tokens": room + 1})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN + 1) in r.json()["error"]["message"]
+    assert (
+        _post(url, C, {**body, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1}).status_code == 400
+    )
+
+    # chat without max_tokens gets what the context leaves, down to one token; none is a 400
+    def chat_of(n_tokens: int) -> list[dict[str, str]]:
+        for k in range(4 * MAX_MODEL_LEN):
+            msgs = [{"role": "user", "content": "9" * k}]
+            if len(tok.encode(tok.apply_chat_template(msgs), add_bos=False)) == n_tokens:
+                return msgs
+        raise AssertionError(f"no conversation of {n_tokens} tokens")
+
+    chat = {"model": MODEL, "ignore_eos": True}
+    r = _post(url, CHAT, {**chat, "messages": chat_of(MAX_MODEL_LEN - 1)})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    r = _post(url, CHAT, {**chat, "messages": chat_of(MAX_MODEL_LEN)})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_api_key_is_checked_before_the_body_is_read(aengine: AsyncEngine) -> None:
+    """Without the key, a body over the cap is a 401, not a 413: nothing was read."""
+    app = build_app(aengine, MODEL, api_key="k", max_body_bytes=100)
+    with running_server(app) as base:
+        big = json.dumps({**OK_C, "prompt": "a" * 500})
+        assert _post(base, C, big).status_code == 401
+        r = httpx.post(base + C, content=big, headers={"authorization": "Bearer k"}, timeout=10)
+        assert r.status_code == 413
