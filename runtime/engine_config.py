@@ -59,6 +59,10 @@ class EngineConfig:
     # compiled engines only: compile the prefill chunks too. None: when the context limit is at
     # most COMPILED_PREFILL_MAX_LEN (see prefill_compiled)
     compile_prefill: bool | None = None
+    # multi-process serving (docs/multi_gpu.md): dp data-parallel attention ranks (each with its
+    # own requests and KV cache), the feed-forward blocks tensor-parallel over tp ranks
+    dp: int = 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -66,8 +70,17 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"):
+        for name in (
+            *("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"),
+            *("dp", "tp"),
+        ):
             positive_int(name)
+        if self.dp > 1 and self.tp > 1 and self.dp != self.tp:
+            raise ValueError(
+                f"dp={self.dp} and tp={self.tp}: with both above 1 they must be equal (every rank "
+                "is one data-parallel attention rank and one tensor-parallel feed-forward rank; "
+                "attention is not split over heads)"
+            )
         if self.host_tokens % PAGE:
             raise ValueError(f"host_tokens must be a multiple of {PAGE}, got {self.host_tokens}")
         if self.prefill_chunk % 16:
@@ -91,6 +104,11 @@ class EngineConfig:
             not b or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
         ):
             raise ValueError(f"decode_buckets must be positive integers, got {b!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes (GPUs) the configuration runs on."""
+        return max(self.dp, self.tp)
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -1,0 +1,82 @@
+"""Per-rank functions for the gloo tests (tests/test_distributed*.py): module-level so that
+``runtime.distributed.process.spawn`` can start them in fresh processes. Each writes what it saw
+to ``out`` (rank 0, or every rank where the test compares ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from runtime.sampling_params import SamplingParams
+
+MAX_TOKENS = 6
+
+
+def capture(store: dict):
+    """A logits processor that records each decode step's logits row of every request."""
+
+    def proc(reqs, logits):
+        for r, row in zip(reqs, logits):
+            store.setdefault(r.request_id, []).append(row.clone())
+        return logits
+
+    return proc
+
+
+def generate_and_record(llm, prompts) -> dict:
+    """Greedy generation of ``prompts`` with the decode logits of every request recorded."""
+    store: dict = {}
+    eng = getattr(llm.engine, "engine", llm.engine)  # the rank's local Engine
+    eng.logits_processors.append(capture(store))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    res = llm.generate(prompts, params)
+    return {
+        "tokens": [r.token_ids for r in res],
+        "ids": [r.request_id for r in res],
+        "logits": store,
+        "owner": dict(getattr(llm.engine, "owner", {})),
+    }
+
+
+def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float) -> None:
+    """Run every (name, engine options) case under one process group; save per-rank records."""
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import init_distributed, shutdown
+
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s)
+    recs = {}
+    for name, opts in cases:
+        llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
+        recs[name] = generate_and_record(llm, prompts)
+    torch.save(recs, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    shutdown()
+
+
+def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
+    """Rank 1 exits abruptly after two steps; rank 0 records the error it gets and when."""
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s)
+    llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", p, params)
+    steps, t0 = 0, time.perf_counter()
+    try:
+        while True:
+            if rank == 1 and steps == 2:
+                os._exit(3)  # a crash: no cleanup, no goodbye to the process group
+            llm.engine.step()
+            steps += 1
+            t0 = time.perf_counter()
+    except Exception as e:  # noqa: BLE001  (the test checks which, and its message)
+        msg = f"{type(e).__name__}: {e}"
+    (Path(out) / "rank0.txt").write_text(f"{time.perf_counter() - t0:.2f}\n{msg}")
