@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from runtime.distributed.process import DistContext, guarded
 
-
 # torch >= 2.12 renamed all_gather_into_tensor (the old name warns)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
