@@ -47,8 +47,8 @@ class LLM:
     ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill for contexts up to
     16384 tokens), ``dp`` / ``tp`` (multi-process: run the same script on every rank under
     torchrun, docs/multi_gpu.md). ``compile`` (default: on CUDA) captures every bucket into CUDA
-    graphs at start-up, then forbids recompiles. Any number of engines may live in one process: each owns
-    its compiled steps.
+    graphs at start-up, then forbids recompiles. Any number of engines may live in one process:
+    each owns its compiled steps.
     """
 
     def __init__(
