@@ -43,16 +43,17 @@ def generate_and_record(llm, prompts) -> dict:
 
 
 def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float) -> None:
-    """Run every (name, engine options) case under one process group; save per-rank records."""
+    """Run every (name, engine options, prompt indices) case under one process group; save
+    per-rank records."""
     from echo_compile.llm import LLM
     from runtime.distributed.process import init_distributed, shutdown
 
     torch.set_num_threads(1)
     init_distributed("cpu", timeout_s)
     recs = {}
-    for name, opts in cases:
+    for name, opts, which in cases:
         llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
-        recs[name] = generate_and_record(llm, prompts)
+        recs[name] = generate_and_record(llm, [prompts[i] for i in which])
     torch.save(recs, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     shutdown()
