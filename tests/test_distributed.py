@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from distributed_workers import MAX_TOKENS, generate_and_record, gen_worker
+from distributed_workers import MAX_TOKENS, gen_worker, generate_and_record
 from engine_records import random_prompts
 
 from runtime.distributed.process import spawn
