@@ -54,6 +54,7 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
     for name, opts, which in cases:
         llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
         recs[name] = generate_and_record(llm, [prompts[i] for i in which])
+        recs[name]["unfinished_after"] = llm.engine.has_unfinished()  # a collective
     torch.save(recs, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     shutdown()
@@ -81,3 +82,66 @@ def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float)
     except Exception as e:  # noqa: BLE001  (the test checks which, and its message)
         msg = f"{type(e).__name__}: {e}"
     (Path(out) / "rank0.txt").write_text(f"{time.perf_counter() - t0:.2f}\n{msg}")
+
+
+def lint_worker(rank: int, out: str, opts: dict, timeout_s: float) -> None:
+    """Trace one rank's dp/tp decode step (collectives included) with the CUDA-graph lint
+    backend, fullgraph, on padding rows; save the report and the graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from echo_compile.graph_lint import LintReport, lint_backend
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import init_distributed, shutdown
+
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s)
+    llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
+    runner = llm.engine.runner
+    report = LintReport()
+    lint = lint_backend(report)
+    ops: set[str] = set()
+
+    def backend(gm, example_inputs):  # record the collectives Dynamo captured, then lint
+        ops.update(str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target))
+        return lint(gm, example_inputs)
+
+    counters.clear()
+    step = torch.compile(runner.decode_step, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        logits = step(*runner.padding_inputs(True, 2))
+    torch.save(
+        {"report": report, "breaks": dict(counters["graph_break"]), "shape": logits.shape,
+         "collectives": sorted(ops)},
+        Path(out) / f"rank{rank}.pt",
+    )  # fmt: skip
+    dist.barrier()
+    shutdown()
+
+
+def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float) -> None:
+    """The CUDA version of gen_worker: compiled (CUDA graphs, NCCL collectives inside), the
+    graph gates recorded (cudagraph skips, partitions, graph breaks), recompiles forbidden."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import init_distributed, shutdown
+
+    init_distributed(f"cuda:{rank}", timeout_s)
+    recs = {}
+    counters.clear()
+    for name, opts, which in cases:
+        llm = LLM("tiny", compile=True, progress=False, device="cuda", **opts)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            recs[name] = generate_and_record(llm, [prompts[i] for i in which])
+        recs[name]["logits"] = {k: [t.cpu() for t in v] for k, v in recs[name]["logits"].items()}
+        recs[name]["graphs"] = llm.engine.runner.num_graphs
+    recs["gates"] = {
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "cudagraph_partitions": counters["inductor"].get("cudagraph_partitions", 0),
+        "graph_breaks": dict(counters["graph_break"]),
+    }
+    torch.save(recs, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    shutdown()

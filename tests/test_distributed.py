@@ -110,6 +110,7 @@ def test_empty_rank_does_not_stall(runs):
     ranks, ref = runs
     for r in ranks:
         assert r["one_request"]["tokens"] == [ref["tokens"][3]]
+        assert r["one_request"]["unfinished_after"] is False
     assert ranks[1]["one_request"]["logits"] == {}  # rank 1 had nothing and ran padding only
 
 
@@ -161,3 +162,18 @@ def _same_until_near_tie(got: list[int], want: list[int], logits: list[torch.Ten
             assert gap < NEAR_TIE, f"token {s} differs where the reference's margin is {gap}"
             return s
     return len(want)
+
+
+def test_dp_tp_decode_step_is_one_graph_with_its_collectives(tmp_path):
+    """Each rank's dp/tp decode step traces fullgraph with no CUDA-graph-incompatible node and
+    no graph break, and its FX graph holds the MoE/MLP all-gathers and reduce-scatters."""
+    from distributed_workers import lint_worker
+
+    spawn(lint_worker, 2, str(tmp_path), dict(COMMON, dp=2, tp=2, gpu_tokens=64), 60.0)
+    for r in range(2):
+        rec = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert rec["report"].ok, rec["report"]
+        assert rec["breaks"] == {}
+        assert rec["shape"][0] == 2
+        names = " ".join(rec["collectives"])
+        assert "all_gather_into_tensor" in names and "reduce_scatter_tensor" in names, names

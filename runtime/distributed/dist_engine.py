@@ -108,8 +108,9 @@ class DistributedEngine:
             self.engine.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
-        """This rank's own requests (``step`` agrees on the global answer)."""
-        return self.engine.has_unfinished()
+        """Whether any rank has requests left: a collective, so every rank gets the same answer
+        and a ``while engine.has_unfinished(): engine.step()`` loop ends on all ranks at once."""
+        return any(self._gather(self.engine.has_unfinished(), "the unfinished check"))
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -120,6 +121,28 @@ class DistributedEngine:
             shutdown()  # the others' next collective fails now instead of at the timeout
             raise
 
+    def _lockstep(self, batch, want_p: int, want_d: int, plan) -> torch.Tensor | None:
+        """The agreed sub-steps (runtime.distributed.step_sync): this rank's batch in the one of
+        its kind, an empty padded batch in the other, so every rank's collectives line up."""
+        runner, logits = self.engine.runner, None
+        if plan.prefill_bucket:
+            if want_p:
+                req = batch.requests[0]
+                inputs = runner.prefill_inputs(
+                    req, batch.chunk_start, batch.chunk_end, plan.prefill_bucket
+                )
+                logits = runner.prefill_fn(*inputs)
+            else:
+                runner.prefill_fn(*runner.padding_inputs(False, plan.prefill_bucket))
+        if plan.decode_bucket:
+            if want_d:
+                n = len(batch.requests)
+                logits = runner.decode_fn(*runner.decode_inputs(batch.requests, plan.decode_bucket))
+                logits = logits[:n]
+            else:
+                runner.decode_fn(*runner.padding_inputs(True, plan.decode_bucket))
+        return logits
+
     def _step(self) -> list[StepOutput]:
         eng, runner = self.engine, self.engine.runner
         batch = eng.scheduler.schedule()
@@ -129,23 +152,14 @@ class DistributedEngine:
         elif batch is not None:
             want_p = next_bucket(batch.chunk_end - batch.chunk_start, runner.prefill_buckets)
         plan = agree(self.ctx, want_p, want_d, eng.has_unfinished())
+        if not plan.any_unfinished:
+            return []  # no rank has work (every rank sees the same plan)
         logits = None
-        if plan.prefill_bucket:
-            if want_p:
-                req = batch.requests[0]
-                inputs = runner.prefill_inputs(
-                    req, batch.chunk_start, batch.chunk_end, plan.prefill_bucket
-                )
-                logits = runner.prefill_fn(*inputs)
-            else:  # an empty padded prefill, so the others' MoE collectives line up
-                runner.prefill_fn(*runner.padding_inputs(False, plan.prefill_bucket))
-        if plan.decode_bucket:
-            if want_d:
-                n = len(batch.requests)
-                logits = runner.decode_fn(*runner.decode_inputs(batch.requests, plan.decode_bucket))
-                logits = logits[:n]
-            else:
-                runner.decode_fn(*runner.padding_inputs(True, plan.decode_bucket))
+        if eng.config.tp == 1:  # no collective inside the model: no padded sub-steps needed
+            if batch is not None:
+                logits = runner.forward(batch)
+        else:
+            logits = self._lockstep(batch, want_p, want_d, plan)
         outs = eng._postprocess(batch, logits) if batch is not None else []
         if self.dp == 1:
             return outs  # every rank ran the same batch and sampled the same tokens
