@@ -93,7 +93,8 @@ def effective_batch(quant: str, n: int, ctx: int, a: argparse.Namespace) -> dict
     from runtime.distributed.plan import GIB, memory_plan, plan_engine, v32_config
 
     cfg = v32_config(quant)
-    eng = plan_engine(n, n, a.gpu_tokens, 1 << 16, 64, a.kv_format, True, ctx)
+    # a host pool of one context: the plan's prefill buffer is then sized for ``ctx`` tokens
+    eng = plan_engine(n, n, a.gpu_tokens, -(-ctx // 64) * 64, 64, a.kv_format, True, ctx)
     plan = memory_plan(cfg, eng, a.gpu_mem_gib, None, a.reserve_gib)
     fixed = plan.gpu_gib["weights"] + plan.gpu_gib["prefill buffer"] + a.reserve_gib
     per_req_gpu = ctx * LAYERS * (ROW_BYTES[a.kv_format] + INDEX_ROW_BYTES) / GIB
