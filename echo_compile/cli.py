@@ -47,6 +47,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel feed-forward ranks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (instead of --tp)")
     _threads_arg(p)
 
 
@@ -60,6 +61,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         max_model_len=a.max_model_len,
         dp=a.dp,
         tp=a.tp,
+        ep=a.ep,
     )
     if a.device:
         opts["device"] = a.device
@@ -115,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp")
     pl.add_argument("--dp", type=int, default=None)
     pl.add_argument("--tp", type=int, default=None)
+    pl.add_argument("--ep", action="store_true", help="routed experts split by expert, not tp")
     pl.add_argument("--gpu-tokens", type=int, default=200000, help="GPU pool rows per layer")
     pl.add_argument("--host-tokens", type=int, default=1 << 21, help="host pool rows per layer")
     pl.add_argument("--max-batch", type=int, default=64)
@@ -183,8 +186,9 @@ def _run(a: argparse.Namespace) -> int:
         else:
             config = v32_config(a.quant)
         dp, tp = a.dp or a.gpus, a.tp or a.gpus
-        eng = plan_engine(dp, tp, a.gpu_tokens, a.host_tokens, a.max_batch, a.kv_format,
-                          not a.no_offload, a.max_model_len)  # fmt: skip
+        ep = tp if a.ep else 1
+        eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
+                          a.kv_format, not a.no_offload, a.max_model_len, ep)  # fmt: skip
         mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
         plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib)
         print(plan.table())
@@ -192,7 +196,7 @@ def _run(a: argparse.Namespace) -> int:
         return 0
     if a.cmd == "serve":
         check_device(a.device)
-        if a.dp * a.tp > 1:
+        if max(a.dp, a.tp, a.ep) > 1:
             raise ValueError(
                 "serve --dp/--tp > 1: the multi-rank HTTP front end is not built yet; run "
                 "`echo-compile generate --dp N --tp N` or the LLM API under torchrun"

@@ -121,11 +121,46 @@ class TPMoE(MoE):
         return _tp_ffn(x, self.tp, self.partial)
 
 
-def parallelize_ffn(model: nn.Module, config: ModelConfig, g: TPGroup) -> None:
+class EPMoE(MoE):
+    """``MoE`` with the routed experts split by expert (expert parallel): this rank holds experts
+    ``[rank * E/ep, (rank + 1) * E/ep)`` whole and weighs only the picks that fall on them; the
+    shared experts are TP-split as in ``TPMoE``. The same collectives as TP (every rank's rows
+    gathered, fp32 partial sums reduce-scattered): fixed shapes, no token counts exchanged.
+
+    NOTE: a pick of another rank's expert is sent to local expert 0 with weight 0 (fixed shapes,
+    no per-expert token lists): exact unless that expert's output is inf or NaN."""
+
+    def __init__(self, config: ModelConfig, g: TPGroup):
+        super().__init__(config)
+        d, inter = config.hidden_size, config.moe_intermediate_size
+        self.n_local = shard_dim(config.n_routed_experts, g.size, "n_routed_experts")
+        self.first = g.rank * self.n_local
+        self.experts = Experts(self.n_local, d, inter)
+        shared = shard_dim(config.n_shared_experts * inter, g.size, "shared experts' features")
+        self.shared_experts = MLP(d, shared) if config.n_shared_experts > 0 else None
+        self.tp = g
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.gate(x)  # [T, k] fp32, [T, k] global expert ids
+        local = indices - self.first
+        mine = (local >= 0) & (local < self.n_local)  # [T, k] picks of this rank's experts
+        ids = torch.where(mine, local, torch.zeros_like(local))
+        w = torch.where(mine, weights, torch.zeros_like(weights))
+        y = self.experts(x, ids, w).float()  # [T, D] this rank's experts' share
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _tp_ffn(x, self.tp, self.partial)
+
+
+def parallelize_ffn(model: nn.Module, config: ModelConfig, g: TPGroup, ep: bool = False) -> None:
     """Replace, in place, every block's ``mlp`` of ``model`` (``DeepseekV32ForCausalLM``, built
-    on the meta device before loading) by its TP version for group ``g``."""
+    on the meta device before loading) by its TP version for group ``g`` (``ep``: the routed
+    experts split by expert instead, ``EPMoE``)."""
     for i, block in enumerate(model.model.layers):
         if config.is_moe_layer(i):
-            block.mlp = TPMoE(config, g)
+            block.mlp = EPMoE(config, g) if ep else TPMoE(config, g)
         else:
             block.mlp = TPMLP(config.hidden_size, config.intermediate_size, g)

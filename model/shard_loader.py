@@ -51,6 +51,20 @@ _AXES = {
 }
 
 
+_ROUTED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.*)")
+
+
+def local_expert_name(name: str, g: TPGroup, n_experts: int) -> str | None:
+    """Expert parallel: checkpoint name ``name`` with its expert index made local to rank
+    ``g.rank``; None for another rank's expert (never read); ``name`` itself for the rest."""
+    m = _ROUTED.fullmatch(name)
+    if m is None:
+        return name
+    per = n_experts // g.size
+    e = int(m.group(2)) - g.rank * per
+    return f"{m.group(1)}.{e}.{m.group(3)}" if 0 <= e < per else None
+
+
 def shard_axis(name: str) -> int | None:
     """The axis along which checkpoint tensor ``name`` is split over TP ranks, or None (whole)."""
     m = _FFN.fullmatch(name)
@@ -71,9 +85,12 @@ def _block_rows(name: str, dtype: str) -> int:
     return 1
 
 
-def read_shard(f, name: str, file: str, g: TPGroup) -> torch.Tensor:
-    """This rank's part of tensor ``name`` from the open safetensors file ``f``."""
+def read_shard(f, name: str, file: str, g: TPGroup, ep: bool = False) -> torch.Tensor:
+    """This rank's part of tensor ``name`` from the open safetensors file ``f`` (``ep``: routed
+    experts are read whole, the caller picks the rank's experts)."""
     axis = shard_axis(name) if g.size > 1 else None
+    if ep and _ROUTED.fullmatch(name):
+        axis = None
     if axis is None:
         return f.get_tensor(name)
     sl = f.get_slice(name)
@@ -92,9 +109,11 @@ def read_shard(f, name: str, file: str, g: TPGroup) -> torch.Tensor:
     return sl[tuple(idx)]
 
 
-def load_shard_weights(model: nn.Module, path: Path, config: ModelConfig, device, g: TPGroup):
+def load_shard_weights(
+    model: nn.Module, path: Path, config: ModelConfig, device, g: TPGroup, ep: bool = False
+):
     """``model.loader.load_weights`` for one rank: materialise, read each tensor's shard, check.
-    The MTP layer is not read (it is not served)."""
+    The MTP layer is not read (it is not served); with ``ep``, nor are other ranks' experts."""
     index, files = _shards(path)
     model.to_empty(device=device)
     loader = _Loader(model, config, path)
@@ -111,19 +130,25 @@ def load_shard_weights(model: nn.Module, path: Path, config: ModelConfig, device
                         f"missing tensor {name!r}: {path / index} places it in {path / file}, "
                         "which does not contain it"
                     )
-                if not loader.is_mtp(name):
-                    loader.add(name, read_shard(f, name, str(path / file), g), file)
+                if loader.is_mtp(name):
+                    continue
+                local = local_expert_name(name, g, config.n_routed_experts) if ep else name
+                if local is not None:
+                    loader.add(local, read_shard(f, name, str(path / file), g, ep), file)
     loader.finish(index)
     _init_non_persistent_buffers(model)
 
 
-def build_sharded_model(config: ModelConfig, g: TPGroup, dtype: torch.dtype = torch.bfloat16):
-    """The rank's model on the meta device: TP feed-forward blocks, AWQ modules if quantised."""
+def build_sharded_model(
+    config: ModelConfig, g: TPGroup, dtype: torch.dtype = torch.bfloat16, ep: bool = False
+):
+    """The rank's model on the meta device: TP (``ep``: EP routed experts) feed-forward blocks,
+    AWQ modules if quantised."""
     from model.model import DeepseekV32ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
-        parallelize_ffn(model, config, g)
+        parallelize_ffn(model, config, g, ep)
     _cast_half_params(model, dtype)
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import convert_to_awq
@@ -137,8 +162,10 @@ def load_sharded_model(
     g: TPGroup,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    ep: bool = False,
 ) -> tuple[nn.Module, LoadExtras]:
-    """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read."""
+    """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
+    (``ep``: its routed experts whole instead of a slice of every expert)."""
     path = resolve_model(path_or_name)
     raw = _read_json(_require(path, "config.json"), "model config")
     if not isinstance(raw, dict):
@@ -147,8 +174,8 @@ def load_sharded_model(
     _require(path, "tokenizer.json")
     gen = path / "generation_config.json"
     generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
-    model = build_sharded_model(config, g, dtype)
-    load_shard_weights(model, path, config, device, g)
+    model = build_sharded_model(config, g, dtype, ep)
+    load_shard_weights(model, path, config, device, g, ep)
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import densify_awq
 

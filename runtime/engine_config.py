@@ -63,6 +63,8 @@ class EngineConfig:
     # own requests and KV cache), the feed-forward blocks tensor-parallel over tp ranks
     dp: int = 1
     tp: int = 1
+    # ep > 1: the routed experts split by expert over ep ranks instead (dense and shared TP)
+    ep: int = 1
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -72,7 +74,7 @@ class EngineConfig:
 
         for name in (
             *("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"),
-            *("dp", "tp"),
+            *("dp", "tp", "ep"),
         ):
             positive_int(name)
         if self.dp > 1 and self.tp > 1 and self.dp != self.tp:
@@ -81,6 +83,12 @@ class EngineConfig:
                 "is one data-parallel attention rank and one tensor-parallel feed-forward rank; "
                 "attention is not split over heads)"
             )
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(
+                f"tp={self.tp} and ep={self.ep}: split the feed-forward one way, by tp or by ep"
+            )
+        if self.ep > 1 and self.dp > 1 and self.dp != self.ep:
+            raise ValueError(f"dp={self.dp} and ep={self.ep}: with both above 1 they must be equal")
         if self.host_tokens % PAGE:
             raise ValueError(f"host_tokens must be a multiple of {PAGE}, got {self.host_tokens}")
         if self.prefill_chunk % 16:
@@ -108,7 +116,12 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         """Processes (GPUs) the configuration runs on."""
-        return max(self.dp, self.tp)
+        return max(self.dp, self.tp, self.ep)
+
+    @property
+    def ffn_ranks(self) -> int:
+        """Ranks the feed-forward blocks are split over (by tp or by ep)."""
+        return max(self.tp, self.ep)
 
     @property
     def buckets(self) -> tuple[int, ...]:

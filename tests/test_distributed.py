@@ -24,7 +24,7 @@ from runtime.distributed.process import spawn
 # size (and the tokens).
 LOGIT_TOL_MAX = 0.75
 LOGIT_TOL_MEAN = 0.06
-NEAR_TIE = 0.1  # the 4-process test: see _same_until_near_tie
+NEAR_TIE = 0.1  # see _same_until_near_tie
 LENS = [40, 90, 60, 120]  # > index_topk = 32 (sparse selection), prefilled in 1-2 chunks
 COMMON = dict(max_batch=4, host_tokens=64 * 16, max_model_len=256, prefill_chunk=64)
 ALL = list(range(len(LENS)))
@@ -42,6 +42,7 @@ def runs(tmp_path_factory):
         ("dp_tp_gpu_only", dict(COMMON, dp=2, tp=2, offload=False), ALL),
         ("tp", dict(COMMON, tp=2, gpu_tokens=128), ALL),
         ("dp", dict(COMMON, dp=2, gpu_tokens=128), ALL),
+        ("dp_ep", dict(COMMON, dp=2, ep=2, gpu_tokens=128), ALL),
         ("one_request", dict(COMMON, dp=2, tp=2, gpu_tokens=128), [3]),
     ]
     spawn(gen_worker, 2, str(out), cases, prompts, 60.0)
@@ -57,15 +58,26 @@ def _logits_by_prompt(rec: dict) -> dict[int, torch.Tensor]:
     return {i: torch.stack(rec["logits"][rid]) for i, rid in enumerate(rec["ids"])}
 
 
-@pytest.mark.parametrize("case", ["dp_tp", "dp_tp_gpu_only", "tp", "dp"])
-def test_tokens_equal_single_process(runs, case):
+def test_dp_tokens_equal_single_process(runs):
+    """Data parallel alone changes no sum: the tokens are the single process's exactly."""
     ranks, ref = runs
     for r in ranks:  # every rank's front end sees every request's tokens
-        assert r[case]["tokens"] == ref["tokens"], f"{case}: tokens differ on a rank"
+        assert r["dp"]["tokens"] == ref["tokens"]
+
+
+@pytest.mark.parametrize("case", ["dp_tp", "dp_tp_gpu_only", "tp", "dp_ep"])
+def test_tokens_equal_single_process_up_to_near_ties(runs, case):
+    ranks, ref = runs
+    compared = 0
+    for r in ranks:  # every rank's front end sees every request's tokens
         assert all(len(t) == MAX_TOKENS for t in r[case]["tokens"])
+        for i, rid in enumerate(ref["ids"]):
+            got = r[case]["tokens"][i]
+            compared += _same_until_near_tie(got, ref["tokens"][i], ref["logits"][rid])
+    assert compared >= 0.75 * 2 * len(LENS) * MAX_TOKENS, f"{case}: {compared} tokens compared"
 
 
-@pytest.mark.parametrize("case", ["dp_tp", "tp", "dp"])
+@pytest.mark.parametrize("case", ["dp_tp", "tp", "dp", "dp_ep"])
 def test_logits_within_tolerance(runs, case):
     ranks, ref = runs
     want = _logits_by_prompt(ref)
@@ -77,7 +89,10 @@ def test_logits_within_tolerance(runs, case):
                 continue  # decoded on the other DP rank
             got = torch.stack(rec["logits"][rid])
             assert got.shape == want[i].shape
-            err = (got - want[i]).abs()
+            # up to the step where the tokens part at a near-tie (later inputs differ)
+            n = _same_until_near_tie(rec["tokens"][i], ref["tokens"][i], ref["logits"][rid])
+            n = min(n + 1, MAX_TOKENS)
+            err = (got[:n] - want[i][:n]).abs()
             assert err.max() <= LOGIT_TOL_MAX, f"{case}: prompt {i} logits differ by {err.max()}"
             errs.append(err.flatten())
             seen += 1
@@ -152,9 +167,10 @@ def test_four_processes_dp_tp_tokens_equal_single_process(tmp_path):
 def _same_until_near_tie(got: list[int], want: list[int], logits: list[torch.Tensor]) -> int:
     """Greedy tokens equal, except that a run may part at a step where the reference's best two
     logits are closer than NEAR_TIE (the order of the TP sums then decides the token, and the
-    continuations differ): the tiny random model's margins are small (measured: 0.01 to 0.2 on
-    these prompts; with dp = tp = 4 two requests part, at margins 0.021 and 0.045). Returns the
-    number of tokens compared."""
+    continuations differ): the tiny random model's margins are small (measured: often 0.02 to
+    0.2, against step errors up to 0.15 at the first token); with dp = ep = 2 one request parts at
+    its first token (margin 0.077), with dp = tp = 4 two part (margins 0.021 and 0.045). Returns
+    the number of tokens compared."""
     for s, (a, b) in enumerate(zip(got, want, strict=True)):
         if a != b:
             top2 = logits[s].topk(2).values

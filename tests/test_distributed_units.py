@@ -12,7 +12,7 @@ from model.config import ModelConfig
 from model.loader import load_model
 from model.parallel import TPGroup
 from model.presets import tiny_config_dict
-from model.shard_loader import load_sharded_model, shard_axis
+from model.shard_loader import load_sharded_model, local_expert_name, shard_axis
 from runtime.distributed.balance import RankLoad, assign
 from runtime.distributed.step_sync import combine
 from runtime.engine_config import EngineConfig
@@ -23,6 +23,11 @@ def test_engine_config_dp_tp():
     assert EngineConfig(tp=4).world_size == 4 and EngineConfig(dp=8).world_size == 8
     with pytest.raises(ValueError, match="must be equal"):
         EngineConfig(dp=2, tp=4)
+    assert EngineConfig(dp=4, ep=4).ffn_ranks == 4 and EngineConfig(ep=2).world_size == 2
+    with pytest.raises(ValueError, match="by tp or by ep"):
+        EngineConfig(tp=2, ep=2)
+    with pytest.raises(ValueError, match="dp=2 and ep=4"):
+        EngineConfig(dp=2, ep=4)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="dp must be a positive integer"):
             EngineConfig(dp=bad)
@@ -120,3 +125,32 @@ def test_tp_partial_outputs_add_up_to_the_block():
         ulp = 2.0**-7 * ref.abs().max().item()
         assert (got - ref).abs().max().item() <= ulp, f"layer {i}"
         assert not torch.equal(shards[0].model.layers[i].mlp.partial(x), ref)  # a real split
+
+
+def test_ep_shards_hold_their_experts_whole():
+    g1 = TPGroup(1, 2, "", gather=True)
+    assert local_expert_name("model.layers.2.mlp.experts.5.up_proj.weight", g1, 8) == (
+        "model.layers.2.mlp.experts.1.up_proj.weight"
+    )
+    assert local_expert_name("model.layers.2.mlp.experts.3.up_proj.weight", g1, 8) is None
+    assert local_expert_name("model.layers.2.mlp.gate.weight", g1, 8) == (
+        "model.layers.2.mlp.gate.weight"
+    )
+    full, _ = load_model("tiny", keep_mtp=False)
+    shards = [load_sharded_model("tiny", TPGroup(r, 2, "", gather=True), ep=True)[0]
+              for r in range(2)]  # fmt: skip
+    x = torch.randn(12, full.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    for i, layer in enumerate(full.model.layers):
+        if not full.config.is_moe_layer(i):
+            continue
+        whole = layer.mlp.experts
+        for r, s in enumerate(shards):
+            mine = s.model.layers[i].mlp.experts
+            assert mine.n_experts == 4
+            assert torch.equal(mine.w13_weight, whole.w13_weight[4 * r : 4 * r + 4])
+            assert torch.equal(mine.w2_weight, whole.w2_weight[4 * r : 4 * r + 4])
+        ref = layer.mlp(x).float()
+        got = sum(s.model.layers[i].mlp.partial(x) for s in shards).to(torch.bfloat16).float()
+        ulp = 2.0**-7 * ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= ulp, f"layer {i}"

@@ -155,7 +155,7 @@ class DistributedEngine:
         if not plan.any_unfinished:
             return []  # no rank has work (every rank sees the same plan)
         logits = None
-        if eng.config.tp == 1:  # no collective inside the model: no padded sub-steps needed
+        if eng.config.ffn_ranks == 1:  # no collective inside the model: no padded sub-steps
             if batch is not None:
                 logits = runner.forward(batch)
         else:
@@ -168,8 +168,8 @@ class DistributedEngine:
 
 
 def tp_group(ctx: DistContext, config: EngineConfig) -> TPGroup:
-    """The group the feed-forward blocks reduce over: every rank when tp > 1."""
-    if config.tp == 1:
+    """The group the feed-forward blocks reduce over: every rank when tp or ep > 1."""
+    if config.ffn_ranks == 1:
         return TPGroup(0, 1, "", gather=False)
     return TPGroup(ctx.rank, ctx.world_size, ctx.group_name, gather=config.dp > 1)
 
@@ -194,13 +194,14 @@ def build_distributed_engine(
         ctx = init_distributed(dev, timeout_s or DEFAULT_TIMEOUT_S)
     if ctx.world_size != config.world_size:
         raise ValueError(
-            f"dp={config.dp}, tp={config.tp} need {config.world_size} processes, but this job "
-            f"has {ctx.world_size}: launch with torchrun --nproc-per-node {config.world_size}"
+            f"dp={config.dp}, tp={config.tp}, ep={config.ep} need {config.world_size} processes, "
+            f"but this job has {ctx.world_size}: launch with torchrun --nproc-per-node "
+            f"{config.world_size}"
         )
     config = replace(config, device=ctx.device)
     g = tp_group(ctx, config)
     if g.size > 1:
-        net, _ = load_sharded_model(path, g, device=ctx.device)
+        net, _ = load_sharded_model(path, g, device=ctx.device, ep=config.ep > 1)
     else:
         net, _ = load_model(path, device=ctx.device, keep_mtp=False)
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None

@@ -39,12 +39,13 @@ def v32_config(quant: str) -> ModelConfig:
     return _with_quantization(ModelConfig.from_dict(d), quant == "fp8", quant == "awq")
 
 
-def weight_bytes(config: ModelConfig, tp: int, rank: int = 0) -> int:
-    """Bytes of one rank's parameters and buffers (built on the meta device)."""
+def weight_bytes(config: ModelConfig, tp: int, rank: int = 0, ep: bool = False) -> int:
+    """Bytes of one rank's parameters and buffers (built on the meta device) when the
+    feed-forward is split over ``tp`` ranks (``ep``: routed experts by expert)."""
     from model.parallel import TPGroup
     from model.shard_loader import build_sharded_model
 
-    model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True))
+    model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True), ep=ep)
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import densify_awq
 
@@ -98,13 +99,11 @@ class MemoryPlan:
         out = []
         if self.gpu_total_gib > self.gpu_mem_gib:
             w = self.gpu_gib["weights"]
+            why = " (FP8 weights are dequantised to bf16 at load)" if "fp8" in self.quant else ""
             out.append(
                 f"{self.quant} on dp={self.dp} tp={self.tp}: a GPU needs "
-                f"{self.gpu_total_gib:.1f} GiB ({w:.1f} GiB weights) but has {self.gpu_mem_gib:g}"
-                " GiB"
-                + (
-                    " (FP8 weights are dequantised to bf16 at load)" if self.quant == "fp8" else ""
-                )  # fmt: skip
+                f"{self.gpu_total_gib:.1f} GiB ({w:.1f} GiB weights) but has "
+                f"{self.gpu_mem_gib:g} GiB{why}"
             )
         if self.host_mem_gib is not None and self.host_total_gib > self.host_mem_gib:
             out.append(
@@ -143,9 +142,10 @@ def memory_plan(
     if gpu_mem_gib <= 0 or reserve_gib < 0:
         raise ValueError("gpu_mem_gib must be positive and reserve_gib >= 0")
     q = config.quantization.method if config.quantization is not None else "bf16"
+    q += " (experts by expert)" if engine.ep > 1 else ""
     cache = cache_bytes(engine.cache_config(config))
     host = cache.pop("host kv pool")
-    gpu = {"weights": weight_bytes(config, engine.tp), **cache}
+    gpu = {"weights": weight_bytes(config, engine.ffn_ranks, ep=engine.ep > 1), **cache}
     return MemoryPlan(
         q,
         engine.dp,
@@ -167,6 +167,7 @@ def plan_engine(
     kv_format: str = "fp8",
     offload: bool = True,
     max_model_len: int = 163840,
+    ep: int = 1,
 ) -> EngineConfig:
     """An engine config for planning (long contexts: the whole V3.2 context by default)."""
     base = EngineConfig(
@@ -177,4 +178,4 @@ def plan_engine(
         offload=offload,
         max_model_len=max_model_len,
     )
-    return replace(base, dp=dp, tp=tp)
+    return replace(base, dp=dp, tp=tp, ep=ep)
