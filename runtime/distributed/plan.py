@@ -80,7 +80,7 @@ def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
 class MemoryPlan:
     quant: str
     dp: int
-    tp: int
+    tp: int  # ranks the feed-forward is split over (by tp or, see quant, by ep)
     gpu_gib: dict[str, float]  # per GPU, by item
     host_gib_per_rank: float
     gpu_mem_gib: float
@@ -149,7 +149,7 @@ def memory_plan(
     return MemoryPlan(
         q,
         engine.dp,
-        engine.tp,
+        engine.ffn_ranks,
         {k: v / GIB for k, v in gpu.items()},
         host / GIB,
         gpu_mem_gib,
