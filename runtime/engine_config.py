@@ -65,6 +65,8 @@ class EngineConfig:
     tp: int = 1
     # ep > 1: the routed experts split by expert over ep ranks instead (dense and shared TP)
     ep: int = 1
+    # seconds a collective may wait for the other ranks before the engine stops with RankFailure
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -83,6 +85,9 @@ class EngineConfig:
                 "is one data-parallel attention rank and one tensor-parallel feed-forward rank; "
                 "attention is not split over heads)"
             )
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"collective_timeout_s must be a positive number, got {t!r}")
         if self.ep > 1 and self.tp > 1:
             raise ValueError(
                 f"tp={self.tp} and ep={self.ep}: split the feed-forward one way, by tp or by ep"

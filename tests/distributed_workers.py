@@ -46,13 +46,15 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
     """Run every (name, engine options, prompt indices) case under one process group; save
     per-rank records."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import init_distributed, shutdown
+    from runtime.distributed.process import shutdown
 
     torch.set_num_threads(1)
-    init_distributed("cpu", timeout_s)
     recs = {}
     for name, opts, which in cases:
-        llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
+        llm = LLM(
+            "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s,
+            **opts,
+        )  # fmt: skip
         recs[name] = generate_and_record(llm, [prompts[i] for i in which])
         recs[name]["unfinished_after"] = llm.engine.has_unfinished()  # a collective
     torch.save(recs, Path(out) / f"rank{rank}.pt")
@@ -63,11 +65,11 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
 def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
     """Rank 1 exits abruptly after two steps; rank 0 records the error it gets and when."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import init_distributed
 
     torch.set_num_threads(1)
-    init_distributed("cpu", timeout_s)
-    llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s, **opts
+    )
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"r{i}", p, params)
@@ -92,11 +94,12 @@ def lint_worker(rank: int, out: str, opts: dict, timeout_s: float) -> None:
 
     from echo_compile.graph_lint import LintReport, lint_backend
     from echo_compile.llm import LLM
-    from runtime.distributed.process import init_distributed, shutdown
+    from runtime.distributed.process import shutdown
 
     torch.set_num_threads(1)
-    init_distributed("cpu", timeout_s)
-    llm = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s, **opts
+    )
     runner = llm.engine.runner
     report = LintReport()
     lint = lint_backend(report)
@@ -126,13 +129,15 @@ def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: floa
     from torch._dynamo.utils import counters
 
     from echo_compile.llm import LLM
-    from runtime.distributed.process import init_distributed, shutdown
+    from runtime.distributed.process import shutdown
 
-    init_distributed(f"cuda:{rank}", timeout_s)
     recs = {}
     counters.clear()
     for name, opts, which in cases:
-        llm = LLM("tiny", compile=True, progress=False, device="cuda", **opts)
+        llm = LLM(
+            "tiny", compile=True, progress=False, device="cuda", collective_timeout_s=timeout_s,
+            **opts,
+        )  # fmt: skip
         with torch.compiler.set_stance("fail_on_recompile"):
             recs[name] = generate_and_record(llm, [prompts[i] for i in which])
         recs[name]["logits"] = {k: [t.cpu() for t in v] for k, v in recs[name]["logits"].items()}

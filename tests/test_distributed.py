@@ -140,7 +140,7 @@ def test_killed_rank_stops_the_other_with_a_clear_error(tmp_path):
     assert all(p.exitcode is not None for p in ctx.processes), "a rank hung"
     assert ctx.processes[1].exitcode == 3
     waited, msg = (tmp_path / "rank0.txt").read_text().split("\n", 1)
-    assert msg.startswith("RankFailure: rank 0/2:"), msg
+    assert msg.startswith("RankFailure: rank 0/2:") and "(timeout 10 s)" in msg, msg
     assert "another rank failed, exited or stopped answering" in msg
     assert float(waited) < 15.0, f"rank 0 noticed after {waited} s"
     assert time.perf_counter() - t0 < 90

@@ -28,6 +28,8 @@ def test_engine_config_dp_tp():
         EngineConfig(tp=2, ep=2)
     with pytest.raises(ValueError, match="dp=2 and ep=4"):
         EngineConfig(dp=2, ep=4)
+    with pytest.raises(ValueError, match="collective_timeout_s must be a positive number"):
+        EngineConfig(collective_timeout_s=0)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="dp must be a positive integer"):
             EngineConfig(dp=bad)

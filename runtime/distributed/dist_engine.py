@@ -179,19 +179,18 @@ def build_distributed_engine(
     config: EngineConfig,
     model_name: str = "model",
     compiler_factory=None,
-    timeout_s: float | None = None,
     ctx: DistContext | None = None,
 ) -> DistributedEngine:
-    """Join the process group, load this rank's shard and build its engine. ``config.device``
-    "cuda" becomes this rank's ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a
-    ``StepCompiler`` for the rank's device, or None for eager."""
+    """Join the process group (collectives time out after ``config.collective_timeout_s``), load
+    this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
+    ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
+    device, or None for eager."""
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
-    from runtime.distributed.process import DEFAULT_TIMEOUT_S
 
     if ctx is None:
         dev = None if config.device in ("cuda", "cuda:0") else config.device
-        ctx = init_distributed(dev, timeout_s or DEFAULT_TIMEOUT_S)
+        ctx = init_distributed(dev, config.collective_timeout_s)
     if ctx.world_size != config.world_size:
         raise ValueError(
             f"dp={config.dp}, tp={config.tp}, ep={config.ep} need {config.world_size} processes, "

@@ -57,7 +57,8 @@ def init_distributed(
     """Join (or create) the default process group from the torchrun environment.
 
     ``device`` None: ``cuda:<LOCAL_RANK>`` when CUDA is available, else cpu; ``backend`` None:
-    nccl for CUDA, gloo for CPU."""
+    nccl for CUDA, gloo for CPU. NOTE: a group that already exists keeps the timeout it was
+    created with; ``timeout_s`` then only names it in error messages."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
