@@ -1,4 +1,4 @@
-"""The ``echo-compile`` command: demo, generate, serve, make-checkpoint, bench."""
+"""The ``echo-compile`` command: demo, generate, serve, make-checkpoint, plan, bench."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="capture CUDA graphs (default on CUDA)",
     )
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (torchrun)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel feed-forward ranks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (instead of --tp)")
     _threads_arg(p)
 
 
@@ -57,6 +60,9 @@ def _engine_options(a: argparse.Namespace) -> dict:
         kv_format=a.kv_format,
         offload=not a.no_offload,
         max_model_len=a.max_model_len,
+        dp=a.dp,
+        tp=a.tp,
+        ep=a.ep,
     )
     if a.device:
         opts["device"] = a.device
@@ -140,6 +146,25 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--experts", type=int, default=None, help="bench preset: routed experts")
     _threads_arg(m)
 
+    pl = sub.add_parser("plan", help="per-GPU memory plan of a dp/tp deployment of V3.2")
+    pl.add_argument("--quant", choices=("awq", "fp8", "bf16"), default="awq")
+    pl.add_argument("--model", default=None, help="a checkpoint directory (default: V3.2's config)")
+    pl.add_argument("--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp")
+    pl.add_argument("--dp", type=int, default=None)
+    pl.add_argument("--tp", type=int, default=None)
+    pl.add_argument("--ep", action="store_true", help="routed experts split by expert, not tp")
+    pl.add_argument("--gpu-tokens", type=int, default=200000, help="GPU pool rows per layer")
+    pl.add_argument("--host-tokens", type=int, default=1 << 21, help="host pool rows per layer")
+    pl.add_argument("--max-batch", type=int, default=64)
+    pl.add_argument("--max-model-len", type=int, default=163840)
+    pl.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
+    pl.add_argument("--no-offload", action="store_true")
+    pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
+    pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
+    pl.add_argument("--host-mem-gib", type=float, default=None, help="per node; unchecked if unset")
+    pl.add_argument("--reserve-gib", type=float, default=8.0, help="activations, graphs, NCCL")
+    _threads_arg(pl)
+
     sub.add_parser("bench", help="end-to-end offloading vs GPU-only benchmark (see bench --help)")
     return ap
 
@@ -201,12 +226,40 @@ def _run(a: argparse.Namespace) -> int:
         from echo_compile.llm import LLM
 
         llm = LLM(a.model, compile=a.compile, **_engine_options(a))
-        for r in llm.generate(a.prompts, params, progress=True):
-            print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
+        import os
+
+        first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank has the results
+        for r in llm.generate(a.prompts, params, progress=first):
+            if first:
+                print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
+        return 0
+    if a.cmd == "plan":
+        from runtime.distributed.plan import GPU_MEM_GIB, memory_plan, plan_engine, v32_config
+
+        if a.model is not None:
+            from model.checkpoint import resolve_model
+            from model.config import ModelConfig
+
+            config = ModelConfig.from_json(resolve_model(a.model) / "config.json")
+        else:
+            config = v32_config(a.quant)
+        dp, tp = a.dp or a.gpus, a.tp or a.gpus
+        ep = tp if a.ep else 1
+        eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
+                          a.kv_format, not a.no_offload, a.max_model_len, ep)  # fmt: skip
+        mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
+        plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib)
+        print(plan.table())
+        plan.check()  # a plan that does not fit: one error line, exit 2
         return 0
     if a.cmd == "serve":
         options = serve_options(a)
         check_device(a.device)
+        if max(a.dp, a.tp, a.ep) > 1:
+            raise ValueError(
+                "serve --dp/--tp > 1: the multi-rank HTTP front end is not built yet; run "
+                "`echo-compile generate --dp N --tp N` or the LLM API under torchrun"
+            )
         from echo_compile.llm import LLM
         from runtime.async_engine import AsyncEngine
         from runtime.server import serve

@@ -45,8 +45,9 @@ class LLM:
     per layer), ``gpu_tokens`` (GPU pool rows per layer), ``kv_format`` ("bf16" | "fp8"),
     ``offload`` (False: the whole KV cache on the device), ``max_model_len``, ``prefill_chunk``,
     ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill, one graph per chunk
-    bucket, for any ``max_model_len``; False: eager prefill). ``compile`` (default: on CUDA)
-    captures every bucket into CUDA graphs at start-up, then forbids recompiles. Any number of
+    bucket, for any ``max_model_len``; False: eager prefill), ``dp`` / ``tp`` (multi-process: run
+    the same script on every rank under torchrun, docs/multi_gpu.md). ``compile`` (default: on
+    CUDA) captures every bucket into CUDA graphs at start-up, then forbids recompiles. Any number of
     engines may live in one process: each owns its compiled steps.
     """
 
@@ -66,17 +67,25 @@ class LLM:
             engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(**engine_options)
         path = resolve_model(model)
-        net, extras = load_model(path, device=config.device)
         self.model_path = path
         compiled = compile if compile is not None else config.device.startswith("cuda")
-        self.engine = Engine(
-            net,
-            net.config,
-            Tokenizer.from_dir(path),
-            config,
-            model_name=model,
-            compiler=StepCompiler(config.device) if compiled else None,
-        )
+        if config.world_size > 1:
+            # one rank of a dp/tp job (torchrun): every rank runs this same code (docs/multi_gpu.md)
+            from runtime.distributed.dist_engine import build_distributed_engine
+
+            self.engine = build_distributed_engine(
+                path, config, model, StepCompiler if compiled else None
+            )
+        else:
+            net, extras = load_model(path, device=config.device)
+            self.engine = Engine(
+                net,
+                net.config,
+                Tokenizer.from_dir(path),
+                config,
+                model_name=model,
+                compiler=StepCompiler(config.device) if compiled else None,
+            )
         # warm-up captures every bucket, then forbids recompiles of the engine's steps: from here
         # on a request can never trigger a compile
         self.warmup_s = self.engine.runner.warmup(progress=progress) if compiled else 0.0

@@ -68,6 +68,14 @@ class EngineConfig:
     prefetch: str = "off"
     prefetch_cap: int = 64  # rows per request and layer ("request"); staging rows = max_batch x it
     prefetch_ratio: float = 1 / 512  # "global": budget rows per context token of the batch
+    # multi-process serving (docs/multi_gpu.md): dp data-parallel attention ranks (each with its
+    # own requests and KV cache), the feed-forward blocks tensor-parallel over tp ranks
+    dp: int = 1
+    tp: int = 1
+    # ep > 1: the routed experts split by expert over ep ranks instead (dense and shared TP)
+    ep: int = 1
+    # seconds a collective may wait for the other ranks before the engine stops with RankFailure
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -75,8 +83,26 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"):
+        for name in (
+            *("max_batch", "host_tokens", "gpu_tokens", "max_model_len", "prefill_chunk"),
+            *("dp", "tp", "ep"),
+        ):
             positive_int(name)
+        if self.dp > 1 and self.tp > 1 and self.dp != self.tp:
+            raise ValueError(
+                f"dp={self.dp} and tp={self.tp}: with both above 1 they must be equal (every rank "
+                "is one data-parallel attention rank and one tensor-parallel feed-forward rank; "
+                "attention is not split over heads)"
+            )
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"collective_timeout_s must be a positive number, got {t!r}")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(
+                f"tp={self.tp} and ep={self.ep}: split the feed-forward one way, by tp or by ep"
+            )
+        if self.ep > 1 and self.dp > 1 and self.dp != self.ep:
+            raise ValueError(f"dp={self.dp} and ep={self.ep}: with both above 1 they must be equal")
         if self.host_tokens % PAGE:
             raise ValueError(f"host_tokens must be a multiple of {PAGE}, got {self.host_tokens}")
         if self.prefill_chunk % 16:
@@ -110,6 +136,16 @@ class EngineConfig:
             not b or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
         ):
             raise ValueError(f"decode_buckets must be positive integers, got {b!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes (GPUs) the configuration runs on."""
+        return max(self.dp, self.tp, self.ep)
+
+    @property
+    def ffn_ranks(self) -> int:
+        """Ranks the feed-forward blocks are split over (by tp or by ep)."""
+        return max(self.tp, self.ep)
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -1,0 +1,185 @@
+"""Load one TP rank's shard of a DeepSeek-V3.2 checkpoint (docs/multi_gpu.md).
+
+The model is built on the meta device with the TP blocks of ``model.parallel`` (the same
+parameter names, ``1/tp`` of the feed-forward intermediate features), and each checkpoint tensor
+of a dense MLP, shared expert or routed expert is read only in this rank's rows or columns
+(``safe_open(...).get_slice``: the other ranks' parts are never read). Everything else
+(attention, indexer, norms, router, embeddings, LM head) is read whole. The three formats:
+- bf16 ``weight [out, in]``; FP8 ``weight`` + ``weight_scale_inv [out/128, in/128]`` (a shard
+  must hold whole 128x128 blocks); AWQ ``qweight [in, out/8]``, ``qzeros [in/128, out/8]``,
+  ``scales [in/128, out]`` (whole 128-row groups, whole packed int32 words).
+``gate_proj``/``up_proj`` are split along their output features, ``down_proj`` along its input.
+The name mapping, the FP8 dequantisation and every missing/unexpected/misshapen check are
+``model.loader``'s, applied to the sliced tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from model.checkpoint import resolve_model
+from model.config import ModelConfig
+from model.loader import (
+    LoadExtras,
+    _cast_half_params,
+    _init_non_persistent_buffers,
+    _Loader,
+    _read_json,
+    _require,
+    _shards,
+)
+from model.parallel import TPGroup, parallelize_ffn
+
+FP8_BLOCK = 128
+AWQ_GROUP = 128
+_FFN = re.compile(
+    r"model\.layers\.\d+\.mlp\.(?:shared_experts\.|experts\.\d+\.)?"
+    r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|qweight|qzeros|scales)"
+)
+# (axis of the output features, axis of the input features) of each stored tensor kind
+_AXES = {
+    "weight": (0, 1),
+    "weight_scale_inv": (0, 1),
+    "qweight": (1, 0),
+    "qzeros": (1, 0),
+    "scales": (1, 0),
+}
+
+
+_ROUTED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.*)")
+
+
+def local_expert_name(name: str, g: TPGroup, n_experts: int) -> str | None:
+    """Expert parallel: checkpoint name ``name`` with its expert index made local to rank
+    ``g.rank``; None for another rank's expert (never read); ``name`` itself for the rest."""
+    m = _ROUTED.fullmatch(name)
+    if m is None:
+        return name
+    per = n_experts // g.size
+    e = int(m.group(2)) - g.rank * per
+    return f"{m.group(1)}.{e}.{m.group(3)}" if 0 <= e < per else None
+
+
+def shard_axis(name: str) -> int | None:
+    """The axis along which checkpoint tensor ``name`` is split over TP ranks, or None (whole)."""
+    m = _FFN.fullmatch(name)
+    if m is None:
+        return None
+    proj, kind = m.groups()
+    out_axis, in_axis = _AXES[kind]
+    return in_axis if proj == "down_proj" else out_axis
+
+
+def _block_rows(name: str, dtype: str) -> int:
+    """Rows (along the split axis) that must stay together: an FP8 weight's 128x128 scale block,
+    an AWQ group of 128 input rows; 1 for anything else."""
+    if dtype.startswith("F8"):  # safetensors' dtype name (F8_E4M3)
+        return FP8_BLOCK
+    if name.endswith(".qweight") and name.split(".")[-2] == "down_proj":
+        return AWQ_GROUP
+    return 1
+
+
+def read_shard(f, name: str, file: str, g: TPGroup, ep: bool = False) -> torch.Tensor:
+    """This rank's part of tensor ``name`` from the open safetensors file ``f`` (``ep``: routed
+    experts are read whole, the caller picks the rank's experts)."""
+    axis = shard_axis(name) if g.size > 1 else None
+    if ep and _ROUTED.fullmatch(name):
+        axis = None
+    if axis is None:
+        return f.get_tensor(name)
+    sl = f.get_slice(name)
+    shape = sl.get_shape()
+    n = shape[axis]
+    block = _block_rows(name, sl.get_dtype())
+    if n % (g.size * block):
+        raise ValueError(
+            f"tensor {name!r} in {file}: {n} along axis {axis} cannot be split over tp={g.size} "
+            f"ranks in whole blocks of {block} (choose a tp that divides the intermediate size "
+            "into multiples of the block)"
+        )
+    part = n // g.size
+    idx = [slice(None)] * len(shape)
+    idx[axis] = slice(g.rank * part, (g.rank + 1) * part)
+    return sl[tuple(idx)]
+
+
+def load_shard_weights(
+    model: nn.Module, path: Path, config: ModelConfig, device, g: TPGroup, ep: bool = False
+):
+    """``model.loader.load_weights`` for one rank: materialise, read each tensor's shard, check.
+    The MTP layer is not read (it is not served); with ``ep``, nor are other ranks' experts."""
+    index, files = _shards(path)
+    model.to_empty(device=device)
+    loader = _Loader(model, config, path)
+    for file, names in files.items():
+        try:
+            f = safe_open(str(path / file), framework="pt", device="cpu")
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
+        with f:
+            keys = set(f.keys())
+            for name in names:
+                if name not in keys:
+                    raise ValueError(
+                        f"missing tensor {name!r}: {path / index} places it in {path / file}, "
+                        "which does not contain it"
+                    )
+                if loader.is_mtp(name):
+                    continue
+                local = local_expert_name(name, g, config.n_routed_experts) if ep else name
+                if local is not None:
+                    loader.add(local, read_shard(f, name, str(path / file), g, ep), file)
+    loader.finish(index)
+    _init_non_persistent_buffers(model)
+
+
+def build_sharded_model(
+    config: ModelConfig, g: TPGroup, dtype: torch.dtype = torch.bfloat16, ep: bool = False
+):
+    """The rank's model on the meta device: TP (``ep``: EP routed experts) feed-forward blocks,
+    AWQ modules if quantised."""
+    from model.model import DeepseekV32ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV32ForCausalLM(config)
+        parallelize_ffn(model, config, g, ep)
+    _cast_half_params(model, dtype)
+    if config.quantization is not None and config.quantization.method == "awq":
+        from model.awq import convert_to_awq
+
+        convert_to_awq(model, config.quantization)
+    return model
+
+
+def load_sharded_model(
+    path_or_name: str | Path,
+    g: TPGroup,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    ep: bool = False,
+) -> tuple[nn.Module, LoadExtras]:
+    """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
+    (``ep``: its routed experts whole instead of a slice of every expert)."""
+    path = resolve_model(path_or_name)
+    raw = _read_json(_require(path, "config.json"), "model config")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}/config.json: expected a JSON object, not {type(raw).__name__}")
+    config = ModelConfig.from_dict(raw)
+    _require(path, "tokenizer.json")
+    gen = path / "generation_config.json"
+    generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+    model = build_sharded_model(config, g, dtype, ep)
+    load_shard_weights(model, path, config, device, g, ep)
+    if config.quantization is not None and config.quantization.method == "awq":
+        from model.awq import densify_awq
+
+        densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
+    model.requires_grad_(False)
+    model.eval()
+    return model, LoadExtras(config, path, generation_config, {})

@@ -1,0 +1,40 @@
+"""Where a new request goes among the data-parallel ranks: by load, within host capacity.
+
+Each DP rank has its own host KV pool, and a request reserves pages for its whole lifetime
+(prompt + max_tokens) at admission. A request goes to the least-loaded rank whose pool has the
+pages free now; if none has, to the least-loaded rank whose pool could ever hold it (it waits
+there for pages, as on one GPU); if no rank's pool is large enough, it is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RankLoad:
+    """One DP rank's state as the front end sees it."""
+
+    load_tokens: int  # tokens still to compute for its running and waiting requests
+    free_pages: int  # host pool pages free now (waiting requests' reservations subtracted)
+    total_pages: int  # host pool pages in all
+
+
+def assign(pages: int, tokens: int, loads: list[RankLoad]) -> int:
+    """The DP rank for a request of ``pages`` host pages and ``tokens`` tokens of work; updates
+    ``loads[rank]`` as if it were admitted there (so a batch of requests spreads)."""
+    if not loads:
+        raise ValueError("no data-parallel ranks to place the request on")
+    now = [r for r, s in enumerate(loads) if s.free_pages >= pages]
+    later = [r for r, s in enumerate(loads) if s.total_pages >= pages]
+    pool = now or later
+    if not pool:
+        biggest = max(s.total_pages for s in loads)
+        raise ValueError(
+            f"the request needs {pages} host KV pages, more than any data-parallel rank's host "
+            f"pool holds ({biggest} pages)"
+        )
+    rank = min(pool, key=lambda r: (loads[r].load_tokens, r))
+    loads[rank].load_tokens += tokens
+    loads[rank].free_pages -= pages  # may go negative: the request waits for pages there
+    return rank

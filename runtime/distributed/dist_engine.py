@@ -1,0 +1,210 @@
+"""One rank of a multi-process engine, with ``Engine``'s interface (``add_request``, ``step``,
+``abort_request``, ``has_unfinished``), so ``echo_compile.LLM`` drives it unchanged.
+
+SPMD: every rank runs the same front-end code with the same calls (torchrun runs the same
+script everywhere); rank 0's arguments are the ones used (broadcast), so the ranks cannot drift.
+- ``dp > 1`` (data-parallel attention, ``dp == tp`` or ``tp == 1``): each rank owns the requests
+  the balancer (``runtime.distributed.balance``) gives it, its own KV cache and scheduler; each
+  step's outputs of all ranks are gathered so every rank's front end sees every request.
+- ``dp == 1`` (tensor-parallel only): every rank holds every request and runs the same batches
+  (the same seeds, the same all-reduced logits), so every rank samples the same tokens.
+A rank whose step raises aborts the process group, so that the other ranks' next collective
+fails at once with ``RankFailure`` instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from custom_ops.kv_format import pages_for
+from model.parallel import TPGroup
+from runtime.distributed.balance import RankLoad, assign
+from runtime.distributed.process import DistContext, guarded, init_distributed, shutdown
+from runtime.distributed.step_sync import agree
+from runtime.engine import Engine, StepOutput
+from runtime.engine_config import EngineConfig
+from runtime.model_runner import StepCompiler, next_bucket
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer import Tokenizer
+
+
+class DistributedEngine:
+    def __init__(self, engine: Engine, ctx: DistContext, dp: int):
+        if dp not in (1, ctx.world_size):
+            raise ValueError(f"dp={dp} must be 1 or the world size {ctx.world_size}")
+        self.engine, self.ctx, self.dp = engine, ctx, dp
+        self.dp_rank = ctx.rank if dp > 1 else 0
+        self.owner: dict[str, int] = {}  # request id -> DP rank, the same on every rank
+
+    # the parts of Engine that the front ends read
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def runner(self):
+        return self.engine.runner
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    # ---- collectives of the control plane (gloo) -----------------------------------------------
+    def _broadcast(self, obj, what: str):
+        box = [obj]
+        with guarded(self.ctx, what):
+            dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
+        return box[0]
+
+    def _gather(self, obj, what: str) -> list:
+        out: list = [None] * self.ctx.world_size
+        with guarded(self.ctx, what):
+            dist.all_gather_object(out, obj, group=self.ctx.cpu_group)
+        return out
+
+    def load(self) -> RankLoad:
+        """This rank's load and host capacity for the balancer."""
+        sched = self.engine.scheduler
+        waiting = sum(pages_for(r.max_total_tokens) for r in sched.waiting)
+        left = sum(r.max_total_tokens - r.num_computed for r in [*sched.running, *sched.waiting])
+        return RankLoad(left, sched.pages.num_free - waiting, sched.pages.num_pages)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_kv=None
+    ) -> None:
+        """Place a request on a DP rank (every rank calls this with the same arguments)."""
+        if prompt_kv is not None:
+            raise ValueError("prompt_kv is not supported with dp/tp > 1 yet")
+        if params.seed is None:  # one seed for the request on every rank (TP ranks must agree)
+            params = replace(params, seed=random.SystemRandom().getrandbits(63))
+        request_id, ids, params = self._broadcast(
+            (request_id, list(prompt_token_ids), params), "the request broadcast"
+        )
+        if request_id in self.owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loads = self._gather(self.load(), "the load exchange")[: self.dp]
+        target = assign(
+            pages_for(len(ids) + params.max_tokens), len(ids) + params.max_tokens, loads
+        )
+        err = None
+        if target == self.dp_rank:
+            try:
+                self.engine.add_request(request_id, ids, params)
+            except ValueError as e:
+                err = str(e)
+        errors = [e for e in self._gather(err, "the admission result") if e is not None]
+        if errors:  # refused on its rank: refused everywhere, with that rank's reason
+            raise ValueError(errors[0])
+        self.owner[request_id] = target
+
+    def abort_request(self, request_id: str) -> None:
+        if self.owner.pop(request_id, None) == self.dp_rank:
+            self.engine.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether any rank has requests left: a collective, so every rank gets the same answer
+        and a ``while engine.has_unfinished(): engine.step()`` loop ends on all ranks at once."""
+        return any(self._gather(self.engine.has_unfinished(), "the unfinished check"))
+
+    # ---- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        except Exception:
+            shutdown()  # the others' next collective fails now instead of at the timeout
+            raise
+
+    def _lockstep(self, batch, want_p: int, want_d: int, plan) -> torch.Tensor | None:
+        """The agreed sub-steps (runtime.distributed.step_sync): this rank's batch in the one of
+        its kind, an empty padded batch in the other, so every rank's collectives line up."""
+        runner, logits = self.engine.runner, None
+        if plan.prefill_bucket:
+            if want_p:
+                req = batch.requests[0]
+                inputs = runner.prefill_inputs(
+                    req, batch.chunk_start, batch.chunk_end, plan.prefill_bucket
+                )
+                logits = runner.prefill_fn(*inputs)
+            else:
+                runner.prefill_fn(*runner.padding_inputs(False, plan.prefill_bucket))
+        if plan.decode_bucket:
+            if want_d:
+                n = len(batch.requests)
+                logits = runner.decode_fn(*runner.decode_inputs(batch.requests, plan.decode_bucket))
+                logits = logits[:n]
+            else:
+                runner.decode_fn(*runner.padding_inputs(True, plan.decode_bucket))
+        return logits
+
+    def _step(self) -> list[StepOutput]:
+        eng, runner = self.engine, self.engine.runner
+        batch = eng.scheduler.schedule()
+        want_p = want_d = 0
+        if batch is not None and batch.is_decode:
+            want_d = next_bucket(len(batch.requests), runner.decode_buckets)
+        elif batch is not None:
+            want_p = next_bucket(batch.chunk_end - batch.chunk_start, runner.prefill_buckets)
+        plan = agree(self.ctx, want_p, want_d, eng.has_unfinished())
+        if not plan.any_unfinished:
+            return []  # no rank has work (every rank sees the same plan)
+        logits = None
+        if eng.config.ffn_ranks == 1:  # no collective inside the model: no padded sub-steps
+            if batch is not None:
+                logits = runner.forward(batch)
+        else:
+            logits = self._lockstep(batch, want_p, want_d, plan)
+        outs = eng._postprocess(batch, logits) if batch is not None else []
+        if self.dp == 1:
+            return outs  # every rank ran the same batch and sampled the same tokens
+        gathered = self._gather([dataclasses.astuple(o) for o in outs], "the output gather")
+        return [StepOutput(*o) for rank_outs in gathered for o in rank_outs]
+
+
+def tp_group(ctx: DistContext, config: EngineConfig) -> TPGroup:
+    """The group the feed-forward blocks reduce over: every rank when tp or ep > 1."""
+    if config.ffn_ranks == 1:
+        return TPGroup(0, 1, "", gather=False)
+    return TPGroup(ctx.rank, ctx.world_size, ctx.group_name, gather=config.dp > 1)
+
+
+def build_distributed_engine(
+    path,
+    config: EngineConfig,
+    model_name: str = "model",
+    compiler_factory=None,
+    ctx: DistContext | None = None,
+) -> DistributedEngine:
+    """Join the process group (collectives time out after ``config.collective_timeout_s``), load
+    this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
+    ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
+    device, or None for eager."""
+    from model.loader import load_model
+    from model.shard_loader import load_sharded_model
+
+    if ctx is None:
+        dev = None if config.device in ("cuda", "cuda:0") else config.device
+        ctx = init_distributed(dev, config.collective_timeout_s)
+    if ctx.world_size != config.world_size:
+        raise ValueError(
+            f"dp={config.dp}, tp={config.tp}, ep={config.ep} need {config.world_size} processes, "
+            f"but this job has {ctx.world_size}: launch with torchrun --nproc-per-node "
+            f"{config.world_size}"
+        )
+    config = replace(config, device=ctx.device)
+    g = tp_group(ctx, config)
+    if g.size > 1:
+        net, _ = load_sharded_model(path, g, device=ctx.device, ep=config.ep > 1)
+    else:
+        net, _ = load_model(path, device=ctx.device, keep_mtp=False)
+    compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
+    engine = Engine(
+        net, net.config, Tokenizer.from_dir(path), config, model_name=model_name, compiler=compiler
+    )
+    return DistributedEngine(engine, ctx, config.dp)

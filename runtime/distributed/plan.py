@@ -1,0 +1,181 @@
+"""The per-GPU memory plan of a dp/tp deployment, computed from the model config (no weights
+read, no memory allocated): what one rank holds on its GPU and in host memory, and a clear
+refusal when it does not fit.
+
+- weights: the rank's model as ``model.shard_loader`` builds it, on the meta device (the exact
+  parameter and buffer bytes it would allocate: attention, embeddings and head whole, the
+  feed-forward blocks 1/tp; AWQ 4-bit with kv_b_proj dequantised; an FP8 checkpoint is
+  dequantised to bf16 at load by model/loader.py, so it is resident as bf16);
+- the KV cache of ``custom_ops.cache`` for the rank's ``CacheConfig``: GPU pools (offload) or
+  the whole KV (GPU-only), the prefill buffer, the indexer cache (one 132-byte key per host
+  row per layer, on the GPU), the pools' maps and recall buffers; the host pool in host memory;
+- a reserve for everything not computed (activations, CUDA graphs' pools, NCCL buffers, the
+  allocator's slack): a stated guess, ``reserve_gib``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from custom_ops.cache.config import CacheConfig
+from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
+from model.config import ModelConfig
+from runtime.engine_config import EngineConfig
+
+GIB = 2**30
+# H200: 141 GB = 131.3 GiB usable by the driver's count (torch reports ~139.8 GiB total)
+GPU_MEM_GIB = {"h200": 139.8, "h20": 95.0, "h100": 79.6}
+
+
+def v32_config(quant: str) -> ModelConfig:
+    """DeepSeek-V3.2's config.json dimensions (61 layers, the first 3 dense, 256 experts), with
+    ``quant`` "bf16" | "fp8" (official 128x128 blocks) | "awq" (4-bit gemm)."""
+    from model.checkpoint import _with_quantization
+    from model.presets import bench_config_dict
+
+    if quant not in ("bf16", "fp8", "awq"):
+        raise ValueError(f"quant must be bf16, fp8 or awq, got {quant!r}")
+    d = dict(bench_config_dict(num_layers=61, n_experts=256), first_k_dense_replace=3)
+    return _with_quantization(ModelConfig.from_dict(d), quant == "fp8", quant == "awq")
+
+
+def weight_bytes(config: ModelConfig, tp: int, rank: int = 0, ep: bool = False) -> int:
+    """Bytes of one rank's parameters and buffers (built on the meta device) when the
+    feed-forward is split over ``tp`` ranks (``ep``: routed experts by expert)."""
+    from model.parallel import TPGroup
+    from model.shard_loader import build_sharded_model
+
+    model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True), ep=ep)
+    if config.quantization is not None and config.quantization.method == "awq":
+        from model.awq import densify_awq
+
+        densify_awq(model)  # as load_sharded_model does (kv_b_proj bf16)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
+    """Device and host bytes of a ``KVCache`` of ``cfg`` (mirrors custom_ops/cache/kv_cache.py
+    and gpu_pool.py allocation by allocation)."""
+    layers, n_h, n_g = cfg.num_layers, cfg.host_tokens, cfg.gpu_tokens
+    kv = n_h * cfg.row_bytes * layers
+    out = {
+        "gpu kv pools": n_g * cfg.row_bytes * layers if cfg.offload else kv,
+        "indexer cache": n_h // PAGE * INDEX_PAGE_BYTES * layers,
+        "prefill buffer": (cfg.prefill_tokens + 1) * cfg.row_bytes * layers
+        if cfg.prefill_tokens
+        else 0,
+        "metadata": 0,
+        "host kv pool": kv if cfg.offload else 0,
+    }
+    if cfg.offload:
+        cap = min(cfg.max_batch * cfg.topk, n_g)
+        # gpu_free int8, gpu_priority + gpu_to_host int32 [N_G]; host_to_gpu int32 [N_H];
+        # indices + miss_host int32 [cap]; meta/hist/totals: a few KB
+        out["metadata"] = (n_g * 9 + n_h * 4 + cap * 8 + 4096) * layers
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    quant: str
+    dp: int
+    tp: int  # ranks the feed-forward is split over (by tp or, see quant, by ep)
+    gpu_gib: dict[str, float]  # per GPU, by item
+    host_gib_per_rank: float
+    gpu_mem_gib: float
+    host_mem_gib: float | None  # per node (all ranks' host pools), None: not checked
+    reserve_gib: float
+
+    @property
+    def gpu_total_gib(self) -> float:
+        return sum(self.gpu_gib.values()) + self.reserve_gib
+
+    @property
+    def host_total_gib(self) -> float:
+        return self.host_gib_per_rank * self.dp
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.gpu_total_gib > self.gpu_mem_gib:
+            w = self.gpu_gib["weights"]
+            why = " (FP8 weights are dequantised to bf16 at load)" if "fp8" in self.quant else ""
+            out.append(
+                f"{self.quant} on dp={self.dp} tp={self.tp}: a GPU needs "
+                f"{self.gpu_total_gib:.1f} GiB ({w:.1f} GiB weights) but has "
+                f"{self.gpu_mem_gib:g} GiB{why}"
+            )
+        if self.host_mem_gib is not None and self.host_total_gib > self.host_mem_gib:
+            out.append(
+                f"the host KV pools need {self.host_total_gib:.1f} GiB ({self.dp} ranks x "
+                f"{self.host_gib_per_rank:.1f}) but the host has {self.host_mem_gib:g} GiB"
+            )
+        return out
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming what does not fit."""
+        p = self.problems()
+        if p:
+            raise ValueError("the plan does not fit: " + "; ".join(p))
+
+    def table(self) -> str:
+        lines = [f"per-GPU memory plan: {self.quant} weights, dp={self.dp} tp={self.tp}"]
+        for k, v in self.gpu_gib.items():
+            lines.append(f"  {k:<16} {v:9.2f} GiB")
+        lines.append(f"  {'reserve (guess)':<16} {self.reserve_gib:9.2f} GiB")
+        lines.append(f"  {'total':<16} {self.gpu_total_gib:9.2f} GiB of {self.gpu_mem_gib:g} GiB")
+        host = f"  host KV pool     {self.host_gib_per_rank:9.2f} GiB per rank"
+        lines.append(host + f", {self.host_total_gib:.1f} GiB per node")
+        lines.append("  fits" if not self.problems() else "  DOES NOT FIT: " + "; ".join(
+            self.problems()))  # fmt: skip
+        return "\n".join(lines)
+
+
+def memory_plan(
+    config: ModelConfig,
+    engine: EngineConfig,
+    gpu_mem_gib: float,
+    host_mem_gib: float | None = None,
+    reserve_gib: float = 8.0,
+) -> MemoryPlan:
+    """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config``."""
+    if gpu_mem_gib <= 0 or reserve_gib < 0:
+        raise ValueError("gpu_mem_gib must be positive and reserve_gib >= 0")
+    q = config.quantization.method if config.quantization is not None else "bf16"
+    q += " (experts by expert)" if engine.ep > 1 else ""
+    cache = cache_bytes(engine.cache_config(config))
+    host = cache.pop("host kv pool")
+    gpu = {"weights": weight_bytes(config, engine.ffn_ranks, ep=engine.ep > 1), **cache}
+    return MemoryPlan(
+        q,
+        engine.dp,
+        engine.ffn_ranks,
+        {k: v / GIB for k, v in gpu.items()},
+        host / GIB,
+        gpu_mem_gib,
+        host_mem_gib,
+        reserve_gib,
+    )
+
+
+def plan_engine(
+    dp: int,
+    tp: int,
+    gpu_tokens: int,
+    host_tokens: int,
+    max_batch: int,
+    kv_format: str = "fp8",
+    offload: bool = True,
+    max_model_len: int = 163840,
+    ep: int = 1,
+) -> EngineConfig:
+    """An engine config for planning (long contexts: the whole V3.2 context by default)."""
+    base = EngineConfig(
+        max_batch=max_batch,
+        host_tokens=host_tokens,
+        gpu_tokens=gpu_tokens,
+        kv_format=kv_format,
+        offload=offload,
+        max_model_len=max_model_len,
+    )
+    return replace(base, dp=dp, tp=tp, ep=ep)

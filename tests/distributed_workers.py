@@ -1,0 +1,152 @@
+"""Per-rank functions for the gloo tests (tests/test_distributed*.py): module-level so that
+``runtime.distributed.process.spawn`` can start them in fresh processes. Each writes what it saw
+to ``out`` (rank 0, or every rank where the test compares ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from runtime.sampling_params import SamplingParams
+
+MAX_TOKENS = 6
+
+
+def capture(store: dict):
+    """A logits processor that records each decode step's logits row of every request."""
+
+    def proc(reqs, logits):
+        for r, row in zip(reqs, logits):
+            store.setdefault(r.request_id, []).append(row.clone())
+        return logits
+
+    return proc
+
+
+def generate_and_record(llm, prompts) -> dict:
+    """Greedy generation of ``prompts`` with the decode logits of every request recorded."""
+    store: dict = {}
+    eng = getattr(llm.engine, "engine", llm.engine)  # the rank's local Engine
+    eng.logits_processors.append(capture(store))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    res = llm.generate(prompts, params)
+    return {
+        "tokens": [r.token_ids for r in res],
+        "ids": [r.request_id for r in res],
+        "logits": store,
+        "owner": dict(getattr(llm.engine, "owner", {})),
+    }
+
+
+def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float) -> None:
+    """Run every (name, engine options, prompt indices) case under one process group; save
+    per-rank records."""
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import shutdown
+
+    torch.set_num_threads(1)
+    recs = {}
+    for name, opts, which in cases:
+        llm = LLM(
+            "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s,
+            **opts,
+        )  # fmt: skip
+        recs[name] = generate_and_record(llm, [prompts[i] for i in which])
+        recs[name]["unfinished_after"] = llm.engine.has_unfinished()  # a collective
+    torch.save(recs, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    shutdown()
+
+
+def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
+    """Rank 1 exits abruptly after two steps; rank 0 records the error it gets and when."""
+    from echo_compile.llm import LLM
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s, **opts
+    )
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", p, params)
+    steps, t0 = 0, time.perf_counter()
+    try:
+        while True:
+            if rank == 1 and steps == 2:
+                os._exit(3)  # a crash: no cleanup, no goodbye to the process group
+            llm.engine.step()
+            steps += 1
+            t0 = time.perf_counter()
+    except Exception as e:  # noqa: BLE001  (the test checks which, and its message)
+        msg = f"{type(e).__name__}: {e}"
+    (Path(out) / "rank0.txt").write_text(f"{time.perf_counter() - t0:.2f}\n{msg}")
+
+
+def lint_worker(rank: int, out: str, opts: dict, timeout_s: float) -> None:
+    """Trace one rank's dp/tp decode step (collectives included) with the CUDA-graph lint
+    backend, fullgraph, on padding rows; save the report and the graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from echo_compile.graph_lint import LintReport, lint_backend
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import shutdown
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s, **opts
+    )
+    runner = llm.engine.runner
+    report = LintReport()
+    lint = lint_backend(report)
+    ops: set[str] = set()
+
+    def backend(gm, example_inputs):  # record the collectives Dynamo captured, then lint
+        ops.update(str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target))
+        return lint(gm, example_inputs)
+
+    counters.clear()
+    step = torch.compile(runner.decode_step, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        logits = step(*runner.padding_inputs(True, 2))
+    torch.save(
+        {"report": report, "breaks": dict(counters["graph_break"]), "shape": logits.shape,
+         "collectives": sorted(ops)},
+        Path(out) / f"rank{rank}.pt",
+    )  # fmt: skip
+    dist.barrier()
+    shutdown()
+
+
+def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float) -> None:
+    """The CUDA version of gen_worker: compiled (CUDA graphs, NCCL collectives inside), the
+    graph gates recorded (cudagraph skips, partitions, graph breaks), recompiles forbidden."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import shutdown
+
+    recs = {}
+    counters.clear()
+    for name, opts, which in cases:
+        llm = LLM(
+            "tiny", compile=True, progress=False, device="cuda", collective_timeout_s=timeout_s,
+            **opts,
+        )  # fmt: skip
+        with torch.compiler.set_stance("fail_on_recompile"):
+            recs[name] = generate_and_record(llm, [prompts[i] for i in which])
+        recs[name]["logits"] = {k: [t.cpu() for t in v] for k, v in recs[name]["logits"].items()}
+        recs[name]["graphs"] = llm.engine.runner.num_graphs
+    recs["gates"] = {
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "cudagraph_partitions": counters["inductor"].get("cudagraph_partitions", 0),
+        "graph_breaks": dict(counters["graph_break"]),
+    }
+    torch.save(recs, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    shutdown()

@@ -1,0 +1,76 @@
+"""The memory plan (runtime/distributed/plan.py, ``echo-compile plan``) and the 8-GPU estimate
+script: the plan's byte counts are those of the real allocations at small sizes, the V3.2 AWQ
+plan on 8 H200 fits, the FP8 one is refused with its reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.kv_cache import KVCache
+from echo_compile.cli import main as cli_main
+from model.parallel import TPGroup
+from model.presets import preset_config
+from model.shard_loader import load_sharded_model
+from runtime.distributed.plan import cache_bytes, memory_plan, plan_engine, v32_config, weight_bytes
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_cache_bytes_are_the_allocations(offload):
+    cfg = CacheConfig(num_layers=2, host_tokens=64 * 8, gpu_tokens=96, topk=32, fmt="fp8",
+                      offload=offload, max_batch=2, prefill_tokens=128)  # fmt: skip
+    cache = KVCache(cfg, "cpu")
+    got = cache_bytes(cfg)
+    host = sum(layer.host_kv.numel() for layer in cache.layers)
+    device = sum(b.numel() * b.element_size() for b in cache.buffers()) - host
+    if not offload:  # GPU-only: the "host" rows are the device-resident KV
+        host, device = 0, device + host
+    assert got["host kv pool"] == host
+    meta = got["metadata"]
+    dev_sum = got["gpu kv pools"] + got["indexer cache"] + got["prefill buffer"]
+    # the metadata estimate rounds the pools' few small control buffers up to 4 KB per layer
+    assert dev_sum <= device <= dev_sum + meta and (meta == 0) == (not offload)
+
+
+def test_weight_bytes_are_the_loaded_shard():
+    shard, _ = load_sharded_model("tiny", TPGroup(1, 2, "", gather=True))
+    real = sum(t.numel() * t.element_size() for t in [*shard.parameters(), *shard.buffers()])
+    assert weight_bytes(preset_config("tiny"), tp=2, rank=1) == real
+
+
+def test_v32_plans_on_8_h200():
+    eng = plan_engine(8, 8, gpu_tokens=200_000, host_tokens=1 << 21, max_batch=64)
+    awq = memory_plan(v32_config("awq"), eng, gpu_mem_gib=139.8, host_mem_gib=2000)
+    assert not awq.problems() and 40 < awq.gpu_gib["weights"] < 70, awq.table()
+    fp8 = memory_plan(v32_config("fp8"), eng, gpu_mem_gib=139.8)
+    with pytest.raises(ValueError, match="dequantised to bf16 at load"):
+        fp8.check()
+    # the routed experts are split 8 ways: one rank holds far less than the whole model
+    assert fp8.gpu_gib["weights"] < 1300 / 8 * 1.5
+    small_host = memory_plan(v32_config("awq"), eng, gpu_mem_gib=139.8, host_mem_gib=100)
+    with pytest.raises(ValueError, match="host KV pools need"):
+        small_host.check()
+
+
+def test_plan_command(capsys):
+    assert cli_main(["plan", "--quant", "awq"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert cli_main(["plan", "--quant", "fp8"]) == 2
+    assert "the plan does not fit" in capsys.readouterr().err
+
+
+def test_estimate_script(tmp_path):
+    from benchmarks.estimate_multi_gpu import main
+
+    out = tmp_path / "est.json"
+    assert main(["--out", str(out), "--contexts", "32768"]) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"].startswith("ESTIMATE")
+    one, eight = res["rows"]["1"], res["rows"]["8"]
+    for a, b in zip(one, eight):  # 8 ranks each serve B requests: more tokens per second
+        assert b["offload"]["tokens_per_s"] > a["offload"]["tokens_per_s"]
+        assert b["offload"]["comm_ms"] > 0 == a["offload"]["comm_ms"]
+    eb = res["effective_batch"][0]
+    assert eb["offload"] > eb["gpu_only"] > 0

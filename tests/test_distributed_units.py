@@ -1,0 +1,158 @@
+"""Pieces of multi-process serving that need no process group (docs/multi_gpu.md): the dp/tp
+options, the DP balancer, the step agreement's combination, and the TP shards: each rank loads
+exactly its rows/columns of the checkpoint (bf16, FP8, AWQ), and the ranks' partial outputs add
+up to the whole block's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.loader import load_model
+from model.parallel import TPGroup
+from model.presets import tiny_config_dict
+from model.shard_loader import load_sharded_model, local_expert_name, shard_axis
+from runtime.distributed.balance import RankLoad, assign
+from runtime.distributed.step_sync import combine
+from runtime.engine_config import EngineConfig
+
+
+def test_engine_config_dp_tp():
+    assert EngineConfig(dp=2, tp=2).world_size == 2
+    assert EngineConfig(tp=4).world_size == 4 and EngineConfig(dp=8).world_size == 8
+    with pytest.raises(ValueError, match="must be equal"):
+        EngineConfig(dp=2, tp=4)
+    assert EngineConfig(dp=4, ep=4).ffn_ranks == 4 and EngineConfig(ep=2).world_size == 2
+    with pytest.raises(ValueError, match="by tp or by ep"):
+        EngineConfig(tp=2, ep=2)
+    with pytest.raises(ValueError, match="dp=2 and ep=4"):
+        EngineConfig(dp=2, ep=4)
+    with pytest.raises(ValueError, match="collective_timeout_s must be a positive number"):
+        EngineConfig(collective_timeout_s=0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="dp must be a positive integer"):
+            EngineConfig(dp=bad)
+
+
+def test_balancer_least_load_within_host_capacity():
+    loads = [RankLoad(0, 10, 10), RankLoad(0, 10, 10)]
+    assert [assign(2, 100, loads) for _ in range(4)] == [0, 1, 0, 1]  # ties -> lower rank
+    # rank 0 is lightly loaded but its pool is full: the request goes where its pages are free
+    loads = [RankLoad(5, 1, 10), RankLoad(500, 6, 10)]
+    assert assign(3, 50, loads) == 1 and loads[1].free_pages == 3 and loads[1].load_tokens == 550
+    # free nowhere now: the least-loaded rank whose pool can ever hold it (it waits there)
+    loads = [RankLoad(9, 0, 4), RankLoad(1, 0, 2)]
+    assert assign(3, 10, loads) == 0
+    with pytest.raises(ValueError, match="more than any data-parallel rank's host pool"):
+        assign(5, 10, loads)
+
+
+def test_step_agreement_takes_the_largest_wants():
+    wants = torch.tensor([[0, 4, 1], [64, 0, 1], [0, 0, 0]])
+    p = combine(wants)
+    assert (p.prefill_bucket, p.decode_bucket, p.any_unfinished) == (64, 4, True)
+    assert not combine(torch.zeros(2, 3, dtype=torch.int64)).any_unfinished
+
+
+def test_shard_axis():
+    assert shard_axis("model.layers.1.mlp.experts.7.gate_proj.weight") == 0
+    assert shard_axis("model.layers.1.mlp.experts.7.down_proj.weight") == 1
+    assert shard_axis("model.layers.1.mlp.shared_experts.up_proj.qweight") == 1  # [in, out/8]
+    assert shard_axis("model.layers.1.mlp.experts.0.down_proj.scales") == 0  # [in/128, out]
+    assert shard_axis("model.layers.0.mlp.down_proj.weight_scale_inv") == 1
+    assert shard_axis("model.layers.1.mlp.gate.weight") is None  # the router: whole
+    assert shard_axis("model.layers.1.self_attn.o_proj.weight") is None
+
+
+def _check_shards(full: torch.nn.Module, shards: list[torch.nn.Module]) -> int:
+    """Every parameter: whole and equal on every rank, or split along one axis with the ranks'
+    parts (gate and up halves separately for stacked w13) concatenating to the whole exactly."""
+    whole = dict(full.named_parameters())
+    parts = [dict(s.named_parameters()) for s in shards]
+    assert all(p.keys() == whole.keys() for p in parts)
+    split = 0
+    for name, w in whole.items():
+        ps = [p[name] for p in parts]
+        if ps[0].shape == w.shape:
+            assert all(torch.equal(p, w) for p in ps), name
+            continue
+        (axis,) = [i for i, (a, b) in enumerate(zip(ps[0].shape, w.shape)) if a != b]
+        if ".w13_" in name:  # [gate rows | up rows] on each rank
+            halves = [p.chunk(2, dim=axis) for p in ps]
+            got = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=axis)
+        else:
+            got = torch.cat(ps, dim=axis)
+        assert torch.equal(got, w), name
+        split += 1
+    return split
+
+
+def test_bf16_shards_are_the_checkpoint_split():
+    full, _ = load_model("tiny", keep_mtp=False)
+    shards = [load_sharded_model("tiny", TPGroup(r, 2, "", gather=True))[0] for r in range(2)]
+    # per layer: dense MLP 3 (layer 0) or experts w13, w2 + shared 3 (layers 1-3)
+    assert _check_shards(full, shards) == 3 + 3 * 5
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "awq"])
+def test_quantised_shards_are_the_checkpoint_split(tmp_path, fmt):
+    from model.checkpoint import make_checkpoint
+
+    # the tiny model with 256 expert features: a shard of 128 holds whole FP8 blocks / AWQ groups
+    cfg = ModelConfig.from_dict(dict(tiny_config_dict(), moe_intermediate_size=256))
+    path = make_checkpoint(tmp_path / fmt, cfg, fp8=fmt == "fp8", awq=fmt == "awq")
+    full, _ = load_model(path, keep_mtp=False)
+    shards = [load_sharded_model(path, TPGroup(r, 2, "", gather=True))[0] for r in range(2)]
+    assert _check_shards(full, shards) >= 3 + 3 * 5
+
+
+def test_shards_must_hold_whole_quantisation_blocks():
+    # tiny-fp8: 128 expert features over 2 ranks = 64 rows, half of one 128x128 FP8 block
+    with pytest.raises(ValueError, match="in whole blocks of 128"):
+        load_sharded_model("tiny-fp8", TPGroup(0, 2, "", gather=True))
+    with pytest.raises(ValueError, match="cannot be split evenly over tp=3"):
+        load_sharded_model("tiny", TPGroup(0, 3, "", gather=True))
+
+
+def test_tp_partial_outputs_add_up_to_the_block():
+    full, _ = load_model("tiny", keep_mtp=False)
+    shards = [load_sharded_model("tiny", TPGroup(r, 2, "", gather=True))[0] for r in range(2)]
+    x = torch.randn(12, full.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    for i, layer in enumerate(full.model.layers):
+        ref = layer.mlp(x).float()  # [T, D] the whole block
+        got = sum(s.model.layers[i].mlp.partial(x) for s in shards).to(torch.bfloat16).float()
+        # one bf16 rounding of each rank's partial products: about one ulp of the output
+        ulp = 2.0**-7 * ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= ulp, f"layer {i}"
+        assert not torch.equal(shards[0].model.layers[i].mlp.partial(x), ref)  # a real split
+
+
+def test_ep_shards_hold_their_experts_whole():
+    g1 = TPGroup(1, 2, "", gather=True)
+    assert local_expert_name("model.layers.2.mlp.experts.5.up_proj.weight", g1, 8) == (
+        "model.layers.2.mlp.experts.1.up_proj.weight"
+    )
+    assert local_expert_name("model.layers.2.mlp.experts.3.up_proj.weight", g1, 8) is None
+    assert local_expert_name("model.layers.2.mlp.gate.weight", g1, 8) == (
+        "model.layers.2.mlp.gate.weight"
+    )
+    full, _ = load_model("tiny", keep_mtp=False)
+    shards = [load_sharded_model("tiny", TPGroup(r, 2, "", gather=True), ep=True)[0]
+              for r in range(2)]  # fmt: skip
+    x = torch.randn(12, full.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    for i, layer in enumerate(full.model.layers):
+        if not full.config.is_moe_layer(i):
+            continue
+        whole = layer.mlp.experts
+        for r, s in enumerate(shards):
+            mine = s.model.layers[i].mlp.experts
+            assert mine.n_experts == 4
+            assert torch.equal(mine.w13_weight, whole.w13_weight[4 * r : 4 * r + 4])
+            assert torch.equal(mine.w2_weight, whole.w2_weight[4 * r : 4 * r + 4])
+        ref = layer.mlp(x).float()
+        got = sum(s.model.layers[i].mlp.partial(x) for s in shards).to(torch.bfloat16).float()
+        ulp = 2.0**-7 * ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= ulp, f"layer {i}"
