@@ -9,13 +9,16 @@ runs in one process and runs in separate processes can be compared (issue 13, it
 from __future__ import annotations
 
 import argparse
-import sys
+import importlib.util
 from pathlib import Path
 
 
 def record(fmt: str, modes: list[str], variant: str) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_lossless_cuda as t
+    # the test's own workload and run(), loaded from its file (tests/ is not a package)
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_lossless_cuda.py"
+    spec = importlib.util.spec_from_file_location("test_lossless_cuda", path)
+    t = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t)
 
     import echo_compile
     from echo_compile import settings
