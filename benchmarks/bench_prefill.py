@@ -43,13 +43,13 @@ from custom_ops.kv_format import PAGE, pages_for  # noqa: E402
 from echo_compile.bench.harness import build_model, environment  # noqa: E402
 from model.forward_meta import ForwardMeta  # noqa: E402
 from model.prefill_ref import explicit_prefill_in  # noqa: E402
-from tests.test_decode_kernels import (  # noqa: E402
-    SCORE_REL,
-    attention_close,
-    check_scores,
-    make_pool,
+from tests.test_decode_kernels import attention_close, check_scores, make_pool  # noqa: E402
+from tests.test_prefill_ops import (  # noqa: E402
+    PREFILL_SCORE_REL,
+    check_selection_near_ties,
+    magnitudes,
+    make_prefill_inputs,
 )
-from tests.test_prefill_ops import magnitudes, make_prefill_inputs  # noqa: E402
 
 START = time.monotonic()
 
@@ -96,7 +96,9 @@ def check_kernels(res: dict, dev: str, small: bool) -> None:
 
     def logits() -> None:
         ref = pf.prefill_index_logits_ref(**inp)
-        check_scores(pk.prefill_index_logits(**inp, cfg=cfg), ref, magnitudes(inp), SCORE_REL)
+        check_scores(
+            pk.prefill_index_logits(**inp, cfg=cfg), ref, magnitudes(inp), PREFILL_SCORE_REL
+        )
 
     def select() -> None:
         s = pf.prefill_index_logits_ref(**inp)
@@ -107,10 +109,11 @@ def check_kernels(res: dict, dev: str, small: bool) -> None:
     def whole() -> None:
         want = pf.prefill_indexer_topk_ref(**inp, topk=topk)
         got = pk.prefill_indexer_topk_cuda(**inp, topk=topk, cfg=cfg)
-        same = (got == want).all(1).float().mean().item()
-        # rounding may flip a near-tie at the k-th score: count, then require >= 99% of rows
-        out["indexer_rows_identical"] = same
-        assert same >= 0.99, f"only {same:.3f} of the rows select what the reference selects"
+        # the kernel's FP8 scores round differently: sets may part at near-ties of the k-th only
+        ref = pf.prefill_index_logits_ref(**inp)
+        out["indexer_rows_identical"] = check_selection_near_ties(
+            got, want, ref, magnitudes(inp), PREFILL_SCORE_REL
+        )
 
     def attention(fmt: str) -> None:
         Ta, H, L, K = (6, 4, 150, 48) if small else (256, 128, 8192, 2048)

@@ -14,7 +14,7 @@ from custom_ops import prefetch_kernels as pk
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.invariants import check_pool
 from custom_ops.cache.kv_cache import KVCache
-from custom_ops.cache_layout import EVICTED, NFREE
+from custom_ops.cache_layout import EVICTED, NFREE, reserve_slots
 from custom_ops.indexer import indexer_topk_ref
 from custom_ops.kv_format import ROW_BYTES
 from tests.test_decode_kernels import _gen, make_indexer_inputs
@@ -171,8 +171,8 @@ def test_prefetch_lossless_cache_cuda(fmt, mode, thr):
 
 def check_lossless_cache(fmt, mode, thr, device):
     """Steps of select + fetch over drifting queries, a pool that evicts every step: the attended
-    rows are torch.equal to GPU-only's and to prefetch off's; each recall evicts exactly
-    max(misses - free, 0); the pool invariants hold; staging is empty between steps."""
+    rows are torch.equal to GPU-only's and to prefetch off's; each recall evicts what the
+    misses need (plus the reserve); the pool invariants hold; staging is empty between steps."""
     caches = {k: _cache(fmt, p, off, device=device) for k, p, off in
               (("gpu", "off", False), ("off", "off", True), ("on", mode, True))}  # fmt: skip
     for c in caches.values():
@@ -202,7 +202,11 @@ def check_lossless_cache(fmt, mode, thr, device):
             pool_kv, slots = layer.fetch(sel)
             rows[k] = (sel, pool_kv[slots.clamp(min=0).long()] * (slots >= 0)[..., None])
             if k == "on":
-                assert int(pool.totals[EVICTED]) - ev0 == max(misses - free0, 0)
+                # an eviction frees what the misses need plus a reserve (cache_layout.evict_target;
+                # the staged recall and the host recall may each evict once)
+                needed, ev = max(misses - free0, 0), int(pool.totals[EVICTED]) - ev0
+                reserve = reserve_slots(pool.gpu_free.numel())
+                assert ev == 0 if needed == 0 else needed <= ev <= needed + 2 * reserve
                 check_pool(pool, selected=sel, gpu_slots=slots, host_kv=layer.host_kv)
                 assert not (layer.staging.stage_host >= 0).any()
                 assert not (layer.staging.host_stage >= 0).any()

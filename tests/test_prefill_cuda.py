@@ -15,22 +15,27 @@ pytestmark = pytest.mark.cuda
 def test_prefill_kernels_match_references_at_real_sizes():
     from custom_ops import prefill as pf
     from custom_ops import prefill_kernels as pk
-    from tests.test_decode_kernels import SCORE_REL, attention_close, check_scores, make_pool
-    from tests.test_prefill_ops import magnitudes, make_prefill_inputs
+    from tests.test_decode_kernels import attention_close, check_scores, make_pool
+    from tests.test_prefill_ops import (
+        PREFILL_SCORE_REL,
+        check_selection_near_ties,
+        magnitudes,
+        make_prefill_inputs,
+    )
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     # a 512-query chunk at positions 3000.. of a 4096-token request, 7 padding rows
     inp = make_prefill_inputs(64, 64, 512, 3000, 7, gen)
     cfg = pk.PrefillIndexerConfig(score_elems=128 * 4096)  # 4 query blocks
     ref = pf.prefill_index_logits_ref(**inp)
-    check_scores(pk.prefill_index_logits(**inp, cfg=cfg), ref, magnitudes(inp), SCORE_REL)
+    mag = magnitudes(inp)
+    check_scores(pk.prefill_index_logits(**inp, cfg=cfg), ref, mag, PREFILL_SCORE_REL)
     sel_ref = pf.prefill_topk_from_scores_ref(ref, inp["positions"], 2048)
     assert torch.equal(pk.prefill_topk_from_scores(ref, inp["positions"], 2048, cfg), sel_ref)
     whole = pk.prefill_indexer_topk_cuda(**inp, topk=2048, cfg=cfg)
     want = pf.prefill_indexer_topk_ref(**inp, topk=2048)
-    # fp32 rounding of another summation order may flip a near-tie at the k-th score of a row
-    assert (whole == want).all(1).float().mean() >= 0.99
-    assert torch.equal((whole >= 0).sum(1), (want >= 0).sum(1))
+    # the kernel's scores round differently: sets may part at near-ties of the k-th score only
+    check_selection_near_ties(whole, want, ref, mag, PREFILL_SCORE_REL)
     for fmt in ("bf16", "fp8"):
         T, H, L, K = 128, 128, 8192, 2048
         q = (torch.randn(T, H, 576, generator=gen, device="cuda") * 0.3).bfloat16()
