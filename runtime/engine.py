@@ -26,6 +26,8 @@ from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
 
+LOGPROB_FLOOR = -9999.0  # reported in place of -inf (a masked-out token), as vLLM does
+
 
 @dataclass
 class StepOutput:
@@ -308,16 +310,28 @@ class Engine:
             all_greedy=sb.all_greedy,
             filters=sb.filters,
         )
+        # a token masked out (min_p, a grammar, min_tokens' EOS mask) has logprob -inf, which JSON
+        # cannot carry: reported logprobs are floored at LOGPROB_FLOOR, as vLLM does
+        lp = lp.clamp(min=LOGPROB_FLOOR)
         n_top = max(r.params.top_logprobs for r in reqs)
         if not n_top:
             return tok.tolist(), lp.tolist(), [None] * len(reqs)  # the step's one host sync
         # top alternatives: log_softmax of the logits sampled from, before temperature / top-k /
         # top-p (what a greedy row's own logprob is computed from)
         top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
-        ids, vals = top.indices.tolist(), top.values.tolist()
-        ks = [r.params.top_logprobs for r in reqs]
-        tops = [list(zip(ids[i][:k], vals[i][:k])) if k else None for i, k in enumerate(ks)]
-        return tok.tolist(), lp.tolist(), tops
+        vals = top.values.clamp(min=LOGPROB_FLOOR)
+        # one host sync for all four (token ids are exact in float64)
+        packed = torch.cat(
+            [tok.double()[:, None], lp.double()[:, None], top.indices.double(), vals.double()], 1
+        ).tolist()
+        toks = [int(row[0]) for row in packed]
+        lps = [row[1] for row in packed]
+        tops = []
+        for row, r in zip(packed, reqs):
+            k = r.params.top_logprobs
+            ids, vs = row[2 : 2 + n_top], row[2 + n_top :]
+            tops.append([(int(i), v) for i, v in zip(ids[:k], vs[:k])] if k else None)
+        return toks, lps, tops
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from custom_ops.backends.select import check_backend
-from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.config import CacheConfig, check_prefetch
 from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
 from runtime.request import PAGE
@@ -111,15 +111,7 @@ class EngineConfig:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
-        if self.prefetch not in ("off", "request", "global"):
-            raise ValueError(
-                f"prefetch must be 'off', 'request' or 'global', got {self.prefetch!r}"
-            )
-        positive_int("prefetch_cap")
-        if not (isinstance(self.prefetch_ratio, (int, float)) and self.prefetch_ratio > 0):
-            raise ValueError(
-                f"prefetch_ratio must be a positive number, got {self.prefetch_ratio!r}"
-            )
+        check_prefetch(self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload)
         if self.compile_prefill not in (None, True, False):
             raise ValueError(
                 f"compile_prefill must be True, False or None, got {self.compile_prefill!r}"
@@ -184,7 +176,7 @@ class EngineConfig:
             # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
             prefill_tokens=pages_for(max_len) * PAGE,
             kernel_backend=self.kernel_backend,
-            prefetch=self.prefetch if self.offload else "off",
+            prefetch=self.prefetch,
             prefetch_cap=self.prefetch_cap,
             prefetch_ratio=float(self.prefetch_ratio),
         )

@@ -162,6 +162,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
+    # vLLM's extra fields that would change the output
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
 }
 # Only for completions / only for chat.
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
@@ -174,6 +179,10 @@ UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
 }
 
 
@@ -200,7 +209,7 @@ def check_unsupported(req: _SamplingRequest) -> None:
 def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
             msg = f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}"
             raise APIError(400, msg, param="logit_bias")
         out[int(key)] = value

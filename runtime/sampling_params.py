@@ -160,6 +160,13 @@ class SamplingParams:
             )
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise SamplingParamsError("grammar", "grammar must be a non-empty string or None")
+        if self.grammar is not None:
+            # a finished grammar allows only EOS: forbidding EOS would leave no allowed token
+            for name in ("min_tokens", "ignore_eos"):
+                if getattr(self, name):
+                    raise SamplingParamsError(
+                        name, f"{name} cannot be combined with structured output (a grammar)"
+                    )
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError(
                 "top_logprobs",

@@ -79,8 +79,9 @@ async def merged(
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
-            # one poller is enough: the client is the same for every choice
-            async for out in outputs(stream, request, poll=i == 0):
+            # every choice polls: choice 0 may finish first, and the others must still notice
+            # a client that left
+            async for out in outputs(stream, request, poll=True):
                 queue.put_nowait((i, out))
         finally:
             queue.put_nowait((i, None))

@@ -69,7 +69,10 @@ class StructuredOutput:
         return self._lltok
 
     def check(self, grammar: str) -> None:
-        """``ValueError`` naming the problem when ``grammar`` does not compile."""
+        """``ValueError`` naming the problem when ``grammar`` does not compile, or when the model
+        has no EOS token (a finished grammar could not end the request)."""
+        if self.eos is None:
+            raise ValueError("structured output needs a model with an EOS token (eos_token_id)")
         ll = _llguidance()
         msg = ll.LLMatcher.validate_grammar(grammar, self.lltokenizer())
         if msg and not msg.startswith("WARNING"):

@@ -176,3 +176,10 @@ def test_prefetch_decode_graphs_gates_and_lossless_cuda(mode):
     assert len(logs[mode]) >= 12
     for a, b in zip(logs[mode], logs["off"]):
         assert torch.equal(a, b)
+
+
+def test_prefetch_without_offloading_is_refused():
+    """prefetch with the KV on the device would be silently ignored: refused, naming why."""
+    with pytest.raises(ValueError, match="needs offloading"):
+        EngineConfig(prefetch="request", offload=False)
+    EngineConfig(prefetch="off", offload=False)  # the default stays valid

@@ -81,8 +81,10 @@ def test_sparse_prefill_matches_explicit_with_identical_selections(cfg, fmt):
 
 
 def test_model_sparse_prefill_close_to_explicit_and_rows_identical(cfg):
-    """The whole tiny model, two chunks: layer 0 writes bit-identical host and indexer rows with
-    either prefill, every layer writes the same slots, the logits agree within the bf16 noise the
+    """The whole tiny model, two chunks: both prefills store through the same path (layer 0's
+    rows, computed before any attention, are bit-identical: a check of the write path, not of
+    the forms' numerics; deeper layers' rows differ by the forms' rounding), every layer writes
+    the same slots, the logits agree within the bf16 noise the
     forms' discrete flips allow (test_model's position-by-position bounds). Every expert is
     routed, so MoE routing cannot flip: up to index_topk the selections are whole prefixes and
     nothing can flip; past it index top-k boundary flips may move a position's logits."""

@@ -133,6 +133,9 @@ def test_params_validation_names_the_field() -> None:
         ({"logit_bias": {5: 101.0}}, "logit_bias"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_tokens": 20}, "min_tokens"),
+        # a finished grammar allows only EOS: these would leave no token to sample
+        ({"grammar": "start: /x/", "min_tokens": 2}, "min_tokens"),
+        ({"grammar": "start: /x/", "ignore_eos": True}, "ignore_eos"),
     ]:
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(max_tokens=16, **kw)
@@ -220,6 +223,27 @@ def test_engine_top_logprobs_against_the_recorded_logits() -> None:
         assert outs["b"].new_top_logprobs is None
         step += 1
     assert step == 4
+
+
+def test_masked_tokens_report_a_finite_logprob_floor() -> None:
+    """min_p masks all but the likeliest tokens to -inf; JSON cannot carry -inf, so reported
+    logprobs are floored at LOGPROB_FLOOR (the server returned 500 before)."""
+    from runtime.engine import LOGPROB_FLOOR
+
+    model, _ = tiny("cpu")
+    prompts = random_prompts([20], model.config.vocab_size, seed=4)
+    ask = SamplingParams(max_tokens=3, seed=1, min_p=0.9, top_logprobs=5, logprobs=True)
+    from runtime.engine import Engine
+
+    model, tok = tiny("cpu")
+    eng = Engine(model, model.config, tok, _cfg(True, 1, model.config.index_topk))
+    eng.add_request("a", prompts[0], ask)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.new_top_logprobs]
+    vals = [v for o in outs for top in o.new_top_logprobs for _, v in top]
+    assert vals and all(math.isfinite(v) and v >= LOGPROB_FLOOR for v in vals)
+    assert LOGPROB_FLOOR in vals  # min_p really masked some of the top 5
 
 
 def test_benchmark_cli_on_cpu(tmp_path) -> None:  # noqa: ANN001

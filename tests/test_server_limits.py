@@ -361,6 +361,10 @@ UNSUPPORTED_BOTH = [
     ("structured_outputs", {"json": {}}, None),
     ("use_beam_search", True, False),
     ("length_penalty", 0.5, 1.0),
+    ("include_stop_str_in_output", True, False),
+    ("skip_special_tokens", False, True),
+    ("spaces_between_special_tokens", False, True),
+    ("truncate_prompt_tokens", 8, None),
 ]
 UNSUPPORTED_COMPLETION = [
     ("best_of", 2, 1),
@@ -372,6 +376,10 @@ UNSUPPORTED_CHAT = [
     ("modalities", ["text", "audio"], ["text"]),
     ("prediction", {"type": "content", "content": "x"}, None),
     ("web_search_options", {}, None),
+    ("add_generation_prompt", False, True),
+    ("continue_final_message", True, False),
+    ("chat_template", "{{ messages }}", None),
+    ("chat_template_kwargs", {"thinking": True}, {}),
 ]
 CASES = [(C, OK_C, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_COMPLETION] + [
     (CHAT, OK_CHAT, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_CHAT

@@ -9,6 +9,21 @@ from custom_ops.backends.select import check_backend
 from custom_ops.kv_format import PAGE, ROW_BYTES, check_fmt
 
 
+def check_prefetch(mode: str, cap: int, ratio: float, offload: bool) -> None:
+    """The prefetch options' one rule (CacheConfig, and EngineConfig at construction)."""
+    if mode not in ("off", "request", "global"):
+        raise ValueError(f"prefetch must be 'off', 'request' or 'global', got {mode!r}")
+    if mode != "off" and not offload:
+        raise ValueError(
+            f"prefetch={mode!r} needs offloading (offload=True): without a host pool there is "
+            "nothing to prefetch"
+        )
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+        raise ValueError(f"prefetch_cap must be a positive integer, got {cap!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
+        raise ValueError(f"prefetch_ratio must be a positive number, got {ratio!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     num_layers: int
@@ -39,15 +54,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_fmt(self.fmt)
         check_backend(self.kernel_backend)
-        if self.prefetch not in ("off", "request", "global"):
-            raise ValueError(
-                f"CacheConfig.prefetch must be 'off', 'request' or 'global', got {self.prefetch!r}"
-            )
-        if self.prefetch_cap <= 0 or not self.prefetch_ratio > 0:
-            raise ValueError(
-                f"CacheConfig.prefetch_cap ({self.prefetch_cap}) and prefetch_ratio "
-                f"({self.prefetch_ratio}) must be positive"
-            )
+        check_prefetch(self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload)
         if self.num_layers <= 0:
             raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
         if self.host_tokens <= 0 or self.host_tokens % PAGE:

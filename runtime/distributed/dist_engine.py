@@ -161,10 +161,13 @@ class DistributedEngine:
         else:
             logits = self._lockstep(batch, want_p, want_d, plan)
         outs = eng._postprocess(batch, logits) if batch is not None else []
-        if self.dp == 1:
-            return outs  # every rank ran the same batch and sampled the same tokens
-        gathered = self._gather([dataclasses.astuple(o) for o in outs], "the output gather")
-        return [StepOutput(*o) for rank_outs in gathered for o in rank_outs]
+        if self.dp > 1:
+            gathered = self._gather([dataclasses.astuple(o) for o in outs], "the output gather")
+            outs = [StepOutput(*o) for rank_outs in gathered for o in rank_outs]
+        for o in outs:  # every rank sees every output: a finished id is free again everywhere
+            if o.finished:
+                self.owner.pop(o.request_id, None)
+        return outs
 
 
 def tp_group(ctx: DistContext, config: EngineConfig) -> TPGroup:
