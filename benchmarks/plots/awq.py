@@ -26,13 +26,13 @@ def plot_awq(d: dict, out: Path, written: list[Path]) -> None:
             xs = [r["M"] for r in rs]
             ax.plot(xs, [r["awq_us"] for r in rs], "o-", color=C_BEST, ms=3, label="AWQ W4A16")
             ax.plot(xs, [r["bf16_us"] for r in rs], "s-", color=C_BASE, ms=3, label="bf16 F.linear")
-            for key, style, label in (
+            for col, style, label in (
                 ("tinygemm_us", "v:", "int4 tinygemm"),
                 ("repacked_us", "d:", "repacked Triton"),
                 ("former_us", "x:", "former AWQ kernel"),
             ):
-                if all(key in r for r in rs):  # results files from before the repack lack them
-                    ax.plot(xs, [r[key] for r in rs], style, color="#888", ms=3, label=label)
+                if all(col in r for r in rs):  # results files from before the repack lack them
+                    ax.plot(xs, [r[col] for r in rs], style, color="#888", ms=3, label=label)
             ax.set_title(f"linear {key[0]}->{key[1]}", fontsize=9)
             ax.set_xlabel("batch M (tokens)", fontsize=8)
         else:
