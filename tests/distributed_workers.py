@@ -33,12 +33,24 @@ def generate_and_record(llm, prompts) -> dict:
     eng = getattr(llm.engine, "engine", llm.engine)  # the rank's local Engine
     eng.logits_processors.append(capture(store))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    placed: dict = {}  # request id -> DP rank, as placed (the front end forgets finished ids)
+    front = llm.engine
+    if hasattr(front, "owner"):
+        add = front.add_request
+
+        def add_and_record(request_id, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            add(request_id, *args, **kwargs)
+            placed[request_id] = front.owner[request_id]
+
+        front.add_request = add_and_record
     res = llm.generate(prompts, params)
+    if hasattr(front, "owner"):
+        assert not front.owner, "finished requests must leave the front end's owner map"
     return {
         "tokens": [r.token_ids for r in res],
         "ids": [r.request_id for r in res],
         "logits": store,
-        "owner": dict(getattr(llm.engine, "owner", {})),
+        "owner": placed,
     }
 
 
