@@ -35,6 +35,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-tokens", type=int, default=1024, help="GPU pool rows per layer")
     p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
     p.add_argument(
+        "--fp8-weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="FP8 checkpoints: dequantise at load (bf16) or keep the weights FP8",
+    )
+    p.add_argument(
         "--no-offload", action="store_true", help="keep the whole KV cache on the device"
     )
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -225,7 +231,7 @@ def _run(a: argparse.Namespace) -> int:
         check_device(a.device)
         from echo_compile.llm import LLM
 
-        llm = LLM(a.model, compile=a.compile, **_engine_options(a))
+        llm = LLM(a.model, compile=a.compile, fp8_weights=a.fp8_weights, **_engine_options(a))
         import os
 
         first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank has the results
@@ -264,7 +270,7 @@ def _run(a: argparse.Namespace) -> int:
         from runtime.async_engine import AsyncEngine
         from runtime.server import serve
 
-        llm = LLM(a.model, compile=a.compile, **_engine_options(a))
+        llm = LLM(a.model, compile=a.compile, fp8_weights=a.fp8_weights, **_engine_options(a))
         serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], **options)
         return 0
     if a.cmd == "make-checkpoint":

@@ -48,7 +48,9 @@ class LLM:
     bucket, for any ``max_model_len``; False: eager prefill), ``dp`` / ``tp`` (multi-process: run
     the same script on every rank under torchrun, docs/multi_gpu.md). ``compile`` (default: on
     CUDA) captures every bucket into CUDA graphs at start-up, then forbids recompiles. Any number of
-    engines may live in one process: each owns its compiled steps.
+    engines may live in one process: each owns its compiled steps. ``fp8_weights`` (FP8
+    checkpoints): ``"bf16"`` dequantises the weights at load (the reference), ``"fp8"`` keeps
+    them FP8, one byte per weight on the GPU (docs/quantization.md; single process only).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class LLM:
         *,
         compile: bool | None = None,  # noqa: A002
         progress: bool = True,
+        fp8_weights: str = "bf16",
         **engine_options,
     ):
         from model.checkpoint import resolve_model
@@ -70,6 +73,11 @@ class LLM:
         self.model_path = path
         compiled = compile if compile is not None else config.device.startswith("cuda")
         if config.world_size > 1:
+            if fp8_weights != "bf16":
+                raise ValueError(
+                    f"fp8_weights={fp8_weights!r} is not supported with dp/tp/ep > 1 yet (the "
+                    "sharded loader dequantises FP8 weights): use fp8_weights='bf16'"
+                )
             # one rank of a dp/tp job (torchrun): every rank runs this same code (docs/multi_gpu.md)
             from runtime.distributed.dist_engine import build_distributed_engine
 
@@ -77,7 +85,7 @@ class LLM:
                 path, config, model, StepCompiler if compiled else None
             )
         else:
-            net, extras = load_model(path, device=config.device)
+            net, extras = load_model(path, device=config.device, fp8_weights=fp8_weights)
             self.engine = Engine(
                 net,
                 net.config,

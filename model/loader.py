@@ -346,9 +346,13 @@ def _cast_half_params(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(m, k, nn.Parameter(p.to(dtype), requires_grad=False))
 
 
-def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.bfloat16,
-               keep_mtp: bool = True, fp8_weights: str = "bf16") -> tuple[nn.Module, LoadExtras]:
+def load_model(
+    path_or_name: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    keep_mtp: bool = True,
+    fp8_weights: str = "bf16",
+) -> tuple[nn.Module, LoadExtras]:
     """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``) as
     ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights.
     ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies).
@@ -370,7 +374,13 @@ def load_model(path_or_name: str | Path, device: str | torch.device = "cpu",
     awq = config.quantization is not None and config.quantization.method == "awq"
     if fp8_weights not in ("bf16", "fp8"):
         raise ValueError(f"load_model: fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
-    if fp8_weights == "fp8" and config.quantization is not None:
+    fp8_ckpt = config.quantization is not None and config.quantization.method == "fp8"
+    if fp8_weights == "fp8" and not fp8_ckpt:
+        raise ValueError(
+            f"load_model: fp8_weights='fp8' needs an FP8 checkpoint; {path} is not one "
+            "(its config.json has no fp8 quantization_config)"
+        )
+    if fp8_weights == "fp8":
         if config.quantization.method == "fp8":
             from model.fp8_weights import convert_to_fp8
 

@@ -175,6 +175,23 @@ def test_tiny_fp8_served_as_fp8():
         assert _rel(a, d) < 0.25 and float(torch.corrcoef(torch.stack([a, d]))[0, 1]) > 0.97
     with pytest.raises(ValueError, match="fp8_weights"):
         load_model(resolve_model("tiny-fp8"), fp8_weights="int8")
+    with pytest.raises(ValueError, match="needs an FP8 checkpoint"):
+        load_model(resolve_model("tiny"), fp8_weights="fp8")  # not silently ignored
+
+
+def test_llm_serves_an_fp8_checkpoint_in_fp8():
+    """The user-facing option (LLM / --fp8-weights) reaches the loader: FP8 modules, and the
+    engine generates with them."""
+    from echo_compile import LLM, SamplingParams
+    from model.fp8_weights import FP8Linear
+
+    llm = LLM("tiny-fp8", fp8_weights="fp8", device="cpu", compile=False, progress=False,
+              max_batch=2, host_tokens=1024, gpu_tokens=256, max_model_len=256)  # fmt: skip
+    assert any(isinstance(m, FP8Linear) for m in llm.engine.runner.model.modules())
+    (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3
+    with pytest.raises(ValueError, match="fp8_weights"):
+        LLM("tiny-fp8", fp8_weights="fp8", device="cpu", compile=False, dp=2)
 
 
 def _experts(e, n, k, gen):
