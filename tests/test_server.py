@@ -359,6 +359,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "frequency_penalty": "x"}, 400, "frequency_penalty"),
         (C, {**OK_C, "repetition_penalty": 0}, 400, "repetition_penalty"),
         (C, {**OK_C, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        (C, {**OK_C, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # "²".isdigit() is True
         (C, {**OK_C, "logit_bias": {"100000": 1}}, 400, "logit_bias"),  # over the vocab
         (C, {**OK_C, "logit_bias": {"5": 500}}, 400, "logit_bias"),
         (C, {**OK_C, "min_p": -0.1}, 400, "min_p"),
