@@ -360,14 +360,7 @@ def load_model(
     reference), ``"fp8"`` keeps the linears FP8 (``model.fp8_weights.FP8Linear``)."""
     from model.model import DeepseekV32ForCausalLM
 
-    path = resolve_model(path_or_name)
-    raw = _read_json(_require(path, "config.json"), "model config")
-    if not isinstance(raw, dict):  # NOTE: from_dict would fail on it with an AttributeError
-        raise ValueError(f"{path}/config.json: expected a JSON object, not {type(raw).__name__}")
-    config = ModelConfig.from_dict(raw)
-    _require(path, "tokenizer.json")
-    gen = path / "generation_config.json"
-    generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+    path, config, generation_config = read_checkpoint_meta(path_or_name)
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
@@ -393,7 +386,30 @@ def load_model(
 
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
     mtp = load_weights(model, path, config, device, keep_mtp)
-    if awq:
+    finish_loaded_model(model, config, device, dtype)
+    return model, LoadExtras(config, path, generation_config, mtp)
+
+
+def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, dict]:
+    """A checkpoint directory's path, model config and generation config (``{}`` when absent),
+    with its tokenizer checked present: what every loader (whole or sharded) reads first."""
+    path = resolve_model(path_or_name)
+    raw = _read_json(_require(path, "config.json"), "model config")
+    if not isinstance(raw, dict):  # NOTE: from_dict would fail on it with an AttributeError
+        raise ValueError(f"{path}/config.json: expected a JSON object, not {type(raw).__name__}")
+    config = ModelConfig.from_dict(raw)
+    _require(path, "tokenizer.json")
+    gen = path / "generation_config.json"
+    generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+    return path, config, generation_config
+
+
+def finish_loaded_model(
+    model: nn.Module, config: ModelConfig, device: str | torch.device, dtype: torch.dtype
+) -> None:
+    """After the weights are in (whole or sharded loader): AWQ's kv_b_proj densified and, on
+    CUDA, the fast int4 layouts; frozen, eval mode."""
+    if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import densify_awq, repack_awq_model
 
         densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
@@ -401,7 +417,6 @@ def load_model(
             repack_awq_model(model)
     model.requires_grad_(False)
     model.eval()
-    return model, LoadExtras(config, path, generation_config, mtp)
 
 
 def _require(path: Path, name: str) -> Path:

@@ -22,16 +22,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from model.checkpoint import resolve_model
 from model.config import ModelConfig
 from model.loader import (
     LoadExtras,
     _cast_half_params,
     _init_non_persistent_buffers,
     _Loader,
-    _read_json,
-    _require,
     _shards,
+    finish_loaded_model,
+    read_checkpoint_meta,
 )
 from model.parallel import TPGroup, parallelize_ffn
 
@@ -166,20 +165,8 @@ def load_sharded_model(
 ) -> tuple[nn.Module, LoadExtras]:
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
     (``ep``: its routed experts whole instead of a slice of every expert)."""
-    path = resolve_model(path_or_name)
-    raw = _read_json(_require(path, "config.json"), "model config")
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}/config.json: expected a JSON object, not {type(raw).__name__}")
-    config = ModelConfig.from_dict(raw)
-    _require(path, "tokenizer.json")
-    gen = path / "generation_config.json"
-    generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+    path, config, generation_config = read_checkpoint_meta(path_or_name)
     model = build_sharded_model(config, g, dtype, ep)
     load_shard_weights(model, path, config, device, g, ep)
-    if config.quantization is not None and config.quantization.method == "awq":
-        from model.awq import densify_awq
-
-        densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
-    model.requires_grad_(False)
-    model.eval()
+    finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path, generation_config, {})
