@@ -65,17 +65,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _chunking(B: int, L: int, cfg: IndexerConfig, device: torch.device) -> tuple[int, int]:
-    """(chunk, n_chunks) of the selection passes, from static shapes only."""
-    blk = cfg.sel_block
-    if cfg.sel_chunk is not None:
-        if cfg.sel_chunk % blk:
-            raise ValueError(f"sel_chunk {cfg.sel_chunk} must be a multiple of sel_block {blk}")
-        chunk = cfg.sel_chunk
+def chunks_for(
+    B: int, L: int, blk: int, chunk: int | None, device: torch.device
+) -> tuple[int, int]:
+    """(chunk, n_chunks) of a pass over ``B`` rows of ``L`` scores, ``blk`` per loop iteration,
+    from static shapes only: ``chunk`` tokens per program, or about 4 programs per SM."""
+    if chunk is not None:
+        if chunk % blk:
+            raise ValueError(f"chunk {chunk} must be a multiple of the block {blk}")
     else:
         n = max(1, min(triton.cdiv(4 * _sm_count(device), B), triton.cdiv(L, blk)))
         chunk = triton.cdiv(triton.cdiv(L, n), blk) * blk
     return chunk, triton.cdiv(L, chunk)
+
+
+def _chunking(B: int, L: int, cfg: IndexerConfig, device: torch.device) -> tuple[int, int]:
+    """(chunk, n_chunks) of the selection passes."""
+    return chunks_for(B, L, cfg.sel_block, cfg.sel_chunk, device)
 
 
 # ------------------------------------------------------------------------------------------------

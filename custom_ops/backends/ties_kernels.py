@@ -14,13 +14,13 @@ positions sorted ascending as host slots, and kth (``ties.sort_positions_ref``).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from custom_ops.indexer_kernels import chunks_for
 from custom_ops.kv_format import PAGE
 
 _PAGE = tl.constexpr(PAGE)
@@ -31,25 +31,6 @@ class FixupConfig:
     block: int = 2048  # scores per loop iteration (power of two)
     chunk: int | None = None  # tokens per program; None: about 4 programs per SM
     warps: int = 4
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: mirrors the H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _chunking(B: int, W: int, cfg: FixupConfig, device: torch.device) -> tuple[int, int]:
-    blk = cfg.block
-    if cfg.chunk is not None:
-        if cfg.chunk % blk:
-            raise ValueError(f"FixupConfig.chunk {cfg.chunk} must be a multiple of block {blk}")
-        chunk = cfg.chunk
-    else:
-        n = max(1, min(triton.cdiv(4 * _sm_count(device), B), triton.cdiv(W, blk)))
-        chunk = triton.cdiv(triton.cdiv(W, n), blk) * blk
-    return chunk, triton.cdiv(W, chunk)
 
 
 @triton.jit
@@ -204,7 +185,7 @@ def threshold_select(
         raise ValueError(f"threshold_select: topk must be positive, got {topk}")
     B, W = scores.shape
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    chunk, C = _chunking(B, W, cfg, scores.device)
+    chunk, C = chunks_for(B, W, cfg.block, cfg.chunk, scores.device)
     cnt = torch.empty((B, C, 2), dtype=torch.int32, device=scores.device)
     _count_kernel[(B, C)](scores, seq_lens, kth, cnt, W, chunk, BLK=cfg.block, num_warps=cfg.warps)
     out = torch.empty((B, topk), dtype=torch.int32, device=scores.device)
