@@ -1,39 +1,83 @@
 #!/usr/bin/env bash
-# One device call (<= 10 minutes): the GPU checks and measurements of this tree, stage by stage,
-# each under its own time limit so a slow or failing stage cannot starve the others. Logs and JSON
-# results go to $OUT.   bash benchmarks/gpu_session.sh   (on the GPU machine, at the repo root)
-# Phase 1 runs concurrently (correctness only: no timing): the lossless workload of
-# tests/test_lossless_cuda.py in both row formats (benchmarks/diag_repro.py: offload vs GPU-only,
-# every step's logits torch.equal) and the new kernels' cuda tests. Phase 2 times, one at a time.
-# Not here: the DeepGEMM / FlashInfer backends (their JIT takes minutes on a fresh machine: a call
-# of its own, see docs/backends.md) and the end-to-end bench (`echo-compile bench`, its own call).
+# One device call (<= 10 minutes) on the H200, at the repo root:
+#   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in four concurrent groups
+#   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones:
+#                                           # backends prefill cache_ops awq fp8 prefetch), in turn
+#   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
+# Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
+# The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
+# $OUT/work and packed into $OUT/results.tgz after every stage (a call cut short still returns
+# what finished); $OUT/session.log holds each stage's exit status and last lines.
+# With .whl carried (docs/backends.md) the DeepGEMM / FlashInfer wheels are installed first and the
+# backend stages run too; their JIT caches go to $OUT/jit.tgz, and a later call that carries them
+# back as .jit (`mkdir -p .jit && tar xzf jit.tgz -C .jit`) skips the minutes of compiling.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/echo_out}
-mkdir -p "$OUT"
+W="$OUT/work"
+mkdir -p "$W"
 log="$OUT/session.log"
+pack() { tar czf "$OUT/results.tgz.part" -C "$W" . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
 stage() { # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s) $(date +%T)" | tee -a "$log"
   local t0=$SECONDS
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$secs" "$@" > "$W/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0))s" | tee -a "$log"
-  tail -n 4 "$OUT/$name.log" | tee -a "$log"
+  tail -n 6 "$W/$name.log" | tee -a "$log"
+  pack
 }
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$log"
-D=benchmarks.diag_repro
-(stage lossless_bf16 200 python -m $D --fmt bf16 --modes offload,gpu --out "$OUT/l_bf16.pt" \
-  && python -m $D --compare "$OUT/l_bf16.pt:0" "$OUT/l_bf16.pt:1" | tee -a "$log") &
-(stage lossless_fp8 200 python -m $D --fmt fp8 --modes offload,gpu --out "$OUT/l_fp8.pt" \
-  && python -m $D --compare "$OUT/l_fp8.pt:0" "$OUT/l_fp8.pt:1" | tee -a "$log") &
-stage cuda_tests 190 python -m pytest -q -m cuda -rf -p no:cacheprovider tests/test_prefill_cuda.py \
-  tests/test_cache_cuda.py tests/test_awq_repack.py tests/test_fp8_linear.py tests/test_prefetch.py \
-  tests/test_awq_moe_bf16.py
-wait
-rm -f "$OUT"/*.pt
-stage bench_prefill 110 python -m benchmarks.bench_prefill --budget-s 90 --out "$OUT/prefill_h200.json"
-stage bench_cache_ops 60 python -m benchmarks.bench_cache_ops --reps 5 --out "$OUT/cache_ops_h200.json"
-stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$OUT/awq_h200.json"
-stage bench_fp8 40 python -m benchmarks.bench_fp8 --batches 1,16,128 --out "$OUT/fp8_h200.json"
-stage bench_prefetch 60 python -m benchmarks.bench_prefetch --caps 64 --ratios "" --out "$OUT/prefetch_h200.json"
-grep -E "^===|identical|differ|passed|failed|PASS|FAIL" "$log" | tail -60
+BACKENDS=0
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && BACKENDS=1
+  # JIT caches under one folder so they can be packed and carried to the next call
+  mkdir -p .jit/dg .jit/fi
+  export DG_JIT_CACHE_DIR=$PWD/.jit/dg FLASHINFER_WORKSPACE_BASE=$PWD/.jit/fi
+fi
+echo "backends installed: $BACKENDS" | tee -a "$log"
+packjit() { [ "$BACKENDS" = 1 ] && tar czf "$OUT/jit.tgz" -C .jit . ; }
+T="python -m pytest -q -m cuda -rf -p no:cacheprovider"
+
+case "${1:-verify}" in
+verify)
+  (stage cuda_lossless 420 $T tests/test_lossless_cuda.py tests/test_compile_cuda.py \
+     tests/test_engines_cuda.py tests/test_lossless.py tests/test_lossless_short.py) &
+  (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefetch.py \
+     tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py) &
+  (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_repack.py \
+     tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py \
+     tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
+     tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py) &
+  if [ "$BACKENDS" = 1 ]; then
+    (stage cuda_backends 480 $T tests/test_backends_cuda.py; packjit) &
+  fi
+  wait
+  ;;
+time)
+  shift
+  names=" $* "
+  on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
+  if [ "$BACKENDS" = 1 ] && on backends; then
+    stage bench_backends 240 python -m benchmarks.bench_backends --out "$W/backends_h200.json"
+    packjit
+  fi
+  on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 130 --out "$W/prefill_h200.json"
+  on cache_ops && stage bench_cache_ops 60 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
+  on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
+  on fp8 && stage bench_fp8 40 python -m benchmarks.bench_fp8 --batches 1,16,128 --out "$W/fp8_h200.json"
+  on prefetch && stage bench_prefetch 60 python -m benchmarks.bench_prefetch --caps 64 --ratios "" --out "$W/prefetch_h200.json"
+  ;;
+tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
+  shift
+  i=0; group=()
+  run_group() { i=$((i + 1)); (stage "tests_$i" 400 $T "${group[@]}"; packjit) & group=(); }
+  for a in "$@"; do
+    if [ "$a" = "," ]; then run_group; else group+=("$a"); fi
+  done
+  [ ${#group[@]} -gt 0 ] && run_group
+  wait
+  ;;
+esac
+grep -E "^===|passed|failed|PASS|FAIL|Error" "$log" | tail -60

@@ -179,7 +179,8 @@ def check_lossless_cache(fmt, mode, thr, device):
         _fill(c, _gen(5, "cpu"), fmt)
     g = _gen(6, "cpu")
     bt = torch.arange(18, dtype=torch.int32, device=device).view(3, 6)
-    lens = torch.tensor([300, 200, 380], dtype=torch.int32, device=device)
+    # seq_lens + step stay within the 6-page block table: the kernels trust it (no sync to check)
+    lens = torch.tensor([300, 200, 370], dtype=torch.int32, device=device)
     base = {k: v.to(device) for k, v in make_indexer_inputs(3, 6, 8, [1, 1, 1], g).items()}
     on = caches["on"].layers[0]
     n_miss = n_sel = 0
@@ -237,7 +238,7 @@ def test_recall_staged_triton_matches_reference():
         layer = c.layers[0]
         g = _gen(10, "cpu")
         bt = torch.arange(18, dtype=torch.int32).view(3, 6)
-        lens = torch.tensor([300, 200, 380], dtype=torch.int32)
+        lens = torch.tensor([300, 200, 370], dtype=torch.int32)
         res = []
         for step in range(3):
             inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], g)

@@ -100,7 +100,9 @@ def dg_paged_mqa_schedule(seq_lens: torch.Tensor, schedule: torch.Tensor) -> Non
 
 @dg_paged_mqa_schedule.register_kernel("cuda")
 def _(seq_lens, schedule):
-    meta = _lib().get_paged_mqa_logits_metadata(seq_lens, BLOCK_KV, schedule.shape[0] - 1)
+    # this DeepGEMM build (0.1.5.post1) asserts context_lens 2-D: [B, next_n = 1]
+    lens = seq_lens.contiguous().view(-1, 1)
+    meta = _lib().get_paged_mqa_logits_metadata(lens, BLOCK_KV, schedule.shape[0] - 1)
     schedule.copy_(meta)  # a few hundred bytes, once per step
 
 
@@ -132,7 +134,7 @@ def _(q_fp8, weights, index_cache, block_table, seq_lens, schedule, width):
     q = q_fp8.contiguous().view(torch.float8_e4m3fn).unsqueeze(1)  # [B, next_n = 1, H, 128]
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     out = _lib().fp8_paged_mqa_logits(
-        q, fused_kv_view(index_cache), weights.contiguous(), seq_lens.contiguous(), bt,
+        q, fused_kv_view(index_cache), weights.contiguous(), seq_lens.contiguous().view(-1, 1), bt,
         schedule, width, False,
     )  # fmt: skip
     # NOTE: the fake promises a contiguous [B, width]; with width aligned DeepGEMM returns that
