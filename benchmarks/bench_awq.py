@@ -9,9 +9,11 @@ DeepSeek-V3.2 shapes (K x N: 7168 x 4096 = the shared expert's gate|up, 16384 x 
 - the linear, side by side: bf16 ``F.linear``, core torch's int4 tinygemm
   (``aten._weight_int4pack_mm``), the repacked Triton kernel (``echo::w4a16_linear_r``, its default
   config, the CUDA-core variant at M <= 4, and each of ``--configs``), the former AutoAWQ-layout
-  kernel, and what ``AWQLinear`` dispatches to (``awq_us``); ``dispatch`` lists, per shape, the
-  largest M where tinygemm beat the repacked kernel (the value for
-  ``custom_ops.awq_repack.TINYGEMM_MAX_M``);
+  kernel, and what ``AWQLinear`` dispatches to (``awq_us``: tinygemm up to
+  ``custom_ops.awq_repack.TINYGEMM_MAX_M``, ``LARGE_M_PATH`` above); ``dispatch`` lists, per
+  shape, the largest M where tinygemm beat both Triton kernels and, per shape and M, the fastest
+  of tinygemm / repacked / former (``best_by_m``; the values for ``TINYGEMM_MAX_M`` and
+  ``LARGE_M_PATH``);
 - the fused W4A16 MoE against the same Triton MoE with bf16 weights (the grouped kernel the bf16
   model now runs) and, for 16 experts, the former all-experts bf16 computation.
 Each graph runs R calls over R different weight copies (linear) or R different routings (MoE), so
@@ -193,8 +195,8 @@ def bench_linear(
         )
         row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
         use_tg = R.use_tinygemm(m, x.dtype) and wt
-        row["awq_us"] = row["tinygemm_us"] if use_tg else row["repacked_us"]
-        row["awq_path"] = "tinygemm" if use_tg else "repacked"
+        row["awq_path"] = "tinygemm" if use_tg else R.LARGE_M_PATH
+        row["awq_us"] = row[f"{row['awq_path']}_us"]
         best = min(
             ((v, key) for key, v in row.items() if key.endswith("_us") and key != "bf16_us"
              and not math.isnan(v)),
@@ -224,13 +226,23 @@ def bench_linear(
 
 
 def dispatch_table(rows: list[dict]) -> dict:
-    """Per shape: the largest M at which tinygemm beat the repacked kernel (0: never)."""
+    """Per shape: the largest M at which tinygemm beat both Triton kernels (0: never)."""
     out = {}
     for r in rows:
         key = f"{r['in']}x{r['out']}"
         out.setdefault(key, 0)
-        if r["tinygemm_us"] < r["repacked_us"] and r["M"] > out[key]:
+        if r["tinygemm_us"] < min(r["repacked_us"], r["former_us"]) and r["M"] > out[key]:
             out[key] = r["M"]
+    return out
+
+
+def best_by_m(rows: list[dict]) -> dict:
+    """Per shape and M: the fastest of the three served candidates (NaN timings lose)."""
+    out: dict = {}
+    for r in rows:
+        cands = {p: r[f"{p}_us"] for p in ("tinygemm", "repacked", "former")
+                 if not math.isnan(r[f"{p}_us"])}  # fmt: skip
+        out.setdefault(f"{r['in']}x{r['out']}", {})[r["M"]] = min(cands, key=cands.get, default="")
     return out
 
 
@@ -491,7 +503,9 @@ def main() -> None:
             print(f"linear {k}x{n} failed: {err!r}", flush=True)
         result["dispatch"] = {
             "tinygemm_max_m_by_shape": dispatch_table(result["linear"]),
+            "best_by_m": best_by_m(result["linear"]),
             "in_use": R.TINYGEMM_MAX_M,
+            "large_m_path_in_use": R.LARGE_M_PATH,
         }
         save()
         torch.cuda.empty_cache()

@@ -143,6 +143,30 @@ def test_module_repack_and_dispatch():
     assert not hasattr(plain, "tg_weight") and torch.equal(plain(x1), before1)
 
 
+def test_served_dispatch_keeps_the_former_layout_above_tinygemm():
+    """The measured dispatch (R.LARGE_M_PATH = "former"): tinygemm up to TINYGEMM_MAX_M, the
+    former kernel on the AutoAWQ tensors above; no repacked copy is made for a linear."""
+    assert R.LARGE_M_PATH == "former" and R.TINYGEMM_MAX_M == 8
+    lin = _linear(256, 64, 7)
+    x2, x9 = torch.randn(2, 256).bfloat16(), torch.randn(9, 256).bfloat16()
+    before2, before9 = lin(x2), lin(x9)
+    lin.repack(tinygemm_max_m=8, large_m="former")
+    names = {n for n, _ in lin.named_parameters()}
+    assert names == {"qweight", "qzeros", "scales", "tg_weight", "tg_scale_zero"}
+    assert torch.equal(lin(x9), before9)  # M = 9 > 8: the former op, bit for bit
+    y2 = lin(x2)  # M = 2: tinygemm (bf16 pairs): close, not equal
+    assert not torch.equal(y2, before2) and _rel(y2, before2) < 1e-2
+    xh = x2.half()  # not bf16: tinygemm cannot take it, the former op does
+    want = torch.ops.echo.w4a16_linear(xh, lin.qweight, lin.qzeros, lin.scales)
+    assert torch.equal(lin(xh), want)
+    with pytest.raises(ValueError, match="large-M path must be"):
+        _linear(256, 64, 7).repack(large_m="tinygemm")
+    model = nn.Sequential(_linear(256, 64, 8))
+    repack_awq_model(model, tinygemm_max_m=-1)  # the default large-M path
+    assert model[0].large_m == "former" and hasattr(model[0], "qweight")
+    assert not hasattr(model[0], "qweight_r")
+
+
 def test_repacked_module_compiles_fullgraph():
     lin = _linear(256, 64, 6)
     lin.repack(tinygemm_max_m=2)
@@ -162,7 +186,7 @@ def test_tiny_awq_repacked_logits():
     awq, _ = load_model(resolve_model("tiny-awq"))
     prompts = ([0, 44, 73, 341, 83], [0, 264, 499, 315, 432, 18])
     before = [last_logits(awq, p) for p in prompts]
-    assert len(repack_awq_model(awq, tinygemm_max_m=-1)) >= 10
+    assert len(repack_awq_model(awq, tinygemm_max_m=-1, large_m="repacked")) >= 10
     assert all(torch.equal(last_logits(awq, p), b) for p, b in zip(prompts, before, strict=True))
     tg, _ = load_model(resolve_model("tiny-awq"))
     repack_awq_model(tg, tinygemm_max_m=1 << 20)
