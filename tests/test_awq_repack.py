@@ -354,3 +354,16 @@ def test_bench_awq_helpers_and_help():
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_awq", "--help"], cwd=root,
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "--configs" in out and "--out" in out
+
+
+def test_fbgemm_format_maps_awq_exactly():
+    """fbgemm's signed-nibble format (before its shuffle): q' * scale + zero == (q - z) * s,
+    exactly in fp32, from the same AutoAWQ tensors."""
+    from custom_ops import awq_fbgemm as FB
+
+    qw, qz, s = _awq_weights(256, 64, torch.Generator().manual_seed(11))
+    packed, scale, zero = FB.fbgemm_pack_unshuffled(qw, qz, s)
+    assert packed.dtype == torch.int8 and packed.shape == (64, 128)
+    want = ops.awq_dequantize_t(qw, qz, s)
+    assert torch.equal(FB.fbgemm_unpacked_weight_t(packed, scale, zero), want)
+    assert not torch.equal(FB.fbgemm_unpacked_weight_t(packed, scale, zero * 0), want)
