@@ -52,6 +52,9 @@ def _kernels():
     return fp8_linear_kernels
 
 
+_dg_failed: set[tuple] = set()  # shapes where a DeepGEMM call raised: Triton serves them
+
+
 def _dg():
     """DeepGEMM's ops module if ``auto`` may use it on this process's device, else None."""
     if _backend != "auto":
@@ -59,6 +62,21 @@ def _dg():
     from custom_ops.backends import deep_gemm_gemm as dg
 
     return dg if dg.available(torch.cuda.current_device()) else None
+
+
+def _try_dg(key: tuple, call):
+    """``call()`` (a DeepGEMM op), or None after warning once if it raises for this shape (a
+    build that rejects a shape, a JIT that cannot compile): the caller then runs Triton."""
+    if key in _dg_failed:
+        return None
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001  (reported; the Triton kernel computes the same)
+        import warnings
+
+        _dg_failed.add(key)
+        warnings.warn(f"fp8: DeepGEMM failed for {key} ({e!r}); Triton serves it", stacklevel=2)
+        return None
 
 
 @torch.library.custom_op("echo::fp8_linear", mutates_args=())
@@ -74,7 +92,10 @@ def fp8_linear(
 def _(x, w8, w_scale, ue8m0):
     dg = _dg()
     if dg is not None and dg.linear_suits(x.shape[0], w8.shape[0], w8.shape[1], x.dtype):
-        return dg.dg_fp8_linear(x, w8, w_scale, ue8m0)
+        key = ("linear", x.shape[0], *w8.shape)
+        y = _try_dg(key, lambda: dg.dg_fp8_linear(x, w8, w_scale, ue8m0))
+        if y is not None:
+            return y
     return _kernels().fp8_linear_triton(x, w8, w_scale, ue8m0)
 
 
@@ -107,7 +128,10 @@ def moe_fp8(
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
     dg = _dg()
     if dg is not None and dg.moe_suits(x.shape[0], w13.shape[2], w2.shape[2], x.dtype):
-        return dg.dg_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
+        args = (x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
+        y = _try_dg(("moe", x.shape[0], *w13.shape), lambda: dg.dg_moe_fp8(*args))
+        if y is not None:
+            return y
     return _kernels().moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
 
 

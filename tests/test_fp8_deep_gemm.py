@@ -132,3 +132,18 @@ def test_dg_moe_on_gpu_256_experts(t):
     ids.copy_(torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices)
     g.replay()
     assert _rel(yg, F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)) < 5e-3
+
+
+def test_a_failing_deep_gemm_shape_warns_once_then_triton_serves_it():
+    calls = []
+
+    def bad():
+        calls.append(1)
+        raise RuntimeError("no kernel for this shape")
+
+    key = ("linear", 1, 576, 7168, "test")
+    with pytest.warns(UserWarning, match="Triton serves it"):
+        assert F8._try_dg(key, bad) is None
+    assert F8._try_dg(key, bad) is None and len(calls) == 1  # not retried
+    assert F8._try_dg(("other",), lambda: 7) == 7
+    F8._dg_failed.discard(key)
