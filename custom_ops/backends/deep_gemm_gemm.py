@@ -118,8 +118,9 @@ def _(x, w8, w_scale, ue8m0):
 
 
 @dg_fp8_linear.register_fake
-def _(x, w8, w_scale, ue8m0):
-    return x.new_empty((x.shape[0], w8.shape[0]), dtype=torch.bfloat16)
+def _(x, w8, w_scale, ue8m0):  # as the reference (the CUDA kernel takes bf16 x only)
+    dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+    return x.new_empty((x.shape[0], w8.shape[0]), dtype=dtype)
 
 
 # ---- echo::dg_moe_fp8 ------------------------------------------------------------------------
