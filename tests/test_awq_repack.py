@@ -344,10 +344,18 @@ def test_bench_awq_helpers_and_help():
     from benchmarks import bench_awq as B
 
     rows = [
-        {"in": 7168, "out": 4096, "M": m, "tinygemm_us": tg, "repacked_us": rp}
-        for m, tg, rp in ((1, 10.0, 12.0), (8, 20.0, 21.0), (16, 40.0, 22.0), (32, 70.0, 25.0))
+        {"in": 7168, "out": 4096, "M": m, "tinygemm_us": tg, "repacked_us": rp, "former_us": fo}
+        for m, tg, rp, fo in (
+            (1, 10.0, 12.0, 30.0),
+            (8, 20.0, 21.0, 19.0),
+            (16, 40.0, 22.0, 30.0),
+            (32, 70.0, 25.0, 24.0),
+        )  # fmt: skip
     ]
-    assert B.dispatch_table(rows) == {"7168x4096": 8}
+    assert B.dispatch_table(rows) == {"7168x4096": 1}  # at M = 8 the former kernel won
+    rows[0]["fbgemm_us"] = 9.0
+    assert B.best_by_m(rows) == {"7168x4096": {1: "fbgemm", 8: "former", 16: "repacked",
+                                               32: "former"}}  # fmt: skip
     cands = B.repacked_candidates(2, 4096, 7168, 132)
     assert cands[0] == RK.r_config(2, 4096, 7168, 132) and any(not c["DOT"] for c in cands)
     root = Path(__file__).resolve().parents[1]
