@@ -9,9 +9,12 @@ DeepSeek-V3.2 shapes (K x N: 7168 x 4096 = the shared expert's gate|up, 16384 x 
 - the linear, side by side: bf16 ``F.linear``, core torch's int4 tinygemm
   (``aten._weight_int4pack_mm``), the repacked Triton kernel (``echo::w4a16_linear_r``, its default
   config, the CUDA-core variant at M <= 4, and each of ``--configs``), the former AutoAWQ-layout
-  kernel, and what ``AWQLinear`` dispatches to (``awq_us``); ``dispatch`` lists, per shape, the
-  largest M where tinygemm beat the repacked kernel (the value for
-  ``custom_ops.awq_repack.TINYGEMM_MAX_M``);
+  kernel, fbgemm-gpu-genai's CUTLASS int4 GEMM (``fbgemm_us``, where it imports: an anchor;
+  missing, the bench says so and goes on), and what ``AWQLinear`` dispatches to (``awq_us``:
+  tinygemm up to ``custom_ops.awq_repack.TINYGEMM_MAX_M``, ``LARGE_M_PATH`` above); ``dispatch``
+  lists, per shape, the largest M where tinygemm beat both Triton kernels and, per shape and M,
+  the fastest of tinygemm / repacked / former / fbgemm (``best_by_m``; the values for
+  ``TINYGEMM_MAX_M`` and ``LARGE_M_PATH``);
 - the fused W4A16 MoE against the same Triton MoE with bf16 weights (the grouped kernel the bf16
   model now runs) and, for 16 experts, the former all-experts bf16 computation.
 Each graph runs R calls over R different weight copies (linear) or R different routings (MoE), so
@@ -38,6 +41,7 @@ from custom_ops import awq as ops
 from custom_ops import awq_kernels as K
 from custom_ops import awq_repack as R
 from custom_ops import awq_repack_kernels as RK
+from custom_ops.awq_fbgemm import fbgemm_available, fbgemm_linear, fbgemm_pack
 
 D, I_MOE, TOPK = 7168, 2048, 8
 LINEAR_SHAPES = [(D, 4096), (16384, D), (D, 2048), (2048, D)]  # (K, N)
@@ -84,6 +88,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _fbgemm_pack_or_none(w):
+    if not fbgemm_available():
+        return None
+    try:
+        return fbgemm_pack(*w)
+    except Exception as e:  # noqa: BLE001  (reported; the other paths go on)
+        print(f"  fbgemm pack failed: {e!r}", flush=True)
+        return None
+
+
 def check_linear(result: dict) -> None:
     """Each W4A16 path against ``w4a16_linear_ref`` on the GPU: PASS/FAIL, recorded."""
     checks = result.setdefault("check", [])
@@ -91,6 +105,7 @@ def check_linear(result: dict) -> None:
     for k, n in LINEAR_SHAPES[:2]:
         w = rand_awq(k, n, gen=gen)
         r, tg = R.repack_awq(*w), R.tinygemm_pack(*w)
+        fb = _fbgemm_pack_or_none(w)
         for m in (1, 3, 16, 128):
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             ref = ops.w4a16_linear_ref(x, *w)
@@ -99,6 +114,8 @@ def check_linear(result: dict) -> None:
                 "tinygemm": lambda x=x, tg=tg: R.tinygemm_linear(x, *tg),
                 "former": lambda x=x, w=w: K.w4a16_linear_triton(x, *w),
             }
+            if fb is not None:
+                paths["fbgemm"] = lambda x=x, fb=fb: fbgemm_linear(x, *fb)
             if m <= 4:
                 c = {**RK.r_config(m, n, k, 132), "DOT": False, "BM": 4}
                 paths["repacked_fma"] = lambda x=x, r=r, c=c: RK.w4a16_linear_r_triton(
@@ -106,7 +123,7 @@ def check_linear(result: dict) -> None:
                 )
             for name, f in paths.items():
                 # bound: bf16 output rounding, and tinygemm's bf16 scale/zero pairs
-                bound = 2e-2 if name == "tinygemm" else 1e-2
+                bound = 2e-2 if name in ("tinygemm", "fbgemm") else 1e-2
                 try:
                     err = rel_err(f(), ref)
                     ok = err < bound
@@ -164,6 +181,7 @@ def bench_linear(
     except Exception as e:  # noqa: BLE001
         print(f"  tinygemm pack failed: {e!r}", flush=True)
         wt = []
+    wf = [f for f in (_fbgemm_pack_or_none(w) for w in wa) if f is not None]
     wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(rb)]
     ba, bb = awq_bytes(k, n), 2 * k * n
     sms = K._num_sms(torch.device("cuda"))
@@ -191,10 +209,12 @@ def bench_linear(
         row["tinygemm_us"] = (
             _time([lambda w=w, x=x: R.tinygemm_linear(x, *w) for w in wt]) if wt else math.nan
         )
+        if wf:
+            row["fbgemm_us"] = _time([lambda w=w, x=x: fbgemm_linear(x, *w) for w in wf])
         row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
         use_tg = R.use_tinygemm(m, x.dtype) and wt
-        row["awq_us"] = row["tinygemm_us"] if use_tg else row["repacked_us"]
-        row["awq_path"] = "tinygemm" if use_tg else "repacked"
+        row["awq_path"] = "tinygemm" if use_tg else R.LARGE_M_PATH
+        row["awq_us"] = row[f"{row['awq_path']}_us"]
         best = min(
             ((v, key) for key, v in row.items() if key.endswith("_us") and key != "bf16_us"
              and not math.isnan(v)),
@@ -219,18 +239,28 @@ def bench_linear(
             f"(best {best[1]} {row['best_speedup_vs_bf16']:.2f}x bf16)",
             flush=True,
         )
-    del wa, wr, wt, wb
+    del wa, wr, wt, wb, wf
     return rows
 
 
 def dispatch_table(rows: list[dict]) -> dict:
-    """Per shape: the largest M at which tinygemm beat the repacked kernel (0: never)."""
+    """Per shape: the largest M at which tinygemm beat both Triton kernels (0: never)."""
     out = {}
     for r in rows:
         key = f"{r['in']}x{r['out']}"
         out.setdefault(key, 0)
-        if r["tinygemm_us"] < r["repacked_us"] and r["M"] > out[key]:
+        if r["tinygemm_us"] < min(r["repacked_us"], r["former_us"]) and r["M"] > out[key]:
             out[key] = r["M"]
+    return out
+
+
+def best_by_m(rows: list[dict]) -> dict:
+    """Per shape and M: the fastest candidate (NaN or missing timings lose)."""
+    out: dict = {}
+    for r in rows:
+        cands = {p: r[f"{p}_us"] for p in ("tinygemm", "repacked", "former", "fbgemm")
+                 if not math.isnan(r.get(f"{p}_us", math.nan))}  # fmt: skip
+        out.setdefault(f"{r['in']}x{r['out']}", {})[r["M"]] = min(cands, key=cands.get, default="")
     return out
 
 
@@ -462,7 +492,10 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": "CUDA graph of R calls over R weight copies / routings, median of 15 replays",
         "hbm_reference_GBps": 4300,
+        "fbgemm": fbgemm_available(),
     }
+    if not result["fbgemm"]:
+        print("bench_awq: fbgemm-gpu-genai is not installed (or does not load): no fbgemm column")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -491,7 +524,9 @@ def main() -> None:
             print(f"linear {k}x{n} failed: {err!r}", flush=True)
         result["dispatch"] = {
             "tinygemm_max_m_by_shape": dispatch_table(result["linear"]),
+            "best_by_m": best_by_m(result["linear"]),
             "in_use": R.TINYGEMM_MAX_M,
+            "large_m_path_in_use": R.LARGE_M_PATH,
         }
         save()
         torch.cuda.empty_cache()

@@ -20,13 +20,26 @@ from custom_ops.awq_format import GROUP, PACK, WORDS, check_awq, check_repacked
 
 TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 * 8 = 128: every AWQ linear is
 
-# Small-M dispatch: the largest M (tokens of the call) that goes to tinygemm; larger M (and x not
-# bf16, or no tinygemm weight) go to the Triton kernel. From the H200 run quoted in issue 17
-# (7168 x 4096 and 16384 x 7168, µs): tinygemm 11.2 / 35.7 at M = 1 and 22.2 / 79.7 at M = 8,
-# the former Triton kernel 32.1 / 126.5 and 31.8 / 124.6; from M = 32 tinygemm lost (69.5 vs
-# 29.4). The repacked kernel is not measured yet: benchmarks/bench_awq.py writes the table it
-# measures ("dispatch" in its JSON); put its value here.
+# The served AWQLinear dispatch, from the H200 run in benchmarks/results/awq_h200.json (CUDA-graph
+# replays, K x N = 7168 x 4096, 16384 x 7168, 7168 x 2048, 2048 x 7168; µs):
+# - M <= 8 (bf16): tinygemm wins on all four shapes (M = 1: 10.7 / 34.5 / 7.4 / 6.9 against the
+#   repacked kernel's 24.5 / 88.0 / 18.1 / 15.6 and the former's 32.0 / 125.4 / 18.9 / 19.5;
+#   M = 8: 21.9 / 79.6 / 12.6 / 13.8 against 25.5 / 91.6 / 18.6 / 16.3 repacked);
+# - M >= 32: the former kernel (AutoAWQ layout) wins on all four (M = 32: 30.4 / 110.0 / 18.6 /
+#   18.7 against repacked 50.6 / 197.6 / 30.6 / 28.7 and tinygemm 69.2 / 269 / 35.9 / 36.6;
+#   M = 128: 39.8 / 155.1 / 24.0 / 25.4 against repacked 52.7 / 200 / 35.8 / 34.4);
+# - 8 < M < 32: not measured; the former kernel (its side of the measured crossover).
+# So a linear keeps the AutoAWQ tensors (former kernel) and the tinygemm copy; the repacked
+# layout serves only non-bf16 calls of M <= 8 when asked for (``LARGE_M_PATH = "repacked"``).
+# benchmarks/bench_awq.py writes the table it measures ("dispatch" in its JSON): refill from it.
 TINYGEMM_MAX_M = 8
+LARGE_M_PATH = "former"  # the kernel of calls above TINYGEMM_MAX_M: "former" | "repacked"
+LINEAR_PATHS = ("former", "repacked")
+
+
+def check_large_m_path(path: str) -> None:
+    if path not in LINEAR_PATHS:
+        raise ValueError(f"AWQ large-M path must be one of {', '.join(LINEAR_PATHS)}; got {path!r}")
 
 
 def _triton():

@@ -9,16 +9,41 @@ kernel does: exact), ``x8 = e4m3(clamp(x / s, ±448))``. Then
 ``y[m, n] = sum_kb (x8[m, kb] . w8[n, kb]) * s[m, kb] * w_scale[n // 128, kb]``: one fp32 dot per
 K block of 128, scaled and summed in fp32 (DeepSeek's ``fp8_gemm``), rounded once to bf16.
 
-The reference below is that formula in plain torch (the CPU kernel); the Triton kernel
-(``fp8_linear_kernels.py``, CUDA) quantises the activations in its prologue, per tile.
+The reference below is that formula in plain torch (the CPU kernel). On CUDA both ops run
+DeepGEMM's block-scaled GEMMs (``custom_ops/backends/deep_gemm_gemm.py``: ``echo::dg_fp8_linear``,
+``echo::dg_moe_fp8``) where the library imports on an SM90 device and the shape suits, else the
+Triton kernels (``fp8_linear_kernels.py``: the activations quantised in the prologue, per tile).
+``set_fp8_backend("triton")`` (or ``ECHO_FP8_BACKEND=triton``) keeps Triton everywhere.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from custom_ops.fp8 import FP8_DTYPE, FP8_MAX
-from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear, check_moe_fp8
+from custom_ops.fp8_linear_ref import (  # noqa: F401  (the references live there; re-exported)
+    act_quant_exact,
+    fp8_linear_ref,
+    moe_fp8_ref,
+    round_up_pow2,
+)
+
+FP8_BACKENDS = ("auto", "triton")  # auto: DeepGEMM where it runs and the shape suits
+_backend = os.environ.get("ECHO_FP8_BACKEND", "auto")
+
+
+def set_fp8_backend(name: str) -> None:
+    """The CUDA backend of ``echo::fp8_linear`` / ``echo::moe_fp8`` for this process (set before
+    a step is captured: the choice is made when the op runs, so a graph keeps the one it saw)."""
+    global _backend
+    if name not in FP8_BACKENDS:
+        raise ValueError(f"fp8 backend must be one of {', '.join(FP8_BACKENDS)}; got {name!r}")
+    _backend = name
+
+
+def fp8_backend() -> str:
+    return _backend
 
 
 def _kernels():
@@ -27,42 +52,31 @@ def _kernels():
     return fp8_linear_kernels
 
 
-def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
-    """The least power of two >= s (s > 0 finite), exactly: frexp gives s = m * 2^e, m in
-    [0.5, 1); s is a power of two iff m == 0.5 (DeepSeek's kernel tests the mantissa bits)."""
-    m, e = torch.frexp(s)
-    return torch.where(m == 0.5, s, torch.ldexp(torch.ones_like(s), e))
+_dg_failed: set[tuple] = set()  # shapes where a DeepGEMM call raised: Triton serves them
 
 
-def act_quant_exact(
-    x: torch.Tensor, ue8m0: bool, block: int = BLOCK
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (``x8`` e4m3 ``[M, K]``, fp32 scales ``[M, K/block]``), as above."""
-    m, k = x.shape
-    xb = x.float().view(m, k // block, block)
-    amax = xb.abs().amax(dim=-1).clamp_min(1e-4)  # [M, KB]
-    s = amax / FP8_MAX
-    if ue8m0:
-        s = round_up_pow2(s)
-    x8 = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x8.view(m, k), s
+def _dg():
+    """DeepGEMM's ops module if ``auto`` may use it on this process's device, else None."""
+    if _backend != "auto":
+        return None
+    from custom_ops.backends import deep_gemm_gemm as dg
+
+    return dg if dg.available(torch.cuda.current_device()) else None
 
 
-def fp8_linear_ref(
-    x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: bool
-) -> torch.Tensor:
-    """Reference: per K block an fp32 dot of the e4m3 values, scaled by both scales, fp32 sum."""
-    check_fp8_linear(x, w8, w_scale)
-    m, k = x.shape
-    n = w8.shape[0]
-    kb = k // BLOCK
-    x8, xs = act_quant_exact(x, ue8m0)
-    xf = x8.float().view(m, kb, BLOCK).transpose(0, 1)  # [KB, M, 128]
-    wf = w8.float().view(n, kb, BLOCK).permute(1, 2, 0)  # [KB, 128, N]
-    part = torch.bmm(xf, wf)  # [KB, M, N] fp32 per-block dots
-    ws = w_scale.repeat_interleave(BLOCK, dim=0)[:n].t()  # [KB, N]
-    y = (part * xs.t().unsqueeze(-1) * ws.unsqueeze(1)).sum(0)  # [M, N] fp32
-    return y.to(torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
+def _try_dg(key: tuple, call):
+    """``call()`` (a DeepGEMM op), or None after warning once if it raises for this shape (a
+    build that rejects a shape, a JIT that cannot compile): the caller then runs Triton."""
+    if key in _dg_failed:
+        return None
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001  (reported; the Triton kernel computes the same)
+        import warnings
+
+        _dg_failed.add(key)
+        warnings.warn(f"fp8: DeepGEMM failed for {key} ({e!r}); Triton serves it", stacklevel=2)
+        return None
 
 
 @torch.library.custom_op("echo::fp8_linear", mutates_args=())
@@ -76,6 +90,12 @@ def fp8_linear(
 
 @fp8_linear.register_kernel("cuda")
 def _(x, w8, w_scale, ue8m0):
+    dg = _dg()
+    if dg is not None and dg.linear_suits(x.shape[0], w8.shape[0], w8.shape[1], x.dtype):
+        key = ("linear", x.shape[0], *w8.shape)
+        y = _try_dg(key, lambda: dg.dg_fp8_linear(x, w8, w_scale, ue8m0))
+        if y is not None:
+            return y
     return _kernels().fp8_linear_triton(x, w8, w_scale, ue8m0)
 
 
@@ -86,34 +106,6 @@ def _(x, w8, w_scale, ue8m0):
 
 
 # ---- echo::moe_fp8 ---------------------------------------------------------------------------
-
-
-def moe_fp8_ref(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    ue8m0: bool,
-) -> torch.Tensor:
-    """Reference for ``echo::moe_fp8``: DeepSeek's ``Expert`` with FP8 linears, per expert over
-    the tokens routed to it: ``gu = fp8_linear(x, w13[e])`` (16-bit), ``h = silu(g) * u`` in fp32
-    rounded to x's dtype, ``fp8_linear(h, w2[e])`` (16-bit), weighted sum in fp32."""
-    check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
-    t, d = x.shape
-    inter = w13.shape[1] // 2
-    out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
-    for e in range(w13.shape[0]):
-        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        gu = fp8_linear_ref(x[tok], w13[e], w13_scale[e], ue8m0)  # [n, 2I]
-        h = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype)
-        y = fp8_linear_ref(h, w2[e], w2_scale[e], ue8m0)  # [n, D]
-        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
-    return out
 
 
 @torch.library.custom_op("echo::moe_fp8", mutates_args=())
@@ -134,6 +126,12 @@ def moe_fp8(
 
 @moe_fp8.register_kernel("cuda")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
+    dg = _dg()
+    if dg is not None and dg.moe_suits(x.shape[0], w13.shape[2], w2.shape[2], x.dtype):
+        args = (x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
+        y = _try_dg(("moe", x.shape[0], *w13.shape), lambda: dg.dg_moe_fp8(*args))
+        if y is not None:
+            return y
     return _kernels().moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
 
 

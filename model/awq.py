@@ -15,9 +15,11 @@ Integration (``model/loader.py``, ``model/checkpoint.py``):
 - after loading, ``densify_awq(model)`` turns ``kv_b_proj`` back into a bf16 ``nn.Linear``: the MLA
   absorbed decode reads its weight as W_UK / W_UV;
 - the checkpoint generator writes ``awq_quantize(weight [out, in])``;
-- on CUDA, ``repack_awq_model(model)`` then repacks every ``AWQLinear`` for the fast kernels
-  (``custom_ops/awq_repack.py``): the "k-major" layout of ``echo::w4a16_linear_r`` and, for
-  small M, core torch's int4 tinygemm weight (``AWQLinear.forward`` dispatches by M).
+- on CUDA, ``repack_awq_model(model)`` then prepares every ``AWQLinear`` for the fast kernels
+  (``custom_ops/awq_repack.py``): core torch's int4 tinygemm weight for small M and, for larger M,
+  the kernel measured fastest there (``R.LARGE_M_PATH``: the former kernel on the AutoAWQ tensors,
+  or the "k-major" layout of ``echo::w4a16_linear_r``); ``AWQLinear.forward`` dispatches by M.
+  The routed experts are repacked (``echo::moe_w4a16_r`` beat the former MoE kernel).
 """
 
 from __future__ import annotations
@@ -140,34 +142,43 @@ class AWQLinear(nn.Module):
         self.qzeros = _param((k // GROUP, n // PACK), torch.int32, device)
         self.scales = _param((k // GROUP, n), scales_dtype, device)
 
-    repacked = False  # set by repack(): the AutoAWQ parameters are then replaced
+    repacked = False  # set by repack(): the load-time layouts are made
     tinygemm_max_m = -1  # calls of at most this many tokens go to tinygemm (repacked only)
+    large_m = "former"  # the kernel of the other calls after repack(): "former" | "repacked"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if not self.repacked:
-            y = torch.ops.echo.w4a16_linear(x2, self.qweight, self.qzeros, self.scales)
-        elif R.use_tinygemm(x2.shape[0], x2.dtype, self.tinygemm_max_m):
+        if self.repacked and R.use_tinygemm(x2.shape[0], x2.dtype, self.tinygemm_max_m):
             y = R.tinygemm_linear(x2, self.tg_weight, self.tg_scale_zero)
-        else:
+        elif self.repacked and self.large_m == "repacked":
             y = torch.ops.echo.w4a16_linear_r(x2, self.qweight_r, self.zeros_r, self.scales_r)
+        else:
+            y = torch.ops.echo.w4a16_linear(x2, self.qweight, self.qzeros, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def repack(self, tinygemm_max_m: int = -1) -> None:
-        """Load-time: replace ``qweight/qzeros/scales`` by the repacked ``qweight_r/zeros_r/
-        scales_r`` (``echo::w4a16_linear_r``) and, if ``tinygemm_max_m >= 1``, also keep the
-        tinygemm weight ``tg_weight/tg_scale_zero`` for bf16 calls of at most that many tokens
-        (another int4 copy: the two layouts together are still half of bf16)."""
+    def repack(self, tinygemm_max_m: int = -1, large_m: str = "repacked") -> None:
+        """Load-time layouts. ``large_m="repacked"``: replace ``qweight/qzeros/scales`` by the
+        repacked ``qweight_r/zeros_r/scales_r`` (``echo::w4a16_linear_r``); ``"former"``: keep
+        them (``echo::w4a16_linear``, the measured winner above M = 8). If ``tinygemm_max_m >= 1``
+        also keep the tinygemm weight ``tg_weight/tg_scale_zero`` for bf16 calls of at most that
+        many tokens (another int4 copy: the two layouts together are still half of bf16)."""
         if self.repacked:
             raise ValueError("AWQLinear.repack: already repacked")
+        R.check_large_m_path(large_m)
         with torch.no_grad():
-            parts = R.repack_awq(self.qweight, self.qzeros, self.scales)
+            parts = (
+                R.repack_awq(self.qweight, self.qzeros, self.scales)
+                if large_m == "repacked"
+                else None
+            )
             tg = None
             if tinygemm_max_m >= 1:
                 tg = R.tinygemm_pack(self.qweight, self.qzeros, self.scales)
-        del self.qweight, self.qzeros, self.scales
-        for name, t in zip(("qweight_r", "zeros_r", "scales_r"), parts, strict=True):
-            setattr(self, name, nn.Parameter(t, requires_grad=False))
+        if parts is not None:
+            del self.qweight, self.qzeros, self.scales
+            for name, t in zip(("qweight_r", "zeros_r", "scales_r"), parts, strict=True):
+                setattr(self, name, nn.Parameter(t, requires_grad=False))
+        self.large_m = large_m
         if tg is not None:
             self.tg_weight = nn.Parameter(tg[0], requires_grad=False)
             self.tg_scale_zero = nn.Parameter(tg[1], requires_grad=False)
@@ -191,13 +202,17 @@ class AWQLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The ``nn.Linear`` weight ``[out, in]`` this module computes with (the Triton path's)."""
-        if self.repacked:
+        if self.repacked and self.large_m == "repacked":
             wt = R.dequantize_repacked_t(self.qweight_r, self.zeros_r, self.scales_r)
             return wt.t().contiguous().to(dtype)
         return awq_dequantize(self.qweight, self.qzeros, self.scales, dtype)
 
     def extra_repr(self) -> str:
-        layout = f", repacked, tinygemm up to M={self.tinygemm_max_m}" if self.repacked else ""
+        layout = (
+            f", {self.large_m} kernel, tinygemm up to M={self.tinygemm_max_m}"
+            if self.repacked
+            else ""
+        )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"w4a16 g{GROUP}{layout}"
@@ -401,11 +416,16 @@ def densify_awq(
     return done
 
 
-def repack_awq_model(model: nn.Module, tinygemm_max_m: int | None = None) -> list[str]:
+def repack_awq_model(
+    model: nn.Module, tinygemm_max_m: int | None = None, large_m: str | None = None
+) -> list[str]:
     """After loading (and ``densify_awq``): ``AWQLinear.repack`` every AWQ linear of ``model``
     and ``AWQExperts.repack`` every block of routed experts. ``tinygemm_max_m``: linear calls of
     at most this many tokens use tinygemm (default ``custom_ops.awq_repack.TINYGEMM_MAX_M`` on
-    CUDA, none elsewhere; -1 = never). Returns the names."""
+    CUDA, none elsewhere; -1 = never); ``large_m``: the kernel of the other calls (default
+    ``R.LARGE_M_PATH``, the measured winner). Returns the names."""
+    large = R.LARGE_M_PATH if large_m is None else large_m
+    R.check_large_m_path(large)
     done: list[str] = []
     for name, m in list(model.named_modules()):
         if isinstance(m, AWQExperts) and not m.repacked:
@@ -415,6 +435,6 @@ def repack_awq_model(model: nn.Module, tinygemm_max_m: int | None = None) -> lis
             max_m = tinygemm_max_m
             if max_m is None:
                 max_m = R.TINYGEMM_MAX_M if m.qweight.device.type == "cuda" else -1
-            m.repack(max_m)
+            m.repack(max_m, large)
             done.append(name)
     return done

@@ -143,6 +143,30 @@ def test_module_repack_and_dispatch():
     assert not hasattr(plain, "tg_weight") and torch.equal(plain(x1), before1)
 
 
+def test_served_dispatch_keeps_the_former_layout_above_tinygemm():
+    """The measured dispatch (R.LARGE_M_PATH = "former"): tinygemm up to TINYGEMM_MAX_M, the
+    former kernel on the AutoAWQ tensors above; no repacked copy is made for a linear."""
+    assert R.LARGE_M_PATH == "former" and R.TINYGEMM_MAX_M == 8
+    lin = _linear(256, 64, 7)
+    x2, x9 = torch.randn(2, 256).bfloat16(), torch.randn(9, 256).bfloat16()
+    before2, before9 = lin(x2), lin(x9)
+    lin.repack(tinygemm_max_m=8, large_m="former")
+    names = {n for n, _ in lin.named_parameters()}
+    assert names == {"qweight", "qzeros", "scales", "tg_weight", "tg_scale_zero"}
+    assert torch.equal(lin(x9), before9)  # M = 9 > 8: the former op, bit for bit
+    y2 = lin(x2)  # M = 2: tinygemm (bf16 pairs): close, not equal
+    assert not torch.equal(y2, before2) and _rel(y2, before2) < 1e-2
+    xh = x2.half()  # not bf16: tinygemm cannot take it, the former op does
+    want = torch.ops.echo.w4a16_linear(xh, lin.qweight, lin.qzeros, lin.scales)
+    assert torch.equal(lin(xh), want)
+    with pytest.raises(ValueError, match="large-M path must be"):
+        _linear(256, 64, 7).repack(large_m="tinygemm")
+    model = nn.Sequential(_linear(256, 64, 8))
+    repack_awq_model(model, tinygemm_max_m=-1)  # the default large-M path
+    assert model[0].large_m == "former" and hasattr(model[0], "qweight")
+    assert not hasattr(model[0], "qweight_r")
+
+
 def test_repacked_module_compiles_fullgraph():
     lin = _linear(256, 64, 6)
     lin.repack(tinygemm_max_m=2)
@@ -162,7 +186,7 @@ def test_tiny_awq_repacked_logits():
     awq, _ = load_model(resolve_model("tiny-awq"))
     prompts = ([0, 44, 73, 341, 83], [0, 264, 499, 315, 432, 18])
     before = [last_logits(awq, p) for p in prompts]
-    assert len(repack_awq_model(awq, tinygemm_max_m=-1)) >= 10
+    assert len(repack_awq_model(awq, tinygemm_max_m=-1, large_m="repacked")) >= 10
     assert all(torch.equal(last_logits(awq, p), b) for p, b in zip(prompts, before, strict=True))
     tg, _ = load_model(resolve_model("tiny-awq"))
     repack_awq_model(tg, tinygemm_max_m=1 << 20)
@@ -320,13 +344,34 @@ def test_bench_awq_helpers_and_help():
     from benchmarks import bench_awq as B
 
     rows = [
-        {"in": 7168, "out": 4096, "M": m, "tinygemm_us": tg, "repacked_us": rp}
-        for m, tg, rp in ((1, 10.0, 12.0), (8, 20.0, 21.0), (16, 40.0, 22.0), (32, 70.0, 25.0))
+        {"in": 7168, "out": 4096, "M": m, "tinygemm_us": tg, "repacked_us": rp, "former_us": fo}
+        for m, tg, rp, fo in (
+            (1, 10.0, 12.0, 30.0),
+            (8, 20.0, 21.0, 19.0),
+            (16, 40.0, 22.0, 30.0),
+            (32, 70.0, 25.0, 24.0),
+        )  # fmt: skip
     ]
-    assert B.dispatch_table(rows) == {"7168x4096": 8}
+    assert B.dispatch_table(rows) == {"7168x4096": 1}  # at M = 8 the former kernel won
+    rows[0]["fbgemm_us"] = 9.0
+    assert B.best_by_m(rows) == {"7168x4096": {1: "fbgemm", 8: "former", 16: "repacked",
+                                               32: "former"}}  # fmt: skip
     cands = B.repacked_candidates(2, 4096, 7168, 132)
     assert cands[0] == RK.r_config(2, 4096, 7168, 132) and any(not c["DOT"] for c in cands)
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_awq", "--help"], cwd=root,
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "--configs" in out and "--out" in out
+
+
+def test_fbgemm_format_maps_awq_exactly():
+    """fbgemm's signed-nibble format (before its shuffle): q' * scale + zero == (q - z) * s,
+    exactly in fp32, from the same AutoAWQ tensors."""
+    from custom_ops import awq_fbgemm as FB
+
+    qw, qz, s = _awq_weights(256, 64, torch.Generator().manual_seed(11))
+    packed, scale, zero = FB.fbgemm_pack_unshuffled(qw, qz, s)
+    assert packed.dtype == torch.int8 and packed.shape == (64, 128)
+    want = ops.awq_dequantize_t(qw, qz, s)
+    assert torch.equal(FB.fbgemm_unpacked_weight_t(packed, scale, zero), want)
+    assert not torch.equal(FB.fbgemm_unpacked_weight_t(packed, scale, zero * 0), want)

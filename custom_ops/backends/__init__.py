@@ -4,4 +4,9 @@ libraries are optional (``pip install -e '.[kernels]'``) and imported on first C
 ``select`` decides which backend serves which half; docs/backends.md describes the whole.
 """
 
-from custom_ops.backends import deep_gemm_ops, flashinfer_ops, split_ops  # noqa: F401  (registers)
+from custom_ops.backends import (  # noqa: F401  (registers)
+    deep_gemm_gemm,
+    deep_gemm_ops,
+    flashinfer_ops,
+    split_ops,
+)
