@@ -222,6 +222,10 @@ class Engine:
         """The scheduler's hook for a prefill group's fork: host slots ``dst`` get the latent and
         indexer rows of ``src`` in every layer (the same bytes, through the write path prefill
         uses), so each sequence owns the prompt's last, partly filled page."""
+        if self.device.type == "cuda":
+            # NOTE: the host rows are read by the CPU, and the last prefill chunk's kernels may
+            # still be writing them through UVA (a prefill step ends without a host sync)
+            torch.cuda.synchronize(self.device)
         rows = read_prompt_kv(self.cache.layers, src)
         slots = torch.tensor(dst, dtype=torch.int64, device=self.device)
         for i, layer in enumerate(self.cache.layers):

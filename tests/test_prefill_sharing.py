@@ -36,13 +36,15 @@ MAX_TOKENS = 10
 IDS = [f"s{j}" for j in range(N)]
 
 
-def config(offload: bool = True, max_batch: int = 4) -> EngineConfig:
-    topk = tiny()[0].config.index_topk
+def config(
+    offload: bool = True, max_batch: int = 4, prefetch: str = "off", device: str = "cpu"
+) -> EngineConfig:
+    topk = tiny(device)[0].config.index_topk
     # the smallest GPU pool for the batch (max_batch x topk), prompts longer than topk: decoding
     # evicts and recalls rows
     return EngineConfig(max_batch=max_batch, host_tokens=64 * 24, gpu_tokens=max_batch * topk,
-                        offload=offload, max_model_len=256, prefill_chunk=64,
-                        device="cpu")  # fmt: skip
+                        offload=offload, max_model_len=256, prefill_chunk=64, prefetch=prefetch,
+                        prefetch_cap=16, device=device)  # fmt: skip
 
 
 def params(seed: int, max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -55,7 +57,7 @@ def prompt(seed: int = 3, n: int = PROMPT_LEN) -> list[int]:
 
 
 def engine(cfg: EngineConfig) -> tuple[Engine, Recorder]:
-    model, tok = tiny()
+    model, tok = tiny(cfg.device)
     eng = Engine(model, model.config, tok, cfg)
     return eng, Recorder(eng)
 
@@ -156,16 +158,39 @@ def test_each_sequence_alone_gives_its_tokens():
         assert drain(eng)["alone"] == out[rid], rid
 
 
-def test_offload_equals_gpu_only_with_sharing():
+@pytest.mark.parametrize("prefetch", ["off", "request"])
+def test_offload_equals_gpu_only_with_sharing(prefetch: str):
+    """Lossless with sharing; with prefetch on too, whose threshold the sequences share (it is
+    keyed by the first host page): that may change what is staged, never what is attended."""
     ids, seeds = prompt(11, 140), [3, 4, 5]
-    (_, rec_off, out_off), (_, rec_gpu, out_gpu) = (
-        run_group(config(offload=o), ids, seeds) for o in (True, False)
+    off = config(offload=True, prefetch=prefetch)
+    (eng, rec_off, out_off), (_, rec_gpu, out_gpu) = (
+        run_group(c, ids, seeds) for c in (off, config(offload=False))
     )
+    if prefetch != "off":
+        assert sum(eng.cache.stats()["prefetched_per_step"]) > 0  # it did stage rows
     assert out_off == out_gpu
     assert len(rec_off.logits) == len(rec_gpu.logits)
     for (d1, ids1, x), (d2, ids2, y) in zip(rec_off.logits, rec_gpu.logits):
         assert (d1, ids1) == (d2, ids2) and torch.equal(x, y), ids1
     assert_same_selected(rec_off, rec_gpu)
+
+
+@pytest.mark.cuda
+def test_shared_prefill_lossless_and_equal_to_separate_cuda():
+    """On the GPU (eager): the group's logits equal separate requests' and, offloaded, the
+    GPU-only run's, bit for bit (the fork's copy reads host rows the prefill wrote via UVA)."""
+    ids, seeds = prompt(), [7, 8, 9]
+    _, rec_s, out_s = run_group(config(device="cuda"), ids, seeds)
+    _, rec_p, out_p = run_separate(config(device="cuda"), ids, seeds)
+    gpu, rec_g, out_g = run_group(config(offload=False, device="cuda"), ids, seeds)
+    assert out_s == out_p == out_g
+    a, b, c = (per_request_logits(r) for r in (rec_s, rec_p, rec_g))
+    for rid in IDS:
+        assert all(torch.equal(x, y) and torch.equal(x, z)
+                   for x, y, z in zip(a[rid], b[rid], c[rid], strict=True)), rid  # fmt: skip
+    assert_same_selected(rec_s, rec_g)
+    assert_pools_empty(gpu)
 
 
 def test_abort_one_sequence_others_unchanged_and_pages_freed_once():
