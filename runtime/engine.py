@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
 from runtime.detokenize import RequestDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, build_runner
+from runtime.prefill_sharing import copy_rows, split_group
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.request import PAGE, Request
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
@@ -66,7 +66,9 @@ class Engine:
         self.cache = self.runner.cache
         self.max_model_len = config.model_len(model_config)
         self.scheduler = Scheduler(
-            config.scheduler_config(model_config), self._release_pages, self._copy_rows
+            config.scheduler_config(model_config),
+            self._release_pages,
+            lambda src, dst: copy_rows(self.cache, src, dst),  # a group's fork
         )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, RequestDetokenizer] = {}
@@ -136,27 +138,23 @@ class Engine:
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("add_request_group: request ids must be distinct")
         prompt = list(prompt_token_ids)
-        ids = [self._check_new(r, prompt, p) for r, p in zip(request_ids, params)][0]
-        reqs = [Request(r, ids, p) for r, p in zip(request_ids, params)]
-        # the most sequences that can be admitted together: decode rows, and host pages (the
-        # prompt's once, each sequence's own pages; see PrefillGroup.pages_needed)
-        prefill_end, num_pages = reqs[0].prefill_end, self.scheduler.pages.num_pages
-        own = max(pages_for(r.max_total_tokens) for r in reqs) - prefill_end // PAGE
-        fit = (num_pages - pages_for(prefill_end)) // own
-        rows = max(1, min(self.scheduler.cfg.max_running, fit))
-        parts = [reqs[i : i + rows] for i in range(0, len(reqs), rows)]
+        for rid, p in zip(request_ids, params):
+            self._check_new(rid, prompt, p)
+        reqs = [Request(rid, prompt, p) for rid, p in zip(request_ids, params)]
+        sched = self.scheduler
+        parts = split_group(reqs, sched.cfg.max_running, sched.pages.num_pages)
         shared = [len(part) > 1 and reqs[0].prefill_end >= 1 for part in parts]
         for part, share in zip(parts, shared):  # check all before queueing any
             for r in part:
-                self.scheduler.check(r)
+                sched.check(r)
             if share:
-                self.scheduler.check_group(part)
+                sched.check_group(part)
         for part, share in zip(parts, shared):
             if share:
-                self.scheduler.add_group(part)
+                sched.add_group(part)
             else:
                 for r in part:
-                    self.scheduler.add(r)
+                    sched.add(r)
             for r in part:
                 self._register(r)
 
@@ -217,20 +215,6 @@ class Engine:
         prompt is not released: its rows stay valid, and cached."""
         slots = torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
         self.cache.release(slots.flatten().to(self.device))
-
-    def _copy_rows(self, src: list[int], dst: list[int]) -> None:
-        """The scheduler's hook for a prefill group's fork: host slots ``dst`` get the latent and
-        indexer rows of ``src`` in every layer (the same bytes, through the write path prefill
-        uses), so each sequence owns the prompt's last, partly filled page."""
-        if self.device.type == "cuda":
-            # NOTE: the host rows are read by the CPU, and the last prefill chunk's kernels may
-            # still be writing them through UVA (a prefill step ends without a host sync)
-            torch.cuda.synchronize(self.device)
-        rows = read_prompt_kv(self.cache.layers, src)
-        slots = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        for i, layer in enumerate(self.cache.layers):
-            kv, index = rows.chunk(i, 0, len(src))
-            layer.store(kv.to(self.device), index.to(self.device), slots)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.remove(req)  # releases the GPU-pool rows of the pages it frees

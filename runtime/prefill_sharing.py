@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from custom_ops.kv_format import PAGE, pages_for
+from runtime.prompt_kv import read_prompt_kv
 from runtime.request import Request
 
 
@@ -56,3 +59,29 @@ def head_of(members: list[Request]) -> Request:
     """The hidden prefill request of ``members`` (one prompt; ids unique among the engine's)."""
     first = members[0]
     return Request(f"{first.request_id}#prefill", first.prompt_ids, first.params)
+
+
+def split_group(reqs: list[Request], max_rows: int, num_pages: int) -> list[list[Request]]:
+    """``reqs`` (one prompt) in consecutive parts that can each be admitted at once: at most
+    ``max_rows`` decode rows, and host pages for the prompt once plus each sequence's own pages
+    (``PrefillGroup.pages_needed``) within ``num_pages``. Parts of one make separate requests."""
+    prefill_end = reqs[0].prefill_end
+    own = max(pages_for(r.max_total_tokens) for r in reqs) - prefill_end // PAGE
+    rows = max(1, min(max_rows, (num_pages - pages_for(prefill_end)) // own))
+    return [reqs[i : i + rows] for i in range(0, len(reqs), rows)]
+
+
+def copy_rows(cache: torch.nn.Module, src: list[int], dst: list[int]) -> None:
+    """The fork's copy on write: host slots ``dst`` of ``cache`` (a ``KVCache``) get the latent
+    and indexer rows of ``src`` in every layer (the same bytes, through the write path prefill
+    uses, ``LayerKV.store``), so each sequence owns the prompt's last, partly filled page."""
+    device = cache.layers[0].index_k.device
+    if device.type == "cuda":
+        # NOTE: the host rows are read by the CPU, and the last prefill chunk's kernels may still
+        # be writing them through UVA (a prefill step ends without a host sync)
+        torch.cuda.synchronize(device)
+    rows = read_prompt_kv(cache.layers, src)
+    slots = torch.tensor(dst, dtype=torch.int64, device=device)
+    for i, layer in enumerate(cache.layers):
+        kv, index = rows.chunk(i, 0, len(src))
+        layer.store(kv.to(device), index.to(device), slots)
