@@ -46,12 +46,14 @@ class _Sink:
 
 @dataclass
 class _Command:
-    kind: str  # "add" | "abort" | "metrics"
+    kind: str  # "add" | "add_group" | "abort" | "metrics"
     request_id: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
     sink: _Sink | None = None
     future: concurrent.futures.Future[Any] | None = None
+    # add_group: (request id, params, sink) of each sequence sharing the prompt's prefill
+    group: list[tuple[str, SamplingParams, _Sink]] = field(default_factory=list)
 
 
 class RequestStream:
@@ -153,6 +155,39 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return RequestStream(self, request_id, queue)
+
+    @property
+    def shares_prefill(self) -> bool:
+        """The engine can run n sequences of one prompt on one prefill (``generate_group``)."""
+        return hasattr(self.engine, "add_request_group")
+
+    async def generate_group(
+        self,
+        request_ids: Sequence[str],
+        prompt_ids: Sequence[int],
+        params: Sequence[SamplingParams],
+    ) -> list[RequestStream]:
+        """``generate`` for n sequences of one prompt that share its prefill
+        (``Engine.add_request_group``): all are added, or none (the ``ValueError`` is raised
+        here); each has its own stream, and closing one aborts only that sequence."""
+        if self._draining:
+            raise RuntimeError("the server is shutting down: no new requests are admitted")
+        loop = asyncio.get_running_loop()
+        queues: list[asyncio.Queue[StepOutput]] = [asyncio.Queue() for _ in request_ids]
+        group = [
+            (rid, p, _Sink(loop, q, prompt_tokens=len(prompt_ids)))
+            for rid, p, q in zip(request_ids, params, queues, strict=True)
+        ]
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        cmd = _Command("add_group", prompt_ids=list(prompt_ids), future=future, group=group)
+        self._submit(cmd)
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            for rid in request_ids:
+                self.abort(rid)
+            raise
+        return [RequestStream(self, rid, q) for rid, q in zip(request_ids, queues)]
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; unknown or finished ids are ignored). Its stream, if still
@@ -259,6 +294,20 @@ class AsyncEngine:
                 c.future.set_exception(e)
                 return
             self._sinks[c.request_id] = c.sink
+            c.future.set_result(None)
+        elif c.kind == "add_group":
+            assert c.future is not None
+            ids = [rid for rid, _, _ in c.group]
+            if used := [rid for rid in ids if rid in self._sinks]:
+                c.future.set_exception(ValueError(f"request id {used[0]!r} is already in use"))
+                return
+            try:
+                self.engine.add_request_group(ids, c.prompt_ids, [p for _, p, _ in c.group])
+            except Exception as e:
+                c.future.set_exception(e)
+                return
+            for rid, _, sink in c.group:
+                self._sinks[rid] = sink
             c.future.set_result(None)
         elif c.kind == "abort":
             sink = self._sinks.pop(c.request_id, None)

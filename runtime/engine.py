@@ -17,6 +17,7 @@ from model.config import ModelConfig
 from runtime.detokenize import RequestDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, build_runner
+from runtime.prefill_sharing import copy_rows, split_group
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.request import PAGE, Request
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
@@ -64,7 +65,11 @@ class Engine:
         self.runner = build_runner(model, config, compiler, model_config)
         self.cache = self.runner.cache
         self.max_model_len = config.model_len(model_config)
-        self.scheduler = Scheduler(config.scheduler_config(model_config))
+        self.scheduler = Scheduler(
+            config.scheduler_config(model_config),
+            self._release_pages,
+            lambda src, dst: copy_rows(self.cache, src, dst),  # a group's fork
+        )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, RequestDetokenizer] = {}
         self._seeds: dict[str, int] = {}
@@ -102,6 +107,69 @@ class Engine:
         decoding starts from the last prompt token. Its layer count, token count
         (``len(prompt) - 1``) and row width are checked here; the chunks a generator yields are
         checked as they are written."""
+        ids = self._check_new(request_id, prompt_token_ids, params)
+        if prompt_kv is not None:
+            check_source(
+                prompt_kv,
+                self.model_config.num_hidden_layers,
+                max(len(ids) - 1, 0),
+                self.cache.config.row_bytes,
+                self.cache.config.fmt,
+            )
+        req = Request(request_id, ids, params, prompt_kv=prompt_kv)
+        self.scheduler.add(req)  # raises ValueError for requests that can never fit
+        self._register(req)
+
+    def add_request_group(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+    ) -> None:
+        """Queue n sequences of one prompt (``params[j]`` for sequence ``request_ids[j]``: the
+        server's n choices, or best_of candidates) that share ONE prefill and the host slots of
+        the prompt's full pages (runtime.prefill_sharing). Each sequence is then an ordinary
+        request: its own id, seed, outputs, finish and abort. The result is what n separate
+        requests would give; a group larger than the decode rows the pools serve at once is split
+        into groups of at most that many, and a one-token prompt (nothing to prefill) makes
+        separate requests. All are refused, and none queued, if one is invalid."""
+        if len(request_ids) != len(params) or not request_ids:
+            raise ValueError("add_request_group needs one SamplingParams per request id")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("add_request_group: request ids must be distinct")
+        prompt = list(prompt_token_ids)
+        for rid, p in zip(request_ids, params):
+            self._check_new(rid, prompt, p)
+        reqs = [Request(rid, prompt, p) for rid, p in zip(request_ids, params)]
+        sched = self.scheduler
+        parts = split_group(reqs, sched.cfg.max_running, sched.pages.num_pages)
+        shared = [len(part) > 1 and reqs[0].prefill_end >= 1 for part in parts]
+        for part, share in zip(parts, shared):  # check all before queueing any
+            for r in part:
+                sched.check(r)
+            if share:
+                sched.check_group(part)
+        for part, share in zip(parts, shared):
+            if share:
+                sched.add_group(part)
+            else:
+                for r in part:
+                    sched.add(r)
+            for r in part:
+                self._register(r)
+
+    def _register(self, req: Request) -> None:
+        params = req.params
+        self.requests[req.request_id] = req
+        self._detok[req.request_id] = RequestDetokenizer(
+            self.tokenizer, params, req.prompt_ids, self.model_config.eos_token_id
+        )
+        self._seeds[req.request_id] = request_seed(params)
+
+    def _check_new(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int]:
+        """The prompt's ids as a list; ValueError naming what is wrong with a new request."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
@@ -117,21 +185,7 @@ class Engine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.grammar is not None:
             self.structured_output.check(params.grammar)
-        if prompt_kv is not None:
-            check_source(
-                prompt_kv,
-                self.model_config.num_hidden_layers,
-                max(len(ids) - 1, 0),
-                self.cache.config.row_bytes,
-                self.cache.config.fmt,
-            )
-        req = Request(request_id, ids, params, prompt_kv=prompt_kv)
-        self.scheduler.add(req)  # raises ValueError for requests that can never fit
-        self.requests[request_id] = req
-        self._detok[request_id] = RequestDetokenizer(
-            self.tokenizer, params, req.prompt_ids, self.model_config.eos_token_id
-        )
-        self._seeds[request_id] = request_seed(params)
+        return ids
 
     def prompt_kv(self, request_id: str) -> PromptKV:
         """The KV rows of a running request's prompt once it is prefilled (the sending side of
@@ -154,15 +208,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _release_pages(self, pages: list[int]) -> None:
+        """The scheduler's hook for pages whose last holder leaves: forget their host slots in
+        every layer's GPU pool BEFORE they go back to the allocator (a stale host->GPU entry
+        would serve the next owner old rows). A page still shared by another sequence of the same
+        prompt is not released: its rows stay valid, and cached."""
+        slots = torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
+        self.cache.release(slots.flatten().to(self.device))
+
     def _finish(self, req: Request, reason: str) -> None:
-        if req.pages:
-            # Forget every host slot of the request in every layer's GPU pool BEFORE its pages go
-            # back to the allocator: a stale host->GPU entry would serve the next owner old rows.
-            slots = (
-                torch.tensor(req.pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
-            ).flatten()
-            self.cache.release(slots.to(self.device))
-        self.scheduler.remove(req)
+        self.scheduler.remove(req)  # releases the GPU-pool rows of the pages it frees
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
@@ -344,7 +399,7 @@ class Engine:
         pool = self.cache.stats()
         alloc = self.scheduler.pages
         return {
-            "running": float(len(self.scheduler.running)),
+            "running": float(self.scheduler.num_rows),
             "waiting": float(len(self.scheduler.waiting)),
             "generated_tokens": float(self.generated_tokens),
             "tokens_per_s": tps,

@@ -3,6 +3,11 @@
 One allocator per model (every layer uses the same host slot for a token). It runs on the CPU in
 the scheduler, between steps and outside any graph, so it is plain Python: a free list of 64-token
 pages. Host slot of token t of a request = pages[t // 64] * 64 + t % 64 (the block table).
+
+Pages are reference counted so that the n sequences of one prompt (``n > 1``, ``best_of``) can
+hold the prompt's full pages read-only: ``alloc`` hands a page out with one reference, ``share``
+adds one per extra holder, and ``free`` drops one per holder and returns the page to the free list
+only when the last one goes (``runtime.prefill_sharing``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ class HostSlotAllocator:
         self.num_pages = num_pages
         # Stack with the lowest page id on top: alloc pops from the end.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._used = bytearray(num_pages)  # 1 = handed out; catches double frees
+        self._refs = [0] * num_pages  # holders of each page; 0 = free (catches double frees)
 
     @property
     def num_free(self) -> int:
@@ -36,6 +41,10 @@ class HostSlotAllocator:
     def num_free_slots(self) -> int:
         return len(self._free) * PAGE
 
+    def refs(self, page: int) -> int:
+        """How many holders ``page`` has (0: free)."""
+        return self._refs[page]
+
     def can_alloc(self, n_pages: int) -> bool:
         return 0 <= n_pages <= len(self._free)
 
@@ -48,28 +57,51 @@ class HostSlotAllocator:
         pages = self._free[len(self._free) - n_pages :][::-1]
         del self._free[len(self._free) - n_pages :]
         for p in pages:
-            self._used[p] = 1
+            self._refs[p] = 1
         return pages
 
-    def free(self, pages: Iterable[int]) -> None:
-        """Give pages back. Freeing a page that is not handed out raises ValueError (and frees
-        nothing), since a double free would hand one page to two requests."""
+    def share(self, pages: Iterable[int]) -> None:
+        """One more holder for each of ``pages`` (handed out already); each is freed once per
+        holder. Sharing a free page raises ValueError (and shares nothing)."""
+        pages = self._checked(pages, "share")
+        for p in pages:
+            self._refs[p] += 1
+
+    def last_holder(self, pages: Iterable[int]) -> list[int]:
+        """The pages of ``pages`` that ``free(pages)`` would return to the free list (one holder
+        left), in order: the GPU pools must forget those host slots before they are freed."""
+        return [p for p in pages if self._refs[p] == 1]
+
+    def free(self, pages: Iterable[int]) -> list[int]:
+        """Drop one holder of each page; returns the pages that went back to the free list (their
+        last holder left). Freeing a page that is not handed out, or one page twice in one call,
+        raises ValueError (and frees nothing): a double free would hand one page to two
+        requests."""
+        pages = self._checked(pages, "free")
+        freed = []
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                freed.append(p)
+        if freed:
+            self._free.extend(freed)
+            self._free.sort(reverse=True)  # keep handing out low ids first: deterministic, compact
+        return freed
+
+    def _checked(self, pages: Iterable[int], op: str) -> list[int]:
         pages = list(pages)
         seen: set[int] = set()
         for p in pages:
             if not 0 <= p < self.num_pages:
                 raise ValueError(
-                    f"HostSlotAllocator.free: page {p} out of range [0, {self.num_pages})"
+                    f"HostSlotAllocator.{op}: page {p} out of range [0, {self.num_pages})"
                 )
-            if not self._used[p] or p in seen:
+            if not self._refs[p] or p in seen:
                 raise ValueError(
-                    f"HostSlotAllocator.free: page {p} is not allocated (double free?)"
+                    f"HostSlotAllocator.{op}: page {p} is not allocated (double free?)"
                 )
             seen.add(p)
-        for p in pages:
-            self._used[p] = 0
-        self._free.extend(pages)
-        self._free.sort(reverse=True)  # keep handing out low ids first: deterministic, compact
+        return pages
 
     @staticmethod
     def slots_of(pages: Iterable[int]) -> list[int]:

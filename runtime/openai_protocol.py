@@ -93,6 +93,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
     logprobs: int | None = None
     echo: bool | None = None
+    best_of: int | None = None  # candidates per prompt; the n best by cumulative logprob return
 
 
 class ChatMessage(_Strict):
@@ -170,10 +171,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # Only for completions / only for chat.
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
     "suffix": ("",),
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),  # a legacy completions parameter (OpenAI's chat has none)
     "parallel_tool_calls": (),
     "audio": (),
     "modalities": (["text"],),
@@ -196,6 +197,13 @@ def check_unsupported(req: _SamplingRequest) -> None:
     fields = {**(req.model_extra or {}), **{k: getattr(req, k) for k in type(req).model_fields}}
     if req.n is not None and req.n < 1:
         raise APIError(400, f"n must be an integer >= 1, got {req.n}", param="n")
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        n = req.n or 1
+        if req.best_of < n:
+            msg = f"best_of must be >= n ({n}), got {req.best_of}"
+            raise APIError(400, msg, param="best_of")
+        if req.stream and req.best_of > n:  # the best are known only at the end (OpenAI, vLLM)
+            raise APIError(400, "best_of > n cannot be streamed", param="best_of")
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
         msg = "echo with logprobs needs the prompt's logprobs, which are not supported"
         raise APIError(400, msg, param="echo")

@@ -9,17 +9,29 @@ Policy (vLLM-v0 style, kept simple):
 - A running request with prompt tokens left gets one prefill chunk per step (prefill first);
   otherwise every running request decodes one token (the first decode step of a request processes
   its last prompt token and samples its first output token).
+- A group of n sequences of one prompt (``add_group``; runtime.prefill_sharing) is admitted as a
+  whole: n decode rows, the prompt's pages once and each member's own pages. Its hidden head takes
+  the prefill chunks in the running list's order; at the first ``schedule`` after its prefill the
+  group forks: the members take the head's place in the running list.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from custom_ops.cache.config import max_decode_rows
 from custom_ops.kv_format import pages_for
 from runtime.host_slots import HostSlotAllocator
+from runtime.prefill_sharing import PrefillGroup, head_of
 from runtime.request import PAGE, Request, Status
+
+# release(pages): called with host pages about to go back to the free list (last holder gone), so
+# the GPU pools forget their slots first; copy_rows(src slots, dst slots): the fork's copy of a
+# group's last prompt page, in every layer (the engine's, which owns the cache)
+PageHook = Callable[[list[int]], None]
+CopyHook = Callable[[list[int], list[int]], None]
 
 
 @dataclass(frozen=True)
@@ -57,14 +69,59 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        release: PageHook | None = None,
+        copy_rows: CopyHook | None = None,
+    ):
         self.cfg = cfg
         self.pages = HostSlotAllocator(cfg.host_tokens // PAGE)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.release = release
+        self.copy_rows = copy_rows
+        self.groups: dict[int, PrefillGroup] = {}  # id(head) -> its group, until the fork
+        self._group_of: dict[int, PrefillGroup] = {}  # id(member) -> its group, until the fork
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def add_group(self, members: list[Request]) -> None:
+        """Queue ``members`` (two or more requests of one prompt of at least two tokens, at most
+        ``max_running`` of them) to share one prefill; see runtime.prefill_sharing."""
+        group = self.check_group(members)
+        self.groups[id(group.head)] = group
+        for m in members:
+            self._group_of[id(m)] = group
+        self.waiting.append(group.head)
+
+    def check_group(self, members: list[Request]) -> PrefillGroup:
+        """The group ``members`` would make; ValueError if it could never run."""
+        if len(members) < 2 or len({tuple(m.prompt_ids) for m in members}) != 1:
+            raise ValueError("a prefill group needs two or more requests of the same prompt")
+        if len(members) > self.cfg.max_running:
+            raise ValueError(
+                f"a prefill group of {len(members)} cannot decode at once: at most "
+                f"{self.cfg.max_running} rows"
+            )
+        for m in members:
+            self.check(m)
+        group = PrefillGroup(head_of(members), list(members))
+        if group.head.prefill_end < 1:
+            raise ValueError("a one-token prompt has no prefill to share")
+        if group.pages_needed() > self.pages.num_pages:
+            raise ValueError(
+                f"{len(members)} sequences of prompt + max_tokens = "
+                f"{members[0].max_total_tokens} tokens can never fit the host KV pool "
+                f"({self.pages.num_pages * PAGE} tokens) at once"
+            )
+        return group
+
+    def check(self, req: Request) -> None:
+        """Raise ValueError for a request that can never run."""
         total = req.max_total_tokens
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -78,33 +135,110 @@ class Scheduler:
                 f"prompt + max_tokens = {total} tokens can never fit the host KV pool "
                 f"({self.pages.num_pages * PAGE} tokens)"
             )
-        self.waiting.append(req)
 
     def remove(self, req: Request) -> list[int]:
-        """Take ``req`` out of the queues and free its host pages; returns the pages it held."""
-        if req in self.running:
+        """Take ``req`` out of the queues and drop its hold on its host pages (a page shared with
+        other sequences stays theirs); returns the pages it held. A group member leaving before
+        the fork leaves its group; the last one to leave takes the head with it."""
+        group = self._group_of.pop(id(req), None)
+        if group is not None:
+            group.members.remove(req)
+            if not group.members:
+                self._drop_head(group)
+        elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        pages, req.pages = req.pages, []
-        if pages:
-            self.pages.free(pages)
+        pages = self._free(req)
         req.status = Status.FINISHED
         return pages
 
+    def _free(self, req: Request) -> list[int]:
+        pages, req.pages = req.pages, []
+        if pages:
+            last = self.pages.last_holder(pages)
+            if last and self.release is not None:
+                self.release(last)  # before the pages can be handed out again
+            self.pages.free(pages)
+        return pages
+
+    def _drop_head(self, group: PrefillGroup) -> None:
+        head = group.head
+        del self.groups[id(head)]
+        if head in self.running:
+            self.running.remove(head)
+        elif head in self.waiting:
+            self.waiting.remove(head)
+        self._free(head)
+        head.status = Status.FINISHED
+
+    @property
+    def num_rows(self) -> int:
+        """Decode rows taken: running requests and the members of admitted groups (their heads
+        prefill and never decode)."""
+        heads = sum(1 for g in self.groups.values() if g.admitted)
+        members = sum(len(g.members) for g in self.groups.values() if g.admitted)
+        return len(self.running) - heads + members
+
     # ---- one step ------------------------------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_running:
+        while self.waiting:
             req = self.waiting[0]
-            pages = self.pages.alloc(pages_for(req.max_total_tokens))
-            if pages is None:
-                break  # host pool full: wait for a running request to finish
+            group = self.groups.get(id(req))
+            if self.num_rows + (len(group.members) if group else 1) > self.cfg.max_running:
+                break
+            if group is not None:
+                if not self._admit_group(group):
+                    break
+            else:
+                pages = self.pages.alloc(pages_for(req.max_total_tokens))
+                if pages is None:
+                    break  # host pool full: wait for a running request to finish
+                req.pages = pages
             self.waiting.popleft()
-            req.pages = pages
             req.status = Status.RUNNING
             self.running.append(req)
 
+    def _admit_group(self, group: PrefillGroup) -> bool:
+        """All of the group's pages, or none: the head's prompt pages, the first ``s`` of them
+        shared with every member, and each member's own."""
+        if not self.pages.can_alloc(group.pages_needed()):
+            return False
+        head, s = group.head, group.shared_pages
+        head.pages = self.pages.alloc(pages_for(head.prefill_end))  # type: ignore[assignment]
+        for m in group.members:
+            own = self.pages.alloc(pages_for(m.max_total_tokens) - s)
+            assert own is not None  # can_alloc above
+            self.pages.share(head.pages[:s])
+            m.pages = head.pages[:s] + own
+            m.status = Status.RUNNING
+        group.admitted = True
+        return True
+
+    def _fork(self) -> None:
+        """Groups whose head has prefilled the prompt: copy its last, partly filled prompt page
+        into each member's own page, put the members where the head was in the running list,
+        and drop the head (its references to the shared pages, its copy of the last page)."""
+        for group in [g for g in self.groups.values() if g.admitted and not g.head.in_prefill]:
+            head = group.head
+            positions = group.copied_positions()
+            if len(positions):
+                if self.copy_rows is None:
+                    raise RuntimeError("Scheduler: a prefill group forks but has no copy_rows")
+                src = [head.slot_of(p) for p in positions]
+                dst = [m.slot_of(p) for m in group.members for p in positions]
+                self.copy_rows(src * len(group.members), dst)
+            for m in group.members:
+                m.num_computed = head.num_computed
+                del self._group_of[id(m)]
+            i = self.running.index(head)
+            self.running[i : i + 1] = group.members
+            del self.groups[id(head)]
+            self._free(head)
+            head.status = Status.FINISHED
+
     def schedule(self) -> ScheduledBatch | None:
+        self._fork()
         self._admit()
         for req in self.running:
             if req.in_prefill:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -104,13 +105,26 @@ class Handlers:
         return max_tokens
 
     async def start(self, rid: str, choices: list[_Choice]) -> list[RequestStream]:
-        """Add every choice's request (ids ``rid-0``, ``rid-1``, ...; just ``rid`` for one); if
-        one is refused, the ones already added are aborted."""
+        """Add every choice's request (ids ``rid-0``, ``rid-1``, ...; just ``rid`` for one); the
+        choices of one prompt share its prefill when the engine can (``generate_group``). If one
+        is refused, the ones already added are aborted."""
         streams: list[RequestStream] = []
+        cids = [rid] if len(choices) == 1 else [f"{rid}-{i}" for i in range(len(choices))]
         try:
-            for i, c in enumerate(choices):
-                cid = rid if len(choices) == 1 else f"{rid}-{i}"
-                streams.append(await self.engine.generate(cid, c.ids, c.params))
+            i = 0
+            while i < len(choices):
+                c = choices[i]
+                j = i + 1  # choices of one prompt are consecutive (prompt-major)
+                while j < len(choices) and choices[j].prompt_index == c.prompt_index:
+                    j += 1
+                if j - i > 1 and self.engine.shares_prefill:
+                    params = [x.params for x in choices[i:j]]
+                    streams += await self.engine.generate_group(cids[i:j], c.ids, params)
+                else:
+                    for k in range(i, j):
+                        ck = choices[k]
+                        streams.append(await self.engine.generate(cids[k], ck.ids, ck.params))
+                i = j
         except (ValueError, RuntimeError) as e:
             for st in streams:
                 await st.aclose()
@@ -153,10 +167,13 @@ class Handlers:
         final: Callable[[list[RequestOutput], dict[str, int], list[list[Top]]], dict[str, Any]],
         t0: float,
         first: Callable[[int], dict[str, Any] | None] | None = None,
+        keep: Callable[[list[RequestOutput]], list[int]] | None = None,
     ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
         when the request arrived (perf_counter), for the latency histograms. Adds
-        ``stop_reason`` to finished choices, and the usage the stream options ask for."""
+        ``stop_reason`` to finished choices, and the usage the stream options ask for.
+        ``keep`` (best_of, not streamed): which of the finished choices are returned, in order;
+        ``choices`` is narrowed to them in place, since ``final`` reads it by returned index."""
         streaming, opts = bool(req.stream), req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -191,6 +208,10 @@ class Handlers:
             for r in results:
                 if (err := failure(r.finish_reason)) is not None:
                     raise err
+            if keep is not None:
+                order = keep(results)
+                results, tops = [results[i] for i in order], [tops[i] for i in order]
+                choices[:] = [choices[i] for i in order]
             body = final(results, usage(), tops)
             for c, res in zip(body["choices"], results, strict=True):
                 c["stop_reason"] = self.stop_reason(choices[c["index"]].params, res)
@@ -269,7 +290,13 @@ class Handlers:
         params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
         for ids, _ in prompts:
             self.max_tokens(len(ids), max_tokens, "prompt")
-        choices = self.choices_of(prompts, params, req.n or 1)
+        n = req.n or 1
+        best_of = req.best_of or n
+        keep = None
+        if best_of > n:  # ranked by cumulative logprob: every candidate reports its logprobs
+            params = dataclasses.replace(params, logprobs=True)
+            keep = functools.partial(best_of_order, best_of=best_of, n=n)
+        choices = self.choices_of(prompts, params, best_of)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(rid, choices)
         head = {
@@ -335,7 +362,9 @@ class Handlers:
             ]
             return {**head, "choices": out, "usage": usage}
 
-        return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
+        return await self.respond(
+            request, streams, choices, req, head, chunk, final, t0, first, keep
+        )
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.perf_counter()
@@ -467,6 +496,17 @@ class Handlers:
         self.metrics.update(snapshot, self.engine.generation_tokens_total)
         body = prom.generate_latest(self.metrics.registry)
         return Response(body, media_type=prom.CONTENT_TYPE_LATEST)
+
+
+def best_of_order(results: list[RequestOutput], best_of: int, n: int) -> list[int]:
+    """best_of: of each prompt's ``best_of`` consecutive candidates, the ``n`` with the highest
+    cumulative logprob (the sum of their tokens' logprobs, as vLLM ranks them), best first; ties
+    keep the candidates' order. Indices into ``results``, prompt-major."""
+    out = []
+    for start in range(0, len(results), best_of):
+        group = range(start, start + best_of)
+        out += sorted(group, key=lambda i: -sum(results[i].logprobs))[:n]
+    return out
 
 
 def _wrap_seed(seed: int) -> int:

@@ -367,10 +367,10 @@ UNSUPPORTED_BOTH = [
     ("truncate_prompt_tokens", 8, None),
 ]
 UNSUPPORTED_COMPLETION = [
-    ("best_of", 2, 1),
     ("suffix", "end", None),
 ]
 UNSUPPORTED_CHAT = [
+    ("best_of", 2, 1),  # completions take it (tests/test_prefill_sharing.py)
     ("parallel_tool_calls", True, None),
     ("audio", {"voice": "x"}, None),
     ("modalities", ["text", "audio"], ["text"]),
