@@ -400,9 +400,12 @@ class System:
 SYSTEMS = ("offload", "gpu-only", "offload-eager")
 
 
-def build_model(preset: str, layers: int, experts: int, device: str) -> torch.nn.Module:
+def build_model(
+    preset: str, layers: int, experts: int, device: str, locality: float = 0.0
+) -> torch.nn.Module:
     """The benchmark model with deterministic random weights, built directly on ``device``:
-    ``bench`` (real V3.2 attention/indexer dims, ``layers`` and ``experts`` chosen) or ``tiny``."""
+    ``bench`` (real V3.2 attention/indexer dims, ``layers`` and ``experts`` chosen) or ``tiny``;
+    ``locality`` > 0 plants the locality model (model/locality.py) into the weights."""
     from model.model import DeepseekV32ForCausalLM
     from model.presets import preset_config
 
@@ -412,7 +415,7 @@ def build_model(preset: str, layers: int, experts: int, device: str) -> torch.nn
         cfg = preset_config("tiny")
     with torch.device(device):
         model = DeepseekV32ForCausalLM(cfg)
-    return model.random_init_(seed=0).eval()
+    return model.random_init_(seed=0, locality=locality).eval()
 
 
 def environment() -> dict:
