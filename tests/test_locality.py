@@ -97,11 +97,11 @@ def _sel(*rows) -> torch.Tensor:
 
 
 def test_overlap_metric_on_hand_made_selections() -> None:
-    calls = []
+    calls, now = [], []
 
-    def select(q, w, bt, sl):
+    def select(q, w, bt, sl):  # the layer's own select: returns this step's hand-made selection
         calls.append(1)
-        return sel_now, None
+        return now[-1], None
 
     layer = SimpleNamespace(select=select)
     probe = OverlapProbe(SimpleNamespace(layers=[layer]))
@@ -112,7 +112,8 @@ def test_overlap_metric_on_hand_made_selections() -> None:
         (_sel([3, 4, 5, 6], [10, 11, 12]), live),  # 2/4 and 2/2
         (_sel([7, 8], [13, 14, 15, 16]), b_only),  # request 5 idle; 9: 0/3
     ]
-    for sel_now, sl in steps:
+    for sel, sl in steps:
+        now.append(sel)
         layer.select(None, None, bt, sl)
     assert calls == [1, 1, 1]
     assert probe.overlap() == [pytest.approx((0.5 + 1.0 + 0.0) / 3)]
