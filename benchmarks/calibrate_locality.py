@@ -28,7 +28,7 @@ from pathlib import Path
 from custom_ops.kv_format import PAGE, pages_for
 from echo_compile.bench.harness import System, Workload, build_model, environment
 from echo_compile.bench.locality import OverlapProbe
-from model.locality import FIRST_LOCAL_LAYER, plant_locality
+from model.locality import BENCH_LOCALITY, FIRST_LOCAL_LAYER, plant_locality
 
 PUBLISHED = {"deep": (0.35, 0.50), "layers_0_1": (0.01, 0.02)}
 TARGET_DEEP = 0.42
@@ -95,6 +95,16 @@ def best_knob(rows: list[dict]) -> float | None:
     return min(scored)[1] if scored else None
 
 
+def interpolated_knob(rows: list[dict]) -> float | None:
+    """The λ where the mean deep-layer overlap crosses TARGET_DEEP, linear between the two
+    measured knobs around it (None if no two consecutive knobs bracket it)."""
+    pts = [(r["locality"], r["summary"]["deep"]) for r in rows if r["summary"]["deep"] is not None]
+    for (l0, o0), (l1, o1) in zip(pts, pts[1:]):
+        if o0 <= TARGET_DEEP <= o1 and o1 > o0:
+            return l0 + (l1 - l0) * (TARGET_DEEP - o0) / (o1 - o0)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny preset on CPU (a smoke test)")
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": p | {"layers": cfg.num_hidden_layers, "topk": topk, "kv_format": a.kv_format},
         "published_overlap": PUBLISHED,
         "first_local_layer": FIRST_LOCAL_LAYER,
+        "bench_locality_default": BENCH_LOCALITY,
         "pools": [
             {"gpu_tokens": n, "rows_per_request": n / b, "warm_steps": w}
             for n, w in zip(pools, warms)
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"λ {lam:.2f}: overlap per layer {ov} | hit rate {hits}", flush=True)
     best = best_knob(out["results"])
     out["best_locality"] = best
+    out["interpolated_locality"] = interpolated_knob(out["results"])
     save()
     if best is not None:
         row = next(r for r in out["results"] if r["locality"] == best)
@@ -192,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             f"best λ = {best} (deep-layer overlap {s['deep']:.3f}, target {TARGET_DEEP}, "
             f"published 0.35-0.50; layers 0-1 {s['layers_0_1']:.3f}, published 0.01-0.02)"
         )
+    if out["interpolated_locality"] is not None:
+        print(f"interpolated λ for overlap {TARGET_DEEP}: {out['interpolated_locality']:.3f}")
     print(f"wrote {path} ({out['elapsed_s']:.0f} s)")
     return 0
 

@@ -138,6 +138,14 @@ def test_higher_locality_measurably_raises_the_indexers_overlap() -> None:
     assert got[0.93]["layers_0_1"] < 0.15  # layers 0-1 read nothing planted
 
 
+def test_interpolated_knob() -> None:
+    rows = [{"locality": lam, "summary": {"deep": o}} for lam, o in ((0.0, 0.04), (0.9, 0.3),
+            (0.95, 0.5))]  # fmt: skip
+    assert cal.interpolated_knob(rows) == pytest.approx(0.9 + 0.05 * 0.12 / 0.2)
+    assert cal.best_knob(rows) == 0.95
+    assert cal.interpolated_knob(rows[:2]) is None  # never reaches the target
+
+
 def test_calibration_cli_smoke(tmp_path, capsys) -> None:
     out = tmp_path / "cal.json"
     argv = ["--dry-run", "--knobs", "0.5,0", "--ctx", "256", "--steps", "2", "--out", str(out)]
