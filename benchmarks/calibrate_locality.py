@@ -8,8 +8,10 @@ indexer's consecutive-step top-k overlap per layer, and the GPU-pool hit rate pe
 Decode-only, as the bench: each request's prompt KV is injected (``RandomPromptKV``), then a few
 eager decode steps run (eager: ``OverlapProbe`` wraps each layer's ``select``, which a compiled
 step never calls back). The selections are the indexer's own on the planted weights: nothing is
-injected into them. Per knob the warm-up steps fill the pool, then the stats are reset and the
-measured steps give the hit rate (engine metrics) and the overlap (|S_t ∩ S_t-1| / |S_t-1| per
+injected into them. Per knob the warm-up runs until the pool is full (every layer, or a cap of
+steps; the usage is recorded: below ~95% nothing was evicted yet and the hit rate is an unbounded
+pool's over the warm-up), then the stats are reset and the measured steps give the hit rate
+(engine metrics) and the overlap (|S_t ∩ S_t-1| / |S_t-1| per
 request and layer, averaged). The weights are planted in place, λ increasing from 0 (0 = the
 weights as drawn); the overlap comes from the first pool's engine (the attended set is the exact
 top-k whatever the pool: lossless). Prints the λ whose deep-layer mean overlap is closest to the
@@ -44,26 +46,37 @@ def pool_rows(requests: int, topk: int, mult: float) -> int:
     return pages_for(int(requests * topk * mult)) * PAGE
 
 
-def warm_steps(mult: float, warm: int) -> int:
-    """Warm-up steps before the hit rate is measured: enough for the pool to fill (each step
-    misses at most top-k rows per request, so ``mult`` x top-k rows take >= ``mult`` steps; 2x
-    for the hits) and at least ``warm``."""
-    return max(warm, math.ceil(2 * mult))
+FULL = 0.95  # pool usage (every layer) at which the warm-up ends: the pool's reserve stays free
 
 
-def run_knob(suts: list[System], wl: Workload, warms: list[int], steps: int) -> dict:
-    """One workload on every engine: per engine the hit rate of the measured steps (after its
-    warm-up); on the first the overlap of those steps."""
-    out: dict = {"hit_rate": [], "overlap": None}
-    for k, (sut, warm) in enumerate(zip(suts, warms)):
+def warm_cap(mult: float, warm: int) -> int:
+    """The most warm-up steps: a pool of ``mult`` x top-k rows per request fills once the misses
+    reach its rows; at most top-k misses a step, ~1/5 of them at high locality, so 5 x ``mult``
+    steps, plus ``warm`` (the least warm-up)."""
+    return warm + math.ceil(5 * mult)
+
+
+def _usage(eng) -> list[float]:
+    return list(eng.cache.stats()["gpu_pool_usage_per_layer"])
+
+
+def run_knob(suts: list[System], wl: Workload, caps: list[int], steps: int, warm: int = 2) -> dict:
+    """One workload on every engine: per engine the hit rate of the measured steps, after a
+    warm-up of at least ``warm`` steps that lasts until every layer's pool is full (``FULL``) or
+    ``caps[k]`` steps have run; on the first engine the overlap of the measured steps."""
+    out: dict = {"hit_rate": [], "gpu_pool_usage": [], "warm_steps": [], "overlap": None}
+    for k, (sut, cap) in enumerate(zip(suts, caps)):
         eng = sut.engine
         eng.reset_stats()
-        wl = replace(wl, output_len=warm + steps + 1)
+        wl = replace(wl, output_len=cap + steps + 1)
         prompts = sut._prompts(wl)
         for i in range(wl.requests):
             sut._add(wl, i, prompts[i])
-        while eng.num_decode_steps < warm:
+        while eng.num_decode_steps < warm or (
+            eng.num_decode_steps < cap and min(_usage(eng)) < FULL
+        ):
             eng.step()
+        out["warm_steps"].append(eng.num_decode_steps)
         eng.cache.reset_stats()  # the hit rate of the measured steps alone
         probe = OverlapProbe(eng.cache) if k == 0 else None
         try:
@@ -72,10 +85,14 @@ def run_knob(suts: list[System], wl: Workload, warms: list[int], steps: int) -> 
         finally:
             if probe is not None:
                 probe.close()
-        out["hit_rate"].append(list(eng.metrics()["hit_rate"]))
+        m = eng.metrics()
+        out["hit_rate"].append(list(m["hit_rate"]))
+        # below 1: the pool had not filled, nothing was evicted yet, and the hit rate is that of
+        # an unbounded pool over the warm-up's history (the high-λ, 10x case can be so)
+        out["gpu_pool_usage"].append(_usage(eng))
         if probe is not None:
             out["overlap"] = probe.overlap()
-        while eng.has_unfinished():  # the requests end after warm + steps + 1 tokens
+        while eng.has_unfinished():  # the requests end after cap + steps + 1 tokens
             eng.step()
     return out
 
@@ -147,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if ctx <= topk:
         ap.error(f"--ctx {ctx} must exceed top-k {topk} (else every step selects everything)")
     pools = [pool_rows(b, topk, m) for m in MULTS]
-    warms = [warm_steps(m, p["warm"]) for m in MULTS]
-    out_len = max(warms) + p["steps"] + 1
+    caps = [warm_cap(m, p["warm"]) for m in MULTS]
+    out_len = max(caps) + p["steps"] + 1
     wl = Workload(requests=b, min_ctx=ctx, max_ctx=ctx, output_len=out_len)
     host = b * pages_for(ctx + out_len) * PAGE
     out = {
@@ -158,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_local_layer": FIRST_LOCAL_LAYER,
         "bench_locality_default": BENCH_LOCALITY,
         "pools": [
-            {"gpu_tokens": n, "rows_per_request": n / b, "warm_steps": w}
-            for n, w in zip(pools, warms)
+            {"gpu_tokens": n, "rows_per_request": n / b, "warm_cap": w} for n, w in zip(pools, caps)
         ],  # fmt: skip
         "results": [],
     }
@@ -193,14 +209,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"budget of {a.budget_s:.0f} s spent: knobs {out['skipped_knobs']} not run")
             break
         plant_locality(model, lam)  # in place; 0 (first, as drawn) changes nothing
-        r = run_knob(suts, wl, warms, p["steps"])
+        r = run_knob(suts, wl, caps, p["steps"], p["warm"])
         row = {"locality": lam, **r, "summary": summarize(r["overlap"])}
         out["results"].append(row)
         save()
         ov = " ".join(f"{x:.3f}" for x in r["overlap"])
         hits = "; ".join(
-            f"{n / b:.0f} rows/req: " + " ".join(f"{h:.2f}" for h in hr)
-            for n, hr in zip(pools, r["hit_rate"])
+            f"{n / b:.0f} rows/req: "
+            + " ".join(f"{h:.2f}" for h in hr)
+            + f" (pool {min(us):.0%}-{max(us):.0%} full)"
+            for n, hr, us in zip(pools, r["hit_rate"], r["gpu_pool_usage"])
         )
         print(f"λ {lam:.2f}: overlap per layer {ov} | hit rate {hits}", flush=True)
     best = best_knob(out["results"])

@@ -132,7 +132,7 @@ def test_higher_locality_measurably_raises_the_indexers_overlap(device) -> None:
     got = {}
     for lam in (0.0, 0.93):  # increasing: planted in place
         plant_locality(model, lam)
-        r = cal.run_knob([sut], wl, [2], 4)
+        r = cal.run_knob([sut], wl, [2], 4, warm=2)
         got[lam] = cal.summarize(r["overlap"])
         assert len(r["hit_rate"][0]) == model.config.num_hidden_layers
     # deep layers: from the random baseline (~top-k/context = 3%) to near the published 35-50%
@@ -157,6 +157,7 @@ def test_calibration_cli_smoke(tmp_path, capsys) -> None:
     assert [round(p["rows_per_request"] / 32, 1) for p in d["pools"]] == [2.0, 4.0, 10.0]
     for r in d["results"]:
         assert len(r["hit_rate"]) == 3 and len(r["overlap"]) == 4
+        assert all(0 < u <= 1 for us in r["gpu_pool_usage"] for u in us)
         assert all(0 <= h <= 1 for hr in r["hit_rate"] for h in hr)
     assert d["best_locality"] in (0.0, 0.5) and "best λ" in capsys.readouterr().out
     with pytest.raises(SystemExit):
