@@ -2,7 +2,7 @@
 indexer's consecutive-step top-k overlap per layer, and the GPU-pool hit rate per layer at pools of
 ~1.5x, ~4x and ~10x top-k rows per request (docs/prefetch.md, "Locality model").
 
-    python -m benchmarks.calibrate_locality --out $OUT/calibrate_locality.json     (H200, < 150 s)
+    python -m benchmarks.calibrate_locality --out $OUT/calibrate_locality_h200.json  (H200, < 150 s)
     python -m benchmarks.calibrate_locality --dry-run --out /tmp/cal.json          (CPU, tiny)
 
 Decode-only, as the bench: each request's prompt KV is injected (``RandomPromptKV``), then a few
