@@ -395,12 +395,18 @@ class DeepseekV32ForCausalLM(nn.Module):
                 m.reset_buffers()
 
     @torch.no_grad()
-    def random_init_(self, seed: int = 0, std: float = 0.02) -> DeepseekV32ForCausalLM:
+    def random_init_(
+        self, seed: int = 0, std: float = 0.02, locality: float = 0.0
+    ) -> DeepseekV32ForCausalLM:
         """Deterministic random weights: N(0, std) for projections and embeddings, N(0, std/2)
         for the router correction bias, ones for norm weights, zeros for the LayerNorm bias.
         Each parameter draws from a generator on its own device seeded by (seed, name), so the
         values do not depend on the order of initialisation (they do differ between CPU and
-        CUDA generators). Also initialises the buffers."""
+        CUDA generators). Also initialises the buffers. ``locality`` > 0 then plants the bench's
+        locality model (model/locality.py); 0 leaves the weights as drawn."""
+        from model.locality import check_locality, plant_locality
+
+        check_locality(locality)  # before any work
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 raise ValueError(
@@ -416,4 +422,5 @@ class DeepseekV32ForCausalLM(nn.Module):
                 s = std / 2 if name.endswith("e_score_correction_bias") else std
                 p.normal_(0.0, s, generator=g)
         self.init_buffers()
+        plant_locality(self, locality, seed, std)
         return self

@@ -120,6 +120,7 @@ def test_batch_cap() -> None:
     "extra, message",
     [
         (["--repeat", "1.5"], "--repeat"),
+        (["--locality", "1"], "--locality must be in [0, 1)"),
         (["--systems", "offload,vllm"], "unknown system 'vllm'"),
         (["--gpu-pools", "256"], "cannot hold the longest request"),
         (["--rates", "2,-1"], "--rates must be positive"),

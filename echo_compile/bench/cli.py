@@ -27,6 +27,7 @@ from echo_compile.bench.harness import (
     environment,
     sharegpt_like,
 )
+from model.locality import BENCH_LOCALITY
 
 
 def _ints(s: str) -> list[int]:
@@ -75,10 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument(
+        "--locality",
+        type=float,
+        default=BENCH_LOCALITY,
+        help="the locality model's knob λ in [0, 1) planted in the random weights (0: none; "
+        "docs/prefetch.md, 'Locality model'; benchmarks/calibrate_locality.py calibrates it)",
+    )
+    ap.add_argument(
         "--repeat",
         type=float,
-        default=1.0,
-        help="probability that a decode input repeats the previous one (selection locality)",
+        default=0.0,
+        help="probability that a decode input repeats the previous one: the earlier locality "
+        "knob, kept to reproduce the results taken with it (--locality 0 --repeat 1)",
     )
     ap.add_argument("--gpu-pools", default="325000,200000,110000", help="N_G per layer, each")
     ap.add_argument("--host-tokens", type=int, default=0, help="default: enough for every request")
@@ -142,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--prefetch: unknown mode {p!r} (choose from off, request, global)")
     if not 0.0 <= a.repeat <= 1.0:
         ap.error(f"--repeat must be in [0, 1], got {a.repeat}")
+    if not 0.0 <= a.locality < 1.0:
+        ap.error(f"--locality must be in [0, 1), got {a.locality}")
     pools, rates = _ints(a.gpu_pools), _floats(a.rates)
     if any(r <= 0 for r in rates):
         ap.error(f"--rates must be positive, got {a.rates!r}")
@@ -176,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     most = max([wl] + sweep, key=lambda w: w.requests)
     host = a.host_tokens or PAGE * sum(pages_for(n + wl.output_len) for n in most.lengths())
     t_start = time.perf_counter()
-    model = build_model(a.preset, a.layers, a.experts, a.device)
+    model = build_model(a.preset, a.layers, a.experts, a.device, a.locality)
     cfg = model.config
     max_len = wl.max_ctx + wl.output_len + 64
     out = {
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "echo-compile bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": cfg.to_dict(),
         "workload": asdict(wl),
+        "locality": a.locality,
         "repeat": a.repeat,
         "host_tokens": host,
         "kv_format": a.kv_format,

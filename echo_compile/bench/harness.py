@@ -15,13 +15,15 @@ model and the same GPU pool tokens per layer:
 - ``offload-eager``: offloading without CUDA graphs.
 
 Selection locality. Random weights do not give real attention's temporal locality (the paper
-measures GPU-pool hit rates of 0.97-0.99). The knob is ``--repeat``: the probability that a
-request's next decode input is its previous input token rather than the sampled one (sampling
-still runs; ``RepeatPrevious``, a logits processor on ``Engine.logits_processors``). At 1.0
-every layer-0 indexer query differs from the last only by RoPE, so its selections overlap heavily;
-deeper layers see the drift of the attention outputs and overlap less; at 0 the model's own
-(greedy or sampled) tokens make every query new. The measured per-layer hit rate is reported next
-to every throughput figure; do not read a throughput without it.
+measures GPU-pool hit rates of 0.97-0.99). The knob is ``--locality`` λ, the locality model planted
+in the random weights (model/locality.py: a persistent per-token importance in the index scores of
+layers >= 2, calibrated by benchmarks/calibrate_locality.py against the published consecutive-step
+top-k overlap). ``--repeat`` is the earlier knob, off by default and kept only to reproduce the
+results taken with it (``--locality 0 --repeat 1``): the probability that a request's next decode
+input is its previous input token (``RepeatPrevious``, a logits processor on
+``Engine.logits_processors``); it makes layer 0's queries repeat, which real models' 1-2% overlap
+at layers 0-1 contradicts. The measured per-layer hit rate is reported next to every throughput
+figure; do not read a throughput without it.
 
 Runs: every system at every ``--gpu-pools`` size with all requests at once (Fig. 13), and at
 ``--rate-pool`` a Poisson rate sweep (Fig. 12); ``offload-eager`` at ``--eager-pools``, where the
@@ -400,9 +402,12 @@ class System:
 SYSTEMS = ("offload", "gpu-only", "offload-eager")
 
 
-def build_model(preset: str, layers: int, experts: int, device: str) -> torch.nn.Module:
+def build_model(
+    preset: str, layers: int, experts: int, device: str, locality: float = 0.0
+) -> torch.nn.Module:
     """The benchmark model with deterministic random weights, built directly on ``device``:
-    ``bench`` (real V3.2 attention/indexer dims, ``layers`` and ``experts`` chosen) or ``tiny``."""
+    ``bench`` (real V3.2 attention/indexer dims, ``layers`` and ``experts`` chosen) or ``tiny``;
+    ``locality`` > 0 plants the locality model (model/locality.py) into the weights."""
     from model.model import DeepseekV32ForCausalLM
     from model.presets import preset_config
 
@@ -412,7 +417,7 @@ def build_model(preset: str, layers: int, experts: int, device: str) -> torch.nn
         cfg = preset_config("tiny")
     with torch.device(device):
         model = DeepseekV32ForCausalLM(cfg)
-    return model.random_init_(seed=0).eval()
+    return model.random_init_(seed=0, locality=locality).eval()
 
 
 def environment() -> dict:
