@@ -171,6 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-batch", type=int, default=64)
     pl.add_argument("--max-model-len", type=int, default=163840)
     pl.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
+    pl.add_argument(
+        "--fp8-weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="--quant fp8: weights dequantised at load (bf16) or kept FP8",
+    )
     pl.add_argument("--no-offload", action="store_true")
     pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
     pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
@@ -261,7 +267,7 @@ def _run(a: argparse.Namespace) -> int:
         eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
                           a.kv_format, not a.no_offload, a.max_model_len, ep)  # fmt: skip
         mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
-        plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib)
+        plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights)
         print(plan.table())
         plan.check()  # a plan that does not fit: one error line, exit 2
         return 0

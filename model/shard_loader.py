@@ -139,21 +139,48 @@ def load_shard_weights(
 
 
 def build_sharded_model(
-    config: ModelConfig, g: TPGroup, dtype: torch.dtype = torch.bfloat16, ep: bool = False
+    config: ModelConfig,
+    g: TPGroup,
+    dtype: torch.dtype = torch.bfloat16,
+    ep: bool = False,
+    fp8_modules: set[str] | None = None,
 ):
     """The rank's model on the meta device: TP (``ep``: EP routed experts) feed-forward blocks,
-    AWQ modules if quantised."""
+    AWQ modules if quantised; ``fp8_modules`` (the checkpoint's modules with a
+    ``weight_scale_inv``): those linears and experts FP8-resident (``model.fp8_weights``), each
+    holding its shard's weight rows/columns and their 128x128 block scales."""
     from model.model import DeepseekV32ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
         parallelize_ffn(model, config, g, ep)
     _cast_half_params(model, dtype)
+    if fp8_modules is not None:
+        from model.fp8_weights import convert_to_fp8
+
+        convert_to_fp8(model, fp8_modules, config.quantization.scale_fmt == "ue8m0")
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import convert_to_awq
 
         convert_to_awq(model, config.quantization)
     return model
+
+
+def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:
+    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None for
+    ``fp8_weights="bf16"``; a ValueError for a bad value or a checkpoint that is not FP8."""
+    if fp8_weights not in ("bf16", "fp8"):
+        raise ValueError(f"fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
+    if fp8_weights == "bf16":
+        return None
+    if config.quantization is None or config.quantization.method != "fp8":
+        raise ValueError(
+            f"fp8_weights='fp8' needs an FP8 checkpoint; {path} is not one (its config.json has "
+            "no fp8 quantization_config)"
+        )
+    _, files = _shards(path)
+    return {n.removesuffix(".weight_scale_inv") for names in files.values()
+            for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
 
 
 def load_sharded_model(
@@ -162,11 +189,14 @@ def load_sharded_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     ep: bool = False,
+    fp8_weights: str = "bf16",
 ) -> tuple[nn.Module, LoadExtras]:
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
-    (``ep``: its routed experts whole instead of a slice of every expert)."""
+    (``ep``: its routed experts whole instead of a slice of every expert). ``fp8_weights``
+    (FP8 checkpoints): ``"bf16"`` dequantises at load, ``"fp8"`` keeps the weights FP8, each
+    shard cut on 128x128 block boundaries (a split that is not is refused, naming the tensor)."""
     path, config, generation_config = read_checkpoint_meta(path_or_name)
-    model = build_sharded_model(config, g, dtype, ep)
+    model = build_sharded_model(config, g, dtype, ep, fp8_scaled_modules(path, config, fp8_weights))
     load_shard_weights(model, path, config, device, g, ep)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path, generation_config, {})

@@ -183,11 +183,12 @@ def build_distributed_engine(
     model_name: str = "model",
     compiler_factory=None,
     ctx: DistContext | None = None,
+    fp8_weights: str = "bf16",
 ) -> DistributedEngine:
     """Join the process group (collectives time out after ``config.collective_timeout_s``), load
     this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
     ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
-    device, or None for eager."""
+    device, or None for eager. ``fp8_weights``: as ``load_model``'s (FP8 kept per shard)."""
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
 
@@ -203,9 +204,11 @@ def build_distributed_engine(
     config = replace(config, device=ctx.device)
     g = tp_group(ctx, config)
     if g.size > 1:
-        net, _ = load_sharded_model(path, g, device=ctx.device, ep=config.ep > 1)
+        net, _ = load_sharded_model(
+            path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights
+        )
     else:
-        net, _ = load_model(path, device=ctx.device, keep_mtp=False)
+        net, _ = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
     engine = Engine(
         net, net.config, Tokenizer.from_dir(path), config, model_name=model_name, compiler=compiler
