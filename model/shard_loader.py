@@ -200,3 +200,36 @@ def load_sharded_model(
     load_shard_weights(model, path, config, device, g, ep)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path, generation_config, {})
+
+
+def shard_model(full: nn.Module, g: TPGroup, ep: bool = False) -> nn.Module:
+    """Rank ``g.rank``'s model cut from a whole in-memory 16-bit model (the benchmark's random
+    weights, which have no checkpoint to read slices from): the same parameters as
+    ``load_sharded_model`` gives from that model's checkpoint. A parameter that differs from the
+    whole one along one axis is this rank's part of it there (the gate and up halves of stacked
+    ``w13`` each split separately; EP: the rank's experts); the rest is copied whole."""
+    config = full.config
+    if config.quantization is not None:
+        raise ValueError("shard_model: the whole model must be 16-bit (quantised: load a shard)")
+    dtype = next(p.dtype for p in full.parameters() if p.is_floating_point())
+    device = next(full.parameters()).device
+    model = build_sharded_model(config, g, dtype, ep)
+    model.to_empty(device=device)
+    whole = dict(full.state_dict())
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            w = whole[name]
+            diff = [i for i, (a, b) in enumerate(zip(t.shape, w.shape, strict=True)) if a != b]
+            if not diff:
+                t.copy_(w)
+                continue
+            (axis,) = diff
+            n = t.shape[axis]
+            if ".w13_" in name and not ep:  # [gate rows | up rows]: this rank's rows of each
+                halves = [h.narrow(axis, g.rank * n // 2, n // 2) for h in w.chunk(2, dim=axis)]
+                t.copy_(torch.cat(halves, dim=axis))
+            else:
+                t.copy_(w.narrow(axis, g.rank * n, n))
+    _init_non_persistent_buffers(model)
+    model.requires_grad_(False)
+    return model.eval()

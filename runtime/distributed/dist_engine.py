@@ -78,9 +78,10 @@ class DistributedEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_kv=None
     ) -> None:
-        """Place a request on a DP rank (every rank calls this with the same arguments)."""
-        if prompt_kv is not None:
-            raise ValueError("prompt_kv is not supported with dp/tp > 1 yet")
+        """Place a request on a DP rank (every rank calls this with the same arguments).
+        ``prompt_kv`` is not broadcast: every rank passes its own source of the same rows (SPMD,
+        as the benchmark's seeded ``RandomPromptKV``), and the rank that owns the request (every
+        rank with dp == 1) writes it."""
         if params.seed is None:  # one seed for the request on every rank (TP ranks must agree)
             params = replace(params, seed=random.SystemRandom().getrandbits(63))
         request_id, ids, params = self._broadcast(
@@ -95,7 +96,7 @@ class DistributedEngine:
         err = None
         if target == self.dp_rank:
             try:
-                self.engine.add_request(request_id, ids, params)
+                self.engine.add_request(request_id, ids, params, prompt_kv=prompt_kv)
             except ValueError as e:
                 err = str(e)
         errors = [e for e in self._gather(err, "the admission result") if e is not None]
