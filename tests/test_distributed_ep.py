@@ -96,3 +96,13 @@ def test_each_ep_rank_computes_only_its_own_experts_picks():
         assert int((sorted_ids < t * k).sum()) == int(own.sum())  # the kernels' rows
         assert 0 < int(own.sum()) < t * k  # a real split: neither rank does everything
     assert sum(int((i < 4).sum()) for i in seen) == t * k  # every pick computed once in all
+
+
+def test_ep_moe_benchmark_answers_help_on_cpu(capsys):
+    from benchmarks import bench_ep_moe
+
+    with pytest.raises(SystemExit) as e:
+        bench_ep_moe.main(["--help"])
+    assert e.value.code == 0 and "--ep" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="must divide 256 experts"):
+        bench_ep_moe.main(["--out", "x.json", "--ep", "3"])
