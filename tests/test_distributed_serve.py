@@ -14,8 +14,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
-import torch.distributed as dist
 from server_utils import running_server
 
 from runtime.distributed.process import free_port, spawn
@@ -105,44 +103,9 @@ def test_two_rank_server_answers_the_openai_client_like_one_process():
             proc.wait()
 
 
-class _FakeEngine:
-    """What the driver and the follower call, with the DistributedEngine's ``ctx``."""
-
-    def __init__(self, ctx):
-        self.ctx, self.calls = ctx, []
-
-    def step(self):
-        self.calls.append("step")
-        return []
-
-    def add_request(self, request_id, ids, params):
-        self.calls.append(("add", request_id))
-        if request_id == "bad":
-            raise ValueError("refused")
-
-
-def heartbeat_worker(rank: int, out: str) -> None:
-    from runtime.distributed.driver import DriverEngine, follow
-    from runtime.distributed.process import init_distributed, shutdown
-
-    ctx = init_distributed("cpu", timeout_s=2.0)
-    eng = _FakeEngine(ctx)
-    if rank == 0:
-        driver = DriverEngine(eng)  # a ping after 0.5 s of silence
-        time.sleep(3.0)  # idle longer than the collective timeout
-        with pytest.raises(ValueError, match="refused"):
-            driver.add_request("bad", [1], None)
-        driver.step()
-        driver.close()
-        (Path(out) / "rank0.txt").write_text(f"{driver.pings}")
-    else:
-        n = follow(eng)
-        (Path(out) / "rank1.txt").write_text(f"{n} {eng.calls}")
-    dist.barrier()
-    shutdown()
-
-
 def test_driver_heartbeat_keeps_an_idle_follower_alive(tmp_path):
+    from distributed_workers import heartbeat_worker
+
     spawn(heartbeat_worker, 2, str(tmp_path))
     assert int((tmp_path / "rank0.txt").read_text()) >= 3  # 3 s idle, a ping every 0.5 s
     # the refused add did not stop the follower; the step after it was applied
