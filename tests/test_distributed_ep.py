@@ -106,3 +106,24 @@ def test_ep_moe_benchmark_answers_help_on_cpu(capsys):
     assert e.value.code == 0 and "--ep" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="must divide 256 experts"):
         bench_ep_moe.main(["--out", "x.json", "--ep", "3"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 64, 512])
+def test_skip_ids_on_gpu_at_v32_expert_shapes(t):
+    """The Triton kernel with skip ids (an EP rank of 8: 32 experts of V3.2's shapes) against its
+    reference, and an all-skipped token's row exactly zero."""
+    g = torch.Generator("cuda").manual_seed(t)
+    e, k, d, inter = 32, 8, 7168, 2048
+    x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(t, 256, device="cuda", generator=g).topk(k, dim=-1).indices
+    ids = torch.where(ids < e, ids, torch.full_like(ids, e))  # 7/8 of the picks foreign
+    ids[0] = e
+    w = torch.rand(t, k, device="cuda", generator=g)
+    w13 = (torch.randn(e, 2 * inter, d, device="cuda", generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(e, d, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    y = K.moe_bf16_triton(x, ids, w, w13, w2)
+    ref = ops.moe_bf16_ref(x, ids, w, w13, w2)
+    assert (y[0] == 0).all() and torch.isfinite(y).all()
+    if t > 1:
+        assert ((y - ref).norm() / ref.norm()).item() < 5e-3
