@@ -259,22 +259,32 @@ def moe_align(
     Returns ``sorted_ids int32 [max_blocks * block_m]`` (pair index ``t * k + j``, or ``T*k`` in
     padding slots) and ``block_expert int32 [max_blocks]`` (the expert of each row block, or
     ``n_experts`` for blocks past the end), ``max_blocks = cdiv(T*k, block_m) + min(E, T*k)``.
+
+    An id equal to ``n_experts`` (the skip id: expert parallelism's pick of another rank's
+    expert) gets no slot at all: no row block computes it, so the kernels' work is the pairs of
+    this rank's experts only, and its output row is left as the launcher initialised it (zeros).
     """
     flat = topk_ids.reshape(-1).long()  # [P]
     p = flat.numel()
     max_blocks = triton.cdiv(p, block_m) + min(n_experts, p)
     dev = flat.device
-    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=dev).scatter_add_(
         0, flat, torch.ones_like(flat)
-    )  # [E]
+    )[:n_experts]  # [E] (bin E, the skipped pairs, dropped)
     padded = (counts + block_m - 1) // block_m * block_m
     pad_start = torch.cumsum(padded, 0) - padded  # [E] first slot of each expert's run
     cnt_start = torch.cumsum(counts, 0) - counts  # [E] first position of the expert in sort order
-    order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert
+    order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert, skipped ones last
     e_sorted = flat[order]
-    dest = pad_start[e_sorted] + torch.arange(p, device=dev) - cnt_start[e_sorted]
-    sorted_ids = torch.full((max_blocks * block_m,), p, dtype=torch.int32, device=dev)
+    kept = e_sorted < n_experts
+    e_c = e_sorted.clamp(max=n_experts - 1)
+    pos = torch.arange(p, device=dev)
+    dest = pad_start[e_c] + pos - cnt_start[e_c]
+    n_slots = max_blocks * block_m
+    dest = torch.where(kept, dest, n_slots + pos)  # skipped pairs: a scratch tail, cut off below
+    sorted_ids = torch.full((n_slots + p,), p, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = sorted_ids[:n_slots]
     block_end = torch.cumsum(padded, 0) // block_m  # [E] one past each expert's last block
     block_ids = torch.arange(max_blocks, device=dev)
     block_expert = torch.searchsorted(block_end, block_ids, right=True).to(torch.int32)
@@ -416,7 +426,8 @@ def _launch_moe(
         x.stride(0), *strides(w13), h.stride(0),
         A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, W4=w4, **common,
     )
-    y = torch.empty((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
+    # NOTE: zeros, not empty: a skipped pair's (id == E) row is never written
+    y = torch.zeros((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
     moe_gemm_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
         h, w2[0], *zs(w2), y, sorted_ids, block_expert, tw, p, d, inter, n_experts,
         h.stride(0), *strides(w2), y.stride(0),

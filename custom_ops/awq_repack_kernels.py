@@ -278,7 +278,8 @@ def moe_w4a16_r_triton(
         p, inter, d // GROUP, e, x.stride(0), h.stride(0),
         A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, **common,
     )  # fmt: skip
-    y = torch.empty((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
+    # NOTE: zeros, not empty: a skipped pair's (id == E) row is never written
+    y = torch.zeros((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
     moe_r_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
         h, w2_qweight_r, w2_zeros_r, w2_scales_r, y, sorted_ids, block_expert, tw,
         p, d, inter // GROUP, e, h.stride(0), y.stride(0),

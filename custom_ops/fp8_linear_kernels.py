@@ -253,7 +253,7 @@ def moe_fp8_triton(
         x, w13, w13_scale, h, sorted_ids, block_expert, tw, p, inter, d, e,
         x.stride(0), h.stride(0), A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, **common,
     )  # fmt: skip
-    y = torch.empty((p, d), device=x.device, dtype=torch.float32)
+    y = torch.zeros((p, d), device=x.device, dtype=torch.float32)  # skipped pairs' rows: 0
     fp8_moe_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
         h, w2, w2_scale, y, sorted_ids, block_expert, tw, p, d, inter, e,
         h.stride(0), y.stride(0), A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, **common,

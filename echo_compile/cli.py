@@ -55,6 +55,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel feed-forward ranks")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (instead of --tp)")
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank waits for the others before it stops (dp/tp/ep > 1)",
+    )
     _threads_arg(p)
 
 
@@ -69,6 +75,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         dp=a.dp,
         tp=a.tp,
         ep=a.ep,
+        collective_timeout_s=a.collective_timeout,
     )
     if a.device:
         opts["device"] = a.device
@@ -164,6 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-batch", type=int, default=64)
     pl.add_argument("--max-model-len", type=int, default=163840)
     pl.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
+    pl.add_argument(
+        "--fp8-weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="--quant fp8: weights dequantised at load (bf16) or kept FP8",
+    )
     pl.add_argument("--no-offload", action="store_true")
     pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
     pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
@@ -254,23 +267,20 @@ def _run(a: argparse.Namespace) -> int:
         eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
                           a.kv_format, not a.no_offload, a.max_model_len, ep)  # fmt: skip
         mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
-        plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib)
+        plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights)
         print(plan.table())
         plan.check()  # a plan that does not fit: one error line, exit 2
         return 0
     if a.cmd == "serve":
         options = serve_options(a)
         check_device(a.device)
-        if max(a.dp, a.tp, a.ep) > 1:
-            raise ValueError(
-                "serve --dp/--tp > 1: the multi-rank HTTP front end is not built yet; run "
-                "`echo-compile generate --dp N --tp N` or the LLM API under torchrun"
-            )
         from echo_compile.llm import LLM
         from runtime.async_engine import AsyncEngine
         from runtime.server import serve
 
         llm = LLM(a.model, compile=a.compile, fp8_weights=a.fp8_weights, **_engine_options(a))
+        if max(a.dp, a.tp, a.ep) > 1:  # torchrun: rank 0 serves and drives, the others follow
+            return _serve_multi_rank(llm, a, options)
         serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], **options)
         return 0
     if a.cmd == "make-checkpoint":
@@ -285,6 +295,34 @@ def _run(a: argparse.Namespace) -> int:
         print(f"wrote {out}")
         return 0
     raise AssertionError(f"unhandled command {a.cmd!r}")  # argparse allows only the above
+
+
+def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
+    """``serve --dp/--tp/--ep``: rank 0 runs the HTTP server over a ``DriverEngine``, every other
+    rank follows its calls (runtime/distributed/driver.py says why rank 0 drives)."""
+    import signal
+
+    from runtime.async_engine import AsyncEngine
+    from runtime.distributed.driver import DriverEngine, follow
+    from runtime.distributed.process import shutdown
+    from runtime.server import serve
+
+    try:
+        if llm.engine.ctx.rank != 0:
+            # NOTE: torchrun and a terminal's Ctrl-C signal every rank; rank 0 drains its requests
+            # and then tells us to stop, so we must outlive the signal.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            follow(llm.engine)
+            return 0
+        driver = DriverEngine(llm.engine)
+        try:
+            serve(AsyncEngine(driver), a.served_model_name or [a.model], **options)
+        finally:
+            driver.close()
+        return 0
+    finally:
+        shutdown()
 
 
 def _user_error(e: BaseException) -> int:

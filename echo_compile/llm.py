@@ -50,7 +50,8 @@ class LLM:
     CUDA) captures every bucket into CUDA graphs at start-up, then forbids recompiles. Any number of
     engines may live in one process: each owns its compiled steps. ``fp8_weights`` (FP8
     checkpoints): ``"bf16"`` dequantises the weights at load (the reference), ``"fp8"`` keeps
-    them FP8, one byte per weight on the GPU (docs/quantization.md; single process only).
+    them FP8, one byte per weight on the GPU (docs/quantization.md; sharded on block
+    boundaries with dp/tp/ep).
     """
 
     def __init__(
@@ -73,16 +74,11 @@ class LLM:
         self.model_path = path
         compiled = compile if compile is not None else config.device.startswith("cuda")
         if config.world_size > 1:
-            if fp8_weights != "bf16":
-                raise ValueError(
-                    f"fp8_weights={fp8_weights!r} is not supported with dp/tp/ep > 1 yet (the "
-                    "sharded loader dequantises FP8 weights): use fp8_weights='bf16'"
-                )
             # one rank of a dp/tp job (torchrun): every rank runs this same code (docs/multi_gpu.md)
             from runtime.distributed.dist_engine import build_distributed_engine
 
             self.engine = build_distributed_engine(
-                path, config, model, StepCompiler if compiled else None
+                path, config, model, StepCompiler if compiled else None, fp8_weights=fp8_weights
             )
         else:
             net, extras = load_model(path, device=config.device, fp8_weights=fp8_weights)

@@ -78,6 +78,8 @@ class Experts(nn.Module):
 
     ``forward(x [T, D], topk_ids [T, k], topk_weights [T, k] fp32) -> fp32 [T, D]``, the interface
     ``model/awq.py``'s quantised experts keep (the caller accepts either fp32 or x's dtype back).
+    An id equal to ``n_experts`` is a pick to skip (expert parallelism: another rank's expert):
+    every MoE op and its grouping (``awq_kernels.moe_align``) leave it out, contributing 0.
 
     The forward is one call of the grouped ``echo::moe_bf16``: each token runs through its k
     experts only (on CUDA a Triton kernel that groups the (token, expert) pairs by expert on the
@@ -113,9 +115,12 @@ class Experts(nn.Module):
         gu = torch.matmul(x.unsqueeze(0), self.w13_weight.transpose(1, 2))  # [E, T, 2I]
         h = F.silu(gu[..., :inter].float()) * gu[..., inter:].float()  # [E, T, I] fp32
         y = torch.matmul(h.to(x.dtype), self.w2_weight.transpose(1, 2))  # [E, T, D]
-        idx = topk_ids.long().unsqueeze(-1).expand(t, topk_ids.shape[1], d)  # [T, k, D]
+        kept = (topk_ids < self.n_experts).unsqueeze(-1)  # [T, k, 1] id E: a pick to skip (EP)
+        ids = topk_ids.long().clamp(max=self.n_experts - 1)
+        idx = ids.unsqueeze(-1).expand(t, topk_ids.shape[1], d)  # [T, k, D]
         y_sel = y.transpose(0, 1).gather(1, idx)  # [T, k, D] outputs of each token's experts
-        return (y_sel.float() * topk_weights.float().unsqueeze(-1)).sum(dim=1)  # [T, D] fp32
+        y_sel = torch.where(kept, y_sel.float() * topk_weights.float().unsqueeze(-1), 0.0)
+        return y_sel.sum(dim=1)  # [T, D] fp32
 
 
 class MoE(nn.Module):

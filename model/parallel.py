@@ -123,12 +123,17 @@ class TPMoE(MoE):
 
 class EPMoE(MoE):
     """``MoE`` with the routed experts split by expert (expert parallel): this rank holds experts
-    ``[rank * E/ep, (rank + 1) * E/ep)`` whole and weighs only the picks that fall on them; the
+    ``[rank * E/ep, (rank + 1) * E/ep)`` whole and computes only the picks that fall on them; the
     shared experts are TP-split as in ``TPMoE``. The same collectives as TP (every rank's rows
     gathered, fp32 partial sums reduce-scattered): fixed shapes, no token counts exchanged.
 
-    NOTE: a pick of another rank's expert is sent to local expert 0 with weight 0 (fixed shapes,
-    no per-expert token lists): exact unless that expert's output is inf or NaN."""
+    A pick of another rank's expert becomes the skip id ``n_local`` (one past this rank's
+    experts), which the MoE ops' grouping (``custom_ops.awq_kernels.moe_align``) gives no slot:
+    each rank's grouped GEMMs run its own experts' (token, expert) pairs only, the ``tp x T``
+    gathered rows times the share of picks landing here (on average 1/ep of all picks), not all
+    of them. What is not saved: the rows still travel by all-gather and reduce-scatter (volume
+    ``tp x T x D``), where an all-to-all would send each row only to the ranks of its experts.
+    """
 
     def __init__(self, config: ModelConfig, g: TPGroup):
         super().__init__(config)
@@ -140,12 +145,19 @@ class EPMoE(MoE):
         self.shared_experts = MLP(d, shared) if config.n_shared_experts > 0 else None
         self.tp = g
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        weights, indices = self.gate(x)  # [T, k] fp32, [T, k] global expert ids
+    def local_picks(
+        self, indices: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global expert ids ``[T, k]`` -> this rank's local ids (``n_local``: skip) and weights
+        (0 where skipped, so no kernel can weigh a foreign pick in)."""
         local = indices - self.first
         mine = (local >= 0) & (local < self.n_local)  # [T, k] picks of this rank's experts
-        ids = torch.where(mine, local, torch.zeros_like(local))
-        w = torch.where(mine, weights, torch.zeros_like(weights))
+        ids = torch.where(mine, local, torch.full_like(local, self.n_local))
+        return ids, torch.where(mine, weights, torch.zeros_like(weights))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.gate(x)  # [T, k] fp32, [T, k] global expert ids
+        ids, w = self.local_picks(indices, weights)
         y = self.experts(x, ids, w).float()  # [T, D] this rank's experts' share
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()

@@ -139,21 +139,48 @@ def load_shard_weights(
 
 
 def build_sharded_model(
-    config: ModelConfig, g: TPGroup, dtype: torch.dtype = torch.bfloat16, ep: bool = False
+    config: ModelConfig,
+    g: TPGroup,
+    dtype: torch.dtype = torch.bfloat16,
+    ep: bool = False,
+    fp8_modules: set[str] | None = None,
 ):
     """The rank's model on the meta device: TP (``ep``: EP routed experts) feed-forward blocks,
-    AWQ modules if quantised."""
+    AWQ modules if quantised; ``fp8_modules`` (the checkpoint's modules with a
+    ``weight_scale_inv``): those linears and experts FP8-resident (``model.fp8_weights``), each
+    holding its shard's weight rows/columns and their 128x128 block scales."""
     from model.model import DeepseekV32ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
         parallelize_ffn(model, config, g, ep)
     _cast_half_params(model, dtype)
+    if fp8_modules is not None:
+        from model.fp8_weights import convert_to_fp8
+
+        convert_to_fp8(model, fp8_modules, config.quantization.scale_fmt == "ue8m0")
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import convert_to_awq
 
         convert_to_awq(model, config.quantization)
     return model
+
+
+def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:
+    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None for
+    ``fp8_weights="bf16"``; a ValueError for a bad value or a checkpoint that is not FP8."""
+    if fp8_weights not in ("bf16", "fp8"):
+        raise ValueError(f"fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
+    if fp8_weights == "bf16":
+        return None
+    if config.quantization is None or config.quantization.method != "fp8":
+        raise ValueError(
+            f"fp8_weights='fp8' needs an FP8 checkpoint; {path} is not one (its config.json has "
+            "no fp8 quantization_config)"
+        )
+    _, files = _shards(path)
+    return {n.removesuffix(".weight_scale_inv") for names in files.values()
+            for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
 
 
 def load_sharded_model(
@@ -162,11 +189,47 @@ def load_sharded_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     ep: bool = False,
+    fp8_weights: str = "bf16",
 ) -> tuple[nn.Module, LoadExtras]:
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
-    (``ep``: its routed experts whole instead of a slice of every expert)."""
+    (``ep``: its routed experts whole instead of a slice of every expert). ``fp8_weights``
+    (FP8 checkpoints): ``"bf16"`` dequantises at load, ``"fp8"`` keeps the weights FP8, each
+    shard cut on 128x128 block boundaries (a split that is not is refused, naming the tensor)."""
     path, config, generation_config = read_checkpoint_meta(path_or_name)
-    model = build_sharded_model(config, g, dtype, ep)
+    model = build_sharded_model(config, g, dtype, ep, fp8_scaled_modules(path, config, fp8_weights))
     load_shard_weights(model, path, config, device, g, ep)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path, generation_config, {})
+
+
+def shard_model(full: nn.Module, g: TPGroup, ep: bool = False) -> nn.Module:
+    """Rank ``g.rank``'s model cut from a whole in-memory 16-bit model (the benchmark's random
+    weights, which have no checkpoint to read slices from): the same parameters as
+    ``load_sharded_model`` gives from that model's checkpoint. A parameter that differs from the
+    whole one along one axis is this rank's part of it there (the gate and up halves of stacked
+    ``w13`` each split separately; EP: the rank's experts); the rest is copied whole."""
+    config = full.config
+    if config.quantization is not None:
+        raise ValueError("shard_model: the whole model must be 16-bit (quantised: load a shard)")
+    dtype = next(p.dtype for p in full.parameters() if p.is_floating_point())
+    device = next(full.parameters()).device
+    model = build_sharded_model(config, g, dtype, ep)
+    model.to_empty(device=device)
+    whole = dict(full.state_dict())
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            w = whole[name]
+            diff = [i for i, (a, b) in enumerate(zip(t.shape, w.shape, strict=True)) if a != b]
+            if not diff:
+                t.copy_(w)
+                continue
+            (axis,) = diff
+            n = t.shape[axis]
+            if ".w13_" in name and not ep:  # [gate rows | up rows]: this rank's rows of each
+                halves = [h.narrow(axis, g.rank * n // 2, n // 2) for h in w.chunk(2, dim=axis)]
+                t.copy_(torch.cat(halves, dim=axis))
+            else:
+                t.copy_(w.narrow(axis, g.rank * n, n))
+    _init_non_persistent_buffers(model)
+    model.requires_grad_(False)
+    return model.eval()

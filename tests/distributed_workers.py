@@ -162,3 +162,45 @@ def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: floa
     torch.save(recs, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     shutdown()
+
+
+class _FakeEngine:
+    """What the driver and the follower call, with the DistributedEngine's ``ctx``."""
+
+    def __init__(self, ctx):
+        self.ctx, self.calls = ctx, []
+
+    def step(self):
+        self.calls.append("step")
+        return []
+
+    def add_request(self, request_id, ids, params):
+        self.calls.append(("add", request_id))
+        if request_id == "bad":
+            raise ValueError("refused")
+
+
+def heartbeat_worker(rank: int, out: str) -> None:
+    """Rank 0 drives a fake engine and stays idle past the collective timeout (its heartbeat
+    must keep rank 1 waiting), then sends a refused add and a step; rank 1 follows."""
+    from runtime.distributed.driver import DriverEngine, follow
+    from runtime.distributed.process import init_distributed, shutdown
+
+    ctx = init_distributed("cpu", timeout_s=2.0)
+    eng = _FakeEngine(ctx)
+    if rank == 0:
+        driver = DriverEngine(eng)  # a ping after 0.5 s of silence
+        time.sleep(3.0)  # idle longer than the collective timeout
+        try:
+            driver.add_request("bad", [1], None)
+            raise AssertionError("the refused add did not raise")
+        except ValueError as e:
+            assert str(e) == "refused"
+        driver.step()
+        driver.close()
+        (Path(out) / "rank0.txt").write_text(f"{driver.pings}")
+    else:
+        n = follow(eng)
+        (Path(out) / "rank1.txt").write_text(f"{n} {eng.calls}")
+    dist.barrier()
+    shutdown()

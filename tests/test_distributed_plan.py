@@ -40,6 +40,19 @@ def test_weight_bytes_are_the_loaded_shard():
     assert weight_bytes(preset_config("tiny"), tp=2, rank=1) == real
 
 
+def test_fp8_weight_bytes_are_the_loaded_fp8_shard(tmp_path):
+    from model.checkpoint import make_checkpoint
+    from model.config import ModelConfig
+    from model.presets import tiny_config_dict
+
+    cfg = ModelConfig.from_dict(dict(tiny_config_dict(), moe_intermediate_size=256))
+    path = make_checkpoint(tmp_path / "fp8", cfg, fp8=True)
+    shard, extras = load_sharded_model(path, TPGroup(1, 2, "", gather=True), fp8_weights="fp8")
+    real = sum(t.numel() * t.element_size() for t in [*shard.parameters(), *shard.buffers()])
+    assert weight_bytes(extras.config, tp=2, rank=1, fp8_weights="fp8") == real
+    assert real < weight_bytes(extras.config, tp=2, rank=1)  # FP8 kept: fewer bytes
+
+
 def test_v32_plans_on_8_h200():
     eng = plan_engine(8, 8, gpu_tokens=200_000, host_tokens=1 << 21, max_batch=64)
     awq = memory_plan(v32_config("awq"), eng, gpu_mem_gib=139.8, host_mem_gib=2000)
@@ -49,6 +62,9 @@ def test_v32_plans_on_8_h200():
         fp8.check()
     # the routed experts are split 8 ways: one rank holds far less than the whole model
     assert fp8.gpu_gib["weights"] < 1300 / 8 * 1.5
+    kept = memory_plan(v32_config("fp8"), eng, gpu_mem_gib=139.8, fp8_weights="fp8")
+    assert not kept.problems(), kept.table()  # FP8-resident shards fit on 8 x H200
+    assert kept.gpu_gib["weights"] < 0.6 * fp8.gpu_gib["weights"]
     small_host = memory_plan(v32_config("awq"), eng, gpu_mem_gib=139.8, host_mem_gib=100)
     with pytest.raises(ValueError, match="host KV pools need"):
         small_host.check()
@@ -59,6 +75,8 @@ def test_plan_command(capsys):
     assert "fits" in capsys.readouterr().out
     assert cli_main(["plan", "--quant", "fp8"]) == 2
     assert "the plan does not fit" in capsys.readouterr().err
+    assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8"]) == 0
+    assert "fits" in capsys.readouterr().out
 
 
 def test_estimate_script(tmp_path):

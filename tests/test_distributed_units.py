@@ -74,6 +74,8 @@ def _check_shards(full: torch.nn.Module, shards: list[torch.nn.Module]) -> int:
     split = 0
     for name, w in whole.items():
         ps = [p[name] for p in parts]
+        if w.dtype == torch.float8_e4m3fn:  # compare FP8 weights by their bytes
+            w, ps = w.view(torch.uint8), [p.view(torch.uint8) for p in ps]
         if ps[0].shape == w.shape:
             assert all(torch.equal(p, w) for p in ps), name
             continue
@@ -105,6 +107,61 @@ def test_quantised_shards_are_the_checkpoint_split(tmp_path, fmt):
     full, _ = load_model(path, keep_mtp=False)
     shards = [load_sharded_model(path, TPGroup(r, 2, "", gather=True))[0] for r in range(2)]
     assert _check_shards(full, shards) >= 3 + 3 * 5
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8_256(tmp_path_factory):
+    from model.checkpoint import make_checkpoint
+
+    # the tiny model with 256 expert features: a shard of 128 holds whole FP8 blocks
+    cfg = ModelConfig.from_dict(dict(tiny_config_dict(), moe_intermediate_size=256))
+    return make_checkpoint(tmp_path_factory.mktemp("fp8"), cfg, fp8=True)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_fp8_shards_stay_fp8_and_split_the_single_process_fp8_model(tiny_fp8_256, ep):
+    """fp8_weights='fp8' with tp (or ep) = 2: every FP8 linear and expert stack stays e4m3 on
+    each rank, its weight bytes and block scales the single-process FP8 model's split on 128x128
+    block boundaries (or its experts whole, for EP), and the ranks' partial outputs add up to
+    the single-process FP8 block."""
+    from model.fp8_weights import FP8Experts, FP8Linear
+
+    path = tiny_fp8_256
+    full, _ = load_model(path, keep_mtp=False, fp8_weights="fp8")
+    shards = [load_sharded_model(path, TPGroup(r, 2, "", gather=True), ep=ep,
+                                 fp8_weights="fp8")[0] for r in range(2)]  # fmt: skip
+    for s in shards:
+        kinds = {type(m) for m in s.model.modules()}
+        assert FP8Linear in kinds and FP8Experts in kinds
+        fp8 = [n for n, p in s.named_parameters() if p.dtype == torch.float8_e4m3fn]
+        assert any(".mlp.down_proj." in n for n in fp8)  # a TP-split dense MLP kept FP8
+        assert any(".experts.w13_weight" in n for n in fp8)
+    if ep:
+        for i, layer in enumerate(full.model.layers):
+            if full.config.is_moe_layer(i):
+                whole = layer.mlp.experts.w13_weight.view(torch.uint8)
+                for r, s in enumerate(shards):
+                    mine = s.model.layers[i].mlp.experts.w13_weight.view(torch.uint8)
+                    assert torch.equal(mine, whole[4 * r : 4 * r + 4])
+    else:
+        assert _check_shards(full, shards) >= 3 + 3 * 5
+    x = torch.randn(12, full.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    x = x.to(torch.bfloat16)
+    for i, layer in enumerate(full.model.layers):
+        ref = layer.mlp(x).float()
+        got = sum(s.model.layers[i].mlp.partial(x) for s in shards).to(torch.bfloat16).float()
+        ulp = 2.0**-7 * ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= ulp, f"layer {i}"
+
+
+def test_fp8_weights_option_is_checked():
+    with pytest.raises(ValueError, match="needs an FP8 checkpoint"):
+        load_sharded_model("tiny", TPGroup(0, 2, "", gather=True), fp8_weights="fp8")
+    with pytest.raises(ValueError, match="fp8_weights must be"):
+        load_sharded_model("tiny", TPGroup(0, 2, "", gather=True), fp8_weights="int8")
+    # tiny-fp8: 128 expert features over 2 ranks = 64 rows, half of one 128x128 FP8 block
+    with pytest.raises(ValueError, match="in whole blocks of 128"):
+        load_sharded_model("tiny-fp8", TPGroup(0, 2, "", gather=True), fp8_weights="fp8")
 
 
 def test_shards_must_hold_whole_quantisation_blocks():

@@ -189,9 +189,7 @@ def test_llm_serves_an_fp8_checkpoint_in_fp8():
               max_batch=2, host_tokens=1024, gpu_tokens=256, max_model_len=256)  # fmt: skip
     assert any(isinstance(m, FP8Linear) for m in llm.engine.runner.model.modules())
     (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(out.token_ids) == 3
-    with pytest.raises(ValueError, match="fp8_weights"):
-        LLM("tiny-fp8", fp8_weights="fp8", device="cpu", compile=False, dp=2)
+    assert len(out.token_ids) == 3  # (dp/tp/ep > 1 keep FP8 too: tests/test_distributed_units.py)
 
 
 def _experts(e, n, k, gen):

@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         "nothing about CUDA graphs)",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (torchrun)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel feed-forward ranks")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (instead of --tp)")
+    ap.add_argument(
+        "--collective-timeout", type=float, default=300.0, help="seconds (dp/tp/ep > 1)"
+    )
     ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
     a = ap.parse_args(argv)
     if a.preset != "tiny" and not a.device.startswith("cuda"):
@@ -154,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= a.locality < 1.0:
         ap.error(f"--locality must be in [0, 1), got {a.locality}")
     pools, rates = _ints(a.gpu_pools), _floats(a.rates)
+    par = _parallel_config(a, ap)
+    if par is not None and (rates or a.breakdown_steps):
+        # NOTE: the sweep's arrivals follow each rank's own clock (the ranks would add requests
+        # at different steps), and the profiler reads one process: both stay single-process
+        print("echo-compile bench: dp/tp/ep > 1: no rate sweep and no breakdown", flush=True)
+        rates, a.breakdown_steps = [], 0
     if any(r <= 0 for r in rates):
         ap.error(f"--rates must be positive, got {a.rates!r}")
     if not pools:
@@ -187,7 +199,24 @@ def main(argv: list[str] | None = None) -> int:
     most = max([wl] + sweep, key=lambda w: w.requests)
     host = a.host_tokens or PAGE * sum(pages_for(n + wl.output_len) for n in most.lengths())
     t_start = time.perf_counter()
+    parallel, first = None, True
+    if par is not None:
+        from runtime.distributed.process import init_distributed
+
+        dev = None if a.device in ("cuda", "cuda:0") else a.device
+        ctx = init_distributed(dev, a.collective_timeout)
+        if ctx.world_size != par.world_size:
+            ap.error(
+                f"--dp {a.dp} --tp {a.tp} --ep {a.ep} need {par.world_size} processes, this job "
+                f"has {ctx.world_size}: launch with torchrun --nproc-per-node {par.world_size}"
+            )
+        a.device, parallel, first = ctx.device, (ctx, a.dp, a.tp, a.ep), ctx.rank == 0
     model = build_model(a.preset, a.layers, a.experts, a.device, a.locality)
+    if par is not None and par.ffn_ranks > 1:  # every rank built the same weights: cut its shard
+        from model.shard_loader import shard_model
+        from runtime.distributed.dist_engine import tp_group
+
+        model = shard_model(model, tp_group(ctx, replace(par, device=a.device)), ep=a.ep > 1)
     cfg = model.config
     max_len = wl.max_ctx + wl.output_len + 64
     out = {
@@ -202,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch": prefetches,
         "compiled": a.compile,
         "kernel_backend": a.kernel_backend,
+        "parallel": {"dp": a.dp, "tp": a.tp, "ep": a.ep},
         "results": [],
         "breakdown": {},
     }
@@ -210,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:  # after every run, so a cut-short session still leaves its results
         out["elapsed_s"] = time.perf_counter() - t_start
-        path.write_text(json.dumps(out, indent=1))
+        if first:  # multi-process: rank 0 writes (its throughput counts every rank's tokens)
+            path.write_text(json.dumps(out, indent=1))
 
     jobs = [(s, p) for s in systems for p in (prefetches if s != "gpu-only" else ["off"])]
     for pool in pools:
@@ -226,13 +257,14 @@ def main(argv: list[str] | None = None) -> int:
                 buckets |= {b for b in (16, 32) if b < 2 * a.rate_requests}
             sut = System(
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
-                a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch,
+                a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch, parallel,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)
                 out["results"].append(asdict(r))
                 save()
-                print(
+                print_rank0 = print if first else (lambda *_, **__: None)
+                print_rank0(
                     f"{system:14s} prefetch {prefetch:7s} pool {pool:7d} rate {run.rate:5g}: "
                     f"{r.throughput_tok_s:9.1f} tok/s, batch {r.effective_batch:5.1f}, "
                     f"hit rate {' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
@@ -254,5 +286,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"breakdown {key} (ms/step, eager {bd['time']} time): {parts}")
             sut.close()
     save()
-    print(f"wrote {a.out} ({out['elapsed_s']:.0f} s)")
+    if first:
+        print(f"wrote {a.out} ({out['elapsed_s']:.0f} s)")
+    if parallel is not None:
+        from runtime.distributed.process import shutdown
+
+        shutdown()
     return 0
+
+
+def _parallel_config(a: argparse.Namespace, ap: argparse.ArgumentParser):
+    """The dp/tp/ep options checked (an ``EngineConfig`` holding them), or None for one
+    process."""
+    from runtime.engine_config import EngineConfig
+
+    if max(a.dp, a.tp, a.ep) == 1:
+        return None
+    try:
+        return EngineConfig(dp=a.dp, tp=a.tp, ep=a.ep, collective_timeout_s=a.collective_timeout)
+    except ValueError as e:
+        ap.error(str(e))

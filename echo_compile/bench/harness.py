@@ -213,6 +213,7 @@ class System:
         compile: bool = True,  # False: every system eager (a quick dry run of the harness)
         kernel_backend: str = "triton",  # the decode indexer's kernels (docs/backends.md)
         prefetch: str = "off",  # lossless decode prefetch of the offloading systems
+        parallel=None,  # (DistContext, dp, tp, ep): one rank of a multi-process run
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -237,10 +238,20 @@ class System:
             kernel_backend=kernel_backend,
             prefetch=prefetch if offload else "off",
         )
+        if parallel is not None:
+            ctx, dp, tp, ep = parallel
+            cfg = replace(cfg, dp=dp, tp=tp, ep=ep, collective_timeout_s=ctx.timeout_s)
         torch._dynamo.reset()  # a fresh compile per engine: no earlier engine's graphs or guards
         self.compiled = compile and system != "offload-eager"
         compiler = StepCompiler(device) if self.compiled else None
         self.engine = Engine(model, model.config, None, cfg, model_name="bench", compiler=compiler)
+        # the front the run drives: this rank's engine, or (multi-process) the DP front end over
+        # it; stats are read from this rank's engine
+        self.front = self.engine
+        if parallel is not None:
+            from runtime.distributed.dist_engine import DistributedEngine
+
+            self.front = DistributedEngine(self.engine, parallel[0], parallel[1])
         self.engine.logits_processors.append(self.locality)
         self.warmup_s = self.engine.runner.warmup(progress=True) if compiler else 0.0
         self.seed = seed
@@ -268,7 +279,8 @@ class System:
         if not wl.prefill:
             n, layers = len(prompt) - 1, engine.model_config.num_hidden_layers
             kv = RandomPromptKV(rid, n, layers, engine.config.kv_format, engine.device, self.seed)
-        engine.add_request(rid, prompt, params, prompt_kv=kv)
+        front = self.front if engine is self.engine else engine
+        front.add_request(rid, prompt, params, prompt_kv=kv)
 
     def run(self, wl: Workload) -> SystemResult:
         """Serve ``wl`` (requests arrive at their Poisson times) until every request is done."""
@@ -287,19 +299,21 @@ class System:
 
         step_times: list[float] = []
         ttft: list[float] = []
-        add_s = 0.0
-        while pending or engine.has_unfinished():
+        add_s, emitted = 0.0, 0
+        front = self.front
+        while pending or front.has_unfinished():
             now = clock()
             while pending and pending[0][0] <= now:
                 _, i = pending.pop(0)
                 ta = time.perf_counter()
                 self._add(wl, i, prompts[i])
                 add_s += time.perf_counter() - ta
-            if not engine.has_unfinished():  # idle until the next arrival
+            if not front.has_unfinished():  # idle until the next arrival
                 time.sleep(max(0.0, min(pending[0][0] - now, 0.01)))
                 continue
             ts, injected = time.perf_counter(), self.inject_s
-            outs = engine.step()
+            outs = front.step()
+            emitted += sum(len(o.new_token_ids) for o in outs)
             # the step's own time: less the KV injection done inside it (at admission)
             step_times.append(time.perf_counter() - ts - (self.inject_s - injected))
             done = clock()
@@ -312,7 +326,9 @@ class System:
         m = engine.metrics()
         reqs = engine.finished_requests
         itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
-        gen = sum(len(r.output_ids) for r in reqs)
+        # multi-process: every rank's tokens (the front end gathers every rank's outputs); the
+        # batch, step times, hit rates and latencies below are this rank's
+        gen = sum(len(r.output_ids) for r in reqs) if front is engine else emitted
         batch = engine.decode_rows / max(engine.num_decode_steps, 1)
         return SystemResult(
             system=self.system,
@@ -350,6 +366,8 @@ class System:
         The steps run eagerly (the profiler cannot attribute kernels inside a CUDA graph): a
         compiled system is profiled through an eager engine of the same configuration and model,
         built for it and dropped after (its own compiled engine is left as it was)."""
+        if self.front is not self.engine:
+            raise ValueError("the breakdown profiles one process: not with dp/tp/ep > 1")
         if not self.compiled:
             return self._breakdown(self.engine, wl, warm_steps, steps)
         eager = Engine(self.model, self.model.config, None, self.engine.config, model_name="bench")
@@ -392,7 +410,7 @@ class System:
 
     def close(self) -> None:
         """Free the pools (pinned host memory, device memory) before the next system is built."""
-        self.engine = None  # type: ignore[assignment]
+        self.engine = self.front = None  # type: ignore[assignment]
         torch._dynamo.reset()  # the compiled step and its CUDA graphs hold the cache's buffers
         gc.collect()
         if torch.cuda.is_available():

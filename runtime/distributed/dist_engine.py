@@ -78,9 +78,10 @@ class DistributedEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_kv=None
     ) -> None:
-        """Place a request on a DP rank (every rank calls this with the same arguments)."""
-        if prompt_kv is not None:
-            raise ValueError("prompt_kv is not supported with dp/tp > 1 yet")
+        """Place a request on a DP rank (every rank calls this with the same arguments).
+        ``prompt_kv`` is not broadcast: every rank passes its own source of the same rows (SPMD,
+        as the benchmark's seeded ``RandomPromptKV``), and the rank that owns the request (every
+        rank with dp == 1) writes it."""
         if params.seed is None:  # one seed for the request on every rank (TP ranks must agree)
             params = replace(params, seed=random.SystemRandom().getrandbits(63))
         request_id, ids, params = self._broadcast(
@@ -95,7 +96,7 @@ class DistributedEngine:
         err = None
         if target == self.dp_rank:
             try:
-                self.engine.add_request(request_id, ids, params)
+                self.engine.add_request(request_id, ids, params, prompt_kv=prompt_kv)
             except ValueError as e:
                 err = str(e)
         errors = [e for e in self._gather(err, "the admission result") if e is not None]
@@ -183,11 +184,12 @@ def build_distributed_engine(
     model_name: str = "model",
     compiler_factory=None,
     ctx: DistContext | None = None,
+    fp8_weights: str = "bf16",
 ) -> DistributedEngine:
     """Join the process group (collectives time out after ``config.collective_timeout_s``), load
     this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
     ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
-    device, or None for eager."""
+    device, or None for eager. ``fp8_weights``: as ``load_model``'s (FP8 kept per shard)."""
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
 
@@ -203,9 +205,11 @@ def build_distributed_engine(
     config = replace(config, device=ctx.device)
     g = tp_group(ctx, config)
     if g.size > 1:
-        net, _ = load_sharded_model(path, g, device=ctx.device, ep=config.ep > 1)
+        net, _ = load_sharded_model(
+            path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights
+        )
     else:
-        net, _ = load_model(path, device=ctx.device, keep_mtp=False)
+        net, _ = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
     engine = Engine(
         net, net.config, Tokenizer.from_dir(path), config, model_name=model_name, compiler=compiler

@@ -5,7 +5,7 @@ refusal when it does not fit.
 - weights: the rank's model as ``model.shard_loader`` builds it, on the meta device (the exact
   parameter and buffer bytes it would allocate: attention, embeddings and head whole, the
   feed-forward blocks 1/tp; AWQ 4-bit with kv_b_proj dequantised; an FP8 checkpoint is
-  dequantised to bf16 at load by model/loader.py, so it is resident as bf16);
+  dequantised to bf16 at load unless ``fp8_weights="fp8"`` keeps it FP8, one byte a weight);
 - the KV cache of ``custom_ops.cache`` for the rank's ``CacheConfig``: GPU pools (offload) or
   the whole KV (GPU-only), the prefill buffer, the indexer cache (one 132-byte key per host
   row per layer, on the GPU), the pools' maps and recall buffers; the host pool in host memory;
@@ -39,13 +39,26 @@ def v32_config(quant: str) -> ModelConfig:
     return _with_quantization(ModelConfig.from_dict(d), quant == "fp8", quant == "awq")
 
 
-def weight_bytes(config: ModelConfig, tp: int, rank: int = 0, ep: bool = False) -> int:
+def fp8_checkpoint_modules(config: ModelConfig) -> set[str]:
+    """The modules an FP8 checkpoint of ``config`` gives a ``weight_scale_inv`` (the layout
+    model/checkpoint.py writes, the official one's), without a checkpoint."""
+    from model.checkpoint import stored_tensor_specs
+
+    suffix = ".weight_scale_inv"
+    return {n.removesuffix(suffix) for n in stored_tensor_specs(config) if n.endswith(suffix)}
+
+
+def weight_bytes(
+    config: ModelConfig, tp: int, rank: int = 0, ep: bool = False, fp8_weights: str = "bf16"
+) -> int:
     """Bytes of one rank's parameters and buffers (built on the meta device) when the
-    feed-forward is split over ``tp`` ranks (``ep``: routed experts by expert)."""
+    feed-forward is split over ``tp`` ranks (``ep``: routed experts by expert; ``fp8_weights``
+    "fp8": an FP8 checkpoint's weights kept FP8, as ``load_sharded_model`` keeps them)."""
     from model.parallel import TPGroup
     from model.shard_loader import build_sharded_model
 
-    model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True), ep=ep)
+    fp8 = fp8_checkpoint_modules(config) if fp8_weights == "fp8" else None
+    model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True), ep=ep, fp8_modules=fp8)
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import densify_awq
 
@@ -99,7 +112,8 @@ class MemoryPlan:
         out = []
         if self.gpu_total_gib > self.gpu_mem_gib:
             w = self.gpu_gib["weights"]
-            why = " (FP8 weights are dequantised to bf16 at load)" if "fp8" in self.quant else ""
+            dequant = "(dequantised)" in self.quant
+            why = " (FP8 weights dequantised to bf16 at load: --fp8-weights fp8)" if dequant else ""
             out.append(
                 f"{self.quant} on dp={self.dp} tp={self.tp}: a GPU needs "
                 f"{self.gpu_total_gib:.1f} GiB ({w:.1f} GiB weights) but has "
@@ -137,15 +151,22 @@ def memory_plan(
     gpu_mem_gib: float,
     host_mem_gib: float | None = None,
     reserve_gib: float = 8.0,
+    fp8_weights: str = "bf16",
 ) -> MemoryPlan:
-    """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config``."""
+    """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config`` (``fp8_weights``:
+    as ``LLM``'s, for an FP8 checkpoint)."""
     if gpu_mem_gib <= 0 or reserve_gib < 0:
         raise ValueError("gpu_mem_gib must be positive and reserve_gib >= 0")
     q = config.quantization.method if config.quantization is not None else "bf16"
+    if fp8_weights not in ("bf16", "fp8") or (fp8_weights == "fp8" and q != "fp8"):
+        raise ValueError(f"fp8_weights={fp8_weights!r} needs an FP8 config (this one is {q})")
+    if q == "fp8":
+        q += " (kept fp8)" if fp8_weights == "fp8" else " (dequantised)"
     q += " (experts by expert)" if engine.ep > 1 else ""
     cache = cache_bytes(engine.cache_config(config))
     host = cache.pop("host kv pool")
-    gpu = {"weights": weight_bytes(config, engine.ffn_ranks, ep=engine.ep > 1), **cache}
+    w = weight_bytes(config, engine.ffn_ranks, ep=engine.ep > 1, fp8_weights=fp8_weights)
+    gpu = {"weights": w, **cache}
     return MemoryPlan(
         q,
         engine.dp,

@@ -1,0 +1,161 @@
+"""The HTTP server's engine front end with dp/tp/ep > 1: rank 0 drives, the other ranks follow.
+
+Process model (``echo-compile serve --dp N --tp N`` under torchrun): every rank loads its shard
+and builds its ``DistributedEngine``; rank 0's process then runs the server (HTTP, tokenization,
+the ``AsyncEngine`` loop) over a ``DriverEngine``, and every other rank runs ``follow``. Each call
+the ``AsyncEngine`` loop makes (add, abort, step, the unfinished check) is first broadcast to the
+followers as a command (gloo, a small pickled tuple), then made on rank 0; a follower makes the
+same call on its own ``DistributedEngine``, so every rank reaches the same collectives in the same
+order (the SPMD contract of ``dist_engine``). Requests are balanced over the DP ranks by
+``DistributedEngine.add_request`` (``balance.assign``) and every rank's outputs are gathered at
+each step, so rank 0 streams every request's tokens back.
+
+Why rank 0 and not a separate front process: SGLang puts its HTTP server and tokenizer in a front
+process and talks to one scheduler process per rank over ZMQ (its DP controller balances); vLLM's
+DP front end is an API process talking to engine-core processes over ZMQ, while its TP workers
+(and its torchrun "external launcher" mode) follow a driver in rank 0 by broadcast. Our engine is
+already SPMD over one gloo control group (rank 0's arguments are broadcast), so a rank-0 driver
+needs no second transport, no serialisation layer and no extra process; what it costs is that
+rank 0's HTTP and detokenisation work shares its process (and GIL) with its step loop, which the
+other ranks then wait for at the next collective. A separate front process is the better shape
+once that cost is measured to matter (issue 21).
+
+Idle servers: a follower waits for the next command inside a collective that times out after
+``collective_timeout_s``; the driver sends a ``ping`` when it has been silent for a quarter of
+that, so an idle server never times out its followers, while a dead rank 0 still stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from runtime.distributed.dist_engine import DistributedEngine
+from runtime.distributed.process import guarded
+from runtime.engine import StepOutput
+from runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# command -> the DistributedEngine method both sides call
+_METHODS = {
+    "add": "add_request",
+    "abort": "abort_request",
+    "step": "step",
+    "unfinished": "has_unfinished",
+}
+
+
+def _broadcast(engine: DistributedEngine, obj: Any, what: str) -> Any:
+    box = [obj]
+    with guarded(engine.ctx, what):
+        dist.broadcast_object_list(box, src=0, group=engine.ctx.cpu_group)
+    return box[0]
+
+
+class DriverEngine:
+    """Rank 0's engine for ``AsyncEngine``: ``Engine``'s interface, each call mirrored on every
+    rank. Only the ``AsyncEngine`` loop thread calls it (and the heartbeat, under the lock)."""
+
+    def __init__(self, engine: DistributedEngine, heartbeat_s: float | None = None):
+        if engine.ctx.rank != 0:
+            raise ValueError(f"the driver runs on rank 0, not rank {engine.ctx.rank}")
+        self.inner = engine
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else engine.ctx.timeout_s / 4
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        self.pings = 0  # heartbeats sent (the tests read it)
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._closed = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="echo-driver-ping", daemon=True)
+        self._beat.start()
+
+    def __getattr__(self, name: str) -> Any:
+        # tokenizer, model_name, max_model_len, config, model_config, metrics: rank 0's engine
+        return getattr(self.inner.engine, name)
+
+    def _send(self, kind: str, args: tuple) -> None:
+        _broadcast(self.inner, (kind, args), f"the {kind!r} command to the other ranks")
+        self._last = time.monotonic()
+
+    def _call(self, kind: str, *args: Any) -> Any:
+        with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("the multi-rank engine is closed")
+            self._send(kind, args)
+            return getattr(self.inner, _METHODS[kind])(*args)
+
+    # ---- Engine's interface --------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_kv=None
+    ) -> None:
+        if prompt_kv is not None:  # refused here, before any rank is told about the request
+            raise ValueError("prompt_kv is not supported with dp/tp > 1 yet")
+        self._call("add", request_id, list(prompt_token_ids), params)
+
+    def abort_request(self, request_id: str) -> None:
+        self._call("abort", request_id)
+
+    def step(self) -> list[StepOutput]:
+        return self._call("step")
+
+    def has_unfinished(self) -> bool:
+        return self._call("unfinished")
+
+    def metrics(self) -> dict[str, float | list[float]]:
+        """Rank 0's own engine's metrics (no collective: the other ranks are not asked)."""
+        return self.inner.engine.metrics()
+
+    def recover(self) -> None:
+        # NOTE: a failed DistributedEngine step has destroyed the process group: nothing to reset
+        # that would let the ranks go on together; the next call fails with RankFailure.
+        raise RuntimeError("a multi-rank engine cannot recover from a failed step")
+
+    def close(self) -> None:
+        """Tell the followers to stop (they return from ``follow``); idempotent."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            try:
+                self._send("stop", ())
+            except Exception:  # a rank already gone: nothing left to tell
+                logger.exception("could not tell the other ranks to stop")
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(self.heartbeat_s / 4):
+            with self._lock:
+                if self._closed.is_set() or time.monotonic() - self._last < self.heartbeat_s:
+                    continue
+                try:
+                    self._send("ping", ())
+                    self.pings += 1
+                except Exception:
+                    logger.exception("heartbeat to the other ranks failed; the service stops")
+                    self._closed.set()
+
+
+def follow(engine: DistributedEngine) -> int:
+    """Ranks 1..: make rank 0's calls on this rank's engine until it says stop; returns how many
+    commands were applied. A request refused on its rank is refused on every rank (the driver
+    answers it with an HTTP error), so a ``ValueError`` of ``add_request`` does not stop us."""
+    if engine.ctx.rank == 0:
+        raise ValueError("rank 0 drives (DriverEngine); follow() is for the other ranks")
+    applied = 0
+    while True:
+        kind, args = _broadcast(engine, None, "waiting for rank 0's next command")
+        if kind == "stop":
+            return applied
+        if kind == "ping":
+            continue
+        try:
+            getattr(engine, _METHODS[kind])(*args)
+        except ValueError:
+            if kind != "add":
+                raise
+        applied += 1
