@@ -14,8 +14,10 @@ scores), each block in two separable steps:
    query's causal length ``p + 1`` as its seq_len and an identity block table (page i -> i, the
    same row for every query: stride 0), so it returns token positions: same selection rule, same
    ties, same -1 padding, deterministic.
-Attention: ``echo::sparse_mla_decode``'s kernel with the T queries as batch rows over the request's
-rows (each gathered row serves a whole block of heads).
+Attention: custom_ops/prefill_attn_kernels.py (one program per query and head block, the decode
+kernel's loop without splits, FP8 rows dequantised once per call, trailing unused entries
+skipped); ``sparse_mla_prefill_decode_kernel`` keeps the earlier path (the decode kernel, the
+T queries as its batch rows) for the bench's side-by-side.
 All grids from static shapes, live lengths read on the device: no host syncs, graph-safe.
 """
 
@@ -29,6 +31,7 @@ import triton.language as tl
 
 from custom_ops import attention_kernels as ak
 from custom_ops import indexer_kernels as ik
+from custom_ops import prefill_attn_kernels as pa
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
 
 _PAGE = tl.constexpr(PAGE)
@@ -190,7 +193,20 @@ def sparse_mla_prefill_cuda(
     sel: torch.Tensor,  # [T, K] int32 positions, -1 = unused
     softmax_scale: float,
     fmt: str,
+    cfg: pa.PrefillAttnConfig | None = None,
+) -> torch.Tensor:
+    """``echo::sparse_mla_prefill`` on the GPU: the prefill attention kernel."""
+    return pa.sparse_mla_prefill_attn(q, rows, sel, softmax_scale, fmt, cfg)
+
+
+def sparse_mla_prefill_decode_kernel(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    sel: torch.Tensor,
+    softmax_scale: float,
+    fmt: str,
     cfg: ak.MlaConfig | None = None,
 ) -> torch.Tensor:
-    """``echo::sparse_mla_prefill``: the decode kernel, the T queries as its batch rows."""
+    """The earlier CUDA path: the decode kernel, the T queries as its batch rows (the bench
+    times it next to the prefill kernel)."""
     return ak.sparse_mla_decode_cuda(q, rows, sel, softmax_scale, fmt, cfg)
