@@ -14,6 +14,7 @@ pytestmark = pytest.mark.cuda
 
 def test_prefill_kernels_match_references_at_real_sizes():
     from custom_ops import prefill as pf
+    from custom_ops import prefill_attn_kernels as pa
     from custom_ops import prefill_kernels as pk
     from tests.test_decode_kernels import attention_close, check_scores, make_pool
     from tests.test_prefill_ops import (
@@ -43,8 +44,15 @@ def test_prefill_kernels_match_references_at_real_sizes():
         sel = torch.rand(T, L, generator=gen, device="cuda").argsort(1)[:, :K].sort(1).values
         sel = sel.int()
         sel[3, 100:] = -1
+        sel[5] = torch.where(
+            torch.arange(K, device="cuda") <= 700, torch.arange(K, device="cuda"), -1
+        ).int()  # a causal prefix (position 700), -1 padded: skipped blocks
         ref_o = pf.sparse_mla_prefill_ref(q, rows, sel, 0.1352, fmt)
         attention_close(pk.sparse_mla_prefill_cuda(q, rows, sel, 0.1352, fmt), ref_o)
+        # the prefill kernel's other configurations (the bench times them) and the old path
+        for c in (pa.PrefillAttnConfig(dequant_first=False), pa.PrefillAttnConfig(block_k=32)):
+            attention_close(pa.sparse_mla_prefill_attn(q, rows, sel, 0.1352, fmt, c), ref_o)
+        attention_close(pk.sparse_mla_prefill_decode_kernel(q, rows, sel, 0.1352, fmt), ref_o)
 
 
 def test_compiled_prefill_above_the_old_16k_limit():
