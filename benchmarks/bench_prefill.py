@@ -148,6 +148,10 @@ def check_kernels(res: dict, dev: str, small: bool) -> None:
         want = pf.prefill_topk_from_scores_ref(s, inp["positions"], topk)
         got = pk.prefill_topk_from_scores(s, inp["positions"], topk, cfg)
         assert torch.equal(got, want), "top-k differs from the reference on the same scores"
+        # one program per row (the count pass skipped: the usual case at real prefill sizes)
+        one = pk.PrefillIndexerConfig(select=ik.IndexerConfig(sel_chunk=s.shape[1]))
+        got = pk.prefill_topk_from_scores(s, inp["positions"], topk, one)
+        assert torch.equal(got, want), "one-chunk top-k differs from the reference"
 
     def whole() -> None:
         want = pf.prefill_indexer_topk_ref(**inp, topk=topk)

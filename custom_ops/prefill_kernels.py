@@ -153,8 +153,38 @@ def prefill_topk_from_scores(
     # identity pages, one row shared by every query (stride 0): the "host slot" is the position
     ident = torch.arange(L // PAGE, dtype=torch.int32, device=scores.device)[None].expand(Q, -1)
     seq_lens = (positions + 1).clamp(min=0, max=L).to(torch.int32)
-    sel, _kth = ik.topk_from_scores(scores, ident, seq_lens, topk, cfg.select)
-    return sel
+    sc = cfg.select
+    chunk, C = ik._chunking(Q, L, sc, scores.device)
+    if C > 1:
+        sel, _kth = ik.topk_from_scores(scores, ident, seq_lens, topk, sc)
+        return sel
+    return _select_one_chunk(scores, ident, seq_lens, topk, sc, chunk)
+
+
+def _select_one_chunk(scores, ident, seq_lens, topk, sc: ik.IndexerConfig, chunk: int):
+    """``ik.topk_from_scores`` when one program covers each row (a prefill block has hundreds
+    of rows, so this is the usual case): the four radix passes and the output pass, without the
+    count pass. That pass gives each chunk its output offset and its share of the ties; with one
+    chunk the offset is 0 and the share is all ``need`` ties still to take, which is what the
+    output pass computes from counts saying ``topk`` are equal (``need <= topk``: taken whole).
+    Same selection, one pass over the scores fewer (and no kth, which prefill drops)."""
+    Q, L = scores.shape
+    dev = scores.device
+    blk, warps = sc.sel_block, sc.sel_warps
+    hists = torch.zeros((Q, 4, ik._NBINS), dtype=torch.int32, device=dev)
+    for p in range(1, 5):
+        ik._hist_kernel[(Q, 1)](
+            scores, seq_lens, hists, L, topk, chunk, PASS=p, BLK=blk, num_warps=warps
+        )
+    # counts (above, equal) of the one chunk: only "equal >= need" matters with one chunk (no
+    # later chunk's offset to give); a fill, not a host tensor: graph-safe
+    cnt = torch.full((Q, 2), topk, dtype=torch.int32, device=dev)
+    out = torch.empty((Q, topk), dtype=torch.int32, device=dev)
+    ik._output_kernel[(Q, 1)](
+        scores, seq_lens, ident, hists, cnt, out, L, topk, chunk, ident.stride(0), topk,
+        CP=1, BLK=blk, num_warps=warps,
+    )  # fmt: skip
+    return out
 
 
 def prefill_indexer_topk_cuda(

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.cuda
 
 
 def test_prefill_kernels_match_references_at_real_sizes():
+    from custom_ops import indexer_kernels as ik
     from custom_ops import prefill as pf
     from custom_ops import prefill_attn_kernels as pa
     from custom_ops import prefill_kernels as pk
@@ -33,6 +34,8 @@ def test_prefill_kernels_match_references_at_real_sizes():
     check_scores(pk.prefill_index_logits(**inp, cfg=cfg), ref, mag, PREFILL_SCORE_REL)
     sel_ref = pf.prefill_topk_from_scores_ref(ref, inp["positions"], 2048)
     assert torch.equal(pk.prefill_topk_from_scores(ref, inp["positions"], 2048, cfg), sel_ref)
+    one = pk.PrefillIndexerConfig(select=ik.IndexerConfig(sel_chunk=ref.shape[1]))  # C = 1
+    assert torch.equal(pk.prefill_topk_from_scores(ref, inp["positions"], 2048, one), sel_ref)
     whole = pk.prefill_indexer_topk_cuda(**inp, topk=2048, cfg=cfg)
     want = pf.prefill_indexer_topk_ref(**inp, topk=2048)
     # the kernel's scores round differently: sets may part at near-ties of the k-th score only
