@@ -65,9 +65,16 @@ class PrefillAttnConfig:
 
 
 @triton.jit
-def _dequant_kernel(u8_ptr, bf_ptr, f32_ptr, out_ptr, L, BL: tl.constexpr, EMU: tl.constexpr):
-    """fp8 rows [L, 656] -> bf16 rows [L, 576]: the decode kernel's in-loop dequantisation."""
-    rr = tl.program_id(0) * BL + tl.arange(0, BL)
+def _dequant_kernel(
+    u8_ptr, bf_ptr, f32_ptr, out_ptr, hi_ptr, L, BL: tl.constexpr, EMU: tl.constexpr
+):
+    """fp8 rows [L, 656] -> bf16 rows [L, 576]: the decode kernel's in-loop dequantisation. Rows
+    past ``hi`` (the largest selected position, read on the device) are never gathered: left
+    unwritten, so a short prompt under a long compiled context limit converts only its prefix."""
+    start = tl.program_id(0) * BL
+    if start > tl.load(hi_ptr):
+        return
+    rr = start + tl.arange(0, BL)
     valid = rr < L
     row = tl.where(valid, rr, 0).to(tl.int64)
     dd = tl.arange(0, 128)
@@ -82,19 +89,24 @@ def _dequant_kernel(u8_ptr, bf_ptr, f32_ptr, out_ptr, L, BL: tl.constexpr, EMU: 
     tl.store(out + _LORA + dr[None, :], rope, mask=valid[:, None])
 
 
-def dequant_rows(rows: torch.Tensor, cfg: PrefillAttnConfig | None = None) -> torch.Tensor:
+def dequant_rows(
+    rows: torch.Tensor, cfg: PrefillAttnConfig | None = None, hi: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp8 rows uint8 ``[L, 656]`` -> bf16 rows uint8 ``[L, 1152]`` (``unpack_kv_rows``'s values,
-    in the bf16 row format)."""
+    in the bf16 row format). ``hi`` (a device int32 scalar): only rows up to it are written (the
+    rest of the output is uninitialised); None: all."""
     cfg = cfg or PrefillAttnConfig()
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != ROW_BYTES["fp8"]:
         raise ValueError(f"dequant_rows: rows must be uint8 [L, {ROW_BYTES['fp8']}] (fp8 rows)")
     rows = rows.contiguous()
     L = rows.shape[0]
     out = torch.empty((L, KV_LORA + ROPE), dtype=torch.bfloat16, device=rows.device)
+    if hi is None:
+        hi = torch.full((), L, dtype=torch.int32, device=rows.device)
     if L:
         _dequant_kernel[(triton.cdiv(L, cfg.dequant_rows),)](
-            rows, rows.view(torch.bfloat16), rows.view(torch.float32), out, L, BL=cfg.dequant_rows,
-            EMU=not rows.is_cuda,
+            rows, rows.view(torch.bfloat16), rows.view(torch.float32), out, hi, L,
+            BL=cfg.dequant_rows, EMU=not rows.is_cuda,
             num_warps=4,
         )  # fmt: skip
     return out.view(torch.uint8)
@@ -226,7 +238,9 @@ def sparse_mla_prefill_attn(
         return out
     rows = rows.contiguous()  # row addressing below assumes packed rows
     if fmt == "fp8" and cfg.dequant_first:
-        rows, fmt, row = dequant_rows(rows, cfg), "bf16", _BF16_ROW
+        # only the prefix any query selects (a device max: no host sync)
+        hi = sel.amax().to(torch.int32) if sel.numel() else None
+        rows, fmt, row = dequant_rows(rows, cfg, hi), "bf16", _BF16_ROW
     if q.stride(2) != 1:
         q = q.contiguous()
     sel = sel if sel.stride(1) == 1 else sel.contiguous()

@@ -37,6 +37,9 @@ def test_dequant_rows_equals_unpack():
     got = pa.dequant_rows(rows, SMALL)
     assert got.shape == (37, 1152) and got.dtype == torch.uint8
     assert torch.equal(got.view(torch.bfloat16), unpack_kv_rows(rows, "fp8"))
+    # up to a device bound (the largest selected position): those rows, the same values
+    part = pa.dequant_rows(rows, SMALL, torch.tensor(20, dtype=torch.int32))
+    assert torch.equal(part.view(torch.bfloat16)[:21], unpack_kv_rows(rows[:21], "fp8"))
 
 
 @pytest.mark.parametrize(("fmt", "dequant_first"), [("bf16", True), ("fp8", False), ("fp8", True)])
