@@ -90,6 +90,10 @@ ATTN_CFGS = [
     pa.PrefillAttnConfig(dequant_first=False),
     pa.PrefillAttnConfig(block_k=32, num_stages=4),
     pa.PrefillAttnConfig(num_warps=16),
+    # all 128 heads in one program (each row read once per query; q alone is 144 KB of shared
+    # memory, so few stages): exploratory, may not fit or may spill
+    pa.PrefillAttnConfig(block_h=128, num_warps=16, num_stages=1),
+    pa.PrefillAttnConfig(block_h=128, block_k=32, num_warps=16, num_stages=2),
 ]
 # the old path (the decode kernel) at its default and at its best decode configuration
 OLD_ATTN_CFGS = [ak.MlaConfig(), ak.MlaConfig(num_stages=3)]
