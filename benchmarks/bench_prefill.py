@@ -445,6 +445,34 @@ def bench_profile(res: dict, model, a, dev: str) -> None:
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
             out["configs"].append(row)
             log(f"config {row}")
+        # a long-context block (100K: 320 queries at the default score budget, so the select
+        # runs two programs per row and six passes), against one program per row (five)
+        Ls = pages_for(a.select_ctx) * PAGE
+        rs = pk.score_rows(Ls, T, pk.PrefillIndexerConfig().score_elems)
+        pos_s = torch.arange(Ls - rs, Ls, device=dev)
+        s_long = torch.randn(rs, Ls, device=dev)
+        s_long = s_long.masked_fill(torch.arange(Ls, device=dev)[None] > pos_s[:, None], -torch.inf)
+        want = None
+        for name, c in (
+            ("default", pk.PrefillIndexerConfig()),
+            ("one_per_row", pk.PrefillIndexerConfig(select_one_per_row=True)),
+            ("one_per_row_8_warps", pk.PrefillIndexerConfig(
+                select_one_per_row=True, select=ik.IndexerConfig(sel_warps=8))),
+        ):  # fmt: skip
+            row = {"op": "prefill_topk_long", "ctx": Ls, "rows": rs, "variant": name}
+            try:
+                got = pk.prefill_topk_from_scores(s_long, pos_s, cfg.index_topk, c)
+                want = got if want is None else want
+                row["same_as_default"] = bool(torch.equal(got, want))  # exact: must be True
+                row["ms_per_block"] = 1e3 * timed(
+                    lambda c=c: pk.prefill_topk_from_scores(s_long, pos_s, cfg.index_topk, c),
+                    dev,
+                    reps=a.reps,
+                )
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["configs"].append(row)
+            log(f"config {row}")
     out["note"] = (
         "indexer/topk timed on the last query block and scaled by the chunk's block count; "
         "projections_etc = layer - the other parts (projections, norms, rope, KV write-through)"
@@ -476,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tput", type=int, default=8, help="prompts of the throughput run")
     ap.add_argument("--tput-len", type=int, default=32768)
     ap.add_argument("--profile-ctx", type=int, default=32768)
+    ap.add_argument(
+        "--select-ctx", type=int, default=100_000, help="context of the long top-k comparison"
+    )
     ap.add_argument("--reps", type=int, default=5, help="runs per profiled part (median)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip what starts later")
     ap.add_argument("--dry-run", action="store_true", help="tiny preset, toy sizes, CPU")
@@ -492,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             80,
             1,
         )
+        a.select_ctx = 128
     elif not torch.cuda.is_available():
         print("bench_prefill: needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ All grids from static shapes, live lengths read on the device: no host syncs, gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -62,6 +62,9 @@ class PrefillIndexerConfig:
     num_stages: int = 3  # pipelining of the per-head q loads
     score_elems: int = 1 << 25  # fp32 scores of one query block (128 MB; bounds its rows)
     select: ik.IndexerConfig = ik.IndexerConfig()  # the radix select's launch shapes
+    # one select program per query even when a block has fewer than 4 per SM (long contexts):
+    # five passes instead of six, fewer programs (bench_prefill times both at a 100K shape)
+    select_one_per_row: bool = False
 
 
 @triton.jit
@@ -154,6 +157,8 @@ def prefill_topk_from_scores(
     ident = torch.arange(L // PAGE, dtype=torch.int32, device=scores.device)[None].expand(Q, -1)
     seq_lens = (positions + 1).clamp(min=0, max=L).to(torch.int32)
     sc = cfg.select
+    if cfg.select_one_per_row and sc.sel_chunk is None:
+        sc = replace(sc, sel_chunk=triton.cdiv(max(L, 1), sc.sel_block) * sc.sel_block)
     chunk, C = ik._chunking(Q, L, sc, scores.device)
     if C > 1:
         sel, _kth = ik.topk_from_scores(scores, ident, seq_lens, topk, sc)
