@@ -16,7 +16,8 @@ work is done a block of queries at a time, so ``[T, L]`` fp32 scores never exist
 
 ``echo::sparse_mla_prefill``: ``echo::sparse_mla_decode``'s semantics with the T queries of a chunk
 as its rows, each over its own selected rows of ``rows [L, row]`` (the request's context, by
-position): same form, same numerics, same kernel on the GPU.
+position): same form, same numerics (on the GPU the prefill kernel of
+custom_ops/prefill_attn_kernels.py: the decode kernel's loop, one program per query and head block).
 """
 
 from __future__ import annotations

@@ -14,14 +14,16 @@ scores), each block in two separable steps:
    query's causal length ``p + 1`` as its seq_len and an identity block table (page i -> i, the
    same row for every query: stride 0), so it returns token positions: same selection rule, same
    ties, same -1 padding, deterministic.
-Attention: ``echo::sparse_mla_decode``'s kernel with the T queries as batch rows over the request's
-rows (each gathered row serves a whole block of heads).
+Attention: custom_ops/prefill_attn_kernels.py (one program per query and head block, the decode
+kernel's loop without splits, FP8 rows dequantised once per call, trailing unused entries
+skipped); ``sparse_mla_prefill_decode_kernel`` keeps the earlier path (the decode kernel, the
+T queries as its batch rows) for the bench's side-by-side.
 All grids from static shapes, live lengths read on the device: no host syncs, graph-safe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -29,6 +31,7 @@ import triton.language as tl
 
 from custom_ops import attention_kernels as ak
 from custom_ops import indexer_kernels as ik
+from custom_ops import prefill_attn_kernels as pa
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
 
 _PAGE = tl.constexpr(PAGE)
@@ -59,6 +62,9 @@ class PrefillIndexerConfig:
     num_stages: int = 3  # pipelining of the per-head q loads
     score_elems: int = 1 << 25  # fp32 scores of one query block (128 MB; bounds its rows)
     select: ik.IndexerConfig = ik.IndexerConfig()  # the radix select's launch shapes
+    # one select program per query even when a block has fewer than 4 per SM (long contexts):
+    # five passes instead of six, fewer programs (bench_prefill times both at a 100K shape)
+    select_one_per_row: bool = False
 
 
 @triton.jit
@@ -150,8 +156,40 @@ def prefill_topk_from_scores(
     # identity pages, one row shared by every query (stride 0): the "host slot" is the position
     ident = torch.arange(L // PAGE, dtype=torch.int32, device=scores.device)[None].expand(Q, -1)
     seq_lens = (positions + 1).clamp(min=0, max=L).to(torch.int32)
-    sel, _kth = ik.topk_from_scores(scores, ident, seq_lens, topk, cfg.select)
-    return sel
+    sc = cfg.select
+    if cfg.select_one_per_row and sc.sel_chunk is None:
+        sc = replace(sc, sel_chunk=triton.cdiv(max(L, 1), sc.sel_block) * sc.sel_block)
+    chunk, C = ik._chunking(Q, L, sc, scores.device)
+    if C > 1:
+        sel, _kth = ik.topk_from_scores(scores, ident, seq_lens, topk, sc)
+        return sel
+    return _select_one_chunk(scores, ident, seq_lens, topk, sc, chunk)
+
+
+def _select_one_chunk(scores, ident, seq_lens, topk, sc: ik.IndexerConfig, chunk: int):
+    """``ik.topk_from_scores`` when one program covers each row (a prefill block has hundreds
+    of rows, so this is the usual case): the four radix passes and the output pass, without the
+    count pass. That pass gives each chunk its output offset and its share of the ties; with one
+    chunk the offset is 0 and the share is all ``need`` ties still to take, which is what the
+    output pass computes from counts saying ``topk`` are equal (``need <= topk``: taken whole).
+    Same selection, one pass over the scores fewer (and no kth, which prefill drops)."""
+    Q, L = scores.shape
+    dev = scores.device
+    blk, warps = sc.sel_block, sc.sel_warps
+    hists = torch.zeros((Q, 4, ik._NBINS), dtype=torch.int32, device=dev)
+    for p in range(1, 5):
+        ik._hist_kernel[(Q, 1)](
+            scores, seq_lens, hists, L, topk, chunk, PASS=p, BLK=blk, num_warps=warps
+        )
+    # counts (above, equal) of the one chunk: only "equal >= need" matters with one chunk (no
+    # later chunk's offset to give); a fill, not a host tensor: graph-safe
+    cnt = torch.full((Q, 2), topk, dtype=torch.int32, device=dev)
+    out = torch.empty((Q, topk), dtype=torch.int32, device=dev)
+    ik._output_kernel[(Q, 1)](
+        scores, seq_lens, ident, hists, cnt, out, L, topk, chunk, ident.stride(0), topk,
+        CP=1, BLK=blk, num_warps=warps,
+    )  # fmt: skip
+    return out
 
 
 def prefill_indexer_topk_cuda(
@@ -190,7 +228,20 @@ def sparse_mla_prefill_cuda(
     sel: torch.Tensor,  # [T, K] int32 positions, -1 = unused
     softmax_scale: float,
     fmt: str,
+    cfg: pa.PrefillAttnConfig | None = None,
+) -> torch.Tensor:
+    """``echo::sparse_mla_prefill`` on the GPU: the prefill attention kernel."""
+    return pa.sparse_mla_prefill_attn(q, rows, sel, softmax_scale, fmt, cfg)
+
+
+def sparse_mla_prefill_decode_kernel(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    sel: torch.Tensor,
+    softmax_scale: float,
+    fmt: str,
     cfg: ak.MlaConfig | None = None,
 ) -> torch.Tensor:
-    """``echo::sparse_mla_prefill``: the decode kernel, the T queries as its batch rows."""
+    """The earlier CUDA path: the decode kernel, the T queries as its batch rows (the bench
+    times it next to the prefill kernel)."""
     return ak.sparse_mla_decode_cuda(q, rows, sel, softmax_scale, fmt, cfg)

@@ -165,6 +165,16 @@ def test_full_mode_cli(tmp_path) -> None:
     d = json.loads(out.read_text())
     assert d["workload"]["prefill"] is True
     assert [r["mode"] for r in d["results"]] == ["full"]
+    assert d["compile_prefill"] is True  # the default: the serving path (offload-eager aside)
+
+
+def test_full_mode_compiles_prefill_unless_eager_prefill(model) -> None:
+    """A compiled system of --mode full compiles its prefill chunks; decode-only does not."""
+    for flag in (True, False):
+        sut = bench.System(model, "gpu-only", 320, 320, "fp8", 320, 1, (), "cpu", 1.0,
+                           compile=False, compile_prefill=flag)  # fmt: skip
+        assert sut.engine.config.compile_prefill is flag
+        sut.close()
 
 
 def test_breakdown_of_a_compiled_system_runs_eagerly_and_leaves_it_as_it_was(model) -> None:

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.cuda
 
 
 def test_prefill_kernels_match_references_at_real_sizes():
+    from custom_ops import indexer_kernels as ik
     from custom_ops import prefill as pf
+    from custom_ops import prefill_attn_kernels as pa
     from custom_ops import prefill_kernels as pk
     from tests.test_decode_kernels import attention_close, check_scores, make_pool
     from tests.test_prefill_ops import (
@@ -32,6 +34,8 @@ def test_prefill_kernels_match_references_at_real_sizes():
     check_scores(pk.prefill_index_logits(**inp, cfg=cfg), ref, mag, PREFILL_SCORE_REL)
     sel_ref = pf.prefill_topk_from_scores_ref(ref, inp["positions"], 2048)
     assert torch.equal(pk.prefill_topk_from_scores(ref, inp["positions"], 2048, cfg), sel_ref)
+    one = pk.PrefillIndexerConfig(select=ik.IndexerConfig(sel_chunk=ref.shape[1]))  # C = 1
+    assert torch.equal(pk.prefill_topk_from_scores(ref, inp["positions"], 2048, one), sel_ref)
     whole = pk.prefill_indexer_topk_cuda(**inp, topk=2048, cfg=cfg)
     want = pf.prefill_indexer_topk_ref(**inp, topk=2048)
     # the kernel's scores round differently: sets may part at near-ties of the k-th score only
@@ -43,8 +47,15 @@ def test_prefill_kernels_match_references_at_real_sizes():
         sel = torch.rand(T, L, generator=gen, device="cuda").argsort(1)[:, :K].sort(1).values
         sel = sel.int()
         sel[3, 100:] = -1
+        sel[5] = torch.where(
+            torch.arange(K, device="cuda") <= 700, torch.arange(K, device="cuda"), -1
+        ).int()  # a causal prefix (position 700), -1 padded: skipped blocks
         ref_o = pf.sparse_mla_prefill_ref(q, rows, sel, 0.1352, fmt)
         attention_close(pk.sparse_mla_prefill_cuda(q, rows, sel, 0.1352, fmt), ref_o)
+        # the prefill kernel's other configurations (the bench times them) and the old path
+        for c in (pa.PrefillAttnConfig(dequant_first=False), pa.PrefillAttnConfig(block_k=32)):
+            attention_close(pa.sparse_mla_prefill_attn(q, rows, sel, 0.1352, fmt, c), ref_o)
+        attention_close(pk.sparse_mla_prefill_decode_kernel(q, rows, sel, 0.1352, fmt), ref_o)
 
 
 def test_compiled_prefill_above_the_old_16k_limit():

@@ -109,13 +109,23 @@ def _tied_scores(Q: int, L: int, positions: torch.Tensor, gen: torch.Generator) 
     return torch.where(causal, s, torch.full_like(s, float("-inf")))
 
 
-def test_prefill_topk_kernel_equals_reference_with_ties():
+# one program per row (the count pass skipped; given, or asked for) and three per row
+@pytest.mark.parametrize(("sel_chunk", "one"), [(192, False), (None, False), (None, True)])
+def test_prefill_topk_kernel_equals_reference_with_ties(sel_chunk, one, monkeypatch):
     # positions 20..35 cross topk = 32: whole prefixes and real selections in one block
     L, topk, start = 192, 32, 20
     gen = torch.Generator().manual_seed(L + topk)
     pos = torch.arange(start, start + 16)
     scores = _tied_scores(16, L, pos, gen)
-    out = pk.prefill_topk_from_scores(scores, pos, topk, SMALL)
+    cfg = pk.PrefillIndexerConfig(
+        select=ik.IndexerConfig(sel_block=64, sel_chunk=sel_chunk), select_one_per_row=one
+    )
+    assert ik._chunking(16, L, cfg.select, scores.device)[1] == (1 if sel_chunk else 3)
+    calls = []
+    one_chunk = pk._select_one_chunk
+    monkeypatch.setattr(pk, "_select_one_chunk", lambda *a: calls.append(1) or one_chunk(*a))
+    out = pk.prefill_topk_from_scores(scores, pos, topk, cfg)
+    assert bool(calls) == (sel_chunk is not None or one)  # the path this case is about
     ref = pf.prefill_topk_from_scores_ref(scores, pos, topk)
     assert torch.equal(out, ref)
     # the rule itself: min(topk, p + 1) positions, ascending, within the causal prefix

@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("decode-only", "full"),
         default="decode-only",
         help="decode-only: inject each prompt's KV (PD-disaggregated); full: prefill it too "
-        "(eager, explicit form: for small runs)",
+        "(the compiled sparse prefill of a served engine; --eager-prefill: eager chunks)",
+    )
+    ap.add_argument(
+        "--eager-prefill",
+        action="store_true",
+        help="--mode full: run the prefill chunks eagerly instead of compiled (the old default)",
     )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-ctx", type=int, default=80_000)
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_format": a.kv_format,
         "prefetch": prefetches,
         "compiled": a.compile,
+        "compile_prefill": wl.prefill and a.compile and not a.eager_prefill,
         "kernel_backend": a.kernel_backend,
         "parallel": {"dp": a.dp, "tp": a.tp, "ep": a.ep},
         "results": [],
@@ -258,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             sut = System(
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
                 a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch, parallel,
+                compile_prefill=wl.prefill and not a.eager_prefill,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)

@@ -5,9 +5,9 @@ added with ``Engine.add_request(..., prompt_kv=RandomPromptKV(...))``, the engin
 of a prompt's KV computed elsewhere, so at admission its prompt KV (all but its last token) is
 written from random latents through the write path prefill uses, then generation is measured;
 generation throughput leaves the injection time (``Engine.prompt_kv_load_s``) out. ``--mode full``
-prefills every prompt instead (eager chunks, the explicit form over the whole context: for small
-runs), and its throughput includes the prefill. Systems, same
-model and the same GPU pool tokens per layer:
+prefills every prompt instead (the compiled sparse prefill the engine serves with, one graph per
+chunk bucket; ``--eager-prefill``: the same chunks eagerly), and its throughput includes it.
+Systems, same model and the same GPU pool tokens per layer:
 - ``offload``: echo-compile with the KV in pinned host memory, a GPU pool of N_G rows per layer,
   compiled (CUDA graphs);
 - ``gpu-only``: the KV on the device in a pool of N_G rows (the SGLang policy: the batch is bounded
@@ -214,6 +214,7 @@ class System:
         kernel_backend: str = "triton",  # the decode indexer's kernels (docs/backends.md)
         prefetch: str = "off",  # lossless decode prefetch of the offloading systems
         parallel=None,  # (DistContext, dp, tp, ep): one rank of a multi-process run
+        compile_prefill: bool = False,  # --mode full: prefill chunks compiled as the engine's
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -232,9 +233,9 @@ class System:
             max_model_len=max_len,
             decode_buckets=tuple(sorted({b for b in buckets if 0 < b < batch} | {batch})),
             device=device,
-            # decode only: a compiled prefill has static shapes over max_model_len (see
-            # EngineConfig.prefill_compiled); the full mode's prefill chunks run eagerly
-            compile_prefill=False,
+            # decode-only runs never prefill: compiling it would only cost warm-up time; the full
+            # mode compiles it (the serving path: sparse prefill, one graph per chunk bucket)
+            compile_prefill=compile_prefill,
             kernel_backend=kernel_backend,
             prefetch=prefetch if offload else "off",
         )
