@@ -96,8 +96,11 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: str
+    role: str  # system, developer, user, assistant, tool (runtime.chat_template checks it)
+    content: str | list[dict[str, Any]] | None = None  # a list: text parts
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call (results follow the calls' order)
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -105,6 +108,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # runtime.tool_calls
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -151,9 +157,7 @@ def _neutral(value: Any, *defaults: Any) -> bool:
 # 400 naming the field, never silently ignored. A field stays here until it works.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
+    "functions": ([],),  # the deprecated form of tools
     "function_call": ("none",),
     "guided_json": (),
     "guided_regex": (),
@@ -172,9 +176,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
+    "tools": ([],),  # chat only
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "parallel_tool_calls": (),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),

@@ -350,8 +350,6 @@ def test_tokens_per_second_decays_when_idle(tok: Tokenizer) -> None:
 # Listed here, not read from the server's table, so dropping a check fails this test.
 UNSUPPORTED_BOTH = [
     ("prompt_logprobs", 1, None),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("tool_choice", "required", "none"),
     ("functions", [{"name": "f"}], None),
     ("function_call", "auto", None),
     ("guided_json", {"type": "object"}, None),
@@ -369,9 +367,12 @@ UNSUPPORTED_BOTH = [
 UNSUPPORTED_COMPLETION = [
     ("best_of", 2, 1),
     ("suffix", "end", None),
+    # chat only (runtime.tool_calls)
+    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
+    ("tool_choice", "required", "none"),
+    ("parallel_tool_calls", True, None),
 ]
 UNSUPPORTED_CHAT = [
-    ("parallel_tool_calls", True, None),
     ("audio", {"voice": "x"}, None),
     ("modalities", ["text", "audio"], ["text"]),
     ("prediction", {"type": "content", "content": "x"}, None),
