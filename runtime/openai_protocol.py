@@ -93,6 +93,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
     logprobs: int | None = None
     echo: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's (runtime.prompt_logprobs)
 
 
 class ChatMessage(_Strict):
@@ -156,7 +157,6 @@ def _neutral(value: Any, *defaults: Any) -> bool:
 # Fields this server does not implement, with the values that leave them off. Any other value is a
 # 400 naming the field, never silently ignored. A field stays here until it works.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (),
     "functions": ([],),  # the deprecated form of tools
     "function_call": ("none",),
     "guided_json": (),
@@ -181,6 +181,7 @@ UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (),
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (),  # completions only
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -274,6 +275,7 @@ def sampling_params(
             min_tokens=default(req.min_tokens, 0),
             top_logprobs=top,
             grammar=response_grammar(req.response_format),
+            prompt_logprobs=req.prompt_logprobs if isinstance(req, CompletionRequest) else None,
         )
     except SamplingParamsError as e:
         param = top_param if e.param == "top_logprobs" else e.param

@@ -129,6 +129,22 @@ class Handlers:
     def token_string(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def prompt_logprobs(self, ids: list[int], entries: list) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then
+        ``{token id: {"logprob", "rank", "decoded_token"}}`` of the token itself and the top N."""
+        out: list[dict[str, Any] | None] = []
+        for tok, e in zip(ids, entries, strict=True):
+            if e is None:
+                out.append(None)
+                continue
+            lp, rank, top = e
+            d = {str(t): {"logprob": v, "rank": r} for r, (t, v) in enumerate(top, 1)}
+            d.setdefault(str(tok), {"logprob": lp, "rank": rank})
+            for k, v in d.items():
+                v["decoded_token"] = self.token_string(int(k))
+            out.append(d)
+        return out
+
     @staticmethod
     def choices_of(
         prompts: list[tuple[list[int], str]], params: SamplingParams, n: int
@@ -311,7 +327,8 @@ class Handlers:
             return {**head, "choices": [choice]}
 
         def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
-            if not (out.new_text or out.finished or req.logprobs is not None):
+            prompt_lps = out.prompt_logprobs
+            if not (out.new_text or out.finished or req.logprobs is not None or prompt_lps):
                 return None
             lp = logprobs(
                 i, out.new_token_ids, out.new_logprobs or [], offsets[i], out.new_top_logprobs
@@ -322,6 +339,8 @@ class Handlers:
                 "logprobs": lp,
                 "finish_reason": out.finish_reason,
             }
+            if prompt_lps is not None:  # with the choice's first token
+                choice["prompt_logprobs"] = self.prompt_logprobs(choices[i].ids, prompt_lps)
             return {**head, "choices": [choice]}
 
         def final(
@@ -336,6 +355,11 @@ class Handlers:
                 }
                 for i, res in enumerate(results)
             ]
+            if req.prompt_logprobs is not None:
+                for c, res in zip(out, results, strict=True):
+                    lps = res.prompt_logprobs
+                    ids = choices[c["index"]].ids
+                    c["prompt_logprobs"] = None if lps is None else self.prompt_logprobs(ids, lps)
             return {**head, "choices": out, "usage": usage}
 
         return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)

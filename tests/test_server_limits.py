@@ -349,7 +349,6 @@ def test_tokens_per_second_decays_when_idle(tok: Tokenizer) -> None:
 # ---- every unsupported parameter is refused, its neutral value accepted ------------------------
 # Listed here, not read from the server's table, so dropping a check fails this test.
 UNSUPPORTED_BOTH = [
-    ("prompt_logprobs", 1, None),
     ("functions", [{"name": "f"}], None),
     ("function_call", "auto", None),
     ("guided_json", {"type": "object"}, None),
@@ -373,6 +372,7 @@ UNSUPPORTED_COMPLETION = [
     ("parallel_tool_calls", True, None),
 ]
 UNSUPPORTED_CHAT = [
+    ("prompt_logprobs", 1, None),  # completions only (tests/test_prompt_logprobs.py)
     ("audio", {"voice": "x"}, None),
     ("modalities", ["text", "audio"], ["text"]),
     ("prediction", {"type": "content", "content": "x"}, None),
