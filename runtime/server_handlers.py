@@ -31,7 +31,7 @@ from runtime.openai_protocol import (
     sampling_params,
 )
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.server_metrics import ServerMetrics
 from runtime.server_streams import failure, merged, sse
 from runtime.structured_output import lark_grammar
@@ -106,7 +106,9 @@ class Handlers:
             raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
         return max_tokens
 
-    async def start(self, rid: str, choices: list[_Choice]) -> list[RequestStream]:
+    async def start(
+        self, rid: str, choices: list[_Choice], grammar_param: str = "response_format"
+    ) -> list[RequestStream]:
         """Add every choice's request (ids ``rid-0``, ``rid-1``, ...; just ``rid`` for one); if
         one is refused, the ones already added are aborted."""
         streams: list[RequestStream] = []
@@ -118,7 +120,7 @@ class Handlers:
             for st in streams:
                 await st.aclose()
             if isinstance(e, ValueError):  # the engine's verdict (context, host pool, ...)
-                param = "response_format" if "grammar" in str(e) else None
+                param = grammar_param if "grammar" in str(e) else None
                 raise APIError(400, str(e), param=param) from e
             raise APIError(503, str(e), type_="server_error") from e  # shut down
         return streams
@@ -377,11 +379,15 @@ class Handlers:
         )
         max_tokens = self.max_tokens(len(ids), requested, "messages")
         params = sampling_params(req, max_tokens, bool(req.logprobs), self.tokenizer.vocab_size)
-        if plan is not None and plan.grammar_text is not None:
-            params = dataclasses.replace(params, grammar=_call_grammar(plan, params))
+        forced = plan is not None and plan.grammar_text is not None
+        if forced:
+            try:
+                params = dataclasses.replace(params, grammar=_call_grammar(plan, params))
+            except SamplingParamsError as e:  # e.g. min_tokens with a grammar
+                raise APIError(400, str(e), param=e.param) from e
         choices = self.choices_of([(ids, "")], params, req.n or 1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start(rid, choices)
+        streams = await self.start(rid, choices, "tool_choice" if forced else "response_format")
         head = {
             "id": rid,
             "object": "chat.completion.chunk",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import jsonschema
 import openai
 import pytest
 from server_utils import running_server
@@ -252,8 +251,12 @@ def url() -> Iterator[str]:
 
 
 def _weather_args(call: object) -> dict:
+    """The call's arguments, checked against SCHEMA by hand (no jsonschema dependency)."""
     args = json.loads(call.function.arguments)  # type: ignore[attr-defined]
-    jsonschema.validate(args, SCHEMA)
+    assert isinstance(args, dict) and {"city", "days"} <= set(args) <= {"city", "unit", "days"}
+    assert isinstance(args["city"], str) and len(args["city"]) <= 6
+    assert type(args["days"]) is int and 1 <= args["days"] <= 7
+    assert args.get("unit", "c") in ("c", "f")
     return args
 
 
@@ -316,8 +319,18 @@ def test_tool_requests_refused_with_the_param(url: str) -> None:
         (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools"),
         (dict(tools=TOOLS, tool_choice="required", response_format=json_fmt), "tool_choice"),
         (dict(messages=[{"role": "tool", "content": "x"}]), "messages"),
+        (dict(tools=TOOLS, tool_choice="required", extra_body={"min_tokens": 2}), "min_tokens"),
     ]
     for extra, param in bad:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{"model": "tiny", "messages": msgs, **extra})
         assert e.value.body["param"] == param, e.value.body
+    # auto: the random model writes text (a DSML block takes far more than 4 tokens)
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=4)
+    c = r.choices[0]
+    assert c.message.tool_calls is None and c.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens == 4 or c.finish_reason == "stop"
+    none = client.chat.completions.create(
+        model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    assert none.usage.prompt_tokens < r.usage.prompt_tokens  # none: no tools block
