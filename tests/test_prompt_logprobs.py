@@ -175,3 +175,50 @@ def test_server_prompt_logprobs_vllm_shape(url: str) -> None:
             extra_body={"prompt_logprobs": 1},
         )  # fmt: skip
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_engine_prompt_logprobs_no_recompile() -> None:
+    """On the GPU, a compiled engine (prefill graphs too): a prompt_logprobs request takes the
+    eager prefill, the graphs see no recompile or skip, and its entries equal an eager engine's
+    (the same eager prefill code on the same inputs)."""
+    import torch._dynamo
+    from test_compile import make_engine
+    from torch._dynamo.utils import counters
+
+    from model.checkpoint import resolve_model
+    from model.loader import load_model
+    from runtime.tokenizer import Tokenizer
+
+    path = resolve_model("tiny")
+    model, _ = load_model(path, device="cuda")
+    tiny_cuda = (model, Tokenizer.from_dir(path))
+    prompts = random_prompts([150, 40], model.config.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=5)
+    torch._dynamo.reset()
+    counters.clear()
+    eng = make_engine(tiny_cuda, True, compiled=True, strict=True, compile_prefill=True)
+    eng.runner.warmup(calls=3, progress=False)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = _generate(eng, prompts, params)
+        # a plain request after it still runs the compiled prefill
+        plain = _generate(eng, prompts[:1], dataclasses.replace(params, prompt_logprobs=None))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert plain["r0"]["prompt"] is None and len(plain["r0"]["ids"]) == 4
+    want = _generate(make_engine(tiny_cuda, True), prompts, params)
+    for rid, out in got.items():
+        entries, ref = out["prompt"][1:], want[rid]["prompt"][1:]
+        assert len(entries) == len(ref) == len(prompts[int(rid[1:])]) - 1
+        for (lp, rank, alts), (lp_r, rank_r, alts_r) in zip(entries, ref, strict=True):
+            assert abs(lp - lp_r) <= 1e-6 and rank == rank_r
+            assert [t for t, _ in alts] == [t for t, _ in alts_r]
+
+
+def test_benchmark_script_runs_its_cli_on_cpu() -> None:
+    from benchmarks import bench_prompt_logprobs as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    if not torch.cuda.is_available():
+        assert bench.main(["--out", "/dev/null"]) == 2  # says it needs CUDA, writes nothing
