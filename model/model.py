@@ -311,7 +311,8 @@ class DeepseekV32Model(nn.Module):
         self.rotary_emb = YarnRotary(config)  # non-persistent buffer only: no checkpoint name
 
     def forward(self, meta: ForwardMeta, cache: KVCache) -> torch.Tensor:
-        """Final-normed hidden states of the tokens at ``meta.logits_indices``: ``[B, D]``."""
+        """Final-normed hidden states of the tokens at ``meta.logits_indices``: ``[B, D]`` (a
+        prefill may ask for K tokens: ``[K, D]``)."""
         h = self.embed_tokens(meta.input_ids)  # [T, D]
         cos, sin = self.rotary_emb(meta.positions)  # [T, 32] each, shared by MLA and indexer
         residual: torch.Tensor | None = None
@@ -340,10 +341,12 @@ def check_meta(meta: ForwardMeta, cache: KVCache, config: ModelConfig) -> None:
             f"{list(meta.block_table.shape)}"
         )
     b = meta.block_table.shape[0]
-    if meta.seq_lens.shape != (b,) or meta.logits_indices.shape != (b,):
+    # a prefill may ask for the logits of several of its tokens (prompt_logprobs: all of them)
+    k = meta.logits_indices.shape[0] if not meta.is_decode else b
+    if meta.seq_lens.shape != (b,) or meta.logits_indices.shape != (k,) or k < 1:
         raise ValueError(
-            f"ForwardMeta: seq_lens and logits_indices must be [B={b}], got "
-            f"{list(meta.seq_lens.shape)} and {list(meta.logits_indices.shape)}"
+            f"ForwardMeta: seq_lens must be [B={b}] and logits_indices [B] (a prefill: [K >= 1]), "
+            f"got {list(meta.seq_lens.shape)} and {list(meta.logits_indices.shape)}"
         )
     if meta.is_decode and t != b:
         raise ValueError(f"ForwardMeta: a decode step has one token per request, got T={t}, B={b}")

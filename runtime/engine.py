@@ -19,6 +19,7 @@ from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, build_runner
 from runtime.prefill_sharing import copy_rows, split_group
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
+from runtime.prompt_logprobs import PromptLogprob, prompt_logprobs
 from runtime.request import PAGE, Request
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_controls import SamplingControls
@@ -42,6 +43,8 @@ class StepOutput:
     completion_tokens: int
     # per new token, its params.top_logprobs most likely (token id, logprob); None when not asked
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # params.prompt_logprobs, on a request's first output: [None, entry of prompt token 1, ...]
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class Engine:
@@ -108,6 +111,8 @@ class Engine:
         (``len(prompt) - 1``) and row width are checked here; the chunks a generator yields are
         checked as they are written."""
         ids = self._check_new(request_id, prompt_token_ids, params)
+        if prompt_kv is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs a prefill: a request with prompt_kv has none")
         if prompt_kv is not None:
             check_source(
                 prompt_kv,
@@ -299,7 +304,13 @@ class Engine:
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
         self.num_steps += 1
         if not batch.is_decode:
-            batch.requests[0].num_computed = batch.chunk_end  # prefill samples nothing
+            req = batch.requests[0]
+            if req.params.prompt_logprobs is not None and batch.chunk_start == len(
+                req.prompt_logprobs
+            ):  # (a chunk run again after a preemption adds nothing twice)
+                nxt = req.prompt_ids[batch.chunk_start + 1 : batch.chunk_end + 1]
+                req.prompt_logprobs += prompt_logprobs(logits, nxt, req.params.prompt_logprobs)
+            req.num_computed = batch.chunk_end  # prefill samples nothing
             return []
         now = time.perf_counter()
         self.num_decode_steps += 1
@@ -330,6 +341,8 @@ class Engine:
                     len(r.prompt_ids),
                     len(r.output_ids),
                     None if top is None else [top],
+                    # with the first token: None for the first prompt token, then the prefill's
+                    r.prompt_logprobs_out() if len(r.output_ids) == 1 else None,
                 )
             )
         if any(o.finished for o in outs):

@@ -272,17 +272,29 @@ class ModelRunner:
     # ---- forward -------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits fp32 [len(batch.requests), V] (for prefill: of the chunk's last token)."""
+        """Logits fp32 [len(batch.requests), V] (for prefill: of the chunk's last token; of all
+        its tokens, ``[n, V]``, for a request asking for ``prompt_logprobs``)."""
         if batch.is_decode:
             n = len(batch.requests)
             bucket = next_bucket(n, self.decode_buckets)
             logits = self.decode_fn(*self.decode_inputs(batch.requests, bucket))
             return logits[:n]
         req = batch.requests[0]
+        if req.params.prompt_logprobs is not None:
+            return self.prefill_logits(batch)
         bucket = next_bucket(batch.chunk_end - batch.chunk_start, self.prefill_buckets)
         return self.prefill_fn(
             *self.prefill_inputs(req, batch.chunk_start, batch.chunk_end, bucket)
         )
+
+    @torch.no_grad()
+    def prefill_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits fp32 [n, V] of every token of a prefill chunk (``prompt_logprobs``). NOTE:
+        eager and unpadded, whatever the runner compiled: a compiled prefill returns one row."""
+        req, start, end = batch.requests[0], batch.chunk_start, batch.chunk_end
+        *inputs, _ = self.prefill_inputs(req, start, end, end - start)
+        every = torch.arange(end - start, dtype=torch.int64, device=inputs[0].device)
+        return self.prefill_step(*inputs, every)
 
 
 def build_runner(

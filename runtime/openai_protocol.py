@@ -94,11 +94,15 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None  # candidates per prompt; the n best by cumulative logprob return
+    prompt_logprobs: int | None = None  # vLLM's (runtime.prompt_logprobs)
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: str
+    role: str  # system, developer, user, assistant, tool (runtime.chat_template checks it)
+    content: str | list[dict[str, Any]] | None = None  # a list: text parts
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call (results follow the calls' order)
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -106,6 +110,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # runtime.tool_calls
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -151,10 +158,7 @@ def _neutral(value: Any, *defaults: Any) -> bool:
 # Fields this server does not implement, with the values that leave them off. Any other value is a
 # 400 naming the field, never silently ignored. A field stays here until it works.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
+    "functions": ([],),  # the deprecated form of tools
     "function_call": ("none",),
     "guided_json": (),
     "guided_regex": (),
@@ -172,10 +176,13 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # Only for completions / only for chat.
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
+    "tools": ([],),  # chat only
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),  # a legacy completions parameter (OpenAI's chat has none)
-    "parallel_tool_calls": (),
+    "prompt_logprobs": (),  # completions only
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -276,6 +283,7 @@ def sampling_params(
             min_tokens=default(req.min_tokens, 0),
             top_logprobs=top,
             grammar=response_grammar(req.response_format),
+            prompt_logprobs=req.prompt_logprobs if isinstance(req, CompletionRequest) else None,
         )
     except SamplingParamsError as e:
         param = top_param if e.param == "top_logprobs" else e.param

@@ -20,12 +20,16 @@ class RequestOutput:
     finish_reason: str | None = None  # None: not finished (or the stream was left early)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
+    prompt_logprobs: list | None = None
 
     def add(self, out: StepOutput) -> None:
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
         self.token_times.append(time.perf_counter())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
 

@@ -44,7 +44,16 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt token after the first (runtime.prompt_logprobs)
+    prompt_logprobs: list = field(default_factory=list, repr=False)
     _block_row: torch.Tensor | None = field(default=None, repr=False)
+
+    def prompt_logprobs_out(self) -> list | None:
+        """``[None, entry of prompt token 1, ...]`` when ``params.prompt_logprobs`` asks, else
+        None (the first token has nothing before it to predict it)."""
+        if self.params.prompt_logprobs is None:
+            return None
+        return [None, *self.prompt_logprobs]
 
     @property
     def num_tokens(self) -> int:

@@ -58,6 +58,9 @@ class SamplingParams:
       one from a JSON schema) the output must follow; None: free text.
     - ``top_logprobs``: 0..20; return that many most likely (token, logprob) per generated token
       (log-softmax of the logits after the controls, before temperature and top-k / top-p).
+    - ``prompt_logprobs``: None, or 0..20: the logprob of every prompt token after the first and
+      that many most likely alternatives (log-softmax of the model's raw logits; vLLM's). NOTE:
+      such a request's prefill runs eagerly (``runtime.prompt_logprobs``).
     ``runtime.sampling_controls`` applies the last six, on the device, before sampling.
     """
 
@@ -78,6 +81,7 @@ class SamplingParams:
     min_tokens: int = 0
     top_logprobs: int = 0
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -172,6 +176,13 @@ class SamplingParams:
                 "top_logprobs",
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                 f"got {self.top_logprobs!r}",
+            )
+        pl = self.prompt_logprobs
+        if pl is not None and (not _is_int(pl) or not 0 <= pl <= MAX_TOP_LOGPROBS):
+            raise SamplingParamsError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {pl!r}",
             )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamsError(

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.async_engine import AsyncEngine, RequestStream
+from runtime.chat_template import normalise_messages, render_dsv32
 from runtime.engine import StepOutput
 from runtime.openai_protocol import (
     CONTEXT_CODE,
@@ -31,10 +32,12 @@ from runtime.openai_protocol import (
     sampling_params,
 )
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.server_metrics import ServerMetrics
 from runtime.server_streams import failure, merged, sse
+from runtime.structured_output import lark_grammar
 from runtime.tokenizer import lone_surrogate
+from runtime.tool_calls import ToolCall, ToolCallStream, ToolPlan, parse_tool_calls, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,9 @@ class Handlers:
             raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
         return max_tokens
 
-    async def start(self, rid: str, choices: list[_Choice]) -> list[RequestStream]:
+    async def start(
+        self, rid: str, choices: list[_Choice], grammar_param: str = "response_format"
+    ) -> list[RequestStream]:
         """Add every choice's request (ids ``rid-0``, ``rid-1``, ...; just ``rid`` for one); the
         choices of one prompt share its prefill when the engine can (``generate_group``). If one
         is refused, the ones already added are aborted."""
@@ -117,7 +122,9 @@ class Handlers:
                 j = i + 1  # choices of one prompt are consecutive (prompt-major)
                 while j < len(choices) and choices[j].prompt_index == c.prompt_index:
                     j += 1
-                if j - i > 1 and self.engine.shares_prefill:
+                # prompt_logprobs come from a request's own (eager) prefill: no sharing then
+                share = self.engine.shares_prefill and c.params.prompt_logprobs is None
+                if j - i > 1 and share:
                     params = [x.params for x in choices[i:j]]
                     streams += await self.engine.generate_group(cids[i:j], c.ids, params)
                 else:
@@ -129,7 +136,7 @@ class Handlers:
             for st in streams:
                 await st.aclose()
             if isinstance(e, ValueError):  # the engine's verdict (context, host pool, ...)
-                param = "response_format" if "grammar" in str(e) else None
+                param = grammar_param if "grammar" in str(e) else None
                 raise APIError(400, str(e), param=param) from e
             raise APIError(503, str(e), type_="server_error") from e  # shut down
         return streams
@@ -139,6 +146,22 @@ class Handlers:
 
     def token_string(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_logprobs(self, ids: list[int], entries: list) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then
+        ``{token id: {"logprob", "rank", "decoded_token"}}`` of the token itself and the top N."""
+        out: list[dict[str, Any] | None] = []
+        for tok, e in zip(ids, entries, strict=True):
+            if e is None:
+                out.append(None)
+                continue
+            lp, rank, top = e
+            d = {str(t): {"logprob": v, "rank": r} for r, (t, v) in enumerate(top, 1)}
+            d.setdefault(str(tok), {"logprob": lp, "rank": rank})
+            for k, v in d.items():
+                v["decoded_token"] = self.token_string(int(k))
+            out.append(d)
+        return out
 
     @staticmethod
     def choices_of(
@@ -335,7 +358,8 @@ class Handlers:
             return {**head, "choices": [choice]}
 
         def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
-            if not (out.new_text or out.finished or req.logprobs is not None):
+            prompt_lps = out.prompt_logprobs
+            if not (out.new_text or out.finished or req.logprobs is not None or prompt_lps):
                 return None
             lp = logprobs(
                 i, out.new_token_ids, out.new_logprobs or [], offsets[i], out.new_top_logprobs
@@ -346,6 +370,8 @@ class Handlers:
                 "logprobs": lp,
                 "finish_reason": out.finish_reason,
             }
+            if prompt_lps is not None:  # with the choice's first token
+                choice["prompt_logprobs"] = self.prompt_logprobs(choices[i].ids, prompt_lps)
             return {**head, "choices": [choice]}
 
         def final(
@@ -360,6 +386,11 @@ class Handlers:
                 }
                 for i, res in enumerate(results)
             ]
+            if req.prompt_logprobs is not None:
+                for c, res in zip(out, results, strict=True):
+                    lps = res.prompt_logprobs
+                    ids = choices[c["index"]].ids
+                    c["prompt_logprobs"] = None if lps is None else self.prompt_logprobs(ids, lps)
             return {**head, "choices": out, "usage": usage}
 
         return await self.respond(
@@ -370,22 +401,37 @@ class Handlers:
         t0 = time.perf_counter()
         self.check_model(req.model)
         check_unsupported(req)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        ids = await self.encode_chat(messages)
+        plan = _tool_plan(req)
+        ids = await self.encode_chat(
+            [m.model_dump() for m in req.messages], functions=plan.functions if plan else None
+        )
         requested = (
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
         max_tokens = self.max_tokens(len(ids), requested, "messages")
         params = sampling_params(req, max_tokens, bool(req.logprobs), self.tokenizer.vocab_size)
+        forced = plan is not None and plan.grammar_text is not None
+        if forced:
+            try:
+                params = dataclasses.replace(params, grammar=_call_grammar(plan, params))
+            except SamplingParamsError as e:  # e.g. min_tokens with a grammar
+                raise APIError(400, str(e), param=e.param) from e
         choices = self.choices_of([(ids, "")], params, req.n or 1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start(rid, choices)
+        streams = await self.start(rid, choices, "tool_choice" if forced else "response_format")
         head = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": req.model,
         }
+        parsers = [ToolCallStream(plan.names) if plan else None for _ in choices]
+
+        def calls_of(calls: list[ToolCall]) -> list[ToolCall]:
+            return calls if plan is None or plan.parallel else calls[:1]
+
+        def reason(finish: str | None, calls: list[ToolCall]) -> str | None:
+            return "tool_calls" if calls and finish == "stop" else finish
 
         def entry(t: str, lp: float) -> dict[str, Any]:
             return {"token": t, "logprob": lp, "bytes": list(t.encode())}
@@ -406,31 +452,51 @@ class Handlers:
             }
 
         def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
-            if not (out.new_text or out.finished or req.logprobs):
+            text, calls, parser = out.new_text, [], parsers[i]
+            if parser is not None:  # the DSML block is held back and sent parsed at the end
+                text = parser.feed(out.new_text)
+                if out.finished:
+                    rest, found = parser.finish()
+                    text, calls = text + rest, calls_of(found)
+            if not (text or out.finished or req.logprobs):
                 return None
-            delta = {"content": out.new_text} if out.new_text else {}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [c.openai(k) for k, c in enumerate(calls)]
             choice = {
                 "index": i,
                 "delta": delta,
-                "finish_reason": out.finish_reason,
+                "finish_reason": reason(out.finish_reason, calls),
                 "logprobs": logprobs(
                     out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs
                 ),
             }
             return {**head, "choices": [choice]}
 
+        def message(res: RequestOutput) -> tuple[dict[str, Any], str | None]:
+            if plan is None:
+                return {"role": "assistant", "content": res.text}, res.finish_reason
+            content, found = parse_tool_calls(res.text, plan.names)
+            calls = calls_of(found)
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                msg["tool_calls"] = [c.openai() for c in calls]
+            return msg, reason(res.finish_reason, calls)
+
         def final(
             results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
         ) -> dict[str, Any]:
-            out = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": res.text},
-                    "logprobs": logprobs(res.token_ids, res.logprobs, tops[i]),
-                    "finish_reason": res.finish_reason,
-                }
-                for i, res in enumerate(results)
-            ]
+            out = []
+            for i, res in enumerate(results):
+                msg, finish = message(res)
+                out.append(
+                    {
+                        "index": i,
+                        "message": msg,
+                        "logprobs": logprobs(res.token_ids, res.logprobs, tops[i]),
+                        "finish_reason": finish,
+                    }
+                )
             return {**head, "object": "chat.completion", "choices": out, "usage": usage}
 
         def first(i: int) -> dict[str, Any]:
@@ -444,16 +510,38 @@ class Handlers:
 
         return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], add_generation: bool = True):
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation: bool = True,
+        functions: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation. The checkpoint's template renders plain conversations;
+        tools, tool results, assistant tool calls and developer messages (and a checkpoint
+        without a template, as DeepSeek-V3.2's own) use DeepSeek-V3.2's encoding
+        (``runtime.chat_template``), which always ends where the assistant's reply starts."""
         for i, m in enumerate(messages):
             content = m.get("content")
-            if isinstance(content, str) and (j := lone_surrogate(content)) is not None:
-                msg = f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}"
-                raise APIError(400, msg, param="messages")
+            parts = content if isinstance(content, list) else [{"text": content}]
+            for p in parts:
+                text = p.get("text") if isinstance(p, dict) else None
+                if isinstance(text, str) and (j := lone_surrogate(text)) is not None:
+                    msg = f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}"
+                    raise APIError(400, msg, param="messages")
+        tok = self.tokenizer
         try:
-            text = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, messages, add_generation
+            messages = normalise_messages(messages)
+            dsv32 = (
+                functions
+                or tok.chat_template is None
+                or any(m["role"] in ("tool", "developer") or m["tool_calls"] for m in messages)
             )
+            if dsv32:
+                bos, eos = tok.bos_token or "", tok.eos_token or ""
+                text = await asyncio.to_thread(render_dsv32, messages, functions, bos, eos)
+            else:
+                plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+                text = await asyncio.to_thread(tok.apply_chat_template, plain, add_generation)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         return await self.encode(text, False, "messages")  # the template writes the BOS itself
@@ -466,7 +554,7 @@ class Handlers:
         if req.prompt is not None:
             ids = await self.encode(req.prompt, req.add_special_tokens is not False, "prompt")
         else:
-            msgs = [{"role": m.role, "content": m.content} for m in req.messages or []]
+            msgs = [m.model_dump() for m in req.messages or []]
             ids = await self.encode_chat(msgs, req.add_generation_prompt is not False)
         body: dict[str, Any] = {
             "count": len(ids),
@@ -507,6 +595,25 @@ def best_of_order(results: list[RequestOutput], best_of: int, n: int) -> list[in
         group = range(start, start + best_of)
         out += sorted(group, key=lambda i: -sum(results[i].logprobs))[:n]
     return out
+
+
+def _tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    try:
+        return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ValueError as e:
+        param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise APIError(400, str(e), param=param) from e
+
+
+def _call_grammar(plan: ToolPlan, params: SamplingParams) -> str:
+    """The llguidance grammar forcing the plan's call; one grammar a request."""
+    if params.grammar is not None:
+        msg = "tool_choice required or a named function cannot be combined with response_format"
+        raise APIError(400, msg, param="tool_choice")
+    try:
+        return lark_grammar(plan.grammar_text or "")
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from e
 
 
 def _wrap_seed(seed: int) -> int:

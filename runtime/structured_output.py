@@ -39,6 +39,15 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
         raise ValueError(f"not a JSON schema: {e}") from e
 
 
+def lark_grammar(text: str) -> str:
+    """The llguidance grammar of a Lark grammar in llguidance's dialect (``ValueError`` when
+    llguidance is missing or the text does not parse)."""
+    try:
+        return _llguidance().grammar_from("lark", text)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(f"the grammar does not parse: {e}") from e
+
+
 def _llguidance() -> Any:
     try:
         import llguidance

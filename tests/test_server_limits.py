@@ -349,9 +349,6 @@ def test_tokens_per_second_decays_when_idle(tok: Tokenizer) -> None:
 # ---- every unsupported parameter is refused, its neutral value accepted ------------------------
 # Listed here, not read from the server's table, so dropping a check fails this test.
 UNSUPPORTED_BOTH = [
-    ("prompt_logprobs", 1, None),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("tool_choice", "required", "none"),
     ("functions", [{"name": "f"}], None),
     ("function_call", "auto", None),
     ("guided_json", {"type": "object"}, None),
@@ -368,10 +365,14 @@ UNSUPPORTED_BOTH = [
 ]
 UNSUPPORTED_COMPLETION = [
     ("suffix", "end", None),
+    # chat only (runtime.tool_calls)
+    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
+    ("tool_choice", "required", "none"),
+    ("parallel_tool_calls", True, None),
 ]
 UNSUPPORTED_CHAT = [
     ("best_of", 2, 1),  # completions take it (tests/test_prefill_sharing.py)
-    ("parallel_tool_calls", True, None),
+    ("prompt_logprobs", 1, None),  # completions only (tests/test_prompt_logprobs.py)
     ("audio", {"voice": "x"}, None),
     ("modalities", ["text", "audio"], ["text"]),
     ("prediction", {"type": "content", "content": "x"}, None),

@@ -1,0 +1,160 @@
+"""DeepSeek-V3.2's own chat encoding (non-thinking "chat" mode), for conversations the checkpoint's
+jinja template cannot render: tools, ``tool`` results, assistant ``tool_calls``, ``developer``.
+
+DeepSeek-V3.2 ships no jinja template for these; its release describes the prompt in Python
+(``encoding/encoding_dsv32.py``). The layout rendered here follows it:
+
+    <bos>{system}\\n\\n{tools block}
+    <｜User｜>{user}<｜Assistant｜></think>{assistant}\\n\\n{DSML tool calls}<eos>
+    \\n\\n<function_results>\\n<result>{tool}</result>...\\n</function_results>\\n\\n</think>
+
+so that a tool result opens the assistant's next turn at once (no new ``<｜Assistant｜>``). The tool
+calls use the DSML tags of ``runtime.tool_calls`` (one source for rendering, parsing and the
+grammar). NOTE: the instruction paragraph of the tools block is our wording of the release's (the
+tags, their order and the ``string`` attribute rule are the model's format, kept exactly).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtime.tool_calls import render_calls
+
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+THINK_END = "</think>"  # chat mode: the reasoning is closed before the reply starts
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+TOOLS_BLOCK = """## Tools
+
+You can call the tools below to answer the user's question. To call them, write a \
+"<｜DSML｜function_calls>" block as part of your reply, like this:
+<｜DSML｜function_calls>
+<｜DSML｜invoke name="$FUNCTION_NAME">
+<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>
+...
+</｜DSML｜invoke>
+<｜DSML｜invoke name="$FUNCTION_NAME2">
+...
+</｜DSML｜invoke>
+</｜DSML｜function_calls>
+
+Write string values as they are, without quotes or escaping, and set string="true"; write \
+numbers, booleans, arrays and objects as JSON and set string="false".
+
+The available functions, as JSON schemas:
+<functions>
+{schemas}
+</functions>
+"""
+
+
+def render_tools(functions: list[dict[str, Any]]) -> str:
+    """The tools block of the system prompt: one JSON schema (the OpenAI ``function`` object) a
+    line."""
+    schemas = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+    return TOOLS_BLOCK.format(schemas=schemas)
+
+
+def render_dsv32(
+    messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None, bos: str, eos: str
+) -> str:
+    """The prompt of ``messages`` (normalised: ``role``, ``content`` str, assistant
+    ``tool_calls`` as ``[(name, arguments dict)]``) with ``functions`` offered, ending where the
+    assistant's reply starts. Raises ``ValueError`` naming the first bad message."""
+    out = [bos]
+    if functions:
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        system = messages[0]["content"] if has_system else ""
+        out.append(system + ("\n\n" if system else "") + render_tools(functions))
+        messages = messages[1:] if has_system else messages
+    open_turn = False  # whether the text so far ends where an assistant reply starts
+    for i, m in enumerate(messages):
+        role, content = m["role"], m["content"]
+        prev = messages[i - 1]["role"] if i else None
+        nxt = messages[i + 1]["role"] if i + 1 < len(messages) else None
+        if role == "system":
+            out.append(content)
+            open_turn = False
+        elif role in ("user", "developer"):
+            # V3.2 wraps a developer message as a user turn introducing the user's words
+            text = content if role == "user" else f"\n\n# The user's message is: {content}"
+            out.append(f"{USER}{text}{ASSISTANT}{THINK_END}")
+            open_turn = True
+        elif role == "assistant":
+            calls = m.get("tool_calls") or []
+            out.append(content + (f"\n\n{render_calls(calls)}" if calls else "") + eos)
+            open_turn = False
+        elif role == "tool":
+            if prev not in ("assistant", "tool") or not _after_calls(messages, i):
+                msg = f"messages[{i}]: a tool message must follow an assistant's tool_calls"
+                raise ValueError(msg)
+            if prev == "assistant":
+                out.append("\n\n<function_results>")
+            out.append(f"\n<result>{content}</result>")
+            if nxt != "tool":
+                out.append(f"\n</function_results>\n\n{THINK_END}")
+                open_turn = True
+        else:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+    if not open_turn:  # e.g. a system prompt alone: open the assistant's turn
+        out.append(f"{ASSISTANT}{THINK_END}")
+    return "".join(out)
+
+
+def _after_calls(messages: list[dict[str, Any]], i: int) -> bool:
+    """Whether the run of tool messages ending at ``i`` answers at most as many calls as the
+    assistant message before the run made."""
+    j = i
+    while j > 0 and messages[j - 1]["role"] == "tool":
+        j -= 1
+    if j == 0 or messages[j - 1]["role"] != "assistant":
+        return False
+    return i - j < len(messages[j - 1].get("tool_calls") or [])
+
+
+def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as ``render_dsv32`` (and the jinja templates) read them: content a
+    string (a list of text parts joined by newlines; an assistant's null content is ""), an
+    assistant's ``tool_calls`` as ``[(name, arguments dict)]``. Raises ``ValueError`` naming the
+    first bad message."""
+    out = []
+    for i, m in enumerate(messages):
+        role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        if isinstance(content, list):
+            texts = [p.get("text") if isinstance(p, dict) else None for p in content]
+            kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
+            if any(
+                k != "text" or not isinstance(t, str) for k, t in zip(kinds, texts, strict=True)
+            ):
+                msg = f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}"
+                raise ValueError(msg)
+            content = "\n".join(texts)  # type: ignore[arg-type]
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        if calls and role != "assistant":
+            raise ValueError(f"messages[{i}]: only an assistant message has tool_calls")
+        out.append({"role": role, "content": content, "tool_calls": _calls_of(calls or [], i)})
+    return out
+
+
+def _calls_of(calls: list[Any], i: int) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', ...}}}}")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.function.arguments is not JSON: {e}") from e
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}.function.arguments must be a JSON object")
+        out.append((fn["name"], args))
+    return out

@@ -1,0 +1,224 @@
+"""``prompt_logprobs`` (runtime.prompt_logprobs): the prefill's logits of every prompt token
+against the independent implementation's full-forward logits (tests/independent_ref.py,
+log-softmax), over chunked prefills; the generated tokens unchanged by asking; and vLLM's response
+shape through the server with the official openai client, streamed and not."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+from engine_records import random_prompts, run, tiny
+from independent_ref import IndependentDeepSeekV32
+from server_utils import running_server
+
+from model.checkpoint import resolve_model
+from model.prefill_ref import explicit_prefill_in
+from runtime.engine import Engine, EngineConfig
+from runtime.prompt_logprobs import prompt_logprobs
+from runtime.sampling_params import SamplingParams, SamplingParamsError
+
+CHUNK = 16
+# the explicit prefill form's logits are within 1e-4 of the golden ones (test_golden_logits), so
+# log-softmax values (a logit minus the log-sum-exp, which moves at most as much) within twice that
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def independent() -> IndependentDeepSeekV32:
+    return IndependentDeepSeekV32(resolve_model("tiny"))
+
+
+def test_prompt_logprobs_against_a_per_row_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    for n, v, top in [(1, 7, 0), (5, 50, 3), (9, 300, 20)]:
+        logits = torch.randn(n, v, generator=g) * 4
+        nxt = torch.randint(0, v, (n,), generator=g).tolist()
+        got = prompt_logprobs(logits, nxt, top)
+        for row, tok, (lp, rank, alts) in zip(logits, nxt, got, strict=True):
+            ref = [float(x) for x in torch.log_softmax(row.double(), 0)]
+            order = sorted(range(v), key=lambda i: -ref[i])
+            assert lp == pytest.approx(ref[tok], abs=1e-5)
+            assert rank == order.index(tok) + 1  # random logits: no ties
+            assert [t for t, _ in alts] == order[:top]
+            assert [x for _, x in alts] == pytest.approx([ref[t] for t in order[:top]], abs=1e-5)
+    with pytest.raises(ValueError, match="must be"):
+        prompt_logprobs(torch.zeros(2, 4), [1], 0)
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def _generate(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    out: dict[str, dict] = {f"r{i}": {"ids": [], "prompt": None} for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id]["ids"] += o.new_token_ids
+            if o.prompt_logprobs is not None:
+                assert out[o.request_id]["prompt"] is None  # once, with the first token
+                out[o.request_id]["prompt"] = o.prompt_logprobs
+    return out
+
+
+def test_engine_prompt_logprobs_match_the_full_forward(independent) -> None:
+    """Explicit prefill form (the reference's own, within 1e-4 of the golden logits), chunks of
+    16: prompts of 1 (no entries), 5 (one chunk) and 40 tokens (three chunks)."""
+    model, tok = tiny()
+    topk = model.config.index_topk
+    prompts = random_prompts([1, 5, 40], model.config.vocab_size, seed=31)
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 8, gpu_tokens=2 * topk, max_model_len=128,
+                       prefill_chunk=CHUNK)  # fmt: skip
+    top = 4
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with explicit_prefill_in(model):
+        asked = _generate(Engine(model, model.config, tok, cfg), prompts,
+                          dataclasses.replace(greedy, prompt_logprobs=top))  # fmt: skip
+        plain = _generate(Engine(model, model.config, tok, cfg), prompts, greedy)
+    for i, p in enumerate(prompts):
+        got = asked[f"r{i}"]
+        assert got["ids"] == plain[f"r{i}"]["ids"]  # asking changes nothing generated
+        assert plain[f"r{i}"]["prompt"] is None and len(got["prompt"]) == len(p)
+        assert got["prompt"][0] is None
+        ref = torch.log_softmax(independent.logits(p).double(), -1)  # [n, V]
+        for pos in range(1, len(p)):
+            lp, rank, alts = got["prompt"][pos]
+            row = ref[pos - 1]  # position pos - 1 predicts token pos
+            assert abs(lp - float(row[p[pos]])) <= ATOL, (pos, lp, float(row[p[pos]]))
+            assert (
+                rank == int((row > row[p[pos]] + ATOL).sum()) + 1
+                or abs(float(row.sort(descending=True).values[rank - 1]) - lp) <= ATOL
+            )  # the rank, up to near-ties
+            vals = [v for _, v in alts]
+            assert len(alts) == top and vals == sorted(vals, reverse=True)
+            # each alternative's logprob is the reference's for that token, and the top-N values
+            # are the reference's (ids may swap only within a near-tie)
+            assert all(abs(v - float(row[t])) <= ATOL for t, v in alts)
+            ref_top = row.topk(top).values.tolist()
+            assert max(abs(a - b) for a, b in zip(vals, ref_top, strict=True)) <= ATOL
+
+
+def test_served_form_agrees_with_the_normal_prefill_logits() -> None:
+    """The served (sparse absorbed) prefill: each chunk's last entry is the log-softmax of the
+    logits a normal prefill of that chunk computes (the only ones it computes)."""
+    model, tok = tiny()
+    topk = model.config.index_topk
+    prompt = random_prompts([40], model.config.vocab_size, seed=32)[0]
+    cfg = EngineConfig(max_batch=1, host_tokens=64 * 4, gpu_tokens=topk, max_model_len=128,
+                       prefill_chunk=CHUNK)  # fmt: skip
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    got = _generate(Engine(model, model.config, tok, cfg), [prompt],
+                    dataclasses.replace(greedy, prompt_logprobs=0))["r0"]  # fmt: skip
+    _, rec, _ = run(cfg, [prompt], [greedy])
+    ends = [CHUNK, 2 * CHUNK, len(prompt) - 1]  # prefill covers [0, len - 1) in chunks of 16
+    lasts = [lg[0] for d, _, lg in rec.logits if not d]
+    assert len(lasts) == len(ends)
+    for end, lg in zip(ends, lasts, strict=True):
+        want = float(torch.log_softmax(lg.double(), -1)[prompt[end]])
+        assert abs(got["prompt"][end][0] - want) <= 1e-5, end
+        assert got["prompt"][end][2] == []  # prompt_logprobs=0: no alternatives
+
+
+# ---- through the server ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    from echo_compile.llm import LLM
+    from runtime.async_engine import AsyncEngine
+    from runtime.server import build_app
+
+    opts = dict(max_batch=4, host_tokens=16 * 64, gpu_tokens=4 * 32, max_model_len=256)
+    llm = LLM("tiny", device="cpu", compile=False, offload=True, progress=False, **opts)
+    engine = AsyncEngine(llm.engine)
+    try:
+        with running_server(build_app(engine, "tiny")) as base:
+            yield base
+    finally:
+        engine.shutdown()
+
+
+def test_server_prompt_logprobs_vllm_shape(url: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    prompt = [0, *random_prompts([11], 512, seed=5)[0]]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0)
+    r = client.completions.create(**kw, extra_body={"prompt_logprobs": 3})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    # the engine's own entries for the same prompt (same checkpoint, same served prefill)
+    model, tok = tiny()
+    cfg = EngineConfig(max_batch=1, host_tokens=64 * 4, gpu_tokens=32, max_model_len=128)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    want = _generate(Engine(model, model.config, tok, cfg), [prompt], params)["r0"]["prompt"]
+    for pos in range(1, len(prompt)):
+        entry, (lp, rank, alts) = got[pos], want[pos]
+        mine = entry[str(prompt[pos])]  # the prompt token itself is always there
+        assert abs(mine["logprob"] - lp) <= 1e-5 and mine["rank"] == rank
+        for k, (t, v) in enumerate(alts, 1):
+            assert entry[str(t)]["rank"] == k and abs(entry[str(t)]["logprob"] - v) <= 1e-5
+        assert len(entry) == 3 + (rank > 3)
+        assert all(e["decoded_token"] == tok.decode([int(t)], skip_special_tokens=False)
+                   for t, e in entry.items())  # fmt: skip
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 3}))
+    streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert [s for s in streamed if s is not None] == [got]  # once, equal to the non-streamed
+    plain = client.completions.create(**kw)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+    assert plain.choices[0].text == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"prompt_logprobs": 21})
+    assert e.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}],
+            extra_body={"prompt_logprobs": 1},
+        )  # fmt: skip
+    assert e.value.body["param"] == "prompt_logprobs"
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_engine_prompt_logprobs_no_recompile() -> None:
+    """On the GPU, a compiled engine (prefill graphs too): a prompt_logprobs request takes the
+    eager prefill, the graphs see no recompile or skip, and its entries equal an eager engine's
+    (the same eager prefill code on the same inputs)."""
+    import torch._dynamo
+    from test_compile import make_engine
+    from torch._dynamo.utils import counters
+
+    from model.checkpoint import resolve_model
+    from model.loader import load_model
+    from runtime.tokenizer import Tokenizer
+
+    path = resolve_model("tiny")
+    model, _ = load_model(path, device="cuda")
+    tiny_cuda = (model, Tokenizer.from_dir(path))
+    prompts = random_prompts([150, 40], model.config.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=5)
+    torch._dynamo.reset()
+    counters.clear()
+    eng = make_engine(tiny_cuda, True, compiled=True, strict=True, compile_prefill=True)
+    eng.runner.warmup(calls=3, progress=False)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = _generate(eng, prompts, params)
+        # a plain request after it still runs the compiled prefill
+        plain = _generate(eng, prompts[:1], dataclasses.replace(params, prompt_logprobs=None))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert plain["r0"]["prompt"] is None and len(plain["r0"]["ids"]) == 4
+    want = _generate(make_engine(tiny_cuda, True), prompts, params)
+    for rid, out in got.items():
+        entries, ref = out["prompt"][1:], want[rid]["prompt"][1:]
+        assert len(entries) == len(ref) == len(prompts[int(rid[1:])]) - 1
+        for (lp, rank, alts), (lp_r, rank_r, alts_r) in zip(entries, ref, strict=True):
+            assert abs(lp - lp_r) <= 1e-6 and rank == rank_r
+            assert [t for t, _ in alts] == [t for t, _ in alts_r]
+
+
+def test_benchmark_script_runs_its_cli_on_cpu() -> None:
+    from benchmarks import bench_prompt_logprobs as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    if not torch.cuda.is_available():
+        assert bench.main(["--out", "/dev/null"]) == 2  # says it needs CUDA, writes nothing

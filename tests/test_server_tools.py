@@ -1,0 +1,336 @@
+"""Tool calling in DeepSeek-V3.2's format (runtime.tool_calls, runtime.chat_template): the parser on
+hand-written model outputs (streamed chunked anyhow equals non-streamed), the prompt rendering, the
+forcing grammar, and a round trip with the official openai client through the real tiny engine,
+whose random weights emit a call only because the grammar forces it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from server_utils import running_server
+
+from runtime.chat_template import THINK_END, normalise_messages, render_dsv32, render_tools
+from runtime.tool_calls import (
+    CALLS_BEGIN,
+    CALLS_END,
+    ToolCallStream,
+    parse_tool_calls,
+    plan_tools,
+    render_calls,
+)
+
+D = "｜DSML｜"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "ping", "description": "no arguments"}},
+]
+NAMES = {"get_weather", "ping"}
+
+
+def invoke(name: str, *params: tuple[str, str, str]) -> str:
+    ps = "\n".join(
+        f'<{D}parameter name="{k}" string="{s}">{v}</{D}parameter>' for k, s, v in params
+    )
+    return f'<{D}invoke name="{name}">\n{ps}\n</{D}invoke>'
+
+
+def block(*invokes: str) -> str:
+    return f"{CALLS_BEGIN}\n" + "\n".join(invokes) + f"\n{CALLS_END}"
+
+
+PARIS = invoke("get_weather", ("city", "true", "Paris"), ("days", "false", "3"))
+
+
+# ---- the parser --------------------------------------------------------------------------------
+def test_parser_text_then_call() -> None:
+    content, calls = parse_tool_calls("Let me look.\n\n" + block(PARIS), NAMES)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})
+    ]
+
+
+def test_parser_several_calls_and_json_values() -> None:
+    nested = invoke("get_weather", ("city", "true", 'a "b" <c>'), ("days", "false", "[1, {}]"))
+    content, calls = parse_tool_calls("\n\n" + block(PARIS, invoke("ping"), nested), NAMES)
+    assert content is None
+    assert [c.name for c in calls] == ["get_weather", "ping", "get_weather"]
+    assert json.loads(calls[1].arguments) == {}
+    assert json.loads(calls[2].arguments) == {"city": 'a "b" <c>', "days": [1, {}]}
+    assert len({c.id for c in calls}) == 3
+
+
+MALFORMED = [
+    "\n\n" + CALLS_BEGIN + "\n" + PARIS,  # the block never ends
+    "\n\n" + block(PARIS) + "\nand more text",  # text after the block
+    "\n\n" + block(invoke("get_weather", ("days", "false", "3 apples"))),  # not JSON
+    "\n\n" + block(invoke("delete_all")),  # a function the request did not offer
+    "\n\n" + block(PARIS + "stray", invoke("ping")),  # text between calls
+    "\n\n" + block(invoke("get_weather", ("days", "false", "3"), ("days", "false", "4"))),
+    "\n\n" + block(),  # no calls
+    "\n\n" + block(f'<{D}invoke name="ping">\n<{D}parameter name="x">1</{D}parameter>'),
+]
+
+
+@pytest.mark.parametrize("text", MALFORMED, ids=range(len(MALFORMED)))
+def test_parser_malformed_output_is_plain_content(text: str) -> None:
+    assert parse_tool_calls(text, NAMES) == (text, [])
+    assert streamed(text, 3) == (text, [])
+
+
+def test_parser_no_block_is_content() -> None:
+    assert parse_tool_calls("just < text >\n", NAMES) == ("just < text >\n", [])
+
+
+def streamed(text: str, size: int) -> tuple[str | None, list[tuple[str, str]]]:
+    s = ToolCallStream(NAMES)
+    shown = "".join(s.feed(text[i : i + size]) for i in range(0, len(text), size))
+    rest, calls = s.finish()
+    return (shown + rest) or None, [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 1000])
+def test_streamed_equals_non_streamed(size: int) -> None:
+    for text in [
+        "Hi <｜DSML｜ there\n\n" + block(PARIS, invoke("ping")),
+        "ends with a partial marker <｜DS",
+        "trailing spaces   \n",
+        *MALFORMED,
+    ]:
+        content, calls = parse_tool_calls(text, NAMES)
+        assert streamed(text, size) == (content, [(c.name, c.arguments) for c in calls])
+
+
+def test_stream_holds_back_the_block() -> None:
+    s = ToolCallStream(NAMES)
+    assert s.feed("Hello ") == "Hello"  # the space might precede the block
+    assert s.feed("world\n\n<｜DS") == " world"
+    assert s.feed("ML｜function_calls>\n") == ""
+    assert s.feed(PARIS + "\n" + CALLS_END) == ""
+    rest, calls = s.finish()
+    assert rest == "" and [c.name for c in calls] == ["get_weather"]
+
+
+# ---- the prompt --------------------------------------------------------------------------------
+def test_render_conversation_with_calls_and_results() -> None:
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"days": 2}'}}
+    msgs = normalise_messages(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call, call]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "a"},
+            {"role": "tool", "content": "rain", "tool_call_id": "b"},
+        ]
+    )
+    fns = [t["function"] for t in TOOLS]
+    got = render_dsv32(msgs, fns, "<B>", "<E>")
+    days = invoke("get_weather", ("days", "false", "2"))
+    want = (
+        "<B>Be brief.\n\n"
+        + render_tools(fns)
+        + "<｜User｜>Weather?<｜Assistant｜>"
+        + THINK_END
+        + "\n\n"
+        + block(days, days)
+        + "<E>"
+        + "\n\n<function_results>\n<result>sunny</result>\n<result>rain</result>\n"
+        "</function_results>\n\n" + THINK_END
+    )
+    assert got == want
+    assert '"name": "get_weather"' in render_tools(fns) and "<functions>" in render_tools(fns)
+    assert render_calls([("get_weather", {"days": 2})]) == block(days)
+
+
+@pytest.mark.parametrize(
+    "msgs, match",
+    [
+        ([{"role": "tool", "content": "x"}], "must follow an assistant's tool_calls"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+            + [{"role": "tool", "content": "x"}],
+            "must follow",
+        ),
+        ([{"role": "robot", "content": "x"}], "role must be one of"),
+        ([{"role": "user", "content": None}], "content must be a string"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts must be"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+            "not JSON",
+        ),
+    ],
+)
+def test_render_bad_messages_name_the_problem(msgs: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        render_dsv32(normalise_messages(msgs), None, "", "")
+
+
+# ---- the plan and the grammar ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "tools, choice, match",
+    [
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not one of the request"),
+        (None, "required", "needs at least one tool"),
+        (TOOLS, "sometimes", "tool_choice must be"),
+        ([{"type": "function", "function": {"name": "bad name"}}], None, "must match"),
+        ([{"type": "function", "function": {"name": "f"}}] * 2, None, "used twice"),
+        ([{"type": "retrieval"}], None, "tools\\[0\\]"),
+    ],
+)
+def test_plan_refuses_bad_tools(tools: object, choice: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_tools(tools, choice, None)
+
+
+def test_plan_modes() -> None:
+    assert plan_tools(TOOLS, "none", None) is None and plan_tools(None, None, None) is None
+    auto = plan_tools(TOOLS, None, None)
+    assert auto is not None and auto.grammar_text is None and auto.names == NAMES
+
+
+def test_grammar_accepts_the_format_and_nothing_else() -> None:
+    ll = pytest.importorskip("llguidance")
+    from engine_records import tiny
+
+    from runtime.structured_output import StructuredOutput, lark_grammar
+
+    _, tok = tiny("cpu")
+    so = StructuredOutput(tok, tok.vocab_size, tok.eos_token_id)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def accepts(choice: object, parallel: bool | None, text: str) -> bool:
+        plan = plan_tools(TOOLS, choice, parallel)
+        assert plan is not None and plan.grammar_text is not None
+        m = ll.LLMatcher(so.lltokenizer(), lark_grammar(plan.grammar_text), log_level=0)
+        return m.consume_tokens(tok.encode(text, add_bos=False)) and m.is_accepting()
+
+    unit = invoke(
+        "get_weather", ("city", "true", "Rome"), ("unit", "true", "c"), ("days", "false", "7")
+    )
+    two = "\n\n" + block(PARIS, invoke("ping"))
+    assert accepts("required", None, two)
+    assert accepts(named, None, "\n\n" + block(unit))
+    assert not accepts(named, None, two)  # ping is not the named function
+    assert not accepts("required", False, two)  # parallel_tool_calls false: one call
+    long = "\n\n" + block(PARIS.replace("Paris", "Parisian"))  # over maxLength 6
+    assert accepts(named, None, "\n\n" + block(PARIS)) and not accepts(named, None, long)
+    assert not accepts(named, None, "\n\n" + block(unit.replace(">7<", ">9<")))  # maximum 7
+
+
+# ---- through the real engine with the openai client --------------------------------------------
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    pytest.importorskip("llguidance")
+    from echo_compile.llm import LLM
+    from runtime.async_engine import AsyncEngine
+    from runtime.server import build_app
+
+    llm = LLM(
+        "tiny", device="cpu", compile=False, offload=True, max_batch=4, host_tokens=64 * 64,
+        gpu_tokens=4 * 32, max_model_len=2048, progress=False,
+    )  # fmt: skip
+    engine = AsyncEngine(llm.engine)
+    try:
+        with running_server(build_app(engine, "tiny")) as base:
+            yield base
+    finally:
+        engine.shutdown()
+
+
+def _weather_args(call: object) -> dict:
+    """The call's arguments, checked against SCHEMA by hand (no jsonschema dependency)."""
+    args = json.loads(call.function.arguments)  # type: ignore[attr-defined]
+    assert isinstance(args, dict) and {"city", "days"} <= set(args) <= {"city", "unit", "days"}
+    assert isinstance(args["city"], str) and len(args["city"]) <= 6
+    assert type(args["days"]) is int and 1 <= args["days"] <= 7
+    assert args.get("unit", "c") in ("c", "f")
+    return args
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+# NOTE: each DSML tag is ~25 byte-level tokens of the tiny tokenizer, so one forced call is ~150
+# decode steps: one mode per case keeps this file fast.
+@pytest.mark.parametrize(
+    "stream, choice", [(False, NAMED), (True, "required")], ids=["named", "required-stream"]
+)
+def test_forced_tool_call_round_trip(url: str, stream: bool, choice: object) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="tiny", messages=msgs, tools=TOOLS[:1], max_tokens=300, seed=3)
+    kw.update(tool_choice=choice, parallel_tool_calls=False)
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [t for d in deltas for t in (d.tool_calls or [])]
+        content = "".join(d.content or "" for d in deltas)
+        reason = chunks[-1].choices[0].finish_reason
+        assert [t.index for t in calls] == [0] and calls[0].id.startswith("call_")
+    else:
+        c = client.chat.completions.create(**kw).choices[0]
+        calls, content, reason = c.message.tool_calls, c.message.content, c.finish_reason
+    assert reason == "tool_calls" and not content and len(calls) == 1, (content, calls)
+    assert calls[0].function.name == "get_weather"
+    args = _weather_args(calls[0])
+    # the round trip: the call and its result go back into the conversation
+    back = [
+        *msgs,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": calls[0].id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(args)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"sky": "clear"}'},
+    ]
+    r = client.chat.completions.create(model="tiny", messages=back, tools=TOOLS, max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    first = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=1)
+    # the tools block, the call and its result are in the prompt
+    assert r.usage.prompt_tokens > first.usage.prompt_tokens + 100
+
+
+def test_tool_requests_refused_with_the_param(url: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    unknown = {"type": "function", "function": {"name": "x"}}
+    json_fmt = {"type": "json_object"}
+    bad = [
+        (dict(tools=TOOLS, tool_choice=unknown), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools"),
+        (dict(tools=TOOLS, tool_choice="required", response_format=json_fmt), "tool_choice"),
+        (dict(messages=[{"role": "tool", "content": "x"}]), "messages"),
+        (dict(tools=TOOLS, tool_choice="required", extra_body={"min_tokens": 2}), "min_tokens"),
+    ]
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"model": "tiny", "messages": msgs, **extra})
+        assert e.value.body["param"] == param, e.value.body
+    # auto: the random model writes text (a DSML block takes far more than 4 tokens)
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=4)
+    c = r.choices[0]
+    assert c.message.tool_calls is None and c.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens == 4 or c.finish_reason == "stop"
+    none = client.chat.completions.create(
+        model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    assert none.usage.prompt_tokens < r.usage.prompt_tokens  # none: no tools block
