@@ -2,7 +2,7 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in four concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones:
-#                                           # backends prefill cache_ops awq fp8 prefetch), in turn
+#                                           # backends prefill cache_ops awq fp8 calibrate prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
@@ -67,10 +67,12 @@ time)
       --out "$W/backends_h200.json"
     packjit
   fi
-  on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 130 --out "$W/prefill_h200.json"
+  on prefill && stage bench_prefill 160 python -m benchmarks.bench_prefill --budget-s 140 --out "$W/prefill_h200.json"
   on cache_ops && stage bench_cache_ops 60 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
-  on fp8 && stage bench_fp8 40 python -m benchmarks.bench_fp8 --batches 1,16,128 --out "$W/fp8_h200.json"
+  on fp8 && stage bench_fp8 80 python -m benchmarks.bench_fp8 --batches 1,16,128 --budget-s 60 --out "$W/fp8_h200.json"
+  on calibrate && stage calibrate_locality 110 python -m benchmarks.calibrate_locality \
+    --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 80 --out "$W/calibrate_locality_h200.json"
   on prefetch && stage bench_prefetch 60 python -m benchmarks.bench_prefetch --caps 64 --ratios "" --out "$W/prefetch_h200.json"
   ;;
 tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
