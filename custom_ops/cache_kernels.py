@@ -45,6 +45,7 @@ M_DONE = tl.constexpr(C.DONE)
 M_LAST_ALLOC = tl.constexpr(C.LAST_ALLOC)
 M_LAST_EVICT = tl.constexpr(C.LAST_EVICT)
 M_LAST_MISS = tl.constexpr(C.LAST_MISS)
+M_CURSOR = tl.constexpr(C.CURSOR)
 S_SELECTED = tl.constexpr(C.SELECTED)
 S_RECALLED = tl.constexpr(C.RECALLED)
 S_STEPS = tl.constexpr(C.STEPS)
@@ -65,19 +66,31 @@ SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free, recal
 SCAN_WARPS = 4
 LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
 PAD_BLOCK = 1024  # index-buffer entries per padding store
+# Next-fit placement (one program, no atomics, no cross-program protocol): allocate always, and
+# recall when nothing is evicted and it has at most NF_MAX_MISSES misses. A scan step reads
+# NF_BLOCK free bits (4 KB, 16 per thread at 8 warps); at the ~2% free density the reserve leaves
+# (N_G/64 slots) one step finds ~80 free slots, so a 37-miss step is one step. NF_MAX_MISSES = 0
+# turns it off for recall (the multi-program pass places everything, as before).
+NF_BLOCK = 4096
+NF_WARPS = 8
+NF_MAX_MISSES = 512
+ALLOCATE_NEXT_FIT = True  # False: allocate runs the multi-program pass (the benchmark times both)
 # 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264 programs
 # then move a 2048-row fp8 recall (84K units) in one wave.
 COPY_UNITS = 512
 COPY_PROGRAMS_PER_SM = 2
 COPY_WARPS = 4
+COPY_EARLY = True  # issue the first list read beside the count's (False: after it, as before)
+COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2 only, no L1)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
 @triton.jit
 def _bucket(age):
     """cache_ops.age_bucket for age >= 1."""
-    return tl.where(age < AGE_EXACT, age,
-                    tl.minimum(AGE_EXACT + ((age - AGE_EXACT) >> AGE_SHIFT), NBINS - 1))
+    return tl.where(
+        age < AGE_EXACT, age, tl.minimum(AGE_EXACT + ((age - AGE_EXACT) >> AGE_SHIFT), NBINS - 1)
+    )
 
 
 @triton.jit
@@ -96,10 +109,70 @@ def _pad(indices, lo, hi, pid, nprog, BLOCK: tl.constexpr):
         tl.store(indices + o, tl.full([BLOCK], -1, tl.int32), mask=o < hi)
 
 
+@triton.jit
+def _next_fit(
+    gpu_free,
+    prio,
+    g2h,
+    h2g,
+    indices,
+    meta,
+    want_host,
+    n,
+    n_g,
+    clock,
+    WRITE_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: take the first n free slots at or after meta[CURSOR] in pool order (wrapping
+    once round the pool), map rank r to want_host[r], move the cursor past the last one taken;
+    return how many were taken (< n only when the pool has fewer free slots). The steps of the
+    scan are dependent (each needs the count found so far), so it is for small n or dense free
+    slots: the cursor makes consecutive calls continue where the last stopped (next fit), so
+    the calls of one sweep of the pool read each free bit about once between them."""
+    start = tl.load(meta + M_CURSOR)
+    start = tl.where((start >= 0) & (start < n_g), start, 0)
+    found = n * 0
+    scanned = n * 0
+    last = start - 1
+    ar = tl.arange(0, BLOCK)
+    while (found < n) & (scanned < n_g):
+        i = scanned + ar  # linear position from the cursor
+        lin = start + i
+        offs = tl.where(lin >= n_g, lin - n_g, lin)
+        f = tl.load(gpu_free + offs, mask=i < n_g, other=0) != 0
+        fi = f.to(tl.int32)
+        rank = found + tl.cumsum(fi, axis=0) - 1
+        take = f & (rank < n)
+        h = tl.load(want_host + rank, mask=take, other=0)
+        tl.store(g2h + offs, h, mask=take)
+        tl.store(h2g + h, offs, mask=take)  # h was PENDING (recall) or absent (allocate)
+        tl.store(prio + offs, tl.zeros([BLOCK], tl.int32) + clock, mask=take)
+        tl.store(gpu_free + offs, tl.zeros([BLOCK], tl.int8), mask=take)
+        if WRITE_IDX:
+            tl.store(indices + rank, offs, mask=take)
+        last = tl.maximum(last, tl.max(tl.where(take, lin, -1), axis=0))
+        found = tl.minimum(found + tl.sum(fi, axis=0), n)
+        scanned += BLOCK
+    nxt = last + 1
+    tl.store(meta + M_CURSOR, tl.where(nxt >= n_g, nxt - n_g, nxt))
+    return found
+
+
 # ---- kernels ------------------------------------------------------------------------------------
 @triton.jit
-def _lookup_kernel(host_slots, h2g, prio, miss_host, meta, stats, total, cap,
-                   MISSES: tl.constexpr, BLOCK: tl.constexpr):
+def _lookup_kernel(
+    host_slots,
+    h2g,
+    prio,
+    miss_host,
+    meta,
+    stats,
+    total,
+    cap,
+    MISSES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Stamp resident selected slots with the clock (protect). With MISSES: claim each distinct
     missing host slot once (atomic exchange -1 -> PENDING: exactly one lane sees -1) and append
     the claimed ones to miss_host (one atomicAdd per block); count the selected entries."""
@@ -154,6 +227,7 @@ def _evict_place_kernel(
     n_g,
     cap,
     reserve,
+    nf_max,
     EVICT: tl.constexpr,
     PLACE: tl.constexpr,
     WRITE_IDX: tl.constexpr,
@@ -161,6 +235,7 @@ def _evict_place_kernel(
     HANDOFF: tl.constexpr,
     BLOCK: tl.constexpr,
     PAD: tl.constexpr,
+    NF_BLOCK: tl.constexpr,
 ):
     """One pass over the pool, per BLOCK-slot block, of up to two phases (free and recall's
     eviction and recall's and allocate's placement were separate launches before issue 18).
@@ -201,7 +276,43 @@ def _evict_place_kernel(
     n_place = n
     if not PLACE:
         n_place = n * 0
-    if (target > 0) | (n_place > 0):
+    if (target == 0) & (n_place > 0) & (n_place <= nf_max):
+        # Next fit (the counts decide it alike in every program): program 0 places alone.
+        if pid == 0:
+            if EVICT:
+                _pad(indices, 0, idx_hw, 0, 1, PAD)  # no victims this call
+            k = _next_fit(
+                gpu_free,
+                prio,
+                g2h,
+                h2g,
+                indices,
+                meta,
+                want_host,
+                n_place,
+                n_g,
+                clock,
+                WRITE_IDX,
+                NF_BLOCK,
+            )
+            if WRITE_IDX:
+                _pad(indices, k, tl.maximum(n, idx_hw), 0, 1, PAD)
+            tl.store(meta + M_LAST_ALLOC, k)
+            if EVICT:
+                tl.store(meta + M_LAST_EVICT, 0)
+            if k < want:
+                tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+            if HANDOFF:
+                # As the handoff below: the copy launch finalises the free count and IDX_HW
+                # (every program here read them); a non-zero ALLOC_CTR tells it so (k > 0 here:
+                # no eviction due means free >= n > 0).
+                tl.store(meta + M_ALLOC_CTR, k)
+            else:
+                # Only with a grid of one program (allocate_cuda): no other program reads these.
+                tl.store(meta + M_NFREE, nfree - k)
+                if WRITE_IDX:
+                    tl.store(meta + M_IDX_HW, k)
+    elif (target > 0) | (n_place > 0):
         if EVICT:
             _pad(indices, target, idx_hw, pid, nprog, PAD)
         elif WRITE_IDX:
@@ -311,6 +422,31 @@ def _evict_place_kernel(
 
 
 @triton.jit
+def _copy_units(
+    host_kv,
+    gpu_kv,
+    h2g,
+    u,
+    r,
+    h,
+    nunits,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """Units u (rows r, host slots h = miss_host[r]) host -> GPU, those below nunits."""
+    um = u < nunits
+    word = (u - r * UPR) * 4
+    src = h.to(tl.int64) * (UPR * 4) + word
+    g = tl.load(h2g + h, mask=um, other=0)
+    dst = g.to(tl.int64) * (UPR * 4) + word
+    m2 = um[:, None]
+    w4 = tl.arange(0, 4)
+    v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
+    tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
+
+
+@triton.jit
 def _copy_out_kernel(
     host_kv,
     gpu_kv,
@@ -322,9 +458,12 @@ def _copy_out_kernel(
     stats,
     total,
     n_copy,
+    cap,
     UPR: tl.constexpr,
     UNITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
     16-byte units (UPR per row; unit u is word 4 (u % UPR) of row u // UPR): each thread moves
@@ -334,20 +473,24 @@ def _copy_out_kernel(
     overflow). Program 0 also advances the clock, adds the stats and resets NMISS."""
     pid = tl.program_id(0)
     if pid < n_copy:
-        nunits = tl.load(meta + M_LAST_ALLOC) * UPR
-        w4 = tl.arange(0, 4)
-        for start in range(pid * UNITS, nunits, n_copy * UNITS):
+        # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
+        # it is issued beside the load of meta[LAST_ALLOC], so the host read starts one round
+        # trip earlier (the chain was count -> miss_host -> host row; the host read needs only
+        # the host slot, the GPU slot load runs beside it).
+        u = pid * UNITS + tl.arange(0, UNITS)
+        r = u // UPR
+        if EARLY:
+            h = tl.load(miss_host + r, mask=r < cap, other=0)
+            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+        else:
+            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+            h = tl.load(miss_host + r, mask=u < nunits, other=0)
+        _copy_units(host_kv, gpu_kv, h2g, u, r, h, nunits, UPR, UNITS, CACHE)
+        for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
-            um = u < nunits
             r = u // UPR
-            word = (u - r * UPR) * 4
-            h = tl.load(miss_host + r, mask=um, other=0)
-            g = tl.load(h2g + h, mask=um, other=0)
-            src = h.to(tl.int64) * (UPR * 4) + word
-            dst = g.to(tl.int64) * (UPR * 4) + word
-            m2 = um[:, None]
-            v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2)
-            tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
+            h = tl.load(miss_host + r, mask=u < nunits, other=0)
+            _copy_units(host_kv, gpu_kv, h2g, u, r, h, nunits, UPR, UNITS, CACHE)
     else:
         offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < total
@@ -392,8 +535,9 @@ def _release_kernel(host_slots, h2g, g2h, prio, gpu_free, meta, total, n_h, BLOC
 
 
 @triton.jit
-def _offload_kernel(host_kv, index_k, rows, index_rows, slots,
-                    ROW_W: tl.constexpr, ROW_WP: tl.constexpr):
+def _offload_kernel(
+    host_kv, index_k, rows, index_rows, slots, ROW_W: tl.constexpr, ROW_WP: tl.constexpr
+):
     """Token t: its KV row -> host_kv[slot] (UVA writes) and its indexer key (32 words of fp8
     values, 1 word of fp32 scale) -> the paged indexer cache. Slot -1: nothing."""
     t = tl.program_id(0)
@@ -451,9 +595,12 @@ def _evict_place(
     place: bool,
     write_idx: bool,
     handoff: bool = False,
+    nf_max: int = 0,
+    one_program: bool = False,
 ) -> None:
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
-    _evict_place_kernel[_grid(n_g, SCAN_BLOCK)](
+    grid = (1,) if one_program else _grid(n_g, SCAN_BLOCK)
+    _evict_place_kernel[grid](
         gpu_priority,
         gpu_free,
         gpu_to_host,
@@ -467,6 +614,7 @@ def _evict_place(
         n_g,
         cap,
         C.reserve_slots(n_g),
+        nf_max,
         EVICT=evict,
         PLACE=place,
         WRITE_IDX=write_idx,
@@ -474,7 +622,8 @@ def _evict_place(
         HANDOFF=handoff,
         BLOCK=SCAN_BLOCK,
         PAD=PAD_BLOCK,
-        num_warps=SCAN_WARPS,
+        NF_BLOCK=NF_BLOCK,
+        num_warps=NF_WARPS if one_program else SCAN_WARPS,
     )
 
 
@@ -485,7 +634,9 @@ def _hist(gpu_priority, meta, hist, want, n_g: int, cap: int) -> None:
 
 
 def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
-    """1 launch: the placement pass."""
+    """1 launch: with ALLOCATE_NEXT_FIT one program placing by next fit (no atomics, no
+    cross-program protocol), else the multi-program placement pass."""
+    nf = ALLOCATE_NEXT_FIT
     _evict_place(
         gpu_free,
         gpu_priority,
@@ -500,6 +651,8 @@ def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, met
         evict=False,
         place=True,
         write_idx=True,
+        nf_max=indices.shape[0] if nf else 0,
+        one_program=nf,
     )
 
 
@@ -589,6 +742,7 @@ def recall_cuda(
         place=True,
         write_idx=False,
         handoff=True,  # the copy launch right after finalises the placement
+        nf_max=NF_MAX_MISSES,
     )
     copy_rows(host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1))
     return out
@@ -606,6 +760,8 @@ def copy_rows(
     units: int | None = None,
     programs_per_sm: int | None = None,
     warps: int | None = None,
+    early: bool | None = None,
+    cache: str | None = None,
 ) -> None:
     """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots, and
     out = host_to_gpu[hs]. The keyword arguments override the module's copy configuration (the
@@ -627,9 +783,12 @@ def copy_rows(
         stats,
         total,
         n_copy,
+        miss_host.shape[0],
         UPR=host_kv.shape[1] // 16,
         UNITS=units or COPY_UNITS,
         BLOCK=LIST_BLOCK,
+        EARLY=COPY_EARLY if early is None else early,
+        CACHE=COPY_CACHE if cache is None else cache,
         num_warps=warps or COPY_WARPS,
     )
 
@@ -637,8 +796,16 @@ def copy_rows(
 def release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:
     hs = host_slots.reshape(-1)
     _release_kernel[_grid(hs.numel(), LIST_BLOCK)](
-        hs, host_to_gpu, gpu_to_host, gpu_priority, gpu_free, meta, hs.numel(),
-        host_to_gpu.shape[0], BLOCK=LIST_BLOCK, num_warps=4,
+        hs,
+        host_to_gpu,
+        gpu_to_host,
+        gpu_priority,
+        gpu_free,
+        meta,
+        hs.numel(),
+        host_to_gpu.shape[0],
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
     )
 
 
@@ -650,7 +817,12 @@ def offload_cuda(host_kv, index_k, rows, index_rows, slots) -> None:
         return
     row_w = host_kv.shape[1] // 4
     _offload_kernel[(t,)](
-        _words(host_kv, "host_kv", True), index_k.view(torch.int32), _words(rows, "rows", False),
+        _words(host_kv, "host_kv", True),
+        index_k.view(torch.int32),
+        _words(rows, "rows", False),
         _words(index_rows, "index_rows", False),
-        slots.contiguous(), ROW_W=row_w, ROW_WP=triton.next_power_of_2(row_w), num_warps=2,
+        slots.contiguous(),
+        ROW_W=row_w,
+        ROW_WP=triton.next_power_of_2(row_w),
+        num_warps=2,
     )
