@@ -73,7 +73,11 @@ PAD_BLOCK = 1024  # index-buffer entries per padding store
 # turns it off for recall (the multi-program pass places everything, as before).
 NF_BLOCK = 4096
 NF_WARPS = 8
-NF_MAX_MISSES = 512
+NF_MAX_MISSES = 128
+# ... and when the scan it expects (misses x N_G / free slots, for free slots spread evenly) is at
+# most NF_MAX_SCAN slots (4 scan steps): a pool nearly out of free slots (the step before a
+# refill) takes the multi-program pass instead of a long serial scan.
+NF_MAX_SCAN = 4 * NF_BLOCK
 ALLOCATE_NEXT_FIT = True  # False: allocate runs the multi-program pass (the benchmark times both)
 # 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264 programs
 # then move a 2048-row fp8 recall (84K units) in one wave.
@@ -228,6 +232,7 @@ def _evict_place_kernel(
     cap,
     reserve,
     nf_max,
+    nf_scan,
     EVICT: tl.constexpr,
     PLACE: tl.constexpr,
     WRITE_IDX: tl.constexpr,
@@ -276,7 +281,8 @@ def _evict_place_kernel(
     n_place = n
     if not PLACE:
         n_place = n * 0
-    if (target == 0) & (n_place > 0) & (n_place <= nf_max):
+    nf_ok = (n_place <= nf_max) & (n_place.to(tl.int64) * n_g <= nf_scan * nfree.to(tl.int64))
+    if (target == 0) & (n_place > 0) & nf_ok:
         # Next fit (the counts decide it alike in every program): program 0 places alone.
         if pid == 0:
             if EVICT:
@@ -596,6 +602,7 @@ def _evict_place(
     write_idx: bool,
     handoff: bool = False,
     nf_max: int = 0,
+    nf_scan: int = 0,
     one_program: bool = False,
 ) -> None:
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
@@ -615,6 +622,7 @@ def _evict_place(
         cap,
         C.reserve_slots(n_g),
         nf_max,
+        nf_scan if nf_max else 0,
         EVICT=evict,
         PLACE=place,
         WRITE_IDX=write_idx,
@@ -652,6 +660,7 @@ def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, met
         place=True,
         write_idx=True,
         nf_max=indices.shape[0] if nf else 0,
+        nf_scan=1 << 31,  # one program: next fit whatever the scan
         one_program=nf,
     )
 
@@ -743,6 +752,7 @@ def recall_cuda(
         write_idx=False,
         handoff=True,  # the copy launch right after finalises the placement
         nf_max=NF_MAX_MISSES,
+        nf_scan=NF_MAX_SCAN,
     )
     copy_rows(host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1))
     return out

@@ -93,8 +93,15 @@ def test_allocate_paths_match_reference(next_fit, device, monkeypatch):
 
 
 # (occupied, hits, misses, dups): steady steps (no eviction) below and above NF_MAX_MISSES = 24,
-# and steps that must evict (the multi-program pass in either setting).
-RECALL_CASES = [(2000, 200, 20, 5), (2000, 100, 90, 10), (2990, 100, 60, 0), (3000, 300, 9, 2)]
+# one with few free slots (its expected scan, 20 x 3000 / 40 slots, is above NF_MAX_SCAN = 1024:
+# the multi-program pass), and steps that must evict (the multi-program pass in any setting).
+RECALL_CASES = [
+    (2000, 200, 20, 5),
+    (2000, 100, 90, 10),
+    (2960, 100, 20, 0),
+    (2990, 100, 60, 0),
+    (3000, 300, 9, 2),
+]
 
 
 @pytest.mark.parametrize("nf_max,early", [(24, True), (0, False)])
@@ -102,6 +109,7 @@ def test_recall_paths_match_reference(nf_max, early, device, monkeypatch):
     monkeypatch.setattr(K, "NF_MAX_MISSES", nf_max)
     monkeypatch.setattr(K, "COPY_EARLY", early)
     monkeypatch.setattr(K, "NF_BLOCK", 256)
+    monkeypatch.setattr(K, "NF_MAX_SCAN", 1024)
     for seed, (occ, hits, misses, dups) in enumerate(RECALL_CASES):
         pool, host_kv, gen = make_pool(3000, 8192, 64, 4, device=device, seed=seed, occupied=occ)
         for _ in range(2):  # a second step on the state the first left
@@ -112,6 +120,10 @@ def test_recall_paths_match_reference(nf_max, early, device, monkeypatch):
             o_ker = K.recall_cuda(host_kv, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host,
                                   ker.meta, ker.hist, ker.totals, hs)  # fmt: skip
             check_pool(ker, selected=hs, gpu_slots=o_ker, host_kv=host_kv)
+            # Which path placed: next fit moves the cursor, the multi-program pass does not.
+            n_miss, free = int(ker.meta[L.LAST_MISS]), int(pool.meta[L.NFREE])
+            nf = 0 < n_miss <= min(nf_max, free) and n_miss * 3000 <= 1024 * free
+            assert (int(ker.meta[L.CURSOR]) != int(pool.meta[L.CURSOR])) == nf
             assert torch.equal(o_ker >= 0, o_ref >= 0)
             assert torch.equal(ker.gpu_kv[o_ker[hs >= 0].long()], host_kv[hs[hs >= 0].long()])
             assert_same_up_to_ties(pool, ref, ker)
