@@ -281,7 +281,10 @@ def _evict_place_kernel(
     n_place = n
     if not PLACE:
         n_place = n * 0
-    nf_ok = (n_place <= nf_max) & (n_place.to(tl.int64) * n_g <= nf_scan * nfree.to(tl.int64))
+    # nf_scan < 0 (allocate, one program): next fit whenever a slot is free (with none, the pass
+    # below finds none in its one block, which is then the right answer).
+    short_scan = n_place.to(tl.int64) * n_g <= nf_scan * nfree.to(tl.int64)
+    nf_ok = (n_place <= nf_max) & tl.where(nf_scan < 0, nfree > 0, short_scan)
     if (target == 0) & (n_place > 0) & nf_ok:
         # Next fit (the counts decide it alike in every program): program 0 places alone.
         if pid == 0:
@@ -660,7 +663,7 @@ def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, met
         place=True,
         write_idx=True,
         nf_max=indices.shape[0] if nf else 0,
-        nf_scan=1 << 31,  # one program: next fit whatever the scan
+        nf_scan=-1,  # one program: next fit whatever the scan
         one_program=nf,
     )
 

@@ -70,6 +70,18 @@ def test_next_fit_scans_the_whole_pool_in_several_steps(device, monkeypatch):
     assert int(pool.meta[L.NFREE]) == 0 and int(pool.meta[L.CURSOR]) == 131
 
 
+def test_allocate_on_a_full_pool_places_nothing_and_counts_an_overflow(device, monkeypatch):
+    monkeypatch.setattr(K, "ALLOCATE_NEXT_FIT", True)
+    pool, _, _ = make_pool(2500, 8192, 16, 8, device=device)  # full, 3 scan blocks
+    pool.indices[:5] = torch.arange(5, dtype=torch.int32)  # as a previous call left them
+    pool.meta[L.IDX_HW] = 5
+    want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:4].int()
+    _allocate(pool, want, 4)
+    check_pool(pool, allow_overflow=True)
+    assert int(pool.meta[L.LAST_ALLOC]) == 0 and int(pool.meta[L.OVERFLOW]) == 1
+    assert bool((pool.indices == -1).all()) and int(pool.meta[L.IDX_HW]) == 0
+
+
 @pytest.mark.parametrize("next_fit", [True, False])
 def test_allocate_paths_match_reference(next_fit, device, monkeypatch):
     monkeypatch.setattr(K, "ALLOCATE_NEXT_FIT", next_fit)
