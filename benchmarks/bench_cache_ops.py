@@ -476,6 +476,19 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
         except Exception as e:
             sweep[f"nf_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
     K.NF_BLOCK = default
+    # List programs (the protect/lookup stamps over B x k = 131072 entries: most of a steady free).
+    default = K.LIST_BLOCK
+    for block in (512, 2048, 1024):  # the default (1024) last
+        K.LIST_BLOCK = block
+        try:
+            sweep[f"list_block_{block}"] = {
+                "free_37_steady_us": bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE)[
+                    "median_us"
+                ],
+            }
+        except Exception as e:
+            sweep[f"list_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.LIST_BLOCK = default
     step("sweep", lambda: sweep)
 
 
