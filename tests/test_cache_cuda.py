@@ -78,6 +78,39 @@ def test_pinned_host_pool_is_uva():
     assert torch.equal(cpu_view[slots.cpu()], rows.cpu())
 
 
+def test_full_size_steady_recall_places_by_next_fit():
+    """A recall of 37 misses with free slots to spare (the steady step of issue 18) places them
+    by next fit (one program: the cursor moves, nothing is evicted), eagerly and replayed from a
+    CUDA graph, and matches the reference up to placement."""
+    gen = torch.Generator().manual_seed(SEED + 1)
+    print(f"seed {SEED + 1}")
+    cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
+    host = host_rows(N_H, cfg.row_bytes)
+    pool = GpuPool(cfg, DEV)
+    fill_random(pool, N_G - min(4096, N_G // 8), gen, host_kv=host)
+    hs = selection(pool, gen, B, TOPK, B * TOPK - 37, 37, pad=False)
+    ref, ker, graphed = copy.deepcopy(pool), copy.deepcopy(pool), copy.deepcopy(pool)
+    C.recall_ref(host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host, ref.meta, ref.totals,
+                 hs)  # fmt: skip
+    out = K.recall_cuda(host, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host, ker.meta,
+                        ker.hist, ker.totals, hs)  # fmt: skip
+    runs = [(ker, out)]
+    if DEV == "cuda":  # the kernels are compiled by the eager call: capture, then replay
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            g_out = K.recall_cuda(host, graphed.gpu_kv, *state(graphed), graphed.indices,
+                                  graphed.miss_host, graphed.meta, graphed.hist, graphed.totals,
+                                  hs)  # fmt: skip
+        g.replay()
+        torch.cuda.synchronize()
+        runs.append((graphed, g_out))
+    for p, o in runs:
+        check_pool(p, selected=hs, gpu_slots=o, host_kv=host)
+        assert int(p.meta[L.LAST_EVICT]) == 0 and int(p.meta[L.LAST_MISS]) == 37
+        assert int(p.meta[L.CURSOR]) != int(pool.meta[L.CURSOR])  # next fit placed them
+        assert torch.equal(p.gpu_kv[o.flatten().long()], host[hs.flatten().long()])
+        assert_same_up_to_ties(pool, ref, p)
+
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_full_size_kernels_match_reference(fmt):
     gen = torch.Generator().manual_seed(SEED)
