@@ -81,11 +81,17 @@ class Switched(Kernels):
 NEW = Kernels(cache_kernels, reserve=True)
 BEFORE = Kernels(cache_kernels_before, reserve=False)
 # The kernels as they were before the next-fit change (a3d14a0): allocate and recall's steady
-# placement by the multi-program pass, the copy's list read after the count's.
+# placement by the multi-program pass, the copy's list read after the count's, its finalisation by
+# program 0 after its share of the copy (its two stats atomics are relaxed now, as in NEW).
 CURRENT = Switched(
     cache_kernels,
     reserve=True,
-    switches={"ALLOCATE_NEXT_FIT": False, "NF_MAX_MISSES": 0, "COPY_EARLY": False},
+    switches={
+        "ALLOCATE_NEXT_FIT": False,
+        "NF_MAX_MISSES": 0,
+        "COPY_EARLY": False,
+        "COPY_OWN_FINAL": False,
+    },
 )
 
 

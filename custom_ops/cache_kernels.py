@@ -12,9 +12,9 @@ Cross-program coordination, and why it is race-free:
   ``_last_program``: after a CTA barrier, one release/acquire atomic on meta[DONE]; the program
   that sees DONE == grid - 1 is the last, every other program's writes are visible to it, and it
   alone finalises (free count, stats) and resets the scratch counters with atomic exchanges. So
-  no separate reset launch is needed. The copy/output launch needs no totals: its program 0
-  finalises (clock, stats, NMISS; after a placement pass that evicted nothing, also the free
-  count, IDX_HW and the rank counter), which no other program of that launch reads.
+  no separate reset launch is needed. The copy/output launch needs no totals: its last program
+  (one of its own) finalises (clock, stats, NMISS; after a placement pass that evicted nothing,
+  also the free count, IDX_HW and the rank counter), which no other program of that launch reads.
 - Ops made of several launches (free, recall) hand values from one launch to the next through
   meta; launches on one stream are ordered.
 - A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
@@ -85,6 +85,7 @@ COPY_UNITS = 512
 COPY_PROGRAMS_PER_SM = 2
 COPY_WARPS = 4
 COPY_EARLY = True  # issue the first list read beside the count's (False: after it, as before)
+COPY_OWN_FINAL = True  # the copy launch's finalisation in a program of its own (False: program 0)
 COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2 only, no L1)
 
 
@@ -256,7 +257,7 @@ def _evict_place_kernel(
     records zeros; no atomics, no barrier.
     HANDOFF (recall, whose copy launch follows): placing without evicting, the count placed is
     known up front (min(n, free): every free slot is counted), so program 0 records it and the
-    copy launch's program 0 updates the free count and the index high-water mark and resets the
+    copy launch's last program updates the free count and the index high-water mark and resets the
     rank counter; no barrier and no meta[DONE] atomic here. (NFREE and IDX_HW cannot change in
     this launch: every program reads them.)"""
     pid = tl.program_id(0)
@@ -473,13 +474,15 @@ def _copy_out_kernel(
     BLOCK: tl.constexpr,
     EARLY: tl.constexpr,
     CACHE: tl.constexpr,
+    OWN_FINAL: tl.constexpr,
 ):
     """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
     16-byte units (UPR per row; unit u is word 4 (u % UPR) of row u // UPR): each thread moves
     whole 16-byte vectors, a warp reads 512 contiguous bytes, and no lane idles on a row padded
     to a power of two (fp8's 656-byte row padded to 1024 wasted 36% of the lanes). Programs
     after: gpu_slots[j] = host_to_gpu[host_slots[j]] and un-claim misses left PENDING (only on
-    overflow). Program 0 also advances the clock, adds the stats and resets NMISS."""
+    overflow). The last program (no other work) advances the clock, adds the stats, resets NMISS
+    and finalises a handed-over placement."""
     pid = tl.program_id(0)
     if pid < n_copy:
         # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
@@ -508,20 +511,29 @@ def _copy_out_kernel(
         g = tl.load(h2g + h, mask=valid, other=-1)
         tl.store(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid & (g == PENDING))
         tl.store(out + offs, tl.maximum(g, -1), mask=inb)
-    if pid == 0:
-        # No program of this launch reads what is finalised here (NMISS, CLOCK, the totals; the
-        # copy reads LAST_ALLOC, the output host_to_gpu), so program 0 does it without waiting
-        # for the others: no barrier, no meta[DONE] atomic for the ~400 programs.
-        tl.store(meta + M_LAST_MISS, tl.load(meta + M_NMISS))
+    fin = pid == 0
+    if OWN_FINAL:
+        fin = pid == tl.num_programs(0) - 1
+    if fin:
+        # A program of its own (the launcher adds it; its list share above is empty), so the
+        # finalisation is off the copy's path. No program of this launch reads what is finalised
+        # here (NMISS, CLOCK, the free count, the totals; the copy reads LAST_ALLOC, the output
+        # host_to_gpu): no barrier, no meta[DONE] atomic for the ~400 programs. The loads go
+        # out together (one round trip), the stores and relaxed atomics need no wait.
+        nmiss = tl.load(meta + M_NMISS)
+        handed = tl.load(meta + M_ALLOC_CTR)
+        nfree = tl.load(meta + M_NFREE)
+        nalloc = tl.load(meta + M_LAST_ALLOC)
+        clock = tl.load(meta + M_CLOCK)
+        tl.store(meta + M_LAST_MISS, nmiss)
         tl.store(meta + M_NMISS, 0)
-        if tl.load(meta + M_ALLOC_CTR) > 0:  # the placement pass handed its finalisation over
-            tl.store(meta + M_NFREE, tl.load(meta + M_NFREE) - tl.load(meta + M_LAST_ALLOC))
+        if handed > 0:  # the placement pass handed its finalisation over
+            tl.store(meta + M_NFREE, nfree - nalloc)
             tl.store(meta + M_ALLOC_CTR, 0)
             tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
-        tl.store(meta + M_CLOCK, (tl.load(meta + M_CLOCK) + 1) & CLOCK_MASK)
-        nalloc = tl.load(meta + M_LAST_ALLOC).to(tl.int64)
-        tl.atomic_add(stats + S_RECALLED, nalloc)
-        tl.atomic_add(stats + S_STEPS, nalloc * 0 + 1)
+        tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
+        tl.atomic_add(stats + S_RECALLED, nalloc.to(tl.int64), sem="relaxed")
+        tl.atomic_add(stats + S_STEPS, nalloc.to(tl.int64) * 0 + 1, sem="relaxed")
 
 
 @triton.jit
@@ -785,7 +797,7 @@ def copy_rows(
     if programs_per_sm is not None and hs.device.type == "cuda":
         n_copy = programs_per_sm * torch.cuda.get_device_properties(hs.device).multi_processor_count
     total = hs.numel()
-    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK),)](
+    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK) + int(COPY_OWN_FINAL),)](
         _words(host_kv, "host_kv", True),
         _words(gpu_kv, "gpu_kv", True),
         miss_host,
@@ -802,6 +814,7 @@ def copy_rows(
         BLOCK=LIST_BLOCK,
         EARLY=COPY_EARLY if early is None else early,
         CACHE=COPY_CACHE if cache is None else cache,
+        OWN_FINAL=COPY_OWN_FINAL,  # the grid has the finalising program of its own
         num_warps=warps or COPY_WARPS,
     )
 

@@ -120,6 +120,7 @@ RECALL_CASES = [
 def test_recall_paths_match_reference(nf_max, early, device, monkeypatch):
     monkeypatch.setattr(K, "NF_MAX_MISSES", nf_max)
     monkeypatch.setattr(K, "COPY_EARLY", early)
+    monkeypatch.setattr(K, "COPY_OWN_FINAL", early)  # the copy launch's finaliser, new or old
     monkeypatch.setattr(K, "NF_BLOCK", 256)
     monkeypatch.setattr(K, "NF_MAX_SCAN", 1024)
     for seed, (occ, hits, misses, dups) in enumerate(RECALL_CASES):
