@@ -518,6 +518,21 @@ def targets_met(res: dict) -> dict:
     return met
 
 
+def new_vs_current(res: dict) -> dict:
+    """Median us of each op timed with both the new kernels and CURRENT (the same module with the
+    second round's switches off), and new / current."""
+    out = {}
+    for k, v in res.items():
+        c = res.get(f"current.{k}")
+        if isinstance(v, dict) and isinstance(c, dict) and "median_us" in v and "median_us" in c:
+            out[k] = {
+                "new_us": v["median_us"],
+                "current_us": c["median_us"],
+                "ratio": v["median_us"] / c["median_us"],
+            }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/cache_ops_h200.json")
@@ -561,6 +576,7 @@ def main() -> None:
     step("sglang_slice_concat", lambda: bench_sglang(37, 2000))
 
     res["targets_met"] = targets_met(res)
+    res["new_vs_current"] = new_vs_current(res)
     save()
     print("\n| op (per layer) | median us | amortized us | current us | before us |")
     print("|---|---|---|---|---|")
@@ -577,6 +593,7 @@ def main() -> None:
     }
     print("checks:", checks)
     print("targets met:", res["targets_met"])
+    print("new vs current:", {k: round(v["ratio"], 3) for k, v in res["new_vs_current"].items()})
 
 
 if __name__ == "__main__":

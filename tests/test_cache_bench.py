@@ -78,6 +78,19 @@ def test_amortized_figures_and_target_scoring():
     assert met["recall_2048_rows_GBps"] is None and met["offload_64_rows_us"] is None
 
 
+def test_new_vs_current_pairs_only_ops_timed_both_ways():
+    res = {
+        "allocate_37": {"median_us": 3.0},
+        "current.allocate_37": {"median_us": 4.0},
+        "free_37": {"median_us": 9.0},  # no current.* figure: not paired
+        "fp8.recall_37_misses_steady": {"median_us": 12.0},
+        "current.fp8.recall_37_misses_steady": {"error": "boom"},
+    }
+    assert bench.new_vs_current(res) == {
+        "allocate_37": {"new_us": 3.0, "current_us": 4.0, "ratio": 0.75}
+    }
+
+
 def test_cli_help():
     r = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_cache_ops", "--help"],
