@@ -489,15 +489,16 @@ def _copy_out_kernel(
         # it is issued beside the load of meta[LAST_ALLOC], so the host read starts one round
         # trip earlier (the chain was count -> miss_host -> host row; the host read needs only
         # the host slot, the GPU slot load runs beside it).
-        u = pid * UNITS + tl.arange(0, UNITS)
-        r = u // UPR
+        # (u0, r0, h0: the else branch's h is another shape; Triton merges same-named variables.)
+        u0 = pid * UNITS + tl.arange(0, UNITS)
+        r0 = u0 // UPR
         if EARLY:
-            h = tl.load(miss_host + r, mask=r < cap, other=0)
+            h0 = tl.load(miss_host + r0, mask=r0 < cap, other=0)
             nunits = tl.load(meta + M_LAST_ALLOC) * UPR
         else:
             nunits = tl.load(meta + M_LAST_ALLOC) * UPR
-            h = tl.load(miss_host + r, mask=u < nunits, other=0)
-        _copy_units(host_kv, gpu_kv, h2g, u, r, h, nunits, UPR, UNITS, CACHE)
+            h0 = tl.load(miss_host + r0, mask=u0 < nunits, other=0)
+        _copy_units(host_kv, gpu_kv, h2g, u0, r0, h0, nunits, UPR, UNITS, CACHE)
         for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
             r = u // UPR
