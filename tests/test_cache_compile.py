@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # Run in a fresh interpreter: the test session sets TRITON_INTERPRET=1, which swaps the kernels
 # for interpreted functions at import.
@@ -73,9 +74,15 @@ compile_(K._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
 
 
 def test_every_cache_kernel_compiles_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.getcwd()}
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
     r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=600,
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
