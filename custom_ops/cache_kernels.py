@@ -68,8 +68,9 @@ LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
 PAD_BLOCK = 1024  # index-buffer entries per padding store
 # Next-fit placement (one program, no atomics, no cross-program protocol): allocate always, and
 # recall when nothing is evicted and it has at most NF_MAX_MISSES misses. A scan step reads
-# NF_BLOCK free bits (4 KB, 16 per thread at 8 warps); at the ~2% free density the reserve leaves
-# (N_G/64 slots) one step finds ~80 free slots, so a 37-miss step is one step. NF_MAX_MISSES = 0
+# NF_BLOCK free bits (4 KB: 16 per thread in allocate's one program of NF_WARPS, 32 in recall's
+# program 0, which has the pass's SCAN_WARPS); at the ~1.6% free density the reserve leaves
+# (N_G/64 slots) one step finds ~64 free slots, so a 37-miss step is one step. NF_MAX_MISSES = 0
 # turns it off for recall (the multi-program pass places everything, as before).
 NF_BLOCK = 4096
 NF_WARPS = 8
