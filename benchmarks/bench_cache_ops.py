@@ -40,6 +40,7 @@ from benchmarks.cache_ops_check import (
     BEFORE,
     CURRENT,
     NEW,
+    PRELOAD,
     Kernels,
     kernels_vs_reference,
     launch_breakdown,
@@ -396,6 +397,8 @@ def bench_format(
     step(f"before.{fmt}.recall_37_misses", recall(37, 16, 0, BEFORE))
     step(f"current.{fmt}.recall_37_misses", recall(37, 16, 0, CURRENT))
     step(f"current.{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE, CURRENT))
+    if fmt == "fp8":
+        step("preload.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PRELOAD))
     st, rf = res.get(f"{fmt}.recall_37_misses_steady"), res.get(f"{fmt}.recall_37_misses_refill")
     if st and rf and "median_us" in st and "median_us" in rf:
         res[f"{fmt}.recall_37_misses"]["amortized_us"] = amortized(
@@ -438,10 +441,10 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
     cap = pool.capacity
     n = min(2048, cap)  # 16 calls of 2048 fit the 100K free slots
     calls = min(16, N_G // 2 // n)
-    for tag, impl in (("", NEW), ("before.", BEFORE), ("current.", CURRENT)):
+    for tag, impl in (("", NEW), ("before.", BEFORE), ("current.", CURRENT), ("preload.", PRELOAD)):
         step(f"{tag}allocate_37", lambda i=impl: bench_allocate(pool, 37, 32, gen, reps, i))
         step(f"{tag}allocate_2048", lambda i=impl: bench_allocate(pool, n, calls, gen, reps, i))
-        if impl is not CURRENT:  # free has no next-fit path: CURRENT's free is NEW's
+        if impl in (NEW, BEFORE):  # free has no next-fit path: the others' free is NEW's
             step(f"{tag}free_37",
                  lambda i=impl: bench_free(pool, 37, min(32, cap // 37), gen, reps, i))  # fmt: skip
     step("free_37_steady", lambda: bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE))
@@ -518,16 +521,16 @@ def targets_met(res: dict) -> dict:
     return met
 
 
-def new_vs_current(res: dict) -> dict:
-    """Median us of each op timed with both the new kernels and CURRENT (the same module with the
-    second round's switches off), and new / current."""
+def new_vs_current(res: dict, tag: str = "current") -> dict:
+    """Median us of each op timed with both the new kernels and ``tag``'s (current: the same module
+    with the second round's switches off; preload: with NF_PRELOAD on), and new / theirs."""
     out = {}
     for k, v in res.items():
-        c = res.get(f"current.{k}")
+        c = res.get(f"{tag}.{k}")
         if isinstance(v, dict) and isinstance(c, dict) and "median_us" in v and "median_us" in c:
             out[k] = {
                 "new_us": v["median_us"],
-                "current_us": c["median_us"],
+                f"{tag}_us": c["median_us"],
                 "ratio": v["median_us"] / c["median_us"],
             }
     return out
@@ -577,11 +580,13 @@ def main() -> None:
 
     res["targets_met"] = targets_met(res)
     res["new_vs_current"] = new_vs_current(res)
+    res["new_vs_preload"] = new_vs_current(res, "preload")
     save()
     print("\n| op (per layer) | median us | amortized us | current us | before us |")
     print("|---|---|---|---|---|")
     for k, v in res.items():
-        if isinstance(v, dict) and "median_us" in v and not k.startswith(("before.", "current.")):
+        tags = ("before.", "current.", "preload.")
+        if isinstance(v, dict) and "median_us" in v and not k.startswith(tags):
             b = res.get(f"before.{k}", {}).get("median_us")
             c = res.get(f"current.{k}", {}).get("median_us")
             cells = [v["median_us"], v.get("amortized_us"), c, b]
@@ -593,7 +598,8 @@ def main() -> None:
     }
     print("checks:", checks)
     print("targets met:", res["targets_met"])
-    print("new vs current:", {k: round(v["ratio"], 3) for k, v in res["new_vs_current"].items()})
+    for tag in ("current", "preload"):
+        print(f"new vs {tag}:", {k: round(v["ratio"], 3) for k, v in res[f"new_vs_{tag}"].items()})
 
 
 if __name__ == "__main__":

@@ -80,6 +80,9 @@ class Switched(Kernels):
 
 NEW = Kernels(cache_kernels, reserve=True)
 BEFORE = Kernels(cache_kernels_before, reserve=False)
+# Next fit reading want_host[:128] up front (cache_kernels.NF_PRELOAD; off by default until
+# measured: it uses tl.gather).
+PRELOAD = Switched(cache_kernels, reserve=True, switches={"NF_PRELOAD": 128})
 # The kernels as they were before the next-fit change (a3d14a0): allocate and recall's steady
 # placement by the multi-program pass, the copy's list read after the count's, its finalisation by
 # program 0 after its share of the copy (its two stats atomics are relaxed now, as in NEW).

@@ -89,6 +89,9 @@ def test_new_vs_current_pairs_only_ops_timed_both_ways():
     assert bench.new_vs_current(res) == {
         "allocate_37": {"new_us": 3.0, "current_us": 4.0, "ratio": 0.75}
     }
+    assert bench.new_vs_current({**res, "preload.free_37": {"median_us": 4.5}}, "preload") == {
+        "free_37": {"new_us": 9.0, "preload_us": 4.5, "ratio": 2.0}
+    }
 
 
 def test_cli_help():

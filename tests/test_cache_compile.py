@@ -42,8 +42,12 @@ I32, I8, I64 = "*i32", "*i8", "*i64"
 EP = [("prio", I32), ("gpu_free", I8), ("g2h", I32), ("h2g", I32), ("indices", I32),
       ("meta", I32), ("hist", I32), ("stats", I64), ("want_ptr", I32), ("want_host", I32),
       ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("nf_max", "i32"), ("nf_scan", "i32")]
-base = dict(BLOCK=K.SCAN_BLOCK, PAD=K.PAD_BLOCK, NF_BLOCK=K.NF_BLOCK)
+base = dict(BLOCK=K.SCAN_BLOCK, PAD=K.PAD_BLOCK, NF_BLOCK=K.NF_BLOCK, NF_PRE=K.NF_PRELOAD)
 for name, flags in {
+    "recall, preload": dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True,
+                            NF_PRE=128),
+    "allocate, preload": dict(EVICT=False, PLACE=True, WRITE_IDX=True, PAD_IDX=True,
+                              HANDOFF=False, NF_PRE=128),
     "recall": dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True),
     "allocate": dict(EVICT=False, PLACE=True, WRITE_IDX=True, PAD_IDX=True, HANDOFF=False),
     "free": dict(EVICT=True, PLACE=False, WRITE_IDX=False, PAD_IDX=True, HANDOFF=False),
@@ -87,4 +91,4 @@ def test_every_cache_kernel_compiles_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 12, out[-3000:]
+    assert out.count("OK ") == 14, out[-3000:]

@@ -82,9 +82,10 @@ def test_allocate_on_a_full_pool_places_nothing_and_counts_an_overflow(device, m
     assert bool((pool.indices == -1).all()) and int(pool.meta[L.IDX_HW]) == 0
 
 
-@pytest.mark.parametrize("next_fit", [True, False])
-def test_allocate_paths_match_reference(next_fit, device, monkeypatch):
+@pytest.mark.parametrize("next_fit,pre", [(True, 0), (True, 16), (False, 0)])
+def test_allocate_paths_match_reference(next_fit, pre, device, monkeypatch):
     monkeypatch.setattr(K, "ALLOCATE_NEXT_FIT", next_fit)
+    monkeypatch.setattr(K, "NF_PRELOAD", pre)  # 16 < n: ranks from registers and from memory
     monkeypatch.setattr(K, "NF_BLOCK", 256)  # several scan steps at this size
     for seed, (occ, n) in enumerate([(2000, 37), (2900, 100), (2990, 40)]):
         pool, _, gen = make_pool(3000, 8192, 64, 4, device=device, seed=seed, occupied=occ)
@@ -116,9 +117,10 @@ RECALL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("nf_max,early", [(24, True), (0, False)])
-def test_recall_paths_match_reference(nf_max, early, device, monkeypatch):
+@pytest.mark.parametrize("nf_max,early,pre", [(24, True, 0), (24, True, 8), (0, False, 0)])
+def test_recall_paths_match_reference(nf_max, early, pre, device, monkeypatch):
     monkeypatch.setattr(K, "NF_MAX_MISSES", nf_max)
+    monkeypatch.setattr(K, "NF_PRELOAD", pre)
     monkeypatch.setattr(K, "COPY_EARLY", early)
     monkeypatch.setattr(K, "COPY_OWN_FINAL", early)  # the copy launch's finaliser, new or old
     monkeypatch.setattr(K, "NF_BLOCK", 256)
