@@ -111,6 +111,7 @@ def test_full_size_steady_recall_places_by_next_fit():
         assert torch.equal(p.gpu_kv[o.flatten().long()], host[hs.flatten().long()])
         assert_same_up_to_ties(pool, ref, p)
 
+
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_full_size_kernels_match_reference(fmt):
     gen = torch.Generator().manual_seed(SEED)
@@ -118,14 +119,26 @@ def test_full_size_kernels_match_reference(fmt):
     pool, host = full_pool(fmt, gen)
     check_pool(pool, host_kv=host)
     # recall at hit rates 0.97 (with duplicates) and 0.5, then again on the state it left
-    for hits, misses, dups in ((B * TOPK * 97 // 100, B * TOPK * 3 // 100, 500),
-                               (B * TOPK // 2, B * TOPK // 2, 0)):
+    for hits, misses, dups in (
+        (B * TOPK * 97 // 100, B * TOPK * 3 // 100, 500),
+        (B * TOPK // 2, B * TOPK // 2, 0),
+    ):
         hs = selection(pool, gen, B, TOPK, hits, misses, dups, pad=False)
         ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
-        o_ref = C.recall_ref(host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host,
-                             ref.meta, ref.totals, hs)
-        o_ker = K.recall_cuda(host, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host,
-                              ker.meta, ker.hist, ker.totals, hs)
+        o_ref = C.recall_ref(
+            host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host, ref.meta, ref.totals, hs
+        )
+        o_ker = K.recall_cuda(
+            host,
+            ker.gpu_kv,
+            *state(ker),
+            ker.indices,
+            ker.miss_host,
+            ker.meta,
+            ker.hist,
+            ker.totals,
+            hs,
+        )
         check_pool(ker, selected=hs, gpu_slots=o_ker, host_kv=host)
         valid = hs >= 0
         assert torch.equal(ker.gpu_kv[o_ker[valid].long()], host[hs[valid].long()])
@@ -164,8 +177,7 @@ def test_offload_kernel_full_size(fmt, t):
     gen = torch.Generator().manual_seed(SEED + t)
     row = 656 if fmt == "fp8" else 1152
     host = host_rows(N_H, row)
-    index_k = torch.randint(0, 256, (N_H // PAGE, INDEX_PAGE_BYTES), dtype=torch.uint8,
-                            device=DEV)
+    index_k = torch.randint(0, 256, (N_H // PAGE, INDEX_PAGE_BYTES), dtype=torch.uint8, device=DEV)
     rows = torch.randint(0, 256, (t, row), dtype=torch.uint8, device=DEV)
     irows = torch.randint(0, 256, (t, INDEX_ROW_BYTES), dtype=torch.uint8, device=DEV)
     slots = torch.randperm(N_H, generator=gen)[:t]
@@ -191,8 +203,16 @@ def test_recall_in_cuda_graph_replays_with_new_selections():
     for step, misses in enumerate((37, 4000, 37)):  # every replay reads the live counters
         static_hs.copy_(selection(pool, gen, B, TOPK, B * TOPK - misses, misses))
         ref = copy.deepcopy(pool)
-        o_ref = C.recall_ref(host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host,
-                             ref.meta, ref.totals, static_hs)
+        o_ref = C.recall_ref(
+            host,
+            ref.gpu_kv,
+            *state(ref),
+            ref.indices,
+            ref.miss_host,
+            ref.meta,
+            ref.totals,
+            static_hs,
+        )
         before = copy.deepcopy(pool)
         graph.replay()
         torch.cuda.synchronize()
