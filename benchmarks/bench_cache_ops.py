@@ -36,7 +36,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cache_ops_check import BEFORE, NEW, Kernels, kernels_vs_reference, launch_breakdown
+from benchmarks.cache_ops_check import (
+    BEFORE,
+    CURRENT,
+    NEW,
+    PRELOAD,
+    Kernels,
+    kernels_vs_reference,
+    launch_breakdown,
+)
 from benchmarks.cuda_timer import graph_time
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as C
@@ -387,6 +395,10 @@ def bench_format(
     step(f"{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE))
     step(f"{fmt}.recall_37_misses_refill", recall(37, 1, 0))
     step(f"before.{fmt}.recall_37_misses", recall(37, 16, 0, BEFORE))
+    step(f"current.{fmt}.recall_37_misses", recall(37, 16, 0, CURRENT))
+    step(f"current.{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE, CURRENT))
+    if fmt == "fp8":
+        step("preload.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PRELOAD))
     st, rf = res.get(f"{fmt}.recall_37_misses_steady"), res.get(f"{fmt}.recall_37_misses_refill")
     if st and rf and "median_us" in st and "median_us" in rf:
         res[f"{fmt}.recall_37_misses"]["amortized_us"] = amortized(
@@ -403,6 +415,7 @@ def bench_format(
         cfgs = None
         if fmt == "fp8" and n_rows == 2048:  # the copy configurations to try (units x programs)
             cfgs = [dict(units=u, programs_per_sm=p) for u in (256, 1024) for p in (2, 4)]
+            cfgs += [dict(early=False), dict(cache=".cg"), dict(units=1024, cache=".cg")]
         step(f"{fmt}.copy_{n_rows}_rows",
              lambda n=n_rows, c=cfgs: bench_copy(host, n, 8, gen, reps, c))  # fmt: skip
     n2k = min(2048, cap)
@@ -410,6 +423,7 @@ def bench_format(
         (f"{fmt}.recall_2048_misses", NEW, 0),
         (f"{fmt}.recall_2048_misses_steady", NEW, n2k + STEADY_FREE),
         (f"before.{fmt}.recall_2048_misses", BEFORE, 0),
+        (f"current.{fmt}.recall_2048_misses_steady", CURRENT, n2k + STEADY_FREE),
     ):
         step(name, lambda i=impl, f=free: recall_all_misses(pool, host, box["fresh"], reps, gen,
                                                             i, f))  # fmt: skip
@@ -427,10 +441,12 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
     cap = pool.capacity
     n = min(2048, cap)  # 16 calls of 2048 fit the 100K free slots
     calls = min(16, N_G // 2 // n)
-    for tag, impl in (("", NEW), ("before.", BEFORE)):
+    for tag, impl in (("", NEW), ("before.", BEFORE), ("current.", CURRENT), ("preload.", PRELOAD)):
         step(f"{tag}allocate_37", lambda i=impl: bench_allocate(pool, 37, 32, gen, reps, i))
         step(f"{tag}allocate_2048", lambda i=impl: bench_allocate(pool, n, calls, gen, reps, i))
-        step(f"{tag}free_37", lambda i=impl: bench_free(pool, 37, min(32, cap // 37), gen, reps, i))
+        if impl in (NEW, BEFORE):  # free has no next-fit path: the others' free is NEW's
+            step(f"{tag}free_37",
+                 lambda i=impl: bench_free(pool, 37, min(32, cap // 37), gen, reps, i))  # fmt: skip
     step("free_37_steady", lambda: bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE))
     step("free_37_refill", lambda: bench_free(pool, 37, 1, gen, reps, NEW, 0))
     st, rf = res.get("free_37_steady"), res.get("free_37_refill")
@@ -451,6 +467,31 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
         except Exception as e:
             sweep[f"scan_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
     K.SCAN_BLOCK = default
+    # Next fit's scan step (allocate; recall's steady placement uses the same helper).
+    default = K.NF_BLOCK
+    for block in (1024, 8192, 4096):  # the default (4096) last
+        K.NF_BLOCK = block
+        try:
+            sweep[f"nf_block_{block}"] = {
+                "allocate_37_us": bench_allocate(pool, 37, 32, gen, reps)["median_us"],
+                "allocate_2048_us": bench_allocate(pool, n, calls, gen, reps)["median_us"],
+            }
+        except Exception as e:
+            sweep[f"nf_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.NF_BLOCK = default
+    # List programs (the protect/lookup stamps over B x k = 131072 entries: most of a steady free).
+    default = K.LIST_BLOCK
+    for block in (512, 2048, 1024):  # the default (1024) last
+        K.LIST_BLOCK = block
+        try:
+            sweep[f"list_block_{block}"] = {
+                "free_37_steady_us": bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE)[
+                    "median_us"
+                ],
+            }
+        except Exception as e:
+            sweep[f"list_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.LIST_BLOCK = default
     step("sweep", lambda: sweep)
 
 
@@ -478,6 +519,21 @@ def targets_met(res: dict) -> dict:
         met["alloc_plus_free_us"] = alloc + free
         met["alloc_plus_free_over_slice_concat_ratio"] = (alloc + free) / base
     return met
+
+
+def new_vs_current(res: dict, tag: str = "current") -> dict:
+    """Median us of each op timed with both the new kernels and ``tag``'s (current: the same module
+    with the second round's switches off; preload: with NF_PRELOAD on), and new / theirs."""
+    out = {}
+    for k, v in res.items():
+        c = res.get(f"{tag}.{k}")
+        if isinstance(v, dict) and isinstance(c, dict) and "median_us" in v and "median_us" in c:
+            out[k] = {
+                "new_us": v["median_us"],
+                f"{tag}_us": c["median_us"],
+                "ratio": v["median_us"] / c["median_us"],
+            }
+    return out
 
 
 def main() -> None:
@@ -523,15 +579,18 @@ def main() -> None:
     step("sglang_slice_concat", lambda: bench_sglang(37, 2000))
 
     res["targets_met"] = targets_met(res)
+    res["new_vs_current"] = new_vs_current(res)
+    res["new_vs_preload"] = new_vs_current(res, "preload")
     save()
-    print("\n| op (per layer) | median us | amortized us | before us |")
-    print("|---|---|---|---|")
+    print("\n| op (per layer) | median us | amortized us | current us | before us |")
+    print("|---|---|---|---|---|")
     for k, v in res.items():
-        if isinstance(v, dict) and "median_us" in v and not k.startswith("before."):
+        tags = ("before.", "current.", "preload.")
+        if isinstance(v, dict) and "median_us" in v and not k.startswith(tags):
             b = res.get(f"before.{k}", {}).get("median_us")
-            am = v.get("amortized_us")
-            print(f"| {k} | {v['median_us']:.2f} | {'' if am is None else f'{am:.2f}'} | "
-                  f"{'' if b is None else f'{b:.2f}'} |")  # fmt: skip
+            c = res.get(f"current.{k}", {}).get("median_us")
+            cells = [v["median_us"], v.get("amortized_us"), c, b]
+            print(f"| {k} | " + " | ".join("" if x is None else f"{x:.2f}" for x in cells) + " |")
     checks = {
         k: {op: c.get("verdict") for op, c in v.items()}
         for k, v in res.items()
@@ -539,6 +598,8 @@ def main() -> None:
     }
     print("checks:", checks)
     print("targets met:", res["targets_met"])
+    for tag in ("current", "preload"):
+        print(f"new vs {tag}:", {k: round(v["ratio"], 3) for k, v in res[f"new_vs_{tag}"].items()})
 
 
 if __name__ == "__main__":

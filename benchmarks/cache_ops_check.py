@@ -50,8 +50,52 @@ class Kernels:
         return ref.evict_target(needed, n_g, cap) if self.reserve else max(needed, 0)
 
 
+class Switched(Kernels):
+    """A generation's kernels with some of its module switches set during each call (a CUDA
+    graph keeps the launches the switches chose when it was captured)."""
+
+    def __init__(self, mod, reserve: bool, switches: dict):
+        super().__init__(mod, reserve)
+        self.switches = switches
+
+    def _run(self, fn: Callable, *args):
+        saved = {k: getattr(self.mod, k) for k in self.switches}
+        for k, v in self.switches.items():
+            setattr(self.mod, k, v)
+        try:
+            return fn(*args)
+        finally:
+            for k, v in saved.items():
+                setattr(self.mod, k, v)
+
+    def allocate(self, pool, want, n) -> None:
+        self._run(super().allocate, pool, want, n)
+
+    def free(self, pool, protect, n) -> None:
+        self._run(super().free, pool, protect, n)
+
+    def recall(self, pool, host, hs) -> torch.Tensor:
+        return self._run(super().recall, pool, host, hs)
+
+
 NEW = Kernels(cache_kernels, reserve=True)
 BEFORE = Kernels(cache_kernels_before, reserve=False)
+# Next fit reading want_host[:128] up front (cache_kernels.NF_PRELOAD; off by default until
+# measured: it uses tl.gather).
+PRELOAD = Switched(cache_kernels, reserve=True, switches={"NF_PRELOAD": 128})
+# The kernels as they were before the next-fit change (a3d14a0): allocate and recall's steady
+# placement by the multi-program pass, the copy's list read after the count's, its finalisation by
+# program 0 after its share of the copy (its two stats atomics are relaxed now, as in NEW).
+CURRENT = Switched(
+    cache_kernels,
+    reserve=True,
+    switches={
+        "ALLOCATE_NEXT_FIT": False,
+        "NF_MAX_MISSES": 0,
+        "COPY_EARLY": False,
+        "COPY_OWN_FINAL": False,
+    },
+)
 
 
 def _stamps(p) -> torch.Tensor:
@@ -127,7 +171,7 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
             getattr(pool, name).copy_(b)
         return bad
 
-    def allocate() -> list[str]:
+    def allocate() -> list[str]:  # leaves the pool as it was (recall_steady runs next)
         w = want[torch.isin(want, torch.nonzero(pool.host_to_gpu < 0).flatten().int())]
         r, k = copy.deepcopy(pool), copy.deepcopy(pool)
         ref.allocate_ref(*state(r), r.indices, r.meta, w, n)
@@ -139,9 +183,31 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
             bad.append("allocate's indices are not the placed slots in want order")
         return bad
 
+    def recall_steady() -> list[str]:
+        # A step that evicts nothing with fewer misses than NF_MAX_MISSES: the next-fit path
+        # (the first recall's 3% misses take the multi-program pass).
+        non = torch.nonzero(pool.host_to_gpu < 0).flatten()
+        n_miss = min(37, non.numel(), int(pool.meta[C.NFREE]))
+        hits = protect.reshape(-1).long()
+        hits = hits[pool.host_to_gpu[hits] >= 0]  # the first recall may have evicted some
+        sel = torch.cat([hits, non[::997][:n_miss]])
+        sel = sel.int().view(1, -1)
+        r, k = copy.deepcopy(pool), copy.deepcopy(pool)
+        o_r = ref.recall_ref(host, r.gpu_kv, *state(r), r.indices, r.miss_host, r.meta,
+                             r.totals, sel)  # fmt: skip
+        o_k = NEW.recall(k, host, sel)
+        check_pool(k, selected=sel, gpu_slots=o_k, host_kv=host)
+        bad = same_up_to_ties(pool, r, k)
+        if int(k.meta[C.LAST_EVICT]) != 0:
+            bad.append("the steady recall evicted")
+        if not torch.equal(k.gpu_kv[o_k.reshape(-1).long()], r.gpu_kv[o_r.reshape(-1).long()]):
+            bad.append("recalled rows differ")
+        return bad
+
     out["recall"] = _outcome("recall", recall)
     out["free"] = _outcome("free", free)
     out["allocate"] = _outcome("allocate", allocate)
+    out["recall_steady"] = _outcome("recall_steady", recall_steady)
     return out
 
 

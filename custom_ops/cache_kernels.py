@@ -12,9 +12,9 @@ Cross-program coordination, and why it is race-free:
   ``_last_program``: after a CTA barrier, one release/acquire atomic on meta[DONE]; the program
   that sees DONE == grid - 1 is the last, every other program's writes are visible to it, and it
   alone finalises (free count, stats) and resets the scratch counters with atomic exchanges. So
-  no separate reset launch is needed. The copy/output launch needs no totals: its program 0
-  finalises (clock, stats, NMISS; after a placement pass that evicted nothing, also the free
-  count, IDX_HW and the rank counter), which no other program of that launch reads.
+  no separate reset launch is needed. The copy/output launch needs no totals: its last program
+  (one of its own) finalises (clock, stats, NMISS; after a placement pass that evicted nothing,
+  also the free count, IDX_HW and the rank counter), which no other program of that launch reads.
 - Ops made of several launches (free, recall) hand values from one launch to the next through
   meta; launches on one stream are ordered.
 - A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
@@ -45,6 +45,7 @@ M_DONE = tl.constexpr(C.DONE)
 M_LAST_ALLOC = tl.constexpr(C.LAST_ALLOC)
 M_LAST_EVICT = tl.constexpr(C.LAST_EVICT)
 M_LAST_MISS = tl.constexpr(C.LAST_MISS)
+M_CURSOR = tl.constexpr(C.CURSOR)
 S_SELECTED = tl.constexpr(C.SELECTED)
 S_RECALLED = tl.constexpr(C.RECALLED)
 S_STEPS = tl.constexpr(C.STEPS)
@@ -65,19 +66,40 @@ SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free, recal
 SCAN_WARPS = 4
 LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
 PAD_BLOCK = 1024  # index-buffer entries per padding store
+# Next-fit placement (one program, no atomics, no cross-program protocol): allocate always, and
+# recall when nothing is evicted and it has at most NF_MAX_MISSES misses. A scan step reads
+# NF_BLOCK free bits (4 KB: 16 per thread in allocate's one program of NF_WARPS, 32 in recall's
+# program 0, which has the pass's SCAN_WARPS); at the ~1.6% free density the reserve leaves
+# (N_G/64 slots) one step finds ~64 free slots, so a 37-miss step is one step. NF_MAX_MISSES = 0
+# turns it off for recall (the multi-program pass places everything, as before).
+NF_BLOCK = 4096
+NF_WARPS = 8
+NF_MAX_MISSES = 128
+# ... and when the scan it expects (misses x N_G / free slots, for free slots spread evenly) is at
+# most NF_MAX_SCAN slots (4 scan steps): a pool nearly out of free slots (the step before a
+# refill) takes the multi-program pass instead of a long serial scan.
+NF_MAX_SCAN = 4 * NF_BLOCK
+# want_host entries next fit reads up front (a power of two; 0 = off). Off by default: it uses
+# tl.gather, not yet run on the H200's Triton; the benchmark's sweep times and checks it.
+NF_PRELOAD = 0
+ALLOCATE_NEXT_FIT = True  # False: allocate runs the multi-program pass (the benchmark times both)
 # 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264 programs
 # then move a 2048-row fp8 recall (84K units) in one wave.
 COPY_UNITS = 512
 COPY_PROGRAMS_PER_SM = 2
 COPY_WARPS = 4
+COPY_EARLY = True  # issue the first list read beside the count's (False: after it, as before)
+COPY_OWN_FINAL = True  # the copy launch's finalisation in a program of its own (False: program 0)
+COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2 only, no L1)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
 @triton.jit
 def _bucket(age):
     """cache_ops.age_bucket for age >= 1."""
-    return tl.where(age < AGE_EXACT, age,
-                    tl.minimum(AGE_EXACT + ((age - AGE_EXACT) >> AGE_SHIFT), NBINS - 1))
+    return tl.where(
+        age < AGE_EXACT, age, tl.minimum(AGE_EXACT + ((age - AGE_EXACT) >> AGE_SHIFT), NBINS - 1)
+    )
 
 
 @triton.jit
@@ -96,10 +118,81 @@ def _pad(indices, lo, hi, pid, nprog, BLOCK: tl.constexpr):
         tl.store(indices + o, tl.full([BLOCK], -1, tl.int32), mask=o < hi)
 
 
+@triton.jit
+def _next_fit(
+    gpu_free,
+    prio,
+    g2h,
+    h2g,
+    indices,
+    meta,
+    want_host,
+    n,
+    n_g,
+    clock,
+    WRITE_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRE: tl.constexpr,
+):
+    """One program: take the first n free slots at or after meta[CURSOR] in pool order (wrapping
+    once round the pool), map rank r to want_host[r], move the cursor past the last one taken;
+    return how many were taken (< n only when the pool has fewer free slots). The steps of the
+    scan are dependent (each needs the count found so far), so it is for small n or dense free
+    slots: the cursor makes consecutive calls continue where the last stopped (next fit), so
+    the calls of one sweep of the pool read each free bit about once between them."""
+    if PRE > 0:
+        # want_host[:PRE] read beside the cursor, ranks < PRE then taken from registers
+        # (tl.gather): one dependent round trip less per call (count -> free bits -> stores).
+        pre_i = tl.arange(0, PRE)
+        pre = tl.load(want_host + pre_i, mask=pre_i < n, other=0)
+    start = tl.load(meta + M_CURSOR)
+    start = tl.where((start >= 0) & (start < n_g), start, 0)
+    found = n * 0
+    scanned = n * 0
+    last = start - 1
+    ar = tl.arange(0, BLOCK)
+    while (found < n) & (scanned < n_g):
+        i = scanned + ar  # linear position from the cursor
+        lin = start + i
+        offs = tl.where(lin >= n_g, lin - n_g, lin)
+        f = tl.load(gpu_free + offs, mask=i < n_g, other=0) != 0
+        fi = f.to(tl.int32)
+        rank = found + tl.cumsum(fi, axis=0) - 1
+        take = f & (rank < n)
+        if PRE > 0:
+            h_pre = tl.gather(pre, tl.minimum(tl.maximum(rank, 0), PRE - 1), 0)
+            h_mem = tl.load(want_host + rank, mask=take & (rank >= PRE), other=0)
+            h = tl.where(rank < PRE, h_pre, h_mem)
+        else:
+            h = tl.load(want_host + rank, mask=take, other=0)
+        tl.store(g2h + offs, h, mask=take)
+        tl.store(h2g + h, offs, mask=take)  # h was PENDING (recall) or absent (allocate)
+        tl.store(prio + offs, tl.zeros([BLOCK], tl.int32) + clock, mask=take)
+        tl.store(gpu_free + offs, tl.zeros([BLOCK], tl.int8), mask=take)
+        if WRITE_IDX:
+            tl.store(indices + rank, offs, mask=take)
+        last = tl.maximum(last, tl.max(tl.where(take, lin, -1), axis=0))
+        found = tl.minimum(found + tl.sum(fi, axis=0), n)
+        scanned += BLOCK
+    nxt = last + 1
+    tl.store(meta + M_CURSOR, tl.where(nxt >= n_g, nxt - n_g, nxt))
+    return found
+
+
 # ---- kernels ------------------------------------------------------------------------------------
 @triton.jit
-def _lookup_kernel(host_slots, h2g, prio, miss_host, meta, stats, total, cap,
-                   MISSES: tl.constexpr, BLOCK: tl.constexpr):
+def _lookup_kernel(
+    host_slots,
+    h2g,
+    prio,
+    miss_host,
+    meta,
+    stats,
+    total,
+    cap,
+    MISSES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Stamp resident selected slots with the clock (protect). With MISSES: claim each distinct
     missing host slot once (atomic exchange -1 -> PENDING: exactly one lane sees -1) and append
     the claimed ones to miss_host (one atomicAdd per block); count the selected entries."""
@@ -154,6 +247,8 @@ def _evict_place_kernel(
     n_g,
     cap,
     reserve,
+    nf_max,
+    nf_scan,
     EVICT: tl.constexpr,
     PLACE: tl.constexpr,
     WRITE_IDX: tl.constexpr,
@@ -161,6 +256,8 @@ def _evict_place_kernel(
     HANDOFF: tl.constexpr,
     BLOCK: tl.constexpr,
     PAD: tl.constexpr,
+    NF_BLOCK: tl.constexpr,
+    NF_PRE: tl.constexpr,
 ):
     """One pass over the pool, per BLOCK-slot block, of up to two phases (free and recall's
     eviction and recall's and allocate's placement were separate launches before issue 18).
@@ -176,7 +273,7 @@ def _evict_place_kernel(
     records zeros; no atomics, no barrier.
     HANDOFF (recall, whose copy launch follows): placing without evicting, the count placed is
     known up front (min(n, free): every free slot is counted), so program 0 records it and the
-    copy launch's program 0 updates the free count and the index high-water mark and resets the
+    copy launch's last program updates the free count and the index high-water mark and resets the
     rank counter; no barrier and no meta[DONE] atomic here. (NFREE and IDX_HW cannot change in
     this launch: every program reads them.)"""
     pid = tl.program_id(0)
@@ -201,7 +298,48 @@ def _evict_place_kernel(
     n_place = n
     if not PLACE:
         n_place = n * 0
-    if (target > 0) | (n_place > 0):
+    # nf_scan < 0 (allocate, one program): next fit whenever a slot is free (with none, the pass
+    # below finds none in its one block, which is then the right answer).
+    short_scan = n_place.to(tl.int64) * n_g <= nf_scan * nfree.to(tl.int64)
+    nf_ok = (n_place <= nf_max) & tl.where(nf_scan < 0, nfree > 0, short_scan)
+    if (target == 0) & (n_place > 0) & nf_ok:
+        # Next fit (the counts decide it alike in every program): program 0 places alone.
+        if pid == 0:
+            if EVICT:
+                _pad(indices, 0, idx_hw, 0, 1, PAD)  # no victims this call
+            k = _next_fit(
+                gpu_free,
+                prio,
+                g2h,
+                h2g,
+                indices,
+                meta,
+                want_host,
+                n_place,
+                n_g,
+                clock,
+                WRITE_IDX,
+                NF_BLOCK,
+                NF_PRE,
+            )
+            if WRITE_IDX:
+                _pad(indices, k, tl.maximum(n, idx_hw), 0, 1, PAD)
+            tl.store(meta + M_LAST_ALLOC, k)
+            if EVICT:
+                tl.store(meta + M_LAST_EVICT, 0)
+            if k < want:
+                tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+            if HANDOFF:
+                # As the handoff below: the copy launch finalises the free count and IDX_HW
+                # (every program here read them); a non-zero ALLOC_CTR tells it so (k > 0 here:
+                # no eviction due means free >= n > 0).
+                tl.store(meta + M_ALLOC_CTR, k)
+            else:
+                # Only with a grid of one program (allocate_cuda): no other program reads these.
+                tl.store(meta + M_NFREE, nfree - k)
+                if WRITE_IDX:
+                    tl.store(meta + M_IDX_HW, k)
+    elif (target > 0) | (n_place > 0):
         if EVICT:
             _pad(indices, target, idx_hw, pid, nprog, PAD)
         elif WRITE_IDX:
@@ -311,6 +449,31 @@ def _evict_place_kernel(
 
 
 @triton.jit
+def _copy_units(
+    host_kv,
+    gpu_kv,
+    h2g,
+    u,
+    r,
+    h,
+    nunits,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """Units u (rows r, host slots h = miss_host[r]) host -> GPU, those below nunits."""
+    um = u < nunits
+    word = (u - r * UPR) * 4
+    src = h.to(tl.int64) * (UPR * 4) + word
+    g = tl.load(h2g + h, mask=um, other=0)
+    dst = g.to(tl.int64) * (UPR * 4) + word
+    m2 = um[:, None]
+    w4 = tl.arange(0, 4)
+    v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
+    tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
+
+
+@triton.jit
 def _copy_out_kernel(
     host_kv,
     gpu_kv,
@@ -322,32 +485,42 @@ def _copy_out_kernel(
     stats,
     total,
     n_copy,
+    cap,
     UPR: tl.constexpr,
     UNITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
+    CACHE: tl.constexpr,
+    OWN_FINAL: tl.constexpr,
 ):
     """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
     16-byte units (UPR per row; unit u is word 4 (u % UPR) of row u // UPR): each thread moves
     whole 16-byte vectors, a warp reads 512 contiguous bytes, and no lane idles on a row padded
     to a power of two (fp8's 656-byte row padded to 1024 wasted 36% of the lanes). Programs
     after: gpu_slots[j] = host_to_gpu[host_slots[j]] and un-claim misses left PENDING (only on
-    overflow). Program 0 also advances the clock, adds the stats and resets NMISS."""
+    overflow). The last program (no other work) advances the clock, adds the stats, resets NMISS
+    and finalises a handed-over placement."""
     pid = tl.program_id(0)
     if pid < n_copy:
-        nunits = tl.load(meta + M_LAST_ALLOC) * UPR
-        w4 = tl.arange(0, 4)
-        for start in range(pid * UNITS, nunits, n_copy * UNITS):
+        # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
+        # it is issued beside the load of meta[LAST_ALLOC], so the host read starts one round
+        # trip earlier (the chain was count -> miss_host -> host row; the host read needs only
+        # the host slot, the GPU slot load runs beside it).
+        # (u0, r0, h0: the else branch's h is another shape; Triton merges same-named variables.)
+        u0 = pid * UNITS + tl.arange(0, UNITS)
+        r0 = u0 // UPR
+        if EARLY:
+            h0 = tl.load(miss_host + r0, mask=r0 < cap, other=0)
+            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+        else:
+            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+            h0 = tl.load(miss_host + r0, mask=u0 < nunits, other=0)
+        _copy_units(host_kv, gpu_kv, h2g, u0, r0, h0, nunits, UPR, UNITS, CACHE)
+        for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
-            um = u < nunits
             r = u // UPR
-            word = (u - r * UPR) * 4
-            h = tl.load(miss_host + r, mask=um, other=0)
-            g = tl.load(h2g + h, mask=um, other=0)
-            src = h.to(tl.int64) * (UPR * 4) + word
-            dst = g.to(tl.int64) * (UPR * 4) + word
-            m2 = um[:, None]
-            v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2)
-            tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
+            h = tl.load(miss_host + r, mask=u < nunits, other=0)
+            _copy_units(host_kv, gpu_kv, h2g, u, r, h, nunits, UPR, UNITS, CACHE)
     else:
         offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < total
@@ -356,20 +529,29 @@ def _copy_out_kernel(
         g = tl.load(h2g + h, mask=valid, other=-1)
         tl.store(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid & (g == PENDING))
         tl.store(out + offs, tl.maximum(g, -1), mask=inb)
-    if pid == 0:
-        # No program of this launch reads what is finalised here (NMISS, CLOCK, the totals; the
-        # copy reads LAST_ALLOC, the output host_to_gpu), so program 0 does it without waiting
-        # for the others: no barrier, no meta[DONE] atomic for the ~400 programs.
-        tl.store(meta + M_LAST_MISS, tl.load(meta + M_NMISS))
+    fin = pid == 0
+    if OWN_FINAL:
+        fin = pid == tl.num_programs(0) - 1
+    if fin:
+        # A program of its own (the launcher adds it; its list share above is empty), so the
+        # finalisation is off the copy's path. No program of this launch reads what is finalised
+        # here (NMISS, CLOCK, the free count, the totals; the copy reads LAST_ALLOC, the output
+        # host_to_gpu): no barrier, no meta[DONE] atomic for the ~400 programs. The loads go
+        # out together (one round trip), the stores and relaxed atomics need no wait.
+        nmiss = tl.load(meta + M_NMISS)
+        handed = tl.load(meta + M_ALLOC_CTR)
+        nfree = tl.load(meta + M_NFREE)
+        nalloc = tl.load(meta + M_LAST_ALLOC)
+        clock = tl.load(meta + M_CLOCK)
+        tl.store(meta + M_LAST_MISS, nmiss)
         tl.store(meta + M_NMISS, 0)
-        if tl.load(meta + M_ALLOC_CTR) > 0:  # the placement pass handed its finalisation over
-            tl.store(meta + M_NFREE, tl.load(meta + M_NFREE) - tl.load(meta + M_LAST_ALLOC))
+        if handed > 0:  # the placement pass handed its finalisation over
+            tl.store(meta + M_NFREE, nfree - nalloc)
             tl.store(meta + M_ALLOC_CTR, 0)
             tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
-        tl.store(meta + M_CLOCK, (tl.load(meta + M_CLOCK) + 1) & CLOCK_MASK)
-        nalloc = tl.load(meta + M_LAST_ALLOC).to(tl.int64)
-        tl.atomic_add(stats + S_RECALLED, nalloc)
-        tl.atomic_add(stats + S_STEPS, nalloc * 0 + 1)
+        tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
+        tl.atomic_add(stats + S_RECALLED, nalloc.to(tl.int64), sem="relaxed")
+        tl.atomic_add(stats + S_STEPS, nalloc.to(tl.int64) * 0 + 1, sem="relaxed")
 
 
 @triton.jit
@@ -392,8 +574,9 @@ def _release_kernel(host_slots, h2g, g2h, prio, gpu_free, meta, total, n_h, BLOC
 
 
 @triton.jit
-def _offload_kernel(host_kv, index_k, rows, index_rows, slots,
-                    ROW_W: tl.constexpr, ROW_WP: tl.constexpr):
+def _offload_kernel(
+    host_kv, index_k, rows, index_rows, slots, ROW_W: tl.constexpr, ROW_WP: tl.constexpr
+):
     """Token t: its KV row -> host_kv[slot] (UVA writes) and its indexer key (32 words of fp8
     values, 1 word of fp32 scale) -> the paged indexer cache. Slot -1: nothing."""
     t = tl.program_id(0)
@@ -451,9 +634,13 @@ def _evict_place(
     place: bool,
     write_idx: bool,
     handoff: bool = False,
+    nf_max: int = 0,
+    nf_scan: int = 0,
+    one_program: bool = False,
 ) -> None:
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
-    _evict_place_kernel[_grid(n_g, SCAN_BLOCK)](
+    grid = (1,) if one_program else _grid(n_g, SCAN_BLOCK)
+    _evict_place_kernel[grid](
         gpu_priority,
         gpu_free,
         gpu_to_host,
@@ -467,6 +654,8 @@ def _evict_place(
         n_g,
         cap,
         C.reserve_slots(n_g),
+        nf_max,
+        nf_scan if nf_max else 0,
         EVICT=evict,
         PLACE=place,
         WRITE_IDX=write_idx,
@@ -474,7 +663,9 @@ def _evict_place(
         HANDOFF=handoff,
         BLOCK=SCAN_BLOCK,
         PAD=PAD_BLOCK,
-        num_warps=SCAN_WARPS,
+        NF_BLOCK=NF_BLOCK,
+        NF_PRE=NF_PRELOAD,
+        num_warps=NF_WARPS if one_program else SCAN_WARPS,
     )
 
 
@@ -485,7 +676,9 @@ def _hist(gpu_priority, meta, hist, want, n_g: int, cap: int) -> None:
 
 
 def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
-    """1 launch: the placement pass."""
+    """1 launch: with ALLOCATE_NEXT_FIT one program placing by next fit (no atomics, no
+    cross-program protocol), else the multi-program placement pass."""
+    nf = ALLOCATE_NEXT_FIT
     _evict_place(
         gpu_free,
         gpu_priority,
@@ -500,6 +693,9 @@ def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, met
         evict=False,
         place=True,
         write_idx=True,
+        nf_max=indices.shape[0] if nf else 0,
+        nf_scan=-1,  # one program: next fit whatever the scan
+        one_program=nf,
     )
 
 
@@ -589,6 +785,8 @@ def recall_cuda(
         place=True,
         write_idx=False,
         handoff=True,  # the copy launch right after finalises the placement
+        nf_max=NF_MAX_MISSES,
+        nf_scan=NF_MAX_SCAN,
     )
     copy_rows(host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1))
     return out
@@ -606,6 +804,8 @@ def copy_rows(
     units: int | None = None,
     programs_per_sm: int | None = None,
     warps: int | None = None,
+    early: bool | None = None,
+    cache: str | None = None,
 ) -> None:
     """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots, and
     out = host_to_gpu[hs]. The keyword arguments override the module's copy configuration (the
@@ -616,7 +816,7 @@ def copy_rows(
     if programs_per_sm is not None and hs.device.type == "cuda":
         n_copy = programs_per_sm * torch.cuda.get_device_properties(hs.device).multi_processor_count
     total = hs.numel()
-    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK),)](
+    _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK) + int(COPY_OWN_FINAL),)](
         _words(host_kv, "host_kv", True),
         _words(gpu_kv, "gpu_kv", True),
         miss_host,
@@ -627,9 +827,13 @@ def copy_rows(
         stats,
         total,
         n_copy,
+        miss_host.shape[0],
         UPR=host_kv.shape[1] // 16,
         UNITS=units or COPY_UNITS,
         BLOCK=LIST_BLOCK,
+        EARLY=COPY_EARLY if early is None else early,
+        CACHE=COPY_CACHE if cache is None else cache,
+        OWN_FINAL=COPY_OWN_FINAL,  # the grid has the finalising program of its own
         num_warps=warps or COPY_WARPS,
     )
 
@@ -637,8 +841,16 @@ def copy_rows(
 def release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:
     hs = host_slots.reshape(-1)
     _release_kernel[_grid(hs.numel(), LIST_BLOCK)](
-        hs, host_to_gpu, gpu_to_host, gpu_priority, gpu_free, meta, hs.numel(),
-        host_to_gpu.shape[0], BLOCK=LIST_BLOCK, num_warps=4,
+        hs,
+        host_to_gpu,
+        gpu_to_host,
+        gpu_priority,
+        gpu_free,
+        meta,
+        hs.numel(),
+        host_to_gpu.shape[0],
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
     )
 
 
@@ -650,7 +862,12 @@ def offload_cuda(host_kv, index_k, rows, index_rows, slots) -> None:
         return
     row_w = host_kv.shape[1] // 4
     _offload_kernel[(t,)](
-        _words(host_kv, "host_kv", True), index_k.view(torch.int32), _words(rows, "rows", False),
+        _words(host_kv, "host_kv", True),
+        index_k.view(torch.int32),
+        _words(rows, "rows", False),
         _words(index_rows, "index_rows", False),
-        slots.contiguous(), ROW_W=row_w, ROW_WP=triton.next_power_of_2(row_w), num_warps=2,
+        slots.contiguous(),
+        ROW_W=row_w,
+        ROW_WP=triton.next_power_of_2(row_w),
+        num_warps=2,
     )

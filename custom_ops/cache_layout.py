@@ -21,6 +21,7 @@ DONE = 8  # scratch: programs finished (the last one finalises and resets the sc
 LAST_ALLOC = 9  # slots taken by the last allocate / recall
 LAST_EVICT = 10  # slots evicted by the last free / recall
 LAST_MISS = 11  # distinct misses of the last recall
+CURSOR = 12  # next-fit placement: where the next scan for free slots starts (any value is valid)
 META_LEN = 16
 SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE)
 

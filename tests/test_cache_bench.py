@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import benchmarks.bench_cache_ops as bench
-from benchmarks.cache_ops_check import BEFORE, NEW
+from benchmarks.cache_ops_check import BEFORE, CURRENT, NEW, kernels_vs_reference
 from benchmarks.cuda_timer import GraphTiming
+from custom_ops import cache_kernels as K
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
+from custom_ops.cache.invariants import check_pool, fill_random
 
 
 class _Eager:
@@ -76,6 +78,22 @@ def test_amortized_figures_and_target_scoring():
     assert met["recall_2048_rows_GBps"] is None and met["offload_64_rows_us"] is None
 
 
+def test_new_vs_current_pairs_only_ops_timed_both_ways():
+    res = {
+        "allocate_37": {"median_us": 3.0},
+        "current.allocate_37": {"median_us": 4.0},
+        "free_37": {"median_us": 9.0},  # no current.* figure: not paired
+        "fp8.recall_37_misses_steady": {"median_us": 12.0},
+        "current.fp8.recall_37_misses_steady": {"error": "boom"},
+    }
+    assert bench.new_vs_current(res) == {
+        "allocate_37": {"new_us": 3.0, "current_us": 4.0, "ratio": 0.75}
+    }
+    assert bench.new_vs_current({**res, "preload.free_37": {"median_us": 4.5}}, "preload") == {
+        "free_37": {"new_us": 9.0, "preload_us": 4.5, "ratio": 2.0}
+    }
+
+
 def test_cli_help():
     r = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_cache_ops", "--help"],
@@ -84,3 +102,36 @@ def test_cli_help():
         timeout=120,
     )
     assert r.returncode == 0 and "--reps" in r.stdout
+
+
+def test_current_generation_sets_its_switches_only_during_a_call(tiny, monkeypatch):
+    """CURRENT (the kernels before next fit) is NEW's module with switches flipped per call; a
+    graph captures the launches chosen then, and the module is left as it was."""
+    seen = []
+    orig = K.allocate_cuda
+    monkeypatch.setattr(
+        K, "allocate_cuda", lambda *a: (seen.append(K.ALLOCATE_NEXT_FIT), orig(*a))[1]
+    )
+    fill_random(tiny, 320, torch.Generator().manual_seed(1))
+    want = torch.nonzero(tiny.host_to_gpu < 0).flatten()[:8].int()
+    n = torch.tensor([4], dtype=torch.int32)
+    CURRENT.allocate(tiny, want, n)
+    NEW.allocate(tiny, want[4:], n)
+    check_pool(tiny)
+    assert seen == [False, True] and K.ALLOCATE_NEXT_FIT and K.NF_MAX_MISSES > 0
+
+
+def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny):
+    """The benchmark's correctness stage (recall, free, allocate, steady recall against the
+    references) at a tiny size: every verdict PASS, so a FAIL on the H200 is the GPU's."""
+    gen = torch.Generator().manual_seed(2)
+    host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8, generator=gen)
+    fill_random(tiny, 640, gen, host_kv=host, host_slots=torch.arange(2048))
+    res = torch.nonzero(tiny.host_to_gpu >= 0).flatten()
+    hs = torch.cat([res[:100], torch.arange(3000, 3006)]).int().view(2, 53)
+    protect = res[torch.randperm(res.numel(), generator=gen)[:64]].int()
+    want = torch.arange(3100, 3140).int()
+    out = kernels_vs_reference(tiny, host, hs, protect, want, 64)
+    assert {k: v["verdict"] for k, v in out.items()} == dict.fromkeys(
+        ("recall", "free", "allocate", "recall_steady"), "PASS"
+    ), out

@@ -78,6 +78,40 @@ def test_pinned_host_pool_is_uva():
     assert torch.equal(cpu_view[slots.cpu()], rows.cpu())
 
 
+def test_full_size_steady_recall_places_by_next_fit():
+    """A recall of 37 misses with free slots to spare (the steady step of issue 18) places them
+    by next fit (one program: the cursor moves, nothing is evicted), eagerly and replayed from a
+    CUDA graph, and matches the reference up to placement."""
+    gen = torch.Generator().manual_seed(SEED + 1)
+    print(f"seed {SEED + 1}")
+    cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
+    host = host_rows(N_H, cfg.row_bytes)
+    pool = GpuPool(cfg, DEV)
+    fill_random(pool, N_G - min(4096, N_G // 8), gen, host_kv=host)
+    hs = selection(pool, gen, B, TOPK, B * TOPK - 37, 37, pad=False)
+    ref, ker, graphed = copy.deepcopy(pool), copy.deepcopy(pool), copy.deepcopy(pool)
+    C.recall_ref(host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host, ref.meta, ref.totals,
+                 hs)  # fmt: skip
+    out = K.recall_cuda(host, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host, ker.meta,
+                        ker.hist, ker.totals, hs)  # fmt: skip
+    runs = [(ker, out)]
+    if DEV == "cuda":  # the kernels are compiled by the eager call: capture, then replay
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            g_out = K.recall_cuda(host, graphed.gpu_kv, *state(graphed), graphed.indices,
+                                  graphed.miss_host, graphed.meta, graphed.hist, graphed.totals,
+                                  hs)  # fmt: skip
+        g.replay()
+        torch.cuda.synchronize()
+        runs.append((graphed, g_out))
+    for p, o in runs:
+        check_pool(p, selected=hs, gpu_slots=o, host_kv=host)
+        assert int(p.meta[L.LAST_EVICT]) == 0 and int(p.meta[L.LAST_MISS]) == 37
+        assert int(p.meta[L.CURSOR]) != int(pool.meta[L.CURSOR])  # next fit placed them
+        assert torch.equal(p.gpu_kv[o.flatten().long()], host[hs.flatten().long()])
+        assert_same_up_to_ties(pool, ref, p)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_full_size_kernels_match_reference(fmt):
     gen = torch.Generator().manual_seed(SEED)
@@ -85,14 +119,26 @@ def test_full_size_kernels_match_reference(fmt):
     pool, host = full_pool(fmt, gen)
     check_pool(pool, host_kv=host)
     # recall at hit rates 0.97 (with duplicates) and 0.5, then again on the state it left
-    for hits, misses, dups in ((B * TOPK * 97 // 100, B * TOPK * 3 // 100, 500),
-                               (B * TOPK // 2, B * TOPK // 2, 0)):
+    for hits, misses, dups in (
+        (B * TOPK * 97 // 100, B * TOPK * 3 // 100, 500),
+        (B * TOPK // 2, B * TOPK // 2, 0),
+    ):
         hs = selection(pool, gen, B, TOPK, hits, misses, dups, pad=False)
         ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
-        o_ref = C.recall_ref(host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host,
-                             ref.meta, ref.totals, hs)
-        o_ker = K.recall_cuda(host, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host,
-                              ker.meta, ker.hist, ker.totals, hs)
+        o_ref = C.recall_ref(
+            host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host, ref.meta, ref.totals, hs
+        )
+        o_ker = K.recall_cuda(
+            host,
+            ker.gpu_kv,
+            *state(ker),
+            ker.indices,
+            ker.miss_host,
+            ker.meta,
+            ker.hist,
+            ker.totals,
+            hs,
+        )
         check_pool(ker, selected=hs, gpu_slots=o_ker, host_kv=host)
         valid = hs >= 0
         assert torch.equal(ker.gpu_kv[o_ker[valid].long()], host[hs[valid].long()])
@@ -131,8 +177,7 @@ def test_offload_kernel_full_size(fmt, t):
     gen = torch.Generator().manual_seed(SEED + t)
     row = 656 if fmt == "fp8" else 1152
     host = host_rows(N_H, row)
-    index_k = torch.randint(0, 256, (N_H // PAGE, INDEX_PAGE_BYTES), dtype=torch.uint8,
-                            device=DEV)
+    index_k = torch.randint(0, 256, (N_H // PAGE, INDEX_PAGE_BYTES), dtype=torch.uint8, device=DEV)
     rows = torch.randint(0, 256, (t, row), dtype=torch.uint8, device=DEV)
     irows = torch.randint(0, 256, (t, INDEX_ROW_BYTES), dtype=torch.uint8, device=DEV)
     slots = torch.randperm(N_H, generator=gen)[:t]
@@ -158,8 +203,16 @@ def test_recall_in_cuda_graph_replays_with_new_selections():
     for step, misses in enumerate((37, 4000, 37)):  # every replay reads the live counters
         static_hs.copy_(selection(pool, gen, B, TOPK, B * TOPK - misses, misses))
         ref = copy.deepcopy(pool)
-        o_ref = C.recall_ref(host, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host,
-                             ref.meta, ref.totals, static_hs)
+        o_ref = C.recall_ref(
+            host,
+            ref.gpu_kv,
+            *state(ref),
+            ref.indices,
+            ref.miss_host,
+            ref.meta,
+            ref.totals,
+            static_hs,
+        )
         before = copy.deepcopy(pool)
         graph.replay()
         torch.cuda.synchronize()

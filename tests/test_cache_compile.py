@@ -1,0 +1,94 @@
+"""Every cache kernel, in each configuration its launcher uses (and the benchmark's variants),
+compiles for an H200 (sm_90) without a GPU. The interpreter that runs the kernel tests on CPU does
+not type-check what the compiler does (e.g. the same name bound to tensors of two shapes in the
+two branches of an ``if``), so a kernel can pass every CPU test and still fail to compile; this
+catches that before the GPU run. It also checks that the row copy moves 16-byte vectors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Run in a fresh interpreter: the test session sets TRITON_INTERPRET=1, which swaps the kernels
+# for interpreted functions at import.
+SCRIPT = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from custom_ops import cache_kernels as K
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_(kern, args, consts, name):
+    sig = {a: t for a, t in args}
+    sig.update({k: "constexpr" for k in consts})
+    # Pointers 16-byte aligned, as the launchers pass them (and Triton specialises at run time).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (_, t) in enumerate(args) if t[0] == "*"}
+    try:
+        c = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
+                           target=TARGET)
+    except Exception as e:
+        print(f"FAIL {name}: {type(e).__name__}: {str(e)[-600:]}")
+        return ""
+    print(f"OK {name}")
+    return c.asm["ptx"]
+
+
+I32, I8, I64 = "*i32", "*i8", "*i64"
+EP = [("prio", I32), ("gpu_free", I8), ("g2h", I32), ("h2g", I32), ("indices", I32),
+      ("meta", I32), ("hist", I32), ("stats", I64), ("want_ptr", I32), ("want_host", I32),
+      ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("nf_max", "i32"), ("nf_scan", "i32")]
+base = dict(BLOCK=K.SCAN_BLOCK, PAD=K.PAD_BLOCK, NF_BLOCK=K.NF_BLOCK, NF_PRE=K.NF_PRELOAD)
+for name, flags in {
+    "recall, preload": dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True,
+                            NF_PRE=128),
+    "allocate, preload": dict(EVICT=False, PLACE=True, WRITE_IDX=True, PAD_IDX=True,
+                              HANDOFF=False, NF_PRE=128),
+    "recall": dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True),
+    "allocate": dict(EVICT=False, PLACE=True, WRITE_IDX=True, PAD_IDX=True, HANDOFF=False),
+    "free": dict(EVICT=True, PLACE=False, WRITE_IDX=False, PAD_IDX=True, HANDOFF=False),
+}.items():
+    compile_(K._evict_place_kernel, EP, {**base, **flags}, f"evict_place[{name}]")
+LK = [("host_slots", I32), ("h2g", I32), ("prio", I32), ("miss_host", I32), ("meta", I32),
+      ("stats", I64), ("total", "i32"), ("cap", "i32")]
+for misses in (True, False):
+    compile_(K._lookup_kernel, LK, dict(MISSES=misses, BLOCK=K.LIST_BLOCK), f"lookup[{misses}]")
+compile_(K._hist_kernel, [("prio", I32), ("meta", I32), ("hist", I32), ("want_ptr", I32),
+                          ("n_g", "i32"), ("cap", "i32")], dict(BLOCK=K.SCAN_BLOCK), "hist")
+CP = [("host_kv", I32), ("gpu_kv", I32), ("miss_host", I32), ("h2g", I32), ("host_slots", I32),
+      ("out", I32), ("meta", I32), ("stats", I64), ("total", "i32"), ("n_copy", "i32"),
+      ("cap", "i32")]
+for upr in (41, 72):  # fp8 and bf16 rows
+    for early, cache, own, units in ((True, "", True, K.COPY_UNITS), (False, ".cg", False, 1024)):
+        ptx = compile_(K._copy_out_kernel, CP, dict(UPR=upr, UNITS=units, BLOCK=K.LIST_BLOCK,
+                       EARLY=early, CACHE=cache, OWN_FINAL=own), f"copy[{upr},{early},{cache}]")
+        if ptx and not re.search(r"ld\.global(\.cg)?\.v4\.b32", ptx):
+            print(f"FAIL copy[{upr},{early},{cache}]: no 16-byte loads in the PTX")
+compile_(K._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
+                             ("gpu_free", I8), ("meta", I32), ("total", "i32"), ("n_h", "i32")],
+         dict(BLOCK=K.LIST_BLOCK), "release")
+compile_(K._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
+                             ("index_rows", I32), ("slots", "*i64")],
+         dict(ROW_W=164, ROW_WP=256), "offload")
+"""
+
+
+def test_every_cache_kernel_compiles_for_sm90():
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=600,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "FAIL" not in out, out[-3000:]
+    assert out.count("OK ") == 14, out[-3000:]
