@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/echo_out}
 W="$OUT/work"
 mkdir -p "$W"
 log="$OUT/session.log"
-pack() { tar czf "$OUT/results.tgz.part" -C "$W" . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
+pack() { local t="$OUT/.results.$BASHPID"; tar czf "$t" -C "$W" . && mv "$t" "$OUT/results.tgz"; }
 stage() { # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s) $(date +%T)" | tee -a "$log"
@@ -29,7 +29,11 @@ stage() { # name seconds command...
 }
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$log"
 BACKENDS=0
-if ls .whl/*.whl > /dev/null 2>&1; then
+if [ -d /tmp/site/deep_gemm ]; then  # installed by an earlier invocation of this call
+  export PYTHONPATH=/tmp/site && BACKENDS=1
+  mkdir -p .jit/dg .jit/fi
+  export DG_JIT_CACHE_DIR=$PWD/.jit/dg FLASHINFER_WORKSPACE_BASE=$PWD/.jit/fi
+elif ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && BACKENDS=1
   # FlashInfer's JIT is a ninja build: sources fresh from pip are newer than the carried objects,
@@ -63,22 +67,22 @@ time)
   names=" $* "
   on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
   if [ "$BACKENDS" = 1 ] && on backends; then
-    stage bench_backends 200 python -m benchmarks.bench_backends --step-batches "${STEP_BATCHES-64}" \
+    stage bench_backends 165 python -m benchmarks.bench_backends --step-batches "${STEP_BATCHES-64}" \
       --out "$W/backends_h200.json"
     packjit
   fi
-  on prefill && stage bench_prefill 160 python -m benchmarks.bench_prefill --budget-s 140 --out "$W/prefill_h200.json"
-  on cache_ops && stage bench_cache_ops 60 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
+  on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 125 --out "$W/prefill_h200.json"
+  on cache_ops && stage bench_cache_ops 80 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
-  on fp8 && stage bench_fp8 80 python -m benchmarks.bench_fp8 --batches 1,16,128 --budget-s 60 --out "$W/fp8_h200.json"
-  on calibrate && stage calibrate_locality 110 python -m benchmarks.calibrate_locality \
-    --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 80 --out "$W/calibrate_locality_h200.json"
+  on fp8 && stage bench_fp8 70 python -m benchmarks.bench_fp8 --batches 1,16,128 --budget-s 50 --out "$W/fp8_h200.json"
+  on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
+    --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"
   on prefetch && stage bench_prefetch 60 python -m benchmarks.bench_prefetch --caps 64 --ratios "" --out "$W/prefetch_h200.json"
   ;;
 tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
   shift
   i=0; group=()
-  run_group() { i=$((i + 1)); (stage "tests_$i" 400 $T "${group[@]}"; packjit) & group=(); }
+  run_group() { i=$((i + 1)); (stage "tests_$i" "${TESTS_LIMIT-400}" $T "${group[@]}"; packjit) & group=(); }
   for a in "$@"; do
     if [ "$a" = "," ]; then run_group; else group+=("$a"); fi
   done
