@@ -15,7 +15,6 @@ import asyncio
 import time
 
 import httpx
-import openai
 import pytest
 import torch
 from engine_records import Recorder, random_prompts, tiny
@@ -302,6 +301,8 @@ def _idle(aengine: AsyncEngine) -> Engine:
 
 
 def test_server_n_shares_one_prefill_streamed_and_not(served):
+    import openai  # not at the top: the GPU machine that runs the cuda tests has none
+
     base, aengine, rec = served
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     ids = prompt(9, 90)
@@ -325,6 +326,8 @@ def test_server_n_shares_one_prefill_streamed_and_not(served):
 
 
 def test_server_best_of_returns_the_highest_cumulative_logprobs(served):
+    import openai  # not at the top: the GPU machine that runs the cuda tests has none
+
     base, aengine, _ = served
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     body = dict(model="tiny", prompt=prompt(4, 80), max_tokens=5, temperature=1.0, seed=11)

@@ -205,7 +205,9 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
             f"dg_moe_fp8: needs bf16 x, 1 <= T <= {MOE_MAX_TOKENS}, D % {N_ALIGN} == 0; got "
             f"{x.dtype} T={t} D={w13.shape[2]}"
         )
-    gemm = _lib().m_grouped_fp8_gemm_nt_masked
+    lib = _lib()
+    # upstream's name; this wheel (sgl-deep-gemm 0.1.5.post1) has fp8_m_grouped_gemm_nt_masked
+    gemm = getattr(lib, "m_grouped_fp8_gemm_nt_masked", None) or lib.fp8_m_grouped_gemm_nt_masked
     mg = align_up(t, m_alignment())
     return moe_pipeline(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0, gemm, mg)
 
