@@ -31,14 +31,18 @@ BACKENDS = ("auto", "triton", "deep_gemm", "flashinfer")
 LIBRARY = {"deep_gemm": "deep_gemm", "flashinfer": "flashinfer"}  # backend -> import name
 
 # ``auto``: per half, the backend for a decode batch of at least ``min_batch`` rows (the last row
-# whose min_batch <= B wins). Source of the numbers: issue 16's H200 measurements at 100K context
-# (DeepGEMM scores 228 us vs Triton 258 at B = 64; FlashInfer top-k 77 us vs Triton 169 at
-# B = 64, 75 vs 27 at B = 1; crossovers not measured). To be re-measured on the H200, with the
-# fix-up's cost included, and refilled from:
-#     python -m benchmarks.bench_backends --out $OUT/bench_backends.json   ("auto_table" there)
+# whose min_batch <= B wins). The rows are the ``auto_table`` that the H200 run of 2026-12-01
+# suggested (benchmarks/results/backends_h200.json, by speed at 100K context; B = 1 / 16 / 64
+# measured, so each row holds from its batch up to the next): DeepGEMM scores at every batch
+# (5.1 vs 8.6 us at B = 1, 214 vs 258 at B = 64); Triton top-k up to B = 16 (28 vs 66 us with
+# the tie fix-up at B = 1), FlashInfer + fix-up at B = 64 (111 vs 170 us). NOTE: in that run a
+# compiled engine with ``auto`` failed in its B = 64 warm-up (CUBLAS_STATUS_EXECUTION_FAILED, an
+# asynchronous CUDA error whose cause is not isolated; ``step_error`` there), so ``auto`` is not
+# the default: ``kernel_backend`` stays ``triton``. Refill from
+#     python -m benchmarks.bench_backends --step-batches 64 --out $OUT/backends_h200.json
 AUTO_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
-    "scores": ((1, "triton"), (16, "deep_gemm")),
-    "topk": ((1, "triton"), (16, "flashinfer")),
+    "scores": ((1, "deep_gemm"), (16, "deep_gemm"), (64, "deep_gemm")),
+    "topk": ((1, "triton"), (16, "triton"), (64, "flashinfer")),
 }
 
 
