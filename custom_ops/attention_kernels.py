@@ -96,37 +96,28 @@ def _load_nope(
 
 
 @triton.jit
-def _sparse_mla_kernel(
-    q_ptr,  # [B, H, 576] bf16
-    bf_ptr,  # pool as bf16 [N, ROW/2]
-    u8_ptr,  # pool as uint8 [N, ROW]
-    f32_ptr,  # pool as fp32 [N, ROW/4] (fp8 rows: the scales)
-    slot_ptr,  # [B, K] int32
-    out_ptr,  # [B, H, 512] bf16 (one split)
-    part_ptr,  # [B, H, n_split, 512] fp32 (several splits)
-    ml_ptr,  # [B, H, n_split, 2] fp32
-    H,
-    K,
-    k_split,
-    q_sb,
-    q_sh,
-    s_sb,
-    qk_scale,  # softmax_scale * log2(e)
+def _attend(
+    q_row,  # the query's first head of this block: [BH, 576] bf16 at q_row + h * q_sh
+    hm,  # [BH] live heads
+    u8_ptr,
+    bf_ptr,
+    f32_ptr,
+    sel_row,  # this query's selected rows: int32, -1 = unused
+    k_lo,
+    k_hi,  # the entries [k_lo, k_hi) of sel_row
+    qk_scale,
     FP8: tl.constexpr,
     ROW: tl.constexpr,
     BH: tl.constexpr,
     BK: tl.constexpr,
-    SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    sp = tl.program_id(2)
-    hh = tl.program_id(1) * BH + tl.arange(0, BH)
-    hm = hh < H
+    """One (query, head block) over some of its selected rows, in the absorbed form: the online
+    softmax state (m [BH], l [BH]) and the four fp32 [BH, 128] quarters of the unnormalised
+    output. The one loop of the decode and the prefill kernels (inlined into each)."""
     dd = tl.arange(0, 128)
     dr = tl.arange(0, 64)
-    q_row = q_ptr + b * q_sb + hh[:, None] * q_sh
     q0 = tl.load(q_row + dd[None, :], mask=hm[:, None], other=0.0)
     q1 = tl.load(q_row + 128 + dd[None, :], mask=hm[:, None], other=0.0)
     q2 = tl.load(q_row + 256 + dd[None, :], mask=hm[:, None], other=0.0)
@@ -139,11 +130,9 @@ def _sparse_mla_kernel(
     a1 = tl.zeros([BH, 128], tl.float32)
     a2 = tl.zeros([BH, 128], tl.float32)
     a3 = tl.zeros([BH, 128], tl.float32)
-    k_lo = sp * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
-        slot = tl.load(slot_ptr + b * s_sb + kk, mask=kk < k_hi, other=-1)
+        slot = tl.load(sel_row + kk, mask=kk < k_hi, other=-1)
         valid = slot >= 0
         row = tl.where(valid, slot, 0).to(tl.int64)
         # invalid rows load as zeros: p = 0 times a garbage row could still give NaN
@@ -174,6 +163,45 @@ def _sparse_mla_kernel(
         a2 = _mm(pb, k2_, a2 * alpha[:, None], F32_DOT)
         a3 = _mm(pb, k3_, a3 * alpha[:, None], F32_DOT)
         m_i = m_new
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr,  # [B, H, 576] bf16
+    bf_ptr,  # pool as bf16 [N, ROW/2]
+    u8_ptr,  # pool as uint8 [N, ROW]
+    f32_ptr,  # pool as fp32 [N, ROW/4] (fp8 rows: the scales)
+    slot_ptr,  # [B, K] int32
+    out_ptr,  # [B, H, 512] bf16 (one split)
+    part_ptr,  # [B, H, n_split, 512] fp32 (several splits)
+    ml_ptr,  # [B, H, n_split, 2] fp32
+    H,
+    K,
+    k_split,
+    q_sb,
+    q_sh,
+    s_sb,
+    qk_scale,  # softmax_scale * log2(e)
+    FP8: tl.constexpr,
+    ROW: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    b = tl.program_id(0)
+    sp = tl.program_id(2)
+    hh = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = hh < H
+    dd = tl.arange(0, 128)
+    k_lo = sp * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    m_i, l_i, a0, a1, a2, a3 = _attend(
+        q_ptr + b * q_sb + hh[:, None] * q_sh, hm, u8_ptr, bf_ptr, f32_ptr, slot_ptr + b * s_sb,
+        k_lo, k_hi, qk_scale, FP8, ROW, BH, BK, F32_DOT, STAGES,
+    )  # fmt: skip
     if SPLIT:
         n_split = tl.num_programs(2)
         base = (b * H + hh) * n_split + sp

@@ -21,7 +21,8 @@ What differs from reusing the decode kernel (custom_ops/attention_kernels.py), a
   block) that selects it: with 2048 queries selecting from the same context that is the same
   rows dequantised thousands of times. The extra memory is ``L * 1152`` bytes, bounded by the
   context, never by ``T * L``.
-The loop is the decode kernel's without splits, operation for operation: outputs equal
+The loop is the decode kernel's (``attention_kernels._attend``, one jit function inlined into
+both) without splits: outputs equal
 ``sparse_mla_decode_cuda`` with ``n_split=1`` bit for bit (tests/test_prefill_attn.py).
 Few programs (a short chunk): the decode kernel with its splits fills the GPU better, so the
 launcher hands such calls to it (a static choice, from shapes only).
@@ -147,54 +148,11 @@ def _prefill_attn_kernel(
         e = tl.load(sel_row + ss, mask=ss < K, other=-1)
         last = tl.maximum(last, tl.where(e >= 0, ss + 1, 0))
     k_hi = tl.max(last, 0)
+    m_i, l_i, a0, a1, a2, a3 = ak._attend(
+        q_ptr + b.to(tl.int64) * q_sb + hh[:, None] * q_sh, hm, u8_ptr, bf_ptr, f32_ptr, sel_row,
+        0, k_hi, qk_scale, FP8, ROW, BH, BK, F32_DOT, STAGES,
+    )  # fmt: skip
     dd = tl.arange(0, 128)
-    dr = tl.arange(0, 64)
-    q_row = q_ptr + b.to(tl.int64) * q_sb + hh[:, None] * q_sh
-    q0 = tl.load(q_row + dd[None, :], mask=hm[:, None], other=0.0)
-    q1 = tl.load(q_row + 128 + dd[None, :], mask=hm[:, None], other=0.0)
-    q2 = tl.load(q_row + 256 + dd[None, :], mask=hm[:, None], other=0.0)
-    q3 = tl.load(q_row + 384 + dd[None, :], mask=hm[:, None], other=0.0)
-    qr = tl.load(q_row + 512 + dr[None, :], mask=hm[:, None], other=0.0)
-    # finite start: a block of only invalid rows gives p = 0 and alpha = 1, never NaN
-    m_i = tl.full([BH], -1.0e30, tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    a0 = tl.zeros([BH, 128], tl.float32)
-    a1 = tl.zeros([BH, 128], tl.float32)
-    a2 = tl.zeros([BH, 128], tl.float32)
-    a3 = tl.zeros([BH, 128], tl.float32)
-    for k0 in tl.range(0, k_hi, BK, num_stages=STAGES):
-        kk = k0 + tl.arange(0, BK)
-        slot = tl.load(sel_row + kk, mask=kk < k_hi, other=-1)
-        valid = slot >= 0
-        row = tl.where(valid, slot, 0).to(tl.int64)
-        # invalid rows load as zeros: p = 0 times a garbage row could still give NaN
-        k0_ = ak._load_nope(u8_ptr, bf_ptr, f32_ptr, row, valid, 0, FP8, ROW, F32_DOT)
-        k1_ = ak._load_nope(u8_ptr, bf_ptr, f32_ptr, row, valid, 1, FP8, ROW, F32_DOT)
-        k2_ = ak._load_nope(u8_ptr, bf_ptr, f32_ptr, row, valid, 2, FP8, ROW, F32_DOT)
-        k3_ = ak._load_nope(u8_ptr, bf_ptr, f32_ptr, row, valid, 3, FP8, ROW, F32_DOT)
-        rope_at = ROW // 2 - 64  # bf16 units: rope is the last 128 bytes of both formats
-        kr = tl.load(
-            bf_ptr + row[:, None] * (ROW // 2) + rope_at + dr[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        s = tl.zeros([BH, BK], tl.float32)
-        s = ak._mm(q0, tl.trans(k0_), s, F32_DOT)
-        s = ak._mm(q1, tl.trans(k1_), s, F32_DOT)
-        s = ak._mm(q2, tl.trans(k2_), s, F32_DOT)
-        s = ak._mm(q3, tl.trans(k3_), s, F32_DOT)
-        s = ak._mm(qr, tl.trans(kr), s, F32_DOT)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pb = ak._bf16(p, F32_DOT)
-        a0 = ak._mm(pb, k0_, a0 * alpha[:, None], F32_DOT)
-        a1 = ak._mm(pb, k1_, a1 * alpha[:, None], F32_DOT)
-        a2 = ak._mm(pb, k2_, a2 * alpha[:, None], F32_DOT)
-        a3 = ak._mm(pb, k3_, a3 * alpha[:, None], F32_DOT)
-        m_i = m_new
     inv = 1.0 / tl.maximum(l_i, 1e-30)  # no valid row: l = 0 and the accumulator is 0
     o = out_ptr + (b.to(tl.int64) * H + hh)[:, None] * 512 + dd[None, :]
     tl.store(o, ak._bf16(a0 * inv[:, None], F32_DOT), mask=hm[:, None])
