@@ -69,6 +69,14 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
         )  # fmt: skip
         recs[name] = generate_and_record(llm, [prompts[i] for i in which])
         recs[name]["unfinished_after"] = llm.engine.has_unfinished()  # a collective
+        try:  # refused on every rank alike (a collective call), nothing left behind
+            plp = SamplingParams(max_tokens=1, prompt_logprobs=1)
+            llm.engine.add_request(f"{name}-plp", prompts[0], plp)
+            recs[name]["prompt_logprobs"] = "accepted"
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+        except ValueError as e:
+            recs[name]["prompt_logprobs"] = str(e)
     torch.save(recs, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     shutdown()

@@ -58,6 +58,14 @@ def _logits_by_prompt(rec: dict) -> dict[int, torch.Tensor]:
     return {i: torch.stack(rec["logits"][rid]) for i, rid in enumerate(rec["ids"])}
 
 
+def test_prompt_logprobs_refused_with_tp_or_ep_accepted_with_dp(runs):
+    ranks, _ = runs
+    for r in ranks:
+        for case in ("dp_tp", "dp_tp_gpu_only", "tp", "dp_ep", "one_request"):
+            assert "not supported with tp or ep" in r[case]["prompt_logprobs"], case
+        assert r["dp"]["prompt_logprobs"] == "accepted"
+
+
 def test_dp_tokens_equal_single_process(runs):
     """Data parallel alone changes no sum: the tokens are the single process's exactly."""
     ranks, ref = runs

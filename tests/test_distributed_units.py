@@ -213,3 +213,20 @@ def test_ep_shards_hold_their_experts_whole():
         got = sum(s.model.layers[i].mlp.partial(x) for s in shards).to(torch.bfloat16).float()
         ulp = 2.0**-7 * ref.abs().max().item()
         assert (got - ref).abs().max().item() <= ulp, f"layer {i}"
+
+
+def test_driver_does_not_hand_out_rank0_only_methods():
+    """The server shares a prefill over n choices only if its engine has add_request_group: on a
+    multi-rank driver that would add the group to rank 0's engine alone (no other rank, no DP
+    balance, no abort through the driver), so the driver does not offer it; reads pass through."""
+    from types import SimpleNamespace
+
+    from runtime.distributed.driver import DriverEngine
+
+    local = SimpleNamespace(add_request_group=lambda *a: None, tokenizer="tok", max_model_len=7)
+    d = DriverEngine(SimpleNamespace(ctx=SimpleNamespace(rank=0, timeout_s=60.0), engine=local))
+    try:
+        assert (d.tokenizer, d.max_model_len) == ("tok", 7)
+        assert not hasattr(d, "add_request_group")
+    finally:
+        d.close()

@@ -57,6 +57,31 @@ def test_pair_rows_rank_each_experts_pairs_in_order():
     assert rows.tolist() == [16, 0, 17, 8, 1, 18, 24, 19]
 
 
+def test_pair_rows_skip_id_goes_to_the_dump_row_and_no_count():
+    ids = torch.tensor([[2, 5], [5, 1], [0, 2]])  # 5 = the skip id (expert parallelism)
+    rows, masked_m = DG.pair_rows(ids, 5, 8)
+    assert masked_m.tolist() == [1, 1, 2, 0, 0]
+    assert rows.tolist() == [16, 40, 40, 8, 0, 17]
+
+
+def test_moe_pipeline_skips_foreign_experts_picks():
+    """EP's skip id (one past the rank's experts) contributes nothing: equal to the reference
+    with those picks' weights zeroed (any local expert id in their place)."""
+    t, e, k, d, inter = 6, 4, 3, 128, 128
+    g = torch.Generator().manual_seed(11)
+    w13, s13 = _experts(e, 2 * inter, d, g)
+    w2, s2 = _experts(e, d, inter, g)
+    x = torch.randn(t, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e + 2, generator=g)[:k] for _ in range(t)]).clamp(max=e)
+    assert (ids == e).any() and (ids < e).any()
+    w = torch.rand(t, k, generator=g)
+    y = DG.moe_pipeline(x, ids, w, w13, s13, w2, s2, True, DG.masked_gemm_ref, DG.align_up(t, 4))
+    skip = ids == e
+    ref = F8.moe_fp8_ref(x, ids.masked_fill(skip, 0), w.masked_fill(skip, 0.0), w13, s13, w2, s2,
+                         True)  # fmt: skip
+    assert torch.isfinite(y).all() and _rel(y, ref) < 2e-3
+
+
 @pytest.mark.parametrize("case", [(1, 4, 2, 128, 128), (6, 8, 3, 256, 128)])
 def test_moe_pipeline_matches_reference(case):
     """The DeepGEMM MoE's steps (ranking, scatter + quantisation, masked GEMMs, fused silu +

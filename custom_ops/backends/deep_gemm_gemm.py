@@ -129,16 +129,20 @@ def _(x, w8, w_scale, ue8m0):  # as the reference (the CUDA kernel takes bf16 x 
 def pair_rows(topk_ids: torch.Tensor, n_experts: int, rows_per_group: int):
     """On the device, no host sync: for each (token, slot) pair (flattened ``[T * k]``) its row
     ``e * rows_per_group + rank`` in the grouped blocks (rank: its place among the pairs of
-    expert e, in pair order), and ``masked_m [E]`` int32 (pairs per expert)."""
+    expert e, in pair order), and ``masked_m [E]`` int32 (pairs per expert). A pair with the skip
+    id ``E`` (expert parallelism: another rank's expert) gets the dump row ``E * rows_per_group``,
+    one past the experts' blocks, and is in no count."""
     flat = topk_ids.reshape(-1).long()
     p = flat.numel()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     starts = torch.cumsum(counts, 0) - counts
     rank_sorted = torch.arange(p, device=flat.device) - starts[flat[order]]
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-    return flat * rows_per_group + rank, counts.to(torch.int32)
+    kept = flat < n_experts
+    rows = torch.where(kept, flat * rows_per_group + rank, n_experts * rows_per_group)
+    return rows, counts[:n_experts].to(torch.int32)
 
 
 @torch.library.custom_op("echo::dg_moe_fp8", mutates_args=())
@@ -182,18 +186,20 @@ def moe_pipeline(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0,
     rows, masked_m = pair_rows(topk_ids, e, mg)
     src = torch.arange(t * k, device=x.device) // k  # the token of each pair
     expected_m = max(1, -(-t * k // e))  # a hint for DeepGEMM's config: mean pairs per expert
-    a8 = torch.empty((e, mg, d), dtype=FP8_DTYPE, device=x.device)
-    sfa = empty_sfa(e, mg, d // BLOCK, x.device)
-    K.quant_rows(x, src, rows, a8.view(e * mg, d), sfa, mg, ue8m0, gated=False)
-    gu = torch.empty((e, mg, 2 * inter), dtype=torch.bfloat16, device=x.device)
-    gemm((a8, sfa), (w13, w13_scale), gu, masked_m, expected_m)
-    h8 = torch.empty((e, mg, inter), dtype=FP8_DTYPE, device=x.device)
-    sfh = empty_sfa(e, mg, inter // BLOCK, x.device)
-    K.quant_rows(gu.view(e * mg, 2 * inter), rows, rows, h8.view(e * mg, inter), sfh, mg, ue8m0,
+    g = e + 1  # the experts' blocks and one more, whose first row is the skipped pairs' dump
+    a8 = torch.empty((g, mg, d), dtype=FP8_DTYPE, device=x.device)
+    sfa = empty_sfa(g, mg, d // BLOCK, x.device)
+    K.quant_rows(x, src, rows, a8.view(g * mg, d), sfa, mg, ue8m0, gated=False)
+    gu = torch.empty((g, mg, 2 * inter), dtype=torch.bfloat16, device=x.device)
+    gemm((a8[:e], sfa[:e]), (w13, w13_scale), gu[:e], masked_m, expected_m)
+    h8 = torch.empty((g, mg, inter), dtype=FP8_DTYPE, device=x.device)
+    sfh = empty_sfa(g, mg, inter // BLOCK, x.device)
+    K.quant_rows(gu.view(g * mg, 2 * inter), rows, rows, h8.view(g * mg, inter), sfh, mg, ue8m0,
                  gated=True)  # fmt: skip
-    y = torch.empty((e, mg, d), dtype=torch.bfloat16, device=x.device)
-    gemm((h8, sfh), (w2, w2_scale), y, masked_m, expected_m)
-    yp = y.view(e * mg, d).index_select(0, rows).float()  # [T * k, D], pair order
+    y = torch.empty((g, mg, d), dtype=torch.bfloat16, device=x.device)
+    y[e].zero_()  # a skipped pair reads a zero row (its weight times garbage could be NaN)
+    gemm((h8[:e], sfh[:e]), (w2, w2_scale), y[:e], masked_m, expected_m)
+    yp = y.view(g * mg, d).index_select(0, rows).float()  # [T * k, D], pair order
     return (yp * topk_weights.reshape(-1, 1).float()).view(t, k, d).sum(1)
 
 

@@ -50,6 +50,10 @@ _METHODS = {
 }
 
 
+# Engine methods a driver must not hand to rank 0's engine: n > 1 then prefills per choice
+_NOT_MIRRORED = frozenset({"add_request_group"})
+
+
 def _broadcast(engine: DistributedEngine, obj: Any, what: str) -> Any:
     box = [obj]
     with guarded(engine.ctx, what):
@@ -76,7 +80,11 @@ class DriverEngine:
         self._beat.start()
 
     def __getattr__(self, name: str) -> Any:
-        # tokenizer, model_name, max_model_len, config, model_config, metrics: rank 0's engine
+        # tokenizer, model_name, max_model_len, config, model_config, metrics: rank 0's engine.
+        # Not what would change rank 0's engine alone: a group added there would skip the other
+        # ranks (and the DP balance), and an abort through the driver would not find it
+        if name in _NOT_MIRRORED:
+            raise AttributeError(f"{name}: not available on a multi-rank engine")
         return getattr(self.inner.engine, name)
 
     def _send(self, kind: str, args: tuple) -> None:
