@@ -157,9 +157,11 @@ class Scheduler:
         pages, req.pages = req.pages, []
         if pages:
             last = self.pages.last_holder(pages)
-            if last and self.release is not None:
-                self.release(last)  # before the pages can be handed out again
-            self.pages.free(pages)
+            try:
+                if last and self.release is not None:
+                    self.release(last)  # before the pages can be handed out again
+            finally:  # a release that raises (Engine.recover resets the pools) loses no page
+                self.pages.free(pages)
         return pages
 
     def _drop_head(self, group: PrefillGroup) -> None:

@@ -95,3 +95,22 @@ def test_stop_string_split_across_tokens(reference):
     assert reason == "stop"
     assert "".join(texts) == full[:cut]  # cut before the stop string, nothing of it streamed
     assert ids == ref[: i + 2]  # ends on the token that completed the stop string
+
+
+def test_recover_frees_every_page_when_release_raises(monkeypatch):
+    """Engine.recover after a failed step: even if forgetting a request's rows in the GPU pools
+    raises (the maps a failed recall left), every host page is free again."""
+    model, tok = tiny()
+    eng = Engine(model, model.config, tok, CFG)
+    for rid in ("a", "b"):
+        eng.add_request(rid, tok.encode(PROMPT * 3), _params())
+    eng.step()  # admitted, pages held
+    assert eng.scheduler.pages.num_used > 0
+
+    def broken(host_slots):  # noqa: ANN001, ANN202
+        raise RuntimeError("inconsistent pool maps")
+
+    monkeypatch.setattr(eng.cache, "release", broken)
+    eng.recover()
+    assert not eng.requests and not eng.has_unfinished()
+    assert eng.scheduler.pages.num_used == 0
