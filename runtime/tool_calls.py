@@ -89,6 +89,8 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan 
         if choice.get("type") != "function" or not isinstance(fn, dict):
             raise ValueError('tool_choice: an object must be {"type": "function", "function": ...}')
         name = fn.get("name")
+        if not isinstance(name, str):
+            raise ValueError(f"tool_choice: function.name must be a string, got {name!r}")
         if name not in {f["name"] for f in functions}:
             raise ValueError(f"tool_choice: {name!r} is not one of the request's tools")
         forced = [f for f in functions if f["name"] == name]
@@ -127,6 +129,16 @@ def functions_of(tools: Any) -> list[dict[str, Any]]:
         for key in params.get("properties", {}):
             if not key or any(c in key for c in '"<>\n'):
                 raise ValueError(f"tools[{i}]: parameter name {key!r} cannot be written in DSML")
+        required = params.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"tools[{i}].function.parameters.required must be a list of names")
+        for key, sub in params.get("properties", {}).items():
+            for bound in ("minLength", "maxLength"):
+                v = sub.get(bound) if isinstance(sub, dict) else None
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ValueError(
+                        f"tools[{i}]: {key}.{bound} must be a non-negative integer, got {v!r}"
+                    )
         seen.add(name)
         out.append(fn)
     return out

@@ -179,6 +179,10 @@ def test_render_bad_messages_name_the_problem(msgs: list, match: str) -> None:
 
 
 # ---- the plan and the grammar ------------------------------------------------------------------
+def _fn(parameters: dict) -> list:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
 @pytest.mark.parametrize(
     "tools, choice, match",
     [
@@ -188,6 +192,19 @@ def test_render_bad_messages_name_the_problem(msgs: list, match: str) -> None:
         ([{"type": "function", "function": {"name": "bad name"}}], None, "must match"),
         ([{"type": "function", "function": {"name": "f"}}] * 2, None, "used twice"),
         ([{"type": "retrieval"}], None, "tools\\[0\\]"),
+        (TOOLS, {"type": "function", "function": {"name": ["f"]}}, "must be a string"),
+        (_fn({"type": "object", "properties": {}, "required": [["a"]]}), "required", "list of"),
+        (_fn({"type": "object", "properties": {}, "required": 5}), "required", "list of"),
+        (
+            _fn({"type": "object", "properties": {"a": {"type": "string", "minLength": [1]}}}),
+            "required",
+            "a.minLength",
+        ),  # fmt: skip
+        (
+            _fn({"type": "object", "properties": {"a": {"type": "string", "maxLength": 1e999}}}),
+            "required",
+            "a.maxLength",
+        ),  # fmt: skip
     ],
 )
 def test_plan_refuses_bad_tools(tools: object, choice: object, match: str) -> None:
