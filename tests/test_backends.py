@@ -110,6 +110,23 @@ def test_fixup_kernels_vs_reference_with_a_wrong_tie_choice():
     assert torch.equal(host, ties.stable_select_ref(s, bt, lens, 3)[0])
 
 
+def test_fixup_pads_with_minus_one_when_kth_is_not_a_live_score():
+    """A k-th value that is not among the live scores (a NaN among a library's k positions):
+    fewer than k are selected, and every other entry is -1, as the reference's (deterministic
+    mode fills fresh memory, so an unwritten entry would show)."""
+    from echo_compile import settings
+
+    s = torch.tensor([[5.0, 1.0, 4.0, 2.0, 3.0] + [-1.0] * 59, [0.5] * 64])
+    lens = torch.tensor([5, 64], dtype=torch.int32)
+    bt = torch.tensor([[1], [0]], dtype=torch.int32)
+    kth = torch.tensor([3.5, 0.5])  # row 0: 2 scores above it, none equal; row 1: a real k-th
+    want = ties.threshold_select_ref(s, bt, lens, kth, 4)
+    assert want.tolist() == [[64, 66, -1, -1], [0, 1, 2, 3]]
+    with settings.deterministic_algorithms():
+        got = ties_kernels.threshold_select(s, bt, lens, kth, 4, ties_kernels.FixupConfig(block=64))
+    assert torch.equal(got, want)
+
+
 def test_split_references_equal_the_fused_reference():
     inp = make_indexer_inputs(3, 4, 8, [0, 90, 256], _gen(6))
     want = indexer_topk_ref(**inp, topk=40)

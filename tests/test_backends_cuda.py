@@ -50,8 +50,8 @@ def test_deep_gemm_scores_vs_reference_and_exact_topk(B, P, heads, lens):
     assert s.shape == (B, logits_width(P * 64)) and s.is_contiguous()
     import deep_gemm
 
-    lens = inp["seq_lens"].view(-1, 1)  # this build wants [B, next_n]
-    meta = deep_gemm.get_paged_mqa_logits_metadata(lens, 64, sched.shape[0] - 1)
+    dg_lens = inp["seq_lens"].clamp(min=1).view(-1, 1)  # as the op gives them (deep_gemm_ops)
+    meta = deep_gemm.get_paged_mqa_logits_metadata(dg_lens, 64, sched.shape[0] - 1)
     assert torch.equal(sched, meta)  # the op wrote this step's schedule into the static buffer
     ref, mag = scores_ref(inp)
     L = P * 64

@@ -92,6 +92,16 @@ def _check(q_fp8, weights, index_cache, block_table, seq_lens, schedule, width) 
     fused_kv_view(index_cache)
 
 
+def _lens(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The context lengths as DeepGEMM gets them, in both calls alike: ``[B, next_n = 1]`` (this
+    build, 0.1.5.post1, asserts 2-D) and at least 1. NOTE: when every length is 0 (the engine's
+    padded warm-up batch) its schedule and its logits kernel each read one entry past their
+    arrays (read in its sm90 scheduler source); with 1, a padding row scores position 0 of
+    page 0, which the top-k never takes (it reads the real lengths). Not verified on a GPU to be
+    the cause of the B = 64 warm-up failure (docs/backends.md)."""
+    return seq_lens.clamp(min=1).view(-1, 1)
+
+
 @torch.library.custom_op("echo::dg_paged_mqa_schedule", mutates_args=("schedule",))
 def dg_paged_mqa_schedule(seq_lens: torch.Tensor, schedule: torch.Tensor) -> None:
     """Default kernel (CPU): zeros (DeepGEMM's private data; nothing else reads it)."""
@@ -100,9 +110,7 @@ def dg_paged_mqa_schedule(seq_lens: torch.Tensor, schedule: torch.Tensor) -> Non
 
 @dg_paged_mqa_schedule.register_kernel("cuda")
 def _(seq_lens, schedule):
-    # this DeepGEMM build (0.1.5.post1) asserts context_lens 2-D: [B, next_n = 1]
-    lens = seq_lens.contiguous().view(-1, 1)
-    meta = _lib().get_paged_mqa_logits_metadata(lens, BLOCK_KV, schedule.shape[0] - 1)
+    meta = _lib().get_paged_mqa_logits_metadata(_lens(seq_lens), BLOCK_KV, schedule.shape[0] - 1)
     schedule.copy_(meta)  # a few hundred bytes, once per step
 
 
@@ -134,7 +142,7 @@ def _(q_fp8, weights, index_cache, block_table, seq_lens, schedule, width):
     q = q_fp8.contiguous().view(torch.float8_e4m3fn).unsqueeze(1)  # [B, next_n = 1, H, 128]
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     out = _lib().fp8_paged_mqa_logits(
-        q, fused_kv_view(index_cache), weights.contiguous(), seq_lens.contiguous().view(-1, 1), bt,
+        q, fused_kv_view(index_cache), weights.contiguous(), _lens(seq_lens), bt,
         schedule, width, False,
     )  # fmt: skip
     # NOTE: the fake promises a contiguous [B, width]; with width aligned DeepGEMM returns that

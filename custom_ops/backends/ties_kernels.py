@@ -112,11 +112,14 @@ def _output_kernel(
         tl.store(out_ptr + b * topk + pos, page * _PAGE + t % _PAGE, mask=(sel > 0) & (pos < k))
         n_sel += tl.sum(sel, 0)
         n_eq_seen += tl.sum(eq, 0)
+    # -1 from what the chunks select in all: k when kth is the true k-th value; fewer when it is
+    # not (a NaN among a library's scores), and the entries past them must not stay unwritten
+    tot = tl.minimum(tl.sum(tl.where(cm, n_gt + take_all, 0), 0), k)
     lo = c * PADCH
     hi = tl.minimum(lo + PADCH, topk)
     for j0 in range(lo, hi, BLK):
         j = j0 + tl.arange(0, BLK)
-        tl.store(out_ptr + b * topk + j, tl.full([BLK], -1, tl.int32), mask=(j >= k) & (j < hi))
+        tl.store(out_ptr + b * topk + j, tl.full([BLK], -1, tl.int32), mask=(j >= tot) & (j < hi))
 
 
 @triton.jit
