@@ -65,17 +65,22 @@ def _dg():
 
 
 def _try_dg(key: tuple, call):
-    """``call()`` (a DeepGEMM op), or None after warning once if it raises for this shape (a
-    build that rejects a shape, a JIT that cannot compile): the caller then runs Triton."""
+    """``call()`` (a DeepGEMM op), or None after warning once if DeepGEMM refuses this shape (a
+    build's host assert, a JIT that cannot compile: ValueError / RuntimeError): the caller then
+    runs Triton. Anything else propagates: a CUDA error (the context is dead, Triton cannot
+    serve), a failure while a CUDA graph is being captured (the eager warm-up calls before
+    capture find a refused shape), a programming error (e.g. a name the wheel lacks)."""
     if key in _dg_failed:
         return None
     try:
         return call()
-    except Exception as e:  # noqa: BLE001  (reported; the Triton kernel computes the same)
+    except (ValueError, RuntimeError, NotImplementedError) as e:
+        if "CUDA error" in str(e) or torch.cuda.is_current_stream_capturing():
+            raise
         import warnings
 
         _dg_failed.add(key)
-        warnings.warn(f"fp8: DeepGEMM failed for {key} ({e!r}); Triton serves it", stacklevel=2)
+        warnings.warn(f"fp8: DeepGEMM refused {key} ({e!r}); Triton serves it", stacklevel=2)
         return None
 
 

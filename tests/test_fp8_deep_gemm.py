@@ -177,3 +177,22 @@ def test_a_failing_deep_gemm_shape_warns_once_then_triton_serves_it():
     assert F8._try_dg(key, bad) is None and len(calls) == 1  # not retried
     assert F8._try_dg(("other",), lambda: 7) == 7
     F8._dg_failed.discard(key)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        AttributeError("module 'deep_gemm' has no attribute 'x'"),
+    ],  # fmt: skip
+)
+def test_a_cuda_error_or_a_programming_error_is_not_served_by_triton(exc):
+    """Only a refusal falls back: a dead CUDA context or a missing name propagates, unrecorded."""
+
+    def bad():
+        raise exc
+
+    key = ("linear", 2, 576, 7168, "test-propagates")
+    with pytest.raises(type(exc)):
+        F8._try_dg(key, bad)
+    assert key not in F8._dg_failed
