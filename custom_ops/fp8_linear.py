@@ -75,7 +75,8 @@ def _try_dg(key: tuple, call):
     try:
         return call()
     except (ValueError, RuntimeError, NotImplementedError) as e:
-        if "CUDA error" in str(e) or torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if "CUDA error" in str(e) or capturing:
             raise
         import warnings
 
