@@ -122,9 +122,8 @@ class Handlers:
                 j = i + 1  # choices of one prompt are consecutive (prompt-major)
                 while j < len(choices) and choices[j].prompt_index == c.prompt_index:
                     j += 1
-                # prompt_logprobs come from a request's own (eager) prefill: no sharing then
-                share = self.engine.shares_prefill and c.params.prompt_logprobs is None
-                if j - i > 1 and share:
+                # with prompt_logprobs too: the group's one prefill computes them for all
+                if j - i > 1 and self.engine.shares_prefill:
                     params = [x.params for x in choices[i:j]]
                     streams += await self.engine.generate_group(cids[i:j], c.ids, params)
                 else:
