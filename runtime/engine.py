@@ -83,7 +83,7 @@ class Engine:
         self.logits_processors: list[LogitsProcessor] = []
         # penalties, logit_bias, min_p, min_tokens, before the processors (sampling_controls.py)
         self.sampling_controls = SamplingControls(model_config.eos_token_id)
-        # SamplingParams.grammar as a token mask, after the controls (structured_output.py)
+        # SamplingParams.grammar as a token mask, before the controls (structured_output.py)
         self.structured_output = StructuredOutput(
             tokenizer, model_config.vocab_size, model_config.eos_token_id
         )
@@ -231,6 +231,10 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
         self._seeds.pop(req.request_id, None)
+        # its control slot and grammar matcher now: dropped at the next step otherwise, which an
+        # engine going idle never takes
+        self.sampling_controls.slots.pop(req.request_id, None)
+        self.structured_output.matchers.pop(req.request_id, None)
         if self.keep_finished:
             self.finished_requests.append(req)
 
@@ -363,7 +367,10 @@ class Engine:
             [len(r.output_ids) for r in reqs],
             logits.device,
         )
-        logits = self.structured_output(reqs, self.sampling_controls(reqs, logits.float()))
+        # The grammar's mask first: min_p is relative to the best token the grammar allows (after
+        # it, a row whose allowed tokens min_p had all dropped was all -inf: NaN, token 0). The
+        # other controls leave a masked -inf at -inf, so for them the order does not matter.
+        logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()))
         for proc in self.logits_processors:
             out = proc(reqs, logits)
             if not isinstance(out, torch.Tensor) or out.shape != logits.shape:

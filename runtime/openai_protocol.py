@@ -87,6 +87,7 @@ class _SamplingRequest(_Strict):
     min_p: float | None = None
     min_tokens: int | None = None
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema
+    prompt_logprobs: int | None = None  # vLLM's (runtime.prompt_logprobs)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -94,7 +95,6 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None  # candidates per prompt; the n best by cumulative logprob return
-    prompt_logprobs: int | None = None  # vLLM's (runtime.prompt_logprobs)
 
 
 class ChatMessage(_Strict):
@@ -182,7 +182,6 @@ UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),  # a legacy completions parameter (OpenAI's chat has none)
-    "prompt_logprobs": (),  # completions only
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -211,9 +210,6 @@ def check_unsupported(req: _SamplingRequest) -> None:
             raise APIError(400, msg, param="best_of")
         if req.stream and req.best_of > n:  # the best are known only at the end (OpenAI, vLLM)
             raise APIError(400, "best_of > n cannot be streamed", param="best_of")
-    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
-        msg = "echo with logprobs needs the prompt's logprobs, which are not supported"
-        raise APIError(400, msg, param="echo")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     for name, defaults in table.items():
@@ -283,7 +279,7 @@ def sampling_params(
             min_tokens=default(req.min_tokens, 0),
             top_logprobs=top,
             grammar=response_grammar(req.response_format),
-            prompt_logprobs=req.prompt_logprobs if isinstance(req, CompletionRequest) else None,
+            prompt_logprobs=req.prompt_logprobs,
         )
     except SamplingParamsError as e:
         param = top_param if e.param == "top_logprobs" else e.param

@@ -24,6 +24,7 @@ by the first host page): that changes only what is prefetched, never what is att
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,24 @@ class PrefillGroup:
 
 
 def head_of(members: list[Request]) -> Request:
-    """The hidden prefill request of ``members`` (one prompt; ids unique among the engine's)."""
+    """The hidden prefill request of ``members`` (one prompt; ids unique among the engine's).
+    When members ask for ``prompt_logprobs``, the head's prefill computes them once, for the
+    largest N asked; ``share_prompt_logprobs`` hands them out at the fork."""
     first = members[0]
-    return Request(f"{first.request_id}#prefill", first.prompt_ids, first.params)
+    asked = [m.params.prompt_logprobs for m in members if m.params.prompt_logprobs is not None]
+    params = first.params
+    if asked:
+        params = dataclasses.replace(params, prompt_logprobs=max(asked))
+    return Request(f"{first.request_id}#prefill", first.prompt_ids, params)
+
+
+def share_prompt_logprobs(head: Request, members: list[Request]) -> None:
+    """At the fork: each member asking for ``prompt_logprobs`` gets the head's entries, with its
+    own N of alternatives (the head computed the largest; a top-k's first N are the top N)."""
+    for m in members:
+        n = m.params.prompt_logprobs
+        if n is not None:
+            m.prompt_logprobs = [(lp, rank, top[:n]) for lp, rank, top in head.prompt_logprobs]
 
 
 def split_group(reqs: list[Request], max_rows: int, num_pages: int) -> list[list[Request]]:

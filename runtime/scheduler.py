@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from custom_ops.cache.config import max_decode_rows
 from custom_ops.kv_format import pages_for
 from runtime.host_slots import HostSlotAllocator
-from runtime.prefill_sharing import PrefillGroup, head_of
+from runtime.prefill_sharing import PrefillGroup, head_of, share_prompt_logprobs
 from runtime.request import PAGE, Request, Status
 
 # release(pages): called with host pages about to go back to the free list (last holder gone), so
@@ -230,6 +230,7 @@ class Scheduler:
                 src = [head.slot_of(p) for p in positions]
                 dst = [m.slot_of(p) for m in group.members for p in positions]
                 self.copy_rows(src * len(group.members), dst)
+            share_prompt_logprobs(head, group.members)
             for m in group.members:
                 m.num_computed = head.num_computed
                 del self._group_of[id(m)]

@@ -122,9 +122,8 @@ class Handlers:
                 j = i + 1  # choices of one prompt are consecutive (prompt-major)
                 while j < len(choices) and choices[j].prompt_index == c.prompt_index:
                     j += 1
-                # prompt_logprobs come from a request's own (eager) prefill: no sharing then
-                share = self.engine.shares_prefill and c.params.prompt_logprobs is None
-                if j - i > 1 and share:
+                # with prompt_logprobs too: the group's one prefill computes them for all
+                if j - i > 1 and self.engine.shares_prefill:
                     params = [x.params for x in choices[i:j]]
                     streams += await self.engine.generate_group(cids[i:j], c.ids, params)
                 else:
@@ -147,15 +146,20 @@ class Handlers:
     def token_string(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def prompt_logprobs(self, ids: list[int], entries: list) -> list[dict[str, Any] | None]:
+    def prompt_logprobs(
+        self, ids: list[int], entries: list, top_n: int | None = None
+    ) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then
-        ``{token id: {"logprob", "rank", "decoded_token"}}`` of the token itself and the top N."""
+        ``{token id: {"logprob", "rank", "decoded_token"}}`` of the token itself and the top N
+        (``top_n``: the first N of the entries' alternatives, when they were computed for more,
+        as echo with a larger ``logprobs`` asks)."""
         out: list[dict[str, Any] | None] = []
         for tok, e in zip(ids, entries, strict=True):
             if e is None:
                 out.append(None)
                 continue
             lp, rank, top = e
+            top = top if top_n is None else top[:top_n]
             d = {str(t): {"logprob": v, "rank": r} for r, (t, v) in enumerate(top, 1)}
             d.setdefault(str(tok), {"logprob": lp, "rank": rank})
             for k, v in d.items():
@@ -313,6 +317,12 @@ class Handlers:
         params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
         for ids, _ in prompts:
             self.max_tokens(len(ids), max_tokens, "prompt")
+        # echo with logprobs: the prompt's tokens come first in the logprobs, their entries from
+        # the prompt_logprobs path (None for the first token, as OpenAI and vLLM return it)
+        echo_lps = bool(req.echo) and req.logprobs is not None
+        if echo_lps:
+            want = max(req.logprobs or 0, req.prompt_logprobs or 0)
+            params = dataclasses.replace(params, prompt_logprobs=want)
         n = req.n or 1
         best_of = req.best_of or n
         keep = None
@@ -334,7 +344,11 @@ class Handlers:
         offsets = [0] * len(choices)
 
         def logprobs(
-            i: int, token_ids: list[int], lps: list[float], start: int, top: list[Top] | None
+            i: int,
+            token_ids: list[int],
+            lps: list[float | None],
+            start: int,
+            top: list[Top | None] | None,
         ) -> dict | None:
             toks = self.token_strings(token_ids)
             starts = [start + sum(len(t) for t in toks[:k]) for k in range(len(toks))]
@@ -343,7 +357,10 @@ class Handlers:
                 return None
             alternatives = None
             if req.logprobs and top:
-                alternatives = [{self.token_string(t): lp for t, lp in pos} for pos in top]
+                alternatives = [
+                    None if pos is None else {self.token_string(t): lp for t, lp in pos}
+                    for pos in top
+                ]
             return {
                 "tokens": toks,
                 "token_logprobs": lps,
@@ -351,8 +368,26 @@ class Handlers:
                 "text_offset": starts,
             }
 
+        def echoed(i: int, entries: list | None) -> tuple[list[int], list, list[Top | None]]:
+            """echo with logprobs: the prompt's ids, logprobs and alternatives, to go before the
+            generated ones. A prompt position's alternatives are its top N and the prompt token
+            itself (OpenAI: up to logprobs + 1)."""
+            if not echo_lps or entries is None:
+                return [], [], []
+            ids, lps, tops = choices[i].ids, [], []
+            for tok, e in zip(ids, entries, strict=True):
+                if e is None:
+                    lps.append(None)
+                    tops.append(None)
+                    continue
+                lp, _, alts = e
+                alts = alts[: req.logprobs]
+                lps.append(lp)
+                tops.append(alts + [(tok, lp)] if all(t != tok for t, _ in alts) else alts)
+            return list(ids), lps, tops
+
         def first(i: int) -> dict[str, Any] | None:  # echo: the prompt comes first
-            if not req.echo:
+            if not req.echo or echo_lps:  # with logprobs, it comes with its logprobs (chunk)
                 return None
             choice = {"index": i, "text": choices[i].text, "logprobs": None, "finish_reason": None}
             return {**head, "choices": [choice]}
@@ -361,36 +396,49 @@ class Handlers:
             prompt_lps = out.prompt_logprobs
             if not (out.new_text or out.finished or req.logprobs is not None or prompt_lps):
                 return None
+            # echo with logprobs: the prompt and its logprobs come with the first token, as vLLM
+            # streams them (the prompt's logprobs exist only once it is prefilled)
+            e_ids, e_lps, e_tops = echoed(i, prompt_lps)
+            text = (choices[i].text if e_ids else "") + out.new_text
+            top = out.new_top_logprobs or [[] for _ in out.new_token_ids]
             lp = logprobs(
-                i, out.new_token_ids, out.new_logprobs or [], offsets[i], out.new_top_logprobs
+                i,
+                e_ids + out.new_token_ids,
+                e_lps + (out.new_logprobs or []),
+                offsets[i],
+                e_tops + top if e_ids else out.new_top_logprobs,
             )
-            choice = {
-                "index": i,
-                "text": out.new_text,
-                "logprobs": lp,
-                "finish_reason": out.finish_reason,
-            }
-            if prompt_lps is not None:  # with the choice's first token
-                choice["prompt_logprobs"] = self.prompt_logprobs(choices[i].ids, prompt_lps)
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+            if prompt_lps is not None and req.prompt_logprobs is not None:  # with the first token
+                choice["prompt_logprobs"] = self.prompt_logprobs(
+                    choices[i].ids, prompt_lps, req.prompt_logprobs
+                )
             return {**head, "choices": [choice]}
 
         def final(
             results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
         ) -> dict[str, Any]:
-            out = [
-                {
-                    "index": i,
-                    "text": (choices[i].text if req.echo else "") + res.text,
-                    "finish_reason": res.finish_reason,
-                    "logprobs": logprobs(i, res.token_ids, res.logprobs, 0, tops[i]),
-                }
-                for i, res in enumerate(results)
-            ]
+            out = []
+            for i, res in enumerate(results):
+                e_ids, e_lps, e_tops = echoed(i, res.prompt_logprobs)
+                top = tops[i] or [[] for _ in res.token_ids]
+                lp = logprobs(
+                    i,
+                    e_ids + res.token_ids,
+                    e_lps + res.logprobs,
+                    0,
+                    e_tops + top if e_ids else tops[i],
+                )
+                text = (choices[i].text if req.echo else "") + res.text
+                out.append(
+                    {"index": i, "text": text, "finish_reason": res.finish_reason, "logprobs": lp}
+                )
             if req.prompt_logprobs is not None:
                 for c, res in zip(out, results, strict=True):
-                    lps = res.prompt_logprobs
-                    ids = choices[c["index"]].ids
-                    c["prompt_logprobs"] = None if lps is None else self.prompt_logprobs(ids, lps)
+                    lps, ids = res.prompt_logprobs, choices[c["index"]].ids
+                    c["prompt_logprobs"] = (
+                        None if lps is None else self.prompt_logprobs(ids, lps, req.prompt_logprobs)
+                    )
             return {**head, "choices": out, "usage": usage}
 
         return await self.respond(
@@ -426,6 +474,15 @@ class Handlers:
             "model": req.model,
         }
         parsers = [ToolCallStream(plan.names) if plan else None for _ in choices]
+        # prompt_logprobs (vLLM's, on chat too): the response's, not a choice's (the choices share
+        # the prompt); streamed once, on the first chunk that has them
+        sent_prompt_lps = [req.prompt_logprobs is None]
+
+        def with_prompt_lps(body: dict[str, Any], entries: list | None) -> dict[str, Any]:
+            if entries is None or sent_prompt_lps[0]:
+                return body
+            sent_prompt_lps[0] = True
+            return {**body, "prompt_logprobs": self.prompt_logprobs(choices[0].ids, entries)}
 
         def calls_of(calls: list[ToolCall]) -> list[ToolCall]:
             return calls if plan is None or plan.parallel else calls[:1]
@@ -458,7 +515,8 @@ class Handlers:
                 if out.finished:
                     rest, found = parser.finish()
                     text, calls = text + rest, calls_of(found)
-            if not (text or out.finished or req.logprobs):
+            fresh_lps = out.prompt_logprobs is not None and not sent_prompt_lps[0]
+            if not (text or out.finished or req.logprobs or fresh_lps):
                 return None
             delta: dict[str, Any] = {"content": text} if text else {}
             if calls:
@@ -471,7 +529,7 @@ class Handlers:
                     out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs
                 ),
             }
-            return {**head, "choices": [choice]}
+            return with_prompt_lps({**head, "choices": [choice]}, out.prompt_logprobs)
 
         def message(res: RequestOutput) -> tuple[dict[str, Any], str | None]:
             if plan is None:
@@ -497,7 +555,8 @@ class Handlers:
                         "finish_reason": finish,
                     }
                 )
-            return {**head, "object": "chat.completion", "choices": out, "usage": usage}
+            body = {**head, "object": "chat.completion", "choices": out, "usage": usage}
+            return with_prompt_lps(body, results[0].prompt_logprobs if results else None)
 
         def first(i: int) -> dict[str, Any]:
             choice = {

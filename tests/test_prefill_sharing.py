@@ -12,6 +12,7 @@ test_server_engine.py's NOTE); one check also runs each sequence alone, for its 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import replace
 
@@ -156,6 +157,39 @@ def test_each_sequence_alone_gives_its_tokens():
         eng, _ = engine(config())
         eng.add_request("alone", ids, params(s))
         assert drain(eng)["alone"] == out[rid], rid
+
+
+def test_prompt_logprobs_computed_once_for_the_group():
+    """Members asking prompt_logprobs (N = 2, none, 4) share the ONE prefill too: it computes the
+    entries once, for the largest N, and each member gets them with its own N, equal to a lone
+    request's; the tokens are those of the group without prompt_logprobs."""
+    ids, seeds = prompt(4, 130), [7, 8, 9]
+    asked = [2, None, 4]
+    ps = [dataclasses.replace(params(s), prompt_logprobs=k) for s, k in zip(seeds, asked)]
+    eng, rec = engine(config())
+    eng.add_request_group(IDS, ids, ps)
+    got: dict[str, list | None] = {}
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if len(out[o.request_id]) == 1:
+                got[o.request_id] = o.prompt_logprobs
+    prefills = [r for d, r, _ in rec.logits if not d]
+    assert len(prefills) == 3 and all(p == [f"{IDS[0]}#prefill"] for p in prefills)  # one
+    lone, _ = engine(config())
+    lone.add_request("alone", ids, dataclasses.replace(params(7), prompt_logprobs=4))
+    want = None
+    while lone.has_unfinished():
+        for o in lone.step():
+            want = o.prompt_logprobs if o.prompt_logprobs is not None else want
+    assert want is not None and len(want) == len(ids) and want[0] is None
+    assert got["s2"] == want and got["s1"] is None
+    assert got["s0"] == [None] + [(lp, r, top[:2]) for lp, r, top in want[1:]]
+    assert all(len(top) == 4 for _, _, top in want[1:])
+    _, _, plain = run_group(config(), ids, seeds)
+    assert out == plain
+    assert_pools_empty(eng)
 
 
 @pytest.mark.parametrize("prefetch", ["off", "request"])

@@ -170,12 +170,97 @@ def test_server_prompt_logprobs_vllm_shape(url: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**kw, extra_body={"prompt_logprobs": 21})
     assert e.value.body["param"] == "prompt_logprobs"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}],
-            extra_body={"prompt_logprobs": 1},
-        )  # fmt: skip
-    assert e.value.body["param"] == "prompt_logprobs"
+
+
+def _echo_want(prompt: list[int], plp: list, n: int) -> tuple[list, list]:
+    """The prompt part echo + logprobs=n should have, from the served ``prompt_logprobs``
+    (id-keyed, ranked): token_logprobs, and top_logprobs keyed by token string (the top n, then
+    the prompt token itself when it is not among them)."""
+    _, tok = tiny()
+    lps, tops = [None], [None]
+    for pos in range(1, len(prompt)):
+        entry = plp[pos]
+        own = entry[str(prompt[pos])]["logprob"]
+        alts = sorted((e["rank"], int(t), e["logprob"]) for t, e in entry.items() if e["rank"] <= n)
+        pairs = [(t, v) for _, t, v in alts]
+        if all(t != prompt[pos] for t, _ in pairs):
+            pairs.append((prompt[pos], own))
+        lps.append(own)
+        tops.append({tok.decode([t], skip_special_tokens=False): v for t, v in pairs})
+    return lps, tops
+
+
+@pytest.mark.parametrize("n, plp_n", [(2, 3), (4, 1)])
+def test_echo_with_logprobs_puts_the_prompt_first(url: str, n: int, plp_n: int) -> None:
+    """Completions echo + logprobs (how lm-eval scores a prompt): the prompt's tokens come first
+    in the logprobs (None for the first), their entries those prompt_logprobs gives, then the
+    generated tokens' as without echo; streamed equal to non-streamed; prompt_logprobs asked
+    beside it keeps its own N."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    _, tok = tiny()
+    prompt = [0, *random_prompts([9], 512, seed=6)[0]]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=3, temperature=0.0, logprobs=n)
+    extra = {"prompt_logprobs": plp_n}
+    ref = client.completions.create(**kw, extra_body=extra).choices[0]  # no echo
+    plp = ref.model_extra["prompt_logprobs"]
+    r = client.completions.create(**kw, echo=True, extra_body=extra).choices[0]
+    assert r.text == tok.decode(prompt) + ref.text
+    assert r.model_extra["prompt_logprobs"] == plp
+    assert all(len(e) == plp_n + (e[str(t)]["rank"] > plp_n)
+               for t, e in zip(prompt[1:], plp[1:], strict=True))  # fmt: skip
+    lp, want_lps, want_tops = r.logprobs, *_echo_want(prompt, plp, min(n, plp_n))
+    strings = [tok.decode([t], skip_special_tokens=False) for t in prompt]
+    assert lp.tokens == strings + ref.logprobs.tokens
+    assert lp.token_logprobs[: len(prompt)] == want_lps
+    assert lp.token_logprobs[len(prompt) :] == ref.logprobs.token_logprobs
+    assert lp.top_logprobs[len(prompt) :] == ref.logprobs.top_logprobs
+    offsets = [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    assert lp.text_offset == offsets
+    if n <= plp_n:  # prompt_logprobs shows every alternative echo returns
+        assert lp.top_logprobs[: len(prompt)] == want_tops
+    else:  # it shows the first plp_n of them
+        assert all(d is None or set(w.items()) < set(d.items()) for d, w in
+                   zip(lp.top_logprobs[: len(prompt)], want_tops, strict=True))  # fmt: skip
+        assert all(len(d) > len(w) for d, w in zip(lp.top_logprobs[1:], want_tops[1:]))
+    # without prompt_logprobs: the same logprobs, and no prompt_logprobs field
+    alone = client.completions.create(**kw, echo=True).choices[0]
+    assert "prompt_logprobs" not in (alone.model_extra or {})
+    assert (alone.text, alone.logprobs) == (r.text, r.logprobs)
+    # streamed: the prompt comes with its logprobs in the first chunk, then as non-streamed
+    chunks = [c.choices[0] for c in client.completions.create(**kw, echo=True, stream=True)
+              if c.choices]  # fmt: skip
+    assert chunks[0].text.startswith(tok.decode(prompt))
+    assert "".join(c.text for c in chunks) == alone.text
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        got = [x for c in chunks if c.logprobs for x in getattr(c.logprobs, field)]
+        assert got == getattr(alone.logprobs, field), field
+
+
+def test_chat_prompt_logprobs(url: str) -> None:
+    """vLLM's prompt_logprobs on chat: once per response (the choices share the prompt), equal to
+    the completions' for the same ids; streamed once, on one chunk."""
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "Hello there, how are you?"}]
+    ids = httpx.post(url + "/tokenize", json={"messages": msgs}, timeout=30).json()["tokens"]
+    kw = dict(model="tiny", max_tokens=2, temperature=0.0)
+    want = client.completions.create(prompt=ids, **kw, extra_body={"prompt_logprobs": 2})
+    want = want.choices[0].model_extra["prompt_logprobs"]
+    assert len(want) == len(ids) and want[0] is None
+    r = client.chat.completions.create(messages=msgs, n=2, **kw, extra_body={"prompt_logprobs": 2})
+    assert r.model_extra["prompt_logprobs"] == want
+    assert all("prompt_logprobs" not in (c.model_extra or {}) for c in r.choices)
+    chunks = list(client.chat.completions.create(messages=msgs, stream=True, **kw,
+                                                 extra_body={"prompt_logprobs": 2}))  # fmt: skip
+    streamed = [c.model_extra.get("prompt_logprobs") for c in chunks]
+    assert [s for s in streamed if s is not None] == [want]
+    plain = client.chat.completions.create(messages=msgs, **kw)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+    assert plain.choices[0].message.content == r.choices[0].message.content
 
 
 @pytest.mark.cuda

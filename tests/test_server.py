@@ -352,7 +352,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "stop": [""]}, 400, "stop"),
         (C, {**OK_C, "n": 0}, 400, "n"),
         (C, {**OK_C, "n": 65}, 400, "n"),  # over MAX_CHOICES
-        (C, {**OK_C, "echo": True, "logprobs": 0}, 400, "echo"),
+        (CHAT, {**OK_CHAT, "prompt_logprobs": 21}, 400, "prompt_logprobs"),  # over the cap
         (C, {**OK_C, "logprobs": 21}, 400, "logprobs"),  # over the cap of 20
         (C, {**OK_C, "logprobs": -1}, 400, "logprobs"),
         (C, {**OK_C, "presence_penalty": 2.5}, 400, "presence_penalty"),

@@ -507,63 +507,6 @@ def test_top_logprobs_through_the_real_engine(url: str, aengine: AsyncEngine) ->
     assert_pools_empty(aengine)
 
 
-def test_soak_64_mixed_requests_with_the_new_parameters(url: str, aengine: AsyncEngine) -> None:
-    """64 concurrent requests mixing completions and chat, streamed or not, n = 2, a list of
-    prompts, penalties, logit_bias, min_p, min_tokens, top logprobs, echo, stop strings: every
-    one answered 200 with the choices it asked for, then both pools are empty."""
-    rng = random.Random(19)
-
-    def body(i: int) -> tuple[str, dict[str, Any]]:
-        common: dict[str, Any] = {
-            "model": MODEL,
-            "max_tokens": 4,
-            "temperature": rng.choice([0.0, 0.8]),
-            "seed": i,
-            "presence_penalty": rng.choice([0.0, 1.0]),
-            "frequency_penalty": rng.choice([0.0, 0.5]),
-            "repetition_penalty": rng.choice([1.0, 1.2]),
-            "min_p": rng.choice([0.0, 0.1]),
-            "min_tokens": rng.choice([0, 2]),
-            "logit_bias": {str(rng.randrange(5, 500)): 3.0},
-            "n": rng.choice([1, 2]),
-            "stream": i % 2 == 0,
-            "stop": rng.choice([None, ["the"]]),
-        }
-        if i % 3 == 0:
-            msgs = [{"role": "user", "content": _FOX if i % 2 else _NUM}]
-            return "/v1/chat/completions", {**common, "messages": msgs, "logprobs": True,
-                                            "top_logprobs": 2}  # fmt: skip
-        prompt: Any = [_ids(i, 60), _ids(i + 100, 70)] if i % 3 == 1 else _ids(i, 80)
-        extra = {"echo": True} if i % 4 == 2 else {"logprobs": 2}
-        return "/v1/completions", {**common, "prompt": prompt, **extra}
-
-    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int, set[int]]:
-        path, b = body(i)
-        prompts = len(b["prompt"]) if isinstance(b.get("prompt"), list) and isinstance(
-            b["prompt"][0], list) else 1  # fmt: skip
-        want = b["n"] * prompts
-        if not b["stream"]:
-            r = await client.post(url + path, json=b)
-            return r.status_code, want, {c["index"] for c in r.json().get("choices", [])}
-        seen: set[int] = set()
-        async with client.stream("POST", url + path, json=b) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    seen |= {c["index"] for c in chunk["choices"] if c.get("finish_reason")}
-            return r.status_code, want, seen
-
-    async def main() -> list[tuple[int, int, set[int]]]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
-
-    results = asyncio.run(main())
-    assert [s for s, _, _ in results] == [200] * 64
-    assert all(seen == set(range(want)) for _, want, seen in results)
-    assert_pools_empty(aengine)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
 def test_json_schema_response_through_the_real_engine(
     url: str, aengine: AsyncEngine, stream: bool

@@ -372,7 +372,6 @@ UNSUPPORTED_COMPLETION = [
 ]
 UNSUPPORTED_CHAT = [
     ("best_of", 2, 1),  # completions take it (tests/test_prefill_sharing.py)
-    ("prompt_logprobs", 1, None),  # completions only (tests/test_prompt_logprobs.py)
     ("audio", {"voice": "x"}, None),
     ("modalities", ["text", "audio"], ["text"]),
     ("prediction", {"type": "content", "content": "x"}, None),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_records import random_prompts, run, tiny
 
-from runtime.engine import EngineConfig
+from runtime.engine import Engine, EngineConfig
 from runtime.openai_protocol import APIError, response_grammar
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output import StructuredOutput, json_schema_grammar
@@ -55,6 +55,33 @@ def test_engine_json_schema_outputs_parse_and_validate() -> None:
     assert len(set(texts)) > 1  # the seeds still choose among what the grammar allows
     free = tok.decode(out["r3"], skip_special_tokens=False)
     assert len(out["r3"]) == 8 and not free.startswith('{"')  # unconstrained row: random tokens
+
+
+def test_min_p_is_relative_to_what_the_grammar_allows() -> None:
+    """min_p with a grammar, sampled: min_p keeps the tokens near the best ALLOWED one. (It ran
+    before the mask once: where min_p had dropped every allowed token the row was all -inf, and
+    the sampler gave NaN logprobs and token 0, outside the grammar; the server answered 500.)"""
+    model, tok = tiny("cpu")
+    prompts = random_prompts([30, 30], model.config.vocab_size, seed=3)
+    grammar = json_schema_grammar(SCHEMA)
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, grammar=grammar, min_p=0.5,
+                             logprobs=True, top_logprobs=2) for s in (1, 2)]  # fmt: skip
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 8, gpu_tokens=2 * model.config.index_topk,
+                       max_model_len=128, device="cpu")  # fmt: skip
+    eng = Engine(model, model.config, tok, cfg)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"r{i}", p, sp)
+    out: dict[str, list[int]] = {"r0": [], "r1": []}
+    lps: list[float] = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+            lps += (o.new_logprobs or []) + [v for top in o.new_top_logprobs or [] for _, v in top]
+    for rid in ("r0", "r1"):
+        ids = out[rid]
+        assert ids[-1] == model.config.eos_token_id, (rid, ids)
+        assert valid(json.loads(tok.decode(ids))), tok.decode(ids)
+    assert lps and all(-9999.0 <= lp <= 0.0 for lp in lps), lps  # no NaN
 
 
 def test_mask_only_touches_constrained_rows_and_never_writes_its_input() -> None:
