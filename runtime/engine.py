@@ -145,9 +145,6 @@ class Engine:
         prompt = list(prompt_token_ids)
         for rid, p in zip(request_ids, params):
             self._check_new(rid, prompt, p)
-            if p.prompt_logprobs is not None:  # the shared prefill is the hidden head's, not theirs
-                raise ValueError("add_request_group: prompt_logprobs needs each request's own "
-                                 "prefill (add the requests one by one)")  # fmt: skip
         reqs = [Request(rid, prompt, p) for rid, p in zip(request_ids, params)]
         sched = self.scheduler
         parts = split_group(reqs, sched.cfg.max_running, sched.pages.num_pages)

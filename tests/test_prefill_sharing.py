@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import replace
 
 import httpx
 import pytest
@@ -281,8 +280,6 @@ def test_group_larger_than_the_decode_rows_is_split_and_bad_groups_are_refused()
         eng.add_request_group(["a", "a"], ids, [params(1), params(2)])
     with pytest.raises(ValueError, match="context limit"):
         eng.add_request_group(["a", "b"], ids, [params(1), params(2, max_tokens=250)])
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        eng.add_request_group(["a", "b"], ids, [params(1), replace(params(2), prompt_logprobs=1)])
     assert not eng.requests and not eng.has_unfinished()  # refused as a whole
     eng.add_request_group(["one-a", "one-b"], [5], [params(1), params(2)])  # nothing to prefill
     assert not eng.scheduler.groups and sorted(drain(eng)) == ["one-a", "one-b"]
