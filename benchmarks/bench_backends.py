@@ -349,7 +349,9 @@ def main() -> None:
             traceback.print_exc()
         save()
     checks = [(k, v) for r in res["rows"] for k, v in r.items() if k.endswith("_ok")]
-    res["all_pass"] = all(v for _, v in checks)
+    # a size or the step that raised is a failure too, not a check that was never made
+    errors = [r for r in res["rows"] if "error" in r] + ([1] if "step_error" in res else [])
+    res["all_pass"] = all(v for _, v in checks) and not errors
     save()
     log(f"{sum(v for _, v in checks)}/{len(checks)} checks passed; wrote {args.out}")
 
