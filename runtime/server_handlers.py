@@ -64,6 +64,9 @@ class Handlers:
         self.model_name = model_names[0]  # the metrics' model_name label
         self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(self.model_name)
+        # one token's text, by id: prompt_logprobs of a long prompt name ~21 tokens per position
+        # (millions of decodes on the event loop otherwise); bounded by the vocabulary
+        self._token_text: dict[int, str] = {}
 
     def check_model(self, name: str) -> None:
         if name not in self.model_names:
@@ -144,7 +147,12 @@ class Handlers:
         return [self.token_string(i) for i in ids]
 
     def token_string(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
 
     def prompt_logprobs(
         self, ids: list[int], entries: list, top_n: int | None = None
