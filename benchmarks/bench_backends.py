@@ -350,7 +350,8 @@ def main() -> None:
         save()
     checks = [(k, v) for r in res["rows"] for k, v in r.items() if k.endswith("_ok")]
     # a size or the step that raised is a failure too, not a check that was never made
-    errors = [r for r in res["rows"] if "error" in r] + ([1] if "step_error" in res else [])
+    errors = [r for r in res["rows"] if "error" in r]
+    errors += [k for k in ("warmup_error", "step_error") if k in res]
     res["all_pass"] = all(v for _, v in checks) and not errors
     save()
     log(f"{sum(v for _, v in checks)}/{len(checks)} checks passed; wrote {args.out}")

@@ -76,7 +76,8 @@ def _try_dg(key: tuple, call):
         return call()
     except (ValueError, RuntimeError, NotImplementedError) as e:
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if "CUDA error" in str(e) or capturing:
+        # out of memory is no refusal of the shape: recording it would slow it down for good
+        if "CUDA error" in str(e) or capturing or isinstance(e, torch.OutOfMemoryError):
             raise
         import warnings
 

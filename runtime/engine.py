@@ -20,7 +20,7 @@ from runtime.model_runner import StepCompiler, build_runner
 from runtime.prefill_sharing import copy_rows, split_group
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.prompt_logprobs import PromptLogprob, prompt_logprobs
-from runtime.request import PAGE, Request
+from runtime.request import PAGE, Request, Status
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams
@@ -238,13 +238,19 @@ class Engine:
     def recover(self) -> None:
         """After a failed step: abort every request and empty the GPU pools, whose maps a
         half-applied recall may have left inconsistent (the host pool is authoritative)."""
-        for req in list(self.requests.values()):
-            try:
-                self._finish(req, "error")
-            except Exception:  # keep going: the pools are reset below anyway
-                self.scheduler.remove(req)
-                self.requests.pop(req.request_id, None)
-        self.cache.reset_pools()
+        try:
+            for req in list(self.requests.values()):
+                try:
+                    self._finish(req, "error")
+                except Exception:  # keep going: the pools are reset below anyway
+                    self.requests.pop(req.request_id, None)
+                    if req.status != Status.FINISHED:  # the scheduler has not let it go yet
+                        try:
+                            self.scheduler.remove(req)  # its pages are freed even if it raises
+                        except Exception:  # noqa: BLE001  (the pools are reset below)
+                            pass
+        finally:
+            self.cache.reset_pools()
 
     def reset_stats(self) -> None:
         """Zero the step/token counters and the pools' hit/recall totals, and forget finished

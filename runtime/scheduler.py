@@ -143,17 +143,22 @@ class Scheduler:
         group = self._group_of.pop(id(req), None)
         if group is not None:
             group.members.remove(req)
-            if not group.members:
-                self._drop_head(group)
         elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        pages = self._free(req)
         req.status = Status.FINISHED
+        try:
+            pages = self._free(req)
+        finally:  # the head goes with the last member even if a release hook raised
+            if group is not None and not group.members:
+                self._drop_head(group)
         return pages
 
     def _free(self, req: Request) -> list[int]:
+        """Drop ``req``'s hold on its pages. If the release hook raises, the pages are freed
+        anyway and the GPU pools may still map them: the caller must reset the pools
+        (``Engine.recover`` does)."""
         pages, req.pages = req.pages, []
         if pages:
             last = self.pages.last_holder(pages)

@@ -114,3 +114,21 @@ def test_recover_frees_every_page_when_release_raises(monkeypatch):
     eng.recover()
     assert not eng.requests and not eng.has_unfinished()
     assert eng.scheduler.pages.num_used == 0
+
+
+def test_recover_with_a_group_before_its_fork_when_release_raises(monkeypatch):
+    """The same for n sequences sharing a prefill that has not forked yet: recover ends, every
+    request is gone, every page free, the group's hidden head too."""
+    model, tok = tiny()
+    eng = Engine(model, model.config, tok, CFG)
+    eng.add_request_group(["a", "b"], tok.encode(PROMPT * 3), [_params(), _params()])
+    eng.step()  # the head's first prefill chunk: pages held, no fork yet
+    assert eng.scheduler.groups and eng.scheduler.pages.num_used > 0
+
+    def broken(host_slots):  # noqa: ANN001, ANN202
+        raise RuntimeError("inconsistent pool maps")
+
+    monkeypatch.setattr(eng.cache, "release", broken)
+    eng.recover()
+    assert not eng.requests and not eng.has_unfinished() and not eng.scheduler.groups
+    assert eng.scheduler.pages.num_used == 0

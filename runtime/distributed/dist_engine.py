@@ -92,7 +92,10 @@ class DistributedEngine:
         if params.prompt_logprobs is not None and self.engine.config.ffn_ranks > 1:
             # its prefill runs eagerly with every position's logits; the lockstep sub-steps of a
             # tp / ep run (the same padded shapes on every rank) have no such form yet
-            raise ValueError("prompt_logprobs is not supported with tp or ep > 1 (dp only)")
+            raise ValueError(
+                "prompt_logprobs (asked, or implied by echo with logprobs) is not supported with "
+                "tp or ep > 1 (dp only)"
+            )
         loads = self._gather(self.load(), "the load exchange")[: self.dp]
         target = assign(
             pages_for(len(ids) + params.max_tokens), len(ids) + params.max_tokens, loads
