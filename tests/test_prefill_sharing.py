@@ -28,7 +28,7 @@ from runtime.host_slots import HostSlotAllocator
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.server import build_app
-from runtime.server_handlers import best_of_order
+from runtime.server_completions import best_of_order
 
 N = 3
 PROMPT_LEN = 150  # prefill_end 149: two full shared pages, 21 rows copied into each page 2

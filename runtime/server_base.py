@@ -1,0 +1,283 @@
+"""What every route body of the OpenAI-compatible server shares (``runtime.server_handlers``
+composes them): the engine and the tokenizer, prompt checks against the context, starting a
+request's choices, token strings, ``prompt_logprobs`` shaping, and collecting the outputs into one
+JSON response or an SSE stream (usage, ``stop_reason``, latency metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.async_engine import AsyncEngine, RequestStream
+from runtime.engine import StepOutput
+from runtime.openai_protocol import CONTEXT_CODE, APIError, ChatCompletionRequest, CompletionRequest
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.server_metrics import ServerMetrics
+from runtime.server_streams import failure, merged, sse
+from runtime.tokenizer import lone_surrogate
+
+Chunk = Callable[[int, StepOutput], "dict[str, Any] | None"]
+Top = list[tuple[int, float]]  # one token's most likely (token id, logprob)
+MAX_CHOICES = 64  # n x prompts in one request: each is an engine request
+
+
+@dataclass
+class _Choice:
+    """One engine request of an HTTP request: a prompt (its index among the prompts) and a seed."""
+
+    prompt_index: int
+    ids: list[int]
+    text: str  # the prompt's text, for echo
+    params: SamplingParams
+
+
+class HandlersBase:
+    """The engine, the tokenizer and the metrics, and what the route bodies do with them."""
+
+    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+        self.engine, self.model_names = engine, model_names
+        self.model_name = model_names[0]  # the metrics' model_name label
+        self.tokenizer = engine.tokenizer
+        self.metrics = ServerMetrics(self.model_name)
+        # one token's text, by id: prompt_logprobs of a long prompt name ~21 tokens per position
+        # (millions of decodes on the event loop otherwise); bounded by the vocabulary
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            msg = f"the model {name!r} does not exist; this server serves {served}"
+            raise APIError(404, msg, param="model", code="model_not_found")
+
+    def context_error(self, n_prompt: str, param: str) -> APIError:
+        limit = self.engine.max_model_len
+        msg = (
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{n_prompt} tokens, which leaves no room for a completion."
+        )
+        return APIError(400, msg, param=param, code=CONTEXT_CODE)
+
+    async def encode(self, text: str, add_bos: bool, param: str) -> list[int]:
+        """Token ids of a prompt, tokenised on a worker thread so a huge prompt cannot stall the
+        event loop (and /health); one that cannot fit the context is refused before tokenising."""
+        if (i := lone_surrogate(text)) is not None:
+            msg = f"{param} contains a lone UTF-16 surrogate (U+{ord(text[i]):04X}) at index {i}"
+            raise APIError(400, msg, param=param)
+        bound = await asyncio.to_thread(self.tokenizer.min_tokens, text)
+        if bound >= self.engine.max_model_len:
+            raise self.context_error(f"at least {bound}", param)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_bos)
+
+    def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
+        """Reject prompt + max_tokens over the context; a missing max_tokens (chat) becomes what
+        the context leaves. Other bad values are left to SamplingParams to name."""
+        limit = self.engine.max_model_len
+        head = f"This model's maximum context length is {limit} tokens. However, "
+        if max_tokens is None:
+            if n_prompt >= limit:
+                raise self.context_error(str(n_prompt), param)
+            return limit - n_prompt
+        if max_tokens >= 1 and n_prompt + max_tokens > limit:
+            msg = (
+                f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
+                f"{max_tokens} for the completion)."
+            )
+            raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
+        return max_tokens
+
+    async def start(
+        self, rid: str, choices: list[_Choice], grammar_param: str = "response_format"
+    ) -> list[RequestStream]:
+        """Add every choice's request (ids ``rid-0``, ``rid-1``, ...; just ``rid`` for one); the
+        choices of one prompt share its prefill when the engine can (``generate_group``). If one
+        is refused, the ones already added are aborted."""
+        streams: list[RequestStream] = []
+        cids = [rid] if len(choices) == 1 else [f"{rid}-{i}" for i in range(len(choices))]
+        try:
+            i = 0
+            while i < len(choices):
+                c = choices[i]
+                j = i + 1  # choices of one prompt are consecutive (prompt-major)
+                while j < len(choices) and choices[j].prompt_index == c.prompt_index:
+                    j += 1
+                # with prompt_logprobs too: the group's one prefill computes them for all
+                if j - i > 1 and self.engine.shares_prefill:
+                    params = [x.params for x in choices[i:j]]
+                    streams += await self.engine.generate_group(cids[i:j], c.ids, params)
+                else:
+                    for k in range(i, j):
+                        ck = choices[k]
+                        streams.append(await self.engine.generate(cids[k], ck.ids, ck.params))
+                i = j
+        except (ValueError, RuntimeError) as e:
+            for st in streams:
+                await st.aclose()
+            if isinstance(e, ValueError):  # the engine's verdict (context, host pool, ...)
+                param = grammar_param if "grammar" in str(e) else None
+                raise APIError(400, str(e), param=param) from e
+            raise APIError(503, str(e), type_="server_error") from e  # shut down
+        return streams
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self.token_string(i) for i in ids]
+
+    def token_string(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
+
+    def prompt_logprobs(
+        self, ids: list[int], entries: list, top_n: int | None = None
+    ) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then
+        ``{token id: {"logprob", "rank", "decoded_token"}}`` of the token itself and the top N
+        (``top_n``: the first N of the entries' alternatives, when they were computed for more,
+        as echo with a larger ``logprobs`` asks)."""
+        out: list[dict[str, Any] | None] = []
+        for tok, e in zip(ids, entries, strict=True):
+            if e is None:
+                out.append(None)
+                continue
+            lp, rank, top = e
+            top = top if top_n is None else top[:top_n]
+            d = {str(t): {"logprob": v, "rank": r} for r, (t, v) in enumerate(top, 1)}
+            d.setdefault(str(tok), {"logprob": lp, "rank": rank})
+            for k, v in d.items():
+                v["decoded_token"] = self.token_string(int(k))
+            out.append(d)
+        return out
+
+    @staticmethod
+    def choices_of(
+        prompts: list[tuple[list[int], str]], params: SamplingParams, n: int
+    ) -> list[_Choice]:
+        """``n`` choices per prompt, prompt-major (the OpenAI index order). With a seed, choice
+        ``j`` of a prompt samples with ``seed + j``, so the n choices differ yet reproduce."""
+        if n * len(prompts) > MAX_CHOICES:
+            msg = f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}"
+            raise APIError(400, msg, param="n")
+        out = []
+        for p, (ids, text) in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else _wrap_seed(params.seed + j)
+                out.append(_Choice(p, ids, text, dataclasses.replace(params, seed=seed)))
+        return out
+
+    async def respond(
+        self,
+        request: Request,
+        streams: list[RequestStream],
+        choices: list[_Choice],
+        req: CompletionRequest | ChatCompletionRequest,
+        head: dict[str, Any],
+        chunk: Chunk,
+        final: Callable[[list[RequestOutput], dict[str, int], list[list[Top]]], dict[str, Any]],
+        t0: float,
+        first: Callable[[int], dict[str, Any] | None] | None = None,
+        keep: Callable[[list[RequestOutput]], list[int]] | None = None,
+    ) -> Response:
+        """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
+        when the request arrived (perf_counter), for the latency histograms. Adds
+        ``stop_reason`` to finished choices, and the usage the stream options ask for.
+        ``keep`` (best_of, not streamed): which of the finished choices are returned, in order;
+        ``choices`` is narrowed to them in place, since ``final`` reads it by returned index."""
+        streaming, opts = bool(req.stream), req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        results = [RequestOutput() for _ in streams]
+        times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
+        tops: list[list[Top]] = [[] for _ in streams]  # top alternatives per token
+
+        def add(i: int, out: StepOutput) -> None:
+            results[i].add(out)
+            tops[i] += out.new_top_logprobs or []
+            if out.new_token_ids:
+                times[i].append(time.perf_counter())
+
+        def observe() -> None:
+            now = time.perf_counter()
+            for res, ts in zip(results, times, strict=True):
+                if res.finish_reason is not None:
+                    self.metrics.observe(res, t0, now, ts)
+
+        def usage() -> dict[str, int]:
+            # prompt tokens once per prompt, as OpenAI counts them; completions summed
+            prompts = {c.prompt_index: len(c.ids) for c in choices}
+            p, c = sum(prompts.values()), sum(r.completion_tokens for r in results)
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+        if not streaming:
+            async for i, out in merged(streams, request):
+                add(i, out)
+            if any(r.finish_reason is None for r in results):  # the client left
+                return Response(status_code=499)
+            observe()
+            for r in results:
+                if (err := failure(r.finish_reason)) is not None:
+                    raise err
+            if keep is not None:
+                order = keep(results)
+                results, tops = [results[i] for i in order], [tops[i] for i in order]
+                choices[:] = [choices[i] for i in order]
+            body = final(results, usage(), tops)
+            for c, res in zip(body["choices"], results, strict=True):
+                c["stop_reason"] = self.stop_reason(choices[c["index"]].params, res)
+            return JSONResponse(body)
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(len(streams) if first is not None else 0):
+                if (c := first(i)) is not None:  # type: ignore[misc]
+                    yield sse({**c, "usage": usage()} if continuous else c)
+            async for i, out in merged(streams, request):
+                add(i, out)
+                if (err := failure(out.finish_reason)) is not None:
+                    observe()
+                    yield sse(err.body())  # the openai client raises APIError on it
+                    return
+                if (c := chunk(i, out)) is not None:
+                    if out.finished:
+                        c["choices"][0]["stop_reason"] = self.stop_reason(
+                            choices[i].params, results[i]
+                        )
+                    yield sse({**c, "usage": usage()} if continuous else c)
+            if any(r.finish_reason is None for r in results):  # the client left
+                return
+            observe()
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage()})
+            yield "data: [DONE]\n\n"
+
+        headers = {"Cache-Control": "no-cache"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    def stop_reason(self, params: SamplingParams, res: RequestOutput) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop token id or stop string that ended the choice; None
+        for EOS, a length limit, or an abort."""
+        if res.finish_reason != "stop" or not res.token_ids:
+            return None
+        last = res.token_ids[-1]
+        if last in params.stop_token_ids:
+            return last
+        if not params.stop or (last == self.tokenizer.eos_token_id and not params.ignore_eos):
+            return None
+        # The stop checker ends at the first complete stop string (earliest end, then the longer):
+        # the same rule over the whole decoded output finds which one it was.
+        full = self.tokenizer.decode(res.token_ids)
+        hits = [(i + len(s), i, s) for s in params.stop if (i := full.find(s)) >= 0]
+        return min(hits)[2] if hits else None
+
+
+def _wrap_seed(seed: int) -> int:
+    """``seed + j`` kept in int64 (SamplingParams' range), wrapping like the C type would."""
+    return (seed + 2**63) % 2**64 - 2**63

@@ -1,0 +1,211 @@
+"""The ``/v1/chat/completions`` route body (n choices, tools and tool_choice, logprobs,
+``prompt_logprobs``) and the encoding of a conversation (which ``/tokenize`` uses too)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from runtime.chat_template import normalise_messages, render_dsv32
+from runtime.engine import StepOutput
+from runtime.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    check_unsupported,
+    sampling_params,
+)
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.server_base import HandlersBase, Top
+from runtime.structured_output import lark_grammar
+from runtime.tokenizer import lone_surrogate
+from runtime.tool_calls import ToolCall, ToolCallStream, ToolPlan, parse_tool_calls, plan_tools
+
+
+class ChatHandlers(HandlersBase):
+    """``/v1/chat/completions`` and the encoding of a conversation."""
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self.check_model(req.model)
+        check_unsupported(req)
+        plan = _tool_plan(req)
+        ids = await self.encode_chat(
+            [m.model_dump() for m in req.messages], functions=plan.functions if plan else None
+        )
+        requested = (
+            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        )
+        max_tokens = self.max_tokens(len(ids), requested, "messages")
+        params = sampling_params(req, max_tokens, bool(req.logprobs), self.tokenizer.vocab_size)
+        forced = plan is not None and plan.grammar_text is not None
+        if forced:
+            try:
+                params = dataclasses.replace(params, grammar=_call_grammar(plan, params))
+            except SamplingParamsError as e:  # e.g. min_tokens with a grammar
+                raise APIError(400, str(e), param=e.param) from e
+        choices = self.choices_of([(ids, "")], params, req.n or 1)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.start(rid, choices, "tool_choice" if forced else "response_format")
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.model,
+        }
+        parsers = [ToolCallStream(plan.names) if plan else None for _ in choices]
+        # prompt_logprobs (vLLM's, on chat too): the response's, not a choice's (the choices share
+        # the prompt); streamed once, on the first chunk that has them
+        sent_prompt_lps = [req.prompt_logprobs is None]
+
+        def with_prompt_lps(body: dict[str, Any], entries: list | None) -> dict[str, Any]:
+            if entries is None or sent_prompt_lps[0]:
+                return body
+            sent_prompt_lps[0] = True
+            return {**body, "prompt_logprobs": self.prompt_logprobs(choices[0].ids, entries)}
+
+        def calls_of(calls: list[ToolCall]) -> list[ToolCall]:
+            return calls if plan is None or plan.parallel else calls[:1]
+
+        def reason(finish: str | None, calls: list[ToolCall]) -> str | None:
+            return "tool_calls" if calls and finish == "stop" else finish
+
+        def entry(t: str, lp: float) -> dict[str, Any]:
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+        def logprobs(token_ids: list[int], lps: list[float], top: list[Top] | None) -> dict | None:
+            if not req.logprobs:
+                return None
+            toks = self.token_strings(token_ids)
+            top = top or [[] for _ in toks]
+            return {
+                "content": [
+                    {
+                        **entry(t, lp),
+                        "top_logprobs": [entry(self.token_string(i), v) for i, v in alts],
+                    }
+                    for t, lp, alts in zip(toks, lps, top, strict=True)
+                ]
+            }
+
+        def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
+            text, calls, parser = out.new_text, [], parsers[i]
+            if parser is not None:  # the DSML block is held back and sent parsed at the end
+                text = parser.feed(out.new_text)
+                if out.finished:
+                    rest, found = parser.finish()
+                    text, calls = text + rest, calls_of(found)
+            fresh_lps = out.prompt_logprobs is not None and not sent_prompt_lps[0]
+            if not (text or out.finished or req.logprobs or fresh_lps):
+                return None
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [c.openai(k) for k, c in enumerate(calls)]
+            choice = {
+                "index": i,
+                "delta": delta,
+                "finish_reason": reason(out.finish_reason, calls),
+                "logprobs": logprobs(
+                    out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs
+                ),
+            }
+            return with_prompt_lps({**head, "choices": [choice]}, out.prompt_logprobs)
+
+        def message(res: RequestOutput) -> tuple[dict[str, Any], str | None]:
+            if plan is None:
+                return {"role": "assistant", "content": res.text}, res.finish_reason
+            content, found = parse_tool_calls(res.text, plan.names)
+            calls = calls_of(found)
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                msg["tool_calls"] = [c.openai() for c in calls]
+            return msg, reason(res.finish_reason, calls)
+
+        def final(
+            results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
+        ) -> dict[str, Any]:
+            out = []
+            for i, res in enumerate(results):
+                msg, finish = message(res)
+                out.append(
+                    {
+                        "index": i,
+                        "message": msg,
+                        "logprobs": logprobs(res.token_ids, res.logprobs, tops[i]),
+                        "finish_reason": finish,
+                    }
+                )
+            body = {**head, "object": "chat.completion", "choices": out, "usage": usage}
+            return with_prompt_lps(body, results[0].prompt_logprobs if results else None)
+
+        def first(i: int) -> dict[str, Any]:
+            choice = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            return {**head, "choices": [choice]}
+
+        return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation: bool = True,
+        functions: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation. The checkpoint's template renders plain conversations;
+        tools, tool results, assistant tool calls and developer messages (and a checkpoint
+        without a template, as DeepSeek-V3.2's own) use DeepSeek-V3.2's encoding
+        (``runtime.chat_template``), which always ends where the assistant's reply starts."""
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            parts = content if isinstance(content, list) else [{"text": content}]
+            for p in parts:
+                text = p.get("text") if isinstance(p, dict) else None
+                if isinstance(text, str) and (j := lone_surrogate(text)) is not None:
+                    msg = f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}"
+                    raise APIError(400, msg, param="messages")
+        tok = self.tokenizer
+        try:
+            messages = normalise_messages(messages)
+            dsv32 = (
+                functions
+                or tok.chat_template is None
+                or any(m["role"] in ("tool", "developer") or m["tool_calls"] for m in messages)
+            )
+            if dsv32:
+                bos, eos = tok.bos_token or "", tok.eos_token or ""
+                text = await asyncio.to_thread(render_dsv32, messages, functions, bos, eos)
+            else:
+                plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+                text = await asyncio.to_thread(tok.apply_chat_template, plain, add_generation)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return await self.encode(text, False, "messages")  # the template writes the BOS itself
+
+
+def _tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    try:
+        return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ValueError as e:
+        param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise APIError(400, str(e), param=param) from e
+
+
+def _call_grammar(plan: ToolPlan, params: SamplingParams) -> str:
+    """The llguidance grammar forcing the plan's call; one grammar a request."""
+    if params.grammar is not None:
+        msg = "tool_choice required or a named function cannot be combined with response_format"
+        raise APIError(400, msg, param="tool_choice")
+    try:
+        return lark_grammar(plan.grammar_text or "")
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from e

@@ -1,0 +1,192 @@
+"""The ``/v1/completions`` route body: prompt lists, n choices, best_of, echo, logprobs
+(``text_offset`` equal streamed or not) and ``prompt_logprobs``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from runtime.engine import StepOutput
+from runtime.openai_protocol import APIError, CompletionRequest, check_unsupported, sampling_params
+from runtime.outputs import RequestOutput
+from runtime.server_base import HandlersBase, Top
+
+
+class CompletionHandlers(HandlersBase):
+    """``/v1/completions``."""
+
+    async def prompts_of(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+        """``(ids, text)`` per prompt: a string, a list of ids, or a list of either."""
+        raw = req.prompt
+        many = isinstance(raw, list) and raw and not isinstance(raw[0], int)
+        items = list(raw) if many else [raw]  # type: ignore[arg-type]
+        vocab = self.tokenizer.vocab_size
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                ids = await self.encode(p, True, "prompt")
+                out.append((ids, p))
+                continue
+            if not p or any(not 0 <= i < vocab for i in p):
+                msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
+                raise APIError(400, msg, param="prompt")
+            text = self.tokenizer.decode(p) if req.echo else ""
+            out.append((list(p), text))
+        if not out:
+            raise APIError(400, "prompt must not be an empty list", param="prompt")
+        return out
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self.check_model(req.model)
+        check_unsupported(req)
+        prompts = await self.prompts_of(req)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
+        vocab = self.tokenizer.vocab_size
+        params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
+        for ids, _ in prompts:
+            self.max_tokens(len(ids), max_tokens, "prompt")
+        # echo with logprobs: the prompt's tokens come first in the logprobs, their entries from
+        # the prompt_logprobs path (None for the first token, as OpenAI and vLLM return it)
+        echo_lps = bool(req.echo) and req.logprobs is not None
+        if echo_lps:
+            want = max(req.logprobs or 0, req.prompt_logprobs or 0)
+            params = dataclasses.replace(params, prompt_logprobs=want)
+        n = req.n or 1
+        best_of = req.best_of or n
+        keep = None
+        if best_of > n:  # ranked by cumulative logprob: every candidate reports its logprobs
+            params = dataclasses.replace(params, logprobs=True)
+            keep = functools.partial(best_of_order, best_of=best_of, n=n)
+        choices = self.choices_of(prompts, params, best_of)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.start(rid, choices)
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+        }
+        # NOTE: text_offset counts the token strings, not the text emitted so far: text held back
+        # for a partial UTF-8 character or a possible stop string would make streamed offsets lag
+        # the non-streamed ones.
+        offsets = [0] * len(choices)
+
+        def logprobs(
+            i: int,
+            token_ids: list[int],
+            lps: list[float | None],
+            start: int,
+            top: list[Top | None] | None,
+        ) -> dict | None:
+            toks = self.token_strings(token_ids)
+            starts = [start + sum(len(t) for t in toks[:k]) for k in range(len(toks))]
+            offsets[i] = start + sum(len(t) for t in toks)
+            if req.logprobs is None:
+                return None
+            alternatives = None
+            if req.logprobs and top:
+                alternatives = [
+                    None if pos is None else {self.token_string(t): lp for t, lp in pos}
+                    for pos in top
+                ]
+            return {
+                "tokens": toks,
+                "token_logprobs": lps,
+                "top_logprobs": alternatives,
+                "text_offset": starts,
+            }
+
+        def echoed(i: int, entries: list | None) -> tuple[list[int], list, list[Top | None]]:
+            """echo with logprobs: the prompt's ids, logprobs and alternatives, to go before the
+            generated ones. A prompt position's alternatives are its top N and the prompt token
+            itself (OpenAI: up to logprobs + 1)."""
+            if not echo_lps or entries is None:
+                return [], [], []
+            ids, lps, tops = choices[i].ids, [], []
+            for tok, e in zip(ids, entries, strict=True):
+                if e is None:
+                    lps.append(None)
+                    tops.append(None)
+                    continue
+                lp, _, alts = e
+                alts = alts[: req.logprobs]
+                lps.append(lp)
+                tops.append(alts + [(tok, lp)] if all(t != tok for t, _ in alts) else alts)
+            return list(ids), lps, tops
+
+        def first(i: int) -> dict[str, Any] | None:  # echo: the prompt comes first
+            if not req.echo or echo_lps:  # with logprobs, it comes with its logprobs (chunk)
+                return None
+            choice = {"index": i, "text": choices[i].text, "logprobs": None, "finish_reason": None}
+            return {**head, "choices": [choice]}
+
+        def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
+            prompt_lps = out.prompt_logprobs
+            if not (out.new_text or out.finished or req.logprobs is not None or prompt_lps):
+                return None
+            # echo with logprobs: the prompt and its logprobs come with the first token, as vLLM
+            # streams them (the prompt's logprobs exist only once it is prefilled)
+            e_ids, e_lps, e_tops = echoed(i, prompt_lps)
+            text = (choices[i].text if e_ids else "") + out.new_text
+            top = out.new_top_logprobs or [[] for _ in out.new_token_ids]
+            lp = logprobs(
+                i,
+                e_ids + out.new_token_ids,
+                e_lps + (out.new_logprobs or []),
+                offsets[i],
+                e_tops + top if e_ids else out.new_top_logprobs,
+            )
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+            if prompt_lps is not None and req.prompt_logprobs is not None:  # with the first token
+                choice["prompt_logprobs"] = self.prompt_logprobs(
+                    choices[i].ids, prompt_lps, req.prompt_logprobs
+                )
+            return {**head, "choices": [choice]}
+
+        def final(
+            results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
+        ) -> dict[str, Any]:
+            out = []
+            for i, res in enumerate(results):
+                e_ids, e_lps, e_tops = echoed(i, res.prompt_logprobs)
+                top = tops[i] or [[] for _ in res.token_ids]
+                lp = logprobs(
+                    i,
+                    e_ids + res.token_ids,
+                    e_lps + res.logprobs,
+                    0,
+                    e_tops + top if e_ids else tops[i],
+                )
+                text = (choices[i].text if req.echo else "") + res.text
+                out.append(
+                    {"index": i, "text": text, "finish_reason": res.finish_reason, "logprobs": lp}
+                )
+            if req.prompt_logprobs is not None:
+                for c, res in zip(out, results, strict=True):
+                    lps, ids = res.prompt_logprobs, choices[c["index"]].ids
+                    c["prompt_logprobs"] = (
+                        None if lps is None else self.prompt_logprobs(ids, lps, req.prompt_logprobs)
+                    )
+            return {**head, "choices": out, "usage": usage}
+
+        return await self.respond(
+            request, streams, choices, req, head, chunk, final, t0, first, keep
+        )
+
+
+def best_of_order(results: list[RequestOutput], best_of: int, n: int) -> list[int]:
+    """best_of: of each prompt's ``best_of`` consecutive candidates, the ``n`` with the highest
+    cumulative logprob (the sum of their tokens' logprobs, as vLLM ranks them), best first; ties
+    keep the candidates' order. Indices into ``results``, prompt-major."""
+    out = []
+    for start in range(0, len(results), best_of):
+        group = range(start, start + best_of)
+        out += sorted(group, key=lambda i: -sum(results[i].logprobs))[:n]
+    return out
