@@ -1,8 +1,8 @@
 """The cache ops: ECHO's graph-friendly GPU-pool manager (``echo::allocate``, ``echo::free``,
 ``echo::recall``, ``echo::release``) and ``echo::offload`` (new rows to the host pool and the
 indexer cache), with their pure-torch references: every op's default kernel (CPU) and the
-specification its Triton kernel in cache_kernels.py (the CUDA kernel) is tested against. The state
-layout (``meta``, ``stats``, age buckets) is in cache_layout.py.
+specification its Triton kernel (the CUDA kernel; launchers in cache_kernels.py) is tested
+against. The state layout (``meta``, ``stats``, age buckets) is in cache_layout.py.
 
 Per-layer state (all fixed-shape buffers of ``GpuPool``, docs/cache_ops.md "State"):
 - ``gpu_free [N_G] int8``: 1 = slot free.

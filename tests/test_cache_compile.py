@@ -18,7 +18,9 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from custom_ops import cache_kernels as K
+from custom_ops import cache_kernels as K  # the launch configuration
+from custom_ops import cache_list_kernels as LS
+from custom_ops import cache_pool_kernels as PS
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -52,26 +54,26 @@ for name, flags in {
     "allocate": dict(EVICT=False, PLACE=True, WRITE_IDX=True, PAD_IDX=True, HANDOFF=False),
     "free": dict(EVICT=True, PLACE=False, WRITE_IDX=False, PAD_IDX=True, HANDOFF=False),
 }.items():
-    compile_(K._evict_place_kernel, EP, {**base, **flags}, f"evict_place[{name}]")
+    compile_(PS._evict_place_kernel, EP, {**base, **flags}, f"evict_place[{name}]")
 LK = [("host_slots", I32), ("h2g", I32), ("prio", I32), ("miss_host", I32), ("meta", I32),
       ("stats", I64), ("total", "i32"), ("cap", "i32")]
 for misses in (True, False):
-    compile_(K._lookup_kernel, LK, dict(MISSES=misses, BLOCK=K.LIST_BLOCK), f"lookup[{misses}]")
-compile_(K._hist_kernel, [("prio", I32), ("meta", I32), ("hist", I32), ("want_ptr", I32),
+    compile_(LS._lookup_kernel, LK, dict(MISSES=misses, BLOCK=K.LIST_BLOCK), f"lookup[{misses}]")
+compile_(PS._hist_kernel, [("prio", I32), ("meta", I32), ("hist", I32), ("want_ptr", I32),
                           ("n_g", "i32"), ("cap", "i32")], dict(BLOCK=K.SCAN_BLOCK), "hist")
 CP = [("host_kv", I32), ("gpu_kv", I32), ("miss_host", I32), ("h2g", I32), ("host_slots", I32),
       ("out", I32), ("meta", I32), ("stats", I64), ("total", "i32"), ("n_copy", "i32"),
       ("cap", "i32")]
 for upr in (41, 72):  # fp8 and bf16 rows
     for early, cache, own, units in ((True, "", True, K.COPY_UNITS), (False, ".cg", False, 1024)):
-        ptx = compile_(K._copy_out_kernel, CP, dict(UPR=upr, UNITS=units, BLOCK=K.LIST_BLOCK,
+        ptx = compile_(LS._copy_out_kernel, CP, dict(UPR=upr, UNITS=units, BLOCK=K.LIST_BLOCK,
                        EARLY=early, CACHE=cache, OWN_FINAL=own), f"copy[{upr},{early},{cache}]")
         if ptx and not re.search(r"ld\.global(\.cg)?\.v4\.b32", ptx):
             print(f"FAIL copy[{upr},{early},{cache}]: no 16-byte loads in the PTX")
-compile_(K._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
+compile_(LS._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
                              ("gpu_free", I8), ("meta", I32), ("total", "i32"), ("n_h", "i32")],
          dict(BLOCK=K.LIST_BLOCK), "release")
-compile_(K._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
+compile_(LS._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
                              ("index_rows", I32), ("slots", "*i64")],
          dict(ROW_W=164, ROW_WP=256), "offload")
 """

@@ -1,0 +1,210 @@
+"""Triton kernels of the cache-manager ops over a list of host slots or tokens (grids sized by
+the list): recall's lookup (also free's protect), recall's row copy + output, release, and
+offload; launched by cache_kernels.py, whose docstring gives the coordination."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from custom_ops.cache_constexpr import (
+    CLOCK_MASK,
+    IDX_PAGE_W,
+    IDX_ROW_W,
+    M_ALLOC_CTR,
+    M_CLOCK,
+    M_IDX_HW,
+    M_LAST_ALLOC,
+    M_LAST_MISS,
+    M_NFREE,
+    M_NMISS,
+    PAGE_C,
+    PENDING,
+    S_RECALLED,
+    S_SELECTED,
+    S_STEPS,
+)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+@triton.jit
+def _lookup_kernel(
+    host_slots,
+    h2g,
+    prio,
+    miss_host,
+    meta,
+    stats,
+    total,
+    cap,
+    MISSES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Stamp resident selected slots with the clock (protect). With MISSES: claim each distinct
+    missing host slot once (atomic exchange -1 -> PENDING: exactly one lane sees -1) and append
+    the claimed ones to miss_host (one atomicAdd per block); count the selected entries."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
+    valid = h >= 0
+    g = tl.load(h2g + h, mask=valid, other=-1)
+    clock = tl.load(meta + M_CLOCK)
+    tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
+    if MISSES:
+        miss = valid & (g == -1)
+        old = tl.atomic_xchg(h2g + h, tl.full([BLOCK], PENDING, tl.int32), mask=miss, sem="relaxed")
+        win = (miss & (old == -1)).to(tl.int32)
+        nwin = tl.sum(win, axis=0)
+        if nwin > 0:
+            base = tl.atomic_add(meta + M_NMISS, nwin, sem="relaxed")
+            pos = base + tl.cumsum(win, axis=0) - 1
+            tl.store(miss_host + pos, h, mask=(win > 0) & (pos < cap))
+        nvalid = tl.sum(valid.to(tl.int32), axis=0)
+        tl.atomic_add(stats + S_SELECTED, nvalid.to(tl.int64), sem="relaxed")
+
+
+@triton.jit
+def _copy_units(
+    host_kv,
+    gpu_kv,
+    h2g,
+    u,
+    r,
+    h,
+    nunits,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """Units u (rows r, host slots h = miss_host[r]) host -> GPU, those below nunits."""
+    um = u < nunits
+    word = (u - r * UPR) * 4
+    src = h.to(tl.int64) * (UPR * 4) + word
+    g = tl.load(h2g + h, mask=um, other=0)
+    dst = g.to(tl.int64) * (UPR * 4) + word
+    m2 = um[:, None]
+    w4 = tl.arange(0, 4)
+    v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
+    tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
+
+
+@triton.jit
+def _copy_out_kernel(
+    host_kv,
+    gpu_kv,
+    miss_host,
+    h2g,
+    host_slots,
+    out,
+    meta,
+    stats,
+    total,
+    n_copy,
+    cap,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
+    CACHE: tl.constexpr,
+    OWN_FINAL: tl.constexpr,
+):
+    """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
+    16-byte units (UPR per row; unit u is word 4 (u % UPR) of row u // UPR): each thread moves
+    whole 16-byte vectors, a warp reads 512 contiguous bytes, and no lane idles on a row padded
+    to a power of two (fp8's 656-byte row padded to 1024 wasted 36% of the lanes). Programs
+    after: gpu_slots[j] = host_to_gpu[host_slots[j]] and un-claim misses left PENDING (only on
+    overflow). The last program (no other work) advances the clock, adds the stats, resets NMISS
+    and finalises a handed-over placement."""
+    pid = tl.program_id(0)
+    if pid < n_copy:
+        # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
+        # it is issued beside the load of meta[LAST_ALLOC], so the host read starts one round
+        # trip earlier (the chain was count -> miss_host -> host row; the host read needs only
+        # the host slot, the GPU slot load runs beside it).
+        # (u0, r0, h0: the else branch's h is another shape; Triton merges same-named variables.)
+        u0 = pid * UNITS + tl.arange(0, UNITS)
+        r0 = u0 // UPR
+        if EARLY:
+            h0 = tl.load(miss_host + r0, mask=r0 < cap, other=0)
+            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+        else:
+            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+            h0 = tl.load(miss_host + r0, mask=u0 < nunits, other=0)
+        _copy_units(host_kv, gpu_kv, h2g, u0, r0, h0, nunits, UPR, UNITS, CACHE)
+        for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
+            u = start + tl.arange(0, UNITS)
+            r = u // UPR
+            h = tl.load(miss_host + r, mask=u < nunits, other=0)
+            _copy_units(host_kv, gpu_kv, h2g, u, r, h, nunits, UPR, UNITS, CACHE)
+    else:
+        offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < total
+        h = tl.load(host_slots + offs, mask=inb, other=-1)
+        valid = h >= 0
+        g = tl.load(h2g + h, mask=valid, other=-1)
+        tl.store(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid & (g == PENDING))
+        tl.store(out + offs, tl.maximum(g, -1), mask=inb)
+    fin = pid == 0
+    if OWN_FINAL:
+        fin = pid == tl.num_programs(0) - 1
+    if fin:
+        # A program of its own (the launcher adds it; its list share above is empty), so the
+        # finalisation is off the copy's path. No program of this launch reads what is finalised
+        # here (NMISS, CLOCK, the free count, the totals; the copy reads LAST_ALLOC, the output
+        # host_to_gpu): no barrier, no meta[DONE] atomic for the ~400 programs. The loads go
+        # out together (one round trip), the stores and relaxed atomics need no wait.
+        nmiss = tl.load(meta + M_NMISS)
+        handed = tl.load(meta + M_ALLOC_CTR)
+        nfree = tl.load(meta + M_NFREE)
+        nalloc = tl.load(meta + M_LAST_ALLOC)
+        clock = tl.load(meta + M_CLOCK)
+        tl.store(meta + M_LAST_MISS, nmiss)
+        tl.store(meta + M_NMISS, 0)
+        if handed > 0:  # the placement pass handed its finalisation over
+            tl.store(meta + M_NFREE, nfree - nalloc)
+            tl.store(meta + M_ALLOC_CTR, 0)
+            tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
+        tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
+        tl.atomic_add(stats + S_RECALLED, nalloc.to(tl.int64), sem="relaxed")
+        tl.atomic_add(stats + S_STEPS, nalloc.to(tl.int64) * 0 + 1, sem="relaxed")
+
+
+@triton.jit
+def _release_kernel(host_slots, h2g, g2h, prio, gpu_free, meta, total, n_h, BLOCK: tl.constexpr):
+    """Drop host slots from the maps; the exchange makes duplicates in the list free once."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    h = tl.load(host_slots + offs, mask=offs < total, other=-1)
+    valid = (h >= 0) & (h < n_h)
+    h = tl.where(valid, h, 0).to(tl.int32)
+    old = tl.atomic_xchg(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid, sem="relaxed")
+    rel = valid & (old >= 0)
+    minus1 = tl.full([BLOCK], -1, tl.int32)
+    tl.store(g2h + old, minus1, mask=rel)
+    tl.store(prio + old, minus1, mask=rel)
+    tl.store(gpu_free + old, tl.full([BLOCK], 1, tl.int8), mask=rel)
+    c = tl.sum(rel.to(tl.int32), axis=0)
+    if c > 0:
+        tl.atomic_add(meta + M_NFREE, c, sem="relaxed")
+
+
+@triton.jit
+def _offload_kernel(
+    host_kv, index_k, rows, index_rows, slots, ROW_W: tl.constexpr, ROW_WP: tl.constexpr
+):
+    """Token t: its KV row -> host_kv[slot] (UVA writes) and its indexer key (32 words of fp8
+    values, 1 word of fp32 scale) -> the paged indexer cache. Slot -1: nothing."""
+    t = tl.program_id(0)
+    s = tl.load(slots + t).to(tl.int64)
+    if s >= 0:
+        cols = tl.arange(0, ROW_WP)
+        cmask = cols < ROW_W
+        v = tl.load(rows + t.to(tl.int64) * ROW_W + cols, mask=cmask)
+        tl.store(host_kv + s * ROW_W + cols, v, mask=cmask)
+        page = s // PAGE_C
+        off = s % PAGE_C
+        c32 = tl.arange(0, 32)
+        kv = tl.load(index_rows + t.to(tl.int64) * IDX_ROW_W + c32)
+        tl.store(index_k + page * IDX_PAGE_W + off * 32 + c32, kv)
+        sc = tl.load(index_rows + t.to(tl.int64) * IDX_ROW_W + 32)
+        tl.store(index_k + page * IDX_PAGE_W + PAGE_C * 32 + off, sc)
