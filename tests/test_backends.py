@@ -308,3 +308,18 @@ def test_sort_positions_kernel_vs_reference():
     assert torch.equal(ref[0], want[0]) and torch.equal(ref[1], want[1])
     got = ties_kernels.sort_positions(s.contiguous(), bt, raw)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_prefetch_plans_ask_no_library(monkeypatch):
+    """With prefetch every layer runs the fused Triton indexer: the cache asks for Triton plans
+    whatever kernel_backend says (so begin_decode launches no DeepGEMM schedule nobody reads)."""
+    from custom_ops.cache import kv_cache
+    from custom_ops.cache.config import CacheConfig
+
+    asked = []
+    monkeypatch.setattr(sel, "plans_for", lambda backend, b, d: asked.append(backend) or ())
+    base = dict(num_layers=1, host_tokens=64 * 4, gpu_tokens=96, topk=32, max_batch=2)
+    for prefetch, want in (("off", "deep_gemm"), ("request", "triton")):
+        cfg = CacheConfig(**base, kernel_backend="deep_gemm", prefetch=prefetch)
+        kv_cache.indexer_plans(cfg, torch.device("cpu"))
+        assert asked.pop() == want

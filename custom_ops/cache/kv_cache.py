@@ -35,6 +35,7 @@ class LayerKV(nn.Module):
         host_kv: torch.Tensor,
         device: torch.device,
         shared: dict[str, torch.Tensor | None] | None = None,
+        plans: tuple[backends.Plan, ...] | None = None,
     ):
         super().__init__()
         self.fmt = cfg.fmt
@@ -53,8 +54,8 @@ class LayerKV(nn.Module):
         self.staging: Staging | None = None
         self.register_buffer("prefill_kv", None, persistent=False)
         # the indexer's backend per decode batch size, and the library buffers every layer shares
-        # (KVCache allocates them; None when no plan uses the library)
-        self.plans = backends.plans_for(cfg.kernel_backend, cfg.max_batch, device)
+        # (KVCache decides and allocates them once: indexer_plans; None when no plan uses one)
+        self.plans = plans if plans is not None else indexer_plans(cfg, device)
         for name in ("dg_schedule", "fi_row_states"):
             self.register_buffer(name, (shared or {}).get(name), persistent=False)
         if cfg.offload:
@@ -128,9 +129,10 @@ class KVCache(nn.Module):
         host = allocate_host_rows(
             cfg.num_layers, cfg.host_tokens, cfg.row_bytes, device, pinned=cfg.offload
         )
-        shared = _backend_buffers(cfg, device)
+        plans = indexer_plans(cfg, device)
+        shared = _backend_buffers(cfg, plans, device)
         self.layers = nn.ModuleList(
-            LayerKV(cfg, i, host[i], device, shared) for i in range(cfg.num_layers)
+            LayerKV(cfg, i, host[i], device, shared, plans) for i in range(cfg.num_layers)
         )
         # Buffers reachable from a compiled module are static inputs already; marking them too keeps
         # them static when the cache is passed some other way (a plain argument), so mutating them
@@ -199,10 +201,19 @@ class KVCache(nn.Module):
         }
 
 
-def _backend_buffers(cfg: CacheConfig, device: torch.device) -> dict[str, torch.Tensor | None]:
+def indexer_plans(cfg: CacheConfig, device: torch.device) -> tuple[backends.Plan, ...]:
+    """The indexer's backends per decode batch size. With prefetch every layer runs the fused
+    Triton indexer (``Staging.select``), so no library serves it: all-Triton plans, and
+    ``begin_decode`` launches no DeepGEMM schedule nobody reads."""
+    backend = "triton" if cfg.offload and cfg.prefetch != "off" else cfg.kernel_backend
+    return backends.plans_for(backend, cfg.max_batch, device)
+
+
+def _backend_buffers(
+    cfg: CacheConfig, plans: tuple[backends.Plan, ...], device: torch.device
+) -> dict[str, torch.Tensor | None]:
     """The static buffers the indexer's library backends need, allocated once outside any graph
     pool and shared by every layer: DeepGEMM's schedule, FlashInfer's top-k scratch."""
-    plans = backends.plans_for(cfg.kernel_backend, cfg.max_batch, device)
     out: dict[str, torch.Tensor | None] = {"dg_schedule": None, "fi_row_states": None}
     # NOTE: on CPU a plan is always Triton; the buffers exist there too for a non-Triton option,
     # so tests can drive the library ops' reference kernels through the cache
