@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -94,17 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_prompt_logprobs: needs a CUDA device")
         return 2
-    import triton
+    from echo_compile.bench.harness import environment
 
-    res: dict = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "checks": {},
-        "timings": [],
-    }
+    res: dict = {**environment(), "checks": {}, "timings": []}
 
     def write() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -157,17 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_sampling_controls: needs a CUDA device")
         return 2
-    import triton
+    from echo_compile.bench.harness import environment
 
-    res: dict = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "checks": {},
-        "timings": [],
-    }
+    res: dict = {**environment(), "checks": {}, "timings": []}
 
     def write() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
