@@ -304,7 +304,7 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
 
     from runtime.async_engine import AsyncEngine
     from runtime.distributed.driver import DriverEngine, follow
-    from runtime.distributed.process import shutdown
+    from runtime.distributed.process import finish, shutdown
     from runtime.server import serve
 
     try:
@@ -314,15 +314,17 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             follow(llm.engine)
-            return 0
-        driver = DriverEngine(llm.engine)
-        try:
-            serve(AsyncEngine(driver), a.served_model_name or [a.model], **options)
-        finally:
-            driver.close()
-        return 0
-    finally:
+        else:
+            driver = DriverEngine(llm.engine)
+            try:
+                serve(AsyncEngine(driver), a.served_model_name or [a.model], **options)
+            finally:
+                driver.close()
+    except BaseException:
         shutdown()
+        raise
+    finish()  # every rank got here: the followers saw the stop, rank 0 sent it
+    return 0
 
 
 def _user_error(e: BaseException) -> int:

@@ -296,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     if first:
         print(f"wrote {a.out} ({out['elapsed_s']:.0f} s)")
     if parallel is not None:
-        from runtime.distributed.process import shutdown
+        from runtime.distributed.process import finish
 
-        shutdown()
+        finish()
     return 0
 
 
