@@ -264,7 +264,7 @@ def suggest_auto_table(rows: list[dict]) -> dict:
     return out
 
 
-def bench_step(res: dict, batches: list[int], ctx: int, steps: int) -> None:
+def bench_step(res: dict, batches: list[int], ctx: int, steps: int, backends: list[str]) -> None:
     from dataclasses import asdict
 
     from echo_compile.bench.harness import System, Workload, build_model
@@ -273,7 +273,7 @@ def bench_step(res: dict, batches: list[int], ctx: int, steps: int) -> None:
     per_req = -(-(ctx + steps + 64) // 64) * 64
     out = res["step"] = {"ctx": ctx, "steps": steps, "rows": []}
     bmax = max(batches)
-    for backend in ("triton", "auto"):
+    for backend in backends:
         log(f"decode step: building the compiled {backend} engine (buckets {batches})")
         pool = max(bmax * model.config.index_topk, 200_000)
         sut = System(
@@ -297,6 +297,8 @@ def main() -> None:
     ap.add_argument("--step-batches", default="16,64", help="decode-step batches ('' skips)")
     ap.add_argument("--step-ctx", type=int, default=32_768)
     ap.add_argument("--step-steps", type=int, default=16)
+    ap.add_argument("--step-backends", default="triton,auto", help="engines the step compares")
+    ap.add_argument("--no-ops", action="store_true", help="skip the per-op timings (step only)")
     args = ap.parse_args()
     global BATCHES, CTXS, HI, TOPK, DEV
     if args.dry_run:
@@ -317,15 +319,16 @@ def main() -> None:
         args.out.write_text(json.dumps(res, indent=1, default=str))
 
     save()
-    data = Inputs(max(BATCHES), max(CTXS))
+    data = Inputs(max(BATCHES), max(CTXS)) if not args.no_ops else None
     try:
-        warm_up(data, res)
+        if data is not None:
+            warm_up(data, res)
     except Exception as e:  # a library that fails to build: record it, time the rest
         res["warmup_error"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()
     save()
     t0 = time.monotonic()
-    for B in BATCHES:
+    for B in BATCHES if data is not None else ():
         for L in CTXS:
             try:
                 res["rows"].append(bench_size(data, B, L))
@@ -343,7 +346,8 @@ def main() -> None:
     batches = [int(x) for x in args.step_batches.split(",") if x.strip()]
     if batches and DEV == "cuda":
         try:
-            bench_step(res, batches, args.step_ctx, args.step_steps)
+            backends = [b for b in args.step_backends.split(",") if b.strip()]
+            bench_step(res, batches, args.step_ctx, args.step_steps, backends)
         except Exception as e:
             res["step_error"] = f"{type(e).__name__}: {e}"[:2000]
             traceback.print_exc()

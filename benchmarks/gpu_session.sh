@@ -52,13 +52,18 @@ verify)
   (stage cuda_lossless 420 $T tests/test_lossless_cuda.py tests/test_compile_cuda.py \
      tests/test_engines_cuda.py tests/test_lossless.py tests/test_lossless_short.py) &
   (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefetch.py \
-     tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py) &
+     tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
+     tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py) &
   (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_repack.py \
      tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py \
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
-     tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py) &
+     tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
+     tests/test_distributed_ep.py) &
   if [ "$BACKENDS" = 1 ]; then
-    (stage cuda_backends 480 $T tests/test_backends_cuda.py; packjit) &
+    (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
+    # the compiled decode step with kernel_backend=auto (B = 64), errors reported where they occur
+    (stage auto_step 480 env CUDA_LAUNCH_BLOCKING=1 python -m benchmarks.bench_backends --no-ops \
+       --step-batches "${STEP_BATCHES-64}" --step-backends auto --out "$W/auto_step.json") &
   fi
   wait
   ;;
