@@ -18,10 +18,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import uvicorn
-from fastapi import FastAPI
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:  # the server packages are imported where a server runs: the GPU machine has none
+    from fastapi import FastAPI
 
 BOS, EOS = "<bos>", "<eos>"
 # ChatML-like, different from the tiny checkpoint's, with a raise_exception branch.
@@ -72,6 +74,8 @@ def running_server(app: FastAPI, timeout_s: float = 10.0) -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    import uvicorn
+
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import time
 
-import httpx
 import pytest
 import torch
 from engine_records import Recorder, random_prompts, tiny
@@ -27,8 +26,6 @@ from runtime.engine import Engine, EngineConfig
 from runtime.host_slots import HostSlotAllocator
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
-from runtime.server import build_app
-from runtime.server_completions import best_of_order
 
 N = 3
 PROMPT_LEN = 150  # prefill_end 149: two full shared pages, 21 rows copied into each page 2
@@ -300,6 +297,8 @@ def test_host_slot_refcounts():
 
 
 def test_best_of_order():
+    from runtime.server_completions import best_of_order
+
     def res(*lps: float) -> RequestOutput:
         return RequestOutput(logprobs=list(lps))
 
@@ -311,6 +310,8 @@ def test_best_of_order():
 # ---- the server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served():
+    from runtime.server import build_app  # the server packages: the GPU machine has none
+
     eng, rec = engine(config(max_batch=8))
     aengine = AsyncEngine(eng)
     with running_server(build_app(aengine, "tiny")) as base:
@@ -384,6 +385,8 @@ def test_server_best_of_returns_the_highest_cumulative_logprobs(served):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**body, **extra, stream=stream)
         assert e.value.body["param"] == "best_of"
+    import httpx
+
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "best_of": 2}
     r = httpx.post(base + "/v1/chat/completions", json=chat)
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
@@ -391,6 +394,8 @@ def test_server_best_of_returns_the_highest_cumulative_logprobs(served):
 
 
 def test_server_disconnect_frees_a_group(served):
+    import httpx
+
     base, aengine, _ = served
     body = {"model": "tiny", "prompt": prompt(6, 70), "max_tokens": 180, "n": 3,
             "ignore_eos": True, "stream": True}  # fmt: skip
