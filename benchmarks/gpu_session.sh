@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones:
 #                                           # backends prefill cache_ops awq fp8 calibrate prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
+#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full backends prefetch)
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
 # $OUT/work and packed into $OUT/results.tgz after every stage (a call cut short still returns
@@ -83,6 +84,25 @@ time)
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"
   on prefetch && stage bench_prefetch 60 python -m benchmarks.bench_prefetch --caps 64 --ratios "" --out "$W/prefetch_h200.json"
+  ;;
+e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this order
+  shift
+  names=" $* "
+  on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
+  B="python -m echo_compile.cli bench --rates '' --breakdown-steps 0"
+  at32k="--min-ctx 32000 --max-ctx 32000 --gpu-pools 200000 --systems offload,gpu-only"
+  on full && stage e2e_full_32k 270 bash -c "$B --mode full $at32k --out $W/e2e_full_32k_h200.json"
+  on full && stage e2e_decode_32k 120 bash -c "$B $at32k --out $W/e2e_decode_32k_h200.json"
+  for kb in triton auto; do
+    on backends && [ "$BACKENDS" = 1 ] && stage "e2e_$kb" 90 bash -c \
+      "$B --gpu-pools 200000 --systems offload --kernel-backend $kb --out $W/e2e_backend_${kb}_h200.json"
+  done
+  # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16
+  for rp in 64:200000 32:262144 16:327680; do
+    on prefetch && stage "e2e_prefetch_${rp%%:*}" 110 bash -c "$B --systems offload \
+      --prefetch off,request --requests ${rp%%:*} --gpu-pools ${rp##*:} \
+      --out $W/e2e_prefetch_${rp%%:*}req_h200.json"
+  done
   ;;
 tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
   shift
