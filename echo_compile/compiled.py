@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from custom_ops.backends.select import DEFAULT_BACKEND
 from echo_compile import settings
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import ModelRunner, StepModule, build_runner
@@ -146,7 +147,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     decode_buckets: Sequence[int] | None = None,
     prefill_chunk: int = 2048,
     compile_prefill: bool | None = None,
-    kernel_backend: str = "triton",
+    kernel_backend: str = DEFAULT_BACKEND,
     device: str | torch.device | None = None,
     strict: bool = False,
     warmup_now: bool = False,

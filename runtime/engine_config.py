@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from custom_ops.backends.select import check_backend
+from custom_ops.backends.select import DEFAULT_BACKEND, check_backend
 from custom_ops.cache.config import CacheConfig, check_prefetch
 from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
@@ -63,7 +63,7 @@ class EngineConfig:
     compile_prefill: bool | None = None
     # decode indexer kernels: "triton" | "deep_gemm" | "flashinfer" | "auto" (per half and batch
     # size by measured speed); a missing library falls back to Triton (docs/backends.md)
-    kernel_backend: str = "triton"
+    kernel_backend: str = DEFAULT_BACKEND
     # lossless decode prefetch with offloading (docs/prefetch.md): "off" | "request" | "global"
     prefetch: str = "off"
     prefetch_cap: int = 64  # rows per request and layer ("request"); staging rows = max_batch x it

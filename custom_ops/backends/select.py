@@ -28,6 +28,9 @@ from custom_ops.indexer import indexer_topk
 from custom_ops.kv_format import PAGE
 
 BACKENDS = ("auto", "triton", "deep_gemm", "flashinfer")
+# the default of every engine option and CLI flag: measured fastest end to end on the H200
+# (docs/backends.md); without the libraries, and on CPU, it is the Triton path
+DEFAULT_BACKEND = "auto"
 LIBRARY = {"deep_gemm": "deep_gemm", "flashinfer": "flashinfer"}  # backend -> import name
 
 # ``auto``: per half, the backend for a decode batch of at least ``min_batch`` rows (the last row

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from custom_ops.backends.select import check_backend
+from custom_ops.backends.select import DEFAULT_BACKEND, check_backend
 from custom_ops.kv_format import PAGE, ROW_BYTES, check_fmt
 
 
@@ -43,7 +43,7 @@ class CacheConfig:
     # 0: no buffer, prefill reads its context from host_kv.
     prefill_tokens: int = 0
     # who computes the decode indexer's scores and top-k (custom_ops/backends/select.py)
-    kernel_backend: str = "triton"
+    kernel_backend: str = DEFAULT_BACKEND
     # Lossless decode prefetch (docs/prefetch.md; only with offload): "off", "request" (at most
     # prefetch_cap rows per request and layer) or "global" (prefetch_ratio x the batch's context
     # rows per layer, at most max_batch x prefetch_cap, the staging buffer's size).

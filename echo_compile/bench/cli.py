@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from custom_ops.backends.select import BACKENDS, DEFAULT_BACKEND
 from custom_ops.kv_format import PAGE, pages_for, whole_pages
 from echo_compile.bench import harness
 from echo_compile.bench.harness import (
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument(
         "--kernel-backend",
-        choices=("auto", "triton", "deep_gemm", "flashinfer"),
-        default="triton",
+        choices=BACKENDS,
+        default=DEFAULT_BACKEND,
         help="the decode indexer's kernels, for every system (docs/backends.md)",
     )
     ap.add_argument(

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from custom_ops.backends.select import DEFAULT_BACKEND
 from custom_ops.cache.config import max_decode_rows
 from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.kv_format import (
@@ -211,7 +212,7 @@ class System:
         repeat: float,
         seed: int = 0,
         compile: bool = True,  # False: every system eager (a quick dry run of the harness)
-        kernel_backend: str = "triton",  # the decode indexer's kernels (docs/backends.md)
+        kernel_backend: str = DEFAULT_BACKEND,  # the decode indexer's kernels (docs/backends.md)
         prefetch: str = "off",  # lossless decode prefetch of the offloading systems
         parallel=None,  # (DistContext, dp, tp, ep): one rank of a multi-process run
         compile_prefill: bool = False,  # --mode full: prefill chunks compiled as the engine's
