@@ -111,9 +111,10 @@ class Setup:
         self.staging.ema[keys] = self.ema0 if ema is None else ema
 
 
-def staged_args(s: Setup, st: Staging, cap: int, ratio: float):
-    return (*s.args, s.sz["topk"], s.host, s.pool.host_to_gpu, st.stage_kv, st.stage_host,
-            st.host_stage, st.stage_ctr, st.ema, st.totals, cap, ratio)  # fmt: skip
+def staged_args(s: Setup, st: Staging, cap: int, ratio: float, h2g: torch.Tensor | None = None):
+    h2g = s.pool.host_to_gpu if h2g is None else h2g  # another map: read by the fused kernel only
+    return (*s.args, s.sz["topk"], s.host, h2g, st.stage_kv, st.stage_host, st.host_stage,
+            st.stage_ctr, st.ema, st.totals, cap, ratio)  # fmt: skip
 
 
 def recall_args(s: Setup, st: Staging, sel: torch.Tensor):
@@ -270,6 +271,9 @@ def main() -> None:
     attempt(parts, "indexer_us",
             lambda: timed(lambda: ik.indexer_topk_cuda(*s.args, topk), None, R))  # fmt: skip
     inf = torch.full((B,), float("inf"), device=dev)
+    # a map with every host row resident: the tokens above the threshold are looked up, none
+    # is a candidate (the lookups' cost without the copies)
+    resident = torch.zeros_like(s.pool.host_to_gpu)
     for v in variants:  # threshold +inf: what the fusion costs when nothing qualifies
         for rows in pf_rows:
             attempt(parts, f"fused_scores_nothing_staged{sfx[v]}_rows{rows}_us",
@@ -282,6 +286,13 @@ def main() -> None:
 
             attempt(parts, f"fused_indexer_nothing_staged{sfx[v]}_rows{rows}_us",
                     lambda f=indexer: timed(f, lambda: s.restore(inf), R))  # fmt: skip
+
+            def no_candidates(w=rows, v=v):  # the run's thresholds, every row on the GPU
+                args = staged_args(s, st, caps[0], 0.0, resident)
+                pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, variant=v)
+
+            attempt(parts, f"fused_indexer_no_candidates{sfx[v]}_rows{rows}_us",
+                    lambda f=no_candidates: timed(f, s.restore, R))  # fmt: skip
     kth, lens, bt = s.kth.clone(), s.inp["seq_lens"], s.inp["block_table"]
     attempt(parts, "ema_update_torch_us",
             lambda: timed(lambda: pf.update_ema(st.ema, kth, lens, bt), None, R))  # fmt: skip
@@ -330,10 +341,12 @@ def main() -> None:
                 pass
             save()
     for v in variants:  # against the unfused kernels of the same run (target <= 5%)
-        for what, ref in (("indexer", "indexer_us"), ("scores", "scores_us")):
+        for what, case, ref in (("indexer", "nothing_staged", "indexer_us"),
+                                ("scores", "nothing_staged", "scores_us"),
+                                ("indexer", "no_candidates", "indexer_us")):  # fmt: skip
             try:
-                t = parts[f"fused_{what}_nothing_staged{sfx[v]}_rows{pf_rows[0]}_us"]
-                res[f"fused_{what}_slowdown_nothing_staged{sfx[v]}"] = t / parts[ref] - 1
+                t = parts[f"fused_{what}_{case}{sfx[v]}_rows{pf_rows[0]}_us"]
+                res[f"fused_{what}_slowdown_{case}{sfx[v]}"] = t / parts[ref] - 1
             except (KeyError, TypeError):
                 pass
     save()
