@@ -16,10 +16,13 @@ indexer, recall at that hit rate and at hit rate 1, i.e. its metadata cost), the
 overlap allows (copies hidden under the scoring at most):
     bound = indexer + recall(1.0) + max(recall(h) - recall(1.0) - scores, 0)
 the speed-ups (baseline / time) and the fraction of the bound reached, precision and coverage;
-and the fused indexer's own slowdown against the unfused one (threshold +inf: nothing staged, and
-with the threshold of the run). Each path is checked against its reference on the GPU first
-(PASS/FAIL in the JSON; a failure never stops the timings). Times: median over replays of a CUDA
-graph of one call, the state restored before each replay (outside the timed window).
+and the fused kernels' own slowdown with nothing staged (threshold +inf), scores kernel alone and
+whole indexer, against the unfused ones, for each fused scores variant (``--variants``,
+custom_ops/prefetch_scores.py: keys without a variant suffix are the default variant's, others end
+in ``_<variant>``), and the threshold update (torch expression vs the one-launch kernel). Each
+path is checked against its reference on the GPU first (PASS/FAIL in the JSON; a failure never
+stops the timings). Times: median over replays of a CUDA graph of one call, the state restored
+before each replay (outside the timed window).
 ``--dry-run``: the same code at toy sizes on CPU through the Triton interpreter (checks only).
 """
 
@@ -44,6 +47,7 @@ from benchmarks.cuda_timer import graph_time  # noqa: E402
 from custom_ops import indexer_kernels as ik  # noqa: E402
 from custom_ops import prefetch as pf  # noqa: E402
 from custom_ops import prefetch_kernels as pk  # noqa: E402
+from custom_ops import prefetch_scores as ps  # noqa: E402
 from custom_ops.cache.config import CacheConfig  # noqa: E402
 from custom_ops.cache.gpu_pool import GpuPool  # noqa: E402
 from custom_ops.cache.host_pool import allocate_host_rows  # noqa: E402
@@ -107,9 +111,10 @@ class Setup:
         self.staging.ema[keys] = self.ema0 if ema is None else ema
 
 
-def staged_args(s: Setup, st: Staging, cap: int, ratio: float):
-    return (*s.args, s.sz["topk"], s.host, s.pool.host_to_gpu, st.stage_kv, st.stage_host,
-            st.host_stage, st.stage_ctr, st.ema, st.totals, cap, ratio)  # fmt: skip
+def staged_args(s: Setup, st: Staging, cap: int, ratio: float, h2g: torch.Tensor | None = None):
+    h2g = s.pool.host_to_gpu if h2g is None else h2g  # another map: read by the fused kernel only
+    return (*s.args, s.sz["topk"], s.host, h2g, st.stage_kv, st.stage_host, st.host_stage,
+            st.stage_ctr, st.ema, st.totals, cap, ratio)  # fmt: skip
 
 
 def recall_args(s: Setup, st: Staging, sel: torch.Tensor):
@@ -119,14 +124,14 @@ def recall_args(s: Setup, st: Staging, sel: torch.Tensor):
             st.host_stage, st.stage_ctr, st.promote_host, st.promote_n, st.totals)  # fmt: skip
 
 
-def check_fused(s: Setup, cap: int, ratio: float, rows: int) -> dict:
+def check_fused(s: Setup, cap: int, ratio: float, rows: int, variant: str) -> dict:
     """Fused indexer vs the unfused one (torch.equal), staged rows vs the host, staged set vs
     the candidates computed from the unfused scores."""
     s.restore()
     st = s.staging
     thr = st.ema[s.inp["block_table"][:, 0].long()].clone()
     host, kth = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio),
-                                              rows_per_block=rows)  # fmt: skip
+                                              rows_per_block=rows, variant=variant)  # fmt: skip
     ok = torch.equal(host, s.sel) and torch.equal(kth, s.kth)
     scores = ik.index_scores(*s.args, ik.IndexerConfig())
     t = torch.arange(scores.shape[1], device=s.dev)
@@ -142,13 +147,14 @@ def check_fused(s: Setup, cap: int, ratio: float, rows: int) -> dict:
     return {"pass": bool(ok), "staged": int(live.sum()), "candidates": int(cand.sum())}
 
 
-def check_recall(s: Setup, cap: int, ratio: float, rows: int) -> dict:
+def check_recall(s: Setup, cap: int, ratio: float, rows: int, variant: str) -> dict:
     """One prefetch step: the pool invariants, the selection's rows equal to the host's, the
     staging emptied, promoted == staged and missed; returns precision and coverage."""
     s.restore()
     st = s.staging
     missed0 = s.pool.host_to_gpu[s.sel.clamp(min=0).long()] < 0
-    host, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio), rows_per_block=rows)
+    host, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio), rows_per_block=rows,
+                                            variant=variant)  # fmt: skip
     staged = st.stage_host[st.stage_host >= 0].long()
     out = pk.recall_staged_cuda(*recall_args(s, st, host))
     torch.cuda.synchronize() if s.dev.type == "cuda" else None
@@ -171,6 +177,16 @@ def check_recall(s: Setup, cap: int, ratio: float, rows: int) -> dict:
     }
 
 
+def fused_scores(s: Setup, st: Staging, rows: int, variant: str) -> None:
+    """The fused scores kernel alone (no top-k, no threshold update), as the op launches it."""
+    p = s.pool
+    ps.scores_variant(variant)(
+        *s.args, pk._words(s.host, "host_kv"), p.host_to_gpu, pk._words(st.stage_kv, "stage_kv"),
+        st.stage_host, st.host_stage, st.stage_ctr, st.ema, st.totals, s.cfg.prefetch_cap, 0.0,
+        ik.IndexerConfig(), rows,
+    )  # fmt: skip
+
+
 def timed(fn, before, reps: int) -> float:
     return graph_time([fn], reps, before, warm=1).median_us
 
@@ -182,6 +198,9 @@ def main() -> None:
     ap.add_argument("--caps", default="64,256", help="per-request caps (rows per request)")
     ap.add_argument("--ratios", default="0.004", help="global budgets (rows per context token)")
     ap.add_argument("--pf-rows", default="8", help="staged rows per score block (powers of 2)")
+    ap.add_argument("--variants", default=",".join(ps.SCORES_VARIANTS),
+                    help="fused scores kernels (custom_ops/prefetch_scores.py); keys without a "
+                    f"variant suffix are the default one, {ps.DEFAULT_VARIANT!r}")  # fmt: skip
     ap.add_argument("--hit-rates", default=",".join(map(str, HIT_RATES)))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU, checks only")
@@ -193,6 +212,9 @@ def main() -> None:
     ratios = [float(x) for x in a.ratios.split(",") if x]
     pf_rows = [int(x) for x in a.pf_rows.split(",") if x]
     hit_rates = [float(x) for x in a.hit_rates.split(",") if x]
+    variants = [x for x in a.variants.split(",") if x]
+    for v in variants:
+        ps.scores_variant(v)  # an unknown name: a clear error before any work
     if dry:
         caps, ratios = sorted({min(c, 16) for c in caps}), [r * 10 for r in ratios]
     n_stage = sz["B"] * max(caps + [int(sz["ctx"] * r) for r in ratios])
@@ -202,7 +224,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sizes": sz | {"fmt": a.fmt, "staging_rows": n_stage}, "paper_speedups": PAPER,
         "bound": "indexer + recall(1.0) + max(recall(h) - recall(1.0) - scores, 0)",
-        "checks": {}, "results": {},
+        "default_variant": ps.DEFAULT_VARIANT, "variants": variants, "checks": {}, "results": {},
     }  # fmt: skip
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -223,18 +245,20 @@ def main() -> None:
     s = Setup(sz, a.fmt, dev, n_stage)
     topk, B = sz["topk"], sz["B"]
     configs = [(f"cap{c}", c, 0.0) for c in caps] + [(f"ratio{r:g}", 0, r) for r in ratios]
-    configs = [(f"{n}_rows{r}", c, q, r) for n, c, q in configs for r in pf_rows]
+    sfx = {v: "" if v == ps.DEFAULT_VARIANT else f"_{v}" for v in variants}
+    configs = [(f"{n}_rows{r}{sfx[v]}", c, q, r, v) for n, c, q in configs for r in pf_rows
+               for v in variants]  # fmt: skip
     for h in hit_rates:
         s.set_hit_rate(h)
-        for name, cap, ratio, rows in configs:
+        for name, cap, ratio, rows, v in configs:
             cap_ = cap if ratio == 0 else 1
             attempt(
                 res["checks"],
                 f"fused_{name}_h{h}",
-                lambda c=cap_, q=ratio, w=rows: check_fused(s, c, q, w),
+                lambda c=cap_, q=ratio, w=rows, v=v: check_fused(s, c, q, w, v),
             )
             attempt(res["checks"], f"recall_{name}_h{h}",
-                    lambda c=cap_, q=ratio, w=rows: check_recall(s, c, q, w))  # fmt: skip
+                    lambda c=cap_, q=ratio, w=rows, v=v: check_recall(s, c, q, w, v))  # fmt: skip
     res["all_pass"] = all(v.get("pass") for v in res["checks"].values())
     print("checks:", "PASS" if res["all_pass"] else "FAIL", flush=True)
     save()
@@ -247,11 +271,33 @@ def main() -> None:
     attempt(parts, "indexer_us",
             lambda: timed(lambda: ik.indexer_topk_cuda(*s.args, topk), None, R))  # fmt: skip
     inf = torch.full((B,), float("inf"), device=dev)
-    for rows in pf_rows:
-        attempt(parts, f"fused_indexer_nothing_staged_rows{rows}_us", lambda w=rows: timed(
-            lambda: pk.indexer_topk_prefetch_cuda(*staged_args(s, st, caps[0], 0.0),
-                                                  rows_per_block=w),
-            lambda: s.restore(inf), R))  # fmt: skip
+    # a map with every host row resident: the tokens above the threshold are looked up, none
+    # is a candidate (the lookups' cost without the copies)
+    resident = torch.zeros_like(s.pool.host_to_gpu)
+    for v in variants:  # threshold +inf: what the fusion costs when nothing qualifies
+        for rows in pf_rows:
+            attempt(parts, f"fused_scores_nothing_staged{sfx[v]}_rows{rows}_us",
+                    lambda w=rows, v=v: timed(lambda: fused_scores(s, st, w, v),
+                                              lambda: s.restore(inf), R))  # fmt: skip
+
+            def indexer(w=rows, v=v):
+                args = staged_args(s, st, caps[0], 0.0)
+                pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, variant=v)
+
+            attempt(parts, f"fused_indexer_nothing_staged{sfx[v]}_rows{rows}_us",
+                    lambda f=indexer: timed(f, lambda: s.restore(inf), R))  # fmt: skip
+
+            def no_candidates(w=rows, v=v):  # the run's thresholds, every row on the GPU
+                args = staged_args(s, st, caps[0], 0.0, resident)
+                pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, variant=v)
+
+            attempt(parts, f"fused_indexer_no_candidates{sfx[v]}_rows{rows}_us",
+                    lambda f=no_candidates: timed(f, s.restore, R))  # fmt: skip
+    kth, lens, bt = s.kth.clone(), s.inp["seq_lens"], s.inp["block_table"]
+    attempt(parts, "ema_update_torch_us",
+            lambda: timed(lambda: pf.update_ema(st.ema, kth, lens, bt), None, R))  # fmt: skip
+    attempt(parts, "ema_update_triton_us",
+            lambda: timed(lambda: pk.ema_update_cuda(st.ema, kth, lens, bt), None, R))  # fmt: skip
     s.set_hit_rate(1.0)
     attempt(parts, "recall_h1.0_us",
             lambda: timed(lambda: s.pool.recall(s.host, s.sel), s.restore, R))  # fmt: skip
@@ -272,14 +318,16 @@ def main() -> None:
             r["bound_speedup"] = r["baseline_us"] / r["bound_us"]
         except (KeyError, TypeError):
             pass
-        for name, cap, ratio, rows in configs:
+        for name, cap, ratio, rows, v in configs:
             cap_ = cap if ratio == 0 else 1
 
-            def fused(c=cap_, q=ratio, w=rows):
-                pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w)
+            def fused(c=cap_, q=ratio, w=rows, v=v):
+                pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w,
+                                              variant=v)  # fmt: skip
 
-            def step(c=cap_, q=ratio, w=rows):
-                sel, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w)
+            def step(c=cap_, q=ratio, w=rows, v=v):
+                sel, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w,
+                                                       variant=v)  # fmt: skip
                 pk.recall_staged_cuda(*recall_args(s, st, sel))
 
             attempt(r, f"{name}_fused_indexer_us", lambda: timed(fused, s.restore, R))
@@ -292,13 +340,17 @@ def main() -> None:
             except (KeyError, TypeError):
                 pass
             save()
-    try:
-        p = parts
-        key = f"fused_indexer_nothing_staged_rows{pf_rows[0]}_us"
-        res["fused_indexer_slowdown_nothing_staged"] = p[key] / p["indexer_us"] - 1
-    except (KeyError, TypeError):
-        pass
+    for v in variants:  # against the unfused kernels of the same run (target <= 5%)
+        for what, case, ref in (("indexer", "nothing_staged", "indexer_us"),
+                                ("scores", "nothing_staged", "scores_us"),
+                                ("indexer", "no_candidates", "indexer_us")):  # fmt: skip
+            try:
+                t = parts[f"fused_{what}_{case}{sfx[v]}_rows{pf_rows[0]}_us"]
+                res[f"fused_{what}_slowdown_{case}{sfx[v]}"] = t / parts[ref] - 1
+            except (KeyError, TypeError):
+                pass
     save()
+    print({k: v for k, v in res.items() if "slowdown" in k})
     print(json.dumps(res["results"], indent=1))
 
 

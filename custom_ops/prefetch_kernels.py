@@ -1,7 +1,8 @@
 """CUDA implementations of the prefetch ops (semantics and references in custom_ops/prefetch.py).
 
-- ``indexer_topk_prefetch_cuda``: the fused scores + staging kernel of indexer_kernels.py
-  (``_scores_prefetch_kernel``), the unchanged exact top-k, the in-graph EMA update.
+- ``indexer_topk_prefetch_cuda``: a fused scores + staging kernel (the variants of
+  prefetch_scores.py), the unchanged exact top-k, the in-graph EMA update (``_ema_kernel``: one
+  launch where the torch expression of ``update_ema`` took about ten small ones).
 - ``recall_staged_cuda``: ``_promote_kernel`` (the selected, staged, missing rows: one claim per
   host slot by an atomic exchange on host_stage, appended with one atomic per block), then the
   pool's own ``echo::free`` and ``echo::allocate`` for them (the normal protect / evict / allocate
@@ -17,7 +18,8 @@ import triton
 import triton.language as tl
 
 from custom_ops import indexer_kernels as ik
-from custom_ops.prefetch_layout import PF_PROMOTED, PF_STAGED, PF_STEPS, update_ema
+from custom_ops.prefetch_layout import EMA_ALPHA, PF_PROMOTED, PF_STAGED, PF_STEPS
+from custom_ops.prefetch_scores import scores_variant
 
 LIST_BLOCK = 1024
 ROWS_PER_ITER = 4  # rows per copy iteration and program (staging -> pool, device memory)
@@ -25,6 +27,8 @@ PF_ROWS = 8  # staged rows per score block at most (IndexerConfig-like knob for 
 _S_PROMOTED = tl.constexpr(PF_PROMOTED)
 _S_STAGED = tl.constexpr(PF_STAGED)
 _S_STEPS = tl.constexpr(PF_STEPS)
+_A_NEW = tl.constexpr(EMA_ALPHA)  # update_ema's two weights, as the Python floats it uses
+_A_OLD = tl.constexpr(1.0 - EMA_ALPHA)
 
 
 def _words(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -52,12 +56,16 @@ def indexer_topk_prefetch_cuda(
     ratio,
     cfg: ik.IndexerConfig | None = None,
     rows_per_block: int = PF_ROWS,
+    variant: str | None = None,
 ):
+    """``echo::indexer_topk_prefetch`` on the GPU (or under TRITON_INTERPRET=1); ``variant``
+    names the fused scores kernel (prefetch_scores.SCORES_VARIANTS, None: its default)."""
     cfg = cfg or ik.IndexerConfig()
+    launch = scores_variant(variant)
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("indexer_topk_prefetch: block_table and seq_lens must be int32")
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    scores = ik.index_scores_prefetch(
+    scores = launch(
         q_fp8,
         weights,
         index_cache,
@@ -77,8 +85,30 @@ def indexer_topk_prefetch_cuda(
         rows_per_block,
     )
     host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
-    update_ema(ema, kth, seq_lens, block_table)
+    ema_update_cuda(ema, kth, seq_lens, block_table)
     return host, kth
+
+
+@triton.jit
+def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, BP: tl.constexpr):
+    r = tl.arange(0, BP)
+    live = r < B
+    live &= tl.load(sl_ptr + r, mask=live, other=0) > 0
+    key = tl.load(bt_ptr + r * bt_stride, mask=live, other=0)  # the first host page
+    e = tl.load(ema_ptr + key, mask=live, other=0.0)
+    k = tl.load(kth_ptr + r, mask=live, other=0.0)
+    tl.store(ema_ptr + key, k * _A_NEW + e * _A_OLD, mask=live)
+
+
+def ema_update_cuda(ema, kth, seq_lens, block_table) -> None:
+    """``prefetch_layout.update_ema`` in one launch, bit for bit (no FMA contraction: the two
+    products are rounded as torch rounds them). Live requests have distinct first pages, so
+    the lanes never race; padded rows leave the dump entry as it was, as the reference does."""
+    B = seq_lens.shape[0]
+    _ema_kernel[(1,)](
+        ema, kth, seq_lens, block_table, block_table.stride(0), B,
+        BP=max(2, triton.next_power_of_2(B)), num_warps=1, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 @triton.jit

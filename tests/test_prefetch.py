@@ -11,6 +11,7 @@ import torch
 from custom_ops import indexer_kernels as ik
 from custom_ops import prefetch as pf
 from custom_ops import prefetch_kernels as pk
+from custom_ops import prefetch_scores as ps
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.invariants import check_pool
 from custom_ops.cache.kv_cache import KVCache
@@ -65,12 +66,13 @@ def _staged(st, B, cap, ratio):
     return [set(x[x >= 0].tolist()) for x in sh.view(B, cap)]
 
 
-CASES = [(impl, thr, ratio) for impl in ("ref", "triton") for thr in ("normal", "low", "high")
+CASES = [(impl, thr, ratio) for impl in ("ref", "tile", "post") for thr in ("normal", "low", "high")
          for ratio in (0.0, 0.05) if impl == "ref" or (thr == "low") == (ratio > 0)]  # fmt: skip
 
 
 @pytest.mark.parametrize("impl,thr,ratio", CASES)
 def test_prefetch_indexer(impl, thr, ratio, device):
+    """impl: the reference, or a variant of the fused kernel (custom_ops/prefetch_scores.py)."""
     B, cap, topk = 3, 16, 32
     inp, host_kv, h2g, st = _prefetch_case(11, device)
     score, slots = pf.index_scores_ref(
@@ -90,7 +92,7 @@ def test_prefetch_indexer(impl, thr, ratio, device):
         want = _candidates(score, slots, h2g, ema0)
     else:  # the fused kernel, many rows per block so only the caps bind
         host, kth = _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, topk, cap, ratio,
-                         cfg=SMALL, rows_per_block=64)  # fmt: skip
+                         cfg=SMALL, rows_per_block=64, variant=impl)  # fmt: skip
         s_k = ik.index_scores(
             *[inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")], SMALL
         )
@@ -131,6 +133,50 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     assert torch.equal(st["ema"][other], ema_all[other])  # no other request's threshold moved
 
 
+def test_post_variant_bounds_and_chunks(device):
+    """The "post" kernel with 2 rows per tile: a program claims at most 2 x TPP / BT rows and
+    copies them 2 at a time (several copy iterations); the staged set is a subset of the
+    candidates within the caps, every staged row a copy of its host row."""
+    B, cap, topk, rows = 3, 16, 32, 2
+    inp, host_kv, h2g, st = _prefetch_case(21, device)
+    st["ema"].fill_(float("-inf"))  # every off-GPU live token is a candidate
+    _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, topk, cap, 0.0, cfg=SMALL,
+         rows_per_block=rows, variant="post")  # fmt: skip
+    args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
+    score, slots = pf.index_scores_ref(*args)
+    want = _candidates(score, slots, h2g, st["ema"].new_full((B,), float("-inf")))
+    got = _staged(st, B, cap, 0.0)
+    per_prog = rows * SMALL.score_tokens // SMALL.score_block
+    n_prog = [-(-int(n) // SMALL.score_tokens) for n in inp["seq_lens"]]
+    for b in range(B):
+        assert got[b] <= want[b]
+        assert len(got[b]) == min(cap, len(want[b]), per_prog * n_prog[b])
+    assert len(got[0]) > rows  # request 0 copied in several chunks
+    sh = st["stage_host"].long()
+    live = (sh >= 0).nonzero().flatten()
+    assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
+    assert torch.equal(st["host_stage"][sh[live]].long(), live)
+    assert int(st["pf_stats"][pf.PF_CANDIDATES]) == sum(len(w) for w in want)
+
+
+def test_ema_kernel_matches_update_ema(device):
+    """The one-launch threshold update equals the torch expression bit for bit (padded rows,
+    -inf thresholds and k-th scores included), other entries untouched."""
+    g = torch.Generator().manual_seed(3)
+    for B in (1, 5, 16):
+        ema = torch.randn(40, generator=g) * 10
+        ema[::7] = float("-inf")
+        kth = torch.randn(B, generator=g) * 10
+        kth[::3] = float("-inf")
+        lens = torch.randint(0, 3, (B,), generator=g, dtype=torch.int32) * 50
+        bt = torch.randperm(39, generator=g)[: 2 * B].view(B, 2).int()
+        ema, kth, lens, bt = (x.to(device) for x in (ema, kth, lens, bt))
+        want = ema.clone()
+        pf.update_ema(want, kth, lens, bt)
+        pk.ema_update_cuda(ema, kth, lens, bt)
+        assert torch.equal(ema, want)
+
+
 def _cache(fmt, prefetch, offload=True, cap=8, device="cpu"):
     return KVCache(CacheConfig(num_layers=1, host_tokens=64 * 20, gpu_tokens=3 * 32 + 16, topk=32,
                                fmt=fmt, offload=offload, max_batch=3, prefetch=prefetch,
@@ -165,7 +211,9 @@ def test_prefetch_lossless_cache(fmt, mode, thr):
 @pytest.mark.parametrize(
     "mode,thr", [("request", None), ("global", None), ("global", "low"), ("request", "high")]
 )
-def test_prefetch_lossless_cache_cuda(fmt, mode, thr):
+@pytest.mark.parametrize("variant", sorted(ps.SCORES_VARIANTS))
+def test_prefetch_lossless_cache_cuda(fmt, mode, thr, variant, monkeypatch):
+    monkeypatch.setattr(ps, "DEFAULT_VARIANT", variant)  # the op's fused scores kernel
     check_lossless_cache(fmt, mode, thr, "cuda")
 
 
@@ -281,7 +329,7 @@ def test_bench_prefetch_dry_run(tmp_path):
            "--ratios", "0.004", "--hit-rates", "0.9", "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
-    assert res["all_pass"] and len(res["checks"]) == 4
+    assert res["all_pass"] and len(res["checks"]) == 4 * len(ps.SCORES_VARIANTS)
     assert any(c["staged"] > 0 for c in res["checks"].values())
 
 

@@ -1,0 +1,190 @@
+"""Variants of the fused indexer-scores + prefetch kernel (semantics: custom_ops/prefetch.py).
+
+The fused kernel must cost what the unfused ``_scores_kernel`` costs when nothing qualifies (on
+the H200 the first version, ``"tile"``, made the whole indexer 36% slower with nothing staged:
+benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIANTS``):
+
+- ``"tile"``: ``indexer_kernels._scores_prefetch_kernel``. Inside the scoring loop, every score
+  tile compares with the threshold and *reduces* the comparison across the CTA (a shared-memory
+  round trip and barriers, every tile, in a loop that runs at two CTAs per SM), then, for tiles
+  with candidates, the map lookups, the claim atomics and the host copy. The copies overlap the
+  program's own next tiles.
+- ``"post"`` (default): the scoring loop is ``_scores_kernel``'s, plus one element-wise running
+  max (a register per token lane, no reduction, no branch: the loop's compiled body differs from
+  the unfused one by that one max). After it, one reduction: a program none of whose scores beats
+  the threshold is done (the whole "nothing staged" cost). The others re-read their own scores
+  (just written: L2) as one vector of TPP tokens, look the map up once, claim once, and copy their
+  kept rows ``rows_per_block`` at a time; the copies overlap the scoring of the other programs
+  on the SM. A program stages at most rows_per_block x TPP / BT rows, as in ``"tile"``.
+
+Both give the same scores (bit for bit: the same scoring code) and the same candidate set; which
+candidates win when a cap binds may differ (atomics order), which only changes performance.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops import indexer_kernels as ik
+from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
+
+_PAGE = tl.constexpr(PAGE)  # the constants of indexer_kernels' scoring loop
+_DIM = tl.constexpr(INDEX_DIM)
+_PAGE_BYTES = tl.constexpr(INDEX_PAGE_BYTES)
+_SCALE_OFF = tl.constexpr(PAGE * INDEX_DIM // 4)
+_PAGE_F32 = tl.constexpr(INDEX_PAGE_BYTES // 4)
+DEFAULT_VARIANT = "post"
+
+
+@triton.jit
+def _scores_prefetch_post_kernel(
+    q_ptr, w_ptr, kv_ptr, ks_ptr, bt_ptr, sl_ptr, score_ptr, ema_ptr, h2g_ptr, hstage_ptr,
+    shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap, n_stage, ratio,
+    HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
+    GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
+    ROW_WP: tl.constexpr,
+):  # fmt: skip
+    """Arguments as ``indexer_kernels._scores_prefetch_kernel``; the staging after the scoring
+    loop, for programs with a score above the threshold only (module docstring)."""
+    b = tl.program_id(0)
+    start = tl.program_id(1) * TPP
+    seq_len = tl.load(sl_ptr + b)
+    hh = tl.arange(0, HP)
+    dd = tl.arange(0, _DIM)
+    tt = tl.arange(0, BT)
+    hm = hh < n_heads
+    q = tl.load(q_ptr + (b * n_heads + hh[:, None]) * _DIM + dd[None, :], mask=hm[:, None],
+                other=0)  # fmt: skip
+    q = q.to(tl.float8e4nv, bitcast=True)  # [HP, 128]
+    w = tl.load(w_ptr + b * n_heads + hh, mask=hm, other=0.0)
+    n_live = tl.minimum(tl.maximum(seq_len - start, 0), TPP)
+    n_iter = tl.cdiv(n_live, BT)
+    mx = tl.full([BT], float("-inf"), tl.float32)
+    # ---- the scoring loop of _scores_kernel, unchanged but for the running max
+    for i in tl.range(0, n_iter, num_stages=STAGES):
+        t = start + i * BT + tt
+        live = t < seq_len
+        page = tl.load(bt_ptr + b * bt_stride + t // _PAGE, mask=live, other=0).to(tl.int64)
+        off = t % _PAGE
+        k = tl.load(
+            kv_ptr + page[:, None] * _PAGE_BYTES + off[:, None] * _DIM + dd[None, :],
+            mask=live[:, None],
+            other=0,
+        )
+        ks = tl.load(ks_ptr + page * _PAGE_F32 + _SCALE_OFF + off, mask=live, other=0.0)
+        logits = tl.dot(k.to(tl.float8e4nv, bitcast=True), tl.trans(q))  # [BT, HP] fp32
+        s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * ks
+        s = tl.where(live, s, float("-inf"))
+        tl.store(score_ptr + b * L + t, s, mask=t < L)
+        mx = tl.maximum(mx, s)  # NaN-ignoring, as `s > thr` is false for NaN
+    for i in range(n_iter, TPP // BT):
+        t = start + i * BT + tt
+        tl.store(score_ptr + b * L + t, tl.full([BT], float("-inf"), tl.float32), mask=t < L)
+    # ---- staging, only where some live score beats the threshold (dead tokens are -inf)
+    thr = tl.load(ema_ptr + tl.load(bt_ptr + b * bt_stride))  # padded rows: nothing is live
+    if tl.max(mx, 0) > thr:
+        _stage_program(b, start, seq_len, thr, score_ptr, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
+                       hstage_ptr, shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, L, B, cap,
+                       n_stage, ratio, TPP, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
+                       ROW_WP)  # fmt: skip
+
+
+@triton.jit
+def _stage_program(
+    b, start, seq_len, thr, score_ptr, bt_row, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr, ctr_ptr,
+    pfs_ptr, src_ptr, dst_ptr, L, B, cap, n_stage, ratio, TPP: tl.constexpr, GLOBAL: tl.constexpr,
+    BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr, ROW_W: tl.constexpr,
+    ROW_WP: tl.constexpr,
+):  # fmt: skip
+    """Stage the candidates of one program's TPP tokens, whole-program vectors (one gather of the
+    map, one claim atomic, so one chain of memory latencies instead of one per tile): at most
+    MAXROWS rows (rows_per_block per score tile), copied host -> staging ROWS rows at a time."""
+    tl.debug_barrier()  # every thread of the program sees the scores its siblings stored
+    if GLOBAL:
+        bb = tl.arange(0, BP)
+        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
+        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
+        ctr = ctr_ptr + B
+        slot0 = 0
+    else:
+        limit = cap
+        ctr = ctr_ptr + b
+        slot0 = b * cap
+    t = start + tl.arange(0, TPP)
+    live = t < seq_len
+    s = tl.load(score_ptr + b * L + t, mask=live, other=float("-inf"))
+    # the pages are loaded with the scores, not after them: one memory latency less in the chain
+    # (16 distinct entries per program, cached)
+    page = tl.load(bt_row + t // _PAGE, mask=live, other=0)
+    over = live & (s > thr)
+    h = page * _PAGE + t % _PAGE
+    g = tl.load(h2g_ptr + h, mask=over, other=0)
+    cand = over & (g < 0)
+    ci = cand.to(tl.int32)
+    nc = tl.sum(ci, 0)
+    if nc > 0:
+        claim = tl.minimum(nc, MAXROWS)  # claim only what this program copies: no holes
+        base = tl.atomic_add(ctr, claim, sem="relaxed")
+        n_keep = tl.minimum(tl.maximum(limit - base, 0), claim)
+        lr = tl.cumsum(ci, 0) - 1  # rank among this program's candidates
+        keep = cand & (lr < n_keep)
+        slot = slot0 + base + lr
+        tl.store(shost_ptr + slot, h, mask=keep)
+        tl.store(hstage_ptr + h, slot, mask=keep)
+        # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep]
+        tl.debug_barrier()
+        rr = tl.arange(0, ROWS)
+        cols = tl.arange(0, ROW_WP)
+        cmask = cols < ROW_W
+        first = slot0 + base
+        for j in range(0, n_keep, ROWS):
+            r = j + rr
+            rm = r < n_keep
+            hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int64)
+            sj = (first + r).to(tl.int64)
+            m2 = rm[:, None] & cmask[None, :]
+            v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
+            tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
+        tl.atomic_add(pfs_ptr, nc.to(tl.int64), sem="relaxed")
+
+
+def index_scores_prefetch_post(
+    q_u8, weights, index_cache, block_table, seq_lens, host_words, host_to_gpu, stage_words,
+    stage_host, host_stage, stage_ctr, ema, pf_stats, cap, ratio, cfg, rows_per_block=8,
+):  # fmt: skip
+    """``indexer_kernels.index_scores_prefetch`` (same arguments and result) with the
+    ``"post"`` kernel."""
+    B, n_heads = q_u8.shape[:2]
+    L = block_table.shape[1] * PAGE
+    if cfg.score_tokens % cfg.score_block or cfg.score_block % 16:
+        raise ValueError("score_tokens must be a multiple of score_block, itself of 16")
+    if rows_per_block <= 0 or rows_per_block & (rows_per_block - 1):
+        raise ValueError(f"rows_per_block must be a power of two, got {rows_per_block}")
+    scores = torch.empty((B, L), dtype=torch.float32, device=q_u8.device)
+    row_w = host_words.shape[1]
+    grid = (B, triton.cdiv(L, cfg.score_tokens))
+    _scores_prefetch_post_kernel[grid](
+        q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
+        block_table, seq_lens, scores, ema, host_to_gpu, host_stage, stage_host, stage_ctr,
+        pf_stats, host_words, stage_words, n_heads, block_table.stride(0), L, B, cap,
+        stage_words.shape[0], float(ratio), HP=max(16, triton.next_power_of_2(n_heads)),
+        BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
+        BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
+        ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps,
+    )  # fmt: skip
+    return scores
+
+
+SCORES_VARIANTS = {"tile": ik.index_scores_prefetch, "post": index_scores_prefetch_post}
+
+
+def scores_variant(name: str | None):
+    """The launcher of a variant by name (None: the default)."""
+    name = DEFAULT_VARIANT if name is None else name
+    if name not in SCORES_VARIANTS:
+        raise ValueError(
+            f"unknown prefetch scores variant {name!r}: one of {list(SCORES_VARIANTS)}"
+        )
+    return SCORES_VARIANTS[name]
