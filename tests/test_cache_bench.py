@@ -129,9 +129,11 @@ def test_switched_generations_set_their_switches_only_during_a_call(tiny, monkey
     assert not K.ALLOCATE_NEXT_FIT and K.NF_MAX_MISSES == 0 and not K.LAUNCH_PDL
 
 
-def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny):
+@pytest.mark.parametrize("impl", [NEW, NEXT_FIT], ids=["new", "next_fit"])
+def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny, impl):
     """The benchmark's correctness stage (recall, free, allocate, steady recall against the
-    references) at a tiny size: every verdict PASS, so a FAIL on the H200 is the GPU's."""
+    references) at a tiny size, for the defaults and for next fit (checks.fp8_next_fit): every
+    verdict PASS, so a FAIL on the H200 is the GPU's."""
     gen = torch.Generator().manual_seed(2)
     host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8, generator=gen)
     fill_random(tiny, 640, gen, host_kv=host, host_slots=torch.arange(2048))
@@ -139,7 +141,7 @@ def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny):
     hs = torch.cat([res[:100], torch.arange(3000, 3006)]).int().view(2, 53)
     protect = res[torch.randperm(res.numel(), generator=gen)[:64]].int()
     want = torch.arange(3100, 3140).int()
-    out = kernels_vs_reference(tiny, host, hs, protect, want, 64)
+    out = kernels_vs_reference(tiny, host, hs, protect, want, 64, impl)
     assert {k: v["verdict"] for k, v in out.items()} == dict.fromkeys(
         ("recall", "free", "allocate", "recall_steady"), "PASS"
     ), out
