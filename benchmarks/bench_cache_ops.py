@@ -605,6 +605,7 @@ def main() -> None:
         "method": "per call, per layer: median over replays of a CUDA graph of R calls "
         "/ R; state restored before each replay",
         "reserve_slots": NEW.evicts(1, N_G, N_G) - 1,
+        "pdl_supported": K.pdl_supported(),  # False: the pdl.* runs are the defaults' launches
         "targets": TARGETS,
     }
     out = Path(args.out)

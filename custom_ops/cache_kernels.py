@@ -28,6 +28,8 @@ Byte offsets into the pools are computed in int64 (a 2M-row bf16 layer is 2.3 GB
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -93,9 +95,20 @@ COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2
 LAUNCH_PDL = False
 
 
+@functools.cache
+def pdl_supported() -> bool:
+    """Whether this Triton has grid dependency control and the ``launch_pdl`` launch option (a
+    Triton without them would refuse the option; LAUNCH_PDL then changes nothing)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return PDL_AVAILABLE and "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
 def _pdl(device: torch.device) -> dict:
     """The launch options and the kernels' PDL constexpr: on only on CUDA (not the interpreter)."""
-    on = LAUNCH_PDL and PDL_AVAILABLE and device.type == "cuda"
+    on = LAUNCH_PDL and device.type == "cuda" and pdl_supported()
     return {"PDL": True, "launch_pdl": True} if on else {}
 
 
