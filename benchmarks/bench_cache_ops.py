@@ -513,7 +513,7 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
     K.NF_BLOCK = default
     # List programs (the protect/lookup stamps over B x k = 131072 entries: most of a steady free).
     default = K.LIST_BLOCK
-    for block in (512, 2048, 1024):  # the default (1024) last
+    for block in (256, 512, 2048, 1024):  # the default (1024) last
         K.LIST_BLOCK = block
         try:
             sweep[f"list_block_{block}"] = {
