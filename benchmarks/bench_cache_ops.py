@@ -40,7 +40,10 @@ from benchmarks.cache_ops_check import (
     BEFORE,
     CURRENT,
     NEW,
+    NEXT_FIT,
+    PDL,
     PRELOAD,
+    ROUND2,
     Kernels,
     kernels_vs_reference,
     launch_breakdown,
@@ -368,17 +371,21 @@ def bench_format(
     fresh = fresh_all[torch.randperm(fresh_all.numel(), generator=gen)]
     cap = pool.capacity
 
-    def check() -> dict:
+    def check(impl: Kernels, fresh: torch.Tensor) -> dict:
         (hs,), rest = recall_steps(pool, 1, B * TOPK * 3 // 100, fresh, gen)
         res_ = torch.nonzero(pool.host_to_gpu.cpu() >= 0).flatten()
         protect = res_[torch.randperm(res_.numel(), generator=gen)[: B * TOPK]].int().to(DEV)
         want = rest[:2048].int().to(DEV)
-        out = kernels_vs_reference(pool, host, hs, protect, want, min(8192, cap))
+        out = kernels_vs_reference(pool, host, hs, protect, want, min(8192, cap), impl)
         fill_random(pool, N_G, gen, host_kv=host, host_slots=torch.arange(N_H // 2))
         return out
 
-    step(f"checks.{fmt}", check)
+    step(f"checks.{fmt}", lambda: check(NEW, fresh))
     fresh = fresh[B * TOPK :]  # the check's misses are not fresh any more
+    if fmt == "fp8":  # the switched-off paths the benchmark times, checked the same way
+        for tag, impl in (("pdl", PDL), ("next_fit", NEXT_FIT)):
+            step(f"checks.fp8_{tag}", lambda i=impl, f=fresh: check(i, f))
+            fresh = fresh[B * TOPK :]
     box = {"fresh": fresh}
 
     def recall(n_miss: int, calls: int, free_before: int, impl: Kernels = NEW) -> Callable:
@@ -397,13 +404,21 @@ def bench_format(
     step(f"before.{fmt}.recall_37_misses", recall(37, 16, 0, BEFORE))
     step(f"current.{fmt}.recall_37_misses", recall(37, 16, 0, CURRENT))
     step(f"current.{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE, CURRENT))
+    step(f"round2.{fmt}.recall_37_misses", recall(37, 16, 0, ROUND2))
+    step(f"round2.{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE, ROUND2))
     if fmt == "fp8":
         step("preload.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PRELOAD))
-    st, rf = res.get(f"{fmt}.recall_37_misses_steady"), res.get(f"{fmt}.recall_37_misses_refill")
-    if st and rf and "median_us" in st and "median_us" in rf:
-        res[f"{fmt}.recall_37_misses"]["amortized_us"] = amortized(
-            rf["median_us"], st["median_us"], 37, cap
-        )
+        step("nf.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, NEXT_FIT))
+        step("pdl.fp8.recall_37_misses", recall(37, 16, 0, PDL))
+        step("pdl.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PDL))
+        step("pdl.fp8.recall_37_misses_refill", recall(37, 1, 0, PDL))
+    for tag in ("", "pdl."):
+        st = res.get(f"{tag}{fmt}.recall_37_misses_steady")
+        rf = res.get(f"{tag}{fmt}.recall_37_misses_refill")
+        if st and rf and "median_us" in st and "median_us" in rf:
+            res[f"{tag}{fmt}.recall_37_misses"]["amortized_us"] = amortized(
+                rf["median_us"], st["median_us"], 37, cap
+            )
     n97 = B * TOPK * 3 // 100
     step(f"{fmt}.recall_hit_0.97", recall(n97, 8, 0))
     step(f"before.{fmt}.recall_hit_0.97", recall(n97, 8, 0, BEFORE))
@@ -414,7 +429,7 @@ def bench_format(
     for n_rows in (r for r in (2048, 65536) if r * 8 <= N_H and r <= N_G):
         cfgs = None
         if fmt == "fp8" and n_rows == 2048:  # the copy configurations to try (units x programs)
-            cfgs = [dict(units=u, programs_per_sm=p) for u in (256, 1024) for p in (2, 4)]
+            cfgs = [dict(units=u, programs_per_sm=p) for u in (256, 512, 1024) for p in (2, 4)]
             cfgs += [dict(early=False), dict(cache=".cg"), dict(units=1024, cache=".cg")]
         step(f"{fmt}.copy_{n_rows}_rows",
              lambda n=n_rows, c=cfgs: bench_copy(host, n, 8, gen, reps, c))  # fmt: skip
@@ -424,14 +439,25 @@ def bench_format(
         (f"{fmt}.recall_2048_misses_steady", NEW, n2k + STEADY_FREE),
         (f"before.{fmt}.recall_2048_misses", BEFORE, 0),
         (f"current.{fmt}.recall_2048_misses_steady", CURRENT, n2k + STEADY_FREE),
+        (f"round2.{fmt}.recall_2048_misses_steady", ROUND2, n2k + STEADY_FREE),
+        *(
+            (
+                (f"pdl.{fmt}.recall_2048_misses", PDL, 0),
+                (f"pdl.{fmt}.recall_2048_misses_steady", PDL, n2k + STEADY_FREE),
+            )
+            if fmt == "fp8"
+            else ()
+        ),
     ):
         step(name, lambda i=impl, f=free: recall_all_misses(pool, host, box["fresh"], reps, gen,
                                                             i, f))  # fmt: skip
-    st, rf = res.get(f"{fmt}.recall_2048_misses_steady"), res.get(f"{fmt}.recall_2048_misses")
-    if st and rf and "median_us" in st and "median_us" in rf:
-        us = amortized(rf["median_us"], st["median_us"], n2k, cap)
-        rf["amortized_us"] = us
-        rf["amortized_GBps"] = n2k * host.shape[1] / (us * 1e3)
+    for tag in ("", "pdl."):
+        st = res.get(f"{tag}{fmt}.recall_2048_misses_steady")
+        rf = res.get(f"{tag}{fmt}.recall_2048_misses")
+        if st and rf and "median_us" in st and "median_us" in rf:
+            us = amortized(rf["median_us"], st["median_us"], n2k, cap)
+            rf["amortized_us"] = us
+            rf["amortized_GBps"] = n2k * host.shape[1] / (us * 1e3)
     if fmt == "fp8":
         bench_pool_ops(pool, step, gen, reps, res)
 
@@ -441,17 +467,23 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
     cap = pool.capacity
     n = min(2048, cap)  # 16 calls of 2048 fit the 100K free slots
     calls = min(16, N_G // 2 // n)
-    for tag, impl in (("", NEW), ("before.", BEFORE), ("current.", CURRENT), ("preload.", PRELOAD)):
+    gens = (("", NEW), ("before.", BEFORE), ("current.", CURRENT), ("preload.", PRELOAD),
+            ("round2.", ROUND2), ("pdl.", PDL))  # fmt: skip
+    for tag, impl in gens:
         step(f"{tag}allocate_37", lambda i=impl: bench_allocate(pool, 37, 32, gen, reps, i))
         step(f"{tag}allocate_2048", lambda i=impl: bench_allocate(pool, n, calls, gen, reps, i))
-        if impl in (NEW, BEFORE):  # free has no next-fit path: the others' free is NEW's
+        if impl in (NEW, BEFORE, PDL):  # free has no next-fit path: the others' free is NEW's
             step(f"{tag}free_37",
                  lambda i=impl: bench_free(pool, 37, min(32, cap // 37), gen, reps, i))  # fmt: skip
-    step("free_37_steady", lambda: bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE))
-    step("free_37_refill", lambda: bench_free(pool, 37, 1, gen, reps, NEW, 0))
-    st, rf = res.get("free_37_steady"), res.get("free_37_refill")
-    if st and rf and "median_us" in st and "median_us" in rf:
-        res["free_37"]["amortized_us"] = amortized(rf["median_us"], st["median_us"], 37, cap)
+    for tag, impl in (("", NEW), ("pdl.", PDL)):
+        step(f"{tag}free_37_steady",
+             lambda i=impl: bench_free(pool, 37, 32, gen, reps, i, STEADY_FREE))  # fmt: skip
+        step(f"{tag}free_37_refill", lambda i=impl: bench_free(pool, 37, 1, gen, reps, i, 0))
+        st, rf = res.get(f"{tag}free_37_steady"), res.get(f"{tag}free_37_refill")
+        if st and rf and "median_us" in st and "median_us" in rf:
+            res[f"{tag}free_37"]["amortized_us"] = amortized(
+                rf["median_us"], st["median_us"], 37, cap
+            )
     # Launch configurations of the pool scans (allocate, free, recall's placement pass).
     default = K.SCAN_BLOCK
     sweep = {}
@@ -481,7 +513,7 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
     K.NF_BLOCK = default
     # List programs (the protect/lookup stamps over B x k = 131072 entries: most of a steady free).
     default = K.LIST_BLOCK
-    for block in (512, 2048, 1024):  # the default (1024) last
+    for block in (256, 512, 2048, 1024):  # the default (1024) last
         K.LIST_BLOCK = block
         try:
             sweep[f"list_block_{block}"] = {
@@ -492,12 +524,30 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
         except Exception as e:
             sweep[f"list_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
     K.LIST_BLOCK = default
+    # Warps per lookup program (more gathers of host_to_gpu in flight per SM).
+    default = K.LIST_WARPS
+    for warps in (8, 4):  # the default (4) last
+        K.LIST_WARPS = warps
+        try:
+            sweep[f"list_warps_{warps}"] = {
+                "free_37_steady_us": bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE)[
+                    "median_us"
+                ],
+            }
+        except Exception as e:
+            sweep[f"list_warps_{warps}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.LIST_WARPS = default
     step("sweep", lambda: sweep)
 
 
-def targets_met(res: dict) -> dict:
+def targets_met(res: dict, tag: str = "") -> dict:
+    """The targets, scored on the figures of the generation ``tag`` ("" = the defaults; "pdl.":
+    with LAUNCH_PDL), each falling back to the default's where that generation was not timed."""
+
     def get(key: str, field: str = "median_us") -> float | None:
-        v = res.get(key, {})
+        v = res.get(f"{tag}{key}", {})
+        if not (isinstance(v, dict) and field in v):
+            v = res.get(key, {})
         return v.get(field) if isinstance(v, dict) else None
 
     alloc, free = get("allocate_37"), get("free_37", "amortized_us")
@@ -555,6 +605,7 @@ def main() -> None:
         "method": "per call, per layer: median over replays of a CUDA graph of R calls "
         "/ R; state restored before each replay",
         "reserve_slots": NEW.evicts(1, N_G, N_G) - 1,
+        "pdl_supported": K.pdl_supported(),  # False: the pdl.* runs are the defaults' launches
         "targets": TARGETS,
     }
     out = Path(args.out)
@@ -579,17 +630,22 @@ def main() -> None:
     step("sglang_slice_concat", lambda: bench_sglang(37, 2000))
 
     res["targets_met"] = targets_met(res)
+    res["targets_met_pdl"] = targets_met(res, "pdl.")
     res["new_vs_current"] = new_vs_current(res)
     res["new_vs_preload"] = new_vs_current(res, "preload")
+    res["new_vs_round2"] = new_vs_current(res, "round2")
+    res["new_vs_pdl"] = new_vs_current(res, "pdl")
+    res["new_vs_nf"] = new_vs_current(res, "nf")
     save()
-    print("\n| op (per layer) | median us | amortized us | current us | before us |")
-    print("|---|---|---|---|---|")
+    print("\n| op (per layer) | median us | amortized us | pdl us | round2 us | current us | "
+          "before us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for k, v in res.items():
-        tags = ("before.", "current.", "preload.")
+        tags = ("before.", "current.", "preload.", "round2.", "pdl.", "nf.")
         if isinstance(v, dict) and "median_us" in v and not k.startswith(tags):
-            b = res.get(f"before.{k}", {}).get("median_us")
-            c = res.get(f"current.{k}", {}).get("median_us")
-            cells = [v["median_us"], v.get("amortized_us"), c, b]
+            cols = ("pdl.", "round2.", "current.", "before.")
+            others = [res.get(f"{t}{k}", {}).get("median_us") for t in cols]
+            cells = [v["median_us"], v.get("amortized_us"), *others]
             print(f"| {k} | " + " | ".join("" if x is None else f"{x:.2f}" for x in cells) + " |")
     checks = {
         k: {op: c.get("verdict") for op, c in v.items()}
@@ -598,7 +654,8 @@ def main() -> None:
     }
     print("checks:", checks)
     print("targets met:", res["targets_met"])
-    for tag in ("current", "preload"):
+    print("targets met with PDL:", res["targets_met_pdl"])
+    for tag in ("current", "preload", "round2", "pdl", "nf"):
         print(f"new vs {tag}:", {k: round(v["ratio"], 3) for k, v in res[f"new_vs_{tag}"].items()})
 
 

@@ -80,12 +80,24 @@ class Switched(Kernels):
 
 NEW = Kernels(cache_kernels, reserve=True)
 BEFORE = Kernels(cache_kernels_before, reserve=False)
+# The second round's next fit (allocate, and recall's steady placement of <= 128 misses), off by
+# default since the third round (cache_kernels.NF_MAX_MISSES): timed as nf.*.
+NF_ON = {"ALLOCATE_NEXT_FIT": True, "NF_MAX_MISSES": 128}
+NEXT_FIT = Switched(cache_kernels, reserve=True, switches=NF_ON)
 # Next fit reading want_host[:128] up front (cache_kernels.NF_PRELOAD; off by default until
 # measured: it uses tl.gather).
-PRELOAD = Switched(cache_kernels, reserve=True, switches={"NF_PRELOAD": 128})
+PRELOAD = Switched(cache_kernels, reserve=True, switches={**NF_ON, "NF_PRELOAD": 128})
+# The kernels as the second round left them (the defaults of 2026-12-01 15:05): next fit on, the
+# copy's 512 units, every lookup block taking the claim path. new / round2 is this round's gain.
+ROUND2 = Switched(
+    cache_kernels,
+    reserve=True,
+    switches={**NF_ON, "COPY_UNITS": 512, "LOOKUP_SKIP_CLEAN": False},
+)
 # The kernels as they were before the next-fit change (a3d14a0): allocate and recall's steady
 # placement by the multi-program pass, the copy's list read after the count's, its finalisation by
-# program 0 after its share of the copy (its two stats atomics are relaxed now, as in NEW).
+# program 0 after its share of the copy (its two stats atomics are relaxed now, as in NEW), 512
+# copy units, every lookup block taking the claim path.
 CURRENT = Switched(
     cache_kernels,
     reserve=True,
@@ -94,8 +106,12 @@ CURRENT = Switched(
         "NF_MAX_MISSES": 0,
         "COPY_EARLY": False,
         "COPY_OWN_FINAL": False,
+        "COPY_UNITS": 512,
+        "LOOKUP_SKIP_CLEAN": False,
     },
 )
+# NEW with programmatic dependent launch (cache_kernels.LAUNCH_PDL; off until measured).
+PDL = Switched(cache_kernels, reserve=True, switches={"LAUNCH_PDL": True})
 
 
 def _stamps(p) -> torch.Tensor:
@@ -140,9 +156,11 @@ def _outcome(name: str, fn: Callable[[], list[str]]) -> dict:
     return {"verdict": verdict, "problems": bad}
 
 
-def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
+def kernels_vs_reference(pool, host, hs, protect, want, n_free: int, impl=None) -> dict:
     """recall(hs), then free(protect, n_free), then allocate(want[:n]) on the state each left:
-    the kernels (custom ops' CUDA path) against the references, invariants and rows included."""
+    the kernels (custom ops' CUDA path; ``impl``, default NEW) against the references,
+    invariants and rows included."""
+    impl = impl or NEW
     out: dict = {}
     n = torch.tensor([min(want.numel(), n_free)], dtype=torch.int32, device=hs.device)
     nf = torch.tensor([n_free], dtype=torch.int32, device=hs.device)
@@ -151,7 +169,7 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
         r, k = copy.deepcopy(pool), copy.deepcopy(pool)
         o_r = ref.recall_ref(host, r.gpu_kv, *state(r), r.indices, r.miss_host, r.meta,
                              r.totals, hs)  # fmt: skip
-        o_k = NEW.recall(k, host, hs)
+        o_k = impl.recall(k, host, hs)
         check_pool(k, selected=hs, gpu_slots=o_k, host_kv=host)
         bad = same_up_to_ties(pool, r, k)
         valid = hs >= 0
@@ -164,7 +182,7 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
     def free() -> list[str]:
         r, k = copy.deepcopy(pool), copy.deepcopy(pool)
         ref.free_ref(*state(r), r.indices, r.meta, r.totals, protect, nf)
-        NEW.free(k, protect, nf)
+        impl.free(k, protect, nf)
         check_pool(k)
         bad = same_up_to_ties(pool, r, k)
         for name, b in k.named_buffers():
@@ -175,7 +193,7 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
         w = want[torch.isin(want, torch.nonzero(pool.host_to_gpu < 0).flatten().int())]
         r, k = copy.deepcopy(pool), copy.deepcopy(pool)
         ref.allocate_ref(*state(r), r.indices, r.meta, w, n)
-        NEW.allocate(k, w, n)
+        impl.allocate(k, w, n)
         check_pool(k, allow_overflow=True)
         bad = same_up_to_ties(pool, r, k)
         kk = int(k.meta[C.LAST_ALLOC])
@@ -184,8 +202,8 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
         return bad
 
     def recall_steady() -> list[str]:
-        # A step that evicts nothing with fewer misses than NF_MAX_MISSES: the next-fit path
-        # (the first recall's 3% misses take the multi-program pass).
+        # A step that evicts nothing with few misses: the next-fit path where it is on
+        # (NEXT_FIT), else the multi-program pass's handoff (no eviction, no DONE protocol).
         non = torch.nonzero(pool.host_to_gpu < 0).flatten()
         n_miss = min(37, non.numel(), int(pool.meta[C.NFREE]))
         hits = protect.reshape(-1).long()
@@ -195,7 +213,7 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int) -> dict:
         r, k = copy.deepcopy(pool), copy.deepcopy(pool)
         o_r = ref.recall_ref(host, r.gpu_kv, *state(r), r.indices, r.miss_host, r.meta,
                              r.totals, sel)  # fmt: skip
-        o_k = NEW.recall(k, host, sel)
+        o_k = impl.recall(k, host, sel)
         check_pool(k, selected=sel, gpu_slots=o_k, host_kv=host)
         bad = same_up_to_ties(pool, r, k)
         if int(k.meta[C.LAST_EVICT]) != 0:

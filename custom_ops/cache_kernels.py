@@ -28,11 +28,14 @@ Byte offsets into the pools are computed in int64 (a 2M-row bf16 layer is 2.3 GB
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
 from custom_ops import cache_layout as C
 from custom_ops.cache_list_kernels import (
+    PDL_AVAILABLE,
     _copy_out_kernel,
     _lookup_kernel,
     _offload_kernel,
@@ -46,6 +49,10 @@ from custom_ops.cache_pool_kernels import _evict_place_kernel, _hist_kernel
 SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free, recall)
 SCAN_WARPS = 4
 LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
+LIST_WARPS = 4  # warps per lookup program (the benchmark also tries 8: more gathers in flight)
+# Recall's lookup: a block with no miss skips the claim (its exchange, winner sum and append are
+# three dependent round trips; in a steady step of 37 misses >= 91 of the 128 blocks have none).
+LOOKUP_SKIP_CLEAN = True
 PAD_BLOCK = 1024  # index-buffer entries per padding store
 # Next-fit placement (one program, no atomics, no cross-program protocol): allocate always, and
 # recall when nothing is evicted and it has at most NF_MAX_MISSES misses. A scan step reads
@@ -53,9 +60,13 @@ PAD_BLOCK = 1024  # index-buffer entries per padding store
 # program 0, which has the pass's SCAN_WARPS); at the ~1.6% free density the reserve leaves
 # (N_G/64 slots) one step finds ~64 free slots, so a 37-miss step is one step. NF_MAX_MISSES = 0
 # turns it off for recall (the multi-program pass places everything, as before).
+# Off by default since the third round of issue 18: on the H200 (2026-12-01 15:05 run, device us
+# per launch) next fit's one program took 5.16 us to place a steady recall's 37 misses against
+# 2.84 us for the multi-program pass, and allocate 37 / 2048 took 4.57 / 9.38 us against 4.50 /
+# 6.12 us (its scan steps and round trips are serial). The benchmark still times it (nf.*).
 NF_BLOCK = 4096
 NF_WARPS = 8
-NF_MAX_MISSES = 128
+NF_MAX_MISSES = 0  # 128 to turn next fit on for recall
 # ... and when the scan it expects (misses x N_G / free slots, for free slots spread evenly) is at
 # most NF_MAX_SCAN slots (4 scan steps): a pool nearly out of free slots (the step before a
 # refill) takes the multi-program pass instead of a long serial scan.
@@ -63,15 +74,42 @@ NF_MAX_SCAN = 4 * NF_BLOCK
 # want_host entries next fit reads up front (a power of two; 0 = off). Off by default: it uses
 # tl.gather, not yet run on the H200's Triton; the benchmark's sweep times and checks it.
 NF_PRELOAD = 0
-ALLOCATE_NEXT_FIT = True  # False: allocate runs the multi-program pass (the benchmark times both)
-# 16-byte units per copy program and iteration (8 KB, 4 per thread at 4 warps): 264 programs
-# then move a 2048-row fp8 recall (84K units) in one wave.
-COPY_UNITS = 512
+ALLOCATE_NEXT_FIT = False  # True: allocate places by next fit (the benchmark times both)
+# 16-byte units per copy program and iteration (16 KB, 8 per thread at 4 warps): 264 programs
+# then move a 2048-row fp8 recall (84K units) in one wave. 1024 since the third round: the
+# fastest swept shape in both H200 runs of 2026-12-01 (2048 fp8 rows at 40.8 GB/s against 36.3
+# for 512 units; benchmarks/results/cache_ops_h200.json, fp8.copy_2048_rows).
+COPY_UNITS = 1024
 COPY_PROGRAMS_PER_SM = 2
 COPY_WARPS = 4
 COPY_EARLY = True  # issue the first list read beside the count's (False: after it, as before)
 COPY_OWN_FINAL = True  # the copy launch's finalisation in a program of its own (False: program 0)
 COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2 only, no L1)
+# Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,
+# eviction/placement, copy) and allocate (the eviction/placement kernel): each launch may start
+# while the one before finishes, and its programs wait (griddepcontrol.wait) for it before their
+# first read, so the results are those of the plain launches; what overlaps is the launch
+# latency between dependent launches (the H200 run of 2026-12-01 15:05: free's three launches,
+# 6.5 us of device time, two of them returning at once, took 7.9 us). Off until measured (the
+# benchmark times it as pdl.*).
+LAUNCH_PDL = False
+
+
+@functools.cache
+def pdl_supported() -> bool:
+    """Whether this Triton has grid dependency control and the ``launch_pdl`` launch option (a
+    Triton without them would refuse the option; LAUNCH_PDL then changes nothing)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return PDL_AVAILABLE and "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+def _pdl(device: torch.device) -> dict:
+    """The launch options and the kernels' PDL constexpr: on only on CUDA (not the interpreter)."""
+    on = LAUNCH_PDL and device.type == "cuda" and pdl_supported()
+    return {"PDL": True, "launch_pdl": True} if on else {}
 
 
 # ---- launchers ----------------------------------------------------------------------------------
@@ -86,8 +124,8 @@ def _words(t: torch.Tensor, name: str, state: bool) -> torch.Tensor:
 
 
 def _num_copy_programs(device: torch.device) -> int:
-    # Enough programs that COPY_PROGRAMS_PER_SM x SMs x COPY_UNITS x 16 B are in flight (1 MB at
-    # the defaults): PCIe latency is ~1-2 us, so at ~55 GB/s the copy needs >= ~110 KB
+    # Enough programs that COPY_PROGRAMS_PER_SM x SMs x COPY_UNITS x 16 B are in flight (4.3 MB
+    # at the defaults): PCIe latency is ~1-2 us, so at ~55 GB/s the copy needs >= ~110 KB
     # outstanding to run near link speed, and a 2048-row fp8 recall (1.3 MB) is then one wave.
     if device.type == "cuda":
         return COPY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
@@ -145,12 +183,21 @@ def _evict_place(
         NF_BLOCK=NF_BLOCK,
         NF_PRE=NF_PRELOAD,
         num_warps=NF_WARPS if one_program else SCAN_WARPS,
+        **_pdl(gpu_free.device),
     )
 
 
 def _hist(gpu_priority, meta, hist, want, n_g: int, cap: int) -> None:
     _hist_kernel[_grid(n_g, SCAN_BLOCK)](
-        gpu_priority, meta, hist, want, n_g, cap, BLOCK=SCAN_BLOCK, num_warps=SCAN_WARPS
+        gpu_priority,
+        meta,
+        hist,
+        want,
+        n_g,
+        cap,
+        BLOCK=SCAN_BLOCK,
+        num_warps=SCAN_WARPS,
+        **_pdl(gpu_priority.device),
     )
 
 
@@ -195,7 +242,8 @@ def free_cuda(
         indices.shape[0],
         MISSES=False,
         BLOCK=LIST_BLOCK,
-        num_warps=4,
+        num_warps=LIST_WARPS,
+        **_pdl(p.device),
     )
     _hist(gpu_priority, meta, hist, n, gpu_to_host.shape[0], indices.shape[0])
     _evict_place(
@@ -246,7 +294,9 @@ def recall_cuda(
         cap,
         MISSES=True,
         BLOCK=LIST_BLOCK,
-        num_warps=4,
+        SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
+        num_warps=LIST_WARPS,
+        **_pdl(hs.device),
     )
     _hist(gpu_priority, meta, hist, n_miss, n_g, cap)
     _evict_place(
@@ -314,6 +364,7 @@ def copy_rows(
         CACHE=COPY_CACHE if cache is None else cache,
         OWN_FINAL=COPY_OWN_FINAL,  # the grid has the finalising program of its own
         num_warps=warps or COPY_WARPS,
+        **_pdl(hs.device),
     )
 
 

@@ -7,6 +7,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (Triton >= 3.3); without it PDL stays off (PDL_AVAILABLE)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    PDL_AVAILABLE = True
+except ImportError:  # pragma: no cover - older Triton: the launchers never set PDL
+    PDL_AVAILABLE = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+
 from custom_ops.cache_constexpr import (
     CLOCK_MASK,
     IDX_PAGE_W,
@@ -26,6 +42,17 @@ from custom_ops.cache_constexpr import (
 )
 
 
+# ---- helpers ------------------------------------------------------------------------------------
+@triton.jit
+def _pdl_start():
+    """Programmatic dependent launch (cache_kernels.LAUNCH_PDL, sm_90): let the next launch of
+    the op start now (its programs wait in their own gdc_wait), then wait until the previous
+    launch has finished and its writes are visible. So every read of this kernel sees the whole
+    previous launch, as without PDL; only the launch latency overlaps. Not for the interpreter."""
+    gdc_launch_dependents()
+    gdc_wait()
+
+
 # ---- kernels ------------------------------------------------------------------------------------
 @triton.jit
 def _lookup_kernel(
@@ -39,10 +66,16 @@ def _lookup_kernel(
     cap,
     MISSES: tl.constexpr,
     BLOCK: tl.constexpr,
+    SKIP_CLEAN: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
     """Stamp resident selected slots with the clock (protect). With MISSES: claim each distinct
     missing host slot once (atomic exchange -1 -> PENDING: exactly one lane sees -1) and append
-    the claimed ones to miss_host (one atomicAdd per block); count the selected entries."""
+    the claimed ones to miss_host (one atomicAdd per block); count the selected entries. A block
+    without a miss (all but <= misses of them in a steady step) skips the claim: its exchange,
+    the sum of the winners and the append are dependent round trips on its path."""
+    if PDL:
+        _pdl_start()
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
@@ -52,13 +85,19 @@ def _lookup_kernel(
     tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
     if MISSES:
         miss = valid & (g == -1)
-        old = tl.atomic_xchg(h2g + h, tl.full([BLOCK], PENDING, tl.int32), mask=miss, sem="relaxed")
-        win = (miss & (old == -1)).to(tl.int32)
-        nwin = tl.sum(win, axis=0)
-        if nwin > 0:
-            base = tl.atomic_add(meta + M_NMISS, nwin, sem="relaxed")
-            pos = base + tl.cumsum(win, axis=0) - 1
-            tl.store(miss_host + pos, h, mask=(win > 0) & (pos < cap))
+        any_miss = tl.sum(miss.to(tl.int32), axis=0)
+        if not SKIP_CLEAN:  # cache_kernels.LOOKUP_SKIP_CLEAN = False: every block claims
+            any_miss = any_miss * 0 + 1
+        if any_miss > 0:
+            old = tl.atomic_xchg(
+                h2g + h, tl.full([BLOCK], PENDING, tl.int32), mask=miss, sem="relaxed"
+            )
+            win = (miss & (old == -1)).to(tl.int32)
+            nwin = tl.sum(win, axis=0)
+            if nwin > 0:
+                base = tl.atomic_add(meta + M_NMISS, nwin, sem="relaxed")
+                pos = base + tl.cumsum(win, axis=0) - 1
+                tl.store(miss_host + pos, h, mask=(win > 0) & (pos < cap))
         nvalid = tl.sum(valid.to(tl.int32), axis=0)
         tl.atomic_add(stats + S_SELECTED, nvalid.to(tl.int64), sem="relaxed")
 
@@ -107,6 +146,7 @@ def _copy_out_kernel(
     EARLY: tl.constexpr,
     CACHE: tl.constexpr,
     OWN_FINAL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
     16-byte units (UPR per row; unit u is word 4 (u % UPR) of row u // UPR): each thread moves
@@ -115,6 +155,8 @@ def _copy_out_kernel(
     after: gpu_slots[j] = host_to_gpu[host_slots[j]] and un-claim misses left PENDING (only on
     overflow). The last program (no other work) advances the clock, adds the stats, resets NMISS
     and finalises a handed-over placement."""
+    if PDL:
+        _pdl_start()
     pid = tl.program_id(0)
     if pid < n_copy:
         # The first iteration's list read (miss_host, CAP entries) does not wait for the count:

@@ -25,6 +25,7 @@ from custom_ops.cache_constexpr import (
     NBINS,
     S_EVICTED,
 )
+from custom_ops.cache_list_kernels import _pdl_start
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -115,9 +116,12 @@ def _next_fit(
 
 # ---- kernels ------------------------------------------------------------------------------------
 @triton.jit
-def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr):
+def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr = False):  # fmt: skip
     """Histogram of the age buckets of evictable slots, only when free must evict (with the
     reserve most calls need not: every program returns after two loads)."""
+    if PDL:
+        _pdl_start()
     pid = tl.program_id(0)
     needed = tl.minimum(tl.load(want_ptr), cap) - tl.load(meta + M_NFREE)
     if needed > 0:
@@ -156,6 +160,7 @@ def _evict_place_kernel(
     PAD: tl.constexpr,
     NF_BLOCK: tl.constexpr,
     NF_PRE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One pass over the pool, per BLOCK-slot block, of up to two phases (free and recall's
     eviction and recall's and allocate's placement were separate launches before issue 18).
@@ -174,6 +179,8 @@ def _evict_place_kernel(
     copy launch's last program updates the free count and the index high-water mark and resets the
     rank counter; no barrier and no meta[DONE] atomic here. (NFREE and IDX_HW cannot change in
     this launch: every program reads them.)"""
+    if PDL:
+        _pdl_start()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)

@@ -26,6 +26,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_(kern, args, consts, name):
+    # Every constexpr must be given, defaults included (PDL, SKIP_CLEAN: off unless set).
+    names = kern.arg_names
+    consts = {**{k: v for k, v in (("PDL", False), ("SKIP_CLEAN", True)) if k in names},
+              **consts}
     sig = {a: t for a, t in args}
     sig.update({k: "constexpr" for k in consts})
     # Pointers 16-byte aligned, as the launchers pass them (and Triton specialises at run time).
@@ -55,12 +59,22 @@ for name, flags in {
     "free": dict(EVICT=True, PLACE=False, WRITE_IDX=False, PAD_IDX=True, HANDOFF=False),
 }.items():
     compile_(PS._evict_place_kernel, EP, {**base, **flags}, f"evict_place[{name}]")
+# Programmatic dependent launch (LAUNCH_PDL): the kernels of free's and recall's chains start
+# with griddepcontrol (launch_dependents, then wait) in the PTX.
+pdl = dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True, PDL=True)
+ptx = compile_(PS._evict_place_kernel, EP, {**base, **pdl}, "evict_place[recall, pdl]")
+if ptx and not ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx):
+    print("FAIL evict_place[recall, pdl]: no griddepcontrol in the PTX")
 LK = [("host_slots", I32), ("h2g", I32), ("prio", I32), ("miss_host", I32), ("meta", I32),
       ("stats", I64), ("total", "i32"), ("cap", "i32")]
 for misses in (True, False):
     compile_(LS._lookup_kernel, LK, dict(MISSES=misses, BLOCK=K.LIST_BLOCK), f"lookup[{misses}]")
-compile_(PS._hist_kernel, [("prio", I32), ("meta", I32), ("hist", I32), ("want_ptr", I32),
-                          ("n_g", "i32"), ("cap", "i32")], dict(BLOCK=K.SCAN_BLOCK), "hist")
+compile_(LS._lookup_kernel, LK, dict(MISSES=True, BLOCK=K.LIST_BLOCK, SKIP_CLEAN=False, PDL=True),
+         "lookup[claim in every block, pdl]")
+HK = [("prio", I32), ("meta", I32), ("hist", I32), ("want_ptr", I32), ("n_g", "i32"),
+      ("cap", "i32")]
+for pdl in (False, True):
+    compile_(PS._hist_kernel, HK, dict(BLOCK=K.SCAN_BLOCK, PDL=pdl), f"hist[pdl={pdl}]")
 CP = [("host_kv", I32), ("gpu_kv", I32), ("miss_host", I32), ("h2g", I32), ("host_slots", I32),
       ("out", I32), ("meta", I32), ("stats", I64), ("total", "i32"), ("n_copy", "i32"),
       ("cap", "i32")]
@@ -70,6 +84,8 @@ for upr in (41, 72):  # fp8 and bf16 rows
                        EARLY=early, CACHE=cache, OWN_FINAL=own), f"copy[{upr},{early},{cache}]")
         if ptx and not re.search(r"ld\.global(\.cg)?\.v4\.b32", ptx):
             print(f"FAIL copy[{upr},{early},{cache}]: no 16-byte loads in the PTX")
+compile_(LS._copy_out_kernel, CP, dict(UPR=41, UNITS=512, BLOCK=K.LIST_BLOCK, EARLY=True,
+         CACHE="", OWN_FINAL=True, PDL=True), "copy[41, 512 units, pdl]")  # fmt: skip
 compile_(LS._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
                              ("gpu_free", I8), ("meta", I32), ("total", "i32"), ("n_h", "i32")],
          dict(BLOCK=K.LIST_BLOCK), "release")
@@ -93,4 +109,4 @@ def test_every_cache_kernel_compiles_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 14, out[-3000:]
+    assert out.count("OK ") == 18, out[-3000:]

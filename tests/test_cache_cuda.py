@@ -78,10 +78,15 @@ def test_pinned_host_pool_is_uva():
     assert torch.equal(cpu_view[slots.cpu()], rows.cpu())
 
 
-def test_full_size_steady_recall_places_by_next_fit():
+@pytest.mark.parametrize("path", ["next_fit", "pass", "pass_pdl"])
+def test_full_size_steady_recall_places_by_next_fit(path, monkeypatch):
     """A recall of 37 misses with free slots to spare (the steady step of issue 18) places them
-    by next fit (one program: the cursor moves, nothing is evicted), eagerly and replayed from a
-    CUDA graph, and matches the reference up to placement."""
+    by next fit (one program: the cursor moves, nothing is evicted) when it is switched on, else
+    by the multi-program pass (the default since the third round; the cursor stays), also with
+    programmatic dependent launch; eagerly and replayed from a CUDA graph, and matches the
+    reference up to placement."""
+    monkeypatch.setattr(K, "NF_MAX_MISSES", 128 if path == "next_fit" else 0)
+    monkeypatch.setattr(K, "LAUNCH_PDL", path == "pass_pdl")
     gen = torch.Generator().manual_seed(SEED + 1)
     print(f"seed {SEED + 1}")
     cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
@@ -107,7 +112,8 @@ def test_full_size_steady_recall_places_by_next_fit():
     for p, o in runs:
         check_pool(p, selected=hs, gpu_slots=o, host_kv=host)
         assert int(p.meta[L.LAST_EVICT]) == 0 and int(p.meta[L.LAST_MISS]) == 37
-        assert int(p.meta[L.CURSOR]) != int(pool.meta[L.CURSOR])  # next fit placed them
+        moved = int(p.meta[L.CURSOR]) != int(pool.meta[L.CURSOR])
+        assert moved == (path == "next_fit")  # only next fit moves the cursor
         assert torch.equal(p.gpu_kv[o.flatten().long()], host[hs.flatten().long()])
         assert_same_up_to_ties(pool, ref, p)
 

@@ -123,6 +123,8 @@ def test_recall_paths_match_reference(nf_max, early, pre, device, monkeypatch):
     monkeypatch.setattr(K, "NF_PRELOAD", pre)
     monkeypatch.setattr(K, "COPY_EARLY", early)
     monkeypatch.setattr(K, "COPY_OWN_FINAL", early)  # the copy launch's finaliser, new or old
+    monkeypatch.setattr(K, "LOOKUP_SKIP_CLEAN", early)  # blocks without a miss skip the claim
+    monkeypatch.setattr(K, "LIST_BLOCK", 32)  # 8 lookup blocks: some have no miss
     monkeypatch.setattr(K, "NF_BLOCK", 256)
     monkeypatch.setattr(K, "NF_MAX_SCAN", 1024)
     for seed, (occ, hits, misses, dups) in enumerate(RECALL_CASES):
