@@ -1,0 +1,70 @@
+"""The tie fix-up's kernel variants, by name (no Triton import: the benchmark and the op read it).
+
+``FIXUP_VARIANTS[DEFAULT_FIXUP]`` is what ``echo::fi_topk`` runs (``flashinfer_ops.OPTIONS
+["fixup"]`` names it); ``benchmarks/bench_topk_fixup.py`` checks and times every entry side by
+side, so switching the default after a GPU run is one line here. Every variant selects exactly
+``ties.threshold_select_ref``'s set; they differ only in how the work is cut:
+
+- ``v1``: the first kernels (``ties_kernels``): a kth launch, a count pass and an output pass with
+  about 4 programs per SM looping over 2048-score blocks, two ``tl.cumsum`` per block. Measured
+  ~43 us at B = 64, 100K on the H200: a few long serial chains per SM (load, two scans, a page
+  gather that waits on them, store), so latency bound, not bandwidth bound (two reads of 25.6 MB
+  are ~11 us).
+- ``v2`` (``ties_fast_kernels``): many short programs (``progs_per_sm``, default 16: one or two
+  blocks each, so loads of many programs are in flight at once), one scan of a packed int32
+  (gt count in the low 16 bits, tie count in the high 16) instead of two, one packed reduction
+  in the count pass, the block table read together with the scores (not after the scans), and
+  no scan at all for a block that selects nothing. ``fold_kth``: the count pass finds kth itself
+  (topk gathers per program) instead of a launch of its own; ``reverse``: the output pass walks
+  the chunks in the opposite order to the count pass, so it starts where that pass ended (those
+  scores are the likeliest still in L2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class FixupConfig:
+    variant: str = "v2"  # "v1" | "v2" (see the module docstring)
+    block: int = 2048  # scores per loop iteration (power of two; v2: <= 16384, the packed counts)
+    chunk: int | None = None  # tokens per program (a multiple of block); None: from progs_per_sm
+    warps: int = 4
+    progs_per_sm: int = 16  # v2 with chunk None: about this many programs per SM (v1: 4)
+    packed: bool = True  # v2: one scan of gt | eq << 16 instead of two scans
+    skip: bool = True  # v2: no scan for a block that selects nothing
+    fold_kth: bool = False  # v2: kth found in the count pass (no launch of its own)
+    reverse: bool = True  # v2: the output pass walks the chunks backwards
+
+    def check(self) -> None:
+        if self.variant not in ("v1", "v2"):
+            raise ValueError(f"FixupConfig: variant must be 'v1' or 'v2', got {self.variant!r}")
+        b = self.block
+        if b < 16 or b & (b - 1) or (self.variant == "v2" and b > 16384):
+            raise ValueError(f"FixupConfig: block must be a power of two in [16, 16384], got {b}")
+        if self.chunk is not None and (self.chunk <= 0 or self.chunk % b):
+            raise ValueError(f"FixupConfig: chunk {self.chunk} must be a multiple of block {b}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.progs_per_sm < 1:
+            raise ValueError(f"FixupConfig: bad warps {self.warps} / progs_per_sm")
+
+
+_V2 = FixupConfig()
+FIXUP_VARIANTS: dict[str, FixupConfig] = {
+    "v1": FixupConfig(variant="v1"),
+    "v2": _V2,  # the default by reasoning (not yet measured)
+    "v2_fold": replace(_V2, fold_kth=True),
+    "v2_fold_pps4": replace(_V2, fold_kth=True, progs_per_sm=4),  # fewer programs, fewer gathers
+    "v2_pps4": replace(_V2, progs_per_sm=4),
+    "v2_pps32_b1024": replace(_V2, block=1024, progs_per_sm=32),
+    "v2_b4096_w8": replace(_V2, block=4096, warps=8),
+    "v2_two_scans": replace(_V2, packed=False),
+    "v2_noskip_forward": replace(_V2, skip=False, reverse=False),
+}
+DEFAULT_FIXUP = "v2"
+
+
+def fixup_config(name: str) -> FixupConfig:
+    if name not in FIXUP_VARIANTS:
+        raise ValueError(f"unknown fix-up variant {name!r}; known: {sorted(FIXUP_VARIANTS)}")
+    return FIXUP_VARIANTS[name]

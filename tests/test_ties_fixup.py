@@ -1,0 +1,71 @@
+"""The tie fix-up's kernel variants (custom_ops/backends/ties_config.py) on CPU, under the Triton
+interpreter: every named variant, and each with small blocks so that a row spans several chunks
+and blocks (ties split inside a block, blocks that select nothing, rows shorter than k, an empty
+row), selects exactly the stable-sort set and returns its k-th value, from a library top-k that
+breaks ties at random. The GPU run of the same check: benchmarks/bench_topk_fixup.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from custom_ops.backends import ties, ties_kernels
+from custom_ops.backends.ties_config import DEFAULT_FIXUP, FIXUP_VARIANTS, FixupConfig, fixup_config
+from custom_ops.kv_format import PAGE
+from tests.test_backends import _kth_from_any_topk
+from tests.test_decode_kernels import _gen, _tie_scores
+
+B, P, TOPK = 5, 4, 48
+W = P * PAGE + 64  # wider than the block table, as DeepGEMM's padded rows
+LENS = torch.tensor([0, 30, 48, 200, P * PAGE], dtype=torch.int32)
+
+
+def _case(kind: str, seed: int):
+    bt = torch.randperm(40, generator=_gen(seed))[: B * P].view(B, P).int()
+    s = _tie_scores(B, W, _gen(seed + 1), kind).contiguous()
+    want = ties.stable_select_ref(s, bt, LENS, TOPK)
+    _, raw = _kth_from_any_topk(s, LENS, TOPK, seed=seed + 2)
+    return s, bt, raw.contiguous(), want
+
+
+@pytest.mark.parametrize("name", sorted(FIXUP_VARIANTS))
+def test_every_variant_selects_the_stable_sort_set(name):
+    s, bt, raw, (want_host, want_kth) = _case("ties", 20)
+    assert (want_host[4] >= 0).sum() == TOPK and (want_host[0] == -1).all()
+    cfg = FIXUP_VARIANTS[name]
+    for c in (cfg, dataclasses.replace(cfg, block=32, chunk=64)):  # several chunks and blocks
+        host, kth = ties_kernels.fixup(s, bt, LENS, raw, TOPK, c)
+        assert torch.equal(host, want_host), (name, c)
+        assert torch.equal(kth, want_kth), (name, c)
+
+
+@pytest.mark.parametrize("kind", ["equal", "near"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_default_variant_on_other_tie_patterns(kind, fold):
+    """ "equal": every live score ties, the first k are taken, the cut inside a block and the later
+    blocks selecting nothing (the skipped scans); "near": no ties at all."""
+    s, bt, raw, (want_host, want_kth) = _case(kind, 30)
+    cfg = dataclasses.replace(fixup_config(DEFAULT_FIXUP), block=16, chunk=48, fold_kth=fold)
+    host, kth = ties_kernels.fixup(s, bt, LENS, raw, TOPK, cfg)
+    assert torch.equal(host, want_host) and torch.equal(kth, want_kth)
+    # from a given kth (threshold_select): the same set
+    got = ties_kernels.threshold_select(s, bt, LENS, want_kth, TOPK, cfg)
+    assert torch.equal(got, want_host)
+
+
+def test_bad_configs_and_inputs_are_named():
+    s, bt, raw, _ = _case("ties", 40)
+    for cfg, what in (
+        (FixupConfig(variant="v3"), "variant"),
+        (FixupConfig(block=48), "block"),
+        (FixupConfig(block=32768), "block"),
+        (FixupConfig(block=64, chunk=96), "chunk"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            ties_kernels.fixup(s, bt, LENS, raw, TOPK, cfg)
+    with pytest.raises(ValueError, match="raw"):
+        ties_kernels.fixup(s, bt, LENS, raw.long(), TOPK)
+    with pytest.raises(ValueError, match="unknown fix-up variant"):
+        fixup_config("fastest")
