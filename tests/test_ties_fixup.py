@@ -22,9 +22,9 @@ W = P * PAGE + 64  # wider than the block table, as DeepGEMM's padded rows
 LENS = torch.tensor([0, 30, 48, 200, P * PAGE], dtype=torch.int32)
 
 
-def _case(kind: str, seed: int):
+def _case(kind: str, seed: int, width: int = W):
     bt = torch.randperm(40, generator=_gen(seed))[: B * P].view(B, P).int()
-    s = _tie_scores(B, W, _gen(seed + 1), kind).contiguous()
+    s = _tie_scores(B, width, _gen(seed + 1), kind).contiguous()
     want = ties.stable_select_ref(s, bt, LENS, TOPK)
     _, raw = _kth_from_any_topk(s, LENS, TOPK, seed=seed + 2)
     return s, bt, raw.contiguous(), want
@@ -35,7 +35,7 @@ def test_every_variant_selects_the_stable_sort_set(name):
     s, bt, raw, (want_host, want_kth) = _case("ties", 20)
     assert (want_host[4] >= 0).sum() == TOPK and (want_host[0] == -1).all()
     cfg = FIXUP_VARIANTS[name]
-    for c in (cfg, dataclasses.replace(cfg, block=32, chunk=64)):  # several chunks and blocks
+    for c in (cfg, dataclasses.replace(cfg, block=64, chunk=128)):  # several chunks and blocks
         host, kth = ties_kernels.fixup(s, bt, LENS, raw, TOPK, c)
         assert torch.equal(host, want_host), (name, c)
         assert torch.equal(kth, want_kth), (name, c)
@@ -43,11 +43,14 @@ def test_every_variant_selects_the_stable_sort_set(name):
 
 @pytest.mark.parametrize("kind", ["equal", "near"])
 @pytest.mark.parametrize("fold", [False, True])
-def test_default_variant_on_other_tie_patterns(kind, fold):
+@pytest.mark.parametrize("tile", [False, True])
+def test_default_variant_on_other_tie_patterns(kind, fold, tile):
     """ "equal": every live score ties, the first k are taken, the cut inside a block and the later
-    blocks selecting nothing (the skipped scans); "near": no ties at all."""
-    s, bt, raw, (want_host, want_kth) = _case(kind, 30)
-    cfg = dataclasses.replace(fixup_config(DEFAULT_FIXUP), block=16, chunk=48, fold_kth=fold)
+    blocks selecting nothing (the skipped scans); "near": no ties at all. A row width that is
+    not a multiple of 16 (the vector loads' mask)."""
+    s, bt, raw, (want_host, want_kth) = _case(kind, 30, width=P * PAGE + 37)
+    cfg = fixup_config(DEFAULT_FIXUP)
+    cfg = dataclasses.replace(cfg, block=64 if tile else 32, chunk=64, fold_kth=fold, tile=tile)
     host, kth = ties_kernels.fixup(s, bt, LENS, raw, TOPK, cfg)
     assert torch.equal(host, want_host) and torch.equal(kth, want_kth)
     # from a given kth (threshold_select): the same set
@@ -62,6 +65,7 @@ def test_bad_configs_and_inputs_are_named():
         (FixupConfig(block=48), "block"),
         (FixupConfig(block=32768), "block"),
         (FixupConfig(block=64, chunk=96), "chunk"),
+        (FixupConfig(block=32), "whole pages"),
     ):
         with pytest.raises(ValueError, match=what):
             ties_kernels.fixup(s, bt, LENS, raw, TOPK, cfg)

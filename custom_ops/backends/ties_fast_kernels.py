@@ -58,12 +58,88 @@ def _count_kernel(
     for i in range(n_iter):
         t = start + i * BLK + tl.arange(0, BLK)
         live = t < seq_len
-        s = tl.load(score_ptr + b * W + t, mask=live, other=float("-inf"))
+        s = tl.load(score_ptr + b * W + t, mask=t < W, other=float("-inf"))  # t < W: vector loads
         p = tl.sum((live & (s > kth)).to(tl.int32) | ((live & (s == kth)).to(tl.int32) << 16), 0)
         n_gt += p & 0xFFFF
         n_eq += p >> 16
     tl.store(cnt_ptr + (b * C + c) * 2, n_gt)
     tl.store(cnt_ptr + (b * C + c) * 2 + 1, n_eq)
+
+
+@triton.jit
+def _block_1d(
+    score_ptr, bt_ptr, row_out, b, W, bt_stride, seq_len, k, kth, t0, q, base,
+    BLK: tl.constexpr, PACKED: tl.constexpr, SKIP: tl.constexpr,
+):  # fmt: skip
+    """The BLK scores from t0: their selected host slots stored from output index ``base`` (q:
+    the ties this block may take, its first ones); returns (selected, ties seen)."""
+    t = t0 + tl.arange(0, BLK)
+    live = t < seq_len
+    s = tl.load(score_ptr + b * W + t, mask=t < W, other=float("-inf"))  # t < W: vector loads
+    page = tl.load(bt_ptr + b * bt_stride + t // _PAGE, mask=live, other=0)  # with the scores
+    gt = (live & (s > kth)).to(tl.int32)
+    eq = (live & (s == kth)).to(tl.int32)
+    p = gt | (eq << 16)
+    tot = tl.sum(p, 0)
+    blk_sel = (tot & 0xFFFF) + tl.minimum(tot >> 16, q)
+    if SKIP:
+        go = blk_sel > 0
+    else:
+        go = blk_sel >= 0
+    if go:
+        if PACKED:
+            cs = tl.cumsum(p, 0)
+            cg = cs & 0xFFFF
+            ce = cs >> 16
+        else:
+            cg = tl.cumsum(gt, 0)
+            ce = tl.cumsum(eq, 0)
+        sel = (gt > 0) | ((eq > 0) & (ce <= q))
+        pos = base + cg + tl.minimum(ce, q) - 1
+        tl.store(row_out + pos, page * _PAGE + t % _PAGE, mask=sel & (pos < k))
+    return blk_sel, tot >> 16
+
+
+@triton.jit
+def _block_2d(
+    score_ptr, bt_ptr, row_out, b, W, bt_stride, seq_len, k, kth, t0, q, base,
+    ROWS: tl.constexpr, PACKED: tl.constexpr, SKIP: tl.constexpr,
+):  # fmt: skip
+    """``_block_1d`` on the block as a [ROWS, 64] tile, one page per row (t0 is a multiple of
+    64): one block-table load per page instead of one per score, and the scan as a scan along
+    the rows plus a scan of the row totals."""
+    r = tl.arange(0, ROWS)
+    col = tl.arange(0, _PAGE)
+    t = t0 + r[:, None] * _PAGE + col[None, :]
+    live = t < seq_len
+    s = tl.load(score_ptr + b * W + t, mask=t < W, other=float("-inf"))  # t < W: vector loads
+    pg_live = t0 + r * _PAGE < seq_len
+    page = tl.load(bt_ptr + b * bt_stride + t0 // _PAGE + r, mask=pg_live, other=0)
+    gt = (live & (s > kth)).to(tl.int32)
+    eq = (live & (s == kth)).to(tl.int32)
+    p = gt | (eq << 16)
+    row = tl.sum(p, 1)
+    tot = tl.sum(row, 0)
+    blk_sel = (tot & 0xFFFF) + tl.minimum(tot >> 16, q)
+    if SKIP:
+        go = blk_sel > 0
+    else:
+        go = blk_sel >= 0
+    if go:
+        if PACKED:
+            cs = tl.cumsum(p, 1) + (tl.cumsum(row, 0) - row)[:, None]
+            cg = cs & 0xFFFF
+            ce = cs >> 16
+        else:
+            row_g = tl.sum(gt, 1)
+            row_e = tl.sum(eq, 1)
+            cg = tl.cumsum(gt, 1) + (tl.cumsum(row_g, 0) - row_g)[:, None]
+            ce = tl.cumsum(eq, 1) + (tl.cumsum(row_e, 0) - row_e)[:, None]
+        sel = (gt > 0) | ((eq > 0) & (ce <= q))
+        pos = base + cg + tl.minimum(ce, q) - 1
+        slot = page[:, None] * _PAGE + col[None, :]
+        tl.store(row_out + pos, slot, mask=sel & (pos < k))
+    return blk_sel, tot >> 16
 
 
 @triton.jit(do_not_specialize=["bt_stride", "PADCH"])
@@ -84,6 +160,7 @@ def _output_kernel(
     PACKED: tl.constexpr,
     SKIP: tl.constexpr,
     REVERSE: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -107,33 +184,22 @@ def _output_kernel(
     n_sel = 0
     n_eq_seen = 0
     for i in range(n_iter):
-        t = start + i * BLK + tl.arange(0, BLK)
-        live = t < seq_len
-        s = tl.load(score_ptr + b * W + t, mask=live, other=float("-inf"))
-        page = tl.load(bt_ptr + b * bt_stride + t // _PAGE, mask=live, other=0)  # with the scores
-        gt = (live & (s > kth)).to(tl.int32)
-        eq = (live & (s == kth)).to(tl.int32)
-        p = gt | (eq << 16)
-        tot = tl.sum(p, 0)
+        t0 = start + i * BLK
         q = tl.maximum(take - n_eq_seen, 0)  # ties this block may still take, the first ones
-        blk_sel = (tot & 0xFFFF) + tl.minimum(tot >> 16, q)
-        if SKIP:
-            go = blk_sel > 0
+        row_out = out_ptr + b * topk
+        base = off + n_sel
+        if TILE:
+            blk_sel, blk_eq = _block_2d(
+                score_ptr, bt_ptr, row_out, b, W, bt_stride, seq_len, k, kth, t0, q, base,
+                BLK // _PAGE, PACKED, SKIP,
+            )  # fmt: skip
         else:
-            go = blk_sel >= 0
-        if go:
-            if PACKED:
-                cs = tl.cumsum(p, 0)
-                cg = cs & 0xFFFF
-                ce = cs >> 16
-            else:
-                cg = tl.cumsum(gt, 0)
-                ce = tl.cumsum(eq, 0)
-            sel = (gt > 0) | ((eq > 0) & (ce <= q))
-            pos = off + n_sel + cg + tl.minimum(ce, q) - 1
-            tl.store(out_ptr + b * topk + pos, page * _PAGE + t % _PAGE, mask=sel & (pos < k))
+            blk_sel, blk_eq = _block_1d(
+                score_ptr, bt_ptr, row_out, b, W, bt_stride, seq_len, k, kth, t0, q, base,
+                BLK, PACKED, SKIP,
+            )  # fmt: skip
         n_sel += blk_sel
-        n_eq_seen += tot >> 16
+        n_eq_seen += blk_eq
     # -1 from what the chunks select in all: k when kth is the true k-th value; fewer when it is
     # not (a NaN among a library's scores), and the entries past them must not stay unwritten
     tot_sel = tl.minimum(tl.sum(tl.where(cm, n_gt + take_all, 0), 0), k)
@@ -157,6 +223,14 @@ def chunking(B: int, W: int, cfg: FixupConfig, device: torch.device) -> tuple[in
         )
         chunk = triton.cdiv(triton.cdiv(W, n), cfg.block) * cfg.block
     return chunk, triton.cdiv(W, chunk)
+
+
+def folds_kth(B: int, W: int, cfg: FixupConfig, device: torch.device) -> bool:
+    """Whether the count pass finds kth itself (``cfg.fold_kth``; None: at most one program per
+    SM, so at most SMs x topk gathers)."""
+    if cfg.fold_kth is not None:
+        return cfg.fold_kth
+    return B * chunking(B, W, cfg, device)[1] <= _sm_count(device)
 
 
 def select(
@@ -188,6 +262,6 @@ def select(
     _output_kernel[(B, C)](
         scores, seq_lens, block_table, kth, cnt, out, W, topk, chunk, block_table.stride(0),
         triton.cdiv(topk, C), CP=max(_CP_MIN, triton.next_power_of_2(C)), BLK=cfg.block,
-        PACKED=cfg.packed, SKIP=cfg.skip, REVERSE=cfg.reverse, num_warps=cfg.warps,
+        PACKED=cfg.packed, SKIP=cfg.skip, REVERSE=cfg.reverse, TILE=cfg.tile, num_warps=cfg.warps,
     )  # fmt: skip
     return out, kth

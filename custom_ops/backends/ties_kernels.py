@@ -216,7 +216,9 @@ def fixup(
     cfg = _checked(scores, block_table, seq_lens, topk, cfg)
     if raw.dtype != torch.int32 or not raw.is_contiguous() or raw.shape != (scores.shape[0], topk):
         raise ValueError("fixup: raw must be contiguous int32 [B, topk]")
-    if cfg.variant == "v2" and cfg.fold_kth:
+    if cfg.variant == "v2" and ties_fast_kernels.folds_kth(
+        scores.shape[0], scores.shape[1], cfg, scores.device
+    ):
         bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
         return ties_fast_kernels.select(scores, bt, seq_lens, topk, cfg, raw=raw)
     kth = kth_from_indices(scores, raw)
