@@ -43,14 +43,14 @@ def test_every_variant_selects_the_stable_sort_set(name):
 
 @pytest.mark.parametrize("kind", ["equal", "near"])
 @pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("tile", [False, True])
-def test_default_variant_on_other_tie_patterns(kind, fold, tile):
+@pytest.mark.parametrize("mode", ["v2", "v2_1d", "v3"])
+def test_variants_on_other_tie_patterns(kind, fold, mode):
     """ "equal": every live score ties, the first k are taken, the cut inside a block and the later
     blocks selecting nothing (the skipped scans); "near": no ties at all. A row width that is
     not a multiple of 16 (the vector loads' mask)."""
     s, bt, raw, (want_host, want_kth) = _case(kind, 30, width=P * PAGE + 37)
-    cfg = fixup_config(DEFAULT_FIXUP)
-    cfg = dataclasses.replace(cfg, block=64 if tile else 32, chunk=64, fold_kth=fold, tile=tile)
+    cfg = fixup_config(mode)
+    cfg = dataclasses.replace(cfg, block=32 if mode == "v2_1d" else 64, chunk=64, fold_kth=fold)
     host, kth = ties_kernels.fixup(s, bt, LENS, raw, TOPK, cfg)
     assert torch.equal(host, want_host) and torch.equal(kth, want_kth)
     # from a given kth (threshold_select): the same set
@@ -58,10 +58,28 @@ def test_default_variant_on_other_tie_patterns(kind, fold, tile):
     assert torch.equal(got, want_host)
 
 
+def test_v3_lists_keep_later_scores_above_kth_past_many_ties():
+    """A chunk with far more ties than k before its two scores above kth: the list keeps only
+    the first k ties, and still both later scores; and a kth that is no live score (a NaN among
+    a library's scores): fewer selected, the rest -1."""
+    s = torch.zeros(2, 256)
+    s[0, 200] = s[0, 250] = 1.0
+    s[1, :5] = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0])
+    lens = torch.tensor([256, 5], dtype=torch.int32)
+    bt = torch.tensor([[3, 2, 1, 0], [4, 5, 6, 7]], dtype=torch.int32)
+    kth = torch.tensor([0.0, 3.5])
+    want = ties.threshold_select_ref(s, bt, lens, kth, 8)
+    assert want[0].tolist() == [192, 193, 194, 195, 196, 197, 8, 58]  # 6 ties, then 200 and 250
+    assert want[1].tolist() == [256, 258] + [-1] * 6
+    for chunk in (256, 64):
+        cfg = FixupConfig(variant="v3", block=64, chunk=chunk)
+        assert torch.equal(ties_kernels.threshold_select(s, bt, lens, kth, 8, cfg), want)
+
+
 def test_bad_configs_and_inputs_are_named():
     s, bt, raw, _ = _case("ties", 40)
     for cfg, what in (
-        (FixupConfig(variant="v3"), "variant"),
+        (FixupConfig(variant="v9"), "variant"),
         (FixupConfig(block=48), "block"),
         (FixupConfig(block=32768), "block"),
         (FixupConfig(block=64, chunk=96), "chunk"),

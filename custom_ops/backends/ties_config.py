@@ -21,6 +21,11 @@ side, so switching the default after a GPU run is one line here. Every variant s
   [block / 64, 64] tile, one page a row, so the block table is read once per page, not once per
   score, and a thread holds fewer live values (ptxas for sm_90 gives it clearly fewer registers
   than the 1-D block, so more programs fit on an SM).
+- ``v3`` (``ties_compact_kernels``): one full read of the scores instead of two. The first pass
+  counts and also lists each chunk's candidates (scores above kth, its first topk ties) in
+  position order; the second reads those short lists instead of the scores. It pays a scan per
+  block in the first pass (v2's count pass has none) and, on tie-heavy rows, list writes.
+  Uses v2's chunking, kth and skip options; always tiled.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class FixupConfig:
-    variant: str = "v2"  # "v1" | "v2" (see the module docstring)
+    variant: str = "v2"  # "v1" | "v2" | "v3" (see the module docstring)
     block: int = 2048  # scores per loop iteration (power of two; v2: <= 16384, the packed counts)
     chunk: int | None = None  # tokens per program (a multiple of block); None: from progs_per_sm
     warps: int = 4
@@ -45,12 +50,13 @@ class FixupConfig:
     tile: bool = True  # v2: the output pass sees a block as [block / 64, 64] (one page a row)
 
     def check(self) -> None:
-        if self.variant not in ("v1", "v2"):
-            raise ValueError(f"FixupConfig: variant must be 'v1' or 'v2', got {self.variant!r}")
+        if self.variant not in ("v1", "v2", "v3"):
+            raise ValueError(f"FixupConfig: variant must be v1, v2 or v3, got {self.variant!r}")
         b = self.block
-        if b < 16 or b & (b - 1) or (self.variant == "v2" and b > 16384):
+        if b < 16 or b & (b - 1) or (self.variant != "v1" and b > 16384):
             raise ValueError(f"FixupConfig: block must be a power of two in [16, 16384], got {b}")
-        if self.variant == "v2" and self.tile and b < 64:
+        tiled = self.variant == "v3" or (self.variant == "v2" and self.tile)
+        if tiled and b < 64:
             raise ValueError(f"FixupConfig: a tiled block holds whole pages (>= 64), got {b}")
         if self.chunk is not None and (self.chunk <= 0 or self.chunk % b):
             raise ValueError(f"FixupConfig: chunk {self.chunk} must be a multiple of block {b}")
@@ -71,6 +77,8 @@ FIXUP_VARIANTS: dict[str, FixupConfig] = {
     "v2_w8": replace(_V2, warps=8),
     "v2_b4096_w8": replace(_V2, block=4096, warps=8),
     "v2_noskip_forward": replace(_V2, skip=False, reverse=False),
+    "v3": replace(_V2, variant="v3"),
+    "v3_pps4": replace(_V2, variant="v3", progs_per_sm=4),
 }
 DEFAULT_FIXUP = "v2"
 

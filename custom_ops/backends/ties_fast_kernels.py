@@ -29,20 +29,13 @@ _CP_MIN = 64  # chunk counts read per program, padded: one compile for every C <
 
 
 @triton.jit
-def _count_kernel(
-    score_ptr, sl_ptr, raw_ptr, kth_ptr, cnt_ptr, W, topk, CH,
-    BLK: tl.constexpr, FOLD: tl.constexpr, KP: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    C = tl.num_programs(1)
-    start = c * CH
-    seq_len = tl.load(sl_ptr + b)
-    n_iter = tl.cdiv(tl.minimum(tl.maximum(seq_len - start, 0), CH), BLK)
+def _row_kth(
+    score_ptr, raw_ptr, kth_ptr, b, c, n_iter, W, topk, FOLD: tl.constexpr, KP: tl.constexpr
+):
+    """Row b's kth: read (``FOLD`` off), or found here as the lowest score at the library's k
+    positions (mostly L2 hits: the library just read them); then a program with nothing to
+    scan skips the gathers, and chunk 0 stores kth for the next pass and the caller."""
     if FOLD:
-        # the lowest score at the library's k positions (mostly L2 hits: the library just read
-        # them); a program with nothing to count skips the gathers, chunk 0 stores kth for the
-        # output pass and the caller
         n_raw = tl.where((n_iter > 0) | (c == 0), topk, 0)
         j = tl.arange(0, KP)
         raw = tl.load(raw_ptr + b * topk + j, mask=j < n_raw, other=-1)
@@ -53,6 +46,21 @@ def _count_kernel(
         tl.store(kth_ptr + b, kth, mask=c == 0)
     else:
         kth = tl.load(kth_ptr + b)
+    return kth
+
+
+@triton.jit
+def _count_kernel(
+    score_ptr, sl_ptr, raw_ptr, kth_ptr, cnt_ptr, W, topk, CH,
+    BLK: tl.constexpr, FOLD: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
+    start = c * CH
+    seq_len = tl.load(sl_ptr + b)
+    n_iter = tl.cdiv(tl.minimum(tl.maximum(seq_len - start, 0), CH), BLK)
+    kth = _row_kth(score_ptr, raw_ptr, kth_ptr, b, c, n_iter, W, topk, FOLD, KP)
     n_gt = 0
     n_eq = 0
     for i in range(n_iter):
@@ -172,14 +180,7 @@ def _output_kernel(
     seq_len = tl.load(sl_ptr + b)
     k = tl.minimum(topk, seq_len)
     kth = tl.load(kth_ptr + b)
-    cc = tl.arange(0, CP)
-    cm = cc < C
-    n_gt = tl.load(cnt_ptr + (b * C + cc) * 2, mask=cm, other=0)
-    n_eq = tl.load(cnt_ptr + (b * C + cc) * 2 + 1, mask=cm, other=0)
-    need = k - tl.sum(n_gt, 0)  # ties to take, the earliest first
-    take_all = tl.minimum(tl.maximum(need - (tl.cumsum(n_eq, 0) - n_eq), 0), n_eq)
-    off = tl.sum(tl.where(cc < c, n_gt + take_all, 0), 0)
-    take = tl.sum(tl.where(cc == c, take_all, 0), 0)
+    off, take, tot_sel = _chunk_share(cnt_ptr, b, c, C, k, CP)
     n_iter = tl.cdiv(tl.minimum(tl.maximum(seq_len - start, 0), CH), BLK)
     n_sel = 0
     n_eq_seen = 0
@@ -200,16 +201,35 @@ def _output_kernel(
             )  # fmt: skip
         n_sel += blk_sel
         n_eq_seen += blk_eq
-    # -1 from what the chunks select in all: k when kth is the true k-th value; fewer when it is
-    # not (a NaN among a library's scores), and the entries past them must not stay unwritten
+    _pad(out_ptr + b * topk, c, PADCH, topk, tot_sel, BLK)
+
+
+@triton.jit
+def _chunk_share(cnt_ptr, b, c, C, k, CP: tl.constexpr):
+    """From every chunk's (above kth, equal) counts of row b: chunk c's output offset, the ties
+    it takes (the earliest ties of the row are taken first), and what the row selects in all."""
+    cc = tl.arange(0, CP)
+    cm = cc < C
+    n_gt = tl.load(cnt_ptr + (b * C + cc) * 2, mask=cm, other=0)
+    n_eq = tl.load(cnt_ptr + (b * C + cc) * 2 + 1, mask=cm, other=0)
+    need = k - tl.sum(n_gt, 0)  # ties to take, the earliest first
+    take_all = tl.minimum(tl.maximum(need - (tl.cumsum(n_eq, 0) - n_eq), 0), n_eq)
+    off = tl.sum(tl.where(cc < c, n_gt + take_all, 0), 0)
+    take = tl.sum(tl.where(cc == c, take_all, 0), 0)
     tot_sel = tl.minimum(tl.sum(tl.where(cm, n_gt + take_all, 0), 0), k)
+    return off, take, tot_sel
+
+
+@triton.jit
+def _pad(row_out, c, PADCH, topk, tot_sel, BLK: tl.constexpr):
+    """-1 past what the row selects (k when kth is the true k-th value; fewer when it is not, a
+    NaN among a library's scores, and those entries must not stay unwritten): chunk c writes
+    its PADCH share of the row."""
     lo = c * PADCH
     hi = tl.minimum(lo + PADCH, topk)
     for j0 in range(lo, hi, BLK):
         j = j0 + tl.arange(0, BLK)
-        tl.store(
-            out_ptr + b * topk + j, tl.full([BLK], -1, tl.int32), mask=(j >= tot_sel) & (j < hi)
-        )
+        tl.store(row_out + j, tl.full([BLK], -1, tl.int32), mask=(j >= tot_sel) & (j < hi))
 
 
 def chunking(B: int, W: int, cfg: FixupConfig, device: torch.device) -> tuple[int, int]:

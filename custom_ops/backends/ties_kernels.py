@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.backends import ties_fast_kernels
+from custom_ops.backends import ties_compact_kernels, ties_fast_kernels
 from custom_ops.backends.ties_config import DEFAULT_FIXUP, FixupConfig, fixup_config
 from custom_ops.indexer_kernels import chunks_for
 from custom_ops.kv_format import PAGE
@@ -177,8 +177,8 @@ def threshold_select(
     """``ties.threshold_select_ref`` on the GPU: host slots int32 [B, topk]."""
     cfg = _checked(scores, block_table, seq_lens, topk, cfg)
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    if cfg.variant == "v2":
-        return ties_fast_kernels.select(scores, block_table, seq_lens, topk, cfg, kth=kth)[0]
+    if cfg.variant != "v1":
+        return _select_of(cfg)(scores, block_table, seq_lens, topk, cfg, kth=kth)[0]
     B, W = scores.shape
     chunk, C = chunks_for(B, W, cfg.block, cfg.chunk, scores.device)
     cnt = torch.empty((B, C, 2), dtype=torch.int32, device=scores.device)
@@ -216,10 +216,14 @@ def fixup(
     cfg = _checked(scores, block_table, seq_lens, topk, cfg)
     if raw.dtype != torch.int32 or not raw.is_contiguous() or raw.shape != (scores.shape[0], topk):
         raise ValueError("fixup: raw must be contiguous int32 [B, topk]")
-    if cfg.variant == "v2" and ties_fast_kernels.folds_kth(
+    if cfg.variant != "v1" and ties_fast_kernels.folds_kth(
         scores.shape[0], scores.shape[1], cfg, scores.device
     ):
         bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-        return ties_fast_kernels.select(scores, bt, seq_lens, topk, cfg, raw=raw)
+        return _select_of(cfg)(scores, bt, seq_lens, topk, cfg, raw=raw)
     kth = kth_from_indices(scores, raw)
     return threshold_select(scores, block_table, seq_lens, kth, topk, cfg), kth
+
+
+def _select_of(cfg: FixupConfig):
+    return ties_compact_kernels.select if cfg.variant == "v3" else ties_fast_kernels.select
