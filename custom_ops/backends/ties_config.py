@@ -13,8 +13,9 @@ side, so switching the default after a GPU run is one line here. Every variant s
 - ``v2`` (``ties_fast_kernels``): many short programs (``progs_per_sm``, default 16: one or two
   blocks each, so loads of many programs are in flight at once), one scan of a packed int32
   (gt count in the low 16 bits, tie count in the high 16) instead of two, one packed reduction
-  in the count pass, the block table read together with the scores (not after the scans), and
-  no scan at all for a block that selects nothing. ``fold_kth``: the count pass finds kth itself
+  in the count pass, the block table read together with the scores (not after the scans), score
+  loads masked by the row width, not the live length (so they compile to vector loads), and no
+  scan at all for a block that selects nothing. ``fold_kth``: the count pass finds kth itself
   (topk gathers per program) instead of a launch of its own; ``reverse``: the output pass walks
   the chunks in the opposite order to the count pass, so it starts where that pass ended (those
   scores are the likeliest still in L2); ``tile``: the output pass sees a block as a
