@@ -58,10 +58,10 @@ def test_variants_on_other_tie_patterns(kind, fold, mode):
     assert torch.equal(got, want_host)
 
 
-def test_v3_lists_keep_later_scores_above_kth_past_many_ties():
-    """A chunk with far more ties than k before its two scores above kth: the list keeps only
-    the first k ties, and still both later scores; and a kth that is no live score (a NaN among
-    a library's scores): fewer selected, the rest -1."""
+def test_v3_lists_and_re_reads_with_many_ties():
+    """A row with far more ties than k before its two scores above kth, in one chunk (it takes
+    ties: the re-read) and in four (the later chunks copy their lists); and a kth that is no
+    live score (a NaN among a library's scores): fewer selected, the rest -1."""
     s = torch.zeros(2, 256)
     s[0, 200] = s[0, 250] = 1.0
     s[1, :5] = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0])

@@ -22,10 +22,12 @@ side, so switching the default after a GPU run is one line here. Every variant s
   [block / 64, 64] tile, one page a row, so the block table is read once per page, not once per
   score, and a thread holds fewer live values (ptxas for sm_90 gives it clearly fewer registers
   than the 1-D block, so more programs fit on an SM).
-- ``v3`` (``ties_compact_kernels``): one full read of the scores instead of two. The first pass
-  counts and also lists each chunk's candidates (scores above kth, its first topk ties) in
-  position order; the second reads those short lists instead of the scores. It pays a scan per
-  block in the first pass (v2's count pass has none) and, on tie-heavy rows, list writes.
+- ``v3`` (``ties_compact_kernels``): the scores read about once instead of twice. The first pass
+  counts (as v2's count pass) and also lists each chunk's scores above kth in position order;
+  the second copies those lists to the output for every chunk that takes no ties (all but the
+  chunk of the k-th value on scores with few ties, all but the first few with many) and runs
+  v2's output pass only over the chunks that do. It pays a scan per block that holds a score
+  above kth in the first pass, and the tie-taking chunks' second read sits on its critical path.
   Uses v2's chunking, kth and skip options; always tiled.
 """
 
