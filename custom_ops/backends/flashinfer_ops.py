@@ -20,14 +20,22 @@ import functools
 import torch
 
 from custom_ops.backends.ties import stable_select_ref
+from custom_ops.backends.ties_config import DEFAULT_FIXUP, fixup_config
 
 ROW_STATES_BYTES = 1 << 20  # what flashinfer.top_k allocates for it (1 MB)
 # FlashInfer options, exposed for the benchmark: deterministic order is not needed (the fix-up
 # orders by position); dsa_graph_safe forces its graph-safe FilteredTopK path. ``ties``:
 # "fixup" (default: exact by construction, two more reads of the scores) or "library" (trust
 # FlashInfer's tie_break=1, smaller index first, and only sort its k positions; the benchmark
-# records whether that gave the exact set on tie-heavy scores before anyone switches to it)
-OPTIONS = {"deterministic": False, "dsa_graph_safe": True, "ties": "fixup"}
+# records whether that gave the exact set on tie-heavy scores before anyone switches to it).
+# ``fixup``: the fix-up's kernel variant by name (ties_config.FIXUP_VARIANTS; every one selects
+# the same set, benchmarks/bench_topk_fixup.py times them)
+OPTIONS = {
+    "deterministic": False,
+    "dsa_graph_safe": True,
+    "ties": "fixup",
+    "fixup": DEFAULT_FIXUP,
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,9 +98,9 @@ def _(scores, block_table, seq_lens, topk, row_states):
     if OPTIONS["ties"] == "library":
         raw = library_positions(scores, block_table, seq_lens, topk, row_states, tie_break=1)
         return ties_kernels.sort_positions(scores, block_table, raw)
+    cfg = fixup_config(OPTIONS["fixup"])
     raw = library_positions(scores, block_table, seq_lens, topk, row_states)
-    kth = ties_kernels.kth_from_indices(scores, raw)
-    return ties_kernels.threshold_select(scores, block_table, seq_lens, kth, topk), kth
+    return ties_kernels.fixup(scores, block_table, seq_lens, raw, topk, cfg)
 
 
 @fi_topk.register_fake

@@ -1,6 +1,10 @@
 """Triton kernels of the tie fix-up (``ties.threshold_select_ref``, ``ties.kth_from_indices_ref``).
 
-Three launches, grids from static shapes, live lengths read on the device, no host syncs:
+``fixup`` / ``threshold_select`` run the variant a ``FixupConfig`` names (``ties_config``; the
+default ``v2`` lives in ``ties_fast_kernels``, ``v3`` in ``ties_compact_kernels``). This file
+holds the kth kernel they use, and the first kernels, variant ``v1``, kept so the benchmark times
+them side by side:
+three launches, grids from static shapes, live lengths read on the device, no host syncs:
 ``_kth_kernel``     (grid B) the lowest score at the library's k selected positions;
 ``_count_kernel``   (grid B x chunks) per chunk, the live scores above kth and equal to it;
 ``_output_kernel``  (grid B x chunks) from every chunk's counts, its output offset and its share of
@@ -14,23 +18,16 @@ positions sorted ascending as host slots, and kth (``ties.sort_positions_ref``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from custom_ops.backends import ties_compact_kernels, ties_fast_kernels
+from custom_ops.backends.ties_config import DEFAULT_FIXUP, FixupConfig, fixup_config
 from custom_ops.indexer_kernels import chunks_for
 from custom_ops.kv_format import PAGE
 
 _PAGE = tl.constexpr(PAGE)
-
-
-@dataclass(frozen=True)
-class FixupConfig:
-    block: int = 2048  # scores per loop iteration (power of two)
-    chunk: int | None = None  # tokens per program; None: about 4 programs per SM
-    warps: int = 4
 
 
 @triton.jit
@@ -179,15 +176,11 @@ def threshold_select(
     cfg: FixupConfig | None = None,
 ) -> torch.Tensor:
     """``ties.threshold_select_ref`` on the GPU: host slots int32 [B, topk]."""
-    cfg = cfg or FixupConfig()
-    if scores.dtype != torch.float32 or not scores.is_contiguous() or scores.dim() != 2:
-        raise ValueError("threshold_select: scores must be contiguous fp32 [B, W]")
-    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("threshold_select: block_table and seq_lens must be int32")
-    if topk <= 0:
-        raise ValueError(f"threshold_select: topk must be positive, got {topk}")
-    B, W = scores.shape
+    cfg = _checked(scores, block_table, seq_lens, topk, cfg)
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    if cfg.variant != "v1":
+        return _select_of(cfg)(scores, block_table, seq_lens, topk, cfg, kth=kth)[0]
+    B, W = scores.shape
     chunk, C = chunks_for(B, W, cfg.block, cfg.chunk, scores.device)
     cnt = torch.empty((B, C, 2), dtype=torch.int32, device=scores.device)
     _count_kernel[(B, C)](scores, seq_lens, kth, cnt, W, chunk, BLK=cfg.block, num_warps=cfg.warps)
@@ -197,3 +190,41 @@ def threshold_select(
         triton.cdiv(topk, C), CP=triton.next_power_of_2(C), BLK=cfg.block, num_warps=cfg.warps,
     )  # fmt: skip
     return out
+
+
+def _checked(scores, block_table, seq_lens, topk, cfg: FixupConfig | None) -> FixupConfig:
+    cfg = cfg or fixup_config(DEFAULT_FIXUP)
+    cfg.check()
+    if scores.dtype != torch.float32 or not scores.is_contiguous() or scores.dim() != 2:
+        raise ValueError("threshold_select: scores must be contiguous fp32 [B, W]")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("threshold_select: block_table and seq_lens must be int32")
+    if topk <= 0:
+        raise ValueError(f"threshold_select: topk must be positive, got {topk}")
+    return cfg
+
+
+def fixup(
+    scores: torch.Tensor,  # [B, W] fp32 contiguous
+    block_table: torch.Tensor,  # [B, P] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    raw: torch.Tensor,  # [B, topk] int32: a library's selected positions, -1 = none
+    topk: int,
+    cfg: FixupConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole fix-up from a library's positions: (host slots int32 [B, topk], kth fp32 [B]),
+    ``ties.threshold_select_ref`` of ``ties.kth_from_indices_ref``."""
+    cfg = _checked(scores, block_table, seq_lens, topk, cfg)
+    if raw.dtype != torch.int32 or not raw.is_contiguous() or raw.shape != (scores.shape[0], topk):
+        raise ValueError("fixup: raw must be contiguous int32 [B, topk]")
+    if cfg.variant != "v1" and ties_fast_kernels.folds_kth(
+        scores.shape[0], scores.shape[1], cfg, scores.device
+    ):
+        bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+        return _select_of(cfg)(scores, bt, seq_lens, topk, cfg, raw=raw)
+    kth = kth_from_indices(scores, raw)
+    return threshold_select(scores, block_table, seq_lens, kth, topk, cfg), kth
+
+
+def _select_of(cfg: FixupConfig):
+    return ties_compact_kernels.select if cfg.variant == "v3" else ties_fast_kernels.select
