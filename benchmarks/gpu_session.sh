@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in four concurrent groups
-#   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones:
-#                                           # backends prefill cache_ops awq fp8 calibrate prefetch)
+#   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
+#                                           # fixup prefill cache_ops awq awq_gemv fp8 calibrate prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full backends prefetch)
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
@@ -76,6 +76,9 @@ time)
     stage bench_backends 165 python -m benchmarks.bench_backends --step-batches "${STEP_BATCHES-64}" \
       --out "$W/backends_h200.json"
     packjit
+  fi
+  if [ "$BACKENDS" = 1 ] && on fixup; then
+    stage bench_topk_fixup 90 python -m benchmarks.bench_topk_fixup --budget-s 70 --out "$W/topk_fixup_h200.json"
   fi
   on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 125 --out "$W/prefill_h200.json"
   on cache_ops && stage bench_cache_ops 100 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
