@@ -1,0 +1,233 @@
+"""Triton split-K GEMV for W4A16 at small M (M <= 16), over the repacked layout of
+``awq_format.py`` (``qweight_r int32 [G, N, 16]``, ``zeros_r uint8 [G, N]``, ``scales_r [G, N]``;
+nibble i of word j of (g, n) is ``q[128 g + 16 i + j, n]``). Issue 17: the GEMM-shaped kernels
+read int4 weights at 200-500 GB/s; at M <= 16 the work is a weight stream, so this kernel is
+built around keeping HBM busy.
+
+Why it is shaped this way:
+- layout: the repacked one, reused (no second copy). A program's tile for one group is one
+  contiguous ``BN * 64``-byte block (4-16 KB): each thread loads 16 contiguous bytes, and
+  consecutive groups of a K slice sit ``N * 64`` bytes apart, which costs nothing once a block
+  is a few KB (DRAM pages and channel interleave are far smaller). A layout with the whole
+  (BN x K slice) tile contiguous would tie the weights to one BN and forbid sweeping it;
+- memory-level parallelism: the next ``DEPTH`` groups' words are loaded before the current
+  group is computed (register double buffering; no dot sits behind the load, so Triton's
+  pipeliner cannot be relied on), and split-K makes several programs per SM resident;
+- ``DOT=False`` (M of a few rows): CUDA-core FMAs. ``q`` becomes an fp32 ``q`` with two
+  operations (``(w >> 4i) & 0xF | 0x4B000000`` read as fp32 is ``2^23 + q``, minus ``2^23``);
+  each row does one FMA per weight into a ``[BM, 16, BN]`` partial; the zero point and the scale
+  are applied once per (group, column): ``acc += (sum_k x q - rowsum(x) * z) * s`` after a
+  reduction over the 16 words;
+- ``DOT=True`` (M padded to 16): ``0x4300 | q`` (bf16 ``128 + q``, exact) or ``0x6400 | q``
+  (fp16 ``1024 + q``) as the ``tl.dot`` operand per K slice of 16, as ``awq_repack_kernels``;
+- split-K partials in fp32, reduced by a second tiny launch in a fixed order (deterministic:
+  the engine runs deterministic, and atomics would make a run differ from the next).
+
+NOTE: under the Triton interpreter (CPU CI) the dot operands are fp32 and bf16 stores are
+rounded by hand (``_dot`` / ``_store`` of awq_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.awq_format import GROUP, check_repacked
+from custom_ops.awq_kernels import _dot, _num_sms, _store, splitk_sum_kernel
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_M = 16  # the rows one program covers (BM <= 16); larger M goes to the GEMM kernels
+FMA_MAX_M = 8  # DOT=False keeps a [BM, 16, BN] fp32 partial: BM > 8 spills at useful BN
+
+
+@triton.jit
+def _load_words(qw_ptr, g, g1, N, w_off, n_mask):
+    """The ``[16, BN]`` words of group g (zeros past the split's last group g1)."""
+    # NOTE: g * N * 16 = the words before group g, < K N / 8: int32 up to K N of 2^34
+    # NOTE: the group test as a vector: the interpreter rejects a [16, BN] & scalar mask
+    live = n_mask & ((n_mask.to(tl.int32) * 0 + g) < g1)  # [BN]
+    return tl.load(qw_ptr + (w_off + g * N * 16), mask=live[None, :], other=0)
+
+
+@triton.jit
+def _group_fma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr):
+    """``(sum_k x[m, k] q[k, n] [BM, BN], rowsum(x) [BM])`` for one group on CUDA cores."""
+    part = tl.zeros([BM, 16, BN], dtype=tl.float32)
+    xs = tl.zeros([BM, 16], dtype=tl.float32)
+    for i in tl.static_range(8):
+        xi = tl.load(x_rows + 16 * i, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        # 2^23 + q as fp32 bits, minus 2^23: q exactly, with a shift, a LOP3 and an FADD
+        qf = (((w >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        part += xi[:, :, None] * qf[None, :, :]
+        xs += xi
+    return tl.sum(part, axis=1), tl.sum(xs, axis=1)
+
+
+@triton.jit
+def _group_mma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """``(sum_k x[m, k] (c + q[k, n]), rowsum(x))`` for one group with tl.dot (c = 128 for bf16
+    x, 1024 for fp16: the 16-bit magic number that makes ``c + q`` one OR)."""
+    part = tl.zeros([BM, BN], dtype=tl.float32)
+    xs = tl.zeros([BM], dtype=tl.float32)
+    for i in tl.static_range(8):
+        xi = tl.load(x_rows + 16 * i, mask=m_mask[:, None], other=0.0)  # [BM, 16]
+        q = (w >> (4 * i)) & 0xF  # [16, BN]: W^T rows 16 i .. 16 i + 15 of the group, + z
+        if x_rows.dtype.element_ty == tl.bfloat16:
+            wq = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
+        else:
+            wq = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
+        part += _dot(xi, wq, INTERPRET)
+        xs += tl.sum(xi.to(tl.float32), axis=1)
+    return part, xs
+
+
+@triton.jit
+def w4a16_gemv_kernel(
+    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
+    M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
+    BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, DEPTH: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when
+    SPLIT_K > 1, else out's dtype), all M <= BM rows at once. Grid: (cdiv(N, BN), SPLIT_K)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    offs_j = tl.arange(0, 16)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    per_split = tl.cdiv(G, SPLIT_K)
+    g0 = pid_k * per_split
+    g1 = tl.minimum(g0 + per_split, G)
+    w_off = offs_n[None, :].to(tl.int64) * 16 + offs_j[:, None]  # [16, BN]: contiguous along j
+    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_j[None, :]  # [BM, 16]
+    # NOTE: the words of the next DEPTH groups are in flight while a group is computed
+    wa = _load_words(qw_ptr, g0, g1, N, w_off, n_mask)
+    if DEPTH == 2:
+        wb = _load_words(qw_ptr, g0 + 1, g1, N, w_off, n_mask)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for g in range(g0, g1):
+        w = wa
+        if DEPTH == 2:
+            wa = wb
+            wb = _load_words(qw_ptr, g + 2, g1, N, w_off, n_mask)
+        else:
+            wa = _load_words(qw_ptr, g + 1, g1, N, w_off, n_mask)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)  # [BN]
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+        if DOT:
+            part, xs = _group_mma(w, x_rows + g * 128, m_mask, BM, BN, INTERPRET)
+            if x_rows.dtype.element_ty == tl.bfloat16:
+                zc = z + 128.0
+            else:
+                zc = z + 1024.0
+        else:
+            part, xs = _group_fma(w, x_rows + g * 128, m_mask, BM, BN)
+            zc = z
+        acc += (part - xs[:, None] * zc[None, :]) * s[None, :]
+    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    _store(out, acc, m_mask[:, None] & n_mask[None, :], INTERPRET)
+
+
+# ---- configurations --------------------------------------------------------------------------
+# Named launch configurations, swept side by side by benchmarks/bench_awq_gemv.py (none timed
+# yet). SPLIT_K is derived per shape from PROGRAMS_PER_SM (``split_for``), DOT from M
+# (``gemv_config``). Reasoning for the default:
+# BN = 128 is an 8 KB word block per group and program; 4 warps keep the FMA partial at 64
+# fp32 registers per thread for BM = 4; ~4 programs per SM of ~8 KB each in flight, plus the
+# prefetched group, is ~64 KB per SM outstanding, what 4.8 TB/s at ~1 µs latency asks
+# (~36 KB per SM).
+GEMV_CONFIGS: dict[str, dict] = {
+    "default": dict(BN=128, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
+    "bn64": dict(BN=64, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=8),
+    "bn256_w8": dict(BN=256, DEPTH=1, num_warps=8, num_stages=1, PROGRAMS_PER_SM=2),
+    "depth2": dict(BN=128, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
+    "bn64_d2_p16": dict(BN=64, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=16),
+    "stages3": dict(BN=128, DEPTH=1, num_warps=4, num_stages=3, PROGRAMS_PER_SM=4),
+}
+DEFAULT_CONFIG = "default"
+
+
+def split_for(n: int, k: int, bn: int, programs_per_sm: int, num_sms: int) -> int:
+    """SPLIT_K giving about ``programs_per_sm * num_sms`` programs, with at least 2 groups per
+    split (a split of one group has no next group to prefetch) and at most 64 splits (the fp32
+    partials stay small against the weights: 64 * M * N * 4 bytes)."""
+    groups = k // GROUP
+    tiles = -(-n // bn)
+    want = max(1, -(-programs_per_sm * num_sms // tiles))
+    split = max(1, min(want, groups // 2, 64))
+    # every split gets cdiv(groups, split) groups: drop splits that would be left empty
+    return -(-groups // -(-groups // split))
+
+
+def gemv_config(m: int, n: int, k: int, num_sms: int, name: str = DEFAULT_CONFIG,
+                dot: bool | None = None) -> dict:  # fmt: skip
+    """The launch configuration ``name`` of ``GEMV_CONFIGS`` for [m, k] x [k, n]. ``dot=None``:
+    CUDA-core FMAs up to 4 rows (an MMA would pad M to 16 and waste 3/4 of it), tl.dot above;
+    the bench times both at M = 4 and 8, where both are valid."""
+    if name not in GEMV_CONFIGS:
+        raise ValueError(f"w4a16_gemv: unknown config {name!r}; one of {', '.join(GEMV_CONFIGS)}")
+    base = GEMV_CONFIGS[name]
+    use_dot = m > 4 if dot is None else dot
+    bm = 16 if use_dot else max(1, triton.next_power_of_2(m))
+    split = split_for(n, k, base["BN"], base["PROGRAMS_PER_SM"], num_sms)
+    return {
+        "BM": bm, "BN": base["BN"], "SPLIT_K": split, "DOT": use_dot, "DEPTH": base["DEPTH"],
+        "num_warps": base["num_warps"], "num_stages": base["num_stages"],
+    }  # fmt: skip
+
+
+def check_gemv_config(m: int, cfg: dict) -> None:
+    bm, bn, split, dot = cfg["BM"], cfg["BN"], cfg["SPLIT_K"], cfg["DOT"]
+    ok = (
+        bn % 16 == 0 and bn & (bn - 1) == 0 and bm & (bm - 1) == 0 and m <= bm <= MAX_M
+        and split >= 1 and cfg.get("DEPTH", 1) in (1, 2) and (bm >= 16 if dot else bm <= 8)
+    )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"w4a16_gemv: bad config {cfg} for M={m}: need BN a power of 2 >= 16, BM a power of "
+            f"2 with M <= BM <= {MAX_M} (16 with DOT, <= {FMA_MAX_M} without), SPLIT_K >= 1, "
+            "DEPTH 1 or 2"
+        )
+
+
+def w4a16_gemv_triton(
+    x: torch.Tensor, qweight_r: torch.Tensor, zeros_r: torch.Tensor, scales_r: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``x [M, K] @ W^T -> [M, N]`` (x's dtype, M <= 16) with a repacked W4 weight; fp32
+    accumulation, deterministic."""
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"w4a16_gemv: x must be 2-D float16 or bfloat16, got {x.dtype} {list(x.shape)}"
+        )
+    m, k = x.shape
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"w4a16_gemv: serves 1 <= M <= {MAX_M} rows, got M={m}")
+    n = check_repacked("w4a16_gemv", qweight_r, zeros_r, scales_r, k)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or gemv_config(m, n, k, _num_sms(x.device))
+    check_gemv_config(m, cfg)
+    split = cfg["SPLIT_K"]
+    if split == 1:
+        out = torch.empty((1, m, n), device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    w4a16_gemv_kernel[(triton.cdiv(n, cfg["BN"]), split)](
+        x, qweight_r, zeros_r, scales_r, out, m, n, k // GROUP, x.stride(0), out.stride(0),
+        out.stride(1), split, BM=cfg["BM"], BN=cfg["BN"], DOT=cfg["DOT"],
+        DEPTH=cfg.get("DEPTH", 1), INTERPRET=_INTERPRET,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
+    )  # fmt: skip
+    if split == 1:
+        return out[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](
+        out, y, m * n, split, BLOCK=1024, INTERPRET=_INTERPRET, num_warps=4
+    )
+    return y
