@@ -44,26 +44,34 @@ FMA_MAX_M = 8  # DOT=False keeps a [BM, 16, BN] fp32 partial: BM > 8 spills at u
 
 
 @triton.jit
-def _load_words(qw_ptr, g, g1, N, w_off, n_mask):
-    """The ``[16, BN]`` words of group g (zeros past the split's last group g1)."""
-    # NOTE: g * N * 16 = the words before group g, < K N / 8: int32 up to K N of 2^34
+def _load_words(qw_ptr, g, g1, N, w_off, n_mask, FMA: tl.constexpr):
+    """The words of group g (zeros past the split's last group g1): ``[16, BN]`` for tl.dot,
+    ``[1, 16, BN]`` for the FMA path (loaded in 3-D so that the dequantised tile already has the
+    layout of the ``[BM, 16, BN]`` partial: no per-nibble layout conversion through shared
+    memory)."""
     # NOTE: the group test as a vector: the interpreter rejects a [16, BN] & scalar mask
     live = n_mask & ((n_mask.to(tl.int32) * 0 + g) < g1)  # [BN]
-    return tl.load(qw_ptr + (w_off + g * N * 16), mask=live[None, :], other=0)
+    # NOTE: g * N * 16 = the words before group g, < K N / 8: int32 up to K N of 2^34
+    if FMA:
+        mask = live[None, None, :]
+    else:
+        mask = live[None, :]
+    return tl.load(qw_ptr + (w_off + g * N * 16), mask=mask, other=0)
 
 
 @triton.jit
 def _group_fma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr):
-    """``(sum_k x[m, k] q[k, n] [BM, BN], rowsum(x) [BM])`` for one group on CUDA cores."""
+    """``(sum_k x[m, k] q[k, n] [BM, BN], rowsum(x) [BM])`` for one group on CUDA cores;
+    ``w [1, 16, BN]``, ``x_rows [BM, 16, 1]`` pointers."""
     part = tl.zeros([BM, 16, BN], dtype=tl.float32)
-    xs = tl.zeros([BM, 16], dtype=tl.float32)
+    xs = tl.zeros([BM, 16, 1], dtype=tl.float32)
     for i in tl.static_range(8):
-        xi = tl.load(x_rows + 16 * i, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        xi = tl.load(x_rows + 16 * i, mask=m_mask[:, None, None], other=0.0).to(tl.float32)
         # 2^23 + q as fp32 bits, minus 2^23: q exactly, with a shift, a LOP3 and an FADD
         qf = (((w >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        part += xi[:, :, None] * qf[None, :, :]
+        part += xi * qf  # [BM, 16, 1] x [1, 16, BN]: BM FMAs per weight, on registers
         xs += xi
-    return tl.sum(part, axis=1), tl.sum(xs, axis=1)
+    return tl.sum(part, axis=1), tl.sum(tl.sum(xs, axis=2), axis=1)
 
 
 @triton.jit
@@ -84,7 +92,10 @@ def _group_mma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr, INTERPRET:
     return part, xs
 
 
-@triton.jit
+# NOTE: M, G and SPLIT_K unspecialised: one compile per config serves every shape and split
+# (the bench sweeps many configs in one short run); N and the strides stay specialised (their
+# divisibility by 16 lets the scale / zero loads vectorise).
+@triton.jit(do_not_specialize=["M", "G", "SPLIT_K"])
 def w4a16_gemv_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
@@ -103,20 +114,26 @@ def w4a16_gemv_kernel(
     per_split = tl.cdiv(G, SPLIT_K)
     g0 = pid_k * per_split
     g1 = tl.minimum(g0 + per_split, G)
-    w_off = offs_n[None, :].to(tl.int64) * 16 + offs_j[:, None]  # [16, BN]: contiguous along j
-    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_j[None, :]  # [BM, 16]
+    # words: contiguous along j (16 per column and group)
+    if DOT:
+        w_off = offs_n[None, :].to(tl.int64) * 16 + offs_j[:, None]  # [16, BN]
+        x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_j[None, :]  # [BM, 16]
+    else:
+        w_off = offs_n[None, None, :].to(tl.int64) * 16 + offs_j[None, :, None]  # [1, 16, BN]
+        x_rows = x_ptr + offs_m[:, None, None] * stride_xm + offs_j[None, :, None]  # [BM, 16, 1]
+    FMA: tl.constexpr = not DOT
     # NOTE: the words of the next DEPTH groups are in flight while a group is computed
-    wa = _load_words(qw_ptr, g0, g1, N, w_off, n_mask)
+    wa = _load_words(qw_ptr, g0, g1, N, w_off, n_mask, FMA)
     if DEPTH == 2:
-        wb = _load_words(qw_ptr, g0 + 1, g1, N, w_off, n_mask)
+        wb = _load_words(qw_ptr, g0 + 1, g1, N, w_off, n_mask, FMA)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for g in range(g0, g1):
         w = wa
         if DEPTH == 2:
             wa = wb
-            wb = _load_words(qw_ptr, g + 2, g1, N, w_off, n_mask)
+            wb = _load_words(qw_ptr, g + 2, g1, N, w_off, n_mask, FMA)
         else:
-            wa = _load_words(qw_ptr, g + 1, g1, N, w_off, n_mask)
+            wa = _load_words(qw_ptr, g + 1, g1, N, w_off, n_mask, FMA)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)  # [BN]
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
         if DOT:
@@ -150,6 +167,7 @@ GEMV_CONFIGS: dict[str, dict] = {
     "stages3": dict(BN=128, DEPTH=1, num_warps=4, num_stages=3, PROGRAMS_PER_SM=4),
 }
 DEFAULT_CONFIG = "default"
+SWEPT_BY_DEFAULT = ("default", "bn64", "bn256_w8", "depth2")  # bench_awq_gemv's time budget
 
 
 def split_for(n: int, k: int, bn: int, programs_per_sm: int, num_sms: int) -> int:

@@ -111,3 +111,85 @@ def test_op_reference_and_dispatch_switch():
     assert not G.use_gemv(1, torch.float32, max_m=16)
     with pytest.raises(ValueError, match="max_m"):
         G.use_gemv(1, torch.bfloat16, max_m=32)
+
+
+# ---- the benchmark, on CPU -------------------------------------------------------------------
+
+
+def test_bench_helpers_and_help():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import bench_awq_gemv as B
+
+    assert B.variants(1, ["default"]) == [("default", False)]
+    assert B.variants(4, ["default"]) == [("default", False), ("default", True)]
+    assert B.variants(16, ["a", "b"]) == [("a", True), ("b", True)]
+    assert B.weight_bytes("bf16", 256, 64) == 4 * B.weight_bytes("gemv", 256, 64) - 4 * 2 * 64 * 3
+
+    def row(m, bf16, served, tg, gemv):
+        return {"in": 7168, "out": 4096, "M": m, "bf16_us": bf16, "served_us": served,
+                "tinygemm_us": tg, "gemv_best_frac_hbm": 0.5, **gemv}  # fmt: skip
+
+    rows = [
+        row(1, 20.0, 10.0, 10.0, {"gemv/default/fma_us": 8.0, "gemv/bn64/fma_us": 7.0}),
+        row(4, 20.0, 15.0, 15.0, {"gemv/default/fma_us": 9.0, "gemv/default/dot_us": 12.0}),
+        row(8, 20.0, 20.0, 20.0, {"gemv/default/dot_us": 25.0}),  # slower than served: stop
+        row(16, 20.0, 30.0, 40.0, {"gemv/default/dot_us": 10.0}),
+    ]
+    s = B.summarize(rows)
+    assert s["gemv_max_m"] == 4
+    best = s["best_by_shape_m"]["7168x4096"]
+    assert best[1]["config"] == "bn64/fma" and best[1]["x_bf16"] == 20.0 / 7.0
+    assert best[4]["config"] == "default/fma" and best[16]["x_served"] == 3.0
+    with pytest.raises(SystemExit):
+        B.parse_args(["--out", "x.json", "--batches", "1,17"])
+    assert B.parse_args(["--out", "x.json", "--configs", "bn64"]).configs == ["bn64"]
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_awq_gemv", "--help"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "--configs" in out and "--out" in out
+
+
+# ---- on the GPU ------------------------------------------------------------------------------
+
+
+def _cuda_cases():
+    """Every named config at M = 1 (FMA) and 16 (tl.dot); the default at M = 3 and 8, both
+    paths: ~15 compiles."""
+    cases = [(name, 1, False) for name in GK.GEMV_CONFIGS]
+    cases += [(name, 16, True) for name in GK.GEMV_CONFIGS]
+    return cases + [("default", m, dot) for m in (3, 8) for dot in (False, True)]
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_matches_reference_and_replays_in_a_graph():
+    gen = torch.Generator("cuda").manual_seed(1720)
+    for k, n in ((7168, 2048), (2048, 7168)):  # V3.2's expert gate and down projections
+        qw = torch.randint(-(2**31), 2**31, (k, n // 8), dtype=torch.int64, device="cuda",
+                           generator=gen).to(torch.int32)  # fmt: skip
+        qz = torch.randint(-(2**31), 2**31, (k // 128, n // 8), dtype=torch.int64,
+                           device="cuda", generator=gen).to(torch.int32)  # fmt: skip
+        s = (torch.rand((k // 128, n), device="cuda", generator=gen) * 2e-3 + 1e-4).half()
+        r = R.repack_awq(qw, qz, s)
+        for name, m, dot in _cuda_cases():
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            cfg = GK.gemv_config(m, n, k, GK._num_sms(x.device), name, dot)
+            y = GK.w4a16_gemv_triton(x, *r, config=cfg)
+            ref = ops.w4a16_linear_ref(x, qw, qz, s)
+            atol = 1e-3 * ref.abs().max().item()
+            torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=atol,
+                                       msg=lambda e, c=cfg: f"{c}: {e}")  # fmt: skip
+            assert torch.equal(GK.w4a16_gemv_triton(x, *r, config=cfg), y), cfg  # deterministic
+        # the op's CUDA kernel is the Triton GEMV; captured in a CUDA graph, its replay gives
+        # the same bits
+        x = torch.randn(2, k, device="cuda", generator=gen).bfloat16()
+        eager = torch.ops.echo.w4a16_gemv(x, *r)
+        assert torch.equal(eager, GK.w4a16_gemv_triton(x, *r))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = torch.ops.echo.w4a16_gemv(x, *r)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
