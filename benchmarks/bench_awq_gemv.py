@@ -15,10 +15,11 @@
    a CUDA graph of R calls over R weight copies (together > 4x the 60 MB L2, as bench_awq), the
    median of 15 replays; weight bytes each call reads over its time give GB/s against a
    measured copy ceiling.
-``summary`` names the fastest GEMV config per (shape, M), its speed-up over bf16 and over the
-served path, and the largest M where the GEMV beat tinygemm and the served path on every shape
-(``gemv_max_m``: the value for ``custom_ops.awq_gemv.GEMV_MAX_M``). JSON is rewritten after every
-shape; past ``--budget-s`` the remaining shapes are skipped (listed in ``skipped``).
+Each row also gives ``gemv_table_us``, the config ``CONFIG_BY_M`` picks now. ``summary`` names
+the fastest GEMV config per (shape, M), its speed-up over bf16 and over the served path, and
+the largest M where the GEMV beat tinygemm and the served path on every shape (``gemv_max_m``:
+the value for ``custom_ops.awq_gemv.GEMV_MAX_M``). JSON is rewritten after every shape; past
+``--budget-s`` the remaining shapes are skipped (listed in ``skipped``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ def bench_shape(k: int, n: int, batches: list[int], names: list[str], hbm: float
             row[tag] = _time(
                 [lambda w=w, x=x, c=cfg: GK.w4a16_gemv_triton(x, *w, config=c) for w in wr]
             )
+        _, t_name, t_dot = next(t for t in GK.CONFIG_BY_M if m <= t[0])  # the dispatch table's
+        row["gemv_table"] = f"gemv/{t_name}/{'dot' if t_dot else 'fma'}_us"
+        row["gemv_table_us"] = row.get(row["gemv_table"], math.nan)  # NaN: not swept
         gemv = {key: v for key, v in row.items() if key.startswith("gemv/") and not math.isnan(v)}
         best_key = min(gemv, key=gemv.get) if gemv else ""
         best = gemv.get(best_key, math.nan)
@@ -183,6 +187,64 @@ def bench_shape(k: int, n: int, batches: list[int], names: list[str], hbm: float
     return rows
 
 
+SASS_OPS = ("FFMA", "FADD", "FMUL", "LOP3", "SHF", "SGXT", "PRMT", "SHFL", "BAR", "HMMA", "STL")
+
+
+def sass_report(names: list[str], batches: list[int]) -> list[dict]:
+    """No GPU needed: compile the GEMV for sm_90 (Triton's bundled ptxas) per config and M, and
+    read registers, spill stack and instruction counts of the cubin (the loop body appears once:
+    counts per 32-bit weight word are per group step). ``--sass``."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from custom_ops import awq_gemv_kernels as GK
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8", "s_ptr": "*fp16",
+           "out_ptr": "*fp32", "M": "i32", "N": "i32", "G": "i32", "stride_xm": "i32",
+           "stride_os": "i32", "stride_om": "i32", "SPLIT_K": "i32", "BM": "constexpr",
+           "BN": "constexpr", "DOT": "constexpr", "DEPTH": "constexpr",
+           "INTERPRET": "constexpr"}  # fmt: skip
+    # 16-byte aligned pointers and N / strides divisible by 16, as every V3.2 launch has
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 8, 9, 10)}
+    rows = []
+    for name in names:
+        for m in batches:
+            for _, dot in variants(m, [name]):
+                c = GK.gemv_config(m, 4096, 7168, 132, name, dot)
+                consts = {"BM": c["BM"], "BN": c["BN"], "DOT": c["DOT"], "DEPTH": c["DEPTH"],
+                          "INTERPRET": False}  # fmt: skip
+                row = {"config": name, "path": "dot" if dot else "fma", "M": m, "launch": c}
+                try:
+                    src = ASTSource(GK.w4a16_gemv_kernel, sig, consts, attrs)
+                    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={
+                        "num_warps": c["num_warps"], "num_stages": c["num_stages"]})  # fmt: skip
+                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                        f.write(k.asm["cubin"])
+                        f.flush()
+                        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", f.name],
+                                             capture_output=True, text=True).stdout  # fmt: skip
+                        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", f.name],
+                                              capture_output=True, text=True).stdout  # fmt: skip
+                    for key in ("REG", "STACK"):
+                        hit = re.search(rf"{key}:(\d+)", res)
+                        row[key.lower()] = int(hit.group(1)) if hit else None
+                    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)",
+                                     sass, re.M)  # fmt: skip
+                    words = 16 * c["BN"] / (32 * c["num_warps"])  # per thread and group
+                    row["per_word"] = {o: round(ops.count(o) / words, 1) for o in SASS_OPS}
+                except Exception as e:  # noqa: BLE001  (reported; the other configs go on)
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from custom_ops.awq_gemv_kernels import GEMV_CONFIGS, MAX_M, SWEPT_BY_DEFAULT
 
@@ -196,6 +258,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the first four (each config costs ~5 Triton compiles, ~1 s each)",
     )
     ap.add_argument("--budget-s", type=float, default=90.0, help="skip the shapes left after this")
+    ap.add_argument(
+        "--sass",
+        action="store_true",
+        help="no GPU: compile each config for sm_90 and write registers, spills and instruction "
+        "counts per weight word to --out (works on the CPU machine)",
+    )
     args = ap.parse_args(argv)
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
@@ -212,6 +280,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.sass:
+        rows = sass_report(args.configs, args.batches)
+        Path(args.out).write_text(json.dumps({"sass": rows}, indent=1))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq_gemv: needs a CUDA GPU")
     import triton

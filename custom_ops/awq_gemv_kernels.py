@@ -13,13 +13,15 @@ Why it is shaped this way:
 - memory-level parallelism: the next ``DEPTH`` groups' words are loaded before the current
   group is computed (register double buffering; no dot sits behind the load, so Triton's
   pipeliner cannot be relied on), and split-K makes several programs per SM resident;
-- ``DOT=False`` (M of a few rows): CUDA-core FMAs. ``q`` becomes an fp32 ``q`` with two
-  operations (``(w >> 4i) & 0xF | 0x4B000000`` read as fp32 is ``2^23 + q``, minus ``2^23``);
-  each row does one FMA per weight into a ``[BM, 16, BN]`` partial; the zero point and the scale
-  are applied once per (group, column): ``acc += (sum_k x q - rowsum(x) * z) * s`` after a
-  reduction over the 16 words;
-- ``DOT=True`` (M padded to 16): ``0x4300 | q`` (bf16 ``128 + q``, exact) or ``0x6400 | q``
-  (fp16 ``1024 + q``) as the ``tl.dot`` operand per K slice of 16, as ``awq_repack_kernels``;
+- ``DOT=False`` (one row by ``CONFIG_BY_M``; up to 8 to measure): CUDA-core FMAs. A nibble
+  becomes an fp32 ``q 2^b`` in place with two operations (``(w & 0xF << b) | 0x4B000000`` read
+  as fp32 is ``2^23 + q 2^b``, minus ``2^23``; the upper four nibbles from ``w >> 16``), against
+  x pre-scaled by ``2^-b`` (exact); each row does one FMA per weight into a ``[BM, 16, BN]``
+  partial; the zero point and the scale are applied once per (group, column):
+  ``acc += (sum_k x q - rowsum(x) * z) * s`` after a reduction over the 16 words;
+- ``DOT=True`` (M padded to 16; from two rows by ``CONFIG_BY_M``): ``0x4300 | q`` (bf16
+  ``128 + q``, exact) or ``0x6400 | q`` (fp16 ``1024 + q``) as the ``tl.dot`` operand per K slice
+  of 16, as ``awq_repack_kernels``;
 - split-K partials in fp32, reduced by a second tiny launch in a fixed order (deterministic:
   the engine runs deterministic, and atomics would make a run differ from the next).
 
@@ -65,12 +67,22 @@ def _group_fma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr):
     ``w [1, 16, BN]``, ``x_rows [BM, 16, 1]`` pointers."""
     part = tl.zeros([BM, 16, BN], dtype=tl.float32)
     xs = tl.zeros([BM, 16, 1], dtype=tl.float32)
+    wh = w >> 16  # nibbles 4..7 at bits 0..15 (the garbage above is masked off below)
     for i in tl.static_range(8):
         xi = tl.load(x_rows + 16 * i, mask=m_mask[:, None, None], other=0.0).to(tl.float32)
-        # 2^23 + q as fp32 bits, minus 2^23: q exactly, with a shift, a LOP3 and an FADD
-        qf = (((w >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        part += xi * qf  # [BM, 16, 1] x [1, 16, BN]: BM FMAs per weight, on registers
         xs += xi
+        # The nibble in place, b = 4 (i % 4) <= 12: (src & 0xF << b) | 0x4B000000 read as fp32 is
+        # 2^23 + q 2^b (exact: q 2^b < 2^16), minus 2^23 is q 2^b; one LOP3 and one FADD per
+        # weight, no shift (a shift and a bit-field extract per weight made the INT pipe the
+        # bound: 24 INT ops per word against 9 now). x 2^-b is exact for every 16-bit x (bf16's
+        # smallest bit is 2^-133: 2^-145 stays above fp32's 2^-149), so x 2^-b * q 2^b = x q.
+        if i < 4:
+            src = w
+        else:
+            src = wh
+        b = 4 * (i % 4)
+        qf = ((src & (0xF << b)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        part += (xi * (1.0 / (1 << b))) * qf  # [BM, 16, 1] x [1, 16, BN]: BM FMAs per weight
     return tl.sum(part, axis=1), tl.sum(tl.sum(xs, axis=2), axis=1)
 
 
@@ -153,21 +165,33 @@ def w4a16_gemv_kernel(
 # ---- configurations --------------------------------------------------------------------------
 # Named launch configurations, swept side by side by benchmarks/bench_awq_gemv.py (none timed
 # yet). SPLIT_K is derived per shape from PROGRAMS_PER_SM (``split_for``), DOT from M
-# (``gemv_config``). Reasoning for the default:
-# BN = 128 is an 8 KB word block per group and program; 4 warps keep the FMA partial at 64
-# fp32 registers per thread for BM = 4; ~4 programs per SM of ~8 KB each in flight, plus the
-# prefetched group, is ~64 KB per SM outstanding, what 4.8 TB/s at ~1 µs latency asks
-# (~36 KB per SM).
+# (``gemv_config``). Reasoning for the default: BN = 128 is an 8 KB word block per group and
+# program; ~4 programs per SM with the next group prefetched keep ~64 KB per SM outstanding,
+# what 4.8 TB/s at ~1 us latency asks (~36 KB per SM). Register use from ptxas (sm_90, Triton
+# 3.9 on the CPU machine; the H200's Triton 3.6 may differ): FMA BN = 128, 4 warps: 93 registers
+# at M = 1, 168 at M = 2, 255 at M = 4 (2 programs per SM fit), and at M = 8 it spills; with
+# 8 warps ("w8") 58 / 95 / 190 / 232, no spill. tl.dot BN = 128: 167 (4 warps), 105 (8 warps).
 GEMV_CONFIGS: dict[str, dict] = {
     "default": dict(BN=128, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
-    "bn64": dict(BN=64, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=8),
-    "bn256_w8": dict(BN=256, DEPTH=1, num_warps=8, num_stages=1, PROGRAMS_PER_SM=2),
     "depth2": dict(BN=128, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
+    "bn64": dict(BN=64, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=8),
+    "w8": dict(BN=128, DEPTH=2, num_warps=8, num_stages=1, PROGRAMS_PER_SM=2),
+    "bn256_w8": dict(BN=256, DEPTH=1, num_warps=8, num_stages=1, PROGRAMS_PER_SM=2),
     "bn64_d2_p16": dict(BN=64, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=16),
     "stages3": dict(BN=128, DEPTH=1, num_warps=4, num_stages=3, PROGRAMS_PER_SM=4),
 }
-DEFAULT_CONFIG = "default"
-SWEPT_BY_DEFAULT = ("default", "bn64", "bn256_w8", "depth2")  # bench_awq_gemv's time budget
+SWEPT_BY_DEFAULT = ("default", "depth2", "bn64", "w8")  # bench_awq_gemv's time budget
+# The config and path each M takes (the one dispatch table: refill it from bench_awq_gemv's
+# ``summary.best_by_shape_m``): (largest M, config name, DOT).
+# By instruction counts (``python -m benchmarks.bench_awq_gemv --sass``, sm_90): the FMA path
+# issues ~41 instructions per weight word at M = 1 but ~58 at M = 2 and ~87 at M = 4 (one FMA
+# per row and weight, plus the x conversions), the tl.dot path ~50 at any M <= 16 (most of them
+# the shuffles that move the unpacked bf16 pairs into the MMA operand layout). So FMAs for one
+# row, tl.dot from two; the bench times both at M = 2, 4, 8.
+CONFIG_BY_M: tuple[tuple[int, str, bool], ...] = (
+    (1, "default", False),
+    (MAX_M, "default", True),
+)
 
 
 def split_for(n: int, k: int, bn: int, programs_per_sm: int, num_sms: int) -> int:
@@ -182,15 +206,18 @@ def split_for(n: int, k: int, bn: int, programs_per_sm: int, num_sms: int) -> in
     return -(-groups // -(-groups // split))
 
 
-def gemv_config(m: int, n: int, k: int, num_sms: int, name: str = DEFAULT_CONFIG,
+def gemv_config(m: int, n: int, k: int, num_sms: int, name: str | None = None,
                 dot: bool | None = None) -> dict:  # fmt: skip
-    """The launch configuration ``name`` of ``GEMV_CONFIGS`` for [m, k] x [k, n]. ``dot=None``:
-    CUDA-core FMAs up to 4 rows (an MMA would pad M to 16 and waste 3/4 of it), tl.dot above;
-    the bench times both at M = 4 and 8, where both are valid."""
+    """The launch configuration for [m, k] x [k, n]: config ``name`` of ``GEMV_CONFIGS`` and
+    path ``dot``, each taken from ``CONFIG_BY_M`` when None."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"w4a16_gemv: serves 1 <= M <= {MAX_M} rows, got M={m}")
+    _, by_m_name, by_m_dot = next(row for row in CONFIG_BY_M if m <= row[0])
+    name = by_m_name if name is None else name
     if name not in GEMV_CONFIGS:
         raise ValueError(f"w4a16_gemv: unknown config {name!r}; one of {', '.join(GEMV_CONFIGS)}")
     base = GEMV_CONFIGS[name]
-    use_dot = m > 4 if dot is None else dot
+    use_dot = by_m_dot if dot is None else dot
     bm = 16 if use_dot else max(1, triton.next_power_of_2(m))
     split = split_for(n, k, base["BN"], base["PROGRAMS_PER_SM"], num_sms)
     return {

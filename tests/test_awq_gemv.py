@@ -62,7 +62,8 @@ def test_configs_and_split_rule():
     # V3.2's 7168 x 4096 on 132 SMs: 32 tiles of 128 columns, 56 groups -> 14 splits of 4
     cfg = GK.gemv_config(1, 4096, 7168, 132)
     assert cfg["BM"] == 1 and not cfg["DOT"] and cfg["BN"] == 128 and cfg["SPLIT_K"] == 14
-    assert GK.gemv_config(3, 4096, 7168, 132)["BM"] == 4
+    assert GK.gemv_config(3, 4096, 7168, 132, dot=False)["BM"] == 4
+    assert GK.gemv_config(2, 4096, 7168, 132)["DOT"]  # CONFIG_BY_M: tl.dot from two rows
     assert (
         GK.gemv_config(5, 4096, 7168, 132)["DOT"] and GK.gemv_config(16, 64, 256, 132)["BM"] == 16
     )
@@ -77,6 +78,13 @@ def test_configs_and_split_rule():
                 assert (c["SPLIT_K"] - 1) * per < groups and per >= 2
     with pytest.raises(ValueError, match="unknown config"):
         GK.gemv_config(1, 64, 256, 132, "nope")
+    with pytest.raises(ValueError, match="M <= 16"):
+        GK.gemv_config(17, 64, 256, 132)
+    # the dispatch table covers M = 1..16 in order, with launchable entries
+    limits = [row[0] for row in GK.CONFIG_BY_M]
+    assert limits == sorted(limits) and limits[-1] == GK.MAX_M
+    for m in range(1, GK.MAX_M + 1):
+        GK.check_gemv_config(m, GK.gemv_config(m, 4096, 7168, 132))
 
 
 def test_bad_inputs():
