@@ -238,6 +238,7 @@ def sass_report(names: list[str], batches: list[int]) -> list[dict]:
                                      sass, re.M)  # fmt: skip
                     words = 16 * c["BN"] / (32 * c["num_warps"])  # per thread and group
                     row["per_word"] = {o: round(ops.count(o) / words, 1) for o in SASS_OPS}
+                    row["per_word"]["all"] = round(len(ops) / words, 1)  # every instruction
                 except Exception as e:  # noqa: BLE001  (reported; the other configs go on)
                     row["error"] = repr(e)[:300]
                 rows.append(row)
@@ -281,8 +282,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.sass:
+        import triton
+
+        meta = {
+            "target": "sm_90, compiled without a GPU (Triton's bundled ptxas)",
+            "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "shape": "K x N = 7168 x 4096 (split only; the code does not depend on the shape)",
+        }
         rows = sass_report(args.configs, args.batches)
-        Path(args.out).write_text(json.dumps({"sass": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({**meta, "sass": rows}, indent=1))
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq_gemv: needs a CUDA GPU")

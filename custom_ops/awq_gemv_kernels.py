@@ -73,9 +73,10 @@ def _group_fma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr):
         xs += xi
         # The nibble in place, b = 4 (i % 4) <= 12: (src & 0xF << b) | 0x4B000000 read as fp32 is
         # 2^23 + q 2^b (exact: q 2^b < 2^16), minus 2^23 is q 2^b; one LOP3 and one FADD per
-        # weight, no shift (a shift and a bit-field extract per weight made the INT pipe the
-        # bound: 24 INT ops per word against 9 now). x 2^-b is exact for every 16-bit x (bf16's
-        # smallest bit is 2^-133: 2^-145 stays above fp32's 2^-149), so x 2^-b * q 2^b = x q.
+        # weight, no shift (extracting the nibble first added a shift and a bit-field extract
+        # per weight on the INT pipe, half the FP32 rate on Hopper). x 2^-b is exact for
+        # every 16-bit x (bf16's smallest bit is 2^-133: 2^-145 stays above fp32's 2^-149), so
+        # x 2^-b * q 2^b = x q.
         if i < 4:
             src = w
         else:
@@ -167,10 +168,11 @@ def w4a16_gemv_kernel(
 # yet). SPLIT_K is derived per shape from PROGRAMS_PER_SM (``split_for``), DOT from M
 # (``gemv_config``). Reasoning for the default: BN = 128 is an 8 KB word block per group and
 # program; ~4 programs per SM with the next group prefetched keep ~64 KB per SM outstanding,
-# what 4.8 TB/s at ~1 us latency asks (~36 KB per SM). Register use from ptxas (sm_90, Triton
-# 3.9 on the CPU machine; the H200's Triton 3.6 may differ): FMA BN = 128, 4 warps: 93 registers
-# at M = 1, 168 at M = 2, 255 at M = 4 (2 programs per SM fit), and at M = 8 it spills; with
-# 8 warps ("w8") 58 / 95 / 190 / 232, no spill. tl.dot BN = 128: 167 (4 warps), 105 (8 warps).
+# what 4.8 TB/s at ~1 us latency asks (~36 KB per SM). Registers from ptxas (``--sass``,
+# benchmarks/results/awq_gemv_sass.json; Triton 3.9 on the CPU machine, the H200's 3.6 may
+# differ): FMA BN = 128, 4 warps: 93 at M = 1, 168 at M = 2, 255 at M = 4 (2 programs per SM
+# fit), and at M = 8 it spills; with 8 warps ("w8") 64 / 103 / 174 / 228, no spill. tl.dot
+# BN = 128: 167 (4 warps), 105 (8 warps).
 GEMV_CONFIGS: dict[str, dict] = {
     "default": dict(BN=128, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
     "depth2": dict(BN=128, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
@@ -183,11 +185,11 @@ GEMV_CONFIGS: dict[str, dict] = {
 SWEPT_BY_DEFAULT = ("default", "depth2", "bn64", "w8")  # bench_awq_gemv's time budget
 # The config and path each M takes (the one dispatch table: refill it from bench_awq_gemv's
 # ``summary.best_by_shape_m``): (largest M, config name, DOT).
-# By instruction counts (``python -m benchmarks.bench_awq_gemv --sass``, sm_90): the FMA path
-# issues ~41 instructions per weight word at M = 1 but ~58 at M = 2 and ~87 at M = 4 (one FMA
-# per row and weight, plus the x conversions), the tl.dot path ~50 at any M <= 16 (most of them
-# the shuffles that move the unpacked bf16 pairs into the MMA operand layout). So FMAs for one
-# row, tl.dot from two; the bench times both at M = 2, 4, 8.
+# By instruction counts (``python -m benchmarks.bench_awq_gemv --sass``, sm_90, the whole
+# kernel per weight word of one group step): the FMA path issues ~57 at M = 1 but ~77 at M = 2
+# and ~111 at M = 4 (one FMA per row and weight, plus the x conversions), the tl.dot path ~64 at
+# any M <= 16 (most of them the shuffles that move the unpacked bf16 pairs into the MMA operand
+# layout). So FMAs for one row, tl.dot from two; the bench times both at M = 2, 4, 8.
 CONFIG_BY_M: tuple[tuple[int, str, bool], ...] = (
     (1, "default", False),
     (MAX_M, "default", True),
