@@ -51,12 +51,13 @@ def weight_bytes(path: str, k: int, n: int) -> int:
 
 
 def variants(m: int, names: list[str]) -> list[tuple[str, bool]]:
-    """(config name, DOT) pairs valid at m: FMA up to FMA_MAX_M, tl.dot above one row."""
-    from custom_ops.awq_gemv_kernels import FMA_MAX_M
+    """(config name, DOT) pairs worth timing at m: FMA up to FMA_MAX_M where its partial fits
+    in 64 registers (``fma_partial_regs``: above, ptxas spills), tl.dot above one row."""
+    from custom_ops.awq_gemv_kernels import FMA_MAX_M, fma_partial_regs
 
     out = []
     for name in names:
-        if m <= FMA_MAX_M:
+        if m == 1 or (m <= FMA_MAX_M and fma_partial_regs(m, name) <= 64):
             out.append((name, False))
         if m > 1:
             out.append((name, True))
@@ -215,7 +216,9 @@ def sass_report(names: list[str], batches: list[int]) -> list[dict]:
     rows = []
     for name in names:
         for m in batches:
-            for _, dot in variants(m, [name]):
+            # every valid path, spilling FMA variants included (what ``variants`` skips)
+            paths = ([False] if m <= GK.FMA_MAX_M else []) + ([True] if m > 1 else [])
+            for dot in paths:
                 c = GK.gemv_config(m, 4096, 7168, 132, name, dot)
                 consts = {"BM": c["BM"], "BN": c["BN"], "DOT": c["DOT"], "DEPTH": c["DEPTH"],
                           "INTERPRET": False}  # fmt: skip
@@ -256,7 +259,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--configs",
         default=",".join(SWEPT_BY_DEFAULT),
         help=f"names from awq_gemv_kernels.GEMV_CONFIGS ({', '.join(GEMV_CONFIGS)}); default "
-        "the first four (each config costs ~5 Triton compiles, ~1 s each)",
+        f"{','.join(SWEPT_BY_DEFAULT)} (each config costs ~5 Triton compiles, ~1 s each)",
     )
     ap.add_argument("--budget-s", type=float, default=90.0, help="skip the shapes left after this")
     ap.add_argument(

@@ -172,17 +172,20 @@ def w4a16_gemv_kernel(
 # benchmarks/results/awq_gemv_sass.json; Triton 3.9 on the CPU machine, the H200's 3.6 may
 # differ): FMA BN = 128, 4 warps: 93 at M = 1, 168 at M = 2, 255 at M = 4 (2 programs per SM
 # fit), and at M = 8 it spills; with 8 warps ("w8") 64 / 103 / 174 / 228, no spill. tl.dot
-# BN = 128: 167 (4 warps), 105 (8 warps).
+# BN = 128: 167 (4 warps), 105 (8 warps). "bn256" (FMA, 4 warps): 128 registers at M = 1, with
+# 8 columns per thread (x's conversion and 2^-b scaling shared by twice the weights).
 GEMV_CONFIGS: dict[str, dict] = {
     "default": dict(BN=128, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
     "depth2": dict(BN=128, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
     "bn64": dict(BN=64, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=8),
     "w8": dict(BN=128, DEPTH=2, num_warps=8, num_stages=1, PROGRAMS_PER_SM=2),
+    "bn256": dict(BN=256, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=2),
     "bn256_w8": dict(BN=256, DEPTH=1, num_warps=8, num_stages=1, PROGRAMS_PER_SM=2),
     "bn64_d2_p16": dict(BN=64, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=16),
     "stages3": dict(BN=128, DEPTH=1, num_warps=4, num_stages=3, PROGRAMS_PER_SM=4),
 }
-SWEPT_BY_DEFAULT = ("default", "depth2", "bn64", "w8")  # bench_awq_gemv's time budget
+# bench_awq_gemv's time budget: ~5 compiles per config (FMA at BM = 1, 2, 4, 8 and tl.dot)
+SWEPT_BY_DEFAULT = ("default", "depth2", "bn64", "w8", "bn256")
 # The config and path each M takes (the one dispatch table: refill it from bench_awq_gemv's
 # ``summary.best_by_shape_m``): (largest M, config name, DOT).
 # By instruction counts (``python -m benchmarks.bench_awq_gemv --sass``, sm_90, the whole
@@ -194,6 +197,14 @@ CONFIG_BY_M: tuple[tuple[int, str, bool], ...] = (
     (1, "default", False),
     (MAX_M, "default", True),
 )
+
+
+def fma_partial_regs(m: int, name: str) -> int:
+    """fp32 registers per thread of the FMA path's ``[BM, 16, BN]`` partial for config
+    ``name`` at m rows. Above 64 ptxas spilled in every case of awq_gemv_sass.json (BN = 128 at
+    M = 8 with 4 warps, BN = 256 at M = 4); the bench skips such variants."""
+    c = GEMV_CONFIGS[name]
+    return max(1, triton.next_power_of_2(m)) * 16 * c["BN"] // (32 * c["num_warps"])
 
 
 def split_for(n: int, k: int, bn: int, programs_per_sm: int, num_sms: int) -> int:
