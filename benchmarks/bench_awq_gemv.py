@@ -208,8 +208,8 @@ def sass_report(names: list[str], batches: list[int]) -> list[dict]:
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "z_ptr": "*u8", "s_ptr": "*fp16",
            "out_ptr": "*fp32", "M": "i32", "N": "i32", "G": "i32", "stride_xm": "i32",
-           "stride_os": "i32", "stride_om": "i32", "SPLIT_K": "i32", "BM": "constexpr",
-           "BN": "constexpr", "DOT": "constexpr", "DEPTH": "constexpr",
+           "stride_os": "i32", "stride_om": "i32", "SPLIT_K": "i32", "MAGIC": "i32",
+           "BM": "constexpr", "BN": "constexpr", "DOT": "constexpr", "DEPTH": "constexpr",
            "INTERPRET": "constexpr"}  # fmt: skip
     # 16-byte aligned pointers and N / strides divisible by 16, as every V3.2 launch has
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 8, 9, 10)}

@@ -42,11 +42,15 @@ from custom_ops.awq_kernels import _dot, _num_sms, _store, splitk_sum_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_M = 16  # the rows one program covers (BM <= 16); larger M goes to the GEMM kernels
+# 0x4B000000, the fp32 bits of 2^23, passed as an argument: in a register, ``(w & mask) | MAGIC``
+# is one LOP3 (SASS takes one immediate per LOP3; Triton 3.6's ptxas split the constant form in
+# two). The kernel argument is not specialised, so it stays a register.
+FP32_MAGIC = 0x4B000000
 FMA_MAX_M = 8  # DOT=False keeps a [BM, 16, BN] fp32 partial: BM > 8 spills at useful BN
 
 
 @triton.jit
-def _load_words(qw_ptr, g, g1, N, w_off, n_mask, FMA: tl.constexpr):
+def _load_words(qw_ptr, g, g1, N, w_off, n_mask, DOT: tl.constexpr):
     """The words of group g (zeros past the split's last group g1): ``[16, BN]`` for tl.dot,
     ``[1, 16, BN]`` for the FMA path (loaded in 3-D so that the dequantised tile already has the
     layout of the ``[BM, 16, BN]`` partial: no per-nibble layout conversion through shared
@@ -54,15 +58,15 @@ def _load_words(qw_ptr, g, g1, N, w_off, n_mask, FMA: tl.constexpr):
     # NOTE: the group test as a vector: the interpreter rejects a [16, BN] & scalar mask
     live = n_mask & ((n_mask.to(tl.int32) * 0 + g) < g1)  # [BN]
     # NOTE: g * N * 16 = the words before group g, < K N / 8: int32 up to K N of 2^34
-    if FMA:
-        mask = live[None, None, :]
-    else:
+    if DOT:
         mask = live[None, :]
+    else:
+        mask = live[None, None, :]
     return tl.load(qw_ptr + (w_off + g * N * 16), mask=mask, other=0)
 
 
 @triton.jit
-def _group_fma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr):
+def _group_fma(w, x_rows, m_mask, magic, BM: tl.constexpr, BN: tl.constexpr):
     """``(sum_k x[m, k] q[k, n] [BM, BN], rowsum(x) [BM])`` for one group on CUDA cores;
     ``w [1, 16, BN]``, ``x_rows [BM, 16, 1]`` pointers."""
     part = tl.zeros([BM, 16, BN], dtype=tl.float32)
@@ -82,7 +86,7 @@ def _group_fma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr):
         else:
             src = wh
         b = 4 * (i % 4)
-        qf = ((src & (0xF << b)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        qf = ((src & (0xF << b)) | magic).to(tl.float32, bitcast=True) - 8388608.0
         part += (xi * (1.0 / (1 << b))) * qf  # [BM, 16, 1] x [1, 16, BN]: BM FMAs per weight
     return tl.sum(part, axis=1), tl.sum(tl.sum(xs, axis=2), axis=1)
 
@@ -90,7 +94,8 @@ def _group_fma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _group_mma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr):
     """``(sum_k x[m, k] (c + q[k, n]), rowsum(x))`` for one group with tl.dot (c = 128 for bf16
-    x, 1024 for fp16: the 16-bit magic number that makes ``c + q`` one OR)."""
+    x, 1024 for fp16: the 16-bit magic number that makes ``c + q`` one OR; here a constant: in
+    a register, as FP32_MAGIC is, ptxas emitted a shift and a bit-field extract per nibble)."""
     part = tl.zeros([BM, BN], dtype=tl.float32)
     xs = tl.zeros([BM], dtype=tl.float32)
     for i in tl.static_range(8):
@@ -108,10 +113,10 @@ def _group_mma(w, x_rows, m_mask, BM: tl.constexpr, BN: tl.constexpr, INTERPRET:
 # NOTE: M, G and SPLIT_K unspecialised: one compile per config serves every shape and split
 # (the bench sweeps many configs in one short run); N and the strides stay specialised (their
 # divisibility by 16 lets the scale / zero loads vectorise).
-@triton.jit(do_not_specialize=["M", "G", "SPLIT_K"])
+@triton.jit(do_not_specialize=["M", "G", "SPLIT_K", "MAGIC"])
 def w4a16_gemv_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
-    M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
+    M, N, G, stride_xm, stride_os, stride_om, SPLIT_K, MAGIC,
     BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, DEPTH: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -134,19 +139,18 @@ def w4a16_gemv_kernel(
     else:
         w_off = offs_n[None, None, :].to(tl.int64) * 16 + offs_j[None, :, None]  # [1, 16, BN]
         x_rows = x_ptr + offs_m[:, None, None] * stride_xm + offs_j[None, :, None]  # [BM, 16, 1]
-    FMA: tl.constexpr = not DOT
     # NOTE: the words of the next DEPTH groups are in flight while a group is computed
-    wa = _load_words(qw_ptr, g0, g1, N, w_off, n_mask, FMA)
+    wa = _load_words(qw_ptr, g0, g1, N, w_off, n_mask, DOT)
     if DEPTH == 2:
-        wb = _load_words(qw_ptr, g0 + 1, g1, N, w_off, n_mask, FMA)
+        wb = _load_words(qw_ptr, g0 + 1, g1, N, w_off, n_mask, DOT)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for g in range(g0, g1):
         w = wa
         if DEPTH == 2:
             wa = wb
-            wb = _load_words(qw_ptr, g + 2, g1, N, w_off, n_mask, FMA)
+            wb = _load_words(qw_ptr, g + 2, g1, N, w_off, n_mask, DOT)
         else:
-            wa = _load_words(qw_ptr, g + 1, g1, N, w_off, n_mask, FMA)
+            wa = _load_words(qw_ptr, g + 1, g1, N, w_off, n_mask, DOT)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)  # [BN]
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
         if DOT:
@@ -156,7 +160,7 @@ def w4a16_gemv_kernel(
             else:
                 zc = z + 1024.0
         else:
-            part, xs = _group_fma(w, x_rows + g * 128, m_mask, BM, BN)
+            part, xs = _group_fma(w, x_rows + g * 128, m_mask, MAGIC, BM, BN)
             zc = z
         acc += (part - xs[:, None] * zc[None, :]) * s[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -278,7 +282,7 @@ def w4a16_gemv_triton(
         out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     w4a16_gemv_kernel[(triton.cdiv(n, cfg["BN"]), split)](
         x, qweight_r, zeros_r, scales_r, out, m, n, k // GROUP, x.stride(0), out.stride(0),
-        out.stride(1), split, BM=cfg["BM"], BN=cfg["BN"], DOT=cfg["DOT"],
+        out.stride(1), split, FP32_MAGIC, BM=cfg["BM"], BN=cfg["BN"], DOT=cfg["DOT"],
         DEPTH=cfg.get("DEPTH", 1), INTERPRET=_INTERPRET,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
