@@ -172,12 +172,12 @@ def w4a16_gemv_kernel(
 # yet). SPLIT_K is derived per shape from PROGRAMS_PER_SM (``split_for``), DOT from M
 # (``gemv_config``). Reasoning for the default: BN = 128 is an 8 KB word block per group and
 # program; ~4 programs per SM with the next group prefetched keep ~64 KB per SM outstanding,
-# what 4.8 TB/s at ~1 us latency asks (~36 KB per SM). Registers from ptxas (``--sass``,
-# benchmarks/results/awq_gemv_sass.json; Triton 3.9 on the CPU machine, the H200's 3.6 may
-# differ): FMA BN = 128, 4 warps: 93 at M = 1, 168 at M = 2, 255 at M = 4 (2 programs per SM
-# fit), and at M = 8 it spills; with 8 warps ("w8") 64 / 103 / 174 / 228, no spill. tl.dot
-# BN = 128: 167 (4 warps), 105 (8 warps). "bn256" (FMA, 4 warps): 128 registers at M = 1, with
-# 8 columns per thread (x's conversion and 2^-b scaling shared by twice the weights).
+# what 4.8 TB/s at ~1 us latency asks (~36 KB per SM). Registers from ptxas (``--sass`` with
+# Triton 3.6, the H200's; benchmarks/results/awq_gemv_sass.json): FMA BN = 128, 4 warps: 96 at
+# M = 1, 168 at M = 2, 247 at M = 4 (2 programs per SM fit), 255 at M = 8; with 8 warps ("w8")
+# 72 / 121 / 171 / 244. tl.dot BN = 128: 167 (4 warps), 100 (8 warps). "bn256" (FMA, 4 warps):
+# 168 at M = 1, with 8 columns per thread (x's conversion and 2^-b scaling shared by twice the
+# weights).
 GEMV_CONFIGS: dict[str, dict] = {
     "default": dict(BN=128, DEPTH=1, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
     "depth2": dict(BN=128, DEPTH=2, num_warps=4, num_stages=1, PROGRAMS_PER_SM=4),
@@ -192,11 +192,11 @@ GEMV_CONFIGS: dict[str, dict] = {
 SWEPT_BY_DEFAULT = ("default", "depth2", "bn64", "w8", "bn256")
 # The config and path each M takes (the one dispatch table: refill it from bench_awq_gemv's
 # ``summary.best_by_shape_m``): (largest M, config name, DOT).
-# By instruction counts (``python -m benchmarks.bench_awq_gemv --sass``, sm_90, the whole
-# kernel per weight word of one group step): the FMA path issues ~57 at M = 1 but ~77 at M = 2
-# and ~111 at M = 4 (one FMA per row and weight, plus the x conversions), the tl.dot path ~64 at
-# any M <= 16 (most of them the shuffles that move the unpacked bf16 pairs into the MMA operand
-# layout). So FMAs for one row, tl.dot from two; the bench times both at M = 2, 4, 8.
+# By instruction counts (``python -m benchmarks.bench_awq_gemv --sass``, sm_90, Triton 3.6, the
+# whole kernel per weight word of one group step): the FMA path issues ~54 at M = 1 but ~71 at
+# M = 2 and ~105 at M = 4 (one FMA per row and weight, plus the x conversions), the tl.dot path
+# ~65 at any M <= 16 (most of them the shuffles that move the unpacked bf16 pairs into the MMA
+# operand layout). So FMAs for one row, tl.dot from two; the bench times both at M = 2, 4, 8.
 CONFIG_BY_M: tuple[tuple[int, str, bool], ...] = (
     (1, "default", False),
     (MAX_M, "default", True),
@@ -205,8 +205,8 @@ CONFIG_BY_M: tuple[tuple[int, str, bool], ...] = (
 
 def fma_partial_regs(m: int, name: str) -> int:
     """fp32 registers per thread of the FMA path's ``[BM, 16, BN]`` partial for config
-    ``name`` at m rows. Above 64 ptxas spilled in every case of awq_gemv_sass.json (BN = 128 at
-    M = 8 with 4 warps, BN = 256 at M = 4); the bench skips such variants."""
+    ``name`` at m rows. Above 64, ptxas (Triton 3.6, awq_gemv_sass.json) spilled in 4 of the 6
+    cases and gave the other 2 all 255 registers; the bench skips such variants."""
     c = GEMV_CONFIGS[name]
     return max(1, triton.next_power_of_2(m)) * 16 * c["BN"] // (32 * c["num_warps"])
 
