@@ -10,6 +10,7 @@ CUDA call.
 from custom_ops import (  # noqa: F401  (registers the echo:: ops)
     attention,
     awq,
+    awq_gemv,
     awq_repack,
     backends,
     cache_ops,
