@@ -226,7 +226,8 @@ def test_engine_runs_each_backend_chain_to_the_same_logits(tiny, monkeypatch, pl
     for name in ("dg_paged_mqa_logits", "fi_topk"):
         monkeypatch.setattr(sel, name, counted(name, getattr(sel, name)))
     eng = make_engine(tiny, offload=True, kernel_backend="auto")
-    assert eng.cache.layers[0].fi_row_states is not None
+    # the library buffers exist exactly where a plan needs them
+    assert (eng.cache.layers[0].fi_row_states is not None) == (plan.topk == "flashinfer")
     got = drive(eng, steps=4)
     assert len(got) == len(base) >= 4
     for a, b in zip(got, base):

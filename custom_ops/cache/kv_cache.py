@@ -215,12 +215,9 @@ def _backend_buffers(
     """The static buffers the indexer's library backends need, allocated once outside any graph
     pool and shared by every layer: DeepGEMM's schedule, FlashInfer's top-k scratch."""
     out: dict[str, torch.Tensor | None] = {"dg_schedule": None, "fi_row_states": None}
-    # NOTE: on CPU a plan is always Triton; the buffers exist there too for a non-Triton option,
-    # so tests can drive the library ops' reference kernels through the cache
-    cpu = device.type == "cpu" and cfg.kernel_backend != "triton"
-    if cpu or any(p.scores == "deep_gemm" for p in plans):
+    if any(p.scores == "deep_gemm" for p in plans):
         rows = schedule_rows(device)
         out["dg_schedule"] = torch.zeros(rows, 2, dtype=torch.int32, device=device)
-    if cpu or any(p.topk == "flashinfer" for p in plans):
+    if any(p.topk == "flashinfer" for p in plans):
         out["fi_row_states"] = torch.zeros(ROW_STATES_BYTES, dtype=torch.uint8, device=device)
     return out
