@@ -83,7 +83,9 @@ FIXUP_VARIANTS: dict[str, FixupConfig] = {
     "v3": replace(_V2, variant="v3"),
     "v3_pps4": replace(_V2, variant="v3", progs_per_sm=4),
 }
-DEFAULT_FIXUP = "v2"
+# v3: the fastest measured at B = 16 and 64 (100K), where auto serves the top-k through FlashInfer
+# (benchmarks/results/topk_fixup_h200.json: 26.2 us vs v2 29.7 and v1 44.5 at B = 64, 100K)
+DEFAULT_FIXUP = "v3"
 
 
 def fixup_config(name: str) -> FixupConfig:
