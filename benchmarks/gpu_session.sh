@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (<= 10 minutes) on the H200, at the repo root:
-#   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in four concurrent groups
+#   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup prefill cache_ops awq awq_gemv fp8 calibrate prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
@@ -50,8 +50,13 @@ T="python -m pytest -q -m cuda -rf -p no:cacheprovider"
 
 case "${1:-verify}" in
 verify)
-  (stage cuda_lossless 420 $T tests/test_lossless_cuda.py tests/test_compile_cuda.py \
-     tests/test_engines_cuda.py tests/test_lossless.py tests/test_lossless_short.py) &
+  # the lossless group in three processes: in one it ran past 420 s beside the other groups
+  long=tests/test_lossless_cuda.py::test_compiled_offload_equals_gpu_only_long_prompts
+  (stage cuda_lossless_bf16 420 $T "$long[bf16]") &
+  (stage cuda_lossless_fp8 420 $T "$long[fp8]") &
+  (stage cuda_lossless 420 $T tests/test_lossless_cuda.py -k "not long_prompts" \
+     tests/test_compile_cuda.py tests/test_engines_cuda.py tests/test_lossless.py \
+     tests/test_lossless_short.py) &
   (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefetch.py \
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
      tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py) &
@@ -59,7 +64,7 @@ verify)
      tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py tests/test_awq_gemv.py \
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
-     tests/test_distributed_ep.py) &
+     tests/test_distributed_ep.py tests/test_ties_fixup.py) &
   if [ "$BACKENDS" = 1 ]; then
     (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
     # the compiled decode step with kernel_backend=auto (B = 64), errors reported where they occur
