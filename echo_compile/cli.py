@@ -43,6 +43,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-offload", action="store_true", help="keep the whole KV cache on the device"
     )
+    p.add_argument(
+        "--kernel-backend",
+        default=None,
+        help="the decode indexer's kernels: auto (default), triton, deep_gemm or flashinfer "
+        "(docs/backends.md; without the libraries every choice runs triton)",
+    )
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument(
         "--compile",
@@ -79,6 +85,8 @@ def _engine_options(a: argparse.Namespace) -> dict:
     )
     if a.device:
         opts["device"] = a.device
+    if a.kernel_backend is not None:  # checked by EngineConfig (one home for the names)
+        opts["kernel_backend"] = a.kernel_backend
     return opts
 
 

@@ -83,6 +83,29 @@ def test_bad_model_dir_is_one_line(capsys, tmp_path):
     assert_one_line_error(rc, err, "nope", "existing checkpoint directory")
 
 
+def test_bad_kernel_backend_is_one_line(capsys):
+    rc, _, err = run_main(capsys, "generate", "--device", "cpu", "--kernel-backend", "nope", "hi")
+    assert_one_line_error(rc, err, "kernel_backend", "'nope'")
+
+
+def test_kernel_backend_default_is_one_constant():
+    """Every default of kernel_backend (engine, cache, compile(), the bench) is DEFAULT_BACKEND."""
+    import inspect
+
+    from custom_ops.backends.select import DEFAULT_BACKEND
+    from custom_ops.cache.config import CacheConfig
+    from echo_compile.bench.harness import System
+    from echo_compile.compiled import compile as ec_compile
+    from runtime.engine_config import EngineConfig
+
+    assert DEFAULT_BACKEND == "auto"
+    assert EngineConfig().kernel_backend == DEFAULT_BACKEND
+    cache = CacheConfig(num_layers=1, host_tokens=64, gpu_tokens=64, topk=8, fmt="bf16")
+    assert cache.kernel_backend == DEFAULT_BACKEND
+    for fn in (ec_compile, System.__init__):
+        assert inspect.signature(fn).parameters["kernel_backend"].default == DEFAULT_BACKEND
+
+
 def test_corrupt_config_json_is_one_line(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 512,')
     (tmp_path / "tokenizer.json").write_text("{}")

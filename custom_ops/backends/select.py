@@ -1,6 +1,6 @@
 """Which backend serves which half of the decode indexer, and the call that runs the choice.
 
-``kernel_backend`` (an engine option): ``triton`` (the fused Triton op, the portable default),
+``kernel_backend`` (an engine option): ``triton`` (the fused Triton op, the portable fallback),
 ``deep_gemm`` (DeepGEMM scores, Triton top-k), ``flashinfer`` (Triton scores, FlashInfer top-k +
 the tie fix-up), ``auto`` (per half and batch size, from ``AUTO_TABLE``). A library that is not
 installed, a device that is not CUDA, or a shape the library does not support (DeepGEMM: 32 or 64
@@ -38,10 +38,9 @@ LIBRARY = {"deep_gemm": "deep_gemm", "flashinfer": "flashinfer"}  # backend -> i
 # suggested (benchmarks/results/backends_h200.json, by speed at 100K context; B = 1 / 16 / 64
 # measured, so each row holds from its batch up to the next): DeepGEMM scores at every batch
 # (5.1 vs 8.6 us at B = 1, 214 vs 258 at B = 64); Triton top-k up to B = 16 (28 vs 66 us with
-# the tie fix-up at B = 1), FlashInfer + fix-up at B = 64 (111 vs 170 us). NOTE: in that run a
-# compiled engine with ``auto`` failed in its B = 64 warm-up (CUBLAS_STATUS_EXECUTION_FAILED, an
-# asynchronous CUDA error whose cause is not isolated; ``step_error`` there), so ``auto`` is not
-# the default: ``kernel_backend`` stays ``triton``. Refill from
+# the tie fix-up at B = 1), FlashInfer + fix-up at B = 64 (111 vs 170 us then; 86.8 with the v3
+# fix-up). End to end ``auto`` measured 1.07x ``triton`` (benchmarks/results/
+# e2e_backend_{triton,auto}_h200.json), hence DEFAULT_BACKEND. Refill from
 #     python -m benchmarks.bench_backends --step-batches 64 --out $OUT/backends_h200.json
 AUTO_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
     "scores": ((1, "deep_gemm"), (16, "deep_gemm"), (64, "deep_gemm")),
