@@ -1,7 +1,7 @@
 """Triton kernels of the tie fix-up (``ties.threshold_select_ref``, ``ties.kth_from_indices_ref``).
 
 ``fixup`` / ``threshold_select`` run the variant a ``FixupConfig`` names (``ties_config``; the
-default ``v2`` lives in ``ties_fast_kernels``, ``v3`` in ``ties_compact_kernels``). This file
+default ``v3`` lives in ``ties_compact_kernels``, ``v2`` in ``ties_fast_kernels``). This file
 holds the kth kernel they use, and the first kernels, variant ``v1``, kept so the benchmark times
 them side by side:
 three launches, grids from static shapes, live lengths read on the device, no host syncs:
