@@ -346,7 +346,7 @@ def main() -> None:
     batches = [int(x) for x in args.step_batches.split(",") if x.strip()]
     if batches and DEV == "cuda":
         try:
-            backends = [b for b in args.step_backends.split(",") if b.strip()]
+            backends = [b.strip() for b in args.step_backends.split(",") if b.strip()]
             bench_step(res, batches, args.step_ctx, args.step_steps, backends)
         except Exception as e:
             res["step_error"] = f"{type(e).__name__}: {e}"[:2000]

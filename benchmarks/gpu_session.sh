@@ -23,7 +23,8 @@ stage() { # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s) $(date +%T)" | tee -a "$log"
   local t0=$SECONDS
-  timeout "$secs" "$@" > "$W/$name.log" 2>&1
+  echo "+ $*" > "$W/$name.log"  # the command, so a log says what ran
+  timeout "$secs" "$@" >> "$W/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0))s" | tee -a "$log"
   tail -n 6 "$W/$name.log" | tee -a "$log"
   pack
@@ -46,7 +47,7 @@ elif ls .whl/*.whl > /dev/null 2>&1; then
 fi
 echo "backends installed: $BACKENDS" | tee -a "$log"
 packjit() { [ "$BACKENDS" = 1 ] && tar czf "$OUT/jit.tgz" -C .jit . ; }
-T="python -m pytest -q -m cuda -rf -p no:cacheprovider"
+T="python -m pytest -q -m cuda -rfEs -p no:cacheprovider"
 
 case "${1:-verify}" in
 verify)
@@ -82,9 +83,9 @@ time)
       --out "$W/backends_h200.json"
     packjit
   fi
-  if [ "$BACKENDS" = 1 ] && on fixup; then
-    stage bench_topk_fixup 90 python -m benchmarks.bench_topk_fixup --budget-s 70 --out "$W/topk_fixup_h200.json"
-  fi
+  # without FlashInfer it times the fix-up alone
+  on fixup && stage bench_topk_fixup 90 python -m benchmarks.bench_topk_fixup --budget-s 70 \
+    --out "$W/topk_fixup_h200.json"
   on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 125 --out "$W/prefill_h200.json"
   on cache_ops && stage bench_cache_ops 100 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
@@ -95,23 +96,30 @@ time)
   on prefetch && stage bench_prefetch 110 python -m benchmarks.bench_prefetch --caps 64 --ratios 0.004 \
     --pf-rows 8,16 --out "$W/prefetch_h200.json"
   ;;
-e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this order
+e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this order; all of them
+  # take ~15 minutes, more than a call: name the ones to run
   shift
   names=" $* "
   on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
   B="python -m echo_compile.cli bench --rates '' --breakdown-steps 0"
-  at32k="--min-ctx 32000 --max-ctx 32000 --gpu-pools 200000 --systems offload,gpu-only"
-  on full && stage e2e_full_32k 270 bash -c "$B --mode full $at32k --out $W/e2e_full_32k_h200.json"
-  on full && stage e2e_decode_32k 120 bash -c "$B $at32k --out $W/e2e_decode_32k_h200.json"
+  at32k="--min-ctx 32000 --max-ctx 32000 --gpu-pools 200000"
+  # full: prefill included; each system alone (the prefill graphs' warm-up is ~150 s a system)
+  for sys in offload gpu-only; do
+    on full && stage "e2e_full_32k_$sys" 270 bash -c \
+      "$B --mode full $at32k --systems $sys --out '$W/e2e_full_32k_${sys}_h200.json'"
+  done
+  on full && stage e2e_decode_32k 120 bash -c \
+    "$B $at32k --systems offload,gpu-only --out '$W/e2e_decode_32k_h200.json'"
   for kb in triton auto; do
     on backends && [ "$BACKENDS" = 1 ] && stage "e2e_$kb" 90 bash -c \
-      "$B --gpu-pools 200000 --systems offload --kernel-backend $kb --out $W/e2e_backend_${kb}_h200.json"
+      "$B --gpu-pools 200000 --systems offload --kernel-backend $kb --out '$W/e2e_backend_${kb}_h200.json'"
   done
-  # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16
+  # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16;
+  # triton pinned: prefetch runs the indexer in Triton, so off vs on compares prefetch alone
   for rp in 64:200000 32:262144 16:327680; do
     on prefetch && stage "e2e_prefetch_${rp%%:*}" 110 bash -c "$B --systems offload \
-      --prefetch off,request --requests ${rp%%:*} --gpu-pools ${rp##*:} \
-      --out $W/e2e_prefetch_${rp%%:*}req_h200.json"
+      --kernel-backend triton --prefetch off,request --requests ${rp%%:*} --gpu-pools ${rp##*:} \
+      --out '$W/e2e_prefetch_${rp%%:*}req_h200.json'"
   done
   ;;
 tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
