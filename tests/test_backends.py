@@ -228,6 +228,7 @@ def test_engine_runs_each_backend_chain_to_the_same_logits(tiny, monkeypatch, pl
     eng = make_engine(tiny, offload=True, kernel_backend="auto")
     # the library buffers exist exactly where a plan needs them
     assert (eng.cache.layers[0].fi_row_states is not None) == (plan.topk == "flashinfer")
+    assert (eng.cache.layers[0].dg_schedule is not None) == (plan.scores == "deep_gemm")
     got = drive(eng, steps=4)
     assert len(got) == len(base) >= 4
     for a, b in zip(got, base):
