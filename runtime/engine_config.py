@@ -176,6 +176,7 @@ class EngineConfig:
             # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
             prefill_tokens=pages_for(max_len) * PAGE,
             kernel_backend=self.kernel_backend,
+            index_heads=model_config.index_n_heads,
             prefetch=self.prefetch,
             prefetch_cap=self.prefetch_cap,
             prefetch_ratio=float(self.prefetch_ratio),

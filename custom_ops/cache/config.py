@@ -44,6 +44,9 @@ class CacheConfig:
     prefill_tokens: int = 0
     # who computes the decode indexer's scores and top-k (custom_ops/backends/select.py)
     kernel_backend: str = DEFAULT_BACKEND
+    # the model's index heads (None: not known); DeepGEMM's kernel takes only some counts, and a
+    # plan that could never use it neither builds its schedule nor allocates for it
+    index_heads: int | None = None
     # Lossless decode prefetch (docs/prefetch.md; only with offload): "off", "request" (at most
     # prefetch_cap rows per request and layer) or "global" (prefetch_ratio x the batch's context
     # rows per layer, at most max_batch x prefetch_cap, the staging buffer's size).

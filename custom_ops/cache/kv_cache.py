@@ -11,6 +11,8 @@ make Inductor clone the whole base, docs/graph_notes.md).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -206,7 +208,11 @@ def indexer_plans(cfg: CacheConfig, device: torch.device) -> tuple[backends.Plan
     Triton indexer (``Staging.select``), so no library serves it: all-Triton plans, and
     ``begin_decode`` launches no DeepGEMM schedule nobody reads."""
     backend = "triton" if cfg.offload and cfg.prefetch != "off" else cfg.kernel_backend
-    return backends.plans_for(backend, cfg.max_batch, device)
+    plans = backends.plans_for(backend, cfg.max_batch, device)
+    if cfg.index_heads is not None and cfg.index_heads not in backends.HEADS:
+        # indexer_select would run Triton scores anyway (DeepGEMM refuses the head count)
+        plans = tuple(replace(p, scores="triton") for p in plans)
+    return plans
 
 
 def _backend_buffers(
