@@ -95,6 +95,9 @@ def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, BP: tl.constexpr
     live = r < B
     live &= tl.load(sl_ptr + r, mask=live, other=0) > 0
     key = tl.load(bt_ptr + r * bt_stride, mask=live, other=0)  # the first host page
+    # a key shared by several live rows (an n > 1 group's members): the first row writes it
+    same = (key[None, :] == key[:, None]) & live[None, :] & (r[None, :] < r[:, None])
+    live &= tl.sum(same.to(tl.int32), 1) == 0
     e = tl.load(ema_ptr + key, mask=live, other=0.0)
     k = tl.load(kth_ptr + r, mask=live, other=0.0)
     tl.store(ema_ptr + key, k * _A_NEW + e * _A_OLD, mask=live)
@@ -102,8 +105,9 @@ def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, BP: tl.constexpr
 
 def ema_update_cuda(ema, kth, seq_lens, block_table) -> None:
     """``prefetch_layout.update_ema`` in one launch, bit for bit (no FMA contraction: the two
-    products are rounded as torch rounds them). Live requests have distinct first pages, so
-    the lanes never race; padded rows leave the dump entry as it was, as the reference does."""
+    products are rounded as torch rounds them). Of live rows that share a first page (an n > 1
+    group) only the first writes it, as in the reference, so no two lanes store to one entry;
+    padded rows leave the dump entry as it was, as the reference does."""
     B = seq_lens.shape[0]
     _ema_kernel[(1,)](
         ema, kth, seq_lens, block_table, block_table.stride(0), B,

@@ -24,8 +24,16 @@ def ema_keys(block_table: torch.Tensor, seq_lens: torch.Tensor, n_ema: int) -> t
 
 def update_ema(ema: torch.Tensor, kth: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor) -> None:  # fmt: skip
-    """ema[key] <- 0.5 ema[key] + 0.5 kth for live requests (in place, no host sync)."""
-    key = ema_keys(block_table, seq_lens, ema.shape[0])
-    e = ema[key]
-    new = EMA_ALPHA * kth + (1.0 - EMA_ALPHA) * e
-    ema.index_copy_(0, key, torch.where(seq_lens > 0, new, e))  # the dump gets its own value
+    """ema[key] <- 0.5 ema[key] + 0.5 kth for live requests (in place, no host sync). A key that
+    several live rows share (the members of an n > 1 group share their prompt's first page) is
+    updated by the first of them, so the result does not depend on the order of the writes."""
+    n_ema = ema.shape[0]
+    key = ema_keys(block_table, seq_lens, n_ema)
+    r = torch.arange(key.shape[0], device=key.device)
+    live = seq_lens > 0
+    earlier = ((key[None, :] == key[:, None]) & live[None, :] & (r[None, :] < r[:, None])).any(1)
+    writer = live & ~earlier  # unique keys
+    new = EMA_ALPHA * kth + (1.0 - EMA_ALPHA) * ema[key]
+    # every other row writes the dump's own value to the dump: the same value, whatever the order
+    ema.index_copy_(0, torch.where(writer, key, n_ema - 1),
+                    torch.where(writer, new, ema[n_ema - 1].expand_as(new)))  # fmt: skip

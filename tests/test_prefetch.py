@@ -170,11 +170,20 @@ def test_ema_kernel_matches_update_ema(device):
         kth[::3] = float("-inf")
         lens = torch.randint(0, 3, (B,), generator=g, dtype=torch.int32) * 50
         bt = torch.randperm(39, generator=g)[: 2 * B].view(B, 2).int()
+        if B > 1:  # rows sharing a first page (an n > 1 group): the first live one writes it
+            bt[1:3, 0] = bt[0, 0]
+            lens[0] = 0 if B == 5 else lens[0]  # a padded first holder: the next live one wins
+            lens[1] = 50
         ema, kth, lens, bt = (x.to(device) for x in (ema, kth, lens, bt))
-        want = ema.clone()
+        want, old = ema.clone(), ema.clone()
         pf.update_ema(want, kth, lens, bt)
         pk.ema_update_cuda(ema, kth, lens, bt)
         assert torch.equal(ema, want)
+        holders = [i for i in range(min(B, 3)) if lens[i] > 0]
+        if B > 1:  # the shared key took the first live holder's k-th score
+            k0 = int(bt[0, 0])
+            expect = pf.EMA_ALPHA * kth[holders[0]] + (1 - pf.EMA_ALPHA) * old[k0]
+            assert torch.equal(want[k0], expect)
 
 
 def _cache(fmt, prefetch, offload=True, cap=8, device="cpu"):
