@@ -2,9 +2,10 @@
 ``awq_format.py`` (the same tensors as ``echo::w4a16_linear_r``), a split-K, memory-bound Triton
 GEMV (``awq_gemv_kernels.py``, imported on the first CUDA call).
 
-Numerics: as ``w4a16_linear_r`` (fp32 products of exact ``(q - z) * s`` weights, fp32
-accumulation, one rounding to x's dtype); the reference is ``w4a16_linear_r_ref``, so the two ops
-compute the same numbers up to summation order. Deterministic: split-K partials are summed in a
+Numerics: per group of 128, ``(sum x q - z sum x) * s`` in fp32 (on the ``tl.dot`` path with an
+offset c added to q and z that cancels), one rounding to x's dtype: the reference
+``w4a16_linear_r_ref``'s ``x @ ((q - z) s)`` up to fp32 rounding (the tests' tolerance), not bit
+for bit. Deterministic: split-K partials are summed in a
 fixed order by a second launch, no atomics.
 
 Dispatch: ``GEMV_MAX_M`` is the one switch. ``use_gemv(m, dtype)`` says whether a call of m rows

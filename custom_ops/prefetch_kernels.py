@@ -23,7 +23,8 @@ from custom_ops.prefetch_scores import scores_variant
 
 LIST_BLOCK = 1024
 ROWS_PER_ITER = 4  # rows per copy iteration and program (staging -> pool, device memory)
-PF_ROWS = 8  # staged rows per score block at most (IndexerConfig-like knob for the benchmark)
+# staged rows per score block at most ("tile"); "post" gives a program rows x TPP / BT in all
+PF_ROWS = 8
 _S_PROMOTED = tl.constexpr(PF_PROMOTED)
 _S_STAGED = tl.constexpr(PF_STAGED)
 _S_STEPS = tl.constexpr(PF_STEPS)

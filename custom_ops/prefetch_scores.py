@@ -18,7 +18,9 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   on the SM. A program stages at most rows_per_block x TPP / BT rows, as in ``"tile"``.
 
 Both give the same scores (bit for bit: the same scoring code) and the same candidate set; which
-candidates win when a cap binds may differ (atomics order), which only changes performance.
+candidates are staged may differ (atomics order when a cap binds; and "post" budgets per program,
+so a block with more than rows_per_block candidates can stage more), which only changes
+performance: the attended set is the exact top-k either way.
 """
 
 from __future__ import annotations

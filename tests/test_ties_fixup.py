@@ -91,6 +91,10 @@ def test_bad_configs_and_inputs_are_named():
         ties_kernels.fixup(s, bt, LENS, raw.long(), TOPK)
     with pytest.raises(ValueError, match="unknown fix-up variant"):
         fixup_config("fastest")
+    kth = torch.zeros(s.shape[0])
+    for bad in (kth.double(), kth[:, None], torch.zeros(2 * s.shape[0])[::2]):
+        with pytest.raises(ValueError, match="kth"):
+            ties_kernels.threshold_select(s, bt, LENS, bad, TOPK)
 
 
 def test_bench_topk_fixup_dry_run(tmp_path):

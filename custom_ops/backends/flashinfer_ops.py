@@ -25,7 +25,7 @@ from custom_ops.backends.ties_config import DEFAULT_FIXUP, fixup_config
 ROW_STATES_BYTES = 1 << 20  # what flashinfer.top_k allocates for it (1 MB)
 # FlashInfer options, exposed for the benchmark: deterministic order is not needed (the fix-up
 # orders by position); dsa_graph_safe forces its graph-safe FilteredTopK path. ``ties``:
-# "fixup" (default: exact by construction, two more reads of the scores) or "library" (trust
+# "fixup" (default: exact by construction, one or two more reads of the scores) or "library" (trust
 # FlashInfer's tie_break=1, smaller index first, and only sort its k positions; the benchmark
 # records whether that gave the exact set on tie-heavy scores before anyone switches to it).
 # ``fixup``: the fix-up's kernel variant by name (ties_config.FIXUP_VARIANTS; every one selects

@@ -177,6 +177,7 @@ def threshold_select(
 ) -> torch.Tensor:
     """``ties.threshold_select_ref`` on the GPU: host slots int32 [B, topk]."""
     cfg = _checked(scores, block_table, seq_lens, topk, cfg)
+    _check_kth(kth, scores.shape[0])
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     if cfg.variant != "v1":
         return _select_of(cfg)(scores, block_table, seq_lens, topk, cfg, kth=kth)[0]
@@ -202,6 +203,12 @@ def _checked(scores, block_table, seq_lens, topk, cfg: FixupConfig | None) -> Fi
     if topk <= 0:
         raise ValueError(f"threshold_select: topk must be positive, got {topk}")
     return cfg
+
+
+def _check_kth(kth: torch.Tensor, B: int) -> None:
+    if kth.dtype != torch.float32 or kth.shape != (B,) or not kth.is_contiguous():
+        raise ValueError(f"threshold_select: kth must be contiguous fp32 [{B}], got "
+                         f"{kth.dtype} {tuple(kth.shape)}")  # fmt: skip
 
 
 def fixup(
