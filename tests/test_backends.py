@@ -325,3 +325,17 @@ def test_prefetch_plans_ask_no_library(monkeypatch):
         cfg = CacheConfig(**base, kernel_backend="deep_gemm", prefetch=prefetch)
         kv_cache.indexer_plans(cfg, torch.device("cpu"))
         assert asked.pop() == want
+
+
+def test_bench_records_the_resolved_plans_as_runs():
+    from echo_compile.bench.harness import plan_runs
+
+    T, D, F = (
+        sel.Plan("triton", "triton"),
+        sel.Plan("deep_gemm", "triton"),
+        sel.Plan("deep_gemm", "flashinfer"),
+    )
+    assert plan_runs((D,) * 63 + (F,)) == {"1-63": "deep_gemm/triton", "64": "deep_gemm/flashinfer"}
+    assert plan_runs((T, D, D, F)) == {
+        "1": "triton/triton", "2-3": "deep_gemm/triton", "4": "deep_gemm/flashinfer"
+    }  # fmt: skip

@@ -130,6 +130,7 @@ def test_bench_system_with_prefetch_reports_it_and_the_overlap():
     r = sut.run(wl)
     assert r.prefetch == "request" and len(r.prefetch_precision) == 4
     assert r.pool_rows_per_request == pytest.approx(96 / r.effective_batch)
+    assert r.indexer_plans == {"1-2": "triton/triton"}  # prefetch: the fused Triton indexer
     assert sum(r.prefetched_per_step) > 0
     bd = sut.breakdown(wl, warm_steps=1, steps=1)
     ov = bd["topk_overlap"]

@@ -174,6 +174,21 @@ class SystemResult:
     prefetched_per_step: list[float] = field(default_factory=list)
     prefetch_precision: list[float] = field(default_factory=list)
     prefetch_coverage: list[float] = field(default_factory=list)
+    # who computed the decode indexer, by batch sizes (kernel_backend as resolved: a missing
+    # library, a CPU or a head count DeepGEMM refuses gives triton): {"1-16": "deep_gemm/triton"}
+    indexer_plans: dict[str, str] = field(default_factory=dict)
+
+
+def plan_runs(plans) -> dict[str, str]:
+    """``LayerKV.plans`` (one per batch size 1..N) as runs of equal plans."""
+    out: dict[str, str] = {}
+    start = 1
+    for b in range(1, len(plans) + 1):
+        if b == len(plans) or plans[b] != plans[start - 1]:
+            p = plans[start - 1]
+            out[f"{start}-{b}" if b > start else str(b)] = f"{p.scores}/{p.topk}"
+            start = b + 1
+    return out
 
 
 def _pct(xs: list[float], scale: float = 1.0) -> dict[str, float]:
@@ -360,6 +375,7 @@ class System:
             prefetched_per_step=list(m["prefetched_per_step"]),
             prefetch_precision=list(m["prefetch_precision"]),
             prefetch_coverage=list(m["prefetch_coverage"]),
+            indexer_plans=plan_runs(engine.cache.layers[0].plans),
         )
 
     def breakdown(self, wl: Workload, warm_steps: int = 4, steps: int = 8) -> dict:
