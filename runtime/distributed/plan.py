@@ -69,7 +69,9 @@ def weight_bytes(
 
 def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
     """Device and host bytes of a ``KVCache`` of ``cfg`` (mirrors custom_ops/cache/kv_cache.py
-    and gpu_pool.py allocation by allocation)."""
+    and gpu_pool.py allocation by allocation, except the decode indexer's library buffers:
+    about 1 MB, once for all layers, where a plan uses DeepGEMM or FlashInfer, which depends on
+    what is installed; the plan's reserve covers them)."""
     layers, n_h, n_g = cfg.num_layers, cfg.host_tokens, cfg.gpu_tokens
     kv = n_h * cfg.row_bytes * layers
     out = {
