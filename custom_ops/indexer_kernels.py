@@ -545,7 +545,15 @@ def indexer_topk_cuda(
     return topk_from_scores(scores, block_table, seq_lens, topk, cfg, hists)
 
 
-def index_scores_prefetch(
+def index_scores_prefetch(*args, **kwargs) -> torch.Tensor:
+    """Index scores [B, P*64] fp32 as ``index_scores``, staging candidates on the way
+    (``_scores_prefetch_kernel``; semantics in custom_ops/prefetch.py; arguments as
+    ``launch_scores_prefetch`` after its kernel)."""
+    return launch_scores_prefetch(_scores_prefetch_kernel, *args, **kwargs)
+
+
+def launch_scores_prefetch(
+    kernel,  # a fused scores + prefetch kernel (this one's or prefetch_scores' "post")
     q_u8: torch.Tensor,  # [B, Hi, 128] uint8
     weights: torch.Tensor,  # [B, Hi] fp32
     index_cache: torch.Tensor,  # [pages, 8448] uint8
@@ -564,8 +572,7 @@ def index_scores_prefetch(
     cfg: IndexerConfig,
     rows_per_block: int = 8,
 ) -> torch.Tensor:
-    """Index scores [B, P*64] fp32 as ``index_scores``, staging candidates on the way
-    (``_scores_prefetch_kernel``; semantics in custom_ops/prefetch.py)."""
+    """The launch every fused scores + prefetch kernel shares (same arguments, same grid)."""
     B, n_heads = q_u8.shape[:2]
     L = block_table.shape[1] * PAGE
     if cfg.score_tokens % cfg.score_block or cfg.score_block % 16:
@@ -575,7 +582,7 @@ def index_scores_prefetch(
     scores = torch.empty((B, L), dtype=torch.float32, device=q_u8.device)
     row_w = host_words.shape[1]
     grid = (B, triton.cdiv(L, cfg.score_tokens))
-    _scores_prefetch_kernel[grid](
+    kernel[grid](
         q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
         block_table, seq_lens, scores, ema, host_to_gpu, host_stage, stage_host, stage_ctr,
         pf_stats, host_words, stage_words, n_heads, block_table.stride(0), L, B, cap,

@@ -152,31 +152,10 @@ def _stage_program(
         tl.atomic_add(pfs_ptr, nc.to(tl.int64), sem="relaxed")
 
 
-def index_scores_prefetch_post(
-    q_u8, weights, index_cache, block_table, seq_lens, host_words, host_to_gpu, stage_words,
-    stage_host, host_stage, stage_ctr, ema, pf_stats, cap, ratio, cfg, rows_per_block=8,
-):  # fmt: skip
+def index_scores_prefetch_post(*args, **kwargs) -> torch.Tensor:
     """``indexer_kernels.index_scores_prefetch`` (same arguments and result) with the
     ``"post"`` kernel."""
-    B, n_heads = q_u8.shape[:2]
-    L = block_table.shape[1] * PAGE
-    if cfg.score_tokens % cfg.score_block or cfg.score_block % 16:
-        raise ValueError("score_tokens must be a multiple of score_block, itself of 16")
-    if rows_per_block <= 0 or rows_per_block & (rows_per_block - 1):
-        raise ValueError(f"rows_per_block must be a power of two, got {rows_per_block}")
-    scores = torch.empty((B, L), dtype=torch.float32, device=q_u8.device)
-    row_w = host_words.shape[1]
-    grid = (B, triton.cdiv(L, cfg.score_tokens))
-    _scores_prefetch_post_kernel[grid](
-        q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
-        block_table, seq_lens, scores, ema, host_to_gpu, host_stage, stage_host, stage_ctr,
-        pf_stats, host_words, stage_words, n_heads, block_table.stride(0), L, B, cap,
-        stage_words.shape[0], float(ratio), HP=max(16, triton.next_power_of_2(n_heads)),
-        BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
-        BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
-        ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps,
-    )  # fmt: skip
-    return scores
+    return ik.launch_scores_prefetch(_scores_prefetch_post_kernel, *args, **kwargs)
 
 
 SCORES_VARIANTS = {"tile": ik.index_scores_prefetch, "post": index_scores_prefetch_post}
