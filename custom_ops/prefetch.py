@@ -1,6 +1,6 @@
 """Lossless prefetch (ECHO's second half, docs/prefetch.md): ``echo::indexer_topk_prefetch`` and
 ``echo::recall_staged``, with their pure-torch references (the CPU kernels and the specification
-the Triton kernels in indexer_kernels.py / prefetch_kernels.py are tested against).
+the Triton kernels in prefetch_scores.py / prefetch_kernels.py are tested against).
 
 ``indexer_topk_prefetch`` is ``echo::indexer_topk`` (same outputs, bit for bit) that also, while
 scoring, copies the rows of candidates into a per-layer **staging buffer**: a candidate is a live

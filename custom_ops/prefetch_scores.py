@@ -4,7 +4,7 @@ The fused kernel must cost what the unfused ``_scores_kernel`` costs when nothin
 the H200 the first version, ``"tile"``, made the whole indexer 36% slower with nothing staged:
 benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIANTS``):
 
-- ``"tile"``: ``indexer_kernels._scores_prefetch_kernel``. Inside the scoring loop, every score
+- ``"tile"``: ``_scores_prefetch_kernel``. Inside the scoring loop, every score
   tile compares with the threshold and *reduces* the comparison across the CTA (a shared-memory
   round trip and barriers, every tile, in a loop that runs at two CTAs per SM), then, for tiles
   with candidates, the map lookups, the claim atomics and the host copy. The copies overlap the
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops import indexer_kernels as ik
+from custom_ops.indexer_kernels import IndexerConfig
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
 
 _PAGE = tl.constexpr(PAGE)  # the constants of indexer_kernels' scoring loop
@@ -48,7 +48,7 @@ def _scores_prefetch_post_kernel(
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
     ROW_WP: tl.constexpr,
 ):  # fmt: skip
-    """Arguments as ``indexer_kernels._scores_prefetch_kernel``; the staging after the scoring
+    """Arguments as ``_scores_prefetch_kernel``; the staging after the scoring
     loop, for programs with a score above the threshold only (module docstring)."""
     b = tl.program_id(0)
     start = tl.program_id(1) * TPP
@@ -153,12 +153,175 @@ def _stage_program(
 
 
 def index_scores_prefetch_post(*args, **kwargs) -> torch.Tensor:
-    """``indexer_kernels.index_scores_prefetch`` (same arguments and result) with the
+    """``index_scores_prefetch`` (same arguments and result) with the
     ``"post"`` kernel."""
-    return ik.launch_scores_prefetch(_scores_prefetch_post_kernel, *args, **kwargs)
+    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, **kwargs)
 
 
-SCORES_VARIANTS = {"tile": ik.index_scores_prefetch, "post": index_scores_prefetch_post}
+@triton.jit
+def _scores_prefetch_kernel(
+    q_ptr,
+    w_ptr,
+    kv_ptr,
+    ks_ptr,
+    bt_ptr,
+    sl_ptr,
+    score_ptr,
+    ema_ptr,  # [N_H / 64 + 1] fp32: thresholds, keyed by each request's first host page
+    h2g_ptr,  # [N_H] int32: the layer's host -> GPU map (read)
+    hstage_ptr,  # [N_H] int32 out: staging slot of each staged host slot
+    shost_ptr,  # [S] int32 out: host slot of each staging slot
+    ctr_ptr,  # [>= B + 1] int32 zeros: claims per request, then the global claim counter
+    pfs_ptr,  # [4] int64: prefetch statistics (candidates at 0)
+    src_ptr,  # host_kv as int32 words [N_H, ROW_W] (UVA on CUDA)
+    dst_ptr,  # stage_kv as int32 words [S, ROW_W]
+    n_heads,
+    bt_stride,
+    L,
+    B,
+    cap,  # rows per request (not GLOBAL)
+    n_stage,  # S
+    ratio,  # GLOBAL: budget rows per context token
+    HP: tl.constexpr,
+    BT: tl.constexpr,
+    TPP: tl.constexpr,
+    STAGES: tl.constexpr,
+    GLOBAL: tl.constexpr,
+    BP: tl.constexpr,  # B padded to a power of two (the global budget's sum)
+    ROWS: tl.constexpr,  # rows copied per score block, at most (a static unroll, no inner loop)
+    ROW_W: tl.constexpr,
+    ROW_WP: tl.constexpr,
+):
+    """``_scores_kernel`` plus ECHO's fused prefetch: each score block's candidates (score >
+    threshold, not on the GPU) claim staging slots (one atomic per block) and up to ROWS of them
+    are copied host -> staging right there, so the PCIe reads of one block overlap the scoring of
+    the next (and of the other programs on the SM). Candidates past ROWS in one block, or past a
+    cap, are simply not staged: the guaranteed recall fetches them later."""
+    b = tl.program_id(0)
+    start = tl.program_id(1) * TPP
+    seq_len = tl.load(sl_ptr + b)
+    hh = tl.arange(0, HP)
+    dd = tl.arange(0, _DIM)
+    tt = tl.arange(0, BT)
+    hm = hh < n_heads
+    q = tl.load(q_ptr + (b * n_heads + hh[:, None]) * _DIM + dd[None, :], mask=hm[:, None], other=0)
+    q = q.to(tl.float8e4nv, bitcast=True)  # [HP, 128]
+    w = tl.load(w_ptr + b * n_heads + hh, mask=hm, other=0.0)
+    thr = tl.load(ema_ptr + tl.load(bt_ptr + b * bt_stride))  # padded rows: any, nothing is live
+    if GLOBAL:
+        bb = tl.arange(0, BP)
+        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
+        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
+        ctr = ctr_ptr + B
+        slot0 = 0
+    else:
+        limit = cap
+        ctr = ctr_ptr + b
+        slot0 = b * cap
+    rr = tl.arange(0, ROWS)
+    cols = tl.arange(0, ROW_WP)
+    cmask = cols < ROW_W
+    n_live = tl.minimum(tl.maximum(seq_len - start, 0), TPP)
+    n_iter = tl.cdiv(n_live, BT)
+    n_cand = 0
+    for i in tl.range(0, n_iter, num_stages=STAGES):
+        t = start + i * BT + tt
+        live = t < seq_len
+        page = tl.load(bt_ptr + b * bt_stride + t // _PAGE, mask=live, other=0).to(tl.int64)
+        off = t % _PAGE
+        k = tl.load(
+            kv_ptr + page[:, None] * _PAGE_BYTES + off[:, None] * _DIM + dd[None, :],
+            mask=live[:, None],
+            other=0,
+        )
+        ks = tl.load(ks_ptr + page * _PAGE_F32 + _SCALE_OFF + off, mask=live, other=0.0)
+        logits = tl.dot(k.to(tl.float8e4nv, bitcast=True), tl.trans(q))  # [BT, HP] fp32
+        s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * ks
+        s = tl.where(live, s, float("-inf"))
+        tl.store(score_ptr + b * L + t, s, mask=t < L)
+        # ---- prefetch: only blocks with tokens above the threshold touch the map, and only
+        # blocks with candidates the counters and the host (scalar branches: a block with
+        # nothing to stage issues none of the copy's instructions)
+        over = live & (s > thr)
+        if tl.sum(over.to(tl.int32), 0) > 0:
+            h = (page * _PAGE + off).to(tl.int32)
+            g = tl.load(h2g_ptr + h, mask=over, other=0)
+            cand = over & (g < 0)
+            ci = cand.to(tl.int32)
+            nc = tl.sum(ci, 0)
+            if nc > 0:
+                n_cand += nc
+                claim = tl.minimum(nc, ROWS)  # claim only what this block can copy: no holes
+                base = tl.atomic_add(ctr, claim, sem="relaxed")
+                lr = tl.cumsum(ci, 0) - 1  # rank among this block's candidates
+                n_keep = tl.minimum(tl.maximum(limit - base, 0), claim)
+                keep = cand & (lr < n_keep)
+                slot = slot0 + base + lr
+                tl.store(shost_ptr + slot, h, mask=keep)
+                tl.store(hstage_ptr + h, slot, mask=keep)
+                # the kept candidates' rows, compacted by rank: copy row j = candidate lr == j
+                pick = keep[:, None] & (lr[:, None] == rr[None, :])  # [BT, ROWS]
+                hj = tl.sum(tl.where(pick, h[:, None], 0), axis=0).to(tl.int64)  # [ROWS]
+                sj = tl.sum(tl.where(pick, slot[:, None], 0), axis=0).to(tl.int64)
+                m2 = (rr < n_keep)[:, None] & cmask[None, :]
+                v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
+                tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
+    for i in range(n_iter, TPP // BT):
+        t = start + i * BT + tt
+        tl.store(score_ptr + b * L + t, tl.full([BT], float("-inf"), tl.float32), mask=t < L)
+    tl.atomic_add(pfs_ptr, n_cand.to(tl.int64), mask=n_cand > 0, sem="relaxed")
+
+
+def index_scores_prefetch(*args, **kwargs) -> torch.Tensor:
+    """Index scores [B, P*64] fp32 as ``index_scores``, staging candidates on the way
+    (``_scores_prefetch_kernel``; semantics in custom_ops/prefetch.py; arguments as
+    ``launch_scores_prefetch`` after its kernel)."""
+    return launch_scores_prefetch(_scores_prefetch_kernel, *args, **kwargs)
+
+
+def launch_scores_prefetch(
+    kernel,  # a fused scores + prefetch kernel (this one's or prefetch_scores' "post")
+    q_u8: torch.Tensor,  # [B, Hi, 128] uint8
+    weights: torch.Tensor,  # [B, Hi] fp32
+    index_cache: torch.Tensor,  # [pages, 8448] uint8
+    block_table: torch.Tensor,  # [B, P] int32 (unit stride along pages)
+    seq_lens: torch.Tensor,  # [B] int32
+    host_words: torch.Tensor,  # host_kv as int32 [N_H, row / 4]
+    host_to_gpu: torch.Tensor,  # [N_H] int32
+    stage_words: torch.Tensor,  # stage_kv as int32 [S, row / 4]
+    stage_host: torch.Tensor,  # [S] int32
+    host_stage: torch.Tensor,  # [N_H] int32
+    stage_ctr: torch.Tensor,  # [>= B + 1] int32 zeros
+    ema: torch.Tensor,  # [N_H / 64 + 1] fp32 (prefetch_layout.ema_keys)
+    pf_stats: torch.Tensor,  # [4] int64
+    cap: int,
+    ratio: float,
+    cfg: IndexerConfig,
+    rows_per_block: int = 8,
+) -> torch.Tensor:
+    """The launch every fused scores + prefetch kernel shares (same arguments, same grid)."""
+    B, n_heads = q_u8.shape[:2]
+    L = block_table.shape[1] * PAGE
+    if cfg.score_tokens % cfg.score_block or cfg.score_block % 16:
+        raise ValueError("score_tokens must be a multiple of score_block, itself of 16")
+    if rows_per_block <= 0 or rows_per_block & (rows_per_block - 1):
+        raise ValueError(f"rows_per_block must be a power of two, got {rows_per_block}")
+    scores = torch.empty((B, L), dtype=torch.float32, device=q_u8.device)
+    row_w = host_words.shape[1]
+    grid = (B, triton.cdiv(L, cfg.score_tokens))
+    kernel[grid](
+        q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
+        block_table, seq_lens, scores, ema, host_to_gpu, host_stage, stage_host, stage_ctr,
+        pf_stats, host_words, stage_words, n_heads, block_table.stride(0), L, B, cap,
+        stage_words.shape[0], float(ratio), HP=max(16, triton.next_power_of_2(n_heads)),
+        BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
+        BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
+        ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps,
+    )  # fmt: skip
+    return scores
+
+
+SCORES_VARIANTS = {"tile": index_scores_prefetch, "post": index_scores_prefetch_post}
 
 
 def scores_variant(name: str | None):
