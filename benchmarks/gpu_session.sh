@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup prefill cache_ops awq awq_gemv fp8 calibrate prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
-#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full backends prefetch)
+#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full backends prefetch;
+#                                           # env FULL_SYSTEMS, PREFETCH_POINTS: some of their runs)
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
 # $OUT/work and packed into $OUT/results.tgz after every stage (a call cut short still returns
@@ -103,8 +104,9 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
   on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
   B="python -m echo_compile.cli bench --rates '' --breakdown-steps 0"
   at32k="--min-ctx 32000 --max-ctx 32000 --gpu-pools 200000"
-  # full: prefill included; each system alone (the prefill graphs' warm-up is ~150 s a system)
-  for sys in offload gpu-only; do
+  # full: prefill included; each system alone (the prefill graphs' warm-up is ~150 s a system);
+  # FULL_SYSTEMS / PREFETCH_POINTS pick some of the runs
+  for sys in ${FULL_SYSTEMS-offload gpu-only}; do
     on full && stage "e2e_full_32k_$sys" 270 bash -c \
       "$B --mode full $at32k --systems $sys --out '$W/e2e_full_32k_${sys}_h200.json'"
   done
@@ -116,7 +118,7 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
   done
   # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16;
   # triton pinned: prefetch runs the indexer in Triton, so off vs on compares prefetch alone
-  for rp in 64:200000 32:262144 16:327680; do
+  for rp in ${PREFETCH_POINTS-64:200000 32:262144 16:327680}; do
     on prefetch && stage "e2e_prefetch_${rp%%:*}" 110 bash -c "$B --systems offload \
       --kernel-backend triton --prefetch off,request --requests ${rp%%:*} --gpu-pools ${rp##*:} \
       --out '$W/e2e_prefetch_${rp%%:*}req_h200.json'"
