@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup prefill cache_ops awq awq_gemv fp8 calibrate prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
-#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full backends prefetch;
+#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch;
 #                                           # env FULL_SYSTEMS, PREFETCH_POINTS: some of their runs)
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
@@ -110,7 +110,7 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
     on full && stage "e2e_full_32k_$sys" 270 bash -c \
       "$B --mode full $at32k --systems $sys --out '$W/e2e_full_32k_${sys}_h200.json'"
   done
-  on full && stage e2e_decode_32k 120 bash -c \
+  on decode && stage e2e_decode_32k 120 bash -c \
     "$B $at32k --systems offload,gpu-only --out '$W/e2e_decode_32k_h200.json'"
   for kb in triton auto; do
     on backends && [ "$BACKENDS" = 1 ] && stage "e2e_$kb" 90 bash -c \
