@@ -48,6 +48,7 @@ from tests.test_decode_kernels import scores_ref as scores_ref_mag  # noqa: E402
 BATCHES, CTXS, HI, TOPK = (1, 16, 64), (32_768, 100_032), 64, 2048
 DEV = "cuda"
 START = time.monotonic()
+fi_defaults = dict(fio.OPTIONS)  # each timing that switches an option restores these
 PLANS = {
     "triton": sel.Plan("triton", "triton"),
     "deep_gemm": sel.Plan("deep_gemm", "triton"),
@@ -175,7 +176,7 @@ def bench_size(data: Inputs, B: int, L: int) -> dict:
                 except Exception as e:
                     row[f"library_ties_{kind}_error"] = f"{type(e).__name__}: {e}"[:2000]
                 finally:
-                    fio.OPTIONS["ties"] = "fixup"
+                    fio.OPTIONS.update(fi_defaults)
                 log(f"library ties {kind}: exact {row.get(f'library_ties_exact_{kind}')}")
     del ref, mag, live
     # --- timings
@@ -194,15 +195,20 @@ def bench_size(data: Inputs, B: int, L: int) -> dict:
         timed["topk_us", "flashinfer+fixup"] = lambda: torch.ops.echo.fi_topk(
             tri, bt, sl, TOPK, data.states
         )
-        if DEV == "cuda":  # the library call alone, in both of its modes
+        if DEV == "cuda":  # the library call alone and the whole op, in both of its modes
             for safe in (True, False):
 
                 def raw(safe=safe):
                     fio.OPTIONS["dsa_graph_safe"] = safe
                     return fio.library_positions(tri, bt, sl, TOPK, data.states)
 
+                def whole(safe=safe):
+                    fio.OPTIONS["dsa_graph_safe"] = safe
+                    return torch.ops.echo.fi_topk(tri, bt, sl, TOPK, data.states)
+
                 raw()  # a first call per mode (JIT)
                 timed["topk_us", f"flashinfer_alone_graph_safe={safe}"] = raw
+                timed["topk_us", f"flashinfer+fixup_graph_safe={safe}"] = whole
 
             def library_ties():
                 fio.OPTIONS["ties"] = "library"
@@ -217,8 +223,7 @@ def bench_size(data: Inputs, B: int, L: int) -> dict:
             row[f"{group}_{name}_error"] = f"{type(e).__name__}: {e}"[:2000]
             traceback.print_exc()
         finally:
-            fio.OPTIONS["dsa_graph_safe"] = True
-            fio.OPTIONS["ties"] = "fixup"
+            fio.OPTIONS.update(fi_defaults)
     row["scores_tb_s"] = {
         k: bytes_read / v / 1e6 for k, v in row["scores_us"].items() if v and "schedule" not in k
     }

@@ -89,6 +89,33 @@ def test_flashinfer_topk_selects_the_stable_sort_set(kind, B, P, topk):
     assert torch.equal(again[0], host)  # every layer of a step reuses it
 
 
+@pytest.mark.parametrize("B", [1, 64])  # at 100K: FlashInfer's multi-CTA path, its filtered one
+def test_flashinfer_topk_replayed_from_a_cuda_graph(B):
+    """``dsa_graph_safe`` is off (flashinfer_ops.OPTIONS): the library picks its path from static
+    shapes at capture. Replays with new scores and new lengths must still give the exact set."""
+    need("flashinfer")
+    P, topk = 1563, 2048
+    L = P * 64
+    gen = _gen(35)
+    bt = torch.randperm(B * P, generator=gen).view(B, P).int().to(DEV)
+    s = torch.zeros(B, L, device=DEV)
+    sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    states = torch.zeros(ROW_STATES_BYTES, dtype=torch.uint8, device=DEV)
+    torch.ops.echo.fi_topk(s, bt, sl, topk, states)  # warm-up (JIT) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        host, kth = torch.ops.echo.fi_topk(s, bt, sl, topk, states)
+    for rep, kind in enumerate(["scores", "ties", "near"]):
+        new = _tie_scores(B, L, _gen(36 + rep), kind) if kind != "scores" else None
+        s.copy_(torch.randn(B, L, generator=gen) if new is None else new)
+        lens = torch.randint(1, L + 1, (B,), generator=gen, dtype=torch.int32)
+        lens[0] = [L, topk - 1, 3 * topk][rep]
+        sl.copy_(lens)
+        graph.replay()
+        want = ties.stable_select_ref(s, bt, sl, topk)
+        assert torch.equal(host, want[0]) and torch.equal(kth, want[1]), (B, kind)
+
+
 @pytest.mark.parametrize("kind", ["ties", "equal", "scores"])
 def test_flashinfer_library_tie_break_is_ours(kind, monkeypatch):
     """The optional "library" ties mode (flashinfer_ops.OPTIONS["ties"]) trusts FlashInfer's

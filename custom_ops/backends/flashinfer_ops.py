@@ -24,7 +24,13 @@ from custom_ops.backends.ties_config import DEFAULT_FIXUP, fixup_config
 
 ROW_STATES_BYTES = 1 << 20  # what flashinfer.top_k allocates for it (1 MB)
 # FlashInfer options, exposed for the benchmark: deterministic order is not needed (the fix-up
-# orders by position); dsa_graph_safe forces its graph-safe FilteredTopK path. ``ties``:
+# orders by position). ``dsa_graph_safe`` (off): the library's "graph-safe" mode always takes its
+# FilteredTopK path with scalar loads (vector size 1), for callers whose scores width changes
+# between a graph's capture and its replays (SGLang's). Without it the library picks its path from
+# the rows, k, the scores' width and row stride and the pointer's alignment (topk.cu,
+# ``ShouldUseFilteredTopK``, ``ComputeFilteredTopKVecSize``): here all of them are static in each
+# captured graph (one scores tensor per compiled bucket), so the choice made at capture holds in
+# every replay, and the loads are 16-byte vectors (the benchmark times both modes). ``ties``:
 # "fixup" (default: exact by construction, one or two more reads of the scores) or "library" (trust
 # FlashInfer's tie_break=1, smaller index first, and only sort its k positions; the benchmark
 # records whether that gave the exact set on tie-heavy scores before anyone switches to it).
@@ -32,7 +38,7 @@ ROW_STATES_BYTES = 1 << 20  # what flashinfer.top_k allocates for it (1 MB)
 # the same set, benchmarks/bench_topk_fixup.py times them)
 OPTIONS = {
     "deterministic": False,
-    "dsa_graph_safe": True,
+    "dsa_graph_safe": False,
     "ties": "fixup",
     "fixup": DEFAULT_FIXUP,
 }
