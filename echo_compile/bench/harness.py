@@ -25,6 +25,10 @@ input is its previous input token (``RepeatPrevious``, a logits processor on
 at layers 0-1 contradicts. The measured per-layer hit rate is reported next to every throughput
 figure; do not read a throughput without it.
 
+Weights: ``--weights awq`` / ``fp8`` serve the same random weights as the loader serves an AutoAWQ
+/ official FP8 checkpoint of them (model/quantize.py; docs/quantization.md, "End to end"); each
+run records its format and the weights' bytes on the device, next to its hit rates.
+
 Runs: every system at every ``--gpu-pools`` size with all requests at once (Fig. 13), and at
 ``--rate-pool`` a Poisson rate sweep (Fig. 12); ``offload-eager`` at ``--eager-pools``, where the
 eager steps of offload-eager and gpu-only are also profiled for the time breakdown
