@@ -2,6 +2,7 @@
 
     python -m benchmarks.e2e_summary [--e2e benchmarks/results/e2e_h200.json]
                                       [--step benchmarks/results/step_h200.json]
+                                      [--weights e2e_weights_bf16_h200.json ...]
 
 Prints markdown. Every number is a field of the JSON or a ratio of fields:
 - "measured" throughput is the bench's own: generated tokens / (wall - KV injection);
@@ -37,6 +38,39 @@ def _serving(r: dict) -> str:
     return f"{r['serve_s']:.2f}: {r['steps_s']:.2f} + {r['add_s']:.2f}"
 
 
+def _system(r: dict) -> str:
+    """The run's system, with its weights when they are not bf16 (``--weights``)."""
+    w = r.get("weights", "bf16")
+    return r["system"] if w == "bf16" else f"{r['system']} ({w})"
+
+
+def weights_table(ds: list[dict]) -> list[str]:
+    """The all-at-once runs of one or more bench JSONs (``--weights``: e.g. one file per
+    format), each next to the bf16 run of the same system, pool and prefetch: x bf16."""
+    rows = [r for d in ds for r in d["results"] if row_rate(r) == math.inf]
+
+    def key(r: dict) -> tuple:
+        return (r["system"], r["gpu_pool_tokens"], r.get("prefetch", "off"))
+
+    bf16 = {key(r): r for r in rows if r.get("weights", "bf16") == "bf16"}
+    out = [
+        "| weights | system | pool | weight GB | measured tok/s | x bf16 | steady tok/s | x bf16 "
+        "| step p50 | eff. batch | hit rate per layer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b = bf16.get(key(r))
+        x = f"{r['throughput_tok_s'] / b['throughput_tok_s']:.2f}x" if b else "-"
+        xs = f"{steady(r) / steady(b):.2f}x" if b and steady(b) else "-"
+        out.append(
+            f"| {r.get('weights', 'bf16')} | {r['system']} | {r['gpu_pool_tokens']:,} | "
+            f"{r.get('weight_bytes', 0) / 1e9:.2f} | {r['throughput_tok_s']:.0f} | {x} | "
+            f"{steady(r):.0f} | {xs} | {r['step_ms_median']:.2f} ms | "
+            f"{r['effective_batch']:.1f} | {_hits(r)} |"
+        )
+    return out
+
+
 def e2e_tables(d: dict) -> list[str]:
     rows = d["results"]
     env, wl = d["environment"], d["workload"]
@@ -44,7 +78,8 @@ def e2e_tables(d: dict) -> list[str]:
         f"`{d.get('command', 'echo-compile bench')}` — {env['device']}, torch {env['torch']}, "
         f"triton {env['triton']}, {env['date']}; {d['model']['num_hidden_layers']} layers, "
         f"{wl['requests']} requests of {wl['min_ctx']:,}-{wl['max_ctx']:,} tokens, "
-        f"{wl['output_len']} outputs, {d['kv_format']} KV, repeat {d.get('repeat', '?')}"
+        f"{wl['output_len']} outputs, {d['kv_format']} KV, repeat {d.get('repeat', '?')}, "
+        f"{' / '.join(d.get('weights', ['bf16']))} weights"
         + (f", {d['elapsed_s']:.0f} s in all" if "elapsed_s" in d else ""),
         "",
         "| pool | system | measured tok/s | steady tok/s | eff. batch (max) | step p50 | "
@@ -55,7 +90,7 @@ def e2e_tables(d: dict) -> list[str]:
     once = [r for r in rows if row_rate(r) == math.inf]
     for r in once:
         out.append(
-            f"| {r['gpu_pool_tokens']:,} | {r['system']} | {r['throughput_tok_s']:.0f} | "
+            f"| {r['gpu_pool_tokens']:,} | {_system(r)} | {r['throughput_tok_s']:.0f} | "
             f"{steady(r):.0f} | {r['effective_batch']:.1f} ({r.get('max_batch', '?')}) | "
             f"{r['step_ms_median']:.2f} ms | {r['itl_ms'].get('p50', 0):.1f} / "
             f"{r['itl_ms'].get('p99', 0):.1f} ms | {r['ttft_s'].get('p50', 0):.2f} s | "
@@ -63,13 +98,15 @@ def e2e_tables(d: dict) -> list[str]:
         )
     out += ["", "| pool | offload / GPU-only, measured | steady | offload compiled / eager |"]
     out.append("|---|---|---|---|")
-    for pool in dict.fromkeys(r["gpu_pool_tokens"] for r in once):
-        by = {r["system"]: r for r in once if r["gpu_pool_tokens"] == pool}
+    for pool, w in dict.fromkeys((r["gpu_pool_tokens"], r.get("weights", "bf16")) for r in once):
+        by = {r["system"]: r for r in once
+              if r["gpu_pool_tokens"] == pool and r.get("weights", "bf16") == w}  # fmt: skip
         off, gpu, eager = by.get("offload"), by.get("gpu-only"), by.get("offload-eager")
         ratio = f"{off['throughput_tok_s'] / gpu['throughput_tok_s']:.2f}x" if off and gpu else "-"
         st = f"{steady(off) / steady(gpu):.2f}x" if off and gpu else "-"
         gr = f"{off['throughput_tok_s'] / eager['throughput_tok_s']:.2f}x" if off and eager else "-"
-        out.append(f"| {pool:,} | {ratio} | {st} | {gr} |")
+        label = f"{pool:,}" if w == "bf16" else f"{pool:,} ({w})"
+        out.append(f"| {label} | {ratio} | {st} | {gr} |")
     sweep = [r for r in rows if row_rate(r) != math.inf]
     if sweep:
         out += [
@@ -80,7 +117,7 @@ def e2e_tables(d: dict) -> list[str]:
         ]
         for r in sorted(sweep, key=lambda r: (r["system"], row_rate(r))):
             out.append(
-                f"| {row_rate(r):g} | {r['system']} | {r['throughput_tok_s']:.0f} | "
+                f"| {row_rate(r):g} | {_system(r)} | {r['throughput_tok_s']:.0f} | "
                 f"{r['effective_batch']:.1f} | {r['itl_ms'].get('p50', 0):.1f} ms | "
                 f"{r['ttft_s'].get('p50', 0):.2f} s | {_hits(r)} |"
             )
@@ -132,7 +169,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--e2e", type=Path, default=RESULTS / "e2e_h200.json")
     ap.add_argument("--step", type=Path, default=RESULTS / "step_h200.json")
+    ap.add_argument(
+        "--weights",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="bench JSONs whose runs to compare by weights format (bash benchmarks/gpu_session.sh "
+        "e2e quant writes e2e_weights_{bf16,awq,fp8}_h200.json)",
+    )
     a = ap.parse_args(argv)
+    if a.weights:
+        missing = [str(p) for p in a.weights if not p.exists()]
+        if missing:
+            ap.error(f"--weights: no such file {missing[0]}")
+        print("## weights: " + ", ".join(p.name for p in a.weights) + "\n")
+        print("\n".join(weights_table([json.loads(p.read_text()) for p in a.weights])) + "\n")
     for path, fn in ((a.e2e, e2e_tables), (a.step, step_tables)):
         if path.exists():
             print(f"## {path.name}\n")

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup prefill cache_ops awq awq_gemv fp8 calibrate prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
-#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch;
+#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
 #                                           # env FULL_SYSTEMS, PREFETCH_POINTS: some of their runs)
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
@@ -61,7 +61,8 @@ verify)
      tests/test_lossless_short.py) &
   (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefetch.py \
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
-     tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py) &
+     tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py \
+     tests/test_bench_weights.py) &
   (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_repack.py \
      tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py tests/test_awq_gemv.py \
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
@@ -115,6 +116,12 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
   for kb in triton auto; do
     on backends && [ "$BACKENDS" = 1 ] && stage "e2e_$kb" 90 bash -c \
       "$B --gpu-pools 200000 --systems offload --kernel-backend $kb --out '$W/e2e_backend_${kb}_h200.json'"
+  done
+  # quant: the bench model's weights as bf16, AWQ and FP8 checkpoints serve them (--weights), one
+  # model per stage; the pool of the backends runs
+  for wf in bf16 awq fp8; do
+    on quant && stage "e2e_weights_$wf" 100 bash -c \
+      "$B --gpu-pools 200000 --systems offload --weights $wf --out '$W/e2e_weights_${wf}_h200.json'"
   done
   # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16;
   # triton pinned: prefetch runs the indexer in Triton, so off vs on compares prefetch alone

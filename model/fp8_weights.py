@@ -169,6 +169,26 @@ class FP8Experts(torch.nn.Module):
             self.w2_weight, self.w2_weight_scale_inv, self.ue8m0,
         )  # fmt: skip
 
+    @classmethod
+    def from_dense(
+        cls, w13_weight: torch.Tensor, w2_weight: torch.Tensor, ue8m0: bool = True
+    ) -> FP8Experts:
+        """Quantise stacked dense experts ``w13_weight [E, 2I, D]``, ``w2_weight [E, D, I]``
+        (128 x 128 blocks, e.g. the benchmark's random weights). With I a multiple of 128 the
+        blocks of the stacked ``[2I, D]`` are those of gate_proj and up_proj apart, so this equals
+        quantising each checkpoint tensor on its own."""
+        e, two_i, d = w13_weight.shape
+        m = cls(e, d, two_i // 2, ue8m0, w13_weight.device)
+        fmt = "ue8m0" if ue8m0 else None
+        with torch.no_grad():
+            for j in range(e):
+                for w, w8, s in ((w13_weight[j], m.w13_weight, m.w13_weight_scale_inv),
+                                 (w2_weight[j], m.w2_weight, m.w2_weight_scale_inv)):  # fmt: skip
+                    q, sc = weight_quant_fp8(w.detach(), scale_fmt=fmt)
+                    w8[j].copy_(q)
+                    s[j].copy_(sc)
+        return m
+
     def dequantized_weights(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
         """``(w13_weight [E, 2I, D], w2_weight [E, D, I])`` as ``model.moe.Experts`` holds them."""
         return tuple(

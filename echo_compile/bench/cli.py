@@ -8,6 +8,8 @@ and writes one JSON (after every run, so a cut-short session keeps what it measu
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import sys
 import time
@@ -27,8 +29,10 @@ from echo_compile.bench.harness import (
     build_model,
     environment,
     sharegpt_like,
+    weight_bytes,
 )
 from model.locality import BENCH_LOCALITY
+from model.quantize import WEIGHTS
 
 
 def _ints(s: str) -> list[int]:
@@ -113,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         "off, request, global (docs/prefetch.md)",
     )
     ap.add_argument(
+        "--weights",
+        default="bf16",
+        help="the model's weights, comma-separated to run each: bf16 (as drawn), awq, fp8 (those "
+        "weights quantised in memory and served as the loader serves an AutoAWQ / official FP8 "
+        "checkpoint of them; fp8 as --fp8-weights fp8; docs/quantization.md, 'End to end')",
+    )
+    ap.add_argument(
         "--eager-pools", default=None, help="pools at which offload-eager runs (default 200000)"
     )
     ap.add_argument(
@@ -161,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     for p in prefetches:
         if p not in ("off", "request", "global"):
             ap.error(f"--prefetch: unknown mode {p!r} (choose from off, request, global)")
+    formats = a.weights.split(",")
+    for w in formats:
+        if w not in WEIGHTS:
+            ap.error(f"--weights: unknown format {w!r} (choose from {', '.join(WEIGHTS)})")
+    if len(set(formats)) < len(formats):
+        ap.error(f"--weights: a format named twice in {a.weights!r}")
     if not 0.0 <= a.repeat <= 1.0:
         ap.error(f"--repeat must be in [0, 1], got {a.repeat}")
     if not 0.0 <= a.locality < 1.0:
@@ -172,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         # at different steps), and the profiler reads one process: both stay single-process
         print("echo-compile bench: dp/tp/ep > 1: no rate sweep and no breakdown", flush=True)
         rates, a.breakdown_steps = [], 0
+    if par is not None and par.ffn_ranks > 1 and formats != ["bf16"]:
+        # NOTE: tp/ep cut every rank's shard from the whole 16-bit model (shard_model)
+        ap.error(f"--weights {a.weights}: tp/ep > 1 needs --weights bf16")
     if any(r <= 0 for r in rates):
         ap.error(f"--rates must be positive, got {a.rates!r}")
     if not pools:
@@ -217,24 +237,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"has {ctx.world_size}: launch with torchrun --nproc-per-node {par.world_size}"
             )
         a.device, parallel, first = ctx.device, (ctx, a.dp, a.tp, a.ep), ctx.rank == 0
-    model = build_model(a.preset, a.layers, a.experts, a.device, a.locality)
-    if par is not None and par.ffn_ranks > 1:  # every rank built the same weights: cut its shard
-        from model.shard_loader import shard_model
-        from runtime.distributed.dist_engine import tp_group
-
-        model = shard_model(model, tp_group(ctx, replace(par, device=a.device)), ep=a.ep > 1)
-    cfg = model.config
     max_len = wl.max_ctx + wl.output_len + 64
     out = {
         "environment": environment(),
         "command": "echo-compile bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": cfg.to_dict(),
+        "model": {},
         "workload": asdict(wl),
         "locality": a.locality,
         "repeat": a.repeat,
         "host_tokens": host,
         "kv_format": a.kv_format,
         "prefetch": prefetches,
+        "weights": formats,
+        "weight_bytes": {},
         "compiled": a.compile,
         "compile_prefill": wl.prefill and a.compile and not a.eager_prefill,
         "kernel_backend": a.kernel_backend,
@@ -251,8 +266,23 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(json.dumps(out, indent=1))
 
     jobs = [(s, p) for s in systems for p in (prefetches if s != "gpu-only" else ["off"])]
-    for pool in pools:
-        for system, prefetch in jobs:
+    for weights in formats:  # one model at a time: each format's weights fill the device alone
+        model = sut = None  # the previous format's model freed before the next is built
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        model = build_model(a.preset, a.layers, a.experts, a.device, a.locality, weights)
+        if par is not None and par.ffn_ranks > 1:  # every rank built the same weights: its shard
+            from model.shard_loader import shard_model
+            from runtime.distributed.dist_engine import tp_group
+
+            model = shard_model(model, tp_group(ctx, replace(par, device=a.device)), ep=a.ep > 1)
+        cfg = model.config
+        # the 16-bit model's config (each format's quantization_config: its runs' "weights")
+        out["model"] = out["model"] or replace(cfg, quantization=None).to_dict()
+        out["weight_bytes"][weights] = weight_bytes(model)
+        save()
+        for pool, (system, prefetch) in itertools.product(pools, jobs):
             eager = system == "offload-eager"
             if eager and pool not in eager_pools:
                 continue
@@ -273,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 print_rank0 = print if first else (lambda *_, **__: None)
                 print_rank0(
-                    f"{system:14s} prefetch {prefetch:7s} pool {pool:7d} rate {run.rate:5g}: "
-                    f"{r.throughput_tok_s:9.1f} tok/s, batch {r.effective_batch:5.1f}, "
-                    f"hit rate {' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
+                    f"{system:14s} {weights} weights, prefetch {prefetch:7s} pool {pool:7d} rate "
+                    f"{run.rate:5g}: {r.throughput_tok_s:9.1f} tok/s, batch "
+                    f"{r.effective_batch:5.1f}, hit rate "
+                    f"{' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
                     f"at {r.pool_rows_per_request:.0f} pool rows/request "
                     f"(warm-up {r.warmup_s:.0f} s, {time.perf_counter() - t_start:.0f} s in)",
                     flush=True,
@@ -288,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 bd = sut.breakdown(wl, steps=a.breakdown_steps)
                 key = str(pool) if eager else f"{system} {pool}"  # offload-eager: the pool alone
+                if weights != "bf16":  # "offload awq 200000": report_data.breakdown_label reads it
+                    key = f"{'offload' if eager else system} {weights} {pool}"
                 out["breakdown"][key] = bd
                 save()
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["ms_per_step"].items())

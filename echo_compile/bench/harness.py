@@ -25,6 +25,10 @@ input is its previous input token (``RepeatPrevious``, a logits processor on
 at layers 0-1 contradicts. The measured per-layer hit rate is reported next to every throughput
 figure; do not read a throughput without it.
 
+Weights: ``--weights awq`` / ``fp8`` serve the same random weights as the loader serves an AutoAWQ
+/ official FP8 checkpoint of them (model/quantize.py; docs/quantization.md, "End to end"); each
+run records its format and the weights' bytes on the device, next to its hit rates.
+
 Runs: every system at every ``--gpu-pools`` size with all requests at once (Fig. 13), and at
 ``--rate-pool`` a Poisson rate sweep (Fig. 12); ``offload-eager`` at ``--eager-pools``, where the
 eager steps of offload-eager and gpu-only are also profiled for the time breakdown
@@ -53,6 +57,7 @@ from custom_ops.kv_format import (
     pages_for,
     whole_pages,
 )
+from model.quantize import check_weights, quantize_in_memory, weights_format
 from runtime.engine import Engine, EngineConfig
 from runtime.sampler import force_tokens
 from runtime.sampling_params import SamplingParams
@@ -177,6 +182,10 @@ class SystemResult:
     # who computed the decode indexer, by batch sizes (kernel_backend as resolved: a missing
     # library, a CPU or a head count DeepGEMM refuses gives triton): {"1-16": "deep_gemm/triton"}
     indexer_plans: dict[str, str] = field(default_factory=dict)
+    # the model's weights (--weights): bf16, or served as an AWQ / FP8 checkpoint of them, and
+    # the bytes of its parameters on the device
+    weights: str = "bf16"
+    weight_bytes: int = 0
 
 
 def plan_runs(plans) -> dict[str, str]:
@@ -238,6 +247,7 @@ class System:
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
         self.system, self.gpu_tokens, self.model = system, gpu_tokens, model
+        self.weights, self.weight_bytes = weights_format(model), weight_bytes(model)["total"]
         offload = system != "gpu-only"
         cfg = EngineConfig(
             max_batch=batch,
@@ -376,6 +386,8 @@ class System:
             prefetch_precision=list(m["prefetch_precision"]),
             prefetch_coverage=list(m["prefetch_coverage"]),
             indexer_plans=plan_runs(engine.cache.layers[0].plans),
+            weights=self.weights,
+            weight_bytes=self.weight_bytes,
         )
 
     def breakdown(self, wl: Workload, warm_steps: int = 4, steps: int = 8) -> dict:
@@ -439,21 +451,42 @@ SYSTEMS = ("offload", "gpu-only", "offload-eager")
 
 
 def build_model(
-    preset: str, layers: int, experts: int, device: str, locality: float = 0.0
+    preset: str,
+    layers: int,
+    experts: int,
+    device: str,
+    locality: float = 0.0,
+    weights: str = "bf16",
 ) -> torch.nn.Module:
     """The benchmark model with deterministic random weights, built directly on ``device``:
     ``bench`` (real V3.2 attention/indexer dims, ``layers`` and ``experts`` chosen) or ``tiny``;
-    ``locality`` > 0 plants the locality model (model/locality.py) into the weights."""
+    ``locality`` > 0 plants the locality model (model/locality.py) into the weights.
+    ``weights`` ``awq`` / ``fp8``: those bf16 weights (locality planted) then quantised in memory
+    into what the loader serves for an AutoAWQ / official FP8 checkpoint of them
+    (``model.quantize``; FP8 as ``fp8_weights="fp8"``: e4m3 weights, 128 x 128 block scales)."""
     from model.model import DeepseekV32ForCausalLM
     from model.presets import preset_config
 
+    check_weights(weights)  # before any work
     if preset == "bench":
         cfg = preset_config("bench", num_layers=layers, n_experts=experts)
     else:
         cfg = preset_config("tiny")
     with torch.device(device):
         model = DeepseekV32ForCausalLM(cfg)
-    return model.random_init_(seed=0, locality=locality).eval()
+    model.random_init_(seed=0, locality=locality).eval()
+    quantize_in_memory(model, weights)
+    return model
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of ``model``'s parameters (on its device) by dtype, and their ``total``: AWQ's int32
+    words and fp16 scales, FP8's e4m3 weights and fp32 block scales, the 16-bit rest."""
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        key = str(p.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+    return dict(sorted(out.items())) | {"total": sum(out.values())}
 
 
 def environment() -> dict:
