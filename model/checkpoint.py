@@ -306,7 +306,9 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _with_quantization(config: ModelConfig, fp8: bool, awq: bool) -> ModelConfig:
+def with_quantization(config: ModelConfig, fp8: bool, awq: bool) -> ModelConfig:
+    """``config`` with the quantization block a checkpoint of that format declares (the one
+    place that says which modules an FP8 / AWQ checkpoint quantises; at most one of the two)."""
     if fp8 and awq:
         raise ValueError("make_checkpoint: choose at most one of fp8 and awq")
     if fp8:
@@ -335,7 +337,7 @@ def make_checkpoint(out_dir: str | Path, preset: str | ModelConfig = "tiny", fp8
         if preset == "tiny" and preset_kw:
             raise ValueError(f"make_checkpoint: the tiny preset takes no options, got {preset_kw}")
         config = preset_config(preset, **preset_kw)
-    config = _with_quantization(config, fp8, awq)
+    config = with_quantization(config, fp8, awq)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"make_checkpoint: {out} exists and is not an empty directory")

@@ -3,7 +3,7 @@ checkpoint of it: the benchmark's random weights (``echo-compile bench --weights
 served as a user would serve ``make-checkpoint --awq|--fp8`` of them.
 
 No rule lives here; each has one home, used as the loader and the checkpoint writer use it:
-- the config a quantised checkpoint declares: ``model.checkpoint._with_quantization`` (AWQ: the
+- the config a quantised checkpoint declares: ``model.checkpoint.with_quantization`` (AWQ: the
   QuantTrio exclusions ``awq_modules_to_not_convert``; FP8: ``scale_fmt: ue8m0``);
 - which modules become which type: ``convert_to_awq`` / ``convert_to_fp8``, run on a meta-device
   copy of the model (for FP8 with the modules the writer gives a ``weight_scale_inv``,
@@ -47,7 +47,7 @@ def quantize_in_memory(model: nn.Module, weights: str) -> list[str]:
     """Quantise ``model`` (a 16-bit ``DeepseekV32ForCausalLM`` with its weights in, on any device)
     in place to ``weights`` (``"bf16"``: unchanged); its ``config`` then declares the
     quantisation, as a loaded checkpoint's does. Returns the names of the quantised modules."""
-    from model.checkpoint import _with_quantization
+    from model.checkpoint import with_quantization
 
     check_weights(weights)
     if weights == "bf16":
@@ -57,7 +57,7 @@ def quantize_in_memory(model: nn.Module, weights: str) -> list[str]:
             "quantize_in_memory: the model is already quantised "
             f"({model.config.quantization.method}); it needs 16-bit weights"
         )
-    config = _with_quantization(model.config, weights == "fp8", weights == "awq")
+    config = with_quantization(model.config, weights == "fp8", weights == "awq")
     shell = _meta_copy(config)
     if weights == "awq":
         names = _to_awq(model, shell, config)

@@ -86,7 +86,7 @@ def test_specs_have_every_tensor_of_tiny_incl_mtp():
 
 
 def test_fp8_stored_specs_follow_the_reference_table():
-    c = ck._with_quantization(preset_config("tiny"), fp8=True, awq=False)
+    c = ck.with_quantization(preset_config("tiny"), fp8=True, awq=False)
     s = ck.stored_tensor_specs(c)
     fp8 = {k.removesuffix(".weight_scale_inv") for k in s if k.endswith("weight_scale_inv")}
     for k in fp8:
@@ -105,7 +105,7 @@ def test_fp8_stored_specs_follow_the_reference_table():
 
 
 def test_awq_stored_specs_follow_quanttrio_exclusions_on_tiny():
-    c = ck._with_quantization(preset_config("tiny"), fp8=False, awq=True)
+    c = ck.with_quantization(preset_config("tiny"), fp8=False, awq=True)
     assert c.quantization.modules_to_not_convert == (
         "mlp.gate.", "indexer", "model.layers.0.", "model.layers.3.", "model.layers.4.")
     s = ck.stored_tensor_specs(c)

@@ -30,13 +30,13 @@ GPU_MEM_GIB = {"h200": 139.8, "h20": 95.0, "h100": 79.6}
 def v32_config(quant: str) -> ModelConfig:
     """DeepSeek-V3.2's config.json dimensions (61 layers, the first 3 dense, 256 experts), with
     ``quant`` "bf16" | "fp8" (official 128x128 blocks) | "awq" (4-bit gemm)."""
-    from model.checkpoint import _with_quantization
+    from model.checkpoint import with_quantization
     from model.presets import bench_config_dict
 
     if quant not in ("bf16", "fp8", "awq"):
         raise ValueError(f"quant must be bf16, fp8 or awq, got {quant!r}")
     d = dict(bench_config_dict(num_layers=61, n_experts=256), first_k_dense_replace=3)
-    return _with_quantization(ModelConfig.from_dict(d), quant == "fp8", quant == "awq")
+    return with_quantization(ModelConfig.from_dict(d), quant == "fp8", quant == "awq")
 
 
 def fp8_checkpoint_modules(config: ModelConfig) -> set[str]:
