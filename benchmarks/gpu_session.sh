@@ -2,7 +2,8 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
-#                                           # fixup prefill cache_ops awq awq_gemv fp8 calibrate prefetch)
+#                                           # fixup prefill cache_ops awq awq_gemv sampling fp8 calibrate
+#                                           # prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
 #                                           # env FULL_SYSTEMS, PREFETCH_POINTS: some of their runs)
@@ -92,6 +93,8 @@ time)
   on cache_ops && stage bench_cache_ops 100 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
   on awq_gemv && stage bench_awq_gemv 100 python -m benchmarks.bench_awq_gemv --budget-s 80 --out "$W/awq_gemv_h200.json"
+  on sampling && stage bench_sampling_backends 200 python -m benchmarks.bench_sampling_backends \
+    --out "$W/sampling_backends_h200.json"
   on fp8 && stage bench_fp8 70 python -m benchmarks.bench_fp8 --batches 1,16,128 --budget-s 50 --out "$W/fp8_h200.json"
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"
