@@ -7,6 +7,8 @@ The library itself on the GPU: tests/test_prefill_deep_gemm_cuda.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -110,11 +112,13 @@ def test_deep_gemm_path_with_a_stand_in_library(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     FakeDeepGemm.calls = 0
     topk = 32
-    out = pk.prefill_indexer_topk_cuda(**inp, topk=topk, cfg=SMALL, logits_backend="deep_gemm")
-    assert FakeDeepGemm.calls == 3  # SMALL's score budget: query blocks of 16 rows
-    assert torch.equal(out, pf.prefill_indexer_topk_ref(**inp, topk=topk))
+    two = dataclasses.replace(SMALL, score_elems=16 * 512)  # two query blocks of 16 rows
+    sub = {k: v[:32] if k in ("q_fp8", "weights", "positions") else v for k, v in inp.items()}
+    out = pk.prefill_indexer_topk_cuda(**sub, topk=topk, cfg=two, logits_backend="deep_gemm")
+    assert FakeDeepGemm.calls == 2
+    assert torch.equal(out, pf.prefill_indexer_topk_ref(**sub, topk=topk))
     # 4 index heads: DeepGEMM does not take them, the Triton logits run (the library never asked)
-    small = make_prefill_inputs(5, 4, 40, 150, 7, _gen(5))
+    small = make_prefill_inputs(2, 4, 16, 60, 2, _gen(5))
     FakeDeepGemm.calls = 0
     out = pk.prefill_indexer_topk_cuda(**small, topk=topk, cfg=SMALL, logits_backend="deep_gemm")
     assert FakeDeepGemm.calls == 0
@@ -206,3 +210,28 @@ def test_model_passes_the_backend_and_traces_fullgraph(tiny, monkeypatch):
     calls = [n for g in graphs for n in g.graph.nodes if n.target in (op, op.default)]
     assert len(calls) == n_layers
     assert all(n.kwargs.get("logits_backend") == "deep_gemm" for n in calls), calls
+
+
+def test_bench_prefill_deep_gemm_timings_code_path(monkeypatch):
+    """bench_prefill's DeepGEMM side-by-side at a toy size on CPU (the stand-in library, one
+    untimed call instead of CUDA-graph replays): every column filled, the selections compared."""
+    import argparse
+
+    from benchmarks import bench_prefill as bp
+    from benchmarks.cuda_timer import GraphTiming
+
+    def once(calls, **kw):
+        calls[0]()
+        return GraphTiming([1.0], 1)
+
+    monkeypatch.setattr(dpk, "_lib", lambda: FakeDeepGemm())
+    monkeypatch.setattr(bp, "graph_time", once)
+    a = argparse.Namespace(chunk=16, index_topk=8, dg_reps=1)
+    row: dict = {}
+    cfg = pk.PrefillIndexerConfig(block_q=16, block_t=64, select=SMALL.select)  # one query block
+    faster = bp._dg_times(row, a, 128, cfg, "cpu")
+    assert faster is False  # equal stand-in times: not faster
+    for name in ("logits_triton", "logits_deep_gemm", "logits_deep_gemm_clean",
+                 "indexer_topk_triton", "indexer_topk_deep_gemm"):  # fmt: skip
+        assert row[name + "_ms"] == 1e-3 and row[name + "_tflop_s"] > 0
+    assert row["width"] == 256 and row["rows_identical_triton_vs_deep_gemm"] == 1.0
