@@ -165,8 +165,14 @@ def _dg_times(row: dict, a, ctx: int, cfg: pk.PrefillIndexerConfig, dev: str) ->
     inp = make_prefill_inputs(P, 64, T, ctx - T, 0, gen)  # the last chunk of the context
     q, w, ic, bt, pos = inp.values()
     flops = 2.0 * float((pos + 1).sum()) * 64 * 128  # the causal work
-    qb, qbw = pk.score_rows(L, T, cfg.score_elems), pk.score_rows(W, T, cfg.score_elems)
-    row |= {"flops": flops, "query_blocks": -(-T // qb), "width": W}
+    qb = pk.score_rows(L, T, cfg.score_elems)
+    qbw = dpk.query_rows(W, T, cfg.score_elems, 64, dpk.num_sms())  # as the op's DeepGEMM path
+    row |= {
+        "flops": flops,
+        "width": W,
+        "query_blocks": -(-T // qb),
+        "dg_query_blocks": -(-T // qbw),
+    }
 
     def tri_logits():  # step (a) of the op's Triton path, block by block
         for s in range(0, T, qb):

@@ -36,7 +36,12 @@ from custom_ops import attention_kernels as ak
 from custom_ops import indexer_kernels as ik
 from custom_ops import prefill_attn_kernels as pa
 from custom_ops.backends.deep_gemm_ops import HEADS, prefill_logits_width
-from custom_ops.backends.deep_gemm_prefill_kernels import gather_index_keys, prefill_scores
+from custom_ops.backends.deep_gemm_prefill_kernels import (
+    gather_index_keys,
+    num_sms,
+    prefill_scores,
+    query_rows,
+)
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
 
 _PAGE = tl.constexpr(PAGE)
@@ -235,13 +240,14 @@ def prefill_indexer_topk_cuda(
 
 
 def _indexer_topk_deep_gemm(q_fp8, weights, index_cache, block_table, positions, topk, cfg):
-    """Step (a) by DeepGEMM over the request's keys gathered once per call, step (b) as on the
-    Triton path. The scores past each p are left unwritten (no clean-up pass): the radix select
+    """Step (a) by DeepGEMM over the request's keys gathered once per call, in query blocks
+    that fill whole waves of its persistent grid (``query_rows``), step (b) as on the Triton
+    path. The scores past each p are left unwritten (no clean-up pass): the radix select
     reads t < p + 1 only."""
     T = q_fp8.shape[0]
     W = prefill_logits_width(block_table.shape[1] * PAGE)
     kv, sf = gather_index_keys(index_cache, block_table)
-    qb = score_rows(W, T, cfg.score_elems)
+    qb = query_rows(W, T, cfg.score_elems, q_fp8.shape[1], num_sms())
     out = torch.empty((T, topk), dtype=torch.int32, device=q_fp8.device)
     for s in range(0, T, qb):  # static bounds: shapes only
         e = min(T, s + qb)

@@ -61,6 +61,17 @@ def test_gather_index_keys_equals_index_cache_gather():
         assert scales.is_contiguous() and torch.equal(scales, s)
 
 
+def test_query_rows_fill_whole_waves():
+    budget = 1 << 25
+    # at 100K, 64 heads, 132 SMs: 264 rows (one wave of 2-query blocks), not score_rows' 320
+    assert dpk.query_rows(100_096, 2048, budget, 64, 132) == 264
+    assert pk.score_rows(100_096, 2048, budget) == 320
+    assert dpk.query_rows(32_768, 2048, budget, 64, 132) == 1024 - 1024 % 264  # 792: 3 waves
+    assert dpk.query_rows(32_768, 100, budget, 32, 132) == 100  # a short chunk: all of it
+    # one wave over the budget (a 200K context): the Triton path's rule
+    assert dpk.query_rows(200_192, 2048, budget, 64, 132) == pk.score_rows(200_192, 2048, budget)
+
+
 def test_causal_clean_kernel():
     Q, W = 5, 2304  # three clean-up blocks per row
     s = torch.randn(Q, W, generator=_gen(3))
@@ -75,6 +86,9 @@ class FakeDeepGemm:
     [ks, ke) of each row written (NaN elsewhere, where the library leaves memory unwritten)."""
 
     calls = 0
+
+    def get_num_sms(self) -> int:
+        return 2
 
     def fp8_mqa_logits(self, q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
         kv_data, kv_sf = kv
@@ -112,6 +126,8 @@ def test_deep_gemm_path_with_a_stand_in_library(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     FakeDeepGemm.calls = 0
     topk = 32
+    # query blocks that fill whole waves: 2 SMs x 128 / 32 = 8 rows, 16 within the budget
+    assert dpk.query_rows(512, 32, 16 * 512, 32, 2) == 16
     two = dataclasses.replace(SMALL, score_elems=16 * 512)  # two query blocks of 16 rows
     sub = {k: v[:32] if k in ("q_fp8", "weights", "positions") else v for k, v in inp.items()}
     out = pk.prefill_indexer_topk_cuda(**sub, topk=topk, cfg=two, logits_backend="deep_gemm")

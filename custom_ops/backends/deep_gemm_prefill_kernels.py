@@ -75,6 +75,25 @@ def causal_clean(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return scores
 
 
+def num_sms() -> int:
+    """The SMs DeepGEMM's persistent kernels launch on (its own setting)."""
+    return int(_lib().get_num_sms())
+
+
+def query_rows(W: int, T: int, budget: int, heads: int, num_sms: int) -> int:
+    """Queries per ``fp8_mqa_logits`` call: its persistent grid gives each of ``num_sms`` SMs
+    blocks of 128 / heads queries in turn, so a call of ``num_sms`` x 128 / heads rows fills
+    whole waves (at 100K a 2^25-element budget allows 335 rows: 168 blocks, 1.3 waves of 132
+    SMs, when 264 rows are one). The largest multiple of that within ``budget`` fp32 scores of
+    width W; past the point where one wave exceeds the budget (W > ~127K at 64 heads), the
+    Triton path's rows (``score_rows``: 16 at least). From static shapes only."""
+    unit = max(1, 128 // heads) * num_sms
+    rows = budget // max(W, 1) // unit * unit
+    if rows == 0:
+        rows = max(16, budget // max(W, 1) // 16 * 16)
+    return max(1, min(T, rows))
+
+
 def prefill_scores(
     q_fp8: torch.Tensor,  # [Q, H, 128] uint8 (e4m3 bytes), H in HEADS
     weights: torch.Tensor,  # [Q, H] fp32
