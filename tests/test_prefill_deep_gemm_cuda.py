@@ -51,8 +51,8 @@ def test_deep_gemm_prefill_logits_vs_reference(P, heads, T, start, pad):
 
 def _separated_inputs(P: int, T: int, start: int, gen: torch.Generator) -> dict:
     """Every key 1.0 in every dimension, each token its own integer scale: score[q, t] is
-    c_q * scale[t] with c_q the same for every token, so the order of a row is that of the
-    scales (distinct integers: no near-tie for any rounding of c_q)."""
+    c_q * scale[t] with c_q > 0 the same for every token, so the order of a row is that of the
+    scales (distinct integers up to 4288: gaps of 2^-12 relative, far above any rounding)."""
     n_pages = P + 3  # as make_prefill_inputs: its block table indexes pages 0 .. P + 2
     cache = torch.zeros(n_pages, INDEX_PAGE_BYTES, dtype=torch.uint8, device=DEV)
     one = torch.ones((), dtype=torch.float8_e4m3fn).view(torch.uint8).item()
@@ -60,7 +60,8 @@ def _separated_inputs(P: int, T: int, start: int, gen: torch.Generator) -> dict:
     scales = torch.randperm(n_pages * PAGE, generator=gen, device=DEV).float() + 1
     cache[:, PAGE * INDEX_DIM :] = scales.view(n_pages, PAGE).contiguous().view(torch.uint8)
     inp = make_prefill_inputs(P, 64, T, start, 3, gen)
-    return inp | {"index_cache": cache}
+    # positive head weights: c_q > 0 whatever the rounding (a sign flip would reverse the order)
+    return inp | {"index_cache": cache, "weights": inp["weights"].abs()}
 
 
 def test_prefill_indexer_topk_with_deep_gemm_selects_the_reference_set():
