@@ -20,6 +20,14 @@ On the bench preset (real V3.2 attention and indexer dimensions, ``--layers`` 4,
    write-through) = the whole layer minus those, each with its achieved TFLOP/s; then launch
    configurations side by side: logits, top-k (the radix select), attention (prefill kernel and
    decode kernel), each checked against the default's result.
+5. (run first, after the checks) DeepGEMM's ``fp8_mqa_logits`` as the indexer's scores backend
+   (``kernel_backend``: docs/backends.md) next to the Triton kernel, one ``--chunk``-query chunk
+   at the end of each ``--dg-ctx`` context (64 index heads): the logits step alone (DeepGEMM
+   with and without its causal clean-up, and the key gather it needs), the whole
+   ``prefill_indexer_topk`` by each, CUDA-graph replays, TFLOP/s on the causal work, and the
+   ``prefill_auto_table`` the timings suggest; its correctness checks join 1. Without deep_gemm
+   (or on CPU) these are skipped and say so. ``--kernel-backend`` picks the TTFT runs' backend;
+   the lengths in ``--dg-ttft`` also run with DeepGEMM's scores (path ``sparse_deep_gemm``).
 JSON is written after every measurement; sizes past ``--budget-s`` seconds are skipped (recorded).
 ``--dry-run`` runs the same code with the tiny preset at toy sizes on CPU (Triton interpreter).
 """
@@ -40,11 +48,15 @@ if "--dry-run" in sys.argv:  # read when the kernels are defined, so before impo
 
 import torch  # noqa: E402
 
+from benchmarks.cuda_timer import graph_time  # noqa: E402
 from custom_ops import attention_kernels as ak  # noqa: E402
 from custom_ops import indexer_kernels as ik  # noqa: E402
 from custom_ops import prefill as pf  # noqa: E402
 from custom_ops import prefill_attn_kernels as pa  # noqa: E402
 from custom_ops import prefill_kernels as pk  # noqa: E402
+from custom_ops.backends import deep_gemm_prefill_kernels as dpk  # noqa: E402
+from custom_ops.backends import select as sel  # noqa: E402
+from custom_ops.backends.deep_gemm_ops import prefill_logits_width  # noqa: E402
 from custom_ops.cache.config import CacheConfig  # noqa: E402
 from custom_ops.cache.kv_cache import KVCache  # noqa: E402
 from custom_ops.kv_format import PAGE, pages_for  # noqa: E402
@@ -115,6 +127,115 @@ def old_attention():
         yield
     finally:
         pk.sparse_mla_prefill_cuda = new
+
+
+HEADS_DG = (32, 64)  # DeepGEMM's SM90 fp8_mqa_logits (custom_ops/backends/deep_gemm_ops.HEADS)
+DG_REL = 2**-10  # DeepGEMM's scores vs the reference: decode's bound (docs/backends.md)
+
+
+def dg_unavailable(dev: str) -> str | None:
+    """Why DeepGEMM's prefill scores cannot run here (None: they can)."""
+    if not dev.startswith("cuda"):
+        return "not on CUDA (dry run)"
+    if not sel.installed("deep_gemm"):
+        return "deep_gemm is not installed (the [kernels] extra or the carried wheel)"
+    return None
+
+
+@contextlib.contextmanager
+def prefill_scores_by(cache: KVCache, backend: str):
+    """Every layer's prefill scores by ``backend`` (``LayerKV.prefill_plan``, read at each eager
+    prefill call), then back."""
+    old = [layer.prefill_plan for layer in cache.layers]
+    for layer in cache.layers:
+        layer.prefill_plan = ((1, backend),)
+    try:
+        yield
+    finally:
+        for layer, p in zip(cache.layers, old):
+            layer.prefill_plan = p
+
+
+def _dg_times(row: dict, a, ctx: int, cfg: pk.PrefillIndexerConfig, dev: str) -> bool:
+    """One context's timings into ``row``; returns whether DeepGEMM's whole op was faster."""
+    T = a.chunk
+    P = pages_for(ctx)
+    L, W = P * PAGE, prefill_logits_width(P * PAGE)
+    gen = torch.Generator(device=dev).manual_seed(ctx)
+    inp = make_prefill_inputs(P, 64, T, ctx - T, 0, gen)  # the last chunk of the context
+    q, w, ic, bt, pos = inp.values()
+    flops = 2.0 * float((pos + 1).sum()) * 64 * 128  # the causal work
+    qb = pk.score_rows(L, T, cfg.score_elems)
+    qbw = dpk.query_rows(W, T, cfg.score_elems, 64, dpk.num_sms())  # as the op's DeepGEMM path
+    row |= {
+        "flops": flops,
+        "width": W,
+        "query_blocks": -(-T // qb),
+        "dg_query_blocks": -(-T // qbw),
+    }
+
+    def tri_logits():  # step (a) of the op's Triton path, block by block
+        for s in range(0, T, qb):
+            pk.prefill_index_logits(q[s : s + qb], w[s : s + qb], ic, bt, pos[s : s + qb])
+
+    def dg_logits(clean: bool):  # step (a) of the op's DeepGEMM path (clean: the logits op's)
+        kv, sf = dpk.gather_index_keys(ic, bt)
+        for s in range(0, T, qbw):
+            e = min(T, s + qbw)
+            dpk.prefill_scores(q[s:e], w[s:e], kv, sf, pos[s:e], W, clean)
+
+    def whole(backend: str):
+        return pk.prefill_indexer_topk_cuda(q, w, ic, bt, pos, a.index_topk, cfg, backend)
+
+    timed_fns = {
+        "logits_triton": tri_logits,
+        "logits_deep_gemm": lambda: dg_logits(False),
+        "logits_deep_gemm_clean": lambda: dg_logits(True),
+        "gather_deep_gemm": lambda: dpk.gather_index_keys(ic, bt),
+        "indexer_topk_triton": lambda: whole("triton"),
+        "indexer_topk_deep_gemm": lambda: whole("deep_gemm"),
+    }
+    for name, fn in timed_fns.items():
+        t = graph_time([fn], replays=a.dg_reps, warm=1)
+        row[name + "_ms"] = t.median_us / 1e3
+        if not name.startswith("gather"):
+            row[name + "_tflop_s"] = flops / (t.median_us * 1e-6) / 1e12
+        log(f"dg_indexer ctx {ctx} {name}: {row[name + '_ms']:.3f} ms")
+    # information: the two backends round differently, so sets may part at near-ties
+    same = (whole("triton") == whole("deep_gemm")).all(1)
+    row["rows_identical_triton_vs_deep_gemm"] = float(same.float().mean())
+    return row["indexer_topk_deep_gemm_ms"] < row["indexer_topk_triton_ms"]
+
+
+def bench_dg_indexer(res: dict, a, dev: str) -> None:
+    """Triton vs DeepGEMM prefill scores, and the whole indexer op by each, side by side."""
+    out = res["dg_indexer"] = {"chunk": a.chunk, "heads": 64, "rows": []}
+    why = dg_unavailable(dev)
+    if why is not None:
+        out["skipped"] = why
+        log(f"dg_indexer skipped: {why}")
+        return
+    cfg = pk.PrefillIndexerConfig()
+    faster: list[bool] = []
+    for ctx in [int(x) for x in a.dg_ctx.split(",") if x]:
+        row: dict = {"ctx": ctx}
+        out["rows"].append(row)
+        if time.monotonic() - START > a.budget_s:
+            row["skipped"] = "over --budget-s"
+            continue
+        try:
+            faster.append(_dg_times(row, a, ctx, cfg, dev))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            traceback.print_exc()
+        write(res, a.out)
+    if faster:
+        # select.PREFILL_AUTO_TABLE's rows (min chunk tokens, backend), from one chunk size
+        out["prefill_auto_table"] = [[1, "deep_gemm" if all(faster) else "triton"]]
+        out["note"] = (
+            f"measured at a {a.chunk}-token chunk only; deep_gemm suggested only if its whole "
+            "prefill_indexer_topk was faster at every --dg-ctx"
+        )
 
 
 def _cfg_dict(c) -> dict:
@@ -188,6 +309,35 @@ def check_kernels(res: dict, dev: str, small: bool) -> None:
             except AssertionError as e:
                 raise AssertionError(f"config {_cfg_dict(c)}: {e}") from e
 
+    if dg_unavailable(dev) is None:
+        heads = 64  # DeepGEMM's SM90 kernel takes 32 or 64 (the bench model has 64)
+        dg_in = inp if Hi in HEADS_DG else make_prefill_inputs(P, heads, T, start, 7, gen)
+
+        def dg_logits() -> None:
+            got = torch.ops.echo.dg_prefill_logits(*dg_in.values())
+            ref = pf.prefill_index_logits_ref(**dg_in)
+            L = ref.shape[1]
+            dead = torch.isinf(ref)
+            assert torch.equal(torch.isinf(got[:, :L]), dead), "-inf not exactly at t > p"
+            assert bool((got[:, L:] == float("-inf")).all()), "columns past L not -inf"
+            err = ((got[:, :L] - ref).abs() / magnitudes(dg_in).clamp(min=1e-30))[~dead]
+            out["dg_prefill_logits_max_err"] = float(err.max())
+            assert float(err.max()) <= DG_REL, f"error {float(err.max()):.2e} > 2^-10"
+
+        def dg_whole() -> None:
+            want = pf.prefill_indexer_topk_ref(**dg_in, topk=topk)
+            got = pk.prefill_indexer_topk_cuda(
+                **dg_in, topk=topk, cfg=cfg, logits_backend="deep_gemm"
+            )
+            ref = pf.prefill_index_logits_ref(**dg_in)
+            out["dg_indexer_rows_identical"] = check_selection_near_ties(
+                got, want, ref, magnitudes(dg_in), DG_REL
+            )
+
+        case("dg_prefill_logits", dg_logits)
+        case("dg_prefill_indexer_topk", dg_whole)
+    else:
+        out["deep_gemm"] = f"skipped: {dg_unavailable(dev)}"
     case("prefill_index_logits", logits)
     case("prefill_topk_from_scores", select)
     case("prefill_indexer_topk", whole)
@@ -208,12 +358,16 @@ class Prefiller:
     """One request's prefill through the model, chunk by chunk (what the engine's eager prefill
     does, without the scheduler), on a cache sized for ``max_len`` tokens."""
 
-    def __init__(self, model, max_len: int, fmt: str, chunk: int, dev: str):
+    def __init__(
+        self, model, max_len: int, fmt: str, chunk: int, dev: str, kernel_backend: str = "auto"
+    ):
         self.model, self.chunk, self.dev = model, chunk, dev
         c = model.config
         n = pages_for(max_len) * PAGE
         cc = CacheConfig(c.num_hidden_layers, n, max(c.index_topk, PAGE), c.index_topk, fmt,
-                         offload=dev.startswith("cuda"), max_batch=1, prefill_tokens=n)  # fmt: skip
+                         offload=dev.startswith("cuda"), max_batch=1, prefill_tokens=n,
+                         kernel_backend=kernel_backend,
+                         index_heads=c.index_n_heads)  # fmt: skip
         self.cache = KVCache(cc, dev)
         self.vocab = c.vocab_size
 
@@ -246,16 +400,23 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
     lens = [int(x) for x in a.ttft.split(",") if x]
     old = {int(x) for x in a.old.split(",") if x}
     old_attn = {int(x) for x in a.old_attn.split(",") if x}
-    pre = Prefiller(model, max(lens + [a.tput_len, a.profile_ctx]), a.kv_format, a.chunk, dev)
+    dg_lens = {int(x) for x in a.dg_ttft.split(",") if x} if dg_unavailable(dev) is None else set()
+    pre = Prefiller(model, max(lens + [a.tput_len, a.profile_ctx]), a.kv_format, a.chunk, dev,
+                    a.kernel_backend)  # fmt: skip
     res["prefiller"] = pre  # reused below (not serialised)
+    res["prefill_plan"] = [list(r) for r in pre.cache.layers[0].prefill_plan]  # as resolved
     log("warm-up (Triton compiles)")
     pre.run(min(2 * a.chunk, max(lens)))
+    if dg_lens:
+        with prefill_scores_by(pre.cache, "deep_gemm"):
+            pre.run(min(2 * a.chunk, max(lens)))
     with explicit_prefill_in(model):
         pre.run(min(a.chunk + 64, max(lens)))
     with old_attention():
         pre.run(min(2 * a.chunk, max(lens)))
     for n in lens:
-        paths = ["sparse"] + ["sparse_old_attention"] * (n in old_attn) + ["explicit"] * (n in old)
+        paths = ["sparse"] + ["sparse_deep_gemm"] * (n in dg_lens)
+        paths += ["sparse_old_attention"] * (n in old_attn) + ["explicit"] * (n in old)
         for path in paths:
             row = {"tokens": n, "path": path, "chunk": a.chunk}
             if time.monotonic() - START > a.budget_s:
@@ -263,8 +424,9 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
             else:
                 try:
                     ctx = {"explicit": lambda: explicit_prefill_in(model),
-                           "sparse_old_attention": old_attention}.get(
-                        path, contextlib.nullcontext)  # fmt: skip
+                           "sparse_old_attention": old_attention,
+                           "sparse_deep_gemm": lambda: prefill_scores_by(pre.cache, "deep_gemm"),
+                           }.get(path, contextlib.nullcontext)  # fmt: skip
                     with ctx():
                         row["first_s"] = timed(lambda n=n: pre.run(n), dev)
                         # the warm runs, while the budget allows them
@@ -511,6 +673,14 @@ def main(argv: list[str] | None = None) -> int:
         "--select-ctx", type=int, default=100_000, help="context of the long top-k comparison"
     )
     ap.add_argument("--reps", type=int, default=5, help="runs per profiled part (median)")
+    ap.add_argument(
+        "--kernel-backend", choices=sel.BACKENDS, default=sel.DEFAULT_BACKEND,
+        help="kernel_backend of the TTFT / throughput / profile runs (docs/backends.md)",
+    )  # fmt: skip
+    ap.add_argument("--dg-ctx", default="32768,100000", help="contexts of the DeepGEMM comparison")
+    ap.add_argument("--dg-reps", type=int, default=10, help="graph replays per DeepGEMM timing")
+    ap.add_argument("--dg-ttft", default="32768", help="TTFT lengths also run with DeepGEMM")
+    ap.add_argument("--index-topk", type=int, default=2048, help="top-k of the DeepGEMM comparison")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip what starts later")
     ap.add_argument("--dry-run", action="store_true", help="tiny preset, toy sizes, CPU")
     a = ap.parse_args(argv)
@@ -533,6 +703,12 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"environment": environment(), "args": vars(a), "status": "running"}
     write(res, a.out)
     check_kernels(res, dev, small=a.dry_run)
+    write(res, a.out)
+    try:
+        bench_dg_indexer(res, a, dev)
+    except Exception as e:
+        res.setdefault("errors", {})["dg_indexer"] = f"{type(e).__name__}: {e}"[:2000]
+        traceback.print_exc()
     write(res, a.out)
     model = build_model("tiny" if a.dry_run else "bench", a.layers, a.experts, dev)
     res["model"] = model.config.to_dict()

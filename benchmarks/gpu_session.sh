@@ -71,6 +71,8 @@ verify)
      tests/test_distributed_ep.py tests/test_ties_fixup.py) &
   if [ "$BACKENDS" = 1 ]; then
     (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
+    # DeepGEMM's prefill scores (fp8_mqa_logits): vs the reference, exact sets, a compiled engine
+    (stage cuda_prefill_dg 300 $T tests/test_prefill_deep_gemm_cuda.py) &
     # the compiled decode step with kernel_backend=auto (B = 64), errors reported where they occur
     (stage auto_step 480 env CUDA_LAUNCH_BLOCKING=1 python -m benchmarks.bench_backends --no-ops \
        --step-batches "${STEP_BATCHES-64}" --step-backends auto --out "$W/auto_step.json") &
@@ -90,6 +92,7 @@ time)
   on fixup && stage bench_topk_fixup 90 python -m benchmarks.bench_topk_fixup --budget-s 70 \
     --out "$W/topk_fixup_h200.json"
   on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 125 --out "$W/prefill_h200.json"
+  on prefill && packjit  # DeepGEMM's fp8_mqa_logits kernels, when the wheels are carried
   on cache_ops && stage bench_cache_ops 100 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
   on awq_gemv && stage bench_awq_gemv 100 python -m benchmarks.bench_awq_gemv --budget-s 80 --out "$W/awq_gemv_h200.json"

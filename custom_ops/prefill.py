@@ -12,7 +12,9 @@ selects for a request of p + 1 tokens. The output lists token POSITIONS (not hos
 ascending order, -1 padded: prefill attends over the request's own rows, indexed by position. The
 work is done a block of queries at a time, so ``[T, L]`` fp32 scores never exist for a whole chunk
 (``score_rows`` bounds the block). Two separable steps: ``prefill_index_logits_ref`` (scores) and
-``prefill_topk_from_scores_ref`` (selection), so a library backend can replace either.
+``prefill_topk_from_scores_ref`` (selection), so a library backend can replace either: with
+``logits_backend="deep_gemm"`` the CUDA kernel computes the scores with DeepGEMM's
+``fp8_mqa_logits`` (custom_ops/backends/deep_gemm_prefill.py; 32 or 64 index heads, else Triton).
 
 ``echo::sparse_mla_prefill``: ``echo::sparse_mla_decode``'s semantics with the T queries of a chunk
 as its rows, each over its own selected rows of ``rows [L, row]`` (the request's context, by
@@ -101,7 +103,20 @@ def prefill_indexer_topk_ref(
     return torch.cat(outs)
 
 
-def _check_indexer(q_fp8, weights, index_cache, block_table, positions, topk) -> None:
+# who computes step (a), the scores, on CUDA (custom_ops/backends/select.py ``prefill_plan``
+# decides from static shapes): our Triton kernel or DeepGEMM's ``fp8_mqa_logits``; the CPU kernel
+# is the reference for either
+LOGITS_BACKENDS = ("triton", "deep_gemm")
+
+
+def _check_indexer(
+    q_fp8, weights, index_cache, block_table, positions, topk, logits_backend="triton"
+) -> None:
+    if logits_backend not in LOGITS_BACKENDS:
+        raise ValueError(
+            f"prefill_indexer_topk: logits_backend must be one of {', '.join(LOGITS_BACKENDS)}, "
+            f"got {logits_backend!r}"
+        )
     if q_fp8.dim() != 3 or q_fp8.shape[-1] != 128 or q_fp8.dtype != torch.uint8:
         raise ValueError(
             "prefill_indexer_topk: q must be the e4m3 bytes as uint8 [T, H, 128], got "
@@ -138,24 +153,25 @@ def prefill_indexer_topk(
     block_table: torch.Tensor,
     positions: torch.Tensor,
     topk: int,
+    logits_backend: str = "triton",
 ) -> torch.Tensor:
-    """Default kernel (CPU): the reference."""
-    _check_indexer(q_fp8, weights, index_cache, block_table, positions, topk)
+    """Default kernel (CPU): the reference (whatever ``logits_backend`` says)."""
+    _check_indexer(q_fp8, weights, index_cache, block_table, positions, topk, logits_backend)
     return prefill_indexer_topk_ref(q_fp8, weights, index_cache, block_table, positions, topk)
 
 
 @prefill_indexer_topk.register_kernel("cuda")
-def _(q_fp8, weights, index_cache, block_table, positions, topk):
-    _check_indexer(q_fp8, weights, index_cache, block_table, positions, topk)
+def _(q_fp8, weights, index_cache, block_table, positions, topk, logits_backend="triton"):
+    _check_indexer(q_fp8, weights, index_cache, block_table, positions, topk, logits_backend)
     from custom_ops import prefill_kernels  # Triton: imported on the first CUDA call
 
     return prefill_kernels.prefill_indexer_topk_cuda(
-        q_fp8, weights, index_cache, block_table, positions, topk
+        q_fp8, weights, index_cache, block_table, positions, topk, logits_backend=logits_backend
     )
 
 
 @prefill_indexer_topk.register_fake
-def _(q_fp8, weights, index_cache, block_table, positions, topk):
+def _(q_fp8, weights, index_cache, block_table, positions, topk, logits_backend="triton"):
     return q_fp8.new_empty((q_fp8.shape[0], topk), dtype=torch.int32)
 
 

@@ -14,6 +14,9 @@ scores), each block in two separable steps:
    query's causal length ``p + 1`` as its seq_len and an identity block table (page i -> i, the
    same row for every query: stride 0), so it returns token positions: same selection rule, same
    ties, same -1 padding, deterministic.
+With ``logits_backend="deep_gemm"`` (32 or 64 index heads) step 1 is DeepGEMM's
+``fp8_mqa_logits`` over the request's keys gathered once per call
+(custom_ops/backends/deep_gemm_prefill_kernels.py), rows ``prefill_logits_width(L)`` wide.
 Attention: custom_ops/prefill_attn_kernels.py (one program per query and head block, the decode
 kernel's loop without splits, FP8 rows dequantised once per call, trailing unused entries
 skipped); ``sparse_mla_prefill_decode_kernel`` keeps the earlier path (the decode kernel, the
@@ -32,6 +35,13 @@ import triton.language as tl
 from custom_ops import attention_kernels as ak
 from custom_ops import indexer_kernels as ik
 from custom_ops import prefill_attn_kernels as pa
+from custom_ops.backends.deep_gemm_ops import HEADS, prefill_logits_width
+from custom_ops.backends.deep_gemm_prefill_kernels import (
+    gather_index_keys,
+    num_sms,
+    prefill_scores,
+    query_rows,
+)
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
 
 _PAGE = tl.constexpr(PAGE)
@@ -200,8 +210,11 @@ def prefill_indexer_topk_cuda(
     positions: torch.Tensor,
     topk: int,
     cfg: PrefillIndexerConfig | None = None,
+    logits_backend: str = "triton",
 ) -> torch.Tensor:
-    """``echo::prefill_indexer_topk`` on the GPU (or on CPU tensors under TRITON_INTERPRET=1)."""
+    """``echo::prefill_indexer_topk`` on the GPU (or on CPU tensors under TRITON_INTERPRET=1).
+    ``logits_backend="deep_gemm"``: step (a) by DeepGEMM where it takes the head count (a static
+    shape), else Triton."""
     cfg = cfg or PrefillIndexerConfig()
     if not index_cache.is_contiguous() or index_cache.shape[-1] != INDEX_PAGE_BYTES:
         raise ValueError(
@@ -209,6 +222,10 @@ def prefill_indexer_topk_cuda(
         )
     if q_fp8.is_cuda and not (index_cache.is_cuda and block_table.is_cuda and positions.is_cuda):
         raise ValueError("prefill_indexer_topk_cuda: all tensors must be on the GPU")
+    if logits_backend == "deep_gemm" and q_fp8.shape[1] in HEADS:
+        return _indexer_topk_deep_gemm(
+            q_fp8, weights, index_cache, block_table, positions, topk, cfg
+        )
     T = q_fp8.shape[0]
     L = block_table.shape[1] * PAGE
     qb = score_rows(L, T, cfg.score_elems)
@@ -218,6 +235,23 @@ def prefill_indexer_topk_cuda(
         scores = prefill_index_logits(
             q_fp8[s:e], weights[s:e], index_cache, block_table, positions[s:e], cfg
         )
+        out[s:e] = prefill_topk_from_scores(scores, positions[s:e], topk, cfg)
+    return out
+
+
+def _indexer_topk_deep_gemm(q_fp8, weights, index_cache, block_table, positions, topk, cfg):
+    """Step (a) by DeepGEMM over the request's keys gathered once per call, in query blocks
+    that fill whole waves of its persistent grid (``query_rows``), step (b) as on the Triton
+    path. The scores past each p are left unwritten (no clean-up pass): the radix select
+    reads t < p + 1 only."""
+    T = q_fp8.shape[0]
+    W = prefill_logits_width(block_table.shape[1] * PAGE)
+    kv, sf = gather_index_keys(index_cache, block_table)
+    qb = query_rows(W, T, cfg.score_elems, q_fp8.shape[1], num_sms())
+    out = torch.empty((T, topk), dtype=torch.int32, device=q_fp8.device)
+    for s in range(0, T, qb):  # static bounds: shapes only
+        e = min(T, s + qb)
+        scores = prefill_scores(q_fp8[s:e], weights[s:e], kv, sf, positions[s:e], W, False)
         out[s:e] = prefill_topk_from_scores(scores, positions[s:e], topk, cfg)
     return out
 

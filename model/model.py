@@ -250,9 +250,11 @@ class MLA(nn.Module):
         pos_all = torch.arange(n, device=bt.device)
         slots_all = bt[0, pos_all // PAGE].long() * PAGE + pos_all % PAGE  # [L] host slots
         rows = cache_layer.read(slots_all, pos_all)  # [L, row] uint8, by position
+        # [T, topk] int32 positions, -1 pad; the scores by the cache's kernel_backend
         sel = torch.ops.echo.prefill_indexer_topk(
-            q_idx.view(torch.uint8), w_idx, cache_layer.index_k, bt, meta.positions, self.index_topk
-        )  # [T, topk] int32 positions, -1 pad
+            q_idx.view(torch.uint8), w_idx, cache_layer.index_k, bt, meta.positions,
+            self.index_topk, logits_backend=cache_layer.prefill_logits(q_idx),
+        )  # fmt: skip
         w = self.kv_b_weight().view(self.n_heads, -1, self.kv_lora_rank)  # [H, nope+v, 512]
         w_uk = w[:, : self.qk_nope_head_dim]  # [H, nope, 512]
         w_uv = w[:, self.qk_nope_head_dim :]  # [H, v, 512]

@@ -30,11 +30,19 @@ from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE, index_cache_
 BLOCK_KV = PAGE  # DeepGEMM's block_kv: our page (SM90 supports 64 only)
 WIDTH_ALIGN = 1024  # DeepGEMM rounds its row width up (to a multiple of <= 4 x 64): stay aligned
 HEADS = (32, 64)  # index heads the SM90 kernel is built for (V3.2 has 64)
+PREFILL_WIDTH_ALIGN = 256  # fp8_mqa_logits' block_kv on SM90 (prefill_logits_width)
 
 
 def logits_width(L: int) -> int:
     """The score row width for a block table of L = P * 64 tokens."""
     return -(-L // WIDTH_ALIGN) * WIDTH_ALIGN
+
+
+def prefill_logits_width(L: int) -> int:
+    """The row width of DeepGEMM's prefill scores (``fp8_mqa_logits``, compressed rows:
+    custom_ops/backends/deep_gemm_prefill.py) over L = P * 64 keys: L rounded up to its SM90
+    block_kv of 256."""
+    return -(-L // PREFILL_WIDTH_ALIGN) * PREFILL_WIDTH_ALIGN
 
 
 def fused_kv_view(index_cache: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ installed, a device that is not CUDA, or a shape the library does not support (D
 index heads) falls back to Triton. Everything is decided from static shapes when the step is
 traced, so each compiled bucket holds one fixed chain of ops.
 
-What stays Triton in every mode: the fused indexer + prefetch kernel (it needs each score as it is
-produced) and prefill's indexer (DeepGEMM's ``fp8_mqa_logits`` is for the sparse-prefill work).
+Prefill's indexer (``echo::prefill_indexer_topk``, one request a chunk) has one library half,
+the scores: ``prefill_plan`` gives DeepGEMM's ``fp8_mqa_logits`` (``deep_gemm``, or ``auto`` by
+``PREFILL_AUTO_TABLE``) or Triton; its top-k stays our radix select. What stays Triton in every
+mode: the fused indexer + prefetch kernel (it needs each score as it is produced).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ AUTO_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
     "scores": ((1, "deep_gemm"), (16, "deep_gemm"), (64, "deep_gemm")),
     "topk": ((1, "triton"), (16, "triton"), (64, "flashinfer")),
 }
+
+
+# ``auto`` for prefill's scores, by the chunk's query count T (the last row whose min_tokens <= T
+# wins; T is a static shape of each compiled chunk bucket). Triton until the H200 measures
+# DeepGEMM faster: ``python -m benchmarks.bench_prefill --out $OUT/prefill_h200.json`` times both
+# at a 2048-query chunk (32K and 100K) and writes the table its timings suggest
+# (``dg_indexer.prefill_auto_table``).
+PREFILL_AUTO_TABLE: tuple[tuple[int, str], ...] = ((1, "triton"),)
 
 
 def check_backend(name: str) -> None:
@@ -134,3 +144,31 @@ def indexer_select(
             raise ValueError("kernel_backend: FlashInfer top-k needs the cache's row_states buffer")
         return fi_topk(scores, block_table, seq_lens, topk, row_states)
     return topk_from_scores(scores, block_table, seq_lens, topk)
+
+
+def prefill_plan(
+    backend: str, device: torch.device | str, index_heads: int | None
+) -> tuple[tuple[int, str], ...]:
+    """Prefill's scores backend as rows ``(min chunk tokens, "triton" | "deep_gemm")``, with every
+    fallback applied (DeepGEMM missing, not CUDA, a head count it does not take), decided once
+    when the cache is built; ``prefill_logits_backend`` reads it at trace time."""
+    check_backend(backend)
+    rows = {"auto": PREFILL_AUTO_TABLE, "deep_gemm": ((1, "deep_gemm"),)}.get(
+        backend, ((1, "triton"),)
+    )
+    ok = (
+        torch.device(device).type == "cuda"
+        and (index_heads is None or index_heads in HEADS)
+        and installed("deep_gemm")
+    )
+    return tuple((m, name if ok else "triton") for m, name in rows)
+
+
+def prefill_logits_backend(rows: tuple[tuple[int, str], ...], tokens: int, heads: int) -> str:
+    """The ``logits_backend`` of ``echo::prefill_indexer_topk`` for a chunk of ``tokens`` queries
+    with ``heads`` index heads (static shapes: a constant of the traced chunk)."""
+    out = "triton"
+    for min_tokens, name in rows:
+        if tokens >= min_tokens:
+            out = name
+    return "triton" if out == "deep_gemm" and heads not in HEADS else out

@@ -60,6 +60,8 @@ class LayerKV(nn.Module):
         self.plans = plans if plans is not None else indexer_plans(cfg, device)
         for name in ("dg_schedule", "fi_row_states"):
             self.register_buffer(name, (shared or {}).get(name), persistent=False)
+        # prefill's scores backend by chunk tokens (no buffer: DeepGEMM's prefill logits need none)
+        self.prefill_plan = backends.prefill_plan(cfg.kernel_backend, device, cfg.index_heads)
         if cfg.offload:
             self.pool = GpuPool(cfg, device)
             if cfg.prefetch != "off":
@@ -100,6 +102,11 @@ class LayerKV(nn.Module):
             plan, q_fp8, weights, self.index_k, block_table, seq_lens, self.topk,
             self.dg_schedule, self.fi_row_states,
         )  # fmt: skip
+
+    def prefill_logits(self, q_fp8: torch.Tensor) -> str:
+        """``echo::prefill_indexer_topk``'s ``logits_backend`` for this chunk's queries
+        ``[T, Hi, 128]`` (from static shapes: a constant of the traced chunk bucket)."""
+        return backends.prefill_logits_backend(self.prefill_plan, q_fp8.shape[0], q_fp8.shape[1])
 
     def fetch(self, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pool is None:
