@@ -94,7 +94,10 @@ def awq_quantize(
     wmax = w.amax(dim=1).clamp_min(0)  # [G, N]
     wmin = w.amin(dim=1).clamp_max(0)
     fi = torch.finfo(scales_dtype)
-    s = ((wmax - wmin) / 15).clamp_min(fi.tiny)
+    # NOTE: divided by a device tensor, not a Python number: CUDA divides by a host scalar as a
+    # multiply by its reciprocal (not correctly rounded), so GPU-quantised scales would differ in
+    # the last bit from a CPU-written checkpoint's
+    s = ((wmax - wmin) / torch.tensor(15.0, device=w.device)).clamp_min(fi.tiny)
     # NOTE: times (1 + eps) before round-to-nearest gives a stored scale >= s: the 16 levels cover
     # [wmin, wmax], so only the clamp of a .5 tie can touch 0 or 15 (still within s/2).
     scales = (s * (1 + fi.eps)).to(scales_dtype)  # [G, N]

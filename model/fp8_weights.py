@@ -47,7 +47,8 @@ def weight_quant_fp8(
     wp = torch.zeros(ob * block, ib * block, dtype=torch.float32, device=w.device)
     wp[:out, :inp] = w.float()  # NOTE: zero padding cannot raise a block's amax
     amax = wp.view(ob, block, ib, block).abs().amax(dim=(1, 3))  # [ob, ib]
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # NOTE: a device-tensor divisor, as in awq_quantize: the same scales on CPU and CUDA
+    s = torch.where(amax > 0, amax / torch.tensor(FP8_MAX, device=w.device), torch.ones_like(amax))
     if scale_fmt == "ue8m0":
         s = torch.exp2(torch.ceil(torch.log2(s)))
     w8 = (w.float() / _expand(s, (out, inp), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
