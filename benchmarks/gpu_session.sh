@@ -96,7 +96,7 @@ time)
   on cache_ops && stage bench_cache_ops 100 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
   on awq_gemv && stage bench_awq_gemv 100 python -m benchmarks.bench_awq_gemv --budget-s 80 --out "$W/awq_gemv_h200.json"
-  on sampling && stage bench_sampling_backends 200 python -m benchmarks.bench_sampling_backends \
+  on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \
     --out "$W/sampling_backends_h200.json"
   on fp8 && stage bench_fp8 70 python -m benchmarks.bench_fp8 --batches 1,16,128 --budget-s 50 --out "$W/fp8_h200.json"
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
