@@ -469,13 +469,15 @@ def last_logits(model, ids):
     from model.forward_meta import ForwardMeta
 
     c, t = model.config, len(ids)
+    dev = next(model.parameters()).device  # the model's device (CPU in most tests)
     cache = KVCache(CacheConfig(num_layers=c.num_hidden_layers, host_tokens=128, gpu_tokens=64,
-                                topk=c.index_topk, offload=False))
+                                topk=c.index_topk, offload=False), dev)
     meta = ForwardMeta(
-        input_ids=torch.tensor(ids), positions=torch.arange(t), out_slots=torch.arange(t),
-        block_table=torch.arange(2, dtype=torch.int32)[None],
-        seq_lens=torch.tensor([t], dtype=torch.int32), logits_indices=torch.tensor([t - 1]),
-        is_decode=False)
+        input_ids=torch.tensor(ids, device=dev), positions=torch.arange(t, device=dev),
+        out_slots=torch.arange(t, device=dev),
+        block_table=torch.arange(2, dtype=torch.int32, device=dev)[None],
+        seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+        logits_indices=torch.tensor([t - 1], device=dev), is_decode=False)
     with torch.no_grad():
         return model(meta, cache)[0]
 
