@@ -6,7 +6,7 @@
 #                                           # prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
-#                                           # env FULL_SYSTEMS, PREFETCH_POINTS: some of their runs)
+#                                           # env FULL_SYSTEMS, PREFETCH_POINTS, WEIGHTS_FORMATS: some runs)
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
 # $OUT/work and packed into $OUT/results.tgz after every stage (a call cut short still returns
@@ -125,7 +125,7 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
   done
   # quant: the bench model's weights as bf16, AWQ and FP8 checkpoints serve them (--weights), one
   # model per stage; the pool of the backends runs
-  for wf in bf16 awq fp8; do
+  for wf in ${WEIGHTS_FORMATS-bf16 awq fp8}; do  # bf16 is the backends runs' auto command
     on quant && stage "e2e_weights_$wf" 100 bash -c \
       "$B --gpu-pools 200000 --systems offload --weights $wf --out '$W/e2e_weights_${wf}_h200.json'"
   done

@@ -37,25 +37,27 @@ LIBRARY = {"deep_gemm": "deep_gemm", "flashinfer": "flashinfer"}  # backend -> i
 
 # ``auto``: per half, the backend for a decode batch of at least ``min_batch`` rows (the last row
 # whose min_batch <= B wins). The rows are the ``auto_table`` that the H200 run of 2026-12-01
-# suggested (benchmarks/results/backends_h200.json, by speed at 100K context; B = 1 / 16 / 64
-# measured, so each row holds from its batch up to the next): DeepGEMM scores at every batch
-# (5.1 vs 8.6 us at B = 1, 214 vs 258 at B = 64); Triton top-k up to B = 16 (28 vs 66 us with
-# the tie fix-up at B = 1), FlashInfer + fix-up at B = 64 (111 vs 170 us then; 86.8 with the v3
-# fix-up). End to end ``auto`` measured 1.07x ``triton`` (benchmarks/results/
+# 19:58 UTC suggested (benchmarks/results/backends_h200.json, by speed at 100K context; B = 1 /
+# 16 / 64 measured, so each row holds from its batch up to the next): DeepGEMM scores at every
+# batch (6.1 vs 8.7 us at B = 1, 216 vs 259 at B = 64); Triton top-k at B = 1 (28.1 vs 50.2 us
+# with the tie fix-up), FlashInfer + fix-up from B = 16 (60.7 vs 66.6 us; at B = 64 77.3 vs
+# 170.2). End to end ``auto`` measured faster than ``triton`` (benchmarks/results/
 # e2e_backend_{triton,auto}_h200.json), hence DEFAULT_BACKEND. Refill from
 #     python -m benchmarks.bench_backends --step-batches 64 --out $OUT/backends_h200.json
 AUTO_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
     "scores": ((1, "deep_gemm"), (16, "deep_gemm"), (64, "deep_gemm")),
-    "topk": ((1, "triton"), (16, "triton"), (64, "flashinfer")),
+    "topk": ((1, "triton"), (16, "flashinfer"), (64, "flashinfer")),
 }
 
 
 # ``auto`` for prefill's scores, by the chunk's query count T (the last row whose min_tokens <= T
-# wins; T is a static shape of each compiled chunk bucket). Triton until the H200 measures
-# DeepGEMM faster: ``python -m benchmarks.bench_prefill --out $OUT/prefill_h200.json`` times both
-# at a 2048-query chunk (32K and 100K) and writes the table its timings suggest
-# (``dg_indexer.prefill_auto_table``).
-PREFILL_AUTO_TABLE: tuple[tuple[int, str], ...] = ((1, "triton"),)
+# wins; T is a static shape of each compiled chunk bucket): DeepGEMM, as the H200 run of
+# 2026-12-01 20:02 UTC measured (benchmarks/results/prefill_h200.json, ``dg_indexer``: a
+# 2048-query chunk's whole ``prefill_indexer_topk`` 2.69 vs 2.72 ms at 32K, 8.68 vs 9.04 ms at
+# 100K; its logits alone 1.07 vs 1.21 and 3.34 vs 3.73 ms). Refill from
+# ``python -m benchmarks.bench_prefill --out $OUT/prefill_h200.json`` (its
+# ``dg_indexer.prefill_auto_table``).
+PREFILL_AUTO_TABLE: tuple[tuple[int, str], ...] = ((1, "deep_gemm"),)
 
 
 def check_backend(name: str) -> None:
