@@ -2,7 +2,7 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
-#                                           # fixup prefill cache_ops awq awq_gemv sampling fp8 calibrate
+#                                           # fixup overlap prefill cache_ops awq awq_gemv sampling fp8 calibrate
 #                                           # prefetch)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
@@ -91,6 +91,8 @@ time)
   # without FlashInfer it times the fix-up alone
   on fixup && stage bench_topk_fixup 90 python -m benchmarks.bench_topk_fixup --budget-s 70 \
     --out "$W/topk_fixup_h200.json"
+  on overlap && stage bench_prefill_overlap 60 python -m benchmarks.bench_prefill_overlap \
+    --out "$W/prefill_overlap_h200.json"
   on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 125 --out "$W/prefill_h200.json"
   on prefill && packjit  # DeepGEMM's fp8_mqa_logits kernels, when the wheels are carried
   on cache_ops && stage bench_cache_ops 100 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
