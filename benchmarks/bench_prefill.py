@@ -27,7 +27,8 @@ On the bench preset (real V3.2 attention and indexer dimensions, ``--layers`` 4,
    ``prefill_indexer_topk`` by each, CUDA-graph replays, TFLOP/s on the causal work, and the
    ``prefill_auto_table`` the timings suggest; its correctness checks join 1. Without deep_gemm
    (or on CPU) these are skipped and say so. ``--kernel-backend`` picks the TTFT runs' backend;
-   the lengths in ``--dg-ttft`` also run with DeepGEMM's scores (path ``sparse_deep_gemm``).
+   the lengths in ``--dg-ttft`` also run with each scores backend forced (paths
+   ``sparse_triton`` and ``sparse_deep_gemm``; ``sparse`` is the resolved ``--kernel-backend``).
 JSON is written after every measurement; sizes past ``--budget-s`` seconds are skipped (recorded).
 ``--dry-run`` runs the same code with the tiny preset at toy sizes on CPU (Triton interpreter).
 """
@@ -407,15 +408,16 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
     res["prefill_plan"] = [list(r) for r in pre.cache.layers[0].prefill_plan]  # as resolved
     log("warm-up (Triton compiles)")
     pre.run(min(2 * a.chunk, max(lens)))
-    if dg_lens:
-        with prefill_scores_by(pre.cache, "deep_gemm"):
-            pre.run(min(2 * a.chunk, max(lens)))
+    if dg_lens:  # the two scores backends side by side, whatever --kernel-backend resolved to
+        for by in ("triton", "deep_gemm"):
+            with prefill_scores_by(pre.cache, by):
+                pre.run(min(2 * a.chunk, max(lens)))
     with explicit_prefill_in(model):
         pre.run(min(a.chunk + 64, max(lens)))
     with old_attention():
         pre.run(min(2 * a.chunk, max(lens)))
     for n in lens:
-        paths = ["sparse"] + ["sparse_deep_gemm"] * (n in dg_lens)
+        paths = ["sparse"] + ["sparse_triton", "sparse_deep_gemm"] * (n in dg_lens)
         paths += ["sparse_old_attention"] * (n in old_attn) + ["explicit"] * (n in old)
         for path in paths:
             row = {"tokens": n, "path": path, "chunk": a.chunk}
@@ -425,6 +427,7 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
                 try:
                     ctx = {"explicit": lambda: explicit_prefill_in(model),
                            "sparse_old_attention": old_attention,
+                           "sparse_triton": lambda: prefill_scores_by(pre.cache, "triton"),
                            "sparse_deep_gemm": lambda: prefill_scores_by(pre.cache, "deep_gemm"),
                            }.get(path, contextlib.nullcontext)  # fmt: skip
                     with ctx():

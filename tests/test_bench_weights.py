@@ -171,7 +171,7 @@ def test_in_memory_quantisation_is_the_loaded_checkpoint_on_cuda() -> None:
         got, want = model.state_dict(), ref.state_dict()
         assert got.keys() == want.keys(), weights
         for k, t in want.items():
-            assert torch.equal(_bits(got[k]), _bits(t)), k
+            assert got[k].dtype == t.dtype and torch.equal(_bits(got[k]), _bits(t)), k
         assert torch.equal(last_logits(model, PROMPT), last_logits(ref, PROMPT))
 
 

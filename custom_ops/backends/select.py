@@ -54,10 +54,11 @@ AUTO_TABLE: dict[str, tuple[tuple[int, str], ...]] = {
 # wins; T is a static shape of each compiled chunk bucket): DeepGEMM, as the H200 run of
 # 2026-12-01 20:02 UTC measured (benchmarks/results/prefill_h200.json, ``dg_indexer``: a
 # 2048-query chunk's whole ``prefill_indexer_topk`` 2.69 vs 2.72 ms at 32K, 8.68 vs 9.04 ms at
-# 100K; its logits alone 1.07 vs 1.21 and 3.34 vs 3.73 ms). Refill from
-# ``python -m benchmarks.bench_prefill --out $OUT/prefill_h200.json`` (its
+# 100K; its logits alone 1.07 vs 1.21 and 3.34 vs 3.73 ms), for chunks of at least the 2048
+# tokens measured; shorter ones (an eager prefill's last chunk) keep Triton, not measured. Refill
+# from ``python -m benchmarks.bench_prefill --out $OUT/prefill_h200.json`` (its
 # ``dg_indexer.prefill_auto_table``).
-PREFILL_AUTO_TABLE: tuple[tuple[int, str], ...] = ((1, "deep_gemm"),)
+PREFILL_AUTO_TABLE: tuple[tuple[int, str], ...] = ((1, "triton"), (2048, "deep_gemm"))
 
 
 def check_backend(name: str) -> None:
