@@ -215,13 +215,11 @@ def prefill_indexer_topk_cuda(
     """``echo::prefill_indexer_topk`` on the GPU (or on CPU tensors under TRITON_INTERPRET=1).
     ``logits_backend="deep_gemm"``: step (a) by DeepGEMM where it takes the head count (a static
     shape), else Triton."""
-    from custom_ops.prefill import LOGITS_BACKENDS  # the op's rule (the op imports us lazily)
-
     cfg = cfg or PrefillIndexerConfig()
-    if logits_backend not in LOGITS_BACKENDS:
+    if logits_backend not in ("triton", "deep_gemm"):  # the two this function dispatches to
         raise ValueError(
-            f"prefill_indexer_topk_cuda: logits_backend must be one of "
-            f"{', '.join(LOGITS_BACKENDS)}, got {logits_backend!r}"
+            "prefill_indexer_topk_cuda: logits_backend must be 'triton' or 'deep_gemm', "
+            f"got {logits_backend!r}"
         )
     if not index_cache.is_contiguous() or index_cache.shape[-1] != INDEX_PAGE_BYTES:
         raise ValueError(
