@@ -159,7 +159,7 @@ def test_prefill_plan_choice_and_fallbacks(monkeypatch):
     cuda = torch.device("cuda")
     # on CPU, or with DeepGEMM missing, every backend gives Triton scores
     for b in sel.BACKENDS:
-        assert sel.prefill_plan(b, "cpu", 64) == ((1, "triton"),)
+        assert {name for _, name in sel.prefill_plan(b, "cpu", 64)} == {"triton"}, b
     monkeypatch.setattr(sel, "installed", lambda lib: False)
     assert sel.prefill_plan("deep_gemm", cuda, 64) == ((1, "triton"),)
     monkeypatch.setattr(sel, "installed", lambda lib: True)
