@@ -15,9 +15,14 @@ HAS_CUDA = torch.cuda.is_available()
 configure_threads()  # the engine's CPU thread policy (a 2-core machine: 1 thread, ~2.5x faster)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine: pytest -m cuda)")
     for item in items:
+        # a test taking the ``device`` fixture runs its kernels on the GPU there: so that the
+        # GPU runs (``pytest -m cuda``) select it too, it counts as a cuda test on a GPU machine
+        if HAS_CUDA and "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cuda)
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
 
