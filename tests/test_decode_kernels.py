@@ -175,8 +175,16 @@ def order_key_torch(score: torch.Tensor) -> torch.Tensor:
 
 
 # scores within fp32 rounding of any summation order: a small multiple of 2^-24 per term, of the
-# sum of the terms' magnitudes (the GPU file allows more: fp8 tensor-core accumulation)
+# sum of the terms' magnitudes (the interpreter on the CPU sums in fp32)
 SCORE_REL = 1e-5
+# NOTE: fp8 tensor-core sums are not fp32-exact on Hopper (fewer bits kept while accumulating),
+# so on the GPU the scores may differ from the fp32 reference by more than fp32 rounding; bounded
+# by 2^-10 of the sum of the terms' magnitudes (a wrong weight, scale or ReLU is off by O(1)).
+SCORE_REL_GPU = 2**-10
+
+
+def score_rel(device: str) -> float:
+    return SCORE_REL_GPU if torch.device(device).type == "cuda" else SCORE_REL
 SMALL = ik.IndexerConfig(score_block=64, score_tokens=128, sel_block=64, sel_chunk=64)
 # lengths: empty, below topk, exact page multiples, above topk, the whole table
 CASES = [
@@ -206,7 +214,7 @@ def test_scores_and_histogram(case: int, device: str) -> None:
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     scores = ik.index_scores(*args, SMALL, hists)
     ref, mag = scores_ref(inp)
-    check_scores(scores, ref, mag, SCORE_REL)
+    check_scores(scores, ref, mag, score_rel(device))
     valid = torch.isfinite(ref)
     # the fused pass-1 histogram counts the top 8 key bits of the live scores
     digit = (order_key_torch(scores) >> 24) + 128
@@ -233,7 +241,7 @@ def test_indexer_topk_vs_reference(case: int, cfg: ik.IndexerConfig, device: str
     # near: against the reference end to end, differing only at near-ties of the threshold
     host_r, kth_r = indexer_topk_ref(**inp, topk=topk)
     ref, mag = scores_ref(inp)
-    tol = SCORE_REL * torch.where(torch.isfinite(ref), mag, 0).amax(dim=1)
+    tol = score_rel(device) * torch.where(torch.isfinite(ref), mag, 0).amax(dim=1)
     check_selection_near(host, kth, host_r, kth_r, ref, inp["block_table"], tol)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decode_kernels import (
+    SCORE_REL_GPU,
     _gen,
     _randn,
     _tie_scores,
@@ -26,10 +27,6 @@ from custom_ops.indexer import indexer_topk_ref
 
 pytestmark = pytest.mark.cuda
 
-# NOTE: fp8 tensor-core sums are not fp32-exact on Hopper (fewer bits kept while accumulating),
-# so the scores may differ from the fp32 reference by more than fp32 rounding; bounded here by
-# 2^-10 of the sum of the terms' magnitudes (a wrong weight, scale or ReLU is off by O(1)).
-SCORE_REL_GPU = 2**-10
 B, P, HI, TOPK = 64, 1563, 64, 2048  # L = 100032 tokens
 L = P * 64
 LENS = [L] * 52 + [L - 1, 99_000, 77_777, 64 * 700, 2049, 2048, 2047, 1000, 64, 1, 0, 0]
