@@ -77,7 +77,7 @@ class Setup:
                                        zero=False)[0]  # fmt: skip
         self.host.random_(0, 256, generator=None)
         self.pool = GpuPool(self.cfg, dev)
-        self.staging = Staging(self.cfg, dev, self.pool.capacity)
+        self.staging = Staging(self.cfg, dev)
         self.sel, self.kth = ik.indexer_topk_cuda(*self.args, topk)
         # the previous step's query: 10% of this one's entries redrawn
         q = self.inp["q_fp8"]
@@ -121,7 +121,7 @@ def recall_args(s: Setup, st: Staging, sel: torch.Tensor):
     p = s.pool
     return (s.host, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
             p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, st.stage_kv, st.stage_host,
-            st.host_stage, st.stage_ctr, st.promote_host, st.promote_n, st.totals)  # fmt: skip
+            st.host_stage, st.stage_ctr, st.totals)  # fmt: skip
 
 
 def check_fused(s: Setup, cap: int, ratio: float, rows: int, variant: str) -> dict:

@@ -276,9 +276,12 @@ def recall_cuda(
     hist,
     stats,
     host_slots,
+    stage_kv=None,
+    host_stage=None,
 ) -> torch.Tensor:
     """4 launches: lookup (protect hits, claim misses), histogram (returns at once unless an
-    eviction is due), eviction + placement in one pass, row copy + output."""
+    eviction is due), eviction + placement in one pass, row copy + output. With ``stage_kv`` /
+    ``host_stage`` (echo::recall_staged) a staged miss is copied from staging."""
     hs = host_slots.reshape(-1)
     total, cap, n_g = hs.numel(), indices.shape[0], gpu_to_host.shape[0]
     out = torch.empty_like(host_slots)
@@ -317,7 +320,10 @@ def recall_cuda(
         nf_max=NF_MAX_MISSES,
         nf_scan=NF_MAX_SCAN,
     )
-    copy_rows(host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1))
+    copy_rows(
+        host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1),
+        stage_kv=stage_kv, host_stage=host_stage,
+    )  # fmt: skip
     return out
 
 
@@ -335,25 +341,32 @@ def copy_rows(
     warps: int | None = None,
     early: bool | None = None,
     cache: str | None = None,
+    stage_kv: torch.Tensor | None = None,
+    host_stage: torch.Tensor | None = None,
 ) -> None:
-    """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots, and
-    out = host_to_gpu[hs]. The keyword arguments override the module's copy configuration (the
-    benchmark tries a few)."""
+    """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots (from
+    ``stage_kv[host_stage[h]]`` where that is >= 0, when given; else from the host), and
+    out = host_to_gpu[hs]. The other keyword arguments override the module's copy configuration
+    (the benchmark tries a few)."""
     if host_kv.shape[1] % 16:
         raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
     n_copy = _num_copy_programs(hs.device)
     if programs_per_sm is not None and hs.device.type == "cuda":
         n_copy = programs_per_sm * torch.cuda.get_device_properties(hs.device).multi_processor_count
     total = hs.numel()
+    staged = stage_kv is not None
+    gpu_words = _words(gpu_kv, "gpu_kv", True)
     _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK) + int(COPY_OWN_FINAL),)](
         _words(host_kv, "host_kv", True),
-        _words(gpu_kv, "gpu_kv", True),
+        gpu_words,
         miss_host,
         host_to_gpu,
         hs,
         out,
         meta,
         stats,
+        _words(stage_kv, "stage_kv", True) if staged else gpu_words,
+        host_stage if staged else host_to_gpu,  # (unread without STAGED)
         total,
         n_copy,
         miss_host.shape[0],
@@ -363,6 +376,7 @@ def copy_rows(
         EARLY=COPY_EARLY if early is None else early,
         CACHE=COPY_CACHE if cache is None else cache,
         OWN_FINAL=COPY_OWN_FINAL,  # the grid has the finalising program of its own
+        STAGED=staged,
         num_warps=warps or COPY_WARPS,
         **_pdl(hs.device),
     )

@@ -107,6 +107,8 @@ def _copy_units(
     host_kv,
     gpu_kv,
     h2g,
+    stage_kv,
+    hstage,
     u,
     r,
     h,
@@ -114,8 +116,11 @@ def _copy_units(
     UPR: tl.constexpr,
     UNITS: tl.constexpr,
     CACHE: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
-    """Units u (rows r, host slots h = miss_host[r]) host -> GPU, those below nunits."""
+    """Units u (rows r, host slots h = miss_host[r]) host -> GPU, those below nunits. STAGED
+    (echo::recall_staged): a row with hstage[h] >= 0 is read from stage_kv (device memory, a copy
+    of the host row) instead of over PCIe."""
     um = u < nunits
     word = (u - r * UPR) * 4
     src = h.to(tl.int64) * (UPR * 4) + word
@@ -123,7 +128,15 @@ def _copy_units(
     dst = g.to(tl.int64) * (UPR * 4) + word
     m2 = um[:, None]
     w4 = tl.arange(0, 4)
-    v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
+    if STAGED:
+        s = tl.load(hstage + h, mask=um, other=-1)
+        staged = (s >= 0)[:, None]
+        ssrc = s.to(tl.int64) * (UPR * 4) + word
+        vh = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2 & ~staged, cache_modifier=CACHE)
+        vs = tl.load(stage_kv + ssrc[:, None] + w4[None, :], mask=m2 & staged)
+        v = tl.where(staged, vs, vh)
+    else:
+        v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
     tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
 
 
@@ -137,6 +150,8 @@ def _copy_out_kernel(
     out,
     meta,
     stats,
+    stage_kv,
+    hstage,
     total,
     n_copy,
     cap,
@@ -146,6 +161,7 @@ def _copy_out_kernel(
     EARLY: tl.constexpr,
     CACHE: tl.constexpr,
     OWN_FINAL: tl.constexpr,
+    STAGED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Programs [0, n_copy): copy the placed misses' rows host -> GPU over UVA as a flat stream of
@@ -172,12 +188,16 @@ def _copy_out_kernel(
         else:
             nunits = tl.load(meta + M_LAST_ALLOC) * UPR
             h0 = tl.load(miss_host + r0, mask=u0 < nunits, other=0)
-        _copy_units(host_kv, gpu_kv, h2g, u0, r0, h0, nunits, UPR, UNITS, CACHE)
+        _copy_units(
+            host_kv, gpu_kv, h2g, stage_kv, hstage, u0, r0, h0, nunits, UPR, UNITS, CACHE, STAGED
+        )
         for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
             r = u // UPR
             h = tl.load(miss_host + r, mask=u < nunits, other=0)
-            _copy_units(host_kv, gpu_kv, h2g, u, r, h, nunits, UPR, UNITS, CACHE)
+            _copy_units(
+                host_kv, gpu_kv, h2g, stage_kv, hstage, u, r, h, nunits, UPR, UNITS, CACHE, STAGED
+            )
     else:
         offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < total

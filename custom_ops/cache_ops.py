@@ -195,8 +195,10 @@ def free_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, st
 
 def recall_ref(
     host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
-    stats, host_slots,
-) -> torch.Tensor:
+    stats, host_slots, stage_kv=None, host_stage=None,
+) -> torch.Tensor:  # fmt: skip
+    """With ``stage_kv`` / ``host_stage`` (echo::recall_staged): a miss h with host_stage[h] >= 0
+    is copied from stage_kv[host_stage[h]] (a copy of its host row) instead of the host."""
     hs = host_slots.long()
     valid = hs >= 0
     _host_in_range("recall", "host_slots", hs[valid], host_to_gpu.shape[0])
@@ -214,7 +216,12 @@ def recall_ref(
     _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed)
     slots = _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, placeable,
                        miss.numel())
-    gpu_kv[slots] = host_kv[placeable[: slots.numel()]].to(gpu_kv.device)
+    placed = placeable[: slots.numel()]
+    gpu_kv[slots] = host_kv[placed].to(gpu_kv.device)
+    if host_stage is not None:
+        src = host_stage[placed].long()
+        staged = src >= 0
+        gpu_kv[slots[staged]] = stage_kv[src[staged]]
     miss_host[: placeable.numel()] = placeable.to(torch.int32)
     out = torch.where(valid, host_to_gpu[hc], -1).to(torch.int32)
     stats[RECALLED] += slots.numel()

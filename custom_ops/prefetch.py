@@ -16,13 +16,11 @@ is recorded in ``stage_host[slot] = h`` and ``host_stage[h] = slot``. Then the e
 the threshold update ``ema = 0.5 * ema + 0.5 * kth`` for live requests (in-graph). Thresholds
 live in ``ema [N_H / 64 + 1]``, keyed by each request's first host page (``ema_keys``).
 
-``recall_staged`` is the guaranteed recall with staging as a second source. The selected rows
-that are staged and not on the GPU still count as misses and go through the pool's normal path:
-``echo::free`` (protect the selection, evict max(n - free, 0)) and ``echo::allocate`` for them,
-then a GPU->GPU copy from staging; then the unchanged ``echo::recall`` places and copies the
-remaining misses from the host. Together the pool evicts exactly what one recall of all misses
-would (max(misses - free, 0), oldest first), so prefetch never changes the pool's policy, and the
-attended set is the exact top-k whatever was staged. A final pass empties the staging buffer.
+``recall_staged`` is ``echo::recall`` with staging as a second source: the same lookup, eviction
+and placement (staged rows still count as misses, so the pool evicts exactly what a recall
+without prefetch would: prefetch never changes the pool's policy), and the attended set is the
+exact top-k whatever was staged; only the bytes of a staged miss come from staging (GPU -> GPU)
+instead of over PCIe. Then the staging buffer is emptied (``clear_staging``).
 
 Statistics (``pf_stats`` int64, cumulative, read between steps): candidates, rows staged, staged
 rows promoted into the pool (staged and selected and missed), steps.
@@ -32,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.cache_ops import allocate_ref, free_ref, recall_ref
+from custom_ops.cache_ops import recall_ref
 from custom_ops.indexer import _check as _check_indexer
 from custom_ops.indexer import indexer_topk_ref
 from custom_ops.kv_format import PAGE, index_cache_gather
@@ -140,23 +138,16 @@ def indexer_topk_prefetch_ref(
     return host, kth
 
 
-def promote_ref(host_slots, host_to_gpu, host_stage):
-    """(host slots, staging slots) of the distinct selected rows that are staged and not on the
-    GPU; their host_stage entries are cleared (each is promoted once)."""
-    hs = host_slots.reshape(-1).long()
-    hs = torch.unique(hs[hs >= 0])
-    g = host_to_gpu[hs]
-    s = host_stage[hs]
-    pick = (g < 0) & (s >= 0)
-    h, src = hs[pick], s[pick].long()
-    host_stage[h] = -1
-    return h, src
-
-
-def clear_staging(stage_host, host_stage, stage_ctr, pf_stats) -> None:
+def clear_staging(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats) -> None:
+    """After the recall: count the staged rows and the promoted ones (staged rows now on the GPU:
+    a staged row was not on the GPU when staged, so it is there now only because the recall
+    selected and placed it, from staging), then empty the staging buffer."""
     live = stage_host >= 0
+    h = stage_host[live].long()
     pf_stats[PF_STAGED] += int(live.sum())
-    host_stage[stage_host[live].long()] = -1
+    pf_stats[PF_PROMOTED] += int((host_to_gpu[torch.unique(h)] >= 0).sum())
+    pf_stats[PF_STEPS] += 1
+    host_stage[h] = -1
     stage_host.fill_(-1)
     stage_ctr.zero_()
 
@@ -178,26 +169,9 @@ def recall_staged_ref(
     stage_host,
     host_stage,
     stage_ctr,
-    promote_host,
-    promote_n,
     pf_stats,
 ):
-    h, src = promote_ref(host_slots, host_to_gpu, host_stage)
-    n = min(h.numel(), indices.shape[0], promote_host.shape[0])
-    h, src = h[:n], src[:n]
-    promote_host.fill_(-1)
-    promote_host[:n] = h.to(torch.int32)
-    promote_n.fill_(n)
-    maps = (gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta)
-    free_ref(*maps, stats, host_slots, promote_n)
-    allocate_ref(*maps, promote_host, promote_n)
-    placed = indices[:n].long()
-    ok = placed >= 0  # short of slots (a broken capacity rule): the recall copies from the host
-    gpu_kv[placed[ok]] = stage_kv[src[ok]]
-    pf_stats[PF_PROMOTED] += int(ok.sum())
-    pf_stats[PF_STEPS] += 1
-    clear_staging(stage_host, host_stage, stage_ctr, pf_stats)
-    return recall_ref(
+    out = recall_ref(
         host_kv,
         gpu_kv,
         gpu_free,
@@ -209,7 +183,11 @@ def recall_staged_ref(
         meta,
         stats,
         host_slots,
+        stage_kv,
+        host_stage,
     )
+    clear_staging(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats)
+    return out
 
 
 # ---- input checks -------------------------------------------------------------------------------
@@ -314,8 +292,6 @@ def _check_recall_staged(
     stage_host,
     host_stage,
     stage_ctr,
-    promote_host,
-    promote_n,
     pf_stats,
 ):
     from custom_ops.cache_ops import _check_recall
@@ -337,10 +313,6 @@ def _check_recall_staged(
     _check_staging(
         "recall_staged", host_kv, host_to_gpu, stage_kv, stage_host, host_stage, stage_ctr, pf_stats
     )
-    if promote_host.dtype != torch.int32 or promote_host.shape != indices.shape:
-        raise ValueError("recall_staged: promote_host must be int32 shaped like indices")
-    if promote_n.dtype != torch.int32 or promote_n.shape != (1,):
-        raise ValueError("recall_staged: promote_n must be int32 [1]")
 
 
 # ---- registrations ------------------------------------------------------------------------------
@@ -420,8 +392,6 @@ def _(q_fp8, weights, *rest):
         "hist",
         "stats",
         *_STAGING,
-        "promote_host",
-        "promote_n",
         "pf_stats",
     ),
 )
@@ -442,8 +412,6 @@ def recall_staged(
     stage_host: torch.Tensor,
     host_stage: torch.Tensor,
     stage_ctr: torch.Tensor,
-    promote_host: torch.Tensor,  # [CAP] int32 scratch
-    promote_n: torch.Tensor,  # [1] int32 scratch
     pf_stats: torch.Tensor,
 ) -> torch.Tensor:
     """``echo::recall`` (same output and pool semantics) whose staged misses are copied
@@ -465,8 +433,6 @@ def recall_staged(
         stage_host,
         host_stage,
         stage_ctr,
-        promote_host,
-        promote_n,
         pf_stats,
     )
     _check_recall_staged(*args)

@@ -3,11 +3,9 @@
 - ``indexer_topk_prefetch_cuda``: a fused scores + staging kernel (the variants of
   prefetch_scores.py), the unchanged exact top-k, the in-graph EMA update (``_ema_kernel``: one
   launch where the torch expression of ``update_ema`` took about ten small ones).
-- ``recall_staged_cuda``: ``_promote_kernel`` (the selected, staged, missing rows: one claim per
-  host slot by an atomic exchange on host_stage, appended with one atomic per block), then the
-  pool's own ``echo::free`` and ``echo::allocate`` for them (the normal protect / evict / allocate
-  path), ``_commit_kernel`` (copy staging -> pool, empty the staging buffer, statistics), then the
-  unchanged ``echo::recall`` for the remaining misses.
+- ``recall_staged_cuda``: ``echo::recall``'s launches with staging as the copy's second source
+  (a staged miss is read GPU -> GPU), then ``_clear_kernel`` (statistics, empty the staging
+  buffer, reset the claim counters).
 Static grids, live counts read on the device, no host syncs: CUDA-graph safe.
 """
 
@@ -22,7 +20,6 @@ from custom_ops.prefetch_layout import EMA_ALPHA, PF_PROMOTED, PF_STAGED, PF_STE
 from custom_ops.prefetch_scores import scores_variant
 
 LIST_BLOCK = 1024
-ROWS_PER_ITER = 4  # rows per copy iteration and program (staging -> pool, device memory)
 # staged rows per score block at most ("tile"); "post" gives a program rows x TPP / BT in all
 PF_ROWS = 8
 _S_PROMOTED = tl.constexpr(PF_PROMOTED)
@@ -117,77 +114,29 @@ def ema_update_cuda(ema, kth, seq_lens, block_table) -> None:
 
 
 @triton.jit
-def _promote_kernel(
-    host_slots, h2g, hstage, promote_host, promote_src, promote_n, total, cap, BLOCK: tl.constexpr
-):
+def _clear_kernel(stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """After the recall: count the staged rows and the promoted ones (staged rows now on the
+    GPU), empty the staging buffer; program 0 also resets the claim counters and counts the
+    step. A host slot staged twice (two requests sharing a page) is counted once: only one
+    exchange on host_stage sees its entry."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    h = tl.load(host_slots + offs, mask=offs < total, other=-1)
-    valid = h >= 0
-    g = tl.load(h2g + h, mask=valid, other=0)
-    s = tl.load(hstage + h, mask=valid & (g < 0), other=-1)
-    cand = valid & (g < 0) & (s >= 0)
-    # a host slot listed twice is promoted once: only one exchange sees its staging slot
-    old = tl.atomic_xchg(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=cand, sem="relaxed")
-    win = (cand & (old >= 0)).to(tl.int32)
-    nwin = tl.sum(win, 0)
-    base = tl.atomic_add(promote_n, nwin, mask=nwin > 0, sem="relaxed")
-    pos = base + tl.cumsum(win, 0) - 1
-    m = (win > 0) & (pos < cap)
-    tl.store(promote_host + pos, h, mask=m)
-    tl.store(promote_src + pos, old, mask=m)
-
-
-@triton.jit
-def _commit_kernel(
-    stage,
-    gpu_kv,
-    promote_src,
-    indices,
-    promote_n,
-    stage_host,
-    hstage,
-    pf_stats,
-    n_stage,
-    n_copy,
-    ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr,
-    RPI: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Programs [0, n_copy): pool[indices[i]] = staging[promote_src[i]] for i < n (slot -1: not
-    placed, the recall will fetch it). Programs after: empty the staging buffer, count it."""
-    pid = tl.program_id(0)
-    if pid < n_copy:
-        n = tl.load(promote_n)
-        cols = tl.arange(0, ROW_WP)
-        cmask = cols < ROW_W
-        for start in range(pid * RPI, n, n_copy * RPI):
-            r = start + tl.arange(0, RPI)
-            rm = r < n
-            src = tl.load(promote_src + r, mask=rm, other=0).to(tl.int64)
-            dst = tl.load(indices + r, mask=rm, other=-1)
-            ok = rm & (dst >= 0)
-            m2 = ok[:, None] & cmask[None, :]
-            v = tl.load(stage + src[:, None] * ROW_W + cols[None, :], mask=m2)
-            tl.store(gpu_kv + dst.to(tl.int64)[:, None] * ROW_W + cols[None, :], v, mask=m2)
-            tl.atomic_add(pf_stats + _S_PROMOTED, tl.sum(ok.to(tl.int64), 0), sem="relaxed")
-        if pid == 0:
-            tl.atomic_add(pf_stats + _S_STEPS, (n * 0 + 1).to(tl.int64), sem="relaxed")
-    else:
-        offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
-        h = tl.load(stage_host + offs, mask=offs < n_stage, other=-1)
-        live = h >= 0
-        tl.store(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=live)
-        tl.store(stage_host + offs, tl.full([BLOCK], -1, tl.int32), mask=live)
-        c = tl.sum(live.to(tl.int64), 0)
-        tl.atomic_add(pf_stats + _S_STAGED, c, mask=c > 0, sem="relaxed")
-
-
-def _n_copy(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 3  # TRITON_INTERPRET on CPU
+    h = tl.load(stage_host + offs, mask=offs < n_stage, other=-1)
+    live = h >= 0
+    old = tl.atomic_xchg(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=live, sem="relaxed")
+    first = live & (old >= 0)
+    g = tl.load(h2g + h, mask=first, other=-1)
+    tl.store(stage_host + offs, tl.full([BLOCK], -1, tl.int32), mask=live)
+    staged = tl.sum(live.to(tl.int64), 0)
+    promoted = tl.sum((first & (g >= 0)).to(tl.int64), 0)
+    tl.atomic_add(pf_stats + _S_STAGED, staged, mask=staged > 0, sem="relaxed")
+    tl.atomic_add(pf_stats + _S_PROMOTED, promoted, mask=promoted > 0, sem="relaxed")
+    if pid == 0:
+        for start in range(0, n_ctr, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            tl.store(stage_ctr + c, tl.zeros([BLOCK], tl.int32), mask=c < n_ctr)
+        tl.atomic_add(pf_stats + _S_STEPS, staged * 0 + 1, sem="relaxed")
 
 
 def recall_staged_cuda(
@@ -207,53 +156,13 @@ def recall_staged_cuda(
     stage_host,
     host_stage,
     stage_ctr,
-    promote_host,
-    promote_n,
     pf_stats,
 ):
-    hs = host_slots.reshape(-1)
-    total, cap = hs.numel(), indices.shape[0]
-    # the staging slots of the promoted rows reuse the pool's miss list as scratch: recall
-    # rewrites it from scratch afterwards
-    promote_src = miss_host
-    promote_n.zero_()
-    _promote_kernel[(max(1, triton.cdiv(total, LIST_BLOCK)),)](
-        hs,
-        host_to_gpu,
-        host_stage,
-        promote_host,
-        promote_src,
-        promote_n,
-        total,
-        cap,
-        BLOCK=LIST_BLOCK,
-        num_warps=4,
-    )
-    torch.clamp_(promote_n, max=cap)
-    maps = (gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta)
-    torch.ops.echo.free(*maps, hist, stats, host_slots, promote_n)
-    torch.ops.echo.allocate(*maps, promote_host, promote_n)
-    row_w = host_kv.shape[1] // 4
-    n_copy, n_stage = _n_copy(hs.device), stage_host.shape[0]
-    _commit_kernel[(n_copy + triton.cdiv(n_stage, LIST_BLOCK),)](
-        _words(stage_kv, "stage_kv"),
-        _words(gpu_kv, "gpu_kv"),
-        promote_src,
-        indices,
-        promote_n,
-        stage_host,
-        host_stage,
-        pf_stats,
-        n_stage,
-        n_copy,
-        ROW_W=row_w,
-        ROW_WP=triton.next_power_of_2(row_w),
-        RPI=ROWS_PER_ITER,
-        BLOCK=LIST_BLOCK,
-        num_warps=4,
-    )
-    stage_ctr.zero_()
-    return torch.ops.echo.recall(
+    """echo::recall's four launches, the copy reading staged misses from staging, then one
+    launch that empties the staging buffer."""
+    from custom_ops import cache_kernels
+
+    out = cache_kernels.recall_cuda(
         host_kv,
         gpu_kv,
         gpu_free,
@@ -266,4 +175,19 @@ def recall_staged_cuda(
         hist,
         stats,
         host_slots,
+        stage_kv=stage_kv,
+        host_stage=host_stage,
     )
+    n_stage = stage_host.shape[0]
+    _clear_kernel[(max(1, triton.cdiv(n_stage, LIST_BLOCK)),)](
+        stage_host,
+        host_stage,
+        host_to_gpu,
+        stage_ctr,
+        pf_stats,
+        n_stage,
+        stage_ctr.shape[0],
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
+    )
+    return out

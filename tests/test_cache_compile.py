@@ -26,9 +26,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_(kern, args, consts, name):
-    # Every constexpr must be given, defaults included (PDL, SKIP_CLEAN: off unless set).
+    # Every constexpr must be given, defaults included (PDL, SKIP_CLEAN, STAGED: as their defaults).
     names = kern.arg_names
-    consts = {**{k: v for k, v in (("PDL", False), ("SKIP_CLEAN", True)) if k in names},
+    consts = {**{k: v for k, v in (("PDL", False), ("SKIP_CLEAN", True), ("STAGED", False))
+                 if k in names},
               **consts}
     sig = {a: t for a, t in args}
     sig.update({k: "constexpr" for k in consts})
@@ -76,8 +77,8 @@ HK = [("prio", I32), ("meta", I32), ("hist", I32), ("want_ptr", I32), ("n_g", "i
 for pdl in (False, True):
     compile_(PS._hist_kernel, HK, dict(BLOCK=K.SCAN_BLOCK, PDL=pdl), f"hist[pdl={pdl}]")
 CP = [("host_kv", I32), ("gpu_kv", I32), ("miss_host", I32), ("h2g", I32), ("host_slots", I32),
-      ("out", I32), ("meta", I32), ("stats", I64), ("total", "i32"), ("n_copy", "i32"),
-      ("cap", "i32")]
+      ("out", I32), ("meta", I32), ("stats", I64), ("stage_kv", I32), ("hstage", I32),
+      ("total", "i32"), ("n_copy", "i32"), ("cap", "i32")]
 for upr in (41, 72):  # fp8 and bf16 rows
     for early, cache, own, units in ((True, "", True, K.COPY_UNITS), (False, ".cg", False, 1024)):
         ptx = compile_(LS._copy_out_kernel, CP, dict(UPR=upr, UNITS=units, BLOCK=K.LIST_BLOCK,
@@ -86,6 +87,11 @@ for upr in (41, 72):  # fp8 and bf16 rows
             print(f"FAIL copy[{upr},{early},{cache}]: no 16-byte loads in the PTX")
 compile_(LS._copy_out_kernel, CP, dict(UPR=41, UNITS=512, BLOCK=K.LIST_BLOCK, EARLY=True,
          CACHE="", OWN_FINAL=True, PDL=True), "copy[41, 512 units, pdl]")  # fmt: skip
+for upr in (41, 72):  # echo::recall_staged: staged misses read from staging, the rest from the host
+    ptx = compile_(LS._copy_out_kernel, CP, dict(UPR=upr, UNITS=K.COPY_UNITS, BLOCK=K.LIST_BLOCK,
+                   EARLY=True, CACHE="", OWN_FINAL=True, STAGED=True), f"copy[{upr}, staged]")
+    if ptx and not re.search(r"ld\.global\.v4\.b32", ptx):
+        print(f"FAIL copy[{upr}, staged]: no 16-byte loads in the PTX")
 compile_(LS._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
                              ("gpu_free", I8), ("meta", I32), ("total", "i32"), ("n_h", "i32")],
          dict(BLOCK=K.LIST_BLOCK), "release")
@@ -109,4 +115,4 @@ def test_every_cache_kernel_compiles_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 18, out[-3000:]
+    assert out.count("OK ") == 20, out[-3000:]

@@ -65,7 +65,7 @@ class LayerKV(nn.Module):
         if cfg.offload:
             self.pool = GpuPool(cfg, device)
             if cfg.prefetch != "off":
-                self.staging = Staging(cfg, device, self.pool.capacity)
+                self.staging = Staging(cfg, device)
         if cfg.prefill_tokens > 0:  # in both modes (CacheConfig.prefill_tokens says why)
             # one extra row: padding tokens of a chunk are written there and never read
             self.prefill_kv = torch.zeros(

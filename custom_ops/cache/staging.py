@@ -21,7 +21,7 @@ PREFETCH_STATS = ("prefetched_per_step", "prefetch_precision", "prefetch_coverag
 
 
 class Staging(nn.Module):
-    def __init__(self, cfg: CacheConfig, device: torch.device, capacity: int):
+    def __init__(self, cfg: CacheConfig, device: torch.device):
         super().__init__()
         self.cap = cfg.prefetch_cap
         self.ratio = cfg.prefetch_ratio if cfg.prefetch == "global" else 0.0
@@ -37,8 +37,6 @@ class Staging(nn.Module):
         buf("stage_ctr", torch.zeros(cfg.max_batch + 1, **i32))
         # thresholds keyed by a request's first host page (+ a dump entry for padded rows)
         buf("ema", torch.zeros(cfg.host_tokens // PAGE + 1, dtype=torch.float32, device=device))
-        buf("promote_host", torch.full((capacity,), -1, **i32))
-        buf("promote_n", torch.zeros(1, **i32))
         buf("totals", torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device))
 
     def select(self, index_k, host_kv, pool, q_fp8, weights, block_table, seq_lens, topk):
@@ -79,29 +77,24 @@ class Staging(nn.Module):
             self.stage_host,
             self.host_stage,
             self.stage_ctr,
-            self.promote_host,
-            self.promote_n,
             self.totals,
         )
 
     def stats(self, pool_stats: dict[str, float]) -> dict[str, float]:
-        """Prefetch metrics of the layer, from its running totals (one host sync):
-        prefetched rows per step, precision = promoted / staged (staged rows the exact top-k then
-        selected), coverage = promoted / misses (misses = promoted + rows recalled from the host),
-        and the hit rate with staged rows counted as misses."""
+        """Prefetch metrics of the layer, from its running totals (one host sync): prefetched
+        rows per step, precision = promoted / staged (staged rows the exact top-k then selected),
+        coverage = promoted / misses. The pool's own figures (hit rate, recalled rows) already
+        count a staged miss as a miss: the recall places it like any other, only its bytes come
+        from staging."""
         cand, staged, promoted, steps = self.totals.tolist()
-        misses = promoted + pool_stats["recalled"]
-        sel = pool_stats["selected"]
+        misses = pool_stats["recalled"]
         return {
             "prefetch_candidates": float(cand),
             "prefetched": float(staged),
             "prefetched_per_step": staged / steps if steps else 0.0,
             "prefetch_precision": promoted / staged if staged else 0.0,
             "prefetch_coverage": promoted / misses if misses else 0.0,
-            "hit_rate": 1.0 - misses / sel if sel else 1.0,
-            "recalled": float(misses),
-            "recalled_rows_per_step": misses / steps if steps else 0.0,
-            "host_copied": pool_stats["recalled"],
+            "host_copied": misses - promoted,
         }
 
     @torch.no_grad()
