@@ -69,7 +69,7 @@ verify)
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
      tests/test_distributed_ep.py tests/test_ties_fixup.py tests/test_cache_ops.py \
-     tests/test_cache_next_fit.py tests/test_decode_kernels.py) &
+     tests/test_decode_kernels.py) &
   if [ "$BACKENDS" = 1 ]; then
     (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
     # DeepGEMM's prefill scores (fp8_mqa_logits): vs the reference, exact sets, a compiled engine
