@@ -495,18 +495,18 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
         except Exception as e:
             sweep[f"scan_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
     K.SCAN_BLOCK = default
-    # allocate's one program: ranks per chunk (2048 slots: 2 dependent chunks at 1024).
-    default = K.ALLOC_BLOCK
-    for block in (2048, 1024):  # the default (1024) last
-        K.ALLOC_BLOCK = block
+    # allocate's one program: ranks per chunk (2048 slots: 2 dependent chunks at 1024) x warps.
+    defaults = K.ALLOC_BLOCK, K.ALLOC_WARPS
+    for block, warps in ((2048, 4), (2048, 8), (1024, 8), defaults):  # the default last
+        K.ALLOC_BLOCK, K.ALLOC_WARPS = block, warps
         try:
-            sweep[f"alloc_block_{block}"] = {
+            sweep[f"alloc_block_{block}_warps_{warps}"] = {
                 "allocate_37_us": bench_allocate(pool, 37, 32, gen, reps)["median_us"],
                 "allocate_2048_us": bench_allocate(pool, n, calls, gen, reps)["median_us"],
             }
         except Exception as e:
-            sweep[f"alloc_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
-    K.ALLOC_BLOCK = default
+            sweep[f"alloc_block_{block}_warps_{warps}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.ALLOC_BLOCK, K.ALLOC_WARPS = defaults
     # List programs (the protect/lookup stamps over B x k = 131072 entries: most of a steady free).
     default = K.LIST_BLOCK
     for block in (256, 512, 2048, 1024):  # the default (1024) last
