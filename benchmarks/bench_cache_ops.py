@@ -10,8 +10,9 @@ the timed window), so each replay does the same work. Every scenario is checked 
 under the scenario's name and the run goes on.
 
 Order: (1) correctness first: every kernel against its reference at full size, both row formats
-(``checks``: PASS/FAIL); (2) timings, each current op beside the pre-issue-18 kernels
-(``before.*``, benchmarks/cache_kernels_before.py) and with its kernel launches broken down
+(``checks``: PASS/FAIL); (2) timings, each op beside the pre-issue-18 kernels (``before.*``,
+benchmarks/cache_kernels_before.py, with their own int8 free flags) and with programmatic
+dependent launch (``pdl.*``), with its kernel launches broken down
 (``launches``: per kernel, launches per call and device us per launch, from the CUDA profiler);
 (3) SGLang's slice/concat free-list allocator as the baseline, same run; (4) a few launch
 configurations of the new kernels (``sweep``); (5) the targets of issue 18 (``targets_met``).
@@ -38,12 +39,8 @@ import torch
 
 from benchmarks.cache_ops_check import (
     BEFORE,
-    CURRENT,
     NEW,
-    NEXT_FIT,
     PDL,
-    PRELOAD,
-    ROUND2,
     Kernels,
     kernels_vs_reference,
     launch_breakdown,
@@ -79,6 +76,13 @@ def snapshot(pool: GpuPool, rows: bool = False) -> dict[str, torch.Tensor]:
 def restore(pool: GpuPool, snap: dict[str, torch.Tensor]) -> None:
     for n, t in snap.items():
         getattr(pool, n).copy_(t)
+
+
+def reset(pool: GpuPool, snap: dict[str, torch.Tensor], impl: Kernels) -> None:
+    """Before a run (and each replay): the pool as snapshotted, and the state of the kernel
+    generation's own (the old kernels' free flags) set from it."""
+    restore(pool, snap)
+    impl.prepare(pool)
 
 
 def time_graph(
@@ -151,11 +155,12 @@ def bench_recall(
     def call(hs):
         return lambda: outs.append(impl.recall(pool, host, hs))
 
-    r = time_graph([call(hs) for hs in steps], lambda: restore(pool, snap), reps)
+    r = time_graph([call(hs) for hs in steps], lambda: reset(pool, snap, impl), reps)
     # Check one replay: every miss recalled once, the last selection on the GPU, rows right.
-    restore(pool, snap)
+    reset(pool, snap, impl)
     r["graph"].replay()
     torch.cuda.synchronize()
+    impl.settle(pool)
     out = outs[-1]
     check_pool(pool, selected=steps[-1], gpu_slots=out)
     assert int(pool.totals[C.RECALLED] - snap["totals"][C.RECALLED]) == n_miss * n_steps
@@ -183,12 +188,13 @@ def bench_allocate(pool, n, calls, gen, reps, impl: Kernels = NEW) -> dict:
     cnt = torch.tensor([n], dtype=torch.int32, device=DEV)
     r = time_graph(
         [(lambda w=w: impl.allocate(pool, w, cnt)) for w in wants],
-        lambda: restore(pool, snap),
+        lambda: reset(pool, snap, impl),
         reps,
     )
-    restore(pool, snap)
+    reset(pool, snap, impl)
     r["graph"].replay()
     torch.cuda.synchronize()
+    impl.settle(pool)
     check_pool(pool)
     assert int(snap["meta"][C.NFREE] - pool.meta[C.NFREE]) == n * calls
     restore(pool, snap)
@@ -209,12 +215,13 @@ def bench_free(pool, n, calls, gen, reps, impl: Kernels = NEW, free_before: int 
     cnts = [torch.tensor([a], dtype=torch.int32, device=DEV) for a in asks]
     r = time_graph(
         [(lambda c=c: impl.free(pool, protect, c)) for c in cnts],
-        lambda: restore(pool, snap),
+        lambda: reset(pool, snap, impl),
         reps,
     )
-    restore(pool, snap)
+    reset(pool, snap, impl)
     r["graph"].replay()
     torch.cuda.synchronize()
+    impl.settle(pool)
     check_pool(pool)
     free, evictions = free_before, 0
     for a in asks:  # the free count the eviction rule of ``impl`` leads to
@@ -352,11 +359,12 @@ def recall_all_misses(
     hs = fresh[torch.randperm(fresh.numel(), generator=gen)[:n]].int().view(1, n).to(DEV)
     outs: list[torch.Tensor] = []
     r = time_graph(
-        [lambda: outs.append(impl.recall(pool, host, hs))], lambda: restore(pool, snap), reps
+        [lambda: outs.append(impl.recall(pool, host, hs))], lambda: reset(pool, snap, impl), reps
     )
-    restore(pool, snap)
+    reset(pool, snap, impl)
     r["graph"].replay()
     torch.cuda.synchronize()
+    impl.settle(pool)
     check_pool(pool, selected=hs, gpu_slots=outs[-1])
     assert int(pool.meta[C.LAST_MISS]) == n
     assert torch.equal(pool.gpu_kv[outs[-1].flatten().long()], host[hs.flatten().long()])
@@ -382,10 +390,9 @@ def bench_format(
 
     step(f"checks.{fmt}", lambda: check(NEW, fresh))
     fresh = fresh[B * TOPK :]  # the check's misses are not fresh any more
-    if fmt == "fp8":  # the switched-off paths the benchmark times, checked the same way
-        for tag, impl in (("pdl", PDL), ("next_fit", NEXT_FIT)):
-            step(f"checks.fp8_{tag}", lambda i=impl, f=fresh: check(i, f))
-            fresh = fresh[B * TOPK :]
+    if fmt == "fp8":  # the switched path the benchmark times, checked the same way
+        step("checks.fp8_pdl", lambda f=fresh: check(PDL, f))
+        fresh = fresh[B * TOPK :]
     box = {"fresh": fresh}
 
     def recall(n_miss: int, calls: int, free_before: int, impl: Kernels = NEW) -> Callable:
@@ -402,13 +409,7 @@ def bench_format(
     step(f"{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE))
     step(f"{fmt}.recall_37_misses_refill", recall(37, 1, 0))
     step(f"before.{fmt}.recall_37_misses", recall(37, 16, 0, BEFORE))
-    step(f"current.{fmt}.recall_37_misses", recall(37, 16, 0, CURRENT))
-    step(f"current.{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE, CURRENT))
-    step(f"round2.{fmt}.recall_37_misses", recall(37, 16, 0, ROUND2))
-    step(f"round2.{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE, ROUND2))
     if fmt == "fp8":
-        step("preload.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PRELOAD))
-        step("nf.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, NEXT_FIT))
         step("pdl.fp8.recall_37_misses", recall(37, 16, 0, PDL))
         step("pdl.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PDL))
         step("pdl.fp8.recall_37_misses_refill", recall(37, 1, 0, PDL))
@@ -438,8 +439,6 @@ def bench_format(
         (f"{fmt}.recall_2048_misses", NEW, 0),
         (f"{fmt}.recall_2048_misses_steady", NEW, n2k + STEADY_FREE),
         (f"before.{fmt}.recall_2048_misses", BEFORE, 0),
-        (f"current.{fmt}.recall_2048_misses_steady", CURRENT, n2k + STEADY_FREE),
-        (f"round2.{fmt}.recall_2048_misses_steady", ROUND2, n2k + STEADY_FREE),
         *(
             (
                 (f"pdl.{fmt}.recall_2048_misses", PDL, 0),
@@ -467,14 +466,11 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
     cap = pool.capacity
     n = min(2048, cap)  # 16 calls of 2048 fit the 100K free slots
     calls = min(16, N_G // 2 // n)
-    gens = (("", NEW), ("before.", BEFORE), ("current.", CURRENT), ("preload.", PRELOAD),
-            ("round2.", ROUND2), ("pdl.", PDL))  # fmt: skip
-    for tag, impl in gens:
+    for tag, impl in (("", NEW), ("before.", BEFORE), ("pdl.", PDL)):
         step(f"{tag}allocate_37", lambda i=impl: bench_allocate(pool, 37, 32, gen, reps, i))
         step(f"{tag}allocate_2048", lambda i=impl: bench_allocate(pool, n, calls, gen, reps, i))
-        if impl in (NEW, BEFORE, PDL):  # free has no next-fit path: the others' free is NEW's
-            step(f"{tag}free_37",
-                 lambda i=impl: bench_free(pool, 37, min(32, cap // 37), gen, reps, i))  # fmt: skip
+        step(f"{tag}free_37",
+             lambda i=impl: bench_free(pool, 37, min(32, cap // 37), gen, reps, i))  # fmt: skip
     for tag, impl in (("", NEW), ("pdl.", PDL)):
         step(f"{tag}free_37_steady",
              lambda i=impl: bench_free(pool, 37, 32, gen, reps, i, STEADY_FREE))  # fmt: skip
@@ -484,14 +480,14 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
             res[f"{tag}free_37"]["amortized_us"] = amortized(
                 rf["median_us"], st["median_us"], 37, cap
             )
-    # Launch configurations of the pool scans (allocate, free, recall's placement pass).
+    # Launch configurations of the pool passes (free's and recall's eviction/placement pass).
     default = K.SCAN_BLOCK
     sweep = {}
     for block in (2048, 4096, 1024):  # the default (1024) last, so it is left in place
         K.SCAN_BLOCK = block
         try:
             sweep[f"scan_block_{block}"] = {
-                "allocate_37_us": bench_allocate(pool, 37, 32, gen, reps)["median_us"],
+                "free_37_refill_us": bench_free(pool, 37, 1, gen, reps, NEW, 0)["median_us"],
                 "free_37_steady_us": bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE)[
                     "median_us"
                 ],
@@ -499,18 +495,18 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
         except Exception as e:
             sweep[f"scan_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
     K.SCAN_BLOCK = default
-    # Next fit's scan step (allocate; recall's steady placement uses the same helper).
-    default = K.NF_BLOCK
-    for block in (1024, 8192, 4096):  # the default (4096) last
-        K.NF_BLOCK = block
+    # allocate's one program: ranks per chunk (2048 slots: 2 dependent chunks at 1024) x warps.
+    defaults = K.ALLOC_BLOCK, K.ALLOC_WARPS
+    for block, warps in ((2048, 4), (2048, 8), (1024, 8), defaults):  # the default last
+        K.ALLOC_BLOCK, K.ALLOC_WARPS = block, warps
         try:
-            sweep[f"nf_block_{block}"] = {
+            sweep[f"alloc_block_{block}_warps_{warps}"] = {
                 "allocate_37_us": bench_allocate(pool, 37, 32, gen, reps)["median_us"],
                 "allocate_2048_us": bench_allocate(pool, n, calls, gen, reps)["median_us"],
             }
         except Exception as e:
-            sweep[f"nf_block_{block}"] = {"error": f"{type(e).__name__}: {e}"}
-    K.NF_BLOCK = default
+            sweep[f"alloc_block_{block}_warps_{warps}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.ALLOC_BLOCK, K.ALLOC_WARPS = defaults
     # List programs (the protect/lookup stamps over B x k = 131072 entries: most of a steady free).
     default = K.LIST_BLOCK
     for block in (256, 512, 2048, 1024):  # the default (1024) last
@@ -571,9 +567,9 @@ def targets_met(res: dict, tag: str = "") -> dict:
     return met
 
 
-def new_vs_current(res: dict, tag: str = "current") -> dict:
-    """Median us of each op timed with both the new kernels and ``tag``'s (current: the same module
-    with the second round's switches off; preload: with NF_PRELOAD on), and new / theirs."""
+def new_vs(res: dict, tag: str) -> dict:
+    """Median us of each op timed with both the new kernels and ``tag``'s (before: the kernels
+    before issue 18; pdl: with LAUNCH_PDL), and new / theirs."""
     out = {}
     for k, v in res.items():
         c = res.get(f"{tag}.{k}")
@@ -631,20 +627,14 @@ def main() -> None:
 
     res["targets_met"] = targets_met(res)
     res["targets_met_pdl"] = targets_met(res, "pdl.")
-    res["new_vs_current"] = new_vs_current(res)
-    res["new_vs_preload"] = new_vs_current(res, "preload")
-    res["new_vs_round2"] = new_vs_current(res, "round2")
-    res["new_vs_pdl"] = new_vs_current(res, "pdl")
-    res["new_vs_nf"] = new_vs_current(res, "nf")
+    res["new_vs_before"] = new_vs(res, "before")
+    res["new_vs_pdl"] = new_vs(res, "pdl")
     save()
-    print("\n| op (per layer) | median us | amortized us | pdl us | round2 us | current us | "
-          "before us |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("\n| op (per layer) | median us | amortized us | pdl us | before us |")
+    print("|---|---|---|---|---|")
     for k, v in res.items():
-        tags = ("before.", "current.", "preload.", "round2.", "pdl.", "nf.")
-        if isinstance(v, dict) and "median_us" in v and not k.startswith(tags):
-            cols = ("pdl.", "round2.", "current.", "before.")
-            others = [res.get(f"{t}{k}", {}).get("median_us") for t in cols]
+        if isinstance(v, dict) and "median_us" in v and not k.startswith(("before.", "pdl.")):
+            others = [res.get(f"{t}{k}", {}).get("median_us") for t in ("pdl.", "before.")]
             cells = [v["median_us"], v.get("amortized_us"), *others]
             print(f"| {k} | " + " | ".join("" if x is None else f"{x:.2f}" for x in cells) + " |")
     checks = {
@@ -655,7 +645,7 @@ def main() -> None:
     print("checks:", checks)
     print("targets met:", res["targets_met"])
     print("targets met with PDL:", res["targets_met_pdl"])
-    for tag in ("current", "preload", "round2", "pdl", "nf"):
+    for tag in ("before", "pdl"):
         print(f"new vs {tag}:", {k: round(v["ratio"], 3) for k, v in res[f"new_vs_{tag}"].items()})
 
 

@@ -1,7 +1,8 @@
 """Helpers of benchmarks/bench_cache_ops.py: the GPU correctness stage that runs before any timing
 (every cache kernel against its pure-torch reference at the benchmark's sizes, PASS/FAIL into the
 results, never aborting), the kernel generations the benchmark times side by side (the current
-kernels and the frozen pre-issue-18 copy), and the per-launch breakdown of a captured graph.
+kernels, with programmatic dependent launch, and the frozen pre-issue-18 copy), and the
+per-launch breakdown of a captured graph.
 """
 
 from __future__ import annotations
@@ -25,29 +26,64 @@ def state(pool) -> tuple[torch.Tensor, ...]:
 
 class Kernels:
     """The three pool ops of one kernel generation, called on a GpuPool's buffers (the launchers
-    directly: in a CUDA graph that is what the custom ops replay)."""
+    directly: in a CUDA graph that is what the custom ops replay). ``prepare`` (before a run, in
+    place, so also before each graph replay) and ``settle`` (after it, before checking the pool)
+    are for generations with state of their own (``Flagged``)."""
 
     def __init__(self, mod, reserve: bool):
         self.mod = mod
         self.reserve = reserve  # whether its evictions take the reserve (cache_ops.evict_target)
 
+    def state(self, pool) -> tuple[torch.Tensor, ...]:
+        return state(pool)
+
+    def prepare(self, pool) -> None:
+        pass
+
+    def settle(self, pool) -> None:
+        pass
+
     def allocate(self, pool, want: torch.Tensor, n: torch.Tensor) -> None:
-        self.mod.allocate_cuda(*state(pool), pool.indices, pool.meta, want, n)
+        self.mod.allocate_cuda(*self.state(pool), pool.indices, pool.meta, want, n)
 
     def free(self, pool, protect: torch.Tensor, n: torch.Tensor) -> None:
         self.mod.free_cuda(
-            *state(pool), pool.indices, pool.meta, pool.hist, pool.totals, protect, n
+            *self.state(pool), pool.indices, pool.meta, pool.hist, pool.totals, protect, n
         )
 
     def recall(self, pool, host: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
         return self.mod.recall_cuda(
-            host, pool.gpu_kv, *state(pool), pool.indices, pool.miss_host, pool.meta, pool.hist,
-            pool.totals, hs,
+            host, pool.gpu_kv, *self.state(pool), pool.indices, pool.miss_host, pool.meta,
+            pool.hist, pool.totals, hs,
         )  # fmt: skip
 
     def evicts(self, needed: int, n_g: int, cap: int) -> int:
         """Slots an eviction that needs ``needed`` takes (given enough evictable slots)."""
         return ref.evict_target(needed, n_g, cap) if self.reserve else max(needed, 0)
+
+
+class Flagged(Kernels):
+    """The frozen pre-issue-18 kernels keep the free slots as an int8 flag array (1 = free), not
+    the ring: they get a flag array of their own per pool, set from the pool (free <=> priority
+    -1) by ``prepare``; ``settle`` rebuilds the ring from the result (HEAD 0, slot order)."""
+
+    def __init__(self, mod):
+        super().__init__(mod, reserve=False)
+        self._flags: dict[int, torch.Tensor] = {}
+
+    def state(self, pool) -> tuple[torch.Tensor, ...]:
+        f = self._flags.get(id(pool))
+        if f is None or f.shape != pool.gpu_priority.shape or f.device != pool.gpu_free.device:
+            f = self._flags[id(pool)] = torch.empty_like(pool.gpu_priority, dtype=torch.int8)
+        return (f, *state(pool)[1:])
+
+    def prepare(self, pool) -> None:
+        self.state(pool)[0].copy_(pool.gpu_priority == -1)
+
+    def settle(self, pool) -> None:
+        free = torch.nonzero(pool.gpu_priority == -1).flatten()
+        pool.gpu_free[: free.numel()] = free.int()
+        pool.meta[C.HEAD] = 0
 
 
 class Switched(Kernels):
@@ -79,38 +115,8 @@ class Switched(Kernels):
 
 
 NEW = Kernels(cache_kernels, reserve=True)
-BEFORE = Kernels(cache_kernels_before, reserve=False)
-# The second round's next fit (allocate, and recall's steady placement of <= 128 misses), off by
-# default since the third round (cache_kernels.NF_MAX_MISSES): timed as nf.*.
-NF_ON = {"ALLOCATE_NEXT_FIT": True, "NF_MAX_MISSES": 128}
-NEXT_FIT = Switched(cache_kernels, reserve=True, switches=NF_ON)
-# Next fit reading want_host[:128] up front (cache_kernels.NF_PRELOAD; off by default until
-# measured: it uses tl.gather).
-PRELOAD = Switched(cache_kernels, reserve=True, switches={**NF_ON, "NF_PRELOAD": 128})
-# The kernels as the second round left them (the defaults of 2026-12-01 15:05): next fit on, the
-# copy's 512 units, every lookup block taking the claim path. new / round2 is this round's gain.
-ROUND2 = Switched(
-    cache_kernels,
-    reserve=True,
-    switches={**NF_ON, "COPY_UNITS": 512, "LOOKUP_SKIP_CLEAN": False},
-)
-# The kernels as they were before the next-fit change (a3d14a0): allocate and recall's steady
-# placement by the multi-program pass, the copy's list read after the count's, its finalisation by
-# program 0 after its share of the copy (its two stats atomics are relaxed now, as in NEW), 512
-# copy units, every lookup block taking the claim path.
-CURRENT = Switched(
-    cache_kernels,
-    reserve=True,
-    switches={
-        "ALLOCATE_NEXT_FIT": False,
-        "NF_MAX_MISSES": 0,
-        "COPY_EARLY": False,
-        "COPY_OWN_FINAL": False,
-        "COPY_UNITS": 512,
-        "LOOKUP_SKIP_CLEAN": False,
-    },
-)
-# NEW with programmatic dependent launch (cache_kernels.LAUNCH_PDL; off until measured).
+BEFORE = Flagged(cache_kernels_before)
+# NEW with programmatic dependent launch (cache_kernels.LAUNCH_PDL; off: measured mixed).
 PDL = Switched(cache_kernels, reserve=True, switches={"LAUNCH_PDL": True})
 
 
@@ -138,7 +144,7 @@ def same_up_to_ties(before, r, k) -> list[str]:
     both = inr & ink
     if not torch.equal(sr[both], sk[both]):
         bad.append("stamps differ")
-    keep = [C.CLOCK, C.NFREE, C.OVERFLOW, C.IDX_HW, C.LAST_EVICT, C.LAST_ALLOC]
+    keep = [C.CLOCK, C.NFREE, C.OVERFLOW, C.IDX_HW, C.LAST_EVICT, C.LAST_ALLOC, C.HEAD]
     if r.meta[keep].tolist() != k.meta[keep].tolist():
         bad.append(f"meta {r.meta[keep].tolist()} vs {k.meta[keep].tolist()}")
     if r.totals.tolist() != k.totals.tolist():
@@ -196,14 +202,16 @@ def kernels_vs_reference(pool, host, hs, protect, want, n_free: int, impl=None) 
         impl.allocate(k, w, n)
         check_pool(k, allow_overflow=True)
         bad = same_up_to_ties(pool, r, k)
+        if not torch.equal(r.gpu_to_host, k.gpu_to_host):  # one program: exact placement
+            bad.append("allocate placed rows elsewhere than the reference (the ring's head)")
         kk = int(k.meta[C.LAST_ALLOC])
         if not torch.equal(k.indices[:kk], k.host_to_gpu[w[:kk].long()]):
             bad.append("allocate's indices are not the placed slots in want order")
         return bad
 
     def recall_steady() -> list[str]:
-        # A step that evicts nothing with few misses: the next-fit path where it is on
-        # (NEXT_FIT), else the multi-program pass's handoff (no eviction, no DONE protocol).
+        # A step that evicts nothing with few misses: the placement pass's handoff (pops from
+        # the ring's head, no eviction, no DONE protocol; the copy launch finalises).
         non = torch.nonzero(pool.host_to_gpu < 0).flatten()
         n_miss = min(37, non.numel(), int(pool.meta[C.NFREE]))
         hits = protect.reshape(-1).long()

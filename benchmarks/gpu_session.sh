@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup overlap prefill cache_ops awq awq_gemv sampling fp8 calibrate
-#                                           # prefetch)
+#                                           # prefetch step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
 #                                           # env FULL_SYSTEMS, PREFETCH_POINTS, WEIGHTS_FORMATS: some runs)
@@ -69,7 +69,7 @@ verify)
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
      tests/test_distributed_ep.py tests/test_ties_fixup.py tests/test_cache_ops.py \
-     tests/test_cache_next_fit.py tests/test_decode_kernels.py) &
+     tests/test_decode_kernels.py) &
   if [ "$BACKENDS" = 1 ]; then
     (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
     # DeepGEMM's prefill scores (fp8_mqa_logits): vs the reference, exact sets, a compiled engine
@@ -104,8 +104,10 @@ time)
   on fp8 && stage bench_fp8 70 python -m benchmarks.bench_fp8 --batches 1,16,128 --budget-s 50 --out "$W/fp8_h200.json"
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"
-  on prefetch && stage bench_prefetch 110 python -m benchmarks.bench_prefetch --caps 64 --ratios 0.004 \
-    --pf-rows 8,16 --out "$W/prefetch_h200.json"
+  on prefetch && stage bench_prefetch 110 python -m benchmarks.bench_prefetch --caps 64 \
+    --ratios "${PF_RATIOS-0.002,0.004}" --pf-rows 8 --out "$W/prefetch_h200.json"
+  # the decode step's cache-management share at B = 1 / 16 / 64 (compiled offload vs GPU-only)
+  on step && stage bench_step 300 python -m benchmarks.bench_step --out "$W/step_h200.json"
   ;;
 e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this order; all of them
   # take ~15 minutes, more than a call: name the ones to run

@@ -8,16 +8,23 @@ allocate, how many misses) are read from device memory inside the kernels, so a 
 replays them with new values. No autotuning: these kernels mutate state.
 
 Cross-program coordination, and why it is race-free:
+- The free slots are a ring list (``gpu_free``, cache_ops.py): placement pops rank r at
+  HEAD + r, evictions and releases push at HEAD + NFREE + j. Within one launch the positions
+  popped and pushed are disjoint (free + freed <= N_G) and every program computes them from
+  HEAD and NFREE read at its start and a rank, so no program reads what another writes.
 - A kernel never reads a counter that another program of the same launch writes, except through
-  the atomic that writes it (ranking: the old value of one atomicAdd per block is the block's
+  the atomic that writes it (ranks: the old value of one atomicAdd per block is the block's
   base rank; the ranks inside a block come from a prefix sum).
-- The eviction/placement pass, whose results are totals over its programs, ends with
-  ``_last_program``: after a CTA barrier, one release/acquire atomic on meta[DONE]; the program
-  that sees DONE == grid - 1 is the last, every other program's writes are visible to it, and it
-  alone finalises (free count, stats) and resets the scratch counters with atomic exchanges. So
-  no separate reset launch is needed. The copy/output launch needs no totals: its last program
-  (one of its own) finalises (clock, stats, NMISS; after a placement pass that evicted nothing,
-  also the free count, IDX_HW and the rank counter), which no other program of that launch reads.
+- allocate is one program: it reads the counts, places, and writes HEAD, NFREE and IDX_HW
+  itself (no rank atomic, no DONE protocol).
+- The eviction/placement pass and release, whose results are totals over their programs, end
+  with ``_last_program``: after a CTA barrier, one release/acquire atomic on meta[DONE]; the
+  program that sees DONE == grid - 1 is the last, every other program's writes are visible to
+  it, and it alone finalises (HEAD, free count, stats) and resets the scratch counters with
+  atomic exchanges. So no separate reset launch is needed. The copy/output launch needs no
+  totals: its last program (one of its own) finalises (clock, stats, NMISS; after a placement
+  pass that evicted nothing, also HEAD, the free count and IDX_HW), which no other program of
+  that launch reads.
 - Ops made of several launches (free, recall) hand values from one launch to the next through
   meta; launches on one stream are ordered.
 - A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
@@ -41,12 +48,12 @@ from custom_ops.cache_list_kernels import (
     _offload_kernel,
     _release_kernel,
 )
-from custom_ops.cache_pool_kernels import _evict_place_kernel, _hist_kernel
+from custom_ops.cache_pool_kernels import _allocate_kernel, _evict_place_kernel, _hist_kernel
 
 # Launch configuration (chosen by reasoning, not measured: see docs/cache_ops.md; the benchmark
-# can try others). Pool scans: 196 programs of 1024 slots at N_G = 200K, ~1.5 per SM, one atomic
-# per block; a scan is latency-bound (a few dependent round trips), not bandwidth-bound.
-SCAN_BLOCK = 1024  # pool slots per program in pool scans (allocate, free, recall)
+# can try others). Pool passes: 196 programs of 1024 slots at N_G = 200K, ~1.5 per SM, one atomic
+# per block; a pass is latency-bound (a few dependent round trips), not bandwidth-bound.
+SCAN_BLOCK = 1024  # pool slots (and miss ranks) per program of the eviction/placement pass
 SCAN_WARPS = 4
 LIST_BLOCK = 1024  # list entries per program (lookup, output, release)
 LIST_WARPS = 4  # warps per lookup program (the benchmark also tries 8: more gathers in flight)
@@ -54,27 +61,10 @@ LIST_WARPS = 4  # warps per lookup program (the benchmark also tries 8: more gat
 # three dependent round trips; in a steady step of 37 misses >= 91 of the 128 blocks have none).
 LOOKUP_SKIP_CLEAN = True
 PAD_BLOCK = 1024  # index-buffer entries per padding store
-# Next-fit placement (one program, no atomics, no cross-program protocol): allocate always, and
-# recall when nothing is evicted and it has at most NF_MAX_MISSES misses. A scan step reads
-# NF_BLOCK free bits (4 KB: 16 per thread in allocate's one program of NF_WARPS, 32 in recall's
-# program 0, which has the pass's SCAN_WARPS); at the ~1.6% free density the reserve leaves
-# (N_G/64 slots) one step finds ~64 free slots, so a 37-miss step is one step. NF_MAX_MISSES = 0
-# turns it off for recall (the multi-program pass places everything, as before).
-# Off by default since the third round of issue 18: on the H200 (2026-12-01 15:05 run, device us
-# per launch) next fit's one program took 5.16 us to place a steady recall's 37 misses against
-# 2.84 us for the multi-program pass, and allocate 37 / 2048 took 4.57 / 9.38 us against 4.50 /
-# 6.12 us (its scan steps and round trips are serial). The benchmark still times it (nf.*).
-NF_BLOCK = 4096
-NF_WARPS = 8
-NF_MAX_MISSES = 0  # 128 to turn next fit on for recall
-# ... and when the scan it expects (misses x N_G / free slots, for free slots spread evenly) is at
-# most NF_MAX_SCAN slots (4 scan steps): a pool nearly out of free slots (the step before a
-# refill) takes the multi-program pass instead of a long serial scan.
-NF_MAX_SCAN = 4 * NF_BLOCK
-# want_host entries next fit reads up front (a power of two; 0 = off). Off by default: it uses
-# tl.gather, not yet run on the H200's Triton; the benchmark's sweep times and checks it.
-NF_PRELOAD = 0
-ALLOCATE_NEXT_FIT = False  # True: allocate places by next fit (the benchmark times both)
+# allocate's one program: ranks per chunk (37 or 2048 slots are 1 or 2 dependent chunks) and
+# its warps (8 ranks per thread at 4).
+ALLOC_BLOCK = 1024
+ALLOC_WARPS = 4
 # 16-byte units per copy program and iteration (16 KB, 8 per thread at 4 warps): 264 programs
 # then move a 2048-row fp8 recall (84K units) in one wave. 1024 since the third round: the
 # fastest swept shape in both H200 runs of 2026-12-01 (2048 fp8 rows at 40.8 GB/s against 36.3
@@ -86,12 +76,12 @@ COPY_EARLY = True  # issue the first list read beside the count's (False: after 
 COPY_OWN_FINAL = True  # the copy launch's finalisation in a program of its own (False: program 0)
 COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2 only, no L1)
 # Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,
-# eviction/placement, copy) and allocate (the eviction/placement kernel): each launch may start
+# eviction/placement, copy) and allocate (its one program): each launch may start
 # while the one before finishes, and its programs wait (griddepcontrol.wait) for it before their
 # first read, so the results are those of the plain launches; what overlaps is the launch
 # latency between dependent launches (the H200 run of 2026-12-01 15:05: free's three launches,
-# 6.5 us of device time, two of them returning at once, took 7.9 us). Off until measured (the
-# benchmark times it as pdl.*).
+# 6.5 us of device time, two of them returning at once, took 7.9 us). Off: measured mixed in the
+# third round (docs/cache_ops.md); the benchmark times it as pdl.*.
 LAUNCH_PDL = False
 
 
@@ -137,27 +127,11 @@ def _grid(n: int, block: int) -> tuple[int]:
 
 
 def _evict_place(
-    gpu_free,
-    gpu_priority,
-    gpu_to_host,
-    host_to_gpu,
-    indices,
-    meta,
-    hist,
-    stats,
-    want,
-    want_host,
-    evict: bool,
+    gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, want, want_host,
     place: bool,
-    write_idx: bool,
-    handoff: bool = False,
-    nf_max: int = 0,
-    nf_scan: int = 0,
-    one_program: bool = False,
-) -> None:
+) -> None:  # fmt: skip
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
-    grid = (1,) if one_program else _grid(n_g, SCAN_BLOCK)
-    _evict_place_kernel[grid](
+    _evict_place_kernel[_grid(n_g, SCAN_BLOCK)](
         gpu_priority,
         gpu_free,
         gpu_to_host,
@@ -171,18 +145,10 @@ def _evict_place(
         n_g,
         cap,
         C.reserve_slots(n_g),
-        nf_max,
-        nf_scan if nf_max else 0,
-        EVICT=evict,
         PLACE=place,
-        WRITE_IDX=write_idx,
-        PAD_IDX=evict or write_idx,
-        HANDOFF=handoff,
         BLOCK=SCAN_BLOCK,
         PAD=PAD_BLOCK,
-        NF_BLOCK=NF_BLOCK,
-        NF_PRE=NF_PRELOAD,
-        num_warps=NF_WARPS if one_program else SCAN_WARPS,
+        num_warps=SCAN_WARPS,
         **_pdl(gpu_free.device),
     )
 
@@ -202,26 +168,23 @@ def _hist(gpu_priority, meta, hist, want, n_g: int, cap: int) -> None:
 
 
 def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, want_host, n):
-    """1 launch: with ALLOCATE_NEXT_FIT one program placing by next fit (no atomics, no
-    cross-program protocol), else the multi-program placement pass."""
-    nf = ALLOCATE_NEXT_FIT
-    _evict_place(
+    """1 launch of one program: pop min(n, free) slots off the ring's head, in want order."""
+    _allocate_kernel[(1,)](
         gpu_free,
         gpu_priority,
         gpu_to_host,
         host_to_gpu,
         indices,
         meta,
-        meta,
-        meta,
-        n,
         want_host,
-        evict=False,
-        place=True,
-        write_idx=True,
-        nf_max=indices.shape[0] if nf else 0,
-        nf_scan=-1,  # one program: next fit whatever the scan
-        one_program=nf,
+        n,
+        gpu_to_host.shape[0],
+        indices.shape[0],
+        want_host.numel(),
+        BLOCK=ALLOC_BLOCK,
+        PAD=PAD_BLOCK,
+        num_warps=ALLOC_WARPS,
+        **_pdl(gpu_free.device),
     )
 
 
@@ -247,20 +210,9 @@ def free_cuda(
     )
     _hist(gpu_priority, meta, hist, n, gpu_to_host.shape[0], indices.shape[0])
     _evict_place(
-        gpu_free,
-        gpu_priority,
-        gpu_to_host,
-        host_to_gpu,
-        indices,
-        meta,
-        hist,
-        stats,
-        n,
-        indices,
-        evict=True,
+        gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, n, indices,
         place=False,
-        write_idx=False,
-    )
+    )  # fmt: skip
 
 
 def recall_cuda(
@@ -280,8 +232,9 @@ def recall_cuda(
     host_stage=None,
 ) -> torch.Tensor:
     """4 launches: lookup (protect hits, claim misses), histogram (returns at once unless an
-    eviction is due), eviction + placement in one pass, row copy + output. With ``stage_kv`` /
-    ``host_stage`` (echo::recall_staged) a staged miss is copied from staging."""
+    eviction is due), eviction + placement in one pass, row copy + output (whose last program
+    finalises a placement that evicted nothing: the handoff). With ``stage_kv`` / ``host_stage``
+    (echo::recall_staged) a staged miss is copied from staging."""
     hs = host_slots.reshape(-1)
     total, cap, n_g = hs.numel(), indices.shape[0], gpu_to_host.shape[0]
     out = torch.empty_like(host_slots)
@@ -303,23 +256,9 @@ def recall_cuda(
     )
     _hist(gpu_priority, meta, hist, n_miss, n_g, cap)
     _evict_place(
-        gpu_free,
-        gpu_priority,
-        gpu_to_host,
-        host_to_gpu,
-        indices,
-        meta,
-        hist,
-        stats,
-        n_miss,
-        miss_host,
-        evict=True,
-        place=True,
-        write_idx=False,
-        handoff=True,  # the copy launch right after finalises the placement
-        nf_max=NF_MAX_MISSES,
-        nf_scan=NF_MAX_SCAN,
-    )
+        gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, n_miss,
+        miss_host, place=True,
+    )  # fmt: skip
     copy_rows(
         host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1),
         stage_kv=stage_kv, host_stage=host_stage,
@@ -393,6 +332,7 @@ def release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_sl
         meta,
         hs.numel(),
         host_to_gpu.shape[0],
+        gpu_to_host.shape[0],
         BLOCK=LIST_BLOCK,
         num_warps=4,
     )

@@ -10,18 +10,18 @@ import torch
 
 # ---- meta layout (int32) ------------------------------------------------------------------------
 CLOCK = 0  # current step clock, in [0, CLOCK_MASK]
-NFREE = 1  # number of free slots (== gpu_free.sum() between ops)
+NFREE = 1  # number of free slots: the ring gpu_free[(HEAD + i) % N_G], i < NFREE, lists them
 OVERFLOW = 2  # sticky count of requests that could not be met (capacity violated)
 IDX_HW = 3  # indices[IDX_HW:] are all -1 (lets kernels pad only what the last call wrote)
 NMISS = 4  # scratch: distinct misses of the running recall
-ALLOC_CTR = 5  # scratch: allocate's ranking counter
-VICT_CTR = 6  # scratch: free's victim counter
+ALLOC_CTR = 5  # scratch: recall's placement handed to the copy launch (new HEAD + 1; 0 = not)
+VICT_CTR = 6  # scratch: free's victim counter (release's push counter)
 EQ_CTR = 7  # scratch: free's rank counter inside the threshold bucket
 DONE = 8  # scratch: programs finished (the last one finalises and resets the scratch)
 LAST_ALLOC = 9  # slots taken by the last allocate / recall
 LAST_EVICT = 10  # slots evicted by the last free / recall
 LAST_MISS = 11  # distinct misses of the last recall
-CURSOR = 12  # next-fit placement: where the next scan for free slots starts (any value is valid)
+HEAD = 12  # where the ring of free slots (gpu_free) starts, in [0, N_G)
 META_LEN = 16
 SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE)
 

@@ -29,11 +29,14 @@ from custom_ops.cache_constexpr import (
     IDX_ROW_W,
     M_ALLOC_CTR,
     M_CLOCK,
+    M_DONE,
+    M_HEAD,
     M_IDX_HW,
     M_LAST_ALLOC,
     M_LAST_MISS,
     M_NFREE,
     M_NMISS,
+    M_VICT_CTR,
     PAGE_C,
     PENDING,
     S_RECALLED,
@@ -51,6 +54,14 @@ def _pdl_start():
     previous launch, as without PDL; only the launch latency overlaps. Not for the interpreter."""
     gdc_launch_dependents()
     gdc_wait()
+
+
+@triton.jit
+def _last_program(meta):
+    """True in the last program of the grid to get here; every program must call it once."""
+    tl.debug_barrier()  # all threads' stores of this program are issued before the release
+    done = tl.atomic_add(meta + M_DONE, 1, sem="acq_rel")
+    return done == tl.num_programs(0) - 1
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -224,6 +235,7 @@ def _copy_out_kernel(
         tl.store(meta + M_NMISS, 0)
         if handed > 0:  # the placement pass handed its finalisation over
             tl.store(meta + M_NFREE, nfree - nalloc)
+            tl.store(meta + M_HEAD, handed - 1)  # the ring's head after the pass's pops
             tl.store(meta + M_ALLOC_CTR, 0)
             tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
         tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
@@ -232,11 +244,19 @@ def _copy_out_kernel(
 
 
 @triton.jit
-def _release_kernel(host_slots, h2g, g2h, prio, gpu_free, meta, total, n_h, BLOCK: tl.constexpr):
-    """Drop host slots from the maps; the exchange makes duplicates in the list free once."""
+def _release_kernel(
+    host_slots, h2g, g2h, prio, ring, meta, total, n_h, n_g, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Drop host slots from the maps (the exchange makes duplicates in the list free once) and
+    push their GPU slots onto the ring of free slots behind its last entry: position
+    HEAD + NFREE + j, j from one atomicAdd per block on meta[VICT_CTR] plus a prefix sum. The
+    last program (meta[DONE]) adds the count to NFREE and resets the counter, so no program
+    reads NFREE after another changed it."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1)
+    head = tl.load(meta + M_HEAD)
+    nfree = tl.load(meta + M_NFREE)
     valid = (h >= 0) & (h < n_h)
     h = tl.where(valid, h, 0).to(tl.int32)
     old = tl.atomic_xchg(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid, sem="relaxed")
@@ -244,10 +264,16 @@ def _release_kernel(host_slots, h2g, g2h, prio, gpu_free, meta, total, n_h, BLOC
     minus1 = tl.full([BLOCK], -1, tl.int32)
     tl.store(g2h + old, minus1, mask=rel)
     tl.store(prio + old, minus1, mask=rel)
-    tl.store(gpu_free + old, tl.full([BLOCK], 1, tl.int8), mask=rel)
-    c = tl.sum(rel.to(tl.int32), axis=0)
+    ri = rel.to(tl.int32)
+    c = tl.sum(ri, axis=0)
     if c > 0:
-        tl.atomic_add(meta + M_NFREE, c, sem="relaxed")
+        j = tl.atomic_add(meta + M_VICT_CTR, c, sem="relaxed") + tl.cumsum(ri, axis=0) - 1
+        pos = head + nfree + j
+        tl.store(ring + tl.where(pos >= n_g, pos - n_g, pos), old, mask=rel)
+    if _last_program(meta):
+        pushed = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
+        tl.store(meta + M_NFREE, nfree + pushed)
+        tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")
 
 
 @triton.jit

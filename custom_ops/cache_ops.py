@@ -5,7 +5,10 @@ specification its Triton kernel (the CUDA kernel; launchers in cache_kernels.py)
 against. The state layout (``meta``, ``stats``, age buckets) is in cache_layout.py.
 
 Per-layer state (all fixed-shape buffers of ``GpuPool``, docs/cache_ops.md "State"):
-- ``gpu_free [N_G] int8``: 1 = slot free.
+- ``gpu_free [N_G] int32``: the free slots as a ring list: ``gpu_free[(HEAD + i) % N_G]`` for
+  i < meta[NFREE], each free slot exactly once (HEAD = meta[HEAD]; other entries unspecified).
+  Placement pops from HEAD in rank order, evictions and releases push behind the last entry, so
+  placing is a gather by rank (no scan of the pool). A slot is free <=> its priority is -1.
 - ``gpu_priority [N_G] int32``: the step clock when the slot was last selected or filled; -1 free.
 - ``gpu_to_host [N_G] int32`` / ``host_to_gpu [N_H] int32``: the two maps, -1 = none.
 - ``indices [CAP] int32``: output of allocate / free (slots taken or evicted), -1 padded.
@@ -43,6 +46,7 @@ from custom_ops.cache_layout import (
     CLOCK,
     CLOCK_MASK,
     EVICTED,
+    HEAD,
     IDX_HW,
     LAST_ALLOC,
     LAST_EVICT,
@@ -74,7 +78,7 @@ def _check_state(
     n_g = gpu_to_host.shape[0] if gpu_to_host.dim() == 1 else -1
     n_h = host_to_gpu.shape[0] if host_to_gpu.dim() == 1 else -1
     want = {
-        "gpu_free": (gpu_free, torch.int8, n_g),
+        "gpu_free": (gpu_free, torch.int32, n_g),
         "gpu_priority": (gpu_priority, torch.int32, n_g),
         "gpu_to_host": (gpu_to_host, torch.int32, n_g),
         "host_to_gpu": (host_to_gpu, torch.int32, n_h),
@@ -117,9 +121,31 @@ def _write_indices(indices: torch.Tensor, meta: torch.Tensor, slots: torch.Tenso
     meta[IDX_HW] = slots.numel()
 
 
+def _unique_in_order(x: torch.Tensor) -> torch.Tensor:
+    """The distinct values of x in the order of their first appearance."""
+    if not x.numel():
+        return x
+    uniq, inv = torch.unique(x, return_inverse=True)
+    first = torch.full_like(uniq, x.numel()).scatter_reduce_(
+        0, inv, torch.arange(x.numel(), device=x.device), "amin"
+    )
+    return uniq[first.argsort()]
+
+
+def _push_ref(gpu_free, meta, slots: torch.Tensor) -> None:
+    """Append ``slots`` (in their order) to the ring of free slots, behind its last entry."""
+    n_g = gpu_free.numel()
+    pos = (int(meta[HEAD]) + int(meta[NFREE]) + torch.arange(slots.numel())) % n_g
+    gpu_free[pos.to(gpu_free.device)] = slots.to(torch.int32)
+    meta[NFREE] += slots.numel()
+
+
 def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, stats, needed: int):
     """Evict evict_target(needed) evictable slots (at least ``needed``, else OVERFLOW), oldest
-    bucket first, lowest slot index first within one."""
+    bucket first, lowest slot index first within one. The victims, in slot order (a one-block
+    kernel pass ranks them so), go to ``indices`` and victim v is pushed at ring position
+    HEAD + NFREE + v: a recall's placement right after pops the old free slots first, then the
+    victims in their order, as the kernel's fused pass does."""
     clock = int(meta[CLOCK])
     p = gpu_priority.long()
     age = (clock - p) & CLOCK_MASK
@@ -128,13 +154,12 @@ def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, 
     victims = torch.empty(0, dtype=torch.long, device=p.device)
     if k > 0:
         bucket = torch.where(evictable, age_bucket(age), -1)
-        victims = torch.sort(bucket, descending=True, stable=True).indices[:k]
+        victims = torch.sort(bucket, descending=True, stable=True).indices[:k].sort().values
         host_to_gpu[gpu_to_host[victims].long()] = -1
         gpu_to_host[victims] = -1
         gpu_priority[victims] = -1
-        gpu_free[victims] = 1
+    _push_ref(gpu_free, meta, victims)
     _write_indices(indices, meta, victims)
-    meta[NFREE] += k
     meta[LAST_EVICT] = k
     stats[EVICTED] += k
     if k < needed:
@@ -143,15 +168,17 @@ def _evict_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, 
 
 def _place_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, want: torch.Tensor,
                requested: int):
-    """Map the distinct, non-resident host slots ``want`` (int64) onto the lowest free slots;
-    fewer than ``requested`` placed counts as an overflow."""
-    n = want.numel()
-    slots = torch.nonzero(gpu_free).flatten()[:n]
-    k = slots.numel()
+    """Map the distinct, non-resident host slots ``want`` (int64) onto the free slots popped from
+    the ring's head in rank order (rank r takes gpu_free[(HEAD + r) % N_G]); fewer than
+    ``requested`` placed counts as an overflow."""
+    n_g = gpu_free.numel()
+    k = min(want.numel(), int(meta[NFREE]))
+    pos = (int(meta[HEAD]) + torch.arange(k)) % n_g
+    slots = gpu_free[pos.to(gpu_free.device)].long()
     gpu_to_host[slots] = want[:k].to(torch.int32)
     host_to_gpu[want[:k]] = slots.to(torch.int32)
     gpu_priority[slots] = meta[CLOCK]
-    gpu_free[slots] = 0
+    meta[HEAD] = (int(meta[HEAD]) + k) % n_g
     meta[NFREE] -= k
     meta[LAST_ALLOC] = k
     if k < requested:
@@ -207,7 +234,9 @@ def recall_ref(
     g = torch.where(valid, host_to_gpu[hc].long(), -1)
     hit = g >= 0
     gpu_priority[g[hit]] = clock  # protect: age 0 is never evicted in this step
-    miss = torch.unique(hs[valid & ~hit])  # duplicates within the batch are recalled once
+    # Duplicates within the batch are recalled once; the misses in the order of their first
+    # appearance (the kernel's miss list, with one lookup block and no duplicate misses).
+    miss = _unique_in_order(hs[valid & ~hit])
     stats[SELECTED] += int(valid.sum())
     # At most CAP misses are placed (the kernel's miss list); more only if the caller broke the
     # capacity rule: the rest stay -1 in the output and count as an overflow.
@@ -236,12 +265,14 @@ def release_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slo
     h = h[h >= 0]
     _host_in_range("release", "host_slots", h, host_to_gpu.shape[0])
     g = host_to_gpu[h].long()
-    g = torch.unique(g[g >= 0])
+    g = g[g >= 0]
+    # The GPU slots in the order of their first appearance in the list (a host slot listed twice
+    # is freed once): the order they are pushed onto the ring in.
+    g = _unique_in_order(g)
     host_to_gpu[h] = -1
     gpu_to_host[g] = -1
     gpu_priority[g] = -1
-    gpu_free[g] = 1
-    meta[NFREE] += g.numel()
+    _push_ref(gpu_free, meta, g)
 
 
 def offload_ref(host_kv, index_k, rows, index_rows, slots) -> None:

@@ -1,6 +1,12 @@
-"""Triton kernels of the cache-manager ops that scan the GPU pool (grids sized by the pool):
-free's age histogram and the eviction + placement pass (free, recall, allocate), with its
-next-fit placement; launched by cache_kernels.py, whose docstring gives the coordination."""
+"""Triton kernels of the cache-manager ops that work on the GPU pool's state: free's age
+histogram, the eviction + placement pass (free, recall) and allocate's one-program placement;
+launched by cache_kernels.py, whose docstring gives the coordination.
+
+The free slots are a ring list (``gpu_free``, int32: ``gpu_free[(HEAD + i) % N_G]`` for
+i < NFREE, cache_ops.py): placement pops rank r from position HEAD + r, an eviction pushes
+victim v at HEAD + NFREE + v. Pops and pushes of one launch never touch the same positions
+(free + freed <= N_G), and both depend only on HEAD, NFREE (read at the start) and the rank, so
+no program reads what another writes in that launch."""
 
 from __future__ import annotations
 
@@ -13,9 +19,9 @@ from custom_ops.cache_constexpr import (
     CLOCK_MASK,
     M_ALLOC_CTR,
     M_CLOCK,
-    M_CURSOR,
     M_DONE,
     M_EQ_CTR,
+    M_HEAD,
     M_IDX_HW,
     M_LAST_ALLOC,
     M_LAST_EVICT,
@@ -25,7 +31,7 @@ from custom_ops.cache_constexpr import (
     NBINS,
     S_EVICTED,
 )
-from custom_ops.cache_list_kernels import _pdl_start
+from custom_ops.cache_list_kernels import _last_program, _pdl_start
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -38,11 +44,9 @@ def _bucket(age):
 
 
 @triton.jit
-def _last_program(meta):
-    """True in the last program of the grid to get here; every program must call it once."""
-    tl.debug_barrier()  # all threads' stores of this program are issued before the release
-    done = tl.atomic_add(meta + M_DONE, 1, sem="acq_rel")
-    return done == tl.num_programs(0) - 1
+def _wrap(pos, n_g):
+    """pos mod N_G for pos in [0, 2 N_G): ring positions past the end wrap once."""
+    return tl.where(pos >= n_g, pos - n_g, pos)
 
 
 @triton.jit
@@ -54,64 +58,16 @@ def _pad(indices, lo, hi, pid, nprog, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _next_fit(
-    gpu_free,
-    prio,
-    g2h,
-    h2g,
-    indices,
-    meta,
-    want_host,
-    n,
-    n_g,
-    clock,
-    WRITE_IDX: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PRE: tl.constexpr,
-):
-    """One program: take the first n free slots at or after meta[CURSOR] in pool order (wrapping
-    once round the pool), map rank r to want_host[r], move the cursor past the last one taken;
-    return how many were taken (< n only when the pool has fewer free slots). The steps of the
-    scan are dependent (each needs the count found so far), so it is for small n or dense free
-    slots: the cursor makes consecutive calls continue where the last stopped (next fit), so
-    the calls of one sweep of the pool read each free bit about once between them."""
-    if PRE > 0:
-        # want_host[:PRE] read beside the cursor, ranks < PRE then taken from registers
-        # (tl.gather): one dependent round trip less per call (count -> free bits -> stores).
-        pre_i = tl.arange(0, PRE)
-        pre = tl.load(want_host + pre_i, mask=pre_i < n, other=0)
-    start = tl.load(meta + M_CURSOR)
-    start = tl.where((start >= 0) & (start < n_g), start, 0)
-    found = n * 0
-    scanned = n * 0
-    last = start - 1
-    ar = tl.arange(0, BLOCK)
-    while (found < n) & (scanned < n_g):
-        i = scanned + ar  # linear position from the cursor
-        lin = start + i
-        offs = tl.where(lin >= n_g, lin - n_g, lin)
-        f = tl.load(gpu_free + offs, mask=i < n_g, other=0) != 0
-        fi = f.to(tl.int32)
-        rank = found + tl.cumsum(fi, axis=0) - 1
-        take = f & (rank < n)
-        if PRE > 0:
-            h_pre = tl.gather(pre, tl.minimum(tl.maximum(rank, 0), PRE - 1), 0)
-            h_mem = tl.load(want_host + rank, mask=take & (rank >= PRE), other=0)
-            h = tl.where(rank < PRE, h_pre, h_mem)
-        else:
-            h = tl.load(want_host + rank, mask=take, other=0)
-        tl.store(g2h + offs, h, mask=take)
-        tl.store(h2g + h, offs, mask=take)  # h was PENDING (recall) or absent (allocate)
-        tl.store(prio + offs, tl.zeros([BLOCK], tl.int32) + clock, mask=take)
-        tl.store(gpu_free + offs, tl.zeros([BLOCK], tl.int8), mask=take)
-        if WRITE_IDX:
-            tl.store(indices + rank, offs, mask=take)
-        last = tl.maximum(last, tl.max(tl.where(take, lin, -1), axis=0))
-        found = tl.minimum(found + tl.sum(fi, axis=0), n)
-        scanned += BLOCK
-    nxt = last + 1
-    tl.store(meta + M_CURSOR, tl.where(nxt >= n_g, nxt - n_g, nxt))
-    return found
+def _pop(ring, prio, g2h, h2g, indices, r, h, k, head, n_g, clock, WRITE_IDX: tl.constexpr):
+    """Ranks r < k take the ring's entries at HEAD + r and map host slot h (want_host[r]) there,
+    stamped with the clock; with WRITE_IDX the slot goes to indices[r]."""
+    m = r < k
+    s = tl.load(ring + _wrap(head + r, n_g), mask=m, other=0)
+    tl.store(g2h + s, h, mask=m)
+    tl.store(h2g + h, s, mask=m)  # h was PENDING (recall) or absent (allocate)
+    tl.store(prio + s, tl.zeros_like(r) + clock, mask=m)
+    if WRITE_IDX:
+        tl.store(indices + r, s, mask=m)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -135,9 +91,55 @@ def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _allocate_kernel(
+    ring,
+    prio,
+    g2h,
+    h2g,
+    indices,
+    meta,
+    want_host,
+    want_ptr,
+    n_g,
+    cap,
+    want_len,
+    BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """allocate in ONE program: ranks r < k = min(n, NFREE) take the ring's entries at HEAD + r
+    (chunks of BLOCK ranks: one or two for 37 or 2048 slots), then the same program moves HEAD,
+    NFREE and IDX_HW: no other program, so no rank atomic, no DONE protocol, no race. The first
+    chunk of want_host is read beside the counts (one dependent round trip: counts -> ring ->
+    stores)."""
+    if PDL:
+        _pdl_start()
+    ar = tl.arange(0, BLOCK)
+    h0 = tl.load(want_host + ar, mask=ar < want_len, other=0)
+    want = tl.load(want_ptr)
+    nfree = tl.load(meta + M_NFREE)
+    head = tl.load(meta + M_HEAD)
+    clock = tl.load(meta + M_CLOCK)
+    idx_hw = tl.load(meta + M_IDX_HW)
+    k = tl.minimum(tl.minimum(want, cap), nfree)
+    _pop(ring, prio, g2h, h2g, indices, ar, h0, k, head, n_g, clock, True)
+    for start in range(BLOCK, k, BLOCK):
+        r = start + ar
+        h = tl.load(want_host + r, mask=r < k, other=0)
+        _pop(ring, prio, g2h, h2g, indices, r, h, k, head, n_g, clock, True)
+    _pad(indices, k, idx_hw, 0, 1, PAD)
+    tl.store(meta + M_HEAD, _wrap(head + k, n_g))
+    tl.store(meta + M_NFREE, nfree - k)
+    tl.store(meta + M_IDX_HW, k)
+    tl.store(meta + M_LAST_ALLOC, k)
+    if k < want:
+        tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+
+
+@triton.jit
 def _evict_place_kernel(
     prio,
-    gpu_free,
+    ring,
     g2h,
     h2g,
     indices,
@@ -149,204 +151,127 @@ def _evict_place_kernel(
     n_g,
     cap,
     reserve,
-    nf_max,
-    nf_scan,
-    EVICT: tl.constexpr,
     PLACE: tl.constexpr,
-    WRITE_IDX: tl.constexpr,
-    PAD_IDX: tl.constexpr,
-    HANDOFF: tl.constexpr,
     BLOCK: tl.constexpr,
     PAD: tl.constexpr,
-    NF_BLOCK: tl.constexpr,
-    NF_PRE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """One pass over the pool, per BLOCK-slot block, of up to two phases (free and recall's
-    eviction and recall's and allocate's placement were separate launches before issue 18).
+    """free's eviction and (PLACE) recall's eviction + placement, one launch. Program p owns
+    the pool slots [p BLOCK, (p + 1) BLOCK) for the eviction and the ranks of the same range for
+    the placement. With F = NFREE, M = min(want, cap) misses and needed = max(M - F, 0):
 
-    EVICT: with needed = max(min(want, cap) - free, 0) > 0, evict target = min(needed + reserve,
-    cap) slots (cache_layout.evict_target): every evictable slot in buckets above the threshold
-    bucket T (from hist) and the first, by atomic rank, of those in T.
-    PLACE: take n = min(want, cap) free slots (the block's own victims included: a block knows its
-    victims, so no other block's eviction has to finish first), ranked by a prefix sum of the
-    block's free bits plus one atomicAdd for the block's base; rank r < n maps want_host[r].
-    The last program finalises (free count, index high-water mark, stats, reset of the scratch).
-    Nothing to do (the common case with the reserve): program 0 alone pads ``indices`` and
-    records zeros; no atomics, no barrier.
-    HANDOFF (recall, whose copy launch follows): placing without evicting, the count placed is
-    known up front (min(n, free): every free slot is counted), so program 0 records it and the
-    copy launch's last program updates the free count and the index high-water mark and resets the
-    rank counter; no barrier and no meta[DONE] atomic here. (NFREE and IDX_HW cannot change in
-    this launch: every program reads them.)"""
+    Eviction (needed > 0): target = min(needed + reserve, cap) slots
+    (cache_layout.evict_target): every evictable slot in buckets above the threshold bucket T
+    (from hist) and the first, by atomic rank, of those in T. Victim v (its rank, also its
+    position in ``indices``) serves miss F + v directly when F + v < M (PLACE), else it is
+    pushed at ring position HEAD + F + v.
+    Placement (PLACE): misses r < min(M, F) pop the ring's entries at HEAD + r.
+    So the ring after the launch is the positions [HEAD + M, HEAD + F + E) (E victims), and no
+    program reads what another writes. The last program (meta[DONE]) finalises (HEAD, free
+    count, IDX_HW, stats, the scratch resets).
+    No eviction due and PLACE (recall's steady step): the count placed is known up front
+    (min(M, F)), so program 0 records it and hands HEAD + 1 to the copy launch in
+    meta[ALLOC_CTR], whose last program moves HEAD, the free count and IDX_HW (which every
+    program here reads): no barrier, no meta[DONE] atomic. Nothing to do: program 0 pads
+    ``indices`` and records zeros; no atomics."""
     if PDL:
         _pdl_start()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n_g
-    # Issued before the counts are known, so its round trip overlaps theirs (a scan is a chain of
-    # dependent round trips; this removes one). Unused when there is nothing to do (200 KB).
-    # Eviction alone (free) needs no free bits: no load, so its steady step reads no pool array.
-    f = offs < 0
+    new_h = tl.zeros([BLOCK], tl.int32)
     if PLACE:
-        f = tl.load(gpu_free + offs, mask=inb, other=0) != 0
+        # The block's ranks of the miss list (CAP entries: in bounds whatever the count), read
+        # beside the counts: the steady step's chain is counts -> ring -> stores.
+        new_h = tl.load(want_host + offs, mask=offs < cap, other=0)
     want = tl.load(want_ptr)
     n = tl.minimum(want, cap)
     nfree = tl.load(meta + M_NFREE)
+    head = tl.load(meta + M_HEAD)
     clock = tl.load(meta + M_CLOCK)
     idx_hw = tl.load(meta + M_IDX_HW)
     needed = tl.maximum(n - nfree, 0)
     target = tl.where(needed > 0, tl.minimum(needed + reserve, cap), 0)
-    if not EVICT:
-        target = target * 0
     n_place = n
     if not PLACE:
         n_place = n * 0
-    # nf_scan < 0 (allocate, one program): next fit whenever a slot is free (with none, the pass
-    # below finds none in its one block, which is then the right answer).
-    short_scan = n_place.to(tl.int64) * n_g <= nf_scan * nfree.to(tl.int64)
-    nf_ok = (n_place <= nf_max) & tl.where(nf_scan < 0, nfree > 0, short_scan)
-    if (target == 0) & (n_place > 0) & nf_ok:
-        # Next fit (the counts decide it alike in every program): program 0 places alone.
-        if pid == 0:
-            if EVICT:
-                _pad(indices, 0, idx_hw, 0, 1, PAD)  # no victims this call
-            k = _next_fit(
-                gpu_free,
-                prio,
-                g2h,
-                h2g,
-                indices,
-                meta,
-                want_host,
-                n_place,
-                n_g,
-                clock,
-                WRITE_IDX,
-                NF_BLOCK,
-                NF_PRE,
-            )
-            if WRITE_IDX:
-                _pad(indices, k, tl.maximum(n, idx_hw), 0, 1, PAD)
-            tl.store(meta + M_LAST_ALLOC, k)
-            if EVICT:
-                tl.store(meta + M_LAST_EVICT, 0)
-            if k < want:
-                tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
-            if HANDOFF:
-                # As the handoff below: the copy launch finalises the free count and IDX_HW
-                # (every program here read them); a non-zero ALLOC_CTR tells it so (k > 0 here:
-                # no eviction due means free >= n > 0).
-                tl.store(meta + M_ALLOC_CTR, k)
-            else:
-                # Only with a grid of one program (allocate_cuda): no other program reads these.
-                tl.store(meta + M_NFREE, nfree - k)
-                if WRITE_IDX:
-                    tl.store(meta + M_IDX_HW, k)
-    elif (target > 0) | (n_place > 0):
-        if EVICT:
-            _pad(indices, target, idx_hw, pid, nprog, PAD)
-        elif WRITE_IDX:
-            _pad(indices, n, idx_hw, pid, nprog, PAD)
-        victim = offs < 0  # all False
-        if EVICT:
-            if target > 0:
-                bins = tl.arange(0, NBINS)
-                cnt = tl.load(hist + bins)
-                suffix = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt  # in buckets >= b
-                # T = the highest bucket whose suffix covers target; T = 1 (take all) if short.
-                t = tl.maximum(
-                    tl.max(tl.where((suffix >= target) & (bins > 0), bins, 0), axis=0), 1
-                )
-                take_t = target - tl.sum(tl.where(bins > t, cnt, 0), axis=0)
-                p = tl.load(prio + offs, mask=inb, other=-1)
-                age = (clock - p) & CLOCK_MASK
-                b = tl.where((p >= 0) & (age > 0), _bucket(age), 0)
-                eq = ((b == t) & (b > 0)).to(tl.int32)
-                neq = tl.sum(eq, axis=0)
-                base_eq = neq * 0
-                if neq > 0:
-                    base_eq = tl.atomic_add(meta + M_EQ_CTR, neq, sem="relaxed")
-                rank = base_eq + tl.cumsum(eq, axis=0) - 1
-                victim = (b > t) | ((eq > 0) & (rank < take_t))
-                vi = victim.to(tl.int32)
-                nv = tl.sum(vi, axis=0)
-                if nv > 0:
-                    pos = tl.atomic_add(meta + M_VICT_CTR, nv, sem="relaxed") + tl.cumsum(vi, 0) - 1
-                    tl.store(indices + pos, offs, mask=victim)
-                    old_h = tl.load(g2h + offs, mask=victim, other=0)
-                    tl.store(h2g + old_h, tl.full([BLOCK], -1, tl.int32), mask=victim)
-                f = f | victim
-        take = offs < 0
-        new_h = tl.zeros([BLOCK], tl.int32)
+    if (target > 0) | (n_place > 0):
+        _pad(indices, target, idx_hw, pid, nprog, PAD)
         if PLACE:
-            if n_place > 0:
-                fi = f.to(tl.int32)
-                cnt_f = tl.sum(fi, axis=0)
-                if cnt_f > 0:
-                    base = tl.atomic_add(meta + M_ALLOC_CTR, cnt_f, sem="relaxed")
-                    if base < n_place:
-                        rank_f = base + tl.cumsum(fi, axis=0) - 1
-                        take = f & (rank_f < n_place)
-                        new_h = tl.load(want_host + rank_f, mask=take, other=0)
-                        tl.store(h2g + new_h, offs, mask=take)  # new_h was PENDING or absent
-                        if WRITE_IDX:
-                            tl.store(indices + rank_f, offs, mask=take)
-        # One store per array: a victim that is placed again ends occupied, one not placed free.
-        touched = victim | take
-        minus1 = tl.full([BLOCK], -1, tl.int32)
-        tl.store(g2h + offs, tl.where(take, new_h, minus1), mask=touched)
-        tl.store(prio + offs, tl.where(take, clock, minus1), mask=touched)
-        tl.store(gpu_free + offs, tl.where(take, 0, 1).to(tl.int8), mask=touched)
+            k_pop = tl.minimum(n_place, nfree)
+            if pid * BLOCK < k_pop:
+                _pop(ring, prio, g2h, h2g, indices, offs, new_h, k_pop, head, n_g, clock, False)
+        if target > 0:
+            bins = tl.arange(0, NBINS)
+            cnt = tl.load(hist + bins)
+            suffix = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt  # in buckets >= b
+            # T = the highest bucket whose suffix covers target; T = 1 (take all) if short.
+            t = tl.maximum(tl.max(tl.where((suffix >= target) & (bins > 0), bins, 0), axis=0), 1)
+            take_t = target - tl.sum(tl.where(bins > t, cnt, 0), axis=0)
+            # A slot popped above reads as free (-1) or stamped now (age 0): not evictable.
+            p = tl.load(prio + offs, mask=inb, other=-1)
+            age = (clock - p) & CLOCK_MASK
+            b = tl.where((p >= 0) & (age > 0), _bucket(age), 0)
+            eq = ((b == t) & (b > 0)).to(tl.int32)
+            neq = tl.sum(eq, axis=0)
+            base_eq = neq * 0
+            if neq > 0:
+                base_eq = tl.atomic_add(meta + M_EQ_CTR, neq, sem="relaxed")
+            rank = base_eq + tl.cumsum(eq, axis=0) - 1
+            victim = (b > t) | ((eq > 0) & (rank < take_t))
+            vi = victim.to(tl.int32)
+            nv = tl.sum(vi, axis=0)
+            if nv > 0:
+                v = tl.atomic_add(meta + M_VICT_CTR, nv, sem="relaxed") + tl.cumsum(vi, 0) - 1
+                tl.store(indices + v, offs, mask=victim)
+                old_h = tl.load(g2h + offs, mask=victim, other=0)
+                tl.store(h2g + old_h, tl.full([BLOCK], -1, tl.int32), mask=victim)
+                serve = victim & (nfree + v < n_place)  # victim v takes miss F + v
+                h = tl.load(want_host + nfree + v, mask=serve, other=0)
+                tl.store(h2g + h, offs, mask=serve)  # h was PENDING
+                tl.store(ring + _wrap(head + nfree + v, n_g), offs, mask=victim & ~serve)
+                minus1 = tl.full([BLOCK], -1, tl.int32)
+                tl.store(g2h + offs, tl.where(serve, h, minus1), mask=victim)
+                tl.store(prio + offs, tl.where(serve, clock, minus1), mask=victim)
         handoff = target < 0  # False
-        if HANDOFF:
+        if PLACE:
             handoff = target == 0
         if handoff:
             if pid == 0:
-                # Not IDX_HW: the other programs read it for their share of the padding.
-                k0 = tl.minimum(n, nfree)
-                tl.store(meta + M_LAST_ALLOC, k0)
+                # Not HEAD, NFREE, IDX_HW: the other programs read them (the copy launch's
+                # last program moves them; ALLOC_CTR > 0 tells it so).
+                tl.store(meta + M_LAST_ALLOC, n_place)
                 tl.store(meta + M_LAST_EVICT, 0)
-                if k0 < want:
+                tl.store(meta + M_ALLOC_CTR, _wrap(head + n_place, n_g) + 1)
+                if n_place < want:
                     tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
         elif _last_program(meta):
             # The acquire above made every program's writes visible; the atomics below need no
             # ordering of their own, so relaxed ones are issued back to back instead of each
             # waiting for the last (a round trip each).
-            nfree_out = nfree
-            if EVICT:
-                nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
-                tl.atomic_xchg(meta + M_EQ_CTR, 0, sem="relaxed")
-                if target > 0:
-                    tl.store(hist + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
-                _pad(indices, nv_total, target, 0, 1, PAD)  # only when short of evictable slots
-                nfree_out = nfree + nv_total
-                tl.store(meta + M_IDX_HW, nv_total)
-                tl.store(meta + M_LAST_EVICT, nv_total)
-                tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64), sem="relaxed")
-                if nv_total < needed:
-                    tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+            nv_total = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
+            tl.atomic_xchg(meta + M_EQ_CTR, 0, sem="relaxed")
+            tl.store(hist + tl.arange(0, NBINS), tl.zeros([NBINS], tl.int32))
+            _pad(indices, nv_total, target, 0, 1, PAD)  # only when short of evictable slots
+            tl.store(meta + M_IDX_HW, nv_total)
+            tl.store(meta + M_LAST_EVICT, nv_total)
+            tl.atomic_add(stats + S_EVICTED, nv_total.to(tl.int64), sem="relaxed")
+            if nv_total < needed:
+                tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+            k = tl.minimum(n_place, nfree + nv_total)  # placed: from the ring, then victims
+            tl.store(meta + M_NFREE, nfree + nv_total - k)
             if PLACE:
-                # Every block counted all its free slots, so total < n means the pool ran out:
-                # k = min(total, n) is exactly the number placed.
-                k = tl.minimum(tl.atomic_xchg(meta + M_ALLOC_CTR, 0, sem="relaxed"), n)
-                nfree_out = nfree_out - k
+                tl.store(meta + M_HEAD, _wrap(head + k, n_g))
                 tl.store(meta + M_LAST_ALLOC, k)
-                if WRITE_IDX:
-                    _pad(indices, k, n, 0, 1, PAD)  # only when short of free slots
-                    tl.store(meta + M_IDX_HW, k)
                 if k < want:
                     tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
-            tl.store(meta + M_NFREE, nfree_out)
             tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")
     elif pid == 0:
         # Nothing to evict or place: no pass over the pool, no cross-program counter.
-        if PAD_IDX:
-            _pad(indices, 0, idx_hw, 0, 1, PAD)
-            tl.store(meta + M_IDX_HW, 0)
-        if EVICT:
-            tl.store(meta + M_LAST_EVICT, 0)
+        _pad(indices, 0, idx_hw, 0, 1, PAD)
+        tl.store(meta + M_IDX_HW, 0)
+        tl.store(meta + M_LAST_EVICT, 0)
         if PLACE:
             tl.store(meta + M_LAST_ALLOC, 0)
             if want > 0:  # cap = 0 cannot happen (the pool has slots); kept for symmetry

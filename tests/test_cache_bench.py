@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import benchmarks.bench_cache_ops as bench
-from benchmarks.cache_ops_check import BEFORE, NEW, NEXT_FIT, PDL, kernels_vs_reference
+from benchmarks.cache_ops_check import BEFORE, NEW, PDL, kernels_vs_reference
 from benchmarks.cuda_timer import GraphTiming
 from custom_ops import cache_kernels as K
+from custom_ops import cache_layout as C
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
 from custom_ops.cache.invariants import check_pool, fill_random
@@ -81,19 +82,19 @@ def test_amortized_figures_and_target_scoring():
     assert pdl["allocate_us"] is False and pdl["free_us"] and pdl["alloc_plus_free_us"] == 8.0
 
 
-def test_new_vs_current_pairs_only_ops_timed_both_ways():
+def test_new_vs_pairs_only_ops_timed_both_ways():
     res = {
         "allocate_37": {"median_us": 3.0},
-        "current.allocate_37": {"median_us": 4.0},
-        "free_37": {"median_us": 9.0},  # no current.* figure: not paired
+        "before.allocate_37": {"median_us": 4.0},
+        "free_37": {"median_us": 9.0},  # no before.* figure: not paired
         "fp8.recall_37_misses_steady": {"median_us": 12.0},
-        "current.fp8.recall_37_misses_steady": {"error": "boom"},
+        "before.fp8.recall_37_misses_steady": {"error": "boom"},
     }
-    assert bench.new_vs_current(res) == {
-        "allocate_37": {"new_us": 3.0, "current_us": 4.0, "ratio": 0.75}
+    assert bench.new_vs(res, "before") == {
+        "allocate_37": {"new_us": 3.0, "before_us": 4.0, "ratio": 0.75}
     }
-    assert bench.new_vs_current({**res, "preload.free_37": {"median_us": 4.5}}, "preload") == {
-        "free_37": {"new_us": 9.0, "preload_us": 4.5, "ratio": 2.0}
+    assert bench.new_vs({**res, "pdl.free_37": {"median_us": 4.5}}, "pdl") == {
+        "free_37": {"new_us": 9.0, "pdl_us": 4.5, "ratio": 2.0}
     }
 
 
@@ -107,33 +108,41 @@ def test_cli_help():
     assert r.returncode == 0 and "--reps" in r.stdout
 
 
-def test_switched_generations_set_their_switches_only_during_a_call(tiny, monkeypatch):
-    """NEXT_FIT (the second round's next fit, off by default since the third) and PDL are NEW's
-    module with switches flipped per call; a graph captures the launches chosen then, and the
-    module is left as it was."""
+def test_pdl_generation_sets_its_switch_only_during_a_call(tiny, monkeypatch):
+    """PDL is NEW's module with LAUNCH_PDL set per call (a graph captures the launches chosen
+    then), and the module is left as it was."""
     seen = []
     orig = K.allocate_cuda
     monkeypatch.setattr(
-        K,
-        "allocate_cuda",
-        lambda *a: (seen.append((K.ALLOCATE_NEXT_FIT, K.LAUNCH_PDL)), orig(*a))[1],
-    )
+        K, "allocate_cuda", lambda *a: (seen.append(K.LAUNCH_PDL), orig(*a))[1]
+    )  # fmt: skip
     fill_random(tiny, 320, torch.Generator().manual_seed(1))
     want = torch.nonzero(tiny.host_to_gpu < 0).flatten()[:12].int()
     n = torch.tensor([4], dtype=torch.int32)
-    NEXT_FIT.allocate(tiny, want, n)
-    PDL.allocate(tiny, want[4:], n)  # on the CPU the launchers leave PDL out (interpreter)
-    NEW.allocate(tiny, want[8:], n)
+    PDL.allocate(tiny, want, n)  # on the CPU the launchers leave PDL out (interpreter)
+    NEW.allocate(tiny, want[4:], n)
     check_pool(tiny)
-    assert seen == [(True, False), (False, True), (False, False)]
-    assert not K.ALLOCATE_NEXT_FIT and K.NF_MAX_MISSES == 0 and not K.LAUNCH_PDL
+    assert seen == [True, False] and not K.LAUNCH_PDL
 
 
-@pytest.mark.parametrize("impl", [NEW, NEXT_FIT], ids=["new", "next_fit"])
-def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny, impl):
+def test_before_kernels_run_on_flags_of_their_own(tiny):
+    """The frozen pre-issue-18 kernels take an int8 free flag, not the ring: BEFORE builds it
+    from the pool (prepare), runs on it, and rebuilds the ring from the result (settle)."""
+    fill_random(tiny, 600, torch.Generator().manual_seed(3))
+    free = set(torch.nonzero(tiny.gpu_priority == -1).flatten().tolist())
+    BEFORE.prepare(tiny)
+    flag = BEFORE.state(tiny)[0]
+    assert flag.dtype == torch.int8 and set(torch.nonzero(flag).flatten().tolist()) == free
+    want = torch.nonzero(tiny.host_to_gpu < 0).flatten()[:30].int()
+    BEFORE.allocate(tiny, want, torch.tensor([30], dtype=torch.int32))
+    BEFORE.settle(tiny)
+    check_pool(tiny)
+    assert int(tiny.meta[C.NFREE]) == 10 and bool((tiny.host_to_gpu[want.long()] >= 0).all())
+
+
+def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny):
     """The benchmark's correctness stage (recall, free, allocate, steady recall against the
-    references) at a tiny size, for the defaults and for next fit (checks.fp8_next_fit): every
-    verdict PASS, so a FAIL on the H200 is the GPU's."""
+    references) at a tiny size: every verdict PASS, so a FAIL on the H200 is the GPU's."""
     gen = torch.Generator().manual_seed(2)
     host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8, generator=gen)
     fill_random(tiny, 640, gen, host_kv=host, host_slots=torch.arange(2048))
@@ -141,7 +150,7 @@ def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny, impl):
     hs = torch.cat([res[:100], torch.arange(3000, 3006)]).int().view(2, 53)
     protect = res[torch.randperm(res.numel(), generator=gen)[:64]].int()
     want = torch.arange(3100, 3140).int()
-    out = kernels_vs_reference(tiny, host, hs, protect, want, 64, impl)
+    out = kernels_vs_reference(tiny, host, hs, protect, want, 64, NEW)
     assert {k: v["verdict"] for k, v in out.items()} == dict.fromkeys(
         ("recall", "free", "allocate", "recall_steady"), "PASS"
     ), out

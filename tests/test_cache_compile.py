@@ -45,27 +45,25 @@ def compile_(kern, args, consts, name):
     return c.asm["ptx"]
 
 
-I32, I8, I64 = "*i32", "*i8", "*i64"
-EP = [("prio", I32), ("gpu_free", I8), ("g2h", I32), ("h2g", I32), ("indices", I32),
+I32, I64 = "*i32", "*i64"
+EP = [("prio", I32), ("ring", I32), ("g2h", I32), ("h2g", I32), ("indices", I32),
       ("meta", I32), ("hist", I32), ("stats", I64), ("want_ptr", I32), ("want_host", I32),
-      ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("nf_max", "i32"), ("nf_scan", "i32")]
-base = dict(BLOCK=K.SCAN_BLOCK, PAD=K.PAD_BLOCK, NF_BLOCK=K.NF_BLOCK, NF_PRE=K.NF_PRELOAD)
-for name, flags in {
-    "recall, preload": dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True,
-                            NF_PRE=128),
-    "allocate, preload": dict(EVICT=False, PLACE=True, WRITE_IDX=True, PAD_IDX=True,
-                              HANDOFF=False, NF_PRE=128),
-    "recall": dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True),
-    "allocate": dict(EVICT=False, PLACE=True, WRITE_IDX=True, PAD_IDX=True, HANDOFF=False),
-    "free": dict(EVICT=True, PLACE=False, WRITE_IDX=False, PAD_IDX=True, HANDOFF=False),
-}.items():
-    compile_(PS._evict_place_kernel, EP, {**base, **flags}, f"evict_place[{name}]")
+      ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32")]
+base = dict(BLOCK=K.SCAN_BLOCK, PAD=K.PAD_BLOCK)
+for name, place in (("recall", True), ("free", False)):
+    compile_(PS._evict_place_kernel, EP, {**base, "PLACE": place}, f"evict_place[{name}]")
+AK = [("ring", I32), ("prio", I32), ("g2h", I32), ("h2g", I32), ("indices", I32),
+      ("meta", I32), ("want_host", I32), ("want_ptr", I32), ("n_g", "i32"), ("cap", "i32"),
+      ("want_len", "i32")]
+compile_(PS._allocate_kernel, AK, dict(BLOCK=K.ALLOC_BLOCK, PAD=K.PAD_BLOCK), "allocate")
 # Programmatic dependent launch (LAUNCH_PDL): the kernels of free's and recall's chains start
 # with griddepcontrol (launch_dependents, then wait) in the PTX.
-pdl = dict(EVICT=True, PLACE=True, WRITE_IDX=False, PAD_IDX=True, HANDOFF=True, PDL=True)
-ptx = compile_(PS._evict_place_kernel, EP, {**base, **pdl}, "evict_place[recall, pdl]")
+ptx = compile_(PS._evict_place_kernel, EP, {**base, "PLACE": True, "PDL": True},
+               "evict_place[recall, pdl]")  # fmt: skip
 if ptx and not ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx):
     print("FAIL evict_place[recall, pdl]: no griddepcontrol in the PTX")
+compile_(PS._allocate_kernel, AK, dict(BLOCK=K.ALLOC_BLOCK, PAD=K.PAD_BLOCK, PDL=True),
+         "allocate[pdl]")  # fmt: skip
 LK = [("host_slots", I32), ("h2g", I32), ("prio", I32), ("miss_host", I32), ("meta", I32),
       ("stats", I64), ("total", "i32"), ("cap", "i32")]
 for misses in (True, False):
@@ -93,7 +91,8 @@ for upr in (41, 72):  # echo::recall_staged: staged misses read from staging, th
     if ptx and not re.search(r"ld\.global\.v4\.b32", ptx):
         print(f"FAIL copy[{upr}, staged]: no 16-byte loads in the PTX")
 compile_(LS._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
-                             ("gpu_free", I8), ("meta", I32), ("total", "i32"), ("n_h", "i32")],
+                             ("ring", I32), ("meta", I32), ("total", "i32"), ("n_h", "i32"),
+                             ("n_g", "i32")],
          dict(BLOCK=K.LIST_BLOCK), "release")
 compile_(LS._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
                              ("index_rows", I32), ("slots", "*i64")],
@@ -115,4 +114,4 @@ def test_every_cache_kernel_compiles_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 20, out[-3000:]
+    assert out.count("OK ") == 19, out[-3000:]

@@ -78,15 +78,13 @@ def test_pinned_host_pool_is_uva():
     assert torch.equal(cpu_view[slots.cpu()], rows.cpu())
 
 
-@pytest.mark.parametrize("path", ["next_fit", "pass", "pass_pdl"])
-def test_full_size_steady_recall_places_by_next_fit(path, monkeypatch):
-    """A recall of 37 misses with free slots to spare (the steady step of issue 18) places them
-    by next fit (one program: the cursor moves, nothing is evicted) when it is switched on, else
-    by the multi-program pass (the default since the third round; the cursor stays), also with
-    programmatic dependent launch; eagerly and replayed from a CUDA graph, and matches the
-    reference up to placement."""
-    monkeypatch.setattr(K, "NF_MAX_MISSES", 128 if path == "next_fit" else 0)
-    monkeypatch.setattr(K, "LAUNCH_PDL", path == "pass_pdl")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_full_size_steady_recall_pops_the_ring(pdl, monkeypatch):
+    """A recall of 37 misses with free slots to spare (the steady step of issue 18) takes the
+    ring's 37 entries from HEAD (the copy launch moves HEAD: the handoff), evicts nothing, also
+    with programmatic dependent launch; eagerly and replayed from a CUDA graph, and matches the
+    reference up to placement (the miss list's order comes from the lookup blocks' atomics)."""
+    monkeypatch.setattr(K, "LAUNCH_PDL", pdl)
     gen = torch.Generator().manual_seed(SEED + 1)
     print(f"seed {SEED + 1}")
     cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
@@ -109,11 +107,14 @@ def test_full_size_steady_recall_places_by_next_fit(path, monkeypatch):
         g.replay()
         torch.cuda.synchronize()
         runs.append((graphed, g_out))
+    head = int(pool.meta[L.HEAD])
+    popped = pool.gpu_free[(head + torch.arange(37, device=DEV)) % N_G].sort().values
     for p, o in runs:
         check_pool(p, selected=hs, gpu_slots=o, host_kv=host)
         assert int(p.meta[L.LAST_EVICT]) == 0 and int(p.meta[L.LAST_MISS]) == 37
-        moved = int(p.meta[L.CURSOR]) != int(pool.meta[L.CURSOR])
-        assert moved == (path == "next_fit")  # only next fit moves the cursor
+        assert int(p.meta[L.HEAD]) == (head + 37) % N_G
+        miss = pool.host_to_gpu[hs.flatten().long()] < 0
+        assert torch.equal(o.flatten()[miss].sort().values, popped)
         assert torch.equal(p.gpu_kv[o.flatten().long()], host[hs.flatten().long()])
         assert_same_up_to_ties(pool, ref, p)
 
@@ -167,7 +168,8 @@ def test_full_size_kernels_match_reference(fmt):
     C.allocate_ref(*state(ref), ref.indices, ref.meta, want, n)
     K.allocate_cuda(*state(ker), ker.indices, ker.meta, want, n)
     check_pool(ker)
-    assert torch.equal(ref.host_to_gpu >= 0, ker.host_to_gpu >= 0)
+    # one program popping the ring's head in want order: exactly the reference
+    assert torch.equal(ref.host_to_gpu, ker.host_to_gpu) and torch.equal(ref.meta, ker.meta)
     assert torch.equal(ker.indices[: int(n)], ker.host_to_gpu[want[: int(n)].long()])
     # release a large list with duplicates and out-of-pool entries
     lst = torch.randint(-1, N_H, (B * TOPK,), generator=gen).to(DEV)

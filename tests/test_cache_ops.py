@@ -71,6 +71,33 @@ def stamps(p) -> torch.Tensor:
     return out
 
 
+def ring(p) -> list[int]:
+    """The live entries of the ring of free slots, from HEAD (the others are unspecified)."""
+    n_g, head, nfree = p.gpu_free.numel(), int(p.meta[L.HEAD]), int(p.meta[L.NFREE])
+    return p.gpu_free.cpu()[(head + torch.arange(nfree)) % n_g].tolist()
+
+
+def assert_exact(ref, ker):
+    """Ref and kernel agree on everything: where the kernel is deterministic (one program of
+    the pool pass, one lookup block, no duplicated miss; allocate always) placement included."""
+    for name in ("gpu_priority", "gpu_to_host", "host_to_gpu", "indices", "meta", "totals",
+                 "gpu_kv"):  # fmt: skip
+        assert torch.equal(getattr(ref, name), getattr(ker, name)), name
+    assert ring(ref) == ring(ker)
+
+
+def set_ring(p, free: list[int], head: int) -> None:
+    """Free exactly the GPU slots ``free`` of a full pool, listed in this order from ``head``."""
+    n_g = p.gpu_free.numel()
+    f = torch.tensor(free, dtype=torch.long, device=p.gpu_free.device)
+    p.host_to_gpu[p.gpu_to_host[f].long()] = -1
+    p.gpu_to_host[f] = -1
+    p.gpu_priority[f] = -1
+    p.gpu_free[(head + torch.arange(len(free), device=f.device)) % n_g] = f.int()
+    p.meta[L.HEAD], p.meta[L.NFREE] = head, len(free)
+    check_pool(p)
+
+
 def assert_same_up_to_ties(before, ref, ker):
     """Ref and kernel may evict different slots of the threshold age bucket (and place rows in
     different free slots); everything else must agree. Vectorised: runs at full H200 sizes."""
@@ -82,7 +109,7 @@ def assert_same_up_to_ties(before, ref, ker):
     assert torch.equal(inr & ~inb, ink & ~inb)  # the same host slots placed
     both = inr & ink
     assert torch.equal(sr[both], sk[both])
-    keep = [L.CLOCK, L.NFREE, L.OVERFLOW, L.IDX_HW, L.LAST_EVICT]
+    keep = [L.CLOCK, L.NFREE, L.OVERFLOW, L.IDX_HW, L.LAST_EVICT, L.HEAD]
     assert ref.meta[keep].tolist() == ker.meta[keep].tolist()
     assert ref.totals.tolist() == ker.totals.tolist()
     b_h2g = before.host_to_gpu.long().cpu()
@@ -309,6 +336,8 @@ def test_free_and_allocate_kernels_match_reference(case, device):
         K.free_cuda(*state(ker), ker.indices, ker.meta, ker.hist, ker.totals, prot, n)
         check_pool(ker, allow_overflow=True)
         assert_same_up_to_ties(pool, ref, ker)
+        if n_g <= K.SCAN_BLOCK:  # one program ranks the victims in slot order: exactly
+            assert_exact(ref, ker)
         # allocate on the state free left: exact agreement up to placement
         pool = ker
         non = torch.nonzero(pool.host_to_gpu < 0).flatten()
@@ -318,8 +347,7 @@ def test_free_and_allocate_kernels_match_reference(case, device):
         C.allocate_ref(*state(ref), ref.indices, ref.meta, want, n)
         K.allocate_cuda(*state(ker), ker.indices, ker.meta, want, n)
         check_pool(ker, allow_overflow=True)
-        assert resident(ref) == resident(ker)
-        assert ref.meta.tolist()[:4] == ker.meta.tolist()[:4]
+        assert_exact(ref, ker)  # allocate is one program: the ring's head, in rank order
         k = int(ker.meta[L.LAST_ALLOC])
         assert torch.equal(ker.indices[:k], ker.host_to_gpu[want[:k].long()])
         assert bool((ker.indices[k:] == -1).all())
@@ -353,12 +381,147 @@ def test_recall_padded_bucket_and_capacity_overflow(device):
 
 def test_allocate_kernel_when_short_of_free_slots(device):
     pool, _, gen = make_pool(1500, 4096, 64, 16, device=device, occupied=1480)
+    free = ring(pool)
     want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:64].int()
     n = torch.tensor([50], dtype=torch.int32, device=device)
     K.allocate_cuda(*state(pool), pool.indices, pool.meta, want, n)
     check_pool(pool, allow_overflow=True)
     assert int(pool.meta[L.LAST_ALLOC]) == 20 and int(pool.meta[L.OVERFLOW]) == 1
-    assert int(pool.meta[L.NFREE]) == 0
+    assert int(pool.meta[L.NFREE]) == 0 and pool.indices[:21].tolist() == free + [-1]
+    # on a full pool: nothing placed, another overflow, HEAD unmoved
+    head = int(pool.meta[L.HEAD])
+    K.allocate_cuda(*state(pool), pool.indices, pool.meta, want[20:], n)
+    check_pool(pool, allow_overflow=True)
+    assert int(pool.meta[L.LAST_ALLOC]) == 0 and int(pool.meta[L.OVERFLOW]) == 2
+    assert int(pool.meta[L.HEAD]) == head and bool((pool.indices == -1).all())
+
+
+# ---- the ring of free slots: pop from HEAD in rank order, push behind the last entry ----------
+def _run(impl: str, op: str, p, *args):
+    """One op on pool p by the reference or by the kernel (the launchers)."""
+    if op == "recall":
+        host_kv, hs = args
+        a = (host_kv, p.gpu_kv, *state(p), p.indices, p.miss_host, p.meta)
+        if impl == "ref":
+            return C.recall_ref(*a, p.totals, hs)
+        return K.recall_cuda(*a, p.hist, p.totals, hs)
+    if op == "allocate":
+        want, n = args
+        cnt = torch.tensor([n], dtype=torch.int32, device=want.device)
+        fn = C.allocate_ref if impl == "ref" else K.allocate_cuda
+        return fn(*state(p), p.indices, p.meta, want, cnt)
+    fn = C.release_ref if impl == "ref" else K.release_cuda
+    return fn(*state(p), p.meta, args[0])
+
+
+def _misses(p, hs_list: list[int], k: int) -> torch.Tensor:
+    """[1, k] int32: host slots ``hs_list`` then -1 padding."""
+    out = torch.full((1, k), -1, dtype=torch.int32)
+    out[0, : len(hs_list)] = torch.tensor(hs_list, dtype=torch.int32)
+    return out.to(p.gpu_kv.device)
+
+
+@pytest.mark.parametrize("impl", ["ref", "kernel"])
+def test_ring_pops_from_head_in_rank_order_and_wraps(impl, device, monkeypatch):
+    """allocate and a steady recall take the ring's entries from HEAD in rank order (want order,
+    the misses' order of first appearance), round the end of the ring; HEAD and NFREE follow."""
+    monkeypatch.setattr(K, "ALLOC_BLOCK", 4)  # allocate's program loops over several chunks
+    pool, host_kv, _ = make_pool(64, 512, 16, 4, device=device)  # full
+    free = [9, 40, 3, 63, 0, 17, 22, 51, 30, 5]
+    set_ring(pool, free, head=60)  # positions 60..63, then 0..5
+    non = torch.nonzero(pool.host_to_gpu < 0).flatten()
+    want = non[:6].int()
+    _run(impl, "allocate", pool, want, 6)
+    check_pool(pool)
+    assert pool.indices[:7].tolist() == free[:6] + [-1]
+    assert pool.gpu_to_host[free[:6]].tolist() == want.tolist()
+    assert int(pool.meta[L.HEAD]) == 2 and ring(pool) == free[6:]
+    miss = non[[10, 8, 12]].tolist()
+    out = _run(impl, "recall", pool, host_kv, _misses(pool, miss, 16))
+    check_pool(pool)  # (allocate maps slots without rows: no row check)
+    assert torch.equal(pool.gpu_kv[free[6:9]], host_kv[miss])
+    assert out[0, :3].tolist() == free[6:9] and int(pool.meta[L.LAST_EVICT]) == 0
+    assert int(pool.meta[L.HEAD]) == 5 and ring(pool) == free[9:]
+
+
+@pytest.mark.parametrize("impl", ["ref", "kernel"])
+@pytest.mark.parametrize("nfree", [0, 2])
+def test_refill_serves_misses_from_victims_and_rings_the_surplus(impl, nfree, device):
+    """A recall with M = 5 misses and F free slots (< M) evicts needed + reserve = 5 - F + 4 of
+    the oldest: misses r < F pop the ring, miss F + v takes victim v (victims in slot order),
+    and exactly the surplus victims are left in the ring, at [HEAD + M, HEAD + F + E)."""
+    pool, host_kv, _ = make_pool(256, 4096, 16, 4, device=device)  # full, reserve 4
+    free = [77, 201][:nfree]
+    if free:
+        set_ring(pool, free, head=255)
+    head = int(pool.meta[L.HEAD])
+    clock = int(pool.meta[L.CLOCK])
+    victims = [10, 40, 41, 100, 150, 200, 230, 231, 240][: 9 - nfree]  # E = 5 - F + 4
+    occ = pool.gpu_priority >= 0
+    pool.gpu_priority[occ] = (clock - 1) & L.CLOCK_MASK  # age 1: the youngest evictable
+    pool.gpu_priority[torch.tensor(victims, device=device)] = (clock - 300) & L.CLOCK_MASK
+    miss = torch.nonzero(pool.host_to_gpu < 0).flatten()[[7, 3, 11, 5, 9]].tolist()
+    out = _run(impl, "recall", pool, host_kv, _misses(pool, miss, 16))
+    check_pool(pool, host_kv=host_kv)
+    e = len(victims)
+    served = free + victims[: 5 - nfree]
+    assert out[0, :5].tolist() == served and out[0, 5:].eq(-1).all()
+    assert int(pool.meta[L.LAST_EVICT]) == e and pool.indices[:e].tolist() == victims
+    assert ring(pool) == victims[5 - nfree :]
+    assert int(pool.meta[L.HEAD]) == (head + 5) % 256 and int(pool.meta[L.NFREE]) == 4
+
+
+@pytest.mark.parametrize("impl", ["ref", "kernel"])
+def test_release_pushes_behind_the_ring_in_list_order(impl, device):
+    pool, host_kv, _ = make_pool(64, 512, 16, 4, device=device)
+    set_ring(pool, [6, 60], head=62)
+    slots = [33, 2, 61, 12]
+    lst = pool.gpu_to_host[slots].tolist()
+    lst = torch.tensor([lst[0], -1, lst[1], 500, lst[2], lst[3]], device=device)  # 500: not on
+    _run(impl, "release", pool, lst)
+    check_pool(pool, host_kv=host_kv)
+    assert ring(pool) == [6, 60] + slots and int(pool.meta[L.HEAD]) == 62
+    # an empty pool (every slot free) and a list naming no resident slot: nothing changes
+    before = ring(pool)
+    _run(impl, "release", pool, torch.tensor([500, -1], device=device))
+    assert ring(pool) == before
+
+
+def test_fresh_pool_places_from_slot_zero(device):
+    """GpuPool's initial ring is arange(N_G) from HEAD 0: the first misses take slots 0, 1, ...;
+    a pool emptied again (release of everything) has every slot in its ring once."""
+    cfg = CacheConfig(1, 512, 64, 16, max_batch=4)
+    pool = GpuPool(cfg, device)
+    host_kv = torch.randint(0, 256, (512, cfg.row_bytes), dtype=torch.uint8).to(device)
+    check_pool(pool)
+    assert ring(pool) == list(range(64))
+    out = _run("kernel", "recall", pool, host_kv, _misses(pool, [9, 4, 300], 16))
+    check_pool(pool, host_kv=host_kv)
+    assert out[0, :3].tolist() == [0, 1, 2] and int(pool.meta[L.HEAD]) == 3
+    _run("kernel", "release", pool, torch.arange(512, device=device))
+    check_pool(pool)
+    assert sorted(ring(pool)) == list(range(64)) and int(pool.meta[L.NFREE]) == 64
+
+
+@pytest.mark.parametrize("occ,misses", [(200, 20), (250, 60), (256, 40)])
+def test_ring_pass_exact_in_one_program_and_over_several(occ, misses, device, monkeypatch):
+    """The kernel against the reference from random ring states: exactly (placement included)
+    with the pool pass in one program; with 8 programs of 32 (ranks and victims across
+    programs) exactly when nothing is evicted, else up to ties."""
+    for block in (1024, 32):
+        monkeypatch.setattr(K, "SCAN_BLOCK", block)
+        pool, host_kv, gen = make_pool(256, 4096, 64, 4, device=device, seed=block, occupied=occ)
+        for _ in range(2):
+            hs = selection(pool, gen, 4, 64, hits=100, misses=misses)
+            ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+            _run("ref", "recall", ref, host_kv, hs)
+            _run("kernel", "recall", ker, host_kv, hs)
+            check_pool(ker, selected=hs, host_kv=host_kv)
+            if block == 1024 or int(ker.meta[L.LAST_EVICT]) == 0:
+                assert_exact(ref, ker)
+            else:
+                assert_same_up_to_ties(pool, ref, ker)
+            pool = ker
 
 
 @pytest.mark.parametrize("n_g,occ,m", [(64, 60, 70), (2500, 2500, 3000), (1100, 100, 1)])
@@ -370,6 +533,11 @@ def test_release_kernel_matches_reference(n_g, occ, m, device):
     K.release_cuda(*state(ker), ker.meta, lst)
     check_pool(ker)
     assert resident(ref) == resident(ker) and torch.equal(ref.meta, ker.meta)
+    # the pushes: behind the old ring, as a set (their order comes from the blocks' atomics
+    # and, for a slot listed twice, from which lane's exchange won)
+    old = ring(pool)
+    assert ring(ker)[: len(old)] == old == ring(ref)[: len(old)]
+    assert sorted(ring(ker)) == sorted(ring(ref))
 
 
 @pytest.mark.parametrize("fmt,t,n_h", [("fp8", 1, 128), ("bf16", 64, 4096), ("fp8", 300, 8192)])
@@ -391,16 +559,25 @@ def test_offload_kernel_matches_reference(fmt, t, n_h, device):
 
 
 # ---- the invariant checker catches what it claims to ------------------------------------------
-@pytest.mark.parametrize("corrupt", ["map", "free", "prio", "nfree", "pending", "scratch", "row"])
+CORRUPTIONS = ["map", "ring_twice", "ring_occupied", "head", "prio", "nfree", "pending",
+               "scratch", "row"]  # fmt: skip
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS)
 def test_invariant_checker_catches_corruption(corrupt):
     pool, host_kv, gen = make_pool(64, 512, 16, 4, occupied=40)
     check_pool(pool, host_kv=host_kv)
-    g = int(torch.nonzero(pool.gpu_free == 0)[0])
+    g = int(torch.nonzero(pool.gpu_priority >= 0)[0])
     h = int(pool.gpu_to_host[g])
+    head = int(pool.meta[L.HEAD])
     if corrupt == "map":
         pool.host_to_gpu[h] = (g + 1) % 64
-    elif corrupt == "free":
-        pool.gpu_free[g] = 1
+    elif corrupt == "ring_twice":  # a free slot listed twice (one listed no more)
+        pool.gpu_free[(head + 1) % 64] = pool.gpu_free[head]
+    elif corrupt == "ring_occupied":  # an occupied slot in the ring instead of a free one
+        pool.gpu_free[head] = g
+    elif corrupt == "head":
+        pool.meta[L.HEAD] = 64
     elif corrupt == "prio":
         pool.gpu_priority[g] = -1
     elif corrupt == "nfree":

@@ -41,7 +41,7 @@ class GpuPool(nn.Module):
 
         i32 = dict(dtype=torch.int32, device=device)
         buf("gpu_kv", torch.zeros(n_g, cfg.row_bytes, dtype=torch.uint8, device=device))
-        buf("gpu_free", torch.ones(n_g, dtype=torch.int8, device=device))
+        buf("gpu_free", torch.arange(n_g, **i32))  # the ring of free slots: all, from HEAD = 0
         buf("gpu_priority", torch.full((n_g,), -1, **i32))
         buf("gpu_to_host", torch.full((n_g,), -1, **i32))
         buf("host_to_gpu", torch.full((n_h,), -1, **i32))
@@ -116,7 +116,7 @@ class GpuPool(nn.Module):
     @torch.no_grad()
     def reset(self) -> None:
         """Empty the pool (in place: the buffers keep their addresses)."""
-        self.gpu_free.fill_(1)
+        self.gpu_free.copy_(torch.arange(self.gpu_free.numel(), dtype=torch.int32))
         self.gpu_priority.fill_(-1)
         self.gpu_to_host.fill_(-1)
         self.host_to_gpu.fill_(-1)

@@ -3,6 +3,8 @@
 Between ops (docs/cache_ops.md, "Invariants"):
 - gpu_to_host and host_to_gpu are inverse bijections on the occupied slots;
 - free <=> priority == -1 <=> gpu_to_host == -1, and meta[NFREE] counts the free slots;
+- the ring gpu_free[(HEAD + i) % N_G], i < NFREE, lists each free slot exactly once, and
+  meta[HEAD] is in [0, N_G);
 - no slot is handed out twice (the bijection, and no slot twice in ``indices``);
 - the scratch (kernel counters, histogram) is zero and no host slot is left PENDING;
 - after a recall, every selected host slot is on the GPU, stamped with that step's clock, and the
@@ -37,17 +39,26 @@ def check_pool(
 ) -> None:
     """Raise CacheInvariantError unless ``pool`` (a GpuPool or anything with its buffers) is
     consistent. ``selected``/``gpu_slots``: the input/output of the recall just made."""
-    free, prio = pool.gpu_free.long(), pool.gpu_priority.long()
+    ring_buf, prio = pool.gpu_free.long(), pool.gpu_priority.long()
     g2h, h2g = pool.gpu_to_host.long(), pool.host_to_gpu.long()
     indices, meta = pool.indices.long(), [int(x) for x in pool.meta.tolist()]
     n_g, n_h, cap = g2h.numel(), h2g.numel(), indices.numel()
 
-    if not bool(((free == 0) | (free == 1)).all()):
-        _fail("gpu_free holds values other than 0/1")
-    is_free = free == 1
-    if not bool(torch.equal(is_free, prio == -1)):
-        _fail("free <=> priority == -1 broken at slots "
-              f"{torch.nonzero(is_free != (prio == -1)).flatten()[:8].tolist()}")
+    if pool.gpu_free.dtype != torch.int32 or pool.gpu_free.shape != (n_g,):
+        _fail(f"gpu_free must be the int32 [N_G] ring of free slots, got {pool.gpu_free.dtype}")
+    is_free = prio == -1
+    head, nfree = meta[C.HEAD], meta[C.NFREE]
+    if not 0 <= head < n_g:
+        _fail(f"meta[HEAD] = {head} outside [0, N_G = {n_g})")
+    if not 0 <= nfree <= n_g:
+        _fail(f"meta[NFREE] = {nfree} outside [0, N_G = {n_g}]")
+    ring = ring_buf[(head + torch.arange(nfree, device=ring_buf.device)) % n_g]
+    if bool(((ring < 0) | (ring >= n_g)).any()):
+        _fail("the ring of free slots holds a value outside [0, N_G)")
+    if torch.unique(ring).numel() != nfree:
+        _fail("the ring of free slots lists a slot twice")
+    if nfree and not bool(is_free[ring].all()):
+        _fail(f"the ring lists occupied slots {ring[~is_free[ring]][:8].tolist()}")
     if not bool(torch.equal(is_free, g2h == -1)):
         _fail("free <=> gpu_to_host == -1 broken at slots "
               f"{torch.nonzero(is_free != (g2h == -1)).flatten()[:8].tolist()}")
@@ -68,8 +79,8 @@ def check_pool(
         _fail(f"{int((h2g >= 0).sum())} host slots map to the GPU but {occ.numel()} slots are "
               "occupied")
 
-    if meta[C.NFREE] != int(is_free.sum()):
-        _fail(f"meta[NFREE] = {meta[C.NFREE]} but {int(is_free.sum())} slots are free")
+    if nfree != int(is_free.sum()):  # with the checks above: the ring is exactly the free set
+        _fail(f"meta[NFREE] = {nfree} but {int(is_free.sum())} slots are free")
     if not 0 <= meta[C.CLOCK] <= C.CLOCK_MASK:
         _fail(f"clock {meta[C.CLOCK]} outside [0, CLOCK_MASK]")
     for i in C.SCRATCH:
@@ -82,8 +93,8 @@ def check_pool(
     hw = meta[C.IDX_HW]
     if not 0 <= hw <= cap or bool((indices[hw:] != -1).any()):
         _fail(f"indices beyond the high-water mark {hw} are not -1")
-    head = indices[:hw]
-    if bool(((head < 0) | (head >= n_g)).any()) or torch.unique(head).numel() != hw:
+    listed = indices[:hw]
+    if bool(((listed < 0) | (listed >= n_g)).any()) or torch.unique(listed).numel() != hw:
         _fail("indices[:IDX_HW] holds an invalid or repeated slot")
     totals = pool.totals.tolist()
     if min(totals) < 0 or totals[C.RECALLED] > totals[C.SELECTED]:
@@ -134,12 +145,20 @@ def fill_random(
     if clock is None:
         clock = int(torch.randint(0, C.CLOCK_MASK + 1, (1,), generator=generator))
     age = torch.randint(1, max_age + 1, (occupied,), generator=generator)
+    # The ring: the free slots in random order from a random HEAD (so it may wrap round the end),
+    # the other entries random (they are unspecified: nothing may read them).
+    head = int(torch.randint(0, n_g, (1,), generator=generator))
+    ring = torch.randint(0, n_g, (n_g,), generator=generator, dtype=torch.int32)
+    left = torch.ones(n_g, dtype=torch.bool)
+    left[g] = False
+    free = torch.nonzero(left).flatten()  # the slots g leaves free, shuffled
+    free = free[torch.randperm(free.numel(), generator=generator)]
+    ring[(head + torch.arange(n_g - occupied)) % n_g] = free.int()
     g, h, age = g.to(dev), h.long().to(dev), age.to(dev)
-    pool.gpu_free.fill_(1)
+    pool.gpu_free.copy_(ring)
     pool.gpu_priority.fill_(-1)
     pool.gpu_to_host.fill_(-1)
     pool.host_to_gpu.fill_(-1)
-    pool.gpu_free[g] = 0
     pool.gpu_priority[g] = ((clock - age) & C.CLOCK_MASK).to(torch.int32)
     pool.gpu_to_host[g] = h.to(torch.int32)
     pool.host_to_gpu[h] = g.to(torch.int32)
@@ -147,6 +166,7 @@ def fill_random(
     pool.meta.zero_()
     pool.meta[C.CLOCK] = clock
     pool.meta[C.NFREE] = n_g - occupied
+    pool.meta[C.HEAD] = head
     pool.hist.zero_()
     if host_kv is not None and occupied:
         pool.gpu_kv[g] = host_kv[h.to(host_kv.device)].to(pool.gpu_kv.device)

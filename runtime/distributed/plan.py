@@ -85,9 +85,9 @@ def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
     }
     if cfg.offload:
         cap = min(cfg.max_batch * cfg.topk, n_g)
-        # gpu_free int8, gpu_priority + gpu_to_host int32 [N_G]; host_to_gpu int32 [N_H];
-        # indices + miss_host int32 [cap]; meta/hist/totals: a few KB
-        out["metadata"] = (n_g * 9 + n_h * 4 + cap * 8 + 4096) * layers
+        # gpu_free (the ring of free slots), gpu_priority, gpu_to_host int32 [N_G]; host_to_gpu
+        # int32 [N_H]; indices + miss_host int32 [cap]; meta/hist/totals: a few KB
+        out["metadata"] = (n_g * 12 + n_h * 4 + cap * 8 + 4096) * layers
     return out
 
 
