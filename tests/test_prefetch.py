@@ -293,6 +293,24 @@ def check_lossless_cache(fmt, mode, thr, device):
     assert st["hit_rate"][0] == pytest.approx(1 - n_miss / n_sel)
 
 
+def _selected_layer(seed: int, lens: list[int]):
+    """A one-layer bf16 cache (per-request cap 16) after one select: rows staged, the selection."""
+    c = _cache("bf16", "request", cap=16)
+    _fill(c, _gen(seed, "cpu"), "bf16")
+    layer = c.layers[0]
+    inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], _gen(seed + 1, "cpu"))
+    bt = torch.arange(18, dtype=torch.int32).view(3, 6)
+    sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, torch.tensor(lens).int())
+    return layer, sel
+
+
+def _recall_staged_args(layer, sel: torch.Tensor) -> tuple:
+    s, p = layer.staging, layer.pool
+    return (layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
+            p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, s.stage_kv, s.stage_host,
+            s.host_stage, s.stage_ctr, s.totals)  # fmt: skip
+
+
 def test_recall_staged_triton_matches_reference():
     """The staged recall's Triton path (interpreter) against its reference from equal states."""
     outs = []
@@ -307,13 +325,9 @@ def test_recall_staged_triton_matches_reference():
         for step in range(3):
             inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], g)
             sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, lens + step)
-            s = layer.staging
-            p = layer.pool
-            args = (layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host,
-                    p.host_to_gpu, p.indices, p.miss_host, p.meta, p.hist, p.totals, sel,
-                    s.stage_kv, s.stage_host, s.host_stage, s.stage_ctr, s.totals)  # fmt: skip
+            s, p = layer.staging, layer.pool
             fn = pf.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
-            slots = fn(*args)
+            slots = fn(*_recall_staged_args(layer, sel))
             check_pool(p, selected=sel, gpu_slots=slots, host_kv=layer.host_kv)
             res.append((sel, p.gpu_kv[slots.clamp(min=0).long()], s.totals.clone(),
                         p.totals.clone()))  # fmt: skip
@@ -328,12 +342,7 @@ def test_staged_misses_are_read_from_staging(impl: str):
     """A staged miss's row comes from staging, the other misses' from the host: staging is
     planted with rows unlike the host's (which the engine never does) so the source shows; the
     staging buffer is empty afterwards and the statistics count what was staged and promoted."""
-    c = _cache("bf16", "request", cap=16)
-    _fill(c, _gen(16, "cpu"), "bf16")
-    layer = c.layers[0]
-    inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], _gen(17, "cpu"))
-    bt = torch.arange(18, dtype=torch.int32).view(3, 6)
-    sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, torch.tensor([300, 200, 370]).int())
+    layer, sel = _selected_layer(16, [300, 200, 370])
     s, p = layer.staging, layer.pool
     staged_h = s.stage_host[s.stage_host >= 0].long()
     assert staged_h.numel() > 0
@@ -341,11 +350,8 @@ def test_staged_misses_are_read_from_staging(impl: str):
     planted = {int(h): s.stage_kv[int(s.host_stage[h])].clone() for h in staged_h}
     h_sel = torch.unique(sel[sel >= 0].long())
     missed = h_sel[p.host_to_gpu[h_sel] < 0]
-    args = (layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
-            p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, s.stage_kv, s.stage_host,
-            s.host_stage, s.stage_ctr, s.totals)  # fmt: skip
     fn = pf.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
-    fn(*args)
+    fn(*_recall_staged_args(layer, sel))
     from_stage = 0
     for h in missed.tolist():
         row = p.gpu_kv[int(p.host_to_gpu[h])]
@@ -392,18 +398,9 @@ def test_opcheck_prefetch_ops():
     torch.library.opcheck(torch.ops.echo.indexer_topk_prefetch.default, (
         *args, 32, host_kv, h2g, st["stage_kv"], st["stage_host"], st["host_stage"],
         st["stage_ctr"], st["ema"], st["pf_stats"], 16, 0.0))  # fmt: skip
-    c = _cache("bf16", "request", cap=16)
-    _fill(c, _gen(12, "cpu"), "bf16")
-    layer = c.layers[0]
-    inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], _gen(13, "cpu"))
-    bt = torch.arange(18, dtype=torch.int32).view(3, 6)
-    sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, torch.tensor([300, 0, 380]).int())
-    s, p = layer.staging, layer.pool
-    assert (s.stage_host >= 0).any()
-    torch.library.opcheck(torch.ops.echo.recall_staged.default, (
-        layer.host_kv, p.gpu_kv, p.gpu_free, p.gpu_priority, p.gpu_to_host, p.host_to_gpu,
-        p.indices, p.miss_host, p.meta, p.hist, p.totals, sel, s.stage_kv, s.stage_host,
-        s.host_stage, s.stage_ctr, s.totals))  # fmt: skip
+    layer, sel = _selected_layer(12, [300, 0, 380])
+    assert (layer.staging.stage_host >= 0).any()
+    torch.library.opcheck(torch.ops.echo.recall_staged.default, _recall_staged_args(layer, sel))
 
 
 def test_thresholds_follow_requests_not_rows():
