@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.cache_ops_check import (
     BEFORE,
+    COPY4,
     NEW,
     PDL,
     Kernels,
@@ -413,6 +414,7 @@ def bench_format(
         step("pdl.fp8.recall_37_misses", recall(37, 16, 0, PDL))
         step("pdl.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PDL))
         step("pdl.fp8.recall_37_misses_refill", recall(37, 1, 0, PDL))
+        step("copy4.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, COPY4))
     for tag in ("", "pdl."):
         st = res.get(f"{tag}{fmt}.recall_37_misses_steady")
         rf = res.get(f"{tag}{fmt}.recall_37_misses_refill")
@@ -443,6 +445,8 @@ def bench_format(
             (
                 (f"pdl.{fmt}.recall_2048_misses", PDL, 0),
                 (f"pdl.{fmt}.recall_2048_misses_steady", PDL, n2k + STEADY_FREE),
+                (f"copy4.{fmt}.recall_2048_misses", COPY4, 0),
+                (f"copy4.{fmt}.recall_2048_misses_steady", COPY4, n2k + STEADY_FREE),
             )
             if fmt == "fp8"
             else ()
@@ -450,7 +454,7 @@ def bench_format(
     ):
         step(name, lambda i=impl, f=free: recall_all_misses(pool, host, box["fresh"], reps, gen,
                                                             i, f))  # fmt: skip
-    for tag in ("", "pdl."):
+    for tag in ("", "pdl.", "copy4."):
         st = res.get(f"{tag}{fmt}.recall_2048_misses_steady")
         rf = res.get(f"{tag}{fmt}.recall_2048_misses")
         if st and rf and "median_us" in st and "median_us" in rf:
@@ -629,6 +633,7 @@ def main() -> None:
     res["targets_met_pdl"] = targets_met(res, "pdl.")
     res["new_vs_before"] = new_vs(res, "before")
     res["new_vs_pdl"] = new_vs(res, "pdl")
+    res["new_vs_copy4"] = new_vs(res, "copy4")
     save()
     print("\n| op (per layer) | median us | amortized us | pdl us | before us |")
     print("|---|---|---|---|---|")

@@ -164,7 +164,7 @@ def check_recall(s: Setup, cap: int, ratio: float, rows: int, variant: str) -> d
     ok &= not bool((st.stage_host >= 0).any()) and not bool((st.host_stage >= 0).any())
     in_sel = torch.zeros(s.cfg.host_tokens, dtype=torch.bool, device=s.dev)
     in_sel[sel[missed0[host >= 0]]] = True
-    useful = int(in_sel[staged].sum())
+    useful = int(in_sel[torch.unique(staged)].sum())  # a host slot staged twice is promoted once
     ok &= int(st.totals[pf.PF_PROMOTED]) == useful
     n_miss = int(missed0[host >= 0].sum())
     return {

@@ -66,9 +66,10 @@ PAD_BLOCK = 1024  # index-buffer entries per padding store
 ALLOC_BLOCK = 1024
 ALLOC_WARPS = 4
 # 16-byte units per copy program and iteration (16 KB, 8 per thread at 4 warps): 264 programs
-# then move a 2048-row fp8 recall (84K units) in one wave. 1024 since the third round: the
-# fastest swept shape in both H200 runs of 2026-12-01 (2048 fp8 rows at 40.8 GB/s against 36.3
-# for 512 units; benchmarks/results/cache_ops_h200.json, fp8.copy_2048_rows).
+# then move a 2048-row fp8 recall (84K units) in one wave. The copy sweep of the H200 runs
+# (benchmarks/results/cache_ops_h200.json, fp8.copy_2048_rows) moves by ~10% between runs: 1024
+# units x 2 programs per SM was the fastest at 15:05 (40.8 GB/s), 1024 x 4 at 22:12 (41.9 GB/s,
+# the default shape 37.0); the benchmark times 4 per SM on the whole recall as copy4.*.
 COPY_UNITS = 1024
 COPY_PROGRAMS_PER_SM = 2
 COPY_WARPS = 4

@@ -121,7 +121,8 @@ def _allocate_kernel(
     head = tl.load(meta + M_HEAD)
     clock = tl.load(meta + M_CLOCK)
     idx_hw = tl.load(meta + M_IDX_HW)
-    k = tl.minimum(tl.minimum(want, cap), nfree)
+    # n past len(want_host) is bad input the reference rejects; here (no sync) an OVERFLOW
+    k = tl.minimum(tl.minimum(tl.minimum(want, cap), want_len), nfree)
     _pop(ring, prio, g2h, h2g, indices, ar, h0, k, head, n_g, clock, True)
     for start in range(BLOCK, k, BLOCK):
         r = start + ar

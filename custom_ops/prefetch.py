@@ -391,7 +391,7 @@ def _(q_fp8, weights, *rest):
         "meta",
         "hist",
         "stats",
-        *_STAGING,
+        *_STAGING[1:],  # stage_kv is read, not written
         "pf_stats",
     ),
 )

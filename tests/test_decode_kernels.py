@@ -185,6 +185,8 @@ SCORE_REL_GPU = 2**-10
 
 def score_rel(device: str) -> float:
     return SCORE_REL_GPU if torch.device(device).type == "cuda" else SCORE_REL
+
+
 SMALL = ik.IndexerConfig(score_block=64, score_tokens=128, sel_block=64, sel_chunk=64)
 # lengths: empty, below topk, exact page multiples, above topk, the whole table
 CASES = [
