@@ -106,8 +106,12 @@ time)
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"
   on prefetch && stage bench_prefetch 110 python -m benchmarks.bench_prefetch --caps 64 \
     --ratios "${PF_RATIOS-0.002,0.004}" --pf-rows 8 --out "$W/prefetch_h200.json"
-  # the decode step's cache-management share at B = 1 / 16 / 64 (compiled offload vs GPU-only)
-  on step && stage bench_step 300 python -m benchmarks.bench_step --out "$W/step_h200.json"
+  # the decode step's cache-management share at B = 1 / 16 / 64 (compiled offload vs GPU-only),
+  # one batch size per stage: the three did not fit one 300 s stage (2026-12-01 22:13)
+  for b in ${STEP_BATCH_LIST-1 16 64}; do
+    on step && stage "bench_step_b$b" 240 python -m benchmarks.bench_step --batches "$b" \
+      --out "$W/step_b${b}_h200.json"
+  done
   ;;
 e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this order; all of them
   # take ~15 minutes, more than a call: name the ones to run
