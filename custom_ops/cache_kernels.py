@@ -1,4 +1,4 @@
-"""Launchers and launch configuration of the cache-manager ops' Triton kernels (cache_ops.py has
+"""Launchers and launch configuration of the cache-manager ops' Triton kernels (cache_ref.py has
 the semantics and the references; the kernels: cache_pool_kernels.py for the pool scans,
 cache_list_kernels.py for the list/token ones). The configuration and switches are module
 globals read at launch, so the benchmark and tests set them here.
@@ -8,7 +8,7 @@ allocate, how many misses) are read from device memory inside the kernels, so a 
 replays them with new values. No autotuning: these kernels mutate state.
 
 Cross-program coordination, and why it is race-free:
-- The free slots are a ring list (``gpu_free``, cache_ops.py): placement pops rank r at
+- The free slots are a ring list (``gpu_free``, cache_ref.py): placement pops rank r at
   HEAD + r, evictions and releases push at HEAD + NFREE + j. Within one launch the positions
   popped and pushed are disjoint (free + freed <= N_G) and every program computes them from
   HEAD and NFREE read at its start and a rank, so no program reads what another writes.

@@ -1,5 +1,5 @@
 """The layout of a GPU pool's cache-manager state, shared by the ``echo::`` cache ops' references
-(cache_ops.py), their Triton kernels (cache_*_kernels.py, through cache_constexpr.py), the pool
+(cache_ref.py), their Triton kernels (cache_*_kernels.py, through cache_constexpr.py), the pool
 state (cache/gpu_pool.py) and the invariant checker: the ``meta`` and ``stats`` entries, the step
 clock, the age buckets and the eviction batch (the reserve).
 """

@@ -3,7 +3,7 @@ histogram, the eviction + placement pass (free, recall) and allocate's one-progr
 launched by cache_kernels.py, whose docstring gives the coordination.
 
 The free slots are a ring list (``gpu_free``, int32: ``gpu_free[(HEAD + i) % N_G]`` for
-i < NFREE, cache_ops.py): placement pops rank r from position HEAD + r, an eviction pushes
+i < NFREE, cache_ref.py): placement pops rank r from position HEAD + r, an eviction pushes
 victim v at HEAD + NFREE + v. Pops and pushes of one launch never touch the same positions
 (free + freed <= N_G), and both depend only on HEAD, NFREE (read at the start) and the rank, so
 no program reads what another writes in that launch."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.cache_ops import recall_ref
+from custom_ops.cache_ref import recall_ref
 from custom_ops.indexer import _check as _check_indexer
 from custom_ops.indexer import indexer_topk_ref
 from custom_ops.kv_format import PAGE, index_cache_gather

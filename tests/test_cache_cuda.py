@@ -25,7 +25,7 @@ from custom_ops.cache.gpu_pool import GpuPool
 from custom_ops.cache.host_pool import PinnedRows, allocate_host_rows
 from custom_ops.cache.invariants import check_pool, fill_random
 from custom_ops.cache.kv_cache import KVCache
-from custom_ops.cache_ops import offload_ref
+from custom_ops.cache_ref import offload_ref
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 
 pytestmark = pytest.mark.cuda
