@@ -97,20 +97,8 @@ def _check_free(
         raise ValueError(f"free: stats must be int64 [{STATS_LEN}]")
 
 
-def _check_recall(
-    host_kv,
-    gpu_kv,
-    gpu_free,
-    gpu_priority,
-    gpu_to_host,
-    host_to_gpu,
-    indices,
-    miss_host,
-    meta,
-    hist,
-    stats,
-    host_slots,
-):
+def _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
+                  miss_host, meta, hist, stats, host_slots):  # fmt: skip
     _check_state("recall", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, indices)
     if host_slots.dtype != torch.int32 or host_slots.dim() != 2:
         raise ValueError(
@@ -236,54 +224,18 @@ def recall(
     reserve, ``evict_target``, when that is > 0), place the distinct misses, copy their rows
     host -> GPU, advance the clock. Returns gpu_slots [B, k] int32 with entry j = the GPU slot of
     host_slots entry j (-1 stays -1)."""
-    _check_recall(
-        host_kv,
-        gpu_kv,
-        gpu_free,
-        gpu_priority,
-        gpu_to_host,
-        host_to_gpu,
-        indices,
-        miss_host,
-        meta,
-        hist,
-        stats,
-        host_slots,
-    )
-    return recall_ref(
-        host_kv,
-        gpu_kv,
-        gpu_free,
-        gpu_priority,
-        gpu_to_host,
-        host_to_gpu,
-        indices,
-        miss_host,
-        meta,
-        stats,
-        host_slots,
-    )
+    _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
+                  miss_host, meta, hist, stats, host_slots)  # fmt: skip
+    return recall_ref(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices,
+                      miss_host, meta, stats, host_slots)  # fmt: skip
 
 
 recall.register_kernel("cuda")(_cuda_kernel(_check_recall, "recall_cuda"))
 
 
 @recall.register_fake
-def _(
-    host_kv,
-    gpu_kv,
-    gpu_free,
-    gpu_priority,
-    gpu_to_host,
-    host_to_gpu,
-    indices,
-    miss_host,
-    meta,
-    hist,
-    stats,
-    host_slots,
-):
-    return torch.empty_like(host_slots)
+def _(*args):
+    return torch.empty_like(args[11])  # host_slots
 
 
 @torch.library.custom_op("echo::release", mutates_args=(*_MAPS, "meta"))

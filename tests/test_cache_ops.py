@@ -40,12 +40,8 @@ def selection(pool, gen, b, k, hits, misses, dups=0, pad=True):
     res = torch.nonzero(h2g >= 0).flatten()
     non = torch.nonzero(h2g < 0).flatten()
     hits, misses = min(hits, res.numel()), min(misses, non.numel())
-    s = torch.cat(
-        [
-            res[torch.randperm(res.numel(), generator=gen)[:hits]],
-            non[torch.randperm(non.numel(), generator=gen)[:misses]],
-        ]
-    )
+    s = torch.cat([res[torch.randperm(res.numel(), generator=gen)[:hits]],
+                   non[torch.randperm(non.numel(), generator=gen)[:misses]]])
     if dups and s.numel():
         s = torch.cat([s, s[torch.randint(0, s.numel(), (dups,), generator=gen)]])
     s = s[torch.randperm(s.numel(), generator=gen)][: b * k]
@@ -154,22 +150,12 @@ def test_opcheck_every_op():
     n = torch.tensor([25], dtype=torch.int32)
     want = torch.nonzero(pool.host_to_gpu < 0).flatten()[:40].int()
     base = (*state(pool), pool.indices, pool.meta)
-    torch.library.opcheck(torch.ops.echo.allocate.default, (*base, want, torch.tensor([15]).int()))
+    torch.library.opcheck(torch.ops.echo.allocate.default, (*base, want, torch.tensor([15])
+                                                             .int()))
     torch.library.opcheck(torch.ops.echo.free.default, (*base, pool.hist, pool.totals, hs, n))
-    torch.library.opcheck(
-        torch.ops.echo.recall.default,
-        (
-            host_kv,
-            pool.gpu_kv,
-            *state(pool),
-            pool.indices,
-            pool.miss_host,
-            pool.meta,
-            pool.hist,
-            pool.totals,
-            hs,
-        ),
-    )
+    torch.library.opcheck(torch.ops.echo.recall.default, (
+        host_kv, pool.gpu_kv, *state(pool), pool.indices, pool.miss_host, pool.meta, pool.hist,
+        pool.totals, hs))
     torch.library.opcheck(torch.ops.echo.release.default, (*state(pool), pool.meta, hs))
     index_k = torch.zeros(1024 // PAGE, INDEX_PAGE_BYTES, dtype=torch.uint8)
     rows = torch.randint(0, 256, (5, host_kv.shape[1]), dtype=torch.uint8, generator=gen)
@@ -233,11 +219,8 @@ def test_eviction_takes_a_reserve_and_later_steps_skip_it(impl, device):
         hs = selection(pool, gen, 4, 32, hits=40, misses=misses)
         before = copy.deepcopy(pool)
         args = (host_kv, pool.gpu_kv, *state(pool), pool.indices, pool.miss_host, pool.meta)
-        out = (
-            C.recall_ref(*args, pool.totals, hs)
-            if impl == "ref"
-            else K.recall_cuda(*args, pool.hist, pool.totals, hs)
-        )
+        out = (C.recall_ref(*args, pool.totals, hs) if impl == "ref"
+               else K.recall_cuda(*args, pool.hist, pool.totals, hs))
         check_pool(pool, selected=hs, gpu_slots=out, host_kv=host_kv)
         assert int(pool.meta[L.LAST_EVICT]) == evicted, step
         assert int(pool.meta[L.NFREE]) == free_after and int(pool.meta[L.OVERFLOW]) == 0
@@ -328,27 +311,10 @@ def test_recall_kernel_matches_reference(case, device):
         for _ in range(2):  # and a second step on the state the first one left
             hs = selection(pool, gen, mb, topk, hits, misses, dups)
             ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
-            o_ref = C.recall_ref(
-                host_kv,
-                ref.gpu_kv,
-                *state(ref),
-                ref.indices,
-                ref.miss_host,
-                ref.meta,
-                ref.totals,
-                hs,
-            )
-            o_ker = K.recall_cuda(
-                host_kv,
-                ker.gpu_kv,
-                *state(ker),
-                ker.indices,
-                ker.miss_host,
-                ker.meta,
-                ker.hist,
-                ker.totals,
-                hs,
-            )
+            o_ref = C.recall_ref(host_kv, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host,
+                                 ref.meta, ref.totals, hs)
+            o_ker = K.recall_cuda(host_kv, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host,
+                                  ker.meta, ker.hist, ker.totals, hs)
             check_pool(ker, selected=hs, gpu_slots=o_ker, host_kv=host_kv)
             check_pool(ref, selected=hs, gpu_slots=o_ref, host_kv=host_kv)
             assert torch.equal(ker.gpu_kv[o_ker[hs >= 0].long()], ref.gpu_kv[o_ref[hs >= 0].long()])
@@ -363,9 +329,8 @@ def test_free_and_allocate_kernels_match_reference(case, device):
     for seed in range(2):
         pool, _, gen = make_pool(n_g, n_h, topk, mb, fmt, device, seed, occ)
         prot = selection(pool, gen, mb, topk, hits, 0)
-        n = torch.tensor(
-            [int(torch.randint(0, cap + 1, (1,), generator=gen))], dtype=torch.int32, device=device
-        )
+        n = torch.tensor([int(torch.randint(0, cap + 1, (1,), generator=gen))],
+                         dtype=torch.int32, device=device)
         ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
         C.free_ref(*state(ref), ref.indices, ref.meta, ref.totals, prot, n)
         K.free_cuda(*state(ker), ker.indices, ker.meta, ker.hist, ker.totals, prot, n)
@@ -397,22 +362,16 @@ def test_recall_padded_bucket_and_capacity_overflow(device):
     for impl in ("ref", "kernel"):
         p = copy.deepcopy(pool)
         args = (host_kv, p.gpu_kv, *state(p), p.indices, p.miss_host, p.meta)
-        out = (
-            C.recall_ref(*args, p.totals, hs)
-            if impl == "ref"
-            else K.recall_cuda(*args, p.hist, p.totals, hs)
-        )
+        out = (C.recall_ref(*args, p.totals, hs) if impl == "ref"
+               else K.recall_cuda(*args, p.hist, p.totals, hs))
         check_pool(p, selected=hs, gpu_slots=out, host_kv=host_kv)
     non = torch.nonzero(pool.host_to_gpu < 0).flatten()[:100].int()
     hs = torch.cat([non, torch.full((28,), -1, dtype=torch.int32, device=device)]).view(8, 16)
     for impl in ("ref", "kernel"):
         p = copy.deepcopy(pool)
         args = (host_kv, p.gpu_kv, *state(p), p.indices, p.miss_host, p.meta)
-        out = (
-            C.recall_ref(*args, p.totals, hs)
-            if impl == "ref"
-            else K.recall_cuda(*args, p.hist, p.totals, hs)
-        )
+        out = (C.recall_ref(*args, p.totals, hs) if impl == "ref"
+               else K.recall_cuda(*args, p.hist, p.totals, hs))
         check_pool(p, host_kv=host_kv, allow_overflow=True)
         assert int(p.meta[L.OVERFLOW]) == 1 and int(p.meta[L.LAST_ALLOC]) == 64, impl
         assert int((out >= 0).sum()) == 64 and int(p.totals[L.RECALLED]) == 64
@@ -598,9 +557,8 @@ def test_offload_kernel_matches_reference(fmt, t, n_h, device):
     gen = torch.Generator().manual_seed(t)
     row = 656 if fmt == "fp8" else 1152
     host = torch.randint(0, 256, (n_h, row), dtype=torch.uint8, generator=gen).to(device)
-    index_k = torch.randint(
-        0, 256, (n_h // PAGE, INDEX_PAGE_BYTES), dtype=torch.uint8, generator=gen
-    ).to(device)
+    index_k = torch.randint(0, 256, (n_h // PAGE, INDEX_PAGE_BYTES), dtype=torch.uint8,
+                            generator=gen).to(device)
     rows = torch.randint(0, 256, (t, row), dtype=torch.uint8, generator=gen).to(device)
     irows = torch.randint(0, 256, (t, INDEX_ROW_BYTES), dtype=torch.uint8, generator=gen).to(device)
     slots = torch.randperm(n_h, generator=gen)[:t]
@@ -676,9 +634,8 @@ def test_kvcache_fetch_release_stats_cpu():
     cache = KVCache(cfg)
     gen = torch.Generator().manual_seed(1)
     for layer in cache.layers:
-        layer.host_kv.copy_(
-            torch.randint(0, 256, layer.host_kv.shape, dtype=torch.uint8, generator=gen)
-        )
+        layer.host_kv.copy_(torch.randint(0, 256, layer.host_kv.shape, dtype=torch.uint8,
+                                          generator=gen))
     hs = torch.randint(0, 1024, (4, 32), generator=gen).int()
     hs[0, 5:] = -1
     for layer in cache.layers:
@@ -734,24 +691,19 @@ def test_compiled_step_is_cudagraph_ready():
             copies = [n for n in g.graph.nodes if n.target is torch.ops.aten.copy_.default]
             mutated = [n.args[0] for n in copies if n.args[0].op == "placeholder"]
             found["mutated"] = len(mutated)
-            found["plain"] = [
-                m.name
-                for m in mutated
-                if get_static_address_type(example_inputs[ph.index(m)]) is None
-            ]
+            found["plain"] = [m.name for m in mutated
+                              if get_static_address_type(example_inputs[ph.index(m)]) is None]
             return make_boxed_func(g.forward)
 
-        return aot_module_simplified(
-            gm, example_inputs, fw_compiler=fw, keep_inference_input_mutations=True
-        )
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw,
+                                     keep_inference_input_mutations=True)
 
     torch._dynamo.reset()
     cfg = CacheConfig(2, 4096, 1024, 64, fmt="fp8", max_batch=8)
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
         torch.compile(CacheStep(KVCache(cfg)), backend=lint, fullgraph=True)(
-            *step_inputs(gen, torch.randperm(4096, generator=gen), 0)
-        )
+            *step_inputs(gen, torch.randperm(4096, generator=gen), 0))
     assert found["bad"] is None
     # 2 layers x (offload: host_kv, index_k; recall: gpu_kv, 4 maps, indices, miss_host, meta,
     # hist, stats), all module buffers
