@@ -11,6 +11,7 @@ from custom_ops import (  # noqa: F401  (registers the echo:: ops)
     attention,
     awq,
     awq_gemv,
+    awq_pairs,
     awq_repack,
     backends,
     cache_ops,

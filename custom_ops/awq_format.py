@@ -98,3 +98,47 @@ def check_repacked(
         if not t.is_contiguous():
             raise ValueError(f"{name}: {what} must be contiguous")
     return n
+
+
+# ---- the pair layout the wgmma W4A16 kernels read (custom_ops/awq_pairs_kernels.py) -----------
+# Same shapes and dtypes as the repacked layout, another order of the nibbles inside a column's
+# 16 words of a group:
+#   qweight_p int32 [G, N, 16]: word p of (group g, column n) holds, at bits 4 s .. 4 s + 3 and
+#                               16 + 4 s .. 16 + 4 s + 3 (s = 0..3), q[128 g + 32 s + 2 p, n] and
+#                               q[128 g + 32 s + 2 p + 1, n]: the two halves of one shifted and
+#                               masked word are two K-adjacent weights, the register pair of an
+#                               MMA operand;
+#   zeros uint8 [G, N], scales fp16|bf16 [G, N]: as zeros_r / scales_r.
+
+
+def check_x16(name: str, x: torch.Tensor) -> None:
+    """ValueError unless x is a 2-D float16 or bfloat16 activation [M, K]."""
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"{name}: x must be a 2-D float16 or bfloat16 tensor, got {x.dtype} {list(x.shape)}"
+        )
+
+
+def check_pairs(
+    name: str, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, k: int
+) -> int:
+    """ValueError unless the three tensors are a pair-layout W4 weight with in=k; returns N."""
+    return check_repacked(name, qweight_p, zeros, scales, k)
+
+
+def check_pair_experts(name: str, qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
+                       k: int) -> None:  # fmt: skip
+    """ValueError unless ``qw [E, k/128, N, 16]``, ``z``/``s [E, k/128, N]`` are stacked experts
+    in the pair (or repacked) layout."""
+    if qw.dim() != 4 or z.dim() != 3 or s.dim() != 3:
+        raise ValueError(
+            f"{name}: need qweight [E, K/128, N, 16] and zeros/scales [E, K/128, N], got "
+            f"{list(qw.shape)}, {list(z.shape)}, {list(s.shape)}"
+        )
+    if not (qw.shape[0] == z.shape[0] == s.shape[0]):
+        raise ValueError(
+            f"{name}: the expert counts differ: {qw.shape[0]}, {z.shape[0]}, {s.shape[0]}"
+        )
+    check_repacked(name, qw[0], z[0], s[0], k)
+    if not (qw.is_contiguous() and z.is_contiguous() and s.is_contiguous()):
+        raise ValueError(f"{name}: the stacked expert tensors must be contiguous")

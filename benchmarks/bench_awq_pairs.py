@@ -1,0 +1,283 @@
+"""The pair-layout W4A16 kernels (``echo::w4a16_linear_p``, ``echo::moe_w4a16_p``) on the H200,
+side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launch sweep.
+
+    python -m benchmarks.bench_awq_pairs --out $OUT/awq_pairs_h200.json [--budget-s 300]
+
+1. Checks (PASS/FAIL, recorded; timings go on): at V3.2 shapes the kernel's inline-PTX mode equals
+   its Triton-ops mode bit for bit, and both are within 1e-2 relative of the reference; the MoE
+   (256 experts) the same against ``moe_w4a16_ref``.
+2. Linear, K x N in ``bench_awq.LINEAR_SHAPES``, M in ``--batches``: bf16 ``F.linear``, tinygemm,
+   the served path (``AWQLinear``'s dispatch now), the repacked and former Triton kernels,
+   fbgemm's CUTLASS int4 GEMM where it imports, and the pair kernel: its heuristic
+   (``p_config``) and every candidate of ``linear_candidates`` (``pair_best_us`` and its config).
+3. MoE, 256 experts, top-8, T in ``--moe-batches``: the bf16 grouped Triton MoE (what the bf16
+   model runs), the repacked int4 MoE (served today), and the pair MoE, heuristic and candidates.
+Each graph holds R calls over R weight copies (or routings), so weights come from HBM, not L2
+(``bench_awq``'s method). A section stops starting new points once ``--budget-s`` is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_awq import (
+    I_MOE,
+    LINEAR_SHAPES,
+    TOPK,
+    D,
+    _fbgemm_pack_or_none,
+    _time,
+    awq_bytes,
+    copies_for,
+    copy_ceiling_gbps,
+    rand_awq,
+    rel_err,
+    routings,
+)
+from custom_ops import awq as ops
+from custom_ops import awq_kernels as K
+from custom_ops import awq_pairs as P
+from custom_ops import awq_pairs_kernels as PK
+from custom_ops import awq_repack as R
+from custom_ops import awq_repack_kernels as RK
+from custom_ops.awq_fbgemm import fbgemm_available, fbgemm_linear
+
+START = time.monotonic()
+
+
+def over(budget_s: float) -> bool:
+    return time.monotonic() - START > budget_s
+
+
+def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """Launch configurations around ``p_config``: tile width, warps, stages, split-K depth."""
+    bt = PK.tokens_tile(m)
+    shapes = [(64, 4, 4), (128, 4, 4), (128, 4, 6), (128, 8, 4), (256, 8, 4)]
+    if bt >= 64:
+        shapes = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 3)]
+    out = []
+    for bn, warps, stages in shapes:
+        for ppsm in (2, 4, 8):
+            c = PK.p_config(m, n, k, sms, programs_per_sm=ppsm, bn=bn)
+            c.update(num_warps=warps, num_stages=stages)
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def moe_candidates(t: int) -> list[dict]:
+    bt = PK.moe_p_config(t * TOPK, 256)["BT"]
+    out = []
+    for bn, warps, stages in ((64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 4)):
+        out.append({"BN": bn, "BT": bt, "num_warps": warps, "num_stages": stages})
+    return out
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+
+def record(result: dict, op: str, err, bound: float | None, **where) -> None:
+    ok = err == 0.0 if bound is None else isinstance(err, float) and err < bound
+    result.setdefault("check", []).append({"op": op, **where, "err": err, "bound": bound,
+                                           "pass": ok})  # fmt: skip
+    print(f"  check {op} {where}: {'PASS' if ok else 'FAIL'} {err}", flush=True)
+
+
+def check(result: dict) -> None:
+    gen = torch.Generator("cuda").manual_seed(0)
+    for k, n in LINEAR_SHAPES[:2]:
+        w = rand_awq(k, n, gen=gen)
+        p = P.pair_awq(*w)
+        for m in (1, 5, 16, 77, 128):
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            ref = ops.w4a16_linear_ref(x, *w)
+            try:
+                a = PK.w4a16_linear_p_triton(x, *p, mode=PK.MODE_ASM)
+                b = PK.w4a16_linear_p_triton(x, *p, mode=PK.MODE_OPS)
+                record(result, "linear/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None,
+                       K=k, N=n, M=m)  # fmt: skip
+                record(result, "linear/pair", rel_err(a, ref), 1e-2, K=k, N=n, M=m)
+            except Exception as e:  # noqa: BLE001  (recorded; the timings go on)
+                record(result, "linear/pair", repr(e), 1e-2, K=k, N=n, M=m)
+    e = 256
+    w13, w2 = rand_awq(D, 2 * I_MOE, (e,), gen=gen), rand_awq(I_MOE, D, (e,), gen=gen)
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    for t in (1, 8, 64):
+        x = torch.randn(t, D, device="cuda", generator=gen).bfloat16()
+        ids = torch.rand(t, e, device="cuda", generator=gen).topk(TOPK, dim=-1).indices
+        tw = torch.rand(t, TOPK, device="cuda", generator=gen)
+        ref = ops.moe_w4a16_ref(x, ids, tw, *w13, *w2)
+        try:
+            a = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_ASM)
+            b = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_OPS)
+            record(result, "moe/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None, E=e, T=t)
+            record(result, "moe/pair", rel_err(a, ref), 5e-3, E=e, T=t)
+        except Exception as err:  # noqa: BLE001
+            record(result, "moe/pair", repr(err), 5e-3, E=e, T=t)
+    del w13, w2, p13, p2
+
+
+# ---- timings ---------------------------------------------------------------------------------
+
+
+def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float) -> list[dict]:
+    rows = []
+    wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
+    wp = [P.pair_awq(*w) for w in wa]
+    wr = [R.repack_awq(*w) for w in wa]
+    wt = [R.tinygemm_pack(*w) for w in wa]
+    wf = [f for f in (_fbgemm_pack_or_none(w) for w in wa) if f is not None]
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+          for _ in range(copies_for(2 * k * n))]  # fmt: skip
+    sms = K._num_sms(torch.device("cuda"))
+    for m in batches:
+        if over(budget_s):
+            print(f"  linear {k}x{n}: budget spent, M >= {m} not timed", flush=True)
+            break
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row: dict = {"in": k, "out": n, "M": m}
+        row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
+        row["tinygemm_us"] = _time([lambda w=w, x=x: R.tinygemm_linear(x, *w) for w in wt])
+        row["former_us"] = _time([lambda w=w, x=x: K.w4a16_linear_triton(x, *w) for w in wa])
+        row["repacked_us"] = _time([lambda w=w, x=x: RK.w4a16_linear_r_triton(x, *w) for w in wr])
+        row["served_path"] = "tinygemm" if R.use_tinygemm(m, x.dtype) else R.LARGE_M_PATH
+        row["served_us"] = row[f"{row['served_path']}_us"]
+        if wf:
+            row["fbgemm_us"] = _time([lambda w=w, x=x: fbgemm_linear(x, *w) for w in wf])
+        cfg = PK.p_config(m, n, k, sms)
+        row["pair_config"] = cfg
+        row["pair_us"] = _time(
+            [lambda w=w, x=x, c=cfg: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
+        )
+        sweep = []
+        for c in linear_candidates(m, n, k, sms):
+            us = _time(
+                [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
+            )
+            sweep.append({"config": c, "us": us})
+        ok = [s for s in sweep if not math.isnan(s["us"])] + [{"config": cfg, "us": row["pair_us"]}]
+        best = min(ok, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
+        row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
+        bf = row["bf16_us"]
+        row["pair_x_bf16"] = bf / row["pair_us"]
+        row["pair_best_x_bf16"] = bf / row["pair_best_us"]
+        row["served_x_bf16"] = bf / row["served_us"]
+        row["pair_best_weight_GBps"] = awq_bytes(k, n) / row["pair_best_us"] / 1e3
+        row["pair_best_frac_hbm"] = row["pair_best_weight_GBps"] / hbm
+        rows.append(row)
+        print(f"  linear {k}x{n} M={m}: bf16 {bf:.1f} tinygemm {row['tinygemm_us']:.1f} served "
+              f"{row['served_us']:.1f} fbgemm {row.get('fbgemm_us', math.nan):.1f} pair "
+              f"{row['pair_us']:.1f} best {row['pair_best_us']:.1f} "
+              f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']}", flush=True)  # fmt: skip
+    return rows
+
+
+def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
+    e, rows = 256, []
+    w13, w2 = rand_awq(D, 2 * I_MOE, (e,)), rand_awq(I_MOE, D, (e,))
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    r13, r2 = R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
+    del w13, w2
+    w13b = torch.randn(e, 2 * I_MOE, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2b = torch.randn(e, D, I_MOE, device="cuda", dtype=torch.bfloat16) * 0.02
+    per_expert = awq_bytes(D, 2 * I_MOE) + awq_bytes(I_MOE, D)
+    for t in batches:
+        if over(budget_s):
+            print(f"  moe: budget spent, T >= {t} not timed", flush=True)
+            break
+        x = torch.randn(t, D, device="cuda", dtype=torch.bfloat16)
+        routes = routings(t, e, 8)
+        touched = sum(torch.unique(ids).numel() for ids, _ in routes) / len(routes)
+        row: dict = {"experts": e, "topk": TOPK, "T": t, "experts_touched": touched}
+        row["bf16_us"] = _time([lambda r=r, x=x: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b)
+                                for r in routes])  # fmt: skip
+        row["repacked_us"] = _time([lambda r=r, x=x: RK.moe_w4a16_r_triton(x, r[0], r[1], *r13, *r2)
+                                    for r in routes])  # fmt: skip
+
+        def pair_us(c: dict, x=x, routes=routes) -> float:
+            return _time([lambda r=r: PK.moe_w4a16_p_triton(x, r[0], r[1], *p13, *p2, config=c)
+                          for r in routes])  # fmt: skip
+
+        cfg = PK.moe_p_config(t * TOPK, e)
+        row["pair_config"] = cfg
+        row["pair_us"] = pair_us(cfg)
+        sweep = [{"config": c, "us": pair_us(c)} for c in moe_candidates(t)]
+        ok = [s for s in sweep if not math.isnan(s["us"])] + [{"config": cfg, "us": row["pair_us"]}]
+        best = min(ok, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
+        row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
+        row["pair_x_bf16"] = row["bf16_us"] / row["pair_us"]
+        row["pair_best_x_bf16"] = row["bf16_us"] / row["pair_best_us"]
+        row["repacked_x_bf16"] = row["bf16_us"] / row["repacked_us"]
+        row["pair_best_weight_GBps"] = touched * per_expert / row["pair_best_us"] / 1e3
+        row["pair_best_frac_hbm"] = row["pair_best_weight_GBps"] / hbm
+        rows.append(row)
+        print(f"  moe T={t} ({touched:.0f} experts): bf16 {row['bf16_us']:.1f} repacked "
+              f"{row['repacked_us']:.1f} pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} "
+              f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']}", flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="1,4,8,16,32,64,128")
+    ap.add_argument("--moe-batches", default="1,8,16,32,64,128")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_awq_pairs: needs a CUDA GPU")
+    import triton
+
+    result: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.bench_awq_pairs " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "method": "CUDA graph of R calls over R weight copies / routings, median of 15 replays",
+        "fbgemm": fbgemm_available(),
+    }  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        result["elapsed_s"] = time.monotonic() - START
+        out.write_text(json.dumps(result, indent=1))
+
+    result["hbm_copy_GBps"] = hbm = copy_ceiling_gbps()
+    check(result)
+    save()
+    result["linear"] = []
+    for k, n in LINEAR_SHAPES:
+        result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",")], hbm,
+                                         args.budget_s * 0.6)  # fmt: skip
+        save()
+        torch.cuda.empty_cache()
+    result["moe"] = bench_moe([int(b) for b in args.moe_batches.split(",")], hbm, args.budget_s)
+    save()
+    fails = [c for c in result["check"] if not c["pass"]]
+    print(f"\ncheck: {'PASS' if not fails else 'FAIL'} ({len(fails)} of {len(result['check'])})")
+    print(f"{'linear K x N':>14} {'M':>4} {'bf16':>6} {'tinyg':>6} {'served':>6} {'fbgemm':>6} "
+          f"{'pair':>6} {'best':>6} {'x bf16':>6}")  # fmt: skip
+    for r in result["linear"]:
+        print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} {r['tinygemm_us']:6.1f} "
+              f"{r['served_us']:6.1f} {r.get('fbgemm_us', math.nan):6.1f} {r['pair_us']:6.1f} "
+              f"{r['pair_best_us']:6.1f} {r['pair_best_x_bf16']:6.2f}")  # fmt: skip
+    print(f"{'moe T':>6} {'bf16':>7} {'repacked':>8} {'pair':>7} {'best':>7} {'x bf16':>6}")
+    for r in result["moe"]:
+        print(f"{r['T']:>6} {r['bf16_us']:7.1f} {r['repacked_us']:8.1f} {r['pair_us']:7.1f} "
+              f"{r['pair_best_us']:7.1f} {r['pair_best_x_bf16']:6.2f}")  # fmt: skip
+    print(f"wrote {out} in {time.monotonic() - START:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""AWQ weights in the pair layout (``awq_format.py``) and the two ops over it:
+``echo::w4a16_linear_p`` and ``echo::moe_w4a16_p`` (Triton kernels in ``awq_pairs_kernels.py``).
+
+The references dequantise to the same fp32 weights as the AutoAWQ ones (``(q - z) * s``, exact),
+so they agree with ``w4a16_linear_ref`` / ``moe_w4a16_ref`` bit for bit; the kernels sum in
+another order (the MMA's), so they agree within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from custom_ops.awq import _moe_ref, awq_unpack
+from custom_ops.awq_format import (
+    GROUP,
+    PACK,
+    WORDS,
+    check_awq,
+    check_pair_experts,
+    check_pairs,
+    check_x16,
+)
+
+
+def _triton():
+    from custom_ops import awq_pairs_kernels
+
+    return awq_pairs_kernels
+
+
+def _pair_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[4 (s), 2 (h)]``: the bit where K row ``32 s + 2 p + h`` of a group sits in word p."""
+    s = torch.arange(4, device=device, dtype=dtype)[:, None]
+    return 4 * s + torch.tensor([0, 16], device=device, dtype=dtype)
+
+
+def pair_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ ``(qweight [K, N/8], qzeros [K/128, N/8], scales [K/128, N])`` -> the pair layout
+    ``(qweight_p int32 [K/128, N, 16], zeros uint8 [K/128, N], scales [K/128, N])``."""
+    k, n = qweight.shape[0], qweight.shape[1] * PACK
+    check_awq("pair_awq", qweight, qzeros, scales, k, n)
+    g = k // GROUP
+    q = awq_unpack(qweight).to(torch.int64)  # [K, N], k = 128 g + 32 s + 2 p + h
+    q = q.view(g, 4, WORDS, 2, n).permute(0, 4, 2, 1, 3)  # [G, N, 16 (p), 4 (s), 2 (h)]
+    shifts = _pair_shifts(q.device, torch.int64)  # [4 (s), 2 (h)]
+    word = (q << shifts).sum((-1, -2))  # [G, N, 16] in [0, 2^32)
+    qweight_p = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
+    return qweight_p, awq_unpack(qzeros).to(torch.uint8).contiguous(), scales.contiguous()
+
+
+def pair_awq_experts(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked AutoAWQ experts ``[E, K, N/8]``, ``[E, K/128, N/8]``, ``[E, K/128, N]`` -> the
+    stacked pair layout ``[E, K/128, N, 16]``, ``[E, K/128, N]``, ``[E, K/128, N]``."""
+    if qweight.dim() != 3:
+        raise ValueError(
+            f"pair_awq_experts: qweight must be [E, K, N/8], got {list(qweight.shape)}"
+        )
+    parts = [pair_awq(qweight[e], qzeros[e], scales[e]) for e in range(qweight.shape[0])]
+    return tuple(torch.stack(list(t)) for t in zip(*parts, strict=True))  # type: ignore[return-value]
+
+
+def unpack_pairs(qweight_p: torch.Tensor) -> torch.Tensor:
+    """int32 ``[G, N, 16]`` -> the 4-bit values ``q [K, N]`` (int32), undoing ``pair_awq``."""
+    g, n, _ = qweight_p.shape
+    shifts = _pair_shifts(qweight_p.device, torch.int32)
+    # NOTE: >> is arithmetic on negative words; & 0xF keeps the nibble.
+    q = (qweight_p[..., None, None] >> shifts) & 0xF  # [G, N, 16 (p), 4 (s), 2 (h)]
+    return q.permute(0, 3, 2, 4, 1).reshape(g * GROUP, n)
+
+
+def dequantize_pairs_t(
+    qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """fp32 ``W^T [K, N]`` of a pair-layout weight (exact: small integers times a 16-bit scale)."""
+    q = unpack_pairs(qweight_p)
+    z = zeros.to(torch.int32).repeat_interleave(GROUP, dim=0)
+    return (q - z).float() * scales.float().repeat_interleave(GROUP, dim=0)
+
+
+# ---- echo::w4a16_linear_p --------------------------------------------------------------------
+
+
+def w4a16_linear_p_ref(
+    x: torch.Tensor, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """Reference: ``(x.float() @ W^T).to(x.dtype)``."""
+    check_x16("w4a16_linear_p", x)
+    check_pairs("w4a16_linear_p", qweight_p, zeros, scales, x.shape[1])
+    return (x.float() @ dequantize_pairs_t(qweight_p, zeros, scales)).to(x.dtype)
+
+
+@torch.library.custom_op("echo::w4a16_linear_p", mutates_args=())
+def w4a16_linear_p(
+    x: torch.Tensor, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """``x [M, K] @ W^T -> [M, N]`` with a pair-layout W4 weight; the reference by default,
+    Triton on CUDA."""
+    return w4a16_linear_p_ref(x, qweight_p, zeros, scales)
+
+
+@w4a16_linear_p.register_kernel("cuda")
+def _(x, qweight_p, zeros, scales):
+    return _triton().w4a16_linear_p_triton(x, qweight_p, zeros, scales)
+
+
+@w4a16_linear_p.register_fake
+def _(x, qweight_p, zeros, scales):
+    return x.new_empty((x.shape[0], qweight_p.shape[1]))
+
+
+# ---- echo::moe_w4a16_p -----------------------------------------------------------------------
+
+
+def _dequantize_experts_t(
+    qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor, k: int
+) -> torch.Tensor:
+    check_pair_experts("moe_w4a16_p", qw, z, s, k)
+    return torch.stack([dequantize_pairs_t(qw[e], z[e], s[e]) for e in range(qw.shape[0])])
+
+
+def moe_w4a16_p_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight_p: torch.Tensor,
+    w13_zeros: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_qweight_p: torch.Tensor,
+    w2_zeros: torch.Tensor,
+    w2_scales: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for ``echo::moe_w4a16_p``: the numerics of ``moe_w4a16_ref``."""
+    w13_t = _dequantize_experts_t(w13_qweight_p, w13_zeros, w13_scales, x.shape[1])  # [E, D, 2I]
+    inter = w13_t.shape[2] // 2
+    w2_t = _dequantize_experts_t(w2_qweight_p, w2_zeros, w2_scales, inter)  # [E, I, D]
+    if w2_t.shape[2] != x.shape[1]:
+        raise ValueError(f"moe_w4a16_p: x has D={x.shape[1]}, w2 gives {w2_t.shape[2]}")
+    return _moe_ref(x, topk_ids, topk_weights, w13_t, w2_t)
+
+
+@torch.library.custom_op("echo::moe_w4a16_p", mutates_args=())
+def moe_w4a16_p(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight_p: torch.Tensor,
+    w13_zeros: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_qweight_p: torch.Tensor,
+    w2_zeros: torch.Tensor,
+    w2_scales: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts over pair-layout W4 weights: ``x [T, D] -> fp32 [T, D]``, as
+    ``echo::moe_w4a16``; the reference by default, Triton on CUDA (gate and up fused)."""
+    w = (w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros, w2_scales)
+    return moe_w4a16_p_ref(x, topk_ids, topk_weights, *w)
+
+
+@moe_w4a16_p.register_kernel("cuda")
+def _(x, topk_ids, topk_weights, w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros,
+      w2_scales):  # fmt: skip
+    w = (w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros, w2_scales)
+    return _triton().moe_w4a16_p_triton(x, topk_ids, topk_weights, *w)
+
+
+@moe_w4a16_p.register_fake
+def _(x, topk_ids, topk_weights, w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros,
+      w2_scales):  # fmt: skip
+    return x.new_empty(x.shape, dtype=torch.float32)

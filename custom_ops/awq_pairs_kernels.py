@@ -1,0 +1,321 @@
+"""Triton W4A16 kernels over the pair layout (``awq_format.py``): the weight is the wgmma's A
+operand, dequantised in registers; the tokens are its N side.
+
+Computed transposed, ``out^T [N, M] = W [N, K] @ x^T [K, M]``: the weight tile ``[BN, 32]`` of
+one K slice is the MMA's A operand, which Hopper's wgmma takes from registers, and the few tokens
+are its N side (BT = 16 at decode, where an ``x @ W^T`` MMA would pad M to 64). In the pair
+layout, bits ``4 s`` and ``16 + 4 s`` of word p hold K rows ``32 s + 2 p`` and ``+ 1`` of the
+group, so one 32-bit operation on a word gives two 16-bit operand values side by side, exactly the
+register pair the MMA wants (no shuffle: Triton lowers ``join`` + ``reshape`` of the two halves to
+the dot-operand layout itself):
+- ``(w >> 4 s) & 0x000F000F | 0x43004300`` is the bf16 pair ``(128 + q_lo, 128 + q_hi)``, exact
+  (the magic-number trick: a nibble OR-ed into the mantissa of 128); one LOP3 after one shift;
+- ``sub.rn.bf16x2`` with ``(128 + z, 128 + z)`` gives ``(q - z)`` for both, exact;
+so each pair of weights costs about two instructions (``INLINE_ASM``: the two are one PTX
+``lop3`` and one ``sub``, the halves read back as two bf16 with no conversion). The group's scale
+multiplies the fp32 partial product, so W itself is never rounded. fp16 activations use the same
+steps with 1024 (``0x6400``). Everything else is Triton's: the words go through shared memory on
+the software pipeline's ``cp.async`` copies (``num_stages``), the x slices are the wgmma's B
+operand there too.
+
+``MODE`` chooses how a pair is formed: 0, inline PTX (the CUDA default); 1, the same bit
+operations in Triton's own ops (CUDA; the tests compare 0 and 1 bit for bit); 2, fp32 values for
+the Triton interpreter (CPU CI), which cannot run PTX and mishandles 16-bit dot operands
+(``awq_kernels`` NOTE). The three give the same ``(q - z)`` values exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.awq_format import GROUP, check_pairs, check_x16
+from custom_ops.awq_kernels import _num_sms, _store, moe_align, splitk_sum_kernel
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
+DEFAULT_MODE = MODE_INTERPRET if _INTERPRET else MODE_ASM
+
+
+@triton.jit
+def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr):
+    """``(q - z)`` of the nibbles at bits ``4 s`` (lo) and ``16 + 4 s`` (hi) of each word ``w``
+    (int32 [R, C]); ``zz`` is ``(c + z) * 0x10001`` (the 16-bit pair ``(c + z, c + z)``, c the
+    magic number). Returns ``(lo, hi)``, 16-bit (fp32 under MODE 2)."""
+    if MODE == 0:
+        if FP16:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
+                "sub.rn.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
+                "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.float16, tl.float16), is_pure=True,
+                pack=1,
+            )  # fmt: skip
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
+                "sub.rn.bf16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
+                "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                pack=1,
+            )  # fmt: skip
+    elif MODE == 1:
+        dt = tl.float16 if FP16 else tl.bfloat16
+        magic = 0x6400 if FP16 else 0x4300
+        c = (zz & 0xFFFF).to(tl.int16).to(dt, bitcast=True)  # c + z, exact
+        lo = ((((w >> (4 * s)) & 0xF) | magic).to(tl.int16).to(dt, bitcast=True)) - c
+        hi = ((((w >> (16 + 4 * s)) & 0xF) | magic).to(tl.int16).to(dt, bitcast=True)) - c
+    else:
+        c = ((zz & 0xFFFF) - (0x6400 if FP16 else 0x4300)).to(tl.float32)  # z
+        lo = ((w >> (4 * s)) & 0xF).to(tl.float32) - c
+        hi = ((w >> (16 + 4 * s)) & 0xF).to(tl.float32) - c
+    return lo, hi
+
+
+@triton.jit
+def _group_part(part, w, zz, x_cols, t_mask, FP16: tl.constexpr, MODE: tl.constexpr):
+    """``part [BN, BT] += W_g [BN, 128] @ x_g^T [128, BT]`` for one group: ``w [BN, 16]`` its
+    words, ``x_cols [32, BT]`` pointers to x[token, group start + c] (c < 32)."""
+    for s in tl.static_range(4):
+        xs = tl.load(x_cols + 32 * s, mask=t_mask[None, :], other=0.0)  # [32, BT]
+        lo, hi = _pair(w, zz, s, FP16, MODE)
+        a = tl.reshape(tl.join(lo, hi), [w.shape[0], 32])  # column 2 p + h = K row 32 s + 2 p + h
+        if MODE == 2:
+            part = tl.dot(a, xs.to(tl.float32), part)
+        else:
+            part = tl.dot(a, xs, part)
+    return part
+
+
+@triton.jit
+def _zz(z_ptrs, n_mask, FP16: tl.constexpr):
+    """The 16-bit pair ``(c + z, c + z)`` as int32 [BN, 16] (broadcast along the words)."""
+    z = tl.load(z_ptrs, mask=n_mask, other=0).to(tl.int32)
+    zz = (z + (0x6400 if FP16 else 0x4300)) * 0x10001
+    return zz[:, None] + tl.zeros([z_ptrs.shape[0], 16], dtype=tl.int32)
+
+
+@triton.jit
+def w4a16_p_kernel(
+    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
+    M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
+    BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
+    1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K)."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    n_mask = offs_n < N
+    t_mask = offs_t < M
+    per_split = tl.cdiv(G, SPLIT_K)
+    g0 = pid_k * per_split
+    g1 = tl.minimum(g0 + per_split, G)
+    offs_p = tl.arange(0, 16)
+    x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm + tl.arange(0, 32)[:, None]
+    acc = tl.zeros([BN, BT], dtype=tl.float32)
+    for g in range(g0, g1):
+        col = g * N + offs_n  # [BN] (group, column) index
+        w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
+                    mask=n_mask[:, None], other=0)  # fmt: skip
+        zz = _zz(z_ptr + col, n_mask, FP16)
+        sc = tl.load(s_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+        part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
+                           t_mask, FP16, MODE)  # fmt: skip
+        acc += part * sc[:, None]
+    out = out_ptr + pid_k * stride_os + offs_t[None, :] * stride_om + offs_n[:, None]
+    _store(out, acc, t_mask[None, :] & n_mask[:, None], INTERPRET)
+
+
+def tokens_tile(m: int) -> int:
+    """BT: the smallest token tile (the wgmma's N, at least 16) that covers m, at most 128."""
+    return min(128, max(16, triton.next_power_of_2(m)))
+
+
+def p_config(
+    m: int, n: int, k: int, num_sms: int, programs_per_sm: int = 4, bn: int | None = None
+) -> dict:
+    """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], by reasoning until the
+    H200 sweep of ``benchmarks/bench_awq.py`` says otherwise: BT from m; BN = 128 (an 8 KB
+    contiguous weight block per group, two wgmma M tiles), 64 when there are few columns; split-K
+    over the K/128 groups until ``programs_per_sm`` programs per SM (at least 2 groups per split,
+    at most 32 splits), 4 warps, 4 pipeline stages."""
+    bt = tokens_tile(m)
+    bn = bn or (128 if n >= 4096 else 64)
+    groups = k // GROUP
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bt)
+    split = 1
+    while tiles * split * 2 <= programs_per_sm * num_sms and split * 4 <= groups and split < 32:
+        split *= 2
+    warps = 8 if bt * bn >= 128 * 128 else 4
+    return {"BN": bn, "BT": bt, "SPLIT_K": split, "num_warps": warps, "num_stages": 4}
+
+
+def _check_config(name: str, cfg: dict) -> None:
+    if cfg["BN"] % 64 or cfg["BT"] < 16 or cfg["BT"] & (cfg["BT"] - 1) or cfg["SPLIT_K"] < 1:
+        raise ValueError(
+            f"{name}: bad config {cfg}: need BN a multiple of 64, BT a power of two >= 16, "
+            "SPLIT_K >= 1"
+        )
+
+
+def w4a16_linear_p_triton(
+    x: torch.Tensor, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+    config: dict | None = None, mode: int = DEFAULT_MODE,
+) -> torch.Tensor:  # fmt: skip
+    """``x [M, K] @ W^T -> [M, N]`` (x's dtype) with a pair-layout W4 weight; fp32 accumulation."""
+    check_x16("w4a16_linear_p", x)
+    m, k = x.shape
+    n = check_pairs("w4a16_linear_p", qweight_p, zeros, scales, k)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or p_config(m, n, k, _num_sms(x.device))
+    _check_config("w4a16_linear_p", cfg)
+    split = cfg["SPLIT_K"]
+    if split == 1:
+        out = torch.empty((1, m, n), device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BT"]), split)
+    w4a16_p_kernel[grid](
+        x, qweight_p, zeros, scales, out, m, n, k // GROUP, x.stride(0), out.stride(0),
+        out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
+        MODE=mode, INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 4),
+    )  # fmt: skip
+    if split == 1:
+        return out[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](
+        out, y, m * n, split, BLOCK=1024, INTERPRET=_INTERPRET, num_warps=4
+    )
+    return y
+
+
+# ---- fused MoE ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_p_kernel(
+    a_ptr, w_ptr, z_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+    num_pairs, N, G, E, stride_am, stride_om,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One row block (BT pairs of one expert, ``awq_kernels.moe_align``) x BN output columns over
+    pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
+    gate columns, then up columns, both from one pass over x). Pair ``p = sorted_ids[r]`` reads A
+    row ``p // A_ROW_DIV`` and writes out row ``p``; GATED: out = silu(gate) * up (fp32, stored
+    in out's dtype); MUL_WEIGHT: out = acc * topk_w[p]. The semantics of ``moe_r_kernel``.
+    Grid: (max_blocks, cdiv(N, BN)); blocks past the last expert exit at once."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e >= E:
+        return
+    ids = tl.load(sorted_ids_ptr + pid_b * BT + tl.arange(0, BT))  # [BT] pair indices
+    t_mask = ids < num_pairs
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    offs_p = tl.arange(0, 16)
+    NW = 2 * N if GATED else N
+    x_cols = (a_ptr + (ids // A_ROW_DIV)[None, :].to(tl.int64) * stride_am
+              + tl.arange(0, 32)[:, None])  # fmt: skip
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * G * NW * 16
+    zs_base = e64 * G * NW
+    acc = tl.zeros([BN, BT], dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BN, BT], dtype=tl.float32)
+    for g in range(0, G):
+        col = g * NW + offs_n
+        w = tl.load(w_base + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
+                    mask=n_mask[:, None], other=0)  # fmt: skip
+        zz = _zz(z_ptr + zs_base + col, n_mask, FP16)
+        sc = tl.load(s_ptr + zs_base + col, mask=n_mask, other=0.0).to(tl.float32)
+        part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
+                           t_mask, FP16, MODE)  # fmt: skip
+        acc += part * sc[:, None]
+        if GATED:
+            w_up = tl.load(w_base + (col + N)[:, None].to(tl.int64) * 16 + offs_p[None, :],
+                           mask=n_mask[:, None], other=0)  # fmt: skip
+            zz_up = _zz(z_ptr + zs_base + col + N, n_mask, FP16)
+            sc_up = tl.load(s_ptr + zs_base + col + N, mask=n_mask, other=0.0).to(tl.float32)
+            part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, zz_up,
+                                  x_cols + g * 128, t_mask, FP16, MODE)  # fmt: skip
+            acc_up += part_up * sc_up[:, None]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, fp32
+    if MUL_WEIGHT:
+        tw = tl.load(topk_w_ptr + ids, mask=t_mask, other=0.0)
+        acc = acc * tw[None, :]
+    out = out_ptr + ids[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    _store(out, acc, t_mask[None, :] & n_mask[:, None], INTERPRET)
+
+
+def moe_p_config(num_pairs: int, n_experts: int) -> dict:
+    """Launch configuration of ``moe_p_kernel`` (both GEMMs), by reasoning until the H200 sweep
+    says otherwise: BT = 16 pairs per row block (at decode most experts get one or a few pairs;
+    32 / 64 when the average per expert exceeds 16 / 32), BN = 64 (the smallest wgmma M: the
+    most programs), 4 warps, 4 stages (the deep pipeline stands in for split-K, which
+    ``silu(gate) * up`` rules out without a second pass)."""
+    per_expert = num_pairs / n_experts
+    bt = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    return {"BN": 64, "BT": bt, "num_warps": 4, "num_stages": 4}
+
+
+def moe_w4a16_p_triton(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    w13_qweight_p: torch.Tensor, w13_zeros: torch.Tensor, w13_scales: torch.Tensor,
+    w2_qweight_p: torch.Tensor, w2_zeros: torch.Tensor, w2_scales: torch.Tensor,
+    config: dict | None = None, mode: int = DEFAULT_MODE,
+) -> torch.Tensor:  # fmt: skip
+    """Fused W4A16 MoE over pair-layout experts: fp32 ``[T, D] = sum_j w[t, j] *
+    down_e(silu(gate_e(x_t)) * up_e(x_t))``; ``w13_* [E, D/128, 2I(, 16)]``, ``w2_* [E, I/128,
+    D(, 16)]``."""
+    from custom_ops.awq_format import check_moe_inputs, check_pair_experts
+
+    check_moe_inputs(x, topk_ids, topk_weights)
+    check_pair_experts("moe_w4a16_p (w13)", w13_qweight_p, w13_zeros, w13_scales, x.shape[1])
+    e, _, two_i, _ = w13_qweight_p.shape
+    inter = two_i // 2
+    check_pair_experts("moe_w4a16_p (w2)", w2_qweight_p, w2_zeros, w2_scales, inter)
+    t, d = x.shape
+    if w2_qweight_p.shape[0] != e or w2_qweight_p.shape[2] != d or two_i % 2:
+        raise ValueError(
+            f"moe_w4a16_p: w2 {list(w2_qweight_p.shape)} does not match w13 "
+            f"{list(w13_qweight_p.shape)} and D={d}"
+        )
+    topk = topk_ids.shape[1]
+    p = t * topk
+    cfg = config or moe_p_config(p, e)
+    _check_config("moe_w4a16_p", {**cfg, "SPLIT_K": 1})
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    sorted_ids, block_expert = moe_align(topk_ids, e, cfg["BT"])
+    n_blocks = block_expert.numel()
+    tw = topk_weights.reshape(-1).float().contiguous()  # [P]
+    common = dict(
+        BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16, MODE=mode,
+        INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 4),
+    )  # fmt: skip
+    h = torch.empty((p, inter), device=x.device, dtype=x.dtype)  # silu(gate) * up per pair
+    moe_p_kernel[(n_blocks, triton.cdiv(inter, cfg["BN"]))](
+        x, w13_qweight_p, w13_zeros, w13_scales, h, sorted_ids, block_expert, tw,
+        p, inter, d // GROUP, e, x.stride(0), h.stride(0),
+        A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, **common,
+    )  # fmt: skip
+    # NOTE: zeros, not empty: a skipped pair's (id == E) row is never written
+    y = torch.zeros((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
+    moe_p_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
+        h, w2_qweight_p, w2_zeros, w2_scales, y, sorted_ids, block_expert, tw,
+        p, d, inter // GROUP, e, h.stride(0), y.stride(0),
+        A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, **common,
+    )  # fmt: skip
+    return y.view(t, topk, d).sum(1)  # [T, D] fp32
