@@ -75,22 +75,29 @@ WORDS = GROUP // PACK  # 16 int32 words per (group, column)
 
 
 def check_repacked(
-    name: str, qweight_r: torch.Tensor, zeros_r: torch.Tensor, scales_r: torch.Tensor, k: int
+    name: str,
+    qweight_r: torch.Tensor,
+    zeros_r: torch.Tensor,
+    scales_r: torch.Tensor,
+    k: int,
+    suffix: str = "_r",
 ) -> int:
-    """ValueError unless the three tensors are a repacked W4 weight with in=k; returns out=N."""
+    """ValueError unless the three tensors are a repacked (or, ``suffix="_p"``, pair-layout) W4
+    weight with in=k; returns out=N. The messages name ``qweight{suffix}`` etc."""
+    qw_name = f"qweight{suffix}"
     if qweight_r.dim() != 3 or qweight_r.shape[-1] != WORDS:
         raise ValueError(
-            f"{name}: qweight_r must be [K/{GROUP}, N, {WORDS}] int32, got {list(qweight_r.shape)}"
+            f"{name}: {qw_name} must be [K/{GROUP}, N, {WORDS}] int32, got {list(qweight_r.shape)}"
         )
     g, n = qweight_r.shape[:2]
     if g * GROUP != k:
-        raise ValueError(f"{name}: x has K={k} but qweight_r holds {g} groups of {GROUP}")
+        raise ValueError(f"{name}: x has K={k} but {qw_name} holds {g} groups of {GROUP}")
     for what, t, dtypes in (
-        ("qweight_r", qweight_r, (torch.int32,)),
-        ("zeros_r", zeros_r, (torch.uint8,)),
-        ("scales_r", scales_r, (torch.float16, torch.bfloat16)),
+        (qw_name, qweight_r, (torch.int32,)),
+        (f"zeros{suffix}", zeros_r, (torch.uint8,)),
+        (f"scales{suffix}", scales_r, (torch.float16, torch.bfloat16)),
     ):
-        if what != "qweight_r" and tuple(t.shape) != (g, n):
+        if what != qw_name and tuple(t.shape) != (g, n):
             raise ValueError(f"{name}: {what} must have shape {[g, n]}, got {list(t.shape)}")
         if t.dtype not in dtypes:
             want = " or ".join(map(str, dtypes))
@@ -108,7 +115,7 @@ def check_repacked(
 #                               q[128 g + 32 s + 2 p + 1, n]: the two halves of one shifted and
 #                               masked word are two K-adjacent weights, the register pair of an
 #                               MMA operand;
-#   zeros uint8 [G, N], scales fp16|bf16 [G, N]: as zeros_r / scales_r.
+#   zeros_p uint8 [G, N], scales_p fp16|bf16 [G, N]: as zeros_r / scales_r.
 
 
 def check_x16(name: str, x: torch.Tensor) -> None:
@@ -123,13 +130,13 @@ def check_pairs(
     name: str, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, k: int
 ) -> int:
     """ValueError unless the three tensors are a pair-layout W4 weight with in=k; returns N."""
-    return check_repacked(name, qweight_p, zeros, scales, k)
+    return check_repacked(name, qweight_p, zeros, scales, k, suffix="_p")
 
 
 def check_pair_experts(name: str, qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
                        k: int) -> None:  # fmt: skip
     """ValueError unless ``qw [E, k/128, N, 16]``, ``z``/``s [E, k/128, N]`` are stacked experts
-    in the pair (or repacked) layout."""
+    in the pair layout."""
     if qw.dim() != 4 or z.dim() != 3 or s.dim() != 3:
         raise ValueError(
             f"{name}: need qweight [E, K/128, N, 16] and zeros/scales [E, K/128, N], got "
@@ -139,6 +146,6 @@ def check_pair_experts(name: str, qw: torch.Tensor, z: torch.Tensor, s: torch.Te
         raise ValueError(
             f"{name}: the expert counts differ: {qw.shape[0]}, {z.shape[0]}, {s.shape[0]}"
         )
-    check_repacked(name, qw[0], z[0], s[0], k)
+    check_repacked(name, qw[0], z[0], s[0], k, suffix="_p")
     if not (qw.is_contiguous() and z.is_contiguous() and s.is_contiguous()):
         raise ValueError(f"{name}: the stacked expert tensors must be contiguous")

@@ -115,10 +115,11 @@ def _(x, qweight_p, zeros, scales):
 # ---- echo::moe_w4a16_p -----------------------------------------------------------------------
 
 
-def _dequantize_experts_t(
-    qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor, k: int
+def dequantize_pairs_experts_t(
+    qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor, k: int | None = None
 ) -> torch.Tensor:
-    check_pair_experts("moe_w4a16_p", qw, z, s, k)
+    """fp32 ``W^T [E, K, N]`` of stacked pair-layout experts (K checked when given)."""
+    check_pair_experts("moe_w4a16_p", qw, z, s, k if k is not None else qw.shape[1] * GROUP)
     return torch.stack([dequantize_pairs_t(qw[e], z[e], s[e]) for e in range(qw.shape[0])])
 
 
@@ -134,9 +135,11 @@ def moe_w4a16_p_ref(
     w2_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Reference for ``echo::moe_w4a16_p``: the numerics of ``moe_w4a16_ref``."""
-    w13_t = _dequantize_experts_t(w13_qweight_p, w13_zeros, w13_scales, x.shape[1])  # [E, D, 2I]
+    w13_t = dequantize_pairs_experts_t(
+        w13_qweight_p, w13_zeros, w13_scales, x.shape[1]
+    )  # [E, D, 2I]
     inter = w13_t.shape[2] // 2
-    w2_t = _dequantize_experts_t(w2_qweight_p, w2_zeros, w2_scales, inter)  # [E, I, D]
+    w2_t = dequantize_pairs_experts_t(w2_qweight_p, w2_zeros, w2_scales, inter)  # [E, I, D]
     if w2_t.shape[2] != x.shape[1]:
         raise ValueError(f"moe_w4a16_p: x has D={x.shape[1]}, w2 gives {w2_t.shape[2]}")
     return _moe_ref(x, topk_ids, topk_weights, w13_t, w2_t)

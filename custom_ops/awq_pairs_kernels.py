@@ -137,22 +137,36 @@ def tokens_tile(m: int) -> int:
 
 
 def p_config(
-    m: int, n: int, k: int, num_sms: int, programs_per_sm: int = 4, bn: int | None = None
+    m: int, n: int, k: int, num_sms: int, programs_per_sm: int | None = None, bn: int | None = None
 ) -> dict:
-    """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], by reasoning until the
-    H200 sweep of ``benchmarks/bench_awq.py`` says otherwise: BT from m; BN = 128 (an 8 KB
-    contiguous weight block per group, two wgmma M tiles), 64 when there are few columns; split-K
-    over the K/128 groups until ``programs_per_sm`` programs per SM (at least 2 groups per split,
-    at most 32 splits), 4 warps, 4 pipeline stages."""
+    """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], from the H200 sweep
+    (``benchmarks/results/awq_pairs_h200.json``, the four V3.2 shapes, M = 1..128; the best
+    configuration of each point is what this returns, or within 10% of it):
+    - m <= 32: BN = 64, 4 warps, 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups
+      (8 at K = 7168 and 16384, 4 at K = 2048);
+    - m > 32: 3 stages; BN = 128 with 8 warps at BT = 64, BN = 64 with 4 warps at BT = 128; split
+      until about ``programs_per_sm`` = 2 programs per SM.
+    ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
-    bn = bn or (128 if n >= 4096 else 64)
     groups = k // GROUP
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bt)
-    split = 1
-    while tiles * split * 2 <= programs_per_sm * num_sms and split * 4 <= groups and split < 32:
-        split *= 2
-    warps = 8 if bt * bn >= 128 * 128 else 4
-    return {"BN": bn, "BT": bt, "SPLIT_K": split, "num_warps": warps, "num_stages": 4}
+    if bt <= 32:
+        cfg = {"BN": bn or 64, "BT": bt, "num_warps": 4, "num_stages": 4}
+        split = max(1, min(8, groups // 4))
+    else:
+        wide = bt == 64
+        cfg = {"BN": bn or (128 if wide else 64), "BT": bt, "num_warps": 8 if wide else 4,
+               "num_stages": 3}  # fmt: skip
+        split = None
+        programs_per_sm = programs_per_sm or 2
+    if programs_per_sm is not None:
+        tiles = triton.cdiv(n, cfg["BN"]) * triton.cdiv(m, bt)
+        split = 1
+        while tiles * split * 2 <= programs_per_sm * num_sms and split * 4 <= groups:
+            split *= 2
+        split = min(split, 32)
+    if cfg["BN"] >= 256:
+        cfg["num_warps"] = 8
+    return {**cfg, "SPLIT_K": split}
 
 
 def _check_config(name: str, cfg: dict) -> None:
@@ -259,14 +273,14 @@ def moe_p_kernel(
 
 
 def moe_p_config(num_pairs: int, n_experts: int) -> dict:
-    """Launch configuration of ``moe_p_kernel`` (both GEMMs), by reasoning until the H200 sweep
-    says otherwise: BT = 16 pairs per row block (at decode most experts get one or a few pairs;
-    32 / 64 when the average per expert exceeds 16 / 32), BN = 64 (the smallest wgmma M: the
-    most programs), 4 warps, 4 stages (the deep pipeline stands in for split-K, which
-    ``silu(gate) * up`` rules out without a second pass)."""
+    """Launch configuration of ``moe_p_kernel`` (both GEMMs): BN = 64 (the smallest wgmma M: the
+    most programs), 4 warps, 3 stages, BT = 16 pairs per row block: the best of the H200 sweep
+    at every T = 1..128 with 256 experts (``benchmarks/results/awq_pairs_h200.json``; 4 and 6
+    stages, BN = 128 were slower). Above 16 / 32 pairs per expert on average (prefill chunks, not
+    measured) BT = 32 / 64, so an expert's pairs share fewer weight reads."""
     per_expert = num_pairs / n_experts
     bt = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    return {"BN": 64, "BT": bt, "num_warps": 4, "num_stages": 4}
+    return {"BN": 64, "BT": bt, "num_warps": 4, "num_stages": 3}
 
 
 def moe_w4a16_p_triton(

@@ -20,21 +20,20 @@ from custom_ops.awq_format import GROUP, PACK, WORDS, check_awq, check_repacked
 
 TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 * 8 = 128: every AWQ linear is
 
-# The served AWQLinear dispatch, from the H200 run in benchmarks/results/awq_h200.json (CUDA-graph
-# replays, K x N = 7168 x 4096, 16384 x 7168, 7168 x 2048, 2048 x 7168; µs):
-# - M <= 8 (bf16): tinygemm wins on all four shapes (M = 1: 10.7 / 34.5 / 7.4 / 6.9 against the
-#   repacked kernel's 24.5 / 88.0 / 18.1 / 15.6 and the former's 32.0 / 125.4 / 18.9 / 19.5;
-#   M = 8: 21.9 / 79.6 / 12.6 / 13.8 against 25.5 / 91.6 / 18.6 / 16.3 repacked);
-# - M >= 32: the former kernel (AutoAWQ layout) wins on all four (M = 32: 30.4 / 110.0 / 18.6 /
-#   18.7 against repacked 50.6 / 197.6 / 30.6 / 28.7 and tinygemm 69.2 / 269 / 35.9 / 36.6;
-#   M = 128: 39.8 / 155.1 / 24.0 / 25.4 against repacked 52.7 / 200 / 35.8 / 34.4);
-# - 8 < M < 32: not measured; the former kernel (its side of the measured crossover).
-# So a linear keeps the AutoAWQ tensors (former kernel) and the tinygemm copy; the repacked
-# layout serves only non-bf16 calls of M <= 8 when asked for (``LARGE_M_PATH = "repacked"``).
-# benchmarks/bench_awq.py writes the table it measures ("dispatch" in its JSON): refill from it.
-TINYGEMM_MAX_M = 8
-LARGE_M_PATH = "former"  # the kernel of calls above TINYGEMM_MAX_M: "former" | "repacked"
-LINEAR_PATHS = ("former", "repacked")
+# The served AWQLinear dispatch, from the H200 run in benchmarks/results/awq_pairs_h200.json (CUDA-
+# graph replays over weight copies larger than L2; K x N = 7168 x 4096, 16384 x 7168, 7168 x 2048,
+# 2048 x 7168; µs, the pair kernel's best launch configuration, which ``p_config`` now returns):
+# - M = 1: tinygemm 10.8 / 34.3 / 7.3 / 6.9 against the pair kernel 13.5 / 31.5 / 11.3 / 9.3 (the
+#   four shapes together 59.3 vs 65.6 µs);
+# - M = 4: tinygemm 14.9 / 51.5 / 9.1 / 9.4 against 13.5 / 31.4 / 11.4 / 9.4 (84.9 vs 65.7);
+# - M = 8 .. 128: the pair kernel beats tinygemm, the former and the repacked kernel on every
+#   shape (M = 128: 29.9 / 104.2 / 19.1 / 19.4 against the former 39.3 / 152.9 / 23.8 / 25.3);
+# - M = 2, 3 were not measured: tinygemm takes M = 1 only.
+# So a linear keeps the tinygemm copy and the pair layout (two int4 copies, still half of bf16).
+# benchmarks/bench_awq_pairs.py measures both; refill from its table.
+TINYGEMM_MAX_M = 1
+LARGE_M_PATH = "pairs"  # the kernel of calls above TINYGEMM_MAX_M: one of LINEAR_PATHS
+LINEAR_PATHS = ("pairs", "former", "repacked")
 
 
 def check_large_m_path(path: str) -> None:

@@ -17,9 +17,10 @@ Integration (``model/loader.py``, ``model/checkpoint.py``):
 - the checkpoint generator writes ``awq_quantize(weight [out, in])``;
 - on CUDA, ``repack_awq_model(model)`` then prepares every ``AWQLinear`` for the fast kernels
   (``custom_ops/awq_repack.py``): core torch's int4 tinygemm weight for small M and, for larger M,
-  the kernel measured fastest there (``R.LARGE_M_PATH``: the former kernel on the AutoAWQ tensors,
-  or the "k-major" layout of ``echo::w4a16_linear_r``); ``AWQLinear.forward`` dispatches by M.
-  The routed experts are repacked (``echo::moe_w4a16_r`` beat the former MoE kernel).
+  the kernel measured fastest there (``R.LARGE_M_PATH``: the pair layout of
+  ``echo::w4a16_linear_p``; or the former kernel on the AutoAWQ tensors, or the "k-major" layout
+  of ``echo::w4a16_linear_r``); ``AWQLinear.forward`` dispatches by M. The routed experts take
+  the pair layout (``echo::moe_w4a16_p``, the fastest MoE kernel at every measured size).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers torch.ops.echo.w4a16_linear / moe_w4a16)
+from custom_ops import awq_pairs as P
 from custom_ops import awq_repack as R
 from custom_ops.awq import awq_dequantize_t, awq_unpack
 from custom_ops.awq_format import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, PACK
@@ -147,40 +149,42 @@ class AWQLinear(nn.Module):
 
     repacked = False  # set by repack(): the load-time layouts are made
     tinygemm_max_m = -1  # calls of at most this many tokens go to tinygemm (repacked only)
-    large_m = "former"  # the kernel of the other calls after repack(): "former" | "repacked"
+    large_m = "former"  # the kernel of the other calls after repack(): R.LINEAR_PATHS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, in]
         if self.repacked and R.use_tinygemm(x2.shape[0], x2.dtype, self.tinygemm_max_m):
             y = R.tinygemm_linear(x2, self.tg_weight, self.tg_scale_zero)
+        elif self.repacked and self.large_m == "pairs":
+            y = torch.ops.echo.w4a16_linear_p(x2, self.qweight_p, self.zeros_p, self.scales_p)
         elif self.repacked and self.large_m == "repacked":
             y = torch.ops.echo.w4a16_linear_r(x2, self.qweight_r, self.zeros_r, self.scales_r)
         else:
             y = torch.ops.echo.w4a16_linear(x2, self.qweight, self.qzeros, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def repack(self, tinygemm_max_m: int = -1, large_m: str = "repacked") -> None:
-        """Load-time layouts. ``large_m="repacked"``: replace ``qweight/qzeros/scales`` by the
-        repacked ``qweight_r/zeros_r/scales_r`` (``echo::w4a16_linear_r``); ``"former"``: keep
-        them (``echo::w4a16_linear``, the measured winner above M = 8). If ``tinygemm_max_m >= 1``
-        also keep the tinygemm weight ``tg_weight/tg_scale_zero`` for bf16 calls of at most that
-        many tokens (another int4 copy: the two layouts together are still half of bf16)."""
+    def repack(self, tinygemm_max_m: int = -1, large_m: str = "pairs") -> None:
+        """Load-time layouts. ``large_m="pairs"``: replace ``qweight/qzeros/scales`` by the pair
+        layout ``qweight_p/zeros_p/scales_p`` (``echo::w4a16_linear_p``, the measured winner above
+        tinygemm's M); ``"repacked"``: by ``qweight_r/zeros_r/scales_r``
+        (``echo::w4a16_linear_r``); ``"former"``: keep them (``echo::w4a16_linear``). If
+        ``tinygemm_max_m >= 1`` also keep the tinygemm weight ``tg_weight/tg_scale_zero`` for bf16
+        calls of at most that many tokens (another int4 copy: the two layouts together are still
+        half of bf16)."""
         if self.repacked:
             raise ValueError("AWQLinear.repack: already repacked")
         R.check_large_m_path(large_m)
+        layouts = {"pairs": (P.pair_awq, "_p"), "repacked": (R.repack_awq, "_r")}
         with torch.no_grad():
-            parts = (
-                R.repack_awq(self.qweight, self.qzeros, self.scales)
-                if large_m == "repacked"
-                else None
-            )
+            make, suffix = layouts.get(large_m, (None, ""))
+            parts = make(self.qweight, self.qzeros, self.scales) if make else None
             tg = None
             if tinygemm_max_m >= 1:
                 tg = R.tinygemm_pack(self.qweight, self.qzeros, self.scales)
         if parts is not None:
             del self.qweight, self.qzeros, self.scales
-            for name, t in zip(("qweight_r", "zeros_r", "scales_r"), parts, strict=True):
-                setattr(self, name, nn.Parameter(t, requires_grad=False))
+            for name, t in zip(("qweight", "zeros", "scales"), parts, strict=True):
+                setattr(self, name + suffix, nn.Parameter(t, requires_grad=False))
         self.large_m = large_m
         if tg is not None:
             self.tg_weight = nn.Parameter(tg[0], requires_grad=False)
@@ -205,6 +209,9 @@ class AWQLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The ``nn.Linear`` weight ``[out, in]`` this module computes with (the Triton path's)."""
+        if self.repacked and self.large_m == "pairs":
+            wt = P.dequantize_pairs_t(self.qweight_p, self.zeros_p, self.scales_p)
+            return wt.t().contiguous().to(dtype)
         if self.repacked and self.large_m == "repacked":
             wt = R.dequantize_repacked_t(self.qweight_r, self.zeros_r, self.scales_r)
             return wt.t().contiguous().to(dtype)
@@ -259,16 +266,16 @@ class AWQExperts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         if self.repacked:
-            return torch.ops.echo.moe_w4a16_r(
+            return torch.ops.echo.moe_w4a16_p(
                 x,
                 topk_ids,
                 topk_weights,
-                self.w13_qweight_r,
-                self.w13_zeros_r,
-                self.w13_scales_r,
-                self.w2_qweight_r,
-                self.w2_zeros_r,
-                self.w2_scales_r,
+                self.w13_qweight_p,
+                self.w13_zeros_p,
+                self.w13_scales_p,
+                self.w2_qweight_p,
+                self.w2_zeros_p,
+                self.w2_scales_p,
             )
         return torch.ops.echo.moe_w4a16(
             x,
@@ -283,21 +290,21 @@ class AWQExperts(nn.Module):
         )
 
     def repack(self) -> None:
-        """Load-time: replace the AutoAWQ ``w13_*``/``w2_*`` tensors by the repacked
-        ``w13_qweight_r``, ``w13_zeros_r``, ``w13_scales_r`` (``[E, D/128, 2I(, 16)]``) and the
-        same for ``w2`` (``echo::moe_w4a16_r``: gate and up fused)."""
+        """Load-time: replace the AutoAWQ ``w13_*``/``w2_*`` tensors by the pair layout
+        ``w13_qweight_p``, ``w13_zeros_p``, ``w13_scales_p`` (``[E, D/128, 2I(, 16)]``) and the
+        same for ``w2`` (``echo::moe_w4a16_p``: gate and up fused)."""
         if self.repacked:
             raise ValueError("AWQExperts.repack: already repacked")
         for pre in ("w13", "w2"):
             with torch.no_grad():
-                parts = R.repack_awq_experts(
+                parts = P.pair_awq_experts(
                     getattr(self, f"{pre}_qweight"),
                     getattr(self, f"{pre}_qzeros"),
                     getattr(self, f"{pre}_scales"),
                 )
             for suffix in ("qweight", "qzeros", "scales"):
                 delattr(self, f"{pre}_{suffix}")
-            for suffix, t in zip(("qweight_r", "zeros_r", "scales_r"), parts, strict=True):
+            for suffix, t in zip(("qweight_p", "zeros_p", "scales_p"), parts, strict=True):
                 setattr(self, f"{pre}_{suffix}", nn.Parameter(t, requires_grad=False))
         self.repacked = True
 
@@ -324,10 +331,10 @@ class AWQExperts(nn.Module):
         """``(w13_weight [E, 2I, D], w2_weight [E, D, I])`` as ``model.moe.Experts`` holds them."""
         if self.repacked:
             return tuple(
-                R._dequantize_experts_t(
-                    getattr(self, f"{pre}_qweight_r"),
-                    getattr(self, f"{pre}_zeros_r"),
-                    getattr(self, f"{pre}_scales_r"),
+                P.dequantize_pairs_experts_t(
+                    getattr(self, f"{pre}_qweight_p"),
+                    getattr(self, f"{pre}_zeros_p"),
+                    getattr(self, f"{pre}_scales_p"),
                 )
                 .transpose(1, 2)
                 .contiguous()

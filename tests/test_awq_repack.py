@@ -129,7 +129,7 @@ def test_module_repack_and_dispatch():
     x9 = torch.randn(3, 3, 256).bfloat16()
     before1, before9 = lin(x1), lin(x9)
     w_before = lin.dequantized_weight()
-    lin.repack(tinygemm_max_m=4)
+    lin.repack(tinygemm_max_m=4, large_m="repacked")
     names = {n for n, _ in lin.named_parameters()}
     assert names == {"qweight_r", "zeros_r", "scales_r", "tg_weight", "tg_scale_zero"}
     assert torch.equal(lin.dequantized_weight(), w_before)
@@ -139,32 +139,33 @@ def test_module_repack_and_dispatch():
     with pytest.raises(ValueError, match="already"):
         lin.repack()
     plain = _linear(256, 64, 5)
-    plain.repack()  # no tinygemm copy
+    plain.repack(large_m="repacked")  # no tinygemm copy
     assert not hasattr(plain, "tg_weight") and torch.equal(plain(x1), before1)
 
 
-def test_served_dispatch_keeps_the_former_layout_above_tinygemm():
-    """The measured dispatch (R.LARGE_M_PATH = "former"): tinygemm up to TINYGEMM_MAX_M, the
-    former kernel on the AutoAWQ tensors above; no repacked copy is made for a linear."""
-    assert R.LARGE_M_PATH == "former" and R.TINYGEMM_MAX_M == 8
+def test_served_dispatch_takes_the_pair_layout_above_tinygemm():
+    """The measured dispatch (R.LARGE_M_PATH = "pairs"): tinygemm up to TINYGEMM_MAX_M, the pair
+    kernel on the pair layout above, the AutoAWQ tensors dropped; "former" keeps them."""
+    assert R.LARGE_M_PATH == "pairs" and R.TINYGEMM_MAX_M == 1
     lin = _linear(256, 64, 7)
-    x2, x9 = torch.randn(2, 256).bfloat16(), torch.randn(9, 256).bfloat16()
-    before2, before9 = lin(x2), lin(x9)
-    lin.repack(tinygemm_max_m=8, large_m="former")
+    x1, x2 = torch.randn(1, 256).bfloat16(), torch.randn(2, 256).bfloat16()
+    before1, before2 = lin(x1), lin(x2)
+    repack_awq_model(nn.Sequential(lin), tinygemm_max_m=1)  # the default large-M path
     names = {n for n, _ in lin.named_parameters()}
+    assert names == {"qweight_p", "zeros_p", "scales_p", "tg_weight", "tg_scale_zero"}
+    assert lin.large_m == "pairs"
+    assert torch.equal(lin(x2), before2)  # M = 2 > 1: the pair op (its reference on CPU)
+    y1 = lin(x1)  # M = 1: tinygemm (bf16 pairs): close, not equal
+    assert not torch.equal(y1, before1) and _rel(y1, before1) < 1e-2
+    former = _linear(256, 64, 7)
+    former.repack(tinygemm_max_m=1, large_m="former")
+    names = {n for n, _ in former.named_parameters()}
     assert names == {"qweight", "qzeros", "scales", "tg_weight", "tg_scale_zero"}
-    assert torch.equal(lin(x9), before9)  # M = 9 > 8: the former op, bit for bit
-    y2 = lin(x2)  # M = 2: tinygemm (bf16 pairs): close, not equal
-    assert not torch.equal(y2, before2) and _rel(y2, before2) < 1e-2
-    xh = x2.half()  # not bf16: tinygemm cannot take it, the former op does
-    want = torch.ops.echo.w4a16_linear(xh, lin.qweight, lin.qzeros, lin.scales)
-    assert torch.equal(lin(xh), want)
+    xh = x1.half()  # not bf16: tinygemm cannot take it, the former op does
+    want = torch.ops.echo.w4a16_linear(xh, former.qweight, former.qzeros, former.scales)
+    assert torch.equal(former(xh), want)
     with pytest.raises(ValueError, match="large-M path must be"):
         _linear(256, 64, 7).repack(large_m="tinygemm")
-    model = nn.Sequential(_linear(256, 64, 8))
-    repack_awq_model(model, tinygemm_max_m=-1)  # the default large-M path
-    assert model[0].large_m == "former" and hasattr(model[0], "qweight")
-    assert not hasattr(model[0], "qweight_r")
 
 
 def test_repacked_module_compiles_fullgraph():
@@ -251,9 +252,9 @@ def test_experts_module_repack():
     ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(7)])
     w = torch.rand(7, 2, generator=g)
     before, dense = mod(x, ids, w), mod.dequantized_weights()
-    mod.repack()
+    mod.repack()  # the pair layout (echo::moe_w4a16_p)
     assert {n for n, _ in mod.named_parameters()} == {
-        f"{p}_{s}" for p in ("w13", "w2") for s in ("qweight_r", "zeros_r", "scales_r")
+        f"{p}_{s}" for p in ("w13", "w2") for s in ("qweight_p", "zeros_p", "scales_p")
     }
     assert torch.equal(mod(x, ids, w), before)
     assert all(torch.equal(a, b) for a, b in zip(mod.dequantized_weights(), dense, strict=True))
@@ -316,7 +317,7 @@ def test_moe_repacked_on_gpu_256_experts(t):  # dequantised copy of them ran out
 @pytest.mark.cuda
 def test_repacked_linear_captures_in_cuda_graph():
     lin = _linear(7168, 2048, 7).cuda()
-    lin.repack(tinygemm_max_m=4)
+    lin.repack(tinygemm_max_m=4, large_m="repacked")
     xs = [torch.randn(m, 7168, device="cuda").bfloat16() for m in (2, 32)]
     want = [lin(x).clone() for x in xs]
     s = torch.cuda.Stream()

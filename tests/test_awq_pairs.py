@@ -1,0 +1,212 @@
+"""The pair layout (custom_ops/awq_format.py), ``echo::w4a16_linear_p`` and ``echo::moe_w4a16_p``:
+references against the AutoAWQ ones, the Triton kernels under the interpreter against them, and
+(marked ``cuda``) the inline-PTX mode against the Triton-ops mode bit for bit, at V3.2 shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_awq import _awq_weights, _moe_inputs
+
+from custom_ops import awq as ops
+from custom_ops import awq_pairs as P
+from custom_ops import awq_pairs_kernels as PK
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def test_pair_layout_matches_its_spec():
+    """Word p of (group g, column n) holds q[128 g + 32 s + 2 p + h, n] at bit 4 s + 16 h:
+    checked element by element against the AutoAWQ values, with Python ints."""
+    qw, qz, s = _awq_weights(256, 16, torch.Generator().manual_seed(1))
+    q = ops.awq_unpack(qw).tolist()  # [K][N]
+    qw_p, z, sc = P.pair_awq(qw, qz, s)
+    assert qw_p.shape == (2, 16, 16) and qw_p.dtype == torch.int32 and (qw_p < 0).any()
+    words = qw_p.tolist()
+    for g in range(2):
+        for col in range(16):
+            for p in range(16):
+                w = words[g][col][p] & 0xFFFFFFFF
+                for s_ in range(4):
+                    for h in range(2):
+                        assert (w >> (4 * s_ + 16 * h)) & 0xF == q[128 * g + 32 * s_ + 2 * p + h][
+                            col
+                        ]
+    assert z.dtype == torch.uint8 and torch.equal(z.int(), ops.awq_unpack(qz))
+    assert torch.equal(sc, s)
+
+
+def test_round_trip_and_references_equal_the_autoawq_ones():
+    g = torch.Generator().manual_seed(2)
+    qw, qz, s = _awq_weights(384, 40, g, torch.bfloat16)
+    pw = P.pair_awq(qw, qz, s)
+    assert torch.equal(P.unpack_pairs(pw[0]), ops.awq_unpack(qw))
+    assert torch.equal(P.dequantize_pairs_t(*pw), ops.awq_dequantize_t(qw, qz, s))
+    x = torch.randn(3, 384, generator=g).bfloat16()
+    assert torch.equal(torch.ops.echo.w4a16_linear_p(x, *pw), ops.w4a16_linear_ref(x, qw, qz, s))
+    torch.library.opcheck(torch.ops.echo.w4a16_linear_p, (x, *pw))
+    x, ids, w, w13, w2 = _moe_inputs(5, 4, 2, 256, 128, g, torch.bfloat16)
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    ref = ops.moe_w4a16_ref(x, ids, w, *w13, *w2)
+    assert torch.equal(torch.ops.echo.moe_w4a16_p(x, ids, w, *p13, *p2), ref)
+    torch.library.opcheck(torch.ops.echo.moe_w4a16_p, (x, ids, w, *p13, *p2))
+
+
+def test_bad_inputs_name_the_problem():
+    g = torch.Generator().manual_seed(3)
+    pw = P.pair_awq(*_awq_weights(256, 64, g))
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    with pytest.raises(ValueError, match="K=128"):
+        torch.ops.echo.w4a16_linear_p(x[:, :128].contiguous(), *pw)
+    with pytest.raises(ValueError, match="zeros_p must be torch.uint8"):
+        torch.ops.echo.w4a16_linear_p(x, pw[0], pw[1].int(), pw[2])
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        torch.ops.echo.w4a16_linear_p(x.float(), *pw)
+    with pytest.raises(ValueError, match="BN a multiple of 64"):
+        PK.w4a16_linear_p_triton(x, *pw, config={"BN": 32, "BT": 16, "SPLIT_K": 1})
+    with pytest.raises(ValueError, match="qweight must be"):
+        P.pair_awq_experts(*_awq_weights(256, 64, g))
+
+
+@pytest.mark.parametrize(
+    "k,n,m,dtype,cfg",
+    [
+        (256, 64, 1, torch.bfloat16, None),  # the launcher's rule
+        (384, 128, 5, torch.bfloat16, {"BN": 64, "BT": 16, "SPLIT_K": 2}),  # uneven split
+        (512, 192, 20, torch.float16, {"BN": 64, "BT": 32, "SPLIT_K": 3}),
+        (256, 96, 3, torch.bfloat16, {"BN": 64, "BT": 16, "SPLIT_K": 4}),  # N % BN, empty split
+        (256, 128, 40, torch.bfloat16, {"BN": 128, "BT": 16, "SPLIT_K": 1}),  # several T tiles
+    ],
+)
+def test_linear_kernel_matches_reference(k, n, m, dtype, cfg):
+    g = torch.Generator().manual_seed(k + n + m)
+    qw, qz, s = _awq_weights(k, n, g, dtype)
+    pw = P.pair_awq(qw, qz, s)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    if cfg is not None:
+        cfg = {**cfg, "num_warps": 4, "num_stages": 1}
+    y = PK.w4a16_linear_p_triton(x, *pw, config=cfg)
+    ref = P.w4a16_linear_p_ref(x, *pw)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert _rel(y, ref) < 4e-3  # fp32 in another order, then the output rounding
+    assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config=cfg), y)  # same bits again
+
+
+@pytest.mark.parametrize(
+    "t,e,topk,d,inter,dtype,cfg",
+    [
+        (1, 4, 2, 128, 128, torch.bfloat16, {"BN": 64, "BT": 16}),
+        (6, 8, 3, 256, 128, torch.float16, {"BN": 64, "BT": 16}),
+        (20, 4, 2, 128, 384, torch.bfloat16, {"BN": 256, "BT": 32}),  # I, D % BN
+        (9, 4, 2, 256, 128, torch.bfloat16, None),  # the launcher's rule
+    ],
+)
+def test_moe_kernel_matches_reference(t, e, topk, d, inter, dtype, cfg):
+    g = torch.Generator().manual_seed(400 + t)
+    x, ids, w, w13, w2 = _moe_inputs(t, e, topk, d, inter, g, dtype)
+    ids[0, -1] = e  # expert parallelism's skip id: another rank's expert, no contribution
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    if cfg is not None:
+        cfg = {**cfg, "num_warps": 4, "num_stages": 1}
+    y = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg)
+    ref = P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)
+    assert y.dtype == torch.float32 and y.shape == (t, d) and not y.isnan().any()
+    assert _rel(y, ref) < 2e-3  # fp32 order, then bf16 flips of the intermediate h
+
+
+def test_config_rules():
+    # the H200 sweep's winners (awq_pairs_h200.json), as the rule returns them
+    assert PK.p_config(1, 4096, 7168, 132) == {"BN": 64, "BT": 16, "num_warps": 4,
+                                               "num_stages": 4, "SPLIT_K": 8}  # fmt: skip
+    assert PK.p_config(8, 7168, 2048, 132)["SPLIT_K"] == 4
+    assert PK.p_config(64, 4096, 7168, 132) == {"BN": 128, "BT": 64, "num_warps": 8,
+                                                "num_stages": 3, "SPLIT_K": 8}  # fmt: skip
+    assert PK.p_config(128, 7168, 16384, 132)["SPLIT_K"] == 2
+    assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
+    assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
+    assert PK.moe_p_config(8, 256) == {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
+    assert PK.moe_p_config(64 * 40, 64)["BT"] == 64
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+
+def _rand_awq_cuda(k, n, gen, lead=()):
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31, shape, device="cuda", generator=gen,
+                             dtype=torch.int64).to(torch.int32)  # fmt: skip
+
+    s = (torch.rand((*lead, k // 128, n), device="cuda", generator=gen) * 2e-3 + 1e-4).half()
+    return words(*lead, k, n // 8), words(*lead, k // 128, n // 8), s
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 128, 200])
+def test_linear_on_gpu_at_v32_shapes(m):
+    gen = torch.Generator("cuda").manual_seed(m)
+    for k, n in ((7168, 4096), (2048, 7168), (1536, 576 * 4)):
+        w = _rand_awq_cuda(k, n, gen)
+        pw = P.pair_awq(*w)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+            a = PK.w4a16_linear_p_triton(x, *pw, mode=PK.MODE_ASM)
+            b = PK.w4a16_linear_p_triton(x, *pw, mode=PK.MODE_OPS)
+            assert torch.equal(a, b)  # the inline PTX forms the same (q - z) values
+            assert torch.equal(torch.ops.echo.w4a16_linear_p(x, *pw), a)  # deterministic
+            assert _rel(a, ops.w4a16_linear_ref(x, *w)) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_moe_on_gpu_256_experts(t):
+    gen = torch.Generator("cuda").manual_seed(t)
+    e, d, inter = 256, 7168, 2048
+    w13, w2 = _rand_awq_cuda(d, 2 * inter, gen, (e,)), _rand_awq_cuda(inter, d, gen, (e,))
+    x = torch.randn(t, d, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
+    w = torch.rand(t, 8, device="cuda", generator=gen)
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    y = torch.ops.echo.moe_w4a16_p(x, ids, w, *p13, *p2)
+    b = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, mode=PK.MODE_OPS)
+    assert torch.equal(y, b)
+    # the reference on the touched experts only (256 dequantised experts do not fit)
+    used = torch.unique(ids)
+    remap = torch.full((e,), -1, dtype=torch.long, device="cuda")
+    remap[used] = torch.arange(used.numel(), device="cuda")
+    sub = [tuple(t_[used] for t_ in part) for part in (w13, w2)]
+    assert _rel(y, ops.moe_w4a16_ref(x, remap[ids], w, *sub[0], *sub[1])) < 5e-3
+
+
+@pytest.mark.cuda
+def test_pair_ops_capture_in_cuda_graph():
+    gen = torch.Generator("cuda").manual_seed(5)
+    pw = P.pair_awq(*_rand_awq_cuda(7168, 2048, gen))
+    x16 = torch.randn(4, 128 * 16, device="cuda").bfloat16()
+    e13 = P.pair_awq_experts(*_rand_awq_cuda(2048, 2 * 256, gen, (8,)))
+    e2 = P.pair_awq_experts(*_rand_awq_cuda(256, 2048, gen, (8,)))
+    ids = torch.randint(0, 8, (4, 2), device="cuda")
+    tw = torch.rand(4, 2, device="cuda")
+    xs = [torch.randn(m, 7168, device="cuda").bfloat16() for m in (2, 32, 128)]
+
+    def step():
+        ys = [torch.ops.echo.w4a16_linear_p(x, *pw) for x in xs]
+        return ys + [torch.ops.echo.moe_w4a16_p(x16, ids, tw, *e13, *e2)]
+
+    want = [y.clone() for y in step()]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        outs = step()
+    gr.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+    ids.copy_(torch.randint(0, 8, (4, 2), device="cuda"))  # a new routing, replayed
+    gr.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[-1], torch.ops.echo.moe_w4a16_p(x16, ids, tw, *e13, *e2))
