@@ -105,6 +105,13 @@ def check(result: dict) -> None:
                 record(result, "linear/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None,
                        K=k, N=n, M=m)  # fmt: skip
                 record(result, "linear/pair", rel_err(a, ref), 1e-2, K=k, N=n, M=m)
+                cfg = PK.p_config(m, n, k, K._num_sms(x.device))
+                if cfg["SPLIT_K"] > 1:  # the fused reduction: the same bits, 20 times over
+                    c = {**cfg, "FUSED": True}
+                    same = all(torch.equal(PK.w4a16_linear_p_triton(x, *p, config=c), a)
+                               for _ in range(20))  # fmt: skip
+                    record(result, "linear/fused==unfused", 0.0 if same else 1.0, None,
+                           K=k, N=n, M=m)  # fmt: skip
             except Exception as e:  # noqa: BLE001  (recorded; the timings go on)
                 record(result, "linear/pair", repr(e), 1e-2, K=k, N=n, M=m)
     e = 16  # the reference dequantises every expert in fp32 (256 would need ~100 GB)
@@ -157,6 +164,11 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
         row["pair_us"] = _time(
             [lambda w=w, x=x, c=cfg: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
         )
+        if cfg["SPLIT_K"] > 1:  # the same config, partials summed by the tile's last program
+            row["pair_fused_us"] = _time(
+                [lambda w=w, x=x, c={**cfg, "FUSED": True}: PK.w4a16_linear_p_triton(
+                    x, *w, config=c) for w in wp]
+            )  # fmt: skip
         sweep = []
         for c in linear_candidates(m, n, k, sms):
             us = _time(
@@ -175,7 +187,8 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
         rows.append(row)
         print(f"  linear {k}x{n} M={m}: bf16 {bf:.1f} tinygemm {row['tinygemm_us']:.1f} served "
               f"{row['served_us']:.1f} fbgemm {row.get('fbgemm_us', math.nan):.1f} pair "
-              f"{row['pair_us']:.1f} best {row['pair_best_us']:.1f} "
+              f"{row['pair_us']:.1f} fused {row.get('pair_fused_us', math.nan):.1f} best "
+              f"{row['pair_best_us']:.1f} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']}", flush=True)  # fmt: skip
     return rows
 
@@ -267,11 +280,12 @@ def main() -> None:
     fails = [c for c in result["check"] if not c["pass"]]
     print(f"\ncheck: {'PASS' if not fails else 'FAIL'} ({len(fails)} of {len(result['check'])})")
     print(f"{'linear K x N':>14} {'M':>4} {'bf16':>6} {'tinyg':>6} {'served':>6} {'fbgemm':>6} "
-          f"{'pair':>6} {'best':>6} {'x bf16':>6}")  # fmt: skip
+          f"{'pair':>6} {'fused':>6} {'best':>6} {'x bf16':>6}")  # fmt: skip
     for r in result["linear"]:
         print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} {r['tinygemm_us']:6.1f} "
               f"{r['served_us']:6.1f} {r.get('fbgemm_us', math.nan):6.1f} {r['pair_us']:6.1f} "
-              f"{r['pair_best_us']:6.1f} {r['pair_best_x_bf16']:6.2f}")  # fmt: skip
+              f"{r.get('pair_fused_us', math.nan):6.1f} {r['pair_best_us']:6.1f} "
+              f"{r['pair_best_x_bf16']:6.2f}")  # fmt: skip
     print(f"{'moe T':>6} {'bf16':>7} {'repacked':>8} {'pair':>7} {'best':>7} {'x bf16':>6}")
     for r in result["moe"]:
         print(f"{r['T']:>6} {r['bf16_us']:7.1f} {r['repacked_us']:8.1f} {r['pair_us']:7.1f} "

@@ -38,6 +38,9 @@ from custom_ops.awq_kernels import _num_sms, _store, moe_align, splitk_sum_kerne
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
 DEFAULT_MODE = MODE_INTERPRET if _INTERPRET else MODE_ASM
+# the split-K partials summed by the tile's last program (True) or by splitk_sum_kernel: the same
+# bits either way; a config's "FUSED" overrides it (benchmarks/bench_awq_pairs.py times both)
+FUSED_REDUCE = False
 
 
 @triton.jit
@@ -98,13 +101,18 @@ def _zz(z_ptrs, n_mask, FP16: tl.constexpr):
 
 @triton.jit
 def w4a16_p_kernel(
-    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
+    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    FUSED: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
-    1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K)."""
+    1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K).
+
+    FUSED (SPLIT_K > 1): the tile's last split to finish (an acq_rel counter per tile in
+    ``cnt_ptr``, left at 0 again for the next launch) sums the fp32 partials in split order into
+    ``y [M, N]`` (x's dtype): the order of ``splitk_sum_kernel``, so the same bits, one launch
+    fewer."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -127,8 +135,37 @@ def w4a16_p_kernel(
         part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
                            t_mask, FP16, MODE)  # fmt: skip
         acc += part * sc[:, None]
-    out = out_ptr + pid_k * stride_os + offs_t[None, :] * stride_om + offs_n[:, None]
-    _store(out, acc, t_mask[None, :] & n_mask[:, None], INTERPRET)
+    mask = t_mask[None, :] & n_mask[:, None]
+    tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
+    _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
+    if FUSED:
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        tile = pid_t * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BN, BT], dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                total += tl.load(out_ptr + sk * stride_os + tile_offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            _store(y_ptr + tile_offs, total, mask, INTERPRET)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The per-device tile counters of the fused split-K reduction: zeros, and zeros again after
+    every launch (its last programs reset them), so one buffer serves every call on the device's
+    stream (two streams must not run these kernels at once). Made on the first call (a warm-up
+    before any graph capture), grown only outside capture."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("w4a16_linear_p: call once before CUDA-graph capture (counters)")
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def tokens_tile(m: int) -> int:
@@ -195,15 +232,17 @@ def w4a16_linear_p_triton(
     else:
         out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BT"]), split)
+    fused = split > 1 and cfg.get("FUSED", FUSED_REDUCE)
+    y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
+    cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
     w4a16_p_kernel[grid](
-        x, qweight_p, zeros, scales, out, m, n, k // GROUP, x.stride(0), out.stride(0),
+        x, qweight_p, zeros, scales, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
-        MODE=mode, INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
+        MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
-    if split == 1:
-        return out[0]
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if split == 1 or fused:
+        return y
     splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](
         out, y, m * n, split, BLOCK=1024, INTERPRET=_INTERPRET, num_warps=4
     )

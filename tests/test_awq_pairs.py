@@ -92,6 +92,8 @@ def test_linear_kernel_matches_reference(k, n, m, dtype, cfg):
     assert y.dtype == dtype and y.shape == (m, n)
     assert _rel(y, ref) < 4e-3  # fp32 in another order, then the output rounding
     assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config=cfg), y)  # same bits again
+    if cfg is not None and cfg["SPLIT_K"] > 1:  # the fused reduction sums in the same order
+        assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "FUSED": True}), y)
 
 
 @pytest.mark.parametrize(
@@ -156,6 +158,24 @@ def test_linear_on_gpu_at_v32_shapes(m):
             assert torch.equal(a, b)  # the inline PTX forms the same (q - z) values
             assert torch.equal(torch.ops.echo.w4a16_linear_p(x, *pw), a)  # deterministic
             assert _rel(a, ops.w4a16_linear_ref(x, *w)) < 1e-2
+
+
+@pytest.mark.cuda
+def test_fused_split_k_reduction_is_the_same_bits_on_gpu():
+    """The tile's last split sums the partials in split order: bit for bit the two-launch sum,
+    on every one of many calls (a missed partial or a stale read would show), counters back at 0."""
+    gen = torch.Generator("cuda").manual_seed(9)
+    for k, n, m in ((7168, 4096, 1), (2048, 7168, 16), (7168, 2048, 128)):
+        pw = P.pair_awq(*_rand_awq_cuda(k, n, gen))
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        cfg = PK.p_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        assert cfg["SPLIT_K"] > 1
+        want = PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "FUSED": False})
+        for _ in range(50):
+            assert torch.equal(
+                PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "FUSED": True}), want
+            )
+    assert not PK._COUNTERS[x.device].any()
 
 
 @pytest.mark.cuda

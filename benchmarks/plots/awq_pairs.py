@@ -1,0 +1,66 @@
+"""awq_pairs_h200.json: W4A16 speed over bf16 by batch size (the pair kernels, tinygemm, fbgemm,
+the path served before them), with issue 17's targets."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from benchmarks.plots.common import C_BASE, C_BEST, plt, save, source_note
+
+LINEAR_TARGET = [(1, 16, 2.5), (128, 128, 1.0)]  # (M from, M to, x bf16)
+MOE_TARGET = (1, 64, 2.0)
+
+
+def _x(rs: list[dict], col: str) -> list[float]:
+    return [r["bf16_us"] / r[col] if r.get(col) and not math.isnan(r[col]) else math.nan
+            for r in rs]  # fmt: skip
+
+
+def plot_awq_pairs(d: dict, out: Path, written: list[Path]) -> None:
+    lin, moe = d.get("linear", []), d.get("moe", [])
+    shapes = list(dict.fromkeys((r["in"], r["out"]) for r in lin))
+    panels = [("linear", s) for s in shapes] + ([("moe", None)] if moe else [])
+    if not panels:
+        print("skip: awq_pairs: no measurements")
+        return
+    ncol = min(3, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.4 * ncol, 2.8 * nrow), squeeze=False)
+    for ax, (kind, key) in zip(axes.flat, panels, strict=False):
+        if kind == "linear":
+            rs = sorted((r for r in lin if (r["in"], r["out"]) == key), key=lambda r: r["M"])
+            xs = [r["M"] for r in rs]
+            ax.plot(xs, _x(rs, "pair_us"), "o-", color=C_BEST, ms=3, label="pair kernel")
+            for col, style, label in (("tinygemm_us", "v:", "tinygemm"),
+                                      ("fbgemm_us", "d:", "fbgemm CUTLASS"),
+                                      ("served_us", "x:", "served before")):  # fmt: skip
+                ax.plot(xs, _x(rs, col), style, color="#888", ms=3, label=label)
+            for lo, hi, t in LINEAR_TARGET:
+                ax.hlines(t, lo, hi, colors="red", linestyles="--", lw=1)
+            ax.set_title(f"linear {key[0]}->{key[1]}", fontsize=9)
+            ax.set_xlabel("batch M (tokens)", fontsize=8)
+        else:
+            rs = sorted(moe, key=lambda r: r["T"])
+            xs = [r["T"] for r in rs]
+            ax.plot(xs, _x(rs, "pair_us"), "o-", color=C_BEST, ms=3, label="pair MoE")
+            ax.plot(xs, _x(rs, "repacked_us"), "x:", color="#888", ms=3, label="served before")
+            ax.hlines(MOE_TARGET[2], MOE_TARGET[0], MOE_TARGET[1], colors="red",
+                      linestyles="--", lw=1)  # fmt: skip
+            ax.set_title(f"fused MoE, {rs[0]['experts']} experts, top-{rs[0]['topk']}", fontsize=9)
+            ax.set_xlabel("batch T (tokens)", fontsize=8)
+        ax.axhline(1.0, color=C_BASE, lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("x bf16 (higher is faster)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle("AWQ W4A16 speed over bf16 (red: issue 17's targets)", fontsize=10)
+    source_note(fig, d, "awq_pairs_h200.json")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
+    save(fig, out, "awq_pairs_vs_bf16.png", written)
