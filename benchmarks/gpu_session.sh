@@ -64,7 +64,7 @@ verify)
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
      tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py \
      tests/test_bench_weights.py) &
-  (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_repack.py \
+  (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_dispatch.py \
      tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py tests/test_awq_pairs.py \
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
