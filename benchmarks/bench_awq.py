@@ -1,26 +1,28 @@
 """AWQ W4A16 vs bf16 at decode batch sizes, on one GPU (H200).
 
-    python -m benchmarks.bench_awq --out $OUT/awq_h200.json [--sweep] [--configs 'JSON list']
+    python -m benchmarks.bench_awq --out $OUT/awq_h200.json [--sweep]
 
 First checks each W4A16 path on the GPU against its reference (``check``: PASS/FAIL per path,
 recorded, never aborting the timings), then times (CUDA-graph replays, median of many), at the
 DeepSeek-V3.2 shapes (K x N: 7168 x 4096 = the shared expert's gate|up, 16384 x 7168 = o_proj,
 7168 x 2048, 2048 x 7168; M = 1..128):
 - the linear, side by side: bf16 ``F.linear``, core torch's int4 tinygemm
-  (``aten._weight_int4pack_mm``), the repacked Triton kernel (``echo::w4a16_linear_r``, its default
-  config, the CUDA-core variant at M <= 4, and each of ``--configs``), the former AutoAWQ-layout
-  kernel, fbgemm-gpu-genai's CUTLASS int4 GEMM (``fbgemm_us``, where it imports: an anchor;
-  missing, the bench says so and goes on), and what ``AWQLinear`` dispatches to (``awq_us``:
-  tinygemm up to ``custom_ops.awq_repack.TINYGEMM_MAX_M``, ``LARGE_M_PATH`` above); ``dispatch``
-  lists, per shape, the largest M where tinygemm beat both Triton kernels and, per shape and M,
-  the fastest of tinygemm / repacked / former / fbgemm (``best_by_m``; the values for
-  ``TINYGEMM_MAX_M`` and ``LARGE_M_PATH``);
-- the fused W4A16 MoE against the same Triton MoE with bf16 weights (the grouped kernel the bf16
-  model now runs) and, for 16 experts, the former all-experts bf16 computation.
+  (``aten._weight_int4pack_mm``), the pair-layout Triton kernel (``echo::w4a16_linear_p``, its
+  default config ``p_config``: ``pairs_us``), the former AutoAWQ-layout kernel, fbgemm-gpu-genai's
+  CUTLASS int4 GEMM (``fbgemm_us``, where it imports: an anchor; missing, the bench says so and
+  goes on), and what ``AWQLinear`` dispatches to (``awq_us``: tinygemm up to
+  ``custom_ops.awq_repack.TINYGEMM_MAX_M``, ``LARGE_M_PATH`` above); ``dispatch`` lists, per
+  shape, the largest M where tinygemm beat both Triton kernels and, per shape and M, the fastest
+  of tinygemm / pairs / former / fbgemm (``best_by_m``; the values for ``TINYGEMM_MAX_M`` and
+  ``LARGE_M_PATH``);
+- the fused W4A16 MoE (``awq_us``: the served pair-layout ``echo::moe_w4a16_p``, ``former_us``:
+  the AutoAWQ-layout kernel) against the same Triton MoE with bf16 weights (the grouped kernel
+  the bf16 model now runs) and, for 16 experts, the former all-experts bf16 computation.
 Each graph runs R calls over R different weight copies (linear) or R different routings (MoE), so
 weights are read from HBM, not from the 60 MB L2. Reports the weight bytes each call must read
 over its time against a measured copy ceiling. ``--sweep`` also times candidate launch
-configurations of the former kernels.
+configurations of the former MoE kernel (``benchmarks/bench_awq_pairs.py`` sweeps the pair
+kernels).
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ import torch.nn.functional as F
 from benchmarks.cuda_timer import graph_time
 from custom_ops import awq as ops
 from custom_ops import awq_kernels as K
+from custom_ops import awq_pairs as P
+from custom_ops import awq_pairs_kernels as PK
 from custom_ops import awq_repack as R
-from custom_ops import awq_repack_kernels as RK
 from custom_ops.awq_fbgemm import fbgemm_available, fbgemm_linear, fbgemm_pack
 
 D, I_MOE, TOPK = 7168, 2048, 8
 LINEAR_SHAPES = [(D, 4096), (16384, D), (D, 2048), (2048, D)]  # (K, N)
 L2_BYTES = 60 << 20
+# the linear paths timed side by side: each has a "<name>_us" column, named as in R.LINEAR_PATHS
+# (awq_us looks the served path's column up by that name)
+CANDIDATES = ("tinygemm", "pairs", "former", "fbgemm")
 START = time.monotonic()
 
 
@@ -104,23 +110,18 @@ def check_linear(result: dict) -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     for k, n in LINEAR_SHAPES[:2]:
         w = rand_awq(k, n, gen=gen)
-        r, tg = R.repack_awq(*w), R.tinygemm_pack(*w)
+        p, tg = P.pair_awq(*w), R.tinygemm_pack(*w)
         fb = _fbgemm_pack_or_none(w)
         for m in (1, 3, 16, 128):
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             ref = ops.w4a16_linear_ref(x, *w)
             paths = {
-                "repacked": lambda x=x, r=r: RK.w4a16_linear_r_triton(x, *r),
+                "pairs": lambda x=x, p=p: PK.w4a16_linear_p_triton(x, *p),
                 "tinygemm": lambda x=x, tg=tg: R.tinygemm_linear(x, *tg),
                 "former": lambda x=x, w=w: K.w4a16_linear_triton(x, *w),
             }
             if fb is not None:
                 paths["fbgemm"] = lambda x=x, fb=fb: fbgemm_linear(x, *fb)
-            if m <= 4:
-                c = {**RK.r_config(m, n, k, 132), "DOT": False, "BM": 4}
-                paths["repacked_fma"] = lambda x=x, r=r, c=c: RK.w4a16_linear_r_triton(
-                    x, *r, config=c
-                )
             for name, f in paths.items():
                 # bound: bf16 output rounding, and tinygemm's bf16 scale/zero pairs
                 bound = 2e-2 if name in ("tinygemm", "fbgemm") else 1e-2
@@ -135,20 +136,20 @@ def check_linear(result: dict) -> None:
 
 
 def check_moe(result: dict) -> None:
-    """The repacked fused MoE against ``moe_w4a16_ref`` on the GPU (16 experts of V3.2's
-    shapes): PASS/FAIL, recorded."""
+    """The pair-layout and former fused MoE against ``moe_w4a16_ref`` on the GPU (16 experts of
+    V3.2's shapes): PASS/FAIL, recorded."""
     checks = result.setdefault("check", [])
     gen = torch.Generator("cuda").manual_seed(1)
     e = 16
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,), gen=gen), rand_awq(I_MOE, D, (e,), gen=gen)
-    r13, r2 = R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
     for t in (1, 8, 64):
         x = torch.randn(t, D, device="cuda", generator=gen).bfloat16()
         ids = torch.rand(t, e, device="cuda", generator=gen).topk(TOPK, dim=-1).indices
         w = torch.rand(t, TOPK, device="cuda", generator=gen)
         ref = ops.moe_w4a16_ref(x, ids, w, *w13, *w2)
         for name, f in (
-            ("repacked", lambda x=x, ids=ids, w=w: RK.moe_w4a16_r_triton(x, ids, w, *r13, *r2)),
+            ("pairs", lambda x=x, ids=ids, w=w: PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2)),
             ("former", lambda x=x, ids=ids, w=w: K.moe_w4a16_triton(x, ids, w, *w13, *w2)),
         ):
             try:
@@ -169,13 +170,11 @@ def _time(calls) -> float:
         return math.nan
 
 
-def bench_linear(
-    k: int, n: int, batches: list[int], hbm: float, extra_configs: list[dict] | None = None
-) -> list[dict]:
+def bench_linear(k: int, n: int, batches: list[int], hbm: float) -> list[dict]:
     rows = []
     ra, rb = copies_for(awq_bytes(k, n)), copies_for(2 * k * n)
     wa = [rand_awq(k, n) for _ in range(ra)]
-    wr = [R.repack_awq(*w) for w in wa]
+    wp = [P.pair_awq(*w) for w in wa]
     try:
         wt = [R.tinygemm_pack(*w) for w in wa]
     except Exception as e:  # noqa: BLE001
@@ -188,24 +187,15 @@ def bench_linear(
     for m in batches:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfg_old = K.linear_config(m, n, k, sms)
-        cfg = RK.r_config(m, n, k, sms)
-        row = {"in": k, "out": n, "M": m, "config": cfg_old, "repacked_config": cfg}
+        cfg = PK.p_config(m, n, k, sms)  # what echo::w4a16_linear_p launches
+        row = {"in": k, "out": n, "M": m, "config": cfg_old, "pairs_config": cfg}
         row["former_us"] = _time(
             [lambda w=w, x=x, c=cfg_old: K.w4a16_linear_triton(x, *w, config=c) for w in wa]
         )
-        row["repacked_us"] = _time(
-            [lambda w=w, x=x, c=cfg: RK.w4a16_linear_r_triton(x, *w, config=c) for w in wr]
+        # NOTE: "pairs_us", the name of the path in R.LINEAR_PATHS: awq_us below looks it up
+        row["pairs_us"] = _time(
+            [lambda w=w, x=x, c=cfg: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
         )
-        if m <= 4:
-            fma = {**cfg, "DOT": False, "BM": 4 if m > 2 else m}
-            row["repacked_fma_us"] = _time(
-                [lambda w=w, x=x, c=fma: RK.w4a16_linear_r_triton(x, *w, config=c) for w in wr]
-            )
-        for i, extra in enumerate(extra_configs or []):
-            c = {**cfg, **extra}
-            row[f"repacked_cfg{i}_us"] = _time(
-                [lambda w=w, x=x, c=c: RK.w4a16_linear_r_triton(x, *w, config=c) for w in wr]
-            )
         row["tinygemm_us"] = (
             _time([lambda w=w, x=x: R.tinygemm_linear(x, *w) for w in wt]) if wt else math.nan
         )
@@ -235,11 +225,11 @@ def bench_linear(
         rows.append(row)
         print(
             f"  linear {k}x{n} M={m}: bf16 {row['bf16_us']:.1f}, tinygemm {row['tinygemm_us']:.1f}"
-            f", repacked {row['repacked_us']:.1f}, former {row['former_us']:.1f} us "
+            f", pairs {row['pairs_us']:.1f}, former {row['former_us']:.1f} us "
             f"(best {best[1]} {row['best_speedup_vs_bf16']:.2f}x bf16)",
             flush=True,
         )
-    del wa, wr, wt, wb, wf
+    del wa, wp, wt, wb, wf
     return rows
 
 
@@ -249,7 +239,7 @@ def dispatch_table(rows: list[dict]) -> dict:
     for r in rows:
         key = f"{r['in']}x{r['out']}"
         out.setdefault(key, 0)
-        if r["tinygemm_us"] < min(r["repacked_us"], r["former_us"]) and r["M"] > out[key]:
+        if r["tinygemm_us"] < min(r["pairs_us"], r["former_us"]) and r["M"] > out[key]:
             out[key] = r["M"]
     return out
 
@@ -258,7 +248,7 @@ def best_by_m(rows: list[dict]) -> dict:
     """Per shape and M: the fastest candidate (NaN or missing timings lose)."""
     out: dict = {}
     for r in rows:
-        cands = {p: r[f"{p}_us"] for p in ("tinygemm", "repacked", "former", "fbgemm")
+        cands = {p: r[f"{p}_us"] for p in CANDIDATES
                  if not math.isnan(r.get(f"{p}_us", math.nan))}  # fmt: skip
         out.setdefault(f"{r['in']}x{r['out']}", {})[r["M"]] = min(cands, key=cands.get, default="")
     return out
@@ -291,7 +281,7 @@ def bench_moe(
 ) -> list[dict]:  # fmt: skip
     rows = []
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,)), rand_awq(I_MOE, D, (e,))
-    r13, r2 = R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
     per_expert_awq = awq_bytes(D, 2 * I_MOE) + awq_bytes(I_MOE, D)
     per_expert_bf16 = 2 * 3 * D * I_MOE
     if with_bf16:
@@ -302,7 +292,7 @@ def bench_moe(
         routes = routings(t, e, 8)
         touched = statistics.mean(torch.unique(ids).numel() for ids, _ in routes)
         cfg = config or K.moe_config(t * TOPK, e)
-        rcfg = RK.moe_r_config(t * TOPK, e)
+        pcfg = PK.moe_p_config(t * TOPK, e)  # what echo::moe_w4a16_p launches
         t_former = graph_time_ms(
             [
                 lambda r=r, x=x, c=cfg: K.moe_w4a16_triton(x, r[0], r[1], *w13, *w2, config=c)
@@ -312,15 +302,15 @@ def bench_moe(
         t_awq = (
             _time(
                 [
-                    lambda r=r, x=x, c=rcfg: RK.moe_w4a16_r_triton(
-                        x, r[0], r[1], *r13, *r2, config=c
+                    lambda r=r, x=x, c=pcfg: PK.moe_w4a16_p_triton(
+                        x, r[0], r[1], *p13, *p2, config=c
                     )
                     for r in routes
                 ]
             )
             / 1e3
         )
-        if math.isnan(t_awq):  # the repacked kernel failed: report the former one as served
+        if math.isnan(t_awq):  # the pair kernel failed: report the former one as served
             t_awq = t_former
         row = {
             "experts": e,
@@ -329,10 +319,10 @@ def bench_moe(
             "experts_touched": touched,
             "awq_us": t_awq * 1e3,
             "former_us": t_former * 1e3,
-            "repacked_speedup_vs_former": t_former / t_awq,
+            "pairs_speedup_vs_former": t_former / t_awq,
             "awq_weight_GBps": touched * per_expert_awq / t_awq / 1e6,
             "config": cfg,
-            "repacked_config": rcfg,
+            "pairs_config": pcfg,
         }
         row["awq_frac_hbm"] = row["awq_weight_GBps"] / hbm
         if with_i2f:
@@ -367,7 +357,7 @@ def bench_moe(
                 )
         rows.append(row)
         print(
-            f"  moe E={e} T={t}: repacked {t_awq * 1e3:.1f} us, former {t_former * 1e3:.1f} us"
+            f"  moe E={e} T={t}: pairs {t_awq * 1e3:.1f} us, former {t_former * 1e3:.1f} us"
             + (f", bf16 triton {row['bf16_triton_us']:.1f} us" if with_bf16 else ""),
             flush=True,
         )
@@ -375,21 +365,6 @@ def bench_moe(
 
 
 # ---- sweep -----------------------------------------------------------------------------------
-
-
-def repacked_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
-    """Launch configurations of the repacked kernel around its heuristic (``RK.r_config``)."""
-    base = RK.r_config(m, n, k, sms)
-    out = [base]
-    for bn in (32, 64, 128, 256):
-        for split in (1, 2, 4, 8, 16):
-            for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                if split <= k // 128 and (bn, split) != (base["BN"], base["SPLIT_K"]):
-                    out.append({**base, "BN": bn, "SPLIT_K": split, "num_warps": warps,
-                                "num_stages": stages})  # fmt: skip
-    if m <= 4:
-        out.append({**base, "DOT": False, "BM": 4 if m > 2 else m})
-    return out
 
 
 def moe_candidates(t: int, e: int) -> list[dict]:
@@ -409,45 +384,25 @@ def moe_candidates(t: int, e: int) -> list[dict]:
 
 
 def sweep(hbm: float, budget_s: float) -> list[dict]:
+    """The former MoE kernel's launch candidates (``moe_candidates``); the pair kernels have
+    their own sweep in ``benchmarks/bench_awq_pairs.py``."""
     res = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    jobs = [
-        ("moe256", 1),
-        ("linear", 1),
-        ("moe256", 128),
-        ("linear", 128),
-        ("moe256", 16),
-        ("moe16", 128),
-        ("linear", 16),
-        ("linear", 64),
-        ("moe16", 8),
-    ]
+    jobs = [("moe256", 1), ("moe256", 128), ("moe256", 16), ("moe16", 128), ("moe16", 8)]
     for kind, size in jobs:
         if time.monotonic() - START > budget_s:
             print(f"sweep: budget reached, skipping {kind} {size} and later", flush=True)
             break
         best = None
-        if kind == "linear":  # the repacked kernel, 7168 -> 4096
-            k, n = LINEAR_SHAPES[0]
-            ws = [R.repack_awq(*rand_awq(k, n)) for _ in range(copies_for(awq_bytes(k, n)))]
-            x = torch.randn(size, k, device="cuda", dtype=torch.bfloat16)
-            for cfg in repacked_candidates(size, n, k, sms):
-                us = _time([lambda w=w, c=cfg, x=x: RK.w4a16_linear_r_triton(x, *w, config=c)
-                            for w in ws])  # fmt: skip
-                res.append({"kind": kind, "size": size, "config": cfg, "us": us})
-                if not math.isnan(us):
-                    best = min(best or (1e9, ""), (us, json.dumps(cfg)))
-        else:
-            e = 256 if kind == "moe256" else 16
-            for cfg in moe_candidates(size, e):
-                try:
-                    row = bench_moe(e, [size], hbm, with_bf16=False, config=cfg)[0]
-                except Exception as err:
-                    res.append({"kind": kind, "size": size, "config": cfg, "error": repr(err)})
-                    continue
-                # the candidates are the former kernel's (awq_kernels.moe_config)
-                res.append({"kind": kind, "size": size, "config": cfg, "us": row["former_us"]})
-                best = min(best or (1e9, ""), (row["former_us"], json.dumps(cfg)))
+        e = 256 if kind == "moe256" else 16
+        for cfg in moe_candidates(size, e):
+            try:
+                row = bench_moe(e, [size], hbm, with_bf16=False, config=cfg)[0]
+            except Exception as err:
+                res.append({"kind": kind, "size": size, "config": cfg, "error": repr(err)})
+                continue
+            # the candidates are the former kernel's (awq_kernels.moe_config)
+            res.append({"kind": kind, "size": size, "config": cfg, "us": row["former_us"]})
+            best = min(best or (1e9, ""), (row["former_us"], json.dumps(cfg)))
         print(f"sweep {kind} size={size}: best {best}", flush=True)
     return res
 
@@ -462,22 +417,8 @@ def main() -> None:
     ap.add_argument("--experts", default="16,256")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=170.0, help="stop sweeping after this")
-    ap.add_argument(
-        "--configs",
-        default="[]",
-        help="JSON list of partial configs of the repacked kernel to time as well at every point, "
-        'e.g. \'[{"BN": 128}, {"SPLIT_K": 8, "num_stages": 4}]\' (merged into its heuristic)',
-    )
     ap.add_argument("--int2float", action="store_true", help="also the MoE's int->float dequant")
     args = ap.parse_args()
-    try:
-        extra = json.loads(args.configs)
-        if not isinstance(extra, list) or not all(isinstance(c, dict) for c in extra):
-            raise ValueError
-    except ValueError:
-        raise SystemExit(
-            f"bench_awq: --configs must be a JSON list of objects, got {args.configs!r}"
-        ) from None
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq: needs a CUDA GPU")
     import triton
@@ -506,7 +447,6 @@ def main() -> None:
     hbm = copy_ceiling_gbps()
     result["hbm_copy_GBps"] = hbm
     print(f"{result['device']}: copy ceiling {hbm:.0f} GB/s", flush=True)
-    result["extra_configs"] = extra
     for check in (check_linear, check_moe):
         try:
             check(result)
@@ -518,7 +458,7 @@ def main() -> None:
     result["linear"] = []
     for k, n in LINEAR_SHAPES:
         try:
-            result["linear"] += bench_linear(k, n, batches, hbm, extra)
+            result["linear"] += bench_linear(k, n, batches, hbm)
         except Exception as err:
             result.setdefault("errors", []).append(f"linear {k}x{n}: {err!r}")
             print(f"linear {k}x{n} failed: {err!r}", flush=True)
@@ -546,13 +486,13 @@ def main() -> None:
     fails = [c for c in result["check"] if not c["pass"]]
     print(f"\ncheck: {'PASS' if not fails else 'FAIL'} ({len(fails)} of {len(result['check'])})")
     print(
-        f"\n{'linear K x N':>16} {'M':>4} {'bf16':>7} {'tinygemm':>8} {'repack':>7} "
+        f"\n{'linear K x N':>16} {'M':>4} {'bf16':>7} {'tinygemm':>8} {'pairs':>7} "
         f"{'former':>7} {'served':>7} {'x bf16':>7} {'best':>14} {'x bf16':>6} {'%HBM':>5}"
     )
     for r in result["linear"]:
         print(
             f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['bf16_us']:7.1f} {r['tinygemm_us']:8.1f} "
-            f"{r['repacked_us']:7.1f} {r['former_us']:7.1f} {r['awq_us']:7.1f} "
+            f"{r['pairs_us']:7.1f} {r['former_us']:7.1f} {r['awq_us']:7.1f} "
             f"{r['speedup_vs_bf16']:7.2f} {r['best_w4_path']:>14} "
             f"{r['best_speedup_vs_bf16']:6.2f} {100 * r['awq_frac_hbm']:5.0f}"
         )

@@ -7,11 +7,11 @@ side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launc
    its Triton-ops mode bit for bit, and both are within 1e-2 relative of the reference; the MoE
    (16 experts) the same against ``moe_w4a16_ref``.
 2. Linear, K x N in ``bench_awq.LINEAR_SHAPES``, M in ``--batches``: bf16 ``F.linear``, tinygemm,
-   the served path (``AWQLinear``'s dispatch now), the repacked and former Triton kernels,
-   fbgemm's CUTLASS int4 GEMM where it imports, and the pair kernel: its heuristic
-   (``p_config``) and every candidate of ``linear_candidates`` (``pair_best_us`` and its config).
+   the served path (``AWQLinear``'s dispatch now), the former Triton kernel, fbgemm's CUTLASS
+   int4 GEMM where it imports, and the pair kernel: its heuristic (``p_config``) and every
+   candidate of ``linear_candidates`` (``pair_best_us`` and its config).
 3. MoE, 256 experts, top-8, T in ``--moe-batches``: the bf16 grouped Triton MoE (what the bf16
-   model runs), the repacked int4 MoE (served today), and the pair MoE, heuristic and candidates.
+   model runs) and the pair MoE (served), heuristic and candidates.
 Each graph holds R calls over R weight copies (or routings), so weights come from HBM, not L2
 (``bench_awq``'s method). A section stops starting new points once ``--budget-s`` is spent.
 """
@@ -47,7 +47,6 @@ from custom_ops import awq_kernels as K
 from custom_ops import awq_pairs as P
 from custom_ops import awq_pairs_kernels as PK
 from custom_ops import awq_repack as R
-from custom_ops import awq_repack_kernels as RK
 from custom_ops.awq_fbgemm import fbgemm_available, fbgemm_linear
 
 START = time.monotonic()
@@ -139,7 +138,6 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
     rows = []
     wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
     wp = [P.pair_awq(*w) for w in wa]
-    wr = [R.repack_awq(*w) for w in wa]
     wt = [R.tinygemm_pack(*w) for w in wa]
     wf = [f for f in (_fbgemm_pack_or_none(w) for w in wa) if f is not None]
     wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -154,9 +152,6 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
         row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
         row["tinygemm_us"] = _time([lambda w=w, x=x: R.tinygemm_linear(x, *w) for w in wt])
         row["former_us"] = _time([lambda w=w, x=x: K.w4a16_linear_triton(x, *w) for w in wa])
-        row["repacked_us"] = _time([lambda w=w, x=x: RK.w4a16_linear_r_triton(x, *w) for w in wr])
-        row["served_path"] = "tinygemm" if R.use_tinygemm(m, x.dtype) else R.LARGE_M_PATH
-        row["served_us"] = row[f"{row['served_path']}_us"]
         if wf:
             row["fbgemm_us"] = _time([lambda w=w, x=x: fbgemm_linear(x, *w) for w in wf])
         cfg = PK.p_config(m, n, k, sms)
@@ -164,6 +159,10 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
         row["pair_us"] = _time(
             [lambda w=w, x=x, c=cfg: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
         )
+        # the served path's column: R.LINEAR_PATHS name the pair kernel "pairs", timed as pair_us
+        row["served_path"] = "tinygemm" if R.use_tinygemm(m, x.dtype) else R.LARGE_M_PATH
+        row["served_us"] = row[{"pairs": "pair_us"}.get(row["served_path"],
+                                                        f"{row['served_path']}_us")]  # fmt: skip
         if cfg["SPLIT_K"] > 1:  # the same config, partials summed by the tile's last program
             row["pair_fused_us"] = _time(
                 [lambda w=w, x=x, c={**cfg, "FUSED": True}: PK.w4a16_linear_p_triton(
@@ -197,7 +196,6 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
     e, rows = 256, []
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,)), rand_awq(I_MOE, D, (e,))
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
-    r13, r2 = R.repack_awq_experts(*w13), R.repack_awq_experts(*w2)
     del w13, w2
     w13b = torch.randn(e, 2 * I_MOE, D, device="cuda", dtype=torch.bfloat16) * 0.02
     w2b = torch.randn(e, D, I_MOE, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -212,8 +210,6 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
         row: dict = {"experts": e, "topk": TOPK, "T": t, "experts_touched": touched}
         row["bf16_us"] = _time([lambda r=r, x=x: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b)
                                 for r in routes])  # fmt: skip
-        row["repacked_us"] = _time([lambda r=r, x=x: RK.moe_w4a16_r_triton(x, r[0], r[1], *r13, *r2)
-                                    for r in routes])  # fmt: skip
 
         def pair_us(c: dict, x=x, routes=routes) -> float:
             return _time([lambda r=r: PK.moe_w4a16_p_triton(x, r[0], r[1], *p13, *p2, config=c)
@@ -228,12 +224,11 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
         row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
         row["pair_x_bf16"] = row["bf16_us"] / row["pair_us"]
         row["pair_best_x_bf16"] = row["bf16_us"] / row["pair_best_us"]
-        row["repacked_x_bf16"] = row["bf16_us"] / row["repacked_us"]
         row["pair_best_weight_GBps"] = touched * per_expert / row["pair_best_us"] / 1e3
         row["pair_best_frac_hbm"] = row["pair_best_weight_GBps"] / hbm
         rows.append(row)
-        print(f"  moe T={t} ({touched:.0f} experts): bf16 {row['bf16_us']:.1f} repacked "
-              f"{row['repacked_us']:.1f} pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} "
+        print(f"  moe T={t} ({touched:.0f} experts): bf16 {row['bf16_us']:.1f} "
+              f"pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']}", flush=True)  # fmt: skip
     return rows
 
@@ -286,9 +281,9 @@ def main() -> None:
               f"{r['served_us']:6.1f} {r.get('fbgemm_us', math.nan):6.1f} {r['pair_us']:6.1f} "
               f"{r.get('pair_fused_us', math.nan):6.1f} {r['pair_best_us']:6.1f} "
               f"{r['pair_best_x_bf16']:6.2f}")  # fmt: skip
-    print(f"{'moe T':>6} {'bf16':>7} {'repacked':>8} {'pair':>7} {'best':>7} {'x bf16':>6}")
+    print(f"{'moe T':>6} {'bf16':>7} {'pair':>7} {'best':>7} {'x bf16':>6}")
     for r in result["moe"]:
-        print(f"{r['T']:>6} {r['bf16_us']:7.1f} {r['repacked_us']:8.1f} {r['pair_us']:7.1f} "
+        print(f"{r['T']:>6} {r['bf16_us']:7.1f} {r['pair_us']:7.1f} "
               f"{r['pair_best_us']:7.1f} {r['pair_best_x_bf16']:6.2f}")  # fmt: skip
     print(f"wrote {out} in {time.monotonic() - START:.0f} s")
 

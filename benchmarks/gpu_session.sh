@@ -2,7 +2,7 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
-#                                           # fixup overlap prefill cache_ops awq awq_gemv awq_pairs sampling fp8 calibrate
+#                                           # fixup overlap prefill cache_ops awq awq_pairs sampling fp8 calibrate
 #                                           # prefetch step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
@@ -64,8 +64,8 @@ verify)
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
      tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py \
      tests/test_bench_weights.py) &
-  (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_repack.py \
-     tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py tests/test_awq_gemv.py \
+  (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_dispatch.py \
+     tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py tests/test_awq_pairs.py \
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
      tests/test_distributed_ep.py tests/test_ties_fixup.py tests/test_cache_ops.py \
@@ -98,7 +98,6 @@ time)
   on prefill && packjit  # DeepGEMM's fp8_mqa_logits kernels, when the wheels are carried
   on cache_ops && stage bench_cache_ops 100 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
-  on awq_gemv && stage bench_awq_gemv 100 python -m benchmarks.bench_awq_gemv --budget-s 80 --out "$W/awq_gemv_h200.json"
   on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \
     --out "$W/sampling_backends_h200.json"
   on awq_pairs && stage bench_awq_pairs 330 python -m benchmarks.bench_awq_pairs --budget-s 250 \

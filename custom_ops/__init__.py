@@ -10,7 +10,6 @@ CUDA call.
 from custom_ops import (  # noqa: F401  (registers the echo:: ops)
     attention,
     awq,
-    awq_gemv,
     awq_pairs,
     awq_repack,
     backends,

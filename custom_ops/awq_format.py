@@ -59,63 +59,18 @@ def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         )
 
 
-# ---- the repacked ("k-major") layout the W4A16 kernels read -----------------------------------
-# Made once at load time from the AutoAWQ tensors (custom_ops/awq_repack.py), for in=K, out=N,
-# G = K/128 groups:
-#   qweight_r int32 [G, N, 16]: word j of (group g, column n) holds, in nibble i (bits 4i..4i+3),
-#                               q[128 g + 16 i + j, n]: a column's group is 64 contiguous bytes,
-#                               a tile of BN columns one contiguous BN * 64-byte block (wide,
-#                               fully coalesced loads), and nibble i of the 16 words of a tile is
-#                               the contiguous K slice [16 i, 16 i + 16) of the group: one shift
-#                               and mask per nibble give a [16, BN] operand of tl.dot, no shuffle;
-#   zeros_r   uint8 [G, N]      the zero point z[g, n] (0..15), unpacked;
-#   scales_r  fp16|bf16 [G, N]  the checkpoint's scales, unchanged.
-# W^T[k, n] = (q[k, n] - z[k // 128, n]) * s[k // 128, n], as in the AutoAWQ format.
-WORDS = GROUP // PACK  # 16 int32 words per (group, column)
-
-
-def check_repacked(
-    name: str,
-    qweight_r: torch.Tensor,
-    zeros_r: torch.Tensor,
-    scales_r: torch.Tensor,
-    k: int,
-    suffix: str = "_r",
-) -> int:
-    """ValueError unless the three tensors are a repacked (or, ``suffix="_p"``, pair-layout) W4
-    weight with in=k; returns out=N. The messages name ``qweight{suffix}`` etc."""
-    qw_name = f"qweight{suffix}"
-    if qweight_r.dim() != 3 or qweight_r.shape[-1] != WORDS:
-        raise ValueError(
-            f"{name}: {qw_name} must be [K/{GROUP}, N, {WORDS}] int32, got {list(qweight_r.shape)}"
-        )
-    g, n = qweight_r.shape[:2]
-    if g * GROUP != k:
-        raise ValueError(f"{name}: x has K={k} but {qw_name} holds {g} groups of {GROUP}")
-    for what, t, dtypes in (
-        (qw_name, qweight_r, (torch.int32,)),
-        (f"zeros{suffix}", zeros_r, (torch.uint8,)),
-        (f"scales{suffix}", scales_r, (torch.float16, torch.bfloat16)),
-    ):
-        if what != qw_name and tuple(t.shape) != (g, n):
-            raise ValueError(f"{name}: {what} must have shape {[g, n]}, got {list(t.shape)}")
-        if t.dtype not in dtypes:
-            want = " or ".join(map(str, dtypes))
-            raise ValueError(f"{name}: {what} must be {want}, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: {what} must be contiguous")
-    return n
-
-
 # ---- the pair layout the wgmma W4A16 kernels read (custom_ops/awq_pairs_kernels.py) -----------
-# Same shapes and dtypes as the repacked layout, another order of the nibbles inside a column's
-# 16 words of a group:
+# Made once at load time from the AutoAWQ tensors (custom_ops/awq_pairs.py), for in=K, out=N,
+# G = K/128 groups:
 #   qweight_p int32 [G, N, 16]: word p of (group g, column n) holds, at bits 4 s .. 4 s + 3 and
 #                               16 + 4 s .. 16 + 4 s + 3 (s = 0..3), q[128 g + 32 s + 2 p, n] and
 #                               q[128 g + 32 s + 2 p + 1, n]: the two halves of one shifted and
 #                               masked word are two K-adjacent weights, the register pair of an
-#                               MMA operand;
-#   zeros_p uint8 [G, N], scales_p fp16|bf16 [G, N]: as zeros_r / scales_r.
+#                               MMA operand; a column's group is 64 contiguous bytes;
+#   zeros_p   uint8 [G, N]      the zero point z[g, n] (0..15), unpacked;
+#   scales_p  fp16|bf16 [G, N]  the checkpoint's scales, unchanged.
+# W^T[k, n] = (q[k, n] - z[k // 128, n]) * s[k // 128, n], as in the AutoAWQ format.
+WORDS = GROUP // PACK  # 16 int32 words per (group, column)
 
 
 def check_x16(name: str, x: torch.Tensor) -> None:
@@ -130,7 +85,26 @@ def check_pairs(
     name: str, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, k: int
 ) -> int:
     """ValueError unless the three tensors are a pair-layout W4 weight with in=k; returns N."""
-    return check_repacked(name, qweight_p, zeros, scales, k, suffix="_p")
+    if qweight_p.dim() != 3 or qweight_p.shape[-1] != WORDS:
+        raise ValueError(
+            f"{name}: qweight_p must be [K/{GROUP}, N, {WORDS}] int32, got {list(qweight_p.shape)}"
+        )
+    g, n = qweight_p.shape[:2]
+    if g * GROUP != k:
+        raise ValueError(f"{name}: x has K={k} but qweight_p holds {g} groups of {GROUP}")
+    for what, t, dtypes in (
+        ("qweight_p", qweight_p, (torch.int32,)),
+        ("zeros_p", zeros, (torch.uint8,)),
+        ("scales_p", scales, (torch.float16, torch.bfloat16)),
+    ):
+        if what != "qweight_p" and tuple(t.shape) != (g, n):
+            raise ValueError(f"{name}: {what} must have shape {[g, n]}, got {list(t.shape)}")
+        if t.dtype not in dtypes:
+            want = " or ".join(map(str, dtypes))
+            raise ValueError(f"{name}: {what} must be {want}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {what} must be contiguous")
+    return n
 
 
 def check_pair_experts(name: str, qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
@@ -146,6 +120,6 @@ def check_pair_experts(name: str, qw: torch.Tensor, z: torch.Tensor, s: torch.Te
         raise ValueError(
             f"{name}: the expert counts differ: {qw.shape[0]}, {z.shape[0]}, {s.shape[0]}"
         )
-    check_repacked(name, qw[0], z[0], s[0], k, suffix="_p")
+    check_pairs(name, qw[0], z[0], s[0], k)
     if not (qw.is_contiguous() and z.is_contiguous() and s.is_contiguous()):
         raise ValueError(f"{name}: the stacked expert tensors must be contiguous")

@@ -264,7 +264,7 @@ def moe_p_kernel(
     pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
     gate columns, then up columns, both from one pass over x). Pair ``p = sorted_ids[r]`` reads A
     row ``p // A_ROW_DIV`` and writes out row ``p``; GATED: out = silu(gate) * up (fp32, stored
-    in out's dtype); MUL_WEIGHT: out = acc * topk_w[p]. The semantics of ``moe_r_kernel``.
+    in out's dtype); MUL_WEIGHT: out = acc * topk_w[p].
     Grid: (max_blocks, cdiv(N, BN)); blocks past the last expert exit at once."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)

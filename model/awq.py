@@ -18,8 +18,8 @@ Integration (``model/loader.py``, ``model/checkpoint.py``):
 - on CUDA, ``repack_awq_model(model)`` then prepares every ``AWQLinear`` for the fast kernels
   (``custom_ops/awq_repack.py``): core torch's int4 tinygemm weight for small M and, for larger M,
   the kernel measured fastest there (``R.LARGE_M_PATH``: the pair layout of
-  ``echo::w4a16_linear_p``; or the former kernel on the AutoAWQ tensors, or the "k-major" layout
-  of ``echo::w4a16_linear_r``); ``AWQLinear.forward`` dispatches by M. The routed experts take
+  ``echo::w4a16_linear_p``; or the former kernel on the AutoAWQ tensors); ``AWQLinear.forward``
+  dispatches by M. The routed experts take
   the pair layout (``echo::moe_w4a16_p``, the fastest MoE kernel at every measured size).
 """
 
@@ -157,8 +157,6 @@ class AWQLinear(nn.Module):
             y = R.tinygemm_linear(x2, self.tg_weight, self.tg_scale_zero)
         elif self.repacked and self.large_m == "pairs":
             y = torch.ops.echo.w4a16_linear_p(x2, self.qweight_p, self.zeros_p, self.scales_p)
-        elif self.repacked and self.large_m == "repacked":
-            y = torch.ops.echo.w4a16_linear_r(x2, self.qweight_r, self.zeros_r, self.scales_r)
         else:
             y = torch.ops.echo.w4a16_linear(x2, self.qweight, self.qzeros, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
@@ -166,25 +164,23 @@ class AWQLinear(nn.Module):
     def repack(self, tinygemm_max_m: int = -1, large_m: str = "pairs") -> None:
         """Load-time layouts. ``large_m="pairs"``: replace ``qweight/qzeros/scales`` by the pair
         layout ``qweight_p/zeros_p/scales_p`` (``echo::w4a16_linear_p``, the measured winner above
-        tinygemm's M); ``"repacked"``: by ``qweight_r/zeros_r/scales_r``
-        (``echo::w4a16_linear_r``); ``"former"``: keep them (``echo::w4a16_linear``). If
-        ``tinygemm_max_m >= 1`` also keep the tinygemm weight ``tg_weight/tg_scale_zero`` for bf16
-        calls of at most that many tokens (another int4 copy: the two layouts together are still
-        half of bf16)."""
+        tinygemm's M); ``"former"``: keep them (``echo::w4a16_linear``). If ``tinygemm_max_m >= 1``
+        also keep the tinygemm weight ``tg_weight/tg_scale_zero`` for bf16 calls of at most that
+        many tokens (another int4 copy: the two layouts together are still half of bf16)."""
         if self.repacked:
             raise ValueError("AWQLinear.repack: already repacked")
         R.check_large_m_path(large_m)
-        layouts = {"pairs": (P.pair_awq, "_p"), "repacked": (R.repack_awq, "_r")}
         with torch.no_grad():
-            make, suffix = layouts.get(large_m, (None, ""))
-            parts = make(self.qweight, self.qzeros, self.scales) if make else None
+            parts = None
+            if large_m == "pairs":
+                parts = P.pair_awq(self.qweight, self.qzeros, self.scales)
             tg = None
             if tinygemm_max_m >= 1:
                 tg = R.tinygemm_pack(self.qweight, self.qzeros, self.scales)
         if parts is not None:
             del self.qweight, self.qzeros, self.scales
-            for name, t in zip(("qweight", "zeros", "scales"), parts, strict=True):
-                setattr(self, name + suffix, nn.Parameter(t, requires_grad=False))
+            for name, t in zip(("qweight_p", "zeros_p", "scales_p"), parts, strict=True):
+                setattr(self, name, nn.Parameter(t, requires_grad=False))
         self.large_m = large_m
         if tg is not None:
             self.tg_weight = nn.Parameter(tg[0], requires_grad=False)
@@ -211,9 +207,6 @@ class AWQLinear(nn.Module):
         """The ``nn.Linear`` weight ``[out, in]`` this module computes with (the Triton path's)."""
         if self.repacked and self.large_m == "pairs":
             wt = P.dequantize_pairs_t(self.qweight_p, self.zeros_p, self.scales_p)
-            return wt.t().contiguous().to(dtype)
-        if self.repacked and self.large_m == "repacked":
-            wt = R.dequantize_repacked_t(self.qweight_r, self.zeros_r, self.scales_r)
             return wt.t().contiguous().to(dtype)
         return awq_dequantize(self.qweight, self.qzeros, self.scales, dtype)
 

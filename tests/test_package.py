@@ -16,7 +16,7 @@ PACKAGES = ("custom_ops", "model", "runtime", "echo_compile")
 ECHO_OPS = (
     "allocate", "free", "recall", "release", "offload", "indexer_topk", "sparse_mla_decode",
     "w4a16_linear", "moe_w4a16", "moe_bf16",
-    "w4a16_linear_r", "moe_w4a16_r", "w4a16_gemv", "w4a16_linear_p", "moe_w4a16_p", "fp8_linear",
+    "w4a16_linear_p", "moe_w4a16_p", "fp8_linear",
     "moe_fp8",
     "indexer_topk_prefetch", "recall_staged",
 )  # fmt: skip

@@ -28,7 +28,8 @@ def plot_awq(d: dict, out: Path, written: list[Path]) -> None:
             ax.plot(xs, [r["bf16_us"] for r in rs], "s-", color=C_BASE, ms=3, label="bf16 F.linear")
             for col, style, label in (
                 ("tinygemm_us", "v:", "int4 tinygemm"),
-                ("repacked_us", "d:", "repacked Triton"),
+                ("pairs_us", "d:", "pair-layout Triton"),
+                ("repacked_us", "d:", "repacked Triton"),  # results from before the pair layout
                 ("former_us", "x:", "former AWQ kernel"),
             ):
                 if all(col in r for r in rs):  # results files from before the repack lack them
