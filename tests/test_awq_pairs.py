@@ -120,11 +120,11 @@ def test_moe_kernel_matches_reference(t, e, topk, d, inter, dtype, cfg):
 
 def test_config_rules():
     # the H200 sweep's winners (awq_pairs_h200.json), as the rule returns them
-    assert PK.p_config(1, 4096, 7168, 132) == {"BN": 64, "BT": 16, "num_warps": 4,
-                                               "num_stages": 4, "SPLIT_K": 8}  # fmt: skip
+    want = {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 4, "SPLIT_K": 8, "FUSED": True}
+    assert PK.p_config(1, 4096, 7168, 132) == want
     assert PK.p_config(8, 7168, 2048, 132)["SPLIT_K"] == 4
-    assert PK.p_config(64, 4096, 7168, 132) == {"BN": 128, "BT": 64, "num_warps": 8,
-                                                "num_stages": 3, "SPLIT_K": 8}  # fmt: skip
+    want = {"BN": 128, "BT": 64, "num_warps": 8, "num_stages": 3, "SPLIT_K": 8, "FUSED": False}
+    assert PK.p_config(64, 4096, 7168, 132) == want
     assert PK.p_config(128, 7168, 16384, 132)["SPLIT_K"] == 2
     assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
