@@ -126,6 +126,12 @@ def check(result: dict) -> None:
             b = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_OPS)
             record(result, "moe/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None, E=e, T=t)
             record(result, "moe/pair", rel_err(a, ref), 5e-3, E=e, T=t)
+            c = {**PK.moe_p_config(t * TOPK, e), "SPLIT_K": 4}  # the split gate/up pass
+            c4 = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c)
+            same = all(torch.equal(PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c), c4)
+                       for _ in range(10))  # fmt: skip
+            record(result, "moe/split4", rel_err(c4, ref), 5e-3, E=e, T=t)
+            record(result, "moe/split4 repeat", 0.0 if same else 1.0, None, E=e, T=t)
         except Exception as err:  # noqa: BLE001
             record(result, "moe/pair", repr(err), 5e-3, E=e, T=t)
     del w13, w2, p13, p2
@@ -219,6 +225,12 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
         row["pair_config"] = cfg
         row["pair_us"] = pair_us(cfg)
         sweep = [{"config": c, "us": pair_us(c)} for c in moe_candidates(t)]
+        if t <= 16:  # the gate/up pass split over D (few programs otherwise)
+            for sk in (2, 4, 8):
+                sweep.append(
+                    {"config": {**cfg, "SPLIT_K": sk}, "us": pair_us({**cfg, "SPLIT_K": sk})}
+                )
+                row[f"pair_split{sk}_us"] = sweep[-1]["us"]
         ok = [s for s in sweep if not math.isnan(s["us"])] + [{"config": cfg, "us": row["pair_us"]}]
         best = min(ok, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
         row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
@@ -229,7 +241,10 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
         rows.append(row)
         print(f"  moe T={t} ({touched:.0f} experts): bf16 {row['bf16_us']:.1f} "
               f"pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} "
-              f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']}", flush=True)  # fmt: skip
+              f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} split 2/4/8: "
+              f"{row.get('pair_split2_us', math.nan):.1f} / "
+              f"{row.get('pair_split4_us', math.nan):.1f} / "
+              f"{row.get('pair_split8_us', math.nan):.1f}", flush=True)  # fmt: skip
     return rows
 
 
@@ -266,11 +281,13 @@ def main() -> None:
     save()
     result["linear"] = []
     for k, n in LINEAR_SHAPES:
-        result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",")], hbm,
+        result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
                                          args.budget_s * 0.6)  # fmt: skip
         save()
         torch.cuda.empty_cache()
-    result["moe"] = bench_moe([int(b) for b in args.moe_batches.split(",")], hbm, args.budget_s)
+    result["moe"] = bench_moe(
+        [int(b) for b in args.moe_batches.split(",") if b], hbm, args.budget_s
+    )
     save()
     fails = [c for c in result["check"] if not c["pass"]]
     print(f"\ncheck: {'PASS' if not fails else 'FAIL'} ({len(fails)} of {len(result['check'])})")

@@ -254,19 +254,25 @@ def w4a16_linear_p_triton(
 @triton.jit
 def moe_p_kernel(
     a_ptr, w_ptr, z_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-    num_pairs, N, G, E, stride_am, stride_om,
+    ws_ptr, cnt_ptr, num_pairs, N, G, E, stride_am, stride_om, SPLIT_K,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One row block (BT pairs of one expert, ``awq_kernels.moe_align``) x BN output columns over
     pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
     gate columns, then up columns, both from one pass over x). Pair ``p = sorted_ids[r]`` reads A
     row ``p // A_ROW_DIV`` and writes out row ``p``; GATED: out = silu(gate) * up (fp32, stored
     in out's dtype); MUL_WEIGHT: out = acc * topk_w[p].
-    Grid: (max_blocks, cdiv(N, BN)); blocks past the last expert exit at once."""
+    Grid: (max_blocks, cdiv(N, BN), SPLIT_K); blocks past the last expert exit at once.
+
+    SPLIT (GATED, few pairs: the pass over D is long and the programs are few): split z of the
+    groups stores its fp32 gate and up partials in ``ws [SPLIT_K, 2, max_blocks * BT, N]``; the
+    tile's last split (``w4a16_p_kernel``'s counter protocol) sums them in split order and applies
+    ``silu(gate) * up``."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(block_expert_ptr + pid_b)
     if e >= E:
         return
@@ -284,7 +290,12 @@ def moe_p_kernel(
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros([BN, BT], dtype=tl.float32)
-    for g in range(0, G):
+    g0, g1 = 0, G
+    if SPLIT:
+        per_split = tl.cdiv(G, SPLIT_K)
+        g0 = pid_k * per_split
+        g1 = tl.minimum(g0 + per_split, G)
+    for g in range(g0, g1):
         col = g * NW + offs_n
         w = tl.load(w_base + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
@@ -301,6 +312,25 @@ def moe_p_kernel(
             part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, zz_up,
                                   x_cols + g * 128, t_mask, FP16, MODE)  # fmt: skip
             acc_up += part_up * sc_up[:, None]
+    if SPLIT:
+        slots = tl.num_programs(0) * BT
+        rows = pid_b * BT + tl.arange(0, BT)
+        ws = ws_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BT]: split 0, gate
+        tl.store(ws + (2 * pid_k) * slots * N, acc, mask=n_mask[:, None])
+        tl.store(ws + (2 * pid_k + 1) * slots * N, acc_up, mask=n_mask[:, None])
+        tl.debug_barrier()  # every thread's partials are stored before the counter moves
+        tile = pid_b * tl.num_programs(1) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BN, BT], dtype=tl.float32)
+        acc_up = tl.zeros([BN, BT], dtype=tl.float32)
+        for sk in range(0, SPLIT_K):
+            acc += tl.load(ws + (2 * sk) * slots * N, mask=n_mask[:, None], other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            acc_up += tl.load(ws + (2 * sk + 1) * slots * N, mask=n_mask[:, None], other=0.0,
+                              cache_modifier=".cg")  # fmt: skip
+        tl.atomic_xchg(cnt_ptr + tile, 0)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, fp32
     if MUL_WEIGHT:
@@ -319,6 +349,19 @@ def moe_p_config(num_pairs: int, n_experts: int) -> dict:
     per_expert = num_pairs / n_experts
     bt = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     return {"BN": 64, "BT": bt, "num_warps": 4, "num_stages": 3}
+
+
+GATE_UP_PROGRAMS = 0  # split the gate/up pass until about this many programs (0: never split)
+
+
+def gate_up_split(programs: int, groups: int, target: int | None = None) -> int:
+    """SPLIT_K of the gate/up pass: with ``programs`` (touched experts x column tiles) below
+    ``target``, split the D/128 groups (at least 4 a split, at most 8 splits) toward it."""
+    target = GATE_UP_PROGRAMS if target is None else target
+    split = 1
+    while programs * split * 2 <= target and split * 8 <= groups and split < 8:
+        split *= 2
+    return split
 
 
 def moe_w4a16_p_triton(
@@ -358,16 +401,26 @@ def moe_w4a16_p_triton(
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     h = torch.empty((p, inter), device=x.device, dtype=x.dtype)  # silu(gate) * up per pair
-    moe_p_kernel[(n_blocks, triton.cdiv(inter, cfg["BN"]))](
-        x, w13_qweight_p, w13_zeros, w13_scales, h, sorted_ids, block_expert, tw,
-        p, inter, d // GROUP, e, x.stride(0), h.stride(0),
-        A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, **common,
+    n_tiles = triton.cdiv(inter, cfg["BN"])
+    split = cfg.get("SPLIT_K")
+    if split is None:
+        split = gate_up_split(min(e, p) * n_tiles, d // GROUP)
+    if split > 1:
+        ws = torch.empty((split, 2, n_blocks * cfg["BT"], inter), device=x.device,
+                         dtype=torch.float32)  # fmt: skip
+        cnt = _counters(x.device, n_blocks * n_tiles)
+    else:
+        ws = cnt = h
+    moe_p_kernel[(n_blocks, n_tiles, split)](
+        x, w13_qweight_p, w13_zeros, w13_scales, h, sorted_ids, block_expert, tw, ws, cnt,
+        p, inter, d // GROUP, e, x.stride(0), h.stride(0), split,
+        A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, SPLIT=split > 1, **common,
     )  # fmt: skip
     # NOTE: zeros, not empty: a skipped pair's (id == E) row is never written
     y = torch.zeros((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
-    moe_p_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
-        h, w2_qweight_p, w2_zeros, w2_scales, y, sorted_ids, block_expert, tw,
-        p, d, inter // GROUP, e, h.stride(0), y.stride(0),
-        A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, **common,
+    moe_p_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]), 1)](
+        h, w2_qweight_p, w2_zeros, w2_scales, y, sorted_ids, block_expert, tw, y, y,
+        p, d, inter // GROUP, e, h.stride(0), y.stride(0), 1,
+        A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, SPLIT=False, **common,
     )  # fmt: skip
     return y.view(t, topk, d).sum(1)  # [T, D] fp32

@@ -116,6 +116,9 @@ def test_moe_kernel_matches_reference(t, e, topk, d, inter, dtype, cfg):
     ref = P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)
     assert y.dtype == torch.float32 and y.shape == (t, d) and not y.isnan().any()
     assert _rel(y, ref) < 2e-3  # fp32 order, then bf16 flips of the intermediate h
+    if cfg is not None and d >= 256:  # the gate/up pass split over D, summed by the last split
+        ys = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SPLIT_K": 2})
+        assert _rel(ys, ref) < 2e-3 and not PK._COUNTERS[x.device].any()
 
 
 def test_config_rules():
@@ -130,6 +133,9 @@ def test_config_rules():
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
     assert PK.moe_p_config(8, 256) == {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
     assert PK.moe_p_config(64 * 40, 64)["BT"] == 64
+    assert PK.gate_up_split(256, 56, target=1024) == 4 and PK.gate_up_split(256, 56, 0) == 1
+    assert PK.gate_up_split(8, 56, target=1024) == 8  # at most 8 splits (7 groups each)
+    assert PK.gate_up_split(8, 12, target=1024) == 2  # at least 4 groups a split
 
 
 # ---- GPU -------------------------------------------------------------------------------------
