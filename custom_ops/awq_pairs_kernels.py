@@ -351,7 +351,11 @@ def moe_p_config(num_pairs: int, n_experts: int) -> dict:
     return {"BN": 64, "BT": bt, "num_warps": 4, "num_stages": 3}
 
 
-GATE_UP_PROGRAMS = 0  # split the gate/up pass until about this many programs (0: never split)
+# Split the gate/up pass until about this many programs. The H200 run of 256 experts
+# (benchmarks/results/awq_pairs_moe_split_h200.json, µs unsplit -> this rule's split): T = 1
+# 181.1 -> 153.7 (split 8; 4 was 152.1), T = 2 224.9 -> 214.2 (8; 4 was 208.2), T = 4 341.1 ->
+# 319.4 (4), T = 8 523.0 -> 507.7 (2), T = 16 unsplit (846.6; splitting was slower).
+GATE_UP_PROGRAMS = 4096
 
 
 def gate_up_split(programs: int, groups: int, target: int | None = None) -> int:
