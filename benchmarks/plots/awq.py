@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks.plots.common import C_BASE, C_BEST, plt, save, source_note
+from benchmarks.plots.common import C_BASE, C_BEST, batch_axes, plt, save, source_note
 
 
 def plot_awq(d: dict, out: Path, written: list[Path]) -> None:
@@ -63,14 +63,7 @@ def plot_awq(d: dict, out: Path, written: list[Path]) -> None:
                 )
             ax.set_title(f"fused MoE, {key} experts, top-{rs[0].get('topk')}", fontsize=9)
             ax.set_xlabel("batch T (tokens)", fontsize=8)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([str(x) for x in xs])
-        ax.set_ylim(bottom=0)
-        ax.set_ylabel("µs per call", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        batch_axes(ax, xs, "µs per call")
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle("AWQ W4A16 vs bf16 latency by batch size (main tables of the run)", fontsize=10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks.plots.common import C_BASE, C_BEST, plt, save, source_note
+from benchmarks.plots.common import C_BASE, C_BEST, batch_axes, plt, save, source_note
 
 LINEAR_TARGET = [(1, 16, 2.5), (128, 128, 1.0)]  # (M from, M to, x bf16)
 MOE_TARGET = (1, 64, 2.0)
@@ -51,14 +51,7 @@ def plot_awq_pairs(d: dict, out: Path, written: list[Path]) -> None:
             ax.set_title(f"fused MoE, {rs[0]['experts']} experts, top-{rs[0]['topk']}", fontsize=9)
             ax.set_xlabel("batch T (tokens)", fontsize=8)
         ax.axhline(1.0, color=C_BASE, lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([str(x) for x in xs])
-        ax.set_ylim(bottom=0)
-        ax.set_ylabel("x bf16 (higher is faster)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        batch_axes(ax, xs, "x bf16 (higher is faster)")
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle("AWQ W4A16 speed over bf16 (red: issue 17's targets)", fontsize=10)

@@ -40,3 +40,15 @@ def source_note(fig, d: dict, file: str) -> None:
         fontsize=7,
         color="#666",
     )
+
+
+def batch_axes(ax, xs: list[int], ylabel: str) -> None:
+    """A panel over batch sizes: log2 x axis with the sizes as ticks, y from 0, grid, legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
