@@ -99,12 +99,12 @@ def check(result: dict) -> None:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             ref = ops.w4a16_linear_ref(x, *w)
             try:
-                a = PK.w4a16_linear_p_triton(x, *p, mode=PK.MODE_ASM)
-                b = PK.w4a16_linear_p_triton(x, *p, mode=PK.MODE_OPS)
+                cfg = {**PK.p_config(m, n, k, K._num_sms(x.device)), "FUSED": False}
+                a = PK.w4a16_linear_p_triton(x, *p, config=cfg, mode=PK.MODE_ASM)
+                b = PK.w4a16_linear_p_triton(x, *p, config=cfg, mode=PK.MODE_OPS)
                 record(result, "linear/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None,
                        K=k, N=n, M=m)  # fmt: skip
                 record(result, "linear/pair", rel_err(a, ref), 1e-2, K=k, N=n, M=m)
-                cfg = PK.p_config(m, n, k, K._num_sms(x.device))
                 if cfg["SPLIT_K"] > 1:  # the fused reduction: the same bits, 20 times over
                     c = {**cfg, "FUSED": True}
                     same = all(torch.equal(PK.w4a16_linear_p_triton(x, *p, config=c), a)
@@ -160,20 +160,18 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
         row["former_us"] = _time([lambda w=w, x=x: K.w4a16_linear_triton(x, *w) for w in wa])
         if wf:
             row["fbgemm_us"] = _time([lambda w=w, x=x: fbgemm_linear(x, *w) for w in wf])
-        cfg = PK.p_config(m, n, k, sms)
+        cfg = PK.p_config(m, n, k, sms)  # served; pair_us times it unfused, pair_fused_us fused
         row["pair_config"] = cfg
-        row["pair_us"] = _time(
-            [lambda w=w, x=x, c=cfg: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
-        )
-        # the served path's column: R.LINEAR_PATHS name the pair kernel "pairs", timed as pair_us
-        row["served_path"] = "tinygemm" if R.use_tinygemm(m, x.dtype) else R.LARGE_M_PATH
-        row["served_us"] = row[{"pairs": "pair_us"}.get(row["served_path"],
-                                                        f"{row['served_path']}_us")]  # fmt: skip
+        row["pair_us"] = _time([lambda w=w, x=x, c={**cfg, "FUSED": False}:
+                                PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp])  # fmt: skip
         if cfg["SPLIT_K"] > 1:  # the same config, partials summed by the tile's last program
-            row["pair_fused_us"] = _time(
-                [lambda w=w, x=x, c={**cfg, "FUSED": True}: PK.w4a16_linear_p_triton(
-                    x, *w, config=c) for w in wp]
-            )  # fmt: skip
+            row["pair_fused_us"] = _time([lambda w=w, x=x, c={**cfg, "FUSED": True}:
+                                          PK.w4a16_linear_p_triton(x, *w, config=c)
+                                          for w in wp])  # fmt: skip
+        pair_served = "pair_fused_us" if cfg.get("FUSED") and cfg["SPLIT_K"] > 1 else "pair_us"
+        row["served_path"] = "tinygemm" if R.use_tinygemm(m, x.dtype) else R.LARGE_M_PATH
+        row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
+                                                          f"{row['served_path']}_us")]  # fmt: skip
         sweep = []
         for c in linear_candidates(m, n, k, sms):
             us = _time(

@@ -28,6 +28,13 @@ def _triton():
     return awq_pairs_kernels
 
 
+def reserve_counters(device: torch.device) -> None:
+    """Load time, on CUDA: the split-K tile counters of the pair kernels, made outside any
+    CUDA-graph memory pool (``awq_pairs_kernels.reserve_counters``)."""
+    if torch.device(device).type == "cuda":
+        _triton().reserve_counters(device)
+
+
 def _pair_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``[4 (s), 2 (h)]``: the bit where K row ``32 s + 2 p + h`` of a group sits in word p."""
     s = torch.arange(4, device=device, dtype=dtype)[:, None]

@@ -149,20 +149,32 @@ def w4a16_p_kernel(
 
 
 _COUNTERS: dict = {}
+COUNTERS = 1 << 16  # tiles per launch the counter buffer holds (decode needs a few hundred)
+
+
+def reserve_counters(device: torch.device) -> torch.Tensor:
+    """Make the device's tile counters of the fused split-K reductions now: zeros, and zeros
+    again after every launch (its last programs reset them), so one buffer serves every call on
+    the device's stream (two streams must not run these kernels at once). ``repack_awq_model``
+    calls this at load time: made during a ``torch.compile(mode="reduce-overhead")`` warm-up it
+    would live in the CUDA-graph memory pool, which later graphs may reuse."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The per-device tile counters of the fused split-K reduction: zeros, and zeros again after
-    every launch (its last programs reset them), so one buffer serves every call on the device's
-    stream (two streams must not run these kernels at once). Made on the first call (a warm-up
-    before any graph capture), grown only outside capture."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("w4a16_linear_p: call once before CUDA-graph capture (counters)")
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    """The counters of ``n`` tiles (made here for a direct call of the op; never regrown: a
+    graph captured earlier holds the buffer's address)."""
+    if n > COUNTERS:
+        raise ValueError(f"w4a16 pair kernels: {n} split-K tiles in one launch, at most {COUNTERS}")
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device not in _COUNTERS and capturing:
+        raise RuntimeError("w4a16 pair kernels: reserve_counters(device) before CUDA-graph capture")
+    return reserve_counters(device)
 
 
 def tokens_tile(m: int) -> int:
@@ -316,8 +328,9 @@ def moe_p_kernel(
         slots = tl.num_programs(0) * BT
         rows = pid_b * BT + tl.arange(0, BT)
         ws = ws_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BT]: split 0, gate
-        tl.store(ws + (2 * pid_k) * slots * N, acc, mask=n_mask[:, None])
-        tl.store(ws + (2 * pid_k + 1) * slots * N, acc_up, mask=n_mask[:, None])
+        k64 = pid_k.to(tl.int64)
+        tl.store(ws + (2 * k64) * slots * N, acc, mask=n_mask[:, None])
+        tl.store(ws + (2 * k64 + 1) * slots * N, acc_up, mask=n_mask[:, None])
         tl.debug_barrier()  # every thread's partials are stored before the counter moves
         tile = pid_b * tl.num_programs(1) + pid_n
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
@@ -326,9 +339,10 @@ def moe_p_kernel(
         acc = tl.zeros([BN, BT], dtype=tl.float32)
         acc_up = tl.zeros([BN, BT], dtype=tl.float32)
         for sk in range(0, SPLIT_K):
-            acc += tl.load(ws + (2 * sk) * slots * N, mask=n_mask[:, None], other=0.0,
+            sk64 = tl.full([], sk, tl.int64)
+            acc += tl.load(ws + (2 * sk64) * slots * N, mask=n_mask[:, None], other=0.0,
                            cache_modifier=".cg")  # fmt: skip
-            acc_up += tl.load(ws + (2 * sk + 1) * slots * N, mask=n_mask[:, None], other=0.0,
+            acc_up += tl.load(ws + (2 * sk64 + 1) * slots * N, mask=n_mask[:, None], other=0.0,
                               cache_modifier=".cg")  # fmt: skip
         tl.atomic_xchg(cnt_ptr + tile, 0)
     if GATED:
@@ -407,8 +421,12 @@ def moe_w4a16_p_triton(
     h = torch.empty((p, inter), device=x.device, dtype=x.dtype)  # silu(gate) * up per pair
     n_tiles = triton.cdiv(inter, cfg["BN"])
     split = cfg.get("SPLIT_K")
-    if split is None:
-        split = gate_up_split(min(e, p) * n_tiles, d // GROUP)
+    if split is None:  # programs: row blocks that hold pairs (each expert's, at least one) x tiles
+        split = gate_up_split(max(min(e, p), triton.cdiv(p, cfg["BT"])) * n_tiles, d // GROUP)
+        if p > e:  # measured only with fewer pairs than experts (decode on many experts)
+            split = 1
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"moe_w4a16_p: SPLIT_K must be an int >= 1, got {split!r}")
     if split > 1:
         ws = torch.empty((split, 2, n_blocks * cfg["BT"], inter), device=x.device,
                          dtype=torch.float32)  # fmt: skip

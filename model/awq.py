@@ -440,4 +440,6 @@ def repack_awq_model(
                 max_m = R.TINYGEMM_MAX_M if m.qweight.device.type == "cuda" else -1
             m.repack(max_m, large)
             done.append(name)
+    for dev in {p.device for p in model.parameters() if p.device.type == "cuda"}:
+        P.reserve_counters(dev)  # before any torch.compile warm-up could make them in its pool
     return done

@@ -68,6 +68,12 @@ def test_bad_inputs_name_the_problem():
         PK.w4a16_linear_p_triton(x, *pw, config={"BN": 32, "BT": 16, "SPLIT_K": 1})
     with pytest.raises(ValueError, match="qweight must be"):
         P.pair_awq_experts(*_awq_weights(256, 64, g))
+    x, ids, w, w13, w2 = _moe_inputs(2, 4, 2, 256, 128, g)
+    e13, e2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    with pytest.raises(ValueError, match="SPLIT_K must be an int >= 1"):
+        PK.moe_w4a16_p_triton(x, ids, w, *e13, *e2, config={**PK.moe_p_config(4, 4), "SPLIT_K": 0})
+    with pytest.raises(ValueError, match="split-K tiles in one launch"):
+        PK._counters(torch.device("cpu"), PK.COUNTERS + 1)
 
 
 @pytest.mark.parametrize(
@@ -220,7 +226,7 @@ def test_pair_ops_capture_in_cuda_graph():
         ys = [torch.ops.echo.w4a16_linear_p(x, *pw) for x in xs]
         return ys + [torch.ops.echo.moe_w4a16_p(x16, ids, tw, *e13, *e2)]
 
-    want = [y.clone() for y in step()]
+    step()  # warm-up (the Triton compiles, the counters) outside the capture
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -229,10 +235,35 @@ def test_pair_ops_capture_in_cuda_graph():
     gr = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gr):
         outs = step()
-    gr.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
-    ids.copy_(torch.randint(0, 8, (4, 2), device="cuda"))  # a new routing, replayed
-    gr.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(outs[-1], torch.ops.echo.moe_w4a16_p(x16, ids, tw, *e13, *e2))
+    for _ in range(3):  # fresh inputs each replay: a reduction that did not fire would show
+        for x in xs:
+            x.copy_(torch.randn_like(x))
+        x16.copy_(torch.randn_like(x16))
+        ids.copy_(torch.randint(0, 8, (4, 2), device="cuda"))
+        gr.replay()
+        torch.cuda.synchronize()
+        want = step()
+        assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+
+
+@pytest.mark.cuda
+def test_compiled_reduce_overhead_across_batch_sizes():
+    """torch.compile(mode="reduce-overhead") over served AWQ linears, batch sizes alternating (one
+    CUDA graph each, tinygemm at M = 1, the fused split-K reduction at 2 and 16): every replay
+    with fresh inputs equals the eager module bit for bit (the counters made at load time stay
+    outside the graphs' memory pool)."""
+    from torch import nn
+
+    from model.awq import AWQLinear, repack_awq_model
+
+    torch.manual_seed(0)
+    dense = [nn.Linear(7168, 2048, bias=False), nn.Linear(2048, 7168, bias=False)]
+    model = nn.Sequential(*[AWQLinear.from_linear(d.cuda().bfloat16()) for d in dense])
+    repack_awq_model(model)
+    assert model[0].large_m == "pairs"
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            for m in (1, 2, 16):
+                x = torch.randn(m, 7168, device="cuda").bfloat16()
+                assert torch.equal(compiled(x).clone(), model(x))
