@@ -191,7 +191,7 @@ def p_config(
     - m <= 32: BN = 64, 4 warps, 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups
       (8 at K = 7168 and 16384, 4 at K = 2048);
       and the split-K partials summed by the tile's last program (``FUSED``) at BT = 16, which
-      measured 0.4-0.7 µs faster on all four shapes at M <= 16 and slower from M = 32;
+      measured 0.15-0.72 µs faster on all four shapes at M <= 16 and slower from M = 32;
     - m > 32: 3 stages; BN = 128 with 8 warps at BT = 64, BN = 64 with 4 warps at BT = 128; split
       until about ``programs_per_sm`` = 2 programs per SM.
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""

@@ -21,13 +21,13 @@ TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 * 8 = 128: every AWQ li
 
 # The served AWQLinear dispatch, from the H200 run in benchmarks/results/awq_pairs_h200.json (CUDA-
 # graph replays over weight copies larger than L2; K x N = 7168 x 4096, 16384 x 7168, 7168 x 2048,
-# 2048 x 7168; µs, the pair kernel's best launch configuration, which ``p_config`` now returns):
-# - M = 1: tinygemm 10.8 / 34.3 / 7.3 / 6.9 against the pair kernel 13.5 / 31.5 / 11.3 / 9.3 (the
-#   four shapes together 59.3 vs 65.6 µs);
-# - M = 4: tinygemm 14.9 / 51.5 / 9.1 / 9.4 against 13.5 / 31.4 / 11.4 / 9.4 (84.9 vs 65.7);
-# - M = 8 .. 128: the pair kernel beats tinygemm, the former and the (since removed) repacked
-#   k-major kernel on every shape (M = 128: 29.9 / 104.2 / 19.1 / 19.4 against the former
-#   39.3 / 152.9 / 23.8 / 25.3);
+# 2048 x 7168; µs, the pair kernel in the configuration ``p_config`` serves):
+# - M = 1: tinygemm 10.7 / 34.4 / 7.5 / 7.0 against the pair kernel 12.6 / 30.4 / 10.6 / 9.0 (the
+#   four shapes together 59.6 vs 62.6 µs);
+# - M = 4: tinygemm 14.3 / 55.0 / 8.7 / 9.5 against 13.2 / 30.8 / 10.9 / 9.1 (87.5 vs 64.0);
+# - M = 8 .. 128: the pair kernel beats tinygemm and the former kernel on every shape (M = 128:
+#   29.5 / 106.4 / 18.8 / 19.7 against the former 39.4 / 154.3 / 23.5 / 25.5), as it beat the
+#   since removed repacked k-major kernel (the bench's first run);
 # - M = 2, 3 were not measured: tinygemm takes M = 1 only.
 # So a linear keeps the tinygemm copy and the pair layout (two int4 copies, still half of bf16).
 # benchmarks/bench_awq_pairs.py measures both; refill from its table.
