@@ -26,8 +26,7 @@ TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 * 8 = 128: every AWQ li
 #   four shapes together 59.6 vs 62.6 µs);
 # - M = 4: tinygemm 14.3 / 55.0 / 8.7 / 9.5 against 13.2 / 30.8 / 10.9 / 9.1 (87.5 vs 64.0);
 # - M = 8 .. 128: the pair kernel beats tinygemm and the former kernel on every shape (M = 128:
-#   29.5 / 106.4 / 18.8 / 19.7 against the former 39.4 / 154.3 / 23.5 / 25.5), as it beat the
-#   since removed repacked k-major kernel (the bench's first run);
+#   29.5 / 106.4 / 18.8 / 19.7 against the former 39.4 / 154.3 / 23.5 / 25.5);
 # - M = 2, 3 were not measured: tinygemm takes M = 1 only.
 # So a linear keeps the tinygemm copy and the pair layout (two int4 copies, still half of bf16).
 # benchmarks/bench_awq_pairs.py measures both; refill from its table.
