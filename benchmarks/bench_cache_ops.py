@@ -10,9 +10,10 @@ the timed window), so each replay does the same work. Every scenario is checked 
 under the scenario's name and the run goes on.
 
 Order: (1) correctness first: every kernel against its reference at full size, both row formats
-(``checks``: PASS/FAIL); (2) timings, each op beside the pre-issue-18 kernels (``before.*``,
-benchmarks/cache_kernels_before.py, with their own int8 free flags) and with programmatic
-dependent launch (``pdl.*``), with its kernel launches broken down
+(``checks``: PASS/FAIL); (2) timings, each op (free and recall in one launch each, the
+default) beside the pre-issue-18 kernels (``before.*``, benchmarks/cache_kernels_before.py, with
+their own int8 free flags), as a launch per phase (``launches.*``, cache_kernels.FUSED off) and
+so with programmatic dependent launch (``pdl.*``), with its kernel launches broken down
 (``launches``: per kernel, launches per call and device us per launch, from the CUDA profiler);
 (3) SGLang's slice/concat free-list allocator as the baseline, same run; (4) a few launch
 configurations of the new kernels (``sweep``); (5) the targets of issue 18 (``targets_met``).
@@ -39,7 +40,7 @@ import torch
 
 from benchmarks.cache_ops_check import (
     BEFORE,
-    COPY4,
+    LAUNCHES,
     NEW,
     PDL,
     Kernels,
@@ -414,8 +415,10 @@ def bench_format(
         step("pdl.fp8.recall_37_misses", recall(37, 16, 0, PDL))
         step("pdl.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, PDL))
         step("pdl.fp8.recall_37_misses_refill", recall(37, 1, 0, PDL))
-        step("copy4.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, COPY4))
-    for tag in ("", "pdl."):
+        step("launches.fp8.recall_37_misses", recall(37, 16, 0, LAUNCHES))
+        step("launches.fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, LAUNCHES))
+        step("launches.fp8.recall_37_misses_refill", recall(37, 1, 0, LAUNCHES))
+    for tag in ("", "pdl.", "launches."):
         st = res.get(f"{tag}{fmt}.recall_37_misses_steady")
         rf = res.get(f"{tag}{fmt}.recall_37_misses_refill")
         if st and rf and "median_us" in st and "median_us" in rf:
@@ -425,6 +428,7 @@ def bench_format(
     n97 = B * TOPK * 3 // 100
     step(f"{fmt}.recall_hit_0.97", recall(n97, 8, 0))
     step(f"before.{fmt}.recall_hit_0.97", recall(n97, 8, 0, BEFORE))
+    step(f"launches.{fmt}.recall_hit_0.97", recall(n97, 8, 0, LAUNCHES))
     if fmt == "fp8":
         step("fp8.recall_hit_0.9", recall(B * TOPK // 10, 4, 0))
         step("fp8.recall_hit_0.5", recall(B * TOPK // 2, 2, 0))
@@ -445,8 +449,8 @@ def bench_format(
             (
                 (f"pdl.{fmt}.recall_2048_misses", PDL, 0),
                 (f"pdl.{fmt}.recall_2048_misses_steady", PDL, n2k + STEADY_FREE),
-                (f"copy4.{fmt}.recall_2048_misses", COPY4, 0),
-                (f"copy4.{fmt}.recall_2048_misses_steady", COPY4, n2k + STEADY_FREE),
+                (f"launches.{fmt}.recall_2048_misses", LAUNCHES, 0),
+                (f"launches.{fmt}.recall_2048_misses_steady", LAUNCHES, n2k + STEADY_FREE),
             )
             if fmt == "fp8"
             else ()
@@ -454,7 +458,7 @@ def bench_format(
     ):
         step(name, lambda i=impl, f=free: recall_all_misses(pool, host, box["fresh"], reps, gen,
                                                             i, f))  # fmt: skip
-    for tag in ("", "pdl.", "copy4."):
+    for tag in ("", "pdl.", "launches."):
         st = res.get(f"{tag}{fmt}.recall_2048_misses_steady")
         rf = res.get(f"{tag}{fmt}.recall_2048_misses")
         if st and rf and "median_us" in st and "median_us" in rf:
@@ -470,12 +474,12 @@ def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: in
     cap = pool.capacity
     n = min(2048, cap)  # 16 calls of 2048 fit the 100K free slots
     calls = min(16, N_G // 2 // n)
-    for tag, impl in (("", NEW), ("before.", BEFORE), ("pdl.", PDL)):
+    for tag, impl in (("", NEW), ("before.", BEFORE), ("pdl.", PDL), ("launches.", LAUNCHES)):
         step(f"{tag}allocate_37", lambda i=impl: bench_allocate(pool, 37, 32, gen, reps, i))
         step(f"{tag}allocate_2048", lambda i=impl: bench_allocate(pool, n, calls, gen, reps, i))
         step(f"{tag}free_37",
              lambda i=impl: bench_free(pool, 37, min(32, cap // 37), gen, reps, i))  # fmt: skip
-    for tag, impl in (("", NEW), ("pdl.", PDL)):
+    for tag, impl in (("", NEW), ("pdl.", PDL), ("launches.", LAUNCHES)):
         step(f"{tag}free_37_steady",
              lambda i=impl: bench_free(pool, 37, 32, gen, reps, i, STEADY_FREE))  # fmt: skip
         step(f"{tag}free_37_refill", lambda i=impl: bench_free(pool, 37, 1, gen, reps, i, 0))
@@ -631,15 +635,17 @@ def main() -> None:
 
     res["targets_met"] = targets_met(res)
     res["targets_met_pdl"] = targets_met(res, "pdl.")
+    res["targets_met_launches"] = targets_met(res, "launches.")
     res["new_vs_before"] = new_vs(res, "before")
     res["new_vs_pdl"] = new_vs(res, "pdl")
-    res["new_vs_copy4"] = new_vs(res, "copy4")
+    res["new_vs_launches"] = new_vs(res, "launches")
     save()
-    print("\n| op (per layer) | median us | amortized us | pdl us | before us |")
-    print("|---|---|---|---|---|")
+    print("\n| op (per layer) | median us | amortized us | launches us | pdl us | before us |")
+    print("|---|---|---|---|---|---|")
+    gens = ("launches.", "pdl.", "before.")
     for k, v in res.items():
-        if isinstance(v, dict) and "median_us" in v and not k.startswith(("before.", "pdl.")):
-            others = [res.get(f"{t}{k}", {}).get("median_us") for t in ("pdl.", "before.")]
+        if isinstance(v, dict) and "median_us" in v and not k.startswith(gens):
+            others = [res.get(f"{t}{k}", {}).get("median_us") for t in gens]
             cells = [v["median_us"], v.get("amortized_us"), *others]
             print(f"| {k} | " + " | ".join("" if x is None else f"{x:.2f}" for x in cells) + " |")
     checks = {
@@ -650,7 +656,8 @@ def main() -> None:
     print("checks:", checks)
     print("targets met:", res["targets_met"])
     print("targets met with PDL:", res["targets_met_pdl"])
-    for tag in ("before", "pdl"):
+    print("targets met as a launch per phase:", res["targets_met_launches"])
+    for tag in ("before", "launches", "pdl"):
         print(f"new vs {tag}:", {k: round(v["ratio"], 3) for k, v in res[f"new_vs_{tag}"].items()})
 
 

@@ -116,11 +116,10 @@ class Switched(Kernels):
 
 NEW = Kernels(cache_kernels, reserve=True)
 BEFORE = Flagged(cache_kernels_before)
-# NEW with programmatic dependent launch (cache_kernels.LAUNCH_PDL; off: measured mixed).
-PDL = Switched(cache_kernels, reserve=True, switches={"LAUNCH_PDL": True})
-# NEW with 4 copy programs per SM (cache_kernels.COPY_PROGRAMS_PER_SM, 2 by default): the
-# fastest shape of the 2048-row copy sweep of 2026-12-01 22:12, timed on the whole recall.
-COPY4 = Switched(cache_kernels, reserve=True, switches={"COPY_PROGRAMS_PER_SM": 4})
+# NEW with free and recall as a launch per phase (cache_kernels.FUSED off: the previous default).
+LAUNCHES = Switched(cache_kernels, reserve=True, switches={"FUSED": False})
+# LAUNCHES with programmatic dependent launch (cache_kernels.LAUNCH_PDL; off: measured mixed).
+PDL = Switched(cache_kernels, reserve=True, switches={"FUSED": False, "LAUNCH_PDL": True})
 
 
 def _stamps(p) -> torch.Tensor:

@@ -41,6 +41,7 @@ import torch
 import triton
 
 from custom_ops import cache_layout as C
+from custom_ops.cache_fused_kernels import _free_kernel, _recall_kernel
 from custom_ops.cache_list_kernels import (
     PDL_AVAILABLE,
     _copy_out_kernel,
@@ -84,6 +85,10 @@ COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2
 # 6.5 us of device time, two of them returning at once, took 7.9 us). Off: measured mixed in the
 # third round (docs/cache_ops.md); the benchmark times it as pdl.*.
 LAUNCH_PDL = False
+# free and recall in one launch each (cache_fused_kernels.py: the phases are program ranges that
+# wait for each other through counters in meta); False: the separate launches below, one per
+# phase (then LAUNCH_PDL applies).
+FUSED = True
 
 
 @functools.cache
@@ -192,9 +197,18 @@ def allocate_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, met
 def free_cuda(
     gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, hist, stats, protect, n
 ):
-    """3 launches: protect, histogram, eviction; the last two return at once when the free slots
-    (the reserve) already cover n."""
+    """1 launch (FUSED), else 3: protect, histogram, eviction; the last two return at once when
+    the free slots (the reserve) already cover n."""
     p = protect.reshape(-1)
+    n_g, cap = gpu_to_host.shape[0], indices.shape[0]
+    if FUSED:
+        n_look, n_scan = _grid(p.numel(), LIST_BLOCK)[0], _grid(n_g, SCAN_BLOCK)[0]
+        _free_kernel[(n_look + 2 * n_scan,)](
+            p, host_to_gpu, gpu_priority, gpu_free, gpu_to_host, indices, meta, hist, stats, n,
+            p.numel(), n_g, cap, C.reserve_slots(n_g), n_look, n_scan,
+            LIST_BLOCK=LIST_BLOCK, SCAN_BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=LIST_WARPS,
+        )  # fmt: skip
+        return
     _lookup_kernel[_grid(p.numel(), LIST_BLOCK)](
         p,
         host_to_gpu,
@@ -232,13 +246,19 @@ def recall_cuda(
     stage_kv=None,
     host_stage=None,
 ) -> torch.Tensor:
-    """4 launches: lookup (protect hits, claim misses), histogram (returns at once unless an
-    eviction is due), eviction + placement in one pass, row copy + output (whose last program
-    finalises a placement that evicted nothing: the handoff). With ``stage_kv`` / ``host_stage``
-    (echo::recall_staged) a staged miss is copied from staging."""
+    """1 launch (FUSED), else 4: lookup (protect hits, claim misses), histogram (returns at once
+    unless an eviction is due), eviction + placement in one pass, row copy + output (whose last
+    program finalises a placement that evicted nothing: the handoff). With ``stage_kv`` /
+    ``host_stage`` (echo::recall_staged) a staged miss is copied from staging."""
     hs = host_slots.reshape(-1)
     total, cap, n_g = hs.numel(), indices.shape[0], gpu_to_host.shape[0]
     out = torch.empty_like(host_slots)
+    if FUSED:
+        _recall_fused(
+            host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host,
+            meta, hist, stats, hs, out.view(-1), stage_kv, host_stage,
+        )  # fmt: skip
+        return out
     n_miss = meta[C.NMISS : C.NMISS + 1]  # the live miss count, as a pointer
     _lookup_kernel[_grid(total, LIST_BLOCK)](
         hs,
@@ -265,6 +285,29 @@ def recall_cuda(
         stage_kv=stage_kv, host_stage=host_stage,
     )  # fmt: skip
     return out
+
+
+def _recall_fused(
+    host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
+    hist, stats, hs, out, stage_kv, host_stage,
+) -> None:  # fmt: skip
+    if host_kv.shape[1] % 16:
+        raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
+    total, n_g = hs.numel(), gpu_to_host.shape[0]
+    n_look, n_scan = _grid(total, LIST_BLOCK)[0], _grid(n_g, SCAN_BLOCK)[0]
+    n_copy, n_out = _num_copy_programs(hs.device), triton.cdiv(total, LIST_BLOCK)
+    staged = stage_kv is not None
+    gpu_words = _words(gpu_kv, "gpu_kv", True)
+    _recall_kernel[(n_look + 2 * n_scan + n_copy + n_out + 1,)](
+        _words(host_kv, "host_kv", True), gpu_words, hs, host_to_gpu, gpu_priority, gpu_free,
+        gpu_to_host, indices, miss_host, meta, hist, stats, out,
+        _words(stage_kv, "stage_kv", True) if staged else gpu_words,
+        host_stage if staged else host_to_gpu,  # (unread without STAGED)
+        total, n_g, indices.shape[0], C.reserve_slots(n_g), n_look, n_scan, n_copy, n_out,
+        UPR=host_kv.shape[1] // 16, UNITS=COPY_UNITS, LIST_BLOCK=LIST_BLOCK,
+        SCAN_BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN, EARLY=COPY_EARLY,
+        CACHE=COPY_CACHE, STAGED=staged, num_warps=LIST_WARPS,
+    )  # fmt: skip
 
 
 def copy_rows(

@@ -22,8 +22,13 @@ LAST_ALLOC = 9  # slots taken by the last allocate / recall
 LAST_EVICT = 10  # slots evicted by the last free / recall
 LAST_MISS = 11  # distinct misses of the last recall
 HEAD = 12  # where the ring of free slots (gpu_free) starts, in [0, N_G)
-META_LEN = 16
-SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE)
+# scratch: the phases of a one-launch free / recall (cache_fused_kernels.py), programs done with
+LOOKED = 13  # the lookup (protect)
+HISTED = 14  # the histogram
+PLACED = 15  # the eviction + placement pass
+COPIED = 16  # the row copy and the output
+META_LEN = 20
+SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE, LOOKED, HISTED, PLACED, COPIED)
 
 # ---- stats layout (int64, cumulative) -----------------------------------------------------------
 SELECTED = 0  # valid selected entries seen by recall

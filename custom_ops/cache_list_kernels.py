@@ -57,11 +57,29 @@ def _pdl_start():
 
 
 @triton.jit
-def _last_program(meta):
-    """True in the last program of the grid to get here; every program must call it once."""
+def _last_program(meta, nprog):
+    """True in the last of ``nprog`` programs to get here; each of them must call it once."""
     tl.debug_barrier()  # all threads' stores of this program are issued before the release
     done = tl.atomic_add(meta + M_DONE, 1, sem="acq_rel")
-    return done == tl.num_programs(0) - 1
+    return done == nprog - 1
+
+
+@triton.jit
+def _signal(ctr):
+    """A phase of a one-launch op is done in this program: its writes are released to the
+    programs that _wait on ``ctr`` (cache_fused_kernels.py)."""
+    tl.debug_barrier()  # all threads' stores of this program are issued before the release
+    tl.atomic_add(ctr, 1, sem="release")
+
+
+@triton.jit
+def _wait(ctr, target):
+    """Spin until ``target`` programs have _signal-ed ``ctr``; then their writes are visible to
+    every thread of this program. Only ever called on counters of lower-numbered programs."""
+    c = tl.atomic_add(ctr, 0, sem="acquire")
+    while c < target:
+        c = tl.atomic_add(ctr, 0, sem="acquire")
+    tl.debug_barrier()  # the other threads' reads follow thread 0's acquire
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -80,14 +98,35 @@ def _lookup_kernel(
     SKIP_CLEAN: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
-    """Stamp resident selected slots with the clock (protect). With MISSES: claim each distinct
-    missing host slot once (atomic exchange -1 -> PENDING: exactly one lane sees -1) and append
-    the claimed ones to miss_host (one atomicAdd per block); count the selected entries. A block
-    without a miss (all but <= misses of them in a steady step) skips the claim: its exchange,
-    the sum of the winners and the append are dependent round trips on its path."""
     if PDL:
         _pdl_start()
-    pid = tl.program_id(0)
+    _lookup(
+        tl.program_id(0), host_slots, h2g, prio, miss_host, meta, stats, total, cap, MISSES, BLOCK,
+        SKIP_CLEAN,
+    )  # fmt: skip
+
+
+@triton.jit
+def _lookup(
+    pid,
+    host_slots,
+    h2g,
+    prio,
+    miss_host,
+    meta,
+    stats,
+    total,
+    cap,
+    MISSES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SKIP_CLEAN: tl.constexpr,
+):
+    """Program ``pid`` of the lookup: stamp resident selected slots with the clock (protect).
+    With MISSES: claim each distinct missing host slot once (atomic exchange -1 -> PENDING:
+    exactly one lane sees -1) and append the claimed ones to miss_host (one atomicAdd per block);
+    count the selected entries. A block without a miss (all but <= misses of them in a steady
+    step) skips the claim: its exchange, the sum of the winners and the append are dependent
+    round trips on its path."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0
@@ -185,6 +224,41 @@ def _copy_out_kernel(
     if PDL:
         _pdl_start()
     pid = tl.program_id(0)
+    _copy_out(
+        pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, stage_kv, hstage, total,
+        n_copy, cap, UPR, UNITS, BLOCK, EARLY, CACHE, STAGED,
+    )  # fmt: skip
+    fin = pid == 0
+    if OWN_FINAL:
+        fin = pid == tl.num_programs(0) - 1
+    if fin:
+        _recall_final(meta, stats)
+
+
+@triton.jit
+def _copy_out(
+    pid,
+    host_kv,
+    gpu_kv,
+    miss_host,
+    h2g,
+    host_slots,
+    out,
+    meta,
+    stage_kv,
+    hstage,
+    total,
+    n_copy,
+    cap,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
+    CACHE: tl.constexpr,
+    STAGED: tl.constexpr,
+):
+    """Program ``pid`` of the copy/output launch: programs [0, n_copy) copy rows, the next
+    cdiv(total, BLOCK) write the output (_copy_out_kernel)."""
     if pid < n_copy:
         # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
         # it is issued beside the load of meta[LAST_ALLOC], so the host read starts one round
@@ -217,30 +291,31 @@ def _copy_out_kernel(
         g = tl.load(h2g + h, mask=valid, other=-1)
         tl.store(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid & (g == PENDING))
         tl.store(out + offs, tl.maximum(g, -1), mask=inb)
-    fin = pid == 0
-    if OWN_FINAL:
-        fin = pid == tl.num_programs(0) - 1
-    if fin:
-        # A program of its own (the launcher adds it; its list share above is empty), so the
-        # finalisation is off the copy's path. No program of this launch reads what is finalised
-        # here (NMISS, CLOCK, the free count, the totals; the copy reads LAST_ALLOC, the output
-        # host_to_gpu): no barrier, no meta[DONE] atomic for the ~400 programs. The loads go
-        # out together (one round trip), the stores and relaxed atomics need no wait.
-        nmiss = tl.load(meta + M_NMISS)
-        handed = tl.load(meta + M_ALLOC_CTR)
-        nfree = tl.load(meta + M_NFREE)
-        nalloc = tl.load(meta + M_LAST_ALLOC)
-        clock = tl.load(meta + M_CLOCK)
-        tl.store(meta + M_LAST_MISS, nmiss)
-        tl.store(meta + M_NMISS, 0)
-        if handed > 0:  # the placement pass handed its finalisation over
-            tl.store(meta + M_NFREE, nfree - nalloc)
-            tl.store(meta + M_HEAD, handed - 1)  # the ring's head after the pass's pops
-            tl.store(meta + M_ALLOC_CTR, 0)
-            tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
-        tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
-        tl.atomic_add(stats + S_RECALLED, nalloc.to(tl.int64), sem="relaxed")
-        tl.atomic_add(stats + S_STEPS, nalloc.to(tl.int64) * 0 + 1, sem="relaxed")
+
+
+@triton.jit
+def _recall_final(meta, stats):
+    """The recall's finalisation: advance the clock, add the stats, reset NMISS and finalise a
+    placement the pass handed over. In a program of its own (the launcher adds it; its list share
+    is empty), so it is off the copy's path. No other program of the copy launch reads what is
+    finalised here (NMISS, CLOCK, the free count, the totals; the copy reads LAST_ALLOC, the
+    output host_to_gpu): no barrier, no meta[DONE] atomic for the ~400 programs. The loads go out
+    together (one round trip), the stores and relaxed atomics need no wait."""
+    nmiss = tl.load(meta + M_NMISS)
+    handed = tl.load(meta + M_ALLOC_CTR)
+    nfree = tl.load(meta + M_NFREE)
+    nalloc = tl.load(meta + M_LAST_ALLOC)
+    clock = tl.load(meta + M_CLOCK)
+    tl.store(meta + M_LAST_MISS, nmiss)
+    tl.store(meta + M_NMISS, 0)
+    if handed > 0:  # the placement pass handed its finalisation over
+        tl.store(meta + M_NFREE, nfree - nalloc)
+        tl.store(meta + M_HEAD, handed - 1)  # the ring's head after the pass's pops
+        tl.store(meta + M_ALLOC_CTR, 0)
+        tl.store(meta + M_IDX_HW, 0)  # no victims; the pass padded indices[:IDX_HW]
+    tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
+    tl.atomic_add(stats + S_RECALLED, nalloc.to(tl.int64), sem="relaxed")
+    tl.atomic_add(stats + S_STEPS, nalloc.to(tl.int64) * 0 + 1, sem="relaxed")
 
 
 @triton.jit
@@ -270,7 +345,7 @@ def _release_kernel(
         j = tl.atomic_add(meta + M_VICT_CTR, c, sem="relaxed") + tl.cumsum(ri, axis=0) - 1
         pos = head + nfree + j
         tl.store(ring + tl.where(pos >= n_g, pos - n_g, pos), old, mask=rel)
-    if _last_program(meta):
+    if _last_program(meta, tl.num_programs(0)):
         pushed = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
         tl.store(meta + M_NFREE, nfree + pushed)
         tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")

@@ -22,9 +22,11 @@ from custom_ops.cache_constexpr import (
     M_DONE,
     M_EQ_CTR,
     M_HEAD,
+    M_HISTED,
     M_IDX_HW,
     M_LAST_ALLOC,
     M_LAST_EVICT,
+    M_LOOKED,
     M_NFREE,
     M_OVERFLOW,
     M_VICT_CTR,
@@ -74,11 +76,15 @@ def _pop(ring, prio, g2h, h2g, indices, r, h, k, head, n_g, clock, WRITE_IDX: tl
 @triton.jit
 def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr,
                  PDL: tl.constexpr = False):  # fmt: skip
-    """Histogram of the age buckets of evictable slots, only when free must evict (with the
-    reserve most calls need not: every program returns after two loads)."""
     if PDL:
         _pdl_start()
-    pid = tl.program_id(0)
+    _hist(tl.program_id(0), prio, meta, hist, want_ptr, n_g, cap, BLOCK)
+
+
+@triton.jit
+def _hist(pid, prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr):
+    """Program ``pid``: the histogram of the age buckets of evictable slots, only when free must
+    evict (with the reserve most calls need not: every program returns after two loads)."""
     needed = tl.minimum(tl.load(want_ptr), cap) - tl.load(meta + M_NFREE)
     if needed > 0:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -157,7 +163,37 @@ def _evict_place_kernel(
     PAD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """free's eviction and (PLACE) recall's eviction + placement, one launch. Program p owns
+    if PDL:
+        _pdl_start()
+    _evict_place(
+        tl.program_id(0), tl.num_programs(0), prio, ring, g2h, h2g, indices, meta, hist, stats,
+        want_ptr, want_host, n_g, cap, reserve, PLACE, BLOCK, PAD, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _evict_place(
+    pid,
+    nprog,
+    prio,
+    ring,
+    g2h,
+    h2g,
+    indices,
+    meta,
+    hist,
+    stats,
+    want_ptr,
+    want_host,
+    n_g,
+    cap,
+    reserve,
+    PLACE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
+    RESET_PHASES: tl.constexpr,
+):
+    """Program ``pid`` of ``nprog``: free's eviction and (PLACE) recall's eviction + placement, one launch. Program p owns
     the pool slots [p BLOCK, (p + 1) BLOCK) for the eviction and the ranks of the same range for
     the placement. With F = NFREE, M = min(want, cap) misses and needed = max(M - F, 0):
 
@@ -174,11 +210,8 @@ def _evict_place_kernel(
     (min(M, F)), so program 0 records it and hands HEAD + 1 to the copy launch in
     meta[ALLOC_CTR], whose last program moves HEAD, the free count and IDX_HW (which every
     program here reads): no barrier, no meta[DONE] atomic. Nothing to do: program 0 pads
-    ``indices`` and records zeros; no atomics."""
-    if PDL:
-        _pdl_start()
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    ``indices`` and records zeros; no atomics. RESET_PHASES (free in one launch,
+    cache_fused_kernels.py): the last program also resets the phase counters."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n_g
     new_h = tl.zeros([BLOCK], tl.int32)
@@ -247,7 +280,7 @@ def _evict_place_kernel(
                 tl.store(meta + M_ALLOC_CTR, _wrap(head + n_place, n_g) + 1)
                 if n_place < want:
                     tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
-        elif _last_program(meta):
+        elif _last_program(meta, nprog):
             # The acquire above made every program's writes visible; the atomics below need no
             # ordering of their own, so relaxed ones are issued back to back instead of each
             # waiting for the last (a round trip each).
@@ -267,6 +300,9 @@ def _evict_place_kernel(
                 tl.store(meta + M_LAST_ALLOC, k)
                 if k < want:
                     tl.atomic_add(meta + M_OVERFLOW, 1, sem="relaxed")
+            if RESET_PHASES:
+                tl.atomic_xchg(meta + M_LOOKED, 0, sem="relaxed")
+                tl.atomic_xchg(meta + M_HISTED, 0, sem="relaxed")
             tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")
     elif pid == 0:
         # Nothing to evict or place: no pass over the pool, no cross-program counter.

@@ -90,6 +90,28 @@ for upr in (41, 72):  # echo::recall_staged: staged misses read from staging, th
                    EARLY=True, CACHE="", OWN_FINAL=True, STAGED=True), f"copy[{upr}, staged]")
     if ptx and not re.search(r"ld\.global\.v4\.b32", ptx):
         print(f"FAIL copy[{upr}, staged]: no 16-byte loads in the PTX")
+# free and recall in one launch (K.FUSED): the phases' bodies in one kernel, with spin waits
+from custom_ops import cache_fused_kernels as FS
+FK = [("protect", I32), ("h2g", I32), ("prio", I32), ("ring", I32), ("g2h", I32),
+      ("indices", I32), ("meta", I32), ("hist", I32), ("stats", I64), ("want_ptr", I32),
+      ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
+      ("n_scan", "i32")]
+compile_(FS._free_kernel, FK, dict(LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.SCAN_BLOCK,
+         PAD=K.PAD_BLOCK), "free[one launch]")  # fmt: skip
+RK = [("host_kv", I32), ("gpu_kv", I32), ("host_slots", I32), ("h2g", I32), ("prio", I32),
+      ("ring", I32), ("g2h", I32), ("indices", I32), ("miss_host", I32), ("meta", I32),
+      ("hist", I32), ("stats", I64), ("out", I32), ("stage_kv", I32), ("hstage", I32),
+      ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
+      ("n_scan", "i32"), ("n_copy", "i32"), ("n_out", "i32")]
+for upr, staged in ((41, False), (72, False), (41, True)):
+    ptx = compile_(FS._recall_kernel, RK, dict(UPR=upr, UNITS=K.COPY_UNITS,
+                   LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.SCAN_BLOCK, PAD=K.PAD_BLOCK,
+                   SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged),
+                   f"recall[one launch, {upr}, staged={staged}]")  # fmt: skip
+    # the waits' acquire polls and the signals' release adds (Triton: ld.acquire / red.release)
+    if ptx and not (re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)
+                    and re.search(r"(red|atom)\.global\.gpu\.release", ptx)):
+        print(f"FAIL recall[one launch, {upr}]: no acquire polls / release adds in the PTX")
 compile_(LS._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
                              ("ring", I32), ("meta", I32), ("total", "i32"), ("n_h", "i32"),
                              ("n_g", "i32")],
@@ -114,4 +136,4 @@ def test_every_cache_kernel_compiles_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 19, out[-3000:]
+    assert out.count("OK ") == 23, out[-3000:]

@@ -22,6 +22,14 @@ from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 from runtime.host_slots import HostSlotAllocator
 
 
+@pytest.fixture(params=[True, False], ids=["one-launch", "launches"])
+def device(request, device, monkeypatch):
+    """Every kernel test runs free and recall both in one launch (K.FUSED, the default) and as a
+    launch per phase."""
+    monkeypatch.setattr(K, "FUSED", request.param)
+    return device
+
+
 def make_pool(n_g, n_h, topk, max_batch, fmt="fp8", device="cpu", seed=0, occupied=None):
     cfg = CacheConfig(1, n_h, n_g, topk, fmt=fmt, max_batch=max_batch)
     gen = torch.Generator().manual_seed(seed)

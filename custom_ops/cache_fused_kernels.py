@@ -1,0 +1,159 @@
+"""free and recall in ONE launch each (cache_kernels.FUSED): the phases that were separate
+launches (lookup, histogram, eviction + placement, row copy + output) are ranges of program ids
+of one grid, in that order, and a program waits for the phases it depends on through a counter
+in meta (_signal / _wait: release / acquire atomics) instead of a launch boundary.
+
+Why this cannot deadlock: a program only ever waits for programs with LOWER ids. The GPU hands
+out thread blocks in increasing id order, so the lowest unfinished program has been scheduled
+and waits for nobody unfinished: it finishes, and by induction so does everyone (the grids here
+also fit on the H200 at once: ~130 + 2 x 196 + 264 + 128 programs of 4 warps). The CPU
+interpreter runs the programs one after another in id order, so every wait there is already
+satisfied. A phase that has nothing to do (no eviction due: most steps, thanks to the reserve)
+signals and returns without touching the pool.
+
+The phases' bodies are the kernels of cache_list_kernels.py / cache_pool_kernels.py, whose
+race-freedom arguments (cache_kernels.py) carry over: what was ordered by a launch boundary is
+ordered by a _wait that follows the producers' _signal."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from custom_ops.cache_constexpr import (
+    M_COPIED,
+    M_HISTED,
+    M_LOOKED,
+    M_NFREE,
+    M_NMISS,
+    M_PLACED,
+)
+from custom_ops.cache_list_kernels import _copy_out, _lookup, _recall_final, _signal, _wait
+from custom_ops.cache_pool_kernels import _evict_place, _hist
+
+
+@triton.jit
+def _free_kernel(
+    protect,
+    h2g,
+    prio,
+    ring,
+    g2h,
+    indices,
+    meta,
+    hist,
+    stats,
+    want_ptr,
+    total,
+    n_g,
+    cap,
+    reserve,
+    n_look,
+    n_scan,
+    LIST_BLOCK: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    """echo::free: programs [0, n_look) stamp the protected slots, the next n_scan build the age
+    histogram, the last n_scan evict. Whether an eviction is due is known before the stamps
+    (needed = min(n, CAP) - NFREE; the stamps do not change the free count), so in a step that
+    needs none no program waits or signals: the op costs one lookup pass."""
+    pid = tl.program_id(0)
+    needed = tl.minimum(tl.load(want_ptr), cap) - tl.load(meta + M_NFREE)
+    if pid < n_look:
+        _lookup(pid, protect, h2g, prio, indices, meta, stats, total, cap, False, LIST_BLOCK, True)
+        if needed > 0:
+            _signal(meta + M_LOOKED)
+    elif pid < n_look + n_scan:
+        if needed > 0:
+            _wait(meta + M_LOOKED, n_look)
+            _hist(pid - n_look, prio, meta, hist, want_ptr, n_g, cap, SCAN_BLOCK)
+            _signal(meta + M_HISTED)
+    else:
+        if needed > 0:
+            _wait(meta + M_HISTED, n_scan)
+        # its last program resets LOOKED and HISTED: every program has passed its wait by then
+        _evict_place(
+            pid - n_look - n_scan, n_scan, prio, ring, g2h, h2g, indices, meta, hist, stats,
+            want_ptr, indices, n_g, cap, reserve, False, SCAN_BLOCK, PAD, True,
+        )  # fmt: skip
+
+
+@triton.jit
+def _recall_kernel(
+    host_kv,
+    gpu_kv,
+    host_slots,
+    h2g,
+    prio,
+    ring,
+    g2h,
+    indices,
+    miss_host,
+    meta,
+    hist,
+    stats,
+    out,
+    stage_kv,
+    hstage,
+    total,
+    n_g,
+    cap,
+    reserve,
+    n_look,
+    n_scan,
+    n_copy,
+    n_out,
+    UPR: tl.constexpr,
+    UNITS: tl.constexpr,
+    LIST_BLOCK: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
+    SKIP_CLEAN: tl.constexpr,
+    EARLY: tl.constexpr,
+    CACHE: tl.constexpr,
+    STAGED: tl.constexpr,
+):
+    """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
+    row copy [n_copy) and output [n_out) -> one finalising program. How many misses there are
+    is known only after the lookup, so the histogram and the pass wait for it (LOOKED); the pass
+    waits for the histogram (HISTED) only when it evicts; copy and output wait for the pass
+    (PLACED). The last program waits for everyone (HISTED, COPIED: every other program has then
+    passed all its waits), finalises as the copy launch's last program did, and resets the
+    phase counters."""
+    pid = tl.program_id(0)
+    n_miss = meta + M_NMISS  # the live miss count, as a pointer
+    scan0 = n_look + n_scan  # the pass's first program
+    copy0 = scan0 + n_scan  # the copy's first program
+    if pid < n_look:
+        _lookup(pid, host_slots, h2g, prio, miss_host, meta, stats, total, cap, True, LIST_BLOCK,
+                SKIP_CLEAN)  # fmt: skip
+        _signal(meta + M_LOOKED)
+    elif pid < scan0:
+        _wait(meta + M_LOOKED, n_look)
+        _hist(pid - n_look, prio, meta, hist, n_miss, n_g, cap, SCAN_BLOCK)
+        _signal(meta + M_HISTED)
+    elif pid < copy0:
+        _wait(meta + M_LOOKED, n_look)
+        if tl.minimum(tl.load(n_miss), cap) > tl.load(meta + M_NFREE):  # an eviction is due
+            _wait(meta + M_HISTED, n_scan)
+        _evict_place(
+            pid - scan0, n_scan, prio, ring, g2h, h2g, indices, meta, hist, stats, n_miss,
+            miss_host, n_g, cap, reserve, True, SCAN_BLOCK, PAD, False,
+        )  # fmt: skip
+        _signal(meta + M_PLACED)
+    elif pid < copy0 + n_copy + n_out:
+        _wait(meta + M_PLACED, n_scan)
+        _copy_out(
+            pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, stage_kv, hstage,
+            total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE, STAGED,
+        )  # fmt: skip
+        _signal(meta + M_COPIED)
+    else:
+        _wait(meta + M_HISTED, n_scan)
+        _wait(meta + M_COPIED, n_copy + n_out)
+        _recall_final(meta, stats)
+        tl.atomic_xchg(meta + M_LOOKED, 0, sem="relaxed")
+        tl.atomic_xchg(meta + M_HISTED, 0, sem="relaxed")
+        tl.atomic_xchg(meta + M_PLACED, 0, sem="relaxed")
+        tl.atomic_xchg(meta + M_COPIED, 0, sem="relaxed")
