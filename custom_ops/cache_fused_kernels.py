@@ -22,7 +22,9 @@ import triton.language as tl
 
 from custom_ops.cache_constexpr import (
     M_COPIED,
+    M_FREE0,
     M_HISTED,
+    M_LAST_ALLOC,
     M_LOOKED,
     M_NFREE,
     M_NMISS,
@@ -61,7 +63,8 @@ def _free_kernel(
     pid = tl.program_id(0)
     needed = tl.minimum(tl.load(want_ptr), cap) - tl.load(meta + M_NFREE)
     if pid < n_look:
-        _lookup(pid, protect, h2g, prio, indices, meta, stats, total, cap, False, LIST_BLOCK, True)
+        _lookup(pid, protect, h2g, prio, ring, g2h, indices, meta, stats, total, cap, n_g, False,
+                LIST_BLOCK, True, False)  # fmt: skip
         if needed > 0:
             _signal(meta + M_LOOKED)
     elif pid < n_look + n_scan:
@@ -75,7 +78,7 @@ def _free_kernel(
         # its last program resets LOOKED and HISTED: every program has passed its wait by then
         _evict_place(
             pid - n_look - n_scan, n_scan, prio, ring, g2h, h2g, indices, meta, hist, stats,
-            want_ptr, indices, n_g, cap, reserve, False, SCAN_BLOCK, PAD, True,
+            want_ptr, indices, n_g, cap, reserve, False, SCAN_BLOCK, PAD, True, False,
         )  # fmt: skip
 
 
@@ -115,19 +118,23 @@ def _recall_kernel(
     STAGED: tl.constexpr,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
-    row copy [n_copy) and output [n_out) -> one finalising program. How many misses there are
-    is known only after the lookup, so the histogram and the pass wait for it (LOOKED); the pass
-    waits for the histogram (HISTED) only when it evicts; copy and output wait for the pass
-    (PLACED). The last program waits for everyone (HISTED, COPIED: every other program has then
-    passed all its waits), finalises as the copy launch's last program did, and resets the
-    phase counters."""
+    row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
+    the ring serves (PLACE_EARLY: ranks below the free count); how many misses there are is
+    known only after it, so everyone waits for it (LOOKED). Then, when no eviction is due (most
+    steps), every miss is placed: copy and output start at once, beside the pass (which only
+    records the counts). When one is due, the pass waits for the histogram (HISTED) and copy and
+    output for the pass (PLACED), which serves the remaining misses from victims. The last
+    program waits for everyone (HISTED, PLACED, COPIED: every other program has then passed all
+    its waits), finalises as the copy launch's last program did, and resets the counters."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
     scan0 = n_look + n_scan  # the pass's first program
     copy0 = scan0 + n_scan  # the copy's first program
     if pid < n_look:
-        _lookup(pid, host_slots, h2g, prio, miss_host, meta, stats, total, cap, True, LIST_BLOCK,
-                SKIP_CLEAN)  # fmt: skip
+        if pid == 0:  # the free count before any program of this launch can change it
+            tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
+        _lookup(pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total, cap, n_g,
+                True, LIST_BLOCK, SKIP_CLEAN, True)  # fmt: skip
         _signal(meta + M_LOOKED)
     elif pid < scan0:
         _wait(meta + M_LOOKED, n_look)
@@ -135,25 +142,34 @@ def _recall_kernel(
         _signal(meta + M_HISTED)
     elif pid < copy0:
         _wait(meta + M_LOOKED, n_look)
-        if tl.minimum(tl.load(n_miss), cap) > tl.load(meta + M_NFREE):  # an eviction is due
+        if tl.minimum(tl.load(n_miss), cap) > tl.load(meta + M_FREE0):  # an eviction is due
             _wait(meta + M_HISTED, n_scan)
         _evict_place(
             pid - scan0, n_scan, prio, ring, g2h, h2g, indices, meta, hist, stats, n_miss,
-            miss_host, n_g, cap, reserve, True, SCAN_BLOCK, PAD, False,
+            miss_host, n_g, cap, reserve, True, SCAN_BLOCK, PAD, False, True,
         )  # fmt: skip
         _signal(meta + M_PLACED)
     elif pid < copy0 + n_copy + n_out:
-        _wait(meta + M_PLACED, n_scan)
+        _wait(meta + M_LOOKED, n_look)
+        free0 = tl.load(meta + M_FREE0)
+        rows_ptr = n_miss  # no eviction: the misses, all placed by the lookup
+        rows_max = tl.minimum(cap, free0)
+        if tl.minimum(tl.load(n_miss), cap) > free0:  # the pass serves the rest from victims
+            _wait(meta + M_PLACED, n_scan)
+            rows_ptr = meta + M_LAST_ALLOC
+            rows_max = cap
         _copy_out(
-            pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, stage_kv, hstage,
-            total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE, STAGED,
+            pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, rows_ptr, rows_max,
+            stage_kv, hstage, total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE, STAGED,
         )  # fmt: skip
         _signal(meta + M_COPIED)
     else:
         _wait(meta + M_HISTED, n_scan)
+        _wait(meta + M_PLACED, n_scan)
         _wait(meta + M_COPIED, n_copy + n_out)
         _recall_final(meta, stats)
         tl.atomic_xchg(meta + M_LOOKED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_HISTED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_PLACED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_COPIED, 0, sem="relaxed")
+        tl.atomic_xchg(meta + M_FREE0, 0, sem="relaxed")

@@ -27,8 +27,9 @@ LOOKED = 13  # the lookup (protect)
 HISTED = 14  # the histogram
 PLACED = 15  # the eviction + placement pass
 COPIED = 16  # the row copy and the output
+FREE0 = 17  # the free count when the one-launch recall started (its lookup's copy)
 META_LEN = 20
-SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE, LOOKED, HISTED, PLACED, COPIED)
+SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE, LOOKED, HISTED, PLACED, COPIED, FREE0)
 
 # ---- stats layout (int64, cumulative) -----------------------------------------------------------
 SELECTED = 0  # valid selected entries seen by recall

@@ -101,8 +101,8 @@ def _lookup_kernel(
     if PDL:
         _pdl_start()
     _lookup(
-        tl.program_id(0), host_slots, h2g, prio, miss_host, meta, stats, total, cap, MISSES, BLOCK,
-        SKIP_CLEAN,
+        tl.program_id(0), host_slots, h2g, prio, h2g, h2g, miss_host, meta, stats, total, cap, 1,
+        MISSES, BLOCK, SKIP_CLEAN, False,
     )  # fmt: skip
 
 
@@ -112,26 +112,42 @@ def _lookup(
     host_slots,
     h2g,
     prio,
+    ring,
+    g2h,
     miss_host,
     meta,
     stats,
     total,
     cap,
+    n_g,
     MISSES: tl.constexpr,
     BLOCK: tl.constexpr,
     SKIP_CLEAN: tl.constexpr,
+    PLACE_EARLY: tl.constexpr,
 ):
     """Program ``pid`` of the lookup: stamp resident selected slots with the clock (protect).
     With MISSES: claim each distinct missing host slot once (atomic exchange -1 -> PENDING:
     exactly one lane sees -1) and append the claimed ones to miss_host (one atomicAdd per block);
     count the selected entries. A block without a miss (all but <= misses of them in a steady
     step) skips the claim: its exchange, the sum of the winners and the append are dependent
-    round trips on its path."""
+    round trips on its path.
+
+    PLACE_EARLY (recall in one launch): a miss of rank r < min(NFREE, CAP) is placed here, at the
+    ring's entry HEAD + r, which is where the placement pass would put it whether or not the call
+    evicts (ranks below the free count always pop the ring; the ring rule, cache_ref.py), so in a
+    step without eviction every miss is placed when the lookup ends and the copy need not wait
+    for the pass. A duplicate's exchange that took such a slot (>= 0) writes it back; every
+    exchange that saw a slot restores it after, so the slot is the last value written."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0
     g = tl.load(h2g + h, mask=valid, other=-1)
     clock = tl.load(meta + M_CLOCK)
+    k_early = 0
+    head = 0
+    if PLACE_EARLY:
+        k_early = tl.minimum(tl.load(meta + M_NFREE), cap)
+        head = tl.load(meta + M_HEAD)
     tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
     if MISSES:
         miss = valid & (g == -1)
@@ -148,6 +164,15 @@ def _lookup(
                 base = tl.atomic_add(meta + M_NMISS, nwin, sem="relaxed")
                 pos = base + tl.cumsum(win, axis=0) - 1
                 tl.store(miss_host + pos, h, mask=(win > 0) & (pos < cap))
+                if PLACE_EARLY:
+                    pm = (win > 0) & (pos < k_early)
+                    at = head + pos
+                    slot = tl.load(ring + tl.where(at >= n_g, at - n_g, at), mask=pm, other=0)
+                    tl.store(h2g + h, slot, mask=pm)
+                    tl.store(g2h + slot, h, mask=pm)
+                    tl.store(prio + slot, tl.zeros([BLOCK], tl.int32) + clock, mask=pm)
+            if PLACE_EARLY:
+                tl.store(h2g + h, old, mask=miss & (old >= 0))  # a duplicate took a placed slot
         nvalid = tl.sum(valid.to(tl.int32), axis=0)
         tl.atomic_add(stats + S_SELECTED, nvalid.to(tl.int64), sem="relaxed")
 
@@ -225,8 +250,8 @@ def _copy_out_kernel(
         _pdl_start()
     pid = tl.program_id(0)
     _copy_out(
-        pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta, stage_kv, hstage, total,
-        n_copy, cap, UPR, UNITS, BLOCK, EARLY, CACHE, STAGED,
+        pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta + M_LAST_ALLOC, cap,
+        stage_kv, hstage, total, n_copy, cap, UPR, UNITS, BLOCK, EARLY, CACHE, STAGED,
     )  # fmt: skip
     fin = pid == 0
     if OWN_FINAL:
@@ -244,7 +269,8 @@ def _copy_out(
     h2g,
     host_slots,
     out,
-    meta,
+    rows_ptr,
+    rows_max,
     stage_kv,
     hstage,
     total,
@@ -257,8 +283,9 @@ def _copy_out(
     CACHE: tl.constexpr,
     STAGED: tl.constexpr,
 ):
-    """Program ``pid`` of the copy/output launch: programs [0, n_copy) copy rows, the next
-    cdiv(total, BLOCK) write the output (_copy_out_kernel)."""
+    """Program ``pid`` of the copy/output launch: programs [0, n_copy) copy the rows of
+    miss_host[:min(*rows_ptr, rows_max)], the next cdiv(total, BLOCK) write the output
+    (_copy_out_kernel)."""
     if pid < n_copy:
         # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
         # it is issued beside the load of meta[LAST_ALLOC], so the host read starts one round
@@ -269,9 +296,9 @@ def _copy_out(
         r0 = u0 // UPR
         if EARLY:
             h0 = tl.load(miss_host + r0, mask=r0 < cap, other=0)
-            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+            nunits = tl.minimum(tl.load(rows_ptr), rows_max) * UPR
         else:
-            nunits = tl.load(meta + M_LAST_ALLOC) * UPR
+            nunits = tl.minimum(tl.load(rows_ptr), rows_max) * UPR
             h0 = tl.load(miss_host + r0, mask=u0 < nunits, other=0)
         _copy_units(
             host_kv, gpu_kv, h2g, stage_kv, hstage, u0, r0, h0, nunits, UPR, UNITS, CACHE, STAGED

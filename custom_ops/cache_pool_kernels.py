@@ -167,7 +167,7 @@ def _evict_place_kernel(
         _pdl_start()
     _evict_place(
         tl.program_id(0), tl.num_programs(0), prio, ring, g2h, h2g, indices, meta, hist, stats,
-        want_ptr, want_host, n_g, cap, reserve, PLACE, BLOCK, PAD, False,
+        want_ptr, want_host, n_g, cap, reserve, PLACE, BLOCK, PAD, False, False,
     )  # fmt: skip
 
 
@@ -192,6 +192,7 @@ def _evict_place(
     BLOCK: tl.constexpr,
     PAD: tl.constexpr,
     RESET_PHASES: tl.constexpr,
+    POPPED: tl.constexpr,
 ):
     """Program ``pid`` of ``nprog``: free's eviction and (PLACE) recall's eviction + placement, one launch. Program p owns
     the pool slots [p BLOCK, (p + 1) BLOCK) for the eviction and the ranks of the same range for
@@ -211,7 +212,8 @@ def _evict_place(
     meta[ALLOC_CTR], whose last program moves HEAD, the free count and IDX_HW (which every
     program here reads): no barrier, no meta[DONE] atomic. Nothing to do: program 0 pads
     ``indices`` and records zeros; no atomics. RESET_PHASES (free in one launch,
-    cache_fused_kernels.py): the last program also resets the phase counters."""
+    cache_fused_kernels.py): the last program also resets the phase counters. POPPED (recall in
+    one launch): the lookup placed the ranks below the free count already (PLACE_EARLY)."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n_g
     new_h = tl.zeros([BLOCK], tl.int32)
@@ -232,7 +234,7 @@ def _evict_place(
         n_place = n * 0
     if (target > 0) | (n_place > 0):
         _pad(indices, target, idx_hw, pid, nprog, PAD)
-        if PLACE:
+        if PLACE and not POPPED:
             k_pop = tl.minimum(n_place, nfree)
             if pid * BLOCK < k_pop:
                 _pop(ring, prio, g2h, h2g, indices, offs, new_h, k_pop, head, n_g, clock, False)
