@@ -466,7 +466,38 @@ def bench_format(
             rf["amortized_us"] = us
             rf["amortized_GBps"] = n2k * host.shape[1] / (us * 1e3)
     if fmt == "fp8":
+        step("sweep_one_launch", lambda: sweep_one_launch(pool, host, recall, box, reps, gen))
         bench_pool_ops(pool, step, gen, reps, res)
+
+
+def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) -> dict:
+    """The one-launch recall and free (the default): pool slots per histogram / pass program
+    (cache_kernels.FUSED_SCAN_BLOCK) x sleep between polls (WAIT_SLEEP_NS), steady and refill
+    steps at 37 and 2048 misses."""
+    out = {}
+    n2k = min(2048, pool.capacity)
+    defaults = K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS
+    for block, nap in ((4096, 0), (1024, 100), (4096, 100), (1024, 500), defaults):  # default last
+        K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS = block, nap
+        try:
+            out[f"scan_block_{block}_sleep_{nap}"] = {
+                "recall_37_steady_us": recall(37, 16, STEADY_FREE)()["median_us"],
+                "recall_37_refill_us": recall(37, 1, 0)()["median_us"],
+                "recall_2048_steady_us": recall_all_misses(
+                    pool, host, box["fresh"], reps, gen, NEW, n2k + STEADY_FREE
+                )["median_us"],
+                "recall_2048_refill_us": recall_all_misses(pool, host, box["fresh"], reps, gen)[
+                    "median_us"
+                ],
+                "free_37_steady_us": bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE)[
+                    "median_us"
+                ],
+                "free_37_refill_us": bench_free(pool, 37, 1, gen, reps, NEW, 0)["median_us"],
+            }
+        except Exception as e:
+            out[f"scan_block_{block}_sleep_{nap}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS = defaults
+    return out
 
 
 def bench_pool_ops(pool: GpuPool, step: Callable, gen: torch.Generator, reps: int,

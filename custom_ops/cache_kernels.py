@@ -89,6 +89,11 @@ LAUNCH_PDL = False
 # wait for each other through counters in meta); False: the separate launches below, one per
 # phase (then LAUNCH_PDL applies).
 FUSED = True
+# Their waits: nanoseconds of sleep between polls of a phase counter (0: spin; CUDA only).
+WAIT_SLEEP_NS = 0
+# Pool slots per program of the one-launch ops' histogram and pass (fewer programs: fewer of
+# them waiting in a step that evicts nothing; more slots each when one evicts).
+FUSED_SCAN_BLOCK = 1024
 
 
 @functools.cache
@@ -202,11 +207,12 @@ def free_cuda(
     p = protect.reshape(-1)
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
     if FUSED:
-        n_look, n_scan = _grid(p.numel(), LIST_BLOCK)[0], _grid(n_g, SCAN_BLOCK)[0]
+        n_look, n_scan = _grid(p.numel(), LIST_BLOCK)[0], _grid(n_g, FUSED_SCAN_BLOCK)[0]
         _free_kernel[(n_look + 2 * n_scan,)](
             p, host_to_gpu, gpu_priority, gpu_free, gpu_to_host, indices, meta, hist, stats, n,
             p.numel(), n_g, cap, C.reserve_slots(n_g), n_look, n_scan,
-            LIST_BLOCK=LIST_BLOCK, SCAN_BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, num_warps=LIST_WARPS,
+            LIST_BLOCK=LIST_BLOCK, SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK,
+            SLEEP_NS=_sleep_ns(p.device), num_warps=LIST_WARPS,
         )  # fmt: skip
         return
     _lookup_kernel[_grid(p.numel(), LIST_BLOCK)](
@@ -287,6 +293,10 @@ def recall_cuda(
     return out
 
 
+def _sleep_ns(device: torch.device) -> int:
+    return WAIT_SLEEP_NS if device.type == "cuda" else 0  # (no inline PTX in the interpreter)
+
+
 def _recall_fused(
     host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
     hist, stats, hs, out, stage_kv, host_stage,
@@ -294,7 +304,7 @@ def _recall_fused(
     if host_kv.shape[1] % 16:
         raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
     total, n_g = hs.numel(), gpu_to_host.shape[0]
-    n_look, n_scan = _grid(total, LIST_BLOCK)[0], _grid(n_g, SCAN_BLOCK)[0]
+    n_look, n_scan = _grid(total, LIST_BLOCK)[0], _grid(n_g, FUSED_SCAN_BLOCK)[0]
     n_copy, n_out = _num_copy_programs(hs.device), triton.cdiv(total, LIST_BLOCK)
     staged = stage_kv is not None
     gpu_words = _words(gpu_kv, "gpu_kv", True)
@@ -305,8 +315,9 @@ def _recall_fused(
         host_stage if staged else host_to_gpu,  # (unread without STAGED)
         total, n_g, indices.shape[0], C.reserve_slots(n_g), n_look, n_scan, n_copy, n_out,
         UPR=host_kv.shape[1] // 16, UNITS=COPY_UNITS, LIST_BLOCK=LIST_BLOCK,
-        SCAN_BLOCK=SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN, EARLY=COPY_EARLY,
-        CACHE=COPY_CACHE, STAGED=staged, num_warps=LIST_WARPS,
+        SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
+        EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
+        num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

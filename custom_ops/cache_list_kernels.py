@@ -73,11 +73,18 @@ def _signal(ctr):
 
 
 @triton.jit
-def _wait(ctr, target):
+def _wait(ctr, target, SLEEP_NS: tl.constexpr = 0):
     """Spin until ``target`` programs have _signal-ed ``ctr``; then their writes are visible to
-    every thread of this program. Only ever called on counters of lower-numbered programs."""
+    every thread of this program. Only ever called on counters of lower-numbered programs.
+    SLEEP_NS > 0 (CUDA only): nanosleep between polls, so hundreds of waiting programs do not
+    keep the counter's L2 line busy."""
     c = tl.atomic_add(ctr, 0, sem="acquire")
     while c < target:
+        if SLEEP_NS > 0:
+            c = tl.inline_asm_elementwise(
+                f"nanosleep.u32 {SLEEP_NS}; mov.b32 $0, $1;", "=r,r", [c], dtype=tl.int32,
+                is_pure=False, pack=1,
+            )  # fmt: skip
         c = tl.atomic_add(ctr, 0, sem="acquire")
     tl.debug_barrier()  # the other threads' reads follow thread 0's acquire
 

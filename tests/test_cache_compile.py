@@ -96,18 +96,20 @@ FK = [("protect", I32), ("h2g", I32), ("prio", I32), ("ring", I32), ("g2h", I32)
       ("indices", I32), ("meta", I32), ("hist", I32), ("stats", I64), ("want_ptr", I32),
       ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
       ("n_scan", "i32")]
-compile_(FS._free_kernel, FK, dict(LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.SCAN_BLOCK,
-         PAD=K.PAD_BLOCK), "free[one launch]")  # fmt: skip
+compile_(FS._free_kernel, FK, dict(LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK,
+         PAD=K.PAD_BLOCK, SLEEP_NS=0), "free[one launch]")  # fmt: skip
 RK = [("host_kv", I32), ("gpu_kv", I32), ("host_slots", I32), ("h2g", I32), ("prio", I32),
       ("ring", I32), ("g2h", I32), ("indices", I32), ("miss_host", I32), ("meta", I32),
       ("hist", I32), ("stats", I64), ("out", I32), ("stage_kv", I32), ("hstage", I32),
       ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
       ("n_scan", "i32"), ("n_copy", "i32"), ("n_out", "i32")]
-for upr, staged in ((41, False), (72, False), (41, True)):
+for upr, staged, nap in ((41, False, 0), (72, False, 0), (41, True, 0), (41, False, 200)):
     ptx = compile_(FS._recall_kernel, RK, dict(UPR=upr, UNITS=K.COPY_UNITS,
-                   LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.SCAN_BLOCK, PAD=K.PAD_BLOCK,
-                   SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged),
-                   f"recall[one launch, {upr}, staged={staged}]")  # fmt: skip
+                   LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK, PAD=K.PAD_BLOCK,
+                   SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged, SLEEP_NS=nap),
+                   f"recall[one launch, {upr}, staged={staged}, sleep={nap}]")  # fmt: skip
+    if ptx and nap and "nanosleep.u32" not in ptx:
+        print("FAIL recall[one launch, sleep]: no nanosleep in the PTX")
     # the waits' acquire polls and the signals' release adds (Triton: ld.acquire / red.release)
     if ptx and not (re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)
                     and re.search(r"(red|atom)\.global\.gpu\.release", ptx)):
@@ -136,4 +138,4 @@ def test_every_cache_kernel_compiles_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 23, out[-3000:]
+    assert out.count("OK ") == 24, out[-3000:]
