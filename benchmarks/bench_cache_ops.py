@@ -472,17 +472,15 @@ def bench_format(
 
 def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) -> dict:
     """The one-launch recall and free (the default): pool slots per histogram / pass program
-    (cache_kernels.FUSED_SCAN_BLOCK) x sleep between polls (WAIT_SLEEP_NS) x the most claimed
-    rows a lookup block copies itself (COPY_IN_LOOKUP, 0: the copy phase copies all), steady and
-    refill steps at 37 and 2048 misses."""
+    (cache_kernels.FUSED_SCAN_BLOCK) x sleep between polls (WAIT_SLEEP_NS), steady and refill
+    steps at 37 and 2048 misses."""
     out = {}
     n2k = min(2048, pool.capacity)
-    defaults = K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.COPY_IN_LOOKUP
-    configs = ((1024, 0, 0), (1024, 0, 16), (4096, 0, 64), (1024, 100, 64), defaults)
-    for block, nap, cil in configs:  # the default last
-        K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.COPY_IN_LOOKUP = block, nap, cil
+    defaults = K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS
+    for block, nap in ((4096, 0), (1024, 100), (4096, 100), (1024, 500), defaults):  # default last
+        K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS = block, nap
         try:
-            out[f"scan_block_{block}_sleep_{nap}_in_lookup_{cil}"] = {
+            out[f"scan_block_{block}_sleep_{nap}"] = {
                 "recall_37_steady_us": recall(37, 16, STEADY_FREE)()["median_us"],
                 "recall_37_refill_us": recall(37, 1, 0)()["median_us"],
                 "recall_2048_steady_us": recall_all_misses(
@@ -497,10 +495,8 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
                 "free_37_refill_us": bench_free(pool, 37, 1, gen, reps, NEW, 0)["median_us"],
             }
         except Exception as e:
-            out[f"scan_block_{block}_sleep_{nap}_in_lookup_{cil}"] = {
-                "error": f"{type(e).__name__}: {e}"
-            }
-    K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.COPY_IN_LOOKUP = defaults
+            out[f"scan_block_{block}_sleep_{nap}"] = {"error": f"{type(e).__name__}: {e}"}
+    K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS = defaults
     return out
 
 

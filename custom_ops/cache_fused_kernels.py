@@ -30,14 +30,7 @@ from custom_ops.cache_constexpr import (
     M_NMISS,
     M_PLACED,
 )
-from custom_ops.cache_list_kernels import (
-    _copy_claimed,
-    _copy_out,
-    _lookup,
-    _recall_final,
-    _signal,
-    _wait,
-)
+from custom_ops.cache_list_kernels import _copy_out, _lookup, _recall_final, _signal, _wait
 from custom_ops.cache_pool_kernels import _evict_place, _hist
 
 
@@ -125,7 +118,6 @@ def _recall_kernel(
     CACHE: tl.constexpr,
     STAGED: tl.constexpr,
     SLEEP_NS: tl.constexpr = 0,
-    COPY_IN_LOOKUP: tl.constexpr = 0,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
@@ -143,11 +135,8 @@ def _recall_kernel(
     if pid < n_look:
         if pid == 0:  # the free count before any program of this launch can change it
             tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
-        lo, n = _lookup(pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total,
-                        cap, n_g, True, LIST_BLOCK, SKIP_CLEAN, True)  # fmt: skip
-        if COPY_IN_LOOKUP > 0:
-            _copy_claimed(host_kv, gpu_kv, ring, miss_host, meta, stage_kv, hstage, lo, n, cap,
-                          n_g, COPY_IN_LOOKUP, UPR, UNITS, CACHE, STAGED)  # fmt: skip
+        _lookup(pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total, cap, n_g,
+                True, LIST_BLOCK, SKIP_CLEAN, True)  # fmt: skip
         _signal(meta + M_LOOKED)
     elif pid < scan0:
         _wait(meta + M_LOOKED, n_look, SLEEP_NS)

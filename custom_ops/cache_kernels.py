@@ -94,9 +94,6 @@ WAIT_SLEEP_NS = 0
 # Pool slots per program of the one-launch ops' histogram and pass (fewer programs: fewer of
 # them waiting in a step that evicts nothing; more slots each when one evicts).
 FUSED_SCAN_BLOCK = 1024
-# The one-launch recall's lookup block copies the rows of the misses it claimed itself when
-# there are at most this many (0: never; the copy phase copies the rest).
-COPY_IN_LOOKUP = 64
 
 
 @functools.cache
@@ -320,7 +317,7 @@ def _recall_fused(
         UPR=host_kv.shape[1] // 16, UNITS=COPY_UNITS, LIST_BLOCK=LIST_BLOCK,
         SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
-        COPY_IN_LOOKUP=COPY_IN_LOOKUP, num_warps=LIST_WARPS,
+        num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

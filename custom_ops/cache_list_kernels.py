@@ -156,8 +156,6 @@ def _lookup(
         k_early = tl.minimum(tl.load(meta + M_NFREE), cap)
         head = tl.load(meta + M_HEAD)
     tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
-    won_lo = tl.full([], 0, tl.int32)  # the ranks this block claimed: [won_lo, won_lo + won_n)
-    won_n = tl.full([], 0, tl.int32)
     if MISSES:
         miss = valid & (g == -1)
         any_miss = tl.sum(miss.to(tl.int32), axis=0)
@@ -173,8 +171,6 @@ def _lookup(
                 base = tl.atomic_add(meta + M_NMISS, nwin, sem="relaxed")
                 pos = base + tl.cumsum(win, axis=0) - 1
                 tl.store(miss_host + pos, h, mask=(win > 0) & (pos < cap))
-                won_lo = base
-                won_n = nwin
                 if PLACE_EARLY:
                     pm = (win > 0) & (pos < k_early)
                     at = head + pos
@@ -186,7 +182,6 @@ def _lookup(
                 tl.store(h2g + h, old, mask=miss & (old >= 0))  # a duplicate took a placed slot
         nvalid = tl.sum(valid.to(tl.int32), axis=0)
         tl.atomic_add(stats + S_SELECTED, nvalid.to(tl.int64), sem="relaxed")
-    return won_lo, won_n
 
 
 @triton.jit
@@ -199,17 +194,19 @@ def _copy_units(
     u,
     r,
     h,
-    g,
-    um,
+    nunits,
     UPR: tl.constexpr,
+    UNITS: tl.constexpr,
     CACHE: tl.constexpr,
     STAGED: tl.constexpr,
 ):
-    """Units u (rows r, host slots h = miss_host[r], GPU slots g) host -> GPU where um. STAGED
+    """Units u (rows r, host slots h = miss_host[r]) host -> GPU, those below nunits. STAGED
     (echo::recall_staged): a row with hstage[h] >= 0 is read from stage_kv (device memory, a copy
     of the host row) instead of over PCIe."""
+    um = u < nunits
     word = (u - r * UPR) * 4
     src = h.to(tl.int64) * (UPR * 4) + word
+    g = tl.load(h2g + h, mask=um, other=0)
     dst = g.to(tl.int64) * (UPR * 4) + word
     m2 = um[:, None]
     w4 = tl.arange(0, 4)
@@ -223,50 +220,6 @@ def _copy_units(
     else:
         v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
     tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
-
-
-@triton.jit
-def _copy_claimed(
-    host_kv,
-    gpu_kv,
-    ring,
-    miss_host,
-    meta,
-    stage_kv,
-    hstage,
-    lo,
-    n,
-    cap,
-    n_g,
-    MAX_ROWS: tl.constexpr,
-    UPR: tl.constexpr,
-    UNITS: tl.constexpr,
-    CACHE: tl.constexpr,
-    STAGED: tl.constexpr,
-):
-    """The one-launch recall's lookup block, after claiming the ranks [lo, lo + n): when there
-    are at most MAX_ROWS of them, copy the rows of those the ring serves (rank < min(NFREE, CAP):
-    their slot is the ring's entry HEAD + rank, placed by the lookup) right away, so the PCIe
-    reads overlap the other blocks' lookup, and mark their miss_host entries done (-2 - h) for
-    the copy phase to skip. Nobody reads miss_host after the recall."""
-    hi = tl.minimum(lo + n, tl.minimum(tl.load(meta + M_NFREE), cap))
-    head = tl.load(meta + M_HEAD)
-    if (n > 0) & (n <= MAX_ROWS) & (hi > lo):
-        tl.debug_barrier()  # this block's miss_host stores are seen by all its threads
-        for start in range(lo * UPR, hi * UPR, UNITS):
-            u = start + tl.arange(0, UNITS)
-            r = u // UPR
-            um = u < hi * UPR
-            h = tl.load(miss_host + r, mask=um, other=0)
-            at = head + r
-            g = tl.load(ring + tl.where(at >= n_g, at - n_g, at), mask=um, other=0)
-            _copy_units(host_kv, gpu_kv, ring, stage_kv, hstage, u, r, h, g, um, UPR, CACHE,
-                        STAGED)  # fmt: skip
-        tl.debug_barrier()  # every thread has read the entries before they are marked
-        rr = lo + tl.arange(0, MAX_ROWS)
-        rm = rr < hi
-        h = tl.load(miss_host + rr, mask=rm, other=0)
-        tl.store(miss_host + rr, -2 - h, mask=rm)
 
 
 @triton.jit
@@ -354,18 +307,16 @@ def _copy_out(
         else:
             nunits = tl.minimum(tl.load(rows_ptr), rows_max) * UPR
             h0 = tl.load(miss_host + r0, mask=u0 < nunits, other=0)
-        um0 = (u0 < nunits) & (h0 >= 0)  # (h < 0: a row the lookup copied, COPY_IN_LOOKUP)
-        g0 = tl.load(h2g + h0, mask=um0, other=0)
-        _copy_units(host_kv, gpu_kv, h2g, stage_kv, hstage, u0, r0, h0, g0, um0, UPR, CACHE,
-                    STAGED)  # fmt: skip
+        _copy_units(
+            host_kv, gpu_kv, h2g, stage_kv, hstage, u0, r0, h0, nunits, UPR, UNITS, CACHE, STAGED
+        )
         for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
             r = u // UPR
             h = tl.load(miss_host + r, mask=u < nunits, other=0)
-            um = (u < nunits) & (h >= 0)
-            g = tl.load(h2g + h, mask=um, other=0)
-            _copy_units(host_kv, gpu_kv, h2g, stage_kv, hstage, u, r, h, g, um, UPR, CACHE,
-                        STAGED)  # fmt: skip
+            _copy_units(
+                host_kv, gpu_kv, h2g, stage_kv, hstage, u, r, h, nunits, UPR, UNITS, CACHE, STAGED
+            )
     else:
         offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < total

@@ -103,13 +103,11 @@ RK = [("host_kv", I32), ("gpu_kv", I32), ("host_slots", I32), ("h2g", I32), ("pr
       ("hist", I32), ("stats", I64), ("out", I32), ("stage_kv", I32), ("hstage", I32),
       ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
       ("n_scan", "i32"), ("n_copy", "i32"), ("n_out", "i32")]
-for upr, staged, nap, cil in ((41, False, 0, K.COPY_IN_LOOKUP), (72, False, 0, K.COPY_IN_LOOKUP),
-                             (41, True, 0, K.COPY_IN_LOOKUP), (41, False, 200, 0)):
+for upr, staged, nap in ((41, False, 0), (72, False, 0), (41, True, 0), (41, False, 200)):
     ptx = compile_(FS._recall_kernel, RK, dict(UPR=upr, UNITS=K.COPY_UNITS,
                    LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK, PAD=K.PAD_BLOCK,
-                   SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged, SLEEP_NS=nap,
-                   COPY_IN_LOOKUP=cil),
-                   f"recall[one launch, {upr}, staged={staged}, sleep={nap}, in lookup={cil}]")
+                   SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged, SLEEP_NS=nap),
+                   f"recall[one launch, {upr}, staged={staged}, sleep={nap}]")  # fmt: skip
     if ptx and nap and "nanosleep.u32" not in ptx:
         print("FAIL recall[one launch, sleep]: no nanosleep in the PTX")
     # the waits' acquire polls and the signals' release adds (Triton: ld.acquire / red.release)

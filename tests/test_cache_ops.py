@@ -22,13 +22,11 @@ from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 from runtime.host_slots import HostSlotAllocator
 
 
-@pytest.fixture(params=["one-launch", "copy-phase", "launches"])
+@pytest.fixture(params=[True, False], ids=["one-launch", "launches"])
 def device(request, device, monkeypatch):
-    """Every kernel test runs free and recall in one launch (K.FUSED, the default), so with the
-    lookup's row copy off (every row by the copy phase) and as a launch per phase."""
-    monkeypatch.setattr(K, "FUSED", request.param != "launches")
-    if request.param == "copy-phase":
-        monkeypatch.setattr(K, "COPY_IN_LOOKUP", 0)
+    """Every kernel test runs free and recall both in one launch (K.FUSED, the default) and as a
+    launch per phase."""
+    monkeypatch.setattr(K, "FUSED", request.param)
     return device
 
 
@@ -261,30 +259,6 @@ def test_recall_without_eviction_pads_a_long_index_list(device):
     assert int(ker.meta[L.LAST_EVICT]) == 0 and int(ker.meta[L.IDX_HW]) == 0
     assert bool((ker.indices == -1).all())
     assert_same_up_to_ties(pool, ref, ker)
-
-
-@pytest.mark.parametrize("copy_in_lookup", [64, 4, 0])
-def test_one_launch_recall_copies_few_claimed_rows_in_the_lookup(copy_in_lookup, monkeypatch):
-    """In the one-launch recall a lookup block that claims at most COPY_IN_LOOKUP misses copies
-    their rows itself and marks their miss_host entries done (-2 - h); the copy phase copies the
-    others (here 2 blocks of 1024 entries with 48 misses between them: all of them in the lookup at
-    64, none at 4 or 0). The rows and the pool are right either way."""
-    monkeypatch.setattr(K, "FUSED", True)
-    monkeypatch.setattr(K, "COPY_IN_LOOKUP", copy_in_lookup)
-    pool, host_kv, gen = make_pool(3000, 8192, 1024, 2, occupied=2000)
-    hs = selection(pool, gen, 2, 1024, hits=2000, misses=48, pad=False)  # 2 full blocks
-    misses_per_block = (pool.host_to_gpu[hs.long()] < 0).sum(dim=1)
-    ref = copy.deepcopy(pool)
-    args = lambda p: (host_kv, p.gpu_kv, *state(p), p.indices, p.miss_host, p.meta)  # noqa: E731
-    C.recall_ref(*args(ref), ref.totals, hs)
-    out = K.recall_cuda(*args(pool), pool.hist, pool.totals, hs)
-    check_pool(pool, selected=hs, gpu_slots=out, host_kv=host_kv)
-    n = int(pool.meta[L.LAST_MISS])
-    assert n == int(misses_per_block.sum()) and n > 0
-    in_lookup = (pool.miss_host[:n] < 0).sum()
-    want = n if bool((misses_per_block <= copy_in_lookup).all()) else 0
-    assert int(in_lookup) == want, (misses_per_block.tolist(), int(in_lookup))
-    assert torch.equal(pool.gpu_kv[out.flatten().long()], host_kv[hs.flatten().long()])
 
 
 def test_allocate_reference_and_bad_input():
