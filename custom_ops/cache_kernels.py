@@ -25,8 +25,11 @@ Cross-program coordination, and why it is race-free:
   totals: its last program (one of its own) finalises (clock, stats, NMISS; after a placement
   pass that evicted nothing, also HEAD, the free count and IDX_HW), which no other program of
   that launch reads.
-- Ops made of several launches (free, recall) hand values from one launch to the next through
-  meta; launches on one stream are ordered.
+- free and recall run as one launch each (FUSED, cache_fused_kernels.py): their phases are
+  ranges of program ids, and a program waits (release/acquire counters in meta) only for
+  programs with lower ids, which is what a launch boundary ordered. With FUSED off they are a
+  launch per phase and hand values from one launch to the next through meta; launches on one
+  stream are ordered.
 - A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
   at its start, the same in every program: program 0 alone records it, nobody touches meta[DONE].
 

@@ -194,9 +194,10 @@ def _evict_place(
     RESET_PHASES: tl.constexpr,
     POPPED: tl.constexpr,
 ):
-    """Program ``pid`` of ``nprog``: free's eviction and (PLACE) recall's eviction + placement, one launch. Program p owns
-    the pool slots [p BLOCK, (p + 1) BLOCK) for the eviction and the ranks of the same range for
-    the placement. With F = NFREE, M = min(want, cap) misses and needed = max(M - F, 0):
+    """Program ``pid`` of ``nprog``: free's eviction and (PLACE) recall's eviction + placement,
+    one pass. Program p owns the pool slots [p BLOCK, (p + 1) BLOCK) for the eviction and the
+    ranks of the same range for the placement. With F = NFREE, M = min(want, cap) misses and
+    needed = max(M - F, 0):
 
     Eviction (needed > 0): target = min(needed + reserve, cap) slots
     (cache_layout.evict_target): every evictable slot in buckets above the threshold bucket T

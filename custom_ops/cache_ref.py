@@ -14,7 +14,7 @@ Per-layer state (all fixed-shape buffers of ``GpuPool``, docs/cache_ops.md "Stat
 - ``gpu_to_host [N_G] int32`` / ``host_to_gpu [N_H] int32``: the two maps, -1 = none.
 - ``indices [CAP] int32``: output of allocate / free (slots taken or evicted), -1 padded.
 - ``miss_host [CAP] int32``: recall's scratch list of distinct missed host slots.
-- ``meta [16] int32``: the clock, the free count and the kernels' counters (layout below).
+- ``meta [20] int32``: the clock, the free count and the kernels' counters (cache_layout.py).
 - ``hist [256] int32``: free's scratch histogram of slot ages (zero between ops).
 - ``stats [4] int64``: running totals the engine reads between steps (no sync inside a step).
 
