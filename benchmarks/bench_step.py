@@ -40,8 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
     ap.add_argument("--repeat", type=float, default=1.0, help="selection locality (see bench)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--cache-launches",
+        choices=("one", "per-phase"),
+        default="one",
+        help="free and recall in one launch each (the default) or a launch per phase "
+        "(custom_ops.cache_kernels.FUSED), to compare the two",
+    )
     ap.add_argument("--out", default="benchmarks/results/step_h200.json")
     a = ap.parse_args(argv)
+    from custom_ops import cache_kernels
+
+    cache_kernels.FUSED = a.cache_launches == "one"
 
     model = build_model(a.preset, a.layers, a.experts, a.device)
     cfg = model.config
@@ -53,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": a.steps,
         "kv_format": a.kv_format,
         "repeat": a.repeat,
+        "cache_launches": a.cache_launches,
         "rows": rows,
     }
     path = Path(a.out)
