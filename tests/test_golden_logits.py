@@ -38,6 +38,19 @@ LENS = [5, 17, 33, 90]  # prefill contexts up to 4, 16, 32 (= topk) and 89 token
 STEPS = 4
 
 
+@pytest.fixture(autouse=True)
+def _aten_gemm():
+    """Both implementations on ATen's own CPU GEMM (oneDNN off), whose bf16 results do not depend
+    on the CPU: with oneDNN, AMX and AVX-512 kernels accumulate in different orders for different
+    shapes, and one bf16 ulp in the latent can flip its FP8 rounding (seen on an AMX CPU: one
+    prompt's first chunk 0.0145 off, within 1e-4 on the same CPU with oneDNN limited to
+    AVX512_CORE_BF16 or AVX2). The comparison is of the formulas, not of the CPU's kernels."""
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    yield
+    torch.backends.mkldnn.enabled = was
+
+
 @pytest.fixture(scope="module")
 def independent() -> IndependentDeepSeekV32:
     return IndependentDeepSeekV32(resolve_model("tiny"))
