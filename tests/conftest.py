@@ -12,6 +12,13 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 
+# CPU GEMMs on ATen's own kernels, not oneDNN's: oneDNN picks AMX, AVX-512 or AVX2 kernels by CPU
+# and shape, whose bf16 results differ in the last bits between CPUs and between batch shapes;
+# one ulp can flip an FP8 rounding or an argmax near-tie, so tolerances that held on one CPU
+# failed on an AMX one (tests/test_golden_logits.py, test_model, test_server_engine). Numbers
+# the tests compare are then the same on every CPU. The engine outside the tests keeps oneDNN.
+torch.backends.mkldnn.enabled = False
+
 configure_threads()  # the engine's CPU thread policy (a 2-core machine: 1 thread, ~2.5x faster)
 
 

@@ -3,7 +3,9 @@
 checkpoint, golden logits computed at test time.
 
 - Prefill in the explicit form (the reference's own, model/prefill_ref.py): every chunk's logits
-  within 1e-4 (fp32 logits of magnitude ~3; observed ~1e-6, the fp32 head's summation order), for
+  within 1e-4 (fp32 logits of magnitude ~3; observed ~1e-6, the fp32 head's summation order, with
+  the tests' CPU GEMM, conftest.py: with oneDNN's AMX kernels one bf16 ulp of the latent flipped
+  an FP8 rounding, 0.0145 off), for
   contexts shorter than index_topk (dense-equivalent), exactly topk, and longer (really sparse).
 - Prefill as served (the sparse absorbed form, MLA._prefill): the decode bound below while the
   context is at most index_topk (the forms differ by bf16 rounding; beyond, a rounding can flip a
@@ -36,19 +38,6 @@ DECODE_ATOL = 6e-2
 CHUNK = 16
 LENS = [5, 17, 33, 90]  # prefill contexts up to 4, 16, 32 (= topk) and 89 tokens
 STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def _aten_gemm():
-    """Both implementations on ATen's own CPU GEMM (oneDNN off), whose bf16 results do not depend
-    on the CPU: with oneDNN, AMX and AVX-512 kernels accumulate in different orders for different
-    shapes, and one bf16 ulp in the latent can flip its FP8 rounding (seen on an AMX CPU: one
-    prompt's first chunk 0.0145 off, within 1e-4 on the same CPU with oneDNN limited to
-    AVX512_CORE_BF16 or AVX2). The comparison is of the formulas, not of the CPU's kernels."""
-    was = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    yield
-    torch.backends.mkldnn.enabled = was
 
 
 @pytest.fixture(scope="module")
