@@ -12,13 +12,6 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 
-# CPU GEMMs on ATen's own kernels, not oneDNN's: oneDNN picks AMX, AVX-512 or AVX2 kernels by CPU
-# and shape, whose bf16 results differ in the last bits between CPUs and between batch shapes;
-# one ulp can flip an FP8 rounding or an argmax near-tie, so tolerances that held on one CPU
-# failed on an AMX one (tests/test_golden_logits.py, test_model, test_server_engine). Numbers
-# the tests compare are then the same on every CPU. The engine outside the tests keeps oneDNN.
-torch.backends.mkldnn.enabled = False
-
 configure_threads()  # the engine's CPU thread policy (a 2-core machine: 1 thread, ~2.5x faster)
 
 
@@ -37,3 +30,21 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _aten_gemm(request):
+    """Modules marked ``aten_gemm`` run their CPU GEMMs on ATen's own kernels, not oneDNN's.
+    oneDNN picks AMX, AVX-512 or AVX2 kernels by CPU and shape, whose bf16 results differ in the
+    last bits between CPUs and between batch shapes; one ulp can flip an FP8 rounding or an
+    argmax near-tie, so the tolerances of tests that compare against another computation (an
+    independent implementation, a dense formula, another batching) held on one CPU and failed
+    on an AMX one. Only in-process: tests comparing with worker processes keep oneDNN on both
+    sides. The engine outside the tests keeps oneDNN."""
+    if request.node.get_closest_marker("aten_gemm") is None:
+        yield
+        return
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    yield
+    torch.backends.mkldnn.enabled = was

@@ -33,6 +33,8 @@ from model.prefill_ref import explicit_prefill_in
 from runtime.engine import EngineConfig
 from runtime.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.aten_gemm  # CPU GEMMs without oneDNN (conftest.py)
+
 PREFILL_ATOL = 1e-4
 DECODE_ATOL = 6e-2
 CHUNK = 16

@@ -22,6 +22,8 @@ from model.prefill_ref import explicit_prefill_in, index_scores, prefill_topk_ma
 from model.presets import preset_config
 from model.rope import apply_rope
 
+pytestmark = pytest.mark.aten_gemm  # CPU GEMMs without oneDNN (conftest.py)
+
 HOST_TOKENS = 1024  # 16 host pages
 
 

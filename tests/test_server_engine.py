@@ -37,6 +37,8 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch
 from runtime.server import build_app
 
+pytestmark = pytest.mark.aten_gemm  # CPU GEMMs without oneDNN (conftest.py)
+
 MODEL = "tiny"
 MAX_TOKENS = 8
 # Top-1 minus top-2 logit every offline argmax must win by, and how far a served logprob may be
