@@ -110,7 +110,7 @@ def _lookup_kernel(
     _lookup(
         tl.program_id(0), host_slots, h2g, prio, h2g, h2g, miss_host, meta, stats, total, cap, 1,
         MISSES, BLOCK, SKIP_CLEAN, False,
-    )  # fmt: skip
+    )  # fmt: skip  (ring, g2h, n_g: unread without PLACE_EARLY)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks.plots.common import C_BASE, C_BEST, batch_axes, plt, save, source_note
+from benchmarks.plots.common import C_BASE, C_BEST, batch_axes, finish_grid, plt
 
 
 def plot_awq(d: dict, out: Path, written: list[Path]) -> None:
@@ -64,9 +64,5 @@ def plot_awq(d: dict, out: Path, written: list[Path]) -> None:
             ax.set_title(f"fused MoE, {key} experts, top-{rs[0].get('topk')}", fontsize=9)
             ax.set_xlabel("batch T (tokens)", fontsize=8)
         batch_axes(ax, xs, "µs per call")
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    fig.suptitle("AWQ W4A16 vs bf16 latency by batch size (main tables of the run)", fontsize=10)
-    source_note(fig, d, "awq_h200.json")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
-    save(fig, out, "awq_vs_bf16.png", written)
+    title = "AWQ W4A16 vs bf16 latency by batch size (main tables of the run)"
+    finish_grid(fig, axes, len(panels), title, d, "awq_h200.json", out, "awq_vs_bf16.png", written)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks.plots.common import C_BASE, C_BEST, batch_axes, plt, save, source_note
+from benchmarks.plots.common import C_BASE, C_BEST, batch_axes, finish_grid, plt
 
 LINEAR_TARGET = [(1, 16, 2.5), (128, 128, 1.0)]  # (M from, M to, x bf16)
 MOE_TARGET = (1, 64, 2.0)
@@ -52,9 +52,6 @@ def plot_awq_pairs(d: dict, out: Path, written: list[Path]) -> None:
             ax.set_xlabel("batch T (tokens)", fontsize=8)
         ax.axhline(1.0, color=C_BASE, lw=1)
         batch_axes(ax, xs, "x bf16 (higher is faster)")
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    fig.suptitle("AWQ W4A16 speed over bf16 (red: issue 17's targets)", fontsize=10)
-    source_note(fig, d, "awq_pairs_h200.json")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
-    save(fig, out, "awq_pairs_vs_bf16.png", written)
+    title = "AWQ W4A16 speed over bf16 (red: issue 17's targets)"
+    name = "awq_pairs_vs_bf16.png"
+    finish_grid(fig, axes, len(panels), title, d, "awq_pairs_h200.json", out, name, written)

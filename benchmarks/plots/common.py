@@ -52,3 +52,14 @@ def batch_axes(ax, xs: list[int], ylabel: str) -> None:
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
+
+
+def finish_grid(fig, axes, used: int, title: str, d: dict, file: str, out: Path, name: str,
+                written: list[Path]) -> None:  # fmt: skip
+    """A grid of panels: blank the unused ones, title, source line, layout, save."""
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    source_note(fig, d, file)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
+    save(fig, out, name, written)
