@@ -10,10 +10,8 @@ Both kernels dequantise in the K loop: a K tile never crosses a group of 128 (``
 the integer tile ``q - z`` (exact in bf16/fp16) goes through ``tl.dot`` and the group's scale is
 applied to the fp32 partial product, ``acc += dot(x, q - z) * s``: W is never rounded to 16 bits.
 
-MoE grouping follows vLLM's ``moe_align_block_size`` with static sizes and no host syncs: the T*k
-(token, expert) pairs are sorted by expert on the device, each expert's run is padded to BLOCK_M
-slots, and the grid has a static ``cdiv(T*k, BLOCK_M) + min(E, T*k)`` row blocks; blocks past the
-last expert exit at once.
+The MoE's pairs are grouped by expert by ``custom_ops.moe_align`` (static sizes, no host syncs);
+blocks past the last expert exit at once.
 
 NOTE: the Triton interpreter (CPU CI) multiplies bf16 tiles as their raw uint16 bits in ``tl.dot``,
 converts int32 to bf16 wrongly and truncates fp32 to bf16. Launchers pass ``INTERPRET=True`` there:
@@ -29,6 +27,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.awq_format import GROUP, PACK, check_awq, check_moe_inputs
+from custom_ops.moe_align import moe_align
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -249,46 +248,6 @@ def w4a16_linear_triton(
 
 
 # ---- fused MoE -------------------------------------------------------------------------------
-
-
-def moe_align(
-    topk_ids: torch.Tensor, n_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the T*k (token, expert) pairs by expert in fixed-size buffers, without host syncs.
-
-    Returns ``sorted_ids int32 [max_blocks * block_m]`` (pair index ``t * k + j``, or ``T*k`` in
-    padding slots) and ``block_expert int32 [max_blocks]`` (the expert of each row block, or
-    ``n_experts`` for blocks past the end), ``max_blocks = cdiv(T*k, block_m) + min(E, T*k)``.
-
-    An id equal to ``n_experts`` (the skip id: expert parallelism's pick of another rank's
-    expert) gets no slot at all: no row block computes it, so the kernels' work is the pairs of
-    this rank's experts only, and its output row is left as the launcher initialised it (zeros).
-    """
-    flat = topk_ids.reshape(-1).long()  # [P]
-    p = flat.numel()
-    max_blocks = triton.cdiv(p, block_m) + min(n_experts, p)
-    dev = flat.device
-    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )[:n_experts]  # [E] (bin E, the skipped pairs, dropped)
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_start = torch.cumsum(padded, 0) - padded  # [E] first slot of each expert's run
-    cnt_start = torch.cumsum(counts, 0) - counts  # [E] first position of the expert in sort order
-    order = torch.argsort(flat, stable=True)  # [P] pairs sorted by expert, skipped ones last
-    e_sorted = flat[order]
-    kept = e_sorted < n_experts
-    e_c = e_sorted.clamp(max=n_experts - 1)
-    pos = torch.arange(p, device=dev)
-    dest = pad_start[e_c] + pos - cnt_start[e_c]
-    n_slots = max_blocks * block_m
-    dest = torch.where(kept, dest, n_slots + pos)  # skipped pairs: a scratch tail, cut off below
-    sorted_ids = torch.full((n_slots + p,), p, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    sorted_ids = sorted_ids[:n_slots]
-    block_end = torch.cumsum(padded, 0) // block_m  # [E] one past each expert's last block
-    block_ids = torch.arange(max_blocks, device=dev)
-    block_expert = torch.searchsorted(block_end, block_ids, right=True).to(torch.int32)
-    return sorted_ids, block_expert
 
 
 @triton.jit

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from custom_ops.awq_format import GROUP, check_pairs, check_x16
-from custom_ops.awq_kernels import _num_sms, _store, moe_align, splitk_sum_kernel
+from custom_ops.awq_kernels import _num_sms, _store, splitk_sum_kernel
+from custom_ops.moe_align import moe_align
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
@@ -271,7 +272,7 @@ def moe_p_kernel(
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One row block (BT pairs of one expert, ``awq_kernels.moe_align``) x BN output columns over
+    """One row block (BT pairs of one expert, ``custom_ops.moe_align``) x BN output columns over
     pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
     gate columns, then up columns, both from one pass over x). Pair ``p = sorted_ids[r]`` reads A
     row ``p // A_ROW_DIV`` and writes out row ``p``; GATED: out = silu(gate) * up (fp32, stored

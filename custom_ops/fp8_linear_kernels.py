@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.awq_kernels import _num_sms, _round16, _store, moe_align, splitk_sum_kernel
+from custom_ops.awq_kernels import _num_sms, _round16, _store, splitk_sum_kernel
 from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
+from custom_ops.moe_align import moe_align
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -165,7 +166,7 @@ def fp8_moe_kernel(
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One row block (pairs of one expert, ``awq_kernels.moe_align``) x BN output columns of the
+    """One row block (pairs of one expert, ``custom_ops.moe_align``) x BN output columns of the
     expert's FP8 weight ``w [E, NW, K]`` (scales ``ws [E, NW/128, K/128]``; NW = 2N when GATED:
     gate rows then up rows, both from one quantised x tile). Each product is rounded to 16 bits
     as the reference's FP8 linears return it; GATED: out = silu(gate) * up; MUL_WEIGHT: out =

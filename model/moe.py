@@ -79,7 +79,7 @@ class Experts(nn.Module):
     ``forward(x [T, D], topk_ids [T, k], topk_weights [T, k] fp32) -> fp32 [T, D]``, the interface
     ``model/awq.py``'s quantised experts keep (the caller accepts either fp32 or x's dtype back).
     An id equal to ``n_experts`` is a pick to skip (expert parallelism: another rank's expert):
-    every MoE op and its grouping (``awq_kernels.moe_align``) leave it out, contributing 0.
+    every MoE op and its grouping (``custom_ops.moe_align``) leave it out, contributing 0.
 
     The forward is one call of the grouped ``echo::moe_bf16``: each token runs through its k
     experts only (on CUDA a Triton kernel that groups the (token, expert) pairs by expert on the

@@ -128,7 +128,7 @@ class EPMoE(MoE):
     gathered, fp32 partial sums reduce-scattered): fixed shapes, no token counts exchanged.
 
     A pick of another rank's expert becomes the skip id ``n_local`` (one past this rank's
-    experts), which the MoE ops' grouping (``custom_ops.awq_kernels.moe_align``) gives no slot:
+    experts), which the MoE ops' grouping (``custom_ops.moe_align``) gives no slot:
     each rank's grouped GEMMs run its own experts' (token, expert) pairs only, the ``tp x T``
     gathered rows times the share of picks landing here (on average 1/ep of all picks), not all
     of them. What is not saved: the rows still travel by all-gather and reduce-scatter (volume

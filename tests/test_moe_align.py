@@ -1,0 +1,60 @@
+"""``custom_ops.moe_align``: the one-program Triton grouping equals the torch reference bit for bit
+(interpreter on CPU, the GPU's Triton with the ``device`` fixture there), and ``moe_align``
+dispatches by device and size."""
+
+import pytest
+import torch
+
+from custom_ops import moe_align as A
+
+
+def _routing(t: int, e: int, k: int, skip_frac: float, g: torch.Generator) -> torch.Tensor:
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    skip = torch.rand(t, k, generator=g) < skip_frac
+    return ids.masked_fill(skip, e)  # e: the skip id (another rank's expert)
+
+
+CASES = [  # (tokens, experts, top-k, block_m, skipped fraction)
+    (1, 256, 8, 16, 0.0),
+    (2, 256, 8, 16, 0.0),
+    (3, 8, 2, 16, 0.0),
+    (13, 6, 3, 16, 0.3),
+    (40, 4, 4, 32, 0.0),
+    (64, 256, 8, 16, 0.5),
+    (128, 256, 8, 16, 0.0),
+    (128, 257, 8, 64, 0.1),
+    (512, 256, 8, 16, 0.0),  # 4096 pairs: the kernel's limit
+    (9, 16, 16, 16, 1.0),  # every pair skipped
+]
+
+
+@pytest.mark.parametrize("t,e,k,bm,skip", CASES)
+def test_kernel_equals_torch(device, t, e, k, bm, skip):
+    g = torch.Generator().manual_seed(t * 1000 + e)
+    trials = 2 if t * k < 4096 or device == "cuda" else 1  # the interpreter's sort of 4096: ~15 s
+    for trial, dtype in zip(range(trials), (torch.int32, torch.int64)):
+        ids = _routing(t, e, k, skip, g).to(dtype)
+        want = A.moe_align_torch(ids, e, bm)
+        got = A.moe_align_kernel(ids.to(device), e, bm)
+        assert torch.equal(got[0].cpu(), want[0]), (t, e, k, bm, trial, dtype)
+        assert torch.equal(got[1].cpu(), want[1]), (t, e, k, bm, trial, dtype)
+
+
+def test_kernel_equals_torch_when_one_expert_takes_every_pair(device):
+    ids = torch.full((150, 8), 5, dtype=torch.int32)  # 1200 pairs on expert 5: many blocks
+    want = A.moe_align_torch(ids, 64, 16)
+    got = A.moe_align_kernel(ids.to(device), 64, 16)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_kernel_refuses_sizes_it_cannot_hold():
+    with pytest.raises(ValueError, match="4097 pairs"):
+        A.moe_align_kernel(torch.zeros(4097, 1, dtype=torch.int32), 8, 16)
+
+
+def test_dispatch_keeps_torch_on_cpu_and_for_large_calls(monkeypatch):
+    called = []
+    monkeypatch.setattr(A, "moe_align_kernel", lambda *a: called.append(a) or None)
+    ids = torch.zeros(4, 8, dtype=torch.int32)
+    got = A.moe_align(ids, 16, 16)  # CPU: the torch form
+    assert not called and torch.equal(got[0], A.moe_align_torch(ids, 16, 16)[0])
