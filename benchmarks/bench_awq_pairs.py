@@ -132,6 +132,14 @@ def check(result: dict) -> None:
                        for _ in range(10))  # fmt: skip
             record(result, "moe/split4", rel_err(c4, ref), 5e-3, E=e, T=t)
             record(result, "moe/split4 repeat", 0.0 if same else 1.0, None, E=e, T=t)
+            # the down pass's own k-sum (SUM_K, served at decode) vs the separate torch sum
+            cs = {**PK.moe_p_config(t * TOPK, e), "SUM_K": False}
+            sep = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=cs)
+            fused = [PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config={**cs, "SUM_K": True})
+                     for _ in range(10)]  # fmt: skip
+            record(result, "moe/sum_k vs separate sum", rel_err(fused[0], sep), 1e-6, E=e, T=t)
+            same = all(torch.equal(f, fused[0]) for f in fused)
+            record(result, "moe/sum_k repeat", 0.0 if same else 1.0, None, E=e, T=t)
         except Exception as err:  # noqa: BLE001
             record(result, "moe/pair", repr(err), 5e-3, E=e, T=t)
     del w13, w2, p13, p2
@@ -278,7 +286,7 @@ def main() -> None:
     check(result)
     save()
     result["linear"] = []
-    for k, n in LINEAR_SHAPES:
+    for k, n in LINEAR_SHAPES if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
                                          args.budget_s * 0.6)  # fmt: skip
         save()

@@ -6,9 +6,12 @@
    Triton kernel (``custom_ops.moe_align``), T in ``--moe-batches``, 256 experts, top-8; checked
    equal (PASS/FAIL recorded).
 2. The whole MoE op, bf16 grouped and pair W4A16 (served configuration), each with either
-   grouping, side by side; and the pair MoE's kernel launches of one call in launch order with
-   their device time (CUDA profiler over one graph replay): the op's median minus their sum is
-   the gaps between launches.
+   grouping, side by side, and the pair MoE with its sum over the k experts as a separate torch
+   launch (``SUM_K`` off) instead of in the down pass; and the pair MoE's kernel launches of one
+   call in launch order with their device time (CUDA profiler over one graph replay): the op's
+   median minus their sum is the gaps between launches.
+   Then ``--ab-rounds`` alternating rounds of bf16 / pair / pair with the separate sum (their
+   medians and spread: the noise of a single timing).
 3. The pair MoE's configurations at ``--sweep-batches``: gate/up split, tile width, stages.
 4. Linear, the four V3.2 shapes at M in ``--batches``: the pair kernel (served configuration)
    and, as the floor of a read of the same bytes, ``torch.sum`` over its int4 words.
@@ -89,7 +92,9 @@ def torch_align(fn):
         A.KERNEL_MAX_PAIRS = keep
 
 
-def bench_moe(result: dict, batches: list[int], sweep_batches: list[int], budget_s: float):
+def bench_moe(
+    result: dict, batches: list[int], sweep_batches: list[int], budget_s: float, ab_rounds: int
+):
     w13, w2 = rand_awq(D, 2 * I_MOE, (E,)), rand_awq(I_MOE, D, (E,))
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
     del w13, w2
@@ -129,6 +134,8 @@ def bench_moe(result: dict, batches: list[int], sweep_batches: list[int], budget
         row["bf16_torch_align_us"] = torch_align(lambda: _time(bf16()))
         row["pair_us"] = _time(pair())
         row["pair_torch_align_us"] = torch_align(lambda: _time(pair()))
+        sep = {**PK.moe_p_config(t * TOPK, E), "SUM_K": False}
+        row["pair_separate_sum_us"] = _time(pair(sep))  # the k-sum as a torch launch
         row["pair_x_bf16"] = row["bf16_us"] / row["pair_us"]
         row["pair_x_bf16_torch_align"] = row["bf16_torch_align_us"] / row["pair_torch_align_us"]
         row["pair_weight_GBps"] = touched * per_expert / row["pair_us"] / 1e3
@@ -139,6 +146,19 @@ def bench_moe(result: dict, batches: list[int], sweep_batches: list[int], budget
             row["pair_kernels"] = [{"error": repr(e)}]
         ksum = sum(k.get("us", 0.0) for k in row["pair_kernels"])
         row["pair_kernels_sum_us"] = ksum
+        # the same three again in alternating rounds (fresh graphs each): the spread between
+        # rounds is the noise any one of the timings above carries
+        ab: dict = {"bf16": [], "pair": [], "pair_separate_sum": []}
+        for _ in range(ab_rounds):
+            ab["bf16"].append(_time(bf16()))
+            ab["pair"].append(_time(pair()))
+            ab["pair_separate_sum"].append(_time(pair(sep)))
+        if ab_rounds:
+            med = {k: statistics.median(v) for k, v in ab.items()}
+            row.update(ab_rounds=ab, ab_median_us=med, ab_pair_x_bf16=med["bf16"] / med["pair"])
+            print(f"    {ab_rounds} rounds, median (min-max) us: " + ", ".join(
+                f"{k} {med[k]:.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in ab.items())
+                + f"; pair x bf16 {row['ab_pair_x_bf16']:.2f}", flush=True)  # fmt: skip
         if t in sweep_batches:
             base = PK.moe_p_config(t * TOPK, E)
             sweep = []
@@ -157,7 +177,8 @@ def bench_moe(result: dict, batches: list[int], sweep_batches: list[int], budget
         print(f"  moe T={t} ({touched:.0f} experts): align kernel {row['align_kernel_us']:.1f} "
               f"torch {row['align_torch_us']:.1f} | bf16 {row['bf16_us']:.1f} "
               f"(torch align {row['bf16_torch_align_us']:.1f}) | pair {row['pair_us']:.1f} "
-              f"(torch align {row['pair_torch_align_us']:.1f}) x bf16 {row['pair_x_bf16']:.2f} "
+              f"(torch align {row['pair_torch_align_us']:.1f}, separate k-sum "
+              f"{row['pair_separate_sum_us']:.1f}) x bf16 {row['pair_x_bf16']:.2f} "
               f"| pair kernels sum {ksum:.1f}", flush=True)  # fmt: skip
         for k in row["pair_kernels"]:
             print(f"      {k}", flush=True)
@@ -165,6 +186,8 @@ def bench_moe(result: dict, batches: list[int], sweep_batches: list[int], budget
 
 def bench_linear(result: dict, batches: list[int], budget_s: float):
     rows = result.setdefault("linear", [])
+    if not batches:
+        return
     sms = K._num_sms(torch.device("cuda"))
     for k, n in LINEAR_SHAPES:
         if over(budget_s):
@@ -198,6 +221,7 @@ def main() -> None:
     ap.add_argument("--sweep-batches", default="1,2")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--ab-rounds", type=int, default=5, help="alternating rounds per T")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/awq_parts_h200.json"))
     args = ap.parse_args()
     ints = lambda s: [int(b) for b in s.split(",") if b]  # noqa: E731
@@ -216,7 +240,9 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
 
-    bench_moe(result, ints(args.moe_batches), ints(args.sweep_batches), args.budget_s)
+    bench_moe(
+        result, ints(args.moe_batches), ints(args.sweep_batches), args.budget_s, args.ab_rounds
+    )
     save()
     bench_linear(result, ints(args.batches), args.budget_s)
     save()

@@ -267,10 +267,10 @@ def w4a16_linear_p_triton(
 @triton.jit
 def moe_p_kernel(
     a_ptr, w_ptr, z_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-    ws_ptr, cnt_ptr, num_pairs, N, G, E, stride_am, stride_om, SPLIT_K,
+    ws_ptr, cnt_ptr, topk_ids_ptr, sum_ptr, num_pairs, N, G, E, stride_am, stride_om, SPLIT_K,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
-    SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr, SUM_K: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One row block (BT pairs of one expert, ``custom_ops.moe_align``) x BN output columns over
     pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
@@ -282,7 +282,14 @@ def moe_p_kernel(
     SPLIT (GATED, few pairs: the pass over D is long and the programs are few): split z of the
     groups stores its fp32 gate and up partials in ``ws [SPLIT_K, 2, max_blocks * BT, N]``; the
     tile's last split (``w4a16_p_kernel``'s counter protocol) sums them in split order and applies
-    ``silu(gate) * up``."""
+    ``silu(gate) * up``.
+
+    SUM_K (the down pass, decode sizes): after storing its weighted rows, a program counts them
+    on a counter per (token, column tile) in ``cnt``; the program that brings a token's counter
+    to the number of its pairs this rank computes (ids below E in ``topk_ids [T, TOPK]``) sums
+    the token's rows in j order into ``sum [T, N]`` and resets the counter. So the sum over the
+    k experts needs no launch of its own, and its order does not depend on which program ends
+    last."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -351,8 +358,31 @@ def moe_p_kernel(
     if MUL_WEIGHT:
         tw = tl.load(topk_w_ptr + ids, mask=t_mask, other=0.0)
         acc = acc * tw[None, :]
+    if SUM_K:  # the pairs of each token this rank computes, read before the barrier below
+        tok = ids // TOPK  # [BT]: distinct tokens (a token picks an expert once)
+        need = tl.zeros([BT], dtype=tl.int32)
+        for j in range(TOPK):
+            ej = tl.load(topk_ids_ptr + tok * TOPK + j, mask=t_mask, other=E)
+            need += (ej < E).to(tl.int32)
     out = out_ptr + ids[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     _store(out, acc, t_mask[None, :] & n_mask[:, None], INTERPRET)
+    if SUM_K:
+        tl.debug_barrier()  # every thread's rows are stored before the counters move
+        ctr = cnt_ptr + tok * tl.num_programs(1) + pid_n
+        done = tl.atomic_add(ctr, 1, mask=t_mask, sem="acq_rel")  # [BT]
+        last = t_mask & (done == need - 1)
+        if tl.max(last.to(tl.int32), axis=0) > 0:
+            tl.debug_barrier()  # the counters' acquire orders the whole CTA's loads below
+            total = tl.zeros([BN, BT], dtype=tl.float32)
+            for j in range(TOPK):
+                ej = tl.load(topk_ids_ptr + tok * TOPK + j, mask=last, other=E)
+                row = (tok * TOPK + j).to(tl.int64)
+                total += tl.load(out_ptr + row[None, :] * stride_om + offs_n[:, None],
+                                 mask=(last & (ej < E))[None, :] & n_mask[:, None], other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            sums = sum_ptr + tok[None, :].to(tl.int64) * N + offs_n[:, None]
+            tl.store(sums, total, mask=last[None, :] & n_mask[:, None])
+            tl.atomic_xchg(ctr, 0, mask=last)
 
 
 def moe_p_config(num_pairs: int, n_experts: int) -> dict:
@@ -371,6 +401,9 @@ def moe_p_config(num_pairs: int, n_experts: int) -> dict:
 # 181.1 -> 153.7 (split 8; 4 was 152.1), T = 2 224.9 -> 214.2 (8; 4 was 208.2), T = 4 341.1 ->
 # 319.4 (4), T = 8 523.0 -> 507.7 (2), T = 16 unsplit (846.6; splitting was slower).
 GATE_UP_PROGRAMS = 4096
+# The down pass sums each token's k expert rows itself (SUM_K) up to this many (token, column
+# tile) counters, decode's sizes; above it (prefill chunks) one torch sum after the launch.
+SUM_K_TILES = 16384
 
 
 def gate_up_split(programs: int, groups: int, target: int | None = None) -> int:
@@ -411,6 +444,7 @@ def moe_w4a16_p_triton(
     _check_config("moe_w4a16_p", {**cfg, "SPLIT_K": 1})
     if x.stride(1) != 1:
         x = x.contiguous()
+    topk_ids = topk_ids.contiguous()  # the down pass's SUM_K reads row t at t * k
     sorted_ids, block_expert = moe_align(topk_ids, e, cfg["BT"])
     n_blocks = block_expert.numel()
     tw = topk_weights.reshape(-1).float().contiguous()  # [P]
@@ -436,14 +470,20 @@ def moe_w4a16_p_triton(
         ws = cnt = h
     moe_p_kernel[(n_blocks, n_tiles, split)](
         x, w13_qweight_p, w13_zeros, w13_scales, h, sorted_ids, block_expert, tw, ws, cnt,
-        p, inter, d // GROUP, e, x.stride(0), h.stride(0), split,
-        A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, SPLIT=split > 1, **common,
+        topk_ids, h, p, inter, d // GROUP, e, x.stride(0), h.stride(0), split,
+        A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, SPLIT=split > 1, SUM_K=False, TOPK=topk,
+        **common,
     )  # fmt: skip
-    # NOTE: zeros, not empty: a skipped pair's (id == E) row is never written
-    y = torch.zeros((p, d), device=x.device, dtype=torch.float32)  # weighted expert outputs
-    moe_p_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]), 1)](
-        h, w2_qweight_p, w2_zeros, w2_scales, y, sorted_ids, block_expert, tw, y, y,
-        p, d, inter // GROUP, e, h.stride(0), y.stride(0), 1,
-        A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, SPLIT=False, **common,
+    d_tiles = triton.cdiv(d, cfg["BN"])
+    sum_k = cfg.get("SUM_K", t * d_tiles <= SUM_K_TILES)
+    # NOTE: zeros, not empty: a skipped pair's (id == E) row is never written, nor, with SUM_K,
+    # the sum of a token whose every pair is skipped; with SUM_K no skipped row is read
+    y = (torch.empty if sum_k else torch.zeros)((p, d), device=x.device, dtype=torch.float32)
+    out = torch.zeros((t, d), device=x.device, dtype=torch.float32) if sum_k else y
+    cnt = _counters(x.device, t * d_tiles) if sum_k else y
+    moe_p_kernel[(n_blocks, d_tiles, 1)](
+        h, w2_qweight_p, w2_zeros, w2_scales, y, sorted_ids, block_expert, tw, y, cnt,
+        topk_ids, out, p, d, inter // GROUP, e, h.stride(0), y.stride(0), 1,
+        A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, SPLIT=False, SUM_K=sum_k, TOPK=topk, **common,
     )  # fmt: skip
-    return y.view(t, topk, d).sum(1)  # [T, D] fp32
+    return out if sum_k else y.view(t, topk, d).sum(1)  # [T, D] fp32

@@ -125,6 +125,32 @@ def test_moe_kernel_matches_reference(t, e, topk, d, inter, dtype, cfg):
     if cfg is not None and d >= 256:  # the gate/up pass split over D, summed by the last split
         ys = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SPLIT_K": 2})
         assert _rel(ys, ref) < 2e-3 and not PK._COUNTERS[x.device].any()
+    # the down pass's own sum over the k experts (SUM_K, the rule at these sizes) against the
+    # separate torch sum: the same rows summed in another order; the counters reset
+    cfg = cfg or PK.moe_p_config(t * topk, e)
+    unfused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": False})
+    fused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
+    assert torch.equal(fused, y) and _rel(fused, unfused) < 1e-6
+    assert not PK._COUNTERS[x.device].any()
+
+
+def test_moe_kernel_sums_tokens_with_skipped_pairs():
+    """SUM_K when some tokens have fewer pairs on this rank (expert parallelism's skip id E) and
+    one has none: that token's row is zero, the others equal the separate sum's."""
+    g = torch.Generator().manual_seed(77)
+    t, e, topk = 5, 4, 3
+    x, ids, w, w13, w2 = _moe_inputs(t, e, topk, 128, 128, g)
+    ids[1, :] = e  # every pair of token 1 on another rank
+    ids[3, 0] = e
+    ids[4, 1:] = e
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    cfg = {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 1}
+    fused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
+    unfused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": False})
+    ref = P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)
+    assert torch.equal(fused[1], torch.zeros(128)) and fused[0].abs().sum() > 0
+    assert _rel(fused, unfused) < 1e-6 and _rel(fused, ref) < 2e-3
+    assert not PK._COUNTERS[x.device].any()
 
 
 def test_config_rules():
