@@ -337,8 +337,11 @@ def moe_p_kernel(
         rows = pid_b * BT + tl.arange(0, BT)
         ws = ws_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BT]: split 0, gate
         k64 = pid_k.to(tl.int64)
-        tl.store(ws + (2 * k64) * slots * N, acc, mask=n_mask[:, None])
-        tl.store(ws + (2 * k64 + 1) * slots * N, acc_up, mask=n_mask[:, None])
+        # NOTE: the pairs' rows only: a row block holds BT slots for a few pairs at decode (one of
+        # 16 at T = 1), and unmasked partials of the padding rows were most of the pass's L2 traffic
+        ws_mask = n_mask[:, None] & t_mask[None, :]
+        tl.store(ws + (2 * k64) * slots * N, acc, mask=ws_mask)
+        tl.store(ws + (2 * k64 + 1) * slots * N, acc_up, mask=ws_mask)
         tl.debug_barrier()  # every thread's partials are stored before the counter moves
         tile = pid_b * tl.num_programs(1) + pid_n
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
@@ -348,9 +351,9 @@ def moe_p_kernel(
         acc_up = tl.zeros([BN, BT], dtype=tl.float32)
         for sk in range(0, SPLIT_K):
             sk64 = tl.full([], sk, tl.int64)
-            acc += tl.load(ws + (2 * sk64) * slots * N, mask=n_mask[:, None], other=0.0,
+            acc += tl.load(ws + (2 * sk64) * slots * N, mask=ws_mask, other=0.0,
                            cache_modifier=".cg")  # fmt: skip
-            acc_up += tl.load(ws + (2 * sk64 + 1) * slots * N, mask=n_mask[:, None], other=0.0,
+            acc_up += tl.load(ws + (2 * sk64 + 1) * slots * N, mask=ws_mask, other=0.0,
                               cache_modifier=".cg")  # fmt: skip
         tl.atomic_xchg(cnt_ptr + tile, 0)
     if GATED:
@@ -401,9 +404,13 @@ def moe_p_config(num_pairs: int, n_experts: int) -> dict:
 # 181.1 -> 153.7 (split 8; 4 was 152.1), T = 2 224.9 -> 214.2 (8; 4 was 208.2), T = 4 341.1 ->
 # 319.4 (4), T = 8 523.0 -> 507.7 (2), T = 16 unsplit (846.6; splitting was slower).
 GATE_UP_PROGRAMS = 4096
-# The down pass sums each token's k expert rows itself (SUM_K) up to this many (token, column
-# tile) counters, decode's sizes; above it (prefill chunks) one torch sum after the launch.
-SUM_K_TILES = 16384
+# The down pass sums each token's k expert rows itself (SUM_K) up to this many tokens; above it
+# one torch sum after the launch. H200, 256 experts, five alternating rounds each
+# (benchmarks/results/gpu_session12/call3_awq_parts_ab_h200.json, medians): T = 1 94.6 vs 98.3 us
+# (no overlap between the rounds), T = 2 162.3 vs 162.3, T = 4 272.5 vs 269.3, T = 128 2148.9 vs
+# 2065.0: the counters' atomics and barriers in every program cost more than the launch saves
+# once the programs fill the GPU.
+SUM_K_MAX_TOKENS = 1
 
 
 def gate_up_split(programs: int, groups: int, target: int | None = None) -> int:
@@ -475,7 +482,7 @@ def moe_w4a16_p_triton(
         **common,
     )  # fmt: skip
     d_tiles = triton.cdiv(d, cfg["BN"])
-    sum_k = cfg.get("SUM_K", t * d_tiles <= SUM_K_TILES)
+    sum_k = cfg.get("SUM_K", t <= SUM_K_MAX_TOKENS)
     # NOTE: zeros, not empty: a skipped pair's (id == E) row is never written, nor, with SUM_K,
     # the sum of a token whose every pair is skipped; with SUM_K no skipped row is read
     y = (torch.empty if sum_k else torch.zeros)((p, d), device=x.device, dtype=torch.float32)
