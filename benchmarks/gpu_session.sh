@@ -2,7 +2,7 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
-#                                           # fixup overlap prefill cache_ops awq awq_pairs sampling fp8 calibrate
+#                                           # fixup overlap prefill cache_ops awq awq_pairs awq_parts sampling fp8 calibrate
 #                                           # prefetch step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
@@ -102,6 +102,9 @@ time)
     --out "$W/sampling_backends_h200.json"
   on awq_pairs && stage bench_awq_pairs 330 python -m benchmarks.bench_awq_pairs --budget-s 250 \
     --out "$W/awq_pairs_h200.json"
+  on awq_parts && stage bench_awq_parts 150 python -m benchmarks.bench_awq_parts \
+    --moe-batches 1,2,4,8,16 --sweep-batches 1,2 --batches '' --ab-rounds 3 --budget-s 120 \
+    --out "$W/awq_parts_h200.json"
   on fp8 && stage bench_fp8 70 python -m benchmarks.bench_fp8 --batches 1,16,128 --budget-s 50 --out "$W/fp8_h200.json"
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"

@@ -19,7 +19,10 @@ writes PNGs with matplotlib's Agg backend (benchmarks/plots/, one module per fil
     decode_kernels.png     decode_kernels_h200.json: kernel times per swept config vs targets
     cache_ops.png          cache_ops_h200.json: op latencies and recall bandwidth vs targets
     awq_vs_bf16.png        awq_h200.json: W4A16 vs bf16 latency by batch size
-    awq_pairs_vs_bf16.png  awq_pairs_h200.json: W4A16 speed over bf16 with issue 17's targets
+    awq_pairs_vs_bf16.png  awq_pairs_h200.json: W4A16 linear speed over bf16 with issue 17's
+                           targets (its MoE rows predate the current MoE: awq_moe_vs_bf16.png)
+    awq_moe_vs_bf16.png    awq_parts_h200.json: the fused int4 MoE over the bf16 grouped MoE,
+                           alternating rounds' medians and range, with the target
 
 Every plotted number is a field of a JSON file; targets are drawn from the files' "targets".
 """
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     written: list[Path] = []
     # imported here: the figures need matplotlib, --help does not
     from benchmarks.plots.awq import plot_awq
+    from benchmarks.plots.awq_moe import plot_awq_moe
     from benchmarks.plots.awq_pairs import plot_awq_pairs
     from benchmarks.plots.breakdown import plot_step
     from benchmarks.plots.cache_ops import plot_cache
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         ("cache_ops_h200.json", plot_cache),
         ("awq_h200.json", plot_awq),
         ("awq_pairs_h200.json", plot_awq_pairs),
+        ("awq_parts_h200.json", plot_awq_moe),
     ):
         d = load(a.results / file)
         if d is None:

@@ -405,11 +405,12 @@ def moe_p_config(num_pairs: int, n_experts: int) -> dict:
 # 319.4 (4), T = 8 523.0 -> 507.7 (2), T = 16 unsplit (846.6; splitting was slower).
 GATE_UP_PROGRAMS = 4096
 # The down pass sums each token's k expert rows itself (SUM_K) up to this many tokens; above it
-# one torch sum after the launch. H200, 256 experts, five alternating rounds each
-# (benchmarks/results/gpu_session12/call3_awq_parts_ab_h200.json, medians): T = 1 94.6 vs 98.3 us
-# (no overlap between the rounds), T = 2 162.3 vs 162.3, T = 4 272.5 vs 269.3, T = 128 2148.9 vs
-# 2065.0: the counters' atomics and barriers in every program cost more than the launch saves
-# once the programs fill the GPU.
+# one torch sum after the launch. H200, 256 experts, alternating rounds, medians in µs
+# (benchmarks/results/awq_parts_h200.json, 3 rounds): T = 1 86.7 vs 91.0 (no overlap between
+# the rounds), T = 2 152.0 vs 151.1, T = 4 264.9 vs 264.2; before the masked partials
+# (gpu_session12/call3_awq_parts_ab_h200.json, 5 rounds) also T = 32 1330.7 vs 1308.5 and
+# T = 128 2148.9 vs 2065.0: the counters' atomics and barriers in every program cost more than
+# the launch saves once the programs fill the GPU.
 SUM_K_MAX_TOKENS = 1
 
 

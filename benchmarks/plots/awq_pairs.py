@@ -1,5 +1,6 @@
-"""awq_pairs_h200.json: W4A16 speed over bf16 by batch size (the pair kernels, tinygemm, fbgemm,
-the former AutoAWQ-layout kernel), with issue 17's targets."""
+"""awq_pairs_h200.json: W4A16 linear speed over bf16 by batch size (the pair kernel, tinygemm,
+fbgemm, the former AutoAWQ-layout kernel), with issue 17's targets. The file's MoE rows predate
+the MoE as served now; its figure is awq_moe.py's, from awq_parts_h200.json."""
 
 from __future__ import annotations
 
@@ -18,40 +19,28 @@ def _x(rs: list[dict], col: str) -> list[float]:
 
 
 def plot_awq_pairs(d: dict, out: Path, written: list[Path]) -> None:
-    lin, moe = d.get("linear", []), d.get("moe", [])
+    lin = d.get("linear", [])
     shapes = list(dict.fromkeys((r["in"], r["out"]) for r in lin))
-    panels = [("linear", s) for s in shapes] + ([("moe", None)] if moe else [])
-    if not panels:
+    if not shapes:
         print("skip: awq_pairs: no measurements")
         return
-    ncol = min(3, len(panels))
-    nrow = math.ceil(len(panels) / ncol)
+    ncol = min(3, len(shapes))
+    nrow = math.ceil(len(shapes) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(3.4 * ncol, 2.8 * nrow), squeeze=False)
-    for ax, (kind, key) in zip(axes.flat, panels, strict=False):
-        if kind == "linear":
-            rs = sorted((r for r in lin if (r["in"], r["out"]) == key), key=lambda r: r["M"])
-            xs = [r["M"] for r in rs]
-            ax.plot(xs, _x(rs, "pair_us"), "o-", color=C_BEST, ms=3, label="pair kernel")
-            for col, style, label in (("tinygemm_us", "v:", "tinygemm"),
-                                      ("fbgemm_us", "d:", "fbgemm CUTLASS"),
-                                      ("former_us", "x:", "former (AutoAWQ layout)")):  # fmt: skip
-                ax.plot(xs, _x(rs, col), style, color="#888", ms=3, label=label)
-            for lo, hi, t in LINEAR_TARGET:
-                ax.hlines(t, lo, hi, colors="red", linestyles="--", lw=1)
-            ax.set_title(f"linear {key[0]}->{key[1]}", fontsize=9)
-            ax.set_xlabel("batch M (tokens)", fontsize=8)
-        else:
-            rs = sorted(moe, key=lambda r: r["T"])
-            xs = [r["T"] for r in rs]
-            ax.plot(xs, _x(rs, "pair_us"), "o-", color=C_BEST, ms=3, label="pair MoE")
-            if all("repacked_us" in r for r in rs):  # the first run timed the kernel it replaced
-                ax.plot(xs, _x(rs, "repacked_us"), "x:", color="#888", ms=3, label="repacked (old)")
-            ax.hlines(MOE_TARGET[2], MOE_TARGET[0], MOE_TARGET[1], colors="red",
-                      linestyles="--", lw=1)  # fmt: skip
-            ax.set_title(f"fused MoE, {rs[0]['experts']} experts, top-{rs[0]['topk']}", fontsize=9)
-            ax.set_xlabel("batch T (tokens)", fontsize=8)
+    for ax, key in zip(axes.flat, shapes, strict=False):
+        rs = sorted((r for r in lin if (r["in"], r["out"]) == key), key=lambda r: r["M"])
+        xs = [r["M"] for r in rs]
+        ax.plot(xs, _x(rs, "pair_us"), "o-", color=C_BEST, ms=3, label="pair kernel")
+        for col, style, label in (("tinygemm_us", "v:", "tinygemm"),
+                                  ("fbgemm_us", "d:", "fbgemm CUTLASS"),
+                                  ("former_us", "x:", "former (AutoAWQ layout)")):  # fmt: skip
+            ax.plot(xs, _x(rs, col), style, color="#888", ms=3, label=label)
+        for lo, hi, t in LINEAR_TARGET:
+            ax.hlines(t, lo, hi, colors="red", linestyles="--", lw=1)
+        ax.set_title(f"linear {key[0]}->{key[1]}", fontsize=9)
+        ax.set_xlabel("batch M (tokens)", fontsize=8)
         ax.axhline(1.0, color=C_BASE, lw=1)
         batch_axes(ax, xs, "x bf16 (higher is faster)")
-    title = "AWQ W4A16 speed over bf16 (red: issue 17's targets)"
+    title = "AWQ W4A16 linear speed over bf16 (red: issue 17's targets)"
     name = "awq_pairs_vs_bf16.png"
-    finish_grid(fig, axes, len(panels), title, d, "awq_pairs_h200.json", out, name, written)
+    finish_grid(fig, axes, len(shapes), title, d, "awq_pairs_h200.json", out, name, written)
