@@ -43,6 +43,7 @@ from custom_ops import awq as ops
 from custom_ops import awq_kernels as K
 from custom_ops import awq_pairs as P
 from custom_ops import awq_pairs_kernels as PK
+from custom_ops import awq_pairs_moe as PM
 from custom_ops import awq_repack as R
 from custom_ops.awq_fbgemm import fbgemm_available, fbgemm_linear, fbgemm_pack
 
@@ -149,7 +150,7 @@ def check_moe(result: dict) -> None:
         w = torch.rand(t, TOPK, device="cuda", generator=gen)
         ref = ops.moe_w4a16_ref(x, ids, w, *w13, *w2)
         for name, f in (
-            ("pairs", lambda x=x, ids=ids, w=w: PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2)),
+            ("pairs", lambda x=x, ids=ids, w=w: PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2)),
             ("former", lambda x=x, ids=ids, w=w: K.moe_w4a16_triton(x, ids, w, *w13, *w2)),
         ):
             try:
@@ -292,7 +293,7 @@ def bench_moe(
         routes = routings(t, e, 8)
         touched = statistics.mean(torch.unique(ids).numel() for ids, _ in routes)
         cfg = config or K.moe_config(t * TOPK, e)
-        pcfg = PK.moe_p_config(t * TOPK, e)  # what echo::moe_w4a16_p launches
+        pcfg = PM.moe_p_config(t * TOPK, e)  # what echo::moe_w4a16_p launches
         t_former = graph_time_ms(
             [
                 lambda r=r, x=x, c=cfg: K.moe_w4a16_triton(x, r[0], r[1], *w13, *w2, config=c)
@@ -302,7 +303,7 @@ def bench_moe(
         t_awq = (
             _time(
                 [
-                    lambda r=r, x=x, c=pcfg: PK.moe_w4a16_p_triton(
+                    lambda r=r, x=x, c=pcfg: PM.moe_w4a16_p_triton(
                         x, r[0], r[1], *p13, *p2, config=c
                     )
                     for r in routes

@@ -46,6 +46,7 @@ from custom_ops import awq as ops
 from custom_ops import awq_kernels as K
 from custom_ops import awq_pairs as P
 from custom_ops import awq_pairs_kernels as PK
+from custom_ops import awq_pairs_moe as PM
 from custom_ops import awq_repack as R
 from custom_ops.awq_fbgemm import fbgemm_available, fbgemm_linear
 
@@ -73,7 +74,7 @@ def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
 
 
 def moe_candidates(t: int) -> list[dict]:
-    bt = PK.moe_p_config(t * TOPK, 256)["BT"]
+    bt = PM.moe_p_config(t * TOPK, 256)["BT"]
     out = []
     for bn, warps, stages in ((64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 4)):
         out.append({"BN": bn, "BT": bt, "num_warps": warps, "num_stages": stages})
@@ -122,20 +123,20 @@ def check(result: dict) -> None:
         tw = torch.rand(t, TOPK, device="cuda", generator=gen)
         ref = ops.moe_w4a16_ref(x, ids, tw, *w13, *w2)
         try:
-            a = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_ASM)
-            b = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_OPS)
+            a = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_ASM)
+            b = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_OPS)
             record(result, "moe/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None, E=e, T=t)
             record(result, "moe/pair", rel_err(a, ref), 5e-3, E=e, T=t)
-            c = {**PK.moe_p_config(t * TOPK, e), "SPLIT_K": 4}  # the split gate/up pass
-            c4 = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c)
-            same = all(torch.equal(PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c), c4)
+            c = {**PM.moe_p_config(t * TOPK, e), "SPLIT_K": 4}  # the split gate/up pass
+            c4 = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c)
+            same = all(torch.equal(PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c), c4)
                        for _ in range(10))  # fmt: skip
             record(result, "moe/split4", rel_err(c4, ref), 5e-3, E=e, T=t)
             record(result, "moe/split4 repeat", 0.0 if same else 1.0, None, E=e, T=t)
             # the down pass's own k-sum (SUM_K, served at decode) vs the separate torch sum
-            cs = {**PK.moe_p_config(t * TOPK, e), "SUM_K": False}
-            sep = PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=cs)
-            fused = [PK.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config={**cs, "SUM_K": True})
+            cs = {**PM.moe_p_config(t * TOPK, e), "SUM_K": False}
+            sep = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=cs)
+            fused = [PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config={**cs, "SUM_K": True})
                      for _ in range(10)]  # fmt: skip
             record(result, "moe/sum_k vs separate sum", rel_err(fused[0], sep), 1e-6, E=e, T=t)
             same = all(torch.equal(f, fused[0]) for f in fused)
@@ -224,10 +225,10 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
                                 for r in routes])  # fmt: skip
 
         def pair_us(c: dict, x=x, routes=routes) -> float:
-            return _time([lambda r=r: PK.moe_w4a16_p_triton(x, r[0], r[1], *p13, *p2, config=c)
+            return _time([lambda r=r: PM.moe_w4a16_p_triton(x, r[0], r[1], *p13, *p2, config=c)
                           for r in routes])  # fmt: skip
 
-        cfg = PK.moe_p_config(t * TOPK, e)
+        cfg = PM.moe_p_config(t * TOPK, e)
         row["pair_config"] = cfg
         row["pair_us"] = pair_us(cfg)
         sweep = [{"config": c, "us": pair_us(c)} for c in moe_candidates(t)]

@@ -44,6 +44,7 @@ from benchmarks.cuda_timer import graph_time
 from custom_ops import awq_kernels as K
 from custom_ops import awq_pairs as P
 from custom_ops import awq_pairs_kernels as PK
+from custom_ops import awq_pairs_moe as PM
 from custom_ops import moe_align as A
 
 START = time.monotonic()
@@ -127,14 +128,14 @@ def bench_moe(
             return [lambda r=r: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b) for r in routes]
 
         def pair(cfg=None, x=x, routes=routes):
-            return [lambda r=r: PK.moe_w4a16_p_triton(x, r[0], r[1], *p13, *p2, config=cfg)
+            return [lambda r=r: PM.moe_w4a16_p_triton(x, r[0], r[1], *p13, *p2, config=cfg)
                     for r in routes]  # fmt: skip
 
         row["bf16_us"] = _time(bf16())
         row["bf16_torch_align_us"] = torch_align(lambda: _time(bf16()))
         row["pair_us"] = _time(pair())
         row["pair_torch_align_us"] = torch_align(lambda: _time(pair()))
-        sep = {**PK.moe_p_config(t * TOPK, E), "SUM_K": False}
+        sep = {**PM.moe_p_config(t * TOPK, E), "SUM_K": False}
         row["pair_separate_sum_us"] = _time(pair(sep))  # the k-sum as a torch launch
         row["pair_x_bf16"] = row["bf16_us"] / row["pair_us"]
         row["pair_x_bf16_torch_align"] = row["bf16_torch_align_us"] / row["pair_torch_align_us"]
@@ -160,7 +161,7 @@ def bench_moe(
                 f"{k} {med[k]:.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in ab.items())
                 + f"; pair x bf16 {row['ab_pair_x_bf16']:.2f}", flush=True)  # fmt: skip
         if t in sweep_batches:
-            base = PK.moe_p_config(t * TOPK, E)
+            base = PM.moe_p_config(t * TOPK, E)
             sweep = []
             for bn, warps, stages in ((64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 4)):
                 for sk in (1, 2, 4, 8, 14):

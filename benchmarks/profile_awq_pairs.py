@@ -17,6 +17,7 @@ from benchmarks.bench_awq import I_MOE, TOPK, D, rand_awq, routings
 from custom_ops import awq_kernels as K
 from custom_ops import awq_pairs as P
 from custom_ops import awq_pairs_kernels as PK
+from custom_ops import awq_pairs_moe as PM
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
     p2 = P.pair_awq_experts(*rand_awq(I_MOE, D, (e,)))
     x1 = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
     ((ids, tw),) = routings(1, e, 1)
-    calls.append((f"moe T=1 top-{TOPK}", lambda: PK.moe_w4a16_p_triton(x1, ids, tw, *p13, *p2)))
+    calls.append((f"moe T=1 top-{TOPK}", lambda: PM.moe_w4a16_p_triton(x1, ids, tw, *p13, *p2)))
     for _, f in calls:
         for _ in range(3):
             f()

@@ -1,5 +1,6 @@
 """AWQ weights in the pair layout (``awq_format.py``) and the two ops over it:
-``echo::w4a16_linear_p`` and ``echo::moe_w4a16_p`` (Triton kernels in ``awq_pairs_kernels.py``).
+``echo::w4a16_linear_p`` and ``echo::moe_w4a16_p`` (Triton kernels in ``awq_pairs_kernels.py`` and
+``awq_pairs_moe.py``).
 
 The references dequantise to the same fp32 weights as the AutoAWQ ones (``(q - z) * s``, exact),
 so they agree with ``w4a16_linear_ref`` / ``moe_w4a16_ref`` bit for bit; the kernels sum in
@@ -174,7 +175,9 @@ def moe_w4a16_p(
 def _(x, topk_ids, topk_weights, w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros,
       w2_scales):  # fmt: skip
     w = (w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros, w2_scales)
-    return _triton().moe_w4a16_p_triton(x, topk_ids, topk_weights, *w)
+    from custom_ops.awq_pairs_moe import moe_w4a16_p_triton
+
+    return moe_w4a16_p_triton(x, topk_ids, topk_weights, *w)
 
 
 @moe_w4a16_p.register_fake

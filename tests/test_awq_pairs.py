@@ -11,6 +11,7 @@ from test_awq import _awq_weights, _moe_inputs
 from custom_ops import awq as ops
 from custom_ops import awq_pairs as P
 from custom_ops import awq_pairs_kernels as PK
+from custom_ops import awq_pairs_moe as PM
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,8 +72,8 @@ def test_bad_inputs_name_the_problem():
     x, ids, w, w13, w2 = _moe_inputs(2, 4, 2, 256, 128, g)
     e13, e2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
     with pytest.raises(ValueError, match="SPLIT_K must be an int >= 1"):
-        PK.moe_w4a16_p_triton(x, ids, w, *e13, *e2, config={**PK.moe_p_config(4, 4), "SPLIT_K": 0})
-    with pytest.raises(ValueError, match="split-K tiles in one launch"):
+        PM.moe_w4a16_p_triton(x, ids, w, *e13, *e2, config={**PM.moe_p_config(4, 4), "SPLIT_K": 0})
+    with pytest.raises(ValueError, match="counter tiles .split-K or k-sum. in one launch"):
         PK._counters(torch.device("cpu"), PK.COUNTERS + 1)
 
 
@@ -118,19 +119,19 @@ def test_moe_kernel_matches_reference(t, e, topk, d, inter, dtype, cfg):
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
     if cfg is not None:
         cfg = {**cfg, "num_warps": 4, "num_stages": 1}
-    y = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg)
+    y = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg)
     ref = P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)
     assert y.dtype == torch.float32 and y.shape == (t, d) and not y.isnan().any()
     assert _rel(y, ref) < 2e-3  # fp32 order, then bf16 flips of the intermediate h
     if cfg is not None and d >= 256:  # the gate/up pass split over D, summed by the last split
-        ys = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SPLIT_K": 2})
+        ys = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SPLIT_K": 2})
         assert _rel(ys, ref) < 2e-3 and not PK._COUNTERS[x.device].any()
     # the down pass's own sum over the k experts (SUM_K, the rule's choice at one token) against
     # the separate torch sum: the same rows summed in another order; the counters reset
-    cfg = cfg or PK.moe_p_config(t * topk, e)
-    unfused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": False})
-    fused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
-    assert torch.equal(fused if t <= PK.SUM_K_MAX_TOKENS else unfused, y)
+    cfg = cfg or PM.moe_p_config(t * topk, e)
+    unfused = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": False})
+    fused = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
+    assert torch.equal(fused if t <= PM.SUM_K_MAX_TOKENS else unfused, y)
     assert _rel(fused, unfused) < 1e-6
     assert not PK._COUNTERS[x.device].any()
 
@@ -146,8 +147,8 @@ def test_moe_kernel_sums_tokens_with_skipped_pairs():
     ids[4, 1:] = e
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
     cfg = {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 1}
-    fused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
-    unfused = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": False})
+    fused = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
+    unfused = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": False})
     ref = P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)
     assert torch.equal(fused[1], torch.zeros(128)) and fused[0].abs().sum() > 0
     assert _rel(fused, unfused) < 1e-6 and _rel(fused, ref) < 2e-3
@@ -164,11 +165,11 @@ def test_config_rules():
     assert PK.p_config(128, 7168, 16384, 132)["SPLIT_K"] == 2
     assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
-    assert PK.moe_p_config(8, 256) == {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
-    assert PK.moe_p_config(64 * 40, 64)["BT"] == 64
-    assert PK.gate_up_split(256, 56, target=1024) == 4 and PK.gate_up_split(256, 56, 0) == 1
-    assert PK.gate_up_split(8, 56, target=1024) == 8  # at most 8 splits (7 groups each)
-    assert PK.gate_up_split(8, 12, target=1024) == 2  # at least 4 groups a split
+    assert PM.moe_p_config(8, 256) == {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
+    assert PM.moe_p_config(64 * 40, 64)["BT"] == 64
+    assert PM.gate_up_split(256, 56, target=1024) == 4 and PM.gate_up_split(256, 56, 0) == 1
+    assert PM.gate_up_split(8, 56, target=1024) == 8  # at most 8 splits (7 groups each)
+    assert PM.gate_up_split(8, 12, target=1024) == 2  # at least 4 groups a split
 
 
 # ---- GPU -------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def test_moe_on_gpu_256_experts(t):  # dequantised fp32 copy of them ran out of 
     w = torch.rand(t, 8, device="cuda", generator=gen)
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
     y = torch.ops.echo.moe_w4a16_p(x, ids, w, *p13, *p2)
-    b = PK.moe_w4a16_p_triton(x, ids, w, *p13, *p2, mode=PK.MODE_OPS)
+    b = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, mode=PK.MODE_OPS)
     assert torch.equal(y, b)
     # the reference on the touched experts only (256 dequantised experts do not fit)
     used = torch.unique(ids)
@@ -236,6 +237,30 @@ def test_moe_on_gpu_256_experts(t):  # dequantised fp32 copy of them ran out of 
     remap[used] = torch.arange(used.numel(), device="cuda")
     sub = [tuple(t_[used] for t_ in part) for part in (w13, w2)]
     assert _rel(y, ops.moe_w4a16_ref(x, remap[ids], w, *sub[0], *sub[1])) < 5e-3
+
+
+@pytest.mark.cuda
+def test_moe_sum_k_is_the_same_bits_on_gpu():
+    """The down pass's own k-sum (SUM_K): every one of many calls gives the same bits, within
+    1e-6 of the separate torch sum, skipped pairs (id E) included, counters back at 0; at T = 1
+    (served) and T = 8 (forced: many programs racing on the counters)."""
+    gen = torch.Generator("cuda").manual_seed(11)
+    e, d, inter = 256, 7168, 2048
+    w13, w2 = _rand_awq_cuda(d, 2 * inter, gen, (e,)), _rand_awq_cuda(inter, d, gen, (e,))
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    for t in (1, 8):
+        x = torch.randn(t, d, device="cuda", generator=gen).bfloat16()
+        ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
+        ids[0, 3] = e  # another rank's expert
+        w = torch.rand(t, 8, device="cuda", generator=gen)
+        cfg = PM.moe_p_config(t * 8, e)
+        sep = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": False})
+        want = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
+        assert _rel(want, sep) < 1e-6
+        for _ in range(50):
+            got = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SUM_K": True})
+            assert torch.equal(got, want)
+    assert not PK._COUNTERS[x.device].any()
 
 
 @pytest.mark.cuda
@@ -248,10 +273,12 @@ def test_pair_ops_capture_in_cuda_graph():
     ids = torch.randint(0, 8, (4, 2), device="cuda")
     tw = torch.rand(4, 2, device="cuda")
     xs = [torch.randn(m, 7168, device="cuda").bfloat16() for m in (2, 32, 128)]
+    x1, ids1 = x16[:1], torch.tensor([[3, 8]], device="cuda")  # one token: SUM_K; 8: skipped
 
     def step():
         ys = [torch.ops.echo.w4a16_linear_p(x, *pw) for x in xs]
-        return ys + [torch.ops.echo.moe_w4a16_p(x16, ids, tw, *e13, *e2)]
+        return ys + [torch.ops.echo.moe_w4a16_p(x, i, tw[: x.shape[0]], *e13, *e2)
+                     for x, i in ((x16, ids), (x1, ids1))]  # fmt: skip
 
     step()  # warm-up (the Triton compiles, the counters) outside the capture
     s = torch.cuda.Stream()
@@ -267,6 +294,7 @@ def test_pair_ops_capture_in_cuda_graph():
             x.copy_(torch.randn_like(x))
         x16.copy_(torch.randn_like(x16))
         ids.copy_(torch.randint(0, 8, (4, 2), device="cuda"))
+        ids1[0, 0] = int(torch.randint(0, 8, ()))
         gr.replay()
         torch.cuda.synchronize()
         want = step()
