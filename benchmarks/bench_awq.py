@@ -266,6 +266,19 @@ def routings(t: int, e: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def torch_align(fn):
+    """``fn()`` with the MoE groupings (``moe_align``, ``expert_rows``) forced to their torch
+    forms, the one-program kernels' baseline."""
+    from custom_ops import moe_align as A
+
+    keep = A.KERNEL_MAX_PAIRS
+    A.KERNEL_MAX_PAIRS = 0
+    try:
+        return fn()
+    finally:
+        A.KERNEL_MAX_PAIRS = keep
+
+
 def dense_all_experts(x, ids, w, w13, w2):
     """model/moe.py ``Experts`` (bf16): every expert on every token, then gather."""
     inter = w13.shape[1] // 2

@@ -39,6 +39,7 @@ from benchmarks.bench_awq import (
     copies_for,
     rand_awq,
     routings,
+    torch_align,
 )
 from benchmarks.cuda_timer import graph_time
 from custom_ops import awq_kernels as K
@@ -81,16 +82,6 @@ def kernel_sequence(calls: list, replays: int = 3) -> list[dict]:
         }
         for i in range(per)
     ]
-
-
-def torch_align(fn):
-    """``fn()`` with ``moe_align`` forced to its torch form."""
-    keep = A.KERNEL_MAX_PAIRS
-    A.KERNEL_MAX_PAIRS = 0
-    try:
-        return fn()
-    finally:
-        A.KERNEL_MAX_PAIRS = keep
 
 
 def bench_moe(

@@ -10,7 +10,8 @@ are left out), then times at the DeepSeek-V3.2 shapes (K x N: 7168 x 4096,
 M = 1..128: bf16 ``F.linear`` on the dequantised weights (the dequantise-at-load path) against
 the FP8 kernel with its heuristic config and each of ``--configs``; then the fused FP8 MoE
 (``echo::moe_fp8``, 256 experts of V3.2's shapes, top-8, T = 1..128 tokens) against the grouped
-bf16 MoE the bf16 model runs (``echo::moe_bf16``'s Triton kernel). CUDA-graph replays of R calls
+bf16 MoE the bf16 model runs (``echo::moe_bf16``'s Triton kernel), and the DeepGEMM and bf16 MoEs
+again with their groupings' torch forms (``*_torch_group_us``). CUDA-graph replays of R calls
 over R weight copies / routings (more bytes than the 60 MB L2), median of 15; weight bytes read
 per µs against a measured copy ceiling. ``served_us`` is what ``echo::fp8_linear`` /
 ``echo::moe_fp8`` run (DeepGEMM where it suits, else Triton); ``dg_first_call_s`` the first
@@ -39,6 +40,7 @@ from benchmarks.bench_awq import (
     graph_time_ms,
     rel_err,
     routings,
+    torch_align,
 )
 from custom_ops import awq_kernels as K
 from custom_ops import fp8_linear as F8
@@ -210,13 +212,23 @@ def bench_moe(e: int, batches: list[int], hbm: float, result: dict, dg: bool) ->
                         for r in routes])  # fmt: skip
             row.update({"fp8_dg_us": td, "dg_speedup_vs_bf16_triton": tb / td,
                         "dg_weight_GBps": touched * per_fp8 / td / 1e3})  # fmt: skip
+            # both MoEs with the groupings in their torch forms: what the kernels save
+            dg_calls = [lambda r=r, x=xt: DG.dg_moe_fp8(x, r[0], r[1], w13, s13, w2, s2, True)
+                        for r in routes]  # fmt: skip
+            bf_calls = [lambda r=r, x=xt: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b)
+                        for r in routes]  # fmt: skip
+            row["fp8_dg_torch_group_us"] = torch_align(lambda c=dg_calls: _time(c))
+            row["bf16_triton_torch_group_us"] = torch_align(lambda c=bf_calls: _time(c))
             ts = td if F8.fp8_backend() == "auto" else t8
         row["served_us"], row["served_speedup_vs_bf16_triton"] = ts, tb / ts
         row["fp8_frac_hbm"] = row["fp8_weight_GBps"] / hbm
         rows.append(row)
         print(f"  moe E={e} T={t}: triton {t8:.1f} us, deep_gemm "
-              f"{row.get('fp8_dg_us', math.nan):.1f} us, bf16 {tb:.1f} us "
-              f"(served {tb / ts:.2f}x)", flush=True)  # fmt: skip
+              f"{row.get('fp8_dg_us', math.nan):.1f} us "
+              f"(torch grouping {row.get('fp8_dg_torch_group_us', math.nan):.1f}), "
+              f"bf16 {tb:.1f} us "
+              f"(torch grouping {row.get('bf16_triton_torch_group_us', math.nan):.1f}; "
+              f"served {tb / ts:.2f}x)", flush=True)  # fmt: skip
     return rows
 
 

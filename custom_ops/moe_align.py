@@ -8,6 +8,9 @@ Two implementations with the same outputs, bit for bit:
 - ``moe_align_kernel``: one Triton program (``moe_align`` takes it on CUDA up to
   ``KERNEL_MAX_PAIRS`` pairs, decode's sizes): at one or two tokens the torch form's launches
   cost as much as the routed experts' weight reads (``benchmarks/bench_awq_parts.py``).
+
+``expert_rows`` is the same grouping in the form DeepGEMM's masked grouped GEMM takes (one block
+of rows per expert, each pair ranked among its expert's pairs), with the same two forms.
 """
 
 from __future__ import annotations
@@ -134,3 +137,81 @@ def moe_align_kernel(
         B_BLOCK=_BLOCKS_PER_ITER, num_warps=4,
     )  # fmt: skip
     return sorted_ids, block_expert
+
+
+# ---- the grouping as rows of per-expert blocks (DeepGEMM's masked grouped GEMM) ---------------
+
+
+def expert_rows(
+    topk_ids: torch.Tensor, n_experts: int, rows_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, no host sync: for each (token, slot) pair (flattened ``[T * k]``) its row
+    ``e * rows_per_group + rank`` int64 in the grouped blocks (rank: its place among the pairs of
+    expert e, in pair order), and ``masked_m [E]`` int32 (pairs per expert). A pair with the skip
+    id ``E`` (expert parallelism: another rank's expert) gets the dump row ``E * rows_per_group``,
+    one past the experts' blocks, and is in no count."""
+    if topk_ids.is_cuda and 0 < topk_ids.numel() <= KERNEL_MAX_PAIRS:
+        return expert_rows_kernel(topk_ids, n_experts, rows_per_group)
+    return expert_rows_torch(topk_ids, n_experts, rows_per_group)
+
+
+def expert_rows_torch(
+    topk_ids: torch.Tensor, n_experts: int, rows_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_rows`` in torch ops (the reference)."""
+    flat = topk_ids.reshape(-1).long()
+    p = flat.numel()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    starts = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(p, device=flat.device) - starts[flat[order]]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+    kept = flat < n_experts
+    rows = torch.where(kept, flat * rows_per_group + rank, n_experts * rows_per_group)
+    return rows, counts[:n_experts].to(torch.int32)
+
+
+@triton.jit
+def _rows_kernel(
+    ids_ptr, rows_ptr, counts_ptr, start_ptr, P, E, MG,
+    P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program. Keys ``expert * P_BLOCK + pair`` sorted ascending give the stable order by
+    expert (skipped pairs and the padding lanes, expert ``E``, last); sorted position i of
+    expert e is its rank ``i - start[e]``."""
+    offs = tl.arange(0, P_BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32)  # padding lanes: E
+    ex = tl.arange(0, E_BLOCK)
+    counts = tl.histogram(ids, E_BLOCK)
+    tl.store(counts_ptr + ex, counts, mask=ex < E)
+    tl.store(start_ptr + ex, tl.cumsum(counts, 0) - counts)
+    tl.debug_barrier()  # the starts are stored before they are gathered
+    keys = tl.sort(ids.to(tl.int64) * P_BLOCK + offs)
+    e_sorted = (keys // P_BLOCK).to(tl.int32)
+    order = (keys % P_BLOCK).to(tl.int32)
+    rank = offs - tl.load(start_ptr + e_sorted)
+    row = tl.where(e_sorted < E, e_sorted.to(tl.int64) * MG + rank, E.to(tl.int64) * MG)
+    tl.store(rows_ptr + order, row, mask=order < P)  # the padding lanes sort last: order >= P
+
+
+def expert_rows_kernel(
+    topk_ids: torch.Tensor, n_experts: int, rows_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_rows`` in one Triton launch (up to ``KERNEL_MAX_PAIRS`` pairs)."""
+    flat = topk_ids.reshape(-1)
+    p = flat.numel()
+    if not 0 < p <= KERNEL_MAX_PAIRS:
+        raise ValueError(f"expert_rows_kernel: {p} pairs, the kernel takes 1..{KERNEL_MAX_PAIRS}")
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    dev = flat.device
+    rows = torch.empty(p, dtype=torch.int64, device=dev)
+    counts = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    e_block = triton.next_power_of_2(n_experts + 1)
+    start = torch.empty(e_block, dtype=torch.int32, device=dev)
+    _rows_kernel[(1,)](
+        flat, rows, counts, start, p, n_experts, rows_per_group,
+        P_BLOCK=triton.next_power_of_2(p), E_BLOCK=e_block, num_warps=4,
+    )  # fmt: skip
+    return rows, counts

@@ -49,21 +49,6 @@ def test_quant_kernel_matches_act_quant(m):
     assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(sf, rs)
 
 
-def test_pair_rows_rank_each_experts_pairs_in_order():
-    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [3, 2]])
-    rows, masked_m = DG.pair_rows(ids, 5, 8)
-    assert masked_m.tolist() == [2, 1, 4, 1, 0] and masked_m.dtype == torch.int32
-    # expert 2's pairs (0,0) (1,0) (2,1) (3,1) take rows 16, 17, 18, 19 in pair order
-    assert rows.tolist() == [16, 0, 17, 8, 1, 18, 24, 19]
-
-
-def test_pair_rows_skip_id_goes_to_the_dump_row_and_no_count():
-    ids = torch.tensor([[2, 5], [5, 1], [0, 2]])  # 5 = the skip id (expert parallelism)
-    rows, masked_m = DG.pair_rows(ids, 5, 8)
-    assert masked_m.tolist() == [1, 1, 2, 0, 0]
-    assert rows.tolist() == [16, 40, 40, 8, 0, 17]
-
-
 def test_moe_pipeline_skips_foreign_experts_picks():
     """EP's skip id (one past the rank's experts) contributes nothing: equal to the reference
     with those picks' weights zeroed (any local expert id in their place)."""

@@ -1,6 +1,6 @@
-"""``custom_ops.moe_align``: the one-program Triton grouping equals the torch reference bit for bit
-(interpreter on CPU, the GPU's Triton with the ``device`` fixture there), and ``moe_align``
-dispatches by device and size."""
+"""``custom_ops.moe_align``: the one-program Triton groupings (``moe_align``, ``expert_rows``) equal
+their torch references bit for bit (interpreter on CPU, the GPU's Triton with the ``device``
+fixture there), and both dispatch by device and size."""
 
 import pytest
 import torch
@@ -58,3 +58,53 @@ def test_dispatch_keeps_torch_on_cpu_and_for_large_calls(monkeypatch):
     ids = torch.zeros(4, 8, dtype=torch.int32)
     got = A.moe_align(ids, 16, 16)  # CPU: the torch form
     assert not called and torch.equal(got[0], A.moe_align_torch(ids, 16, 16)[0])
+
+
+@pytest.mark.parametrize("t,e,k,bm,skip", CASES)
+def test_expert_rows_kernel_equals_torch(device, t, e, k, bm, skip):
+    g = torch.Generator().manual_seed(t * 1000 + e + 7)
+    trials = 2 if t * k < 4096 or device == "cuda" else 1
+    for trial, dtype in zip(range(trials), (torch.int32, torch.int64)):
+        ids = _routing(t, e, k, skip, g).to(dtype)
+        mg = bm * (trial + 1)  # rows per expert block
+        want = A.expert_rows_torch(ids, e, mg)
+        got = A.expert_rows_kernel(ids.to(device), e, mg)
+        assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+        assert torch.equal(got[0].cpu(), want[0]), (t, e, k, mg, trial, dtype)
+        assert torch.equal(got[1].cpu(), want[1]), (t, e, k, mg, trial, dtype)
+
+
+@pytest.mark.parametrize("form", ["torch", "kernel"])
+def test_expert_rows_rank_each_experts_pairs_in_order(device, form):
+    rows_of = _rows_form(form, device)
+    rows, masked_m = rows_of(torch.tensor([[2, 0], [2, 1], [0, 2], [3, 2]]), 5, 8)
+    assert masked_m.tolist() == [2, 1, 4, 1, 0] and masked_m.dtype == torch.int32
+    # expert 2's pairs (0,0) (1,0) (2,1) (3,1) take rows 16, 17, 18, 19 in pair order
+    assert rows.tolist() == [16, 0, 17, 8, 1, 18, 24, 19]
+
+
+@pytest.mark.parametrize("form", ["torch", "kernel"])
+def test_expert_rows_skip_id_goes_to_the_dump_row_and_no_count(device, form):
+    rows_of = _rows_form(form, device)
+    rows, masked_m = rows_of(torch.tensor([[2, 5], [5, 1], [0, 2]]), 5, 8)  # 5: the skip id
+    assert masked_m.tolist() == [1, 1, 2, 0, 0]
+    assert rows.tolist() == [16, 40, 40, 8, 0, 17]
+
+
+def _rows_form(form: str, device: str):
+    if form == "torch":
+        return A.expert_rows_torch
+    return lambda ids, e, mg: tuple(r.cpu() for r in A.expert_rows_kernel(ids.to(device), e, mg))
+
+
+def test_expert_rows_dispatch_keeps_torch_on_cpu(monkeypatch):
+    called = []
+    monkeypatch.setattr(A, "expert_rows_kernel", lambda *a: called.append(a) or None)
+    ids = torch.zeros(4, 8, dtype=torch.int32)
+    got = A.expert_rows(ids, 16, 16)
+    assert not called and torch.equal(got[0], A.expert_rows_torch(ids, 16, 16)[0])
+
+
+def test_expert_rows_kernel_refuses_sizes_it_cannot_hold():
+    with pytest.raises(ValueError, match="4097 pairs"):
+        A.expert_rows_kernel(torch.zeros(4097, 1, dtype=torch.int32), 8, 16)

@@ -45,6 +45,7 @@ from custom_ops.backends.deep_gemm_layout import (  # noqa: F401  (re-exported f
 from custom_ops.fp8 import FP8_DTYPE
 from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear, check_moe_fp8
 from custom_ops.fp8_linear_ref import act_quant_exact, fp8_linear_ref, moe_fp8_ref
+from custom_ops.moe_align import expert_rows
 
 MOE_MAX_TOKENS = 64  # dg_moe_fp8 above this many tokens falls back to Triton (memory, above)
 N_ALIGN = 64  # N a multiple of this (DeepGEMM's block_n candidates; bf16 rows 16-byte aligned)
@@ -126,25 +127,6 @@ def _(x, w8, w_scale, ue8m0):  # as the reference (the CUDA kernel takes bf16 x 
 # ---- echo::dg_moe_fp8 ------------------------------------------------------------------------
 
 
-def pair_rows(topk_ids: torch.Tensor, n_experts: int, rows_per_group: int):
-    """On the device, no host sync: for each (token, slot) pair (flattened ``[T * k]``) its row
-    ``e * rows_per_group + rank`` in the grouped blocks (rank: its place among the pairs of
-    expert e, in pair order), and ``masked_m [E]`` int32 (pairs per expert). A pair with the skip
-    id ``E`` (expert parallelism: another rank's expert) gets the dump row ``E * rows_per_group``,
-    one past the experts' blocks, and is in no count."""
-    flat = topk_ids.reshape(-1).long()
-    p = flat.numel()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    starts = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(p, device=flat.device) - starts[flat[order]]
-    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-    kept = flat < n_experts
-    rows = torch.where(kept, flat * rows_per_group + rank, n_experts * rows_per_group)
-    return rows, counts[:n_experts].to(torch.int32)
-
-
 @torch.library.custom_op("echo::dg_moe_fp8", mutates_args=())
 def dg_moe_fp8(
     x: torch.Tensor,
@@ -183,7 +165,7 @@ def moe_pipeline(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0,
     e, inter, d = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     t, k = topk_ids.shape
     K = _kernels()
-    rows, masked_m = pair_rows(topk_ids, e, mg)
+    rows, masked_m = expert_rows(topk_ids, e, mg)
     src = torch.arange(t * k, device=x.device) // k  # the token of each pair
     expected_m = max(1, -(-t * k // e))  # a hint for DeepGEMM's config: mean pairs per expert
     g = e + 1  # the experts' blocks and one more, whose first row is the skipped pairs' dump
