@@ -191,7 +191,8 @@ def _rows_kernel(
     e_sorted = (keys // P_BLOCK).to(tl.int32)
     order = (keys % P_BLOCK).to(tl.int32)
     rank = offs - tl.load(start_ptr + e_sorted)
-    row = tl.where(e_sorted < E, e_sorted.to(tl.int64) * MG + rank, E.to(tl.int64) * MG)
+    # a skipped pair (expert E) takes the dump row E * MG, the first after the experts' blocks
+    row = e_sorted.to(tl.int64) * MG + tl.where(e_sorted < E, rank, 0)
     tl.store(rows_ptr + order, row, mask=order < P)  # the padding lanes sort last: order >= P
 
 
