@@ -25,6 +25,8 @@ CASES = [  # (tokens, experts, top-k, block_m, skipped fraction)
     (128, 257, 8, 64, 0.1),
     (512, 256, 8, 16, 0.0),  # 4096 pairs: the kernel's limit
     (9, 16, 16, 16, 1.0),  # every pair skipped
+    (1, 1, 1, 1, 0.0),  # one pair, one expert, block 1: on the GPU Triton makes 1s constants
+    (3, 1, 1, 16, 0.3),
 ]
 
 
@@ -103,6 +105,21 @@ def test_expert_rows_dispatch_keeps_torch_on_cpu(monkeypatch):
     ids = torch.zeros(4, 8, dtype=torch.int32)
     got = A.expert_rows(ids, 16, 16)
     assert not called and torch.equal(got[0], A.expert_rows_torch(ids, 16, 16)[0])
+
+
+@pytest.mark.cuda
+def test_dispatch_takes_the_kernels_on_cuda_up_to_their_limit(monkeypatch):
+    called = []
+    for name in ("moe_align_kernel", "expert_rows_kernel"):
+        real = getattr(A, name)
+        monkeypatch.setattr(A, name, lambda *a, f=real, n=name: called.append(n) or f(*a))
+    for pairs, kernel in ((8, True), (A.KERNEL_MAX_PAIRS, True), (A.KERNEL_MAX_PAIRS + 8, False)):
+        called.clear()
+        ids = torch.randint(0, 64, (pairs // 8, 8), device="cuda")
+        got = (A.moe_align(ids, 64, 16), A.expert_rows(ids, 64, 32))
+        assert called == (["moe_align_kernel", "expert_rows_kernel"] if kernel else [])
+        assert torch.equal(got[0][0], A.moe_align_torch(ids, 64, 16)[0])
+        assert torch.equal(got[1][0], A.expert_rows_torch(ids, 64, 32)[0])
 
 
 def test_expert_rows_kernel_refuses_sizes_it_cannot_hold():

@@ -247,7 +247,8 @@ def test_abort_one_sequence_others_unchanged_and_pages_freed_once():
     assert out["s0"] == full["s0"][:3] and out["s1"] == full["s1"] and out["s2"] == full["s2"]
     assert out == ref
     # NOTE: bit for bit against the run that decodes the same batches, not against rec_full:
-    # there the batch stays 3 rows longer, and a CPU GEMM's last bits may depend on the rows
+    # there the batch keeps its third row for 7 more steps, and a CPU GEMM's last bits may
+    # depend on the rows
     # (they did on an AVX2-only CPU, with oneDNN and with ATen's own kernels)
     a, b = per_request_logits(rec), per_request_logits(rec_ref)
     assert a.keys() == b.keys() == set(IDS)
