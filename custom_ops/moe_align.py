@@ -26,6 +26,19 @@ KERNEL_MAX_PAIRS = 4096  # one program sorts next_power_of_2(T*k) keys in regist
 _BLOCKS_PER_ITER = 32  # row blocks whose expert one step of the kernel's last loop finds
 
 
+def _kernel_takes(topk_ids: torch.Tensor) -> bool:
+    """Whether a grouping runs as its one-program kernel: on CUDA, up to KERNEL_MAX_PAIRS."""
+    return topk_ids.is_cuda and 0 < topk_ids.numel() <= KERNEL_MAX_PAIRS
+
+
+def _kernel_pairs(topk_ids: torch.Tensor, name: str) -> torch.Tensor:
+    """The flat, contiguous pair ids a one-program kernel sorts in registers."""
+    flat = topk_ids.reshape(-1)
+    if not 0 < flat.numel() <= KERNEL_MAX_PAIRS:
+        raise ValueError(f"{name}: {flat.numel()} pairs, the kernel takes 1..{KERNEL_MAX_PAIRS}")
+    return flat.contiguous()
+
+
 def max_blocks(pairs: int, n_experts: int, block_m: int) -> int:
     return triton.cdiv(pairs, block_m) + min(n_experts, pairs)
 
@@ -41,7 +54,7 @@ def moe_align(
     expert) gets no slot at all: no row block computes it, so the kernels' work is the pairs of
     this rank's experts only, and its output row is left as the launcher initialised it (zeros).
     """
-    if topk_ids.is_cuda and 0 < topk_ids.numel() <= KERNEL_MAX_PAIRS:
+    if _kernel_takes(topk_ids):
         return moe_align_kernel(topk_ids, n_experts, block_m)
     return moe_align_torch(topk_ids, n_experts, block_m)
 
@@ -118,12 +131,8 @@ def moe_align_kernel(
     topk_ids: torch.Tensor, n_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_align`` in one Triton launch (up to ``KERNEL_MAX_PAIRS`` pairs)."""
-    flat = topk_ids.reshape(-1)
+    flat = _kernel_pairs(topk_ids, "moe_align_kernel")
     p = flat.numel()
-    if not 0 < p <= KERNEL_MAX_PAIRS:
-        raise ValueError(f"moe_align_kernel: {p} pairs, the kernel takes 1..{KERNEL_MAX_PAIRS}")
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
     n_blocks = max_blocks(p, n_experts, block_m)
     n_slots = n_blocks * block_m
     dev = flat.device
@@ -150,7 +159,7 @@ def expert_rows(
     expert e, in pair order), and ``masked_m [E]`` int32 (pairs per expert). A pair with the skip
     id ``E`` (expert parallelism: another rank's expert) gets the dump row ``E * rows_per_group``,
     one past the experts' blocks, and is in no count."""
-    if topk_ids.is_cuda and 0 < topk_ids.numel() <= KERNEL_MAX_PAIRS:
+    if _kernel_takes(topk_ids):
         return expert_rows_kernel(topk_ids, n_experts, rows_per_group)
     return expert_rows_torch(topk_ids, n_experts, rows_per_group)
 
@@ -200,12 +209,8 @@ def expert_rows_kernel(
     topk_ids: torch.Tensor, n_experts: int, rows_per_group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``expert_rows`` in one Triton launch (up to ``KERNEL_MAX_PAIRS`` pairs)."""
-    flat = topk_ids.reshape(-1)
+    flat = _kernel_pairs(topk_ids, "expert_rows_kernel")
     p = flat.numel()
-    if not 0 < p <= KERNEL_MAX_PAIRS:
-        raise ValueError(f"expert_rows_kernel: {p} pairs, the kernel takes 1..{KERNEL_MAX_PAIRS}")
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
     dev = flat.device
     rows = torch.empty(p, dtype=torch.int64, device=dev)
     counts = torch.empty(n_experts, dtype=torch.int32, device=dev)
