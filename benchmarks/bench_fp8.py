@@ -62,13 +62,19 @@ def rand_fp8(k: int, n: int, gen=None) -> tuple[torch.Tensor, torch.Tensor]:
     return weight_quant_fp8(w, scale_fmt="ue8m0")
 
 
-def _check_one(checks: list, op: str, fn, ref, **where) -> None:
+# the DeepGEMM MoE quantises h = silu(g) * u to e4m3 between its GEMMs: the GEMM's ~7e-4
+# difference from the reference moves ~1% of h to the neighbouring e4m3 value (a step of 6%),
+# ~0.5% on the output (docs/quantization.md, "FP8 on the H200"); a misrouted row is O(1)
+MOE_DG_BOUND = 1e-2
+
+
+def _check_one(checks: list, op: str, fn, ref, bound: float = 5e-3, **where) -> None:
     try:
         err = rel_err(fn(), ref)
-        ok = err < 5e-3  # fp8 MMA accumulation inside a K block, bf16 output
+        ok = err < bound  # fp8 MMA accumulation inside a K block, bf16 output
     except Exception as e:  # noqa: BLE001  (reported; the timings still run)
         err, ok = repr(e), False
-    checks.append({"op": op, **where, "rel_err": err, "bound": 5e-3, "pass": ok})
+    checks.append({"op": op, **where, "rel_err": err, "bound": bound, "pass": ok})
     print(f"  check {op} {where}: {'PASS' if ok else 'FAIL'} {err}", flush=True)
 
 
@@ -191,7 +197,8 @@ def bench_moe(e: int, batches: list[int], hbm: float, result: dict, dg: bool) ->
     if dg:
         ref = F8.moe_fp8_ref(x, ids, wt, w13, s13, w2, s2, True)
         args = (x, ids, wt, w13, s13, w2, s2, True)
-        _check_one(result["check"], "dg_moe_fp8", lambda: DG.dg_moe_fp8(*args), ref, E=e, T=8)
+        _check_one(result["check"], "dg_moe_fp8", lambda: DG.dg_moe_fp8(*args), ref, MOE_DG_BOUND,
+                   E=e, T=8)  # fmt: skip
     per_fp8, per_bf16 = 3 * D * I_MOE, 2 * 3 * D * I_MOE
     rows = []
     for t in batches:

@@ -139,14 +139,16 @@ def test_dg_moe_on_gpu_256_experts(t):
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
     w = torch.rand(t, 8, device="cuda", generator=gen)
     y = torch.ops.echo.dg_moe_fp8(x, ids, w, w13, s13, w2, s2, True)
-    assert _rel(y, F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)) < 5e-3
+    # the GEMM's ~7e-4 flips ~1% of the e4m3 h between the GEMMs: ~5e-3 on the output
+    # (docs/quantization.md, "FP8 on the H200"); a misrouted row is an error of order 1
+    assert _rel(y, F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)) < 1e-2
     # graph-safe: captured and replayed with new routings in place, still the reference
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         yg = torch.ops.echo.dg_moe_fp8(x, ids, w, w13, s13, w2, s2, True)
     ids.copy_(torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices)
     g.replay()
-    assert _rel(yg, F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)) < 5e-3
+    assert _rel(yg, F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)) < 1e-2
 
 
 def test_a_failing_deep_gemm_shape_warns_once_then_triton_serves_it():
