@@ -6,9 +6,12 @@ fused lossless prefetch and without, at pool hit rates 0.5 / 0.9 / 0.97 (docs/pr
 Sizes of the paper's microbenchmark: batch 16, 128K-token contexts, top-2048, a 300K-row GPU pool
 (full), bf16 rows (ECHO's format; ``--fmt fp8`` for ours). The pool holds a random fraction h of
 each request's exact selection plus filler, so the recall misses (1 - h) x 2048 rows per request.
-The threshold is the exact k-th score of a *previous* query (this query with 10% of its entries
-redrawn), as the in-graph EMA would give in a steady state. Prefetch configurations: per-request
-caps (``--caps``) and a global budget proportional to the context (``--ratios``).
+The threshold state is what the in-graph update (``prefetch_layout.update_ema``) leaves after the
+8 previous steps: a walk of queries back from this one, each the next one with 10% of its
+entries redrawn, their exact k-th scores fed to the update oldest first (the level starting at
+the oldest's, the deviation at 0). Prefetch configurations: per-request caps (``--caps``), a
+global budget proportional to the context (``--ratios``), each at every threshold margin
+(``--margins``: threshold = level + margin x deviation, 0 = ECHO's).
 
 Reported per hit rate: the baseline (unfused indexer + recall), each prefetch configuration
 (fused indexer + staged recall), the parts measured in the same run (unfused scores kernel, full
@@ -58,6 +61,8 @@ from tests.test_decode_kernels import _gen, make_indexer_inputs  # noqa: E402
 FULL = dict(B=16, ctx=131072, topk=2048, n_g=300_000, heads=64)
 TOY = dict(B=2, ctx=512, topk=64, n_g=400, heads=8)
 HIT_RATES = (0.5, 0.9, 0.97)
+PAST_STEPS = 8  # previous queries whose k-th scores make the threshold state
+REDRAW = 0.1  # fraction of a query's entries redrawn from one step to the next
 PAPER = {"0.5": 1.29, "0.9": 1.51, "0.97": 1.0}
 
 
@@ -79,12 +84,19 @@ class Setup:
         self.pool = GpuPool(self.cfg, dev)
         self.staging = Staging(self.cfg, dev)
         self.sel, self.kth = ik.indexer_topk_cuda(*self.args, topk)
-        # the previous step's query: 10% of this one's entries redrawn
-        q = self.inp["q_fp8"]
-        noise = make_indexer_inputs(B, 1, sz["heads"], [1] * B, g)["q_fp8"]  # same law as q
-        mask = torch.rand(q.shape, generator=g, device=dev) < 0.1
-        q_prev = torch.where(mask, noise, q)
-        self.ema0 = ik.indexer_topk_cuda(q_prev, *self.args[1:], topk)[1]
+        # the previous steps' queries, newest first: each the next one with 10% redrawn
+        past = [self.inp["q_fp8"]]
+        for _ in range(PAST_STEPS):
+            noise = make_indexer_inputs(B, 1, sz["heads"], [1] * B, g)["q_fp8"]  # same law
+            mask = torch.rand(past[-1].shape, generator=g, device=dev) < REDRAW
+            past.append(torch.where(mask, noise, past[-1]))
+        kths = [ik.indexer_topk_cuda(q, *self.args[1:], topk)[1] for q in reversed(past[1:])]
+        self.keys = self.inp["block_table"][:, 0].long()  # each request's first host page
+        ema = torch.zeros_like(self.staging.ema)
+        ema[pf.EMA_LEVEL, self.keys] = kths[0]
+        for kth in kths[1:]:  # the op's own update, oldest first
+            pf.update_ema(ema, kth, self.inp["seq_lens"], self.inp["block_table"], 0.0)
+        self.level0, self.dev0 = ema[pf.EMA_LEVEL, self.keys], ema[pf.EMA_DEV, self.keys]
         self.gen = torch.Generator().manual_seed(seed)
 
     def set_hit_rate(self, h: float) -> None:
@@ -103,18 +115,24 @@ class Setup:
         self.pool.totals.zero_()
         self.snap = {n: b.clone() for n, b in self.pool.named_buffers()}
 
-    def restore(self, ema: torch.Tensor | None = None) -> None:
+    def restore(self, margin: float = 0.0, thr: torch.Tensor | None = None) -> None:
+        """The pool's snapshot, empty staging, the threshold state of the previous steps
+        (thresholds at ``margin``, or ``thr``)."""
         for n, t in self.snap.items():
             getattr(self.pool, n).copy_(t)
         self.staging.reset()
-        keys = self.inp["block_table"][:, 0].long()  # thresholds: at each first host page
-        self.staging.ema[keys] = self.ema0 if ema is None else ema
+        ema = self.staging.ema
+        ema[pf.EMA_LEVEL, self.keys], ema[pf.EMA_DEV, self.keys] = self.level0, self.dev0
+        ema[pf.EMA_THR, self.keys] = (
+            pf.threshold(self.level0, self.dev0, margin) if thr is None else thr
+        )
 
 
-def staged_args(s: Setup, st: Staging, cap: int, ratio: float, h2g: torch.Tensor | None = None):
+def staged_args(s: Setup, st: Staging, cap: int, ratio: float, margin: float,
+                h2g: torch.Tensor | None = None):  # fmt: skip
     h2g = s.pool.host_to_gpu if h2g is None else h2g  # another map: read by the fused kernel only
     return (*s.args, s.sz["topk"], s.host, h2g, st.stage_kv, st.stage_host, st.host_stage,
-            st.stage_ctr, st.ema, st.totals, cap, ratio)  # fmt: skip
+            st.stage_ctr, st.ema, st.totals, cap, ratio, margin)  # fmt: skip
 
 
 def recall_args(s: Setup, st: Staging, sel: torch.Tensor):
@@ -124,13 +142,13 @@ def recall_args(s: Setup, st: Staging, sel: torch.Tensor):
             st.host_stage, st.stage_ctr, st.totals)  # fmt: skip
 
 
-def check_fused(s: Setup, cap: int, ratio: float, rows: int, variant: str) -> dict:
+def check_fused(s: Setup, cap: int, ratio: float, margin: float, rows: int, variant: str) -> dict:
     """Fused indexer vs the unfused one (torch.equal), staged rows vs the host, staged set vs
     the candidates computed from the unfused scores."""
-    s.restore()
+    s.restore(margin)
     st = s.staging
-    thr = st.ema[s.inp["block_table"][:, 0].long()].clone()
-    host, kth = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio),
+    thr = st.ema[pf.EMA_THR, s.keys].clone()
+    host, kth = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio, margin),
                                               rows_per_block=rows, variant=variant)  # fmt: skip
     ok = torch.equal(host, s.sel) and torch.equal(kth, s.kth)
     scores = ik.index_scores(*s.args, ik.IndexerConfig())
@@ -147,13 +165,14 @@ def check_fused(s: Setup, cap: int, ratio: float, rows: int, variant: str) -> di
     return {"pass": bool(ok), "staged": int(live.sum()), "candidates": int(cand.sum())}
 
 
-def check_recall(s: Setup, cap: int, ratio: float, rows: int, variant: str) -> dict:
+def check_recall(s: Setup, cap: int, ratio: float, margin: float, rows: int, variant: str) -> dict:
     """One prefetch step: the pool invariants, the selection's rows equal to the host's, the
     staging emptied, promoted == staged and missed; returns precision and coverage."""
-    s.restore()
+    s.restore(margin)
     st = s.staging
     missed0 = s.pool.host_to_gpu[s.sel.clamp(min=0).long()] < 0
-    host, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio), rows_per_block=rows,
+    host, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio, margin),
+                                            rows_per_block=rows,
                                             variant=variant)  # fmt: skip
     staged = st.stage_host[st.stage_host >= 0].long()
     out = pk.recall_staged_cuda(*recall_args(s, st, host))
@@ -182,7 +201,8 @@ def fused_scores(s: Setup, st: Staging, rows: int, variant: str) -> None:
     p = s.pool
     ps.scores_variant(variant)(
         *s.args, pk._words(s.host, "host_kv"), p.host_to_gpu, pk._words(st.stage_kv, "stage_kv"),
-        st.stage_host, st.host_stage, st.stage_ctr, st.ema, st.totals, s.cfg.prefetch_cap, 0.0,
+        st.stage_host, st.host_stage, st.stage_ctr, st.ema[pf.EMA_THR], st.totals,
+        s.cfg.prefetch_cap, 0.0,
         ik.IndexerConfig(), rows,
     )  # fmt: skip
 
@@ -201,6 +221,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(ps.SCORES_VARIANTS),
                     help="fused scores kernels (custom_ops/prefetch_scores.py); keys without a "
                     f"variant suffix are the default one, {ps.DEFAULT_VARIANT!r}")  # fmt: skip
+    ap.add_argument("--margins", default="0,2",
+                    help="threshold margins (level + margin x deviation; 0 = ECHO's)")
     ap.add_argument("--hit-rates", default=",".join(map(str, HIT_RATES)))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU, checks only")
@@ -213,6 +235,7 @@ def main() -> None:
     pf_rows = [int(x) for x in a.pf_rows.split(",") if x]
     hit_rates = [float(x) for x in a.hit_rates.split(",") if x]
     variants = [x for x in a.variants.split(",") if x]
+    margins = [float(x) for x in a.margins.split(",") if x]
     for v in variants:
         ps.scores_variant(v)  # an unknown name: a clear error before any work
     if dry:
@@ -224,7 +247,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sizes": sz | {"fmt": a.fmt, "staging_rows": n_stage}, "paper_speedups": PAPER,
         "bound": "indexer + recall(1.0) + max(recall(h) - recall(1.0) - scores, 0)",
-        "default_variant": ps.DEFAULT_VARIANT, "variants": variants, "checks": {}, "results": {},
+        "default_variant": ps.DEFAULT_VARIANT, "variants": variants, "margins": margins,
+        "past_steps": PAST_STEPS, "redraw": REDRAW, "checks": {}, "results": {},
     }  # fmt: skip
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,19 +270,19 @@ def main() -> None:
     topk, B = sz["topk"], sz["B"]
     configs = [(f"cap{c}", c, 0.0) for c in caps] + [(f"ratio{r:g}", 0, r) for r in ratios]
     sfx = {v: "" if v == ps.DEFAULT_VARIANT else f"_{v}" for v in variants}
-    configs = [(f"{n}_rows{r}{sfx[v]}", c, q, r, v) for n, c, q in configs for r in pf_rows
-               for v in variants]  # fmt: skip
+    configs = [(f"{n}_m{m:g}_rows{r}{sfx[v]}", c, q, m, r, v) for n, c, q in configs
+               for m in margins for r in pf_rows for v in variants]  # fmt: skip
     for h in hit_rates:
         s.set_hit_rate(h)
-        for name, cap, ratio, rows, v in configs:
+        for name, cap, ratio, m, rows, v in configs:
             cap_ = cap if ratio == 0 else 1
             attempt(
                 res["checks"],
                 f"fused_{name}_h{h}",
-                lambda c=cap_, q=ratio, w=rows, v=v: check_fused(s, c, q, w, v),
+                lambda c=cap_, q=ratio, m=m, w=rows, v=v: check_fused(s, c, q, m, w, v),
             )
             attempt(res["checks"], f"recall_{name}_h{h}",
-                    lambda c=cap_, q=ratio, w=rows, v=v: check_recall(s, c, q, w, v))  # fmt: skip
+                    lambda c=cap_, q=ratio, m=m, w=rows, v=v: check_recall(s, c, q, m, w, v))  # fmt: skip
     res["all_pass"] = all(v.get("pass") for v in res["checks"].values())
     print("checks:", "PASS" if res["all_pass"] else "FAIL", flush=True)
     save()
@@ -278,26 +302,27 @@ def main() -> None:
         for rows in pf_rows:
             attempt(parts, f"fused_scores_nothing_staged{sfx[v]}_rows{rows}_us",
                     lambda w=rows, v=v: timed(lambda: fused_scores(s, st, w, v),
-                                              lambda: s.restore(inf), R))  # fmt: skip
+                                              lambda: s.restore(thr=inf), R))  # fmt: skip
 
             def indexer(w=rows, v=v):
-                args = staged_args(s, st, caps[0], 0.0)
+                args = staged_args(s, st, caps[0], 0.0, 0.0)
                 pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, variant=v)
 
             attempt(parts, f"fused_indexer_nothing_staged{sfx[v]}_rows{rows}_us",
-                    lambda f=indexer: timed(f, lambda: s.restore(inf), R))  # fmt: skip
+                    lambda f=indexer: timed(f, lambda: s.restore(thr=inf), R))  # fmt: skip
 
             def no_candidates(w=rows, v=v):  # the run's thresholds, every row on the GPU
-                args = staged_args(s, st, caps[0], 0.0, resident)
+                args = staged_args(s, st, caps[0], 0.0, 0.0, resident)
                 pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, variant=v)
 
             attempt(parts, f"fused_indexer_no_candidates{sfx[v]}_rows{rows}_us",
                     lambda f=no_candidates: timed(f, s.restore, R))  # fmt: skip
     kth, lens, bt = s.kth.clone(), s.inp["seq_lens"], s.inp["block_table"]
     attempt(parts, "ema_update_torch_us",
-            lambda: timed(lambda: pf.update_ema(st.ema, kth, lens, bt), None, R))  # fmt: skip
+            lambda: timed(lambda: pf.update_ema(st.ema, kth, lens, bt, 2.0), None, R))  # fmt: skip
     attempt(parts, "ema_update_triton_us",
-            lambda: timed(lambda: pk.ema_update_cuda(st.ema, kth, lens, bt), None, R))  # fmt: skip
+            lambda: timed(lambda: pk.ema_update_cuda(st.ema, kth, lens, bt, 2.0), None,
+                          R))  # fmt: skip
     s.set_hit_rate(1.0)
     attempt(parts, "recall_h1.0_us",
             lambda: timed(lambda: s.pool.recall(s.host, s.sel), s.restore, R))  # fmt: skip
@@ -318,20 +343,21 @@ def main() -> None:
             r["bound_speedup"] = r["baseline_us"] / r["bound_us"]
         except (KeyError, TypeError):
             pass
-        for name, cap, ratio, rows, v in configs:
+        for name, cap, ratio, m, rows, v in configs:
             cap_ = cap if ratio == 0 else 1
 
-            def fused(c=cap_, q=ratio, w=rows, v=v):
-                pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w,
+            def fused(c=cap_, q=ratio, m=m, w=rows, v=v):
+                pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q, m), rows_per_block=w,
                                               variant=v)  # fmt: skip
 
-            def step(c=cap_, q=ratio, w=rows, v=v):
-                sel, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q), rows_per_block=w,
-                                                       variant=v)  # fmt: skip
+            def step(c=cap_, q=ratio, m=m, w=rows, v=v):
+                sel, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q, m),
+                                                       rows_per_block=w, variant=v)  # fmt: skip
                 pk.recall_staged_cuda(*recall_args(s, st, sel))
 
-            attempt(r, f"{name}_fused_indexer_us", lambda: timed(fused, s.restore, R))
-            attempt(r, f"{name}_us", lambda: timed(step, s.restore, R))
+            attempt(r, f"{name}_fused_indexer_us",
+                    lambda f=fused, m=m: timed(f, lambda: s.restore(m), R))  # fmt: skip
+            attempt(r, f"{name}_us", lambda f=step, m=m: timed(f, lambda: s.restore(m), R))
             try:
                 r[f"{name}_speedup"] = r["baseline_us"] / r[f"{name}_us"]
                 r[f"{name}_of_bound"] = r[f"{name}_speedup"] / r["bound_speedup"]

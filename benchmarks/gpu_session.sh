@@ -109,8 +109,9 @@ time)
     --budget-s 170 --out "$W/fp8_h200.json"
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"
-  on prefetch && stage bench_prefetch 110 python -m benchmarks.bench_prefetch --caps 64 \
-    --ratios "${PF_RATIOS-0.002,0.004}" --pf-rows 8 --out "$W/prefetch_h200.json"
+  on prefetch && stage bench_prefetch 240 python -m benchmarks.bench_prefetch --caps 64 \
+    --ratios "${PF_RATIOS-0.002,0.004}" --margins "${PF_MARGINS-0,1,2,3}" --variants post \
+    --pf-rows 8 --out "$W/prefetch_h200.json"
   # the decode step's cache-management share at B = 1 / 16 / 64 (compiled offload vs GPU-only),
   # one batch size per stage: the three did not fit one 300 s stage (2026-12-01 22:13)
   for b in ${STEP_BATCH_LIST-1 16 64}; do

@@ -13,8 +13,11 @@ on the GPU (``host_to_gpu[h] == -1``). Two caps, chosen by ``ratio``:
 Which candidates win when a cap binds is scan order in the reference (request-major, then
 position) and atomics order in the kernel: either way only performance depends on it. A staged row
 is recorded in ``stage_host[slot] = h`` and ``host_stage[h] = slot``. Then the exact top-k, then
-the threshold update ``ema = 0.5 * ema + 0.5 * kth`` for live requests (in-graph). Thresholds
-live in ``ema [N_H / 64 + 1]``, keyed by each request's first host page (``ema_keys``).
+the threshold update for live requests (in-graph, ``prefetch_layout.update_ema``): the level is
+ECHO's EMA (alpha 0.5) of the exact k-th score, the deviation an EMA of how far the k-th score
+moved, and the next threshold is ``level + margin * dev`` (margin 0: ECHO's). The state lives
+in ``ema [EMA_ROWS, N_H / 64 + 1]``, a column per request keyed by its first host page
+(``ema_keys``).
 
 ``recall_staged`` is ``echo::recall`` with staging as a second source: the same lookup, eviction
 and placement (staged rows still count as misses, so the pool evicts exactly what a recall
@@ -34,14 +37,19 @@ from custom_ops.cache_ref import recall_ref
 from custom_ops.indexer import _check as _check_indexer
 from custom_ops.indexer import indexer_topk_ref
 from custom_ops.kv_format import PAGE, index_cache_gather
-from custom_ops.prefetch_layout import (  # noqa: F401  (also read as prefetch.PF_*)
+from custom_ops.prefetch_layout import (  # noqa: F401  (also read as prefetch.PF_*, EMA_*)
     EMA_ALPHA,
+    EMA_DEV,
+    EMA_LEVEL,
+    EMA_ROWS,
+    EMA_THR,
     PF_CANDIDATES,
     PF_LEN,
     PF_PROMOTED,
     PF_STAGED,
     PF_STEPS,
     ema_keys,
+    threshold,
     update_ema,
 )
 
@@ -82,7 +90,7 @@ def stage_ref(
     """The prefetch decision and copies of indexer_topk_prefetch (scan order when a cap binds)."""
     B, L = score.shape
     S = stage_kv.shape[0]
-    thr = ema[ema_keys(slots[:, :1] // PAGE, seq_lens, ema.shape[0])][:, None]  # first pages
+    thr = ema[EMA_THR, ema_keys(slots[:, :1] // PAGE, seq_lens, ema.shape[1])][:, None]
     g = host_to_gpu[slots.clamp(max=host_to_gpu.shape[0] - 1)]
     cand = torch.isfinite(score) & (score > thr) & (g < 0)  # -inf past seq_len is never > thr
     pf_stats[PF_CANDIDATES] += int(cand.sum())
@@ -117,6 +125,7 @@ def indexer_topk_prefetch_ref(
     pf_stats,
     cap,
     ratio,
+    margin,
 ):
     score, slots = index_scores_ref(q_fp8, weights, index_cache, block_table, seq_lens)
     stage_ref(
@@ -134,7 +143,7 @@ def indexer_topk_prefetch_ref(
         ratio,
     )
     host, kth = indexer_topk_ref(q_fp8, weights, index_cache, block_table, seq_lens, topk)
-    update_ema(ema, kth, seq_lens, block_table)
+    update_ema(ema, kth, seq_lens, block_table, margin)
     return host, kth
 
 
@@ -204,6 +213,7 @@ def _check_staging(
     ema=None,
     cap: int = 1,
     ratio: float = 0.0,
+    margin: float = 0.0,
 ):
     n_h = host_to_gpu.shape[0]
     if host_kv.dim() != 2 or host_kv.shape[0] != n_h or host_kv.dtype != torch.uint8:
@@ -227,12 +237,15 @@ def _check_staging(
         if (
             stage_ctr.shape[0] < B + 1
             or ema.dtype != torch.float32
-            or ema.shape != (n_h // 64 + 1,)
+            or ema.shape != (EMA_ROWS, n_h // 64 + 1)
         ):
             raise ValueError(
                 f"{op}: stage_ctr must hold >= B + 1 = {B + 1} counters and ema "
-                f"fp32 [N_H / 64 + 1 = {n_h // 64 + 1}] (a batch of {B})"
+                f"fp32 [{EMA_ROWS}, N_H / 64 + 1 = {n_h // 64 + 1}] (a batch of {B}), got "
+                f"stage_ctr {list(stage_ctr.shape)}, ema {ema.dtype} {list(ema.shape)}"
             )
+        if not margin >= 0 or margin == float("inf"):
+            raise ValueError(f"{op}: margin must be a finite number >= 0, got {margin!r}")
         if ratio < 0 or (ratio == 0 and (cap <= 0 or B * cap > S)):
             raise ValueError(
                 f"{op}: need ratio > 0 (global budget) or 0 < cap with B * cap <= "
@@ -257,6 +270,7 @@ def _check_prefetch(
     pf_stats,
     cap,
     ratio,
+    margin,
 ):
     _check_indexer(q_fp8, weights, index_cache, block_table, seq_lens, topk)
     _check_staging(
@@ -272,6 +286,7 @@ def _check_prefetch(
         ema,
         cap,
         ratio,
+        margin,
     )
 
 
@@ -333,10 +348,11 @@ def indexer_topk_prefetch(
     stage_host: torch.Tensor,  # [S] int32: host slot staged in each slot, -1 empty
     host_stage: torch.Tensor,  # [N_H] int32: staging slot of each host slot, -1 none
     stage_ctr: torch.Tensor,  # [>= B + 1] int32 zeros: per-request claims, then the global one
-    ema: torch.Tensor,  # [N_H / 64 + 1] fp32: thresholds (EMA of the k-th score), ema_keys
+    ema: torch.Tensor,  # [EMA_ROWS, N_H / 64 + 1] fp32: threshold, level, dev (prefetch_layout)
     pf_stats: torch.Tensor,  # [PF_LEN] int64
     cap: int,  # rows per request (ratio == 0)
     ratio: float,  # > 0: global budget of ratio * sum(seq_lens) rows
+    margin: float,  # next thresholds: level + margin * dev (update_ema)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``echo::indexer_topk`` plus staging of candidates above the threshold (module docstring)."""
     args = (
@@ -356,6 +372,7 @@ def indexer_topk_prefetch(
         pf_stats,
         cap,
         ratio,
+        margin,
     )
     _check_prefetch(*args)
     return indexer_topk_prefetch_ref(*args)

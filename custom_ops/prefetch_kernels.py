@@ -2,7 +2,8 @@
 
 - ``indexer_topk_prefetch_cuda``: a fused scores + staging kernel (the variants of
   prefetch_scores.py), the unchanged exact top-k, the in-graph EMA update (``_ema_kernel``: one
-  launch where the torch expression of ``update_ema`` took about ten small ones).
+  launch where the torch expression of ``update_ema`` took about ten small ones; it also
+  writes the next step's thresholds, level + margin x dev).
 - ``recall_staged_cuda``: ``echo::recall``'s launches with staging as the copy's second source
   (a staged miss is read GPU -> GPU), then ``_clear_kernel`` (statistics, empty the staging
   buffer, reset the claim counters).
@@ -16,7 +17,15 @@ import triton
 import triton.language as tl
 
 from custom_ops import indexer_kernels as ik
-from custom_ops.prefetch_layout import EMA_ALPHA, PF_PROMOTED, PF_STAGED, PF_STEPS
+from custom_ops.prefetch_layout import (
+    EMA_ALPHA,
+    EMA_DEV,
+    EMA_LEVEL,
+    EMA_THR,
+    PF_PROMOTED,
+    PF_STAGED,
+    PF_STEPS,
+)
 from custom_ops.prefetch_scores import scores_variant
 
 LIST_BLOCK = 1024
@@ -27,6 +36,9 @@ _S_STAGED = tl.constexpr(PF_STAGED)
 _S_STEPS = tl.constexpr(PF_STEPS)
 _A_NEW = tl.constexpr(EMA_ALPHA)  # update_ema's two weights, as the Python floats it uses
 _A_OLD = tl.constexpr(1.0 - EMA_ALPHA)
+_THR = tl.constexpr(EMA_THR)  # the rows of the threshold state
+_LEVEL = tl.constexpr(EMA_LEVEL)
+_DEV = tl.constexpr(EMA_DEV)
 
 
 def _words(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -52,6 +64,7 @@ def indexer_topk_prefetch_cuda(
     pf_stats,
     cap,
     ratio,
+    margin,
     cfg: ik.IndexerConfig | None = None,
     rows_per_block: int = PF_ROWS,
     variant: str | None = None,
@@ -75,7 +88,7 @@ def indexer_topk_prefetch_cuda(
         stage_host,
         host_stage,
         stage_ctr,
-        ema,
+        ema[EMA_THR],  # the thresholds, one per first host page
         pf_stats,
         cap,
         ratio,
@@ -83,12 +96,12 @@ def indexer_topk_prefetch_cuda(
         rows_per_block,
     )
     host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
-    ema_update_cuda(ema, kth, seq_lens, block_table)
+    ema_update_cuda(ema, kth, seq_lens, block_table, margin)
     return host, kth
 
 
 @triton.jit
-def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, BP: tl.constexpr):
+def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, n_ema, margin, BP: tl.constexpr):
     r = tl.arange(0, BP)
     live = r < B
     live &= tl.load(sl_ptr + r, mask=live, other=0) > 0
@@ -96,19 +109,25 @@ def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, BP: tl.constexpr
     # a key shared by several live rows (an n > 1 group's members): the first row writes it
     same = (key[None, :] == key[:, None]) & live[None, :] & (r[None, :] < r[:, None])
     live &= tl.sum(same.to(tl.int32), 1) == 0
-    e = tl.load(ema_ptr + key, mask=live, other=0.0)
+    level = tl.load(ema_ptr + _LEVEL * n_ema + key, mask=live, other=0.0)
+    dev = tl.load(ema_ptr + _DEV * n_ema + key, mask=live, other=0.0)
     k = tl.load(kth_ptr + r, mask=live, other=0.0)
-    tl.store(ema_ptr + key, k * _A_NEW + e * _A_OLD, mask=live)
+    new_dev = tl.abs(k - level) * _A_NEW + dev * _A_OLD
+    new_level = k * _A_NEW + level * _A_OLD
+    thr = tl.where(margin > 0, new_level + new_dev * margin, new_level)  # not 0 * inf
+    tl.store(ema_ptr + _THR * n_ema + key, thr, mask=live)
+    tl.store(ema_ptr + _LEVEL * n_ema + key, new_level, mask=live)
+    tl.store(ema_ptr + _DEV * n_ema + key, new_dev, mask=live)
 
 
-def ema_update_cuda(ema, kth, seq_lens, block_table) -> None:
-    """``prefetch_layout.update_ema`` in one launch, bit for bit (no FMA contraction: the two
-    products are rounded as torch rounds them). Of live rows that share a first page (an n > 1
+def ema_update_cuda(ema, kth, seq_lens, block_table, margin: float) -> None:
+    """``prefetch_layout.update_ema`` in one launch, bit for bit (no FMA contraction: every
+    product is rounded as torch rounds it). Of live rows that share a first page (an n > 1
     group) only the first writes it, as in the reference, so no two lanes store to one entry;
-    padded rows leave the dump entry as it was, as the reference does."""
+    padded rows leave the dump column as it was, as the reference does."""
     B = seq_lens.shape[0]
     _ema_kernel[(1,)](
-        ema, kth, seq_lens, block_table, block_table.stride(0), B,
+        ema, kth, seq_lens, block_table, block_table.stride(0), B, ema.shape[1], float(margin),
         BP=max(2, triton.next_power_of_2(B)), num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
 

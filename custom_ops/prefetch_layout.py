@@ -13,27 +13,48 @@ PF_PROMOTED = 2  # staged rows the exact top-k selected, moved staging -> pool
 PF_STEPS = 3  # recall_staged calls
 PF_LEN = 4
 EMA_ALPHA = 0.5  # weight of the newest k-th score (ECHO)
+# The threshold state ``ema [EMA_ROWS, N_H / 64 + 1]`` fp32, one column per request (ema_keys):
+EMA_THR = 0  # the staging threshold the fused indexer reads: level + margin * dev
+EMA_LEVEL = 1  # EMA of the exact k-th score (ECHO's threshold; starts at 0)
+EMA_DEV = 2  # EMA of |k-th score - level|, how far the k-th score moves from step to step
+EMA_ROWS = 3
 
 
 def ema_keys(block_table: torch.Tensor, seq_lens: torch.Tensor, n_ema: int) -> torch.Tensor:
-    """[B] int64: where each row's threshold lives in ``ema [N_H / 64 + 1]``. A request is keyed
-    by its first host page, not by its batch row: rows shift whenever a request finishes, pages
-    stay with their request. Padded rows (seq_len 0) go to the last entry, a dump."""
+    """[B] int64: the column of each row's threshold state in ``ema [EMA_ROWS, n_ema]``
+    (n_ema = N_H / 64 + 1). A request is keyed by its first host page, not by its batch row:
+    rows shift whenever a request finishes, pages stay with their request. Padded rows
+    (seq_len 0) go to the last column, a dump."""
     return torch.where(seq_lens > 0, block_table[:, 0].long(), n_ema - 1)
 
 
+def threshold(level: torch.Tensor, dev: torch.Tensor, margin: float) -> torch.Tensor:
+    """The staging threshold from the state: level + margin * dev (the level alone at margin 0,
+    so a level of +-inf with an infinite dev is not 0 * inf = NaN)."""
+    return level + margin * dev if margin else level
+
+
 def update_ema(ema: torch.Tensor, kth: torch.Tensor, seq_lens: torch.Tensor,
-               block_table: torch.Tensor) -> None:  # fmt: skip
-    """ema[key] <- 0.5 ema[key] + 0.5 kth for live requests (in place, no host sync). A key that
-    several live rows share (the members of an n > 1 group share their prompt's first page) is
-    updated by the first of them, so the result does not depend on the order of the writes."""
-    n_ema = ema.shape[0]
+               block_table: torch.Tensor, margin: float) -> None:  # fmt: skip
+    """For live requests, in place, no host sync (the in-graph threshold update):
+        dev   <- 0.5 |kth - level| + 0.5 dev
+        level <- 0.5 kth + 0.5 level
+        thr   <- level + margin * dev
+    margin = 0 is ECHO's threshold (the EMA of the k-th score); a margin above it stages only
+    scores that clear the k-th score's usual step-to-step movement, fewer rows the exact top-k
+    then passes over (docs/prefetch.md, "The threshold"). A key that several live rows share (the
+    members of an n > 1 group share their prompt's first page) is updated by the first of them,
+    so the result does not depend on the order of the writes."""
+    n_ema = ema.shape[1]
     key = ema_keys(block_table, seq_lens, n_ema)
     r = torch.arange(key.shape[0], device=key.device)
     live = seq_lens > 0
     earlier = ((key[None, :] == key[:, None]) & live[None, :] & (r[None, :] < r[:, None])).any(1)
     writer = live & ~earlier  # unique keys
-    new = EMA_ALPHA * kth + (1.0 - EMA_ALPHA) * ema[key]
-    # every other row writes the dump's own value to the dump: the same value, whatever the order
-    ema.index_copy_(0, torch.where(writer, key, n_ema - 1),
-                    torch.where(writer, new, ema[n_ema - 1].expand_as(new)))  # fmt: skip
+    level, dev = ema[EMA_LEVEL, key], ema[EMA_DEV, key]
+    new_dev = EMA_ALPHA * (kth - level).abs() + (1.0 - EMA_ALPHA) * dev
+    new_level = EMA_ALPHA * kth + (1.0 - EMA_ALPHA) * level
+    new = torch.stack([threshold(new_level, new_dev, margin), new_level, new_dev])  # [ROWS, B]
+    # every other row writes the dump's own values to the dump: the same, whatever the order
+    ema.index_copy_(1, torch.where(writer, key, n_ema - 1),
+                    torch.where(writer, new, ema[:, n_ema - 1 :].expand_as(new)))  # fmt: skip

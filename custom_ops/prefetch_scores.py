@@ -167,7 +167,7 @@ def _scores_prefetch_kernel(
     bt_ptr,
     sl_ptr,
     score_ptr,
-    ema_ptr,  # [N_H / 64 + 1] fp32: thresholds, keyed by each request's first host page
+    ema_ptr,  # [N_H / 64 + 1] fp32: thresholds (ema[EMA_THR]), keyed by first host page
     h2g_ptr,  # [N_H] int32: the layer's host -> GPU map (read)
     hstage_ptr,  # [N_H] int32 out: staging slot of each staged host slot
     shost_ptr,  # [S] int32 out: host slot of each staging slot
@@ -292,7 +292,7 @@ def launch_scores_prefetch(
     stage_host: torch.Tensor,  # [S] int32
     host_stage: torch.Tensor,  # [N_H] int32
     stage_ctr: torch.Tensor,  # [>= B + 1] int32 zeros
-    ema: torch.Tensor,  # [N_H / 64 + 1] fp32 (prefetch_layout.ema_keys)
+    ema: torch.Tensor,  # [N_H / 64 + 1] fp32: the thresholds, ema[EMA_THR] (prefetch_layout)
     pf_stats: torch.Tensor,  # [4] int64
     cap: int,
     ratio: float,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from custom_ops.backends.select import DEFAULT_BACKEND, check_backend
-from custom_ops.cache.config import CacheConfig, check_prefetch
+from custom_ops.cache.config import PREFETCH_MARGIN, CacheConfig, check_prefetch
 from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
 from runtime.request import PAGE
@@ -68,6 +68,8 @@ class EngineConfig:
     prefetch: str = "off"
     prefetch_cap: int = 64  # rows per request and layer ("request"); staging rows = max_batch x it
     prefetch_ratio: float = 1 / 512  # "global": budget rows per context token of the batch
+    # the threshold's margin over the EMA of the k-th score, in EMAs of its movement (0: ECHO's)
+    prefetch_margin: float = PREFETCH_MARGIN
     # multi-process serving (docs/multi_gpu.md): dp data-parallel attention ranks (each with its
     # own requests and KV cache), the feed-forward blocks tensor-parallel over tp ranks
     dp: int = 1
@@ -111,7 +113,9 @@ class EngineConfig:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
-        check_prefetch(self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload)
+        check_prefetch(
+            self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload, self.prefetch_margin
+        )
         if self.compile_prefill not in (None, True, False):
             raise ValueError(
                 f"compile_prefill must be True, False or None, got {self.compile_prefill!r}"
@@ -180,6 +184,7 @@ class EngineConfig:
             prefetch=self.prefetch,
             prefetch_cap=self.prefetch_cap,
             prefetch_ratio=float(self.prefetch_ratio),
+            prefetch_margin=float(self.prefetch_margin),
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:

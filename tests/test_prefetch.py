@@ -30,7 +30,7 @@ def _staging(B, n_h, row, cap, device):
         stage_host=torch.full((B * cap,), -1, **i32),
         host_stage=torch.full((n_h,), -1, **i32),
         stage_ctr=torch.zeros(B + 1, **i32),
-        ema=torch.zeros(n_h // 64 + 1, dtype=torch.float32, device=device),
+        ema=torch.zeros(pf.EMA_ROWS, n_h // 64 + 1, dtype=torch.float32, device=device),
         pf_stats=torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device),
     )
 
@@ -47,10 +47,10 @@ def _prefetch_case(seed, device, fmt="bf16", B=3, P=5, lens=(300, 17, 250), cap=
     return inp, host_kv, h2g, st
 
 
-def _run(fn, inp, host_kv, h2g, st, topk, cap, ratio, **kw):
+def _run(fn, inp, host_kv, h2g, st, topk, cap, ratio, margin=0.0, **kw):
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     return fn(*args, topk, host_kv, h2g, st["stage_kv"], st["stage_host"], st["host_stage"],
-              st["stage_ctr"], st["ema"], st["pf_stats"], cap, ratio, **kw)  # fmt: skip
+              st["stage_ctr"], st["ema"], st["pf_stats"], cap, ratio, margin, **kw)  # fmt: skip
 
 
 def _candidates(score, slots, h2g, thr):
@@ -80,13 +80,16 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     )
     fill = {"normal": None, "low": float("-inf"), "high": float("inf")}[thr]
     # thresholds live at each request's first host page (the last entry: padded rows)
-    keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[0])
+    keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[1])
+    ema = st["ema"]
     if fill is None:  # a threshold inside the scores: the 40th best score of each request
-        st["ema"][keys] = torch.sort(score, dim=1, descending=True).values[:, 39].clamp(min=-1e30)
+        t = torch.sort(score, dim=1, descending=True).values[:, 39].clamp(min=-1e30)
+        ema[pf.EMA_THR, keys] = ema[pf.EMA_LEVEL, keys] = t
     else:
-        st["ema"].fill_(fill)
-    ema_all = st["ema"].clone()
-    ema0 = ema_all[keys]
+        ema[pf.EMA_THR].fill_(fill)
+        ema[pf.EMA_LEVEL].fill_(-fill)  # the kernel stages by the threshold row alone
+    ema_all = ema.clone()
+    ema0, level0 = ema_all[pf.EMA_THR, keys], ema_all[pf.EMA_LEVEL, keys]
     if impl == "ref":
         host, kth = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, topk, cap, ratio)
         want = _candidates(score, slots, h2g, ema0)
@@ -125,12 +128,15 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
     assert torch.equal(st["host_stage"][sh[live]].long(), live)
     assert int((st["host_stage"] >= 0).sum()) == live.numel()
-    # the threshold moved halfway to the k-th score, for live requests only
-    exp = torch.where(inp["seq_lens"] > 0, 0.5 * ema0 + 0.5 * kth, ema0)
-    assert torch.equal(st["ema"][keys], exp)
-    other = torch.ones_like(ema_all, dtype=torch.bool)
+    # the level moved halfway to the k-th score and (margin 0) is the next threshold, for live
+    # requests only
+    live = inp["seq_lens"] > 0
+    exp = torch.where(live, 0.5 * level0 + 0.5 * kth, level0)
+    assert torch.equal(ema[pf.EMA_LEVEL, keys], exp)
+    assert torch.equal(ema[pf.EMA_THR, keys], torch.where(live, exp, ema0))
+    other = torch.ones_like(ema_all[0], dtype=torch.bool)
     other[keys] = False
-    assert torch.equal(st["ema"][other], ema_all[other])  # no other request's threshold moved
+    assert torch.equal(ema[:, other], ema_all[:, other])  # no other request's state moved
 
 
 def test_post_variant_bounds_and_chunks(device):
@@ -139,12 +145,12 @@ def test_post_variant_bounds_and_chunks(device):
     candidates within the caps, every staged row a copy of its host row."""
     B, cap, topk, rows = 3, 16, 32, 2
     inp, host_kv, h2g, st = _prefetch_case(21, device)
-    st["ema"].fill_(float("-inf"))  # every off-GPU live token is a candidate
+    st["ema"][pf.EMA_THR].fill_(float("-inf"))  # every off-GPU live token is a candidate
     _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, topk, cap, 0.0, cfg=SMALL,
          rows_per_block=rows, variant="post")  # fmt: skip
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     score, slots = pf.index_scores_ref(*args)
-    want = _candidates(score, slots, h2g, st["ema"].new_full((B,), float("-inf")))
+    want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
     got = _staged(st, B, cap, 0.0)
     per_prog = rows * SMALL.score_tokens // SMALL.score_block
     for b in range(B):
@@ -163,13 +169,16 @@ def test_post_variant_bounds_and_chunks(device):
     assert int(st["pf_stats"][pf.PF_CANDIDATES]) == sum(len(w) for w in want)
 
 
-def test_ema_kernel_matches_update_ema(device):
+@pytest.mark.parametrize("margin", [0.0, 2.0, 0.37])
+def test_ema_kernel_matches_update_ema(device, margin):
     """The one-launch threshold update equals the torch expression bit for bit (padded rows,
-    -inf thresholds and k-th scores included), other entries untouched."""
+    -inf levels and k-th scores included), other columns untouched; the threshold is
+    level + margin x dev (the level alone at margin 0)."""
     g = torch.Generator().manual_seed(3)
     for B in (1, 5, 16):
-        ema = torch.randn(40, generator=g) * 10
-        ema[::7] = float("-inf")
+        ema = torch.randn(pf.EMA_ROWS, 40, generator=g) * 10
+        ema[pf.EMA_DEV] = ema[pf.EMA_DEV].abs()
+        ema[pf.EMA_LEVEL, ::7] = float("-inf")
         kth = torch.randn(B, generator=g) * 10
         kth[::3] = float("-inf")
         lens = torch.randint(0, 3, (B,), generator=g, dtype=torch.int32) * 50
@@ -180,14 +189,39 @@ def test_ema_kernel_matches_update_ema(device):
             lens[1] = 50
         ema, kth, lens, bt = (x.to(device) for x in (ema, kth, lens, bt))
         want, old = ema.clone(), ema.clone()
-        pf.update_ema(want, kth, lens, bt)
-        pk.ema_update_cuda(ema, kth, lens, bt)
-        assert torch.equal(ema, want)
+        pf.update_ema(want, kth, lens, bt, margin)
+        pk.ema_update_cuda(ema, kth, lens, bt, margin)
+        assert torch.equal(ema.isnan(), want.isnan())
+        assert torch.equal(ema.nan_to_num(), want.nan_to_num())
         holders = [i for i in range(min(B, 3)) if lens[i] > 0]
         if B > 1:  # the shared key took the first live holder's k-th score
             k0 = int(bt[0, 0])
-            expect = pf.EMA_ALPHA * kth[holders[0]] + (1 - pf.EMA_ALPHA) * old[k0]
-            assert torch.equal(want[k0], expect)
+            k, lv, dv = kth[holders[0]], old[pf.EMA_LEVEL, k0], old[pf.EMA_DEV, k0]
+            level = pf.EMA_ALPHA * k + (1 - pf.EMA_ALPHA) * lv
+            dev = pf.EMA_ALPHA * (k - lv).abs() + (1 - pf.EMA_ALPHA) * dv
+            assert torch.equal(want[pf.EMA_LEVEL, k0], level)
+            assert torch.equal(want[pf.EMA_DEV, k0].nan_to_num(), dev.nan_to_num())
+            thr = level + margin * dev if margin else level
+            assert torch.equal(want[pf.EMA_THR, k0].nan_to_num(), thr.nan_to_num())
+
+
+def test_margin_raises_the_threshold_by_the_kth_movement():
+    """Two steps of a request whose k-th score moves: the level is ECHO's EMA, the deviation the
+    EMA of the moves, and the op stages by level + margin x dev; the kernel stages by the
+    threshold row alone (a level of -inf under a threshold of +inf stages nothing)."""
+    for margin in (0.0, 1.5):
+        inp, host_kv, h2g, st = _prefetch_case(31, "cpu")
+        k1 = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, 32, 16, 0.0, margin)[1]
+        keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[1])
+        e = st["ema"][:, keys]
+        assert torch.equal(e[pf.EMA_LEVEL], 0.5 * k1) and torch.equal(e[pf.EMA_DEV], 0.5 * k1.abs())
+        exp = 0.5 * k1 + margin * (0.5 * k1.abs()) if margin else 0.5 * k1
+        assert torch.equal(e[pf.EMA_THR], exp)
+    st["ema"][pf.EMA_THR].fill_(float("inf"))
+    st["ema"][pf.EMA_LEVEL].fill_(float("-inf"))
+    st["pf_stats"].zero_()
+    _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, 32, 16, 0.0, 1.5, cfg=SMALL)
+    assert int(st["pf_stats"][pf.PF_CANDIDATES]) == 0
 
 
 def _cache(fmt, prefetch, offload=True, cap=8, device="cpu"):
@@ -250,7 +284,7 @@ def check_lossless_cache(fmt, mode, thr, device):
         mix = (torch.rand(3, 8, 128, generator=g) < 0.8).to(device)
         q = torch.where(mix, base["q_fp8"], inp["q_fp8"].to(device))
         if thr is not None:
-            on.staging.ema.fill_(float("-inf") if thr == "low" else float("inf"))
+            on.staging.ema[pf.EMA_THR].fill_(float("-inf") if thr == "low" else float("inf"))
         rows = {}
         for k, c in caches.items():
             layer = c.layers[0]
@@ -386,11 +420,17 @@ def test_bench_prefetch_dry_run(tmp_path):
 
     out = tmp_path / "pf.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_prefetch", "--dry-run", "--caps", "16",
-           "--ratios", "0.004", "--hit-rates", "0.9", "--out", str(out)]  # fmt: skip
+           "--ratios", "0.004", "--hit-rates", "0.9", "--margins", "0,2", "--out",
+           str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
-    assert res["all_pass"] and len(res["checks"]) == 4 * len(ps.SCORES_VARIANTS)
+    assert res["all_pass"] and len(res["checks"]) == 2 * 4 * len(ps.SCORES_VARIANTS)
     assert any(c["staged"] > 0 for c in res["checks"].values())
+    # a margin stages only candidates above a higher threshold: never more of them
+    fused = {k: c for k, c in res["checks"].items() if k.startswith("fused_")}
+    for k, c in fused.items():
+        if "_m2_" in k:
+            assert c["candidates"] <= fused[k.replace("_m2_", "_m0_")]["candidates"]
 
 
 def test_opcheck_prefetch_ops():
@@ -400,7 +440,7 @@ def test_opcheck_prefetch_ops():
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     torch.library.opcheck(torch.ops.echo.indexer_topk_prefetch.default, (
         *args, 32, host_kv, h2g, st["stage_kv"], st["stage_host"], st["host_stage"],
-        st["stage_ctr"], st["ema"], st["pf_stats"], 16, 0.0))  # fmt: skip
+        st["stage_ctr"], st["ema"], st["pf_stats"], 16, 0.0, 2.0))  # fmt: skip
     layer, sel = _selected_layer(12, [300, 0, 380])
     assert (layer.staging.stage_host >= 0).any()
     torch.library.opcheck(torch.ops.echo.recall_staged.default, _recall_staged_args(layer, sel))
@@ -416,11 +456,12 @@ def test_thresholds_follow_requests_not_rows():
     bt = torch.arange(18, dtype=torch.int32).view(3, 6)
     lens = torch.tensor([300, 200, 380], dtype=torch.int32)
     _, kth = layer.select(inp["q_fp8"], inp["weights"], bt, lens)
-    ema = layer.staging.ema
-    assert torch.equal(ema[[0, 6, 12]], 0.5 * kth)  # from 0, alpha 0.5
+    level = layer.staging.ema[pf.EMA_LEVEL]
+    assert torch.equal(level[[0, 6, 12]], 0.5 * kth)  # from 0, alpha 0.5
     perm = torch.tensor([2, 0, 1])
     _, kth2 = layer.select(inp["q_fp8"][perm], inp["weights"][perm], bt[perm], lens[perm])
     assert torch.equal(kth2, kth[perm])
-    assert torch.equal(ema[[0, 6, 12]], 0.75 * kth)  # each request's own, whatever its row
+    assert torch.equal(level[[0, 6, 12]], 0.75 * kth)  # each request's own, whatever its row
     c.release(torch.arange(6 * 64, 12 * 64))  # the second request's pages
-    assert ema[6] == 0 and torch.equal(ema[[0, 12]], 0.75 * kth[[0, 2]])
+    ema = layer.staging.ema
+    assert not ema[:, 6].any() and torch.equal(level[[0, 12]], 0.75 * kth[[0, 2]])

@@ -78,6 +78,10 @@ def test_engine_config_prefetch_checks():
         EngineConfig(prefetch="yes")
     with pytest.raises(ValueError, match="prefetch_ratio"):
         EngineConfig(prefetch="global", prefetch_ratio=0)
+    for bad in (-1.0, float("inf"), float("nan"), "2", True):
+        with pytest.raises(ValueError, match="prefetch_margin"):
+            EngineConfig(offload=True, prefetch="request", prefetch_margin=bad)
+    assert EngineConfig(offload=True, prefetch="request", prefetch_margin=0).prefetch_margin == 0
 
 
 def test_compiled_decode_with_prefetch_lossless_and_graph_safe():

@@ -9,7 +9,10 @@ from custom_ops.backends.select import DEFAULT_BACKEND, check_backend
 from custom_ops.kv_format import PAGE, ROW_BYTES, check_fmt
 
 
-def check_prefetch(mode: str, cap: int, ratio: float, offload: bool) -> None:
+PREFETCH_MARGIN = 2.0  # the default (docs/prefetch.md, "The threshold": the measurement behind it)
+
+
+def check_prefetch(mode: str, cap: int, ratio: float, offload: bool, margin: float = 0.0) -> None:
     """The prefetch options' one rule (CacheConfig, and EngineConfig at construction)."""
     if mode not in ("off", "request", "global"):
         raise ValueError(f"prefetch must be 'off', 'request' or 'global', got {mode!r}")
@@ -22,6 +25,12 @@ def check_prefetch(mode: str, cap: int, ratio: float, offload: bool) -> None:
         raise ValueError(f"prefetch_cap must be a positive integer, got {cap!r}")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
         raise ValueError(f"prefetch_ratio must be a positive number, got {ratio!r}")
+    if (
+        isinstance(margin, bool)
+        or not isinstance(margin, (int, float))
+        or not 0 <= margin < float("inf")
+    ):
+        raise ValueError(f"prefetch_margin must be a finite number >= 0, got {margin!r}")
 
 
 @dataclass(frozen=True)
@@ -53,11 +62,16 @@ class CacheConfig:
     prefetch: str = "off"
     prefetch_cap: int = 64
     prefetch_ratio: float = 1 / 512
+    # threshold = EMA of the k-th score + prefetch_margin x EMA of its step-to-step movement
+    # (0: ECHO's threshold; docs/prefetch.md, "The threshold")
+    prefetch_margin: float = PREFETCH_MARGIN
 
     def __post_init__(self) -> None:
         check_fmt(self.fmt)
         check_backend(self.kernel_backend)
-        check_prefetch(self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload)
+        check_prefetch(
+            self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload, self.prefetch_margin
+        )
         if self.num_layers <= 0:
             raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
         if self.host_tokens <= 0 or self.host_tokens % PAGE:

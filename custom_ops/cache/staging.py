@@ -1,6 +1,6 @@
 """``Staging``: one layer's prefetch state (docs/prefetch.md): the staging buffer the fused indexer
-copies candidates into, its two maps, the per-request threshold (EMA of the exact k-th score) and
-the prefetch statistics. Every tensor is a module buffer allocated once, so CUDA graphs replay
+copies candidates into, its two maps, the per-request threshold state (EMAs of the exact k-th
+score and of its movement, prefetch_layout) and the prefetch statistics. Every tensor is a module buffer allocated once, so CUDA graphs replay
 over it. Memory per layer: S x row bytes of staging (S = max_batch x prefetch_cap; 64 x 64 bf16
 rows: 4.7 MB) plus 4 x N_H bytes for host_stage (the ``pool_size + slot`` encoding ECHO puts in
 host_to_gpu would change the recall's meaning of that map, so the map is separate).
@@ -25,6 +25,7 @@ class Staging(nn.Module):
         super().__init__()
         self.cap = cfg.prefetch_cap
         self.ratio = cfg.prefetch_ratio if cfg.prefetch == "global" else 0.0
+        self.margin = cfg.prefetch_margin
         n_stage = cfg.max_batch * cfg.prefetch_cap
         i32 = dict(dtype=torch.int32, device=device)
 
@@ -35,8 +36,10 @@ class Staging(nn.Module):
         buf("stage_host", torch.full((n_stage,), -1, **i32))
         buf("host_stage", torch.full((cfg.host_tokens,), -1, **i32))
         buf("stage_ctr", torch.zeros(cfg.max_batch + 1, **i32))
-        # thresholds keyed by a request's first host page (+ a dump entry for padded rows)
-        buf("ema", torch.zeros(cfg.host_tokens // PAGE + 1, dtype=torch.float32, device=device))
+        # threshold, level, deviation (prefetch_layout.EMA_*) keyed by a request's first host
+        # page (+ a dump column for padded rows)
+        n_ema = cfg.host_tokens // PAGE + 1
+        buf("ema", torch.zeros(pf.EMA_ROWS, n_ema, dtype=torch.float32, device=device))
         buf("totals", torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device))
 
     def select(self, index_k, host_kv, pool, q_fp8, weights, block_table, seq_lens, topk):
@@ -57,6 +60,7 @@ class Staging(nn.Module):
             self.totals,
             self.cap,
             self.ratio,
+            self.margin,
         )
 
     def recall(self, pool, host_kv: torch.Tensor, host_slots: torch.Tensor) -> torch.Tensor:
@@ -99,11 +103,12 @@ class Staging(nn.Module):
 
     @torch.no_grad()
     def forget(self, host_slots: torch.Tensor) -> None:
-        """A finished request's pages: their thresholds back to 0 (ECHO's start), so the next
-        request keyed by one of them does not inherit a stranger's threshold. No host sync."""
+        """A finished request's pages: their threshold state back to 0 (ECHO's start), so the
+        next request keyed by one of them does not inherit a stranger's threshold. No host
+        sync."""
         h = host_slots.reshape(-1).long()
-        dump = self.ema.shape[0] - 1
-        self.ema.index_fill_(0, torch.where(h >= 0, h // PAGE, dump), 0.0)
+        dump = self.ema.shape[1] - 1
+        self.ema.index_fill_(1, torch.where(h >= 0, h // PAGE, dump), 0.0)
 
     @torch.no_grad()
     def reset(self) -> None:
