@@ -147,9 +147,9 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
   # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16;
   # triton pinned: prefetch runs the indexer in Triton, so off vs on compares prefetch alone
   for rp in ${PREFETCH_POINTS-64:200000 32:262144 16:327680}; do
-    on prefetch && stage "e2e_prefetch_${rp%%:*}" 110 bash -c "$B --systems offload \
-      --kernel-backend triton --prefetch off,request --requests ${rp%%:*} --gpu-pools ${rp##*:} \
-      --out '$W/e2e_prefetch_${rp%%:*}req_h200.json'"
+    on prefetch && stage "e2e_prefetch_${rp%%:*}" 170 bash -c "$B --systems offload \
+      --kernel-backend triton --prefetch ${PF_MODES-off,request,global} --requests ${rp%%:*} \
+      --gpu-pools ${rp##*:} --out '$W/e2e_prefetch_${rp%%:*}req_h200.json'"
   done
   ;;
 tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
