@@ -23,6 +23,8 @@ writes PNGs with matplotlib's Agg backend (benchmarks/plots/, one module per fil
                            targets (its MoE rows predate the current MoE: awq_moe_vs_bf16.png)
     awq_moe_vs_bf16.png    awq_parts_h200.json: the fused int4 MoE over the bf16 grouped MoE,
                            alternating rounds' medians and range, with the target
+    prefetch_margin.png    prefetch_h200.json: indexer + recall with prefetch over without, per
+                           threshold margin and hit rate, with the bound and the paper's ratio
 
 Every plotted number is a field of a JSON file; targets are drawn from the files' "targets".
 """
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.plots.common import plt
     from benchmarks.plots.e2e import plot_e2e
     from benchmarks.plots.kernels import plot_decode
+    from benchmarks.plots.prefetch import plot_prefetch
 
     for file, fn in (
         ("e2e_h200.json", plot_e2e),
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         ("awq_h200.json", plot_awq),
         ("awq_pairs_h200.json", plot_awq_pairs),
         ("awq_parts_h200.json", plot_awq_moe),
+        ("prefetch_h200.json", plot_prefetch),
     ):
         d = load(a.results / file)
         if d is None:
