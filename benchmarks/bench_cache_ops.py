@@ -472,15 +472,22 @@ def bench_format(
 
 def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) -> dict:
     """The one-launch recall and free (the default): pool slots per histogram / pass program
-    (cache_kernels.FUSED_SCAN_BLOCK) x sleep between polls (WAIT_SLEEP_NS), steady and refill
+    (cache_kernels.FUSED_SCAN_BLOCK) x sleep between polls (WAIT_SLEEP_NS), and list entries per
+    lookup / output program (LIST_BLOCK) at the default scan block and sleep; steady and refill
     steps at 37 and 2048 misses."""
     out = {}
     n2k = min(2048, pool.capacity)
-    defaults = K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS
-    for block, nap in ((4096, 0), (1024, 100), (4096, 100), (1024, 500), defaults):  # default last
-        K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS = block, nap
+    defaults = K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.LIST_BLOCK
+    lists = tuple((*defaults[:2], lb) for lb in (256, 512, 1024) if lb != defaults[2])
+    for block, nap, lb in (
+        *((sb, ns, defaults[2]) for sb, ns in ((4096, 0), (1024, 100), (4096, 100), (1024, 500))),
+        *lists,
+        defaults,  # the default last
+    ):
+        K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.LIST_BLOCK = block, nap, lb
+        name = f"scan_block_{block}_sleep_{nap}" + (f"_list_{lb}" if lb != defaults[2] else "")
         try:
-            out[f"scan_block_{block}_sleep_{nap}"] = {
+            out[name] = {
                 "recall_37_steady_us": recall(37, 16, STEADY_FREE)()["median_us"],
                 "recall_37_refill_us": recall(37, 1, 0)()["median_us"],
                 "recall_2048_steady_us": recall_all_misses(
@@ -495,8 +502,8 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
                 "free_37_refill_us": bench_free(pool, 37, 1, gen, reps, NEW, 0)["median_us"],
             }
         except Exception as e:
-            out[f"scan_block_{block}_sleep_{nap}"] = {"error": f"{type(e).__name__}: {e}"}
-    K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS = defaults
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.LIST_BLOCK = defaults
     return out
 
 

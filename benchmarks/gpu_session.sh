@@ -96,7 +96,7 @@ time)
     --out "$W/prefill_overlap_h200.json"
   on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 125 --out "$W/prefill_h200.json"
   on prefill && packjit  # DeepGEMM's fp8_mqa_logits kernels, when the wheels are carried
-  on cache_ops && stage bench_cache_ops 220 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
+  on cache_ops && stage bench_cache_ops 280 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
   on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \
     --out "$W/sampling_backends_h200.json"
