@@ -5,8 +5,9 @@ in meta (_signal / _wait: release / acquire atomics) instead of a launch boundar
 
 Why this cannot deadlock: a program only ever waits for programs with LOWER ids. The GPU hands
 out thread blocks in increasing id order, so the lowest unfinished program has been scheduled
-and waits for nobody unfinished: it finishes, and by induction so does everyone (the grids here
-also fit on the H200 at once: ~130 + 2 x 196 + 264 + 128 programs of 4 warps). The CPU
+and waits for nobody unfinished: it finishes, and by induction so does everyone (no program
+needs the others resident with it: at B x k = 131072 the recall's grid is 256 + 2 x 196 + 264 +
+256 + 1 programs of 4 warps). The CPU
 interpreter runs the programs one after another in id order, so every wait there is already
 satisfied. A phase that has nothing to do (no eviction due: most steps, thanks to the reserve)
 signals and returns without touching the pool.
