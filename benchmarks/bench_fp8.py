@@ -11,12 +11,12 @@ M = 1..128: bf16 ``F.linear`` on the dequantised weights (the dequantise-at-load
 the FP8 kernel with its heuristic config and each of ``--configs``; then the fused FP8 MoE
 (``echo::moe_fp8``, 256 experts of V3.2's shapes, top-8, T = 1..128 tokens) against the grouped
 bf16 MoE the bf16 model runs (``echo::moe_bf16``'s Triton kernel), and, where DeepGEMM serves, the
-DeepGEMM and bf16 MoEs again with their groupings' torch forms (``*_torch_group_us``). CUDA-graph replays of R calls
-over R weight copies / routings (more bytes than the 60 MB L2), median of 15; weight bytes read
-per µs against a measured copy ceiling. ``served_us`` is what ``echo::fp8_linear`` /
-``echo::moe_fp8`` run (DeepGEMM where it suits, else Triton); ``dg_first_call_s`` the first
-DeepGEMM call of a shape (its JIT compile). JSON written after every shape; a section that would
-start past ``--budget-s`` is skipped (recorded).
+DeepGEMM and bf16 MoEs again with their groupings' torch forms (``*_torch_group_us``).
+CUDA-graph replays of R calls over R weight copies / routings (more bytes than the 60 MB L2),
+median of 15; weight bytes read per µs against a measured copy ceiling. ``served_us`` is what
+``echo::fp8_linear`` / ``echo::moe_fp8`` run (DeepGEMM where it suits, else Triton);
+``dg_first_call_s`` the first DeepGEMM call of a shape (its JIT compile). JSON written after
+every shape; a section that would start past ``--budget-s`` is skipped (recorded).
 """
 
 from __future__ import annotations

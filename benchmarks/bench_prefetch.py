@@ -281,8 +281,11 @@ def main() -> None:
                 f"fused_{name}_h{h}",
                 lambda c=cap_, q=ratio, m=m, w=rows, v=v: check_fused(s, c, q, m, w, v),
             )
-            attempt(res["checks"], f"recall_{name}_h{h}",
-                    lambda c=cap_, q=ratio, m=m, w=rows, v=v: check_recall(s, c, q, m, w, v))  # fmt: skip
+            attempt(
+                res["checks"],
+                f"recall_{name}_h{h}",
+                lambda c=cap_, q=ratio, m=m, w=rows, v=v: check_recall(s, c, q, m, w, v),
+            )
     res["all_pass"] = all(v.get("pass") for v in res["checks"].values())
     print("checks:", "PASS" if res["all_pass"] else "FAIL", flush=True)
     save()

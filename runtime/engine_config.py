@@ -114,7 +114,11 @@ class EngineConfig:
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
         check_prefetch(
-            self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload, self.prefetch_margin
+            self.prefetch,
+            self.prefetch_cap,
+            self.prefetch_ratio,
+            self.offload,
+            self.prefetch_margin,
         )
         if self.compile_prefill not in (None, True, False):
             raise ValueError(

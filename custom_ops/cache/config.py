@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from custom_ops.backends.select import DEFAULT_BACKEND, check_backend
 from custom_ops.kv_format import PAGE, ROW_BYTES, check_fmt
 
-
 PREFETCH_MARGIN = 2.0  # the default (docs/prefetch.md, "The threshold": the measurement behind it)
 
 
@@ -70,7 +69,11 @@ class CacheConfig:
         check_fmt(self.fmt)
         check_backend(self.kernel_backend)
         check_prefetch(
-            self.prefetch, self.prefetch_cap, self.prefetch_ratio, self.offload, self.prefetch_margin
+            self.prefetch,
+            self.prefetch_cap,
+            self.prefetch_ratio,
+            self.offload,
+            self.prefetch_margin,
         )
         if self.num_layers <= 0:
             raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
