@@ -128,6 +128,7 @@ def test_batch_cap() -> None:
         (["--eager-pools", "999"], "--eager-pools 999 must be among"),
         (["--requests", "0"], "--requests and --rate-requests must be at least 1"),
         (["--gpu-pools", "310"], "cannot hold the longest request"),  # 304 tokens: 5 pages > 4
+        (["--prefetch-margin", "-1"], "prefetch_margin must be a finite number >= 0"),
     ],
 )
 def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:

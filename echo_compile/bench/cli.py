@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from custom_ops.backends.select import BACKENDS, DEFAULT_BACKEND
+from custom_ops.cache.config import PREFETCH_MARGIN, check_prefetch
 from custom_ops.kv_format import PAGE, pages_for, whole_pages
 from echo_compile.bench import harness
 from echo_compile.bench.harness import (
@@ -117,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         "off, request, global (docs/prefetch.md)",
     )
     ap.add_argument(
+        "--prefetch-margin",
+        type=float,
+        default=PREFETCH_MARGIN,
+        help="the prefetch threshold's margin over the EMA of the k-th score, in EMAs of its "
+        f"step-to-step movement (default {PREFETCH_MARGIN:g}; 0 = ECHO's threshold)",
+    )
+    ap.add_argument(
         "--weights",
         default="bf16",
         help="the model's weights, comma-separated to run each: bf16 (as drawn), awq, fp8 (those "
@@ -172,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     for p in prefetches:
         if p not in ("off", "request", "global"):
             ap.error(f"--prefetch: unknown mode {p!r} (choose from off, request, global)")
+    try:  # the engine's own rule for the margin, before any model is built
+        check_prefetch("off", 64, 1 / 512, True, a.prefetch_margin)
+    except ValueError as e:
+        ap.error(f"--prefetch-margin: {e}")
     formats = a.weights.split(",")
     for w in formats:
         if w not in WEIGHTS:
@@ -248,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_tokens": host,
         "kv_format": a.kv_format,
         "prefetch": prefetches,
+        "prefetch_margin": a.prefetch_margin,
         "weights": formats,
         "weight_bytes": {},
         "compiled": a.compile,
@@ -296,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
                 a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch, parallel,
                 compile_prefill=wl.prefill and not a.eager_prefill,
+                prefetch_margin=a.prefetch_margin,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)

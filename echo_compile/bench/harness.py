@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from custom_ops.backends.select import DEFAULT_BACKEND
-from custom_ops.cache.config import max_decode_rows
+from custom_ops.cache.config import PREFETCH_MARGIN, max_decode_rows
 from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.kv_format import (
     PAGE,
@@ -240,6 +240,7 @@ class System:
         prefetch: str = "off",  # lossless decode prefetch of the offloading systems
         parallel=None,  # (DistContext, dp, tp, ep): one rank of a multi-process run
         compile_prefill: bool = False,  # --mode full: prefill chunks compiled as the engine's
+        prefetch_margin: float = PREFETCH_MARGIN,  # the prefetch threshold's margin
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -264,6 +265,7 @@ class System:
             compile_prefill=compile_prefill,
             kernel_backend=kernel_backend,
             prefetch=prefetch if offload else "off",
+            prefetch_margin=prefetch_margin,
         )
         if parallel is not None:
             ctx, dp, tp, ep = parallel
