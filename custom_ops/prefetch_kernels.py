@@ -112,8 +112,9 @@ def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, n_ema, margin, B
     level = tl.load(ema_ptr + _LEVEL * n_ema + key, mask=live, other=0.0)
     dev = tl.load(ema_ptr + _DEV * n_ema + key, mask=live, other=0.0)
     k = tl.load(kth_ptr + r, mask=live, other=0.0)
-    new_dev = tl.abs(k - level) * _A_NEW + dev * _A_OLD
-    new_level = k * _A_NEW + level * _A_OLD
+    fresh = (level == 0) & (dev == 0)  # the request's first update: level <- kth, dev <- 0
+    new_dev = tl.where(fresh, 0.0, tl.abs(k - level) * _A_NEW + dev * _A_OLD)
+    new_level = tl.where(fresh, k, k * _A_NEW + level * _A_OLD)
     thr = tl.where(margin > 0, new_level + new_dev * margin, new_level)  # not 0 * inf
     tl.store(ema_ptr + _THR * n_ema + key, thr, mask=live)
     tl.store(ema_ptr + _LEVEL * n_ema + key, new_level, mask=live)

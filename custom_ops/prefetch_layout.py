@@ -15,8 +15,8 @@ PF_LEN = 4
 EMA_ALPHA = 0.5  # weight of the newest k-th score (ECHO)
 # The threshold state ``ema [EMA_ROWS, N_H / 64 + 1]`` fp32, one column per request (ema_keys):
 EMA_THR = 0  # the staging threshold the fused indexer reads: level + margin * dev
-EMA_LEVEL = 1  # EMA of the exact k-th score (ECHO's threshold; starts at 0)
-EMA_DEV = 2  # EMA of |k-th score - level|, how far the k-th score moves from step to step
+EMA_LEVEL = 1  # EMA of the exact k-th score (ECHO's threshold)
+EMA_DEV = 2  # EMA of |k-th score - level|: how far the k-th score strays from its EMA
 EMA_ROWS = 3
 
 
@@ -40,11 +40,14 @@ def update_ema(ema: torch.Tensor, kth: torch.Tensor, seq_lens: torch.Tensor,
         dev   <- 0.5 |kth - level| + 0.5 dev
         level <- 0.5 kth + 0.5 level
         thr   <- level + margin * dev
-    margin = 0 is ECHO's threshold (the EMA of the k-th score); a margin above it stages only
-    scores that clear the k-th score's usual step-to-step movement, fewer rows the exact top-k
-    then passes over (docs/prefetch.md, "The threshold"). A key that several live rows share (the
-    members of an n > 1 group share their prompt's first page) is updated by the first of them,
-    so the result does not depend on the order of the writes."""
+    except on a request's first update (its state all 0, as a new or released request's is):
+    level <- kth, dev <- 0 (so the deviation does not start at half the k-th score). The first
+    step's threshold is 0, ECHO's start. margin = 0 is ECHO's threshold (the EMA of the k-th
+    score); a margin above it stages only scores that clear how far the k-th score usually strays
+    from its EMA: fewer rows the exact top-k then passes over (docs/prefetch.md, "The
+    threshold"). A key that several live rows share (the members of an n > 1 group share their
+    prompt's first page) is updated by the first of them, so the result does not depend on the
+    order of the writes."""
     n_ema = ema.shape[1]
     key = ema_keys(block_table, seq_lens, n_ema)
     r = torch.arange(key.shape[0], device=key.device)
@@ -52,8 +55,9 @@ def update_ema(ema: torch.Tensor, kth: torch.Tensor, seq_lens: torch.Tensor,
     earlier = ((key[None, :] == key[:, None]) & live[None, :] & (r[None, :] < r[:, None])).any(1)
     writer = live & ~earlier  # unique keys
     level, dev = ema[EMA_LEVEL, key], ema[EMA_DEV, key]
-    new_dev = EMA_ALPHA * (kth - level).abs() + (1.0 - EMA_ALPHA) * dev
-    new_level = EMA_ALPHA * kth + (1.0 - EMA_ALPHA) * level
+    fresh = (level == 0) & (dev == 0)  # the first update of this request
+    new_dev = torch.where(fresh, 0.0, EMA_ALPHA * (kth - level).abs() + (1.0 - EMA_ALPHA) * dev)
+    new_level = torch.where(fresh, kth, EMA_ALPHA * kth + (1.0 - EMA_ALPHA) * level)
     new = torch.stack([threshold(new_level, new_dev, margin), new_level, new_dev])  # [ROWS, B]
     # every other row writes the dump's own values to the dump: the same, whatever the order
     ema.index_copy_(1, torch.where(writer, key, n_ema - 1),

@@ -172,13 +172,14 @@ def test_post_variant_bounds_and_chunks(device):
 @pytest.mark.parametrize("margin", [0.0, 2.0, 0.37])
 def test_ema_kernel_matches_update_ema(device, margin):
     """The one-launch threshold update equals the torch expression bit for bit (padded rows,
-    -inf levels and k-th scores included), other columns untouched; the threshold is
-    level + margin x dev (the level alone at margin 0)."""
+    -inf levels and k-th scores, fresh all-0 columns included), other columns untouched; the
+    threshold is level + margin x dev (the level alone at margin 0)."""
     g = torch.Generator().manual_seed(3)
     for B in (1, 5, 16):
         ema = torch.randn(pf.EMA_ROWS, 40, generator=g) * 10
         ema[pf.EMA_DEV] = ema[pf.EMA_DEV].abs()
         ema[pf.EMA_LEVEL, ::7] = float("-inf")
+        ema[:, 2::5] = 0.0  # fresh requests (a new or released one's state)
         kth = torch.randn(B, generator=g) * 10
         kth[::3] = float("-inf")
         lens = torch.randint(0, 3, (B,), generator=g, dtype=torch.int32) * 50
@@ -199,6 +200,8 @@ def test_ema_kernel_matches_update_ema(device, margin):
             k, lv, dv = kth[holders[0]], old[pf.EMA_LEVEL, k0], old[pf.EMA_DEV, k0]
             level = pf.EMA_ALPHA * k + (1 - pf.EMA_ALPHA) * lv
             dev = pf.EMA_ALPHA * (k - lv).abs() + (1 - pf.EMA_ALPHA) * dv
+            if lv == 0 and dv == 0:  # its first update
+                level, dev = k, torch.zeros_like(k)
             assert torch.equal(want[pf.EMA_LEVEL, k0], level)
             assert torch.equal(want[pf.EMA_DEV, k0].nan_to_num(), dev.nan_to_num())
             thr = level + margin * dev if margin else level
@@ -206,17 +209,28 @@ def test_ema_kernel_matches_update_ema(device, margin):
 
 
 def test_margin_raises_the_threshold_by_the_kth_movement():
-    """Two steps of a request whose k-th score moves: the level is ECHO's EMA, the deviation the
-    EMA of the moves, and the op stages by level + margin x dev; the kernel stages by the
+    """Two steps of a request whose k-th score moves: the first update sets the level to the
+    k-th score (deviation 0), the second is ECHO's EMA with the deviation the EMA of the k-th
+    score's distance from it, and the op stages by level + margin x dev; the kernel stages by the
     threshold row alone (a level of -inf under a threshold of +inf stages nothing)."""
     for margin in (0.0, 1.5):
         inp, host_kv, h2g, st = _prefetch_case(31, "cpu")
         k1 = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, 32, 16, 0.0, margin)[1]
         keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[1])
+        live = inp["seq_lens"] > 0
         e = st["ema"][:, keys]
-        assert torch.equal(e[pf.EMA_LEVEL], 0.5 * k1) and torch.equal(e[pf.EMA_DEV], 0.5 * k1.abs())
-        exp = 0.5 * k1 + margin * (0.5 * k1.abs()) if margin else 0.5 * k1
-        assert torch.equal(e[pf.EMA_THR], exp)
+        assert torch.equal(e[pf.EMA_LEVEL][live], k1[live]) and not e[pf.EMA_DEV].any()
+        assert torch.equal(e[pf.EMA_THR][live], k1[live])
+        inp["weights"] = inp["weights"] * 1.25  # every score, so the k-th, moves
+        k2 = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, 32, 16, 0.0, margin)[1]
+        assert not torch.equal(k2[live], k1[live])
+        e = st["ema"][:, keys]
+        level = 0.5 * k2 + 0.5 * k1
+        dev = 0.5 * (k2 - k1).abs()
+        assert torch.equal(e[pf.EMA_LEVEL][live], level[live])
+        assert torch.equal(e[pf.EMA_DEV][live], dev[live])
+        exp = level + margin * dev if margin else level
+        assert torch.equal(e[pf.EMA_THR][live], exp[live])
     st["ema"][pf.EMA_THR].fill_(float("inf"))
     st["ema"][pf.EMA_LEVEL].fill_(float("-inf"))
     st["pf_stats"].zero_()
@@ -457,11 +471,14 @@ def test_thresholds_follow_requests_not_rows():
     lens = torch.tensor([300, 200, 380], dtype=torch.int32)
     _, kth = layer.select(inp["q_fp8"], inp["weights"], bt, lens)
     level = layer.staging.ema[pf.EMA_LEVEL]
-    assert torch.equal(level[[0, 6, 12]], 0.5 * kth)  # from 0, alpha 0.5
+    assert torch.equal(level[[0, 6, 12]], kth)  # a first update: the k-th score itself
     perm = torch.tensor([2, 0, 1])
+    inp["weights"] = inp["weights"] * 2  # new k-th scores, each request's own
     _, kth2 = layer.select(inp["q_fp8"][perm], inp["weights"][perm], bt[perm], lens[perm])
-    assert torch.equal(kth2, kth[perm])
-    assert torch.equal(level[[0, 6, 12]], 0.75 * kth)  # each request's own, whatever its row
+    kth2 = kth2[torch.argsort(perm)]  # back in request order
+    assert not torch.equal(kth2, kth)
+    # each request's EMA of its own two k-th scores, whatever its row
+    assert torch.equal(level[[0, 6, 12]], 0.5 * kth2 + 0.5 * kth)
     c.release(torch.arange(6 * 64, 12 * 64))  # the second request's pages
     ema = layer.staging.ema
-    assert not ema[:, 6].any() and torch.equal(level[[0, 12]], 0.75 * kth[[0, 2]])
+    assert not ema[:, 6].any() and torch.equal(level[[0, 12]], (0.5 * kth2 + 0.5 * kth)[[0, 2]])
