@@ -62,7 +62,7 @@ SCAN_WARPS = 4
 LIST_BLOCK = 512  # list entries per program (lookup, output, release; docs/cache_ops.md: the sweep)
 LIST_WARPS = 4  # warps per lookup program (the benchmark also tries 8: more gathers in flight)
 # Recall's lookup: a block with no miss skips the claim (its exchange, winner sum and append are
-# three dependent round trips; in a steady step of 37 misses >= 91 of the 128 blocks have none).
+# three dependent round trips; in a steady step of 37 misses >= 219 of the 256 blocks have none).
 LOOKUP_SKIP_CLEAN = True
 PAD_BLOCK = 1024  # index-buffer entries per padding store
 # allocate's one program: ranks per chunk (37 or 2048 slots are 1 or 2 dependent chunks) and

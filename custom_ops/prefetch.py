@@ -238,9 +238,10 @@ def _check_staging(
             stage_ctr.shape[0] < B + 1
             or ema.dtype != torch.float32
             or ema.shape != (EMA_ROWS, n_h // 64 + 1)
+            or not ema.is_contiguous()
         ):
             raise ValueError(
-                f"{op}: stage_ctr must hold >= B + 1 = {B + 1} counters and ema "
+                f"{op}: stage_ctr must hold >= B + 1 = {B + 1} counters and ema a contiguous "
                 f"fp32 [{EMA_ROWS}, N_H / 64 + 1 = {n_h // 64 + 1}] (a batch of {B}), got "
                 f"stage_ctr {list(stage_ctr.shape)}, ema {ema.dtype} {list(ema.shape)}"
             )

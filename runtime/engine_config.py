@@ -68,7 +68,8 @@ class EngineConfig:
     prefetch: str = "off"
     prefetch_cap: int = 64  # rows per request and layer ("request"); staging rows = max_batch x it
     prefetch_ratio: float = 1 / 512  # "global": budget rows per context token of the batch
-    # the threshold's margin over the EMA of the k-th score, in EMAs of its movement (0: ECHO's)
+    # the threshold's margin over the EMA of the k-th score, in EMAs of the k-th score's distance
+    # from it (0: ECHO's threshold)
     prefetch_margin: float = PREFETCH_MARGIN
     # multi-process serving (docs/multi_gpu.md): dp data-parallel attention ranks (each with its
     # own requests and KV cache), the feed-forward blocks tensor-parallel over tp ranks

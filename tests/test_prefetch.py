@@ -447,6 +447,19 @@ def test_bench_prefetch_dry_run(tmp_path):
             assert c["candidates"] <= fused[k.replace("_m2_", "_m0_")]["candidates"]
 
 
+def test_prefetch_op_rejects_bad_threshold_state_and_margin():
+    """The op names the problem: the old 1-D threshold layout, a non-contiguous state, a
+    negative or non-finite margin."""
+    inp, host_kv, h2g, st = _prefetch_case(5, "cpu")
+    n = st["ema"].shape[1]
+    for bad in (torch.zeros(n), torch.zeros(n, pf.EMA_ROWS).t()):
+        with pytest.raises(ValueError, match="ema a contiguous"):
+            _run(pf.indexer_topk_prefetch, inp, host_kv, h2g, dict(st, ema=bad), 32, 16, 0.0)
+    for margin in (-0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="margin must be a finite number"):
+            _run(pf.indexer_topk_prefetch, inp, host_kv, h2g, st, 32, 16, 0.0, margin)
+
+
 def test_opcheck_prefetch_ops():
     """Schemas, fakes and mutation declarations of both ops (torch.library.opcheck)."""
     inp, host_kv, h2g, st = _prefetch_case(4, "cpu")

@@ -61,7 +61,7 @@ class CacheConfig:
     prefetch: str = "off"
     prefetch_cap: int = 64
     prefetch_ratio: float = 1 / 512
-    # threshold = EMA of the k-th score + prefetch_margin x EMA of its step-to-step movement
+    # threshold = EMA of the k-th score + prefetch_margin x EMA of its distance from that EMA
     # (0: ECHO's threshold; docs/prefetch.md, "The threshold")
     prefetch_margin: float = PREFETCH_MARGIN
 

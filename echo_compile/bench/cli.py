@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "--prefetch-margin",
         type=float,
         default=PREFETCH_MARGIN,
-        help="the prefetch threshold's margin over the EMA of the k-th score, in EMAs of its "
-        f"step-to-step movement (default {PREFETCH_MARGIN:g}; 0 = ECHO's threshold)",
+        help="the prefetch threshold's margin over the EMA of the k-th score, in EMAs of the "
+        f"k-th score's distance from it (default {PREFETCH_MARGIN:g}; 0 = ECHO's threshold)",
     )
     ap.add_argument(
         "--weights",
