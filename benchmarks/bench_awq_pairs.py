@@ -4,13 +4,19 @@ side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launc
     python -m benchmarks.bench_awq_pairs --out $OUT/awq_pairs_h200.json [--budget-s 300]
 
 1. Checks (PASS/FAIL, recorded; timings go on): at V3.2 shapes the kernel's inline-PTX mode equals
-   its Triton-ops mode bit for bit, and both are within 1e-2 relative of the reference; the MoE
-   (16 experts) the same against ``moe_w4a16_ref``.
+   its Triton-ops mode bit for bit, and both are within 1e-2 relative of the reference, SCALED
+   too (and within 1e-2 of its own rounded weights); ``dequant_p`` equals the rounded reference
+   weight bit for bit; the MoE (16 experts) the same against ``moe_w4a16_ref``.
 2. Linear, K x N in ``bench_awq.LINEAR_SHAPES``, M in ``--batches``: bf16 ``F.linear``, tinygemm,
    the served path (``AWQLinear``'s dispatch now), the former Triton kernel, fbgemm's CUTLASS
    int4 GEMM where it imports, and the pair kernel: its heuristic (``p_config``) and every
-   candidate of ``linear_candidates`` (``pair_best_us`` and its config).
-3. MoE, 256 experts, top-8, T in ``--moe-batches``: the bf16 grouped Triton MoE (what the bf16
+   candidate of ``linear_candidates`` (``pair_best_us`` and its config, exact weights); from
+   M = 32 the SCALED kernel's candidates too (``scaled_candidates``, W rounded to bf16).
+   ``--no-sweeps``: the served configurations only.
+3. Prefill, M in ``--prefill-batches``: bf16, the exact-weight pair kernel, the SCALED kernel's
+   best wide tile, and the weight dequantised once then ``F.linear`` (served from
+   ``awq_pairs_kernels.DEQUANT_MIN_M``), and the dequantisation alone.
+4. MoE, 256 experts, top-8, T in ``--moe-batches``: the bf16 grouped Triton MoE (what the bf16
    model runs) and the pair MoE (served), heuristic and candidates.
 Each graph holds R calls over R weight copies (or routings), so weights come from HBM, not L2
 (``bench_awq``'s method). A section stops starting new points once ``--budget-s`` is spent.
@@ -67,7 +73,20 @@ def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     for bn, warps, stages in shapes:
         for ppsm in (2, 4, 8):
             c = PK.p_config(m, n, k, sms, programs_per_sm=ppsm, bn=bn)
-            c.update(num_warps=warps, num_stages=stages)
+            c.update(num_warps=warps, num_stages=stages, SCALED=False)
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def scaled_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """The SCALED kernel (one accumulator, W rounded to x's dtype) at M > 16: wider tiles, which
+    the per-group partial product's registers ruled out, and several split-K depths."""
+    bt, out = PK.tokens_tile(m), []
+    for bn, warps, stages in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3)):
+        for ppsm in (1, 2, 4):
+            c = PK.p_config(m, n, k, sms, programs_per_sm=ppsm, bn=bn)
+            c.update(BT=bt, num_warps=warps, num_stages=stages, FUSED=False, SCALED=True)
             if c not in out:
                 out.append(c)
     return out
@@ -106,6 +125,15 @@ def check(result: dict) -> None:
                 record(result, "linear/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None,
                        K=k, N=n, M=m)  # fmt: skip
                 record(result, "linear/pair", rel_err(a, ref), 1e-2, K=k, N=n, M=m)
+                sc = {**cfg, "SCALED": True}  # W rounded to bf16: vs that weight, and vs exact
+                sa = PK.w4a16_linear_p_triton(x, *p, config=sc, mode=PK.MODE_ASM)
+                sb = PK.w4a16_linear_p_triton(x, *p, config=sc, mode=PK.MODE_OPS)
+                w16 = P.dequantize_pairs_t(*p, dtype=torch.bfloat16)
+                record(result, "linear/scaled asm==ops", 0.0 if torch.equal(sa, sb) else 1.0,
+                       None, K=k, N=n, M=m)  # fmt: skip
+                own = rel_err(sa, (x.float() @ w16).bfloat16())
+                record(result, "linear/scaled vs its weights", own, 1e-2, K=k, N=n, M=m)
+                record(result, "linear/scaled vs exact", rel_err(sa, ref), 1e-2, K=k, N=n, M=m)
                 if cfg["SPLIT_K"] > 1:  # the fused reduction: the same bits, 20 times over
                     c = {**cfg, "FUSED": True}
                     same = all(torch.equal(PK.w4a16_linear_p_triton(x, *p, config=c), a)
@@ -114,6 +142,13 @@ def check(result: dict) -> None:
                            K=k, N=n, M=m)  # fmt: skip
             except Exception as e:  # noqa: BLE001  (recorded; the timings go on)
                 record(result, "linear/pair", repr(e), 1e-2, K=k, N=n, M=m)
+        try:  # the large-M path's weight: bit for bit the rounded reference
+            dq = PK.dequant_p_triton(*p, torch.bfloat16)
+            w16 = P.dequantize_pairs_t(*p, dtype=torch.bfloat16).t().bfloat16()
+            record(result, "dequant==ref", 0.0 if torch.equal(dq, w16) else 1.0, None, K=k, N=n)
+            del dq, w16
+        except Exception as e:  # noqa: BLE001
+            record(result, "dequant==ref", repr(e), None, K=k, N=n)
     e = 16  # the reference dequantises every expert in fp32 (256 would need ~100 GB)
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,), gen=gen), rand_awq(I_MOE, D, (e,), gen=gen)
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
@@ -149,7 +184,10 @@ def check(result: dict) -> None:
 # ---- timings ---------------------------------------------------------------------------------
 
 
-def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float) -> list[dict]:
+def bench_linear(
+    k: int, n: int, batches: list[int], hbm: float, budget_s: float, sweeps: bool = True,
+    scaled_min_m: int = 32,
+) -> list[dict]:  # fmt: skip
     rows = []
     wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
     wp = [P.pair_awq(*w) for w in wa]
@@ -182,7 +220,7 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
                                                           f"{row['served_path']}_us")]  # fmt: skip
         sweep = []
-        for c in linear_candidates(m, n, k, sms):
+        for c in linear_candidates(m, n, k, sms) if sweeps else ():
             us = _time(
                 [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
             )
@@ -190,6 +228,15 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
         ok = [s for s in sweep if not math.isnan(s["us"])] + [{"config": cfg, "us": row["pair_us"]}]
         best = min(ok, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
         row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
+        if sweeps and m >= scaled_min_m:
+            ss = []
+            for c in scaled_candidates(m, n, k, sms):
+                calls = [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c)
+                         for w in wp]  # fmt: skip
+                ss.append({"config": c, "us": _time(calls)})
+            sb = min(ss, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
+            row.update(scaled_best_us=sb["us"], scaled_best_config=sb["config"],
+                       scaled_sweep=ss, scaled_best_x_bf16=row["bf16_us"] / sb["us"])
         bf = row["bf16_us"]
         row["pair_x_bf16"] = bf / row["pair_us"]
         row["pair_best_x_bf16"] = bf / row["pair_best_us"]
@@ -201,7 +248,48 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float, budget_s: float
               f"{row['served_us']:.1f} fbgemm {row.get('fbgemm_us', math.nan):.1f} pair "
               f"{row['pair_us']:.1f} fused {row.get('pair_fused_us', math.nan):.1f} best "
               f"{row['pair_best_us']:.1f} "
-              f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']}", flush=True)  # fmt: skip
+              f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} scaled best "
+              f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')}",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def bench_prefill(k: int, n: int, batches: list[int], budget_s: float) -> list[dict]:
+    """Prefill token counts: bf16 ``F.linear``, the pair kernel (``p_config``'s tile), the
+    SCALED kernel's best wide tile, and the weight dequantised once (``dequant_p``) then
+    ``F.linear`` (cuBLAS), and the dequantisation alone."""
+    rows, sms = [], K._num_sms(torch.device("cuda"))
+    wp = [P.pair_awq(*rand_awq(k, n)) for _ in range(2)]
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2)]
+    for m in batches:
+        if over(budget_s):
+            print(f"  prefill {k}x{n}: budget spent, M >= {m} not timed", flush=True)
+            break
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row: dict = {"in": k, "out": n, "M": m}
+        row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
+        cfg = {**PK.p_config(m, n, k, sms), "SCALED": False}  # the exact-weight kernel
+        row["pair_us"] = _time([lambda w=w, x=x, c=cfg: PK.w4a16_linear_p_triton(x, *w, config=c)
+                                for w in wp])  # fmt: skip
+        best = (math.inf, None)
+        for bn, warps, stages in ((128, 8, 3), (128, 8, 4), (256, 8, 3)):
+            c = {"BN": bn, "BT": 128, "SPLIT_K": 1, "num_warps": warps, "num_stages": stages,
+                 "FUSED": False, "SCALED": True}  # fmt: skip
+            us = _time([lambda w=w, x=x, c=c: PK.w4a16_linear_p_triton(x, *w, config=c)
+                        for w in wp])  # fmt: skip
+            if us < best[0]:
+                best = (us, c)
+        row["scaled_best_us"], row["scaled_best_config"] = best
+        row["dequant_mm_us"] = _time([lambda w=w, x=x: PK.w4a16_linear_p_triton(
+            x, *w, config={"DEQUANT": True}) for w in wp])  # fmt: skip
+        row["dequant_us"] = _time([lambda w=w: PK.dequant_p_triton(*w, torch.bfloat16)
+                                   for w in wp])  # fmt: skip
+        for key in ("pair", "scaled_best", "dequant_mm"):
+            row[f"{key}_x_bf16"] = row["bf16_us"] / row[f"{key}_us"]
+        rows.append(row)
+        print(f"  prefill {k}x{n} M={m}: bf16 {row['bf16_us']:.1f} pair {row['pair_us']:.1f} "
+              f"scaled {row['scaled_best_us']:.1f} {best[1]} dequant+mm "
+              f"{row['dequant_mm_us']:.1f} (dequant {row['dequant_us']:.1f})", flush=True)
     return rows
 
 
@@ -260,7 +348,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="1,4,8,16,32,64,128")
     ap.add_argument("--moe-batches", default="1,8,16,32,64,128")
+    ap.add_argument("--prefill-batches", default="256,1024,4096",
+                    help="token counts of the prefill section ('' skips it)")
+    ap.add_argument("--shapes", default="",
+                    help="K x N pairs of the linear sections, e.g. 16384x7168,2048x7168 "
+                         "(default: bench_awq.LINEAR_SHAPES)")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--no-sweeps", action="store_true",
+                    help="time the served configurations only (no launch-configuration sweeps)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq_pairs: needs a CUDA GPU")
@@ -286,10 +381,17 @@ def main() -> None:
     result["hbm_copy_GBps"] = hbm = copy_ceiling_gbps()
     check(result)
     save()
-    result["linear"] = []
-    for k, n in LINEAR_SHAPES if args.batches else ():
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    result["linear"], result["prefill"] = [], []
+    for k, n in (shapes or LINEAR_SHAPES) if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
-                                         args.budget_s * 0.6)  # fmt: skip
+                                         args.budget_s * 0.5, not args.no_sweeps)  # fmt: skip
+        save()
+        torch.cuda.empty_cache()
+    for k, n in (shapes or LINEAR_SHAPES) if args.prefill_batches else ():
+        result["prefill"] += bench_prefill(
+            k, n, [int(b) for b in args.prefill_batches.split(",") if b], args.budget_s * 0.75
+        )
         save()
         torch.cuda.empty_cache()
     result["moe"] = bench_moe(
@@ -305,6 +407,16 @@ def main() -> None:
               f"{r['served_us']:6.1f} {r.get('fbgemm_us', math.nan):6.1f} {r['pair_us']:6.1f} "
               f"{r.get('pair_fused_us', math.nan):6.1f} {r['pair_best_us']:6.1f} "
               f"{r['pair_best_x_bf16']:6.2f}")  # fmt: skip
+    print(f"{'scaled K x N':>14} {'M':>4} {'bf16':>6} {'pair':>6} {'scaled':>6} {'x bf16':>6}")
+    for r in result["linear"]:
+        if "scaled_best_us" in r:
+            print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
+                  f"{r['pair_best_us']:6.1f} {r['scaled_best_us']:6.1f} "
+                  f"{r['scaled_best_x_bf16']:6.2f}")  # fmt: skip
+    print(f"{'prefill K x N':>14} {'M':>5} {'bf16':>8} {'pair':>8} {'scaled':>8} {'deq+mm':>8}")
+    for r in result["prefill"]:
+        print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>5} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "
+              f"{r['scaled_best_us']:8.1f} {r['dequant_mm_us']:8.1f}")  # fmt: skip
     print(f"{'moe T':>6} {'bf16':>7} {'pair':>7} {'best':>7} {'x bf16':>6}")
     for r in result["moe"]:
         print(f"{r['T']:>6} {r['bf16_us']:7.1f} {r['pair_us']:7.1f} "

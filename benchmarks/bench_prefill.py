@@ -64,6 +64,7 @@ from custom_ops.kv_format import PAGE, pages_for  # noqa: E402
 from echo_compile.bench.harness import build_model, environment  # noqa: E402
 from model.forward_meta import ForwardMeta  # noqa: E402
 from model.prefill_ref import explicit_prefill_in  # noqa: E402
+from model.quantize import quantize_in_memory  # noqa: E402
 from tests.test_decode_kernels import attention_close, check_scores, make_pool  # noqa: E402
 from tests.test_prefill_ops import (  # noqa: E402
     PREFILL_SCORE_REL,
@@ -396,6 +397,19 @@ class Prefiller:
         return logits
 
 
+@contextlib.contextmanager
+def awq_pair_linears():
+    """AWQ linears of any token count on the pair kernel: the large-M rule
+    (``awq_pairs_kernels.uses_dequant``, dequantise once then cuBLAS) off, as before it."""
+    from custom_ops import awq_pairs_kernels as PK
+
+    saved, PK.DEQUANT_MIN_M = PK.DEQUANT_MIN_M, 1 << 62
+    try:
+        yield
+    finally:
+        PK.DEQUANT_MIN_M = saved
+
+
 def bench_ttft(res: dict, model, a, dev: str) -> None:
     out = res["ttft"] = []
     lens = [int(x) for x in a.ttft.split(",") if x]
@@ -416,8 +430,13 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
         pre.run(min(a.chunk + 64, max(lens)))
     with old_attention():
         pre.run(min(2 * a.chunk, max(lens)))
+    pair_lens = {int(x) for x in a.awq_pair_ttft.split(",") if x} if a.weights == "awq" else set()
+    if pair_lens:
+        with awq_pair_linears():
+            pre.run(min(2 * a.chunk, max(lens)))
     for n in lens:
         paths = ["sparse"] + ["sparse_triton", "sparse_deep_gemm"] * (n in dg_lens)
+        paths += ["sparse_awq_pair_linears"] * (n in pair_lens)
         paths += ["sparse_old_attention"] * (n in old_attn) + ["explicit"] * (n in old)
         for path in paths:
             row = {"tokens": n, "path": path, "chunk": a.chunk}
@@ -429,6 +448,7 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
                            "sparse_old_attention": old_attention,
                            "sparse_triton": lambda: prefill_scores_by(pre.cache, "triton"),
                            "sparse_deep_gemm": lambda: prefill_scores_by(pre.cache, "deep_gemm"),
+                           "sparse_awq_pair_linears": awq_pair_linears,
                            }.get(path, contextlib.nullcontext)  # fmt: skip
                     with ctx():
                         row["first_s"] = timed(lambda n=n: pre.run(n), dev)
@@ -685,6 +705,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dg-ttft", default="32768", help="TTFT lengths also run with DeepGEMM")
     ap.add_argument("--index-topk", type=int, default=2048, help="top-k of the DeepGEMM comparison")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip what starts later")
+    ap.add_argument("--weights", choices=("bf16", "awq", "fp8"), default="bf16",
+                    help="the model's weights, quantised in memory as `echo-compile bench "
+                         "--weights` does (TTFT and profile; the throughput run too)")
+    ap.add_argument("--awq-pair-ttft", default="32768",
+                    help="with --weights awq: TTFT lengths also run with every AWQ linear on the "
+                         "pair kernel (the large-M dequantise rule off)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="tiny preset, toy sizes, CPU")
     a = ap.parse_args(argv)
     dev = "cpu" if a.dry_run else "cuda"
@@ -714,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
     write(res, a.out)
     model = build_model("tiny" if a.dry_run else "bench", a.layers, a.experts, dev)
+    res["quantized_modules"] = len(quantize_in_memory(model, a.weights))
     res["model"] = model.config.to_dict()
     for name, fn in (
         ("ttft", lambda: bench_ttft(res, model, a, dev)),

@@ -81,12 +81,17 @@ def unpack_pairs(qweight_p: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_pairs_t(
-    qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
-) -> torch.Tensor:
-    """fp32 ``W^T [K, N]`` of a pair-layout weight (exact: small integers times a 16-bit scale)."""
+    qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """fp32 ``W^T [K, N]`` of a pair-layout weight (exact: small integers times a 16-bit scale).
+    With ``dtype`` (bf16 / fp16): the scale in that dtype and the product rounded to it once, the
+    weights the scaled kernels compute with (``awq_pairs_kernels``: SCALED, ``dequant_p``)."""
     q = unpack_pairs(qweight_p)
     z = zeros.to(torch.int32).repeat_interleave(GROUP, dim=0)
-    return (q - z).float() * scales.float().repeat_interleave(GROUP, dim=0)
+    s = scales if dtype is None else scales.to(dtype)
+    w = (q - z).float() * s.float().repeat_interleave(GROUP, dim=0)
+    return w if dtype is None else w.to(dtype).float()
 
 
 # ---- echo::w4a16_linear_p --------------------------------------------------------------------

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.awq_format import GROUP, check_pairs, check_x16
-from custom_ops.awq_kernels import _num_sms, _store, splitk_sum_kernel
+from custom_ops.awq_kernels import _num_sms, _round16, _store, splitk_sum_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
@@ -43,45 +43,75 @@ DEFAULT_MODE = MODE_INTERPRET if _INTERPRET else MODE_ASM
 
 
 @triton.jit
-def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr):
+def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
+          SCALED: tl.constexpr = False):  # fmt: skip
     """``(q - z)`` of the nibbles at bits ``4 s`` (lo) and ``16 + 4 s`` (hi) of each word ``w``
     (int32 [R, C]); ``zz`` is ``(c + z) * 0x10001`` (the 16-bit pair ``(c + z, c + z)``, c the
-    magic number). Returns ``(lo, hi)``, 16-bit (fp32 under MODE 2)."""
+    magic number). Returns ``(lo, hi)``, 16-bit (fp32 under MODE 2). SCALED: ``(q - z) * s``
+    instead, rounded to 16 bits once (``ss``: the 16-bit pair ``(s, s)`` of the group's scale in
+    x's dtype, ``_ss``); one more instruction per pair, and W is rounded to x's dtype."""
     if MODE == 0:
         if FP16:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
-                "sub.rn.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.float16, tl.float16), is_pure=True,
-                pack=1,
-            )  # fmt: skip
+            if SCALED:
+                lo, hi = tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
+                    "sub.rn.f16x2 t, t, $3; mul.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
+                    "=h,=h,r,r,r", [w >> (4 * s), zz, ss], dtype=(tl.float16, tl.float16),
+                    is_pure=True, pack=1,
+                )  # fmt: skip
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
+                    "sub.rn.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
+                    "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.float16, tl.float16),
+                    is_pure=True, pack=1,
+                )  # fmt: skip
         else:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
-                "sub.rn.bf16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                pack=1,
-            )  # fmt: skip
+            if SCALED:
+                lo, hi = tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
+                    "sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
+                    "=h,=h,r,r,r", [w >> (4 * s), zz, ss], dtype=(tl.bfloat16, tl.bfloat16),
+                    is_pure=True, pack=1,
+                )  # fmt: skip
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
+                    "sub.rn.bf16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
+                    "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.bfloat16, tl.bfloat16),
+                    is_pure=True, pack=1,
+                )  # fmt: skip
     elif MODE == 1:
         dt = tl.float16 if FP16 else tl.bfloat16
         magic = 0x6400 if FP16 else 0x4300
         c = (zz & 0xFFFF).to(tl.int16).to(dt, bitcast=True)  # c + z, exact
         lo = ((((w >> (4 * s)) & 0xF) | magic).to(tl.int16).to(dt, bitcast=True)) - c
         hi = ((((w >> (16 + 4 * s)) & 0xF) | magic).to(tl.int16).to(dt, bitcast=True)) - c
+        if SCALED:
+            sc = (ss & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
+            lo = (lo.to(tl.float32) * sc.to(tl.float32)).to(dt)  # exact product, one rounding
+            hi = (hi.to(tl.float32) * sc.to(tl.float32)).to(dt)
     else:
+        dt = tl.float16 if FP16 else tl.bfloat16
         c = ((zz & 0xFFFF) - (0x6400 if FP16 else 0x4300)).to(tl.float32)  # z
         lo = ((w >> (4 * s)) & 0xF).to(tl.float32) - c
         hi = ((w >> (16 + 4 * s)) & 0xF).to(tl.float32) - c
+        if SCALED:  # the interpreter's fp32 -> bf16 truncates: _round16 rounds to nearest
+            sc = (ss & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+            lo = _round16(lo * sc, dt, True)
+            hi = _round16(hi * sc, dt, True)
     return lo, hi
 
 
 @triton.jit
-def _group_part(part, w, zz, x_cols, t_mask, FP16: tl.constexpr, MODE: tl.constexpr):
+def _group_part(part, w, zz, x_cols, t_mask, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
+                SCALED: tl.constexpr = False):  # fmt: skip
     """``part [BN, BT] += W_g [BN, 128] @ x_g^T [128, BT]`` for one group: ``w [BN, 16]`` its
-    words, ``x_cols [32, BT]`` pointers to x[token, group start + c] (c < 32)."""
+    words, ``x_cols [32, BT]`` pointers to x[token, group start + c] (c < 32). SCALED: W_g
+    carries the group's scale (``_pair``)."""
     for s in tl.static_range(4):
         xs = tl.load(x_cols + 32 * s, mask=t_mask[None, :], other=0.0)  # [32, BT]
-        lo, hi = _pair(w, zz, s, FP16, MODE)
+        lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
         a = tl.reshape(tl.join(lo, hi), [w.shape[0], 32])  # column 2 p + h = K row 32 s + 2 p + h
         if MODE == 2:
             part = tl.dot(a, xs.to(tl.float32), part)
@@ -99,11 +129,21 @@ def _zz(z_ptrs, n_mask, FP16: tl.constexpr):
 
 
 @triton.jit
+def _ss(s_ptrs, n_mask, FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The 16-bit pair ``(s, s)`` of the scales, rounded to x's dtype, as int32 [BN, 16]."""
+    dt = tl.float16 if FP16 else tl.bfloat16
+    s = tl.load(s_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    s = _round16(s, dt, INTERPRET).to(dt)  # exact: already a dt value
+    bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (bits * 0x10001)[:, None] + tl.zeros([s_ptrs.shape[0], 16], dtype=tl.int32)
+
+
+@triton.jit
 def w4a16_p_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
-    FUSED: tl.constexpr, INTERPRET: tl.constexpr,
+    FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
 ):  # fmt: skip
     """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
     1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K).
@@ -111,7 +151,11 @@ def w4a16_p_kernel(
     FUSED (SPLIT_K > 1): the tile's last split to finish (an acq_rel counter per tile in
     ``cnt_ptr``, left at 0 again for the next launch) sums the fp32 partials in split order into
     ``y [M, N]`` (x's dtype): the order of ``splitk_sum_kernel``, so the same bits, one launch
-    fewer."""
+    fewer.
+
+    SCALED: the group's scale multiplies the 16-bit weights (W rounded to x's dtype, as AutoAWQ's
+    and vLLM's kernels compute) and one accumulator runs over every group: no per-group partial
+    product, its registers and its rescale (the wide tiles of M > 32, ``p_config``)."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -130,10 +174,14 @@ def w4a16_p_kernel(
         w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
         zz = _zz(z_ptr + col, n_mask, FP16)
-        sc = tl.load(s_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
-        part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
-                           t_mask, FP16, MODE)  # fmt: skip
-        acc += part * sc[:, None]
+        if SCALED:
+            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE,
+                              _ss(s_ptr + col, n_mask, FP16, INTERPRET), True)  # fmt: skip
+        else:
+            sc = tl.load(s_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
+                               t_mask, FP16, MODE)  # fmt: skip
+            acc += part * sc[:, None]
     mask = t_mask[None, :] & n_mask[:, None]
     tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
     _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
@@ -148,6 +196,28 @@ def w4a16_p_kernel(
                                  cache_modifier=".cg")  # fmt: skip
             _store(y_ptr + tile_offs, total, mask, INTERPRET)
             tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def dequant_p_kernel(
+    qw_ptr, z_ptr, s_ptr, w_ptr, N, K,
+    BN: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``W [N, K]`` (x's dtype) = ``(q - z) * s`` rounded once, the SCALED kernel's weights:
+    program (group g, column tile) writes ``W[n, 128 g : 128 g + 128]``. Grid: (G, cdiv(N, BN))."""
+    g = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    col = g * N + offs_n
+    w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + tl.arange(0, 16)[None, :],
+                mask=n_mask[:, None], other=0)  # fmt: skip
+    zz = _zz(z_ptr + col, n_mask, FP16)
+    ss = _ss(s_ptr + col, n_mask, FP16, INTERPRET)
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * K + g * 128 + tl.arange(0, 32)[None, :]
+    for s in tl.static_range(4):
+        lo, hi = _pair(w, zz, s, FP16, MODE, ss, True)
+        a = tl.reshape(tl.join(lo, hi), [BN, 32])  # column 2 p + h = K row 32 s + 2 p + h
+        tl.store(rows + 32 * s, a.to(w_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
 _COUNTERS: dict = {}
@@ -187,28 +257,45 @@ def tokens_tile(m: int) -> int:
     return min(128, max(16, triton.next_power_of_2(m)))
 
 
+DEQUANT_MIN_M = 256  # calls of this many tokens or more: dequant_p, then F.linear (cuBLAS)
+
+
+def uses_dequant(m: int) -> bool:
+    """The large-M rule (prefill chunks), from the H200 run in
+    ``benchmarks/results/awq_pairs_scaled_h200.json`` (bf16 / the pair kernel / the weight
+    dequantised once then ``F.linear``, µs, the four V3.2 shapes together): M = 256 157.3 / 295.9
+    / 276.9, M = 1024 502.8 / 1049.0 / 614.7, M = 4096 1804.4 / 3863.3 / 1907.0 (the pair kernel
+    runs at ~0.5x bf16's speed from M = 1024, the dequantised path at 0.94-0.95x at 4096). One
+    temporary weight in x's dtype per call ([N, K]: 235 MB at 16384 x 7168)."""
+    return m >= DEQUANT_MIN_M
+
+
 def p_config(
     m: int, n: int, k: int, num_sms: int, programs_per_sm: int | None = None, bn: int | None = None
 ) -> dict:
-    """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], from the H200 sweep
-    (``benchmarks/results/awq_pairs_h200.json``, the four V3.2 shapes, M = 1..128; the best
-    configuration of each point is what this returns, or within 10% of it):
-    - m <= 32: BN = 64, 4 warps, 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups
-      (8 at K = 7168 and 16384, 4 at K = 2048);
-      and the split-K partials summed by the tile's last program (``FUSED``) at BT = 16, which
-      measured 0.15-0.72 µs faster on all four shapes at M <= 16 and slower from M = 32;
-    - m > 32: 3 stages; BN = 128 with 8 warps at BT = 64, BN = 64 with 4 warps at BT = 128; split
-      until about ``programs_per_sm`` = 2 programs per SM.
+    """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], from the H200 sweeps
+    (``benchmarks/results/awq_pairs_h200.json``; the SCALED tiles from
+    ``awq_pairs_scaled_h200.json``; the four V3.2 shapes, M = 1..128; the best configuration of
+    each point is what this returns, or within 10% of it):
+    - m <= 16: BN = 64, 4 warps, 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups
+      (8 at K = 7168 and 16384, 4 at K = 2048), and the split-K partials summed by the tile's
+      last program (``FUSED``), which measured 0.15-0.72 µs faster on all four shapes;
+    - 16 < m <= 32: SCALED, BN = 128, 8 warps, 3 stages, the same split (four shapes together
+      84.7 µs against 91.2 for the exact-weight kernel at M = 32);
+    - 32 < m <= 64: BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (SCALED
+      lost on all four shapes there: 105.1 against 96.0 µs);
+    - m > 64: SCALED, BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (141.6
+      against 175.3 µs for the exact-weight BN = 64 tile at M = 128).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
     if bt <= 32:
-        cfg = {"BN": bn or 64, "BT": bt, "num_warps": 4, "num_stages": 4}
+        wide = bt == 32
+        cfg = {"BN": bn or (128 if wide else 64), "BT": bt, "num_warps": 8 if wide else 4,
+               "num_stages": 3 if wide else 4, "SCALED": wide}  # fmt: skip
         split = max(1, min(8, groups // 4))
     else:
-        wide = bt == 64
-        cfg = {"BN": bn or (128 if wide else 64), "BT": bt, "num_warps": 8 if wide else 4,
-               "num_stages": 3}  # fmt: skip
+        cfg = {"BN": bn or 128, "BT": bt, "num_warps": 8, "num_stages": 3, "SCALED": bt > 64}
         split = None
         programs_per_sm = programs_per_sm or 2
     if programs_per_sm is not None:
@@ -240,7 +327,12 @@ def w4a16_linear_p_triton(
     n = check_pairs("w4a16_linear_p", qweight_p, zeros, scales, k)
     if x.stride(1) != 1:
         x = x.contiguous()
+    if config is None and uses_dequant(m):
+        config = {"DEQUANT": True}
     cfg = config or p_config(m, n, k, _num_sms(x.device))
+    if cfg.get("DEQUANT"):  # many tokens: the weight once in x's dtype, then a dense GEMM
+        return torch.nn.functional.linear(x, dequant_p_triton(qweight_p, zeros, scales, x.dtype,
+                                                              mode))  # fmt: skip
     _check_config("w4a16_linear_p", cfg)
     split = cfg["SPLIT_K"]
     if split == 1:
@@ -254,7 +346,8 @@ def w4a16_linear_p_triton(
     w4a16_p_kernel[grid](
         x, qweight_p, zeros, scales, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
-        MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
+        MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
+        num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     if split == 1 or fused:
@@ -263,3 +356,20 @@ def w4a16_linear_p_triton(
         out, y, m * n, split, BLOCK=1024, INTERPRET=_INTERPRET, num_warps=4
     )
     return y
+
+
+def dequant_p_triton(
+    qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+    mode: int = DEFAULT_MODE,
+) -> torch.Tensor:  # fmt: skip
+    """``W [N, K]`` in ``dtype`` (bf16 or fp16): ``(q - z) * s`` rounded once, as the SCALED
+    kernel computes with (``awq_pairs.dequantize_pairs(..., dtype)`` is its reference)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dequant_p: dtype must be bfloat16 or float16, got {dtype}")
+    g, n, _ = qweight_p.shape
+    w = torch.empty((n, g * GROUP), device=qweight_p.device, dtype=dtype)
+    dequant_p_kernel[(g, triton.cdiv(n, 64))](
+        qweight_p, zeros, scales, w, n, g * GROUP, BN=64, FP16=dtype == torch.float16, MODE=mode,
+        INTERPRET=_INTERPRET, num_warps=4,
+    )  # fmt: skip
+    return w

@@ -104,6 +104,36 @@ def test_linear_kernel_matches_reference(k, n, m, dtype, cfg):
 
 
 @pytest.mark.parametrize(
+    "k,n,m,dtype,cfg",
+    [
+        (256, 64, 3, torch.bfloat16, {"BN": 64, "BT": 16, "SPLIT_K": 1}),
+        (384, 128, 40, torch.bfloat16, {"BN": 128, "BT": 32, "SPLIT_K": 2}),  # uneven split
+        (256, 96, 20, torch.float16, {"BN": 64, "BT": 32, "SPLIT_K": 1}),  # N % BN
+    ],
+)
+def test_scaled_kernel_and_dequant_match_the_rounded_weights(k, n, m, dtype, cfg):
+    """SCALED and ``dequant_p`` compute with ``(q - z) * s`` rounded to x's dtype: the dequantised
+    weight equals the rounded reference bit for bit; the scaled product is within fp32 order of
+    it; the rounding moves the result well within the AWQ tolerance of the exact-weight one."""
+    g = torch.Generator().manual_seed(7 * k + n + m)
+    qw, qz, s = _awq_weights(k, n, g, torch.float16)  # fp16 scales: rounded for bf16 x
+    pw = P.pair_awq(qw, qz, s)
+    w16 = P.dequantize_pairs_t(*pw, dtype=dtype)  # [K, N] fp32 of dtype values
+    assert not torch.equal(w16, P.dequantize_pairs_t(*pw)) or dtype == torch.float16
+    assert torch.equal(PK.dequant_p_triton(*pw, dtype), w16.t().to(dtype))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    y = PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "SCALED": True, "num_warps": 4,
+                                                 "num_stages": 1})  # fmt: skip
+    ref = (x.float() @ w16).to(dtype)
+    assert y.dtype == dtype and _rel(y, ref) < 4e-3
+    assert _rel(y, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
+    big = PK.w4a16_linear_p_triton(x, *pw, config={"DEQUANT": True})
+    assert torch.equal(big, torch.nn.functional.linear(x, w16.t().contiguous().to(dtype)))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        PK.dequant_p_triton(*pw, torch.float32)
+
+
+@pytest.mark.parametrize(
     "t,e,topk,d,inter,dtype,cfg",
     [
         (1, 4, 2, 128, 128, torch.bfloat16, {"BN": 64, "BT": 16}),
@@ -157,13 +187,20 @@ def test_moe_kernel_sums_tokens_with_skipped_pairs():
 
 def test_config_rules():
     # the H200 sweep's winners (awq_pairs_h200.json), as the rule returns them
-    want = {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 4, "SPLIT_K": 8, "FUSED": True}
+    want = {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 4, "SPLIT_K": 8, "FUSED": True,
+            "SCALED": False}  # fmt: skip
     assert PK.p_config(1, 4096, 7168, 132) == want
     assert PK.p_config(8, 7168, 2048, 132)["SPLIT_K"] == 4
-    want = {"BN": 128, "BT": 64, "num_warps": 8, "num_stages": 3, "SPLIT_K": 8, "FUSED": False}
+    want = {"BN": 128, "BT": 32, "num_warps": 8, "num_stages": 3, "SPLIT_K": 8, "FUSED": False,
+            "SCALED": True}  # fmt: skip
+    assert PK.p_config(32, 4096, 7168, 132) == want
+    want = {"BN": 128, "BT": 64, "num_warps": 8, "num_stages": 3, "SPLIT_K": 8, "FUSED": False,
+            "SCALED": False}  # fmt: skip
     assert PK.p_config(64, 4096, 7168, 132) == want
-    assert PK.p_config(128, 7168, 16384, 132)["SPLIT_K"] == 2
+    want = {**want, "BT": 128, "SCALED": True, "SPLIT_K": 4}
+    assert PK.p_config(128, 7168, 16384, 132) == want
     assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
+    assert not PK.uses_dequant(255) and PK.uses_dequant(PK.DEQUANT_MIN_M)
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
     assert PM.moe_p_config(8, 256) == {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
     assert PM.moe_p_config(64 * 40, 64)["BT"] == 64
@@ -185,7 +222,7 @@ def _rand_awq_cuda(k, n, gen, lead=()):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 128, 200])
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 128, 200, 300])
 def test_linear_on_gpu_at_v32_shapes(m):
     gen = torch.Generator("cuda").manual_seed(m)
     for k, n in ((7168, 4096), (2048, 7168), (1536, 576 * 4)):
@@ -198,6 +235,29 @@ def test_linear_on_gpu_at_v32_shapes(m):
             assert torch.equal(a, b)  # the inline PTX forms the same (q - z) values
             assert torch.equal(torch.ops.echo.w4a16_linear_p(x, *pw), a)  # deterministic
             assert _rel(a, ops.w4a16_linear_ref(x, *w)) < 1e-2
+
+
+@pytest.mark.cuda
+def test_scaled_kernel_and_dequant_on_gpu():
+    """The rounded-weight paths at V3.2 shapes: ``dequant_p`` bit for bit the rounded reference
+    (PTX and Triton ops, bf16 and fp16); the SCALED kernel's PTX == ops, within fp32 order of
+    those weights, on wide tiles, split or not."""
+    gen = torch.Generator("cuda").manual_seed(17)
+    for k, n in ((7168, 4096), (2048, 7168)):
+        pw = P.pair_awq(*_rand_awq_cuda(k, n, gen))
+        for dtype in (torch.bfloat16, torch.float16):
+            w16 = P.dequantize_pairs_t(*pw, dtype=dtype)
+            for mode in (PK.MODE_ASM, PK.MODE_OPS):
+                assert torch.equal(PK.dequant_p_triton(*pw, dtype, mode), w16.t().to(dtype))
+            for m in (33, 128, 300):
+                x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+                for bn, split in ((128, 2), (256, 1)):
+                    cfg = {"BN": bn, "BT": PK.tokens_tile(m), "SPLIT_K": split, "num_warps": 8,
+                           "num_stages": 3, "SCALED": True}  # fmt: skip
+                    a = PK.w4a16_linear_p_triton(x, *pw, config=cfg, mode=PK.MODE_ASM)
+                    b = PK.w4a16_linear_p_triton(x, *pw, config=cfg, mode=PK.MODE_OPS)
+                    assert torch.equal(a, b)
+                    assert _rel(a, (x.float() @ w16).to(dtype)) < 4e-3
 
 
 @pytest.mark.cuda
