@@ -17,7 +17,8 @@ side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launc
    best wide tile, and the weight dequantised once then ``F.linear`` (served from
    ``awq_pairs_kernels.DEQUANT_MIN_M``), and the dequantisation alone.
 4. MoE, 256 experts, top-8, T in ``--moe-batches``: the bf16 grouped Triton MoE (what the bf16
-   model runs) and the pair MoE (served), heuristic and candidates.
+   model runs) and the pair MoE (served), heuristic and candidates, and the SCALED passes'
+   candidates (``moe_scaled_candidates``).
 Each graph holds R calls over R weight copies (or routings), so weights come from HBM, not L2
 (``bench_awq``'s method). A section stops starting new points once ``--budget-s`` is spent.
 """
@@ -92,6 +93,15 @@ def scaled_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     return out
 
 
+def moe_scaled_candidates(t: int) -> list[dict]:
+    """The MoE's SCALED passes (W rounded to bf16): the rule's row block and twice it (at most
+    128 pairs), 64 columns on 4 warps or 128 on 8."""
+    bt = PM.moe_p_config(t * TOPK, 256)["BT"]
+    tiles = ((64, 4), (128, 8))
+    return [{"BN": bn, "BT": b, "num_warps": warps, "num_stages": 3, "SCALED": True}
+            for b in sorted({bt, min(128, 2 * bt)}) for bn, warps in tiles]  # fmt: skip
+
+
 def moe_candidates(t: int) -> list[dict]:
     bt = PM.moe_p_config(t * TOPK, 256)["BT"]
     out = []
@@ -162,6 +172,12 @@ def check(result: dict) -> None:
             b = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, mode=PK.MODE_OPS)
             record(result, "moe/asm==ops", 0.0 if torch.equal(a, b) else 1.0, None, E=e, T=t)
             record(result, "moe/pair", rel_err(a, ref), 5e-3, E=e, T=t)
+            sc = {**PM.moe_p_config(t * TOPK, e), "SCALED": True}
+            sa = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=sc, mode=PK.MODE_ASM)
+            sb = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=sc, mode=PK.MODE_OPS)
+            record(result, "moe/scaled asm==ops", 0.0 if torch.equal(sa, sb) else 1.0, None,
+                   E=e, T=t)  # fmt: skip
+            record(result, "moe/scaled vs exact", rel_err(sa, ref), 1e-2, E=e, T=t)
             c = {**PM.moe_p_config(t * TOPK, e), "SPLIT_K": 4}  # the split gate/up pass
             c4 = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c)
             same = all(torch.equal(PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c), c4)
@@ -293,7 +309,7 @@ def bench_prefill(k: int, n: int, batches: list[int], budget_s: float) -> list[d
     return rows
 
 
-def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
+def bench_moe(batches: list[int], hbm: float, budget_s: float, sweeps: bool = True) -> list[dict]:
     e, rows = 256, []
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,)), rand_awq(I_MOE, D, (e,))
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
@@ -319,8 +335,13 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
         cfg = PM.moe_p_config(t * TOPK, e)
         row["pair_config"] = cfg
         row["pair_us"] = pair_us(cfg)
-        sweep = [{"config": c, "us": pair_us(c)} for c in moe_candidates(t)]
-        if t <= 16:  # the gate/up pass split over D (few programs otherwise)
+        sweep = [{"config": c, "us": pair_us(c)} for c in moe_candidates(t)] if sweeps else []
+        scaled = [{"config": c, "us": pair_us(c)} for c in moe_scaled_candidates(t)]
+        if scaled:
+            sb = min(scaled, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
+            row.update(scaled_best_us=sb["us"], scaled_best_config=sb["config"],
+                       scaled_sweep=scaled, scaled_best_x_bf16=row["bf16_us"] / sb["us"])
+        if sweeps and t <= 16:  # the gate/up pass split over D (few programs otherwise)
             for sk in (2, 4, 8):
                 sweep.append(
                     {"config": {**cfg, "SPLIT_K": sk}, "us": pair_us({**cfg, "SPLIT_K": sk})}
@@ -335,7 +356,8 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float) -> list[dict]:
         row["pair_best_frac_hbm"] = row["pair_best_weight_GBps"] / hbm
         rows.append(row)
         print(f"  moe T={t} ({touched:.0f} experts): bf16 {row['bf16_us']:.1f} "
-              f"pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} "
+              f"pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} scaled best "
+              f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} split 2/4/8: "
               f"{row.get('pair_split2_us', math.nan):.1f} / "
               f"{row.get('pair_split4_us', math.nan):.1f} / "
@@ -395,7 +417,7 @@ def main() -> None:
         save()
         torch.cuda.empty_cache()
     result["moe"] = bench_moe(
-        [int(b) for b in args.moe_batches.split(",") if b], hbm, args.budget_s
+        [int(b) for b in args.moe_batches.split(",") if b], hbm, args.budget_s, not args.no_sweeps
     )
     save()
     fails = [c for c in result["check"] if not c["pass"]]
@@ -417,10 +439,11 @@ def main() -> None:
     for r in result["prefill"]:
         print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>5} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "
               f"{r['scaled_best_us']:8.1f} {r['dequant_mm_us']:8.1f}")  # fmt: skip
-    print(f"{'moe T':>6} {'bf16':>7} {'pair':>7} {'best':>7} {'x bf16':>6}")
+    print(f"{'moe T':>6} {'bf16':>8} {'pair':>8} {'best':>8} {'x bf16':>6} {'scaled':>8}")
     for r in result["moe"]:
-        print(f"{r['T']:>6} {r['bf16_us']:7.1f} {r['pair_us']:7.1f} "
-              f"{r['pair_best_us']:7.1f} {r['pair_best_x_bf16']:6.2f}")  # fmt: skip
+        print(f"{r['T']:>6} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "
+              f"{r['pair_best_us']:8.1f} {r['pair_best_x_bf16']:6.2f} "
+              f"{r.get('scaled_best_us', math.nan):8.1f}")  # fmt: skip
     print(f"wrote {out} in {time.monotonic() - START:.0f} s")
 
 

@@ -129,11 +129,15 @@ def _(x, qweight_p, zeros, scales):
 
 
 def dequantize_pairs_experts_t(
-    qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor, k: int | None = None
-) -> torch.Tensor:
-    """fp32 ``W^T [E, K, N]`` of stacked pair-layout experts (K checked when given)."""
+    qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor, k: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """fp32 ``W^T [E, K, N]`` of stacked pair-layout experts (K checked when given; ``dtype``:
+    rounded as ``dequantize_pairs_t``)."""
     check_pair_experts("moe_w4a16_p", qw, z, s, k if k is not None else qw.shape[1] * GROUP)
-    return torch.stack([dequantize_pairs_t(qw[e], z[e], s[e]) for e in range(qw.shape[0])])
+    return torch.stack(
+        [dequantize_pairs_t(qw[e], z[e], s[e], dtype) for e in range(qw.shape[0])]
+    )
 
 
 def moe_w4a16_p_ref(

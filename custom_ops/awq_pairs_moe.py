@@ -18,6 +18,7 @@ from custom_ops.awq_pairs_kernels import (
     _check_config,
     _counters,
     _group_part,
+    _ss,
     _zz,
 )
 from custom_ops.moe_align import moe_align
@@ -30,6 +31,7 @@ def moe_p_kernel(
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     SPLIT: tl.constexpr, SUM_K: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr,
+    SCALED: tl.constexpr = False,
 ):  # fmt: skip
     """One row block (BT pairs of one expert, ``custom_ops.moe_align``) x BN output columns over
     pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
@@ -48,7 +50,10 @@ def moe_p_kernel(
     to the number of its pairs this rank computes (ids below E in ``topk_ids [T, TOPK]``) sums
     the token's rows in j order into ``sum [T, N]`` and resets the counter. So the sum over the
     k experts needs no launch of its own, and its order does not depend on which program ends
-    last."""
+    last.
+
+    SCALED: the group's scale multiplies the 16-bit weights (W rounded to x's dtype) and one
+    accumulator per projection runs over every group (``w4a16_p_kernel``'s SCALED)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -79,18 +84,27 @@ def moe_p_kernel(
         w = tl.load(w_base + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
         zz = _zz(z_ptr + zs_base + col, n_mask, FP16)
-        sc = tl.load(s_ptr + zs_base + col, mask=n_mask, other=0.0).to(tl.float32)
-        part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
-                           t_mask, FP16, MODE)  # fmt: skip
-        acc += part * sc[:, None]
+        if SCALED:
+            ss = _ss(s_ptr + zs_base + col, n_mask, FP16, INTERPRET)
+            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE, ss, True)
+        else:
+            sc = tl.load(s_ptr + zs_base + col, mask=n_mask, other=0.0).to(tl.float32)
+            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
+                               t_mask, FP16, MODE)  # fmt: skip
+            acc += part * sc[:, None]
         if GATED:
             w_up = tl.load(w_base + (col + N)[:, None].to(tl.int64) * 16 + offs_p[None, :],
                            mask=n_mask[:, None], other=0)  # fmt: skip
             zz_up = _zz(z_ptr + zs_base + col + N, n_mask, FP16)
-            sc_up = tl.load(s_ptr + zs_base + col + N, mask=n_mask, other=0.0).to(tl.float32)
-            part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, zz_up,
-                                  x_cols + g * 128, t_mask, FP16, MODE)  # fmt: skip
-            acc_up += part_up * sc_up[:, None]
+            if SCALED:
+                ss_up = _ss(s_ptr + zs_base + col + N, n_mask, FP16, INTERPRET)
+                acc_up = _group_part(acc_up, w_up, zz_up, x_cols + g * 128, t_mask, FP16, MODE,
+                                     ss_up, True)  # fmt: skip
+            else:
+                sc_up = tl.load(s_ptr + zs_base + col + N, mask=n_mask, other=0.0).to(tl.float32)
+                part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, zz_up,
+                                      x_cols + g * 128, t_mask, FP16, MODE)  # fmt: skip
+                acc_up += part_up * sc_up[:, None]
     if SPLIT:
         slots = tl.num_programs(0) * BT
         rows = pid_b * BT + tl.arange(0, BT)
@@ -219,7 +233,7 @@ def moe_w4a16_p_triton(
     tw = topk_weights.reshape(-1).float().contiguous()  # [P]
     common = dict(
         BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16, MODE=mode,
-        INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
+        INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     h = torch.empty((p, inter), device=x.device, dtype=x.dtype)  # silu(gate) * up per pair

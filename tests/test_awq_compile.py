@@ -1,7 +1,7 @@
 """The pair-layout W4A16 kernels compile for an H200 (sm_90) without a GPU, in the configurations
 the launchers and the benchmark use: the interpreter that runs their CPU tests takes the fp32
 MODE and never builds the inline PTX or the 16-bit dot operands, so this catches what only the
-compiler sees (as ``test_cache_compile.py`` does for the cache kernels)."""
+compiler sees (as ``test_cache_compile.py`` does for the cache kernels); the MoE's passes too."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from custom_ops import awq_pairs_kernels as PK
+from custom_ops import awq_pairs_moe as PM
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -49,6 +50,19 @@ for x in ("bf16", "fp16"):
             op = "f16x2" if fp16 else "bf16x2"
             if ptx and mode == PK.MODE_ASM and (f"mul.rn.{op}" in ptx) != scaled:
                 print(f"FAIL linear[{x}, scaled {scaled}]: mul.rn.{op} in the PTX: {not scaled}")
+        for scaled, gated, bn, bt, warps in ((False, True, 64, 16, 4), (True, True, 128, 128, 8),
+                                             (True, False, 64, 64, 4)):
+            args = [("a_ptr", "*" + x), ("w_ptr", "*i32"), ("z_ptr", "*u8"), ("s_ptr", "*fp16"),
+                    ("out_ptr", "*" + x if gated else "*fp32"), ("sorted_ids_ptr", "*i32"),
+                    ("block_expert_ptr", "*i32"), ("topk_w_ptr", "*fp32"), ("ws_ptr", "*fp32"),
+                    ("cnt_ptr", "*i32"), ("topk_ids_ptr", "*i32"), ("sum_ptr", "*fp32"),
+                    ("num_pairs", "i32"), ("N", "i32"), ("G", "i32"), ("E", "i32"),
+                    ("stride_am", "i32"), ("stride_om", "i32"), ("SPLIT_K", "i32")]
+            consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, BN=bn,
+                          BT=bt, FP16=fp16, MODE=mode, SPLIT=False, SUM_K=False, TOPK=8,
+                          INTERPRET=False, SCALED=scaled)
+            compile_(PM.moe_p_kernel, args, consts,
+                     f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}]")
         args = [("qw_ptr", "*i32"), ("z_ptr", "*u8"), ("s_ptr", "*fp16"), ("w_ptr", "*" + x),
                 ("N", "i32"), ("K", "i32")]
         compile_(PK.dequant_p_kernel, args,
@@ -66,4 +80,4 @@ def test_pair_kernels_compile_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 16, out[-3000:]
+    assert out.count("OK ") == 28, out[-3000:]

@@ -166,6 +166,24 @@ def test_moe_kernel_matches_reference(t, e, topk, d, inter, dtype, cfg):
     assert not PK._COUNTERS[x.device].any()
 
 
+@pytest.mark.parametrize("t,bt,dtype", [(9, 16, torch.bfloat16), (20, 32, torch.float16)])
+def test_scaled_moe_matches_the_rounded_weights(t, bt, dtype):
+    """The MoE's SCALED passes compute with ``(q - z) * s`` rounded to x's dtype: within fp32
+    order (and h's rounding) of the reference on those weights, within the AWQ tolerance of the
+    exact-weight one."""
+    g = torch.Generator().manual_seed(500 + t)
+    x, ids, w, w13, w2 = _moe_inputs(t, 4, 2, 256, 128, g, dtype)
+    for wt in (w13, w2):
+        wt[2].copy_(wt[2].half().to(wt[2].dtype))  # fp16-exact scales either way
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    cfg = {"BN": 64, "BT": bt, "num_warps": 4, "num_stages": 1, "SCALED": True}
+    y = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg)
+    w13_t = P.dequantize_pairs_experts_t(*p13, dtype=dtype)
+    w2_t = P.dequantize_pairs_experts_t(*p2, dtype=dtype)
+    assert _rel(y, ops._moe_ref(x, ids, w, w13_t, w2_t)) < 2e-3
+    assert _rel(y, P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)) < 1e-2
+
+
 def test_moe_kernel_sums_tokens_with_skipped_pairs():
     """SUM_K when some tokens have fewer pairs on this rank (expert parallelism's skip id E) and
     one has none: that token's row is zero, the others equal the separate sum's."""
@@ -297,6 +315,30 @@ def test_moe_on_gpu_256_experts(t):  # dequantised fp32 copy of them ran out of 
     remap[used] = torch.arange(used.numel(), device="cuda")
     sub = [tuple(t_[used] for t_ in part) for part in (w13, w2)]
     assert _rel(y, ops.moe_w4a16_ref(x, remap[ids], w, *sub[0], *sub[1])) < 5e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [8, 64])
+def test_scaled_moe_on_gpu(t):
+    """The MoE's SCALED passes at V3.2 sizes (16 experts): PTX == Triton ops, within fp32 order
+    of the reference on the rounded weights, on the rule's row block and a wide tile."""
+    gen = torch.Generator("cuda").manual_seed(40 + t)
+    e, d, inter = 16, 7168, 2048
+    w13, w2 = _rand_awq_cuda(d, 2 * inter, gen, (e,)), _rand_awq_cuda(inter, d, gen, (e,))
+    x = torch.randn(t, d, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
+    w = torch.rand(t, 8, device="cuda", generator=gen)
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    w13_t = P.dequantize_pairs_experts_t(*p13, dtype=torch.bfloat16)
+    w2_t = P.dequantize_pairs_experts_t(*p2, dtype=torch.bfloat16)
+    ref = ops._moe_ref(x, ids, w, w13_t, w2_t)
+    bt = PM.moe_p_config(t * 8, e)["BT"]
+    for bn, warps in ((64, 4), (128, 8)):
+        cfg = {"BN": bn, "BT": bt, "num_warps": warps, "num_stages": 3, "SCALED": True}
+        a = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg, mode=PK.MODE_ASM)
+        b = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg, mode=PK.MODE_OPS)
+        assert torch.equal(a, b)
+        assert _rel(a, ref) < 5e-3
 
 
 @pytest.mark.cuda
