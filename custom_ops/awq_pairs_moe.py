@@ -167,11 +167,15 @@ def moe_p_config(num_pairs: int, n_experts: int) -> dict:
     """Launch configuration of ``moe_p_kernel`` (both GEMMs): BN = 64 (the smallest wgmma M: the
     most programs), 4 warps, 3 stages, BT = 16 pairs per row block: the best of the H200 sweep
     at every T = 1..128 with 256 experts (``benchmarks/results/awq_pairs_h200.json``; 4 and 6
-    stages, BN = 128 were slower). Above 16 / 32 pairs per expert on average (prefill chunks, not
-    measured) BT = 32 / 64, so an expert's pairs share fewer weight reads."""
+    stages, BN = 128 were slower; the SCALED passes 6-8% slower there,
+    ``awq_pairs_moe_scaled_h200.json``). From 16 to 32 pairs per expert on average BT = 32 (not
+    measured). Above 32 (prefill chunks): SCALED, BN = 128 on 8 warps, BT = 64; at T = 2048 on 256
+    experts (64 pairs per expert) 5985.7 µs against 8120.9 for the exact-weight BN = 64 tile and
+    9143.9 for the bf16 grouped MoE (``awq_pairs_moe_scaled_h200.json``)."""
     per_expert = num_pairs / n_experts
-    bt = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    return {"BN": 64, "BT": bt, "num_warps": 4, "num_stages": 3}
+    if per_expert > 32:
+        return {"BN": 128, "BT": 64, "num_warps": 8, "num_stages": 3, "SCALED": True}
+    return {"BN": 64, "BT": 16 if per_expert <= 16 else 32, "num_warps": 4, "num_stages": 3}
 
 
 # Split the gate/up pass until about this many programs. The H200 run of 256 experts

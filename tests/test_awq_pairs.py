@@ -221,7 +221,9 @@ def test_config_rules():
     assert not PK.uses_dequant(255) and PK.uses_dequant(PK.DEQUANT_MIN_M)
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
     assert PM.moe_p_config(8, 256) == {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
-    assert PM.moe_p_config(64 * 40, 64)["BT"] == 64
+    want = {"BN": 128, "BT": 64, "num_warps": 8, "num_stages": 3, "SCALED": True}
+    assert PM.moe_p_config(64 * 40, 64) == want  # prefill: 40 pairs per expert
+    assert PM.moe_p_config(64 * 32, 64)["BT"] == 32 and "SCALED" not in PM.moe_p_config(2048, 64)
     assert PM.gate_up_split(256, 56, target=1024) == 4 and PM.gate_up_split(256, 56, 0) == 1
     assert PM.gate_up_split(8, 56, target=1024) == 8  # at most 8 splits (7 groups each)
     assert PM.gate_up_split(8, 12, target=1024) == 2  # at least 4 groups a split
