@@ -4,7 +4,10 @@
 
 The references dequantise to the same fp32 weights as the AutoAWQ ones (``(q - z) * s``, exact),
 so they agree with ``w4a16_linear_ref`` / ``moe_w4a16_ref`` bit for bit; the kernels sum in
-another order (the MMA's), so they agree within fp32 rounding.
+another order (the MMA's), so they agree within fp32 rounding. Where the launch rules take the
+SCALED kernels or the dequantised path (``awq_pairs_kernels.p_config``, ``uses_dequant``,
+``awq_pairs_moe.moe_p_config``) W is also rounded to x's dtype (``dequantize_pairs_t(...,
+dtype)``): within 1e-2 of the references, as AutoAWQ's and vLLM's kernels compute.
 """
 
 from __future__ import annotations

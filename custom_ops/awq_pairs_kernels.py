@@ -155,7 +155,7 @@ def w4a16_p_kernel(
 
     SCALED: the group's scale multiplies the 16-bit weights (W rounded to x's dtype, as AutoAWQ's
     and vLLM's kernels compute) and one accumulator runs over every group: no per-group partial
-    product, its registers and its rescale (the wide tiles of M > 32, ``p_config``)."""
+    product, its registers and its rescale (``p_config``'s wide tiles: M = 17-32 and above 64)."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -363,7 +363,7 @@ def dequant_p_triton(
     mode: int = DEFAULT_MODE,
 ) -> torch.Tensor:  # fmt: skip
     """``W [N, K]`` in ``dtype`` (bf16 or fp16): ``(q - z) * s`` rounded once, as the SCALED
-    kernel computes with (``awq_pairs.dequantize_pairs(..., dtype)`` is its reference)."""
+    kernel computes with (``awq_pairs.dequantize_pairs_t(..., dtype)`` is its reference)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dequant_p: dtype must be bfloat16 or float16, got {dtype}")
     g, n, _ = qweight_p.shape
