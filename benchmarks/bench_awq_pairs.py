@@ -284,7 +284,9 @@ def bench_prefill(k: int, n: int, batches: list[int], budget_s: float) -> list[d
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row: dict = {"in": k, "out": n, "M": m}
         row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
-        cfg = {**PK.p_config(m, n, k, sms), "SCALED": False}  # the exact-weight kernel
+        # the exact-weight kernel on its own best tile at BT = 128 (BN 64, 4 warps: the rule
+        # before SCALED), not on the SCALED rule's BN 128 / 8 warps, which it never won
+        cfg = {**PK.p_config(m, n, k, sms, bn=64), "SCALED": False, "num_warps": 4}
         row["pair_us"] = _time([lambda w=w, x=x, c=cfg: PK.w4a16_linear_p_triton(x, *w, config=c)
                                 for w in wp])  # fmt: skip
         best = (math.inf, None)

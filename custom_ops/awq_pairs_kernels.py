@@ -263,7 +263,8 @@ DEQUANT_MIN_M = 256  # calls of this many tokens or more: dequant_p, then F.line
 def uses_dequant(m: int) -> bool:
     """The large-M rule (prefill chunks), from the H200 run in
     ``benchmarks/results/awq_pairs_scaled_h200.json`` (bf16 / the pair kernel / the weight
-    dequantised once then ``F.linear``, µs, the four V3.2 shapes together): M = 256 157.3 / 295.9
+    dequantised once then ``F.linear``, µs, the four V3.2 shapes together; the pair kernel on its
+    BN = 64, 4-warp tile): M = 256 157.3 / 295.9
     / 276.9, M = 1024 502.8 / 1049.0 / 614.7, M = 4096 1804.4 / 3863.3 / 1907.0 (the pair kernel
     runs at ~0.5x bf16's speed from M = 1024, the dequantised path at 0.94-0.95x at 4096). One
     temporary weight in x's dtype per call ([N, K]: 235 MB at 16384 x 7168)."""
@@ -280,12 +281,15 @@ def p_config(
     - m <= 16: BN = 64, 4 warps, 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups
       (8 at K = 7168 and 16384, 4 at K = 2048), and the split-K partials summed by the tile's
       last program (``FUSED``), which measured 0.15-0.72 µs faster on all four shapes;
-    - 16 < m <= 32: SCALED, BN = 128, 8 warps, 3 stages, the same split (four shapes together
-      84.7 µs against 91.2 for the exact-weight kernel at M = 32);
-    - 32 < m <= 64: BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (SCALED
-      lost on all four shapes there: 105.1 against 96.0 µs);
-    - m > 64: SCALED, BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (141.6
-      against 175.3 µs for the exact-weight BN = 64 tile at M = 128).
+    - 16 < m <= 32: SCALED, BN = 128, 8 warps, 3 stages, the same split (the four shapes
+      together at M = 32: 84.7 µs against 91.3 for the exact-weight rule's tile; best of each
+      83.8 against 88.8);
+    - 32 < m <= 64: BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (SCALED on
+      that tile lost on all four shapes there: 105.6 against 96.0 µs; best of each 105.0 against
+      95.5);
+    - m > 64: SCALED, BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (141.7
+      against 175.3 µs for the exact-weight BN = 64, 4-warp tile at M = 128; best of each 141.5
+      against 175.0).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
@@ -366,7 +370,12 @@ def dequant_p_triton(
     kernel computes with (``awq_pairs.dequantize_pairs_t(..., dtype)`` is its reference)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dequant_p: dtype must be bfloat16 or float16, got {dtype}")
-    g, n, _ = qweight_p.shape
+    if qweight_p.dim() != 3:
+        raise ValueError(
+            f"dequant_p: qweight_p must be [K/128, N, 16], got {list(qweight_p.shape)}"
+        )
+    g = qweight_p.shape[0]
+    n = check_pairs("dequant_p", qweight_p, zeros, scales, g * GROUP)
     w = torch.empty((n, g * GROUP), device=qweight_p.device, dtype=dtype)
     dequant_p_kernel[(g, triton.cdiv(n, 64))](
         qweight_p, zeros, scales, w, n, g * GROUP, BN=64, FP16=dtype == torch.float16, MODE=mode,

@@ -20,13 +20,13 @@ from custom_ops import awq_pairs_moe as PM
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_(kern, args, consts, name):
+def compile_(kern, args, consts, name, warps=4, stages=3):
     sig = {a: t for a, t in args}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (_, t) in enumerate(args) if t[0] == "*"}
     try:
         c = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
-                           target=TARGET)
+                           target=TARGET, options={"num_warps": warps, "num_stages": stages})
     except Exception as e:
         print(f"FAIL {name}: {type(e).__name__}: {str(e)[-1500:]}")
         return ""
@@ -34,10 +34,18 @@ def compile_(kern, args, consts, name):
     return c.asm["ptx"]
 
 
+def check_mul(ptx, mode, scaled, name):
+    # the inline PTX's scale multiply is there exactly when SCALED
+    op = "f16x2" if "fp16" in name else "bf16x2"
+    if ptx and mode == PK.MODE_ASM and (f"mul.rn.{op}" in ptx) != scaled:
+        print(f"FAIL {name}: mul.rn.{op} in the PTX: {not scaled}")
+
+
 for x in ("bf16", "fp16"):
     fp16 = x == "fp16"
     for mode in (PK.MODE_ASM, PK.MODE_OPS):
-        for scaled, bn, bt, warps in ((False, 64, 16, 4), (True, 128, 128, 8), (True, 256, 64, 8)):
+        for scaled, bn, bt, warps in ((False, 64, 16, 4), (True, 128, 32, 8), (False, 128, 64, 8),
+                                      (True, 128, 128, 8), (True, 256, 64, 8)):
             args = [("x_ptr", "*" + x), ("qw_ptr", "*i32"), ("z_ptr", "*u8"),
                     ("s_ptr", "*fp16"), ("out_ptr", "*fp32"), ("y_ptr", "*" + x),
                     ("cnt_ptr", "*i32"), ("M", "i32"), ("N", "i32"), ("G", "i32"),
@@ -46,10 +54,8 @@ for x in ("bf16", "fp16"):
             consts = dict(BN=bn, BT=bt, FP16=fp16, MODE=mode, FUSED=not scaled, INTERPRET=False,
                           SCALED=scaled)
             ptx = compile_(PK.w4a16_p_kernel, args, consts,
-                           f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}]")
-            op = "f16x2" if fp16 else "bf16x2"
-            if ptx and mode == PK.MODE_ASM and (f"mul.rn.{op}" in ptx) != scaled:
-                print(f"FAIL linear[{x}, scaled {scaled}]: mul.rn.{op} in the PTX: {not scaled}")
+                           f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}]", warps)
+            check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
         for scaled, gated, bn, bt, warps in ((False, True, 64, 16, 4), (True, True, 128, 128, 8),
                                              (True, False, 64, 64, 4)):
             args = [("a_ptr", "*" + x), ("w_ptr", "*i32"), ("z_ptr", "*u8"), ("s_ptr", "*fp16"),
@@ -61,12 +67,14 @@ for x in ("bf16", "fp16"):
             consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, BN=bn,
                           BT=bt, FP16=fp16, MODE=mode, SPLIT=False, SUM_K=False, TOPK=8,
                           INTERPRET=False, SCALED=scaled)
-            compile_(PM.moe_p_kernel, args, consts,
-                     f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}]")
+            name = f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}]"
+            ptx = compile_(PM.moe_p_kernel, args, consts, name, warps)
+            check_mul(ptx, mode, scaled, f"moe[{x}, scaled {scaled}, gated {gated}]")
         args = [("qw_ptr", "*i32"), ("z_ptr", "*u8"), ("s_ptr", "*fp16"), ("w_ptr", "*" + x),
                 ("N", "i32"), ("K", "i32")]
-        compile_(PK.dequant_p_kernel, args,
-                 dict(BN=64, FP16=fp16, MODE=mode, INTERPRET=False), f"dequant[{x}, mode {mode}]")
+        consts = dict(BN=64, FP16=fp16, MODE=mode, INTERPRET=False)
+        ptx = compile_(PK.dequant_p_kernel, args, consts, f"dequant[{x}, mode {mode}]")
+        check_mul(ptx, mode, True, f"dequant[{x}]")
 """
 
 
@@ -80,4 +88,4 @@ def test_pair_kernels_compile_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 28, out[-3000:]
+    assert out.count("OK ") == 36, out[-3000:]

@@ -114,7 +114,9 @@ def test_linear_kernel_matches_reference(k, n, m, dtype, cfg):
 def test_scaled_kernel_and_dequant_match_the_rounded_weights(k, n, m, dtype, cfg):
     """SCALED and ``dequant_p`` compute with ``(q - z) * s`` rounded to x's dtype: the dequantised
     weight equals the rounded reference bit for bit; the scaled product is within fp32 order of
-    it; the rounding moves the result well within the AWQ tolerance of the exact-weight one."""
+    it (measured <= 1e-6; the exact-weight kernel is 3e-4 (fp16) to 3e-3 (bf16) away, so the
+    bound tells the two apart); the rounding moves the result well within the AWQ tolerance of
+    the exact-weight one. The launcher takes the dequantised path by itself from DEQUANT_MIN_M."""
     g = torch.Generator().manual_seed(7 * k + n + m)
     qw, qz, s = _awq_weights(k, n, g, torch.float16)  # fp16 scales: rounded for bf16 x
     pw = P.pair_awq(qw, qz, s)
@@ -125,12 +127,17 @@ def test_scaled_kernel_and_dequant_match_the_rounded_weights(k, n, m, dtype, cfg
     y = PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "SCALED": True, "num_warps": 4,
                                                  "num_stages": 1})  # fmt: skip
     ref = (x.float() @ w16).to(dtype)
-    assert y.dtype == dtype and _rel(y, ref) < 4e-3
+    assert y.dtype == dtype and _rel(y, ref) < 5e-5
     assert _rel(y, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
     big = PK.w4a16_linear_p_triton(x, *pw, config={"DEQUANT": True})
     assert torch.equal(big, torch.nn.functional.linear(x, w16.t().contiguous().to(dtype)))
+    xs = torch.randn(PK.DEQUANT_MIN_M, k, generator=g).to(dtype)  # the rule, no config given
+    want = torch.nn.functional.linear(xs, w16.t().contiguous().to(dtype))
+    assert torch.equal(PK.w4a16_linear_p_triton(xs, *pw), want)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         PK.dequant_p_triton(*pw, torch.float32)
+    with pytest.raises(ValueError, match="zeros_p must have shape"):
+        PK.dequant_p_triton(pw[0], pw[1][:, :8].contiguous(), pw[2], dtype)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +187,7 @@ def test_scaled_moe_matches_the_rounded_weights(t, bt, dtype):
     y = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg)
     w13_t = P.dequantize_pairs_experts_t(*p13, dtype=dtype)
     w2_t = P.dequantize_pairs_experts_t(*p2, dtype=dtype)
-    assert _rel(y, ops._moe_ref(x, ids, w, w13_t, w2_t)) < 2e-3
+    assert _rel(y, ops._moe_ref(x, ids, w, w13_t, w2_t)) < 5e-5  # exact weights: >= 4e-4 away
     assert _rel(y, P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)) < 1e-2
 
 
@@ -242,7 +249,7 @@ def _rand_awq_cuda(k, n, gen, lead=()):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 128, 200, 300])
+@pytest.mark.parametrize("m", [1, 3, 16, 20, 32, 33, 64, 128, 200, 300])
 def test_linear_on_gpu_at_v32_shapes(m):
     gen = torch.Generator("cuda").manual_seed(m)
     for k, n in ((7168, 4096), (2048, 7168), (1536, 576 * 4)):
@@ -269,7 +276,10 @@ def test_scaled_kernel_and_dequant_on_gpu():
             w16 = P.dequantize_pairs_t(*pw, dtype=dtype)
             for mode in (PK.MODE_ASM, PK.MODE_OPS):
                 assert torch.equal(PK.dequant_p_triton(*pw, dtype, mode), w16.t().to(dtype))
-            for m in (33, 128, 300):
+            # the H200 bench measured <= 2e-4 (bf16) against the rounded weights; the exact-weight
+            # kernel is ~3e-3 (bf16) / ~3e-4 (fp16) away, so the bounds tell the two apart
+            bound = 1e-3 if dtype == torch.bfloat16 else 1e-4
+            for m in (20, 32, 33, 128, 300):
                 x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
                 for bn, split in ((128, 2), (256, 1)):
                     cfg = {"BN": bn, "BT": PK.tokens_tile(m), "SPLIT_K": split, "num_warps": 8,
@@ -277,7 +287,7 @@ def test_scaled_kernel_and_dequant_on_gpu():
                     a = PK.w4a16_linear_p_triton(x, *pw, config=cfg, mode=PK.MODE_ASM)
                     b = PK.w4a16_linear_p_triton(x, *pw, config=cfg, mode=PK.MODE_OPS)
                     assert torch.equal(a, b)
-                    assert _rel(a, (x.float() @ w16).to(dtype)) < 4e-3
+                    assert _rel(a, (x.float() @ w16).to(dtype)) < bound
 
 
 @pytest.mark.cuda
@@ -340,7 +350,7 @@ def test_scaled_moe_on_gpu(t):
         a = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg, mode=PK.MODE_ASM)
         b = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg, mode=PK.MODE_OPS)
         assert torch.equal(a, b)
-        assert _rel(a, ref) < 5e-3
+        assert _rel(a, ref) < 1e-3  # the exact-weight passes are ~4.5e-3 away
 
 
 @pytest.mark.cuda
