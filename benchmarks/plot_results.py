@@ -21,6 +21,9 @@ writes PNGs with matplotlib's Agg backend (benchmarks/plots/, one module per fil
     awq_vs_bf16.png        awq_h200.json: W4A16 vs bf16 latency by batch size
     awq_pairs_vs_bf16.png  awq_pairs_h200.json: W4A16 linear speed over bf16 with issue 17's
                            targets (its MoE rows predate the current MoE: awq_moe_vs_bf16.png)
+    awq_served_vs_bf16.png awq_served_h200.json: the AWQ linear as served (decode batches to
+                           prefill chunks) over bf16, with tinygemm, the SCALED wide tile and
+                           issue 17's targets
     awq_moe_vs_bf16.png    awq_parts_h200.json: the fused int4 MoE over the bf16 grouped MoE,
                            alternating rounds' medians and range, with the target
     prefetch_margin.png    prefetch_h200.json: indexer + recall with prefetch over without, per
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.plots.awq import plot_awq
     from benchmarks.plots.awq_moe import plot_awq_moe
     from benchmarks.plots.awq_pairs import plot_awq_pairs
+    from benchmarks.plots.awq_served import plot_awq_served
     from benchmarks.plots.breakdown import plot_step
     from benchmarks.plots.cache_ops import plot_cache
     from benchmarks.plots.common import plt
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         ("cache_ops_h200.json", plot_cache),
         ("awq_h200.json", plot_awq),
         ("awq_pairs_h200.json", plot_awq_pairs),
+        ("awq_served_h200.json", plot_awq_served),
         ("awq_parts_h200.json", plot_awq_moe),
         ("prefetch_h200.json", plot_prefetch),
     ):
