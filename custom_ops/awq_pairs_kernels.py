@@ -51,36 +51,20 @@ def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, ss=Non
     instead, rounded to 16 bits once (``ss``: the 16-bit pair ``(s, s)`` of the group's scale in
     x's dtype, ``_ss``); one more instruction per pair, and W is rounded to x's dtype."""
     if MODE == 0:
-        if FP16:
-            if SCALED:
-                lo, hi = tl.inline_asm_elementwise(
-                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
-                    "sub.rn.f16x2 t, t, $3; mul.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-                    "=h,=h,r,r,r", [w >> (4 * s), zz, ss], dtype=(tl.float16, tl.float16),
-                    is_pure=True, pack=1,
-                )  # fmt: skip
-            else:
-                lo, hi = tl.inline_asm_elementwise(
-                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
-                    "sub.rn.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
-                    "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.float16, tl.float16),
-                    is_pure=True, pack=1,
-                )  # fmt: skip
-        else:
-            if SCALED:
-                lo, hi = tl.inline_asm_elementwise(
-                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
-                    "sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-                    "=h,=h,r,r,r", [w >> (4 * s), zz, ss], dtype=(tl.bfloat16, tl.bfloat16),
-                    is_pure=True, pack=1,
-                )  # fmt: skip
-            else:
-                lo, hi = tl.inline_asm_elementwise(
-                    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
-                    "sub.rn.bf16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
-                    "=h,=h,r,r", [w >> (4 * s), zz], dtype=(tl.bfloat16, tl.bfloat16),
-                    is_pure=True, pack=1,
-                )  # fmt: skip
+        dt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
+        op: tl.constexpr = "f16x2" if FP16 else "bf16x2"
+        # bf16, SCALED: "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+        # sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }"
+        asm: tl.constexpr = (
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, "
+            + ("0x64006400" if FP16 else "0x43004300") + ", 0xEA; sub.rn." + op + " t, t, $3; "
+            + ("mul.rn." + op + " t, t, $4; " if SCALED else "") + "mov.b32 {$0, $1}, t; }"
+        )  # fmt: skip
+        args = [w >> (4 * s), zz, ss] if SCALED else [w >> (4 * s), zz]
+        lo, hi = tl.inline_asm_elementwise(
+            asm, "=h,=h,r,r,r" if SCALED else "=h,=h,r,r", args, dtype=(dt.value, dt.value),
+            is_pure=True, pack=1,
+        )
     elif MODE == 1:
         dt = tl.float16 if FP16 else tl.bfloat16
         magic = 0x6400 if FP16 else 0x4300
