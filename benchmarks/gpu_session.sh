@@ -100,8 +100,9 @@ time)
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
   on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \
     --out "$W/sampling_backends_h200.json"
+  # AWQ_PAIRS_ARGS: other sections / sizes (e.g. --no-sweeps --batches ...)
   on awq_pairs && stage bench_awq_pairs 330 python -m benchmarks.bench_awq_pairs --budget-s 250 \
-    --out "$W/awq_pairs_h200.json"
+    ${AWQ_PAIRS_ARGS-} --out "$W/awq_pairs_h200.json"
   on awq_parts && stage bench_awq_parts 150 python -m benchmarks.bench_awq_parts \
     --moe-batches 1,2,4,8,16 --sweep-batches 1,2 --batches '' --ab-rounds 3 --budget-s 120 \
     --out "$W/awq_parts_h200.json"
