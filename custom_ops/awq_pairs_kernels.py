@@ -126,6 +126,26 @@ def _zs_in(z_ptrs, s_ptrs, mask):
 
 
 @triton.jit
+def _bytes4(w):
+    """int32 words [R] -> their bytes [4 R] (int32, little-endian order)."""
+    b0, b1, b2, b3 = w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF, (w >> 24) & 0xFF
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [4 * w.shape[0]])
+
+
+@triton.jit
+def _halves(w):
+    """int32 words [R] -> their 16-bit halves [2 R] (int16, low half first)."""
+    return tl.reshape(tl.join((w & 0xFFFF).to(tl.int16), ((w >> 16) & 0xFFFF).to(tl.int16)),
+                      [2 * w.shape[0]])  # fmt: skip
+
+
+@triton.jit
+def _l2_prefetch(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _zz(z, FP16: tl.constexpr):
     """The 16-bit pair ``(c + z, c + z)`` of the zero points ``z [BN]`` as int32 [BN, 16]
     (broadcast along the words)."""
@@ -149,7 +169,7 @@ def w4a16_p_kernel(
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
-    PREFETCH: tl.constexpr = True,
+    PREFETCH: tl.constexpr = 0, S_FP16: tl.constexpr = True,
 ):  # fmt: skip
     """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
     1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K).
@@ -175,31 +195,45 @@ def w4a16_p_kernel(
     offs_p = tl.arange(0, 16)
     x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm + tl.arange(0, 32)[:, None]
     acc = tl.zeros([BN, BT], dtype=tl.float32)
-    # NOTE: a load past the split's last group is masked off through the bounds (tl.where): the
+    # NOTE: a load past the split's last group is masked off through the bound (tl.where): the
     # interpreter cannot AND a mask with a scalar condition
-    if PREFETCH:  # group g0's inputs; the loop loads group g + 1's while it computes group g
-        n_lim, t_lim = tl.where(g0 < g1, N, 0), tl.where(g0 < g1, M, 0)
+    if PREFETCH == 1:  # group g0's zero points and scales; the loop loads group g + 1's ahead
+        n_lim = tl.where(g0 < g1, N, 0)
         z, sc = _zs_in(z_ptr + g0 * N + offs_n, s_ptr + g0 * N + offs_n, offs_n < n_lim)
-        x0, x1, x2, x3 = _x_in(x_cols + g0 * 128, offs_t[None, :] < t_lim)
+        zz, ss = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
     for g in range(g0, g1):
         col = g * N + offs_n  # [BN] (group, column) index
-        if PREFETCH:
-            zg, sg, xg0, xg1, xg2, xg3 = z, sc, x0, x1, x2, x3
-            n_lim, t_lim = tl.where(g + 1 < g1, N, 0), tl.where(g + 1 < g1, M, 0)
+        if PREFETCH == 1:
+            zzg, ssg = zz, ss
+            n_lim = tl.where(g + 1 < g1, N, 0)
             z, sc = _zs_in(z_ptr + col + N, s_ptr + col + N, offs_n < n_lim)
-            x0, x1, x2, x3 = _x_in(x_cols + (g + 1) * 128, offs_t[None, :] < t_lim)
+            zz, ss = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
+        elif PREFETCH == 3:  # experiment: no zero point / scale loads at all
+            zzg = _zz(tl.full([BN], 8, tl.uint8), FP16)
+            ssg = _ss(tl.full([BN], 1.0, tl.float16), FP16, INTERPRET) if SCALED else tl.full([BN], 1.0, tl.float16)
+        elif PREFETCH == 4:  # zero points and scales read as int32 words (cp.async-able)
+            zq = pid_n * (BN // 4) + tl.arange(0, BN // 4)
+            sh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+            z = _bytes4(tl.load(z_ptr + g * (N // 4) + zq, mask=zq < N // 4, other=0))
+            sb = _halves(tl.load(s_ptr + g * (N // 2) + sh, mask=sh < N // 2, other=0))
+            sc = sb.to(tl.float16 if S_FP16 else tl.bfloat16, bitcast=True)
+            zzg, ssg = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
         else:
-            zg, sg = _zs_in(z_ptr + col, s_ptr + col, n_mask)
-            xg0, xg1, xg2, xg3 = _x_in(x_cols + g * 128, t_mask[None, :])
+            if PREFETCH == 2:
+                ahead = tl.minimum(g + 2, G - 1) * N + offs_n
+                _l2_prefetch(z_ptr + ahead)
+                _l2_prefetch(s_ptr + ahead)
+            z, sc = _zs_in(z_ptr + col, s_ptr + col, n_mask)
+            zzg, ssg = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
+        x0, x1, x2, x3 = _x_in(x_cols + g * 128, t_mask[None, :])
         w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
         if SCALED:
-            acc = _group_part(acc, w, _zz(zg, FP16), xg0, xg1, xg2, xg3, FP16, MODE,
-                              _ss(sg, FP16, INTERPRET), True)  # fmt: skip
+            acc = _group_part(acc, w, zzg, x0, x1, x2, x3, FP16, MODE, ssg, True)
         else:
-            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, _zz(zg, FP16), xg0, xg1,
-                               xg2, xg3, FP16, MODE)  # fmt: skip
-            acc += part * sg.to(tl.float32)[:, None]
+            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zzg, x0, x1, x2, x3,
+                               FP16, MODE)  # fmt: skip
+            acc += part * ssg.to(tl.float32)[:, None]
     mask = t_mask[None, :] & n_mask[:, None]
     tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
     _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
@@ -365,11 +399,13 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
+    wide = cfg.get("PREFETCH", 0) == 4
     w4a16_p_kernel[grid](
-        x, qweight_p, zeros, scales, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
+        x, qweight_p, zeros.view(torch.int32) if wide else zeros,
+        scales.view(torch.int32) if wide else scales, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
         MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
-        PREFETCH=cfg.get("PREFETCH", True), num_warps=cfg.get("num_warps", 4),
+        PREFETCH=cfg.get("PREFETCH", 0), S_FP16=scales.dtype == torch.float16, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     if split == 1 or fused:

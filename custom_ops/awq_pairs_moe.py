@@ -83,29 +83,27 @@ def moe_p_kernel(
         g1 = tl.minimum(g0 + per_split, G)
     zs = z_ptr + zs_base + offs_n
     ss = s_ptr + zs_base + offs_n
-    # NOTE: a load past the split's last group is masked off through the bounds (tl.where), as
+    # NOTE: a load past the split's last group is masked off through the bound (tl.where), as
     # in w4a16_p_kernel
-    if PREFETCH:  # group g0's inputs; the loop loads group g + 1's while it computes group g
-        n_lim, p_lim = tl.where(g0 < g1, N, 0), tl.where(g0 < g1, num_pairs, 0)
+    if PREFETCH:  # group g0's zero points and scales; the loop loads group g + 1's ahead
+        n_lim = tl.where(g0 < g1, N, 0)
         z, sc = _zs_in(zs + g0 * NW, ss + g0 * NW, offs_n < n_lim)
         if GATED:
             zu, su = _zs_in(zs + g0 * NW + N, ss + g0 * NW + N, offs_n < n_lim)
-        x0, x1, x2, x3 = _x_in(x_cols + g0 * 128, ids[None, :] < p_lim)
     for g in range(g0, g1):
         col = g * NW + offs_n
         if PREFETCH:
-            zg, sg, xg0, xg1, xg2, xg3 = z, sc, x0, x1, x2, x3
-            n_lim, p_lim = tl.where(g + 1 < g1, N, 0), tl.where(g + 1 < g1, num_pairs, 0)
+            zg, sg = z, sc
+            n_lim = tl.where(g + 1 < g1, N, 0)
             z, sc = _zs_in(zs + (g + 1) * NW, ss + (g + 1) * NW, offs_n < n_lim)
             if GATED:
                 zug, sug = zu, su
                 zu, su = _zs_in(zs + (g + 1) * NW + N, ss + (g + 1) * NW + N, offs_n < n_lim)
-            x0, x1, x2, x3 = _x_in(x_cols + (g + 1) * 128, ids[None, :] < p_lim)
         else:
             zg, sg = _zs_in(zs + g * NW, ss + g * NW, n_mask)
             if GATED:
                 zug, sug = _zs_in(zs + g * NW + N, ss + g * NW + N, n_mask)
-            xg0, xg1, xg2, xg3 = _x_in(x_cols + g * 128, t_mask[None, :])
+        xg0, xg1, xg2, xg3 = _x_in(x_cols + g * 128, t_mask[None, :])
         w = tl.load(w_base + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
         if SCALED:
