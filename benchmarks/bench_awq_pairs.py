@@ -232,12 +232,6 @@ def bench_linear(
                                           PK.w4a16_linear_p_triton(x, *w, config=c)
                                           for w in wp])  # fmt: skip
         pair_served = "pair_fused_us" if cfg.get("FUSED") and cfg["SPLIT_K"] > 1 else "pair_us"
-        # the served pair configuration with each group's inputs loaded in its turn, not ahead
-        off = {**cfg, "FUSED": pair_served == "pair_fused_us", "PREFETCH": False}
-        row["pair_noprefetch_us"] = _time([lambda w=w, x=x, c=off:
-                                           PK.w4a16_linear_p_triton(x, *w, config=c)
-                                           for w in wp])  # fmt: skip
-        row["prefetch_speedup"] = row["pair_noprefetch_us"] / row[pair_served]
         row["served_path"] = "tinygemm" if R.use_tinygemm(m, x.dtype) else R.LARGE_M_PATH
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
                                                           f"{row['served_path']}_us")]  # fmt: skip
@@ -268,8 +262,7 @@ def bench_linear(
         rows.append(row)
         print(f"  linear {k}x{n} M={m}: bf16 {bf:.1f} tinygemm {row['tinygemm_us']:.1f} served "
               f"{row['served_us']:.1f} fbgemm {row.get('fbgemm_us', math.nan):.1f} pair "
-              f"{row['pair_us']:.1f} fused {row.get('pair_fused_us', math.nan):.1f} no prefetch "
-              f"{row['pair_noprefetch_us']:.1f} best "
+              f"{row['pair_us']:.1f} fused {row.get('pair_fused_us', math.nan):.1f} best "
               f"{row['pair_best_us']:.1f} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} scaled best "
               f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')}",
@@ -344,8 +337,6 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float, sweeps: bool = Tr
         cfg = PM.moe_p_config(t * TOPK, e)
         row["pair_config"] = cfg
         row["pair_us"] = pair_us(cfg)
-        row["pair_noprefetch_us"] = pair_us({**cfg, "PREFETCH": False})  # inputs in their turn
-        row["prefetch_speedup"] = row["pair_noprefetch_us"] / row["pair_us"]
         sweep = [{"config": c, "us": pair_us(c)} for c in moe_candidates(t)] if sweeps else []
         scaled = [{"config": c, "us": pair_us(c)} for c in moe_scaled_candidates(t)]
         if scaled:
@@ -367,8 +358,7 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float, sweeps: bool = Tr
         row["pair_best_frac_hbm"] = row["pair_best_weight_GBps"] / hbm
         rows.append(row)
         print(f"  moe T={t} ({touched:.0f} experts): bf16 {row['bf16_us']:.1f} "
-              f"pair {row['pair_us']:.1f} (no prefetch {row['pair_noprefetch_us']:.1f}) best "
-              f"{row['pair_best_us']:.1f} scaled best "
+              f"pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} scaled best "
               f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} split 2/4/8: "
               f"{row.get('pair_split2_us', math.nan):.1f} / "

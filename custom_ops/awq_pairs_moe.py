@@ -19,8 +19,6 @@ from custom_ops.awq_pairs_kernels import (
     _counters,
     _group_part,
     _ss,
-    _x_in,
-    _zs_in,
     _zz,
 )
 from custom_ops.moe_align import moe_align
@@ -33,7 +31,7 @@ def moe_p_kernel(
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     SPLIT: tl.constexpr, SUM_K: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr,
-    SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = True,
+    SCALED: tl.constexpr = False,
 ):  # fmt: skip
     """One row block (BT pairs of one expert, ``custom_ops.moe_align``) x BN output columns over
     pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
@@ -81,48 +79,32 @@ def moe_p_kernel(
         per_split = tl.cdiv(G, SPLIT_K)
         g0 = pid_k * per_split
         g1 = tl.minimum(g0 + per_split, G)
-    zs = z_ptr + zs_base + offs_n
-    ss = s_ptr + zs_base + offs_n
-    # NOTE: a load past the split's last group is masked off through the bound (tl.where), as
-    # in w4a16_p_kernel
-    if PREFETCH:  # group g0's zero points and scales; the loop loads group g + 1's ahead
-        n_lim = tl.where(g0 < g1, N, 0)
-        z, sc = _zs_in(zs + g0 * NW, ss + g0 * NW, offs_n < n_lim)
-        if GATED:
-            zu, su = _zs_in(zs + g0 * NW + N, ss + g0 * NW + N, offs_n < n_lim)
     for g in range(g0, g1):
         col = g * NW + offs_n
-        if PREFETCH:
-            zg, sg = z, sc
-            n_lim = tl.where(g + 1 < g1, N, 0)
-            z, sc = _zs_in(zs + (g + 1) * NW, ss + (g + 1) * NW, offs_n < n_lim)
-            if GATED:
-                zug, sug = zu, su
-                zu, su = _zs_in(zs + (g + 1) * NW + N, ss + (g + 1) * NW + N, offs_n < n_lim)
-        else:
-            zg, sg = _zs_in(zs + g * NW, ss + g * NW, n_mask)
-            if GATED:
-                zug, sug = _zs_in(zs + g * NW + N, ss + g * NW + N, n_mask)
-        xg0, xg1, xg2, xg3 = _x_in(x_cols + g * 128, t_mask[None, :])
         w = tl.load(w_base + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
+        zz = _zz(z_ptr + zs_base + col, n_mask, FP16)
         if SCALED:
-            acc = _group_part(acc, w, _zz(zg, FP16), xg0, xg1, xg2, xg3, FP16, MODE,
-                              _ss(sg, FP16, INTERPRET), True)  # fmt: skip
+            ss = _ss(s_ptr + zs_base + col, n_mask, FP16, INTERPRET)
+            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE, ss, True)
         else:
-            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, _zz(zg, FP16), xg0, xg1,
-                               xg2, xg3, FP16, MODE)  # fmt: skip
-            acc += part * sg.to(tl.float32)[:, None]
+            sc = tl.load(s_ptr + zs_base + col, mask=n_mask, other=0.0).to(tl.float32)
+            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
+                               t_mask, FP16, MODE)  # fmt: skip
+            acc += part * sc[:, None]
         if GATED:
             w_up = tl.load(w_base + (col + N)[:, None].to(tl.int64) * 16 + offs_p[None, :],
                            mask=n_mask[:, None], other=0)  # fmt: skip
+            zz_up = _zz(z_ptr + zs_base + col + N, n_mask, FP16)
             if SCALED:
-                acc_up = _group_part(acc_up, w_up, _zz(zug, FP16), xg0, xg1, xg2, xg3, FP16,
-                                     MODE, _ss(sug, FP16, INTERPRET), True)  # fmt: skip
+                ss_up = _ss(s_ptr + zs_base + col + N, n_mask, FP16, INTERPRET)
+                acc_up = _group_part(acc_up, w_up, zz_up, x_cols + g * 128, t_mask, FP16, MODE,
+                                     ss_up, True)  # fmt: skip
             else:
-                part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, _zz(zug, FP16),
-                                      xg0, xg1, xg2, xg3, FP16, MODE)  # fmt: skip
-                acc_up += part_up * sug.to(tl.float32)[:, None]
+                sc_up = tl.load(s_ptr + zs_base + col + N, mask=n_mask, other=0.0).to(tl.float32)
+                part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, zz_up,
+                                      x_cols + g * 128, t_mask, FP16, MODE)  # fmt: skip
+                acc_up += part_up * sc_up[:, None]
     if SPLIT:
         slots = tl.num_programs(0) * BT
         rows = pid_b * BT + tl.arange(0, BT)
@@ -255,8 +237,8 @@ def moe_w4a16_p_triton(
     tw = topk_weights.reshape(-1).float().contiguous()  # [P]
     common = dict(
         BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16, MODE=mode,
-        INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False), PREFETCH=cfg.get("PREFETCH", True),
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 4),
+        INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False), num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     h = torch.empty((p, inter), device=x.device, dtype=x.dtype)  # silu(gate) * up per pair
     n_tiles = triton.cdiv(inter, cfg["BN"])

@@ -51,13 +51,11 @@ for x in ("bf16", "fp16"):
                     ("cnt_ptr", "*i32"), ("M", "i32"), ("N", "i32"), ("G", "i32"),
                     ("stride_xm", "i32"), ("stride_os", "i32"), ("stride_om", "i32"),
                     ("SPLIT_K", "i32")]
-            for prefetch in (True, False) if bt == 16 else (True,):
-                consts = dict(BN=bn, BT=bt, FP16=fp16, MODE=mode, FUSED=not scaled,
-                              INTERPRET=False, SCALED=scaled, PREFETCH=prefetch)
-                ptx = compile_(PK.w4a16_p_kernel, args, consts,
-                               f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}, "
-                               f"prefetch {prefetch}]", warps)
-                check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
+            consts = dict(BN=bn, BT=bt, FP16=fp16, MODE=mode, FUSED=not scaled, INTERPRET=False,
+                          SCALED=scaled)
+            ptx = compile_(PK.w4a16_p_kernel, args, consts,
+                           f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}]", warps)
+            check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
         for scaled, gated, bn, bt, warps in ((False, True, 64, 16, 4), (True, True, 128, 128, 8),
                                              (True, False, 64, 64, 4)):
             args = [("a_ptr", "*" + x), ("w_ptr", "*i32"), ("z_ptr", "*u8"), ("s_ptr", "*fp16"),
@@ -68,7 +66,7 @@ for x in ("bf16", "fp16"):
                     ("stride_am", "i32"), ("stride_om", "i32"), ("SPLIT_K", "i32")]
             consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, BN=bn,
                           BT=bt, FP16=fp16, MODE=mode, SPLIT=False, SUM_K=False, TOPK=8,
-                          INTERPRET=False, SCALED=scaled, PREFETCH=True)
+                          INTERPRET=False, SCALED=scaled)
             name = f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}]"
             ptx = compile_(PM.moe_p_kernel, args, consts, name, warps)
             check_mul(ptx, mode, scaled, f"moe[{x}, scaled {scaled}, gated {gated}]")
@@ -90,4 +88,4 @@ def test_pair_kernels_compile_for_sm90():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 40, out[-3000:]
+    assert out.count("OK ") == 36, out[-3000:]

@@ -99,8 +99,6 @@ def test_linear_kernel_matches_reference(k, n, m, dtype, cfg):
     assert y.dtype == dtype and y.shape == (m, n)
     assert _rel(y, ref) < 4e-3  # fp32 in another order, then the output rounding
     assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config=cfg), y)  # same bits again
-    if cfg is not None:  # the next group's inputs loaded ahead (the default) or in its turn
-        assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "PREFETCH": False}), y)
     if cfg is not None and cfg["SPLIT_K"] > 1:  # the fused reduction sums in the same order
         assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "FUSED": True}), y)
 
@@ -162,10 +160,6 @@ def test_moe_kernel_matches_reference(t, e, topk, d, inter, dtype, cfg):
     ref = P.moe_w4a16_p_ref(x, ids, w, *p13, *p2)
     assert y.dtype == torch.float32 and y.shape == (t, d) and not y.isnan().any()
     assert _rel(y, ref) < 2e-3  # fp32 order, then bf16 flips of the intermediate h
-    if cfg is not None:  # the next group's inputs loaded ahead (the default) or in its turn
-        assert torch.equal(
-            PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "PREFETCH": False}), y
-        )
     if cfg is not None and d >= 256:  # the gate/up pass split over D, summed by the last split
         ys = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config={**cfg, "SPLIT_K": 2})
         assert _rel(ys, ref) < 2e-3 and not PK._COUNTERS[x.device].any()
@@ -267,10 +261,6 @@ def test_linear_on_gpu_at_v32_shapes(m):
             b = PK.w4a16_linear_p_triton(x, *pw, mode=PK.MODE_OPS)
             assert torch.equal(a, b)  # the inline PTX forms the same (q - z) values
             assert torch.equal(torch.ops.echo.w4a16_linear_p(x, *pw), a)  # deterministic
-            if not PK.uses_dequant(m):  # the next group's inputs loaded ahead or in its turn
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                cfg = {**PK.p_config(m, n, k, sms), "PREFETCH": False}
-                assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config=cfg), a)
             assert _rel(a, ops.w4a16_linear_ref(x, *w)) < 1e-2
 
 
@@ -331,8 +321,6 @@ def test_moe_on_gpu_256_experts(t):  # dequantised fp32 copy of them ran out of 
     y = torch.ops.echo.moe_w4a16_p(x, ids, w, *p13, *p2)
     b = PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, mode=PK.MODE_OPS)
     assert torch.equal(y, b)
-    cfg = {**PM.moe_p_config(t * 8, e), "PREFETCH": False}  # the next group's inputs in its turn
-    assert torch.equal(PM.moe_w4a16_p_triton(x, ids, w, *p13, *p2, config=cfg), y)
     # the reference on the touched experts only (256 dequantised experts do not fit)
     used = torch.unique(ids)
     remap = torch.full((e,), -1, dtype=torch.long, device="cuda")
