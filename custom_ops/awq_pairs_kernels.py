@@ -88,79 +88,38 @@ def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, ss=Non
 
 
 @triton.jit
-def _slice_part(part, w, zz, xs, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
-                ss=None, SCALED: tl.constexpr = False):  # fmt: skip
-    """``part [BN, BT] += W [BN, 32] @ xs [32, BT]`` for K rows ``32 s .. 32 s + 31`` of a group
-    (``w [BN, 16]`` its words)."""
-    lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
-    a = tl.reshape(tl.join(lo, hi), [w.shape[0], 32])  # column 2 p + h = K row 32 s + 2 p + h
-    if MODE == 2:
-        return tl.dot(a, xs.to(tl.float32), part)
-    return tl.dot(a, xs, part)
-
-
-@triton.jit
-def _group_part(part, w, zz, x0, x1, x2, x3, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
+def _group_part(part, w, zz, x_cols, t_mask, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
                 SCALED: tl.constexpr = False):  # fmt: skip
     """``part [BN, BT] += W_g [BN, 128] @ x_g^T [128, BT]`` for one group: ``w [BN, 16]`` its
-    words, ``x0 .. x3 [32, BT]`` its x slices (``_x_in``). SCALED: W_g carries the group's scale
-    (``_pair``)."""
-    part = _slice_part(part, w, zz, x0, 0, FP16, MODE, ss, SCALED)
-    part = _slice_part(part, w, zz, x1, 1, FP16, MODE, ss, SCALED)
-    part = _slice_part(part, w, zz, x2, 2, FP16, MODE, ss, SCALED)
-    return _slice_part(part, w, zz, x3, 3, FP16, MODE, ss, SCALED)
+    words, ``x_cols [32, BT]`` pointers to x[token, group start + c] (c < 32). SCALED: W_g
+    carries the group's scale (``_pair``)."""
+    for s in tl.static_range(4):
+        xs = tl.load(x_cols + 32 * s, mask=t_mask[None, :], other=0.0)  # [32, BT]
+        lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
+        a = tl.reshape(tl.join(lo, hi), [w.shape[0], 32])  # column 2 p + h = K row 32 s + 2 p + h
+        if MODE == 2:
+            part = tl.dot(a, xs.to(tl.float32), part)
+        else:
+            part = tl.dot(a, xs, part)
+    return part
 
 
 @triton.jit
-def _x_in(x_cols, mask):
-    """A group's four x slices ``[32, BT]`` (``x_cols``: pointers to its first 32 columns;
-    ``mask [1, BT]`` or ``[32, BT]``, nothing loaded where it is off)."""
-    return (tl.load(x_cols, mask=mask, other=0.0), tl.load(x_cols + 32, mask=mask, other=0.0),
-            tl.load(x_cols + 64, mask=mask, other=0.0), tl.load(x_cols + 96, mask=mask, other=0.0))
+def _zz(z_ptrs, n_mask, FP16: tl.constexpr):
+    """The 16-bit pair ``(c + z, c + z)`` as int32 [BN, 16] (broadcast along the words)."""
+    z = tl.load(z_ptrs, mask=n_mask, other=0).to(tl.int32)
+    zz = (z + (0x6400 if FP16 else 0x4300)) * 0x10001
+    return zz[:, None] + tl.zeros([z_ptrs.shape[0], 16], dtype=tl.int32)
 
 
 @triton.jit
-def _zs_in(z_ptrs, s_ptrs, mask):
-    """A group's zero points (uint8) and scales ``[BN]``, nothing loaded where ``mask`` is off."""
-    return tl.load(z_ptrs, mask=mask, other=0), tl.load(s_ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _bytes4(w):
-    """int32 words [R] -> their bytes [4 R] (int32, little-endian order)."""
-    b0, b1, b2, b3 = w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF, (w >> 24) & 0xFF
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [4 * w.shape[0]])
-
-
-@triton.jit
-def _halves(w):
-    """int32 words [R] -> their 16-bit halves [2 R] (int16, low half first)."""
-    return tl.reshape(tl.join((w & 0xFFFF).to(tl.int16), ((w >> 16) & 0xFFFF).to(tl.int16)),
-                      [2 * w.shape[0]])  # fmt: skip
-
-
-@triton.jit
-def _l2_prefetch(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _zz(z, FP16: tl.constexpr):
-    """The 16-bit pair ``(c + z, c + z)`` of the zero points ``z [BN]`` as int32 [BN, 16]
-    (broadcast along the words)."""
-    zz = (z.to(tl.int32) + (0x6400 if FP16 else 0x4300)) * 0x10001
-    return zz[:, None] + tl.zeros([z.shape[0], 16], dtype=tl.int32)
-
-
-@triton.jit
-def _ss(s, FP16: tl.constexpr, INTERPRET: tl.constexpr):
-    """The 16-bit pair ``(s, s)`` of the scales ``s [BN]``, rounded to x's dtype, as int32
-    [BN, 16]."""
+def _ss(s_ptrs, n_mask, FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The 16-bit pair ``(s, s)`` of the scales, rounded to x's dtype, as int32 [BN, 16]."""
     dt = tl.float16 if FP16 else tl.bfloat16
-    s = _round16(s.to(tl.float32), dt, INTERPRET).to(dt)  # exact: already a dt value
+    s = tl.load(s_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    s = _round16(s, dt, INTERPRET).to(dt)  # exact: already a dt value
     bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return (bits * 0x10001)[:, None] + tl.zeros([s.shape[0], 16], dtype=tl.int32)
+    return (bits * 0x10001)[:, None] + tl.zeros([s_ptrs.shape[0], 16], dtype=tl.int32)
 
 
 @triton.jit
@@ -169,7 +128,6 @@ def w4a16_p_kernel(
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, S_FP16: tl.constexpr = True,
 ):  # fmt: skip
     """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
     1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K).
@@ -195,45 +153,19 @@ def w4a16_p_kernel(
     offs_p = tl.arange(0, 16)
     x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm + tl.arange(0, 32)[:, None]
     acc = tl.zeros([BN, BT], dtype=tl.float32)
-    # NOTE: a load past the split's last group is masked off through the bound (tl.where): the
-    # interpreter cannot AND a mask with a scalar condition
-    if PREFETCH == 1:  # group g0's zero points and scales; the loop loads group g + 1's ahead
-        n_lim = tl.where(g0 < g1, N, 0)
-        z, sc = _zs_in(z_ptr + g0 * N + offs_n, s_ptr + g0 * N + offs_n, offs_n < n_lim)
-        zz, ss = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
     for g in range(g0, g1):
         col = g * N + offs_n  # [BN] (group, column) index
-        if PREFETCH == 1:
-            zzg, ssg = zz, ss
-            n_lim = tl.where(g + 1 < g1, N, 0)
-            z, sc = _zs_in(z_ptr + col + N, s_ptr + col + N, offs_n < n_lim)
-            zz, ss = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
-        elif PREFETCH == 3:  # experiment: no zero point / scale loads at all
-            zzg = _zz(tl.full([BN], 8, tl.uint8), FP16)
-            ssg = _ss(tl.full([BN], 1.0, tl.float16), FP16, INTERPRET) if SCALED else tl.full([BN], 1.0, tl.float16)
-        elif PREFETCH == 4:  # zero points and scales read as int32 words (cp.async-able)
-            zq = pid_n * (BN // 4) + tl.arange(0, BN // 4)
-            sh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-            z = _bytes4(tl.load(z_ptr + g * (N // 4) + zq, mask=zq < N // 4, other=0))
-            sb = _halves(tl.load(s_ptr + g * (N // 2) + sh, mask=sh < N // 2, other=0))
-            sc = sb.to(tl.float16 if S_FP16 else tl.bfloat16, bitcast=True)
-            zzg, ssg = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
-        else:
-            if PREFETCH == 2:
-                ahead = tl.minimum(g + 2, G - 1) * N + offs_n
-                _l2_prefetch(z_ptr + ahead)
-                _l2_prefetch(s_ptr + ahead)
-            z, sc = _zs_in(z_ptr + col, s_ptr + col, n_mask)
-            zzg, ssg = _zz(z, FP16), _ss(sc, FP16, INTERPRET) if SCALED else sc
-        x0, x1, x2, x3 = _x_in(x_cols + g * 128, t_mask[None, :])
         w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
+        zz = _zz(z_ptr + col, n_mask, FP16)
         if SCALED:
-            acc = _group_part(acc, w, zzg, x0, x1, x2, x3, FP16, MODE, ssg, True)
+            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE,
+                              _ss(s_ptr + col, n_mask, FP16, INTERPRET), True)  # fmt: skip
         else:
-            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zzg, x0, x1, x2, x3,
-                               FP16, MODE)  # fmt: skip
-            acc += part * ssg.to(tl.float32)[:, None]
+            sc = tl.load(s_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
+                               t_mask, FP16, MODE)  # fmt: skip
+            acc += part * sc[:, None]
     mask = t_mask[None, :] & n_mask[:, None]
     tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
     _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
@@ -263,8 +195,8 @@ def dequant_p_kernel(
     col = g * N + offs_n
     w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + tl.arange(0, 16)[None, :],
                 mask=n_mask[:, None], other=0)  # fmt: skip
-    z, sc = _zs_in(z_ptr + col, s_ptr + col, n_mask)
-    zz, ss = _zz(z, FP16), _ss(sc, FP16, INTERPRET)
+    zz = _zz(z_ptr + col, n_mask, FP16)
+    ss = _ss(s_ptr + col, n_mask, FP16, INTERPRET)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * K + g * 128 + tl.arange(0, 32)[None, :]
     for s in tl.static_range(4):
         lo, hi = _pair(w, zz, s, FP16, MODE, ss, True)
@@ -399,13 +331,11 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
-    wide = cfg.get("PREFETCH", 0) == 4
     w4a16_p_kernel[grid](
-        x, qweight_p, zeros.view(torch.int32) if wide else zeros,
-        scales.view(torch.int32) if wide else scales, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
+        x, qweight_p, zeros, scales, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
         MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
-        PREFETCH=cfg.get("PREFETCH", 0), S_FP16=scales.dtype == torch.float16, num_warps=cfg.get("num_warps", 4),
+        num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     if split == 1 or fused:
