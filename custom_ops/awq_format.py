@@ -67,8 +67,11 @@ def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 #                               q[128 g + 32 s + 2 p + 1, n]: the two halves of one shifted and
 #                               masked word are two K-adjacent weights, the register pair of an
 #                               MMA operand; a column's group is 64 contiguous bytes;
-#   zeros_p   uint8 [G, N]      the zero point z[g, n] (0..15), unpacked;
-#   scales_p  fp16|bf16 [G, N]  the checkpoint's scales, unchanged.
+#   zs_p      int32 [G, N]      the zero point z[g, n] (0..15) in bits 0..7 and the scale s[g, n]
+#                               as fp16 in bits 16..31: one word, so the kernels' software
+#                               pipeline copies it like the weights (a uint8 and a 16-bit load
+#                               were not pipelined; H200, docs/quantization.md). bf16 scales are
+#                               stored as fp16, exactly (``pack_zs`` refuses the ones it cannot).
 # W^T[k, n] = (q[k, n] - z[k // 128, n]) * s[k // 128, n], as in the AutoAWQ format.
 WORDS = GROUP // PACK  # 16 int32 words per (group, column)
 
@@ -81,10 +84,8 @@ def check_x16(name: str, x: torch.Tensor) -> None:
         )
 
 
-def check_pairs(
-    name: str, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, k: int
-) -> int:
-    """ValueError unless the three tensors are a pair-layout W4 weight with in=k; returns N."""
+def check_pairs(name: str, qweight_p: torch.Tensor, zs_p: torch.Tensor, k: int) -> int:
+    """ValueError unless the two tensors are a pair-layout W4 weight with in=k; returns N."""
     if qweight_p.dim() != 3 or qweight_p.shape[-1] != WORDS:
         raise ValueError(
             f"{name}: qweight_p must be [K/{GROUP}, N, {WORDS}] int32, got {list(qweight_p.shape)}"
@@ -92,34 +93,26 @@ def check_pairs(
     g, n = qweight_p.shape[:2]
     if g * GROUP != k:
         raise ValueError(f"{name}: x has K={k} but qweight_p holds {g} groups of {GROUP}")
-    for what, t, dtypes in (
-        ("qweight_p", qweight_p, (torch.int32,)),
-        ("zeros_p", zeros, (torch.uint8,)),
-        ("scales_p", scales, (torch.float16, torch.bfloat16)),
-    ):
-        if what != "qweight_p" and tuple(t.shape) != (g, n):
-            raise ValueError(f"{name}: {what} must have shape {[g, n]}, got {list(t.shape)}")
-        if t.dtype not in dtypes:
-            want = " or ".join(map(str, dtypes))
-            raise ValueError(f"{name}: {what} must be {want}, got {t.dtype}")
+    if tuple(zs_p.shape) != (g, n):
+        raise ValueError(f"{name}: zs_p must have shape {[g, n]}, got {list(zs_p.shape)}")
+    for what, t in (("qweight_p", qweight_p), ("zs_p", zs_p)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name}: {what} must be torch.int32, got {t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{name}: {what} must be contiguous")
     return n
 
 
-def check_pair_experts(name: str, qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
-                       k: int) -> None:  # fmt: skip
-    """ValueError unless ``qw [E, k/128, N, 16]``, ``z``/``s [E, k/128, N]`` are stacked experts
-    in the pair layout."""
-    if qw.dim() != 4 or z.dim() != 3 or s.dim() != 3:
+def check_pair_experts(name: str, qw: torch.Tensor, zs: torch.Tensor, k: int) -> None:
+    """ValueError unless ``qw [E, k/128, N, 16]``, ``zs [E, k/128, N]`` are stacked experts in the
+    pair layout."""
+    if qw.dim() != 4 or zs.dim() != 3:
         raise ValueError(
-            f"{name}: need qweight [E, K/128, N, 16] and zeros/scales [E, K/128, N], got "
-            f"{list(qw.shape)}, {list(z.shape)}, {list(s.shape)}"
+            f"{name}: need qweight_p [E, K/128, N, 16] and zs_p [E, K/128, N], got "
+            f"{list(qw.shape)}, {list(zs.shape)}"
         )
-    if not (qw.shape[0] == z.shape[0] == s.shape[0]):
-        raise ValueError(
-            f"{name}: the expert counts differ: {qw.shape[0]}, {z.shape[0]}, {s.shape[0]}"
-        )
-    check_pairs(name, qw[0], z[0], s[0], k)
-    if not (qw.is_contiguous() and z.is_contiguous() and s.is_contiguous()):
+    if qw.shape[0] != zs.shape[0]:
+        raise ValueError(f"{name}: the expert counts differ: {qw.shape[0]}, {zs.shape[0]}")
+    check_pairs(name, qw[0], zs[0], k)
+    if not (qw.is_contiguous() and zs.is_contiguous()):
         raise ValueError(f"{name}: the stacked expert tensors must be contiguous")

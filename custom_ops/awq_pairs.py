@@ -45,11 +45,34 @@ def _pair_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return 4 * s + torch.tensor([0, 16], device=device, dtype=dtype)
 
 
+def pack_zs(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Zero points (integers 0..15, any int dtype) and scales (fp16 or bf16) ``[..., N]`` -> the
+    pair layout's ``zs_p`` int32: z in bits 0..7, the scale as fp16 in bits 16..31. A bf16 scale
+    is stored as fp16 exactly (fp16 has more mantissa bits); ValueError for one it cannot hold
+    (outside fp16's normal range, [6.1e-05, 65504])."""
+    if scales.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"pack_zs: scales must be float16 or bfloat16, got {scales.dtype}")
+    s16 = scales.to(torch.float16)
+    if scales.dtype != torch.float16 and not torch.equal(s16.to(scales.dtype), scales):
+        bad = scales[s16.to(scales.dtype) != scales].flatten()[:4].tolist()
+        raise ValueError(
+            f"pack_zs: bf16 scales that fp16 cannot hold exactly (it holds every bf16 value in "
+            f"[6.1e-05, 65504]), e.g. {bad}"
+        )
+    halves = torch.stack([zeros.to(torch.int16), s16.view(torch.int16)], dim=-1)  # [..., N, 2]
+    return halves.contiguous().view(torch.int32).squeeze(-1)  # little-endian: z low, s high
+
+
+def unpack_zs(zs_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``zs_p`` int32 -> (the zero points int32, the scales fp16), undoing ``pack_zs``."""
+    return zs_p & 0xFF, (zs_p >> 16).to(torch.int16).view(torch.float16)
+
+
 def pair_awq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """AutoAWQ ``(qweight [K, N/8], qzeros [K/128, N/8], scales [K/128, N])`` -> the pair layout
-    ``(qweight_p int32 [K/128, N, 16], zeros uint8 [K/128, N], scales [K/128, N])``."""
+    ``(qweight_p int32 [K/128, N, 16], zs_p int32 [K/128, N])``."""
     k, n = qweight.shape[0], qweight.shape[1] * PACK
     check_awq("pair_awq", qweight, qzeros, scales, k, n)
     g = k // GROUP
@@ -58,14 +81,14 @@ def pair_awq(
     shifts = _pair_shifts(q.device, torch.int64)  # [4 (s), 2 (h)]
     word = (q << shifts).sum((-1, -2))  # [G, N, 16] in [0, 2^32)
     qweight_p = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
-    return qweight_p, awq_unpack(qzeros).to(torch.uint8).contiguous(), scales.contiguous()
+    return qweight_p, pack_zs(awq_unpack(qzeros), scales)
 
 
 def pair_awq_experts(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked AutoAWQ experts ``[E, K, N/8]``, ``[E, K/128, N/8]``, ``[E, K/128, N]`` -> the
-    stacked pair layout ``[E, K/128, N, 16]``, ``[E, K/128, N]``, ``[E, K/128, N]``."""
+    stacked pair layout ``[E, K/128, N, 16]``, ``[E, K/128, N]``."""
     if qweight.dim() != 3:
         raise ValueError(
             f"pair_awq_experts: qweight must be [E, K, N/8], got {list(qweight.shape)}"
@@ -84,16 +107,15 @@ def unpack_pairs(qweight_p: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_pairs_t(
-    qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # fmt: skip
+    qweight_p: torch.Tensor, zs_p: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """fp32 ``W^T [K, N]`` of a pair-layout weight (exact: small integers times a 16-bit scale).
     With ``dtype`` (bf16 / fp16): the scale in that dtype and the product rounded to it once, the
     weights the scaled kernels compute with (``awq_pairs_kernels``: SCALED, ``dequant_p``)."""
     q = unpack_pairs(qweight_p)
-    z = zeros.to(torch.int32).repeat_interleave(GROUP, dim=0)
-    s = scales if dtype is None else scales.to(dtype)
-    w = (q - z).float() * s.float().repeat_interleave(GROUP, dim=0)
+    z, s = unpack_zs(zs_p)
+    s = s if dtype is None else s.to(dtype)
+    w = (q - z.repeat_interleave(GROUP, dim=0)).float() * s.float().repeat_interleave(GROUP, dim=0)
     return w if dtype is None else w.to(dtype).float()
 
 
@@ -101,30 +123,28 @@ def dequantize_pairs_t(
 
 
 def w4a16_linear_p_ref(
-    x: torch.Tensor, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+    x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor
 ) -> torch.Tensor:
     """Reference: ``(x.float() @ W^T).to(x.dtype)``."""
     check_x16("w4a16_linear_p", x)
-    check_pairs("w4a16_linear_p", qweight_p, zeros, scales, x.shape[1])
-    return (x.float() @ dequantize_pairs_t(qweight_p, zeros, scales)).to(x.dtype)
+    check_pairs("w4a16_linear_p", qweight_p, zs_p, x.shape[1])
+    return (x.float() @ dequantize_pairs_t(qweight_p, zs_p)).to(x.dtype)
 
 
 @torch.library.custom_op("echo::w4a16_linear_p", mutates_args=())
-def w4a16_linear_p(
-    x: torch.Tensor, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
-) -> torch.Tensor:
+def w4a16_linear_p(x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ W^T -> [M, N]`` with a pair-layout W4 weight; the reference by default,
     Triton on CUDA."""
-    return w4a16_linear_p_ref(x, qweight_p, zeros, scales)
+    return w4a16_linear_p_ref(x, qweight_p, zs_p)
 
 
 @w4a16_linear_p.register_kernel("cuda")
-def _(x, qweight_p, zeros, scales):
-    return _triton().w4a16_linear_p_triton(x, qweight_p, zeros, scales)
+def _(x, qweight_p, zs_p):
+    return _triton().w4a16_linear_p_triton(x, qweight_p, zs_p)
 
 
 @w4a16_linear_p.register_fake
-def _(x, qweight_p, zeros, scales):
+def _(x, qweight_p, zs_p):
     return x.new_empty((x.shape[0], qweight_p.shape[1]))
 
 
@@ -132,15 +152,12 @@ def _(x, qweight_p, zeros, scales):
 
 
 def dequantize_pairs_experts_t(
-    qw: torch.Tensor, z: torch.Tensor, s: torch.Tensor, k: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # fmt: skip
+    qw: torch.Tensor, zs: torch.Tensor, k: int | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """fp32 ``W^T [E, K, N]`` of stacked pair-layout experts (K checked when given; ``dtype``:
     rounded as ``dequantize_pairs_t``)."""
-    check_pair_experts("moe_w4a16_p", qw, z, s, k if k is not None else qw.shape[1] * GROUP)
-    return torch.stack(
-        [dequantize_pairs_t(qw[e], z[e], s[e], dtype) for e in range(qw.shape[0])]
-    )
+    check_pair_experts("moe_w4a16_p", qw, zs, k if k is not None else qw.shape[1] * GROUP)
+    return torch.stack([dequantize_pairs_t(qw[e], zs[e], dtype) for e in range(qw.shape[0])])
 
 
 def moe_w4a16_p_ref(
@@ -148,18 +165,14 @@ def moe_w4a16_p_ref(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     w13_qweight_p: torch.Tensor,
-    w13_zeros: torch.Tensor,
-    w13_scales: torch.Tensor,
+    w13_zs_p: torch.Tensor,
     w2_qweight_p: torch.Tensor,
-    w2_zeros: torch.Tensor,
-    w2_scales: torch.Tensor,
+    w2_zs_p: torch.Tensor,
 ) -> torch.Tensor:
     """Reference for ``echo::moe_w4a16_p``: the numerics of ``moe_w4a16_ref``."""
-    w13_t = dequantize_pairs_experts_t(
-        w13_qweight_p, w13_zeros, w13_scales, x.shape[1]
-    )  # [E, D, 2I]
+    w13_t = dequantize_pairs_experts_t(w13_qweight_p, w13_zs_p, x.shape[1])  # [E, D, 2I]
     inter = w13_t.shape[2] // 2
-    w2_t = dequantize_pairs_experts_t(w2_qweight_p, w2_zeros, w2_scales, inter)  # [E, I, D]
+    w2_t = dequantize_pairs_experts_t(w2_qweight_p, w2_zs_p, inter)  # [E, I, D]
     if w2_t.shape[2] != x.shape[1]:
         raise ValueError(f"moe_w4a16_p: x has D={x.shape[1]}, w2 gives {w2_t.shape[2]}")
     return _moe_ref(x, topk_ids, topk_weights, w13_t, w2_t)
@@ -171,28 +184,24 @@ def moe_w4a16_p(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     w13_qweight_p: torch.Tensor,
-    w13_zeros: torch.Tensor,
-    w13_scales: torch.Tensor,
+    w13_zs_p: torch.Tensor,
     w2_qweight_p: torch.Tensor,
-    w2_zeros: torch.Tensor,
-    w2_scales: torch.Tensor,
+    w2_zs_p: torch.Tensor,
 ) -> torch.Tensor:
     """Routed experts over pair-layout W4 weights: ``x [T, D] -> fp32 [T, D]``, as
     ``echo::moe_w4a16``; the reference by default, Triton on CUDA (gate and up fused)."""
-    w = (w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros, w2_scales)
+    w = (w13_qweight_p, w13_zs_p, w2_qweight_p, w2_zs_p)
     return moe_w4a16_p_ref(x, topk_ids, topk_weights, *w)
 
 
 @moe_w4a16_p.register_kernel("cuda")
-def _(x, topk_ids, topk_weights, w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros,
-      w2_scales):  # fmt: skip
-    w = (w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros, w2_scales)
+def _(x, topk_ids, topk_weights, w13_qweight_p, w13_zs_p, w2_qweight_p, w2_zs_p):
     from custom_ops.awq_pairs_moe import moe_w4a16_p_triton
 
+    w = (w13_qweight_p, w13_zs_p, w2_qweight_p, w2_zs_p)
     return moe_w4a16_p_triton(x, topk_ids, topk_weights, *w)
 
 
 @moe_w4a16_p.register_fake
-def _(x, topk_ids, topk_weights, w13_qweight_p, w13_zeros, w13_scales, w2_qweight_p, w2_zeros,
-      w2_scales):  # fmt: skip
+def _(x, topk_ids, topk_weights, w13_qweight_p, w13_zs_p, w2_qweight_p, w2_zs_p):
     return x.new_empty(x.shape, dtype=torch.float32)

@@ -105,26 +105,32 @@ def _group_part(part, w, zz, x_cols, t_mask, FP16: tl.constexpr, MODE: tl.conste
 
 
 @triton.jit
-def _zz(z_ptrs, n_mask, FP16: tl.constexpr):
-    """The 16-bit pair ``(c + z, c + z)`` as int32 [BN, 16] (broadcast along the words)."""
-    z = tl.load(z_ptrs, mask=n_mask, other=0).to(tl.int32)
-    zz = (z + (0x6400 if FP16 else 0x4300)) * 0x10001
-    return zz[:, None] + tl.zeros([z_ptrs.shape[0], 16], dtype=tl.int32)
+def _zz(zs, FP16: tl.constexpr):
+    """The 16-bit pair ``(c + z, c + z)`` of the zero points in ``zs [BN]`` (the ``zs_p`` words:
+    z in bits 0..7) as int32 [BN, 16] (broadcast along the words)."""
+    zz = ((zs & 0xFF) + (0x6400 if FP16 else 0x4300)) * 0x10001
+    return zz[:, None] + tl.zeros([zs.shape[0], 16], dtype=tl.int32)
 
 
 @triton.jit
-def _ss(s_ptrs, n_mask, FP16: tl.constexpr, INTERPRET: tl.constexpr):
-    """The 16-bit pair ``(s, s)`` of the scales, rounded to x's dtype, as int32 [BN, 16]."""
+def _scale(zs):
+    """The scales in ``zs [BN]`` (fp16 in bits 16..31), as fp32."""
+    return (zs >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _ss(zs, FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The 16-bit pair ``(s, s)`` of the scales in ``zs [BN]``, rounded to x's dtype, as int32
+    [BN, 16]."""
     dt = tl.float16 if FP16 else tl.bfloat16
-    s = tl.load(s_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    s = _round16(s, dt, INTERPRET).to(dt)  # exact: already a dt value
+    s = _round16(_scale(zs), dt, INTERPRET).to(dt)  # exact: already a dt value
     bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return (bits * 0x10001)[:, None] + tl.zeros([s_ptrs.shape[0], 16], dtype=tl.int32)
+    return (bits * 0x10001)[:, None] + tl.zeros([zs.shape[0], 16], dtype=tl.int32)
 
 
 @triton.jit
 def w4a16_p_kernel(
-    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, y_ptr, cnt_ptr,
+    x_ptr, qw_ptr, zs_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
@@ -157,15 +163,15 @@ def w4a16_p_kernel(
         col = g * N + offs_n  # [BN] (group, column) index
         w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
-        zz = _zz(z_ptr + col, n_mask, FP16)
+        zs = tl.load(zs_ptr + col, mask=n_mask, other=0)  # [BN] (zero point, scale) words
+        zz = _zz(zs, FP16)
         if SCALED:
             acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE,
-                              _ss(s_ptr + col, n_mask, FP16, INTERPRET), True)  # fmt: skip
+                              _ss(zs, FP16, INTERPRET), True)  # fmt: skip
         else:
-            sc = tl.load(s_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
             part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
                                t_mask, FP16, MODE)  # fmt: skip
-            acc += part * sc[:, None]
+            acc += part * _scale(zs)[:, None]
     mask = t_mask[None, :] & n_mask[:, None]
     tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
     _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
@@ -184,7 +190,7 @@ def w4a16_p_kernel(
 
 @triton.jit
 def dequant_p_kernel(
-    qw_ptr, z_ptr, s_ptr, w_ptr, N, K,
+    qw_ptr, zs_ptr, w_ptr, N, K,
     BN: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """``W [N, K]`` (x's dtype) = ``(q - z) * s`` rounded once, the SCALED kernel's weights:
@@ -195,8 +201,8 @@ def dequant_p_kernel(
     col = g * N + offs_n
     w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + tl.arange(0, 16)[None, :],
                 mask=n_mask[:, None], other=0)  # fmt: skip
-    zz = _zz(z_ptr + col, n_mask, FP16)
-    ss = _ss(s_ptr + col, n_mask, FP16, INTERPRET)
+    zs = tl.load(zs_ptr + col, mask=n_mask, other=0)
+    zz, ss = _zz(zs, FP16), _ss(zs, FP16, INTERPRET)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * K + g * 128 + tl.arange(0, 32)[None, :]
     for s in tl.static_range(4):
         lo, hi = _pair(w, zz, s, FP16, MODE, ss, True)
@@ -306,21 +312,20 @@ def _check_config(name: str, cfg: dict) -> None:
 
 
 def w4a16_linear_p_triton(
-    x: torch.Tensor, qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-    config: dict | None = None, mode: int = DEFAULT_MODE,
+    x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor, config: dict | None = None,
+    mode: int = DEFAULT_MODE,
 ) -> torch.Tensor:  # fmt: skip
     """``x [M, K] @ W^T -> [M, N]`` (x's dtype) with a pair-layout W4 weight; fp32 accumulation."""
     check_x16("w4a16_linear_p", x)
     m, k = x.shape
-    n = check_pairs("w4a16_linear_p", qweight_p, zeros, scales, k)
+    n = check_pairs("w4a16_linear_p", qweight_p, zs_p, k)
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is None and uses_dequant(m):
         config = {"DEQUANT": True}
     cfg = config or p_config(m, n, k, _num_sms(x.device))
     if cfg.get("DEQUANT"):  # many tokens: the weight once in x's dtype, then a dense GEMM
-        return torch.nn.functional.linear(x, dequant_p_triton(qweight_p, zeros, scales, x.dtype,
-                                                              mode))  # fmt: skip
+        return torch.nn.functional.linear(x, dequant_p_triton(qweight_p, zs_p, x.dtype, mode))
     _check_config("w4a16_linear_p", cfg)
     split = cfg["SPLIT_K"]
     if split == 1:
@@ -332,7 +337,7 @@ def w4a16_linear_p_triton(
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
     w4a16_p_kernel[grid](
-        x, qweight_p, zeros, scales, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
+        x, qweight_p, zs_p, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
         MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
         num_warps=cfg.get("num_warps", 4),
@@ -347,8 +352,7 @@ def w4a16_linear_p_triton(
 
 
 def dequant_p_triton(
-    qweight_p: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-    mode: int = DEFAULT_MODE,
+    qweight_p: torch.Tensor, zs_p: torch.Tensor, dtype: torch.dtype, mode: int = DEFAULT_MODE,
 ) -> torch.Tensor:  # fmt: skip
     """``W [N, K]`` in ``dtype`` (bf16 or fp16): ``(q - z) * s`` rounded once, as the SCALED
     kernel computes with (``awq_pairs.dequantize_pairs_t(..., dtype)`` is its reference)."""
@@ -359,10 +363,10 @@ def dequant_p_triton(
             f"dequant_p: qweight_p must be [K/128, N, 16], got {list(qweight_p.shape)}"
         )
     g = qweight_p.shape[0]
-    n = check_pairs("dequant_p", qweight_p, zeros, scales, g * GROUP)
+    n = check_pairs("dequant_p", qweight_p, zs_p, g * GROUP)
     w = torch.empty((n, g * GROUP), device=qweight_p.device, dtype=dtype)
     dequant_p_kernel[(g, triton.cdiv(n, 64))](
-        qweight_p, zeros, scales, w, n, g * GROUP, BN=64, FP16=dtype == torch.float16, MODE=mode,
+        qweight_p, zs_p, w, n, g * GROUP, BN=64, FP16=dtype == torch.float16, MODE=mode,
         INTERPRET=_INTERPRET, num_warps=4,
     )  # fmt: skip
     return w

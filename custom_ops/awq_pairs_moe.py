@@ -18,6 +18,7 @@ from custom_ops.awq_pairs_kernels import (
     _check_config,
     _counters,
     _group_part,
+    _scale,
     _ss,
     _zz,
 )
@@ -26,7 +27,7 @@ from custom_ops.moe_align import moe_align
 
 @triton.jit
 def moe_p_kernel(
-    a_ptr, w_ptr, z_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+    a_ptr, w_ptr, zs_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
     ws_ptr, cnt_ptr, topk_ids_ptr, sum_ptr, num_pairs, N, G, E, stride_am, stride_om, SPLIT_K,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
@@ -34,7 +35,7 @@ def moe_p_kernel(
     SCALED: tl.constexpr = False,
 ):  # fmt: skip
     """One row block (BT pairs of one expert, ``custom_ops.moe_align``) x BN output columns over
-    pair-layout expert weights ``w [E, G, NW, 16]``, ``z``/``s [E, G, NW]`` (NW = 2N when GATED:
+    pair-layout expert weights ``w [E, G, NW, 16]``, ``zs [E, G, NW]`` (NW = 2N when GATED:
     gate columns, then up columns, both from one pass over x). Pair ``p = sorted_ids[r]`` reads A
     row ``p // A_ROW_DIV`` and writes out row ``p``; GATED: out = silu(gate) * up (fp32, stored
     in out's dtype); MUL_WEIGHT: out = acc * topk_w[p].
@@ -83,28 +84,27 @@ def moe_p_kernel(
         col = g * NW + offs_n
         w = tl.load(w_base + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                     mask=n_mask[:, None], other=0)  # fmt: skip
-        zz = _zz(z_ptr + zs_base + col, n_mask, FP16)
+        zs = tl.load(zs_ptr + zs_base + col, mask=n_mask, other=0)  # (zero point, scale) words
+        zz = _zz(zs, FP16)
         if SCALED:
-            ss = _ss(s_ptr + zs_base + col, n_mask, FP16, INTERPRET)
-            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE, ss, True)
+            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE,
+                              _ss(zs, FP16, INTERPRET), True)  # fmt: skip
         else:
-            sc = tl.load(s_ptr + zs_base + col, mask=n_mask, other=0.0).to(tl.float32)
             part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
                                t_mask, FP16, MODE)  # fmt: skip
-            acc += part * sc[:, None]
+            acc += part * _scale(zs)[:, None]
         if GATED:
             w_up = tl.load(w_base + (col + N)[:, None].to(tl.int64) * 16 + offs_p[None, :],
                            mask=n_mask[:, None], other=0)  # fmt: skip
-            zz_up = _zz(z_ptr + zs_base + col + N, n_mask, FP16)
+            zs_up = tl.load(zs_ptr + zs_base + col + N, mask=n_mask, other=0)
+            zz_up = _zz(zs_up, FP16)
             if SCALED:
-                ss_up = _ss(s_ptr + zs_base + col + N, n_mask, FP16, INTERPRET)
                 acc_up = _group_part(acc_up, w_up, zz_up, x_cols + g * 128, t_mask, FP16, MODE,
-                                     ss_up, True)  # fmt: skip
+                                     _ss(zs_up, FP16, INTERPRET), True)  # fmt: skip
             else:
-                sc_up = tl.load(s_ptr + zs_base + col + N, mask=n_mask, other=0.0).to(tl.float32)
                 part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, zz_up,
                                       x_cols + g * 128, t_mask, FP16, MODE)  # fmt: skip
-                acc_up += part_up * sc_up[:, None]
+                acc_up += part_up * _scale(zs_up)[:, None]
     if SPLIT:
         slots = tl.num_programs(0) * BT
         rows = pid_b * BT + tl.arange(0, BT)
@@ -205,9 +205,8 @@ def gate_up_split(programs: int, groups: int, target: int | None = None) -> int:
 
 def moe_w4a16_p_triton(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13_qweight_p: torch.Tensor, w13_zeros: torch.Tensor, w13_scales: torch.Tensor,
-    w2_qweight_p: torch.Tensor, w2_zeros: torch.Tensor, w2_scales: torch.Tensor,
-    config: dict | None = None, mode: int = DEFAULT_MODE,
+    w13_qweight_p: torch.Tensor, w13_zs_p: torch.Tensor, w2_qweight_p: torch.Tensor,
+    w2_zs_p: torch.Tensor, config: dict | None = None, mode: int = DEFAULT_MODE,
 ) -> torch.Tensor:  # fmt: skip
     """Fused W4A16 MoE over pair-layout experts: fp32 ``[T, D] = sum_j w[t, j] *
     down_e(silu(gate_e(x_t)) * up_e(x_t))``; ``w13_* [E, D/128, 2I(, 16)]``, ``w2_* [E, I/128,
@@ -215,10 +214,10 @@ def moe_w4a16_p_triton(
     from custom_ops.awq_format import check_moe_inputs, check_pair_experts
 
     check_moe_inputs(x, topk_ids, topk_weights)
-    check_pair_experts("moe_w4a16_p (w13)", w13_qweight_p, w13_zeros, w13_scales, x.shape[1])
+    check_pair_experts("moe_w4a16_p (w13)", w13_qweight_p, w13_zs_p, x.shape[1])
     e, _, two_i, _ = w13_qweight_p.shape
     inter = two_i // 2
-    check_pair_experts("moe_w4a16_p (w2)", w2_qweight_p, w2_zeros, w2_scales, inter)
+    check_pair_experts("moe_w4a16_p (w2)", w2_qweight_p, w2_zs_p, inter)
     t, d = x.shape
     if w2_qweight_p.shape[0] != e or w2_qweight_p.shape[2] != d or two_i % 2:
         raise ValueError(
@@ -256,7 +255,7 @@ def moe_w4a16_p_triton(
     else:
         ws = cnt = h
     moe_p_kernel[(n_blocks, n_tiles, split)](
-        x, w13_qweight_p, w13_zeros, w13_scales, h, sorted_ids, block_expert, tw, ws, cnt,
+        x, w13_qweight_p, w13_zs_p, h, sorted_ids, block_expert, tw, ws, cnt,
         topk_ids, h, p, inter, d // GROUP, e, x.stride(0), h.stride(0), split,
         A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, SPLIT=split > 1, SUM_K=False, TOPK=topk,
         **common,
@@ -269,7 +268,7 @@ def moe_w4a16_p_triton(
     out = torch.zeros((t, d), device=x.device, dtype=torch.float32) if sum_k else y
     cnt = _counters(x.device, t * d_tiles) if sum_k else y
     moe_p_kernel[(n_blocks, d_tiles, 1)](
-        h, w2_qweight_p, w2_zeros, w2_scales, y, sorted_ids, block_expert, tw, y, cnt,
+        h, w2_qweight_p, w2_zs_p, y, sorted_ids, block_expert, tw, y, cnt,
         topk_ids, out, p, d, inter // GROUP, e, h.stride(0), y.stride(0), 1,
         A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, SPLIT=False, SUM_K=sum_k, TOPK=topk, **common,
     )  # fmt: skip

@@ -156,14 +156,14 @@ class AWQLinear(nn.Module):
         if self.repacked and R.use_tinygemm(x2.shape[0], x2.dtype, self.tinygemm_max_m):
             y = R.tinygemm_linear(x2, self.tg_weight, self.tg_scale_zero)
         elif self.repacked and self.large_m == "pairs":
-            y = torch.ops.echo.w4a16_linear_p(x2, self.qweight_p, self.zeros_p, self.scales_p)
+            y = torch.ops.echo.w4a16_linear_p(x2, self.qweight_p, self.zs_p)
         else:
             y = torch.ops.echo.w4a16_linear(x2, self.qweight, self.qzeros, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
 
     def repack(self, tinygemm_max_m: int = -1, large_m: str = "pairs") -> None:
         """Load-time layouts. ``large_m="pairs"``: replace ``qweight/qzeros/scales`` by the pair
-        layout ``qweight_p/zeros_p/scales_p`` (``echo::w4a16_linear_p``, the measured winner above
+        layout ``qweight_p/zs_p`` (``echo::w4a16_linear_p``, the measured winner above
         tinygemm's M); ``"former"``: keep them (``echo::w4a16_linear``). If ``tinygemm_max_m >= 1``
         also keep the tinygemm weight ``tg_weight/tg_scale_zero`` for bf16 calls of at most that
         many tokens (another int4 copy: the two layouts together are still half of bf16)."""
@@ -179,7 +179,7 @@ class AWQLinear(nn.Module):
                 tg = R.tinygemm_pack(self.qweight, self.qzeros, self.scales)
         if parts is not None:
             del self.qweight, self.qzeros, self.scales
-            for name, t in zip(("qweight_p", "zeros_p", "scales_p"), parts, strict=True):
+            for name, t in zip(("qweight_p", "zs_p"), parts, strict=True):
                 setattr(self, name, nn.Parameter(t, requires_grad=False))
         self.large_m = large_m
         if tg is not None:
@@ -206,7 +206,7 @@ class AWQLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The ``nn.Linear`` weight ``[out, in]`` this module computes with (the Triton path's)."""
         if self.repacked and self.large_m == "pairs":
-            wt = P.dequantize_pairs_t(self.qweight_p, self.zeros_p, self.scales_p)
+            wt = P.dequantize_pairs_t(self.qweight_p, self.zs_p)
             return wt.t().contiguous().to(dtype)
         return awq_dequantize(self.qweight, self.qzeros, self.scales, dtype)
 
@@ -264,11 +264,9 @@ class AWQExperts(nn.Module):
                 topk_ids,
                 topk_weights,
                 self.w13_qweight_p,
-                self.w13_zeros_p,
-                self.w13_scales_p,
+                self.w13_zs_p,
                 self.w2_qweight_p,
-                self.w2_zeros_p,
-                self.w2_scales_p,
+                self.w2_zs_p,
             )
         return torch.ops.echo.moe_w4a16(
             x,
@@ -284,7 +282,7 @@ class AWQExperts(nn.Module):
 
     def repack(self) -> None:
         """Load-time: replace the AutoAWQ ``w13_*``/``w2_*`` tensors by the pair layout
-        ``w13_qweight_p``, ``w13_zeros_p``, ``w13_scales_p`` (``[E, D/128, 2I(, 16)]``) and the
+        ``w13_qweight_p``, ``w13_zs_p`` (``[E, D/128, 2I(, 16)]``, ``[E, D/128, 2I]``) and the
         same for ``w2`` (``echo::moe_w4a16_p``: gate and up fused)."""
         if self.repacked:
             raise ValueError("AWQExperts.repack: already repacked")
@@ -297,7 +295,7 @@ class AWQExperts(nn.Module):
                 )
             for suffix in ("qweight", "qzeros", "scales"):
                 delattr(self, f"{pre}_{suffix}")
-            for suffix, t in zip(("qweight_p", "zeros_p", "scales_p"), parts, strict=True):
+            for suffix, t in zip(("qweight_p", "zs_p"), parts, strict=True):
                 setattr(self, f"{pre}_{suffix}", nn.Parameter(t, requires_grad=False))
         self.repacked = True
 
@@ -325,9 +323,7 @@ class AWQExperts(nn.Module):
         if self.repacked:
             return tuple(
                 P.dequantize_pairs_experts_t(
-                    getattr(self, f"{pre}_qweight_p"),
-                    getattr(self, f"{pre}_zeros_p"),
-                    getattr(self, f"{pre}_scales_p"),
+                    getattr(self, f"{pre}_qweight_p"), getattr(self, f"{pre}_zs_p")
                 )
                 .transpose(1, 2)
                 .contiguous()

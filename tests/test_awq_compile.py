@@ -46,8 +46,8 @@ for x in ("bf16", "fp16"):
     for mode in (PK.MODE_ASM, PK.MODE_OPS):
         for scaled, bn, bt, warps in ((False, 64, 16, 4), (True, 128, 32, 8), (False, 128, 64, 8),
                                       (True, 128, 128, 8), (True, 256, 64, 8)):
-            args = [("x_ptr", "*" + x), ("qw_ptr", "*i32"), ("z_ptr", "*u8"),
-                    ("s_ptr", "*fp16"), ("out_ptr", "*fp32"), ("y_ptr", "*" + x),
+            args = [("x_ptr", "*" + x), ("qw_ptr", "*i32"), ("zs_ptr", "*i32"),
+                    ("out_ptr", "*fp32"), ("y_ptr", "*" + x),
                     ("cnt_ptr", "*i32"), ("M", "i32"), ("N", "i32"), ("G", "i32"),
                     ("stride_xm", "i32"), ("stride_os", "i32"), ("stride_om", "i32"),
                     ("SPLIT_K", "i32")]
@@ -58,7 +58,7 @@ for x in ("bf16", "fp16"):
             check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
         for scaled, gated, bn, bt, warps in ((False, True, 64, 16, 4), (True, True, 128, 128, 8),
                                              (True, False, 64, 64, 4)):
-            args = [("a_ptr", "*" + x), ("w_ptr", "*i32"), ("z_ptr", "*u8"), ("s_ptr", "*fp16"),
+            args = [("a_ptr", "*" + x), ("w_ptr", "*i32"), ("zs_ptr", "*i32"),
                     ("out_ptr", "*" + x if gated else "*fp32"), ("sorted_ids_ptr", "*i32"),
                     ("block_expert_ptr", "*i32"), ("topk_w_ptr", "*fp32"), ("ws_ptr", "*fp32"),
                     ("cnt_ptr", "*i32"), ("topk_ids_ptr", "*i32"), ("sum_ptr", "*fp32"),
@@ -70,7 +70,7 @@ for x in ("bf16", "fp16"):
             name = f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}]"
             ptx = compile_(PM.moe_p_kernel, args, consts, name, warps)
             check_mul(ptx, mode, scaled, f"moe[{x}, scaled {scaled}, gated {gated}]")
-        args = [("qw_ptr", "*i32"), ("z_ptr", "*u8"), ("s_ptr", "*fp16"), ("w_ptr", "*" + x),
+        args = [("qw_ptr", "*i32"), ("zs_ptr", "*i32"), ("w_ptr", "*" + x),
                 ("N", "i32"), ("K", "i32")]
         consts = dict(BN=64, FP16=fp16, MODE=mode, INTERPRET=False)
         ptx = compile_(PK.dequant_p_kernel, args, consts, f"dequant[{x}, mode {mode}]")

@@ -59,7 +59,7 @@ def test_module_repack_and_dispatch(large_m):
     lin.repack(tinygemm_max_m=4, large_m=large_m)
     names = {n for n, _ in lin.named_parameters()}
     kept = {
-        "pairs": {"qweight_p", "zeros_p", "scales_p"},
+        "pairs": {"qweight_p", "zs_p"},
         "former": {"qweight", "qzeros", "scales"},
     }
     assert names == kept[large_m] | {"tg_weight", "tg_scale_zero"}
@@ -83,7 +83,7 @@ def test_served_dispatch_takes_the_pair_layout_above_tinygemm():
     before1, before2 = lin(x1), lin(x2)
     repack_awq_model(nn.Sequential(lin), tinygemm_max_m=1)  # the default large-M path
     names = {n for n, _ in lin.named_parameters()}
-    assert names == {"qweight_p", "zeros_p", "scales_p", "tg_weight", "tg_scale_zero"}
+    assert names == {"qweight_p", "zs_p", "tg_weight", "tg_scale_zero"}
     assert lin.large_m == "pairs"
     assert torch.equal(lin(x2), before2)  # M = 2 > 1: the pair op (its reference on CPU)
     y1 = lin(x1)  # M = 1: tinygemm (bf16 pairs): close, not equal
@@ -141,7 +141,7 @@ def test_experts_module_repack():
     before, dense = mod(x, ids, w), mod.dequantized_weights()
     mod.repack()  # the pair layout (echo::moe_w4a16_p)
     assert {n for n, _ in mod.named_parameters()} == {
-        f"{p}_{s}" for p in ("w13", "w2") for s in ("qweight_p", "zeros_p", "scales_p")
+        f"{p}_{s}" for p in ("w13", "w2") for s in ("qweight_p", "zs_p")
     }
     assert torch.equal(mod(x, ids, w), before)
     assert all(torch.equal(a, b) for a, b in zip(mod.dequantized_weights(), dense, strict=True))

@@ -23,7 +23,7 @@ def test_pair_layout_matches_its_spec():
     checked element by element against the AutoAWQ values, with Python ints."""
     qw, qz, s = _awq_weights(256, 16, torch.Generator().manual_seed(1))
     q = ops.awq_unpack(qw).tolist()  # [K][N]
-    qw_p, z, sc = P.pair_awq(qw, qz, s)
+    qw_p, zs = P.pair_awq(qw, qz, s)
     assert qw_p.shape == (2, 16, 16) and qw_p.dtype == torch.int32 and (qw_p < 0).any()
     words = qw_p.tolist()
     for g in range(2):
@@ -35,8 +35,22 @@ def test_pair_layout_matches_its_spec():
                         assert (w >> (4 * s_ + 16 * h)) & 0xF == q[128 * g + 32 * s_ + 2 * p + h][
                             col
                         ]
-    assert z.dtype == torch.uint8 and torch.equal(z.int(), ops.awq_unpack(qz))
-    assert torch.equal(sc, s)
+    z, sc = P.unpack_zs(zs)  # one word per (group, column): z in bits 0..7, fp16 s in 16..31
+    assert zs.dtype == torch.int32 and zs.shape == (2, 16)
+    assert torch.equal(z, ops.awq_unpack(qz)) and torch.equal(sc, s.half())
+    assert torch.equal(zs & 0xFF, z) and torch.equal(zs >> 16, sc.view(torch.int16).int())
+
+
+def test_bf16_scales_are_stored_as_fp16_exactly_or_refused():
+    """The pair layout keeps fp16 scales: a bf16 checkpoint's scales convert exactly (fp16 has
+    more mantissa bits) within fp16's normal range; outside it, a clear error at load time."""
+    z = torch.tensor([[3, 15]], dtype=torch.uint8)
+    s = torch.tensor([[1.5e-3, 3.0e2]], dtype=torch.bfloat16)
+    assert torch.equal(P.unpack_zs(P.pack_zs(z, s))[1].to(torch.bfloat16), s)
+    with pytest.raises(ValueError, match="bf16 scales that fp16 cannot hold exactly"):
+        P.pack_zs(z, torch.tensor([[1.0e-7, 1.0]], dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="scales must be float16 or bfloat16"):
+        P.pack_zs(z, s.float())
 
 
 def test_round_trip_and_references_equal_the_autoawq_ones():
@@ -61,8 +75,8 @@ def test_bad_inputs_name_the_problem():
     x = torch.randn(5, 256, generator=g).bfloat16()
     with pytest.raises(ValueError, match="K=128"):
         torch.ops.echo.w4a16_linear_p(x[:, :128].contiguous(), *pw)
-    with pytest.raises(ValueError, match="zeros_p must be torch.uint8"):
-        torch.ops.echo.w4a16_linear_p(x, pw[0], pw[1].int(), pw[2])
+    with pytest.raises(ValueError, match="zs_p must be torch.int32"):
+        torch.ops.echo.w4a16_linear_p(x, pw[0], pw[1].long())
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         torch.ops.echo.w4a16_linear_p(x.float(), *pw)
     with pytest.raises(ValueError, match="BN a multiple of 64"):
@@ -136,8 +150,8 @@ def test_scaled_kernel_and_dequant_match_the_rounded_weights(k, n, m, dtype, cfg
     assert torch.equal(PK.w4a16_linear_p_triton(xs, *pw), want)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         PK.dequant_p_triton(*pw, torch.float32)
-    with pytest.raises(ValueError, match="zeros_p must have shape"):
-        PK.dequant_p_triton(pw[0], pw[1][:, :8].contiguous(), pw[2], dtype)
+    with pytest.raises(ValueError, match="zs_p must have shape"):
+        PK.dequant_p_triton(pw[0], pw[1][:, :8].contiguous(), dtype)
 
 
 @pytest.mark.parametrize(
