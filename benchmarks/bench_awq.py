@@ -203,7 +203,7 @@ def bench_linear(k: int, n: int, batches: list[int], hbm: float) -> list[dict]:
         if wf:
             row["fbgemm_us"] = _time([lambda w=w, x=x: fbgemm_linear(x, *w) for w in wf])
         row["bf16_us"] = _time([lambda w=w, x=x: F.linear(x, w) for w in wb])
-        use_tg = R.use_tinygemm(m, x.dtype) and wt
+        use_tg = R.use_tinygemm(m, x.dtype, R.tinygemm_max_m(k, n)) and wt
         row["awq_path"] = "tinygemm" if use_tg else R.LARGE_M_PATH
         row["awq_us"] = row[f"{row['awq_path']}_us"]
         best = min(

@@ -232,7 +232,8 @@ def bench_linear(
                                           PK.w4a16_linear_p_triton(x, *w, config=c)
                                           for w in wp])  # fmt: skip
         pair_served = "pair_fused_us" if cfg.get("FUSED") and cfg["SPLIT_K"] > 1 else "pair_us"
-        row["served_path"] = "tinygemm" if R.use_tinygemm(m, x.dtype) else R.LARGE_M_PATH
+        served_tg = R.use_tinygemm(m, x.dtype, R.tinygemm_max_m(k, n))
+        row["served_path"] = "tinygemm" if served_tg else R.LARGE_M_PATH
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
                                                           f"{row['served_path']}_us")]  # fmt: skip
         sweep = []

@@ -264,33 +264,30 @@ def uses_dequant(m: int) -> bool:
 def p_config(
     m: int, n: int, k: int, num_sms: int, programs_per_sm: int | None = None, bn: int | None = None
 ) -> dict:
-    """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], from the H200 sweeps
-    (``benchmarks/results/awq_pairs_h200.json``; the SCALED tiles from
-    ``awq_pairs_scaled_h200.json``; the four V3.2 shapes, M = 1..128; the best configuration of
-    each point is what this returns, or within 10% of it):
-    - m <= 16: BN = 64, 4 warps, 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups
-      (8 at K = 7168 and 16384, 4 at K = 2048), and the split-K partials summed by the tile's
-      last program (``FUSED``), which measured 0.15-0.72 µs faster on all four shapes;
-    - 16 < m <= 32: SCALED, BN = 128, 8 warps, 3 stages, the same split (the four shapes
-      together at M = 32: 84.7 µs against 91.3 for the exact-weight rule's tile; best of each
-      83.8 against 88.8);
-    - 32 < m <= 64: BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (SCALED on
-      that tile lost on all four shapes there: 105.6 against 96.0 µs; best of each 105.0 against
-      95.5);
-    - m > 64: SCALED, BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (141.7
-      against 175.3 µs for the exact-weight BN = 64, 4-warp tile at M = 128; best of each 141.5
-      against 175.0).
+    """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], from the H200 sweep of the
+    packed (zero point, scale) layout (``benchmarks/results/awq_pairs_zs_sweep_h200.json``; the
+    four V3.2 shapes, M = 1, 16, 32, 64, 128; what this returns is the best candidate of each
+    point or within 8% of it):
+    - BN = 128 columns when N >= 4096, else 64 (at N = 2048 the 128-wide tile was 4-14% slower
+      at M <= 64), 4 warps;
+    - m <= 16: 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups, the split-K partials
+      summed by the tile's last program (``FUSED``);
+    - 16 < m <= 64: the same tile, 4 stages at M = 32 and 3 at 64, split until about 2 programs
+      per SM (SCALED lost here on every shape: M = 32 9.7-36.0 µs against 8.9-32.7, M = 64
+      12.6-45.8 against 11.3-41.5);
+    - m > 64: SCALED, BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (at
+      M = 128 the four shapes together 123-125 µs against 132.4 for the best exact tile, which
+      loses 76.9 against 64.9 on 16384 x 7168 and wins the others by 0.2-1.4 µs).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
-    if bt <= 32:
-        wide = bt == 32
-        cfg = {"BN": bn or (128 if wide else 64), "BT": bt, "num_warps": 8 if wide else 4,
-               "num_stages": 3 if wide else 4, "SCALED": wide}  # fmt: skip
+    if bt <= 64:
+        cfg = {"BN": bn or (128 if n >= 4096 else 64), "BT": bt, "num_warps": 4,
+               "num_stages": 3 if bt == 64 else 4, "SCALED": False}  # fmt: skip
         split = max(1, min(8, groups // 4))
     else:
-        cfg = {"BN": bn or 128, "BT": bt, "num_warps": 8, "num_stages": 3, "SCALED": bt > 64}
-        split = None
+        cfg = {"BN": bn or 128, "BT": bt, "num_warps": 8, "num_stages": 3, "SCALED": True}
+    if bt > 16:
         programs_per_sm = programs_per_sm or 2
     if programs_per_sm is not None:
         tiles = triton.cdiv(n, cfg["BN"]) * triton.cdiv(m, bt)

@@ -164,18 +164,25 @@ def moe_p_kernel(
 
 
 def moe_p_config(num_pairs: int, n_experts: int) -> dict:
-    """Launch configuration of ``moe_p_kernel`` (both GEMMs): BN = 64 (the smallest wgmma M: the
-    most programs), 4 warps, 3 stages, BT = 16 pairs per row block: the best of the H200 sweep
-    at every T = 1..128 with 256 experts (``benchmarks/results/awq_pairs_h200.json``; 4 and 6
-    stages, BN = 128 were slower; the SCALED passes 6-8% slower there,
-    ``awq_pairs_moe_scaled_h200.json``). From 16 to 32 pairs per expert on average BT = 32 (not
+    """Launch configuration of ``moe_p_kernel`` (both GEMMs), BT = 16 pairs per row block, from
+    the H200 sweep of the packed (zero point, scale) layout with 256 experts
+    (``benchmarks/results/awq_pairs_zs_sweep_h200.json``): from 64 pairs (T = 8 at top-8) BN =
+    128, 4 warps, 4 stages (T = 8 388.3 µs against 419.8 for BN = 64, T = 64 1527.6 against
+    1667.9); below, BN = 64 (the smallest wgmma M: the most programs), 4 warps, 3 stages (T = 1
+    82.0 against 83.2 for BN = 128; T = 2-4 not measured). SCALED was slower at T = 1-64 (90.4,
+    445.4, 1788.0 µs at its best). From 16 to 32 pairs per expert on average BT = 32 (not
     measured). Above 32 (prefill chunks): SCALED, BN = 128 on 8 warps, BT = 64; at T = 2048 on 256
     experts (64 pairs per expert) 5985.7 µs against 8120.9 for the exact-weight BN = 64 tile and
-    9143.9 for the bf16 grouped MoE (``awq_pairs_moe_scaled_h200.json``)."""
+    9143.9 for the bf16 grouped MoE (``awq_pairs_moe_scaled_h200.json``, before the packed
+    layout)."""
     per_expert = num_pairs / n_experts
     if per_expert > 32:
         return {"BN": 128, "BT": 64, "num_warps": 8, "num_stages": 3, "SCALED": True}
-    return {"BN": 64, "BT": 16 if per_expert <= 16 else 32, "num_warps": 4, "num_stages": 3}
+    if per_expert > 16:
+        return {"BN": 64, "BT": 32, "num_warps": 4, "num_stages": 3}
+    if num_pairs >= 64:
+        return {"BN": 128, "BT": 16, "num_warps": 4, "num_stages": 4}
+    return {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
 
 
 # Split the gate/up pass until about this many programs. The H200 run of 256 experts

@@ -19,18 +19,28 @@ from custom_ops.awq_format import GROUP, PACK, check_awq
 
 TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 * 8 = 128: every AWQ linear is
 
-# The served AWQLinear dispatch, from the H200 run in benchmarks/results/awq_pairs_h200.json (CUDA-
-# graph replays over weight copies larger than L2; K x N = 7168 x 4096, 16384 x 7168, 7168 x 2048,
-# 2048 x 7168; µs, the pair kernel in the configuration ``p_config`` serves):
-# - M = 1: tinygemm 10.7 / 34.4 / 7.5 / 7.0 against the pair kernel 12.6 / 30.4 / 10.6 / 9.0 (the
-#   four shapes together 59.6 vs 62.6 µs);
-# - M = 4: tinygemm 14.3 / 55.0 / 8.7 / 9.5 against 13.2 / 30.8 / 10.9 / 9.1 (87.5 vs 64.0);
-# - M = 8 .. 128: the pair kernel beats tinygemm and the former kernel on every shape (M = 128:
-#   29.5 / 106.4 / 18.8 / 19.7 against the former 39.4 / 154.3 / 23.5 / 25.5);
-# - M = 2, 3 were not measured: tinygemm takes M = 1 only.
-# So a linear keeps the tinygemm copy and the pair layout (two int4 copies, still half of bf16).
+# The served AWQLinear dispatch, from the H200 sweep of the packed (zero point, scale) layout in
+# benchmarks/results/awq_pairs_zs_sweep_h200.json (CUDA-graph replays over weight copies larger
+# than L2; K x N = 7168 x 4096, 16384 x 7168, 7168 x 2048, 2048 x 7168; µs, the pair kernel in
+# the configuration ``p_config`` serves):
+# - M = 1: tinygemm 10.9 / 35.2 / 7.3 / 6.8 against the pair kernel 10.2 / 26.9 / 8.5 / 7.6:
+#   tinygemm wins on the two linears of 14.7M weights and loses on the larger two;
+# - M = 16: tinygemm 35.9 / 142.0 / 20.0 / 20.6 against 12.6 / 29.6 / 10.6 / 9.0; before the
+#   packed layout (awq_pairs_h200.json) tinygemm already lost at M = 4 on every shape but
+#   7168 x 2048 (8.7 vs 10.9 µs); M = 2-15 were not measured with the packed layout.
+# So a linear of fewer than TINYGEMM_MAX_WEIGHTS weights keeps a tinygemm copy for M = 1 beside
+# the pair layout (two int4 copies, still half of bf16); a larger one keeps the pair layout only.
 # benchmarks/bench_awq_pairs.py measures both; refill from its table.
 TINYGEMM_MAX_M = 1
+TINYGEMM_MAX_WEIGHTS = 1 << 24
+
+
+def tinygemm_max_m(k: int, n: int) -> int:
+    """The tinygemm calls' largest M for a CUDA linear of k x n weights (-1: none, and no
+    tinygemm copy is kept)."""
+    return TINYGEMM_MAX_M if k * n < TINYGEMM_MAX_WEIGHTS else -1
+
+
 LARGE_M_PATH = "pairs"  # the kernel of calls above TINYGEMM_MAX_M: one of LINEAR_PATHS
 LINEAR_PATHS = ("pairs", "former")
 

@@ -420,9 +420,9 @@ def repack_awq_model(
 ) -> list[str]:
     """After loading (and ``densify_awq``): ``AWQLinear.repack`` every AWQ linear of ``model``
     and ``AWQExperts.repack`` every block of routed experts. ``tinygemm_max_m``: linear calls of
-    at most this many tokens use tinygemm (default ``custom_ops.awq_repack.TINYGEMM_MAX_M`` on
-    CUDA, none elsewhere; -1 = never); ``large_m``: the kernel of the other calls (default
-    ``R.LARGE_M_PATH``, the measured winner). Returns the names."""
+    at most this many tokens use tinygemm (default ``custom_ops.awq_repack.tinygemm_max_m`` of
+    the linear's size on CUDA, none elsewhere; -1 = never); ``large_m``: the kernel of the other
+    calls (default ``R.LARGE_M_PATH``, the measured winner). Returns the names."""
     large = R.LARGE_M_PATH if large_m is None else large_m
     R.check_large_m_path(large)
     done: list[str] = []
@@ -433,7 +433,8 @@ def repack_awq_model(
         if isinstance(m, AWQLinear) and not m.repacked:
             max_m = tinygemm_max_m
             if max_m is None:
-                max_m = R.TINYGEMM_MAX_M if m.qweight.device.type == "cuda" else -1
+                cuda = m.qweight.device.type == "cuda"
+                max_m = R.tinygemm_max_m(m.in_features, m.out_features) if cuda else -1
             m.repack(max_m, large)
             done.append(name)
     for dev in {p.device for p in model.parameters() if p.device.type == "cuda"}:

@@ -78,6 +78,8 @@ def test_served_dispatch_takes_the_pair_layout_above_tinygemm():
     """The measured dispatch (R.LARGE_M_PATH = "pairs"): tinygemm up to TINYGEMM_MAX_M, the pair
     kernel on the pair layout above, the AutoAWQ tensors dropped; "former" keeps them."""
     assert R.LARGE_M_PATH == "pairs" and R.TINYGEMM_MAX_M == 1
+    # by size: tinygemm's M = 1 copy only for linears below 2^24 weights (V3.2: 7168 x 2048)
+    assert R.tinygemm_max_m(7168, 2048) == 1 and R.tinygemm_max_m(7168, 4096) == -1
     lin = _linear(256, 64, 7)
     x1, x2 = torch.randn(1, 256).bfloat16(), torch.randn(2, 256).bfloat16()
     before1, before2 = lin(x1), lin(x2)
