@@ -145,7 +145,7 @@ def w4a16_p_kernel(
 
     SCALED: the group's scale multiplies the 16-bit weights (W rounded to x's dtype, as AutoAWQ's
     and vLLM's kernels compute) and one accumulator runs over every group: no per-group partial
-    product, its registers and its rescale (``p_config``'s wide tiles: M = 17-32 and above 64)."""
+    product, its registers and its rescale (``p_config``'s wide tiles above M = 64)."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -266,18 +266,18 @@ def p_config(
 ) -> dict:
     """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], from the H200 sweep of the
     packed (zero point, scale) layout (``benchmarks/results/awq_pairs_zs_sweep_h200.json``; the
-    four V3.2 shapes, M = 1, 16, 32, 64, 128; what this returns is the best candidate of each
-    point or within 8% of it):
+    four V3.2 shapes, M = 1, 16, 32, 64, 128; up to M = 64 what this returns is the best candidate
+    of each point or within 4% of it):
     - BN = 128 columns when N >= 4096, else 64 (at N = 2048 the 128-wide tile was 4-14% slower
       at M <= 64), 4 warps;
     - m <= 16: 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups, the split-K partials
       summed by the tile's last program (``FUSED``);
     - 16 < m <= 64: the same tile, 4 stages at M = 32 and 3 at 64, split until about 2 programs
-      per SM (SCALED lost here on every shape: M = 32 9.7-36.0 µs against 8.9-32.7, M = 64
-      12.6-45.8 against 11.3-41.5);
+      per SM (SCALED lost here on every shape: M = 32 9.9-36.0 µs against 8.9-32.7, M = 64
+      12.3-45.8 against 11.3-41.5);
     - m > 64: SCALED, BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (at
-      M = 128 the four shapes together 123-125 µs against 132.4 for the best exact tile, which
-      loses 76.9 against 64.9 on 16384 x 7168 and wins the others by 0.2-1.4 µs).
+      M = 128 the four shapes together 124.0 µs against 132.4 for the best exact tile, which
+      loses 76.9 against 64.9 on 16384 x 7168 and wins the others by 0.2-2.1 µs).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
