@@ -479,7 +479,7 @@ def main() -> None:
         result["dispatch"] = {
             "tinygemm_max_m_by_shape": dispatch_table(result["linear"]),
             "best_by_m": best_by_m(result["linear"]),
-            "in_use": R.TINYGEMM_MAX_M,
+            "in_use": {"max_m": R.TINYGEMM_MAX_M, "max_weights": R.TINYGEMM_MAX_WEIGHTS},
             "large_m_path_in_use": R.LARGE_M_PATH,
         }
         save()

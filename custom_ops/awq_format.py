@@ -71,7 +71,8 @@ def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 #                               as fp16 in bits 16..31: one word, so the kernels' software
 #                               pipeline copies it like the weights (a uint8 and a 16-bit load
 #                               were not pipelined; H200, docs/quantization.md). bf16 scales are
-#                               stored as fp16, exactly (``pack_zs`` refuses the ones it cannot).
+#                               stored as fp16, exactly (``pack_zs`` refuses any fp16 cannot
+#                               represent).
 # W^T[k, n] = (q[k, n] - z[k // 128, n]) * s[k // 128, n], as in the AutoAWQ format.
 WORDS = GROUP // PACK  # 16 int32 words per (group, column)
 

@@ -48,16 +48,16 @@ def _pair_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def pack_zs(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Zero points (integers 0..15, any int dtype) and scales (fp16 or bf16) ``[..., N]`` -> the
     pair layout's ``zs_p`` int32: z in bits 0..7, the scale as fp16 in bits 16..31. A bf16 scale
-    is stored as fp16 exactly (fp16 has more mantissa bits); ValueError for one it cannot hold
-    (outside fp16's normal range, [6.1e-05, 65504])."""
+    is stored as fp16 exactly (fp16 has more mantissa bits, and holds every bf16 value in
+    [6.1e-05, 65504]); ValueError for one that fp16 cannot represent exactly."""
     if scales.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"pack_zs: scales must be float16 or bfloat16, got {scales.dtype}")
     s16 = scales.to(torch.float16)
     if scales.dtype != torch.float16 and not torch.equal(s16.to(scales.dtype), scales):
         bad = scales[s16.to(scales.dtype) != scales].flatten()[:4].tolist()
         raise ValueError(
-            f"pack_zs: bf16 scales that fp16 cannot hold exactly (it holds every bf16 value in "
-            f"[6.1e-05, 65504]), e.g. {bad}"
+            f"pack_zs: bf16 scales that fp16 cannot represent exactly (it holds every bf16 value "
+            f"in [6.1e-05, 65504]), e.g. {bad}"
         )
     halves = torch.stack([zeros.to(torch.int16), s16.view(torch.int16)], dim=-1)  # [..., N, 2]
     return halves.contiguous().view(torch.int32).squeeze(-1)  # little-endian: z low, s high

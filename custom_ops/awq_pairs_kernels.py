@@ -261,32 +261,36 @@ def uses_dequant(m: int) -> bool:
     return m >= DEQUANT_MIN_M
 
 
+SCALED_MIN_WEIGHTS = 1 << 26  # at 65 <= M <= 128, SCALED only on linears this large (p_config)
+
+
 def p_config(
     m: int, n: int, k: int, num_sms: int, programs_per_sm: int | None = None, bn: int | None = None
 ) -> dict:
     """Launch configuration of ``w4a16_p_kernel`` for [m, k] x [k, n], from the H200 sweep of the
     packed (zero point, scale) layout (``benchmarks/results/awq_pairs_zs_sweep_h200.json``; the
-    four V3.2 shapes, M = 1, 16, 32, 64, 128; up to M = 64 what this returns is the best candidate
-    of each point or within 4% of it):
-    - BN = 128 columns when N >= 4096, else 64 (at N = 2048 the 128-wide tile was 4-14% slower
-      at M <= 64), 4 warps;
-    - m <= 16: 4 stages, SPLIT_K = min(8, G / 4) for the G = K / 128 groups, the split-K partials
-      summed by the tile's last program (``FUSED``);
-    - 16 < m <= 64: the same tile, 4 stages at M = 32 and 3 at 64, split until about 2 programs
-      per SM (SCALED lost here on every shape: M = 32 9.9-36.0 µs against 8.9-32.7, M = 64
-      12.3-45.8 against 11.3-41.5);
-    - m > 64: SCALED, BN = 128, 8 warps, 3 stages, split until about 2 programs per SM (at
-      M = 128 the four shapes together 124.0 µs against 132.4 for the best exact tile, which
-      loses 76.9 against 64.9 on 16384 x 7168 and wins the others by 0.2-2.1 µs).
+    four V3.2 shapes, M = 1, 16, 32, 64, 128; what this returns is the best candidate of each
+    point or within 4% of it):
+    - m <= 64: the exact-weight kernel, 4 warps, BN = 128 columns when N >= 4096, else 64 (at
+      N = 2048 the 128-wide tile was 0.4-18% slower), 4 stages up to M = 32 and 3 at 64;
+      m <= 16: SPLIT_K = min(8, G / 4) for the G = K / 128 groups, the split-K partials summed by
+      the tile's last program (``FUSED``); above, split until about 2 programs per SM (SCALED lost
+      at M = 32 and 64 on every shape: 9.9-36.0 µs at its best against 8.9-32.7, and 12.3-45.8
+      against 11.3-41.5);
+    - 64 < m <= 128: the exact kernel on BN = 64, 4 warps, 3 stages (M = 128: 24.1 / 15.7 /
+      15.7 µs on 7168 x 4096, 7168 x 2048, 2048 x 7168 against SCALED's best 24.3 / 17.0 / 17.1),
+      but SCALED (BN = 128, 8 warps, 3 stages) on linears of ``SCALED_MIN_WEIGHTS`` weights or
+      more (16384 x 7168: 64.9 against 76.9); split until about 2 programs per SM;
+    - m > 128: SCALED as above (the exact tile was not measured there: two 128-token tiles).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
-    if bt <= 64:
-        cfg = {"BN": bn or (128 if n >= 4096 else 64), "BT": bt, "num_warps": 4,
-               "num_stages": 3 if bt == 64 else 4, "SCALED": False}  # fmt: skip
-        split = max(1, min(8, groups // 4))
-    else:
+    if m > 128 or (m > 64 and k * n >= SCALED_MIN_WEIGHTS):
         cfg = {"BN": bn or 128, "BT": bt, "num_warps": 8, "num_stages": 3, "SCALED": True}
+    else:
+        cfg = {"BN": bn or (128 if n >= 4096 and bt <= 64 else 64), "BT": bt, "num_warps": 4,
+               "num_stages": 4 if bt <= 32 else 3, "SCALED": False}  # fmt: skip
+        split = max(1, min(8, groups // 4))
     if bt > 16:
         programs_per_sm = programs_per_sm or 2
     if programs_per_sm is not None:

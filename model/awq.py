@@ -35,6 +35,8 @@ from custom_ops.awq import awq_dequantize_t, awq_unpack
 from custom_ops.awq_format import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, PACK
 from model.config import QuantConfig
 
+AWQ_TENSORS = ("qweight", "qzeros", "scales")  # an AutoAWQ linear's (and expert block's) tensors
+
 __all__ = [
     "AWQ_ORDER",
     "AWQ_REVERSE_ORDER",
@@ -286,16 +288,15 @@ class AWQExperts(nn.Module):
         same for ``w2`` (``echo::moe_w4a16_p``: gate and up fused)."""
         if self.repacked:
             raise ValueError("AWQExperts.repack: already repacked")
-        for pre in ("w13", "w2"):
-            with torch.no_grad():
-                parts = P.pair_awq_experts(
-                    getattr(self, f"{pre}_qweight"),
-                    getattr(self, f"{pre}_qzeros"),
-                    getattr(self, f"{pre}_scales"),
-                )
-            for suffix in ("qweight", "qzeros", "scales"):
+        with torch.no_grad():  # both first: a refused weight leaves the module as it was
+            parts = {
+                pre: P.pair_awq_experts(*(getattr(self, f"{pre}_{s}") for s in AWQ_TENSORS))
+                for pre in ("w13", "w2")
+            }
+        for pre, layout in parts.items():
+            for suffix in AWQ_TENSORS:
                 delattr(self, f"{pre}_{suffix}")
-            for suffix, t in zip(("qweight_p", "zs_p"), parts, strict=True):
+            for suffix, t in zip(("qweight_p", "zs_p"), layout, strict=True):
                 setattr(self, f"{pre}_{suffix}", nn.Parameter(t, requires_grad=False))
         self.repacked = True
 
@@ -427,16 +428,19 @@ def repack_awq_model(
     R.check_large_m_path(large)
     done: list[str] = []
     for name, m in list(model.named_modules()):
-        if isinstance(m, AWQExperts) and not m.repacked:
-            m.repack()
-            done.append(name)
-        if isinstance(m, AWQLinear) and not m.repacked:
-            max_m = tinygemm_max_m
-            if max_m is None:
-                cuda = m.qweight.device.type == "cuda"
-                max_m = R.tinygemm_max_m(m.in_features, m.out_features) if cuda else -1
-            m.repack(max_m, large)
-            done.append(name)
+        try:
+            if isinstance(m, AWQExperts) and not m.repacked:
+                m.repack()
+                done.append(name)
+            if isinstance(m, AWQLinear) and not m.repacked:
+                max_m = tinygemm_max_m
+                if max_m is None:
+                    cuda = m.qweight.device.type == "cuda"
+                    max_m = R.tinygemm_max_m(m.in_features, m.out_features) if cuda else -1
+                m.repack(max_m, large)
+                done.append(name)
+        except ValueError as err:  # e.g. pack_zs refusing a scale: say which module
+            raise ValueError(f"repack_awq_model: {name}: {err}") from err
     for dev in {p.device for p in model.parameters() if p.device.type == "cuda"}:
         P.reserve_counters(dev)  # before any torch.compile warm-up could make them in its pool
     return done

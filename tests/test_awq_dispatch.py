@@ -13,7 +13,7 @@ from torch import nn
 
 from custom_ops import awq as ops
 from custom_ops import awq_repack as R
-from model.awq import AWQLinear, repack_awq_model
+from model.awq import AWQExperts, AWQLinear, repack_awq_model
 from model.checkpoint import resolve_model
 from model.loader import load_model
 
@@ -231,3 +231,16 @@ def test_fbgemm_format_maps_awq_exactly():
     want = ops.awq_dequantize_t(qw, qz, s)
     assert torch.equal(FB.fbgemm_unpacked_weight_t(packed, scale, zero), want)
     assert not torch.equal(FB.fbgemm_unpacked_weight_t(packed, scale, zero * 0), want)
+
+
+def test_refused_scale_names_the_module_and_leaves_it_as_it_was():
+    """A bf16 scale that fp16 cannot hold exactly stops the repack with the module's name, and a
+    block of experts whose w2 is refused keeps its AutoAWQ tensors (w13 is not half-converted)."""
+    exp = AWQExperts.from_dense(torch.randn(2, 256, 128) * 0.02, torch.randn(2, 128, 128) * 0.02,
+                                torch.bfloat16)  # fmt: skip
+    with torch.no_grad():
+        exp.w2_scales[0, 0, 0] = 1e-7  # bf16 holds it, fp16 does not
+    model = nn.Sequential(nn.Sequential(exp))
+    with pytest.raises(ValueError, match=r"repack_awq_model: 0\.0: pack_zs: bf16 scales"):
+        repack_awq_model(model, tinygemm_max_m=-1)
+    assert not exp.repacked and hasattr(exp, "w13_qweight") and not hasattr(exp, "w13_qweight_p")

@@ -47,7 +47,7 @@ def test_bf16_scales_are_stored_as_fp16_exactly_or_refused():
     z = torch.tensor([[3, 15]], dtype=torch.uint8)
     s = torch.tensor([[1.5e-3, 3.0e2]], dtype=torch.bfloat16)
     assert torch.equal(P.unpack_zs(P.pack_zs(z, s))[1].to(torch.bfloat16), s)
-    with pytest.raises(ValueError, match="bf16 scales that fp16 cannot hold exactly"):
+    with pytest.raises(ValueError, match="bf16 scales that fp16 cannot represent exactly"):
         P.pack_zs(z, torch.tensor([[1.0e-7, 1.0]], dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="scales must be float16 or bfloat16"):
         P.pack_zs(z, s.float())
@@ -238,7 +238,11 @@ def test_config_rules():
     assert PK.p_config(64, 4096, 7168, 132) == want
     want = {"BN": 128, "BT": 128, "num_warps": 8, "num_stages": 3, "SPLIT_K": 4, "FUSED": False,
             "SCALED": True}  # fmt: skip
-    assert PK.p_config(128, 7168, 16384, 132) == want
+    assert PK.p_config(128, 7168, 16384, 132) == want  # 2^26 weights or more: SCALED
+    assert PK.p_config(128, 2048, 7168, 132) == {  # smaller: the exact kernel on 64 columns
+        "BN": 64, "BT": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8, "FUSED": False,
+        "SCALED": False}  # fmt: skip
+    assert PK.p_config(200, 2048, 7168, 132)["SCALED"]  # two token tiles: SCALED (exact unmeasured)
     assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
     assert not PK.uses_dequant(255) and PK.uses_dequant(PK.DEQUANT_MIN_M)
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
