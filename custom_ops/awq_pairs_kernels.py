@@ -278,7 +278,7 @@ def p_config(
       at M = 32 and 64 on every shape: 9.9-36.0 µs at its best against 8.9-32.7, and 12.3-45.8
       against 11.3-41.5);
     - 64 < m <= 128: the exact kernel on BN = 64, 4 warps, 3 stages (M = 128: 24.1 / 15.7 /
-      15.7 µs on 7168 x 4096, 7168 x 2048, 2048 x 7168 against SCALED's best 24.3 / 17.0 / 17.1),
+      15.7 µs on 7168 x 4096, 7168 x 2048, 2048 x 7168 against SCALED's best 24.3 / 17.0 / 17.0),
       but SCALED (BN = 128, 8 warps, 3 stages) on linears of ``SCALED_MIN_WEIGHTS`` weights or
       more (16384 x 7168: 64.9 against 76.9); split until about 2 programs per SM;
     - m > 128: SCALED as above (the exact tile was not measured there: two 128-token tiles).
