@@ -65,6 +65,17 @@ def test_amortized_figures_and_target_scoring():
     cap = 131072
     assert bench.refill_period(37, cap) == (37 + 200_000 // 64) // 37 == 85
     assert bench.amortized(100.0, 1.0, 37, cap) == pytest.approx((100 + 84) / 85)
+    # amortized_us is the period scenario's median; the parts' formula is kept beside it
+    parts = {
+        "free_37": {"median_us": 9.0},
+        "free_37_period": {"median_us": 5.5},
+        "free_37_steady": {"median_us": 1.0},
+        "free_37_refill": {"median_us": 100.0},
+    }
+    row = bench.set_amortized(parts, "free_37", 37, cap)
+    assert row["amortized_us"] == 5.5
+    assert row["amortized_from_parts_us"] == pytest.approx((100 + 84) / 85)
+    assert bench.set_amortized({"free_37": {"error": "boom"}}, "free_37", 37, cap) is None
     res = {
         "allocate_37": {"median_us": 2.0},
         "free_37": {"median_us": 9.0, "amortized_us": 4.0},
@@ -154,3 +165,16 @@ def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny):
     assert {k: v["verdict"] for k, v in out.items()} == dict.fromkeys(
         ("recall", "free", "allocate", "recall_steady"), "PASS"
     ), out
+
+
+def test_recall_period_chain_recalls_distinct_rows_per_call(tiny, monkeypatch):
+    """recall_all_misses with calls > 1: distinct fresh rows per call in one graph, counted and
+    checked inside (totals, invariants, the last call's rows); from a full pool each call here
+    evicts min(misses + reserve, CAP) = CAP = 128 (at full size 2048 + 3125, so every other call
+    refills)."""
+    monkeypatch.setattr(bench, "N_H", 4096)
+    gen = torch.Generator().manual_seed(4)
+    host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8, generator=gen)
+    r = bench.recall_all_misses(tiny, host, torch.arange(2048, 4096), 1, gen, NEW, 0, 4)
+    assert r["calls_per_graph"] == 4 and r["rows"] == 128
+    assert r["evicted_per_graph"] == 4 * 128
