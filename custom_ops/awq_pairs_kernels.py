@@ -247,21 +247,22 @@ def tokens_tile(m: int) -> int:
     return min(128, max(16, triton.next_power_of_2(m)))
 
 
-DEQUANT_MIN_M = 256  # calls of this many tokens or more: dequant_p, then F.linear (cuBLAS)
+DEQUANT_MIN_M = 257  # calls of more than 256 tokens: dequant_p, then F.linear (cuBLAS)
 
 
 def uses_dequant(m: int) -> bool:
     """The large-M rule (prefill chunks), from the H200 run in
-    ``benchmarks/results/awq_pairs_scaled_h200.json`` (bf16 / the pair kernel / the weight
-    dequantised once then ``F.linear``, µs, the four V3.2 shapes together; the pair kernel on its
-    BN = 64, 4-warp tile): M = 256 157.3 / 295.9
-    / 276.9, M = 1024 502.8 / 1049.0 / 614.7, M = 4096 1804.4 / 3863.3 / 1907.0 (the pair kernel
-    runs at ~0.5x bf16's speed from M = 1024, the dequantised path at 0.94-0.95x at 4096). One
-    temporary weight in x's dtype per call ([N, K]: 235 MB at 16384 x 7168)."""
+    ``benchmarks/results/gpu_session16/call1_awq_pairs_served_h200.json`` (the pair kernel on its
+    BN = 64, 4-warp tile / the weight dequantised once then ``F.linear``, µs, the four V3.2
+    shapes together): M = 256 227.2 / 268.7 (the pair kernel faster on every shape), M = 384
+    398.0 / 324.9 and M = 512 442.7 / 366.6 (the dequantised path faster or within 3% on every
+    shape): from M = 257 the pair kernel needs a third 128-token tile. At M = 4096 the
+    dequantised path runs at 0.94-0.95x bf16 (``awq_pairs_scaled_h200.json``). One temporary
+    weight in x's dtype per call ([N, K]: 235 MB at 16384 x 7168)."""
     return m >= DEQUANT_MIN_M
 
 
-SCALED_MIN_WEIGHTS = 1 << 26  # at 65 <= M <= 128, SCALED only on linears this large (p_config)
+SCALED_MIN_WEIGHTS = 1 << 26  # at 65 <= M <= 128, SCALED on linears this large (p_config)
 
 
 def p_config(
@@ -281,11 +282,14 @@ def p_config(
       15.7 µs on 7168 x 4096, 7168 x 2048, 2048 x 7168 against SCALED's best 24.3 / 17.0 / 17.0),
       but SCALED (BN = 128, 8 warps, 3 stages) on linears of ``SCALED_MIN_WEIGHTS`` weights or
       more (16384 x 7168: 64.9 against 76.9); split until about 2 programs per SM;
-    - m > 128: SCALED as above (the exact tile was not measured there: two 128-token tiles).
+    - 128 < m <= 256 (two 128-token tiles; above, ``uses_dequant``): the exact kernel as at
+      65-128, which beat SCALED's best wide tile on every shape at M = 160, 192 and 256
+      (``gpu_session16/call1_awq_pairs_served_h200.json``: 16384 x 7168 125.6-140.0 µs against
+      152.6-153.7, 7168 x 2048 22.4-25.0 against 68.7-70.6).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
-    if m > 128 or (m > 64 and k * n >= SCALED_MIN_WEIGHTS):
+    if 64 < m <= 128 and k * n >= SCALED_MIN_WEIGHTS:
         cfg = {"BN": bn or 128, "BT": bt, "num_warps": 8, "num_stages": 3, "SCALED": True}
     else:
         cfg = {"BN": bn or (128 if n >= 4096 and bt <= 64 else 64), "BT": bt, "num_warps": 4,

@@ -242,9 +242,11 @@ def test_config_rules():
     assert PK.p_config(128, 2048, 7168, 132) == {  # smaller: the exact kernel on 64 columns
         "BN": 64, "BT": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8, "FUSED": False,
         "SCALED": False}  # fmt: skip
-    assert PK.p_config(200, 2048, 7168, 132)["SCALED"]  # two token tiles: SCALED (exact unmeasured)
+    # two token tiles: the exact kernel on 64 columns, on every shape
+    assert PK.p_config(200, 7168, 16384, 132) == {**PK.p_config(128, 2048, 7168, 132),
+                                                   "SPLIT_K": 1}  # fmt: skip
     assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
-    assert not PK.uses_dequant(255) and PK.uses_dequant(PK.DEQUANT_MIN_M)
+    assert not PK.uses_dequant(256) and PK.uses_dequant(257)
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
     assert PM.moe_p_config(8, 256) == {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 3}
     assert PM.moe_p_config(64, 256) == {"BN": 128, "BT": 16, "num_warps": 4, "num_stages": 4}
