@@ -16,8 +16,7 @@ their own int8 free flags), as a launch per phase (``launches.*``, cache_kernels
 so with programmatic dependent launch (``pdl.*``), with its kernel launches broken down
 (``launches``: per kernel, launches per call and device us per launch, from the CUDA profiler);
 (3) SGLang's slice/concat free-list allocator as the baseline, same run; (4) a few launch
-configurations of the new kernels (``sweep``, ``sweep_one_launch``, ``sweep_out_early``); (5)
-the targets of issue 18 (``targets_met``).
+configurations of the new kernels (``sweep``); (5) the targets of issue 18 (``targets_met``).
 
 Evictions take a reserve (cache_ops.evict_target: needed + N_G/64), so a step's cost depends on
 whether it refills: ``*_steady`` never evicts, ``*_refill`` is one call that evicts. With P = the
@@ -483,7 +482,6 @@ def bench_format(
             rf["amortized_GBps"] = n2k * host.shape[1] / (rf["amortized_us"] * 1e3)
     if fmt == "fp8":
         step("sweep_one_launch", lambda: sweep_one_launch(pool, host, recall, box, reps, gen))
-        step("sweep_out_early", lambda: sweep_out_early(pool, host, recall, box, reps, gen))
         bench_pool_ops(pool, step, gen, reps, res)
 
 
@@ -521,29 +519,6 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.LIST_BLOCK = defaults
-    return out
-
-
-def sweep_out_early(pool, host, recall: Callable, box: dict, reps: int, gen) -> dict:
-    """The one-launch recall with and without the lookup writing the output it resolves
-    (cache_kernels.OUT_EARLY), in alternating rounds (off, on, off, on): the steady step and
-    whole refill periods at 37 misses, the period at 2048."""
-    out: dict = {}
-    cap, default = pool.capacity, K.OUT_EARLY
-    n2k = min(2048, cap)
-    for i, on in enumerate((False, True, False, True)):
-        K.OUT_EARLY = on
-        try:
-            out[f"round{i}_out_early_{on}"] = {
-                "recall_37_steady_us": recall(37, 16, STEADY_FREE)()["median_us"],
-                "recall_37_period_us": recall(37, refill_period(37, cap), 0)()["median_us"],
-                "recall_2048_period_us": recall_all_misses(
-                    pool, host, box["fresh"], reps, gen, NEW, 0, 4 * refill_period(n2k, cap)
-                )["median_us"],
-            }
-        except Exception as e:
-            out[f"round{i}_out_early_{on}"] = {"error": f"{type(e).__name__}: {e}"}
-    K.OUT_EARLY = default
     return out
 
 

@@ -30,7 +30,6 @@ from custom_ops.cache_constexpr import (
     M_NFREE,
     M_NMISS,
     M_PLACED,
-    M_UNRES,
 )
 from custom_ops.cache_list_kernels import _copy_out, _lookup, _recall_final, _signal, _wait
 from custom_ops.cache_pool_kernels import _evict_place, _hist
@@ -66,8 +65,8 @@ def _free_kernel(
     pid = tl.program_id(0)
     needed = tl.minimum(tl.load(want_ptr), cap) - tl.load(meta + M_NFREE)
     if pid < n_look:
-        _lookup(pid, protect, h2g, prio, ring, g2h, indices, h2g, meta, stats, total, cap, n_g,
-                False, LIST_BLOCK, True, False, False)  # fmt: skip
+        _lookup(pid, protect, h2g, prio, ring, g2h, indices, meta, stats, total, cap, n_g, False,
+                LIST_BLOCK, True, False)  # fmt: skip
         if needed > 0:
             _signal(meta + M_LOOKED)
     elif pid < n_look + n_scan:
@@ -120,7 +119,6 @@ def _recall_kernel(
     CACHE: tl.constexpr,
     STAGED: tl.constexpr,
     SLEEP_NS: tl.constexpr = 0,
-    OUT_EARLY: tl.constexpr = True,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
@@ -128,12 +126,9 @@ def _recall_kernel(
     known only after it, so everyone waits for it (LOOKED). Then, when no eviction is due (most
     steps), every miss is placed: copy and output start at once, beside the pass (which only
     records the counts). When one is due, the pass waits for the histogram (HISTED) and copy and
-    output for the pass (PLACED), which serves the remaining misses from victims. OUT_EARLY: the
-    lookup also writes the output of every entry it resolves (_lookup), and the output programs
-    return at once unless it left some unresolved (meta[UNRES]): in a steady step only the copy
-    follows the lookup. The last program waits for everyone (HISTED, PLACED, COPIED: every other
-    program has then passed all its waits), finalises as the copy launch's last program did, and
-    resets the counters."""
+    output for the pass (PLACED), which serves the remaining misses from victims. The last
+    program waits for everyone (HISTED, PLACED, COPIED: every other program has then passed all
+    its waits), finalises as the copy launch's last program did, and resets the counters."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
     scan0 = n_look + n_scan  # the pass's first program
@@ -141,8 +136,8 @@ def _recall_kernel(
     if pid < n_look:
         if pid == 0:  # the free count before any program of this launch can change it
             tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
-        _lookup(pid, host_slots, h2g, prio, ring, g2h, miss_host, out, meta, stats, total, cap,
-                n_g, True, LIST_BLOCK, SKIP_CLEAN, True, OUT_EARLY)  # fmt: skip
+        _lookup(pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total, cap, n_g,
+                True, LIST_BLOCK, SKIP_CLEAN, True)  # fmt: skip
         _signal(meta + M_LOOKED)
     elif pid < scan0:
         _wait(meta + M_LOOKED, n_look, SLEEP_NS)
@@ -166,15 +161,10 @@ def _recall_kernel(
             _wait(meta + M_PLACED, n_scan, SLEEP_NS)
             rows_ptr = meta + M_LAST_ALLOC
             rows_max = cap
-        work = pid >= 0
-        if OUT_EARLY:  # an output program has work only if the lookup left some entry
-            work = (pid - copy0 < n_copy) | (tl.load(meta + M_UNRES) > 0)
-        if work:
-            _copy_out(
-                pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, rows_ptr,
-                rows_max, stage_kv, hstage, total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY,
-                CACHE, STAGED,
-            )  # fmt: skip
+        _copy_out(
+            pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, rows_ptr, rows_max,
+            stage_kv, hstage, total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE, STAGED,
+        )  # fmt: skip
         _signal(meta + M_COPIED)
     else:
         _wait(meta + M_HISTED, n_scan, SLEEP_NS)
@@ -186,4 +176,3 @@ def _recall_kernel(
         tl.atomic_xchg(meta + M_PLACED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_COPIED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_FREE0, 0, sem="relaxed")
-        tl.atomic_xchg(meta + M_UNRES, 0, sem="relaxed")

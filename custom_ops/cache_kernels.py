@@ -97,9 +97,6 @@ WAIT_SLEEP_NS = 0
 # Pool slots per program of the one-launch ops' histogram and pass (fewer programs: fewer of
 # them waiting in a step that evicts nothing; more slots each when one evicts).
 FUSED_SCAN_BLOCK = 1024
-# The one-launch recall's lookup writes the output of the entries it resolves, and the output
-# programs run only when it left some (cache_fused_kernels.py); False: they always gather it.
-OUT_EARLY = True
 
 
 @functools.cache
@@ -323,7 +320,7 @@ def _recall_fused(
         UPR=host_kv.shape[1] // 16, UNITS=COPY_UNITS, LIST_BLOCK=LIST_BLOCK,
         SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
-        OUT_EARLY=OUT_EARLY, num_warps=LIST_WARPS,
+        num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

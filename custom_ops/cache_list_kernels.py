@@ -36,7 +36,6 @@ from custom_ops.cache_constexpr import (
     M_LAST_MISS,
     M_NFREE,
     M_NMISS,
-    M_UNRES,
     M_VICT_CTR,
     PAGE_C,
     PENDING,
@@ -109,9 +108,9 @@ def _lookup_kernel(
     if PDL:
         _pdl_start()
     _lookup(
-        tl.program_id(0), host_slots, h2g, prio, h2g, h2g, miss_host, h2g, meta, stats, total,
-        cap, 1, MISSES, BLOCK, SKIP_CLEAN, False, False,
-    )  # fmt: skip  (ring, g2h, out, n_g: unread without PLACE_EARLY, OUT_EARLY)
+        tl.program_id(0), host_slots, h2g, prio, h2g, h2g, miss_host, meta, stats, total, cap, 1,
+        MISSES, BLOCK, SKIP_CLEAN, False,
+    )  # fmt: skip  (ring, g2h, n_g: unread without PLACE_EARLY)
 
 
 @triton.jit
@@ -123,7 +122,6 @@ def _lookup(
     ring,
     g2h,
     miss_host,
-    out,
     meta,
     stats,
     total,
@@ -133,7 +131,6 @@ def _lookup(
     BLOCK: tl.constexpr,
     SKIP_CLEAN: tl.constexpr,
     PLACE_EARLY: tl.constexpr,
-    OUT_EARLY: tl.constexpr,
 ):
     """Program ``pid`` of the lookup: stamp resident selected slots with the clock (protect).
     With MISSES: claim each distinct missing host slot once (atomic exchange -1 -> PENDING:
@@ -147,13 +144,7 @@ def _lookup(
     evicts (ranks below the free count always pop the ring; the ring rule, cache_ref.py), so in a
     step without eviction every miss is placed when the lookup ends and the copy need not wait
     for the pass. A duplicate's exchange that took such a slot (>= 0) writes it back; every
-    exchange that saw a slot restores it after, so the slot is the last value written.
-
-    OUT_EARLY (with PLACE_EARLY): also write the output gpu_slots[j] of every entry whose slot is
-    final here: a hit (stamped with this step's clock, so never evicted in this call), a miss
-    this block placed, a duplicate whose exchange saw the placed slot, a padding entry (-1). The
-    rest (misses the pass serves from victims, duplicates that saw PENDING, overflow) are counted
-    in meta[UNRES]; the output phase rewrites the whole output only when that count is not 0."""
+    exchange that saw a slot restores it after, so the slot is the last value written."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0
@@ -165,8 +156,6 @@ def _lookup(
         k_early = tl.minimum(tl.load(meta + M_NFREE), cap)
         head = tl.load(meta + M_HEAD)
     tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
-    outv = tl.maximum(g, -1)  # hits and padding; a miss or PENDING stays -1 until resolved
-    unres = valid & (g < 0)
     if MISSES:
         miss = valid & (g == -1)
         any_miss = tl.sum(miss.to(tl.int32), axis=0)
@@ -189,19 +178,10 @@ def _lookup(
                     tl.store(h2g + h, slot, mask=pm)
                     tl.store(g2h + slot, h, mask=pm)
                     tl.store(prio + slot, tl.zeros([BLOCK], tl.int32) + clock, mask=pm)
-                    outv = tl.where(pm, slot, outv)
-                    unres = unres & ~pm
             if PLACE_EARLY:
                 tl.store(h2g + h, old, mask=miss & (old >= 0))  # a duplicate took a placed slot
-                outv = tl.where(miss & (old >= 0), old, outv)
-                unres = unres & ~(miss & (old >= 0))
         nvalid = tl.sum(valid.to(tl.int32), axis=0)
         tl.atomic_add(stats + S_SELECTED, nvalid.to(tl.int64), sem="relaxed")
-    if OUT_EARLY:
-        tl.store(out + offs, outv, mask=offs < total)
-        nunres = tl.sum(unres.to(tl.int32), axis=0)
-        if nunres > 0:
-            tl.atomic_add(meta + M_UNRES, nunres, sem="relaxed")
 
 
 @triton.jit
