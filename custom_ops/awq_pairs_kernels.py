@@ -254,11 +254,11 @@ def uses_dequant(m: int) -> bool:
     """The large-M rule (prefill chunks), from the H200 run in
     ``benchmarks/results/gpu_session16/call1_awq_pairs_served_h200.json`` (the pair kernel on its
     BN = 64, 4-warp tile / the weight dequantised once then ``F.linear``, µs, the four V3.2
-    shapes together): M = 256 227.2 / 268.7 (the pair kernel faster on every shape), M = 384
-    398.0 / 324.9 and M = 512 442.7 / 366.6 (the dequantised path faster or within 3% on every
-    shape): from M = 257 the pair kernel needs a third 128-token tile. At M = 4096 the
-    dequantised path runs at 0.94-0.95x bf16 (``awq_pairs_scaled_h200.json``). One temporary
-    weight in x's dtype per call ([N, K]: 235 MB at 16384 x 7168)."""
+    shapes together): M = 256 227.3 / 268.6 (the pair kernel faster on every shape), M = 384
+    398.0 / 324.9 and M = 512 442.7 / 366.7 (the dequantised path faster on every shape but
+    7168 x 2048 at 384, 35.9 against 35.8): from M = 257 the pair kernel needs a third 128-token
+    tile. At M = 4096 the dequantised path runs at 0.94-0.99x bf16 (``awq_served_h200.json``).
+    One temporary weight in x's dtype per call ([N, K]: 235 MB at 16384 x 7168)."""
     return m >= DEQUANT_MIN_M
 
 
