@@ -57,7 +57,6 @@ def _free_kernel(
     SCAN_BLOCK: tl.constexpr,
     PAD: tl.constexpr,
     SLEEP_NS: tl.constexpr = 0,
-    POLL_LOAD: tl.constexpr = False,
 ):
     """echo::free: programs [0, n_look) stamp the protected slots, the next n_scan build the age
     histogram, the last n_scan evict. Whether an eviction is due is known before the stamps
@@ -72,12 +71,12 @@ def _free_kernel(
             _signal(meta + M_LOOKED)
     elif pid < n_look + n_scan:
         if needed > 0:
-            _wait(meta + M_LOOKED, n_look, SLEEP_NS, POLL_LOAD)
+            _wait(meta + M_LOOKED, n_look, SLEEP_NS)
             _hist(pid - n_look, prio, meta, hist, want_ptr, n_g, cap, SCAN_BLOCK)
             _signal(meta + M_HISTED)
     else:
         if needed > 0:
-            _wait(meta + M_HISTED, n_scan, SLEEP_NS, POLL_LOAD)
+            _wait(meta + M_HISTED, n_scan, SLEEP_NS)
         # its last program resets LOOKED and HISTED: every program has passed its wait by then
         _evict_place(
             pid - n_look - n_scan, n_scan, prio, ring, g2h, h2g, indices, meta, hist, stats,
@@ -120,7 +119,6 @@ def _recall_kernel(
     CACHE: tl.constexpr,
     STAGED: tl.constexpr,
     SLEEP_NS: tl.constexpr = 0,
-    POLL_LOAD: tl.constexpr = False,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
@@ -142,25 +140,25 @@ def _recall_kernel(
                 True, LIST_BLOCK, SKIP_CLEAN, True)  # fmt: skip
         _signal(meta + M_LOOKED)
     elif pid < scan0:
-        _wait(meta + M_LOOKED, n_look, SLEEP_NS, POLL_LOAD)
+        _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         _hist(pid - n_look, prio, meta, hist, n_miss, n_g, cap, SCAN_BLOCK)
         _signal(meta + M_HISTED)
     elif pid < copy0:
-        _wait(meta + M_LOOKED, n_look, SLEEP_NS, POLL_LOAD)
+        _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         if tl.minimum(tl.load(n_miss), cap) > tl.load(meta + M_FREE0):  # an eviction is due
-            _wait(meta + M_HISTED, n_scan, SLEEP_NS, POLL_LOAD)
+            _wait(meta + M_HISTED, n_scan, SLEEP_NS)
         _evict_place(
             pid - scan0, n_scan, prio, ring, g2h, h2g, indices, meta, hist, stats, n_miss,
             miss_host, n_g, cap, reserve, True, SCAN_BLOCK, PAD, False, True,
         )  # fmt: skip
         _signal(meta + M_PLACED)
     elif pid < copy0 + n_copy + n_out:
-        _wait(meta + M_LOOKED, n_look, SLEEP_NS, POLL_LOAD)
+        _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         free0 = tl.load(meta + M_FREE0)
         rows_ptr = n_miss  # no eviction: the misses, all placed by the lookup
         rows_max = tl.minimum(cap, free0)
         if tl.minimum(tl.load(n_miss), cap) > free0:  # the pass serves the rest from victims
-            _wait(meta + M_PLACED, n_scan, SLEEP_NS, POLL_LOAD)
+            _wait(meta + M_PLACED, n_scan, SLEEP_NS)
             rows_ptr = meta + M_LAST_ALLOC
             rows_max = cap
         _copy_out(
@@ -169,9 +167,9 @@ def _recall_kernel(
         )  # fmt: skip
         _signal(meta + M_COPIED)
     else:
-        _wait(meta + M_HISTED, n_scan, SLEEP_NS, POLL_LOAD)
-        _wait(meta + M_PLACED, n_scan, SLEEP_NS, POLL_LOAD)
-        _wait(meta + M_COPIED, n_copy + n_out, SLEEP_NS, POLL_LOAD)
+        _wait(meta + M_HISTED, n_scan, SLEEP_NS)
+        _wait(meta + M_PLACED, n_scan, SLEEP_NS)
+        _wait(meta + M_COPIED, n_copy + n_out, SLEEP_NS)
         _recall_final(meta, stats)
         tl.atomic_xchg(meta + M_LOOKED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_HISTED, 0, sem="relaxed")

@@ -92,10 +92,8 @@ LAUNCH_PDL = False
 # wait for each other through counters in meta); False: the separate launches below, one per
 # phase (then LAUNCH_PDL applies).
 FUSED = True
-# Their waits: nanoseconds of sleep between polls of a phase counter (0: spin; CUDA only), and
-# whether a poll is an acquire load (CUDA only) or an atomic add of 0.
+# Their waits: nanoseconds of sleep between polls of a phase counter (0: spin; CUDA only).
 WAIT_SLEEP_NS = 0
-WAIT_POLL_LOAD = True
 # Pool slots per program of the one-launch ops' histogram and pass (fewer programs: fewer of
 # them waiting in a step that evicts nothing; more slots each when one evicts).
 FUSED_SCAN_BLOCK = 1024
@@ -217,8 +215,7 @@ def free_cuda(
             p, host_to_gpu, gpu_priority, gpu_free, gpu_to_host, indices, meta, hist, stats, n,
             p.numel(), n_g, cap, C.reserve_slots(n_g), n_look, n_scan,
             LIST_BLOCK=LIST_BLOCK, SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK,
-            SLEEP_NS=_sleep_ns(p.device), POLL_LOAD=_poll_load(p.device),
-            num_warps=LIST_WARPS,
+            SLEEP_NS=_sleep_ns(p.device), num_warps=LIST_WARPS,
         )  # fmt: skip
         return
     _lookup_kernel[_grid(p.numel(), LIST_BLOCK)](
@@ -303,10 +300,6 @@ def _sleep_ns(device: torch.device) -> int:
     return WAIT_SLEEP_NS if device.type == "cuda" else 0  # (no inline PTX in the interpreter)
 
 
-def _poll_load(device: torch.device) -> bool:
-    return WAIT_POLL_LOAD and device.type == "cuda"  # (no inline PTX in the interpreter)
-
-
 def _recall_fused(
     host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
     hist, stats, hs, out, stage_kv, host_stage,
@@ -327,7 +320,7 @@ def _recall_fused(
         UPR=host_kv.shape[1] // 16, UNITS=COPY_UNITS, LIST_BLOCK=LIST_BLOCK,
         SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
-        POLL_LOAD=_poll_load(hs.device), num_warps=LIST_WARPS,
+        num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

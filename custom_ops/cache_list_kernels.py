@@ -73,37 +73,20 @@ def _signal(ctr):
 
 
 @triton.jit
-def _poll(ctr, LOAD: tl.constexpr):
-    """One acquire read of the counter: an ``ld.acquire.gpu`` (LOAD, CUDA only: inline PTX) or
-    an atomic add of 0 (a read-modify-write, which the interpreter can run). A load that reads
-    the value of a later add synchronises with every earlier release add to the counter (the
-    adds form its release sequence)."""
-    if LOAD:
-        c = tl.inline_asm_elementwise(
-            "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ctr], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-    else:
-        c = tl.atomic_add(ctr, 0, sem="acquire")
-    return c
-
-
-@triton.jit
-def _wait(ctr, target, SLEEP_NS: tl.constexpr = 0, POLL_LOAD: tl.constexpr = False):
+def _wait(ctr, target, SLEEP_NS: tl.constexpr = 0):
     """Spin until ``target`` programs have _signal-ed ``ctr``; then their writes are visible to
     every thread of this program. Only ever called on counters of lower-numbered programs.
     SLEEP_NS > 0 (CUDA only): nanosleep between polls, so hundreds of waiting programs do not
-    keep the counter's L2 line busy. POLL_LOAD (CUDA only): poll with acquire loads instead of
-    atomic read-modify-writes, which the signals' adds queue behind at the counter's L2 slice."""
-    c = _poll(ctr, POLL_LOAD)
+    keep the counter's L2 line busy."""
+    c = tl.atomic_add(ctr, 0, sem="acquire")
     while c < target:
         if SLEEP_NS > 0:
             c = tl.inline_asm_elementwise(
                 f"nanosleep.u32 {SLEEP_NS}; mov.b32 $0, $1;", "=r,r", [c], dtype=tl.int32,
                 is_pure=False, pack=1,
             )  # fmt: skip
-        c = _poll(ctr, POLL_LOAD)
-    tl.debug_barrier()  # every thread's reads follow the acquire
+        c = tl.atomic_add(ctr, 0, sem="acquire")
+    tl.debug_barrier()  # the other threads' reads follow thread 0's acquire
 
 
 # ---- kernels ------------------------------------------------------------------------------------
