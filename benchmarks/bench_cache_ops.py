@@ -486,21 +486,23 @@ def bench_format(
 
 
 def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) -> dict:
-    """The one-launch recall and free (the default) at a few launch configurations: pool slots
-    per histogram / pass program (cache_kernels.FUSED_SCAN_BLOCK), sleep between polls
-    (WAIT_SLEEP_NS) and list entries per lookup / output program (LIST_BLOCK). Each is timed on
-    whole refill periods (the amortized figures) and on the steady step, in two rounds, so that a
-    configuration's figures come from two points of the run."""
+    """The one-launch recall and free (the default) at a few launch configurations, each a
+    change of one cache_kernels setting from the defaults: list entries per program of free's
+    lookup (FREE_LIST_BLOCK) and of recall's lookup and output (LIST_BLOCK), pool slots per
+    histogram / pass program (FUSED_SCAN_BLOCK). Each is timed on whole refill periods (the
+    amortized figures) and on the steady step, in two rounds, so that a configuration's figures
+    come from two points of the run."""
     out = {}
     cap = pool.capacity
     n2k = min(2048, cap)
-    defaults = K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.LIST_BLOCK
-    configs = ((4096, 0, defaults[2]), (2048, 0, defaults[2]), (1024, 500, defaults[2]),
-               (defaults[0], defaults[1], 256), defaults)  # fmt: skip
+    names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK")
+    defaults = {n: getattr(K, n) for n in names}
+    configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 256}, {"FUSED_SCAN_BLOCK": 2048}, {})
     for rnd in range(2):
-        for block, nap, lb in configs:
-            K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.LIST_BLOCK = block, nap, lb
-            name = f"round{rnd}_scan_block_{block}_sleep_{nap}_list_{lb}"
+        for change in configs:
+            for n, v in {**defaults, **change}.items():
+                setattr(K, n, v)
+            name = f"round{rnd}_" + ("_".join(f"{n}_{v}" for n, v in change.items()) or "default")
             try:
                 out[name] = {
                     "recall_37_steady_us": recall(37, 16, STEADY_FREE)()["median_us"],
@@ -517,7 +519,8 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
                 }
             except Exception as e:
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
-    K.FUSED_SCAN_BLOCK, K.WAIT_SLEEP_NS, K.LIST_BLOCK = defaults
+    for n, v in defaults.items():
+        setattr(K, n, v)
     return out
 
 

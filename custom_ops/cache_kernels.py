@@ -60,6 +60,7 @@ from custom_ops.cache_pool_kernels import _allocate_kernel, _evict_place_kernel,
 SCAN_BLOCK = 1024  # pool slots (and miss ranks) per program of the eviction/placement pass
 SCAN_WARPS = 4
 LIST_BLOCK = 512  # list entries per program (lookup, output, release; docs/cache_ops.md: the sweep)
+FREE_LIST_BLOCK = 256  # list entries per program of free's lookup (docs/cache_ops.md: the sweep)
 LIST_WARPS = 4  # warps per lookup program (the benchmark also tries 8: more gathers in flight)
 # Recall's lookup: a block with no miss skips the claim (its exchange, winner sum and append are
 # three dependent round trips; in a steady step of 37 misses >= 219 of the 256 blocks have none).
@@ -210,15 +211,15 @@ def free_cuda(
     p = protect.reshape(-1)
     n_g, cap = gpu_to_host.shape[0], indices.shape[0]
     if FUSED:
-        n_look, n_scan = _grid(p.numel(), LIST_BLOCK)[0], _grid(n_g, FUSED_SCAN_BLOCK)[0]
+        n_look, n_scan = _grid(p.numel(), FREE_LIST_BLOCK)[0], _grid(n_g, FUSED_SCAN_BLOCK)[0]
         _free_kernel[(n_look + 2 * n_scan,)](
             p, host_to_gpu, gpu_priority, gpu_free, gpu_to_host, indices, meta, hist, stats, n,
             p.numel(), n_g, cap, C.reserve_slots(n_g), n_look, n_scan,
-            LIST_BLOCK=LIST_BLOCK, SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK,
+            LIST_BLOCK=FREE_LIST_BLOCK, SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK,
             SLEEP_NS=_sleep_ns(p.device), num_warps=LIST_WARPS,
         )  # fmt: skip
         return
-    _lookup_kernel[_grid(p.numel(), LIST_BLOCK)](
+    _lookup_kernel[_grid(p.numel(), FREE_LIST_BLOCK)](
         p,
         host_to_gpu,
         gpu_priority,
@@ -228,7 +229,7 @@ def free_cuda(
         p.numel(),
         indices.shape[0],
         MISSES=False,
-        BLOCK=LIST_BLOCK,
+        BLOCK=FREE_LIST_BLOCK,
         num_warps=LIST_WARPS,
         **_pdl(p.device),
     )

@@ -96,7 +96,7 @@ FK = [("protect", I32), ("h2g", I32), ("prio", I32), ("ring", I32), ("g2h", I32)
       ("indices", I32), ("meta", I32), ("hist", I32), ("stats", I64), ("want_ptr", I32),
       ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
       ("n_scan", "i32")]
-compile_(FS._free_kernel, FK, dict(LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK,
+compile_(FS._free_kernel, FK, dict(LIST_BLOCK=K.FREE_LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK,
          PAD=K.PAD_BLOCK, SLEEP_NS=0), "free[one launch]")  # fmt: skip
 RK = [("host_kv", I32), ("gpu_kv", I32), ("host_slots", I32), ("h2g", I32), ("prio", I32),
       ("ring", I32), ("g2h", I32), ("indices", I32), ("miss_host", I32), ("meta", I32),
