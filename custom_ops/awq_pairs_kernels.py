@@ -282,8 +282,9 @@ def p_config(
       15.7 µs on 7168 x 4096, 7168 x 2048, 2048 x 7168 against SCALED's best 24.3 / 17.0 / 17.0),
       but SCALED (BN = 128, 8 warps, 3 stages) on linears of ``SCALED_MIN_WEIGHTS`` weights or
       more (16384 x 7168: 64.9 against 76.9); split until about 2 programs per SM;
-    - 128 < m <= 256 (two 128-token tiles; above, ``uses_dequant``): the exact kernel as at
-      65-128, which beat SCALED's best wide tile on every shape at M = 160, 192 and 256
+    - 128 < m <= 256 (two 128-token tiles; above, ``uses_dequant``): the exact kernel on BN = 64,
+      4 warps, 3 stages on every shape (no ``SCALED_MIN_WEIGHTS`` exception), which beat SCALED's
+      best wide tile on every shape at M = 160, 192 and 256
       (``gpu_session16/call1_awq_pairs_served_h200.json``: 16384 x 7168 125.6-140.0 µs against
       152.6-153.7, 7168 x 2048 22.4-25.0 against 68.7-70.6).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
