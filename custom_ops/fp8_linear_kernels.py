@@ -55,9 +55,11 @@ def _quant_tile(x, UE8M0: tl.constexpr, INTERPRET: tl.constexpr):
     ``act_quant`` of one K block (custom_ops/fp8_linear.py)."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # [BM]
     s = tl.math.div_rn(amax, 448.0)
-    if UE8M0:
+    if UE8M0:  # a power of two: x / s is x times 1 / s, both exact (one division a row)
         s = _pow2_up(s)
-    v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
+        v = x * tl.math.div_rn(1.0, s)[:, None]
+    else:
+        v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
     return _to_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0), INTERPRET), s
 
 
@@ -73,11 +75,14 @@ def _fp8_dot(x8, w, INTERPRET: tl.constexpr):
 
 @triton.jit
 def fp8_linear_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr,
-    M, N, K, stride_xm, stride_os, stride_om, SPLIT_K,
+    x_ptr, w_ptr, ws_ptr, out_ptr, xs_ptr,
+    M, N, K, stride_xm, stride_os, stride_om, SPLIT_K, stride_xs_m, stride_xs_kb,
     BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
+    PREQUANT: tl.constexpr = False,
 ):  # fmt: skip
-    """out[split, m, n] over this split's K blocks. Grid: (cdiv(N, BN), cdiv(M, BM), SPLIT_K)."""
+    """out[split, m, n] over this split's K blocks. Grid: (cdiv(N, BN), cdiv(M, BM), SPLIT_K).
+    PREQUANT: x is already e4m3 with its scales at ``xs_ptr`` (``act_quant_dg``), so the loop
+    only loads, multiplies and scales."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -96,8 +101,12 @@ def fp8_linear_kernel(
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + kb * 128 + offs_k[None, :],
             mask=m_mask[:, None], other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        x8, s = _quant_tile(x, UE8M0, INTERPRET)  # [BM, 128] e4m3, [BM]
+        )  # fmt: skip
+        if PREQUANT:
+            x8 = x
+            s = tl.load(xs_ptr + offs_m * stride_xs_m + kb * stride_xs_kb, mask=m_mask, other=0.0)
+        else:
+            x8, s = _quant_tile(x.to(tl.float32), UE8M0, INTERPRET)  # [BM, 128] e4m3, [BM]
         w = tl.load(
             w_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + offs_k[None, :],
             mask=n_mask[:, None],
@@ -126,25 +135,33 @@ def fp8_linear_triton(
     x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: bool,
     config: dict | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``x [M, K] -> [M, N]`` with FP8 block-scaled weights (see custom_ops/fp8_linear.py)."""
+    """``x [M, K] -> [M, N]`` with FP8 block-scaled weights (see custom_ops/fp8_linear.py).
+    ``config["PREQUANT"]``: quantise x in a launch of its own first (``act_quant_dg``)."""
     check_fp8_linear(x, w8, w_scale)
     m, k = x.shape
     n = w8.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
+    out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     cfg = config or fp8_config(m, n, k, _num_sms(x.device))
+    prequant = bool(cfg.get("PREQUANT", False))
+    xs = x  # any pointer: unused unless prequant
+    if prequant:
+        from custom_ops.backends.deep_gemm_gemm_kernels import act_quant_dg
+
+        x, xs = act_quant_dg(x, ue8m0)
     bm, bn, split = cfg["BM"], cfg["BN"], cfg["SPLIT_K"]
     if BLOCK % bn or bn < 16 or bm < 16 or split < 1:
         raise ValueError(f"fp8_linear: bad config {cfg}: need 128 % BN == 0, BN, BM >= 16")
-    out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     if split == 1:
         out = torch.empty((1, m, n), device=x.device, dtype=out_dtype)
     else:
         out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     fp8_linear_kernel[grid](
-        x, w8, w_scale, out, m, n, k, x.stride(0), out.stride(0), out.stride(1), split,
-        BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
+        x, w8, w_scale, out, xs, m, n, k, x.stride(0), out.stride(0), out.stride(1), split,
+        xs.stride(0), xs.stride(-1), BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
+        PREQUANT=prequant,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if split == 1:

@@ -57,6 +57,8 @@ CASES = [  # (M, K, N, ue8m0, config)
     (3, 256, 200, True, dict(BM=16, BN=128, SPLIT_K=2)),
     (20, 384, 128, False, dict(BM=16, BN=32, SPLIT_K=1)),
     (5, 512, 96, True, None),  # the launcher's heuristic
+    (4, 384, 160, True, dict(BM=16, BN=64, SPLIT_K=3, PREQUANT=True)),  # x quantised first
+    (17, 256, 64, False, dict(BM=32, BN=64, SPLIT_K=1, PREQUANT=True)),
 ]
 
 
