@@ -43,7 +43,6 @@ from benchmarks.bench_awq import (
     torch_align,
 )
 from custom_ops import awq_kernels as K
-from custom_ops import fp8_gemv_kernels as GV
 from custom_ops import fp8_linear as F8
 from custom_ops import fp8_linear_kernels as FK
 from custom_ops.awq_kernels import _num_sms
@@ -98,8 +97,6 @@ def check(result: dict, dg: bool) -> None:
                 ref,
                 **where,
             )
-            if m <= GV.GEMV_MAX_M:
-                _check_one(checks, "fp8_gemv", lambda a=args: GV.fp8_gemv_triton(*a), ref, **where)
             if not dg:
                 continue
             try:  # the quantising kernel: bit-exact e4m3 values and scales, DeepGEMM's layout
@@ -141,6 +138,9 @@ def bench_shape(
         )
         for i, e in enumerate(extra):
             c = {**cfg, **e}
+            if "SPLIT_K_X" in c:  # a multiple of the heuristic's split, within the K blocks
+                c["SPLIT_K"] = max(1, min(cfg["SPLIT_K"] * c.pop("SPLIT_K_X"), k // 128))
+            row[f"fp8_cfg{i}"] = c
             row[f"fp8_cfg{i}_us"] = _time(
                 [lambda w=w, x=x, c=c: FK.fp8_linear_triton(x, *w, True, config=c) for w in w8s]
             )
@@ -148,18 +148,6 @@ def bench_shape(
         row["fp8_prequant_us"] = _time(
             [lambda w=w, x=x, c=pre: FK.fp8_linear_triton(x, *w, True, config=c) for w in w8s]
         )
-        if m <= GV.GEMV_MAX_M:
-            gcfg = GV.fp8_gemv_config(m, n, k, sms)
-            row["gemv_config"] = gcfg
-            row["fp8_gemv_us"] = _time(
-                [lambda w=w, x=x, c=gcfg: GV.fp8_gemv_triton(x, *w, True, config=c) for w in w8s]
-            )
-            for i, e in enumerate(gemv_variants(gcfg, k)):
-                c = {**gcfg, **e}
-                row[f"fp8_gemv_cfg{i}"] = c
-                row[f"fp8_gemv_cfg{i}_us"] = _time(
-                    [lambda w=w, x=x, c=c: GV.fp8_gemv_triton(x, *w, True, config=c) for w in w8s]
-                )
         if dg and DG.linear_suits(m, n, k, x.dtype):
             t0 = time.monotonic()
             try:  # the first call JIT-compiles; an error is recorded, the shape goes on
@@ -193,25 +181,15 @@ def bench_shape(
         row["bf16_frac_hbm"] = row["bf16_weight_GBps"] / hbm
         rows.append(row)
         dg_us = row.get("fp8_dg_us", math.nan)
-        gemv = [v for key, v in row.items() if key.startswith("fp8_gemv") and key.endswith("us")]
+        cfgs = [row[f"fp8_cfg{i}_us"] for i in range(len(extra))]
         print(
             f"  fp8 {k}x{n} M={m}: triton {row['fp8_us']:.1f} us, prequant "
-            f"{row['fp8_prequant_us']:.1f}, gemv {' / '.join(f'{v:.1f}' for v in gemv) or '-'}, "
+            f"{row['fp8_prequant_us']:.1f}, configs {' / '.join(f'{v:.1f}' for v in cfgs) or '-'}, "
             f"deep_gemm {dg_us:.1f} us (best {best:.1f}), served {row['served_us']:.1f}, "
             f"bf16 {row['bf16_us']:.1f} us, served {row['served_speedup_vs_bf16']:.2f}x",
             flush=True,
         )
     return rows
-
-
-def gemv_variants(cfg: dict, k: int) -> list[dict]:
-    """Configurations of the small-M kernel timed beside its heuristic one: half and twice its
-    split (within the K blocks), 32 rows a program, 8 warps."""
-    kb = k // 128
-    out = [{"SPLIT_K": max(1, cfg["SPLIT_K"] // 2)}]
-    if cfg["SPLIT_K"] * 2 <= kb:
-        out.append({"SPLIT_K": cfg["SPLIT_K"] * 2})
-    return out + [{"BN": 32}, {"BN": 32, "num_warps": 8}]
 
 
 def rand_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +274,8 @@ def main() -> None:
         "--configs",
         default="[]",
         help="JSON list of partial configs of the FP8 kernel to time as well, e.g. "
-        '\'[{"BM": 64}, {"BN": 64, "SPLIT_K": 4}]\' (merged into its heuristic)',
+        '\'[{"BM": 64}, {"BN": 64, "SPLIT_K": 4}, {"PREQUANT": true, "SPLIT_K_X": 2}]\' '
+        "(merged into its heuristic; SPLIT_K_X multiplies its split)",
     )
     args = ap.parse_args()
     try:
@@ -365,13 +344,13 @@ def main() -> None:
         save()
     fails = [c for c in result["check"] if not c["pass"]]
     print(f"\ncheck: {'PASS' if not fails else 'FAIL'} ({len(fails)} of {len(result['check'])})")
-    print(f"{'K x N':>14} {'M':>4} {'bf16 us':>8} {'triton':>8} {'preq':>8} {'gemv':>8} "
+    print(f"{'K x N':>14} {'M':>4} {'bf16 us':>8} {'triton':>8} {'preq':>8} {'configs':>8} "
           f"{'dg':>8} {'served':>8} {'x bf16':>7} {'%HBM':>5}")  # fmt: skip
     for r in result["linear"]:
-        gemv = [v for key, v in r.items() if key.startswith("fp8_gemv") and key.endswith("_us")]
+        cfgs = [v for key, v in r.items() if key.startswith("fp8_cfg") and key.endswith("_us")]
         print(
             f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:8.1f} {r['fp8_us']:8.1f} "
-            f"{r['fp8_prequant_us']:8.1f} {min(gemv, default=math.nan):8.1f} "
+            f"{r['fp8_prequant_us']:8.1f} {min(cfgs, default=math.nan):8.1f} "
             f"{r.get('fp8_dg_us', math.nan):8.1f} {r['served_us']:8.1f} "
             f"{r['served_speedup_vs_bf16']:7.2f} {100 * r['fp8_frac_hbm']:5.0f}"
         )

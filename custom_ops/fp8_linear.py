@@ -9,9 +9,8 @@ kernel does: exact), ``x8 = e4m3(clamp(x / s, ±448))``. Then
 ``y[m, n] = sum_kb (x8[m, kb] . w8[n, kb]) * s[m, kb] * w_scale[n // 128, kb]``: one fp32 dot per
 K block of 128, scaled and summed in fp32 (DeepSeek's ``fp8_gemm``), rounded once to bf16.
 
-The reference below is that formula in plain torch (the CPU kernel). On CUDA the linear runs
-the CUDA-core kernel of ``fp8_gemv_kernels.py`` for up to ``GEMV_MAX_M`` tokens; otherwise both ops
-run DeepGEMM's block-scaled GEMMs (``custom_ops/backends/deep_gemm_gemm.py``: ``echo::dg_fp8_linear``,
+The reference below is that formula in plain torch (the CPU kernel). On CUDA both ops run
+DeepGEMM's block-scaled GEMMs (``custom_ops/backends/deep_gemm_gemm.py``: ``echo::dg_fp8_linear``,
 ``echo::dg_moe_fp8``) where the library imports on an SM90 device and the shape suits, else the
 Triton kernels (``fp8_linear_kernels.py``: the activations quantised in the prologue, per tile).
 ``set_fp8_backend("triton")`` (or ``ECHO_FP8_BACKEND=triton``) keeps Triton everywhere.
@@ -98,10 +97,6 @@ def fp8_linear(
 
 @fp8_linear.register_kernel("cuda")
 def _(x, w8, w_scale, ue8m0):
-    from custom_ops import fp8_gemv_kernels as gv
-
-    if 1 <= x.shape[0] <= gv.GEMV_MAX_M:  # a few tokens: the CUDA-core kernel, whatever the backend
-        return gv.fp8_gemv_triton(x, w8, w_scale, ue8m0)
     dg = _dg()
     if dg is not None and dg.linear_suits(x.shape[0], w8.shape[0], w8.shape[1], x.dtype):
         key = ("linear", x.shape[0], *w8.shape)

@@ -258,8 +258,11 @@ def test_kernel_on_gpu_at_v32_shapes(m):
         w8, ws = weight_quant_fp8(torch.randn(n, k, device="cuda", generator=gen) * 0.02,
                                   scale_fmt="ue8m0")  # fmt: skip
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-        y = torch.ops.echo.fp8_linear(x, w8, ws, True)
-        assert _rel(y, F8.fp8_linear_ref(x, w8, ws, True)) < 5e-3  # fp8 MMA accumulation
+        ref = F8.fp8_linear_ref(x, w8, ws, True)
+        assert _rel(torch.ops.echo.fp8_linear(x, w8, ws, True), ref) < 5e-3  # fp8 MMA sums
+        for pre in (False, True):  # the Triton kernel, x quantised in its loop or first
+            cfg = {**FK.fp8_config(m, n, k, 132), "PREQUANT": pre}
+            assert _rel(FK.fp8_linear_triton(x, w8, ws, True, config=cfg), ref) < 5e-3
 
 
 def test_bench_fp8_help_on_cpu():
