@@ -36,6 +36,8 @@ import triton.language as tl
 
 from custom_ops.awq_format import GROUP, check_pairs, check_x16
 from custom_ops.awq_kernels import _num_sms, _round16, _store, splitk_sum_kernel
+from custom_ops.tile_counters import _COUNTERS, COUNTERS, reserve_counters  # noqa: F401
+from custom_ops.tile_counters import counters as _counters
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
@@ -208,38 +210,6 @@ def dequant_p_kernel(
         lo, hi = _pair(w, zz, s, FP16, MODE, ss, True)
         a = tl.reshape(tl.join(lo, hi), [BN, 32])  # column 2 p + h = K row 32 s + 2 p + h
         tl.store(rows + 32 * s, a.to(w_ptr.dtype.element_ty), mask=n_mask[:, None])
-
-
-_COUNTERS: dict = {}
-COUNTERS = 1 << 16  # tiles per launch the counter buffer holds (decode needs a few hundred)
-
-
-def reserve_counters(device: torch.device) -> torch.Tensor:
-    """Make the device's tile counters of the fused split-K reductions now: zeros, and zeros
-    again after every launch (its last programs reset them), so one buffer serves every call on
-    the device's stream (two streams must not run these kernels at once). ``repack_awq_model``
-    calls this at load time: made during a ``torch.compile(mode="reduce-overhead")`` warm-up it
-    would live in the CUDA-graph memory pool, which later graphs may reuse."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The counters of ``n`` tiles (made here for a direct call of the op; never regrown: a
-    graph captured earlier holds the buffer's address)."""
-    if n > COUNTERS:
-        raise ValueError(
-            f"w4a16 pair kernels: {n} counter tiles (split-K or k-sum) in one launch, "
-            f"at most {COUNTERS}"
-        )
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if device not in _COUNTERS and capturing:
-        raise RuntimeError("w4a16 pair kernels: reserve_counters(device) before CUDA-graph capture")
-    return reserve_counters(device)
 
 
 def tokens_tile(m: int) -> int:

@@ -25,6 +25,7 @@ import triton.language as tl
 from custom_ops.awq_kernels import _num_sms, _round16, _store, splitk_sum_kernel
 from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
 from custom_ops.moe_align import moe_align
+from custom_ops.tile_counters import counters
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -75,14 +76,16 @@ def _fp8_dot(x8, w, INTERPRET: tl.constexpr):
 
 @triton.jit
 def fp8_linear_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, xs_ptr,
+    x_ptr, w_ptr, ws_ptr, out_ptr, xs_ptr, y_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_os, stride_om, SPLIT_K, stride_xs_m, stride_xs_kb,
     BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
-    PREQUANT: tl.constexpr = False,
+    PREQUANT: tl.constexpr = False, FUSED: tl.constexpr = False,
 ):  # fmt: skip
     """out[split, m, n] over this split's K blocks. Grid: (cdiv(N, BN), cdiv(M, BM), SPLIT_K).
     PREQUANT: x is already e4m3 with its scales at ``xs_ptr`` (``act_quant_dg``), so the loop
-    only loads, multiplies and scales."""
+    only loads, multiplies and scales. FUSED (SPLIT_K > 1): the tile's last split sums the fp32
+    partials in split order into ``y [M, N]`` (``w4a16_p_kernel``'s counter protocol,
+    ``custom_ops.tile_counters``): the bits of ``splitk_sum_kernel``, one launch fewer."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -114,21 +117,34 @@ def fp8_linear_kernel(
         )  # fmt: skip  [BN, 128] e4m3
         sw = tl.load(ws_ptr + nb * KB + kb)
         acc += (_fp8_dot(x8, w, INTERPRET) * s[:, None]) * sw
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    _store(out, acc, m_mask[:, None] & n_mask[None, :], INTERPRET)
+    mask = m_mask[:, None] & n_mask[None, :]
+    tile_offs = offs_m[:, None] * stride_om + offs_n[None, :]
+    _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
+    if FUSED:
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        tile = pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BM, BN], dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                total += tl.load(out_ptr + sk * stride_os + tile_offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            _store(y_ptr + tile_offs, total, mask, INTERPRET)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
-    """Launch configuration, by reasoning (not yet timed; ``benchmarks/bench_fp8.py`` tries
-    others): BM the smallest MMA tile covering m (16, 32, 64), BN 128 (one scale block, 16 KB of
-    weights per K block... per program), split-K until about two programs per SM."""
+    """Launch configuration, by reasoning (``benchmarks/bench_fp8.py`` times others beside it):
+    BM the smallest MMA tile covering m (16, 32, 64), BN 128 (one scale block, 16 KB of weights
+    per K block and program), split-K until about two programs per SM, its partials summed by
+    the tile's last program (FUSED)."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn = 128
     tiles = -(-m // bm) * -(-n // bn)
     split = 1
     while tiles * split < 2 * num_sms and split * 2 <= k // BLOCK and split < 16:
         split *= 2
-    return {"BM": bm, "BN": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+    return {"BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "num_warps": 4, "num_stages": 3}
 
 
 def fp8_linear_triton(
@@ -158,15 +174,17 @@ def fp8_linear_triton(
     else:
         out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    fused = split > 1 and cfg.get("FUSED", False)
+    y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=out_dtype)
+    cnt = counters(x.device, grid[0] * grid[1]) if fused else out
     fp8_linear_kernel[grid](
-        x, w8, w_scale, out, xs, m, n, k, x.stride(0), out.stride(0), out.stride(1), split,
-        xs.stride(0), xs.stride(-1), BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
-        PREQUANT=prequant,
+        x, w8, w_scale, out, xs, y, cnt, m, n, k, x.stride(0), out.stride(0), out.stride(1),
+        split, xs.stride(0), xs.stride(-1), BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
+        PREQUANT=prequant, FUSED=fused,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
-    if split == 1:
-        return out[0]
-    y = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    if split == 1 or fused:
+        return y
     splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](
         out, y, m * n, split, BLOCK=1024, INTERPRET=_INTERPRET, num_warps=4
     )

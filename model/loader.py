@@ -408,13 +408,17 @@ def finish_loaded_model(
     model: nn.Module, config: ModelConfig, device: str | torch.device, dtype: torch.dtype
 ) -> None:
     """After the weights are in (whole or sharded loader): AWQ's kv_b_proj densified and, on
-    CUDA, the fast int4 layouts; frozen, eval mode."""
+    CUDA, the fast int4 layouts and the split-K kernels' tile counters; frozen, eval mode."""
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import densify_awq, repack_awq_model
 
         densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
         if torch.device(device).type == "cuda":  # the fast layouts (CPU keeps the AutoAWQ one)
             repack_awq_model(model)
+    if torch.device(device).type == "cuda":  # outside any CUDA-graph pool (tile_counters)
+        from custom_ops.tile_counters import reserve_counters
+
+        reserve_counters(device)
     model.requires_grad_(False)
     model.eval()
 

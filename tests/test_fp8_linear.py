@@ -11,6 +11,7 @@ from torch import nn
 
 from custom_ops import fp8_linear as F8
 from custom_ops import fp8_linear_kernels as FK
+from custom_ops import tile_counters as TC
 from custom_ops.fp8 import act_dequant, act_quant
 from model.checkpoint import resolve_model
 from model.fp8_weights import FP8Experts, FP8Linear, weight_dequant_fp8, weight_quant_fp8
@@ -59,6 +60,8 @@ CASES = [  # (M, K, N, ue8m0, config)
     (5, 512, 96, True, None),  # the launcher's heuristic
     (4, 384, 160, True, dict(BM=16, BN=64, SPLIT_K=3, PREQUANT=True)),  # x quantised first
     (17, 256, 64, False, dict(BM=32, BN=64, SPLIT_K=1, PREQUANT=True)),
+    (6, 512, 200, True, dict(BM=16, BN=64, SPLIT_K=4, FUSED=True)),  # last split sums
+    (2, 384, 96, True, dict(BM=16, BN=32, SPLIT_K=3, FUSED=True, PREQUANT=True)),
 ]
 
 
@@ -75,6 +78,9 @@ def test_kernel_matches_reference(case):
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     # the same e4m3 operands (quantised in the prologue), fp32 sums in another order
     torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=1e-3 * ref.abs().max())
+    if cfg is not None and cfg.get("FUSED"):  # the same bits as the separate sum, counters reset
+        assert torch.equal(y, FK.fp8_linear_triton(x, w8, ws, ue8m0, {**cfg, "FUSED": False}))
+        assert not TC._COUNTERS[x.device].any()
 
 
 def test_opcheck_and_bad_inputs():
