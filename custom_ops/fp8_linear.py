@@ -12,7 +12,8 @@ K block of 128, scaled and summed in fp32 (DeepSeek's ``fp8_gemm``), rounded onc
 The reference below is that formula in plain torch (the CPU kernel). On CUDA both ops run
 DeepGEMM's block-scaled GEMMs (``custom_ops/backends/deep_gemm_gemm.py``: ``echo::dg_fp8_linear``,
 ``echo::dg_moe_fp8``) where the library imports on an SM90 device and the shape suits, else the
-Triton kernels (``fp8_linear_kernels.py``: the activations quantised in the prologue, per tile).
+Triton kernels (``fp8_linear_kernels.py``: the activations quantised in the loop, per tile, or
+first); the linear also runs Triton where ``triton_first`` says it is the faster one.
 ``set_fp8_backend("triton")`` (or ``ECHO_FP8_BACKEND=triton``) keeps Triton everywhere.
 """
 
@@ -95,11 +96,22 @@ def fp8_linear(
     return fp8_linear_ref(x, w8, w_scale, ue8m0)
 
 
+def triton_first(m: int, n: int, k: int) -> bool:
+    """Shapes where the Triton kernel beats DeepGEMM: a few tokens on a narrow, deep weight
+    (M <= 16, N <= 2048, K >= 4096: the MLA's down projections, the shared expert's), where
+    DeepGEMM has few output tiles and no split-K. Measured on the H200 (``bench_fp8``, docs/
+    quantization.md): at 7168 x 2048 and 7168 x 576, M = 1-16, Triton took 10.8-11.5 and 7.8-8.2
+    µs against DeepGEMM's 12.4-16.4 and 11.7-12.0; on the wider shapes DeepGEMM won from M = 8
+    (2048 x 7168 at every M)."""
+    return m <= 16 and n <= 2048 and k >= 4096
+
+
 @fp8_linear.register_kernel("cuda")
 def _(x, w8, w_scale, ue8m0):
     dg = _dg()
-    if dg is not None and dg.linear_suits(x.shape[0], w8.shape[0], w8.shape[1], x.dtype):
-        key = ("linear", x.shape[0], *w8.shape)
+    m, n, k = x.shape[0], *w8.shape
+    if dg is not None and not triton_first(m, n, k) and dg.linear_suits(m, n, k, x.dtype):
+        key = ("linear", m, n, k)
         y = _try_dg(key, lambda: dg.dg_fp8_linear(x, w8, w_scale, ue8m0))
         if y is not None:
             return y
