@@ -197,7 +197,9 @@ def rand_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([w for w, _ in ws]), torch.stack([sc for _, sc in ws])
 
 
-def bench_moe(e: int, batches: list[int], hbm: float, result: dict, dg: bool) -> list[dict]:
+def bench_moe(
+    e: int, batches: list[int], hbm: float, result: dict, dg: bool, extra: list[dict]
+) -> list[dict]:
     w13, s13 = rand_experts(e, 2 * I_MOE, D)
     w2, s2 = rand_experts(e, D, I_MOE)
     # the bf16 grouped MoE on the same (dequantised) weights
@@ -231,7 +233,9 @@ def bench_moe(e: int, batches: list[int], hbm: float, result: dict, dg: bool) ->
                     for r in routes])  # fmt: skip
         tb = _time([lambda r=r, x=xt: K.moe_bf16_triton(x, r[0], r[1], w13b, w2b)
                     for r in routes])  # fmt: skip
-        ts = t8
+        # what a user's model runs: the op itself, whichever kernel it dispatches to
+        ts = _time([lambda r=r, x=xt: torch.ops.echo.moe_fp8(x, r[0], r[1], w13, s13, w2, s2, True)
+                    for r in routes])  # fmt: skip
         row = {"experts": e, "topk": TOPK, "T": t, "experts_touched": touched, "fp8_us": t8,
                "bf16_triton_us": tb, "speedup_vs_bf16_triton": tb / t8,
                "fp8_weight_GBps": touched * per_fp8 / t8 / 1e3,
@@ -248,11 +252,19 @@ def bench_moe(e: int, batches: list[int], hbm: float, result: dict, dg: bool) ->
                         for r in routes]  # fmt: skip
             row["fp8_dg_torch_group_us"] = torch_align(lambda c=dg_calls: _time(c))
             row["bf16_triton_torch_group_us"] = torch_align(lambda c=bf_calls: _time(c))
-            ts = td if F8.fp8_backend() == "auto" else t8
+        cfg = FK.moe_fp8_config(t * TOPK, e)
+        row["config"] = cfg
+        for i, c in enumerate({**cfg, **x} for x in extra):
+            row[f"fp8_cfg{i}"] = c
+            row[f"fp8_cfg{i}_us"] = _time(
+                [lambda r=r, x=xt, c=c: FK.moe_fp8_triton(x, r[0], r[1], w13, s13, w2, s2, True, c)
+                 for r in routes]
+            )  # fmt: skip
         row["served_us"], row["served_speedup_vs_bf16_triton"] = ts, tb / ts
         row["fp8_frac_hbm"] = row["fp8_weight_GBps"] / hbm
         rows.append(row)
-        print(f"  moe E={e} T={t}: triton {t8:.1f} us, deep_gemm "
+        cfgs = " / ".join(f"{row[f'fp8_cfg{i}_us']:.1f}" for i in range(len(extra)))
+        print(f"  moe E={e} T={t}: triton {t8:.1f} us (configs {cfgs or '-'}), deep_gemm "
               f"{row.get('fp8_dg_us', math.nan):.1f} us "
               f"(torch grouping {row.get('fp8_dg_torch_group_us', math.nan):.1f}), "
               f"bf16 {tb:.1f} us "
@@ -277,15 +289,24 @@ def main() -> None:
         '\'[{"BM": 64}, {"BN": 64, "SPLIT_K": 4}, {"PREQUANT": true, "SPLIT_K_X": 2}]\' '
         "(merged into its heuristic; SPLIT_K_X multiplies its split)",
     )
+    ap.add_argument("--moe-configs", default="[]",
+                    help='JSON list of partial configs of the Triton FP8 MoE to time as well, '
+                    'e.g. \'[{"SPLIT_GU": 8, "num_warps": 8}]\'')  # fmt: skip
     args = ap.parse_args()
-    try:
-        extra = json.loads(args.configs)
-        if not isinstance(extra, list) or not all(isinstance(c, dict) for c in extra):
-            raise ValueError
-    except ValueError:
-        raise SystemExit(
-            f"bench_fp8: --configs must be a JSON list of objects, got {args.configs!r}"
-        ) from None
+
+    def configs(flag: str, text: str) -> list[dict]:
+        try:
+            got = json.loads(text)
+            if not isinstance(got, list) or not all(isinstance(c, dict) for c in got):
+                raise ValueError
+        except ValueError:
+            raise SystemExit(
+                f"bench_fp8: {flag} must be a JSON list of objects, got {text!r}"
+            ) from None
+        return got
+
+    extra = configs("--configs", args.configs)
+    moe_extra = configs("--moe-configs", args.moe_configs)
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8: needs a CUDA GPU")
     import triton
@@ -302,6 +323,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": "CUDA graph of R calls over R weight copies, median of 15 replays",
         "extra_configs": extra,
+        "moe_extra_configs": moe_extra,
         "deep_gemm": dg,
         "fp8_backend": F8.fp8_backend(),
     }
@@ -337,7 +359,7 @@ def main() -> None:
         result.setdefault("skipped", []).append("moe: past --budget-s")
     elif args.experts:
         try:
-            result["moe"] = bench_moe(args.experts, moe_batches, hbm, result, dg)
+            result["moe"] = bench_moe(args.experts, moe_batches, hbm, result, dg, moe_extra)
         except Exception as err:  # noqa: BLE001
             result.setdefault("errors", []).append(f"moe E={args.experts}: {err!r}")
             print(f"moe failed: {err!r}", flush=True)

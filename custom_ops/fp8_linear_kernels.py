@@ -204,15 +204,21 @@ def fp8_linear_triton(
 @triton.jit
 def fp8_moe_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-    num_pairs, N, K, E, stride_am, stride_om,
+    part_ptr, cnt_ptr, num_pairs, N, K, E, stride_am, stride_om, SPLIT_K,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):  # fmt: skip
     """One row block (pairs of one expert, ``custom_ops.moe_align``) x BN output columns of the
     expert's FP8 weight ``w [E, NW, K]`` (scales ``ws [E, NW/128, K/128]``; NW = 2N when GATED:
     gate rows then up rows, both from one quantised x tile). Each product is rounded to 16 bits
     as the reference's FP8 linears return it; GATED: out = silu(gate) * up; MUL_WEIGHT: out =
-    acc * topk_w[p]. Grid: (max_blocks, cdiv(N, BN))."""
+    acc * topk_w[p]. Grid: (max_blocks, cdiv(N, BN), SPLIT_K).
+
+    SPLIT (decode: few row blocks, a long pass over K): split z of the K blocks stores its fp32
+    partials (gate and up when GATED) in ``part [SPLIT_K, 1 + GATED, max_blocks * BM, N]``; the
+    tile's last split (``fp8_linear_kernel``'s counter protocol) sums them in split order and
+    goes on as an unsplit program would."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -233,7 +239,12 @@ def fp8_moe_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(0, KB):
+    kb0, kb1 = 0, KB
+    if SPLIT:
+        per_split = tl.cdiv(KB, SPLIT_K)
+        kb0 = tl.program_id(2) * per_split
+        kb1 = tl.minimum(kb0 + per_split, KB)
+    for kb in range(kb0, kb1):
         x = tl.load(
             a_ptr + a_rows[:, None] * stride_am + kb * 128 + offs_k[None, :],
             mask=row_mask[:, None], other=0.0,
@@ -249,6 +260,31 @@ def fp8_moe_kernel(
             )  # fmt: skip
             su = tl.load(ws_base + (N // 128 + nb) * KB + kb)
             acc_up += (_fp8_dot(x8, wu, INTERPRET) * s[:, None]) * su
+    if SPLIT:
+        slots = tl.num_programs(0) * BM
+        rows = pid_m * BM + tl.arange(0, BM)
+        part = part_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]  # split 0, gate
+        k64 = tl.program_id(2).to(tl.int64) * (2 if GATED else 1)  # the split's first part
+        p_mask = row_mask[:, None] & n_mask[None, :]  # the pairs' rows only
+        tl.store(part + k64 * slots * N, acc, mask=p_mask)
+        if GATED:
+            tl.store(part + (k64 + 1) * slots * N, acc_up, mask=p_mask)
+        tl.debug_barrier()  # every thread's partials are stored before the counter moves
+        tile = pid_m * tl.num_programs(1) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+        for sk in range(0, SPLIT_K):
+            sk64 = tl.full([], sk, tl.int64) * (2 if GATED else 1)
+            acc += tl.load(part + sk64 * slots * N, mask=p_mask, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            if GATED:
+                acc_up += tl.load(part + (sk64 + 1) * slots * N, mask=p_mask, other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+        tl.atomic_xchg(cnt_ptr + tile, 0)
     acc = _round16(acc, a_ptr.dtype.element_ty, INTERPRET)
     if GATED:
         acc_up = _round16(acc_up, a_ptr.dtype.element_ty, INTERPRET)
@@ -292,13 +328,22 @@ def moe_fp8_triton(
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     h = torch.empty((p, inter), device=x.device, dtype=x.dtype)
-    fp8_moe_kernel[(n_blocks, triton.cdiv(inter, cfg["BN"]))](
-        x, w13, w13_scale, h, sorted_ids, block_expert, tw, p, inter, d, e,
-        x.stride(0), h.stride(0), A_ROW_DIV=topk, GATED=True, MUL_WEIGHT=False, **common,
-    )  # fmt: skip
     y = torch.zeros((p, d), device=x.device, dtype=torch.float32)  # skipped pairs' rows: 0
-    fp8_moe_kernel[(n_blocks, triton.cdiv(d, cfg["BN"]))](
-        h, w2, w2_scale, y, sorted_ids, block_expert, tw, p, d, inter, e,
-        h.stride(0), y.stride(0), A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, **common,
-    )  # fmt: skip
+    for a, w, ws, out, n, k, split, gated in (
+        (x, w13, w13_scale, h, inter, d, cfg.get("SPLIT_GU", 1), True),
+        (h, w2, w2_scale, y, d, inter, cfg.get("SPLIT_DOWN", 1), False),
+    ):
+        if not isinstance(split, int) or not 1 <= split <= k // BLOCK:
+            raise ValueError(f"moe_fp8: a split must be an int in 1..{k // BLOCK}, got {split!r}")
+        tiles = triton.cdiv(n, cfg["BN"])
+        part = cnt = out  # any pointers: unused unless split
+        if split > 1:
+            part = torch.empty((split, 2 if gated else 1, n_blocks * cfg["BM"], n),
+                               device=x.device, dtype=torch.float32)  # fmt: skip
+            cnt = counters(x.device, n_blocks * tiles)
+        fp8_moe_kernel[(n_blocks, tiles, split)](
+            a, w, ws, out, sorted_ids, block_expert, tw, part, cnt, p, n, k, e,
+            a.stride(0), out.stride(0), split, A_ROW_DIV=topk if gated else 1, GATED=gated,
+            MUL_WEIGHT=not gated, SPLIT=split > 1, **common,
+        )  # fmt: skip
     return y.view(t, topk, d).sum(1)

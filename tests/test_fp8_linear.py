@@ -211,6 +211,9 @@ MOE_CASES = [  # (T, E, k, D, I, config)
     (7, 8, 3, 256, 128, dict(BM=16, BN=128)),
     (20, 4, 2, 128, 128, dict(BM=32, BN=32)),
     (9, 4, 2, 128, 256, None),
+    (2, 6, 3, 384, 256, dict(BM=16, BN=64, SPLIT_GU=3, SPLIT_DOWN=2)),  # split-K, last sums
+    (3, 4, 2, 256, 384, dict(BM=16, BN=128, SPLIT_GU=2, SPLIT_DOWN=3)),
+    (1, 4, 2, 512, 128, dict(BM=16, BN=64, SPLIT_GU=2)),  # two K blocks a split
 ]
 
 
@@ -230,6 +233,16 @@ def test_moe_fp8_kernel_matches_reference(case):
     assert y.dtype == torch.float32 and y.shape == (t, d)
     # the same e4m3 operands and 16-bit roundings; fp32 order may flip a rounding of h rarely
     assert _rel(y, ref) < 2e-3
+    if cfg is not None and "SPLIT_GU" in cfg:
+        assert not TC._COUNTERS[x.device].any()  # the last splits reset their counters
+        if (cfg["SPLIT_GU"], cfg.get("SPLIT_DOWN", 1)) == (d // 128, inter // 128):
+            # one K block a split: the unsplit pass's fp32 additions in its order, so its bits
+            whole = {**cfg, "SPLIT_GU": 1, "SPLIT_DOWN": 1}
+            y1 = FK.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, True, config=whole)
+            assert torch.equal(y, y1)
+        with pytest.raises(ValueError, match=r"a split must be an int in 1\.\.\d"):
+            FK.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, True,
+                              config={**cfg, "SPLIT_GU": d // 128 + 1})  # fmt: skip
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.echo.moe_fp8, (x, ids, w, w13, s13, w2, s2, True),
                           test_utils=utils)  # fmt: skip
@@ -252,8 +265,12 @@ def test_moe_fp8_on_gpu_256_experts():
     x = torch.randn(t, d, device="cuda", generator=gen).bfloat16()
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
     w = torch.rand(t, 8, device="cuda", generator=gen)
-    y = torch.ops.echo.moe_fp8(x, ids, w, w13, s13, w2, s2, True)
-    assert _rel(y, F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)) < 5e-3
+    ref = F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)
+    assert _rel(torch.ops.echo.moe_fp8(x, ids, w, w13, s13, w2, s2, True), ref) < 5e-3
+    for split in ({"SPLIT_GU": 8}, {"SPLIT_GU": 4, "SPLIT_DOWN": 2, "num_warps": 8}):
+        cfg = {**FK.moe_fp8_config(t * 8, e), **split}  # the Triton kernel, split-K
+        assert _rel(FK.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, True, cfg), ref) < 5e-3
+        assert not TC._COUNTERS[x.device].any()
 
 
 @pytest.mark.cuda
