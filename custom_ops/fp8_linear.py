@@ -13,7 +13,7 @@ The reference below is that formula in plain torch (the CPU kernel). On CUDA bot
 DeepGEMM's block-scaled GEMMs (``custom_ops/backends/deep_gemm_gemm.py``: ``echo::dg_fp8_linear``,
 ``echo::dg_moe_fp8``) where the library imports on an SM90 device and the shape suits, else the
 Triton kernels (``fp8_linear_kernels.py``: the activations quantised in the loop, per tile, or
-first); the linear also runs Triton where ``triton_first`` says it is the faster one.
+first); Triton also serves where ``triton_first`` / ``moe_triton_first`` say it is faster.
 ``set_fp8_backend("triton")`` (or ``ECHO_FP8_BACKEND=triton``) keeps Triton everywhere.
 """
 
@@ -97,13 +97,21 @@ def fp8_linear(
 
 
 def triton_first(m: int, n: int, k: int) -> bool:
-    """Shapes where the Triton kernel beats DeepGEMM: a few tokens on a narrow, deep weight
-    (M <= 16, N <= 2048, K >= 4096: the MLA's down projections, the shared expert's), where
-    DeepGEMM has few output tiles and no split-K. Measured on the H200 (``bench_fp8``, docs/
-    quantization.md): at 7168 x 2048 and 7168 x 576, M = 1-16, Triton took 10.8-11.5 and 7.8-8.2
-    µs against DeepGEMM's 12.4-16.4 and 11.7-12.0; on the wider shapes DeepGEMM won from M = 8
-    (2048 x 7168 at every M)."""
-    return m <= 16 and n <= 2048 and k >= 4096
+    """Linears where the Triton kernel beats DeepGEMM: a deep weight (K >= 4096) with at most 4
+    tokens, or with at most 16 on a narrow one (N <= 2048: the MLA's down projections, the
+    shared expert's), where DeepGEMM has few output tiles and no split-K. Measured on the H200
+    in two runs (``bench_fp8``, docs/quantization.md): at M = 1-16 on 7168 x 2048 and 7168 x 576
+    Triton took 10.8-12.0 and 7.6-8.2 µs against DeepGEMM's 12.4-16.7 and 11.7-12.2; at M = 1-4
+    on 7168 x 4096 16.9-17.3 against 18.0-18.9, on 16384 x 7168 40.4-41.8 against 40.7-42.8;
+    DeepGEMM won the wider shapes from M = 8 and 2048 x 7168 at every M."""
+    return k >= 4096 and (m <= 4 or (m <= 16 and n <= 2048))
+
+
+def moe_triton_first(t: int) -> bool:
+    """MoE calls the Triton kernel serves before DeepGEMM: up to 16 tokens, where it was faster
+    in the H200 run (256 experts, T = 1 / 2 / 4 / 8 / 16: 122.9 / 206.1 / 369.5 / 680.8 / 1192.5
+    µs against DeepGEMM's 166.6 / 241.6 / 405.3 / 695.5 / 1213.4; docs/quantization.md)."""
+    return t <= 16
 
 
 @fp8_linear.register_kernel("cuda")
@@ -146,7 +154,9 @@ def moe_fp8(
 @moe_fp8.register_kernel("cuda")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
     dg = _dg()
-    if dg is not None and dg.moe_suits(x.shape[0], w13.shape[2], w2.shape[2], x.dtype):
+    t = x.shape[0]
+    if dg is not None and not moe_triton_first(t) and dg.moe_suits(t, w13.shape[2], w2.shape[2],
+                                                                    x.dtype):  # fmt: skip
         args = (x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
         y = _try_dg(("moe", x.shape[0], *w13.shape), lambda: dg.dg_moe_fp8(*args))
         if y is not None:

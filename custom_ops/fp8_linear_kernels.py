@@ -297,9 +297,14 @@ def fp8_moe_kernel(
 
 
 def moe_fp8_config(num_pairs: int, n_experts: int) -> dict[str, int]:
-    """By reasoning (not yet timed): BM = 16 while experts get few pairs (decode), else 64;
-    BN = 128 (one weight-scale block; 16 KB of e4m3 weights per K block and program)."""
+    """BM = 16 while experts get few pairs (decode), else 64; BN = 128 (one weight-scale block;
+    16 KB of e4m3 weights per K block and program). One token (``num_pairs <= 8``): the gate/up
+    pass split 4 ways on 8 warps. H200, 256 experts (``bench_fp8 --moe-configs``,
+    docs/quantization.md): at T = 1 122.9 µs against 157.7 unsplit (split 8: 128.4); from T = 2
+    the splits were slower (T = 2: 215.0 against 206.1)."""
     bm = 64 if num_pairs > 16 * n_experts else 16
+    if num_pairs <= 8:
+        return {"BM": bm, "BN": 128, "SPLIT_GU": 4, "num_warps": 8, "num_stages": 3}
     return {"BM": bm, "BN": 128, "num_warps": 4, "num_stages": 3}
 
 
@@ -333,6 +338,8 @@ def moe_fp8_triton(
         (x, w13, w13_scale, h, inter, d, cfg.get("SPLIT_GU", 1), True),
         (h, w2, w2_scale, y, d, inter, cfg.get("SPLIT_DOWN", 1), False),
     ):
+        if config is None:  # the heuristic's split, within this weight's K blocks
+            split = min(split, k // BLOCK)
         if not isinstance(split, int) or not 1 <= split <= k // BLOCK:
             raise ValueError(f"moe_fp8: a split must be an int in 1..{k // BLOCK}, got {split!r}")
         tiles = triton.cdiv(n, cfg["BN"])

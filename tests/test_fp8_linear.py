@@ -214,6 +214,7 @@ MOE_CASES = [  # (T, E, k, D, I, config)
     (2, 6, 3, 384, 256, dict(BM=16, BN=64, SPLIT_GU=3, SPLIT_DOWN=2)),  # split-K, last sums
     (3, 4, 2, 256, 384, dict(BM=16, BN=128, SPLIT_GU=2, SPLIT_DOWN=3)),
     (1, 4, 2, 512, 128, dict(BM=16, BN=64, SPLIT_GU=2)),  # two K blocks a split
+    (1, 4, 2, 256, 128, None),  # one token: the heuristic's split, clamped to D's 2 blocks
 ]
 
 
