@@ -9,11 +9,12 @@ kernel does: exact), ``x8 = e4m3(clamp(x / s, ±448))``. Then
 ``y[m, n] = sum_kb (x8[m, kb] . w8[n, kb]) * s[m, kb] * w_scale[n // 128, kb]``: one fp32 dot per
 K block of 128, scaled and summed in fp32 (DeepSeek's ``fp8_gemm``), rounded once to bf16.
 
-The reference below is that formula in plain torch (the CPU kernel). On CUDA both ops run
-DeepGEMM's block-scaled GEMMs (``custom_ops/backends/deep_gemm_gemm.py``: ``echo::dg_fp8_linear``,
-``echo::dg_moe_fp8``) where the library imports on an SM90 device and the shape suits, else the
-Triton kernels (``fp8_linear_kernels.py``: the activations quantised in the loop, per tile, or
-first); Triton also serves where ``triton_first`` / ``moe_triton_first`` say it is faster.
+The reference below is that formula in plain torch (the CPU kernel). On CUDA the MoE runs the
+Triton kernel (``fp8_linear_kernels.py``: the activations quantised in the loop, per tile), at
+every token count: it beat DeepGEMM's masked grouped GEMM (``echo::dg_moe_fp8``,
+``custom_ops/backends/deep_gemm_gemm.py``, kept as an op) at T = 1-64. The linear runs
+DeepGEMM's block-scaled GEMM (``echo::dg_fp8_linear``) where the library imports on an SM90
+device and the shape suits, except where ``triton_first`` says the Triton kernel is faster.
 ``set_fp8_backend("triton")`` (or ``ECHO_FP8_BACKEND=triton``) keeps Triton everywhere.
 """
 
@@ -107,13 +108,6 @@ def triton_first(m: int, n: int, k: int) -> bool:
     return k >= 4096 and (m <= 4 or (m <= 16 and n <= 2048))
 
 
-def moe_triton_first(t: int) -> bool:
-    """MoE calls the Triton kernel serves before DeepGEMM: up to 16 tokens, where it was faster
-    in the H200 run (256 experts, T = 1 / 2 / 4 / 8 / 16: 122.9 / 206.1 / 369.5 / 680.8 / 1192.5
-    µs against DeepGEMM's 166.6 / 241.6 / 405.3 / 695.5 / 1213.4; docs/quantization.md)."""
-    return t <= 16
-
-
 @fp8_linear.register_kernel("cuda")
 def _(x, w8, w_scale, ue8m0):
     dg = _dg()
@@ -153,14 +147,8 @@ def moe_fp8(
 
 @moe_fp8.register_kernel("cuda")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
-    dg = _dg()
-    t = x.shape[0]
-    if dg is not None and not moe_triton_first(t) and dg.moe_suits(t, w13.shape[2], w2.shape[2],
-                                                                    x.dtype):  # fmt: skip
-        args = (x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
-        y = _try_dg(("moe", x.shape[0], *w13.shape), lambda: dg.dg_moe_fp8(*args))
-        if y is not None:
-            return y
+    # Triton at every token count: faster than DeepGEMM's masked grouped GEMM
+    # (``echo::dg_moe_fp8``) at T = 1-64 on the H200, 256 experts (docs/quantization.md)
     return _kernels().moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
 
 
