@@ -9,13 +9,12 @@ kernel does: exact), ``x8 = e4m3(clamp(x / s, ±448))``. Then
 ``y[m, n] = sum_kb (x8[m, kb] . w8[n, kb]) * s[m, kb] * w_scale[n // 128, kb]``: one fp32 dot per
 K block of 128, scaled and summed in fp32 (DeepSeek's ``fp8_gemm``), rounded once to bf16.
 
-The reference below is that formula in plain torch (the CPU kernel). On CUDA the MoE runs the
-Triton kernel (``fp8_linear_kernels.py``: the activations quantised in the loop, per tile), at
-every token count: it beat DeepGEMM's masked grouped GEMM (``echo::dg_moe_fp8``,
-``custom_ops/backends/deep_gemm_gemm.py``, kept as an op) at T = 1-64. The linear runs
-DeepGEMM's block-scaled GEMM (``echo::dg_fp8_linear``) where the library imports on an SM90
-device and the shape suits, except where ``triton_first`` says the Triton kernel is faster.
-``set_fp8_backend("triton")`` (or ``ECHO_FP8_BACKEND=triton``) keeps Triton everywhere.
+The reference below is that formula in plain torch (the CPU kernel). On CUDA both ops run
+DeepGEMM's block-scaled GEMMs (``custom_ops/backends/deep_gemm_gemm.py``: ``echo::dg_fp8_linear``,
+``echo::dg_moe_fp8``) where the library imports on an SM90 device and the shape suits, except
+where ``triton_first`` / ``moe_triton_first`` say the Triton kernels (``fp8_linear_kernels.py``)
+are faster; Triton everywhere else. ``set_fp8_backend("triton")`` (or
+``ECHO_FP8_BACKEND=triton``) keeps Triton everywhere.
 """
 
 from __future__ import annotations
@@ -145,10 +144,28 @@ def moe_fp8(
     return moe_fp8_ref(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
 
 
+def moe_triton_first(pairs: int, n_experts: int) -> bool:
+    """MoE calls the Triton kernel serves before DeepGEMM: at most 4 (token, expert) pairs per
+    expert, decode on many experts. H200 (docs/quantization.md): 256 experts, T = 1-64 (at most
+    2 pairs an expert), Triton 129.6-2542.0 µs against DeepGEMM's 165.7-2609.4; 16 experts,
+    T = 64 (32 an expert), Triton 573.6 µs, 0.66x bf16, where DeepGEMM served the end-to-end
+    bench at 1.04x."""
+    return pairs <= 4 * n_experts
+
+
 @moe_fp8.register_kernel("cuda")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0):
-    # Triton at every token count: faster than DeepGEMM's masked grouped GEMM
-    # (``echo::dg_moe_fp8``) at T = 1-64 on the H200, 256 experts (docs/quantization.md)
+    dg = _dg()
+    t, e = x.shape[0], w13.shape[0]
+    if (
+        dg is not None
+        and not moe_triton_first(topk_ids.numel(), e)
+        and dg.moe_suits(t, w13.shape[2], w2.shape[2], x.dtype)
+    ):
+        args = (x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
+        y = _try_dg(("moe", t, *w13.shape), lambda: dg.dg_moe_fp8(*args))
+        if y is not None:
+            return y
     return _kernels().moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ue8m0)
 
 

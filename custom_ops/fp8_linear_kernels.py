@@ -301,11 +301,12 @@ def moe_fp8_config(num_pairs: int, n_experts: int) -> dict[str, int]:
     16 KB of e4m3 weights per K block and program). One token (``num_pairs <= 8``): the gate/up
     pass split 4 ways on 8 warps. H200, 256 experts (``bench_fp8 --moe-configs``,
     docs/quantization.md): at T = 1 122.9 µs against 157.7 unsplit (split 8: 128.4); from T = 2
-    the splits were slower (T = 2: 215.0 against 206.1)."""
+    the splits were slower (T = 2: 215.0 against 206.1). BM = 64 on 8 warps: 16 experts, T = 64
+    / 128, 335.8 / 508.7 µs against 573.6 / 847.7 on 4."""
     bm = 64 if num_pairs > 16 * n_experts else 16
     if num_pairs <= 8:
         return {"BM": bm, "BN": 128, "SPLIT_GU": 4, "num_warps": 8, "num_stages": 3}
-    return {"BM": bm, "BN": 128, "num_warps": 4, "num_stages": 3}
+    return {"BM": bm, "BN": 128, "num_warps": 8 if bm == 64 else 4, "num_stages": 3}
 
 
 def moe_fp8_triton(
