@@ -1,5 +1,5 @@
-"""Triton kernel of ``echo::fp8_linear`` (custom_ops/fp8_linear.py): FP8 block-scaled GEMM with the
-per-128 activation quantisation fused into its prologue.
+"""Triton kernels of ``echo::fp8_linear`` and ``echo::moe_fp8`` (custom_ops/fp8_linear.py): FP8
+block-scaled GEMMs with the per-128 activation quantisation fused into their loop.
 
 Each program owns a [BM, BN] output tile (``128 % BN == 0``, so one weight scale per K block) and a
 range of K blocks (split-K for the few output tiles of decode). Per K block of 128 it loads the x
@@ -7,7 +7,12 @@ tile in 16 bits, computes the rows' scales (``amax / 448``, ue8m0: the next powe
 fp32 bits, exact), converts to e4m3 in registers, and runs one fp8 ``tl.dot`` against the e4m3
 weight tile (1 byte per weight read from HBM), then ``acc += (dot * s_x) * s_w`` in fp32 (the
 reference's order). Re-quantising x in every N tile costs ``BM * 128`` elements per ``BN * 128``
-weight bytes: nothing at decode sizes, and no extra launch or buffer.
+weight bytes, no extra launch or buffer; with ue8m0 scales it is one division a row and an exact
+multiply per element. ``PREQUANT`` quantises x once, in a launch of its own, instead (the
+launch configuration says where); ``FUSED`` split-K sums the partials in each tile's last
+program (``custom_ops/tile_counters.py``) instead of a second launch.
+
+The fused MoE below runs the same K-block step over the row blocks of ``moe_align``.
 
 NOTE: the Triton interpreter (CPU CI) rounds fp32 -> e4m3 wrongly when the rounding carries into
 the next binade (124.3 -> 64 instead of 128), so under ``INTERPRET`` the value is first rounded to
