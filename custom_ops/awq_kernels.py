@@ -183,6 +183,25 @@ def splitk_sum_kernel(part_ptr, out_ptr, numel, SPLIT_K, BLOCK: tl.constexpr,
     _store(out_ptr + offs, acc, mask, INTERPRET)
 
 
+@triton.jit
+def splitk_last_sum(part_ptr, y_ptr, cnt_ptr, tile, tile_offs, mask, stride_ps, SPLIT_K,
+                    R: tl.constexpr, C: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """``splitk_sum_kernel`` inside the split-K kernel, for the ``[R, C]`` tile whose fp32 partial
+    this program stored at ``part_ptr + split * stride_ps + tile_offs``: the tile's last split to
+    finish (an acq_rel counter per tile at ``cnt_ptr``, ``custom_ops/tile_counters.py``) sums the
+    partials in split order into ``y_ptr + tile_offs`` (y's dtype: the same bits as the separate
+    launch) and sets the counter back to 0 for the next launch."""
+    tl.debug_barrier()  # every thread's partial is stored before the counter moves
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if done == SPLIT_K - 1:
+        total = tl.zeros([R, C], dtype=tl.float32)
+        for sk in range(0, SPLIT_K):
+            total += tl.load(part_ptr + sk * stride_ps + tile_offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        _store(y_ptr + tile_offs, total, mask, INTERPRET)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -35,7 +35,13 @@ import triton
 import triton.language as tl
 
 from custom_ops.awq_format import GROUP, check_pairs, check_x16
-from custom_ops.awq_kernels import _num_sms, _round16, _store, splitk_sum_kernel
+from custom_ops.awq_kernels import (
+    _num_sms,
+    _round16,
+    _store,
+    splitk_last_sum,
+    splitk_sum_kernel,
+)
 from custom_ops.tile_counters import _COUNTERS, COUNTERS, reserve_counters  # noqa: F401
 from custom_ops.tile_counters import counters as _counters
 
@@ -178,16 +184,9 @@ def w4a16_p_kernel(
     tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
     _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
     if FUSED:
-        tl.debug_barrier()  # every thread's partial is stored before the counter moves
         tile = pid_t * tl.num_programs(0) + pid_n
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            total = tl.zeros([BN, BT], dtype=tl.float32)
-            for sk in range(0, SPLIT_K):
-                total += tl.load(out_ptr + sk * stride_os + tile_offs, mask=mask, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            _store(y_ptr + tile_offs, total, mask, INTERPRET)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+        splitk_last_sum(out_ptr, y_ptr, cnt_ptr, tile, tile_offs, mask, stride_os, SPLIT_K,
+                        BN, BT, INTERPRET)  # fmt: skip
 
 
 @triton.jit

@@ -27,7 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.awq_kernels import _num_sms, _round16, _store, splitk_sum_kernel
+from custom_ops.awq_kernels import (
+    _num_sms,
+    _round16,
+    _store,
+    splitk_last_sum,
+    splitk_sum_kernel,
+)
 from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
 from custom_ops.moe_align import moe_align
 from custom_ops.tile_counters import counters
@@ -126,16 +132,9 @@ def fp8_linear_kernel(
     tile_offs = offs_m[:, None] * stride_om + offs_n[None, :]
     _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
     if FUSED:
-        tl.debug_barrier()  # every thread's partial is stored before the counter moves
         tile = pid_m * tl.num_programs(0) + pid_n
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            total = tl.zeros([BM, BN], dtype=tl.float32)
-            for sk in range(0, SPLIT_K):
-                total += tl.load(out_ptr + sk * stride_os + tile_offs, mask=mask, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            _store(y_ptr + tile_offs, total, mask, INTERPRET)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+        splitk_last_sum(out_ptr, y_ptr, cnt_ptr, tile, tile_offs, mask, stride_os, SPLIT_K,
+                        BM, BN, INTERPRET)  # fmt: skip
 
 
 def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
