@@ -144,10 +144,11 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     sum was 0.3-4.8 µs faster on every shape, 4 warps; fusing at M = 1 only is not measured yet
     on 8 warps, so the served numbers are with FUSED at every M). Timed at M = 1-32 on the H200
     (``bench_fp8 --configs``, docs/quantization.md; larger M keeps the first guess, 4 warps and
-    BN 128): 8 warps beat 4 at every shape (7168 x 4096: 16.9-17.6 against 17.2-20.7 µs at
-    M <= 16); BN 64 beat 128 on N = 576 (7.8-8.2 against 8.1-8.8 µs) and lost on N = 2048; x
-    quantised first (PREQUANT, 4 warps) beat 8 warps without it on K = 16384 (40.5-42.8 against
-    44.5-46.6 µs) and lost on 7168 x 2048 (12.7-15.8 against 10.8-11.5 µs)."""
+    BN 128): 8 warps beat or tied 4 at every shape and M but one (7168 x 4096: 16.9-17.6
+    against 17.2-20.7 µs at M <= 16; 7168 x 2048, M = 1: 10.8 against 10.6); BN 64 beat 128 on
+    N = 576 (7.8-8.2 against 8.1-8.8 µs) and lost on N = 2048; x quantised first (PREQUANT, 4
+    warps) beat 8 warps without it on K = 16384 (40.5-42.8 against 44.5-46.6 µs) and lost on
+    7168 x 2048 (12.7-15.8 against 10.8-11.5 µs)."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn = 64 if n <= 1024 and bm <= 32 else 128
     tiles = -(-m // bm) * -(-n // bn)
