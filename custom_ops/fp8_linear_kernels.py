@@ -13,10 +13,6 @@ launch configuration says where); ``FUSED`` split-K sums the partials in each ti
 program (``custom_ops/tile_counters.py``) instead of a second launch.
 
 The fused MoE below runs the same K-block step over the row blocks of ``moe_align``.
-
-NOTE: the Triton interpreter (CPU CI) rounds fp32 -> e4m3 wrongly when the rounding carries into
-the next binade (124.3 -> 64 instead of 128), so under ``INTERPRET`` the value is first rounded to
-the e4m3 grid by hand (a magic-number add, round to nearest even), which it then converts exactly.
 """
 
 from __future__ import annotations
@@ -35,44 +31,11 @@ from custom_ops.awq_kernels import (
     splitk_sum_kernel,
 )
 from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
+from custom_ops.fp8_quant_kernels import _quant_tile
 from custom_ops.moe_align import moe_align
 from custom_ops.tile_counters import counters
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _pow2_up(s):
-    """The least power of two >= s (s > 0 finite, normal): the exponent bits, plus one unless
-    the mantissa is zero."""
-    b = s.to(tl.int32, bitcast=True)
-    up = (b & 0x7F800000) + 0x00800000
-    return tl.where((b & 0x007FFFFF) == 0, b, up).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_e4m3(v, INTERPRET: tl.constexpr):
-    """fp32 ``v`` (already clamped to ±448) -> e4m3, round to nearest even."""
-    if INTERPRET:
-        e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # unbiased exponent of |v|
-        ue = tl.maximum(e, -6) - 3  # exponent of the e4m3 ulp (subnormals below 2^-6)
-        c = ((ue + 23 + 127) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^(ue + 23)
-        v = (v + c) - c  # rounds to a multiple of 2^ue (fp32 add: nearest even)
-    return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _quant_tile(x, UE8M0: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x [BM, 128]`` -> (e4m3 ``[BM, 128]``, fp32 row scales ``[BM]``): DeepSeek's
-    ``act_quant`` of one K block (custom_ops/fp8_linear.py)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # [BM]
-    s = tl.math.div_rn(amax, 448.0)
-    if UE8M0:  # a power of two: x / s is x times 1 / s, both exact (one division a row)
-        s = _pow2_up(s)
-        v = x * tl.math.div_rn(1.0, s)[:, None]
-    else:
-        v = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-    return _to_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0), INTERPRET), s
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from custom_ops.awq_kernels import _round16
 from custom_ops.backends.deep_gemm_layout import empty_sfa
 from custom_ops.fp8 import FP8_DTYPE
 from custom_ops.fp8_linear_format import BLOCK
-from custom_ops.fp8_linear_kernels import _quant_tile
+from custom_ops.fp8_quant_kernels import _quant_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BR = 8  # rows per program: 8 x 128 values, one K block; decode has few rows, many K blocks
