@@ -252,7 +252,7 @@ def bench_moe(
                         for r in routes]  # fmt: skip
             row["fp8_dg_torch_group_us"] = torch_align(lambda c=dg_calls: _time(c))
             row["bf16_triton_torch_group_us"] = torch_align(lambda c=bf_calls: _time(c))
-        cfg = FK.moe_fp8_config(t * TOPK, e)
+        cfg = FK.moe_fp8_config(t * TOPK, e, TOPK)
         row["config"] = cfg
         for i, c in enumerate({**cfg, **x} for x in extra):
             row[f"fp8_cfg{i}"] = c

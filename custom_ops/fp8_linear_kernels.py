@@ -102,16 +102,21 @@ def fp8_linear_kernel(
 
 def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     """Launch configuration: BM the smallest MMA tile covering m (16, 32, 64); split-K until
-    about two programs per SM, its partials summed by the tile's last program (FUSED: at M = 1
-    2.2 µs less than a separate sum on 7168 x 576 and 7168 x 2048, but from M = 4 the separate
-    sum was 0.3-4.8 µs faster on every shape, 4 warps; fusing at M = 1 only is not measured yet
-    on 8 warps, so the served numbers are with FUSED at every M). Timed at M = 1-32 on the H200
-    (``bench_fp8 --configs``, docs/quantization.md; larger M keeps the first guess, 4 warps and
-    BN 128): 8 warps beat or tied 4 at every shape and M but one (7168 x 4096: 16.9-17.6
-    against 17.2-20.7 µs at M <= 16; 7168 x 2048, M = 1: 10.8 against 10.6); BN 64 beat 128 on
-    N = 576 (7.8-8.2 against 8.1-8.8 µs) and lost on N = 2048; x quantised first (PREQUANT, 4
-    warps) beat 8 warps without it on K = 16384 (40.5-42.8 against 44.5-46.6 µs) and lost on
-    7168 x 2048 (12.7-15.8 against 10.8-11.5 µs)."""
+    about two programs per SM, its partials summed by the tile's last program (FUSED). Timed at
+    M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2 on 4 warps and
+    call 5 on the 8-warp default; larger M keeps the first guess, 4 warps and BN 128):
+    - FUSED against a separate sum: at M = 1 2.2 µs less on 7168 x 576 and 7168 x 2048, but more
+      on 2048 x 7168 (12.4 against 11.4) and 16384 x 7168 (51.7 against 41.4), and from M = 4
+      0.1-4.8 µs more on every shape; the served numbers are with FUSED at every M, and fusing
+      on the narrow shapes only is not measured yet;
+    - 8 warps beat or tied 4 at every shape and M but one (7168 x 4096: 16.9-17.6 against
+      17.2-20.7 µs at M <= 16; 7168 x 2048, M = 1: 10.8 against 10.6);
+    - BN 64 beat 128 on N = 576 (7.8-8.2 against 8.1-8.8 µs) and on 16384 x 7168 (call 2:
+      44.1-47.5 against 50.0-51.8; call 5 with PREQUANT: 37.9-40.2 against 39.6-43.9; not in
+      the rule yet) and lost on N = 2048;
+    - x quantised first (PREQUANT, 4 warps) beat 8 warps without it on K = 16384 (40.4-42.8
+      against 44.5-46.6 µs; the unfused 4-warp kernel, 41.4-49.6, came close at M = 1 only)
+      and lost on 7168 x 2048 (12.7-15.8 against 10.8-11.5 µs)."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn = 64 if n <= 1024 and bm <= 32 else 128
     tiles = -(-m // bm) * -(-n // bn)
@@ -266,15 +271,16 @@ def fp8_moe_kernel(
     _store(out, acc, row_mask[:, None] & n_mask[None, :], INTERPRET)
 
 
-def moe_fp8_config(num_pairs: int, n_experts: int) -> dict[str, int]:
+def moe_fp8_config(num_pairs: int, n_experts: int, topk: int) -> dict[str, int]:
     """BM = 16 while experts get few pairs (decode), else 64; BN = 128 (one weight-scale block;
-    16 KB of e4m3 weights per K block and program). One token (``num_pairs <= 8``): the gate/up
-    pass split 4 ways on 8 warps. H200, 256 experts (``bench_fp8 --moe-configs``,
-    docs/quantization.md): at T = 1 122.9 µs against 157.7 unsplit (split 8: 128.4); from T = 2
-    the splits were slower (T = 2: 215.0 against 206.1). BM = 64 on 8 warps: 16 experts, T = 64
-    / 128, 335.8 / 508.7 µs against 573.6 / 847.7 on 4."""
+    16 KB of e4m3 weights per K block and program). One token (``num_pairs <= topk``): the
+    gate/up pass split 4 ways on 8 warps. H200, 256 experts (``bench_fp8 --moe-configs``,
+    docs/quantization.md, call 3): at T = 1 122.9 µs against 157.7 unsplit (split 8: 128.4); at
+    T = 2, 4 and 16 every split was slower (split 4 on 8 warps: 219.9 against 206.1 at T = 2), at
+    T = 8 split 4 on 4 warps was within 1% (675.9 against 680.8). BM = 64 on 8 warps: 16
+    experts, T = 64 / 128, 335.8 / 508.7 µs against 573.6 / 847.7 on 4 (call 7)."""
     bm = 64 if num_pairs > 16 * n_experts else 16
-    if num_pairs <= 8:
+    if num_pairs <= topk:
         return {"BM": bm, "BN": 128, "SPLIT_GU": 4, "num_warps": 8, "num_stages": 3}
     return {"BM": bm, "BN": 128, "num_warps": 8 if bm == 64 else 4, "num_stages": 3}
 
@@ -291,7 +297,7 @@ def moe_fp8_triton(
     e, inter, d = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     t, topk = topk_ids.shape
     p = t * topk
-    cfg = config or moe_fp8_config(p, e)
+    cfg = config or moe_fp8_config(p, e, topk)
     if BLOCK % cfg["BN"] or cfg["BN"] < 16 or cfg["BM"] < 16:
         raise ValueError(f"moe_fp8: bad config {cfg}: need 128 % BN == 0, BN, BM >= 16")
     if x.stride(1) != 1:
@@ -309,8 +315,8 @@ def moe_fp8_triton(
         (x, w13, w13_scale, h, inter, d, cfg.get("SPLIT_GU", 1), True),
         (h, w2, w2_scale, y, d, inter, cfg.get("SPLIT_DOWN", 1), False),
     ):
-        if config is None:  # the heuristic's split, within this weight's K blocks
-            split = min(split, k // BLOCK)
+        if not config:  # the heuristic's split, within this weight's K blocks
+            split = max(1, min(split, k // BLOCK))
         if not isinstance(split, int) or not 1 <= split <= k // BLOCK:
             raise ValueError(f"moe_fp8: a split must be an int in 1..{k // BLOCK}, got {split!r}")
         tiles = triton.cdiv(n, cfg["BN"])

@@ -1,6 +1,7 @@
 """The tile counters of the split-K kernels that sum their partials in their last program (the
-W4A16 pair kernels, ``echo::fp8_linear``'s Triton kernel): one int32 buffer per device, zeros
-before and after every launch, since each tile's last program resets its counter."""
+W4A16 pair linear and MoE, the Triton kernels of ``echo::fp8_linear`` and ``echo::moe_fp8``): one
+int32 buffer per device, zeros before and after every launch, since each tile's last program
+resets its counter."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ COUNTERS = 1 << 16  # tiles per launch the counter buffer holds (decode needs a 
 def reserve_counters(device: torch.device) -> torch.Tensor:
     """Make the device's tile counters of the fused split-K reductions now: zeros, and zeros
     again after every launch (its last programs reset them), so one buffer serves every call on
-    the device's stream (two streams must not run these kernels at once). ``repack_awq_model``
-    calls this at load time: made during a ``torch.compile(mode="reduce-overhead")`` warm-up it
-    would live in the CUDA-graph memory pool, which later graphs may reuse."""
+    the device's stream (two streams must not run these kernels at once). The loaders call this
+    for every CUDA model (``model.loader.finish_loaded_model``): made during a
+    ``torch.compile(mode="reduce-overhead")`` warm-up it would live in the CUDA-graph memory
+    pool, which later graphs may reuse."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -214,7 +214,7 @@ MOE_CASES = [  # (T, E, k, D, I, config)
     (2, 6, 3, 384, 256, dict(BM=16, BN=64, SPLIT_GU=3, SPLIT_DOWN=2)),  # split-K, last sums
     (3, 4, 2, 256, 384, dict(BM=16, BN=128, SPLIT_GU=2, SPLIT_DOWN=3)),
     (1, 4, 2, 512, 128, dict(BM=16, BN=64, SPLIT_GU=2)),  # two K blocks a split
-    (1, 4, 2, 256, 128, None),  # one token: the heuristic's split, clamped to D's 2 blocks
+    (1, 4, 2, 256, 128, None),  # one token: the heuristic's split 4, clamped to D's 2 blocks
 ]
 
 
@@ -234,6 +234,10 @@ def test_moe_fp8_kernel_matches_reference(case):
     assert y.dtype == torch.float32 and y.shape == (t, d)
     # the same e4m3 operands and 16-bit roundings; fp32 order may flip a rounding of h rarely
     assert _rel(y, ref) < 2e-3
+    if cfg is None and t == 1:  # the heuristic splits one token's gate/up pass (k = topk)
+        assert FK.moe_fp8_config(t * k, e, k)["SPLIT_GU"] == 4
+        assert FK.moe_fp8_config(2 * k, e, k).get("SPLIT_GU", 1) == 1
+        assert not TC._COUNTERS[x.device].any()
     if cfg is not None and "SPLIT_GU" in cfg:
         assert not TC._COUNTERS[x.device].any()  # the last splits reset their counters
         if (cfg["SPLIT_GU"], cfg.get("SPLIT_DOWN", 1)) == (d // 128, inter // 128):
@@ -269,7 +273,7 @@ def test_moe_fp8_on_gpu_256_experts():
     ref = F8.moe_fp8_ref(x, ids, w, w13, s13, w2, s2, True)
     assert _rel(torch.ops.echo.moe_fp8(x, ids, w, w13, s13, w2, s2, True), ref) < 5e-3
     for split in ({"SPLIT_GU": 8}, {"SPLIT_GU": 4, "SPLIT_DOWN": 2, "num_warps": 8}):
-        cfg = {**FK.moe_fp8_config(t * 8, e), **split}  # the Triton kernel, split-K
+        cfg = {**FK.moe_fp8_config(t * 8, e, 8), **split}  # the Triton kernel, split-K
         assert _rel(FK.moe_fp8_triton(x, ids, w, w13, s13, w2, s2, True, cfg), ref) < 5e-3
         assert not TC._COUNTERS[x.device].any()
 
@@ -286,7 +290,21 @@ def test_kernel_on_gpu_at_v32_shapes(m):
         assert _rel(torch.ops.echo.fp8_linear(x, w8, ws, True), ref) < 5e-3  # fp8 MMA sums
         for pre in (False, True):  # the Triton kernel, x quantised in its loop or first
             cfg = {**FK.fp8_config(m, n, k, 132), "PREQUANT": pre}
-            assert _rel(FK.fp8_linear_triton(x, w8, ws, True, config=cfg), ref) < 5e-3
+            y = FK.fp8_linear_triton(x, w8, ws, True, config=cfg)
+            assert _rel(y, ref) < 5e-3
+            if cfg["SPLIT_K"] > 1:  # the last split's sum: the separate launch's bits, on the GPU
+                whole = FK.fp8_linear_triton(x, w8, ws, True, config={**cfg, "FUSED": False})
+                assert torch.equal(y, whole) and not TC._COUNTERS[x.device].any()
+
+
+def test_dispatch_rules_at_v32_shapes():
+    """Where the CUDA ops send V3.2's shapes (docs/quantization.md, "FP8 on the H200")."""
+    assert F8.triton_first(1, 2048, 7168) and F8.triton_first(16, 576, 7168)  # narrow, deep
+    assert F8.triton_first(4, 4096, 7168) and not F8.triton_first(8, 4096, 7168)
+    assert not F8.triton_first(1, 7168, 2048)  # shallow: DeepGEMM at every M
+    assert not F8.triton_first(64, 2048, 7168)
+    assert F8.moe_triton_first(64 * 8, 256) and F8.moe_triton_first(128 * 8, 256)
+    assert not F8.moe_triton_first(64 * 8, 16)  # 32 pairs an expert: DeepGEMM
 
 
 def test_bench_fp8_help_on_cpu():
