@@ -100,10 +100,11 @@ def triton_first(m: int, n: int, k: int) -> bool:
     """Linears where the Triton kernel beats DeepGEMM: a deep weight (K >= 4096) with at most 4
     tokens, or with at most 16 on a narrow one (N <= 2048: the MLA's down projections, the
     shared expert's), where DeepGEMM has few output tiles and no split-K. Measured on the H200
-    in two runs (``bench_fp8``, docs/quantization.md): at M = 1-16 on 7168 x 2048 and 7168 x 576
-    Triton took 10.8-12.0 and 7.6-8.2 µs against DeepGEMM's 12.4-16.7 and 11.7-12.2; at M = 1-4
-    on 7168 x 4096 16.9-17.3 against 18.0-18.9, on 16384 x 7168 40.4-41.8 against 40.7-42.8;
-    DeepGEMM won the wider shapes from M = 8 and 2048 x 7168 at every M."""
+    (``bench_fp8``, docs/quantization.md, calls 2 and 3 of ``gpu_session17``): at M = 1-16 on
+    7168 x 2048 and 7168 x 576 Triton took 10.8-12.0 and 7.6-8.2 µs against DeepGEMM's
+    12.4-16.7 and 11.7-12.2; at M = 1-4 on 7168 x 4096 16.9-17.3 against 18.0-18.9, on
+    16384 x 7168 40.4-41.8 against 40.7-42.8 (a margin inside one configuration's run-to-run
+    spread there); DeepGEMM won the wider shapes from M = 8 and 2048 x 7168 at every M."""
     return k >= 4096 and (m <= 4 or (m <= 16 and n <= 2048))
 
 
