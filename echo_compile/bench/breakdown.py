@@ -4,7 +4,7 @@ Decode steps of an *eager* engine run under ``torch.profiler``; every kernel's d
 time on a CPU run) is charged to the innermost named region that launched it:
 - the ``echo::`` custom ops by name: ``sparse_mla_decode`` is attention, ``indexer_topk`` the
   indexer's selection, ``allocate``/``free``/``recall``/``release``/``offload`` cache management,
-  ``moe_bf16``/``moe_w4a16`` MoE;
+  ``moe_bf16``/``moe_w4a16``/``moe_w4a16_p``/``moe_fp8`` MoE;
 - module regions entered by forward hooks: each layer's ``indexer`` (its projections), ``MoE`` and
   dense ``MLP`` blocks;
 - everything else (projections, norms, RoPE, lm_head, sampling) is ``other``.
@@ -31,6 +31,8 @@ _OPS = {
     "echo::offload": "cache management",
     "echo::moe_bf16": "moe",
     "echo::moe_w4a16": "moe",
+    "echo::moe_w4a16_p": "moe",
+    "echo::moe_fp8": "moe",
 }
 _REGION = "echo_breakdown:"
 
@@ -119,7 +121,7 @@ def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda
     unclaimed = sum(v for v in by_name.values() if v > 0)
     us["other"] += unclaimed
     top = sorted(((v, n) for n, v in by_name.items() if v > 0), reverse=True)[:8]
-    heavy = sorted(((v, n) for n, v in kernels.items()), reverse=True)[:12]
+    heavy = sorted(((v, n) for n, v in kernels.items()), reverse=True)[:24]
     ms = {k: v / 1e3 / steps for k, v in us.items()}
 
     def per_step(pairs) -> dict[str, float]:  # names cut to 120 characters; equal cuts add up
