@@ -179,6 +179,8 @@ def test_full_mode_compiles_prefill_unless_eager_prefill(model) -> None:
 
 
 def test_breakdown_of_a_compiled_system_runs_eagerly_and_leaves_it_as_it_was(model) -> None:
+    """...unless ``graphs=True``: then its own compiled steps, no module hooked (a hook would
+    recompile the frozen step, which raises)."""
     wl = bench.Workload(requests=1, min_ctx=200, max_ctx=200, output_len=3)
     sut = bench.System(model, "gpu-only", 320, 320, "fp8", 320, 1, (), "cpu", 1.0)
     bd = sut.breakdown(wl, warm_steps=1, steps=2)
@@ -186,6 +188,12 @@ def test_breakdown_of_a_compiled_system_runs_eagerly_and_leaves_it_as_it_was(mod
     assert sut.engine.num_steps == 0  # profiled on an eager engine of its own
     r = sut.run(wl)  # the frozen compiled step again: a recompile would raise
     assert r.generated_tokens == 3
+    steps = sut.engine.num_steps
+    g = sut.breakdown(wl, warm_steps=1, steps=2, graphs=True)  # its own compiled steps
+    assert g["graphs"] and not bd["graphs"] and sut.engine.num_steps > steps
+    assert g["total_ms"] > 0 and g["topk_overlap"] is None
+    # no module hooked: the dense MLP's time is a region's only
+    assert g["ms_per_step"]["dense mlp"] == 0 < bd["ms_per_step"]["dense mlp"]
     sut.close()
 
 

@@ -83,14 +83,19 @@ def _category(event) -> str:
     return "other"
 
 
-def profile_steps(model: nn.Module, step: Callable[[], object], steps: int, cuda: bool) -> dict:
+def profile_steps(
+    model: nn.Module, step: Callable[[], object], steps: int, cuda: bool, regions: bool = True
+) -> dict:
     """Run ``step()`` ``steps`` times under the profiler; per-step milliseconds by category
     (device time on CUDA, CPU time otherwise) and their total; on CUDA also the kernels that
-    took the most device time, by name, whatever launched them."""
+    took the most device time, by name, whatever launched them. ``regions=False`` hooks no
+    module (a compiled step: a hook added after compilation would recompile it); on CUDA every
+    kernel of a graph replay is then "other", and the total and the kernels by name are what
+    such a profile tells."""
     # On CUDA the kernels appear twice: charged to the CPU op that launched them and as events of
     # their own; categories come from the first, the total from the second. Kernels no op claimed
     # are counted as "other" and listed by name.
-    handles = _hook_regions(model)
+    handles = _hook_regions(model) if regions else []
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)

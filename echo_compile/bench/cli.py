@@ -150,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         help="profiled eager steps of offload-eager and gpu-only (at --eager-pools); 0: none",
     )
     ap.add_argument(
+        "--breakdown-graphs",
+        action="store_true",
+        help="profile the compiled systems' own steps (CUDA graph replays, offload included) "
+        "instead of eager ones: the kernels by name and the total, no categories",
+    )
+    ap.add_argument(
         "--no-compile",
         dest="compile",
         action="store_false",
@@ -326,19 +332,20 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             if (
-                system != "offload"
+                (system != "offload" or a.breakdown_graphs)
                 and prefetch == prefetches[0]
                 and pool in eager_pools
                 and a.breakdown_steps > 0
             ):
-                bd = sut.breakdown(wl, steps=a.breakdown_steps)
+                bd = sut.breakdown(wl, steps=a.breakdown_steps, graphs=a.breakdown_graphs)
                 key = str(pool) if eager else f"{system} {pool}"  # offload-eager: the pool alone
                 if weights != "bf16":  # "offload awq 200000": report_data.breakdown_label reads it
                     key = f"{'offload' if eager else system} {weights} {pool}"
                 out["breakdown"][key] = bd
                 save()
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["ms_per_step"].items())
-                print(f"breakdown {key} (ms/step, eager {bd['time']} time): {parts}")
+                how = "graph replays" if bd["graphs"] else "eager"
+                print(f"breakdown {key} (ms/step, {how}, {bd['time']} time): {parts}")
             sut.close()
     save()
     if first:

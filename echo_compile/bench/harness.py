@@ -392,16 +392,20 @@ class System:
             weight_bytes=self.weight_bytes,
         )
 
-    def breakdown(self, wl: Workload, warm_steps: int = 4, steps: int = 8) -> dict:
+    def breakdown(
+        self, wl: Workload, warm_steps: int = 4, steps: int = 8, graphs: bool = False
+    ) -> dict:
         """Profile ``steps`` decode steps at the workload's full batch (all requests admitted,
         ``warm_steps`` run first); per-step time by category (see echo_compile.bench.breakdown).
         The steps run eagerly (the profiler cannot attribute kernels inside a CUDA graph): a
         compiled system is profiled through an eager engine of the same configuration and model,
-        built for it and dropped after (its own compiled engine is left as it was)."""
+        built for it and dropped after (its own compiled engine is left as it was).
+        ``graphs=True`` profiles a compiled system's own steps instead (the CUDA graph replays
+        it serves with: the kernels by name and their total, no categories)."""
         if self.front is not self.engine:
             raise ValueError("the breakdown profiles one process: not with dp/tp/ep > 1")
-        if not self.compiled:
-            return self._breakdown(self.engine, wl, warm_steps, steps)
+        if not self.compiled or graphs:
+            return self._breakdown(self.engine, wl, warm_steps, steps, regions=not self.compiled)
         eager = Engine(self.model, self.model.config, None, self.engine.config, model_name="bench")
         eager.logits_processors.append(self.locality)
         try:
@@ -410,7 +414,9 @@ class System:
             del eager
             gc.collect()
 
-    def _breakdown(self, engine: Engine, wl: Workload, warm_steps: int, steps: int) -> dict:
+    def _breakdown(
+        self, engine: Engine, wl: Workload, warm_steps: int, steps: int, regions: bool = True
+    ) -> dict:
         from echo_compile.bench.breakdown import profile_steps
 
         engine.reset_stats()
@@ -419,13 +425,25 @@ class System:
         for i in range(n):
             # + 5: the overlap probe's steps after the profiled ones
             self._add(replace(wl, output_len=warm_steps + steps + 6), i, prompts[i], engine)
-        while engine.num_decode_steps < warm_steps:
+        warm_until = engine.num_decode_steps + warm_steps  # a compiled engine has run before
+        while engine.num_decode_steps < warm_until:
             engine.step()
         engine.cache.reset_stats()  # the hit rate of the profiled steps alone
-        out = profile_steps(self.model, engine.step, steps, cuda=engine.device.type == "cuda")
+        out = profile_steps(
+            self.model, engine.step, steps, cuda=engine.device.type == "cuda", regions=regions
+        )
+        out["graphs"] = not regions
         out["batch"] = n
         out["hit_rate"] = list(engine.metrics()["hit_rate"])
         # the consecutive-step top-k overlap of a few more steps, from the indexer's selections
+        # (not of a compiled step: the probe wraps the cache layers' select, a recompile)
+        out["topk_overlap"] = None if not regions else self._overlap(engine, wl)
+        while engine.has_unfinished():
+            engine.step()
+        return out
+
+    @staticmethod
+    def _overlap(engine: Engine, wl: Workload) -> list[float]:
         from echo_compile.bench.locality import OverlapProbe
 
         probe = OverlapProbe(engine.cache)
@@ -435,10 +453,7 @@ class System:
                     engine.step()
         finally:
             probe.close()
-        out["topk_overlap"] = probe.overlap()
-        while engine.has_unfinished():
-            engine.step()
-        return out
+        return probe.overlap()
 
     def close(self) -> None:
         """Free the pools (pinned host memory, device memory) before the next system is built."""
