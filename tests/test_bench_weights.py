@@ -190,3 +190,4 @@ def test_compiled_bench_runs_each_format_on_cuda(tmp_path) -> None:
     d = json.loads(out.read_text())
     assert [(r["weights"], r["generated_tokens"]) for r in d["results"]] == [("awq", 8), ("fp8", 8)]
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    assert d["graph_gates"] == {"cudagraph_skips": 0, "cudagraph_partitions": 0, "graph_breaks": 0}

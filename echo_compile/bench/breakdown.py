@@ -14,6 +14,7 @@ ops run the same kernels compiled or not; Inductor fuses the small element-wise 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -102,17 +103,24 @@ def profile_steps(
         torch.cuda.synchronize()
     try:
         with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
             for _ in range(steps):
                 step()
             if cuda:
                 torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
     finally:
         for h in handles:
             h.remove()
     us = dict.fromkeys(CATEGORIES, 0.0)
     by_name: dict[str, float] = {}  # device time per kernel name: all, minus what ops claimed
     kernels: dict[str, float] = {}  # device time per kernel name: all
+    api: dict[str, list[float]] = {}  # CUDA runtime / driver calls: [count, host us]
     for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cu"):
+            a = api.setdefault(ev.name, [0, 0.0])
+            a[0] += 1
+            a[1] += ev.cpu_time_total
         if ev.device_type == torch.autograd.DeviceType.CPU:
             t = ev.self_device_time_total if cuda else ev.self_cpu_time_total
             if t > 0:
@@ -142,4 +150,11 @@ def profile_steps(
         "unclaimed_top": per_step(top),
         "top_kernels": per_step(heavy),  # device time (CUDA only)
         "time": "device" if cuda else "cpu",
+        # the host's side: the steps' wall time (profiler on) and the CUDA API calls per step by
+        # host time (kernel launches outside a graph, graph launches, synchronisations, copies)
+        "wall_ms": wall * 1e3 / steps,
+        "cuda_api": {
+            n: {"calls": c / steps, "host_ms": t / 1e3 / steps}
+            for n, (c, t) in sorted(api.items(), key=lambda kv: -kv[1][1])[:10]
+        },
     }

@@ -281,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:  # after every run, so a cut-short session still leaves its results
         out["elapsed_s"] = time.perf_counter() - t_start
+        c = torch._dynamo.utils.counters  # the process's so far (every run before this save)
+        out["graph_gates"] = {
+            "cudagraph_skips": c["inductor"].get("cudagraph_skips", 0),
+            "cudagraph_partitions": c["inductor"].get("cudagraph_partitions", 0),
+            "graph_breaks": sum(c["graph_break"].values()),
+        }
         if first:  # multi-process: rank 0 writes (its throughput counts every rank's tokens)
             path.write_text(json.dumps(out, indent=1))
 
