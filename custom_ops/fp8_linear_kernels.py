@@ -105,20 +105,21 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     about two programs per SM, its partials summed by the tile's last program (FUSED). Timed at
     M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2 on 4 warps and
     call 5 on the 8-warp default; larger M keeps the first guess, 4 warps and BN 128):
-    - FUSED against a separate sum: at M = 1 2.2 µs less on 7168 x 576 and 7168 x 2048, but more
-      on 2048 x 7168 (12.4 against 11.4) and 16384 x 7168 (51.7 against 41.4), and from M = 4
-      0.1-4.8 µs more on every shape; the served numbers are with FUSED at every M, and fusing
-      on the narrow shapes only is not measured yet;
+    - FUSED against a separate sum on 4 warps (call 2): at M = 1 2.2 µs less on 7168 x 576 and
+      7168 x 2048, more on 2048 x 7168 and 16384 x 7168, and from M = 4 0.1-4.8 µs more on every
+      shape; on the 8-warp default (``gpu_session18`` call 4, M = 1-16) 0.5-2.4 µs less on every
+      8-warp shape (2048 x 7168 at M = 16 aside, 13.8 against 13.6); on 16384 x 7168 (4 warps,
+      PREQUANT, BN 128) 0.1 µs less at M = 1, 0.5-1.5 more at M = 4-16 (DeepGEMM's from M = 8);
     - 8 warps beat or tied 4 at every shape and M but one (7168 x 4096: 16.9-17.6 against
       17.2-20.7 µs at M <= 16; 7168 x 2048, M = 1: 10.8 against 10.6);
     - BN 64 beat 128 on N = 576 (7.8-8.2 against 8.1-8.8 µs) and on 16384 x 7168 (call 2:
-      44.1-47.5 against 50.0-51.8; call 5 with PREQUANT: 37.9-40.2 against 39.6-43.9; not in
-      the rule yet) and lost on N = 2048;
+      44.1-47.5 against 50.0-51.8; with PREQUANT, call 5: 37.9-40.2 against 39.6-43.9, and
+      ``gpu_session18`` call 4: 38.9-40.7 against 39.7-43.5) and lost on N = 2048;
     - x quantised first (PREQUANT, 4 warps) beat 8 warps without it on K = 16384 (40.4-42.8
       against 44.5-46.6 µs; the unfused 4-warp kernel, 41.4-49.6, came close at M = 1 only)
       and lost on 7168 x 2048 (12.7-15.8 against 10.8-11.5 µs)."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn = 64 if n <= 1024 and bm <= 32 else 128
+    bn = 64 if (n <= 1024 or k >= 16384) and bm <= 32 else 128
     tiles = -(-m // bm) * -(-n // bn)
     split = 1
     while tiles * split < 2 * num_sms and split * 2 <= k // BLOCK and split < 16:
