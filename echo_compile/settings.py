@@ -27,6 +27,12 @@ Why each one (docs/graph_notes.md, settings, gives the background):
   gpu_session5_h200.log). It is process-global torch state, so it is switched on only for the
   duration of our own calls and restored after; ``warn_only`` so that an op without a
   deterministic kernel warns instead of failing a step.
+- ``FILL_UNINITIALIZED`` (False): deterministic mode also fills every ``torch.empty`` with NaN /
+  the integer maximum (``torch.utils.deterministic.fill_uninitialized_memory``), and inside a CUDA
+  graph those fills replay every step: 0.30 ms of the B = 64 FP8 bench step, 0.11 ms of bf16's
+  (docs/quantization.md, "Where the FP8 step's time goes"). Every kernel of ours writes what it
+  reads, so the fill is switched off with the rest of the scope; True restores torch's default
+  (the lossless cuda tests and ``benchmarks.diag_repro`` are the checks that it is not needed).
 """
 
 from __future__ import annotations
@@ -35,20 +41,27 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.utils.deterministic
+
+FILL_UNINITIALIZED = False
 
 
 @contextlib.contextmanager
 def deterministic_algorithms() -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(True, warn_only=True)`` for the ``with`` body only."""
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` and
+    ``fill_uninitialized_memory = FILL_UNINITIALIZED`` for the ``with`` body only."""
     was, warn = (
         torch.are_deterministic_algorithms_enabled(),
         (torch.is_deterministic_algorithms_warn_only_enabled()),
     )
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = FILL_UNINITIALIZED
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def compile_mode(device: torch.device) -> str | None:

@@ -178,7 +178,10 @@ def test_compiled_prefill_graph_is_the_same_with_and_without_offload(tiny):
 def test_compiled_steps_run_with_deterministic_algorithms_and_restore_the_caller_state():
     """Inductor's flag alone left compiled runs irreproducible on the H200; every compiled step
     call (its compile included) runs with torch's deterministic algorithms, and the process-global
-    state is the caller's again afterwards, on success and on error."""
+    state is the caller's again afterwards, on success and on error. Deterministic mode's fill of
+    uninitialised memory is off inside (settings.FILL_UNINITIALIZED) and torch's again after."""
+    import torch.utils.deterministic as det
+
     from echo_compile.compiled import CompiledStep
 
     seen = []
@@ -188,6 +191,7 @@ def test_compiled_steps_run_with_deterministic_algorithms_and_restore_the_caller
             (
                 torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled(),
+                det.fill_uninitialized_memory,
             )
         )
         if x.item() < 0:
@@ -201,8 +205,9 @@ def test_compiled_steps_run_with_deterministic_algorithms_and_restore_the_caller
     step(torch.ones(1))
     with pytest.raises(RuntimeError, match="step failed"):
         step(-torch.ones(1))
-    assert seen == [(True, True)] * 3
+    assert seen == [(True, True, False)] * 3
     assert not torch.are_deterministic_algorithms_enabled()
+    assert det.fill_uninitialized_memory  # torch's default, restored
     torch.use_deterministic_algorithms(True)  # a caller's own strict setting survives a step
     try:
         step(torch.ones(1))

@@ -21,6 +21,7 @@ import torch
 from custom_ops.backends.select import BACKENDS, DEFAULT_BACKEND
 from custom_ops.cache.config import PREFETCH_MARGIN, check_prefetch
 from custom_ops.kv_format import PAGE, pages_for, whole_pages
+from echo_compile import settings
 from echo_compile.bench import harness
 from echo_compile.bench.harness import (
     SYSTEMS,
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "compiled": a.compile,
         "compile_prefill": wl.prefill and a.compile and not a.eager_prefill,
         "kernel_backend": a.kernel_backend,
+        "fill_uninitialized": settings.FILL_UNINITIALIZED,
         "parallel": {"dp": a.dp, "tp": a.tp, "ep": a.ep},
         "results": [],
         "breakdown": {},
