@@ -35,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -211,6 +212,28 @@ def timed(fn, before, reps: int) -> float:
     return graph_time([fn], reps, before, warm=1).median_us
 
 
+def fusion_ab(pairs: dict, rounds: int, reps: int) -> dict:
+    """The fusion's own cost in ``rounds`` alternating rounds: each round times every unfused
+    kernel beside its fused form (``pairs``: name -> (unfused, fused, before)), the pair's order
+    swapped every other round so that a drift of the clocks within the run falls on both.
+    Returns the per-round times and, per pair, the slowdowns (fused / unfused - 1): per round,
+    their median, min and max."""
+    out: dict = {"rounds": []}
+    for i in range(rounds):
+        rnd = {}
+        for name, (base, fused, before) in pairs.items():
+            order = (("unfused", base), ("fused", fused))
+            for which, fn in order if i % 2 == 0 else order[::-1]:
+                rnd[f"{name}_{which}_us"] = timed(fn, before, reps)
+        out["rounds"].append(rnd)
+    for name in pairs:
+        sl = sorted(r[f"{name}_fused_us"] / r[f"{name}_unfused_us"] - 1 for r in out["rounds"])
+        out[f"{name}_slowdowns"] = sl
+        out[f"{name}_slowdown_median"] = statistics.median(sl)
+        out[f"{name}_slowdown_min"], out[f"{name}_slowdown_max"] = sl[0], sl[-1]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/prefetch_h200.json")
@@ -225,6 +248,9 @@ def main() -> None:
                     help="threshold margins (level + margin x deviation; 0 = ECHO's)")
     ap.add_argument("--hit-rates", default=",".join(map(str, HIT_RATES)))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ab-rounds", type=int, default=6,
+                    help="alternating rounds of the unfused kernels beside the fused ones "
+                    "with nothing staged (default variant, first --pf-rows)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU, checks only")
     a = ap.parse_args()
     dry = a.dry_run
@@ -320,6 +346,21 @@ def main() -> None:
 
             attempt(parts, f"fused_indexer_no_candidates{sfx[v]}_rows{rows}_us",
                     lambda f=no_candidates: timed(f, s.restore, R))  # fmt: skip
+    if a.ab_rounds > 0:
+        v0 = ps.DEFAULT_VARIANT if ps.DEFAULT_VARIANT in variants else variants[0]
+
+        def fused_indexer(w=pf_rows[0], v=v0):
+            pk.indexer_topk_prefetch_cuda(*staged_args(s, st, caps[0], 0.0, 0.0),
+                                          rows_per_block=w, variant=v)  # fmt: skip
+
+        pairs = {
+            "indexer": (lambda: ik.indexer_topk_cuda(*s.args, topk), fused_indexer,
+                        lambda: s.restore(thr=inf)),
+            "scores": (lambda: ik.index_scores(*s.args, cfg),
+                       lambda: fused_scores(s, st, pf_rows[0], v0), lambda: s.restore(thr=inf)),
+        }  # fmt: skip
+        attempt(res, "fusion_ab", lambda: fusion_ab(pairs, a.ab_rounds, R) | {
+            "variant": v0, "rows": pf_rows[0], "case": "nothing staged (threshold +inf)"})
     kth, lens, bt = s.kth.clone(), s.inp["seq_lens"], s.inp["block_table"]
     attempt(parts, "ema_update_torch_us",
             lambda: timed(lambda: pf.update_ema(st.ema, kth, lens, bt, 2.0), None, R))  # fmt: skip

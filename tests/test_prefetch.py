@@ -447,6 +447,26 @@ def test_bench_prefetch_dry_run(tmp_path):
             assert c["candidates"] <= fused[k.replace("_m2_", "_m0_")]["candidates"]
 
 
+def test_bench_prefetch_fusion_ab_alternates_and_reports_slowdowns(monkeypatch):
+    """bench_prefetch's fusion A/B: each round times unfused and fused, in swapped order every
+    other round, and the slowdowns are fused / unfused - 1 per round (timer replaced: no GPU)."""
+    from benchmarks import bench_prefetch as bp
+
+    calls, times = [], iter([100.0, 104.0, 110.0, 100.0, 100.0, 103.0])
+
+    def fake_timed(fn, before, reps):
+        calls.append(fn())
+        return next(times)
+
+    monkeypatch.setattr(bp, "timed", fake_timed)
+    out = bp.fusion_ab({"indexer": (lambda: "u", lambda: "f", None)}, rounds=3, reps=1)
+    assert calls == ["u", "f", "f", "u", "u", "f"]
+    assert out["rounds"][1] == {"indexer_fused_us": 110.0, "indexer_unfused_us": 100.0}
+    assert out["indexer_slowdowns"] == pytest.approx([0.03, 0.04, 0.10])
+    assert out["indexer_slowdown_median"] == pytest.approx(0.04)
+    assert (out["indexer_slowdown_min"], out["indexer_slowdown_max"]) == pytest.approx((0.03, 0.1))
+
+
 def test_prefetch_op_rejects_bad_threshold_state_and_margin():
     """The op names the problem: the old 1-D threshold layout, a non-contiguous state, a
     negative or non-finite margin."""
