@@ -276,8 +276,8 @@ def bench_moe(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", default="1,16,128", help="linear M values (each JIT-compiles "
-                    "DeepGEMM kernels on a fresh machine: keep few)")  # fmt: skip
+    ap.add_argument("--batches", default="1,16,128", help="linear M values ('': none; each "
+                    "JIT-compiles DeepGEMM kernels on a fresh machine: keep few)")  # fmt: skip
     ap.add_argument("--experts", type=int, default=256, help="routed experts of the MoE (0: skip)")
     ap.add_argument("--moe-batches", default="1,8,16,64,128", help="MoE token counts")
     ap.add_argument("--budget-s", type=float, default=100.0,
@@ -311,7 +311,7 @@ def main() -> None:
         raise SystemExit("bench_fp8: needs a CUDA GPU")
     import triton
 
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]  # '': no linears
     moe_batches = [int(b) for b in args.moe_batches.split(",")]
     dg = DG.available(0)
     if not dg:
@@ -343,7 +343,7 @@ def main() -> None:
         print(f"check failed: {err!r}", flush=True)
     save()
     result["linear"] = []
-    for k, n in SHAPES:
+    for k, n in SHAPES if batches else ():
         if time.monotonic() - START > args.budget_s:
             result.setdefault("skipped", []).append(f"fp8 {k}x{n}: past --budget-s")
             continue
