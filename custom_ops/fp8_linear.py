@@ -149,10 +149,11 @@ def moe_triton_first(pairs: int, n_experts: int) -> bool:
     """MoE calls the Triton kernel serves before DeepGEMM: at most 8 (token, expert) pairs per
     expert. H200 (docs/quantization.md, "FP8 on the H200"), Triton against DeepGEMM's masked
     GEMM: 256 experts, T = 1-64 (at most 2 an expert), 129.6-2542.0 µs against 165.7-2609.4;
-    32 and 16 experts, 2-8 an expert, Triton 5-7% faster (32 experts at T = 32: 383.1 against
-    408.2 µs; 16 at T = 16: 208.7 against 220.1); 16-32 an expert DeepGEMM 10-26% faster (32
+    32 and 16 experts, 2-8 an expert, Triton 4-7% faster (32 experts at T = 32: 383.1 against
+    408.2 µs; 16 at T = 16: 208.7 against 220.1); 16-32 an expert DeepGEMM 11-35% faster (32
     experts at T = 64: 425.3 against 473.0; 16 at T = 32 / 64: 230.7 / 246.2 against 291.5 /
-    333.3). The crossover lies between 8 and 16 an expert."""
+    333.3). The crossover lies between 8 and 16 an expert. Not separated by this count: one pair
+    an expert on 32 experts (T = 4), where DeepGEMM was 11% faster."""
     return pairs <= 8 * n_experts
 
 

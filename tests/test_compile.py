@@ -182,6 +182,7 @@ def test_compiled_steps_run_with_deterministic_algorithms_and_restore_the_caller
     uninitialised memory is off inside (settings.FILL_UNINITIALIZED) and torch's again after."""
     import torch.utils.deterministic as det
 
+    from echo_compile import settings
     from echo_compile.compiled import CompiledStep
 
     seen = []
@@ -205,16 +206,19 @@ def test_compiled_steps_run_with_deterministic_algorithms_and_restore_the_caller
     step(torch.ones(1))
     with pytest.raises(RuntimeError, match="step failed"):
         step(-torch.ones(1))
-    assert seen == [(True, True, False)] * 3
+    assert seen == [(True, True, settings.FILL_UNINITIALIZED)] * 3
     assert not torch.are_deterministic_algorithms_enabled()
     assert det.fill_uninitialized_memory  # torch's default, restored
     torch.use_deterministic_algorithms(True)  # a caller's own strict setting survives a step
+    det.fill_uninitialized_memory = not settings.FILL_UNINITIALIZED  # and its own fill choice
     try:
         step(torch.ones(1))
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert det.fill_uninitialized_memory == (not settings.FILL_UNINITIALIZED)
     finally:
         torch.use_deterministic_algorithms(False)
+        det.fill_uninitialized_memory = True
 
 
 def test_settings_make_inductor_deterministic():

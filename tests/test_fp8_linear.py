@@ -307,6 +307,7 @@ def test_dispatch_rules_at_v32_shapes():
     assert not F8.moe_triton_first(64 * 8, 16)  # 32 pairs an expert: DeepGEMM
     assert F8.moe_triton_first(32 * 8, 32) and F8.moe_triton_first(16 * 8, 16)  # 8 an expert
     assert not F8.moe_triton_first(64 * 8, 32) and not F8.moe_triton_first(32 * 8, 16)  # 16
+    assert F8.moe_triton_first(8 * 32, 32) and not F8.moe_triton_first(8 * 32 + 1, 32)  # the edge
     # BN 64 on the narrow and the K = 16384 weights (x quantised first there), 128 elsewhere
     assert [FK.fp8_config(1, n, k, 132)["BN"] for n, k in ((576, 7168), (7168, 16384))] == [64, 64]
     assert FK.fp8_config(1, 2048, 7168, 132)["BN"] == 128
