@@ -130,9 +130,15 @@ def test_requests_spread_over_dp_ranks(runs):
 
 
 def test_empty_rank_does_not_stall(runs):
+    """dp = tp = 2 with one request: rank 1 runs padding only and both finish; the tokens are
+    the single process's up to a near-tie (tp = 2 sums in another order; seen on 2026-12-04:
+    the first token parted where the reference's best two logits were closer than NEAR_TIE)."""
     ranks, ref = runs
+    rid = ref["ids"][3]
     for r in ranks:
-        assert r["one_request"]["tokens"] == [ref["tokens"][3]]
+        (got,) = r["one_request"]["tokens"]
+        assert len(got) == MAX_TOKENS
+        _same_until_near_tie(got, ref["tokens"][3], ref["logits"][rid])
         assert r["one_request"]["unfinished_after"] is False
     assert ranks[1]["one_request"]["logits"] == {}  # rank 1 had nothing and ran padding only
 
