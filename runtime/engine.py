@@ -93,6 +93,12 @@ class Engine:
         self.num_decode_steps = 0
         self.decode_rows = 0  # sum of decode batch sizes: / num_decode_steps = effective batch
         self.generated_tokens = 0
+        # The host's part of back-to-back decode steps: from a step's sampled tokens on the host
+        # (the step's one sync) to the next decode step's launch. The device has finished all
+        # it was given by then, so on a GPU it idles for this long each step (metrics).
+        self.host_gap_s = 0.0
+        self.host_gaps = 0
+        self._tokens_at: float | None = None  # when the last decode step's tokens arrived
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -256,7 +262,9 @@ class Engine:
         """Zero the step/token counters and the pools' hit/recall totals, and forget finished
         requests (benchmarks: one engine measures several workloads in turn)."""
         self.num_steps = self.num_decode_steps = self.decode_rows = self.generated_tokens = 0
-        self.prompt_kv_load_s = 0.0
+        self.prompt_kv_load_s = self.host_gap_s = 0.0
+        self.host_gaps = 0
+        self._tokens_at = None
         self._recent.clear()
         self.finished_requests.clear()
         self.cache.reset_stats()
@@ -278,8 +286,14 @@ class Engine:
             self._load_prompt_kv(batch.requests[0])
             batch = self.scheduler.schedule()
         if batch is None:
+            self._tokens_at = None  # idle: the wait for work is no gap
             return []
         logits = self.runner.forward(batch)
+        if not batch.is_decode:
+            self._tokens_at = None  # a prefill step between two decode steps: no gap counted
+        elif self._tokens_at is not None:
+            self.host_gap_s += self.runner.decode_launch_t - self._tokens_at
+            self.host_gaps += 1
         return self._postprocess(batch, logits)
 
     PROMPT_KV_CHUNK = 16384  # tokens written per store call: bounds the staging memory
@@ -329,6 +343,7 @@ class Engine:
         for r in sampling:
             r.num_computed = r.num_tokens
         tokens, logprobs, tops = self._sample(sampling, logits)
+        self._tokens_at = time.perf_counter()
         outs = []
         for r, tok, lp, top in zip(sampling, tokens, logprobs, tops):
             r.output_ids.append(tok)
@@ -434,6 +449,8 @@ class Engine:
             "hit_rate": pool["hit_rate"],
             "recalled_rows_per_step": pool["recalled_rows_per_step"],
             "recall_overflow": float(pool["overflow"]),
+            # mean host time from a decode step's tokens to the next decode launch (GPU idle)
+            "decode_host_gap_ms": 1e3 * self.host_gap_s / max(self.host_gaps, 1),
             # prefetch, per layer (empty lists when off; docs/prefetch.md)
             "prefetched_per_step": pool["prefetched_per_step"],
             "prefetch_precision": pool["prefetch_precision"],

@@ -109,6 +109,7 @@ class ModelRunner:
         self.prefill_step = StepModule(model, cache, is_decode=False)
         self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
         self.prefill_fn: Callable[..., torch.Tensor] = self.prefill_step
+        self.decode_launch_t = 0.0  # perf_counter() when the last decode step was launched
         # (kind, buckets, compiled step) of every compiled step, for warm-up
         self.compiled: list[tuple[str, tuple[int, ...], CompiledStep]] = []
         if compiler is not None:
@@ -277,8 +278,9 @@ class ModelRunner:
         if batch.is_decode:
             n = len(batch.requests)
             bucket = next_bucket(n, self.decode_buckets)
-            logits = self.decode_fn(*self.decode_inputs(batch.requests, bucket))
-            return logits[:n]
+            inputs = self.decode_inputs(batch.requests, bucket)
+            self.decode_launch_t = time.perf_counter()  # Engine's host gap (metrics)
+            return self.decode_fn(*inputs)[:n]
         req = batch.requests[0]
         if req.params.prompt_logprobs is not None:
             return self.prefill_logits(batch)

@@ -30,6 +30,10 @@ class ServerMetrics:
         "host_pool_usage": ("echo_host_pool_usage", "Fraction of the host KV pool in use"),
         "gpu_pool_usage": ("echo_gpu_pool_usage", "Fraction of the GPU KV pools in use"),
         "recalled_rows_per_step": ("echo_recalled_rows_per_step", "KV rows recalled per step"),
+        "decode_host_gap_ms": (
+            "echo_decode_host_gap_ms",
+            "Mean host time from a decode step's tokens to the next decode launch",
+        ),
     }
     VLLM_GAUGES = {  # engine.metrics() key -> vLLM name
         "running": ("vllm:num_requests_running", "Requests being decoded"),

@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 print_rank0(
                     f"{system:14s} {weights} weights, prefetch {prefetch:7s} pool {pool:7d} rate "
                     f"{run.rate:5g}: {r.throughput_tok_s:9.1f} tok/s (median step "
-                    f"{r.step_ms_median:.2f} ms), batch {r.effective_batch:5.1f}, hit rate "
+                    f"{r.step_ms_median:.2f} ms, host gap {r.decode_host_gap_ms:.2f} ms), "
+                    f"batch {r.effective_batch:5.1f}, hit rate "
                     f"{' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
                     f"at {r.pool_rows_per_request:.0f} pool rows/request "
                     f"(warm-up {r.warmup_s:.0f} s, {time.perf_counter() - t_start:.0f} s in)",

@@ -171,6 +171,9 @@ class SystemResult:
     itl_ms: dict[str, float] = field(default_factory=dict)
     hit_rate: list[float] = field(default_factory=list)
     recalled_rows_per_step: float = 0.0
+    # mean host time a decode step from the last step's tokens to its launch (engine.metrics():
+    # the GPU idles for it)
+    decode_host_gap_ms: float = 0.0
     warmup_s: float = 0.0
     # the GPU pool rows each decoding request has per layer (N_G / effective batch): the hit rate
     # means something only next to it (docs/prefetch.md, "Locality")
@@ -381,6 +384,7 @@ class System:
             itl_ms=_pct(itl, 1e3),
             hit_rate=list(m["hit_rate"]),
             recalled_rows_per_step=float(m["recalled_rows_per_step"]),
+            decode_host_gap_ms=float(m["decode_host_gap_ms"]),
             warmup_s=self.warmup_s,
             pool_rows_per_request=self.gpu_tokens / batch if batch else 0.0,
             prefetch=engine.config.prefetch if engine.config.offload else "off",
