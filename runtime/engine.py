@@ -94,8 +94,9 @@ class Engine:
         self.decode_rows = 0  # sum of decode batch sizes: / num_decode_steps = effective batch
         self.generated_tokens = 0
         # The host's part of back-to-back decode steps: from a step's sampled tokens on the host
-        # (the step's one sync) to the next decode step's launch. The device has finished all
-        # it was given by then, so on a GPU it idles for this long each step (metrics).
+        # (the step's one sync) to the call of the next decode step's function (its own dispatch,
+        # a compiled step's guards and graph launch, not included). The device has finished all
+        # it was given by then, so on a GPU it idles at least this long each step (metrics).
         self.host_gap_s = 0.0
         self.host_gaps = 0
         self._tokens_at: float | None = None  # when the last decode step's tokens arrived
@@ -292,7 +293,7 @@ class Engine:
         if not batch.is_decode:
             self._tokens_at = None  # a prefill step between two decode steps: no gap counted
         elif self._tokens_at is not None:
-            self.host_gap_s += self.runner.decode_launch_t - self._tokens_at
+            self.host_gap_s += self.runner.decode_call_t - self._tokens_at
             self.host_gaps += 1
         return self._postprocess(batch, logits)
 
@@ -449,7 +450,7 @@ class Engine:
             "hit_rate": pool["hit_rate"],
             "recalled_rows_per_step": pool["recalled_rows_per_step"],
             "recall_overflow": float(pool["overflow"]),
-            # mean host time from a decode step's tokens to the next decode launch (GPU idle)
+            # mean host time from a decode step's tokens to the next decode step's call (GPU idle)
             "decode_host_gap_ms": 1e3 * self.host_gap_s / max(self.host_gaps, 1),
             # prefetch, per layer (empty lists when off; docs/prefetch.md)
             "prefetched_per_step": pool["prefetched_per_step"],

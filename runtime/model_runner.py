@@ -109,7 +109,7 @@ class ModelRunner:
         self.prefill_step = StepModule(model, cache, is_decode=False)
         self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
         self.prefill_fn: Callable[..., torch.Tensor] = self.prefill_step
-        self.decode_launch_t = 0.0  # perf_counter() when the last decode step was launched
+        self.decode_call_t = 0.0  # perf_counter() when the last decode step's function was called
         # (kind, buckets, compiled step) of every compiled step, for warm-up
         self.compiled: list[tuple[str, tuple[int, ...], CompiledStep]] = []
         if compiler is not None:
@@ -279,7 +279,7 @@ class ModelRunner:
             n = len(batch.requests)
             bucket = next_bucket(n, self.decode_buckets)
             inputs = self.decode_inputs(batch.requests, bucket)
-            self.decode_launch_t = time.perf_counter()  # Engine's host gap (metrics)
+            self.decode_call_t = time.perf_counter()  # Engine's host gap (metrics)
             return self.decode_fn(*inputs)[:n]
         req = batch.requests[0]
         if req.params.prompt_logprobs is not None:

@@ -32,7 +32,7 @@ class ServerMetrics:
         "recalled_rows_per_step": ("echo_recalled_rows_per_step", "KV rows recalled per step"),
         "decode_host_gap_ms": (
             "echo_decode_host_gap_ms",
-            "Mean host time from a decode step's tokens to the next decode launch",
+            "Mean host time from a decode step's tokens to the next decode step's call",
         ),
     }
     VLLM_GAUGES = {  # engine.metrics() key -> vLLM name

@@ -171,8 +171,8 @@ class SystemResult:
     itl_ms: dict[str, float] = field(default_factory=dict)
     hit_rate: list[float] = field(default_factory=list)
     recalled_rows_per_step: float = 0.0
-    # mean host time a decode step from the last step's tokens to its launch (engine.metrics():
-    # the GPU idles for it)
+    # mean host time a decode step from the last step's tokens to its call (engine.metrics():
+    # the GPU idles at least that long)
     decode_host_gap_ms: float = 0.0
     warmup_s: float = 0.0
     # the GPU pool rows each decoding request has per layer (N_G / effective batch): the hit rate
