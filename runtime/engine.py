@@ -285,6 +285,7 @@ class Engine:
         batch = self.scheduler.schedule()
         while batch is not None and not batch.is_decode and batch.requests[0].prompt_kv is not None:
             self._load_prompt_kv(batch.requests[0])
+            self._tokens_at = None  # the load's copies kept the device busy: no gap counted
             batch = self.scheduler.schedule()
         if batch is None:
             self._tokens_at = None  # idle: the wait for work is no gap
