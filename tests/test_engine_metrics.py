@@ -1,5 +1,5 @@
 """Engine.metrics()' decode host gap: the host's time from a decode step's sampled tokens (the
-step's one sync) to the next decode step's launch, during which a GPU has nothing to run."""
+step's one sync) to the call of the next decode step, during which a GPU has nothing to run."""
 
 from __future__ import annotations
 
@@ -31,17 +31,19 @@ def test_decode_host_gap_counts_back_to_back_decode_steps_only():
 
     eng.scheduler.schedule = slow_schedule
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for i, n in enumerate((20, 37)):  # the second prompt's prefill lands between decode steps
-        eng.add_request(f"r{i}", [random.Random(i).randrange(2, 512) for _ in range(n)], params)
-    kinds = []
+    prompts = [[random.Random(i).randrange(2, 512) for _ in range(n)]
+               for i, n in enumerate((20, 37))]
+    eng.add_request("r0", prompts[0], params)
+    kinds = ""  # per step: P (prefill) or D (decode)
     while eng.has_unfinished():
+        if kinds.count("D") == 2 and "r1" not in eng.requests:  # r1's prefill between decodes
+            eng.add_request("r1", prompts[1], params)
         steps, decodes = eng.num_steps, eng.num_decode_steps
         eng.step()
         if eng.num_steps > steps:
-            kinds.append(eng.num_decode_steps > decodes)
-    back_to_back = sum(a and b for a, b in zip(kinds, kinds[1:]))
-    assert not all(kinds) and back_to_back > 0
-    assert eng.host_gaps == back_to_back
+            kinds += "D" if eng.num_decode_steps > decodes else "P"
+    assert "DP" in kinds and "PD" in kinds[kinds.index("DP") :], kinds
+    assert eng.host_gaps == sum(kinds[i : i + 2] == "DD" for i in range(len(kinds) - 1)) > 0
     assert 20.0 <= eng.metrics()["decode_host_gap_ms"] < 2000.0
     eng.reset_stats()
     assert eng.host_gaps == 0 and eng.metrics()["decode_host_gap_ms"] == 0.0
