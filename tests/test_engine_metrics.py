@@ -3,26 +3,17 @@ step's one sync) to the call of the next decode step, during which a GPU has not
 
 from __future__ import annotations
 
-import random
 import time
+
+from test_engines import PROMPTS, make
 
 from model.checkpoint import resolve_model
 from model.loader import load_model
-from runtime.engine import Engine, EngineConfig
 from runtime.sampling_params import SamplingParams
 
 
 def test_decode_host_gap_counts_back_to_back_decode_steps_only():
-    model = load_model(resolve_model("tiny"))[0]
-    cfg = EngineConfig(
-        max_batch=2,
-        host_tokens=1024,
-        gpu_tokens=2 * model.config.index_topk,
-        max_model_len=128,
-        decode_buckets=(2,),
-        prefill_chunk=16,
-    )
-    eng = Engine(model, model.config, None, cfg)
+    eng = make(load_model(resolve_model("tiny"))[0], compiled=False)
     schedule = eng.scheduler.schedule
 
     def slow_schedule():  # 20 ms of host work before every step's launch
@@ -31,13 +22,11 @@ def test_decode_host_gap_counts_back_to_back_decode_steps_only():
 
     eng.scheduler.schedule = slow_schedule
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = [[random.Random(i).randrange(2, 512) for _ in range(n)]
-               for i, n in enumerate((20, 37))]
-    eng.add_request("r0", prompts[0], params)
+    eng.add_request("r0", PROMPTS[0], params)
     kinds = ""  # per step: P (prefill) or D (decode)
     while eng.has_unfinished():
         if kinds.count("D") == 2 and "r1" not in eng.requests:  # r1's prefill between decodes
-            eng.add_request("r1", prompts[1], params)
+            eng.add_request("r1", PROMPTS[1], params)
         steps, decodes = eng.num_steps, eng.num_decode_steps
         eng.step()
         if eng.num_steps > steps:
