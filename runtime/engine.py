@@ -209,8 +209,7 @@ class Engine:
         # (a one-token prompt has no KV to hand over: nothing to wait for)
         if req.prefill_end and (not req.pages or req.in_prefill or req.prompt_kv is not None):
             raise ValueError(f"request {request_id!r} is not prefilled yet")
-        slots = [req.slot_of(p) for p in range(req.prefill_end)]
-        return read_prompt_kv(self.cache.layers, slots)
+        return read_prompt_kv(self.cache.layers, req.slots(0, req.prefill_end))
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -309,9 +308,7 @@ class Engine:
         try:
             for start in range(0, n, self.PROMPT_KV_CHUNK):
                 end = min(start + self.PROMPT_KV_CHUNK, n)
-                slots = torch.tensor(
-                    [req.slot_of(p) for p in range(start, end)], device=self.device
-                )
+                slots = req.slots(start, end).to(self.device)
                 for i, layer in enumerate(self.cache.layers):
                     kv, index = src.chunk(i, start, end)  # type: ignore[union-attr]
                     check_chunk(kv, index, end - start, row_bytes, f"layer {i} [{start}, {end})")

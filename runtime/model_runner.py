@@ -132,7 +132,8 @@ class ModelRunner:
     def warmup(self, calls: int = 3, progress: bool = True) -> float:
         """Compile and capture every bucket of the compiled steps (``calls`` runs each: warm-up,
         record, replay) on padding rows that every op ignores, then freeze them (no recompile from
-        here on); returns the seconds it took. Nothing to do for an eager runner."""
+        here on), and compile the cache's kernels that run outside them; returns the seconds it
+        took."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
@@ -143,6 +144,7 @@ class ModelRunner:
             args = self.padding_inputs(kind == "decode", b)
             for _ in range(calls):
                 fn(*args)
+        self.cache.warm_kernels()  # and the cache ops that run outside the graphs
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.cache.reset_stats()  # the padding steps are not traffic
@@ -207,7 +209,7 @@ class ModelRunner:
         ids[:n] = torch.tensor(req.prompt_ids[start:end], dtype=torch.int64)
         pos[:n] = torch.arange(start, end, dtype=torch.int64)
         pos[n:] = end - 1  # padding repeats the last position; its out_slot is -1 (never written)
-        slots[:n] = torch.tensor([req.slot_of(p) for p in range(start, end)], dtype=torch.int64)
+        slots[:n] = req.slots(start, end)
         lens = torch.tensor([end], dtype=torch.int32)
         logits_idx = torch.tensor([n - 1], dtype=torch.int64)
         # The prefill reads the rows of every position the block table covers (the ops mask each

@@ -115,13 +115,13 @@ def check_chunk(kv: torch.Tensor, index: torch.Tensor, n: int, row_bytes: int, w
             raise ValueError(f"prompt_kv chunk {where}: {name} must be uint8 [{n}, {width}], {got}")
 
 
-def read_prompt_kv(layers: Sequence, slots: Sequence[int]) -> PromptKV:
+def read_prompt_kv(layers: Sequence, slots: torch.Tensor | Sequence[int]) -> PromptKV:
     """The rows of host ``slots`` in every layer of a cache (``KVCache.layers``), as a
     ``PromptKV``: the latent rows from the host pool, the indexer rows from the paged indexer
     cache (its per-page layout: 64 x 128 value bytes, then 64 fp32 scales)."""
     kv, index = [], []
     for layer in layers:
-        s = torch.tensor(list(slots), dtype=torch.int64, device=layer.host_kv.device)
+        s = torch.as_tensor(slots, dtype=torch.int64).to(layer.host_kv.device)
         kv.append(layer.host_kv[s].clone())
         s = s.to(layer.index_k.device)
         page, off = s // PAGE, s % PAGE

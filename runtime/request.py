@@ -90,6 +90,17 @@ class Request:
         """Host slot of token ``pos`` (page-granular block table)."""
         return self.pages[pos // PAGE] * PAGE + pos % PAGE
 
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Host slots of tokens [start, end) as an int64 tensor (``slot_of`` for each, without a
+        Python loop: a 100K-token prompt's list took ~30 ms)."""
+        if not 0 <= start <= end <= len(self.pages) * PAGE:
+            raise ValueError(
+                f"{self.request_id}: tokens [{start}, {end}) outside its "
+                f"{len(self.pages) * PAGE} slots"
+            )
+        pos = torch.arange(start, end)
+        return self.block_row().long()[pos // PAGE] * PAGE + pos % PAGE
+
     def check(self) -> None:
         if self.num_computed > self.num_tokens:
             raise AssertionError(

@@ -205,13 +205,24 @@ def prepare_batch(
             f"prepare_batch: params, seeds and steps differ in length "
             f"({len(params)}, {len(seeds)}, {len(steps)})"
         )
-    f32, i64 = torch.float32, torch.int64
+    # built on the host, then one copy per dtype: to a CUDA device from pinned memory and
+    # non_blocking, since a pageable copy waits for the step's graph to finish, which would leave
+    # the GPU idle while the host then launches the sampling kernels one by one
+    floats = torch.tensor(
+        [[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32
+    )
+    ints = torch.tensor([[p.top_k for p in params], list(seeds), list(steps)], dtype=torch.int64)
+    device = torch.device(device)
+    if device.type == "cuda":
+        floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
+    else:
+        floats, ints = floats.to(device), ints.to(device)
     return SamplingBatch(
-        temperature=torch.tensor([p.temperature for p in params], dtype=f32, device=device),
-        top_k=torch.tensor([p.top_k for p in params], dtype=i64, device=device),
-        top_p=torch.tensor([p.top_p for p in params], dtype=f32, device=device),
-        seeds=torch.tensor(list(seeds), dtype=i64, device=device),
-        steps=torch.tensor(list(steps), dtype=i64, device=device),
+        temperature=floats[0],
+        top_k=ints[0],
+        top_p=floats[1],
+        seeds=ints[1],
+        steps=ints[2],
         all_greedy=all(p.greedy for p in params),
         filters=any(not p.greedy and (p.top_k >= 1 or p.top_p < 1) for p in params),
     )

@@ -659,6 +659,30 @@ def test_kvcache_fetch_release_stats_cpu():
         assert int(layer.pool.meta[L.NFREE]) == 128
 
 
+@pytest.mark.parametrize("prefetch", ["off", "request"])
+def test_kvcache_warm_kernels_changes_nothing(prefetch):
+    """warm_kernels runs release and store on nothing: every buffer (maps, free ring, host rows,
+    indexer cache, staging state) is bit for bit what it was, with a pool half full."""
+    cfg = CacheConfig(2, 1024, 128, 32, fmt="fp8", max_batch=4, prefetch=prefetch)
+    cache = KVCache(cfg)
+    gen = torch.Generator().manual_seed(2)
+    for layer in cache.layers:
+        layer.host_kv.copy_(torch.randint(0, 256, layer.host_kv.shape, dtype=torch.uint8,
+                                          generator=gen))
+        layer.index_k.copy_(torch.randint(0, 256, layer.index_k.shape, dtype=torch.uint8,
+                                          generator=gen))
+        layer.fetch(torch.randint(0, 1024, (4, 16), generator=gen).int())
+    if prefetch != "off":
+        for layer in cache.layers:
+            layer.staging.ema.uniform_(generator=gen)
+    before = {name: b.clone() for name, b in cache.named_buffers()}
+    cache.warm_kernels()
+    after = dict(cache.named_buffers())
+    assert before.keys() == after.keys() and len(before) > 8
+    for name, b in before.items():
+        assert torch.equal(b, after[name]), name
+
+
 # ---- torch.compile on CPU: one graph, in-place, CUDA-graph ready -------------------------------
 def test_compiled_step_cpu_inductor_matches_eager_without_clones():
     import torch._inductor.config as inductor_config

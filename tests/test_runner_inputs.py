@@ -109,3 +109,20 @@ def test_prefill_inputs_match_an_independent_construction(start, end, bucket, st
     bt[0, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
     want = want[:3] + (bt[:, :width].contiguous(),) + want[4:]
     _assert_inputs(runner.prefill_inputs(r, start, end, bucket), want)
+
+
+def test_request_slots_match_slot_of():
+    """Request.slots (vectorised) is slot_of for every token of the range, over random pages and
+    ranges; a range outside the request's pages is an error naming it."""
+    g = torch.Generator().manual_seed(4)
+    for seed in range(20):
+        pages = torch.randperm(500, generator=g)[: 1 + seed].tolist()
+        r = _request(f"r{seed}", 5, 1, pages, seed)
+        n = len(pages) * 64
+        start = int(torch.randint(0, n + 1, (1,), generator=g))
+        end = int(torch.randint(start, n + 1, (1,), generator=g))
+        got = r.slots(start, end)
+        assert got.dtype == torch.int64
+        assert got.tolist() == [r.slot_of(p) for p in range(start, end)]
+    with pytest.raises(ValueError, match=r"r19: tokens \[0, 1281\) outside its 1280 slots"):
+        r.slots(0, n + 1)
