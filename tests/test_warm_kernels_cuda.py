@@ -8,6 +8,7 @@ compiled a kernel already (Triton keeps compiled kernels per process)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.cuda
 
 SCRIPT = r"""
 import json, random
+import torch
 import triton
 from echo_compile import LLM, SamplingParams
 
@@ -36,16 +38,34 @@ while not eng.requests["sender"].output_ids:
 eng.add_request("receiver", prompts[1], params, prompt_kv=eng.prompt_kv("sender"))
 while eng.has_unfinished():  # the receiver's prompt-KV load (echo::offload)
     eng.step()
-print(json.dumps({"compiled": compiled, "tokens": [len(o.token_ids) for o in out]}))
+served = list(compiled)
+
+
+@triton.jit
+def _probe(x):  # a kernel compiled on purpose: shows that the hook sees compiles at all
+    triton.language.store(x, 1.0)
+
+
+_probe[(1,)](torch.zeros(1, device="cuda"))
+print(json.dumps({"compiled": served, "probe": compiled[len(served):],
+                  "tokens": [len(o.token_ids) for o in out]}))
 """
 
 
-def test_serving_compiles_no_triton_kernel_after_warmup():
+def test_serving_compiles_no_triton_kernel_after_warmup(tmp_path):
     root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "serve.py"  # a file: Triton reads a kernel's source from it
+    script.write_text(SCRIPT)
     r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=root, capture_output=True, text=True, timeout=900
+        [sys.executable, str(script)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["tokens"] == [6, 6, 6]
+    assert len(got["probe"]) == 1 and "_probe" in got["probe"][0], got["probe"]
     assert got["compiled"] == [], "JIT-compiled while serving:\n" + "\n".join(got["compiled"])
