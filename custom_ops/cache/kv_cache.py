@@ -161,9 +161,10 @@ class KVCache(nn.Module):
         """Forget a finished request's host slots in every layer's GPU pool (echo::release).
         Call it before the pages are handed out again: a stale host->GPU entry would serve the
         old rows to the next owner. Freeing the pages is the scheduler's HostSlotAllocator's job."""
+        slots32 = host_slots.to(torch.int32)  # once, not per layer
         for layer in self.layers:
             if layer.pool is not None:
-                layer.pool.release(host_slots.to(torch.int32))
+                layer.pool.release(slots32)
             if layer.staging is not None:
                 layer.staging.forget(host_slots)
 
