@@ -206,8 +206,9 @@ def prepare_batch(
             f"({len(params)}, {len(seeds)}, {len(steps)})"
         )
     # built on the host, then one copy per dtype: to a CUDA device from pinned memory and
-    # non_blocking, since a pageable copy waits for the step's graph to finish, which would leave
-    # the GPU idle while the host then launches the sampling kernels one by one
+    # non_blocking, since a pageable copy waits for the step's graph to finish (the sampling
+    # kernels then queue behind the graph instead; no measurable step-time difference at B = 64
+    # on the H200, docs/quantization.md)
     floats = torch.tensor(
         [[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32
     )
