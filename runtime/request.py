@@ -98,8 +98,10 @@ class Request:
                 f"{self.request_id}: tokens [{start}, {end}) outside its "
                 f"{len(self.pages) * PAGE} slots"
             )
+        first = start // PAGE  # the range's own pages, read from ``pages`` itself (not a cache)
+        pages = torch.tensor(self.pages[first : -(-end // PAGE)], dtype=torch.int64)
         pos = torch.arange(start, end)
-        return self.block_row().long()[pos // PAGE] * PAGE + pos % PAGE
+        return pages[pos // PAGE - first] * PAGE + pos % PAGE
 
     def check(self) -> None:
         if self.num_computed > self.num_tokens:

@@ -124,5 +124,6 @@ def test_request_slots_match_slot_of():
         got = r.slots(start, end)
         assert got.dtype == torch.int64
         assert got.tolist() == [r.slot_of(p) for p in range(start, end)]
+    assert r.slots(n, n).tolist() == [] and r.slots(64, 64).tolist() == []
     with pytest.raises(ValueError, match=r"r19: tokens \[0, 1281\) outside its 1280 slots"):
         r.slots(0, n + 1)
