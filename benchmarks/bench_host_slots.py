@@ -1,12 +1,14 @@
-"""Host time of the scheduler's page allocator (runtime/host_slots.py) at a request's admission
-and finish, on the CPU: the finishing step of a decode batch frees every finished request's pages
-between two graph launches, with the GPU idle.
+"""Host time of the scheduler's page allocator (runtime/host_slots.py) at requests' finishes and
+admissions, on the CPU: that work runs between two decode steps, with the GPU idle.
 
     python -m benchmarks.bench_host_slots [--pool-tokens N] [--context T] [--requests R]
 
-Fills a host pool of N tokens with R requests of T tokens each (their pages interleaved, as
-requests admitted and freed over time leave them), then times freeing them one by one and
-allocating them again; ms per request, the median of --reps rounds."""
+Two patterns, ms per request, the median of --reps rounds:
+- burst: R requests of T tokens hold the pool; all finish in one step (frees, in random order),
+  then R are admitted (allocs; the first after the frees pays the free stack's re-sort);
+- churn: the pool holds R requests; each step one random request finishes and one is admitted
+  (a free and an alloc per step, as steady serving with a waiting queue does).
+"""
 
 from __future__ import annotations
 
@@ -22,16 +24,10 @@ from custom_ops.kv_format import PAGE
 from runtime.host_slots import HostSlotAllocator
 
 
-def one_round(pool_pages: int, pages: int, requests: int, seed: int) -> tuple[float, float]:
+def burst(pool_pages: int, pages: int, requests: int, seed: int) -> tuple[float, float]:
     alloc = HostSlotAllocator(pool_pages)
-    rng = random.Random(seed)
     held = [alloc.alloc(pages) for _ in range(requests)]
-    # interleave: free every other request and refill, so later requests hold scattered pages
-    for i in range(0, requests, 2):
-        alloc.free(held[i])
-    for i in range(0, requests, 2):
-        held[i] = alloc.alloc(pages)
-    rng.shuffle(held)
+    random.Random(seed).shuffle(held)
     t0 = time.perf_counter()
     for p in held:
         alloc.free(p)
@@ -39,8 +35,18 @@ def one_round(pool_pages: int, pages: int, requests: int, seed: int) -> tuple[fl
     t0 = time.perf_counter()
     for _ in range(requests):
         alloc.alloc(pages)
-    t_alloc = (time.perf_counter() - t0) / requests
-    return t_free, t_alloc
+    return t_free, (time.perf_counter() - t0) / requests
+
+
+def churn(pool_pages: int, pages: int, requests: int, seed: int, steps: int = 64) -> float:
+    alloc = HostSlotAllocator(pool_pages)
+    held = [alloc.alloc(pages) for _ in range(requests)]
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        alloc.free(held.pop(rng.randrange(len(held))))
+        held.append(alloc.alloc(pages))
+    return (time.perf_counter() - t0) / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,20 +61,23 @@ def main(argv: list[str] | None = None) -> int:
     pool_pages = a.pool_tokens // PAGE
     if pages * a.requests > pool_pages:
         raise SystemExit(f"{a.requests} requests of {pages} pages exceed the pool's {pool_pages}")
-    rounds = [one_round(pool_pages, pages, a.requests, s) for s in range(a.reps)]
+    rounds = [burst(pool_pages, pages, a.requests, s) for s in range(a.reps)]
+    cycles = [churn(pool_pages, pages, a.requests, s) for s in range(a.reps)]
     res = {
         "pool_pages": pool_pages,
         "pages_per_request": pages,
         "requests": a.requests,
-        "free_ms_per_request": 1e3 * statistics.median(r[0] for r in rounds),
-        "alloc_ms_per_request": 1e3 * statistics.median(r[1] for r in rounds),
+        "burst_free_ms_per_request": 1e3 * statistics.median(r[0] for r in rounds),
+        "burst_alloc_ms_per_request": 1e3 * statistics.median(r[1] for r in rounds),
+        "churn_free_and_alloc_ms": 1e3 * statistics.median(cycles),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
         "python": platform.python_version(),
     }
     print(
-        f"{a.requests} requests x {pages} pages, pool {pool_pages} pages: free "
-        f"{res['free_ms_per_request']:.3f} ms, alloc {res['alloc_ms_per_request']:.3f} ms a request"
+        f"{a.requests} requests x {pages} pages, pool {pool_pages} pages: burst free "
+        f"{res['burst_free_ms_per_request']:.3f} ms, alloc {res['burst_alloc_ms_per_request']:.3f} "
+        f"ms a request; churn {res['churn_free_and_alloc_ms']:.3f} ms a free + alloc"
     )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = cli_main(["bench", *bench])
     finally:
         Engine.step = step  # type: ignore[method-assign]
+    if not steps:
+        print("no engine step ran")
+        return rc
     ranked = sorted(steps, key=lambda s: -s[0])
     # the slowest, then the median step for comparison
     for what, (wall, i, prof) in [("slow", s) for s in ranked[: a.top]] + [

@@ -19,7 +19,8 @@ from custom_ops.kv_format import PAGE
 
 class HostSlotAllocator:
     """A free list of host pages. ``alloc`` hands out the lowest free page ids first (a min-heap
-    would cost a log factor for nothing: pages are freed in bulk, so we keep a sorted stack)."""
+    would cost a log factor for nothing: pages are freed in bulk, so we keep a stack, sorted
+    again at the first alloc after frees)."""
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:

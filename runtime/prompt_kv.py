@@ -120,8 +120,9 @@ def read_prompt_kv(layers: Sequence, slots: torch.Tensor | Sequence[int]) -> Pro
     ``PromptKV``: the latent rows from the host pool, the indexer rows from the paged indexer
     cache (its per-page layout: 64 x 128 value bytes, then 64 fp32 scales)."""
     kv, index = [], []
+    slots = torch.as_tensor(slots, dtype=torch.int64)  # once, not per layer
     for layer in layers:
-        s = torch.as_tensor(slots, dtype=torch.int64).to(layer.host_kv.device)
+        s = slots.to(layer.host_kv.device)
         kv.append(layer.host_kv[s].clone())
         s = s.to(layer.index_k.device)
         page, off = s // PAGE, s % PAGE
