@@ -1,7 +1,8 @@
 """Host slot allocation: which rows of the host KV pool a request owns.
 
 One allocator per model (every layer uses the same host slot for a token). It runs on the CPU in
-the scheduler, between steps and outside any graph, so it is plain Python over 64-token pages. Host slot of token t of a request = pages[t // 64] * 64 + t % 64 (the block table).
+the scheduler, between steps and outside any graph, so it is plain Python over 64-token pages.
+Host slot of token t of a request = pages[t // 64] * 64 + t % 64 (the block table).
 
 Pages are reference counted so that the n sequences of one prompt (``n > 1``, ``best_of``) can
 hold the prompt's full pages read-only: ``alloc`` hands a page out with one reference, ``share``
