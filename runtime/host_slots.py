@@ -6,8 +6,8 @@ Host slot of token t of a request = pages[t // 64] * 64 + t % 64 (the block tabl
 
 Pages are reference counted so that the n sequences of one prompt (``n > 1``, ``best_of``) can
 hold the prompt's full pages read-only: ``alloc`` hands a page out with one reference, ``share``
-adds one per extra holder, and ``free`` drops one per holder and returns the page to the free list
-only when the last one goes (``runtime.prefill_sharing``).
+adds one per extra holder, and ``free`` drops one per holder and marks the page free only when
+the last one goes (``runtime.prefill_sharing``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from custom_ops.kv_format import PAGE
 class HostSlotAllocator:
     """Host pages, handed out lowest free id first (deterministic, compact). A byte per page says
     whether it is free: ``alloc`` finds the lowest free runs with ``bytearray.find`` (C speed, a
-    call per run), ``free`` flips the freed pages' bytes back; nothing is sorted. (A sorted free
-    stack, its predecessor, re-sorted the whole stack once per admission step after frees: ~0.2 ms
-    at 50K free pages, growing with the pool; ``benchmarks/bench_host_slots.py``.)"""
+    call per run), ``free`` flips the freed pages' bytes back; nothing is sorted, so a finish and
+    an admission cost the same at any pool size (``benchmarks/bench_host_slots.py``)."""
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:
