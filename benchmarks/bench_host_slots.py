@@ -5,7 +5,7 @@ admissions, on the CPU: that work runs between two decode steps, with the GPU id
 
 Two patterns, ms per request, the median of --reps rounds:
 - burst: R requests of T tokens hold the pool; all finish in one step (frees, in random order),
-  then R are admitted (allocs; the first after the frees pays the free stack's re-sort);
+  then R are admitted (allocs);
 - churn: the pool holds R requests; each step one random request finishes and one is admitted
   (a free and an alloc per step, as steady serving with a waiting queue does).
 """
