@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
@@ -288,7 +289,13 @@ def _run(a: argparse.Namespace) -> int:
 
         llm = LLM(a.model, compile=a.compile, fp8_weights=a.fp8_weights, **_engine_options(a))
         if max(a.dp, a.tp, a.ep) > 1:  # torchrun: rank 0 serves and drives, the others follow
-            return _serve_multi_rank(llm, a, options)
+            rc = _serve_multi_rank(llm, a, options)
+            # the engine (and the gloo groups it holds) freed now, not in the interpreter's
+            # finalization, where gloo's teardown aborted the process now and then
+            # ("terminate called without an active exception", exit -6, after a clean stop)
+            del llm
+            gc.collect()
+            return rc
         serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], **options)
         return 0
     if a.cmd == "make-checkpoint":
