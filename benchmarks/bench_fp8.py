@@ -78,7 +78,16 @@ def _check_one(checks: list, op: str, fn, ref, bound: float = 5e-3, **where) -> 
     print(f"  check {op} {where}: {'PASS' if ok else 'FAIL'} {err}", flush=True)
 
 
-def check(result: dict, dg: bool) -> None:
+def merged_config(cfg: dict, extra: dict, k: int) -> dict:
+    """The heuristic's config with a ``--configs`` entry over it; ``SPLIT_K_X`` multiplies the
+    heuristic's split (within the K blocks)."""
+    c = {**cfg, **extra}
+    if "SPLIT_K_X" in c:
+        c["SPLIT_K"] = max(1, min(cfg["SPLIT_K"] * c.pop("SPLIT_K_X"), k // 128))
+    return c
+
+
+def check(result: dict, dg: bool, extra: list[dict]) -> None:
     checks = result.setdefault("check", [])
     gen = torch.Generator("cuda").manual_seed(0)
     for k, n in (SHAPES[0], SHAPES[-1]):
@@ -97,6 +106,10 @@ def check(result: dict, dg: bool) -> None:
                 ref,
                 **where,
             )
+            for i, e in enumerate(extra):  # each timed configuration computes the product too
+                c = merged_config(FK.fp8_config(m, n, k, _num_sms(x.device)), e, k)
+                _check_one(checks, f"fp8_linear_cfg{i}",
+                           lambda a=args, c=c: FK.fp8_linear_triton(*a, config=c), ref, **where)
             if not dg:
                 continue
             try:  # the quantising kernel: bit-exact e4m3 values and scales, DeepGEMM's layout
@@ -137,9 +150,7 @@ def bench_shape(
             [lambda w=w, x=x, c=cfg: FK.fp8_linear_triton(x, *w, True, config=c) for w in w8s]
         )
         for i, e in enumerate(extra):
-            c = {**cfg, **e}
-            if "SPLIT_K_X" in c:  # a multiple of the heuristic's split, within the K blocks
-                c["SPLIT_K"] = max(1, min(cfg["SPLIT_K"] * c.pop("SPLIT_K_X"), k // 128))
+            c = merged_config(cfg, e, k)
             row[f"fp8_cfg{i}"] = c
             row[f"fp8_cfg{i}_us"] = _time(
                 [lambda w=w, x=x, c=c: FK.fp8_linear_triton(x, *w, True, config=c) for w in w8s]
@@ -337,7 +348,7 @@ def main() -> None:
     hbm = copy_ceiling_gbps()
     result["hbm_copy_GBps"] = hbm
     try:
-        check(result, dg)
+        check(result, dg, extra)
     except Exception as err:  # noqa: BLE001  (recorded; the timings go on)
         result.setdefault("check", []).append({"op": "check", "error": repr(err), "pass": False})
         print(f"check failed: {err!r}", flush=True)

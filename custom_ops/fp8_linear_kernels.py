@@ -49,13 +49,27 @@ def _fp8_dot(x8, w, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _fp8_dot_t(w, x8, INTERPRET: tl.constexpr):
+    """``w [BN, 128] @ x8 [BM, 128]^T`` in fp32: the product transposed, so that the weight tile
+    is the MMA's M operand (Hopper's wgmma needs M >= 64) and the few tokens its N."""
+    if INTERPRET:
+        d = tl.dot(w.to(tl.float32), tl.trans(x8.to(tl.float32)))
+    else:
+        d = tl.dot(w, tl.trans(x8))
+    return d
+
+
+@triton.jit
 def fp8_linear_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, xs_ptr, y_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_os, stride_om, SPLIT_K, stride_xs_m, stride_xs_kb,
     BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
-    PREQUANT: tl.constexpr = False, FUSED: tl.constexpr = False,
+    PREQUANT: tl.constexpr = False, FUSED: tl.constexpr = False, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """out[split, m, n] over this split's K blocks. Grid: (cdiv(N, BN), cdiv(M, BM), SPLIT_K).
+    SWAP: each K block's product is computed transposed (``w @ x8^T``, [BN, BM]: the weight
+    tile as the MMA's M operand, wgmma on Hopper from BN = 64) and the accumulator transposed
+    back once at the end; the same sums in the same order of K blocks.
     PREQUANT: x is already e4m3 with its scales at ``xs_ptr`` (``act_quant_dg``), so the loop
     only loads, multiplies and scales. FUSED (SPLIT_K > 1): the tile's last split sums the fp32
     partials in split order into ``y [M, N]`` (``w4a16_p_kernel``'s counter protocol,
@@ -73,7 +87,10 @@ def fp8_linear_kernel(
     kb0 = pid_k * per_split
     kb1 = tl.minimum(kb0 + per_split, KB)
     nb = (pid_n * BN) // 128  # the tile's weight-scale row (128 % BN == 0)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(kb0, kb1):
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + kb * 128 + offs_k[None, :],
@@ -90,7 +107,12 @@ def fp8_linear_kernel(
             other=0.0,
         )  # fmt: skip  [BN, 128] e4m3
         sw = tl.load(ws_ptr + nb * KB + kb)
-        acc += (_fp8_dot(x8, w, INTERPRET) * s[:, None]) * sw
+        if SWAP:
+            acc_t += (_fp8_dot_t(w, x8, INTERPRET) * s[None, :]) * sw
+        else:
+            acc += (_fp8_dot(x8, w, INTERPRET) * s[:, None]) * sw
+    if SWAP:
+        acc = tl.trans(acc_t)
     mask = m_mask[:, None] & n_mask[None, :]
     tile_offs = offs_m[:, None] * stride_om + offs_n[None, :]
     _store(out_ptr + pid_k * stride_os + tile_offs, acc, mask, INTERPRET)
@@ -163,7 +185,7 @@ def fp8_linear_triton(
     fp8_linear_kernel[grid](
         x, w8, w_scale, out, xs, y, cnt, m, n, k, x.stride(0), out.stride(0), out.stride(1),
         split, xs.stride(0), xs.stride(-1), BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
-        PREQUANT=prequant, FUSED=fused,
+        PREQUANT=prequant, FUSED=fused, SWAP=bool(cfg.get("SWAP", False)),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if split == 1 or fused:

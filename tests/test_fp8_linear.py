@@ -62,6 +62,9 @@ CASES = [  # (M, K, N, ue8m0, config)
     (17, 256, 64, False, dict(BM=32, BN=64, SPLIT_K=1, PREQUANT=True)),
     (6, 512, 200, True, dict(BM=16, BN=64, SPLIT_K=4, FUSED=True)),  # last split sums
     (2, 384, 96, True, dict(BM=16, BN=32, SPLIT_K=3, FUSED=True, PREQUANT=True)),
+    (3, 256, 200, True, dict(BM=16, BN=64, SPLIT_K=2, SWAP=True)),  # the product transposed
+    (6, 512, 200, False, dict(BM=16, BN=128, SPLIT_K=4, FUSED=True, SWAP=True)),
+    (17, 256, 64, True, dict(BM=32, BN=64, SPLIT_K=1, PREQUANT=True, SWAP=True)),
 ]
 
 

@@ -1,0 +1,54 @@
+"""The FP8 linear kernel compiles for an H200 (sm_90) without a GPU, in both product forms: the
+interpreter that runs its CPU tests multiplies in fp32, so only the compiler shows which MMA a
+configuration gets. SWAP (the weight tile as the MMA's M operand) must reach Hopper's wgmma, the
+default form (x's 16-row tile as M) the mma.sync path, and both pipeline their weight loads
+(cp.async)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from custom_ops import fp8_linear_kernels as FK
+
+ARGS = [("x_ptr", "*bf16"), ("w_ptr", "*fp8e4nv"), ("ws_ptr", "*fp32"), ("out_ptr", "*fp32"),
+        ("xs_ptr", "*bf16"), ("y_ptr", "*bf16"), ("cnt_ptr", "*i32"), ("M", "i32"), ("N", "i32"),
+        ("K", "i32"), ("stride_xm", "i32"), ("stride_os", "i32"), ("stride_om", "i32"),
+        ("SPLIT_K", "i32"), ("stride_xs_m", "i32"), ("stride_xs_kb", "i32")]
+ALIGNED = {"N", "K", "stride_xm", "stride_os", "stride_om"}  # as the launch specialises them
+for swap, bm, bn, warps in ((False, 16, 128, 8), (True, 16, 128, 4), (True, 16, 64, 4),
+                            (True, 32, 128, 8)):
+    consts = dict(BM=bm, BN=bn, UE8M0=True, INTERPRET=False, PREQUANT=False, FUSED=True,
+                  SWAP=swap)
+    sig = {a: t for a, t in ARGS}
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (a, t) in enumerate(ARGS)
+             if t[0] == "*" or a in ALIGNED}
+    ptx = triton.compile(ASTSource(fn=FK.fp8_linear_kernel, signature=sig, constexprs=consts,
+                                   attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
+    print(f"swap={swap} BM={bm} BN={bn} wgmma={'wgmma.mma_async' in ptx} "
+          f"mma.sync={'mma.sync' in ptx} cp.async={'cp.async' in ptx}")
+"""
+
+
+def test_fp8_linear_kernel_compiles_for_sm90_in_both_product_forms():
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                       cwd=root, timeout=600)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("swap=")]
+    assert len(lines) == 4, out[-3000:]
+    for ln in lines:
+        swap = ln.startswith("swap=True")
+        assert f"wgmma={swap}" in ln and f"mma.sync={not swap}" in ln, ln
+        assert "cp.async=True" in ln, ln
