@@ -80,10 +80,10 @@ def _check_one(checks: list, op: str, fn, ref, bound: float = 5e-3, **where) -> 
 
 def merged_config(cfg: dict, extra: dict, k: int) -> dict:
     """The heuristic's config with a ``--configs`` entry over it; ``SPLIT_K_X`` multiplies the
-    heuristic's split (within the K blocks)."""
+    heuristic's split (within the K blocks; 0.5 halves it)."""
     c = {**cfg, **extra}
     if "SPLIT_K_X" in c:
-        c["SPLIT_K"] = max(1, min(cfg["SPLIT_K"] * c.pop("SPLIT_K_X"), k // 128))
+        c["SPLIT_K"] = max(1, min(int(cfg["SPLIT_K"] * c.pop("SPLIT_K_X")), k // 128))
     return c
 
 
