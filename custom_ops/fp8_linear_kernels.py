@@ -123,8 +123,19 @@ def fp8_linear_kernel(
 
 
 def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
-    """Launch configuration: BM the smallest MMA tile covering m (16, 32, 64); split-K until
-    about two programs per SM, its partials summed by the tile's last program (FUSED). Timed at
+    """Launch configuration: BM the smallest MMA tile covering m (16, 32, 64); split-K, its
+    partials summed by the tile's last program (FUSED).
+
+    At M <= 16 on K < 16384 (``gpu_session21``, calls 1 and 2, docs/quantization.md): the product
+    transposed (SWAP: the weight tile is the wgmma's M operand), 8 warps, 4 stages, and the
+    smallest power-of-two split that gives about one wave (tiles x split >= 0.95 x SMs) of
+    programs of at most 8 K blocks each. Against the rule before (split until two programs per
+    SM, x's tile as the MMA's M, 3 stages; the same run, µs at M = 1 / 4 / 8 / 16): 7168 x 4096,
+    split 8 (was 16), 13.2 / 13.6 / 13.7 / 14.6 against 16.7 / 17.2 / 17.4 / 18.1; 7168 x 2048,
+    split 8 (16), 9.9-10.7 against 10.8-11.6; 2048 x 7168, split 4 (8), 9.7-10.3 against
+    12.6-13.5 (4 warps, 3 stages 8.9-9.9); 7168 x 576 keeps split 16 (halving it: 8.2-8.8
+    against 7.6-7.8). Everywhere else the rule below: split until about two programs per SM.
+    Timed at
     M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2 on 4 warps and
     call 5 on the 8-warp default; larger M keeps the first guess, 4 warps and BN 128):
     - FUSED against a separate sum on 4 warps (call 2): at M = 1 2.2 µs less on 7168 x 576 and
@@ -143,8 +154,15 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn = 64 if (n <= 1024 or k >= 16384) and bm <= 32 else 128
     tiles = -(-m // bm) * -(-n // bn)
+    kb = k // BLOCK
     split = 1
-    while tiles * split < 2 * num_sms and split * 2 <= k // BLOCK and split < 16:
+    if bm == 16 and k < 16384:  # decode: one wave, each program at most 8 K blocks, SWAP
+        while split < 16 and split * 2 <= kb and (tiles * split < 0.95 * num_sms
+                                                  or -(-kb // split) > 8):  # fmt: skip
+            split *= 2
+        return {"BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": False,
+                "SWAP": True, "num_warps": 8, "num_stages": 4}  # fmt: skip
+    while tiles * split < 2 * num_sms and split * 2 <= kb and split < 16:
         split *= 2
     return {
         "BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": k >= 16384,

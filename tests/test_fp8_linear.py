@@ -316,6 +316,14 @@ def test_dispatch_rules_at_v32_shapes():
     assert FK.fp8_config(1, 2048, 7168, 132)["BN"] == 128
     assert FK.fp8_config(64, 7168, 16384, 132)["BN"] == 128
     assert FK.fp8_config(1, 7168, 16384, 132)["PREQUANT"]
+    # decode rows on K < 16384: SWAP, one wave of programs of at most 8 K blocks (K x N: split)
+    splits = {(7168, 4096): 8, (7168, 2048): 8, (2048, 7168): 4, (7168, 576): 16}
+    for (k, n), split in splits.items():
+        for m in (1, 16):
+            cfg = FK.fp8_config(m, n, k, 132)
+            assert cfg["SPLIT_K"] == split and cfg["SWAP"] and cfg["num_stages"] == 4, (k, n, cfg)
+    assert not FK.fp8_config(17, 4096, 7168, 132).get("SWAP")
+    assert not FK.fp8_config(1, 7168, 16384, 132).get("SWAP")
 
 
 def test_bench_fp8_help_on_cpu():
