@@ -1,8 +1,8 @@
 """The FP8 linear kernel compiles for an H200 (sm_90) without a GPU, in both product forms: the
 interpreter that runs its CPU tests multiplies in fp32, so only the compiler shows which MMA a
-configuration gets. SWAP (the weight tile as the MMA's M operand) must reach Hopper's wgmma, the
-default form (x's 16-row tile as M) the mma.sync path, and both pipeline their weight loads
-(cp.async)."""
+configuration gets. SWAP (the weight tile as the MMA's M operand; the decode rule's 8 warps and
+4 stages, on the 128- and 64-row tiles) must reach Hopper's wgmma, the other form (x's 16-row
+tile as M) the mma.sync path, and both pipeline their weight loads (cp.async)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ARGS = [("x_ptr", "*bf16"), ("w_ptr", "*fp8e4nv"), ("ws_ptr", "*fp32"), ("out_pt
         ("K", "i32"), ("stride_xm", "i32"), ("stride_os", "i32"), ("stride_om", "i32"),
         ("SPLIT_K", "i32"), ("stride_xs_m", "i32"), ("stride_xs_kb", "i32")]
 ALIGNED = {"N", "K", "stride_xm", "stride_os", "stride_om"}  # as the launch specialises them
-for swap, bm, bn, warps in ((False, 16, 128, 8), (True, 16, 128, 4), (True, 16, 64, 4),
+for swap, bm, bn, warps in ((False, 16, 128, 8), (True, 16, 128, 8), (True, 16, 64, 8),
                             (True, 32, 128, 8)):
     consts = dict(BM=bm, BN=bn, UE8M0=True, INTERPRET=False, PREQUANT=False, FUSED=True,
                   SWAP=swap)
@@ -33,7 +33,7 @@ for swap, bm, bn, warps in ((False, 16, 128, 8), (True, 16, 128, 4), (True, 16, 
     ptx = triton.compile(ASTSource(fn=FK.fp8_linear_kernel, signature=sig, constexprs=consts,
                                    attrs=attrs),
                          target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
+                         options={"num_warps": warps, "num_stages": 4 if swap else 3}).asm["ptx"]
     print(f"swap={swap} BM={bm} BN={bn} wgmma={'wgmma.mma_async' in ptx} "
           f"mma.sync={'mma.sync' in ptx} cp.async={'cp.async' in ptx}")
 """
