@@ -224,8 +224,9 @@ class Engine:
         every layer's GPU pool BEFORE they go back to the allocator (a stale host->GPU entry
         would serve the next owner old rows). A page still shared by another sequence of the same
         prompt is not released: its rows stay valid, and cached."""
-        slots = torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
-        self.cache.release(slots.flatten().to(self.device))
+        # the page ids cross to the device, not their 64x as many slots (one small copy)
+        first = torch.tensor(pages, dtype=torch.int64).to(self.device)[:, None] * PAGE
+        self.cache.release((first + torch.arange(PAGE, device=self.device)).flatten())
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.remove(req)  # releases the GPU-pool rows of the pages it frees

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from engine_records import tiny
 
 from runtime.engine import Engine, EngineConfig
@@ -132,3 +133,22 @@ def test_recover_with_a_group_before_its_fork_when_release_raises(monkeypatch):
     eng.recover()
     assert not eng.requests and not eng.has_unfinished() and not eng.scheduler.groups
     assert eng.scheduler.pages.num_used == 0
+
+
+def test_a_finish_releases_exactly_the_slots_of_its_pages(monkeypatch):
+    """The engine sends the finished request's page ids to the device and expands them there:
+    the GPU pools must forget exactly those pages' host slots, each once, in page order."""
+    model, tok = tiny()
+    eng = Engine(model, model.config, tok, CFG)
+    seen, real = [], eng.cache.release
+    monkeypatch.setattr(eng.cache, "release", lambda s: (seen.append(s.clone()), real(s)))
+    eng.add_request("r", tok.encode(PROMPT), _params(max_tokens=66, ignore_eos=True))  # 2 pages
+    eng.step()
+    pages = list(eng.requests["r"].pages)
+    assert len(pages) >= 2 and not seen  # a request of several pages, nothing released yet
+    while eng.has_unfinished():
+        eng.step()
+    assert len(seen) == 1
+    want = torch.tensor([p * 64 + i for p in pages for i in range(64)])
+    assert seen[0].dtype == torch.int64 and torch.equal(seen[0].cpu(), want)
+    assert eng.cache.stats()["gpu_pool_usage"] == 0.0
