@@ -285,7 +285,7 @@ def test_moe_fp8_on_gpu_256_experts():
 @pytest.mark.parametrize("m", [1, 16, 128])
 def test_kernel_on_gpu_at_v32_shapes(m):
     gen = torch.Generator("cuda").manual_seed(m)
-    for k, n in ((7168, 4096), (16384, 7168), (7168, 576)):
+    for k, n in ((7168, 4096), (16384, 7168), (7168, 2048), (2048, 7168), (7168, 576)):
         w8, ws = weight_quant_fp8(torch.randn(n, k, device="cuda", generator=gen) * 0.02,
                                   scale_fmt="ue8m0")  # fmt: skip
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
