@@ -52,6 +52,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="launch the next decode step before reading the last one's tokens (one process)",
+    )
+    p.add_argument(
         "--compile",
         dest="compile",
         action="store_true",
@@ -83,6 +88,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         tp=a.tp,
         ep=a.ep,
         collective_timeout_s=a.collective_timeout,
+        async_scheduling=a.async_scheduling,
     )
     if a.device:
         opts["device"] = a.device

@@ -47,6 +47,16 @@ class StepOutput:
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
+@dataclass
+class SampledStep:
+    """A decode step whose tokens were sampled on the device and not read back yet."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # int64 [n]
+    logprobs: torch.Tensor  # fp32 [n], floored at LOGPROB_FLOOR
+    top: tuple[torch.Tensor, torch.Tensor] | None  # (ids, logprobs) [n, most top_logprobs asked]
+
+
 class Engine:
     def __init__(
         self,
@@ -100,6 +110,11 @@ class Engine:
         self.host_gap_s = 0.0
         self.host_gaps = 0
         self._tokens_at: float | None = None  # when the last decode step's tokens arrived
+        # asynchronous scheduling (EngineConfig.async_scheduling): the decode step launched one
+        # token ahead, before the tokens of the step before it were read (step())
+        self._in_flight: SampledStep | None = None
+        self.decode_steps_ahead = 0  # decode steps launched one token ahead
+        self.discarded_rows = 0  # their rows of requests that had finished meanwhile
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -239,12 +254,17 @@ class Engine:
         # engine going idle never takes
         self.sampling_controls.slots.pop(req.request_id, None)
         self.structured_output.matchers.pop(req.request_id, None)
+        fl = self._in_flight
+        if fl is not None and all(r.status is Status.FINISHED for r in fl.batch.requests):
+            self.discarded_rows += len(fl.batch.requests)  # a step nobody is left to read
+            self._in_flight = None
         if self.keep_finished:
             self.finished_requests.append(req)
 
     def recover(self) -> None:
         """After a failed step: abort every request and empty the GPU pools, whose maps a
         half-applied recall may have left inconsistent (the host pool is authoritative)."""
+        self._in_flight = None  # its tokens are never read
         try:
             for req in list(self.requests.values()):
                 try:
@@ -263,6 +283,7 @@ class Engine:
         """Zero the step/token counters and the pools' hit/recall totals, and forget finished
         requests (benchmarks: one engine measures several workloads in turn)."""
         self.num_steps = self.num_decode_steps = self.decode_rows = self.generated_tokens = 0
+        self.decode_steps_ahead = self.discarded_rows = 0
         self.prompt_kv_load_s = self.host_gap_s = 0.0
         self.host_gaps = 0
         self._tokens_at = None
@@ -282,6 +303,14 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Run one step; returns the tokens it produced. With ``async_scheduling``, a decode step
+        of the same batch as the last is launched before the last one's tokens are read back, so
+        the device computes it while the host finishes the last (``_can_run_ahead``); each call
+        then returns the outputs of the step before the one it launched."""
+        prev = self._in_flight
+        if prev is not None:
+            self._in_flight = self._decode(prev.batch, prev) if self._can_run_ahead(prev) else None
+            return self._complete(prev)
         batch = self.scheduler.schedule()
         while batch is not None and not batch.is_decode and batch.requests[0].prompt_kv is not None:
             self._load_prompt_kv(batch.requests[0])
@@ -290,13 +319,44 @@ class Engine:
         if batch is None:
             self._tokens_at = None  # idle: the wait for work is no gap
             return []
-        logits = self.runner.forward(batch)
         if not batch.is_decode:
             self._tokens_at = None  # a prefill step between two decode steps: no gap counted
-        elif self._tokens_at is not None:
+            return self._postprocess(batch, self.runner.forward(batch))
+        cur = self._decode(batch)
+        if self._can_run_ahead(cur):
+            self._in_flight = self._decode(batch, cur)
+        return self._complete(cur)
+
+    def _decode(self, batch: ScheduledBatch, after: SampledStep | None = None) -> SampledStep:
+        """Launch a decode step of ``batch`` and sample it on the device; ``after``: the step it
+        follows, whose tokens are its input ids, still on the device."""
+        if after is not None:
+            logits = self.runner.forward(batch, after.tokens)
+            self.decode_steps_ahead += 1  # the device had the step before queued: no gap
+        else:
+            logits = self.runner.forward(batch)
+        if after is None and self._tokens_at is not None:
             self.host_gap_s += self.runner.decode_call_t - self._tokens_at
             self.host_gaps += 1
-        return self._postprocess(batch, logits)
+        return self._sample(batch, logits, ahead=after is not None)
+
+    def _can_run_ahead(self, s: SampledStep) -> bool:
+        """Whether the next decode step may be launched before ``s``'s tokens are read: the
+        scheduler would run the same batch again, and nothing the host does with those tokens
+        changes the next step's inputs or sampling. Not when a request's token in flight may
+        be its last by length (the step after it has no slot), or a request uses what reads its
+        tokens on the host: penalties and the other sampling controls, a grammar, or the
+        engine's logits processors. A request that finishes on EOS or a stop string while the
+        next step runs leaves a row there that is dropped (``discarded_rows``)."""
+        if not self.config.async_scheduling or self.logits_processors:
+            return False
+        for r in s.batch.requests:
+            p = r.params
+            if r.status is not Status.RUNNING or p.has_controls or p.grammar is not None:
+                return False
+            if len(r.output_ids) + 2 > p.max_tokens:
+                return False
+        return self.scheduler.repeats(s.batch.requests)
 
     PROMPT_KV_CHUNK = 16384  # tokens written per store call: bounds the staging memory
 
@@ -326,8 +386,9 @@ class Engine:
         req.prompt_kv = None  # the rows are in the cache now; let the source go
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
-        self.num_steps += 1
+        """A step's outputs from its logits, synchronously (decode: sample, then read)."""
         if not batch.is_decode:
+            self.num_steps += 1
             req = batch.requests[0]
             if req.params.prompt_logprobs is not None and batch.chunk_start == len(
                 req.prompt_logprobs
@@ -336,16 +397,22 @@ class Engine:
                 req.prompt_logprobs += prompt_logprobs(logits, nxt, req.params.prompt_logprobs)
             req.num_computed = batch.chunk_end  # prefill samples nothing
             return []
-        now = time.perf_counter()
+        return self._complete(self._sample(batch, logits))
+
+    def _complete(self, s: SampledStep) -> list[StepOutput]:
+        """Read a decode step's tokens (the step's one host sync) and hand them to its requests;
+        a request that finished after the step was launched (asynchronous scheduling) is
+        skipped."""
+        toks, lps, tops = self._read(s)
+        now = self._tokens_at = time.perf_counter()
+        self.num_steps += 1
         self.num_decode_steps += 1
-        self.decode_rows += len(batch.requests)
-        sampling = batch.requests
-        for r in sampling:
-            r.num_computed = r.num_tokens
-        tokens, logprobs, tops = self._sample(sampling, logits)
-        self._tokens_at = time.perf_counter()
         outs = []
-        for r, tok, lp, top in zip(sampling, tokens, logprobs, tops):
+        for r, tok, lp, top in zip(s.batch.requests, toks, lps, tops):
+            if r.status is Status.FINISHED:
+                self.discarded_rows += 1
+                continue
+            r.num_computed = r.num_tokens
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             r.token_times.append(now)
@@ -372,17 +439,21 @@ class Engine:
             )
         if any(o.finished for o in outs):
             self.check_pools()
-        self.generated_tokens += len(sampling)
-        self._recent.append((now, len(sampling)))
+        self.decode_rows += len(outs)
+        self.generated_tokens += len(outs)
+        self._recent.append((now, len(outs)))
         return outs
 
     def _sample(
-        self, reqs: list[Request], logits: torch.Tensor
-    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+        self, batch: ScheduledBatch, logits: torch.Tensor, ahead: bool = False
+    ) -> SampledStep:
+        """Sample a decode step's tokens on the device (no host sync); ``ahead``: the step is one
+        token ahead of the requests' host-side lists (``_decode``)."""
+        reqs = batch.requests
         sb = prepare_batch(
             [r.params for r in reqs],
             [self._seeds[r.request_id] for r in reqs],
-            [len(r.output_ids) for r in reqs],
+            [len(r.output_ids) + ahead for r in reqs],
             logits.device,
         )
         # The grammar's mask first: min_p is relative to the best token the grammar allows (after
@@ -411,22 +482,34 @@ class Engine:
         lp = lp.clamp(min=LOGPROB_FLOOR)
         n_top = max(r.params.top_logprobs for r in reqs)
         if not n_top:
-            return tok.tolist(), lp.tolist(), [None] * len(reqs)  # the step's one host sync
+            return SampledStep(batch, tok, lp, None)
         # top alternatives: log_softmax of the logits sampled from, before temperature / top-k /
         # top-p (what a greedy row's own logprob is computed from)
         top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
-        vals = top.values.clamp(min=LOGPROB_FLOOR)
+        return SampledStep(batch, tok, lp, (top.indices, top.values.clamp(min=LOGPROB_FLOOR)))
+
+    @staticmethod
+    def _read(
+        s: SampledStep,
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+        """A sampled step's tokens, logprobs and top alternatives on the host: one sync."""
+        reqs = s.batch.requests
+        if s.top is None:
+            return s.tokens.tolist(), s.logprobs.tolist(), [None] * len(reqs)
+        ids, vals = s.top
+        n_top = ids.shape[1]
         # one host sync for all four (token ids are exact in float64)
         packed = torch.cat(
-            [tok.double()[:, None], lp.double()[:, None], top.indices.double(), vals.double()], 1
+            [s.tokens.double()[:, None], s.logprobs.double()[:, None], ids.double(), vals.double()],
+            1,
         ).tolist()
         toks = [int(row[0]) for row in packed]
         lps = [row[1] for row in packed]
         tops = []
         for row, r in zip(packed, reqs):
             k = r.params.top_logprobs
-            ids, vs = row[2 : 2 + n_top], row[2 + n_top :]
-            tops.append([(int(i), v) for i, v in zip(ids[:k], vs[:k])] if k else None)
+            ids_r, vs = row[2 : 2 + n_top], row[2 + n_top :]
+            tops.append([(int(i), v) for i, v in zip(ids_r[:k], vs[:k])] if k else None)
         return toks, lps, tops
 
     # ---- observability -------------------------------------------------------------------------
@@ -451,6 +534,11 @@ class Engine:
             "recall_overflow": float(pool["overflow"]),
             # mean host time from a decode step's tokens to the next decode step's call (GPU idle)
             "decode_host_gap_ms": 1e3 * self.host_gap_s / max(self.host_gaps, 1),
+            # asynchronous scheduling: the share of decode steps launched one token ahead (no
+            # host gap: their gap is not in the mean above), and the rows of finished requests
+            # they computed for nothing
+            "decode_ahead_fraction": self.decode_steps_ahead / max(self.num_decode_steps, 1),
+            "discarded_rows": float(self.discarded_rows),
             # prefetch, per layer (empty lists when off; docs/prefetch.md)
             "prefetched_per_step": pool["prefetched_per_step"],
             "prefetch_precision": pool["prefetch_precision"],

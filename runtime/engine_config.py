@@ -79,6 +79,9 @@ class EngineConfig:
     ep: int = 1
     # seconds a collective may wait for the other ranks before the engine stops with RankFailure
     collective_timeout_s: float = 300.0
+    # launch the next decode step of an unchanged batch before reading the last one's tokens, so
+    # the host's work between steps overlaps the device's (Engine.step; one process only)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -114,6 +117,15 @@ class EngineConfig:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be True or False, got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling and max(self.dp, self.tp, self.ep) > 1:
+            raise ValueError(
+                "async_scheduling needs dp = tp = ep = 1: the ranks agree on every step before "
+                "it runs (runtime/distributed/step_sync.py), one step at a time"
+            )
         check_prefetch(
             self.prefetch,
             self.prefetch_cap,

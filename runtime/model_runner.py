@@ -164,8 +164,9 @@ class ModelRunner:
         """The decode block table [bucket, P], kept per bucket and rewritten only in rows whose
         request changed: a request's pages are fixed from admission to finish, so a steady decode
         batch rewrites nothing (rebuilding 32 rows of 1500 pages took milliseconds a step).
-        NOTE: the buffer is reused while the previous step's host->device copy of it could still
-        be in flight only in theory: every step ends with the sampled tokens' host sync."""
+        NOTE: the pinned buffer is rewritten only when no decode step is in flight (the engine
+        launches a step ahead only for the same batch, whose rows are unchanged), so no earlier
+        host->device copy of it can still be pending."""
         if bucket not in self._decode_bt:
             pin = self.device.type == "cuda"
             self._decode_bt[bucket] = (
@@ -186,20 +187,30 @@ class ModelRunner:
                 bt[i, row.shape[0] :] = 0
         return bt
 
-    def decode_inputs(self, reqs: Sequence[Request], bucket: int) -> StepInputs:
-        n = len(reqs)
-        last = [r.num_tokens - 1 for r in reqs]  # the newest token of each, not yet in the cache
+    def decode_inputs(
+        self, reqs: Sequence[Request], bucket: int, next_ids: torch.Tensor | None = None
+    ) -> StepInputs:
+        """``next_ids``: the step runs one token ahead of the host (asynchronous scheduling):
+        each request's newest token is the one the step before sampled, ``next_ids[i]`` (int64
+        [len(reqs)] on the device, not read back yet), at position ``num_tokens``."""
+        n, ahead = len(reqs), int(next_ids is not None)
+        # the newest token of each, not yet in the cache
+        last = [r.num_tokens - 1 + ahead for r in reqs]
         ids = torch.zeros(bucket, dtype=torch.int64)
         pos = torch.zeros(bucket, dtype=torch.int64)
         slots = torch.full((bucket,), -1, dtype=torch.int64)
         lens = torch.zeros(bucket, dtype=torch.int32)
-        ids[:n] = torch.tensor([r.token_at(p) for r, p in zip(reqs, last)], dtype=torch.int64)
+        if not ahead:
+            ids[:n] = torch.tensor([r.token_at(p) for r, p in zip(reqs, last)], dtype=torch.int64)
         pos[:n] = torch.tensor(last, dtype=torch.int64)
         slots[:n] = torch.tensor([r.slot_of(p) for r, p in zip(reqs, last)], dtype=torch.int64)
         lens[:n] = pos[:n].to(torch.int32) + 1
         logits_idx = torch.arange(bucket, dtype=torch.int64)
         bt = self._decode_block_table(reqs, bucket)
-        return self._to_device(ids, pos, slots, bt, lens, logits_idx)
+        inputs = self._to_device(ids, pos, slots, bt, lens, logits_idx)
+        if next_ids is not None:
+            inputs[0][:n].copy_(next_ids)  # a device-side copy: no sync
+        return inputs
 
     def prefill_inputs(self, req: Request, start: int, end: int, bucket: int) -> StepInputs:
         n = end - start
@@ -274,13 +285,14 @@ class ModelRunner:
 
     # ---- forward -------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits fp32 [len(batch.requests), V] (for prefill: of the chunk's last token; of all
-        its tokens, ``[n, V]``, for a request asking for ``prompt_logprobs``)."""
+        its tokens, ``[n, V]``, for a request asking for ``prompt_logprobs``). ``next_ids``:
+        a decode step one token ahead of the host (``decode_inputs``)."""
         if batch.is_decode:
             n = len(batch.requests)
             bucket = next_bucket(n, self.decode_buckets)
-            inputs = self.decode_inputs(batch.requests, bucket)
+            inputs = self.decode_inputs(batch.requests, bucket, next_ids)
             self.decode_call_t = time.perf_counter()  # Engine's host gap (metrics)
             return self.decode_fn(*inputs)[:n]
         req = batch.requests[0]

@@ -188,39 +188,40 @@ class Scheduler:
         return len(self.running) - heads + members
 
     # ---- one step ------------------------------------------------------------------------------
+    def _can_admit(self, req: Request) -> bool:
+        """Whether the head of the queue fits now: decode rows (a group needs all of its
+        members') and host pages for its whole lifetime (a group's: its prompt once, each
+        member's own)."""
+        group = self.groups.get(id(req))
+        if self.num_rows + (len(group.members) if group else 1) > self.cfg.max_running:
+            return False
+        return self.pages.can_alloc(
+            group.pages_needed() if group else pages_for(req.max_total_tokens)
+        )
+
     def _admit(self) -> None:
-        while self.waiting:
-            req = self.waiting[0]
+        while self.waiting and self._can_admit(self.waiting[0]):
+            req = self.waiting.popleft()
             group = self.groups.get(id(req))
-            if self.num_rows + (len(group.members) if group else 1) > self.cfg.max_running:
-                break
             if group is not None:
-                if not self._admit_group(group):
-                    break
+                self._admit_group(group)
             else:
-                pages = self.pages.alloc(pages_for(req.max_total_tokens))
-                if pages is None:
-                    break  # host pool full: wait for a running request to finish
-                req.pages = pages
-            self.waiting.popleft()
+                req.pages = self.pages.alloc(pages_for(req.max_total_tokens))  # type: ignore
             req.status = Status.RUNNING
             self.running.append(req)
 
-    def _admit_group(self, group: PrefillGroup) -> bool:
-        """All of the group's pages, or none: the head's prompt pages, the first ``s`` of them
-        shared with every member, and each member's own."""
-        if not self.pages.can_alloc(group.pages_needed()):
-            return False
+    def _admit_group(self, group: PrefillGroup) -> None:
+        """All of the group's pages (``_can_admit`` checked they are free): the head's prompt
+        pages, the first ``s`` of them shared with every member, and each member's own."""
         head, s = group.head, group.shared_pages
         head.pages = self.pages.alloc(pages_for(head.prefill_end))  # type: ignore[assignment]
         for m in group.members:
             own = self.pages.alloc(pages_for(m.max_total_tokens) - s)
-            assert own is not None  # can_alloc above
+            assert own is not None  # _can_admit
             self.pages.share(head.pages[:s])
             m.pages = head.pages[:s] + own
             m.status = Status.RUNNING
         group.admitted = True
-        return True
 
     def _fork(self) -> None:
         """Groups whose head has prefilled the prompt: copy its last, partly filled prompt page
@@ -255,6 +256,17 @@ class Scheduler:
         if not self.running:
             return None
         return ScheduledBatch(True, list(self.running))
+
+    def repeats(self, reqs: list[Request]) -> bool:
+        """Whether ``schedule()`` would now return a decode batch of exactly ``reqs``, in that
+        order (the engine's asynchronous scheduling launches the next step of such a batch before
+        it reads the tokens of the last): they are the running list, no group waits to prefill
+        or fork, and the head of the queue does not fit."""
+        if len(self.running) != len(reqs) or any(a is not b for a, b in zip(self.running, reqs)):
+            return False
+        if any(g.admitted for g in self.groups.values()):
+            return False
+        return not self.waiting or not self._can_admit(self.waiting[0])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

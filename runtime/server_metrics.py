@@ -34,6 +34,10 @@ class ServerMetrics:
             "echo_decode_host_gap_ms",
             "Mean host time from a decode step's tokens to the next decode step's call",
         ),
+        "decode_ahead_fraction": (
+            "echo_decode_ahead_fraction",
+            "Share of decode steps launched before the last step's tokens were read",
+        ),
     }
     VLLM_GAUGES = {  # engine.metrics() key -> vLLM name
         "running": ("vllm:num_requests_running", "Requests being decoded"),

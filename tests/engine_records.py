@@ -57,13 +57,15 @@ class Recorder:
         self.logits: list[tuple[bool, list[str], torch.Tensor]] = []
         self.fetch_checks = 0
         self._batch: list[Request] = []
+        self._ahead = 0  # 1: a decode step one token ahead of the host (asynchronous scheduling)
         forward = engine.runner.forward
 
-        def wrapped_forward(batch):
+        def wrapped_forward(batch, next_ids=None):
             self._batch = list(batch.requests) if batch.is_decode else []
+            self._ahead = int(next_ids is not None)
             if batch.is_decode:
                 self.batch_sizes.append(len(batch.requests))
-            out = forward(batch)
+            out = forward(batch, next_ids)
             ids = [r.request_id for r in batch.requests]
             self.logits.append((batch.is_decode, ids, out.detach().cpu().clone()))
             return out
@@ -79,7 +81,8 @@ class Recorder:
         def wrapped_select(q_fp8, weights, block_table, seq_lens):
             host, kth = select(q_fp8, weights, block_table, seq_lens)
             for i, req in enumerate(self._batch):
-                pos = req.num_tokens - 1  # the query of a decode row is its newest token
+                # the query of a decode row is its newest token
+                pos = req.num_tokens - 1 + self._ahead
                 assert int(seq_lens[i]) == pos + 1
                 key = (req.request_id, pos, lid)
                 assert key not in self.selected, f"{key} selected twice"

@@ -41,12 +41,12 @@ TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, AsyncEngine]]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def served(request) -> Iterator[tuple[str, AsyncEngine]]:
     pytest.importorskip("llguidance")  # response_format and forced tool calls
     llm = LLM(
         MODEL, device="cpu", compile=False, offload=True, max_batch=8, host_tokens=128 * 64,
-        gpu_tokens=8 * 32, max_model_len=1024, progress=False,
+        gpu_tokens=8 * 32, max_model_len=1024, progress=False, async_scheduling=request.param,
     )  # fmt: skip  # a tools prompt is ~700 tokens; the GPU pool is max_batch x index_topk
     engine = AsyncEngine(llm.engine)
     try:
@@ -159,6 +159,9 @@ def test_soak_64_mixed_requests_then_nothing_held(served: tuple[str, AsyncEngine
     assert (eng.requests, eng._detok, eng._seeds) == ({}, {}, {})
     assert eng.sampling_controls.slots == {} and eng.structured_output.matchers == {}
     assert (eng.scheduler.groups, eng.scheduler._group_of) == ({}, {})
+    # asynchronous scheduling: no step left in flight (and none ran ahead here: every batch of
+    # this mix has a request whose sampling reads its tokens, or a queued one that fits)
+    assert eng._in_flight is None
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
