@@ -5,7 +5,7 @@
 #                                           # fixup overlap prefill cache_ops awq awq_pairs awq_parts sampling fp8 calibrate
 #                                           # prefetch step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
-#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends prefetch quant;
+#   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends quant async prefetch;
 #                                           # env FULL_SYSTEMS, PREFETCH_POINTS, WEIGHTS_FORMATS: some runs)
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
@@ -146,6 +146,10 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
     on quant && stage "e2e_weights_$wf" 100 bash -c \
       "$B --gpu-pools 200000 --systems offload --weights $wf --out '$W/e2e_weights_${wf}_h200.json'"
   done
+  # async: the synchronous loop beside asynchronous scheduling (docs/design.md, "Scheduling"),
+  # in one process: each weights format off, then on, at the pool of the backends runs
+  on async && stage e2e_async 400 bash -c "$B --gpu-pools 200000 --systems offload \
+    --weights ${ASYNC_WEIGHTS-bf16,fp8} --async-scheduling off,on --out '$W/e2e_async_h200.json'"
   # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16;
   # triton pinned: prefetch runs the indexer in Triton, so off vs on compares prefetch alone
   for rp in ${PREFETCH_POINTS-64:200000 32:262144 16:327680}; do

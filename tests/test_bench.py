@@ -72,6 +72,23 @@ def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
     assert gpu["ms_per_step"]["cache management"] < bd["ms_per_step"]["cache management"]
 
 
+def test_bench_runs_asynchronous_scheduling_beside_the_synchronous_loop(tmp_path) -> None:
+    out = tmp_path / "async.json"
+    argv = ARGS + ["--gpu-pools", "704", "--systems", "offload", "--rates", "", "--no-compile"]
+    argv += ["--breakdown-steps", "0", "--async-scheduling", "off,on", "--out", str(out)]
+    assert bench_cli.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["async_scheduling"] == ["off", "on"]
+    runs = {r["async_scheduling"]: r for r in d["results"]}
+    assert set(runs) == {False, True}
+    off, on = runs[False], runs[True]
+    assert off["generated_tokens"] == on["generated_tokens"] == 4 * 4
+    assert off["decode_steps"] == on["decode_steps"]
+    assert off["decode_ahead_fraction"] == 0.0 and off["decode_host_gap_ms"] > 0
+    # 4 rows decode 4 tokens: steps 2, 3 and 4 are launched before the step before them is read
+    assert on["decode_ahead_fraction"] == 0.75 and on["discarded_rows"] == 0
+
+
 def _eager_system(model, repeat: float) -> bench.System:
     return bench.System(model, "offload-eager", 256, 4096, "fp8", 512, 2, (), "cpu", repeat, seed=0)
 
@@ -129,6 +146,8 @@ def test_batch_cap() -> None:
         (["--requests", "0"], "--requests and --rate-requests must be at least 1"),
         (["--gpu-pools", "310"], "cannot hold the longest request"),  # 304 tokens: 5 pages > 4
         (["--prefetch-margin", "-1"], "prefetch_margin must be a finite number >= 0"),
+        (["--async-scheduling", "yes"], "--async-scheduling: 'yes' is not off, on or off,on"),
+        (["--async-scheduling", "on", "--dp", "2"], "async_scheduling needs dp = tp = ep = 1"),
     ],
 )
 def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:

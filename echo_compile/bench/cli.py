@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         "off, request, global (docs/prefetch.md)",
     )
     ap.add_argument(
+        "--async-scheduling",
+        default="off",
+        help="launch each decode step before reading the last one's tokens (EngineConfig."
+        "async_scheduling), comma-separated to run each: off, on",
+    )
+    ap.add_argument(
         "--prefetch-margin",
         type=float,
         default=PREFETCH_MARGIN,
@@ -187,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in prefetches:
         if p not in ("off", "request", "global"):
             ap.error(f"--prefetch: unknown mode {p!r} (choose from off, request, global)")
+    asyncs = a.async_scheduling.split(",")
+    if not asyncs or any(x not in ("off", "on") for x in asyncs) or len(set(asyncs)) < len(asyncs):
+        ap.error(f"--async-scheduling: {a.async_scheduling!r} is not off, on or off,on")
     try:  # the engine's own rule for the margin, before any model is built
         check_prefetch("off", 64, 1 / 512, True, a.prefetch_margin)
     except ValueError as e:
@@ -268,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_format": a.kv_format,
         "prefetch": prefetches,
         "prefetch_margin": a.prefetch_margin,
+        "async_scheduling": asyncs,
         "weights": formats,
         "weight_bytes": {},
         "compiled": a.compile,
@@ -292,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         if first:  # multi-process: rank 0 writes (its throughput counts every rank's tokens)
             path.write_text(json.dumps(out, indent=1))
 
-    jobs = [(s, p) for s in systems for p in (prefetches if s != "gpu-only" else ["off"])]
+    jobs = [
+        (s, p, x == "on")
+        for s in systems
+        for p in (prefetches if s != "gpu-only" else ["off"])
+        for x in asyncs
+    ]
     for weights in formats:  # one model at a time: each format's weights fill the device alone
         model = sut = None  # the previous format's model freed before the next is built
         gc.collect()
@@ -309,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         out["model"] = out["model"] or replace(cfg, quantization=None).to_dict()
         out["weight_bytes"][weights] = weight_bytes(model)
         save()
-        for pool, (system, prefetch) in itertools.product(pools, jobs):
+        for pool, (system, prefetch, asynchronous) in itertools.product(pools, jobs):
             eager = system == "offload-eager"
             if eager and pool not in eager_pools:
                 continue
@@ -323,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
                 a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch, parallel,
                 compile_prefill=wl.prefill and not a.eager_prefill,
-                prefetch_margin=a.prefetch_margin,
+                prefetch_margin=a.prefetch_margin, async_scheduling=asynchronous,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)
@@ -331,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 print_rank0 = print if first else (lambda *_, **__: None)
                 print_rank0(
-                    f"{system:14s} {weights} weights, prefetch {prefetch:7s} pool {pool:7d} rate "
+                    f"{system:14s} {weights} weights, prefetch {prefetch:7s} async "
+                    f"{'on ' if asynchronous else 'off'} pool {pool:7d} rate "
                     f"{run.rate:5g}: {r.throughput_tok_s:9.1f} tok/s (median step "
                     f"{r.step_ms_median:.2f} ms, host gap {r.decode_host_gap_ms:.2f} ms), "
                     f"batch {r.effective_batch:5.1f}, hit rate "
@@ -343,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             if (
                 (system != "offload" or a.breakdown_graphs)
                 and prefetch == prefetches[0]
+                and asynchronous == (asyncs[0] == "on")
                 and pool in eager_pools
                 and a.breakdown_steps > 0
             ):
@@ -374,6 +391,12 @@ def _parallel_config(a: argparse.Namespace, ap: argparse.ArgumentParser):
     if max(a.dp, a.tp, a.ep) == 1:
         return None
     try:
-        return EngineConfig(dp=a.dp, tp=a.tp, ep=a.ep, collective_timeout_s=a.collective_timeout)
+        return EngineConfig(
+            dp=a.dp,
+            tp=a.tp,
+            ep=a.ep,
+            collective_timeout_s=a.collective_timeout,
+            async_scheduling="on" in a.async_scheduling.split(","),
+        )
     except ValueError as e:
         ap.error(str(e))

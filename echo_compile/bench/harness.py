@@ -174,6 +174,11 @@ class SystemResult:
     # mean host time a decode step from the last step's tokens to its call (engine.metrics():
     # the GPU idles at least that long)
     decode_host_gap_ms: float = 0.0
+    # asynchronous scheduling: whether on, the share of decode steps launched one token ahead
+    # (no host gap: not in the mean above) and the rows of finished requests they computed
+    async_scheduling: bool = False
+    decode_ahead_fraction: float = 0.0
+    discarded_rows: int = 0
     warmup_s: float = 0.0
     # the GPU pool rows each decoding request has per layer (N_G / effective batch): the hit rate
     # means something only next to it (docs/prefetch.md, "Locality")
@@ -244,6 +249,7 @@ class System:
         parallel=None,  # (DistContext, dp, tp, ep): one rank of a multi-process run
         compile_prefill: bool = False,  # --mode full: prefill chunks compiled as the engine's
         prefetch_margin: float = PREFETCH_MARGIN,  # the prefetch threshold's margin
+        async_scheduling: bool = False,  # EngineConfig.async_scheduling
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -269,6 +275,7 @@ class System:
             kernel_backend=kernel_backend,
             prefetch=prefetch if offload else "off",
             prefetch_margin=prefetch_margin,
+            async_scheduling=async_scheduling,
         )
         if parallel is not None:
             ctx, dp, tp, ep = parallel
@@ -284,7 +291,8 @@ class System:
             from runtime.distributed.dist_engine import DistributedEngine
 
             self.front = DistributedEngine(self.engine, parallel[0], parallel[1])
-        self.engine.logits_processors.append(self.locality)
+        if self.locality.repeat > 0:  # a processor keeps the loop synchronous: only when used
+            self.engine.logits_processors.append(self.locality)
         self.warmup_s = self.engine.runner.warmup(progress=True) if compiler else 0.0
         self.seed = seed
         self.engine.keep_finished = True
@@ -385,6 +393,9 @@ class System:
             hit_rate=list(m["hit_rate"]),
             recalled_rows_per_step=float(m["recalled_rows_per_step"]),
             decode_host_gap_ms=float(m["decode_host_gap_ms"]),
+            async_scheduling=engine.config.async_scheduling,
+            decode_ahead_fraction=float(m["decode_ahead_fraction"]),
+            discarded_rows=int(m["discarded_rows"]),
             warmup_s=self.warmup_s,
             pool_rows_per_request=self.gpu_tokens / batch if batch else 0.0,
             prefetch=engine.config.prefetch if engine.config.offload else "off",
@@ -411,7 +422,8 @@ class System:
         if not self.compiled or graphs:
             return self._breakdown(self.engine, wl, warm_steps, steps, regions=not self.compiled)
         eager = Engine(self.model, self.model.config, None, self.engine.config, model_name="bench")
-        eager.logits_processors.append(self.locality)
+        if self.locality.repeat > 0:
+            eager.logits_processors.append(self.locality)
         try:
             return self._breakdown(eager, wl, warm_steps, steps)
         finally:
