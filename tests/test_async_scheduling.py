@@ -33,8 +33,9 @@ def _engine(async_scheduling: bool, eos: int | None = None, **cfg) -> tuple[Engi
 
 def _drive(eng: Engine, script: dict[int, list]) -> dict[str, dict]:
     """Call ``step()`` until nothing is left; before call i, run ``script[i]``'s actions
-    (``("add", id, prompt, params)`` or ``("abort", id)``). Returns per request: its token ids,
-    logprobs, top alternatives and finish reasons."""
+    (``("add", id, prompt, params)``, ``("group", ids, prompt, params list)`` or
+    ``("abort", id)``). Returns per request: its token ids, logprobs, top alternatives and
+    finish reasons."""
     out: dict[str, dict] = {}
     i = 0
     while eng.has_unfinished() or any(k >= i for k in script):
@@ -43,6 +44,10 @@ def _drive(eng: Engine, script: dict[int, list]) -> dict[str, dict]:
                 _, rid, prompt, params = action
                 eng.add_request(rid, prompt, params)
                 out[rid] = {"ids": [], "lps": [], "tops": [], "reasons": []}
+            elif action[0] == "group":  # n sequences of one prompt, one shared prefill
+                _, rids, prompt, params = action
+                eng.add_request_group(rids, prompt, params)
+                out |= {rid: {"ids": [], "lps": [], "tops": [], "reasons": []} for rid in rids}
             else:
                 eng.abort_request(action[1])
         for o in eng.step():
@@ -155,7 +160,8 @@ def test_a_stop_token_finish_drops_the_row_run_ahead_of_it() -> None:
 
 def test_arrivals_and_aborts_between_steps() -> None:
     """Requests added while a step is in flight wait for it (the batch changes: the loop drains
-    and schedules afresh); an abort mid-flight drops that row of the step in flight."""
+    and schedules afresh); an abort mid-flight drops that row of the step in flight; a group of
+    two sequences of one prompt prefills once, forks, then runs ahead."""
     ps = _prompts(5, seed=3)
     script = {
         0: [("add", "a", ps[0], _params(max_tokens=14)), ("add", "b", ps[1], _params())],
@@ -163,6 +169,7 @@ def test_arrivals_and_aborts_between_steps() -> None:
         7: [("abort", "b")],  # a step of a, b and c is in flight then
         8: [("add", "d", ps[3], _params(max_tokens=3)), ("add", "e", ps[4], _params())],
         9: [("abort", "e")],  # still waiting
+        10: [("group", ["g0", "g1"], ps[4], [_params(temperature=0.9, seed=s) for s in (1, 2)])],
     }
     eng, _ = _compare(script)
     m = eng.metrics()
