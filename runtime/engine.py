@@ -49,12 +49,22 @@ class StepOutput:
 
 @dataclass
 class SampledStep:
-    """A decode step whose tokens were sampled on the device and not read back yet."""
+    """A decode step whose tokens were sampled on the device and not read yet: the next step
+    launched ahead takes ``tokens`` as its input ids; ``host`` receives, per row, the token id,
+    its logprob and ``n_top`` alternatives' ids and logprobs (float64: token ids are exact),
+    copied without blocking the host; ``copied`` (CUDA) is recorded after that copy, so reading
+    waits for this step alone, not for the step launched after it."""
 
     batch: ScheduledBatch
-    tokens: torch.Tensor  # int64 [n]
-    logprobs: torch.Tensor  # fp32 [n], floored at LOGPROB_FLOOR
-    top: tuple[torch.Tensor, torch.Tensor] | None  # (ids, logprobs) [n, most top_logprobs asked]
+    tokens: torch.Tensor  # int64 [n], on the device
+    host: torch.Tensor  # float64 [n, 2 + 2 n_top], pinned host memory on CUDA
+    n_top: int
+    copied: torch.cuda.Event | None
+    ahead: bool  # launched before the step before it was read
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
 
 
 class Engine:
@@ -258,13 +268,21 @@ class Engine:
         if fl is not None and all(r.status is Status.FINISHED for r in fl.batch.requests):
             self.discarded_rows += len(fl.batch.requests)  # a step nobody is left to read
             self._in_flight = None
+            # waited for all the same: the next decode step may rewrite the pinned block table
+            # its inputs were copied from (ModelRunner._decode_block_table)
+            fl.wait()
         if self.keep_finished:
             self.finished_requests.append(req)
 
     def recover(self) -> None:
         """After a failed step: abort every request and empty the GPU pools, whose maps a
         half-applied recall may have left inconsistent (the host pool is authoritative)."""
-        self._in_flight = None  # its tokens are never read
+        fl, self._in_flight = self._in_flight, None  # its tokens are never read
+        try:
+            if fl is not None:
+                fl.wait()  # (as _finish does; a failed device raises here, and is reset below)
+        except Exception:  # noqa: BLE001
+            pass
         try:
             for req in list(self.requests.values()):
                 try:
@@ -331,8 +349,7 @@ class Engine:
         """Launch a decode step of ``batch`` and sample it on the device; ``after``: the step it
         follows, whose tokens are its input ids, still on the device."""
         if after is not None:
-            logits = self.runner.forward(batch, after.tokens)
-            self.decode_steps_ahead += 1  # the device had the step before queued: no gap
+            logits = self.runner.forward(batch, after.tokens)  # the device has `after` queued
         else:
             logits = self.runner.forward(batch)
         if after is None and self._tokens_at is not None:
@@ -407,6 +424,7 @@ class Engine:
         now = self._tokens_at = time.perf_counter()
         self.num_steps += 1
         self.num_decode_steps += 1
+        self.decode_steps_ahead += s.ahead
         outs = []
         for r, tok, lp, top in zip(s.batch.requests, toks, lps, tops):
             if r.status is Status.FINISHED:
@@ -481,35 +499,41 @@ class Engine:
         # cannot carry: reported logprobs are floored at LOGPROB_FLOOR, as vLLM does
         lp = lp.clamp(min=LOGPROB_FLOOR)
         n_top = max(r.params.top_logprobs for r in reqs)
-        if not n_top:
-            return SampledStep(batch, tok, lp, None)
-        # top alternatives: log_softmax of the logits sampled from, before temperature / top-k /
-        # top-p (what a greedy row's own logprob is computed from)
-        top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
-        return SampledStep(batch, tok, lp, (top.indices, top.values.clamp(min=LOGPROB_FLOOR)))
+        cols = [tok.double()[:, None], lp.double()[:, None]]
+        if n_top:
+            # top alternatives: log_softmax of the logits sampled from, before temperature /
+            # top-k / top-p (what a greedy row's own logprob is computed from)
+            top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
+            cols += [top.indices.double(), top.values.clamp(min=LOGPROB_FLOOR).double()]
+        packed = torch.cat(cols, 1)
+        copied = None
+        if packed.is_cuda:
+            # NOTE: not .tolist() at read time: a copy to pageable memory synchronises the whole
+            # stream, which would wait for the step launched ahead as well
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            packed = host
+        return SampledStep(batch, tok, packed, n_top, copied, ahead)
 
     @staticmethod
     def _read(
         s: SampledStep,
     ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
-        """A sampled step's tokens, logprobs and top alternatives on the host: one sync."""
-        reqs = s.batch.requests
-        if s.top is None:
-            return s.tokens.tolist(), s.logprobs.tolist(), [None] * len(reqs)
-        ids, vals = s.top
-        n_top = ids.shape[1]
-        # one host sync for all four (token ids are exact in float64)
-        packed = torch.cat(
-            [s.tokens.double()[:, None], s.logprobs.double()[:, None], ids.double(), vals.double()],
-            1,
-        ).tolist()
-        toks = [int(row[0]) for row in packed]
-        lps = [row[1] for row in packed]
+        """A sampled step's tokens, logprobs and top alternatives on the host: waits for that
+        step's copy (the step's one sync)."""
+        s.wait()
+        rows = s.host.tolist()
+        toks = [int(row[0]) for row in rows]
+        lps = [row[1] for row in rows]
+        if not s.n_top:
+            return toks, lps, [None] * len(rows)
         tops = []
-        for row, r in zip(packed, reqs):
+        for row, r in zip(rows, s.batch.requests):
             k = r.params.top_logprobs
-            ids_r, vs = row[2 : 2 + n_top], row[2 + n_top :]
-            tops.append([(int(i), v) for i, v in zip(ids_r[:k], vs[:k])] if k else None)
+            ids, vs = row[2 : 2 + s.n_top], row[2 + s.n_top :]
+            tops.append([(int(i), v) for i, v in zip(ids[:k], vs[:k])] if k else None)
         return toks, lps, tops
 
     # ---- observability -------------------------------------------------------------------------

@@ -164,9 +164,10 @@ class ModelRunner:
         """The decode block table [bucket, P], kept per bucket and rewritten only in rows whose
         request changed: a request's pages are fixed from admission to finish, so a steady decode
         batch rewrites nothing (rebuilding 32 rows of 1500 pages took milliseconds a step).
-        NOTE: the pinned buffer is rewritten only when no decode step is in flight (the engine
-        launches a step ahead only for the same batch, whose rows are unchanged), so no earlier
-        host->device copy of it can still be pending."""
+        NOTE: the pinned buffer is rewritten only when no decode step is in flight: the engine
+        launches a step ahead only for the same batch, whose rows are unchanged, and waits for
+        every decode step (its tokens read, or waited for when it is dropped) before it
+        schedules afresh, so no earlier host->device copy of the buffer can still be pending."""
         if bucket not in self._decode_bt:
             pin = self.device.type == "cuda"
             self._decode_bt[bucket] = (

@@ -93,6 +93,22 @@ def test_asynchronous_scheduling_under_cuda_graphs():
     async_out, async_m = run(True)
     assert async_out == sync_out
     assert sync_m["decode_ahead_fraction"] == 0.0 and async_m["decode_ahead_fraction"] > 0.5
+
+    # the overlap itself: when step() returns, the step it launched ahead is still running on
+    # the device (reading the step before waited for that step alone, not the whole stream)
+    llm = LLM(
+        "tiny", max_batch=4, host_tokens=4096, gpu_tokens=4 * 32, kv_format="fp8",
+        max_model_len=512, prefill_chunk=64, progress=False, async_scheduling=True,
+    )  # fmt: skip
+    eng = llm.engine
+    for i, p in enumerate(prompts[:4]):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    running = []
+    while eng.has_unfinished():
+        eng.step()
+        if eng._in_flight is not None:
+            running.append(not eng._in_flight.copied.query())
+    assert len(running) > 30 and sum(running) > 0.8 * len(running), running
     torch.cuda.synchronize()
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert counters["inductor"].get("cudagraph_partitions", 0) == 0
