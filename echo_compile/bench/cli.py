@@ -208,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--weights: a format named twice in {a.weights!r}")
     if not 0.0 <= a.repeat <= 1.0:
         ap.error(f"--repeat must be in [0, 1], got {a.repeat}")
+    if a.repeat > 0 and "on" in asyncs:
+        print(
+            "echo-compile bench: --repeat is a logits processor, which keeps the loop "
+            "synchronous: --async-scheduling on runs as off (decode_ahead_fraction 0)",
+            flush=True,
+        )
     if not 0.0 <= a.locality < 1.0:
         ap.error(f"--locality must be in [0, 1), got {a.locality}")
     pools, rates = _ints(a.gpu_pools), _floats(a.rates)
