@@ -329,11 +329,7 @@ class Engine:
         if prev is not None:
             self._in_flight = self._decode(prev.batch, prev) if self._can_run_ahead(prev) else None
             return self._complete(prev)
-        batch = self.scheduler.schedule()
-        while batch is not None and not batch.is_decode and batch.requests[0].prompt_kv is not None:
-            self._load_prompt_kv(batch.requests[0])
-            self._tokens_at = None  # the load's copies kept the device busy: no gap counted
-            batch = self.scheduler.schedule()
+        batch = self._schedule()
         if batch is None:
             self._tokens_at = None  # idle: the wait for work is no gap
             return []
@@ -344,6 +340,16 @@ class Engine:
         if self._can_run_ahead(cur):
             self._in_flight = self._decode(batch, cur)
         return self._complete(cur)
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """The scheduler's next batch to compute, once the received prompt KV of the requests it
+        admits is written (``_load_prompt_kv``, their prefill)."""
+        batch = self.scheduler.schedule()
+        while batch is not None and not batch.is_decode and batch.requests[0].prompt_kv is not None:
+            self._load_prompt_kv(batch.requests[0])
+            self._tokens_at = None  # the load's copies kept the device busy: no gap counted
+            batch = self.scheduler.schedule()
+        return batch
 
     def _decode(self, batch: ScheduledBatch, after: SampledStep | None = None) -> SampledStep:
         """Launch a decode step of ``batch`` and sample it on the device; ``after``: the step it

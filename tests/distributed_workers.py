@@ -212,3 +212,30 @@ def heartbeat_worker(rank: int, out: str) -> None:
         (Path(out) / "rank1.txt").write_text(f"{n} {eng.calls}")
     dist.barrier()
     shutdown()
+
+
+def prompt_kv_worker(
+    rank: int, out: str, opts: dict, prompts: list, kvs: list, timeout_s: float
+) -> None:
+    """Requests whose prompt KV was computed elsewhere (``add_request(..., prompt_kv=)``, every
+    rank passing the same rows), greedy; rank 0 saves every request's tokens and each rank its
+    own step counts (a prefill step would mean the rows were recomputed, not written)."""
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import shutdown
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s, **opts
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, (p, kv) in enumerate(zip(prompts, kvs)):
+        llm.engine.add_request(f"r{i}", p, params, prompt_kv=kv)
+    tokens: dict = {}
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    local = llm.engine.engine
+    steps = (local.num_steps, local.num_decode_steps)
+    torch.save({"tokens": tokens, "steps": steps}, Path(out) / f"kv_rank{rank}.pt")
+    dist.barrier()
+    shutdown()

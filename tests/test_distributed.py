@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from distributed_workers import MAX_TOKENS, gen_worker, generate_and_record
+from distributed_workers import MAX_TOKENS, gen_worker, generate_and_record, prompt_kv_worker
 from engine_records import random_prompts
 
 from runtime.distributed.process import spawn
@@ -192,6 +192,31 @@ def _same_until_near_tie(got: list[int], want: list[int], logits: list[torch.Ten
             assert gap < NEAR_TIE, f"token {s} differs where the reference's margin is {gap}"
             return s
     return len(want)
+
+
+def test_received_prompt_kv_is_written_on_its_rank_not_prefilled(tmp_path):
+    """dp = 2: requests added with their prompt KV (computed by a prefill elsewhere) are written
+    into the owning rank's cache (no prefill step runs on either rank) and decode the tokens a
+    single process gets by prefilling them itself."""
+    from test_prompt_kv import _prefill_elsewhere
+
+    from echo_compile.llm import LLM
+    from model.checkpoint import resolve_model
+    from model.loader import load_model
+    from runtime.sampling_params import SamplingParams
+
+    prompts = random_prompts(LENS, 512, seed=4)
+    kvs = _prefill_elsewhere(load_model(resolve_model("tiny"))[0], "bf16", prompts)
+    ref = LLM("tiny", compile=False, progress=False, device="cpu", **COMMON, gpu_tokens=128)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = {f"r{i}": r.token_ids for i, r in enumerate(ref.generate(prompts, params))}
+    opts = dict(COMMON, dp=2, gpu_tokens=128)
+    spawn(prompt_kv_worker, 2, str(tmp_path), opts, prompts, kvs, 60.0)
+    got = [torch.load(tmp_path / f"kv_rank{r}.pt") for r in range(2)]
+    assert got[0]["tokens"] == want
+    for rank in got:
+        steps, decode_steps = rank["steps"]
+        assert steps == decode_steps > 0  # every step a decode step: nothing was prefilled
 
 
 def test_dp_tp_decode_step_is_one_graph_with_its_collectives(tmp_path):

@@ -153,7 +153,7 @@ class DistributedEngine:
 
     def _step(self) -> list[StepOutput]:
         eng, runner = self.engine, self.engine.runner
-        batch = eng.scheduler.schedule()
+        batch = eng._schedule()  # received prompt KV is written here, on this rank alone
         want_p = want_d = 0
         if batch is not None and batch.is_decode:
             want_d = next_bucket(len(batch.requests), runner.decode_buckets)
