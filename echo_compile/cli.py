@@ -52,6 +52,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument(
+        "--prefill-first",
+        action="store_true",
+        help="decoding requests wait for every pending prefill chunk (default: they decode a step "
+        "between two chunks of a long prompt)",
+    )
+    p.add_argument(
         "--async-scheduling",
         action="store_true",
         help="launch the next decode step before reading the last one's tokens (one process)",
@@ -89,6 +95,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         ep=a.ep,
         collective_timeout_s=a.collective_timeout,
         async_scheduling=a.async_scheduling,
+        decode_during_prefill=not a.prefill_first,
     )
     if a.device:
         opts["device"] = a.device

@@ -79,6 +79,9 @@ class EngineConfig:
     ep: int = 1
     # seconds a collective may wait for the other ranks before the engine stops with RankFailure
     collective_timeout_s: float = 300.0
+    # the requests past their prefill decode a step between two prefill chunks, so a long prompt
+    # does not stall them (False: prefill first; runtime/scheduler.py)
+    decode_during_prefill: bool = True
     # launch the next decode step of an unchanged batch before reading the last one's tokens, so
     # the host's work between steps overlaps the device's (Engine.step; one process only)
     async_scheduling: bool = False
@@ -117,6 +120,10 @@ class EngineConfig:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {self.kv_format!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
+        if not isinstance(self.decode_during_prefill, bool):
+            raise ValueError(
+                f"decode_during_prefill must be True or False, got {self.decode_during_prefill!r}"
+            )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"
@@ -212,4 +219,5 @@ class EngineConfig:
             topk=model_config.index_topk,
             gpu_tokens=self.gpu_tokens if self.offload else None,
             prefill_chunk=self.prefill_chunk,
+            decode_during_prefill=self.decode_during_prefill,
         )

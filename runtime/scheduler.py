@@ -6,9 +6,11 @@ Policy (vLLM-v0 style, kept simple):
   when offloading, room in every layer's GPU pool for one more selection (B x topk <= N_G per layer,
   so the guaranteed recall never has to evict a token selected in the same step). A request that
   does not fit waits; nothing is dropped. One that could never fit is rejected at ``add``.
-- A running request with prompt tokens left gets one prefill chunk per step (prefill first);
-  otherwise every running request decodes one token (the first decode step of a request processes
-  its last prompt token and samples its first output token).
+- A running request with prompt tokens left gets one prefill chunk per step, and the running
+  requests that have finished their prefill decode one token in a step between two chunks
+  (``decode_during_prefill``), so a long prompt does not stall them; with it off, prefill comes
+  first and they wait until no request has prompt tokens left. The first decode step of a request
+  processes its last prompt token and samples its first output token.
 - A group of n sequences of one prompt (``add_group``; runtime.prefill_sharing) is admitted as a
   whole: n decode rows, the prompt's pages once and each member's own pages. Its hidden head takes
   the prefill chunks in the running list's order; at the first ``schedule`` after its prefill the
@@ -42,6 +44,9 @@ class SchedulerConfig:
     topk: int  # index_topk: rows a request selects per layer per step
     gpu_tokens: int | None = None  # per-layer GPU pool rows when offloading; None = GPU-only
     prefill_chunk: int = 2048
+    # a decode step of the requests past their prefill between two prefill chunks (False: every
+    # pending prefill chunk first)
+    decode_during_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0 or self.prefill_chunk <= 0 or self.max_model_len <= 0:
@@ -83,6 +88,7 @@ class Scheduler:
         self.copy_rows = copy_rows
         self.groups: dict[int, PrefillGroup] = {}  # id(head) -> its group, until the fork
         self._group_of: dict[int, PrefillGroup] = {}  # id(member) -> its group, until the fork
+        self._decode_next = False  # the last step was a prefill chunk (decode_during_prefill)
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -249,19 +255,27 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         self._fork()
         self._admit()
-        for req in self.running:
-            if req.in_prefill:
-                end = min(req.num_computed + self.cfg.prefill_chunk, req.prefill_end)
-                return ScheduledBatch(False, [req], req.num_computed, end)
-        if not self.running:
-            return None
-        return ScheduledBatch(True, list(self.running))
+        prefilling = [r for r in self.running if r.in_prefill]
+        decoding = [r for r in self.running if not r.in_prefill]
+        # a received prompt KV is written, not computed (Engine._load_prompt_kv): no turn taken
+        load = next((r for r in prefilling if r.prompt_kv is not None), None)
+        if load is not None:
+            end = min(load.num_computed + self.cfg.prefill_chunk, load.prefill_end)
+            return ScheduledBatch(False, [load], load.num_computed, end)
+        take_turn = self.cfg.decode_during_prefill and self._decode_next and decoding
+        if prefilling and not take_turn:
+            self._decode_next = True
+            req = prefilling[0]
+            end = min(req.num_computed + self.cfg.prefill_chunk, req.prefill_end)
+            return ScheduledBatch(False, [req], req.num_computed, end)
+        self._decode_next = False
+        return ScheduledBatch(True, decoding) if decoding else None
 
     def repeats(self, reqs: list[Request]) -> bool:
         """Whether ``schedule()`` would now return a decode batch of exactly ``reqs``, in that
         order (the engine's asynchronous scheduling launches the next step of such a batch before
-        it reads the tokens of the last): they are the running list, no group waits to prefill
-        or fork, and the head of the queue does not fit."""
+        it reads the tokens of the last): they are the running list (so none is prefilling), no
+        group waits to prefill or fork, and the head of the queue does not fit."""
         if len(self.running) != len(reqs) or any(a is not b for a, b in zip(self.running, reqs)):
             return False
         if any(g.admitted for g in self.groups.values()):

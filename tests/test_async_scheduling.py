@@ -205,17 +205,18 @@ def test_requests_whose_sampling_reads_their_tokens_run_synchronously(extra) -> 
 
 def test_a_logits_processor_runs_synchronously() -> None:
     ps = _prompts(2, seed=6)
-    seen: list[int] = []
+    seen: dict[str, list[int]] = {}
 
     def proc(reqs, logits):  # reads each request's newest token on the host
-        seen.extend(len(r.output_ids) for r in reqs)
+        for r in reqs:
+            seen.setdefault(r.request_id, []).append(len(r.output_ids))
         return logits
 
     eng, _ = _engine(True)
     eng.logits_processors.append(proc)
     _drive(eng, {0: [("add", f"r{i}", p, _params(max_tokens=5)) for i, p in enumerate(ps)]})
     assert eng.metrics()["decode_ahead_fraction"] == 0.0
-    assert seen == [n for n in range(5) for _ in range(2)]  # every step saw every token before
+    assert seen == {"r0": list(range(5)), "r1": list(range(5))}  # each step saw the tokens before
     _assert_nothing_held(eng)
 
 

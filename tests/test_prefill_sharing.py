@@ -38,10 +38,12 @@ def config(
 ) -> EngineConfig:
     topk = tiny(device)[0].config.index_topk
     # the smallest GPU pool for the batch (max_batch x topk), prompts longer than topk: decoding
-    # evicts and recalls rows
+    # evicts and recalls rows. Prefill first: separate requests then decode in the batches the
+    # group's forked members do (with decodes between chunks, the first would start alone), so
+    # the two runs' logits compare bit for bit.
     return EngineConfig(max_batch=max_batch, host_tokens=64 * 24, gpu_tokens=max_batch * topk,
                         offload=offload, max_model_len=256, prefill_chunk=64, prefetch=prefetch,
-                        prefetch_cap=16, device=device)  # fmt: skip
+                        prefetch_cap=16, device=device, decode_during_prefill=False)  # fmt: skip
 
 
 def params(seed: int, max_tokens: int = MAX_TOKENS) -> SamplingParams:

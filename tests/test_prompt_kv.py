@@ -37,6 +37,9 @@ def _engine(
         offload=offload,
         max_model_len=512,
         device=device,
+        # prefill first: the local engine then decodes in the batches of the one that received
+        # the KV (which prefills nothing), so their logprobs compare bit for bit
+        decode_during_prefill=False,
     )
     return Engine(model, model.config, None, cfg)
 

@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         "off, request, global (docs/prefetch.md)",
     )
     ap.add_argument(
+        "--prefill-first",
+        action="store_true",
+        help="--mode full: decoding requests wait for every pending prefill chunk (the policy "
+        "before decodes ran between chunks; EngineConfig.decode_during_prefill=False)",
+    )
+    ap.add_argument(
         "--async-scheduling",
         default="off",
         help="launch each decode step before reading the last one's tokens (EngineConfig."
@@ -284,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch": prefetches,
         "prefetch_margin": a.prefetch_margin,
         "async_scheduling": asyncs,
+        "decode_during_prefill": not a.prefill_first,
         "weights": formats,
         "weight_bytes": {},
         "compiled": a.compile,
@@ -345,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch, parallel,
                 compile_prefill=wl.prefill and not a.eager_prefill,
                 prefetch_margin=a.prefetch_margin, async_scheduling=asynchronous,
+                decode_during_prefill=not a.prefill_first,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)

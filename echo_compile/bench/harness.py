@@ -250,6 +250,7 @@ class System:
         compile_prefill: bool = False,  # --mode full: prefill chunks compiled as the engine's
         prefetch_margin: float = PREFETCH_MARGIN,  # the prefetch threshold's margin
         async_scheduling: bool = False,  # EngineConfig.async_scheduling
+        decode_during_prefill: bool = True,  # EngineConfig.decode_during_prefill
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -276,6 +277,7 @@ class System:
             prefetch=prefetch if offload else "off",
             prefetch_margin=prefetch_margin,
             async_scheduling=async_scheduling,
+            decode_during_prefill=decode_during_prefill,
         )
         if parallel is not None:
             ctx, dp, tp, ep = parallel
