@@ -173,19 +173,25 @@ def test_full_mode_prefills_instead_of_injecting(model) -> None:
         assert r.mode == ("full" if prefill else "decode-only")
         assert (sut.inject_s > 0) == (not prefill)
         assert (eng.num_steps > eng.num_decode_steps) == prefill  # prefill chunks are steps
-        assert r.generated_tokens == 8 and r.decode_steps == 4
+        # full: the first request decodes alone once, between its prefill and the second's
+        assert r.generated_tokens == 8 and r.decode_steps == (5 if prefill else 4)
         sut.close()
 
 
-def test_full_mode_cli(tmp_path) -> None:
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_full_mode_cli(tmp_path, prefill_first) -> None:
     out = tmp_path / "full.json"
     argv = ARGS + ["--mode", "full", "--gpu-pools", "384", "--rates", "", "--out", str(out)]
     argv += ["--systems", "offload-eager", "--eager-pools", "384", "--breakdown-steps", "0"]
-    assert bench_cli.main(argv) == 0
+    assert bench_cli.main(argv + (["--prefill-first"] if prefill_first else [])) == 0
     d = json.loads(out.read_text())
     assert d["workload"]["prefill"] is True
     assert [r["mode"] for r in d["results"]] == ["full"]
     assert d["compile_prefill"] is True  # the default: the serving path (offload-eager aside)
+    assert d["decode_during_prefill"] is not prefill_first
+    # 4 requests of 4 tokens: prefill first decodes all four together, 4 steps; with decodes
+    # between the chunks the first three take turns while the others prefill
+    assert d["results"][0]["decode_steps"] == (4 if prefill_first else 7)
 
 
 def test_full_mode_compiles_prefill_unless_eager_prefill(model) -> None:
