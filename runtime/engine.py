@@ -61,6 +61,7 @@ class SampledStep:
     n_top: int
     copied: torch.cuda.Event | None
     ahead: bool  # launched before the step before it was read
+    started: torch.cuda.Event | None  # (CUDA) recorded before the step's first input copy
 
     def wait(self) -> None:
         if self.copied is not None:
@@ -120,6 +121,12 @@ class Engine:
         self.host_gap_s = 0.0
         self.host_gaps = 0
         self._tokens_at: float | None = None  # when the last decode step's tokens arrived
+        # The device's idle time between back-to-back decode steps (CUDA): from the end of a
+        # step (its tokens' copy to the host) to the start of the next (its first input copy),
+        # both as the GPU timed them; with asynchronous scheduling as without (metrics)
+        self.gpu_idle_ms = 0.0
+        self.gpu_idle_gaps = 0
+        self._last_end: torch.cuda.Event | None = None  # the last read decode step's end
         # asynchronous scheduling (EngineConfig.async_scheduling): the decode step launched one
         # token ahead, before the tokens of the step before it were read (step())
         self._in_flight: SampledStep | None = None
@@ -271,6 +278,7 @@ class Engine:
             # waited for all the same: the next decode step may rewrite the pinned block table
             # its inputs were copied from (ModelRunner._decode_block_table)
             fl.wait()
+            self._last_end = fl.copied  # the device's last decode work (GPU idle, metrics)
         if self.keep_finished:
             self.finished_requests.append(req)
 
@@ -278,6 +286,7 @@ class Engine:
         """After a failed step: abort every request and empty the GPU pools, whose maps a
         half-applied recall may have left inconsistent (the host pool is authoritative)."""
         fl, self._in_flight = self._in_flight, None  # its tokens are never read
+        self._gap_broken()
         try:
             if fl is not None:
                 fl.wait()  # (as _finish does; a failed device raises here, and is reset below)
@@ -304,7 +313,8 @@ class Engine:
         self.decode_steps_ahead = self.discarded_rows = 0
         self.prompt_kv_load_s = self.host_gap_s = 0.0
         self.host_gaps = 0
-        self._tokens_at = None
+        self._gap_broken()
+        self.gpu_idle_ms, self.gpu_idle_gaps = 0.0, 0
         self._recent.clear()
         self.finished_requests.clear()
         self.cache.reset_stats()
@@ -331,10 +341,10 @@ class Engine:
             return self._complete(prev)
         batch = self._schedule()
         if batch is None:
-            self._tokens_at = None  # idle: the wait for work is no gap
+            self._gap_broken()  # idle: the wait for work is no gap
             return []
         if not batch.is_decode:
-            self._tokens_at = None  # a prefill step between two decode steps: no gap counted
+            self._gap_broken()  # a prefill step between two decode steps: no gap counted
             return self._postprocess(batch, self.runner.forward(batch))
         cur = self._decode(batch)
         if self._can_run_ahead(cur):
@@ -347,13 +357,22 @@ class Engine:
         batch = self.scheduler.schedule()
         while batch is not None and not batch.is_decode and batch.requests[0].prompt_kv is not None:
             self._load_prompt_kv(batch.requests[0])
-            self._tokens_at = None  # the load's copies kept the device busy: no gap counted
+            self._gap_broken()  # the load's copies kept the device busy: no gap counted
             batch = self.scheduler.schedule()
         return batch
+
+    def _gap_broken(self) -> None:
+        """Something other than a decode step comes next: no host or GPU gap is counted until
+        the next decode step's tokens are read."""
+        self._tokens_at = self._last_end = None
 
     def _decode(self, batch: ScheduledBatch, after: SampledStep | None = None) -> SampledStep:
         """Launch a decode step of ``batch`` and sample it on the device; ``after``: the step it
         follows, whose tokens are its input ids, still on the device."""
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         if after is not None:
             logits = self.runner.forward(batch, after.tokens)  # the device has `after` queued
         else:
@@ -361,7 +380,7 @@ class Engine:
         if after is None and self._tokens_at is not None:
             self.host_gap_s += self.runner.decode_call_t - self._tokens_at
             self.host_gaps += 1
-        return self._sample(batch, logits, ahead=after is not None)
+        return self._sample(batch, logits, ahead=after is not None, started=started)
 
     def _can_run_ahead(self, s: SampledStep) -> bool:
         """Whether the next decode step may be launched before ``s``'s tokens are read: the
@@ -428,6 +447,11 @@ class Engine:
         skipped."""
         toks, lps, tops = self._read(s)
         now = self._tokens_at = time.perf_counter()
+        if self._last_end is not None and s.started is not None:
+            # both have run (reading s waited for its end, which the GPU ran after its start)
+            self.gpu_idle_ms += max(self._last_end.elapsed_time(s.started), 0.0)
+            self.gpu_idle_gaps += 1
+        self._last_end = s.copied
         self.num_steps += 1
         self.num_decode_steps += 1
         self.decode_steps_ahead += s.ahead
@@ -469,7 +493,11 @@ class Engine:
         return outs
 
     def _sample(
-        self, batch: ScheduledBatch, logits: torch.Tensor, ahead: bool = False
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        ahead: bool = False,
+        started: torch.cuda.Event | None = None,
     ) -> SampledStep:
         """Sample a decode step's tokens on the device (no host sync); ``ahead``: the step is one
         token ahead of the requests' host-side lists (``_decode``)."""
@@ -518,10 +546,10 @@ class Engine:
             # stream, which would wait for the step launched ahead as well
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(enable_timing=True)
             copied.record()
             packed = host
-        return SampledStep(batch, tok, packed, n_top, copied, ahead)
+        return SampledStep(batch, tok, packed, n_top, copied, ahead, started)
 
     @staticmethod
     def _read(
@@ -568,6 +596,10 @@ class Engine:
             # host gap: their gap is not in the mean above), and the rows of finished requests
             # they computed for nothing
             "decode_ahead_fraction": self.decode_steps_ahead / max(self.num_decode_steps, 1),
+            # (CUDA) the device's mean idle time between back-to-back decode steps, as the GPU
+            # timed it, and how many such gaps it averages (0 on a CPU)
+            "decode_gpu_idle_ms": self.gpu_idle_ms / max(self.gpu_idle_gaps, 1),
+            "decode_gpu_idle_gaps": float(self.gpu_idle_gaps),
             "discarded_rows": float(self.discarded_rows),
             # prefetch, per layer (empty lists when off; docs/prefetch.md)
             "prefetched_per_step": pool["prefetched_per_step"],

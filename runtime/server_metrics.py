@@ -34,6 +34,10 @@ class ServerMetrics:
             "echo_decode_host_gap_ms",
             "Mean host time from a decode step's tokens to the next decode step's call",
         ),
+        "decode_gpu_idle_ms": (
+            "echo_decode_gpu_idle_ms",
+            "Mean GPU idle time between back-to-back decode steps, as the GPU timed it",
+        ),
         "decode_ahead_fraction": (
             "echo_decode_ahead_fraction",
             "Share of decode steps launched before the last step's tokens were read",

@@ -93,6 +93,10 @@ def test_asynchronous_scheduling_under_cuda_graphs():
     async_out, async_m = run(True)
     assert async_out == sync_out
     assert sync_m["decode_ahead_fraction"] == 0.0 and async_m["decode_ahead_fraction"] > 0.5
+    # the GPU's own idle time between decode steps: the host's work between them, synchronously;
+    # less (ideally none) when the next step was queued before the host read the last
+    assert sync_m["decode_gpu_idle_gaps"] > 10 and async_m["decode_gpu_idle_gaps"] > 10
+    assert async_m["decode_gpu_idle_ms"] < sync_m["decode_gpu_idle_ms"], (sync_m, async_m)
 
     # the overlap itself: when step() returns, the step it launched ahead is still running on
     # the device (reading the step before waited for that step alone, not the whole stream)
@@ -108,7 +112,7 @@ def test_asynchronous_scheduling_under_cuda_graphs():
         eng.step()
         if eng._in_flight is not None:
             running.append(not eng._in_flight.copied.query())
-    assert len(running) > 30 and sum(running) > 0.8 * len(running), running
+    assert len(running) > 30 and sum(running) > 0.5 * len(running), running
     torch.cuda.synchronize()
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert counters["inductor"].get("cudagraph_partitions", 0) == 0

@@ -179,6 +179,10 @@ class SystemResult:
     async_scheduling: bool = False
     decode_ahead_fraction: float = 0.0
     discarded_rows: int = 0
+    # (CUDA) the GPU's mean idle time between back-to-back decode steps, as it timed it with
+    # events, over decode_gpu_idle_gaps gaps (0 gaps: not measured, a CPU run)
+    decode_gpu_idle_ms: float = 0.0
+    decode_gpu_idle_gaps: int = 0
     warmup_s: float = 0.0
     # the GPU pool rows each decoding request has per layer (N_G / effective batch): the hit rate
     # means something only next to it (docs/prefetch.md, "Locality")
@@ -398,6 +402,8 @@ class System:
             async_scheduling=engine.config.async_scheduling,
             decode_ahead_fraction=float(m["decode_ahead_fraction"]),
             discarded_rows=int(m["discarded_rows"]),
+            decode_gpu_idle_ms=float(m["decode_gpu_idle_ms"]),
+            decode_gpu_idle_gaps=int(m["decode_gpu_idle_gaps"]),
             warmup_s=self.warmup_s,
             pool_rows_per_request=self.gpu_tokens / batch if batch else 0.0,
             prefetch=engine.config.prefetch if engine.config.offload else "off",
