@@ -126,6 +126,8 @@ class Engine:
         # both as the GPU timed them; with asynchronous scheduling as without (metrics)
         self.gpu_idle_ms = 0.0
         self.gpu_idle_gaps = 0
+        # pending no-sync pool checks: (overflow count in pinned memory, event after its copy)
+        self._probes: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._last_end: torch.cuda.Event | None = None  # the last read decode step's end
         # asynchronous scheduling (EngineConfig.async_scheduling): the decode step launched one
         # token ahead, before the tokens of the step before it were read (step())
@@ -323,21 +325,43 @@ class Engine:
         """Raise if a recall ever had more misses than free GPU-pool rows. The scheduler's
         admission (B x topk <= N_G) makes this impossible; a non-zero count is a bug, and the
         selections it dropped would have changed the output."""
-        overflow = self.cache.stats()["overflow"]
-        if overflow:
-            raise RuntimeError(
-                f"GPU pool overflow in {overflow:.0f} recall(s): a capacity-check bug"
-            )
+        self._overflow_is_zero(int(self.cache.overflow()))
+
+    @staticmethod
+    def _overflow_is_zero(count: int) -> None:
+        if count:
+            raise RuntimeError(f"GPU pool overflow in {count} recall(s): a capacity-check bug")
+
+    def _probe_pools(self) -> None:
+        """``check_pools`` without a host sync (a finish's check): the overflow count is copied
+        to pinned memory behind an event and checked by the first step read after the event has
+        passed (``_check_probes``), so the check does not wait for a step launched ahead."""
+        count = self.cache.overflow()
+        if not count.is_cuda:
+            self._overflow_is_zero(int(count))
+            return
+        host = torch.empty((), dtype=count.dtype, pin_memory=True)
+        host.copy_(count, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._probes.append((host, done))
+
+    def _check_probes(self) -> None:
+        while self._probes and self._probes[0][1].query():
+            host, _ = self._probes.popleft()
+            self._overflow_is_zero(int(host))
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one step; returns the tokens it produced. With ``async_scheduling``, a decode step
-        of the same batch as the last is launched before the last one's tokens are read back, so
-        the device computes it while the host finishes the last (``_can_run_ahead``); each call
-        then returns the outputs of the step before the one it launched."""
+        """Run one step; returns the tokens it produced. With ``async_scheduling``, the next
+        decode step is launched before the last one's tokens are read back when the scheduler's
+        choice does not depend on them (``_run_ahead``), so the device computes it while the host
+        finishes the last; each call then returns the outputs of the step before the one it
+        launched."""
         prev = self._in_flight
         if prev is not None:
-            self._in_flight = self._decode(prev.batch, prev) if self._can_run_ahead(prev) else None
+            nxt = self._run_ahead(prev)
+            self._in_flight = None if nxt is None else self._decode(nxt, prev)
             return self._complete(prev)
         batch = self._schedule()
         if batch is None:
@@ -347,8 +371,9 @@ class Engine:
             self._gap_broken()  # a prefill step between two decode steps: no gap counted
             return self._postprocess(batch, self.runner.forward(batch))
         cur = self._decode(batch)
-        if self._can_run_ahead(cur):
-            self._in_flight = self._decode(batch, cur)
+        nxt = self._run_ahead(cur)
+        if nxt is not None:
+            self._in_flight = self._decode(nxt, cur)
         return self._complete(cur)
 
     def _schedule(self) -> ScheduledBatch | None:
@@ -368,13 +393,21 @@ class Engine:
 
     def _decode(self, batch: ScheduledBatch, after: SampledStep | None = None) -> SampledStep:
         """Launch a decode step of ``batch`` and sample it on the device; ``after``: the step it
-        follows, whose tokens are its input ids, still on the device."""
+        follows, whose tokens (each request's row of them) are its input ids, still on the
+        device."""
         started = None
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        if after is not None:
-            logits = self.runner.forward(batch, after.tokens)  # the device has `after` queued
+        if after is not None:  # the device has `after` queued
+            ids = after.tokens
+            if batch.requests is not after.batch.requests:  # some left: their rows go
+                row = {id(r): i for i, r in enumerate(after.batch.requests)}
+                index = torch.tensor([row[id(r)] for r in batch.requests])
+                if self.device.type == "cuda":
+                    index = index.pin_memory().to(self.device, non_blocking=True)
+                ids = ids.index_select(0, index)
+            logits = self.runner.forward(batch, ids)
         else:
             logits = self.runner.forward(batch)
         if after is None and self._tokens_at is not None:
@@ -382,23 +415,33 @@ class Engine:
             self.host_gaps += 1
         return self._sample(batch, logits, ahead=after is not None, started=started)
 
-    def _can_run_ahead(self, s: SampledStep) -> bool:
-        """Whether the next decode step may be launched before ``s``'s tokens are read: the
-        scheduler would run the same batch again, and nothing the host does with those tokens
-        changes the next step's inputs or sampling. Not when a request's token in flight may
-        be its last by length (the step after it has no slot), or a request uses what reads its
-        tokens on the host: penalties and the other sampling controls, a grammar, or the
-        engine's logits processors. A request that finishes on EOS or a stop string while the
-        next step runs leaves a row there that is dropped (``discarded_rows``)."""
+    def _run_ahead(self, s: SampledStep) -> ScheduledBatch | None:
+        """The decode batch to launch before ``s``'s tokens are read, or None to read them
+        first. It is the batch ``schedule()`` would give once ``s`` is read: ``s``'s requests
+        still running, less those whose token in flight is their last by length (they finish
+        when it is read; a request that finished on EOS, a stop string or an abort since is gone
+        already), when the scheduler would run exactly those (``Scheduler.repeats``: no
+        admission, no prefill). None when a request uses what reads its tokens on the host
+        (penalties and the other sampling controls, a grammar) or the engine has logits
+        processors, and with ``async_scheduling`` off. A request that finishes on EOS or a stop
+        string while the step after it runs leaves a row there that is dropped
+        (``discarded_rows``)."""
         if not self.config.async_scheduling or self.logits_processors:
-            return False
+            return None
+        reqs, leaving = [], []
         for r in s.batch.requests:
             p = r.params
-            if r.status is not Status.RUNNING or p.has_controls or p.grammar is not None:
-                return False
-            if len(r.output_ids) + 2 > p.max_tokens:
-                return False
-        return self.scheduler.repeats(s.batch.requests)
+            if r.status is not Status.RUNNING:
+                continue
+            if p.has_controls or p.grammar is not None:
+                return None
+            # the token in flight is the (len + 1)-th: its last if that is max_tokens
+            (leaving if len(r.output_ids) + 2 > p.max_tokens else reqs).append(r)
+        if not reqs or not self.scheduler.repeats(reqs, leaving):
+            return None
+        if len(reqs) == len(s.batch.requests):
+            return s.batch  # unchanged: the same list (its input ids need no gather)
+        return ScheduledBatch(True, reqs)
 
     PROMPT_KV_CHUNK = 16384  # tokens written per store call: bounds the staging memory
 
@@ -485,8 +528,9 @@ class Engine:
                     r.prompt_logprobs_out() if len(r.output_ids) == 1 else None,
                 )
             )
+        self._check_probes()
         if any(o.finished for o in outs):
-            self.check_pools()
+            self._probe_pools()
         self.decode_rows += len(outs)
         self.generated_tokens += len(outs)
         self._recent.append((now, len(outs)))

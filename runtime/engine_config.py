@@ -82,8 +82,9 @@ class EngineConfig:
     # the requests past their prefill decode a step between two prefill chunks, so a long prompt
     # does not stall them (False: prefill first; runtime/scheduler.py)
     decode_during_prefill: bool = True
-    # launch the next decode step of an unchanged batch before reading the last one's tokens, so
-    # the host's work between steps overlaps the device's (Engine.step; one process only)
+    # launch the next decode step before reading the last one's tokens when the batch does not
+    # depend on them, so the host's work between steps overlaps the device's (Engine.step; one
+    # process only)
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

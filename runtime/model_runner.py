@@ -104,7 +104,7 @@ class ModelRunner:
         self.pages_per_seq = pages_for(max_model_len)
         self.decode_buckets = tuple(decode_buckets)
         self.prefill_buckets = tuple(prefill_buckets)
-        self._decode_bt: dict[int, tuple[torch.Tensor, list[Request | None]]] = {}
+        self._decode_bt: dict[int, list[tuple[torch.Tensor, list[Request | None]]]] = {}
         self.decode_step = StepModule(model, cache, is_decode=True)
         self.prefill_step = StepModule(model, cache, is_decode=False)
         self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
@@ -164,17 +164,21 @@ class ModelRunner:
         """The decode block table [bucket, P], kept per bucket and rewritten only in rows whose
         request changed: a request's pages are fixed from admission to finish, so a steady decode
         batch rewrites nothing (rebuilding 32 rows of 1500 pages took milliseconds a step).
-        NOTE: the pinned buffer is rewritten only when no decode step is in flight: the engine
-        launches a step ahead only for the same batch, whose rows are unchanged, and waits for
-        every decode step (its tokens read, or waited for when it is dropped) before it
-        schedules afresh, so no earlier host->device copy of the buffer can still be pending."""
+        Two pinned buffers per bucket, used in turn: a step launched ahead (asynchronous
+        scheduling) may change rows while the step before it, whose host->device copy of its
+        buffer may still be pending, is in flight; the other buffer's last step has been read."""
         if bucket not in self._decode_bt:
             pin = self.device.type == "cuda"
-            self._decode_bt[bucket] = (
-                torch.zeros(bucket, self.pages_per_seq, dtype=torch.int32, pin_memory=pin),
-                [None] * bucket,
-            )
-        bt, owners = self._decode_bt[bucket]
+            self._decode_bt[bucket] = [
+                (
+                    torch.zeros(bucket, self.pages_per_seq, dtype=torch.int32, pin_memory=pin),
+                    [None] * bucket,
+                )
+                for _ in range(2)
+            ]
+        buffers = self._decode_bt[bucket]
+        buffers.reverse()  # the one not used last time
+        bt, owners = buffers[0]
         for i in range(bucket):
             r = reqs[i] if i < len(reqs) else None
             if owners[i] is r:

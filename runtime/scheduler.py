@@ -20,7 +20,7 @@ Policy (vLLM-v0 style, kept simple):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from custom_ops.cache.config import max_decode_rows
@@ -271,16 +271,27 @@ class Scheduler:
         self._decode_next = False
         return ScheduledBatch(True, decoding) if decoding else None
 
-    def repeats(self, reqs: list[Request]) -> bool:
-        """Whether ``schedule()`` would now return a decode batch of exactly ``reqs``, in that
-        order (the engine's asynchronous scheduling launches the next step of such a batch before
-        it reads the tokens of the last): they are the running list (so none is prefilling), no
-        group waits to prefill or fork, and the head of the queue does not fit."""
-        if len(self.running) != len(reqs) or any(a is not b for a, b in zip(self.running, reqs)):
+    def repeats(self, reqs: list[Request], leaving: Sequence[Request] = ()) -> bool:
+        """Whether ``schedule()`` will return a decode batch of exactly ``reqs``, in that order,
+        once ``leaving`` (running requests about to finish) are removed; the engine's
+        asynchronous scheduling launches such a batch before it reads the tokens of the step
+        before. True when, without them, the running list is ``reqs`` (so none is prefilling), no
+        group waits to prefill or fork, and the head of the queue could not fit even with all of
+        their rows and pages free (an upper bound: pages shared with others are counted too)."""
+        gone = {id(r) for r in leaving}
+        rest = [r for r in self.running if id(r) not in gone]
+        if len(rest) != len(reqs) or any(a is not b for a, b in zip(rest, reqs)):
             return False
         if any(g.admitted for g in self.groups.values()):
             return False
-        return not self.waiting or not self._can_admit(self.waiting[0])
+        if not self.waiting:
+            return True
+        head = self.waiting[0]
+        group = self.groups.get(id(head))
+        rows = self.num_rows - len(leaving) + (len(group.members) if group else 1)
+        need = group.pages_needed() if group else pages_for(head.max_total_tokens)
+        freed = sum(len(r.pages) for r in leaving)
+        return rows > self.cfg.max_running or not self.pages.can_alloc(max(need - freed, 0))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

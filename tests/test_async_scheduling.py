@@ -85,6 +85,8 @@ def _compare(script: dict[int, list], eos: int | None = None, **cfg) -> tuple[En
     for key, sel in rec_s.selected.items():
         assert torch.equal(rec_a.selected[key], sel), key
     assert rec_a.fetch_checks > 0  # and every fetch handed attention the selected rows
+    if asyn.discarded_rows == 0:  # (a dropped row's step is a row larger in the async run)
+        assert rec_a.batch_sizes == rec_s.batch_sizes  # the scheduler's batches, step by step
     for eng in (sync, asyn):
         _assert_nothing_held(eng)
     assert sync.metrics()["decode_ahead_fraction"] == 0.0
@@ -124,6 +126,25 @@ def test_same_tokens_logits_and_selections_as_the_synchronous_loop(cfg) -> None:
     assert m["discarded_rows"] == 0.0  # only length finishes, which it never runs past
     logits_rows = [lg for d, _, lg in rec.logits if d]
     assert len(logits_rows) == eng.num_decode_steps
+
+
+def test_it_runs_ahead_past_requests_finishing_by_length() -> None:
+    """Requests of 5, 7, 9 and 11 tokens: each finishes when its last token is read, and the
+    step launched ahead meanwhile leaves it out (the batch the scheduler will run), so every
+    decode step but the first runs ahead, no row is dropped, and the batches are the
+    synchronous loop's."""
+    ps = _prompts(4, seed=10)
+    script = {0: [("add", f"r{i}", p, _params(max_tokens=5 + 2 * i)) for i, p in enumerate(ps)]}
+    # (prefill first: all four prefill, then decode together from the first decode step)
+    sync, rec_s = _engine(False, decode_during_prefill=False)
+    asyn, rec_a = _engine(True, decode_during_prefill=False)
+    assert _drive(sync, script) == _drive(asyn, script)
+    assert rec_a.batch_sizes == rec_s.batch_sizes == [4] * 5 + [3] * 2 + [2] * 2 + [1] * 2
+    m = asyn.metrics()
+    assert m["decode_ahead_fraction"] == 10 / 11 and m["discarded_rows"] == 0.0
+    for (_, _, lg_s), (_, _, lg_a) in zip(rec_s.logits, rec_a.logits):
+        assert torch.equal(lg_s, lg_a)
+    _assert_nothing_held(asyn)
 
 
 def test_the_same_logits_at_every_decode_step() -> None:
@@ -186,6 +207,17 @@ def test_a_waiting_request_that_does_not_fit_keeps_it_running_ahead() -> None:
     script = {0: [("add", f"r{i}", p, _params(max_tokens=8 + 3 * i)) for i, p in enumerate(ps)]}
     eng, _ = _compare(script, max_batch=2)
     assert eng.metrics()["decode_ahead_fraction"] >= 0.5
+
+
+def test_a_request_waiting_for_host_pages_is_admitted_when_a_finish_frees_them() -> None:
+    """The third request waits for host pages until the first finishes: the loop must not run
+    ahead past the step that frees them (the synchronous loop admits it there)."""
+    ps = _prompts(3, seed=11)
+    script = {0: [("add", f"r{i}", ps[i], _params(max_tokens=6 + 4 * i)) for i in range(3)]}
+    # pages: r0 70 + 6 tokens 2, r1 5 + 10 tokens 1, r2 140 + 14 tokens 3; the pool's 4 take
+    # r2 only once r0 has finished
+    eng, _ = _compare(script, host_tokens=64 * 4)
+    assert eng.metrics()["decode_ahead_fraction"] > 0.3
 
 
 @pytest.mark.parametrize(

@@ -152,3 +152,19 @@ def test_a_finish_releases_exactly_the_slots_of_its_pages(monkeypatch):
     want = torch.tensor([p * 64 + i for p in pages for i in range(64)])
     assert seen[0].dtype == torch.int64 and torch.equal(seen[0].cpu(), want)
     assert eng.cache.stats()["gpu_pool_usage"] == 0.0
+
+
+def test_a_finish_checks_the_pools_for_an_overflowed_recall():
+    """Every finish checks that no recall overflowed a GPU pool (a capacity-check bug): here a
+    count planted in one layer's meta makes the finishing step raise, naming it."""
+    from custom_ops import cache_layout as C
+
+    model, tok = tiny()
+    eng = Engine(model, model.config, tok, CFG)
+    eng.add_request("r", tok.encode(PROMPT), _params(max_tokens=3, ignore_eos=True))
+    eng.step()  # the prefill chunk
+    eng.step()  # a first token: nothing finished, nothing checked
+    eng.cache.layers[-1].pool.meta[C.OVERFLOW] = 2
+    eng.step()
+    with pytest.raises(RuntimeError, match="GPU pool overflow in 2 recall"):
+        eng.step()  # r's last token: its finish checks

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers every echo:: op this module calls)
+from custom_ops import cache_layout as C
 from custom_ops.backends import select as backends
 from custom_ops.backends.deep_gemm_ops import dg_paged_mqa_schedule, schedule_rows
 from custom_ops.backends.flashinfer_ops import ROW_STATES_BYTES
@@ -199,6 +200,14 @@ class KVCache(nn.Module):
                 layer.pool.totals.zero_()
             if layer.staging is not None:
                 layer.staging.totals.zero_()
+
+    def overflow(self) -> torch.Tensor:
+        """The recalls that overflowed a GPU pool, summed over layers: an int32 scalar on the
+        device, read without a host sync (0 without offloading)."""
+        words = [layer.pool.meta[C.OVERFLOW] for layer in self.layers if layer.pool is not None]
+        if not words:
+            return torch.zeros((), dtype=torch.int32, device=self.layers[0].host_kv.device)
+        return torch.stack(words).sum(dtype=torch.int32)
 
     def layer_stats(self) -> list[dict[str, float]]:
         """Per-layer GPU-pool statistics (one host sync; call between steps)."""
