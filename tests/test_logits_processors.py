@@ -26,7 +26,9 @@ def model():
 
 
 def _run(model, procs) -> dict[str, tuple[list[int], list[float]]]:
-    cfg = EngineConfig(max_batch=2, host_tokens=64 * 12, gpu_tokens=2 * model.config.index_topk)
+    # prefill first: both requests decode in every decode step (what `seen` checks)
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 12, gpu_tokens=2 * model.config.index_topk,
+                       decode_during_prefill=False)  # fmt: skip
     eng = Engine(model, model.config, None, cfg)
     eng.logits_processors.extend(procs)
     rng = random.Random(3)

@@ -145,8 +145,10 @@ def test_params_validation_names_the_field() -> None:
 
 # ---- through the tiny engine ---------------------------------------------------------------------
 def _cfg(offload: bool, n: int, topk: int) -> EngineConfig:
+    # prefill first: every request decodes from the first decode step on, in one batch
     return EngineConfig(max_batch=n, host_tokens=64 * 16, gpu_tokens=n * topk, offload=offload,
-                        max_model_len=192, prefill_chunk=64, device="cpu")  # fmt: skip
+                        max_model_len=192, prefill_chunk=64, device="cpu",
+                        decode_during_prefill=False)  # fmt: skip
 
 
 def test_engine_logit_bias_and_min_tokens() -> None:
