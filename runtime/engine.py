@@ -20,6 +20,7 @@ from runtime.model_runner import StepCompiler, build_runner
 from runtime.prefill_sharing import copy_rows, split_group
 from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
 from runtime.prompt_logprobs import PromptLogprob, prompt_logprobs
+from runtime.readback import PoolChecks, SampledStep, check_overflow, to_host
 from runtime.request import PAGE, Request, Status
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_controls import SamplingControls
@@ -45,27 +46,6 @@ class StepOutput:
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     # params.prompt_logprobs, on a request's first output: [None, entry of prompt token 1, ...]
     prompt_logprobs: list[PromptLogprob | None] | None = None
-
-
-@dataclass
-class SampledStep:
-    """A decode step whose tokens were sampled on the device and not read yet: the next step
-    launched ahead takes ``tokens`` as its input ids; ``host`` receives, per row, the token id,
-    its logprob and ``n_top`` alternatives' ids and logprobs (float64: token ids are exact),
-    copied without blocking the host; ``copied`` (CUDA) is recorded after that copy, so reading
-    waits for this step alone, not for the step launched after it."""
-
-    batch: ScheduledBatch
-    tokens: torch.Tensor  # int64 [n], on the device
-    host: torch.Tensor  # float64 [n, 2 + 2 n_top], pinned host memory on CUDA
-    n_top: int
-    copied: torch.cuda.Event | None
-    ahead: bool  # launched before the step before it was read
-    started: torch.cuda.Event | None  # (CUDA) recorded before the step's first input copy
-
-    def wait(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
 
 
 class Engine:
@@ -126,8 +106,7 @@ class Engine:
         # both as the GPU timed them; with asynchronous scheduling as without (metrics)
         self.gpu_idle_ms = 0.0
         self.gpu_idle_gaps = 0
-        # pending no-sync pool checks: (overflow count in pinned memory, event after its copy)
-        self._probes: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
+        self._pool_checks = PoolChecks()  # a finish's overflow check, read without a sync
         self._last_end: torch.cuda.Event | None = None  # the last read decode step's end
         # asynchronous scheduling (EngineConfig.async_scheduling): the decode step launched one
         # token ahead, before the tokens of the step before it were read (step())
@@ -176,9 +155,12 @@ class Engine:
         server's n choices, or best_of candidates) that share ONE prefill and the host slots of
         the prompt's full pages (runtime.prefill_sharing). Each sequence is then an ordinary
         request: its own id, seed, outputs, finish and abort. The result is what n separate
-        requests would give; a group larger than the decode rows the pools serve at once is split
-        into groups of at most that many, and a one-token prompt (nothing to prefill) makes
-        separate requests. All are refused, and none queued, if one is invalid."""
+        requests would give (decoded in the same batches: separate requests that take turns
+        with each other's prefill chunks start decoding at different steps, which may change
+        the last bits of batch-dependent matmuls); a group larger than the decode rows the
+        pools serve at once is split into groups of at most that many, and a one-token prompt
+        (nothing to prefill) makes separate requests. All are refused, and none queued, if one
+        is invalid."""
         if len(request_ids) != len(params) or not request_ids:
             raise ValueError("add_request_group needs one SamplingParams per request id")
         if len(set(request_ids)) != len(request_ids):
@@ -277,10 +259,8 @@ class Engine:
         if fl is not None and all(r.status is Status.FINISHED for r in fl.batch.requests):
             self.discarded_rows += len(fl.batch.requests)  # a step nobody is left to read
             self._in_flight = None
-            # waited for all the same: the next decode step may rewrite the pinned block table
-            # its inputs were copied from (ModelRunner._decode_block_table)
-            fl.wait()
-            self._last_end = fl.copied  # the device's last decode work (GPU idle, metrics)
+            # the device's last decode work (GPU idle, metrics; the next read waits for it)
+            self._last_end = fl.copied
         if self.keep_finished:
             self.finished_requests.append(req)
 
@@ -291,7 +271,7 @@ class Engine:
         self._gap_broken()
         try:
             if fl is not None:
-                fl.wait()  # (as _finish does; a failed device raises here, and is reset below)
+                fl.wait()  # (a failed device raises here, and is reset below)
         except Exception:  # noqa: BLE001
             pass
         try:
@@ -307,6 +287,7 @@ class Engine:
                             pass
         finally:
             self.cache.reset_pools()
+            self._pool_checks.clear()  # counts of the pools before the reset
 
     def reset_stats(self) -> None:
         """Zero the step/token counters and the pools' hit/recall totals, and forget finished
@@ -324,32 +305,10 @@ class Engine:
     def check_pools(self) -> None:
         """Raise if a recall ever had more misses than free GPU-pool rows. The scheduler's
         admission (B x topk <= N_G) makes this impossible; a non-zero count is a bug, and the
-        selections it dropped would have changed the output."""
-        self._overflow_is_zero(int(self.cache.overflow()))
-
-    @staticmethod
-    def _overflow_is_zero(count: int) -> None:
-        if count:
-            raise RuntimeError(f"GPU pool overflow in {count} recall(s): a capacity-check bug")
-
-    def _probe_pools(self) -> None:
-        """``check_pools`` without a host sync (a finish's check): the overflow count is copied
-        to pinned memory behind an event and checked by the first step read after the event has
-        passed (``_check_probes``), so the check does not wait for a step launched ahead."""
-        count = self.cache.overflow()
-        if not count.is_cuda:
-            self._overflow_is_zero(int(count))
-            return
-        host = torch.empty((), dtype=count.dtype, pin_memory=True)
-        host.copy_(count, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._probes.append((host, done))
-
-    def _check_probes(self) -> None:
-        while self._probes and self._probes[0][1].query():
-            host, _ = self._probes.popleft()
-            self._overflow_is_zero(int(host))
+        selections it dropped would have changed the output. (Each finish checks this too,
+        without a host sync: ``PoolChecks``.)"""
+        self._pool_checks.clear()  # the count only grows: this check covers theirs
+        check_overflow(int(self.cache.overflow()))
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -366,6 +325,7 @@ class Engine:
         batch = self._schedule()
         if batch is None:
             self._gap_broken()  # idle: the wait for work is no gap
+            self._pool_checks.drain()
             return []
         if not batch.is_decode:
             self._gap_broken()  # a prefill step between two decode steps: no gap counted
@@ -395,21 +355,16 @@ class Engine:
         """Launch a decode step of ``batch`` and sample it on the device; ``after``: the step it
         follows, whose tokens (each request's row of them) are its input ids, still on the
         device."""
-        started = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
         if after is not None:  # the device has `after` queued
-            ids = after.tokens
+            rows = None
             if batch.requests is not after.batch.requests:  # some left: their rows go
                 row = {id(r): i for i, r in enumerate(after.batch.requests)}
-                index = torch.tensor([row[id(r)] for r in batch.requests])
-                if self.device.type == "cuda":
-                    index = index.pin_memory().to(self.device, non_blocking=True)
-                ids = ids.index_select(0, index)
-            logits = self.runner.forward(batch, ids)
+                rows = [row[id(r)] for r in batch.requests]
+            logits = self.runner.forward(batch, after.tokens, rows)
         else:
             logits = self.runner.forward(batch)
+        # (CUDA) recorded before the step's first input copy (the GPU's idle time, metrics)
+        started = self.runner.decode_started
         if after is None and self._tokens_at is not None:
             self.host_gap_s += self.runner.decode_call_t - self._tokens_at
             self.host_gaps += 1
@@ -488,7 +443,7 @@ class Engine:
         """Read a decode step's tokens (the step's one host sync) and hand them to its requests;
         a request that finished after the step was launched (asynchronous scheduling) is
         skipped."""
-        toks, lps, tops = self._read(s)
+        toks, lps, tops = s.read()
         now = self._tokens_at = time.perf_counter()
         if self._last_end is not None and s.started is not None:
             # both have run (reading s waited for its end, which the GPU ran after its start)
@@ -528,9 +483,11 @@ class Engine:
                     r.prompt_logprobs_out() if len(r.output_ids) == 1 else None,
                 )
             )
-        self._check_probes()
+        self._pool_checks.poll()
         if any(o.finished for o in outs):
-            self._probe_pools()
+            self._pool_checks.add(self.cache.overflow())
+            if not self.scheduler.has_unfinished():
+                self._pool_checks.drain()  # going idle: nothing in flight to overlap
         self.decode_rows += len(outs)
         self.generated_tokens += len(outs)
         self._recent.append((now, len(outs)))
@@ -583,36 +540,8 @@ class Engine:
             # top-k / top-p (what a greedy row's own logprob is computed from)
             top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
             cols += [top.indices.double(), top.values.clamp(min=LOGPROB_FLOOR).double()]
-        packed = torch.cat(cols, 1)
-        copied = None
-        if packed.is_cuda:
-            # NOTE: not .tolist() at read time: a copy to pageable memory synchronises the whole
-            # stream, which would wait for the step launched ahead as well
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            copied = torch.cuda.Event(enable_timing=True)
-            copied.record()
-            packed = host
-        return SampledStep(batch, tok, packed, n_top, copied, ahead, started)
-
-    @staticmethod
-    def _read(
-        s: SampledStep,
-    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
-        """A sampled step's tokens, logprobs and top alternatives on the host: waits for that
-        step's copy (the step's one sync)."""
-        s.wait()
-        rows = s.host.tolist()
-        toks = [int(row[0]) for row in rows]
-        lps = [row[1] for row in rows]
-        if not s.n_top:
-            return toks, lps, [None] * len(rows)
-        tops = []
-        for row, r in zip(rows, s.batch.requests):
-            k = r.params.top_logprobs
-            ids, vs = row[2 : 2 + s.n_top], row[2 + s.n_top :]
-            tops.append([(int(i), v) for i, v in zip(ids[:k], vs[:k])] if k else None)
-        return toks, lps, tops
+        host, copied = to_host(torch.cat(cols, 1), timed=True)
+        return SampledStep(batch, tok, host, n_top, copied, ahead, started)
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:

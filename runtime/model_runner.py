@@ -110,6 +110,7 @@ class ModelRunner:
         self.decode_fn: Callable[..., torch.Tensor] = self.decode_step
         self.prefill_fn: Callable[..., torch.Tensor] = self.prefill_step
         self.decode_call_t = 0.0  # perf_counter() when the last decode step's function was called
+        self.decode_started: torch.cuda.Event | None = None  # see decode_inputs
         # (kind, buckets, compiled step) of every compiled step, for warm-up
         self.compiled: list[tuple[str, tuple[int, ...], CompiledStep]] = []
         if compiler is not None:
@@ -193,11 +194,18 @@ class ModelRunner:
         return bt
 
     def decode_inputs(
-        self, reqs: Sequence[Request], bucket: int, next_ids: torch.Tensor | None = None
+        self,
+        reqs: Sequence[Request],
+        bucket: int,
+        next_ids: torch.Tensor | None = None,
+        next_rows: Sequence[int] | None = None,
     ) -> StepInputs:
         """``next_ids``: the step runs one token ahead of the host (asynchronous scheduling):
-        each request's newest token is the one the step before sampled, ``next_ids[i]`` (int64
-        [len(reqs)] on the device, not read back yet), at position ``num_tokens``."""
+        each request's newest token is the one the step before sampled (int64 on the device, not
+        read back yet), ``next_ids[i]``, or ``next_ids[next_rows[i]]`` when the batch changed, at
+        position ``num_tokens``. On CUDA ``decode_started`` is then an event recorded once the
+        inputs are built on the host, before their first copy to the device (the GPU's idle time
+        between decode steps, Engine.metrics)."""
         n, ahead = len(reqs), int(next_ids is not None)
         # the newest token of each, not yet in the cache
         last = [r.num_tokens - 1 + ahead for r in reqs]
@@ -212,10 +220,16 @@ class ModelRunner:
         lens[:n] = pos[:n].to(torch.int32) + 1
         logits_idx = torch.arange(bucket, dtype=torch.int64)
         bt = self._decode_block_table(reqs, bucket)
-        inputs = self._to_device(ids, pos, slots, bt, lens, logits_idx)
+        extra = () if next_rows is None else (torch.tensor(next_rows, dtype=torch.int64),)
+        if self.device.type == "cuda":
+            self.decode_started = torch.cuda.Event(enable_timing=True)
+            self.decode_started.record()
+        (*inputs,) = self._to_device(ids, pos, slots, bt, lens, logits_idx, *extra)
         if next_ids is not None:
-            inputs[0][:n].copy_(next_ids)  # a device-side copy: no sync
-        return inputs
+            if next_rows is not None:
+                next_ids = next_ids.index_select(0, inputs.pop())
+            inputs[0][:n].copy_(next_ids)  # device-side: no sync
+        return tuple(inputs)
 
     def prefill_inputs(self, req: Request, start: int, end: int, bucket: int) -> StepInputs:
         n = end - start
@@ -290,14 +304,19 @@ class ModelRunner:
 
     # ---- forward -------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ScheduledBatch,
+        next_ids: torch.Tensor | None = None,
+        next_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Logits fp32 [len(batch.requests), V] (for prefill: of the chunk's last token; of all
-        its tokens, ``[n, V]``, for a request asking for ``prompt_logprobs``). ``next_ids``:
-        a decode step one token ahead of the host (``decode_inputs``)."""
+        its tokens, ``[n, V]``, for a request asking for ``prompt_logprobs``). ``next_ids``,
+        ``next_rows``: a decode step one token ahead, as ``decode_inputs`` takes them."""
         if batch.is_decode:
             n = len(batch.requests)
             bucket = next_bucket(n, self.decode_buckets)
-            inputs = self.decode_inputs(batch.requests, bucket, next_ids)
+            inputs = self.decode_inputs(batch.requests, bucket, next_ids, next_rows)
             self.decode_call_t = time.perf_counter()  # Engine's host gap (metrics)
             return self.decode_fn(*inputs)[:n]
         req = batch.requests[0]

@@ -60,12 +60,12 @@ class Recorder:
         self._ahead = 0  # 1: a decode step one token ahead of the host (asynchronous scheduling)
         forward = engine.runner.forward
 
-        def wrapped_forward(batch, next_ids=None):
+        def wrapped_forward(batch, *ahead):  # (next_ids, next_rows): a step run ahead
             self._batch = list(batch.requests) if batch.is_decode else []
-            self._ahead = int(next_ids is not None)
+            self._ahead = int(bool(ahead))
             if batch.is_decode:
                 self.batch_sizes.append(len(batch.requests))
-            out = forward(batch, next_ids)
+            out = forward(batch, *ahead)
             ids = [r.request_id for r in batch.requests]
             self.logits.append((batch.is_decode, ids, out.detach().cpu().clone()))
             return out

@@ -52,8 +52,8 @@ def drive(engine: Engine, steps: int = 12) -> list[torch.Tensor]:
     logs: list[torch.Tensor] = []
     fwd = engine.runner.forward
 
-    def rec(batch, *next_ids):  # (next_ids: a step run ahead, EngineConfig.async_scheduling)
-        out = fwd(batch, *next_ids)
+    def rec(batch, *ahead):  # (next_ids, next_rows: a step run ahead, async_scheduling)
+        out = fwd(batch, *ahead)
         if batch.is_decode:
             logs.append(out.clone())
         return out

@@ -112,6 +112,8 @@ def test_asynchronous_scheduling_under_cuda_graphs():
         eng.step()
         if eng._in_flight is not None:
             running.append(not eng._in_flight.copied.query())
+    # (most, not all: the tiny model's step is short, and the host's work between two of them
+    # is not always shorter)
     assert len(running) > 30 and sum(running) > 0.5 * len(running), running
     torch.cuda.synchronize()
     assert counters["inductor"]["cudagraph_skips"] == 0

@@ -203,10 +203,10 @@ class KVCache(nn.Module):
 
     def overflow(self) -> torch.Tensor:
         """The recalls that overflowed a GPU pool, summed over layers: an int32 scalar on the
-        device, read without a host sync (0 without offloading)."""
+        pools' device, taken without a host sync (a 0 on the CPU without offloading)."""
         words = [layer.pool.meta[C.OVERFLOW] for layer in self.layers if layer.pool is not None]
-        if not words:
-            return torch.zeros((), dtype=torch.int32, device=self.layers[0].host_kv.device)
+        if not words:  # no pool (GPU-only): nothing to read from the device
+            return torch.zeros((), dtype=torch.int32)
         return torch.stack(words).sum(dtype=torch.int32)
 
     def layer_stats(self) -> list[dict[str, float]]:
