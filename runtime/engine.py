@@ -102,8 +102,8 @@ class Engine:
         self.host_gaps = 0
         self._tokens_at: float | None = None  # when the last decode step's tokens arrived
         # The device's idle time between back-to-back decode steps (CUDA): from the end of a
-        # step (its tokens' copy to the host) to the start of the next (its first input copy),
-        # both as the GPU timed them; with asynchronous scheduling as without (metrics)
+        # step (its tokens' copy to the host) to the start of the next (recorded once its inputs
+        # are built on the host), both as the GPU timed them; in either loop (metrics)
         self.gpu_idle_ms = 0.0
         self.gpu_idle_gaps = 0
         self._pool_checks = PoolChecks()  # a finish's overflow check, read without a sync
