@@ -368,7 +368,9 @@ class Engine:
         if after is None and self._tokens_at is not None:
             self.host_gap_s += self.runner.decode_call_t - self._tokens_at
             self.host_gaps += 1
-        return self._sample(batch, logits, ahead=after is not None, started=started)
+        # the rows' newest tokens, not on the host yet (None: on the host)
+        pending = None if after is None else self.runner.decode_next_ids
+        return self._sample(batch, logits, pending=pending, started=started)
 
     def _run_ahead(self, s: SampledStep) -> ScheduledBatch | None:
         """The decode batch to launch before ``s``'s tokens are read, or None to read them
@@ -376,11 +378,11 @@ class Engine:
         still running, less those whose token in flight is their last by length (they finish
         when it is read; a request that finished on EOS, a stop string or an abort since is gone
         already), when the scheduler would run exactly those (``Scheduler.repeats``: no
-        admission, no prefill). None when a request uses what reads its tokens on the host
-        (penalties and the other sampling controls, a grammar) or the engine has logits
-        processors, and with ``async_scheduling`` off. A request that finishes on EOS or a stop
-        string while the step after it runs leaves a row there that is dropped
-        (``discarded_rows``)."""
+        admission, no prefill). None when a request has a grammar or the engine has logits
+        processors (they read the tokens on the host), and with ``async_scheduling`` off; the
+        penalties and the other sampling controls count the token in flight on the device. A
+        request that finishes on EOS or a stop string while the step after it runs leaves a row
+        there that is dropped (``discarded_rows``)."""
         if not self.config.async_scheduling or self.logits_processors:
             return None
         reqs, leaving = [], []
@@ -388,7 +390,7 @@ class Engine:
             p = r.params
             if r.status is not Status.RUNNING:
                 continue
-            if p.has_controls or p.grammar is not None:
+            if p.grammar is not None:
                 return None
             # the token in flight is the (len + 1)-th: its last if that is max_tokens
             (leaving if len(r.output_ids) + 2 > p.max_tokens else reqs).append(r)
@@ -497,12 +499,13 @@ class Engine:
         self,
         batch: ScheduledBatch,
         logits: torch.Tensor,
-        ahead: bool = False,
+        pending: torch.Tensor | None = None,
         started: torch.cuda.Event | None = None,
     ) -> SampledStep:
-        """Sample a decode step's tokens on the device (no host sync); ``ahead``: the step is one
-        token ahead of the requests' host-side lists (``_decode``)."""
-        reqs = batch.requests
+        """Sample a decode step's tokens on the device (no host sync); ``pending``: the step is
+        one token ahead of the requests' host-side lists (``_decode``), their newest tokens
+        (int64 [len(batch.requests)] on the device)."""
+        reqs, ahead = batch.requests, pending is not None
         sb = prepare_batch(
             [r.params for r in reqs],
             [self._seeds[r.request_id] for r in reqs],
@@ -512,7 +515,7 @@ class Engine:
         # The grammar's mask first: min_p is relative to the best token the grammar allows (after
         # it, a row whose allowed tokens min_p had all dropped was all -inf: NaN, token 0). The
         # other controls leave a masked -inf at -inf, so for them the order does not matter.
-        logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()))
+        logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()), pending)
         for proc in self.logits_processors:
             out = proc(reqs, logits)
             if not isinstance(out, torch.Tensor) or out.shape != logits.shape:

@@ -111,6 +111,7 @@ class ModelRunner:
         self.prefill_fn: Callable[..., torch.Tensor] = self.prefill_step
         self.decode_call_t = 0.0  # perf_counter() when the last decode step's function was called
         self.decode_started: torch.cuda.Event | None = None  # see decode_inputs
+        self.decode_next_ids: torch.Tensor | None = None  # see decode_inputs
         # (kind, buckets, compiled step) of every compiled step, for warm-up
         self.compiled: list[tuple[str, tuple[int, ...], CompiledStep]] = []
         if compiler is not None:
@@ -205,7 +206,8 @@ class ModelRunner:
         read back yet), ``next_ids[i]``, or ``next_ids[next_rows[i]]`` when the batch changed, at
         position ``num_tokens``. On CUDA ``decode_started`` is then an event recorded once the
         inputs are built on the host, before their first copy to the device (the GPU's idle time
-        between decode steps, Engine.metrics)."""
+        between decode steps, Engine.metrics), and ``decode_next_ids`` the rows' input ids
+        taken from ``next_ids`` ([len(reqs)] on the device; None without ``next_ids``)."""
         n, ahead = len(reqs), int(next_ids is not None)
         # the newest token of each, not yet in the cache
         last = [r.num_tokens - 1 + ahead for r in reqs]
@@ -229,6 +231,7 @@ class ModelRunner:
             if next_rows is not None:
                 next_ids = next_ids.index_select(0, inputs.pop())
             inputs[0][:n].copy_(next_ids)  # device-side: no sync
+        self.decode_next_ids = next_ids
         return tuple(inputs)
 
     def prefill_inputs(self, req: Request, start: int, end: int, bucket: int) -> StepInputs:

@@ -45,7 +45,16 @@ class SamplingControls:
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool: in the prompt
         self.slots: dict[str, tuple[int, int]] = {}  # request id -> (slot, outputs counted)
 
-    def __call__(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        requests: Sequence[Request],
+        logits: torch.Tensor,
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``pending``: the step runs one token ahead of the requests' lists (the engine's
+        asynchronous scheduling): each request's newest token, int64 [len(requests)] on the
+        device, is not in its ``output_ids`` yet; it is counted here, on the device, and
+        ``min_tokens`` counts it too."""
         rows = [i for i, r in enumerate(requests) if r.params.has_controls]
         live = {requests[i].request_id for i in rows}
         for rid in [k for k in self.slots if k not in live]:
@@ -53,19 +62,28 @@ class SamplingControls:
         if not rows:
             return logits
         reqs = [requests[i] for i in rows]
-        slots = self._update(reqs, logits.shape[1], logits.device)
+        index = _to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
+        newest = None if pending is None else pending.index_select(0, index)
+        slots = self._update(reqs, logits.shape[1], logits.device, newest)
         x = self.apply(
             logits[rows],
             self.counts[slots],
             self.in_prompt[slots],
             reqs,
+            ahead=int(pending is not None),
         )
-        index = _to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
         return logits.index_put((index,), x)
 
     # ---- state -----------------------------------------------------------------------------
-    def _update(self, reqs: list[Request], vocab: int, device: torch.device) -> torch.Tensor:
-        """Slots of ``reqs``, their counts brought up to date; [A] int64 on the device."""
+    def _update(
+        self,
+        reqs: list[Request],
+        vocab: int,
+        device: torch.device,
+        newest: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Slots of ``reqs``, their counts brought up to date; [A] int64 on the device.
+        ``newest``: each one's token not in its lists yet ([A] on the device), counted too."""
         self._reserve(sum(r.request_id not in self.slots for r in reqs), vocab, device)
         assert self.counts is not None and self.in_prompt is not None
         used = {s for s, _ in self.slots.values()}
@@ -81,7 +99,8 @@ class SamplingControls:
             new = r.output_ids[seen:]
             tok_slots += [slot] * len(new)
             toks += new
-            self.slots[r.request_id] = (slot, len(r.output_ids))
+            # (the token ``newest`` counts is its next output: not to be counted again)
+            self.slots[r.request_id] = (slot, len(r.output_ids) + (newest is not None))
             slot_of.append(slot)
         if fresh:
             f = _to_device(torch.tensor(fresh, dtype=torch.int64), device)
@@ -95,7 +114,11 @@ class SamplingControls:
             idx = _to_device(torch.tensor([tok_slots, toks], dtype=torch.int64), device)
             ones = torch.ones(idx.shape[1], dtype=torch.int32, device=device)
             self.counts.index_put_((idx[0], idx[1]), ones, accumulate=True)
-        return _to_device(torch.tensor(slot_of, dtype=torch.int64), device)
+        slot_t = _to_device(torch.tensor(slot_of, dtype=torch.int64), device)
+        if newest is not None:
+            ones = torch.ones(len(slot_of), dtype=torch.int32, device=device)
+            self.counts.index_put_((slot_t, newest), ones, accumulate=True)
+        return slot_t
 
     def _reserve(self, n: int, vocab: int, device: torch.device) -> None:
         """Room for ``n`` more slots (doubling, so a growing batch reallocates log-many times)."""
@@ -122,9 +145,11 @@ class SamplingControls:
         counts: torch.Tensor,
         in_prompt: torch.Tensor,
         reqs: Sequence[Request],
+        ahead: int = 0,
     ) -> torch.Tensor:
         """The controls on rows ``x`` [A, V] fp32 of ``reqs``, given their generated-token
-        ``counts`` [A, V] int32 and prompt membership ``in_prompt`` [A, V] bool."""
+        ``counts`` [A, V] int32 and prompt membership ``in_prompt`` [A, V] bool; ``ahead``: each
+        has that many outputs more than its list holds (asynchronous scheduling)."""
         ps = [r.params for r in reqs]
         host = torch.tensor(
             [
@@ -146,7 +171,7 @@ class SamplingControls:
         masked = [
             (i, t)
             for i, r in enumerate(reqs)
-            if len(r.output_ids) < r.params.min_tokens
+            if len(r.output_ids) + ahead < r.params.min_tokens
             for t in ([] if self.eos is None or r.params.ignore_eos else [self.eos])
             + list(r.params.stop_token_ids)
         ]

@@ -223,16 +223,27 @@ def test_a_request_waiting_for_host_pages_is_admitted_when_a_finish_frees_them()
 @pytest.mark.parametrize(
     "extra",
     [
-        {"presence_penalty": 0.5},  # penalties count the tokens on the host
-        {"min_tokens": 3},  # a sampling control
+        {"presence_penalty": 0.5, "frequency_penalty": 0.7},
+        {"repetition_penalty": 1.3},
+        {"min_tokens": 5, "ignore_eos": False},  # holds EOS back: counts the token in flight
+        {"logit_bias": {17: 3.0}, "min_p": 0.05},
     ],
+    ids=["presence-frequency", "repetition", "min-tokens", "bias-min-p"],
 )
-def test_requests_whose_sampling_reads_their_tokens_run_synchronously(extra) -> None:
-    ps = _prompts(2, seed=5)
-    params = [_params(max_tokens=8, temperature=0.9, seed=2, **extra), _params(max_tokens=8)]
+def test_sampling_controls_run_ahead_counting_the_token_in_flight(extra) -> None:
+    """Penalties count every generated token; the step run ahead counts its newest one (not on
+    the host yet) on the device, and min_tokens counts it too: the same tokens and logprobs as
+    the synchronous loop, sampled and greedy, with EOS at the model's own id."""
+    ps = _prompts(3, seed=5)
+    params = [
+        _params(max_tokens=10, temperature=0.9, seed=2, logprobs=True, **extra),
+        _params(max_tokens=8, logprobs=True, **extra),
+        _params(max_tokens=9),  # no controls beside them
+    ]
     script = {0: [("add", f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, params))]}
-    eng, _ = _compare(script)
-    assert eng.metrics()["decode_ahead_fraction"] == 0.0
+    eos = None if "min_tokens" not in extra else _engine(False)[0].model_config.eos_token_id
+    eng, _ = _compare(script, eos=eos)
+    assert eng.metrics()["decode_ahead_fraction"] > 0.5
 
 
 def test_a_logits_processor_runs_synchronously() -> None:
