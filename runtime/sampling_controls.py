@@ -5,7 +5,9 @@ The token counts the penalties need are kept on the device: one ``[V]`` int32 ro
 a slot buffer, updated each step from the tokens the request gained since (usually one), so a step
 moves a few ints to the device, not the whole history. A request's slot is freed once a decode
 step runs without it (finished, aborted, or paused), and rebuilt from its host-side token lists if
-it comes back, so the state can never go stale or leak.
+it comes back, so the state can never go stale or leak. A step launched one token ahead (the
+engine's asynchronous scheduling) passes each row's newest token as a device tensor: it is counted
+on the device, and the host list's copy of it is skipped when it arrives.
 
 No host syncs: the host only reads its own lists and parameters; every tensor op is batched over
 the rows that use a control (rows that use none are untouched, and a batch with none costs
