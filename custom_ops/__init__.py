@@ -18,4 +18,5 @@ from custom_ops import (  # noqa: F401  (registers the echo:: ops)
     indexer,
     prefetch,
     prefill,
+    prefill_gather,
 )

@@ -93,15 +93,28 @@ def _logits_kernel(
     BT: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    qq = tl.program_id(0) * BQ + tl.arange(0, BQ)
-    tt = tl.program_id(1) * BT + tl.arange(0, BT)
+    _logits_tile(
+        tl.program_id(0), tl.program_id(1), q_ptr, w_ptr, kv_ptr, ks_ptr, bt_ptr, pos_ptr,
+        score_ptr, Q, L, n_heads, BQ, BT, STAGES,
+    )  # fmt: skip
+
+
+@triton.jit
+def _logits_tile(
+    q_tile, t_tile, q_ptr, w_ptr, kv_ptr, ks_ptr, bt_ptr, pos_ptr, score_ptr, Q, L, n_heads,
+    BQ: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """One ``[BQ, BT]`` tile of scores (``_logits_kernel``'s arguments; also called by the fused
+    gather kernel of custom_ops/prefill_gather_kernels.py)."""
+    qq = q_tile * BQ + tl.arange(0, BQ)
+    tt = t_tile * BT + tl.arange(0, BT)
     qm = qq < Q
     tm = tt < L
     pos = tl.load(pos_ptr + qq, mask=qm, other=-1)  # padded query rows see nothing
     p_max = tl.max(pos, 0)
     out = score_ptr + qq[:, None].to(tl.int64) * L + tt[None, :]
     om = qm[:, None] & tm[None, :]
-    if tl.program_id(1) * BT <= p_max:
+    if t_tile * BT <= p_max:
         dd = tl.arange(0, _DIM)
         live = tm & (tt <= p_max)
         page = tl.load(bt_ptr + tt // _PAGE, mask=live, other=0).to(tl.int64)

@@ -58,6 +58,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "between two chunks of a long prompt)",
     )
     p.add_argument(
+        "--no-prefill-buffer",
+        action="store_true",
+        help="prefill copies only the rows its queries select from the host pool instead of "
+        "keeping the prompt on the device (saves max_model_len rows a layer)",
+    )
+    p.add_argument(
         "--async-scheduling",
         action="store_true",
         help="launch the next decode step before reading the last one's tokens (one process)",
@@ -96,6 +102,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         collective_timeout_s=a.collective_timeout,
         async_scheduling=a.async_scheduling,
         decode_during_prefill=not a.prefill_first,
+        prefill_buffer=not a.no_prefill_buffer,
     )
     if a.device:
         opts["device"] = a.device
@@ -200,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
         help="--quant fp8: weights dequantised at load (bf16) or kept FP8",
     )
     pl.add_argument("--no-offload", action="store_true")
+    pl.add_argument("--no-prefill-buffer", action="store_true", help="as serve's flag")
     pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
     pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
     pl.add_argument("--host-mem-gib", type=float, default=None, help="per node; unchecked if unset")
@@ -287,7 +295,8 @@ def _run(a: argparse.Namespace) -> int:
         dp, tp = a.dp or a.gpus, a.tp or a.gpus
         ep = tp if a.ep else 1
         eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
-                          a.kv_format, not a.no_offload, a.max_model_len, ep)  # fmt: skip
+                          a.kv_format, not a.no_offload, a.max_model_len, ep,
+                          not a.no_prefill_buffer)  # fmt: skip
         mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
         plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights)
         print(plan.table())

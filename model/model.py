@@ -30,7 +30,6 @@ from custom_ops import prefill as _prefill_ops  # noqa: F401  (registers the ech
 from custom_ops.cache.kv_cache import KVCache, LayerKV
 from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.kv_format import (
-    PAGE,
     pack_index_k,
     pack_kv_rows,
 )
@@ -245,16 +244,11 @@ class MLA(nn.Module):
 
         The context is every position the block table covers (``P * 64``; the ops mask each
         query's positions past its own, so no host read of seq_len is needed)."""
-        bt = meta.block_table
-        n = bt.shape[1] * PAGE
-        pos_all = torch.arange(n, device=bt.device)
-        slots_all = bt[0, pos_all // PAGE].long() * PAGE + pos_all % PAGE  # [L] host slots
-        rows = cache_layer.read(slots_all, pos_all)  # [L, row] uint8, by position
-        # [T, topk] int32 positions, -1 pad; the scores by the cache's kernel_backend
-        sel = torch.ops.echo.prefill_indexer_topk(
-            q_idx.view(torch.uint8), w_idx, cache_layer.index_k, bt, meta.positions,
-            self.index_topk, logits_backend=cache_layer.prefill_logits(q_idx),
-        )  # fmt: skip
+        # [T, topk] int32 positions (-1 pad), the scores by the cache's kernel_backend, and the
+        # request's rows by position [L, row] uint8 (every selected one: LayerKV.prefill_select)
+        sel, rows = cache_layer.prefill_select(
+            q_idx.view(torch.uint8), w_idx, meta.block_table, meta.positions
+        )
         w = self.kv_b_weight().view(self.n_heads, -1, self.kv_lora_rank)  # [H, nope+v, 512]
         w_uk = w[:, : self.qk_nope_head_dim]  # [H, nope, 512]
         w_uv = w[:, self.qk_nope_head_dim :]  # [H, v, 512]

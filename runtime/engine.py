@@ -581,4 +581,7 @@ class Engine:
             "prefetched_per_step": pool["prefetched_per_step"],
             "prefetch_precision": pool["prefetch_precision"],
             "prefetch_coverage": pool["prefetch_coverage"],
+            # prefill without the device buffer (EngineConfig.prefill_buffer=False)
+            "prefill_host_rows": pool["prefill_host_rows"],
+            "prefill_copy_overlap": pool["prefill_copy_overlap"],
         }

@@ -86,6 +86,11 @@ class EngineConfig:
     # depend on them, so the host's work between steps overlaps the device's (Engine.step; one
     # process only)
     async_scheduling: bool = False
+    # keep the prompt being prefilled on the device (max_model_len rows a layer, in both modes so
+    # both compile the same prefill graph); False: each chunk copies from the host pool only the
+    # rows its queries select, under the indexer's scoring (docs/prefetch.md, "Prefill"), and
+    # that memory is saved
+    prefill_buffer: bool = True
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -125,6 +130,8 @@ class EngineConfig:
             raise ValueError(
                 f"decode_during_prefill must be True or False, got {self.decode_during_prefill!r}"
             )
+        if not isinstance(self.prefill_buffer, bool):
+            raise ValueError(f"prefill_buffer must be True or False, got {self.prefill_buffer!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"
@@ -203,7 +210,7 @@ class EngineConfig:
             max_batch=self.max_batch,
             # the prefill buffer in BOTH modes, so that offloading and GPU-only compile the same
             # prefill graph (CacheConfig.prefill_tokens); whole pages, as the block table reads
-            prefill_tokens=pages_for(max_len) * PAGE,
+            prefill_tokens=pages_for(max_len) * PAGE if self.prefill_buffer else 0,
             kernel_backend=self.kernel_backend,
             index_heads=model_config.index_n_heads,
             prefetch=self.prefetch,

@@ -42,6 +42,14 @@ class ServerMetrics:
             "echo_decode_ahead_fraction",
             "Share of decode steps launched before the last step's tokens were read",
         ),
+        "prefill_host_rows": (
+            "echo_prefill_host_rows",
+            "KV rows prefill copied from the host pool, over all layers (no prefill buffer)",
+        ),
+        "prefill_copy_overlap": (
+            "echo_prefill_copy_overlap",
+            "Share of those rows copied while a later query block was being scored",
+        ),
     }
     VLLM_GAUGES = {  # engine.metrics() key -> vLLM name
         "running": ("vllm:num_requests_running", "Requests being decoded"),

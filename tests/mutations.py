@@ -89,6 +89,27 @@ MUTATIONS = [
         ("tests/test_prefill_ops.py::test_prefill_logits_kernel_matches_reference",),
     ),
     Mutation(
+        "prefill gather: a row copied again for every query that selects it",
+        "custom_ops/prefill_gather_kernels.py",
+        "go = live & (old == 0)",
+        "go = live",
+        ("tests/test_prefill_gather.py::test_kernel_matches_reference",),
+    ),
+    Mutation(
+        "prefill gather: the last query block's rows never copied",
+        "custom_ops/prefill_gather_kernels.py",
+        "cp.launch(prev, 1)  # the last block's rows: the guaranteed recall",
+        "pass",
+        ("tests/test_prefill_gather.py::test_kernel_matches_reference",),
+    ),
+    Mutation(
+        "prefill gather reference: the host row of the next slot",
+        "custom_ops/prefill_gather.py",
+        "rows[mark] = host_kv[slots[mark]].to(sel.device)",
+        "rows[mark] = host_kv[slots[mark] + 1].to(sel.device)",
+        ("tests/test_prefill_gather.py::test_engine_without_prefill_buffer_is_lossless",),
+    ),
+    Mutation(
         "stop string: one character too few held back",
         "runtime/tokenizer.py",
         "for n in range(min(len(s) - 1, len(buf)), longest, -1):",

@@ -1,10 +1,14 @@
-"""The correctness logic of two H200 benchmarks, on CPU: the sampling contract check of
-benchmarks/bench_sampling_backends.py and the selections of benchmarks/bench_prefill_overlap.py."""
+"""The correctness logic of three H200 benchmarks, on CPU: the sampling contract check of
+benchmarks/bench_sampling_backends.py, the selections of benchmarks/bench_prefill_overlap.py and
+benchmarks/bench_prefill_gather.py's dry run."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from benchmarks import bench_prefill_gather as gather
 from benchmarks import bench_prefill_overlap as overlap
 from benchmarks import bench_sampling_backends as sampling
 
@@ -33,3 +37,13 @@ def test_overlap_selections_are_what_their_names_say():
     assert (sel["shared"] == sel["shared"][0]).all()
     assert torch.equal(sel["sliding"][1:, :-1], sel["sliding"][:-1, 1:])  # shifted by one row
     assert not (sel["independent"] == sel["independent"][0]).all()
+
+
+def test_prefill_gather_dry_run_checks_the_op_and_records_every_part(tmp_path):
+    out = tmp_path / "g.json"
+    assert gather.main(["--dry-run", "--copy-progs", "4", "--out", str(out)]) == 0
+    (size,) = json.loads(out.read_text())["sizes"]
+    assert size["check"] is True and size["blocks"] >= 3
+    assert 0 < size["rows_late"] < size["rows_selected"] <= size["ctx"]
+    assert set(size["ms"]) == {"indexer", "buffer_read", "dense_host", "gather_after",
+                               "copy_all", "copy_late", "gather_fused[4]"}  # fmt: skip

@@ -228,3 +228,19 @@ def test_bench_on_cpu_refuses_the_full_size_model(capsys, monkeypatch):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--preset bench needs a CUDA device" in err and "--preset tiny" in err
+
+
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_engine_flags_reach_the_engine_options(cmd):
+    """Each scheduling and memory flag sets its EngineConfig field (defaults otherwise)."""
+    parse = cli._parser().parse_args
+    base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
+    opts = cli._engine_options(parse([cmd, *base]))
+    assert (opts["prefill_buffer"], opts["decode_during_prefill"], opts["async_scheduling"]) == (
+        True, True, False,
+    )  # fmt: skip
+    flags = ["--no-prefill-buffer", "--prefill-first", "--async-scheduling"]
+    opts = cli._engine_options(parse([cmd, *base, *flags]))
+    assert (opts["prefill_buffer"], opts["decode_during_prefill"], opts["async_scheduling"]) == (
+        False, False, True,
+    )  # fmt: skip

@@ -161,19 +161,22 @@ def test_compiled_prefill_chunk(tiny):
     torch.testing.assert_close(out, ref, rtol=0, atol=5e-2 * float(ref.abs().max()))
 
 
-def test_compiled_prefill_graph_is_the_same_with_and_without_offload(tiny):
+@pytest.mark.parametrize("prefill_buffer", [True, False])
+def test_compiled_prefill_graph_is_the_same_with_and_without_offload(tiny, prefill_buffer):
     """Offloading and GPU-only hand Inductor the same ATen graph for a prefill chunk (issue 13
     item 0: reading the context from the prefill buffer in one mode and from the pool in the
     other gave two graphs, which Inductor fused differently: last bits differed, and top-k
     near-ties then changed the tokens on the GPU). The modes differ only in the pool behind the
-    opaque echo::offload op. Traced to ATen only: Inductor would take minutes here."""
+    opaque echo::offload op (and, without the prefill buffer, the host pool that
+    echo::prefill_indexer_topk_gather reads). Traced to ATen only: Inductor would take minutes
+    here."""
     from torch._dynamo.backends.common import aot_autograd
 
     from echo_compile.compiled import _own_code
 
     graphs = {}
     for offload in (True, False):
-        eng = make_engine(tiny, offload, kv_format="fp8")
+        eng = make_engine(tiny, offload, kv_format="fp8", prefill_buffer=prefill_buffer)
         codes: list[str] = []
 
         def keep(gm, example_inputs, codes=codes):
@@ -190,7 +193,12 @@ def test_compiled_prefill_graph_is_the_same_with_and_without_offload(tiny):
             step(*eng.runner.padding_inputs(False, 64))
         graphs[offload] = codes
     assert len(graphs[True]) == 1
-    assert "echo.offload" in graphs[True][0] and "index_copy" in graphs[True][0]  # the buffer
+    code = graphs[True][0]
+    assert "echo.offload" in code
+    if prefill_buffer:
+        assert "index_copy" in code and "prefill_indexer_topk_gather" not in code
+    else:
+        assert "index_copy" not in code and "prefill_indexer_topk_gather" in code
     diff = difflib.unified_diff(graphs[True][0].splitlines(), graphs[False][0].splitlines())
     assert graphs[True] == graphs[False], "\n".join(list(diff)[:40])
 

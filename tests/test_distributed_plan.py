@@ -65,6 +65,10 @@ def test_v32_plans_on_8_h200():
     kept = memory_plan(v32_config("fp8"), eng, gpu_mem_gib=139.8, fp8_weights="fp8")
     assert not kept.problems(), kept.table()  # FP8-resident shards fit on 8 x H200
     assert kept.gpu_gib["weights"] < 0.6 * fp8.gpu_gib["weights"]
+    # without the prefill buffer (163840 fp8 rows a layer) its 6 GiB go elsewhere
+    lean = plan_engine(8, 8, 200_000, 1 << 21, 64, prefill_buffer=False)
+    lean_awq = memory_plan(v32_config("awq"), lean, gpu_mem_gib=139.8)
+    assert lean_awq.gpu_gib["prefill buffer"] == 0 and 5.5 < awq.gpu_gib["prefill buffer"] < 6.5
     small_host = memory_plan(v32_config("awq"), eng, gpu_mem_gib=139.8, host_mem_gib=100)
     with pytest.raises(ValueError, match="host KV pools need"):
         small_host.check()
@@ -73,6 +77,8 @@ def test_v32_plans_on_8_h200():
 def test_plan_command(capsys):
     assert cli_main(["plan", "--quant", "awq"]) == 0
     assert "fits" in capsys.readouterr().out
+    assert cli_main(["plan", "--quant", "awq", "--no-prefill-buffer"]) == 0
+    assert "prefill buffer        0.00 GiB" in capsys.readouterr().out
     assert cli_main(["plan", "--quant", "fp8"]) == 2
     assert "the plan does not fit" in capsys.readouterr().err
     assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8"]) == 0

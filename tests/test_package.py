@@ -19,6 +19,7 @@ ECHO_OPS = (
     "w4a16_linear_p", "moe_w4a16_p", "fp8_linear",
     "moe_fp8",
     "indexer_topk_prefetch", "recall_staged",
+    "prefill_indexer_topk", "sparse_mla_prefill", "prefill_indexer_topk_gather",
 )  # fmt: skip
 
 

@@ -3,9 +3,11 @@ and (when offloading) the GPU pool that caches recently selected rows.
 
 The model calls four methods per layer and never knows whether offloading is on:
 ``store`` (echo::offload), ``select`` (echo::indexer_topk), ``fetch`` (echo::recall, or the
-device-resident pool itself when offloading is off) and ``read`` (prefill's gather of a request's
-rows). Every tensor here is a module buffer allocated once, so torch.compile treats it as static
-and CUDA graphs replay over it; each layer has buffers of its own (views of one shared base would
+device-resident pool itself when offloading is off) and ``prefill_select`` (a prefill chunk's
+selections and the request's rows they read: from the device prefill buffer, or, without one,
+the selected rows alone from the host pool by echo::prefill_indexer_topk_gather). Every tensor
+here is a module buffer allocated once, so torch.compile treats it as static and CUDA graphs
+replay over it; each layer has buffers of its own (views of one shared base would
 make Inductor clone the whole base, docs/graph_notes.md).
 """
 
@@ -72,6 +74,11 @@ class LayerKV(nn.Module):
             self.prefill_kv = torch.zeros(
                 cfg.prefill_tokens + 1, cfg.row_bytes, dtype=torch.uint8, device=device
             )
+        # without the buffer: the host rows prefill read, copied under a later block's scoring
+        # and after the last one (echo::prefill_indexer_topk_gather's ``copied``), summed
+        self.register_buffer(
+            "prefill_copied", torch.zeros(2, dtype=torch.int64, device=device), persistent=False
+        )
 
     def store(
         self,
@@ -108,6 +115,34 @@ class LayerKV(nn.Module):
         """``echo::prefill_indexer_topk``'s ``logits_backend`` for this chunk's queries
         ``[T, Hi, 128]`` (from static shapes: a constant of the traced chunk bucket)."""
         return backends.prefill_logits_backend(self.prefill_plan, q_fp8.shape[0], q_fp8.shape[1])
+
+    def prefill_select(
+        self,
+        q_fp8: torch.Tensor,  # [T, Hi, 128] uint8 (e4m3 bytes)
+        weights: torch.Tensor,  # [T, Hi] fp32
+        block_table: torch.Tensor,  # [1, P] int32: the request's pages
+        positions: torch.Tensor,  # [T] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's selections ``[T, topk]`` (token positions, -1 pad) and the
+        request's rows ``[P * 64, row]`` by position, the same bytes at every selected position
+        either way: the device prefill buffer's, or without it the selected rows alone, copied
+        from the host pool while the indexer scores (docs/prefetch.md, "Prefill")."""
+        backend = self.prefill_logits(q_fp8)
+        if self.prefill_kv is None:
+            sel, rows, copied = torch.ops.echo.prefill_indexer_topk_gather(
+                q_fp8, weights, self.index_k, block_table, positions, self.topk, self.host_kv,
+                logits_backend=backend,
+            )  # fmt: skip
+            self.prefill_copied.add_(copied)
+            return sel, rows
+        n = block_table.shape[1] * PAGE
+        pos_all = torch.arange(n, device=block_table.device)
+        slots_all = block_table[0, pos_all // PAGE].long() * PAGE + pos_all % PAGE
+        rows = self.read(slots_all, pos_all)
+        sel = torch.ops.echo.prefill_indexer_topk(
+            q_fp8, weights, self.index_k, block_table, positions, self.topk, logits_backend=backend
+        )
+        return sel, rows
 
     def fetch(self, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pool is None:
@@ -200,6 +235,7 @@ class KVCache(nn.Module):
                 layer.pool.totals.zero_()
             if layer.staging is not None:
                 layer.staging.totals.zero_()
+            layer.prefill_copied.zero_()
 
     def overflow(self) -> torch.Tensor:
         """The recalls that overflowed a GPU pool, summed over layers: an int32 scalar on the
@@ -223,6 +259,7 @@ class KVCache(nn.Module):
         Without offloading there is no GPU pool: empty lists and zeros."""
         per = self.layer_stats()
         n = max(len(per), 1)
+        early, late = torch.stack([layer.prefill_copied for layer in self.layers]).sum(0).tolist()
         return {
             "gpu_pool_usage": sum(p["gpu_pool_usage"] for p in per) / n,
             "gpu_pool_usage_per_layer": [p["gpu_pool_usage"] for p in per],
@@ -232,6 +269,10 @@ class KVCache(nn.Module):
             "overflow": sum(p["overflow"] for p in per),
             # prefetch (docs/prefetch.md), per layer; empty lists when prefetch is off
             **{k: [p[k] for p in per if k in p] for k in PREFETCH_STATS},
+            # prefill without the device buffer: host rows it read (summed over layers) and the
+            # share copied under a later query block's scoring (0 when nothing was read)
+            "prefill_host_rows": float(early + late),
+            "prefill_copy_overlap": early / (early + late) if early + late else 0.0,
         }
 
 

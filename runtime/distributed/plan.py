@@ -191,6 +191,7 @@ def plan_engine(
     offload: bool = True,
     max_model_len: int = 163840,
     ep: int = 1,
+    prefill_buffer: bool = True,
 ) -> EngineConfig:
     """An engine config for planning (long contexts: the whole V3.2 context by default)."""
     base = EngineConfig(
@@ -200,5 +201,6 @@ def plan_engine(
         kv_format=kv_format,
         offload=offload,
         max_model_len=max_model_len,
+        prefill_buffer=prefill_buffer,
     )
     return replace(base, dp=dp, tp=tp, ep=ep)
