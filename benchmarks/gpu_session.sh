@@ -2,7 +2,7 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
-#                                           # fixup overlap prefill cache_ops awq awq_pairs awq_parts sampling fp8 calibrate
+#                                           # fixup overlap prefill prefill_gather cache_ops awq awq_pairs awq_parts sampling fp8 calibrate
 #                                           # prefetch step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends quant async prefetch;
@@ -60,7 +60,7 @@ verify)
   (stage cuda_lossless 420 $T tests/test_lossless_cuda.py -k "not long_prompts" \
      tests/test_compile_cuda.py tests/test_engines_cuda.py tests/test_lossless.py \
      tests/test_lossless_short.py) &
-  (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefetch.py \
+  (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefill_gather.py tests/test_prefetch.py \
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
      tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py \
      tests/test_bench_weights.py) &
@@ -96,6 +96,8 @@ time)
     --out "$W/prefill_overlap_h200.json"
   on prefill && stage bench_prefill 150 python -m benchmarks.bench_prefill --budget-s 125 --out "$W/prefill_h200.json"
   on prefill && packjit  # DeepGEMM's fp8_mqa_logits kernels, when the wheels are carried
+  on prefill_gather && stage bench_prefill_gather 120 python -m benchmarks.bench_prefill_gather \
+    --out "$W/prefill_gather_h200.json"
   on cache_ops && stage bench_cache_ops 280 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
   on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \

@@ -48,7 +48,8 @@ class CacheConfig:
     # it the same way, so offloading cannot change a prefill's numerics (with different graphs the
     # last bits differed and top-k near-ties picked other tokens). The cost is
     # prefill_tokens x row_bytes of device memory per layer (4096 tokens: 4.7 MB bf16, 2.7 MB fp8).
-    # 0: no buffer, prefill reads its context from host_kv.
+    # 0: no buffer (EngineConfig.prefill_buffer=False), in both modes alike: a prefill chunk copies
+    # the rows its queries select from host_kv (echo::prefill_indexer_topk_gather).
     prefill_tokens: int = 0
     # who computes the decode indexer's scores and top-k (custom_ops/backends/select.py)
     kernel_backend: str = DEFAULT_BACKEND
