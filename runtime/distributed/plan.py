@@ -80,14 +80,14 @@ def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
         "prefill buffer": (cfg.prefill_tokens + 1) * cfg.row_bytes * layers
         if cfg.prefill_tokens
         else 0,
-        "metadata": 0,
+        "metadata": 16 * layers,  # prefill_copied: two int64 counters a layer
         "host kv pool": kv if cfg.offload else 0,
     }
     if cfg.offload:
         cap = min(cfg.max_batch * cfg.topk, n_g)
         # gpu_free (the ring of free slots), gpu_priority, gpu_to_host int32 [N_G]; host_to_gpu
         # int32 [N_H]; indices + miss_host int32 [cap]; meta/hist/totals: a few KB
-        out["metadata"] = (n_g * 12 + n_h * 4 + cap * 8 + 4096) * layers
+        out["metadata"] += (n_g * 12 + n_h * 4 + cap * 8 + 4096) * layers
     return out
 
 
