@@ -64,6 +64,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "keeping the prompt on the device (saves max_model_len rows a layer)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="keep finished sequences' full KV pages in the host pool for later prompts that "
+        "start with the same tokens",
+    )
+    p.add_argument(
         "--async-scheduling",
         action="store_true",
         help="launch the next decode step before reading the last one's tokens (one process)",
@@ -103,6 +109,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         async_scheduling=a.async_scheduling,
         decode_during_prefill=not a.prefill_first,
         prefill_buffer=not a.no_prefill_buffer,
+        enable_prefix_caching=a.enable_prefix_caching,
     )
     if a.device:
         opts["device"] = a.device

@@ -157,6 +157,12 @@ class AsyncEngine:
         return RequestStream(self, request_id, queue)
 
     @property
+    def caches_prefixes(self) -> bool:
+        """The engine keeps a prefix cache (usage reports ``cached_tokens``)."""
+        config = getattr(self.engine, "config", None)
+        return bool(getattr(config, "enable_prefix_caching", False))
+
+    @property
     def shares_prefill(self) -> bool:
         """The engine can run n sequences of one prompt on one prefill (``generate_group``)."""
         return hasattr(self.engine, "add_request_group")

@@ -46,6 +46,8 @@ class StepOutput:
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     # params.prompt_logprobs, on a request's first output: [None, entry of prompt token 1, ...]
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # prompt tokens served from the prefix cache (EngineConfig.enable_prefix_caching)
+    cached_tokens: int = 0
 
 
 class Engine:
@@ -245,7 +247,9 @@ class Engine:
         self.cache.release((first + torch.arange(PAGE, device=self.device)).flatten())
 
     def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.remove(req)  # releases the GPU-pool rows of the pages it frees
+        # releases the GPU-pool rows of the pages it frees; after an error its rows may be
+        # partial: none goes to the prefix cache
+        self.scheduler.remove(req, cache=reason != "error")
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
@@ -282,7 +286,8 @@ class Engine:
                     self.requests.pop(req.request_id, None)
                     if req.status != Status.FINISHED:  # the scheduler has not let it go yet
                         try:
-                            self.scheduler.remove(req)  # its pages are freed even if it raises
+                            # its pages are freed even if it raises
+                            self.scheduler.remove(req, cache=False)
                         except Exception:  # noqa: BLE001  (the pools are reset below)
                             pass
         finally:
@@ -329,6 +334,9 @@ class Engine:
             return []
         if not batch.is_decode:
             self._gap_broken()  # a prefill step between two decode steps: no gap counted
+            req = batch.requests[0]
+            if batch.chunk_start == req.cached_tokens > 0:  # its first chunk after a cached prefix
+                self.cache.load_prefill(req.slots(0, req.cached_tokens).to(self.device))
             return self._postprocess(batch, self.runner.forward(batch))
         cur = self._decode(batch)
         nxt = self._run_ahead(cur)
@@ -483,6 +491,7 @@ class Engine:
                     None if top is None else [top],
                     # with the first token: None for the first prompt token, then the prefill's
                     r.prompt_logprobs_out() if len(r.output_ids) == 1 else None,
+                    r.cached_tokens,
                 )
             )
         self._pool_checks.poll()
@@ -555,7 +564,7 @@ class Engine:
         else:
             tps = 0.0
         pool = self.cache.stats()
-        alloc = self.scheduler.pages
+        alloc, prefix = self.scheduler.pages, self.scheduler.prefix
         return {
             "running": float(self.scheduler.num_rows),
             "waiting": float(len(self.scheduler.waiting)),
@@ -581,6 +590,12 @@ class Engine:
             "prefetched_per_step": pool["prefetched_per_step"],
             "prefetch_precision": pool["prefetch_precision"],
             "prefetch_coverage": pool["prefetch_coverage"],
+            # prefix caching: the share of looked-up prompt tokens found cached, and the host
+            # pages the cache holds (EngineConfig.enable_prefix_caching; 0 when off)
+            "prefix_cache_hit_rate": prefix.hits / prefix.queries
+            if prefix and prefix.queries
+            else 0.0,
+            "prefix_cache_pages": float(prefix.num_pages if prefix else 0),
             # prefill without the device buffer (EngineConfig.prefill_buffer=False)
             "prefill_host_rows": pool["prefill_host_rows"],
             "prefill_copy_overlap": pool["prefill_copy_overlap"],

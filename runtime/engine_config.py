@@ -91,6 +91,9 @@ class EngineConfig:
     # rows its queries select, under the indexer's scoring (docs/prefetch.md, "Prefill"), and
     # that memory is saved
     prefill_buffer: bool = True
+    # keep finished sequences' full 64-token pages in the host pool for later prompts that start
+    # with the same tokens, and skip their prefill (runtime/prefix_cache.py; one process)
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -132,6 +135,14 @@ class EngineConfig:
             )
         if not isinstance(self.prefill_buffer, bool):
             raise ValueError(f"prefill_buffer must be True or False, got {self.prefill_buffer!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
+        if self.enable_prefix_caching and max(self.dp, self.tp, self.ep) > 1:
+            raise ValueError(
+                "enable_prefix_caching needs dp = tp = ep = 1 (not built for several ranks yet)"
+            )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"
@@ -228,4 +239,5 @@ class EngineConfig:
             gpu_tokens=self.gpu_tokens if self.offload else None,
             prefill_chunk=self.prefill_chunk,
             decode_during_prefill=self.decode_during_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
         )

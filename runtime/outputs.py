@@ -20,6 +20,7 @@ class RequestOutput:
     finish_reason: str | None = None  # None: not finished (or the stream was left early)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
     prompt_logprobs: list | None = None
 
@@ -32,6 +33,7 @@ class RequestOutput:
             self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+        self.cached_tokens = out.cached_tokens
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,8 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    # prompt tokens found in the prefix cache at admission (their KV was not computed again)
+    cached_tokens: int = 0
     # the prompt's KV computed elsewhere (runtime.prompt_kv): written at admission instead of a
     # prefill, then dropped
     prompt_kv: PromptKVSource | None = field(default=None, repr=False)

@@ -15,6 +15,9 @@ Policy (vLLM-v0 style, kept simple):
   whole: n decode rows, the prompt's pages once and each member's own pages. Its hidden head takes
   the prefill chunks in the running list's order; at the first ``schedule`` after its prefill the
   group forks: the members take the head's place in the running list.
+- With ``enable_prefix_caching`` a request's prompt starts on the cached pages of an earlier
+  sequence where its tokens match (runtime.prefix_cache); an admission that finds too few free
+  pages evicts cached pages no request holds, least recently used first.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from custom_ops.cache.config import max_decode_rows
 from custom_ops.kv_format import pages_for
 from runtime.host_slots import HostSlotAllocator
 from runtime.prefill_sharing import PrefillGroup, head_of, share_prompt_logprobs
+from runtime.prefix_cache import PrefixCache
 from runtime.request import PAGE, Request, Status
 
 # release(pages): called with host pages about to go back to the free list (last holder gone), so
@@ -47,6 +51,8 @@ class SchedulerConfig:
     # a decode step of the requests past their prefill between two prefill chunks (False: every
     # pending prefill chunk first)
     decode_during_prefill: bool = True
+    # keep finished sequences' full pages for later prompts that start with them
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0 or self.prefill_chunk <= 0 or self.max_model_len <= 0:
@@ -89,6 +95,7 @@ class Scheduler:
         self.groups: dict[int, PrefillGroup] = {}  # id(head) -> its group, until the fork
         self._group_of: dict[int, PrefillGroup] = {}  # id(member) -> its group, until the fork
         self._decode_next = False  # the last step was a prefill chunk (decode_during_prefill)
+        self.prefix = PrefixCache(self.pages) if cfg.enable_prefix_caching else None
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -142,10 +149,11 @@ class Scheduler:
                 f"({self.pages.num_pages * PAGE} tokens)"
             )
 
-    def remove(self, req: Request) -> list[int]:
+    def remove(self, req: Request, cache: bool = True) -> list[int]:
         """Take ``req`` out of the queues and drop its hold on its host pages (a page shared with
         other sequences stays theirs); returns the pages it held. A group member leaving before
-        the fork leaves its group; the last one to leave takes the head with it."""
+        the fork leaves its group; the last one to leave takes the head with it. ``cache``:
+        its computed full pages may go to the prefix cache (False after a failed step)."""
         group = self._group_of.pop(id(req), None)
         if group is not None:
             group.members.remove(req)
@@ -155,17 +163,27 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         try:
-            pages = self._free(req)
+            pages = self._free(req, cache)
         finally:  # the head goes with the last member even if a release hook raised
             if group is not None and not group.members:
                 self._drop_head(group)
         return pages
 
-    def _free(self, req: Request) -> list[int]:
-        """Drop ``req``'s hold on its pages. If the release hook raises, the pages are freed
-        anyway and the GPU pools may still map them: the caller must reset the pools
-        (``Engine.recover`` does)."""
+    def _free(self, req: Request, cache: bool = True) -> list[int]:
+        """Drop ``req``'s hold on its pages (its computed full pages kept by the prefix cache
+        first, when ``cache``). If the release hook raises, the pages are freed anyway and the
+        GPU pools may still map them: the caller must reset the pools (``Engine.recover``
+        does)."""
         pages, req.pages = req.pages, []
+        if pages and self.prefix is not None and cache:
+            tokens = req.prompt_ids + req.output_ids
+            self.prefix.insert(tokens, pages, min(req.num_computed, len(tokens)) // PAGE)
+        self._release_and_free(pages)
+        if self.prefix is not None:
+            self.prefix.released(pages)
+        return pages
+
+    def _release_and_free(self, pages: list[int]) -> None:
         if pages:
             last = self.pages.last_holder(pages)
             try:
@@ -173,7 +191,35 @@ class Scheduler:
                     self.release(last)  # before the pages can be handed out again
             finally:  # a release that raises (Engine.recover resets the pools) loses no page
                 self.pages.free(pages)
+
+    def _alloc(self, n: int) -> list[int]:
+        """``n`` free pages, evicting cached ones no request holds when too few are free
+        (``_can_admit`` checked there are enough)."""
+        short = n - self.pages.num_free
+        if short > 0 and self.prefix is not None:
+            self._release_and_free(self.prefix.evict(short))
+        pages = self.pages.alloc(n)
+        assert pages is not None  # _can_admit
         return pages
+
+    def _available(self, skip: Sequence[int] = ()) -> int:
+        """Pages an admission can have: the free ones and the cached ones no request holds
+        (less those of ``skip``, cached pages it takes as its prefix)."""
+        if self.prefix is None:
+            return self.pages.num_free
+        return self.pages.num_free + self.prefix.num_evictable - self.prefix.evictable_of(skip)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached pages ``req``'s prompt starts with (none when it needs its whole prompt
+        computed, brings its prompt's KV, or heads a prefill group)."""
+        if (
+            self.prefix is None
+            or req.params.prompt_logprobs is not None
+            or req.prompt_kv is not None
+            or id(req) in self.groups
+        ):
+            return []
+        return self.prefix.match(req.prompt_ids, req.prefill_end // PAGE)
 
     def _drop_head(self, group: PrefillGroup) -> None:
         head = group.head
@@ -201,9 +247,10 @@ class Scheduler:
         group = self.groups.get(id(req))
         if self.num_rows + (len(group.members) if group else 1) > self.cfg.max_running:
             return False
-        return self.pages.can_alloc(
-            group.pages_needed() if group else pages_for(req.max_total_tokens)
-        )
+        if group is not None:
+            return group.pages_needed() <= self._available()
+        cached = self._cached_prefix(req)
+        return pages_for(req.max_total_tokens) - len(cached) <= self._available(cached)
 
     def _admit(self) -> None:
         while self.waiting and self._can_admit(self.waiting[0]):
@@ -212,7 +259,14 @@ class Scheduler:
             if group is not None:
                 self._admit_group(group)
             else:
-                req.pages = self.pages.alloc(pages_for(req.max_total_tokens))  # type: ignore
+                cached = self._cached_prefix(req)
+                if self.prefix is not None and cached:
+                    self.prefix.acquire(cached, len(req.prompt_ids))
+                elif self.prefix is not None:
+                    self.prefix.count_miss(len(req.prompt_ids))
+                own = self._alloc(pages_for(req.max_total_tokens) - len(cached))
+                req.pages = cached + own
+                req.num_computed = req.cached_tokens = len(cached) * PAGE
             req.status = Status.RUNNING
             self.running.append(req)
 
@@ -220,10 +274,9 @@ class Scheduler:
         """All of the group's pages (``_can_admit`` checked they are free): the head's prompt
         pages, the first ``s`` of them shared with every member, and each member's own."""
         head, s = group.head, group.shared_pages
-        head.pages = self.pages.alloc(pages_for(head.prefill_end))  # type: ignore[assignment]
+        head.pages = self._alloc(pages_for(head.prefill_end))
         for m in group.members:
-            own = self.pages.alloc(pages_for(m.max_total_tokens) - s)
-            assert own is not None  # _can_admit
+            own = self._alloc(pages_for(m.max_total_tokens) - s)
             self.pages.share(head.pages[:s])
             m.pages = head.pages[:s] + own
             m.status = Status.RUNNING
@@ -289,9 +342,13 @@ class Scheduler:
         head = self.waiting[0]
         group = self.groups.get(id(head))
         rows = self.num_rows - len(leaving) + (len(group.members) if group else 1)
-        need = group.pages_needed() if group else pages_for(head.max_total_tokens)
+        if group is not None:
+            need, cached = group.pages_needed(), []
+        else:
+            cached = self._cached_prefix(head)
+            need = pages_for(head.max_total_tokens) - len(cached)
         freed = sum(len(r.pages) for r in leaving)
-        return rows > self.cfg.max_running or not self.pages.can_alloc(max(need - freed, 0))
+        return rows > self.cfg.max_running or need - freed > self._available(cached)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -211,11 +211,15 @@ class HandlersBase:
                 if res.finish_reason is not None:
                     self.metrics.observe(res, t0, now, ts)
 
-        def usage() -> dict[str, int]:
+        def usage() -> dict:
             # prompt tokens once per prompt, as OpenAI counts them; completions summed
             prompts = {c.prompt_index: len(c.ids) for c in choices}
             p, c = sum(prompts.values()), sum(r.completion_tokens for r in results)
-            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+            out: dict = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+            if self.engine.caches_prefixes:  # OpenAI's field, as vLLM fills it
+                cached = {ch.prompt_index: r.cached_tokens for ch, r in zip(choices, results)}
+                out["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+            return out
 
         if not streaming:
             async for i, out in merged(streams, request):

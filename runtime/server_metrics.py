@@ -42,6 +42,11 @@ class ServerMetrics:
             "echo_decode_ahead_fraction",
             "Share of decode steps launched before the last step's tokens were read",
         ),
+        "prefix_cache_hit_rate": (
+            "echo_prefix_cache_hit_rate",
+            "Share of looked-up prompt tokens found in the prefix cache",
+        ),
+        "prefix_cache_pages": ("echo_prefix_cache_pages", "Host KV pages the prefix cache holds"),
         "prefill_host_rows": (
             "echo_prefill_host_rows",
             "KV rows prefill copied from the host pool, over all layers (no prefill buffer)",

@@ -235,12 +235,10 @@ def test_engine_flags_reach_the_engine_options(cmd):
     """Each scheduling and memory flag sets its EngineConfig field (defaults otherwise)."""
     parse = cli._parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
+    keys = ("prefill_buffer", "decode_during_prefill", "async_scheduling", "enable_prefix_caching")
     opts = cli._engine_options(parse([cmd, *base]))
-    assert (opts["prefill_buffer"], opts["decode_during_prefill"], opts["async_scheduling"]) == (
-        True, True, False,
-    )  # fmt: skip
-    flags = ["--no-prefill-buffer", "--prefill-first", "--async-scheduling"]
+    assert [opts[k] for k in keys] == [True, True, False, False]
+    flags = ["--no-prefill-buffer", "--prefill-first", "--async-scheduling",
+             "--enable-prefix-caching"]  # fmt: skip
     opts = cli._engine_options(parse([cmd, *base, *flags]))
-    assert (opts["prefill_buffer"], opts["decode_during_prefill"], opts["async_scheduling"]) == (
-        False, False, True,
-    )  # fmt: skip
+    assert [opts[k] for k in keys] == [False, False, True, True]

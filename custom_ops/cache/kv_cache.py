@@ -219,6 +219,17 @@ class KVCache(nn.Module):
                 layer.pool.release(nothing.to(torch.int32))
             layer.store(rows, index_rows, nothing)
 
+    @torch.no_grad()
+    def load_prefill(self, host_slots: torch.Tensor) -> None:
+        """Fill every layer's prefill buffer (when there is one) with the host rows of
+        ``host_slots [n]``, positions ``[0, n)``: a prompt's cached prefix, which its prefill's
+        later chunks read from there (runtime.prefix_cache). Without the buffer they read the
+        host pool itself: nothing to do."""
+        n = host_slots.shape[0]
+        for layer in self.layers:
+            if layer.prefill_kv is not None:
+                layer.prefill_kv[:n] = layer.host_kv[host_slots]
+
     def reset_pools(self) -> None:
         """Empty every layer's GPU pool in place. Nothing is lost: the host pool is authoritative.
         Used after a failed step, whose half-applied recall may have left the maps inconsistent."""

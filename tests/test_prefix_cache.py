@@ -1,0 +1,332 @@
+"""Automatic prefix caching (runtime/prefix_cache.py): the cache's bookkeeping against the
+allocator's reference counts, the scheduler's admissions and evictions, and the engine: a prompt
+served from cached pages gives the logits of the same prompt prefilled in full, bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model.checkpoint import resolve_model
+from model.loader import load_model
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
+from runtime.host_slots import HostSlotAllocator
+from runtime.prefix_cache import PrefixCache
+from runtime.request import PAGE, Request, Status
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.tokenizer import Tokenizer
+from tests.test_lossless import _record_logits
+
+
+def _toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 500) for _ in range(n)]
+
+
+# ---- the cache alone ---------------------------------------------------------------------------
+def test_match_acquire_insert_and_lru_eviction():
+    alloc = HostSlotAllocator(16)
+    cache = PrefixCache(alloc)
+    a = _toks(1, 3 * PAGE + 5)
+    pages_a = alloc.alloc(4)
+    cache.insert(a, pages_a, 3)  # three full pages
+    alloc.free(pages_a)
+    cache.released(pages_a)
+    assert cache.num_pages == 3 and cache.num_evictable == 3 and alloc.num_free == 13
+    # a prompt sharing two pages and then differing
+    b = a[: 2 * PAGE] + _toks(2, PAGE + 3)
+    assert cache.match(b, 10) == pages_a[:2]
+    assert cache.match(b, 1) == pages_a[:1]  # the limit
+    assert cache.match(_toks(3, 2 * PAGE), 10) == []  # another first page: nothing
+    assert cache.match(a[PAGE:], 10) == []  # page 1's tokens at position 0: another key
+    cache.acquire(pages_a[:2], len(b))
+    assert cache.num_evictable == 1 and alloc.refs(pages_a[0]) == 2
+    assert (cache.queries, cache.hits) == (len(b), 2 * PAGE)
+    # eviction takes only what no request holds (page 2), never pages 0-1
+    assert cache.evict(5) == [pages_a[2]]
+    assert cache.num_pages == 2 and cache.num_evictable == 0
+    alloc.free([pages_a[2]])
+    assert cache.match(a, 10) == pages_a[:2]
+
+
+def test_descendants_go_before_their_parents_and_with_them():
+    alloc = HostSlotAllocator(8)
+    cache = PrefixCache(alloc)
+    a = _toks(4, 3 * PAGE)
+    pa = alloc.alloc(3)
+    cache.insert(a, pa, 3)
+    alloc.free(pa)
+    cache.released(pa)
+    # least recently used is the chain's last page: one eviction takes the leaf only
+    assert cache.evict(1) == [pa[2]]
+    alloc.free([pa[2]])
+    # a page's cached children go with it whatever the order
+    gone: list[int] = []
+    cache._drop(pa[0], gone)
+    assert sorted(gone) == sorted(pa[:2]) and cache.num_pages == 0
+    assert cache.match(a, 3) == []
+
+
+def test_a_duplicate_computation_keeps_the_cached_page():
+    alloc = HostSlotAllocator(8)
+    cache = PrefixCache(alloc)
+    a = _toks(5, 2 * PAGE)
+    first, second = alloc.alloc(2), alloc.alloc(2)  # two sequences computed the same prompt
+    for pages in (first, second):
+        cache.insert(a, pages, 2)
+        alloc.free(pages)
+        cache.released(pages)
+    assert cache.match(a, 2) == first and cache.num_pages == 2
+    assert alloc.num_free == 6  # the second sequence's pages went back
+
+
+# ---- the scheduler -----------------------------------------------------------------------------
+def _sched(pages: int, cache: bool = True) -> Scheduler:
+    cfg = SchedulerConfig(max_batch=4, max_model_len=pages * PAGE, host_tokens=pages * PAGE,
+                          topk=8, prefill_chunk=64, enable_prefix_caching=cache)  # fmt: skip
+    return Scheduler(cfg, release=lambda pages: None)
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def _finish(s: Scheduler, req: Request, outputs: int = 0) -> None:
+    req.output_ids = _toks(99, outputs)
+    req.num_computed = req.num_tokens - 1 if outputs else req.prefill_end
+    s.remove(req)
+
+
+def _check_refs(s: Scheduler) -> None:
+    """Every page's reference count is its holders: requests and the cache."""
+    held = [0] * s.pages.num_pages
+    for r in s.running:
+        for p in r.pages:
+            held[p] += 1
+    for p in s.prefix._key:
+        held[p] += 1
+    assert held == [s.pages.refs(p) for p in range(s.pages.num_pages)]
+    assert s.prefix.num_evictable == sum(1 for p in s.prefix._key if s.pages.refs(p) == 1)
+
+
+def test_admission_starts_on_the_cached_prefix_and_evicts_when_short():
+    s = _sched(8)
+    doc = _toks(7, 3 * PAGE)
+    a = _req("a", doc + [5, 6, 7])
+    s.add(a)
+    assert s.schedule().requests == [a] and a.num_computed == 0
+    _finish(s, a)
+    assert s.prefix.num_pages == 3  # prefill_end = 3 * 64 + 2: three full pages computed
+    b = _req("b", doc + [9, 9])
+    s.add(b)
+    batch = s.schedule()
+    assert b.cached_tokens == b.num_computed == 3 * PAGE and b.pages[:3] == a_pages(s, doc)
+    assert batch.chunk_start == 3 * PAGE and batch.chunk_end == b.prefill_end
+    _check_refs(s)
+    _finish(s, b)
+    # a prompt that needs every page: the cached ones go (least recently used first)
+    c = _req("c", _toks(8, 8 * PAGE - 4), max_tokens=4)
+    s.add(c)
+    assert s.schedule().requests == [c] and c.cached_tokens == 0
+    assert s.prefix.num_pages == 0 and s.pages.num_free == 0
+    _check_refs(s)
+
+
+def a_pages(s: Scheduler, tokens: list[int]) -> list[int]:
+    return s.prefix.match(tokens, len(tokens) // PAGE)
+
+
+def test_requests_that_take_no_prefix():
+    s = _sched(16)
+    doc = _toks(9, 2 * PAGE)
+    a = _req("a", doc + [1, 2])
+    s.add(a)
+    s.schedule()
+    _finish(s, a)
+    for r in (_req("lp", doc + [3], prompt_logprobs=1),):
+        s.add(r)
+        s.schedule()
+        assert r.cached_tokens == 0 and r.num_computed == 0
+    # the last prompt token is always computed: a prompt of exactly the cached pages + 1 token
+    # takes them all, one of exactly the cached pages takes all but the last
+    s2 = _sched(16)
+    a = _req("a", doc + doc[:1])
+    s2.add(a)
+    s2.schedule()
+    _finish(s2, a)
+    whole = _req("w", doc)
+    s2.add(whole)
+    s2.schedule()
+    assert whole.cached_tokens == PAGE and whole.in_prefill
+    plus1 = _req("p", doc + [7])
+    s2.add(plus1)
+    s2.schedule()
+    assert plus1.cached_tokens == 2 * PAGE and not plus1.in_prefill
+
+
+def test_error_finishes_cache_nothing_and_random_traffic_keeps_the_counts():
+    s = _sched(12)
+    a = _req("a", _toks(10, 2 * PAGE + 1))
+    s.add(a)
+    s.schedule()
+    a.num_computed = a.prefill_end
+    s.remove(a, cache=False)
+    assert s.prefix.num_pages == 0 and s.pages.num_free == 12
+    rng = random.Random(0)
+    docs = [_toks(20 + i, 3 * PAGE) for i in range(3)]
+    live: list[Request] = []
+    for i in range(200):
+        if live and (rng.random() < 0.45 or len(live) >= 3):
+            r = live.pop(rng.randrange(len(live)))
+            r.num_computed = rng.randrange(r.num_computed, r.prefill_end + 1)
+            s.remove(r, cache=rng.random() < 0.9)
+        else:
+            doc = docs[rng.randrange(3)][: rng.randrange(1, 3 * PAGE)]
+            r = _req(
+                f"r{i}", doc + _toks(i, rng.randrange(1, 100)), max_tokens=rng.randrange(1, 64)
+            )
+            s.add(r)
+            s.schedule()
+            live.extend(x for x in s.running if x not in live)
+            for x in list(s.waiting):  # does not fit now: leaves the queue again
+                s.remove(x)
+        _check_refs(s)
+    assert s.prefix.hits > 0 and s.prefix.queries > s.prefix.hits
+
+
+# ---- the engine --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    path = resolve_model("tiny")
+    model, _ = load_model(path, device="cpu")
+    return model, Tokenizer.from_dir(path)
+
+
+def _engine(tiny, cache: bool, **kw) -> Engine:
+    model, tok = tiny
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 40, gpu_tokens=2 * model.config.index_topk,
+                       max_model_len=1024, prefill_chunk=64, enable_prefix_caching=cache,
+                       **kw)  # fmt: skip
+    return Engine(model, model.config, tok, cfg)
+
+
+def _serve(eng: Engine, prompts: list[list[int]], steps: int = 6) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    out = {}
+    for i, p in enumerate(prompts):  # one after another: each can reuse the ones before
+        eng.add_request(f"q{i}", p, params)
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("offload", "buffer"), [(True, True), (True, False), (False, True)],
+    ids=["offload", "offload-no-prefill-buffer", "gpu-only"],
+)  # fmt: skip
+def test_cached_prefix_gives_the_logits_of_a_full_prefill(tiny, offload, buffer):
+    """A document and a first question on it, another prompt (it takes the prefill buffer's
+    rows), then a second question on the document: with the cache the last prompt prefills only
+    what follows the document's full pages (read back from the host), and
+    every decode step's logits equal the run without the cache, bit for bit (chunks of 64 =
+    pages: the chunks it computes are the uncached run's; the cached pages hold the rows the
+    same prefill chunks wrote)."""
+    doc = _toks(30, 200)
+    q1, q2 = doc + _toks(31, 40), doc + _toks(32, 70)
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache, offload=offload, prefill_buffer=buffer)
+        log = _record_logits(eng)
+        runs[cache] = (_serve(eng, [q1, _toks(36, 230), q2]), log, eng)
+    (t0, log0, e0), (t1, log1, e1) = runs[False], runs[True]
+    assert t0 == t1
+    prefills = [sum(1 for d, _, _ in log if not d) for log in (log0, log1)]
+    assert prefills[0] - prefills[1] == 3  # q2's chunks [0, 192): the document's full pages
+    dec0 = [x for d, _, x in log0 if d]
+    dec1 = [x for d, _, x in log1 if d]
+    assert len(dec0) == len(dec1) == 18
+    for a, b in zip(dec0, dec1):
+        assert torch.equal(a, b)
+    m0, m1 = e0.metrics(), e1.metrics()
+    assert m0["prefix_cache_hit_rate"] == 0.0
+    assert m1["prefix_cache_hit_rate"] == pytest.approx(192 / (240 + 230 + 270))
+    # every page is held by the cache alone now, and all of them can be evicted
+    s = e1.scheduler
+    assert s.pages.num_used == s.prefix.num_pages == s.prefix.num_evictable == 3 + 3 + 1
+
+
+def test_a_later_turn_reuses_the_answer_pages(tiny):
+    """Turn 2 = turn 1's prompt + its answer + a new message: it starts on the pages turn 1
+    filled, answer tokens included (their rows were computed by decode steps, not a prefill, so
+    its logits are not compared bit for bit with a full prefill's)."""
+    eng = _engine(tiny, True)
+    log = _record_logits(eng)
+    q1 = _toks(34, 240)
+    toks = _serve(eng, [q1], steps=20)  # computes 259 tokens: 4 full pages, 16 answer tokens
+    turn2 = q1 + toks["q0"] + _toks(35, 30)
+    n_before = len(log)
+    _serve(eng, [turn2])
+    req_prefills = sum(1 for d, _, _ in log[n_before:] if not d)
+    assert req_prefills == 1  # [256, 289): the 4 cached pages skipped
+    assert eng.scheduler.prefix.hits == 4 * PAGE
+
+
+def test_engine_config_prefix_caching():
+    assert (
+        EngineConfig(enable_prefix_caching=True)
+        .scheduler_config(load_model(resolve_model("tiny"), device="cpu")[0].config)
+        .enable_prefix_caching
+    )
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
+        EngineConfig(enable_prefix_caching=1)
+    with pytest.raises(ValueError, match="dp = tp = ep = 1"):
+        EngineConfig(enable_prefix_caching=True, dp=2)
+
+
+def test_status_after_the_scheduler_lets_go():
+    s = _sched(4)
+    r = _req("a", _toks(40, 70))
+    s.add(r)
+    s.schedule()
+    s.remove(r)
+    assert r.status is Status.FINISHED and r.pages == []
+
+
+def test_server_reports_cached_tokens_and_metrics():
+    """Through the OpenAI server and the official client: a second prompt on the same document
+    reports its cached prompt tokens in ``usage.prompt_tokens_details``; /metrics has the hit
+    rate."""
+    import httpx
+    import openai
+    from server_utils import running_server
+
+    from echo_compile.llm import LLM
+    from runtime.async_engine import AsyncEngine
+    from runtime.server import build_app
+
+    llm = LLM("tiny", device="cpu", compile=False, max_batch=2, host_tokens=64 * 32,
+              gpu_tokens=2 * 32, max_model_len=512, progress=False,
+              enable_prefix_caching=True)  # fmt: skip
+    aengine = AsyncEngine(llm.engine)
+    try:
+        with running_server(build_app(aengine, "tiny")) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+            doc = _toks(50, 150)
+            usage = [
+                client.completions.create(
+                    model="tiny", prompt=doc + _toks(51 + i, 20), max_tokens=3, temperature=0
+                ).usage
+                for i in range(2)
+            ]
+            assert [u.prompt_tokens_details.cached_tokens for u in usage] == [0, 2 * PAGE]
+            assert usage[1].prompt_tokens == 170
+            text = httpx.get(base + "/metrics").text
+            rate = next(ln for ln in text.splitlines() if ln.startswith("echo_prefix_cache_hit"))
+            assert float(rate.split()[-1]) == pytest.approx(128 / 340)
+    finally:
+        aengine.shutdown()
