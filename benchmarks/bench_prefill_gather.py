@@ -14,8 +14,10 @@ replays, side by side in one run:
 - ``gather_after``: the gather op with each block's rows copied in a launch after its selection;
 - ``gather_fused[cfg]``: the gather op with the copies in the next block's scores launch, for
   each ``--copy-progs`` (copy programs per launch);
-- ``copy_all`` / ``copy_late``: the copy launch alone, of the whole chunk's selection and of the
-  last block's new rows (the rows no overlap can hide).
+- ``copy_all`` / ``copy_late``: marking and copying alone, the whole chunk's selection and the
+  last block's new rows (the rows no overlap can hide);
+- with DeepGEMM installed, ``indexer_deep_gemm`` and ``gather_deep_gemm``: the scores backend
+  ``kernel_backend="auto"`` gives a 2048-token chunk, whose copies run after the selection.
 ``bound_ms = indexer + copy_late + max(0, copy_all - copy_late - indexer)`` is what perfect
 overlap allows (the earlier blocks' copies wholly under the scoring); ``of_bound`` = bound /
 fused. Random keys select nearly independent rows per query, so a block's union is close to the
@@ -84,11 +86,12 @@ def bench_one(res: dict, ctx: int, a, gen: torch.Generator) -> None:
                         and int(copied.sum()) == row["rows_selected"])  # fmt: skip
     g0 = a.gather_configs[0]
 
-    def copy(s, mark=None, g=g0):
-        cp = pgk._Copy(host, bt, g)
+    def copy(s, mark=None, g=g0):  # marking and copying the new rows of selection s
+        cp = pgk._Copy(host, bt, 1, g, dev)
         if mark is not None:
             cp.mark.copy_(mark)
-        cp.launch(s, 1)
+        cp.mark_new(s, 0)
+        cp.copy(0, s.numel())
         return cp.rows
 
     parts = {
@@ -101,6 +104,13 @@ def bench_one(res: dict, ctx: int, a, gen: torch.Generator) -> None:
         "copy_all": lambda: copy(sel),
         "copy_late": lambda: copy(sel[last:], early.int()),
     }
+    if a.deep_gemm:  # the scores backend a 2048-token chunk gets on the H200 by default
+        parts["indexer_deep_gemm"] = lambda: pk.prefill_indexer_topk_cuda(
+            **inp, topk=k, cfg=cfg, logits_backend="deep_gemm"
+        )
+        parts["gather_deep_gemm"] = lambda: pgk.prefill_indexer_topk_gather_cuda(
+            **inp, topk=k, host_kv=host, cfg=cfg, logits_backend="deep_gemm"
+        )
     for n, g in zip(a.copy_progs, a.gather_configs):
         parts[f"gather_fused[{n}]"] = lambda g=g: pgk.prefill_indexer_topk_gather_cuda(
             **inp, topk=k, host_kv=host, cfg=cfg, gather=g
@@ -133,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.copy_progs = [int(x) for x in a.copy_progs.split(",") if x]
     a.heads, a.indexer_config = 64, pk.PrefillIndexerConfig()
+    try:
+        import deep_gemm  # noqa: F401
+
+        a.deep_gemm = not a.dry_run
+    except ImportError:
+        a.deep_gemm = False
     a.gather_configs = [pgk.GatherConfig(copy_progs=n) for n in a.copy_progs]
     if a.dry_run:  # toy sizes: several query blocks, small launches
         a.ctx, a.model_len, a.chunk, a.topk, a.heads = "200", 256, 48, 16, 4
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.bench_prefill_gather "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "gather_config": repr(pgk.GatherConfig()),
+        "deep_gemm": a.deep_gemm,
         "sizes": [],
     }
     out = Path(a.out)

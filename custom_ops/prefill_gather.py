@@ -53,10 +53,15 @@ def gather_selected_ref(
 
 
 def _check_host(host_kv: torch.Tensor, block_table: torch.Tensor) -> None:
-    if host_kv.dim() != 2 or host_kv.dtype != torch.uint8 or host_kv.shape[1] % 16:
+    if (
+        host_kv.dim() != 2
+        or host_kv.dtype != torch.uint8
+        or host_kv.shape[1] % 16
+        or not host_kv.is_contiguous()
+    ):
         raise ValueError(
-            "prefill_indexer_topk_gather: host_kv must be uint8 [N_H, row] with row a multiple "
-            f"of 16 bytes, got {host_kv.dtype} {list(host_kv.shape)}"
+            "prefill_indexer_topk_gather: host_kv must be contiguous uint8 [N_H, row] with row a "
+            f"multiple of 16 bytes, got {host_kv.dtype} {list(host_kv.shape)}"
         )
     if host_kv.shape[0] % PAGE:
         raise ValueError(

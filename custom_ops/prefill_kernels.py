@@ -215,6 +215,18 @@ def _select_one_chunk(scores, ident, seq_lens, topk, sc: ik.IndexerConfig, chunk
     return out
 
 
+def check_cuda_inputs(where, q_fp8, index_cache, block_table, positions, logits_backend) -> None:
+    """What the CUDA indexer needs beyond the op's own checks (custom_ops/prefill.py)."""
+    if logits_backend not in ("triton", "deep_gemm"):  # the two the CUDA kernels dispatch to
+        raise ValueError(
+            f"{where}: logits_backend must be 'triton' or 'deep_gemm', got {logits_backend!r}"
+        )
+    if not index_cache.is_contiguous() or index_cache.shape[-1] != INDEX_PAGE_BYTES:
+        raise ValueError(f"{where}: index cache must be contiguous [pages, {INDEX_PAGE_BYTES}]")
+    if q_fp8.is_cuda and not (index_cache.is_cuda and block_table.is_cuda and positions.is_cuda):
+        raise ValueError(f"{where}: all tensors must be on the GPU")
+
+
 def prefill_indexer_topk_cuda(
     q_fp8: torch.Tensor,
     weights: torch.Tensor,
@@ -229,17 +241,8 @@ def prefill_indexer_topk_cuda(
     ``logits_backend="deep_gemm"``: step (a) by DeepGEMM where it takes the head count (a static
     shape), else Triton."""
     cfg = cfg or PrefillIndexerConfig()
-    if logits_backend not in ("triton", "deep_gemm"):  # the two this function dispatches to
-        raise ValueError(
-            "prefill_indexer_topk_cuda: logits_backend must be 'triton' or 'deep_gemm', "
-            f"got {logits_backend!r}"
-        )
-    if not index_cache.is_contiguous() or index_cache.shape[-1] != INDEX_PAGE_BYTES:
-        raise ValueError(
-            f"prefill_indexer_topk_cuda: index cache must be contiguous [pages, {INDEX_PAGE_BYTES}]"
-        )
-    if q_fp8.is_cuda and not (index_cache.is_cuda and block_table.is_cuda and positions.is_cuda):
-        raise ValueError("prefill_indexer_topk_cuda: all tensors must be on the GPU")
+    check_cuda_inputs("prefill_indexer_topk_cuda", q_fp8, index_cache, block_table, positions,
+                      logits_backend)  # fmt: skip
     if logits_backend == "deep_gemm" and q_fp8.shape[1] in HEADS:
         return _indexer_topk_deep_gemm(
             q_fp8, weights, index_cache, block_table, positions, topk, cfg

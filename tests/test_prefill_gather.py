@@ -101,8 +101,11 @@ def test_opcheck():
 def test_bad_host_pool_is_refused_by_name():
     gen = torch.Generator().manual_seed(6)
     inp = make_prefill_inputs(3, 4, 16, 64, 0, gen)
-    with pytest.raises(ValueError, match="host_kv must be uint8"):
+    with pytest.raises(ValueError, match="host_kv must be contiguous uint8"):
         torch.ops.echo.prefill_indexer_topk_gather(**inp, topk=8, host_kv=_host(6, 650, gen))
+    with pytest.raises(ValueError, match="host_kv must be contiguous"):
+        wide = _host(6, 672, gen)[:, :656]  # a strided view: rows 672 bytes apart
+        torch.ops.echo.prefill_indexer_topk_gather(**inp, topk=8, host_kv=wide)
     with pytest.raises(ValueError, match="not whole pages"):
         host = torch.zeros(6 * PAGE - 1, 656, dtype=torch.uint8)
         torch.ops.echo.prefill_indexer_topk_gather(**inp, topk=8, host_kv=host)
