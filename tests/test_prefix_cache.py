@@ -330,3 +330,36 @@ def test_server_reports_cached_tokens_and_metrics():
             assert float(rate.split()[-1]) == pytest.approx(128 / 340)
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.cuda
+def test_compiled_engine_with_prefix_cache_cuda():
+    """On the GPU, compiled (CUDA graphs, compiled prefill): decode logits with the prefix cache
+    equal the run without it, bit for bit, offloading, with no recompile after warm-up."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tests.test_compile import make_engine
+
+    path = resolve_model("tiny")
+    model, _ = load_model(path, device="cuda")
+    tiny_cuda = (model, Tokenizer.from_dir(path))
+    torch._dynamo.reset()
+    counters.clear()
+    doc = _toks(30, 200)
+    prompts = [doc + _toks(31, 40), _toks(36, 230), doc + _toks(32, 70)]
+    dec = {}
+    for cache in (False, True):
+        eng = make_engine(tiny_cuda, True, compiled=True, strict=True, compile_prefill=True,
+                          enable_prefix_caching=cache)  # fmt: skip
+        eng.runner.warmup(calls=3, progress=False)
+        log = _record_logits(eng)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            _serve(eng, prompts)
+        dec[cache] = [x for d, _, x in log if d]
+        if cache:
+            assert eng.metrics()["prefix_cache_hit_rate"] > 0
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert len(dec[True]) == len(dec[False]) == 18
+    for a, b in zip(dec[False], dec[True]):
+        assert torch.equal(a, b)
