@@ -18,7 +18,13 @@ from runtime.detokenize import RequestDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, build_runner
 from runtime.prefill_sharing import copy_rows, split_group
-from runtime.prompt_kv import PromptKV, PromptKVSource, check_chunk, check_source, read_prompt_kv
+from runtime.prompt_kv import (
+    PromptKV,
+    PromptKVSource,
+    check_source,
+    read_prompt_kv,
+    write_prompt_kv,
+)
 from runtime.prompt_logprobs import PromptLogprob, prompt_logprobs
 from runtime.readback import PoolChecks, SampledStep, check_overflow, to_host
 from runtime.request import PAGE, Request, Status
@@ -408,22 +414,16 @@ class Engine:
             return s.batch  # unchanged: the same list (its input ids need no gather)
         return ScheduledBatch(True, reqs)
 
-    PROMPT_KV_CHUNK = 16384  # tokens written per store call: bounds the staging memory
-
     def _load_prompt_kv(self, req: Request) -> None:
-        """Write a just-admitted request's received prompt KV into its host slots (every layer,
-        chunk by chunk, through the prefill's own write path) in place of its prefill."""
-        src, n = req.prompt_kv, req.prefill_end
-        row_bytes = self.cache.config.row_bytes
+        """Write a just-admitted request's received prompt KV into its host slots in place of
+        its prefill (``write_prompt_kv``); a bad chunk finishes it with an error."""
+        n = req.prefill_end
         t0 = time.perf_counter()
         try:
-            for start in range(0, n, self.PROMPT_KV_CHUNK):
-                end = min(start + self.PROMPT_KV_CHUNK, n)
-                slots = req.slots(start, end).to(self.device)
-                for i, layer in enumerate(self.cache.layers):
-                    kv, index = src.chunk(i, start, end)  # type: ignore[union-attr]
-                    check_chunk(kv, index, end - start, row_bytes, f"layer {i} [{start}, {end})")
-                    layer.store(kv.to(self.device), index.to(self.device), slots)
+            write_prompt_kv(
+                self.cache.layers, req.prompt_kv, lambda s, e: req.slots(s, e).to(self.device),
+                n, self.cache.config.row_bytes, self.device,
+            )  # fmt: skip
         except ValueError:
             self._finish(req, "error")  # its pages hold a partial prompt: never decode them
             raise

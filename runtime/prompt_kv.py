@@ -132,3 +132,27 @@ def read_prompt_kv(layers: Sequence, slots: torch.Tensor | Sequence[int]) -> Pro
         sidx = (base + PAGE * INDEX_DIM + off * 4)[:, None] + torch.arange(4, device=s.device)
         index.append(torch.cat([flat[vidx], flat[sidx]], dim=-1))
     return PromptKV(kv, index)
+
+
+# tokens written per store call: bounds the staging memory of a received prompt's load
+WRITE_CHUNK = 16384
+
+
+def write_prompt_kv(
+    layers: Sequence,
+    src: PromptKVSource,
+    slots_of,  # (start, end) -> int64 host slots [end - start] on the cache's device
+    n: int,
+    row_bytes: int,
+    device: torch.device,
+) -> None:
+    """Write the first ``n`` tokens of a received prompt KV into every layer's host slots, chunk
+    by chunk, through the prefill's own write path (``LayerKV.store``); a malformed chunk raises
+    ValueError naming its layer and range (the tokens before it are written)."""
+    for start in range(0, n, WRITE_CHUNK):
+        end = min(start + WRITE_CHUNK, n)
+        slots = slots_of(start, end)
+        for i, layer in enumerate(layers):
+            kv, index = src.chunk(i, start, end)
+            check_chunk(kv, index, end - start, row_bytes, f"layer {i} [{start}, {end})")
+            layer.store(kv.to(device), index.to(device), slots)
