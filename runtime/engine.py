@@ -434,6 +434,7 @@ class Engine:
         self.prompt_kv_load_s += time.perf_counter() - t0
         req.num_computed = n
         req.prompt_kv = None  # the rows are in the cache now; let the source go
+        self.scheduler.computed(req)
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
         """A step's outputs from its logits, synchronously (decode: sample, then read)."""
@@ -446,6 +447,7 @@ class Engine:
                 nxt = req.prompt_ids[batch.chunk_start + 1 : batch.chunk_end + 1]
                 req.prompt_logprobs += prompt_logprobs(logits, nxt, req.params.prompt_logprobs)
             req.num_computed = batch.chunk_end  # prefill samples nothing
+            self.scheduler.computed(req)  # its full pages to the prefix cache
             return []
         return self._complete(self._sample(batch, logits))
 
@@ -470,6 +472,7 @@ class Engine:
                 continue
             r.num_computed = r.num_tokens
             r.output_ids.append(tok)
+            self.scheduler.computed(r)
             r.output_logprobs.append(lp)
             r.token_times.append(now)
             if r.first_token_time is None:

@@ -7,22 +7,27 @@ that resends a long history prefills only what is new.
   before it; -1 for the first), so two prompts share page i exactly when their first
   64 (i + 1) tokens are equal. Keys are compared as tuples: no hash collision can match a wrong
   page.
-- **What is kept.** When a sequence finishes (not by an error), every page it filled with
-  computed tokens (``num_computed // 64`` pages of prompt and output) that is not cached yet.
-  The cache takes a reference to each (``HostSlotAllocator.share``), so the page outlives the
-  sequence with its KV rows and indexer keys as they were written; its GPU-pool rows stay mapped
-  too (the rows did not change).
+- **What is kept.** Every page a sequence fills with computed tokens (prompt and output), as
+  soon as the step that fills it is done (``register``): a sequence never writes a position below
+  its computed count again, so a full page is final. The cache takes a reference to each page
+  (``HostSlotAllocator.share``), so it outlives the sequence with its KV rows and indexer keys as
+  they were written; its GPU-pool rows stay mapped too (the rows did not change). A sequence that
+  ends in an error registers nothing more.
 - **Use.** At admission a request takes the longest run of cached pages its prompt starts with,
   at most ``prefill_end // 64`` of them (its last prompt token is always computed, by the first
-  decode step), one more reference each, and prefills from there. Requests that ask for
+  decode step), one more reference each; when its prefill is about to start it looks again, so
+  requests that arrive together on one document find the pages the first one's prefill has
+  registered meanwhile (prefill runs one request at a time). Requests that ask for
   ``prompt_logprobs`` (they need every prompt position's logits), that bring their prompt's KV,
   or that share a prefill (``n > 1``) take none.
 - **Eviction.** A page only the cache holds (one reference) can be evicted; an admission that
   needs more pages than are free evicts the least recently used ones, through the scheduler's
   release hook (the GPU pools forget their slots first). A page a request holds is never
-  evicted. A request that holds page i holds the pages before it in its chain too, and a chain
-  is touched from its last page to its first, so a page's descendants are evicted before it; a
-  page's cached children go with it all the same, so no key ever names an evicted parent.
+  evicted. A sequence registers a page only under a parent it holds (when a page's key is cached
+  already under another sequence's page, it stops registering), so a request that holds page i
+  holds the pages before it in its chain; and a chain is touched from its last page to its
+  first, so a page's descendants are evicted before it. A page's cached children go with it all
+  the same, so no key ever names an evicted parent.
 """
 
 from __future__ import annotations
@@ -67,36 +72,39 @@ class PrefixCache:
         """How many of ``pages`` (cached ones) no request holds."""
         return sum(1 for p in pages if self.pages.refs(p) == 1)
 
-    def acquire(self, pages: Sequence[int], prompt_tokens: int) -> None:
-        """One more holder for each of ``pages`` (a ``match``), counted as a lookup of
-        ``prompt_tokens`` tokens that found ``len(pages)`` pages."""
+    def acquire(self, pages: Sequence[int]) -> None:
+        """One more holder for each of ``pages`` (cached ones, a ``match``); counted as hits."""
         self.num_evictable -= self.evictable_of(pages)
         self.pages.share(pages)
         self._touch(pages)
-        self.queries += prompt_tokens
         self.hits += len(pages) * PAGE
 
-    def count_miss(self, prompt_tokens: int) -> None:
-        self.queries += prompt_tokens
-
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], n_pages: int) -> None:
-        """Keep the first ``n_pages`` full pages of a finishing sequence (``tokens`` its prompt
-        and output, ``pages`` its block table) that are not cached yet. Call it before the
-        sequence drops its references."""
-        parent, chain = -1, []
-        for i in range(n_pages):
+    def register(self, tokens: Sequence[int], pages: Sequence[int], start: int, end: int) -> int:
+        """Keep pages ``[start, end)`` of a sequence (``tokens`` its prompt and output so far,
+        ``pages`` its block table), whose pages before ``start`` the cache holds already;
+        returns the page it registered up to: ``end``, or where a page's key turned out cached
+        under another page (then the sequence stops for good: its later pages would hang under
+        a parent it does not hold)."""
+        parent = -1 if start == 0 else pages[start - 1]  # its own: registered, or matched
+        if parent != -1 and parent not in self._key:
+            raise AssertionError(f"prefix cache: page {parent} was never registered")
+        for i in range(start, end):
             key = (parent, tuple(tokens[i * PAGE : (i + 1) * PAGE]))
             page = self._page.get(key)
-            if page is None:  # new: the cache holds this sequence's page from now on
-                page = pages[i]
-                if page in self._key:  # cached under another chain: not this one's content
-                    break
+            if page is None and pages[i] not in self._key:
+                page = pages[i]  # new: the cache holds this sequence's page from now on
                 self._page[key], self._key[page] = page, key
                 self._children.setdefault(parent, set()).add(page)
                 self.pages.share([page])
-            chain.append(page)
+            elif page != pages[i]:
+                return i
             parent = page
-        self._touch(chain)
+        return end
+
+    def finished(self, tokens: Sequence[int], n_pages: int) -> None:
+        """A sequence whose first ``n_pages`` the cache holds lets them go: most recent use,
+        from its last page to its first."""
+        self._touch(self.match(tokens, n_pages))
 
     def released(self, pages: Sequence[int]) -> None:
         """A sequence dropped its references to ``pages``: the cached ones it was the last

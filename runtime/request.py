@@ -35,8 +35,12 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
-    # prompt tokens found in the prefix cache at admission (their KV was not computed again)
+    # prompt tokens found in the prefix cache (their KV was not computed again), and the pages
+    # of this sequence the prefix cache holds (registered or matched; runtime.prefix_cache);
+    # cache_stopped: a page's key was cached under another page, it registers no more
     cached_tokens: int = 0
+    cache_pages: int = 0
+    cache_stopped: bool = False
     # the prompt's KV computed elsewhere (runtime.prompt_kv): written at admission instead of a
     # prefill, then dropped
     prompt_kv: PromptKVSource | None = field(default=None, repr=False)

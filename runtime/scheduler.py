@@ -174,14 +174,42 @@ class Scheduler:
         first, when ``cache``). If the release hook raises, the pages are freed anyway and the
         GPU pools may still map them: the caller must reset the pools (``Engine.recover``
         does)."""
+        if req.pages and self.prefix is not None:
+            if cache:
+                self.computed(req)
+            self.prefix.finished(req.prompt_ids + req.output_ids, req.cache_pages)
         pages, req.pages = req.pages, []
-        if pages and self.prefix is not None and cache:
-            tokens = req.prompt_ids + req.output_ids
-            self.prefix.insert(tokens, pages, min(req.num_computed, len(tokens)) // PAGE)
         self._release_and_free(pages)
         if self.prefix is not None:
             self.prefix.released(pages)
         return pages
+
+    def computed(self, req: Request) -> None:
+        """``req``'s computed count moved: the prefix cache keeps the pages it filled (call after
+        each step of it; cheap when no page filled)."""
+        n = min(req.num_computed, req.num_tokens) // PAGE
+        if self.prefix is None or n <= req.cache_pages or req.cache_stopped:
+            return
+        tokens = req.prompt_ids + req.output_ids
+        upto = self.prefix.register(tokens, req.pages, req.cache_pages, n)
+        req.cache_stopped = upto < n
+        req.cache_pages = upto
+
+    def _extend_prefix(self, req: Request) -> None:
+        """Before ``req``'s first prefill chunk: take the cached pages registered since its
+        admission (those of a prefill that ran meanwhile) in place of its own unwritten ones."""
+        if self.prefix is None or req.num_computed != req.cached_tokens:
+            return
+        have = req.cached_tokens // PAGE
+        new = self._cached_prefix(req)[have:]
+        if not new:
+            return
+        self.prefix.acquire(new)
+        own, req.pages[have : have + len(new)] = req.pages[have : have + len(new)], new
+        req._block_row = None  # the block table changed, its length did not
+        self._release_and_free(own)
+        req.num_computed = req.cached_tokens = (have + len(new)) * PAGE
+        req.cache_pages = have + len(new)
 
     def _release_and_free(self, pages: list[int]) -> None:
         if pages:
@@ -260,13 +288,13 @@ class Scheduler:
                 self._admit_group(group)
             else:
                 cached = self._cached_prefix(req)
-                if self.prefix is not None and cached:
-                    self.prefix.acquire(cached, len(req.prompt_ids))
-                elif self.prefix is not None:
-                    self.prefix.count_miss(len(req.prompt_ids))
+                if self.prefix is not None:
+                    self.prefix.queries += len(req.prompt_ids)
+                    self.prefix.acquire(cached)
                 own = self._alloc(pages_for(req.max_total_tokens) - len(cached))
                 req.pages = cached + own
                 req.num_computed = req.cached_tokens = len(cached) * PAGE
+                req.cache_pages = len(cached)
             req.status = Status.RUNNING
             self.running.append(req)
 
@@ -308,6 +336,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         self._fork()
         self._admit()
+        for r in self.running:  # the next prompt to prefill starts on what is cached by now
+            if r.in_prefill and r.prompt_kv is None:
+                self._extend_prefix(r)
+                if r.in_prefill:
+                    break
         prefilling = [r for r in self.running if r.in_prefill]
         decoding = [r for r in self.running if not r.in_prefill]
         # a received prompt KV is written, not computed (Engine._load_prompt_kv): no turn taken

@@ -140,9 +140,16 @@ MUTATIONS = [
     Mutation(
         "prefix cache: pages cached after an error",
         "runtime/scheduler.py",
-        "if pages and self.prefix is not None and cache:",
-        "if pages and self.prefix is not None:",
+        "            if cache:",
+        "            if True:",
         ("tests/test_prefix_cache.py::test_error_finishes_cache_nothing_and_random_traffic_keeps_the_counts",),
+    ),
+    Mutation(
+        "prefix cache: a prefill never looks again for pages cached since its admission",
+        "runtime/scheduler.py",
+        "                self._extend_prefix(r)",
+        "                pass",
+        ("tests/test_prefix_cache.py::test_a_burst_on_one_document_prefills_it_once",),
     ),
     Mutation(
         "stop string: one character too few held back",

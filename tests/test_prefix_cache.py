@@ -33,7 +33,9 @@ def test_match_acquire_insert_and_lru_eviction():
     cache = PrefixCache(alloc)
     a = _toks(1, 3 * PAGE + 5)
     pages_a = alloc.alloc(4)
-    cache.insert(a, pages_a, 3)  # three full pages
+    assert cache.register(a, pages_a, 0, 2) == 2  # two full pages, then the third
+    assert cache.register(a, pages_a, 2, 3) == 3
+    cache.finished(a, 3)
     alloc.free(pages_a)
     cache.released(pages_a)
     assert cache.num_pages == 3 and cache.num_evictable == 3 and alloc.num_free == 13
@@ -43,9 +45,9 @@ def test_match_acquire_insert_and_lru_eviction():
     assert cache.match(b, 1) == pages_a[:1]  # the limit
     assert cache.match(_toks(3, 2 * PAGE), 10) == []  # another first page: nothing
     assert cache.match(a[PAGE:], 10) == []  # page 1's tokens at position 0: another key
-    cache.acquire(pages_a[:2], len(b))
+    cache.acquire(pages_a[:2])
     assert cache.num_evictable == 1 and alloc.refs(pages_a[0]) == 2
-    assert (cache.queries, cache.hits) == (len(b), 2 * PAGE)
+    assert cache.hits == 2 * PAGE
     # eviction takes only what no request holds (page 2), never pages 0-1
     assert cache.evict(5) == [pages_a[2]]
     assert cache.num_pages == 2 and cache.num_evictable == 0
@@ -58,7 +60,8 @@ def test_descendants_go_before_their_parents_and_with_them():
     cache = PrefixCache(alloc)
     a = _toks(4, 3 * PAGE)
     pa = alloc.alloc(3)
-    cache.insert(a, pa, 3)
+    cache.register(a, pa, 0, 3)
+    cache.finished(a, 3)
     alloc.free(pa)
     cache.released(pa)
     # least recently used is the chain's last page: one eviction takes the leaf only
@@ -71,13 +74,14 @@ def test_descendants_go_before_their_parents_and_with_them():
     assert cache.match(a, 3) == []
 
 
-def test_a_duplicate_computation_keeps_the_cached_page():
+def test_a_duplicate_computation_keeps_the_cached_page_and_stops():
     alloc = HostSlotAllocator(8)
     cache = PrefixCache(alloc)
     a = _toks(5, 2 * PAGE)
-    first, second = alloc.alloc(2), alloc.alloc(2)  # two sequences computed the same prompt
+    first, second = alloc.alloc(2), alloc.alloc(2)  # two sequences computed the same tokens
+    assert cache.register(a, first, 0, 2) == 2
+    assert cache.register(a, second, 0, 2) == 0  # page 0's key is cached under another page
     for pages in (first, second):
-        cache.insert(a, pages, 2)
         alloc.free(pages)
         cache.released(pages)
     assert cache.match(a, 2) == first and cache.num_pages == 2
@@ -140,6 +144,31 @@ def a_pages(s: Scheduler, tokens: list[int]) -> list[int]:
     return s.prefix.match(tokens, len(tokens) // PAGE)
 
 
+def test_requests_arriving_together_share_the_first_ones_prefill():
+    """Admitted in one step, before any page is cached: the second request's prefill starts on
+    the pages the first one's prefill registered meanwhile, in place of its own."""
+    s = _sched(16)
+    doc = _toks(11, 3 * PAGE)
+    a, b = _req("a", doc + [1, 2, 3]), _req("b", doc + [4, 5])
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch.requests == [a] and b.cached_tokens == 0 and b.status is Status.RUNNING
+    own_b = list(b.pages)
+    for end in (64, 128, 192):  # a's chunks; each registers its full pages
+        a.num_computed = end
+        s.computed(a)
+    a.num_computed = a.prefill_end
+    s.computed(a)
+    assert s.schedule().requests == [a]  # a decode step's turn between two prefill chunks
+    batch = s.schedule()
+    assert batch.requests == [b] and batch.chunk_start == 3 * PAGE
+    assert b.pages[:3] == a.pages[:3] and b.pages[3:] == own_b[3:]
+    assert all(s.pages.refs(p) == 0 for p in own_b[:3])  # its unwritten pages went back
+    assert torch.equal(b.block_row(), torch.tensor(b.pages, dtype=torch.int32))
+    _check_refs(s)
+
+
 def test_requests_that_take_no_prefix():
     s = _sched(16)
     doc = _toks(9, 2 * PAGE)
@@ -184,6 +213,10 @@ def test_error_finishes_cache_nothing_and_random_traffic_keeps_the_counts():
             r = live.pop(rng.randrange(len(live)))
             r.num_computed = rng.randrange(r.num_computed, r.prefill_end + 1)
             s.remove(r, cache=rng.random() < 0.9)
+        elif live and rng.random() < 0.5:  # a step of a running request: its pages register
+            r = live[rng.randrange(len(live))]
+            r.num_computed = rng.randrange(r.num_computed, r.prefill_end + 1)
+            s.computed(r)
         else:
             doc = docs[rng.randrange(3)][: rng.randrange(1, 3 * PAGE)]
             r = _req(
@@ -208,9 +241,9 @@ def tiny():
 
 def _engine(tiny, cache: bool, **kw) -> Engine:
     model, tok = tiny
-    cfg = EngineConfig(max_batch=2, host_tokens=64 * 40, gpu_tokens=2 * model.config.index_topk,
-                       max_model_len=1024, prefill_chunk=64, enable_prefix_caching=cache,
-                       **kw)  # fmt: skip
+    opts = dict(max_batch=2, host_tokens=64 * 40, gpu_tokens=4 * model.config.index_topk,
+                max_model_len=1024, prefill_chunk=64, enable_prefix_caching=cache)  # fmt: skip
+    cfg = EngineConfig(**opts | kw)
     return Engine(model, model.config, tok, cfg)
 
 
@@ -258,6 +291,31 @@ def test_cached_prefix_gives_the_logits_of_a_full_prefill(tiny, offload, buffer)
     # every page is held by the cache alone now, and all of them can be evicted
     s = e1.scheduler
     assert s.pages.num_used == s.prefix.num_pages == s.prefix.num_evictable == 3 + 3 + 1
+
+
+def test_a_burst_on_one_document_prefills_it_once(tiny):
+    """Three requests on one document arriving together: the later two prefill only their own
+    tokens, and every decode step's logits equal the run without the cache (the same batches)."""
+    doc = _toks(37, 200)
+    prompts = [doc + _toks(38 + i, 30 + 20 * i) for i in range(3)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for cache in (False, True):
+        # prefill first: the decode batches are then the same three rows in both runs
+        eng = _engine(tiny, cache, max_batch=4, decode_during_prefill=False)
+        log = _record_logits(eng)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"b{i}", p, params)
+        while eng.has_unfinished():
+            eng.step()
+        runs[cache] = (log, eng)
+    (log0, _), (log1, eng) = runs[False], runs[True]
+    prefills = [sum(1 for d, _, _ in log if not d) for log in (log0, log1)]
+    assert prefills[0] - prefills[1] == 2 * 3  # the document's 3 full pages, twice
+    dec0, dec1 = ([x for d, _, x in log if d] for log in (log0, log1))
+    assert len(dec0) == len(dec1) > 0
+    assert all(torch.equal(a, b) for a, b in zip(dec0, dec1))
+    assert eng.scheduler.prefix.hits == 2 * 3 * PAGE
 
 
 def test_a_later_turn_reuses_the_answer_pages(tiny):
