@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny preset, toy sizes, CPU")
     a = ap.parse_args(argv)
     if a.dry_run:
-        a.device, a.docs, a.doc_len, a.question_len, a.output_len = "cpu", 2, 200, 40, 4
+        a.device, a.docs, a.doc_len, a.question_len, a.output_len = "cpu", 2, 140, 10, 2
         a.requests, a.max_batch, a.gpu_tokens, a.chunk, a.kv_format = 4, 4, 4 * 32, 64, "bf16"
     elif not a.device.startswith("cuda"):
         print("bench_prefix_cache: the bench model needs a GPU (or --dry-run)")

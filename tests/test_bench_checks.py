@@ -1,6 +1,6 @@
-"""The correctness logic of three H200 benchmarks, on CPU: the sampling contract check of
+"""The correctness logic of four H200 benchmarks, on CPU: the sampling contract check of
 benchmarks/bench_sampling_backends.py, the selections of benchmarks/bench_prefill_overlap.py and
-benchmarks/bench_prefill_gather.py's dry run."""
+the dry runs of benchmarks/bench_prefill_gather.py and benchmarks/bench_prefix_cache.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from benchmarks import bench_prefill_gather as gather
 from benchmarks import bench_prefill_overlap as overlap
+from benchmarks import bench_prefix_cache as prefix
 from benchmarks import bench_sampling_backends as sampling
 
 
@@ -47,3 +48,13 @@ def test_prefill_gather_dry_run_checks_the_op_and_records_every_part(tmp_path):
     assert 0 < size["rows_late"] < size["rows_selected"] <= size["ctx"]
     assert set(size["ms"]) == {"indexer", "buffer_read", "dense_host", "gather_after",
                                "copy_all", "copy_late", "gather_fused[4]"}  # fmt: skip
+
+
+def test_prefix_cache_dry_run_serves_the_same_tokens_with_fewer_computed(tmp_path):
+    out = tmp_path / "p.json"
+    assert prefix.main(["--dry-run", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    off, on = res["runs"]
+    assert res["same_tokens"] is True
+    assert off["prompt_tokens_computed"] == off["prompt_tokens"] == on["prompt_tokens"]
+    assert on["prompt_tokens_computed"] < on["prompt_tokens"] and on["prefix_cache_hit_rate"] > 0
