@@ -49,6 +49,7 @@ class PrefixCache:
         self._children: dict[int, set[int]] = {}  # cached page -> its cached children
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recent first
         self.num_evictable = 0  # cached pages no request holds
+        self.epoch = 0  # evictions so far: a match made since is still valid (registers only add)
         # prompt tokens looked up, and those found cached (admissions that may use the cache)
         self.queries = self.hits = 0
 
@@ -56,11 +57,13 @@ class PrefixCache:
     def num_pages(self) -> int:
         return len(self._key)
 
-    def match(self, tokens: Sequence[int], max_pages: int) -> list[int]:
-        """The cached pages ``tokens`` start with, at most ``max_pages`` (nothing is taken)."""
-        out: list[int] = []
-        parent = -1
-        for i in range(max_pages):
+    def match(self, tokens: Sequence[int], max_pages: int, known: Sequence[int] = ()) -> list[int]:
+        """The cached pages ``tokens`` start with, at most ``max_pages`` (nothing is taken).
+        ``known``: an earlier match of these tokens made in this ``epoch`` (it still holds:
+        only evictions remove pages), continued from its end."""
+        out = list(known[:max_pages])
+        parent = out[-1] if out else -1
+        for i in range(len(out), max_pages):
             page = self._page.get((parent, tuple(tokens[i * PAGE : (i + 1) * PAGE])))
             if page is None:
                 break
@@ -121,6 +124,7 @@ class PrefixCache:
             if page in self._key and self.pages.refs(page) == 1:
                 self._drop(page, out)
         self.num_evictable -= len(out)
+        self.epoch += bool(out)
         return out
 
     def _drop(self, page: int, out: list[int]) -> None:

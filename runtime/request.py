@@ -41,6 +41,9 @@ class Request:
     cached_tokens: int = 0
     cache_pages: int = 0
     cache_stopped: bool = False
+    # the prefix cache's last match of this prompt, (cache epoch, pages): continued, not redone,
+    # while the request waits at the head of the queue (Scheduler._cached_prefix)
+    prefix_match: tuple[int, list[int]] | None = field(default=None, repr=False)
     # the prompt's KV computed elsewhere (runtime.prompt_kv): written at admission instead of a
     # prefill, then dropped
     prompt_kv: PromptKVSource | None = field(default=None, repr=False)

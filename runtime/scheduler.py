@@ -247,7 +247,11 @@ class Scheduler:
             or id(req) in self.groups
         ):
             return []
-        return self.prefix.match(req.prompt_ids, req.prefill_end // PAGE)
+        memo, epoch = req.prefix_match, self.prefix.epoch
+        known = memo[1] if memo is not None and memo[0] == epoch else []
+        pages = self.prefix.match(req.prompt_ids, req.prefill_end // PAGE, known)
+        req.prefix_match = (epoch, pages)
+        return pages
 
     def _drop_head(self, group: PrefillGroup) -> None:
         head = group.head

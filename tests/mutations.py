@@ -119,8 +119,8 @@ MUTATIONS = [
     Mutation(
         "prefix cache: a prompt's last token taken from the cache too",
         "runtime/scheduler.py",
-        "return self.prefix.match(req.prompt_ids, req.prefill_end // PAGE)",
-        "return self.prefix.match(req.prompt_ids, len(req.prompt_ids) // PAGE)",
+        "pages = self.prefix.match(req.prompt_ids, req.prefill_end // PAGE, known)",
+        "pages = self.prefix.match(req.prompt_ids, len(req.prompt_ids) // PAGE, known)",
         ("tests/test_prefix_cache.py::test_requests_that_take_no_prefix",),
     ),
     Mutation(
@@ -150,6 +150,13 @@ MUTATIONS = [
         "                self._extend_prefix(r)",
         "                pass",
         ("tests/test_prefix_cache.py::test_a_burst_on_one_document_prefills_it_once",),
+    ),
+    Mutation(
+        "prefix cache: a match remembered across an eviction",
+        "runtime/scheduler.py",
+        "known = memo[1] if memo is not None and memo[0] == epoch else []",
+        "known = memo[1] if memo is not None else []",
+        ("tests/test_prefix_cache.py::test_a_waiting_requests_match_is_redone_after_an_eviction",),
     ),
     Mutation(
         "stop string: one character too few held back",

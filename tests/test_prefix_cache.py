@@ -169,6 +169,24 @@ def test_requests_arriving_together_share_the_first_ones_prefill():
     _check_refs(s)
 
 
+def test_a_waiting_requests_match_is_redone_after_an_eviction():
+    s = _sched(8)
+    doc, other = _toks(12, 3 * PAGE), _toks(13, 3 * PAGE)
+    a = _req("a", doc + [1])
+    s.add(a)
+    s.schedule()
+    _finish(s, a)  # the document's 3 pages cached
+    w = _req("w", doc + [2])
+    assert s._cached_prefix(w) == a_pages(s, doc)  # remembered while w would wait
+    s._release_and_free(s.prefix.evict(3))  # an admission evicted them ...
+    b = _req("b", other + [3])
+    s.add(b)
+    s.schedule()
+    _finish(s, b)  # ... and the same page ids now hold another document
+    assert len(a_pages(s, other)) == 3 and s._cached_prefix(w) == []
+    _check_refs(s)
+
+
 def test_requests_that_take_no_prefix():
     s = _sched(16)
     doc = _toks(9, 2 * PAGE)
@@ -226,6 +244,8 @@ def test_error_finishes_cache_nothing_and_random_traffic_keeps_the_counts():
             s.schedule()
             live.extend(x for x in s.running if x not in live)
             for x in list(s.waiting):  # does not fit now: leaves the queue again
+                # the remembered match (continued while it waits) is a fresh one
+                assert s._cached_prefix(x) == s.prefix.match(x.prompt_ids, x.prefill_end // PAGE)
                 s.remove(x)
         _check_refs(s)
     assert s.prefix.hits > 0 and s.prefix.queries > s.prefix.hits
