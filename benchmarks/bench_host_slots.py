@@ -8,6 +8,9 @@ Two patterns, ms per request, the median of --reps rounds:
   then R are admitted (allocs);
 - churn: the pool holds R requests; each step one random request finishes and one is admitted
   (a free and an alloc per step, as steady serving with a waiting queue does).
+Plus the prefix cache (runtime/prefix_cache.py) on one request of T tokens: registering its
+pages, matching its whole prompt from scratch, and continuing a remembered match (what a waiting
+request costs each schedule).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from custom_ops.kv_format import PAGE
 from runtime.host_slots import HostSlotAllocator
+from runtime.prefix_cache import PrefixCache
 
 
 def burst(pool_pages: int, pages: int, requests: int, seed: int) -> tuple[float, float]:
@@ -49,6 +53,25 @@ def churn(pool_pages: int, pages: int, requests: int, seed: int, steps: int = 64
     return (time.perf_counter() - t0) / steps
 
 
+def prefix_cache(pool_pages: int, pages: int, seed: int) -> tuple[float, float, float]:
+    """Seconds to register ``pages`` pages of one sequence, to match them from scratch, and to
+    continue a match that found them all."""
+    alloc = HostSlotAllocator(pool_pages)
+    cache = PrefixCache(alloc)
+    rng = random.Random(seed)
+    tokens = [rng.randrange(129280) for _ in range(pages * PAGE)]
+    held = alloc.alloc(pages)
+    t0 = time.perf_counter()
+    cache.register(tokens, held, 0, pages)
+    t1 = time.perf_counter()
+    found = cache.match(tokens, pages)
+    t2 = time.perf_counter()
+    cache.match(tokens, pages, found)
+    t3 = time.perf_counter()
+    assert found == held
+    return t1 - t0, t2 - t1, t3 - t2
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pool-tokens", type=int, default=64 * 100_000 + 64 * 40_000)
@@ -63,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{a.requests} requests of {pages} pages exceed the pool's {pool_pages}")
     rounds = [burst(pool_pages, pages, a.requests, s) for s in range(a.reps)]
     cycles = [churn(pool_pages, pages, a.requests, s) for s in range(a.reps)]
+    prefix = [prefix_cache(pool_pages, pages, s) for s in range(a.reps)]
     res = {
         "pool_pages": pool_pages,
         "pages_per_request": pages,
@@ -70,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         "burst_free_ms_per_request": 1e3 * statistics.median(r[0] for r in rounds),
         "burst_alloc_ms_per_request": 1e3 * statistics.median(r[1] for r in rounds),
         "churn_free_and_alloc_ms": 1e3 * statistics.median(cycles),
+        "prefix_register_ms": 1e3 * statistics.median(r[0] for r in prefix),
+        "prefix_match_ms": 1e3 * statistics.median(r[1] for r in prefix),
+        "prefix_match_continued_ms": 1e3 * statistics.median(r[2] for r in prefix),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
         "python": platform.python_version(),
@@ -77,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{a.requests} requests x {pages} pages, pool {pool_pages} pages: burst free "
         f"{res['burst_free_ms_per_request']:.3f} ms, alloc {res['burst_alloc_ms_per_request']:.3f} "
-        f"ms a request; churn {res['churn_free_and_alloc_ms']:.3f} ms a free + alloc"
+        f"ms a request; churn {res['churn_free_and_alloc_ms']:.3f} ms a free + alloc; prefix "
+        f"cache on one request: register {res['prefix_register_ms']:.3f} ms, match "
+        f"{res['prefix_match_ms']:.3f} ms, continued {res['prefix_match_continued_ms']:.4f} ms"
     )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
