@@ -166,7 +166,7 @@ class Scheduler:
             pages = self._free(req, cache)
         finally:  # the head goes with the last member even if a release hook raised
             if group is not None and not group.members:
-                self._drop_head(group)
+                self._drop_head(group, cache)
         return pages
 
     def _free(self, req: Request, cache: bool = True) -> list[int]:
@@ -179,9 +179,11 @@ class Scheduler:
                 self.computed(req)
             self.prefix.finished(req.prompt_ids + req.output_ids, req.cache_pages)
         pages, req.pages = req.pages, []
-        self._release_and_free(pages)
-        if self.prefix is not None:
-            self.prefix.released(pages)
+        try:
+            self._release_and_free(pages)
+        finally:  # freed even if the hook raised: the cached ones it held are evictable now
+            if self.prefix is not None:
+                self.prefix.released(pages)
         return pages
 
     def computed(self, req: Request) -> None:
@@ -237,15 +239,19 @@ class Scheduler:
             return self.pages.num_free
         return self.pages.num_free + self.prefix.num_evictable - self.prefix.evictable_of(skip)
 
+    def _takes_prefix(self, req: Request) -> bool:
+        """Whether ``req`` may start on cached pages: not when it needs its whole prompt
+        computed (``prompt_logprobs``), brings its prompt's KV, or heads a prefill group."""
+        return (
+            self.prefix is not None
+            and req.params.prompt_logprobs is None
+            and req.prompt_kv is None
+            and id(req) not in self.groups
+        )
+
     def _cached_prefix(self, req: Request) -> list[int]:
-        """The cached pages ``req``'s prompt starts with (none when it needs its whole prompt
-        computed, brings its prompt's KV, or heads a prefill group)."""
-        if (
-            self.prefix is None
-            or req.params.prompt_logprobs is not None
-            or req.prompt_kv is not None
-            or id(req) in self.groups
-        ):
+        """The cached pages ``req``'s prompt starts with (none when it may take none)."""
+        if not self._takes_prefix(req):
             return []
         memo, epoch = req.prefix_match, self.prefix.epoch
         known = memo[1] if memo is not None and memo[0] == epoch else []
@@ -253,14 +259,14 @@ class Scheduler:
         req.prefix_match = (epoch, pages)
         return pages
 
-    def _drop_head(self, group: PrefillGroup) -> None:
+    def _drop_head(self, group: PrefillGroup, cache: bool = True) -> None:
         head = group.head
         del self.groups[id(head)]
         if head in self.running:
             self.running.remove(head)
         elif head in self.waiting:
             self.waiting.remove(head)
-        self._free(head)
+        self._free(head, cache)
         head.status = Status.FINISHED
 
     @property
@@ -292,7 +298,7 @@ class Scheduler:
                 self._admit_group(group)
             else:
                 cached = self._cached_prefix(req)
-                if self.prefix is not None:
+                if self._takes_prefix(req):  # a lookup: counted in the hit rate
                     self.prefix.queries += len(req.prompt_ids)
                     self.prefix.acquire(cached)
                 own = self._alloc(pages_for(req.max_total_tokens) - len(cached))

@@ -159,6 +159,20 @@ MUTATIONS = [
         ("tests/test_prefix_cache.py::test_a_waiting_requests_match_is_redone_after_an_eviction",),
     ),
     Mutation(
+        "prefix cache: a page registered under a cached page its sequence does not hold",
+        "runtime/prefix_cache.py",
+        "            elif page != pages[i]:\n                return i",
+        "            elif False:\n                return i",
+        ("tests/test_prefix_cache.py::test_a_group_on_a_cached_first_page_caches_nothing_under_it",),
+    ),
+    Mutation(
+        "prefix cache: a group head ending in an error still caches its pages",
+        "runtime/scheduler.py",
+        "                self._drop_head(group, cache)",
+        "                self._drop_head(group)",
+        ("tests/test_prefix_cache.py::test_a_raising_release_hook_loses_no_evictable_page_and_an_error_caches_no_head",),
+    ),
+    Mutation(
         "stop string: one character too few held back",
         "runtime/tokenizer.py",
         "for n in range(min(len(s) - 1, len(buf)), longest, -1):",

@@ -108,7 +108,8 @@ def _finish(s: Scheduler, req: Request, outputs: int = 0) -> None:
 def _check_refs(s: Scheduler) -> None:
     """Every page's reference count is its holders: requests and the cache."""
     held = [0] * s.pages.num_pages
-    for r in s.running:
+    members = [m for g in s.groups.values() for m in g.members]  # hold pages before the fork
+    for r in s.running + members:
         for p in r.pages:
             held[p] += 1
     for p in s.prefix._key:
@@ -184,6 +185,64 @@ def test_a_waiting_requests_match_is_redone_after_an_eviction():
     s.schedule()
     _finish(s, b)  # ... and the same page ids now hold another document
     assert len(a_pages(s, other)) == 3 and s._cached_prefix(w) == []
+    _check_refs(s)
+
+
+def test_a_group_on_a_cached_first_page_caches_nothing_under_it():
+    """A group's head prefills its own pages (groups take no cached prefix); when its first page's
+    key is cached already (under another page), neither it nor its members register pages under
+    that page, which they do not hold: evicting it later finds no held child."""
+    cfg = SchedulerConfig(max_batch=4, max_model_len=16 * PAGE, host_tokens=16 * PAGE, topk=8,
+                          prefill_chunk=64, enable_prefix_caching=True)  # fmt: skip
+    s = Scheduler(cfg, release=lambda pages: None, copy_rows=lambda src, dst: None)
+    system = _toks(1, PAGE)
+    a = _req("a", system + _toks(2, 10), max_tokens=2)
+    s.add(a)
+    s.schedule()
+    _finish(s, a)  # the system prompt's page cached
+    members = [_req(f"m{i}", system + _toks(3, PAGE + 5), max_tokens=2) for i in range(2)]
+    s.add_group(members)
+    head = s.schedule().requests[0]
+    head.num_computed = head.prefill_end
+    s.computed(head)
+    assert head.cache_stopped and head.cache_pages == 0
+    s.schedule()  # the fork
+    _check_refs(s)
+    s.remove(members[0])
+    _check_refs(s)
+    c = _req("c", _toks(5, (s.pages.num_free + 1) * PAGE - 4), max_tokens=4)
+    s.add(c)
+    s.schedule()  # evicts the cached system page
+    assert c in s.running
+    _check_refs(s)
+    assert all(k[0] == -1 or k[0] in s.prefix._key for k in s.prefix._page)  # parents cached
+
+
+def test_a_raising_release_hook_loses_no_evictable_page_and_an_error_caches_no_head():
+    s = _sched(8)
+    doc = _toks(14, 2 * PAGE)
+    a = _req("a", doc + [1])
+    s.add(a)
+    s.schedule()
+    a.num_computed = a.prefill_end
+    s.computed(a)  # registered while running: the cache and a hold them
+
+    def boom(pages):
+        raise RuntimeError("release failed")
+
+    s.release = boom
+    with pytest.raises(RuntimeError, match="release failed"):
+        s.remove(a)
+    _check_refs(s)  # its cached pages are evictable although the hook raised
+    s.release = lambda pages: None
+    # a group whose last member ends in an error: its head's computed pages are not cached
+    members = [_req(f"g{i}", _toks(15, 2 * PAGE + 3), max_tokens=2) for i in range(2)]
+    s.add_group(members)
+    head = s.schedule().requests[0]
+    head.num_computed = 2 * PAGE
+    for m in members:
+        s.remove(m, cache=False)
+    assert s.prefix.num_pages == 2 and s.pages.num_used == 2  # a's pages only
     _check_refs(s)
 
 
@@ -336,6 +395,28 @@ def test_a_burst_on_one_document_prefills_it_once(tiny):
     assert len(dec0) == len(dec1) > 0
     assert all(torch.equal(a, b) for a, b in zip(dec0, dec1))
     assert eng.scheduler.prefix.hits == 2 * 3 * PAGE
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_hits_whole_prompt_and_miss_give_the_same_tokens(tiny, async_scheduling):
+    """After one request on a document, four arrive together: one whose whole prompt is cached
+    (it decodes at once), two partial hits and a miss; tokens equal the run without the cache."""
+    doc = _toks(30, 300)
+    later = [doc[:193], doc[:250] + _toks(2, 90), _toks(3, 200), doc + _toks(4, 70)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache, max_batch=4, async_scheduling=async_scheduling)
+        toks = _serve(eng, [doc + _toks(1, 20)])
+        for i, p in enumerate(later):
+            eng.add_request(f"l{i}", p, params)
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs[cache] = (toks, eng)
+    assert runs[True][0] == runs[False][0]
+    # 193 tokens: its 3 pages; 250 + 90: 3 pages; the document + 70: 4 pages
+    assert runs[True][1].scheduler.prefix.hits == (3 + 3 + 4) * PAGE
 
 
 def test_a_later_turn_reuses_the_answer_pages(tiny):
