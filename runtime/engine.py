@@ -340,9 +340,6 @@ class Engine:
             return []
         if not batch.is_decode:
             self._gap_broken()  # a prefill step between two decode steps: no gap counted
-            req = batch.requests[0]
-            if batch.chunk_start == req.cached_tokens > 0:  # its first chunk after a cached prefix
-                self.cache.load_prefill(req.slots(0, req.cached_tokens).to(self.device))
             return self._postprocess(batch, self.runner.forward(batch))
         cur = self._decode(batch)
         nxt = self._run_ahead(cur)
@@ -352,12 +349,18 @@ class Engine:
 
     def _schedule(self) -> ScheduledBatch | None:
         """The scheduler's next batch to compute, once the received prompt KV of the requests it
-        admits is written (``_load_prompt_kv``, their prefill)."""
+        admits is written (``_load_prompt_kv``, their prefill), and, before the first chunk of a
+        prompt that starts on cached pages, those pages' rows are in the prefill buffer (the
+        chunks read their context there; every path that runs a step schedules here)."""
         batch = self.scheduler.schedule()
         while batch is not None and not batch.is_decode and batch.requests[0].prompt_kv is not None:
             self._load_prompt_kv(batch.requests[0])
             self._gap_broken()  # the load's copies kept the device busy: no gap counted
             batch = self.scheduler.schedule()
+        if batch is not None and not batch.is_decode:
+            req = batch.requests[0]
+            if batch.chunk_start == req.cached_tokens > 0:  # its first chunk after the cache
+                self.cache.load_prefill(req.slots(0, req.cached_tokens).to(self.device))
         return batch
 
     def _gap_broken(self) -> None:

@@ -91,8 +91,9 @@ class EngineConfig:
     # rows its queries select, under the indexer's scoring (docs/prefetch.md, "Prefill"), and
     # that memory is saved
     prefill_buffer: bool = True
-    # keep finished sequences' full 64-token pages in the host pool for later prompts that start
-    # with the same tokens, and skip their prefill (runtime/prefix_cache.py; one process)
+    # keep sequences' full 64-token pages in the host pool for later prompts that start with the
+    # same tokens, and skip their prefill (runtime/prefix_cache.py; each DP rank its own cache,
+    # requests placed where their prompt is cached: runtime/distributed/balance.py)
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
@@ -138,10 +139,6 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
-            )
-        if self.enable_prefix_caching and max(self.dp, self.tp, self.ep) > 1:
-            raise ValueError(
-                "enable_prefix_caching needs dp = tp = ep = 1 (not built for several ranks yet)"
             )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(

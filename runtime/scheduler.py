@@ -249,6 +249,13 @@ class Scheduler:
             and id(req) not in self.groups
         )
 
+    def cached_prompt_tokens(self, prompt_ids: list[int], params) -> int:
+        """Prompt tokens a new request of ``prompt_ids`` would find in the prefix cache now (for
+        the data-parallel balancer; 0 without the cache or with ``prompt_logprobs``)."""
+        if self.prefix is None or params.prompt_logprobs is not None or len(prompt_ids) < 2:
+            return 0
+        return len(self.prefix.match(prompt_ids, (len(prompt_ids) - 1) // PAGE)) * PAGE
+
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached pages ``req``'s prompt starts with (none when it may take none)."""
         if not self._takes_prefix(req):

@@ -239,3 +239,30 @@ def prompt_kv_worker(
     torch.save({"tokens": tokens, "steps": steps}, Path(out) / f"kv_rank{rank}.pt")
     dist.barrier()
     shutdown()
+
+
+def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float) -> None:
+    """Prefix caching on data-parallel ranks: each wave of prompts added together and run to
+    its end (greedy); rank 0 saves every request's tokens and owning rank, each rank its prefix
+    cache's hits."""
+    from echo_compile.llm import LLM
+    from runtime.distributed.process import shutdown
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s, **opts
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens, owner, i = {}, {}, 0
+    for wave in waves:
+        for p in wave:
+            rid, i = f"p{i}", i + 1
+            llm.engine.add_request(rid, p, params)
+            owner[rid] = llm.engine.owner[rid]
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    hits = llm.engine.engine.scheduler.prefix.hits
+    torch.save({"tokens": tokens, "owner": owner, "hits": hits}, Path(out) / f"px_rank{rank}.pt")
+    dist.barrier()
+    shutdown()

@@ -10,7 +10,13 @@ import time
 
 import pytest
 import torch
-from distributed_workers import MAX_TOKENS, gen_worker, generate_and_record, prompt_kv_worker
+from distributed_workers import (
+    MAX_TOKENS,
+    gen_worker,
+    generate_and_record,
+    prefix_worker,
+    prompt_kv_worker,
+)
 from engine_records import random_prompts
 
 from runtime.distributed.process import spawn
@@ -217,6 +223,34 @@ def test_received_prompt_kv_is_written_on_its_rank_not_prefilled(tmp_path):
     for rank in got:
         steps, decode_steps = rank["steps"]
         assert steps == decode_steps > 0  # every step a decode step: nothing was prefilled
+
+
+def test_prefix_caching_places_requests_where_their_document_is(tmp_path):
+    """dp = 2, prefix caching: two documents with a question each (they spread over the ranks),
+    two other prompts (one a rank: each rank's prefill buffer then holds another prompt), then a
+    second question on each document: each goes to the rank that holds its document and
+    prefills only the question, and the tokens equal a single process's with the cache."""
+    from echo_compile.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    docs = random_prompts([130, 150], 512, seed=5)
+    qs = random_prompts([20, 30, 25, 35], 512, seed=6)
+    others = random_prompts([160, 170], 512, seed=7)
+    prompts = [docs[0] + qs[0], docs[1] + qs[1], *others, docs[0] + qs[2], docs[1] + qs[3]]
+    opts = dict(COMMON, gpu_tokens=128, enable_prefix_caching=True)
+    waves = [prompts[:2], prompts[2:4], prompts[4:]]
+    spawn(prefix_worker, 2, str(tmp_path), dict(opts, dp=2), waves, 60.0)
+    got = [torch.load(tmp_path / f"px_rank{r}.pt") for r in range(2)]
+    owner = got[0]["owner"]
+    assert owner["p0"] != owner["p1"]  # the first two spread (no cache yet)
+    assert owner["p2"] != owner["p3"]
+    assert (owner["p4"], owner["p5"]) == (owner["p0"], owner["p1"])  # to their documents
+    assert [g["hits"] for g in got] == [128, 128]  # each document's 2 full pages, once a rank
+    ref = LLM("tiny", compile=False, progress=False, device="cpu", **opts)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    results = [r for w in waves for r in ref.generate(w, params)]
+    want = {f"p{i}": r.token_ids for i, r in enumerate(results)}
+    assert got[0]["tokens"] == want
 
 
 def test_dp_tp_decode_step_is_one_graph_with_its_collectives(tmp_path):

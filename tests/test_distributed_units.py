@@ -48,6 +48,15 @@ def test_balancer_least_load_within_host_capacity():
         assign(5, 10, loads)
 
 
+def test_balancer_counts_only_the_tokens_a_rank_has_not_cached():
+    # rank 1 is busier, but holds 900 of the request's 1000 tokens: less work there
+    loads = [RankLoad(200, 30, 30), RankLoad(500, 30, 30, cached_tokens=900)]
+    assert assign(16, 1000, loads) == 1 and loads[1].load_tokens == 600
+    # a cached prefix does not outweigh a much larger load
+    loads = [RankLoad(200, 30, 30), RankLoad(2000, 30, 30, cached_tokens=900)]
+    assert assign(16, 1000, loads) == 0
+
+
 def test_step_agreement_takes_the_largest_wants():
     wants = torch.tensor([[0, 4, 1], [64, 0, 1], [0, 0, 0]])
     p = combine(wants)

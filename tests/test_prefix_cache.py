@@ -443,8 +443,7 @@ def test_engine_config_prefix_caching():
     )
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
         EngineConfig(enable_prefix_caching=1)
-    with pytest.raises(ValueError, match="dp = tp = ep = 1"):
-        EngineConfig(enable_prefix_caching=True, dp=2)
+    assert EngineConfig(enable_prefix_caching=True, dp=2, tp=2).enable_prefix_caching
 
 
 def test_status_after_the_scheduler_lets_go():

@@ -1,9 +1,11 @@
 """Where a new request goes among the data-parallel ranks: by load, within host capacity.
 
 Each DP rank has its own host KV pool, and a request reserves pages for its whole lifetime
-(prompt + max_tokens) at admission. A request goes to the least-loaded rank whose pool has the
-pages free now; if none has, to the least-loaded rank whose pool could ever hold it (it waits
-there for pages, as on one GPU); if no rank's pool is large enough, it is refused.
+(prompt + max_tokens) at admission. A request goes to the rank whose pool has the pages free now
+and whose load would be least with it, counting as work only the tokens that rank has not cached
+(its prefix cache, when on: a request on a document goes where the document is); if no rank has
+the pages free, to the least-loaded rank whose pool could ever hold it (it waits there for
+pages, as on one GPU); if no rank's pool is large enough, it is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class RankLoad:
     load_tokens: int  # tokens still to compute for its running and waiting requests
     free_pages: int  # host pool pages free now (waiting requests' reservations subtracted)
     total_pages: int  # host pool pages in all
+    cached_tokens: int = 0  # prompt tokens of the request being placed this rank has cached
 
 
 def assign(pages: int, tokens: int, loads: list[RankLoad]) -> int:
@@ -34,7 +37,7 @@ def assign(pages: int, tokens: int, loads: list[RankLoad]) -> int:
             f"the request needs {pages} host KV pages, more than any data-parallel rank's host "
             f"pool holds ({biggest} pages)"
         )
-    rank = min(pool, key=lambda r: (loads[r].load_tokens, r))
-    loads[rank].load_tokens += tokens
+    rank = min(pool, key=lambda r: (loads[r].load_tokens + tokens - loads[r].cached_tokens, r))
+    loads[rank].load_tokens += tokens - loads[rank].cached_tokens
     loads[rank].free_pages -= pages  # may go negative: the request waits for pages there
     return rank

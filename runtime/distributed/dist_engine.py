@@ -67,12 +67,15 @@ class DistributedEngine:
             dist.all_gather_object(out, obj, group=self.ctx.cpu_group)
         return out
 
-    def load(self) -> RankLoad:
-        """This rank's load and host capacity for the balancer."""
+    def load(self, prompt_ids: list[int], params: SamplingParams) -> RankLoad:
+        """This rank's load and host capacity for the balancer, and how much of the request's
+        prompt its prefix cache holds (pages only the cache holds count as free)."""
         sched = self.engine.scheduler
         waiting = sum(pages_for(r.max_total_tokens) for r in sched.waiting)
         left = sum(r.max_total_tokens - r.num_computed for r in [*sched.running, *sched.waiting])
-        return RankLoad(left, sched.pages.num_free - waiting, sched.pages.num_pages)
+        free = sched.pages.num_free + (sched.prefix.num_evictable if sched.prefix else 0)
+        cached = sched.cached_prompt_tokens(prompt_ids, params)
+        return RankLoad(left, free - waiting, sched.pages.num_pages, cached)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -96,7 +99,7 @@ class DistributedEngine:
                 "prompt_logprobs (asked, or implied by echo with logprobs) is not supported with "
                 "tp or ep > 1 (dp only)"
             )
-        loads = self._gather(self.load(), "the load exchange")[: self.dp]
+        loads = self._gather(self.load(ids, params), "the load exchange")[: self.dp]
         target = assign(
             pages_for(len(ids) + params.max_tokens), len(ids) + params.max_tokens, loads
         )
