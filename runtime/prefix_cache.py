@@ -1,5 +1,5 @@
 """Automatic prefix caching over the host pool (``EngineConfig.enable_prefix_caching``): the full
-64-token pages of finished sequences, kept for later requests whose prompts start with the same
+64-token pages sequences compute, kept for later requests whose prompts start with the same
 tokens (vLLM's automatic prefix caching, SGLang's radix cache). A multi-turn chat or an agent
 that resends a long history prefills only what is new.
 

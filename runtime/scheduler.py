@@ -51,7 +51,7 @@ class SchedulerConfig:
     # a decode step of the requests past their prefill between two prefill chunks (False: every
     # pending prefill chunk first)
     decode_during_prefill: bool = True
-    # keep finished sequences' full pages for later prompts that start with them
+    # keep sequences' full computed pages for later prompts that start with them
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
