@@ -262,7 +262,8 @@ def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float
         while llm.engine.has_unfinished():
             for o in llm.engine.step():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-    hits = llm.engine.engine.scheduler.prefix.hits
+    prefix = llm.engine.engine.scheduler.prefix
+    hits = prefix.hits if prefix is not None else 0
     torch.save({"tokens": tokens, "owner": owner, "hits": hits}, Path(out) / f"px_rank{rank}.pt")
     dist.barrier()
     shutdown()

@@ -225,6 +225,30 @@ def test_received_prompt_kv_is_written_on_its_rank_not_prefilled(tmp_path):
         assert steps == decode_steps > 0  # every step a decode step: nothing was prefilled
 
 
+def _prefix_waves():
+    docs = random_prompts([130, 150], 512, seed=5)
+    qs = random_prompts([20, 30, 25, 35], 512, seed=6)
+    others = random_prompts([160, 170], 512, seed=7)
+    prompts = [docs[0] + qs[0], docs[1] + qs[1], *others, docs[0] + qs[2], docs[1] + qs[3]]
+    return [prompts[:2], prompts[2:4], prompts[4:]]
+
+
+def test_prefix_caching_with_dp_and_tp_gives_the_tokens_without_it(tmp_path):
+    """dp = tp = 2 (the lockstep sub-steps, collectives inside the model), prefix caching on
+    and off in two jobs: the same tokens, and each document's second question hits its rank's
+    cache."""
+    opts = dict(COMMON, gpu_tokens=128, dp=2, tp=2)
+    got = {}
+    for cache in (False, True):
+        out = tmp_path / str(cache)
+        out.mkdir()
+        spawn(prefix_worker, 2, str(out), dict(opts, enable_prefix_caching=cache),
+              _prefix_waves(), 60.0)  # fmt: skip
+        got[cache] = [torch.load(out / f"px_rank{r}.pt") for r in range(2)]
+    assert got[True][0]["tokens"] == got[False][0]["tokens"]
+    assert [g["hits"] for g in got[True]] == [128, 128]
+
+
 def test_prefix_caching_places_requests_where_their_document_is(tmp_path):
     """dp = 2, prefix caching: two documents with a question each (they spread over the ranks),
     two other prompts (one a rank: each rank's prefill buffer then holds another prompt), then a
@@ -233,12 +257,8 @@ def test_prefix_caching_places_requests_where_their_document_is(tmp_path):
     from echo_compile.llm import LLM
     from runtime.sampling_params import SamplingParams
 
-    docs = random_prompts([130, 150], 512, seed=5)
-    qs = random_prompts([20, 30, 25, 35], 512, seed=6)
-    others = random_prompts([160, 170], 512, seed=7)
-    prompts = [docs[0] + qs[0], docs[1] + qs[1], *others, docs[0] + qs[2], docs[1] + qs[3]]
+    waves = _prefix_waves()
     opts = dict(COMMON, gpu_tokens=128, enable_prefix_caching=True)
-    waves = [prompts[:2], prompts[2:4], prompts[4:]]
     spawn(prefix_worker, 2, str(tmp_path), dict(opts, dp=2), waves, 60.0)
     got = [torch.load(tmp_path / f"px_rank{r}.pt") for r in range(2)]
     owner = got[0]["owner"]
