@@ -91,9 +91,9 @@ class EngineConfig:
     # rows its queries select, under the indexer's scoring (docs/prefetch.md, "Prefill"), and
     # that memory is saved
     prefill_buffer: bool = True
-    # keep sequences' full computed 64-token pages in the host pool for later prompts that start with the
-    # same tokens, and skip their prefill (runtime/prefix_cache.py; each DP rank its own cache,
-    # requests placed where their prompt is cached: runtime/distributed/balance.py)
+    # keep sequences' full computed 64-token pages in the host pool for later prompts that start
+    # with the same tokens, and skip their prefill (runtime/prefix_cache.py; each DP rank its own
+    # cache, requests placed where their prompt is cached: runtime/distributed/balance.py)
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:

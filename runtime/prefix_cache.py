@@ -17,9 +17,10 @@ that resends a long history prefills only what is new.
   at most ``prefill_end // 64`` of them (its last prompt token is always computed, by the first
   decode step), one more reference each; when its prefill is about to start it looks again, so
   requests that arrive together on one document find the pages the first one's prefill has
-  registered meanwhile (prefill runs one request at a time). Requests that ask for
-  ``prompt_logprobs`` (they need every prompt position's logits), that bring their prompt's KV,
-  or that share a prefill (``n > 1``) take none.
+  registered meanwhile (prefill runs one request at a time). n sequences of one prompt
+  (``n > 1``) take it through their shared prefill's head, at admission only (the members hold
+  the head's pages from then on). Requests that ask for ``prompt_logprobs`` (they need every
+  prompt position's logits) or that bring their prompt's KV take none.
 - **Eviction.** A page only the cache holds (one reference) can be evicted; an admission that
   needs more pages than are free evicts the least recently used ones, through the scheduler's
   release hook (the GPU pools forget their slots first). A page a request holds is never

@@ -199,8 +199,9 @@ class Scheduler:
 
     def _extend_prefix(self, req: Request) -> None:
         """Before ``req``'s first prefill chunk: take the cached pages registered since its
-        admission (those of a prefill that ran meanwhile) in place of its own unwritten ones."""
-        if self.prefix is None or req.num_computed != req.cached_tokens:
+        admission (those of a prefill that ran meanwhile) in place of its own unwritten ones. Not
+        for a group's head: its members share its pages from admission on."""
+        if self.prefix is None or req.num_computed != req.cached_tokens or id(req) in self.groups:
             return
         have = req.cached_tokens // PAGE
         new = self._cached_prefix(req)[have:]
@@ -241,12 +242,9 @@ class Scheduler:
 
     def _takes_prefix(self, req: Request) -> bool:
         """Whether ``req`` may start on cached pages: not when it needs its whole prompt
-        computed (``prompt_logprobs``), brings its prompt's KV, or heads a prefill group."""
+        computed (``prompt_logprobs``) or brings its prompt's KV."""
         return (
-            self.prefix is not None
-            and req.params.prompt_logprobs is None
-            and req.prompt_kv is None
-            and id(req) not in self.groups
+            self.prefix is not None and req.params.prompt_logprobs is None and req.prompt_kv is None
         )
 
     def cached_prompt_tokens(self, prompt_ids: list[int], params) -> int:
@@ -292,35 +290,35 @@ class Scheduler:
         group = self.groups.get(id(req))
         if self.num_rows + (len(group.members) if group else 1) > self.cfg.max_running:
             return False
-        if group is not None:
-            return group.pages_needed() <= self._available()
-        cached = self._cached_prefix(req)
-        return pages_for(req.max_total_tokens) - len(cached) <= self._available(cached)
+        cached = self._cached_prefix(req)  # a group's: its head's
+        need = group.pages_needed() if group is not None else pages_for(req.max_total_tokens)
+        return need - len(cached) <= self._available(cached)
 
     def _admit(self) -> None:
         while self.waiting and self._can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             group = self.groups.get(id(req))
+            cached = self._cached_prefix(req)
+            if self._takes_prefix(req):  # a lookup: counted in the hit rate
+                self.prefix.queries += len(req.prompt_ids)
+                self.prefix.acquire(cached)
+            req.num_computed = req.cached_tokens = len(cached) * PAGE
+            req.cache_pages = len(cached)
             if group is not None:
-                self._admit_group(group)
+                self._admit_group(group, cached)
             else:
-                cached = self._cached_prefix(req)
-                if self._takes_prefix(req):  # a lookup: counted in the hit rate
-                    self.prefix.queries += len(req.prompt_ids)
-                    self.prefix.acquire(cached)
-                own = self._alloc(pages_for(req.max_total_tokens) - len(cached))
-                req.pages = cached + own
-                req.num_computed = req.cached_tokens = len(cached) * PAGE
-                req.cache_pages = len(cached)
+                req.pages = cached + self._alloc(pages_for(req.max_total_tokens) - len(cached))
             req.status = Status.RUNNING
             self.running.append(req)
 
-    def _admit_group(self, group: PrefillGroup) -> None:
-        """All of the group's pages (``_can_admit`` checked they are free): the head's prompt
-        pages, the first ``s`` of them shared with every member, and each member's own."""
+    def _admit_group(self, group: PrefillGroup, cached: list[int]) -> None:
+        """All of the group's pages (``_can_admit`` checked there are enough): the head's prompt
+        pages (``cached`` ones first, its prefix from the prefix cache), the first ``s`` of them
+        shared with every member, and each member's own."""
         head, s = group.head, group.shared_pages
-        head.pages = self._alloc(pages_for(head.prefill_end))
+        head.pages = cached + self._alloc(pages_for(head.prefill_end) - len(cached))
         for m in group.members:
+            m.cached_tokens = head.cached_tokens
             own = self._alloc(pages_for(m.max_total_tokens) - s)
             self.pages.share(head.pages[:s])
             m.pages = head.pages[:s] + own
@@ -392,11 +390,9 @@ class Scheduler:
         head = self.waiting[0]
         group = self.groups.get(id(head))
         rows = self.num_rows - len(leaving) + (len(group.members) if group else 1)
-        if group is not None:
-            need, cached = group.pages_needed(), []
-        else:
-            cached = self._cached_prefix(head)
-            need = pages_for(head.max_total_tokens) - len(cached)
+        cached = self._cached_prefix(head)  # a group's: its head's
+        need = group.pages_needed() if group is not None else pages_for(head.max_total_tokens)
+        need -= len(cached)
         freed = sum(len(r.pages) for r in leaving)
         return rows > self.cfg.max_running or need - freed > self._available(cached)
 

@@ -188,10 +188,10 @@ def test_a_waiting_requests_match_is_redone_after_an_eviction():
     _check_refs(s)
 
 
-def test_a_group_on_a_cached_first_page_caches_nothing_under_it():
-    """A group's head prefills its own pages (groups take no cached prefix); when its first page's
-    key is cached already (under another page), neither it nor its members register pages under
-    that page, which they do not hold: evicting it later finds no held child."""
+def test_a_group_starts_on_the_cached_prefix_and_its_members_share_it():
+    """n sequences of one prompt (a prefill group): the head takes the cached prefix like any
+    request, the members hold it with the rest of the shared prompt, and eviction later finds
+    no held page under an evicted one."""
     cfg = SchedulerConfig(max_batch=4, max_model_len=16 * PAGE, host_tokens=16 * PAGE, topk=8,
                           prefill_chunk=64, enable_prefix_caching=True)  # fmt: skip
     s = Scheduler(cfg, release=lambda pages: None, copy_rows=lambda src, dst: None)
@@ -202,20 +202,51 @@ def test_a_group_on_a_cached_first_page_caches_nothing_under_it():
     _finish(s, a)  # the system prompt's page cached
     members = [_req(f"m{i}", system + _toks(3, PAGE + 5), max_tokens=2) for i in range(2)]
     s.add_group(members)
-    head = s.schedule().requests[0]
+    batch = s.schedule()
+    head = batch.requests[0]
+    assert head.cached_tokens == PAGE and batch.chunk_start == PAGE
+    sys_page = head.pages[0]
+    assert a_pages(s, system) == [sys_page]
+    assert all(m.cached_tokens == PAGE and m.pages[:2] == head.pages[:2] for m in members)
+    _check_refs(s)
     head.num_computed = head.prefill_end
     s.computed(head)
-    assert head.cache_stopped and head.cache_pages == 0
+    assert not head.cache_stopped and head.cache_pages == 2
     s.schedule()  # the fork
     _check_refs(s)
     s.remove(members[0])
     _check_refs(s)
+    assert s.prefix.num_evictable == 0  # m1 holds the system page and the head's second page
+    s.remove(members[1])
+    assert s.prefix.num_evictable == 2
     c = _req("c", _toks(5, (s.pages.num_free + 1) * PAGE - 4), max_tokens=4)
     s.add(c)
-    s.schedule()  # evicts the cached system page
-    assert c in s.running
+    s.schedule()  # evicts one page only the cache holds: the leaf, not its parent
+    assert c in s.running and a_pages(s, system) == [sys_page]
     _check_refs(s)
     assert all(k[0] == -1 or k[0] in s.prefix._key for k in s.prefix._page)  # parents cached
+
+
+def test_a_page_computed_twice_stops_the_later_sequence():
+    """Two sequences fill a page with the same tokens (say the same greedy answer): the later
+    one's page is not cached, and nothing of it is cached under the earlier one's page."""
+    s = _sched(16)
+    doc = _toks(16, PAGE + 10)
+    a, b = _req("a", doc, max_tokens=2 * PAGE), _req("b", doc, max_tokens=2 * PAGE)
+    for r in (a, b):
+        s.add(r)
+    s.schedule()
+    s.schedule()
+    answer = _toks(17, 2 * PAGE)
+    for r in (a, b):  # both computed their prompt page themselves, then the same answer
+        r.num_computed = r.prefill_end
+        r.output_ids = list(answer[:PAGE])
+        r.num_computed = r.num_tokens
+        s.computed(r)
+    assert not a.cache_stopped and a.cache_pages == 2
+    assert b.cache_stopped and b.cache_pages == 0
+    _check_refs(s)
+    assert all(k[0] == -1 or k[0] in s.prefix._key for k in s.prefix._page)
 
 
 def test_a_raising_release_hook_loses_no_evictable_page_and_an_error_caches_no_head():
@@ -417,6 +448,24 @@ def test_mixed_hits_whole_prompt_and_miss_give_the_same_tokens(tiny, async_sched
     assert runs[True][0] == runs[False][0]
     # 193 tokens: its 3 pages; 250 + 90: 3 pages; the document + 70: 4 pages
     assert runs[True][1].scheduler.prefix.hits == (3 + 3 + 4) * PAGE
+
+
+def test_a_group_on_a_cached_document_gives_the_same_tokens(tiny):
+    """n = 3 sequences of a prompt on a cached document (one shared prefill, which starts after
+    the document's pages): tokens equal the run without the cache."""
+    doc = _toks(39, 200)
+    params = [SamplingParams(max_tokens=5, temperature=0.8, seed=i) for i in range(3)]
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache, max_batch=4)
+        toks = _serve(eng, [doc + _toks(40, 20)])
+        eng.add_request_group([f"g{i}" for i in range(3)], doc + _toks(41, 50), params)
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs[cache] = (toks, eng)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].scheduler.prefix.hits == 3 * PAGE  # the group's one lookup
 
 
 def test_a_later_turn_reuses_the_answer_pages(tiny):
