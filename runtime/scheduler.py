@@ -210,9 +210,9 @@ class Scheduler:
         self.prefix.acquire(new)
         own, req.pages[have : have + len(new)] = req.pages[have : have + len(new)], new
         req._block_row = None  # the block table changed, its length did not
-        self._release_and_free(own)
         req.num_computed = req.cached_tokens = (have + len(new)) * PAGE
         req.cache_pages = have + len(new)
+        self._release_and_free(own)  # last: a hook that raises leaves the request consistent
 
     def _release_and_free(self, pages: list[int]) -> None:
         if pages:
@@ -247,12 +247,20 @@ class Scheduler:
             self.prefix is not None and req.params.prompt_logprobs is None and req.prompt_kv is None
         )
 
-    def cached_prompt_tokens(self, prompt_ids: list[int], params) -> int:
-        """Prompt tokens a new request of ``prompt_ids`` would find in the prefix cache now (for
-        the data-parallel balancer; 0 without the cache or with ``prompt_logprobs``)."""
-        if self.prefix is None or params.prompt_logprobs is not None or len(prompt_ids) < 2:
-            return 0
-        return len(self.prefix.match(prompt_ids, (len(prompt_ids) - 1) // PAGE)) * PAGE
+    def placement(self, prompt_ids: list[int], takes_prefix: bool) -> tuple[int, int, int]:
+        """What the data-parallel balancer weighs for a new request of ``prompt_ids``: this
+        rank's tokens still to compute, the pages it could give the request now (free ones and
+        those only the prefix cache holds, less what the waiting requests will take), and the
+        prompt tokens it has cached (``takes_prefix``: the request may use the cache). Waiting
+        requests count without their cached prefixes, as admission will take them."""
+        waiting = [(r, len(self._cached_prefix(r))) for r in self.waiting]
+        left = sum(r.max_total_tokens - r.num_computed for r in self.running)
+        left += sum(r.max_total_tokens - m * PAGE for r, m in waiting)
+        reserved = sum(pages_for(r.max_total_tokens) - m for r, m in waiting)
+        match = []
+        if takes_prefix and self.prefix is not None and len(prompt_ids) > 1:
+            match = self.prefix.match(prompt_ids, (len(prompt_ids) - 1) // PAGE)
+        return left, self._available(match) - reserved, len(match) * PAGE
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached pages ``req``'s prompt starts with (none when it may take none)."""
@@ -304,19 +312,20 @@ class Scheduler:
                 self.prefix.acquire(cached)
             req.num_computed = req.cached_tokens = len(cached) * PAGE
             req.cache_pages = len(cached)
+            req.pages = list(cached)  # held from here: freed with it if what follows raises
             if group is not None:
-                self._admit_group(group, cached)
+                self._admit_group(group)
             else:
-                req.pages = cached + self._alloc(pages_for(req.max_total_tokens) - len(cached))
+                req.pages += self._alloc(pages_for(req.max_total_tokens) - len(cached))
             req.status = Status.RUNNING
             self.running.append(req)
 
-    def _admit_group(self, group: PrefillGroup, cached: list[int]) -> None:
+    def _admit_group(self, group: PrefillGroup) -> None:
         """All of the group's pages (``_can_admit`` checked there are enough): the head's prompt
-        pages (``cached`` ones first, its prefix from the prefix cache), the first ``s`` of them
-        shared with every member, and each member's own."""
+        pages (those it holds already first: its prefix from the prefix cache), the first ``s``
+        of them shared with every member, and each member's own."""
         head, s = group.head, group.shared_pages
-        head.pages = cached + self._alloc(pages_for(head.prefill_end) - len(cached))
+        head.pages += self._alloc(pages_for(head.prefill_end) - len(head.pages))
         for m in group.members:
             m.cached_tokens = head.cached_tokens
             own = self._alloc(pages_for(m.max_total_tokens) - s)

@@ -115,7 +115,8 @@ def _check_refs(s: Scheduler) -> None:
     for p in s.prefix._key:
         held[p] += 1
     assert held == [s.pages.refs(p) for p in range(s.pages.num_pages)]
-    assert s.prefix.num_evictable == sum(1 for p in s.prefix._key if s.pages.refs(p) == 1)
+    evictable = [p for p in s.prefix._key if s.pages.refs(p) == 1]
+    assert s.prefix.num_evictable == len(evictable) and all(p in s.prefix._lru for p in evictable)
 
 
 def test_admission_starts_on_the_cached_prefix_and_evicts_when_short():
@@ -275,6 +276,77 @@ def test_a_raising_release_hook_loses_no_evictable_page_and_an_error_caches_no_h
         s.remove(m, cache=False)
     assert s.prefix.num_pages == 2 and s.pages.num_used == 2  # a's pages only
     _check_refs(s)
+
+
+def test_placement_counts_cached_pages_as_the_request_will_take_them():
+    """What a data-parallel rank reports for a request on a document it holds, used by a running
+    request, with few pages free: its cached tokens, and pages enough (it needs only the rest)."""
+    from runtime.distributed.balance import RankLoad, assign
+
+    s = _sched(16)
+    doc = _toks(18, 10 * PAGE)
+    a = _req("a", doc + [1, 2], max_tokens=2)
+    s.add(a)
+    s.schedule()
+    a.num_computed = a.prefill_end
+    s.computed(a)  # the document's 10 pages cached, a still running
+    q = doc + [3, 4]
+    left, free, cached = s.placement(q, takes_prefix=True)
+    assert cached == 10 * PAGE and free == s.pages.num_free == 16 - 11
+    assert s.placement(q, takes_prefix=False)[2] == 0
+    other = RankLoad(0, 16, 16)  # an idle rank with every page free
+    here = RankLoad(left, free, 16, cached)
+    assert assign(pages_for_tokens(len(q) + 4), len(q) + 4, [other, here]) == 1
+    # a waiting request on the document counts without its cached prefix
+    w = _req("w", doc + [5], max_tokens=64)
+    s.waiting.append(w)
+    left2, free2, _ = s.placement(q, takes_prefix=True)
+    assert left2 - left == w.max_total_tokens - 10 * PAGE
+    assert free - free2 == -(-w.max_total_tokens // PAGE) - 10
+
+
+def pages_for_tokens(n: int) -> int:
+    return -(-n // PAGE)
+
+
+def test_an_admission_whose_eviction_fails_leaks_no_reference():
+    """A request that takes a cached prefix and needs an eviction for its own pages, whose
+    release hook raises: the prefix it took goes back with it (what Engine.recover does)."""
+    s = _sched(8)
+    doc, doc2 = _toks(19, 3 * PAGE), _toks(20, 2 * PAGE)
+    for rid, d in (("a", doc), ("a2", doc2)):
+        r = _req(rid, d + [1])
+        s.add(r)
+        s.schedule()
+        _finish(s, r)  # 3 + 2 pages cached, 3 free
+    b = _req("b", doc + _toks(21, 4 * PAGE), max_tokens=4)  # 8 pages: 3 cached, 5 its own
+
+    def boom(pages):
+        raise RuntimeError("release failed")
+
+    s.release = boom
+    s.add(b)
+    with pytest.raises(RuntimeError, match="release failed"):
+        s.schedule()  # took the document's 3 pages, then evicted doc2's 2: the hook raised
+    s.release = lambda pages: None
+    s.remove(b, cache=False)
+    _check_refs(s)
+    assert s.pages.num_free + s.prefix.num_evictable == 8
+
+
+def test_a_request_bringing_its_prompt_kv_takes_no_prefix():
+    s = _sched(16)
+    doc = _toks(22, 2 * PAGE)
+    a = _req("a", doc + [1])
+    s.add(a)
+    s.schedule()
+    _finish(s, a)
+    k = _req("k", doc + [2])
+    k.prompt_kv = object()  # (what the engine writes; the scheduler only looks at it)
+    s.add(k)
+    s.schedule()
+    assert k.cached_tokens == 0 and k.num_computed == 0 and k.pages[0] not in s.prefix._key
+    assert s.placement(k.prompt_ids, takes_prefix=True)[2] == 2 * PAGE  # (the balancer asks)
 
 
 def test_requests_that_take_no_prefix():

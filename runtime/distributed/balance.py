@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from custom_ops.kv_format import PAGE
+
 
 @dataclass
 class RankLoad:
     """One DP rank's state as the front end sees it."""
 
     load_tokens: int  # tokens still to compute for its running and waiting requests
-    free_pages: int  # host pool pages free now (waiting requests' reservations subtracted)
+    # host pool pages it could give the request now: free ones and those only its prefix cache
+    # holds, waiting requests' reservations subtracted
+    free_pages: int
     total_pages: int  # host pool pages in all
     cached_tokens: int = 0  # prompt tokens of the request being placed this rank has cached
 
@@ -28,7 +32,7 @@ def assign(pages: int, tokens: int, loads: list[RankLoad]) -> int:
     ``loads[rank]`` as if it were admitted there (so a batch of requests spreads)."""
     if not loads:
         raise ValueError("no data-parallel ranks to place the request on")
-    now = [r for r, s in enumerate(loads) if s.free_pages >= pages]
+    now = [r for r, s in enumerate(loads) if s.free_pages >= pages - s.cached_tokens // PAGE]
     later = [r for r, s in enumerate(loads) if s.total_pages >= pages]
     pool = now or later
     if not pool:
@@ -39,5 +43,6 @@ def assign(pages: int, tokens: int, loads: list[RankLoad]) -> int:
         )
     rank = min(pool, key=lambda r: (loads[r].load_tokens + tokens - loads[r].cached_tokens, r))
     loads[rank].load_tokens += tokens - loads[rank].cached_tokens
-    loads[rank].free_pages -= pages  # may go negative: the request waits for pages there
+    # may go negative: the request waits for pages there
+    loads[rank].free_pages -= pages - loads[rank].cached_tokens // PAGE
     return rank

@@ -67,15 +67,13 @@ class DistributedEngine:
             dist.all_gather_object(out, obj, group=self.ctx.cpu_group)
         return out
 
-    def load(self, prompt_ids: list[int], params: SamplingParams) -> RankLoad:
+    def load(self, prompt_ids: list[int], params: SamplingParams, has_kv: bool) -> RankLoad:
         """This rank's load and host capacity for the balancer, and how much of the request's
-        prompt its prefix cache holds (pages only the cache holds count as free)."""
+        prompt its prefix cache holds (``Scheduler.placement``)."""
         sched = self.engine.scheduler
-        waiting = sum(pages_for(r.max_total_tokens) for r in sched.waiting)
-        left = sum(r.max_total_tokens - r.num_computed for r in [*sched.running, *sched.waiting])
-        free = sched.pages.num_free + (sched.prefix.num_evictable if sched.prefix else 0)
-        cached = sched.cached_prompt_tokens(prompt_ids, params)
-        return RankLoad(left, free - waiting, sched.pages.num_pages, cached)
+        takes = params.prompt_logprobs is None and not has_kv  # as Scheduler._takes_prefix
+        left, free, cached = sched.placement(prompt_ids, takes)
+        return RankLoad(left, free, sched.pages.num_pages, cached)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -99,7 +97,8 @@ class DistributedEngine:
                 "prompt_logprobs (asked, or implied by echo with logprobs) is not supported with "
                 "tp or ep > 1 (dp only)"
             )
-        loads = self._gather(self.load(ids, params), "the load exchange")[: self.dp]
+        load = self.load(ids, params, prompt_kv is not None)
+        loads = self._gather(load, "the load exchange")[: self.dp]
         target = assign(
             pages_for(len(ids) + params.max_tokens), len(ids) + params.max_tokens, loads
         )
