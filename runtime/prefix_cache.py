@@ -84,8 +84,8 @@ class PrefixCache:
         self.hits += len(pages) * PAGE
 
     def register(self, tokens: Sequence[int], pages: Sequence[int], start: int, end: int) -> int:
-        """Keep pages ``[start, end)`` of a sequence (``tokens`` its prompt and output so far,
-        ``pages`` its block table), whose pages before ``start`` the cache holds already;
+        """Keep pages ``[start, end)`` of a sequence (``tokens`` its tokens from page ``start``
+        on, ``pages`` its block table), whose pages before ``start`` the cache holds already;
         returns the page it registered up to: ``end``, or where a page's key turned out cached
         under another page (then the sequence stops for good: its later pages would hang under
         a parent it does not hold)."""
@@ -93,7 +93,7 @@ class PrefixCache:
         if parent != -1 and parent not in self._key:
             raise AssertionError(f"prefix cache: page {parent} was never registered")
         for i in range(start, end):
-            key = (parent, tuple(tokens[i * PAGE : (i + 1) * PAGE]))
+            key = (parent, tuple(tokens[(i - start) * PAGE : (i - start + 1) * PAGE]))
             page = self._page.get(key)
             if page is None and pages[i] not in self._key:
                 page = pages[i]  # new: the cache holds this sequence's page from now on

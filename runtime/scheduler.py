@@ -192,7 +192,9 @@ class Scheduler:
         n = min(req.num_computed, req.num_tokens) // PAGE
         if self.prefix is None or n <= req.cache_pages or req.cache_stopped:
             return
-        tokens = req.prompt_ids + req.output_ids
+        # the new pages' tokens only (a decode step fills a page: no copy of the whole context)
+        a, b, k = req.cache_pages * PAGE, n * PAGE, len(req.prompt_ids)
+        tokens = req.prompt_ids[a:b] + req.output_ids[max(a - k, 0) : max(b - k, 0)]
         upto = self.prefix.register(tokens, req.pages, req.cache_pages, n)
         req.cache_stopped = upto < n
         req.cache_pages = upto

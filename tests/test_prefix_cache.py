@@ -34,7 +34,7 @@ def test_match_acquire_insert_and_lru_eviction():
     a = _toks(1, 3 * PAGE + 5)
     pages_a = alloc.alloc(4)
     assert cache.register(a, pages_a, 0, 2) == 2  # two full pages, then the third
-    assert cache.register(a, pages_a, 2, 3) == 3
+    assert cache.register(a[2 * PAGE :], pages_a, 2, 3) == 3  # the tokens from page 2 on
     cache.finished(a, 3)
     alloc.free(pages_a)
     cache.released(pages_a)
