@@ -12,7 +12,10 @@ On the bench preset (real V3.2 attention and indexer dimensions, ``--layers`` 4,
    token's logits. ``first_s`` is the first run at that length (the allocator grows its cache),
    ``ttft_s`` the median of the ``--ttft-reps`` - 1 runs after it. Side by side: the old explicit
    path (model/prefill_ref.py) at ``--old`` only (8K: at ~48 s per 32K prompt it does not fit the
-   budget) and the old attention path (the decode kernel per query) at ``--old-attn``;
+   budget) and the old attention path (the decode kernel per query) at ``--old-attn``; and at
+   ``--no-buffer-ttft`` the same model on a cache without the device prefill buffer
+   (``EngineConfig.prefill_buffer=False``, path ``sparse_no_buffer``), whose last logits after a
+   two-chunk warm-up must equal the buffered path's (``no_buffer_logits_equal``);
 3. (run last) prefill throughput: ``--tput`` prompts of ``--tput-len`` tokens back to back;
 4. where the time goes for one chunk at the end of a ``--profile-ctx`` context, each part timed
    alone with CUDA events on the model's own shapes: indexer logits, top-k, attention (and the old
@@ -275,7 +278,10 @@ def check_kernels(res: dict, dev: str, small: bool) -> None:
         got = pk.prefill_topk_from_scores(s, inp["positions"], topk, cfg)
         assert torch.equal(got, want), "top-k differs from the reference on the same scores"
         # one program per row (the count pass skipped: the usual case at real prefill sizes)
-        one = pk.PrefillIndexerConfig(select=ik.IndexerConfig(sel_chunk=s.shape[1]))
+        blk = ik.IndexerConfig().sel_block  # a chunk must be a multiple of it
+        one = pk.PrefillIndexerConfig(
+            select=ik.IndexerConfig(sel_chunk=-(-s.shape[1] // blk) * blk)
+        )
         got = pk.prefill_topk_from_scores(s, inp["positions"], topk, one)
         assert torch.equal(got, want), "one-chunk top-k differs from the reference"
 
@@ -361,13 +367,15 @@ class Prefiller:
     does, without the scheduler), on a cache sized for ``max_len`` tokens."""
 
     def __init__(
-        self, model, max_len: int, fmt: str, chunk: int, dev: str, kernel_backend: str = "auto"
-    ):
+        self, model, max_len: int, fmt: str, chunk: int, dev: str, kernel_backend: str = "auto",
+        buffer: bool = True,
+    ):  # fmt: skip
         self.model, self.chunk, self.dev = model, chunk, dev
         c = model.config
         n = pages_for(max_len) * PAGE
         cc = CacheConfig(c.num_hidden_layers, n, max(c.index_topk, PAGE), c.index_topk, fmt,
-                         offload=dev.startswith("cuda"), max_batch=1, prefill_tokens=n,
+                         offload=dev.startswith("cuda"), max_batch=1,
+                         prefill_tokens=n if buffer else 0,
                          kernel_backend=kernel_backend,
                          index_heads=c.index_n_heads)  # fmt: skip
         self.cache = KVCache(cc, dev)
@@ -419,6 +427,11 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
     pre = Prefiller(model, max(lens + [a.tput_len, a.profile_ctx]), a.kv_format, a.chunk, dev,
                     a.kernel_backend)  # fmt: skip
     res["prefiller"] = pre  # reused below (not serialised)
+    nb_lens = [n for n in (int(x) for x in a.no_buffer_ttft.split(",") if x) if n in lens]
+    # EngineConfig.prefill_buffer=False: the same model on a cache without the buffer, whose
+    # chunks copy only the rows their queries select from the host (prefill_indexer_topk_gather)
+    pre_nb = (Prefiller(model, max(nb_lens), a.kv_format, a.chunk, dev, a.kernel_backend,
+                        buffer=False) if nb_lens else None)  # fmt: skip
     res["prefill_plan"] = [list(r) for r in pre.cache.layers[0].prefill_plan]  # as resolved
     log("warm-up (Triton compiles)")
     pre.run(min(2 * a.chunk, max(lens)))
@@ -426,6 +439,11 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
         for by in ("triton", "deep_gemm"):
             with prefill_scores_by(pre.cache, by):
                 pre.run(min(2 * a.chunk, max(lens)))
+    if pre_nb is not None:  # warm-up, and its last logits against the buffered path's
+        n = min(2 * a.chunk, max(nb_lens))
+        res["no_buffer_logits_equal"] = {n: torch.equal(pre_nb.run(n), pre.run(n))}
+        log(f"no buffer: logits equal to the buffered path's at {n} tokens: "
+            f"{res['no_buffer_logits_equal'][n]}")  # fmt: skip
     with explicit_prefill_in(model):
         pre.run(min(a.chunk + 64, max(lens)))
     with old_attention():
@@ -437,6 +455,7 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
     for n in lens:
         paths = ["sparse"] + ["sparse_triton", "sparse_deep_gemm"] * (n in dg_lens)
         paths += ["sparse_awq_pair_linears"] * (n in pair_lens)
+        paths += ["sparse_no_buffer"] * (n in nb_lens)
         paths += ["sparse_old_attention"] * (n in old_attn) + ["explicit"] * (n in old)
         for path in paths:
             row = {"tokens": n, "path": path, "chunk": a.chunk}
@@ -450,14 +469,15 @@ def bench_ttft(res: dict, model, a, dev: str) -> None:
                            "sparse_deep_gemm": lambda: prefill_scores_by(pre.cache, "deep_gemm"),
                            "sparse_awq_pair_linears": awq_pair_linears,
                            }.get(path, contextlib.nullcontext)  # fmt: skip
+                    p = pre_nb if path == "sparse_no_buffer" else pre
                     with ctx():
-                        row["first_s"] = timed(lambda n=n: pre.run(n), dev)
+                        row["first_s"] = timed(lambda n=n, p=p: p.run(n), dev)
                         # the warm runs, while the budget allows them
                         if a.ttft_reps > 1 and (
                             time.monotonic() - START + row["first_s"] * (a.ttft_reps - 1)
                             < a.budget_s
                         ):
-                            row["ttft_s"] = timed(lambda n=n: pre.run(n), dev, a.ttft_reps - 1)
+                            row["ttft_s"] = timed(lambda n=n, p=p: p.run(n), dev, a.ttft_reps - 1)
                         else:
                             row["ttft_s"] = row["first_s"]
                             row["note"] = "one run only (--ttft-reps 1 or the budget)"
@@ -703,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dg-ctx", default="32768,100000", help="contexts of the DeepGEMM comparison")
     ap.add_argument("--dg-reps", type=int, default=10, help="graph replays per DeepGEMM timing")
     ap.add_argument("--dg-ttft", default="32768", help="TTFT lengths also run with DeepGEMM")
+    ap.add_argument("--no-buffer-ttft", default="32768,100000",
+                    help="TTFT lengths also run without the device prefill buffer "
+                         "(EngineConfig.prefill_buffer=False), path sparse_no_buffer")  # fmt: skip
     ap.add_argument("--index-topk", type=int, default=2048, help="top-k of the DeepGEMM comparison")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip what starts later")
     ap.add_argument("--weights", choices=("bf16", "awq", "fp8"), default="bf16",
@@ -726,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
             1,
         )
         a.select_ctx = 128
+        a.no_buffer_ttft = "80"
     elif not torch.cuda.is_available():
         print("bench_prefill: needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
