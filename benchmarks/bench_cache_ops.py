@@ -13,7 +13,9 @@ Order: (1) correctness first: every kernel against its reference at full size, b
 (``checks``: PASS/FAIL); (2) timings, each op (free and recall in one launch each, the
 default) beside the pre-issue-18 kernels (``before.*``, benchmarks/cache_kernels_before.py, with
 their own int8 free flags), as a launch per phase (``launches.*``, cache_kernels.FUSED off) and
-so with programmatic dependent launch (``pdl.*``), with its kernel launches broken down
+so with programmatic dependent launch (``pdl.*``), the one-launch recall with its lookup
+programs copying the rows they place (``lookup_copy.*``, cache_kernels.COPY_IN_LOOKUP), with its
+kernel launches broken down
 (``launches``: per kernel, launches per call and device us per launch, from the CUDA profiler);
 (3) SGLang's slice/concat free-list allocator as the baseline, same run; (4) a few launch
 configurations of the new kernels (``sweep``); (5) the targets of issue 18 (``targets_met``).
@@ -46,6 +48,7 @@ import torch
 from benchmarks.cache_ops_check import (
     BEFORE,
     LAUNCHES,
+    LOOKUP_COPY,
     NEW,
     PDL,
     Kernels,
@@ -420,9 +423,11 @@ def bench_format(
 
     step(f"checks.{fmt}", lambda: check(NEW, fresh))
     fresh = fresh[B * TOPK :]  # the check's misses are not fresh any more
-    if fmt == "fp8":  # the switched path the benchmark times, checked the same way
+    if fmt == "fp8":  # the switched paths the benchmark times, checked the same way
         step("checks.fp8_pdl", lambda f=fresh: check(PDL, f))
         fresh = fresh[B * TOPK :]
+    step(f"checks.{fmt}_lookup_copy", lambda f=fresh: check(LOOKUP_COPY, f))
+    fresh = fresh[B * TOPK :]
     box = {"fresh": fresh}
 
     def recall(n_miss: int, calls: int, free_before: int, impl: Kernels = NEW) -> Callable:
@@ -441,21 +446,24 @@ def bench_format(
     step(f"{fmt}.recall_37_misses_refill", recall(37, 1, 0))
     step(f"{fmt}.recall_37_misses_period", recall(37, p37, 0))
     step(f"before.{fmt}.recall_37_misses", recall(37, 16, 0, BEFORE))
-    if fmt == "fp8":
-        for tag, impl in (("pdl.", PDL), ("launches.", LAUNCHES)):
-            step(f"{tag}fp8.recall_37_misses", recall(37, 16, 0, impl))
-            step(f"{tag}fp8.recall_37_misses_steady", recall(37, 16, STEADY_FREE, impl))
-            step(f"{tag}fp8.recall_37_misses_refill", recall(37, 1, 0, impl))
-            step(f"{tag}fp8.recall_37_misses_period", recall(37, p37, 0, impl))
-    for tag in ("", "pdl.", "launches."):
+    alts = (("pdl.", PDL), ("launches.", LAUNCHES)) if fmt == "fp8" else ()
+    for tag, impl in (*alts, ("lookup_copy.", LOOKUP_COPY)):
+        step(f"{tag}{fmt}.recall_37_misses", recall(37, 16, 0, impl))
+        step(f"{tag}{fmt}.recall_37_misses_steady", recall(37, 16, STEADY_FREE, impl))
+        step(f"{tag}{fmt}.recall_37_misses_refill", recall(37, 1, 0, impl))
+        step(f"{tag}{fmt}.recall_37_misses_period", recall(37, p37, 0, impl))
+    for tag in ("", "pdl.", "launches.", "lookup_copy."):
         set_amortized(res, f"{tag}{fmt}.recall_37_misses", 37, cap)
     n97 = B * TOPK * 3 // 100
     step(f"{fmt}.recall_hit_0.97", recall(n97, 8, 0))
     step(f"before.{fmt}.recall_hit_0.97", recall(n97, 8, 0, BEFORE))
     step(f"launches.{fmt}.recall_hit_0.97", recall(n97, 8, 0, LAUNCHES))
+    step(f"lookup_copy.{fmt}.recall_hit_0.97", recall(n97, 8, 0, LOOKUP_COPY))
     if fmt == "fp8":
         step("fp8.recall_hit_0.9", recall(B * TOPK // 10, 4, 0))
         step("fp8.recall_hit_0.5", recall(B * TOPK // 2, 2, 0))
+        step("lookup_copy.fp8.recall_hit_0.9", recall(B * TOPK // 10, 4, 0, LOOKUP_COPY))
+        step("lookup_copy.fp8.recall_hit_0.5", recall(B * TOPK // 2, 2, 0, LOOKUP_COPY))
     step(f"{fmt}.offload_64_rows", lambda: bench_offload(host, 64, 32, gen, reps))
     for n_rows in (r for r in (2048, 65536) if r * 8 <= N_H and r <= N_G):
         cfgs = None
@@ -466,7 +474,8 @@ def bench_format(
              lambda n=n_rows, c=cfgs: bench_copy(host, n, 8, gen, reps, c))  # fmt: skip
     n2k = min(2048, cap)
     p2k = 4 * refill_period(n2k, cap)  # 8 calls at full size: four refills, four steady steps
-    for tag, impl in (("", NEW), ("before.", BEFORE), ("pdl.", PDL), ("launches.", LAUNCHES)):
+    for tag, impl in (("", NEW), ("before.", BEFORE), ("pdl.", PDL), ("launches.", LAUNCHES),
+                      ("lookup_copy.", LOOKUP_COPY)):  # fmt: skip
         if tag in ("pdl.", "launches.") and fmt != "fp8":
             continue
         for name, free, calls in (
@@ -477,7 +486,7 @@ def bench_format(
             step(f"{tag}{fmt}.recall_2048_misses{name}",
                  lambda i=impl, f=free, c=calls: recall_all_misses(
                      pool, host, box["fresh"], reps, gen, i, f, c))  # fmt: skip
-    for tag in ("", "pdl.", "launches."):
+    for tag in ("", "pdl.", "launches.", "lookup_copy."):
         rf = set_amortized(res, f"{tag}{fmt}.recall_2048_misses", n2k, cap, "")
         if rf and "amortized_us" in rf:
             rf["amortized_GBps"] = n2k * host.shape[1] / (rf["amortized_us"] * 1e3)
@@ -496,9 +505,10 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
     out = {}
     cap = pool.capacity
     n2k = min(2048, cap)
-    names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK")
+    names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK", "COPY_IN_LOOKUP")
     defaults = {n: getattr(K, n) for n in names}
-    configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 256}, {"FUSED_SCAN_BLOCK": 2048}, {})
+    configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 256}, {"FUSED_SCAN_BLOCK": 2048},
+               {"COPY_IN_LOOKUP": not K.COPY_IN_LOOKUP}, {})  # fmt: skip
     for rnd in range(2):
         for change in configs:
             for n, v in {**defaults, **change}.items():
@@ -664,13 +674,16 @@ def main() -> None:
     res["targets_met"] = targets_met(res)
     res["targets_met_pdl"] = targets_met(res, "pdl.")
     res["targets_met_launches"] = targets_met(res, "launches.")
+    res["targets_met_lookup_copy"] = targets_met(res, "lookup_copy.")
     res["new_vs_before"] = new_vs(res, "before")
     res["new_vs_pdl"] = new_vs(res, "pdl")
     res["new_vs_launches"] = new_vs(res, "launches")
+    res["new_vs_lookup_copy"] = new_vs(res, "lookup_copy")
     save()
-    print("\n| op (per layer) | median us | amortized us | launches us | pdl us | before us |")
-    print("|---|---|---|---|---|---|")
-    gens = ("launches.", "pdl.", "before.")
+    print("\n| op (per layer) | median us | amortized us | launches us | pdl us | before us "
+          "| lookup_copy us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    gens = ("launches.", "pdl.", "before.", "lookup_copy.")
     for k, v in res.items():
         if isinstance(v, dict) and "median_us" in v and not k.startswith(gens):
             others = [res.get(f"{t}{k}", {}).get("median_us") for t in gens]
@@ -685,7 +698,8 @@ def main() -> None:
     print("targets met:", res["targets_met"])
     print("targets met with PDL:", res["targets_met_pdl"])
     print("targets met as a launch per phase:", res["targets_met_launches"])
-    for tag in ("before", "launches", "pdl"):
+    print("targets met with the copy in the lookup:", res["targets_met_lookup_copy"])
+    for tag in ("before", "launches", "pdl", "lookup_copy"):
         print(f"new vs {tag}:", {k: round(v["ratio"], 3) for k, v in res[f"new_vs_{tag}"].items()})
 
 

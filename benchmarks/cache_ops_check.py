@@ -120,6 +120,9 @@ BEFORE = Flagged(cache_kernels_before)
 LAUNCHES = Switched(cache_kernels, reserve=True, switches={"FUSED": False})
 # LAUNCHES with programmatic dependent launch (cache_kernels.LAUNCH_PDL; off: measured mixed).
 PDL = Switched(cache_kernels, reserve=True, switches={"FUSED": False, "LAUNCH_PDL": True})
+# The one-launch recall with the lookup programs copying the rows they place
+# (cache_kernels.COPY_IN_LOOKUP).
+LOOKUP_COPY = Switched(cache_kernels, reserve=True, switches={"COPY_IN_LOOKUP": True})
 
 
 def _stamps(p) -> torch.Tensor:

@@ -144,17 +144,22 @@ def _lookup(
     evicts (ranks below the free count always pop the ring; the ring rule, cache_ref.py), so in a
     step without eviction every miss is placed when the lookup ends and the copy need not wait
     for the pass. A duplicate's exchange that took such a slot (>= 0) writes it back; every
-    exchange that saw a slot restores it after, so the slot is the last value written."""
+    exchange that saw a slot restores it after, so the slot is the last value written.
+
+    Returns [r0, r1), the ranks this block placed early, and the HEAD it read: the one-launch
+    recall copies those rows in this program (_copy_claimed) once its lookup is signalled."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0
     g = tl.load(h2g + h, mask=valid, other=-1)
     clock = tl.load(meta + M_CLOCK)
-    k_early = 0
-    head = 0
+    k_early = clock * 0
+    head = clock * 0
     if PLACE_EARLY:
         k_early = tl.minimum(tl.load(meta + M_NFREE), cap)
         head = tl.load(meta + M_HEAD)
+    r0 = clock * 0  # this block's early-placed ranks: [r0, r1)
+    r1 = clock * 0
     tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
     if MISSES:
         miss = valid & (g == -1)
@@ -178,10 +183,13 @@ def _lookup(
                     tl.store(h2g + h, slot, mask=pm)
                     tl.store(g2h + slot, h, mask=pm)
                     tl.store(prio + slot, tl.zeros([BLOCK], tl.int32) + clock, mask=pm)
+                    r0 = base
+                    r1 = tl.maximum(tl.minimum(base + nwin, k_early), base)
             if PLACE_EARLY:
                 tl.store(h2g + h, old, mask=miss & (old >= 0))  # a duplicate took a placed slot
         nvalid = tl.sum(valid.to(tl.int32), axis=0)
         tl.atomic_add(stats + S_SELECTED, nvalid.to(tl.int64), sem="relaxed")
+    return r0, r1, head
 
 
 @triton.jit
@@ -200,13 +208,23 @@ def _copy_units(
     CACHE: tl.constexpr,
     STAGED: tl.constexpr,
 ):
-    """Units u (rows r, host slots h = miss_host[r]) host -> GPU, those below nunits. STAGED
-    (echo::recall_staged): a row with hstage[h] >= 0 is read from stage_kv (device memory, a copy
-    of the host row) instead of over PCIe."""
+    """Units u (rows r, host slots h = miss_host[r]) host -> GPU slot host_to_gpu[h], those below
+    nunits."""
     um = u < nunits
+    g = tl.load(h2g + h, mask=um, other=0)
+    _move_units(host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR, CACHE, STAGED)
+
+
+@triton.jit
+def _move_units(
+    host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR: tl.constexpr, CACHE: tl.constexpr,
+    STAGED: tl.constexpr,
+):  # fmt: skip
+    """Units u (16-byte word 4 (u - r * UPR) of row r: host slot h -> GPU slot g) where um.
+    STAGED (echo::recall_staged): a row with hstage[h] >= 0 is read from stage_kv (device memory,
+    a copy of the host row) instead of over PCIe."""
     word = (u - r * UPR) * 4
     src = h.to(tl.int64) * (UPR * 4) + word
-    g = tl.load(h2g + h, mask=um, other=0)
     dst = g.to(tl.int64) * (UPR * 4) + word
     m2 = um[:, None]
     w4 = tl.arange(0, 4)
@@ -220,6 +238,27 @@ def _copy_units(
     else:
         v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
     tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
+
+
+@triton.jit
+def _copy_claimed(
+    host_kv, gpu_kv, stage_kv, hstage, miss_host, ring, head, n_g, r0, r1, UPR: tl.constexpr,
+    UNITS: tl.constexpr, CACHE: tl.constexpr, STAGED: tl.constexpr,
+):  # fmt: skip
+    """The rows of miss ranks [r0, r1), which this lookup program claimed and placed at the
+    ring's entries HEAD + r (_lookup's PLACE_EARLY), host -> GPU in UNITS 16-byte units at a time
+    (cache_kernels.COPY_IN_LOOKUP). The GPU slot is read from the ring, not from host_to_gpu: a
+    duplicate's exchange in another lookup program may hold that entry at PENDING for a moment.
+    No program writes those ring entries or miss ranks in this launch (pushes land at or after
+    HEAD + max(misses, free), cache_fused_kernels.py)."""
+    for start in range(r0 * UPR, r1 * UPR, UNITS):
+        u = start + tl.arange(0, UNITS)
+        um = u < r1 * UPR
+        r = u // UPR
+        h = tl.load(miss_host + r, mask=um, other=0)
+        at = head + r
+        g = tl.load(ring + tl.where(at >= n_g, at - n_g, at), mask=um, other=0)
+        _move_units(host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR, CACHE, STAGED)
 
 
 @triton.jit
@@ -257,7 +296,7 @@ def _copy_out_kernel(
         _pdl_start()
     pid = tl.program_id(0)
     _copy_out(
-        pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta + M_LAST_ALLOC, cap,
+        pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, 0, meta + M_LAST_ALLOC, cap,
         stage_kv, hstage, total, n_copy, cap, UPR, UNITS, BLOCK, EARLY, CACHE, STAGED,
     )  # fmt: skip
     fin = pid == 0
@@ -276,6 +315,7 @@ def _copy_out(
     h2g,
     host_slots,
     out,
+    row0,
     rows_ptr,
     rows_max,
     stage_kv,
@@ -291,7 +331,7 @@ def _copy_out(
     STAGED: tl.constexpr,
 ):
     """Program ``pid`` of the copy/output launch: programs [0, n_copy) copy the rows of
-    miss_host[:min(*rows_ptr, rows_max)], the next cdiv(total, BLOCK) write the output
+    miss_host[row0:min(*rows_ptr, rows_max)], the next cdiv(total, BLOCK) write the output
     (_copy_out_kernel)."""
     if pid < n_copy:
         # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
@@ -299,7 +339,7 @@ def _copy_out(
         # trip earlier (the chain was count -> miss_host -> host row; the host read needs only
         # the host slot, the GPU slot load runs beside it).
         # (u0, r0, h0: the else branch's h is another shape; Triton merges same-named variables.)
-        u0 = pid * UNITS + tl.arange(0, UNITS)
+        u0 = row0 * UPR + pid * UNITS + tl.arange(0, UNITS)
         r0 = u0 // UPR
         if EARLY:
             h0 = tl.load(miss_host + r0, mask=r0 < cap, other=0)
@@ -310,7 +350,7 @@ def _copy_out(
         _copy_units(
             host_kv, gpu_kv, h2g, stage_kv, hstage, u0, r0, h0, nunits, UPR, UNITS, CACHE, STAGED
         )
-        for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
+        for start in range(row0 * UPR + (pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
             r = u // UPR
             h = tl.load(miss_host + r, mask=u < nunits, other=0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import benchmarks.bench_cache_ops as bench
-from benchmarks.cache_ops_check import BEFORE, NEW, PDL, kernels_vs_reference
+from benchmarks.cache_ops_check import BEFORE, LOOKUP_COPY, NEW, PDL, kernels_vs_reference
 from benchmarks.cuda_timer import GraphTiming
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as C
@@ -151,9 +151,11 @@ def test_before_kernels_run_on_flags_of_their_own(tiny):
     assert int(tiny.meta[C.NFREE]) == 10 and bool((tiny.host_to_gpu[want.long()] >= 0).all())
 
 
-def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny):
+@pytest.mark.parametrize("impl", [NEW, LOOKUP_COPY], ids=["new", "lookup_copy"])
+def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny, impl):
     """The benchmark's correctness stage (recall, free, allocate, steady recall against the
-    references) at a tiny size: every verdict PASS, so a FAIL on the H200 is the GPU's."""
+    references) at a tiny size, for the defaults and the copy in the lookup: every verdict PASS,
+    so a FAIL on the H200 is the GPU's."""
     gen = torch.Generator().manual_seed(2)
     host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8, generator=gen)
     fill_random(tiny, 640, gen, host_kv=host, host_slots=torch.arange(2048))
@@ -161,7 +163,7 @@ def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny):
     hs = torch.cat([res[:100], torch.arange(3000, 3006)]).int().view(2, 53)
     protect = res[torch.randperm(res.numel(), generator=gen)[:64]].int()
     want = torch.arange(3100, 3140).int()
-    out = kernels_vs_reference(tiny, host, hs, protect, want, 64, NEW)
+    out = kernels_vs_reference(tiny, host, hs, protect, want, 64, impl)
     assert {k: v["verdict"] for k, v in out.items()} == dict.fromkeys(
         ("recall", "free", "allocate", "recall_steady"), "PASS"
     ), out

@@ -78,15 +78,16 @@ def test_pinned_host_pool_is_uva():
     assert torch.equal(cpu_view[slots.cpu()], rows.cpu())
 
 
-@pytest.mark.parametrize("mode", ["one-launch", "launches", "pdl"])
+@pytest.mark.parametrize("mode", ["one-launch", "launches", "pdl", "lookup-copy"])
 def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
     """A recall of 37 misses with free slots to spare (the steady step of issue 18) takes the
     ring's 37 entries from HEAD (the last program moves HEAD: the handoff), evicts nothing, in
     one launch, in a launch per phase and with programmatic dependent launch; eagerly and
     replayed from a CUDA graph, and matches the reference up to placement (the miss list's order
     comes from the lookup blocks' atomics)."""
-    monkeypatch.setattr(K, "FUSED", mode == "one-launch")
+    monkeypatch.setattr(K, "FUSED", mode in ("one-launch", "lookup-copy"))
     monkeypatch.setattr(K, "LAUNCH_PDL", mode == "pdl")
+    monkeypatch.setattr(K, "COPY_IN_LOOKUP", mode == "lookup-copy")
     gen = torch.Generator().manual_seed(SEED + 1)
     print(f"seed {SEED + 1}")
     cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
@@ -121,10 +122,14 @@ def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
         assert_same_up_to_ties(pool, ref, p)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "launches"])
+@pytest.mark.parametrize(
+    "fused, lookup_copy", [(True, False), (True, True), (False, False)],
+    ids=["one-launch", "lookup-copy", "launches"],
+)  # fmt: skip
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-def test_full_size_kernels_match_reference(fmt, fused, monkeypatch):
+def test_full_size_kernels_match_reference(fmt, fused, lookup_copy, monkeypatch):
     monkeypatch.setattr(K, "FUSED", fused)
+    monkeypatch.setattr(K, "COPY_IN_LOOKUP", lookup_copy)
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
     pool, host = full_pool(fmt, gen)

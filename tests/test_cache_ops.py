@@ -23,11 +23,16 @@ from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
 from runtime.host_slots import HostSlotAllocator
 
 
-@pytest.fixture(params=[True, False], ids=["one-launch", "launches"])
+@pytest.fixture(
+    params=[(True, False), (True, True), (False, False)],
+    ids=["one-launch", "one-launch-copy-in-lookup", "launches"],
+)
 def device(request, device, monkeypatch):
-    """Every kernel test runs free and recall both in one launch (K.FUSED, the default) and as a
-    launch per phase."""
-    monkeypatch.setattr(K, "FUSED", request.param)
+    """Every kernel test runs free and recall in one launch (K.FUSED, the default), in one launch
+    with the lookup programs copying the rows they place (K.COPY_IN_LOOKUP), and as a launch per
+    phase."""
+    monkeypatch.setattr(K, "FUSED", request.param[0])
+    monkeypatch.setattr(K, "COPY_IN_LOOKUP", request.param[1])
     return device
 
 
