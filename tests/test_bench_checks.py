@@ -58,3 +58,6 @@ def test_prefix_cache_dry_run_serves_the_same_tokens_with_fewer_computed(tmp_pat
     assert res["same_tokens"] is True
     assert off["prompt_tokens_computed"] == off["prompt_tokens"] == on["prompt_tokens"]
     assert on["prompt_tokens_computed"] < on["prompt_tokens"] and on["prefix_cache_hit_rate"] > 0
+    # the prompts again one at a time: equal tokens, their documents from the cache when on
+    assert res["same_tokens_sequential"] is True
+    assert on["prompt_tokens_computed_sequential"] < off["prompt_tokens_computed_sequential"]
