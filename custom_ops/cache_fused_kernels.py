@@ -126,7 +126,7 @@ def _recall_kernel(
     CACHE: tl.constexpr,
     STAGED: tl.constexpr,
     SLEEP_NS: tl.constexpr = 0,
-    COPY_CLAIMED: tl.constexpr = False,
+    SELF_ROWS: tl.constexpr = 0,
     LOOK_UNITS: tl.constexpr = 512,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
@@ -139,11 +139,11 @@ def _recall_kernel(
     program waits for everyone (HISTED, PLACED, COPIED: every other program has then passed all
     its waits), finalises as the copy launch's last program did, and resets the counters.
 
-    COPY_CLAIMED (cache_kernels.COPY_IN_LOOKUP): a lookup program signals LOOKED, then copies the
-    rows of the misses it placed early itself, so the host reads start as soon as its own lookup
-    ends, beside the other programs' lookups; the copy programs copy only the ranks from the
-    free count on (the victims' rows), none in a step without eviction. Nothing waits for those
-    copies inside the launch: no program reads the rows, and the launch ends after them."""
+    SELF_ROWS > 0 (cache_kernels.LOOKUP_COPY_ROWS): a lookup program signals LOOKED, then copies
+    the rows of up to SELF_ROWS of the misses it placed early itself, so those host reads start
+    as soon as its own lookup ends, beside the other programs' lookups; the copy programs skip
+    them (marked in miss_host) and copy the rest. Nothing waits for the lookup programs' copies
+    inside the launch: no program reads those rows, and the launch ends after them."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
     scan0 = n_look + n_scan  # the pass's first program
@@ -153,10 +153,10 @@ def _recall_kernel(
             tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
         r0, r1, head = _lookup(
             pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total, cap, n_g, True,
-            LIST_BLOCK, SKIP_CLEAN, True,
+            LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS,
         )  # fmt: skip
         _signal(meta + M_LOOKED)
-        if COPY_CLAIMED:
+        if SELF_ROWS > 0:
             _copy_claimed(host_kv, gpu_kv, stage_kv, hstage, miss_host, ring, head, n_g, r0, r1,
                           UPR, LOOK_UNITS, CACHE, STAGED)  # fmt: skip
     elif pid < scan0:
@@ -181,13 +181,9 @@ def _recall_kernel(
             _wait(meta + M_PLACED, n_scan, SLEEP_NS)
             rows_ptr = meta + M_LAST_ALLOC
             rows_max = cap
-        row0 = free0 * 0
-        if COPY_CLAIMED:  # the ranks the lookup placed were copied there
-            row0 = tl.minimum(cap, free0)
         _copy_out(
-            pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, row0, rows_ptr,
-            rows_max, stage_kv, hstage, total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE,
-            STAGED,
+            pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, rows_ptr, rows_max,
+            stage_kv, hstage, total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE, STAGED,
         )  # fmt: skip
         _signal(meta + M_COPIED)
     else:

@@ -131,6 +131,7 @@ def _lookup(
     BLOCK: tl.constexpr,
     SKIP_CLEAN: tl.constexpr,
     PLACE_EARLY: tl.constexpr,
+    SELF_ROWS: tl.constexpr = 0,
 ):
     """Program ``pid`` of the lookup: stamp resident selected slots with the clock (protect).
     With MISSES: claim each distinct missing host slot once (atomic exchange -1 -> PENDING:
@@ -146,8 +147,10 @@ def _lookup(
     for the pass. A duplicate's exchange that took such a slot (>= 0) writes it back; every
     exchange that saw a slot restores it after, so the slot is the last value written.
 
-    Returns [r0, r1), the ranks this block placed early, and the HEAD it read: the one-launch
-    recall copies those rows in this program (_copy_claimed) once its lookup is signalled."""
+    SELF_ROWS > 0 (with PLACE_EARLY; cache_kernels.LOOKUP_COPY_ROWS): the first SELF_ROWS ranks
+    this block placed are this program's to copy (_copy_claimed, once its lookup is signalled);
+    their miss_host entries are stored as -1 - h, so the copy programs skip them. Returns that
+    rank range [r0, r1) and the HEAD it read."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0
@@ -175,7 +178,13 @@ def _lookup(
             if nwin > 0:
                 base = tl.atomic_add(meta + M_NMISS, nwin, sem="relaxed")
                 pos = base + tl.cumsum(win, axis=0) - 1
-                tl.store(miss_host + pos, h, mask=(win > 0) & (pos < cap))
+                listed = h
+                if PLACE_EARLY and SELF_ROWS > 0:
+                    r0 = base
+                    r1 = tl.maximum(tl.minimum(tl.minimum(base + nwin, k_early), base + SELF_ROWS),
+                                    base)  # fmt: skip
+                    listed = tl.where(pos < r1, -1 - h, h)  # this program copies these rows
+                tl.store(miss_host + pos, listed, mask=(win > 0) & (pos < cap))
                 if PLACE_EARLY:
                     pm = (win > 0) & (pos < k_early)
                     at = head + pos
@@ -183,8 +192,6 @@ def _lookup(
                     tl.store(h2g + h, slot, mask=pm)
                     tl.store(g2h + slot, h, mask=pm)
                     tl.store(prio + slot, tl.zeros([BLOCK], tl.int32) + clock, mask=pm)
-                    r0 = base
-                    r1 = tl.maximum(tl.minimum(base + nwin, k_early), base)
             if PLACE_EARLY:
                 tl.store(h2g + h, old, mask=miss & (old >= 0))  # a duplicate took a placed slot
         nvalid = tl.sum(valid.to(tl.int32), axis=0)
@@ -209,8 +216,8 @@ def _copy_units(
     STAGED: tl.constexpr,
 ):
     """Units u (rows r, host slots h = miss_host[r]) host -> GPU slot host_to_gpu[h], those below
-    nunits."""
-    um = u < nunits
+    nunits whose h is not marked (< 0: a lookup program copies that row, _lookup's SELF_ROWS)."""
+    um = (u < nunits) & (h >= 0)
     g = tl.load(h2g + h, mask=um, other=0)
     _move_units(host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR, CACHE, STAGED)
 
@@ -245,17 +252,17 @@ def _copy_claimed(
     host_kv, gpu_kv, stage_kv, hstage, miss_host, ring, head, n_g, r0, r1, UPR: tl.constexpr,
     UNITS: tl.constexpr, CACHE: tl.constexpr, STAGED: tl.constexpr,
 ):  # fmt: skip
-    """The rows of miss ranks [r0, r1), which this lookup program claimed and placed at the
-    ring's entries HEAD + r (_lookup's PLACE_EARLY), host -> GPU in UNITS 16-byte units at a time
-    (cache_kernels.COPY_IN_LOOKUP). The GPU slot is read from the ring, not from host_to_gpu: a
-    duplicate's exchange in another lookup program may hold that entry at PENDING for a moment.
-    No program writes those ring entries or miss ranks in this launch (pushes land at or after
-    HEAD + max(misses, free), cache_fused_kernels.py)."""
+    """The rows of miss ranks [r0, r1), which this lookup program claimed, placed at the ring's
+    entries HEAD + r and marked in miss_host as -1 - h (_lookup's SELF_ROWS), host -> GPU in
+    UNITS 16-byte units at a time (cache_kernels.LOOKUP_COPY_ROWS). The GPU slot is read from the
+    ring, not from host_to_gpu: a duplicate's exchange in another lookup program may hold that
+    entry at PENDING for a moment. No program writes those ring entries or miss ranks in this
+    launch (pushes land at or after HEAD + max(misses, free), cache_fused_kernels.py)."""
     for start in range(r0 * UPR, r1 * UPR, UNITS):
         u = start + tl.arange(0, UNITS)
         um = u < r1 * UPR
         r = u // UPR
-        h = tl.load(miss_host + r, mask=um, other=0)
+        h = -1 - tl.load(miss_host + r, mask=um, other=-1)
         at = head + r
         g = tl.load(ring + tl.where(at >= n_g, at - n_g, at), mask=um, other=0)
         _move_units(host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR, CACHE, STAGED)
@@ -296,7 +303,7 @@ def _copy_out_kernel(
         _pdl_start()
     pid = tl.program_id(0)
     _copy_out(
-        pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, 0, meta + M_LAST_ALLOC, cap,
+        pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta + M_LAST_ALLOC, cap,
         stage_kv, hstage, total, n_copy, cap, UPR, UNITS, BLOCK, EARLY, CACHE, STAGED,
     )  # fmt: skip
     fin = pid == 0
@@ -315,7 +322,6 @@ def _copy_out(
     h2g,
     host_slots,
     out,
-    row0,
     rows_ptr,
     rows_max,
     stage_kv,
@@ -331,7 +337,8 @@ def _copy_out(
     STAGED: tl.constexpr,
 ):
     """Program ``pid`` of the copy/output launch: programs [0, n_copy) copy the rows of
-    miss_host[row0:min(*rows_ptr, rows_max)], the next cdiv(total, BLOCK) write the output
+    miss_host[:min(*rows_ptr, rows_max)] (but those a lookup program copies), the next
+    cdiv(total, BLOCK) write the output
     (_copy_out_kernel)."""
     if pid < n_copy:
         # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
@@ -339,7 +346,7 @@ def _copy_out(
         # trip earlier (the chain was count -> miss_host -> host row; the host read needs only
         # the host slot, the GPU slot load runs beside it).
         # (u0, r0, h0: the else branch's h is another shape; Triton merges same-named variables.)
-        u0 = row0 * UPR + pid * UNITS + tl.arange(0, UNITS)
+        u0 = pid * UNITS + tl.arange(0, UNITS)
         r0 = u0 // UPR
         if EARLY:
             h0 = tl.load(miss_host + r0, mask=r0 < cap, other=0)
@@ -350,7 +357,7 @@ def _copy_out(
         _copy_units(
             host_kv, gpu_kv, h2g, stage_kv, hstage, u0, r0, h0, nunits, UPR, UNITS, CACHE, STAGED
         )
-        for start in range(row0 * UPR + (pid + n_copy) * UNITS, nunits, n_copy * UNITS):
+        for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
             r = u // UPR
             h = tl.load(miss_host + r, mask=u < nunits, other=0)

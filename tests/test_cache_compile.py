@@ -103,14 +103,14 @@ RK = [("host_kv", I32), ("gpu_kv", I32), ("host_slots", I32), ("h2g", I32), ("pr
       ("hist", I32), ("stats", I64), ("out", I32), ("stage_kv", I32), ("hstage", I32),
       ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
       ("n_scan", "i32"), ("n_copy", "i32"), ("n_out", "i32")]
-# (claimed: cache_kernels.COPY_IN_LOOKUP, the lookup programs copy the rows they placed)
+# (claimed: cache_kernels.LOOKUP_COPY_ROWS, the lookup programs copy rows they placed)
 for upr, staged, nap, claimed in ((41, False, 0, False), (72, False, 0, False),
                                   (41, True, 0, False), (41, False, 200, False),
                                   (41, False, 0, True), (72, False, 0, True), (41, True, 0, True)):
     ptx = compile_(FS._recall_kernel, RK, dict(UPR=upr, UNITS=K.COPY_UNITS,
                    LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK, PAD=K.PAD_BLOCK,
                    SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged, SLEEP_NS=nap,
-                   COPY_CLAIMED=claimed, LOOK_UNITS=K.LOOKUP_COPY_UNITS),
+                   SELF_ROWS=32 if claimed else 0, LOOK_UNITS=K.LOOKUP_COPY_UNITS),
                    f"recall[one launch, {upr}, staged={staged}, sleep={nap}, "
                    f"claimed={claimed}]")  # fmt: skip
     if ptx and claimed and not re.search(r"ld\.global\.v4\.b32", ptx):

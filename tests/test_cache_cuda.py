@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_cache_ops import CacheStep, assert_same_up_to_ties, selection, state
 
+from benchmarks.cache_ops_check import LOOKUP_COPY
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as L
 from custom_ops import cache_ops as C
@@ -87,7 +88,8 @@ def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
     comes from the lookup blocks' atomics)."""
     monkeypatch.setattr(K, "FUSED", mode in ("one-launch", "lookup-copy"))
     monkeypatch.setattr(K, "LAUNCH_PDL", mode == "pdl")
-    monkeypatch.setattr(K, "COPY_IN_LOOKUP", mode == "lookup-copy")
+    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", LOOKUP_COPY.switches["LOOKUP_COPY_ROWS"]
+                        if mode == "lookup-copy" else 0)  # fmt: skip
     gen = torch.Generator().manual_seed(SEED + 1)
     print(f"seed {SEED + 1}")
     cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
@@ -129,7 +131,8 @@ def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_full_size_kernels_match_reference(fmt, fused, lookup_copy, monkeypatch):
     monkeypatch.setattr(K, "FUSED", fused)
-    monkeypatch.setattr(K, "COPY_IN_LOOKUP", lookup_copy)
+    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS",
+                        LOOKUP_COPY.switches["LOOKUP_COPY_ROWS"] if lookup_copy else 0)  # fmt: skip
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
     pool, host = full_pool(fmt, gen)

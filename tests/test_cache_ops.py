@@ -24,15 +24,15 @@ from runtime.host_slots import HostSlotAllocator
 
 
 @pytest.fixture(
-    params=[(True, False), (True, True), (False, False)],
+    params=[(True, 0), (True, 2), (False, 0)],
     ids=["one-launch", "one-launch-copy-in-lookup", "launches"],
 )
 def device(request, device, monkeypatch):
     """Every kernel test runs free and recall in one launch (K.FUSED, the default), in one launch
-    with the lookup programs copying the rows they place (K.COPY_IN_LOOKUP), and as a launch per
-    phase."""
+    with each lookup program copying up to 2 of the rows it places (K.LOOKUP_COPY_ROWS: the copy
+    programs the rest), and as a launch per phase."""
     monkeypatch.setattr(K, "FUSED", request.param[0])
-    monkeypatch.setattr(K, "COPY_IN_LOOKUP", request.param[1])
+    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", request.param[1])
     return device
 
 
@@ -334,6 +334,43 @@ def test_recall_kernel_matches_reference(case, device):
             assert torch.equal(ker.gpu_kv[o_ker[hs >= 0].long()], ref.gpu_kv[o_ref[hs >= 0].long()])
             assert_same_up_to_ties(pool, ref, ker)
             pool = ker
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("occ", [300, 1000], ids=["free-slots", "eviction"])
+@pytest.mark.parametrize("dups", [0, 6])
+def test_lookup_programs_copy_their_first_rows_and_the_copy_programs_the_rest(
+    rows, occ, dups, monkeypatch
+):
+    """K.LOOKUP_COPY_ROWS: in the one-launch recall each lookup program copies up to ``rows`` of
+    the misses it placed from the ring, the copy programs the others (and the victims' rows
+    when 1000 of 1024 slots are taken). 16 lookup blocks of 16 entries: the first all misses,
+    the others two each. Every row lands: rows, maps and output as the reference's."""
+    monkeypatch.setattr(K, "FUSED", True)
+    monkeypatch.setattr(K, "LIST_BLOCK", 16)
+    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", rows)
+    for seed in range(2):
+        pool, host_kv, gen = make_pool(1024, 4096, 64, 4, "fp8", "cpu", seed, occ)
+        h2g = pool.host_to_gpu
+        res = torch.nonzero(h2g >= 0).flatten()
+        non = torch.nonzero(h2g < 0).flatten()
+        non = non[torch.randperm(non.numel(), generator=gen)]
+        hs = res[torch.randperm(res.numel(), generator=gen)[:256]].clone()
+        hs[:16] = non[:16]  # block 0: all misses
+        hs[16::16], hs[17::16] = non[16:31], non[31:46]  # two in each other block
+        if dups:  # a miss of block 0 again in other blocks
+            hs[40:40 + 16 * dups:16] = non[:dups]
+        hs = hs.int().view(4, 64)
+        ref, ker = copy.deepcopy(pool), copy.deepcopy(pool)
+        o_ref = C.recall_ref(host_kv, ref.gpu_kv, *state(ref), ref.indices, ref.miss_host,
+                             ref.meta, ref.totals, hs)  # fmt: skip
+        o_ker = K.recall_cuda(host_kv, ker.gpu_kv, *state(ker), ker.indices, ker.miss_host,
+                              ker.meta, ker.hist, ker.totals, hs)  # fmt: skip
+        check_pool(ker, selected=hs, gpu_slots=o_ker, host_kv=host_kv)
+        assert torch.equal(ker.gpu_kv[o_ker.flatten().long()], host_kv[hs.flatten().long()])
+        assert torch.equal(ref.gpu_kv[o_ref.flatten().long()], host_kv[hs.flatten().long()])
+        assert int(ker.meta[L.LAST_MISS]) == int(ref.meta[L.LAST_MISS]) == 46
+        assert_same_up_to_ties(pool, ref, ker)
 
 
 @pytest.mark.parametrize("case", CASES)
