@@ -120,9 +120,9 @@ BEFORE = Flagged(cache_kernels_before)
 LAUNCHES = Switched(cache_kernels, reserve=True, switches={"FUSED": False})
 # LAUNCHES with programmatic dependent launch (cache_kernels.LAUNCH_PDL; off: measured mixed).
 PDL = Switched(cache_kernels, reserve=True, switches={"FUSED": False, "LAUNCH_PDL": True})
-# The one-launch recall with each lookup program copying up to 32 of the rows it places
-# (cache_kernels.LOOKUP_COPY_ROWS).
-LOOKUP_COPY = Switched(cache_kernels, reserve=True, switches={"LOOKUP_COPY_ROWS": 32})
+# The one-launch recall with the copy programs copying every row (cache_kernels.LOOKUP_COPY_ROWS
+# 0; by default each lookup program copies some of the rows it places).
+COPY_PROGRAMS = Switched(cache_kernels, reserve=True, switches={"LOOKUP_COPY_ROWS": 0})
 
 
 def _stamps(p) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import benchmarks.bench_cache_ops as bench
-from benchmarks.cache_ops_check import BEFORE, LOOKUP_COPY, NEW, PDL, kernels_vs_reference
+from benchmarks.cache_ops_check import BEFORE, COPY_PROGRAMS, NEW, PDL, kernels_vs_reference
 from benchmarks.cuda_timer import GraphTiming
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as C
@@ -151,10 +151,11 @@ def test_before_kernels_run_on_flags_of_their_own(tiny):
     assert int(tiny.meta[C.NFREE]) == 10 and bool((tiny.host_to_gpu[want.long()] >= 0).all())
 
 
-@pytest.mark.parametrize("impl", [NEW, LOOKUP_COPY], ids=["new", "lookup_copy"])
+@pytest.mark.parametrize("impl", [NEW, COPY_PROGRAMS], ids=["new", "copy_programs"])
 def test_gpu_check_stage_passes_on_the_interpreted_kernels(tiny, impl):
     """The benchmark's correctness stage (recall, free, allocate, steady recall against the
-    references) at a tiny size, for the defaults and the copy in the lookup: every verdict PASS,
+    references) at a tiny size, for the defaults and the copy programs copying every row: every
+    verdict PASS,
     so a FAIL on the H200 is the GPU's."""
     gen = torch.Generator().manual_seed(2)
     host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8, generator=gen)

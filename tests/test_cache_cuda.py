@@ -17,7 +17,6 @@ import pytest
 import torch
 from test_cache_ops import CacheStep, assert_same_up_to_ties, selection, state
 
-from benchmarks.cache_ops_check import LOOKUP_COPY
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as L
 from custom_ops import cache_ops as C
@@ -79,17 +78,17 @@ def test_pinned_host_pool_is_uva():
     assert torch.equal(cpu_view[slots.cpu()], rows.cpu())
 
 
-@pytest.mark.parametrize("mode", ["one-launch", "launches", "pdl", "lookup-copy"])
+@pytest.mark.parametrize("mode", ["one-launch", "launches", "pdl", "copy-programs"])
 def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
     """A recall of 37 misses with free slots to spare (the steady step of issue 18) takes the
     ring's 37 entries from HEAD (the last program moves HEAD: the handoff), evicts nothing, in
     one launch, in a launch per phase and with programmatic dependent launch; eagerly and
     replayed from a CUDA graph, and matches the reference up to placement (the miss list's order
     comes from the lookup blocks' atomics)."""
-    monkeypatch.setattr(K, "FUSED", mode in ("one-launch", "lookup-copy"))
+    monkeypatch.setattr(K, "FUSED", mode in ("one-launch", "copy-programs"))
     monkeypatch.setattr(K, "LAUNCH_PDL", mode == "pdl")
-    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", LOOKUP_COPY.switches["LOOKUP_COPY_ROWS"]
-                        if mode == "lookup-copy" else 0)  # fmt: skip
+    if mode == "copy-programs":  # no lookup program copies a row
+        monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", 0)
     gen = torch.Generator().manual_seed(SEED + 1)
     print(f"seed {SEED + 1}")
     cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
@@ -125,14 +124,13 @@ def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "fused, lookup_copy", [(True, False), (True, True), (False, False)],
-    ids=["one-launch", "lookup-copy", "launches"],
+    "fused, lookup_rows", [(True, K.LOOKUP_COPY_ROWS), (True, 0), (False, 0)],
+    ids=["one-launch", "copy-programs", "launches"],
 )  # fmt: skip
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-def test_full_size_kernels_match_reference(fmt, fused, lookup_copy, monkeypatch):
+def test_full_size_kernels_match_reference(fmt, fused, lookup_rows, monkeypatch):
     monkeypatch.setattr(K, "FUSED", fused)
-    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS",
-                        LOOKUP_COPY.switches["LOOKUP_COPY_ROWS"] if lookup_copy else 0)  # fmt: skip
+    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", lookup_rows)
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
     pool, host = full_pool(fmt, gen)

@@ -24,13 +24,13 @@ from runtime.host_slots import HostSlotAllocator
 
 
 @pytest.fixture(
-    params=[(True, 0), (True, 2), (False, 0)],
-    ids=["one-launch", "one-launch-copy-in-lookup", "launches"],
+    params=[(True, K.LOOKUP_COPY_ROWS), (True, 2), (True, 0), (False, 0)],
+    ids=["one-launch", "one-launch-lookup-copies-2", "one-launch-copy-programs-only", "launches"],
 )
 def device(request, device, monkeypatch):
-    """Every kernel test runs free and recall in one launch (K.FUSED, the default), in one launch
-    with each lookup program copying up to 2 of the rows it places (K.LOOKUP_COPY_ROWS: the copy
-    programs the rest), and as a launch per phase."""
+    """Every kernel test runs free and recall in one launch (K.FUSED, the default) with each
+    lookup program copying up to K.LOOKUP_COPY_ROWS (the default), 2 or none of the rows it
+    places (the copy programs copy the rest), and as a launch per phase."""
     monkeypatch.setattr(K, "FUSED", request.param[0])
     monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", request.param[1])
     return device
