@@ -510,7 +510,8 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
     names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK", "LOOKUP_COPY_ROWS")
     defaults = {n: getattr(K, n) for n in names}
     configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 256}, {"FUSED_SCAN_BLOCK": 2048},
-               {"LOOKUP_COPY_ROWS": 0}, {"LOOKUP_COPY_ROWS": 128}, {})  # fmt: skip
+               {"LOOKUP_COPY_ROWS": 0}, {"LOOKUP_COPY_ROWS": 16}, {"LOOKUP_COPY_ROWS": 128},
+               {})  # fmt: skip
     for rnd in range(2):
         for change in configs:
             for n, v in {**defaults, **change}.items():
