@@ -502,8 +502,8 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
     lookup (FREE_LIST_BLOCK) and of recall's lookup and output (LIST_BLOCK), pool slots per
     histogram / pass program (FUSED_SCAN_BLOCK), rows each lookup program copies itself
     (LOOKUP_COPY_ROWS). Each is timed on whole refill periods (the amortized figures) and on the
-    steady step, in two rounds, so that a configuration's figures come from two points of the
-    run."""
+    steady step (37 misses; 2048 in one call), in two rounds, so that a configuration's figures
+    come from two points of the run."""
     out = {}
     cap = pool.capacity
     n2k = min(2048, cap)
@@ -523,6 +523,10 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
                     "recall_37_period_us": recall(37, refill_period(37, cap), 0)()["median_us"],
                     "recall_2048_period_us": recall_all_misses(
                         pool, host, box["fresh"], reps, gen, NEW, 0, 4 * refill_period(n2k, cap)
+                    )["median_us"],
+                    # one call with free slots: a new request's first decode step
+                    "recall_2048_steady_us": recall_all_misses(
+                        pool, host, box["fresh"], reps, gen, NEW, n2k + STEADY_FREE, 1
                     )["median_us"],
                     "free_37_steady_us": bench_free(pool, 37, 32, gen, reps, NEW, STEADY_FREE)[
                         "median_us"
