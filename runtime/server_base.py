@@ -186,12 +186,15 @@ class HandlersBase:
         t0: float,
         first: Callable[[int], dict[str, Any] | None] | None = None,
         keep: Callable[[list[RequestOutput]], list[int]] | None = None,
+        prompt_only: bool = False,
     ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
         when the request arrived (perf_counter), for the latency histograms. Adds
         ``stop_reason`` to finished choices, and the usage the stream options ask for.
         ``keep`` (best_of, not streamed): which of the finished choices are returned, in order;
-        ``choices`` is narrowed to them in place, since ``final`` reads it by returned index."""
+        ``choices`` is narrowed to them in place, since ``final`` reads it by returned index.
+        ``prompt_only`` (``echo`` with ``max_tokens: 0``): each request generated one token,
+        which is dropped from every output before anything reads it (text, logprobs, usage)."""
         streaming, opts = bool(req.stream), req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -199,11 +202,18 @@ class HandlersBase:
         times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
         tops: list[list[Top]] = [[] for _ in streams]  # top alternatives per token
 
-        def add(i: int, out: StepOutput) -> None:
+        def add(i: int, out: StepOutput) -> StepOutput:
+            if prompt_only:
+                out = dataclasses.replace(
+                    out, new_token_ids=[], new_text="", completion_tokens=0,
+                    new_logprobs=None if out.new_logprobs is None else [],
+                    new_top_logprobs=None if out.new_top_logprobs is None else [],
+                )  # fmt: skip
             results[i].add(out)
             tops[i] += out.new_top_logprobs or []
             if out.new_token_ids:
                 times[i].append(time.perf_counter())
+            return out
 
         def observe() -> None:
             now = time.perf_counter()
@@ -244,7 +254,7 @@ class HandlersBase:
                 if (c := first(i)) is not None:  # type: ignore[misc]
                     yield sse({**c, "usage": usage()} if continuous else c)
             async for i, out in merged(streams, request):
-                add(i, out)
+                out = add(i, out)
                 if (err := failure(out.finish_reason)) is not None:
                     observe()
                     yield sse(err.body())  # the openai client raises APIError on it

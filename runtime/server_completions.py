@@ -48,6 +48,11 @@ class CompletionHandlers(HandlersBase):
         check_unsupported(req)
         prompts = await self.prompts_of(req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
+        # echo with max_tokens 0: the prompt alone, as vLLM returns it; the engine generates one
+        # token, which respond() drops (max_tokens 0 without echo stays a 400)
+        prompt_only = bool(req.echo) and max_tokens == 0
+        if prompt_only:
+            max_tokens = 1
         vocab = self.tokenizer.vocab_size
         params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
         for ids, _ in prompts:
@@ -177,7 +182,7 @@ class CompletionHandlers(HandlersBase):
             return {**head, "choices": out, "usage": usage}
 
         return await self.respond(
-            request, streams, choices, req, head, chunk, final, t0, first, keep
+            request, streams, choices, req, head, chunk, final, t0, first, keep, prompt_only
         )
 
 

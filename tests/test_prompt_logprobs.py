@@ -238,6 +238,28 @@ def test_echo_with_logprobs_puts_the_prompt_first(url: str, n: int, plp_n: int) 
         assert got == getattr(alone.logprobs, field), field
 
 
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(url: str) -> None:
+    """echo, max_tokens 0, logprobs: the prompt's text and its tokens' logprobs alone, the same
+    entries as the prompt part of a response that generates, streamed or not."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    _, tok = tiny()
+    prompt = [0, *random_prompts([9], 512, seed=7)[0]]
+    kw = dict(model="tiny", prompt=prompt, temperature=0.0, logprobs=2, echo=True)
+    full = client.completions.create(**kw, max_tokens=3).choices[0].logprobs
+    r = client.completions.create(**kw, max_tokens=0)
+    c, n = r.choices[0], len(prompt)
+    assert c.text == tok.decode(prompt) and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert getattr(c.logprobs, field) == getattr(full, field)[:n], field
+    chunks = [x.choices[0] for x in client.completions.create(**kw, max_tokens=0, stream=True)
+              if x.choices]  # fmt: skip
+    assert "".join(x.text for x in chunks) == c.text
+    assert [t for x in chunks if x.logprobs for t in x.logprobs.tokens] == c.logprobs.tokens
+
+
 def test_chat_prompt_logprobs(url: str) -> None:
     """vLLM's prompt_logprobs on chat: once per response (the choices share the prompt), equal to
     the completions' for the same ids; streamed once, on one chunk."""

@@ -236,6 +236,24 @@ def test_echo(url: str, tok: Tokenizer) -> None:
     assert "".join(c.choices[0].text for c in chunks) == "Hello world" + expected(tok, ids, 3)[0]
 
 
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(url: str, tok: Tokenizer) -> None:
+    """vLLM's echo with max_tokens 0: the prompt's text and nothing generated, finish_reason
+    length, no completion tokens; streamed the same (with logprobs: test_prompt_logprobs.py)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ids = tok.encode("Hello world")
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=0, echo=True)
+    assert r.choices[0].text == "Hello world" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=0,
+                                            echo=True, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello world"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo: refused
+        client.completions.create(model=MODEL, prompt="Hello world", max_tokens=0)
+
+
 def test_one_refused_choice_aborts_the_others(url: str, engine: FakeEngine) -> None:
     """The engine refuses the second choice: a 400, and the first one is aborted, not left
     running."""
