@@ -203,11 +203,12 @@ class HandlersBase:
         tops: list[list[Top]] = [[] for _ in streams]  # top alternatives per token
 
         def add(i: int, out: StepOutput) -> StepOutput:
-            if prompt_only:
+            if prompt_only:  # (a dropped EOS or stop string did not end it: the length did)
                 out = dataclasses.replace(
                     out, new_token_ids=[], new_text="", completion_tokens=0,
                     new_logprobs=None if out.new_logprobs is None else [],
                     new_top_logprobs=None if out.new_top_logprobs is None else [],
+                    finish_reason="length" if out.finish_reason == "stop" else out.finish_reason,
                 )  # fmt: skip
             results[i].add(out)
             tops[i] += out.new_top_logprobs or []

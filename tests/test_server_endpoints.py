@@ -250,6 +250,11 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(url: str, tok: Tokenize
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello world"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 0
+    first = expected(tok, ids, 1)[0]  # the dropped token's text as a stop string: still length
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=0, echo=True,
+                                  stop=[first])  # fmt: skip
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("Hello world", "length")
+    assert r.choices[0].model_extra.get("stop_reason") is None
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo: refused
         client.completions.create(model=MODEL, prompt="Hello world", max_tokens=0)
 
