@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends quant async prefetch;
 #                                           # env FULL_SYSTEMS, PREFETCH_POINTS, WEIGHTS_FORMATS: some runs)
+#   bash benchmarks/gpu_session.sh multi [NAME ...]   # issue 21 on a multi-GPU kind: tests (the NCCL
+#                                           # tests), dpN (the bench on N GPUs under torchrun), one per call
 # Each stage runs under its own time limit so a slow or failing stage cannot starve the others.
 # The device returns at most 8 files from $OUT, so stage logs and JSON results are written under
 # $OUT/work and packed into $OUT/results.tgz after every stage (a call cut short still returns
@@ -160,6 +162,27 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
     on prefetch && stage "e2e_prefetch_${rp%%:*}" 170 bash -c "$B --systems offload \
       --kernel-backend triton --prefetch ${PF_MODES-off,request,global} --requests ${rp%%:*} \
       --gpu-pools ${rp##*:} --out '$W/e2e_prefetch_${rp%%:*}req_h200.json'"
+  done
+  ;;
+multi)  # issue 21 (docs/multi_gpu.md): the NCCL tests, then the end-to-end bench with DP attention
+  # and TP MoE on N GPUs (dpN: N = 1 is the one-GPU baseline of the scaling), offload and GPU-only,
+  # the pools of the paper's three GPUs per rank (POOLS); each dpN stage alone takes most of a call.
+  # NVLink multicast stays off (the device documentation, KINDS.md), in every process torchrun starts.
+  shift
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+  echo "GPUs: $ngpu" | tee -a "$log"
+  for name in "${@:-tests}"; do
+    case "$name" in
+    tests) stage multi_nccl_tests 500 $T tests/test_distributed_cuda.py ;;
+    dp*)
+      n=${name#dp}
+      if [ "$n" -gt "$ngpu" ]; then echo "skip $name: $ngpu GPUs" | tee -a "$log"; continue; fi
+      stage "multi_e2e_dp$n" 540 torchrun --nproc-per-node "$n" -m echo_compile.cli bench \
+        --dp "$n" --tp "$n" --rates '' --breakdown-steps 0 --gpu-pools "${POOLS-325000,200000,110000}" \
+        --systems offload,gpu-only ${MULTI_ARGS-} --out "$W/multi_e2e_dp${n}_h200.json" ;;
+    *) echo "unknown multi stage $name" | tee -a "$log" ;;
+    esac
   done
   ;;
 tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
