@@ -13,11 +13,11 @@ Order: (1) correctness first: every kernel against its reference at full size, b
 (``checks``: PASS/FAIL); (2) timings, each op (free and recall in one launch each, the
 default) beside the pre-issue-18 kernels (``before.*``, benchmarks/cache_kernels_before.py, with
 their own int8 free flags), as a launch per phase (``launches.*``, cache_kernels.FUSED off) and
-so with programmatic dependent launch (``pdl.*``), the one-launch recall with its lookup
+so with programmatic dependent launch (``pdl.*``), and the one-launch recall with its lookup
 programs copying none of the rows they place, the copy programs all of them
-(``copy_programs.*``, cache_kernels.LOOKUP_COPY_ROWS = 0), with its
-kernel launches broken down
-(``launches``: per kernel, launches per call and device us per launch, from the CUDA profiler);
+(``copy_programs.*``, cache_kernels.LOOKUP_COPY_ROWS = 0); each with its kernel launches broken
+down (``launches``: per kernel, launches per call and device us per launch, from the CUDA
+profiler);
 (3) SGLang's slice/concat free-list allocator as the baseline, same run; (4) a few launch
 configurations of the new kernels (``sweep``); (5) the targets of issue 18 (``targets_met``).
 

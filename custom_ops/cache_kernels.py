@@ -86,8 +86,9 @@ COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2
 # the copy programs the rest; 0: the copy programs copy every row. LOOKUP_COPY_UNITS 16-byte
 # units per iteration (4 warps: 16 words a thread). On the H200 (docs/cache_ops.md) 32 took the
 # recall at hit rate 0.97 (B = 64, 3932 misses) from 81.7 to 66.3 us and left the 37- and
-# 2048-miss periods as they were; unbounded (every placed row) it was 2.1x slower on 2048
-# misses in four lookup blocks: one program copied 512 rows.
+# 2048-miss periods as they were, but the one-call recall of 2048 misses with free slots (a new
+# request's first decode step) from 46.6 to 52.9 us; unbounded (every placed row) that case was
+# 2.1x slower: one program copied 512 rows.
 LOOKUP_COPY_ROWS = 32
 LOOKUP_COPY_UNITS = 512
 # Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,

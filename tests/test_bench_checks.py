@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from benchmarks import bench_prefill as prefill
 from benchmarks import bench_prefill_gather as gather
 from benchmarks import bench_prefill_overlap as overlap
 from benchmarks import bench_prefix_cache as prefix
@@ -61,3 +62,18 @@ def test_prefix_cache_dry_run_serves_the_same_tokens_with_fewer_computed(tmp_pat
     # the prompts again one at a time: equal tokens, their documents from the cache when on
     assert res["same_tokens_sequential"] is True
     assert on["prompt_tokens_computed_sequential"] < off["prompt_tokens_computed_sequential"]
+
+
+def test_prefill_bench_dry_run_checks_pass_and_times_the_path_without_the_buffer(tmp_path):
+    """bench_prefill at toy sizes on the interpreter: every kernel check PASS (a check that
+    cannot run at the small sizes failed here once), the path without the prefill buffer timed,
+    its logits equal to the buffered path's, and no section failed."""
+    out = tmp_path / "p.json"
+    assert prefill.main(["--dry-run", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["status"] == "done" and "errors" not in res, res.get("errors")
+    bad = {k: v for k, v in res["correctness"].items()
+           if isinstance(v, str) and v != "PASS" and not v.startswith("skipped")}  # fmt: skip
+    assert not bad, bad
+    assert all(res["no_buffer_logits_equal"].values())
+    assert any(t["path"] == "sparse_no_buffer" and t["ttft_s"] > 0 for t in res["ttft"])

@@ -103,7 +103,9 @@ RK = [("host_kv", I32), ("gpu_kv", I32), ("host_slots", I32), ("h2g", I32), ("pr
       ("hist", I32), ("stats", I64), ("out", I32), ("stage_kv", I32), ("hstage", I32),
       ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
       ("n_scan", "i32"), ("n_copy", "i32"), ("n_out", "i32")]
-# (claimed: cache_kernels.LOOKUP_COPY_ROWS, the lookup programs copy rows they placed)
+# (claimed: cache_kernels.LOOKUP_COPY_ROWS, the lookup programs copy rows they placed, with
+# 16-byte loads of their own beside the copy programs')
+v4 = {}
 for upr, staged, nap, claimed in ((41, False, 0, False), (72, False, 0, False),
                                   (41, True, 0, False), (41, False, 200, False),
                                   (41, False, 0, True), (72, False, 0, True), (41, True, 0, True)):
@@ -113,8 +115,9 @@ for upr, staged, nap, claimed in ((41, False, 0, False), (72, False, 0, False),
                    SELF_ROWS=32 if claimed else 0, LOOK_UNITS=K.LOOKUP_COPY_UNITS),
                    f"recall[one launch, {upr}, staged={staged}, sleep={nap}, "
                    f"claimed={claimed}]")  # fmt: skip
-    if ptx and claimed and not re.search(r"ld\.global\.v4\.b32", ptx):
-        print(f"FAIL recall[claimed, {upr}]: no 16-byte loads in the PTX")
+    v4[upr, staged, claimed] = len(re.findall(r"ld\.global\.v4\.b32", ptx))
+    if ptx and claimed and v4[upr, staged, claimed] <= v4[upr, staged, False]:
+        print(f"FAIL recall[claimed, {upr}]: no 16-byte loads of the lookup's own copy")
     if ptx and nap and "nanosleep.u32" not in ptx:
         print("FAIL recall[one launch, sleep]: no nanosleep in the PTX")
     # the waits' acquire polls and the signals' release adds (Triton: ld.acquire / red.release)

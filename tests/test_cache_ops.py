@@ -336,7 +336,7 @@ def test_recall_kernel_matches_reference(case, device):
             pool = ker
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("rows", [0, 1, 3, 64])
 @pytest.mark.parametrize("occ", [300, 1000], ids=["free-slots", "eviction"])
 @pytest.mark.parametrize("dups", [0, 6])
 def test_lookup_programs_copy_their_first_rows_and_the_copy_programs_the_rest(
@@ -345,7 +345,11 @@ def test_lookup_programs_copy_their_first_rows_and_the_copy_programs_the_rest(
     """K.LOOKUP_COPY_ROWS: in the one-launch recall each lookup program copies up to ``rows`` of
     the misses it placed from the ring, the copy programs the others (and the victims' rows
     when 1000 of 1024 slots are taken). 16 lookup blocks of 16 entries: the first all misses,
-    the others two each. Every row lands: rows, maps and output as the reference's."""
+    the others two each. Every row lands: rows, maps and output as the reference's; and the
+    split is the one intended: the interpreter runs the programs in id order, so block b's
+    misses take the ranks after block b - 1's, and a rank is the lookup's to copy (marked
+    -1 - h in miss_host) when the ring serves it (rank < free slots) and it is among its
+    block's first ``rows``."""
     monkeypatch.setattr(K, "FUSED", True)
     monkeypatch.setattr(K, "LIST_BLOCK", 16)
     monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", rows)
@@ -371,6 +375,11 @@ def test_lookup_programs_copy_their_first_rows_and_the_copy_programs_the_rest(
         assert torch.equal(ref.gpu_kv[o_ref.flatten().long()], host_kv[hs.flatten().long()])
         assert int(ker.meta[L.LAST_MISS]) == int(ref.meta[L.LAST_MISS]) == 46
         assert_same_up_to_ties(pool, ref, ker)
+        free = 1024 - occ
+        firsts = [0, *range(16, 46, 2)]  # each block's first rank
+        sizes = [16] + [2] * 15
+        want = sum(max(0, min(n, rows, free - r)) for r, n in zip(firsts, sizes, strict=True))
+        assert int((ker.miss_host[:46] < 0).sum()) == want
 
 
 @pytest.mark.parametrize("case", CASES)
