@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from runtime.sampling_params import SamplingParams
 
@@ -58,7 +57,7 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
     """Run every (name, engine options, prompt indices) case under one process group; save
     per-rank records."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import shutdown
+    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     recs = {}
@@ -78,8 +77,7 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
         except ValueError as e:
             recs[name]["prompt_logprobs"] = str(e)
     torch.save(recs, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    shutdown()
+    finish()
 
 
 def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
@@ -114,7 +112,7 @@ def lint_worker(rank: int, out: str, opts: dict, timeout_s: float) -> None:
 
     from echo_compile.graph_lint import LintReport, lint_backend
     from echo_compile.llm import LLM
-    from runtime.distributed.process import shutdown
+    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     llm = LLM(
@@ -138,8 +136,7 @@ def lint_worker(rank: int, out: str, opts: dict, timeout_s: float) -> None:
          "collectives": sorted(ops)},
         Path(out) / f"rank{rank}.pt",
     )  # fmt: skip
-    dist.barrier()
-    shutdown()
+    finish()
 
 
 def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float) -> None:
@@ -149,7 +146,7 @@ def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: floa
     from torch._dynamo.utils import counters
 
     from echo_compile.llm import LLM
-    from runtime.distributed.process import shutdown
+    from runtime.distributed.process import finish
 
     recs = {}
     counters.clear()
@@ -168,8 +165,7 @@ def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: floa
         "graph_breaks": dict(counters["graph_break"]),
     }
     torch.save(recs, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    shutdown()
+    finish()
 
 
 class _FakeEngine:
@@ -192,7 +188,7 @@ def heartbeat_worker(rank: int, out: str) -> None:
     """Rank 0 drives a fake engine and stays idle past the collective timeout (its heartbeat
     must keep rank 1 waiting), then sends a refused add and a step; rank 1 follows."""
     from runtime.distributed.driver import DriverEngine, follow
-    from runtime.distributed.process import init_distributed, shutdown
+    from runtime.distributed.process import finish, init_distributed
 
     ctx = init_distributed("cpu", timeout_s=2.0)
     eng = _FakeEngine(ctx)
@@ -210,8 +206,7 @@ def heartbeat_worker(rank: int, out: str) -> None:
     else:
         n = follow(eng)
         (Path(out) / "rank1.txt").write_text(f"{n} {eng.calls}")
-    dist.barrier()
-    shutdown()
+    finish()
 
 
 def prompt_kv_worker(
@@ -221,7 +216,7 @@ def prompt_kv_worker(
     rank passing the same rows), greedy; rank 0 saves every request's tokens and each rank its
     own step counts (a prefill step would mean the rows were recomputed, not written)."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import shutdown
+    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     llm = LLM(
@@ -237,8 +232,7 @@ def prompt_kv_worker(
     local = llm.engine.engine
     steps = (local.num_steps, local.num_decode_steps)
     torch.save({"tokens": tokens, "steps": steps}, Path(out) / f"kv_rank{rank}.pt")
-    dist.barrier()
-    shutdown()
+    finish()
 
 
 def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float) -> None:
@@ -246,7 +240,7 @@ def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float
     its end (greedy); rank 0 saves every request's tokens and owning rank, each rank its prefix
     cache's hits."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import shutdown
+    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     llm = LLM(
@@ -265,5 +259,4 @@ def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float
     prefix = llm.engine.engine.scheduler.prefix
     hits = prefix.hits if prefix is not None else 0
     torch.save({"tokens": tokens, "owner": owner, "hits": hits}, Path(out) / f"px_rank{rank}.pt")
-    dist.barrier()
-    shutdown()
+    finish()
