@@ -13,7 +13,7 @@ from custom_ops import prefetch as pf
 from custom_ops import prefetch_kernels as pk
 from custom_ops import prefetch_scores as ps
 from custom_ops.cache.config import CacheConfig
-from custom_ops.cache.invariants import check_pool
+from custom_ops.cache.invariants import CacheInvariantError, check_pool
 from custom_ops.cache.kv_cache import KVCache
 from custom_ops.cache_layout import EVICTED, NFREE, reserve_slots
 from custom_ops.indexer import indexer_topk_ref
@@ -438,13 +438,37 @@ def test_bench_prefetch_dry_run(tmp_path):
            str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
-    assert res["all_pass"] and len(res["checks"]) == 2 * 4 * len(ps.SCORES_VARIANTS)
-    assert any(c["staged"] > 0 for c in res["checks"].values())
+    # 2 checks x 4 configurations x variants, and the perfect prefetch's (every miss staged)
+    assert res["all_pass"] and len(res["checks"]) == 2 * 4 * len(ps.SCORES_VARIANTS) + 1
+    perfect = res["checks"]["recall_all_staged_h0.9"]
+    assert perfect["promoted"] == perfect["misses"] > 0
+    assert any(c.get("staged", 0) > 0 for c in res["checks"].values())
     # a margin stages only candidates above a higher threshold: never more of them
     fused = {k: c for k, c in res["checks"].items() if k.startswith("fused_")}
     for k, c in fused.items():
         if "_m2_" in k:
             assert c["candidates"] <= fused[k.replace("_m2_", "_m0_")]["candidates"]
+
+
+def test_bench_prefetch_perfect_prefetch_check_fails_on_wrong_staged_rows(monkeypatch):
+    """bench_prefetch's perfect-prefetch part reads the staged misses from staging: staged rows
+    unlike the host's make its check fail (the pool then holds rows that differ from the host)."""
+    from benchmarks import bench_prefetch as bp
+
+    s = bp.Setup(bp.TOY, "bf16", torch.device("cpu"), 32)
+    st = bp.all_staged(s)
+    s.set_hit_rate(0.5)
+    assert bp.check_all_staged(s, st) == {"pass": True, "misses": 64, "promoted": 64}
+    stage = bp.stage_all_misses
+
+    def wrong(s_, st_):
+        n = stage(s_, st_)
+        st_.stage_kv[:n] ^= 1
+        return n
+
+    monkeypatch.setattr(bp, "stage_all_misses", wrong)
+    with pytest.raises(CacheInvariantError, match="differs from its host row"):
+        bp.check_all_staged(s, st)
 
 
 def test_bench_prefetch_fusion_ab_alternates_and_reports_slowdowns(monkeypatch):
