@@ -16,7 +16,7 @@ Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conv
 
 ``decode`` returns fp32 logits [B, V] (B padded internally to the next bucket and cut back);
 ``prefill`` returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
-survive the next CUDA-graph replay. The engine (runtime.Engine) drives the same object.
+survive the next CUDA-graph replay. The engine (runtime.engine.Engine) drives the same object.
 
 NOTE: a prefill keeps its context in one device prefill buffer per layer, indexed by position: run
 one request's chunks in order, one request at a time (as the engine's scheduler does); chunks of
