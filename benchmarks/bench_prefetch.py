@@ -64,6 +64,7 @@ from custom_ops.cache.gpu_pool import GpuPool  # noqa: E402
 from custom_ops.cache.host_pool import allocate_host_rows  # noqa: E402
 from custom_ops.cache.invariants import check_pool, fill_random  # noqa: E402
 from custom_ops.cache.staging import Staging  # noqa: E402
+from custom_ops.cache_layout import EVICTED, reserve_slots  # noqa: E402
 from tests.test_decode_kernels import _gen, make_indexer_inputs  # noqa: E402
 
 FULL = dict(B=16, ctx=131072, topk=2048, n_g=300_000, heads=64)
@@ -107,8 +108,10 @@ class Setup:
         self.level0, self.dev0 = ema[pf.EMA_LEVEL, self.keys], ema[pf.EMA_DEV, self.keys]
         self.gen = torch.Generator().manual_seed(seed)
 
-    def set_hit_rate(self, h: float) -> None:
-        """A full pool with a random fraction h of each request's selection resident."""
+    def set_hit_rate(self, h: float, steady: bool = False) -> None:
+        """A full pool (the paper's setup: the recall evicts) with a random fraction h of each
+        request's selection resident; ``steady``: as many slots free as the recall places plus
+        the reserve, as the reserve leaves most steps (docs/cache_ops.md): it evicts nothing."""
         sel = self.sel.cpu().long()
         B, k = sel.shape
         keep = torch.rand(B, k, generator=self.gen).argsort(dim=1) < round(h * k)
@@ -116,7 +119,9 @@ class Setup:
         taken = torch.zeros(self.cfg.host_tokens, dtype=torch.bool)
         taken[sel[sel >= 0]] = True
         others = torch.nonzero(~taken).flatten()
-        n_fill = self.cfg.gpu_tokens - resident.numel()
+        n_miss = int(taken.sum()) - resident.numel()
+        free = n_miss + reserve_slots(self.cfg.gpu_tokens) if steady else 0
+        n_fill = self.cfg.gpu_tokens - resident.numel() - free
         filler = others[torch.randperm(others.numel(), generator=self.gen)[:n_fill]]
         slots = torch.cat([resident, filler])
         fill_random(self.pool, slots.numel(), self.gen, host_kv=self.host, host_slots=slots)
@@ -237,7 +242,8 @@ def check_all_staged(s: Setup, st: Staging) -> dict:
     ok = torch.equal(s.pool.gpu_kv[out[live].long()], s.host[s.sel[live].long()])
     ok &= not bool((st.stage_host >= 0).any()) and not bool((st.host_stage >= 0).any())
     ok &= int(st.totals[pf.PF_PROMOTED]) == n
-    return {"pass": bool(ok), "misses": n, "promoted": int(st.totals[pf.PF_PROMOTED])}
+    return {"pass": bool(ok), "misses": n, "promoted": int(st.totals[pf.PF_PROMOTED]),
+            "evicted": int(s.pool.totals[EVICTED])}  # fmt: skip
 
 
 def fused_scores(s: Setup, st: Staging, rows: int, variant: str) -> None:
@@ -344,6 +350,13 @@ def main() -> None:
                for m in margins for r in pf_rows for v in variants]  # fmt: skip
     st_all = all_staged(s)
     for h in hit_rates:
+        s.set_hit_rate(h, steady=True)  # then a step that evicts nothing
+
+        def steady():
+            c = check_all_staged(s, st_all)
+            return c | {"pass": c["pass"] and c["evicted"] == 0}
+
+        attempt(res["checks"], f"recall_all_staged_steady_h{h}", steady)
         s.set_hit_rate(h)
         attempt(res["checks"], f"recall_all_staged_h{h}", lambda: check_all_staged(s, st_all))
         for name, cap, ratio, m, rows, v in configs:
@@ -461,6 +474,13 @@ def main() -> None:
             except (KeyError, TypeError):
                 pass
             save()
+        # the same step with free slots (no eviction): what the full pool's eviction costs
+        s.set_hit_rate(h, steady=True)
+        attempt(r, "steady_recall_us",
+                lambda: timed(lambda: s.pool.recall(s.host, s.sel), s.restore, R))  # fmt: skip
+        attempt(r, "steady_recall_all_staged_us",
+                lambda: timed(lambda: pk.recall_staged_cuda(*recall_args(s, st_all, s.sel)),
+                              lambda: stage_all_misses(s, st_all), R))  # fmt: skip
     for v in variants:  # against the unfused kernels of the same run (target <= 5%)
         for what, case, ref in (("indexer", "nothing_staged", "indexer_us"),
                                 ("scores", "nothing_staged", "scores_us"),

@@ -438,10 +438,16 @@ def test_bench_prefetch_dry_run(tmp_path):
            str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
-    # 2 checks x 4 configurations x variants, and the perfect prefetch's (every miss staged)
-    assert res["all_pass"] and len(res["checks"]) == 2 * 4 * len(ps.SCORES_VARIANTS) + 1
-    perfect = res["checks"]["recall_all_staged_h0.9"]
-    assert perfect["promoted"] == perfect["misses"] > 0
+    # 2 checks x 4 configurations x variants, and the perfect prefetch's (every miss staged) on
+    # the full pool (it evicts the misses and the reserve) and with free slots (it evicts none)
+    assert res["all_pass"] and len(res["checks"]) == 2 * 4 * len(ps.SCORES_VARIANTS) + 2
+    full, steady = (res["checks"][f"recall_all_staged{w}_h0.9"] for w in ("", "_steady"))
+    for c in (full, steady):
+        assert c["promoted"] == c["misses"] > 0
+    from benchmarks.bench_prefetch import TOY
+
+    assert full["evicted"] == full["misses"] + reserve_slots(TOY["n_g"])
+    assert steady["evicted"] == 0
     assert any(c.get("staged", 0) > 0 for c in res["checks"].values())
     # a margin stages only candidates above a higher threshold: never more of them
     fused = {k: c for k, c in res["checks"].items() if k.startswith("fused_")}
@@ -458,7 +464,8 @@ def test_bench_prefetch_perfect_prefetch_check_fails_on_wrong_staged_rows(monkey
     s = bp.Setup(bp.TOY, "bf16", torch.device("cpu"), 32)
     st = bp.all_staged(s)
     s.set_hit_rate(0.5)
-    assert bp.check_all_staged(s, st) == {"pass": True, "misses": 64, "promoted": 64}
+    assert bp.check_all_staged(s, st) == {"pass": True, "misses": 64, "promoted": 64,
+                                          "evicted": 64 + reserve_slots(bp.TOY["n_g"])}
     stage = bp.stage_all_misses
 
     def wrong(s_, st_):
