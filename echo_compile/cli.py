@@ -75,6 +75,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="launch the next decode step before reading the last one's tokens (one process)",
     )
     p.add_argument(
+        "--prefetch",
+        choices=("off", "request", "global"),
+        default=None,
+        help="lossless decode prefetch fused into the indexer, with offloading (docs/prefetch.md): "
+        "request (at most --prefetch-cap rows per request and layer) or global (--prefetch-ratio "
+        "rows per context token of the batch, at most max_batch x --prefetch-cap); default: off",
+    )
+    p.add_argument("--prefetch-cap", type=int, default=None,
+                   help="staged rows per request and layer (default: "
+                   "EngineConfig.prefetch_cap)")  # fmt: skip
+    p.add_argument("--prefetch-ratio", type=float, default=None,
+                   help="global: staged rows per context token of the batch (default: "
+                   "EngineConfig.prefetch_ratio)")  # fmt: skip
+    p.add_argument("--prefetch-margin", type=float, default=None,
+                   help="the threshold's margin over the EMA of the k-th score, in EMAs of its "
+                   "distance from it (0 = ECHO's threshold; default: "
+                   "EngineConfig.prefetch_margin)")  # fmt: skip
+    p.add_argument(
         "--compile",
         dest="compile",
         action="store_true",
@@ -115,6 +133,9 @@ def _engine_options(a: argparse.Namespace) -> dict:
         opts["device"] = a.device
     if a.kernel_backend is not None:  # checked by EngineConfig (one home for the names)
         opts["kernel_backend"] = a.kernel_backend
+    for k in ("prefetch", "prefetch_cap", "prefetch_ratio", "prefetch_margin"):
+        if getattr(a, k) is not None:  # EngineConfig holds the defaults and checks the values
+            opts[k] = getattr(a, k)
     return opts
 
 

@@ -89,6 +89,30 @@ def test_bench_runs_asynchronous_scheduling_beside_the_synchronous_loop(tmp_path
     assert on["decode_ahead_fraction"] == 0.75 and on["discarded_rows"] == 0
 
 
+def test_bench_prefetch_limits_reach_the_engine(tmp_path) -> None:
+    """--prefetch-cap / --prefetch-ratio set the staging limits of the prefetching runs (and are
+    recorded per run); a run without them has EngineConfig's."""
+    from runtime.engine_config import EngineConfig
+
+    out = tmp_path / "pf.json"
+    argv = ARGS + ["--gpu-pools", "384", "--systems", "offload", "--rates", "", "--no-compile",
+                   "--breakdown-steps", "0", "--prefetch", "off,global", "--prefetch-cap", "96",
+                   "--prefetch-ratio", "0.25", "--out", str(out)]  # fmt: skip
+    assert bench_cli.main(argv) == 0
+    runs = {r["prefetch"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"off", "global"}
+    on = runs["global"]
+    assert (on["prefetch_cap"], on["prefetch_ratio"]) == (96, 0.25)
+    assert sum(on["prefetched_per_step"]) > 0  # the budget staged rows
+    assert runs["off"]["generated_tokens"] == on["generated_tokens"]
+    argv = ARGS + ["--gpu-pools", "384", "--systems", "offload", "--rates", "", "--no-compile",
+                   "--breakdown-steps", "0", "--out", str(out)]  # fmt: skip
+    assert bench_cli.main(argv) == 0
+    (run,) = json.loads(out.read_text())["results"]
+    cfg = EngineConfig()
+    assert (run["prefetch_cap"], run["prefetch_ratio"]) == (cfg.prefetch_cap, cfg.prefetch_ratio)
+
+
 def _eager_system(model, repeat: float) -> bench.System:
     return bench.System(model, "offload-eager", 256, 4096, "fp8", 512, 2, (), "cpu", repeat, seed=0)
 
@@ -146,6 +170,8 @@ def test_batch_cap() -> None:
         (["--requests", "0"], "--requests and --rate-requests must be at least 1"),
         (["--gpu-pools", "310"], "cannot hold the longest request"),  # 304 tokens: 5 pages > 4
         (["--prefetch-margin", "-1"], "prefetch_margin must be a finite number >= 0"),
+        (["--prefetch-cap", "0"], "prefetch_cap must be a positive integer, got 0"),
+        (["--prefetch-ratio", "nan"], "prefetch_ratio must be a positive number, got nan"),
         (["--async-scheduling", "yes"], "--async-scheduling: 'yes' is not off, on or off,on"),
         (["--async-scheduling", "on", "--dp", "2"], "async_scheduling needs dp = tp = ep = 1"),
     ],

@@ -242,3 +242,32 @@ def test_engine_flags_reach_the_engine_options(cmd):
              "--enable-prefix-caching"]  # fmt: skip
     opts = cli._engine_options(parse([cmd, *base, *flags]))
     assert [opts[k] for k in keys] == [False, False, True, True]
+
+
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_prefetch_flags_reach_the_engine_options(cmd):
+    """--prefetch and its limits set EngineConfig's fields; left out, the engine's defaults
+    stand (the options do not name them)."""
+    parse = cli._parser().parse_args
+    base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
+    keys = ("prefetch", "prefetch_cap", "prefetch_ratio", "prefetch_margin")
+    assert not set(keys) & set(cli._engine_options(parse([cmd, *base])))
+    flags = ["--prefetch", "global", "--prefetch-cap", "128", "--prefetch-ratio", "0.01",
+             "--prefetch-margin", "0"]  # fmt: skip
+    opts = cli._engine_options(parse([cmd, *base, *flags]))
+    assert [opts[k] for k in keys] == ["global", 128, 0.01, 0.0]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prefetch", "request", "--no-offload"], "prefetch='request' needs offloading"),
+        (["--prefetch", "request", "--prefetch-cap", "0"], "prefetch_cap must be a positive"),
+        (["--prefetch", "global", "--prefetch-ratio", "-1"], "prefetch_ratio must be a positive"),
+        (["--prefetch-margin", "inf"], "prefetch_margin must be a finite number >= 0"),
+    ],
+)
+def test_generate_refuses_bad_prefetch_options_in_one_line(flags, message, capsys):
+    assert cli.main(["generate", "hi", "--max-tokens", "1", "--no-compile", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("echo-compile: error:") and message in err and "\n" not in err

@@ -13,7 +13,7 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from echo_compile.bench.harness import (
 )
 from model.locality import BENCH_LOCALITY
 from model.quantize import WEIGHTS
+from runtime.engine_config import EngineConfig
 
 
 def _ints(s: str) -> list[int]:
@@ -138,6 +139,20 @@ def main(argv: list[str] | None = None) -> int:
         f"k-th score's distance from it (default {PREFETCH_MARGIN:g}; 0 = ECHO's threshold)",
     )
     ap.add_argument(
+        "--prefetch-cap",
+        type=int,
+        default=None,
+        help="staged rows per request and layer: the request mode's cap and, times the batch, "
+        "the staging buffer (default: EngineConfig.prefetch_cap)",
+    )
+    ap.add_argument(
+        "--prefetch-ratio",
+        type=float,
+        default=None,
+        help="the global mode's budget, staged rows per context token of the batch (default: "
+        "EngineConfig.prefetch_ratio)",
+    )
+    ap.add_argument(
         "--weights",
         default="bf16",
         help="the model's weights, comma-separated to run each: bf16 (as drawn), awq, fp8 (those "
@@ -202,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     asyncs = a.async_scheduling.split(",")
     if not asyncs or any(x not in ("off", "on") for x in asyncs) or len(set(asyncs)) < len(asyncs):
         ap.error(f"--async-scheduling: {a.async_scheduling!r} is not off, on or off,on")
-    try:  # the engine's own rule for the margin, before any model is built
-        check_prefetch("off", 64, 1 / 512, True, a.prefetch_margin)
+    keys = ("prefetch_cap", "prefetch_ratio")
+    limits = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+    try:  # the engine's own rules for the prefetch options, before any model is built
+        d = {f.name: f.default for f in fields(EngineConfig)} | limits
+        check_prefetch("off", d["prefetch_cap"], d["prefetch_ratio"], True, a.prefetch_margin)
     except ValueError as e:
-        ap.error(f"--prefetch-margin: {e}")
+        ap.error(f"prefetch options: {e}")
     formats = a.weights.split(",")
     for w in formats:
         if w not in WEIGHTS:
@@ -351,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 model, system, pool, host, a.kv_format, max_len, cap, tuple(buckets), a.device,
                 a.repeat, wl.seed, a.compile, a.kernel_backend, prefetch, parallel,
                 compile_prefill=wl.prefill and not a.eager_prefill,
-                prefetch_margin=a.prefetch_margin, async_scheduling=asynchronous,
+                prefetch_margin=a.prefetch_margin, prefetch_limits=limits,
+                async_scheduling=asynchronous,
                 decode_during_prefill=not a.prefill_first,
             )  # fmt: skip
             for run in runs:

@@ -188,6 +188,10 @@ class SystemResult:
     # means something only next to it (docs/prefetch.md, "Locality")
     pool_rows_per_request: float = 0.0
     prefetch: str = "off"
+    # the staging limits the run had: rows per request and layer (the staging buffer is
+    # max_batch x it) and the global mode's rows per context token
+    prefetch_cap: int = 0
+    prefetch_ratio: float = 0.0
     prefetched_per_step: list[float] = field(default_factory=list)
     prefetch_precision: list[float] = field(default_factory=list)
     prefetch_coverage: list[float] = field(default_factory=list)
@@ -253,6 +257,7 @@ class System:
         parallel=None,  # (DistContext, dp, tp, ep): one rank of a multi-process run
         compile_prefill: bool = False,  # --mode full: prefill chunks compiled as the engine's
         prefetch_margin: float = PREFETCH_MARGIN,  # the prefetch threshold's margin
+        prefetch_limits: dict | None = None,  # prefetch_cap / prefetch_ratio (EngineConfig's)
         async_scheduling: bool = False,  # EngineConfig.async_scheduling
         decode_during_prefill: bool = True,  # EngineConfig.decode_during_prefill
     ):
@@ -282,6 +287,7 @@ class System:
             prefetch_margin=prefetch_margin,
             async_scheduling=async_scheduling,
             decode_during_prefill=decode_during_prefill,
+            **(prefetch_limits or {}),
         )
         if parallel is not None:
             ctx, dp, tp, ep = parallel
@@ -407,6 +413,8 @@ class System:
             warmup_s=self.warmup_s,
             pool_rows_per_request=self.gpu_tokens / batch if batch else 0.0,
             prefetch=engine.config.prefetch if engine.config.offload else "off",
+            prefetch_cap=engine.config.prefetch_cap,
+            prefetch_ratio=engine.config.prefetch_ratio,
             prefetched_per_step=list(m["prefetched_per_step"]),
             prefetch_precision=list(m["prefetch_precision"]),
             prefetch_coverage=list(m["prefetch_coverage"]),
