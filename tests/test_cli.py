@@ -258,6 +258,18 @@ def test_prefetch_flags_reach_the_engine_options(cmd):
     assert [opts[k] for k in keys] == ["global", 128, 0.01, 0.0]
 
 
+def test_generate_with_prefetch_prints_the_text_without_it(capsys):
+    """Lossless from the command line: a GPU pool of two pages (the recall misses every step),
+    prefetch on with a budget that stages rows, the same greedy text as prefetch off."""
+    base = ["generate", "a long prompt " * 40, "--max-tokens", "8", "--no-compile", "--device",
+            "cpu", "--gpu-tokens", "128"]  # fmt: skip
+    out = {}
+    for flags in ([], ["--prefetch", "global", "--prefetch-ratio", "0.5"]):
+        assert cli.main(base + flags) == 0
+        out[bool(flags)] = capsys.readouterr().out
+    assert out[True] == out[False] and "length (8 tokens)" in out[True]
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

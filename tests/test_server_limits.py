@@ -313,6 +313,16 @@ def test_startup_summary_names_the_real_context() -> None:
     ):
         assert part in line, line
     assert "asked" not in startup_summary(ae, "tiny", asked_max_len=1024)  # type: ignore[arg-type]
+    assert "prefetch" not in line  # off: not named
+    lines = {
+        "request": "prefetch request (64 rows/request, margin 2)",
+        "global": "prefetch global (0.01 rows/context token, margin 2)",
+    }
+    for mode, part in lines.items():
+        on = SimpleNamespace(**vars(cfg), prefetch=mode, prefetch_cap=64, prefetch_ratio=0.01,
+                             prefetch_margin=2.0)  # fmt: skip
+        ae_on = SimpleNamespace(engine=SimpleNamespace(config=on), max_model_len=1024)
+        assert part in startup_summary(ae_on, "tiny", None), mode  # type: ignore[arg-type]
 
 
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
