@@ -52,6 +52,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens a prefill step computes at most (a multiple of 16; default: "
+        "EngineConfig.prefill_chunk)",
+    )
+    p.add_argument(
+        "--decode-buckets",
+        default=None,
+        help="the decode batch sizes captured as CUDA graphs, comma-separated, increasing, the "
+        "last = --max-batch (default: 1, 2, 4, ... up to --max-batch)",
+    )
+    p.add_argument(
         "--prefill-first",
         action="store_true",
         help="decoding requests wait for every pending prefill chunk (default: they decode a step "
@@ -133,7 +146,14 @@ def _engine_options(a: argparse.Namespace) -> dict:
         opts["device"] = a.device
     if a.kernel_backend is not None:  # checked by EngineConfig (one home for the names)
         opts["kernel_backend"] = a.kernel_backend
-    for k in ("prefetch", "prefetch_cap", "prefetch_ratio", "prefetch_margin"):
+    if a.decode_buckets is not None:
+        try:
+            opts["decode_buckets"] = tuple(int(b) for b in a.decode_buckets.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--decode-buckets must be comma-separated integers, got {a.decode_buckets!r}"
+            ) from None
+    for k in ("prefill_chunk", "prefetch", "prefetch_cap", "prefetch_ratio", "prefetch_margin"):
         if getattr(a, k) is not None:  # EngineConfig holds the defaults and checks the values
             opts[k] = getattr(a, k)
     return opts

@@ -270,16 +270,30 @@ def test_generate_with_prefetch_prints_the_text_without_it(capsys):
     assert out[True] == out[False] and "length (8 tokens)" in out[True]
 
 
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_chunk_and_bucket_flags_reach_the_engine_options(cmd):
+    parse = cli._parser().parse_args
+    base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
+    opts = cli._engine_options(parse([cmd, *base]))
+    assert "prefill_chunk" not in opts and "decode_buckets" not in opts  # EngineConfig's
+    opts = cli._engine_options(parse([cmd, *base, "--prefill-chunk", "512",
+                                      "--decode-buckets", "1,3,8"]))  # fmt: skip
+    assert (opts["prefill_chunk"], opts["decode_buckets"]) == (512, (1, 3, 8))
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
+        (["--decode-buckets", "1,x"], "--decode-buckets must be comma-separated integers"),
+        (["--decode-buckets", "2,1,8"], "decode_buckets must be increasing and end at max_batch"),
+        (["--prefill-chunk", "100"], "prefill_chunk must be a multiple of 16"),
         (["--prefetch", "request", "--no-offload"], "prefetch='request' needs offloading"),
         (["--prefetch", "request", "--prefetch-cap", "0"], "prefetch_cap must be a positive"),
         (["--prefetch", "global", "--prefetch-ratio", "-1"], "prefetch_ratio must be a positive"),
         (["--prefetch-margin", "inf"], "prefetch_margin must be a finite number >= 0"),
     ],
 )
-def test_generate_refuses_bad_prefetch_options_in_one_line(flags, message, capsys):
+def test_generate_refuses_bad_engine_options_in_one_line(flags, message, capsys):
     assert cli.main(["generate", "hi", "--max-tokens", "1", "--no-compile", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("echo-compile: error:") and message in err and "\n" not in err
