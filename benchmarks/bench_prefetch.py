@@ -119,9 +119,12 @@ class Setup:
         taken = torch.zeros(self.cfg.host_tokens, dtype=torch.bool)
         taken[sel[sel >= 0]] = True
         others = torch.nonzero(~taken).flatten()
-        n_miss = int(taken.sum()) - resident.numel()
-        free = n_miss + reserve_slots(self.cfg.gpu_tokens) if steady else 0
+        self.n_miss = int(taken.sum()) - resident.numel()
+        free = self.n_miss + reserve_slots(self.cfg.gpu_tokens) if steady else 0
         n_fill = self.cfg.gpu_tokens - resident.numel() - free
+        if n_fill < 0:
+            raise ValueError(f"a pool of {self.cfg.gpu_tokens} rows cannot hold {resident.numel()}"
+                             f" resident rows and {free} free ones")  # fmt: skip
         filler = others[torch.randperm(others.numel(), generator=self.gen)[:n_fill]]
         slots = torch.cat([resident, filler])
         fill_random(self.pool, slots.numel(), self.gen, host_kv=self.host, host_slots=slots)
@@ -209,17 +212,21 @@ def check_recall(s: Setup, cap: int, ratio: float, margin: float, rows: int, var
     }
 
 
-def all_staged(s: Setup) -> Staging:
-    """A staging buffer with room for every miss of the step (B x top-k rows): perfect prefetch."""
-    B, topk = s.sz["B"], s.sz["topk"]
-    cfg = CacheConfig(1, s.cfg.host_tokens, s.cfg.gpu_tokens, topk, fmt=s.cfg.fmt, max_batch=B,
-                      prefetch="request", prefetch_cap=topk)  # fmt: skip
+def all_staged(s: Setup, n_stage: int) -> Staging:
+    """A staging buffer for perfect prefetch: room for every miss of the step at the current hit
+    rate, and at least the configurations' ``n_stage`` rows (its emptying launch then covers the
+    slots theirs does, no fewer)."""
+    B = s.sz["B"]
+    cap = triton.cdiv(max(n_stage, s.n_miss), B)
+    cfg = CacheConfig(1, s.cfg.host_tokens, s.cfg.gpu_tokens, s.sz["topk"], fmt=s.cfg.fmt,
+                      max_batch=B, prefetch="request", prefetch_cap=cap)  # fmt: skip
     return Staging(cfg, s.dev)
 
 
-def stage_all_misses(s: Setup, st: Staging) -> int:
+def stage_all_misses(s: Setup, st: Staging, mark: int = 0) -> int:
     """The pool's snapshot with every miss of the step's selection staged, as a perfect
-    prediction whose copies all hid under the scoring would leave it; returns the misses."""
+    prediction whose copies all hid under the scoring would leave it (``mark``: the staged rows
+    are the host's XOR it, so a check can tell where a row came from); returns the misses."""
     s.restore()
     st.reset()
     sel = s.sel[s.sel >= 0].long()
@@ -227,23 +234,67 @@ def stage_all_misses(s: Setup, st: Staging) -> int:
     n = miss.numel()
     st.stage_host[:n] = miss.to(torch.int32)
     st.host_stage[miss] = torch.arange(n, dtype=torch.int32, device=s.dev)
-    st.stage_kv[:n] = s.host[miss]
+    st.stage_kv[:n] = s.host[miss] ^ mark
     return n
 
 
+MARK = 0x5A  # check_all_staged's staged rows: the host's XOR this
+
+
 def check_all_staged(s: Setup, st: Staging) -> dict:
-    """Perfect prefetch, then the staged recall: the pool invariants, the selection's rows equal
-    to the host's, the staging emptied, every miss promoted from staging."""
-    n = stage_all_misses(s, st)
+    """Perfect prefetch, then the staged recall: the pool invariants, every miss's row read from
+    staging (marked rows: the host's XOR ``MARK``) and every hit's left as it was, the staging
+    emptied, every miss promoted."""
+    n = stage_all_misses(s, st, MARK)
+    live = s.sel >= 0
+    hit = live & (s.pool.host_to_gpu[s.sel.clamp(min=0).long()] >= 0)
     out = pk.recall_staged_cuda(*recall_args(s, st, s.sel))
     torch.cuda.synchronize() if s.dev.type == "cuda" else None
-    check_pool(s.pool, selected=s.sel, gpu_slots=out, host_kv=s.host)
-    live = s.sel >= 0
-    ok = torch.equal(s.pool.gpu_kv[out[live].long()], s.host[s.sel[live].long()])
+    check_pool(s.pool, selected=s.sel, gpu_slots=out)  # not host_kv: the misses are marked
+    want = s.host[s.sel.clamp(min=0).long()]
+    want[live & ~hit] ^= MARK
+    ok = torch.equal(s.pool.gpu_kv[out[live].long()], want[live])
     ok &= not bool((st.stage_host >= 0).any()) and not bool((st.host_stage >= 0).any())
     ok &= int(st.totals[pf.PF_PROMOTED]) == n
     return {"pass": bool(ok), "misses": n, "promoted": int(st.totals[pf.PF_PROMOTED]),
             "evicted": int(s.pool.totals[EVICTED])}  # fmt: skip
+
+
+def bounds(r: dict, parts: dict) -> dict:
+    """The two bounds of one hit rate from its timings ``r`` and the run's ``parts``: what is
+    left of the step once the recall's host copies (its time above the floor: recall(1.0) for
+    ``bound``, the perfect prefetch's recall for ``bound_staged``) hid under the scoring; a part
+    missing or failed leaves its bound out."""
+    out = {}
+    for key, floor in (("bound", parts.get("recall_h1.0_us")),
+                       ("bound_staged", r.get("recall_all_staged_us"))):  # fmt: skip
+        try:
+            copy = r["recall_us"] - floor
+            out[f"{key}_us"] = parts["indexer_us"] + floor + max(copy - parts["scores_us"], 0)
+            out[f"{key}_speedup"] = r["baseline_us"] / out[f"{key}_us"]
+        except (KeyError, TypeError):
+            pass
+    return out
+
+
+def amortized(r: dict, n_miss: int, reserve: int) -> dict:
+    """The engine's cycle at ``n_miss`` misses a step: a refill (the full pool's timing) leaves
+    the reserve free, which serves ``reserve // n_miss`` steps without an eviction (the steady
+    timing) before the next refill; the recalls averaged over that period."""
+    period = 1 + reserve // max(n_miss, 1)
+    out: dict = {"refill_period": period}
+    for full in ("recall_us", "recall_all_staged_us"):
+        try:
+            out[f"amortized_{full}"] = (r[full] + (period - 1) * r[f"steady_{full}"]) / period
+        except (KeyError, TypeError):
+            pass
+    return out
+
+
+def time_all_staged(s: Setup, st: Staging, reps: int) -> float:
+    """The staged recall after perfect prefetch (``stage_all_misses`` before each replay)."""
+    return timed(lambda: pk.recall_staged_cuda(*recall_args(s, st, s.sel)),
+                 lambda: stage_all_misses(s, st), reps)  # fmt: skip
 
 
 def fused_scores(s: Setup, st: Staging, rows: int, variant: str) -> None:
@@ -348,17 +399,18 @@ def main() -> None:
     sfx = {v: "" if v == ps.DEFAULT_VARIANT else f"_{v}" for v in variants}
     configs = [(f"{n}_m{m:g}_rows{r}{sfx[v]}", c, q, m, r, v) for n, c, q in configs
                for m in margins for r in pf_rows for v in variants]  # fmt: skip
-    st_all = all_staged(s)
     for h in hit_rates:
         s.set_hit_rate(h, steady=True)  # then a step that evicts nothing
+        st_all = all_staged(s, n_stage)
 
-        def steady():
-            c = check_all_staged(s, st_all)
+        def steady(st=st_all):
+            c = check_all_staged(s, st)
             return c | {"pass": c["pass"] and c["evicted"] == 0}
 
         attempt(res["checks"], f"recall_all_staged_steady_h{h}", steady)
         s.set_hit_rate(h)
-        attempt(res["checks"], f"recall_all_staged_h{h}", lambda: check_all_staged(s, st_all))
+        attempt(res["checks"], f"recall_all_staged_h{h}",
+                lambda st=st_all: check_all_staged(s, st))  # fmt: skip
         for name, cap, ratio, m, rows, v in configs:
             cap_ = cap if ratio == 0 else 1
             attempt(
@@ -439,17 +491,9 @@ def main() -> None:
             s.pool.recall(s.host, sel)
 
         attempt(r, "baseline_us", lambda: timed(base, s.restore, R))
-        attempt(r, "recall_all_staged_us",
-                lambda: timed(lambda: pk.recall_staged_cuda(*recall_args(s, st_all, s.sel)),
-                              lambda: stage_all_misses(s, st_all), R))  # fmt: skip
-        for key, floor in (("bound", parts.get("recall_h1.0_us")),
-                           ("bound_staged", r.get("recall_all_staged_us"))):  # fmt: skip
-            try:  # what is left of the recall's time once its host copies hid under the scoring
-                copy = r["recall_us"] - floor
-                r[f"{key}_us"] = parts["indexer_us"] + floor + max(copy - parts["scores_us"], 0)
-                r[f"{key}_speedup"] = r["baseline_us"] / r[f"{key}_us"]
-            except (KeyError, TypeError):
-                pass
+        st_all = all_staged(s, n_stage)
+        attempt(r, "recall_all_staged_us", lambda st=st_all: time_all_staged(s, st, R))
+        r.update(bounds(r, parts))
         for name, cap, ratio, m, rows, v in configs:
             cap_ = cap if ratio == 0 else 1
 
@@ -478,9 +522,8 @@ def main() -> None:
         s.set_hit_rate(h, steady=True)
         attempt(r, "steady_recall_us",
                 lambda: timed(lambda: s.pool.recall(s.host, s.sel), s.restore, R))  # fmt: skip
-        attempt(r, "steady_recall_all_staged_us",
-                lambda: timed(lambda: pk.recall_staged_cuda(*recall_args(s, st_all, s.sel)),
-                              lambda: stage_all_misses(s, st_all), R))  # fmt: skip
+        attempt(r, "steady_recall_all_staged_us", lambda st=st_all: time_all_staged(s, st, R))
+        r.update(amortized(r, s.n_miss, reserve_slots(s.cfg.gpu_tokens)))
     for v in variants:  # against the unfused kernels of the same run (target <= 5%)
         for what, case, ref in (("indexer", "nothing_staged", "indexer_us"),
                                 ("scores", "nothing_staged", "scores_us"),

@@ -62,7 +62,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--decode-buckets",
         default=None,
         help="the decode batch sizes captured as CUDA graphs, comma-separated, increasing, the "
-        "last = --max-batch (default: 1, 2, 4, ... up to --max-batch)",
+        "last = --max-batch (default: EngineConfig's, runtime/engine_config.py)",
     )
     p.add_argument(
         "--prefill-first",

@@ -32,10 +32,11 @@ def startup_summary(async_engine: AsyncEngine, model_name: str, asked_max_len: i
             + ("" if offload is None else f", offload {'on' if offload else 'off'}")
         )
         prefetch = getattr(cfg, "prefetch", "off")
-        if offload and prefetch != "off":  # the staging limit the mode uses, and the margin
-            limit = (f"{cfg.prefetch_cap} rows/request" if prefetch == "request"
-                     else f"{cfg.prefetch_ratio:g} rows/context token")  # fmt: skip
-            parts.append(f"prefetch {prefetch} ({limit}, margin {cfg.prefetch_margin:g})")
+        if offload and prefetch != "off":  # the staging limits the mode uses, and the margin
+            rows = (f"{cfg.prefetch_cap} rows/request" if prefetch == "request" else
+                    f"{cfg.prefetch_ratio:g} rows/context token, at most "
+                    f"{cfg.max_batch * cfg.prefetch_cap} rows/layer")  # fmt: skip
+            parts.append(f"prefetch {prefetch} ({rows}, margin {cfg.prefetch_margin:g})")
         parts.append(f"max_batch {getattr(cfg, 'max_batch', '?')}")
     limit = async_engine.max_model_len
     text = f"max_model_len {limit}"

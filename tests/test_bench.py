@@ -90,8 +90,8 @@ def test_bench_runs_asynchronous_scheduling_beside_the_synchronous_loop(tmp_path
 
 
 def test_bench_prefetch_limits_reach_the_engine(tmp_path) -> None:
-    """--prefetch-cap / --prefetch-ratio set the staging limits of the prefetching runs (and are
-    recorded per run); a run without them has EngineConfig's."""
+    """--prefetch-cap / --prefetch-ratio set the staging limits of the prefetching runs (recorded
+    per run; 0 for a run without prefetch); left out, a prefetching run has EngineConfig's."""
     from runtime.engine_config import EngineConfig
 
     out = tmp_path / "pf.json"
@@ -105,9 +105,10 @@ def test_bench_prefetch_limits_reach_the_engine(tmp_path) -> None:
     assert (on["prefetch_cap"], on["prefetch_ratio"]) == (96, 0.25)
     assert sum(on["prefetched_per_step"]) > 0  # the budget staged rows
     assert runs["off"]["generated_tokens"] == on["generated_tokens"]
+    assert (runs["off"]["prefetch_cap"], runs["off"]["prefetch_ratio"]) == (0, 0.0)  # none
     argv = ARGS + ["--gpu-pools", "384", "--systems", "offload", "--rates", "", "--no-compile",
-                   "--breakdown-steps", "0", "--out", str(out)]  # fmt: skip
-    assert bench_cli.main(argv) == 0
+                   "--breakdown-steps", "0", "--prefetch", "request"]  # fmt: skip
+    assert bench_cli.main(argv + ["--out", str(out)]) == 0
     (run,) = json.loads(out.read_text())["results"]
     cfg = EngineConfig()
     assert (run["prefetch_cap"], run["prefetch_ratio"]) == (cfg.prefetch_cap, cfg.prefetch_ratio)
@@ -171,7 +172,7 @@ def test_batch_cap() -> None:
         (["--gpu-pools", "310"], "cannot hold the longest request"),  # 304 tokens: 5 pages > 4
         (["--prefetch-margin", "-1"], "prefetch_margin must be a finite number >= 0"),
         (["--prefetch-cap", "0"], "prefetch_cap must be a positive integer, got 0"),
-        (["--prefetch-ratio", "nan"], "prefetch_ratio must be a positive number, got nan"),
+        (["--prefetch-ratio", "nan"], "prefetch_ratio must be in (0, 1] (staged rows per"),
         (["--async-scheduling", "yes"], "--async-scheduling: 'yes' is not off, on or off,on"),
         (["--async-scheduling", "on", "--dp", "2"], "async_scheduling needs dp = tp = ep = 1"),
     ],

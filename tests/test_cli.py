@@ -258,9 +258,19 @@ def test_prefetch_flags_reach_the_engine_options(cmd):
     assert [opts[k] for k in keys] == ["global", 128, 0.01, 0.0]
 
 
-def test_generate_with_prefetch_prints_the_text_without_it(capsys):
+def test_generate_with_prefetch_prints_the_text_without_it(capsys, monkeypatch):
     """Lossless from the command line: a GPU pool of two pages (the recall misses every step),
-    prefetch on with a budget that stages rows, the same greedy text as prefetch off."""
+    prefetch on with a budget that stages rows (counted), the same greedy text as prefetch off."""
+    from echo_compile.llm import LLM
+
+    built = []
+    init = LLM.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", keep)
     base = ["generate", "a long prompt " * 40, "--max-tokens", "8", "--no-compile", "--device",
             "cpu", "--gpu-tokens", "128"]  # fmt: skip
     out = {}
@@ -268,6 +278,9 @@ def test_generate_with_prefetch_prints_the_text_without_it(capsys):
         assert cli.main(base + flags) == 0
         out[bool(flags)] = capsys.readouterr().out
     assert out[True] == out[False] and "length (8 tokens)" in out[True]
+    off, on = (llm.engine.metrics() for llm in built)
+    assert built[1].engine.config.prefetch == "global" and sum(on["prefetched_per_step"]) > 0
+    assert sum(off["prefetched_per_step"]) == 0 and max(on["prefetch_coverage"]) > 0
 
 
 @pytest.mark.parametrize("cmd", ["generate", "serve"])
@@ -289,7 +302,8 @@ def test_chunk_and_bucket_flags_reach_the_engine_options(cmd):
         (["--prefill-chunk", "100"], "prefill_chunk must be a multiple of 16"),
         (["--prefetch", "request", "--no-offload"], "prefetch='request' needs offloading"),
         (["--prefetch", "request", "--prefetch-cap", "0"], "prefetch_cap must be a positive"),
-        (["--prefetch", "global", "--prefetch-ratio", "-1"], "prefetch_ratio must be a positive"),
+        (["--prefetch", "global", "--prefetch-ratio", "-1"], "prefetch_ratio must be in (0, 1]"),
+        (["--prefetch", "global", "--prefetch-ratio", "inf"], "prefetch_ratio must be in (0, 1]"),
         (["--prefetch-margin", "inf"], "prefetch_margin must be a finite number >= 0"),
     ],
 )

@@ -13,7 +13,7 @@ from custom_ops import prefetch as pf
 from custom_ops import prefetch_kernels as pk
 from custom_ops import prefetch_scores as ps
 from custom_ops.cache.config import CacheConfig
-from custom_ops.cache.invariants import CacheInvariantError, check_pool
+from custom_ops.cache.invariants import check_pool
 from custom_ops.cache.kv_cache import KVCache
 from custom_ops.cache_layout import EVICTED, NFREE, reserve_slots
 from custom_ops.indexer import indexer_topk_ref
@@ -456,26 +456,54 @@ def test_bench_prefetch_dry_run(tmp_path):
             assert c["candidates"] <= fused[k.replace("_m2_", "_m0_")]["candidates"]
 
 
-def test_bench_prefetch_perfect_prefetch_check_fails_on_wrong_staged_rows(monkeypatch):
-    """bench_prefetch's perfect-prefetch part reads the staged misses from staging: staged rows
-    unlike the host's make its check fail (the pool then holds rows that differ from the host)."""
+def test_bench_prefetch_perfect_prefetch_check_sees_where_rows_come_from(monkeypatch):
+    """bench_prefetch's perfect-prefetch check stages marked rows and requires them in the pool:
+    a recall that read the misses from the host instead (staged rows equal to the host's here)
+    fails it; and its staging buffer holds every miss, at least the configurations' rows."""
     from benchmarks import bench_prefetch as bp
 
     s = bp.Setup(bp.TOY, "bf16", torch.device("cpu"), 32)
-    st = bp.all_staged(s)
     s.set_hit_rate(0.5)
+    st = bp.all_staged(s, 32)
+    assert st.stage_host.numel() >= s.n_miss == 64
+    assert bp.all_staged(s, 512).stage_host.numel() >= 512
     assert bp.check_all_staged(s, st) == {"pass": True, "misses": 64, "promoted": 64,
                                           "evicted": 64 + reserve_slots(bp.TOY["n_g"])}
     stage = bp.stage_all_misses
+    monkeypatch.setattr(bp, "stage_all_misses", lambda s_, st_, mark=0: stage(s_, st_))
+    assert bp.check_all_staged(s, st)["pass"] is False
 
-    def wrong(s_, st_):
-        n = stage(s_, st_)
-        st_.stage_kv[:n] ^= 1
-        return n
 
-    monkeypatch.setattr(bp, "stage_all_misses", wrong)
-    with pytest.raises(CacheInvariantError, match="differs from its host row"):
-        bp.check_all_staged(s, st)
+def test_bench_prefetch_bounds_and_amortized_figures():
+    """bench_prefetch's derived figures from made-up timings: both bounds as documented, a
+    failed part leaving its bound out, and the refill period of the reserve."""
+    from benchmarks import bench_prefetch as bp
+
+    parts = {"indexer_us": 170.0, "scores_us": 100.0, "recall_h1.0_us": 10.0}
+    r = {"recall_us": 50.0, "baseline_us": 220.0, "recall_all_staged_us": 30.0}
+    b = bp.bounds(r, parts)
+    assert b["bound_us"] == 180.0 and b["bound_staged_us"] == 200.0  # copies 40 / 20 < 100
+    assert b["bound_staged_speedup"] == 220.0 / 200.0
+    r_big = {"recall_us": 400.0, "baseline_us": 570.0, "recall_all_staged_us": 60.0}
+    assert bp.bounds(r_big, parts)["bound_us"] == 170.0 + 10.0 + 290.0  # 390 - 100 unhidden
+    failed = dict(r, recall_all_staged_us={"error": "x"})
+    assert set(bp.bounds(failed, parts)) == {"bound_us", "bound_speedup"}
+    r |= {"steady_recall_us": 20.0, "steady_recall_all_staged_us": 10.0}
+    a = bp.amortized(r, 976, 4687)  # the paper's h = 0.97 on its 300K pool: 1 refill in 5
+    assert a == {"refill_period": 5, "amortized_recall_us": (50 + 4 * 20) / 5,
+                 "amortized_recall_all_staged_us": (30 + 4 * 10) / 5}  # fmt: skip
+    assert bp.amortized(r, 16384, 4687)["amortized_recall_us"] == 50.0  # every step refills
+
+
+def test_bench_prefetch_steady_pool_frees_the_misses_and_the_reserve():
+    from benchmarks import bench_prefetch as bp
+
+    s = bp.Setup(bp.TOY, "bf16", torch.device("cpu"), 32)
+    for steady, free in ((False, 0), (True, 64 + reserve_slots(bp.TOY["n_g"]))):
+        s.set_hit_rate(0.5, steady=steady)
+        assert int(s.pool.meta[NFREE]) == free
+    with pytest.raises(ValueError, match="cannot hold"):
+        bp.Setup(dict(bp.TOY, n_g=100), "bf16", torch.device("cpu"), 32).set_hit_rate(0.5, True)
 
 
 def test_bench_prefetch_fusion_ab_alternates_and_reports_slowdowns(monkeypatch):

@@ -316,7 +316,7 @@ def test_startup_summary_names_the_real_context() -> None:
     assert "prefetch" not in line  # off: not named
     lines = {
         "request": "prefetch request (64 rows/request, margin 2)",
-        "global": "prefetch global (0.01 rows/context token, margin 2)",
+        "global": "prefetch global (0.01 rows/context token, at most 512 rows/layer, margin 2)",
     }
     for mode, part in lines.items():
         on = SimpleNamespace(**vars(cfg), prefetch=mode, prefetch_cap=64, prefetch_ratio=0.01,

@@ -22,8 +22,12 @@ def check_prefetch(mode: str, cap: int, ratio: float, offload: bool, margin: flo
         )
     if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
         raise ValueError(f"prefetch_cap must be a positive integer, got {cap!r}")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
-        raise ValueError(f"prefetch_ratio must be a positive number, got {ratio!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        # more than one staged row per context token stages nothing more (the candidates are
+        # context tokens), and the kernels take the budget as an int32
+        raise ValueError(
+            f"prefetch_ratio must be in (0, 1] (staged rows per context token), got {ratio!r}"
+        )
     if (
         isinstance(margin, bool)
         or not isinstance(margin, (int, float))

@@ -188,8 +188,8 @@ class SystemResult:
     # means something only next to it (docs/prefetch.md, "Locality")
     pool_rows_per_request: float = 0.0
     prefetch: str = "off"
-    # the staging limits the run had: rows per request and layer (the staging buffer is
-    # max_batch x it) and the global mode's rows per context token
+    # the staging limits of a prefetching run (0 without prefetch): rows per request and layer
+    # (the staging buffer is max_batch x it) and the global mode's rows per context token
     prefetch_cap: int = 0
     prefetch_ratio: float = 0.0
     prefetched_per_step: list[float] = field(default_factory=list)
@@ -376,6 +376,7 @@ class System:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         m = engine.metrics()
+        prefetch = engine.config.prefetch if engine.config.offload else "off"
         reqs = engine.finished_requests
         itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
         # multi-process: every rank's tokens (the front end gathers every rank's outputs); the
@@ -412,9 +413,9 @@ class System:
             decode_gpu_idle_gaps=int(m["decode_gpu_idle_gaps"]),
             warmup_s=self.warmup_s,
             pool_rows_per_request=self.gpu_tokens / batch if batch else 0.0,
-            prefetch=engine.config.prefetch if engine.config.offload else "off",
-            prefetch_cap=engine.config.prefetch_cap,
-            prefetch_ratio=engine.config.prefetch_ratio,
+            prefetch=prefetch,
+            prefetch_cap=engine.config.prefetch_cap if prefetch != "off" else 0,
+            prefetch_ratio=engine.config.prefetch_ratio if prefetch != "off" else 0.0,
             prefetched_per_step=list(m["prefetched_per_step"]),
             prefetch_precision=list(m["prefetch_precision"]),
             prefetch_coverage=list(m["prefetch_coverage"]),
