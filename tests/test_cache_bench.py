@@ -181,3 +181,26 @@ def test_recall_period_chain_recalls_distinct_rows_per_call(tiny, monkeypatch):
     r = bench.recall_all_misses(tiny, host, torch.arange(2048, 4096), 1, gen, NEW, 0, 4)
     assert r["calls_per_graph"] == 4 and r["rows"] == 128
     assert r["evicted_per_graph"] == 4 * 128
+
+
+def test_slice_concat_baseline_is_the_median_of_its_rounds(tiny, monkeypatch):
+    """The SGLang baseline runs in rounds; its figures are the rounds' medians, each round kept,
+    and the free list stays whole (every allocation freed)."""
+    class Event:  # a fake CUDA event: GPU time per round of 10, 30, 20, 50, 40 us a pair
+        gpu = iter([10, 30, 20, 50, 40])
+
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(Event.gpu) * 4 / 1e3  # ms for the round's 4 pairs
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    out = bench.bench_sglang(3, 4, rounds=5)
+    assert out["rounds_gpu_us"] == pytest.approx([10, 30, 20, 50, 40])
+    assert out["alloc_plus_free_gpu_us"] == pytest.approx(30)
+    assert len(out["rounds_wall_us"]) == 5 and out["alloc_plus_free_wall_us"] > 0
+    assert out["free_list_len"] == bench.N_G
