@@ -15,6 +15,20 @@ from runtime.sampling_params import SamplingParams
 MAX_TOKENS = 6
 
 
+def end() -> None:
+    """A worker's clean end, after it dropped its engine (``del llm``): every rank at the
+    barrier, the group destroyed (``finish``), then the engine's reference cycles, which hold
+    gloo groups, collected now and not in the interpreter's finalization, where gloo's teardown
+    aborted a process now and then after a clean stop (SIGABRT; echo_compile/cli.py's serve
+    frees its engine the same way)."""
+    import gc
+
+    from runtime.distributed.process import finish
+
+    finish()
+    gc.collect()
+
+
 def capture(store: dict):
     """A logits processor that records each decode step's logits row of every request."""
 
@@ -57,7 +71,6 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
     """Run every (name, engine options, prompt indices) case under one process group; save
     per-rank records."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     recs = {}
@@ -77,7 +90,8 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
         except ValueError as e:
             recs[name]["prompt_logprobs"] = str(e)
     torch.save(recs, Path(out) / f"rank{rank}.pt")
-    finish()
+    del llm
+    end()
 
 
 def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
@@ -112,7 +126,6 @@ def lint_worker(rank: int, out: str, opts: dict, timeout_s: float) -> None:
 
     from echo_compile.graph_lint import LintReport, lint_backend
     from echo_compile.llm import LLM
-    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     llm = LLM(
@@ -136,7 +149,8 @@ def lint_worker(rank: int, out: str, opts: dict, timeout_s: float) -> None:
          "collectives": sorted(ops)},
         Path(out) / f"rank{rank}.pt",
     )  # fmt: skip
-    finish()
+    del llm, runner, step, backend
+    end()
 
 
 def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float) -> None:
@@ -146,7 +160,6 @@ def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: floa
     from torch._dynamo.utils import counters
 
     from echo_compile.llm import LLM
-    from runtime.distributed.process import finish
 
     recs = {}
     counters.clear()
@@ -165,7 +178,8 @@ def nccl_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: floa
         "graph_breaks": dict(counters["graph_break"]),
     }
     torch.save(recs, Path(out) / f"rank{rank}.pt")
-    finish()
+    del llm
+    end()
 
 
 class _FakeEngine:
@@ -216,7 +230,6 @@ def prompt_kv_worker(
     rank passing the same rows), greedy; rank 0 saves every request's tokens and each rank its
     own step counts (a prefill step would mean the rows were recomputed, not written)."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     llm = LLM(
@@ -232,7 +245,8 @@ def prompt_kv_worker(
     local = llm.engine.engine
     steps = (local.num_steps, local.num_decode_steps)
     torch.save({"tokens": tokens, "steps": steps}, Path(out) / f"kv_rank{rank}.pt")
-    finish()
+    del llm, local
+    end()
 
 
 def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float) -> None:
@@ -240,7 +254,6 @@ def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float
     its end (greedy); rank 0 saves every request's tokens and owning rank, each rank its prefix
     cache's hits."""
     from echo_compile.llm import LLM
-    from runtime.distributed.process import finish
 
     torch.set_num_threads(1)
     llm = LLM(
@@ -259,4 +272,5 @@ def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float
     prefix = llm.engine.engine.scheduler.prefix
     hits = prefix.hits if prefix is not None else 0
     torch.save({"tokens": tokens, "owner": owner, "hits": hits}, Path(out) / f"px_rank{rank}.pt")
-    finish()
+    del llm, prefix
+    end()
