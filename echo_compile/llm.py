@@ -37,6 +37,24 @@ class GenerationResult:
     stats: RequestStats
 
 
+def _check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
+    """The memory plan of this rank (runtime/distributed/plan.py) against the device, before the
+    weights load: a deployment that cannot fit is refused in seconds, naming what does not."""
+    import logging
+
+    from model.loader import read_checkpoint_meta
+    from runtime.distributed import plan
+
+    try:
+        _, model_config, _ = read_checkpoint_meta(path)
+        gpu, host = plan.device_memory_gib(config.device)
+        plan.check_fits(model_config, config, gpu, host, fp8_weights)
+    except ValueError:  # does not fit, or a bad checkpoint / option the load would refuse too
+        raise
+    except Exception as e:  # noqa: BLE001  (anything else: the check steps aside, the load runs)
+        logging.getLogger(__name__).warning("memory check skipped: %s: %s", type(e).__name__, e)
+
+
 class LLM:
     """Load a checkpoint and serve it offline.
 
@@ -72,6 +90,8 @@ class LLM:
         config = EngineConfig(**engine_options)
         path = resolve_model(model)
         self.model_path = path
+        if config.device.startswith("cuda"):
+            _check_fits(path, config, fp8_weights)
         compiled = compile if compile is not None else config.device.startswith("cuda")
         if config.world_size > 1:
             # one rank of a dp/tp job (torchrun): every rank runs this same code (docs/multi_gpu.md)

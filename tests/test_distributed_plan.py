@@ -100,3 +100,49 @@ def test_estimate_script(tmp_path):
         assert b["offload"]["comm_ms"] > 0 == a["offload"]["comm_ms"]
     eb = res["effective_batch"][0]
     assert eb["offload"] > eb["gpu_only"] > 0
+
+
+def test_check_fits_refuses_only_what_cannot_fit():
+    """Weights + KV cache over the GPU's memory, or the host pool over the host's RAM: refused
+    with what needs how much; enough of both: nothing (no reserve counted)."""
+    from model.loader import read_checkpoint_meta
+    from runtime.distributed.plan import check_fits
+    from runtime.engine_config import EngineConfig
+
+    _, config, _ = read_checkpoint_meta("tiny")
+    eng = EngineConfig(device="cuda", host_tokens=1 << 16)
+    plan = memory_plan(config, eng, 100.0, None, 0.0)
+    need = sum(plan.gpu_gib.values())
+    check_fits(config, eng, need * 1.01, plan.host_gib_per_rank * 1.01)  # fits
+    with pytest.raises(ValueError, match=r"does not fit cuda: .* a GPU needs .*GiB weights"):
+        check_fits(config, eng, need * 0.99, 100.0)
+    with pytest.raises(ValueError, match=r"the host KV pool needs .* \(--host-tokens 65536"):
+        check_fits(config, eng, 100.0, plan.host_gib_per_rank * 0.99)
+    # V3.2's FP8 checkpoint on 8 x H200: dequantised it cannot fit, kept FP8 it can
+    v32, eng8 = v32_config("fp8"), plan_engine(8, 8, 200_000, 1 << 21, 64)
+    with pytest.raises(ValueError, match=r"179.7 GiB weights.*--fp8-weights fp8"):
+        check_fits(v32, eng8, 139.8, 1000.0)
+    check_fits(v32, eng8, 139.8, 1000.0, fp8_weights="fp8")
+
+
+def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
+    """LLM(device="cuda") runs the check before any weight loads: a GPU too small is one
+    ValueError and the loader is never called; a check that cannot run steps aside."""
+    import model.loader
+    from echo_compile.llm import LLM
+    from runtime.distributed import plan
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(model.loader, "load_model", no_load)
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (1e-4, 1000.0))
+    with pytest.raises(ValueError, match=r"does not fit cuda: bf16 on dp=1 tp=1: a GPU needs"):
+        LLM("tiny", device="cuda", compile=False, progress=False)
+
+    def broken(device):
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(plan, "device_memory_gib", broken)
+    with pytest.raises(AssertionError, match="loaded"):  # the check stepped aside
+        LLM("tiny", device="cuda", compile=False, progress=False)

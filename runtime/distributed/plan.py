@@ -181,6 +181,39 @@ def memory_plan(
     )
 
 
+def check_fits(
+    config: ModelConfig,
+    engine: EngineConfig,
+    gpu_mem_gib: float,
+    host_mem_gib: float,
+    fp8_weights: str = "bf16",
+) -> None:
+    """Refuse, before anything is loaded, what cannot fit one rank: its weights and KV cache
+    alone over ``gpu_mem_gib``, or its host KV pool over ``host_mem_gib``. No reserve is counted
+    (activations and CUDA graphs come on top), so it refuses only what would certainly fail:
+    an out-of-memory error minutes into loading becomes one line at once."""
+    plan = memory_plan(config, engine, gpu_mem_gib, None, 0.0, fp8_weights)
+    problems = plan.problems()
+    if plan.host_gib_per_rank > host_mem_gib:
+        problems.append(
+            f"the host KV pool needs {plan.host_gib_per_rank:.1f} GiB (--host-tokens "
+            f"{engine.host_tokens} rows a layer) but the host has {host_mem_gib:.1f} GiB"
+        )
+    if problems:
+        raise ValueError(f"does not fit {engine.device}: " + "; ".join(problems))
+
+
+def device_memory_gib(device: str) -> tuple[float, float]:
+    """The GPU's total memory and the host's RAM, GiB."""
+    import os
+
+    import torch
+
+    gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return gpu / GIB, host / GIB
+
+
 def plan_engine(
     dp: int,
     tp: int,
