@@ -38,20 +38,28 @@ class GenerationResult:
 
 
 def _check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
-    """The memory plan of this rank (runtime/distributed/plan.py) against the device, before the
-    weights load: a deployment that cannot fit is refused in seconds, naming what does not."""
+    """The memory plan of this rank (runtime/distributed/plan.py) against its GPU and host,
+    before the weights load: a deployment that cannot fit is refused in seconds, naming what
+    does not. Anything else the check meets (a bad checkpoint or option: the loader says so
+    next; a config the planner cannot count) makes it step aside with a warning."""
     import logging
+    import os
 
     from model.loader import read_checkpoint_meta
     from runtime.distributed import plan
 
     try:
+        device, local_ranks = config.device, 1
+        if config.world_size > 1:  # torchrun: this rank's GPU; the ranks sharing this host
+            if device in ("cuda", "cuda:0"):
+                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         _, model_config, _ = read_checkpoint_meta(path)
-        gpu, host = plan.device_memory_gib(config.device)
-        plan.check_fits(model_config, config, gpu, host, fp8_weights)
-    except ValueError:  # does not fit, or a bad checkpoint / option the load would refuse too
+        gpu, host = plan.device_memory_gib(device)
+        plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks)
+    except plan.DoesNotFit:
         raise
-    except Exception as e:  # noqa: BLE001  (anything else: the check steps aside, the load runs)
+    except Exception as e:  # noqa: BLE001
         logging.getLogger(__name__).warning("memory check skipped: %s: %s", type(e).__name__, e)
 
 

@@ -116,8 +116,12 @@ def test_check_fits_refuses_only_what_cannot_fit():
     check_fits(config, eng, need * 1.01, plan.host_gib_per_rank * 1.01)  # fits
     with pytest.raises(ValueError, match=r"does not fit cuda: .* a GPU needs .*GiB weights"):
         check_fits(config, eng, need * 0.99, 100.0)
-    with pytest.raises(ValueError, match=r"the host KV pool needs .* \(--host-tokens 65536"):
+    with pytest.raises(ValueError, match=r"the host KV pools need .*, --host-tokens 65536 rows"):
         check_fits(config, eng, 100.0, plan.host_gib_per_rank * 0.99)
+    # four ranks on this host, one pool each: four pools must fit its memory
+    check_fits(config, eng, 100.0, plan.host_gib_per_rank * 4.01, local_ranks=4)
+    with pytest.raises(ValueError, match=r"\(4 ranks x "):
+        check_fits(config, eng, 100.0, plan.host_gib_per_rank * 3.99, local_ranks=4)
     # V3.2's FP8 checkpoint on 8 x H200: dequantised it cannot fit, kept FP8 it can
     v32, eng8 = v32_config("fp8"), plan_engine(8, 8, 200_000, 1 << 21, 64)
     with pytest.raises(ValueError, match=r"179.7 GiB weights.*--fp8-weights fp8"):
@@ -146,3 +150,31 @@ def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
     monkeypatch.setattr(plan, "device_memory_gib", broken)
     with pytest.raises(AssertionError, match="loaded"):  # the check stepped aside
         LLM("tiny", device="cuda", compile=False, progress=False)
+
+    def planner_bug(*a, **k):  # a ValueError that is not a refusal: the load still runs
+        raise ValueError("planner bug")
+
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (1e-4, 1000.0))
+    monkeypatch.setattr(plan, "memory_plan", planner_bug)
+    with pytest.raises(AssertionError, match="loaded"):
+        LLM("tiny", device="cuda", compile=False, progress=False)
+
+
+def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch):
+    """A rank of a dp/tp job checks the GPU of its LOCAL_RANK and its host's memory against
+    the pools of LOCAL_WORLD_SIZE ranks (before any process group or weight)."""
+    from echo_compile.llm import LLM
+    from runtime.distributed import plan
+
+    seen = []
+
+    def memory(device):
+        seen.append(device)
+        return 100.0, 1e-4  # a host too small for two pools
+
+    monkeypatch.setattr(plan, "device_memory_gib", memory)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(plan.DoesNotFit, match=r"the host KV pools need .* \(2 ranks x "):
+        LLM("tiny", device="cuda", dp=2, tp=2, compile=False, progress=False)
+    assert seen == ["cuda:1"]

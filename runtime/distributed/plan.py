@@ -181,37 +181,45 @@ def memory_plan(
     )
 
 
+class DoesNotFit(ValueError):
+    """``check_fits``'s refusal (a ValueError, so the command line prints it as one line)."""
+
+
 def check_fits(
     config: ModelConfig,
     engine: EngineConfig,
     gpu_mem_gib: float,
     host_mem_gib: float,
     fp8_weights: str = "bf16",
+    local_ranks: int = 1,
 ) -> None:
-    """Refuse, before anything is loaded, what cannot fit one rank: its weights and KV cache
-    alone over ``gpu_mem_gib``, or its host KV pool over ``host_mem_gib``. No reserve is counted
+    """Refuse, before anything is loaded, what cannot fit: one rank's weights and KV cache alone
+    over ``gpu_mem_gib``, or the host KV pools of the ``local_ranks`` ranks sharing this host
+    (one pool each, whatever the split) over ``host_mem_gib``. No reserve is counted
     (activations and CUDA graphs come on top), so it refuses only what would certainly fail:
     an out-of-memory error minutes into loading becomes one line at once."""
     plan = memory_plan(config, engine, gpu_mem_gib, None, 0.0, fp8_weights)
     problems = plan.problems()
-    if plan.host_gib_per_rank > host_mem_gib:
+    host = plan.host_gib_per_rank * local_ranks
+    if host > host_mem_gib:
+        ranks = f" ({local_ranks} ranks x {plan.host_gib_per_rank:.1f})" if local_ranks > 1 else ""
         problems.append(
-            f"the host KV pool needs {plan.host_gib_per_rank:.1f} GiB (--host-tokens "
-            f"{engine.host_tokens} rows a layer) but the host has {host_mem_gib:.1f} GiB"
+            f"the host KV pools need {host:.1f} GiB{ranks}, --host-tokens {engine.host_tokens} "
+            f"rows a layer, but the host has {host_mem_gib:.1f} GiB"
         )
     if problems:
-        raise ValueError(f"does not fit {engine.device}: " + "; ".join(problems))
+        raise DoesNotFit(f"does not fit {engine.device}: " + "; ".join(problems))
 
 
 def device_memory_gib(device: str) -> tuple[float, float]:
-    """The GPU's total memory and the host's RAM, GiB."""
-    import os
-
+    """The GPU's total memory and the memory the host lets this process use (physical, or the
+    container's limit), GiB."""
     import torch
 
+    from custom_ops.cache.host_pool import _host_memory_limit
+
     gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return gpu / GIB, host / GIB
+    return gpu / GIB, _host_memory_limit() / GIB
 
 
 def plan_engine(
