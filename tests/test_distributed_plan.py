@@ -122,6 +122,9 @@ def test_check_fits_refuses_only_what_cannot_fit():
     check_fits(config, eng, 100.0, plan.host_gib_per_rank * 4.01, local_ranks=4)
     with pytest.raises(ValueError, match=r"\(4 ranks x "):
         check_fits(config, eng, 100.0, plan.host_gib_per_rank * 3.99, local_ranks=4)
+    # tp alone: every rank holds the batch's KV in a host pool of its own
+    tp2 = memory_plan(config, EngineConfig(tp=2, host_tokens=1 << 16), 100.0, None, 0.0)
+    assert tp2.host_total_gib == pytest.approx(2 * tp2.host_gib_per_rank)
     # V3.2's FP8 checkpoint on 8 x H200: dequantised it cannot fit, kept FP8 it can
     v32, eng8 = v32_config("fp8"), plan_engine(8, 8, 200_000, 1 << 21, 64)
     with pytest.raises(ValueError, match=r"179.7 GiB weights.*--fp8-weights fp8"):

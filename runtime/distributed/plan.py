@@ -107,8 +107,14 @@ class MemoryPlan:
         return sum(self.gpu_gib.values()) + self.reserve_gib
 
     @property
+    def ranks(self) -> int:
+        """Processes of the deployment, each with its own host pool (tp alone too: every rank
+        holds the same batch's KV)."""
+        return max(self.dp, self.tp)
+
+    @property
     def host_total_gib(self) -> float:
-        return self.host_gib_per_rank * self.dp
+        return self.host_gib_per_rank * self.ranks
 
     def problems(self) -> list[str]:
         out = []
@@ -123,7 +129,7 @@ class MemoryPlan:
             )
         if self.host_mem_gib is not None and self.host_total_gib > self.host_mem_gib:
             out.append(
-                f"the host KV pools need {self.host_total_gib:.1f} GiB ({self.dp} ranks x "
+                f"the host KV pools need {self.host_total_gib:.1f} GiB ({self.ranks} ranks x "
                 f"{self.host_gib_per_rank:.1f}) but the host has {self.host_mem_gib:g} GiB"
             )
         return out
