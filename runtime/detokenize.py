@@ -34,5 +34,9 @@ class RequestDetokenizer:
         if self.detok is not None and self.detok.stopped:
             return text, "stop"
         if num_generated >= p.max_tokens:
-            return text + (self.detok.flush() if self.detok else ""), "length"
+            if self.detok is None:
+                return text, "length"
+            text += self.detok.flush()
+            # the held-back tail (an unfinished character) may complete a stop string only now
+            return text, "stop" if self.detok.stopped else "length"
         return text, None

@@ -124,6 +124,21 @@ def test_incremental_invalid_utf8_is_flushed(tok: Tokenizer) -> None:
     assert detok.flush() == "\ufffd"  # generation ended mid-character: show the replacement
 
 
+def test_stop_string_completed_by_the_final_flush(tok: Tokenizer) -> None:
+    """A request whose last token (by max_tokens) leaves a held-back tail that completes a stop
+    string only when flushed: its text is cut there, so it finished on the stop string."""
+    from runtime.detokenize import RequestDetokenizer
+    from runtime.sampling_params import SamplingParams
+
+    ab = tok.encode("ab", add_bos=False)
+    half = tok.encode("é", add_bos=False)[:1]  # the first byte of a two-byte character
+    for stop, reason, text in (("\ufffd", "stop", "ab"), ("zz", "length", "ab\ufffd")):
+        params = SamplingParams(max_tokens=len(ab) + 1, stop=(stop,))
+        rd = RequestDetokenizer(tok, params, [], tok.eos_token_id)
+        outs = [rd.add(t, n) for n, t in enumerate(ab + half, start=1)]
+        assert [r for _, r in outs] == [None] * len(ab) + [reason]
+        assert "".join(t for t, _ in outs) == text
+
 def test_stop_string_across_tokens(tok: Tokenizer) -> None:
     text = "Hello world. The end is near"
     detok = IncrementalDetokenizer(tok, stop=("end is", "zzz"))
