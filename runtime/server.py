@@ -84,7 +84,9 @@ def build_app(
     # Added last = outermost. From the outside in: ids on every answer, CORS (preflights carry no
     # key), the key (before any body is read), the body cap, then the concurrency count (so a slow
     # upload holds no generation slot).
-    app.add_middleware(ConcurrencyLimitMiddleware, limit=max_concurrent)
+    app.add_middleware(
+        ConcurrencyLimitMiddleware, limit=max_concurrent, accepting=lambda: async_engine.is_alive
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if cors_origins:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import uuid
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -108,10 +109,14 @@ class RequestIdMiddleware:
 
 class ConcurrencyLimitMiddleware:
     """At most ``limit`` generation requests in flight (a stream counts until it ends); one more
-    gets a 429 with ``Retry-After``, rather than queueing without bound."""
+    gets a 429 with ``Retry-After``, rather than queueing without bound. While ``accepting()``
+    is false (the server drains or has stopped) nothing is counted: the request goes on to its
+    handler, whose 503 says the server is going away, so no client is told to retry here."""
 
-    def __init__(self, app: ASGIApp, limit: int | None) -> None:
-        self.app, self.limit, self.active = app, limit, 0
+    def __init__(
+        self, app: ASGIApp, limit: int | None, accepting: Callable[[], bool] = lambda: True
+    ) -> None:
+        self.app, self.limit, self.active, self.accepting = app, limit, 0, accepting
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         counted = (
@@ -120,7 +125,7 @@ class ConcurrencyLimitMiddleware:
             and scope.get("method") == "POST"
             and scope["path"] in GENERATION_PATHS
         )
-        if not counted:
+        if not counted or not self.accepting():
             await self.app(scope, receive, send)
             return
         if self.active >= self.limit:

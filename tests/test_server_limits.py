@@ -177,12 +177,14 @@ def test_streamed_text_offset_equals_non_streamed(
 # ---- graceful shutdown -------------------------------------------------------------------------
 @pytest.fixture
 def draining(tok: Tokenizer) -> Iterator[tuple[str, DrainingServer, FakeEngine]]:
-    """A DrainingServer (grace 1 s) over its own slow fake engine, in a thread."""
+    """A DrainingServer (grace 1 s) over its own slow fake engine, in a thread; at most two
+    generation requests at once, so the test's two in-flight ones fill the limit."""
     engine = FakeEngine(tok, step_s=0.01)
     ae = AsyncEngine(engine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(ae, MODEL), log_level="warning", timeout_graceful_shutdown=2)
+    app = build_app(ae, MODEL, max_concurrent=2)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
     server = DrainingServer(config, ae, grace_s=1.0)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
     thread.start()
@@ -218,7 +220,8 @@ def test_sigterm_stops_admitting_then_aborts_after_the_grace_period(draining) ->
         time.sleep(0.005)  # both admitted before the signal
     t0 = time.monotonic()
     server.handle_exit(signal.SIGTERM, None)
-    r = _post(base, C, OK_C)  # not admitted, while the others still run
+    # not admitted, while the others still run: 503, not the full limit's 429 "retry later"
+    r = _post(base, C, OK_C)
     assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     assert httpx.get(base + "/health").status_code == 503
     t_short.join(10)
