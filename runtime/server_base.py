@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +92,20 @@ class HandlersBase:
             )
             raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
         return max_tokens
+
+    def prompt_only_fits(self, prompt_lengths: Iterable[int]) -> None:
+        """``echo`` with ``max_tokens: 0``: the engine computes one token past the prompt (then
+        dropped), so the prompt must leave room for it. NOTE: vLLM accepts a prompt of the whole
+        context here."""
+        limit = self.engine.max_model_len
+        for n in prompt_lengths:
+            if n >= limit:
+                msg = (
+                    f"This model's maximum context length is {limit} tokens. However, echo with "
+                    f"max_tokens 0 takes a prompt of at most {limit - 1} tokens here (one token is "
+                    f"computed past the prompt, then dropped), and this prompt has {n}."
+                )
+                raise APIError(400, msg, param="prompt", code=CONTEXT_CODE)
 
     async def start(
         self, rid: str, choices: list[_Choice], grammar_param: str = "response_format"

@@ -52,6 +52,7 @@ class CompletionHandlers(HandlersBase):
         # token, which respond() drops (max_tokens 0 without echo stays a 400)
         prompt_only = bool(req.echo) and max_tokens == 0
         if prompt_only:
+            self.prompt_only_fits(len(ids) for ids, _ in prompts)
             max_tokens = 1
         vocab = self.tokenizer.vocab_size
         params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)

@@ -257,6 +257,11 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(url: str, tok: Tokenize
     assert r.choices[0].model_extra.get("stop_reason") is None
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo: refused
         client.completions.create(model=MODEL, prompt="Hello world", max_tokens=0)
+    full = [5] * MAX_MODEL_LEN  # the whole context: no room for the token computed past it
+    with pytest.raises(openai.BadRequestError, match=f"at most {MAX_MODEL_LEN - 1} tokens here"):
+        client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True)
+    r = client.completions.create(model=MODEL, prompt=full[1:], max_tokens=0, echo=True)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (MAX_MODEL_LEN - 1, 0)
 
 
 def test_one_refused_choice_aborts_the_others(url: str, engine: FakeEngine) -> None:
