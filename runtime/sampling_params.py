@@ -35,7 +35,8 @@ class SamplingParams:
     - ``max_tokens``: at most this many generated tokens (>= 1).
     - ``temperature``: >= 0; 0 means greedy (argmax), and then top_k / top_p / seed are ignored.
     - ``top_p``: nucleus filtering, 0 < top_p <= 1 (1 disables it).
-    - ``top_k``: keep the k most likely tokens; -1 disables it, otherwise >= 1.
+    - ``top_k``: keep the k most likely tokens; -1 or 0 disables it (stored as -1, as vLLM
+      reads 0), otherwise >= 1.
     - ``seed``: a request with a seed reproduces exactly, whatever else is in the batch; ``None``
       lets the engine draw one (``runtime.sampler.request_seed``). Must fit in int64.
     - ``stop``: strings that end generation; the text is cut before the stop string. A single
@@ -100,10 +101,12 @@ class SamplingParams:
             raise SamplingParamsError(
                 "top_p", f"top_p must be a number with 0 < top_p <= 1, got {self.top_p!r}"
             )
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
             raise SamplingParamsError(
-                "top_k", f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}"
+                "top_k", f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}"
             )
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
         if self.seed is not None and (
             not _is_int(self.seed) or not (INT64_MIN <= self.seed <= INT64_MAX)
         ):

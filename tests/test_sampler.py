@@ -237,6 +237,7 @@ def test_prepare_batch_and_hints() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         prepare_batch(params, [1], [0, 0])
     assert request_seed(SamplingParams(seed=-3)) == -3
+    assert SamplingParams(top_k=0) == SamplingParams(top_k=-1)  # 0 disables top-k, as in vLLM
     assert 0 <= request_seed(SamplingParams()) < 2**63
 
 
@@ -247,7 +248,7 @@ def test_prepare_batch_and_hints() -> None:
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"top_k": 2.0}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
