@@ -102,7 +102,8 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan 
         if forced is not None:
             raise ValueError("tool_choice: required needs at least one tool")
         return None
-    multi = parallel is not False
+    # a named function is called exactly once (OpenAI's "forced function"; vLLM's too)
+    multi = parallel is not False and not isinstance(choice, dict)
     grammar = None if forced is None else call_grammar(forced, multi)
     return ToolPlan(functions, grammar, multi)
 

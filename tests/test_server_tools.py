@@ -241,6 +241,8 @@ def test_grammar_accepts_the_format_and_nothing_else() -> None:
     assert accepts("required", None, two)
     assert accepts(named, None, "\n\n" + block(unit))
     assert not accepts(named, None, two)  # ping is not the named function
+    assert accepts("required", None, "\n\n" + block(unit, unit))
+    assert not accepts(named, None, "\n\n" + block(unit, unit))  # named: exactly one call
     assert not accepts("required", False, two)  # parallel_tool_calls false: one call
     long = "\n\n" + block(PARIS.replace("Paris", "Parisian"))  # over maxLength 6
     assert accepts(named, None, "\n\n" + block(PARIS)) and not accepts(named, None, long)
