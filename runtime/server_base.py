@@ -65,15 +65,19 @@ class HandlersBase:
         )
         return APIError(400, msg, param=param, code=CONTEXT_CODE)
 
-    async def encode(self, text: str, add_bos: bool, param: str) -> list[int]:
+    async def encode(
+        self, text: str, add_bos: bool, param: str, within_context: bool = True
+    ) -> list[int]:
         """Token ids of a prompt, tokenised on a worker thread so a huge prompt cannot stall the
-        event loop (and /health); one that cannot fit the context is refused before tokenising."""
+        event loop (and /health); one that cannot fit the context is refused before tokenising
+        (``within_context=False``, /tokenize: any text the body limit lets in is counted)."""
         if (i := lone_surrogate(text)) is not None:
             msg = f"{param} contains a lone UTF-16 surrogate (U+{ord(text[i]):04X}) at index {i}"
             raise APIError(400, msg, param=param)
-        bound = await asyncio.to_thread(self.tokenizer.min_tokens, text)
-        if bound >= self.engine.max_model_len:
-            raise self.context_error(f"at least {bound}", param)
+        if within_context:
+            bound = await asyncio.to_thread(self.tokenizer.min_tokens, text)
+            if bound >= self.engine.max_model_len:
+                raise self.context_error(f"at least {bound}", param)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_bos)
 
     def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:

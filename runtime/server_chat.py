@@ -160,6 +160,7 @@ class ChatHandlers(HandlersBase):
         messages: list[dict[str, Any]],
         add_generation: bool = True,
         functions: list[dict[str, Any]] | None = None,
+        within_context: bool = True,
     ) -> list[int]:
         """Token ids of a conversation. The checkpoint's template renders plain conversations;
         tools, tool results, assistant tool calls and developer messages (and a checkpoint
@@ -189,7 +190,8 @@ class ChatHandlers(HandlersBase):
                 text = await asyncio.to_thread(tok.apply_chat_template, plain, add_generation)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
-        return await self.encode(text, False, "messages")  # the template writes the BOS itself
+        # (the template writes the BOS itself)
+        return await self.encode(text, False, "messages", within_context)
 
 
 def _tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:

@@ -28,10 +28,12 @@ class Handlers(CompletionHandlers, ChatHandlers):
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.prompt is not None:
-            ids = await self.encode(req.prompt, req.add_special_tokens is not False, "prompt")
+            bos = req.add_special_tokens is not False
+            ids = await self.encode(req.prompt, bos, "prompt", within_context=False)
         else:
             msgs = [m.model_dump() for m in req.messages or []]
-            ids = await self.encode_chat(msgs, req.add_generation_prompt is not False)
+            gen = req.add_generation_prompt is not False
+            ids = await self.encode_chat(msgs, gen, within_context=False)
         body: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.engine.max_model_len,

@@ -61,6 +61,11 @@ def test_tokenize_and_detokenize(url: str, tok: Tokenizer) -> None:
     assert r.json()["tokens"] == tok.encode(tok.apply_chat_template(msgs), add_bos=False)
     r = httpx.post(url + "/detokenize", json={"tokens": tok.encode("Hello world", add_bos=False)})
     assert r.json() == {"prompt": "Hello world"}
+    # a text longer than the context is counted (it is for the client to compare), as vLLM does
+    long = "Hello world " * MAX_MODEL_LEN * 8  # long enough for the bound refusing prompts
+    for body in ({"prompt": long}, {"messages": [{"role": "user", "content": long}]}):
+        r = httpx.post(url + "/tokenize", json=body)
+        assert r.status_code == 200 and r.json()["count"] > MAX_MODEL_LEN, r.text
     # bad input names the field
     assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == (
         "tokens"
