@@ -234,9 +234,19 @@ class HandlersBase:
                 times[i].append(time.perf_counter())
             return out
 
-        def observe() -> None:
+        observed = False
+
+        def observe(client_left: bool = False) -> None:
+            """Record the finished choices once; ``client_left``: the unfinished ones as the
+            aborts leaving made them."""
+            nonlocal observed
+            if observed:
+                return
+            observed = True
             now = time.perf_counter()
             for res, ts in zip(results, times, strict=True):
+                if client_left and res.finish_reason is None:
+                    res.finish_reason = "abort"  # leaving aborted it (server_streams.merged)
                 if res.finish_reason is not None:
                     self.metrics.observe(res, t0, now, ts)
 
@@ -254,6 +264,7 @@ class HandlersBase:
             async for i, out in merged(streams, request):
                 add(i, out)
             if any(r.finish_reason is None for r in results):  # the client left
+                observe(client_left=True)
                 return Response(status_code=499)
             observe()
             for r in results:
@@ -269,27 +280,30 @@ class HandlersBase:
             return JSONResponse(body)
 
         async def events() -> AsyncIterator[str]:
-            for i in range(len(streams) if first is not None else 0):
-                if (c := first(i)) is not None:  # type: ignore[misc]
-                    yield sse({**c, "usage": usage()} if continuous else c)
-            async for i, out in merged(streams, request):
-                out = add(i, out)
-                if (err := failure(out.finish_reason)) is not None:
-                    observe()
-                    yield sse(err.body())  # the openai client raises APIError on it
+            try:
+                for i in range(len(streams) if first is not None else 0):
+                    if (c := first(i)) is not None:  # type: ignore[misc]
+                        yield sse({**c, "usage": usage()} if continuous else c)
+                async for i, out in merged(streams, request):
+                    out = add(i, out)
+                    if (err := failure(out.finish_reason)) is not None:
+                        observe()
+                        yield sse(err.body())  # the openai client raises APIError on it
+                        return
+                    if (c := chunk(i, out)) is not None:
+                        if out.finished:
+                            c["choices"][0]["stop_reason"] = self.stop_reason(
+                                choices[i].params, results[i]
+                            )
+                        yield sse({**c, "usage": usage()} if continuous else c)
+                if any(r.finish_reason is None for r in results):  # the client left
                     return
-                if (c := chunk(i, out)) is not None:
-                    if out.finished:
-                        c["choices"][0]["stop_reason"] = self.stop_reason(
-                            choices[i].params, results[i]
-                        )
-                    yield sse({**c, "usage": usage()} if continuous else c)
-            if any(r.finish_reason is None for r in results):  # the client left
-                return
-            observe()
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage()})
-            yield "data: [DONE]\n\n"
+                observe()
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": usage()})
+                yield "data: [DONE]\n\n"
+            finally:  # also when the response is cancelled on a disconnect
+                observe(client_left=True)
 
         headers = {"Cache-Control": "no-cache"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -429,6 +429,13 @@ def test_api_key(aengine: AsyncEngine) -> None:
 
 
 # ---- disconnects and crashes -------------------------------------------------------------------
+def _aborted_count(url: str) -> float:
+    """``vllm:request_success_total{finished_reason="abort"}`` from /metrics (0 before any)."""
+    key = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
+    lines = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith(key)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 def test_disconnect_mid_stream_aborts(url: str, engine: FakeEngine) -> None:
     body = {
         "model": MODEL,
@@ -438,6 +445,7 @@ def test_disconnect_mid_stream_aborts(url: str, engine: FakeEngine) -> None:
         "stream": True,
     }
     engine.step_s = 0.01  # 1.5 s of generation: far longer than noticing the disconnect takes
+    aborted = _aborted_count(url)
     try:
         with httpx.stream("POST", url + C, json=body, timeout=10) as r:
             assert r.status_code == 200
@@ -445,6 +453,7 @@ def test_disconnect_mid_stream_aborts(url: str, engine: FakeEngine) -> None:
             rid = json.loads(first.removeprefix("data: "))["id"]
         assert _wait_for(lambda: rid in engine.aborted), "the engine never saw abort_request"
         assert rid not in engine.running
+        assert _wait_for(lambda: _aborted_count(url) == aborted + 1)  # counted as an abort
     finally:
         engine.step_s = 0.002
 
@@ -458,10 +467,12 @@ def test_disconnect_non_streaming_aborts(url: str, engine: FakeEngine) -> None:
         # mistake a quiet connection for a gone one).
         r = httpx.post(url + C, json=body, timeout=30)
         assert r.json()["choices"][0]["finish_reason"] == "length" and set(engine.aborted) == before
+        aborted = _aborted_count(url)
         with pytest.raises(httpx.TimeoutException):
             httpx.post(url + C, json=body, timeout=0.3)
         assert _wait_for(lambda: set(engine.aborted) - before, timeout_s=5)
         assert not engine.running
+        assert _wait_for(lambda: _aborted_count(url) == aborted + 1)  # counted as an abort
     finally:
         engine.step_s = 0.002
 
