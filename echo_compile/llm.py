@@ -11,6 +11,7 @@ import torch
 
 from echo_compile.compiled import StepCompiler
 from echo_compile.threads import configure_threads
+from runtime.chat_template import render_chat
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -191,7 +192,10 @@ class LLM:
                 self.engine.abort_request(rid)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> GenerationResult:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        """One reply to an OpenAI-style conversation, rendered as the server renders it
+        (``runtime.chat_template.render_chat``: the checkpoint's template, or DeepSeek-V3.2's
+        own encoding, which its release uses in place of one)."""
+        text = render_chat(self.tokenizer, messages)  # writes the BOS itself
         return self.generate([self.tokenizer.encode(text, add_bos=False)], params)[0]
 
 

@@ -1,5 +1,6 @@
 """DeepSeek-V3.2's own chat encoding (non-thinking "chat" mode), for conversations the checkpoint's
-jinja template cannot render: tools, ``tool`` results, assistant ``tool_calls``, ``developer``.
+jinja template cannot render: tools, ``tool`` results, assistant ``tool_calls``, ``developer``
+(and every conversation of a checkpoint without one); ``render_chat`` picks between the two.
 
 DeepSeek-V3.2 ships no jinja template for these; its release describes the prompt in Python
 (``encoding/encoding_dsv32.py``). The layout rendered here follows it:
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import render_calls
 
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -158,3 +160,28 @@ def _calls_of(calls: list[Any], i: int) -> list[tuple[str, dict[str, Any]]]:
             raise ValueError(f"{where}.function.arguments must be a JSON object")
         out.append((fn["name"], args))
     return out
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation: bool = True,
+    functions: list[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt text of an OpenAI-style conversation (its BOS included), as the server and
+    ``LLM.chat`` render it: the checkpoint's jinja template for a plain conversation, and
+    DeepSeek-V3.2's encoding (``render_dsv32``, which always ends where the assistant's reply
+    starts) for tools, tool results, assistant tool calls or developer messages, and for any
+    conversation of a checkpoint without a template, as DeepSeek-V3.2's own release ships none.
+    Raises ``ValueError`` naming the problem."""
+    messages = normalise_messages(messages)
+    dsv32 = (
+        functions
+        or tokenizer.chat_template is None
+        or any(m["role"] in ("tool", "developer") or m["tool_calls"] for m in messages)
+    )
+    if dsv32:
+        bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
+        return render_dsv32(messages, functions, bos, eos)
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return tokenizer.apply_chat_template(plain, add_generation)

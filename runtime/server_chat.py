@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from runtime.chat_template import normalise_messages, render_dsv32
+from runtime.chat_template import render_chat
 from runtime.engine import StepOutput
 from runtime.openai_protocol import (
     APIError,
@@ -162,10 +162,8 @@ class ChatHandlers(HandlersBase):
         functions: list[dict[str, Any]] | None = None,
         within_context: bool = True,
     ) -> list[int]:
-        """Token ids of a conversation. The checkpoint's template renders plain conversations;
-        tools, tool results, assistant tool calls and developer messages (and a checkpoint
-        without a template, as DeepSeek-V3.2's own) use DeepSeek-V3.2's encoding
-        (``runtime.chat_template``), which always ends where the assistant's reply starts."""
+        """Token ids of a conversation, rendered by ``runtime.chat_template.render_chat`` (the
+        checkpoint's template, or DeepSeek-V3.2's encoding)."""
         for i, m in enumerate(messages):
             content = m.get("content")
             parts = content if isinstance(content, list) else [{"text": content}]
@@ -174,20 +172,10 @@ class ChatHandlers(HandlersBase):
                 if isinstance(text, str) and (j := lone_surrogate(text)) is not None:
                     msg = f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}"
                     raise APIError(400, msg, param="messages")
-        tok = self.tokenizer
         try:
-            messages = normalise_messages(messages)
-            dsv32 = (
-                functions
-                or tok.chat_template is None
-                or any(m["role"] in ("tool", "developer") or m["tool_calls"] for m in messages)
+            text = await asyncio.to_thread(
+                render_chat, self.tokenizer, messages, add_generation, functions
             )
-            if dsv32:
-                bos, eos = tok.bos_token or "", tok.eos_token or ""
-                text = await asyncio.to_thread(render_dsv32, messages, functions, bos, eos)
-            else:
-                plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-                text = await asyncio.to_thread(tok.apply_chat_template, plain, add_generation)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         # (the template writes the BOS itself)

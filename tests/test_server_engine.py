@@ -404,6 +404,35 @@ def test_offload_on_off_same_tokens(url: str, offline: dict[str, GenerationResul
         assert_same(gpu_only, served, refs[case.name], case.name)
 
 
+def test_llm_chat_renders_as_the_server(tmp_path) -> None:  # noqa: ANN001
+    """``LLM.chat`` renders a conversation as the server does: with the checkpoint's template,
+    and for a checkpoint without one (DeepSeek-V3.2's release ships none) with V3.2's own
+    encoding, where it raised "has no chat_template"."""
+    import shutil
+
+    from model.checkpoint import resolve_model
+    from runtime.chat_template import normalise_messages, render_dsv32
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    src, bare = resolve_model(MODEL), tmp_path / "no-template"
+    shutil.copytree(src, bare)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for path in (src, bare):
+        llm = LLM(str(path), offload=True, **ENGINE_OPTIONS)
+        tok = llm.tokenizer
+        if path == src:
+            text = tok.apply_chat_template(msgs)
+        else:
+            assert tok.chat_template is None
+            text = render_dsv32(normalise_messages(msgs), None, tok.bos_token, tok.eos_token)
+        out = llm.chat(msgs, params)
+        assert out.prompt_token_ids == tok.encode(text, add_bos=False)
+        assert len(out.token_ids) == 2
+
+
 def test_awq_checkpoint_offloaded_generates_and_serves() -> None:
     awq = LLM("tiny-awq", offload=True, **ENGINE_OPTIONS)
     cases = AWQ_CASES
