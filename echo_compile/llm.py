@@ -114,7 +114,7 @@ class LLM:
             self.engine = Engine(
                 net,
                 net.config,
-                Tokenizer.from_dir(path),
+                Tokenizer.from_dir(path, net.config.bos_token_id, net.config.eos_token_id),
                 config,
                 model_name=model,
                 compiler=StepCompiler(config.device) if compiled else None,

@@ -4,6 +4,7 @@ detokenisation with stop strings."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+logger = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -91,9 +94,14 @@ class Tokenizer:
         return tid
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(
+        cls, path: str | Path, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ) -> Tokenizer:
         """Load ``tokenizer.json`` and ``tokenizer_config.json`` (bos/eos tokens, chat_template;
-        a ``chat_template.jinja`` file next to them takes precedence, as in recent HF exports)."""
+        a ``chat_template.jinja`` file next to them takes precedence, as in recent HF exports).
+        ``bos_token_id`` / ``eos_token_id`` (the model config's) stand in, with a warning, for a
+        token ``tokenizer_config.json`` does not name (or a missing file): without a BOS every
+        prompt would be encoded without it, silently."""
         path = Path(path)
         tok_file, cfg_file = path / "tokenizer.json", path / "tokenizer_config.json"
         if not tok_file.is_file():
@@ -117,12 +125,18 @@ class Tokenizer:
             template = jinja_file.read_text(encoding="utf-8")
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{cfg_file}: chat_template must be a string")
-        return cls(
-            tok,
-            bos_token=_token_content(cfg.get("bos_token")),
-            eos_token=_token_content(cfg.get("eos_token")),
-            chat_template=template,
-        )
+        special = {}
+        for name, tid in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
+            special[name] = _token_content(cfg.get(name))
+            if special[name] is None and tid is not None:
+                special[name] = tok.id_to_token(tid)
+                if special[name] is None:
+                    raise ValueError(f"{name} id {tid} is not in the tokenizer's vocabulary")
+                logger.warning(
+                    "%s names no %s: using the model config's id %d (%r)",
+                    cfg_file, name, tid, special[name],
+                )  # fmt: skip
+        return cls(tok, chat_template=template, **special)
 
     @property
     def vocab_size(self) -> int:

@@ -56,6 +56,24 @@ def test_from_dir_errors(tmp_path: Path) -> None:
         Tokenizer.from_dir(d)
 
 
+def test_model_config_ids_stand_in_for_a_missing_tokenizer_config(
+    tmp_path: Path, tok: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without tokenizer_config.json (or without its bos/eos entries) the model config's ids
+    name the special tokens, so prompts still start with the BOS; a warning says so."""
+    d = make_tokenizer_dir(tmp_path / "t")
+    (d / "tokenizer_config.json").unlink()
+    assert Tokenizer.from_dir(d).encode("Hi") == tok.encode("Hi", add_bos=False)  # no ids given
+    with caplog.at_level("WARNING", logger="runtime.tokenizer"):
+        t = Tokenizer.from_dir(d, tok.bos_token_id, tok.eos_token_id)
+    assert (t.bos_token, t.eos_token) == (BOS, EOS) and t.encode("Hi") == tok.encode("Hi")
+    assert "names no bos_token" in caplog.text and "names no eos_token" in caplog.text
+    with pytest.raises(ValueError, match="bos_token id 100000 is not in"):
+        Tokenizer.from_dir(d, 100000, None)
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": EOS}))  # named: it wins
+    assert Tokenizer.from_dir(d, tok.bos_token_id, None).bos_token == EOS
+
+
 def test_chat_template_and_jinja_file(tmp_path: Path, tok: Tokenizer) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = tok.apply_chat_template(msgs)

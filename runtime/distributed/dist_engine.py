@@ -220,7 +220,6 @@ def build_distributed_engine(
     else:
         net, _ = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
-    engine = Engine(
-        net, net.config, Tokenizer.from_dir(path), config, model_name=model_name, compiler=compiler
-    )
+    tok = Tokenizer.from_dir(path, net.config.bos_token_id, net.config.eos_token_id)
+    engine = Engine(net, net.config, tok, config, model_name=model_name, compiler=compiler)
     return DistributedEngine(engine, ctx, config.dp)
