@@ -120,6 +120,11 @@ class Tokenizer:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+            if template is None:
+                logger.warning(
+                    "%s: chat_template lists %s but no 'default' one: none is used",
+                    cfg_file, sorted(map(str, named)),
+                )  # fmt: skip
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
