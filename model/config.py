@@ -25,6 +25,12 @@ QK_ROPE_HEAD_DIM = ROPE
 INDEX_HEAD_DIM = INDEX_DIM
 
 
+def _expect(ok: bool, name: str, what: str, value: Any) -> None:
+    """A config.json field of the wrong type: one error naming it (not a traceback later)."""
+    if not ok:
+        raise ValueError(f"config.json field {name!r}: expected {what}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """``quantization_config``: ``fp8`` (official, 128x128 blocks) or ``awq`` (AutoAWQ gemm)."""
@@ -46,7 +52,10 @@ class QuantConfig:
                 raise ValueError(
                     f"quantization_config.fmt: only 'e4m3' is supported, got {d['fmt']!r}"
                 )
-            block = tuple(d.get("weight_block_size", (128, 128)))
+            block = d.get("weight_block_size", (128, 128))
+            _expect(isinstance(block, (list, tuple)), "quantization_config.weight_block_size",
+                    "a list [128, 128]", block)  # fmt: skip
+            block = tuple(block)
             if block != (128, 128):
                 raise ValueError(
                     "quantization_config.weight_block_size: only [128, 128] is supported, "
@@ -76,6 +85,8 @@ class QuantConfig:
                     "quantization_config.zero_point: only zero_point=true AWQ is supported"
                 )
             skip = d.get("modules_to_not_convert") or ()
+            ok = isinstance(skip, (list, tuple)) and all(isinstance(m, str) for m in skip)
+            _expect(ok, "quantization_config.modules_to_not_convert", "a list of strings", skip)
             return QuantConfig(
                 method="awq",
                 bits=4,
@@ -151,6 +162,27 @@ _REQUIRED: tuple[tuple[str, type], ...] = (
     ("index_n_heads", int),
     ("index_head_dim", int),
     ("index_topk", int),
+)
+# the optional fields from_dict reads, by type (a JSON null keeps the default)
+_OPTIONAL: dict[str, type] = {
+    "num_nextn_predict_layers": int,
+    "moe_layer_freq": int,
+    "topk_method": str,
+    "scoring_func": str,
+    "norm_topk_prob": bool,
+    "hidden_act": str,
+    "tie_word_embeddings": bool,
+    "bos_token_id": int,
+    "eos_token_id": int,  # or a list of them: the first
+    "torch_dtype": str,
+}
+_ROPE_NUMBERS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
 )
 
 
@@ -325,6 +357,11 @@ class ModelConfig:
         if rs is None:
             kw["rope_scaling"] = None
         else:
+            _expect(isinstance(rs, dict), "rope_scaling", "an object", rs)
+            for key in _ROPE_NUMBERS:
+                v = rs.get(key)
+                ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                _expect(ok, f"rope_scaling.{key}", "a number", v)
             kind = rs.get("type", rs.get("rope_type"))
             if kind != "yarn":
                 raise ValueError(
@@ -340,24 +377,20 @@ class ModelConfig:
                 mscale=float(rs.get("mscale", 1.0)),
                 mscale_all_dim=float(rs.get("mscale_all_dim", 1.0)),
             )
-        for name in (
-            "num_nextn_predict_layers",
-            "moe_layer_freq",
-            "topk_method",
-            "scoring_func",
-            "norm_topk_prob",
-            "hidden_act",
-            "tie_word_embeddings",
-            "bos_token_id",
-            "eos_token_id",
-            "torch_dtype",
-        ):
-            if name in d and d[name] is not None:
-                kw[name] = d[name]
-        if isinstance(kw.get("eos_token_id"), list):
-            kw["eos_token_id"] = int(kw["eos_token_id"][0])
-        if d.get("quantization_config") is not None:
-            kw["quantization"] = QuantConfig.from_dict(d["quantization_config"])
+        for name, typ in _OPTIONAL.items():
+            v = d.get(name)
+            if v is None:
+                continue
+            if name == "eos_token_id" and isinstance(v, list):  # several: the first is the EOS
+                _expect(bool(v), name, "an integer or a non-empty list of them", v)
+                v = v[0]
+            ok = isinstance(v, typ) and (typ is bool or not isinstance(v, bool))
+            _expect(ok, name, "a boolean" if typ is bool else f"a {typ.__name__}", v)
+            kw[name] = v
+        q = d.get("quantization_config")
+        if q is not None:
+            _expect(isinstance(q, dict), "quantization_config", "an object", q)
+            kw["quantization"] = QuantConfig.from_dict(q)
         return ModelConfig(**kw)
 
     @staticmethod

@@ -42,6 +42,33 @@ def test_bench_softmax_scale_matches_reference():
             },
             "quantization_config.version",
         ),
+        # a field of the wrong JSON type: its name, not a traceback or a silent misread
+        ({"rope_scaling": "yarn"}, "rope_scaling"),
+        ({"rope_scaling": {"type": "yarn", "factor": "40"}}, "rope_scaling.factor"),
+        ({"quantization_config": ["fp8"]}, "quantization_config"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}},
+            "quantization_config.weight_block_size",
+        ),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "awq",
+                    "bits": 4,
+                    "group_size": 128,
+                    "modules_to_not_convert": "indexer",
+                }
+            },
+            "quantization_config.modules_to_not_convert",
+        ),
+        ({"eos_token_id": []}, "eos_token_id"),
+        ({"eos_token_id": "1"}, "eos_token_id"),
+        ({"eos_token_id": [True]}, "eos_token_id"),
+        ({"bos_token_id": 0.5}, "bos_token_id"),
+        ({"norm_topk_prob": "false"}, "norm_topk_prob"),
+        ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
+        ({"moe_layer_freq": True}, "moe_layer_freq"),
+        ({"topk_method": 1}, "topk_method"),
     ],
 )
 def test_bad_config_names_the_field(change, field):
@@ -49,6 +76,13 @@ def test_bad_config_names_the_field(change, field):
     d.update(change)
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         ModelConfig.from_dict(d)
+
+
+def test_optional_fields_of_the_right_type_load():
+    d = tiny_config_dict()
+    d.update(eos_token_id=[1, 2], norm_topk_prob=False, num_nextn_predict_layers=None)
+    c = ModelConfig.from_dict(d)
+    assert (c.eos_token_id, c.norm_topk_prob, c.num_nextn_predict_layers) == (1, False, 0)
 
 
 def test_missing_field_is_named(tmp_path):
