@@ -224,6 +224,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="allow browser requests from this origin (repeatable; '*' for any)",
     )
+    s.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty "
+        "come from the checkpoint's generation_config.json, as vLLM does; none: 1 / 1 / off / "
+        "0 / 1",
+    )
 
     m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
     m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
@@ -357,7 +365,10 @@ def _run(a: argparse.Namespace) -> int:
         from runtime.async_engine import AsyncEngine
         from runtime.server import serve
 
-        llm = LLM(a.model, compile=a.compile, fp8_weights=a.fp8_weights, **_engine_options(a))
+        llm = LLM(
+            a.model, compile=a.compile, fp8_weights=a.fp8_weights,
+            generation_config=a.generation_config, **_engine_options(a),
+        )  # fmt: skip
         if max(a.dp, a.tp, a.ep) > 1:  # torchrun: rank 0 serves and drives, the others follow
             rc = _serve_multi_rank(llm, a, options)
             # the engine (and the gloo groups it holds) freed now, not in the interpreter's

@@ -14,7 +14,7 @@ from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, generation_defaults
 from runtime.tokenizer import Tokenizer
 
 
@@ -78,7 +78,10 @@ class LLM:
     engines may live in one process: each owns its compiled steps. ``fp8_weights`` (FP8
     checkpoints): ``"bf16"`` dequantises the weights at load (the reference), ``"fp8"`` keeps
     them FP8, one byte per weight on the GPU (docs/quantization.md; sharded on block
-    boundaries with dp/tp/ep).
+    boundaries with dp/tp/ep). ``generation_config``: ``"auto"`` (default) takes a request's
+    unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) from the
+    checkpoint's ``generation_config.json``, as vLLM does, in ``generate()`` without params and
+    in the server; ``"none"``: ``SamplingParams()``'s defaults (``engine.sampling_defaults``).
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class LLM:
         compile: bool | None = None,  # noqa: A002
         progress: bool = True,
         fp8_weights: str = "bf16",
+        generation_config: str = "auto",
         **engine_options,
     ):
         from model.checkpoint import resolve_model
@@ -97,6 +101,7 @@ class LLM:
         if "device" not in engine_options:
             engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(**engine_options)
+        generation_defaults({}, generation_config)  # a bad mode fails before anything loads
         path = resolve_model(model)
         self.model_path = path
         if config.device.startswith("cuda"):
@@ -107,8 +112,9 @@ class LLM:
             from runtime.distributed.dist_engine import build_distributed_engine
 
             self.engine = build_distributed_engine(
-                path, config, model, StepCompiler if compiled else None, fp8_weights=fp8_weights
-            )
+                path, config, model, StepCompiler if compiled else None, fp8_weights=fp8_weights,
+                generation_config=generation_config,
+            )  # fmt: skip
         else:
             net, extras = load_model(path, device=config.device, fp8_weights=fp8_weights)
             self.engine = Engine(
@@ -118,6 +124,7 @@ class LLM:
                 config,
                 model_name=model,
                 compiler=StepCompiler(config.device) if compiled else None,
+                sampling_defaults=generation_defaults(extras.generation_config, generation_config),
             )
         # warm-up captures every bucket, then forbids recompiles of the engine's steps: from here
         # on a request can never trigger a compile
@@ -146,7 +153,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.engine.sampling_defaults] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
@@ -177,7 +184,7 @@ class LLM:
         """Yield each step's output of one request as it is produced (other requests may run).
         Closing the iterator early aborts the request and frees its slots."""
         rid = f"gen-{next(self._ids)}"
-        self.engine.add_request(rid, self._encode(prompt), params or SamplingParams())
+        self.engine.add_request(rid, self._encode(prompt), params or self.engine.sampling_defaults)
         done = False
         try:
             while not done:

@@ -118,6 +118,10 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
+        # what a request's unset sampling fields take (Engine.sampling_defaults)
+        self.sampling_defaults: SamplingParams = getattr(
+            engine, "sampling_defaults", SamplingParams()
+        )
         self.max_model_len: int = engine.max_model_len
         self.generation_tokens_total = 0  # tokens handed to callers (a Prometheus counter)
         self._cond = threading.Condition()

@@ -65,9 +65,14 @@ class Engine:
         config: EngineConfig,
         model_name: str = "model",
         compiler: StepCompiler | None = None,
+        sampling_defaults: SamplingParams | None = None,
     ):
         """``compiler`` (echo_compile.compiled.StepCompiler): compile the runner's steps; call
-        ``runner.warmup()`` before serving. None: eager."""
+        ``runner.warmup()`` before serving. None: eager. ``sampling_defaults``: the parameters
+        of a request that sets none (the checkpoint's generation config,
+        ``runtime.sampling_params.generation_defaults``; None: ``SamplingParams()``); the
+        server and ``LLM`` fill unset fields from it, ``add_request`` takes params as given."""
+        self.sampling_defaults = sampling_defaults or SamplingParams()
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer

@@ -252,9 +252,16 @@ def response_grammar(fmt: dict[str, Any] | None) -> str | None:
 
 
 def sampling_params(
-    req: _SamplingRequest, max_tokens: int, logprobs: bool, vocab: int
+    req: _SamplingRequest,
+    max_tokens: int,
+    logprobs: bool,
+    vocab: int,
+    defaults: SamplingParams | None = None,
 ) -> SamplingParams:
-    """``vocab``: the tokenizer's size, to check logit_bias ids."""
+    """``vocab``: the tokenizer's size, to check logit_bias ids; ``defaults``: what a field the
+    request leaves unset takes (the checkpoint's generation config, ``Engine.sampling_defaults``;
+    None: ``SamplingParams()``'s)."""
+    base = defaults or SamplingParams()
     if isinstance(req, CompletionRequest):
         top, top_param = req.logprobs or 0, "logprobs"  # the legacy API's logprobs = N
     else:
@@ -266,9 +273,9 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=default(req.temperature, 1.0),
-            top_p=default(req.top_p, 1.0),
-            top_k=default(req.top_k, -1),
+            temperature=default(req.temperature, base.temperature),
+            top_p=default(req.top_p, base.top_p),
+            top_k=default(req.top_k, base.top_k),
             seed=req.seed,
             stop=req.stop or (),
             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -276,9 +283,9 @@ def sampling_params(
             logprobs=logprobs,
             presence_penalty=default(req.presence_penalty, 0.0),
             frequency_penalty=default(req.frequency_penalty, 0.0),
-            repetition_penalty=default(req.repetition_penalty, 1.0),
+            repetition_penalty=default(req.repetition_penalty, base.repetition_penalty),
             logit_bias=_logit_bias(req.logit_bias, vocab),
-            min_p=default(req.min_p, 0.0),
+            min_p=default(req.min_p, base.min_p),
             min_tokens=default(req.min_tokens, 0),
             top_logprobs=top,
             grammar=response_grammar(req.response_format),

@@ -210,3 +210,31 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0)."""
         return self.temperature == 0
+
+
+# The generation_config.json fields that become a request's defaults where it leaves them unset,
+# the ones vLLM's ``--generation-config auto`` reads (its max_new_tokens aside; ``do_sample`` is
+# not read either, as there).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+GENERATION_CONFIG_MODES = ("auto", "none")
+
+
+def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
+    """The parameters of a request that sets none (``Engine.sampling_defaults``): with ``mode``
+    "auto" those a checkpoint's ``generation_config.json`` (parsed; ``{}`` when absent) sets,
+    checked as ``SamplingParams`` checks them; with "none" ``SamplingParams()``'s. Raises
+    ``ValueError`` naming a bad mode or field."""
+    if mode not in GENERATION_CONFIG_MODES:
+        modes = " or ".join(GENERATION_CONFIG_MODES)
+        raise ValueError(f"generation_config must be {modes}, got {mode!r}")
+    if mode == "none":
+        return SamplingParams()
+    if not isinstance(gen, dict):
+        raise ValueError(f"generation_config.json: expected a JSON object, got {gen!r}")
+    fields = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None}
+    try:
+        return SamplingParams(**fields)
+    except SamplingParamsError as e:
+        raise ValueError(f"generation_config.json field {e.param!r}: {e}") from e

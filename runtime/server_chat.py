@@ -43,7 +43,8 @@ class ChatHandlers(HandlersBase):
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
         max_tokens = self.max_tokens(len(ids), requested, "messages")
-        params = sampling_params(req, max_tokens, bool(req.logprobs), self.tokenizer.vocab_size)
+        vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
+        params = sampling_params(req, max_tokens, bool(req.logprobs), vocab, defaults)
         forced = plan is not None and plan.grammar_text is not None
         if forced:
             try:

@@ -55,7 +55,8 @@ class CompletionHandlers(HandlersBase):
             self.prompt_only_fits(len(ids) for ids, _ in prompts)
             max_tokens = 1
         vocab = self.tokenizer.vocab_size
-        params = sampling_params(req, max_tokens, req.logprobs is not None, vocab)
+        defaults = self.engine.sampling_defaults
+        params = sampling_params(req, max_tokens, req.logprobs is not None, vocab, defaults)
         for ids, _ in prompts:
             self.max_tokens(len(ids), max_tokens, "prompt")
         # echo with logprobs: the prompt's tokens come first in the logprobs, their entries from

@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 
 from runtime.async_engine import AsyncEngine
+from runtime.sampling_params import GENERATION_DEFAULT_FIELDS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,21 @@ def startup_summary(async_engine: AsyncEngine, model_name: str, asked_max_len: i
             why.append("the model's max_position_embeddings")
         text += f" (asked {asked_max_len}; limited by {' and '.join(why) or 'the engine'})"
     parts.append(text)
+    changed = sampling_changes(async_engine.sampling_defaults)
+    if changed:  # vLLM logs this too: a request's unset fields are not OpenAI's defaults
+        parts.append(f"sampling defaults {changed} (generation_config.json)")
     return ", ".join(parts)
+
+
+def sampling_changes(defaults: SamplingParams) -> str:
+    """The default sampling fields that differ from ``SamplingParams()``'s, as ``k=v`` text."""
+    base = SamplingParams()
+    diff = [
+        f"{k}={getattr(defaults, k)!r}"
+        for k in GENERATION_DEFAULT_FIELDS
+        if getattr(defaults, k) != getattr(base, k)
+    ]
+    return " ".join(diff)
 
 
 class DrainingServer(uvicorn.Server):

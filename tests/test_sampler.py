@@ -303,3 +303,18 @@ def test_cuda_no_host_sync_and_cuda_graphs() -> None:
     torch.cuda.synchronize()
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert torch.equal(c_ids[::4], ids[::4]) and (c_ids == ids).float().mean() >= 0.95
+
+
+def test_generation_defaults_from_the_checkpoint() -> None:
+    from runtime.sampling_params import generation_defaults
+
+    gen = {"bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 0}
+    d = generation_defaults(gen)
+    assert d == SamplingParams(temperature=0.6, top_p=0.95)  # the other fields are not read
+    assert generation_defaults(gen, "none") == SamplingParams() == generation_defaults({})
+    with pytest.raises(ValueError, match="generation_config must be auto or none"):
+        generation_defaults(gen, "vllm")
+    with pytest.raises(ValueError, match="generation_config.json field 'top_p'"):
+        generation_defaults({"top_p": 1.5})
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        generation_defaults([])

@@ -428,6 +428,31 @@ def test_api_key(aengine: AsyncEngine) -> None:
         assert httpx.get(base + "/metrics").status_code == 200
 
 
+# ---- the checkpoint's sampling defaults ---------------------------------------------------------
+def test_unset_sampling_fields_take_the_engine_defaults(
+    client: openai.OpenAI, engine: FakeEngine, aengine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A field the request leaves unset takes ``sampling_defaults`` (the checkpoint's
+    generation_config.json, as vLLM reads it); one it sets wins, also for chat."""
+    seen: list[SamplingParams] = []
+    add = engine.add_request
+    monkeypatch.setattr(
+        engine, "add_request", lambda rid, ids, p: (seen.append(p), add(rid, ids, p))
+    )
+    defaults = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, min_p=0.1,
+                              repetition_penalty=1.1)  # fmt: skip
+    monkeypatch.setattr(aengine, "sampling_defaults", defaults)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0, top_p=1)
+    msgs = [{"role": "user", "content": "Hi"}]
+    client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=2, extra_body={"top_k": 5}
+    )
+    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    got = [tuple(getattr(p, f) for f in fields) for p in seen]
+    assert got == [(0.6, 0.95, 20, 0.1, 1.1), (0.0, 1.0, 20, 0.1, 1.1), (0.6, 0.95, 5, 0.1, 1.1)]
+
+
 # ---- disconnects and crashes -------------------------------------------------------------------
 def _aborted_count(url: str) -> float:
     """``vllm:request_success_total{finished_reason="abort"}`` from /metrics (0 before any)."""

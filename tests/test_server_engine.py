@@ -433,6 +433,22 @@ def test_llm_chat_renders_as_the_server(tmp_path) -> None:  # noqa: ANN001
         assert len(out.token_ids) == 2
 
 
+def test_llm_takes_the_checkpoint_sampling_defaults() -> None:
+    """``generation_config="auto"``: a request without params samples as the checkpoint's
+    generation_config.json says (the tiny one: top_p 0.95); "none": SamplingParams()'s."""
+    from model.checkpoint import GENERATION_CONFIG
+
+    llm = LLM(MODEL, offload=True, **ENGINE_OPTIONS)
+    assert llm.engine.sampling_defaults == SamplingParams(
+        temperature=GENERATION_CONFIG["temperature"], top_p=GENERATION_CONFIG["top_p"]
+    )
+    assert llm.engine.sampling_defaults != SamplingParams()
+    plain = LLM(MODEL, offload=True, generation_config="none", **ENGINE_OPTIONS)
+    assert plain.engine.sampling_defaults == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config must be auto or none"):
+        LLM(MODEL, generation_config="vllm", **ENGINE_OPTIONS)
+
+
 def test_awq_checkpoint_offloaded_generates_and_serves() -> None:
     awq = LLM("tiny-awq", offload=True, **ENGINE_OPTIONS)
     cases = AWQ_CASES

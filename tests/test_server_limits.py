@@ -304,7 +304,12 @@ def test_startup_summary_names_the_real_context() -> None:
     cfg = SimpleNamespace(
         device="cuda", host_tokens=1024, gpu_tokens=256, offload=True, max_batch=8
     )
-    ae = SimpleNamespace(engine=SimpleNamespace(config=cfg), max_model_len=1024)
+    from runtime.sampling_params import SamplingParams
+
+    plain = SamplingParams()
+    ae = SimpleNamespace(
+        engine=SimpleNamespace(config=cfg), max_model_len=1024, sampling_defaults=plain
+    )
     line = startup_summary(ae, "tiny", asked_max_len=4096)  # type: ignore[arg-type]
     for part in (
         "'tiny'",
@@ -317,6 +322,11 @@ def test_startup_summary_names_the_real_context() -> None:
         assert part in line, line
     assert "asked" not in startup_summary(ae, "tiny", asked_max_len=1024)  # type: ignore[arg-type]
     assert "prefetch" not in line  # off: not named
+    assert "sampling defaults" not in line  # SamplingParams()'s: not named
+    ae.sampling_defaults = SamplingParams(temperature=0.6, top_p=0.95)
+    assert "sampling defaults temperature=0.6 top_p=0.95 (generation_config.json)" in (
+        startup_summary(ae, "tiny", None)  # type: ignore[arg-type]
+    )
     lines = {
         "request": "prefetch request (64 rows/request, margin 2)",
         "global": "prefetch global (0.01 rows/context token, at most 512 rows/layer, margin 2)",
@@ -324,7 +334,9 @@ def test_startup_summary_names_the_real_context() -> None:
     for mode, part in lines.items():
         on = SimpleNamespace(**vars(cfg), prefetch=mode, prefetch_cap=64, prefetch_ratio=0.01,
                              prefetch_margin=2.0)  # fmt: skip
-        ae_on = SimpleNamespace(engine=SimpleNamespace(config=on), max_model_len=1024)
+        ae_on = SimpleNamespace(
+            engine=SimpleNamespace(config=on), max_model_len=1024, sampling_defaults=plain
+        )
         assert part in startup_summary(ae_on, "tiny", None), mode  # type: ignore[arg-type]
 
 

@@ -29,7 +29,7 @@ from runtime.distributed.step_sync import agree
 from runtime.engine import Engine, StepOutput
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, next_bucket
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, generation_defaults
 from runtime.tokenizer import Tokenizer
 
 
@@ -53,6 +53,10 @@ class DistributedEngine:
     @property
     def model_config(self):
         return self.engine.model_config
+
+    @property
+    def sampling_defaults(self) -> SamplingParams:
+        return self.engine.sampling_defaults
 
     # ---- collectives of the control plane (gloo) -----------------------------------------------
     def _broadcast(self, obj, what: str):
@@ -194,11 +198,13 @@ def build_distributed_engine(
     compiler_factory=None,
     ctx: DistContext | None = None,
     fp8_weights: str = "bf16",
+    generation_config: str = "auto",
 ) -> DistributedEngine:
     """Join the process group (collectives time out after ``config.collective_timeout_s``), load
     this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
     ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
-    device, or None for eager. ``fp8_weights``: as ``load_model``'s (FP8 kept per shard)."""
+    device, or None for eager. ``fp8_weights``: as ``load_model``'s (FP8 kept per shard);
+    ``generation_config``: as ``LLM``'s."""
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
 
@@ -214,12 +220,16 @@ def build_distributed_engine(
     config = replace(config, device=ctx.device)
     g = tp_group(ctx, config)
     if g.size > 1:
-        net, _ = load_sharded_model(
+        net, extras = load_sharded_model(
             path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights
         )
     else:
-        net, _ = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
+        net, extras = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
     tok = Tokenizer.from_dir(path, net.config.bos_token_id, net.config.eos_token_id)
-    engine = Engine(net, net.config, tok, config, model_name=model_name, compiler=compiler)
+    defaults = generation_defaults(extras.generation_config, generation_config)
+    engine = Engine(
+        net, net.config, tok, config, model_name=model_name, compiler=compiler,
+        sampling_defaults=defaults,
+    )  # fmt: skip
     return DistributedEngine(engine, ctx, config.dp)
