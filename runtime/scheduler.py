@@ -367,6 +367,9 @@ class Scheduler:
                 self._extend_prefix(r)
                 if r.in_prefill:
                     break
+        # a group head admitted with its whole prefill cached has prefilled already: it forks
+        # now, never decoding itself (it holds only the prompt's pages)
+        self._fork()
         prefilling = [r for r in self.running if r.in_prefill]
         decoding = [r for r in self.running if not r.in_prefill]
         # a received prompt KV is written, not computed (Engine._load_prompt_kv): no turn taken

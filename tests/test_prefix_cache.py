@@ -540,6 +540,24 @@ def test_a_group_on_a_cached_document_gives_the_same_tokens(tiny):
     assert runs[True][1].scheduler.prefix.hits == 3 * PAGE  # the group's one lookup
 
 
+def test_a_group_whose_whole_prefill_is_cached_forks_before_decoding(tiny):
+    """n = 2 sequences of a prompt whose prefill (every token but the last: here one full page)
+    is all cached at admission: the head forks at once and never decodes itself (it crashed
+    the step: the head holds only the prompt's pages); each sequence gives the single
+    request's tokens."""
+    prompt = _toks(42, PAGE + 1)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng = _engine(tiny, True, max_batch=4)
+    want = _serve(eng, [prompt], steps=4)["q0"]  # caches the page
+    eng.add_request_group(["g0", "g1"], prompt, [params, params])
+    toks: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert toks == {"g0": want, "g1": want}
+    assert eng.scheduler.prefix.hits == PAGE
+
+
 def test_a_later_turn_reuses_the_answer_pages(tiny):
     """Turn 2 = turn 1's prompt + its answer + a new message: it starts on the pages turn 1
     filled, answer tokens included (their rows were computed by decode steps, not a prefill, so
