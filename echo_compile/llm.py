@@ -133,6 +133,8 @@ class LLM:
             n = self.engine.runner.num_graphs
             print(f"echo-compile: captured {n} step graphs in {self.warmup_s:.1f} s")
         self._ids = itertools.count()
+        # request id -> outputs of a live generate() / stream request not yet read by its caller
+        self._outputs: dict[str, list[StepOutput]] = {}
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -170,33 +172,59 @@ class LLM:
         from tqdm import tqdm
 
         bar = tqdm(total=len(ids), desc="generating", disable=not progress, unit="req")
-        while any(not a.done for a in acc.values()):
-            for out in self.engine.step():
-                if out.request_id in acc:
+        self._outputs.update((rid, []) for rid in ids)
+        try:
+            while any(not a.done for a in acc.values()):
+                for out in self._step_for(ids):
                     acc[out.request_id].add(out)
                     bar.update(int(out.finished))
-        bar.close()
+        finally:
+            bar.close()
+            for rid in ids:
+                self._outputs.pop(rid, None)
+                if not acc[rid].done:  # interrupted: nothing of this call is left running
+                    self.engine.abort_request(rid)
         return [acc[i].result() for i in ids]
 
     def generate_stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> Iterator[StepOutput]:
-        """Yield each step's output of one request as it is produced (other requests may run).
-        Closing the iterator early aborts the request and frees its slots."""
+        """Yield each step's output of one request as it is produced (other requests may run,
+        other streams and ``generate()`` calls of this LLM too, in any interleaving). Closing the
+        iterator early aborts the request and frees its slots."""
         rid = f"gen-{next(self._ids)}"
         self.engine.add_request(rid, self._encode(prompt), params or self.engine.sampling_defaults)
+        self._outputs[rid] = []
         done = False
         try:
             while not done:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        done = out.finished
-                        yield out
-                        if done:
-                            break
+                for out in self._step_for([rid]):
+                    done = out.finished
+                    yield out
         finally:
+            self._outputs.pop(rid, None)
             if not done:
                 self.engine.abort_request(rid)
+
+    def _step_for(self, rids: Sequence[str]) -> list[StepOutput]:
+        """The next outputs of ``rids``: those the steps of another caller of this LLM (a
+        ``generate()`` call, another stream) set aside for them, else one engine step's. Each
+        step's outputs of other callers' requests are set aside for them, so no caller loses
+        what a step driven by another produced."""
+        got = [out for rid in rids for out in self._take(rid)]
+        if got:
+            return got
+        if not self.engine.has_unfinished():
+            raise RuntimeError(f"requests {list(rids)} are no longer in the engine (aborted?)")
+        for out in self.engine.step():
+            if out.request_id in self._outputs:
+                self._outputs[out.request_id].append(out)
+        return [out for rid in rids for out in self._take(rid)]
+
+    def _take(self, rid: str) -> list[StepOutput]:
+        outs = self._outputs.get(rid, [])
+        self._outputs[rid] = []
+        return outs
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> GenerationResult:
         """One reply to an OpenAI-style conversation, rendered as the server renders it

@@ -433,6 +433,27 @@ def test_llm_chat_renders_as_the_server(tmp_path) -> None:  # noqa: ANN001
         assert len(out.token_ids) == 2
 
 
+def test_streams_and_generate_of_one_llm_interleave() -> None:
+    """Two ``generate_stream`` iterators read in turn, and a ``generate()`` call while one is
+    paused: every request gets all its tokens, those of a run alone (a step driven by one
+    caller sets the others' outputs aside; they were dropped, and the streams then hung)."""
+    import itertools
+
+    llm = LLM(MODEL, offload=True, **ENGINE_OPTIONS)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15]]
+    want = [r.token_ids for r in llm.generate(prompts, params)]
+    a, b = (llm.generate_stream(p, params) for p in prompts[:2])
+    got: list[list[int]] = [[], []]
+    for i, (oa, ob) in enumerate(itertools.zip_longest(a, b)):
+        got[0] += oa.new_token_ids if oa else []
+        got[1] += ob.new_token_ids if ob else []
+        if i == 1:  # both streams paused mid-way
+            assert llm.generate([prompts[2]], params)[0].token_ids == want[2]
+    assert got == want[:2]
+    assert not llm.engine.has_unfinished() and not llm._outputs
+
+
 def test_llm_takes_the_checkpoint_sampling_defaults() -> None:
     """``generation_config="auto"``: a request without params samples as the checkpoint's
     generation_config.json says (the tiny one: top_p 0.95); "none": SamplingParams()'s."""
