@@ -6,6 +6,8 @@ import argparse
 import gc
 import sys
 
+from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch)
+
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
 # --help) must answer without the seconds torch takes to import. Commands import what they run.
 
@@ -226,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--generation-config",
-        choices=("auto", "none"),
+        choices=GENERATION_CONFIG_MODES,
         default="auto",
         help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty "
         "come from the checkpoint's generation_config.json, as vLLM does; none: 1 / 1 / off / "

@@ -117,15 +117,11 @@ class LLM:
             )  # fmt: skip
         else:
             net, extras = load_model(path, device=config.device, fp8_weights=fp8_weights)
-            self.engine = Engine(
-                net,
-                net.config,
-                Tokenizer.from_dir(path, net.config.bos_token_id, net.config.eos_token_id),
-                config,
-                model_name=model,
+            self.engine = Engine.from_loaded(
+                net, extras, config, model_name=model,
                 compiler=StepCompiler(config.device) if compiled else None,
-                sampling_defaults=generation_defaults(extras.generation_config, generation_config),
-            )
+                generation_config=generation_config,
+            )  # fmt: skip
         # warm-up captures every bucket, then forbids recompiles of the engine's steps: from here
         # on a request can never trigger a compile
         self.warmup_s = self.engine.runner.warmup(progress=progress) if compiled else 0.0
@@ -214,15 +210,21 @@ class LLM:
         got = [out for rid in rids for out in self._take(rid)]
         if got:
             return got
-        if not self.engine.has_unfinished():
-            raise RuntimeError(f"requests {list(rids)} are no longer in the engine (aborted?)")
-        for out in self.engine.step():
+        outs = self.engine.step()
+        for out in outs:
             if out.request_id in self._outputs:
                 self._outputs[out.request_id].append(out)
-        return [out for rid in rids for out in self._take(rid)]
+        got = [out for rid in rids for out in self._take(rid)]
+        # (asked only after an empty step: on a DistributedEngine it is a collective)
+        if not got and not outs and not self.engine.has_unfinished():
+            raise RuntimeError(f"requests {list(rids)} are no longer in the engine (aborted?)")
+        return got
 
     def _take(self, rid: str) -> list[StepOutput]:
-        outs = self._outputs.get(rid, [])
+        """``rid``'s outputs set aside so far (emptied)."""
+        outs = self._outputs.get(rid)
+        if not outs:
+            return []
         self._outputs[rid] = []
         return outs
 

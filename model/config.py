@@ -31,6 +31,18 @@ def _expect(ok: bool, name: str, what: str, value: Any) -> None:
         raise ValueError(f"config.json field {name!r}: expected {what}, got {value!r}")
 
 
+def _typed(name: str, v: Any, typ: type) -> Any:
+    """A config.json value as ``typ``: int takes an integral number (7168.0 too), float any
+    finite number, bool and str only themselves; else one error naming the field."""
+    if typ in (int, float):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = ok and (typ is float or float(v).is_integer())
+        _expect(ok, name, "an integer" if typ is int else "a number", v)
+        return typ(v)
+    _expect(isinstance(v, typ), name, "a boolean" if typ is bool else "a string", v)
+    return v
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """``quantization_config``: ``fp8`` (official, 128x128 blocks) or ``awq`` (AutoAWQ gemm)."""
@@ -176,14 +188,15 @@ _OPTIONAL: dict[str, type] = {
     "eos_token_id": int,  # or a list of them: the first
     "torch_dtype": str,
 }
-_ROPE_NUMBERS = (
-    "factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-)
+# rope_scaling's fields: (type, default when absent or null)
+_ROPE_FIELDS: dict[str, tuple[type, Any]] = {
+    "factor": (float, 40.0),
+    "original_max_position_embeddings": (int, 4096),
+    "beta_fast": (float, 32.0),
+    "beta_slow": (float, 1.0),
+    "mscale": (float, 1.0),
+    "mscale_all_dim": (float, 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -347,36 +360,21 @@ class ModelConfig:
         for name, typ in _REQUIRED:
             if name not in d:
                 raise ValueError(f"config.json field {name!r} is missing")
-            v = d[name]
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"config.json field {name!r}: expected a number, got {v!r}")
-            if typ is int and float(v) != int(v):
-                raise ValueError(f"config.json field {name!r}: expected an integer, got {v!r}")
-            kw[name] = typ(v)
+            kw[name] = _typed(name, d[name], typ)
         rs = d.get("rope_scaling")
         if rs is None:
             kw["rope_scaling"] = None
         else:
             _expect(isinstance(rs, dict), "rope_scaling", "an object", rs)
-            for key in _ROPE_NUMBERS:
-                v = rs.get(key)
-                ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
-                _expect(ok, f"rope_scaling.{key}", "a number", v)
             kind = rs.get("type", rs.get("rope_type"))
             if kind != "yarn":
                 raise ValueError(
                     f"config.json field 'rope_scaling.type': only 'yarn' is supported, got {kind!r}"
                 )
-            kw["rope_scaling"] = RopeScaling(
-                factor=float(rs.get("factor", 40.0)),
-                original_max_position_embeddings=int(
-                    rs.get("original_max_position_embeddings", 4096)
-                ),
-                beta_fast=float(rs.get("beta_fast", 32)),
-                beta_slow=float(rs.get("beta_slow", 1)),
-                mscale=float(rs.get("mscale", 1.0)),
-                mscale_all_dim=float(rs.get("mscale_all_dim", 1.0)),
-            )
+            kw["rope_scaling"] = RopeScaling(**{
+                key: default if rs.get(key) is None else _typed(f"rope_scaling.{key}", rs[key], typ)
+                for key, (typ, default) in _ROPE_FIELDS.items()
+            })  # fmt: skip
         for name, typ in _OPTIONAL.items():
             v = d.get(name)
             if v is None:
@@ -384,9 +382,7 @@ class ModelConfig:
             if name == "eos_token_id" and isinstance(v, list):  # several: the first is the EOS
                 _expect(bool(v), name, "an integer or a non-empty list of them", v)
                 v = v[0]
-            ok = isinstance(v, typ) and (typ is bool or not isinstance(v, bool))
-            _expect(ok, name, "a boolean" if typ is bool else f"a {typ.__name__}", v)
-            kw[name] = v
+            kw[name] = _typed(name, v, typ)
         q = d.get("quantization_config")
         if q is not None:
             _expect(isinstance(q, dict), "quantization_config", "an object", q)

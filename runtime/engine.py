@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,10 +31,13 @@ from runtime.readback import PoolChecks, SampledStep, check_overflow, to_host
 from runtime.request import PAGE, Request, Status
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_controls import SamplingControls
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, generation_defaults
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from model.loader import LoadExtras
 
 LOGPROB_FLOOR = -9999.0  # reported in place of -inf (a masked-out token), as vLLM does
 
@@ -126,6 +130,27 @@ class Engine:
         self._in_flight: SampledStep | None = None
         self.decode_steps_ahead = 0  # decode steps launched one token ahead
         self.discarded_rows = 0  # their rows of requests that had finished meanwhile
+
+    @classmethod
+    def from_loaded(
+        cls,
+        model: torch.nn.Module,
+        extras: LoadExtras,
+        config: EngineConfig,
+        model_name: str = "model",
+        compiler: StepCompiler | None = None,
+        generation_config: str = "auto",
+    ) -> Engine:
+        """An engine over a checkpoint ``model.loader`` loaded: the tokenizer of its directory
+        (the model config's bos/eos ids standing in for tokens its tokenizer_config.json has no
+        entry for) and, with ``generation_config`` "auto", the request defaults its
+        generation_config.json sets (``runtime.sampling_params.generation_defaults``)."""
+        mc: ModelConfig = model.config  # type: ignore[assignment]
+        return cls(
+            model, mc, Tokenizer.from_dir(extras.path, mc.bos_token_id, mc.eos_token_id), config,
+            model_name=model_name, compiler=compiler,
+            sampling_defaults=generation_defaults(extras.generation_config, generation_config),
+        )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

@@ -210,7 +210,8 @@ def check_unsupported(req: _SamplingRequest) -> None:
             raise APIError(400, msg, param="best_of")
         if req.stream and req.best_of > n:  # the best are known only at the end (OpenAI, vLLM)
             raise APIError(400, "best_of > n cannot be streamed", param="best_of")
-    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM refuse it
+    opts = req.stream_options
+    if opts is not None and opts.model_fields_set and not req.stream:  # vLLM's rule ({} is let be)
         msg = "stream_options is only allowed with stream: true"
         raise APIError(400, msg, param="stream_options")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:

@@ -244,9 +244,10 @@ class HandlersBase:
                 return
             observed = True
             now = time.perf_counter()
-            for res, ts in zip(results, times, strict=True):
+            for res, ts, choice in zip(results, times, choices, strict=True):
                 if client_left and res.finish_reason is None:
                     res.finish_reason = "abort"  # leaving aborted it (server_streams.merged)
+                    res.prompt_tokens = len(choice.ids)  # (0 before its first output)
                 if res.finish_reason is not None:
                     self.metrics.observe(res, t0, now, ts)
 

@@ -100,8 +100,8 @@ class Tokenizer:
         """Load ``tokenizer.json`` and ``tokenizer_config.json`` (bos/eos tokens, chat_template;
         a ``chat_template.jinja`` file next to them takes precedence, as in recent HF exports).
         ``bos_token_id`` / ``eos_token_id`` (the model config's) stand in, with a warning, for a
-        token ``tokenizer_config.json`` does not name (or a missing file): without a BOS every
-        prompt would be encoded without it, silently."""
+        token ``tokenizer_config.json`` has no entry for (or a missing file): without a BOS every
+        prompt would be encoded without it, silently; an entry of null means none."""
         path = Path(path)
         tok_file, cfg_file = path / "tokenizer.json", path / "tokenizer_config.json"
         if not tok_file.is_file():
@@ -133,7 +133,7 @@ class Tokenizer:
         special = {}
         for name, tid in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
             special[name] = _token_content(cfg.get(name))
-            if special[name] is None and tid is not None:
+            if name not in cfg and tid is not None:  # (an explicit null: none, as HF reads it)
                 special[name] = tok.id_to_token(tid)
                 if special[name] is None:
                     raise ValueError(f"{name} id {tid} is not in the tokenizer's vocabulary")

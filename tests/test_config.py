@@ -65,6 +65,7 @@ def test_bench_softmax_scale_matches_reference():
         ({"eos_token_id": "1"}, "eos_token_id"),
         ({"eos_token_id": [True]}, "eos_token_id"),
         ({"bos_token_id": 0.5}, "bos_token_id"),
+        ({"rope_scaling": {"type": "yarn", "mscale": float("inf")}}, "rope_scaling.mscale"),
         ({"norm_topk_prob": "false"}, "norm_topk_prob"),
         ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
         ({"moe_layer_freq": True}, "moe_layer_freq"),
@@ -81,8 +82,13 @@ def test_bad_config_names_the_field(change, field):
 def test_optional_fields_of_the_right_type_load():
     d = tiny_config_dict()
     d.update(eos_token_id=[1, 2], norm_topk_prob=False, num_nextn_predict_layers=None)
+    d["rope_scaling"] = {"type": "yarn", "factor": 40, "mscale": None, "beta_fast": 32}
     c = ModelConfig.from_dict(d)
     assert (c.eos_token_id, c.norm_topk_prob, c.num_nextn_predict_layers) == (1, False, 0)
+    assert c.rope_scaling is not None and (c.rope_scaling.factor, c.rope_scaling.mscale) == (40, 1)
+    d.update(num_nextn_predict_layers=1.0, hidden_size=float(d["hidden_size"]))  # integral
+    c = ModelConfig.from_dict(d)
+    assert c.num_nextn_predict_layers == 1 and isinstance(c.hidden_size, int)
 
 
 def test_missing_field_is_named(tmp_path):

@@ -349,7 +349,8 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "top_p": 0}, 400, "top_p"),
         (C, {**OK_C, "top_k": -2}, 400, "top_k"),
         (C, {**OK_C, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-        (CHAT, {**OK_CHAT, "stream": False, "stream_options": {}}, 400, "stream_options"),
+        (CHAT, {**OK_CHAT, "stream": False, "stream_options": {"include_usage": False}}, 400,
+         "stream_options"),  # fmt: skip
         (C, {**OK_C, "max_tokens": 0}, 400, "max_tokens"),
         (C, {**OK_C, "stop": [""]}, 400, "stop"),
         (C, {**OK_C, "n": 0}, 400, "n"),

@@ -460,10 +460,18 @@ def test_llm_takes_the_checkpoint_sampling_defaults() -> None:
     from model.checkpoint import GENERATION_CONFIG
 
     llm = LLM(MODEL, offload=True, **ENGINE_OPTIONS)
-    assert llm.engine.sampling_defaults == SamplingParams(
+    want = SamplingParams(
         temperature=GENERATION_CONFIG["temperature"], top_p=GENERATION_CONFIG["top_p"]
     )
-    assert llm.engine.sampling_defaults != SamplingParams()
+    assert llm.engine.sampling_defaults == want != SamplingParams()
+    seen: list[SamplingParams] = []
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda rid, ids, p: (seen.append(p), add(rid, ids, p))[1]
+    llm.generate("Hi")
+    stream = llm.generate_stream("Hi")
+    next(stream)
+    stream.close()
+    assert seen == [want, want]  # requests without params
     plain = LLM(MODEL, offload=True, generation_config="none", **ENGINE_OPTIONS)
     assert plain.engine.sampling_defaults == SamplingParams()
     with pytest.raises(ValueError, match="generation_config must be auto or none"):

@@ -72,6 +72,8 @@ def test_model_config_ids_stand_in_for_a_missing_tokenizer_config(
         Tokenizer.from_dir(d, 100000, None)
     (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": EOS}))  # named: it wins
     assert Tokenizer.from_dir(d, tok.bos_token_id, None).bos_token == EOS
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": None}))  # null: none
+    assert Tokenizer.from_dir(d, tok.bos_token_id, None).bos_token is None
 
 
 def test_chat_template_and_jinja_file(tmp_path: Path, tok: Tokenizer) -> None:
@@ -156,6 +158,7 @@ def test_stop_string_completed_by_the_final_flush(tok: Tokenizer) -> None:
         outs = [rd.add(t, n) for n, t in enumerate(ab + half, start=1)]
         assert [r for _, r in outs] == [None] * len(ab) + [reason]
         assert "".join(t for t, _ in outs) == text
+
 
 def test_stop_string_across_tokens(tok: Tokenizer) -> None:
     text = "Hello world. The end is near"

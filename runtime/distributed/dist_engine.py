@@ -29,7 +29,7 @@ from runtime.distributed.step_sync import agree
 from runtime.engine import Engine, StepOutput
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, next_bucket
-from runtime.sampling_params import SamplingParams, generation_defaults
+from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
 
@@ -226,10 +226,8 @@ def build_distributed_engine(
     else:
         net, extras = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
-    tok = Tokenizer.from_dir(path, net.config.bos_token_id, net.config.eos_token_id)
-    defaults = generation_defaults(extras.generation_config, generation_config)
-    engine = Engine(
-        net, net.config, tok, config, model_name=model_name, compiler=compiler,
-        sampling_defaults=defaults,
+    engine = Engine.from_loaded(
+        net, extras, config, model_name=model_name, compiler=compiler,
+        generation_config=generation_config,
     )  # fmt: skip
     return DistributedEngine(engine, ctx, config.dp)
