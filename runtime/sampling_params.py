@@ -216,8 +216,6 @@ class SamplingParams:
 # the ones vLLM's ``--generation-config auto`` reads (its max_new_tokens aside; ``do_sample`` is
 # not read either, as there).
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
 GENERATION_CONFIG_MODES = ("auto", "none")
 
 
@@ -231,10 +229,11 @@ def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
         raise ValueError(f"generation_config must be {modes}, got {mode!r}")
     if mode == "none":
         return SamplingParams()
+    ignore = "(generation_config='none', --generation-config none: the file is not read)"
     if not isinstance(gen, dict):
-        raise ValueError(f"generation_config.json: expected a JSON object, got {gen!r}")
+        raise ValueError(f"generation_config.json: expected a JSON object, got {gen!r} {ignore}")
     fields = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None}
     try:
         return SamplingParams(**fields)
     except SamplingParamsError as e:
-        raise ValueError(f"generation_config.json field {e.param!r}: {e}") from e
+        raise ValueError(f"generation_config.json field {e.param!r}: {e} {ignore}") from e
