@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,6 @@ def _check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
     before the weights load: a deployment that cannot fit is refused in seconds, naming what
     does not. Anything else the check meets (a bad checkpoint or option: the loader says so
     next; a config the planner cannot count) makes it step aside with a warning."""
-    import logging
     import os
 
     from model.loader import read_checkpoint_meta
@@ -121,6 +121,13 @@ class LLM:
                 net, extras, config, model_name=model,
                 compiler=StepCompiler(config.device) if compiled else None,
                 generation_config=generation_config,
+            )  # fmt: skip
+        asked, limit = engine_options.get("max_model_len"), self.engine.max_model_len
+        if asked is not None and limit < asked:  # (serve's start-up line names it too)
+            logging.getLogger(__name__).warning(
+                "max_model_len %d: requests get %d tokens at most, the least of it, the model's "
+                "max_position_embeddings (%d) and host_tokens (%d)",
+                asked, limit, self.engine.model_config.max_position_embeddings, config.host_tokens,
             )  # fmt: skip
         # warm-up captures every bucket, then forbids recompiles of the engine's steps: from here
         # on a request can never trigger a compile
