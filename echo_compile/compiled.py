@@ -14,6 +14,11 @@ Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conv
     logits = cm.prefill(input_ids [T], positions [T], out_slots [T], block_table [1, P],
                         seq_lens [1])
 
+``input_ids``, ``positions``, ``out_slots`` are int64, ``block_table`` and ``seq_lens`` int32;
+``block_table`` has ``runner.pages_per_seq`` columns (a prefill's may have fewer when prefill is
+not compiled). A wrong dtype, shape or device is a ``ValueError`` naming the tensor; the values
+(pages, slots, positions) are the caller's to get right. The steps run without autograd,
+whatever the caller's grad or inference mode.
 ``decode`` returns fp32 logits [B, V] (B padded internally to the next bucket and cut back);
 ``prefill`` returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
 survive the next CUDA-graph replay. The engine (runtime.engine.Engine) drives the same object.
@@ -118,7 +123,7 @@ class CompiledModel:
         return self.runner.warmup(calls, progress)
 
     def decode(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
-        n = input_ids.shape[0]
+        n = self._check(True, input_ids, positions, out_slots, block_table, seq_lens)
         cfg = self.cache.config
         if n > cfg.max_decode_rows:
             # the guaranteed recall needs every row's selection on the GPU at once
@@ -127,12 +132,54 @@ class CompiledModel:
                 f"(max_batch {cfg.max_batch}; offloading: batch x top-k {cfg.topk} <= the GPU "
                 f"pool of {cfg.gpu_tokens} rows)"
             )
-        args = self.runner.pad_inputs(True, input_ids, positions, out_slots, block_table, seq_lens)
-        return self.runner.decode_fn(*args)[:n]
+        return self._run(True, input_ids, positions, out_slots, block_table, seq_lens)[:n]
 
     def prefill(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
-        args = self.runner.pad_inputs(False, input_ids, positions, out_slots, block_table, seq_lens)
-        return self.runner.prefill_fn(*args)
+        self._check(False, input_ids, positions, out_slots, block_table, seq_lens)
+        return self._run(False, input_ids, positions, out_slots, block_table, seq_lens)
+
+    def _run(self, is_decode: bool, *inputs: torch.Tensor) -> torch.Tensor:
+        # NOTE: in the grad mode the steps were compiled and frozen in (ModelRunner.warmup's
+        # no_grad; a caller's grad mode or inference mode would be a recompile, refused after
+        # warm-up), on inputs that are not inference tensors
+        with torch.inference_mode(False), torch.no_grad():
+            inputs = tuple(t.clone() if t.is_inference() else t.contiguous() for t in inputs)
+            args = self.runner.pad_inputs(is_decode, *inputs)
+            fn = self.runner.decode_fn if is_decode else self.runner.prefill_fn
+            return fn(*args)
+
+    def _check(self, is_decode: bool, *inputs: torch.Tensor) -> int:
+        """The rows (decode) or tokens (prefill) of the call, after checking what the compiled
+        steps' static shapes need, so a wrong one is an error naming it (after warm-up it
+        would be a refused recompile, before it a silent one). The values (pages, positions)
+        are the caller's: checking them would sync with the device."""
+        names = ("input_ids", "positions", "out_slots", "block_table", "seq_lens")
+        dtypes = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32)
+        dev = self.runner.device
+        for name, t, dtype in zip(names, inputs, dtypes, strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+            if t.dtype != dtype:
+                raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+            if t.device.type != dev.type or (dev.index is not None and t.device != dev):
+                raise ValueError(f"{name} is on {t.device}, the model on {dev}")
+        ids, pos, slots, bt, lens = inputs
+        n = ids.shape[0] if ids.dim() == 1 else -1
+        if n < (0 if is_decode else 1) or pos.shape != (n,) or slots.shape != (n,):
+            what = "rows" if is_decode else "tokens (at least 1)"
+            shapes = [tuple(t.shape) for t in (ids, pos, slots)]
+            msg = f"input_ids, positions and out_slots must be 1-D of n {what}, got {shapes}"
+            raise ValueError(msg)
+        P = self.runner.pages_per_seq
+        rows = n if is_decode else 1
+        wide = is_decode or self.runner.prefill_static_width
+        if bt.dim() != 2 or bt.shape[0] != rows or (bt.shape[1] != P if wide else bt.shape[1] > P):
+            want = f"[{rows}, {P}]" if wide else f"[1, <= {P}]"
+            msg = f"block_table must be {want} (pages_per_seq {P}), got {list(bt.shape)}"
+            raise ValueError(msg)
+        if lens.shape != (rows,):
+            raise ValueError(f"seq_lens must be [{rows}], got {list(lens.shape)}")
+        return n
 
 
 def compile(  # noqa: A001  (the public name: echo_compile.compile)

@@ -68,3 +68,46 @@ def test_compiled_model_prefill_then_decode_matches_eager():
         assert float(err) <= 2e-2
         ids = out.argmax(-1)
         prompts = [torch.cat([p, i[None]]) for p, i in zip(prompts, ids)]
+
+
+def test_after_warmup_decode_runs_in_any_grad_mode_and_checks_its_inputs():
+    """The README's flow: warm up, then ``decode`` as a user calls it (grad mode on, or under
+    inference_mode with tensors made there): the frozen steps run, no recompile refused. A
+    tensor of the wrong dtype, shape or device is an error naming it. (aot_eager: the Dynamo
+    guards are what this tests, test_engines.py says why.)"""
+    from echo_compile.compiled import CompiledModel, StepCompiler
+    from runtime.engine_config import EngineConfig
+    from runtime.model_runner import build_runner
+
+    model, _ = load_model(resolve_model("tiny"))
+    cfg = EngineConfig(max_batch=2, host_tokens=1024, gpu_tokens=2 * model.config.index_topk,
+                       max_model_len=256, decode_buckets=(2,), prefill_chunk=64, device="cpu",
+                       compile_prefill=False)  # fmt: skip
+    cm = CompiledModel(build_runner(model, cfg, StepCompiler("cpu", backend="aot_eager")))
+    cm.warmup(progress=False)
+    P = cm.runner.pages_per_seq
+
+    def inputs():
+        bt = torch.zeros(2, P, dtype=torch.int32)
+        bt[1, 0] = 1
+        pos = torch.tensor([0, 0])
+        return (torch.tensor([5, 9]), pos, bt[:, 0].long() * 64, bt, (pos + 1).int())
+
+    assert torch.is_grad_enabled()
+    first = cm.decode(*inputs())
+    with torch.inference_mode():
+        again = cm.decode(*inputs())  # the same rows written again: the same logits
+    assert torch.equal(first, again) and not first.requires_grad
+    good = inputs()
+    for i, bad, match in (
+        (0, good[0].int(), "input_ids must be torch.int64"),
+        (3, good[3].long(), "block_table must be torch.int32"),
+        (3, good[3][:, :-1], rf"block_table must be \[2, {P}\]"),
+        (1, good[1][:1], "1-D of n rows"),
+        (4, good[4][:1], r"seq_lens must be \[2\]"),
+        (0, good[0].tolist(), "input_ids must be a tensor"),
+    ):
+        args = list(good)
+        args[i] = bad
+        with pytest.raises(ValueError, match=match):
+            cm.decode(*args)
