@@ -247,7 +247,12 @@ def _parser() -> argparse.ArgumentParser:
     _threads_arg(m)
 
     pl = sub.add_parser("plan", help="per-GPU memory plan of a dp/tp deployment of V3.2")
-    pl.add_argument("--quant", choices=("awq", "fp8", "bf16"), default="awq")
+    pl.add_argument(
+        "--quant",
+        choices=("awq", "fp8", "bf16"),
+        default=None,
+        help="V3.2's weights (default awq); with --model the checkpoint's own",
+    )
     pl.add_argument("--model", default=None, help="a checkpoint directory (default: V3.2's config)")
     pl.add_argument("--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp")
     pl.add_argument("--dp", type=int, default=None)
@@ -344,13 +349,16 @@ def _run(a: argparse.Namespace) -> int:
         from runtime.distributed.plan import GPU_MEM_GIB, memory_plan, plan_engine, v32_config
 
         if a.model is not None:
+            if a.quant is not None:
+                raise ValueError("--quant is V3.2's config's; --model plans the checkpoint's own")
             from model.checkpoint import resolve_model
             from model.config import ModelConfig
 
             config = ModelConfig.from_json(resolve_model(a.model) / "config.json")
         else:
-            config = v32_config(a.quant)
-        dp, tp = a.dp or a.gpus, a.tp or a.gpus
+            config = v32_config(a.quant or "awq")
+        dp = a.gpus if a.dp is None else a.dp  # (0 is refused by the planner, not replaced)
+        tp = a.gpus if a.tp is None else a.tp
         ep = tp if a.ep else 1
         eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
                           a.kv_format, not a.no_offload, a.max_model_len, ep,

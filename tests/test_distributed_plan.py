@@ -85,6 +85,12 @@ def test_plan_command(capsys):
     assert "the plan does not fit" in capsys.readouterr().err
     assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8"]) == 0
     assert "fits" in capsys.readouterr().out
+    # --dp 0 / --tp 0 are refused as --gpus 0 is, not replaced by --gpus
+    for flag in ("--dp", "--tp"):
+        assert cli_main(["plan", flag, "0"]) == 2
+        assert "must be a positive integer, got 0" in capsys.readouterr().err
+    assert cli_main(["plan", "--model", "tiny", "--quant", "fp8", "--gpus", "1"]) == 2
+    assert "--model plans the checkpoint's own" in capsys.readouterr().err
 
 
 def test_estimate_script(tmp_path):
