@@ -122,12 +122,13 @@ class LLM:
                 compiler=StepCompiler(config.device) if compiled else None,
                 generation_config=generation_config,
             )  # fmt: skip
-        asked, limit = engine_options.get("max_model_len"), self.engine.max_model_len
+        mc = self.engine.model_config
+        asked, limit = engine_options.get("max_model_len"), config.model_len(mc)
         if asked is not None and limit < asked:  # (serve's start-up line names it too)
             logging.getLogger(__name__).warning(
                 "max_model_len %d: requests get %d tokens at most, the least of it, the model's "
                 "max_position_embeddings (%d) and host_tokens (%d)",
-                asked, limit, self.engine.model_config.max_position_embeddings, config.host_tokens,
+                asked, limit, mc.max_position_embeddings, config.host_tokens,
             )  # fmt: skip
         # warm-up captures every bucket, then forbids recompiles of the engine's steps: from here
         # on a request can never trigger a compile
