@@ -54,6 +54,19 @@ class _Command:
     future: concurrent.futures.Future[Any] | None = None
     # add_group: (request id, params, sink) of each sequence sharing the prompt's prefill
     group: list[tuple[str, SamplingParams, _Sink]] = field(default_factory=list)
+    # abort from a stream: only the request whose outputs go to this queue
+    queue: asyncio.Queue[StepOutput] | None = None
+
+
+def _check_request(request_id: object, params: object) -> None:
+    """A malformed request is the caller's error, raised to it before anything is queued."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"params must be a SamplingParams (or None: the engine's defaults), got "
+            f"{type(params).__name__}"
+        )
 
 
 class RequestStream:
@@ -69,6 +82,11 @@ class RequestStream:
         self._engine = engine
         self._queue = queue
         self.finished = False
+
+    def _abort(self) -> None:
+        # Bound to this stream's queue: once its request has ended (an abort whose final output
+        # nobody read), the id may carry a new request, which this must not touch.
+        self._engine._submit(_Command("abort", self.request_id, queue=self._queue), check=False)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -89,12 +107,12 @@ class RequestStream:
         """Stop listening; aborts the request if it has not finished."""
         if not self.finished:
             self.finished = True
-            self._engine.abort(self.request_id)
+            self._abort()
 
     def __del__(self) -> None:
         # A stream dropped unread must not keep generating until max_tokens.
         if not self.finished:
-            self._engine.abort(self.request_id)
+            self._abort()
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -137,16 +155,19 @@ class AsyncEngine:
 
     # ---- asyncio side --------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> RequestStream:
-        """Add a request and return its output stream.
+        """Add a request and return its output stream (``params`` None: ``sampling_defaults``).
 
         The request is in the engine when this returns: a ``ValueError`` from
         ``Engine.add_request`` (prompt too long, empty, duplicate id, ...) is raised here, before
-        any output, so a server can still answer with an HTTP error.
+        any output, so a server can still answer with an HTTP error; a request id that is not a
+        str, or params that are not a ``SamplingParams``, is a ``TypeError``.
         """
         if self._draining:
             raise RuntimeError("the server is shutting down: no new requests are admitted")
+        params = self.sampling_defaults if params is None else params
+        _check_request(request_id, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         sink = _Sink(loop, queue, prompt_tokens=len(prompt_ids))
@@ -156,7 +177,7 @@ class AsyncEngine:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             # The add may still be applied after we stop waiting: make sure it does not run.
-            self.abort(request_id)
+            self._submit(_Command("abort", request_id, queue=queue), check=False)
             raise
         return RequestStream(self, request_id, queue)
 
@@ -182,6 +203,8 @@ class AsyncEngine:
         here); each has its own stream, and closing one aborts only that sequence."""
         if self._draining:
             raise RuntimeError("the server is shutting down: no new requests are admitted")
+        for rid, p in zip(request_ids, params, strict=True):
+            _check_request(rid, p)
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue[StepOutput]] = [asyncio.Queue() for _ in request_ids]
         group = [
@@ -194,8 +217,8 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            for rid in request_ids:
-                self.abort(rid)
+            for rid, q in zip(request_ids, queues):
+                self._submit(_Command("abort", rid, queue=q), check=False)
             raise
         return [RequestStream(self, rid, q) for rid, q in zip(request_ids, queues)]
 
@@ -274,7 +297,7 @@ class AsyncEngine:
                     break
             try:
                 for command in commands:
-                    self._apply(command)
+                    self._apply_one(command)
                 if self._has_work():
                     self._step()
             except Exception:  # a bug here must not leave callers waiting forever
@@ -291,6 +314,17 @@ class AsyncEngine:
             return True
         self._fail_all("error", "the engine dropped the request")
         return False
+
+    def _apply_one(self, c: _Command) -> None:
+        """One command; an error in it goes to its caller (its future), or is logged: it never
+        reaches the requests in flight nor the commands queued after it."""
+        try:
+            self._apply(c)
+        except Exception as e:
+            if c.future is not None and not c.future.done():
+                c.future.set_exception(e)
+            else:
+                logger.exception("engine loop: command %r failed", c.kind)
 
     def _apply(self, c: _Command) -> None:
         if c.kind == "add":
@@ -320,8 +354,9 @@ class AsyncEngine:
                 self._sinks[rid] = sink
             c.future.set_result(None)
         elif c.kind == "abort":
-            sink = self._sinks.pop(c.request_id, None)
-            if sink is not None:
+            sink = self._sinks.get(c.request_id)
+            if sink is not None and (c.queue is None or sink.queue is c.queue):
+                del self._sinks[c.request_id]
                 self._guard(lambda: self.engine.abort_request(c.request_id), None)
                 sink.push(self._final(c.request_id, sink, "abort"))
         elif c.kind == "metrics":

@@ -8,6 +8,7 @@ every response is known in advance.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections import deque
@@ -555,3 +556,60 @@ def test_async_engine_contract(tok: Tokenizer) -> None:
     asyncio.run(main())
     assert _wait_for(lambda: {"c", "d"} <= set(engine.aborted))
     assert not ae.is_alive
+
+
+def test_a_malformed_async_request_fails_only_its_caller(tok: Tokenizer) -> None:
+    """A request id that is not a str, or params that are not SamplingParams, is a TypeError
+    to the caller; the requests in flight and the ones added in the same tick run on (the
+    unhashable id failed on the loop thread: its generate() hung and everyone else ended with
+    "error"). params=None takes the engine's defaults, as LLM.generate does."""
+    engine = FakeEngine(tok, step_s=0.001)
+    ae = AsyncEngine(engine)
+    ids = tok.encode("Hello world", add_bos=False)
+
+    async def main() -> None:
+        victim = await ae.generate("v", ids, SamplingParams(max_tokens=60, ignore_eos=True))
+        first = await victim.__anext__()
+        bad = [
+            asyncio.ensure_future(ae.generate(["x"], ids, SamplingParams())),  # type: ignore[arg-type]
+            asyncio.ensure_future(ae.generate("p", ids, {"max_tokens": 3})),  # type: ignore[arg-type]
+        ]
+        good = asyncio.ensure_future(ae.generate("g", ids, None))
+        done, pending = await asyncio.wait([*bad, good], timeout=10)
+        assert not pending
+        for f, what in zip(bad, ("request_id must be a str", "params must be a SamplingParams")):
+            with pytest.raises(TypeError, match=what):
+                f.result()
+        outs = [o async for o in good.result()]
+        assert outs[-1].finish_reason == "stop" and outs[-1].completion_tokens == len(ids) + 1
+        rest = [o async for o in victim]
+        assert rest[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in [first, *rest]) == 60
+
+    asyncio.run(main())
+    ae.shutdown()
+
+
+def test_a_stream_whose_request_ended_never_aborts_a_new_request_of_its_id(tok: Tokenizer) -> None:
+    """Aborted by id and its final output unread, a stream still looks open; closing or dropping
+    it then must not abort the request that reuses the id (its abort is bound to its own queue)."""
+    engine = FakeEngine(tok, step_s=0.001)
+    ae = AsyncEngine(engine)
+    ids = tok.encode("Hello world", add_bos=False)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main() -> None:
+        old = await ae.generate("job", ids, params)
+        await old.__anext__()
+        ae.abort("job")
+        assert _wait_for(lambda: "job" in engine.aborted)
+        new = await ae.generate("job", ids, params)
+        await old.aclose()
+        del old
+        gc.collect()
+        outs = [o async for o in new]
+        assert outs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outs) == 40
+
+    asyncio.run(main())
+    ae.shutdown()
