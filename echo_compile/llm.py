@@ -35,8 +35,12 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[float] | None
+    logprobs: list[float] | None  # params.logprobs: each generated token's
     stats: RequestStats
+    # params.top_logprobs > 0: per generated token, that many most likely (token id, logprob)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
+    prompt_logprobs: list | None = None
 
 
 def _check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
@@ -276,6 +280,8 @@ class _Acc:
             o.finish_reason,
             o.logprobs if self.params.logprobs else None,
             stats,
+            o.top_logprobs if self.params.top_logprobs else None,
+            o.prompt_logprobs,
         )
 
 

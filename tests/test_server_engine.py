@@ -454,6 +454,23 @@ def test_streams_and_generate_of_one_llm_interleave() -> None:
     assert not llm.engine.has_unfinished() and not llm._outputs
 
 
+def test_llm_generate_returns_top_and_prompt_logprobs_as_the_stream() -> None:
+    """``generate()`` keeps what the request asked for and its stream carries: each token's
+    top_logprobs and the prompt_logprobs (they were computed, then dropped)."""
+    llm = LLM(MODEL, offload=True, **ENGINE_OPTIONS)
+    params = SamplingParams(
+        max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, prompt_logprobs=2
+    )
+    r = llm.generate([[5, 6, 7, 8, 9]], params)[0]
+    outs = list(llm.generate_stream([5, 6, 7, 8, 9], params))
+    assert r.top_logprobs == [t for o in outs for t in o.new_top_logprobs]
+    assert len(r.top_logprobs) == 4 and all(len(t) == 3 for t in r.top_logprobs)
+    assert [t[0][0] for t in r.top_logprobs] == r.token_ids  # greedy: the top-1 is the token
+    assert r.prompt_logprobs == outs[0].prompt_logprobs and len(r.prompt_logprobs) == 5
+    plain = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert plain.top_logprobs is None and plain.prompt_logprobs is None
+
+
 def test_llm_warns_when_it_serves_less_context_than_asked(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
