@@ -14,10 +14,13 @@ state is). The import is lazy: llguidance is needed only when a request has a gr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from runtime.request import Request
@@ -106,8 +109,16 @@ class StructuredOutput:
             matcher, seen = self.matchers.get(r.request_id, (None, 0))
             if matcher is None:
                 matcher, seen = ll.LLMatcher(self.lltokenizer(), r.params.grammar, log_level=0), 0
+            failed = matcher.is_error()
             matcher.consume_tokens(r.output_ids[seen:])
             self.matchers[r.request_id] = (matcher, len(r.output_ids))
+            if matcher.is_error() and not failed:
+                logger.warning(
+                    "request %s: the grammar matcher failed (%s); the request ends here with "
+                    "EOS and its output may not match the grammar",
+                    r.request_id,
+                    matcher.get_error(),
+                )
             if matcher.is_error() or self.eos is None:
                 # (a logits processor forced a token off the grammar): end the request with EOS
                 # rather than fail the step, and so every request in it

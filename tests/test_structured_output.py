@@ -13,7 +13,7 @@ from engine_records import random_prompts, run, tiny
 from runtime.engine import Engine, EngineConfig
 from runtime.openai_protocol import APIError, response_grammar
 from runtime.sampling_params import SamplingParams
-from runtime.structured_output import StructuredOutput, json_schema_grammar
+from runtime.structured_output import StructuredOutput, json_schema_grammar, lark_grammar
 
 pytest.importorskip("llguidance")  # in the test extra; the server says so when it is missing
 
@@ -55,6 +55,25 @@ def test_engine_json_schema_outputs_parse_and_validate() -> None:
     assert len(set(texts)) > 1  # the seeds still choose among what the grammar allows
     free = tok.decode(out["r3"], skip_special_tokens=False)
     assert len(out["r3"]) == 8 and not free.startswith('{"')  # unconstrained row: random tokens
+
+
+def test_a_grammar_the_matcher_fails_on_ends_with_eos_and_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A grammar that compiles but that the matcher fails on mid-way (an empty language: llguidance
+    hits its item limit) ends the request with EOS, and a warning names the request and the
+    matcher's error, so the output is not silently taken for one that matches."""
+    model, _ = tiny("cpu")
+    prompts = random_prompts([20], model.config.vocab_size, seed=3)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=1,
+                             grammar=lark_grammar('start: x\nx: "a" x'))]  # fmt: skip
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=4 * model.config.index_topk,
+                       max_model_len=128, prefill_chunk=64, device="cpu")  # fmt: skip
+    with caplog.at_level("WARNING", logger="runtime.structured_output"):
+        _, _, out = run(cfg, prompts, params)
+    assert out["r0"][-1] == model.config.eos_token_id and len(out["r0"]) < 10
+    assert "request r0: the grammar matcher failed" in caplog.text
+    assert caplog.text.count("grammar matcher failed") == 1
 
 
 def test_min_p_is_relative_to_what_the_grammar_allows() -> None:
