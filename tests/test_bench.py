@@ -295,3 +295,23 @@ def test_the_product_never_imports_the_harness_or_matplotlib() -> None:
         if re.match(r"(from|import) echo_compile\.bench", ln) and f != Path("echo_compile/cli.py"):
             bad.append((f, ln))
     assert not bad, bad
+
+
+@pytest.mark.parametrize("extra, want", [
+    ([], (4, 200, 300, 4)),  # the tiny preset's own sizes (a minute on two cores)
+    (["--requests", "6", "--max-ctx", "500"], (6, 200, 500, 4)),  # flags given win
+])  # fmt: skip
+def test_the_tiny_preset_defaults_to_a_dry_run_size(extra, want, monkeypatch, tmp_path) -> None:
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def workload(requests, min_ctx, max_ctx, output_len, **kw):  # noqa: ANN001, ANN003
+        seen.append((requests, min_ctx, max_ctx, output_len))
+        raise Stop
+
+    monkeypatch.setattr(bench_cli, "Workload", workload)
+    with pytest.raises(Stop):
+        bench_cli.main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), *extra])
+    assert seen == [want]
