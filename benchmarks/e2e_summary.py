@@ -1,7 +1,7 @@
 """The tables of docs/e2e_report.md and docs/compile.md, from the committed result files.
 
     python -m benchmarks.e2e_summary [--e2e benchmarks/results/e2e_h200.json]
-                                      [--step benchmarks/results/step_h200.json]
+                                      [--step benchmarks/results/step_b{1,16,64}_h200.json]
                                       [--weights e2e_weights_bf16_h200.json ...]
 
 Prints markdown. Every number is a field of the JSON or a ratio of fields:
@@ -18,7 +18,14 @@ import math
 import sys
 from pathlib import Path
 
-from benchmarks.report_data import BREAKDOWN_CATEGORIES, RESULTS, breakdown_label, row_rate
+from benchmarks.report_data import (
+    BREAKDOWN_CATEGORIES,
+    RESULTS,
+    STEP_FILES,
+    breakdown_label,
+    load_steps,
+    row_rate,
+)
 
 
 def steady(r: dict) -> float:
@@ -141,8 +148,9 @@ def breakdown_row(label: str, e: dict) -> str:
 
 def step_tables(d: dict) -> list[str]:
     env = d["environment"]
+    dates = ", ".join(d.get("dates", [env["date"]]))
     out = [
-        f"`benchmarks/bench_step.py` — {env['device']}, torch {env['torch']}, {env['date']}; "
+        f"`benchmarks/bench_step.py` — {env['device']}, torch {env['torch']}, {dates}; "
         f"{d['model']['num_hidden_layers']} layers, context {d['ctx']:,}, {d['steps']} steps, "
         f"{d['kv_format']} KV, repeat {d.get('repeat', '?')}",
         "",
@@ -168,7 +176,14 @@ def step_tables(d: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--e2e", type=Path, default=RESULTS / "e2e_h200.json")
-    ap.add_argument("--step", type=Path, default=RESULTS / "step_h200.json")
+    ap.add_argument(
+        "--step",
+        type=Path,
+        nargs="+",
+        default=[RESULTS / f for f in STEP_FILES],
+        help="bench_step JSONs of one model and context, e.g. one per batch size (their rows "
+        "make one table)",
+    )
     ap.add_argument(
         "--weights",
         type=Path,
@@ -184,12 +199,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--weights: no such file {missing[0]}")
         print("## weights: " + ", ".join(p.name for p in a.weights) + "\n")
         print("\n".join(weights_table([json.loads(p.read_text()) for p in a.weights])) + "\n")
-    for path, fn in ((a.e2e, e2e_tables), (a.step, step_tables)):
-        if path.exists():
-            print(f"## {path.name}\n")
-            print("\n".join(fn(json.loads(path.read_text()))) + "\n")
-        else:
-            print(f"({path} not found)\n")
+    if a.e2e.exists():
+        print(f"## {a.e2e.name}\n")
+        print("\n".join(e2e_tables(json.loads(a.e2e.read_text()))) + "\n")
+    else:
+        print(f"({a.e2e} not found)\n")
+    steps = load_steps(a.step)
+    if steps is not None:
+        print("## " + ", ".join(p.name for p in a.step) + "\n")
+        print("\n".join(step_tables(steps)) + "\n")
     return 0
 
 

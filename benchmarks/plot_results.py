@@ -14,8 +14,8 @@ writes PNGs with matplotlib's Agg backend (benchmarks/plots/, one module per fil
     e2e_hit_rate.png       e2e_h200.json: per-layer hit rate of the offload system(s), all at once
     e2e_breakdown.png      e2e_h200.json "breakdown": ms per eager decode step by category
                            (attention, indexer, cache management, moe, dense mlp, other) per pool
-    step_breakdown.png     step_h200.json: the same at B=1/16/64, with compiled / GPU-only / eager
-                           step times (bench_step.py)
+    step_breakdown.png     step_b{1,16,64}_h200.json: the same at B=1/16/64, with compiled /
+                           GPU-only / eager step times (bench_step.py)
     decode_kernels.png     decode_kernels_h200.json: kernel times per swept config vs targets
     cache_ops.png          cache_ops_h200.json: op latencies and recall bandwidth vs targets
     awq_vs_bf16.png        awq_h200.json: W4A16 vs bf16 latency by batch size
@@ -38,7 +38,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.report_data import RESULTS, ROOT, load
+from benchmarks.report_data import RESULTS, ROOT, STEP_FILES, load, load_steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.plots.kernels import plot_decode
     from benchmarks.plots.prefetch import plot_prefetch
 
+    steps = load_steps([a.results / f for f in STEP_FILES])
+    if steps is not None:
+        plot_step(steps, a.out, written)
     for file, fn in (
         ("e2e_h200.json", plot_e2e),
-        ("step_h200.json", plot_step),
         ("decode_kernels_h200.json", plot_decode),
         ("cache_ops_h200.json", plot_cache),
         ("awq_h200.json", plot_awq),

@@ -262,6 +262,9 @@ def test_reports_render_the_committed_results(tmp_path, capsys) -> None:
     assert e2e_summary.main([]) == 0
     text = capsys.readouterr().out
     assert "| 200,000 | 8.60x | 10.42x | 2.36x |" in text  # the report's ratio row, recomputed
+    # the decode-step table: one row per bench_step file (one batch size each), in batch order
+    at = [text.index(f"| {b} | {ms} ms |") for b, ms in ((1, "4.45"), (16, "6.60"), (64, "10.34"))]
+    assert at == sorted(at)
 
 
 def test_reports_and_the_profiler_agree_on_the_categories() -> None:

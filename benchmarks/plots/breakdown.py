@@ -39,7 +39,8 @@ def plot_e2e_breakdown(d: dict, out: Path, written: list[Path]) -> None:
 
 
 def plot_step(d: dict, out: Path, written: list[Path]) -> None:
-    """step_h200.json: the eager step's breakdown at each batch, with the compiled step time."""
+    """bench_step's rows (report_data.load_steps): the eager step's breakdown at each batch, with
+    the compiled step time."""
     entries = []
     for r in d.get("rows", []):
         e = r.get("breakdown")
@@ -62,7 +63,7 @@ def plot_step(d: dict, out: Path, written: list[Path]) -> None:
         f"Decode step by batch: {m.get('num_hidden_layers', '?')} layers, context "
         f"{d.get('ctx', '?'):,}, {d.get('kv_format', '?')} KV, repeat {d.get('repeat', '?')}"
     )
-    _breakdown_figure(d, entries, title, "step_h200.json", out, "step_breakdown.png", written)
+    _breakdown_figure(d, entries, title, "step_b*_h200.json", out, "step_breakdown.png", written)
 
 
 def _breakdown_figure(
