@@ -94,8 +94,11 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
     end()
 
 
-def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
-    """Rank 1 exits abruptly after two steps; rank 0 records the error it gets and when."""
+def die_worker(
+    rank: int, out: str, opts: dict, prompts: list, timeout_s: float, inside: bool = False
+) -> None:
+    """Rank 1 exits abruptly after two steps (``inside``: in its third decode step's forward,
+    between the model's collectives); rank 0 records the error it gets and when."""
     from echo_compile.llm import LLM
 
     torch.set_num_threads(1)
@@ -105,10 +108,21 @@ def die_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"r{i}", p, params)
+    runner, calls = llm.engine.runner, [0]
+    decode = runner.decode_fn
+
+    def dying_decode(*args):  # noqa: ANN002, ANN202
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            os._exit(3)
+        return decode(*args)
+
+    if inside:
+        runner.decode_fn = dying_decode
     steps, t0 = 0, time.perf_counter()
     try:
         while True:
-            if rank == 1 and steps == 2:
+            if rank == 1 and steps == 2 and not inside:
                 os._exit(3)  # a crash: no cleanup, no goodbye to the process group
             llm.engine.step()
             steps += 1

@@ -149,12 +149,14 @@ def test_empty_rank_does_not_stall(runs):
     assert ranks[1]["one_request"]["logits"] == {}  # rank 1 had nothing and ran padding only
 
 
-def test_killed_rank_stops_the_other_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize("inside", [False, True], ids=["between-steps", "in-the-model-step"])
+def test_killed_rank_stops_the_other_with_a_clear_error(tmp_path, inside):
     from distributed_workers import die_worker
 
     prompts = random_prompts([30, 30], 512, seed=5)
     t0 = time.perf_counter()
-    ctx = spawn(die_worker, 2, str(tmp_path), dict(COMMON, dp=2, tp=2), prompts, 10.0, join=False)
+    opts = dict(COMMON, dp=2, tp=2)
+    ctx = spawn(die_worker, 2, str(tmp_path), opts, prompts, 10.0, inside, join=False)
     for p in ctx.processes:
         p.join(90)
     assert all(p.exitcode is not None for p in ctx.processes), "a rank hung"

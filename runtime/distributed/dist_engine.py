@@ -172,8 +172,9 @@ class DistributedEngine:
         if eng.config.ffn_ranks == 1:  # no collective inside the model: no padded sub-steps
             if batch is not None:
                 logits = runner.forward(batch)
-        else:
-            logits = self._lockstep(batch, want_p, want_d, plan)
+        else:  # the model's own collectives: a peer that fails here is a RankFailure too
+            with guarded(self.ctx, "the model step's collectives"):
+                logits = self._lockstep(batch, want_p, want_d, plan)
         outs = eng._postprocess(batch, logits) if batch is not None else []
         if self.dp > 1:
             gathered = self._gather([dataclasses.astuple(o) for o in outs], "the output gather")
