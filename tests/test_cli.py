@@ -311,3 +311,30 @@ def test_generate_refuses_bad_engine_options_in_one_line(flags, message, capsys)
     assert cli.main(["generate", "hi", "--max-tokens", "1", "--no-compile", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("echo-compile: error:") and message in err and "\n" not in err
+
+
+def test_tp_without_torchrun_says_so_even_when_the_default_port_is_taken():
+    """One process asked for tp=2 gets the "launch with torchrun" error, also while another job
+    holds MASTER_PORT's default (29500): it joined its one-process group there and failed with
+    EADDRINUSE before the world-size check."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        except OSError:
+            pass  # someone else holds it: the same situation
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE")}
+        r = subprocess.run(
+            [sys.executable, "-m", "echo_compile.cli", "generate", "--tp", "2", "--device", "cpu",
+             "--no-compile", "hi", "--max-tokens", "2"],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "need 2 processes, but this job has 1: launch with torchrun" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -74,7 +74,9 @@ def init_distributed(
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        # one process alone (not under torchrun): a port of its own, so a job holding the default
+        # one cannot hide the world-size error its caller gives next behind EADDRINUSE
+        os.environ.setdefault("MASTER_PORT", "29500" if world > 1 else str(free_port()))
         kw = {"device_id": torch.device(device)} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
