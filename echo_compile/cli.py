@@ -410,7 +410,7 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
 
     from runtime.async_engine import AsyncEngine
     from runtime.distributed.driver import DriverEngine, follow
-    from runtime.distributed.process import finish, shutdown
+    from runtime.distributed.process import RankFailure, finish, shutdown
     from runtime.server import serve
 
     try:
@@ -419,13 +419,19 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
             # and then tells us to stop, so we must outlive the signal.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            follow(llm.engine)
+            try:
+                follow(llm.engine)
+            except RankFailure as e:  # rank 0 failed (e.g. its port was taken) and said so
+                shutdown()
+                print(f"echo-compile: error: {e}", file=sys.stderr)
+                return 1
         else:
-            driver = DriverEngine(llm.engine)
+            driver, served = DriverEngine(llm.engine), False
             try:
                 serve(AsyncEngine(driver), a.served_model_name or [a.model], **options)
+                served = True
             finally:
-                driver.close()
+                driver.close(failed=not served)
     except BaseException:
         shutdown()
         raise

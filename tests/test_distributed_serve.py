@@ -110,3 +110,29 @@ def test_driver_heartbeat_keeps_an_idle_follower_alive(tmp_path):
     assert int((tmp_path / "rank0.txt").read_text()) >= 3  # 3 s idle, a ping every 0.5 s
     # the refused add did not stop the follower; the step after it was applied
     assert (tmp_path / "rank1.txt").read_text() == "2 [('add', 'bad'), 'step']"
+
+
+def test_rank_zero_failing_to_start_stops_the_follower_with_one_line():
+    """Rank 0 cannot bind its port: rank 1 is told the stop is a failure and says so in one line
+    (it took the stop for a clean end, waited at the final barrier rank 0 never reached, and died
+    with gloo's traceback)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(free_port()), "-m", "echo_compile.cli", "serve", "--dp", "2",
+            "--device", "cpu", "--no-compile", "--port", str(port), "--max-batch", "4",
+            "--host-tokens", "1024", "--max-model-len", "256", "--collective-timeout", "60",
+            "--threads", "1",
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "address already in use" in out, out[-3000:]
+    assert "echo-compile: error: rank 1/2: rank 0 stopped on an error" in out, out[-3000:]
+    assert "[rank1]" not in out, out[-3000:]  # no traceback from the follower

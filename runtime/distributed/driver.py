@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from runtime.distributed.dist_engine import DistributedEngine
-from runtime.distributed.process import guarded
+from runtime.distributed.process import RankFailure, guarded
 from runtime.engine import StepOutput
 from runtime.sampling_params import SamplingParams
 
@@ -124,14 +124,15 @@ class DriverEngine:
         # that would let the ranks go on together; the next call fails with RankFailure.
         raise RuntimeError("a multi-rank engine cannot recover from a failed step")
 
-    def close(self) -> None:
-        """Tell the followers to stop (they return from ``follow``); idempotent."""
+    def close(self, failed: bool = False) -> None:
+        """Tell the followers to stop: they return from ``follow``, or with ``failed`` (rank 0
+        stops on an error, without the clean end's barrier) raise ``RankFailure``; idempotent."""
         with self._lock:
             if self._closed.is_set():
                 return
             self._closed.set()
             try:
-                self._send("stop", ())
+                self._send("stop", (failed,))
             except Exception:  # a rank already gone: nothing left to tell
                 logger.exception("could not tell the other ranks to stop")
 
@@ -158,6 +159,11 @@ def follow(engine: DistributedEngine) -> int:
     while True:
         kind, args = _broadcast(engine, None, "waiting for rank 0's next command")
         if kind == "stop":
+            if args and args[0]:
+                raise RankFailure(
+                    f"rank {engine.ctx.rank}/{engine.ctx.world_size}: rank 0 stopped on an error "
+                    "(its log says which); stopping"
+                )
             return applied
         if kind == "ping":
             continue
