@@ -48,10 +48,24 @@ class TPGroup:
             raise ValueError(f"TPGroup: rank {self.rank} is not in a group of size {self.size}")
 
 
-def shard_dim(total: int, tp: int, what: str) -> int:
-    """``total / tp``, or a ValueError naming ``what`` when the split is not even."""
-    if total % tp:
-        raise ValueError(f"{what}={total} cannot be split evenly over tp={tp} ranks")
+# Features a quantised checkpoint's shard keeps together: an FP8 weight's 128 x 128 scale block, an
+# AWQ group of 128 input rows (model/shard_loader.py reads shards in them)
+QUANT_BLOCK = 128
+
+
+def split_block(config: ModelConfig) -> int:
+    """The features a shard of ``config``'s feed-forward must hold whole: 1 unless quantised."""
+    return QUANT_BLOCK if config.quantization is not None else 1
+
+
+def shard_dim(total: int, tp: int, what: str, block: int = 1) -> int:
+    """``total / tp``, or a ValueError naming ``what`` when the split is not even (in whole
+    ``block``s of features: a quantised checkpoint's, ``split_block``)."""
+    if total % (tp * block):
+        how = f"in whole blocks of {block}" if block > 1 else "evenly"
+        raise ValueError(
+            f"{what}={total} cannot be split {how} over {tp} feed-forward ranks (tp or ep)"
+        )
     return total // tp
 
 
@@ -83,8 +97,8 @@ class TPMLP(MLP):
     """``MLP`` with ``inter_dim / tp`` of the intermediate features on this rank (same parameter
     names, so the checkpoint loads by name with the rows/columns of this rank's shard)."""
 
-    def __init__(self, dim: int, inter_dim: int, g: TPGroup):
-        super().__init__(dim, shard_dim(inter_dim, g.size, "intermediate_size"))
+    def __init__(self, dim: int, inter_dim: int, g: TPGroup, block: int = 1):
+        super().__init__(dim, shard_dim(inter_dim, g.size, "intermediate_size", block))
         self.tp = g
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +117,9 @@ class TPMoE(MoE):
     def __init__(self, config: ModelConfig, g: TPGroup):
         super().__init__(config)
         d = config.hidden_size
-        inter = shard_dim(config.moe_intermediate_size, g.size, "moe_intermediate_size")
+        inter = shard_dim(
+            config.moe_intermediate_size, g.size, "moe_intermediate_size", split_block(config)
+        )
         self.experts = Experts(config.n_routed_experts, d, inter)
         self.shared_experts = (
             MLP(d, config.n_shared_experts * inter) if config.n_shared_experts > 0 else None
@@ -141,7 +157,9 @@ class EPMoE(MoE):
         self.n_local = shard_dim(config.n_routed_experts, g.size, "n_routed_experts")
         self.first = g.rank * self.n_local
         self.experts = Experts(self.n_local, d, inter)
-        shared = shard_dim(config.n_shared_experts * inter, g.size, "shared experts' features")
+        shared = shard_dim(
+            config.n_shared_experts * inter, g.size, "shared experts' features", split_block(config)
+        )
         self.shared_experts = MLP(d, shared) if config.n_shared_experts > 0 else None
         self.tp = g
 
@@ -175,4 +193,4 @@ def parallelize_ffn(model: nn.Module, config: ModelConfig, g: TPGroup, ep: bool 
         if config.is_moe_layer(i):
             block.mlp = EPMoE(config, g) if ep else TPMoE(config, g)
         else:
-            block.mlp = TPMLP(config.hidden_size, config.intermediate_size, g)
+            block.mlp = TPMLP(config.hidden_size, config.intermediate_size, g, split_block(config))

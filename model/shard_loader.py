@@ -32,10 +32,9 @@ from model.loader import (
     finish_loaded_model,
     read_checkpoint_meta,
 )
-from model.parallel import TPGroup, parallelize_ffn
+from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn
 
-FP8_BLOCK = 128
-AWQ_GROUP = 128
+FP8_BLOCK = AWQ_GROUP = QUANT_BLOCK
 _FFN = re.compile(
     r"model\.layers\.\d+\.mlp\.(?:shared_experts\.|experts\.\d+\.)?"
     r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|qweight|qzeros|scales)"

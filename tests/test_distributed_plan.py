@@ -91,6 +91,10 @@ def test_plan_command(capsys):
         assert "must be a positive integer, got 0" in capsys.readouterr().err
     assert cli_main(["plan", "--model", "tiny", "--quant", "fp8", "--gpus", "1"]) == 2
     assert "--model plans the checkpoint's own" in capsys.readouterr().err
+    # a split the loader refuses is refused here too: 18432 / 32 = 4.5 FP8 blocks of 128
+    assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8", "--gpus", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "intermediate_size=18432 cannot be split in whole blocks of 128 over 32" in err
 
 
 def test_estimate_script(tmp_path):

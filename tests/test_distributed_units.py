@@ -177,7 +177,7 @@ def test_shards_must_hold_whole_quantisation_blocks():
     # tiny-fp8: 128 expert features over 2 ranks = 64 rows, half of one 128x128 FP8 block
     with pytest.raises(ValueError, match="in whole blocks of 128"):
         load_sharded_model("tiny-fp8", TPGroup(0, 2, "", gather=True))
-    with pytest.raises(ValueError, match="cannot be split evenly over tp=3"):
+    with pytest.raises(ValueError, match="cannot be split evenly over 3 feed-forward ranks"):
         load_sharded_model("tiny", TPGroup(0, 3, "", gather=True))
 
 
