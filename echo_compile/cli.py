@@ -274,6 +274,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
     pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
     pl.add_argument("--host-mem-gib", type=float, default=None, help="per node; unchecked if unset")
+    pl.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs (ranks) of one host: their host pools share --host-mem-gib",
+    )
     pl.add_argument("--reserve-gib", type=float, default=8.0, help="activations, graphs, NCCL")
     _threads_arg(pl)
 
@@ -364,7 +370,9 @@ def _run(a: argparse.Namespace) -> int:
                           a.kv_format, not a.no_offload, a.max_model_len, ep,
                           not a.no_prefill_buffer)  # fmt: skip
         mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
-        plan = memory_plan(config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights)
+        plan = memory_plan(
+            config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node
+        )
         print(plan.table())
         plan.check()  # a plan that does not fit: one error line, exit 2
         return 0

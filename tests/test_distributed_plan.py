@@ -91,6 +91,12 @@ def test_plan_command(capsys):
         assert "must be a positive integer, got 0" in capsys.readouterr().err
     assert cli_main(["plan", "--model", "tiny", "--quant", "fp8", "--gpus", "1"]) == 2
     assert "--model plans the checkpoint's own" in capsys.readouterr().err
+    # the host pools of one node's ranks against one host's memory (16 GPUs: 2 nodes of 8)
+    assert cli_main(["plan", "--gpus", "16", "--host-mem-gib", "1000"]) == 0
+    assert "625.2 GiB per node (8 ranks; 2 nodes)" in capsys.readouterr().out
+    one_host = ["--gpus-per-node", "16", "--host-mem-gib", "1000"]
+    assert cli_main(["plan", "--gpus", "16", *one_host]) == 2
+    assert "need 1250.5 GiB a node (16 ranks x 78.2)" in capsys.readouterr().err
     # a split the loader refuses is refused here too: 18432 / 32 = 4.5 FP8 blocks of 128
     assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8", "--gpus", "32"]) == 2
     err = capsys.readouterr().err

@@ -99,8 +99,9 @@ class MemoryPlan:
     gpu_gib: dict[str, float]  # per GPU, by item
     host_gib_per_rank: float
     gpu_mem_gib: float
-    host_mem_gib: float | None  # per node (all ranks' host pools), None: not checked
+    host_mem_gib: float | None  # per node (its ranks' host pools), None: not checked
     reserve_gib: float
+    gpus_per_node: int = 8  # ranks sharing one host's memory
 
     @property
     def gpu_total_gib(self) -> float:
@@ -113,8 +114,13 @@ class MemoryPlan:
         return max(self.dp, self.tp)
 
     @property
+    def ranks_per_node(self) -> int:
+        return min(self.ranks, self.gpus_per_node)
+
+    @property
     def host_total_gib(self) -> float:
-        return self.host_gib_per_rank * self.ranks
+        """The host pools of one node's ranks."""
+        return self.host_gib_per_rank * self.ranks_per_node
 
     def problems(self) -> list[str]:
         out = []
@@ -129,8 +135,9 @@ class MemoryPlan:
             )
         if self.host_mem_gib is not None and self.host_total_gib > self.host_mem_gib:
             out.append(
-                f"the host KV pools need {self.host_total_gib:.1f} GiB ({self.ranks} ranks x "
-                f"{self.host_gib_per_rank:.1f}) but the host has {self.host_mem_gib:g} GiB"
+                f"the host KV pools need {self.host_total_gib:.1f} GiB a node "
+                f"({self.ranks_per_node} ranks x {self.host_gib_per_rank:.1f}) but the host has "
+                f"{self.host_mem_gib:g} GiB"
             )
         return out
 
@@ -147,7 +154,11 @@ class MemoryPlan:
         lines.append(f"  {'reserve (guess)':<16} {self.reserve_gib:9.2f} GiB")
         lines.append(f"  {'total':<16} {self.gpu_total_gib:9.2f} GiB of {self.gpu_mem_gib:g} GiB")
         host = f"  host KV pool     {self.host_gib_per_rank:9.2f} GiB per rank"
-        lines.append(host + f", {self.host_total_gib:.1f} GiB per node")
+        nodes = -(-self.ranks // self.gpus_per_node)
+        lines.append(
+            host + f", {self.host_total_gib:.1f} GiB per node ({self.ranks_per_node} ranks; "
+            f"{nodes} node{'s' if nodes > 1 else ''})"
+        )
         lines.append("  fits" if not self.problems() else "  DOES NOT FIT: " + "; ".join(
             self.problems()))  # fmt: skip
         return "\n".join(lines)
@@ -160,11 +171,15 @@ def memory_plan(
     host_mem_gib: float | None = None,
     reserve_gib: float = 8.0,
     fp8_weights: str = "bf16",
+    gpus_per_node: int = 8,
 ) -> MemoryPlan:
     """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config`` (``fp8_weights``:
-    as ``LLM``'s, for an FP8 checkpoint)."""
+    as ``LLM``'s, for an FP8 checkpoint; ``gpus_per_node``: the ranks whose host pools share one
+    host's ``host_mem_gib``)."""
     if gpu_mem_gib <= 0 or reserve_gib < 0:
         raise ValueError("gpu_mem_gib must be positive and reserve_gib >= 0")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     q = config.quantization.method if config.quantization is not None else "bf16"
     if fp8_weights not in ("bf16", "fp8") or (fp8_weights == "fp8" and q != "fp8"):
         raise ValueError(f"fp8_weights={fp8_weights!r} needs an FP8 config (this one is {q})")
@@ -184,6 +199,7 @@ def memory_plan(
         gpu_mem_gib,
         host_mem_gib,
         reserve_gib,
+        gpus_per_node,
     )
 
 
