@@ -290,12 +290,15 @@ def _parser() -> argparse.ArgumentParser:
 def serve_options(a: argparse.Namespace) -> dict:
     """``runtime.server.serve`` keyword arguments from the serve flags (checked before the model
     loads); the API key falls back to ``$ECHO_COMPILE_API_KEY``."""
+    import math
     import os
 
-    if a.shutdown_grace < 0:
-        raise ValueError(f"--shutdown-grace must be >= 0, got {a.shutdown_grace}")
-    if not a.max_body_mb > 0:
-        raise ValueError(f"--max-body-mb must be > 0, got {a.max_body_mb}")
+    if not (a.shutdown_grace >= 0 and math.isfinite(a.shutdown_grace)):
+        raise ValueError(f"--shutdown-grace must be a finite number >= 0, got {a.shutdown_grace}")
+    if not (a.max_body_mb > 0 and math.isfinite(a.max_body_mb)):
+        raise ValueError(f"--max-body-mb must be a finite number > 0, got {a.max_body_mb}")
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     if a.max_concurrent is not None and a.max_concurrent < 1:
         raise ValueError(f"--max-concurrent must be >= 1, got {a.max_concurrent}")
     return dict(

@@ -35,7 +35,8 @@ def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
     assert bench_cli.main(argv) == 0
     d = json.loads(out.read_text())
     assert d["compiled"] is False
-    runs = {(r["system"], r["gpu_pool_tokens"], r["rate"]) for r in d["results"]}
+    runs = {(r["system"], r["gpu_pool_tokens"], float(r["rate"])) for r in d["results"]}
+    assert "Infinity" not in out.read_text()  # JSON every parser reads: the rate inf is "inf"
     inf = math.inf
     assert runs == {
         ("offload", 704, inf), ("gpu-only", 704, inf),
@@ -175,6 +176,17 @@ def test_batch_cap() -> None:
         (["--prefetch-ratio", "nan"], "prefetch_ratio must be in (0, 1] (staged rows per"),
         (["--async-scheduling", "yes"], "--async-scheduling: 'yes' is not off, on or off,on"),
         (["--async-scheduling", "on", "--dp", "2"], "async_scheduling needs dp = tp = ep = 1"),
+        (["--rates", "nan"], "--rates must be positive"),  # (it spun forever)
+        (["--rates", "1,x"], "--rates: '1,x' is not a comma-separated list of floats"),
+        (["--gpu-pools", "704,x"], "--gpu-pools: '704,x' is not a comma-separated list of ints"),
+        (["--device", "foo"], "--device 'foo':"),
+        (["--min-ctx", "300", "--max-ctx", "200"], "--max-ctx 200 is below --min-ctx 300"),
+        (["--min-ctx", "0"], "--min-ctx must be at least 1, got 0"),
+        (["--output-len", "0"], "--output-len must be at least 1, got 0"),
+        (["--max-batch", "0"], "--max-batch must be at least 1, got 0"),
+        (["--tp", "0"], "--tp must be at least 1, got 0"),
+        (["--workload", "sharegpt", "--output-len", "2"], "--output-len would be ignored"),
+        (["--layers", "2"], "--preset tiny is fixed"),
     ],
 )
 def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -351,6 +352,14 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_options(_parser().parse_args(["serve"]))["api_key"] is None
     with pytest.raises(ValueError, match="--max-concurrent"):
         serve_options(_parser().parse_args(["serve", "--max-concurrent", "0"]))
+    for flags, message in (
+        (["--max-body-mb", "inf"], "--max-body-mb must be a finite number > 0, got inf"),
+        (["--shutdown-grace", "nan"], "--shutdown-grace must be a finite number >= 0, got nan"),
+        (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+        (["--port", "-1"], "--port must be in [0, 65535], got -1"),
+    ):  # (refused before the model loads; they were tracebacks, the port's after loading)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            serve_options(_parser().parse_args(["serve", *flags]))
 
 
 def test_tokens_per_second_decays_when_idle(tok: Tokenizer) -> None:

@@ -11,6 +11,7 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, fields, replace
@@ -42,12 +43,12 @@ from runtime.engine_config import EngineConfig
 TINY_DEFAULTS = {"requests": 4, "min_ctx": 200, "max_ctx": 300, "output_len": 4, "max_batch": 4}
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
+def _numbers(ap: argparse.ArgumentParser, flag: str, s: str, kind: type) -> list:
+    """A comma-separated list of ``kind``; a bad item is a usage error naming ``flag``."""
+    try:
+        return [kind(x) for x in s.split(",") if x]
+    except ValueError:
+        ap.error(f"{flag}: {s!r} is not a comma-separated list of {kind.__name__}s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--preset {a.preset} needs a CUDA device (--device is {a.device!r}); "
             "use --preset tiny for a CPU dry run of the harness"
         )
+    _check_sizes(a, ap)
     systems = a.systems.split(",")
     for s in systems:
         if s not in SYSTEMS:
@@ -248,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not 0.0 <= a.locality < 1.0:
         ap.error(f"--locality must be in [0, 1), got {a.locality}")
-    pools, rates = _ints(a.gpu_pools), _floats(a.rates)
+    pools, rates = (
+        _numbers(ap, "--gpu-pools", a.gpu_pools, int),
+        _numbers(ap, "--rates", a.rates, float),
+    )
     par = _parallel_config(a, ap)
     if par is not None and (rates or a.breakdown_steps):
         # NOTE: the sweep's arrivals follow each rank's own clock (the ranks would add requests
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if par is not None and par.ffn_ranks > 1 and formats != ["bf16"]:
         # NOTE: tp/ep cut every rank's shard from the whole 16-bit model (shard_model)
         ap.error(f"--weights {a.weights}: tp/ep > 1 needs --weights bf16")
-    if any(r <= 0 for r in rates):
+    if any(not r > 0 for r in rates):  # (inf: all at once; nan is refused too)
         ap.error(f"--rates must be positive, got {a.rates!r}")
     if not pools:
         ap.error("--gpu-pools: give at least one pool size")
@@ -270,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.requests < 1 or (rates and a.rate_requests < 1):
         ap.error("--requests and --rate-requests must be at least 1")
     default_pool = 200_000 if 200_000 in pools else pools[0]
-    eager_pools = _ints(a.eager_pools) if a.eager_pools is not None else [default_pool]
+    eager_pools = (
+        _numbers(ap, "--eager-pools", a.eager_pools, int)
+        if a.eager_pools is not None
+        else [default_pool]
+    )
     if "offload-eager" in systems and not set(eager_pools) <= set(pools):
         ap.error(f"--eager-pools {a.eager_pools} must be among --gpu-pools {a.gpu_pools}")
     if a.workload == "sharegpt":
@@ -339,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             "graph_breaks": sum(c["graph_break"].values()),
         }
         if first:  # multi-process: rank 0 writes (its throughput counts every rank's tokens)
-            path.write_text(json.dumps(out, indent=1))
+            path.write_text(json.dumps(_json_safe(out), indent=1, allow_nan=False))
 
     jobs = [
         (s, p, x == "on")
@@ -423,6 +432,46 @@ def main(argv: list[str] | None = None) -> int:
 
         finish()
     return 0
+
+
+def _json_safe(x):
+    """``x`` with every non-finite float as a string ("inf": a rate of all requests at once), so
+    the file is JSON every parser reads (``float()`` reads the strings back)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _check_sizes(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """The device, the workload's sizes and the model options, as usage errors."""
+    from echo_compile.cli import check_device
+
+    try:
+        torch.device(a.device)
+        check_device(a.device)
+    except (RuntimeError, ValueError) as e:
+        ap.error(f"--device {a.device!r}: {e}")
+    for flag in ("max_batch", "output_len", "min_ctx", "dp", "tp", "ep"):
+        if getattr(a, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
+    if a.max_ctx < a.min_ctx:
+        ap.error(f"--max-ctx {a.max_ctx} is below --min-ctx {a.min_ctx}")
+    given = [f for f in ("min_ctx", "max_ctx", "output_len") if getattr(a, f) != ap.get_default(f)]
+    if a.workload == "sharegpt" and given:
+        ap.error(
+            "--workload sharegpt has its own lengths (64-1024 prompt tokens, 256 generated): "
+            + ", ".join(f"--{f.replace('_', '-')}" for f in given)
+            + " would be ignored"
+        )
+    if a.preset == "tiny" and (a.layers, a.experts) != (
+        ap.get_default("layers"),
+        ap.get_default("experts"),
+    ):
+        ap.error("--layers / --experts size the bench preset; --preset tiny is fixed")
 
 
 def _parallel_config(a: argparse.Namespace, ap: argparse.ArgumentParser):

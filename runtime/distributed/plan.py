@@ -15,6 +15,7 @@ refusal when it does not fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from custom_ops.cache.config import CacheConfig
@@ -176,8 +177,13 @@ def memory_plan(
     """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config`` (``fp8_weights``:
     as ``LLM``'s, for an FP8 checkpoint; ``gpus_per_node``: the ranks whose host pools share one
     host's ``host_mem_gib``)."""
-    if gpu_mem_gib <= 0 or reserve_gib < 0:
-        raise ValueError("gpu_mem_gib must be positive and reserve_gib >= 0")
+    if not (0 < gpu_mem_gib < math.inf and 0 <= reserve_gib < math.inf):
+        raise ValueError(
+            f"gpu_mem_gib must be a finite number > 0 and reserve_gib one >= 0, got "
+            f"{gpu_mem_gib} and {reserve_gib}"
+        )
+    if host_mem_gib is not None and not 0 < host_mem_gib < math.inf:
+        raise ValueError(f"host_mem_gib must be a finite number > 0, got {host_mem_gib}")
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     q = config.quantization.method if config.quantization is not None else "bf16"
