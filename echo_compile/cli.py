@@ -404,10 +404,12 @@ def _run(a: argparse.Namespace) -> int:
         from model.checkpoint import make_checkpoint
 
         kw = {}
-        if a.layers is not None:
-            kw["num_layers"] = a.layers
-        if a.experts is not None:
-            kw["n_experts"] = a.experts
+        for flag, key in (("layers", "num_layers"), ("experts", "n_experts")):
+            v = getattr(a, flag)
+            if v is not None and v < 1:
+                raise ValueError(f"--{flag} must be at least 1, got {v}")
+            if v is not None:
+                kw[key] = v
         out = make_checkpoint(a.out, preset=a.preset, fp8=a.fp8, awq=a.awq, seed=a.seed, **kw)
         print(f"wrote {out}")
         return 0

@@ -148,6 +148,9 @@ def test_unwritable_out_is_one_line(capsys, tmp_path):
     assert_one_line_error(rc, err, str(blocker))
     rc, _, err = run_main(capsys, "make-checkpoint", "--out", str(blocker))
     assert_one_line_error(rc, err, "exists and is not an empty directory")
+    bench = ("make-checkpoint", "--preset", "bench", "--out", str(tmp_path / "ck"))
+    rc, _, err = run_main(capsys, *bench, "--layers", "0")
+    assert_one_line_error(rc, err, "--layers must be at least 1, got 0")  # (blamed config.json)
 
 
 def test_a_bug_still_tracebacks(monkeypatch, tmp_path):
