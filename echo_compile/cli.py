@@ -6,6 +6,7 @@ import argparse
 import gc
 import sys
 
+from echo_compile.devices import check_device
 from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch)
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
@@ -311,17 +312,6 @@ def serve_options(a: argparse.Namespace) -> dict:
         max_concurrent=a.max_concurrent,
         cors_origins=a.cors_origin,
     )
-
-
-def check_device(device: str | None) -> None:
-    """A CUDA device asked for where there is none: one clear error instead of torch's assert."""
-    if device is None or not device.startswith("cuda"):
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        why = "no CUDA device is visible" if torch.version.cuda else "torch is built without CUDA"
-        raise ValueError(f"--device {device}: CUDA is not available ({why}); use --device cpu")
 
 
 def _sampling_params(a: argparse.Namespace):

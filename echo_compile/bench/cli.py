@@ -34,6 +34,7 @@ from echo_compile.bench.harness import (
     sharegpt_like,
     weight_bytes,
 )
+from echo_compile.devices import check_device
 from model.locality import BENCH_LOCALITY
 from model.quantize import WEIGHTS
 from runtime.engine_config import EngineConfig
@@ -448,8 +449,6 @@ def _json_safe(x):
 
 def _check_sizes(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """The device, the workload's sizes and the model options, as usage errors."""
-    from echo_compile.cli import check_device
-
     try:
         torch.device(a.device)
         check_device(a.device)
