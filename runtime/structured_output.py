@@ -68,7 +68,8 @@ class StructuredOutput:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_id: int | None):
         self.tokenizer, self.vocab, self.eos = tokenizer, vocab_size, eos_token_id
         self._lltok: Any = None
-        self.matchers: dict[str, tuple[Any, int]] = {}  # request id -> (matcher, tokens consumed)
+        # request id -> (matcher, tokens consumed, its failure already logged)
+        self.matchers: dict[str, tuple[Any, int, bool]] = {}
 
     def lltokenizer(self) -> Any:
         if self._lltok is None:
@@ -106,28 +107,29 @@ class StructuredOutput:
             bits = bits.pin_memory()
         for k, i in enumerate(rows):
             r = requests[i]
-            matcher, seen = self.matchers.get(r.request_id, (None, 0))
+            matcher, seen, logged = self.matchers.get(r.request_id, (None, 0, False))
             if matcher is None:
-                matcher, seen = ll.LLMatcher(self.lltokenizer(), r.params.grammar, log_level=0), 0
-            failed = matcher.is_error()
+                matcher = ll.LLMatcher(self.lltokenizer(), r.params.grammar, log_level=0)
             matcher.consume_tokens(r.output_ids[seen:])
-            self.matchers[r.request_id] = (matcher, len(r.output_ids))
-            if matcher.is_error() and not failed:
-                logger.warning(
-                    "request %s: the grammar matcher failed (%s); the request ends here with "
-                    "EOS and its output may not match the grammar",
-                    r.request_id,
-                    matcher.get_error(),
-                )
+            if not matcher.is_error() and self.eos is not None:
+                fill_next_token_bitmask(matcher, bits, k)
             if matcher.is_error() or self.eos is None:
-                # (a logits processor forced a token off the grammar): end the request with EOS
-                # rather than fail the step, and so every request in it
+                # (a token forced off the grammar by a logits processor, a parser limit met while
+                # consuming or computing the mask): end the request with EOS rather than fail
+                # the step, and so every request in it
+                if matcher.is_error() and not logged:
+                    logged = True
+                    logger.warning(
+                        "request %s: the grammar matcher failed (%s); the request ends here with "
+                        "EOS and its output may not match the grammar",
+                        r.request_id,
+                        matcher.get_error(),
+                    )
                 bits[k] = 0
                 if self.eos is not None:
                     word, bit = divmod(self.eos, 32)
                     bits[k, word] = -(2**31) if bit == 31 else 1 << bit
-                continue
-            fill_next_token_bitmask(matcher, bits, k)
+            self.matchers[r.request_id] = (matcher, len(r.output_ids), logged)
         mask = bits.to(logits.device, non_blocking=True)  # [A, W] int32
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((mask[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, : logits.shape[1]]

@@ -76,6 +76,33 @@ def test_a_grammar_the_matcher_fails_on_ends_with_eos_and_a_warning(
     assert caplog.text.count("grammar matcher failed") == 1
 
 
+def test_a_matcher_failing_while_it_computes_the_mask_is_logged_too(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parser limit met inside the mask computation (here the lexer's fuel, made tiny) leaves
+    the matcher in error after the fill: that request too gets the EOS-only mask and the warning
+    (it ended with EOS silently)."""
+    import llguidance
+
+    make, limits = llguidance.LLMatcher, llguidance.LLParserLimits(step_lexer_fuel=10)
+
+    def starved(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        return make(*args, **kw, limits=limits)
+
+    starved.validate_grammar = make.validate_grammar  # type: ignore[attr-defined]
+    monkeypatch.setattr(llguidance, "LLMatcher", starved)
+    model, _ = tiny("cpu")
+    prompts = random_prompts([20], model.config.vocab_size, seed=3)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=1,
+                             grammar=lark_grammar("start: /[a-z]+( [a-z]+)*/"))]  # fmt: skip
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=4 * model.config.index_topk,
+                       max_model_len=128, prefill_chunk=64, device="cpu")  # fmt: skip
+    with caplog.at_level("WARNING", logger="runtime.structured_output"):
+        _, _, out = run(cfg, prompts, params)
+    assert out["r0"] == [model.config.eos_token_id]
+    assert "request r0: the grammar matcher failed (lexer error" in caplog.text
+
+
 def test_min_p_is_relative_to_what_the_grammar_allows() -> None:
     """min_p with a grammar, sampled: min_p keeps the tokens near the best ALLOWED one. (It ran
     before the mask once: where min_p had dropped every allowed token the row was all -inf, and
