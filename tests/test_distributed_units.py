@@ -239,3 +239,28 @@ def test_driver_does_not_hand_out_rank0_only_methods():
         assert not hasattr(d, "add_request_group")
     finally:
         d.close()
+
+
+def test_the_model_steps_guard_blames_peers_only_for_collective_failures():
+    """Around the model step (collectives and this rank's own work), only a transport failure is
+    a RankFailure ("another rank failed"); this rank's own error, e.g. out of memory, passes as
+    it is (it was blamed on the peers)."""
+    import torch.distributed as dist
+
+    from runtime.distributed.process import DistContext, RankFailure, guarded
+
+    ctx = DistContext(0, 2, 0, "cpu", "gloo", "0", None, 10.0)
+    for err in (
+        RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"),
+        dist.DistError("NCCL communicator was aborted"),
+    ):
+        with pytest.raises(RankFailure, match="the model step failed"):
+            with guarded(ctx, "the model step", only_collectives=True):
+                raise err
+    for err in (torch.OutOfMemoryError("CUDA out of memory."), RuntimeError("shape mismatch")):
+        with pytest.raises(type(err), match=str(err)):
+            with guarded(ctx, "the model step", only_collectives=True):
+                raise err
+    with pytest.raises(RankFailure):  # the step agreement: every error there is a peer's
+        with guarded(ctx, "the step agreement"):
+            raise RuntimeError("shape mismatch")

@@ -173,7 +173,7 @@ class DistributedEngine:
             if batch is not None:
                 logits = runner.forward(batch)
         else:  # the model's own collectives: a peer that fails here is a RankFailure too
-            with guarded(self.ctx, "the model step's collectives"):
+            with guarded(self.ctx, "the model step's collectives", only_collectives=True):
                 logits = self._lockstep(batch, want_p, want_d, plan)
         outs = eng._postprocess(batch, logits) if batch is not None else []
         if self.dp > 1:

@@ -92,14 +92,32 @@ def init_distributed(
     )
 
 
+# What a collective's transport says when a peer is gone or silent (gloo raises plain
+# RuntimeErrors naming itself; NCCL's are DistBackendErrors, also matched by type)
+_TRANSPORT = ("gloo", "nccl", "c10d", "connection closed", "connection reset", "timed out")
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing (a peer gone or silent), not this rank's own error
+    (out of memory, a bug) met in code that also runs collectives."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(t in text for t in _TRANSPORT)
+
+
 @contextmanager
-def guarded(ctx: DistContext, what: str) -> Iterator[None]:
-    """Turn a collective's failure (peer gone, timeout) into one ``RankFailure`` that says so."""
+def guarded(ctx: DistContext, what: str, only_collectives: bool = False) -> Iterator[None]:
+    """Turn a collective's failure (peer gone, timeout) into one ``RankFailure`` that says so.
+    ``only_collectives``: around code that does more than communicate (the model step), any other
+    error passes unchanged (this rank's own, blamed on nobody else)."""
     try:
         yield
     except RankFailure:
         raise
     except (RuntimeError, dist.DistError) as e:
+        if only_collectives and not is_collective_failure(e):
+            raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RankFailure(
             f"rank {ctx.rank}/{ctx.world_size}: {what} failed (timeout {ctx.timeout_s:g} s): "
