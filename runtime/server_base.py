@@ -218,7 +218,6 @@ class HandlersBase:
         continuous = bool(opts and opts.continuous_usage_stats)
         results = [RequestOutput() for _ in streams]
         times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
-        tops: list[list[Top]] = [[] for _ in streams]  # top alternatives per token
 
         def add(i: int, out: StepOutput) -> StepOutput:
             if prompt_only:  # (a dropped EOS or stop string did not end it: the length did)
@@ -229,7 +228,6 @@ class HandlersBase:
                     finish_reason="length" if out.finish_reason == "stop" else out.finish_reason,
                 )  # fmt: skip
             results[i].add(out)
-            tops[i] += out.new_top_logprobs or []
             if out.new_token_ids:
                 times[i].append(time.perf_counter())
             return out
@@ -273,9 +271,9 @@ class HandlersBase:
                     raise err
             if keep is not None:
                 order = keep(results)
-                results, tops = [results[i] for i in order], [tops[i] for i in order]
+                results = [results[i] for i in order]
                 choices[:] = [choices[i] for i in order]
-            body = final(results, usage(), tops)
+            body = final(results, usage(), [r.top_logprobs for r in results])
             for c, res in zip(body["choices"], results, strict=True):
                 c["stop_reason"] = self.stop_reason(choices[c["index"]].params, res)
             return JSONResponse(body)
