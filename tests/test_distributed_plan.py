@@ -141,10 +141,12 @@ def test_check_fits_refuses_only_what_cannot_fit():
         check_fits(config, eng, need * 0.99, 100.0)
     with pytest.raises(ValueError, match=r"the host KV pools need .*, --host-tokens 65536 rows"):
         check_fits(config, eng, 100.0, plan.host_gib_per_rank * 0.99)
-    # four ranks on this host, one pool each: four pools must fit its memory
-    check_fits(config, eng, 100.0, plan.host_gib_per_rank * 4.01, local_ranks=4)
+    # four ranks of a dp=4 deployment on this host, one pool each: four pools must fit its memory
+    dp4 = EngineConfig(device="cuda", host_tokens=1 << 16, dp=4)
+    check_fits(config, dp4, 100.0, plan.host_gib_per_rank * 4.01, local_ranks=4)
     with pytest.raises(ValueError, match=r"\(4 ranks x "):
-        check_fits(config, eng, 100.0, plan.host_gib_per_rank * 3.99, local_ranks=4)
+        check_fits(config, dp4, 100.0, plan.host_gib_per_rank * 3.99, local_ranks=4)
+    check_fits(config, dp4, 100.0, plan.host_gib_per_rank * 2.01, local_ranks=2)  # 2 per host
     # tp alone: every rank holds the batch's KV in a host pool of its own
     tp2 = memory_plan(config, EngineConfig(tp=2, host_tokens=1 << 16), 100.0, None, 0.0)
     assert tp2.host_total_gib == pytest.approx(2 * tp2.host_gib_per_rank)

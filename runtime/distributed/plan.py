@@ -103,6 +103,7 @@ class MemoryPlan:
     host_mem_gib: float | None  # per node (its ranks' host pools), None: not checked
     reserve_gib: float
     gpus_per_node: int = 8  # ranks sharing one host's memory
+    host_tokens: int = 0  # host pool rows a layer (named in the host's problem)
 
     @property
     def gpu_total_gib(self) -> float:
@@ -135,10 +136,11 @@ class MemoryPlan:
                 f"{self.gpu_mem_gib:g} GiB{why}"
             )
         if self.host_mem_gib is not None and self.host_total_gib > self.host_mem_gib:
+            n = self.ranks_per_node
+            ranks = f" a node ({n} ranks x {self.host_gib_per_rank:.1f})" if n > 1 else ""
             out.append(
-                f"the host KV pools need {self.host_total_gib:.1f} GiB a node "
-                f"({self.ranks_per_node} ranks x {self.host_gib_per_rank:.1f}) but the host has "
-                f"{self.host_mem_gib:g} GiB"
+                f"the host KV pools need {self.host_total_gib:.1f} GiB{ranks}, --host-tokens "
+                f"{self.host_tokens} rows a layer, but the host has {self.host_mem_gib:.1f} GiB"
             )
         return out
 
@@ -206,6 +208,7 @@ def memory_plan(
         host_mem_gib,
         reserve_gib,
         gpus_per_node,
+        engine.host_tokens,
     )
 
 
@@ -226,15 +229,8 @@ def check_fits(
     (one pool each, whatever the split) over ``host_mem_gib``. No reserve is counted
     (activations and CUDA graphs come on top), so it refuses only what would certainly fail:
     an out-of-memory error minutes into loading becomes one line at once."""
-    plan = memory_plan(config, engine, gpu_mem_gib, None, 0.0, fp8_weights)
+    plan = memory_plan(config, engine, gpu_mem_gib, host_mem_gib, 0.0, fp8_weights, local_ranks)
     problems = plan.problems()
-    host = plan.host_gib_per_rank * local_ranks
-    if host > host_mem_gib:
-        ranks = f" ({local_ranks} ranks x {plan.host_gib_per_rank:.1f})" if local_ranks > 1 else ""
-        problems.append(
-            f"the host KV pools need {host:.1f} GiB{ranks}, --host-tokens {engine.host_tokens} "
-            f"rows a layer, but the host has {host_mem_gib:.1f} GiB"
-        )
     if problems:
         raise DoesNotFit(f"does not fit {engine.device}: " + "; ".join(problems))
 
