@@ -193,7 +193,8 @@ def load_sharded_model(
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
     (``ep``: its routed experts whole instead of a slice of every expert). ``fp8_weights``
     (FP8 checkpoints): ``"bf16"`` dequantises at load, ``"fp8"`` keeps the weights FP8, each
-    shard cut on 128x128 block boundaries (a split that is not is refused, naming the tensor)."""
+    shard cut on 128x128 block boundaries (a split that is not is refused when the model is built,
+    naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it)."""
     path, config, generation_config = read_checkpoint_meta(path_or_name)
     model = build_sharded_model(config, g, dtype, ep, fp8_scaled_modules(path, config, fp8_weights))
     load_shard_weights(model, path, config, device, g, ep)
