@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from echo_compile.bench.harness import System, Workload, build_model, environment
+from echo_compile.bench.harness import System, Workload, build_model, environment, json_safe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             "systems": res,
         }
         rows.append(row)
-        path.write_text(json.dumps(out, indent=1))  # after every batch: a cut-short run keeps some
+        # after every batch: a cut-short run keeps some
+        path.write_text(json.dumps(json_safe(out), indent=1, allow_nan=False))
         print(
             f"B={b:3d}: offload {off:7.2f} ms, eager {eager:7.2f} ms "
             f"({row['graphs_speedup']:.2f}x), gpu-only {gpu:7.2f} ms, "

@@ -184,7 +184,7 @@ def test_batch_cap() -> None:
         (["--min-ctx", "0"], "--min-ctx must be at least 1, got 0"),
         (["--output-len", "0"], "--output-len must be at least 1, got 0"),
         (["--max-batch", "0"], "--max-batch must be at least 1, got 0"),
-        (["--tp", "0"], "--tp must be at least 1, got 0"),
+        (["--tp", "0"], "tp must be a positive integer, got 0"),
         (["--workload", "sharegpt", "--output-len", "2"], "--output-len would be ignored"),
         (["--layers", "2"], "--preset tiny is fixed"),
     ],

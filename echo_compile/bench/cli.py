@@ -11,7 +11,6 @@ import argparse
 import gc
 import itertools
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, fields, replace
@@ -31,6 +30,7 @@ from echo_compile.bench.harness import (
     batch_cap,
     build_model,
     environment,
+    json_safe,
     sharegpt_like,
     weight_bytes,
 )
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             "graph_breaks": sum(c["graph_break"].values()),
         }
         if first:  # multi-process: rank 0 writes (its throughput counts every rank's tokens)
-            path.write_text(json.dumps(_json_safe(out), indent=1, allow_nan=False))
+            path.write_text(json.dumps(json_safe(out), indent=1, allow_nan=False))
 
     jobs = [
         (s, p, x == "on")
@@ -435,34 +435,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _json_safe(x):
-    """``x`` with every non-finite float as a string ("inf": a rate of all requests at once), so
-    the file is JSON every parser reads (``float()`` reads the strings back)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def _check_sizes(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """The device, the workload's sizes and the model options, as usage errors."""
     try:
         torch.device(a.device)
-        check_device(a.device)
-    except (RuntimeError, ValueError) as e:
+    except RuntimeError as e:
         ap.error(f"--device {a.device!r}: {e}")
-    for flag in ("max_batch", "output_len", "min_ctx", "dp", "tp", "ep"):
+    try:
+        check_device(a.device)
+    except ValueError as e:
+        ap.error(str(e))
+    for flag in ("max_batch", "output_len", "min_ctx"):
         if getattr(a, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
     if a.max_ctx < a.min_ctx:
         ap.error(f"--max-ctx {a.max_ctx} is below --min-ctx {a.min_ctx}")
     given = [f for f in ("min_ctx", "max_ctx", "output_len") if getattr(a, f) != ap.get_default(f)]
     if a.workload == "sharegpt" and given:
+        own = sharegpt_like(1)
         ap.error(
-            "--workload sharegpt has its own lengths (64-1024 prompt tokens, 256 generated): "
+            f"--workload sharegpt has its own lengths ({own.min_ctx}-{own.max_ctx} prompt tokens, "
+            f"{own.output_len} generated): "
             + ", ".join(f"--{f.replace('_', '-')}" for f in given)
             + " would be ignored"
         )
@@ -478,7 +471,7 @@ def _parallel_config(a: argparse.Namespace, ap: argparse.ArgumentParser):
     process."""
     from runtime.engine_config import EngineConfig
 
-    if max(a.dp, a.tp, a.ep) == 1:
+    if (a.dp, a.tp, a.ep) == (1, 1, 1):  # (0 or less: EngineConfig's error below)
         return None
     try:
         return EngineConfig(

@@ -38,6 +38,7 @@ eager steps of offload-eager and gpu-only are also profiled for the time breakdo
 from __future__ import annotations
 
 import gc
+import math
 import platform
 import random
 import time
@@ -214,6 +215,18 @@ def plan_runs(plans) -> dict[str, str]:
             out[f"{start}-{b}" if b > start else str(b)] = f"{p.scores}/{p.topk}"
             start = b + 1
     return out
+
+
+def json_safe(x):
+    """``x`` with every non-finite float as a string ("inf": a rate of all requests at once), so
+    the file is JSON every parser reads (``float()`` reads the strings back)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def _pct(xs: list[float], scale: float = 1.0) -> dict[str, float]:
