@@ -606,7 +606,7 @@ class Engine:
             "waiting": float(len(self.scheduler.waiting)),
             "generated_tokens": float(self.generated_tokens),
             "tokens_per_s": tps,
-            "host_pool_usage": 1.0 - alloc.num_free / alloc.num_pages,
+            "host_pool_usage": self.scheduler.pages_in_use / alloc.num_pages,
             "gpu_pool_usage": pool["gpu_pool_usage"],
             "hit_rate": pool["hit_rate"],
             "recalled_rows_per_step": pool["recalled_rows_per_step"],

@@ -235,6 +235,12 @@ class Scheduler:
         assert pages is not None  # _can_admit
         return pages
 
+    @property
+    def pages_in_use(self) -> int:
+        """Host pages requests hold: the cached pages no request holds count as free (an
+        admission takes them), as vLLM's kv_cache_usage counts its unreferenced cached blocks."""
+        return self.pages.num_pages - self._available()
+
     def _available(self, skip: Sequence[int] = ()) -> int:
         """Pages an admission can have: the free ones and the cached ones no request holds
         (less those of ``skip``, cached pages it takes as its prefix)."""

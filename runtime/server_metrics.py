@@ -24,10 +24,10 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, float("inf")
 
 class ServerMetrics:
     GAUGES = {  # engine.metrics() key -> (metric name, help)
-        "running": ("echo_running_requests", "Requests being decoded"),
+        "running": ("echo_running_requests", "Requests admitted: prefilling or decoding"),
         "waiting": ("echo_waiting_requests", "Requests waiting for admission"),
         "tokens_per_s": ("echo_tokens_per_second", "Generation throughput over the last window"),
-        "host_pool_usage": ("echo_host_pool_usage", "Fraction of the host KV pool in use"),
+        "host_pool_usage": ("echo_host_pool_usage", "Fraction of the host KV pool requests hold"),
         "gpu_pool_usage": ("echo_gpu_pool_usage", "Fraction of the GPU KV pools in use"),
         "recalled_rows_per_step": ("echo_recalled_rows_per_step", "KV rows recalled per step"),
         "decode_host_gap_ms": (
@@ -57,9 +57,9 @@ class ServerMetrics:
         ),
     }
     VLLM_GAUGES = {  # engine.metrics() key -> vLLM name
-        "running": ("vllm:num_requests_running", "Requests being decoded"),
+        "running": ("vllm:num_requests_running", "Requests admitted: prefilling or decoding"),
         "waiting": ("vllm:num_requests_waiting", "Requests waiting for admission"),
-        "host_pool_usage": ("vllm:kv_cache_usage_perc", "Fraction of the (host) KV cache in use"),
+        "host_pool_usage": ("vllm:kv_cache_usage_perc", "Fraction of the KV cache requests hold"),
     }
 
     def __init__(self, model_name: str) -> None:

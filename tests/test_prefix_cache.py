@@ -625,6 +625,11 @@ def test_server_reports_cached_tokens_and_metrics():
             text = httpx.get(base + "/metrics").text
             rate = next(ln for ln in text.splitlines() if ln.startswith("echo_prefix_cache_hit"))
             assert float(rate.split()[-1]) == pytest.approx(128 / 340)
+            # idle: the cached pages no request holds are free to an admission, so the pool
+            # reads empty (it read 1 - free / pages: nearly full with a warm cache)
+            assert llm.engine.scheduler.prefix.num_evictable > 0
+            usage_line = next(ln for ln in text.splitlines() if ln.startswith("echo_host_pool"))
+            assert float(usage_line.split()[-1]) == 0.0
     finally:
         aengine.shutdown()
 
