@@ -57,21 +57,27 @@ def test_engine_json_schema_outputs_parse_and_validate() -> None:
     assert len(out["r3"]) == 8 and not free.startswith('{"')  # unconstrained row: random tokens
 
 
+def _one_request(lark: str, caplog: pytest.LogCaptureFixture) -> tuple[list[int], int]:
+    """One sampled request r0 under the Lark grammar ``lark``, warnings captured: its output
+    tokens and the model's EOS."""
+    model, _ = tiny("cpu")
+    prompts = random_prompts([20], model.config.vocab_size, seed=3)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=1, grammar=lark_grammar(lark))]
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=4 * model.config.index_topk,
+                       max_model_len=128, prefill_chunk=64, device="cpu")  # fmt: skip
+    with caplog.at_level("WARNING", logger="runtime.structured_output"):
+        _, _, out = run(cfg, prompts, params)
+    return out["r0"], model.config.eos_token_id
+
+
 def test_a_grammar_the_matcher_fails_on_ends_with_eos_and_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A grammar that compiles but that the matcher fails on mid-way (an empty language: llguidance
     hits its item limit) ends the request with EOS, and a warning names the request and the
     matcher's error, so the output is not silently taken for one that matches."""
-    model, _ = tiny("cpu")
-    prompts = random_prompts([20], model.config.vocab_size, seed=3)
-    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=1,
-                             grammar=lark_grammar('start: x\nx: "a" x'))]  # fmt: skip
-    cfg = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=4 * model.config.index_topk,
-                       max_model_len=128, prefill_chunk=64, device="cpu")  # fmt: skip
-    with caplog.at_level("WARNING", logger="runtime.structured_output"):
-        _, _, out = run(cfg, prompts, params)
-    assert out["r0"][-1] == model.config.eos_token_id and len(out["r0"]) < 10
+    out, eos = _one_request('start: x\nx: "a" x', caplog)
+    assert out[-1] == eos and len(out) < 10
     assert "request r0: the grammar matcher failed" in caplog.text
     assert caplog.text.count("grammar matcher failed") == 1
 
@@ -91,15 +97,8 @@ def test_a_matcher_failing_while_it_computes_the_mask_is_logged_too(
 
     starved.validate_grammar = make.validate_grammar  # type: ignore[attr-defined]
     monkeypatch.setattr(llguidance, "LLMatcher", starved)
-    model, _ = tiny("cpu")
-    prompts = random_prompts([20], model.config.vocab_size, seed=3)
-    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=1,
-                             grammar=lark_grammar("start: /[a-z]+( [a-z]+)*/"))]  # fmt: skip
-    cfg = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=4 * model.config.index_topk,
-                       max_model_len=128, prefill_chunk=64, device="cpu")  # fmt: skip
-    with caplog.at_level("WARNING", logger="runtime.structured_output"):
-        _, _, out = run(cfg, prompts, params)
-    assert out["r0"] == [model.config.eos_token_id]
+    out, eos = _one_request("start: /[a-z]+( [a-z]+)*/", caplog)
+    assert out == [eos]
     assert "request r0: the grammar matcher failed (lexer error" in caplog.text
 
 
