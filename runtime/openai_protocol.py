@@ -231,6 +231,13 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
     return out
 
 
+def _stop_token_ids(ids: list[int] | None, vocab: int) -> tuple[int, ...]:
+    if any(isinstance(t, int) and t >= vocab for t in ids or ()):
+        msg = f"stop_token_ids must be token ids in [0, {vocab}), got {ids!r}"
+        raise APIError(400, msg, param="stop_token_ids")
+    return tuple(ids or ())
+
+
 def response_grammar(fmt: dict[str, Any] | None) -> str | None:
     """The llguidance grammar ``response_format`` asks for (None: free text)."""
     from runtime.structured_output import json_schema_grammar
@@ -259,9 +266,9 @@ def sampling_params(
     vocab: int,
     defaults: SamplingParams | None = None,
 ) -> SamplingParams:
-    """``vocab``: the tokenizer's size, to check logit_bias ids; ``defaults``: what a field the
-    request leaves unset takes (the checkpoint's generation config, ``Engine.sampling_defaults``;
-    None: ``SamplingParams()``'s)."""
+    """``vocab``: the tokenizer's size, to check logit_bias and stop_token_ids; ``defaults``:
+    what a field the request leaves unset takes (the checkpoint's generation config,
+    ``Engine.sampling_defaults``; None: ``SamplingParams()``'s)."""
     base = defaults or SamplingParams()
     if isinstance(req, CompletionRequest):
         top, top_param = req.logprobs or 0, "logprobs"  # the legacy API's logprobs = N
@@ -279,7 +286,7 @@ def sampling_params(
             top_k=default(req.top_k, base.top_k),
             seed=req.seed,
             stop=req.stop or (),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop_token_ids=_stop_token_ids(req.stop_token_ids, vocab),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
             presence_penalty=default(req.presence_penalty, 0.0),

@@ -101,9 +101,13 @@ class SamplingParams:
             raise SamplingParamsError(
                 "top_p", f"top_p must be a number with 0 < top_p <= 1, got {self.top_p!r}"
             )
-        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
+        # (a k past the vocabulary keeps every token; past int64 it cannot reach the sampler)
+        if not _is_int(self.top_k) or not (
+            self.top_k in (-1, 0) or 1 <= self.top_k <= INT64_MAX
+        ):
             raise SamplingParamsError(
-                "top_k", f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}"
+                "top_k",
+                f"top_k must be -1 or 0 (disabled) or an integer in [1, 2**63), got {self.top_k!r}",
             )
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)

@@ -133,6 +133,7 @@ def test_params_validation_names_the_field() -> None:
         ({"logit_bias": {5: 101.0}}, "logit_bias"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_tokens": 20}, "min_tokens"),
+        ({"top_k": 2**63}, "top_k"),  # past int64: the sampler's tensor cannot hold it
         # a finished grammar allows only EOS: these would leave no token to sample
         ({"grammar": "start: /x/", "min_tokens": 2}, "min_tokens"),
         ({"grammar": "start: /x/", "ignore_eos": True}, "ignore_eos"),
@@ -161,6 +162,20 @@ def test_engine_logit_bias_and_min_tokens() -> None:
     _, _, out = run(_cfg(True, 2, model.config.index_topk), prompts, [forced, late_eos])
     assert out["r0"] == [17] * 5
     assert len(out["r1"]) == 5 and out["r1"][-1] == eos and eos not in out["r1"][:4]
+
+
+def test_engine_refuses_stop_token_ids_past_the_vocab() -> None:
+    """An id past the vocabulary was accepted, then indexed out of bounds in the decode step
+    (min_tokens' mask), which failed every request in the batch."""
+    from runtime.engine import Engine
+
+    model, tok = tiny("cpu")
+    mc = model.config
+    engine = Engine(model, mc, tok, _cfg(True, 1, mc.index_topk))
+    bad = SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=(mc.vocab_size,))
+    with pytest.raises(ValueError, match=r"stop_token_ids must be token ids in \[0, "):
+        engine.add_request("r", [1, 2, 3], bad)
+    assert not engine.has_unfinished()
 
 
 def test_engine_offload_on_off_identical_with_controls() -> None:

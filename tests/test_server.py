@@ -61,7 +61,7 @@ class FakeEngine:
         if total > self.max_model_len:
             raise ValueError(f"prompt + max_tokens = {total} > max_model_len {self.max_model_len}")
         vocab = self.tokenizer.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):  # a check only the engine makes
+        if any(t >= vocab for t in params.stop_token_ids):  # as Engine._check_new
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, prompt_token_ids)
         self.waiting.append(_Req(request_id, list(prompt_token_ids), params, detok))
@@ -374,7 +374,10 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "prompt": [10**9]}, 400, "prompt"),
         (C, {**OK_C, "prompt": "word " * 300}, 400, "prompt"),  # over the context
         (C, {**OK_C, "max_tokens": 255}, 400, "prompt"),  # prompt + max_tokens over the context
-        (C, {**OK_C, "stop_token_ids": [10**6]}, 400, None),  # refused by engine.add_request
+        (C, {**OK_C, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),  # over the vocab
+        # (these two reached the decode step and failed every request in the batch with a 500)
+        (CHAT, {**OK_CHAT, "min_tokens": 1, "stop_token_ids": [600]}, 400, "stop_token_ids"),
+        (CHAT, {**OK_CHAT, "top_k": 2**63}, 400, "top_k"),
         (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": 3}]}, 400, "messages"),
         (CHAT, {**OK_CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
         (CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
