@@ -13,7 +13,7 @@ import torch
 from echo_compile.compiled import StepCompiler
 from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat
-from runtime.engine import Engine, EngineConfig, StepOutput
+from runtime.engine import Engine, EngineConfig, StepOutput, read_engine_inputs
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams, generation_defaults
 from runtime.tokenizer import Tokenizer
@@ -108,6 +108,9 @@ class LLM:
         generation_defaults({}, generation_config)  # a bad mode fails before anything loads
         path = resolve_model(model)
         self.model_path = path
+        # the tokenizer, the generation config and the options against the model config, in
+        # seconds: a mistake there is not found after minutes of reading weights
+        inputs = read_engine_inputs(path, config, generation_config)
         if config.device.startswith("cuda"):
             _check_fits(path, config, fp8_weights)
         compiled = compile if compile is not None else config.device.startswith("cuda")
@@ -117,14 +120,16 @@ class LLM:
 
             self.engine = build_distributed_engine(
                 path, config, model, StepCompiler if compiled else None, fp8_weights=fp8_weights,
-                generation_config=generation_config,
+                inputs=inputs,
             )  # fmt: skip
         else:
-            net, extras = load_model(path, device=config.device, fp8_weights=fp8_weights)
+            # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
+            net, extras = load_model(
+                path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights
+            )
             self.engine = Engine.from_loaded(
                 net, extras, config, model_name=model,
-                compiler=StepCompiler(config.device) if compiled else None,
-                generation_config=generation_config,
+                compiler=StepCompiler(config.device) if compiled else None, inputs=inputs,
             )  # fmt: skip
         mc = self.engine.model_config
         asked, limit = engine_options.get("max_model_len"), config.model_len(mc)

@@ -42,6 +42,29 @@ if TYPE_CHECKING:
 LOGPROB_FLOOR = -9999.0  # reported in place of -inf (a masked-out token), as vLLM does
 
 
+@dataclass(frozen=True)
+class EngineInputs:
+    """What an engine reads from a checkpoint directory besides the weights."""
+
+    tokenizer: Tokenizer
+    sampling_defaults: SamplingParams  # the request defaults of its generation config
+
+
+def read_engine_inputs(path, config: EngineConfig, generation_config: str = "auto") -> EngineInputs:
+    """Read and check, before the weights load (seconds, where a real checkpoint's weights take
+    minutes), what an engine needs besides them: the engine options against the model config
+    (the cache geometry: ``gpu_tokens`` against ``index_topk``, ...), the tokenizer (the model
+    config's bos/eos ids standing in for tokens its tokenizer_config.json has no entry for) and,
+    with ``generation_config`` "auto", the request defaults its generation_config.json sets
+    (``runtime.sampling_params.generation_defaults``)."""
+    from model.loader import read_checkpoint_meta
+
+    path, mc, generation = read_checkpoint_meta(path)
+    config.cache_config(mc)  # raises ValueError naming the option
+    tokenizer = Tokenizer.from_dir(path, mc.bos_token_id, mc.eos_token_id)
+    return EngineInputs(tokenizer, generation_defaults(generation, generation_config))
+
+
 @dataclass
 class StepOutput:
     request_id: str
@@ -140,16 +163,15 @@ class Engine:
         model_name: str = "model",
         compiler: StepCompiler | None = None,
         generation_config: str = "auto",
+        inputs: EngineInputs | None = None,
     ) -> Engine:
-        """An engine over a checkpoint ``model.loader`` loaded: the tokenizer of its directory
-        (the model config's bos/eos ids standing in for tokens its tokenizer_config.json has no
-        entry for) and, with ``generation_config`` "auto", the request defaults its
-        generation_config.json sets (``runtime.sampling_params.generation_defaults``)."""
+        """An engine over a checkpoint ``model.loader`` loaded, with the ``inputs`` read from its
+        directory (``read_engine_inputs``: pass them when they were read before the load)."""
         mc: ModelConfig = model.config  # type: ignore[assignment]
+        inputs = inputs or read_engine_inputs(extras.path, config, generation_config)
         return cls(
-            model, mc, Tokenizer.from_dir(extras.path, mc.bos_token_id, mc.eos_token_id), config,
-            model_name=model_name, compiler=compiler,
-            sampling_defaults=generation_defaults(extras.generation_config, generation_config),
+            model, mc, inputs.tokenizer, config, model_name=model_name, compiler=compiler,
+            sampling_defaults=inputs.sampling_defaults,
         )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------

@@ -169,9 +169,12 @@ class EngineConfig:
         check_backend(self.kernel_backend)
         b = self.decode_buckets
         if b is not None and (
-            not b or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
+            not isinstance(b, (tuple, list))
+            or not b
+            or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b)
         ):
-            raise ValueError(f"decode_buckets must be positive integers, got {b!r}")
+            raise ValueError(f"decode_buckets must be a list of positive integers, got {b!r}")
+        self.buckets  # noqa: B018 (checks their order against max_batch)
 
     @property
     def world_size(self) -> int:

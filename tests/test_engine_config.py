@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -47,3 +48,52 @@ def test_one_capacity_rule_for_scheduler_and_cache(mc):
         assert cfg.cache_config(mc).max_decode_rows == rows
         assert cfg.scheduler_config(mc).max_running == rows
     assert CacheConfig(1, 64, 3 * topk, topk, max_batch=8).max_decode_rows == 3
+
+
+def test_llm_checks_everything_but_the_weights_before_loading_them(monkeypatch, tmp_path):
+    """The options against the model config, the tokenizer, the chat template and the
+    generation config are read before the weights (minutes on a real checkpoint): each mistake
+    is a ValueError and the loader is never called. The loader is asked to drop the MTP layer
+    (never run; held, it is GiBs of host memory through warm-up)."""
+    import json
+    import shutil
+
+    import model.loader
+    from echo_compile.llm import LLM
+
+    asked: dict = {}
+
+    def no_load(*a, **k):
+        asked.update(k)
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(model.loader, "load_model", no_load)
+    with pytest.raises(ValueError, match=r"gpu_tokens=16 cannot hold one request's selection"):
+        LLM("tiny", device="cpu", gpu_tokens=16, progress=False)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(resolve_model("tiny"), ckpt)
+    tok_config = ckpt / "tokenizer_config.json"
+    good = tok_config.read_text()
+    tok_config.write_text(json.dumps({**json.loads(good), "chat_template": "{% if %}"}))
+    with pytest.raises(ValueError, match="chat_template"):
+        LLM(str(ckpt), device="cpu", progress=False)
+    tok_config.write_text(good)
+    (ckpt / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match="temperature"):
+        LLM(str(ckpt), device="cpu", progress=False)
+    (ckpt / "generation_config.json").unlink()
+    with pytest.raises(AssertionError, match="loaded"):
+        LLM(str(ckpt), device="cpu", progress=False)
+    assert asked["keep_mtp"] is False
+
+
+@pytest.mark.parametrize(
+    "buckets, message",
+    [
+        (8, "decode_buckets must be a list of positive integers, got 8"),
+        ((1, 2, 16), "decode_buckets must be increasing and end at max_batch"),  # max_batch 8
+    ],
+)
+def test_decode_buckets_are_checked_when_the_config_is_made(buckets, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(decode_buckets=buckets)

@@ -26,7 +26,7 @@ from model.parallel import TPGroup
 from runtime.distributed.balance import RankLoad, assign
 from runtime.distributed.process import DistContext, guarded, init_distributed, shutdown
 from runtime.distributed.step_sync import agree
-from runtime.engine import Engine, StepOutput
+from runtime.engine import Engine, EngineInputs, StepOutput, read_engine_inputs
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, next_bucket
 from runtime.sampling_params import SamplingParams
@@ -200,12 +200,14 @@ def build_distributed_engine(
     ctx: DistContext | None = None,
     fp8_weights: str = "bf16",
     generation_config: str = "auto",
+    inputs: EngineInputs | None = None,
 ) -> DistributedEngine:
     """Join the process group (collectives time out after ``config.collective_timeout_s``), load
     this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
     ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
     device, or None for eager. ``fp8_weights``: as ``load_model``'s (FP8 kept per shard);
-    ``generation_config``: as ``LLM``'s."""
+    ``generation_config``: as ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller
+    read them (else they are read here, before the weights)."""
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
 
@@ -219,6 +221,7 @@ def build_distributed_engine(
             f"{config.world_size}"
         )
     config = replace(config, device=ctx.device)
+    inputs = inputs or read_engine_inputs(path, config, generation_config)
     g = tp_group(ctx, config)
     if g.size > 1:
         net, extras = load_sharded_model(
@@ -228,7 +231,6 @@ def build_distributed_engine(
         net, extras = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
     engine = Engine.from_loaded(
-        net, extras, config, model_name=model_name, compiler=compiler,
-        generation_config=generation_config,
-    )  # fmt: skip
+        net, extras, config, model_name=model_name, compiler=compiler, inputs=inputs
+    )
     return DistributedEngine(engine, ctx, config.dp)
