@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from echo_compile.compiled import StepCompiler
+from echo_compile.devices import check_device
 from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat
 from runtime.engine import Engine, EngineConfig, StepOutput, read_engine_inputs
@@ -105,6 +106,7 @@ class LLM:
         if "device" not in engine_options:
             engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(**engine_options)
+        check_device(config.device, python=True)
         generation_defaults({}, generation_config)  # a bad mode fails before anything loads
         path = resolve_model(model)
         self.model_path = path

@@ -6,6 +6,7 @@ import re
 from dataclasses import replace
 
 import pytest
+import torch
 
 from custom_ops.cache.config import CacheConfig
 from model.checkpoint import resolve_model
@@ -97,3 +98,11 @@ def test_llm_checks_everything_but_the_weights_before_loading_them(monkeypatch, 
 def test_decode_buckets_are_checked_when_the_config_is_made(buckets, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(decode_buckets=buckets)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_llm_on_cuda_without_cuda_is_one_clear_error():
+    from echo_compile.llm import LLM
+
+    with pytest.raises(ValueError, match=r"device='cuda': CUDA is not available .*device='cpu'"):
+        LLM("tiny", device="cuda", progress=False)
