@@ -94,7 +94,8 @@ class CacheConfig:
         if self.offload and self.gpu_tokens < self.topk:
             raise ValueError(
                 f"CacheConfig.gpu_tokens={self.gpu_tokens} cannot hold one request's selection "
-                f"(topk={self.topk})"
+                f"(topk={self.topk}); gpu_tokens (--gpu-tokens) >= max_batch x topk = "
+                f"{self.max_batch * self.topk} serves a full decode batch"
             )
 
     @property
