@@ -23,7 +23,7 @@ from runtime.openai_protocol import (
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.server_base import HandlersBase, Top
-from runtime.structured_output import lark_grammar
+from runtime.structured_output import json_schema_problem, lark_grammar
 from runtime.tokenizer import lone_surrogate
 from runtime.tool_calls import ToolCall, ToolCallStream, ToolPlan, parse_tool_calls, plan_tools
 
@@ -197,6 +197,14 @@ def _call_grammar(plan: ToolPlan, params: SamplingParams) -> str:
         msg = "tool_choice required or a named function cannot be combined with response_format"
         raise APIError(400, msg, param="tool_choice")
     try:
-        return lark_grammar(plan.grammar_text or "")
+        grammar = lark_grammar(plan.grammar_text or "")
     except ValueError as e:
         raise APIError(400, f"tool_choice: {e}", param="tool_choice") from e
+    # a schema the grammar cannot compile is the tool's fault: named here, before the engine
+    # compiles the whole grammar (whose error would quote the grammar, not the tool)
+    names = [f["name"] for f in plan.functions]
+    for (name, key), schema in plan.json_values.items():
+        if (problem := json_schema_problem(schema)) is not None:
+            where = f"tools[{names.index(name)}].function.parameters.properties.{key}"
+            raise APIError(400, f"{where}: the schema does not compile: {problem}", param="tools")
+    return grammar

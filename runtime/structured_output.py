@@ -14,6 +14,7 @@ state is). The import is lazy: llguidance is needed only when a request has a gr
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,14 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
         )
     except (ValueError, TypeError) as e:
         raise ValueError(f"not a JSON schema: {e}") from e
+
+
+def json_schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why llguidance cannot compile the JSON schema ``schema`` (None: it can), e.g. a ``$ref``
+    to a definition it does not have. Raises ``ValueError`` when llguidance is missing."""
+    ll = _llguidance()
+    msg = ll.LLMatcher.validate_grammar(ll.grammar_from("json_schema", json.dumps(schema)))
+    return msg if msg and not msg.startswith("WARNING") else None
 
 
 def lark_grammar(text: str) -> str:

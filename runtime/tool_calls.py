@@ -72,6 +72,8 @@ class ToolPlan:
     functions: list[dict[str, Any]]
     grammar_text: str | None  # a Lark grammar (llguidance's syntax)
     parallel: bool
+    # the schema of each value the grammar writes as JSON: (function, parameter) -> its schema
+    json_values: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
     @property
     def names(self) -> set[str]:
@@ -104,8 +106,10 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan 
         return None
     # a named function is called exactly once (OpenAI's "forced function"; vLLM's too)
     multi = parallel is not False and not isinstance(choice, dict)
-    grammar = None if forced is None else call_grammar(forced, multi)
-    return ToolPlan(functions, grammar, multi)
+    if forced is None:
+        return ToolPlan(functions, None, multi)
+    json_values: dict[tuple[str, str], dict[str, Any]] = {}
+    return ToolPlan(functions, call_grammar(forced, multi, json_values), multi, json_values)
 
 
 def functions_of(tools: Any) -> list[dict[str, Any]]:
@@ -251,22 +255,33 @@ def _partial_marker(text: str) -> int:
 
 # ---- the grammar that forces a call ------------------------------------------------------------
 _PLAIN_STRING_KEYS = {"type", "description", "title", "minLength", "maxLength"}
+_DEFS = ("$defs", "definitions")  # where a schema's "$ref"s point (pydantic writes "$defs")
 
 
-def call_grammar(functions: list[dict[str, Any]], multi: bool) -> str:
+def call_grammar(
+    functions: list[dict[str, Any]],
+    multi: bool,
+    json_values: dict[tuple[str, str], dict[str, Any]] | None = None,
+) -> str:
     """A Lark grammar (llguidance's dialect) of a DSML block calling ``functions``: one call, or
     one or more when ``multi``. Each call writes the function's parameters in the schema's order,
     the required ones always, and its values follow their schemas: plain strings as raw text
     (``string="true"``; no ``<`` in them), enums of strings as one of their values, everything
-    else as compact JSON (``%json``, so the arguments validate against the schema)."""
+    else as compact JSON (``%json``, so the arguments validate against the schema; each such
+    schema, with the parameters' ``$defs`` its refs need, goes into ``json_values``)."""
     rules, alts = [], []
     for k, fn in enumerate(functions):
         schema = fn.get("parameters") or {}
         required = set(schema.get("required", []))
+        defs = {d: schema[d] for d in _DEFS if isinstance(schema.get(d), dict)}
         parts = []
         for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
             rule = f"p{k}_{j}"
-            value, is_str = _value_rule(f"{rule}v", sub if isinstance(sub, dict) else {}, rules)
+            sub = sub if isinstance(sub, dict) else {}
+            value, json_schema = _value_rule(f"{rule}v", sub, defs, rules)
+            is_str = json_schema is None
+            if json_values is not None and json_schema is not None:
+                json_values[fn["name"], key] = json_schema
             rules.append(
                 f"{rule}: {_lit(_param_open(key, is_str))} {value} {_lit(PARAM_END + chr(10))}"
             )
@@ -281,8 +296,15 @@ def call_grammar(functions: list[dict[str, Any]], multi: bool) -> str:
     return "\n".join([start, *rules])
 
 
-def _value_rule(name: str, sub: dict[str, Any], rules: list[str]) -> tuple[str, bool]:
-    """The grammar of one parameter value (``(rule, is_str)``), adding the rules it needs."""
+def _value_rule(
+    name: str, sub: dict[str, Any], defs: dict[str, Any], rules: list[str]
+) -> tuple[str, dict[str, Any] | None]:
+    """The grammar of one parameter value, adding the rules it needs: ``(rule, None)`` for a value
+    written as a string, ``(rule, its JSON schema)`` for one written as JSON. ``defs``: the
+    parameters schema's ``$defs`` / ``definitions``, which a ``%json`` schema is compiled alone
+    (its refs resolve against its own root) and so carries along."""
+    json_schema = {**sub, **_merged_defs(sub, defs)}
+    sub = _deref(sub, defs)
     enum = sub.get("enum")
     if (
         sub.get("type") == "string"
@@ -290,15 +312,36 @@ def _value_rule(name: str, sub: dict[str, Any], rules: list[str]) -> tuple[str, 
         and enum
         and all(isinstance(e, str) and "<" not in e for e in enum)
     ):
-        return "(" + " | ".join(_lit(e) for e in enum) + ")", True
+        return "(" + " | ".join(_lit(e) for e in enum) + ")", None
     if sub.get("type") == "string" and set(sub) <= _PLAIN_STRING_KEYS:
         lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
         rules.append(f"{name.upper()}: /[^<]{{{lo},{'' if hi is None else int(hi)}}}/")
-        return name.upper(), True
+        return name.upper(), None
     # NOTE: compact JSON, as response_format's: free whitespace lets a weak model pad forever
-    compact = {**sub, "x-guidance": {"whitespace_flexible": False}}
+    compact = {**json_schema, "x-guidance": {"whitespace_flexible": False}}
     rules.append(f"{name}: %json {json.dumps(compact, ensure_ascii=False)}")
-    return name, False
+    return name, compact
+
+
+def _merged_defs(sub: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``defs`` with ``sub``'s own ``$defs`` / ``definitions`` over them (none: ``{}``)."""
+    own = {d: sub[d] for d in _DEFS if isinstance(sub.get(d), dict)}
+    return {d: {**defs.get(d, {}), **own.get(d, {})} for d in {*defs, *own}}
+
+
+def _deref(sub: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``sub`` with a local ``$ref`` (``#/$defs/Name``, ``#/definitions/Name``) followed, so the
+    string shortcuts see the schema it names (a pydantic enum is one); ``sub`` itself when the ref
+    has sibling constraints, points elsewhere, or loops."""
+    seen: set[str] = set()
+    while isinstance(ref := sub.get("$ref"), str) and set(sub) <= {"$ref", "description", "title"}:
+        where, _, name = ref.removeprefix("#/").partition("/")
+        target = defs.get(where, {}).get(name.replace("~1", "/").replace("~0", "~"))
+        if ref in seen or not isinstance(target, dict):
+            return sub
+        seen.add(ref)
+        sub = target
+    return sub
 
 
 def _lit(s: str) -> str:

@@ -249,6 +249,55 @@ def test_grammar_accepts_the_format_and_nothing_else() -> None:
     assert not accepts(named, None, "\n\n" + block(unit.replace(">7<", ">9<")))  # maximum 7
 
 
+# what openai.pydantic_function_tool writes for a nested model and an enum: refs into $defs
+REF_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "$defs": {
+                "Loc": {
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                    "type": "object",
+                    "additionalProperties": False,
+                },
+                "Unit": {"enum": ["c", "f"], "title": "Unit", "type": "string"},
+            },
+            "properties": {"loc": {"$ref": "#/$defs/Loc"}, "unit": {"$ref": "#/$defs/Unit"}},
+            "required": ["loc", "unit"],
+            "type": "object",
+        },
+    },
+}
+
+
+def test_grammar_follows_refs_into_defs() -> None:
+    """Each %json value is compiled alone, so it carries the $defs its refs need; an enum behind
+    a ref is written as a string, as an inline one is."""
+    ll = pytest.importorskip("llguidance")
+    from engine_records import tiny
+
+    from runtime.structured_output import StructuredOutput, lark_grammar
+
+    _, tok = tiny("cpu")
+    so = StructuredOutput(tok, tok.vocab_size, tok.eos_token_id)
+    plan = plan_tools([REF_TOOL], "required", None)
+    assert plan is not None and plan.grammar_text is not None
+    grammar = lark_grammar(plan.grammar_text)
+    so.check(grammar)  # the engine's compile: "Pointer '/$defs/Loc' does not exist" before
+
+    def accepts(*params: tuple[str, str, str]) -> bool:
+        m = ll.LLMatcher(so.lltokenizer(), grammar, log_level=0)
+        text = "\n\n" + block(invoke("weather", *params))
+        return m.consume_tokens(tok.encode(text, add_bos=False)) and m.is_accepting()
+
+    loc = ("loc", "false", '{"city":"Rome"}')
+    assert accepts(loc, ("unit", "true", "c"))
+    assert not accepts(loc, ("unit", "true", "k"))  # not one of the enum's values
+    assert not accepts(("loc", "false", '{"town":"Rome"}'), ("unit", "true", "c"))
+
+
 # ---- through the real engine with the openai client --------------------------------------------
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
@@ -333,17 +382,23 @@ def test_tool_requests_refused_with_the_param(url: str) -> None:
     msgs = [{"role": "user", "content": "hi"}]
     unknown = {"type": "function", "function": {"name": "x"}}
     json_fmt = {"type": "json_object"}
+    dangling = _fn({"type": "object", "properties": {"a": {"$ref": "#/$defs/Gone"}}})[0]
     bad = [
         (dict(tools=TOOLS, tool_choice=unknown), "tool_choice"),
         (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools"),
         (dict(tools=TOOLS, tool_choice="required", response_format=json_fmt), "tool_choice"),
         (dict(messages=[{"role": "tool", "content": "x"}]), "messages"),
         (dict(tools=TOOLS, tool_choice="required", extra_body={"min_tokens": 2}), "min_tokens"),
+        (dict(tools=[*TOOLS, dangling], tool_choice="required"), "tools"),
     ]
     for extra, param in bad:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{"model": "tiny", "messages": msgs, **extra})
         assert e.value.body["param"] == param, e.value.body
+    # the bad schema is named, and the grammar it sits in is not quoted
+    message = e.value.body["message"]
+    assert message.startswith("tools[2].function.parameters.properties.a: "), message
+    assert "%json" not in message, message
     # auto: the random model writes text (a DSML block takes far more than 4 tokens)
     r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=4)
     c = r.choices[0]
