@@ -123,6 +123,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # prompt: add the BOS (default true)
     add_generation_prompt: bool | None = None  # messages: end with the assistant's turn (true)
+    tools: list[dict[str, Any]] | None = None  # messages: offered in the prompt, as chat's
+    tool_choice: str | dict[str, Any] | None = None  # messages: "none" offers none
     return_token_strs: bool | None = None
 
 

@@ -35,10 +35,8 @@ class ChatHandlers(HandlersBase):
         t0 = time.perf_counter()
         self.check_model(req.model)
         check_unsupported(req)
-        plan = _tool_plan(req)
-        ids = await self.encode_chat(
-            [m.model_dump() for m in req.messages], functions=plan.functions if plan else None
-        )
+        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        ids = await self.encode_chat([m.model_dump() for m in req.messages], plan=plan)
         requested = (
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
@@ -160,11 +158,13 @@ class ChatHandlers(HandlersBase):
         self,
         messages: list[dict[str, Any]],
         add_generation: bool = True,
-        functions: list[dict[str, Any]] | None = None,
+        plan: ToolPlan | None = None,
         within_context: bool = True,
     ) -> list[int]:
-        """Token ids of a conversation, rendered by ``runtime.chat_template.render_chat`` (the
-        checkpoint's template, or DeepSeek-V3.2's encoding)."""
+        """Token ids of a conversation offering ``plan``'s tools (``tool_plan``), rendered by
+        ``runtime.chat_template.render_chat`` (the checkpoint's template, or DeepSeek-V3.2's
+        encoding)."""
+        functions = plan.functions if plan is not None else None
         for i, m in enumerate(messages):
             content = m.get("content")
             parts = content if isinstance(content, list) else [{"text": content}]
@@ -183,9 +183,11 @@ class ChatHandlers(HandlersBase):
         return await self.encode(text, False, "messages", within_context)
 
 
-def _tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None = None) -> ToolPlan | None:
+    """``plan_tools`` of a request's fields (chat, and a chat ``/tokenize``), its error a 400
+    naming the field."""
     try:
-        return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        return plan_tools(tools, tool_choice, parallel)
     except ValueError as e:
         param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
         raise APIError(400, str(e), param=param) from e

@@ -13,7 +13,7 @@ import prometheus_client as prom
 from fastapi.responses import Response
 
 from runtime.openai_protocol import APIError, DetokenizeRequest, TokenizeRequest
-from runtime.server_chat import ChatHandlers
+from runtime.server_chat import ChatHandlers, tool_plan
 from runtime.server_completions import CompletionHandlers
 
 logger = logging.getLogger(__name__)
@@ -27,13 +27,16 @@ class Handlers(CompletionHandlers, ChatHandlers):
             self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None and (req.tools is not None or req.tool_choice is not None):
+            raise APIError(400, "tools and tool_choice need messages, not prompt", param="tools")
         if req.prompt is not None:
             bos = req.add_special_tokens is not False
             ids = await self.encode(req.prompt, bos, "prompt", within_context=False)
         else:
             msgs = [m.model_dump() for m in req.messages or []]
             gen = req.add_generation_prompt is not False
-            ids = await self.encode_chat(msgs, gen, within_context=False)
+            plan = tool_plan(req.tools, req.tool_choice)  # as the chat renders it
+            ids = await self.encode_chat(msgs, gen, plan, within_context=False)
         body: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.engine.max_model_len,

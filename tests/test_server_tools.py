@@ -431,3 +431,21 @@ def test_developer_role_and_content_parts_through_the_server(url: str) -> None:
         "You are terse.<｜User｜>\n\n# The user's message is: Paris\nweather?<｜Assistant｜>"
         in (text)
     ), text
+
+
+def test_tokenize_renders_tools_as_the_chat_does(url: str) -> None:
+    """/tokenize of messages with tools counts the tools block, as the chat's prompt has it
+    (vLLM's chat tokenize takes tools); tool_choice none offers none, as in the chat."""
+    import httpx
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    for choice in (None, "none"):
+        r = client.chat.completions.create(
+            model="tiny", messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=1
+        )
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": choice}
+        t = httpx.post(url + "/tokenize", json=body, timeout=30).json()
+        assert t["count"] == r.usage.prompt_tokens, (choice, t)
+    bad = httpx.post(url + "/tokenize", json={"prompt": "hi", "tools": TOOLS}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
