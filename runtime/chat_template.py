@@ -118,8 +118,8 @@ def _after_calls(messages: list[dict[str, Any]], i: int) -> bool:
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI chat messages as ``render_dsv32`` (and the jinja templates) read them: content a
     string (a list of text parts joined by newlines; an assistant's null content is ""), an
-    assistant's ``tool_calls`` as ``[(name, arguments dict)]``. Raises ``ValueError`` naming the
-    first bad message."""
+    assistant's ``tool_calls`` as ``[(name, arguments dict)]``, and the tool results after them in
+    the calls' order (``_in_call_order``). Raises ``ValueError`` naming the first bad message."""
     out = []
     for i, m in enumerate(messages):
         role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
@@ -141,7 +141,49 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if calls and role != "assistant":
             raise ValueError(f"messages[{i}]: only an assistant message has tool_calls")
         out.append({"role": role, "content": content, "tool_calls": _calls_of(calls or [], i)})
+    for start, end in _result_runs(messages):
+        out[start:end] = [out[k] for k in _in_call_order(messages, start, end)]
     return out
+
+
+def _result_runs(messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of tool messages right after an assistant message."""
+    runs, i = [], 1
+    while i < len(messages):
+        end = i
+        while end < len(messages) and messages[end].get("role") == "tool":
+            end += 1
+        if end > i and messages[i - 1].get("role") == "assistant":
+            runs.append((i, end))
+        i = end + 1
+    return runs
+
+
+def _in_call_order(messages: list[dict[str, Any]], start: int, end: int) -> list[int]:
+    """The indices of the tool messages ``start..end`` in the order of the calls they answer, by
+    ``tool_call_id`` (OpenAI lets a client send results in any order): the model reads the
+    results by position. Unchanged when the calls carry no ids or a result has no
+    ``tool_call_id`` (paired by position). Raises ``ValueError`` for an id that answers none of
+    the calls, or a call answered twice."""
+    calls = messages[start - 1].get("tool_calls") or []
+    call_ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+    run = list(range(start, end))
+    if not any(isinstance(c, str) for c in call_ids):
+        return run
+    answered: dict[str, int] = {}
+    for k in run:
+        cid = messages[k].get("tool_call_id")
+        if cid is None:
+            continue
+        where = f"messages[{k}].tool_call_id {cid!r}"
+        if cid not in call_ids:
+            raise ValueError(f"{where} matches none of messages[{start - 1}].tool_calls")
+        if cid in answered:
+            raise ValueError(f"{where}: messages[{answered[cid]}] already answers that call")
+        answered[cid] = k
+    if len(answered) < len(run):
+        return run
+    return sorted(run, key=lambda k: call_ids.index(messages[k]["tool_call_id"]))
 
 
 def _calls_of(calls: list[Any], i: int) -> list[tuple[str, dict[str, Any]]]:

@@ -101,7 +101,7 @@ class ChatMessage(_Strict):
     role: str  # system, developer, user, assistant, tool (runtime.chat_template checks it)
     content: str | list[dict[str, Any]] | None = None  # a list: text parts
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool result's call (results follow the calls' order)
+    tool_call_id: str | None = None  # a tool result's call (chat_template._in_call_order)
     name: str | None = None
 
 

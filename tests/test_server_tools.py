@@ -155,9 +155,44 @@ def test_render_conversation_with_calls_and_results() -> None:
     assert render_calls([("get_weather", {"days": 2})]) == block(days)
 
 
+def _call(cid: str, days: int) -> dict:
+    fn = {"name": "get_weather", "arguments": json.dumps({"days": days})}
+    return {"id": cid, "type": "function", "function": fn}
+
+
+def _answers(*results: tuple[str, str]) -> list:
+    """A question, two calls (call_A, call_B) and the tool messages ``(tool_call_id, content)``."""
+    calls = [_call("call_A", 1), _call("call_B", 2)]
+    return [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": cid, "content": c} for cid, c in results),
+    ]
+
+
+def test_render_pairs_results_with_calls_by_id() -> None:
+    """The model reads results by position: results sent in another order than the calls (OpenAI
+    matches them by tool_call_id) are rendered in the calls' order."""
+
+    def render(*results: tuple[str, str]) -> str:
+        return render_dsv32(normalise_messages(_answers(*results)), None, "", "")
+
+    swapped = render(("call_B", "B2"), ("call_A", "A1"))
+    assert swapped == render(("call_A", "A1"), ("call_B", "B2"))
+    assert "<result>A1</result>\n<result>B2</result>" in swapped, swapped
+
+
 @pytest.mark.parametrize(
     "msgs, match",
     [
+        (
+            _answers(("call_A", "x"), ("call_C", "y")),
+            r"messages\[3\].tool_call_id 'call_C' matches none",
+        ),
+        (
+            _answers(("call_B", "x"), ("call_B", "y")),
+            r"messages\[3\].tool_call_id 'call_B': messages\[2\]",
+        ),
         ([{"role": "tool", "content": "x"}], "must follow an assistant's tool_calls"),
         (
             [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
