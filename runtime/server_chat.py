@@ -75,21 +75,19 @@ class ChatHandlers(HandlersBase):
         def reason(finish: str | None, calls: list[ToolCall]) -> str | None:
             return "tool_calls" if calls and finish == "stop" else finish
 
-        def entry(t: str, lp: float) -> dict[str, Any]:
-            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+        def entry(token_id: int, lp: float) -> dict[str, Any]:
+            # the token's own bytes: its text is U+FFFD when it ends inside a UTF-8 character
+            b = list(self.tokenizer.token_bytes(token_id))
+            return {"token": self.token_string(token_id), "logprob": lp, "bytes": b}
 
         def logprobs(token_ids: list[int], lps: list[float], top: list[Top] | None) -> dict | None:
             if not req.logprobs:
                 return None
-            toks = self.token_strings(token_ids)
-            top = top or [[] for _ in toks]
+            top = top or [[] for _ in token_ids]
             return {
                 "content": [
-                    {
-                        **entry(t, lp),
-                        "top_logprobs": [entry(self.token_string(i), v) for i, v in alts],
-                    }
-                    for t, lp, alts in zip(toks, lps, top, strict=True)
+                    {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alts]}
+                    for t, lp, alts in zip(token_ids, lps, top, strict=True)
                 ]
             }
 

@@ -27,6 +27,23 @@ def _token_content(value: Any) -> str | None:
     raise ValueError(f"tokenizer_config.json: cannot read special token {value!r}")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary (GPT-2's, DeepSeek's) stands for:
+    printable Latin-1 bytes as themselves, the rest as the characters from U+0100 on, in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(0x100 + shifted)] = b
+            shifted += 1
+    return out
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 def lone_surrogate(text: str) -> int | None:
     """Index of the first lone surrogate in ``text`` (JSON allows ``"\\ud83d"``; UTF-8 cannot
     encode it, and the tokenizer raises a TypeError on it), or None."""
@@ -68,6 +85,7 @@ class Tokenizer:
         chat_template: str | None = None,
     ) -> None:
         self._tok = tokenizer
+        self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = self._special_id(bos_token, "bos_token")
@@ -181,6 +199,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (special tokens such as EOS dropped by default)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (OpenAI's logprobs ``bytes``). A byte-level BPE
+        token may end partway through a UTF-8 character, which ``decode`` renders as U+FFFD:
+        its bytes come from the vocabulary's byte alphabet instead. Tokens outside it (special
+        and added tokens, other tokenizers): the UTF-8 of their text."""
+        piece = self._tok.id_to_token(token_id)
+        if self._byte_level and piece is not None and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -252,6 +252,17 @@ def test_chat(client: openai.OpenAI, tok: Tokenizer) -> None:
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(ids) + 1
 
 
+def test_chat_logprobs_bytes_are_the_tokens_bytes(client: openai.OpenAI) -> None:
+    """A token ending partway through a UTF-8 character has its own bytes in logprobs (OpenAI's),
+    not U+FFFD's: the test tokenizer writes "日" as three byte tokens, which the fake model
+    writes back reversed."""
+    msgs = [{"role": "user", "content": "日"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, logprobs=True)
+    got = [bytes(e.bytes) for e in r.choices[0].logprobs.content]
+    assert "日".encode() in b"".join(reversed(got)), got
+    assert "\ufffd".encode() not in got
+
+
 def test_chat_stream(client: openai.OpenAI, tok: Tokenizer) -> None:
     msgs = [{"role": "user", "content": "Tell me about the lazy dog"}]
     ids = tok.encode(tok.apply_chat_template(msgs), add_bos=False)

@@ -41,6 +41,16 @@ def test_from_dir_special_tokens_and_round_trip(tok: Tokenizer) -> None:
     assert tok.encode(f"a{EOS}b", add_bos=False).count(tok.eos_token_id) == 1
 
 
+def test_token_bytes_are_the_bytes_each_token_stands_for(tok: Tokenizer) -> None:
+    """Byte tokens of a split character have their own bytes (decode gives U+FFFD for them);
+    a special token has its text's."""
+    text = MIXED + EOS
+    ids = tok.encode(text, add_bos=False)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(tok.eos_token_id) == EOS.encode()
+
+
 def test_from_dir_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
