@@ -114,6 +114,12 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that caps the completion, as the client sent it: ``max_completion_tokens``
+        (OpenAI's name now) over ``max_tokens``."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
 
 class TokenizeRequest(_Strict):
     """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the template."""
@@ -274,8 +280,10 @@ def sampling_params(
     base = defaults or SamplingParams()
     if isinstance(req, CompletionRequest):
         top, top_param = req.logprobs or 0, "logprobs"  # the legacy API's logprobs = N
+        max_param = "max_tokens"
     else:
         top, top_param = (req.top_logprobs or 0) if req.logprobs else 0, "top_logprobs"
+        max_param = req.max_tokens_field
 
     def default(value: Any, fallback: Any) -> Any:
         return fallback if value is None else value
@@ -301,6 +309,6 @@ def sampling_params(
             grammar=response_grammar(req.response_format),
             prompt_logprobs=req.prompt_logprobs,
         )
-    except SamplingParamsError as e:
-        param = top_param if e.param == "top_logprobs" else e.param
-        raise APIError(400, str(e).replace("top_logprobs", param), param=param) from e
+    except SamplingParamsError as e:  # named as the client sent it
+        param = {"top_logprobs": top_param, "max_tokens": max_param}.get(e.param, e.param)
+        raise APIError(400, str(e).replace(e.param, param), param=param) from e

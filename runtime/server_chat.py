@@ -37,10 +37,7 @@ class ChatHandlers(HandlersBase):
         check_unsupported(req)
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         ids = await self.encode_chat([m.model_dump() for m in req.messages], plan=plan)
-        requested = (
-            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-        )
-        max_tokens = self.max_tokens(len(ids), requested, "messages")
+        max_tokens = self.max_tokens(len(ids), getattr(req, req.max_tokens_field), "messages")
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
         params = sampling_params(req, max_tokens, bool(req.logprobs), vocab, defaults)
         forced = plan is not None and plan.grammar_text is not None

@@ -396,7 +396,9 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (CHAT, {**OK_CHAT, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
         (CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
         (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-        (CHAT, {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_tokens"),
+        (CHAT, {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+        (CHAT, {**OK_CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        (CHAT, {**OK_CHAT, "max_tokens": 0}, 400, "max_tokens"),
         (CHAT, {**OK_CHAT, "model": "nope"}, 404, "model"),
     ],
 )
