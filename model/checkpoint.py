@@ -323,7 +323,8 @@ def with_quantization(config: ModelConfig, fp8: bool, awq: bool) -> ModelConfig:
 def make_checkpoint(out_dir: str | Path, preset: str | ModelConfig = "tiny", fp8: bool = False,
                     awq: bool = False, seed: int = 0, **preset_kw: Any) -> Path:
     """Write a random-weight HF DeepSeek-V3.2 checkpoint of ``preset`` (a preset name or a
-    ``ModelConfig``) into the empty or new directory ``out_dir``; returns its path.
+    ``ModelConfig``) into the empty or new directory ``out_dir`` (``~`` expanded); returns its
+    path.
 
     The same arguments give byte-identical files. ``fp8``: official 128x128-block FP8 linears;
     ``awq``: AWQ 4-bit linears (via ``model.awq``) outside ``awq_modules_to_not_convert``. The
@@ -338,7 +339,7 @@ def make_checkpoint(out_dir: str | Path, preset: str | ModelConfig = "tiny", fp8
             raise ValueError(f"make_checkpoint: the tiny preset takes no options, got {preset_kw}")
         config = preset_config(preset, **preset_kw)
     config = with_quantization(config, fp8, awq)
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser()  # NOTE: the shell leaves `--out=~/x` as it is
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"make_checkpoint: {out} exists and is not an empty directory")
     out.mkdir(parents=True, exist_ok=True)

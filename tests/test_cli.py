@@ -153,6 +153,19 @@ def test_unwritable_out_is_one_line(capsys, tmp_path):
     assert_one_line_error(rc, err, "--layers must be at least 1, got 0")  # (blamed config.json)
 
 
+def test_make_checkpoint_expands_a_tilde_in_out(capsys, monkeypatch, tmp_path):
+    """``--out=~/ck`` (the shell leaves a ``~`` after ``=`` as it is) writes into the home
+    directory, not into a directory named ``~`` under the current one."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    rc, out, _ = run_main(capsys, "make-checkpoint", "--out=~/ck")
+    assert rc == 0 and out.strip() == f"wrote {home / 'ck'}"
+    assert (home / "ck" / "config.json").is_file() and not (cwd / "~").exists()
+
+
 def test_a_bug_still_tracebacks(monkeypatch, tmp_path):
     def bug(*a, **k):
         raise RuntimeError("a real bug")
