@@ -365,22 +365,11 @@ def load_model(
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
     awq = config.quantization is not None and config.quantization.method == "awq"
-    if fp8_weights not in ("bf16", "fp8"):
-        raise ValueError(f"load_model: fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
-    fp8_ckpt = config.quantization is not None and config.quantization.method == "fp8"
-    if fp8_weights == "fp8" and not fp8_ckpt:
-        raise ValueError(
-            f"load_model: fp8_weights='fp8' needs an FP8 checkpoint; {path} is not one "
-            "(its config.json has no fp8 quantization_config)"
-        )
-    if fp8_weights == "fp8":
-        if config.quantization.method == "fp8":
-            from model.fp8_weights import convert_to_fp8
+    scaled = fp8_scaled_modules(path, config, fp8_weights)
+    if scaled is not None:
+        from model.fp8_weights import convert_to_fp8
 
-            _, files = _shards(path)
-            scaled = {n.removesuffix(".weight_scale_inv") for names in files.values()
-                      for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
-            convert_to_fp8(model, scaled, config.quantization.scale_fmt == "ue8m0")
+        convert_to_fp8(model, scaled, config.quantization.scale_fmt == "ue8m0")
     if awq:
         from model.awq import convert_to_awq
 
@@ -388,6 +377,32 @@ def load_model(
     mtp = load_weights(model, path, config, device, keep_mtp)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path, generation_config, mtp)
+
+
+def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:
+    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None for
+    ``fp8_weights="bf16"``; a ValueError for a bad value, a checkpoint that is not FP8, or one
+    whose config.json says FP8 but that has no scales (its weights converted to bf16, e.g. by
+    DeepSeek's fp8_cast_bf16.py, with config.json left as it was)."""
+    if fp8_weights not in ("bf16", "fp8"):
+        raise ValueError(f"fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
+    if fp8_weights == "bf16":
+        return None
+    if config.quantization is None or config.quantization.method != "fp8":
+        raise ValueError(
+            f"fp8_weights='fp8' needs an FP8 checkpoint; {path} is not one (its config.json has "
+            "no fp8 quantization_config)"
+        )
+    _, files = _shards(path)
+    scaled = {n.removesuffix(".weight_scale_inv") for names in files.values()
+              for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
+    if not scaled:
+        raise ValueError(
+            f"fp8_weights='fp8': {path} has no weight_scale_inv tensors, though its config.json "
+            "declares an fp8 quantization_config (weights already converted to bf16? load them "
+            "with fp8_weights='bf16')"
+        )
+    return scaled
 
 
 def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, dict]:

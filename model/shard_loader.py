@@ -30,6 +30,7 @@ from model.loader import (
     _Loader,
     _shards,
     finish_loaded_model,
+    fp8_scaled_modules,
     read_checkpoint_meta,
 )
 from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn
@@ -163,23 +164,6 @@ def build_sharded_model(
 
         convert_to_awq(model, config.quantization)
     return model
-
-
-def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:
-    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None for
-    ``fp8_weights="bf16"``; a ValueError for a bad value or a checkpoint that is not FP8."""
-    if fp8_weights not in ("bf16", "fp8"):
-        raise ValueError(f"fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
-    if fp8_weights == "bf16":
-        return None
-    if config.quantization is None or config.quantization.method != "fp8":
-        raise ValueError(
-            f"fp8_weights='fp8' needs an FP8 checkpoint; {path} is not one (its config.json has "
-            "no fp8 quantization_config)"
-        )
-    _, files = _shards(path)
-    return {n.removesuffix(".weight_scale_inv") for names in files.values()
-            for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
 
 
 def load_sharded_model(

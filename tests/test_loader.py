@@ -129,6 +129,29 @@ def test_fp8_checkpoint_loads_dequantised(loaded, tiny_fp8):
     assert torch.equal(dict(model.named_parameters())[name], dq)
 
 
+def test_fp8_config_without_scales_is_refused_for_fp8_weights(tiny, tiny_fp8, tmp_path):
+    """A bf16 checkpoint whose config.json still declares FP8 (DeepSeek's fp8_cast_bf16.py leaves
+    it as it was): fp8_weights='fp8' names the missing scales (it loaded the bf16 weights without
+    a word); 'bf16' loads it as before."""
+    from model.parallel import TPGroup
+    from model.shard_loader import load_sharded_model
+
+    path = tmp_path / "cast"
+    shutil.copytree(tiny, path)
+    fp8_config = json.loads((tiny_fp8 / "config.json").read_text())["quantization_config"]
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": fp8_config}))
+    for load in (
+        lambda: load_model(path, fp8_weights="fp8"),
+        lambda: load_sharded_model(path, TPGroup(0, 1, "", gather=False), fp8_weights="fp8"),
+    ):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))} has no weight_scale_inv"):
+            load()
+    model, extras = load_model(path)
+    assert extras.config.quantization.method == "fp8"
+    assert model.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
+
+
 # ---- corrupt checkpoints -----------------------------------------------------------------------
 def copy_ckpt(src, tmp_path):
     dst = tmp_path / "ck"
