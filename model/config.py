@@ -199,6 +199,55 @@ _ROPE_FIELDS: dict[str, tuple[type, Any]] = {
 }
 
 
+def _rope_scaling(rs: Any, name: str) -> RopeScaling | None:
+    """config.json's ``name`` (``rope_scaling``, or transformers v5's ``rope_parameters``) as
+    YaRN parameters; None where there is none (absent, or v5's ``rope_type: default``)."""
+    if rs is None:
+        return None
+    _expect(isinstance(rs, dict), name, "an object", rs)
+    key = "type" if "type" in rs else "rope_type"
+    kind = rs.get(key)
+    if kind == "default" and name == "rope_parameters":
+        return None
+    if kind != "yarn":
+        kinds = "'yarn' or 'default'" if name == "rope_parameters" else "'yarn'"
+        raise ValueError(
+            f"config.json field '{name}.{key}': only {kinds} is supported, got {kind!r}"
+        )
+    return RopeScaling(**{
+        k: default if rs.get(k) is None else _typed(f"{name}.{k}", rs[k], typ)
+        for k, (typ, default) in _ROPE_FIELDS.items()
+    })  # fmt: skip
+
+
+def _with_rope_parameters(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with transformers v5's ``rope_parameters`` (``rope_theta``, ``rope_type`` and the
+    YaRN fields in one object) read as v4's ``rope_theta`` and ``rope_scaling``. Where a v4 field
+    is given too it must say the same (one of them silently winning would change the outputs)."""
+    rp = d.get("rope_parameters")
+    if rp is None:
+        return d
+    _expect(isinstance(rp, dict), "rope_parameters", "an object", rp)
+    d = dict(d)
+    if rp.get("rope_theta") is not None:
+        theta = _typed("rope_parameters.rope_theta", rp["rope_theta"], float)
+        top = d.get("rope_theta")
+        if top is not None and _typed("rope_theta", top, float) != theta:
+            raise ValueError(
+                f"config.json fields 'rope_theta' ({top!r}) and 'rope_parameters.rope_theta' "
+                f"({rp['rope_theta']!r}) disagree"
+            )
+        d["rope_theta"] = theta
+    v5 = _rope_scaling(rp, "rope_parameters")
+    if d.get("rope_scaling") is not None and _rope_scaling(d["rope_scaling"], "rope_scaling") != v5:
+        raise ValueError(
+            "config.json fields 'rope_scaling' and 'rope_parameters' disagree: "
+            f"{d['rope_scaling']!r} against {rp!r}"
+        )
+    d["rope_scaling"] = None if v5 is None else {"type": "yarn", **asdict(v5)}
+    return d
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -356,25 +405,13 @@ class ModelConfig:
                 "config.json field 'model_type': expected one of "
                 f"{SUPPORTED_MODEL_TYPES}, got {mt!r}"
             )
+        d = _with_rope_parameters(d)
         kw: dict[str, Any] = {}
         for name, typ in _REQUIRED:
             if name not in d:
                 raise ValueError(f"config.json field {name!r} is missing")
             kw[name] = _typed(name, d[name], typ)
-        rs = d.get("rope_scaling")
-        if rs is None:
-            kw["rope_scaling"] = None
-        else:
-            _expect(isinstance(rs, dict), "rope_scaling", "an object", rs)
-            kind = rs.get("type", rs.get("rope_type"))
-            if kind != "yarn":
-                raise ValueError(
-                    f"config.json field 'rope_scaling.type': only 'yarn' is supported, got {kind!r}"
-                )
-            kw["rope_scaling"] = RopeScaling(**{
-                key: default if rs.get(key) is None else _typed(f"rope_scaling.{key}", rs[key], typ)
-                for key, (typ, default) in _ROPE_FIELDS.items()
-            })  # fmt: skip
+        kw["rope_scaling"] = _rope_scaling(d.get("rope_scaling"), "rope_scaling")
         for name, typ in _OPTIONAL.items():
             v = d.get(name)
             if v is None:

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -89,6 +90,49 @@ def test_optional_fields_of_the_right_type_load():
     d.update(num_nextn_predict_layers=1.0, hidden_size=float(d["hidden_size"]))  # integral
     c = ModelConfig.from_dict(d)
     assert c.num_nextn_predict_layers == 1 and isinstance(c.hidden_size, int)
+
+
+def v5_rope(d, **rope_parameters):
+    """``d`` in transformers v5's form: rope_theta and rope_scaling moved into rope_parameters."""
+    d = dict(d)
+    scaling = {k: v for k, v in d.pop("rope_scaling").items() if k != "type"}
+    rp = {"rope_type": "yarn", "rope_theta": d.pop("rope_theta"), **scaling}
+    return {**d, "rope_parameters": {**rp, **rope_parameters}}
+
+
+def test_transformers_v5_rope_parameters_are_read():
+    """v5 puts rope_theta and YaRN under rope_parameters (rope_type 'yarn'): the same model as
+    v4's rope_scaling. A top-level rope_theta beside it had the model load without YaRN; without
+    one, rope_theta was 'missing'."""
+    d = tiny_config_dict()
+    want = ModelConfig.from_dict(d)
+    assert want.rope_scaling is not None
+    v5 = v5_rope(d, rope_theta=50000.0)
+    assert ModelConfig.from_dict(v5) == replace(want, rope_theta=50000.0)
+    assert ModelConfig.from_dict({**v5, "rope_theta": 50000}) == replace(want, rope_theta=50000.0)
+    assert ModelConfig.from_dict({**v5_rope(d), "rope_scaling": d["rope_scaling"]}) == want
+    default = ModelConfig.from_dict(v5_rope(d, rope_type="default"))
+    assert default == replace(want, rope_scaling=None)
+    assert default.softmax_scale != want.softmax_scale  # (what the silent misread changed)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_theta": 20000}, r"'rope_theta' \(20000\) and 'rope_parameters.rope_theta'"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4}}, "'rope_scaling' and 'rope_parameters'"),
+        ({"rope_scaling": {"type": "yarn"}, "rope_parameters": {"rope_type": "default"}},
+         "'rope_scaling' and 'rope_parameters' disagree"),
+        ({"rope_parameters": {"rope_type": "linear"}}, "rope_parameters.rope_type"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": "40"}}, "rope_parameters.factor"),
+        ({"rope_parameters": {"rope_theta": "1e4"}}, "rope_parameters.rope_theta"),
+        ({"rope_parameters": "yarn"}, "'rope_parameters'"),
+    ],
+)
+def test_rope_parameters_that_disagree_or_are_bad_are_named(change, message):
+    d = {**v5_rope(tiny_config_dict()), "rope_theta": 10000}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**d, **change})
 
 
 def test_missing_field_is_named(tmp_path):
