@@ -47,7 +47,8 @@ class LoadExtras:
 
     config: ModelConfig
     path: Path
-    generation_config: dict[str, Any] = field(default_factory=dict)
+    # the parsed generation_config.json (read_checkpoint_meta's: an error where it is not JSON)
+    generation_config: Any = field(default_factory=dict)
     # MTP layers (``model.layers.{num_hidden_layers + k}.*``) exactly as stored, on the CPU.
     mtp: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -253,7 +254,7 @@ def _read_json(path: Path, what: str) -> Any:
         raise ValueError(f"{path.parent}: no {path.name} ({what})")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
 
 
@@ -405,9 +406,10 @@ def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set
     return scaled
 
 
-def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, dict]:
-    """A checkpoint directory's path, model config and generation config (``{}`` when absent),
-    with its tokenizer checked present: what every loader (whole or sharded) reads first."""
+def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, Any]:
+    """A checkpoint directory's path, model config and generation config (``{}`` when absent;
+    the ``ValueError`` naming it when it is not valid JSON), with its tokenizer checked present:
+    what every loader (whole or sharded) reads first."""
     path = resolve_model(path_or_name)
     raw = _read_json(_require(path, "config.json"), "model config")
     if not isinstance(raw, dict):  # NOTE: from_dict would fail on it with an AttributeError
@@ -415,7 +417,10 @@ def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, d
     config = ModelConfig.from_dict(raw)
     _require(path, "tokenizer.json")
     gen = path / "generation_config.json"
-    generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+    try:
+        generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+    except ValueError as e:  # NOTE: raised only where it is used: generation_config "none" skips it
+        generation_config = e
     return path, config, generation_config
 
 

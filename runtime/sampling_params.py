@@ -225,15 +225,18 @@ GENERATION_CONFIG_MODES = ("auto", "none")
 
 def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
     """The parameters of a request that sets none (``Engine.sampling_defaults``): with ``mode``
-    "auto" those a checkpoint's ``generation_config.json`` (parsed; ``{}`` when absent) sets,
-    checked as ``SamplingParams`` checks them; with "none" ``SamplingParams()``'s. Raises
-    ``ValueError`` naming a bad mode or field."""
+    "auto" those a checkpoint's ``generation_config.json`` (parsed; ``{}`` when absent; the
+    ``ValueError`` of a file that is not JSON, raised here) sets, checked as ``SamplingParams``
+    checks them; with "none" ``SamplingParams()``'s, ``gen`` unread. Raises ``ValueError``
+    naming a bad mode or field."""
     if mode not in GENERATION_CONFIG_MODES:
         modes = " or ".join(GENERATION_CONFIG_MODES)
         raise ValueError(f"generation_config must be {modes}, got {mode!r}")
     if mode == "none":
         return SamplingParams()
     ignore = "(generation_config='none', --generation-config none: the file is not read)"
+    if isinstance(gen, ValueError):  # not valid JSON (model.loader.read_checkpoint_meta)
+        raise ValueError(f"{gen} {ignore}") from gen
     if not isinstance(gen, dict):
         raise ValueError(f"generation_config.json: expected a JSON object, got {gen!r} {ignore}")
     fields = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None}

@@ -373,6 +373,24 @@ def test_missing_or_bad_metadata_files(tiny, tmp_path):
         load_model(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("text", [b"{ bad json", b"null", b"\xff{}"], ids=["bad", "null", "utf8"])
+def test_generation_config_none_gets_past_a_bad_generation_config(tiny, tmp_path, text):
+    """A generation_config.json that is not a JSON object fails the engine's start with
+    generation_config "auto", naming the file and the way past it; with "none" the file is not
+    read (the loader parsed it first: '{ bad json' failed whatever the mode)."""
+    from runtime.engine import Engine, EngineConfig
+    from runtime.sampling_params import SamplingParams
+
+    path = copy_ckpt(tiny, tmp_path)
+    (path / "generation_config.json").write_bytes(text)
+    model, extras = load_model(path)
+    cfg = EngineConfig(max_batch=1, host_tokens=64, gpu_tokens=64, max_model_len=64)
+    engine = Engine.from_loaded(model, extras, cfg, generation_config="none")
+    assert engine.sampling_defaults == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config.json.*--generation-config none"):
+        Engine.from_loaded(model, extras, cfg)
+
+
 def test_load_model_dtype_argument(tiny):
     model, _ = load_model(tiny, dtype=torch.float16)
     p = dict(model.named_parameters())
