@@ -82,7 +82,7 @@ def check(b: int, vocab: int) -> dict:
 
     reqs_cpu = make_requests(b, vocab, 50, seed=b)
     reqs_gpu = make_requests(b, vocab, 50, seed=b)
-    cpu, gpu = SamplingControls(1), SamplingControls(1)
+    cpu, gpu = SamplingControls({1}), SamplingControls({1})
     gen = torch.Generator().manual_seed(b)
     for _ in range(4):
         logits = torch.randn(b, vocab, generator=gen) * 4
@@ -122,7 +122,7 @@ def bench(b: int, vocab: int, reps: int) -> dict:
     def plain() -> object:
         return sample(logits, sb.temperature, sb.top_k, sb.top_p, sb.seeds, sb.steps)
 
-    controls = SamplingControls(1)
+    controls = SamplingControls({1})
 
     def steady() -> object:
         for r in reqs:  # one new token per request, as a decode step adds
@@ -131,7 +131,7 @@ def bench(b: int, vocab: int, reps: int) -> dict:
         return sample(x, sb.temperature, sb.top_k, sb.top_p, sb.seeds, sb.steps)
 
     def first_step() -> object:
-        return SamplingControls(1)(reqs, logits)  # fresh state: prompt + history to the device
+        return SamplingControls({1})(reqs, logits)  # fresh state: prompt + history to the device
 
     def top20() -> object:
         top = torch.log_softmax(logits, dim=-1).topk(20, dim=-1)

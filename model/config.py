@@ -185,7 +185,7 @@ _OPTIONAL: dict[str, type] = {
     "hidden_act": str,
     "tie_word_embeddings": bool,
     "bos_token_id": int,
-    "eos_token_id": int,  # or a list of them: the first
+    "eos_token_id": int,  # or a list of them: the first (all of them: eos_token_ids)
     "torch_dtype": str,
 }
 # rope_scaling's fields: (type, default when absent or null)
@@ -284,6 +284,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # config.json's eos_token_id when it is a list: all of them, eos_token_id first (every one
+    # ends a request: runtime.detokenize.eos_token_ids)
+    eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
     quantization: QuantConfig | None = None
 
@@ -373,6 +376,11 @@ class ModelConfig:
             "DeepSeek-V3.2 has a separate lm_head",
         )
         need(
+            not self.eos_token_ids or self.eos_token_ids[0] == self.eos_token_id,
+            "eos_token_id",
+            f"eos_token_ids {self.eos_token_ids} must start with eos_token_id {self.eos_token_id}",
+        )
+        need(
             self.index_topk <= self.max_position_embeddings,
             "index_topk",
             f"{self.index_topk} exceeds max_position_embeddings={self.max_position_embeddings}",
@@ -418,6 +426,7 @@ class ModelConfig:
                 continue
             if name == "eos_token_id" and isinstance(v, list):  # several: the first is the EOS
                 _expect(bool(v), name, "an integer or a non-empty list of them", v)
+                kw["eos_token_ids"] = tuple(_typed(name, t, typ) for t in v)
                 v = v[0]
             kw[name] = _typed(name, v, typ)
         q = d.get("quantization_config")
@@ -446,9 +455,11 @@ class ModelConfig:
             "model_type": "deepseek_v32",
         }
         for k, v in asdict(self).items():
-            if k in ("rope_scaling", "quantization"):
+            if k in ("rope_scaling", "quantization", "eos_token_ids"):
                 continue
             d[k] = v
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids)
         d["num_key_value_heads"] = self.num_attention_heads
         d["attention_bias"] = False
         d["attention_dropout"] = 0.0

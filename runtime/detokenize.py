@@ -2,8 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import Any
+
+from model.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def eos_ids(
+    model_config: ModelConfig, tokenizer: Tokenizer | None, generation_config: Any = None
+) -> frozenset[int]:
+    """The ids that end a request as its EOS (unless ``ignore_eos``), those vLLM stops on:
+    config.json's ``eos_token_id`` (all of a list), the tokenizer's EOS and, given the parsed
+    ``generation_config.json`` (None: the file is not read), its ``eos_token_id`` (an id or a
+    list). V3.2 names id 1 in all three."""
+    ids = {model_config.eos_token_id, *model_config.eos_token_ids}
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = generation_config.get("eos_token_id") if isinstance(generation_config, dict) else None
+    more = gen if isinstance(gen, list) else [] if gen is None else [gen]
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in more):
+        raise ValueError(
+            f"generation_config.json field 'eos_token_id': expected an integer or a list of "
+            f"them, got {gen!r}"
+        )
+    return frozenset(ids | set(more))
 
 
 class RequestDetokenizer:
@@ -15,10 +39,10 @@ class RequestDetokenizer:
         tokenizer: Tokenizer | None,
         params: SamplingParams,
         prompt_ids: list[int],
-        eos_token_id: int | None,
+        eos_token_ids: Collection[int],
     ):
         self.params = params
-        self.eos = eos_token_id
+        self.eos = eos_token_ids
         self.detok = (
             IncrementalDetokenizer(tokenizer, params.stop, prompt_ids)
             if tokenizer is not None
@@ -28,7 +52,7 @@ class RequestDetokenizer:
     def add(self, token_id: int, num_generated: int) -> tuple[str, str | None]:
         """Returns (text delta, finish reason or None)."""
         p = self.params
-        if (token_id == self.eos and not p.ignore_eos) or token_id in p.stop_token_ids:
+        if (token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids:
             return (self.detok.flush() if self.detok else ""), "stop"
         text = self.detok.add(token_id) if self.detok else ""
         if self.detok is not None and self.detok.stopped:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.config import ModelConfig
-from runtime.detokenize import RequestDetokenizer
+from runtime.detokenize import RequestDetokenizer, eos_ids
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import StepCompiler, build_runner
 from runtime.prefill_sharing import copy_rows, split_group
@@ -48,6 +48,7 @@ class EngineInputs:
 
     tokenizer: Tokenizer
     sampling_defaults: SamplingParams  # the request defaults of its generation config
+    eos_token_ids: frozenset[int]  # the ids that end a request (runtime.detokenize.eos_ids)
 
 
 def read_engine_inputs(path, config: EngineConfig, generation_config: str = "auto") -> EngineInputs:
@@ -55,14 +56,16 @@ def read_engine_inputs(path, config: EngineConfig, generation_config: str = "aut
     minutes), what an engine needs besides them: the engine options against the model config
     (the cache geometry: ``gpu_tokens`` against ``index_topk``, ...), the tokenizer (the model
     config's bos/eos ids standing in for tokens its tokenizer_config.json has no entry for) and,
-    with ``generation_config`` "auto", the request defaults its generation_config.json sets
-    (``runtime.sampling_params.generation_defaults``)."""
+    with ``generation_config`` "auto", the request defaults and EOS ids its generation_config.json
+    sets (``runtime.sampling_params.generation_defaults``; "none": the file is not read)."""
     from model.loader import read_checkpoint_meta
 
     path, mc, generation = read_checkpoint_meta(path)
     config.cache_config(mc)  # raises ValueError naming the option
     tokenizer = Tokenizer.from_dir(path, mc.bos_token_id, mc.eos_token_id)
-    return EngineInputs(tokenizer, generation_defaults(generation, generation_config))
+    defaults = generation_defaults(generation, generation_config)
+    gen = generation if generation_config == "auto" else None
+    return EngineInputs(tokenizer, defaults, eos_ids(mc, tokenizer, gen))
 
 
 @dataclass
@@ -93,13 +96,19 @@ class Engine:
         model_name: str = "model",
         compiler: StepCompiler | None = None,
         sampling_defaults: SamplingParams | None = None,
+        eos_token_ids: frozenset[int] | None = None,
     ):
         """``compiler`` (echo_compile.compiled.StepCompiler): compile the runner's steps; call
         ``runner.warmup()`` before serving. None: eager. ``sampling_defaults``: the parameters
         of a request that sets none (the checkpoint's generation config,
         ``runtime.sampling_params.generation_defaults``; None: ``SamplingParams()``); the
-        server and ``LLM`` fill unset fields from it, ``add_request`` takes params as given."""
+        server and ``LLM`` fill unset fields from it, ``add_request`` takes params as given.
+        ``eos_token_ids``: the ids that end a request as its EOS (``runtime.detokenize.eos_ids``;
+        None: those of ``model_config`` and ``tokenizer``)."""
         self.sampling_defaults = sampling_defaults or SamplingParams()
+        if eos_token_ids is None:
+            eos_token_ids = eos_ids(model_config, tokenizer)
+        self.eos_token_ids = eos_token_ids
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
@@ -123,7 +132,7 @@ class Engine:
         # (see ``runtime.sampler.LogitsProcessor``).
         self.logits_processors: list[LogitsProcessor] = []
         # penalties, logit_bias, min_p, min_tokens, before the processors (sampling_controls.py)
-        self.sampling_controls = SamplingControls(model_config.eos_token_id)
+        self.sampling_controls = SamplingControls(self.eos_token_ids)
         # SamplingParams.grammar as a token mask, before the controls (structured_output.py)
         self.structured_output = StructuredOutput(
             tokenizer, model_config.vocab_size, model_config.eos_token_id
@@ -171,7 +180,7 @@ class Engine:
         inputs = inputs or read_engine_inputs(extras.path, config, generation_config)
         return cls(
             model, mc, inputs.tokenizer, config, model_name=model_name, compiler=compiler,
-            sampling_defaults=inputs.sampling_defaults,
+            sampling_defaults=inputs.sampling_defaults, eos_token_ids=inputs.eos_token_ids,
         )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------
@@ -250,7 +259,7 @@ class Engine:
         params = req.params
         self.requests[req.request_id] = req
         self._detok[req.request_id] = RequestDetokenizer(
-            self.tokenizer, params, req.prompt_ids, self.model_config.eos_token_id
+            self.tokenizer, params, req.prompt_ids, self.eos_token_ids
         )
         self._seeds[req.request_id] = request_seed(params)
 

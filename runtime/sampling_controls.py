@@ -20,7 +20,7 @@ log-softmax as their logprob.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,10 +39,10 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 class SamplingControls:
     """Callable ``(requests, logits [B, V] fp32) -> logits``: the input when no row uses a control,
     else a new tensor (the input may be a CUDA graph's output buffer: it is never written).
-    ``eos_token_id`` is the token ``min_tokens`` holds back besides the stop ids."""
+    ``eos_token_ids`` are the tokens ``min_tokens`` holds back besides the stop ids."""
 
-    def __init__(self, eos_token_id: int | None) -> None:
-        self.eos = eos_token_id
+    def __init__(self, eos_token_ids: Collection[int]) -> None:
+        self.eos = sorted(eos_token_ids)
         self.counts: torch.Tensor | None = None  # [capacity, V] int32: times generated
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool: in the prompt
         self.slots: dict[str, tuple[int, int]] = {}  # request id -> (slot, outputs counted)
@@ -174,7 +174,7 @@ class SamplingControls:
             (i, t)
             for i, r in enumerate(reqs)
             if len(r.output_ids) + ahead < r.params.min_tokens
-            for t in ([] if self.eos is None or r.params.ignore_eos else [self.eos])
+            for t in ([] if r.params.ignore_eos else self.eos)
             + list(r.params.stop_token_ids)
         ]
         # (x is a copy of the batch's rows: in-place writes on it are safe)

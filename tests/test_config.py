@@ -65,6 +65,7 @@ def test_bench_softmax_scale_matches_reference():
         ({"eos_token_id": []}, "eos_token_id"),
         ({"eos_token_id": "1"}, "eos_token_id"),
         ({"eos_token_id": [True]}, "eos_token_id"),
+        ({"eos_token_id": [1, "2"]}, "eos_token_id"),
         ({"bos_token_id": 0.5}, "bos_token_id"),
         ({"rope_scaling": {"type": "yarn", "mscale": float("inf")}}, "rope_scaling.mscale"),
         ({"norm_topk_prob": "false"}, "norm_topk_prob"),
@@ -86,6 +87,7 @@ def test_optional_fields_of_the_right_type_load():
     d["rope_scaling"] = {"type": "yarn", "factor": 40, "mscale": None, "beta_fast": 32}
     c = ModelConfig.from_dict(d)
     assert (c.eos_token_id, c.norm_topk_prob, c.num_nextn_predict_layers) == (1, False, 0)
+    assert c.eos_token_ids == (1, 2) and ModelConfig.from_dict(c.to_dict()) == c  # all kept
     assert c.rope_scaling is not None and (c.rope_scaling.factor, c.rope_scaling.mscale) == (40, 1)
     d.update(num_nextn_predict_layers=1.0, hidden_size=float(d["hidden_size"]))  # integral
     c = ModelConfig.from_dict(d)

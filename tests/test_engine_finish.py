@@ -8,11 +8,16 @@ prefix of the unrestricted reference run, up to the token where the rule fires."
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
 from engine_records import tiny
 
+from model.checkpoint import resolve_model
+from model.loader import load_model
+from runtime.detokenize import eos_ids
 from runtime.engine import Engine, EngineConfig
 from runtime.sampling_params import SamplingParams
 
@@ -21,11 +26,14 @@ CFG = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=64, max_model_len
 PROMPT = "The cache holds"
 
 
-def _run(params: SamplingParams, eos: int | None = None) -> tuple[list[int], list[str], str]:
-    """(token ids, per-step text deltas, finish reason) of PROMPT decoded alone."""
+def _run(
+    params: SamplingParams, eos: int | None = None, eng: Engine | None = None
+) -> tuple[list[int], list[str], str]:
+    """(token ids, per-step text deltas, finish reason) of PROMPT decoded alone (on ``eng``, a
+    fresh engine)."""
     model, tok = tiny()
     mc = model.config if eos is None else dataclasses.replace(model.config, eos_token_id=eos)
-    eng = Engine(model, mc, tok, CFG)
+    eng = eng or Engine(model, mc, tok, CFG)
     eng.add_request("r", tok.encode(PROMPT), params)
     ids, texts, reasons = [], [], []
     while eng.has_unfinished():
@@ -76,6 +84,41 @@ def test_eos_and_ignore_eos(reference):
     assert (ids, reason) == (ref[: k + 1], "stop")
     ids, _, reason = _run(_params(ignore_eos=True), eos=ref[k])
     assert (ids, reason) == (ref, "length")
+
+
+@pytest.mark.parametrize(
+    "file", ["generation_config.json", "config.json", "tokenizer_config.json"]
+)
+def test_every_eos_id_of_the_checkpoint_ends_a_request(reference, tmp_path, file):
+    """As vLLM: generation_config.json's eos_token_id (an id or a list), all of config.json's
+    list and the tokenizer's EOS each end a request (only config.json's first id did), with
+    ignore_eos and min_tokens applying to each; --generation-config none does not read the file."""
+    ref = reference[0]
+    k = _first_new(ref, 4)
+    path = tmp_path / "ck"
+    shutil.copytree(resolve_model("tiny"), path)
+    d = json.loads((path / file).read_text())
+    if file == "tokenizer_config.json":
+        d["eos_token"] = tiny()[1]._tok.id_to_token(ref[k])
+    else:
+        d["eos_token_id"] = [1, ref[k]] if file == "config.json" else ref[k]
+    (path / file).write_text(json.dumps(d))
+    model, extras = load_model(path, keep_mtp=False)
+
+    def engine(mode: str = "auto") -> Engine:
+        return Engine.from_loaded(model, extras, CFG, generation_config=mode)
+
+    ids, _, reason = _run(_params(), eng=engine())
+    assert (ids, reason) == (ref[: k + 1], "stop")
+    ids, _, reason = _run(_params(ignore_eos=True), eng=engine())
+    assert (ids, reason) == (ref, "length")
+    ids, _, reason = _run(_params(min_tokens=k + 1), eng=engine())
+    assert ref[k] not in ids[: k + 1]  # held back
+    if file == "generation_config.json":
+        ids, _, reason = _run(_params(), eng=engine("none"))
+        assert (ids, reason) == (ref, "length")
+        with pytest.raises(ValueError, match="generation_config.json field 'eos_token_id'"):
+            eos_ids(model.config, None, {"eos_token_id": [1, "2"]})
 
 
 def test_stop_string_split_across_tokens(reference):

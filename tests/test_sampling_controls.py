@@ -68,7 +68,7 @@ def random_params(rng: random.Random) -> SamplingParams:
 
 def test_controls_equal_the_reference_over_steps() -> None:
     rng = random.Random(0)
-    controls = SamplingControls(EOS)
+    controls = SamplingControls({EOS})
     reqs = [
         Req(f"r{i}", [rng.randrange(V) for _ in range(rng.randrange(1, 12))], random_params(rng))
         for i in range(12)
@@ -83,7 +83,7 @@ def test_controls_equal_the_reference_over_steps() -> None:
         given = logits.clone()
         out = controls(batch, given)
         assert torch.equal(given, logits)  # never written: it may be a CUDA graph's output
-        fresh = SamplingControls(EOS)(batch, logits.clone())  # state rebuilt from the lists
+        fresh = SamplingControls({EOS})(batch, logits.clone())  # state rebuilt from the lists
         assert torch.allclose(out, ref, atol=1e-5, rtol=0, equal_nan=False), step
         assert torch.equal(torch.isinf(out), torch.isinf(ref))
         assert torch.equal(out, fresh), "incremental device state != state rebuilt from scratch"
@@ -103,7 +103,7 @@ def test_controls_equal_the_reference_over_steps() -> None:
 
 
 def test_no_controls_costs_nothing() -> None:
-    controls = SamplingControls(EOS)
+    controls = SamplingControls({EOS})
     logits = torch.randn(3, V)
     reqs = [
         Req(f"r{i}", [1], SamplingParams(max_tokens=4, min_p=0.5, temperature=0)) for i in range(3)
@@ -116,7 +116,7 @@ def test_min_tokens_holds_back_eos_and_stop_ids() -> None:
     r = Req("a", [5], params)
     logits = torch.zeros(1, V)
     logits[0, EOS], logits[0, 7] = 10.0, 9.0
-    controls = SamplingControls(EOS)
+    controls = SamplingControls({EOS})
     out = controls([r], logits.clone())
     assert out[0, EOS] == -math.inf and out[0, 7] == -math.inf
     r.output_ids = [3, 3]

@@ -66,7 +66,7 @@ def test_controls_cuda_equal_cpu():
     reqs = [
         Req(f"r{i}", [rng.randrange(V) for _ in range(5)], random_params(rng)) for i in range(8)
     ]
-    cpu, gpu = SamplingControls(EOS), SamplingControls(EOS)
+    cpu, gpu = SamplingControls({EOS}), SamplingControls({EOS})
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
         logits = torch.randn(len(reqs), V, generator=gen) * 3

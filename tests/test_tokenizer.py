@@ -164,7 +164,7 @@ def test_stop_string_completed_by_the_final_flush(tok: Tokenizer) -> None:
     half = tok.encode("é", add_bos=False)[:1]  # the first byte of a two-byte character
     for stop, reason, text in (("\ufffd", "stop", "ab"), ("zz", "length", "ab\ufffd")):
         params = SamplingParams(max_tokens=len(ab) + 1, stop=(stop,))
-        rd = RequestDetokenizer(tok, params, [], tok.eos_token_id)
+        rd = RequestDetokenizer(tok, params, [], {tok.eos_token_id})
         outs = [rd.add(t, n) for n, t in enumerate(ab + half, start=1)]
         assert [r for _, r in outs] == [None] * len(ab) + [reason]
         assert "".join(t for t, _ in outs) == text
