@@ -160,6 +160,7 @@ def test_check_fits_refuses_only_what_cannot_fit():
 def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
     """LLM(device="cuda") runs the check before any weight loads: a GPU too small is one
     ValueError and the loader is never called; a check that cannot run steps aside."""
+    import echo_compile.llm
     import model.loader
     from echo_compile.llm import LLM
     from runtime.distributed import plan
@@ -168,6 +169,7 @@ def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
         raise AssertionError("loaded")
 
     monkeypatch.setattr(model.loader, "load_model", no_load)
+    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
     monkeypatch.setattr(plan, "device_memory_gib", lambda device: (1e-4, 1000.0))
     with pytest.raises(ValueError, match=r"does not fit cuda: bf16 on dp=1 tp=1: a GPU needs"):
         LLM("tiny", device="cuda", compile=False, progress=False)
@@ -191,6 +193,7 @@ def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
 def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch):
     """A rank of a dp/tp job checks the GPU of its LOCAL_RANK and its host's memory against
     the pools of LOCAL_WORLD_SIZE ranks (before any process group or weight)."""
+    import echo_compile.llm
     from echo_compile.llm import LLM
     from runtime.distributed import plan
 
@@ -201,6 +204,7 @@ def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch)
         return 100.0, 1e-4  # a host too small for two pools
 
     monkeypatch.setattr(plan, "device_memory_gib", memory)
+    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(plan.DoesNotFit, match=r"the host KV pools need .* \(2 ranks x "):
