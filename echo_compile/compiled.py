@@ -17,8 +17,9 @@ Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conv
 ``input_ids``, ``positions``, ``out_slots`` are int64, ``block_table`` and ``seq_lens`` int32;
 ``block_table`` has ``runner.pages_per_seq`` columns (a prefill's may have fewer when prefill is
 not compiled). A wrong dtype, shape or device is a ``ValueError`` naming the tensor; the values
-(pages, slots, positions) are the caller's to get right. The steps run without autograd,
-whatever the caller's grad or inference mode.
+(pages, slots, positions) are the caller's to get right. Any strides do (a view is copied to
+the row-major layout the steps were compiled on). The steps run without autograd, whatever the
+caller's grad or inference mode.
 ``decode`` returns fp32 logits [B, V] (B padded internally to the next bucket and cut back);
 ``prefill`` returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
 survive the next CUDA-graph replay. The engine (runtime.engine.Engine) drives the same object.
@@ -60,6 +61,28 @@ def _own_code(step: StepModule) -> Callable[..., torch.Tensor]:
     code = fwd.__code__.replace(co_name=name)
     fn = types.FunctionType(code, fwd.__globals__, name, fwd.__defaults__, fwd.__closure__)
     return types.MethodType(fn, step)
+
+
+def _row_major_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` has."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is an inference tensor or its strides are not the row-major
+    ones of its shape.
+
+    NOTE: Dynamo guards every stride, size-1 dims' too, and the steps were compiled on row-major
+    tensors: a batch-1 view ``tokens[:, -1]`` of a [1, 4] tensor has stride (4,), which is a
+    recompile (refused after warm-up). ``contiguous()`` and ``clone()`` keep that stride: a
+    size-1 view counts as contiguous. A fresh tensor has the standard strides."""
+    if t.is_inference() or t.stride() != _row_major_strides(t.shape):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    return t
 
 
 class CompiledStep:
@@ -143,7 +166,7 @@ class CompiledModel:
         # no_grad; a caller's grad mode or inference mode would be a recompile, refused after
         # warm-up), on inputs that are not inference tensors
         with torch.inference_mode(False), torch.no_grad():
-            inputs = tuple(t.clone() if t.is_inference() else t.contiguous() for t in inputs)
+            inputs = tuple(_row_major(t) for t in inputs)
             args = self.runner.pad_inputs(is_decode, *inputs)
             fn = self.runner.decode_fn if is_decode else self.runner.prefill_fn
             return fn(*args)

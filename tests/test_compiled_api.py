@@ -111,3 +111,41 @@ def test_after_warmup_decode_runs_in_any_grad_mode_and_checks_its_inputs():
         args[i] = bad
         with pytest.raises(ValueError, match=match):
             cm.decode(*args)
+
+
+def test_strided_batch_1_views_run_the_warm_steps():
+    """A batch-1 view of a wider tensor (``tokens[:, -1]``, one row of a strided block table)
+    keeps its stride on its size-1 dim, and ``contiguous()`` keeps it too: the steps were
+    compiled on row-major tensors, so without a copy it was a recompile, refused after warm-up.
+    It runs the warm steps and gives the logits of fresh tensors. (aot_eager, as above.)"""
+    from echo_compile.compiled import CompiledModel, StepCompiler
+    from runtime.engine_config import EngineConfig
+    from runtime.model_runner import build_runner
+
+    model, _ = load_model(resolve_model("tiny"))
+    topk = model.config.index_topk
+    cfg = EngineConfig(max_batch=1, host_tokens=1024, gpu_tokens=topk, max_model_len=256,
+                       decode_buckets=(1,), prefill_chunk=16, device="cpu")  # fmt: skip
+    cm = CompiledModel(build_runner(model, cfg, StepCompiler("cpu", backend="aot_eager")))
+    assert cm.runner.prefill_static_width
+    cm.warmup(calls=1, progress=False)
+    P = cm.runner.pages_per_seq
+    fresh_bt = torch.zeros(1, P, dtype=torch.int32)
+    fresh_bt[0, 0] = 3
+    tables = torch.zeros(4, P, dtype=torch.int32)
+    tables[2] = fresh_bt[0]
+    bt = tables[::2][1:2]  # the same [1, P] rows, strides (2P, 1)
+    assert bt.stride() == (2 * P, 1) and bt.contiguous().stride() == (2 * P, 1)
+    n = 5
+    ids, pos, lens = torch.tensor([7, 11, 13, 17, 19, 23]), torch.arange(n), torch.tensor([n])
+    lens = lens.int()
+    got = cm.prefill(ids[:n], pos, 3 * 64 + pos, bt, lens)
+    want = cm.prefill(ids[:n].clone(), pos, 3 * 64 + pos, fresh_bt, lens)  # the same rows again
+    assert torch.equal(got, want)
+    tokens = torch.tensor([[5, 6, 7, 9]])
+    last = tokens[:, -1]  # [1], stride (4,)
+    assert last.stride() == (4,) and last.contiguous().stride() == (4,)
+    pos = torch.tensor([n])
+    got = cm.decode(last, pos, 3 * 64 + pos, bt, lens + 1)
+    want = cm.decode(torch.tensor([9]), pos, 3 * 64 + pos, fresh_bt, lens + 1)
+    assert torch.equal(got, want)
