@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from custom_ops.backends.select import DEFAULT_BACKEND
+from custom_ops.cache.config import PREFETCH_MARGIN
 from echo_compile import settings
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import ModelRunner, StepModule, build_runner
@@ -218,13 +219,26 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     prefill_chunk: int = 2048,
     compile_prefill: bool | None = None,
     kernel_backend: str = DEFAULT_BACKEND,
+    prefetch: str = "off",
+    prefetch_cap: int = 64,
+    prefetch_ratio: float = 1 / 512,
+    prefetch_margin: float = PREFETCH_MARGIN,
+    prefill_buffer: bool = True,
     device: str | torch.device | None = None,
     strict: bool = False,
     warmup_now: bool = False,
 ) -> CompiledModel:
     """Compile ``model`` (a ``model.DeepseekV32ForCausalLM``) for offloaded decode; see the module
-    docstring for the call signature and the state the returned object owns. The options are
-    ``runtime.EngineConfig``'s (``compile_prefill``: its prefill policy)."""
+    docstring for the call signature and the state the returned object owns.
+
+    These options are ``runtime.EngineConfig``'s of the same names and defaults, checked there:
+    ``host_tokens``, ``gpu_tokens``, ``kv_format``, ``offload``, ``max_batch``,
+    ``max_model_len``, ``decode_buckets``, ``prefill_chunk``, ``compile_prefill`` (its prefill
+    policy), ``kernel_backend``, ``prefetch``, ``prefetch_cap``, ``prefetch_ratio``,
+    ``prefetch_margin`` and ``prefill_buffer``. The others are this function's: ``device`` (by
+    default the model's), ``strict`` (a skipped CUDA graph is an error) and ``warmup_now``
+    (warm up before returning). EngineConfig's serving options (dp/tp/ep, the scheduler's,
+    prefix caching) are the engine's (``LLM``): a ``CompiledModel`` has no scheduler."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     config = EngineConfig(
         max_batch=max_batch,
@@ -238,6 +252,11 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
         device=str(device),
         compile_prefill=compile_prefill,
         kernel_backend=kernel_backend,
+        prefetch=prefetch,
+        prefetch_cap=prefetch_cap,
+        prefetch_ratio=prefetch_ratio,
+        prefetch_margin=prefetch_margin,
+        prefill_buffer=prefill_buffer,
     )
     cm = CompiledModel(build_runner(model, config, StepCompiler(device, strict)))
     if warmup_now:

@@ -149,3 +149,30 @@ def test_strided_batch_1_views_run_the_warm_steps():
     got = cm.decode(last, pos, 3 * 64 + pos, bt, lens + 1)
     want = cm.decode(torch.tensor([9]), pos, 3 * 64 + pos, fresh_bt, lens + 1)
     assert torch.equal(got, want)
+
+
+def test_compile_takes_engine_config_s_cache_options_with_its_defaults():
+    """compile()'s options are EngineConfig's (its docstring says so): the prefetch and
+    prefill-buffer options reach the cache, and every shared option has EngineConfig's default.
+    (Nothing compiles: the steps compile on their first call.)"""
+    import dataclasses
+    import inspect
+
+    from runtime.engine_config import EngineConfig
+
+    model, _ = load_model(resolve_model("tiny"))
+    opts = dict(prefetch="request", prefetch_cap=16, prefetch_ratio=0.25, prefetch_margin=1.0,
+                prefill_buffer=False)  # fmt: skip
+    cm = echo_compile.compile(model, host_tokens=1024, gpu_tokens=2 * model.config.index_topk,
+                              max_batch=2, max_model_len=256, prefill_chunk=64, **opts)  # fmt: skip
+    cfg = cm.cache.config
+    got = (cfg.prefetch, cfg.prefetch_cap, cfg.prefetch_ratio, cfg.prefetch_margin)
+    assert got == ("request", 16, 0.25, 1.0)
+    assert cfg.prefill_tokens == 0 and cm.cache.layers[0].staging.cap == 16
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    params = inspect.signature(echo_compile.compile).parameters
+    shared = [n for n, p in params.items() if n in defaults and n != "device"]
+    assert set(opts) <= set(shared)
+    for name in shared:
+        if params[name].default is not inspect.Parameter.empty:
+            assert params[name].default == defaults[name], name
