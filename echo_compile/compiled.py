@@ -21,7 +21,8 @@ not compiled). A wrong dtype, shape or device is a ``ValueError`` naming the ten
 the row-major layout the steps were compiled on). The steps run without autograd, whatever the
 caller's grad or inference mode.
 ``decode`` returns fp32 logits [B, V] (B padded internally to the next bucket and cut back);
-``prefill`` returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
+``prefill`` takes at most ``prefill_chunk`` tokens per call (a longer prompt: one call per chunk,
+in order) and returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
 survive the next CUDA-graph replay. The engine (runtime.engine.Engine) drives the same object.
 
 NOTE: a prefill keeps its context in one device prefill buffer per layer, indexed by position: run
@@ -159,7 +160,13 @@ class CompiledModel:
         return self._run(True, input_ids, positions, out_slots, block_table, seq_lens)[:n]
 
     def prefill(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
-        self._check(False, input_ids, positions, out_slots, block_table, seq_lens)
+        n = self._check(False, input_ids, positions, out_slots, block_table, seq_lens)
+        chunk = self.runner.prefill_buckets[-1]
+        if n > chunk:
+            raise ValueError(
+                f"prefill takes at most prefill_chunk ({chunk}) tokens per call, got {n}: run the "
+                "prompt in chunks, in order, or compile with a larger prefill_chunk"
+            )
         return self._run(False, input_ids, positions, out_slots, block_table, seq_lens)
 
     def _run(self, is_decode: bool, *inputs: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,9 @@ def test_after_warmup_decode_runs_in_any_grad_mode_and_checks_its_inputs():
         args[i] = bad
         with pytest.raises(ValueError, match=match):
             cm.decode(*args)
+    z = torch.zeros(65, dtype=torch.int64)  # one token over the chunk: the option is named
+    with pytest.raises(ValueError, match=r"at most prefill_chunk \(64\) tokens per call, got 65"):
+        cm.prefill(z, z, z, good[3][:1], good[4][:1])
 
 
 def test_strided_batch_1_views_run_the_warm_steps():
