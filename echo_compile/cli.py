@@ -29,6 +29,33 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+# the prefetch flags that size the staging buffers (serve, generate and plan)
+PREFETCH_OPTIONS = ("prefetch", "prefetch_cap", "prefetch_ratio")
+
+
+def _prefetch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefetch",
+        choices=("off", "request", "global"),
+        default=None,
+        help="lossless decode prefetch fused into the indexer, with offloading (docs/prefetch.md): "
+        "request (at most --prefetch-cap rows per request and layer) or global (--prefetch-ratio "
+        "rows per context token of the batch, at most max_batch x --prefetch-cap); default: off",
+    )
+    p.add_argument("--prefetch-cap", type=int, default=None,
+                   help="staged rows per request and layer (default: "
+                   "EngineConfig.prefetch_cap)")  # fmt: skip
+    p.add_argument("--prefetch-ratio", type=float, default=None,
+                   help="global: staged rows per context token of the batch (default: "
+                   "EngineConfig.prefetch_ratio)")  # fmt: skip
+
+
+def _given(a: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The options of ``names`` the command line set (EngineConfig holds the defaults and checks
+    the values)."""
+    return {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="tiny", help="checkpoint directory, or tiny / tiny-fp8 / tiny-awq"
@@ -90,20 +117,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="launch the next decode step before reading the last one's tokens (one process)",
     )
-    p.add_argument(
-        "--prefetch",
-        choices=("off", "request", "global"),
-        default=None,
-        help="lossless decode prefetch fused into the indexer, with offloading (docs/prefetch.md): "
-        "request (at most --prefetch-cap rows per request and layer) or global (--prefetch-ratio "
-        "rows per context token of the batch, at most max_batch x --prefetch-cap); default: off",
-    )
-    p.add_argument("--prefetch-cap", type=int, default=None,
-                   help="staged rows per request and layer (default: "
-                   "EngineConfig.prefetch_cap)")  # fmt: skip
-    p.add_argument("--prefetch-ratio", type=float, default=None,
-                   help="global: staged rows per context token of the batch (default: "
-                   "EngineConfig.prefetch_ratio)")  # fmt: skip
+    _prefetch_args(p)
     p.add_argument("--prefetch-margin", type=float, default=None,
                    help="the threshold's margin over the EMA of the k-th score, in EMAs of its "
                    "distance from it (0 = ECHO's threshold; default: "
@@ -156,9 +170,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
             raise ValueError(
                 f"--decode-buckets must be comma-separated integers, got {a.decode_buckets!r}"
             ) from None
-    for k in ("prefill_chunk", "prefetch", "prefetch_cap", "prefetch_ratio", "prefetch_margin"):
-        if getattr(a, k) is not None:  # EngineConfig holds the defaults and checks the values
-            opts[k] = getattr(a, k)
+    opts.update(_given(a, ("prefill_chunk", *PREFETCH_OPTIONS, "prefetch_margin")))
     return opts
 
 
@@ -272,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--no-offload", action="store_true")
     pl.add_argument("--no-prefill-buffer", action="store_true", help="as serve's flag")
+    _prefetch_args(pl)  # the staging buffers they size are planned
     pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
     pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
     pl.add_argument("--host-mem-gib", type=float, default=None, help="per node; unchecked if unset")
@@ -361,7 +374,7 @@ def _run(a: argparse.Namespace) -> int:
         ep = tp if a.ep else 1
         eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
                           a.kv_format, not a.no_offload, a.max_model_len, ep,
-                          not a.no_prefill_buffer)  # fmt: skip
+                          not a.no_prefill_buffer, **_given(a, PREFETCH_OPTIONS))  # fmt: skip
         mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
         plan = memory_plan(
             config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node

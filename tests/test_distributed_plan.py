@@ -17,19 +17,30 @@ from model.shard_loader import load_sharded_model
 from runtime.distributed.plan import cache_bytes, memory_plan, plan_engine, v32_config, weight_bytes
 
 
-@pytest.mark.parametrize("offload", [True, False])
-def test_cache_bytes_are_the_allocations(offload):
+def nbytes(module) -> int:
+    return sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+@pytest.mark.parametrize(
+    "offload, prefetch", [(True, "off"), (True, "request"), (True, "global"), (False, "off")]
+)
+def test_cache_bytes_are_the_allocations(offload, prefetch):
     cfg = CacheConfig(num_layers=2, host_tokens=64 * 8, gpu_tokens=96, topk=32, fmt="fp8",
-                      offload=offload, max_batch=2, prefill_tokens=128)  # fmt: skip
+                      offload=offload, max_batch=2, prefill_tokens=128, prefetch=prefetch,
+                      prefetch_cap=48)  # fmt: skip
     cache = KVCache(cfg, "cpu")
     got = cache_bytes(cfg)
+    staging = [layer.staging for layer in cache.layers if layer.staging is not None]
+    assert len(staging) == (cfg.num_layers if prefetch != "off" else 0)
+    assert got["prefetch staging"] == sum(nbytes(s) for s in staging)  # exact
     host = sum(layer.host_kv.numel() for layer in cache.layers)
-    device = sum(b.numel() * b.element_size() for b in cache.buffers()) - host
+    device = nbytes(cache) - host
     if not offload:  # GPU-only: the "host" rows are the device-resident KV
         host, device = 0, device + host
     assert got["host kv pool"] == host
     meta = got["metadata"]
     dev_sum = got["gpu kv pools"] + got["indexer cache"] + got["prefill buffer"]
+    dev_sum += got["prefetch staging"]
     # the metadata estimate rounds the pools' few small control buffers up to 4 KB per layer;
     # without a pool it is the prefill counters alone, exactly
     assert dev_sum <= device <= dev_sum + meta
@@ -80,7 +91,17 @@ def test_plan_command(capsys):
     assert cli_main(["plan", "--quant", "awq"]) == 0
     assert "fits" in capsys.readouterr().out
     assert cli_main(["plan", "--quant", "awq", "--no-prefill-buffer"]) == 0
-    assert "prefill buffer        0.00 GiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "prefill buffer        0.00 GiB" in out and "prefetch staging      0.00 GiB" in out
+    # the staging buffers of prefetch, as serve's flags size them
+    flags = ["--prefetch", "request", "--prefetch-cap", "256"]
+    eng = plan_engine(8, 8, 200_000, 1 << 21, 64, prefetch="request", prefetch_cap=256)
+    staged = memory_plan(v32_config("awq"), eng, 139.8).gpu_gib["prefetch staging"]
+    assert staged > 1.0  # 61 layers x (16384 fp8 rows + the maps of 2^21 host rows)
+    assert cli_main(["plan", "--quant", "awq", *flags]) == 0
+    assert f"prefetch staging {staged:9.2f} GiB" in capsys.readouterr().out
+    assert cli_main(["plan", "--quant", "awq", "--prefetch", "request", "--no-offload"]) == 2
+    assert "needs offloading" in capsys.readouterr().err
     assert cli_main(["plan", "--quant", "fp8"]) == 2
     assert "the plan does not fit" in capsys.readouterr().err
     assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8"]) == 0
@@ -137,6 +158,10 @@ def test_check_fits_refuses_only_what_cannot_fit():
     plan = memory_plan(config, eng, 100.0, None, 0.0)
     need = sum(plan.gpu_gib.values())
     check_fits(config, eng, need * 1.01, plan.host_gib_per_rank * 1.01)  # fits
+    # the staging buffers of prefetch are counted: what fits without them need not with them
+    staged = EngineConfig(device="cuda", host_tokens=1 << 16, prefetch="request", prefetch_cap=4096)
+    with pytest.raises(ValueError, match=r"does not fit cuda: .* a GPU needs"):
+        check_fits(config, staged, need * 1.01, plan.host_gib_per_rank * 1.01)
     with pytest.raises(ValueError, match=r"does not fit cuda: .* a GPU needs .*GiB weights"):
         check_fits(config, eng, need * 0.99, 100.0)
     with pytest.raises(ValueError, match=r"the host KV pools need .*, --host-tokens 65536 rows"):

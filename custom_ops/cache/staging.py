@@ -10,6 +10,8 @@ state.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -22,27 +24,40 @@ from custom_ops.kv_format import PAGE
 PREFETCH_STATS = ("prefetched_per_step", "prefetch_precision", "prefetch_coverage")
 
 
+def staging_buffers(cfg: CacheConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+    """One layer's staging buffers, name: (shape, dtype, initial value), the one home of their
+    sizes: ``Staging`` allocates them, the memory plan (runtime/distributed/plan.py) counts
+    them."""
+    n_stage = cfg.max_batch * cfg.prefetch_cap
+    # threshold, level, deviation (prefetch_layout.EMA_*) keyed by a request's first host page
+    # (+ a dump column for padded rows)
+    n_ema = cfg.host_tokens // PAGE + 1
+    return {
+        "stage_kv": ((n_stage, cfg.row_bytes), torch.uint8, 0),
+        "stage_host": ((n_stage,), torch.int32, -1),
+        "host_stage": ((cfg.host_tokens,), torch.int32, -1),
+        "stage_ctr": ((cfg.max_batch + 1,), torch.int32, 0),
+        "ema": ((pf.EMA_ROWS, n_ema), torch.float32, 0),
+        "totals": ((pf.PF_LEN,), torch.int64, 0),
+    }
+
+
+def staging_bytes(cfg: CacheConfig) -> int:
+    """Device bytes of one layer's ``Staging`` of ``cfg`` (prefetch on)."""
+    return sum(
+        math.prod(shape) * dtype.itemsize for shape, dtype, _ in staging_buffers(cfg).values()
+    )
+
+
 class Staging(nn.Module):
     def __init__(self, cfg: CacheConfig, device: torch.device):
         super().__init__()
         self.cap = cfg.prefetch_cap
         self.ratio = cfg.prefetch_ratio if cfg.prefetch == "global" else 0.0
         self.margin = cfg.prefetch_margin
-        n_stage = cfg.max_batch * cfg.prefetch_cap
-        i32 = dict(dtype=torch.int32, device=device)
-
-        def buf(name: str, t: torch.Tensor) -> None:
+        for name, (shape, dtype, value) in staging_buffers(cfg).items():
+            t = torch.full(shape, value, dtype=dtype, device=device)
             self.register_buffer(name, t, persistent=False)
-
-        buf("stage_kv", torch.zeros(n_stage, cfg.row_bytes, dtype=torch.uint8, device=device))
-        buf("stage_host", torch.full((n_stage,), -1, **i32))
-        buf("host_stage", torch.full((cfg.host_tokens,), -1, **i32))
-        buf("stage_ctr", torch.zeros(cfg.max_batch + 1, **i32))
-        # threshold, level, deviation (prefetch_layout.EMA_*) keyed by a request's first host
-        # page (+ a dump column for padded rows)
-        n_ema = cfg.host_tokens // PAGE + 1
-        buf("ema", torch.zeros(pf.EMA_ROWS, n_ema, dtype=torch.float32, device=device))
-        buf("totals", torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device))
 
     def select(self, index_k, host_kv, pool, q_fp8, weights, block_table, seq_lens, topk):
         return torch.ops.echo.indexer_topk_prefetch(

@@ -8,7 +8,8 @@ refusal when it does not fit.
   dequantised to bf16 at load unless ``fp8_weights="fp8"`` keeps it FP8, one byte a weight);
 - the KV cache of ``custom_ops.cache`` for the rank's ``CacheConfig``: GPU pools (offload) or
   the whole KV (GPU-only), the prefill buffer, the indexer cache (one 132-byte key per host
-  row per layer, on the GPU), the pools' maps and recall buffers; the host pool in host memory;
+  row per layer, on the GPU), the prefetch staging buffers, the pools' maps and recall buffers;
+  the host pool in host memory;
 - a reserve for everything not computed (activations, CUDA graphs' pools, NCCL buffers, the
   allocator's slack): a stated guess, ``reserve_gib``.
 """
@@ -19,6 +20,7 @@ import math
 from dataclasses import dataclass, replace
 
 from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.staging import staging_bytes
 from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
 from model.config import ModelConfig
 from runtime.engine_config import EngineConfig
@@ -69,18 +71,20 @@ def weight_bytes(
 
 
 def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
-    """Device and host bytes of a ``KVCache`` of ``cfg`` (mirrors custom_ops/cache/kv_cache.py
-    and gpu_pool.py allocation by allocation, except the decode indexer's library buffers:
-    about 1 MB, once for all layers, where a plan uses DeepGEMM or FlashInfer, which depends on
-    what is installed; the plan's reserve covers them)."""
+    """Device and host bytes of a ``KVCache`` of ``cfg`` (mirrors custom_ops/cache/kv_cache.py,
+    gpu_pool.py and staging.py allocation by allocation, except the decode indexer's library
+    buffers: about 1 MB, once for all layers, where a plan uses DeepGEMM or FlashInfer, which
+    depends on what is installed; the plan's reserve covers them)."""
     layers, n_h, n_g = cfg.num_layers, cfg.host_tokens, cfg.gpu_tokens
     kv = n_h * cfg.row_bytes * layers
+    prefetch = cfg.offload and cfg.prefetch != "off"  # as KVCache builds a layer's Staging
     out = {
         "gpu kv pools": n_g * cfg.row_bytes * layers if cfg.offload else kv,
         "indexer cache": n_h // PAGE * INDEX_PAGE_BYTES * layers,
         "prefill buffer": (cfg.prefill_tokens + 1) * cfg.row_bytes * layers
         if cfg.prefill_tokens
         else 0,
+        "prefetch staging": staging_bytes(cfg) * layers if prefetch else 0,
         "metadata": 16 * layers,  # prefill_copied: two int64 counters a layer
         "host kv pool": kv if cfg.offload else 0,
     }
@@ -257,8 +261,11 @@ def plan_engine(
     max_model_len: int = 163840,
     ep: int = 1,
     prefill_buffer: bool = True,
+    **options,
 ) -> EngineConfig:
-    """An engine config for planning (long contexts: the whole V3.2 context by default)."""
+    """An engine config for planning (long contexts: the whole V3.2 context by default);
+    ``options``: other ``EngineConfig`` options, e.g. the prefetch ones that size the staging
+    buffers (``prefetch``, ``prefetch_cap``, ``prefetch_ratio``)."""
     base = EngineConfig(
         max_batch=max_batch,
         host_tokens=host_tokens,
@@ -267,5 +274,6 @@ def plan_engine(
         offload=offload,
         max_model_len=max_model_len,
         prefill_buffer=prefill_buffer,
+        **options,
     )
     return replace(base, dp=dp, tp=tp, ep=ep)
