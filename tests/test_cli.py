@@ -318,6 +318,7 @@ def test_chunk_and_bucket_flags_reach_the_engine_options(cmd):
         (["--prefill-chunk", "100"], "prefill_chunk must be a multiple of 16"),
         (["--prefetch", "request", "--no-offload"], "prefetch='request' needs offloading"),
         (["--prefetch", "request", "--prefetch-cap", "0"], "prefetch_cap must be a positive"),
+        (["--prefetch", "request", "--prefetch-cap", "10000000"], "cap must be at most host_tok"),
         (["--prefetch", "global", "--prefetch-ratio", "-1"], "prefetch_ratio must be in (0, 1]"),
         (["--prefetch", "global", "--prefetch-ratio", "inf"], "prefetch_ratio must be in (0, 1]"),
         (["--prefetch-margin", "inf"], "prefetch_margin must be a finite number >= 0"),

@@ -424,6 +424,11 @@ def test_bad_inputs_raise():
         _run(torch.ops.echo.indexer_topk_prefetch, inp, host_kv[:-1], h2g, st, 32, 16, 0.0)
     with pytest.raises(ValueError, match="prefetch"):
         CacheConfig(num_layers=1, host_tokens=64, gpu_tokens=64, topk=8, prefetch="on")
+    # a request stages at most its context, in the host pool: a cap over it is refused
+    geometry = dict(num_layers=1, host_tokens=128, gpu_tokens=64, topk=8, prefetch="request")
+    CacheConfig(**geometry, prefetch_cap=128)
+    with pytest.raises(ValueError, match=r"prefetch_cap must be at most host_tokens \(128,"):
+        CacheConfig(**geometry, prefetch_cap=129)
 
 
 def test_bench_prefetch_dry_run(tmp_path):

@@ -11,8 +11,16 @@ from custom_ops.kv_format import PAGE, ROW_BYTES, check_fmt
 PREFETCH_MARGIN = 2.0  # the default (docs/prefetch.md, "The threshold": the measurement behind it)
 
 
-def check_prefetch(mode: str, cap: int, ratio: float, offload: bool, margin: float = 0.0) -> None:
-    """The prefetch options' one rule (CacheConfig, and EngineConfig at construction)."""
+def check_prefetch(
+    mode: str,
+    cap: int,
+    ratio: float,
+    offload: bool,
+    margin: float = 0.0,
+    host_tokens: int | None = None,
+) -> None:
+    """The prefetch options' one rule (CacheConfig, and EngineConfig at construction);
+    ``host_tokens`` None: the host pool's size not known yet, ``prefetch_cap`` not bounded."""
     if mode not in ("off", "request", "global"):
         raise ValueError(f"prefetch must be 'off', 'request' or 'global', got {mode!r}")
     if mode != "off" and not offload:
@@ -22,6 +30,15 @@ def check_prefetch(mode: str, cap: int, ratio: float, offload: bool, margin: flo
         )
     if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
         raise ValueError(f"prefetch_cap must be a positive integer, got {cap!r}")
+    # NOTE: the staging buffer has max_batch x prefetch_cap rows a layer, whatever the mode. A
+    # request stages only its own context tokens, and its whole context is in the host pool
+    # (it reserves its pages at admission), so it never stages more than host_tokens rows:
+    # a larger cap only allocates rows no request can fill (10M: 92 GB on the tiny model)
+    if host_tokens is not None and cap > host_tokens:
+        raise ValueError(
+            f"prefetch_cap must be at most host_tokens ({host_tokens}, the most rows a request "
+            f"can stage), got {cap}"
+        )
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         # more than one staged row per context token stages nothing more (the candidates are
         # context tokens), and the kernels take the budget as an int32
@@ -79,6 +96,7 @@ class CacheConfig:
             self.prefetch_ratio,
             self.offload,
             self.prefetch_margin,
+            self.host_tokens,
         )
         if self.num_layers <= 0:
             raise ValueError(f"CacheConfig.num_layers must be positive, got {self.num_layers}")
