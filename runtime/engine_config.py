@@ -155,6 +155,7 @@ class EngineConfig:
             self.prefetch_ratio,
             self.offload,
             self.prefetch_margin,
+            self.host_tokens,
         )
         if self.compile_prefill not in (None, True, False):
             raise ValueError(
