@@ -42,6 +42,7 @@ from torch import nn
 from custom_ops.backends.select import DEFAULT_BACKEND
 from custom_ops.cache.config import PREFETCH_MARGIN
 from echo_compile import settings
+from echo_compile.devices import check_device
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import ModelRunner, StepModule, build_runner
 
@@ -265,6 +266,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
         prefetch_margin=prefetch_margin,
         prefill_buffer=prefill_buffer,
     )
+    check_device(config.device, python=True)
     cm = CompiledModel(build_runner(model, config, StepCompiler(device, strict)))
     if warmup_now:
         cm.warmup()

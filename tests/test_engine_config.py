@@ -111,3 +111,13 @@ def test_llm_on_cuda_without_cuda_is_one_clear_error():
 
     with pytest.raises(ValueError, match=r"device='cuda': CUDA is not available .*device='cpu'"):
         LLM("tiny", device="cuda", progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_compile_on_cuda_without_cuda_is_one_clear_error():
+    import echo_compile
+    from model.loader import load_model
+
+    model, _ = load_model("tiny", device="cpu")
+    with pytest.raises(ValueError, match=r"device='cuda': CUDA is not available"):
+        echo_compile.compile(model, host_tokens=1024, gpu_tokens=64, device="cuda")
