@@ -281,6 +281,37 @@ def _shards(path: Path) -> tuple[str, dict[str, list[str]]]:
     raise ValueError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE}")
 
 
+def open_shard(path: Path, file: str):
+    """``safe_open`` of one shard, its failure a ValueError naming the file."""
+    try:
+        return safe_open(str(path / file), framework="pt", device="cpu")
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
+
+
+def checked_shards(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """``_shards``, with every shard's header read and held against the index before any tensor
+    is: an unreadable shard (a truncated download, a git-lfs pointer) or one that lacks or adds a
+    tensor is found in seconds, not after the shards before it were read (minutes on V3.2)."""
+    index, files = _shards(path)
+    for file, names in files.items():
+        with open_shard(path, file) as f:
+            keys = set(f.keys())
+        missing = [name for name in names if name not in keys]
+        if missing:
+            raise ValueError(
+                f"missing tensor {missing[0]!r}: {path / index} places it in {path / file}, "
+                "which does not contain it"
+            )
+        extra = sorted(keys - set(names))
+        if extra:
+            raise ValueError(
+                f"unexpected tensor {extra[0]!r} in {path / file}: not listed for this file "
+                f"in {path / index}"
+            )
+    return index, files
+
+
 def load_weights(
     model: nn.Module,
     path: str | Path,
@@ -292,30 +323,14 @@ def load_weights(
     checkpoint at ``path``; returns the MTP tensors kept aside (none read if not ``keep_mtp``).
     Raises ``ValueError`` on any missing / unexpected / misshapen tensor."""
     path = Path(path)
-    index, files = _shards(path)
+    index, files = checked_shards(path)
     model.to_empty(device=device)
     loader = _Loader(model, config, path)
     for file, names in files.items():
-        try:
-            f = safe_open(str(path / file), framework="pt", device="cpu")
-        except (OSError, SafetensorError) as e:
-            raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
-        with f:
-            keys = set(f.keys())
+        with open_shard(path, file) as f:
             for name in names:
-                if name not in keys:
-                    raise ValueError(
-                        f"missing tensor {name!r}: {path / index} places it in {path / file}, "
-                        "which does not contain it"
-                    )
                 if keep_mtp or not loader.is_mtp(name):
                     loader.add(name, f.get_tensor(name), file)
-            extra = sorted(keys - set(names))
-            if extra:
-                raise ValueError(
-                    f"unexpected tensor {extra[0]!r} in {path / file}: not listed for this file "
-                    f"in {path / index}"
-                )
     loader.finish(index)
     _init_non_persistent_buffers(model)
     return loader.mtp

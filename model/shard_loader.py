@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from model.config import ModelConfig
@@ -28,9 +27,10 @@ from model.loader import (
     _cast_half_params,
     _init_non_persistent_buffers,
     _Loader,
-    _shards,
+    checked_shards,
     finish_loaded_model,
     fp8_scaled_modules,
+    open_shard,
     read_checkpoint_meta,
 )
 from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn
@@ -113,22 +113,12 @@ def load_shard_weights(
 ):
     """``model.loader.load_weights`` for one rank: materialise, read each tensor's shard, check.
     The MTP layer is not read (it is not served); with ``ep``, nor are other ranks' experts."""
-    index, files = _shards(path)
+    index, files = checked_shards(path)
     model.to_empty(device=device)
     loader = _Loader(model, config, path)
     for file, names in files.items():
-        try:
-            f = safe_open(str(path / file), framework="pt", device="cpu")
-        except (OSError, SafetensorError) as e:
-            raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
-        with f:
-            keys = set(f.keys())
+        with open_shard(path, file) as f:
             for name in names:
-                if name not in keys:
-                    raise ValueError(
-                        f"missing tensor {name!r}: {path / index} places it in {path / file}, "
-                        "which does not contain it"
-                    )
                 if loader.is_mtp(name):
                     continue
                 local = local_expert_name(name, g, config.n_routed_experts) if ep else name

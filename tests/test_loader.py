@@ -258,6 +258,28 @@ def test_index_entry_missing_from_its_file(tiny, tmp_path):
         load_model(path)
 
 
+def test_bad_shards_are_found_before_any_tensor_is_read(tiny, tmp_path, monkeypatch):
+    """Every shard's header is checked against the index first: an unreadable last shard, or
+    one that lacks a tensor, fails before the shards before it are read (minutes on V3.2)."""
+    import model.loader
+
+    reads = []
+    monkeypatch.setattr(model.loader._Loader, "add", lambda self, name, *a: reads.append(name))
+    path = copy_ckpt(tiny, tmp_path / "a")
+    last = sorted({shard_of(path, n) for n in json.loads(
+        (path / "model.safetensors.index.json").read_text())["weight_map"]})[-1]  # fmt: skip
+    (path / last).write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match=rf"{last}: not a readable safetensors file"):
+        load_model(path)
+    path = copy_ckpt(tiny, tmp_path / "b")
+    t = load_file(path / last)
+    del t[sorted(t)[0]]
+    save_file(t, str(path / last))
+    with pytest.raises(ValueError, match=rf"places it in .*{last}, which does not contain it"):
+        load_model(path)
+    assert reads == []
+
+
 def test_wrong_dtype_class_is_named(tiny, tmp_path):
     path = copy_ckpt(tiny, tmp_path)
     name = "model.layers.1.post_attention_layernorm.weight"
