@@ -16,7 +16,7 @@ from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat
 from runtime.engine import Engine, EngineConfig, StepOutput, read_engine_inputs
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams, generation_defaults
+from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
 
@@ -107,7 +107,6 @@ class LLM:
             engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(**engine_options)
         check_device(config.device, python=True)
-        generation_defaults({}, generation_config)  # a bad mode fails before anything loads
         path = resolve_model(model)
         self.model_path = path
         # the tokenizer, the generation config and the options against the model config, in

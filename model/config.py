@@ -285,7 +285,7 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     # config.json's eos_token_id when it is a list: all of them, eos_token_id first (every one
-    # ends a request: runtime.detokenize.eos_token_ids)
+    # ends a request: runtime.detokenize.eos_ids)
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
     quantization: QuantConfig | None = None

@@ -140,6 +140,10 @@ class AsyncEngine:
         self.sampling_defaults: SamplingParams = getattr(
             engine, "sampling_defaults", SamplingParams()
         )
+        # the ids that end a request as its EOS (Engine.eos_token_ids; fakes: the tokenizer's)
+        self.eos_token_ids: frozenset[int] = getattr(
+            engine, "eos_token_ids", frozenset({self.tokenizer.eos_token_id})
+        )
         self.max_model_len: int = engine.max_model_len
         self.generation_tokens_total = 0  # tokens handed to callers (a Prometheus counter)
         self._cond = threading.Condition()

@@ -22,10 +22,12 @@ def eos_ids(
         ids.add(tokenizer.eos_token_id)
     gen = generation_config.get("eos_token_id") if isinstance(generation_config, dict) else None
     more = gen if isinstance(gen, list) else [] if gen is None else [gen]
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in more):
+    vocab = model_config.vocab_size
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in more):
+        # (an id past the vocabulary would fail every decode step that masks EOS, min_tokens')
         raise ValueError(
-            f"generation_config.json field 'eos_token_id': expected an integer or a list of "
-            f"them, got {gen!r}"
+            f"generation_config.json field 'eos_token_id': expected a token id in [0, {vocab}) "
+            f"or a list of them, got {gen!r} (generation_config='none' does not read the file)"
         )
     return frozenset(ids | set(more))
 

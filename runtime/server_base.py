@@ -315,7 +315,7 @@ class HandlersBase:
         last = res.token_ids[-1]
         if last in params.stop_token_ids:
             return last
-        if not params.stop or (last == self.tokenizer.eos_token_id and not params.ignore_eos):
+        if not params.stop or (last in self.engine.eos_token_ids and not params.ignore_eos):
             return None
         # The stop checker ends at the first complete stop string (earliest end, then the longer):
         # the same rule over the whole decoded output finds which one it was.

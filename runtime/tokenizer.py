@@ -86,6 +86,7 @@ class Tokenizer:
     ) -> None:
         self._tok = tokenizer
         self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
+        self._added = set(tokenizer.get_added_tokens_decoder())  # ids whose bytes are their text's
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = self._special_id(bos_token, "bos_token")
@@ -206,6 +207,8 @@ class Tokenizer:
         its bytes come from the vocabulary's byte alphabet instead. Tokens outside it (special
         and added tokens, other tokenizers): the UTF-8 of their text."""
         piece = self._tok.id_to_token(token_id)
+        if piece is not None and token_id in self._added:
+            return piece.encode()
         if self._byte_level and piece is not None and all(c in _BYTE_OF for c in piece):
             return bytes(_BYTE_OF[c] for c in piece)
         return self.decode([token_id], skip_special_tokens=False).encode()

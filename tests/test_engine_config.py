@@ -91,6 +91,7 @@ def test_llm_checks_everything_but_the_weights_before_loading_them(monkeypatch, 
 def test_prefetch_cap_past_the_host_pool_is_refused_when_the_config_is_made():
     with pytest.raises(ValueError, match=r"prefetch_cap must be at most host_tokens \(1024"):
         EngineConfig(host_tokens=1024, prefetch="request", prefetch_cap=1025)
+    EngineConfig(host_tokens=1024, prefetch_cap=1025)  # prefetch off: nothing is staged
 
 
 @pytest.mark.parametrize(

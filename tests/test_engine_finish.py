@@ -117,8 +117,10 @@ def test_every_eos_id_of_the_checkpoint_ends_a_request(reference, tmp_path, file
     if file == "generation_config.json":
         ids, _, reason = _run(_params(), eng=engine("none"))
         assert (ids, reason) == (ref, "length")
-        with pytest.raises(ValueError, match="generation_config.json field 'eos_token_id'"):
-            eos_ids(model.config, None, {"eos_token_id": [1, "2"]})
+        for bad in ([1, "2"], [1, model.config.vocab_size], -1):  # past the vocabulary: it
+            # failed every decode step that masked EOS (min_tokens), for the whole batch
+            with pytest.raises(ValueError, match="generation_config.json field 'eos_token_id'"):
+                eos_ids(model.config, None, {"eos_token_id": bad})
 
 
 def test_stop_string_split_across_tokens(reference):

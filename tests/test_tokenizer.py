@@ -51,6 +51,18 @@ def test_token_bytes_are_the_bytes_each_token_stands_for(tok: Tokenizer) -> None
     assert tok.token_bytes(tok.eos_token_id) == EOS.encode()
 
 
+def test_token_bytes_of_an_added_token_are_its_text_s(tok: Tokenizer) -> None:
+    """An added token's text is not in the byte alphabet's code: "ñé" read through it would be
+    the two bytes F1 E9, not its UTF-8."""
+    import tokenizers
+
+    raw = tokenizers.Tokenizer.from_str(tok._tok.to_str())
+    raw.add_tokens(["ñé"])
+    t = Tokenizer(raw, tok.bos_token, tok.eos_token)
+    (i,) = t.encode("ñé", add_bos=False)
+    assert t.token_bytes(i) == "ñé".encode()
+
+
 def test_from_dir_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)

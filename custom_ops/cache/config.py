@@ -34,7 +34,7 @@ def check_prefetch(
     # request stages only its own context tokens, and its whole context is in the host pool
     # (it reserves its pages at admission), so it never stages more than host_tokens rows:
     # a larger cap only allocates rows no request can fill (10M: 92 GB on the tiny model)
-    if host_tokens is not None and cap > host_tokens:
+    if mode != "off" and host_tokens is not None and cap > host_tokens:
         raise ValueError(
             f"prefetch_cap must be at most host_tokens ({host_tokens}, the most rows a request "
             f"can stage), got {cap}"

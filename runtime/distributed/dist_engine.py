@@ -58,6 +58,10 @@ class DistributedEngine:
     def sampling_defaults(self) -> SamplingParams:
         return self.engine.sampling_defaults
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
     # ---- collectives of the control plane (gloo) -----------------------------------------------
     def _broadcast(self, obj, what: str):
         box = [obj]
