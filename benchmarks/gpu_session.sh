@@ -59,9 +59,12 @@ verify)
   long=tests/test_lossless_cuda.py::test_compiled_offload_equals_gpu_only_long_prompts
   (stage cuda_lossless_bf16 420 $T "$long[bf16]") &
   (stage cuda_lossless_fp8 420 $T "$long[fp8]") &
+  # the compiled engines in processes of their own: with the lossless tests in one process they
+  # ran past 420 s on a fresh machine (three tests of theirs alone took 310 s, gpu_session22)
   (stage cuda_lossless 420 $T tests/test_lossless_cuda.py -k "not long_prompts" \
-     tests/test_compile_cuda.py tests/test_engines_cuda.py tests/test_lossless.py \
-     tests/test_lossless_short.py) &
+     tests/test_lossless.py tests/test_lossless_short.py) &
+  (stage cuda_engines 420 $T tests/test_engines_cuda.py) &
+  (stage cuda_compile 420 $T tests/test_compile_cuda.py) &
   (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefill_gather.py tests/test_prefix_cache.py tests/test_prefetch.py \
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
      tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py \
