@@ -27,11 +27,14 @@ def model():
     return bench.build_model("tiny", 0, 0, "cpu")
 
 
-def test_bench_writes_every_run_and_a_breakdown(tmp_path) -> None:
-    out = tmp_path / "e2e.json"
+def test_bench_writes_every_run_and_a_breakdown(tmp_path, monkeypatch) -> None:
+    # without --out: e2e_PRESET_DEVICE.json in the current directory (the default was the
+    # committed H200 result, which a CPU dry run overwrote)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "e2e_tiny_cpu.json"
     argv = ARGS + ["--gpu-pools", "704,384", "--eager-pools", "384", "--rate-pool", "384"]
     # eager: what is checked here is the runs and their records (compiled systems: the tests below)
-    argv += ["--rates", "400", "--rate-requests", "2", "--out", str(out), "--no-compile"]
+    argv += ["--rates", "400", "--rate-requests", "2", "--no-compile"]
     assert bench_cli.main(argv) == 0
     d = json.loads(out.read_text())
     assert d["compiled"] is False

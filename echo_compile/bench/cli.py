@@ -205,10 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--collective-timeout", type=float, default=300.0, help="seconds (dp/tp/ep > 1)"
     )
-    ap.add_argument("--out", default="benchmarks/results/e2e_h200.json")
+    ap.add_argument(
+        "--out",
+        help="the JSON results (default: e2e_PRESET_DEVICE.json in the current directory; the "
+        "committed results under benchmarks/results/ are written only when named)",
+    )
     if ap.parse_known_args(argv)[0].preset == "tiny":
         ap.set_defaults(**TINY_DEFAULTS)  # flags given still win
     a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = f"e2e_{a.preset}_{a.device.split(':')[0]}.json"
     if a.preset != "tiny" and not a.device.startswith("cuda"):
         # NOTE: the bench preset is the full-size attention on a GPU's memory budget; on a CPU it
         # would spend minutes building the model before anything fails
