@@ -56,6 +56,17 @@ def _given(a: argparse.Namespace, names: tuple[str, ...]) -> dict:
     return {k: getattr(a, k) for k in names if getattr(a, k) is not None}
 
 
+def _generation_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        default="auto",
+        help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty "
+        "and its EOS ids come from the checkpoint's generation_config.json, as vLLM does; none: "
+        "the file is not read (1 / 1 / off / 0 / 1)",
+    )
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="tiny", help="checkpoint directory, or tiny / tiny-fp8 / tiny-awq"
@@ -198,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    _generation_config_arg(g)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_args(s)
@@ -239,14 +251,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="allow browser requests from this origin (repeatable; '*' for any)",
     )
-    s.add_argument(
-        "--generation-config",
-        choices=GENERATION_CONFIG_MODES,
-        default="auto",
-        help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty "
-        "come from the checkpoint's generation_config.json, as vLLM does; none: 1 / 1 / off / "
-        "0 / 1",
-    )
+    _generation_config_arg(s)
 
     m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
     m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
@@ -349,7 +354,10 @@ def _run(a: argparse.Namespace) -> int:
         check_device(a.device)
         from echo_compile.llm import LLM
 
-        llm = LLM(a.model, compile=a.compile, fp8_weights=a.fp8_weights, **_engine_options(a))
+        llm = LLM(
+            a.model, compile=a.compile, fp8_weights=a.fp8_weights,
+            generation_config=a.generation_config, **_engine_options(a),
+        )  # fmt: skip
         import os
 
         first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank has the results

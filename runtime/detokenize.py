@@ -6,7 +6,7 @@ from collections.abc import Collection
 from typing import Any
 
 from model.config import ModelConfig
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import UNREAD_HINT, SamplingParams
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -27,7 +27,7 @@ def eos_ids(
         # (an id past the vocabulary would fail every decode step that masks EOS, min_tokens')
         raise ValueError(
             f"generation_config.json field 'eos_token_id': expected a token id in [0, {vocab}) "
-            f"or a list of them, got {gen!r} (generation_config='none' does not read the file)"
+            f"or a list of them, got {gen!r} {UNREAD_HINT}"
         )
     return frozenset(ids | set(more))
 

@@ -221,6 +221,8 @@ class SamplingParams:
 # not read either, as there).
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 GENERATION_CONFIG_MODES = ("auto", "none")
+# how an error about generation_config.json says it can be left unread
+UNREAD_HINT = "(generation_config='none', --generation-config none: the file is not read)"
 
 
 def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
@@ -234,7 +236,7 @@ def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
         raise ValueError(f"generation_config must be {modes}, got {mode!r}")
     if mode == "none":
         return SamplingParams()
-    ignore = "(generation_config='none', --generation-config none: the file is not read)"
+    ignore = UNREAD_HINT
     if isinstance(gen, ValueError):  # not valid JSON (model.loader.read_checkpoint_meta)
         raise ValueError(f"{gen} {ignore}") from gen
     if not isinstance(gen, dict):

@@ -246,6 +246,25 @@ def test_bench_on_cpu_refuses_the_full_size_model(capsys, monkeypatch):
     assert "--preset bench needs a CUDA device" in err and "--preset tiny" in err
 
 
+def test_generate_takes_generation_config_none_past_a_bad_file(capsys, tmp_path):
+    """generate reads the checkpoint's generation_config.json as serve does (its EOS ids), and
+    takes --generation-config none, which the refusal of a bad file names, to get past it."""
+    import json
+    import shutil
+
+    from model.checkpoint import resolve_model
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(resolve_model("tiny"), ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    base = ["generate", "hi", "--model", str(ckpt), "--max-tokens", "2", "--no-compile",
+            "--device", "cpu"]  # fmt: skip
+    assert cli.main(base) == 2
+    assert "--generation-config none" in capsys.readouterr().err
+    assert cli.main(base + ["--generation-config", "none"]) == 0
+    assert "(2 tokens)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("cmd", ["generate", "serve"])
 def test_engine_flags_reach_the_engine_options(cmd):
     """Each scheduling and memory flag sets its EngineConfig field (defaults otherwise)."""
