@@ -160,7 +160,11 @@ class Tokenizer:
                     "%s names no %s: using the model config's id %d (%r)",
                     cfg_file, name, tid, special[name],
                 )  # fmt: skip
-        return cls(tok, chat_template=template, **special)
+        try:
+            return cls(tok, chat_template=template, **special)
+        except ValueError as e:  # the template, a special token: named with their file
+            source = jinja_file if jinja_file.is_file() else cfg_file
+            raise ValueError(f"{source}: {e}") from e
 
     @property
     def vocab_size(self) -> int:
