@@ -106,7 +106,8 @@ time)
   on prefix_cache && stage bench_prefix_cache 300 python -m benchmarks.bench_prefix_cache \
     --out "$W/prefix_cache_h200.json"
   on cache_ops && stage bench_cache_ops 280 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
-  on awq && stage bench_awq 60 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 40 --out "$W/awq_h200.json"
+  # (150 s: on a fresh machine the kernels' compiles ran it past 60, gpu_session25)
+  on awq && stage bench_awq 150 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 110 --out "$W/awq_h200.json"
   on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \
     --out "$W/sampling_backends_h200.json"
   # AWQ_PAIRS_ARGS: other sections / sizes (e.g. --no-sweeps --batches ...)
