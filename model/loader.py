@@ -46,9 +46,7 @@ class LoadExtras:
     """What ``load_model`` returns besides the model."""
 
     config: ModelConfig
-    path: Path
-    # the parsed generation_config.json (read_checkpoint_meta's: an error where it is not JSON)
-    generation_config: Any = field(default_factory=dict)
+    path: Path  # its tokenizer and generation config: runtime.engine.read_engine_inputs
     # MTP layers (``model.layers.{num_hidden_layers + k}.*``) exactly as stored, on the CPU.
     mtp: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -376,7 +374,7 @@ def load_model(
     reference), ``"fp8"`` keeps the linears FP8 (``model.fp8_weights.FP8Linear``)."""
     from model.model import DeepseekV32ForCausalLM
 
-    path, config, generation_config = read_checkpoint_meta(path_or_name)
+    path, config, _ = read_checkpoint_meta(path_or_name)
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
@@ -392,7 +390,7 @@ def load_model(
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
     mtp = load_weights(model, path, config, device, keep_mtp)
     finish_loaded_model(model, config, device, dtype)
-    return model, LoadExtras(config, path, generation_config, mtp)
+    return model, LoadExtras(config, path, mtp)
 
 
 def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:

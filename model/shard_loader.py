@@ -169,11 +169,11 @@ def load_sharded_model(
     (FP8 checkpoints): ``"bf16"`` dequantises at load, ``"fp8"`` keeps the weights FP8, each
     shard cut on 128x128 block boundaries (a split that is not is refused when the model is built,
     naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it)."""
-    path, config, generation_config = read_checkpoint_meta(path_or_name)
+    path, config, _ = read_checkpoint_meta(path_or_name)
     model = build_sharded_model(config, g, dtype, ep, fp8_scaled_modules(path, config, fp8_weights))
     load_shard_weights(model, path, config, device, g, ep)
     finish_loaded_model(model, config, device, dtype)
-    return model, LoadExtras(config, path, generation_config, {})
+    return model, LoadExtras(config, path)
 
 
 def shard_model(full: nn.Module, g: TPGroup, ep: bool = False) -> nn.Module:

@@ -13,7 +13,7 @@ from torch import nn
 
 from model import checkpoint as ck
 from model.fp8_weights import weight_dequant_fp8
-from model.loader import load_model, load_weights
+from model.loader import load_model, load_weights, read_checkpoint_meta
 from model.presets import preset_config
 
 TINY = preset_config("tiny")
@@ -73,7 +73,7 @@ def test_tiny_loads_back_identical(loaded, tiny):
     assert params["model.layers.1.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
     assert params["model.layers.1.mlp.experts.w13_weight"].shape == (8, 256, 256)
     assert extras.config == TINY and extras.path == tiny
-    assert extras.generation_config["top_p"] == 0.95
+    assert read_checkpoint_meta(tiny)[2]["top_p"] == 0.95
 
 
 def test_buffers_are_recomputed_not_garbage(loaded):
