@@ -14,7 +14,8 @@ from echo_compile.compiled import StepCompiler
 from echo_compile.devices import check_device
 from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat
-from runtime.engine import Engine, EngineConfig, StepOutput, read_engine_inputs
+from runtime.engine import Engine, EngineConfig, StepOutput
+from runtime.engine_inputs import read_engine_inputs
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer

@@ -46,7 +46,7 @@ class LoadExtras:
     """What ``load_model`` returns besides the model."""
 
     config: ModelConfig
-    path: Path  # its tokenizer and generation config: runtime.engine.read_engine_inputs
+    path: Path  # its tokenizer and generation config: runtime.engine_inputs
     # MTP layers (``model.layers.{num_hidden_layers + k}.*``) exactly as stored, on the CPU.
     mtp: dict[str, torch.Tensor] = field(default_factory=dict)
 

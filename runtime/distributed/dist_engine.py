@@ -26,8 +26,9 @@ from model.parallel import TPGroup
 from runtime.distributed.balance import RankLoad, assign
 from runtime.distributed.process import DistContext, guarded, init_distributed, shutdown
 from runtime.distributed.step_sync import agree
-from runtime.engine import Engine, EngineInputs, StepOutput, read_engine_inputs
+from runtime.engine import Engine, StepOutput
 from runtime.engine_config import EngineConfig
+from runtime.engine_inputs import EngineInputs, read_engine_inputs
 from runtime.model_runner import StepCompiler, next_bucket
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
