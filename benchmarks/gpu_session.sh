@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup overlap prefill prefill_gather prefix_cache cache_ops awq awq_pairs awq_parts sampling fp8 calibrate
-#                                           # prefetch step)
+#                                           # prefetch staged_recall step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends quant async prefetch;
 #                                           # env FULL_SYSTEMS, PREFETCH_POINTS, WEIGHTS_FORMATS: some runs)
@@ -124,6 +124,8 @@ time)
   on prefetch && stage bench_prefetch 240 python -m benchmarks.bench_prefetch --caps 64 \
     --ratios "${PF_RATIOS-0.002,0.004}" --margins "${PF_MARGINS-0,1,2,3}" --variants post \
     --pf-rows 8 --out "$W/prefetch_h200.json"
+  on staged_recall && stage bench_staged_recall 150 python -m benchmarks.bench_staged_recall \
+    --out "$W/staged_recall_h200.json"
   # the decode step's cache-management share at B = 1 / 16 / 64 (compiled offload vs GPU-only),
   # one batch size per stage: the three did not fit one 300 s stage (2026-12-01 22:13)
   for b in ${STEP_BATCH_LIST-1 16 64}; do

@@ -362,8 +362,25 @@ def _recall_staged_args(layer, sel: torch.Tensor) -> tuple:
             s.host_stage, s.stage_ctr, s.totals)  # fmt: skip
 
 
-def test_recall_staged_triton_matches_reference():
-    """The staged recall's Triton path (interpreter) against its reference from equal states."""
+# where echo::recall_staged empties the staging buffer: (cache_kernels.FUSED, CLEAR_IN_RECALL)
+CLEAR_MODES = {"in_the_launch": (True, True), "own_launch": (True, False),
+               "per_phase": (False, False)}  # fmt: skip
+
+
+@pytest.fixture(params=list(CLEAR_MODES))
+def clear_mode(request, monkeypatch):
+    from custom_ops import cache_kernels
+
+    fused, in_recall = CLEAR_MODES[request.param]
+    monkeypatch.setattr(cache_kernels, "FUSED", fused)
+    monkeypatch.setattr(cache_kernels, "CLEAR_IN_RECALL", in_recall)
+    return request.param
+
+
+def test_recall_staged_triton_matches_reference(clear_mode):
+    """The staged recall's Triton path (interpreter) against its reference from equal states,
+    with the staging clear in the recall's launch, in a launch of its own, and after the
+    per-phase launches (check_pool: the launch's scratch words are reset too)."""
     outs = []
     for impl in ("ref", "triton"):
         c = _cache("fp8", "request", cap=16)
@@ -389,7 +406,7 @@ def test_recall_staged_triton_matches_reference():
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_staged_misses_are_read_from_staging(impl: str):
+def test_staged_misses_are_read_from_staging(impl: str, clear_mode):
     """A staged miss's row comes from staging, the other misses' from the host: staging is
     planted with rows unlike the host's (which the engine never does) so the source shows; the
     staging buffer is empty afterwards and the statistics count what was staged and promoted."""
