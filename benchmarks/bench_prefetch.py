@@ -277,16 +277,30 @@ def bounds(r: dict, parts: dict) -> dict:
     return out
 
 
-def amortized(r: dict, n_miss: int, reserve: int) -> dict:
+def amortized(r: dict, n_miss: int, reserve: int, parts: dict, names: list[str]) -> dict:
     """The engine's cycle at ``n_miss`` misses a step: a refill (the full pool's timing) leaves
     the reserve free, which serves ``reserve // n_miss`` steps without an eviction (the steady
-    timing) before the next refill; the recalls averaged over that period."""
+    timing, ``steady_*``) before the next refill; the recalls, the baseline and each
+    configuration ``names`` averaged over that period; the bound of that cycle (``bounds`` with
+    the amortized recall) and each configuration's speed-up and fraction of it."""
     period = 1 + reserve // max(n_miss, 1)
     out: dict = {"refill_period": period}
-    for full in ("recall_us", "recall_all_staged_us"):
+    keys = ["recall_us", "recall_all_staged_us", "baseline_us"] + [f"{n}_us" for n in names]
+    for full in keys:
         try:
             out[f"amortized_{full}"] = (r[full] + (period - 1) * r[f"steady_{full}"]) / period
         except (KeyError, TypeError):
+            pass
+    am = {k: out.get(f"amortized_{k}") for k in ("recall_us", "recall_all_staged_us",
+                                                  "baseline_us")}  # fmt: skip
+    for k, v in bounds(am, parts).items():
+        out[f"amortized_{k}"] = v
+    for n in names:
+        try:
+            sp = out["amortized_baseline_us"] / out[f"amortized_{n}_us"]
+            out[f"amortized_{n}_speedup"] = sp
+            out[f"amortized_{n}_of_bound"] = sp / out["amortized_bound_speedup"]
+        except (KeyError, TypeError, ZeroDivisionError):
             pass
     return out
 
@@ -494,6 +508,7 @@ def main() -> None:
         st_all = all_staged(s, n_stage)
         attempt(r, "recall_all_staged_us", lambda st=st_all: time_all_staged(s, st, R))
         r.update(bounds(r, parts))
+        steps = {}
         for name, cap, ratio, m, rows, v in configs:
             cap_ = cap if ratio == 0 else 1
 
@@ -509,6 +524,7 @@ def main() -> None:
             attempt(r, f"{name}_fused_indexer_us",
                     lambda f=fused, m=m: timed(f, lambda: s.restore(m), R))  # fmt: skip
             attempt(r, f"{name}_us", lambda f=step, m=m: timed(f, lambda: s.restore(m), R))
+            steps[name] = (step, m)
             try:
                 r[f"{name}_speedup"] = r["baseline_us"] / r[f"{name}_us"]
                 r[f"{name}_of_bound"] = r[f"{name}_speedup"] / r["bound_speedup"]
@@ -523,7 +539,10 @@ def main() -> None:
         attempt(r, "steady_recall_us",
                 lambda: timed(lambda: s.pool.recall(s.host, s.sel), s.restore, R))  # fmt: skip
         attempt(r, "steady_recall_all_staged_us", lambda st=st_all: time_all_staged(s, st, R))
-        r.update(amortized(r, s.n_miss, reserve_slots(s.cfg.gpu_tokens)))
+        attempt(r, "steady_baseline_us", lambda: timed(base, s.restore, R))
+        for name, (step, m) in steps.items():
+            attempt(r, f"steady_{name}_us", lambda f=step, m=m: timed(f, lambda: s.restore(m), R))
+        r.update(amortized(r, s.n_miss, reserve_slots(s.cfg.gpu_tokens), parts, list(steps)))
     for v in variants:  # against the unfused kernels of the same run (target <= 5%)
         for what, case, ref in (("indexer", "nothing_staged", "indexer_us"),
                                 ("scores", "nothing_staged", "scores_us"),

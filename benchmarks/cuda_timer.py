@@ -13,7 +13,14 @@ Order of work, fixed here so every benchmark measures the same way:
 2. ``before()``, capture every call into one graph;
 3. ``before()``, one untimed replay (the first replay pays one-time costs);
 4. per timed replay: ``before()`` (outside the timed window: e.g. restoring state the calls
-   mutate, or flushing L2), then the replay between two events.
+   mutate, or flushing L2), then the replay between two events, behind a spin kernel
+   (``SPIN_CYCLES``) that keeps the GPU busy while the host records the first event and submits
+   the replay. Without it, when ``before()`` leaves the GPU idle (one that synchronizes, e.g.
+   through ``torch.unique``), the first event fires at once and the window also holds the host's
+   graph launch: on an H100 the staging clear's kernel, 3.7-3.9 µs of device time (profiler),
+   timed at 24.7-25.9 µs after such a ``before()`` and at 6.5-10.0 µs after ones that left work
+   queued (benchmarks/results/gpu_session26/call1_staged_recall_h100.json). In a decode step the
+   ops replay inside one graph and pay no such launch each.
 """
 
 from __future__ import annotations
@@ -57,6 +64,11 @@ class Backend(Protocol):
         ...
 
 
+# ~100 µs at the H100's / H200's 1.98 GHz: longer than the host takes to record an event and
+# submit a graph launch, so the replay is queued before the first event fires
+SPIN_CYCLES = 200_000
+
+
 class CudaGraphs:
     """The real backend: side-stream warm-up, torch.cuda.graph capture, CUDA-event timing."""
 
@@ -85,6 +97,7 @@ class CudaGraphs:
     def time_ms(self, replay) -> float:
         ev = self.torch.cuda.Event
         start, end = ev(enable_timing=True), ev(enable_timing=True)
+        self.torch.cuda._sleep(SPIN_CYCLES)  # the module docstring, 4.
         start.record()
         replay()
         end.record()

@@ -73,3 +73,16 @@ def test_times_a_real_graph() -> None:
     # warm-up 4 + untimed 4 + timed 5 x 4 calls, each adding 1
     assert float(x[0]) == 4 + 4 + 20
     assert len(t.per_call_us) == 5 and all(v > 0 for v in t.per_call_us)
+
+
+@pytest.mark.cuda
+def test_host_launch_is_outside_the_window() -> None:
+    """A one-call graph of a tiny kernel times the same whether ``before()`` leaves the GPU idle
+    (it synchronizes) or busy: the host's submission of the replay is not in the window."""
+    import torch
+
+    x = torch.zeros(1024, device="cuda")
+    big = torch.zeros(1 << 26, device="cuda")
+    idle = graph_time([lambda: x.add_(1.0)], 30, before=torch.cuda.synchronize).median_us
+    busy = graph_time([lambda: x.add_(1.0)], 30, before=lambda: big.add_(1.0)).median_us
+    assert idle < busy + 3.0, (idle, busy)

@@ -510,11 +510,20 @@ def test_bench_prefetch_bounds_and_amortized_figures():
     assert bp.bounds(r_big, parts)["bound_us"] == 170.0 + 10.0 + 290.0  # 390 - 100 unhidden
     failed = dict(r, recall_all_staged_us={"error": "x"})
     assert set(bp.bounds(failed, parts)) == {"bound_us", "bound_speedup"}
-    r |= {"steady_recall_us": 20.0, "steady_recall_all_staged_us": 10.0}
-    a = bp.amortized(r, 976, 4687)  # the paper's h = 0.97 on its 300K pool: 1 refill in 5
-    assert a == {"refill_period": 5, "amortized_recall_us": (50 + 4 * 20) / 5,
-                 "amortized_recall_all_staged_us": (30 + 4 * 10) / 5}  # fmt: skip
-    assert bp.amortized(r, 16384, 4687)["amortized_recall_us"] == 50.0  # every step refills
+    r |= {"steady_recall_us": 20.0, "steady_recall_all_staged_us": 10.0,
+          "steady_baseline_us": 190.0, "c_us": 200.0, "steady_c_us": 185.0}  # fmt: skip
+    a = bp.amortized(r, 976, 4687, parts, ["c"])  # the paper's h = 0.97, 300K pool: 1 refill in 5
+    am_recall, am_base, am_c = (50 + 4 * 20) / 5, (220 + 4 * 190) / 5, (200 + 4 * 185) / 5
+    assert a["refill_period"] == 5 and a["amortized_recall_us"] == am_recall
+    assert a["amortized_recall_all_staged_us"] == (30 + 4 * 10) / 5
+    assert a["amortized_baseline_us"] == am_base and a["amortized_c_us"] == am_c
+    assert a["amortized_bound_us"] == 180.0  # the amortized copies (16) hide under the scoring
+    assert a["amortized_bound_staged_us"] == 170.0 + 14.0
+    assert a["amortized_c_speedup"] == am_base / am_c
+    assert a["amortized_c_of_bound"] == (am_base / am_c) / (am_base / 180.0)
+    every = bp.amortized(r, 16384, 4687, parts, ["c"])  # every step refills
+    assert every["amortized_recall_us"] == 50.0 and every["amortized_c_us"] == 200.0
+    assert "amortized_d_us" not in bp.amortized(r, 976, 4687, parts, ["d"])  # not timed: left out
 
 
 def test_bench_prefetch_steady_pool_frees_the_misses_and_the_reserve():
