@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from custom_ops.cache_constexpr import (
-    M_CLEARED,
     M_COPIED,
     M_FREE0,
     M_HISTED,
@@ -31,10 +30,8 @@ from custom_ops.cache_constexpr import (
     M_NFREE,
     M_NMISS,
     M_PLACED,
-    M_SELFCOPIED,
 )
 from custom_ops.cache_list_kernels import (
-    _clear_stage,
     _copy_claimed,
     _copy_out,
     _lookup,
@@ -111,9 +108,6 @@ def _recall_kernel(
     out,
     stage_kv,
     hstage,
-    stage_host,
-    stage_ctr,
-    pf_stats,
     total,
     n_g,
     cap,
@@ -122,9 +116,6 @@ def _recall_kernel(
     n_scan,
     n_copy,
     n_out,
-    n_clear,
-    n_stage,
-    n_ctr,
     UPR: tl.constexpr,
     UNITS: tl.constexpr,
     LIST_BLOCK: tl.constexpr,
@@ -137,11 +128,9 @@ def _recall_kernel(
     SLEEP_NS: tl.constexpr = 0,
     SELF_ROWS: tl.constexpr = 0,
     LOOK_UNITS: tl.constexpr = 512,
-    CLEAR_BLOCK: tl.constexpr = 1024,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
-    row copy [n_copy) and output [n_out) -> staging clear [n_clear) -> one finalising program.
-    The lookup places the misses
+    row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
     the ring serves (PLACE_EARLY: ranks below the free count); how many misses there are is
     known only after it, so everyone waits for it (LOOKED). Then, when no eviction is due (most
     steps), every miss is placed: copy and output start at once, beside the pass (which only
@@ -154,18 +143,11 @@ def _recall_kernel(
     the rows of up to SELF_ROWS of the misses it placed early itself, so those host reads start
     as soon as its own lookup ends, beside the other programs' lookups; the copy programs skip
     them (marked in miss_host) and copy the rest. Nothing waits for the lookup programs' copies
-    inside the launch: no program reads those rows, and the launch ends after them.
-
-    n_clear > 0 (echo::recall_staged, prefetch_kernels.CLEAR_IN_RECALL): programs that empty
-    the staging buffer (cache_list_kernels._clear_stage) once every reader of host_stage is done:
-    the copy and output programs (COPIED) and, with SELF_ROWS, the lookup programs' own copies
-    (SELFCOPIED, signalled after them); the placement (PLACED) is then complete, so the promoted
-    rows are counted from the final host_to_gpu. It was a launch of its own after the recall."""
+    inside the launch: no program reads those rows, and the launch ends after them."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
     scan0 = n_look + n_scan  # the pass's first program
     copy0 = scan0 + n_scan  # the copy's first program
-    clear0 = copy0 + n_copy + n_out  # the staging clear's first program
     if pid < n_look:
         if pid == 0:  # the free count before any program of this launch can change it
             tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
@@ -177,8 +159,6 @@ def _recall_kernel(
         if SELF_ROWS > 0:
             _copy_claimed(host_kv, gpu_kv, stage_kv, hstage, miss_host, ring, head, n_g, r0, r1,
                           UPR, LOOK_UNITS, CACHE, STAGED)  # fmt: skip
-            if n_clear > 0:
-                _signal(meta + M_SELFCOPIED)
     elif pid < scan0:
         _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         _hist(pid - n_look, prio, meta, hist, n_miss, n_g, cap, SCAN_BLOCK)
@@ -192,7 +172,7 @@ def _recall_kernel(
             miss_host, n_g, cap, reserve, True, SCAN_BLOCK, PAD, False, True,
         )  # fmt: skip
         _signal(meta + M_PLACED)
-    elif pid < clear0:
+    elif pid < copy0 + n_copy + n_out:
         _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         free0 = tl.load(meta + M_FREE0)
         rows_ptr = n_miss  # no eviction: the misses, all placed by the lookup
@@ -206,22 +186,10 @@ def _recall_kernel(
             stage_kv, hstage, total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE, STAGED,
         )  # fmt: skip
         _signal(meta + M_COPIED)
-    elif pid < clear0 + n_clear:
-        _wait(meta + M_PLACED, n_scan, SLEEP_NS)
-        _wait(meta + M_COPIED, n_copy + n_out, SLEEP_NS)
-        if SELF_ROWS > 0:
-            _wait(meta + M_SELFCOPIED, n_look, SLEEP_NS)
-        _clear_stage(pid - clear0, stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
-                     CLEAR_BLOCK)  # fmt: skip
-        _signal(meta + M_CLEARED)
     else:
         _wait(meta + M_HISTED, n_scan, SLEEP_NS)
         _wait(meta + M_PLACED, n_scan, SLEEP_NS)
         _wait(meta + M_COPIED, n_copy + n_out, SLEEP_NS)
-        if n_clear > 0:
-            _wait(meta + M_CLEARED, n_clear, SLEEP_NS)
-            tl.atomic_xchg(meta + M_CLEARED, 0, sem="relaxed")
-            tl.atomic_xchg(meta + M_SELFCOPIED, 0, sem="relaxed")
         _recall_final(meta, stats)
         tl.atomic_xchg(meta + M_LOOKED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_HISTED, 0, sem="relaxed")

@@ -47,7 +47,6 @@ from custom_ops import cache_layout as C
 from custom_ops.cache_fused_kernels import _free_kernel, _recall_kernel
 from custom_ops.cache_list_kernels import (
     PDL_AVAILABLE,
-    _clear_kernel,
     _copy_out_kernel,
     _lookup_kernel,
     _offload_kernel,
@@ -92,6 +91,11 @@ COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2
 # 2.1x slower: one program copied 512 rows.
 LOOKUP_COPY_ROWS = 32
 LOOKUP_COPY_UNITS = 512
+# The same for echo::recall_staged. A staged miss's row is read from staging (HBM), not over
+# PCIe, so starting it early in the lookup gains nothing, and the copy programs spread it wider:
+# 0 was faster than 32 in each of 6 scenarios of one H100 run, by 0.3-1.1 us (hit rates 0.5 /
+# 0.9 / 0.97, full pool and steady; benchmarks/bench_staged_recall.py, docs/prefetch.md).
+LOOKUP_COPY_ROWS_STAGED = 0
 # Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,
 # eviction/placement, copy) and allocate (its one program): each launch may start
 # while the one before finishes, and its programs wait (griddepcontrol.wait) for it before their
@@ -109,11 +113,6 @@ WAIT_SLEEP_NS = 0
 # Pool slots per program of the one-launch ops' histogram and pass (fewer programs: fewer of
 # them waiting in a step that evicts nothing; more slots each when one evicts).
 FUSED_SCAN_BLOCK = 1024
-# echo::recall_staged empties the staging buffer in the recall's one launch (programs after the
-# copies, cache_fused_kernels.py); False: in a launch of its own after it, as before. Staging
-# entries per program of that clear either way.
-CLEAR_IN_RECALL = True
-CLEAR_BLOCK = 1024
 
 
 @functools.cache
@@ -271,14 +270,11 @@ def recall_cuda(
     host_slots,
     stage_kv=None,
     host_stage=None,
-    clear=None,
 ) -> torch.Tensor:
     """1 launch (FUSED), else 4: lookup (protect hits, claim misses), histogram (returns at once
     unless an eviction is due), eviction + placement in one pass, row copy + output (whose last
     program finalises a placement that evicted nothing: the handoff). With ``stage_kv`` /
-    ``host_stage`` (echo::recall_staged) a staged miss is copied from staging, and ``clear`` =
-    (stage_host, stage_ctr, pf_stats) empties the staging buffer after the copies: in the one
-    launch (FUSED and CLEAR_IN_RECALL), else in a launch of its own after it."""
+    ``host_stage`` (echo::recall_staged) a staged miss is copied from staging."""
     hs = host_slots.reshape(-1)
     total, cap, n_g = hs.numel(), indices.shape[0], gpu_to_host.shape[0]
     out = torch.empty_like(host_slots)
@@ -286,10 +282,7 @@ def recall_cuda(
         _recall_fused(
             host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host,
             meta, hist, stats, hs, out.view(-1), stage_kv, host_stage,
-            clear if CLEAR_IN_RECALL else None,
         )  # fmt: skip
-        if clear is not None and not CLEAR_IN_RECALL:
-            _clear(host_to_gpu, host_stage, *clear)
         return out
     n_miss = meta[C.NMISS : C.NMISS + 1]  # the live miss count, as a pointer
     _lookup_kernel[_grid(total, LIST_BLOCK)](
@@ -316,17 +309,7 @@ def recall_cuda(
         host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1),
         stage_kv=stage_kv, host_stage=host_stage,
     )  # fmt: skip
-    if clear is not None:
-        _clear(host_to_gpu, host_stage, *clear)
     return out
-
-
-def _clear(host_to_gpu, host_stage, stage_host, stage_ctr, pf_stats) -> None:
-    n_stage = stage_host.shape[0]
-    _clear_kernel[(max(1, triton.cdiv(n_stage, CLEAR_BLOCK)),)](
-        stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats, n_stage, stage_ctr.shape[0],
-        BLOCK=CLEAR_BLOCK, num_warps=4,
-    )  # fmt: skip
 
 
 def _sleep_ns(device: torch.device) -> int:
@@ -335,7 +318,7 @@ def _sleep_ns(device: torch.device) -> int:
 
 def _recall_fused(
     host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
-    hist, stats, hs, out, stage_kv, host_stage, clear,
+    hist, stats, hs, out, stage_kv, host_stage,
 ) -> None:  # fmt: skip
     if host_kv.shape[1] % 16:
         raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
@@ -343,23 +326,18 @@ def _recall_fused(
     n_look, n_scan = _grid(total, LIST_BLOCK)[0], _grid(n_g, FUSED_SCAN_BLOCK)[0]
     n_copy, n_out = _num_copy_programs(hs.device), triton.cdiv(total, LIST_BLOCK)
     staged = stage_kv is not None
-    stage_host, stage_ctr, pf_stats = clear if clear is not None else (hs, hs, stats)  # unread
-    n_stage = stage_host.shape[0] if clear is not None else 0
-    n_clear = triton.cdiv(n_stage, CLEAR_BLOCK)
     gpu_words = _words(gpu_kv, "gpu_kv", True)
-    _recall_kernel[(n_look + 2 * n_scan + n_copy + n_out + n_clear + 1,)](
+    _recall_kernel[(n_look + 2 * n_scan + n_copy + n_out + 1,)](
         _words(host_kv, "host_kv", True), gpu_words, hs, host_to_gpu, gpu_priority, gpu_free,
         gpu_to_host, indices, miss_host, meta, hist, stats, out,
         _words(stage_kv, "stage_kv", True) if staged else gpu_words,
         host_stage if staged else host_to_gpu,  # (unread without STAGED)
-        stage_host, stage_ctr, pf_stats,
         total, n_g, indices.shape[0], C.reserve_slots(n_g), n_look, n_scan, n_copy, n_out,
-        n_clear, n_stage, stage_ctr.shape[0],
         UPR=host_kv.shape[1] // 16, UNITS=COPY_UNITS, LIST_BLOCK=LIST_BLOCK,
         SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
-        SELF_ROWS=LOOKUP_COPY_ROWS, LOOK_UNITS=LOOKUP_COPY_UNITS, CLEAR_BLOCK=CLEAR_BLOCK,
-        num_warps=LIST_WARPS,
+        SELF_ROWS=LOOKUP_COPY_ROWS_STAGED if staged else LOOKUP_COPY_ROWS,
+        LOOK_UNITS=LOOKUP_COPY_UNITS, num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

@@ -43,11 +43,6 @@ from custom_ops.cache_constexpr import (
     S_SELECTED,
     S_STEPS,
 )
-from custom_ops.prefetch_layout import PF_PROMOTED, PF_STAGED, PF_STEPS
-
-_S_PROMOTED = tl.constexpr(PF_PROMOTED)
-_S_STAGED = tl.constexpr(PF_STAGED)
-_S_STEPS = tl.constexpr(PF_STEPS)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -402,41 +397,6 @@ def _recall_final(meta, stats):
     tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
     tl.atomic_add(stats + S_RECALLED, nalloc.to(tl.int64), sem="relaxed")
     tl.atomic_add(stats + S_STEPS, nalloc.to(tl.int64) * 0 + 1, sem="relaxed")
-
-
-@triton.jit
-def _clear_stage(pid, stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
-                 BLOCK: tl.constexpr):  # fmt: skip
-    """Program ``pid`` of emptying the staging buffer after echo::recall_staged's copies
-    (prefetch.clear_staging): count its staged rows and the promoted ones (staged rows now on the
-    GPU), mark them unstaged; program 0 also resets the claim counters and counts the step. A
-    host slot staged twice (two requests sharing a page) is counted once: only one exchange on
-    host_stage sees its entry."""
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    h = tl.load(stage_host + offs, mask=offs < n_stage, other=-1)
-    live = h >= 0
-    old = tl.atomic_xchg(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=live, sem="relaxed")
-    first = live & (old >= 0)
-    g = tl.load(h2g + h, mask=first, other=-1)
-    tl.store(stage_host + offs, tl.full([BLOCK], -1, tl.int32), mask=live)
-    staged = tl.sum(live.to(tl.int64), 0)
-    promoted = tl.sum((first & (g >= 0)).to(tl.int64), 0)
-    tl.atomic_add(pf_stats + _S_STAGED, staged, mask=staged > 0, sem="relaxed")
-    tl.atomic_add(pf_stats + _S_PROMOTED, promoted, mask=promoted > 0, sem="relaxed")
-    if pid == 0:
-        for start in range(0, n_ctr, BLOCK):
-            c = start + tl.arange(0, BLOCK)
-            tl.store(stage_ctr + c, tl.zeros([BLOCK], tl.int32), mask=c < n_ctr)
-        tl.atomic_add(pf_stats + _S_STEPS, staged * 0 + 1, sem="relaxed")
-
-
-@triton.jit
-def _clear_kernel(stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
-                  BLOCK: tl.constexpr):  # fmt: skip
-    """_clear_stage as a launch of its own, after a recall of a launch per phase (or with
-    cache_kernels.CLEAR_IN_RECALL off)."""
-    _clear_stage(tl.program_id(0), stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
-                 BLOCK)  # fmt: skip
 
 
 @triton.jit

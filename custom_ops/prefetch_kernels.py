@@ -22,12 +22,18 @@ from custom_ops.prefetch_layout import (
     EMA_DEV,
     EMA_LEVEL,
     EMA_THR,
+    PF_PROMOTED,
+    PF_STAGED,
+    PF_STEPS,
 )
 from custom_ops.prefetch_scores import scores_variant
 
 LIST_BLOCK = 1024
 # staged rows per score block at most ("tile"); "post" gives a program rows x TPP / BT in all
 PF_ROWS = 8
+_S_PROMOTED = tl.constexpr(PF_PROMOTED)
+_S_STAGED = tl.constexpr(PF_STAGED)
+_S_STEPS = tl.constexpr(PF_STEPS)
 _A_NEW = tl.constexpr(EMA_ALPHA)  # update_ema's two weights, as the Python floats it uses
 _A_OLD = tl.constexpr(1.0 - EMA_ALPHA)
 _THR = tl.constexpr(EMA_THR)  # the rows of the threshold state
@@ -127,6 +133,32 @@ def ema_update_cuda(ema, kth, seq_lens, block_table, margin: float) -> None:
     )  # fmt: skip
 
 
+@triton.jit
+def _clear_kernel(stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """After the recall: count the staged rows and the promoted ones (staged rows now on the
+    GPU), empty the staging buffer; program 0 also resets the claim counters and counts the
+    step. A host slot staged twice (two requests sharing a page) is counted once: only one
+    exchange on host_stage sees its entry."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    h = tl.load(stage_host + offs, mask=offs < n_stage, other=-1)
+    live = h >= 0
+    old = tl.atomic_xchg(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=live, sem="relaxed")
+    first = live & (old >= 0)
+    g = tl.load(h2g + h, mask=first, other=-1)
+    tl.store(stage_host + offs, tl.full([BLOCK], -1, tl.int32), mask=live)
+    staged = tl.sum(live.to(tl.int64), 0)
+    promoted = tl.sum((first & (g >= 0)).to(tl.int64), 0)
+    tl.atomic_add(pf_stats + _S_STAGED, staged, mask=staged > 0, sem="relaxed")
+    tl.atomic_add(pf_stats + _S_PROMOTED, promoted, mask=promoted > 0, sem="relaxed")
+    if pid == 0:
+        for start in range(0, n_ctr, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            tl.store(stage_ctr + c, tl.zeros([BLOCK], tl.int32), mask=c < n_ctr)
+        tl.atomic_add(pf_stats + _S_STEPS, staged * 0 + 1, sem="relaxed")
+
+
 def recall_staged_cuda(
     host_kv,
     gpu_kv,
@@ -146,11 +178,11 @@ def recall_staged_cuda(
     stage_ctr,
     pf_stats,
 ):
-    """echo::recall with staging as the copy's second source, emptying the staging buffer
-    after the copies (cache_kernels.recall_cuda's ``clear``)."""
+    """echo::recall's four launches, the copy reading staged misses from staging, then one
+    launch that empties the staging buffer."""
     from custom_ops import cache_kernels
 
-    return cache_kernels.recall_cuda(
+    out = cache_kernels.recall_cuda(
         host_kv,
         gpu_kv,
         gpu_free,
@@ -165,5 +197,17 @@ def recall_staged_cuda(
         host_slots,
         stage_kv=stage_kv,
         host_stage=host_stage,
-        clear=(stage_host, stage_ctr, pf_stats),
     )
+    n_stage = stage_host.shape[0]
+    _clear_kernel[(max(1, triton.cdiv(n_stage, LIST_BLOCK)),)](
+        stage_host,
+        host_stage,
+        host_to_gpu,
+        stage_ctr,
+        pf_stats,
+        n_stage,
+        stage_ctr.shape[0],
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
+    )
+    return out

@@ -362,25 +362,25 @@ def _recall_staged_args(layer, sel: torch.Tensor) -> tuple:
             s.host_stage, s.stage_ctr, s.totals)  # fmt: skip
 
 
-# where echo::recall_staged empties the staging buffer: (cache_kernels.FUSED, CLEAR_IN_RECALL)
-CLEAR_MODES = {"in_the_launch": (True, True), "own_launch": (True, False),
-               "per_phase": (False, False)}  # fmt: skip
+# how echo::recall_staged runs: (cache_kernels.FUSED, LOOKUP_COPY_ROWS_STAGED)
+STAGED_MODES = {"one_launch": (True, 0), "one_launch_lookup_copies": (True, 32),
+                "per_phase": (False, 0)}  # fmt: skip
 
 
-@pytest.fixture(params=list(CLEAR_MODES))
-def clear_mode(request, monkeypatch):
+@pytest.fixture(params=list(STAGED_MODES))
+def staged_mode(request, monkeypatch):
     from custom_ops import cache_kernels
 
-    fused, in_recall = CLEAR_MODES[request.param]
+    fused, rows = STAGED_MODES[request.param]
     monkeypatch.setattr(cache_kernels, "FUSED", fused)
-    monkeypatch.setattr(cache_kernels, "CLEAR_IN_RECALL", in_recall)
+    monkeypatch.setattr(cache_kernels, "LOOKUP_COPY_ROWS_STAGED", rows)
     return request.param
 
 
-def test_recall_staged_triton_matches_reference(clear_mode):
-    """The staged recall's Triton path (interpreter) against its reference from equal states,
-    with the staging clear in the recall's launch, in a launch of its own, and after the
-    per-phase launches (check_pool: the launch's scratch words are reset too)."""
+def test_recall_staged_triton_matches_reference(staged_mode):
+    """The staged recall's Triton path (interpreter) against its reference from equal states:
+    in one launch, the copy programs copying every row (the default) or the lookup programs
+    copying the rows they placed first; and as a launch per phase."""
     outs = []
     for impl in ("ref", "triton"):
         c = _cache("fp8", "request", cap=16)
@@ -406,7 +406,7 @@ def test_recall_staged_triton_matches_reference(clear_mode):
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_staged_misses_are_read_from_staging(impl: str, clear_mode):
+def test_staged_misses_are_read_from_staging(impl: str, staged_mode):
     """A staged miss's row comes from staging, the other misses' from the host: staging is
     planted with rows unlike the host's (which the engine never does) so the source shows; the
     staging buffer is empty afterwards and the statistics count what was staged and promoted."""
