@@ -448,6 +448,24 @@ def test_bad_inputs_raise():
         CacheConfig(**geometry, prefetch_cap=129)
 
 
+def test_bench_staged_recall_dry_run(tmp_path):
+    """benchmarks/bench_staged_recall.py runs every variant's code path at toy sizes (CPU,
+    interpreter; no timings there) and records each scenario."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "sr.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_staged_recall", "--dry-run", "--hit-rates",
+           "0.9", "--rounds", "1", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert set(res["results"]) == {"h0.9", "h0.9_steady"}
+    for r in res["results"].values():
+        assert r["misses"] > 0 and set(r["median_us"]) == {
+            "plain", "staged", "staged_no_clear", "clear_alone", "plain_self0", "staged_self32"}
+
+
 def test_bench_prefetch_dry_run(tmp_path):
     """benchmarks/bench_prefetch.py's checks at toy sizes (CPU, interpreter): all PASS."""
     import json
