@@ -176,6 +176,8 @@ def test_batch_cap() -> None:
         (["--gpu-pools", "310"], "cannot hold the longest request"),  # 304 tokens: 5 pages > 4
         (["--prefetch-margin", "-1"], "prefetch_margin must be a finite number >= 0"),
         (["--prefetch-cap", "0"], "prefetch_cap must be a positive integer, got 0"),
+        # bounded by the host pool, known once the workload is (before any model is built)
+        (["--prefetch", "request", "--prefetch-cap", "10000000"], "cap must be at most host_tok"),
         (["--prefetch-ratio", "nan"], "prefetch_ratio must be in (0, 1] (staged rows per"),
         (["--async-scheduling", "yes"], "--async-scheduling: 'yes' is not off, on or off,on"),
         (["--async-scheduling", "on", "--dp", "2"], "async_scheduling needs dp = tp = ep = 1"),

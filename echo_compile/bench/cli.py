@@ -306,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     # every request of the largest workload at once, in whole pages
     most = max([wl] + sweep, key=lambda w: w.requests)
     host = a.host_tokens or PAGE * sum(pages_for(n + wl.output_len) for n in most.lengths())
+    for p in prefetches:  # now that the host pool's size is known: the cap's bound by it
+        try:
+            check_prefetch(p, d["prefetch_cap"], d["prefetch_ratio"], True, a.prefetch_margin, host)
+        except ValueError as e:
+            ap.error(f"prefetch options: {e}")
     t_start = time.perf_counter()
     parallel, first = None, True
     if par is not None:
