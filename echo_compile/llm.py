@@ -86,8 +86,9 @@ class LLM:
     them FP8, one byte per weight on the GPU (docs/quantization.md; sharded on block
     boundaries with dp/tp/ep). ``generation_config``: ``"auto"`` (default) takes a request's
     unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) from the
-    checkpoint's ``generation_config.json``, as vLLM does, in ``generate()`` without params and
-    in the server; ``"none"``: ``SamplingParams()``'s defaults (``engine.sampling_defaults``).
+    checkpoint's ``generation_config.json``, as vLLM does, in ``generate()`` without params (its
+    ``max_new_tokens`` too, as their ``max_tokens``) and in the server; ``"none"``:
+    ``SamplingParams()``'s defaults (``engine.sampling_defaults``).
     """
 
     def __init__(

@@ -217,8 +217,10 @@ class SamplingParams:
 
 
 # The generation_config.json fields that become a request's defaults where it leaves them unset,
-# the ones vLLM's ``--generation-config auto`` reads (its max_new_tokens aside; ``do_sample`` is
-# not read either, as there).
+# the ones vLLM's ``--generation-config auto`` reads (``do_sample`` is not read, as there), besides
+# max_new_tokens, HF's name of max_tokens: the default of a request without params (``LLM``'s),
+# as in vLLM's ``LLM.generate``; NOT applied by the server, whose requests always set max_tokens
+# (the OpenAI default, or what the context leaves).
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 GENERATION_CONFIG_MODES = ("auto", "none")
 # how an error about generation_config.json says it can be left unread
@@ -229,8 +231,8 @@ def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
     """The parameters of a request that sets none (``Engine.sampling_defaults``): with ``mode``
     "auto" those a checkpoint's ``generation_config.json`` (parsed; ``{}`` when absent; the
     ``ValueError`` of a file that is not JSON, raised here) sets, checked as ``SamplingParams``
-    checks them; with "none" ``SamplingParams()``'s, ``gen`` unread. Raises ``ValueError``
-    naming a bad mode or field."""
+    checks them (its ``max_new_tokens`` as ``max_tokens``); with "none" ``SamplingParams()``'s,
+    ``gen`` unread. Raises ``ValueError`` naming a bad mode or field."""
     if mode not in GENERATION_CONFIG_MODES:
         modes = " or ".join(GENERATION_CONFIG_MODES)
         raise ValueError(f"generation_config must be {modes}, got {mode!r}")
@@ -242,7 +244,10 @@ def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
     if not isinstance(gen, dict):
         raise ValueError(f"generation_config.json: expected a JSON object, got {gen!r} {ignore}")
     fields = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None}
+    if gen.get("max_new_tokens") is not None:
+        fields["max_tokens"] = gen["max_new_tokens"]
     try:
         return SamplingParams(**fields)
     except SamplingParamsError as e:
-        raise ValueError(f"generation_config.json field {e.param!r}: {e} {ignore}") from e
+        name = "max_new_tokens" if e.param == "max_tokens" else e.param
+        raise ValueError(f"generation_config.json field {name!r}: {e} {ignore}") from e

@@ -318,3 +318,17 @@ def test_generation_defaults_from_the_checkpoint() -> None:
         generation_defaults({"top_p": 1.5})
     with pytest.raises(ValueError, match="expected a JSON object"):
         generation_defaults([])
+
+
+def test_generation_defaults_take_max_new_tokens_as_max_tokens() -> None:
+    """HF's max_new_tokens is the max_tokens of a request without params, as vLLM reads it;
+    a bad one is refused under its own name."""
+    from runtime.sampling_params import generation_defaults
+
+    assert generation_defaults({"max_new_tokens": 7, "top_p": 0.5}) == SamplingParams(
+        max_tokens=7, top_p=0.5
+    )
+    assert generation_defaults({"max_new_tokens": None}).max_tokens == SamplingParams().max_tokens
+    assert generation_defaults({"max_new_tokens": 7}, "none") == SamplingParams()
+    with pytest.raises(ValueError, match="field 'max_new_tokens'.*got 0"):
+        generation_defaults({"max_new_tokens": 0})
