@@ -56,14 +56,14 @@ def _given(a: argparse.Namespace, names: tuple[str, ...]) -> dict:
     return {k: getattr(a, k) for k in names if getattr(a, k) is not None}
 
 
-def _generation_config_arg(p: argparse.ArgumentParser) -> None:
+def _generation_config_arg(p: argparse.ArgumentParser, fields: str) -> None:
     p.add_argument(
         "--generation-config",
         choices=GENERATION_CONFIG_MODES,
         default="auto",
-        help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty "
-        "and its EOS ids come from the checkpoint's generation_config.json, as vLLM does; none: "
-        "the file is not read (1 / 1 / off / 0 / 1)",
+        help=f"auto: a request's unset {fields} and its EOS ids come from the checkpoint's "
+        "generation_config.json, as vLLM does; none: the file is not read "
+        "(SamplingParams' defaults)",
     )
 
 
@@ -206,10 +206,11 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(g)
     g.add_argument("prompts", nargs="+")
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
-    _generation_config_arg(g)
+    # (--temperature and --max-tokens always set theirs: greedy, 32 tokens by default)
+    _generation_config_arg(g, "top_p / top_k / min_p / repetition_penalty")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_args(s)
@@ -251,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="allow browser requests from this origin (repeatable; '*' for any)",
     )
-    _generation_config_arg(s)
+    _generation_config_arg(s, "temperature / top_p / top_k / min_p / repetition_penalty")
 
     m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
     m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
@@ -332,12 +333,17 @@ def serve_options(a: argparse.Namespace) -> dict:
     )
 
 
-def _sampling_params(a: argparse.Namespace):
+def _sampling_params(a: argparse.Namespace, defaults=None):
+    """``generate``'s parameters: the flags' values over ``defaults`` (the engine's
+    ``sampling_defaults``, the checkpoint's generation config; None: ``SamplingParams()``)."""
+    import dataclasses
+
     from runtime.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed
-    )
+    given = {"max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed}
+    if a.top_p is not None:
+        given["top_p"] = a.top_p
+    return dataclasses.replace(defaults or SamplingParams(), **given)
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -350,7 +356,7 @@ def _run(a: argparse.Namespace) -> int:
         check_device(a.device)
         return run_demo(a)
     if a.cmd == "generate":
-        params = _sampling_params(a)  # NOTE: checked before the model loads, not after
+        _sampling_params(a)  # NOTE: the flags checked before the model loads, not after
         check_device(a.device)
         from echo_compile.llm import LLM
 
@@ -361,6 +367,7 @@ def _run(a: argparse.Namespace) -> int:
         import os
 
         first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank has the results
+        params = _sampling_params(a, llm.engine.sampling_defaults)
         for r in llm.generate(a.prompts, params, progress=first):
             if first:
                 print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")

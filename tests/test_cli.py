@@ -265,6 +265,36 @@ def test_generate_takes_generation_config_none_past_a_bad_file(capsys, tmp_path)
     assert "(2 tokens)" in capsys.readouterr().out
 
 
+def test_generate_takes_the_unset_fields_from_the_generation_config(monkeypatch, tmp_path):
+    """The sampling fields generate's flags leave unset come from generation_config.json (its
+    help says so), the flags' values over them; greedy and 32 tokens unless asked."""
+    import json
+    import shutil
+
+    from echo_compile.llm import LLM
+    from model.checkpoint import resolve_model
+    from runtime.sampling_params import SamplingParams
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(resolve_model("tiny"), ckpt)
+    gen = {"repetition_penalty": 1.5, "top_k": 5, "min_p": 0.1, "top_p": 0.9, "temperature": 0.7}
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+    seen = []
+    monkeypatch.setattr(
+        LLM, "generate", lambda self, prompts, params, progress: seen.append(params) or []
+    )
+    base = ["generate", "hi", "--model", str(ckpt), "--no-compile", "--device", "cpu"]
+    assert cli.main(base) == 0
+    assert cli.main(base + ["--top-p", "0.5", "--temperature", "1", "--max-tokens", "3"]) == 0
+    assert cli.main(base + ["--generation-config", "none"]) == 0
+    file = dict(repetition_penalty=1.5, top_k=5, min_p=0.1)
+    assert seen == [
+        SamplingParams(max_tokens=32, temperature=0.0, top_p=0.9, **file),
+        SamplingParams(max_tokens=3, temperature=1.0, top_p=0.5, **file),
+        SamplingParams(max_tokens=32, temperature=0.0),
+    ]
+
+
 @pytest.mark.parametrize("cmd", ["generate", "serve"])
 def test_engine_flags_reach_the_engine_options(cmd):
     """Each scheduling and memory flag sets its EngineConfig field (defaults otherwise)."""
