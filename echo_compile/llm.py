@@ -159,6 +159,10 @@ class LLM:
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_bos=True)
+        if not isinstance(prompt, Sequence):  # (a dict, a tensor: not read as token ids)
+            raise TypeError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         return list(prompt)
 
     def generate(
@@ -168,10 +172,19 @@ class LLM:
         progress: bool = False,
     ) -> list[GenerationResult]:
         """Run every prompt to completion (continuous batching) and return results in order."""
+        if not isinstance(prompts, Sequence):
+            raise TypeError(
+                "prompts must be a string, a list of token ids or a list of either, "
+                f"got {type(prompts).__name__}"
+            )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.engine.sampling_defaults] * len(prompts)
+        if not isinstance(params, Sequence) or not all(
+            isinstance(p, SamplingParams) for p in params
+        ):
+            raise TypeError("params must be a SamplingParams, a list of them or None")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]

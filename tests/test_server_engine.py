@@ -454,6 +454,27 @@ def test_streams_and_generate_of_one_llm_interleave() -> None:
     assert not llm.engine.has_unfinished() and not llm._outputs
 
 
+@pytest.mark.parametrize(
+    ("prompts", "params", "message"),
+    [
+        (None, None, "prompts must be a string, a list of token ids or a list of either"),
+        ({"prompt": "Hi"}, None, "prompts must be"),
+        (["Hi", {"prompt_token_ids": [5, 6]}], None, "a prompt must be a string or a list"),
+        (["Hi"], {"max_tokens": 3}, "params must be a SamplingParams, a list of them or None"),
+        (["Hi", "Ho"], [SamplingParams(), "x"], "params must be a SamplingParams"),
+    ],
+)
+def test_llm_generate_refuses_arguments_of_the_wrong_type(
+    llm: LLM, prompts: Any, params: Any, message: str
+) -> None:
+    """A prompt or params of the wrong type (a vLLM prompt dict, params as a dict) is one
+    TypeError naming the argument, before any request is queued (it was a KeyError, an
+    AttributeError on a str, or a ValueError about token ids)."""
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
 def test_llm_generate_returns_top_and_prompt_logprobs_as_the_stream() -> None:
     """``generate()`` keeps what the request asked for and its stream carries: each token's
     top_logprobs and the prompt_logprobs (they were computed, then dropped)."""
