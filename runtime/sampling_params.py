@@ -40,7 +40,8 @@ class SamplingParams:
     - ``seed``: a request with a seed reproduces exactly, whatever else is in the batch; ``None``
       lets the engine draw one (``runtime.sampler.request_seed``). Must fit in int64.
     - ``stop``: strings that end generation; the text is cut before the stop string. A single
-      string or a list is accepted and stored as a tuple.
+      string or a list is accepted and stored as a tuple (None: none, as vLLM reads it; so
+      for ``stop_token_ids`` and ``logit_bias``).
     - ``stop_token_ids``: token ids that end generation (besides EOS).
     - ``ignore_eos``: keep generating after EOS (benchmarks).
     - ``logprobs``: return the log-probability of every chosen token.
@@ -117,7 +118,11 @@ class SamplingParams:
             raise SamplingParamsError(
                 "seed", f"seed must be null or a 64-bit signed integer, got {self.seed!r}"
             )
-        # Normalise the sequence fields to tuples so the object stays hashable and immutable.
+        # Normalise the sequence fields to tuples so the object stays hashable and immutable
+        # (None: empty, as vLLM's SamplingParams takes it).
+        for name in ("stop", "stop_token_ids", "logit_bias"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
             raise SamplingParamsError(

@@ -271,6 +271,9 @@ def test_sampling_params_normalises_sequences() -> None:
     assert p.stop == ("###",) and p.stop_token_ids == (3, 4) and p.greedy
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     hash(p)  # frozen and hashable
+    # None is none, as vLLM's SamplingParams reads it (it was a SamplingParamsError)
+    none = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
+    assert none == SamplingParams() and none.stop == none.stop_token_ids == none.logit_bias == ()
 
 
 @pytest.mark.cuda
