@@ -59,11 +59,7 @@ def variants(s: bp.Setup, st) -> dict:
         ck.recall_cuda(*a[:12], stage_kv=st.stage_kv, host_stage=st.host_stage)
 
     def clear():
-        n = st.stage_host.shape[0]
-        pk._clear_kernel[(triton.cdiv(n, pk.LIST_BLOCK),)](
-            st.stage_host, st.host_stage, s.pool.host_to_gpu, st.stage_ctr, st.totals, n,
-            st.stage_ctr.shape[0], BLOCK=pk.LIST_BLOCK, num_warps=4,
-        )  # fmt: skip
+        pk.clear(st.stage_host, st.host_stage, s.pool.host_to_gpu, st.stage_ctr, st.totals)
 
     def plain():
         s.pool.recall(s.host, s.sel)

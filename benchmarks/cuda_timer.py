@@ -15,12 +15,14 @@ Order of work, fixed here so every benchmark measures the same way:
 4. per timed replay: ``before()`` (outside the timed window: e.g. restoring state the calls
    mutate, or flushing L2), then the replay between two events, behind a spin kernel
    (``SPIN_CYCLES``) that keeps the GPU busy while the host records the first event and submits
-   the replay. Without it, when ``before()`` leaves the GPU idle (one that synchronizes, e.g.
-   through ``torch.unique``), the first event fires at once and the window also holds the host's
-   graph launch: on an H100 the staging clear's kernel, 3.7-3.9 µs of device time (profiler),
-   timed at 24.7-25.9 µs after such a ``before()`` and at 6.5-10.0 µs after ones that left work
-   queued (benchmarks/results/gpu_session26/call1_staged_recall_h100.json). In a decode step the
-   ops replay inside one graph and pay no such launch each.
+   the replay. Without it, when the GPU was idle at that moment (each timed replay ends with a
+   synchronize, so it is unless ``before()`` queues more work than the host's launch takes: no
+   ``before()``, or one that synchronizes, e.g. through ``torch.unique``), the first event
+   fires at once and the window also holds the host's graph launch, up to ~20 µs, divided by the
+   calls per graph. On an H100 the staging clear's kernel, 3.7-3.9 µs of device time
+   (profiler), timed at 24.7-25.9 µs after a ``before()`` that synchronizes and at 6.5-10.0 µs
+   after ones that left work queued (benchmarks/results/gpu_session26/call1_staged_recall_h100
+   .json). In a decode step the ops replay inside one graph and pay no such launch each.
 """
 
 from __future__ import annotations

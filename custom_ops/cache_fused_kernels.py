@@ -139,7 +139,8 @@ def _recall_kernel(
     program waits for everyone (HISTED, PLACED, COPIED: every other program has then passed all
     its waits), finalises as the copy launch's last program did, and resets the counters.
 
-    SELF_ROWS > 0 (cache_kernels.LOOKUP_COPY_ROWS): a lookup program signals LOOKED, then copies
+    SELF_ROWS > 0 (cache_kernels.LOOKUP_COPY_ROWS; LOOKUP_COPY_ROWS_STAGED for
+    echo::recall_staged): a lookup program signals LOOKED, then copies
     the rows of up to SELF_ROWS of the misses it placed early itself, so those host reads start
     as soon as its own lookup ends, beside the other programs' lookups; the copy programs skip
     them (marked in miss_host) and copy the rest. Nothing waits for the lookup programs' copies

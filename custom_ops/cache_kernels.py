@@ -93,7 +93,7 @@ LOOKUP_COPY_ROWS = 32
 LOOKUP_COPY_UNITS = 512
 # The same for echo::recall_staged. A staged miss's row is read from staging (HBM), not over
 # PCIe, so starting it early in the lookup gains nothing, and the copy programs spread it wider:
-# 0 was faster than 32 in each of 6 scenarios of one H100 run, by 0.3-1.1 us (hit rates 0.5 /
+# 0 was faster than 32 in each of 6 scenarios of one H100 run, by 0.4-1.1 us (hit rates 0.5 /
 # 0.9 / 0.97, full pool and steady; benchmarks/bench_staged_recall.py, docs/prefetch.md).
 LOOKUP_COPY_ROWS_STAGED = 0
 # Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,

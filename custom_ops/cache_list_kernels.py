@@ -147,10 +147,10 @@ def _lookup(
     for the pass. A duplicate's exchange that took such a slot (>= 0) writes it back; every
     exchange that saw a slot restores it after, so the slot is the last value written.
 
-    SELF_ROWS > 0 (with PLACE_EARLY; cache_kernels.LOOKUP_COPY_ROWS): the first SELF_ROWS ranks
-    this block placed are this program's to copy (_copy_claimed, once its lookup is signalled);
-    their miss_host entries are stored as -1 - h, so the copy programs skip them. Returns that
-    rank range [r0, r1) and the HEAD it read."""
+    SELF_ROWS > 0 (with PLACE_EARLY; cache_kernels.LOOKUP_COPY_ROWS, or LOOKUP_COPY_ROWS_STAGED):
+    the first SELF_ROWS ranks this block placed are this program's to copy (_copy_claimed, once
+    its lookup is signalled); their miss_host entries are stored as -1 - h, so the copy programs
+    skip them. Returns that rank range [r0, r1) and the HEAD it read."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0

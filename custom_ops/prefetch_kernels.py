@@ -159,6 +159,15 @@ def _clear_kernel(stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
         tl.atomic_add(pf_stats + _S_STEPS, staged * 0 + 1, sem="relaxed")
 
 
+def clear(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats) -> None:
+    """The launch that empties the staging buffer after the recall (``_clear_kernel``)."""
+    n_stage = stage_host.shape[0]
+    _clear_kernel[(max(1, triton.cdiv(n_stage, LIST_BLOCK)),)](
+        stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats, n_stage, stage_ctr.shape[0],
+        BLOCK=LIST_BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
 def recall_staged_cuda(
     host_kv,
     gpu_kv,
@@ -178,8 +187,8 @@ def recall_staged_cuda(
     stage_ctr,
     pf_stats,
 ):
-    """echo::recall's four launches, the copy reading staged misses from staging, then one
-    launch that empties the staging buffer."""
+    """echo::recall (one launch, or four with cache_kernels.FUSED off), the copy reading staged
+    misses from staging, then ``clear``."""
     from custom_ops import cache_kernels
 
     out = cache_kernels.recall_cuda(
@@ -198,16 +207,5 @@ def recall_staged_cuda(
         stage_kv=stage_kv,
         host_stage=host_stage,
     )
-    n_stage = stage_host.shape[0]
-    _clear_kernel[(max(1, triton.cdiv(n_stage, LIST_BLOCK)),)](
-        stage_host,
-        host_stage,
-        host_to_gpu,
-        stage_ctr,
-        pf_stats,
-        n_stage,
-        stage_ctr.shape[0],
-        BLOCK=LIST_BLOCK,
-        num_warps=4,
-    )
+    clear(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats)
     return out
