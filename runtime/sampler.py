@@ -129,7 +129,11 @@ def sample(
 
     is_greedy = temperature <= 0
     t = torch.where(is_greedy, torch.ones_like(temperature), temperature)  # avoid 0-division
-    scaled = logits / t[:, None]  # [B, V]
+    # NOTE: shift by the row's max first (softmax is shift-invariant): a tiny temperature (fp32
+    # 1e-45) then sends the other tokens to -inf, the right limit, where logits / t overflows to
+    # +inf, and inf - inf is a NaN distribution (a garbage token, NaN logprobs, a 500).
+    top = logits.gather(-1, greedy_ids[:, None])  # [B, 1]
+    scaled = (logits - top) / t[:, None]  # [B, V]
     if filters:
         # Sort once: top-k is a rank mask and top-p a cumulative-mass mask in sorted order.
         # stable=True: ties keep vocab order, so top_k=1 picks exactly what argmax picks.

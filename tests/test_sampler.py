@@ -121,6 +121,19 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
         torch.testing.assert_close(lp, torch.zeros(64))
 
 
+def test_tiny_temperature_is_greedy_not_nan() -> None:
+    # logits / 1e-45 (an fp32 subnormal) overflows to +inf: the row became NaN, the token garbage
+    # and the server's JSON a 500. The limit of a vanishing temperature is the argmax, logprob 0.
+    torch.manual_seed(4)
+    logits = torch.randn(16, 100) * 5
+    logits[:, 7] = float("-inf")  # a masked token (grammar, min_tokens) stays impossible
+    for t in (1e-45, 1e-38, 1e-30):
+        for filters in (True, False):
+            ids, lp = sample(logits, **_rows(16, temperature=t), filters=filters)
+            assert torch.equal(ids, logits.argmax(-1)), (t, filters)
+            torch.testing.assert_close(lp, torch.zeros(16), msg=f"t={t}, filters={filters}")
+
+
 def test_top_k_and_top_p_keep_only_allowed_tokens() -> None:
     torch.manual_seed(4)
     logits = torch.randn(1, 30).expand(2000, 30).contiguous()
