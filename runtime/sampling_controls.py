@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from runtime.request import Request
 
 
+FP32 = torch.finfo(torch.float32)
+
+
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         # pinned + non_blocking: a pageable copy would wait for the step's graph to finish
@@ -165,7 +168,11 @@ class SamplingControls:
         rep, freq, pres, temp, log_min_p = (v[:, i : i + 1] for i in range(5))  # [A, 1] each
         if any(p.repetition_penalty != 1 for p in ps):
             seen = in_prompt | (counts > 0)
-            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            # NOTE: in fp32 a penalty past fp32 max is inf (0 * inf: NaN), one under 1e-45 is 0
+            # (-inf * 0: NaN) and a small one sends x / rep to +inf (inf - inf: a NaN softmax, a
+            # garbage token, a 500 on the logprobs): keep all finite; -inf (a mask) stays -inf.
+            rep = rep.clamp(min=FP32.tiny, max=FP32.max)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x).clamp(max=FP32.max)
         if any(p.frequency_penalty or p.presence_penalty for p in ps):
             c = counts.to(torch.float32)
             x = x - freq * c - pres * (c > 0).to(torch.float32)

@@ -124,6 +124,23 @@ def test_min_tokens_holds_back_eos_and_stop_ids() -> None:
     assert out[0].argmax() == EOS  # min_tokens reached: EOS may end it
 
 
+@pytest.mark.parametrize("penalty", [1e-308, 1e-40, 1e39, 1e308])
+def test_extreme_repetition_penalty_stays_finite(penalty: float) -> None:
+    # fp32 makes 1e-308 a 0 (x / 0 = +inf) and 1e39 an inf (0 * inf = NaN): the sampled row was
+    # NaN, the token garbage, and a request with logprobs a 500 (JSON has no NaN).
+    logits = torch.randn(2, V) * 4
+    logits[:, [3, 5, 9, 11]] = torch.tensor([0.0, 2.0, -math.inf, -1.0])  # 9: masked (a grammar)
+    r = Req("a", [3, 5, 9, 11], SamplingParams(max_tokens=4, repetition_penalty=penalty))
+    out = SamplingControls({EOS})([r, r], logits.clone())
+    assert not out.isnan().any() and not (out == math.inf).any()
+    assert (out[:, 9] == -math.inf).all()  # still masked
+    sb = prepare_batch([r.params] * 2, [0, 1], [0, 0])
+    ids, lp = sample(out, sb.temperature, sb.top_k, sb.top_p, sb.seeds, sb.steps)
+    assert lp.isfinite().all() and (ids != 9).all()
+    if penalty < 1:  # a seen positive logit dominates
+        assert (ids == 5).all()
+
+
 def test_params_validation_names_the_field() -> None:
     for kw, name in [
         ({"presence_penalty": 3.0}, "presence_penalty"),
