@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint of them; fp8 as --fp8-weights fp8; docs/quantization.md, 'End to end')",
     )
     ap.add_argument(
-        "--eager-pools", default=None, help="pools at which offload-eager runs (default 200000)"
+        "--eager-pools",
+        default=None,
+        help="pools at which offload-eager runs (default: 200000 if among --gpu-pools, else the "
+        "first of them)",
     )
     ap.add_argument(
         "--rates",
@@ -176,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         help="Poisson request rates (req/s) of the rate sweep (Fig. 12); empty: no sweep",
     )
     ap.add_argument(
-        "--rate-pool", type=int, default=None, help="the sweep's GPU pool (default 200000 if run)"
+        "--rate-pool",
+        type=int,
+        default=None,
+        help="the sweep's GPU pool (default: 200000 if among --gpu-pools, else the first of them)",
     )
     ap.add_argument("--rate-requests", type=int, default=16, help="requests per sweep point")
     ap.add_argument(
