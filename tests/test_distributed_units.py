@@ -264,3 +264,27 @@ def test_the_model_steps_guard_blames_peers_only_for_collective_failures():
     with pytest.raises(RankFailure):  # the step agreement: every error there is a peer's
         with guarded(ctx, "the step agreement"):
             raise RuntimeError("shape mismatch")
+
+
+def test_ranks_built_with_other_engine_options_are_refused_naming_them(monkeypatch):
+    """A rank given another tp (or kv_format, max_batch, ...) than rank 0 is refused on every
+    rank before a weight loads, naming the option: with tp it met other collectives (gloo
+    aborted it: "collective mismatch"), with kv_format it silently computed other numbers."""
+    import torch.distributed as dist
+
+    from model.checkpoint import resolve_model
+    from runtime.distributed.dist_engine import build_distributed_engine
+    from runtime.distributed.process import DistContext
+
+    ctx = DistContext(0, 2, 0, "cpu", "gloo", "0", None, 10.0)
+    config = EngineConfig(dp=2, tp=2, device="cpu")
+    other = {"tp": 1, "kv_format": "fp8"}  # what rank 1 was given
+
+    def gather(out, obj, group=None):  # rank 1's options are rank 0's but for `other`
+        out[:] = [obj, dict(obj, **other)]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    with pytest.raises(ValueError, match="kv_format: rank 0 has 'bf16', rank 1 has 'fp8'; tp: "):
+        build_distributed_engine(resolve_model("tiny"), config, ctx=ctx)
+    other = {}  # the same options everywhere: built
+    assert build_distributed_engine(resolve_model("tiny"), config, ctx=ctx).dp == 2

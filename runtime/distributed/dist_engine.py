@@ -190,6 +190,27 @@ class DistributedEngine:
         return outs
 
 
+def check_same_options(ctx: DistContext, options: dict) -> None:
+    """Every rank must be built with rank 0's engine options: a rank with another ``tp``,
+    ``max_batch`` or ``kv_format`` meets other collectives (gloo aborted it with "collective
+    mismatch", blamed on its peers; NCCL may hang or mix buffers) or samples from other numbers.
+    A ``ValueError`` on every rank naming each option that differs, before any weight loads."""
+    every = [None] * ctx.world_size
+    with guarded(ctx, "the engine options check"):
+        dist.all_gather_object(every, options, group=ctx.cpu_group)
+    diff = [
+        f"{k}: rank 0 has {every[0].get(k)!r}, rank {r} has {o.get(k)!r}"
+        for r, o in enumerate(every)
+        for k in sorted(every[0].keys() | o.keys())
+        if every[0].get(k) != o.get(k)
+    ]
+    if diff:
+        raise ValueError(
+            "every rank of a dp/tp/ep job must be given the same engine options (torchrun runs "
+            "the same command on each): " + "; ".join(diff)
+        )
+
+
 def tp_group(ctx: DistContext, config: EngineConfig) -> TPGroup:
     """The group the feed-forward blocks reduce over: every rank when tp or ep > 1."""
     if config.ffn_ranks == 1:
@@ -225,6 +246,12 @@ def build_distributed_engine(
             f"but this job has {ctx.world_size}: launch with torchrun --nproc-per-node "
             f"{config.world_size}"
         )
+    check_same_options(
+        ctx,
+        dict(dataclasses.asdict(config), device=config.device.split(":")[0],
+             fp8_weights=fp8_weights, generation_config=generation_config,
+             compiled=compiler_factory is not None),
+    )  # fmt: skip
     config = replace(config, device=ctx.device)
     inputs = inputs or read_engine_inputs(path, config, generation_config)
     g = tp_group(ctx, config)
