@@ -351,6 +351,14 @@ def build_runner(
     compiled by ``compiler`` (prefill as ``config.prefill_compiled`` says) or eager."""
     mc = model_config if model_config is not None else model.config
     device = torch.device(config.device)
+    emb = model.model.embed_tokens.weight  # bf16 in every checkpoint format (model.checkpoint)
+    if emb.dtype != torch.bfloat16:
+        # NOTE: the KV rows, the cache and the ops are bf16: a cast model failed at its first
+        # step, deep in a trace ("expected scalar type torch.float32 but found torch.bfloat16")
+        raise ValueError(
+            f"the model's weights are {emb.dtype}: its steps run the bf16 weights load_model "
+            "gives (a model cast with .float() or .half() is not supported)"
+        )
     return ModelRunner(
         model,
         KVCache(config.cache_config(mc), device),

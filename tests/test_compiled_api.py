@@ -179,3 +179,13 @@ def test_compile_takes_engine_config_s_cache_options_with_its_defaults():
     for name in shared:
         if params[name].default is not inspect.Parameter.empty:
             assert params[name].default == defaults[name], name
+
+
+def test_compile_refuses_a_model_cast_from_bf16():
+    """A model cast with .float() (or .half()) is refused when compiled, naming its dtype: the
+    KV rows and cache ops are bf16, and its first step failed deep in Dynamo's trace."""
+    model, _ = load_model(resolve_model("tiny"))
+    kw = dict(host_tokens=1024, gpu_tokens=2 * model.config.index_topk, max_batch=2)
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ValueError, match=f"the model's weights are {dtype}"):
+            echo_compile.compile(model.to(dtype), **kw)
