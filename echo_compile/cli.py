@@ -371,6 +371,15 @@ def _run(a: argparse.Namespace) -> int:
         for r in llm.generate(a.prompts, params, progress=first):
             if first:
                 print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
+        if max(a.dp, a.tp, a.ep) > 1:  # torchrun: the clean end serve's ranks have
+            from runtime.distributed.process import finish
+
+            # every rank at the barrier, the group destroyed, then the engine (which holds gloo
+            # groups) freed now: left to the interpreter's finalization, gloo's teardown aborted
+            # a rank after its results were printed (SIGABRT, exit 1, 2 runs of 3 here)
+            finish()
+            del llm
+            gc.collect()
         return 0
     if a.cmd == "plan":
         from runtime.distributed.plan import GPU_MEM_GIB, memory_plan, plan_engine, v32_config
