@@ -509,17 +509,19 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
     change of one cache_kernels setting from the defaults: list entries per program of free's
     lookup (FREE_LIST_BLOCK) and of recall's lookup and output (LIST_BLOCK), pool slots per
     histogram / pass program (FUSED_SCAN_BLOCK), rows each lookup program copies itself
-    (LOOKUP_COPY_ROWS). Each is timed on whole refill periods (the amortized figures) and on the
-    steady step (37 misses; 2048 in one call), in two rounds, so that a configuration's figures
-    come from two points of the run."""
+    (LOOKUP_COPY_ROWS), the output before the lookup ends or after it (RECALL_OUT_EARLY). Each
+    is timed on whole refill periods (the amortized figures) and on the steady step (37 misses;
+    2048 in one call), in two rounds, so that a configuration's figures come from two points of
+    the run."""
     out = {}
     cap = pool.capacity
     n2k = min(2048, cap)
-    names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK", "LOOKUP_COPY_ROWS")
+    names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK", "LOOKUP_COPY_ROWS",
+             "RECALL_OUT_EARLY")
     defaults = {n: getattr(K, n) for n in names}
     configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 256}, {"FUSED_SCAN_BLOCK": 2048},
                {"LOOKUP_COPY_ROWS": 0}, {"LOOKUP_COPY_ROWS": 16}, {"LOOKUP_COPY_ROWS": 128},
-               {})  # fmt: skip
+               {"RECALL_OUT_EARLY": not defaults["RECALL_OUT_EARLY"]}, {})  # fmt: skip
     for rnd in range(2):
         for change in configs:
             for n, v in {**defaults, **change}.items():

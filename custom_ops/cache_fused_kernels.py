@@ -35,6 +35,8 @@ from custom_ops.cache_list_kernels import (
     _copy_claimed,
     _copy_out,
     _lookup,
+    _out_early,
+    _out_late,
     _recall_final,
     _signal,
     _wait,
@@ -128,6 +130,7 @@ def _recall_kernel(
     SLEEP_NS: tl.constexpr = 0,
     SELF_ROWS: tl.constexpr = 0,
     LOOK_UNITS: tl.constexpr = 512,
+    OUT_EARLY: tl.constexpr = False,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
@@ -144,7 +147,12 @@ def _recall_kernel(
     the rows of up to SELF_ROWS of the misses it placed early itself, so those host reads start
     as soon as its own lookup ends, beside the other programs' lookups; the copy programs skip
     them (marked in miss_host) and copy the rest. Nothing waits for the lookup programs' copies
-    inside the launch: no program reads those rows, and the launch ends after them."""
+    inside the launch: no program reads those rows, and the launch ends after them.
+
+    OUT_EARLY (cache_kernels.RECALL_OUT_EARLY): the output programs do not wait for the lookup;
+    each writes the entries whose slot it can already read (_out_early: every hit) and waits, as
+    the copy does, only if its block holds a miss (a few blocks in a steady step), then writes
+    those (_out_late)."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
     scan0 = n_look + n_scan  # the pass's first program
@@ -173,6 +181,14 @@ def _recall_kernel(
             miss_host, n_g, cap, reserve, True, SCAN_BLOCK, PAD, False, True,
         )  # fmt: skip
         _signal(meta + M_PLACED)
+    elif OUT_EARLY and pid >= copy0 + n_copy and pid < copy0 + n_copy + n_out:
+        offs, h, late = _out_early(pid - copy0 - n_copy, h2g, host_slots, out, total, LIST_BLOCK)
+        if tl.sum(late.to(tl.int32), 0) > 0:
+            _wait(meta + M_LOOKED, n_look, SLEEP_NS)
+            if tl.minimum(tl.load(n_miss), cap) > tl.load(meta + M_FREE0):
+                _wait(meta + M_PLACED, n_scan, SLEEP_NS)
+            _out_late(h2g, out, offs, h, late)
+        _signal(meta + M_COPIED)
     elif pid < copy0 + n_copy + n_out:
         _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         free0 = tl.load(meta + M_FREE0)

@@ -96,6 +96,10 @@ LOOKUP_COPY_UNITS = 512
 # 0 was faster than 32 in each of 6 scenarios of one H100 run, by 0.4-1.1 us (hit rates 0.5 /
 # 0.9 / 0.97, full pool and steady; benchmarks/bench_staged_recall.py, docs/prefetch.md).
 LOOKUP_COPY_ROWS_STAGED = 0
+# The one-launch recall's output programs write every entry whose GPU slot is already known (the
+# hits) without waiting for the lookup, and wait only where their block holds a miss
+# (cache_fused_kernels._recall_kernel); False: every output program waits for the lookup.
+RECALL_OUT_EARLY = True
 # Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,
 # eviction/placement, copy) and allocate (its one program): each launch may start
 # while the one before finishes, and its programs wait (griddepcontrol.wait) for it before their
@@ -337,7 +341,7 @@ def _recall_fused(
         SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
         SELF_ROWS=LOOKUP_COPY_ROWS_STAGED if staged else LOOKUP_COPY_ROWS,
-        LOOK_UNITS=LOOKUP_COPY_UNITS, num_warps=LIST_WARPS,
+        LOOK_UNITS=LOOKUP_COPY_UNITS, OUT_EARLY=RECALL_OUT_EARLY, num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

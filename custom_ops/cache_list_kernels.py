@@ -375,6 +375,34 @@ def _copy_out(
 
 
 @triton.jit
+def _out_early(q, h2g, host_slots, out, total, BLOCK: tl.constexpr):
+    """Output block ``q`` of the one-launch recall, before the lookup ends (cache_kernels.
+    RECALL_OUT_EARLY): out = host_to_gpu[hs] for the entries whose slot is already known. A slot
+    read here is final: a hit's entry does not change in the launch (the lookup protects it
+    before any eviction can start) and a miss's entry becomes a slot only where it is placed,
+    which is its value for the rest of the launch (a duplicate's exchange writes the slot back).
+    Returns the mask of the entries still to write: misses (-1 or PENDING when read), for
+    _out_late once the placement is known."""
+    offs = q * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < total
+    h = tl.load(host_slots + offs, mask=inb, other=-1)
+    valid = h >= 0
+    g = tl.load(h2g + h, mask=valid, other=-1)
+    late = valid & (g < 0)
+    tl.store(out + offs, g, mask=inb & ~late)  # (-1 for padding)
+    return offs, h, late
+
+
+@triton.jit
+def _out_late(h2g, out, offs, h, late):
+    """The entries _out_early left, after the placement: a slot, or PENDING (past the call's
+    capacity: the entry goes back to -1, as in _copy_out)."""
+    g = tl.load(h2g + h, mask=late, other=-1)
+    tl.store(h2g + h, tl.full(g.shape, -1, tl.int32), mask=late & (g == PENDING))
+    tl.store(out + offs, tl.maximum(g, -1), mask=late)
+
+
+@triton.jit
 def _recall_final(meta, stats):
     """The recall's finalisation: advance the clock, add the stats, reset NMISS and finalise a
     placement the pass handed over. In a program of its own (the launcher adds it; its list share

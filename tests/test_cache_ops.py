@@ -24,15 +24,19 @@ from runtime.host_slots import HostSlotAllocator
 
 
 @pytest.fixture(
-    params=[(True, K.LOOKUP_COPY_ROWS), (True, 2), (True, 0), (False, 0)],
-    ids=["one-launch", "one-launch-lookup-copies-2", "one-launch-copy-programs-only", "launches"],
+    params=[(True, K.LOOKUP_COPY_ROWS, True), (True, 2, True), (True, 0, True),
+            (True, K.LOOKUP_COPY_ROWS, False), (False, 0, True)],  # fmt: skip
+    ids=["one-launch", "one-launch-lookup-copies-2", "one-launch-copy-programs-only",
+         "one-launch-output-after-lookup", "launches"],  # fmt: skip
 )
 def device(request, device, monkeypatch):
     """Every kernel test runs free and recall in one launch (K.FUSED, the default) with each
     lookup program copying up to K.LOOKUP_COPY_ROWS (the default), 2 or none of the rows it
-    places (the copy programs copy the rest), and as a launch per phase."""
+    places (the copy programs copy the rest), with the output programs waiting for the lookup
+    (K.RECALL_OUT_EARLY off), and as a launch per phase."""
     monkeypatch.setattr(K, "FUSED", request.param[0])
     monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", request.param[1])
+    monkeypatch.setattr(K, "RECALL_OUT_EARLY", request.param[2])
     return device
 
 
