@@ -59,7 +59,7 @@ from custom_ops.cache_pool_kernels import _allocate_kernel, _evict_place_kernel,
 # per block; a pass is latency-bound (a few dependent round trips), not bandwidth-bound.
 SCAN_BLOCK = 1024  # pool slots (and miss ranks) per program of the eviction/placement pass
 SCAN_WARPS = 4
-LIST_BLOCK = 512  # list entries per program (lookup, output, release; docs/cache_ops.md: the sweep)
+LIST_BLOCK = 256  # list entries per program (lookup, output, release; docs/cache_ops.md: the sweep)
 FREE_LIST_BLOCK = 256  # list entries per program of free's lookup (docs/cache_ops.md: the sweep)
 LIST_WARPS = 4  # warps per lookup program (the benchmark also tries 8: more gathers in flight)
 # Recall's lookup: a block with no miss skips the claim (its exchange, winner sum and append are

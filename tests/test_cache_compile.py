@@ -112,7 +112,8 @@ for upr, staged, nap, claimed in ((41, False, 0, False), (72, False, 0, False),
     ptx = compile_(FS._recall_kernel, RK, dict(UPR=upr, UNITS=K.COPY_UNITS,
                    LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK, PAD=K.PAD_BLOCK,
                    SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged, SLEEP_NS=nap,
-                   SELF_ROWS=32 if claimed else 0, LOOK_UNITS=K.LOOKUP_COPY_UNITS),
+                   SELF_ROWS=32 if claimed else 0, LOOK_UNITS=K.LOOKUP_COPY_UNITS,
+                   OUT_EARLY=K.RECALL_OUT_EARLY),
                    f"recall[one launch, {upr}, staged={staged}, sleep={nap}, "
                    f"claimed={claimed}]")  # fmt: skip
     v4[upr, staged, claimed] = len(re.findall(r"ld\.global\.v4\.b32", ptx))
