@@ -519,7 +519,7 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
     names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK", "LOOKUP_COPY_ROWS",
              "RECALL_OUT_EARLY")
     defaults = {n: getattr(K, n) for n in names}
-    configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 128}, {"LIST_BLOCK": 512},
+    configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 512}, {"FUSED_SCAN_BLOCK": 512},
                {"FUSED_SCAN_BLOCK": 2048},
                {"LOOKUP_COPY_ROWS": 0}, {"LOOKUP_COPY_ROWS": 16}, {"LOOKUP_COPY_ROWS": 128},
                {"RECALL_OUT_EARLY": not defaults["RECALL_OUT_EARLY"]}, {})  # fmt: skip
