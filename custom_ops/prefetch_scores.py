@@ -9,13 +9,14 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   round trip and barriers, every tile, in a loop that runs at two CTAs per SM), then, for tiles
   with candidates, the map lookups, the claim atomics and the host copy. The copies overlap the
   program's own next tiles.
-- ``"post"`` (default): the scoring loop is ``_scores_kernel``'s, plus one element-wise running
-  max (a register per token lane, no reduction, no branch: the loop's compiled body differs from
-  the unfused one by that one max). After it, one reduction: a program none of whose scores beats
-  the threshold is done (the whole "nothing staged" cost). The others re-read their own scores
-  (just written: L2) as one vector of TPP tokens, look the map up once, claim once, and copy their
-  kept rows ``rows_per_block`` at a time; the copies overlap the scoring of the other programs
-  on the SM. A program stages at most rows_per_block x TPP / BT rows, as in ``"tile"``.
+- ``"post"`` (default): the scoring loop is ``_scores_kernel``'s, plus one element-wise
+  comparison with the threshold kept as a bit per score tile (a register per token lane: bit i
+  of lane j is token i BT + j; no reduction, no branch). After it, one reduction: a program none
+  of whose scores beats the threshold is done (the whole "nothing staged" cost). The others
+  unpack the bits into one vector of TPP tokens (registers: the scores are not read back), look
+  the map up once, claim once, and copy their kept rows ``rows_per_block`` at a time; the copies
+  overlap the scoring of the other programs on the SM. A program stages at most
+  rows_per_block x TPP / BT rows, as in ``"tile"``.
 
 Both give the same scores (bit for bit: the same scoring code) and the same candidate set; which
 candidates are staged may differ (atomics order when a cap binds; and "post" budgets per program,
@@ -46,10 +47,12 @@ def _scores_prefetch_post_kernel(
     shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap, n_stage, ratio,
     HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr,
+    ROW_WP: tl.constexpr, RELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """Arguments as ``_scores_prefetch_kernel``; the staging after the scoring
-    loop, for programs with a score above the threshold only (module docstring)."""
+    loop, for programs with a score above the threshold only (module docstring). RELOAD
+    (variant ``"post_reload"``, the form before the bits): the staging re-reads the program's
+    scores after a barrier and compares them again."""
     b = tl.program_id(0)
     start = tl.program_id(1) * TPP
     seq_len = tl.load(sl_ptr + b)
@@ -63,8 +66,9 @@ def _scores_prefetch_post_kernel(
     w = tl.load(w_ptr + b * n_heads + hh, mask=hm, other=0.0)
     n_live = tl.minimum(tl.maximum(seq_len - start, 0), TPP)
     n_iter = tl.cdiv(n_live, BT)
-    mx = tl.full([BT], float("-inf"), tl.float32)
-    # ---- the scoring loop of _scores_kernel, unchanged but for the running max
+    thr = tl.load(ema_ptr + tl.load(bt_ptr + b * bt_stride))  # padded rows: nothing is live
+    over_bits = tl.zeros([BT], tl.int32)  # bit i: token start + i BT + lane beats the threshold
+    # ---- the scoring loop of _scores_kernel, unchanged but for the comparison
     for i in tl.range(0, n_iter, num_stages=STAGES):
         t = start + i * BT + tt
         live = t < seq_len
@@ -80,30 +84,29 @@ def _scores_prefetch_post_kernel(
         s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * ks
         s = tl.where(live, s, float("-inf"))
         tl.store(score_ptr + b * L + t, s, mask=t < L)
-        mx = tl.maximum(mx, s)  # NaN-ignoring, as `s > thr` is false for NaN
+        over_bits = over_bits | ((s > thr).to(tl.int32) << i)  # dead tokens are -inf; NaN: no
     for i in range(n_iter, TPP // BT):
         t = start + i * BT + tt
         tl.store(score_ptr + b * L + t, tl.full([BT], float("-inf"), tl.float32), mask=t < L)
-    # ---- staging, only where some live score beats the threshold (dead tokens are -inf)
-    thr = tl.load(ema_ptr + tl.load(bt_ptr + b * bt_stride))  # padded rows: nothing is live
-    if tl.max(mx, 0) > thr:
-        _stage_program(b, start, seq_len, thr, score_ptr, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
-                       hstage_ptr, shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, L, B, cap,
-                       n_stage, ratio, TPP, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
-                       ROW_WP)  # fmt: skip
+    # ---- staging, only where some live score beats the threshold
+    if tl.max((over_bits != 0).to(tl.int32), 0) > 0:
+        _stage_program(b, start, seq_len, over_bits, thr, score_ptr + b * L,
+                       bt_ptr + b * bt_stride, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr, ctr_ptr,
+                       pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP, BT, GLOBAL, BP,
+                       ROWS, TPP // BT * ROWS, ROW_W, ROW_WP, RELOAD)  # fmt: skip
 
 
 @triton.jit
 def _stage_program(
-    b, start, seq_len, thr, score_ptr, bt_row, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr, ctr_ptr,
-    pfs_ptr, src_ptr, dst_ptr, L, B, cap, n_stage, ratio, TPP: tl.constexpr, GLOBAL: tl.constexpr,
-    BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr, ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr,
+    b, start, seq_len, over_bits, thr, score_row, bt_row, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr,
+    ctr_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
+    BT: tl.constexpr, GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr,
+    MAXROWS: tl.constexpr, ROW_W: tl.constexpr, ROW_WP: tl.constexpr, RELOAD: tl.constexpr,
 ):  # fmt: skip
     """Stage the candidates of one program's TPP tokens, whole-program vectors (one gather of the
     map, one claim atomic, so one chain of memory latencies instead of one per tile): at most
-    MAXROWS rows (rows_per_block per score tile), copied host -> staging ROWS rows at a time."""
-    tl.debug_barrier()  # every thread of the program sees the scores its siblings stored
+    MAXROWS rows (rows_per_block per score tile), copied host -> staging ROWS rows at a time.
+    ``over_bits`` [BT]: bit i of lane j set where token start + i BT + j beat the threshold."""
     if GLOBAL:
         bb = tl.arange(0, BP)
         ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
@@ -116,11 +119,15 @@ def _stage_program(
         slot0 = b * cap
     t = start + tl.arange(0, TPP)
     live = t < seq_len
-    s = tl.load(score_ptr + b * L + t, mask=live, other=float("-inf"))
-    # the pages are loaded with the scores, not after them: one memory latency less in the chain
-    # (16 distinct entries per program, cached)
+    # the pages are loaded beside the map's chain, not in it (16 distinct entries per program)
     page = tl.load(bt_row + t // _PAGE, mask=live, other=0)
-    over = live & (s > thr)
+    if RELOAD:
+        tl.debug_barrier()  # every thread of the program sees the scores its siblings stored
+        over = live & (tl.load(score_row + t, mask=live, other=float("-inf")) > thr)
+    else:
+        tiles = tl.arange(0, TPP // BT)
+        over = tl.reshape((over_bits[None, :] >> tiles[:, None]) & 1, [TPP]) != 0  # i BT + j
+        over = over & live
     h = page * _PAGE + t % _PAGE
     g = tl.load(h2g_ptr + h, mask=over, other=0)
     cand = over & (g < 0)
@@ -156,6 +163,11 @@ def index_scores_prefetch_post(*args, **kwargs) -> torch.Tensor:
     """``index_scores_prefetch`` (same arguments and result) with the
     ``"post"`` kernel."""
     return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, **kwargs)
+
+
+def index_scores_prefetch_post_reload(*args, **kwargs) -> torch.Tensor:
+    """The ``"post"`` kernel with its staging re-reading the scores (RELOAD), for the benchmark."""
+    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, reload=True, **kwargs)
 
 
 @triton.jit
@@ -298,12 +310,18 @@ def launch_scores_prefetch(
     ratio: float,
     cfg: IndexerConfig,
     rows_per_block: int = 8,
+    reload: bool = False,  # the "post" kernel's RELOAD
 ) -> torch.Tensor:
     """The launch every fused scores + prefetch kernel shares (same arguments, same grid)."""
     B, n_heads = q_u8.shape[:2]
     L = block_table.shape[1] * PAGE
     if cfg.score_tokens % cfg.score_block or cfg.score_block % 16:
         raise ValueError("score_tokens must be a multiple of score_block, itself of 16")
+    if kernel is _scores_prefetch_post_kernel and cfg.score_tokens // cfg.score_block > 32:
+        raise ValueError(  # its bits of the tiles above the threshold are one int32 a lane
+            f"the post prefetch kernel takes at most 32 score blocks a program: score_tokens / "
+            f"score_block = {cfg.score_tokens // cfg.score_block}"
+        )
     if rows_per_block <= 0 or rows_per_block & (rows_per_block - 1):
         raise ValueError(f"rows_per_block must be a power of two, got {rows_per_block}")
     scores = torch.empty((B, L), dtype=torch.float32, device=q_u8.device)
@@ -317,11 +335,16 @@ def launch_scores_prefetch(
         BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
         BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
         ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps,
+        **({"RELOAD": True} if reload else {}),
     )  # fmt: skip
     return scores
 
 
-SCORES_VARIANTS = {"tile": index_scores_prefetch, "post": index_scores_prefetch_post}
+SCORES_VARIANTS = {
+    "tile": index_scores_prefetch,
+    "post": index_scores_prefetch_post,
+    "post_reload": index_scores_prefetch_post_reload,
+}
 
 
 def scores_variant(name: str | None):

@@ -66,7 +66,8 @@ def _staged(st, B, cap, ratio):
     return [set(x[x >= 0].tolist()) for x in sh.view(B, cap)]
 
 
-CASES = [(impl, thr, ratio) for impl in ("ref", "tile", "post") for thr in ("normal", "low", "high")
+CASES = [(impl, thr, ratio) for impl in ("ref", *ps.SCORES_VARIANTS)
+         for thr in ("normal", "low", "high")
          for ratio in (0.0, 0.05) if impl == "ref" or (thr == "low") == (ratio > 0)]  # fmt: skip
 
 
