@@ -47,12 +47,10 @@ def _scores_prefetch_post_kernel(
     shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap, n_stage, ratio,
     HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr, RELOAD: tl.constexpr = False,
+    ROW_WP: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``_scores_prefetch_kernel``; the staging after the scoring
-    loop, for programs with a score above the threshold only (module docstring). RELOAD
-    (variant ``"post_reload"``, the form before the bits): the staging re-reads the program's
-    scores after a barrier and compares them again."""
+    loop, for programs with a score above the threshold only (module docstring)."""
     b = tl.program_id(0)
     start = tl.program_id(1) * TPP
     seq_len = tl.load(sl_ptr + b)
@@ -90,18 +88,18 @@ def _scores_prefetch_post_kernel(
         tl.store(score_ptr + b * L + t, tl.full([BT], float("-inf"), tl.float32), mask=t < L)
     # ---- staging, only where some live score beats the threshold
     if tl.max((over_bits != 0).to(tl.int32), 0) > 0:
-        _stage_program(b, start, seq_len, over_bits, thr, score_ptr + b * L,
-                       bt_ptr + b * bt_stride, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr, ctr_ptr,
-                       pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP, BT, GLOBAL, BP,
-                       ROWS, TPP // BT * ROWS, ROW_W, ROW_WP, RELOAD)  # fmt: skip
+        _stage_program(b, start, seq_len, over_bits, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
+                       hstage_ptr, shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap,
+                       n_stage, ratio, TPP, BT, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
+                       ROW_WP)  # fmt: skip
 
 
 @triton.jit
 def _stage_program(
-    b, start, seq_len, over_bits, thr, score_row, bt_row, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr,
-    ctr_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
-    BT: tl.constexpr, GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr,
-    MAXROWS: tl.constexpr, ROW_W: tl.constexpr, ROW_WP: tl.constexpr, RELOAD: tl.constexpr,
+    b, start, seq_len, over_bits, bt_row, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr, ctr_ptr,
+    pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr, BT: tl.constexpr,
+    GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr,
+    ROW_W: tl.constexpr, ROW_WP: tl.constexpr,
 ):  # fmt: skip
     """Stage the candidates of one program's TPP tokens, whole-program vectors (one gather of the
     map, one claim atomic, so one chain of memory latencies instead of one per tile): at most
@@ -121,13 +119,11 @@ def _stage_program(
     live = t < seq_len
     # the pages are loaded beside the map's chain, not in it (16 distinct entries per program)
     page = tl.load(bt_row + t // _PAGE, mask=live, other=0)
-    if RELOAD:
-        tl.debug_barrier()  # every thread of the program sees the scores its siblings stored
-        over = live & (tl.load(score_row + t, mask=live, other=float("-inf")) > thr)
-    else:
-        tiles = tl.arange(0, TPP // BT)
-        over = tl.reshape((over_bits[None, :] >> tiles[:, None]) & 1, [TPP]) != 0  # i BT + j
-        over = over & live
+    # the bits, unpacked: [i, j] -> token i BT + j (no read of the scores just stored; re-reading
+    # them after a barrier made the fused indexer 0.2-2 us slower, benchmarks/results/
+    # gpu_session27/call6_prefetch_post_vs_reload_h100.json)
+    tiles = tl.arange(0, TPP // BT)
+    over = live & (tl.reshape((over_bits[None, :] >> tiles[:, None]) & 1, [TPP]) != 0)
     h = page * _PAGE + t % _PAGE
     g = tl.load(h2g_ptr + h, mask=over, other=0)
     cand = over & (g < 0)
@@ -163,11 +159,6 @@ def index_scores_prefetch_post(*args, **kwargs) -> torch.Tensor:
     """``index_scores_prefetch`` (same arguments and result) with the
     ``"post"`` kernel."""
     return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, **kwargs)
-
-
-def index_scores_prefetch_post_reload(*args, **kwargs) -> torch.Tensor:
-    """The ``"post"`` kernel with its staging re-reading the scores (RELOAD), for the benchmark."""
-    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, reload=True, **kwargs)
 
 
 @triton.jit
@@ -310,7 +301,6 @@ def launch_scores_prefetch(
     ratio: float,
     cfg: IndexerConfig,
     rows_per_block: int = 8,
-    reload: bool = False,  # the "post" kernel's RELOAD
 ) -> torch.Tensor:
     """The launch every fused scores + prefetch kernel shares (same arguments, same grid)."""
     B, n_heads = q_u8.shape[:2]
@@ -335,16 +325,11 @@ def launch_scores_prefetch(
         BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
         BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
         ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps,
-        **({"RELOAD": True} if reload else {}),
     )  # fmt: skip
     return scores
 
 
-SCORES_VARIANTS = {
-    "tile": index_scores_prefetch,
-    "post": index_scores_prefetch_post,
-    "post_reload": index_scores_prefetch_post_reload,
-}
+SCORES_VARIANTS = {"tile": index_scores_prefetch, "post": index_scores_prefetch_post}
 
 
 def scores_variant(name: str | None):

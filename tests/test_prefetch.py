@@ -170,6 +170,16 @@ def test_post_variant_bounds_and_chunks(device):
     assert int(st["pf_stats"][pf.PF_CANDIDATES]) == sum(len(w) for w in want)
 
 
+def test_post_variant_refuses_more_than_32_score_blocks_a_program(device):
+    """The post kernel keeps one bit per score block of a program in an int32: a configuration
+    with more blocks a program is an error naming them, not a wrong candidate set."""
+    inp, host_kv, h2g, st = _prefetch_case(21, device)
+    wide = ik.IndexerConfig(score_block=16, score_tokens=1024, sel_block=64, sel_chunk=64)
+    with pytest.raises(ValueError, match="at most 32 score blocks a program.*= 64"):
+        _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, 32, 16, 0.0, cfg=wide,
+             variant="post")  # fmt: skip
+
+
 @pytest.mark.parametrize("margin", [0.0, 2.0, 0.37])
 def test_ema_kernel_matches_update_ema(device, margin):
     """The one-launch threshold update equals the torch expression bit for bit (padded rows,
