@@ -120,7 +120,7 @@ def _stage_program(
     # the pages are loaded beside the map's chain, not in it (16 distinct entries per program)
     page = tl.load(bt_row + t // _PAGE, mask=live, other=0)
     # the bits, unpacked: [i, j] -> token i BT + j (no read of the scores just stored; re-reading
-    # them after a barrier made the fused indexer 0.2-2 us slower, benchmarks/results/
+    # them after a barrier made the fused indexer 0.06-2.2 us slower, benchmarks/results/
     # gpu_session27/call6_prefetch_post_vs_reload_h100.json)
     tiles = tl.arange(0, TPP // BT)
     over = live & (tl.reshape((over_bits[None, :] >> tiles[:, None]) & 1, [TPP]) != 0)
