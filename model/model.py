@@ -217,7 +217,7 @@ class MLA(nn.Module):
         w = self.kv_b_weight().view(self.n_heads, -1, self.kv_lora_rank)  # [H, nope+v, 512]
         w_uk = w[:, : self.qk_nope_head_dim]  # [H, nope, 512]
         w_uv = w[:, self.qk_nope_head_dim :]  # [H, v, 512]
-        q_abs = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, H, 512] bf16
+        q_abs = _per_head("bhd,hdc->bhc", q_nope, w_uk)  # [B, H, 512] bf16
         q = torch.cat([q_abs, q_pe], dim=-1)  # [B, H, 576]
         host_slots, _kth = cache_layer.select(
             q_idx.view(torch.uint8), w_idx, meta.block_table, meta.seq_lens
@@ -226,7 +226,7 @@ class MLA(nn.Module):
         o_lat = torch.ops.echo.sparse_mla_decode(
             q, pool, slots, self.softmax_scale, cache_layer.fmt
         )  # [B, H, 512] bf16
-        return torch.einsum("bhc,hdc->bhd", o_lat, w_uv)  # [B, H, v]
+        return _per_head("bhc,hdc->bhd", o_lat, w_uv)  # [B, H, v]
 
     def _prefill(
         self,
@@ -257,6 +257,18 @@ class MLA(nn.Module):
             q, rows, sel, self.softmax_scale, cache_layer.fmt
         )  # [T, H, 512] bf16
         return torch.einsum("thc,hdc->thd", o_lat, w_uv)  # [T, H, v]
+
+
+def _per_head(eq: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(eq, x, w)``: a matmul per head over the decode batch's B rows. On CPU one row
+    is computed as two (the row twice, then the first): Inductor's CPU lowering of a bmm with one
+    row is an elementwise product, each rounded to bf16 (``emulate_precision_casts``), and a sum
+    (torch/_inductor/kernel/bmm.py), so the compiled batch-1 decode step differed from eager by up
+    to 11% of the logits' max on the tiny model (tests/test_compile.py); with two rows both run
+    the same GEMM. CUDA's lowering keeps such a bmm a GEMM, so it runs as written there."""
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        return torch.einsum(eq, torch.cat([x, x]), w)[:1]
+    return torch.einsum(eq, x, w)
 
 
 # ---- blocks and the model ----------------------------------------------------------------------
