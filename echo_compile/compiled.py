@@ -43,6 +43,7 @@ from custom_ops.backends.select import DEFAULT_BACKEND
 from custom_ops.cache.config import PREFETCH_MARGIN
 from echo_compile import settings
 from echo_compile.devices import check_device
+from model.model import DeepseekV32ForCausalLM
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import ModelRunner, StepModule, build_runner
 
@@ -247,6 +248,11 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     default the model's), ``strict`` (a skipped CUDA graph is an error) and ``warmup_now``
     (warm up before returning). EngineConfig's serving options (dp/tp/ep, the scheduler's,
     prefix caching) are the engine's (``LLM``): a ``CompiledModel`` has no scheduler."""
+    if not isinstance(model, DeepseekV32ForCausalLM):
+        raise TypeError(
+            f"echo_compile.compile takes a model.DeepseekV32ForCausalLM (load_model gives one), "
+            f"got {type(model).__module__}.{type(model).__qualname__}"
+        )
     device = torch.device(device) if device is not None else next(model.parameters()).device
     config = EngineConfig(
         max_batch=max_batch,

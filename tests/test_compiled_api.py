@@ -189,3 +189,11 @@ def test_compile_refuses_a_model_cast_from_bf16():
     for dtype in (torch.float32, torch.float16):
         with pytest.raises(ValueError, match=f"the model's weights are {dtype}"):
             echo_compile.compile(model.to(dtype), **kw)
+
+
+def test_compile_refuses_a_module_that_is_not_a_deepseek_model():
+    """Another module (a Hugging Face model, a bare nn.Linear) is a TypeError naming its type,
+    not an AttributeError from inside the runner."""
+    want = r"DeepseekV32ForCausalLM .*torch\.nn\.modules\.linear\.Linear"
+    with pytest.raises(TypeError, match=want):
+        echo_compile.compile(torch.nn.Linear(4, 4), host_tokens=1024, gpu_tokens=4096)
