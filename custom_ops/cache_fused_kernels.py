@@ -6,15 +6,18 @@ in meta (_signal / _wait: release / acquire atomics) instead of a launch boundar
 Why this cannot deadlock: a program only ever waits for programs with LOWER ids. The GPU hands
 out thread blocks in increasing id order, so the lowest unfinished program has been scheduled
 and waits for nobody unfinished: it finishes, and by induction so does everyone (no program
-needs the others resident with it: at B x k = 131072 the recall's grid is 256 + 2 x 196 + 264 +
-256 + 1 programs of 4 warps). The CPU
+needs the others resident with it: at B x k = 131072 the recall's grid is 512 + 2 x 196 + 264 +
+512 + 1 programs of 4 warps). The CPU
 interpreter runs the programs one after another in id order, so every wait there is already
 satisfied. A phase that has nothing to do (no eviction due: most steps, thanks to the reserve)
 signals and returns without touching the pool.
 
 The phases' bodies are the kernels of cache_list_kernels.py / cache_pool_kernels.py, whose
 race-freedom arguments (cache_kernels.py) carry over: what was ordered by a launch boundary is
-ordered by a _wait that follows the producers' _signal."""
+ordered by a _wait that follows the producers' _signal. One order is relaxed instead: the
+recall's output programs read the map before the lookup ends (RECALL_OUT_EARLY), and wait only
+for the entries they read no slot in (cache_list_kernels._out_early says why a slot read early is
+final)."""
 
 from __future__ import annotations
 
@@ -135,10 +138,11 @@ def _recall_kernel(
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
     the ring serves (PLACE_EARLY: ranks below the free count); how many misses there are is
-    known only after it, so everyone waits for it (LOOKED). Then, when no eviction is due (most
-    steps), every miss is placed: copy and output start at once, beside the pass (which only
-    records the counts). When one is due, the pass waits for the histogram (HISTED) and copy and
-    output for the pass (PLACED), which serves the remaining misses from victims. The last
+    known only after it, so the other phases wait for it (LOOKED; the output only where its
+    block read a miss, OUT_EARLY below). Then, when no eviction is due (most steps), every miss
+    is placed: the copy starts at once, beside the pass (which only records the counts). When
+    one is due, the pass waits for the histogram (HISTED) and copy and output (the latter where
+    it read a miss) for the pass (PLACED), which serves the remaining misses from victims. The last
     program waits for everyone (HISTED, PLACED, COPIED: every other program has then passed all
     its waits), finalises as the copy launch's last program did, and resets the counters.
 

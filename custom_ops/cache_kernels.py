@@ -27,7 +27,9 @@ Cross-program coordination, and why it is race-free:
   that launch reads.
 - free and recall run as one launch each (FUSED, cache_fused_kernels.py): their phases are
   ranges of program ids, and a program waits (release/acquire counters in meta) only for
-  programs with lower ids, which is what a launch boundary ordered. With FUSED off they are a
+  programs with lower ids, which is what a launch boundary ordered (the recall's output reads
+  the map before the lookup ends, RECALL_OUT_EARLY: a slot read there is final,
+  cache_list_kernels._out_early). With FUSED off they are a
   launch per phase and hand values from one launch to the next through meta; launches on one
   stream are ordered.
 - A launch with nothing to do (no eviction due, nothing to place) sees so in the counts it reads
@@ -63,7 +65,7 @@ LIST_BLOCK = 256  # list entries per program (lookup, output, release; docs/cach
 FREE_LIST_BLOCK = 256  # list entries per program of free's lookup (docs/cache_ops.md: the sweep)
 LIST_WARPS = 4  # warps per lookup program (the benchmark also tries 8: more gathers in flight)
 # Recall's lookup: a block with no miss skips the claim (its exchange, winner sum and append are
-# three dependent round trips; in a steady step of 37 misses >= 219 of the 256 blocks have none).
+# three dependent round trips; in a steady step of 37 misses >= 475 of the 512 blocks have none).
 LOOKUP_SKIP_CLEAN = True
 PAD_BLOCK = 1024  # index-buffer entries per padding store
 # allocate's one program: ranks per chunk (37 or 2048 slots are 1 or 2 dependent chunks) and
@@ -89,7 +91,8 @@ COPY_CACHE = ""  # cache modifier of the host-row loads ("" = default; ".cg": L2
 # 2048-miss periods as they were, but the one-call recall of 2048 misses with free slots (a new
 # request's first decode step) from 46.6 to 52.9 us; unbounded (every placed row) that case was
 # 2.1x slower: one program copied 512 rows.
-LOOKUP_COPY_ROWS = 32
+LOOKUP_COPY_ROWS = 32  # (set at 512 list entries a block; at 256, 16 timed the same within the
+# rounds' spread and 128 slower on 2048 misses, gpu_session27/call{3,4}_cache_ops_h100.json)
 LOOKUP_COPY_UNITS = 512
 # The same for echo::recall_staged. A staged miss's row is read from staging (HBM), not over
 # PCIe, so starting it early in the lookup gains nothing, and the copy programs spread it wider:

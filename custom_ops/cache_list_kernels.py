@@ -397,7 +397,8 @@ def _out_early(q, h2g, host_slots, out, total, BLOCK: tl.constexpr):
 def _out_late(h2g, out, offs, h, late):
     """The entries _out_early left, after the placement: a slot, or PENDING (past the call's
     capacity: the entry goes back to -1, as in _copy_out)."""
-    g = tl.load(h2g + h, mask=late, other=-1)
+    # (.cg: past this SM's L1, which may hold the lines _out_early read before the wait)
+    g = tl.load(h2g + h, mask=late, other=-1, cache_modifier=".cg")
     tl.store(h2g + h, tl.full(g.shape, -1, tl.int32), mask=late & (g == PENDING))
     tl.store(out + offs, tl.maximum(g, -1), mask=late)
 

@@ -266,7 +266,7 @@ def _per_head(eq: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (torch/_inductor/kernel/bmm.py), so the compiled batch-1 decode step differed from eager by up
     to 11% of the logits' max on the tiny model (tests/test_compile.py); with two rows both run
     the same GEMM. CUDA's lowering keeps such a bmm a GEMM, so it runs as written there."""
-    if x.shape[0] == 1 and x.device.type == "cpu":
+    if x.device.type == "cpu" and x.shape[0] == 1:
         return torch.einsum(eq, torch.cat([x, x]), w)[:1]
     return torch.einsum(eq, x, w)
 

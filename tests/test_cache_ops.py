@@ -33,7 +33,9 @@ def device(request, device, monkeypatch):
     """Every kernel test runs free and recall in one launch (K.FUSED, the default) with each
     lookup program copying up to K.LOOKUP_COPY_ROWS (the default), 2 or none of the rows it
     places (the copy programs copy the rest), with the output programs waiting for the lookup
-    (K.RECALL_OUT_EARLY off), and as a launch per phase."""
+    (K.RECALL_OUT_EARLY off), and as a launch per phase. (The interpreter runs the programs in id
+    order, so the early output reads final slots here and its late path only sees PENDING past
+    the capacity; the reads that race the lookup are exercised by tests/test_cache_cuda.py.)"""
     monkeypatch.setattr(K, "FUSED", request.param[0])
     monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", request.param[1])
     monkeypatch.setattr(K, "RECALL_OUT_EARLY", request.param[2])

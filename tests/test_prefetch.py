@@ -170,6 +170,26 @@ def test_post_variant_bounds_and_chunks(device):
     assert int(st["pf_stats"][pf.PF_CANDIDATES]) == sum(len(w) for w in want)
 
 
+def test_post_variant_at_32_score_blocks_a_program(device):
+    """The post kernel's bits at their widest: 32 score blocks a program (bit 31 is the int32's
+    sign bit) and programs that start past token 0. With the threshold at -inf and room for every
+    row, exactly the off-GPU live tokens are staged, each a copy of its host row."""
+    B, cap = 3, 1024
+    inp, host_kv, h2g, st = _prefetch_case(23, device, P=20, lens=(1100, 17, 700), cap=cap)
+    st["ema"][pf.EMA_THR].fill_(float("-inf"))
+    wide = ik.IndexerConfig(score_block=16, score_tokens=512, sel_block=64, sel_chunk=64)
+    _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, 32, cap, 0.0, cfg=wide,
+         rows_per_block=64, variant="post")  # fmt: skip
+    args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
+    score, slots = pf.index_scores_ref(*args)
+    want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
+    assert len(want[0]) > 512  # request 0's candidates span two programs
+    assert _staged(st, B, cap, 0.0) == want
+    sh = st["stage_host"].long()
+    live = (sh >= 0).nonzero().flatten()
+    assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
+
+
 def test_post_variant_refuses_more_than_32_score_blocks_a_program(device):
     """The post kernel keeps one bit per score block of a program in an int32: a configuration
     with more blocks a program is an error naming them, not a wrong candidate set."""
