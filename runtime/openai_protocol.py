@@ -295,7 +295,7 @@ def sampling_params(
             top_p=default(req.top_p, base.top_p),
             top_k=default(req.top_k, base.top_k),
             seed=req.seed,
-            stop=req.stop or (),
+            stop=default(req.stop, ()),  # ("" is refused as [""] is, not read as no stop)
             stop_token_ids=_stop_token_ids(req.stop_token_ids, vocab),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,

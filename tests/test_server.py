@@ -365,6 +365,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
          "stream_options"),  # fmt: skip
         (C, {**OK_C, "max_tokens": 0}, 400, "max_tokens"),
         (C, {**OK_C, "stop": [""]}, 400, "stop"),
+        (C, {**OK_C, "stop": ""}, 400, "stop"),  # (was read as no stop)
         (C, {**OK_C, "n": 0}, 400, "n"),
         (C, {**OK_C, "n": 65}, 400, "n"),  # over MAX_CHOICES
         (CHAT, {**OK_CHAT, "prompt_logprobs": 21}, 400, "prompt_logprobs"),  # over the cap
