@@ -202,6 +202,15 @@ def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:
     assert message in capsys.readouterr().err
 
 
+def test_bench_gpu_only_ignores_the_prefetch_cap(tmp_path) -> None:
+    """gpu-only runs prefetch off, so a cap past the host pool (an error for the offloading
+    systems) does not stop a gpu-only bench."""
+    argv = ARGS + ["--gpu-pools", "704", "--systems", "gpu-only", "--rates", "", "--no-compile",
+                   "--breakdown-steps", "0", "--prefetch", "request", "--prefetch-cap",
+                   "10000000", "--out", str(tmp_path / "g.json")]  # fmt: skip
+    assert bench_cli.main(argv) == 0
+
+
 def test_bench_engine_rejects_bad_repeat(model) -> None:
     with pytest.raises(ValueError, match="repeat must be a probability"):
         _eager_system(model, -0.5)

@@ -312,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     # every request of the largest workload at once, in whole pages
     most = max([wl] + sweep, key=lambda w: w.requests)
     host = a.host_tokens or PAGE * sum(pages_for(n + wl.output_len) for n in most.lengths())
-    for p in prefetches:  # now that the host pool's size is known: the cap's bound by it
+    # now that the host pool's size is known: the cap's bound by it (the offloading systems'
+    # runs only: gpu-only runs prefetch off, below)
+    for p in prefetches if any(s != "gpu-only" for s in systems) else []:
         try:
             check_prefetch(p, d["prefetch_cap"], d["prefetch_ratio"], True, a.prefetch_margin, host)
         except ValueError as e:
