@@ -73,7 +73,21 @@ class QuantConfig:
                     "quantization_config.weight_block_size: only [128, 128] is supported, "
                     f"got {list(block)}"
                 )
-            return QuantConfig(method="fp8", weight_block_size=block, scale_fmt=d.get("scale_fmt"))
+            # NOTE: an unknown scale_fmt would silently serve non-power-of-two activation scales;
+            # static activation scales (input_scale tensors) are not implemented
+            scale_fmt = d.get("scale_fmt")
+            if scale_fmt not in (None, "ue8m0"):
+                raise ValueError(
+                    "quantization_config.scale_fmt: expected 'ue8m0' or absent, "
+                    f"got {scale_fmt!r}"
+                )
+            scheme = d.get("activation_scheme", "dynamic")
+            if scheme not in (None, "dynamic"):
+                raise ValueError(
+                    "quantization_config.activation_scheme: only 'dynamic' is supported, "
+                    f"got {scheme!r}"
+                )
+            return QuantConfig(method="fp8", weight_block_size=block, scale_fmt=scale_fmt)
         if method == "awq":
             bits = d.get("bits", d.get("w_bit"))
             group = d.get("group_size", d.get("q_group_size"))

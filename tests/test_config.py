@@ -62,6 +62,15 @@ def test_bench_softmax_scale_matches_reference():
             },
             "quantization_config.modules_to_not_convert",
         ),
+        # an FP8 field the engine cannot honour: named, not served with other numerics
+        (
+            {"quantization_config": {"quant_method": "fp8", "scale_fmt": "UE8M0"}},
+            "quantization_config.scale_fmt",
+        ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
+            "quantization_config.activation_scheme",
+        ),
         ({"eos_token_id": []}, "eos_token_id"),
         ({"eos_token_id": "1"}, "eos_token_id"),
         ({"eos_token_id": [True]}, "eos_token_id"),
