@@ -166,15 +166,7 @@ class _Loader:
         tgt = _target(name)
         p = self.params.get(tgt.param)
         if p is None:
-            hint = ""
-            module = name.rsplit(".", 1)[0]
-            siblings = sorted(k for k in self.params if k.rsplit(".", 1)[0] == module)
-            if siblings:
-                hint = f" (the model holds {', '.join(siblings)} there)"
-            raise ValueError(
-                f"unexpected {self._where(name, file)}: the model has no parameter "
-                f"{tgt.param!r}{hint}"
-            )
+            self._unexpected(name, file)
         if tgt.piece in self.loaded:
             raise ValueError(f"{self._where(name, file)}: loaded twice")
         dest = p.data
@@ -202,6 +194,17 @@ class _Loader:
             dest.copy_(t)
         self.loaded.add(tgt.piece)
 
+    def _unexpected(self, name: str, file: str) -> None:
+        hint = ""
+        module = name.rsplit(".", 1)[0]
+        siblings = sorted(k for k in self.params if k.rsplit(".", 1)[0] == module)
+        if siblings:
+            hint = f" (the model holds {', '.join(siblings)} there)"
+        raise ValueError(
+            f"unexpected {self._where(name, file)}: the model has no parameter "
+            f"{_target(name).param!r}{hint}"
+        )
+
     def finish(self, index: str) -> None:
         """Raise for FP8 halves without partner and parameters never (fully) loaded; warn once
         for weight scales that break the declared ue8m0 format."""
@@ -226,18 +229,46 @@ class _Loader:
             raise ValueError(
                 f"missing tensor '{module}.weight' (its weight_scale_inv is in {self.path / file})"
             )
+        self._raise_missing(self.loaded, index)
+
+    def check_names(self, files: dict[str, list[str]], fp8: set[str], index: str) -> None:
+        """Before any tensor is read, from the shards' names (``fp8``: those stored as e4m3)
+        alone: an FP8 weight or scale without its partner, or parameters no tensor provides,
+        fail in seconds instead of after every shard was read (minutes on V3.2)."""
+        where = {n: f for f, names in files.items() for n in names if not self.is_mtp(n)}
+        covered: set[tuple[str, int | None, int | None]] = set()
+        for name, file in where.items():
+            module = name.rsplit(".", 1)[0]
+            if name.endswith(".weight_scale_inv"):
+                if module + ".weight" not in where:
+                    raise ValueError(
+                        f"missing tensor '{module}.weight' (its weight_scale_inv is in "
+                        f"{self.path / file})"
+                    )
+                covered.add(_target(module + ".weight").piece)
+            elif _target(name).param not in self.params:
+                self._unexpected(name, file)  # e.g. AWQ tensors, config.json not saying AWQ
+            elif name in fp8 and module + ".weight_scale_inv" not in where:
+                raise ValueError(
+                    f"missing tensor '{module}.weight_scale_inv' (its FP8 weight is in "
+                    f"{self.path / file})"
+                )
+            covered.add(_target(name).piece)
+        self._raise_missing(covered, index)
+
+    def _raise_missing(self, loaded: set[tuple[str, int | None, int | None]], index: str) -> None:
         missing: list[str] = []
         for name, p in self.params.items():
             m = re.fullmatch(r"(.*\.mlp\.experts)\.(w13|w2)_(\w+)", name)
             if m is None:
-                if (name, None, None) not in self.loaded:
+                if (name, None, None) not in loaded:
                     missing.append(name)
                 continue
             prefix, which, suffix = m.groups()
             parts = ((0, "gate_proj"), (1, "up_proj")) if which == "w13" else ((None, "down_proj"),)
             for e in range(p.shape[0]):
                 for part, proj in parts:
-                    if (name, e, part) not in self.loaded:
+                    if (name, e, part) not in loaded:
                         missing.append(f"{prefix}.{e}.{proj}.{suffix}")
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
@@ -324,6 +355,11 @@ def load_weights(
     index, files = checked_shards(path)
     model.to_empty(device=device)
     loader = _Loader(model, config, path)
+    fp8: set[str] = set()
+    for file, names in files.items():  # headers only
+        with open_shard(path, file) as f:
+            fp8.update(n for n in names if f.get_slice(n).get_dtype() == "F8_E4M3")
+    loader.check_names(files, fp8, index)
     for file, names in files.items():
         with open_shard(path, file) as f:
             for name in names:

@@ -280,6 +280,34 @@ def test_bad_shards_are_found_before_any_tensor_is_read(tiny, tmp_path, monkeypa
     assert reads == []
 
 
+@pytest.mark.parametrize("fp8_weights", ["bf16", "fp8"])
+def test_missing_tensors_are_found_before_any_tensor_is_read(
+    tiny, tiny_fp8, tmp_path, monkeypatch, fp8_weights
+):
+    """A tensor the checkpoint lacks (index and shard agreeing: a partial conversion), a scale
+    without its FP8 weight or an FP8 weight without its scale: named from the shards' headers,
+    before any tensor is read, not after all of them (minutes on V3.2)."""
+    import model.loader
+
+    reads = []
+    monkeypatch.setattr(model.loader._Loader, "add", lambda self, name, *a: reads.append(name))
+    scale = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
+    weight = scale.removesuffix("_scale_inv")
+    for src, gone, msg in [
+        (tiny_fp8, scale, rf"missing tensor '{re.escape(scale)}' \(its FP8 weight is in "),
+        (tiny_fp8, weight, rf"missing tensor '{re.escape(weight)}' \(its weight_scale_inv is "),
+        (tiny, "model.layers.2.self_attn.o_proj.weight", r"missing tensor\(s\) in .*: model\."
+                                                         r"layers\.2\.self_attn\.o_proj\.weight"),
+    ]:
+        if src is tiny and fp8_weights == "fp8":
+            continue
+        path = copy_ckpt(src, tmp_path / gone)
+        edit(path, lambda t, shard, gone=gone: t.pop(gone, None))
+        with pytest.raises(ValueError, match=msg):
+            load_model(path, fp8_weights=fp8_weights)
+    assert reads == []
+
+
 def test_wrong_dtype_class_is_named(tiny, tmp_path):
     path = copy_ckpt(tiny, tmp_path)
     name = "model.layers.1.post_attention_layernorm.weight"
