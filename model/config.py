@@ -95,11 +95,11 @@ class QuantConfig:
             zero = d.get("zero_point", True)
             if bits != 4:
                 raise ValueError(
-                    f"quantization_config.bits: only 4-bit AWQ is supported, got {bits}"
+                    f"quantization_config.bits: only 4-bit AWQ is supported, got {bits!r}"
                 )
             if group != 128:
                 raise ValueError(
-                    f"quantization_config.group_size: only 128 is supported, got {group}"
+                    f"quantization_config.group_size: only 128 is supported, got {group!r}"
                 )
             if version != "gemm":
                 raise ValueError(

@@ -90,6 +90,17 @@ def test_bad_config_names_the_field(change, field):
         ModelConfig.from_dict(d)
 
 
+def test_awq_bits_and_group_of_the_wrong_type_are_shown_as_stored():
+    """``"bits": "4"`` was reported as "only 4-bit AWQ is supported, got 4"."""
+    d = tiny_config_dict()
+    d["quantization_config"] = {"quant_method": "awq", "bits": "4", "group_size": 128}
+    with pytest.raises(ValueError, match=r"quantization_config\.bits: .*got '4'"):
+        ModelConfig.from_dict(d)
+    d["quantization_config"].update(bits=4, group_size="128")
+    with pytest.raises(ValueError, match=r"quantization_config\.group_size: .*got '128'"):
+        ModelConfig.from_dict(d)
+
+
 def test_optional_fields_of_the_right_type_load():
     d = tiny_config_dict()
     d.update(eos_token_id=[1, 2], norm_topk_prob=False, num_nextn_predict_layers=None)
