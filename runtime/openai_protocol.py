@@ -180,6 +180,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,),  # ("token_id:N" logprob tokens)
 }
 # Only for completions / only for chat.
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {

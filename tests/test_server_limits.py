@@ -396,6 +396,7 @@ UNSUPPORTED_BOTH = [
     ("skip_special_tokens", False, True),
     ("spaces_between_special_tokens", False, True),
     ("truncate_prompt_tokens", 8, None),
+    ("return_tokens_as_token_ids", True, False),  # (was silently ignored)
 ]
 UNSUPPORTED_COMPLETION = [
     ("suffix", "end", None),
