@@ -288,6 +288,7 @@ class HandlersBase:
                     if (err := failure(out.finish_reason)) is not None:
                         observe()
                         yield sse(err.body())  # the openai client raises APIError on it
+                        yield "data: [DONE]\n\n"  # the stream's end, as after an error in vLLM
                         return
                     if (c := chunk(i, out)) is not None:
                         if out.finished:

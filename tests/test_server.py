@@ -286,6 +286,18 @@ def test_sse_wire_format(url: str) -> None:
     assert all(e.startswith("data: {") for e in events[:-2])
 
 
+def test_sse_error_event_then_done(url: str, engine: FakeEngine) -> None:
+    """A stream that fails ends with its error event, then ``data: [DONE]`` (vLLM's framing), so
+    a raw SSE reader sees the stream end rather than a closed connection."""
+    engine.fail_steps = 1
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as r:
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert events[-3].startswith('data: {"error"'), events
+
+
 def test_32_concurrent_streams(url: str, tok: Tokenizer) -> None:
     prompts = [f"Hello {i} world number {i * 7}" for i in range(32)]
 
