@@ -375,8 +375,12 @@ def convert_to_awq(
                     new: nn.Module = AWQLinear(
                         child.in_features, child.out_features, scales_dtype, child.weight.device
                     )
-                except ValueError as e:
-                    raise ValueError(f"convert_to_awq: {name}: {e}") from e
+                except ValueError as e:  # a 16-bit module config.json did not list as such
+                    raise ValueError(
+                        f"convert_to_awq: {name}: {e}; if the checkpoint keeps it 16-bit, "
+                        "config.json's quantization_config.modules_to_not_convert must name it "
+                        f"(it names {list(quant_config.modules_to_not_convert)})"
+                    ) from e
             elif _is_stacked_experts(child):
                 e, two_i, d = child.w13_weight.shape
                 try:

@@ -375,10 +375,13 @@ def test_convert_to_awq_follows_the_skip_list():
 
 
 def test_convert_rejects_unpackable_linear():
+    """A linear AWQ cannot pack is named, and the error points at config.json's skip list (an
+    AWQ config whose modules_to_not_convert leaves out a 16-bit module, e.g. the indexer's)."""
     m = nn.Module()
     m.proj = nn.Linear(100, 64, bias=False)
-    with pytest.raises(ValueError, match="proj"):
-        convert_to_awq(m, QuantConfig(method="awq"))
+    want = r"proj: .*modules_to_not_convert must name it \(it names \['indexer'\]\)"
+    with pytest.raises(ValueError, match=want):
+        convert_to_awq(m, QuantConfig(method="awq", modules_to_not_convert=("indexer",)))
 
 
 def test_densify_kv_b_proj_after_load():
