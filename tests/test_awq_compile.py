@@ -5,10 +5,7 @@ compiler sees (as ``test_cache_compile.py`` does for the cache kernels); the MoE
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from sm90_utils import assert_compiles
 
 SCRIPT = r"""
 import triton
@@ -79,13 +76,4 @@ for x in ("bf16", "fp16"):
 
 
 def test_pair_kernels_compile_for_sm90():
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=root,
-        timeout=600,
-    )  # fmt: skip
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    assert "FAIL" not in out, out[-3000:]
-    assert out.count("OK ") == 36, out[-3000:]
+    assert_compiles(SCRIPT, 36)

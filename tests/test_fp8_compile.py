@@ -6,10 +6,7 @@ tile as M) the mma.sync path, and both pipeline their weight loads (cp.async).""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from sm90_utils import run_script
 
 SCRIPT = r"""
 import triton
@@ -40,13 +37,8 @@ for swap, bm, bn, warps in ((False, 16, 128, 8), (True, 16, 128, 8), (True, 16, 
 
 
 def test_fp8_linear_kernel_compiles_for_sm90_in_both_product_forms():
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
-                       cwd=root, timeout=600)  # fmt: skip
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("swap=")]
+    out = run_script(SCRIPT)
+    lines = [ln for ln in out.splitlines() if ln.startswith("swap=")]
     assert len(lines) == 4, out[-3000:]
     for ln in lines:
         swap = ln.startswith("swap=True")
