@@ -228,7 +228,8 @@ def test_sigterm_stops_admitting_then_aborts_after_the_grace_period(draining) ->
     t_short.join(10)
     t_long.join(10)
     assert results["short"].json()["choices"][0]["finish_reason"] == "length"  # within the grace
-    last = json.loads(events[-1].removeprefix("data: "))
+    assert events[-1] == "data: [DONE]", events[-3:]  # the error event, then the stream's end
+    last = json.loads(events[-2].removeprefix("data: "))
     assert "shutting down" in last["error"]["message"], events[-3:]
     assert 0.9 < time.monotonic() - t0 < 1.9  # aborted at the end of the grace, not at max_tokens
     assert not engine.running and not engine.waiting and engine.aborted  # every slot freed
@@ -290,7 +291,7 @@ serve(AsyncEngine(FakeEngine(tok, step_s=0.05)), "m", port=int(sys.argv[1]), gra
             proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             rest = [line for line in lines if line]
-        assert "shutting down" in rest[-1]
+        assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
         assert proc.wait(timeout=15) == 0
         assert time.monotonic() - t0 < 6  # aborted after the 0.5 s grace, not at max_tokens
     finally:
