@@ -150,6 +150,15 @@ class _Loader:
                 f"{self._where(module + '.weight_scale_inv', file)}: dtype {s.dtype}, "
                 "expected float32"
             )
+        # a NaN scale made a NaN model silently (0 is let be: an all-zero block's amax / 448)
+        bad = (~(torch.isfinite(s) & (s >= 0))).nonzero()
+        if len(bad):
+            i = tuple(bad[0].tolist())
+            raise ValueError(
+                f"{self._where(module + '.weight_scale_inv', file)}: {len(bad)} of its "
+                f"{s.numel()} scales are not finite and >= 0 (e.g. {s[i].item()!r} at "
+                f"{list(i)})"
+            )
         q = self.config.quantization
         if q is not None and q.scale_fmt == "ue8m0":
             bad = (~is_ue8m0(s)).nonzero()

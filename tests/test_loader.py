@@ -366,6 +366,27 @@ def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("fp8_weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5])
+def test_fp8_scales_that_are_not_finite_and_non_negative_are_refused(
+    tiny_fp8, tmp_path, value, fp8_weights
+):
+    """A NaN, infinite or negative weight_scale_inv loaded silently (a NaN model, or weights of
+    the wrong sign); it is named with its file, index and value, in either weights format (a
+    zero scale, an all-zero block's, is accepted)."""
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+
+    def spoil(t, shard):
+        if name in t:
+            t[name][1, 0] = value
+
+    path = copy_ckpt(tiny_fp8, tmp_path)
+    edit(path, spoil)
+    want = rf"'{re.escape(name)}' in .*: 1 of its \d+ scales are not finite and >= 0 \(e\.g\. "
+    with pytest.raises(ValueError, match=want + rf"{re.escape(repr(value))} at \[1, 0\]\)"):
+        load_model(path, fp8_weights=fp8_weights)
+
+
 def test_ue8m0_scales_that_are_not_powers_of_two_are_reported(tiny_fp8, tmp_path):
     name = "model.layers.2.mlp.experts.3.up_proj.weight_scale_inv"
 
