@@ -327,14 +327,17 @@ def open_shard(path: Path, file: str):
         raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
 
 
-def checked_shards(path: Path) -> tuple[str, dict[str, list[str]]]:
+def checked_shards(path: Path) -> tuple[str, dict[str, list[str]], set[str]]:
     """``_shards``, with every shard's header read and held against the index before any tensor
     is: an unreadable shard (a truncated download, a git-lfs pointer) or one that lacks or adds a
-    tensor is found in seconds, not after the shards before it were read (minutes on V3.2)."""
+    tensor is found in seconds, not after the shards before it were read (minutes on V3.2). Also
+    returns the names stored as e4m3, from the same headers (``_Loader.check_names``)."""
     index, files = _shards(path)
+    fp8: set[str] = set()
     for file, names in files.items():
         with open_shard(path, file) as f:
             keys = set(f.keys())
+            fp8.update(n for n in keys if f.get_slice(n).get_dtype() == "F8_E4M3")
         missing = [name for name in names if name not in keys]
         if missing:
             raise ValueError(
@@ -347,7 +350,7 @@ def checked_shards(path: Path) -> tuple[str, dict[str, list[str]]]:
                 f"unexpected tensor {extra[0]!r} in {path / file}: not listed for this file "
                 f"in {path / index}"
             )
-    return index, files
+    return index, files, fp8
 
 
 def load_weights(
@@ -361,13 +364,9 @@ def load_weights(
     checkpoint at ``path``; returns the MTP tensors kept aside (none read if not ``keep_mtp``).
     Raises ``ValueError`` on any missing / unexpected / misshapen tensor."""
     path = Path(path)
-    index, files = checked_shards(path)
+    index, files, fp8 = checked_shards(path)
     model.to_empty(device=device)
     loader = _Loader(model, config, path)
-    fp8: set[str] = set()
-    for file, names in files.items():  # headers only
-        with open_shard(path, file) as f:
-            fp8.update(n for n in names if f.get_slice(n).get_dtype() == "F8_E4M3")
     loader.check_names(files, fp8, index)
     for file, names in files.items():
         with open_shard(path, file) as f:

@@ -113,7 +113,7 @@ def load_shard_weights(
 ):
     """``model.loader.load_weights`` for one rank: materialise, read each tensor's shard, check.
     The MTP layer is not read (it is not served); with ``ep``, nor are other ranks' experts."""
-    index, files = checked_shards(path)
+    index, files, _ = checked_shards(path)
     model.to_empty(device=device)
     loader = _Loader(model, config, path)
     for file, names in files.items():
