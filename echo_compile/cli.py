@@ -1,4 +1,5 @@
-"""The ``echo-compile`` command: demo, generate, serve, make-checkpoint, plan, bench."""
+"""The ``echo-compile`` command: demo, generate, serve, make-checkpoint, plan, bench (the flags
+and the options they give are in cli_args.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ import argparse
 import gc
 import sys
 
+from echo_compile.cli_args import (
+    PREFETCH_OPTIONS,
+    engine_options,
+    given,
+    parser,
+    sampling_params,
+    serve_options,
+)
 from echo_compile.devices import check_device
-from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch)
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
 # --help) must answer without the seconds torch takes to import. Commands import what they run.
@@ -16,431 +24,91 @@ from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch
 # a bad value or a corrupt config.json (ValueError, incl. json.JSONDecodeError and
 # SamplingParamsError). They print one line and exit 2; anything else is a bug and tracebacks.
 USER_ERRORS = (ValueError, OSError)
-API_KEY_ENV = "ECHO_COMPILE_API_KEY"
 
 
-def _threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: $ECHO_COMPILE_THREADS, else $OMP_NUM_THREADS, else "
-        "1 on up to 2 usable cores and half the cores above; see echo_compile/threads.py)",
-    )
+def _demo(a: argparse.Namespace) -> int:
+    from echo_compile.demo import run_demo
+
+    check_device(a.device)
+    return run_demo(a)
 
 
-# the prefetch flags that size the staging buffers (serve, generate and plan)
-PREFETCH_OPTIONS = ("prefetch", "prefetch_cap", "prefetch_ratio")
+def _generate(a: argparse.Namespace) -> int:
+    sampling_params(a)  # NOTE: the flags checked before the model loads, not after
+    check_device(a.device)
+    from echo_compile.llm import LLM
 
-
-def _prefetch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--prefetch",
-        choices=("off", "request", "global"),
-        default=None,
-        help="lossless decode prefetch fused into the indexer, with offloading (docs/prefetch.md): "
-        "request (at most --prefetch-cap rows per request and layer) or global (--prefetch-ratio "
-        "rows per context token of the batch, at most max_batch x --prefetch-cap); default: off",
-    )
-    p.add_argument("--prefetch-cap", type=int, default=None,
-                   help="staged rows per request and layer (default: "
-                   "EngineConfig.prefetch_cap)")  # fmt: skip
-    p.add_argument("--prefetch-ratio", type=float, default=None,
-                   help="global: staged rows per context token of the batch (default: "
-                   "EngineConfig.prefetch_ratio)")  # fmt: skip
-
-
-def _given(a: argparse.Namespace, names: tuple[str, ...]) -> dict:
-    """The options of ``names`` the command line set (EngineConfig holds the defaults and checks
-    the values)."""
-    return {k: getattr(a, k) for k in names if getattr(a, k) is not None}
-
-
-def _generation_config_arg(p: argparse.ArgumentParser, fields: str) -> None:
-    p.add_argument(
-        "--generation-config",
-        choices=GENERATION_CONFIG_MODES,
-        default="auto",
-        help=f"auto: a request's unset {fields} and its EOS ids come from the checkpoint's "
-        "generation_config.json, as vLLM does; none: the file is not read "
-        "(SamplingParams' defaults)",
-    )
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default="tiny", help="checkpoint directory, or tiny / tiny-fp8 / tiny-awq"
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--host-tokens", type=int, default=16384, help="host KV pool rows per layer")
-    p.add_argument("--gpu-tokens", type=int, default=1024, help="GPU pool rows per layer")
-    p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument(
-        "--fp8-weights",
-        choices=("bf16", "fp8"),
-        default="bf16",
-        help="FP8 checkpoints: dequantise at load (bf16) or keep the weights FP8",
-    )
-    p.add_argument(
-        "--no-offload", action="store_true", help="keep the whole KV cache on the device"
-    )
-    p.add_argument(
-        "--kernel-backend",
-        default=None,
-        help="the decode indexer's kernels: auto (default), triton, deep_gemm or flashinfer "
-        "(docs/backends.md; without the libraries every choice runs triton)",
-    )
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        help="prompt tokens a prefill step computes at most (a multiple of 16; default: "
-        "EngineConfig.prefill_chunk)",
-    )
-    p.add_argument(
-        "--decode-buckets",
-        default=None,
-        help="the decode batch sizes captured as CUDA graphs, comma-separated, increasing, the "
-        "last = --max-batch (default: EngineConfig's, runtime/engine_config.py)",
-    )
-    p.add_argument(
-        "--prefill-first",
-        action="store_true",
-        help="decoding requests wait for every pending prefill chunk (default: they decode a step "
-        "between two chunks of a long prompt)",
-    )
-    p.add_argument(
-        "--no-prefill-buffer",
-        action="store_true",
-        help="prefill copies only the rows its queries select from the host pool instead of "
-        "keeping the prompt on the device (saves max_model_len rows a layer)",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action="store_true",
-        help="keep finished sequences' full KV pages in the host pool for later prompts that "
-        "start with the same tokens",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="launch the next decode step before reading the last one's tokens (one process)",
-    )
-    _prefetch_args(p)
-    p.add_argument("--prefetch-margin", type=float, default=None,
-                   help="the threshold's margin over the EMA of the k-th score, in EMAs of its "
-                   "distance from it (0 = ECHO's threshold; default: "
-                   "EngineConfig.prefetch_margin)")  # fmt: skip
-    p.add_argument(
-        "--compile",
-        dest="compile",
-        action="store_true",
-        default=None,
-        help="capture CUDA graphs (default on CUDA)",
-    )
-    p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (torchrun)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel feed-forward ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (instead of --tp)")
-    p.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a rank waits for the others before it stops (dp/tp/ep > 1)",
-    )
-    _threads_arg(p)
-
-
-def _engine_options(a: argparse.Namespace) -> dict:
-    opts = dict(
-        max_batch=a.max_batch,
-        host_tokens=a.host_tokens,
-        gpu_tokens=a.gpu_tokens,
-        kv_format=a.kv_format,
-        offload=not a.no_offload,
-        max_model_len=a.max_model_len,
-        dp=a.dp,
-        tp=a.tp,
-        ep=a.ep,
-        collective_timeout_s=a.collective_timeout,
-        async_scheduling=a.async_scheduling,
-        decode_during_prefill=not a.prefill_first,
-        prefill_buffer=not a.no_prefill_buffer,
-        enable_prefix_caching=a.enable_prefix_caching,
-    )
-    if a.device:
-        opts["device"] = a.device
-    if a.kernel_backend is not None:  # checked by EngineConfig (one home for the names)
-        opts["kernel_backend"] = a.kernel_backend
-    if a.decode_buckets is not None:
-        try:
-            opts["decode_buckets"] = tuple(int(b) for b in a.decode_buckets.split(","))
-        except ValueError:
-            raise ValueError(
-                f"--decode-buckets must be comma-separated integers, got {a.decode_buckets!r}"
-            ) from None
-    opts.update(_given(a, ("prefill_chunk", *PREFETCH_OPTIONS, "prefetch_margin")))
-    return opts
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="echo-compile", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    d = sub.add_parser(
-        "demo", help="offloaded long-context decode on the tiny model, lossless check"
-    )
-    d.add_argument("--model", default="tiny")
-    d.add_argument("--requests", type=int, default=4)
-    d.add_argument("--min-len", type=int, default=200)
-    d.add_argument("--max-len", type=int, default=400)
-    d.add_argument("--max-tokens", type=int, default=32)
-    d.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
-    d.add_argument("--device", default=None)
-    d.add_argument("--compile", action="store_true", help="compile the steps (CUDA graphs on CUDA)")
-    _threads_arg(d)
-
-    g = sub.add_parser("generate", help="generate text for prompts given as arguments")
-    _engine_args(g)
-    g.add_argument("prompts", nargs="+")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    # (--temperature and --max-tokens always set theirs: greedy, 32 tokens by default)
-    _generation_config_arg(g, "top_p / top_k / min_p / repetition_penalty")
-
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require Authorization: Bearer <key> on /v1/* (default: ${API_KEY_ENV}, which "
-        "keeps the key out of `ps`)",
-    )
-    s.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients may use for the model (default: --model)",
-    )
-    s.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests may run after SIGTERM before they are aborted",
-    )
-    s.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=16.0,
-        help="largest request body in MiB; larger ones get 413",
-    )
-    s.add_argument(
-        "--max-concurrent",
-        type=int,
-        default=None,
-        help="generation requests in flight at once; more get 429 (default: no limit)",
-    )
-    s.add_argument(
-        "--cors-origin",
-        action="append",
-        default=None,
-        help="allow browser requests from this origin (repeatable; '*' for any)",
-    )
-    _generation_config_arg(s, "temperature / top_p / top_k / min_p / repetition_penalty")
-
-    m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
-    m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
-    m.add_argument("--out", required=True)
-    q = m.add_mutually_exclusive_group()
-    q.add_argument("--fp8", action="store_true", help="official FP8 format (weight_scale_inv)")
-    q.add_argument("--awq", action="store_true", help="AutoAWQ 4-bit gemm format")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--layers", type=int, default=None, help="bench preset: number of layers")
-    m.add_argument("--experts", type=int, default=None, help="bench preset: routed experts")
-    _threads_arg(m)
-
-    pl = sub.add_parser("plan", help="per-GPU memory plan of a dp/tp deployment of V3.2")
-    pl.add_argument(
-        "--quant",
-        choices=("awq", "fp8", "bf16"),
-        default=None,
-        help="V3.2's weights (default awq); with --model the checkpoint's own",
-    )
-    pl.add_argument("--model", default=None, help="a checkpoint directory (default: V3.2's config)")
-    pl.add_argument("--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp")
-    pl.add_argument("--dp", type=int, default=None)
-    pl.add_argument("--tp", type=int, default=None)
-    pl.add_argument("--ep", action="store_true", help="routed experts split by expert, not tp")
-    pl.add_argument("--gpu-tokens", type=int, default=200000, help="GPU pool rows per layer")
-    pl.add_argument("--host-tokens", type=int, default=1 << 21, help="host pool rows per layer")
-    pl.add_argument("--max-batch", type=int, default=64)
-    pl.add_argument("--max-model-len", type=int, default=163840)
-    pl.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
-    pl.add_argument(
-        "--fp8-weights",
-        choices=("bf16", "fp8"),
-        default="bf16",
-        help="--quant fp8: weights dequantised at load (bf16) or kept FP8",
-    )
-    pl.add_argument("--no-offload", action="store_true")
-    pl.add_argument("--no-prefill-buffer", action="store_true", help="as serve's flag")
-    _prefetch_args(pl)  # the staging buffers they size are planned
-    pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
-    pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
-    pl.add_argument("--host-mem-gib", type=float, default=None, help="per node; unchecked if unset")
-    pl.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=8,
-        help="GPUs (ranks) of one host: their host pools share --host-mem-gib",
-    )
-    pl.add_argument("--reserve-gib", type=float, default=8.0, help="activations, graphs, NCCL")
-    _threads_arg(pl)
-
-    sub.add_parser("bench", help="end-to-end offloading vs GPU-only benchmark (see bench --help)")
-    return ap
-
-
-def serve_options(a: argparse.Namespace) -> dict:
-    """``runtime.server.serve`` keyword arguments from the serve flags (checked before the model
-    loads); the API key falls back to ``$ECHO_COMPILE_API_KEY``."""
-    import math
+    llm = LLM(
+        a.model, compile=a.compile, fp8_weights=a.fp8_weights,
+        generation_config=a.generation_config, **engine_options(a),
+    )  # fmt: skip
     import os
 
-    if not (a.shutdown_grace >= 0 and math.isfinite(a.shutdown_grace)):
-        raise ValueError(f"--shutdown-grace must be a finite number >= 0, got {a.shutdown_grace}")
-    if not (a.max_body_mb > 0 and math.isfinite(a.max_body_mb)):
-        raise ValueError(f"--max-body-mb must be a finite number > 0, got {a.max_body_mb}")
-    if not 0 <= a.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
-    if a.max_concurrent is not None and a.max_concurrent < 1:
-        raise ValueError(f"--max-concurrent must be >= 1, got {a.max_concurrent}")
-    return dict(
-        host=a.host,
-        port=a.port,
-        api_key=a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None,
-        grace_s=a.shutdown_grace,
-        asked_max_len=a.max_model_len,
-        max_body_bytes=int(a.max_body_mb * 2**20),
-        max_concurrent=a.max_concurrent,
-        cors_origins=a.cors_origin,
+    first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank has the results
+    params = sampling_params(a, llm.engine.sampling_defaults)
+    for r in llm.generate(a.prompts, params, progress=first):
+        if first:
+            print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
+    if max(a.dp, a.tp, a.ep) > 1:  # torchrun: the clean end serve's ranks have
+        from runtime.distributed.process import finish
+
+        # every rank at the barrier, the group destroyed, then the engine (which holds gloo
+        # groups) freed now: left to the interpreter's finalization, gloo's teardown aborted
+        # a rank after its results were printed (SIGABRT, exit 1, 2 runs of 3 here)
+        finish()
+        del llm
+        gc.collect()
+    return 0
+
+
+def _plan(a: argparse.Namespace) -> int:
+    from runtime.distributed.plan import GPU_MEM_GIB, memory_plan, plan_engine, v32_config
+
+    if a.model is not None:
+        if a.quant is not None:
+            raise ValueError("--quant is V3.2's config's; --model plans the checkpoint's own")
+        from model.checkpoint import resolve_model
+        from model.config import ModelConfig
+
+        config = ModelConfig.from_json(resolve_model(a.model) / "config.json")
+    else:
+        config = v32_config(a.quant or "awq")
+    dp = a.gpus if a.dp is None else a.dp  # (0 is refused by the planner, not replaced)
+    tp = a.gpus if a.tp is None else a.tp
+    ep = tp if a.ep else 1
+    eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
+                      a.kv_format, not a.no_offload, a.max_model_len, ep,
+                      not a.no_prefill_buffer, **given(a, PREFETCH_OPTIONS))  # fmt: skip
+    mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
+    plan = memory_plan(
+        config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node
     )
+    print(plan.table())
+    plan.check()  # a plan that does not fit: one error line, exit 2
+    return 0
 
 
-def _sampling_params(a: argparse.Namespace, defaults=None):
-    """``generate``'s parameters: the flags' values over ``defaults`` (the engine's
-    ``sampling_defaults``, the checkpoint's generation config; None: ``SamplingParams()``)."""
-    import dataclasses
+def _serve(a: argparse.Namespace) -> int:
+    options = serve_options(a)
+    check_device(a.device)
+    from echo_compile.llm import LLM
+    from runtime.async_engine import AsyncEngine
+    from runtime.server import serve
 
-    from runtime.sampling_params import SamplingParams
-
-    given = {"max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed}
-    if a.top_p is not None:
-        given["top_p"] = a.top_p
-    return dataclasses.replace(defaults or SamplingParams(), **given)
-
-
-def _run(a: argparse.Namespace) -> int:
-    from echo_compile.threads import configure_threads
-
-    configure_threads(a.threads)
-    if a.cmd == "demo":
-        from echo_compile.demo import run_demo
-
-        check_device(a.device)
-        return run_demo(a)
-    if a.cmd == "generate":
-        _sampling_params(a)  # NOTE: the flags checked before the model loads, not after
-        check_device(a.device)
-        from echo_compile.llm import LLM
-
-        llm = LLM(
-            a.model, compile=a.compile, fp8_weights=a.fp8_weights,
-            generation_config=a.generation_config, **_engine_options(a),
-        )  # fmt: skip
-        import os
-
-        first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank has the results
-        params = _sampling_params(a, llm.engine.sampling_defaults)
-        for r in llm.generate(a.prompts, params, progress=first):
-            if first:
-                print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
-        if max(a.dp, a.tp, a.ep) > 1:  # torchrun: the clean end serve's ranks have
-            from runtime.distributed.process import finish
-
-            # every rank at the barrier, the group destroyed, then the engine (which holds gloo
-            # groups) freed now: left to the interpreter's finalization, gloo's teardown aborted
-            # a rank after its results were printed (SIGABRT, exit 1, 2 runs of 3 here)
-            finish()
-            del llm
-            gc.collect()
-        return 0
-    if a.cmd == "plan":
-        from runtime.distributed.plan import GPU_MEM_GIB, memory_plan, plan_engine, v32_config
-
-        if a.model is not None:
-            if a.quant is not None:
-                raise ValueError("--quant is V3.2's config's; --model plans the checkpoint's own")
-            from model.checkpoint import resolve_model
-            from model.config import ModelConfig
-
-            config = ModelConfig.from_json(resolve_model(a.model) / "config.json")
-        else:
-            config = v32_config(a.quant or "awq")
-        dp = a.gpus if a.dp is None else a.dp  # (0 is refused by the planner, not replaced)
-        tp = a.gpus if a.tp is None else a.tp
-        ep = tp if a.ep else 1
-        eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
-                          a.kv_format, not a.no_offload, a.max_model_len, ep,
-                          not a.no_prefill_buffer, **_given(a, PREFETCH_OPTIONS))  # fmt: skip
-        mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
-        plan = memory_plan(
-            config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node
-        )
-        print(plan.table())
-        plan.check()  # a plan that does not fit: one error line, exit 2
-        return 0
-    if a.cmd == "serve":
-        options = serve_options(a)
-        check_device(a.device)
-        from echo_compile.llm import LLM
-        from runtime.async_engine import AsyncEngine
-        from runtime.server import serve
-
-        llm = LLM(
-            a.model, compile=a.compile, fp8_weights=a.fp8_weights,
-            generation_config=a.generation_config, **_engine_options(a),
-        )  # fmt: skip
-        if max(a.dp, a.tp, a.ep) > 1:  # torchrun: rank 0 serves and drives, the others follow
-            rc = _serve_multi_rank(llm, a, options)
-            # the engine (and the gloo groups it holds) freed now, not in the interpreter's
-            # finalization, where gloo's teardown aborted the process now and then
-            # ("terminate called without an active exception", exit -6, after a clean stop)
-            del llm
-            gc.collect()
-            return rc
-        serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], **options)
-        return 0
-    if a.cmd == "make-checkpoint":
-        from model.checkpoint import make_checkpoint
-
-        kw = {}
-        for flag, key in (("layers", "num_layers"), ("experts", "n_experts")):
-            v = getattr(a, flag)
-            if v is not None and v < 1:
-                raise ValueError(f"--{flag} must be at least 1, got {v}")
-            if v is not None:
-                kw[key] = v
-        out = make_checkpoint(a.out, preset=a.preset, fp8=a.fp8, awq=a.awq, seed=a.seed, **kw)
-        print(f"wrote {out}")
-        return 0
-    raise AssertionError(f"unhandled command {a.cmd!r}")  # argparse allows only the above
+    llm = LLM(
+        a.model, compile=a.compile, fp8_weights=a.fp8_weights,
+        generation_config=a.generation_config, **engine_options(a),
+    )  # fmt: skip
+    if max(a.dp, a.tp, a.ep) > 1:  # torchrun: rank 0 serves and drives, the others follow
+        rc = _serve_multi_rank(llm, a, options)
+        # the engine (and the gloo groups it holds) freed now, not in the interpreter's
+        # finalization, where gloo's teardown aborted the process now and then
+        # ("terminate called without an active exception", exit -6, after a clean stop)
+        del llm
+        gc.collect()
+        return rc
+    serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], **options)
+    return 0
 
 
 def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
@@ -479,6 +147,30 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
     return 0
 
 
+def _make_checkpoint(a: argparse.Namespace) -> int:
+    from model.checkpoint import make_checkpoint
+
+    kw = {}
+    for flag, key in (("layers", "num_layers"), ("experts", "n_experts")):
+        v = getattr(a, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {v}")
+        if v is not None:
+            kw[key] = v
+    out = make_checkpoint(a.out, preset=a.preset, fp8=a.fp8, awq=a.awq, seed=a.seed, **kw)
+    print(f"wrote {out}")
+    return 0
+
+
+COMMANDS = {
+    "demo": _demo,
+    "generate": _generate,
+    "plan": _plan,
+    "serve": _serve,
+    "make-checkpoint": _make_checkpoint,
+}
+
+
 def _user_error(e: BaseException) -> int:
     msg = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
     print(f"echo-compile: error: {msg}", file=sys.stderr)
@@ -492,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             from echo_compile.bench.cli import main as bench_main
 
             return bench_main(argv[1:])
-        a = _parser().parse_args(argv)  # --help and usage errors exit here, before any torch
-        return _run(a)
+        a = parser().parse_args(argv)  # --help and usage errors exit here, before any torch
+        from echo_compile.threads import configure_threads
+
+        configure_threads(a.threads)
+        return COMMANDS[a.cmd](a)
     except USER_ERRORS as e:
         return _user_error(e)
 

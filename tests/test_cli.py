@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo_compile import cli, threads
+from echo_compile import cli, cli_args, threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -298,14 +298,14 @@ def test_generate_takes_the_unset_fields_from_the_generation_config(monkeypatch,
 @pytest.mark.parametrize("cmd", ["generate", "serve"])
 def test_engine_flags_reach_the_engine_options(cmd):
     """Each scheduling and memory flag sets its EngineConfig field (defaults otherwise)."""
-    parse = cli._parser().parse_args
+    parse = cli_args.parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
     keys = ("prefill_buffer", "decode_during_prefill", "async_scheduling", "enable_prefix_caching")
-    opts = cli._engine_options(parse([cmd, *base]))
+    opts = cli_args.engine_options(parse([cmd, *base]))
     assert [opts[k] for k in keys] == [True, True, False, False]
     flags = ["--no-prefill-buffer", "--prefill-first", "--async-scheduling",
              "--enable-prefix-caching"]  # fmt: skip
-    opts = cli._engine_options(parse([cmd, *base, *flags]))
+    opts = cli_args.engine_options(parse([cmd, *base, *flags]))
     assert [opts[k] for k in keys] == [False, False, True, True]
 
 
@@ -313,13 +313,13 @@ def test_engine_flags_reach_the_engine_options(cmd):
 def test_prefetch_flags_reach_the_engine_options(cmd):
     """--prefetch and its limits set EngineConfig's fields; left out, the engine's defaults
     stand (the options do not name them)."""
-    parse = cli._parser().parse_args
+    parse = cli_args.parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
     keys = ("prefetch", "prefetch_cap", "prefetch_ratio", "prefetch_margin")
-    assert not set(keys) & set(cli._engine_options(parse([cmd, *base])))
+    assert not set(keys) & set(cli_args.engine_options(parse([cmd, *base])))
     flags = ["--prefetch", "global", "--prefetch-cap", "128", "--prefetch-ratio", "0.01",
              "--prefetch-margin", "0"]  # fmt: skip
-    opts = cli._engine_options(parse([cmd, *base, *flags]))
+    opts = cli_args.engine_options(parse([cmd, *base, *flags]))
     assert [opts[k] for k in keys] == ["global", 128, 0.01, 0.0]
 
 
@@ -350,11 +350,11 @@ def test_generate_with_prefetch_prints_the_text_without_it(capsys, monkeypatch):
 
 @pytest.mark.parametrize("cmd", ["generate", "serve"])
 def test_chunk_and_bucket_flags_reach_the_engine_options(cmd):
-    parse = cli._parser().parse_args
+    parse = cli_args.parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
-    opts = cli._engine_options(parse([cmd, *base]))
+    opts = cli_args.engine_options(parse([cmd, *base]))
     assert "prefill_chunk" not in opts and "decode_buckets" not in opts  # EngineConfig's
-    opts = cli._engine_options(parse([cmd, *base, "--prefill-chunk", "512",
+    opts = cli_args.engine_options(parse([cmd, *base, "--prefill-chunk", "512",
                                       "--decode-buckets", "1,3,8"]))  # fmt: skip
     assert (opts["prefill_chunk"], opts["decode_buckets"]) == (512, (1, 3, 8))
 

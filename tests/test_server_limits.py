@@ -343,16 +343,16 @@ def test_startup_summary_names_the_real_context() -> None:
 
 
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from echo_compile.cli import _parser, serve_options
+    from echo_compile.cli_args import parser, serve_options
 
     monkeypatch.setenv("ECHO_COMPILE_API_KEY", "from-env")
-    assert serve_options(_parser().parse_args(["serve"]))["api_key"] == "from-env"
-    args = _parser().parse_args(["serve", "--api-key", "flag"])
+    assert serve_options(parser().parse_args(["serve"]))["api_key"] == "from-env"
+    args = parser().parse_args(["serve", "--api-key", "flag"])
     assert serve_options(args)["api_key"] == "flag"  # the flag wins
     monkeypatch.delenv("ECHO_COMPILE_API_KEY")
-    assert serve_options(_parser().parse_args(["serve"]))["api_key"] is None
+    assert serve_options(parser().parse_args(["serve"]))["api_key"] is None
     with pytest.raises(ValueError, match="--max-concurrent"):
-        serve_options(_parser().parse_args(["serve", "--max-concurrent", "0"]))
+        serve_options(parser().parse_args(["serve", "--max-concurrent", "0"]))
     for flags, message in (
         (["--max-body-mb", "inf"], "--max-body-mb must be a finite number > 0, got inf"),
         (["--shutdown-grace", "nan"], "--shutdown-grace must be a finite number >= 0, got nan"),
@@ -360,7 +360,7 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--port", "-1"], "--port must be in [0, 65535], got -1"),
     ):  # (refused before the model loads; they were tracebacks, the port's after loading)
         with pytest.raises(ValueError, match=re.escape(message)):
-            serve_options(_parser().parse_args(["serve", *flags]))
+            serve_options(parser().parse_args(["serve", *flags]))
 
 
 def test_tokens_per_second_decays_when_idle(tok: Tokenizer) -> None:
