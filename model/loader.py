@@ -38,6 +38,8 @@ _EXPERT = re.compile(
     r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
     r"(weight|weight_scale_inv|qweight|qzeros|scales)"
 )
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+FP16_MIN_NORMAL = torch.finfo(torch.float16).tiny  # 2^-14
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -199,9 +201,32 @@ class _Loader:
                 f"{self._where(name, file)}: dtype {t.dtype} cannot load into {tgt.param!r} "
                 f"of dtype {dest.dtype}"
             )
+        if name.endswith(".scales") and dest.dtype == torch.float16:  # AWQ's
+            self._check_awq_scales(name, t, file)
         with torch.no_grad():
             dest.copy_(t)
         self.loaded.add(tgt.piece)
+
+    def _check_awq_scales(self, name: str, t: torch.Tensor, file: str) -> None:
+        """AWQ scales are held as fp16 (the kernels' format). A scale that is not finite, or,
+        from a bf16 or fp32 file, outside fp16's normal range, would load changed without a word:
+        a NaN model, inf, or a subnormal that keeps a few of its bits. In that range bf16 scales
+        are exact in fp16, and fp32 ones round to its 11 bits (2^-11 relative at most, far below
+        the 4-bit weights' own error)."""
+        a = t.float().abs()
+        bad = ~torch.isfinite(a)
+        what = "finite"
+        if t.dtype != torch.float16:
+            bad |= (a > FP16_MAX) | ((a > 0) & (a < FP16_MIN_NORMAL))
+            what = f"0 or of magnitude in fp16's normal range [{FP16_MIN_NORMAL:.3g}, {FP16_MAX:g}]"
+        idx = bad.nonzero()
+        if len(idx):
+            i = tuple(idx[0].tolist())
+            raise ValueError(
+                f"{self._where(name, file)}: {len(idx)} of its {t.numel()} {t.dtype} AWQ scales "
+                f"are not {what}, which the fp16 scales the AWQ kernels hold need "
+                f"(e.g. {t[i].item()!r} at {list(i)})"
+            )
 
     def _unexpected(self, name: str, file: str) -> None:
         hint = ""

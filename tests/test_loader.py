@@ -545,6 +545,40 @@ def test_awq_tensors_go_to_the_stacked_awq_params(tmp_path):
         load_weights(awq_stand_in(e, d, i), tmp_path, TINY)
 
 
+def test_awq_scales_fp16_would_change_are_refused(tmp_path):
+    """AWQ scales load into fp16 parameters. From a bf16 or fp32 file, a scale outside fp16's
+    normal range became inf or a subnormal without a word (a bf16 1e5 loaded as inf: a NaN
+    model); a non-finite one is refused in any dtype. In range, bf16 loads exactly, fp32 rounded."""
+    d, n = 256, 128
+    a = "model.layers.1.self_attn.q_a_proj."
+    g = torch.Generator().manual_seed(1)
+
+    def load(scales):
+        t = {a + "qweight": torch.randint(0, 2**31 - 1, (d, n // 8), generator=g,
+                                          dtype=torch.int32),
+             a + "qzeros": torch.zeros(d // 128, n // 8, dtype=torch.int32), a + "scales": scales}
+        save_file(t, str(tmp_path / "model.safetensors"))
+        model = awq_stand_in(1, d, 128)
+        del model.model.layers[1].mlp  # only the linear
+        load_weights(model, tmp_path, TINY)
+        return dict(model.named_parameters())[a + "scales"]
+
+    ok = torch.rand(d // 128, n, generator=g) * 0.1 + 1e-3
+    assert torch.equal(load(ok.bfloat16()), ok.bfloat16().half())  # exact
+    assert torch.equal(load(ok), ok.half())  # rounded to fp16
+    for dtype, value in ((torch.bfloat16, 1e5), (torch.bfloat16, 1e-6), (torch.float32, 7e4),
+                         (torch.float32, 3e-5), (torch.float16, float("nan")),
+                         (torch.float32, float("inf"))):
+        bad = ok.clone()
+        bad[1, 7] = value
+        with pytest.raises(ValueError, match=rf"q_a_proj\.scales' in .*: 1 of its {2 * n} "
+                                             rf".*AWQ scales are not .* at \[1, 7\]"):
+            load(bad.to(dtype))
+    zero = ok.clone()
+    zero[0, 0] = 0  # a scale of 0 is what fp16 holds exactly
+    assert load(zero.bfloat16())[0, 0] == 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("model.awq") is None, reason="model/awq.py not there")
 def test_awq_checkpoint_loads_into_the_model(tmp_path, loaded):
     from model.awq import awq_dequantize
