@@ -14,7 +14,9 @@ from torch import nn
 from model import checkpoint as ck
 from model.fp8_weights import weight_dequant_fp8
 from model.loader import load_model, load_weights, read_checkpoint_meta
+from model.parallel import TPGroup
 from model.presets import preset_config
+from model.shard_loader import load_sharded_model
 
 TINY = preset_config("tiny")
 
@@ -293,7 +295,9 @@ def test_missing_tensors_are_found_before_any_tensor_is_read(
     monkeypatch.setattr(model.loader._Loader, "add", lambda self, name, *a: reads.append(name))
     scale = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
     weight = scale.removesuffix("_scale_inv")
+    routed = "model.layers.1.mlp.experts.3.down_proj.weight"  # rank 0's under ep = 2
     for src, gone, msg in [
+        (tiny, routed, rf"missing tensor\(s\) in .*: {re.escape(routed)}"),
         (tiny_fp8, scale, rf"missing tensor '{re.escape(scale)}' \(its FP8 weight is in "),
         (tiny_fp8, weight, rf"missing tensor '{re.escape(weight)}' \(its weight_scale_inv is "),
         (tiny, "model.layers.2.self_attn.o_proj.weight", r"missing tensor\(s\) in .*: model\."
@@ -305,6 +309,12 @@ def test_missing_tensors_are_found_before_any_tensor_is_read(
         edit(path, lambda t, shard, gone=gone: t.pop(gone, None))
         with pytest.raises(ValueError, match=msg):
             load_model(path, fp8_weights=fp8_weights)
+        # one rank's shard of a tp / ep model too (the tiny FP8 model's 128 shared-expert
+        # features are one scale block, which two ranks cannot split)
+        for ep in (False, True) if src is tiny else ():
+            with pytest.raises(ValueError, match=msg):
+                load_sharded_model(path, TPGroup(0, 2, "", gather=True), ep=ep,
+                                   fp8_weights=fp8_weights)
     assert reads == []
 
 
