@@ -134,6 +134,25 @@ def test_tiny_temperature_is_greedy_not_nan() -> None:
             torch.testing.assert_close(lp, torch.zeros(16), msg=f"t={t}, filters={filters}")
 
 
+def test_huge_temperature_is_uniform_over_allowed_tokens_not_nan() -> None:
+    # SamplingParams(temperature=1e39) is finite but inf in fp32: a masked token (min_tokens'
+    # EOS) gave -inf / inf = NaN, so the row sampled token 0 with a NaN logprob, and top-k kept
+    # the first k vocab ids (every other logit / inf ties at 0) instead of the k most likely.
+    torch.manual_seed(4)
+    logits = torch.randn(64, 100) * 5
+    logits[:, 0] = float("-inf")  # masked: may never be chosen
+    for top_k in (-1, 5):
+        params = [SamplingParams(temperature=1e39, top_k=top_k)] * 64
+        sb = prepare_batch(params, list(range(64)), [0] * 64)
+        ids, lp = sample(
+            logits, sb.temperature, sb.top_k, sb.top_p, sb.seeds, sb.steps, filters=sb.filters
+        )
+        assert torch.isfinite(lp).all() and (ids != 0).all(), top_k
+        if top_k == 5:
+            allowed = logits.topk(5, dim=-1).indices
+            assert (allowed == ids[:, None]).any(-1).all()
+
+
 def test_top_k_and_top_p_keep_only_allowed_tokens() -> None:
     torch.manual_seed(4)
     logits = torch.randn(1, 30).expand(2000, 30).contiguous()
