@@ -221,6 +221,9 @@ class LLM:
         """Yield each step's output of one request as it is produced (other requests may run,
         other streams and ``generate()`` calls of this LLM too, in any interleaving). Closing the
         iterator early aborts the request and frees its slots."""
+        if params is not None and not isinstance(params, SamplingParams):
+            # (as generate(): a dict or a list of params was an AttributeError from the engine)
+            raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
         rid = f"gen-{next(self._ids)}"
         self.engine.add_request(rid, self._encode(prompt), params or self.engine.sampling_defaults)
         self._outputs[rid] = []

@@ -475,6 +475,16 @@ def test_llm_generate_refuses_arguments_of_the_wrong_type(
     assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
+@pytest.mark.parametrize("params", [{"max_tokens": 3}, [SamplingParams(max_tokens=3)]])
+def test_llm_generate_stream_refuses_params_of_the_wrong_type(llm: LLM, params: Any) -> None:
+    """generate_stream's params, as generate()'s: a dict or a list is a TypeError naming the
+    argument, nothing queued (it was AttributeError: 'dict' object has no attribute
+    'logit_bias', from inside the engine)."""
+    with pytest.raises(TypeError, match="params must be a SamplingParams or None"):
+        next(llm.generate_stream("Hi", params))
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
 def test_llm_generate_returns_top_and_prompt_logprobs_as_the_stream() -> None:
     """``generate()`` keeps what the request asked for and its stream carries: each token's
     top_logprobs and the prompt_logprobs (they were computed, then dropped)."""
