@@ -159,7 +159,9 @@ class LLM:
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_bos=True)
-        if not isinstance(prompt, Sequence):  # (a dict, a tensor: not read as token ids)
+        # (a dict, a tensor: not read as token ids; nor bytes, a Sequence of ints that was
+        # silently taken for token ids: b"Hello" was the prompt [72, 101, 108, 108, 111])
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
             raise TypeError(
                 f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
             )
@@ -172,7 +174,7 @@ class LLM:
         progress: bool = False,
     ) -> list[GenerationResult]:
         """Run every prompt to completion (continuous batching) and return results in order."""
-        if not isinstance(prompts, Sequence):
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
             raise TypeError(
                 "prompts must be a string, a list of token ids or a list of either, "
                 f"got {type(prompts).__name__}"

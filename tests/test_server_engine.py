@@ -460,6 +460,8 @@ def test_streams_and_generate_of_one_llm_interleave() -> None:
         (None, None, "prompts must be a string, a list of token ids or a list of either"),
         ({"prompt": "Hi"}, None, "prompts must be"),
         (["Hi", {"prompt_token_ids": [5, 6]}], None, "a prompt must be a string or a list"),
+        (b"Hi", None, "prompts must be a string, a list of token ids or a list of either"),
+        (["Hi", bytearray(b"Ho")], None, "a prompt must be a string or a list"),
         (["Hi"], {"max_tokens": 3}, "params must be a SamplingParams, a list of them or None"),
         (["Hi", "Ho"], [SamplingParams(), "x"], "params must be a SamplingParams"),
     ],
@@ -469,7 +471,7 @@ def test_llm_generate_refuses_arguments_of_the_wrong_type(
 ) -> None:
     """A prompt or params of the wrong type (a vLLM prompt dict, params as a dict) is one
     TypeError naming the argument, before any request is queued (it was a KeyError, an
-    AttributeError on a str, or a ValueError about token ids)."""
+    AttributeError on a str, or a ValueError about token ids; bytes were read as token ids)."""
     with pytest.raises(TypeError, match=message):
         llm.generate(prompts, params)
     assert not llm.engine.has_unfinished() and not llm.engine.requests
