@@ -169,6 +169,12 @@ class SamplingParams:
                 "logit_bias",
                 f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {bias!r}",
             )
+        seen = [int(p[0]) for p in pairs]
+        if len(set(seen)) != len(seen):  # (each would be added: two +100s made +200)
+            dup = next(t for t in seen if seen.count(t) > 1)
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias gives token {dup} more than one bias, got {bias!r}"
+            )
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise SamplingParamsError(

@@ -290,6 +290,7 @@ def test_prepare_batch_and_hints() -> None:
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"logprobs": "yes"}, "logprobs"),
+        ({"logit_bias": [(5, 100), (5, 100)]}, "logit_bias"),  # (was +200 on token 5)
     ],
 )
 def test_sampling_params_validation(kwargs: dict, field: str) -> None:
