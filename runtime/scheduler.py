@@ -139,9 +139,13 @@ class Scheduler:
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
         if total > self.cfg.max_model_len:
+            # (the limit is host_tokens where that is the least: a request reserves its pages)
+            whose = "the model's"
+            if self.cfg.max_model_len == self.cfg.host_tokens:
+                whose = "the host pool's (host_tokens)"
             raise ValueError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = "
-                f"{total} exceeds the model's context limit of {self.cfg.max_model_len} tokens"
+                f"{total} exceeds {whose} context limit of {self.cfg.max_model_len} tokens"
             )
         if pages_for(total) > self.pages.num_pages:
             raise ValueError(

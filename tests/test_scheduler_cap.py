@@ -4,6 +4,7 @@ admitted as rows free up, and the engine never overflows a pool."""
 
 from __future__ import annotations
 
+import pytest
 from engine_records import random_prompts, run, tiny
 
 from runtime.engine import EngineConfig
@@ -57,3 +58,15 @@ def test_engine_with_a_pool_of_half_the_batch():
     assert max(rec.batch_sizes) == 2 and rec.batch_sizes.count(2) >= 2
     eng.check_pools()
     assert eng.cache.stats()["gpu_pool_usage"] == 0.0
+
+
+def test_context_limit_error_names_the_host_pool_where_it_binds():
+    """A request longer than the host pool was refused as over "the model's" context limit."""
+    s = Scheduler(SchedulerConfig(max_batch=2, max_model_len=128, host_tokens=128, topk=TOPK))
+    req = Request("r", [1] * 100, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match=r"exceeds the host pool's \(host_tokens\) context limit "
+                                         r"of 128 tokens"):
+        s.check(req)
+    s = Scheduler(SchedulerConfig(max_batch=2, max_model_len=128, host_tokens=256, topk=TOPK))
+    with pytest.raises(ValueError, match=r"exceeds the model's context limit of 128 tokens"):
+        s.check(req)
