@@ -181,6 +181,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),  # ("token_id:N" logprob tokens)
+    # vLLM's sampling extras that restrict the tokens (they were silently ignored)
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": ([],),
 }
 # Only for completions / only for chat.
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
@@ -199,6 +203,8 @@ UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),
     "chat_template": (),
     "chat_template_kwargs": ({},),
+    "add_special_tokens": (False,),  # vLLM's; the template writes the BOS itself
+    "echo": (False,),  # vLLM's (the last message prepended to the output)
 }
 
 

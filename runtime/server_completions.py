@@ -28,7 +28,13 @@ class CompletionHandlers(HandlersBase):
         items = list(raw) if many else [raw]  # type: ignore[arg-type]
         vocab = self.tokenizer.vocab_size
         out = []
+        # vLLM's add_special_tokens: false (no BOS on a text prompt) is not implemented; refused
+        # rather than ignored. Token-id prompts get no BOS either way, so there it is accepted.
+        no_bos = (req.model_extra or {}).get("add_special_tokens") is False
         for p in items:
+            if isinstance(p, str) and no_bos:
+                msg = "add_special_tokens: false is not supported by this server for a text prompt"
+                raise APIError(400, msg, param="add_special_tokens")
             if isinstance(p, str):
                 ids = await self.encode(p, True, "prompt")
                 out.append((ids, p))

@@ -398,6 +398,10 @@ UNSUPPORTED_BOTH = [
     ("spaces_between_special_tokens", False, True),
     ("truncate_prompt_tokens", 8, None),
     ("return_tokens_as_token_ids", True, False),  # (was silently ignored)
+    # vLLM's, silently ignored before
+    ("allowed_token_ids", [1, 2], None),
+    ("bad_words", ["Hello"], []),
+    ("logits_processors", ["pkg.Proc"], []),
 ]
 UNSUPPORTED_COMPLETION = [
     ("suffix", "end", None),
@@ -405,6 +409,7 @@ UNSUPPORTED_COMPLETION = [
     ("tools", [{"type": "function", "function": {"name": "f"}}], []),
     ("tool_choice", "required", "none"),
     ("parallel_tool_calls", True, None),
+    ("add_special_tokens", False, True),  # vLLM's, silently ignored before (a text prompt)
 ]
 UNSUPPORTED_CHAT = [
     ("best_of", 2, 1),  # completions take it (tests/test_prefill_sharing.py)
@@ -416,6 +421,9 @@ UNSUPPORTED_CHAT = [
     ("continue_final_message", True, False),
     ("chat_template", "{{ messages }}", None),
     ("chat_template_kwargs", {"thinking": True}, {}),
+    # vLLM's, silently ignored before
+    ("add_special_tokens", True, False),
+    ("echo", True, False),
 ]
 CASES = [(C, OK_C, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_COMPLETION] + [
     (CHAT, OK_CHAT, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_CHAT
@@ -431,6 +439,12 @@ def test_every_unsupported_parameter_is_refused(
     msg = _error(_post(url, path, {**ok, name: bad}), 400, name)
     assert name in msg
     r = _post(url, path, {**ok, name: neutral})
+    assert r.status_code == 200, r.text
+
+
+def test_add_special_tokens_false_is_accepted_with_token_ids(url: str) -> None:
+    # ids get no BOS added whatever the flag says: nothing to refuse
+    r = _post(url, C, {**OK_C, "prompt": [5, 6], "add_special_tokens": False})
     assert r.status_code == 200, r.text
 
 
