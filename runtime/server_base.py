@@ -178,13 +178,14 @@ class HandlersBase:
 
     @staticmethod
     def choices_of(
-        prompts: list[tuple[list[int], str]], params: SamplingParams, n: int
+        prompts: list[tuple[list[int], str]], params: SamplingParams, n: int, param: str = "n"
     ) -> list[_Choice]:
         """``n`` choices per prompt, prompt-major (the OpenAI index order). With a seed, choice
-        ``j`` of a prompt samples with ``seed + j``, so the n choices differ yet reproduce."""
+        ``j`` of a prompt samples with ``seed + j``, so the n choices differ yet reproduce.
+        ``param``: the field that asked for the ``n`` (``best_of`` when it is larger)."""
         if n * len(prompts) > MAX_CHOICES:
-            msg = f"n x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}"
-            raise APIError(400, msg, param="n")
+            msg = f"{param} x prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}"
+            raise APIError(400, msg, param=param)
         out = []
         for p, (ids, text) in enumerate(prompts):
             for j in range(n):

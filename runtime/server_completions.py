@@ -77,7 +77,8 @@ class CompletionHandlers(HandlersBase):
         if best_of > n:  # ranked by cumulative logprob: every candidate reports its logprobs
             params = dataclasses.replace(params, logprobs=True)
             keep = functools.partial(best_of_order, best_of=best_of, n=n)
-        choices = self.choices_of(prompts, params, best_of)
+        # the candidates are best_of's when it asks for more than n (the 400 must name it)
+        choices = self.choices_of(prompts, params, best_of, "best_of" if best_of > n else "n")
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(rid, choices)
         head = {

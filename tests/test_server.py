@@ -380,6 +380,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "stop": ""}, 400, "stop"),  # (was read as no stop)
         (C, {**OK_C, "n": 0}, 400, "n"),
         (C, {**OK_C, "n": 65}, 400, "n"),  # over MAX_CHOICES
+        (C, {**OK_C, "best_of": 65}, 400, "best_of"),  # its candidates over it (named n)
         (CHAT, {**OK_CHAT, "prompt_logprobs": 21}, 400, "prompt_logprobs"),  # over the cap
         (C, {**OK_C, "logprobs": 21}, 400, "logprobs"),  # over the cap of 20
         (C, {**OK_C, "logprobs": -1}, 400, "logprobs"),
