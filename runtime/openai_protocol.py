@@ -146,11 +146,18 @@ _FIELD_HINTS = {
 }
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
+    """``content_type``: the request's header. FastAPI parses a body as JSON only when it is
+    absent or JSON, so a JSON object sent as a form (``curl -d`` without ``-H``) arrives as bytes:
+    saying "must be a JSON object" about it would name the wrong problem."""
     err = exc.errors()[0]
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error')}")
+    mime = (content_type or "").split(";")[0].strip().lower()
+    if not loc and mime and mime != "application/json" and not mime.endswith("+json"):
+        msg = f"the request body must be JSON with Content-Type: application/json, got {mime!r}"
+        return APIError(400, msg)
     if not loc:
         return APIError(400, f"request body must be a JSON object: {err.get('msg')}")
     if loc[0] in _FIELD_HINTS and len(loc) > 1:

@@ -69,8 +69,8 @@ def build_app(
         return e.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return validation_error(e).response()
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return validation_error(e, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:

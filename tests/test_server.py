@@ -426,6 +426,21 @@ def test_bad_input(url: str, path: str, body: object, status: int, param: str | 
         assert param in err["message"]  # the message names the field
 
 
+def test_json_sent_as_a_form_names_the_content_type(url: str) -> None:
+    # curl -d without -H sends application/x-www-form-urlencoded: the body is a JSON object, so
+    # "must be a JSON object" named the wrong problem
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    r = httpx.post(url + C, content=json.dumps(OK_C), headers=form, timeout=10)
+    assert r.status_code == 400, r.text
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
+    # a JSON type with parameters or a +json suffix still parses
+    for ctype in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = httpx.post(url + C, content=json.dumps(OK_C), headers={"content-type": ctype})
+        assert r.status_code == 200, r.text
+    r = _post(url, C, "[1, 2]")  # JSON, not an object: said so as before
+    assert "must be a JSON object" in r.json()["error"]["message"]
+
+
 def test_context_error_code_and_server_survives(url: str, client: openai.OpenAI) -> None:
     r = _post(url, C, {**OK_C, "max_tokens": 255})
     assert r.json()["error"]["code"] == "context_length_exceeded"
