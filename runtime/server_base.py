@@ -66,13 +66,20 @@ class HandlersBase:
         return APIError(400, msg, param=param, code=CONTEXT_CODE)
 
     async def encode(
-        self, text: str, add_bos: bool, param: str, within_context: bool = True
+        self,
+        text: str,
+        add_bos: bool,
+        param: str,
+        within_context: bool = True,
+        where: str | None = None,
     ) -> list[int]:
         """Token ids of a prompt, tokenised on a worker thread so a huge prompt cannot stall the
         event loop (and /health); one that cannot fit the context is refused before tokenising
-        (``within_context=False``, /tokenize: any text the body limit lets in is counted)."""
+        (``within_context=False``, /tokenize: any text the body limit lets in is counted).
+        ``where``: the text's place in the request for the messages (``prompt[2]``; ``param``)."""
         if (i := lone_surrogate(text)) is not None:
-            msg = f"{param} contains a lone UTF-16 surrogate (U+{ord(text[i]):04X}) at index {i}"
+            at = where or param
+            msg = f"{at} contains a lone UTF-16 surrogate (U+{ord(text[i]):04X}) at index {i}"
             raise APIError(400, msg, param=param)
         if within_context:
             bound = await asyncio.to_thread(self.tokenizer.min_tokens, text)

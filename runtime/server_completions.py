@@ -31,12 +31,13 @@ class CompletionHandlers(HandlersBase):
         # vLLM's add_special_tokens: false (no BOS on a text prompt) is not implemented; refused
         # rather than ignored. Token-id prompts get no BOS either way, so there it is accepted.
         no_bos = (req.model_extra or {}).get("add_special_tokens") is False
-        for p in items:
+        for k, p in enumerate(items):
             if isinstance(p, str) and no_bos:
                 msg = "add_special_tokens: false is not supported by this server for a text prompt"
                 raise APIError(400, msg, param="add_special_tokens")
             if isinstance(p, str):
-                ids = await self.encode(p, True, "prompt")
+                # (in a list, the index alone would not say which prompt)
+                ids = await self.encode(p, True, "prompt", where=f"prompt[{k}]" if many else None)
                 out.append((ids, p))
                 continue
             if not p or any(not 0 <= i < vocab for i in p):

@@ -101,6 +101,13 @@ def test_lone_surrogate_is_a_400_and_the_connection_survives(url: str, tok: Toke
         msg = _error(_post(url, CHAT, raw % MODEL, client), 400, "messages")
         assert "messages[0].content" in msg and "surrogate" in msg
         assert _post(url, C, OK_C, client).status_code == 200  # same connection, still served
+        # in a list of prompts, the message says which one (index 0 of prompt[1], not prompt)
+        raw = json.dumps({**OK_C, "prompt": ["ok", "\ud83d"]})  # (ASCII: the escape is sent)
+        assert "prompt[1] contains" in _error(_post(url, C, raw, client), 400, "prompt")
+        # in a tool, tools is named (it was messages, at an index of the rendered prompt)
+        tool = {"type": "function", "function": {"name": "f", "description": "\ud83d"}}
+        raw = json.dumps({**OK_CHAT, "tools": [tool]})
+        assert "surrogate" in _error(_post(url, CHAT, raw, client), 400, "tools")
     with pytest.raises(ValueError, match="surrogate"):
         tok.encode("x\ud83d")
 
