@@ -158,6 +158,8 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
     if not loc and mime and mime != "application/json" and not mime.endswith("+json"):
         msg = f"the request body must be JSON with Content-Type: application/json, got {mime!r}"
         return APIError(400, msg)
+    if not loc and err.get("type") == "missing":  # (FastAPI's "Field required" about the body)
+        return APIError(400, "the request body is empty: expected a JSON object")
     if not loc:
         return APIError(400, f"request body must be a JSON object: {err.get('msg')}")
     if loc[0] in _FIELD_HINTS and len(loc) > 1:

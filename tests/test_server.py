@@ -441,6 +441,14 @@ def test_json_sent_as_a_form_names_the_content_type(url: str) -> None:
     assert "must be a JSON object" in r.json()["error"]["message"]
 
 
+def test_empty_body_is_named(url: str) -> None:
+    # (it said "request body must be a JSON object: Field required")
+    for path in (C, CHAT):
+        r = _post(url, path, "")
+        assert r.status_code == 400, r.text
+        assert "body is empty" in r.json()["error"]["message"]
+
+
 def test_context_error_code_and_server_survives(url: str, client: openai.OpenAI) -> None:
     r = _post(url, C, {**OK_C, "max_tokens": 255})
     assert r.json()["error"]["code"] == "context_length_exceeded"
