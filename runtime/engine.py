@@ -611,7 +611,7 @@ class Engine:
         alloc, prefix = self.scheduler.pages, self.scheduler.prefix
         return {
             "running": float(self.scheduler.num_rows),
-            "waiting": float(len(self.scheduler.waiting)),
+            "waiting": float(self.scheduler.num_waiting),  # a queued group: its n sequences
             "generated_tokens": float(self.generated_tokens),
             "tokens_per_s": tps,
             "host_pool_usage": self.scheduler.pages_in_use / alloc.num_pages,

@@ -302,6 +302,13 @@ class Scheduler:
         members = sum(len(g.members) for g in self.groups.values() if g.admitted)
         return len(self.running) - heads + members
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission: a queued group is one entry of the queue (its head)
+        but counts its members, as ``num_rows`` counts an admitted group's."""
+        groups = self.groups
+        return sum(len(groups[id(r)].members) if id(r) in groups else 1 for r in self.waiting)
+
     # ---- one step ------------------------------------------------------------------------------
     def _can_admit(self, req: Request) -> bool:
         """Whether the head of the queue fits now: decode rows (a group needs all of its

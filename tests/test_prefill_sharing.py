@@ -259,6 +259,23 @@ def test_abort_one_sequence_others_unchanged_and_pages_freed_once():
     assert_pools_empty(eng)
 
 
+def test_a_waiting_group_counts_its_sequences_in_the_metrics():
+    """A queued group is one entry of the waiting queue (its hidden head): ``waiting`` (the
+    server's vllm:num_requests_waiting) counts its n sequences, as ``running`` does once it is
+    admitted; it counted 1."""
+    eng, _ = engine(config())
+    eng.add_request_group(IDS, prompt(), [params(s) for s in (1, 2, 3)])
+    eng.add_request("r", prompt(seed=4), params(4))
+    assert eng.metrics()["waiting"] == 4.0
+    eng.abort_request(IDS[0])  # a member leaving before admission leaves the count
+    assert eng.metrics()["waiting"] == 3.0
+    eng.step()  # the group (its first chunk) and r are admitted
+    assert (eng.metrics()["running"], eng.metrics()["waiting"]) == (3.0, 0.0)
+    for rid in [*IDS[1:], "r"]:
+        eng.abort_request(rid)
+    assert_pools_empty(eng)
+
+
 @pytest.mark.parametrize("when", ["waiting", "prefilling"])
 def test_abort_every_sequence_before_the_fork(when: str):
     eng, _ = engine(config())
