@@ -265,14 +265,25 @@ class Scheduler:
         those only the prefix cache holds, less what the waiting requests will take), and the
         prompt tokens it has cached (``takes_prefix``: the request may use the cache). Waiting
         requests count without their cached prefixes, as admission will take them."""
-        waiting = [(r, len(self._cached_prefix(r))) for r in self.waiting]
+        need = [self._waiting_need(r) for r in self.waiting]
         left = sum(r.max_total_tokens - r.num_computed for r in self.running)
-        left += sum(r.max_total_tokens - m * PAGE for r, m in waiting)
-        reserved = sum(pages_for(r.max_total_tokens) - m for r, m in waiting)
+        left += sum(tokens for tokens, _ in need)
+        reserved = sum(pages for _, pages in need)
         match = []
         if takes_prefix and self.prefix is not None and len(prompt_ids) > 1:
             match = self.prefix.match(prompt_ids, (len(prompt_ids) - 1) // PAGE)
         return left, self._available(match) - reserved, len(match) * PAGE
+
+    def _waiting_need(self, req: Request) -> tuple[int, int]:
+        """(tokens still to compute, host pages admission will take) of waiting ``req``, less
+        its cached prefix. A queued group is one entry (its head), but its prompt is computed
+        once and each member decodes its own tokens in its own pages (``pages_needed``)."""
+        m = len(self._cached_prefix(req))
+        group = self.groups.get(id(req))
+        if group is None:
+            return req.max_total_tokens - m * PAGE, pages_for(req.max_total_tokens) - m
+        decode = sum(x.max_total_tokens - len(x.prompt_ids) for x in group.members)
+        return len(req.prompt_ids) - m * PAGE + decode, group.pages_needed() - m
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached pages ``req``'s prompt starts with (none when it may take none)."""

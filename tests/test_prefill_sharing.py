@@ -276,6 +276,22 @@ def test_a_waiting_group_counts_its_sequences_in_the_metrics():
     assert_pools_empty(eng)
 
 
+def test_the_balancer_weighs_a_waiting_group_by_all_its_sequences():
+    """``placement`` (what the dp balancer compares between ranks) counted a queued group as its
+    one head: the pages and tokens of one sequence, not of n."""
+    from runtime.request import Request
+    from runtime.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_batch=4, max_model_len=512, host_tokens=64 * 16, topk=32,
+                          gpu_tokens=128)  # fmt: skip
+    s = Scheduler(cfg)
+    s.add_group([Request(f"g{i}", [5] * 150, SamplingParams(max_tokens=100)) for i in range(3)])
+    (g,) = s.groups.values()
+    left, free, cached = s.placement([9] * 10, False)
+    assert free == 16 - g.pages_needed() == 7  # (was 12: one sequence's 4 pages)
+    assert left == 150 + 3 * 100 and cached == 0  # the prompt once, each sequence's tokens
+
+
 @pytest.mark.parametrize("when", ["waiting", "prefilling"])
 def test_abort_every_sequence_before_the_fork(when: str):
     eng, _ = engine(config())
