@@ -162,7 +162,14 @@ def _make_checkpoint(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(a: argparse.Namespace) -> int:  # (`echo-compile -- bench`: main() takes `bench ...`)
+    from echo_compile.bench.cli import main as bench_main
+
+    return bench_main([])
+
+
 COMMANDS = {
+    "bench": _bench,
     "demo": _demo,
     "generate": _generate,
     "plan": _plan,

@@ -335,7 +335,7 @@ def sampling_params(a: argparse.Namespace, defaults=None):
 
     from runtime.sampling_params import SamplingParams
 
-    given = {"max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed}
+    flags = {"max_tokens": a.max_tokens, "temperature": a.temperature, "seed": a.seed}
     if a.top_p is not None:
-        given["top_p"] = a.top_p
-    return dataclasses.replace(defaults or SamplingParams(), **given)
+        flags["top_p"] = a.top_p
+    return dataclasses.replace(defaults or SamplingParams(), **flags)
