@@ -209,23 +209,24 @@ class _Loader:
 
     def _check_awq_scales(self, name: str, t: torch.Tensor, file: str) -> None:
         """AWQ scales are held as fp16 (the kernels' format). A scale that is not finite, or,
-        from a bf16 or fp32 file, outside fp16's normal range, would load changed without a word:
-        a NaN model, inf, or a subnormal that keeps a few of its bits. In that range bf16 scales
-        are exact in fp16, and fp32 ones round to its 11 bits (2^-11 relative at most, far below
-        the 4-bit weights' own error)."""
-        a = t.float().abs()
-        bad = ~torch.isfinite(a)
-        what = "finite"
+        from a bf16 or fp32 file, one fp16 would make inf (above 65504) or hold inexactly below
+        its normal range (under 2^-14, where fp16 keeps fewer bits), would load changed without a
+        word: a NaN model, inf, or a scale that lost its digits. Above 2^-14 bf16 scales are
+        exact in fp16, and fp32 ones round to its 11 bits (2^-11 relative at most, far below the
+        4-bit weights' own error)."""
+        bad = ~torch.isfinite(t)
         if t.dtype != torch.float16:
-            bad |= (a > FP16_MAX) | ((a > 0) & (a < FP16_MIN_NORMAL))
-            what = f"0 or of magnitude in fp16's normal range [{FP16_MIN_NORMAL:.3g}, {FP16_MAX:g}]"
+            a = t.float().abs()
+            inexact = t.to(torch.float16).to(t.dtype) != t
+            bad |= (a > FP16_MAX) | ((a < FP16_MIN_NORMAL) & inexact)
         idx = bad.nonzero()
         if len(idx):
             i = tuple(idx[0].tolist())
             raise ValueError(
                 f"{self._where(name, file)}: {len(idx)} of its {t.numel()} {t.dtype} AWQ scales "
-                f"are not {what}, which the fp16 scales the AWQ kernels hold need "
-                f"(e.g. {t[i].item()!r} at {list(i)})"
+                f"would change as fp16, the AWQ kernels' scales: not finite, above {FP16_MAX:g}, "
+                f"or below {FP16_MIN_NORMAL:.3g} and not an fp16 value (e.g. {t[i].item()!r} at "
+                f"{list(i)})"
             )
 
     def _unexpected(self, name: str, file: str) -> None:
