@@ -131,9 +131,10 @@ def sample(
     t = torch.where(is_greedy, torch.ones_like(temperature), temperature)  # avoid 0-division
     # NOTE: a temperature past fp32's max (SamplingParams takes any finite float, 1e39) is inf
     # here: a masked -inf logit / inf is NaN (a NaN row, token 0), and every other logit / inf
-    # is 0, a tie that top-k breaks by vocab order. The largest finite t is the same limit
-    # (uniform over the allowed tokens) without either.
-    t = t.clamp(max=torch.finfo(torch.float32).max)
+    # is 0, a tie that top-k breaks by vocab order. t = 1e30 is the same limit (uniform over the
+    # allowed tokens) without either, and keeps a logit gap down to 1.2e-8 a normal fp32 number
+    # (fp32's max made gaps under ~4 subnormal: a flush-to-zero path would tie them again).
+    t = t.clamp(max=1e30)
     # NOTE: shift by the row's max first (softmax is shift-invariant): a tiny temperature (fp32
     # 1e-45) then sends the other tokens to -inf, the right limit, where logits / t overflows to
     # +inf, and inf - inf is a NaN distribution (a garbage token, NaN logprobs, a 500).
