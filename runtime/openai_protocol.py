@@ -147,19 +147,21 @@ _FIELD_HINTS = {
 
 
 def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
-    """``content_type``: the request's header. FastAPI parses a body as JSON only when it is
-    absent or JSON, so a JSON object sent as a form (``curl -d`` without ``-H``) arrives as bytes:
-    saying "must be a JSON object" about it would name the wrong problem."""
+    """``content_type``: the request's header. FastAPI parses a body as JSON only under a JSON
+    Content-Type (and, depending on its version, none), so a JSON object sent as a form (``curl
+    -d`` without ``-H``) or with no type arrives as unparsed bytes: saying "must be a JSON
+    object" about it would name the wrong problem."""
     err = exc.errors()[0]
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error')}")
-    mime = (content_type or "").split(";")[0].strip().lower()
-    if not loc and mime and mime != "application/json" and not mime.endswith("+json"):
-        msg = f"the request body must be JSON with Content-Type: application/json, got {mime!r}"
-        return APIError(400, msg)
     if not loc and err.get("type") == "missing":  # (FastAPI's "Field required" about the body)
         return APIError(400, "the request body is empty: expected a JSON object")
+    if not loc and isinstance(exc.body, (bytes, bytearray)):  # not parsed: not sent as JSON
+        mime = (content_type or "").split(";")[0].strip().lower()
+        got = repr(mime) if mime else "no Content-Type"
+        msg = f"the request body must be JSON with Content-Type: application/json, got {got}"
+        return APIError(400, msg)
     if not loc:
         return APIError(400, f"request body must be a JSON object: {err.get('msg')}")
     if loc[0] in _FIELD_HINTS and len(loc) > 1:
@@ -245,13 +247,15 @@ def check_unsupported(req: _SamplingRequest) -> None:
             raise APIError(400, f"{name} is not supported by this server", param=name)
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
-    out: dict[int, float] = {}
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> list[tuple[int, float]]:
+    """(token, bias) pairs: keys naming one token twice ("5", "05") stay two pairs, which
+    SamplingParams refuses (a dict keyed by token id kept the last silently)."""
+    out: list[tuple[int, float]] = []
     for key, value in (bias or {}).items():
         if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
             msg = f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}"
             raise APIError(400, msg, param="logit_bias")
-        out[int(key)] = value
+        out.append((int(key), value))
     return out
 
 

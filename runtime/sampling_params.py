@@ -50,8 +50,9 @@ class SamplingParams:
       far (``count`` = times generated).
     - ``repetition_penalty`` (> 0, 1 disables): divide positive / multiply negative logits of
       every token in the prompt or generated so far (CTRL's, as vLLM and HF apply it).
-    - ``logit_bias``: ``{token_id: bias}`` added to those logits, bias in [-100, 100]; stored as a
-      sorted tuple of pairs so the object stays hashable.
+    - ``logit_bias``: ``{token_id: bias}`` (or (token_id, bias) pairs, which may name a token
+      once) added to those logits, bias in [-100, 100]; stored as a sorted tuple of pairs so the
+      object stays hashable.
     - ``min_p``: in [0, 1]; drop tokens whose probability (after temperature) is below
       ``min_p`` times the top token's. Ignored by greedy rows (the argmax always survives).
     - ``min_tokens``: EOS and ``stop_token_ids`` cannot be chosen before this many tokens

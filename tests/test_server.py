@@ -391,6 +391,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max
         (C, {**OK_C, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # "²".isdigit() is True
         (C, {**OK_C, "logit_bias": {"100000": 1}}, 400, "logit_bias"),  # over the vocab
         (C, {**OK_C, "logit_bias": {"5": 500}}, 400, "logit_bias"),
+        (C, {**OK_C, "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),  # one token twice
         (C, {**OK_C, "min_p": -0.1}, 400, "min_p"),
         (C, {**OK_C, "min_tokens": 3}, 400, "min_tokens"),  # over max_tokens = 2
         (CHAT, {**OK_CHAT, "min_tokens": 1.5}, 400, "min_tokens"),
@@ -433,6 +434,10 @@ def test_json_sent_as_a_form_names_the_content_type(url: str) -> None:
     r = httpx.post(url + C, content=json.dumps(OK_C), headers=form, timeout=10)
     assert r.status_code == 400, r.text
     assert "Content-Type: application/json" in r.json()["error"]["message"]
+    # no Content-Type at all (requests.post(data=json.dumps(...))): the same 400, or, on a
+    # FastAPI that parses such bodies, the request served
+    r = httpx.post(url + C, content=json.dumps(OK_C), timeout=10)
+    assert r.status_code == 200 or "got no Content-Type" in r.json()["error"]["message"], r.text
     # a JSON type with parameters or a +json suffix still parses
     for ctype in ("application/json; charset=utf-8", "application/vnd.api+json"):
         r = httpx.post(url + C, content=json.dumps(OK_C), headers={"content-type": ctype})
@@ -442,11 +447,14 @@ def test_json_sent_as_a_form_names_the_content_type(url: str) -> None:
 
 
 def test_empty_body_is_named(url: str) -> None:
-    # (it said "request body must be a JSON object: Field required")
+    # (it said "request body must be a JSON object: Field required"), whatever its Content-Type
+    form = {"content-type": "application/x-www-form-urlencoded"}
     for path in (C, CHAT):
         r = _post(url, path, "")
         assert r.status_code == 400, r.text
         assert "body is empty" in r.json()["error"]["message"]
+        r = httpx.post(url + path, content=b"", headers=form, timeout=10)
+        assert "body is empty" in r.json()["error"]["message"], r.text
 
 
 def test_context_error_code_and_server_survives(url: str, client: openai.OpenAI) -> None:
