@@ -140,12 +140,12 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         if total > self.cfg.max_model_len:
             # (the limit is host_tokens where that is the least: a request reserves its pages)
-            whose = "the model's"
+            whose, why = "the model's ", ""
             if self.cfg.max_model_len == self.cfg.host_tokens:
-                whose = "the host pool's (host_tokens)"
+                whose, why = "the ", " (host_tokens: a request reserves all its pages at admission)"
             raise ValueError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = "
-                f"{total} exceeds {whose} context limit of {self.cfg.max_model_len} tokens"
+                f"{total} exceeds {whose}context limit of {self.cfg.max_model_len} tokens{why}"
             )
         if pages_for(total) > self.pages.num_pages:
             raise ValueError(
@@ -265,25 +265,28 @@ class Scheduler:
         those only the prefix cache holds, less what the waiting requests will take), and the
         prompt tokens it has cached (``takes_prefix``: the request may use the cache). Waiting
         requests count without their cached prefixes, as admission will take them."""
-        need = [self._waiting_need(r) for r in self.waiting]
-        left = sum(r.max_total_tokens - r.num_computed for r in self.running)
-        left += sum(tokens for tokens, _ in need)
-        reserved = sum(pages for _, pages in need)
+        left = sum(self._tokens_left(r) for r in self.running)
+        reserved = 0
+        for r in self.waiting:
+            m = len(self._cached_prefix(r))
+            group = self.groups.get(id(r))
+            left += self._tokens_left(r, m)
+            reserved += (group.pages_needed() if group else pages_for(r.max_total_tokens)) - m
         match = []
         if takes_prefix and self.prefix is not None and len(prompt_ids) > 1:
             match = self.prefix.match(prompt_ids, (len(prompt_ids) - 1) // PAGE)
         return left, self._available(match) - reserved, len(match) * PAGE
 
-    def _waiting_need(self, req: Request) -> tuple[int, int]:
-        """(tokens still to compute, host pages admission will take) of waiting ``req``, less
-        its cached prefix. A queued group is one entry (its head), but its prompt is computed
-        once and each member decodes its own tokens in its own pages (``pages_needed``)."""
-        m = len(self._cached_prefix(req))
+    def _tokens_left(self, req: Request, cached_pages: int = 0) -> int:
+        """Tokens ``req`` still computes, its first ``cached_pages`` pages taken from the prefix
+        cache. A group's head (queued, or admitted and prefilling: its members run only after
+        the fork) computes the prompt once, and each member decodes its own tokens."""
+        done = max(req.num_computed, cached_pages * PAGE)
         group = self.groups.get(id(req))
         if group is None:
-            return req.max_total_tokens - m * PAGE, pages_for(req.max_total_tokens) - m
-        decode = sum(x.max_total_tokens - len(x.prompt_ids) for x in group.members)
-        return len(req.prompt_ids) - m * PAGE + decode, group.pages_needed() - m
+            return req.max_total_tokens - done
+        decode = sum(m.max_total_tokens - len(m.prompt_ids) for m in group.members)
+        return len(req.prompt_ids) - done + decode
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached pages ``req``'s prompt starts with (none when it may take none)."""

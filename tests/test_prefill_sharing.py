@@ -290,6 +290,8 @@ def test_the_balancer_weighs_a_waiting_group_by_all_its_sequences():
     left, free, cached = s.placement([9] * 10, False)
     assert free == 16 - g.pages_needed() == 7  # (was 12: one sequence's 4 pages)
     assert left == 150 + 3 * 100 and cached == 0  # the prompt once, each sequence's tokens
+    s.schedule()  # admitted: the head prefills, its members run only after the fork
+    assert g.admitted and s.placement([9] * 10, False)[0] == 150 + 3 * 100  # (was 250)
 
 
 @pytest.mark.parametrize("when", ["waiting", "prefilling"])

@@ -64,8 +64,8 @@ def test_context_limit_error_names_the_host_pool_where_it_binds():
     """A request longer than the host pool was refused as over "the model's" context limit."""
     s = Scheduler(SchedulerConfig(max_batch=2, max_model_len=128, host_tokens=128, topk=TOPK))
     req = Request("r", [1] * 100, SamplingParams(max_tokens=100))
-    with pytest.raises(ValueError, match=r"exceeds the host pool's \(host_tokens\) context limit "
-                                         r"of 128 tokens"):
+    with pytest.raises(ValueError, match=r"exceeds the context limit of 128 tokens \(host_tokens: "
+                                         r"a request reserves all its pages"):
         s.check(req)
     s = Scheduler(SchedulerConfig(max_batch=2, max_model_len=128, host_tokens=256, topk=TOPK))
     with pytest.raises(ValueError, match=r"exceeds the model's context limit of 128 tokens"):
