@@ -161,7 +161,7 @@ class LLM:
             return self.tokenizer.encode(prompt, add_bos=True)
         # (a dict, a tensor: not read as token ids; nor bytes, a Sequence of ints that was
         # silently taken for token ids: b"Hello" was the prompt [72, 101, 108, 108, 111])
-        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray, memoryview)):
             raise TypeError(
                 f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
             )
@@ -174,7 +174,7 @@ class LLM:
         progress: bool = False,
     ) -> list[GenerationResult]:
         """Run every prompt to completion (continuous batching) and return results in order."""
-        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray, memoryview)):
             raise TypeError(
                 "prompts must be a string, a list of token ids or a list of either, "
                 f"got {type(prompts).__name__}"

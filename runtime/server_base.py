@@ -76,7 +76,7 @@ class HandlersBase:
         """Token ids of a prompt, tokenised on a worker thread so a huge prompt cannot stall the
         event loop (and /health); one that cannot fit the context is refused before tokenising
         (``within_context=False``, /tokenize: any text the body limit lets in is counted).
-        ``where``: the text's place in the request for the messages (``prompt[2]``; ``param``)."""
+        ``where``: how the messages name the text (e.g. ``prompt[2]``; default ``param``)."""
         if (i := lone_surrogate(text)) is not None:
             at = where or param
             msg = f"{at} contains a lone UTF-16 surrogate (U+{ord(text[i]):04X}) at index {i}"

@@ -28,16 +28,17 @@ class CompletionHandlers(HandlersBase):
         items = list(raw) if many else [raw]  # type: ignore[arg-type]
         vocab = self.tokenizer.vocab_size
         out = []
-        # vLLM's add_special_tokens: false (no BOS on a text prompt) is not implemented; refused
-        # rather than ignored. Token-id prompts get no BOS either way, so there it is accepted.
-        no_bos = (req.model_extra or {}).get("add_special_tokens") is False
+        # vLLM's add_special_tokens (default true): false encodes a text prompt without the BOS
+        # (token-id prompts never get one added)
+        special = (req.model_extra or {}).get("add_special_tokens")
+        if special is not None and not isinstance(special, bool):
+            msg = f"add_special_tokens must be true or false, got {special!r}"
+            raise APIError(400, msg, param="add_special_tokens")
         for k, p in enumerate(items):
-            if isinstance(p, str) and no_bos:
-                msg = "add_special_tokens: false is not supported by this server for a text prompt"
-                raise APIError(400, msg, param="add_special_tokens")
             if isinstance(p, str):
                 # (in a list, the index alone would not say which prompt)
-                ids = await self.encode(p, True, "prompt", where=f"prompt[{k}]" if many else None)
+                where = f"prompt[{k}]" if many else None
+                ids = await self.encode(p, special is not False, "prompt", where=where)
                 out.append((ids, p))
                 continue
             if not p or any(not 0 <= i < vocab for i in p):

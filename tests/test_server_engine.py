@@ -462,6 +462,7 @@ def test_streams_and_generate_of_one_llm_interleave() -> None:
         (["Hi", {"prompt_token_ids": [5, 6]}], None, "a prompt must be a string or a list"),
         (b"Hi", None, "prompts must be a string, a list of token ids or a list of either"),
         (["Hi", bytearray(b"Ho")], None, "a prompt must be a string or a list"),
+        (["Hi", memoryview(b"Ho")], None, "a prompt must be a string or a list"),
         (["Hi"], {"max_tokens": 3}, "params must be a SamplingParams, a list of them or None"),
         (["Hi", "Ho"], [SamplingParams(), "x"], "params must be a SamplingParams"),
     ],

@@ -416,7 +416,6 @@ UNSUPPORTED_COMPLETION = [
     ("tools", [{"type": "function", "function": {"name": "f"}}], []),
     ("tool_choice", "required", "none"),
     ("parallel_tool_calls", True, None),
-    ("add_special_tokens", False, True),  # vLLM's, silently ignored before (a text prompt)
 ]
 UNSUPPORTED_CHAT = [
     ("best_of", 2, 1),  # completions take it (tests/test_prefill_sharing.py)
@@ -449,10 +448,20 @@ def test_every_unsupported_parameter_is_refused(
     assert r.status_code == 200, r.text
 
 
-def test_add_special_tokens_false_is_accepted_with_token_ids(url: str) -> None:
-    # ids get no BOS added whatever the flag says: nothing to refuse
+def test_add_special_tokens_on_completions(url: str, tok: Tokenizer) -> None:
+    # vLLM's flag: false encodes a text prompt without the BOS (it was silently ignored, then
+    # refused); token ids get no BOS added whatever it says
+    text = "Hello world"
+    for flag, bos in ((None, True), (True, True), (False, False)):
+        body = {**OK_C, "prompt": text, "max_tokens": 1, "temperature": 0}
+        if flag is not None:
+            body["add_special_tokens"] = flag
+        r = _post(url, C, body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_bos=bos)), flag
     r = _post(url, C, {**OK_C, "prompt": [5, 6], "add_special_tokens": False})
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2, r.text
+    _error(_post(url, C, {**OK_C, "add_special_tokens": "no"}), 400, "add_special_tokens")
 
 
 # ---- the context limit at its edge -------------------------------------------------------------
