@@ -19,6 +19,7 @@ import json
 import re
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -385,20 +386,28 @@ def load_weights(
     config: ModelConfig,
     device: str | torch.device = "cpu",
     keep_mtp: bool = True,
+    local: Callable[[str], str | None] | None = None,
+    read: Callable[[Any, str, str], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Materialise ``model`` (built on the meta device) on ``device`` and fill it from the
     checkpoint at ``path``; returns the MTP tensors kept aside (none read if not ``keep_mtp``).
-    Raises ``ValueError`` on any missing / unexpected / misshapen tensor."""
+    Raises ``ValueError`` on any missing / unexpected / misshapen tensor, the names checked
+    before any tensor is read. One rank's shard (``model.shard_loader``): ``local(name)`` is the
+    model's name of checkpoint tensor ``name``, None for one not read here, and ``read(f, name,
+    file)`` reads its part from the open shard ``f`` (default: all of it)."""
     path = Path(path)
+    local = local or (lambda name: name)
     index, files, fp8 = checked_shards(path)
-    model.to_empty(device=device)
+    model.to_empty(device=device)  # (before the loader, which holds the parameters)
     loader = _Loader(model, config, path)
-    loader.check_names(files, fp8, index)
+    here = {f: [n for n in map(local, names) if n is not None] for f, names in files.items()}
+    loader.check_names(here, {n for n in map(local, fp8) if n is not None}, index)
     for file, names in files.items():
         with open_shard(path, file) as f:
             for name in names:
-                if keep_mtp or not loader.is_mtp(name):
-                    loader.add(name, f.get_tensor(name), file)
+                if (keep_mtp or not loader.is_mtp(name)) and (ours := local(name)) is not None:
+                    t = f.get_tensor(name) if read is None else read(f, name, file)
+                    loader.add(ours, t, file)
     loader.finish(index)
     _init_non_persistent_buffers(model)
     return loader.mtp

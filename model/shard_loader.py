@@ -26,11 +26,9 @@ from model.loader import (
     LoadExtras,
     _cast_half_params,
     _init_non_persistent_buffers,
-    _Loader,
-    checked_shards,
     finish_loaded_model,
     fp8_scaled_modules,
-    open_shard,
+    load_weights,
     read_checkpoint_meta,
 )
 from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn
@@ -111,28 +109,16 @@ def read_shard(f, name: str, file: str, g: TPGroup, ep: bool = False) -> torch.T
 def load_shard_weights(
     model: nn.Module, path: Path, config: ModelConfig, device, g: TPGroup, ep: bool = False
 ):
-    """``model.loader.load_weights`` for one rank: materialise, read each tensor's shard, check.
-    The MTP layer is not read (it is not served); with ``ep``, nor are other ranks' experts."""
-    index, files, fp8 = checked_shards(path)
-    model.to_empty(device=device)  # (before the loader, which holds the parameters)
-    loader = _Loader(model, config, path)
+    """``model.loader.load_weights`` for one rank: each tensor's shard read. The MTP layer is not
+    read (it is not served); with ``ep``, nor are other ranks' experts."""
 
     def local(name: str) -> str | None:  # the rank's name of a tensor; None: not read here
         return local_expert_name(name, g, config.n_routed_experts) if ep else name
 
-    # names checked before anything is read, as load_weights does (a missing tensor named in
-    # seconds, not after every shard was read)
-    local_files = {f: [n for n in map(local, names) if n is not None] for f, names in files.items()}
-    loader.check_names(local_files, {n for n in map(local, fp8) if n is not None}, index)
-    for file, names in files.items():
-        with open_shard(path, file) as f:
-            for name in names:
-                if loader.is_mtp(name):
-                    continue
-                if (name_here := local(name)) is not None:
-                    loader.add(name_here, read_shard(f, name, str(path / file), g, ep), file)
-    loader.finish(index)
-    _init_non_persistent_buffers(model)
+    def read(f, name: str, file: str) -> torch.Tensor:
+        return read_shard(f, name, str(path / file), g, ep)
+
+    load_weights(model, path, config, device, keep_mtp=False, local=local, read=read)
 
 
 def build_sharded_model(
