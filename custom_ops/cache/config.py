@@ -113,7 +113,8 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.gpu_tokens={self.gpu_tokens} cannot hold one request's selection "
                 f"(topk={self.topk}); gpu_tokens (--gpu-tokens) >= max_batch x topk = "
-                f"{self.max_batch * self.topk} serves a full decode batch"
+                f"{self.max_batch * self.topk} serves a full decode batch (`echo-compile plan "
+                "--model DIR` shows the pools that fit a GPU)"
             )
 
     @property
