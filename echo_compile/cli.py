@@ -114,6 +114,7 @@ def _serve(a: argparse.Namespace) -> int:
 def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
     """``serve --dp/--tp/--ep``: rank 0 runs the HTTP server over a ``DriverEngine``, every other
     rank follows its calls (runtime/distributed/driver.py says why rank 0 drives)."""
+    import os
     import signal
 
     from runtime.async_engine import AsyncEngine
@@ -134,12 +135,21 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
                 print(f"echo-compile: error: {e}", file=sys.stderr)
                 return 1
         else:
-            driver, served = DriverEngine(llm.engine), False
+            # a rank gone or a failed step ends the engine: stop the server as SIGTERM does (it
+            # drains what is left), then exit 1 below, so the job ends instead of serving errors
+            def stop_serving() -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+            driver, served = DriverEngine(llm.engine, on_failure=stop_serving), False
             try:
                 serve(AsyncEngine(driver), a.served_model_name or [a.model], **options)
                 served = True
             finally:
                 driver.close(failed=not served)
+            if driver.failure is not None:
+                shutdown()
+                print(f"echo-compile: error: {driver.failure.splitlines()[0]}", file=sys.stderr)
+                return 1
     except BaseException:
         shutdown()
         raise

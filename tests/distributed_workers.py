@@ -237,6 +237,36 @@ def heartbeat_worker(rank: int, out: str) -> None:
     finish()
 
 
+def driver_failure_worker(rank: int, out: str) -> None:
+    """Rank 1 follows and dies at its first step (a crash); rank 0 steps until its driver sees
+    the failure, then records what the driver reports and what a later add raises."""
+    from runtime.distributed.driver import DriverEngine, follow
+    from runtime.distributed.process import init_distributed
+
+    ctx = init_distributed("cpu", timeout_s=10.0)
+    eng = _FakeEngine(ctx)
+    if rank == 1:
+        eng.step = lambda: os._exit(3)  # no cleanup, no goodbye to the process group
+        follow(eng)
+        return
+    told: list[str] = []
+    driver = DriverEngine(eng, on_failure=lambda: told.append("stop"))
+    t0, first = time.perf_counter(), ""
+    while not first and time.perf_counter() - t0 < 30:
+        try:
+            driver.step()
+        except Exception as e:  # noqa: BLE001  (the test checks which)
+            first = f"{type(e).__name__}: {e}"
+    try:
+        driver.add_request("later", [1], None)
+        later = "accepted"
+    except Exception as e:  # noqa: BLE001
+        later = f"{type(e).__name__}: {e}"
+    driver.close()
+    lines = [first, str(driver.failure), later, f"{told}"]
+    (Path(out) / "rank0.txt").write_text("\n".join(x.replace("\n", " ") for x in lines))
+
+
 def prompt_kv_worker(
     rank: int, out: str, opts: dict, prompts: list, kvs: list, timeout_s: float
 ) -> None:

@@ -112,6 +112,24 @@ def test_driver_heartbeat_keeps_an_idle_follower_alive(tmp_path):
     assert (tmp_path / "rank1.txt").read_text() == "2 [('add', 'bad'), 'step']"
 
 
+def test_driver_stops_the_server_once_a_rank_is_gone(tmp_path):
+    """A follower that dies ends the multi-rank engine: the driver says so once (serve then
+    stops the HTTP server and exits 1) and refuses later calls with that reason. It kept
+    serving: /health ok, each request answered with the dead group's error, never exiting."""
+    from distributed_workers import driver_failure_worker
+
+    ctx = spawn(driver_failure_worker, 2, str(tmp_path), join=False)
+    for p in ctx.processes:
+        p.join(90)
+    assert all(p.exitcode is not None for p in ctx.processes), "a rank hung"
+    assert ctx.processes[1].exitcode == 3
+    first, failure, later, told = (tmp_path / "rank0.txt").read_text().split("\n")
+    assert first.startswith("RankFailure: rank 0/2:"), first
+    assert failure == "the multi-rank engine stopped: " + first
+    assert later == "RuntimeError: " + failure  # not a ValueError: a 503, not the client's 400
+    assert told == "['stop']"
+
+
 def test_rank_zero_failing_to_start_stops_the_follower_with_one_line():
     """Rank 0 cannot bind its port: rank 1 is told the stop is a failure and says so in one line
     (it took the stop for a clean end, waited at the final barrier rank 0 never reached, and died

@@ -30,12 +30,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from runtime.distributed.dist_engine import DistributedEngine
-from runtime.distributed.process import RankFailure, guarded
+from runtime.distributed.process import RankFailure, guarded, shutdown
 from runtime.engine import StepOutput
 from runtime.sampling_params import SamplingParams
 
@@ -65,7 +66,12 @@ class DriverEngine:
     """Rank 0's engine for ``AsyncEngine``: ``Engine``'s interface, each call mirrored on every
     rank. Only the ``AsyncEngine`` loop thread calls it (and the heartbeat, under the lock)."""
 
-    def __init__(self, engine: DistributedEngine, heartbeat_s: float | None = None):
+    def __init__(
+        self,
+        engine: DistributedEngine,
+        heartbeat_s: float | None = None,
+        on_failure: Callable[[], None] | None = None,
+    ):
         if engine.ctx.rank != 0:
             raise ValueError(f"the driver runs on rank 0, not rank {engine.ctx.rank}")
         self.inner = engine
@@ -73,6 +79,10 @@ class DriverEngine:
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         self.pings = 0  # heartbeats sent (the tests read it)
+        # the error that ended the multi-rank engine (a rank gone, a failed step), or None;
+        # on_failure is called once then (serve: stop the HTTP server, which stays up otherwise)
+        self.failure: str | None = None
+        self._on_failure = on_failure
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._closed = threading.Event()
@@ -94,9 +104,29 @@ class DriverEngine:
     def _call(self, kind: str, *args: Any) -> Any:
         with self._lock:
             if self._closed.is_set():
-                raise RuntimeError("the multi-rank engine is closed")
-            self._send(kind, args)
-            return getattr(self.inner, _METHODS[kind])(*args)
+                raise RuntimeError(self.failure or "the multi-rank engine is closed")
+            try:
+                self._send(kind, args)
+                return getattr(self.inner, _METHODS[kind])(*args)
+            except Exception as e:
+                # A failed step has destroyed the process group and a RankFailure means a rank is
+                # gone: the engine cannot go on. A refused add (ValueError) is the request's own.
+                if kind == "step" or isinstance(e, RankFailure):
+                    self._fail(e)
+                raise
+
+    def _fail(self, e: BaseException) -> None:
+        """The engine is over (called under the lock): refuse every later call with ``e``'s
+        reason and tell the owner once. Without this the server stayed up with /health ok,
+        answering each request with the dead group's error (a 400 'Group ... is not
+        registered' after a rank died mid-step) and never exited."""
+        if self.failure is not None:
+            return
+        self.failure = f"the multi-rank engine stopped: {type(e).__name__}: {e}"
+        self._closed.set()
+        shutdown()  # the other followers' next collective fails now, not at the timeout
+        if self._on_failure is not None:
+            self._on_failure()
 
     # ---- Engine's interface --------------------------------------------------------------------
     def add_request(
@@ -144,9 +174,9 @@ class DriverEngine:
                 try:
                     self._send("ping", ())
                     self.pings += 1
-                except Exception:
+                except Exception as e:
                     logger.exception("heartbeat to the other ranks failed; the service stops")
-                    self._closed.set()
+                    self._fail(e)
 
 
 def follow(engine: DistributedEngine) -> int:
