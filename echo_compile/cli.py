@@ -46,9 +46,18 @@ def _generate(a: argparse.Namespace) -> int:
 
     first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank has the results
     params = sampling_params(a, llm.engine.sampling_defaults)
-    for r in llm.generate(a.prompts, params, progress=first):
-        if first:
-            print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
+    refused = None
+    try:
+        for r in llm.generate(a.prompts, params, progress=first):
+            if first:
+                print(f"--- {r.finish_reason} ({r.stats.completion_tokens} tokens)\n{r.text}")
+    except ValueError as e:
+        if max(a.dp, a.tp, a.ep) == 1:
+            raise
+        # a prompt refused (too long, ...): refused on every rank alike (DistributedEngine),
+        # so every rank reaches the clean end below; raised from there it was gloo's teardown
+        # at exit that aborted a rank (SIGABRT: torchrun named it the root cause, not this)
+        refused = e
     if max(a.dp, a.tp, a.ep) > 1:  # torchrun: the clean end serve's ranks have
         from runtime.distributed.process import finish
 
@@ -58,6 +67,8 @@ def _generate(a: argparse.Namespace) -> int:
         finish()
         del llm
         gc.collect()
+    if refused is not None:
+        raise refused
     return 0
 
 

@@ -298,3 +298,13 @@ def test_cli_generate_ends_every_rank_cleanly(tmp_path):
     printed: SIGABRT, torchrun's exit 1, in 2 of 3 runs)."""
     spawn(cli_generate_worker, 2, str(tmp_path))
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["0 False"] * 2
+
+
+def test_cli_generate_refused_prompt_ends_every_rank_cleanly(tmp_path, capfd):
+    """A prompt over the context limit among good ones: every rank says why and returns 2, with
+    its process group destroyed (raised past the clean end, the ranks left gloo to the
+    interpreter's finalization, which aborted one: SIGABRT, named by torchrun as the cause)."""
+    long = " ".join(["word"] * 80)  # over --max-model-len 64
+    spawn(cli_generate_worker, 2, str(tmp_path), ("--max-model-len", "64", long))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2 False"] * 2
+    assert capfd.readouterr().err.count("echo-compile: error: ") == 2
