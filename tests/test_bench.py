@@ -192,6 +192,9 @@ def test_batch_cap() -> None:
         (["--tp", "0"], "tp must be a positive integer, got 0"),
         (["--workload", "sharegpt", "--output-len", "2"], "--output-len would be ignored"),
         (["--layers", "2"], "--preset tiny is fixed"),
+        # every pool before any run (a bad second pool failed after every run at the first)
+        (["--systems", "offload", "--gpu-pools", "704,0"], "a pool of 0 rows cannot hold"),
+        (["--systems", "offload", "--gpu-pools", "704,16"], "a pool of 16 rows cannot hold"),
     ],
 )
 def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:

@@ -280,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rates must be positive, got {a.rates!r}")
     if not pools:
         ap.error("--gpu-pools: give at least one pool size")
+    # NOTE: a pool is otherwise checked only when its systems are built: --gpu-pools 200000,0
+    # failed after every run at 200000 (minutes on a GPU), not before the model was built
+    topk = _topk(a)
+    for p in pools:
+        if p < 1 or (any(s != "gpu-only" for s in systems) and p < topk):
+            ap.error(
+                f"--gpu-pools: a pool of {p} rows cannot hold one request's selection (top-k "
+                f"{topk}); each must be at least {topk}"
+            )
     if a.rate_pool is None:
         a.rate_pool = 200_000 if 200_000 in pools else pools[0]  # as --eager-pools
     if rates and a.rate_pool not in pools:
@@ -483,6 +492,15 @@ def _check_sizes(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.get_default("experts"),
     ):
         ap.error("--layers / --experts size the bench preset; --preset tiny is fixed")
+
+
+def _topk(a: argparse.Namespace) -> int:
+    """The index top-k of the model ``build_model`` builds for these options (its config only)."""
+    from model.presets import preset_config
+
+    if a.preset == "tiny":
+        return preset_config("tiny").index_topk
+    return preset_config("bench", num_layers=a.layers, n_experts=a.experts).index_topk
 
 
 def _parallel_config(a: argparse.Namespace, ap: argparse.ArgumentParser):
