@@ -259,6 +259,31 @@ def test_full_mode_compiles_prefill_unless_eager_prefill(model) -> None:
         sut.close()
 
 
+def test_breakdown_records_the_batch_it_profiled(model) -> None:
+    """A host pool of 9 pages holds one of these requests with the breakdown's 9 tokens (5 pages
+    each), not two: the profiled steps decode one row, and that is the batch recorded (it said
+    2, the requests it added)."""
+    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=3)
+    sut = bench.System(model, "offload-eager", 256, 576, "fp8", 512, 2, (), "cpu", 0.0)
+    assert bench.breakdown_tokens(2, 1) == 9
+    bd = sut.breakdown(wl, warm_steps=1, steps=2)
+    assert bd["batch"] == 1
+    sut.close()
+
+
+def test_bench_sizes_its_pools_for_a_breakdown_longer_than_the_output(tmp_path) -> None:
+    """70 profiled steps (80 tokens a request) with --output-len 4: the host pool and context
+    limit hold the breakdown's requests, all 4 at once (it failed after the runs, past the
+    context limit of the 4-token workload)."""
+    out = tmp_path / "long.json"
+    argv = ARGS + ["--gpu-pools", "704", "--systems", "offload-eager", "--eager-pools", "704",
+                   "--rates", "", "--breakdown-steps", "70", "--out", str(out)]  # fmt: skip
+    assert bench_cli.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["breakdown"]["704"]["batch"] == 4
+    assert [r["generated_tokens"] for r in d["results"]] == [16]
+
+
 def test_breakdown_of_a_compiled_system_runs_eagerly_and_leaves_it_as_it_was(model) -> None:
     """...unless ``graphs=True``: then its own compiled steps, no module hooked (a hook would
     recompile the frozen step, which raises)."""

@@ -28,6 +28,7 @@ from echo_compile.bench.harness import (
     System,
     Workload,
     batch_cap,
+    breakdown_tokens,
     build_model,
     environment,
     json_safe,
@@ -320,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     # every request of the largest workload at once, in whole pages
     most = max([wl] + sweep, key=lambda w: w.requests)
-    host = a.host_tokens or PAGE * sum(pages_for(n + wl.output_len) for n in most.lengths())
+    # NOTE: the breakdown's requests (the workload's first ones) generate breakdown_tokens each:
+    # sized for output_len alone, a longer breakdown profiled a smaller batch than it recorded
+    # (the host pool held fewer of them) or failed after the runs (past the context limit)
+    gen = max(wl.output_len, breakdown_tokens(a.breakdown_steps) if a.breakdown_steps > 0 else 0)
+    host = a.host_tokens or PAGE * sum(pages_for(n + gen) for n in most.lengths())
     # now that the host pool's size is known: the cap's bound by it (the offloading systems'
     # runs only: gpu-only runs prefetch off, below)
     for p in prefetches if any(s != "gpu-only" for s in systems) else []:
@@ -341,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"has {ctx.world_size}: launch with torchrun --nproc-per-node {par.world_size}"
             )
         a.device, parallel, first = ctx.device, (ctx, a.dp, a.tp, a.ep), ctx.rank == 0
-    max_len = wl.max_ctx + wl.output_len + 64
+    max_len = wl.max_ctx + gen + 64
     out = {
         "environment": environment(),
         "command": "echo-compile bench " + " ".join(argv if argv is not None else sys.argv[1:]),

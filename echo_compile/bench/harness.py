@@ -468,18 +468,21 @@ class System:
         engine.reset_stats()
         prompts = self._prompts(wl)
         n = min(wl.requests, engine.config.max_batch)
+        longer = replace(wl, output_len=breakdown_tokens(steps, warm_steps))
         for i in range(n):
-            # + 5: the overlap probe's steps after the profiled ones
-            self._add(replace(wl, output_len=warm_steps + steps + 6), i, prompts[i], engine)
+            self._add(longer, i, prompts[i], engine)
         warm_until = engine.num_decode_steps + warm_steps  # a compiled engine has run before
         while engine.num_decode_steps < warm_until:
             engine.step()
         engine.cache.reset_stats()  # the hit rate of the profiled steps alone
+        rows, decodes = engine.decode_rows, engine.num_decode_steps
         out = profile_steps(
             self.model, engine.step, steps, cuda=engine.device.type == "cuda", regions=regions
         )
         out["graphs"] = not regions
-        out["batch"] = n
+        # the batch the profiled steps decoded (n was recorded: a request the pools could not
+        # admit beside the others made it smaller than that, silently)
+        out["batch"] = (engine.decode_rows - rows) / max(engine.num_decode_steps - decodes, 1)
         out["hit_rate"] = list(engine.metrics()["hit_rate"])
         # the consecutive-step top-k overlap of a few more steps, from the indexer's selections
         # (not of a compiled step: the probe wraps the cache layers' select, a recompile)
@@ -511,6 +514,12 @@ class System:
 
 
 SYSTEMS = ("offload", "gpu-only", "offload-eager")
+
+
+def breakdown_tokens(steps: int, warm_steps: int = 4) -> int:
+    """Tokens each request of ``System.breakdown`` generates: the warm-up and profiled steps, then
+    the overlap probe's (+ 6). The engine's host pool and context limit must hold them too."""
+    return warm_steps + steps + 6
 
 
 def build_model(
