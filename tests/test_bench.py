@@ -195,6 +195,7 @@ def test_batch_cap() -> None:
         # every pool before any run (a bad second pool failed after every run at the first)
         (["--systems", "offload", "--gpu-pools", "704,0"], "a pool of 0 rows cannot hold"),
         (["--systems", "offload", "--gpu-pools", "704,16"], "a pool of 16 rows cannot hold"),
+        (["--eager-pools", ""], "--eager-pools: give at least one pool size"),
     ],
 )
 def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:

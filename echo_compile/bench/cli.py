@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "offload-eager" in systems and not set(eager_pools) <= set(pools):
         ap.error(f"--eager-pools {a.eager_pools} must be among --gpu-pools {a.gpu_pools}")
+    if "offload-eager" in systems and not eager_pools:
+        # NOTE: offload-eager runs only at these pools: with none it ran nowhere and exited 0
+        ap.error("--eager-pools: give at least one pool size (offload-eager runs only there)")
     if a.workload == "sharegpt":
         wl = sharegpt_like(a.requests)
         wl.temperature = a.temperature
