@@ -260,6 +260,18 @@ def test_full_mode_compiles_prefill_unless_eager_prefill(model) -> None:
         sut.close()
 
 
+def test_bench_prints_no_gpu_idle_time_it_did_not_measure(tmp_path, capsys) -> None:
+    """A CPU run times no GPU idle gaps (decode_gpu_idle_gaps 0): the console says "-", not
+    "0.00 ms", a measured zero."""
+    out = tmp_path / "idle.json"
+    argv = ARGS + ["--gpu-pools", "704", "--systems", "offload", "--rates", "", "--no-compile",
+                   "--breakdown-steps", "0", "--out", str(out)]  # fmt: skip
+    assert bench_cli.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["decode_gpu_idle_gaps"] == 0
+    assert "GPU idle -)" in capsys.readouterr().out
+
+
 def test_breakdown_records_the_batch_it_profiled(model) -> None:
     """A host pool of 9 pages holds one of these requests with the breakdown's 9 tokens (5 pages
     each), not two: the profiled steps decode one row, and that is the batch recorded (it said

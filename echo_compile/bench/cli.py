@@ -432,12 +432,14 @@ def main(argv: list[str] | None = None) -> int:
                 out["results"].append(asdict(r))
                 save()
                 print_rank0 = print if first else (lambda *_, **__: None)
+                # no gaps: not measured (a CPU run), which "0.00 ms" read as measured
+                idle = f"{r.decode_gpu_idle_ms:.2f} ms" if r.decode_gpu_idle_gaps else "-"
                 print_rank0(
                     f"{system:14s} {weights} weights, prefetch {prefetch:7s} async "
                     f"{'on ' if asynchronous else 'off'} pool {pool:7d} rate "
                     f"{run.rate:5g}: {r.throughput_tok_s:9.1f} tok/s (median step "
                     f"{r.step_ms_median:.2f} ms, host gap {r.decode_host_gap_ms:.2f} ms, GPU "
-                    f"idle {r.decode_gpu_idle_ms:.2f} ms), "
+                    f"idle {idle}), "
                     f"batch {r.effective_batch:5.1f}, hit rate "
                     f"{' '.join(f'{h:.2f}' for h in r.hit_rate) or '-'} "
                     f"at {r.pool_rows_per_request:.0f} pool rows/request "
