@@ -262,7 +262,8 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
         offload=offload,
         max_model_len=max_model_len,
         prefill_chunk=prefill_chunk,
-        decode_buckets=tuple(decode_buckets) if decode_buckets is not None else None,
+        # (a list as a tuple; anything else as given, for EngineConfig to name: 2 was a TypeError)
+        decode_buckets=tuple(buckets) if isinstance(buckets := decode_buckets, list) else buckets,
         device=str(device),
         compile_prefill=compile_prefill,
         kernel_backend=kernel_backend,

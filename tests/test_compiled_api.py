@@ -191,6 +191,16 @@ def test_compile_refuses_a_model_cast_from_bf16():
             echo_compile.compile(model.to(dtype), **kw)
 
 
+def test_compile_names_bad_decode_buckets():
+    """decode_buckets=2 (not a list) was "TypeError: 'int' object is not iterable"."""
+    model, _ = load_model(resolve_model("tiny"))
+    kw = dict(host_tokens=1024, gpu_tokens=2 * model.config.index_topk, max_batch=2)
+    for bad in (2, "2", (0, 2)):
+        with pytest.raises(ValueError, match="decode_buckets must be a list of positive integers"):
+            echo_compile.compile(model, decode_buckets=bad, **kw)
+    assert echo_compile.compile(model, decode_buckets=[1, 2], **kw).runner.decode_buckets == (1, 2)
+
+
 def test_compile_refuses_a_module_that_is_not_a_deepseek_model():
     """Another module (a Hugging Face model, a bare nn.Linear) is a TypeError naming its type,
     not an AttributeError from inside the runner."""
