@@ -196,6 +196,10 @@ def test_batch_cap() -> None:
         (["--systems", "offload", "--gpu-pools", "704,0"], "a pool of 0 rows cannot hold"),
         (["--systems", "offload", "--gpu-pools", "704,16"], "a pool of 16 rows cannot hold"),
         (["--eager-pools", ""], "--eager-pools: give at least one pool size"),
+        # (silently meant no breakdown / were ignored by a decode-only run)
+        (["--breakdown-steps", "-3"], "--breakdown-steps must be at least 0, got -3"),
+        (["--eager-prefill"], "--eager-prefill applies to --mode full only"),
+        (["--prefill-first"], "--prefill-first applies to --mode full only"),
     ],
 )
 def test_bench_rejects_bad_arguments(extra, message, capsys, tmp_path) -> None:

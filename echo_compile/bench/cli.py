@@ -488,6 +488,11 @@ def _check_sizes(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
     if a.max_ctx < a.min_ctx:
         ap.error(f"--max-ctx {a.max_ctx} is below --min-ctx {a.min_ctx}")
+    if a.breakdown_steps < 0:  # (it meant no breakdown, as 0 says)
+        ap.error(f"--breakdown-steps must be at least 0, got {a.breakdown_steps}")
+    for flag in ("eager_prefill", "prefill_first"):  # (ignored by decode-only runs)
+        if getattr(a, flag) and a.mode != "full":
+            ap.error(f"--{flag.replace('_', '-')} applies to --mode full only")
     given = [f for f in ("min_ctx", "max_ctx", "output_len") if getattr(a, f) != ap.get_default(f)]
     if a.workload == "sharegpt" and given:
         own = sharegpt_like(1)
