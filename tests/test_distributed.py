@@ -308,3 +308,9 @@ def test_cli_generate_refused_prompt_ends_every_rank_cleanly(tmp_path, capfd):
     spawn(cli_generate_worker, 2, str(tmp_path), ("--max-model-len", "64", long))
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2 False"] * 2
     assert capfd.readouterr().err.count("echo-compile: error: ") == 2
+    # past the host pool too, the context limit is named as on one GPU (the dp balancer's
+    # refusal said "needs 4 host KV pages, more than any data-parallel rank's host pool holds")
+    spawn(cli_generate_worker, 2, str(tmp_path), ("--host-tokens", "128", "--max-model-len",
+                                                  "128", " ".join(["word"] * 200)))  # fmt: skip
+    err = capfd.readouterr().err
+    assert err.count("exceeds the context limit of 128 tokens (host_tokens") == 2, err

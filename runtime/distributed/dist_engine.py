@@ -30,6 +30,7 @@ from runtime.engine import Engine, StepOutput
 from runtime.engine_config import EngineConfig
 from runtime.engine_inputs import EngineInputs, read_engine_inputs
 from runtime.model_runner import StepCompiler, next_bucket
+from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
@@ -106,6 +107,9 @@ class DistributedEngine:
                 "prompt_logprobs (asked, or implied by echo with logprobs) is not supported with "
                 "tp or ep > 1 (dp only)"
             )
+        # the context limit first, as one GPU checks it (every rank has the same limits and
+        # refuses alike): past the host pool, the balancer's refusal named pages instead
+        self.engine.scheduler.check(Request(request_id, ids, params))
         load = self.load(ids, params, prompt_kv is not None)
         loads = self._gather(load, "the load exchange")[: self.dp]
         target = assign(
