@@ -32,7 +32,7 @@ from runtime.readback import PoolChecks, SampledStep, check_overflow, to_host
 from runtime.request import PAGE, Request, Status
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_controls import SamplingControls
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, fill_max_tokens
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
@@ -175,6 +175,7 @@ class Engine:
         (``len(prompt) - 1``) and row width are checked here; the chunks a generator yields are
         checked as they are written."""
         ids = self._check_new(request_id, prompt_token_ids, params)
+        params = fill_max_tokens(params, len(ids), self.max_model_len)
         if prompt_kv is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs a prefill: a request with prompt_kv has none")
         if prompt_kv is not None:
@@ -212,6 +213,7 @@ class Engine:
         prompt = list(prompt_token_ids)
         for rid, p in zip(request_ids, params):
             self._check_new(rid, prompt, p)
+        params = [fill_max_tokens(p, len(prompt), self.max_model_len) for p in params]
         reqs = [Request(rid, prompt, p) for rid, p in zip(request_ids, params)]
         sched = self.scheduler
         parts = split_group(reqs, sched.cfg.max_running, sched.pages.num_pages)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 INT64_MIN = -(2**63)
@@ -32,7 +32,9 @@ def _is_number(x: Any) -> bool:
 class SamplingParams:
     """Decoding parameters of one request.
 
-    - ``max_tokens``: at most this many generated tokens (>= 1).
+    - ``max_tokens``: at most this many generated tokens (>= 1); None: up to the context limit,
+      as vLLM reads it (the engine sets it to the limit less the prompt when the request is
+      added, ``fill_max_tokens``; its host pages are reserved for that whole length).
     - ``temperature``: >= 0; 0 means greedy (argmax), and then top_k / top_p / seed are ignored.
     - ``top_p``: nucleus filtering, 0 < top_p <= 1 (1 disables it).
     - ``top_k``: keep the k most likely tokens; -1 or 0 disables it (stored as -1, as vLLM
@@ -67,7 +69,7 @@ class SamplingParams:
     ``runtime.sampling_controls`` applies the last six, on the device, before sampling.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -87,9 +89,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise SamplingParamsError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                "max_tokens", f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}"
             )
         if (
             not _is_number(self.temperature)
@@ -203,7 +205,8 @@ class SamplingParams:
                 f"prompt_logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], "
                 f"got {pl!r}",
             )
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        most = self.max_tokens if self.max_tokens is not None else self.min_tokens
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= most:
             raise SamplingParamsError(
                 "min_tokens",
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
@@ -226,6 +229,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0)."""
         return self.temperature == 0
+
+
+def fill_max_tokens(params: SamplingParams, n_prompt: int, limit: int) -> SamplingParams:
+    """``params`` with ``max_tokens=None`` made what the context ``limit`` leaves after a prompt of
+    ``n_prompt`` tokens (ValueError when it leaves nothing); other params as they are."""
+    if params.max_tokens is not None:
+        return params
+    if n_prompt >= limit:
+        raise ValueError(
+            f"max_tokens=None: the prompt ({n_prompt} tokens) leaves nothing to generate within "
+            f"the context limit of {limit} tokens"
+        )
+    return replace(params, max_tokens=limit - n_prompt)
 
 
 # The generation_config.json fields that become a request's defaults where it leaves them unset,

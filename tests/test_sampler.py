@@ -283,6 +283,7 @@ def test_prepare_batch_and_hints() -> None:
         ({"top_k": -2}, "top_k"),
         ({"top_k": 2.0}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "16"}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
         ({"seed": 2**63}, "seed"),
         ({"stop": [""]}, "stop"),

@@ -478,6 +478,24 @@ def test_llm_generate_refuses_arguments_of_the_wrong_type(
     assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
+def test_max_tokens_none_generates_up_to_the_context_limit(llm: LLM) -> None:
+    """max_tokens=None (vLLM's "up to the context"): the engine fills in what the limit leaves
+    after the prompt; a prompt that leaves nothing, or a min_tokens past it, is refused naming it
+    and nothing is queued (it was "max_tokens must be an integer >= 1")."""
+    limit = llm.engine.max_model_len  # 512
+    prompt = [5 + i % 400 for i in range(limit - 6)]
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    r = llm.generate([prompt], params)[0]
+    assert len(r.token_ids) == 6 and r.finish_reason == "length"
+    assert [o.new_token_ids for o in llm.generate_stream(prompt, params)][-1]  # the stream too
+    with pytest.raises(ValueError, match=r"max_tokens=None: the prompt \(512 tokens\) leaves "
+                                         r"nothing .* context limit of 512"):
+        llm.generate([[5] * limit], params)
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer in \[0, max_tokens=6\]"):
+        llm.generate([prompt], SamplingParams(max_tokens=None, min_tokens=7))
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
 @pytest.mark.parametrize("params", [{"max_tokens": 3}, [SamplingParams(max_tokens=3)]])
 def test_llm_generate_stream_refuses_params_of_the_wrong_type(llm: LLM, params: Any) -> None:
     """generate_stream's params, as generate()'s: a dict or a list is a TypeError naming the

@@ -31,7 +31,7 @@ from runtime.engine_config import EngineConfig
 from runtime.engine_inputs import EngineInputs, read_engine_inputs
 from runtime.model_runner import StepCompiler, next_bucket
 from runtime.request import Request
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, fill_max_tokens
 from runtime.tokenizer import Tokenizer
 
 
@@ -100,6 +100,7 @@ class DistributedEngine:
         )
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params = fill_max_tokens(params, len(ids), self.engine.max_model_len)  # (same limit)
         if params.prompt_logprobs is not None and self.engine.config.ffn_ranks > 1:
             # its prefill runs eagerly with every position's logits; the lockstep sub-steps of a
             # tp / ep run (the same padded shapes on every rank) have no such form yet
