@@ -459,7 +459,9 @@ class Engine:
 
     def _load_prompt_kv(self, req: Request) -> None:
         """Write a just-admitted request's received prompt KV into its host slots in place of
-        its prefill (``write_prompt_kv``); a bad chunk finishes it with an error."""
+        its prefill (``write_prompt_kv``); a bad chunk, or a source whose ``chunk()`` raises
+        anything else (a connector's I/O error, rows that cannot be copied), finishes it with an
+        error: left queued, every later step would retry the load and raise again."""
         n = req.prefill_end
         t0 = time.perf_counter()
         try:
@@ -467,7 +469,7 @@ class Engine:
                 self.cache.layers, req.prompt_kv, lambda s, e: req.slots(s, e).to(self.device),
                 n, self.cache.config.row_bytes, self.device,
             )  # fmt: skip
-        except ValueError:
+        except Exception:
             self._finish(req, "error")  # its pages hold a partial prompt: never decode them
             raise
         if self.device.type == "cuda":

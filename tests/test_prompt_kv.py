@@ -189,3 +189,23 @@ def test_prompt_kv_of_a_request_not_prefilled_is_refused(model) -> None:
     eng.abort_request("r")
     eng.add_request("one", [5], SamplingParams(max_tokens=2))  # one token: nothing to hand over
     assert eng.prompt_kv("one").num_tokens == 0
+
+
+class _FailingSource(_BadSource):
+    """A source whose chunk() raises something other than ValueError (a connector's I/O error)."""
+
+    def chunk(self, layer: int, start: int, end: int):
+        raise OSError("connection reset while reading the prompt KV")
+
+
+def test_a_source_that_raises_fails_its_request_only(model) -> None:
+    """Left queued, the request would have every later step retry its load and raise again: the
+    engine served nothing else until it was aborted."""
+    eng = _engine(model)
+    eng.add_request("bad", [5] * 10, SamplingParams(max_tokens=2), prompt_kv=_FailingSource())
+    eng.add_request("ok", [5] * 10, SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(OSError, match="connection reset"):
+        eng.step()
+    assert "bad" not in eng.requests
+    assert len(_run(eng)["ok"][0]) == 2  # the next steps serve the other request
+    assert eng.scheduler.pages.num_free == eng.scheduler.pages.num_pages  # its pages came back
