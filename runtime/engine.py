@@ -575,9 +575,23 @@ class Engine:
         logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()), pending)
         for proc in self.logits_processors:
             out = proc(reqs, logits)
-            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+            # floating point on the logits' device too: .float() would turn integer or bool
+            # logits into other numbers without a word, and another device fails in sample()
+            # with an error that does not name the processor
+            if (
+                not isinstance(out, torch.Tensor)
+                or out.shape != logits.shape
+                or not out.is_floating_point()
+                or out.device != logits.device
+            ):
+                got = (
+                    f"{out.dtype} {tuple(out.shape)} on {out.device}"
+                    if isinstance(out, torch.Tensor)
+                    else type(out).__name__
+                )
                 raise ValueError(
-                    f"logits processor {proc!r} must return a tensor of shape {tuple(logits.shape)}"
+                    f"logits processor {proc!r} must return a floating-point tensor of shape "
+                    f"{tuple(logits.shape)} on {logits.device}, got {got}"
                 )
             logits = out.float()
         tok, lp = sample(

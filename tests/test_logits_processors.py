@@ -4,6 +4,7 @@ uses it), and sampler.force_tokens, which makes rows choose given tokens."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -80,5 +81,50 @@ def test_logits_processors_steer_sampling(model) -> None:
     assert forced["r1"] == free["r1"]
     assert seen and all(ids == ["r0", "r1"] for ids in seen)  # one call per decode step
 
-    with pytest.raises(ValueError, match="must return a tensor of shape"):
+    with pytest.raises(ValueError, match="must return a floating-point tensor of shape"):
         _run(model, [lambda reqs, logits: logits[:, :3]])
+
+
+@pytest.mark.parametrize(
+    ("bad", "got"),
+    [
+        (lambda logits: logits.long(), r"torch.int64 \(2, 512\) on cpu"),  # was truncated
+        (lambda logits: logits > 0, r"torch.bool \(2, 512\) on cpu"),  # was 0/1 logits
+        (lambda logits: logits.to("meta"), r"torch.float32 \(2, 512\) on meta"),
+        (lambda logits: None, "got NoneType"),
+    ],
+)
+def test_a_bad_processor_output_is_refused_and_the_engine_goes_on(model, bad, got) -> None:
+    """A processor's output of the wrong dtype or device is a ValueError naming it (integer or
+    bool logits were sampled from silently, another device failed in the sampler); the step can
+    be run again once the processor is gone, and gives what a run without it gives."""
+    calls = []
+
+    def once(reqs, logits):  # bad on the first decode step only
+        calls.append(1)
+        return bad(logits) if len(calls) == 1 else logits
+
+    cfg = EngineConfig(max_batch=2, host_tokens=64 * 12, gpu_tokens=2 * model.config.index_topk,
+                       decode_during_prefill=False)  # fmt: skip
+    eng = Engine(model, model.config, None, cfg)
+    eng.logits_processors.append(once)
+    rng = random.Random(3)
+    for i, sp in enumerate(PARAMS):
+        eng.add_request(
+            f"r{i}", [rng.randrange(2, model.config.vocab_size) for _ in range(100 + 50 * i)], sp
+        )
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    raised = 0
+    while eng.has_unfinished():
+        try:
+            outs = eng.step()
+        except ValueError as e:
+            assert "must return a floating-point tensor of shape (2, 512) on cpu" in str(e)
+            assert re.search(got, str(e)), str(e)
+            raised += 1
+            continue
+        for o in outs:
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks += o.new_token_ids
+            lps += o.new_logprobs or []
+    assert raised == 1 and out == _run(model, [])
