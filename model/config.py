@@ -389,6 +389,15 @@ class ModelConfig:
             "tie_word_embeddings",
             "DeepSeek-V3.2 has a separate lm_head",
         )
+        # (an EOS id past the vocabulary fails every decode step that masks EOS, min_tokens';
+        # a negative one an OverflowError in the tokenizer: one error naming the field instead)
+        for name, ids in (
+            ("bos_token_id", (self.bos_token_id,)),
+            ("eos_token_id", (self.eos_token_id, *self.eos_token_ids)),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            vocab = self.vocab_size
+            need(not bad, name, f"{bad[:1]} is not a token id in [0, {vocab})")
         need(
             not self.eos_token_ids or self.eos_token_ids[0] == self.eos_token_id,
             "eos_token_id",

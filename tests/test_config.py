@@ -76,6 +76,11 @@ def test_bench_softmax_scale_matches_reference():
         ({"eos_token_id": [True]}, "eos_token_id"),
         ({"eos_token_id": [1, "2"]}, "eos_token_id"),
         ({"bos_token_id": 0.5}, "bos_token_id"),
+        # ids outside the vocabulary: an OverflowError in the tokenizer (-1), an EOS id that
+        # fails decode steps (512 = vocab_size): named
+        ({"bos_token_id": -1}, "bos_token_id"),
+        ({"eos_token_id": 512}, "eos_token_id"),
+        ({"eos_token_id": [1, -1]}, "eos_token_id"),
         ({"rope_scaling": {"type": "yarn", "mscale": float("inf")}}, "rope_scaling.mscale"),
         ({"norm_topk_prob": "false"}, "norm_topk_prob"),
         ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
