@@ -228,10 +228,26 @@ def _rope_scaling(rs: Any, name: str) -> RopeScaling | None:
         raise ValueError(
             f"config.json field '{name}.{key}': only {kinds} is supported, got {kind!r}"
         )
-    return RopeScaling(**{
+    out = RopeScaling(**{
         k: default if rs.get(k) is None else _typed(f"{name}.{k}", rs[k], typ)
         for k, (typ, default) in _ROPE_FIELDS.items()
     })  # fmt: skip
+    # Values the YaRN formulas cannot take (log(factor), log(original / beta): a bare "math
+    # domain error" or ZeroDivisionError later), and a factor below 1, for which transformers
+    # and vLLM scale nothing while 0.1 * ln(factor) + 1 would shrink the softmax scale.
+    for k, low in (("factor", 1), ("original_max_position_embeddings", 1)):
+        _expect(getattr(out, k) >= low, f"{name}.{k}", f"a number >= {low}", rs.get(k))
+    for k in ("beta_fast", "beta_slow"):
+        _expect(getattr(out, k) > 0, f"{name}.{k}", "a positive number", rs.get(k))
+    # NOTE: cos/sin keep unit magnitude (model/rope.py); transformers and vLLM scale them by
+    # mscale(mscale) / mscale(mscale_all_dim), 1 only where the two are equal: others would be
+    # served silently different
+    if out.mscale != out.mscale_all_dim:
+        raise ValueError(
+            f"config.json fields '{name}.mscale' ({out.mscale}) and '{name}.mscale_all_dim' "
+            f"({out.mscale_all_dim}) differ: only equal ones are supported"
+        )
+    return out
 
 
 def _with_rope_parameters(d: dict[str, Any]) -> dict[str, Any]:

@@ -82,6 +82,18 @@ def test_bench_softmax_scale_matches_reference():
         ({"eos_token_id": 512}, "eos_token_id"),
         ({"eos_token_id": [1, -1]}, "eos_token_id"),
         ({"rope_scaling": {"type": "yarn", "mscale": float("inf")}}, "rope_scaling.mscale"),
+        # YaRN values its formulas cannot take (a bare "math domain error", or one at model
+        # build), a factor below 1 (transformers scales nothing), and an mscale the unit-magnitude
+        # cos/sin would serve silently unlike transformers / vLLM: named
+        ({"rope_scaling": {"type": "yarn", "factor": 0}}, "rope_scaling.factor"),
+        ({"rope_scaling": {"type": "yarn", "factor": 0.5}}, "rope_scaling.factor"),
+        (
+            {"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 0}},
+            "rope_scaling.original_max_position_embeddings",
+        ),
+        ({"rope_scaling": {"type": "yarn", "beta_fast": 0}}, "rope_scaling.beta_fast"),
+        ({"rope_scaling": {"type": "yarn", "mscale": 0.707}}, "rope_scaling.mscale"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": -2}}, "rope_parameters.factor"),
         ({"norm_topk_prob": "false"}, "norm_topk_prob"),
         ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
         ({"moe_layer_freq": True}, "moe_layer_freq"),
