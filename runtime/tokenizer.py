@@ -135,6 +135,8 @@ class Tokenizer:
                 cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{cfg_file}: invalid JSON: {e}") from e
+            if not isinstance(cfg, dict):  # (cfg.get below: an AttributeError)
+                raise ValueError(f"{cfg_file}: expected a JSON object, not {type(cfg).__name__}")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

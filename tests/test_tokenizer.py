@@ -70,6 +70,9 @@ def test_from_dir_errors(tmp_path: Path) -> None:
     (d / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match="invalid JSON"):
         Tokenizer.from_dir(d)
+    (d / "tokenizer_config.json").write_text("[]")  # was an AttributeError ('list' ... 'get')
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: expected a JSON object"):
+        Tokenizer.from_dir(d)
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}), encoding="utf-8")
     with pytest.raises(ValueError, match="eos_token"):
         Tokenizer.from_dir(d)
