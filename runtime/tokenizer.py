@@ -83,12 +83,16 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         chat_template: str | None = None,
+        add_bos_token: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
         self._added = set(tokenizer.get_added_tokens_decoder())  # ids whose bytes are their text's
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # tokenizer_config.json's add_bos_token: false means a text prompt is encoded without the
+        # BOS (as transformers and vLLM encode it with add_special_tokens)
+        self.add_bos_token = add_bos_token
         self.bos_token_id = self._special_id(bos_token, "bos_token")
         self.eos_token_id = self._special_id(eos_token, "eos_token")
         self.chat_template = chat_template
@@ -151,6 +155,9 @@ class Tokenizer:
             template = jinja_file.read_text(encoding="utf-8")
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{cfg_file}: chat_template must be a string")
+        add_bos = cfg.get("add_bos_token", True)
+        if not isinstance(add_bos, bool):
+            raise ValueError(f"{cfg_file}: add_bos_token must be a boolean, got {add_bos!r}")
         special = {}
         for name, tid in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
             special[name] = _token_content(cfg.get(name))
@@ -163,7 +170,7 @@ class Tokenizer:
                     cfg_file, name, tid, special[name],
                 )  # fmt: skip
         try:
-            return cls(tok, chat_template=template, **special)
+            return cls(tok, chat_template=template, add_bos_token=add_bos, **special)
         except ValueError as e:  # the template, a special token: named with their file
             source = jinja_file if jinja_file.is_file() else cfg_file
             raise ValueError(f"{source}: {e}") from e
@@ -177,7 +184,8 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it are recognised as special tokens.
 
         The BOS is added here (not by the tokenizer's post-processor), so ``add_bos=False`` is
-        exact: use it for chat-templated text, whose template already writes ``bos_token``.
+        exact: use it for chat-templated text, whose template already writes ``bos_token``. A
+        tokenizer whose config says ``add_bos_token: false`` adds none either way.
         """
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
@@ -185,7 +193,7 @@ class Tokenizer:
             ch = f"U+{ord(text[bad]):04X}"
             raise ValueError(f"text to encode has a lone surrogate ({ch}) at index {bad}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None:
+        if add_bos and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 

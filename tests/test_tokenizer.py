@@ -101,6 +101,20 @@ def test_model_config_ids_stand_in_for_a_missing_tokenizer_config(
     assert Tokenizer.from_dir(d, tok.bos_token_id, None).bos_token is None
 
 
+def test_add_bos_token_false_encodes_text_without_the_bos(tmp_path: Path, tok: Tokenizer) -> None:
+    """tokenizer_config.json's ``add_bos_token: false`` (transformers and vLLM then add none to a
+    text prompt) was ignored: every prompt got a BOS."""
+    d = make_tokenizer_dir(tmp_path / "t")
+    cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+    t = Tokenizer.from_dir(d)
+    assert t.bos_token_id == tok.bos_token_id  # still the chat template's bos_token
+    assert t.encode("Hi") == tok.encode("Hi", add_bos=False)
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": "no"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: add_bos_token must be"):
+        Tokenizer.from_dir(d)
+
+
 def test_chat_template_and_jinja_file(tmp_path: Path, tok: Tokenizer) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = tok.apply_chat_template(msgs)
