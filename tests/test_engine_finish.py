@@ -123,6 +123,23 @@ def test_every_eos_id_of_the_checkpoint_ends_a_request(reference, tmp_path, file
                 eos_ids(model.config, None, {"eos_token_id": bad})
 
 
+def test_a_tokenizer_eos_past_the_model_vocabulary_is_refused():
+    """tokenizer.json may add tokens past config.json's vocab_size: such an eos_token loaded, and
+    every decode step masking EOS (min_tokens) then failed with an IndexError."""
+    import tokenizers
+
+    from runtime.tokenizer import Tokenizer
+
+    model, tok = tiny()
+    raw = tokenizers.Tokenizer.from_str(tok._tok.to_str())
+    raw.add_special_tokens(["<|im_end|>"])
+    t = Tokenizer(raw, tok.bos_token, "<|im_end|>")
+    assert t.eos_token_id == model.config.vocab_size
+    with pytest.raises(ValueError, match="tokenizer_config.json field 'eos_token'"):
+        eos_ids(model.config, t, {})
+    assert eos_ids(model.config, tok, {}) == {1}
+
+
 def test_stop_string_split_across_tokens(reference):
     ref, deltas = reference
     full = "".join(deltas)
