@@ -18,13 +18,16 @@ logger = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def _token_content(value: Any) -> str | None:
+def _token_content(value: Any, where: str) -> str | None:
     # tokenizer_config.json stores special tokens as a string or as a serialised AddedToken.
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(f"tokenizer_config.json: cannot read special token {value!r}")
+    raise ValueError(
+        f"{where}: expected a token string or an AddedToken object with a 'content' string, "
+        f"got {value!r}"
+    )
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -160,7 +163,7 @@ class Tokenizer:
             raise ValueError(f"{cfg_file}: add_bos_token must be a boolean, got {add_bos!r}")
         special = {}
         for name, tid in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
-            special[name] = _token_content(cfg.get(name))
+            special[name] = _token_content(cfg.get(name), f"{cfg_file} field {name!r}")
             if name not in cfg and tid is not None:  # (an explicit null: none, as HF reads it)
                 special[name] = tok.id_to_token(tid)
                 if special[name] is None:

@@ -76,6 +76,12 @@ def test_from_dir_errors(tmp_path: Path) -> None:
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}), encoding="utf-8")
     with pytest.raises(ValueError, match="eos_token"):
         Tokenizer.from_dir(d)
+    # an AddedToken without its content, a number: named with the file and the field (the
+    # message named neither the path nor which token)
+    for bad in ({"__type": "AddedToken"}, 5):
+        (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": bad}))
+        with pytest.raises(ValueError, match=r"t/tokenizer_config\.json field 'bos_token': exp"):
+            Tokenizer.from_dir(d)
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
     with pytest.raises(ValueError, match="chat_template"):
         Tokenizer.from_dir(d)
