@@ -381,6 +381,11 @@ class ModelConfig:
             f"{self.first_k_dense_replace} exceeds num_hidden_layers={self.num_hidden_layers}",
         )
         need(
+            self.num_nextn_predict_layers >= 0,
+            "num_nextn_predict_layers",
+            f"must be >= 0, got {self.num_nextn_predict_layers}",
+        )
+        need(
             self.moe_layer_freq == 1,
             "moe_layer_freq",
             f"only 1 is supported, got {self.moe_layer_freq}",

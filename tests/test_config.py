@@ -81,6 +81,7 @@ def test_bench_softmax_scale_matches_reference():
         ({"bos_token_id": -1}, "bos_token_id"),
         ({"eos_token_id": 512}, "eos_token_id"),
         ({"eos_token_id": [1, -1]}, "eos_token_id"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),  # was read as 0
         ({"rope_scaling": {"type": "yarn", "mscale": float("inf")}}, "rope_scaling.mscale"),
         # YaRN values its formulas cannot take (a bare "math domain error", or one at model
         # build), a factor below 1 (transformers scales nothing), and an mscale the unit-magnitude
