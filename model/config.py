@@ -490,6 +490,8 @@ class ModelConfig:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(d, dict):  # (from_dict's d.get: an AttributeError)
+            raise ValueError(f"{path}: expected a JSON object, not {type(d).__name__}")
         return ModelConfig.from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:

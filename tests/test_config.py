@@ -183,6 +183,14 @@ def test_missing_field_is_named(tmp_path):
         ModelConfig.from_json(tmp_path)
 
 
+def test_config_json_not_an_object_is_named(tmp_path):
+    """``[]`` was an AttributeError ('list' object has no attribute 'get'), through the CLI's
+    plan --model too."""
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"config\.json: expected a JSON object, not list"):
+        ModelConfig.from_json(tmp_path)
+
+
 def test_quantization_configs_recognised():
     d = tiny_config_dict()
     d["quantization_config"] = {
