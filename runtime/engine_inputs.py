@@ -32,6 +32,12 @@ def read_engine_inputs(path, config: EngineConfig, generation_config: str = "aut
     path, mc, generation = read_checkpoint_meta(path)
     config.cache_config(mc)  # raises ValueError naming the option
     tokenizer = Tokenizer.from_dir(path, mc.bos_token_id, mc.eos_token_id)
+    bos = tokenizer.bos_token_id
+    if bos is not None and bos >= mc.vocab_size:  # (every prompt refused: ids past the vocabulary)
+        raise ValueError(
+            f"{path}/tokenizer_config.json field 'bos_token': {tokenizer.bos_token!r} is token id "
+            f"{bos}, outside the model's vocabulary [0, {mc.vocab_size}) (config.json vocab_size)"
+        )
     defaults = generation_defaults(generation, generation_config)
     gen = generation if generation_config == "auto" else None
     return EngineInputs(tokenizer, defaults, eos_ids(mc, tokenizer, gen))

@@ -48,3 +48,25 @@ def test_int_subclasses_other_than_bool_are_ids(engine: Engine) -> None:
     engine.add_request("enum", [5, Tok.A], SamplingParams(max_tokens=2))
     assert engine.requests["enum"].prompt_ids == [5, 7]
     engine.abort_request("enum")
+
+
+def test_a_tokenizer_bos_past_the_model_vocabulary_is_refused_at_load(tmp_path) -> None:
+    """tokenizer.json may add tokens past config.json's vocab_size: such a bos_token loaded, and
+    then every text prompt was refused ('prompt token ids must be in [0, 512)')."""
+    import json
+    import shutil
+
+    from runtime.engine_inputs import read_engine_inputs
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(resolve_model("tiny"), d)
+    tok = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    tok["added_tokens"].append({"id": vocab, "content": "<s>", "single_word": False,
+                                "lstrip": False, "rstrip": False, "normalized": False,
+                                "special": True})  # fmt: skip
+    (d / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
+    cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "bos_token": "<s>"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json field 'bos_token': '<s>'"):
+        read_engine_inputs(d, EngineConfig())
