@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -167,6 +168,16 @@ class LLM:
             )
         return list(prompt)
 
+    def _defaults(self, n_prompt: int) -> SamplingParams:
+        """A request's parameters when it gives none: the engine's sampling defaults, whose
+        max_tokens (the checkpoint's max_new_tokens) is capped at what the context leaves after
+        the prompt, as vLLM caps it (a max_new_tokens of 100000 refused every prompt)."""
+        d = self.engine.sampling_defaults
+        left = self.engine.max_model_len - n_prompt
+        if d.max_tokens is not None and 1 <= left < d.max_tokens:
+            return dataclasses.replace(d, max_tokens=left, min_tokens=min(d.min_tokens, left))
+        return d
+
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -182,15 +193,18 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
-            params = [params or self.engine.sampling_defaults] * len(prompts)
-        if not isinstance(params, Sequence) or not all(
+            params = [params] * len(prompts)  # (None: the defaults, per prompt below)
+        elif not isinstance(params, Sequence) or not all(
             isinstance(p, SamplingParams) for p in params
         ):
             raise TypeError("params must be a SamplingParams, a list of them or None")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        acc = {i: _Acc(i, self._encode(p), sp) for i, p, sp in zip(ids, prompts, params)}
+        encoded = [self._encode(p) for p in prompts]
+        acc = {
+            i: _Acc(i, e, sp or self._defaults(len(e))) for i, e, sp in zip(ids, encoded, params)
+        }
         added: list[str] = []
         try:
             for a in acc.values():
@@ -227,7 +241,8 @@ class LLM:
             # (as generate(): a dict or a list of params was an AttributeError from the engine)
             raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
         rid = f"gen-{next(self._ids)}"
-        self.engine.add_request(rid, self._encode(prompt), params or self.engine.sampling_defaults)
+        ids = self._encode(prompt)
+        self.engine.add_request(rid, ids, params or self._defaults(len(ids)))
         self._outputs[rid] = []
         done = False
         try:

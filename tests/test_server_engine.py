@@ -496,6 +496,20 @@ def test_max_tokens_none_generates_up_to_the_context_limit(llm: LLM) -> None:
     assert not llm.engine.has_unfinished() and not llm.engine.requests
 
 
+def test_default_max_tokens_is_capped_at_the_context(llm: LLM, monkeypatch) -> None:
+    """A request without params takes the checkpoint's max_new_tokens (the engine's sampling
+    defaults), capped at what the context leaves, as vLLM caps it: a max_new_tokens of 100000
+    refused every prompt ("exceeds the model's context limit"). Given params are not capped."""
+    big = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    monkeypatch.setattr(llm.engine, "sampling_defaults", big)
+    prompt = [5 + i % 400 for i in range(llm.engine.max_model_len - 5)]
+    assert len(llm.generate([prompt])[0].token_ids) == 5
+    assert sum(len(o.new_token_ids) for o in llm.generate_stream(prompt)) == 5
+    with pytest.raises(ValueError, match="exceeds the model's context limit"):
+        llm.generate([prompt], big)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
 @pytest.mark.parametrize("params", [{"max_tokens": 3}, [SamplingParams(max_tokens=3)]])
 def test_llm_generate_stream_refuses_params_of_the_wrong_type(llm: LLM, params: Any) -> None:
     """generate_stream's params, as generate()'s: a dict or a list is a TypeError naming the
