@@ -88,7 +88,8 @@ class LLM:
     boundaries with dp/tp/ep). ``generation_config``: ``"auto"`` (default) takes a request's
     unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) from the
     checkpoint's ``generation_config.json``, as vLLM does, in ``generate()`` without params (its
-    ``max_new_tokens`` too, as their ``max_tokens``) and in the server; ``"none"``:
+    ``max_new_tokens`` too, as their ``max_tokens``, capped at what the context leaves) and in
+    the server; ``"none"``:
     ``SamplingParams()``'s defaults (``engine.sampling_defaults``).
     """
 
