@@ -149,7 +149,11 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
             # a rank gone or a failed step ends the engine: stop the server as SIGTERM does (it
             # drains what is left), then exit 1 below, so the job ends instead of serving errors
             def stop_serving() -> None:
-                os.kill(os.getpid(), signal.SIGTERM)
+                # NOTE: only while the server's SIGTERM handler is in place (the default action
+                # would kill rank 0 without its error line); after serve() returns, the failure
+                # is reported below anyway
+                if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+                    os.kill(os.getpid(), signal.SIGTERM)
 
             driver, served = DriverEngine(llm.engine, on_failure=stop_serving), False
             try:
@@ -183,14 +187,7 @@ def _make_checkpoint(a: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(a: argparse.Namespace) -> int:  # (`echo-compile -- bench`: main() takes `bench ...`)
-    from echo_compile.bench.cli import main as bench_main
-
-    return bench_main([])
-
-
 COMMANDS = {
-    "bench": _bench,
     "demo": _demo,
     "generate": _generate,
     "plan": _plan,
@@ -208,10 +205,11 @@ def _user_error(e: BaseException) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv[:1] == ["bench"]:  # every option after `bench` belongs to the benchmark's parser
+        # every option after `bench` belongs to the benchmark's parser (`-- bench` too)
+        if argv[:1] == ["bench"] or argv[:2] == ["--", "bench"]:
             from echo_compile.bench.cli import main as bench_main
 
-            return bench_main(argv[1:])
+            return bench_main(argv[argv.index("bench") + 1 :])
         a = parser().parse_args(argv)  # --help and usage errors exit here, before any torch
         from echo_compile.threads import configure_threads
 

@@ -215,6 +215,12 @@ class CompiledModel:
         return n
 
 
+def _buckets(b):
+    """A sequence of buckets as a tuple; anything else as given, for EngineConfig to name (2
+    was a TypeError, 'int' object is not iterable)."""
+    return tuple(b) if isinstance(b, Sequence) and not isinstance(b, (str, bytes)) else b
+
+
 def compile(  # noqa: A001  (the public name: echo_compile.compile)
     model: nn.Module,
     *,
@@ -262,8 +268,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
         offload=offload,
         max_model_len=max_model_len,
         prefill_chunk=prefill_chunk,
-        # (a list as a tuple; anything else as given, for EngineConfig to name: 2 was a TypeError)
-        decode_buckets=tuple(buckets) if isinstance(buckets := decode_buckets, list) else buckets,
+        decode_buckets=_buckets(decode_buckets),
         device=str(device),
         compile_prefill=compile_prefill,
         kernel_backend=kernel_backend,

@@ -242,10 +242,14 @@ def _rope_scaling(rs: Any, name: str) -> RopeScaling | None:
     # NOTE: cos/sin keep unit magnitude (model/rope.py); transformers and vLLM scale them by
     # mscale(mscale) / mscale(mscale_all_dim), 1 only where the two are equal: others would be
     # served silently different
-    if out.mscale != out.mscale_all_dim:
+    if out.factor > 1 and out.mscale != out.mscale_all_dim:  # (factor 1: both scale by 1)
+
+        def given(k: str) -> str:
+            return str(rs[k]) if rs.get(k) is not None else f"absent: the default {getattr(out, k)}"
+
         raise ValueError(
-            f"config.json fields '{name}.mscale' ({out.mscale}) and '{name}.mscale_all_dim' "
-            f"({out.mscale_all_dim}) differ: only equal ones are supported"
+            f"config.json fields '{name}.mscale' ({given('mscale')}) and '{name}.mscale_all_dim' "
+            f"({given('mscale_all_dim')}) differ: only equal ones are supported"
         )
     return out
 

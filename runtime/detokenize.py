@@ -20,14 +20,7 @@ def eos_ids(
     ids = {model_config.eos_token_id, *model_config.eos_token_ids}
     vocab = model_config.vocab_size
     if tokenizer is not None and tokenizer.eos_token_id is not None:
-        # an added token past the model's vocabulary (tokenizer.json may hold more ids than
-        # config.json's vocab_size): an IndexError in every decode step that masks EOS
-        if tokenizer.eos_token_id >= vocab:
-            raise ValueError(
-                f"tokenizer_config.json field 'eos_token': {tokenizer.eos_token!r} is token id "
-                f"{tokenizer.eos_token_id}, outside the model's vocabulary [0, {vocab}) "
-                "(config.json vocab_size)"
-            )
+        tokenizer.check_vocab(vocab)  # (an EOS past it: an IndexError in every masking step)
         ids.add(tokenizer.eos_token_id)
     gen = generation_config.get("eos_token_id") if isinstance(generation_config, dict) else None
     more = gen if isinstance(gen, list) else [] if gen is None else [gen]

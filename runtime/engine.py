@@ -81,6 +81,8 @@ class Engine:
         ``eos_token_ids``: the ids that end a request as its EOS (``runtime.detokenize.eos_ids``;
         None: those of ``model_config`` and ``tokenizer``)."""
         self.sampling_defaults = sampling_defaults or SamplingParams()
+        if tokenizer is not None:
+            tokenizer.check_vocab(model_config.vocab_size)
         if eos_token_ids is None:
             eos_token_ids = eos_ids(model_config, tokenizer)
         self.eos_token_ids = eos_token_ids

@@ -24,7 +24,8 @@ def read_engine_inputs(path, config: EngineConfig, generation_config: str = "aut
     """Read and check, before the weights load (seconds, where a real checkpoint's weights take
     minutes), what an engine needs besides them: the engine options against the model config
     (the cache geometry: ``gpu_tokens`` against ``index_topk``, ...), the tokenizer (the model
-    config's bos/eos ids standing in for tokens its tokenizer_config.json has no entry for) and,
+    config's bos/eos ids standing in for tokens its tokenizer_config.json has no entry for; a
+    BOS or EOS past the model's vocabulary refused) and,
     with ``generation_config`` "auto", the request defaults and EOS ids its generation_config.json
     sets (``runtime.sampling_params.generation_defaults``; "none": the file is not read)."""
     from model.loader import read_checkpoint_meta
@@ -32,12 +33,7 @@ def read_engine_inputs(path, config: EngineConfig, generation_config: str = "aut
     path, mc, generation = read_checkpoint_meta(path)
     config.cache_config(mc)  # raises ValueError naming the option
     tokenizer = Tokenizer.from_dir(path, mc.bos_token_id, mc.eos_token_id)
-    bos = tokenizer.bos_token_id
-    if bos is not None and bos >= mc.vocab_size:  # (every prompt refused: ids past the vocabulary)
-        raise ValueError(
-            f"{path}/tokenizer_config.json field 'bos_token': {tokenizer.bos_token!r} is token id "
-            f"{bos}, outside the model's vocabulary [0, {mc.vocab_size}) (config.json vocab_size)"
-        )
+    tokenizer.check_vocab(mc.vocab_size)
     defaults = generation_defaults(generation, generation_config)
     gen = generation if generation_config == "auto" else None
     return EngineInputs(tokenizer, defaults, eos_ids(mc, tokenizer, gen))

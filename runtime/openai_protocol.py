@@ -331,4 +331,7 @@ def sampling_params(
         )
     except SamplingParamsError as e:  # named as the client sent it
         param = {"top_logprobs": top_param, "max_tokens": max_param}.get(e.param, e.param)
-        raise APIError(400, str(e).replace(e.param, param), param=param) from e
+        # (a null max_tokens here is the OpenAI default, never SamplingParams' "up to the
+        # context": its "or None" would mislead a JSON client)
+        msg = str(e).replace(" or None", "") if e.param == "max_tokens" else str(e)
+        raise APIError(400, msg.replace(e.param, param), param=param) from e

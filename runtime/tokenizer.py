@@ -111,6 +111,20 @@ class Tokenizer:
             except jinja2.TemplateSyntaxError as e:
                 raise ValueError(f"chat_template does not parse: {e}") from e
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError for a BOS or EOS past the model's vocabulary (tokenizer.json may add tokens
+        past config.json's vocab_size): such a BOS refused every text prompt ("prompt token ids
+        must be in [0, V)"), such an EOS failed every decode step that masks it (min_tokens')."""
+        for name, token, tid in (
+            ("bos_token", self.bos_token, self.bos_token_id),
+            ("eos_token", self.eos_token, self.eos_token_id),
+        ):
+            if tid is not None and tid >= vocab_size:
+                raise ValueError(
+                    f"tokenizer_config.json field {name!r}: {token!r} is token id {tid}, outside "
+                    f"the model's vocabulary [0, {vocab_size}) (config.json vocab_size)"
+                )
+
     def _special_id(self, token: str | None, name: str) -> int | None:
         if token is None:
             return None
@@ -158,7 +172,8 @@ class Tokenizer:
             template = jinja_file.read_text(encoding="utf-8")
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{cfg_file}: chat_template must be a string")
-        add_bos = cfg.get("add_bos_token", True)
+        add_bos = cfg.get("add_bos_token")
+        add_bos = True if add_bos is None else add_bos  # (null: unset, as transformers reads it)
         if not isinstance(add_bos, bool):
             raise ValueError(f"{cfg_file}: add_bos_token must be a boolean, got {add_bos!r}")
         special = {}

@@ -80,6 +80,8 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
             **opts,
         )  # fmt: skip
         recs[name] = generate_and_record(llm, [prompts[i] for i in which])
+        # without params: the sampling defaults, capped at the context (LLM._defaults)
+        recs[name]["no_params"] = len(llm.generate([prompts[which[0]]])[0].token_ids)
         recs[name]["unfinished_after"] = llm.engine.has_unfinished()  # a collective
         try:  # refused on every rank alike (a collective call), nothing left behind
             plp = SamplingParams(max_tokens=1, prompt_logprobs=1)

@@ -65,6 +65,14 @@ def test_help_does_not_import_torch(args):
     assert usage[0].startswith("usage: echo-compile")
 
 
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["--", "bench", "--help"]])
+def test_bench_takes_its_own_flags(argv, capsys):
+    # (`-- bench` was argparse's subcommand, which took no flags: a KeyError, then a usage error)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0 and "--gpu-pools" in capsys.readouterr().out
+
+
 def test_the_package_names_still_import():
     import echo_compile
     from echo_compile import LLM, SamplingParams, compile, generate

@@ -127,6 +127,13 @@ def test_optional_fields_of_the_right_type_load():
     assert (c.eos_token_id, c.norm_topk_prob, c.num_nextn_predict_layers) == (1, False, 0)
     assert c.eos_token_ids == (1, 2) and ModelConfig.from_dict(c.to_dict()) == c  # all kept
     assert c.rope_scaling is not None and (c.rope_scaling.factor, c.rope_scaling.mscale) == (40, 1)
+    # factor 1 scales by 1 whatever the mscales say; above 1, an absent one is named as such
+    d["rope_scaling"] = {"type": "yarn", "factor": 1, "mscale": 0.707}
+    assert ModelConfig.from_dict(d).rope_scaling.mscale == 0.707
+    d["rope_scaling"] = {"type": "yarn", "factor": 40, "mscale": 0.707}
+    with pytest.raises(ValueError, match=r"mscale_all_dim' \(absent: the default 1.0\) differ"):
+        ModelConfig.from_dict(d)
+    d["rope_scaling"] = {"type": "yarn", "factor": 40}
     d.update(num_nextn_predict_layers=1.0, hidden_size=float(d["hidden_size"]))  # integral
     c = ModelConfig.from_dict(d)
     assert c.num_nextn_predict_layers == 1 and isinstance(c.hidden_size, int)

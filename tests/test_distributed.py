@@ -71,6 +71,9 @@ def test_prompt_logprobs_refused_with_tp_or_ep_accepted_with_dp(runs):
         for case in ("dp_tp", "dp_tp_gpu_only", "tp", "dp_ep", "one_request"):
             assert "not supported with tp or ep" in r[case]["prompt_logprobs"], case
         assert r["dp"]["prompt_logprobs"] == "accepted"
+        # generate() without params on every split (it read engine.max_model_len, which the
+        # multi-rank engine lacked: an AttributeError)
+        assert all(r[case]["no_params"] >= 1 for case in r), r.keys()
 
 
 def test_dp_tokens_equal_single_process(runs):

@@ -425,6 +425,7 @@ def test_bad_input(url: str, path: str, body: object, status: int, param: str | 
     assert err["param"] == param and err["type"] == "invalid_request_error"
     if param is not None and status == 400 and param not in ("messages", "prompt"):
         assert param in err["message"]  # the message names the field
+    assert "None" not in err["message"]  # (JSON's null: SamplingParams' "or None" misled)
 
 
 def test_json_sent_as_a_form_names_the_content_type(url: str) -> None:

@@ -116,6 +116,8 @@ def test_add_bos_token_false_encodes_text_without_the_bos(tmp_path: Path, tok: T
     t = Tokenizer.from_dir(d)
     assert t.bos_token_id == tok.bos_token_id  # still the chat template's bos_token
     assert t.encode("Hi") == tok.encode("Hi", add_bos=False)
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": None}))
+    assert Tokenizer.from_dir(d).encode("Hi") == tok.encode("Hi")  # null: unset (a BOS)
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": "no"}))
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: add_bos_token must be"):
         Tokenizer.from_dir(d)

@@ -482,7 +482,8 @@ class System:
         out["graphs"] = not regions
         # the batch the profiled steps decoded (n was recorded: a request the pools could not
         # admit beside the others made it smaller than that, silently)
-        out["batch"] = (engine.decode_rows - rows) / max(engine.num_decode_steps - decodes, 1)
+        b = (engine.decode_rows - rows) / max(engine.num_decode_steps - decodes, 1)
+        out["batch"] = int(b) if b == int(b) else round(b, 2)  # (an int as the JSONs record it)
         out["hit_rate"] = list(engine.metrics()["hit_rate"])
         # the consecutive-step top-k overlap of a few more steps, from the indexer's selections
         # (not of a compiled step: the probe wraps the cache layers' select, a recompile)

@@ -61,6 +61,10 @@ class DistributedEngine:
         return self.engine.sampling_defaults
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
 
@@ -100,7 +104,7 @@ class DistributedEngine:
         )
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = fill_max_tokens(params, len(ids), self.engine.max_model_len)  # (same limit)
+        params = fill_max_tokens(params, len(ids), self.max_model_len)  # (every rank's limit)
         if params.prompt_logprobs is not None and self.engine.config.ffn_ranks > 1:
             # its prefill runs eagerly with every position's logits; the lockstep sub-steps of a
             # tp / ep run (the same padded shapes on every rank) have no such form yet
@@ -120,8 +124,8 @@ class DistributedEngine:
         if target == self.dp_rank:
             try:
                 self.engine.add_request(request_id, ids, params, prompt_kv=prompt_kv)
-            except ValueError as e:
-                err = str(e)
+            except Exception as e:  # noqa: BLE001 (every rank must reach the gather below)
+                err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         errors = [e for e in self._gather(err, "the admission result") if e is not None]
         if errors:  # refused on its rank: refused everywhere, with that rank's reason
             raise ValueError(errors[0])
