@@ -58,6 +58,7 @@ def generate_and_record(llm, prompts) -> dict:
         front.add_request = add_and_record
     res = llm.generate(prompts, params)
     if hasattr(front, "owner"):
+        del front.add_request  # (the class's again: later requests are not recorded)
         assert not front.owner, "finished requests must leave the front end's owner map"
     return {
         "tokens": [r.token_ids for r in res],
@@ -80,7 +81,9 @@ def gen_worker(rank: int, out: str, cases: list, prompts: list, timeout_s: float
             **opts,
         )  # fmt: skip
         recs[name] = generate_and_record(llm, [prompts[i] for i in which])
-        # without params: the sampling defaults, capped at the context (LLM._defaults)
+        # without params: the sampling defaults, capped at the context (LLM._defaults); not
+        # recorded (the capture processor removed)
+        getattr(llm.engine, "engine", llm.engine).logits_processors.clear()
         recs[name]["no_params"] = len(llm.generate([prompts[which[0]]])[0].token_ids)
         recs[name]["unfinished_after"] = llm.engine.has_unfinished()  # a collective
         try:  # refused on every rank alike (a collective call), nothing left behind
