@@ -144,6 +144,13 @@ def functions_of(tools: Any) -> list[dict[str, Any]]:
                     raise ValueError(
                         f"tools[{i}]: {key}.{bound} must be a non-negative integer, got {v!r}"
                     )
+            # (checked here, not left to the grammar: its error quotes the whole grammar and names
+            # tool_choice, not the tool)
+            lo, hi = (
+                sub.get(b) if isinstance(sub, dict) else None for b in ("minLength", "maxLength")
+            )
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"tools[{i}]: {key}.minLength {lo} is greater than maxLength {hi}")
         seen.add(name)
         out.append(fn)
     return out

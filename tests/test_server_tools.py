@@ -240,6 +240,17 @@ def _fn(parameters: dict) -> list:
             "required",
             "a.maxLength",
         ),  # fmt: skip
+        # the grammar's regex would fail on it, quoting the grammar and naming tool_choice
+        (
+            _fn(
+                {
+                    "type": "object",
+                    "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 1}},
+                }
+            ),
+            "required",
+            "a.minLength 3 is greater than maxLength 1",
+        ),  # fmt: skip
     ],
 )
 def test_plan_refuses_bad_tools(tools: object, choice: object, match: str) -> None:
