@@ -122,6 +122,10 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the calls' order (``_in_call_order``). Raises ``ValueError`` naming the first bad message."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            # (LLM.chat takes one conversation: a list of them, as vLLM's takes, was an
+            # AttributeError on list.get)
+            raise ValueError(f"messages[{i}] must be a message (a dict), got {type(m).__name__}")
         role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")

@@ -206,6 +206,8 @@ def test_render_pairs_results_with_calls_by_id() -> None:
             [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
             "not JSON",
         ),
+        # a list of conversations (vLLM's LLM.chat batches them) to LLM.chat: it takes one
+        ([[{"role": "user", "content": "q"}]], r"messages\[0\] must be a message \(a dict\)"),
     ],
 )
 def test_render_bad_messages_name_the_problem(msgs: list, match: str) -> None:
