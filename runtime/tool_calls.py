@@ -129,7 +129,11 @@ def functions_of(tools: Any) -> list[dict[str, Any]]:
         if name in seen:
             raise ValueError(f"tools[{i}]: the function name {name!r} is used twice")
         params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict) or not isinstance(params.get("properties", {}), dict):
+        if (
+            not isinstance(params, dict)
+            or not isinstance(params.get("properties", {}), dict)
+            or params.get("type", "object") != "object"  # (arguments are an object's fields)
+        ):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
         for key in params.get("properties", {}):
             if not key or any(c in key for c in '"<>\n'):
@@ -137,7 +141,13 @@ def functions_of(tools: Any) -> list[dict[str, Any]]:
         required = params.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ValueError(f"tools[{i}].function.parameters.required must be a list of names")
+        # (a forced call writes the declared properties only: a required name without one was
+        # a call that broke the tool's own schema)
+        if missing := [r for r in required if r not in params.get("properties", {})]:
+            raise ValueError(f"tools[{i}]: required parameter {missing[0]!r} is not in properties")
         for key, sub in params.get("properties", {}).items():
+            if not isinstance(sub, dict):  # (5 was read as "any JSON value")
+                raise ValueError(f"tools[{i}]: the schema of parameter {key!r} must be an object")
             for bound in ("minLength", "maxLength"):
                 v = sub.get(bound) if isinstance(sub, dict) else None
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):

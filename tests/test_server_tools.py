@@ -253,6 +253,11 @@ def _fn(parameters: dict) -> list:
             "required",
             "a.minLength 3 is greater than maxLength 1",
         ),  # fmt: skip
+        # a forced call wrote {} for a required name without a schema (breaking the tool's own
+        # schema); a property schema 5 was "any JSON"; "objekt" was never read
+        (_fn({"type": "object", "properties": {}, "required": ["zz"]}), "required", "'zz' is not"),
+        (_fn({"type": "object", "properties": {"x": 5}}), "required", "parameter 'x' must be"),
+        (_fn({"type": "objekt"}), None, "parameters must be a JSON schema object"),
     ],
 )
 def test_plan_refuses_bad_tools(tools: object, choice: object, match: str) -> None:
