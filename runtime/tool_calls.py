@@ -108,6 +108,14 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan 
     multi = parallel is not False and not isinstance(choice, dict)
     if forced is None:
         return ToolPlan(functions, None, multi)
+    for f in forced:  # (auto leaves such a tool to the model, as vLLM does)
+        params = f.get("parameters", {})
+        declared = params.get("properties", {})
+        # a forced call writes the declared properties only: a required name without one was a
+        # call that broke the tool's own schema ({} for required ["zz"])
+        if missing := [r for r in params.get("required", []) if r not in declared]:
+            i = functions.index(f)
+            raise ValueError(f"tools[{i}]: required parameter {missing[0]!r} is not in properties")
     json_values: dict[tuple[str, str], dict[str, Any]] = {}
     return ToolPlan(functions, call_grammar(forced, multi, json_values), multi, json_values)
 
@@ -141,10 +149,6 @@ def functions_of(tools: Any) -> list[dict[str, Any]]:
         required = params.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ValueError(f"tools[{i}].function.parameters.required must be a list of names")
-        # (a forced call writes the declared properties only: a required name without one was
-        # a call that broke the tool's own schema)
-        if missing := [r for r in required if r not in params.get("properties", {})]:
-            raise ValueError(f"tools[{i}]: required parameter {missing[0]!r} is not in properties")
         for key, sub in params.get("properties", {}).items():
             if not isinstance(sub, dict):  # (5 was read as "any JSON value")
                 raise ValueError(f"tools[{i}]: the schema of parameter {key!r} must be an object")

@@ -256,6 +256,11 @@ def _fn(parameters: dict) -> list:
         # a forced call wrote {} for a required name without a schema (breaking the tool's own
         # schema); a property schema 5 was "any JSON"; "objekt" was never read
         (_fn({"type": "object", "properties": {}, "required": ["zz"]}), "required", "'zz' is not"),
+        (
+            _fn({"type": "object", "properties": {}, "required": ["zz"]}),
+            {"type": "function", "function": {"name": "f"}},
+            "'zz' is not",
+        ),  # fmt: skip
         (_fn({"type": "object", "properties": {"x": 5}}), "required", "parameter 'x' must be"),
         (_fn({"type": "objekt"}), None, "parameters must be a JSON schema object"),
     ],
@@ -267,6 +272,8 @@ def test_plan_refuses_bad_tools(tools: object, choice: object, match: str) -> No
 
 def test_plan_modes() -> None:
     assert plan_tools(TOOLS, "none", None) is None and plan_tools(None, None, None) is None
+    # auto leaves a required name properties does not declare to the model, as vLLM does
+    assert plan_tools(_fn({"type": "object", "required": ["zz"]}), None, None) is not None
     auto = plan_tools(TOOLS, None, None)
     assert auto is not None and auto.grammar_text is None and auto.names == NAMES
 
