@@ -81,6 +81,16 @@ def _target(name: str) -> _Target:
     return _Target(f"{prefix}.w13_{suffix}", int(e), 0 if proj == "gate_proj" else 1, out_axis)
 
 
+def _marked(t: torch.Tensor, bad: torch.Tensor) -> tuple[str, str] | None:
+    """For a message about the entries of ``t`` that ``bad`` marks: ("N of its M", "(e.g.
+    <the first one> at <its index>)"); None when it marks none."""
+    idx = bad.nonzero()
+    if not len(idx):
+        return None
+    i = tuple(idx[0].tolist())
+    return f"{len(idx)} of its {t.numel()}", f"(e.g. {t[i].item()!r} at {list(i)})"
+
+
 def _kind(dtype: torch.dtype) -> str:
     if dtype in _FLOAT or dtype == torch.float64:
         return "float"
@@ -153,25 +163,16 @@ class _Loader:
                 f"{self._where(module + '.weight_scale_inv', file)}: dtype {s.dtype}, "
                 "expected float32"
             )
+        where = self._where(module + ".weight_scale_inv", file)
         # a NaN scale made a NaN model silently (0 is let be: an all-zero block's amax / 448)
-        bad = (~(torch.isfinite(s) & (s >= 0))).nonzero()
-        if len(bad):
-            i = tuple(bad[0].tolist())
-            raise ValueError(
-                f"{self._where(module + '.weight_scale_inv', file)}: {len(bad)} of its "
-                f"{s.numel()} scales are not finite and >= 0 (e.g. {s[i].item()!r} at "
-                f"{list(i)})"
-            )
+        if bad := _marked(s, ~(torch.isfinite(s) & (s >= 0))):
+            raise ValueError(f"{where}: {bad[0]} scales are not finite and >= 0 {bad[1]}")
         q = self.config.quantization
         if q is not None and q.scale_fmt == "ue8m0":
-            bad = (~is_ue8m0(s)).nonzero()
-            if len(bad) and not self.non_ue8m0:
-                i = tuple(bad[0].tolist())
-                self.non_ue8m0.append(
-                    f"{self._where(module + '.weight_scale_inv', file)}: {len(bad)} of its "
-                    f"{s.numel()} scales are not powers of two (e.g. {s[i].item()!r} at {list(i)})"
-                )
-            elif len(bad):
+            bad = _marked(s, ~is_ue8m0(s))
+            if bad and not self.non_ue8m0:
+                self.non_ue8m0.append(f"{where}: {bad[0]} scales are not powers of two {bad[1]}")
+            elif bad:
                 self.non_ue8m0.append(module)
 
     def _copy(self, name: str, t: torch.Tensor, file: str) -> None:
@@ -220,14 +221,11 @@ class _Loader:
             a = t.float().abs()
             inexact = t.to(torch.float16).to(t.dtype) != t
             bad |= (a > FP16_MAX) | ((a < FP16_MIN_NORMAL) & inexact)
-        idx = bad.nonzero()
-        if len(idx):
-            i = tuple(idx[0].tolist())
+        if some := _marked(t, bad):
             raise ValueError(
-                f"{self._where(name, file)}: {len(idx)} of its {t.numel()} {t.dtype} AWQ scales "
-                f"would change as fp16, the AWQ kernels' scales: not finite, above {FP16_MAX:g}, "
-                f"or below {FP16_MIN_NORMAL:.3g} and not an fp16 value (e.g. {t[i].item()!r} at "
-                f"{list(i)})"
+                f"{self._where(name, file)}: {some[0]} {t.dtype} AWQ scales would change as fp16, "
+                f"the AWQ kernels' scales: not finite, above {FP16_MAX:g}, or below "
+                f"{FP16_MIN_NORMAL:.3g} and not an fp16 value {some[1]}"
             )
 
     def _unexpected(self, name: str, file: str) -> None:
