@@ -54,7 +54,7 @@ from custom_ops.cache_list_kernels import (
     _offload_kernel,
     _release_kernel,
 )
-from custom_ops.cache_pool_kernels import _allocate_kernel, _evict_place_kernel, _hist_kernel
+from custom_ops.cache_pool_kernels import _allocate_kernel, _evict_hist_kernel, _evict_place_kernel
 
 # Launch configuration (chosen by reasoning, not measured: see docs/cache_ops.md; the benchmark
 # can try others). Pool passes: 196 programs of 1024 slots at N_G = 200K, ~1.5 per SM, one atomic
@@ -191,7 +191,7 @@ def _evict_place(
 
 
 def _hist(gpu_priority, meta, hist, want, n_g: int, cap: int) -> None:
-    _hist_kernel[_grid(n_g, SCAN_BLOCK)](
+    _evict_hist_kernel[_grid(n_g, SCAN_BLOCK)](
         gpu_priority,
         meta,
         hist,

@@ -74,7 +74,7 @@ def _pop(ring, prio, g2h, h2g, indices, r, h, k, head, n_g, clock, WRITE_IDX: tl
 
 # ---- kernels ------------------------------------------------------------------------------------
 @triton.jit
-def _hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr,
+def _evict_hist_kernel(prio, meta, hist, want_ptr, n_g, cap, BLOCK: tl.constexpr,
                  PDL: tl.constexpr = False):  # fmt: skip
     if PDL:
         _pdl_start()

@@ -118,6 +118,22 @@ def test_bench_prefetch_limits_reach_the_engine(tmp_path) -> None:
     assert (run["prefetch_cap"], run["prefetch_ratio"]) == (cfg.prefetch_cap, cfg.prefetch_ratio)
 
 
+def test_breakdown_profiles_each_prefetch_mode(tmp_path) -> None:
+    """With --breakdown-graphs each --prefetch mode's steps are profiled (only the first mode's
+    were), keyed by the mode; prefetch's staged recall is cache management."""
+    out = tmp_path / "bd.json"
+    argv = ARGS + ["--gpu-pools", "384", "--systems", "offload", "--rates", "", "--no-compile",
+                   "--breakdown-steps", "2", "--breakdown-graphs", "--prefetch", "off,global",
+                   "--out", str(out)]  # fmt: skip
+    assert bench_cli.main(argv) == 0
+    bd = json.loads(out.read_text())["breakdown"]
+    assert set(bd) == {"offload 384", "offload prefetch-global 384"}
+    assert all(e["ms_per_step"]["cache management"] > 0 for e in bd.values())
+    from benchmarks.report_data import breakdown_label
+
+    assert breakdown_label("offload prefetch-global 384") == "offload prefetch-global, pool 384"
+
+
 def _eager_system(model, repeat: float) -> bench.System:
     return bench.System(model, "offload-eager", 256, 4096, "fp8", 512, 2, (), "cpu", repeat, seed=0)
 
@@ -389,3 +405,72 @@ def test_the_tiny_preset_defaults_to_a_dry_run_size(extra, want, monkeypatch, tm
     with pytest.raises(Stop):
         bench_cli.main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), *extra])
     assert seen == [want]
+
+
+def test_every_decode_op_has_a_category() -> None:
+    """Every registered ``echo::`` op is charged to its category by name, except the linears
+    (projections: "other") and the prefill-only ops (echo::recall_staged, prefetch's recall, was
+    "other")."""
+    import torch
+
+    import custom_ops  # noqa: F401  (registers the ops)
+    from echo_compile.bench.breakdown import _OPS
+
+    ops = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("echo::")}
+    linears = {"echo::fp8_linear", "echo::dg_fp8_linear", "echo::w4a16_linear",
+               "echo::w4a16_linear_p"}  # fmt: skip
+    prefill = {"echo::prefill_indexer_topk", "echo::prefill_indexer_topk_gather",
+               "echo::sparse_mla_prefill", "echo::dg_prefill_logits"}  # fmt: skip
+    assert ops - set(_OPS) == linears | prefill
+    assert set(_OPS) <= ops  # no stale name
+    assert _OPS["echo::recall_staged"] == "cache management"
+
+
+def _triton_kernels() -> list[tuple[str, str]]:
+    """(file, name) of every ``@triton.jit`` function of custom_ops named ``*_kernel`` (the
+    launched kernels, the names a profile shows)."""
+    import ast
+
+    out = []
+    for path in sorted(Path("custom_ops").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+                decos = [ast.unparse(d) for d in node.decorator_list]
+                if any(d.startswith(("triton.jit", "jit")) for d in decos):
+                    out.append((path.name, node.name))
+    return out
+
+
+def test_cache_kernel_names_are_every_cache_kernel_and_no_other() -> None:
+    """A graph replay's cache management is found by kernel name: every kernel of the cache
+    modules (and the staged recall's clear) is named, and no other kernel shares a name."""
+    from echo_compile.bench.breakdown import cache_kernel_names
+
+    names = cache_kernel_names()
+    kernels = _triton_kernels()
+    assert len(kernels) > 30  # the scan found the project's kernels
+    cache_files = {"cache_fused_kernels.py", "cache_list_kernels.py", "cache_pool_kernels.py"}
+    assert {n for f, n in kernels if f in cache_files} | {"_clear_kernel"} == names
+    for name in names:  # defined once in the project: an indexer kernel is never charged
+        assert [f for f, n in kernels if n == name] in (
+            [[f] for f in cache_files] + [["prefetch_kernels.py"]]
+        ), name
+
+
+@pytest.mark.cuda
+def test_graph_breakdown_charges_the_cache_kernels() -> None:
+    """On the GPU a compiled offload system's own graph replays charge the cache ops' kernels to
+    cache management, by name (no op claims a kernel inside a graph), and the rest to other."""
+    from echo_compile.bench.breakdown import cache_kernel_names
+
+    model = bench.build_model("tiny", 0, 0, "cuda")
+    wl = bench.Workload(requests=2, min_ctx=200, max_ctx=200, output_len=3)
+    sut = bench.System(model, "offload", 320, 4096, "fp8", 1024, 2, (), "cuda", 1.0)
+    sut.run(wl)
+    g = sut.breakdown(wl, warm_steps=1, steps=2, graphs=True)
+    ms = g["ms_per_step"]
+    named = sum(v for n, v in g["top_kernels"].items() if n in cache_kernel_names())
+    assert ms["cache management"] >= named > 0, ms  # (top_kernels: the 24 longest)
+    assert ms["other"] > 0 and math.isclose(sum(ms.values()), g["total_ms"])
+    assert ms["cache management"] + ms["other"] == pytest.approx(g["total_ms"])
+    sut.close()

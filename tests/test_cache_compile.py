@@ -70,7 +70,7 @@ compile_(LS._lookup_kernel, LK, dict(MISSES=True, BLOCK=K.LIST_BLOCK, SKIP_CLEAN
 HK = [("prio", I32), ("meta", I32), ("hist", I32), ("want_ptr", I32), ("n_g", "i32"),
       ("cap", "i32")]
 for pdl in (False, True):
-    compile_(PS._hist_kernel, HK, dict(BLOCK=K.SCAN_BLOCK, PDL=pdl), f"hist[pdl={pdl}]")
+    compile_(PS._evict_hist_kernel, HK, dict(BLOCK=K.SCAN_BLOCK, PDL=pdl), f"hist[pdl={pdl}]")
 CP = [("host_kv", I32), ("gpu_kv", I32), ("miss_host", I32), ("h2g", I32), ("host_slots", I32),
       ("out", I32), ("meta", I32), ("stats", I64), ("stage_kv", I32), ("hstage", I32),
       ("total", "i32"), ("n_copy", "i32"), ("cap", "i32")]

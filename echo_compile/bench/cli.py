@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--breakdown-graphs",
         action="store_true",
-        help="profile the compiled systems' own steps (CUDA graph replays, offload included) "
-        "instead of eager ones: the kernels by name and the total, no categories",
+        help="profile the compiled systems' own steps (CUDA graph replays, offload included, "
+        "each --prefetch mode) instead of eager ones: the kernels by name, the total and the "
+        "cache ops' share (their kernels by name), no other categories",
     )
     ap.add_argument(
         "--no-compile",
@@ -448,7 +449,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if (
                 (system != "offload" or a.breakdown_graphs)
-                and prefetch == prefetches[0]
                 and asynchronous == (asyncs[0] == "on")
                 and pool in eager_pools
                 and a.breakdown_steps > 0
@@ -457,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                 key = str(pool) if eager else f"{system} {pool}"  # offload-eager: the pool alone
                 if weights != "bf16":  # "offload awq 200000": report_data.breakdown_label reads it
                     key = f"{'offload' if eager else system} {weights} {pool}"
+                if prefetch != "off":  # each prefetch mode's steps: "offload prefetch-global N"
+                    system_part, _, n = key.rpartition(" ")
+                    key = f"{system_part or 'offload'} prefetch-{prefetch} {n}"
                 out["breakdown"][key] = bd
                 save()
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["ms_per_step"].items())
