@@ -223,7 +223,8 @@ class HandlersBase:
         which is dropped from every output before anything reads it (text, logprobs, usage)."""
         streaming, opts = bool(req.stream), req.stream_options
         include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        # vLLM's rule: continuous_usage_stats counts only with include_usage
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         results = [RequestOutput() for _ in streams]
         times: list[list[float]] = [[] for _ in streams]  # outputs with tokens: TTFT, ITL
 

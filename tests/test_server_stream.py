@@ -1,0 +1,101 @@
+"""Streaming as an OpenAI / vLLM client sees it, over the fake engine of test_server: split UTF-8
+characters and stop strings across token boundaries, n choices, ``stream_options``, disconnects
+of n choices, and an error raised after the stream started."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_utils import make_tokenizer_dir, running_server
+from test_server import MODEL, FakeEngine
+
+from runtime.async_engine import AsyncEngine
+from runtime.server import build_app
+from runtime.tokenizer import Tokenizer
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+# outside the tokenizer's ASCII training text: each character is 2-4 byte tokens
+WIDE = "a\u00e9b\u20acc\U0001f600d \u00e9\u20ac\U0001f600 end"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def engine(tok: Tokenizer) -> FakeEngine:
+    return FakeEngine(tok)
+
+
+@pytest.fixture(scope="module")
+def url(engine: FakeEngine) -> Iterator[str]:
+    a = AsyncEngine(engine)
+    with running_server(build_app(a, MODEL)) as base:
+        yield base
+    a.shutdown()
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def events(url: str, path: str, body: dict) -> list[str]:
+    """The raw SSE ``data:`` payloads of a streamed request, ``[DONE]`` included."""
+    with httpx.stream("POST", url + path, json={"model": MODEL, **body}, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        raw = r.read().decode()
+    assert raw.endswith("\n\n"), raw[-200:]
+    return [e.removeprefix("data: ") for e in raw.split("\n\n")[:-1]]
+
+
+def test_split_utf8_and_stop_strings_stream_as_the_whole_text(
+    client: openai.OpenAI, tok: Tokenizer
+) -> None:
+    """The fake model echoes the prompt ids reversed, so it generates WIDE's ids, whose wide
+    characters are split over byte tokens: no delta has U+FFFD, the deltas join to the
+    non-streamed text, for n choices, with stop strings that span those tokens."""
+    ids = tok.encode(WIDE, add_bos=False)
+    assert len(ids) > len(WIDE) + 6 and tok.decode(ids) == WIDE  # the characters are split
+    prompt = ids[::-1]
+    for stop in (None, ["\u20acc\U0001f600"], ["\U0001f600 e", "zz"], ["\u00e9\u20ac"]):
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=len(ids), n=2, stop=stop)
+        whole = client.completions.create(**kw)
+        texts, finishes = ["", ""], [[], []]
+        for ch in client.completions.create(**kw, stream=True):
+            (c,) = ch.choices
+            assert "\ufffd" not in c.text, (stop, c.text)
+            texts[c.index] += c.text
+            finishes[c.index] += [c.finish_reason] if c.finish_reason else []
+        cut = WIDE[: min([WIDE.find(s) for s in stop or () if s in WIDE] or [len(WIDE)])]
+        for c in whole.choices:
+            assert (c.text, texts[c.index]) == (cut, cut), stop
+            assert finishes[c.index] == [c.finish_reason], stop
+
+
+def test_include_usage_and_continuous_usage_stats(url: str) -> None:
+    """vLLM: the usage chunk (empty choices) comes only with ``include_usage``, and
+    ``continuous_usage_stats`` adds usage to every chunk only with it too."""
+    chat = {"max_tokens": 4, "n": 2, "stream": True}
+    body, messages = {**chat, "prompt": "Hello world"}, [{"role": "user", "content": "Hi"}]
+    for opts, every, last in [
+        (None, False, False),
+        ({"include_usage": False}, False, False),
+        ({"continuous_usage_stats": True}, False, False),
+        ({"include_usage": False, "continuous_usage_stats": True}, False, False),
+        ({"include_usage": True}, False, True),
+        ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+    ]:
+        for path, b in [(C, body), (CHAT, {**chat, "messages": messages})]:
+            got = events(url, path, {**b, "stream_options": opts} if opts else b)
+            assert got[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in got[:-1]]
+            tail = chunks[-1]
+            assert (tail["choices"] == [] and tail.get("usage") is not None) == last, (opts, path)
+            body_chunks = chunks[:-1] if last else chunks
+            assert all((c.get("usage") is not None) == every for c in body_chunks), (opts, path)
