@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ from runtime.tokenizer import lone_surrogate
 
 Chunk = Callable[[int, StepOutput], "dict[str, Any] | None"]
 Top = list[tuple[int, float]]  # one token's most likely (token id, logprob)
+logger = logging.getLogger(__name__)
 MAX_CHOICES = 64  # n x prompts in one request: each is an engine request
 
 
@@ -292,24 +295,33 @@ class HandlersBase:
                 for i in range(len(streams) if first is not None else 0):
                     if (c := first(i)) is not None:  # type: ignore[misc]
                         yield sse({**c, "usage": usage()} if continuous else c)
-                async for i, out in merged(streams, request):
-                    out = add(i, out)
-                    if (err := failure(out.finish_reason)) is not None:
-                        observe()
-                        yield sse(err.body())  # the openai client raises APIError on it
-                        yield "data: [DONE]\n\n"  # the stream's end, as after an error in vLLM
-                        return
-                    if (c := chunk(i, out)) is not None:
-                        if out.finished:
-                            c["choices"][0]["stop_reason"] = self.stop_reason(
-                                choices[i].params, results[i]
-                            )
-                        yield sse({**c, "usage": usage()} if continuous else c)
+                # (closed on leaving: aborts the unfinished choices at once, an error too)
+                async with aclosing(merged(streams, request)) as outs:
+                    async for i, out in outs:
+                        out = add(i, out)
+                        if (err := failure(out.finish_reason)) is not None:
+                            observe()
+                            yield sse(err.body())  # the openai client raises APIError on it
+                            yield "data: [DONE]\n\n"  # the stream's end, as in vLLM
+                            return
+                        if (c := chunk(i, out)) is not None:
+                            if out.finished:
+                                c["choices"][0]["stop_reason"] = self.stop_reason(
+                                    choices[i].params, results[i]
+                                )
+                            yield sse({**c, "usage": usage()} if continuous else c)
                 if any(r.finish_reason is None for r in results):  # the client left
                     return
                 observe()
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": usage()})
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # after the 200 went out: an error event, not a cut connection
+                logger.exception("error in a stream")
+                err = e if isinstance(e, APIError) else APIError(
+                    500, "internal server error", type_="server_error"
+                )  # fmt: skip
+                yield sse(err.body())
                 yield "data: [DONE]\n\n"
             finally:  # also when the response is cancelled on a disconnect
                 observe(client_left=True)

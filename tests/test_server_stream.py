@@ -11,10 +11,11 @@ import httpx
 import openai
 import pytest
 from server_utils import make_tokenizer_dir, running_server
-from test_server import MODEL, FakeEngine
+from test_server import MODEL, FakeEngine, _wait_for
 
 from runtime.async_engine import AsyncEngine
 from runtime.server import build_app
+from runtime.server_base import HandlersBase
 from runtime.tokenizer import Tokenizer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -99,3 +100,46 @@ def test_include_usage_and_continuous_usage_stats(url: str) -> None:
             assert (tail["choices"] == [] and tail.get("usage") is not None) == last, (opts, path)
             body_chunks = chunks[:-1] if last else chunks
             assert all((c.get("usage") is not None) == every for c in body_chunks), (opts, path)
+
+
+@pytest.mark.parametrize("path", [C, CHAT], ids=["completions", "chat"])
+def test_an_error_after_the_stream_started_is_an_sse_error_event(
+    url: str, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A handler bug raised while chunks are made (after chat's first chunk went out) ends the
+    stream with an error event and ``[DONE]``, not a cut connection; the request is aborted."""
+    calls = []
+
+    def broken(self: HandlersBase, token_id: int) -> str:
+        calls.append(token_id)
+        raise RuntimeError("token string bug")
+
+    monkeypatch.setattr(HandlersBase, "token_string", broken)
+    body = {"max_tokens": 50, "ignore_eos": True, "stream": True}
+    body |= {"prompt": "Hello world", "logprobs": 0} if path == C else {"messages": [
+        {"role": "user", "content": "Hi"}], "logprobs": True}  # fmt: skip
+    got = events(url, path, body)
+    assert calls and got[-1] == "[DONE]", got
+    err = json.loads(got[-2])["error"]
+    assert (err["message"], err["type"]) == ("internal server error", "server_error"), err
+    assert _wait_for(lambda: not engine.running and not engine.waiting)
+    # the openai client raises it as an API error
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+    create = client.completions.create if path == C else client.chat.completions.create
+    kw = {k: v for k, v in body.items() if k not in ("stream", "ignore_eos")}
+    with pytest.raises(openai.APIError, match="internal server error"):
+        list(create(model=MODEL, stream=True, extra_body={"ignore_eos": True}, **kw))
+
+
+def test_a_disconnect_aborts_every_choice(url: str, engine: FakeEngine) -> None:
+    """A client leaving a stream of n=3 choices aborts all three in the engine."""
+    body = {"model": MODEL, "prompt": list(range(10, 110)), "max_tokens": 150, "n": 3,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    engine.step_s = 0.01  # 1.5 s of generation: far longer than noticing the disconnect takes
+    try:
+        with httpx.stream("POST", url + C, json=body, timeout=10) as r:
+            rid = json.loads(next(r.iter_lines()).removeprefix("data: "))["id"]
+        assert _wait_for(lambda: {f"{rid}-{j}" for j in range(3)} <= set(engine.aborted))
+        assert not engine.running and not engine.waiting
+    finally:
+        engine.step_s = 0.002
