@@ -67,8 +67,12 @@ def test_split_utf8_and_stop_strings_stream_as_the_whole_text(
     for stop in (None, ["\u20acc\U0001f600"], ["\U0001f600 e", "zz"], ["\u00e9\u20ac"]):
         kw = dict(model=MODEL, prompt=prompt, max_tokens=len(ids), n=2, stop=stop)
         whole = client.completions.create(**kw)
-        texts, finishes = ["", ""], [[], []]
-        for ch in client.completions.create(**kw, stream=True):
+        texts, finishes, usage = ["", ""], [[], []], None
+        opts = {"include_usage": True}
+        for ch in client.completions.create(**kw, stream=True, stream_options=opts):
+            if not ch.choices:
+                usage = ch.usage
+                continue
             (c,) = ch.choices
             assert "\ufffd" not in c.text, (stop, c.text)
             texts[c.index] += c.text
@@ -77,6 +81,7 @@ def test_split_utf8_and_stop_strings_stream_as_the_whole_text(
         for c in whole.choices:
             assert (c.text, texts[c.index]) == (cut, cut), stop
             assert finishes[c.index] == [c.finish_reason], stop
+        assert usage == whole.usage, stop  # the stop ended the request at the same token
 
 
 def test_include_usage_and_continuous_usage_stats(url: str) -> None:
