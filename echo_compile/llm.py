@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -185,7 +186,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion (continuous batching) and return results in order."""
+        """Run every prompt to completion (continuous batching) and return results in order. A
+        bad prompt is a TypeError or ValueError naming its index (``prompt i: ...``), and no
+        prompt of the call is left queued."""
         if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray, memoryview)):
             raise TypeError(
                 "prompts must be a string, a list of token ids or a list of either, "
@@ -193,23 +196,40 @@ class LLM:
             )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        encoded = []
+        for i, p in enumerate(prompts):
+            with _named(f"prompt {i}"):
+                encoded.append(self._encode(p))
+        return self._run(encoded, params, progress, "prompt")
+
+    def _run(
+        self,
+        encoded: list[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        progress: bool,
+        what: str,
+    ) -> list[GenerationResult]:
+        """Queue every prompt of ``encoded`` (with ``params``, or ``params[i]``; None: the
+        defaults), run them to completion and return the results in order. A prompt the engine
+        refuses is a ValueError naming it (``"{what} {i}: ..."``), and no request of the call is
+        left queued."""
         if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)  # (None: the defaults, per prompt below)
+            params = [params] * len(encoded)  # (None: the defaults, per prompt below)
         elif not isinstance(params, Sequence) or not all(
             isinstance(p, SamplingParams) for p in params
         ):
             raise TypeError("params must be a SamplingParams, a list of them or None")
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        encoded = [self._encode(p) for p in prompts]
+        if len(params) != len(encoded):
+            raise ValueError(f"{len(encoded)} {what}s but {len(params)} sampling params")
+        ids = [f"gen-{next(self._ids)}" for _ in encoded]
         acc = {
             i: _Acc(i, e, sp or self._defaults(len(e))) for i, e, sp in zip(ids, encoded, params)
         }
         added: list[str] = []
         try:
-            for a in acc.values():
-                self.engine.add_request(a.request_id, a.prompt_ids, a.params)
+            for k, a in enumerate(acc.values()):
+                with _named(f"{what} {k}"):
+                    self.engine.add_request(a.request_id, a.prompt_ids, a.params)
                 added.append(a.request_id)
         except Exception:
             for rid in added:  # a bad prompt rejects the whole call: leave nothing queued
@@ -288,6 +308,17 @@ class LLM:
         own encoding, which its release uses in place of one)."""
         text = render_chat(self.tokenizer, messages)  # writes the BOS itself
         return self.generate([self.tokenizer.encode(text, add_bos=False)], params)[0]
+
+
+@contextmanager
+def _named(where: str) -> Iterator[None]:
+    """A TypeError or ValueError raised inside, its message prefixed by ``where`` (its type and
+    attributes kept; Python 3.10 has no ``add_note``)."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        e.args = (f"{where}: {e}",)
+        raise
 
 
 class _Acc:
