@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, overload
 
 import torch
 
@@ -21,6 +22,7 @@ from runtime.engine_inputs import read_engine_inputs
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
+from runtime.tool_calls import functions_of
 
 
 @dataclass
@@ -302,12 +304,61 @@ class LLM:
         self._outputs[rid] = []
         return outs
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> GenerationResult:
-        """One reply to an OpenAI-style conversation, rendered as the server renders it
-        (``runtime.chat_template.render_chat``: the checkpoint's template, or DeepSeek-V3.2's
-        own encoding, which its release uses in place of one)."""
-        text = render_chat(self.tokenizer, messages)  # writes the BOS itself
-        return self.generate([self.tokenizer.encode(text, add_bos=False)], params)[0]
+    @overload
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> GenerationResult: ...
+
+    @overload
+    def chat(
+        self,
+        messages: list[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[GenerationResult]: ...
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """The reply to an OpenAI-style conversation (a list of message dicts), or the replies to
+        a list of conversations (a list, in order; ``params`` one for all or one each), each
+        rendered as the server renders it (``runtime.chat_template.render_chat``: the
+        checkpoint's template, or DeepSeek-V3.2's own encoding, which its release uses in place
+        of one). ``tools``: OpenAI function tools offered in every prompt, as the server offers
+        a request's (``tool_choice`` auto; the reply's text is returned as it is, its DSML calls
+        unparsed: ``runtime.tool_calls.parse_tool_calls`` reads them). A bad conversation is a
+        TypeError or ValueError naming it (``conversation i``), before any is queued."""
+        if not isinstance(messages, list):
+            raise TypeError(
+                "messages must be a conversation (a list of message dicts) or a list of "
+                f"conversations, got {type(messages).__name__}"
+            )
+        if not messages:
+            raise ValueError("messages is empty: no conversation to reply to")
+        batch = isinstance(messages[0], list)
+        conversations = messages if batch else [messages]
+        functions = functions_of(tools) or None  # (a ValueError naming the bad tools[i])
+        encoded = []
+        for i, conversation in enumerate(conversations):
+            with _named(f"conversation {i}"):
+                if not isinstance(conversation, list):
+                    raise TypeError(
+                        f"must be a list of message dicts, got {type(conversation).__name__}"
+                    )
+                # (the template writes the BOS itself)
+                text = render_chat(self.tokenizer, conversation, functions=functions)
+                encoded.append(self.tokenizer.encode(text, add_bos=False))
+        results = self._run(encoded, params, progress, "conversation")
+        return results if batch else results[0]
 
 
 @contextmanager

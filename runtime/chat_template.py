@@ -123,8 +123,8 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            # (LLM.chat takes one conversation: a list of them, as vLLM's takes, was an
-            # AttributeError on list.get)
+            # (e.g. a conversation nested one list too deep: it was an AttributeError on
+            # list.get)
             raise ValueError(f"messages[{i}] must be a message (a dict), got {type(m).__name__}")
         role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
         if role not in ROLES:

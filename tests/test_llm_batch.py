@@ -1,5 +1,7 @@
-"""``LLM.generate`` over a batch (tiny checkpoint, CPU): a bad prompt is an error naming its
-index, and nothing of the call stays queued."""
+"""``LLM.generate`` and ``LLM.chat`` over a batch (tiny checkpoint, CPU): a bad prompt or
+conversation is an error naming its index, and nothing of the call stays queued; ``chat`` takes
+one conversation or a list of them (vLLM's forms) and ``tools``, rendered as the server renders
+them."""
 
 from __future__ import annotations
 
@@ -8,11 +10,22 @@ from typing import Any
 import pytest
 
 from echo_compile.llm import LLM
+from runtime.chat_template import normalise_messages, render_dsv32
 from runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.aten_gemm  # CPU GEMMs without oneDNN (conftest.py)
 
 PARAMS = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+HI = [{"role": "user", "content": "Hi"}]
+BRIEF = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +66,69 @@ def test_generate_names_the_bad_prompt_and_queues_nothing(
     assert [r.token_ids for r in got] == want
     assert [len(r.prompt_token_ids) for r in got] == [len(llm.tokenizer.encode("Hi")), 3]
     assert_nothing_queued(llm)
+
+
+def test_chat_takes_one_conversation_or_a_list_of_them(llm: LLM) -> None:
+    """A list of conversations (vLLM's batch form) is a list of results, one a conversation in
+    order, each rendered as the conversation alone; one conversation is still one result. The
+    params may be one a conversation (it was AttributeError: 'list' object has no attribute
+    'get')."""
+    one = llm.chat(HI, PARAMS)
+    assert one.prompt_token_ids == llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template(HI), add_bos=False
+    )
+    convs = [HI, BRIEF, HI]
+    alone = [llm.chat(c, PARAMS).prompt_token_ids for c in convs]
+    many = llm.chat(convs, PARAMS)
+    assert isinstance(many, list) and [r.prompt_token_ids for r in many] == alone
+    # the same batch of prompts through generate(): the same tokens
+    assert [r.token_ids for r in many] == [r.token_ids for r in llm.generate(alone, PARAMS)]
+    each = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 2, 4)]
+    assert [len(r.token_ids) for r in llm.chat(convs, each)] == [1, 2, 4]
+    assert_nothing_queued(llm)
+
+
+def test_chat_tools_are_rendered_as_the_server_renders_them(llm: LLM) -> None:
+    """``tools=`` offers the functions in every conversation's prompt, in DeepSeek-V3.2's
+    encoding (the server's render_chat with the tools' functions); it was a TypeError."""
+    tok = llm.tokenizer
+    want = render_dsv32(normalise_messages(BRIEF), [WEATHER["function"]], tok.bos_token,
+                        tok.eos_token)  # fmt: skip
+    assert '"name": "get_weather"' in want
+    got = llm.chat([BRIEF, BRIEF], PARAMS, tools=[WEATHER])
+    assert [r.prompt_token_ids for r in got] == [tok.encode(want, add_bos=False)] * 2
+    assert llm.chat(BRIEF, PARAMS, tools=[WEATHER]).prompt_token_ids == got[0].prompt_token_ids
+    assert (
+        llm.chat(BRIEF, PARAMS, tools=[]).prompt_token_ids
+        == llm.chat(BRIEF, PARAMS).prompt_token_ids
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "error", "message"),
+    [
+        ("Hi", None, TypeError, "messages must be a conversation .* got str"),
+        ([], None, ValueError, "messages is empty"),
+        ([HI, "Hi"], None, TypeError, "conversation 1: must be a list of message dicts, got str"),
+        ([HI, [*HI, "Ho"]], None, ValueError, r"conversation 1: messages\[1\] must be a message"),
+        ([HI, HI, [{"role": "robot", "content": "x"}]], None, ValueError,
+         r"conversation 2: messages\[0\]\.role must be one of"),
+        ([HI, [{"role": "user", "content": "fox " * 1200}]], None, ValueError,
+         r"conversation 1: prompt \(\d+ tokens\) .* exceeds the model's context limit"),
+        (HI, [{"type": "function"}], ValueError, r"tools\[0\]: must be"),
+        ([HI], [WEATHER, {"type": "function", "function": {"name": "a b"}}], ValueError,
+         r"tools\[1\]\.function\.name must match"),
+        (HI, {"get_weather": WEATHER}, ValueError, "tools: must be a list"),
+    ],
+    ids=["str", "empty", "not-a-list", "not-a-dict", "role", "over-context", "tool", "tool-name",
+         "tools-dict"],
+)  # fmt: skip
+def test_chat_refuses_bad_input_naming_it(
+    llm: LLM, messages: Any, tools: Any, error: type[Exception], message: str
+) -> None:
+    """A bad conversation is a TypeError or ValueError naming its index, a bad tool names its
+    entry, and nothing is queued; the next chat replies as before."""
+    with pytest.raises(error, match=message):
+        llm.chat(messages, PARAMS, tools=tools)
+    assert_nothing_queued(llm)
+    assert len(llm.chat([HI], PARAMS)) == 1
