@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from typing import Any
@@ -182,10 +181,6 @@ class ChatHandlers(HandlersBase):
 def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None = None) -> ToolPlan | None:
     """``plan_tools`` of a request's fields (chat, and a chat ``/tokenize``), its error a 400
     naming the field."""
-    # a lone surrogate in a tool's schema or description was found only in the rendered prompt,
-    # a 400 naming messages at an index of text the client never sent
-    if tools and lone_surrogate(json.dumps(tools, ensure_ascii=False)) is not None:
-        raise APIError(400, "tools contains a lone UTF-16 surrogate", param="tools")
     try:
         return plan_tools(tools, tool_choice, parallel)
     except ValueError as e:

@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.tokenizer import lone_surrogate
+
 DSML = "｜DSML｜"
 CALLS_BEGIN, CALLS_END = f"<{DSML}function_calls>", f"</{DSML}function_calls>"
 INVOKE_END, PARAM_END = f"</{DSML}invoke>", f"</{DSML}parameter>"
@@ -131,6 +133,10 @@ def functions_of(tools: Any) -> list[dict[str, Any]]:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise ValueError(f'tools[{i}]: must be {{"type": "function", "function": {{...}}}}')
+        # (found only in the rendered prompt, it named the conversation at an index of text the
+        # caller never wrote)
+        if lone_surrogate(json.dumps(fn, ensure_ascii=False)) is not None:
+            raise ValueError(f"tools[{i}] contains a lone UTF-16 surrogate")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}")

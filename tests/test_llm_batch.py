@@ -119,9 +119,11 @@ def test_chat_tools_are_rendered_as_the_server_renders_them(llm: LLM) -> None:
         ([HI], [WEATHER, {"type": "function", "function": {"name": "a b"}}], ValueError,
          r"tools\[1\]\.function\.name must match"),
         (HI, {"get_weather": WEATHER}, ValueError, "tools: must be a list"),
+        ([HI], [{"type": "function", "function": {"name": "f", "description": "\ud83d"}}],
+         ValueError, r"tools\[0\] contains a lone UTF-16 surrogate"),
     ],
     ids=["str", "empty", "not-a-list", "not-a-dict", "role", "over-context", "tool", "tool-name",
-         "tools-dict"],
+         "tools-dict", "tool-surrogate"],
 )  # fmt: skip
 def test_chat_refuses_bad_input_naming_it(
     llm: LLM, messages: Any, tools: Any, error: type[Exception], message: str
