@@ -165,9 +165,11 @@ e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this or
   # pool rows per request of ~1.5x, ~4x and ~10x top-k (2048): 200000/64, 262144/32, 327680/16;
   # triton pinned: prefetch runs the indexer in Triton, so off vs on compares prefetch alone;
   # PF_ARGS: other staging limits (e.g. --prefetch-cap 2048 --prefetch-ratio 0.016), PF_TAG: a
-  # suffix of those runs' stage and file names (so they do not overwrite the default limits')
+  # suffix of those runs' stage and file names (so they do not overwrite the default limits');
+  # PF_LIMIT: each run's time limit (a breakdown per mode, PF_ARGS="--breakdown-steps 8
+  # --breakdown-graphs", adds ~30 s a mode)
   for rp in ${PREFETCH_POINTS-64:200000 32:262144 16:327680}; do
-    on prefetch && stage "e2e_prefetch_${rp%%:*}${PF_TAG-}" 170 bash -c "$B --systems offload \
+    on prefetch && stage "e2e_prefetch_${rp%%:*}${PF_TAG-}" "${PF_LIMIT-170}" bash -c "$B --systems offload \
       --kernel-backend triton --prefetch ${PF_MODES-off,request,global} ${PF_ARGS-} --requests ${rp%%:*} \
       --gpu-pools ${rp##*:} --out '$W/e2e_prefetch_${rp%%:*}req${PF_TAG-}_h200.json'"
   done
