@@ -286,7 +286,15 @@ class LLM:
         got = [out for rid in rids for out in self._take(rid)]
         if got:
             return got
-        outs = self.engine.step()
+        try:
+            outs = self.engine.step()
+        except BaseException:
+            # a half-applied step may have left the GPU pools' maps inconsistent: every request
+            # ends and the pools start afresh, as the server's loop does (a rank of a torchrun
+            # run has no recover: its run ends with the error)
+            if isinstance(self.engine, Engine):
+                self.engine.recover()
+            raise
         for out in outs:
             if out.request_id in self._outputs:
                 self._outputs[out.request_id].append(out)

@@ -134,3 +134,36 @@ def test_chat_refuses_bad_input_naming_it(
         llm.chat(messages, PARAMS, tools=tools)
     assert_nothing_queued(llm)
     assert len(llm.chat([HI], PARAMS)) == 1
+
+
+def test_a_failed_step_recovers_the_engine(llm: LLM, monkeypatch) -> None:
+    """A step that raises (in the middle of a decode: a half-applied recall may leave the GPU
+    pools' maps inconsistent) ends every request and resets the pools (Engine.recover, as the
+    server's loop does; LLM only aborted its own requests), and the next call's tokens are those
+    of a call that followed no error."""
+    want = llm.generate(["Hi", [5, 6, 7]], PARAMS)
+    runner, real = llm.engine.runner, llm.engine.runner.forward
+    calls = {"n": 0}
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fault")
+        return real(*a, **k)
+
+    recovered = {"n": 0}
+    real_recover = llm.engine.recover
+
+    def recover() -> None:
+        recovered["n"] += 1
+        real_recover()
+
+    monkeypatch.setattr(runner, "forward", failing)
+    monkeypatch.setattr(llm.engine, "recover", recover)
+    with pytest.raises(RuntimeError, match="device fault"):
+        llm.generate(["Hi", [5, 6, 7]], PARAMS)
+    assert recovered["n"] == 1
+    assert_nothing_queued(llm)
+    monkeypatch.setattr(runner, "forward", real)
+    got = llm.generate(["Hi", [5, 6, 7]], PARAMS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
