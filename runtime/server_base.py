@@ -246,17 +246,18 @@ class HandlersBase:
 
         observed = False
 
-        def observe(client_left: bool = False) -> None:
-            """Record the finished choices once; ``client_left``: the unfinished ones as the
-            aborts leaving made them."""
+        def observe(unfinished: str | None = None) -> None:
+            """Record the finished choices once; ``unfinished``: the reason the others ended with
+            ("abort": the client left, and leaving aborted them, server_streams.merged; a stream
+            that fails ends them all with its error)."""
             nonlocal observed
             if observed:
                 return
             observed = True
             now = time.perf_counter()
             for res, ts, choice in zip(results, times, choices, strict=True):
-                if client_left and res.finish_reason is None:
-                    res.finish_reason = "abort"  # leaving aborted it (server_streams.merged)
+                if unfinished is not None and res.finish_reason is None:
+                    res.finish_reason = unfinished
                     res.prompt_tokens = len(choice.ids)  # (0 before its first output)
                 if res.finish_reason is not None:
                     self.metrics.observe(res, t0, now, ts)
@@ -275,7 +276,7 @@ class HandlersBase:
             async for i, out in merged(streams, request):
                 add(i, out)
             if any(r.finish_reason is None for r in results):  # the client left
-                observe(client_left=True)
+                observe("abort")
                 return Response(status_code=499)
             observe()
             for r in results:
@@ -300,7 +301,7 @@ class HandlersBase:
                     async for i, out in outs:
                         out = add(i, out)
                         if (err := failure(out.finish_reason)) is not None:
-                            observe()
+                            observe(out.finish_reason)  # the choices still going end with it
                             yield sse(err.body())  # the openai client raises APIError on it
                             yield "data: [DONE]\n\n"  # the stream's end, as in vLLM
                             return
@@ -324,7 +325,7 @@ class HandlersBase:
                 yield sse(err.body())
                 yield "data: [DONE]\n\n"
             finally:  # also when the response is cancelled on a disconnect
-                observe(client_left=True)
+                observe("abort")
 
         headers = {"Cache-Control": "no-cache"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

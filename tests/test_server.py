@@ -581,6 +581,43 @@ def test_engine_crash_fails_requests_and_keeps_serving(
     assert httpx.get(url + "/health").status_code == 200
 
 
+def _finished_count(url: str, reason: str) -> float:
+    """``vllm:request_success_total{finished_reason=reason}`` from /metrics (0 before any)."""
+    key = f'vllm:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}} '
+    lines = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith(key)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_engine_crash_counts_every_choice_as_an_error(
+    url: str, engine: FakeEngine, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash fails each of the ``n`` choices: /metrics counts all of them, streamed or not (the
+    stream used to end at the first choice's error event and count only that one)."""
+    step = engine.step
+
+    def crash_once_all_three_are_in() -> list[StepOutput]:
+        if len(engine.waiting) + len(engine.running) == 3:
+            monkeypatch.setattr(engine, "step", step)
+            raise RuntimeError("simulated engine crash")
+        return step()
+
+    monkeypatch.setattr(engine, "step", crash_once_all_three_are_in)
+    monkeypatch.setattr(engine, "recover", lambda: None, raising=False)
+    errors, e2e = _finished_count(url, "error"), _e2e_count(url)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "n": 3, "stream": stream}
+    r = httpx.post(url + C, json=body, timeout=10)
+    assert r.status_code == (200 if stream else 500)  # streamed: an error event after the 200
+    assert _finished_count(url, "error") - errors == 3
+    assert _e2e_count(url) - e2e == 3
+
+
+def _e2e_count(url: str) -> float:
+    key = f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}} '
+    lines = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith(key)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 # ---- AsyncEngine directly ----------------------------------------------------------------------
 def test_async_engine_contract(tok: Tokenizer) -> None:
     engine = FakeEngine(tok, step_s=0.001)
