@@ -19,7 +19,9 @@ Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conv
 not compiled). A wrong dtype, shape or device is a ``ValueError`` naming the tensor; the values
 (pages, slots, positions) are the caller's to get right. Any strides do (a view is copied to
 the row-major layout the steps were compiled on). The steps run without autograd, whatever the
-caller's grad or inference mode.
+caller's grad or inference mode, with autocast off and in the torch globals of ``compile()``'s
+time (CPU threads, default dtype, fp32 matmul precision), whatever the caller's at the call: a
+graph is guarded on them, and a change after warm-up would be a refused recompile.
 ``decode`` returns fp32 logits [B, V] (B padded internally to the next bucket and cut back);
 ``prefill`` takes at most ``prefill_chunk`` tokens per call (a longer prompt: one call per chunk,
 in order) and returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
@@ -32,9 +34,10 @@ two requests interleaved would read each other's rows.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -89,15 +92,57 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _torch_globals() -> tuple[int, torch.dtype, str]:
+    """The process-global torch settings Dynamo guards every compiled graph on that a user (or
+    ``LLM()``, which sets the thread count) may change: CPU threads, default dtype, fp32 matmul
+    precision (TF32)."""
+    return torch.get_num_threads(), torch.get_default_dtype(), torch.get_float32_matmul_precision()
+
+
+@contextlib.contextmanager
+def _pinned_globals(state: tuple[int, torch.dtype, str], device: torch.device) -> Iterator[None]:
+    """``state`` (``_torch_globals()``) and autocast off for the ``with`` body, the caller's again
+    after it.
+
+    NOTE: Dynamo guards a graph on them (GLOBAL_STATE): a caller's ``torch.autocast``,
+    ``set_num_threads`` (``LLM()`` sets it: one built after a ``CompiledModel`` warmed up),
+    ``set_default_dtype`` or ``set_float32_matmul_precision`` made every later call a recompile,
+    refused after warm-up. The steps are bf16 by design: autocast has nothing to do there."""
+    now = _torch_globals()
+    threads, dtype, precision = state
+    try:
+        if now[0] != threads:
+            torch.set_num_threads(threads)
+        if now[1] != dtype:
+            torch.set_default_dtype(dtype)
+        if now[2] != precision:
+            torch.set_float32_matmul_precision(precision)
+        with contextlib.ExitStack() as stack:
+            for kind in ("cpu", "cuda") if device.type == "cuda" else ("cpu",):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+            yield
+    finally:
+        if now[0] != threads:
+            torch.set_num_threads(now[0])
+        if now[1] != dtype:
+            torch.set_default_dtype(now[1])
+        if now[2] != precision:
+            torch.set_float32_matmul_precision(now[2])
+
+
 class CompiledStep:
     """A fullgraph torch.compile'd step (runtime.model_runner.CompiledStep); ``code``: the code
-    object Dynamo keeps this step's compiled entries on (its own, see ``_own_code``)."""
+    object Dynamo keeps this step's compiled entries on (its own, see ``_own_code``). Every call
+    (compiles and warm-up included) runs in the torch globals of its construction (``globals``:
+    thread count, default dtype, fp32 matmul precision) with autocast off, whatever the
+    caller's (``_pinned_globals``)."""
 
     def __init__(self, compiled: Callable[..., torch.Tensor], device: torch.device, code):
         self.compiled = compiled
         self.device = device
         self.code = code
         self.frozen = False  # set by ModelRunner.warmup
+        self.globals = _torch_globals()
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -105,7 +150,7 @@ class CompiledStep:
             torch.compiler.cudagraph_mark_step_begin()
         # reproducible compiles and runs (settings.py says why), scoped to our own calls as the
         # stance below is, so that other torch users in the process are not affected
-        with settings.deterministic_algorithms():
+        with settings.deterministic_algorithms(), _pinned_globals(self.globals, self.device):
             if self.frozen:
                 # after warm-up no request may trigger a compile
                 with torch.compiler.set_stance("fail_on_recompile"):

@@ -209,3 +209,54 @@ def test_compile_refuses_a_module_that_is_not_a_deepseek_model():
     want = r"DeepseekV32ForCausalLM .*torch\.nn\.modules\.linear\.Linear"
     with pytest.raises(TypeError, match=want):
         echo_compile.compile(torch.nn.Linear(4, 4), host_tokens=1024, gpu_tokens=4096)
+
+
+def _tiny_aot_eager():
+    """A CompiledModel of the tiny model (decode bucket 1, eager prefill), its steps compiled with
+    aot_eager (the Dynamo guards are what the tests below test, test_engines.py says why)."""
+    from echo_compile.compiled import CompiledModel, StepCompiler
+    from runtime.engine_config import EngineConfig
+    from runtime.model_runner import build_runner
+
+    model, _ = load_model(resolve_model("tiny"))
+    cfg = EngineConfig(max_batch=1, host_tokens=1024, gpu_tokens=model.config.index_topk,
+                       max_model_len=256, device="cpu", compile_prefill=False)  # fmt: skip
+    return CompiledModel(build_runner(model, cfg, StepCompiler("cpu", backend="aot_eager")))
+
+
+def test_after_warmup_decode_runs_whatever_the_caller_s_torch_globals():
+    """Dynamo guards each graph on process-global torch state: a caller's ``torch.autocast``,
+    ``set_num_threads`` (``LLM()`` sets it: an LLM built in the process of a warm CompiledModel),
+    ``set_default_dtype`` or ``set_float32_matmul_precision`` made every later call a recompile,
+    refused after warm-up. The steps run in the state of their construction, autocast off, with
+    the same logits, and the caller's state is theirs again after each call."""
+    cm = _tiny_aot_eager()
+    cm.warmup(calls=1, progress=False)
+    bt = torch.zeros(1, cm.runner.pages_per_seq, dtype=torch.int32)
+
+    def call():
+        p = torch.tensor([3])
+        return cm.decode(torch.tensor([5]), p, p.clone(), bt, (p + 1).int())
+
+    ref = call()
+    threads = torch.get_num_threads()
+    changes = (
+        ("autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16).__enter__(),
+         lambda c: c.__exit__(None, None, None), lambda: torch.is_autocast_enabled("cpu")),
+        ("threads", lambda: torch.set_num_threads(threads + 1),
+         lambda _: torch.set_num_threads(threads), torch.get_num_threads),
+        ("dtype", lambda: torch.set_default_dtype(torch.bfloat16),
+         lambda _: torch.set_default_dtype(torch.float32), torch.get_default_dtype),
+        ("precision", lambda: torch.set_float32_matmul_precision("high"),
+         lambda _: torch.set_float32_matmul_precision("highest"),
+         torch.get_float32_matmul_precision),
+    )  # fmt: skip
+    for name, change, undo, read in changes:
+        ctx = change()
+        try:
+            before = read()
+            assert torch.equal(call(), ref), name
+            assert read() == before, name  # the caller's setting, restored
+        finally:
+            undo(ctx)
+
