@@ -138,6 +138,13 @@ class ModelRunner:
         took."""
         from tqdm import tqdm
 
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+            # NOTE: 0 compiled nothing and froze the steps: every later call was a refused
+            # "recompile"
+            raise ValueError(
+                f"warmup calls must be a positive integer (runs of each bucket: warm-up, record, "
+                f"replay), got {calls!r}"
+            )
         t0 = time.perf_counter()
         jobs = [(kind, b, fn) for kind, buckets, fn in self.compiled for b in buckets]
         for _, _, fn in self.compiled:

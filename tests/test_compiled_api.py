@@ -260,3 +260,13 @@ def test_after_warmup_decode_runs_whatever_the_caller_s_torch_globals():
         finally:
             undo(ctx)
 
+
+def test_warmup_refuses_fewer_than_one_call():
+    """warmup(calls=0) compiled nothing and froze the steps: every later call was a refused
+    "recompile" (Dynamo's "Detected recompile when torch.compile stance is
+    'fail_on_recompile'"). It is a ValueError naming the argument."""
+    cm = _tiny_aot_eager()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="warmup calls must be a positive integer"):
+            cm.warmup(calls=bad, progress=False)
+    assert not any(fn.frozen for _, _, fn in cm.runner.compiled)
