@@ -191,7 +191,10 @@ class EngineConfig:
     def buckets(self) -> tuple[int, ...]:
         b = self.decode_buckets or default_decode_buckets(self.max_batch)
         if b[-1] != self.max_batch or list(b) != sorted(set(b)):
-            raise ValueError(f"decode_buckets must be increasing and end at max_batch, got {b}")
+            raise ValueError(
+                f"decode_buckets must be increasing and end at max_batch ({self.max_batch}), "
+                f"got {b}"
+            )
         return tuple(b)
 
     @property

@@ -198,6 +198,10 @@ def test_compile_names_bad_decode_buckets():
     for bad in (2, "2", (0, 2)):
         with pytest.raises(ValueError, match="decode_buckets must be a list of positive integers"):
             echo_compile.compile(model, decode_buckets=bad, **kw)
+    # buckets given without max_batch (compile's default, 8): the error names what they must
+    # end at (it said "end at max_batch", not its value)
+    with pytest.raises(ValueError, match=r"end at max_batch \(8\), got \(1, 2, 4\)"):
+        echo_compile.compile(model, host_tokens=1024, gpu_tokens=4096, decode_buckets=(1, 2, 4))
     for good in ([1, 2], range(1, 3)):
         cm = echo_compile.compile(model, decode_buckets=good, **kw)
         assert cm.runner.decode_buckets == (1, 2)
