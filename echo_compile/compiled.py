@@ -119,7 +119,8 @@ def _pinned_globals(state: tuple[int, torch.dtype, str], device: torch.device) -
             torch.set_float32_matmul_precision(precision)
         with contextlib.ExitStack() as stack:
             for kind in ("cpu", "cuda") if device.type == "cuda" else ("cpu",):
-                stack.enter_context(torch.autocast(kind, enabled=False))
+                if torch.is_autocast_enabled(kind):  # (entered only then: ~5 us a context)
+                    stack.enter_context(torch.autocast(kind, enabled=False))
             yield
     finally:
         if now[0] != threads:
