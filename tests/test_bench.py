@@ -119,19 +119,34 @@ def test_bench_prefetch_limits_reach_the_engine(tmp_path) -> None:
 
 
 def test_breakdown_profiles_each_prefetch_mode(tmp_path) -> None:
-    """With --breakdown-graphs each --prefetch mode's steps are profiled (only the first mode's
-    were), keyed by the mode; prefetch's staged recall is cache management."""
+    """With --breakdown-graphs the compiled offload system's steps are profiled at each
+    --prefetch mode (only the first mode's were), keyed by the mode; offload-eager's at the
+    first mode only, under keys of its own (a prefetch mode's eager entry overwrote the
+    compiled one's)."""
     out = tmp_path / "bd.json"
-    argv = ARGS + ["--gpu-pools", "384", "--systems", "offload", "--rates", "", "--no-compile",
-                   "--breakdown-steps", "2", "--breakdown-graphs", "--prefetch", "off,global",
-                   "--out", str(out)]  # fmt: skip
+    argv = ARGS + ["--gpu-pools", "384", "--eager-pools", "384", "--systems",
+                   "offload-eager,offload", "--rates", "", "--no-compile", "--breakdown-steps", "2",
+                   "--breakdown-graphs", "--prefetch", "global,off", "--out", str(out)]  # fmt: skip
     assert bench_cli.main(argv) == 0
     bd = json.loads(out.read_text())["breakdown"]
-    assert set(bd) == {"offload 384", "offload prefetch-global 384"}
+    want = {"offload-eager prefetch-global 384", "offload prefetch-global 384", "offload 384"}
+    assert set(bd) == want
     assert all(e["ms_per_step"]["cache management"] > 0 for e in bd.values())
     from benchmarks.report_data import breakdown_label
 
     assert breakdown_label("offload prefetch-global 384") == "offload prefetch-global, pool 384"
+
+
+def test_breakdown_keys_are_distinct() -> None:
+    """Every (system, weights, prefetch) of one pool has a key of its own; offload-eager's bf16
+    entry without prefetch is the pool alone, as the committed results have it."""
+    keys = {
+        bench_cli.breakdown_key(s, w, p, 384)
+        for s in ("offload", "offload-eager", "gpu-only")
+        for w in ("bf16", "awq", "fp8")
+        for p in ("off", "request", "global")
+    }
+    assert len(keys) == 27 and "384" in keys and "offload fp8 prefetch-global 384" in keys
 
 
 def _eager_system(model, repeat: float) -> bench.System:
@@ -455,6 +470,42 @@ def test_cache_kernel_names_are_every_cache_kernel_and_no_other() -> None:
         assert [f for f, n in kernels if n == name] in (
             [[f] for f in cache_files] + [["prefetch_kernels.py"]]
         ), name
+
+
+def test_tally_charges_a_graph_replay_s_cache_kernels_once() -> None:
+    """A profile of compiled steps: the graph launch (no op) claims its kernels, so its cache
+    kernels move from other to cache management; a cache op run eagerly beside it (a release)
+    keeps its own charge, counted once (it was counted twice); an unclaimed cache kernel is
+    cache management too."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from echo_compile.bench.breakdown import _tally
+
+    cpu, dev = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def op(name, kernels):
+        ks = [NS(name=n, duration=d) for n, d in kernels]
+        return NS(name=name, device_type=cpu, cpu_parent=None, kernels=ks, cpu_time_total=1.0,
+                  self_device_time_total=sum(d for _, d in kernels))  # fmt: skip
+
+    def kernel(name, us):
+        return NS(name=name, device_type=dev, is_user_annotation=False,
+                  time_range=NS(elapsed_us=lambda: us))  # fmt: skip
+
+    events = [
+        op("cudaGraphLaunch", [("_recall_kernel", 30.0), ("gemm", 100.0)]),
+        op("echo::release", [("_release_kernel", 10.0)]),
+        kernel("_recall_kernel", 30.0), kernel("gemm", 100.0), kernel("_release_kernel", 10.0),
+        kernel("_offload_kernel", 5.0),  # no op claimed it
+    ]  # fmt: skip
+    us, by_name, kernels, _ = _tally(events, True, frozenset(
+        {"_recall_kernel", "_release_kernel", "_offload_kernel"}))  # fmt: skip
+    assert us["cache management"] == 45.0 and us["other"] == 100.0
+    assert sum(us.values()) == sum(kernels.values()) == 145.0
+    us, _, _, _ = _tally(events, True)  # no names (an eager profile): the graph is other
+    assert us["cache management"] == 10.0 and us["other"] == 135.0
 
 
 @pytest.mark.cuda

@@ -107,6 +107,44 @@ def _category(event) -> str:
     return "other"
 
 
+def _tally(events, cuda: bool, names: frozenset[str] = frozenset()) -> tuple[dict, ...]:
+    """Device (CUDA) or CPU microseconds by category, by kernel name (all of it, minus what ops
+    claimed: ``by_name``; all of it: ``kernels``) and the CUDA API calls, from profiler events.
+    A kernel charged to "other" whose name is in ``names`` (a graph replay's, which no op
+    claims) is cache management; one an op claimed keeps the op's category.
+
+    On CUDA the kernels appear twice: charged to the CPU op that launched them and as events of
+    their own; categories come from the first, the total from the second. Kernels no op claimed
+    are counted as "other" (cache management if named) and listed by name."""
+    us = dict.fromkeys(CATEGORIES, 0.0)
+    by_name: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    api: dict[str, list[float]] = {}  # CUDA runtime / driver calls: [count, host us]
+    for ev in events:
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cu"):
+            a = api.setdefault(ev.name, [0, 0.0])
+            a[0] += 1
+            a[1] += ev.cpu_time_total
+        if ev.device_type == torch.autograd.DeviceType.CPU:
+            t = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+            category = _category(ev)
+            if t > 0:
+                us[category] += t
+            for k in ev.kernels if cuda else ():
+                by_name[k.name] = by_name.get(k.name, 0.0) - k.duration
+                if category == "other" and k.name in names:  # e.g. the graph launch's
+                    us["other"] -= k.duration
+                    us["cache management"] += k.duration
+        elif cuda and not (ev.is_user_annotation or ev.name.startswith(_REGION)):
+            # (a region also shows up on the device as an annotation spanning its kernels)
+            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.time_range.elapsed_us()
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.time_range.elapsed_us()
+    for n, v in by_name.items():
+        if v > 0:
+            us["cache management" if n in names else "other"] += v
+    return us, by_name, kernels, api
+
+
 def profile_steps(
     model: nn.Module, step: Callable[[], object], steps: int, cuda: bool, regions: bool = True
 ) -> dict:
@@ -116,9 +154,6 @@ def profile_steps(
     module (a compiled step: a hook added after compilation would recompile it); on CUDA no op
     claims a graph replay's kernels: the cache ops' are charged to "cache management" by name
     (``cache_kernel_names``), every other one is "other", listed by name."""
-    # On CUDA the kernels appear twice: charged to the CPU op that launched them and as events of
-    # their own; categories come from the first, the total from the second. Kernels no op claimed
-    # are counted as "other" and listed by name.
     handles = _hook_regions(model) if regions else []
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -135,32 +170,9 @@ def profile_steps(
     finally:
         for h in handles:
             h.remove()
-    us = dict.fromkeys(CATEGORIES, 0.0)
-    by_name: dict[str, float] = {}  # device time per kernel name: all, minus what ops claimed
-    kernels: dict[str, float] = {}  # device time per kernel name: all
-    api: dict[str, list[float]] = {}  # CUDA runtime / driver calls: [count, host us]
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cu"):
-            a = api.setdefault(ev.name, [0, 0.0])
-            a[0] += 1
-            a[1] += ev.cpu_time_total
-        if ev.device_type == torch.autograd.DeviceType.CPU:
-            t = ev.self_device_time_total if cuda else ev.self_cpu_time_total
-            if t > 0:
-                us[_category(ev)] += t
-            for k in ev.kernels if cuda else ():
-                by_name[k.name] = by_name.get(k.name, 0.0) - k.duration
-        elif cuda and not (ev.is_user_annotation or ev.name.startswith(_REGION)):
-            # (a region also shows up on the device as an annotation spanning its kernels)
-            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.time_range.elapsed_us()
-            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.time_range.elapsed_us()
+    names = cache_kernel_names() if cuda and not regions else frozenset()
+    us, by_name, kernels, api = _tally(prof.events(), cuda, names)
     unclaimed = sum(v for v in by_name.values() if v > 0)
-    us["other"] += unclaimed
-    if cuda and not regions:  # a graph replay (all of it "other" so far): the cache ops by name
-        names = cache_kernel_names()
-        cache = min(sum(v for n, v in kernels.items() if n in names), us["other"])
-        us["cache management"] += cache
-        us["other"] -= cache
     top = sorted(((v, n) for n, v in by_name.items() if v > 0), reverse=True)[:8]
     heavy = sorted(((v, n) for n, v in kernels.items()), reverse=True)[:24]
     ms = {k: v / 1e3 / steps for k, v in us.items()}

@@ -53,6 +53,16 @@ def _numbers(ap: argparse.ArgumentParser, flag: str, s: str, kind: type) -> list
         ap.error(f"{flag}: {s!r} is not a comma-separated list of {kind.__name__}s")
 
 
+def breakdown_key(system: str, weights: str, prefetch: str, pool: int) -> str:
+    """A breakdown entry's key (``report_data.breakdown_label`` reads it): the system, the weights
+    format unless bf16, the prefetch mode unless off, then the pool ("offload fp8 prefetch-global
+    200000"); offload-eager's bf16 entry without prefetch is the pool alone ("200000", the form of
+    the committed results). Distinct for each of these, so no entry overwrites another."""
+    parts = [system] + [weights] * (weights != "bf16")
+    parts += [f"prefetch-{prefetch}"] * (prefetch != "off")
+    return " ".join(parts + [str(pool)]) if parts != ["offload-eager"] else str(pool)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="echo-compile bench",
@@ -449,17 +459,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if (
                 (system != "offload" or a.breakdown_graphs)
+                # the eager systems at the first prefetch mode; the graphs at each
+                and (prefetch == prefetches[0] or system == "offload")
                 and asynchronous == (asyncs[0] == "on")
                 and pool in eager_pools
                 and a.breakdown_steps > 0
             ):
                 bd = sut.breakdown(wl, steps=a.breakdown_steps, graphs=a.breakdown_graphs)
-                key = str(pool) if eager else f"{system} {pool}"  # offload-eager: the pool alone
-                if weights != "bf16":  # "offload awq 200000": report_data.breakdown_label reads it
-                    key = f"{'offload' if eager else system} {weights} {pool}"
-                if prefetch != "off":  # each prefetch mode's steps: "offload prefetch-global N"
-                    system_part, _, n = key.rpartition(" ")
-                    key = f"{system_part or 'offload'} prefetch-{prefetch} {n}"
+                key = breakdown_key(system, weights, prefetch, pool)
                 out["breakdown"][key] = bd
                 save()
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["ms_per_step"].items())

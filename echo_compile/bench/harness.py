@@ -446,7 +446,8 @@ class System:
         compiled system is profiled through an eager engine of the same configuration and model,
         built for it and dropped after (its own compiled engine is left as it was).
         ``graphs=True`` profiles a compiled system's own steps instead (the CUDA graph replays
-        it serves with: the kernels by name and their total, no categories)."""
+        it serves with: the kernels by name, their total and the cache ops' share by kernel
+        name; the rest is "other")."""
         if self.front is not self.engine:
             raise ValueError("the breakdown profiles one process: not with dp/tp/ep > 1")
         if not self.compiled or graphs:
