@@ -319,6 +319,7 @@ class HandlersBase:
                 yield "data: [DONE]\n\n"
             except Exception as e:  # after the 200 went out: an error event, not a cut connection
                 logger.exception("error in a stream")
+                observe("error")  # the choices still going end with it
                 err = e if isinstance(e, APIError) else APIError(
                     500, "internal server error", type_="server_error"
                 )  # fmt: skip

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from server_utils import make_tokenizer_dir, running_server
-from test_server import MODEL, FakeEngine, _wait_for
+from test_server import MODEL, FakeEngine, _finished_count, _wait_for
 
 from runtime.async_engine import AsyncEngine
 from runtime.server import build_app
@@ -112,8 +112,10 @@ def test_an_error_after_the_stream_started_is_an_sse_error_event(
     url: str, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """A handler bug raised while chunks are made (after chat's first chunk went out) ends the
-    stream with an error event and ``[DONE]``, not a cut connection; the request is aborted."""
+    stream with an error event and ``[DONE]``, not a cut connection; the request is aborted,
+    and /metrics counts its choice as an error (it counted an abort)."""
     calls = []
+    errors, aborts = _finished_count(url, "error"), _finished_count(url, "abort")
 
     def broken(self: HandlersBase, token_id: int) -> str:
         calls.append(token_id)
@@ -128,6 +130,8 @@ def test_an_error_after_the_stream_started_is_an_sse_error_event(
     err = json.loads(got[-2])["error"]
     assert (err["message"], err["type"]) == ("internal server error", "server_error"), err
     assert _wait_for(lambda: not engine.running and not engine.waiting)
+    assert _wait_for(lambda: _finished_count(url, "error") == errors + 1)
+    assert _finished_count(url, "abort") == aborts
     # the openai client raises it as an API error
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
     create = client.completions.create if path == C else client.chat.completions.create
