@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import Tokenizer, lone_surrogate
 from runtime.tool_calls import render_calls
 
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -137,7 +137,11 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ):
                 msg = f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}"
                 raise ValueError(msg)
+            for t in texts:
+                _no_lone_surrogate(t, i)  # type: ignore[arg-type]
             content = "\n".join(texts)  # type: ignore[arg-type]
+        elif isinstance(content, str):
+            _no_lone_surrogate(content, i)
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
@@ -148,6 +152,14 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for start, end in _result_runs(messages):
         out[start:end] = [out[k] for k in _in_call_order(messages, start, end)]
     return out
+
+
+def _no_lone_surrogate(text: str, i: int) -> None:
+    """A ValueError naming message ``i`` where ``text`` (its content or one of its text parts)
+    holds a lone surrogate (JSON allows ``"\\ud83d"``; UTF-8 cannot encode it): the index is the
+    caller's, not one in the rendered prompt."""
+    if (j := lone_surrogate(text)) is not None:
+        raise ValueError(f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}")
 
 
 def _result_runs(messages: list[dict[str, Any]]) -> list[tuple[int, int]]:

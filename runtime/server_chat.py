@@ -24,7 +24,6 @@ from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.server_base import HandlersBase, Top
 from runtime.structured_output import json_schema_problem, lark_grammar
-from runtime.tokenizer import lone_surrogate
 from runtime.tool_calls import ToolCall, ToolCallStream, ToolPlan, parse_tool_calls, plan_tools
 
 
@@ -160,15 +159,7 @@ class ChatHandlers(HandlersBase):
         ``runtime.chat_template.render_chat`` (the checkpoint's template, or DeepSeek-V3.2's
         encoding)."""
         functions = plan.functions if plan is not None else None
-        for i, m in enumerate(messages):
-            content = m.get("content")
-            parts = content if isinstance(content, list) else [{"text": content}]
-            for p in parts:
-                text = p.get("text") if isinstance(p, dict) else None
-                if isinstance(text, str) and (j := lone_surrogate(text)) is not None:
-                    msg = f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}"
-                    raise APIError(400, msg, param="messages")
-        try:
+        try:  # (a lone surrogate in a message: normalise_messages names it)
             text = await asyncio.to_thread(
                 render_chat, self.tokenizer, messages, add_generation, functions
             )

@@ -167,3 +167,14 @@ def test_a_failed_step_recovers_the_engine(llm: LLM, monkeypatch) -> None:
     monkeypatch.setattr(runner, "forward", real)
     got = llm.generate(["Hi", [5, 6, 7]], PARAMS)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_chat_names_a_lone_surrogate_by_message(llm: LLM) -> None:
+    """A lone surrogate in a message is named by the message and its index in the caller's text
+    (it was an index in the rendered prompt), as the server names it: one rule
+    (chat_template.normalise_messages)."""
+    convs = [HI, [BRIEF[0], {"role": "user", "content": "Hi \ud83d"}]]
+    with pytest.raises(ValueError, match=r"conversation 1: messages\[1\]\.content contains a "
+                       r"lone UTF-16 surrogate at index 3"):  # fmt: skip
+        llm.chat(convs, PARAMS)
+    assert_nothing_queued(llm)
