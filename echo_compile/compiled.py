@@ -20,8 +20,9 @@ not compiled). A wrong dtype, shape or device is a ``ValueError`` naming the ten
 (pages, slots, positions) are the caller's to get right. Any strides do (a view is copied to
 the row-major layout the steps were compiled on). The steps run without autograd, whatever the
 caller's grad or inference mode, with autocast off and in the torch globals of ``compile()``'s
-time (CPU threads, default dtype, fp32 matmul precision), whatever the caller's at the call: a
-graph is guarded on them, and a change after warm-up would be a refused recompile.
+time (CPU threads, default dtype, fp32 matmul precision, reduced-precision reductions), whatever
+the caller's at the call: a graph is guarded on them, and a change after warm-up would be a
+refused recompile.
 ``decode`` returns fp32 logits [B, V] (B padded internally to the next bucket and cut back);
 ``prefill`` takes at most ``prefill_chunk`` tokens per call (a longer prompt: one call per chunk,
 in order) and returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
@@ -92,51 +93,62 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _torch_globals() -> tuple[int, torch.dtype, str]:
-    """The process-global torch settings Dynamo guards every compiled graph on that a user (or
-    ``LLM()``, which sets the thread count) may change: CPU threads, default dtype, fp32 matmul
-    precision (TF32)."""
-    return torch.get_num_threads(), torch.get_default_dtype(), torch.get_float32_matmul_precision()
+def _set_bf16_reduce(v: bool) -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = v
+
+
+def _set_fp16_reduce(v: bool) -> None:
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = v
+
+
+# The process-global torch settings Dynamo guards every compiled graph on (GLOBAL_STATE) that a
+# user (or ``LLM()``, which sets the thread count) may change, as (get, set): CPU threads, default
+# dtype, fp32 matmul precision (TF32), bf16 / fp16 reduced-precision GEMM reductions.
+_GLOBALS = (
+    (torch.get_num_threads, torch.set_num_threads),
+    (torch.get_default_dtype, torch.set_default_dtype),
+    (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    (lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, _set_bf16_reduce),
+    (lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction, _set_fp16_reduce),
+)
+
+
+def _torch_globals() -> tuple:
+    """The values of ``_GLOBALS`` now."""
+    return tuple(get() for get, _ in _GLOBALS)
 
 
 @contextlib.contextmanager
-def _pinned_globals(state: tuple[int, torch.dtype, str], device: torch.device) -> Iterator[None]:
+def _pinned_globals(state: tuple, device: torch.device) -> Iterator[None]:
     """``state`` (``_torch_globals()``) and autocast off for the ``with`` body, the caller's again
     after it.
 
     NOTE: Dynamo guards a graph on them (GLOBAL_STATE): a caller's ``torch.autocast``,
     ``set_num_threads`` (``LLM()`` sets it: one built after a ``CompiledModel`` warmed up),
-    ``set_default_dtype`` or ``set_float32_matmul_precision`` made every later call a recompile,
-    refused after warm-up. The steps are bf16 by design: autocast has nothing to do there."""
+    ``set_default_dtype``, ``set_float32_matmul_precision`` or a reduced-precision reduction
+    flag made every later call a recompile, refused after warm-up. The steps are bf16 by design:
+    autocast has nothing to do there."""
     now = _torch_globals()
-    threads, dtype, precision = state
+    changed = [(set_, v, was) for (_, set_), v, was in zip(_GLOBALS, state, now) if v != was]
     try:
-        if now[0] != threads:
-            torch.set_num_threads(threads)
-        if now[1] != dtype:
-            torch.set_default_dtype(dtype)
-        if now[2] != precision:
-            torch.set_float32_matmul_precision(precision)
+        for set_, v, _ in changed:
+            set_(v)
         with contextlib.ExitStack() as stack:
             for kind in ("cpu", "cuda") if device.type == "cuda" else ("cpu",):
                 if torch.is_autocast_enabled(kind):  # (entered only then: ~5 us a context)
                     stack.enter_context(torch.autocast(kind, enabled=False))
             yield
     finally:
-        if now[0] != threads:
-            torch.set_num_threads(now[0])
-        if now[1] != dtype:
-            torch.set_default_dtype(now[1])
-        if now[2] != precision:
-            torch.set_float32_matmul_precision(now[2])
+        for set_, _, was in changed:
+            set_(was)
 
 
 class CompiledStep:
     """A fullgraph torch.compile'd step (runtime.model_runner.CompiledStep); ``code``: the code
     object Dynamo keeps this step's compiled entries on (its own, see ``_own_code``). Every call
-    (compiles and warm-up included) runs in the torch globals of its construction (``globals``:
-    thread count, default dtype, fp32 matmul precision) with autocast off, whatever the
-    caller's (``_pinned_globals``)."""
+    (compiles and warm-up included) runs in the torch globals of its construction (``globals``,
+    ``_GLOBALS``: thread count, default dtype, fp32 matmul precision, reduced-precision
+    reductions) with autocast off, whatever the caller's (``_pinned_globals``)."""
 
     def __init__(self, compiled: Callable[..., torch.Tensor], device: torch.device, code):
         self.compiled = compiled

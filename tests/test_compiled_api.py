@@ -231,9 +231,10 @@ def _tiny_aot_eager():
 def test_after_warmup_decode_runs_whatever_the_caller_s_torch_globals():
     """Dynamo guards each graph on process-global torch state: a caller's ``torch.autocast``,
     ``set_num_threads`` (``LLM()`` sets it: an LLM built in the process of a warm CompiledModel),
-    ``set_default_dtype`` or ``set_float32_matmul_precision`` made every later call a recompile,
-    refused after warm-up. The steps run in the state of their construction, autocast off, with
-    the same logits, and the caller's state is theirs again after each call."""
+    ``set_default_dtype``, ``set_float32_matmul_precision`` or a reduced-precision reduction flag
+    made every later call a recompile, refused after warm-up. The steps run in the state of their
+    construction, autocast off, with the same logits, and the caller's state is theirs again
+    after each call."""
     cm = _tiny_aot_eager()
     cm.warmup(calls=1, progress=False)
     bt = torch.zeros(1, cm.runner.pages_per_seq, dtype=torch.int32)
@@ -244,6 +245,9 @@ def test_after_warmup_decode_runs_whatever_the_caller_s_torch_globals():
 
     ref = call()
     threads = torch.get_num_threads()
+    mm = torch.backends.cuda.matmul
+    bf16 = mm.allow_bf16_reduced_precision_reduction
+    fp16 = mm.allow_fp16_reduced_precision_reduction
     changes = (
         ("autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16).__enter__(),
          lambda c: c.__exit__(None, None, None), lambda: torch.is_autocast_enabled("cpu")),
@@ -254,6 +258,12 @@ def test_after_warmup_decode_runs_whatever_the_caller_s_torch_globals():
         ("precision", lambda: torch.set_float32_matmul_precision("high"),
          lambda _: torch.set_float32_matmul_precision("highest"),
          torch.get_float32_matmul_precision),
+        ("bf16 reduce", lambda: setattr(mm, "allow_bf16_reduced_precision_reduction", not bf16),
+         lambda _: setattr(mm, "allow_bf16_reduced_precision_reduction", bf16),
+         lambda: mm.allow_bf16_reduced_precision_reduction),
+        ("fp16 reduce", lambda: setattr(mm, "allow_fp16_reduced_precision_reduction", not fp16),
+         lambda _: setattr(mm, "allow_fp16_reduced_precision_reduction", fp16),
+         lambda: mm.allow_fp16_reduced_precision_reduction),
     )  # fmt: skip
     for name, change, undo, read in changes:
         ctx = change()
