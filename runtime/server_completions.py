@@ -44,7 +44,8 @@ class CompletionHandlers(HandlersBase):
             if not p or any(not 0 <= i < vocab for i in p):
                 msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
                 raise APIError(400, msg, param="prompt")
-            text = self.tokenizer.decode(p) if req.echo else ""
+            # (echo: their text with the special tokens, as vLLM decodes a token-id prompt)
+            text = self.tokenizer.decode(p, skip_special_tokens=False) if req.echo else ""
             out.append((list(p), text))
         if not out:
             raise APIError(400, "prompt must not be an empty list", param="prompt")

@@ -52,7 +52,9 @@ class Handlers(CompletionHandlers, ChatHandlers):
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= i < vocab for i in req.tokens):
             raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
-        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
+        # special tokens kept, as vLLM's decode (HF's default): /tokenize's BOS comes back
+        text = await asyncio.to_thread(self.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
 
     async def prometheus(self) -> Response:
         try:

@@ -206,7 +206,7 @@ def test_echo_with_logprobs_puts_the_prompt_first(url: str, n: int, plp_n: int) 
     ref = client.completions.create(**kw, extra_body=extra).choices[0]  # no echo
     plp = ref.model_extra["prompt_logprobs"]
     r = client.completions.create(**kw, echo=True, extra_body=extra).choices[0]
-    assert r.text == tok.decode(prompt) + ref.text
+    assert r.text == tok.decode(prompt, skip_special_tokens=False) + ref.text
     assert r.model_extra["prompt_logprobs"] == plp
     assert all(len(e) == plp_n + (e[str(t)]["rank"] > plp_n)
                for t, e in zip(prompt[1:], plp[1:], strict=True))  # fmt: skip
@@ -231,7 +231,7 @@ def test_echo_with_logprobs_puts_the_prompt_first(url: str, n: int, plp_n: int) 
     # streamed: the prompt comes with its logprobs in the first chunk, then as non-streamed
     chunks = [c.choices[0] for c in client.completions.create(**kw, echo=True, stream=True)
               if c.choices]  # fmt: skip
-    assert chunks[0].text.startswith(tok.decode(prompt))
+    assert chunks[0].text.startswith(tok.decode(prompt, skip_special_tokens=False))
     assert "".join(c.text for c in chunks) == alone.text
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         got = [x for c in chunks if c.logprobs for x in getattr(c.logprobs, field)]
@@ -250,7 +250,7 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(url: str) ->
     full = client.completions.create(**kw, max_tokens=3).choices[0].logprobs
     r = client.completions.create(**kw, max_tokens=0)
     c, n = r.choices[0], len(prompt)
-    assert c.text == tok.decode(prompt) and c.finish_reason == "length"
+    assert c.text == tok.decode(prompt, skip_special_tokens=False) and c.finish_reason == "length"
     assert r.usage.completion_tokens == 0
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert getattr(c.logprobs, field) == getattr(full, field)[:n], field

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_utils import make_tokenizer_dir, running_server
+from server_utils import BOS, make_tokenizer_dir, running_server
 from test_server import MAX_MODEL_LEN, MODEL, FakeEngine, expected
 
 from runtime.async_engine import AsyncEngine
@@ -239,6 +239,19 @@ def test_echo(url: str, tok: Tokenizer) -> None:
                                             echo=True, stream=True))  # fmt: skip
     assert chunks[0].choices[0].text == "Hello world"
     assert "".join(c.choices[0].text for c in chunks) == "Hello world" + expected(tok, ids, 3)[0]
+
+
+def test_token_id_prompts_decode_with_their_special_tokens(url: str, tok: Tokenizer) -> None:
+    """/detokenize and echo of a token-id prompt give its special tokens' text, as vLLM's
+    (``tokenizer.decode(ids)``, HF's default skip_special_tokens=False): /tokenize then
+    /detokenize returns the BOS it added (echo's logprobs' text_offset counted it already).
+    (A generated special token stays skipped, vLLM's skip_special_tokens default.)"""
+    ids = tok.encode("Hello world")
+    r = httpx.post(url + "/detokenize", json={"tokens": ids})
+    assert r.json() == {"prompt": BOS + "Hello world"}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)
+    assert r.choices[0].text == BOS + "Hello world"
 
 
 def test_echo_with_max_tokens_0_returns_the_prompt_alone(url: str, tok: Tokenizer) -> None:
