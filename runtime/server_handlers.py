@@ -43,7 +43,8 @@ class Handlers(CompletionHandlers, ChatHandlers):
             "tokens": ids,
         }
         if req.return_token_strs:
-            body["token_strs"] = self.token_strings(ids)
+            # the vocabulary's pieces ("Ġworld"), as vLLM's convert_ids_to_tokens: not decoded
+            body["token_strs"] = [self.tokenizer.token_piece(i) for i in ids]
         return body
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:

@@ -233,6 +233,12 @@ class Tokenizer:
         """Text of ``ids`` (special tokens such as EOS dropped by default)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's own string for ``token_id`` (byte-level BPE: ``"Ġworld"``, a split
+        character's bytes as their alphabet characters), as HF's ``convert_ids_to_tokens`` gives
+        it: vLLM's /tokenize ``token_strs``. "" for an id the vocabulary lacks."""
+        return self._tok.id_to_token(token_id) or ""
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes ``token_id`` stands for (OpenAI's logprobs ``bytes``). A byte-level BPE
         token may end partway through a UTF-8 character, which ``decode`` renders as U+FFFD:

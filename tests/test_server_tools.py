@@ -472,7 +472,8 @@ def test_tool_requests_refused_with_the_param(url: str) -> None:
 
 def test_developer_role_and_content_parts_through_the_server(url: str) -> None:
     """A developer message (V3.2 renders it as a user turn introducing the words) and a list of
-    text parts, through the openai client and /tokenize: the same prompt, rendered as V3.2 does."""
+    text parts, through the openai client and /tokenize + /detokenize (special tokens kept): the
+    same prompt, rendered as V3.2 does."""
     import httpx
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -483,10 +484,10 @@ def test_developer_role_and_content_parts_through_the_server(url: str) -> None:
     ]  # fmt: skip
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
     assert r.choices[0].finish_reason in ("stop", "length")
-    body = {"messages": msgs, "return_token_strs": True}
-    t = httpx.post(url + "/tokenize", json=body, timeout=30).json()
+    t = httpx.post(url + "/tokenize", json={"messages": msgs}, timeout=30).json()
     assert t["count"] == r.usage.prompt_tokens
-    text = "".join(t["token_strs"])
+    d = httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}, timeout=30)
+    text = d.json()["prompt"]
     assert (
         "You are terse.<｜User｜>\n\n# The user's message is: Paris\nweather?<｜Assistant｜>"
         in (text)
