@@ -274,6 +274,35 @@ def test_stop_checker_matches_reference(text: str, stops: list[str], cuts: list[
     assert (c.hit is not None) == bool(hits)
 
 
+# ---- against the tokenizers library (what HF's fast tokenizer and vLLM call) ------------------
+_PIECES = [" ", "  ", "\n", "\t", "\r\n", "a", "the", " the", "é", "世界", "🎉", "👨\u200d👧",
+           "Ġ", "▁", BOS, EOS, "<|user|>", "<|", "|>"]  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.sampled_from(_PIECES), max_size=14), data=st.data())
+def test_encode_and_incremental_decode_agree_with_the_library(
+    tok: Tokenizer, parts: list[str], data: st.DataObject
+) -> None:
+    """encode() is HF's ``encode(text)`` (the BOS, special-token text as its token, a BOS
+    already in the text kept: two), the text round-trips, and the streamed deltas after any
+    prompt split at a character boundary join to the full decode (special tokens skipped)."""
+    import tokenizers
+
+    text = "".join(parts)
+    ref = tokenizers.Tokenizer.from_str(tok._tok.to_str())
+    ref.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, tok.bos_token_id)]
+    )
+    ids = tok.encode(text)
+    assert ids == ref.encode(text).ids
+    assert tok.decode(ids, skip_special_tokens=False) == BOS + text
+    k = data.draw(st.integers(1, len(ids)))
+    gen = tok.decode(ids[k:])
+    if tok.decode(ids[:k]) + gen == tok.decode(ids):  # (not inside a character)
+        assert "".join(_stream(IncrementalDetokenizer(tok, prompt_ids=ids[:k]), ids[k:])) == gen
+
+
 # ---- the tiny checkpoint's tokenizer (model/checkpoint.py) -------------------------------------
 def test_tiny_checkpoint_tokenizer(tmp_path: Path) -> None:
     from model import checkpoint as ck
