@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--eager-prefill",
         action="store_true",
-        help="--mode full: run the prefill chunks eagerly instead of compiled (the old default)",
+        help="--mode full: run the prefill chunks eagerly instead of compiled",
     )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-ctx", type=int, default=80_000)
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat",
         type=float,
         default=0.0,
-        help="probability that a decode input repeats the previous one: the earlier locality "
-        "knob, kept to reproduce the results taken with it (--locality 0 --repeat 1)",
+        help="probability that a decode input repeats the previous one (a second locality "
+        "knob; e2e_h200.json was taken with --locality 0 --repeat 1)",
     )
     ap.add_argument("--gpu-pools", default="325000,200000,110000", help="N_G per layer, each")
     ap.add_argument("--host-tokens", type=int, default=0, help="default: enough for every request")
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--prefill-first",
         action="store_true",
-        help="--mode full: decoding requests wait for every pending prefill chunk (the policy "
-        "before decodes ran between chunks; EngineConfig.decode_during_prefill=False)",
+        help="--mode full: decoding requests wait for every pending prefill chunk "
+        "(EngineConfig.decode_during_prefill=False; by default decodes run between chunks)",
     )
     ap.add_argument(
         "--async-scheduling",
