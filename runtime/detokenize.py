@@ -47,7 +47,13 @@ class RequestDetokenizer:
         self.params = params
         self.eos = eos_token_ids
         self.detok = (
-            IncrementalDetokenizer(tokenizer, params.stop, prompt_ids)
+            IncrementalDetokenizer(
+                tokenizer,
+                params.stop,
+                prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
             if tokenizer is not None
             else None
         )

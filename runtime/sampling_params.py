@@ -66,7 +66,16 @@ class SamplingParams:
     - ``prompt_logprobs``: None, or 0..20: the logprob of every prompt token after the first and
       that many most likely alternatives (log-softmax of the model's raw logits; vLLM's). NOTE:
       such a request's prefill runs eagerly (``runtime.prompt_logprobs``).
-    ``runtime.sampling_controls`` applies the last six, on the device, before sampling.
+    - ``skip_special_tokens`` (vLLM's, default True): the generated text leaves out special
+      tokens (BOS, EOS under ``ignore_eos``, the chat markers); False keeps their text, so a stop
+      string naming one then matches it. An EOS or a ``stop_token_ids`` token that ends the
+      request is never in the text either way (as vLLM's).
+    - ``spaces_between_special_tokens`` (vLLM's, default True): False gives a special (added)
+      token that follows another its own text alone, as vLLM's fast-tokenizer detokenizer does;
+      only with ``skip_special_tokens=False``. The byte-level decoder (DeepSeek's) never puts a
+      space between them, so there the text is the same either way.
+    ``runtime.sampling_controls`` applies the penalties, ``logit_bias``, ``min_p`` and
+    ``min_tokens``, on the device, before sampling.
     """
 
     max_tokens: int | None = 16
@@ -87,6 +96,8 @@ class SamplingParams:
     top_logprobs: int = 0
     grammar: str | None = None
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -139,7 +150,8 @@ class SamplingParams:
                 f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}",
             )
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        for name in ("ignore_eos", "logprobs"):
+        bools = ("ignore_eos", "logprobs", "skip_special_tokens", "spaces_between_special_tokens")
+        for name in bools:
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(
                     name, f"{name} must be a boolean, got {getattr(self, name)!r}"

@@ -233,6 +233,11 @@ class Tokenizer:
         """Text of ``ids`` (special tokens such as EOS dropped by default)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def added_token_text(self, token_id: int) -> str | None:
+        """The text of an added token (special or not: tokenizer.json's ``added_tokens``), None
+        for any other id."""
+        return self._tok.id_to_token(token_id) if token_id in self._added else None
+
     def token_piece(self, token_id: int) -> str:
         """The vocabulary's own string for ``token_id`` (byte-level BPE: ``"Ġworld"``, a split
         character's bytes as their alphabet characters), as HF's ``convert_ids_to_tokens`` gives
@@ -331,6 +336,12 @@ class IncrementalDetokenizer:
 
     ``prompt_ids`` (optional) give the decoder context, so tokenizers that strip a leading space at
     the start of a decode (SentencePiece-style) render the first generated token correctly.
+
+    ``skip_special_tokens`` (vLLM's, default True): special tokens add no text; False: their
+    text is part of the output, and of what the stop strings are matched against.
+    ``spaces_between_special_tokens`` False (with ``skip_special_tokens`` False): an added token
+    fed right after another adds its own text alone, whatever space the decoder would put before
+    it (vLLM's fast-tokenizer detokenizer's rule); the byte-level decoder puts none.
     """
 
     # Prompt tokens used as decoding context: enough for any tokenizer's merge window.
@@ -342,9 +353,13 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # vLLM's: the rule applies only where special tokens are kept
+        self._join_added = not (skip_special_tokens or spaces_between_special_tokens)
+        self._last_added = False  # the last token fed was an added token
         self._ids = list(prompt_ids[-self.CONTEXT :]) if prompt_ids else []
         # Invariant: ids[prefix:read] decode to text already emitted; ids[read:] are pending.
         self._prefix = 0
@@ -365,6 +380,13 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(token_id)
+        if self._join_added:
+            added = self.tokenizer.added_token_text(token_id)
+            after_added, self._last_added = self._last_added, added is not None
+            if added is not None and after_added and self._read == len(self._ids) - 1:
+                # (nothing pending: the added token before it was shown whole)
+                self._prefix, self._read = self._read, len(self._ids)
+                return self._emit(self._stop.feed(added))
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
