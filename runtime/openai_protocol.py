@@ -88,6 +88,8 @@ class _SamplingRequest(_Strict):
     min_tokens: int | None = None
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema
     prompt_logprobs: int | None = None  # vLLM's (runtime.prompt_logprobs)
+    skip_special_tokens: bool | None = None  # vLLM's; default true
+    spaces_between_special_tokens: bool | None = None  # vLLM's; default true
 
 
 class CompletionRequest(_SamplingRequest):
@@ -188,8 +190,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     # vLLM's extra fields that would change the output
     "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),  # ("token_id:N" logprob tokens)
     # vLLM's sampling extras that restrict the tokens (they were silently ignored)
@@ -328,6 +328,8 @@ def sampling_params(
             top_logprobs=top,
             grammar=response_grammar(req.response_format),
             prompt_logprobs=req.prompt_logprobs,
+            skip_special_tokens=default(req.skip_special_tokens, True),
+            spaces_between_special_tokens=default(req.spaces_between_special_tokens, True),
         )
     except SamplingParamsError as e:  # named as the client sent it
         param = {"top_logprobs": top_param, "max_tokens": max_param}.get(e.param, e.param)

@@ -343,7 +343,7 @@ class HandlersBase:
             return None
         # The stop checker ends at the first complete stop string (earliest end, then the longer):
         # the same rule over the whole decoded output finds which one it was.
-        full = self.tokenizer.decode(res.token_ids)
+        full = self.tokenizer.decode(res.token_ids, params.skip_special_tokens)
         hits = [(i + len(s), i, s) for s in params.stop if (i := full.find(s)) >= 0]
         return min(hits)[2] if hits else None
 
