@@ -105,12 +105,22 @@ def _serve(a: argparse.Namespace) -> int:
     from echo_compile.llm import LLM
     from runtime.async_engine import AsyncEngine
     from runtime.server import serve
+    from runtime.server_lifecycle import bind_socket
 
-    llm = LLM(
-        a.model, compile=a.compile, fp8_weights=a.fp8_weights,
-        generation_config=a.generation_config, **engine_options(a),
-    )  # fmt: skip
-    if max(a.dp, a.tp, a.ep) > 1:  # torchrun: rank 0 serves and drives, the others follow
+    multi_rank = max(a.dp, a.tp, a.ep) > 1
+    # one process: the address is taken before the weights load (a port in use, a bad host: one
+    # line in seconds); with torchrun only rank 0 serves, and it binds once the ranks are up
+    sock = None if multi_rank else bind_socket(options["host"], options["port"])
+    try:
+        llm = LLM(
+            a.model, compile=a.compile, fp8_weights=a.fp8_weights,
+            generation_config=a.generation_config, **engine_options(a),
+        )  # fmt: skip
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    if multi_rank:  # torchrun: rank 0 serves and drives, the others follow
         rc = _serve_multi_rank(llm, a, options)
         # the engine (and the gloo groups it holds) freed now, not in the interpreter's
         # finalization, where gloo's teardown aborted the process now and then
@@ -118,7 +128,7 @@ def _serve(a: argparse.Namespace) -> int:
         del llm
         gc.collect()
         return rc
-    serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], **options)
+    serve(AsyncEngine(llm.engine), a.served_model_name or [a.model], sock=sock, **options)
     return 0
 
 

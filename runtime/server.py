@@ -10,6 +10,7 @@ describes the options, limits and metrics.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -153,16 +154,18 @@ def serve(
     *,
     grace_s: float = DEFAULT_GRACE_S,
     asked_max_len: int | None = None,
+    sock: socket.socket | None = None,
     **app_options: Any,
 ) -> None:
     """Serve until SIGTERM / Ctrl-C; then stop admitting, give in-flight requests ``grace_s``
     seconds, abort the rest, stop the engine loop and exit. ``app_options`` go to ``build_app``;
     ``asked_max_len``: the context the user asked for, so the start-up line can say when the
-    engine gives less."""
+    engine gives less; ``sock``: ``host``:``port`` already bound (``bind_socket``, before the model
+    loaded)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     try:
         app = build_app(async_engine, names, api_key, **app_options)
         print(startup_summary(async_engine, ", ".join(names), asked_max_len), flush=True)
-        serve_app(app, async_engine, host, port, grace_s)
+        serve_app(app, async_engine, host, port, grace_s, sock)
     finally:
         async_engine.shutdown()

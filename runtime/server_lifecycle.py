@@ -4,6 +4,7 @@ graceful drain (stop admitting, finish or abort in-flight requests, free their s
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from types import FrameType
 from typing import Any
@@ -67,6 +68,23 @@ def sampling_changes(defaults: SamplingParams) -> str:
     return " ".join(diff)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: connections are refused until the server
+    runs), as uvicorn binds it. ``echo-compile serve`` binds it before the model loads, as vLLM
+    does, so a port in use or a bad host is an ``OSError`` naming the address in seconds, not
+    after the weights."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise OSError(f"cannot listen on {where} (--host / --port): {e.strerror or e}") from None
+    return sock
+
+
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first SIGTERM / SIGINT drains the engine (``AsyncEngine.drain``)
     before uvicorn's own shutdown; a second one exits at once.
@@ -104,14 +122,16 @@ def serve_app(
     host: str,
     port: int,
     grace_s: float = DEFAULT_GRACE_S,
+    sock: socket.socket | None = None,
 ) -> None:
     """Run ``app`` until SIGTERM / Ctrl-C, draining the engine first; the engine is shut down
-    whatever happens."""
+    whatever happens. ``sock``: already bound to ``host``:``port`` (``bind_socket``); None: uvicorn
+    binds it."""
     # The drain already ended every response; uvicorn's own wait only covers stragglers.
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
     )
     try:
-        DrainingServer(config, async_engine, grace_s).run()
+        DrainingServer(config, async_engine, grace_s).run(None if sock is None else [sock])
     finally:
         async_engine.shutdown()

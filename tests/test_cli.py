@@ -412,3 +412,23 @@ def test_tp_without_torchrun_says_so_even_when_the_default_port_is_taken():
     assert r.returncode == 2, r.stderr[-2000:]
     assert "need 2 processes, but this job has 1: launch with torchrun" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _no_load(*a, **k):
+    raise AssertionError("the model loaded before the address was checked")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"], ids=["port-in-use", "bad-host"])
+def test_serve_checks_the_address_before_the_model_loads(capsys, monkeypatch, host):
+    """A port in use or a host that cannot be bound: one line naming the address and the flags,
+    exit 2, before the weights load (minutes on V3.2; uvicorn found it after them, exit 3)."""
+    import socket
+
+    monkeypatch.setattr("echo_compile.llm.LLM", _no_load)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        argv = ["serve", "--device", "cpu", "--host", host, "--port", str(port)]
+        rc, _, err = run_main(capsys, *argv)
+    assert_one_line_error(rc, err, f"{host}:{port}", "--host / --port")
