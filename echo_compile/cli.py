@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[a.cmd](a)
     except USER_ERRORS as e:
         return _user_error(e)
+    except KeyboardInterrupt:  # Ctrl-C while loading (a running server drains instead)
+        print("echo-compile: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 if __name__ == "__main__":

@@ -432,3 +432,21 @@ def test_serve_checks_the_address_before_the_model_loads(capsys, monkeypatch, ho
         argv = ["serve", "--device", "cpu", "--host", host, "--port", str(port)]
         rc, _, err = run_main(capsys, *argv)
     assert_one_line_error(rc, err, f"{host}:{port}", "--host / --port")
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_frees_the_port(capsys, monkeypatch):
+    """Ctrl-C before the server runs (loading, warm-up): one line and exit 130 (128 + SIGINT), not
+    a screenful of KeyboardInterrupt traceback from wherever the load was; the port is free."""
+    import socket
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr("echo_compile.llm.LLM", interrupted)
+    rc, _, err = run_main(capsys, "serve", "--device", "cpu", "--port", str(port))
+    assert rc == 130 and err == "echo-compile: interrupted\n", (rc, err)
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
