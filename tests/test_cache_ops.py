@@ -729,8 +729,9 @@ def test_host_pool_cpu_and_size_error():
     rows = allocate_host_rows(3, 128, 656, torch.device("cpu"), pinned=True)
     assert len(rows) == 3 and rows[0].shape == (128, 656) and rows[0].dtype == torch.uint8
     assert rows[0].data_ptr() != rows[1].data_ptr()  # separate bases, not views of one
-    with pytest.raises(ValueError, match=r"\d+ bytes"):
+    with pytest.raises(ValueError, match=r"\d+ bytes") as e:
         allocate_host_rows(61, 2**40, 656, torch.device("cpu"), pinned=True)
+    assert "GiB" in str(e.value) and "--host-tokens" in str(e.value)  # the flag that sizes it
 
 
 def test_kvcache_fetch_release_stats_cpu():

@@ -47,7 +47,7 @@ def _check_size(num_layers: int, n_tokens: int, row_bytes: int, available: int, 
         raise ValueError(
             f"host KV pool: {num_layers} layers x {n_tokens} tokens x {row_bytes} B = {total} "
             f"bytes ({total / 2**30:.2f} GiB) asked for, but {where} has only {available} bytes "
-            f"({available / 2**30:.2f} GiB); lower host_tokens"
+            f"({available / 2**30:.2f} GiB); lower host_tokens (--host-tokens)"
         )
     return total
 
@@ -69,7 +69,8 @@ class PinnedRows:
             if err != cudart.cudaError_t.cudaSuccess:
                 raise ValueError(
                     f"host KV pool: cudaHostAlloc of {self.nbytes} bytes "
-                    f"({self.nbytes / 2**30:.2f} GiB) failed: {err}"
+                    f"({self.nbytes / 2**30:.2f} GiB) failed: {err}; lower host_tokens "
+                    "(--host-tokens)"
                 )
             self.ptr = int(ptr)
             err, dptr = cudart.cudaHostGetDevicePointer(self.ptr, 0)
