@@ -12,6 +12,7 @@ from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch
 
 DESCRIPTION = "The echo-compile command: demo, generate, serve, make-checkpoint, plan, bench."
 API_KEY_ENV = "ECHO_COMPILE_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: read after ours, so a key set for vLLM still applies
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
@@ -214,8 +215,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=None,
-        help=f"require Authorization: Bearer <key> on /v1/* (default: ${API_KEY_ENV}, which "
-        "keeps the key out of `ps`)",
+        help=f"require Authorization: Bearer <key> on /v1/* (default: ${API_KEY_ENV}, else "
+        f"${VLLM_API_KEY_ENV}, which keep the key out of `ps`)",
     )
     s.add_argument(
         "--served-model-name",
@@ -302,11 +303,18 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _env_api_key() -> str | None:
+    """The API key from the environment: ours, else vLLM's; None when neither is set (or empty)."""
+    import os
+
+    return os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or None
+
+
 def serve_options(a: argparse.Namespace) -> dict:
     """``runtime.server.serve`` keyword arguments from the serve flags (checked before the model
-    loads); the API key falls back to ``$ECHO_COMPILE_API_KEY``."""
+    loads); the API key falls back to ``$ECHO_COMPILE_API_KEY``, then vLLM's ``$VLLM_API_KEY``
+    (an operator moving from vLLM with only that set got a server without authentication)."""
     import math
-    import os
 
     if not (a.shutdown_grace >= 0 and math.isfinite(a.shutdown_grace)):
         raise ValueError(f"--shutdown-grace must be a finite number >= 0, got {a.shutdown_grace}")
@@ -319,7 +327,7 @@ def serve_options(a: argparse.Namespace) -> dict:
     return dict(
         host=a.host,
         port=a.port,
-        api_key=a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        api_key=a.api_key if a.api_key is not None else _env_api_key(),
         grace_s=a.shutdown_grace,
         asked_max_len=a.max_model_len,
         max_body_bytes=int(a.max_body_mb * 2**20),

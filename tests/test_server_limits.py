@@ -356,7 +356,11 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_options(parser().parse_args(["serve"]))["api_key"] == "from-env"
     args = parser().parse_args(["serve", "--api-key", "flag"])
     assert serve_options(args)["api_key"] == "flag"  # the flag wins
-    monkeypatch.delenv("ECHO_COMPILE_API_KEY")
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # vLLM's variable: ours first
+    assert serve_options(parser().parse_args(["serve"]))["api_key"] == "from-env"
+    monkeypatch.delenv("ECHO_COMPILE_API_KEY")  # then vLLM's (it was dropped: no auth at all)
+    assert serve_options(parser().parse_args(["serve"]))["api_key"] == "from-vllm"
+    monkeypatch.delenv("VLLM_API_KEY")
     assert serve_options(parser().parse_args(["serve"]))["api_key"] is None
     with pytest.raises(ValueError, match="--max-concurrent"):
         serve_options(parser().parse_args(["serve", "--max-concurrent", "0"]))
