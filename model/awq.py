@@ -51,6 +51,7 @@ __all__ = [
     "convert_to_awq",
     "densify_awq",
     "repack_awq_model",
+    "repacked_growth",
 ]
 
 DENSE_AFTER_LOAD = ("kv_b_proj",)  # AWQ in the checkpoint, dense bf16 in the model (W_UK / W_UV)
@@ -420,14 +421,26 @@ def densify_awq(
     return done
 
 
+def _tinygemm_max_m(m: AWQLinear, cuda: bool | None) -> int:
+    """``repack_awq_model``'s default ``tinygemm_max_m`` for ``m`` (``cuda`` None: by the
+    weight's device): ``custom_ops.awq_repack.tinygemm_max_m`` of its size on CUDA, -1 elsewhere."""
+    if cuda is None:
+        cuda = m.qweight.device.type == "cuda"
+    return R.tinygemm_max_m(m.in_features, m.out_features) if cuda else -1
+
+
 def repack_awq_model(
-    model: nn.Module, tinygemm_max_m: int | None = None, large_m: str | None = None
+    model: nn.Module,
+    tinygemm_max_m: int | None = None,
+    large_m: str | None = None,
+    cuda: bool | None = None,
 ) -> list[str]:
     """After loading (and ``densify_awq``): ``AWQLinear.repack`` every AWQ linear of ``model``
     and ``AWQExperts.repack`` every block of routed experts. ``tinygemm_max_m``: linear calls of
     at most this many tokens use tinygemm (default ``custom_ops.awq_repack.tinygemm_max_m`` of
-    the linear's size on CUDA, none elsewhere; -1 = never); ``large_m``: the kernel of the other
-    calls (default ``R.LARGE_M_PATH``, the measured winner). Returns the names."""
+    the linear's size on CUDA, none elsewhere; -1 = never; ``cuda``: which of the two defaults,
+    None: by the weights' device); ``large_m``: the kernel of the other calls (default
+    ``R.LARGE_M_PATH``, the measured winner). Returns the names."""
     large = R.LARGE_M_PATH if large_m is None else large_m
     R.check_large_m_path(large)
     done: list[str] = []
@@ -437,10 +450,7 @@ def repack_awq_model(
                 m.repack()
                 done.append(name)
             if isinstance(m, AWQLinear) and not m.repacked:
-                max_m = tinygemm_max_m
-                if max_m is None:
-                    cuda = m.qweight.device.type == "cuda"
-                    max_m = R.tinygemm_max_m(m.in_features, m.out_features) if cuda else -1
+                max_m = tinygemm_max_m if tinygemm_max_m is not None else _tinygemm_max_m(m, cuda)
                 m.repack(max_m, large)
                 done.append(name)
         except ValueError as err:  # e.g. pack_zs refusing a scale: say which module
@@ -448,3 +458,36 @@ def repack_awq_model(
     for dev in {p.device for p in model.parameters() if p.device.type == "cuda"}:
         P.reserve_counters(dev)  # before any torch.compile warm-up could make them in its pool
     return done
+
+
+def _nbytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+def repacked_growth(model: nn.Module) -> int:
+    """Bytes ``repack_awq_model`` would add to the parameters of ``model`` on a GPU (the pair
+    layout's packed zero points and scales are larger than AutoAWQ's, and the small linears keep
+    a tinygemm copy too): the memory plan's weights on a GPU (runtime/distributed/plan.py).
+    Nothing is allocated and ``model`` is left as it is: each distinct AWQ module shape is
+    repacked once as a meta stand-in (a block of experts as one expert, times their count)."""
+    growth: dict[tuple, int] = {}
+    total = 0
+    for m in model.modules():
+        if isinstance(m, AWQExperts) and not m.repacked:
+            key: tuple = ("experts", m.dim, m.inter_dim, m.w13_scales.dtype)
+            if key not in growth:
+                one = AWQExperts(1, m.dim, m.inter_dim, m.w13_scales.dtype, "meta")
+                before = _nbytes(one)
+                one.repack()
+                growth[key] = _nbytes(one) - before
+            total += growth[key] * m.n_experts
+        elif isinstance(m, AWQLinear) and not m.repacked:
+            max_m = _tinygemm_max_m(m, cuda=True)
+            key = ("linear", m.in_features, m.out_features, m.scales.dtype, max_m)
+            if key not in growth:
+                one = AWQLinear(m.in_features, m.out_features, m.scales.dtype, "meta")
+                before = _nbytes(one)
+                one.repack(max_m, R.LARGE_M_PATH)
+                growth[key] = _nbytes(one) - before
+            total += growth[key]
+    return total

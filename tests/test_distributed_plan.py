@@ -66,6 +66,36 @@ def test_fp8_weight_bytes_are_the_loaded_fp8_shard(tmp_path):
     assert real < weight_bytes(extras.config, tp=2, rank=1)  # FP8 kept: fewer bytes
 
 
+def test_awq_weight_bytes_are_the_repacked_gpu_shard(tmp_path):
+    """On a GPU the loader repacks AWQ for the fast kernels (packed zero points and scales of 4
+    bytes a group and column, a tinygemm copy of the small linears): the plan counts that layout
+    (it counted AutoAWQ's, 1.57 GiB a rank short for V3.2 on 8 GPUs); the CPU keeps AutoAWQ's."""
+    from model.awq import repack_awq_model
+    from model.checkpoint import make_checkpoint
+    from model.config import ModelConfig
+    from model.loader import load_model
+    from model.presets import tiny_config_dict
+
+    def nbytes_of(m):
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    whole, extras = load_model("tiny-awq", keep_mtp=False)
+    assert weight_bytes(extras.config, 1, cuda=False) == nbytes_of(whole)
+    repack_awq_model(whole, cuda=True)  # finish_loaded_model's repack, with CUDA's choices
+    assert weight_bytes(extras.config, 1) == nbytes_of(whole)
+    cfg = ModelConfig.from_dict(dict(tiny_config_dict(), moe_intermediate_size=256))
+    path = make_checkpoint(tmp_path / "awq", cfg, awq=True)
+    for ep in (False, True):
+        shard, extras = load_sharded_model(path, TPGroup(1, 2, "", gather=True), ep=ep)
+        repack_awq_model(shard, cuda=True)
+        assert weight_bytes(extras.config, 2, rank=1, ep=ep) == nbytes_of(shard)
+    # V3.2 AWQ on 8 GPUs: 55.10 GiB as AutoAWQ, 56.67 GiB as served (either split)
+    v32 = v32_config("awq")
+    assert round(weight_bytes(v32, 8, cuda=False) / 2**30, 2) == 55.10
+    assert round(weight_bytes(v32, 8) / 2**30, 2) == round(weight_bytes(v32, 8, ep=True) / 2**30, 2)
+    assert round(weight_bytes(v32, 8) / 2**30, 2) == 56.67
+
+
 def test_v32_plans_on_8_h200():
     eng = plan_engine(8, 8, gpu_tokens=200_000, host_tokens=1 << 21, max_batch=64)
     awq = memory_plan(v32_config("awq"), eng, gpu_mem_gib=139.8, host_mem_gib=2000)

@@ -52,22 +52,33 @@ def fp8_checkpoint_modules(config: ModelConfig) -> set[str]:
 
 
 def weight_bytes(
-    config: ModelConfig, tp: int, rank: int = 0, ep: bool = False, fp8_weights: str = "bf16"
+    config: ModelConfig,
+    tp: int,
+    rank: int = 0,
+    ep: bool = False,
+    fp8_weights: str = "bf16",
+    cuda: bool = True,
 ) -> int:
     """Bytes of one rank's parameters and buffers (built on the meta device) when the
     feed-forward is split over ``tp`` ranks (``ep``: routed experts by expert; ``fp8_weights``
-    "fp8": an FP8 checkpoint's weights kept FP8, as ``load_sharded_model`` keeps them)."""
+    "fp8": an FP8 checkpoint's weights kept FP8, as ``load_sharded_model`` keeps them), in the
+    layouts the loader leaves on a GPU (``cuda``; AWQ repacked for the fast kernels, larger than
+    the checkpoint's) or on the CPU."""
     from model.parallel import TPGroup
     from model.shard_loader import build_sharded_model
 
     fp8 = fp8_checkpoint_modules(config) if fp8_weights == "fp8" else None
     model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True), ep=ep, fp8_modules=fp8)
     if config.quantization is not None and config.quantization.method == "awq":
-        from model.awq import densify_awq
+        from model.awq import densify_awq, repacked_growth
 
         densify_awq(model)  # as load_sharded_model does (kv_b_proj bf16)
+        # and on a GPU model.loader.finish_loaded_model repacks it (the CPU keeps AutoAWQ's)
+        repacked = repacked_growth(model) if cuda else 0
+    else:
+        repacked = 0
     tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) + repacked
 
 
 def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
