@@ -35,16 +35,18 @@ def test_cache_bytes_are_the_allocations(offload, prefetch):
     assert got["prefetch staging"] == sum(nbytes(s) for s in staging)  # exact
     host = sum(layer.host_kv.numel() for layer in cache.layers)
     device = nbytes(cache) - host
-    if not offload:  # GPU-only: the "host" rows are the device-resident KV
+    device_kv = host  # GPU-only: the "host" rows are the device-resident KV
+    if not offload:
         host, device = 0, device + host
     assert got["host kv pool"] == host
-    meta = got["metadata"]
-    dev_sum = got["gpu kv pools"] + got["indexer cache"] + got["prefill buffer"]
-    dev_sum += got["prefetch staging"]
-    # the metadata estimate rounds the pools' few small control buffers up to 4 KB per layer;
-    # without a pool it is the prefill counters alone, exactly
-    assert dev_sum <= device <= dev_sum + meta
-    assert offload or device == dev_sum + meta
+    # every device buffer, the pools' maps and counters too, exactly (they were a 4 KB-a-layer
+    # estimate); by item: the pools' rows, the indexer cache, the prefill buffer
+    assert device == sum(v for k, v in got.items() if k != "host kv pool")
+    pools = [layer.pool for layer in cache.layers if layer.pool is not None]
+    rows = sum(p.gpu_kv.nbytes for p in pools) if offload else device_kv
+    assert got["gpu kv pools"] == rows
+    assert got["indexer cache"] == sum(layer.index_k.nbytes for layer in cache.layers)
+    assert got["prefill buffer"] == sum(layer.prefill_kv.nbytes for layer in cache.layers)
 
 
 def test_weight_bytes_are_the_loaded_shard():

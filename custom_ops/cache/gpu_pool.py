@@ -18,6 +18,27 @@ from custom_ops import cache_layout as C
 from custom_ops.cache.config import CacheConfig
 
 
+def pool_buffers(cfg: CacheConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype, int | None]]:
+    """One layer's pool buffers, name: (shape, dtype, initial value; None: 0, 1, 2, ...), the one
+    home of their sizes: ``GpuPool`` allocates them, the memory plan (runtime/distributed/plan.py)
+    counts them."""
+    n_g, n_h = cfg.gpu_tokens, cfg.host_tokens
+    cap = min(cfg.max_batch * cfg.topk, n_g)  # CAP: selected entries per recall
+    i32 = torch.int32
+    return {
+        "gpu_kv": ((n_g, cfg.row_bytes), torch.uint8, 0),
+        "gpu_free": ((n_g,), i32, None),  # the ring of free slots: all, from HEAD = 0
+        "gpu_priority": ((n_g,), i32, -1),
+        "gpu_to_host": ((n_g,), i32, -1),
+        "host_to_gpu": ((n_h,), i32, -1),
+        "indices": ((cap,), i32, -1),
+        "miss_host": ((cap,), i32, 0),
+        "meta": ((C.META_LEN,), i32, 0),
+        "hist": ((C.NBINS,), i32, 0),
+        "totals": ((C.STATS_LEN,), torch.int64, 0),  # the ops' argument "stats"
+    }
+
+
 class GpuPool(nn.Module):
     """Per-layer GPU pool. ``recall(host_kv, host_slots [B, k] int32) -> gpu_slots [B, k] int32``
     keeps the order of ``host_slots`` (entry j holds host slot j's row; -1 stays -1).
@@ -36,20 +57,12 @@ class GpuPool(nn.Module):
         self.capacity = min(cfg.max_batch * cfg.topk, n_g)  # CAP: selected entries per recall
         self.debug = debug if debug is not None else os.environ.get("ECHO_CACHE_DEBUG") == "1"
 
-        def buf(name: str, t: torch.Tensor) -> None:
+        for name, (shape, dtype, value) in pool_buffers(cfg).items():
+            if value is None:
+                t = torch.arange(shape[0], dtype=dtype, device=device)
+            else:
+                t = torch.full(shape, value, dtype=dtype, device=device)
             self.register_buffer(name, t, persistent=False)
-
-        i32 = dict(dtype=torch.int32, device=device)
-        buf("gpu_kv", torch.zeros(n_g, cfg.row_bytes, dtype=torch.uint8, device=device))
-        buf("gpu_free", torch.arange(n_g, **i32))  # the ring of free slots: all, from HEAD = 0
-        buf("gpu_priority", torch.full((n_g,), -1, **i32))
-        buf("gpu_to_host", torch.full((n_g,), -1, **i32))
-        buf("host_to_gpu", torch.full((n_h,), -1, **i32))
-        buf("indices", torch.full((self.capacity,), -1, **i32))
-        buf("miss_host", torch.zeros(self.capacity, **i32))
-        buf("meta", torch.zeros(C.META_LEN, **i32))
-        buf("hist", torch.zeros(C.NBINS, **i32))
-        buf("totals", torch.zeros(C.STATS_LEN, dtype=torch.int64, device=device))  # op arg "stats"
         self.meta[C.NFREE] = n_g
 
     # ---- the ops (static buffers in, so CUDA-graph safe) ----------------------------------------

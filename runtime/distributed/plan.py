@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, replace
 
 from custom_ops.cache.config import CacheConfig
+from custom_ops.cache.gpu_pool import pool_buffers
 from custom_ops.cache.staging import staging_bytes
 from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
 from model.config import ModelConfig
@@ -82,29 +83,29 @@ def weight_bytes(
 
 
 def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
-    """Device and host bytes of a ``KVCache`` of ``cfg`` (mirrors custom_ops/cache/kv_cache.py,
-    gpu_pool.py and staging.py allocation by allocation, except the decode indexer's library
-    buffers: about 1 MB, once for all layers, where a plan uses DeepGEMM or FlashInfer, which
-    depends on what is installed; the plan's reserve covers them)."""
-    layers, n_h, n_g = cfg.num_layers, cfg.host_tokens, cfg.gpu_tokens
+    """Device and host bytes of a ``KVCache`` of ``cfg`` (mirrors custom_ops/cache/kv_cache.py
+    allocation by allocation, a pool's and a staging's buffers from the functions ``GpuPool`` and
+    ``Staging`` allocate them from; except the decode indexer's library buffers: about 1 MB, once
+    for all layers, where a plan uses DeepGEMM or FlashInfer, which depends on what is installed;
+    the plan's reserve covers them)."""
+    layers, n_h = cfg.num_layers, cfg.host_tokens
     kv = n_h * cfg.row_bytes * layers
     prefetch = cfg.offload and cfg.prefetch != "off"  # as KVCache builds a layer's Staging
-    out = {
-        "gpu kv pools": n_g * cfg.row_bytes * layers if cfg.offload else kv,
+    # a GPU pool's rows, and the rest of it: its maps, recall buffers and counters
+    pool = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype, _) in
+            pool_buffers(cfg).items()} if cfg.offload else {}  # fmt: skip
+    rows = pool.pop("gpu_kv", 0)
+    return {
+        "gpu kv pools": rows * layers if cfg.offload else kv,
         "indexer cache": n_h // PAGE * INDEX_PAGE_BYTES * layers,
         "prefill buffer": (cfg.prefill_tokens + 1) * cfg.row_bytes * layers
         if cfg.prefill_tokens
         else 0,
         "prefetch staging": staging_bytes(cfg) * layers if prefetch else 0,
-        "metadata": 16 * layers,  # prefill_copied: two int64 counters a layer
+        # prefill_copied (two int64 counters a layer) and the pools' other buffers
+        "metadata": (16 + sum(pool.values())) * layers,
         "host kv pool": kv if cfg.offload else 0,
     }
-    if cfg.offload:
-        cap = min(cfg.max_batch * cfg.topk, n_g)
-        # gpu_free (the ring of free slots), gpu_priority, gpu_to_host int32 [N_G]; host_to_gpu
-        # int32 [N_H]; indices + miss_host int32 [cap]; meta/hist/totals: a few KB
-        out["metadata"] += (n_g * 12 + n_h * 4 + cap * 8 + 4096) * layers
-    return out
 
 
 @dataclass(frozen=True)
