@@ -74,6 +74,18 @@ def _check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
         logging.getLogger(__name__).warning("memory check skipped: %s: %s", type(e).__name__, e)
 
 
+def _check_host_pool(path, config: EngineConfig) -> None:
+    """On the CPU: the KV pool against this machine's memory before any weight is read (the
+    refusal ``allocate_host_rows`` makes when the engine allocates it, minutes later for a real
+    checkpoint), naming ``--host-tokens`` and the bytes."""
+    from custom_ops.cache.host_pool import check_host_rows
+    from model.loader import read_checkpoint_meta
+
+    _, model_config, _ = read_checkpoint_meta(path)
+    cc = config.cache_config(model_config)
+    check_host_rows(cc.num_layers, cc.host_tokens, cc.row_bytes, config.device, cc.offload)
+
+
 class LLM:
     """Load a checkpoint and serve it offline.
 
@@ -121,6 +133,8 @@ class LLM:
         inputs = read_engine_inputs(path, config, generation_config)
         if config.device.startswith("cuda"):
             _check_fits(path, config, fp8_weights)
+        else:
+            _check_host_pool(path, config)
         compiled = compile if compile is not None else config.device.startswith("cuda")
         if config.world_size > 1:
             # one rank of a dp/tp job (torchrun): every rank runs this same code (docs/multi_gpu.md)

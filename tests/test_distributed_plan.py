@@ -267,3 +267,26 @@ def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch)
     with pytest.raises(plan.DoesNotFit, match=r"the host KV pools need .* \(2 ranks x "):
         LLM("tiny", device="cuda", dp=2, tp=2, compile=False, progress=False)
     assert seen == ["cuda:1"]
+
+
+def test_llm_on_cpu_refuses_a_host_pool_past_memory_before_loading(monkeypatch):
+    """The CPU engine's KV pool lives in host memory: a pool the machine cannot hold is refused
+    with its bytes and the flag before any weight is read (it was refused after the load)."""
+    import model.loader
+    from custom_ops.cache import host_pool
+    from echo_compile.llm import LLM
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(model.loader, "load_model", no_load)
+    monkeypatch.setattr(host_pool, "_host_memory_limit", lambda: 2**30)
+    # 4 layers x 2^20 rows x 1152 B = 4.5 GiB
+    with pytest.raises(
+        ValueError,
+        match=r"host KV pool: 4 layers x 1048576 tokens x 1152 B = "
+        r"4831838208 bytes .* has only 1073741824 bytes .*--host-tokens",
+    ):
+        LLM("tiny", device="cpu", host_tokens=1 << 20, compile=False, progress=False)
+    with pytest.raises(AssertionError, match="loaded"):  # a pool that fits: the load runs
+        LLM("tiny", device="cpu", host_tokens=1 << 14, compile=False, progress=False)

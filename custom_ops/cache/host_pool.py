@@ -116,15 +116,26 @@ def allocate_host_rows(
     """``num_layers`` separate uint8 ``[n_tokens, row_bytes]`` tensors (see the module docstring).
     ``zero=False`` skips clearing pinned memory (a startup cost of a few seconds per 10 GB)."""
     device = torch.device(device)
+    check_host_rows(num_layers, n_tokens, row_bytes, device, pinned)
     if device.type != "cuda":
-        _check_size(num_layers, n_tokens, row_bytes, _host_memory_limit(), "this machine")
         return [torch.zeros(n_tokens, row_bytes, dtype=torch.uint8) for _ in range(num_layers)]
     if not pinned:
-        free, _ = torch.cuda.mem_get_info(device)
-        _check_size(num_layers, n_tokens, row_bytes, free, f"{device} (free memory)")
         return [
             torch.zeros(n_tokens, row_bytes, dtype=torch.uint8, device=device)
             for _ in range(num_layers)
         ]
-    _check_size(num_layers, n_tokens, row_bytes, _host_memory_limit(), "this machine")
     return [PinnedRows(n_tokens, row_bytes, device, zero).cuda() for _ in range(num_layers)]
+
+
+def check_host_rows(
+    num_layers: int, n_tokens: int, row_bytes: int, device: torch.device, pinned: bool
+) -> None:
+    """``allocate_host_rows``'s refusal, which ``LLM`` also runs before it reads a weight: a
+    ValueError with the byte count when the rows cannot fit the memory they would live in (the
+    host's, or the GPU's free memory for the GPU-only pool)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not pinned:
+        free, _ = torch.cuda.mem_get_info(device)
+        _check_size(num_layers, n_tokens, row_bytes, free, f"{device} (free memory)")
+    else:
+        _check_size(num_layers, n_tokens, row_bytes, _host_memory_limit(), "this machine")
