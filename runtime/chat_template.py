@@ -1,6 +1,7 @@
-"""DeepSeek-V3.2's own chat encoding (non-thinking "chat" mode), for conversations the checkpoint's
-jinja template cannot render: tools, ``tool`` results, assistant ``tool_calls``, ``developer``
-(and every conversation of a checkpoint without one); ``render_chat`` picks between the two.
+"""DeepSeek-V3.2's own chat encoding, in its "chat" (non-thinking) and "thinking" modes, for
+conversations the checkpoint's jinja template cannot render: thinking mode, tools, ``tool``
+results, assistant ``tool_calls``, ``developer`` (and every conversation of a checkpoint without
+one); ``render_chat`` picks between the two.
 
 DeepSeek-V3.2 ships no jinja template for these; its release describes the prompt in Python
 (``encoding/encoding_dsv32.py``). The layout rendered here follows it:
@@ -9,10 +10,17 @@ DeepSeek-V3.2 ships no jinja template for these; its release describes the promp
     <｜User｜>{user}<｜Assistant｜></think>{assistant}\\n\\n{DSML tool calls}<eos>
     \\n\\n<function_results>\\n<result>{tool}</result>...\\n</function_results>\\n\\n</think>
 
-so that a tool result opens the assistant's next turn at once (no new ``<｜Assistant｜>``). The tool
-calls use the DSML tags of ``runtime.tool_calls`` (one source for rendering, parsing and the
-grammar). NOTE: the instruction paragraph of the tools block is our wording of the release's (the
-tags, their order and the ``string`` attribute rule are the model's format, kept exactly).
+so that a tool result opens the assistant's next turn at once (no new ``<｜Assistant｜>``).
+
+Thinking mode (``chat_template_kwargs`` ``thinking`` / ``enable_thinking``) differs only after the
+last user (or developer) message: that turn opens ``<think>`` instead of closing it, the
+assistant messages after it carry their reasoning (``{reasoning}</think>{content}...``, and must
+have reasoning or tool calls), and their tool results open ``<think>`` again. Earlier turns are
+rendered as in chat mode, their reasoning dropped.
+
+The tool calls use the DSML tags of ``runtime.tool_calls`` (one source for rendering, parsing and
+the grammar). NOTE: the instruction paragraph of the tools block is our wording of the release's
+(the tags, their order and the ``string`` attribute rule are the model's format, kept exactly).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from runtime.tokenizer import Tokenizer, lone_surrogate
 from runtime.tool_calls import render_calls
 
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+THINK_START = "<think>"  # thinking mode: the reply starts with the reasoning
 THINK_END = "</think>"  # chat mode: the reasoning is closed before the reply starts
+THINKING_KEYS = ("thinking", "enable_thinking")  # chat_template_kwargs, as vLLM reads them
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 TOOLS_BLOCK = """## Tools
@@ -59,17 +69,30 @@ def render_tools(functions: list[dict[str, Any]]) -> str:
 
 
 def render_dsv32(
-    messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None, bos: str, eos: str
+    messages: list[dict[str, Any]],
+    functions: list[dict[str, Any]] | None,
+    bos: str,
+    eos: str,
+    thinking: bool = False,
 ) -> str:
-    """The prompt of ``messages`` (normalised: ``role``, ``content`` str, assistant
-    ``tool_calls`` as ``[(name, arguments dict)]``) with ``functions`` offered, ending where the
-    assistant's reply starts. Raises ``ValueError`` naming the first bad message."""
+    """The prompt of ``messages`` (normalised: ``role``, ``content`` str, ``reasoning`` str,
+    assistant ``tool_calls`` as ``[(name, arguments dict)]``) with ``functions`` offered, in
+    thinking or chat mode, ending where the assistant's reply starts. Raises ``ValueError``
+    naming the first bad message."""
     out = [bos]
+    first = 0  # the index of messages[0] in the caller's list (a system prompt merged away)
     if functions:
         has_system = bool(messages) and messages[0]["role"] == "system"
         system = messages[0]["content"] if has_system else ""
         out.append(system + ("\n\n" if system else "") + render_tools(functions))
-        messages = messages[1:] if has_system else messages
+        messages, first = (messages[1:], 1) if has_system else (messages, 0)
+    # thinking mode only changes the turn after the last user message (the reference's rule)
+    last_user = max((i for i, m in enumerate(messages) if m["role"] in ("user", "developer")),
+                    default=-1)  # fmt: skip
+
+    def opening(i: int) -> str:  # how the assistant's turn after message i starts
+        return THINK_START if thinking and i >= last_user else THINK_END
+
     open_turn = False  # whether the text so far ends where an assistant reply starts
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
@@ -81,26 +104,35 @@ def render_dsv32(
         elif role in ("user", "developer"):
             # V3.2 wraps a developer message as a user turn introducing the user's words
             text = content if role == "user" else f"\n\n# The user's message is: {content}"
-            out.append(f"{USER}{text}{ASSISTANT}{THINK_END}")
+            out.append(f"{USER}{text}{ASSISTANT}{opening(i)}")
             open_turn = True
         elif role == "assistant":
             calls = m.get("tool_calls") or []
+            if thinking and i > last_user:
+                if not (m.get("reasoning") or calls):
+                    msg = (
+                        f"messages[{i + first}]: in thinking mode an assistant message after the "
+                        "last user message needs reasoning_content or tool_calls"
+                    )
+                    raise ValueError(msg)
+                out.append(m.get("reasoning", "") + THINK_END)
             out.append(content + (f"\n\n{render_calls(calls)}" if calls else "") + eos)
             open_turn = False
         elif role == "tool":
             if prev not in ("assistant", "tool") or not _after_calls(messages, i):
-                msg = f"messages[{i}]: a tool message must follow an assistant's tool_calls"
+                msg = f"messages[{i + first}]: a tool message must follow an assistant's tool_calls"
                 raise ValueError(msg)
             if prev == "assistant":
                 out.append("\n\n<function_results>")
             out.append(f"\n<result>{content}</result>")
             if nxt != "tool":
-                out.append(f"\n</function_results>\n\n{THINK_END}")
+                out.append(f"\n</function_results>\n\n{opening(i)}")
                 open_turn = True
         else:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            msg = f"messages[{i + first}].role must be one of {', '.join(ROLES)}, got {role!r}"
+            raise ValueError(msg)
     if not open_turn:  # e.g. a system prompt alone: open the assistant's turn
-        out.append(f"{ASSISTANT}{THINK_END}")
+        out.append(f"{ASSISTANT}{opening(len(messages))}")
     return "".join(out)
 
 
@@ -118,8 +150,10 @@ def _after_calls(messages: list[dict[str, Any]], i: int) -> bool:
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI chat messages as ``render_dsv32`` (and the jinja templates) read them: content a
     string (a list of text parts joined by newlines; an assistant's null content is ""), an
-    assistant's ``tool_calls`` as ``[(name, arguments dict)]``, and the tool results after them in
-    the calls' order (``_in_call_order``). Raises ``ValueError`` naming the first bad message."""
+    assistant's ``tool_calls`` as ``[(name, arguments dict)]`` and its ``reasoning`` (its
+    ``reasoning_content``, DeepSeek's name, or ``reasoning``, vLLM's; "" when none), and the
+    tool results after them in the calls' order (``_in_call_order``). Raises ``ValueError``
+    naming the first bad message."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -148,18 +182,38 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         if calls and role != "assistant":
             raise ValueError(f"messages[{i}]: only an assistant message has tool_calls")
-        out.append({"role": role, "content": content, "tool_calls": _calls_of(calls or [], i)})
+        out.append(
+            {
+                "role": role,
+                "content": content,
+                "reasoning": _reasoning_of(m, i),
+                "tool_calls": _calls_of(calls or [], i),
+            }
+        )
     for start, end in _result_runs(messages):
         out[start:end] = [out[k] for k in _in_call_order(messages, start, end)]
     return out
 
 
-def _no_lone_surrogate(text: str, i: int) -> None:
+def _reasoning_of(m: dict[str, Any], i: int) -> str:
+    """A message's reasoning: ``reasoning_content`` or ``reasoning`` (one of them, or both
+    equal; null is none)."""
+    given = {k: m[k] for k in ("reasoning_content", "reasoning") if m.get(k) is not None}
+    for k, v in given.items():
+        if not isinstance(v, str):
+            raise ValueError(f"messages[{i}].{k} must be a string, got {type(v).__name__}")
+        _no_lone_surrogate(v, i, k)
+    if len(set(given.values())) > 1:
+        raise ValueError(f"messages[{i}]: reasoning_content and reasoning differ (give one)")
+    return next(iter(given.values()), "")
+
+
+def _no_lone_surrogate(text: str, i: int, key: str = "content") -> None:
     """A ValueError naming message ``i`` where ``text`` (its content or one of its text parts)
     holds a lone surrogate (JSON allows ``"\\ud83d"``; UTF-8 cannot encode it): the index is the
     caller's, not one in the rendered prompt."""
     if (j := lone_surrogate(text)) is not None:
-        raise ValueError(f"messages[{i}].content contains a lone UTF-16 surrogate at index {j}")
+        raise ValueError(f"messages[{i}].{key} contains a lone UTF-16 surrogate at index {j}")
 
 
 def _result_runs(messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -220,26 +274,42 @@ def _calls_of(calls: list[Any], i: int) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def thinking_of(kwargs: dict[str, Any] | None) -> bool:
+    """Whether ``chat_template_kwargs`` ask for thinking mode: ``thinking`` or ``enable_thinking``
+    true (vLLM reads both for DeepSeek-V3.1/V3.2). Other keys are ignored, as vLLM's V3.2
+    encoding ignores them. Raises ``ValueError`` naming a bad value."""
+    if kwargs is None:
+        return False
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}")
+    for key in THINKING_KEYS:
+        if kwargs.get(key) is not None and not isinstance(kwargs[key], bool):
+            raise ValueError(f"chat_template_kwargs.{key} must be a boolean, got {kwargs[key]!r}")
+    return any(kwargs.get(key) for key in THINKING_KEYS)
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation: bool = True,
     functions: list[dict[str, Any]] | None = None,
+    thinking: bool = False,
 ) -> str:
     """The prompt text of an OpenAI-style conversation (its BOS included), as the server and
     ``LLM.chat`` render it: the checkpoint's jinja template for a plain conversation, and
     DeepSeek-V3.2's encoding (``render_dsv32``, which always ends where the assistant's reply
-    starts) for tools, tool results, assistant tool calls or developer messages, and for any
-    conversation of a checkpoint without a template, as DeepSeek-V3.2's own release ships none.
-    Raises ``ValueError`` naming the problem."""
+    starts) for thinking mode, tools, tool results, assistant tool calls or developer messages,
+    and for any conversation of a checkpoint without a template, as DeepSeek-V3.2's own release
+    ships none. Raises ``ValueError`` naming the problem."""
     messages = normalise_messages(messages)
     dsv32 = (
-        functions
+        thinking
+        or functions
         or tokenizer.chat_template is None
         or any(m["role"] in ("tool", "developer") or m["tool_calls"] for m in messages)
     )
     if dsv32:
         bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
-        return render_dsv32(messages, functions, bos, eos)
+        return render_dsv32(messages, functions, bos, eos, thinking)
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     return tokenizer.apply_chat_template(plain, add_generation)
