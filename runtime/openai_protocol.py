@@ -105,6 +105,9 @@ class ChatMessage(_Strict):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call (chat_template._in_call_order)
     name: str | None = None
+    # an assistant's earlier reasoning (thinking mode): DeepSeek's name, and vLLM's
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -115,6 +118,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None  # runtime.tool_calls
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: {"thinking": true} (or enable_thinking) renders in thinking mode and splits the
+    # reasoning out of the reply (runtime.chat_template.thinking_of; other keys are ignored)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -133,6 +139,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool | None = None  # messages: end with the assistant's turn (true)
     tools: list[dict[str, Any]] | None = None  # messages: offered in the prompt, as chat's
     tool_choice: str | dict[str, Any] | None = None  # messages: "none" offers none
+    chat_template_kwargs: dict[str, Any] | None = None  # messages: thinking mode, as chat's
     return_token_strs: bool | None = None
 
 
@@ -213,7 +220,6 @@ UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "add_special_tokens": (False,),  # vLLM's; the template writes the BOS itself
     "echo": (False,),  # vLLM's (the last message prepended to the output)
 }

@@ -1,5 +1,6 @@
-"""The ``/v1/chat/completions`` route body (n choices, tools and tool_choice, logprobs,
-``prompt_logprobs``) and the encoding of a conversation (which ``/tokenize`` uses too)."""
+"""The ``/v1/chat/completions`` route body (n choices, tools and tool_choice, thinking mode's
+reasoning, logprobs, ``prompt_logprobs``) and the encoding of a conversation (which ``/tokenize``
+uses too)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from runtime.chat_template import render_chat
+from runtime.chat_template import render_chat, thinking_of
 from runtime.engine import StepOutput
 from runtime.openai_protocol import (
     APIError,
@@ -21,6 +22,7 @@ from runtime.openai_protocol import (
     sampling_params,
 )
 from runtime.outputs import RequestOutput
+from runtime.reasoning import ReasoningStream, split_reasoning
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.server_base import HandlersBase, Top
 from runtime.structured_output import json_schema_problem, lark_grammar
@@ -35,7 +37,9 @@ class ChatHandlers(HandlersBase):
         self.check_model(req.model)
         check_unsupported(req)
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        ids = await self.encode_chat([m.model_dump() for m in req.messages], plan=plan)
+        thinking = request_thinking(req.chat_template_kwargs)
+        msgs = [m.model_dump() for m in req.messages]
+        ids = await self.encode_chat(msgs, plan=plan, thinking=thinking)
         max_tokens = self.max_tokens(len(ids), getattr(req, req.max_tokens_field), "messages")
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
         params = sampling_params(req, max_tokens, bool(req.logprobs), vocab, defaults)
@@ -55,6 +59,7 @@ class ChatHandlers(HandlersBase):
             "model": req.model,
         }
         parsers = [ToolCallStream(plan.names) if plan else None for _ in choices]
+        thinkers = [ReasoningStream() if thinking else None for _ in choices]
         # prompt_logprobs (vLLM's, on chat too): the response's, not a choice's (the choices share
         # the prompt); streamed once, on the first chunk that has them
         sent_prompt_lps = [req.prompt_logprobs is None]
@@ -88,16 +93,23 @@ class ChatHandlers(HandlersBase):
             }
 
         def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
-            text, calls, parser = out.new_text, [], parsers[i]
+            text, calls, parser, thinker = out.new_text, [], parsers[i], thinkers[i]
+            reasoning = ""
+            if thinker is not None:  # the reasoning first; the tool parser sees the rest only
+                reasoning, text = thinker.feed(text)
+                if out.finished:
+                    reasoning += thinker.finish()[0]
             if parser is not None:  # the DSML block is held back and sent parsed at the end
-                text = parser.feed(out.new_text)
+                text = parser.feed(text)
                 if out.finished:
                     rest, found = parser.finish()
                     text, calls = text + rest, calls_of(found)
             fresh_lps = out.prompt_logprobs is not None and not sent_prompt_lps[0]
-            if not (text or out.finished or req.logprobs or fresh_lps):
+            if not (text or reasoning or out.finished or req.logprobs or fresh_lps):
                 return None
-            delta: dict[str, Any] = {"content": text} if text else {}
+            delta: dict[str, Any] = with_reasoning({}, reasoning) if reasoning else {}
+            if text:
+                delta["content"] = text
             if calls:
                 delta["tool_calls"] = [c.openai(k) for k, c in enumerate(calls)]
             choice = {
@@ -111,11 +123,15 @@ class ChatHandlers(HandlersBase):
             return with_prompt_lps({**head, "choices": [choice]}, out.prompt_logprobs)
 
         def message(res: RequestOutput) -> tuple[dict[str, Any], str | None]:
-            if plan is None:
-                return {"role": "assistant", "content": res.text}, res.finish_reason
-            content, found = parse_tool_calls(res.text, plan.names)
+            reasoning, text = split_reasoning(res.text) if thinking else (None, res.text)
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                msg = with_reasoning(msg, reasoning)
+            if plan is None or text is None:
+                return msg, res.finish_reason
+            content, found = parse_tool_calls(text, plan.names)
             calls = calls_of(found)
-            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            msg["content"] = content
             if calls:
                 msg["tool_calls"] = [c.openai() for c in calls]
             return msg, reason(res.finish_reason, calls)
@@ -154,19 +170,35 @@ class ChatHandlers(HandlersBase):
         add_generation: bool = True,
         plan: ToolPlan | None = None,
         within_context: bool = True,
+        thinking: bool = False,
     ) -> list[int]:
         """Token ids of a conversation offering ``plan``'s tools (``tool_plan``), rendered by
         ``runtime.chat_template.render_chat`` (the checkpoint's template, or DeepSeek-V3.2's
-        encoding)."""
+        encoding; in its thinking mode when ``thinking``)."""
         functions = plan.functions if plan is not None else None
         try:  # (a lone surrogate in a message: normalise_messages names it)
             text = await asyncio.to_thread(
-                render_chat, self.tokenizer, messages, add_generation, functions
+                render_chat, self.tokenizer, messages, add_generation, functions, thinking
             )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         # (the template writes the BOS itself)
         return await self.encode(text, False, "messages", within_context)
+
+
+def request_thinking(kwargs: dict[str, Any] | None) -> bool:
+    """``thinking_of`` a request's ``chat_template_kwargs``, its error a 400 naming the field."""
+    try:
+        return thinking_of(kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from e
+
+
+def with_reasoning(body: dict[str, Any], reasoning: str) -> dict[str, Any]:
+    """``body`` (a message or a delta) with the reasoning under both names clients read:
+    ``reasoning_content`` (DeepSeek's API, SGLang, older vLLM) and ``reasoning`` (vLLM's
+    now)."""
+    return {**body, "reasoning_content": reasoning, "reasoning": reasoning}
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None = None) -> ToolPlan | None:

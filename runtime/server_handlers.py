@@ -13,7 +13,7 @@ import prometheus_client as prom
 from fastapi.responses import Response
 
 from runtime.openai_protocol import APIError, DetokenizeRequest, TokenizeRequest
-from runtime.server_chat import ChatHandlers, tool_plan
+from runtime.server_chat import ChatHandlers, request_thinking, tool_plan
 from runtime.server_completions import CompletionHandlers
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class Handlers(CompletionHandlers, ChatHandlers):
             msgs = [m.model_dump() for m in req.messages or []]
             gen = req.add_generation_prompt is not False
             plan = tool_plan(req.tools, req.tool_choice)  # as the chat renders it
-            ids = await self.encode_chat(msgs, gen, plan, within_context=False)
+            thinking = request_thinking(req.chat_template_kwargs)
+            ids = await self.encode_chat(msgs, gen, plan, within_context=False, thinking=thinking)
         body: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.engine.max_model_len,

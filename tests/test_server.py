@@ -89,7 +89,7 @@ class FakeEngine:
             self.running[r.rid] = r
         outs = []
         for r in list(self.running.values()):
-            cycle = r.prompt[::-1] + [self.tokenizer.eos_token_id]
+            cycle = self.cycle(r)
             tok = cycle[len(r.out) % len(cycle)]
             r.out.append(tok)
             text = r.detok.add(tok)
@@ -111,6 +111,10 @@ class FakeEngine:
                 )
             )
         return outs
+
+    def cycle(self, r: _Req) -> list[int]:
+        """What the "model" outputs for ``r``, repeating: the prompt reversed, then EOS."""
+        return r.prompt[::-1] + [self.tokenizer.eos_token_id]
 
     def metrics(self) -> dict[str, float | list[float]]:
         return {

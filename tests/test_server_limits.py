@@ -428,7 +428,6 @@ UNSUPPORTED_CHAT = [
     ("add_generation_prompt", False, True),
     ("continue_final_message", True, False),
     ("chat_template", "{{ messages }}", None),
-    ("chat_template_kwargs", {"thinking": True}, {}),
     # vLLM's, silently ignored before
     ("add_special_tokens", True, False),
     ("echo", True, False),

@@ -1,0 +1,264 @@
+"""DeepSeek-V3.2's thinking mode (``chat_template_kwargs`` ``thinking``): the prompt rendered by
+the release's rules (runtime.chat_template, against hand-written strings), the reasoning split
+from the reply (runtime.reasoning; streamed chunked anyhow equals non-streamed), and the server's
+``reasoning_content`` / ``reasoning`` through the openai client over a scripted fake engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_utils import make_tokenizer_dir, running_server
+from test_server import MODEL, FakeEngine, _Req
+
+from runtime.async_engine import AsyncEngine
+from runtime.chat_template import normalise_messages, render_dsv32, render_tools, thinking_of
+from runtime.reasoning import ReasoningStream, split_reasoning
+from runtime.server import build_app
+from runtime.tokenizer import Tokenizer
+from runtime.tool_calls import CALLS_BEGIN, CALLS_END
+
+U, A, D = "<｜User｜>", "<｜Assistant｜>", "｜DSML｜"
+CALL = {"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+BLOCK = f'{CALLS_BEGIN}\n<{D}invoke name="ping">\n\n</{D}invoke>\n{CALLS_END}'
+
+
+def render(msgs: list, thinking: bool, functions: list | None = None) -> str:
+    return render_dsv32(normalise_messages(msgs), functions, "<B>", "<E>", thinking)
+
+
+# ---- the prompt --------------------------------------------------------------------------------
+def test_one_turn_opens_think_in_thinking_mode_only() -> None:
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    assert render(msgs, True) == f"<B>S{U}Hi{A}<think>"
+    assert render(msgs, False) == f"<B>S{U}Hi{A}</think>"
+
+
+def test_history_reasoning_is_dropped_before_the_last_user_message() -> None:
+    msgs = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2", "reasoning_content": "one and one"},
+        {"role": "developer", "content": "2+2?"},
+    ]
+    want = f"<B>{U}1+1?{A}</think>2<E>{U}\n\n# The user's message is: 2+2?{A}<think>"
+    assert render(msgs, True) == want
+    assert render(msgs, False) == want.replace("<think>", "</think>")
+
+
+def test_tool_turn_after_the_last_user_keeps_its_reasoning() -> None:
+    """The current turn's assistant message carries its reasoning before ``</think>``, and its
+    tool results reopen ``<think>``; in chat mode neither."""
+    fns = [PING["function"]]
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "content": None, "reasoning": "call ping", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "pong"},
+    ]
+    results = "\n\n<function_results>\n<result>pong</result>\n</function_results>\n\n"
+    head = "<B>S\n\n" + render_tools(fns) + f"{U}Go{A}"
+    assert render(msgs, True, fns) == (
+        head + "<think>call ping</think>\n\n" + BLOCK + "<E>" + results + "<think>"
+    )
+    assert render(msgs, False, fns) == head + "</think>\n\n" + BLOCK + "<E>" + results + "</think>"
+
+
+@pytest.mark.parametrize(
+    ("msgs", "match"),
+    [
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            r"messages\[1\]: in thinking mode an assistant message after the last user",
+        ),
+        (
+            [{"role": "assistant", "content": "b", "reasoning_content": "x", "reasoning": "y"}],
+            r"messages\[0\]: reasoning_content and reasoning differ",
+        ),
+        (
+            [{"role": "assistant", "content": "b", "reasoning_content": 5}],
+            r"messages\[0\].reasoning_content must be a string",
+        ),
+    ],
+    ids=["no-reasoning", "both-differ", "not-a-string"],
+)
+def test_bad_reasoning_is_named(msgs: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        render(msgs, True)
+
+
+def test_tool_message_error_names_the_callers_index_after_a_merged_system() -> None:
+    """With tools, the system prompt merges into the tools block; a bad tool message was named
+    at its index in the list without it (messages[1] for the third message)."""
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Go"},
+        {"role": "tool", "content": "pong"},
+    ]
+    with pytest.raises(ValueError, match=r"^messages\[2\]: a tool message must follow"):
+        render(msgs, False, [PING["function"]])
+
+
+def test_thinking_of_reads_vllms_keys() -> None:
+    assert thinking_of(None) is False and thinking_of({}) is False
+    assert thinking_of({"thinking": True}) and thinking_of({"enable_thinking": True})
+    assert thinking_of({"thinking": False, "foo": 1}) is False  # other keys: ignored, as vLLM
+    with pytest.raises(ValueError, match="chat_template_kwargs.enable_thinking must be a bool"):
+        thinking_of({"enable_thinking": 1})
+
+
+# ---- the reasoning split -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("hmm</think>Four.", ("hmm", "Four.")),
+        ("hmm</think>", ("hmm", None)),
+        ("still thinking</thi", ("still thinking</thi", None)),  # cut by max_tokens
+        ("a</think>b</think>c", ("a", "b</think>c")),
+    ],
+)
+def test_split_reasoning(text: str, want: tuple) -> None:
+    assert split_reasoning(text) == want
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("text", ["hmm</think>Four.", "never closed </thin", "<</think>>"])
+def test_streamed_split_equals_non_streamed(text: str, size: int) -> None:
+    s, parts = ReasoningStream(), []
+    for k in range(0, len(text), size):
+        parts.append(s.feed(text[k : k + size]))
+    parts.append(s.finish())
+    reasoning, content = split_reasoning(text)
+    assert "".join(p[0] for p in parts) == reasoning
+    assert "".join(p[1] for p in parts) == (content or "")
+
+
+# ---- through the server ------------------------------------------------------------------------
+class ScriptedEngine(FakeEngine):
+    """The fake engine whose "model" writes ``script`` (token ids), then EOS."""
+
+    script: list[int] = []
+
+    def cycle(self, r: _Req) -> list[int]:
+        return [*self.script, self.tokenizer.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedEngine]]:
+    tok = Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+    engine = ScriptedEngine(tok)
+    engine.max_model_len = 4096  # (the tools block alone is ~650 tokens of this tokenizer)
+    a = AsyncEngine(engine)
+    try:
+        with running_server(build_app(a, MODEL, api_key=None)) as base:
+            yield base, engine
+    finally:
+        a.shutdown()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+THINK = {"chat_template_kwargs": {"thinking": True}}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def _say(engine: ScriptedEngine, text: str) -> None:
+    engine.script = engine.tokenizer.encode(text, add_bos=False)
+
+
+def test_reasoning_is_split_from_the_content(served: tuple[str, ScriptedEngine]) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, "Let me see.</think>Hello there!")
+    r = client.chat.completions.create(model=MODEL, messages=HI, extra_body=THINK, n=2)
+    for c in r.choices:
+        m = c.message
+        assert (m.reasoning_content, m.reasoning) == ("Let me see.", "Let me see.")
+        assert m.content == "Hello there!" and c.finish_reason == "stop"
+    # the prompt is rendered in thinking mode (the test tokenizer's jinja template has none)
+    tok = engine.tokenizer
+    want = render_dsv32(normalise_messages(HI), None, tok.bos_token, tok.eos_token, True)
+    assert r.usage.prompt_tokens == len(tok.encode(want, add_bos=False))
+    t = httpx.post(url + "/tokenize", json={"messages": HI, **THINK}, timeout=30).json()
+    assert t["tokens"] == tok.encode(want, add_bos=False)
+    # streamed: the reasoning in reasoning deltas, then the content; the same text
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=HI, extra_body=THINK, stream=True)
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert reasoning == "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    assert reasoning == "Let me see." and "".join(d.content or "" for d in deltas) == "Hello there!"
+    kinds = [
+        "r" if getattr(d, "reasoning_content", None) else "c" for d in deltas if d.content or
+        getattr(d, "reasoning_content", None)
+    ]  # fmt: skip
+    assert kinds == sorted(kinds, reverse=True)  # no reasoning after content
+    # without thinking: unchanged, the whole text is content and no reasoning field
+    plain = client.chat.completions.create(model=MODEL, messages=HI).choices[0].message
+    assert plain.content == "Let me see.</think>Hello there!"
+    assert "reasoning_content" not in plain.model_dump(exclude_unset=True)
+
+
+def test_max_tokens_while_thinking_is_all_reasoning(served: tuple[str, ScriptedEngine]) -> None:
+    url, engine = served
+    _say(engine, "Let me see.</think>Hello there!")
+    n = len(engine.tokenizer.encode("Let me", add_bos=False))
+    want = engine.tokenizer.decode(engine.script[:n])
+    kw = dict(model=MODEL, messages=HI, extra_body=THINK, max_tokens=n)
+    c = _client(url).chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and c.message.content is None
+    assert c.message.reasoning_content == want
+    chunks = list(_client(url).chat.completions.create(**kw, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == want
+    assert not "".join(d.content or "" for d in deltas)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_are_parsed_from_the_content_only(
+    served: tuple[str, ScriptedEngine], stream: bool
+) -> None:
+    url, engine = served
+    _say(engine, "I should ping.</think>\n\n" + BLOCK)
+    kw = dict(model=MODEL, messages=HI, extra_body=THINK, tools=[PING])
+    if stream:
+        deltas = [
+            c.choices[0].delta
+            for c in _client(url).chat.completions.create(**kw, stream=True)
+            if c.choices
+        ]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+        calls = [t for d in deltas for t in (d.tool_calls or [])]
+    else:
+        m = _client(url).chat.completions.create(**kw).choices[0].message
+        reasoning, content, calls = m.reasoning_content, m.content, m.tool_calls
+    assert reasoning == "I should ping." and not content
+    assert [t.function.name for t in calls] == ["ping"]
+
+
+def test_bad_chat_template_kwargs_are_a_400(served: tuple[str, ScriptedEngine]) -> None:
+    url, engine = served
+    _say(engine, "x")
+    client = _client(url)
+    for bad in ({"thinking": "yes"}, {"enable_thinking": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=MODEL, messages=HI, extra_body={"chat_template_kwargs": bad}
+            )
+        assert e.value.body["param"] == "chat_template_kwargs", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=HI, extra_body={"chat_template_kwargs": 5}
+        )
+    assert e.value.body["param"] == "chat_template_kwargs"
+    # a key this model does not read is ignored, as vLLM's V3.2 encoding ignores it
+    r = client.chat.completions.create(
+        model=MODEL, messages=HI, extra_body={"chat_template_kwargs": {"foo": 1}}
+    )
+    assert r.choices[0].message.content == "x"
