@@ -16,7 +16,7 @@ import torch
 from echo_compile.compiled import StepCompiler
 from echo_compile.devices import check_device
 from echo_compile.threads import configure_threads
-from runtime.chat_template import render_chat
+from runtime.chat_template import render_chat, thinking_of
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
 from runtime.outputs import RequestOutput
@@ -333,6 +333,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> GenerationResult: ...
 
     @overload
@@ -342,6 +343,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationResult]: ...
 
     def chat(
@@ -350,6 +352,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> GenerationResult | list[GenerationResult]:
         """The reply to an OpenAI-style conversation (a list of message dicts), or the replies to
         a list of conversations (a list, in order; ``params`` one for all or one each), each
@@ -357,8 +360,11 @@ class LLM:
         checkpoint's template, or DeepSeek-V3.2's own encoding, which its release uses in place
         of one). ``tools``: OpenAI function tools offered in every prompt, as the server offers
         a request's (``tool_choice`` auto; the reply's text is returned as it is, its DSML calls
-        unparsed: ``runtime.tool_calls.parse_tool_calls`` reads them). A bad conversation is a
-        TypeError or ValueError naming it (``conversation i``), before any is queued."""
+        unparsed: ``runtime.tool_calls.parse_tool_calls`` reads them). ``chat_template_kwargs``:
+        as vLLM's, ``{"thinking": True}`` (or ``enable_thinking``) renders DeepSeek-V3.2's
+        thinking mode; the text is returned whole, as vLLM's ``LLM.chat`` returns it
+        (``runtime.reasoning.split_reasoning`` splits the reasoning off). A bad conversation is
+        a TypeError or ValueError naming it (``conversation i``), before any is queued."""
         if not isinstance(messages, list):
             raise TypeError(
                 "messages must be a conversation (a list of message dicts) or a list of "
@@ -369,6 +375,7 @@ class LLM:
         batch = isinstance(messages[0], list)
         conversations = messages if batch else [messages]
         functions = functions_of(tools) or None  # (a ValueError naming the bad tools[i])
+        thinking = thinking_of(chat_template_kwargs)
         encoded = []
         for i, conversation in enumerate(conversations):
             with _named(f"conversation {i}"):
@@ -377,7 +384,7 @@ class LLM:
                         f"must be a list of message dicts, got {type(conversation).__name__}"
                     )
                 # (the template writes the BOS itself)
-                text = render_chat(self.tokenizer, conversation, functions=functions)
+                text = render_chat(self.tokenizer, conversation, True, functions, thinking)
                 encoded.append(self.tokenizer.encode(text, add_bos=False))
         results = self._run(encoded, params, progress, "conversation")
         return results if batch else results[0]

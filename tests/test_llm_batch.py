@@ -104,6 +104,23 @@ def test_chat_tools_are_rendered_as_the_server_renders_them(llm: LLM) -> None:
     )
 
 
+def test_chat_template_kwargs_thinking_renders_thinking_mode(llm: LLM) -> None:
+    """``chat_template_kwargs={"thinking": True}`` (vLLM's LLM.chat argument) renders
+    DeepSeek-V3.2's thinking mode (the turn opens ``<think>``), ``enable_thinking`` too; a bad
+    value is a ValueError naming the key; false is the default rendering."""
+    tok = llm.tokenizer
+    want = render_dsv32(normalise_messages(BRIEF), None, tok.bos_token, tok.eos_token, True)
+    assert want.endswith("<｜Assistant｜><think>")
+    for kw in ({"thinking": True}, {"enable_thinking": True}):
+        got = llm.chat(BRIEF, PARAMS, chat_template_kwargs=kw).prompt_token_ids
+        assert got == tok.encode(want, add_bos=False), kw
+    off = llm.chat(BRIEF, PARAMS, chat_template_kwargs={"thinking": False}).prompt_token_ids
+    assert off == llm.chat(BRIEF, PARAMS).prompt_token_ids
+    with pytest.raises(ValueError, match="chat_template_kwargs.thinking must be a boolean"):
+        llm.chat(BRIEF, PARAMS, chat_template_kwargs={"thinking": "yes"})
+    assert_nothing_queued(llm)
+
+
 @pytest.mark.parametrize(
     ("messages", "tools", "error", "message"),
     [
