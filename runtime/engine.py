@@ -636,7 +636,10 @@ class Engine:
             "tokens_per_s": tps,
             "host_pool_usage": self.scheduler.pages_in_use / alloc.num_pages,
             "gpu_pool_usage": pool["gpu_pool_usage"],
-            "hit_rate": pool["hit_rate"],
+            "hit_rate": pool["hit_rate"],  # 1.0 for a layer with no lookup yet
+            # per layer, the totals behind it (counters: a scraper derives rates from them)
+            "gpu_pool_selected": pool["selected_per_layer"],
+            "gpu_pool_recalled": pool["recalled_per_layer"],
             "recalled_rows_per_step": pool["recalled_rows_per_step"],
             "recall_overflow": float(pool["overflow"]),
             # mean host time from a decode step's tokens to the next decode step's call (GPU idle)
@@ -660,6 +663,9 @@ class Engine:
             if prefix and prefix.queries
             else 0.0,
             "prefix_cache_pages": float(prefix.num_pages if prefix else 0),
+            # the totals behind that share: prompt tokens looked up, and found (vLLM's counters)
+            "prefix_cache_queries": float(prefix.queries if prefix else 0),
+            "prefix_cache_hits": float(prefix.hits if prefix else 0),
             # prefill without the device buffer (EngineConfig.prefill_buffer=False)
             "prefill_host_rows": pool["prefill_host_rows"],
             "prefill_copy_overlap": pool["prefill_copy_overlap"],

@@ -1,11 +1,12 @@
 """The server's Prometheus metrics, in a registry of their own (several apps can live in a process).
 
 Two families (docs/server.md has the table):
-- ``echo_*``: engine gauges (pools, hit rate per layer, recall) and the original request metrics,
-  unlabelled as they always were;
+- ``echo_*``: engine gauges (pools, hit rate per layer, recall), per-layer counters of GPU-pool
+  lookups and misses (a scraper derives hit rates over any window from them), and the original
+  request metrics, unlabelled as they always were;
 - ``vllm:*``: the names a vLLM dashboard reads, labelled ``model_name``: running / waiting, prompt
-  and generation token counters, TTFT / inter-token / end-to-end histograms, finished requests by
-  ``finished_reason``, KV-cache usage.
+  and generation token counters, prefix-cache queries and hits (tokens), TTFT / inter-token /
+  end-to-end histograms, finished requests by ``finished_reason``, KV-cache usage.
 Plus the process metrics of ``prometheus_client`` (``process_*``, ``python_*``).
 """
 
@@ -69,7 +70,26 @@ class ServerMetrics:
         prom.PlatformCollector(registry=r)
         prom.GCCollector(registry=r)
         self.gauges = {k: prom.Gauge(n, h, registry=r) for k, (n, h) in self.GAUGES.items()}
-        self.hit_rate = prom.Gauge("echo_gpu_pool_hit_rate", "GPU pool hits", ["layer"], registry=r)
+        self.hit_rate = prom.Gauge(
+            "echo_gpu_pool_hit_rate",
+            "GPU pool hit rate (1 - recalled / selected); no series before a layer's first lookup",
+            ["layer"],
+            registry=r,
+        )
+        self.layer_counters = {  # engine.metrics() key -> per-layer counter (rates: the scraper's)
+            "gpu_pool_selected": prom.Counter(
+                "echo_gpu_pool_selected",
+                "KV entries decode selected (GPU pool lookups), per layer",
+                ["layer"],
+                registry=r,
+            ),
+            "gpu_pool_recalled": prom.Counter(
+                "echo_gpu_pool_recalled",
+                "Selected KV entries not in the GPU pool, recalled from host (misses), per layer",
+                ["layer"],
+                registry=r,
+            ),
+        }
         self.tokens = prom.Counter("echo_generation_tokens", "Generated tokens", registry=r)
         self.prefetch = {  # per-layer prefetch metrics (docs/prefetch.md)
             k: prom.Gauge(f"echo_{k}", h, ["layer"], registry=r)
@@ -118,7 +138,18 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        self.v_prefix = {  # engine.metrics() key -> vLLM counter (tokens, as vLLM counts them)
+            "prefix_cache_queries": prom.Counter(
+                "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels,
+                registry=r,
+            ),
+            "prefix_cache_hits": prom.Counter(
+                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+                registry=r,
+            ),
+        }  # fmt: skip
         self._tokens_seen = 0
+        self._seen: dict[tuple[str, str], float] = {}  # counter key -> the engine total last seen
 
     def update(self, snapshot: dict[str, Any], tokens_total: int) -> None:
         """Engine gauges from ``engine.metrics()``, the generation counter from the total."""
@@ -128,8 +159,17 @@ class ServerMetrics:
         for key, gauge in self.v_gauges.items():
             if isinstance(snapshot.get(key), (int, float)):
                 gauge.labels(self.model_name).set(snapshot[key])
+        selected = snapshot.get("gpu_pool_selected")
         for layer, rate in enumerate(snapshot.get("hit_rate") or []):
+            if selected is not None and layer < len(selected) and not selected[layer]:
+                continue  # no lookup yet: a hit rate is undefined (the engine says 1.0)
             self.hit_rate.labels(layer=str(layer)).set(rate)
+        for key, counter in self.layer_counters.items():
+            for layer, total in enumerate(snapshot.get(key) or []):
+                self._advance(counter.labels(layer=str(layer)), (key, str(layer)), total)
+        for key, counter in self.v_prefix.items():
+            if isinstance(snapshot.get(key), (int, float)):
+                self._advance(counter.labels(self.model_name), (key, ""), snapshot[key])
         for key, gauge in self.prefetch.items():
             for layer, v in enumerate(snapshot.get(key) or []):
                 gauge.labels(layer=str(layer)).set(v)
@@ -137,6 +177,13 @@ class ServerMetrics:
         self.tokens.inc(new)
         self.v_generation.labels(self.model_name).inc(new)
         self._tokens_seen = max(tokens_total, self._tokens_seen)
+
+    def _advance(self, counter: Any, key: tuple[str, str], total: float) -> None:
+        """Move a counter to the engine's running ``total``. A total below the last one seen was
+        reset (``engine.reset_stats()``): count it from 0 again, as Prometheus reads a reset."""
+        seen = self._seen.get(key, 0.0)
+        counter.inc(total - seen if total >= seen else total)
+        self._seen[key] = total
 
     def observe(self, res: RequestOutput, t0: float, t_end: float, times: list[float]) -> None:
         """One finished request: ``t0`` when it arrived, ``t_end`` when its answer was done,

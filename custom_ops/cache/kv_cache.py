@@ -275,6 +275,10 @@ class KVCache(nn.Module):
             "gpu_pool_usage": sum(p["gpu_pool_usage"] for p in per) / n,
             "gpu_pool_usage_per_layer": [p["gpu_pool_usage"] for p in per],
             "hit_rate": [p["hit_rate"] for p in per],
+            # the running totals the hit rate is made of, per layer: selected entries (lookups)
+            # and those recalled from the host (misses); 1 - recalled / selected is the hit rate
+            "selected_per_layer": [p["selected"] for p in per],
+            "recalled_per_layer": [p["recalled"] for p in per],
             "recalled_rows_per_step": sum(p["recalled_rows_per_step"] for p in per) / n,
             "recalled_rows_per_step_per_layer": [p["recalled_rows_per_step"] for p in per],
             "overflow": sum(p["overflow"] for p in per),

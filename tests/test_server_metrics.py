@@ -1,0 +1,63 @@
+"""The server's Prometheus metrics from engine snapshots: no hit rate before a lookup, and the
+counters a scraper derives rates from (GPU-pool lookups and misses per layer, vLLM's prefix-cache
+queries and hits)."""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+from test_engines import PROMPTS, make
+
+from model.checkpoint import resolve_model
+from model.loader import load_model
+from runtime.sampling_params import SamplingParams
+from runtime.server_metrics import ServerMetrics
+
+
+def scrape(met: ServerMetrics) -> dict[str, float]:
+    text = prom.generate_latest(met.registry).decode()
+    pairs = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    return {k: float(v) for k, v in pairs}
+
+
+def test_no_hit_rate_before_a_lookup_and_counters_follow_the_engine_totals():
+    met = ServerMetrics("tiny")
+    snap = {"hit_rate": [1.0, 0.75], "gpu_pool_selected": [0.0, 8.0],
+            "gpu_pool_recalled": [0.0, 2.0], "prefix_cache_queries": 64.0,
+            "prefix_cache_hits": 32.0}  # fmt: skip
+    met.update(snap, 0)
+    lines = scrape(met)
+    assert 'echo_gpu_pool_hit_rate{layer="0"}' not in lines  # no lookup: undefined, not 1.0
+    assert lines['echo_gpu_pool_hit_rate{layer="1"}'] == 0.75
+    assert lines['echo_gpu_pool_selected_total{layer="1"}'] == 8.0
+    assert lines['echo_gpu_pool_recalled_total{layer="1"}'] == 2.0
+    assert lines['echo_gpu_pool_selected_total{layer="0"}'] == 0.0
+    assert lines['vllm:prefix_cache_queries_total{model_name="tiny"}'] == 64.0
+    assert lines['vllm:prefix_cache_hits_total{model_name="tiny"}'] == 32.0
+    met.update({**snap, "gpu_pool_selected": [4.0, 12.0]}, 0)  # totals grow: the counters too
+    lines = scrape(met)
+    assert lines['echo_gpu_pool_selected_total{layer="1"}'] == 12.0
+    assert lines['echo_gpu_pool_selected_total{layer="0"}'] == 4.0
+    met.update({**snap, "gpu_pool_selected": [4.0, 3.0]}, 0)  # reset_stats, then 3 more
+    assert scrape(met)['echo_gpu_pool_selected_total{layer="1"}'] == 15.0
+
+
+def test_engine_snapshot_has_the_totals_and_no_hit_rate_series_before_traffic():
+    eng = make(load_model(resolve_model("tiny"))[0], compiled=False)
+    met = ServerMetrics("tiny")
+    before = eng.metrics()
+    n_layers = len(before["hit_rate"])
+    assert n_layers > 0 and before["gpu_pool_selected"] == [0.0] * n_layers
+    met.update(before, 0)
+    assert not any(k.startswith("echo_gpu_pool_hit_rate") for k in scrape(met))
+    eng.add_request("r0", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))
+    while eng.has_unfinished():
+        eng.step()
+    after = eng.metrics()
+    assert all(s > 0 for s in after["gpu_pool_selected"])
+    for s, r, h in zip(after["gpu_pool_selected"], after["gpu_pool_recalled"], after["hit_rate"],
+                       strict=True):  # fmt: skip
+        assert h == 1.0 - r / s
+    met.update(after, 0)
+    lines = scrape(met)
+    assert lines['echo_gpu_pool_selected_total{layer="0"}'] == after["gpu_pool_selected"][0]
+    assert lines['echo_gpu_pool_hit_rate{layer="0"}'] == after["hit_rate"][0]
