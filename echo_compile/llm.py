@@ -20,6 +20,7 @@ from runtime.chat_template import render_chat, thinking_of
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
 from runtime.outputs import RequestOutput
+from runtime.progress import progress_bar
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import functions_of
@@ -105,7 +106,9 @@ class LLM:
     checkpoint's ``generation_config.json``, as vLLM does, in ``generate()`` without params (its
     ``max_new_tokens`` too, as their ``max_tokens``, capped at what the context leaves) and in
     the server; ``"none"``:
-    ``SamplingParams()``'s defaults (``engine.sampling_defaults``).
+    ``SamplingParams()``'s defaults (``engine.sampling_defaults``). ``progress``: the warm-up's
+    "capturing graphs" bar, drawn only when stderr is a terminal (no redraws in a log), then a
+    one-line summary.
     """
 
     def __init__(
@@ -202,9 +205,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion (continuous batching) and return results in order. A
-        bad prompt is a TypeError or ValueError naming its index (``prompt i: ...``), and no
-        prompt of the call is left queued."""
+        """Run every prompt to completion (continuous batching) and return results in order
+        (``progress``: a bar of finished requests, on a terminal only). A bad prompt is a
+        TypeError or ValueError naming its index (``prompt i: ...``), and no prompt of the call is
+        left queued."""
         if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray, memoryview)):
             raise TypeError(
                 "prompts must be a string, a list of token ids or a list of either, "
@@ -251,9 +255,7 @@ class LLM:
             for rid in added:  # a bad prompt rejects the whole call: leave nothing queued
                 self.engine.abort_request(rid)
             raise
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(ids), desc="generating", disable=not progress, unit="req")
+        bar = progress_bar(total=len(ids), enabled=progress, desc="generating", unit="req")
         self._outputs.update((rid, []) for rid in ids)
         try:
             while any(not a.done for a in acc.values()):

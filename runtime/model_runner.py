@@ -20,6 +20,7 @@ from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
 from model.forward_meta import ForwardMeta
 from runtime.engine_config import EngineConfig
+from runtime.progress import progress_bar
 from runtime.request import Request
 from runtime.scheduler import ScheduledBatch
 
@@ -136,8 +137,6 @@ class ModelRunner:
         record, replay) on padding rows that every op ignores, then freeze them (no recompile from
         here on), and compile the cache's kernels that run outside them; returns the seconds it
         took."""
-        from tqdm import tqdm
-
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
             # NOTE: 0 compiled nothing and froze the steps: every later call was a refused
             # "recompile"
@@ -149,7 +148,8 @@ class ModelRunner:
         jobs = [(kind, b, fn) for kind, buckets, fn in self.compiled for b in buckets]
         for _, _, fn in self.compiled:
             fn.frozen = False
-        for kind, b, fn in tqdm(jobs, desc="capturing graphs", disable=not progress, unit="graph"):
+        bar = progress_bar(jobs, enabled=progress, desc="capturing graphs", unit="graph")
+        for kind, b, fn in bar:
             args = self.padding_inputs(kind == "decode", b)
             for _ in range(calls):
                 fn(*args)
