@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import sys
 
 from echo_compile.cli_args import (
     PREFETCH_OPTIONS,
     engine_options,
     given,
+    log_level,
     parser,
     sampling_params,
     serve_options,
@@ -24,6 +26,20 @@ from echo_compile.devices import check_device
 # a bad value or a corrupt config.json (ValueError, incl. json.JSONDecodeError and
 # SamplingParamsError). They print one line and exit 2; anything else is a bug and tracebacks.
 USER_ERRORS = (ValueError, OSError)
+
+# the packages whose loggers --log-level sets (the library configures no logging of its own)
+LOGGED_PACKAGES = ("echo_compile", "runtime", "model", "custom_ops")
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """Our packages' log lines on stderr from ``level`` up (e.g. the server's drain on shutdown,
+    at info), other libraries' from warning, as Python's default. The command line's job, not a
+    module's: an application embedding ``LLM`` keeps its own logging configuration. A handler
+    already on the root logger (a test's, an embedding's) is kept, not doubled."""
+    logging.basicConfig(format=LOG_FORMAT, stream=sys.stderr)  # (a no-op if root has handlers)
+    for name in LOGGED_PACKAGES:
+        logging.getLogger(name).setLevel(level.upper())
 
 
 def _demo(a: argparse.Namespace) -> int:
@@ -223,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         a = parser().parse_args(argv)  # --help and usage errors exit here, before any torch
         from echo_compile.threads import configure_threads
 
+        configure_logging(log_level(a))
         configure_threads(a.threads)
         return COMMANDS[a.cmd](a)
     except USER_ERRORS as e:

@@ -13,6 +13,9 @@ from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch
 DESCRIPTION = "The echo-compile command: demo, generate, serve, make-checkpoint, plan, bench."
 API_KEY_ENV = "ECHO_COMPILE_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: read after ours, so a key set for vLLM still applies
+LOG_LEVEL_ENV = "ECHO_COMPILE_LOGGING_LEVEL"
+VLLM_LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vLLM's, read after ours, as the API key's
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
@@ -23,6 +26,39 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
         help="CPU threads for torch (default: $ECHO_COMPILE_THREADS, else $OMP_NUM_THREADS, else "
         "1 on up to 2 usable cores and half the cores above; see echo_compile/threads.py)",
     )
+
+
+def _log_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=None,
+        help=f"level of echo-compile's own log lines on stderr (default: ${LOG_LEVEL_ENV}, else "
+        f"${VLLM_LOG_LEVEL_ENV}, else info); other libraries' stay at warning",
+    )
+
+
+def _process_args(p: argparse.ArgumentParser) -> None:
+    """The process's settings, which every command but bench (its own parser) takes."""
+    _threads_arg(p)
+    _log_level_arg(p)
+
+
+def log_level(a: argparse.Namespace) -> str:
+    """The ``--log-level`` flag, else the environment's level, else ``"info"`` (checked: a bad
+    value in the environment is a ValueError naming the variable)."""
+    import os
+
+    if getattr(a, "log_level", None) is not None:
+        return a.log_level
+    for env in (LOG_LEVEL_ENV, VLLM_LOG_LEVEL_ENV):
+        value = os.environ.get(env)
+        if value:
+            if value.lower() not in LOG_LEVELS:
+                raise ValueError(f"${env} must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+            return value.lower()
+    return "info"
 
 
 # the prefetch flags that size the staging buffers (serve, generate and plan)
@@ -146,7 +182,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds a rank waits for the others before it stops (dp/tp/ep > 1)",
     )
-    _threads_arg(p)
+    _process_args(p)
 
 
 def engine_options(a: argparse.Namespace) -> dict:
@@ -196,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
     d.add_argument("--device", default=None)
     d.add_argument("--compile", action="store_true", help="compile the steps (CUDA graphs on CUDA)")
-    _threads_arg(d)
+    _process_args(d)
 
     g = sub.add_parser("generate", help="generate text for prompts given as arguments")
     _engine_args(g)
@@ -259,7 +295,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--layers", type=int, default=None, help="bench preset: number of layers")
     m.add_argument("--experts", type=int, default=None, help="bench preset: routed experts")
-    _threads_arg(m)
+    _process_args(m)
 
     pl = sub.add_parser("plan", help="per-GPU memory plan of a dp/tp deployment of V3.2")
     pl.add_argument(
@@ -297,7 +333,7 @@ def parser() -> argparse.ArgumentParser:
         help="GPUs (ranks) of one host: their host pools share --host-mem-gib",
     )
     pl.add_argument("--reserve-gib", type=float, default=8.0, help="activations, graphs, NCCL")
-    _threads_arg(pl)
+    _process_args(pl)
 
     sub.add_parser("bench", help="end-to-end offloading vs GPU-only benchmark (see bench --help)")
     return ap
