@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.kv_cache import KVCache
@@ -196,6 +197,13 @@ def test_check_fits_refuses_only_what_cannot_fit():
         check_fits(config, staged, need * 1.01, plan.host_gib_per_rank * 1.01)
     with pytest.raises(ValueError, match=r"does not fit cuda: .* a GPU needs .*GiB weights"):
         check_fits(config, eng, need * 0.99, 100.0)
+    # the refusal names the flag that sizes the KV cache on the GPU, and says the memory is free
+    with pytest.raises(ValueError, match=r"GiB GPU KV pools: --gpu-tokens 1024 rows a layer\) "
+                       r"but has .* GiB free"):  # fmt: skip
+        check_fits(config, eng, need * 0.99, 100.0)
+    gpu_only = EngineConfig(device="cuda", host_tokens=1 << 16, offload=False)
+    with pytest.raises(ValueError, match=r"KV cache: --host-tokens 65536 rows a layer, no offl"):
+        check_fits(config, gpu_only, need * 0.99, 100.0)
     with pytest.raises(ValueError, match=r"the host KV pools need .*, --host-tokens 65536 rows"):
         check_fits(config, eng, 100.0, plan.host_gib_per_rank * 0.99)
     # four ranks of a dp=4 deployment on this host, one pool each: four pools must fit its memory
@@ -212,6 +220,24 @@ def test_check_fits_refuses_only_what_cannot_fit():
     with pytest.raises(ValueError, match=r"179.7 GiB weights.*--fp8-weights fp8"):
         check_fits(v32, eng8, 139.8, 1000.0)
     check_fits(v32, eng8, 139.8, 1000.0, fp8_weights="fp8")
+
+
+def test_device_memory_is_the_gpu_s_free_memory(monkeypatch):
+    """The check runs against what is free on the GPU now (other processes, other engines of
+    this one hold the rest), not its size; asked of the rank's own device."""
+    from custom_ops.cache import host_pool
+    from runtime.distributed import plan
+
+    asked = []
+
+    def mem_get_info(device=None):
+        asked.append(torch.device(device))
+        return 3 * 2**30, 80 * 2**30  # (free, total)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(host_pool, "_host_memory_limit", lambda: 2**31)
+    assert plan.device_memory_gib("cuda:1") == (3.0, 2.0)
+    assert asked == [torch.device("cuda:1")]
 
 
 def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):

@@ -120,6 +120,9 @@ class MemoryPlan:
     reserve_gib: float
     gpus_per_node: int = 8  # ranks sharing one host's memory
     host_tokens: int = 0  # host pool rows a layer (named in the host's problem)
+    gpu_tokens: int = 0  # GPU pool rows a layer (named in the GPU's problem, with offloading)
+    offload: bool = True  # False: the GPU holds the whole KV, host_tokens rows a layer
+    gpu_free: bool = False  # gpu_mem_gib is the GPU's free memory now (check_fits), not its size
 
     @property
     def gpu_total_gib(self) -> float:
@@ -146,10 +149,16 @@ class MemoryPlan:
             w = self.gpu_gib["weights"]
             dequant = "(dequantised)" in self.quant
             why = " (FP8 weights dequantised to bf16 at load: --fp8-weights fp8)" if dequant else ""
+            kv, what = self.gpu_gib["gpu kv pools"], "GPU KV pools" if self.offload else "KV cache"
+            # the flag that sizes the KV cache on the GPU: the pools', or the whole cache's
+            flag = (f"--gpu-tokens {self.gpu_tokens} rows a layer" if self.offload else
+                    f"--host-tokens {self.host_tokens} rows a layer, no offloading")  # fmt: skip
+            has = f"{self.gpu_mem_gib:g} GiB"
+            has = f"{self.gpu_mem_gib:.1f} GiB free" if self.gpu_free else has
             out.append(
                 f"{self.quant} on dp={self.dp} tp={self.tp}: a GPU needs "
-                f"{self.gpu_total_gib:.1f} GiB ({w:.1f} GiB weights) but has "
-                f"{self.gpu_mem_gib:g} GiB{why}"
+                f"{self.gpu_total_gib:.1f} GiB ({w:.1f} GiB weights, {kv:.1f} GiB {what}: "
+                f"{flag}) but has {has}{why}"
             )
         if self.host_mem_gib is not None and self.host_total_gib > self.host_mem_gib:
             n = self.ranks_per_node
@@ -225,6 +234,8 @@ def memory_plan(
         reserve_gib,
         gpus_per_node,
         engine.host_tokens,
+        engine.gpu_tokens,
+        engine.offload,
     )
 
 
@@ -244,22 +255,26 @@ def check_fits(
     over ``gpu_mem_gib``, or the host KV pools of the ``local_ranks`` ranks sharing this host
     (one pool each, whatever the split) over ``host_mem_gib``. No reserve is counted
     (activations and CUDA graphs come on top), so it refuses only what would certainly fail:
-    an out-of-memory error minutes into loading becomes one line at once."""
+    an out-of-memory error minutes into loading becomes one line at once. ``gpu_mem_gib``: the
+    GPU's free memory (``device_memory_gib``), as the refusal says."""
     plan = memory_plan(config, engine, gpu_mem_gib, host_mem_gib, 0.0, fp8_weights, local_ranks)
+    plan = replace(plan, gpu_free=True)
     problems = plan.problems()
     if problems:
         raise DoesNotFit(f"does not fit {engine.device}: " + "; ".join(problems))
 
 
 def device_memory_gib(device: str) -> tuple[float, float]:
-    """The GPU's total memory and the memory the host lets this process use (physical, or the
-    container's limit), GiB."""
+    """The GPU's free memory now and the memory the host lets this process use (physical, or
+    the container's limit), GiB. Free, not total: other processes, and other engines of this
+    one, hold part of the GPU (the GPU-only pool's own check, ``check_host_rows``, reads free
+    memory too)."""
     import torch
 
     from custom_ops.cache.host_pool import _host_memory_limit
 
-    gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return gpu / GIB, _host_memory_limit() / GIB
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return free / GIB, _host_memory_limit() / GIB
 
 
 def plan_engine(
