@@ -21,7 +21,7 @@ from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
 from runtime.outputs import RequestOutput
 from runtime.progress import progress_bar
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, truncate_prompt
 from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import functions_of
 
@@ -249,6 +249,9 @@ class LLM:
         try:
             for k, a in enumerate(acc.values()):
                 with _named(f"{what} {k}"):
+                    # (the result's prompt_ids are those it ran on, as vLLM's)
+                    limit = self.engine.max_model_len
+                    a.prompt_ids = truncate_prompt(a.prompt_ids, a.params, limit)
                     self.engine.add_request(a.request_id, a.prompt_ids, a.params)
                 added.append(a.request_id)
         except Exception:

@@ -32,7 +32,7 @@ from runtime.readback import PoolChecks, SampledStep, check_overflow, to_host
 from runtime.request import PAGE, Request, Status
 from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
 from runtime.sampling_controls import SamplingControls
-from runtime.sampling_params import SamplingParams, fill_max_tokens
+from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_prompt
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
@@ -175,7 +175,8 @@ class Engine:
         admission it is written into the request's host slots instead of running a prefill, and
         decoding starts from the last prompt token. Its layer count, token count
         (``len(prompt) - 1``) and row width are checked here; the chunks a generator yields are
-        checked as they are written."""
+        checked as they are written. ``params.truncate_prompt_tokens`` keeps the prompt's last
+        tokens (``truncate_prompt``) before anything else reads it."""
         ids = self._check_new(request_id, prompt_token_ids, params)
         params = fill_max_tokens(params, len(ids), self.max_model_len)
         if prompt_kv is not None and params.prompt_logprobs is not None:
@@ -212,9 +213,11 @@ class Engine:
             raise ValueError("add_request_group needs one SamplingParams per request id")
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("add_request_group: request ids must be distinct")
-        prompt = list(prompt_token_ids)
-        for rid, p in zip(request_ids, params):
-            self._check_new(rid, prompt, p)
+        ids = list(prompt_token_ids)
+        kept = [self._check_new(rid, ids, p) for rid, p in zip(request_ids, params)]
+        prompt = kept[0]
+        if any(len(k) != len(prompt) for k in kept):  # (suffixes of ids; one prefill for all)
+            raise ValueError("add_request_group: the sequences must truncate the prompt alike")
         params = [fill_max_tokens(p, len(prompt), self.max_model_len) for p in params]
         reqs = [Request(rid, prompt, p) for rid, p in zip(request_ids, params)]
         sched = self.scheduler
@@ -245,11 +248,13 @@ class Engine:
     def _check_new(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> list[int]:
-        """The prompt's ids as a list; ValueError naming what is wrong with a new request."""
+        """The prompt's ids as a list, truncated as ``params`` asks (``truncate_prompt``: before
+        the context check and the prefix cache's lookup, which read the request's ids);
+        ValueError naming what is wrong with a new request."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
-        ids = list(prompt_token_ids)
+        ids = truncate_prompt(list(prompt_token_ids), params, self.max_model_len)
         # builtins over the whole list first (100K-token prompts); the per-token check only when
         # some id is not a plain int (an int subclass other than bool is still accepted)
         if ids and not set(map(type, ids)) <= {int}:

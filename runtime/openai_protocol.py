@@ -90,6 +90,7 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = None  # vLLM's (runtime.prompt_logprobs)
     skip_special_tokens: bool | None = None  # vLLM's; default true
     spaces_between_special_tokens: bool | None = None  # vLLM's; default true
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last N tokens (-1: context)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -197,7 +198,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     # vLLM's extra fields that would change the output
     "include_stop_str_in_output": (False,),
-    "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),  # ("token_id:N" logprob tokens)
     # vLLM's sampling extras that restrict the tokens (they were silently ignored)
     "allowed_token_ids": (),
@@ -336,6 +336,7 @@ def sampling_params(
             prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=default(req.skip_special_tokens, True),
             spaces_between_special_tokens=default(req.spaces_between_special_tokens, True),
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except SamplingParamsError as e:  # named as the client sent it
         param = {"top_logprobs": top_param, "max_tokens": max_param}.get(e.param, e.param)

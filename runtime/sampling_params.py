@@ -74,6 +74,12 @@ class SamplingParams:
       token that follows another its own text alone, as vLLM's fast-tokenizer detokenizer does;
       only with ``skip_special_tokens=False``. The byte-level decoder (DeepSeek's) never puts a
       space between them, so there the text is the same either way.
+    - ``truncate_prompt_tokens`` (vLLM's): None (default) or an integer >= 1: the request runs on
+      the prompt's last N tokens only (left truncation, as vLLM truncates for generation); -1:
+      the last ``max_model_len``. More than ``max_model_len`` is refused when the request is
+      added (``truncate_prompt``), as vLLM refuses it. The truncated prompt is the request's
+      prompt everywhere: the context check, ``max_tokens=None``, the prefix cache, usage,
+      ``prompt_logprobs`` and the returned prompt ids.
     ``runtime.sampling_controls`` applies the penalties, ``logit_bias``, ``min_p`` and
     ``min_tokens``, on the device, before sampling.
     """
@@ -98,6 +104,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -157,6 +164,12 @@ class SamplingParams:
                     name, f"{name} must be a boolean, got {getattr(self, name)!r}"
                 )
 
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t == -1 or t >= 1)):
+            raise SamplingParamsError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be null, -1 or an integer >= 1, got {t!r}",
+            )
         self._check_controls()
 
     def _check_controls(self) -> None:
@@ -241,6 +254,27 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0)."""
         return self.temperature == 0
+
+
+def truncate_prompt(ids: list[int], params: SamplingParams, limit: int) -> list[int]:
+    """The prompt ``ids`` a request with ``params`` runs on: its last
+    ``params.truncate_prompt_tokens`` tokens (-1: the last ``limit``, the context), ``ids`` itself
+    when that is unset or not shorter. SamplingParamsError when it asks for more than ``limit``
+    (vLLM's check: such a prompt can never fit). Applied once where a request enters the engine,
+    before the context check, ``fill_max_tokens`` and the prefix cache's lookup; applying it
+    again changes nothing."""
+    n = params.truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == -1:
+        n = limit
+    if n > limit:
+        raise SamplingParamsError(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens ({n}) is greater than the context limit (max_model_len) "
+            f"of {limit} tokens",
+        )
+    return ids[-n:] if len(ids) > n else ids
 
 
 def fill_max_tokens(params: SamplingParams, n_prompt: int, limit: int) -> SamplingParams:

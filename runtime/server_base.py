@@ -21,7 +21,7 @@ from runtime.async_engine import AsyncEngine, RequestStream
 from runtime.engine import StepOutput
 from runtime.openai_protocol import CONTEXT_CODE, APIError, ChatCompletionRequest, CompletionRequest
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
 from runtime.server_metrics import ServerMetrics
 from runtime.server_streams import failure, merged, sse
 from runtime.tokenizer import lone_surrogate
@@ -89,6 +89,18 @@ class HandlersBase:
             if bound >= self.engine.max_model_len:
                 raise self.context_error(f"at least {bound}", param)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_bos)
+
+    def truncated(
+        self, ids: list[int], req: CompletionRequest | ChatCompletionRequest
+    ) -> list[int]:
+        """The prompt's ids as the request runs them: vLLM's ``truncate_prompt_tokens`` keeps the
+        last N (``runtime.sampling_params.truncate_prompt``, which the engine applies again to no
+        effect), before the context checks read the prompt's length."""
+        try:
+            only = SamplingParams(truncate_prompt_tokens=req.truncate_prompt_tokens)
+            return truncate_prompt(ids, only, self.engine.max_model_len)
+        except SamplingParamsError as e:
+            raise APIError(400, str(e), param=e.param) from e
 
     def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
         """Reject prompt + max_tokens over the context; a missing max_tokens (chat) becomes what

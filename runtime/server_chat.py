@@ -39,7 +39,10 @@ class ChatHandlers(HandlersBase):
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         thinking = request_thinking(req.chat_template_kwargs)
         msgs = [m.model_dump() for m in req.messages]
-        ids = await self.encode_chat(msgs, plan=plan, thinking=thinking)
+        # (a prompt to truncate may be longer than the context: its ids are counted)
+        fits = req.truncate_prompt_tokens is None
+        ids = await self.encode_chat(msgs, plan=plan, within_context=fits, thinking=thinking)
+        ids = self.truncated(ids, req)
         max_tokens = self.max_tokens(len(ids), getattr(req, req.max_tokens_field), "messages")
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
         params = sampling_params(req, max_tokens, bool(req.logprobs), vocab, defaults)

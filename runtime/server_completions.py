@@ -38,15 +38,21 @@ class CompletionHandlers(HandlersBase):
             if isinstance(p, str):
                 # (in a list, the index alone would not say which prompt)
                 where = f"prompt[{k}]" if many else None
-                ids = await self.encode(p, special is not False, "prompt", where=where)
-                out.append((ids, p))
+                # (a prompt to truncate may be longer than the context: its ids are counted)
+                fits = req.truncate_prompt_tokens is None
+                ids = await self.encode(p, special is not False, "prompt", fits, where)
+                kept = self.truncated(ids, req)
+                # echo: the text of the prompt the request ran on
+                cut = kept is not ids and bool(req.echo)
+                out.append((kept, self.tokenizer.decode(kept, False) if cut else p))
                 continue
             if not p or any(not 0 <= i < vocab for i in p):
                 msg = f"prompt token ids must be a non-empty list of ids in [0, {vocab})"
                 raise APIError(400, msg, param="prompt")
+            kept = self.truncated(list(p), req)
             # (echo: their text with the special tokens, as vLLM decodes a token-id prompt)
-            text = self.tokenizer.decode(p, skip_special_tokens=False) if req.echo else ""
-            out.append((list(p), text))
+            text = self.tokenizer.decode(kept, skip_special_tokens=False) if req.echo else ""
+            out.append((kept, text))
         if not out:
             raise APIError(400, "prompt must not be an empty list", param="prompt")
         return out

@@ -405,7 +405,6 @@ UNSUPPORTED_BOTH = [
     ("use_beam_search", True, False),
     ("length_penalty", 0.5, 1.0),
     ("include_stop_str_in_output", True, False),
-    ("truncate_prompt_tokens", 8, None),
     ("return_tokens_as_token_ids", True, False),  # (was silently ignored)
     # vLLM's, silently ignored before
     ("allowed_token_ids", [1, 2], None),
