@@ -7,6 +7,7 @@ model's internals.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,7 +31,14 @@ from runtime.prompt_kv import (
 from runtime.prompt_logprobs import PromptLogprob, prompt_logprobs
 from runtime.readback import PoolChecks, SampledStep, check_overflow, to_host
 from runtime.request import PAGE, Request, Status
-from runtime.sampler import LogitsProcessor, prepare_batch, request_seed, sample
+from runtime.sampler import (
+    LogitsProcessor,
+    bad_stage,
+    prepare_batch,
+    request_seed,
+    sample,
+    unusable_rows,
+)
 from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_prompt
 from runtime.scheduler import ScheduledBatch, Scheduler
@@ -40,6 +48,7 @@ from runtime.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from model.loader import LoadExtras
 
+logger = logging.getLogger(__name__)
 LOGPROB_FLOOR = -9999.0  # reported in place of -inf (a masked-out token), as vLLM does
 
 
@@ -59,6 +68,8 @@ class StepOutput:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     # prompt tokens served from the prefix cache (EngineConfig.enable_prefix_caching)
     cached_tokens: int = 0
+    # finish_reason "error": what went wrong, when the engine knows (a logits processor's output)
+    error: str | None = None
 
 
 class Engine:
@@ -518,9 +529,13 @@ class Engine:
         self.num_decode_steps += 1
         self.decode_steps_ahead += s.ahead
         outs = []
-        for r, tok, lp, top in zip(s.batch.requests, toks, lps, tops):
+        bad = s.bad_stages or [0] * len(toks)
+        for r, tok, lp, top, stage in zip(s.batch.requests, toks, lps, tops, bad):
             if r.status is Status.FINISHED:
                 self.discarded_rows += 1
+                continue
+            if stage:  # its logits were unusable: its token is garbage, never appended
+                outs.append(self._processor_error(r, stage))
                 continue
             r.num_computed = r.num_tokens
             r.output_ids.append(tok)
@@ -559,6 +574,26 @@ class Engine:
         self._recent.append((now, len(outs)))
         return outs
 
+    def _processor_error(self, req: Request, stage: int) -> StepOutput:
+        """Finish ``req``, whose row of a decode step had unusable logits (``bad_stage``'s
+        ``stage``), with finish_reason "error" and a message naming the processor; the other
+        rows of the step go on."""
+        why = "NaN or +inf logits, or every logit -inf (no token left to sample)"
+        if stage == 1:
+            what = f"the logits reached the logits processors unusable ({why})"
+        else:
+            proc = self.logits_processors[stage - 2]
+            what = f"logits processor {proc!r} returned {why} for this request's row"
+        msg = f"request {req.request_id!r}: {what}"
+        logger.warning("%s; it ends with an error", msg)
+        self._finish(req, "error")
+        n = len(req.output_ids)
+        return StepOutput(
+            req.request_id, [], [] if req.params.logprobs else None, "", True, "error",
+            len(req.prompt_ids), n, [] if req.params.top_logprobs else None,
+            req.prompt_logprobs_out() if n == 0 else None, req.cached_tokens, msg,
+        )  # fmt: skip
+
     def _sample(
         self,
         batch: ScheduledBatch,
@@ -580,6 +615,9 @@ class Engine:
         # it, a row whose allowed tokens min_p had all dropped was all -inf: NaN, token 0). The
         # other controls leave a masked -inf at -inf, so for them the order does not matter.
         logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()), pending)
+        # with processors: which rows were unusable before them, then after each (as each
+        # returns: a later one may write in place)
+        stages = [unusable_rows(logits)] if self.logits_processors else []
         for proc in self.logits_processors:
             out = proc(reqs, logits)
             # floating point on the logits' device too: .float() would turn integer or bool
@@ -601,6 +639,7 @@ class Engine:
                     f"{tuple(logits.shape)} on {logits.device}, got {got}"
                 )
             logits = out.float()
+            stages.append(unusable_rows(logits))
         tok, lp = sample(
             logits,
             sb.temperature,
@@ -621,8 +660,11 @@ class Engine:
             # top-k / top-p (what a greedy row's own logprob is computed from)
             top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
             cols += [top.indices.double(), top.values.clamp(min=LOGPROB_FLOOR).double()]
+        checked = len(stages) > 1
+        if checked:  # a processor's NaN fails its rows' requests when read (_complete)
+            cols.append(bad_stage(stages).double()[:, None])
         host, copied = to_host(torch.cat(cols, 1), timed=True)
-        return SampledStep(batch, tok, host, n_top, copied, ahead, started)
+        return SampledStep(batch, tok, host, n_top, copied, ahead, started, checked)
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:

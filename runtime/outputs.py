@@ -25,6 +25,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
     prompt_logprobs: list | None = None
+    error: str | None = None  # finish_reason "error": what went wrong, when the engine says
 
     def add(self, out: StepOutput) -> None:
         self.text += out.new_text
@@ -37,6 +38,7 @@ class RequestOutput:
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.error = out.error
 
     @property
     def finished(self) -> bool:

@@ -45,6 +45,10 @@ class SampledStep:
     copied: torch.cuda.Event | None  # (CUDA, timed) after the copy to ``host``
     ahead: bool  # launched before the step before it was read
     started: torch.cuda.Event | None  # (CUDA, timed) before the step's first input copy
+    # logits processors ran: ``host`` has one more column, per row the stage whose logits went
+    # non-finite (``Engine._sample``; 0: none), read into ``bad_stages``
+    checked: bool = False
+    bad_stages: list[int] | None = None
 
     def wait(self) -> None:
         if self.copied is not None:
@@ -57,12 +61,14 @@ class SampledStep:
         rows = self.host.tolist()
         toks = [int(row[0]) for row in rows]
         lps = [row[1] for row in rows]
+        if self.checked:
+            self.bad_stages = [int(row[-1]) for row in rows]
         if not self.n_top:
             return toks, lps, [None] * len(rows)
         n, tops = self.n_top, []
         for row, r in zip(rows, self.batch.requests):
             k = r.params.top_logprobs
-            ids, vs = row[2 : 2 + n], row[2 + n :]
+            ids, vs = row[2 : 2 + n], row[2 + n : 2 + 2 * n]
             tops.append([(int(i), v) for i, v in zip(ids[:k], vs[:k])] if k else None)
         return toks, lps, tops
 

@@ -19,6 +19,7 @@ Logprob reported for the chosen token (``logprobs`` output):
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -256,10 +257,32 @@ class LogitsProcessor(Protocol):
     per decode step, outside any captured graph; device work in it should be a few batched ops
     (a per-row Python loop of kernels costs more than a compiled step's own launches). Sampling
     then runs on what it returns: greedy rows take its argmax, sampled rows its distribution,
-    and logprobs are computed from it.
+    and logprobs are computed from it. A returned row with a NaN or +inf, or every logit -inf,
+    ends that request with finish_reason "error" naming the processor (``bad_stage``; the other
+    rows go on); an output of the wrong type, shape, dtype or device is a ValueError from the
+    step.
     """
 
     def __call__(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor: ...
+
+
+def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool ``[B]``: the rows of fp32 logits ``[B, V]`` that cannot be sampled from: a NaN or a
+    +inf, or every logit -inf (no token left). On the device, no host sync."""
+    return ~((logits < math.inf).all(-1) & (logits > -math.inf).any(-1))
+
+
+def bad_stage(unusable: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per row of a decode step, which logits processor made its logits unusable, on the device
+    (no host sync: the code goes to the host with the step's tokens). ``unusable``: the
+    ``unusable_rows`` of the logits before the processors, then after each (taken as each
+    returns: a later processor may write in place). int64 ``[B]``: 0 when the last stage is
+    usable; else ``k + 2`` for processor ``k``, the one after the row's last usable stage; 1 when
+    the row was unusable before any processor ran."""
+    bad = torch.stack(list(unusable), 1)  # [B, P + 1]
+    idx = torch.arange(bad.shape[1], device=bad.device)
+    last_ok = torch.where(bad, -1, idx).max(1).values  # [B]
+    return torch.where(bad[:, -1], last_ok + 2, 0)
 
 
 def force_tokens(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:

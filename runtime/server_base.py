@@ -292,7 +292,7 @@ class HandlersBase:
                 return Response(status_code=499)
             observe()
             for r in results:
-                if (err := failure(r.finish_reason)) is not None:
+                if (err := failure(r.finish_reason, r.error)) is not None:
                     raise err
             if keep is not None:
                 order = keep(results)
@@ -312,7 +312,7 @@ class HandlersBase:
                 async with aclosing(merged(streams, request)) as outs:
                     async for i, out in outs:
                         out = add(i, out)
-                        if (err := failure(out.finish_reason)) is not None:
+                        if (err := failure(out.finish_reason, out.error)) is not None:
                             observe(out.finish_reason)  # the choices still going end with it
                             yield sse(err.body())  # the openai client raises APIError on it
                             yield "data: [DONE]\n\n"  # the stream's end, as in vLLM

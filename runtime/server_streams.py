@@ -25,10 +25,12 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def failure(reason: str | None) -> APIError | None:
-    """The API error a finish reason means, if it is one."""
+def failure(reason: str | None, error: str | None = None) -> APIError | None:
+    """The API error a finish reason means, if it is one (``error``: the engine's account of
+    an "error", ``StepOutput.error``)."""
     if reason == "error":
-        return APIError(500, "generation failed in the engine", type_="server_error")
+        msg = "generation failed in the engine" + (f": {error}" if error else "")
+        return APIError(500, msg, type_="server_error")
     if reason == "abort":
         msg = "the request was aborted: the server is shutting down (its grace period ended)"
         return APIError(503, msg, type_="server_error")

@@ -12,8 +12,9 @@ import torch
 from model.checkpoint import resolve_model
 from model.loader import load_model
 from runtime.engine import Engine, EngineConfig
-from runtime.sampler import force_tokens, prepare_batch, sample
+from runtime.sampler import bad_stage, force_tokens, prepare_batch, sample, unusable_rows
 from runtime.sampling_params import SamplingParams
+from runtime.server_streams import failure
 
 PARAMS = (
     SamplingParams(max_tokens=6, temperature=0.8, seed=11, ignore_eos=True, logprobs=True),
@@ -26,9 +27,11 @@ def model():
     return load_model(resolve_model("tiny"))[0]
 
 
-def _run(model, procs, errors: list | None = None) -> dict[str, tuple[list[int], list[float]]]:
+def _run(
+    model, procs, errors: list | None = None, finals: dict | None = None
+) -> dict[str, tuple[list[int], list[float]]]:
     """Both requests to the end with ``procs``; ``errors``: a step's ValueError is appended there
-    and the loop goes on (else it propagates)."""
+    and the loop goes on (else it propagates); ``finals``: each request's last StepOutput."""
     # prefill first: both requests decode in every decode step (what `seen` checks)
     cfg = EngineConfig(max_batch=2, host_tokens=64 * 12, gpu_tokens=2 * model.config.index_topk,
                        decode_during_prefill=False)  # fmt: skip
@@ -48,6 +51,8 @@ def _run(model, procs, errors: list | None = None) -> dict[str, tuple[list[int],
             errors.append(e)
             continue
         for o in outs:
+            if o.finished and finals is not None:
+                finals[o.request_id] = o
             toks, lps = out.setdefault(o.request_id, ([], []))
             toks += o.new_token_ids
             lps += o.new_logprobs or []
@@ -120,3 +125,58 @@ def test_a_bad_processor_output_is_refused_and_the_engine_goes_on(model, bad, go
     assert "must return a floating-point tensor of shape (2, 512) on cpu" in msg
     assert re.search(got, msg), msg
     assert out == _run(model, [])
+
+
+def test_bad_stage_names_the_processor_after_the_last_usable_logits() -> None:
+    ok = torch.zeros(5, 4)
+    nan, inf, masked = ok.clone(), ok.clone(), ok.clone()
+    nan[1, 2] = float("nan")
+    inf[2, 0] = float("inf")
+    masked[3] = -float("inf")  # no token left
+    masked[4, 1:] = -float("inf")  # one left: usable
+    assert unusable_rows(ok).tolist() == [False] * 5
+    assert unusable_rows(nan).tolist() == [False, True, False, False, False]
+    assert unusable_rows(masked).tolist() == [False, False, False, True, False]
+
+    def code(*stages):
+        return bad_stage([unusable_rows(x) for x in stages]).tolist()
+
+    assert code(ok) == [0] * 5
+    assert code(ok, nan, inf, masked) == [0, 0, 0, 4, 0]  # processor 2 left row 3 nothing
+    assert code(ok, nan, nan) == [0, 2, 0, 0, 0]  # processor 0 spoilt row 1
+    assert code(nan, inf) == [0, 0, 2, 0, 0]  # processor 0 mended row 1, spoilt row 2
+    assert code(nan, nan) == [0, 1, 0, 0, 0]  # row 1 came in unusable
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_processor_that_spoils_a_row_fails_that_request_only(model, value) -> None:
+    """A processor that writes NaN or +inf into r0's row, or -inf over all of it, on the third
+    decode step: r0 ends there with finish_reason "error" and a message naming the processor, its
+    tokens before that kept; r1 generates what it generates without the processor."""
+    calls = []
+
+    class Spoil:
+        def __repr__(self) -> str:
+            return "Spoil()"
+
+        def __call__(self, reqs, logits):
+            calls.append(1)
+            rows = [i for i, r in enumerate(reqs) if r.request_id == "r0"]
+            if len(calls) == 3:
+                logits[rows, :] = value if value < 0 else logits[rows, :]
+                logits[rows, 5] = value
+            return logits
+
+    finals: dict = {}
+    out = _run(model, [lambda reqs, logits: logits, Spoil()], finals=finals)
+    free = _run(model, [])
+    # (r1 alone from then on: its logprobs may move in the last bits, batch 1 against 2)
+    assert out["r1"][0] == free["r1"][0] and finals["r1"].finish_reason == "length"
+    assert out["r1"][1] == pytest.approx(free["r1"][1], abs=1e-5)
+    r0 = finals["r0"]
+    assert r0.finish_reason == "error" and r0.new_token_ids == [] and r0.completion_tokens == 2
+    assert out["r0"] == (free["r0"][0][:2], free["r0"][1][:2])
+    assert "logits processor Spoil() returned NaN or +inf logits" in r0.error, r0.error
+    assert "request 'r0'" in r0.error
+    # the server's 500 says it (runtime.server_streams.failure)
+    assert r0.error in failure(r0.finish_reason, r0.error).message
