@@ -47,6 +47,16 @@ class ChatHandlers(HandlersBase):
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
         params = sampling_params(req, max_tokens, bool(req.logprobs), vocab, defaults)
         forced = plan is not None and plan.grammar_text is not None
+        if thinking and (forced or params.grammar is not None):
+            # NOTE: the grammar would constrain the reply from its first token, which in thinking
+            # mode is reasoning: the forced block or JSON would read as all reasoning (no
+            # </think>), content null, no tool calls. vLLM starts it after </think>; not here yet.
+            field = "tool_choice" if forced else "response_format"
+            msg = (
+                f"{field} constrains the reply from its first token, which in thinking mode "
+                "(chat_template_kwargs thinking) is reasoning: not supported together"
+            )
+            raise APIError(400, msg, param=field)
         if forced:
             try:
                 params = dataclasses.replace(params, grammar=_call_grammar(plan, params))

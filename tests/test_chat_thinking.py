@@ -262,3 +262,33 @@ def test_bad_chat_template_kwargs_are_a_400(served: tuple[str, ScriptedEngine]) 
         model=MODEL, messages=HI, extra_body={"chat_template_kwargs": {"foo": 1}}
     )
     assert r.choices[0].message.content == "x"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [PING], "tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [PING], "tool_choice": {"type": "function", "function": {"name": "ping"}}},
+            "tool_choice",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+    ids=["required", "named", "json"],
+)
+def test_a_grammar_from_the_first_token_is_refused_in_thinking_mode(
+    served: tuple[str, ScriptedEngine], extra: dict, param: str
+) -> None:
+    """A forced call or a response format constrains the reply from its first token, but in
+    thinking mode that token is reasoning: the forced block (or JSON) read as all reasoning, no
+    ``</think>``, content null and no tool calls. Refused, naming the field, until the grammar
+    waits for ``</think>``."""
+    url, engine = served
+    _say(engine, BLOCK)  # what the grammar would force
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(url).chat.completions.create(model=MODEL, messages=HI, extra_body=THINK, **extra)
+    assert e.value.body["param"] == param, e.value.body
+    assert "thinking" in e.value.body["message"], e.value.body
+    # without thinking, the same request runs
+    r = _client(url).chat.completions.create(model=MODEL, messages=HI, **extra)
+    assert r.choices[0].finish_reason in ("stop", "tool_calls")
