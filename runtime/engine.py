@@ -570,8 +570,9 @@ class Engine:
             if not self.scheduler.has_unfinished():
                 self._pool_checks.drain()  # going idle: nothing in flight to overlap
         self.decode_rows += len(outs)
-        self.generated_tokens += len(outs)
-        self._recent.append((now, len(outs)))
+        new = sum(len(o.new_token_ids) for o in outs)  # (a failed row's output has none)
+        self.generated_tokens += new
+        self._recent.append((now, new))
         return outs
 
     def _processor_error(self, req: Request, stage: int) -> StepOutput:

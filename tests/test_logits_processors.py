@@ -28,10 +28,11 @@ def model():
 
 
 def _run(
-    model, procs, errors: list | None = None, finals: dict | None = None
+    model, procs, errors: list | None = None, finals: dict | None = None, stats: dict | None = None
 ) -> dict[str, tuple[list[int], list[float]]]:
     """Both requests to the end with ``procs``; ``errors``: a step's ValueError is appended there
-    and the loop goes on (else it propagates); ``finals``: each request's last StepOutput."""
+    and the loop goes on (else it propagates); ``finals``: each request's last StepOutput;
+    ``stats``: filled with ``engine.metrics()`` at the end."""
     # prefill first: both requests decode in every decode step (what `seen` checks)
     cfg = EngineConfig(max_batch=2, host_tokens=64 * 12, gpu_tokens=2 * model.config.index_topk,
                        decode_during_prefill=False)  # fmt: skip
@@ -56,6 +57,8 @@ def _run(
             toks, lps = out.setdefault(o.request_id, ([], []))
             toks += o.new_token_ids
             lps += o.new_logprobs or []
+    if stats is not None:
+        stats.update(eng.metrics())
     return out
 
 
@@ -168,7 +171,8 @@ def test_a_processor_that_spoils_a_row_fails_that_request_only(model, value) -> 
             return logits
 
     finals: dict = {}
-    out = _run(model, [lambda reqs, logits: logits, Spoil()], finals=finals)
+    stats: dict = {}
+    out = _run(model, [lambda reqs, logits: logits, Spoil()], finals=finals, stats=stats)
     free = _run(model, [])
     # (r1 alone from then on: its logprobs may move in the last bits, batch 1 against 2)
     assert out["r1"][0] == free["r1"][0] and finals["r1"].finish_reason == "length"
@@ -180,3 +184,5 @@ def test_a_processor_that_spoils_a_row_fails_that_request_only(model, value) -> 
     assert "request 'r0'" in r0.error
     # the server's 500 says it (runtime.server_streams.failure)
     assert r0.error in failure(r0.finish_reason, r0.error).message
+    # the failed row generated nothing: the counters (the server's token counter) skip it
+    assert stats["generated_tokens"] == len(out["r0"][0]) + len(out["r1"][0])
