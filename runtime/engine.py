@@ -25,6 +25,7 @@ from runtime.prompt_kv import (
     PromptKV,
     PromptKVSource,
     check_source,
+    check_uncut,
     read_prompt_kv,
     write_prompt_kv,
 )
@@ -193,6 +194,7 @@ class Engine:
         if prompt_kv is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs a prefill: a request with prompt_kv has none")
         if prompt_kv is not None:
+            check_uncut(len(prompt_token_ids), len(ids))
             check_source(
                 prompt_kv,
                 self.model_config.num_hidden_layers,

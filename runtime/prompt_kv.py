@@ -106,6 +106,17 @@ def check_source(kv: object, num_layers: int, num_tokens: int, row_bytes: int, f
         )
 
 
+def check_uncut(prompt_tokens: int, kept_tokens: int) -> None:
+    """A request with ``prompt_kv`` whose ``truncate_prompt_tokens`` cut its prompt is refused:
+    the KV is the uncut prompt's (its token count check would name rows, not the cut)."""
+    if kept_tokens < prompt_tokens:
+        raise ValueError(
+            f"truncate_prompt_tokens cut the prompt from {prompt_tokens} to {kept_tokens} "
+            "tokens, but prompt_kv holds the KV of the uncut prompt: truncate before computing "
+            "the KV, and send the kept tokens"
+        )
+
+
 def check_chunk(kv: torch.Tensor, index: torch.Tensor, n: int, row_bytes: int, where: str) -> None:
     """A source's chunk must have the shapes it promised (a generator could get them wrong)."""
     for t, width, name in ((kv, row_bytes, "kv rows"), (index, INDEX_ROW_BYTES, "index rows")):

@@ -148,6 +148,10 @@ def test_bad_prompt_kv_is_rejected_with_its_problem(model) -> None:
         with pytest.raises(ValueError, match=message):
             eng.add_request("bad", p, params, prompt_kv=kv)
         assert "bad" not in eng.requests
+    cut = SamplingParams(max_tokens=2, truncate_prompt_tokens=6)
+    with pytest.raises(ValueError, match="cut the prompt from 10 to 6 tokens, but prompt_kv"):
+        eng.add_request("bad", p, cut, prompt_kv=_kv(layers, 9))
+    assert "bad" not in eng.requests
     good = torch.zeros(9, ROW_BYTES["bf16"], dtype=torch.uint8)
     index = torch.zeros(9, INDEX_ROW_BYTES, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"index_rows\[1\] must be uint8 \[9, 132\]"):

@@ -30,6 +30,7 @@ from runtime.engine import Engine, StepOutput
 from runtime.engine_config import EngineConfig
 from runtime.engine_inputs import EngineInputs, read_engine_inputs
 from runtime.model_runner import StepCompiler, next_bucket
+from runtime.prompt_kv import check_uncut
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_prompt
 from runtime.tokenizer import Tokenizer
@@ -104,7 +105,10 @@ class DistributedEngine:
         )
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = truncate_prompt(ids, params, self.max_model_len)  # before the checks that read it
+        kept = truncate_prompt(ids, params, self.max_model_len)  # before the checks that read it
+        if prompt_kv is not None:
+            check_uncut(len(ids), len(kept))
+        ids = kept
         params = fill_max_tokens(params, len(ids), self.max_model_len)  # (every rank's limit)
         if params.prompt_logprobs is not None and self.engine.config.ffn_ranks > 1:
             # its prefill runs eagerly with every position's logits; the lockstep sub-steps of a
