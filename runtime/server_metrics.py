@@ -149,6 +149,7 @@ class ServerMetrics:
             ),
         }  # fmt: skip
         self._tokens_seen = 0
+        self._rate_layers: set[int] = set()  # the layers with a hit-rate series
         self._seen: dict[tuple[str, str], float] = {}  # counter key -> the engine total last seen
 
     def update(self, snapshot: dict[str, Any], tokens_total: int) -> None:
@@ -162,8 +163,14 @@ class ServerMetrics:
         selected = snapshot.get("gpu_pool_selected")
         for layer, rate in enumerate(snapshot.get("hit_rate") or []):
             if selected is not None and layer < len(selected) and not selected[layer]:
-                continue  # no lookup yet: a hit rate is undefined (the engine says 1.0)
+                # no lookup yet (or since engine.reset_stats()): a hit rate is undefined (the
+                # engine says 1.0), so the layer has no series
+                if layer in self._rate_layers:
+                    self.hit_rate.remove(str(layer))
+                    self._rate_layers.discard(layer)
+                continue
             self.hit_rate.labels(layer=str(layer)).set(rate)
+            self._rate_layers.add(layer)
         for key, counter in self.layer_counters.items():
             for layer, total in enumerate(snapshot.get(key) or []):
                 self._advance(counter.labels(layer=str(layer)), (key, str(layer)), total)

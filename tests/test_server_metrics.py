@@ -39,6 +39,9 @@ def test_no_hit_rate_before_a_lookup_and_counters_follow_the_engine_totals():
     assert lines['echo_gpu_pool_selected_total{layer="0"}'] == 4.0
     met.update({**snap, "gpu_pool_selected": [4.0, 3.0]}, 0)  # reset_stats, then 3 more
     assert scrape(met)['echo_gpu_pool_selected_total{layer="1"}'] == 15.0
+    met.update({**snap, "gpu_pool_selected": [0.0, 0.0]}, 0)  # reset_stats, nothing since
+    lines = scrape(met)
+    assert not any(k.startswith("echo_gpu_pool_hit_rate{") for k in lines)  # not the old rates
 
 
 def test_engine_snapshot_has_the_totals_and_no_hit_rate_series_before_traffic():
