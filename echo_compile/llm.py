@@ -339,6 +339,8 @@ class LLM:
         progress: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> GenerationResult: ...
 
     @overload
@@ -349,6 +351,8 @@ class LLM:
         progress: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[GenerationResult]: ...
 
     def chat(
@@ -358,6 +362,8 @@ class LLM:
         progress: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> GenerationResult | list[GenerationResult]:
         """The reply to an OpenAI-style conversation (a list of message dicts), or the replies to
         a list of conversations (a list, in order; ``params`` one for all or one each), each
@@ -368,8 +374,12 @@ class LLM:
         unparsed: ``runtime.tool_calls.parse_tool_calls`` reads them). ``chat_template_kwargs``:
         as vLLM's, ``{"thinking": True}`` (or ``enable_thinking``) renders DeepSeek-V3.2's
         thinking mode; the text is returned whole, as vLLM's ``LLM.chat`` returns it
-        (``runtime.reasoning.split_reasoning`` splits the reasoning off). A bad conversation is
-        a TypeError or ValueError naming it (``conversation i``), before any is queued."""
+        (``runtime.reasoning.split_reasoning`` splits the reasoning off).
+        ``add_generation_prompt`` / ``continue_final_message``: as vLLM's, end with the
+        assistant's turn opened, or leave each conversation's last message (the assistant's)
+        open and continue it ("prefill"; it needs ``add_generation_prompt=False``): the text is
+        the continuation only. A bad conversation is a TypeError or ValueError naming it
+        (``conversation i``), before any is queued."""
         if not isinstance(messages, list):
             raise TypeError(
                 "messages must be a conversation (a list of message dicts) or a list of "
@@ -389,7 +399,14 @@ class LLM:
                         f"must be a list of message dicts, got {type(conversation).__name__}"
                     )
                 # (the template writes the BOS itself)
-                text = render_chat(self.tokenizer, conversation, True, functions, thinking)
+                text = render_chat(
+                    self.tokenizer,
+                    conversation,
+                    add_generation_prompt,
+                    functions,
+                    thinking,
+                    continue_final_message,
+                )
                 encoded.append(self.tokenizer.encode(text, add_bos=False))
         results = self._run(encoded, params, progress, "conversation")
         return results if batch else results[0]

@@ -74,11 +74,20 @@ def render_dsv32(
     bos: str,
     eos: str,
     thinking: bool = False,
+    add_generation: bool = True,
+    continue_final: bool = False,
 ) -> str:
     """The prompt of ``messages`` (normalised: ``role``, ``content`` str, ``reasoning`` str,
     assistant ``tool_calls`` as ``[(name, arguments dict)]``) with ``functions`` offered, in
-    thinking or chat mode, ending where the assistant's reply starts. Raises ``ValueError``
-    naming the first bad message."""
+    thinking or chat mode, ending where the assistant's reply starts (the reply's opening:
+    ``<｜Assistant｜></think>`` or ``<think>``, after tool results ``\n\n</think>``); without
+    that opening when not ``add_generation``. ``continue_final``: the last message (an assistant
+    message without tool calls: ``render_chat`` checks it) is left open after that opening, its
+    reasoning and content written as far as they go (``<think>{reasoning}`` while it has no
+    content, else ``{reasoning}</think>{content}``; chat mode drops the reasoning), no
+    ``<eos>``, for the model to continue. Raises ``ValueError`` naming the first bad message."""
+    final = messages[-1] if continue_final else None
+    messages = messages[:-1] if continue_final else messages
     out = [bos]
     first = 0  # the index of messages[0] in the caller's list (a system prompt merged away)
     if functions:
@@ -104,7 +113,7 @@ def render_dsv32(
         elif role in ("user", "developer"):
             # V3.2 wraps a developer message as a user turn introducing the user's words
             text = content if role == "user" else f"\n\n# The user's message is: {content}"
-            out.append(f"{USER}{text}{ASSISTANT}{opening(i)}")
+            out += [f"{USER}{text}", f"{ASSISTANT}{opening(i)}"]
             open_turn = True
         elif role == "assistant":
             calls = m.get("tool_calls") or []
@@ -126,13 +135,22 @@ def render_dsv32(
                 out.append("\n\n<function_results>")
             out.append(f"\n<result>{content}</result>")
             if nxt != "tool":
-                out.append(f"\n</function_results>\n\n{opening(i)}")
+                out += ["\n</function_results>", f"\n\n{opening(i)}"]
                 open_turn = True
         else:
             msg = f"messages[{i + first}].role must be one of {', '.join(ROLES)}, got {role!r}"
             raise ValueError(msg)
     if not open_turn:  # e.g. a system prompt alone: open the assistant's turn
         out.append(f"{ASSISTANT}{opening(len(messages))}")
+    # out[-1] is now the reply's opening
+    if final is not None:
+        if opening(len(messages)) == THINK_START:  # the reasoning is open, and stays open
+            reasoning, content = final["reasoning"], final["content"]
+            out.append(reasoning + (THINK_END + content if content else ""))
+        else:
+            out.append(final["content"])
+    elif not add_generation:
+        out.pop()
     return "".join(out)
 
 
@@ -288,20 +306,39 @@ def thinking_of(kwargs: dict[str, Any] | None) -> bool:
     return any(kwargs.get(key) for key in THINKING_KEYS)
 
 
+def reply_in_reasoning(
+    messages: list[dict[str, Any]], thinking: bool, continue_final: bool = False
+) -> bool:
+    """Whether the reply to a conversation ``render_chat`` rendered starts inside its reasoning
+    (to be split off at ``</think>``): in thinking mode, unless it continues a final message
+    that has content, whose reasoning ``render_dsv32`` closed before it."""
+    if not (thinking and continue_final and messages):
+        return thinking
+    return not normalise_messages(messages[-1:])[0]["content"]
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation: bool = True,
     functions: list[dict[str, Any]] | None = None,
     thinking: bool = False,
+    continue_final: bool = False,
 ) -> str:
     """The prompt text of an OpenAI-style conversation (its BOS included), as the server and
     ``LLM.chat`` render it: the checkpoint's jinja template for a plain conversation, and
-    DeepSeek-V3.2's encoding (``render_dsv32``, which always ends where the assistant's reply
-    starts) for thinking mode, tools, tool results, assistant tool calls or developer messages,
-    and for any conversation of a checkpoint without a template, as DeepSeek-V3.2's own release
-    ships none. Raises ``ValueError`` naming the problem."""
+    DeepSeek-V3.2's encoding (``render_dsv32``) for thinking mode, tools, tool results, assistant
+    tool calls or developer messages, and for any conversation of a checkpoint without a
+    template, as DeepSeek-V3.2's own release ships none.
+
+    ``add_generation`` (vLLM's ``add_generation_prompt``): end with the assistant's turn opened.
+    ``continue_final`` (vLLM's ``continue_final_message``): leave the last message, an
+    assistant's, open for the model to continue (``render_dsv32``; a jinja template's rendering
+    cut after the message's content, ``_cut_after``); it excludes ``add_generation``, as vLLM's
+    does. Raises ``ValueError`` naming the problem (a message, or ``continue_final_message``)."""
     messages = normalise_messages(messages)
+    if continue_final:
+        _check_continuable(messages, add_generation)
     dsv32 = (
         thinking
         or functions
@@ -310,6 +347,46 @@ def render_chat(
     )
     if dsv32:
         bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
-        return render_dsv32(messages, functions, bos, eos, thinking)
+        return render_dsv32(messages, functions, bos, eos, thinking, add_generation, continue_final)
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tokenizer.apply_chat_template(plain, add_generation)
+    text = tokenizer.apply_chat_template(plain, add_generation)
+    return _cut_after(text, plain[-1]["content"], len(plain) - 1) if continue_final else text
+
+
+def _check_continuable(messages: list[dict[str, Any]], add_generation: bool) -> None:
+    """The rules of ``continue_final_message`` (vLLM's, and what DeepSeek-V3.2's encoding can
+    continue), each a ``ValueError`` starting with its name."""
+    if add_generation:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true (vLLM's rule; "
+            "add_generation_prompt defaults to true: set it to false)"
+        )
+    last = len(messages) - 1
+    if last < 0 or messages[last]["role"] != "assistant":
+        got = f"messages[{last}] is a {messages[last]['role']} message" if last >= 0 else "none"
+        msg = f"continue_final_message needs the last message to be the assistant's, {got}"
+        raise ValueError(msg)
+    if messages[last]["tool_calls"]:
+        msg = f"continue_final_message: messages[{last}] has tool_calls, which cannot be continued"
+        raise ValueError(msg)
+
+
+def _cut_after(text: str, content: str, i: int) -> str:
+    """``text`` (a jinja template's rendering without the generation prompt) cut right after the
+    last message's ``content``, dropping the end of turn the template wrote after it: the rule
+    of HF's ``apply_chat_template`` (which vLLM uses), that finds the content's last occurrence
+    with its outer whitespace stripped (templates often trim), and keeps the trailing whitespace
+    only where the template kept it."""
+    core = content.strip()
+    if not core:  # (the last occurrence of "" is the end of the text: nothing would be cut)
+        msg = f"continue_final_message: messages[{i}].content is empty: nothing to continue"
+        raise ValueError(msg)
+    at = text.rfind(core)
+    if at < 0:
+        msg = (
+            f"continue_final_message: the chat template does not render messages[{i}].content "
+            "as it is, so where it ends cannot be found"
+        )
+        raise ValueError(msg)
+    end = at + len(content.lstrip())
+    return text[:end] if text[at:end] == content.lstrip() else text[: at + len(core)]

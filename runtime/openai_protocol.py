@@ -122,6 +122,10 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's: {"thinking": true} (or enable_thinking) renders in thinking mode and splits the
     # reasoning out of the reply (runtime.chat_template.thinking_of; other keys are ignored)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: end with the assistant's turn opened (default true), or leave the last message
+    # (the assistant's) open for the model to continue (runtime.chat_template.render_chat)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -138,6 +142,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # prompt: add the BOS (default true)
     add_generation_prompt: bool | None = None  # messages: end with the assistant's turn (true)
+    continue_final_message: bool | None = None  # messages: leave the last one open, as chat's
     tools: list[dict[str, Any]] | None = None  # messages: offered in the prompt, as chat's
     tool_choice: str | dict[str, Any] | None = None  # messages: "none" offers none
     chat_template_kwargs: dict[str, Any] | None = None  # messages: thinking mode, as chat's
@@ -217,8 +222,6 @@ UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
     "chat_template": (),
     "add_special_tokens": (False,),  # vLLM's; the template writes the BOS itself
     "echo": (False,),  # vLLM's (the last message prepended to the output)

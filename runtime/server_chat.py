@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from runtime.chat_template import render_chat, thinking_of
+from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
 from runtime.engine import StepOutput
 from runtime.openai_protocol import (
     APIError,
@@ -41,7 +41,10 @@ class ChatHandlers(HandlersBase):
         msgs = [m.model_dump() for m in req.messages]
         # (a prompt to truncate may be longer than the context: its ids are counted)
         fits = req.truncate_prompt_tokens is None
-        ids = await self.encode_chat(msgs, plan=plan, within_context=fits, thinking=thinking)
+        gen, cont = req.add_generation_prompt is not False, bool(req.continue_final_message)
+        ids = await self.encode_chat(msgs, gen, plan, fits, thinking, cont)
+        # (only the new text is the reply, as vLLM's: a continued message's start is not in it)
+        in_reasoning = reply_in_reasoning(msgs, thinking, cont)
         ids = self.truncated(ids, req)
         max_tokens = self.max_tokens(len(ids), getattr(req, req.max_tokens_field), "messages")
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
@@ -72,7 +75,7 @@ class ChatHandlers(HandlersBase):
             "model": req.model,
         }
         parsers = [ToolCallStream(plan.names) if plan else None for _ in choices]
-        thinkers = [ReasoningStream() if thinking else None for _ in choices]
+        thinkers = [ReasoningStream() if in_reasoning else None for _ in choices]
         # prompt_logprobs (vLLM's, on chat too): the response's, not a choice's (the choices share
         # the prompt); streamed once, on the first chunk that has them
         sent_prompt_lps = [req.prompt_logprobs is None]
@@ -136,7 +139,7 @@ class ChatHandlers(HandlersBase):
             return with_prompt_lps({**head, "choices": [choice]}, out.prompt_logprobs)
 
         def message(res: RequestOutput) -> tuple[dict[str, Any], str | None]:
-            reasoning, text = split_reasoning(res.text) if thinking else (None, res.text)
+            reasoning, text = split_reasoning(res.text) if in_reasoning else (None, res.text)
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             if reasoning is not None:
                 msg = with_reasoning(msg, reasoning)
@@ -184,17 +187,20 @@ class ChatHandlers(HandlersBase):
         plan: ToolPlan | None = None,
         within_context: bool = True,
         thinking: bool = False,
+        continue_final: bool = False,
     ) -> list[int]:
         """Token ids of a conversation offering ``plan``'s tools (``tool_plan``), rendered by
         ``runtime.chat_template.render_chat`` (the checkpoint's template, or DeepSeek-V3.2's
-        encoding; in its thinking mode when ``thinking``)."""
+        encoding; in its thinking mode when ``thinking``; the last message left open when
+        ``continue_final``)."""
         functions = plan.functions if plan is not None else None
+        args = (self.tokenizer, messages, add_generation, functions, thinking, continue_final)
         try:  # (a lone surrogate in a message: normalise_messages names it)
-            text = await asyncio.to_thread(
-                render_chat, self.tokenizer, messages, add_generation, functions, thinking
-            )
+            text = await asyncio.to_thread(render_chat, *args)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
+            flag = "continue_final_message"  # (chat_template names its rules' errors so)
+            param = flag if str(e).startswith(flag) else "messages"
+            raise APIError(400, str(e), param=param) from e
         # (the template writes the BOS itself)
         return await self.encode(text, False, "messages", within_context)
 

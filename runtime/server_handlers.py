@@ -37,7 +37,8 @@ class Handlers(CompletionHandlers, ChatHandlers):
             gen = req.add_generation_prompt is not False
             plan = tool_plan(req.tools, req.tool_choice)  # as the chat renders it
             thinking = request_thinking(req.chat_template_kwargs)
-            ids = await self.encode_chat(msgs, gen, plan, within_context=False, thinking=thinking)
+            cont = bool(req.continue_final_message)
+            ids = await self.encode_chat(msgs, gen, plan, False, thinking, cont)
         body: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.engine.max_model_len,

@@ -121,6 +121,26 @@ def test_chat_template_kwargs_thinking_renders_thinking_mode(llm: LLM) -> None:
     assert_nothing_queued(llm)
 
 
+def test_chat_continues_the_final_message(llm: LLM) -> None:
+    """``add_generation_prompt`` / ``continue_final_message`` (vLLM's LLM.chat arguments): the
+    tiny checkpoint's template without the opened turn, or cut after the last message's content
+    (no EOS); continuing needs ``add_generation_prompt=False``, as vLLM's; a conversation that
+    does not end with the assistant's message is named."""
+    tok, said = llm.tokenizer, {"role": "assistant", "content": "Hi"}
+    head = f"{tok.bos_token}Be brief.<｜User｜>Hello"
+    off = llm.chat(BRIEF, PARAMS, add_generation_prompt=False).prompt_token_ids
+    assert off == tok.encode(head, add_bos=False)
+    r = llm.chat([BRIEF + [said]], PARAMS, add_generation_prompt=False, continue_final_message=True)
+    assert r[0].prompt_token_ids == tok.encode(head + "<｜Assistant｜>Hi", add_bos=False)
+    assert len(r[0].token_ids) == 3  # (the continuation only)
+    with pytest.raises(ValueError, match="conversation 0: continue_final_message and add_gen"):
+        llm.chat(BRIEF + [said], PARAMS, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"conversation 1: continue_final_message needs the last"):
+        conversations = [BRIEF + [said], BRIEF]
+        llm.chat(conversations, PARAMS, add_generation_prompt=False, continue_final_message=True)
+    assert_nothing_queued(llm)
+
+
 @pytest.mark.parametrize(
     ("messages", "tools", "error", "message"),
     [

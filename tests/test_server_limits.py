@@ -424,8 +424,6 @@ UNSUPPORTED_CHAT = [
     ("modalities", ["text", "audio"], ["text"]),
     ("prediction", {"type": "content", "content": "x"}, None),
     ("web_search_options", {}, None),
-    ("add_generation_prompt", False, True),
-    ("continue_final_message", True, False),
     ("chat_template", "{{ messages }}", None),
     # vLLM's, silently ignored before
     ("add_special_tokens", True, False),

@@ -1,0 +1,247 @@
+"""vLLM's ``add_generation_prompt`` and ``continue_final_message`` (runtime.chat_template): the
+prompt against hand-written strings (DeepSeek-V3.2's encoding in chat and thinking mode, the
+tiny checkpoint's jinja template and the test tokenizer's), and through the server with the
+openai client (``extra_body``) and ``/tokenize``: the reply is the continuation only, the errors
+are 400s naming the field."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_utils import BOS, EOS, make_tokenizer_dir, running_server
+from test_chat_thinking import BLOCK, CALL, PING, ScriptedEngine, _client, _say
+from test_server import MODEL
+
+from model.checkpoint import CHAT_TEMPLATE as TINY_TEMPLATE
+from runtime.async_engine import AsyncEngine
+from runtime.chat_template import normalise_messages, render_chat, render_dsv32
+from runtime.server import build_app
+from runtime.tokenizer import Tokenizer
+
+U, A = "<｜User｜>", "<｜Assistant｜>"
+HI = {"role": "user", "content": "Hi"}
+TOOL = {"role": "tool", "tool_call_id": "c1", "content": "pong"}
+RESULTS = "\n\n<function_results>\n<result>pong</result>\n</function_results>"
+
+
+def render(msgs: list, thinking: bool = False, gen: bool = True, cont: bool = False) -> str:
+    return render_dsv32(normalise_messages(msgs), None, "<B>", "<E>", thinking, gen, cont)
+
+
+def said(content: str | None, reasoning: str | None = None, **kw) -> dict:
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning, **kw}
+
+
+# ---- DeepSeek-V3.2's encoding ------------------------------------------------------------------
+def test_continued_message_in_chat_mode_is_left_open() -> None:
+    assert render([HI, said("Hel")], cont=True) == f"<B>{U}Hi{A}</think>Hel"
+    # chat mode drops the reasoning, as for any earlier turn
+    assert render([HI, said("Hel", "why")], cont=True) == f"<B>{U}Hi{A}</think>Hel"
+    # after tool results the turn is already open; after a closed turn it is opened
+    calls = said(None, tool_calls=[CALL])
+    want = f"<B>{U}Hi{A}</think>\n\n{BLOCK}<E>{RESULTS}\n\n</think>The"
+    assert render([HI, calls, TOOL, said("The")], cont=True) == want
+    sys = {"role": "system", "content": "S"}
+    assert render([sys, said("Hel")], cont=True) == f"<B>S{A}</think>Hel"
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "content", "tail"),
+    [
+        ("why", "Hel", "<think>why</think>Hel"),  # content: the reasoning closed before it
+        ("why", None, "<think>why"),  # no content yet: the reasoning stays open
+        (None, "Hel", "<think></think>Hel"),
+        (None, None, "<think>"),  # nothing yet: the generation prompt
+    ],
+)
+def test_continued_message_in_thinking_mode(reasoning, content, tail) -> None:
+    # (an assistant message after the last user needs reasoning or tool calls unless continued)
+    assert render([HI, said(content, reasoning)], True, cont=True) == f"<B>{U}Hi{A}{tail}"
+
+
+def test_without_the_generation_prompt_nothing_opens_the_reply() -> None:
+    for thinking in (False, True):
+        assert render([HI], thinking, gen=False) == f"<B>{U}Hi"
+    sys = {"role": "system", "content": "S"}
+    assert render([sys], gen=False) == "<B>S"
+    calls = said(None, tool_calls=[CALL])
+    assert render([HI, calls, TOOL], gen=False) == f"<B>{U}Hi{A}</think>\n\n{BLOCK}<E>{RESULTS}"
+
+
+# ---- render_chat: the rules and the jinja templates --------------------------------------------
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
+    return Tokenizer(tok._tok, BOS, EOS, chat_template=template)
+
+
+@pytest.mark.parametrize(
+    ("msgs", "gen", "tools", "match"),
+    [
+        ([HI, said("x")], True, None, "continue_final_message and add_generation_prompt cannot"),
+        ([HI], False, None, r"the assistant's, messages\[0\] is a user message"),
+        ([HI, said("x"), HI], False, None, r"messages\[2\] is a user message"),
+        ([HI, said(None, tool_calls=[CALL])], False, None, r"messages\[1\] has tool_calls"),
+        ([HI, said("x")], False, None, None),
+        ([HI, said("x")], False, [PING["function"]], None),
+    ],
+)
+def test_continue_final_message_rules(tok: Tokenizer, msgs, gen, tools, match) -> None:
+    for t in (tok, with_template(tok, None)):  # a jinja template, and DeepSeek-V3.2's encoding
+        if match is None:
+            assert render_chat(t, msgs, gen, tools, continue_final=True).endswith("x")
+            continue
+        with pytest.raises(ValueError, match=match) as e:
+            render_chat(t, msgs, gen, tools, continue_final=True)
+        assert str(e.value).startswith("continue_final_message")  # (the server's param)
+
+
+def test_tiny_checkpoint_template_is_cut_after_the_final_content(tok: Tokenizer) -> None:
+    tiny = with_template(tok, TINY_TEMPLATE)
+    msgs = [{"role": "system", "content": "Be brief."}, HI, said("Hello")]
+    head = f"{BOS}Be brief.{U}Hi{A}"
+    assert render_chat(tiny, msgs, False) == head + f"Hello{EOS}"
+    assert render_chat(tiny, msgs, False, continue_final=True) == head + "Hello"
+    assert render_chat(tiny, msgs[:2], False) == f"{BOS}Be brief.{U}Hi"
+    # trailing whitespace the template keeps is kept; the content's last occurrence is cut at
+    msgs = [{"role": "user", "content": "Hello "}, said("Hello ")]
+    assert render_chat(tiny, msgs, False, continue_final=True) == f"{BOS}{U}Hello {A}Hello "
+
+
+def test_a_trimming_template_keeps_its_trim(tok: Tokenizer) -> None:
+    trims = with_template(
+        tok, "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] | trim }}[end]{% endfor %}"
+    )
+    got = render_chat(trims, [HI, said("  Hello \n")], False, continue_final=True)
+    assert got == "[user]Hi[end][assistant]Hello"
+
+
+def test_a_content_the_template_does_not_render_cannot_be_continued(tok: Tokenizer) -> None:
+    upper = with_template(tok, "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
+    with pytest.raises(ValueError, match=r"does not render messages\[1\]\.content as it is"):
+        render_chat(upper, [HI, said("hello")], False, continue_final=True)
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content is empty"):
+        render_chat(tok, [HI, said(" ")], False, continue_final=True)
+
+
+# ---- through the server ------------------------------------------------------------------------
+class RecordingEngine(ScriptedEngine):
+    """``ScriptedEngine`` that keeps the last prompt it was given."""
+
+    prompt: list[int] = []
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        self.prompt = list(prompt_token_ids)
+        super().add_request(request_id, prompt_token_ids, params)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, RecordingEngine]]:
+    path: Path = make_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    engine = RecordingEngine(Tokenizer.from_dir(path))
+    engine.max_model_len = 4096
+    a = AsyncEngine(engine)
+    try:
+        with running_server(build_app(a, MODEL, api_key=None)) as base:
+            yield base, engine
+    finally:
+        a.shutdown()
+
+
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+THINK = {"chat_template_kwargs": {"thinking": True}}
+
+
+def _tokenize(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/tokenize", json=body, timeout=30)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_continues_the_final_message(served, stream: bool) -> None:
+    url, engine = served
+    _say(engine, " there!")
+    msgs = [HI, said("Hello")]
+    kw = dict(model=MODEL, messages=msgs, extra_body=CONTINUE)
+    if stream:
+        chunks = list(_client(url).chat.completions.create(**kw, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        content = _client(url).chat.completions.create(**kw).choices[0].message.content
+    assert content == " there!"  # the continuation only, as vLLM's
+    # the test tokenizer's template, cut after the content: no <|end|>, no new turn
+    want = engine.tokenizer.encode(f"{BOS}<|user|>Hi<|end|><|assistant|>Hello", add_bos=False)
+    assert engine.prompt == want
+    assert _tokenize(url, {"messages": msgs, **CONTINUE}).json()["tokens"] == want
+
+
+def test_chat_without_the_generation_prompt(served) -> None:
+    url, engine = served
+    _say(engine, "x")
+    extra = {"add_generation_prompt": False}
+    _client(url).chat.completions.create(model=MODEL, messages=[HI], extra_body=extra)
+    want = engine.tokenizer.encode(f"{BOS}<|user|>Hi<|end|>", add_bos=False)
+    assert engine.prompt == want
+    assert _tokenize(url, {"messages": [HI], **extra}).json()["tokens"] == want
+
+
+def test_thinking_mode_continuation_is_split_by_where_it_starts(served) -> None:
+    url, engine = served
+    client = _client(url)
+    bos, eos = engine.tokenizer.bos_token, engine.tokenizer.eos_token
+    # continuing the content: the reply is all content (its reasoning was closed in the prompt)
+    _say(engine, " world</think>!")
+    msgs = [HI, said("Hello", "greet")]
+    m = (
+        client.chat.completions.create(model=MODEL, messages=msgs, extra_body={**CONTINUE, **THINK})
+        .choices[0]
+        .message
+    )
+    assert m.content == " world</think>!" and getattr(m, "reasoning_content", None) is None
+    want = render_dsv32(normalise_messages(msgs), None, bos, eos, True, False, True)
+    assert want.endswith(f"{A}<think>greet</think>Hello")
+    assert engine.prompt == engine.tokenizer.encode(want, add_bos=False)
+    # continuing the reasoning: split at </think> as a thinking reply
+    _say(engine, " more.</think>Hi!")
+    msgs = [HI, said(None, "greet")]
+    m = (
+        client.chat.completions.create(model=MODEL, messages=msgs, extra_body={**CONTINUE, **THINK})
+        .choices[0]
+        .message
+    )
+    assert (m.reasoning_content, m.content) == (" more.", "Hi!")
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=msgs, extra_body={**CONTINUE, **THINK}, stream=True
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == " more."
+    assert "".join(d.content or "" for d in deltas) == "Hi!"
+
+
+@pytest.mark.parametrize(
+    ("msgs", "extra", "match"),
+    [
+        ([HI, said("x")], {"continue_final_message": True}, "add_generation_prompt defaults"),
+        ([HI, said("x")], {**CONTINUE, "add_generation_prompt": True}, "cannot both be true"),
+        ([HI], CONTINUE, r"messages\[0\] is a user message"),
+        ([HI, said(None, tool_calls=[CALL])], CONTINUE, r"messages\[1\] has tool_calls"),
+    ],
+    ids=["default-generation-prompt", "both", "user-last", "tool-calls"],
+)
+def test_bad_continuations_are_a_400_naming_the_field(served, msgs, extra, match) -> None:
+    url, engine = served
+    _say(engine, "x")
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(url).chat.completions.create(model=MODEL, messages=msgs, extra_body=extra)
+    err = e.value.body
+    assert err["param"] == "continue_final_message"
+    assert re.search(match, err["message"])
+    r = _tokenize(url, {"messages": msgs, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
