@@ -61,6 +61,11 @@ class SamplingParams:
       (stop strings still apply); at most ``max_tokens``.
     - ``grammar``: an llguidance grammar (``runtime.structured_output.json_schema_grammar`` makes
       one from a JSON schema) the output must follow; None: free text.
+    - ``grammar_after_reasoning``: the grammar starts after the reasoning, at the token after the
+      one that completes ``</think>`` in the output (thinking mode: the server and ``LLM.chat``
+      set it there); before it nothing is masked, and a reply that never writes ``</think>``
+      is not constrained at all (``max_tokens``, ``min_tokens`` and EOS count and end it as
+      usual). ``runtime.structured_output`` applies it; without a grammar it does nothing.
     - ``top_logprobs``: 0..20; return that many most likely (token, logprob) per generated token
       (log-softmax of the logits after the controls, before temperature and top-k / top-p).
     - ``prompt_logprobs``: None, or 0..20: the logprob of every prompt token after the first and
@@ -101,6 +106,7 @@ class SamplingParams:
     min_tokens: int = 0
     top_logprobs: int = 0
     grammar: str | None = None
+    grammar_after_reasoning: bool = False
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -157,7 +163,13 @@ class SamplingParams:
                 f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}",
             )
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        bools = ("ignore_eos", "logprobs", "skip_special_tokens", "spaces_between_special_tokens")
+        bools = (
+            "ignore_eos",
+            "logprobs",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "grammar_after_reasoning",
+        )
         for name in bools:
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(

@@ -10,6 +10,15 @@ one part of sampling that needs the sampled tokens on the host first: it runs be
 step's existing sync, never inside the captured graph. A matcher is dropped once a step runs
 without its request and rebuilt from the request's tokens if it returns (as the sampling controls'
 state is). The import is lazy: llguidance is needed only when a request has a grammar.
+
+A grammar with ``SamplingParams.grammar_after_reasoning`` (thinking mode, as vLLM's structured
+output waits for its reasoning parser) starts after the reasoning: until the output's text holds
+``</think>`` (found as ``runtime.reasoning`` splits the reply, so also when ``</think>`` spans
+several tokens) no mask is applied and no matcher exists; the grammar starts, fresh, at the token
+after the one that completed ``</think>``, and a rebuild finds that token again from the output.
+NOTE: text a token carries after ``</think>`` (only with a tokenizer that has no ``</think>``
+token of its own; DeepSeek-V3.2's has) is left outside the grammar, as in vLLM, which starts at
+the next token id too: it stays at the head of the content.
 """
 
 from __future__ import annotations
@@ -17,9 +26,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from runtime.reasoning import ReasoningStream
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +82,20 @@ def _llguidance() -> Any:
     return llguidance
 
 
+@dataclass
+class _Grammar:
+    """One request's grammar state. ``start``: the output index the grammar starts at (None while
+    a ``grammar_after_reasoning`` request is still reasoning, ``thinking`` then reads its text);
+    ``seen``: output tokens read so far (by ``thinking`` before the start, by ``matcher`` after);
+    ``logged``: the matcher's failure is already logged."""
+
+    start: int | None
+    matcher: Any = None
+    seen: int = 0
+    logged: bool = False
+    thinking: ReasoningStream = field(default_factory=ReasoningStream)
+
+
 class StructuredOutput:
     """Callable ``(requests, logits [B, V]) -> logits``: masks the rows of requests that have a
     grammar (a new tensor then; the input unchanged), else returns the input."""
@@ -77,8 +103,8 @@ class StructuredOutput:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_id: int | None):
         self.tokenizer, self.vocab, self.eos = tokenizer, vocab_size, eos_token_id
         self._lltok: Any = None
-        # request id -> (matcher, tokens consumed, its failure already logged)
-        self.matchers: dict[str, tuple[Any, int, bool]] = {}
+        # request id -> its grammar's state (the matcher once the grammar has started)
+        self.matchers: dict[str, _Grammar] = {}
 
     def lltokenizer(self) -> Any:
         if self._lltok is None:
@@ -101,10 +127,10 @@ class StructuredOutput:
             raise ValueError(f"the grammar does not compile: {msg}")
 
     def __call__(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests) if r.params.grammar is not None]
-        live = {requests[i].request_id for i in rows}
+        live = {r.request_id for r in requests if r.params.grammar is not None}
         for rid in [k for k in self.matchers if k not in live]:
             del self.matchers[rid]
+        rows = [i for i, r in enumerate(requests) if self._started(r) is not None]
         if not rows:
             return logits
         ll = _llguidance()
@@ -116,18 +142,20 @@ class StructuredOutput:
             bits = bits.pin_memory()
         for k, i in enumerate(rows):
             r = requests[i]
-            matcher, seen, logged = self.matchers.get(r.request_id, (None, 0, False))
-            if matcher is None:
-                matcher = ll.LLMatcher(self.lltokenizer(), r.params.grammar, log_level=0)
-            matcher.consume_tokens(r.output_ids[seen:])
+            g = self.matchers[r.request_id]
+            if g.matcher is None:
+                g.matcher = ll.LLMatcher(self.lltokenizer(), r.params.grammar, log_level=0)
+            matcher = g.matcher
+            matcher.consume_tokens(r.output_ids[g.seen :])
+            g.seen = len(r.output_ids)
             if not matcher.is_error() and self.eos is not None:
                 fill_next_token_bitmask(matcher, bits, k)
             if matcher.is_error() or self.eos is None:
                 # (a token forced off the grammar by a logits processor, a parser limit met while
                 # consuming or computing the mask): end the request with EOS rather than fail
                 # the step, and so every request in it
-                if matcher.is_error() and not logged:
-                    logged = True
+                if matcher.is_error() and not g.logged:
+                    g.logged = True
                     logger.warning(
                         "request %s: the grammar matcher failed (%s); the request ends here with "
                         "EOS and its output may not match the grammar",
@@ -138,10 +166,34 @@ class StructuredOutput:
                 if self.eos is not None:
                     word, bit = divmod(self.eos, 32)
                     bits[k, word] = -(2**31) if bit == 31 else 1 << bit
-            self.matchers[r.request_id] = (matcher, len(r.output_ids), logged)
         mask = bits.to(logits.device, non_blocking=True)  # [A, W] int32
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((mask[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, : logits.shape[1]]
         index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
         masked = logits[index].masked_fill(allowed == 0, float("-inf"))
         return logits.index_put((index,), masked)
+
+    def _started(self, r: Request) -> int | None:
+        """The output index ``r``'s grammar starts at, None while it has not (no grammar, or a
+        ``grammar_after_reasoning`` one before ``</think>``). Reads the output's text from where
+        it left off, so a state rebuilt after a drop finds the same start."""
+        if r.params.grammar is None:
+            return None
+        g = self.matchers.get(r.request_id)
+        if g is None:
+            g = _Grammar(None if r.params.grammar_after_reasoning else 0)
+            self.matchers[r.request_id] = g
+        while g.start is None and g.seen < len(r.output_ids):
+            # (a token's own bytes: one ending inside a UTF-8 character cannot hide the ASCII
+            # of </think>, whose bytes never occur inside another character's)
+            piece = self._token_bytes(r.output_ids[g.seen]).decode(errors="replace")
+            g.thinking.feed(piece)
+            g.seen += 1
+            if not g.thinking.thinking:  # this token completed </think>
+                g.start = g.seen
+        return g.start
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer")
+        return self.tokenizer.token_bytes(token_id)
