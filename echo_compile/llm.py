@@ -16,11 +16,12 @@ import torch
 from echo_compile.compiled import StepCompiler
 from echo_compile.devices import check_device
 from echo_compile.threads import configure_threads
-from runtime.chat_template import render_chat, thinking_of
+from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
 from runtime.outputs import RequestOutput
 from runtime.progress import progress_bar
+from runtime.reasoning import thinking_params
 from runtime.sampling_params import SamplingParams, truncate_prompt
 from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import functions_of
@@ -374,11 +375,15 @@ class LLM:
         unparsed: ``runtime.tool_calls.parse_tool_calls`` reads them). ``chat_template_kwargs``:
         as vLLM's, ``{"thinking": True}`` (or ``enable_thinking``) renders DeepSeek-V3.2's
         thinking mode; the text is returned whole, as vLLM's ``LLM.chat`` returns it
-        (``runtime.reasoning.split_reasoning`` splits the reasoning off).
-        ``add_generation_prompt`` / ``continue_final_message``: as vLLM's, end with the
-        assistant's turn opened, or leave each conversation's last message (the assistant's)
-        open and continue it ("prefill"; it needs ``add_generation_prompt=False``): the text is
-        the continuation only. A bad conversation is a TypeError or ValueError naming it
+        (``runtime.reasoning.split_reasoning`` splits the reasoning off); a ``params.grammar``
+        then constrains only what follows ``</think>``, as the server's ``response_format``
+        (``grammar_after_reasoning`` set for it; vLLM's ``LLM.chat`` does so when the engine has
+        a reasoning parser). ``add_generation_prompt`` / ``continue_final_message``: as vLLM's,
+        end with the assistant's turn opened, or leave each conversation's last message (the
+        assistant's) open and continue it ("prefill"; it needs ``add_generation_prompt=False``):
+        the text is the continuation only (a continued message with content has its reasoning
+        closed: a grammar then starts at once). A bad conversation is a TypeError or ValueError
+        naming it
         (``conversation i``), before any is queued."""
         if not isinstance(messages, list):
             raise TypeError(
@@ -391,7 +396,7 @@ class LLM:
         conversations = messages if batch else [messages]
         functions = functions_of(tools) or None  # (a ValueError naming the bad tools[i])
         thinking = thinking_of(chat_template_kwargs)
-        encoded = []
+        encoded, in_reasoning = [], []
         for i, conversation in enumerate(conversations):
             with _named(f"conversation {i}"):
                 if not isinstance(conversation, list):
@@ -408,6 +413,18 @@ class LLM:
                     continue_final_message,
                 )
                 encoded.append(self.tokenizer.encode(text, add_bos=False))
+                in_reasoning.append(
+                    reply_in_reasoning(conversation, thinking, continue_final_message)
+                )
+        if any(in_reasoning):  # a grammar starts after </think>, as the server's
+            if isinstance(params, SamplingParams):
+                params = [params] * len(encoded)
+            if isinstance(params, (list, tuple)) and len(params) == len(encoded):
+                # (other types or lengths: _run's error)
+                params = [
+                    thinking_params(p) if r and isinstance(p, SamplingParams) else p
+                    for p, r in zip(params, in_reasoning)
+                ]
         results = self._run(encoded, params, progress, "conversation")
         return results if batch else results[0]
 

@@ -4,12 +4,26 @@ split from its content, as vLLM's ``deepseek_v3`` reasoning parser splits it.
 The prompt ends with ``<think>``, so the reply starts inside the reasoning and ``</think>`` ends
 it: the text before is the reasoning, the text after the content (None when empty). A reply that
 never writes ``</think>`` (``max_tokens`` hit, or a stop string, while thinking) is all
-reasoning, its content None. The tool-call parser reads the content only.
+reasoning, its content None. The tool-call parser reads the content only. A grammar
+(``response_format``, a forced tool call) constrains the content only: ``thinking_params``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from runtime.chat_template import THINK_END
+from runtime.sampling_params import SamplingParams
+
+
+def thinking_params(params: SamplingParams) -> SamplingParams:
+    """``params`` of a thinking-mode request (the server's chat route, ``LLM.chat``): a grammar
+    starts after ``</think>`` (``grammar_after_reasoning``), as vLLM starts structured output
+    after its reasoning parser sees the reasoning end; from the first token it would force the
+    JSON or the call block into the reasoning."""
+    if params.grammar is None or params.grammar_after_reasoning:
+        return params
+    return dataclasses.replace(params, grammar_after_reasoning=True)
 
 
 def split_reasoning(text: str) -> tuple[str, str | None]:

@@ -22,7 +22,7 @@ from runtime.openai_protocol import (
     sampling_params,
 )
 from runtime.outputs import RequestOutput
-from runtime.reasoning import ReasoningStream, split_reasoning
+from runtime.reasoning import ReasoningStream, split_reasoning, thinking_params
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.server_base import HandlersBase, Top
 from runtime.structured_output import json_schema_problem, lark_grammar
@@ -50,21 +50,13 @@ class ChatHandlers(HandlersBase):
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
         params = sampling_params(req, max_tokens, bool(req.logprobs), vocab, defaults)
         forced = plan is not None and plan.grammar_text is not None
-        if thinking and (forced or params.grammar is not None):
-            # NOTE: the grammar would constrain the reply from its first token, which in thinking
-            # mode is reasoning: the forced block or JSON would read as all reasoning (no
-            # </think>), content null, no tool calls. vLLM starts it after </think>; not here yet.
-            field = "tool_choice" if forced else "response_format"
-            msg = (
-                f"{field} constrains the reply from its first token, which in thinking mode "
-                "(chat_template_kwargs thinking) is reasoning: not supported together"
-            )
-            raise APIError(400, msg, param=field)
         if forced:
             try:
                 params = dataclasses.replace(params, grammar=_call_grammar(plan, params))
             except SamplingParamsError as e:  # e.g. min_tokens with a grammar
                 raise APIError(400, str(e), param=e.param) from e
+        if in_reasoning:  # the forced block or JSON follows the reasoning, in the content
+            params = thinking_params(params)
         choices = self.choices_of([(ids, "")], params, req.n or 1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(rid, choices, "tool_choice" if forced else "response_format")

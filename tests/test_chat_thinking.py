@@ -16,6 +16,7 @@ from test_server import MODEL, FakeEngine, _Req
 from runtime.async_engine import AsyncEngine
 from runtime.chat_template import normalise_messages, render_dsv32, render_tools, thinking_of
 from runtime.reasoning import ReasoningStream, split_reasoning
+from runtime.sampling_params import SamplingParams
 from runtime.server import build_app
 from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import CALLS_BEGIN, CALLS_END
@@ -140,8 +141,10 @@ class ScriptedEngine(FakeEngine):
     """The fake engine whose "model" writes ``script`` (token ids), then EOS."""
 
     script: list[int] = []
+    params: SamplingParams | None = None  # the last request's
 
     def cycle(self, r: _Req) -> list[int]:
+        self.params = r.params
         return [*self.script, self.tokenizer.eos_token_id]
 
 
@@ -265,30 +268,37 @@ def test_bad_chat_template_kwargs_are_a_400(served: tuple[str, ScriptedEngine]) 
 
 
 @pytest.mark.parametrize(
-    ("extra", "param"),
+    ("extra", "script"),
     [
-        ({"tools": [PING], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [PING], "tool_choice": "required"}, "\n\n" + BLOCK),
         (
             {"tools": [PING], "tool_choice": {"type": "function", "function": {"name": "ping"}}},
-            "tool_choice",
+            "\n\n" + BLOCK,
         ),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}}, '{"a":1}'),
     ],
     ids=["required", "named", "json"],
 )
-def test_a_grammar_from_the_first_token_is_refused_in_thinking_mode(
-    served: tuple[str, ScriptedEngine], extra: dict, param: str
+def test_a_grammar_starts_after_the_reasoning_in_thinking_mode(
+    served: tuple[str, ScriptedEngine], extra: dict, script: str
 ) -> None:
-    """A forced call or a response format constrains the reply from its first token, but in
-    thinking mode that token is reasoning: the forced block (or JSON) read as all reasoning, no
-    ``</think>``, content null and no tool calls. Refused, naming the field, until the grammar
-    waits for ``</think>``."""
+    """A forced call or a response format in thinking mode (a 400 once): the engine gets the
+    grammar marked to start after </think> (grammar_after_reasoning; the real engine's side is
+    tests/test_thinking_grammar.py), and the reply's content after the reasoning is the call or
+    the JSON. Without thinking the grammar starts at the first token, as before."""
     url, engine = served
-    _say(engine, BLOCK)  # what the grammar would force
-    with pytest.raises(openai.BadRequestError) as e:
-        _client(url).chat.completions.create(model=MODEL, messages=HI, extra_body=THINK, **extra)
-    assert e.value.body["param"] == param, e.value.body
-    assert "thinking" in e.value.body["message"], e.value.body
-    # without thinking, the same request runs
+    _say(engine, "Let me see.</think>" + script)
+    c = _client(url).chat.completions.create(model=MODEL, messages=HI, extra_body=THINK, **extra)
+    m = c.choices[0].message
+    assert engine.params is not None and engine.params.grammar is not None
+    assert engine.params.grammar_after_reasoning
+    assert m.reasoning_content == "Let me see."
+    if "tools" in extra:
+        assert c.choices[0].finish_reason == "tool_calls" and not m.content
+        assert [t.function.name for t in m.tool_calls] == ["ping"]
+    else:
+        assert c.choices[0].finish_reason == "stop" and m.content == '{"a":1}'
+    _say(engine, script)
     r = _client(url).chat.completions.create(model=MODEL, messages=HI, **extra)
     assert r.choices[0].finish_reason in ("stop", "tool_calls")
+    assert not engine.params.grammar_after_reasoning

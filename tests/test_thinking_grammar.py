@@ -4,22 +4,25 @@ reasoning parser sees ``</think>``): through the tiny engine, whose random weigh
 ``</think>`` only because a logits processor forces its tokens (seven of them: the tiny tokenizer
 has no ``</think>`` token, so the end spans tokens), the reasoning is sampled as without a grammar
 and the content after ``</think>`` follows it; the matcher rebuilt after a drop skips the
-reasoning too."""
+reasoning too; and the server's chat route and ``LLM.chat`` in thinking mode, with the openai
+client."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
+import openai
 import pytest
 import torch
 from engine_records import random_prompts, tiny
+from server_utils import running_server
 from test_structured_output import SCHEMA, valid
 
 from runtime.chat_template import THINK_END
 from runtime.engine import Engine, EngineConfig
-from runtime.reasoning import split_reasoning
+from runtime.reasoning import split_reasoning, thinking_params
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output import StructuredOutput, json_schema_grammar
@@ -146,6 +149,96 @@ def test_text_after_think_end_in_the_same_token_is_left_outside_the_grammar() ->
     assert torch.equal(got, fresh)
 
 
+def test_thinking_params_sets_the_flag_only_with_a_grammar() -> None:
+    plain = SamplingParams()
+    assert thinking_params(plain) is plain
+    assert thinking_params(SamplingParams(grammar="x")).grammar_after_reasoning
+
+
 def test_a_non_boolean_grammar_after_reasoning_is_refused() -> None:
     with pytest.raises(ValueError, match="grammar_after_reasoning must be a boolean"):
         SamplingParams(grammar_after_reasoning=1)  # type: ignore[arg-type]
+
+
+# ---- the server and LLM.chat, over the real tiny engine ----------------------------------------
+def _llm():  # noqa: ANN202
+    """The tiny checkpoint's LLM with the processor that forces </think> in every request."""
+    from echo_compile.llm import LLM
+
+    llm = LLM(
+        "tiny", device="cpu", compile=False, offload=True, max_batch=4, host_tokens=64 * 64,
+        gpu_tokens=4 * 32, max_model_len=2048, progress=False,
+    )  # fmt: skip
+    tok = llm.tokenizer
+    think = tok.encode(THINK_END, add_bos=False)
+    llm.engine.logits_processors.append(force_think_end(think, tok.eos_token_id))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    from runtime.async_engine import AsyncEngine
+    from runtime.server import build_app
+
+    engine = AsyncEngine(_llm().engine)
+    try:
+        with running_server(build_app(engine, "tiny")) as base:
+            yield base
+    finally:
+        engine.shutdown()
+
+
+THINK = {"chat_template_kwargs": {"thinking": True}}
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_server_json_response_after_the_reasoning(url: str, stream: bool) -> None:
+    """response_format json_schema in thinking mode (a 400 before): the reasoning comes back as
+    reasoning_content, the content is the JSON the grammar forced after </think>."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    kw = dict(model="tiny", messages=MSGS, max_tokens=80, seed=2, response_format=fmt,
+              extra_body=THINK)  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        c = client.chat.completions.create(**kw).choices[0]
+        reasoning, content, reason = c.message.reasoning_content, c.message.content, c.finish_reason
+    assert reason == "stop" and reasoning and not reasoning.startswith("{"), reasoning
+    assert valid(json.loads(content)), content
+
+
+def test_server_forced_tool_call_after_the_reasoning(url: str) -> None:
+    """tool_choice required in thinking mode (a 400 before): the call block is forced after
+    </think> and parsed from the content."""
+    from test_server_tools import TOOLS, _weather_args
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    c = client.chat.completions.create(
+        model="tiny", messages=MSGS, tools=TOOLS[:1], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=300, seed=3, extra_body=THINK,
+    ).choices[0]  # fmt: skip
+    assert c.finish_reason == "tool_calls" and not c.message.content, c.message
+    assert c.message.reasoning_content
+    assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    _weather_args(c.message.tool_calls[0])
+
+
+def test_llm_chat_in_thinking_mode_starts_the_grammar_after_the_reasoning() -> None:
+    """LLM.chat with thinking on and a grammar in its params constrains the content only, as the
+    server does (from the first token, the forced </think> fell outside the grammar: the request
+    ended with an error)."""
+    llm = _llm()
+    params = SamplingParams(max_tokens=80, seed=2, grammar=json_schema_grammar(SCHEMA))
+    for out in (
+        llm.chat(MSGS, params, chat_template_kwargs={"thinking": True}),
+        llm.chat([MSGS], [params], chat_template_kwargs={"thinking": True})[0],
+    ):
+        reasoning, content = split_reasoning(out.text)
+        assert out.finish_reason == "stop" and reasoning, out
+        assert content is not None and valid(json.loads(content)), out.text
