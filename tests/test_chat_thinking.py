@@ -302,3 +302,21 @@ def test_a_grammar_starts_after_the_reasoning_in_thinking_mode(
     r = _client(url).chat.completions.create(model=MODEL, messages=HI, **extra)
     assert r.choices[0].finish_reason in ("stop", "tool_calls")
     assert not engine.params.grammar_after_reasoning
+
+
+def test_a_continued_answer_in_thinking_mode_has_its_grammar_from_the_first_token(
+    served: tuple[str, ScriptedEngine],
+) -> None:
+    """continue_final_message with content: the reasoning is closed in the prompt, so the reply
+    is content and a response format's grammar starts at once, not after a </think> that never
+    comes."""
+    url, engine = served
+    _say(engine, '1}')
+    msgs = [*HI, {"role": "assistant", "content": '{"a":'}]
+    extra = {**THINK, "continue_final_message": True, "add_generation_prompt": False}
+    c = _client(url).chat.completions.create(
+        model=MODEL, messages=msgs, extra_body=extra, response_format={"type": "json_object"}
+    )
+    assert engine.params is not None and engine.params.grammar is not None
+    assert not engine.params.grammar_after_reasoning
+    assert c.choices[0].message.content == "1}"

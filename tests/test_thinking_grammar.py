@@ -242,3 +242,22 @@ def test_llm_chat_in_thinking_mode_starts_the_grammar_after_the_reasoning() -> N
         reasoning, content = split_reasoning(out.text)
         assert out.finish_reason == "stop" and reasoning, out
         assert content is not None and valid(json.loads(content)), out.text
+
+
+def test_llm_chat_continuing_an_answer_starts_the_grammar_at_once() -> None:
+    """A continued final message with content in thinking mode has its reasoning closed in the
+    prompt: the reply is content, so the grammar starts at its first token (gated, it waited for
+    a </think> that never came, and the reply was unconstrained)."""
+    from echo_compile.llm import LLM
+
+    llm = LLM(
+        "tiny", device="cpu", compile=False, offload=True, max_batch=4, host_tokens=64 * 64,
+        gpu_tokens=4 * 32, max_model_len=2048, progress=False,
+    )  # fmt: skip
+    msgs = [*MSGS, {"role": "assistant", "content": "Here:"}]
+    params = SamplingParams(max_tokens=80, seed=2, grammar=json_schema_grammar(SCHEMA))
+    out = llm.chat(
+        msgs, params, chat_template_kwargs={"thinking": True}, add_generation_prompt=False,
+        continue_final_message=True,
+    )  # fmt: skip
+    assert out.finish_reason == "stop" and valid(json.loads(out.text)), out.text
