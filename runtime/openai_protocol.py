@@ -109,6 +109,8 @@ class ChatMessage(_Strict):
     # an assistant's earlier reasoning (thinking mode): DeepSeek's name, and vLLM's
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # DeepSeek's API's chat prefix completion: the last (assistant) message is continued
+    prefix: bool | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -159,6 +161,20 @@ _FIELD_HINTS = {
     "prompt": "prompt must be a string, a list of token ids, or a list of either",
     "stop": "stop must be a string or a list of strings",
 }
+
+
+def continuation(req: ChatCompletionRequest | TokenizeRequest) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat or /tokenize request: vLLM's two
+    fields, or DeepSeek's API's ``"prefix": true`` on the last message, which must be the
+    assistant's (chat prefix completion: the same continuation, the fields not needed)."""
+    msgs = req.messages or []
+    for i, m in enumerate(msgs):
+        if m.prefix and (i != len(msgs) - 1 or m.role != "assistant"):
+            msg = f"prefix is only allowed on the last message, an assistant's: messages[{i}]"
+            raise APIError(400, msg, param=f"messages[{i}].prefix")
+    if msgs and msgs[-1].prefix:
+        return False, True
+    return req.add_generation_prompt is not False, bool(req.continue_final_message)
 
 
 def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:

@@ -19,6 +19,7 @@ from runtime.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     check_unsupported,
+    continuation,
     sampling_params,
 )
 from runtime.outputs import RequestOutput
@@ -41,7 +42,7 @@ class ChatHandlers(HandlersBase):
         msgs = [m.model_dump() for m in req.messages]
         # (a prompt to truncate may be longer than the context: its ids are counted)
         fits = req.truncate_prompt_tokens is None
-        gen, cont = req.add_generation_prompt is not False, bool(req.continue_final_message)
+        gen, cont = continuation(req)
         ids = await self.encode_chat(msgs, gen, plan, fits, thinking, cont)
         # (only the new text is the reply, as vLLM's: a continued message's start is not in it)
         in_reasoning = reply_in_reasoning(msgs, thinking, cont)

@@ -12,7 +12,7 @@ from typing import Any
 import prometheus_client as prom
 from fastapi.responses import Response
 
-from runtime.openai_protocol import APIError, DetokenizeRequest, TokenizeRequest
+from runtime.openai_protocol import APIError, DetokenizeRequest, TokenizeRequest, continuation
 from runtime.server_chat import ChatHandlers, request_thinking, tool_plan
 from runtime.server_completions import CompletionHandlers
 
@@ -34,10 +34,9 @@ class Handlers(CompletionHandlers, ChatHandlers):
             ids = await self.encode(req.prompt, bos, "prompt", within_context=False)
         else:
             msgs = [m.model_dump() for m in req.messages or []]
-            gen = req.add_generation_prompt is not False
+            gen, cont = continuation(req)
             plan = tool_plan(req.tools, req.tool_choice)  # as the chat renders it
             thinking = request_thinking(req.chat_template_kwargs)
-            cont = bool(req.continue_final_message)
             ids = await self.encode_chat(msgs, gen, plan, False, thinking, cont)
         body: dict[str, Any] = {
             "count": len(ids),

@@ -245,3 +245,22 @@ def test_bad_continuations_are_a_400_naming_the_field(served, msgs, extra, match
     assert re.search(match, err["message"])
     r = _tokenize(url, {"messages": msgs, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_deepseek_prefix_true_continues_the_last_message(served) -> None:
+    """DeepSeek's API's chat prefix completion: ``"prefix": true`` on the last message, the
+    assistant's, continues it as continue_final_message does (ignored once: a new turn began);
+    on any other message it is a 400 naming it."""
+    url, engine = served
+    _say(engine, " there!")
+    msgs = [HI, {**said("Hello"), "prefix": True}]
+    c = _client(url).chat.completions.create(model=MODEL, messages=msgs)
+    assert c.choices[0].message.content == " there!"
+    want = engine.tokenizer.encode(f"{BOS}<|user|>Hi<|end|><|assistant|>Hello", add_bos=False)
+    assert engine.prompt == want
+    assert _tokenize(url, {"messages": msgs}).json()["tokens"] == want
+    for bad, i in (([{**HI, "prefix": True}], 0), ([HI, {**said("x"), "prefix": True}, HI], 1)):
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(url).chat.completions.create(model=MODEL, messages=bad)
+        assert e.value.body["param"] == f"messages[{i}].prefix"
+        assert _tokenize(url, {"messages": bad}).status_code == 400
