@@ -123,7 +123,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="the decode indexer's kernels: auto (default), triton, deep_gemm or flashinfer "
         "(docs/backends.md; without the libraries every choice runs triton)",
     )
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="longest prompt + output a request may have (capped by --host-tokens and the "
+        "model's max_position_embeddings; a 100K-token prompt needs both raised; the prefill "
+        "keeps this many rows a layer on the device unless --no-prefill-buffer)",
+    )
     p.add_argument(
         "--prefill-chunk",
         type=int,
