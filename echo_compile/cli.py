@@ -18,6 +18,7 @@ from echo_compile.cli_args import (
     serve_options,
 )
 from echo_compile.devices import check_device
+from echo_compile.vllm_flags import apply_vllm_flags
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
 # --help) must answer without the seconds torch takes to import. Commands import what they run.
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         from echo_compile.threads import configure_threads
 
         configure_logging(log_level(a))
+        apply_vllm_flags(a)  # (logs the vLLM flags taken as no-ops)
         configure_threads(a.threads)
         return COMMANDS[a.cmd](a)
     except USER_ERRORS as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from echo_compile.vllm_flags import add_vllm_args
 from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch)
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
@@ -16,6 +17,7 @@ VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: read after ours, so a key set for v
 LOG_LEVEL_ENV = "ECHO_COMPILE_LOGGING_LEVEL"
 VLLM_LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vLLM's, read after ours, as the API key's
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
@@ -250,9 +252,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     # (--temperature and --max-tokens always set theirs: greedy, 32 tokens by default)
     _generation_config_arg(g, "top_p / top_k / min_p / repetition_penalty")
+    add_vllm_args(g, serve=False)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_args(s)
+    s.add_argument(
+        "model",  # (SUPPRESS: left out, --model's value stands; given, the later of the two)
+        nargs="?",
+        default=argparse.SUPPRESS,
+        metavar="MODEL",
+        help="the checkpoint, as vLLM's `vllm serve MODEL` spells it (the same as --model)",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
@@ -291,7 +301,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="allow browser requests from this origin (repeatable; '*' for any)",
     )
+    s.add_argument(
+        "--uvicorn-log-level",
+        type=str.lower,
+        choices=UVICORN_LOG_LEVELS,
+        default="info",
+        help="level of uvicorn's log lines (its access lines are at info), as vLLM's flag",
+    )
     _generation_config_arg(s, "temperature / top_p / top_k / min_p / repetition_penalty")
+    add_vllm_args(s, serve=True)
 
     m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
     m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
@@ -376,6 +394,7 @@ def serve_options(a: argparse.Namespace) -> dict:
         max_body_bytes=int(a.max_body_mb * 2**20),
         max_concurrent=a.max_concurrent,
         cors_origins=a.cors_origin,
+        uvicorn_log_level=a.uvicorn_log_level,
     )
 
 

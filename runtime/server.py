@@ -155,17 +155,19 @@ def serve(
     grace_s: float = DEFAULT_GRACE_S,
     asked_max_len: int | None = None,
     sock: socket.socket | None = None,
+    uvicorn_log_level: str = "info",
     **app_options: Any,
 ) -> None:
     """Serve until SIGTERM / Ctrl-C; then stop admitting, give in-flight requests ``grace_s``
     seconds, abort the rest, stop the engine loop and exit. ``app_options`` go to ``build_app``;
     ``asked_max_len``: the context the user asked for, so the start-up line can say when the
     engine gives less; ``sock``: ``host``:``port`` already bound (``bind_socket``, before the model
-    loaded)."""
+    loaded); ``uvicorn_log_level``: uvicorn's own log lines' level (its access lines are at
+    info)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     try:
         app = build_app(async_engine, names, api_key, **app_options)
         print(startup_summary(async_engine, ", ".join(names), asked_max_len), flush=True)
-        serve_app(app, async_engine, host, port, grace_s, sock)
+        serve_app(app, async_engine, host, port, grace_s, sock, uvicorn_log_level)
     finally:
         async_engine.shutdown()

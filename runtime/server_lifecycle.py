@@ -123,13 +123,14 @@ def serve_app(
     port: int,
     grace_s: float = DEFAULT_GRACE_S,
     sock: socket.socket | None = None,
+    log_level: str = "info",
 ) -> None:
     """Run ``app`` until SIGTERM / Ctrl-C, draining the engine first; the engine is shut down
     whatever happens. ``sock``: already bound to ``host``:``port`` (``bind_socket``); None: uvicorn
-    binds it."""
+    binds it. ``log_level``: uvicorn's loggers' (``--uvicorn-log-level``)."""
     # The drain already ended every response; uvicorn's own wait only covers stragglers.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )
     try:
         DrainingServer(config, async_engine, grace_s).run(None if sock is None else [sock])

@@ -1,0 +1,142 @@
+"""vLLM's ``vllm serve`` flags on ``echo-compile`` (echo_compile/vllm_flags.py): a launch line
+copied from vLLM's DeepSeek-V3.2 recipe parses; aliases set our options, vLLM's parallel sizes are
+translated, flags that say what the server does are no-ops named in one log line, and any other
+value or a flag not honoured is a one-line error naming it, before any model loads."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from echo_compile import cli, cli_args
+from echo_compile.vllm_flags import apply_vllm_flags
+
+# vLLM's recipe for V3.2 (docs.vllm.ai, DeepSeek-V3_2), the model a directory here
+RECIPE = ["--tensor-parallel-size", "8", "--tokenizer-mode", "deepseek_v32",
+          "--tool-call-parser", "deepseek_v32", "--enable-auto-tool-choice",
+          "--reasoning-parser", "deepseek_v3"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def keep_process_settings():
+    n = torch.get_num_threads()
+    levels = {n: logging.getLogger(n).level for n in cli.LOGGED_PACKAGES}
+    yield
+    torch.set_num_threads(n)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def parsed(*argv: str):
+    a = cli_args.parser().parse_args(list(argv))
+    apply_vllm_flags(a)
+    return a
+
+
+def test_the_v32_recipe_parses_and_is_logged(caplog):
+    caplog.set_level(logging.INFO, logger="echo_compile")
+    a = parsed("serve", "/models/DeepSeek-V3.2", *RECIPE)
+    assert (a.model, a.dp, a.tp, a.ep) == ("/models/DeepSeek-V3.2", 1, 8, 1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "echo_compile.vllm_flags"]
+    assert lines == [
+        "vLLM's --tensor-parallel-size 8 runs as --dp 1 --tp 8 --ep 1",
+        "vLLM flags taken as what this server does anyway: --tokenizer-mode deepseek_v32, "
+        "--enable-auto-tool-choice, --tool-call-parser deepseek_v32, --reasoning-parser "
+        "deepseek_v3",  # (in the table's order)
+    ]
+
+
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_aliases_set_our_engine_options(cmd):
+    base = [cmd] + (["x"] if cmd == "generate" else [])
+    flags = ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-dtype",
+             "fp8", "--trust-remote-code", "--enable-chunked-prefill"]  # fmt: skip
+    opts = cli_args.engine_options(parsed(*base, *flags))
+    assert (opts["max_batch"], opts["prefill_chunk"], opts["kv_format"]) == (64, 4096, "fp8")
+    for value, ours in (("auto", "bf16"), ("bfloat16", "bf16"), ("fp8_ds_mla", "fp8")):
+        a = parsed(*base, "--kv-format", "fp8" if ours == "bf16" else "bf16",
+                   "--kv-cache-dtype", value)  # fmt: skip
+        assert a.kv_format == ours
+
+
+@pytest.mark.parametrize(
+    "flags, ours",
+    [
+        (["--tensor-parallel-size", "8"], (1, 8, 1)),
+        (["--tensor-parallel-size", "8", "--enable-expert-parallel"], (1, 1, 8)),
+        (["--data-parallel-size", "8"], (8, 8, 1)),  # vLLM: experts TP over the dp ranks
+        (["--data-parallel-size", "8", "--enable-expert-parallel"], (8, 1, 8)),
+        (["--enable-expert-parallel"], (1, 1, 1)),
+        (["--tensor-parallel-size", "1", "--data-parallel-size", "1"], (1, 1, 1)),
+    ],
+)
+def test_vllm_parallel_sizes_are_translated(flags, ours):
+    a = parsed("serve", *flags)
+    assert (a.dp, a.tp, a.ep) == ours
+
+
+def test_serve_takes_the_model_as_vllm_does():
+    assert parsed("serve").model == "tiny"
+    assert parsed("serve", "/m", "--port", "1").model == "/m"
+    assert parsed("serve", "--port", "1", "/m").model == "/m"
+    assert parsed("serve", "--model", "/a", "/b").model == "/b"  # the later, as a repeated flag
+
+
+def _no_load(*a, **k):
+    raise AssertionError("the model loaded before the flags were checked")
+
+
+@pytest.mark.parametrize(
+    "flags, parts",
+    [
+        (["--tool-call-parser", "hermes"], ["--tool-call-parser hermes", "deepseek_v32"]),
+        (["--reasoning-parser", "deepseek_r1"], ["--reasoning-parser deepseek_r1", "deepseek_v3"]),
+        (["--tokenizer-mode", "mistral"], ["--tokenizer-mode mistral", "deepseek_v32 / auto"]),
+        (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype must be one of", "fp8_e5m2"]),
+        (["--gpu-memory-utilization", "0.9"], ["--gpu-memory-utilization", "--gpu-tokens"]),
+        (["--chat-template", "t.jinja"], ["--chat-template is not supported", "DeepSeek-V3.2"]),
+        (["--tensor-parallel-size", "4", "--data-parallel-size", "2"], ["never by heads"]),
+        (["--tp", "2", "--tensor-parallel-size", "2"], ["--tensor-parallel-size", "not both"]),
+    ],
+)
+def test_flags_not_honoured_are_one_line_before_the_model_loads(flags, parts, capsys, monkeypatch):
+    monkeypatch.setattr("echo_compile.llm.LLM", _no_load)
+    assert cli.main(["serve", "--device", "cpu", "--port", "0", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("echo-compile: error: "), lines
+    for p in parts:
+        assert p in lines[0], (p, lines[0])
+
+
+def test_generate_takes_the_engines_flags_only():
+    with pytest.raises(ValueError, match="--gpu-memory-utilization is not supported"):
+        parsed("generate", "x", "--gpu-memory-utilization", "0.9")
+    with pytest.raises(SystemExit):  # a server's flag: argparse's usage error
+        cli_args.parser().parse_args(["generate", "x", "--tool-call-parser", "deepseek_v32"])
+
+
+def test_uvicorn_log_level_reaches_uvicorn(monkeypatch):
+    """--uvicorn-log-level (vLLM's flag) through serve_options and serve to uvicorn's config."""
+    from runtime import server, server_lifecycle
+
+    seen = []
+
+    class Server:  # uvicorn's server, not run
+        def __init__(self, config, async_engine, grace_s):
+            seen.append(config.log_level)
+
+        def run(self, sockets):
+            pass
+
+    class Engine:
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(server_lifecycle, "DrainingServer", Server)
+    monkeypatch.setattr(server, "build_app", lambda *a, **k: "app")
+    monkeypatch.setattr(server, "startup_summary", lambda *a: "")
+    for flags, level in (([], "info"), (["--uvicorn-log-level", "WARNING"], "warning")):
+        server.serve(Engine(), "m", **cli_args.serve_options(parsed("serve", *flags)))
+        assert seen.pop() == level
