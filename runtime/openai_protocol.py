@@ -128,6 +128,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # (the assistant's) open for the model to continue (runtime.chat_template.render_chat)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # vLLM's: the last message's content (the assistant's) before the reply (server_chat.echoed)
+    echo: bool | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -240,7 +242,6 @@ UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),
     "chat_template": (),
     "add_special_tokens": (False,),  # vLLM's; the template writes the BOS itself
-    "echo": (False,),  # vLLM's (the last message prepended to the output)
 }
 
 

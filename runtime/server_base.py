@@ -225,13 +225,15 @@ class HandlersBase:
         chunk: Chunk,
         final: Callable[[list[RequestOutput], dict[str, int], list[list[Top]]], dict[str, Any]],
         t0: float,
-        first: Callable[[int], dict[str, Any] | None] | None = None,
+        first: Callable[[], list[dict[str, Any]]] | None = None,
         keep: Callable[[list[RequestOutput]], list[int]] | None = None,
         prompt_only: bool = False,
     ) -> Response:
         """Collect the outputs into one JSON response, or stream them as SSE chunks. ``t0``:
         when the request arrived (perf_counter), for the latency histograms. Adds
         ``stop_reason`` to finished choices, and the usage the stream options ask for.
+        ``first``: the chunks streamed before any output (chat's roles and echo, an echoed
+        prompt).
         ``keep`` (best_of, not streamed): which of the finished choices are returned, in order;
         ``choices`` is narrowed to them in place, since ``final`` reads it by returned index.
         ``prompt_only`` (``echo`` with ``max_tokens: 0``): each request generated one token,
@@ -305,9 +307,8 @@ class HandlersBase:
 
         async def events() -> AsyncIterator[str]:
             try:
-                for i in range(len(streams) if first is not None else 0):
-                    if (c := first(i)) is not None:  # type: ignore[misc]
-                        yield sse({**c, "usage": usage()} if continuous else c)
+                for c in first() if first is not None else []:
+                    yield sse({**c, "usage": usage()} if continuous else c)
                 # (closed on leaving: aborts the unfinished choices at once, an error too)
                 async with aclosing(merged(streams, request)) as outs:
                     async for i, out in outs:

@@ -1,6 +1,6 @@
 """The ``/v1/chat/completions`` route body (n choices, tools and tool_choice, thinking mode's
-reasoning, logprobs, ``prompt_logprobs``) and the encoding of a conversation (which ``/tokenize``
-uses too)."""
+reasoning, logprobs, ``prompt_logprobs``, ``echo``) and the encoding of a conversation (which
+``/tokenize`` uses too)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
+from runtime.chat_template import (
+    normalise_messages,
+    render_chat,
+    reply_in_reasoning,
+    thinking_of,
+)
 from runtime.engine import StepOutput
 from runtime.openai_protocol import (
     APIError,
@@ -46,6 +51,7 @@ class ChatHandlers(HandlersBase):
         ids = await self.encode_chat(msgs, gen, plan, fits, thinking, cont)
         # (only the new text is the reply, as vLLM's: a continued message's start is not in it)
         in_reasoning = reply_in_reasoning(msgs, thinking, cont)
+        echo = echoed(msgs, bool(req.echo), cont and in_reasoning)
         ids = self.truncated(ids, req)
         max_tokens = self.max_tokens(len(ids), getattr(req, req.max_tokens_field), "messages")
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
@@ -151,6 +157,10 @@ class ChatHandlers(HandlersBase):
             out = []
             for i, res in enumerate(results):
                 msg, finish = message(res)
+                if echo is not None:  # after the calls are parsed out (vLLM's order)
+                    msg["content"] = echo[1] + (msg["content"] or "")  # ("", not null: vLLM's)
+                    if echo[0]:
+                        msg = with_reasoning(msg, echo[0] + (msg.get("reasoning") or ""))
                 out.append(
                     {
                         "index": i,
@@ -162,14 +172,17 @@ class ChatHandlers(HandlersBase):
             body = {**head, "object": "chat.completion", "choices": out, "usage": usage}
             return with_prompt_lps(body, results[0].prompt_logprobs if results else None)
 
-        def first(i: int) -> dict[str, Any]:
-            choice = {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            return {**head, "choices": [choice]}
+        def first() -> list[dict[str, Any]]:
+            # each choice's role, then (vLLM's order) each choice's echo, without logprobs
+            deltas = [{"role": "assistant", "content": ""}]
+            if echo is not None and any(echo):
+                delta = with_reasoning({}, echo[0]) if echo[0] else {}
+                deltas.append({**delta, "content": echo[1]} if echo[1] else delta)
+            return [
+                {**head, "choices": [{"index": i, "delta": d, "logprobs": None,
+                                      "finish_reason": None}]}
+                for d in deltas for i in range(len(choices))
+            ]  # fmt: skip
 
         return await self.respond(request, streams, choices, req, head, chunk, final, t0, first)
 
@@ -196,6 +209,22 @@ class ChatHandlers(HandlersBase):
             raise APIError(400, str(e), param=param) from e
         # (the template writes the BOS itself)
         return await self.encode(text, False, "messages", within_context)
+
+
+def echoed(messages: list[dict[str, Any]], echo: bool, continues_reasoning: bool
+           ) -> tuple[str, str] | None:  # fmt: skip
+    """vLLM's chat ``echo``: ``(reasoning, content)`` put before every choice's reply (None
+    without echo). vLLM's rule: the last message's content (text parts joined as the template
+    joins them) when its role is the reply's, here always the assistant's, whether it is
+    continued or a new turn follows it. Where vLLM has no rule, ``continues_reasoning`` (thinking
+    mode continuing a message that has reasoning and no content yet): the message's reasoning
+    before the reply's, so the echoed message is whole."""
+    if not echo:
+        return None
+    if not messages or messages[-1].get("role") != "assistant":
+        return "", ""
+    last = normalise_messages(messages[-1:])[0]
+    return (last["reasoning"] if continues_reasoning else ""), last["content"]
 
 
 def request_thinking(kwargs: dict[str, Any] | None) -> bool:

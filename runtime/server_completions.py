@@ -144,11 +144,14 @@ class CompletionHandlers(HandlersBase):
                 tops.append(alts + [(tok, lp)] if all(t != tok for t, _ in alts) else alts)
             return list(ids), lps, tops
 
-        def first(i: int) -> dict[str, Any] | None:  # echo: the prompt comes first
+        def first() -> list[dict[str, Any]]:  # echo: the prompt comes first
             if not req.echo or echo_lps:  # with logprobs, it comes with its logprobs (chunk)
-                return None
-            choice = {"index": i, "text": choices[i].text, "logprobs": None, "finish_reason": None}
-            return {**head, "choices": [choice]}
+                return []
+            return [
+                {**head, "choices": [{"index": i, "text": c.text, "logprobs": None,
+                                      "finish_reason": None}]}
+                for i, c in enumerate(choices)
+            ]  # fmt: skip
 
         def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
             prompt_lps = out.prompt_logprobs

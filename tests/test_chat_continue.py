@@ -264,3 +264,86 @@ def test_deepseek_prefix_true_continues_the_last_message(served) -> None:
             _client(url).chat.completions.create(model=MODEL, messages=bad)
         assert e.value.body["param"] == f"messages[{i}].prefix"
         assert _tokenize(url, {"messages": bad}).status_code == 400
+
+
+# ---- echo (vLLM's): the last message, the assistant's, before the reply ------------------------
+def _create(url: str, msgs: list, extra: dict, stream: bool, **kw):
+    """(content, reasoning, chunks) of a chat request, joined over the deltas when streamed."""
+    r = _client(url).chat.completions.create(
+        model=MODEL, messages=msgs, extra_body={"echo": True, **extra}, stream=stream, **kw
+    )
+    if not stream:
+        m = r.choices[0].message
+        return m.content, getattr(m, "reasoning_content", None), [r]
+    chunks = list(r)
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == 0]
+    content = "".join(d.content or "" for d in deltas)
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    return content, reasoning or None, chunks
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_continued_message_before_the_reply(served, stream: bool) -> None:
+    url, engine = served
+    _say(engine, " there!")
+    content, _, chunks = _create(url, [HI, said("Hello")], CONTINUE, stream, n=2)
+    assert content == "Hello there!"
+    if stream:  # vLLM's: every choice's role, then every choice's echo, without logprobs
+        heads = [c.choices[0] for c in chunks[:4]]
+        assert [(h.index, h.delta.role, h.delta.content) for h in heads] == [
+            (0, "assistant", ""), (1, "assistant", ""), (0, None, "Hello"), (1, None, "Hello")
+        ]  # fmt: skip
+        assert all(h.logprobs is None for h in heads)
+    # a new turn after the assistant's message echoes it too (vLLM's rule: the reply's role)
+    content, _, _ = _create(url, [HI, said("Hello")], {}, stream)
+    assert content == "Hello there!"
+    # the user's message is not the reply's role: nothing echoed
+    assert _create(url, [HI], {}, stream)[0] == " there!"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_has_no_logprobs_and_counts_no_tokens(served, stream: bool) -> None:
+    """vLLM's chat echo: the logprobs and usage are the generated tokens' only; n choices each
+    start with the message (its text parts joined as the template joins them)."""
+    url, engine = served
+    _say(engine, " there!")
+    parts = said([{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}])
+    kw = dict(logprobs=True, top_logprobs=1, n=2)
+    opts = {"stream_options": {"include_usage": True}} if stream else {}
+    content, _, chunks = _create(url, [HI, parts], {**CONTINUE, **opts}, stream, **kw)
+    assert content == "Hel\nlo there!"
+    generated = len(engine.tokenizer.encode(" there!", add_bos=False)) + 1  # (and the EOS)
+    if stream:
+        choices = [c.choices[0] for c in chunks if c.choices]
+        assert {c.index for c in choices} == {0, 1}
+        lps = [e for c in choices if c.index == 0 and c.logprobs for e in c.logprobs.content]
+        usage = chunks[-1].usage
+    else:
+        assert [c.message.content for c in chunks[0].choices] == ["Hel\nlo there!"] * 2
+        lps, usage = chunks[0].choices[0].logprobs.content, chunks[0].usage
+    assert "".join(e.token for e in lps).startswith(" there!") and len(lps) == generated
+    assert usage.completion_tokens == 2 * generated
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_in_thinking_mode_puts_back_the_part_continued(served, stream: bool) -> None:
+    url, engine = served
+    extra = {**CONTINUE, **THINK}
+    # continuing the content: the content echoed (vLLM's), the reply all content
+    _say(engine, " world")
+    got = _create(url, [HI, said("Hello", "greet")], extra, stream)[:2]
+    assert got == ("Hello world", None)
+    # continuing the reasoning (no rule in vLLM): its reasoning before the reply's
+    _say(engine, " more.</think>Hi!")
+    assert _create(url, [HI, said(None, "greet")], extra, stream)[:2] == ("Hi!", "greet more.")
+    # a reasoning never closed: the content is "" (vLLM's echo makes it a string), not null
+    _say(engine, " more.")
+    content, reasoning, _ = _create(url, [HI, said(None, "greet")], extra, stream)
+    assert (content, reasoning) == ("", "greet more.")
+
+
+def test_echo_must_be_a_boolean(served) -> None:
+    url, engine = served
+    body = {"model": MODEL, "messages": [HI, said("x")], "echo": "yes"}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"

@@ -427,7 +427,6 @@ UNSUPPORTED_CHAT = [
     ("chat_template", "{{ messages }}", None),
     # vLLM's, silently ignored before
     ("add_special_tokens", True, False),
-    ("echo", True, False),
 ]
 CASES = [(C, OK_C, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_COMPLETION] + [
     (CHAT, OK_CHAT, *c) for c in UNSUPPORTED_BOTH + UNSUPPORTED_CHAT
