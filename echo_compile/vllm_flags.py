@@ -1,11 +1,12 @@
 """vLLM's ``vllm serve`` flags that ``echo-compile`` takes, so a launch line copied from vLLM runs
 here: one table of each flag and what it is here (docs/server.md, "vLLM's flags").
 
-Four kinds: vLLM's name for one of our flags (its values mapped to ours); vLLM's parallel sizes,
-translated together (vLLM splits the model its way, flag by flag not ours); a flag that says what
-this server always does (accepted for the values that say so, a no-op named in one log line at
-start-up, any other value an error); a flag this engine cannot honour (an error saying what to
-use instead). vLLM's ``vllm serve MODEL`` positional is serve's ``MODEL`` (cli_args.py)."""
+Four kinds: vLLM's name for one of our flags (its values mapped to ours, or to a no-op);
+vLLM's parallel sizes, translated together (vLLM splits the model its way, flag by flag not
+ours); a flag that says what this server always does (accepted for the values that say so, a
+no-op named in one log line at start-up, any other value an error); a flag (or switch) this
+engine cannot honour (an error saying what to use instead). vLLM's ``vllm serve MODEL``
+positional is serve's ``MODEL`` (cli_args.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Alias:
-    """vLLM's name for our flag ``ours``; ``values``: vLLM's values as ours (None: the same)."""
+    """vLLM's name for our flag ``ours``; ``values``: vLLM's values as ours (None: the same); a
+    value mapped to None leaves ours as it is, a no-op logged as one, for the reason ``noop``."""
 
     ours: str
     type: Callable = str
-    values: dict[str, str] | None = None
+    values: dict[str, str | None] | None = None
+    noop: str = ""
     switch = False
 
 
@@ -53,10 +56,11 @@ class Always:
 
 @dataclass(frozen=True)
 class Refused:
-    """A flag (with a value) this engine cannot honour; ``instead``: what to use."""
+    """A flag (with a value, or a ``switch``) this engine cannot honour; ``instead``: what to
+    use."""
 
     instead: str
-    switch = False
+    switch: bool = False
     type = str
 
 
@@ -67,6 +71,9 @@ KV_DTYPES = {
     "fp8_e4m3": "fp8",
     "fp8_ds_mla": "fp8",
 }
+# vLLM's --quantization: fp8 serves an FP8 checkpoint's weights as FP8 (vLLM's does, and would
+# quantise a bf16 one: --fp8-weights fp8 refuses that at load); AWQ is read from the config
+QUANTIZATIONS: dict[str, str | None] = {"fp8": "fp8", "awq": None, "awq_marlin": None}
 
 VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
     "--max-num-seqs": Alias("--max-batch", int),  # the cap on running requests
@@ -92,6 +99,21 @@ VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
     ),
     "--disable-log-requests": Always("requests are not logged"),
     "--disable-log-stats": Always("no stats are logged (GET /metrics has them)"),
+    "--dtype": Always(
+        "the model computes in bfloat16 (FP8 / AWQ weights as the checkpoint and --fp8-weights "
+        "say)",
+        ("auto", "bfloat16"),
+    ),
+    "--quantization": Alias(
+        "--fp8-weights",
+        values=QUANTIZATIONS,
+        noop="an AWQ checkpoint is read as AWQ from its config.json",
+    ),
+    # NOTE: 64 is custom_ops.kv_format.PAGE (not imported: it imports torch); a test ties them
+    "--block-size": Always("the KV cache's page is 64 tokens, FlashMLA's (fixed)", ("64",)),
+    "--load-format": Always(
+        "weights are read from the checkpoint's safetensors shards", ("auto", "safetensors")
+    ),
     "--gpu-memory-utilization": Refused(
         "the KV cache is sized in rows a layer by --gpu-tokens and --host-tokens "
         "(`echo-compile plan` shows what fits)"
@@ -100,11 +122,25 @@ VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
         "the chat template is DeepSeek-V3.2's encoding (runtime/chat_template.py); no other "
         "template is read"
     ),
+    "--no-enable-chunked-prefill": Refused(
+        "long prompts are always prefilled in chunks of --prefill-chunk tokens (vLLM's "
+        "--max-num-batched-tokens); drop the flag",
+        switch=True,
+    ),
+    "--download-dir": Refused(
+        "nothing is downloaded: MODEL is a local checkpoint directory; drop the flag"
+    ),
+    "--seed": Refused(
+        "a request without a seed draws a fresh random one here (runtime/sampler.request_seed), "
+        "so no server-wide seed makes it repeat; give a request its own seed (it then "
+        "reproduces exactly, whatever else is batched) and drop the flag"
+    ),
 }
-# the flags only `serve` takes (the others are the engine's: `generate` takes them too)
+# the flags only `serve` takes (the others are the engine's: `generate` takes them too;
+# generate's own --seed is its prompts' sampling seed)
 SERVER_ONLY = frozenset(
     ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
-     "--disable-log-requests", "--disable-log-stats", "--chat-template")
+     "--disable-log-requests", "--disable-log-stats", "--chat-template", "--seed")
 )  # fmt: skip
 
 
@@ -121,8 +157,10 @@ def _help(kind: Alias | Parallel | Always | Refused) -> str:
         if kind.values is None:
             return f"vLLM's name for {kind.ours}"
         ours = {o: [v for v in kind.values if kind.values[v] == o] for o in kind.values.values()}
-        pairs = ", ".join(f"{' / '.join(vs)} = {o}" for o, vs in ours.items())
-        return f"vLLM's name for {kind.ours} ({pairs})"
+        pairs = [f"{' / '.join(vs)} = {o}" for o, vs in ours.items() if o is not None]
+        if None in ours:
+            pairs.append(f"{' / '.join(ours[None])}: a no-op, {kind.noop}")
+        return f"vLLM's name for {kind.ours} ({'; '.join(pairs)})"
     if isinstance(kind, Parallel):
         return 'translated to --dp / --tp / --ep (docs/server.md, "vLLM\'s flags")'
     if isinstance(kind, Always):
@@ -186,6 +224,9 @@ def apply_vllm_flags(a: argparse.Namespace) -> None:
             if kind.values is not None:
                 if v not in kind.values:
                     raise ValueError(f"{flag} must be one of {', '.join(kind.values)}, got {v!r}")
+                if kind.values[v] is None:
+                    noops.append(_spelled(flag, v))
+                    continue
                 v = kind.values[v]
             setattr(a, kind.ours[2:].replace("-", "_"), v)
     parallel = [f for f in given if isinstance(VLLM_FLAGS[f], Parallel)]

@@ -97,6 +97,13 @@ def _no_load(*a, **k):
         (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype must be one of", "fp8_e5m2"]),
         (["--gpu-memory-utilization", "0.9"], ["--gpu-memory-utilization", "--gpu-tokens"]),
         (["--chat-template", "t.jinja"], ["--chat-template is not supported", "DeepSeek-V3.2"]),
+        (["--seed", "0"], ["--seed is not supported", "its own seed"]),
+        (["--dtype", "float16"], ["--dtype float16", "auto / bfloat16", "bfloat16"]),
+        (["--quantization", "gptq"], ["--quantization must be one of fp8, awq", "'gptq'"]),
+        (["--block-size", "16"], ["--block-size 16", "only 64", "64 tokens"]),
+        (["--no-enable-chunked-prefill"], ["--no-enable-chunked-prefill is not", "in chunks"]),
+        (["--download-dir", "/d"], ["--download-dir is not supported", "local checkpoint"]),
+        (["--load-format", "dummy"], ["--load-format dummy", "auto / safetensors"]),
         (["--tensor-parallel-size", "4", "--data-parallel-size", "2"], ["never by heads"]),
         (["--tp", "2", "--tensor-parallel-size", "2"], ["--tensor-parallel-size", "not both"]),
     ],
@@ -110,11 +117,37 @@ def test_flags_not_honoured_are_one_line_before_the_model_loads(flags, parts, ca
         assert p in lines[0], (p, lines[0])
 
 
+def test_a_launch_line_with_vllms_model_flags_parses(caplog):
+    caplog.set_level(logging.INFO, logger="echo_compile")
+    flags = ["--dtype", "bfloat16", "--block-size", "64", "--load-format", "safetensors",
+             "--quantization", "awq", "--max-model-len", "8192"]  # fmt: skip
+    a = parsed("serve", "/m", *flags)
+    assert (a.fp8_weights, a.max_model_len) == ("bf16", 8192)
+    lines = [r.getMessage() for r in caplog.records if r.name == "echo_compile.vllm_flags"]
+    assert lines == [
+        "vLLM flags taken as what this server does anyway: --dtype bfloat16, --quantization awq, "
+        "--block-size 64, --load-format safetensors"
+    ]
+    # fp8: an FP8 checkpoint's weights kept FP8 (the loader refuses a checkpoint that is not)
+    for cmd in (["serve"], ["generate", "x"]):
+        assert parsed(*cmd, "--quantization", "fp8", "--dtype", "auto").fp8_weights == "fp8"
+    assert parsed("serve", "--fp8-weights", "fp8", "--quantization", "awq").fp8_weights == "fp8"
+
+
+def test_block_size_is_the_kv_page():
+    from custom_ops.kv_format import PAGE
+    from echo_compile.vllm_flags import VLLM_FLAGS
+
+    assert VLLM_FLAGS["--block-size"].values == (str(PAGE),)
+
+
 def test_generate_takes_the_engines_flags_only():
     with pytest.raises(ValueError, match="--gpu-memory-utilization is not supported"):
         parsed("generate", "x", "--gpu-memory-utilization", "0.9")
     with pytest.raises(SystemExit):  # a server's flag: argparse's usage error
         cli_args.parser().parse_args(["generate", "x", "--tool-call-parser", "deepseek_v32"])
+    # generate's own --seed (its prompts' sampling seed), not vLLM's refused one
+    assert parsed("generate", "x", "--seed", "3").seed == 3
 
 
 def test_uvicorn_log_level_reaches_uvicorn(monkeypatch):
