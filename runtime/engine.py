@@ -694,6 +694,9 @@ class Engine:
             "recall_overflow": float(pool["overflow"]),
             # mean host time from a decode step's tokens to the next decode step's call (GPU idle)
             "decode_host_gap_ms": 1e3 * self.host_gap_s / max(self.host_gaps, 1),
+            # the counts behind that mean and the share below (a DP deployment weighs its ranks)
+            "decode_host_gaps": float(self.host_gaps),
+            "decode_steps": float(self.num_decode_steps),
             # asynchronous scheduling: the share of decode steps launched one token ahead (no
             # host gap: their gap is not in the mean above), and the rows of finished requests
             # they computed for nothing
