@@ -7,6 +7,13 @@ Two families (docs/server.md has the table):
 - ``vllm:*``: the names a vLLM dashboard reads, labelled ``model_name``: running / waiting, prompt
   and generation token counters, prefix-cache queries and hits (tokens), TTFT / inter-token /
   end-to-end histograms, finished requests by ``finished_reason``, KV-cache usage.
+
+Data parallel (``serve --dp N``): the snapshot is the deployment's (``runtime.distributed.
+metrics.aggregate``: the ``echo_*`` series are over all ranks, unlabelled as on one GPU) with
+each DP rank's own under ``"engines"``. The engine-side ``vllm:*`` series (running, waiting,
+KV-cache usage, prefix-cache counters) carry vLLM's ``engine`` label, one series per DP rank,
+``engine="0"`` on one GPU as vLLM labels its single engine; a dashboard sums over it. The request
+metrics are the front end's own, over every engine, without it.
 Plus the process metrics of ``prometheus_client`` (``process_*``, ``python_*``).
 """
 
@@ -104,8 +111,9 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
         )
         labels = ["model_name"]
+        per_engine = ["model_name", "engine"]  # vLLM's labels for what each DP engine reports
         self.v_gauges = {
-            k: prom.Gauge(n, h, labels, registry=r) for k, (n, h) in self.VLLM_GAUGES.items()
+            k: prom.Gauge(n, h, per_engine, registry=r) for k, (n, h) in self.VLLM_GAUGES.items()
         }
         self.v_prompt = prom.Counter("vllm:prompt_tokens", "Prompt tokens", labels, registry=r)
         self.v_generation = prom.Counter(
@@ -140,26 +148,30 @@ class ServerMetrics:
         )
         self.v_prefix = {  # engine.metrics() key -> vLLM counter (tokens, as vLLM counts them)
             "prefix_cache_queries": prom.Counter(
-                "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels,
-                registry=r,
+                "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                per_engine, registry=r,
             ),
             "prefix_cache_hits": prom.Counter(
-                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", per_engine,
                 registry=r,
             ),
         }  # fmt: skip
         self._tokens_seen = 0
         self._rate_layers: set[int] = set()  # the layers with a hit-rate series
-        self._seen: dict[tuple[str, str], float] = {}  # counter key -> the engine total last seen
+        # (counter key, layer, DP engine) -> that engine's total last seen
+        self._seen: dict[tuple[str, str, int], float] = {}
 
     def update(self, snapshot: dict[str, Any], tokens_total: int) -> None:
-        """Engine gauges from ``engine.metrics()``, the generation counter from the total."""
+        """Engine gauges from ``engine.metrics()`` (a DP deployment's: its ranks' own under
+        ``"engines"``), the generation counter from the total."""
+        engines = snapshot.get("engines") or [snapshot]  # one GPU: itself, engine "0"
         for key, gauge in self.gauges.items():
             if isinstance(snapshot.get(key), (int, float)):
                 gauge.set(snapshot[key])
-        for key, gauge in self.v_gauges.items():
-            if isinstance(snapshot.get(key), (int, float)):
-                gauge.labels(self.model_name).set(snapshot[key])
+        for i, eng in enumerate(engines):
+            for key, gauge in self.v_gauges.items():
+                if isinstance(eng.get(key), (int, float)):
+                    gauge.labels(self.model_name, str(i)).set(eng[key])
         selected = snapshot.get("gpu_pool_selected")
         for layer, rate in enumerate(snapshot.get("hit_rate") or []):
             if selected is not None and layer < len(selected) and not selected[layer]:
@@ -171,12 +183,15 @@ class ServerMetrics:
                 continue
             self.hit_rate.labels(layer=str(layer)).set(rate)
             self._rate_layers.add(layer)
-        for key, counter in self.layer_counters.items():
-            for layer, total in enumerate(snapshot.get(key) or []):
-                self._advance(counter.labels(layer=str(layer)), (key, str(layer)), total)
-        for key, counter in self.v_prefix.items():
-            if isinstance(snapshot.get(key), (int, float)):
-                self._advance(counter.labels(self.model_name), (key, ""), snapshot[key])
+        # counters advance by each engine's own growth: one rank's reset_stats() then restarts
+        # its part alone (its total summed with the others' would look like a fall of all)
+        for i, eng in enumerate(engines):
+            for key, counter in self.layer_counters.items():
+                for layer, total in enumerate(eng.get(key) or []):
+                    self._advance(counter.labels(layer=str(layer)), (key, str(layer), i), total)
+            for key, counter in self.v_prefix.items():
+                if isinstance(eng.get(key), (int, float)):
+                    self._advance(counter.labels(self.model_name, str(i)), (key, "", i), eng[key])
         for key, gauge in self.prefetch.items():
             for layer, v in enumerate(snapshot.get(key) or []):
                 gauge.labels(layer=str(layer)).set(v)
@@ -185,7 +200,7 @@ class ServerMetrics:
         self.v_generation.labels(self.model_name).inc(new)
         self._tokens_seen = max(tokens_total, self._tokens_seen)
 
-    def _advance(self, counter: Any, key: tuple[str, str], total: float) -> None:
+    def _advance(self, counter: Any, key: tuple[str, str, int], total: float) -> None:
         """Move a counter to the engine's running ``total``. A total below the last one seen was
         reset (``engine.reset_stats()``): count it from 0 again, as Prometheus reads a reset."""
         seen = self._seen.get(key, 0.0)

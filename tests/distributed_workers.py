@@ -338,3 +338,70 @@ def cli_generate_worker(rank: int, out: str, extra: tuple = ()) -> None:
             "--collective-timeout", "60", *extra, "hello there", "--max-tokens", "2"]  # fmt: skip
     rc = main(argv)
     (Path(out) / f"rank{rank}.txt").write_text(f"{rc} {dist.is_initialized()}")
+
+
+def metrics_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
+    """``serve --dp 2``'s engines without HTTP: rank 0 drives (``DriverEngine``) requests to
+    their end, then reads the driver's metrics and the server's scrape of them; rank 1 follows.
+    Each rank then saves its own engine's ``metrics()`` (no step after the driver's read)."""
+    from echo_compile.llm import LLM
+    from runtime.distributed.driver import DriverEngine, follow
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=timeout_s, **opts
+    )
+    rec: dict = {}
+    if rank == 0:
+        from runtime.server_metrics import ServerMetrics
+
+        driver = DriverEngine(llm.engine)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            driver.add_request(f"m{i}", p, params)
+        rec["owner"] = dict(llm.engine.owner)
+        while driver.has_unfinished():
+            driver.step()
+        rec["driver"] = driver.metrics()
+        met = ServerMetrics("tiny")
+        met.update(rec["driver"], 0)
+        import prometheus_client as prom
+
+        rec["scrape"] = prom.generate_latest(met.registry).decode()
+        driver.close()
+    else:
+        follow(llm.engine)
+    rec["own"] = llm.engine.engine.metrics()
+    torch.save(rec, Path(out) / f"metrics_rank{rank}.pt")
+    del llm
+    end()
+
+
+def metrics_error_worker(rank: int, out: str) -> None:
+    """Every rank's ``metrics`` fails (a metric without an aggregation rule): rank 0's driver
+    raises it to the scrape, and rank 1 keeps following (the step after it is applied)."""
+    from runtime.distributed.driver import DriverEngine, follow
+    from runtime.distributed.process import finish, init_distributed
+
+    ctx = init_distributed("cpu", timeout_s=10.0)
+    eng = _FakeEngine(ctx)
+    eng.dp = 2
+
+    def metrics():
+        eng.calls.append("metrics")
+        raise ValueError("engine metric 'x' has no rule")
+
+    eng.metrics = metrics
+    if rank == 0:
+        driver = DriverEngine(eng)
+        try:
+            driver.metrics()
+            raise AssertionError("the failed metrics did not raise")
+        except ValueError as e:
+            assert "has no rule" in str(e)
+        driver.step()
+        driver.close()
+    else:
+        n = follow(eng)
+        (Path(out) / "rank1.txt").write_text(f"{n} {eng.calls}")
+    finish()

@@ -89,6 +89,16 @@ def test_two_rank_server_answers_the_openai_client_like_one_process():
         got = _answers(url)
         assert got == want
         assert all(text for _, text in want["batch"]), want  # something was generated
+        # /metrics covers both DP ranks: a series per engine, the totals over both
+        scraped = httpx.get(url + "/metrics", timeout=60).text
+        for rank in ("0", "1"):
+            assert f'vllm:num_requests_running{{engine="{rank}",model_name="tiny"}}' in scraped
+        selected = [
+            float(line.rsplit(" ", 1)[1])
+            for line in scraped.splitlines()
+            if line.startswith("echo_gpu_pool_selected_total{")
+        ]
+        assert selected and all(s > 0 for s in selected), scraped[-2000:]
         # SIGTERM to both ranks (what a Ctrl-C or torchrun's forwarding does): rank 0 drains
         # and tells rank 1 to stop; both exit cleanly, so torchrun does too
         ranks = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()

@@ -170,8 +170,11 @@ def test_vllm_named_metrics(url: str, tok: Tokenizer) -> None:
     assert delta(f"vllm:time_to_first_token_seconds_count{label}") == 2
     assert delta(f"vllm:inter_token_latency_seconds_count{label}") == 3 + len(ids)
     assert delta(f"vllm:e2e_request_latency_seconds_count{label}") == 2
-    assert m[f"vllm:kv_cache_usage_perc{label}"] == 0.5  # the fake engine's host pool usage
-    assert f"vllm:num_requests_running{label}" in m and f"vllm:num_requests_waiting{label}" in m
+    # the engine-side series carry vLLM's engine label: "0" for one engine, as vLLM's
+    per_engine = f'{{engine="0",model_name="{MODEL}"}}'
+    assert m[f"vllm:kv_cache_usage_perc{per_engine}"] == 0.5  # the fake engine's host usage
+    assert f"vllm:num_requests_running{per_engine}" in m
+    assert f"vllm:num_requests_waiting{per_engine}" in m
     assert "process_cpu_seconds_total" in m and "python_gc_collections_total" in str(m)
     assert delta("echo_generation_tokens_total") == 4 + len(ids) + 1  # the original names stay
 

@@ -31,8 +31,8 @@ def test_no_hit_rate_before_a_lookup_and_counters_follow_the_engine_totals():
     assert lines['echo_gpu_pool_selected_total{layer="1"}'] == 8.0
     assert lines['echo_gpu_pool_recalled_total{layer="1"}'] == 2.0
     assert lines['echo_gpu_pool_selected_total{layer="0"}'] == 0.0
-    assert lines['vllm:prefix_cache_queries_total{model_name="tiny"}'] == 64.0
-    assert lines['vllm:prefix_cache_hits_total{model_name="tiny"}'] == 32.0
+    assert lines['vllm:prefix_cache_queries_total{engine="0",model_name="tiny"}'] == 64.0
+    assert lines['vllm:prefix_cache_hits_total{engine="0",model_name="tiny"}'] == 32.0
     met.update({**snap, "gpu_pool_selected": [4.0, 12.0]}, 0)  # totals grow: the counters too
     lines = scrape(met)
     assert lines['echo_gpu_pool_selected_total{layer="1"}'] == 12.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from custom_ops.kv_format import pages_for
 from model.parallel import TPGroup
 from runtime.distributed.balance import RankLoad, assign
+from runtime.distributed.metrics import aggregate
 from runtime.distributed.process import DistContext, guarded, init_distributed, shutdown
 from runtime.distributed.step_sync import agree
 from runtime.engine import Engine, StepOutput
@@ -144,6 +146,24 @@ class DistributedEngine:
         """Whether any rank has requests left: a collective, so every rank gets the same answer
         and a ``while engine.has_unfinished(): engine.step()`` loop ends on all ranks at once."""
         return any(self._gather(self.engine.has_unfinished(), "the unfinished check"))
+
+    def metrics(self) -> dict[str, Any]:
+        """The deployment's ``engine.metrics()``: with dp > 1 every rank's snapshot gathered (a
+        collective: every rank calls it, as the driver's ``metrics`` command makes them) and
+        combined (``runtime.distributed.metrics.aggregate``; the ranks' own under ``"engines"``,
+        by DP rank). With dp == 1 every rank holds every request and the same pools: this rank's
+        own, with no collective.
+
+        Why on request and not with the step: a snapshot is a few KB a rank (61 layers' totals)
+        and a scrape comes every few seconds, while a decode step is tens of ms; adding it to the
+        step's output gather would cost every step for a reader that is rarely there, and every
+        K steps would serve stale numbers. Between two steps every follower waits in ``follow``
+        for rank 0's next command, so one more command (a broadcast and an all-gather, as
+        ``has_unfinished``) cannot deadlock: all ranks meet it in the same order."""
+        own = self.engine.metrics()
+        if self.dp == 1:
+            return own
+        return aggregate(self._gather(own, "the metrics gather"))
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -8,7 +8,8 @@ followers as a command (gloo, a small pickled tuple), then made on rank 0; a fol
 same call on its own ``DistributedEngine``, so every rank reaches the same collectives in the same
 order (the SPMD contract of ``dist_engine``). Requests are balanced over the DP ranks by
 ``DistributedEngine.add_request`` (``balance.assign``) and every rank's outputs are gathered at
-each step, so rank 0 streams every request's tokens back.
+each step, so rank 0 streams every request's tokens back. ``metrics`` (a scrape) is one more
+command: every rank's snapshot gathered and combined.
 
 Why rank 0 and not a separate front process: SGLang puts its HTTP server and tokenizer in a front
 process and talks to one scheduler process per rank over ZMQ (its DP controller balances); vLLM's
@@ -48,6 +49,7 @@ _METHODS = {
     "abort": "abort_request",
     "step": "step",
     "unfinished": "has_unfinished",
+    "metrics": "metrics",
 }
 
 
@@ -90,7 +92,7 @@ class DriverEngine:
         self._beat.start()
 
     def __getattr__(self, name: str) -> Any:
-        # tokenizer, model_name, max_model_len, config, model_config, metrics: rank 0's engine.
+        # tokenizer, model_name, max_model_len, config, model_config: rank 0's engine.
         # Not what would change rank 0's engine alone: a group added there would skip the other
         # ranks (and the DP balance), and an abort through the driver would not find it
         if name in _NOT_MIRRORED:
@@ -145,9 +147,13 @@ class DriverEngine:
     def has_unfinished(self) -> bool:
         return self._call("unfinished")
 
-    def metrics(self) -> dict[str, float | list[float]]:
-        """Rank 0's own engine's metrics (no collective: the other ranks are not asked)."""
-        return self.inner.engine.metrics()
+    def metrics(self) -> dict[str, Any]:
+        """Every rank's metrics combined (``DistributedEngine.metrics``): with dp > 1 a command
+        that gathers the ranks' snapshots (only when asked: a scrape, never each step); with
+        dp == 1 rank 0's own, which every rank shares, and nothing sent."""
+        if self.inner.dp == 1:
+            return self.inner.metrics()
+        return self._call("metrics")
 
     def recover(self) -> None:
         # NOTE: a failed DistributedEngine step has destroyed the process group: nothing to reset
@@ -182,7 +188,8 @@ class DriverEngine:
 def follow(engine: DistributedEngine) -> int:
     """Ranks 1..: make rank 0's calls on this rank's engine until it says stop; returns how many
     commands were applied. A request refused on its rank is refused on every rank (the driver
-    answers it with an HTTP error), so a ``ValueError`` of ``add_request`` does not stop us."""
+    answers it with an HTTP error), so a ``ValueError`` of ``add_request`` (or of ``metrics``, a
+    scrape's) does not stop us."""
     if engine.ctx.rank == 0:
         raise ValueError("rank 0 drives (DriverEngine); follow() is for the other ranks")
     applied = 0
@@ -200,6 +207,6 @@ def follow(engine: DistributedEngine) -> int:
         try:
             getattr(engine, _METHODS[kind])(*args)
         except ValueError:
-            if kind != "add":
+            if kind not in ("add", "metrics"):  # (metrics: rank 0 logs it, the scrape goes on)
                 raise
         applied += 1
