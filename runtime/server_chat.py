@@ -205,8 +205,14 @@ class ChatHandlers(HandlersBase):
             text = await asyncio.to_thread(render_chat, *args)
         except ValueError as e:
             flag = "continue_final_message"  # (chat_template names its rules' errors so)
-            param = flag if str(e).startswith(flag) else "messages"
-            raise APIError(400, str(e), param=param) from e
+            msg, param = str(e), "messages"
+            if msg.startswith(flag):
+                param = flag
+                if continue_final and messages and messages[-1].get("prefix"):
+                    # DeepSeek's prefix: true asked for it: name the field the client sent
+                    param = f"messages[{len(messages) - 1}].prefix"
+                    msg = f"{param} (a continue_final_message): {msg[len(flag) :].lstrip(': ')}"
+            raise APIError(400, msg, param=param) from e
         # (the template writes the BOS itself)
         return await self.encode(text, False, "messages", within_context)
 

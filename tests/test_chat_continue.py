@@ -266,6 +266,26 @@ def test_deepseek_prefix_true_continues_the_last_message(served) -> None:
         assert _tokenize(url, {"messages": bad}).status_code == 400
 
 
+@pytest.mark.parametrize(
+    ("last", "match"),
+    [(said(None, tool_calls=[CALL]), "has tool_calls"), (said("  "), "content is empty")],
+    ids=["tool-calls", "empty"],
+)
+def test_a_prefix_that_cannot_continue_names_prefix(served, last: dict, match: str) -> None:
+    """``prefix: true`` on a last message that cannot be continued: the 400 names the field the
+    client sent (``messages[i].prefix``), not vLLM's ``continue_final_message`` it never sent."""
+    url, engine = served
+    _say(engine, "x")
+    msgs = [HI, {**last, "prefix": True}]
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(url).chat.completions.create(model=MODEL, messages=msgs)
+    err = e.value.body
+    assert err["param"] == "messages[1].prefix"
+    assert err["message"].startswith("messages[1].prefix") and re.search(match, err["message"])
+    r = _tokenize(url, {"messages": msgs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].prefix"
+
+
 # ---- echo (vLLM's): the last message, the assistant's, before the reply ------------------------
 def _create(url: str, msgs: list, extra: dict, stream: bool, **kw):
     """(content, reasoning, chunks) of a chat request, joined over the deltas when streamed."""
