@@ -405,3 +405,24 @@ def metrics_error_worker(rank: int, out: str) -> None:
         n = follow(eng)
         (Path(out) / "rank1.txt").write_text(f"{n} {eng.calls}")
     finish()
+
+
+def reset_stats_worker(rank: int, out: str) -> None:
+    """Rank 0 resets the driver's stats then steps; every rank records what its engine got.
+    ``engine`` stands for rank 0's own engine (what the driver hands unknown attributes to)."""
+    from runtime.distributed.driver import DriverEngine, follow
+    from runtime.distributed.process import finish, init_distributed
+
+    ctx = init_distributed("cpu", timeout_s=10.0)
+    eng = _FakeEngine(ctx)
+    eng.engine = eng
+    eng.reset_stats = lambda: eng.calls.append("reset_stats")
+    if rank == 0:
+        driver = DriverEngine(eng)
+        driver.reset_stats()
+        driver.step()
+        driver.close()
+    else:
+        follow(eng)
+    (Path(out) / f"rank{rank}.txt").write_text(f"{eng.calls}")
+    finish()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import prometheus_client as prom
 import pytest
 import torch
-from distributed_workers import metrics_error_worker, metrics_worker
+from distributed_workers import metrics_error_worker, metrics_worker, reset_stats_worker
 from engine_records import random_prompts
 
 from runtime.distributed.metrics import DERIVED, MEAN, SUM, WEIGHTED, aggregate
@@ -119,3 +119,11 @@ def test_driver_metrics_cover_every_dp_rank(tmp_path):
 def test_a_failed_metrics_read_does_not_stop_the_followers(tmp_path):
     spawn(metrics_error_worker, 2, str(tmp_path))
     assert (tmp_path / "rank1.txt").read_text() == "2 ['metrics', 'step']"
+
+
+def test_driver_reset_stats_resets_every_rank(tmp_path):
+    """/metrics sums every rank's counters: a reset through the driver reaches every rank (it
+    reached rank 0's engine alone)."""
+    spawn(reset_stats_worker, 2, str(tmp_path))
+    for r in range(2):
+        assert (tmp_path / f"rank{r}.txt").read_text() == "['reset_stats', 'step']"

@@ -165,6 +165,11 @@ class DistributedEngine:
             return own
         return aggregate(self._gather(own, "the metrics gather"))
 
+    def reset_stats(self) -> None:
+        """This rank's ``Engine.reset_stats`` (no collective: the driver's ``reset_stats``
+        command makes every rank call it)."""
+        self.engine.reset_stats()
+
     # ---- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[StepOutput]:

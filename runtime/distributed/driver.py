@@ -9,7 +9,7 @@ same call on its own ``DistributedEngine``, so every rank reaches the same colle
 order (the SPMD contract of ``dist_engine``). Requests are balanced over the DP ranks by
 ``DistributedEngine.add_request`` (``balance.assign``) and every rank's outputs are gathered at
 each step, so rank 0 streams every request's tokens back. ``metrics`` (a scrape) is one more
-command: every rank's snapshot gathered and combined.
+command: every rank's snapshot gathered and combined; ``reset_stats`` another, every rank's own.
 
 Why rank 0 and not a separate front process: SGLang puts its HTTP server and tokenizer in a front
 process and talks to one scheduler process per rank over ZMQ (its DP controller balances); vLLM's
@@ -50,6 +50,7 @@ _METHODS = {
     "step": "step",
     "unfinished": "has_unfinished",
     "metrics": "metrics",
+    "reset_stats": "reset_stats",
 }
 
 
@@ -154,6 +155,11 @@ class DriverEngine:
         if self.inner.dp == 1:
             return self.inner.metrics()
         return self._call("metrics")
+
+    def reset_stats(self) -> None:
+        """``Engine.reset_stats`` on every rank: a command, since ``metrics`` sums every rank's
+        counters (handed to rank 0's engine alone, the others' kept counting from the start)."""
+        self._call("reset_stats")
 
     def recover(self) -> None:
         # NOTE: a failed DistributedEngine step has destroyed the process group: nothing to reset
