@@ -18,7 +18,7 @@ from echo_compile.cli_args import (
     serve_options,
 )
 from echo_compile.devices import check_device
-from echo_compile.vllm_flags import apply_vllm_flags
+from echo_compile.vllm_flags import apply_vllm_flags, check_quantization
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
 # --help) must answer without the seconds torch takes to import. Commands import what they run.
@@ -53,6 +53,7 @@ def _demo(a: argparse.Namespace) -> int:
 def _generate(a: argparse.Namespace) -> int:
     sampling_params(a)  # NOTE: the flags checked before the model loads, not after
     check_device(a.device)
+    check_quantization(a.vllm_quantization, a.model)
     from echo_compile.llm import LLM
 
     llm = LLM(
@@ -119,6 +120,7 @@ def _plan(a: argparse.Namespace) -> int:
 def _serve(a: argparse.Namespace) -> int:
     options = serve_options(a)
     check_device(a.device)
+    check_quantization(a.vllm_quantization, a.model)
     from echo_compile.llm import LLM
     from runtime.async_engine import AsyncEngine
     from runtime.server import serve

@@ -72,8 +72,10 @@ KV_DTYPES = {
     "fp8_ds_mla": "fp8",
 }
 # vLLM's --quantization: fp8 serves an FP8 checkpoint's weights as FP8 (vLLM's does, and would
-# quantise a bf16 one: --fp8-weights fp8 refuses that at load); AWQ is read from the config
+# quantise a bf16 one); AWQ is read from the config. Each needs a checkpoint of its format
+# (config.json's quantization_config.quant_method): check_quantization, before the load.
 QUANTIZATIONS: dict[str, str | None] = {"fp8": "fp8", "awq": None, "awq_marlin": None}
+QUANT_FORMATS = {"fp8": "fp8", "awq": "awq", "awq_marlin": "awq"}
 
 VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
     "--max-num-seqs": Alias("--max-batch", int),  # the cap on running requests
@@ -107,7 +109,7 @@ VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
     "--quantization": Alias(
         "--fp8-weights",
         values=QUANTIZATIONS,
-        noop="an AWQ checkpoint is read as AWQ from its config.json",
+        noop="an AWQ checkpoint is read as AWQ from its config.json (checked to be AWQ)",
     ),
     # NOTE: 64 is custom_ops.kv_format.PAGE (not imported: it imports torch); a test ties them
     "--block-size": Always("the KV cache's page is 64 tokens, FlashMLA's (fixed)", ("64",)),
@@ -243,3 +245,30 @@ def apply_vllm_flags(a: argparse.Namespace) -> None:
         logger.info("vLLM's %s runs as --dp %d --tp %d --ep %d", spelled, a.dp, a.tp, a.ep)
     if noops:
         logger.info("vLLM flags taken as what this server does anyway: %s", ", ".join(noops))
+
+
+def check_quantization(method: str | None, model: str) -> None:
+    """vLLM's ``--quantization method`` against MODEL's config.json, before any weight loads: a
+    one-line ValueError naming the flag, the checkpoint's format and what to do when they differ
+    (an AWQ flag on another checkpoint passed silently; fp8 on a bf16 one failed at load)."""
+    if method is None:
+        return
+    # NOTE: imported here, not at the top: they import torch (see the NOTE above)
+    from model.checkpoint import resolve_model
+    from model.config import ModelConfig
+
+    q = ModelConfig.from_json(resolve_model(model) / "config.json").quantization
+    has = q.method if q is not None else None
+    want = QUANT_FORMATS[method]
+    if has == want:
+        return
+    actual = f"quant_method {has!r}" if has else "bf16: no quantization_config"
+    todo = "drop the flag (the checkpoint's own format is served)"
+    if want == "fp8" and has is None:
+        todo = "drop the flag to serve its bf16 weights (vLLM quantises them at load; not here)"
+    elif has == "fp8":
+        todo = "give --quantization fp8 to serve its weights as FP8, or " + todo
+    raise ValueError(
+        f"--quantization {method} needs an {want.upper()} checkpoint; {model} is not one (its "
+        f"config.json: {actual}): {todo}"
+    )

@@ -128,7 +128,7 @@ def test_a_launch_line_with_vllms_model_flags_parses(caplog):
         "vLLM flags taken as what this server does anyway: --dtype bfloat16, --quantization awq, "
         "--block-size 64, --load-format safetensors"
     ]
-    # fp8: an FP8 checkpoint's weights kept FP8 (the loader refuses a checkpoint that is not)
+    # fp8: an FP8 checkpoint's weights kept FP8 (check_quantization refuses another checkpoint)
     for cmd in (["serve"], ["generate", "x"]):
         assert parsed(*cmd, "--quantization", "fp8", "--dtype", "auto").fp8_weights == "fp8"
     assert parsed("serve", "--fp8-weights", "fp8", "--quantization", "awq").fp8_weights == "fp8"
@@ -173,3 +173,33 @@ def test_uvicorn_log_level_reaches_uvicorn(monkeypatch):
     for flags, level in (([], "info"), (["--uvicorn-log-level", "WARNING"], "warning")):
         server.serve(Engine(), "m", **cli_args.serve_options(parsed("serve", *flags)))
         assert seen.pop() == level
+
+
+@pytest.mark.parametrize(
+    "model, method, parts",
+    [
+        ("tiny", "awq", ["--quantization awq needs an AWQ checkpoint", "bf16", "drop the flag"]),
+        ("tiny-fp8", "awq_marlin", ["awq_marlin", "'fp8'", "--quantization fp8 to serve"]),
+        ("tiny", "fp8", ["--quantization fp8 needs an FP8", "bf16", "at load; not here"]),
+        ("tiny-awq", "fp8", ["--quantization fp8", "'awq'", "drop the flag"]),
+    ],
+)
+@pytest.mark.parametrize("cmd", [["serve", "--port", "0"], ["generate", "x"]])
+def test_quantization_must_match_the_checkpoint(cmd, model, method, parts, capsys, monkeypatch):
+    """--quantization awq on a checkpoint that is not AWQ passed silently, fp8 on one that is
+    not FP8 failed at load: one line naming the flag and the checkpoint's format, no load."""
+    monkeypatch.setattr("echo_compile.llm.LLM", _no_load)
+    argv = [*cmd, "--model", model, "--device", "cpu", "--quantization", method]
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("echo-compile: error: "), lines
+    for p in parts:
+        assert p in lines[0], (p, lines[0])
+
+
+def test_quantization_of_the_checkpoints_own_format_is_taken():
+    from echo_compile.vllm_flags import check_quantization
+
+    for model, method in (("tiny-awq", "awq"), ("tiny-awq", "awq_marlin"), ("tiny-fp8", "fp8")):
+        check_quantization(method, model)  # no error
+    check_quantization(None, "tiny")
