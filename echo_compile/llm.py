@@ -109,7 +109,7 @@ class LLM:
     the server; ``"none"``:
     ``SamplingParams()``'s defaults (``engine.sampling_defaults``). ``progress``: the warm-up's
     "capturing graphs" bar, drawn only when stderr is a terminal (no redraws in a log), then a
-    one-line summary.
+    one-line summary logged at INFO (``echo_compile.llm``; the CLI's ``--log-level``).
     """
 
     def __init__(
@@ -169,8 +169,9 @@ class LLM:
         # on a request can never trigger a compile
         self.warmup_s = self.engine.runner.warmup(progress=progress) if compiled else 0.0
         if compiled and progress:
+            # NOTE: a log line, not a print: generate()'s output is the caller's stdout
             n = self.engine.runner.num_graphs
-            print(f"echo-compile: captured {n} step graphs in {self.warmup_s:.1f} s")
+            logging.getLogger(__name__).info("captured %d step graphs in %.1f s", n, self.warmup_s)
         self._ids = itertools.count()
         # request id -> outputs of a live generate() / stream request not yet read by its caller
         self._outputs: dict[str, list[StepOutput]] = {}

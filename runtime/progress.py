@@ -2,7 +2,7 @@
 
 A bar is drawn only on a terminal: with stderr redirected (a server's log, a CI job) each redraw
 would be a line of noise, so it is off there, tqdm's ``disable=None``. A caller that wants a record
-in a log writes one summary line when done (``LLM``'s "captured N step graphs in S s").
+in a log writes one summary line when done (``LLM``'s "captured N step graphs in S s", logged).
 """
 
 from __future__ import annotations

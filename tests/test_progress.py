@@ -33,3 +33,20 @@ def test_warmup_draws_no_bar_into_a_log(capsys):
     capsys.readouterr()
     eng.runner.warmup(progress=True)  # stderr captured: not a terminal
     assert "capturing graphs" not in capsys.readouterr().err
+
+
+def test_the_warmup_summary_is_logged_not_printed(capsys, caplog, monkeypatch):
+    """``LLM``'s "captured N step graphs" line was a print mixed into generate()'s stdout."""
+    import logging
+
+    from echo_compile.llm import LLM
+    from runtime.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, progress=True: 1.5)  # no capture
+    caplog.set_level(logging.INFO, logger="echo_compile.llm")
+    llm = LLM("tiny", compile=True, progress=True, device="cpu")
+    assert "captured" not in capsys.readouterr().out
+    n = llm.engine.runner.num_graphs
+    assert [r.getMessage() for r in caplog.records if "captured" in r.getMessage()] == [
+        f"captured {n} step graphs in 1.5 s"
+    ]
