@@ -579,11 +579,16 @@ class Engine:
 
     def _processor_error(self, req: Request, stage: int) -> StepOutput:
         """Finish ``req``, whose row of a decode step had unusable logits (``bad_stage``'s
-        ``stage``), with finish_reason "error" and a message naming the processor; the other
-        rows of the step go on."""
+        ``stage``), with finish_reason "error" and a message naming the processor (stage 1:
+        the request's own parameters, or the model); the other rows of the step go on."""
         why = "NaN or +inf logits, or every logit -inf (no token left to sample)"
         if stage == 1:
-            what = f"the logits reached the logits processors unusable ({why})"
+            before = " before the logits processors" if self.logits_processors else ""
+            what = (
+                f"no token could be sampled{before}: its own parameters masked every token "
+                "(min_tokens holding back EOS and its stop_token_ids, a grammar, an overflowing "
+                "repetition_penalty), or the model's logits were NaN or +inf"
+            )
         else:
             proc = self.logits_processors[stage - 2]
             what = f"logits processor {proc!r} returned {why} for this request's row"
@@ -619,8 +624,12 @@ class Engine:
         # other controls leave a masked -inf at -inf, so for them the order does not matter.
         logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()), pending)
         # with processors: which rows were unusable before them, then after each (as each
-        # returns: a later one may write in place)
-        stages = [unusable_rows(logits)] if self.logits_processors else []
+        # returns: a later one may write in place). Before them also when a row's own parameters
+        # may have masked every token (a grammar, min_tokens' stop ids): such a row, sampled
+        # from all -inf, was token 0 with a NaN logprob. (No host sync either way: the column
+        # goes to the host with the tokens; a batch without such rows computes nothing.)
+        checks = self.logits_processors or any(r.params.may_mask_every_token for r in reqs)
+        stages = [unusable_rows(logits)] if checks else []
         for proc in self.logits_processors:
             out = proc(reqs, logits)
             # floating point on the logits' device too: .float() would turn integer or bool
@@ -663,8 +672,8 @@ class Engine:
             # top-k / top-p (what a greedy row's own logprob is computed from)
             top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
             cols += [top.indices.double(), top.values.clamp(min=LOGPROB_FLOOR).double()]
-        checked = len(stages) > 1
-        if checked:  # a processor's NaN fails its rows' requests when read (_complete)
+        checked = bool(stages)
+        if checked:  # an unusable row fails its request when read (_complete)
             cols.append(bad_stage(stages).double()[:, None])
         host, copied = to_host(torch.cat(cols, 1), timed=True)
         return SampledStep(batch, tok, host, n_top, copied, ahead, started, checked)

@@ -9,6 +9,9 @@ from typing import Any
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # as vLLM's default cap
+# a repetition penalty past this can overflow a seen negative logit to -inf in fp32 (a logit of
+# magnitude 3.4e8 would do: none is near it, so smaller penalties never mask)
+OVERFLOWING_PENALTY = 1e30
 
 
 class SamplingParamsError(ValueError):
@@ -260,6 +263,20 @@ class SamplingParams:
             or self.logit_bias
             or (self.min_p > 0 and not self.greedy)
             or self.min_tokens
+        )
+
+    @property
+    def may_mask_every_token(self) -> bool:
+        """Its own parameters may leave no token to sample (every logit -inf), so the engine
+        checks its row each decode step (``Engine._sample``): ``min_tokens`` holds back EOS and
+        every ``stop_token_ids`` token (all of them, if those are every id), a grammar masks
+        what it does not allow, and a huge ``repetition_penalty`` sends a seen negative logit
+        to -inf (fp32 overflow). The penalties, ``logit_bias`` (at most -100) and ``min_p``
+        (relative to the best token) never take the last token."""
+        return (
+            self.grammar is not None
+            or self.min_tokens > 0
+            or self.repetition_penalty > OVERFLOWING_PENALTY
         )
 
     @property

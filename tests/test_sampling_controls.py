@@ -291,3 +291,44 @@ def test_benchmark_cli_on_cpu(tmp_path) -> None:  # noqa: ANN001
         assert bench.main(["--out", str(tmp_path / "x.json")]) == 2
     reqs = bench.make_requests(3, 100, 10, seed=0)
     assert all(r.params.has_controls and len(r.output_ids) == 10 for r in reqs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_whose_parameters_mask_every_token_ends_with_an_error(temperature) -> None:
+    """min_tokens holds back EOS and every stop_token_ids token: with every id a stop token (the
+    server takes it: the tiny tokenizer's ids cover the model's vocabulary) no token is left to
+    sample. It was sampled anyway from all -inf, silently (token 0, a NaN logprob: JSON has no
+    NaN); that request now ends with finish_reason "error" saying why, and the other goes on."""
+    from runtime.engine import Engine
+    from runtime.openai_protocol import CompletionRequest, sampling_params
+
+    model, tok = tiny("cpu")
+    mc = model.config
+    assert tok.vocab_size == mc.vocab_size
+    req = CompletionRequest(
+        model="m",
+        prompt="x",
+        max_tokens=4,
+        min_tokens=2,
+        logprobs=1,
+        temperature=temperature,
+        stop_token_ids=list(range(mc.vocab_size)),
+    )
+    masked = sampling_params(req, 4, True, tok.vocab_size)  # (no APIError: accepted)
+    free = SamplingParams(max_tokens=4, temperature=temperature, seed=1, ignore_eos=True)
+    eng = Engine(model, mc, tok, _cfg(True, 2, mc.index_topk))
+    prompts = random_prompts([20, 30], mc.vocab_size, seed=5)
+    eng.add_request("masked", prompts[0], masked)
+    eng.add_request("free", prompts[1], free)
+    finals, toks = {}, {"masked": [], "free": []}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+            if o.finished:
+                finals[o.request_id] = o
+    m = finals["masked"]
+    assert (m.finish_reason, m.completion_tokens, toks["masked"]) == ("error", 0, []), m
+    assert "request 'masked'" in m.error and "every token" in m.error, m.error
+    assert "min_tokens" in m.error and "stop_token_ids" in m.error, m.error
+    assert finals["free"].finish_reason == "length" and len(toks["free"]) == 4
+    assert eng.metrics()["generated_tokens"] == 4
