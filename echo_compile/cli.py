@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         from echo_compile.threads import configure_threads
 
         configure_logging(log_level(a))
-        apply_vllm_flags(a)  # (logs the vLLM flags taken as no-ops)
+        apply_vllm_flags(a, argv)  # (logs the vLLM flags taken as no-ops)
         configure_threads(a.threads)
         return COMMANDS[a.cmd](a)
     except USER_ERRORS as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # NOTE: no torch here either: the flags are in every --help (cli_args.py says why).
@@ -207,9 +207,15 @@ def parallel_split(tp: int | None, dp: int | None, ep: bool) -> dict[str, int]:
     return {"dp": dp, "tp": 1 if ep else n, "ep": n if ep else 1}
 
 
-def apply_vllm_flags(a: argparse.Namespace) -> None:
+def _spelled_in(flag: str, argv: Sequence[str]) -> bool:
+    """Whether the command line gives ``flag`` (``--x v`` or ``--x=v``)."""
+    return any(t == flag or t.startswith(flag + "=") for t in argv)
+
+
+def apply_vllm_flags(a: argparse.Namespace, argv: Sequence[str] = ()) -> None:
     """Puts the vLLM flags given into ``a``'s own options: a ValueError for a value or flag not
-    honoured here, naming it; one info line lists those taken as what this server does."""
+    honoured here, naming it, or for one of ours given too (in ``argv``, the command line) with
+    another value; one info line lists those taken as what this server does."""
     given = {f: getattr(a, _dest(f)) for f in VLLM_FLAGS if getattr(a, _dest(f), None) is not None}
     noops = []
     for flag, v in given.items():
@@ -230,7 +236,13 @@ def apply_vllm_flags(a: argparse.Namespace) -> None:
                     noops.append(_spelled(flag, v))
                     continue
                 v = kind.values[v]
-            setattr(a, kind.ours[2:].replace("-", "_"), v)
+            dest = kind.ours[2:].replace("-", "_")
+            if _spelled_in(kind.ours, argv) and getattr(a, dest) != v:
+                raise ValueError(
+                    f"{flag} {given[flag]} and {kind.ours} {getattr(a, dest)} say different "
+                    "things: give one"
+                )
+            setattr(a, dest, v)
     parallel = [f for f in given if isinstance(VLLM_FLAGS[f], Parallel)]
     if parallel:
         if (a.dp, a.tp, a.ep) != (1, 1, 1):

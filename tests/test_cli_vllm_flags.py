@@ -106,6 +106,10 @@ def _no_load(*a, **k):
         (["--load-format", "dummy"], ["--load-format dummy", "auto / safetensors"]),
         (["--tensor-parallel-size", "4", "--data-parallel-size", "2"], ["never by heads"]),
         (["--tp", "2", "--tensor-parallel-size", "2"], ["--tensor-parallel-size", "not both"]),
+        # one setting in both spellings, two values (the vLLM one silently won once)
+        (["--kv-format", "fp8", "--kv-cache-dtype", "auto"],
+         ["--kv-cache-dtype auto and --kv-format fp8 say different things"]),
+        (["--max-batch=8", "--max-num-seqs", "16"], ["--max-num-seqs 16 and --max-batch 8"]),
     ],
 )
 def test_flags_not_honoured_are_one_line_before_the_model_loads(flags, parts, capsys, monkeypatch):
@@ -203,3 +207,11 @@ def test_quantization_of_the_checkpoints_own_format_is_taken():
     for model, method in (("tiny-awq", "awq"), ("tiny-awq", "awq_marlin"), ("tiny-fp8", "fp8")):
         check_quantization(method, model)  # no error
     check_quantization(None, "tiny")
+
+
+def test_one_setting_in_both_spellings_with_one_value_is_taken():
+    argv = ["serve", "--max-batch", "16", "--max-num-seqs", "16", "--kv-format=fp8",
+            "--kv-cache-dtype", "fp8"]  # fmt: skip
+    a = cli_args.parser().parse_args(argv)
+    apply_vllm_flags(a, argv)
+    assert (a.max_batch, a.kv_format) == (16, "fp8")
