@@ -140,7 +140,8 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         if total > self.cfg.max_model_len:
             # (the limit is host_tokens where that is the least: a request reserves its pages)
-            whose, why = "the model's ", ""
+            # (max_model_len is already capped by max_position_embeddings: EngineConfig.model_len)
+            whose, why = "the model's ", " (max_model_len, at most max_position_embeddings)"
             if self.cfg.max_model_len == self.cfg.host_tokens:
                 whose, why = "the ", " (host_tokens: a request reserves all its pages at admission)"
             raise ValueError(

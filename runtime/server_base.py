@@ -22,6 +22,7 @@ from runtime.engine import StepOutput
 from runtime.openai_protocol import CONTEXT_CODE, APIError, ChatCompletionRequest, CompletionRequest
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
+from runtime.server_lifecycle import limit_reasons
 from runtime.server_metrics import ServerMetrics
 from runtime.server_streams import failure, merged, sse
 from runtime.tokenizer import lone_surrogate
@@ -53,6 +54,11 @@ class HandlersBase:
         # one token's text, by id: prompt_logprobs of a long prompt name ~21 tokens per position
         # (millions of decodes on the event loop otherwise); bounded by the vocabulary
         self._token_text: dict[int, str] = {}
+        # the server flags behind max_model_len, named by the 400s that quote it (a 100K-token
+        # prompt sent to a server started with the defaults is told what to raise)
+        why = limit_reasons(getattr(engine, "engine", None), engine.max_model_len)
+        capped = f", capped by {' and '.join(why)}" if why else ""
+        self.context_note = f" (This server's limit: --max-model-len{capped}.)"
 
     def check_model(self, name: str) -> None:
         if name not in self.model_names:
@@ -64,7 +70,7 @@ class HandlersBase:
         limit = self.engine.max_model_len
         msg = (
             f"This model's maximum context length is {limit} tokens. However, your prompt has "
-            f"{n_prompt} tokens, which leaves no room for a completion."
+            f"{n_prompt} tokens, which leaves no room for a completion.{self.context_note}"
         )
         return APIError(400, msg, param=param, code=CONTEXT_CODE)
 
@@ -114,7 +120,7 @@ class HandlersBase:
         if max_tokens >= 1 and n_prompt + max_tokens > limit:
             msg = (
                 f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
-                f"{max_tokens} for the completion)."
+                f"{max_tokens} for the completion).{self.context_note}"
             )
             raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
         return max_tokens
@@ -130,6 +136,7 @@ class HandlersBase:
                     f"This model's maximum context length is {limit} tokens. However, echo with "
                     f"max_tokens 0 takes a prompt of at most {limit - 1} tokens here (one token is "
                     f"computed past the prompt, then dropped), and this prompt has {n}."
+                    + self.context_note
                 )
                 raise APIError(400, msg, param="prompt", code=CONTEXT_CODE)
 

@@ -43,18 +43,27 @@ def startup_summary(async_engine: AsyncEngine, model_name: str, asked_max_len: i
     limit = async_engine.max_model_len
     text = f"max_model_len {limit}"
     if asked_max_len is not None and asked_max_len != limit:
-        why = []
-        if cfg is not None and getattr(cfg, "host_tokens", None) == limit:
-            why.append("the host pool size (--host-tokens)")
-        mc = getattr(engine, "model_config", None)
-        if mc is not None and getattr(mc, "max_position_embeddings", None) == limit:
-            why.append("the model's max_position_embeddings")
+        why = limit_reasons(engine, limit)
         text += f" (asked {asked_max_len}; limited by {' and '.join(why) or 'the engine'})"
     parts.append(text)
     changed = sampling_changes(async_engine.sampling_defaults)
     if changed:  # vLLM logs this too: a request's unset fields are not OpenAI's defaults
         parts.append(f"sampling defaults {changed} (generation_config.json)")
     return ", ".join(parts)
+
+
+def limit_reasons(engine: Any, limit: int) -> list[str]:
+    """What caps the context limit ``limit`` of ``engine`` (an ``Engine``) below its
+    --max-model-len: the host pool, the model's positions; empty where neither does (or the
+    engine does not say)."""
+    cfg = getattr(engine, "config", None)
+    why = []
+    if cfg is not None and getattr(cfg, "host_tokens", None) == limit:
+        why.append("the host pool size (--host-tokens)")
+    mc = getattr(engine, "model_config", None)
+    if mc is not None and getattr(mc, "max_position_embeddings", None) == limit:
+        why.append("the model's max_position_embeddings")
+    return why
 
 
 def sampling_changes(defaults: SamplingParams) -> str:

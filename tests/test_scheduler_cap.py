@@ -68,5 +68,7 @@ def test_context_limit_error_names_the_host_pool_where_it_binds():
                                          r"a request reserves all its pages"):
         s.check(req)
     s = Scheduler(SchedulerConfig(max_batch=2, max_model_len=128, host_tokens=256, topk=TOPK))
-    with pytest.raises(ValueError, match=r"exceeds the model's context limit of 128 tokens"):
+    with pytest.raises(
+        ValueError, match=r"exceeds the model's context limit of 128 tokens \(max_model_len, "
+    ):
         s.check(req)

@@ -349,6 +349,35 @@ def test_startup_summary_names_the_real_context() -> None:
         assert part in startup_summary(ae_on, "tiny", None), mode  # type: ignore[arg-type]
 
 
+def test_context_errors_name_the_flags_to_raise(url: str) -> None:
+    """A prompt over the context (a 100K-token one at the default --max-model-len 4096) is told
+    which server flag sets the limit, as a text, token-id or chat prompt, with or without
+    max_tokens; where the host pool caps it, --host-tokens is named too."""
+    note = "(This server's limit: --max-model-len.)"
+    long = {"model": MODEL, "prompt": list(range(5, 5 + MAX_MODEL_LEN))}
+    for path, body in [
+        (C, long),
+        (C, {**long, "max_tokens": 4}),
+        (C, {**long, "prompt": long["prompt"][:-10], "max_tokens": 20}),
+        (C, {**long, "prompt": "word " * 2 * MAX_MODEL_LEN}),
+        (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]}),
+        (C, {**long, "max_tokens": 0, "echo": True}),
+    ]:
+        r = _post(url, path, body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+        assert err["message"].startswith("This model's maximum context length is ")
+        assert err["message"].endswith(note), err["message"]
+    from runtime.server_base import HandlersBase
+
+    cfg = SimpleNamespace(host_tokens=1024, max_model_len=4096)
+    ae = SimpleNamespace(engine=SimpleNamespace(config=cfg), max_model_len=1024, tokenizer=None)
+    h = HandlersBase(ae, [MODEL])  # type: ignore[arg-type]
+    assert h.context_note == (
+        " (This server's limit: --max-model-len, capped by the host pool size (--host-tokens).)"
+    )
+
+
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from echo_compile.cli_args import parser, serve_options
 
