@@ -207,9 +207,20 @@ def parallel_split(tp: int | None, dp: int | None, ep: bool) -> dict[str, int]:
     return {"dp": dp, "tp": 1 if ep else n, "ep": n if ep else 1}
 
 
-def _spelled_in(flag: str, argv: Sequence[str]) -> bool:
-    """Whether the command line gives ``flag`` (``--x v`` or ``--x=v``)."""
-    return any(t == flag or t.startswith(flag + "=") for t in argv)
+def _spelled_in(flag: str, argv: Sequence[str], exact: set[str]) -> bool:
+    """Whether the command line gives ``flag``: ``--x v``, ``--x=v``, or an abbreviation that
+    argparse took for it (``--max-ba 8`` is ``--max-batch 8``): a prefix of it that is not
+    ``exact``ly another option (argparse takes an exact name first and refuses an ambiguous
+    prefix before we get here)."""
+    for t in argv:
+        if t == "--":  # the rest are positionals
+            return False
+        name = t.split("=", 1)[0]
+        if name == flag or (
+            name.startswith("--") and len(name) > 2 and flag.startswith(name) and name not in exact
+        ):
+            return True
+    return False
 
 
 def apply_vllm_flags(a: argparse.Namespace, argv: Sequence[str] = ()) -> None:
@@ -217,6 +228,8 @@ def apply_vllm_flags(a: argparse.Namespace, argv: Sequence[str] = ()) -> None:
     honoured here, naming it, or for one of ours given too (in ``argv``, the command line) with
     another value; one info line lists those taken as what this server does."""
     given = {f: getattr(a, _dest(f)) for f in VLLM_FLAGS if getattr(a, _dest(f), None) is not None}
+    # every option's full name (ours are --dest; the vLLM ones above), for _spelled_in
+    exact = set(VLLM_FLAGS) | {"--" + d.replace("_", "-") for d in vars(a)}
     noops = []
     for flag, v in given.items():
         kind = VLLM_FLAGS[flag]
@@ -237,7 +250,7 @@ def apply_vllm_flags(a: argparse.Namespace, argv: Sequence[str] = ()) -> None:
                     continue
                 v = kind.values[v]
             dest = kind.ours[2:].replace("-", "_")
-            if _spelled_in(kind.ours, argv) and getattr(a, dest) != v:
+            if _spelled_in(kind.ours, argv, exact) and getattr(a, dest) != v:
                 raise ValueError(
                     f"{flag} {given[flag]} and {kind.ours} {getattr(a, dest)} say different "
                     "things: give one"

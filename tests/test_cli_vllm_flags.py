@@ -110,6 +110,9 @@ def _no_load(*a, **k):
         (["--kv-format", "fp8", "--kv-cache-dtype", "auto"],
          ["--kv-cache-dtype auto and --kv-format fp8 say different things"]),
         (["--max-batch=8", "--max-num-seqs", "16"], ["--max-num-seqs 16 and --max-batch 8"]),
+        # ours abbreviated, as argparse takes it (the vLLM one silently won over --max-ba 8)
+        (["--max-ba", "8", "--max-num-seqs", "16"], ["--max-num-seqs 16 and --max-batch 8"]),
+        (["--kv-f=fp8", "--kv-cache-dtype", "auto"], ["--kv-cache-dtype auto and --kv-format"]),
     ],
 )
 def test_flags_not_honoured_are_one_line_before_the_model_loads(flags, parts, capsys, monkeypatch):
@@ -215,3 +218,8 @@ def test_one_setting_in_both_spellings_with_one_value_is_taken():
     a = cli_args.parser().parse_args(argv)
     apply_vllm_flags(a, argv)
     assert (a.max_batch, a.kv_format) == (16, "fp8")
+    # a value or positional that merely starts like one of ours is not it
+    argv = ["serve", "--max-num-seqs", "16", "--", "--max-b"]
+    a = cli_args.parser().parse_args(argv)
+    apply_vllm_flags(a, argv)
+    assert a.max_batch == 16
