@@ -583,11 +583,15 @@ class Engine:
         the request's own parameters, or the model); the other rows of the step go on."""
         why = "NaN or +inf logits, or every logit -inf (no token left to sample)"
         if stage == 1:
+            # NOTE: every row of a checked step is checked (a processor, or another row that may
+            # mask): name this request's own parameters only, and only those that could mask
             before = " before the logits processors" if self.logits_processors else ""
-            what = (
-                f"no token could be sampled{before}: its own parameters masked every token "
-                "(min_tokens holding back EOS and its stop_token_ids, a grammar, an overflowing "
-                "repetition_penalty), or the model's logits were NaN or +inf"
+            own = req.params.masking(len(req.output_ids))  # (the token was never appended)
+            what = f"no token could be sampled{before}: " + (
+                f"its own parameters masked every token ({'; '.join(own)}), or the model's "
+                "logits were NaN or +inf"
+                if own
+                else f"the model's logits were unusable ({why})"
             )
         else:
             proc = self.logits_processors[stage - 2]

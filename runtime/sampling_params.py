@@ -279,6 +279,19 @@ class SamplingParams:
             or self.repetition_penalty > OVERFLOWING_PENALTY
         )
 
+    def masking(self, generated: int) -> list[str]:
+        """The parameters behind ``may_mask_every_token`` at a step that samples its
+        ``generated + 1``-th token (``min_tokens`` only while it holds EOS back), a phrase each:
+        what a request left without a token to sample is told (``Engine._processor_error``)."""
+        why = []
+        if generated < self.min_tokens:
+            why.append(f"min_tokens {self.min_tokens} holding back EOS and its stop_token_ids")
+        if self.grammar is not None:
+            why.append("its grammar allowing no token")
+        if self.repetition_penalty > OVERFLOWING_PENALTY:
+            why.append(f"repetition_penalty {self.repetition_penalty:g} overflowing to -inf")
+        return why
+
     @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0)."""

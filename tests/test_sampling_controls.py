@@ -332,3 +332,51 @@ def test_a_request_whose_parameters_mask_every_token_ends_with_an_error(temperat
     assert "min_tokens" in m.error and "stop_token_ids" in m.error, m.error
     assert finals["free"].finish_reason == "length" and len(toks["free"]) == 4
     assert eng.metrics()["generated_tokens"] == 4
+
+
+@pytest.mark.parametrize("processor", [False, True])
+def test_an_unusable_row_is_told_its_own_cause(processor: bool) -> None:
+    """Every row of a checked step is checked (a logits processor on, or another row that may
+    mask every token): a row that sets none of the masking parameters, made unusable by the
+    model's logits (NaN here), is told that, not that min_tokens, a grammar or a
+    repetition_penalty masked it; the row that does set min_tokens is told min_tokens."""
+    from runtime.engine import Engine
+
+    model, tok = tiny("cpu")
+    mc = model.config
+    masked = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=tuple(range(mc.vocab_size)))
+    plain = SamplingParams(max_tokens=4, seed=1, ignore_eos=True)
+    eng = Engine(model, mc, tok, _cfg(True, 2, mc.index_topk))
+    if processor:
+        eng.logits_processors = [lambda reqs, logits: logits]
+    real = eng.runner.forward
+
+    def nan_for_plain(batch, *a, **k):
+        out = real(batch, *a, **k)
+        if batch.is_decode:
+            for i, r in enumerate(batch.requests):
+                if r.request_id == "plain":
+                    out[i] = float("nan")
+        return out
+
+    eng.runner.forward = nan_for_plain
+    prompts = random_prompts([20, 30], mc.vocab_size, seed=5)
+    eng.add_request("masked", prompts[0], masked)
+    eng.add_request("plain", prompts[1], plain)
+    finals = {}
+    while eng.has_unfinished():
+        finals.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert {k: o.finish_reason for k, o in finals.items()} == {"masked": "error", "plain": "error"}
+    assert "min_tokens 2 holding back EOS" in finals["masked"].error, finals["masked"].error
+    err = finals["plain"].error
+    assert "the model's logits were unusable" in err, err
+    for name in ("min_tokens", "grammar", "repetition_penalty"):
+        assert name not in err, err
+
+
+def test_masking_names_only_what_can_mask_at_this_token() -> None:
+    p = SamplingParams(max_tokens=8, min_tokens=2, repetition_penalty=1e31)
+    assert p.may_mask_every_token
+    assert [w.split()[0] for w in p.masking(1)] == ["min_tokens", "repetition_penalty"]
+    assert [w.split()[0] for w in p.masking(2)] == ["repetition_penalty"]  # min_tokens reached
+    assert SamplingParams().masking(0) == [] and not SamplingParams().may_mask_every_token
