@@ -617,22 +617,24 @@ class Engine:
         one token ahead of the requests' host-side lists (``_decode``), their newest tokens
         (int64 [len(batch.requests)] on the device)."""
         reqs, ahead = batch.requests, pending is not None
+        generated = [len(r.output_ids) + ahead for r in reqs]
         sb = prepare_batch(
-            [r.params for r in reqs],
-            [self._seeds[r.request_id] for r in reqs],
-            [len(r.output_ids) + ahead for r in reqs],
+            [r.params for r in reqs], [self._seeds[r.request_id] for r in reqs], generated,
             logits.device,
-        )
+        )  # fmt: skip
         # The grammar's mask first: min_p is relative to the best token the grammar allows (after
         # it, a row whose allowed tokens min_p had all dropped was all -inf: NaN, token 0). The
         # other controls leave a masked -inf at -inf, so for them the order does not matter.
         logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()), pending)
         # with processors: which rows were unusable before them, then after each (as each
         # returns: a later one may write in place). Before them also when a row's own parameters
-        # may have masked every token (a grammar, min_tokens' stop ids): such a row, sampled
-        # from all -inf, was token 0 with a NaN logprob. (No host sync either way: the column
-        # goes to the host with the tokens; a batch without such rows computes nothing.)
-        checks = self.logits_processors or any(r.params.may_mask_every_token for r in reqs)
+        # may have masked every token at this token (a grammar, min_tokens' stop ids before
+        # min_tokens): such a row, sampled from all -inf, was token 0 with a NaN logprob. (No
+        # host sync either way: the column goes to the host with the tokens; a batch without
+        # such rows computes nothing.)
+        checks = self.logits_processors or any(
+            r.params.may_mask_every_token(n) for r, n in zip(reqs, generated)
+        )
         stages = [unusable_rows(logits)] if checks else []
         for proc in self.logits_processors:
             out = proc(reqs, logits)

@@ -265,23 +265,22 @@ class SamplingParams:
             or self.min_tokens
         )
 
-    @property
-    def may_mask_every_token(self) -> bool:
-        """Its own parameters may leave no token to sample (every logit -inf), so the engine
-        checks its row each decode step (``Engine._sample``): ``min_tokens`` holds back EOS and
-        every ``stop_token_ids`` token (all of them, if those are every id), a grammar masks
-        what it does not allow, and a huge ``repetition_penalty`` sends a seen negative logit
-        to -inf (fp32 overflow). The penalties, ``logit_bias`` (at most -100) and ``min_p``
-        (relative to the best token) never take the last token."""
+    def may_mask_every_token(self, generated: int) -> bool:
+        """Its own parameters may leave no token to sample (every logit -inf) at the step that
+        samples its ``generated + 1``-th token, so the engine checks its row then
+        (``Engine._sample``): ``min_tokens`` holds back EOS and every ``stop_token_ids`` token
+        (all of them, if those are every id) until it is reached, a grammar masks what it does
+        not allow, and a huge ``repetition_penalty`` sends a seen negative logit to -inf (fp32
+        overflow). The penalties, ``logit_bias`` (at most -100) and ``min_p`` (relative to the
+        best token) never take the last token. (Called per row per step: no allocation.)"""
         return (
-            self.grammar is not None
-            or self.min_tokens > 0
+            generated < self.min_tokens
+            or self.grammar is not None
             or self.repetition_penalty > OVERFLOWING_PENALTY
         )
 
     def masking(self, generated: int) -> list[str]:
-        """The parameters behind ``may_mask_every_token`` at a step that samples its
-        ``generated + 1``-th token (``min_tokens`` only while it holds EOS back), a phrase each:
+        """The parameters behind ``may_mask_every_token(generated)``, a phrase each:
         what a request left without a token to sample is told (``Engine._processor_error``)."""
         why = []
         if generated < self.min_tokens:

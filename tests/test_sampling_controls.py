@@ -376,7 +376,26 @@ def test_an_unusable_row_is_told_its_own_cause(processor: bool) -> None:
 
 def test_masking_names_only_what_can_mask_at_this_token() -> None:
     p = SamplingParams(max_tokens=8, min_tokens=2, repetition_penalty=1e31)
-    assert p.may_mask_every_token
+    assert p.may_mask_every_token(2)
     assert [w.split()[0] for w in p.masking(1)] == ["min_tokens", "repetition_penalty"]
     assert [w.split()[0] for w in p.masking(2)] == ["repetition_penalty"]  # min_tokens reached
-    assert SamplingParams().masking(0) == [] and not SamplingParams().may_mask_every_token
+    assert SamplingParams().masking(0) == [] and not SamplingParams().may_mask_every_token(0)
+
+
+def test_a_min_tokens_row_is_checked_only_until_min_tokens() -> None:
+    """The unusable-row check (a few [B, V] ops and a readback column for the whole batch)
+    runs while a row's min_tokens holds EOS back, not for every later step of that request."""
+    from runtime.engine import Engine
+
+    model, tok = tiny("cpu")
+    mc = model.config
+    eng = Engine(model, mc, tok, _cfg(True, 2, mc.index_topk))
+    checked = []
+    real = eng._complete
+    eng._complete = lambda s: (checked.append(s.checked), real(s))[1]
+    prompts = random_prompts([20, 30], mc.vocab_size, seed=5)
+    eng.add_request("min", prompts[0], SamplingParams(max_tokens=5, min_tokens=2, ignore_eos=True))
+    eng.add_request("free", prompts[1], SamplingParams(max_tokens=5, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert checked == [True, True, False, False, False]
