@@ -177,6 +177,10 @@ class DriverEngine:
                 self._send("stop", (failed,))
             except Exception:  # a rank already gone: nothing left to tell
                 logger.exception("could not tell the other ranks to stop")
+        # the ping thread ends at its next wake (a quarter heartbeat): joined, it no longer holds
+        # the engine, and so the process group, into the interpreter's exit (see process.finish)
+        if threading.current_thread() is not self._beat:
+            self._beat.join()
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.heartbeat_s / 4):
