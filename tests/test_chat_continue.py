@@ -13,14 +13,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_utils import BOS, EOS, make_tokenizer_dir, running_server
-from test_chat_thinking import BLOCK, CALL, PING, ScriptedEngine, _client, _say
+from server_utils import BOS, EOS, make_tokenizer_dir
+from test_chat_thinking import BLOCK, CALL, PING, ScriptedEngine, _client, _say, fake_server
 from test_server import MODEL
 
 from model.checkpoint import CHAT_TEMPLATE as TINY_TEMPLATE
-from runtime.async_engine import AsyncEngine
 from runtime.chat_template import normalise_messages, render_chat, render_dsv32
-from runtime.server import build_app
 from runtime.tokenizer import Tokenizer
 
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -147,13 +145,8 @@ class RecordingEngine(ScriptedEngine):
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, RecordingEngine]]:
     path: Path = make_tokenizer_dir(tmp_path_factory.mktemp("tok"))
     engine = RecordingEngine(Tokenizer.from_dir(path))
-    engine.max_model_len = 4096
-    a = AsyncEngine(engine)
-    try:
-        with running_server(build_app(a, MODEL, api_key=None)) as base:
-            yield base, engine
-    finally:
-        a.shutdown()
+    with fake_server(engine) as base:
+        yield base, engine
 
 
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}

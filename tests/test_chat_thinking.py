@@ -6,6 +6,7 @@ from the reply (runtime.reasoning; streamed chunked anyhow equals non-streamed),
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -148,17 +149,23 @@ class ScriptedEngine(FakeEngine):
         return [*self.script, self.tokenizer.eos_token_id]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedEngine]]:
-    tok = Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
-    engine = ScriptedEngine(tok)
+@contextmanager
+def fake_server(engine: ScriptedEngine) -> Iterator[str]:
+    """The real HTTP server over ``engine``; yields its base URL."""
     engine.max_model_len = 4096  # (the tools block alone is ~650 tokens of this tokenizer)
     a = AsyncEngine(engine)
     try:
         with running_server(build_app(a, MODEL, api_key=None)) as base:
-            yield base, engine
+            yield base
     finally:
         a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedEngine]]:
+    engine = ScriptedEngine(Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+    with fake_server(engine) as base:
+        yield base, engine
 
 
 def _client(url: str) -> openai.OpenAI:
