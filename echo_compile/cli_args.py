@@ -63,6 +63,9 @@ def log_level(a: argparse.Namespace) -> str:
     return "info"
 
 
+# the sizes LLM chooses when they are left out, and the fractions it chooses them by
+SIZED_OPTIONS = ("max_model_len", "host_tokens", "gpu_tokens", "host_memory_fraction",
+                 "gpu_memory_utilization")  # fmt: skip
 # the prefetch flags that size the staging buffers (serve, generate and plan)
 PREFETCH_OPTIONS = ("prefetch", "prefetch_cap", "prefetch_ratio")
 
@@ -107,8 +110,35 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--host-tokens", type=int, default=16384, help="host KV pool rows per layer")
-    p.add_argument("--gpu-tokens", type=int, default=1024, help="GPU pool rows per layer")
+    p.add_argument(
+        "--host-tokens",
+        type=int,
+        default=None,
+        help="host KV pool rows per layer (default on CUDA: --max-batch requests of "
+        "--max-model-len, at most what --host-memory-fraction holds; on the CPU 16384)",
+    )
+    p.add_argument(
+        "--gpu-tokens",
+        type=int,
+        default=None,
+        help="GPU pool rows per layer (default on CUDA: what --gpu-memory-utilization leaves "
+        "after the weights, the other KV buffers and an 8 GiB reserve; on the CPU 1024)",
+    )
+    p.add_argument(
+        "--host-memory-fraction",
+        type=float,
+        default=None,
+        help="the share of the host memory this process may use (physical or the container's "
+        "limit) that the host KV pools of this host's ranks may take, when --host-tokens is "
+        "left out (default 0.8; CUDA)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="as vLLM's: the share of the GPU's total memory this engine may use (weights, KV "
+        "cache, reserve), which sizes --gpu-tokens when it is left out (default 0.9; CUDA)",
+    )
     p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
     p.add_argument(
         "--fp8-weights",
@@ -128,10 +158,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=4096,
-        help="longest prompt + output a request may have (capped by --host-tokens and the "
-        "model's max_position_embeddings; a 100K-token prompt needs both raised; the prefill "
-        "keeps this many rows a layer on the device unless --no-prefill-buffer)",
+        default=None,
+        help="longest prompt + output a request may have (default on CUDA: the model's "
+        "max_position_embeddings, lowered to what the host pool holds; on the CPU 4096; capped "
+        "by --host-tokens; the prefill keeps this many rows a layer on the device unless "
+        "--no-prefill-buffer)",
     )
     p.add_argument(
         "--prefill-chunk",
@@ -197,11 +228,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def engine_options(a: argparse.Namespace) -> dict:
     opts = dict(
         max_batch=a.max_batch,
-        host_tokens=a.host_tokens,
-        gpu_tokens=a.gpu_tokens,
         kv_format=a.kv_format,
         offload=not a.no_offload,
-        max_model_len=a.max_model_len,
         dp=a.dp,
         tp=a.tp,
         ep=a.ep,
@@ -223,6 +251,8 @@ def engine_options(a: argparse.Namespace) -> dict:
                 f"--decode-buckets must be comma-separated integers, got {a.decode_buckets!r}"
             ) from None
     opts.update(given(a, ("prefill_chunk", *PREFETCH_OPTIONS, "prefetch_margin")))
+    # left out: sized from the checkpoint and the memory (runtime/kv_sizing.py, via LLM)
+    opts.update(given(a, SIZED_OPTIONS))
     return opts
 
 

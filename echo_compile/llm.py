@@ -19,6 +19,7 @@ from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
+from runtime.kv_sizing import GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION, SIZED, size_engine
 from runtime.outputs import RequestOutput
 from runtime.progress import progress_bar
 from runtime.reasoning import thinking_params
@@ -95,6 +96,10 @@ class LLM:
     first use). Engine options (``EngineConfig``): ``max_batch``, ``host_tokens`` (host KV pool rows
     per layer), ``gpu_tokens`` (GPU pool rows per layer), ``kv_format`` ("bf16" | "fp8"),
     ``offload`` (False: the whole KV cache on the device), ``max_model_len``, ``prefill_chunk``,
+    (on CUDA, ``max_model_len``, ``host_tokens`` and ``gpu_tokens`` left out are sized from the
+    checkpoint and the memory, ``host_memory_fraction`` of the host's and
+    ``gpu_memory_utilization`` of the GPU's, vLLM's name: runtime/kv_sizing.py; on the CPU they
+    are ``EngineConfig``'s),
     ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill, one graph per chunk
     bucket, for any ``max_model_len``; False: eager prefill), ``dp`` / ``tp`` (multi-process: run
     the same script on every rank under torchrun, docs/multi_gpu.md). ``compile`` (default: on
@@ -120,6 +125,8 @@ class LLM:
         progress: bool = True,
         fp8_weights: str = "bf16",
         generation_config: str = "auto",
+        host_memory_fraction: float = HOST_MEMORY_FRACTION,
+        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
         **engine_options,
     ):
         from model.checkpoint import resolve_model
@@ -132,6 +139,11 @@ class LLM:
         check_device(config.device, python=True)
         path = resolve_model(model)
         self.model_path = path
+        # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line)
+        given = set(SIZED) & set(engine_options)
+        config = size_engine(
+            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization
+        )
         # the tokenizer, the generation config and the options against the model config, in
         # seconds: a mistake there is not found after minutes of reading weights
         inputs = read_engine_inputs(path, config, generation_config)

@@ -116,10 +116,7 @@ VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
     "--load-format": Always(
         "weights are read from the checkpoint's safetensors shards", ("auto", "safetensors")
     ),
-    "--gpu-memory-utilization": Refused(
-        "the KV cache is sized in rows a layer by --gpu-tokens and --host-tokens "
-        "(`echo-compile plan` shows what fits)"
-    ),
+    # (--gpu-memory-utilization is ours too, the same knob: cli_args.py)
     "--chat-template": Refused(
         "the chat template is DeepSeek-V3.2's encoding (runtime/chat_template.py); no other "
         "template is read"

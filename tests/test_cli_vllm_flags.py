@@ -95,7 +95,6 @@ def _no_load(*a, **k):
         (["--reasoning-parser", "deepseek_r1"], ["--reasoning-parser deepseek_r1", "deepseek_v3"]),
         (["--tokenizer-mode", "mistral"], ["--tokenizer-mode mistral", "deepseek_v32 / auto"]),
         (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype must be one of", "fp8_e5m2"]),
-        (["--gpu-memory-utilization", "0.9"], ["--gpu-memory-utilization", "--gpu-tokens"]),
         (["--chat-template", "t.jinja"], ["--chat-template is not supported", "DeepSeek-V3.2"]),
         (["--seed", "0"], ["--seed is not supported", "its own seed"]),
         (["--dtype", "float16"], ["--dtype float16", "auto / bfloat16", "bfloat16"]),
@@ -149,8 +148,8 @@ def test_block_size_is_the_kv_page():
 
 
 def test_generate_takes_the_engines_flags_only():
-    with pytest.raises(ValueError, match="--gpu-memory-utilization is not supported"):
-        parsed("generate", "x", "--gpu-memory-utilization", "0.9")
+    with pytest.raises(ValueError, match="--download-dir is not supported"):
+        parsed("generate", "x", "--download-dir", "/d")
     with pytest.raises(SystemExit):  # a server's flag: argparse's usage error
         cli_args.parser().parse_args(["generate", "x", "--tool-call-parser", "deepseek_v32"])
     # generate's own --seed (its prompts' sampling seed), not vLLM's refused one

@@ -292,7 +292,7 @@ def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(plan.DoesNotFit, match=r"the host KV pools need .* \(2 ranks x "):
         LLM("tiny", device="cuda", dp=2, tp=2, compile=False, progress=False)
-    assert seen == ["cuda:1"]
+    assert seen and set(seen) == {"cuda:1"}  # (the sizing of the pools reads it too)
 
 
 def test_llm_on_cpu_refuses_a_host_pool_past_memory_before_loading(monkeypatch):

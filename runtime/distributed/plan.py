@@ -277,6 +277,13 @@ def device_memory_gib(device: str) -> tuple[float, float]:
     return free / GIB, _host_memory_limit() / GIB
 
 
+def gpu_total_bytes(device: str) -> int:
+    """The GPU's total memory, bytes (what vLLM's --gpu-memory-utilization is a fraction of)."""
+    import torch
+
+    return torch.cuda.mem_get_info(torch.device(device))[1]
+
+
 def plan_engine(
     dp: int,
     tp: int,

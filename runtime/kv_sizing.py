@@ -1,0 +1,199 @@
+"""The one rule that sizes the context and the KV pools from the checkpoint and the machine's
+memory when the user leaves them out (``LLM`` and the ``serve`` / ``generate`` flags), as vLLM
+sizes its KV cache from memory instead of asking for rows.
+
+On a CUDA device, for one rank (docs/server.md, "Limits"):
+
+- ``max_model_len``: the model's ``max_position_embeddings``;
+- ``host_tokens`` (offloading: the host pool): rows for ``max_batch`` requests of
+  ``max_model_len`` each, at most what ``host_memory_fraction`` of the host memory this process
+  may use holds (shared by the ranks of this host), and at most what the GPU holds of the
+  indexer cache (a key per host row, on the GPU); without offloading it is the whole KV cache,
+  on the GPU, and only the GPU bounds it. When one ``max_model_len`` request does not fit, an
+  automatic ``max_model_len`` is lowered to what does; a given one is refused;
+- ``gpu_tokens`` (offloading: the GPU pool): what ``gpu_memory_utilization`` of the GPU's
+  memory leaves after the weights, the rest of the KV cache (indexer cache, prefill buffer,
+  maps, staging) and a reserve for activations and CUDA graphs (as vLLM's flag: a fraction of
+  the GPU's total memory, so every rank of a job on like GPUs picks the same sizes), at least
+  ``max_batch x index_topk`` (a full decode batch's selection), at most ``host_tokens``.
+
+On the CPU (the tests' and the demo's engine, never a real deployment: an eager prefill there
+costs time in ``max_model_len``) the sizes stay ``EngineConfig``'s small defaults.
+The bytes are the memory plan's (runtime/distributed/plan.py), the one count of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from custom_ops.kv_format import PAGE, ROW_BYTES, pages_for
+from model.config import ModelConfig
+from runtime.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+HOST_MEMORY_FRACTION = 0.8  # of the host memory this process may use, for the host KV pools
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default: of the GPU's total memory, for this engine
+RESERVE_GIB = 8.0  # activations, CUDA graphs' pools, NCCL buffers: the memory plan's guess
+SIZED = ("max_model_len", "host_tokens", "gpu_tokens")  # the options this rule chooses
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What one rank may use: the host's memory (shared by ``local_ranks`` ranks) and its GPU's
+    total memory, bytes."""
+
+    host_bytes: int
+    gpu_total_bytes: int
+    local_ranks: int = 1
+
+
+@dataclass(frozen=True)
+class Sizes:
+    max_model_len: int
+    host_tokens: int
+    gpu_tokens: int
+    why: str  # the start-up log line: what was chosen and from what
+
+
+def check_fractions(host_memory_fraction: float, gpu_memory_utilization: float) -> None:
+    for name, v in (("host_memory_fraction", host_memory_fraction),
+                    ("gpu_memory_utilization", gpu_memory_utilization)):  # fmt: skip
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
+
+
+def _gpu_cache_bytes(mc: ModelConfig, config: EngineConfig, host: int, gpu: int) -> int:
+    """The KV cache's device bytes (the plan's count) with ``host`` / ``gpu`` rows a layer."""
+    from runtime.distributed.plan import cache_bytes
+
+    c = dataclasses.replace(config, host_tokens=host, gpu_tokens=gpu)
+    b = cache_bytes(c.cache_config(mc))
+    b.pop("host kv pool")
+    return sum(b.values())
+
+
+def auto_sizes(
+    mc: ModelConfig,
+    config: EngineConfig,
+    given: set[str],
+    memory: Memory,
+    weight_bytes: int,
+    host_memory_fraction: float = HOST_MEMORY_FRACTION,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    reserve_bytes: int = int(RESERVE_GIB * GIB),
+) -> Sizes:
+    """The sizes of ``SIZED`` for a CUDA rank: ``config``'s where ``given`` names them, else
+    chosen from ``memory`` (module docstring). A ValueError where a given ``max_model_len`` does
+    not fit; where nothing fits, the least sizes (the memory check then refuses them)."""
+    check_fractions(host_memory_fraction, gpu_memory_utilization)
+    layers, row = mc.num_hidden_layers, ROW_BYTES[config.kv_format]
+    min_gpu = config.max_batch * mc.index_topk  # a full decode batch's selected rows
+    max_len = config.max_model_len if "max_model_len" in given else mc.max_position_embeddings
+    max_len = min(max_len, mc.max_position_embeddings)
+    one = pages_for(max_len) * PAGE  # one request of max_len: the least useful pool
+    # the device cost is linear in the rows of each pool: measured at two points each
+    g0 = config.gpu_tokens if "gpu_tokens" in given else min_gpu
+    trial = dataclasses.replace(config, max_model_len=max_len)
+    base = _gpu_cache_bytes(mc, trial, one, g0)
+    per_host = (_gpu_cache_bytes(mc, trial, one + 1024 * PAGE, g0) - base) / (1024 * PAGE)
+    per_gpu = (_gpu_cache_bytes(mc, trial, one, g0 + 1024 * PAGE) - base) / (1024 * PAGE)
+    budget = memory.gpu_total_bytes * gpu_memory_utilization - reserve_bytes - weight_bytes
+    why = []
+    if "host_tokens" in given:
+        host = config.host_tokens
+    else:
+        want = config.max_batch * one  # (each request reserves whole pages)
+        caps = {"GPU (indexer cache)": one + (budget - base) / per_host if per_host else want}
+        host_share = memory.host_bytes * host_memory_fraction / memory.local_ranks
+        if config.offload:
+            caps["host"] = host_share / (layers * row)
+        cap = min(caps.values())
+        host = min(want, max(0, int(cap)) // PAGE * PAGE)
+        if host < PAGE:  # not a page fits (the weights alone, a tiny host): the memory check
+            host = one  # refuses these sizes, naming what does not fit
+        elif host < one:
+            short = min(caps, key=caps.get)
+            if "max_model_len" in given:
+                need = one * layers * row
+                raise ValueError(
+                    f"--max-model-len {max_len}: one request needs {one} KV rows a layer "
+                    f"({layers} layers x {row} B = {need / GIB:.1f} GiB), more than the {short} "
+                    f"holds: {host} rows ({host_share / GIB:.1f} GiB of host memory, "
+                    f"--host-memory-fraction {host_memory_fraction:g}"
+                    + (f", {memory.local_ranks} ranks" if memory.local_ranks > 1 else "")
+                    + f"; GPU: --gpu-memory-utilization {gpu_memory_utilization:g}); lower "
+                    "--max-model-len, or give --host-tokens to size the pool yourself"
+                )
+            logger.warning(
+                "max_model_len %d (the model's max_position_embeddings) does not fit the %s: "
+                "lowered to %d, the rows it holds (--host-memory-fraction %g, "
+                "--gpu-memory-utilization %g; --max-model-len / --host-tokens to choose)",
+                max_len, short, host, host_memory_fraction, gpu_memory_utilization,
+            )  # fmt: skip
+            max_len = host
+        ranks = f" / {memory.local_ranks} ranks" if memory.local_ranks > 1 else ""
+        why.append(
+            f"host_tokens {host} ({host * layers * row / GIB:.1f} GiB: max_batch "
+            f"{config.max_batch} x {max_len}, at most {host_memory_fraction:g} x "
+            f"{memory.host_bytes / GIB:.0f} GiB host{ranks})"
+        )
+    if "gpu_tokens" in given or not config.offload:
+        gpu = config.gpu_tokens
+    else:
+        trial = dataclasses.replace(config, max_model_len=max_len)
+        other = _gpu_cache_bytes(mc, trial, host, g0) - g0 * per_gpu  # all but the pool's rows
+        # (at least one request's selection, which the cache needs, if past the host pool)
+        gpu = max(mc.index_topk, min(host, max(min_gpu, int((budget - other) / per_gpu))))
+        why.append(
+            f"gpu_tokens {gpu} ({gpu * per_gpu / GIB:.1f} GiB: {gpu_memory_utilization:g} x "
+            f"{memory.gpu_total_bytes / GIB:.1f} GiB GPU - {weight_bytes / GIB:.1f} GiB weights "
+            f"- {other / GIB:.1f} GiB other KV buffers - {reserve_bytes / GIB:g} GiB reserve)"
+        )
+    if "max_model_len" not in given:
+        src = "the model's" if max_len == mc.max_position_embeddings else "what fits of the"
+        why.insert(0, f"max_model_len {max_len} ({src} max_position_embeddings)")
+    return Sizes(max_len, host, gpu, "KV sizing: " + ", ".join(why) if why else "")
+
+
+def size_engine(
+    path,
+    config: EngineConfig,
+    given: set[str],
+    fp8_weights: str = "bf16",
+    host_memory_fraction: float = HOST_MEMORY_FRACTION,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+) -> EngineConfig:
+    """``config`` with ``auto_sizes``'s sizes for this rank's GPU and host (CUDA only; the CPU
+    keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
+    that cannot count the config) leaves ``config`` as it is, with a warning."""
+    import os
+
+    check_fractions(host_memory_fraction, gpu_memory_utilization)
+    if not config.device.startswith("cuda") or set(SIZED) <= given:
+        return config
+    from model.loader import read_checkpoint_meta
+    from runtime.distributed import plan
+
+    try:
+        device, local_ranks = config.device, 1
+        if config.world_size > 1:  # torchrun: this rank's GPU; the ranks sharing this host
+            if device in ("cuda", "cuda:0"):
+                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        _, mc, _ = read_checkpoint_meta(path)
+        _, host_gib = plan.device_memory_gib(device)
+        memory = Memory(int(host_gib * GIB), plan.gpu_total_bytes(device), local_ranks)
+        w = plan.weight_bytes(mc, config.ffn_ranks, ep=config.ep > 1, fp8_weights=fp8_weights)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("KV sizing from memory skipped (%s: %s): EngineConfig's defaults for %s",
+                       type(e).__name__, e, ", ".join(sorted(set(SIZED) - given)))  # fmt: skip
+        return config
+    s = auto_sizes(mc, config, given, memory, w, host_memory_fraction, gpu_memory_utilization)
+    logger.info("%s", s.why)
+    return dataclasses.replace(
+        config, max_model_len=s.max_model_len, host_tokens=s.host_tokens, gpu_tokens=s.gpu_tokens
+    )

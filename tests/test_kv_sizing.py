@@ -1,0 +1,116 @@
+"""The context and KV pool sizes chosen from the checkpoint and the memory when left out
+(runtime/kv_sizing.py): the rule over faked memory, its refusal, the CPU's small defaults, and
+the flags that reach it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from echo_compile import cli_args
+from model.checkpoint import resolve_model
+from model.config import ModelConfig
+from runtime.engine_config import EngineConfig
+from runtime.kv_sizing import GIB, Memory, auto_sizes, size_engine
+
+ROW = 4 * 1152  # the tiny model's 4 layers of bf16 rows, bytes per token
+BIG = Memory(host_bytes=1024 * GIB, gpu_total_bytes=80 * GIB)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelConfig:
+    return ModelConfig.from_json(resolve_model("tiny") / "config.json")
+
+
+def test_left_out_the_context_is_the_models_and_the_pools_hold_max_batch_of_it(tiny):
+    s = auto_sizes(tiny, EngineConfig(device="cuda"), set(), BIG, weight_bytes=GIB)
+    assert (s.max_model_len, s.host_tokens) == (163840, 8 * 163840)
+    # the GPU pool: the GPU's 0.9 after weights, reserve and the other buffers, at most the host's
+    assert s.gpu_tokens == 8 * 163840
+    small_gpu = Memory(1024 * GIB, gpu_total_bytes=int(10 * GIB))  # 9 GiB - 8 reserve - 1 weights
+    s = auto_sizes(tiny, EngineConfig(device="cuda"), set(), small_gpu, weight_bytes=0)
+    assert 8 * 32 <= s.gpu_tokens < 8 * 163840  # a full decode batch's selection at least
+    assert s.gpu_tokens * ROW < 1 * GIB
+    assert "gpu_tokens" in s.why and "max_model_len 163840 (the model's" in s.why
+
+
+def test_a_host_too_small_for_the_context_lowers_it_and_says_so(tiny, caplog):
+    caplog.set_level(logging.WARNING, logger="runtime.kv_sizing")
+    host = Memory(host_bytes=GIB, gpu_total_bytes=80 * GIB, local_ranks=2)  # 0.4 GiB a rank
+    s = auto_sizes(tiny, EngineConfig(device="cuda"), set(), host, weight_bytes=0)
+    rows = int(0.8 * GIB / 2 / ROW) // 64 * 64
+    assert (s.max_model_len, s.host_tokens) == (rows, rows)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert (
+        f"max_model_len 163840 (the model's max_position_embeddings) does not fit the host: "
+        f"lowered to {rows}"
+        in line
+        and "--host-memory-fraction 0.8" in line
+    )
+    # a fraction of its own: a pool of max_batch x the context where it fits
+    s = auto_sizes(tiny, EngineConfig(device="cuda", max_batch=2), set(), BIG, 0, 0.01)
+    assert (s.max_model_len, s.host_tokens) == (163840, 2 * 163840)
+
+
+def test_a_given_context_that_does_not_fit_is_refused_naming_the_flags(tiny):
+    host = Memory(host_bytes=GIB // 2, gpu_total_bytes=80 * GIB)
+    config = EngineConfig(device="cuda", max_model_len=163840)
+    with pytest.raises(ValueError) as e:
+        auto_sizes(tiny, config, {"max_model_len"}, host, weight_bytes=0)
+    msg = str(e.value)
+    for part in ("--max-model-len 163840", "163840 KV rows", "0.7 GiB", "--host-tokens",
+                 "93184 rows (0.4 GiB of host memory", "--host-memory-fraction 0.8"):  # fmt: skip
+        assert part in msg, (part, msg)
+
+
+def test_given_sizes_stand(tiny):
+    config = EngineConfig(device="cuda", max_model_len=1000, host_tokens=2048, gpu_tokens=512)
+    given = {"max_model_len", "host_tokens", "gpu_tokens"}
+    s = auto_sizes(tiny, config, given, Memory(GIB, GIB), weight_bytes=0)
+    assert (s.max_model_len, s.host_tokens, s.gpu_tokens) == (1000, 2048, 512)
+    s = auto_sizes(tiny, EngineConfig(device="cuda", max_model_len=1000), {"max_model_len"},
+                   BIG, weight_bytes=0)  # fmt: skip
+    assert (s.max_model_len, s.host_tokens) == (1000, 8 * 1024)  # (whole pages)
+
+
+def test_the_cpu_keeps_the_small_defaults_and_cuda_reads_the_memory(monkeypatch, caplog):
+    """The CPU engine (tests, demo) keeps EngineConfig's sizes; on CUDA the left-out ones come
+    from the memory (faked here) in one log line; memory that cannot be read leaves them."""
+    from runtime.distributed import plan
+
+    path = resolve_model("tiny")
+    cpu = EngineConfig(device="cpu")
+    assert size_engine(path, cpu, set()) is cpu
+    assert (cpu.max_model_len, cpu.host_tokens, cpu.gpu_tokens) == (4096, 16384, 1024)
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (70.0, 1024.0))
+    monkeypatch.setattr(plan, "gpu_total_bytes", lambda device: 80 * GIB)
+    caplog.set_level(logging.INFO, logger="runtime.kv_sizing")
+    c = size_engine(path, EngineConfig(device="cuda"), set())
+    assert (c.max_model_len, c.host_tokens) == (163840, 8 * 163840)
+    assert c.gpu_tokens > 1024 and "KV sizing: max_model_len 163840" in caplog.text
+    c = size_engine(path, EngineConfig(device="cuda", gpu_tokens=256), {"gpu_tokens"})
+    assert c.gpu_tokens == 256
+
+    def no_driver(device):
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(plan, "gpu_total_bytes", no_driver)
+    c = size_engine(path, EngineConfig(device="cuda"), set())
+    assert (c.max_model_len, c.host_tokens, c.gpu_tokens) == (4096, 16384, 1024)
+    assert "KV sizing from memory skipped (RuntimeError: no driver)" in caplog.text
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a number in \(0, 1\]"):
+        size_engine(path, cpu, set(), gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_sizes_left_out_on_the_command_line_are_left_to_the_rule(cmd):
+    parse = cli_args.parser().parse_args
+    base = [cmd, "--model", "tiny"] + (["x"] if cmd == "generate" else [])
+    keys = ("max_model_len", "host_tokens", "gpu_tokens", "host_memory_fraction",
+            "gpu_memory_utilization")  # fmt: skip
+    assert not set(keys) & set(cli_args.engine_options(parse(base)))
+    flags = ["--max-model-len", "8192", "--host-tokens", "65536", "--gpu-tokens", "4096",
+             "--host-memory-fraction", "0.5", "--gpu-memory-utilization", "0.85"]  # fmt: skip
+    opts = cli_args.engine_options(parse([*base, *flags]))
+    assert [opts[k] for k in keys] == [8192, 65536, 4096, 0.5, 0.85]
