@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 
 @dataclass
 class RequestOutput:
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # empty unless the request asked for them
     # per token, its params.top_logprobs most likely (token id, logprob); empty unless asked
@@ -26,9 +25,14 @@ class RequestOutput:
     # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
     prompt_logprobs: list | None = None
     error: str | None = None  # finish_reason "error": what went wrong, when the engine says
+    # the text's pieces, one per step, joined when ``text`` is read: ``str +=`` on an attribute
+    # copies the whole text each step (CPython reuses the buffer only for a local), quadratic in
+    # the output's length
+    _pieces: list[str] = field(default_factory=list, repr=False)
 
     def add(self, out: StepOutput) -> None:
-        self.text += out.new_text
+        if out.new_text:
+            self._pieces.append(out.new_text)
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
         self.top_logprobs += out.new_top_logprobs or []
@@ -39,6 +43,13 @@ class RequestOutput:
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens = out.cached_tokens
         self.error = out.error
+
+    @property
+    def text(self) -> str:
+        """The text so far (its pieces joined once, then kept joined)."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def finished(self) -> bool:

@@ -365,7 +365,15 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
         self._stop = StopStringChecker(stop)
-        self.text = ""  # everything returned so far
+        self._pieces: list[str] = []  # everything returned so far (``text``), one piece a delta
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far. (Kept as pieces joined here: ``+=`` on an attribute
+        copies the whole text per token.)"""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def stopped(self) -> bool:
@@ -405,7 +413,8 @@ class IncrementalDetokenizer:
         return self._emit(self._stop.feed(pending) + self._stop.flush())
 
     def _emit(self, delta: str) -> str:
-        self.text += delta
+        if delta:
+            self._pieces.append(delta)
         return delta
 
     def _decode(self, ids: list[int]) -> str:
