@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runtime.engine import StepOutput
+from runtime.engine import EngineClosed, StepOutput
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -284,7 +284,7 @@ class AsyncEngine:
         with self._cond:
             if self._stopping:
                 if check:
-                    raise RuntimeError("the engine is shut down")
+                    raise EngineClosed("the engine is shut down")
                 return
             self._commands.append(command)
             self._cond.notify()
@@ -409,7 +409,7 @@ class AsyncEngine:
     def _close(self, commands: list[_Command]) -> None:
         for c in commands + self._commands:
             if c.future is not None and not c.future.done():
-                c.future.set_exception(RuntimeError("the engine is shut down"))
+                c.future.set_exception(EngineClosed("the engine is shut down"))
         self._fail_all("abort", "shutdown")
 
     @staticmethod

@@ -73,6 +73,12 @@ class StepOutput:
     error: str | None = None
 
 
+class EngineClosed(RuntimeError):
+    """A call to an engine that has stopped for good: shut down (``AsyncEngine.shutdown``) or,
+    multi-rank, its driver closed or its group failed (``DriverEngine``). Callers that outlive
+    the engine (a /metrics scrape during shutdown) answer it without a traceback."""
+
+
 class Engine:
     def __init__(
         self,

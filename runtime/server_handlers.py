@@ -10,8 +10,9 @@ import logging
 from typing import Any
 
 import prometheus_client as prom
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
+from runtime.engine import EngineClosed
 from runtime.openai_protocol import APIError, DetokenizeRequest, TokenizeRequest, continuation
 from runtime.server_chat import ChatHandlers, request_thinking, tool_plan
 from runtime.server_completions import CompletionHandlers
@@ -61,6 +62,13 @@ class Handlers(CompletionHandlers, ChatHandlers):
     async def prometheus(self) -> Response:
         try:
             snapshot = await self.engine.metrics()
+        except EngineClosed as e:
+            # a scrape during or after shutdown (or once a multi-rank engine failed): the target
+            # is down, as /health says; one log line, not a traceback per scrape
+            if not self._told_closed:
+                self._told_closed = True
+                logger.warning("/metrics answers 503 from now on: %s", str(e).splitlines()[0])
+            return PlainTextResponse("engine stopped\n", status_code=503)
         except Exception:  # still serve the counter and the histogram
             logger.exception("engine.metrics() failed")
             snapshot = {}

@@ -136,7 +136,7 @@ def test_driver_stops_the_server_once_a_rank_is_gone(tmp_path):
     first, failure, later, told = (tmp_path / "rank0.txt").read_text().split("\n")
     assert first.startswith("RankFailure: rank 0/2:"), first
     assert failure == "the multi-rank engine stopped: " + first
-    assert later == "RuntimeError: " + failure  # not a ValueError: a 503, not the client's 400
+    assert later == "EngineClosed: " + failure  # a RuntimeError, not a ValueError: a 503, not a 400
     assert told == "['stop']"
 
 

@@ -179,6 +179,86 @@ def test_vllm_named_metrics(url: str, tok: Tokenizer) -> None:
     assert delta("echo_generation_tokens_total") == 4 + len(ids) + 1  # the original names stay
 
 
+def test_metrics_during_and_after_shutdown_answer_503_with_one_log_line(
+    tok: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scrape queued while the engine shuts down, and every scrape after, is a 503 (the
+    target is down, as /health says) with one short warning in all: each logged a traceback."""
+    engine = FakeEngine(tok)
+    aengine = AsyncEngine(engine)
+    gate, in_step = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step() -> list:
+        in_step.set()
+        gate.wait(10)
+        return step()
+
+    with running_server(build_app(aengine, MODEL, api_key=None)) as url:
+        assert httpx.get(url + "/metrics").status_code == 200
+        engine.step = held_step  # type: ignore[method-assign]
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+        threading.Thread(target=lambda: httpx.post(url + C, json=body), daemon=True).start()
+        assert in_step.wait(10)  # the loop is in a step: the scrape waits behind it
+        scraped: list[httpx.Response] = []
+        scrape = threading.Thread(target=lambda: scraped.append(httpx.get(url + "/metrics")))
+        scrape.start()
+        assert _wait_for(lambda: bool(aengine._commands))
+        stop = threading.Thread(target=aengine.shutdown)
+        stop.start()
+        assert _wait_for(lambda: aengine._stopping)
+        gate.set()
+        stop.join(10)
+        scrape.join(10)
+        after = [httpx.get(url + "/metrics") for _ in range(2)]
+        assert httpx.get(url + "/health").status_code == 503
+    for r in scraped + after:
+        assert (r.status_code, r.text) == (503, "engine stopped\n")
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    told = [r for r in caplog.records if r.name == "runtime.server_handlers"]
+    assert len(told) == 1 and "shut down" in told[0].getMessage(), told
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_metrics_once_a_multi_rank_engine_failed_answer_503(
+    tok: Tokenizer, dp: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``serve --dp/--tp``: once the driver's group failed (a rank gone), a scrape is a 503
+    naming nothing more, not a traceback per scrape (dp > 1), nor rank 0's numbers alone as if
+    all were well (dp == 1)."""
+    from types import SimpleNamespace
+
+    from runtime.distributed.driver import DriverEngine
+
+    fake = FakeEngine(tok)
+    inner = SimpleNamespace(
+        ctx=SimpleNamespace(rank=0, timeout_s=60.0), engine=fake, dp=dp, metrics=fake.metrics
+    )
+    driver = DriverEngine(inner)  # type: ignore[arg-type]
+    aengine = AsyncEngine(driver)  # type: ignore[arg-type]
+    try:
+        with running_server(build_app(aengine, MODEL, api_key=None)) as url:
+            with driver._lock:  # as a failed step or heartbeat does
+                driver._fail(RuntimeError("rank 1 is gone"))
+            got = [httpx.get(url + "/metrics") for _ in range(2)]
+        assert [(r.status_code, r.text) for r in got] == [(503, "engine stopped\n")] * 2
+        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+        told = [r.getMessage() for r in caplog.records if r.name == "runtime.server_handlers"]
+        assert len(told) == 1 and "rank 1 is gone" in told[0], told
+    finally:
+        aengine.shutdown()
+        driver.close()
+
+
+def _wait_for(cond, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_concurrent_requests_counted_once(url: str) -> None:
     """Parallel non-streamed requests all answered; the e2e histogram counts each once."""
     before = _metrics(url)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from runtime.distributed.dist_engine import DistributedEngine
 from runtime.distributed.process import RankFailure, guarded, shutdown
-from runtime.engine import StepOutput
+from runtime.engine import EngineClosed, StepOutput
 from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class DriverEngine:
     def _call(self, kind: str, *args: Any) -> Any:
         with self._lock:
             if self._closed.is_set():
-                raise RuntimeError(self.failure or "the multi-rank engine is closed")
+                raise EngineClosed(self.failure or "the multi-rank engine is closed")
             try:
                 self._send(kind, args)
                 return getattr(self.inner, _METHODS[kind])(*args)
@@ -151,7 +151,10 @@ class DriverEngine:
     def metrics(self) -> dict[str, Any]:
         """Every rank's metrics combined (``DistributedEngine.metrics``): with dp > 1 a command
         that gathers the ranks' snapshots (only when asked: a scrape, never each step); with
-        dp == 1 rank 0's own, which every rank shares, and nothing sent."""
+        dp == 1 rank 0's own, which every rank shares, and nothing sent. Closed or failed:
+        ``EngineClosed``, whatever dp (a scrape then answers 503)."""
+        if self._closed.is_set():
+            raise EngineClosed(self.failure or "the multi-rank engine is closed")
         if self.inner.dp == 1:
             return self.inner.metrics()
         return self._call("metrics")
