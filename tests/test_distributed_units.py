@@ -241,6 +241,34 @@ def test_driver_does_not_hand_out_rank0_only_methods():
         d.close()
 
 
+def test_driver_refuses_what_rank_0_alone_would_get_naming_it():
+    """Only the reads alike on every rank pass through the driver to rank 0's engine; any other
+    Engine attribute (state that is one rank's, or a call that changes it) is an AttributeError
+    naming it: each was silently rank 0's, e.g. a logits processor added to one rank, the step
+    counters of one rank read as the deployment's."""
+    from types import SimpleNamespace
+
+    from runtime.distributed.driver import DriverEngine
+
+    local = SimpleNamespace(
+        tokenizer="tok", model_name="m", max_model_len=7, sampling_defaults="sd",
+        eos_token_ids=frozenset({1}), config="cfg", model_config="mc",
+        prompt_kv=lambda rid: None, logits_processors=[], num_steps=3, requests={},
+        check_pools=lambda: None, cache=object(), keep_finished=False,
+    )  # fmt: skip
+    d = DriverEngine(SimpleNamespace(ctx=SimpleNamespace(rank=0, timeout_s=60.0), engine=local))
+    try:
+        reads = ("tokenizer", "model_name", "max_model_len", "sampling_defaults",
+                 "eos_token_ids", "config", "model_config")  # fmt: skip
+        assert [getattr(d, n) for n in reads] == [getattr(local, n) for n in reads]
+        for name in ("prompt_kv", "logits_processors", "num_steps", "requests", "check_pools",
+                     "cache", "keep_finished", "no_such_thing"):  # fmt: skip
+            with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+                getattr(d, name)
+    finally:
+        d.close()
+
+
 def test_the_model_steps_guard_blames_peers_only_for_collective_failures():
     """Around the model step (collectives and this rank's own work), only a transport failure is
     a RankFailure ("another rank failed"); this rank's own error, e.g. out of memory, passes as

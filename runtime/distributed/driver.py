@@ -54,8 +54,16 @@ _METHODS = {
 }
 
 
-# Engine methods a driver must not hand to rank 0's engine: n > 1 then prefills per choice
-_NOT_MIRRORED = frozenset({"add_request_group"})
+# The Engine attributes a driver reads from rank 0's engine, all alike on every rank (the
+# config is rank 0's, broadcast): what AsyncEngine, the server and its start-up line read.
+# Anything else of an Engine changes or reads one rank's state (add_request_group: n > 1 then
+# prefills per choice; prompt_kv, logits_processors, requests, the cache, the step counters,
+# check_pools): on rank 0 alone it would be silently wrong, so it is an AttributeError; what
+# every rank must do is a command (_METHODS) with a method of its own here.
+_READ_FROM_RANK0 = frozenset(
+    {"tokenizer", "model_name", "max_model_len", "sampling_defaults", "eos_token_ids", "config",
+     "model_config"}
+)  # fmt: skip
 
 
 def _broadcast(engine: DistributedEngine, obj: Any, what: str) -> Any:
@@ -93,11 +101,13 @@ class DriverEngine:
         self._beat.start()
 
     def __getattr__(self, name: str) -> Any:
-        # tokenizer, model_name, max_model_len, config, model_config: rank 0's engine.
-        # Not what would change rank 0's engine alone: a group added there would skip the other
-        # ranks (and the DP balance), and an abort through the driver would not find it
-        if name in _NOT_MIRRORED:
-            raise AttributeError(f"{name}: not available on a multi-rank engine")
+        # (called only for names the class does not define: its methods mirror every rank)
+        if name not in _READ_FROM_RANK0:
+            raise AttributeError(
+                f"DriverEngine has no attribute {name!r}: a multi-rank engine reads only "
+                f"{', '.join(sorted(_READ_FROM_RANK0))} from rank 0's engine (alike on every "
+                "rank), and makes every other call on every rank or not at all"
+            )
         return getattr(self.inner.engine, name)
 
     def _send(self, kind: str, args: tuple) -> None:
