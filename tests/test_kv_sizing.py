@@ -114,3 +114,25 @@ def test_sizes_left_out_on_the_command_line_are_left_to_the_rule(cmd):
              "--host-memory-fraction", "0.5", "--gpu-memory-utilization", "0.85"]  # fmt: skip
     opts = cli_args.engine_options(parse([*base, *flags]))
     assert [opts[k] for k in keys] == [8192, 65536, 4096, 0.5, 0.85]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_an_llm_without_sizes_reads_the_real_memory_and_serves_a_long_prompt(caplog):
+    """On a real GPU (no faked memory): ``LLM("tiny")`` without sizes takes the model's context,
+    pools from the memory it reads, says so in one line, and serves a prompt longer than the
+    CPU's 4096-token default context."""
+    import torch
+
+    from echo_compile.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    caplog.set_level(logging.INFO, logger="runtime.kv_sizing")
+    llm = LLM("tiny", device="cuda", compile=False, max_batch=2, progress=False)
+    c = llm.engine.config
+    assert c.max_model_len == 163840 and c.host_tokens == 2 * 163840
+    assert 2 * 32 <= c.gpu_tokens <= c.host_tokens
+    assert "KV sizing: max_model_len 163840" in caplog.text
+    prompt = torch.randint(2, 500, (6000,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([prompt], params)
+    assert len(out.token_ids) == 4
