@@ -8,11 +8,13 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from runtime.chat_reply import ReplyStream, read_reply
 from runtime.chat_template import (
     normalise_messages,
     render_chat,
@@ -28,20 +30,32 @@ from runtime.openai_protocol import (
     sampling_params,
 )
 from runtime.outputs import RequestOutput
-from runtime.reasoning import ReasoningStream, split_reasoning, thinking_params
+from runtime.reasoning import thinking_params
 from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.server_base import HandlersBase, Top
+from runtime.server_base import HandlersBase, Top, _Choice
 from runtime.structured_output import json_schema_problem, lark_grammar
-from runtime.tool_calls import ToolCall, ToolCallStream, ToolPlan, parse_tool_calls, plan_tools
+from runtime.tool_calls import ToolCall, ToolPlan, plan_tools
+
+
+@dataclass
+class ChatRun:
+    """A chat request ready to run (``ChatHandlers.prepare_chat``)."""
+
+    choices: list[_Choice]  # n of them, of the one prompt
+    plan: ToolPlan | None
+    in_reasoning: bool  # the reply starts inside the reasoning (thinking mode)
+    grammar_param: str  # the field an engine's grammar error names
+    msgs: list[dict[str, Any]]  # the messages as sent
+    cont: bool  # the last message is continued
 
 
 class ChatHandlers(HandlersBase):
     """``/v1/chat/completions`` and the encoding of a conversation."""
 
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        t0 = time.perf_counter()
-        self.check_model(req.model)
-        check_unsupported(req)
+    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """``req`` made ready to run: its prompt rendered and encoded, its sampling parameters
+        (a forced call's or a response format's grammar; after the reasoning in thinking mode)
+        and its choices. The Responses route runs its requests through it too."""
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         thinking = request_thinking(req.chat_template_kwargs)
         msgs = [m.model_dump() for m in req.messages]
@@ -51,7 +65,6 @@ class ChatHandlers(HandlersBase):
         ids = await self.encode_chat(msgs, gen, plan, fits, thinking, cont)
         # (only the new text is the reply, as vLLM's: a continued message's start is not in it)
         in_reasoning = reply_in_reasoning(msgs, thinking, cont)
-        echo = echoed(msgs, bool(req.echo), cont and in_reasoning)
         ids = self.truncated(ids, req)
         max_tokens = self.max_tokens(len(ids), getattr(req, req.max_tokens_field), "messages")
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
@@ -65,16 +78,25 @@ class ChatHandlers(HandlersBase):
         if in_reasoning:  # the forced block or JSON follows the reasoning, in the content
             params = thinking_params(params)
         choices = self.choices_of([(ids, "")], params, req.n or 1)
+        grammar_param = "tool_choice" if forced else "response_format"
+        return ChatRun(choices, plan, in_reasoning, grammar_param, msgs, cont)
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self.check_model(req.model)
+        check_unsupported(req)
+        run = await self.prepare_chat(req)
+        choices, plan, in_reasoning = run.choices, run.plan, run.in_reasoning
+        echo = echoed(run.msgs, bool(req.echo), run.cont and in_reasoning)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start(rid, choices, "tool_choice" if forced else "response_format")
+        streams = await self.start(rid, choices, run.grammar_param)
         head = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": req.model,
         }
-        parsers = [ToolCallStream(plan.names) if plan else None for _ in choices]
-        thinkers = [ReasoningStream() if in_reasoning else None for _ in choices]
+        replies = [ReplyStream(in_reasoning, plan) for _ in choices]
         # prompt_logprobs (vLLM's, on chat too): the response's, not a choice's (the choices share
         # the prompt); streamed once, on the first chunk that has them
         sent_prompt_lps = [req.prompt_logprobs is None]
@@ -84,9 +106,6 @@ class ChatHandlers(HandlersBase):
                 return body
             sent_prompt_lps[0] = True
             return {**body, "prompt_logprobs": self.prompt_logprobs(choices[0].ids, entries)}
-
-        def calls_of(calls: list[ToolCall]) -> list[ToolCall]:
-            return calls if plan is None or plan.parallel else calls[:1]
 
         def reason(finish: str | None, calls: list[ToolCall]) -> str | None:
             return "tool_calls" if calls and finish == "stop" else finish
@@ -108,17 +127,8 @@ class ChatHandlers(HandlersBase):
             }
 
         def chunk(i: int, out: StepOutput) -> dict[str, Any] | None:
-            text, calls, parser, thinker = out.new_text, [], parsers[i], thinkers[i]
-            reasoning = ""
-            if thinker is not None:  # the reasoning first; the tool parser sees the rest only
-                reasoning, text = thinker.feed(text)
-                if out.finished:
-                    reasoning += thinker.finish()[0]
-            if parser is not None:  # the DSML block is held back and sent parsed at the end
-                text = parser.feed(text)
-                if out.finished:
-                    rest, found = parser.finish()
-                    text, calls = text + rest, calls_of(found)
+            part = replies[i].feed(out.new_text, out.finished)
+            reasoning, text, calls = part.reasoning or "", part.content or "", part.calls
             fresh_lps = out.prompt_logprobs is not None and not sent_prompt_lps[0]
             if not (text or reasoning or out.finished or req.logprobs or fresh_lps):
                 return None
@@ -138,18 +148,13 @@ class ChatHandlers(HandlersBase):
             return with_prompt_lps({**head, "choices": [choice]}, out.prompt_logprobs)
 
         def message(res: RequestOutput) -> tuple[dict[str, Any], str | None]:
-            reasoning, text = split_reasoning(res.text) if in_reasoning else (None, res.text)
-            msg: dict[str, Any] = {"role": "assistant", "content": text}
-            if reasoning is not None:
-                msg = with_reasoning(msg, reasoning)
-            if plan is None or text is None:
-                return msg, res.finish_reason
-            content, found = parse_tool_calls(text, plan.names)
-            calls = calls_of(found)
-            msg["content"] = content
-            if calls:
-                msg["tool_calls"] = [c.openai() for c in calls]
-            return msg, reason(res.finish_reason, calls)
+            reply = read_reply(res.text, in_reasoning, plan)
+            msg: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if reply.reasoning is not None:
+                msg = with_reasoning(msg, reply.reasoning)
+            if reply.calls:
+                msg["tool_calls"] = [c.openai() for c in reply.calls]
+            return msg, reason(res.finish_reason, reply.calls)
 
         def final(
             results: list[RequestOutput], usage: dict[str, int], tops: list[list[Top]]
