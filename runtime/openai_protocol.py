@@ -268,6 +268,12 @@ def check_unsupported(req: _SamplingRequest) -> None:
         raise APIError(400, msg, param="stream_options")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    refuse_unsupported(fields, table)
+
+
+def refuse_unsupported(fields: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
+    """400 naming the first of ``fields`` (a request's, sent or not) that ``table`` (name -> the
+    values that leave it off) lists at another value."""
     for name, defaults in table.items():
         if name in fields and not _neutral(fields[name], *defaults):
             raise APIError(400, f"{name} is not supported by this server", param=name)

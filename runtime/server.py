@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server over an ``AsyncEngine``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (all
+with SSE streaming),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET|HEAD /health``, ``GET /metrics`` (Prometheus),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``. Every client error is an OpenAI-style
 JSON body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. docs/server.md
@@ -101,6 +102,7 @@ def build_app(
     app.add_middleware(RequestIdMiddleware)
     app.post("/v1/completions")(h.completions)
     app.post("/v1/chat/completions")(h.chat)
+    app.post("/v1/responses")(h.responses)
     app.post("/tokenize")(h.tokenize)
     app.post("/detokenize")(h.detokenize)
     app.get("/metrics")(h.prometheus)

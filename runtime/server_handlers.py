@@ -1,7 +1,7 @@
 """The route bodies of the OpenAI-compatible server (``runtime.server`` wires them into the app):
-``Handlers`` composes completions (``runtime.server_completions``) and chat
-(``runtime.server_chat``) over what they share (``runtime.server_base``), and adds tokenize,
-detokenize and the Prometheus scrape."""
+``Handlers`` composes completions (``runtime.server_completions``), chat
+(``runtime.server_chat``) and responses (``runtime.server_responses``, over chat's) over what
+they share (``runtime.server_base``), and adds tokenize, detokenize and the Prometheus scrape."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from fastapi.responses import PlainTextResponse, Response
 
 from runtime.engine import EngineClosed
 from runtime.openai_protocol import APIError, DetokenizeRequest, TokenizeRequest, continuation
-from runtime.server_chat import ChatHandlers, request_thinking, tool_plan
+from runtime.server_chat import request_thinking, tool_plan
 from runtime.server_completions import CompletionHandlers
+from runtime.server_responses import ResponsesHandlers
 
 logger = logging.getLogger(__name__)
 
 
-class Handlers(CompletionHandlers, ChatHandlers):
+class Handlers(CompletionHandlers, ResponsesHandlers):
     """The route bodies, sharing the engine, the tokenizer and the metrics."""
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:

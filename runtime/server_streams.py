@@ -21,8 +21,10 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def sse(obj: Any, event: str | None = None) -> str:
+    """One server-sent event (``event``: its name, as the Responses API names its events)."""
+    head = "" if event is None else f"event: {event}\n"
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def failure(reason: str | None, error: str | None = None) -> APIError | None:

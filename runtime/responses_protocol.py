@@ -1,0 +1,270 @@
+"""The OpenAI Responses API's request (``POST /v1/responses``) and its translation into the chat
+request the chat route runs (``runtime.server_chat``): ``input`` and ``instructions`` become
+messages, ``text.format`` the response format, ``reasoning`` thinking mode, the flat function
+tools chat's nested ones. The chat route's errors are renamed back to the fields the client sent
+(``renamed``).
+
+Nothing is stored: ``store: true`` and ``previous_response_id`` are refused, as are the fields
+``UNSUPPORTED_RESPONSES`` lists, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[dict[str, Any]]  # a user message, or a list of items (chat_request)
+    instructions: str | None = None  # a system message, placed first
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": text | json_object | json_schema}}
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: thinking mode unless "none"
+    tools: list[dict[str, Any]] | None = None  # {"type": "function", "name", "parameters", ...}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None  # returned as sent
+    user: str | None = None
+    store: bool | None = None  # false only: nothing is stored
+
+
+# Fields of the Responses API this server does not implement, with the values that leave them off
+# (openai_protocol.refuse_unsupported); any other value is a 400 naming the field.
+UNSUPPORTED_RESPONSES: dict[str, tuple[Any, ...]] = {
+    "background": (False,),
+    "conversation": (),
+    "prompt": (),
+    "include": ([],),
+    "truncation": ("disabled",),
+    "max_tool_calls": (),
+    "top_logprobs": (0,),
+    "n": (1,),
+}
+# vLLM's sampling extensions, passed to the chat request as they are (its types and rules)
+SAMPLING_EXTRAS = (
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+)
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# chat's field names -> the Responses field the client sent
+_RENAMES = {
+    "messages": "input",
+    "response_format": "text",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "chat_template_kwargs": "reasoning",
+}
+
+
+def check_responses(req: ResponsesRequest) -> None:
+    """400 for what this server does not do, naming the field."""
+    extra = req.model_extra or {}
+    if req.store:
+        msg = "store: true is not supported: this server keeps no responses (send store: false)"
+        raise APIError(400, msg, param="store")
+    if extra.get("previous_response_id") is not None:
+        msg = (
+            "previous_response_id is not supported: this server keeps no responses; send the "
+            "conversation in input"
+        )
+        raise APIError(400, msg, param="previous_response_id")
+    refuse_unsupported(extra, UNSUPPORTED_RESPONSES)
+
+
+def thinking(req: ResponsesRequest) -> bool:
+    """``reasoning``'s effort turns thinking mode on (any effort but "none"; DeepSeek-V3.2 has
+    one depth of thinking)."""
+    if req.reasoning is None:
+        return False
+    effort = req.reasoning.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        msg = f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}"
+        raise APIError(400, msg, param="reasoning")
+    return effort != "none"
+
+
+def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request ``req`` asks for, and where each of its messages came from (``input[i]``
+    or ``instructions``), for ``renamed``."""
+    messages, where = _messages(req.input)
+    if req.instructions is not None:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+        where.insert(0, "instructions")
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stream": req.stream,
+        "user": req.user,
+        "response_format": _response_format(req.text),
+        "tools": None if req.tools is None else [_tool(i, t) for i, t in enumerate(req.tools)],
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "chat_template_kwargs": {"thinking": thinking(req)},
+    }
+    extra = req.model_extra or {}
+    body.update({k: extra[k] for k in SAMPLING_EXTRAS if k in extra})
+    try:
+        return ChatCompletionRequest.model_validate(body), where
+    except ValidationError as e:  # a sampling extra's type, or an item's field
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        if loc[:1] == ["messages"] and len(loc) > 1 and loc[1].isdigit():
+            at, param = where[int(loc[1])] + "".join(f".{x}" for x in loc[2:]), "input"
+        else:
+            at = param = _RENAMES.get(loc[0], loc[0]) if loc else "input"
+        raise APIError(400, f"{at}: {err.get('msg')}", param=param) from e
+
+
+def renamed(e: APIError, where: list[str]) -> APIError:
+    """The chat route's error ``e`` in the Responses request's names: its param, and the
+    messages it names (``messages[k]`` -> where message k came from)."""
+    param = _RENAMES.get(e.param or "", e.param)
+    msg = re.sub(r"messages\[(\d+)\]", lambda m: _at(where, int(m.group(1))), e.message)
+    if e.param == "response_format":
+        msg = msg.replace("response_format", "text.format")
+    elif e.param == "tools":  # (the flat tools have no .function)
+        msg = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", msg)
+    elif e.param in _RENAMES:
+        msg = msg.replace(e.param, param or "")
+    return APIError(e.status, msg, param=param, code=e.code, type_=e.type)
+
+
+def _at(where: list[str], k: int) -> str:
+    return where[k] if k < len(where) else f"messages[{k}]"
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (whose rules check it)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, f"text.format must be an object, got {fmt!r}", param="text")
+    if fmt.get("type") != "json_schema":
+        return fmt
+    if "schema" not in fmt:
+        raise APIError(400, "text.format: a json_schema format needs a schema", param="text")
+    spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    """A flat function tool as chat's nested one."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        msg = f"tools[{i}]: only function tools are supported, got type {kind!r}"
+        raise APIError(400, msg, param="tools")
+    if "function" in tool and "name" not in tool:
+        msg = f'tools[{i}]: a Responses function tool is flat: {{"type": "function", "name", ...}}'
+        raise APIError(400, msg, param="tools")
+    keys = ("name", "description", "parameters", "strict")
+    return {"type": "function", "function": {k: tool[k] for k in keys if k in tool}}
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or "name" not in choice:
+        msg = 'tool_choice: an object must be {"type": "function", "name": ...}'
+        raise APIError(400, msg, param="tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str | list[dict[str, Any]] | None:
+    """A message's content (a string, or text parts of ``kinds``) as chat's."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{at} must be a string or a list of parts", param="input")
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in kinds or not isinstance(p.get("text"), str):
+            want = " or ".join(kinds)
+            msg = f"{at}[{j}] must be a {want} part with a string text, got type {kind!r}"
+            raise APIError(400, msg, param="input")
+        out.append({"type": "text", "text": p["text"]})
+    return out
+
+
+def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Chat messages of ``input``, and the item each starts at. A reasoning item, an assistant
+    message and function calls that follow one another are one assistant turn; a function
+    call's output is a tool message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}], ["input"]
+    msgs: list[dict[str, Any]] = []
+    where: list[str] = []
+    last = None  # the kind of the previous item
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{at} must be an item (an object)", param="input")
+        kind = item.get("type", "message")
+        turn = msgs[-1] if msgs and last in ("reasoning", "assistant", "function_call") else None
+        if kind == "message":
+            role = item.get("role")
+            kinds = ("output_text",) if role == "assistant" else ("input_text",)
+            content = _text(item.get("content"), f"{at}.content", kinds)
+            if role == "assistant" and turn is not None and last == "reasoning":
+                turn["content"] = content
+            else:
+                msgs.append({"role": role, "content": content})
+                where.append(at)
+            last = "assistant" if role == "assistant" else "message"
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function", "function": {
+                "name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            if not all(isinstance(x, str) for x in (call["id"], *call["function"].values())):
+                msg = f"{at}: a function_call needs string call_id, name and arguments"
+                raise APIError(400, msg, param="input")
+            if turn is None:
+                msgs.append({"role": "assistant", "content": None})
+                where.append(at)
+                turn = msgs[-1]
+            turn.setdefault("tool_calls", []).append(call)
+            last = "function_call"
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise APIError(400, f"{at}.call_id must be a string", param="input")
+            output = _text(item.get("output"), f"{at}.output", ("input_text",))
+            msgs.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            where.append(at)
+            last = "function_call_output"
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                raise APIError(400, f"{at}.content must be a list of parts", param="input")
+            text = "".join(p.get("text") or "" for p in parts if p.get("type") == "reasoning_text")
+            msgs.append({"role": "assistant", "content": None, "reasoning": text})
+            where.append(at)
+            last = "reasoning"
+        else:
+            msg = (
+                f"{at}.type must be message, function_call, function_call_output or reasoning, "
+                f"got {kind!r}"
+            )
+            raise APIError(400, msg, param="input")
+    if not msgs:
+        raise APIError(400, "input must not be an empty list", param="input")
+    return msgs, where

@@ -1,0 +1,309 @@
+"""``POST /v1/responses`` (the OpenAI Responses API) through the official openai client over the
+scripted fake engine: the response object and its event stream, instructions and input items
+rendered as the chat route renders the same messages, thinking mode's reasoning item, a
+json_schema format, function calls, the length limit, refused fields, a client that leaves."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_utils import make_tokenizer_dir, running_server
+from test_chat_thinking import BLOCK, ScriptedEngine, fake_server
+from test_server import MODEL
+
+from runtime.async_engine import AsyncEngine
+from runtime.server import build_app
+from runtime.tokenizer import Tokenizer
+
+PING = {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedEngine]]:
+    engine = ScriptedEngine(Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+    with fake_server(engine) as base:
+        yield base, engine
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def _say(engine: ScriptedEngine, text: str) -> None:
+    engine.script = engine.tokenizer.encode(text, add_bos=False)
+
+
+def _prompt_tokens(client: openai.OpenAI, messages: list, **kw) -> int:  # noqa: ANN003
+    """The chat route's prompt length for ``messages`` (the rendering the responses must share)."""
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **kw)
+    return r.usage.prompt_tokens
+
+
+def test_a_response_with_instructions(served: tuple[str, ScriptedEngine]) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, "Hello there!")
+    r = client.responses.create(
+        model=MODEL, input="Hi", instructions="Be brief.", metadata={"k": "v"}, temperature=0.5
+    )
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    assert r.output_text == "Hello there!" and r.model == MODEL
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.content[0].type == "output_text" and item.content[0].annotations == []
+    assert r.metadata == {"k": "v"} and r.temperature == 0.5 and r.incomplete_details is None
+    assert engine.params is not None and engine.params.temperature == 0.5
+    # instructions are the system message, first; the prompt is the chat route's
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    u = r.usage
+    assert u.input_tokens == _prompt_tokens(client, msgs)
+    n = len(engine.script) + 1  # the script, then EOS
+    assert (u.output_tokens, u.total_tokens) == (n, u.input_tokens + n)
+    assert u.output_tokens_details.reasoning_tokens == 0
+    assert u.input_tokens_details.cached_tokens == 0
+
+
+def test_input_items_render_as_the_chat_messages(served: tuple[str, ScriptedEngine]) -> None:
+    """Message items with text parts, a function call and its output: the chat route's prompt
+    for the same conversation."""
+    url, engine = served
+    client = _client(url)
+    _say(engine, "ok")
+    items = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
+        {"type": "message", "role": "user", "content": "Ping?"},
+        {"type": "function_call", "call_id": "c1", "name": "ping", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "pong"},
+    ]
+    r = client.responses.create(model=MODEL, input=items, tools=[PING])
+    call = {"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+    msgs = [
+        {"role": "developer", "content": [{"type": "text", "text": "Use tools."}]},
+        {"role": "user", "content": "Ping?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "pong"},
+    ]
+    chat_tool = {"type": "function", "function": {k: v for k, v in PING.items() if k != "type"}}
+    assert r.usage.input_tokens == _prompt_tokens(client, msgs, tools=[chat_tool])
+    assert r.output_text == "ok"
+
+
+def _events(client: openai.OpenAI, **kw) -> list:  # noqa: ANN003
+    return list(client.responses.create(model=MODEL, stream=True, **kw))
+
+
+def test_streamed_events_end_with_the_response(served: tuple[str, ScriptedEngine]) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, "Hello there!")
+    events = _events(client, input="Hi")
+    kinds = [e.type for e in events]
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == "Hello there!"
+    item_id = events[2].item.id
+    assert all((e.item_id, e.output_index, e.content_index) == (item_id, 0, 0) for e in deltas)
+    final = events[-1].response
+    assert final.output_text == "Hello there!" and final.output[0].id == item_id
+    assert final.usage.output_tokens == len(engine.script) + 1
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_effort_is_thinking_mode(
+    served: tuple[str, ScriptedEngine], stream: bool
+) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, "Let me see.</think>Four.")
+    kw = dict(model=MODEL, input="2+2?", reasoning={"effort": "high"})
+    if stream:
+        events = _events(client, **{k: v for k, v in kw.items() if k != "model"})
+        kinds = [e.type for e in events]
+        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert reasoning == "Let me see."
+        assert kinds.index("response.reasoning_text.done") < kinds.index(
+            "response.output_text.delta"
+        )
+        r = events[-1].response
+    else:
+        r = client.responses.create(**kw)
+    think, msg = r.output
+    assert think.type == "reasoning" and think.summary == []
+    assert [(c.type, c.text) for c in think.content] == [("reasoning_text", "Let me see.")]
+    assert msg.type == "message" and r.output_text == "Four."
+    n_think = len(engine.tokenizer.encode("Let me see.</think>", add_bos=False))
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= n_think
+    # the prompt is rendered in thinking mode, as chat's chat_template_kwargs thinking
+    msgs = [{"role": "user", "content": "2+2?"}]
+    think_kw = {"extra_body": {"chat_template_kwargs": {"thinking": True}}}
+    assert r.usage.input_tokens == _prompt_tokens(client, msgs, **think_kw)
+    off = client.responses.create(model=MODEL, input="2+2?", reasoning={"effort": "none"})
+    assert off.output_text == "Let me see.</think>Four." and len(off.output) == 1
+
+
+def test_json_schema_format_is_the_chat_response_format(
+    served: tuple[str, ScriptedEngine],
+) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, '{"a": 1}')
+    fmt = {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(model=MODEL, input="Give a", text={"format": fmt})
+    assert engine.params is not None and engine.params.grammar is not None
+    assert json.loads(r.output_text) == {"a": 1} and r.text.format.type == "json_schema"
+    engine.params = None
+    client.responses.create(model=MODEL, input="Give a")
+    assert engine.params is not None and engine.params.grammar is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", text={"format": {"type": "xml"}})
+    assert e.value.body["param"] == "text" and "text.format" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_function_call(served: tuple[str, ScriptedEngine], stream: bool) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, "\n\n" + BLOCK)
+    kw = dict(input="Ping it", tools=[PING], tool_choice={"type": "function", "name": "ping"})
+    if stream:
+        events = _events(client, **kw)
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert [e.arguments for e in done] == ["{}"]
+        assert not [e for e in events if e.type == "response.output_text.delta"]
+        r = events[-1].response
+    else:
+        r = client.responses.create(model=MODEL, **kw)
+    assert engine.params is not None and engine.params.grammar is not None  # the forced call
+    [call] = r.output
+    assert (call.type, call.name, call.arguments) == ("function_call", "ping", "{}")
+    assert call.call_id.startswith("call_") and r.status == "completed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], stream: bool) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, "Hello there, how are you?")
+    if stream:
+        events = _events(client, input="Hi", max_output_tokens=3)
+        assert events[-1].type == "response.incomplete"
+        r = events[-1].response
+    else:
+        r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    assert r.output_text == engine.tokenizer.decode(engine.script[:3])
+
+
+@pytest.mark.parametrize(
+    ("kw", "param", "match"),
+    [
+        ({"store": True}, "store", "store: true is not supported"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+        ({"background": True}, "background", "background is not supported"),
+        ({"include": ["reasoning.encrypted_content"]}, "include", "include is not supported"),
+        ({"tools": [{"type": "web_search"}]}, "tools", r"tools\[0\]: only function tools"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input",
+            r"input\[0\]\.content\[0\] must be a input_text part",
+        ),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input", r"input\[0\]\.role must be"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", r"input\[0\]\.type"),
+        ({"input": []}, "input", "must not be an empty list"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning", "reasoning.effort must be one of"),
+        (
+            {"tool_choice": {"type": "function", "name": "nope"}, "tools": [PING]},
+            "tool_choice",
+            "not one of the request's tools",
+        ),
+        ({"instructions": 5}, "instructions", "instructions"),
+    ],  # fmt: skip
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_requests_are_a_400_naming_the_field(
+    served: tuple[str, ScriptedEngine], kw: dict, param: str, match: str
+) -> None:
+    url, engine = served
+    _say(engine, "x")
+    body = {"model": MODEL, "input": "Hi", **kw}
+    r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert re.search(match, err["message"]), err
+
+
+def test_a_client_that_leaves_aborts_the_request(served: tuple[str, ScriptedEngine]) -> None:
+    url, engine = served
+    _say(engine, "Hello")
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 150, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    engine.step_s = 0.01  # 1.5 s of generation: far longer than noticing the disconnect takes
+    try:
+        with httpx.stream("POST", url + "/v1/responses", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines) == "event: response.created"
+            rid = json.loads(next(lines).removeprefix("data: "))["response"]["id"]
+        deadline = time.monotonic() + 5
+        while rid not in engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rid in engine.aborted and rid not in engine.running
+    finally:
+        engine.step_s = 0.002
+
+
+def test_an_engine_failure(served: tuple[str, ScriptedEngine]) -> None:
+    url, engine = served
+    client = _client(url)
+    _say(engine, "Hello")
+    engine.fail_steps = 1
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model=MODEL, input="Hi")
+    engine.fail_steps = 1
+    events = _events(client, input="Hi")
+    assert events[-1].type == "error" and "generation failed" in events[-1].message
+    assert client.responses.create(model=MODEL, input="Hi").output_text == "Hello"
+
+
+def test_responses_count_against_the_concurrency_limit(served: tuple[str, ScriptedEngine]) -> None:
+    _, scripted = served
+    engine = ScriptedEngine(scripted.tokenizer, step_s=0.01)
+    _say(engine, "Hello")
+    a = AsyncEngine(engine)
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 60, "ignore_eos": True}
+    try:
+        with running_server(build_app(a, MODEL, max_concurrent=1)) as base:
+            url = base + "/v1/responses"
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
+                lines = r.iter_lines()
+                next(lines)  # the first request is generating
+                busy = httpx.post(url, json={**body, "max_output_tokens": 1}, timeout=30)
+                assert busy.status_code == 429 and "limit of 1" in busy.text
+                list(lines)
+            assert httpx.post(url, json={**body, "max_output_tokens": 1}, timeout=30).is_success
+    finally:
+        a.shutdown()
