@@ -142,9 +142,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
     p.add_argument(
         "--fp8-weights",
-        choices=("bf16", "fp8"),
-        default="bf16",
-        help="FP8 checkpoints: dequantise at load (bf16) or keep the weights FP8",
+        choices=("auto", "bf16", "fp8"),
+        default="auto",
+        help="an FP8 checkpoint's weights: kept FP8 (auto, the default, as vLLM serves them; fp8 "
+        "also refuses a checkpoint that is not FP8) or dequantised to bf16 at load (bf16)",
     )
     p.add_argument(
         "--no-offload", action="store_true", help="keep the whole KV cache on the device"
@@ -371,9 +372,10 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
     pl.add_argument(
         "--fp8-weights",
-        choices=("bf16", "fp8"),
-        default="bf16",
-        help="--quant fp8: weights dequantised at load (bf16) or kept FP8",
+        choices=("auto", "bf16", "fp8"),
+        default="auto",
+        help="an FP8 config's weights: kept FP8 (auto, the default; fp8) or dequantised at "
+        "load (bf16), as serve's flag",
     )
     pl.add_argument("--no-offload", action="store_true")
     pl.add_argument("--no-prefill-buffer", action="store_true", help="as serve's flag")

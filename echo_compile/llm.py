@@ -105,9 +105,10 @@ class LLM:
     the same script on every rank under torchrun, docs/multi_gpu.md). ``compile`` (default: on
     CUDA) captures every bucket into CUDA graphs at start-up, then forbids recompiles. Any number of
     engines may live in one process: each owns its compiled steps. ``fp8_weights`` (FP8
-    checkpoints): ``"bf16"`` dequantises the weights at load (the reference), ``"fp8"`` keeps
-    them FP8, one byte per weight on the GPU (docs/quantization.md; sharded on block
-    boundaries with dp/tp/ep). ``generation_config``: ``"auto"`` (default) takes a request's
+    checkpoints): ``"auto"`` (default) keeps them FP8, one byte per weight, as vLLM serves them
+    (docs/quantization.md; sharded on block boundaries with dp/tp/ep), as does ``"fp8"`` (an
+    error on a checkpoint that is not FP8); ``"bf16"`` dequantises them at load (the reference);
+    which one is logged at start-up. ``generation_config``: ``"auto"`` (default) takes a request's
     unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) from the
     checkpoint's ``generation_config.json``, as vLLM does, in ``generate()`` without params (its
     ``max_new_tokens`` too, as their ``max_tokens``, capped at what the context leaves) and in
@@ -123,14 +124,15 @@ class LLM:
         *,
         compile: bool | None = None,  # noqa: A002
         progress: bool = True,
-        fp8_weights: str = "bf16",
+        fp8_weights: str = "auto",
         generation_config: str = "auto",
         host_memory_fraction: float = HOST_MEMORY_FRACTION,
         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
         **engine_options,
     ):
         from model.checkpoint import resolve_model
-        from model.loader import load_model
+        from model.fp8_weights import resolve_fp8_weights
+        from model.loader import load_model, read_checkpoint_meta
 
         configure_threads()  # once per process: ECHO_COMPILE_THREADS, else by usable cores
         if "device" not in engine_options:
@@ -139,6 +141,16 @@ class LLM:
         check_device(config.device, python=True)
         path = resolve_model(model)
         self.model_path = path
+        # one choice of the FP8 checkpoint's weights, which the sizing, the memory check and
+        # the load (every rank's) all take
+        _, ckpt, _ = read_checkpoint_meta(path)
+        fp8_weights = resolve_fp8_weights(fp8_weights, ckpt, str(path))
+        if ckpt.quantization is not None and ckpt.quantization.method == "fp8":
+            logging.getLogger(__name__).info(
+                "FP8 checkpoint: weights %s",
+                "kept FP8 (--fp8-weights bf16 dequantises them at load)" if fp8_weights == "fp8"
+                else "dequantised to bf16 at load (--fp8-weights bf16)",
+            )  # fmt: skip
         # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line)
         given = set(SIZED) & set(engine_options)
         config = size_engine(

@@ -72,8 +72,9 @@ KV_DTYPES = {
     "fp8_ds_mla": "fp8",
 }
 # vLLM's --quantization: fp8 serves an FP8 checkpoint's weights as FP8 (vLLM's does, and would
-# quantise a bf16 one); AWQ is read from the config. Each needs a checkpoint of its format
-# (config.json's quantization_config.quant_method): check_quantization, before the load.
+# quantise a bf16 one), as --fp8-weights' default already does; AWQ is read from the config.
+# Each needs a checkpoint of its format (config.json's quantization_config.quant_method):
+# check_quantization, before the load.
 QUANTIZATIONS: dict[str, str | None] = {"fp8": "fp8", "awq": None, "awq_marlin": None}
 QUANT_FORMATS = {"fp8": "fp8", "awq": "awq", "awq_marlin": "awq"}
 
@@ -289,7 +290,8 @@ def check_quantization(method: str | None, model: str) -> None:
     if want == "fp8" and has is None:
         todo = "drop the flag to serve its bf16 weights (vLLM quantises them at load; not here)"
     elif has == "fp8":
-        todo = "give --quantization fp8 to serve its weights as FP8, or " + todo
+        todo = "drop the flag (its weights are served FP8, as --quantization fp8 says; "
+        todo += "--fp8-weights bf16 dequantises them)"
     raise ValueError(
         f"--quantization {method} needs an {want.upper()} checkpoint; {model} is not one (its "
         f"config.json: {actual}): {todo}"

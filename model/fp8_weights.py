@@ -14,8 +14,34 @@ import math
 import torch
 
 from custom_ops.fp8 import FP8_DTYPE, FP8_MAX
+from model.config import ModelConfig
 
 BLOCK = 128
+# how an FP8 checkpoint's weights are served (``resolve_fp8_weights``): the choices, default first
+FP8_WEIGHTS = ("auto", "bf16", "fp8")
+
+
+def resolve_fp8_weights(fp8_weights: str, config: ModelConfig, name: str = "the checkpoint") -> str:
+    """The one rule for serving an FP8 checkpoint's weights: ``"fp8"`` (kept FP8, one byte a
+    weight, ``FP8Linear`` / ``FP8Experts``) or ``"bf16"`` (dequantised at load: the reference the
+    accuracy tests compare against). ``"auto"``, the default everywhere, keeps an FP8
+    checkpoint FP8, as vLLM serves it, on every device (on the CPU the tiny model's generate is
+    ~11% slower kept FP8: not enough for a second rule), and is ``"bf16"`` for any other
+    checkpoint (nothing to dequantise; AWQ is read as AWQ whatever this says). An explicit
+    ``"fp8"`` on a checkpoint that is not FP8 (``name``) and any other value are a ValueError."""
+    if fp8_weights not in FP8_WEIGHTS:
+        raise ValueError(
+            f"fp8_weights must be one of {', '.join(map(repr, FP8_WEIGHTS))}, got {fp8_weights!r}"
+        )
+    is_fp8 = config.quantization is not None and config.quantization.method == "fp8"
+    if fp8_weights == "fp8" and not is_fp8:
+        raise ValueError(
+            f"fp8_weights='fp8' needs an FP8 checkpoint; {name} is not one (its config.json has "
+            "no fp8 quantization_config)"
+        )
+    if fp8_weights == "auto":
+        return "fp8" if is_fp8 else "bf16"
+    return fp8_weights
 
 
 def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = BLOCK) -> tuple[int, int]:

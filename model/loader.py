@@ -30,7 +30,7 @@ from torch import nn
 
 from model.checkpoint import resolve_model
 from model.config import ModelConfig
-from model.fp8_weights import is_ue8m0, weight_dequant_fp8
+from model.fp8_weights import is_ue8m0, resolve_fp8_weights, weight_dequant_fp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -442,13 +442,14 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     keep_mtp: bool = True,
-    fp8_weights: str = "bf16",
+    fp8_weights: str = "auto",
 ) -> tuple[nn.Module, LoadExtras]:
     """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``) as
     ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights.
     ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies).
-    ``fp8_weights`` (FP8 checkpoints): ``"bf16"`` dequantises every FP8 weight at load (the
-    reference), ``"fp8"`` keeps the linears FP8 (``model.fp8_weights.FP8Linear``)."""
+    ``fp8_weights`` (FP8 checkpoints, ``model.fp8_weights.resolve_fp8_weights``): ``"auto"``
+    (default) and ``"fp8"`` keep the linears FP8 (``model.fp8_weights.FP8Linear``), ``"bf16"``
+    dequantises every FP8 weight at load (the reference)."""
     from model.model import DeepseekV32ForCausalLM
 
     path, config, _ = read_checkpoint_meta(path_or_name)
@@ -471,27 +472,20 @@ def load_model(
 
 
 def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:
-    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None for
-    ``fp8_weights="bf16"``; a ValueError for a bad value, a checkpoint that is not FP8, or one
-    whose config.json says FP8 but that has no scales (its weights converted to bf16, e.g. by
-    DeepSeek's fp8_cast_bf16.py, with config.json left as it was)."""
-    if fp8_weights not in ("bf16", "fp8"):
-        raise ValueError(f"fp8_weights must be 'bf16' or 'fp8', got {fp8_weights!r}")
-    if fp8_weights == "bf16":
+    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None where
+    ``fp8_weights`` resolves to ``"bf16"`` (``resolve_fp8_weights``: its ValueErrors); a
+    ValueError for a checkpoint whose config.json says FP8 but that has no scales (its weights
+    converted to bf16, e.g. by DeepSeek's fp8_cast_bf16.py, with config.json left as it was)."""
+    if resolve_fp8_weights(fp8_weights, config, str(path)) == "bf16":
         return None
-    if config.quantization is None or config.quantization.method != "fp8":
-        raise ValueError(
-            f"fp8_weights='fp8' needs an FP8 checkpoint; {path} is not one (its config.json has "
-            "no fp8 quantization_config)"
-        )
     _, files = _shards(path)
     scaled = {n.removesuffix(".weight_scale_inv") for names in files.values()
               for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
     if not scaled:
         raise ValueError(
-            f"fp8_weights='fp8': {path} has no weight_scale_inv tensors, though its config.json "
-            "declares an fp8 quantization_config (weights already converted to bf16? load them "
-            "with fp8_weights='bf16')"
+            f"fp8_weights={fp8_weights!r}: {path} has no weight_scale_inv tensors, though its "
+            "config.json declares an fp8 quantization_config, so its weights are kept FP8 (already "
+            "converted to bf16? load them with fp8_weights='bf16', --fp8-weights bf16)"
         )
     return scaled
 

@@ -155,11 +155,12 @@ def load_sharded_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     ep: bool = False,
-    fp8_weights: str = "bf16",
+    fp8_weights: str = "auto",
 ) -> tuple[nn.Module, LoadExtras]:
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
     (``ep``: its routed experts whole instead of a slice of every expert). ``fp8_weights``
-    (FP8 checkpoints): ``"bf16"`` dequantises at load, ``"fp8"`` keeps the weights FP8, each
+    (FP8 checkpoints): ``"auto"`` (default) / ``"fp8"`` keep the weights FP8, ``"bf16"``
+    dequantises them at load (``model.fp8_weights.resolve_fp8_weights``); FP8 or not, each
     shard cut on 128x128 block boundaries (a split that is not is refused when the model is built,
     naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it)."""
     path, config, _ = read_checkpoint_meta(path_or_name)

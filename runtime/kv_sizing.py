@@ -163,7 +163,7 @@ def size_engine(
     path,
     config: EngineConfig,
     given: set[str],
-    fp8_weights: str = "bf16",
+    fp8_weights: str = "auto",
     host_memory_fraction: float = HOST_MEMORY_FRACTION,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
 ) -> EngineConfig:

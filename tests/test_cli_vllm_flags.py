@@ -128,7 +128,7 @@ def test_a_launch_line_with_vllms_model_flags_parses(caplog):
     flags = ["--dtype", "bfloat16", "--block-size", "64", "--load-format", "safetensors",
              "--quantization", "awq", "--max-model-len", "8192"]  # fmt: skip
     a = parsed("serve", "/m", *flags)
-    assert (a.fp8_weights, a.max_model_len) == ("bf16", 8192)
+    assert (a.fp8_weights, a.max_model_len) == ("auto", 8192)
     lines = [r.getMessage() for r in caplog.records if r.name == "echo_compile.vllm_flags"]
     assert lines == [
         "vLLM flags taken as what this server does anyway: --dtype bfloat16, --quantization awq, "
@@ -185,7 +185,7 @@ def test_uvicorn_log_level_reaches_uvicorn(monkeypatch):
     "model, method, parts",
     [
         ("tiny", "awq", ["--quantization awq needs an AWQ checkpoint", "bf16", "drop the flag"]),
-        ("tiny-fp8", "awq_marlin", ["awq_marlin", "'fp8'", "--quantization fp8 to serve"]),
+        ("tiny-fp8", "awq_marlin", ["awq_marlin", "'fp8'", "served FP8", "--fp8-weights bf16"]),
         ("tiny", "fp8", ["--quantization fp8 needs an FP8", "bf16", "at load; not here"]),
         ("tiny-awq", "fp8", ["--quantization fp8", "'awq'", "drop the flag"]),
     ],

@@ -66,7 +66,9 @@ def test_fp8_weight_bytes_are_the_loaded_fp8_shard(tmp_path):
     shard, extras = load_sharded_model(path, TPGroup(1, 2, "", gather=True), fp8_weights="fp8")
     real = sum(t.numel() * t.element_size() for t in [*shard.parameters(), *shard.buffers()])
     assert weight_bytes(extras.config, tp=2, rank=1, fp8_weights="fp8") == real
-    assert real < weight_bytes(extras.config, tp=2, rank=1)  # FP8 kept: fewer bytes
+    dequantised = weight_bytes(extras.config, tp=2, rank=1, fp8_weights="bf16")
+    assert real < dequantised  # FP8 kept: fewer bytes
+    assert weight_bytes(extras.config, tp=2, rank=1) == real  # the default keeps FP8
 
 
 def test_awq_weight_bytes_are_the_repacked_gpu_shard(tmp_path):
@@ -103,13 +105,16 @@ def test_v32_plans_on_8_h200():
     eng = plan_engine(8, 8, gpu_tokens=200_000, host_tokens=1 << 21, max_batch=64)
     awq = memory_plan(v32_config("awq"), eng, gpu_mem_gib=139.8, host_mem_gib=2000)
     assert not awq.problems() and 40 < awq.gpu_gib["weights"] < 70, awq.table()
-    fp8 = memory_plan(v32_config("fp8"), eng, gpu_mem_gib=139.8)
-    with pytest.raises(ValueError, match="dequantised to bf16 at load"):
+    # the FP8 release with the defaults: kept FP8, as vLLM serves it, it fits on 8 x H200
+    kept = memory_plan(v32_config("fp8"), eng, gpu_mem_gib=139.8)
+    assert not kept.problems() and kept.quant == "fp8 (kept fp8)", kept.table()
+    assert memory_plan(v32_config("fp8"), eng, 139.8, fp8_weights="fp8") == kept
+    # dequantised (the explicit opt-in) it does not
+    fp8 = memory_plan(v32_config("fp8"), eng, gpu_mem_gib=139.8, fp8_weights="bf16")
+    with pytest.raises(ValueError, match="dequantised to bf16 at load by --fp8-weights bf16"):
         fp8.check()
     # the routed experts are split 8 ways: one rank holds far less than the whole model
     assert fp8.gpu_gib["weights"] < 1300 / 8 * 1.5
-    kept = memory_plan(v32_config("fp8"), eng, gpu_mem_gib=139.8, fp8_weights="fp8")
-    assert not kept.problems(), kept.table()  # FP8-resident shards fit on 8 x H200
     assert kept.gpu_gib["weights"] < 0.6 * fp8.gpu_gib["weights"]
     # without the prefill buffer (163840 fp8 rows a layer) its 6 GiB go elsewhere
     lean = plan_engine(8, 8, 200_000, 1 << 21, 64, prefill_buffer=False)
@@ -135,10 +140,11 @@ def test_plan_command(capsys):
     assert f"prefetch staging {staged:9.2f} GiB" in capsys.readouterr().out
     assert cli_main(["plan", "--quant", "awq", "--prefetch", "request", "--no-offload"]) == 2
     assert "needs offloading" in capsys.readouterr().err
-    assert cli_main(["plan", "--quant", "fp8"]) == 2
+    assert cli_main(["plan", "--quant", "fp8"]) == 0  # the FP8 release kept FP8 by default
+    out = capsys.readouterr().out
+    assert "fp8 (kept fp8) weights" in out and "  fits" in out
+    assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "bf16"]) == 2
     assert "the plan does not fit" in capsys.readouterr().err
-    assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8"]) == 0
-    assert "fits" in capsys.readouterr().out
     # --dp 0 / --tp 0 are refused as --gpus 0 is, not replaced by --gpus
     for flag in ("--dp", "--tp"):
         assert cli_main(["plan", flag, "0"]) == 2
@@ -217,8 +223,9 @@ def test_check_fits_refuses_only_what_cannot_fit():
     assert tp2.host_total_gib == pytest.approx(2 * tp2.host_gib_per_rank)
     # V3.2's FP8 checkpoint on 8 x H200: dequantised it cannot fit, kept FP8 it can
     v32, eng8 = v32_config("fp8"), plan_engine(8, 8, 200_000, 1 << 21, 64)
-    with pytest.raises(ValueError, match=r"179.7 GiB weights.*--fp8-weights fp8"):
-        check_fits(v32, eng8, 139.8, 1000.0)
+    with pytest.raises(ValueError, match=r"179.7 GiB weights.*by --fp8-weights bf16: leave it"):
+        check_fits(v32, eng8, 139.8, 1000.0, fp8_weights="bf16")
+    check_fits(v32, eng8, 139.8, 1000.0)  # the default keeps it FP8
     check_fits(v32, eng8, 139.8, 1000.0, fp8_weights="fp8")
 
 

@@ -129,7 +129,7 @@ def test_tiny_fp8_served_as_fp8():
     fp32) within fp32 summation order, and against the dequantise-at-load model within the FP8
     activation error."""
     fp8, _ = load_model(resolve_model("tiny-fp8"), fp8_weights="fp8")
-    bf16, _ = load_model(resolve_model("tiny-fp8"))
+    bf16, _ = load_model(resolve_model("tiny-fp8"), fp8_weights="bf16")
     lins = {n: m for n, m in fp8.named_modules() if isinstance(m, FP8Linear)}
     experts = {n: m for n, m in fp8.named_modules() if isinstance(m, FP8Experts)}
     assert len(lins) >= 10 and not any("kv_b_proj" in n for n in lins) and len(experts) >= 2

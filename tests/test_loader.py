@@ -105,7 +105,7 @@ def test_mtp_layer_is_kept_aside(loaded, tiny):
 
 def test_fp8_checkpoint_loads_dequantised(loaded, tiny_fp8):
     model_bf16, _ = loaded
-    model, extras = load_model(tiny_fp8)
+    model, extras = load_model(tiny_fp8, fp8_weights="bf16")
     assert extras.config.quantization.method == "fp8"
     ref = dict(model_bf16.named_parameters())
     n_diff = 0
@@ -133,8 +133,9 @@ def test_fp8_checkpoint_loads_dequantised(loaded, tiny_fp8):
 
 def test_fp8_config_without_scales_is_refused_for_fp8_weights(tiny, tiny_fp8, tmp_path):
     """A bf16 checkpoint whose config.json still declares FP8 (DeepSeek's fp8_cast_bf16.py leaves
-    it as it was): fp8_weights='fp8' names the missing scales (it loaded the bf16 weights without
-    a word); 'bf16' loads it as before."""
+    it as it was): 'fp8' and the default 'auto', which keep an FP8 checkpoint FP8, name the missing
+    scales and the flag that loads it (it loaded the bf16 weights without a word); 'bf16' loads
+    it as before."""
     from model.parallel import TPGroup
     from model.shard_loader import load_sharded_model
 
@@ -145,11 +146,13 @@ def test_fp8_config_without_scales_is_refused_for_fp8_weights(tiny, tiny_fp8, tm
     (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": fp8_config}))
     for load in (
         lambda: load_model(path, fp8_weights="fp8"),
+        lambda: load_model(path),
         lambda: load_sharded_model(path, TPGroup(0, 1, "", gather=False), fp8_weights="fp8"),
     ):
-        with pytest.raises(ValueError, match=rf"{re.escape(str(path))} has no weight_scale_inv"):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))} has no weight_scale_inv"
+                                             r".*--fp8-weights bf16"):
             load()
-    model, extras = load_model(path)
+    model, extras = load_model(path, fp8_weights="bf16")
     assert extras.config.quantization.method == "fp8"
     assert model.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
 
@@ -350,7 +353,7 @@ def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
     edit(path, lambda t, shard: t.pop(name, None))
     with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.kv_a_proj"
                                          r"_with_mqa\.weight_scale_inv' \(its FP8 weight is in "):
-        load_model(path)
+        load_model(path, fp8_weights="bf16")
 
     path = copy_ckpt(tiny_fp8, tmp_path / "b")
 
@@ -361,7 +364,7 @@ def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
     edit(path, crop)
     with pytest.raises(ValueError, match=rf"'{re.escape(name)}' in .*needs scale_inv of shape "
                                          r"\(5, 2\), got \(4, 2\)"):
-        load_model(path)
+        load_model(path, fp8_weights="bf16")
 
     path = copy_ckpt(tiny_fp8, tmp_path / "c")
     weight = name.removesuffix("_scale_inv")
@@ -373,7 +376,7 @@ def test_fp8_scale_problems_are_named(tiny_fp8, tmp_path):
     edit(path, unquantize)
     with pytest.raises(ValueError, match=rf"unexpected tensor '{re.escape(name)}' in .*: "
                                          rf"'{re.escape(weight)}' is not FP8"):
-        load_model(path)
+        load_model(path, fp8_weights="bf16")
 
 
 @pytest.mark.parametrize("fp8_weights", ["bf16", "fp8"])
@@ -409,14 +412,14 @@ def test_ue8m0_scales_that_are_not_powers_of_two_are_reported(tiny_fp8, tmp_path
     with pytest.warns(UserWarning, match=rf"scale_fmt 'ue8m0' .*1 weight_scale_inv .*"
                                          rf"'{re.escape(name)}' in .*1 of its 2 scales are not "
                                          r"powers of two .* at \[0, 1\]"):
-        load_model(path)
+        load_model(path, fp8_weights="bf16")
     # the same scales load silently where the config declares no scale format
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["quantization_config"].pop("scale_fmt") == "ue8m0"
     (path / "config.json").write_text(json.dumps(cfg))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model, extras = load_model(path)
+        model, extras = load_model(path, fp8_weights="bf16")
     assert extras.config.quantization.scale_fmt is None
 
 
@@ -647,6 +650,6 @@ def test_generated_weights_give_sane_logits(loaded, tiny_fp8):
     # lm_head std = hidden_size^-0.5: logits ~ unit scale, neither flat nor saturated
     assert ((logits.std(-1) > 0.5) & (logits.std(-1) < 2)).all()
     assert torch.corrcoef(logits).triu(1).abs().max() < 0.9  # the prompt matters
-    fp8_model, _ = load_model(tiny_fp8)
+    fp8_model, _ = load_model(tiny_fp8, fp8_weights="bf16")
     fp8 = last_logits(fp8_model, prompts[0])
     assert torch.corrcoef(torch.stack([fp8, logits[0]]))[0, 1] > 0.98

@@ -263,7 +263,7 @@ def build_distributed_engine(
     model_name: str = "model",
     compiler_factory=None,
     ctx: DistContext | None = None,
-    fp8_weights: str = "bf16",
+    fp8_weights: str = "auto",
     generation_config: str = "auto",
     inputs: EngineInputs | None = None,
 ) -> DistributedEngine:

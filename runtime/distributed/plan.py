@@ -4,8 +4,9 @@ refusal when it does not fit.
 
 - weights: the rank's model as ``model.shard_loader`` builds it, on the meta device (the exact
   parameter and buffer bytes it would allocate: attention, embeddings and head whole, the
-  feed-forward blocks 1/tp; AWQ 4-bit with kv_b_proj dequantised; an FP8 checkpoint is
-  dequantised to bf16 at load unless ``fp8_weights="fp8"`` keeps it FP8, one byte a weight);
+  feed-forward blocks 1/tp; AWQ 4-bit with kv_b_proj dequantised; an FP8 checkpoint kept FP8,
+  one byte a weight, unless ``fp8_weights="bf16"`` dequantises it at load, as the loader does:
+  ``model.fp8_weights.resolve_fp8_weights``);
 - the KV cache of ``custom_ops.cache`` for the rank's ``CacheConfig``: GPU pools (offload) or
   the whole KV (GPU-only), the prefill buffer, the indexer cache (one 132-byte key per host
   row per layer, on the GPU), the prefetch staging buffers, the pools' maps and recall buffers;
@@ -24,6 +25,7 @@ from custom_ops.cache.gpu_pool import pool_buffers
 from custom_ops.cache.staging import staging_bytes
 from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
 from model.config import ModelConfig
+from model.fp8_weights import resolve_fp8_weights
 from runtime.engine_config import EngineConfig
 
 GIB = 2**30
@@ -57,18 +59,19 @@ def weight_bytes(
     tp: int,
     rank: int = 0,
     ep: bool = False,
-    fp8_weights: str = "bf16",
+    fp8_weights: str = "auto",
     cuda: bool = True,
 ) -> int:
     """Bytes of one rank's parameters and buffers (built on the meta device) when the
-    feed-forward is split over ``tp`` ranks (``ep``: routed experts by expert; ``fp8_weights``
-    "fp8": an FP8 checkpoint's weights kept FP8, as ``load_sharded_model`` keeps them), in the
+    feed-forward is split over ``tp`` ranks (``ep``: routed experts by expert; ``fp8_weights``:
+    an FP8 checkpoint's weights kept FP8 or dequantised, as ``load_sharded_model`` does), in the
     layouts the loader leaves on a GPU (``cuda``; AWQ repacked for the fast kernels, larger than
     the checkpoint's) or on the CPU."""
     from model.parallel import TPGroup
     from model.shard_loader import build_sharded_model
 
-    fp8 = fp8_checkpoint_modules(config) if fp8_weights == "fp8" else None
+    kept = resolve_fp8_weights(fp8_weights, config, "this config") == "fp8"
+    fp8 = fp8_checkpoint_modules(config) if kept else None
     model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True), ep=ep, fp8_modules=fp8)
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq import densify_awq, repacked_growth
@@ -148,7 +151,8 @@ class MemoryPlan:
         if self.gpu_total_gib > self.gpu_mem_gib:
             w = self.gpu_gib["weights"]
             dequant = "(dequantised)" in self.quant
-            why = " (FP8 weights dequantised to bf16 at load: --fp8-weights fp8)" if dequant else ""
+            why = (" (FP8 weights dequantised to bf16 at load by --fp8-weights bf16: leave it "
+                   "out to keep them FP8)") if dequant else ""  # fmt: skip
             kv, what = self.gpu_gib["gpu kv pools"], "GPU KV pools" if self.offload else "KV cache"
             # the flag that sizes the KV cache on the GPU: the pools', or the whole cache's
             flag = (f"--gpu-tokens {self.gpu_tokens} rows a layer" if self.offload else
@@ -198,7 +202,7 @@ def memory_plan(
     gpu_mem_gib: float,
     host_mem_gib: float | None = None,
     reserve_gib: float = 8.0,
-    fp8_weights: str = "bf16",
+    fp8_weights: str = "auto",
     gpus_per_node: int = 8,
 ) -> MemoryPlan:
     """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config`` (``fp8_weights``:
@@ -214,8 +218,7 @@ def memory_plan(
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
     q = config.quantization.method if config.quantization is not None else "bf16"
-    if fp8_weights not in ("bf16", "fp8") or (fp8_weights == "fp8" and q != "fp8"):
-        raise ValueError(f"fp8_weights={fp8_weights!r} needs an FP8 config (this one is {q})")
+    fp8_weights = resolve_fp8_weights(fp8_weights, config, f"this config ({q})")
     if q == "fp8":
         q += " (kept fp8)" if fp8_weights == "fp8" else " (dequantised)"
     q += " (experts by expert)" if engine.ep > 1 else ""
@@ -248,7 +251,7 @@ def check_fits(
     engine: EngineConfig,
     gpu_mem_gib: float,
     host_mem_gib: float,
-    fp8_weights: str = "bf16",
+    fp8_weights: str = "auto",
     local_ranks: int = 1,
 ) -> None:
     """Refuse, before anything is loaded, what cannot fit: one rank's weights and KV cache alone
