@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         default="bf16",
         help="the model's weights, comma-separated to run each: bf16 (as drawn), awq, fp8 (those "
         "weights quantised in memory and served as the loader serves an AutoAWQ / official FP8 "
-        "checkpoint of them; fp8 as --fp8-weights fp8; docs/quantization.md, 'End to end')",
+        "checkpoint of them; fp8 kept FP8, as --fp8-weights' default serves an FP8 checkpoint; "
+        "docs/quantization.md, 'End to end')",
     )
     ap.add_argument(
         "--eager-pools",
