@@ -95,7 +95,8 @@ def effective_batch(quant: str, n: int, ctx: int, a: argparse.Namespace) -> dict
     cfg = v32_config(quant)
     # a host pool of one context: the plan's prefill buffer is then sized for ``ctx`` tokens
     eng = plan_engine(n, n, a.gpu_tokens, -(-ctx // 64) * 64, 64, a.kv_format, True, ctx)
-    plan = memory_plan(cfg, eng, a.gpu_mem_gib, None, a.reserve_gib)
+    # (fp8 dequantised, as expert_bytes times it, not the served default, kept FP8)
+    plan = memory_plan(cfg, eng, a.gpu_mem_gib, None, a.reserve_gib, fp8_weights="bf16")
     fixed = plan.gpu_gib["weights"] + plan.gpu_gib["prefill buffer"] + a.reserve_gib
     per_req_gpu = ctx * LAYERS * (ROW_BYTES[a.kv_format] + INDEX_ROW_BYTES) / GIB
     per_req_off = ctx * LAYERS * INDEX_ROW_BYTES / GIB  # the indexer cache stays on the GPU
