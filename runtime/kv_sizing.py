@@ -173,6 +173,8 @@ def size_engine(
     import os
 
     check_fractions(host_memory_fraction, gpu_memory_utilization)
+    if not config.offload:  # no GPU pool: nothing to size in gpu_tokens
+        given = given | {"gpu_tokens"}
     if not config.device.startswith("cuda") or set(SIZED) <= given:
         return config
     from model.loader import read_checkpoint_meta
@@ -193,7 +195,8 @@ def size_engine(
                        type(e).__name__, e, ", ".join(sorted(set(SIZED) - given)))  # fmt: skip
         return config
     s = auto_sizes(mc, config, given, memory, w, host_memory_fraction, gpu_memory_utilization)
-    logger.info("%s", s.why)
+    if s.why:
+        logger.info("%s", s.why)
     return dataclasses.replace(
         config, max_model_len=s.max_model_len, host_tokens=s.host_tokens, gpu_tokens=s.gpu_tokens
     )

@@ -136,3 +136,19 @@ def test_on_a_gpu_an_llm_without_sizes_reads_the_real_memory_and_serves_a_long_p
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     (out,) = llm.generate([prompt], params)
     assert len(out.token_ids) == 4
+
+
+def test_sizes_all_given_or_moot_read_no_memory_and_log_nothing(monkeypatch, caplog):
+    """GPU-only with its context and pool given (the demo's GPU-only engine): gpu_tokens does not
+    apply, so nothing is sized, no memory is read and no (empty) line is logged."""
+    from runtime.distributed import plan
+
+    def unread(device):
+        raise AssertionError("memory read")
+
+    monkeypatch.setattr(plan, "device_memory_gib", unread)
+    monkeypatch.setattr(plan, "gpu_total_bytes", unread)
+    caplog.set_level(logging.INFO, logger="runtime.kv_sizing")
+    c = EngineConfig(device="cuda", offload=False, max_model_len=512, host_tokens=4096)
+    assert size_engine(resolve_model("tiny"), c, {"max_model_len", "host_tokens"}) is c
+    assert caplog.records == []
