@@ -244,22 +244,40 @@ class ToolCallStream:
     """The streamed form of ``parse_tool_calls``: ``feed`` returns the content that is safe to
     show (text that could start the DSML block, and trailing whitespace, are held back); once the
     block starts nothing more is shown until ``finish``, which returns the rest of the content and
-    the calls. Content shown plus ``finish``'s equals the non-streamed content, calls likewise."""
+    the calls. Content shown plus ``finish``'s equals the non-streamed content, calls likewise.
+
+    NOTE: a feed costs its delta plus the held-back tail that could start the block, never the
+    text so far (a reply of 100K tokens rescanned per delta took seconds on the event loop): the
+    block can only start in that tail or the delta, and held-back whitespace is kept as pieces."""
 
     def __init__(self, names: set[str] | None) -> None:
-        self.names, self.text, self.sent, self.in_block = names, "", 0, False
+        self.names, self.sent, self.in_block = names, 0, False
+        self._pieces: list[str] = []  # the text so far, joined by ``finish`` (or ``text``)
+        self._space: list[str] = []  # held back: whitespace that might precede the block
+        self._partial = ""  # held back after it: a proper prefix of the block's opening tag
+
+    @property
+    def text(self) -> str:
+        """Everything fed so far."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def feed(self, delta: str) -> str:
-        self.text += delta
+        if delta:
+            self._pieces.append(delta)
         if self.in_block:
             return ""
-        start = self.text.find(CALLS_BEGIN)
+        # (an opening tag before this delta would have started the block already, so one that
+        # ends in it starts in the held-back partial tag)
+        tail = self._partial + delta
+        start = tail.find(CALLS_BEGIN)
         if start >= 0:
-            self.in_block = True
-            safe = len(self.text[:start].rstrip())
-        else:
-            safe = len(self.text[: len(self.text) - _partial_marker(self.text)].rstrip())
-        return self._emit(max(safe, self.sent))
+            self.in_block, self._partial = True, ""
+            return self._show(tail[:start])
+        keep = _partial_marker(tail)
+        self._partial = tail[len(tail) - keep :]
+        return self._show(tail[: len(tail) - keep])
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         content, calls = parse_tool_calls(self.text, self.names)
@@ -267,8 +285,16 @@ class ToolCallStream:
         self.sent = len(content or "")
         return rest, calls
 
-    def _emit(self, upto: int) -> str:
-        out, self.sent = self.text[self.sent : upto], upto
+    def _show(self, visible: str) -> str:
+        """The held-back whitespace and ``visible`` up to their trailing whitespace, which is
+        held back instead."""
+        shown = visible.rstrip()
+        if not shown:
+            self._space.append(visible)
+            return ""
+        out = "".join(self._space) + shown
+        self._space = [visible[len(shown) :]]
+        self.sent += len(out)
         return out
 
 

@@ -6,22 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from server_utils import make_tokenizer_dir
+from text_copies import Piece
 
 from runtime.engine import StepOutput
 from runtime.outputs import RequestOutput
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-class Piece(str):
-    """A text delta that counts the characters copied by ``str + piece`` (a ``str +=`` of it onto
-    the text so far): ``str`` defers to a subclass's reflected ``__radd__``. ``"".join`` of the
-    pieces copies each once and calls none."""
-
-    copied = 0
-
-    def __radd__(self, other: str) -> str:
-        Piece.copied += len(other) + len(self)
-        return str.__add__(other, self)
 
 
 def _step(text: str, n: int) -> StepOutput:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from server_utils import running_server
+from text_copies import Piece
 
 from runtime.chat_template import THINK_END, normalise_messages, render_dsv32, render_tools
 from runtime.tool_calls import (
@@ -122,6 +123,24 @@ def test_stream_holds_back_the_block() -> None:
     assert s.feed(PARIS + "\n" + CALLS_END) == ""
     rest, calls = s.finish()
     assert rest == "" and [c.name for c in calls] == ["get_weather"]
+
+
+def test_stream_feeds_in_time_linear_in_the_text() -> None:
+    # words, runs of held-back whitespace and partial opening tags that come to nothing, then
+    # the block: each feed may look at its delta and the held-back partial tag only
+    words = ["Hi", " there", "\n\n", "  ", "<｜DS", "ML｜", "x", " "]
+    deltas = [Piece(words[i % len(words)]) for i in range(3000)]
+    deltas += [Piece("\n\n" + CALLS_BEGIN[:7]), Piece(CALLS_BEGIN[7:] + "\n" + PARIS)]
+    deltas += [Piece(c) for c in "\n" + CALLS_END]  # (inside the block too)
+    text = "".join(deltas)
+    Piece.copied = 0
+    s = ToolCallStream(NAMES)
+    shown = "".join(s.feed(d) for d in deltas)
+    rest, calls = s.finish()
+    content, want = parse_tool_calls(text, NAMES)
+    assert shown + rest == content and [c.name for c in calls] == [c.name for c in want]
+    # text += delta copied the text so far per delta: ~ 3000**2 / 2 * 4 characters
+    assert Piece.copied <= len(text) + len(deltas) * len(CALLS_BEGIN), Piece.copied
 
 
 # ---- the prompt --------------------------------------------------------------------------------
