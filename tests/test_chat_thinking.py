@@ -13,9 +13,16 @@ import openai
 import pytest
 from server_utils import make_tokenizer_dir, running_server
 from test_server import MODEL, FakeEngine, _Req
+from text_copies import Piece
 
 from runtime.async_engine import AsyncEngine
-from runtime.chat_template import normalise_messages, render_dsv32, render_tools, thinking_of
+from runtime.chat_template import (
+    THINK_END,
+    normalise_messages,
+    render_dsv32,
+    render_tools,
+    thinking_of,
+)
 from runtime.reasoning import ReasoningStream, split_reasoning
 from runtime.sampling_params import SamplingParams
 from runtime.server import build_app
@@ -135,6 +142,23 @@ def test_streamed_split_equals_non_streamed(text: str, size: int) -> None:
     reasoning, content = split_reasoning(text)
     assert "".join(p[0] for p in parts) == reasoning
     assert "".join(p[1] for p in parts) == (content or "")
+
+
+def test_streamed_split_in_time_linear_in_the_text() -> None:
+    # a long reasoning with partial </think>s that come to nothing, then the content: each feed
+    # may look at its delta and the held-back partial tag only
+    words = ["Hmm", " so", " </th", "in", "k", "\n", "</", "x"]
+    deltas = [Piece(words[i % len(words)]) for i in range(3000)]
+    deltas += [Piece("</thi"), Piece("nk>Four"), Piece(".")]
+    text = "".join(deltas)
+    Piece.copied = 0
+    s = ReasoningStream()
+    parts = [s.feed(d) for d in deltas] + [s.finish()]
+    reasoning, content = split_reasoning(text)
+    assert "".join(p[0] for p in parts) == reasoning and content == "Four."
+    assert "".join(p[1] for p in parts) == content
+    # held + delta per feed; text += delta copied the text so far: ~ 3000**2 / 2 * 3 characters
+    assert Piece.copied <= len(text) + len(deltas) * len(THINK_END), Piece.copied
 
 
 # ---- through the server ------------------------------------------------------------------------

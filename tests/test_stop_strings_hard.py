@@ -10,6 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from server_utils import make_tokenizer_dir
+from text_copies import Piece
 
 from runtime.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
 
@@ -113,3 +114,23 @@ def test_stop_string_split_across_tokens(tok: Tokenizer, words: list[str], data)
     assert detok.stopped and out == text[:cut]
     # it stopped on the token whose text completes the first occurrence
     assert ends[n - 1] >= cut + len(stop) and (n == 1 or ends[n - 2] < cut + len(stop))
+
+
+def test_feed_in_time_linear_in_the_text() -> None:
+    # near misses of every stop string all along, then a hit: each feed may look at its chunk and
+    # the held-back tail (shorter than the longest stop string) only
+    stops = ["</answer>", "STOP", "ab"]
+    words = ["</ans", "wer", " STO", "</answe", "r ", "a", "c", "S"]
+    chunks = [Piece(words[i % len(words)]) for i in range(3000)]
+    chunks += [Piece("xxSTO"), Piece("P tail")]
+    text = "".join(chunks)
+    Piece.copied = 0
+    out, c = _feed_chunks(stops, chunks)
+    assert out == text[: -len("STOP tail")] == expected_output(text, stops) and c.hit == "STOP"
+    # text += chunk copied the text so far per chunk: ~ 3000**2 / 2 * 4 characters
+    assert Piece.copied <= len(text) + len(chunks) * max(map(len, stops)), Piece.copied
+
+
+def _feed_chunks(stops: list[str], chunks: list[str]) -> tuple[str, StopStringChecker]:
+    c = StopStringChecker(stops)
+    return "".join(c.feed(ch) for ch in chunks) + c.flush(), c

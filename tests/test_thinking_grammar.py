@@ -125,6 +125,30 @@ def test_a_rebuilt_matcher_skips_the_reasoning_too() -> None:
                 assert all(tok.decode([t]).lstrip().startswith("{") for t in allowed)
 
 
+def test_the_reasoning_is_read_once_however_long() -> None:
+    """Step by step, the search for </think> reads each new output token once (a rescan of the
+    output so far per step is quadratic in a long reasoning, and it runs in every decode step),
+    and none once the grammar has started."""
+    model, tok = tiny("cpu")
+    vocab, eos = model.config.vocab_size, model.config.eos_token_id
+    params = SamplingParams(grammar=json_schema_grammar(SCHEMA), grammar_after_reasoning=True)
+    words = tok.encode("so, </thi maybe <not> yet </ then", add_bos=False)
+    think = tok.encode(THINK_END, add_bos=False)
+    out = [words[i % len(words)] for i in range(2000)] + think + tok.encode('{"ok":', add_bos=False)
+    reads = []
+
+    class Counting(StructuredOutput):
+        def _token_bytes(self, token_id: int) -> bytes:
+            reads.append(token_id)
+            return super()._token_bytes(token_id)
+
+    so, logits = Counting(tok, vocab, eos), torch.randn(1, vocab)
+    for n in range(1, len(out) + 1):
+        got = so([_R("a", params, out[:n])], logits)
+        assert (got is logits) == (n < 2000 + len(think)), n
+    assert reads == out[: 2000 + len(think)]
+
+
 def test_text_after_think_end_in_the_same_token_is_left_outside_the_grammar() -> None:
     """A token that carries text after </think> (no such token in V3.2's tokenizer): the grammar
     starts at the next token, as vLLM's, so the mask then is that of a fresh grammar."""
