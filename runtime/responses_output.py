@@ -97,7 +97,8 @@ class ResponseBuilder:
         p, c = res.prompt_tokens, res.completion_tokens
         self.usage = {
             "input_tokens": p,
-            "input_tokens_details": {"cached_tokens": cached or 0},
+            # (cache_write_tokens: required by the openai client's types; this server bills none)
+            "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
             "output_tokens": c,
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": p + c,

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, TypeAdapter
 from server_utils import make_tokenizer_dir, running_server
 from test_chat_thinking import BLOCK, ScriptedEngine, fake_server
 from test_server import MODEL
@@ -53,6 +55,7 @@ def test_a_response_with_instructions(served: tuple[str, ScriptedEngine]) -> Non
     r = client.responses.create(
         model=MODEL, input="Hi", instructions="Be brief.", metadata={"k": "v"}, temperature=0.5
     )
+    _strict(r, Response)
     assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
     assert r.output_text == "Hello there!" and r.model == MODEL
     [item] = r.output
@@ -95,8 +98,17 @@ def test_input_items_render_as_the_chat_messages(served: tuple[str, ScriptedEngi
     assert r.output_text == "ok"
 
 
+def _strict(obj: BaseModel, kind: type | object) -> None:
+    """``obj`` as the openai client's types require it: the client parses without checking, so
+    a missing required field would pass unseen (as ``usage.input_tokens_details``'s did)."""
+    TypeAdapter(kind).validate_python(obj.model_dump(mode="json", warnings=False))
+
+
 def _events(client: openai.OpenAI, **kw) -> list:  # noqa: ANN003
-    return list(client.responses.create(model=MODEL, stream=True, **kw))
+    events = list(client.responses.create(model=MODEL, stream=True, **kw))
+    for e in events:
+        _strict(e, ResponseStreamEvent)
+    return events
 
 
 def test_streamed_events_end_with_the_response(served: tuple[str, ScriptedEngine]) -> None:
