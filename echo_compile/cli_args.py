@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from echo_compile.vllm_flags import add_vllm_args
+from runtime.kv_sizing import GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION, RESERVE_GIB, SIZED
 from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch)
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
@@ -64,8 +65,7 @@ def log_level(a: argparse.Namespace) -> str:
 
 
 # the sizes LLM chooses when they are left out, and the fractions it chooses them by
-SIZED_OPTIONS = ("max_model_len", "host_tokens", "gpu_tokens", "host_memory_fraction",
-                 "gpu_memory_utilization")  # fmt: skip
+SIZED_OPTIONS = (*SIZED, "host_memory_fraction", "gpu_memory_utilization")
 # the prefetch flags that size the staging buffers (serve, generate and plan)
 PREFETCH_OPTIONS = ("prefetch", "prefetch_cap", "prefetch_ratio")
 
@@ -122,7 +122,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="GPU pool rows per layer (default on CUDA: what --gpu-memory-utilization leaves "
-        "after the weights, the other KV buffers and an 8 GiB reserve; on the CPU 1024)",
+        f"after the weights, the other KV buffers and a reserve of {RESERVE_GIB:g} GiB; on the CPU "
+        "1024)",
     )
     p.add_argument(
         "--host-memory-fraction",
@@ -130,14 +131,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the share of the host memory this process may use (physical or the container's "
         "limit) that the host KV pools of this host's ranks may take, when --host-tokens is "
-        "left out (default 0.8; CUDA)",
+        f"left out (default {HOST_MEMORY_FRACTION:g}; CUDA)",
     )
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,
         help="as vLLM's: the share of the GPU's total memory this engine may use (weights, KV "
-        "cache, reserve), which sizes --gpu-tokens when it is left out (default 0.9; CUDA)",
+        f"cache, reserve), which sizes --gpu-tokens when it is left out (default "
+        f"{GPU_MEMORY_UTILIZATION:g}; CUDA)",
     )
     p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
     p.add_argument(

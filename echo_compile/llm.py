@@ -19,7 +19,7 @@ from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
-from runtime.kv_sizing import GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION, SIZED, size_engine
+from runtime.kv_sizing import SIZED, size_engine
 from runtime.outputs import RequestOutput
 from runtime.progress import progress_bar
 from runtime.reasoning import thinking_params
@@ -126,8 +126,8 @@ class LLM:
         progress: bool = True,
         fp8_weights: str = "auto",
         generation_config: str = "auto",
-        host_memory_fraction: float = HOST_MEMORY_FRACTION,
-        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+        host_memory_fraction: float | None = None,  # None: kv_sizing's default
+        gpu_memory_utilization: float | None = None,
         **engine_options,
     ):
         from model.checkpoint import resolve_model

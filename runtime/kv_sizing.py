@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from custom_ops.kv_format import PAGE, ROW_BYTES, pages_for
-from model.config import ModelConfig
-from runtime.engine_config import EngineConfig
+if TYPE_CHECKING:  # (imported lazily: the command line reads this module's constants for its
+    # help, and `--help` must not import torch)
+    from model.config import ModelConfig
+    from runtime.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +91,15 @@ def auto_sizes(
     """The sizes of ``SIZED`` for a CUDA rank: ``config``'s where ``given`` names them, else
     chosen from ``memory`` (module docstring). A ValueError where a given ``max_model_len`` does
     not fit; where nothing fits, the least sizes (the memory check then refuses them)."""
+    from custom_ops.kv_format import PAGE, ROW_BYTES, pages_for
+
     check_fractions(host_memory_fraction, gpu_memory_utilization)
     layers, row = mc.num_hidden_layers, ROW_BYTES[config.kv_format]
     min_gpu = config.max_batch * mc.index_topk  # a full decode batch's selected rows
     max_len = config.max_model_len if "max_model_len" in given else mc.max_position_embeddings
     max_len = min(max_len, mc.max_position_embeddings)
+    if "host_tokens" in given:  # a given pool caps the context (EngineConfig.model_len's rule)
+        max_len = min(max_len, config.host_tokens)
     one = pages_for(max_len) * PAGE  # one request of max_len: the least useful pool
     # the device cost is linear in the rows of each pool: measured at two points each
     g0 = config.gpu_tokens if "gpu_tokens" in given else min_gpu
@@ -154,8 +160,13 @@ def auto_sizes(
             f"- {other / GIB:.1f} GiB other KV buffers - {reserve_bytes / GIB:g} GiB reserve)"
         )
     if "max_model_len" not in given:
-        src = "the model's" if max_len == mc.max_position_embeddings else "what fits of the"
-        why.insert(0, f"max_model_len {max_len} ({src} max_position_embeddings)")
+        if max_len == mc.max_position_embeddings:
+            src = "the model's max_position_embeddings"
+        elif "host_tokens" in given and max_len == config.host_tokens:
+            src = "the given host_tokens"
+        else:
+            src = "what fits of the model's max_position_embeddings"
+        why.insert(0, f"max_model_len {max_len} ({src})")
     return Sizes(max_len, host, gpu, "KV sizing: " + ", ".join(why) if why else "")
 
 
@@ -164,18 +175,38 @@ def size_engine(
     config: EngineConfig,
     given: set[str],
     fp8_weights: str = "auto",
-    host_memory_fraction: float = HOST_MEMORY_FRACTION,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    host_memory_fraction: float | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> EngineConfig:
     """``config`` with ``auto_sizes``'s sizes for this rank's GPU and host (CUDA only; the CPU
     keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
-    that cannot count the config) leaves ``config`` as it is, with a warning."""
+    that cannot count the config) leaves ``config`` as it is, with a warning. A fraction given
+    (not None) where it sizes nothing is warned about, naming the flag."""
     import os
 
-    check_fractions(host_memory_fraction, gpu_memory_utilization)
     if not config.offload:  # no GPU pool: nothing to size in gpu_tokens
         given = given | {"gpu_tokens"}
-    if not config.device.startswith("cuda") or set(SIZED) <= given:
+    cuda = config.device.startswith("cuda")
+    applies = {  # what each fraction sizes, when left out
+        "host_memory_fraction": cuda and config.offload and "host_tokens" not in given,
+        "gpu_memory_utilization": cuda and not set(SIZED) <= given,
+    }
+    for name, v in (("host_memory_fraction", host_memory_fraction),
+                    ("gpu_memory_utilization", gpu_memory_utilization)):  # fmt: skip
+        if v is not None and not applies[name]:
+            logger.warning(
+                "--%s %s has no effect: it sizes what is left out of --max-model-len / "
+                "--host-tokens / --gpu-tokens on CUDA%s", name.replace("_", "-"), v,
+                "" if cuda else f" (this engine runs on {config.device})",
+            )  # fmt: skip
+    host_memory_fraction = (
+        HOST_MEMORY_FRACTION if host_memory_fraction is None else host_memory_fraction
+    )
+    gpu_memory_utilization = (
+        GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+    )
+    check_fractions(host_memory_fraction, gpu_memory_utilization)
+    if not cuda or set(SIZED) <= given:
         return config
     from model.loader import read_checkpoint_meta
     from runtime.distributed import plan

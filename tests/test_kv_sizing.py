@@ -152,3 +152,27 @@ def test_sizes_all_given_or_moot_read_no_memory_and_log_nothing(monkeypatch, cap
     c = EngineConfig(device="cuda", offload=False, max_model_len=512, host_tokens=4096)
     assert size_engine(resolve_model("tiny"), c, {"max_model_len", "host_tokens"}) is c
     assert caplog.records == []
+
+
+def test_a_given_host_pool_caps_the_automatic_context_in_the_sizes_and_the_line(tiny):
+    c = EngineConfig(device="cuda", host_tokens=65536)
+    s = auto_sizes(tiny, c, {"host_tokens"}, BIG, weight_bytes=GIB)
+    assert s.max_model_len == 65536  # (what EngineConfig.model_len would cap it at)
+    assert "max_model_len 65536 (the given host_tokens)" in s.why
+
+
+def test_a_fraction_that_sizes_nothing_is_warned_about_naming_the_flag(caplog):
+    caplog.set_level(logging.WARNING, logger="runtime.kv_sizing")
+    path = resolve_model("tiny")
+    cpu = EngineConfig(device="cpu")
+    assert size_engine(path, cpu, set(), host_memory_fraction=0.5) is cpu
+    assert "--host-memory-fraction 0.5 has no effect" in caplog.text
+    assert "this engine runs on cpu" in caplog.text
+    caplog.clear()
+    every = EngineConfig(device="cuda")
+    assert size_engine(path, every, {"max_model_len", "host_tokens", "gpu_tokens"},
+                       gpu_memory_utilization=0.7) is every  # fmt: skip
+    assert "--gpu-memory-utilization 0.7 has no effect" in caplog.text
+    caplog.clear()
+    assert size_engine(path, cpu, set()) is cpu  # left out: nothing to say
+    assert caplog.text == ""
