@@ -4,7 +4,9 @@ messages, ``text.format`` the response format, ``reasoning`` thinking mode, the 
 tools chat's nested ones. The chat route's errors are renamed back to the fields the client sent
 (``renamed``).
 
-Nothing is stored: ``store: true`` and ``previous_response_id`` are refused, as are the fields
+Nothing is stored: ``store: true`` (OpenAI's default) is answered unstored (the response says
+``store: false``, as vLLM answers it without its store), ``previous_response_id`` is refused, as
+are the fields
 ``UNSUPPORTED_RESPONSES`` lists, rather than silently ignored.
 """
 
@@ -33,7 +35,7 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None  # returned as sent
     user: str | None = None
-    store: bool | None = None  # false only: nothing is stored
+    store: bool | None = None  # nothing is stored: answered with store: false
 
 
 # Fields of the Responses API this server does not implement, with the values that leave them off
@@ -76,9 +78,8 @@ _RENAMES = {
 def check_responses(req: ResponsesRequest) -> None:
     """400 for what this server does not do, naming the field."""
     extra = req.model_extra or {}
-    if req.store:
-        msg = "store: true is not supported: this server keeps no responses (send store: false)"
-        raise APIError(400, msg, param="store")
+    # (store: true, OpenAI's default, is answered unstored, as vLLM does: the response says
+    # store: false; what would need a stored response, previous_response_id, is refused)
     if extra.get("previous_response_id") is not None:
         msg = (
             "previous_response_id is not supported: this server keeps no responses; send the "

@@ -231,7 +231,6 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
 @pytest.mark.parametrize(
     ("kw", "param", "match"),
     [
-        ({"store": True}, "store", "store: true is not supported"),
         ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
         ({"background": True}, "background", "background is not supported"),
         ({"include": ["reasoning.encrypted_content"]}, "include", "include is not supported"),
@@ -319,3 +318,15 @@ def test_responses_count_against_the_concurrency_limit(served: tuple[str, Script
             assert httpx.post(url, json={**body, "max_output_tokens": 1}, timeout=30).is_success
     finally:
         a.shutdown()
+
+
+def test_store_true_openai_s_default_is_answered_unstored(
+    served: tuple[str, ScriptedEngine],
+) -> None:
+    """``store: true`` (what OpenAI's API assumes when it is left out, and what agent frameworks
+    send) is served, as vLLM serves it without its store; the response says it was not stored."""
+    url, engine = served
+    _say(engine, "Hello there!")
+    r = _client(url).responses.create(model=MODEL, input="Hi", store=True)
+    _strict(r, Response)
+    assert r.status == "completed" and r.store is False and r.output_text == "Hello there!"
