@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.config import ModelConfig
+from runtime.decode_sampling import LOGPROB_FLOOR as LOGPROB_FLOOR  # (importable from here)
+from runtime.decode_sampling import sample_decode
 from runtime.detokenize import RequestDetokenizer, eos_ids
 from runtime.engine_config import EngineConfig
 from runtime.engine_inputs import EngineInputs, read_engine_inputs
@@ -30,16 +32,9 @@ from runtime.prompt_kv import (
     write_prompt_kv,
 )
 from runtime.prompt_logprobs import PromptLogprob, prompt_logprobs
-from runtime.readback import PoolChecks, SampledStep, check_overflow, to_host
+from runtime.readback import PoolChecks, SampledStep, check_overflow
 from runtime.request import PAGE, Request, Status
-from runtime.sampler import (
-    LogitsProcessor,
-    bad_stage,
-    prepare_batch,
-    request_seed,
-    sample,
-    unusable_rows,
-)
+from runtime.sampler import LogitsProcessor, request_seed
 from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_prompt
 from runtime.scheduler import ScheduledBatch, Scheduler
@@ -50,7 +45,6 @@ if TYPE_CHECKING:
     from model.loader import LoadExtras
 
 logger = logging.getLogger(__name__)
-LOGPROB_FLOOR = -9999.0  # reported in place of -inf (a masked-out token), as vLLM does
 
 
 @dataclass
@@ -619,76 +613,11 @@ class Engine:
         pending: torch.Tensor | None = None,
         started: torch.cuda.Event | None = None,
     ) -> SampledStep:
-        """Sample a decode step's tokens on the device (no host sync); ``pending``: the step is
-        one token ahead of the requests' host-side lists (``_decode``), their newest tokens
-        (int64 [len(batch.requests)] on the device)."""
-        reqs, ahead = batch.requests, pending is not None
-        generated = [len(r.output_ids) + ahead for r in reqs]
-        sb = prepare_batch(
-            [r.params for r in reqs], [self._seeds[r.request_id] for r in reqs], generated,
-            logits.device,
+        """``sample_decode`` with this engine's seeds, grammar, controls and processors."""
+        return sample_decode(
+            batch, logits, self._seeds, self.structured_output, self.sampling_controls,
+            self.logits_processors, pending=pending, started=started,
         )  # fmt: skip
-        # The grammar's mask first: min_p is relative to the best token the grammar allows (after
-        # it, a row whose allowed tokens min_p had all dropped was all -inf: NaN, token 0). The
-        # other controls leave a masked -inf at -inf, so for them the order does not matter.
-        logits = self.sampling_controls(reqs, self.structured_output(reqs, logits.float()), pending)
-        # with processors: which rows were unusable before them, then after each (as each
-        # returns: a later one may write in place). Before them also when a row's own parameters
-        # may have masked every token at this token (a grammar, min_tokens' stop ids before
-        # min_tokens): such a row, sampled from all -inf, was token 0 with a NaN logprob. (No
-        # host sync either way: the column goes to the host with the tokens; a batch without
-        # such rows computes nothing.)
-        checks = self.logits_processors or any(
-            r.params.may_mask_every_token(n) for r, n in zip(reqs, generated)
-        )
-        stages = [unusable_rows(logits)] if checks else []
-        for proc in self.logits_processors:
-            out = proc(reqs, logits)
-            # floating point on the logits' device too: .float() would turn integer or bool
-            # logits into other numbers without a word, and another device fails in sample()
-            # with an error that does not name the processor
-            if (
-                not isinstance(out, torch.Tensor)
-                or out.shape != logits.shape
-                or not out.is_floating_point()
-                or out.device != logits.device
-            ):
-                got = (
-                    f"{out.dtype} {tuple(out.shape)} on {out.device}"
-                    if isinstance(out, torch.Tensor)
-                    else type(out).__name__
-                )
-                raise ValueError(
-                    f"logits processor {proc!r} must return a floating-point tensor of shape "
-                    f"{tuple(logits.shape)} on {logits.device}, got {got}"
-                )
-            logits = out.float()
-            stages.append(unusable_rows(logits))
-        tok, lp = sample(
-            logits,
-            sb.temperature,
-            sb.top_k,
-            sb.top_p,
-            sb.seeds,
-            sb.steps,
-            all_greedy=sb.all_greedy,
-            filters=sb.filters,
-        )
-        # a token masked out (min_p, a grammar, min_tokens' EOS mask) has logprob -inf, which JSON
-        # cannot carry: reported logprobs are floored at LOGPROB_FLOOR, as vLLM does
-        lp = lp.clamp(min=LOGPROB_FLOOR)
-        n_top = max(r.params.top_logprobs for r in reqs)
-        cols = [tok.double()[:, None], lp.double()[:, None]]
-        if n_top:
-            # top alternatives: log_softmax of the logits sampled from, before temperature /
-            # top-k / top-p (what a greedy row's own logprob is computed from)
-            top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
-            cols += [top.indices.double(), top.values.clamp(min=LOGPROB_FLOOR).double()]
-        checked = bool(stages)
-        if checked:  # an unusable row fails its request when read (_complete)
-            cols.append(bad_stage(stages).double()[:, None])
-        host, copied = to_host(torch.cat(cols, 1), timed=True)
-        return SampledStep(batch, tok, host, n_top, copied, ahead, started, checked)
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:

@@ -46,7 +46,7 @@ class SampledStep:
     ahead: bool  # launched before the step before it was read
     started: torch.cuda.Event | None  # (CUDA, timed) before the step's first input copy
     # logits processors ran: ``host`` has one more column, per row the stage whose logits went
-    # non-finite (``Engine._sample``; 0: none), read into ``bad_stages``
+    # non-finite (``runtime.decode_sampling``; 0: none), read into ``bad_stages``
     checked: bool = False
     bad_stages: list[int] | None = None
 

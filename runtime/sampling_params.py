@@ -268,8 +268,8 @@ class SamplingParams:
     def may_mask_every_token(self, generated: int) -> bool:
         """Its own parameters may leave no token to sample (every logit -inf) at the step that
         samples its ``generated + 1``-th token, so the engine checks its row then
-        (``Engine._sample``): ``min_tokens`` holds back EOS and every ``stop_token_ids`` token
-        (all of them, if those are every id) until it is reached, a grammar masks what it does
+        (``runtime.decode_sampling``): ``min_tokens`` holds back EOS and every ``stop_token_ids``
+        token (all of them, if those are every id) until it is reached, a grammar masks what it does
         not allow, and a huge ``repetition_penalty`` sends a seen negative logit to -inf (fp32
         overflow). The penalties, ``logit_bias`` (at most -100) and ``min_p`` (relative to the
         best token) never take the last token. (Called per row per step: no allocation.)"""
