@@ -16,18 +16,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.config import ModelConfig
+from runtime.admission import check_received_kv, check_request, queue_group
 from runtime.decode_sampling import LOGPROB_FLOOR as LOGPROB_FLOOR  # (importable from here)
 from runtime.decode_sampling import sample_decode
 from runtime.detokenize import RequestDetokenizer, eos_ids
 from runtime.engine_config import EngineConfig
 from runtime.engine_inputs import EngineInputs, read_engine_inputs
 from runtime.model_runner import StepCompiler, build_runner
-from runtime.prefill_sharing import copy_rows, split_group
+from runtime.prefill_sharing import copy_rows
 from runtime.prompt_kv import (
     PromptKV,
     PromptKVSource,
-    check_source,
-    check_uncut,
     read_prompt_kv,
     write_prompt_kv,
 )
@@ -36,7 +35,7 @@ from runtime.readback import PoolChecks, SampledStep, check_overflow
 from runtime.request import PAGE, Request, Status
 from runtime.sampler import LogitsProcessor, request_seed
 from runtime.sampling_controls import SamplingControls
-from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_prompt
+from runtime.sampling_params import SamplingParams, fill_max_tokens
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
@@ -191,17 +190,11 @@ class Engine:
         tokens (``truncate_prompt``) before anything else reads it."""
         ids = self._check_new(request_id, prompt_token_ids, params)
         params = fill_max_tokens(params, len(ids), self.max_model_len)
-        if prompt_kv is not None and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs needs a prefill: a request with prompt_kv has none")
         if prompt_kv is not None:
-            check_uncut(len(prompt_token_ids), len(ids))
-            check_source(
-                prompt_kv,
-                self.model_config.num_hidden_layers,
-                max(len(ids) - 1, 0),
-                self.cache.config.row_bytes,
-                self.cache.config.fmt,
-            )
+            check_received_kv(
+                prompt_kv, params, len(prompt_token_ids), ids, self.model_config.num_hidden_layers,
+                self.cache.config.row_bytes, self.cache.config.fmt,
+            )  # fmt: skip
         req = Request(request_id, ids, params, prompt_kv=prompt_kv)
         self.scheduler.add(req)  # raises ValueError for requests that can never fit
         self._register(req)
@@ -233,22 +226,7 @@ class Engine:
             raise ValueError("add_request_group: the sequences must truncate the prompt alike")
         params = [fill_max_tokens(p, len(prompt), self.max_model_len) for p in params]
         reqs = [Request(rid, prompt, p) for rid, p in zip(request_ids, params)]
-        sched = self.scheduler
-        parts = split_group(reqs, sched.cfg.max_running, sched.pages.num_pages)
-        shared = [len(part) > 1 and reqs[0].prefill_end >= 1 for part in parts]
-        for part, share in zip(parts, shared):  # check all before queueing any
-            for r in part:
-                sched.check(r)
-            if share:
-                sched.check_group(part)
-        for part, share in zip(parts, shared):
-            if share:
-                sched.add_group(part)
-            else:
-                for r in part:
-                    sched.add(r)
-            for r in part:
-                self._register(r)
+        queue_group(self.scheduler, reqs, self._register)
 
     def _register(self, req: Request) -> None:
         params = req.params
@@ -261,27 +239,11 @@ class Engine:
     def _check_new(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> list[int]:
-        """The prompt's ids as a list, truncated as ``params`` asks (``truncate_prompt``: before
-        the context check and the prefix cache's lookup, which read the request's ids);
-        ValueError naming what is wrong with a new request."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        vocab = self.model_config.vocab_size
-        ids = truncate_prompt(list(prompt_token_ids), params, self.max_model_len)
-        # builtins over the whole list first (100K-token prompts); the per-token check only when
-        # some id is not a plain int (an int subclass other than bool is still accepted)
-        if ids and not set(map(type, ids)) <= {int}:
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise ValueError("prompt token ids must be integers")
-        if ids and not (0 <= min(ids) and max(ids) < vocab):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if params.grammar is not None:
-            self.structured_output.check(params.grammar)
-        return ids
+        """``check_request`` against this engine's requests, vocabulary and context."""
+        return check_request(
+            request_id, prompt_token_ids, params, self.requests, self.model_config.vocab_size,
+            self.max_model_len, self.structured_output,
+        )  # fmt: skip
 
     def prompt_kv(self, request_id: str) -> PromptKV:
         """The KV rows of a running request's prompt once it is prefilled (the sending side of

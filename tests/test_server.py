@@ -61,7 +61,7 @@ class FakeEngine:
         if total > self.max_model_len:
             raise ValueError(f"prompt + max_tokens = {total} > max_model_len {self.max_model_len}")
         vocab = self.tokenizer.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):  # as Engine._check_new
+        if any(t >= vocab for t in params.stop_token_ids):  # as runtime.admission.check_request
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, prompt_token_ids)
         self.waiting.append(_Req(request_id, list(prompt_token_ids), params, detok))
