@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,13 +29,14 @@ from runtime.prompt_kv import (
     read_prompt_kv,
     write_prompt_kv,
 )
-from runtime.prompt_logprobs import PromptLogprob, prompt_logprobs
+from runtime.prompt_logprobs import prompt_logprobs
 from runtime.readback import PoolChecks, SampledStep, check_overflow
 from runtime.request import PAGE, Request, Status
 from runtime.sampler import LogitsProcessor, request_seed
 from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams, fill_max_tokens
 from runtime.scheduler import ScheduledBatch, Scheduler
+from runtime.step_output import StepOutput, error_output, token_output, unusable_logits_message
 from runtime.structured_output import StructuredOutput
 from runtime.tokenizer import Tokenizer
 
@@ -44,26 +44,6 @@ if TYPE_CHECKING:
     from model.loader import LoadExtras
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float] | None
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    # per new token, its params.top_logprobs most likely (token id, logprob); None when not asked
-    new_top_logprobs: list[list[tuple[int, float]]] | None = None
-    # params.prompt_logprobs, on a request's first output: [None, entry of prompt token 1, ...]
-    prompt_logprobs: list[PromptLogprob | None] | None = None
-    # prompt tokens served from the prefix cache (EngineConfig.enable_prefix_caching)
-    cached_tokens: int = 0
-    # finish_reason "error": what went wrong, when the engine knows (a logits processor's output)
-    error: str | None = None
 
 
 class EngineClosed(RuntimeError):
@@ -512,22 +492,7 @@ class Engine:
             if reason is not None:
                 self._finish(r, reason)
             r.check()
-            outs.append(
-                StepOutput(
-                    r.request_id,
-                    [tok],
-                    [lp] if r.params.logprobs else None,
-                    text,
-                    reason is not None,
-                    reason,
-                    len(r.prompt_ids),
-                    len(r.output_ids),
-                    None if top is None else [top],
-                    # with the first token: None for the first prompt token, then the prefill's
-                    r.prompt_logprobs_out() if len(r.output_ids) == 1 else None,
-                    r.cached_tokens,
-                )
-            )
+            outs.append(token_output(r, tok, lp, top, text, reason))
         self._pool_checks.poll()
         if any(o.finished for o in outs):
             self._pool_checks.add(self.cache.overflow())
@@ -543,30 +508,10 @@ class Engine:
         """Finish ``req``, whose row of a decode step had unusable logits (``bad_stage``'s
         ``stage``), with finish_reason "error" and a message naming the processor (stage 1:
         the request's own parameters, or the model); the other rows of the step go on."""
-        why = "NaN or +inf logits, or every logit -inf (no token left to sample)"
-        if stage == 1:
-            # NOTE: every row of a checked step is checked (a processor, or another row that may
-            # mask): name this request's own parameters only, and only those that could mask
-            before = " before the logits processors" if self.logits_processors else ""
-            own = req.params.masking(len(req.output_ids))  # (the token was never appended)
-            what = f"no token could be sampled{before}: " + (
-                f"its own parameters masked every token ({'; '.join(own)}), or the model's "
-                "logits were NaN or +inf"
-                if own
-                else f"the model's logits were unusable ({why})"
-            )
-        else:
-            proc = self.logits_processors[stage - 2]
-            what = f"logits processor {proc!r} returned {why} for this request's row"
-        msg = f"request {req.request_id!r}: {what}"
+        msg = unusable_logits_message(req, stage, self.logits_processors)
         logger.warning("%s; it ends with an error", msg)
         self._finish(req, "error")
-        n = len(req.output_ids)
-        return StepOutput(
-            req.request_id, [], [] if req.params.logprobs else None, "", True, "error",
-            len(req.prompt_ids), n, [] if req.params.top_logprobs else None,
-            req.prompt_logprobs_out() if n == 0 else None, req.cached_tokens, msg,
-        )  # fmt: skip
+        return error_output(req, msg)
 
     def _sample(
         self,
