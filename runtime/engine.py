@@ -21,6 +21,7 @@ from runtime.decode_sampling import sample_decode
 from runtime.detokenize import RequestDetokenizer, eos_ids
 from runtime.engine_config import EngineConfig
 from runtime.engine_inputs import EngineInputs, read_engine_inputs
+from runtime.engine_metrics import engine_metrics
 from runtime.model_runner import StepCompiler, build_runner
 from runtime.prefill_sharing import copy_rows
 from runtime.prompt_kv import (
@@ -528,55 +529,12 @@ class Engine:
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float | list[float]]:
-        """Observability counters (syncs with the device: call between steps)."""
-        if len(self._recent) >= 2:
-            dt = self._recent[-1][0] - self._recent[0][0]
-            tps = sum(n for _, n in list(self._recent)[1:]) / dt if dt > 0 else 0.0
-        else:
-            tps = 0.0
-        pool = self.cache.stats()
-        alloc, prefix = self.scheduler.pages, self.scheduler.prefix
-        return {
-            "running": float(self.scheduler.num_rows),
-            "waiting": float(self.scheduler.num_waiting),  # a queued group: its n sequences
-            "generated_tokens": float(self.generated_tokens),
-            "tokens_per_s": tps,
-            "host_pool_usage": self.scheduler.pages_in_use / alloc.num_pages,
-            "gpu_pool_usage": pool["gpu_pool_usage"],
-            "hit_rate": pool["hit_rate"],  # 1.0 for a layer with no lookup yet
-            # per layer, the totals behind it (counters: a scraper derives rates from them)
-            "gpu_pool_selected": pool["selected_per_layer"],
-            "gpu_pool_recalled": pool["recalled_per_layer"],
-            "recalled_rows_per_step": pool["recalled_rows_per_step"],
-            "recall_overflow": float(pool["overflow"]),
-            # mean host time from a decode step's tokens to the next decode step's call (GPU idle)
-            "decode_host_gap_ms": 1e3 * self.host_gap_s / max(self.host_gaps, 1),
-            # the counts behind that mean and the share below (a DP deployment weighs its ranks)
-            "decode_host_gaps": float(self.host_gaps),
-            "decode_steps": float(self.num_decode_steps),
-            # asynchronous scheduling: the share of decode steps launched one token ahead (no
-            # host gap: their gap is not in the mean above), and the rows of finished requests
-            # they computed for nothing
-            "decode_ahead_fraction": self.decode_steps_ahead / max(self.num_decode_steps, 1),
-            # (CUDA) the device's mean idle time between back-to-back decode steps, as the GPU
-            # timed it, and how many such gaps it averages (0 on a CPU)
-            "decode_gpu_idle_ms": self.gpu_idle_ms / max(self.gpu_idle_gaps, 1),
-            "decode_gpu_idle_gaps": float(self.gpu_idle_gaps),
-            "discarded_rows": float(self.discarded_rows),
-            # prefetch, per layer (empty lists when off; docs/prefetch.md)
-            "prefetched_per_step": pool["prefetched_per_step"],
-            "prefetch_precision": pool["prefetch_precision"],
-            "prefetch_coverage": pool["prefetch_coverage"],
-            # prefix caching: the share of looked-up prompt tokens found cached, and the host
-            # pages the cache holds (EngineConfig.enable_prefix_caching; 0 when off)
-            "prefix_cache_hit_rate": prefix.hits / prefix.queries
-            if prefix and prefix.queries
-            else 0.0,
-            "prefix_cache_pages": float(prefix.num_pages if prefix else 0),
-            # the totals behind that share: prompt tokens looked up, and found (vLLM's counters)
-            "prefix_cache_queries": float(prefix.queries if prefix else 0),
-            "prefix_cache_hits": float(prefix.hits if prefix else 0),
-            # prefill without the device buffer (EngineConfig.prefill_buffer=False)
-            "prefill_host_rows": pool["prefill_host_rows"],
-            "prefill_copy_overlap": pool["prefill_copy_overlap"],
-        }
+        """Observability counters (syncs with the device: call between steps;
+        ``runtime.engine_metrics``)."""
+        return engine_metrics(
+            self.scheduler, self.cache.stats(), self._recent,
+            generated_tokens=self.generated_tokens, host_gap_s=self.host_gap_s,
+            host_gaps=self.host_gaps, decode_steps=self.num_decode_steps,
+            decode_steps_ahead=self.decode_steps_ahead, gpu_idle_ms=self.gpu_idle_ms,
+            gpu_idle_gaps=self.gpu_idle_gaps, discarded_rows=self.discarded_rows,
+        )  # fmt: skip
