@@ -42,14 +42,14 @@ MUTATIONS = [
     Mutation(
         "engine ignores stop_token_ids",
         "runtime/detokenize.py",
-        "(token_id == self.eos and not p.ignore_eos) or token_id in p.stop_token_ids",
-        "(token_id == self.eos and not p.ignore_eos)",
+        "(token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids",
+        "(token_id in self.eos and not p.ignore_eos)",
         ("tests/test_engine_finish.py::test_stop_token_ids",),
     ),
     Mutation(
         "engine ignores EOS",
         "runtime/detokenize.py",
-        "(token_id == self.eos and not p.ignore_eos) or token_id in p.stop_token_ids",
+        "(token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids",
         "token_id in p.stop_token_ids",
         ("tests/test_engine_finish.py::test_eos_and_ignore_eos",),
     ),
