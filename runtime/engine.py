@@ -33,6 +33,7 @@ from runtime.prompt_kv import (
 from runtime.prompt_logprobs import prompt_logprobs
 from runtime.readback import PoolChecks, SampledStep, check_overflow
 from runtime.request import PAGE, Request, Status
+from runtime.run_ahead import run_ahead
 from runtime.sampler import LogitsProcessor, request_seed
 from runtime.sampling_controls import SamplingControls
 from runtime.sampling_params import SamplingParams, fill_max_tokens
@@ -393,32 +394,11 @@ class Engine:
         return self._sample(batch, logits, pending=pending, started=started)
 
     def _run_ahead(self, s: SampledStep) -> ScheduledBatch | None:
-        """The decode batch to launch before ``s``'s tokens are read, or None to read them
-        first. It is the batch ``schedule()`` would give once ``s`` is read: ``s``'s requests
-        still running, less those whose token in flight is their last by length (they finish
-        when it is read; a request that finished on EOS, a stop string or an abort since is gone
-        already), when the scheduler would run exactly those (``Scheduler.repeats``: no
-        admission, no prefill). None when a request has a grammar or the engine has logits
-        processors (they read the tokens on the host), and with ``async_scheduling`` off; the
-        penalties and the other sampling controls count the token in flight on the device. A
-        request that finishes on EOS or a stop string while the step after it runs leaves a row
-        there that is dropped (``discarded_rows``)."""
-        if not self.config.async_scheduling or self.logits_processors:
-            return None
-        reqs, leaving = [], []
-        for r in s.batch.requests:
-            p = r.params
-            if r.status is not Status.RUNNING:
-                continue
-            if p.grammar is not None:
-                return None
-            # the token in flight is the (len + 1)-th: its last if that is max_tokens
-            (leaving if len(r.output_ids) + 2 > p.max_tokens else reqs).append(r)
-        if not reqs or not self.scheduler.repeats(reqs, leaving):
-            return None
-        if len(reqs) == len(s.batch.requests):
-            return s.batch  # unchanged: the same list (its input ids need no gather)
-        return ScheduledBatch(True, reqs)
+        """The decode batch to launch before ``s``'s tokens are read, or None to read them first
+        (``runtime.run_ahead``)."""
+        return run_ahead(
+            s.batch, self.config.async_scheduling, self.logits_processors, self.scheduler
+        )
 
     def _load_prompt_kv(self, req: Request) -> None:
         """Write a just-admitted request's received prompt KV into its host slots in place of
