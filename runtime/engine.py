@@ -24,12 +24,8 @@ from runtime.engine_inputs import EngineInputs, read_engine_inputs
 from runtime.engine_metrics import engine_metrics
 from runtime.model_runner import StepCompiler, build_runner
 from runtime.prefill_sharing import copy_rows
-from runtime.prompt_kv import (
-    PromptKV,
-    PromptKVSource,
-    read_prompt_kv,
-    write_prompt_kv,
-)
+from runtime.prompt_kv import PromptKV, PromptKVSource, read_prompt_kv
+from runtime.prompt_kv_load import load_prompt_kv
 from runtime.prompt_logprobs import prompt_logprobs
 from runtime.readback import PoolChecks, SampledStep, check_overflow
 from runtime.request import PAGE, Request, Status
@@ -401,28 +397,11 @@ class Engine:
         )
 
     def _load_prompt_kv(self, req: Request) -> None:
-        """Write a just-admitted request's received prompt KV into its host slots in place of
-        its prefill (``write_prompt_kv``); a bad chunk, or a source whose ``chunk()`` raises
-        anything else (a connector's I/O error, rows that cannot be copied), finishes it with an
-        error: left queued, every later step would retry the load and raise again."""
-        n = req.prefill_end
-        t0 = time.perf_counter()
-        try:
-            write_prompt_kv(
-                self.cache.layers, req.prompt_kv, lambda s, e: req.slots(s, e).to(self.device),
-                n, self.cache.config.row_bytes, self.device,
-            )  # fmt: skip
-        except Exception:
-            self._finish(req, "error")  # its pages hold a partial prompt: never decode them
-            raise
-        if self.device.type == "cuda":
-            # so that prompt_kv_load_s is the load's own time (the decode step after it syncs on
-            # its sampled tokens anyway)
-            torch.cuda.synchronize(self.device)
-        self.prompt_kv_load_s += time.perf_counter() - t0
-        req.num_computed = n
-        req.prompt_kv = None  # the rows are in the cache now; let the source go
-        self.scheduler.computed(req)
+        """``load_prompt_kv`` (a failed load finishes ``req`` with an error), its time counted in
+        ``prompt_kv_load_s``."""
+        self.prompt_kv_load_s += load_prompt_kv(
+            req, self.cache, self.device, self.scheduler, lambda r: self._finish(r, "error")
+        )
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
         """A step's outputs from its logits, synchronously (decode: sample, then read)."""
