@@ -1,8 +1,8 @@
 """A new request's checks before it is queued, each a ValueError naming what is wrong: its id,
 prompt ids and token-id parameters against the vocabulary (``check_request``), a received prompt
-KV against the cache (``check_received_kv``), and a group of sequences of one prompt checked
-whole before any is queued (``queue_group``). ``Engine.add_request`` and
-``Engine.add_request_group`` call them in that order."""
+KV against the cache (``check_received_kv``), a group's ids and prompt (``check_group``), and a
+group of sequences of one prompt checked whole before any is queued (``queue_group``).
+``Engine.add_request`` and ``Engine.add_request_group`` call them in that order."""
 
 from __future__ import annotations
 
@@ -63,6 +63,28 @@ def check_received_kv(
         raise ValueError("prompt_logprobs needs a prefill: a request with prompt_kv has none")
     check_uncut(num_prompt, len(ids))
     check_source(prompt_kv, num_layers, max(len(ids) - 1, 0), row_bytes, fmt)
+
+
+def check_group(
+    request_ids: list[str],
+    prompt_token_ids: list[int],
+    params: list[SamplingParams],
+    check: Callable[[str, list[int], SamplingParams], list[int]],
+) -> list[int]:
+    """The prompt the sequences of a group (``Engine.add_request_group``) share, each sequence
+    ``check``-ed as a new request (``check_request``); ValueError unless there is one
+    SamplingParams per id, the ids are distinct and every sequence truncates the prompt alike
+    (one prefill serves them all)."""
+    if len(request_ids) != len(params) or not request_ids:
+        raise ValueError("add_request_group needs one SamplingParams per request id")
+    if len(set(request_ids)) != len(request_ids):
+        raise ValueError("add_request_group: request ids must be distinct")
+    ids = list(prompt_token_ids)
+    kept = [check(rid, ids, p) for rid, p in zip(request_ids, params)]
+    prompt = kept[0]
+    if any(len(k) != len(prompt) for k in kept):  # (suffixes of ids; one prefill for all)
+        raise ValueError("add_request_group: the sequences must truncate the prompt alike")
+    return prompt
 
 
 def queue_group(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.config import ModelConfig
-from runtime.admission import check_received_kv, check_request, queue_group
+from runtime.admission import check_group, check_received_kv, check_request, queue_group
 from runtime.decode_sampling import LOGPROB_FLOOR as LOGPROB_FLOOR  # (importable from here)
 from runtime.decode_sampling import sample_decode
 from runtime.detokenize import RequestDetokenizer, eos_ids
@@ -193,15 +193,7 @@ class Engine:
         pools serve at once is split into groups of at most that many, and a one-token prompt
         (nothing to prefill) makes separate requests. All are refused, and none queued, if one
         is invalid."""
-        if len(request_ids) != len(params) or not request_ids:
-            raise ValueError("add_request_group needs one SamplingParams per request id")
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError("add_request_group: request ids must be distinct")
-        ids = list(prompt_token_ids)
-        kept = [self._check_new(rid, ids, p) for rid, p in zip(request_ids, params)]
-        prompt = kept[0]
-        if any(len(k) != len(prompt) for k in kept):  # (suffixes of ids; one prefill for all)
-            raise ValueError("add_request_group: the sequences must truncate the prompt alike")
+        prompt = check_group(request_ids, prompt_token_ids, params, self._check_new)
         params = [fill_max_tokens(p, len(prompt), self.max_model_len) for p in params]
         reqs = [Request(rid, prompt, p) for rid, p in zip(request_ids, params)]
         queue_group(self.scheduler, reqs, self._register)
