@@ -15,6 +15,7 @@ import torch
 
 from echo_compile.compiled import StepCompiler
 from echo_compile.devices import check_device
+from echo_compile.memory_checks import check_fits, check_host_pool
 from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
 from runtime.engine import Engine, EngineConfig, StepOutput
@@ -50,43 +51,6 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
     prompt_logprobs: list | None = None
-
-
-def _check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
-    """The memory plan of this rank (runtime/distributed/plan.py) against its GPU and host,
-    before the weights load: a deployment that cannot fit is refused in seconds, naming what
-    does not. Anything else the check meets (a bad checkpoint or option: the loader says so
-    next; a config the planner cannot count) makes it step aside with a warning."""
-    import os
-
-    from model.loader import read_checkpoint_meta
-    from runtime.distributed import plan
-
-    try:
-        device, local_ranks = config.device, 1
-        if config.world_size > 1:  # torchrun: this rank's GPU; the ranks sharing this host
-            if device in ("cuda", "cuda:0"):
-                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        _, model_config, _ = read_checkpoint_meta(path)
-        gpu, host = plan.device_memory_gib(device)
-        plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks)
-    except plan.DoesNotFit:
-        raise
-    except Exception as e:  # noqa: BLE001
-        logging.getLogger(__name__).warning("memory check skipped: %s: %s", type(e).__name__, e)
-
-
-def _check_host_pool(path, config: EngineConfig) -> None:
-    """On the CPU: the KV pool against this machine's memory before any weight is read (the
-    refusal ``allocate_host_rows`` makes when the engine allocates it, minutes later for a real
-    checkpoint), naming ``--host-tokens`` and the bytes."""
-    from custom_ops.cache.host_pool import check_host_rows
-    from model.loader import read_checkpoint_meta
-
-    _, model_config, _ = read_checkpoint_meta(path)
-    cc = config.cache_config(model_config)
-    check_host_rows(cc.num_layers, cc.host_tokens, cc.row_bytes, config.device, cc.offload)
 
 
 class LLM:
@@ -160,9 +124,9 @@ class LLM:
         # seconds: a mistake there is not found after minutes of reading weights
         inputs = read_engine_inputs(path, config, generation_config)
         if config.device.startswith("cuda"):
-            _check_fits(path, config, fp8_weights)
+            check_fits(path, config, fp8_weights)
         else:
-            _check_host_pool(path, config)
+            check_host_pool(path, config)
         compiled = compile if compile is not None else config.device.startswith("cuda")
         if config.world_size > 1:
             # one rank of a dp/tp job (torchrun): every rank runs this same code (docs/multi_gpu.md)

@@ -1,0 +1,46 @@
+"""``LLM``'s memory checks before the weights load: a deployment that cannot fit is refused in
+seconds, naming what does not, not after minutes of reading weights (on CUDA ``check_fits``,
+on the CPU ``check_host_pool``)."""
+
+from __future__ import annotations
+
+import logging
+
+from runtime.engine_config import EngineConfig
+
+
+def check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
+    """The memory plan of this rank (runtime/distributed/plan.py) against its GPU and host,
+    before the weights load: a deployment that cannot fit is refused in seconds, naming what
+    does not. Anything else the check meets (a bad checkpoint or option: the loader says so
+    next; a config the planner cannot count) makes it step aside with a warning."""
+    import os
+
+    from model.loader import read_checkpoint_meta
+    from runtime.distributed import plan
+
+    try:
+        device, local_ranks = config.device, 1
+        if config.world_size > 1:  # torchrun: this rank's GPU; the ranks sharing this host
+            if device in ("cuda", "cuda:0"):
+                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        _, model_config, _ = read_checkpoint_meta(path)
+        gpu, host = plan.device_memory_gib(device)
+        plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks)
+    except plan.DoesNotFit:
+        raise
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger(__name__).warning("memory check skipped: %s: %s", type(e).__name__, e)
+
+
+def check_host_pool(path, config: EngineConfig) -> None:
+    """On the CPU: the KV pool against this machine's memory before any weight is read (the
+    refusal ``allocate_host_rows`` makes when the engine allocates it, minutes later for a real
+    checkpoint), naming ``--host-tokens`` and the bytes."""
+    from custom_ops.cache.host_pool import check_host_rows
+    from model.loader import read_checkpoint_meta
+
+    _, model_config, _ = read_checkpoint_meta(path)
+    cc = config.cache_config(model_config)
+    check_host_rows(cc.num_layers, cc.host_tokens, cc.row_bytes, config.device, cc.offload)
