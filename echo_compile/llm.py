@@ -95,8 +95,7 @@ class LLM:
         **engine_options,
     ):
         from model.checkpoint import resolve_model
-        from model.fp8_weights import resolve_fp8_weights
-        from model.loader import load_model, read_checkpoint_meta
+        from model.loader import load_model, read_checkpoint_meta, served_fp8_weights
 
         configure_threads()  # once per process: ECHO_COMPILE_THREADS, else by usable cores
         if "device" not in engine_options:
@@ -108,13 +107,15 @@ class LLM:
         # one choice of the FP8 checkpoint's weights, which the sizing, the memory check and
         # the load (every rank's) all take
         _, ckpt, _ = read_checkpoint_meta(path)
-        fp8_weights = resolve_fp8_weights(fp8_weights, ckpt, str(path))
+        asked, fp8_weights = fp8_weights, served_fp8_weights(path, ckpt, fp8_weights)
         if ckpt.quantization is not None and ckpt.quantization.method == "fp8":
-            logging.getLogger(__name__).info(
-                "FP8 checkpoint: weights %s",
-                "kept FP8 (--fp8-weights bf16 dequantises them at load)" if fp8_weights == "fp8"
-                else "dequantised to bf16 at load (--fp8-weights bf16)",
-            )  # fmt: skip
+            if fp8_weights == "fp8":
+                how = "kept FP8 (--fp8-weights bf16 dequantises them at load)"
+            elif asked == "bf16":
+                how = "dequantised to bf16 at load (--fp8-weights bf16)"
+            else:  # "auto" on a checkpoint converted to bf16 (no weight_scale_inv tensors)
+                how = "bf16 as stored (its config.json declares FP8, its tensors have no scales)"
+            logging.getLogger(__name__).info("FP8 checkpoint: weights %s", how)
         # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line)
         given = set(SIZED) & set(engine_options)
         config = size_engine(

@@ -473,21 +473,31 @@ def load_model(
 
 def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:
     """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None where
-    ``fp8_weights`` resolves to ``"bf16"`` (``resolve_fp8_weights``: its ValueErrors); a
-    ValueError for a checkpoint whose config.json says FP8 but that has no scales (its weights
-    converted to bf16, e.g. by DeepSeek's fp8_cast_bf16.py, with config.json left as it was)."""
+    ``fp8_weights`` resolves to ``"bf16"`` (``resolve_fp8_weights``: its ValueErrors). A
+    checkpoint whose config.json says FP8 but that has no scales (its weights converted to bf16,
+    e.g. by DeepSeek's fp8_cast_bf16.py, with config.json left as it was) is served as the bf16
+    it holds under ``"auto"`` (None), and is a ValueError under an explicit ``"fp8"``."""
     if resolve_fp8_weights(fp8_weights, config, str(path)) == "bf16":
         return None
     _, files = _shards(path)
     scaled = {n.removesuffix(".weight_scale_inv") for names in files.values()
               for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
+    if not scaled and fp8_weights == "auto":
+        return None
     if not scaled:
         raise ValueError(
             f"fp8_weights={fp8_weights!r}: {path} has no weight_scale_inv tensors, though its "
-            "config.json declares an fp8 quantization_config, so its weights are kept FP8 (already "
-            "converted to bf16? load them with fp8_weights='bf16', --fp8-weights bf16)"
+            "config.json declares an fp8 quantization_config (already converted to bf16? load "
+            "them with fp8_weights='bf16' or 'auto', --fp8-weights bf16)"
         )
     return scaled
+
+
+def served_fp8_weights(path: Path, config: ModelConfig, fp8_weights: str) -> str:
+    """What ``load_model`` serves for ``fp8_weights``: ``"fp8"`` (weights kept FP8) or ``"bf16"``
+    (``fp8_scaled_modules``' rule: "auto" keeps what the checkpoint holds), for the readers that
+    must agree with the load before it (the memory plan, the sizing)."""
+    return "bf16" if fp8_scaled_modules(path, config, fp8_weights) is None else "fp8"
 
 
 def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, Any]:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 import re
 import shutil
 import warnings
@@ -131,11 +132,10 @@ def test_fp8_checkpoint_loads_dequantised(loaded, tiny_fp8):
     assert torch.equal(dict(model.named_parameters())[name], dq)
 
 
-def test_fp8_config_without_scales_is_refused_for_fp8_weights(tiny, tiny_fp8, tmp_path):
+def test_fp8_config_without_scales_is_refused_for_fp8_weights(tiny, tiny_fp8, tmp_path, caplog):
     """A bf16 checkpoint whose config.json still declares FP8 (DeepSeek's fp8_cast_bf16.py leaves
-    it as it was): 'fp8' and the default 'auto', which keep an FP8 checkpoint FP8, name the missing
-    scales and the flag that loads it (it loaded the bf16 weights without a word); 'bf16' loads
-    it as before."""
+    it as it was): an explicit 'fp8' names the missing scales and the flag that loads it; the
+    default 'auto' serves what the checkpoint holds, bf16 (LLM says so), as 'bf16' does."""
     from model.parallel import TPGroup
     from model.shard_loader import load_sharded_model
 
@@ -146,15 +146,22 @@ def test_fp8_config_without_scales_is_refused_for_fp8_weights(tiny, tiny_fp8, tm
     (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": fp8_config}))
     for load in (
         lambda: load_model(path, fp8_weights="fp8"),
-        lambda: load_model(path),
         lambda: load_sharded_model(path, TPGroup(0, 1, "", gather=False), fp8_weights="fp8"),
     ):
         with pytest.raises(ValueError, match=rf"{re.escape(str(path))} has no weight_scale_inv"
                                              r".*--fp8-weights bf16"):
             load()
-    model, extras = load_model(path, fp8_weights="bf16")
-    assert extras.config.quantization.method == "fp8"
+    for fp8_weights in ("bf16", "auto"):
+        model, extras = load_model(path, fp8_weights=fp8_weights)
+        assert extras.config.quantization.method == "fp8"
+        assert model.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
+    model, _ = load_sharded_model(path, TPGroup(0, 1, "", gather=False))
     assert model.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
+    from echo_compile.llm import LLM
+
+    caplog.set_level(logging.INFO, logger="echo_compile.llm")
+    LLM(str(path), device="cpu", compile=False, progress=False)
+    assert "FP8 checkpoint: weights bf16 as stored" in caplog.text
 
 
 # ---- corrupt checkpoints -----------------------------------------------------------------------
