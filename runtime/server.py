@@ -24,7 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from runtime.async_engine import AsyncEngine
 from runtime.openai_protocol import APIError, validation_error
 from runtime.server_handlers import Handlers
-from runtime.server_lifecycle import DEFAULT_GRACE_S, serve_app, startup_summary
+from runtime.server_lifecycle import DEFAULT_GRACE_S, serve_app, server_url, startup_summary
 from runtime.server_middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -169,7 +169,8 @@ def serve(
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     try:
         app = build_app(async_engine, names, api_key, **app_options)
-        print(startup_summary(async_engine, ", ".join(names), asked_max_len), flush=True)
+        url = server_url(host, port, sock)
+        print(startup_summary(async_engine, ", ".join(names), asked_max_len, url), flush=True)
         serve_app(app, async_engine, host, port, grace_s, sock, uvicorn_log_level)
     finally:
         async_engine.shutdown()

@@ -19,12 +19,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 30.0  # how long in-flight requests may run after SIGTERM
 
 
-def startup_summary(async_engine: AsyncEngine, model_name: str, asked_max_len: int | None) -> str:
-    """One line naming what is served: model, device, pools, the real context limit (and why it
-    is less than asked, when it is)."""
+def startup_summary(
+    async_engine: AsyncEngine, model_name: str, asked_max_len: int | None, url: str | None = None
+) -> str:
+    """One line naming what is served: model, the address (``url``; uvicorn names it only when
+    it binds the socket itself), device, pools, the real context limit (and why it is less than
+    asked, when it is)."""
     engine = async_engine.engine
     cfg = getattr(engine, "config", None)
-    parts = [f"serving {model_name!r}"]
+    parts = [f"serving {model_name!r}" + ("" if url is None else f" on {url}")]
     if cfg is not None:
         parts.append(f"device {getattr(cfg, 'device', '?')}")
         offload = getattr(cfg, "offload", None)
@@ -75,6 +78,14 @@ def sampling_changes(defaults: SamplingParams) -> str:
         if getattr(defaults, k) != getattr(base, k)
     ]
     return " ".join(diff)
+
+
+def server_url(host: str, port: int, sock: socket.socket | None = None) -> str:
+    """The address clients use, ``http://host:port`` (an IPv6 host in brackets); ``sock``: the
+    bound socket, whose port is the real one (``--port 0`` binds a free one)."""
+    if sock is not None:
+        port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -29,7 +29,7 @@ from test_server import MAX_MODEL_LEN, MODEL, FakeEngine
 
 from runtime.async_engine import AsyncEngine
 from runtime.server import DEFAULT_MAX_BODY_BYTES, build_app
-from runtime.server_lifecycle import DrainingServer, startup_summary
+from runtime.server_lifecycle import DrainingServer, server_url, startup_summary
 from runtime.tokenizer import Tokenizer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -305,7 +305,8 @@ serve(AsyncEngine(FakeEngine(tok, step_s=0.05)), "m", port=int(sys.argv[1]), gra
         if proc.poll() is None:
             proc.kill()
         out = proc.communicate()[0]
-    assert "serving 'm'" in out and "max_model_len 256" in out  # the start-up line
+    # the start-up line, with the address (uvicorn names it only when it binds the socket)
+    assert f"serving 'm' on http://127.0.0.1:{port}, " in out and "max_model_len 256" in out
 
 
 # ---- start-up line, API key from the environment, tokens/s -------------------------------------
@@ -330,6 +331,13 @@ def test_startup_summary_names_the_real_context() -> None:
     ):
         assert part in line, line
     assert "asked" not in startup_summary(ae, "tiny", asked_max_len=1024)  # type: ignore[arg-type]
+    assert "serving 'tiny', device" in line  # no address given: none named
+    at = startup_summary(ae, "tiny", None, server_url("::1", 8000))  # type: ignore[arg-type]
+    assert at.startswith("serving 'tiny' on http://[::1]:8000, device cuda"), at
+    with socket.socket() as sock:  # --port 0: the port the socket got
+        sock.bind(("127.0.0.1", 0))
+        url = server_url("127.0.0.1", 0, sock)
+        assert url == f"http://127.0.0.1:{sock.getsockname()[1]}" and not url.endswith(":0")
     assert "prefetch" not in line  # off: not named
     assert "sampling defaults" not in line  # SamplingParams()'s: not named
     ae.sampling_defaults = SamplingParams(temperature=0.6, top_p=0.95)
