@@ -363,15 +363,27 @@ def parser() -> argparse.ArgumentParser:
         help="V3.2's weights (default awq); with --model the checkpoint's own",
     )
     pl.add_argument("--model", default=None, help="a checkpoint directory (default: V3.2's config)")
-    pl.add_argument("--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp")
+    pl.add_argument(
+        "--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp; default 8"
+    )
     pl.add_argument("--dp", type=int, default=None)
     pl.add_argument("--tp", type=int, default=None)
     pl.add_argument("--ep", action="store_true", help="routed experts split by expert, not tp")
-    pl.add_argument("--gpu-tokens", type=int, default=200000, help="GPU pool rows per layer")
-    pl.add_argument("--host-tokens", type=int, default=1 << 21, help="host pool rows per layer")
-    pl.add_argument("--max-batch", type=int, default=64)
-    pl.add_argument("--max-model-len", type=int, default=163840)
-    pl.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
+    # NOTE: the defaults plan the 8 x H200 deployment (docs/multi_gpu.md, $SIZES), not serve's
+    pl.add_argument(
+        "--gpu-tokens", type=int, default=200000, help="GPU pool rows per layer (default 200000)"
+    )
+    pl.add_argument(
+        "--host-tokens",
+        type=int,
+        default=1 << 21,
+        help="host pool rows per layer (default 2097152)",
+    )
+    pl.add_argument("--max-batch", type=int, default=64, help="(default 64)")
+    pl.add_argument("--max-model-len", type=int, default=163840, help="(default 163840)")
+    pl.add_argument(
+        "--kv-format", choices=("bf16", "fp8"), default="fp8", help="(default fp8; serve's: bf16)"
+    )
     pl.add_argument(
         "--fp8-weights",
         choices=("auto", "bf16", "fp8"),
@@ -382,7 +394,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-offload", action="store_true")
     pl.add_argument("--no-prefill-buffer", action="store_true", help="as serve's flag")
     _prefetch_args(pl)  # the staging buffers they size are planned
-    pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200")
+    pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200", help="(default h200)")
     pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
     pl.add_argument("--host-mem-gib", type=float, default=None, help="per node; unchecked if unset")
     pl.add_argument(

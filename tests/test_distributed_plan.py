@@ -127,7 +127,14 @@ def test_v32_plans_on_8_h200():
 
 def test_plan_command(capsys):
     assert cli_main(["plan", "--quant", "awq"]) == 0
-    assert "fits" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits" in out
+    # the sizes the numbers are of, as serve's flags: plan's defaults are not serve's
+    sizes = "--max-batch 64 --max-model-len 163840 --kv-format fp8 --gpu-tokens 200000"
+    assert f"  for {sizes} --host-tokens 2097152\n" in out, out
+    assert cli_main(["plan", "--no-offload", "--host-tokens", "65536", "--max-batch", "4"]) == 0
+    assert "for --max-batch 4 " in (out := capsys.readouterr().out), out
+    assert "--no-offload --host-tokens 65536\n" in out and "--gpu-tokens" not in out, out
     assert cli_main(["plan", "--quant", "awq", "--no-prefill-buffer"]) == 0
     out = capsys.readouterr().out
     assert "prefill buffer        0.00 GiB" in out and "prefetch staging      0.00 GiB" in out

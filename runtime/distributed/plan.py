@@ -126,6 +126,9 @@ class MemoryPlan:
     gpu_tokens: int = 0  # GPU pool rows a layer (named in the GPU's problem, with offloading)
     offload: bool = True  # False: the GPU holds the whole KV, host_tokens rows a layer
     gpu_free: bool = False  # gpu_mem_gib is the GPU's free memory now (check_fits), not its size
+    max_batch: int = 0  # the sizes planned, named in the table (0: not given)
+    max_model_len: int = 0
+    kv_format: str = ""
 
     @property
     def gpu_total_gib(self) -> float:
@@ -181,6 +184,12 @@ class MemoryPlan:
 
     def table(self) -> str:
         lines = [f"per-GPU memory plan: {self.quant} weights, dp={self.dp} tp={self.tp}"]
+        if self.max_batch:  # the sizes planned, as serve's flags (plan's defaults are not serve's)
+            pools = f"--gpu-tokens {self.gpu_tokens}" if self.offload else "--no-offload"
+            lines.append(
+                f"  for --max-batch {self.max_batch} --max-model-len {self.max_model_len} "
+                f"--kv-format {self.kv_format} {pools} --host-tokens {self.host_tokens}"
+            )
         for k, v in self.gpu_gib.items():
             lines.append(f"  {k:<16} {v:9.2f} GiB")
         lines.append(f"  {'reserve (guess)':<16} {self.reserve_gib:9.2f} GiB")
@@ -239,6 +248,9 @@ def memory_plan(
         engine.host_tokens,
         engine.gpu_tokens,
         engine.offload,
+        max_batch=engine.max_batch,
+        max_model_len=engine.max_model_len,
+        kv_format=engine.kv_format,
     )
 
 
