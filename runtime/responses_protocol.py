@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
+from runtime import chat_translation
+from runtime.chat_translation import validated_chat
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 
@@ -124,34 +124,18 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str
     }
     extra = req.model_extra or {}
     body.update({k: extra[k] for k in SAMPLING_EXTRAS if k in extra})
-    try:
-        return ChatCompletionRequest.model_validate(body), where
-    except ValidationError as e:  # a sampling extra's type, or an item's field
-        err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ())]
-        if loc[:1] == ["messages"] and len(loc) > 1 and loc[1].isdigit():
-            at, param = where[int(loc[1])] + "".join(f".{x}" for x in loc[2:]), "input"
-        else:
-            at = param = _RENAMES.get(loc[0], loc[0]) if loc else "input"
-        raise APIError(400, f"{at}: {err.get('msg')}", param=param) from e
+    return validated_chat(body, where, _RENAMES, "input"), where
 
 
 def renamed(e: APIError, where: list[str]) -> APIError:
-    """The chat route's error ``e`` in the Responses request's names: its param, and the
-    messages it names (``messages[k]`` -> where message k came from)."""
-    param = _RENAMES.get(e.param or "", e.param)
-    msg = re.sub(r"messages\[(\d+)\]", lambda m: _at(where, int(m.group(1))), e.message)
+    """The chat route's error ``e`` in the Responses request's names (``chat_translation``),
+    its format and flat tools reworded."""
+    msg = e.message
     if e.param == "response_format":
         msg = msg.replace("response_format", "text.format")
     elif e.param == "tools":  # (the flat tools have no .function)
         msg = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", msg)
-    elif e.param in _RENAMES:
-        msg = msg.replace(e.param, param or "")
-    return APIError(e.status, msg, param=param, code=e.code, type_=e.type)
-
-
-def _at(where: list[str], k: int) -> str:
-    return where[k] if k < len(where) else f"messages[{k}]"
+    return chat_translation.renamed(e, where, _RENAMES, msg)
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

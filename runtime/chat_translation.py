@@ -1,0 +1,47 @@
+"""A request of another API (Responses, Anthropic's Messages) translated into the chat request the
+chat route runs: the translated body validated as chat's, and the chat route's errors renamed
+back to the fields the client sent. ``where[k]`` is the field chat message k came from (e.g.
+``input[2]``, ``system``, ``messages[1].content[0]``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from runtime.openai_protocol import APIError, ChatCompletionRequest
+
+
+def validated_chat(
+    body: dict[str, Any], where: list[str], renames: dict[str, str], items: str
+) -> ChatCompletionRequest:
+    """``body`` as a chat request; a field it fails on named as the client sent it
+    (``renames``: chat's field -> the client's; ``items``: the field the messages came from)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:  # a sampling extra's type, or a message's field
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        if loc[:1] == ["messages"] and len(loc) > 1 and loc[1].isdigit():
+            at, param = where[int(loc[1])] + "".join(f".{x}" for x in loc[2:]), items
+        else:
+            at = param = renames.get(loc[0], loc[0]) if loc else items
+        raise APIError(400, f"{at}: {err.get('msg')}", param=param) from e
+
+
+def renamed(
+    e: APIError, where: list[str], renames: dict[str, str], message: str | None = None
+) -> APIError:
+    """The chat route's error ``e`` in the client's names: its param (``renames``), the messages
+    it names (``messages[k]`` -> ``where[k]``) and the field its text names. ``message``: ``e``'s
+    text with a route's own rewording done first."""
+    param = renames.get(e.param or "", e.param)
+    msg = re.sub(r"messages\[(\d+)\]", lambda m: _at(where, int(m.group(1))), message or e.message)
+    if e.param in renames:
+        msg = msg.replace(e.param, param or "")
+    return APIError(e.status, msg, param=param, code=e.code, type_=e.type)
+
+
+def _at(where: list[str], k: int) -> str:
+    return where[k] if k < len(where) else f"messages[{k}]"
