@@ -1,10 +1,11 @@
 """OpenAI-compatible HTTP server over an ``AsyncEngine``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (all
-with SSE streaming),
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+``POST /v1/messages`` (Anthropic's Messages API; all with SSE streaming),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET|HEAD /health``, ``GET /metrics`` (Prometheus),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``. Every client error is an OpenAI-style
-JSON body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. docs/server.md
+JSON body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status (on
+``/v1/messages``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``). docs/server.md
 describes the options, limits and metrics.
 """
 
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from runtime.async_engine import AsyncEngine
+from runtime.messages_protocol import error_response
 from runtime.openai_protocol import APIError, validation_error
 from runtime.server_handlers import Handlers
 from runtime.server_lifecycle import DEFAULT_GRACE_S, serve_app, server_url, startup_summary
@@ -49,7 +51,8 @@ def build_app(
     """The OpenAI-compatible app over ``async_engine``.
 
     - ``model_name``: the name(s) the model is served as; requests may use any of them.
-    - ``api_key``: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>``
+    - ``api_key``: when set, every ``/v1/*`` route needs ``Authorization: Bearer <api_key>`` (or
+      Anthropic's ``x-api-key: <api_key>``)
       (``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize`` stay open).
     - ``max_body_bytes``: a larger request body is refused with 413 before it is parsed.
     - ``max_concurrent``: at most this many generation requests at once; more get 429.
@@ -67,21 +70,23 @@ def build_app(
     created = int(time.time())
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return e.response()
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return validation_error(e, request.headers.get("content-type")).response()
+        err = validation_error(e, request.headers.get("content-type"))
+        return error_response(err, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, str(e.detail)), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return APIError(500, "internal server error", type_="server_error").response()
+        err = APIError(500, "internal server error", type_="server_error")
+        return error_response(err, request.url.path)
 
     # Added last = outermost. From the outside in: ids on every answer, CORS (preflights carry no
     # key), the key (before any body is read), the body cap, then the concurrency count (so a slow
@@ -103,6 +108,7 @@ def build_app(
     app.post("/v1/completions")(h.completions)
     app.post("/v1/chat/completions")(h.chat)
     app.post("/v1/responses")(h.responses)
+    app.post("/v1/messages")(h.messages)
     app.post("/tokenize")(h.tokenize)
     app.post("/detokenize")(h.detokenize)
     app.get("/metrics")(h.prometheus)

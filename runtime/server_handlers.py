@@ -1,7 +1,8 @@
 """The route bodies of the OpenAI-compatible server (``runtime.server`` wires them into the app):
 ``Handlers`` composes completions (``runtime.server_completions``), chat
-(``runtime.server_chat``) and responses (``runtime.server_responses``, over chat's) over what
-they share (``runtime.server_base``), and adds tokenize, detokenize and the Prometheus scrape."""
+(``runtime.server_chat``), responses (``runtime.server_responses``) and messages
+(``runtime.server_messages``, both over chat's) over what they share (``runtime.server_base``),
+and adds tokenize, detokenize and the Prometheus scrape."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from runtime.engine import EngineClosed
 from runtime.openai_protocol import APIError, DetokenizeRequest, TokenizeRequest, continuation
 from runtime.server_chat import request_thinking, tool_plan
 from runtime.server_completions import CompletionHandlers
+from runtime.server_messages import MessagesHandlers
 from runtime.server_responses import ResponsesHandlers
 
 logger = logging.getLogger(__name__)
 
 
-class Handlers(CompletionHandlers, ResponsesHandlers):
+class Handlers(CompletionHandlers, ResponsesHandlers, MessagesHandlers):
     """The route bodies, sharing the engine, the tokenizer and the metrics."""
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:

@@ -13,25 +13,37 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from runtime.messages_protocol import MESSAGES_PATH, error_response
 from runtime.openai_protocol import APIError
 
 # The routes that run a generation: the ones the concurrency limit counts.
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH)
+
+
+async def _refuse(err: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer ``err`` in the shape of the route asked for (Anthropic's on the Messages route)."""
+    await error_response(err, scope["path"])(scope, receive, send)
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on ``/v1/*``, checked before the body is read."""
+    """``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header) on
+    ``/v1/*``, checked before the body is read."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app, self.key = app, None if api_key is None else api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.key is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                msg = "invalid or missing API key (expected Authorization: Bearer <key>)"
-                await APIError(401, msg, code="invalid_api_key").response()(scope, receive, send)
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+            given = headers.get(b"x-api-key")
+            if not bearer and not (given is not None and hmac.compare_digest(given, self.key)):
+                msg = (
+                    "invalid or missing API key (expected Authorization: Bearer <key> or "
+                    "x-api-key: <key>)"
+                )
+                await _refuse(APIError(401, msg, code="invalid_api_key"), scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -80,7 +92,7 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         msg = f"the request body is over the server's limit of {self.max_bytes} bytes"
-        await APIError(413, msg, code="request_too_large").response()(scope, receive, send)
+        await _refuse(APIError(413, msg, code="request_too_large"), scope, receive, send)
 
 
 class RequestIdMiddleware:
@@ -130,7 +142,8 @@ class ConcurrencyLimitMiddleware:
             return
         if self.active >= self.limit:
             msg = f"the server is at its limit of {self.limit} concurrent requests; retry later"
-            resp = APIError(429, msg, code="too_many_requests", type_="server_error").response()
+            err = APIError(429, msg, code="too_many_requests", type_="server_error")
+            resp = error_response(err, scope["path"])
             resp.headers["Retry-After"] = "1"
             await resp(scope, receive, send)
             return

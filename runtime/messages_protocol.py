@@ -1,0 +1,282 @@
+"""Anthropic's Messages API's request (``POST /v1/messages``, what the Anthropic SDK and Claude
+Code send) and its translation into the chat request the chat route runs
+(``runtime.server_chat``): ``system`` and the content blocks become chat messages (a
+``tool_result`` block a tool message, an assistant's ``thinking`` block its reasoning),
+``thinking`` thinking mode, the tools and tool_choice chat's; a last assistant turn is
+continued (Anthropic's prefill: chat's ``continue_final_message``). The chat route's errors are
+renamed back to the fields the client sent (``renamed``), and every error of the route is
+answered in Anthropic's shape (``error_response``).
+
+As Anthropic's API does, a field it does not know is a 400 naming it; so are images, documents
+and Anthropic's server tools. ``cache_control`` is accepted and ignored (the prefix cache needs
+no marks); ``thinking.budget_tokens`` is accepted, not enforced (``max_tokens`` caps the
+thinking and the reply together).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from runtime import chat_translation
+from runtime.chat_translation import validated_chat
+from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
+
+MESSAGES_PATH = "/v1/messages"
+
+
+class MessagesRequest(_Strict):
+    model: str
+    messages: list[dict[str, Any]]  # {"role": user | assistant, "content": str | blocks}
+    max_tokens: int  # required, as Anthropic's API requires it
+    system: str | list[dict[str, Any]] | None = None  # a string or text blocks
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    tools: list[dict[str, Any]] | None = None  # {"name", "description", "input_schema"}
+    tool_choice: dict[str, Any] | None = None  # {"type": auto | any | tool | none, "name"}
+    thinking: dict[str, Any] | None = None  # {"type": "enabled", "budget_tokens"} | disabled
+    metadata: dict[str, Any] | None = None  # {"user_id"}: chat's user
+
+
+# Fields of the Messages API that change nothing at these values; any other value is a 400 naming
+# the field (openai_protocol.refuse_unsupported), as is a field not named here or above.
+NEUTRAL_MESSAGES: dict[str, tuple[Any, ...]] = {
+    "service_tier": ("auto", "standard_only"),
+    "container": (),
+    "mcp_servers": ([],),
+    "context_management": (),
+}
+# chat's field names -> the Messages field the client sent
+_RENAMES = {
+    "max_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "chat_template_kwargs": "thinking",
+    "parallel_tool_calls": "tool_choice",
+    "user": "metadata",
+    "continue_final_message": "messages",
+}
+# Anthropic's error type of each status (its other 4xx: invalid_request_error)
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_body(e: APIError) -> dict[str, Any]:
+    """``e`` in Anthropic's error shape (its message names the field; there is no ``param``)."""
+    kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: APIError, path: str) -> JSONResponse:
+    """The answer to ``e`` on the route ``path``: Anthropic's shape on the Messages route,
+    OpenAI's elsewhere."""
+    if path == MESSAGES_PATH:
+        return JSONResponse(anthropic_body(e), status_code=e.status)
+    return e.response()
+
+
+def check_messages(req: MessagesRequest) -> None:
+    """400 for a field this server does not know or implement, naming it."""
+    extra = req.model_extra or {}
+    refuse_unsupported(extra, NEUTRAL_MESSAGES)
+    for name in extra:
+        if name not in NEUTRAL_MESSAGES:
+            raise APIError(400, f"{name}: Extra inputs are not permitted", param=name)
+
+
+def thinking(req: MessagesRequest) -> bool:
+    """``thinking``'s type: "enabled" turns thinking mode on (DeepSeek-V3.2 has one depth of
+    thinking: ``budget_tokens`` is checked, not enforced), "disabled" leaves it off."""
+    if req.thinking is None:
+        return False
+    kind = req.thinking.get("type")
+    if kind == "disabled":
+        return False
+    if kind != "enabled":
+        msg = f"thinking.type must be enabled or disabled, got {kind!r}"
+        raise APIError(400, msg, param="thinking")
+    budget = req.thinking.get("budget_tokens")
+    if type(budget) is not int or budget < 1:
+        msg = f"thinking.budget_tokens must be an integer >= 1, got {budget!r}"
+        raise APIError(400, msg, param="thinking")
+    return True
+
+
+def chat_request(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request ``req`` asks for, and where each of its messages came from
+    (``system``, ``messages[i]``, ``messages[i].content[j]``), for ``renamed``."""
+    messages, where = _messages(req.messages)
+    if req.system is not None:
+        system = _text(req.system, "system", "system")
+        messages.insert(0, {"role": "system", "content": system})
+        where.insert(0, "system")
+    choice = req.tool_choice or {}
+    user = (req.metadata or {}).get("user_id")
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "stop": req.stop_sequences,
+        "stream": req.stream,
+        "user": user if isinstance(user, str) else None,
+        "tools": None if req.tools is None else [_tool(i, t) for i, t in enumerate(req.tools)],
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None,
+        "chat_template_kwargs": {"thinking": thinking(req)},
+    }
+    if req.messages[-1].get("role") == "assistant":  # Anthropic's prefill: the reply continues it
+        body.update(add_generation_prompt=False, continue_final_message=True)
+    return validated_chat(body, where, _RENAMES, "messages"), where
+
+
+def renamed(e: APIError, where: list[str]) -> APIError:
+    """The chat route's error ``e`` in the Messages request's names (``chat_translation``), its
+    tools' fields reworded."""
+    msg = e.message
+    if e.param == "tools":  # (the tools have no .function; their schema is input_schema)
+        msg = msg.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+    return chat_translation.renamed(e, where, _RENAMES, msg)
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    """A Messages tool as chat's function tool."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind not in (None, "custom"):
+        msg = f"tools[{i}]: only custom tools (name, input_schema) are supported, got type {kind!r}"
+        raise APIError(400, msg, param="tools")
+    if not isinstance(tool.get("input_schema"), dict):
+        raise APIError(400, f"tools[{i}].input_schema: Field required", param="tools")
+    # (in chat's order: the prompt shows the function as JSON)
+    fn = {"name": tool.get("name"), "description": tool.get("description"),
+          "parameters": tool["input_schema"]}  # fmt: skip
+    if fn["description"] is None:
+        del fn["description"]
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise APIError(400, "tool_choice.name: a tool choice needs a name", param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    named = {"auto": "auto", "any": "required", "none": "none"}
+    if kind not in named:
+        msg = f"tool_choice.type must be auto, any, tool or none, got {kind!r}"
+        raise APIError(400, msg, param="tool_choice")
+    return named[kind]
+
+
+def _text(content: Any, at: str, param: str) -> str | list[dict[str, Any]]:
+    """A string, or text blocks as chat's text parts (a block's ``cache_control`` ignored)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{at} must be a string or a list of text blocks", param=param)
+    out = []
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind != "text" or not isinstance(b.get("text"), str):
+            msg = f"{at}[{j}] must be a text block with a string text, got type {kind!r}"
+            raise APIError(400, msg, param=param)
+        out.append({"type": "text", "text": b["text"]})
+    return out
+
+
+def _blocks(content: Any, at: str) -> list[dict[str, Any]]:
+    """A message's content as a list of blocks (a string is one text block)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise APIError(400, f"{at} must be a string or a list of blocks", param="messages")
+    return content
+
+
+def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Chat messages of ``messages``, and the field each came from. A user turn's
+    ``tool_result`` blocks are tool messages and its text blocks a user message, in their order;
+    an assistant turn's thinking is its reasoning, its ``tool_use`` blocks its tool calls."""
+    if not turns:
+        raise APIError(400, "messages: at least one message is required", param="messages")
+    msgs: list[dict[str, Any]] = []
+    where: list[str] = []
+    for i, turn in enumerate(turns):
+        at, role = f"messages[{i}]", turn.get("role")
+        if role not in ("user", "assistant"):
+            msg = f"{at}.role must be user or assistant, got {role!r}"
+            raise APIError(400, msg, param="messages")
+        blocks = _blocks(turn.get("content"), f"{at}.content")
+        if role == "assistant":
+            msgs.append(_assistant(blocks, at))
+            where.append(at)
+            continue
+        texts: list[dict[str, Any]] | None = None  # the open user message's parts
+        for j, b in enumerate(blocks):
+            bat, kind = f"{at}.content[{j}]", b.get("type")
+            if kind == "tool_result":
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise APIError(400, f"{bat}.tool_use_id must be a string", param="messages")
+                content = b.get("content")  # (optional: a result with no output)
+                output = _text("" if content is None else content, f"{bat}.content", "messages")
+                msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": output})
+                where.append(bat)
+                texts = None
+            elif kind == "text":
+                if texts is None:
+                    texts = []
+                    msgs.append({"role": "user", "content": texts})
+                    where.append(at if j == 0 else bat)
+                texts += _text([b], f"{at}.content", "messages")
+            else:
+                raise APIError(400, _refused(bat, kind, "text or tool_result"), param="messages")
+    return msgs, where
+
+
+def _assistant(blocks: list[dict[str, Any]], at: str) -> dict[str, Any]:
+    """An assistant turn as a chat message: its text, reasoning and tool calls."""
+    texts, reasoning, calls = [], [], []
+    for j, b in enumerate(blocks):
+        bat, kind = f"{at}.content[{j}]", b.get("type")
+        if kind == "text":
+            texts += _text([b], f"{at}.content", "messages")
+        elif kind == "thinking":
+            if not isinstance(b.get("thinking"), str):
+                raise APIError(400, f"{bat}.thinking must be a string", param="messages")
+            reasoning.append(b["thinking"])
+        elif kind == "tool_use":
+            call_id, name, args = b.get("id"), b.get("name"), b.get("input")
+            if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, dict)):
+                msg = f"{bat}: a tool_use block needs a string id and name and an object input"
+                raise APIError(400, msg, param="messages")
+            fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+            calls.append({"id": call_id, "type": "function", "function": fn})
+        else:
+            raise APIError(400, _refused(bat, kind, "text, thinking or tool_use"), param="messages")
+    msg: dict[str, Any] = {"role": "assistant", "content": texts or None}
+    if reasoning:
+        msg["reasoning"] = "".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _refused(at: str, kind: Any, allowed: str) -> str:
+    if kind in ("image", "document"):
+        return f"{at}: {kind} blocks are not supported by this server (text only)"
+    return f"{at}.type must be {allowed} here, got {kind!r}"

@@ -1,0 +1,40 @@
+"""The ``POST /v1/messages`` route body (Anthropic's Messages API): the request translated into a
+chat request (``runtime.messages_protocol``), run as the chat route runs one
+(``runtime.server_translated``), and answered as a message or its event stream
+(``runtime.messages_output``). Its errors are answered in Anthropic's shape by the app's
+handlers (``messages_protocol.error_response``)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from runtime.messages_output import MessageBuilder
+from runtime.messages_protocol import MessagesRequest, chat_request, check_messages, renamed
+from runtime.outputs import RequestOutput
+from runtime.server_chat import ChatRun
+from runtime.server_translated import TranslatedHandlers
+
+
+class MessagesHandlers(TranslatedHandlers):
+    """``/v1/messages`` over the chat route's preparation."""
+
+    async def messages(self, req: MessagesRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        check_messages(req)
+        chat, where = chat_request(req)
+        mid = f"msg_{uuid.uuid4().hex}"
+
+        def builder(run: ChatRun) -> MessageBuilder:
+            choice = run.choices[0]
+
+            def stop_string(res: RequestOutput) -> int | str | None:
+                return self.stop_reason(choice.params, res)
+
+            return MessageBuilder(
+                mid, req.model, len(choice.ids), run.in_reasoning, run.plan, stop_string
+            )
+
+        return await self.run_translated(chat, mid, request, builder, lambda e: renamed(e, where))

@@ -1,0 +1,415 @@
+"""``POST /v1/messages`` (Anthropic's Messages API) over the scripted fake engine, through httpx
+(the ``anthropic`` SDK is not a dependency): the message and its event stream checked against
+Anthropic's documented shapes, written down here as the spec; ``system``, content blocks and a
+tool_use round trip rendered as the chat route renders the same messages; thinking; the
+``max_tokens`` and ``stop_sequences`` stop reasons; errors in Anthropic's shape; its auth header
+and the concurrency limit.
+
+The spec (docs.anthropic.com, "Messages" and "Streaming Messages"):
+
+- a message: ``{"id": "msg_...", "type": "message", "role": "assistant", "model", "content":
+  [blocks], "stop_reason": "end_turn" | "max_tokens" | "stop_sequence" | "tool_use",
+  "stop_sequence": str | null, "usage": {"input_tokens", "output_tokens",
+  "cache_creation_input_tokens", "cache_read_input_tokens"}}``; blocks ``{"type": "text",
+  "text"}``, ``{"type": "thinking", "thinking", "signature"}``, ``{"type": "tool_use", "id":
+  "toolu_...", "name", "input": {...}}``.
+- a stream: ``message_start`` (the message, content [] and stop_reason null), ``ping``, per block
+  ``content_block_start`` (index, content_block empty) / ``content_block_delta`` (index, delta
+  ``text_delta`` {text} | ``thinking_delta`` {thinking} | ``input_json_delta`` {partial_json}) /
+  ``content_block_stop`` (index), then ``message_delta`` ({stop_reason, stop_sequence}, usage)
+  and ``message_stop``; each as ``event: <type>`` and ``data: {"type": <type>, ...}``.
+- an error: ``{"type": "error", "error": {"type": "invalid_request_error" | ..., "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_utils import make_tokenizer_dir, running_server
+from test_chat_thinking import BLOCK, ScriptedEngine, fake_server
+from test_server import MODEL, _Req
+
+from runtime.async_engine import AsyncEngine
+from runtime.server import build_app
+from runtime.tokenizer import Tokenizer
+from runtime.tool_calls import CALLS_BEGIN, CALLS_END
+
+D = "｜DSML｜"
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}},
+                  "required": ["city"]}  # fmt: skip
+WEATHER = {"name": "weather", "description": "The weather.", "input_schema": WEATHER_SCHEMA}
+CHAT_WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather.",
+                                                  "parameters": WEATHER_SCHEMA}}  # fmt: skip
+CALL = (f'{CALLS_BEGIN}\n<{D}invoke name="weather">\n<{D}parameter name="city" string="true">'
+        f"Paris</{D}parameter>\n</{D}invoke>\n{CALLS_END}")  # fmt: skip
+USAGE_KEYS = {"input_tokens", "output_tokens", "cache_creation_input_tokens",
+              "cache_read_input_tokens"}  # fmt: skip
+
+
+class PromptedEngine(ScriptedEngine):
+    """The scripted engine that keeps the last request's prompt ids."""
+
+    prompt: list[int] = []
+
+    def cycle(self, r: _Req) -> list[int]:
+        self.prompt = list(r.prompt)
+        return super().cycle(r)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, PromptedEngine]]:
+    engine = PromptedEngine(Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+    with fake_server(engine) as base:
+        yield base, engine
+
+
+def _say(engine: ScriptedEngine, text: str) -> None:
+    engine.script = engine.tokenizer.encode(text, add_bos=False)
+
+
+def _post(url: str, **body) -> httpx.Response:  # noqa: ANN003
+    body = {"model": MODEL, "max_tokens": 1000, **body}
+    headers = {"anthropic-version": "2023-06-01"}  # (accepted and ignored)
+    return httpx.post(url + "/v1/messages", json=body, headers=headers, timeout=30)
+
+
+def _message(url: str, **body) -> dict:  # noqa: ANN003
+    r = _post(url, **body)
+    assert r.status_code == 200, r.text
+    m = r.json()
+    assert set(m) == {"id", "type", "role", "model", "content", "stop_reason", "stop_sequence",
+                      "usage"}, m  # fmt: skip
+    assert re.fullmatch(r"msg_\w+", m["id"]) and (m["type"], m["role"]) == ("message", "assistant")
+    assert m["model"] == MODEL and set(m["usage"]) == USAGE_KEYS
+    return m
+
+
+def _events(url: str, **body) -> list[dict]:  # noqa: ANN003
+    """The stream's events' data, each checked against its ``event:`` line."""
+    body = {"model": MODEL, "max_tokens": 1000, "stream": True, **body}
+    with httpx.stream("POST", url + "/v1/messages", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = r.read().decode().split("\n\n")
+    assert frames[-1] == ""
+    out = []
+    for frame in frames[:-1]:
+        head, data = frame.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}", frame
+        out.append(event)
+    return out
+
+
+def _streamed_message(events: list[dict]) -> dict:
+    """The message the events add up to, as the Anthropic SDK accumulates it, checking the
+    events' order and indices on the way."""
+    assert [e["type"] for e in events[:2]] == ["message_start", "ping"]
+    assert [e["type"] for e in events[-2:]] == ["message_delta", "message_stop"]
+    m = events[0]["message"]
+    assert m["content"] == [] and m["stop_reason"] is None and m["stop_sequence"] is None
+    open_at = None
+    for e in events[2:-2]:
+        if e["type"] == "content_block_start":
+            assert open_at is None and e["index"] == len(m["content"])
+            m["content"].append(dict(e["content_block"]))
+            open_at, partial = e["index"], ""
+        elif e["type"] == "content_block_delta":
+            assert e["index"] == open_at
+            block, d = m["content"][open_at], e["delta"]
+            if d["type"] == "text_delta":
+                block["text"] += d["text"]
+            elif d["type"] == "thinking_delta":
+                block["thinking"] += d["thinking"]
+            else:
+                assert d["type"] == "input_json_delta"
+                partial += d["partial_json"]
+                block["input"] = json.loads(partial)
+        else:
+            assert e == {"type": "content_block_stop", "index": open_at}
+            open_at = None
+    assert open_at is None
+    delta = events[-2]
+    assert set(delta["delta"]) == {"stop_reason", "stop_sequence"}
+    return {**m, **delta["delta"], "usage": delta["usage"]}
+
+
+def _chat_prompt(url: str, engine: PromptedEngine, messages: list, **kw) -> list[int]:  # noqa: ANN003
+    """The chat route's prompt ids for ``messages`` (the rendering Messages must share)."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1, **kw}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).is_success
+    return engine.prompt
+
+
+def test_a_message_with_a_system_prompt(served: tuple[str, PromptedEngine]) -> None:
+    url, engine = served
+    _say(engine, "Hello there!")
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    m = _message(url, system=system, messages=[{"role": "user", "content": "Hi"}],
+                 temperature=0.5, top_k=7, metadata={"user_id": "u1"})  # fmt: skip
+    assert m["content"] == [{"type": "text", "text": "Hello there!"}]
+    assert (m["stop_reason"], m["stop_sequence"]) == ("end_turn", None)
+    assert engine.params is not None
+    assert (engine.params.temperature, engine.params.top_k) == (0.5, 7)
+    prompt = engine.prompt
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert prompt == _chat_prompt(url, engine, chat)
+    n = len(engine.script) + 1  # the script, then EOS
+    usage = {"input_tokens": len(prompt), "output_tokens": n, "cache_creation_input_tokens": 0,
+             "cache_read_input_tokens": 0}  # fmt: skip
+    assert m["usage"] == usage
+
+
+def test_the_stream_adds_up_to_the_message(served: tuple[str, PromptedEngine]) -> None:
+    url, engine = served
+    _say(engine, "Hello there!")
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    events = _events(url, messages=msgs)
+    kinds = [e["type"] for e in events]
+    n = kinds.count("content_block_delta")
+    assert n > 1 and kinds == ["message_start", "ping", "content_block_start",
+                               *["content_block_delta"] * n, "content_block_stop",
+                               "message_delta", "message_stop"]  # fmt: skip
+    assert events[2] == {"type": "content_block_start", "index": 0,
+                         "content_block": {"type": "text", "text": ""}}  # fmt: skip
+    assert events[3]["delta"]["type"] == "text_delta"
+    assert events[-1] == {"type": "message_stop"}
+    streamed = _streamed_message(events)
+    whole = _message(url, messages=msgs)
+    assert {k: v for k, v in streamed.items() if k != "id"} == {
+        k: v for k, v in whole.items() if k != "id"
+    }
+    assert events[0]["message"]["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking(served: tuple[str, PromptedEngine], stream: bool) -> None:
+    url, engine = served
+    _say(engine, "Let me see.</think>Four.")
+    body = dict(messages=[{"role": "user", "content": "2+2?"}],
+                thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
+    m = _streamed_message(_events(url, **body)) if stream else _message(url, **body)
+    assert m["content"] == [
+        {"type": "thinking", "thinking": "Let me see.", "signature": ""},
+        {"type": "text", "text": "Four."},
+    ]
+    think = {"chat_template_kwargs": {"thinking": True}}
+    assert engine.prompt == _chat_prompt(url, engine, body["messages"], **think)
+    off = _message(url, messages=body["messages"], thinking={"type": "disabled"})
+    assert off["content"] == [{"type": "text", "text": "Let me see.</think>Four."}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_use_round_trip(served: tuple[str, PromptedEngine], stream: bool) -> None:
+    """The call comes back as a tool_use block; the tool_use and its tool_result sent back
+    render as the chat route's assistant tool call and tool message."""
+    url, engine = served
+    _say(engine, "\n\n" + CALL)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    body = dict(messages=ask, tools=[WEATHER], tool_choice={"type": "auto"})
+    m = _streamed_message(_events(url, **body)) if stream else _message(url, **body)
+    [use] = m["content"]
+    assert set(use) == {"type", "id", "name", "input"} and re.fullmatch(r"toolu_\w+", use["id"])
+    assert (use["type"], use["name"], use["input"]) == ("tool_use", "weather", {"city": "Paris"})
+    assert (m["stop_reason"], m["stop_sequence"]) == ("tool_use", None)
+    assert engine.params is not None and engine.params.grammar is None  # auto: not forced
+    _say(engine, "Sunny.")
+    result = {"type": "tool_result", "tool_use_id": use["id"],
+              "content": [{"type": "text", "text": "sunny"}]}  # fmt: skip
+    turns = [*ask, {"role": "assistant", "content": [use]},
+             {"role": "user", "content": [result, {"type": "text", "text": "Thanks"}]}]  # fmt: skip
+    m = _message(url, messages=turns, tools=[WEATHER])
+    assert m["content"] == [{"type": "text", "text": "Sunny."}] and m["stop_reason"] == "end_turn"
+    call = {"id": use["id"], "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    chat = [*ask, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": use["id"], "content": "sunny"},
+            {"role": "user", "content": "Thanks"}]  # fmt: skip
+    assert engine.prompt == _chat_prompt(url, engine, chat, tools=[CHAT_WEATHER])
+
+
+def test_tool_choice_any_and_tool_force_a_call(served: tuple[str, PromptedEngine]) -> None:
+    url, engine = served
+    _say(engine, "\n\n" + BLOCK)
+    ping = {"name": "ping", "input_schema": {"type": "object", "properties": {}}}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "ping"}):
+        engine.params = None
+        m = _message(url, messages=[{"role": "user", "content": "Ping"}], tools=[ping],
+                     tool_choice=choice)  # fmt: skip
+        assert engine.params is not None and engine.params.grammar is not None
+        assert [(b["type"], b["name"], b["input"]) for b in m["content"]] == [
+            ("tool_use", "ping", {})
+        ]
+
+
+def test_a_thinking_block_sent_back_is_the_reasoning(served: tuple[str, PromptedEngine]) -> None:
+    """An assistant turn's thinking block is its reasoning; a last assistant turn is continued
+    (Anthropic's prefill), as chat's continue_final_message."""
+    url, engine = served
+    _say(engine, " there")
+    turns = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "greet",
+                                                "signature": ""},
+                                               {"type": "text", "text": "Hello"}]}]  # fmt: skip
+    think = {"type": "enabled", "budget_tokens": 2000}
+    m = _message(url, messages=turns, thinking=think)
+    assert m["content"] == [{"type": "text", "text": " there"}]
+    chat = [turns[0], {"role": "assistant", "content": "Hello", "reasoning": "greet"}]
+    kw = {"chat_template_kwargs": {"thinking": True}, "continue_final_message": True,
+          "add_generation_prompt": False}  # fmt: skip
+    assert engine.prompt == _chat_prompt(url, engine, chat, **kw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], stream: bool) -> None:
+    url, engine = served
+    _say(engine, "Hello there, how are you?")
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def ask(**kw) -> dict:  # noqa: ANN003
+        return _streamed_message(_events(url, **kw)) if stream else _message(url, **kw)
+
+    m = ask(messages=hi, max_tokens=3)
+    assert (m["stop_reason"], m["stop_sequence"]) == ("max_tokens", None)
+    assert m["usage"]["output_tokens"] == 3
+    assert m["content"] == [{"type": "text", "text": engine.tokenizer.decode(engine.script[:3])}]
+    m = ask(messages=hi, stop_sequences=["zzz", "how"])
+    assert (m["stop_reason"], m["stop_sequence"]) == ("stop_sequence", "how")
+    assert m["content"] == [{"type": "text", "text": "Hello there, "}]
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"max_tokens": None}, r"max_tokens"),
+        ({"output_format": {"type": "json_schema"}}, r"^output_format: Extra inputs"),
+        ({"mcp_servers": [{"url": "x"}]}, r"^mcp_servers is not supported"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "see"},
+                            {"type": "image", "source": {"type": "base64", "data": "x"}},
+                        ],
+                    }
+                ]
+            },
+            r"^messages\[0\]\.content\[1\]: image blocks are not supported",
+        ),  # fmt: skip
+        ({"messages": [{"role": "system", "content": "x"}]}, r"messages\[0\]\.role must be user"),
+        ({"messages": []}, r"at least one message"),
+        ({"system": [{"type": "image"}]}, r"^system\[0\] must be a text block"),
+        ({"thinking": {"type": "enabled"}}, r"^thinking\.budget_tokens must be an integer"),
+        (
+            {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            r"^tools\[0\]: only custom tools",
+        ),  # fmt: skip
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
+            r"^tool_choice: 'nope' is not one of",
+        ),  # fmt: skip
+        ({"tool_choice": {"type": "sometimes"}}, r"^tool_choice\.type must be auto, any"),
+        ({"stop_sequences": "how"}, r"^stop_sequences"),
+        ({"max_tokens": 0}, r"max_tokens"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "x", "input": "{}"}],
+                    },
+                ]
+            },
+            r"^messages\[1\]\.content\[0\]: a tool_use block needs",
+        ),  # fmt: skip
+    ],
+    ids=lambda v: None,
+)
+def test_bad_requests_are_anthropic_shaped_400s(
+    served: tuple[str, PromptedEngine], body: dict, match: str
+) -> None:
+    url, engine = served
+    _say(engine, "x")
+    body = {"messages": [{"role": "user", "content": "Hi"}], **body}
+    r = _post(url, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert set(err) == {"type", "error"} and err["type"] == "error", err
+    assert set(err["error"]) == {"type", "message"} and err["error"]["type"] == (
+        "invalid_request_error"
+    )
+    assert re.search(match, err["error"]["message"]), err
+
+
+def test_other_errors_are_anthropic_shaped(served: tuple[str, PromptedEngine]) -> None:
+    url, engine = served
+    r = _post(url, model="nope", messages=[{"role": "user", "content": "Hi"}])
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(url + "/v1/messages", content="{bad", timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    _say(engine, "Hello")
+    engine.fail_steps = 1
+    r = _post(url, messages=[{"role": "user", "content": "Hi"}])
+    assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+    engine.fail_steps = 1
+    events = _events(url, messages=[{"role": "user", "content": "Hi"}])
+    assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "api_error"
+    assert "generation failed" in events[-1]["error"]["message"]
+    # the other routes keep OpenAI's shape
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": []})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_x_api_key_and_the_concurrency_limit(served: tuple[str, PromptedEngine]) -> None:
+    _, scripted = served
+    engine = ScriptedEngine(scripted.tokenizer, step_s=0.01)
+    _say(engine, "Hello " * 60)  # ~0.6 s of generation: the second request comes meanwhile
+    a = AsyncEngine(engine)
+    body = {"model": MODEL, "max_tokens": 60, "messages": [{"role": "user", "content": "Hi"}]}
+    key = {"x-api-key": "sekrit", "anthropic-version": "2023-06-01"}
+    try:
+        app = build_app(a, MODEL, api_key="sekrit", max_concurrent=1)
+        with running_server(app) as base:
+            url = base + "/v1/messages"
+            r = httpx.post(url, json=body, headers={"x-api-key": "wrong"}, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert "x-api-key" in r.json()["error"]["message"]
+            bearer = {"Authorization": "Bearer sekrit"}
+            assert httpx.post(url, json=body, headers=bearer, timeout=30).is_success
+            # (x-api-key opens the OpenAI routes too)
+            models = httpx.get(base + "/v1/models", headers={"x-api-key": "sekrit"}, timeout=30)
+            assert models.is_success
+            with httpx.stream("POST", url, json={**body, "stream": True}, headers=key,
+                              timeout=30) as r:  # fmt: skip
+                lines = r.iter_lines()
+                next(lines)  # the first request is generating
+                busy = httpx.post(url, json={**body, "max_tokens": 1}, headers=key, timeout=30)
+                assert busy.status_code == 429 and "limit of 1" in busy.text
+                assert busy.json()["error"]["type"] == "rate_limit_error"
+                list(lines)
+            assert httpx.post(url, json={**body, "max_tokens": 1}, headers=key).is_success
+    finally:
+        a.shutdown()
+
+
+def test_a_tool_result_without_content(served: tuple[str, PromptedEngine]) -> None:
+    """A ``tool_result``'s content is optional: an empty tool message."""
+    url, engine = served
+    _say(engine, "ok")
+    use = {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}}
+    turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [use]},
+             {"role": "user", "content": [{"type": "tool_result",
+                                           "tool_use_id": "toolu_1"}]}]  # fmt: skip
+    _message(url, messages=turns, tools=[WEATHER])
+    call = {"id": "toolu_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    chat = [turns[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": ""}]  # fmt: skip
+    assert engine.prompt == _chat_prompt(url, engine, chat, tools=[CHAT_WEATHER])
