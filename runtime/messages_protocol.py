@@ -43,13 +43,14 @@ class MessagesRequest(_Strict):
     metadata: dict[str, Any] | None = None  # {"user_id"}: chat's user
 
 
-# Fields of the Messages API that change nothing at these values; any other value is a 400 naming
-# the field (openai_protocol.refuse_unsupported), as is a field not named here or above.
-NEUTRAL_MESSAGES: dict[str, tuple[Any, ...]] = {
-    "service_tier": ("auto", "standard_only"),
-    "container": (),
-    "mcp_servers": ([],),
-    "context_management": (),
+# Fields of the Messages API this server cannot honour, with the values that leave them off
+# (openai_protocol.refuse_unsupported): any other value is a 400 naming the field. Any other field
+# is ignored, as the other routes and DeepSeek's own Anthropic endpoint do (Claude Code sends
+# fields such as context_management and service_tier, which change nothing asked of the model).
+UNSUPPORTED_MESSAGES: dict[str, tuple[Any, ...]] = {
+    "container": (),  # Anthropic's code-execution container
+    "mcp_servers": ([],),  # tools run by Anthropic's servers
+    "output_format": (),  # the structured-outputs beta: a grammar this route does not map yet
 }
 # chat's field names -> the Messages field the client sent
 _RENAMES = {
@@ -87,12 +88,8 @@ def error_response(e: APIError, path: str) -> JSONResponse:
 
 
 def check_messages(req: MessagesRequest) -> None:
-    """400 for a field this server does not know or implement, naming it."""
-    extra = req.model_extra or {}
-    refuse_unsupported(extra, NEUTRAL_MESSAGES)
-    for name in extra:
-        if name not in NEUTRAL_MESSAGES:
-            raise APIError(400, f"{name}: Extra inputs are not permitted", param=name)
+    """400 for a field this server cannot honour, naming it; other unknown fields are ignored."""
+    refuse_unsupported(req.model_extra or {}, UNSUPPORTED_MESSAGES)
 
 
 def thinking(req: MessagesRequest) -> bool:

@@ -285,7 +285,7 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
     ("body", "match"),
     [
         ({"max_tokens": None}, r"max_tokens"),
-        ({"output_format": {"type": "json_schema"}}, r"^output_format: Extra inputs"),
+        ({"output_format": {"type": "json_schema"}}, r"^output_format is not supported"),
         ({"mcp_servers": [{"url": "x"}]}, r"^mcp_servers is not supported"),
         (
             {
@@ -413,3 +413,17 @@ def test_a_tool_result_without_content(served: tuple[str, PromptedEngine]) -> No
     chat = [turns[0], {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "toolu_1", "content": ""}]  # fmt: skip
     assert engine.prompt == _chat_prompt(url, engine, chat, tools=[CHAT_WEATHER])
+
+
+def test_fields_it_need_not_honour_are_ignored(served: tuple[str, PromptedEngine]) -> None:
+    """What Claude Code sends beside the message (context_management, a service tier, fields of
+    later API versions) is ignored, as DeepSeek's Anthropic endpoint ignores it: the message is
+    the one without them."""
+    url, engine = served
+    _say(engine, "Hello there!")
+    hi = [{"role": "user", "content": "Hi"}]
+    m = _message(
+        url, messages=hi, max_tokens=16, service_tier="priority", some_future_field={"a": 1},
+        context_management={"edits": [{"type": "clear_tool_uses_20250919"}]},
+    )  # fmt: skip
+    assert m["content"] == [{"type": "text", "text": "Hello there!"}]
