@@ -1,9 +1,9 @@
 """``POST /v1/messages`` (Anthropic's Messages API) over the scripted fake engine, through httpx
-(the ``anthropic`` SDK is not a dependency): the message and its event stream checked against
-Anthropic's documented shapes, written down here as the spec; ``system``, content blocks and a
-tool_use round trip rendered as the chat route renders the same messages; thinking; the
-``max_tokens`` and ``stop_sequences`` stop reasons; errors in Anthropic's shape; its auth header
-and the concurrency limit.
+and through Anthropic's own SDK (``anthropic``, a test dependency): the message and its event
+stream checked against Anthropic's documented shapes, written down here as the spec;
+``system``, content blocks and a tool_use round trip rendered as the chat route renders the same
+messages; thinking; the ``max_tokens`` and ``stop_sequences`` stop reasons; errors in
+Anthropic's shape; its auth header and the concurrency limit.
 
 The spec (docs.anthropic.com, "Messages" and "Streaming Messages"):
 
@@ -427,3 +427,46 @@ def test_fields_it_need_not_honour_are_ignored(served: tuple[str, PromptedEngine
         context_management={"edits": [{"type": "clear_tool_uses_20250919"}]},
     )  # fmt: skip
     assert m["content"] == [{"type": "text", "text": "Hello there!"}]
+
+
+def _anthropic(url: str):  # noqa: ANN202
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=30)
+
+
+def test_the_official_anthropic_client_reads_the_message_and_its_stream(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """Through Anthropic's own SDK (what Claude Code and its users call): the message parses into
+    its types, and ``messages.stream`` assembles the same message from the events, thinking and
+    a tool call included."""
+    url, engine = served
+    client = _anthropic(url)
+    _say(engine, "Hello there!")
+    hi = [{"role": "user", "content": "Hi"}]
+    m = client.messages.create(model=MODEL, max_tokens=64, messages=hi, system="Be brief.")
+    assert m.content[0].type == "text" and m.content[0].text == "Hello there!"
+    assert m.stop_reason == "end_turn" and m.usage.output_tokens == len(engine.script) + 1  # EOS
+    _say(engine, "Let me see.</think>Four.")
+    with client.messages.stream(
+        model=MODEL, max_tokens=64, messages=hi, thinking={"type": "enabled", "budget_tokens": 32}
+    ) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == "Four." and [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "Let me see." and final.stop_reason == "end_turn"
+    _say(engine, "\n\n" + CALL)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    with client.messages.stream(model=MODEL, max_tokens=200, messages=ask, tools=[WEATHER]) as s:
+        final = s.get_final_message()
+    [use] = final.content
+    assert (use.type, use.name, use.input) == ("tool_use", "weather", {"city": "Paris"})
+    assert final.stop_reason == "tool_use"
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError, match="mcp_servers is not supported") as bad:
+        client.messages.create(
+            model=MODEL, max_tokens=8, messages=hi, extra_body={"mcp_servers": [{"u": 1}]}
+        )
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
