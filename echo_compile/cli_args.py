@@ -11,6 +11,9 @@ from runtime.sampling_params import GENERATION_CONFIG_MODES  # (imports no torch
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
 # --help) must answer without the seconds torch takes to import.
+# Every option's help says what it does and, unless it is a switch, its default, as
+# "(default: %(default)s)" where argparse holds it, in words where it is chosen later (the bench's
+# parser too; tests/test_cli_help.py walks them all).
 
 DESCRIPTION = "The echo-compile command: demo, generate, serve, make-checkpoint, plan, bench."
 API_KEY_ENV = "ECHO_COMPILE_API_KEY"
@@ -19,6 +22,15 @@ LOG_LEVEL_ENV = "ECHO_COMPILE_LOGGING_LEVEL"
 VLLM_LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vLLM's, read after ours, as the API key's
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+# the help of the flags several commands share
+MODEL_HELP = "checkpoint directory, or tiny / tiny-fp8 / tiny-awq (default: %(default)s)"
+DEVICE_HELP = "cpu or cuda (default: cuda when available)"
+KV_FORMATS = ("bf16", "fp8")
+KV_FORMAT_HELP = (
+    "KV cache rows: bf16, or fp8 (FlashMLA's 656-byte row, vLLM's fp8_ds_mla; default: %(default)s)"
+)
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
@@ -100,16 +112,20 @@ def _generation_config_arg(p: argparse.ArgumentParser, fields: str) -> None:
         default="auto",
         help=f"auto: a request's unset {fields} and its EOS ids come from the checkpoint's "
         "generation_config.json, as vLLM does; none: the file is not read "
-        "(SamplingParams' defaults)",
+        "(SamplingParams' defaults); default: %(default)s",
     )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument(
-        "--model", default="tiny", help="checkpoint directory, or tiny / tiny-fp8 / tiny-awq"
+        "--max-batch",
+        type=int,
+        default=8,
+        help="requests decoded at once at most (the largest captured decode batch; default: "
+        "%(default)s)",
     )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-batch", type=int, default=8)
     p.add_argument(
         "--host-tokens",
         type=int,
@@ -131,17 +147,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the share of the host memory this process may use (physical or the container's "
         "limit) that the host KV pools of this host's ranks may take, when --host-tokens is "
-        f"left out (default {HOST_MEMORY_FRACTION:g}; CUDA)",
+        f"left out (default: {HOST_MEMORY_FRACTION:g}; CUDA)",
     )
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,
         help="as vLLM's: the share of the GPU's total memory this engine may use (weights, KV "
-        f"cache, reserve), which sizes --gpu-tokens when it is left out (default "
+        f"cache, reserve), which sizes --gpu-tokens when it is left out (default: "
         f"{GPU_MEMORY_UTILIZATION:g}; CUDA)",
     )
-    p.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--kv-format", choices=KV_FORMATS, default="bf16", help=KV_FORMAT_HELP)
     p.add_argument(
         "--fp8-weights",
         choices=("auto", "bf16", "fp8"),
@@ -215,15 +231,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="capture CUDA graphs (default on CUDA)",
     )
-    p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (torchrun)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel feed-forward ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (instead of --tp)")
+    p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the steps eagerly, no CUDA graphs (default on the CPU)",
+    )
+    p.add_argument(
+        "--dp", type=int, default=1, help="data-parallel attention ranks (torchrun; default: 1)"
+    )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel feed-forward ranks (default: 1)"
+    )
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks, instead of --tp (default: 1)"
+    )
     p.add_argument(
         "--collective-timeout",
         type=float,
         default=300.0,
-        help="seconds a rank waits for the others before it stops (dp/tp/ep > 1)",
+        help="seconds a rank waits for the others before it stops (dp/tp/ep > 1; default: "
+        "%(default)s)",
     )
     _process_args(p)
 
@@ -266,23 +294,61 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo", help="offloaded long-context decode on the tiny model, lossless check"
     )
-    d.add_argument("--model", default="tiny")
-    d.add_argument("--requests", type=int, default=4)
-    d.add_argument("--min-len", type=int, default=200)
-    d.add_argument("--max-len", type=int, default=400)
-    d.add_argument("--max-tokens", type=int, default=32)
-    d.add_argument("--kv-format", choices=("bf16", "fp8"), default="bf16")
-    d.add_argument("--device", default=None)
+    d.add_argument("--model", default="tiny", help=MODEL_HELP)
+    d.add_argument(
+        "--requests",
+        type=int,
+        default=4,
+        help="requests of random prompts, decoded as one batch (default: %(default)s)",
+    )
+    d.add_argument(
+        "--min-len", type=int, default=200, help="shortest prompt in tokens (default: %(default)s)"
+    )
+    d.add_argument(
+        "--max-len", type=int, default=400, help="longest prompt in tokens (default: %(default)s)"
+    )
+    d.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="tokens each request generates (default: %(default)s)",
+    )
+    d.add_argument("--kv-format", choices=KV_FORMATS, default="bf16", help=KV_FORMAT_HELP)
+    d.add_argument("--device", default=None, help=DEVICE_HELP)
     d.add_argument("--compile", action="store_true", help="compile the steps (CUDA graphs on CUDA)")
     _process_args(d)
 
     g = sub.add_parser("generate", help="generate text for prompts given as arguments")
     _engine_args(g)
-    g.add_argument("prompts", nargs="+")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "prompts", nargs="+", help="the prompts, one argument each (quote one that has spaces)"
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="tokens generated per prompt at most (default: %(default)s)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, 0 is greedy (default: %(default)s)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample from the most likely tokens whose probabilities add up to this (default: the "
+        "checkpoint's generation_config.json, see --generation-config, else 1.0: all tokens)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed: the same seed repeats the same tokens (default: a fresh random "
+        "one per prompt)",
+    )
     # (--temperature and --max-tokens always set theirs: greedy, 32 tokens by default)
     _generation_config_arg(g, "top_p / top_k / min_p / repetition_penalty")
     add_vllm_args(g, serve=False)
@@ -296,8 +362,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the checkpoint, as vLLM's `vllm serve MODEL` spells it (the same as --model)",
     )
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)",
+    )
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     s.add_argument(
         "--api-key",
         default=None,
@@ -314,13 +384,14 @@ def parser() -> argparse.ArgumentParser:
         "--shutdown-grace",
         type=float,
         default=30.0,
-        help="seconds in-flight requests may run after SIGTERM before they are aborted",
+        help="seconds in-flight requests may run after SIGTERM before they are aborted "
+        "(default: %(default)s)",
     )
     s.add_argument(
         "--max-body-mb",
         type=float,
         default=16.0,
-        help="largest request body in MiB; larger ones get 413",
+        help="largest request body in MiB; larger ones get 413 (default: %(default)s)",
     )
     s.add_argument(
         "--max-concurrent",
@@ -332,27 +403,48 @@ def parser() -> argparse.ArgumentParser:
         "--cors-origin",
         action="append",
         default=None,
-        help="allow browser requests from this origin (repeatable; '*' for any)",
+        help="allow browser requests from this origin (repeatable; '*' for any; default: "
+        "none, no CORS headers)",
     )
     s.add_argument(
         "--uvicorn-log-level",
         type=str.lower,
         choices=UVICORN_LOG_LEVELS,
         default="info",
-        help="level of uvicorn's log lines (its access lines are at info), as vLLM's flag",
+        help="level of uvicorn's log lines (its access lines are at info), as vLLM's flag "
+        "(default: %(default)s)",
     )
     _generation_config_arg(s, "temperature / top_p / top_k / min_p / repetition_penalty")
     add_vllm_args(s, serve=True)
 
     m = sub.add_parser("make-checkpoint", help="write a random DeepSeek-V3.2 HF checkpoint")
-    m.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
-    m.add_argument("--out", required=True)
+    m.add_argument(
+        "--preset",
+        choices=("tiny", "bench"),
+        default="tiny",
+        help="tiny: the small CPU model of the tests; bench: V3.2's attention, indexer and vocab "
+        "sizes with --layers layers and --experts experts (default: %(default)s)",
+    )
+    m.add_argument("--out", required=True, help="the new or empty directory to write (required)")
     q = m.add_mutually_exclusive_group()
     q.add_argument("--fp8", action="store_true", help="official FP8 format (weight_scale_inv)")
     q.add_argument("--awq", action="store_true", help="AutoAWQ 4-bit gemm format")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--layers", type=int, default=None, help="bench preset: number of layers")
-    m.add_argument("--experts", type=int, default=None, help="bench preset: routed experts")
+    m.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random weights: the same seed writes the same files (default: "
+        "%(default)s)",
+    )
+    m.add_argument(
+        "--layers", type=int, default=None, help="bench preset: number of layers (default: 4)"
+    )
+    m.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="bench preset: routed experts, a multiple of 8, at least 16 (default: 16)",
+    )
     _process_args(m)
 
     pl = sub.add_parser("plan", help="per-GPU memory plan of a dp/tp deployment of V3.2")
@@ -360,29 +452,52 @@ def parser() -> argparse.ArgumentParser:
         "--quant",
         choices=("awq", "fp8", "bf16"),
         default=None,
-        help="V3.2's weights (default awq); with --model the checkpoint's own",
+        help="V3.2's weights (default: awq); with --model the checkpoint's own",
     )
     pl.add_argument("--model", default=None, help="a checkpoint directory (default: V3.2's config)")
     pl.add_argument(
-        "--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp; default 8"
+        "--gpus", type=int, default=8, help="dp = tp = GPUs unless --dp/--tp (default: %(default)s)"
     )
-    pl.add_argument("--dp", type=int, default=None)
-    pl.add_argument("--tp", type=int, default=None)
+    pl.add_argument(
+        "--dp", type=int, default=None, help="data-parallel attention ranks (default: --gpus)"
+    )
+    pl.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel (with --ep: expert-parallel) feed-forward ranks (default: --gpus)",
+    )
     pl.add_argument("--ep", action="store_true", help="routed experts split by expert, not tp")
     # NOTE: the defaults plan the 8 x H200 deployment (docs/multi_gpu.md, $SIZES), not serve's
     pl.add_argument(
-        "--gpu-tokens", type=int, default=200000, help="GPU pool rows per layer (default 200000)"
+        "--gpu-tokens",
+        type=int,
+        default=200000,
+        help="GPU pool rows per layer (default: %(default)s)",
     )
     pl.add_argument(
         "--host-tokens",
         type=int,
         default=1 << 21,
-        help="host pool rows per layer (default 2097152)",
+        help="host pool rows per layer (default: %(default)s)",
     )
-    pl.add_argument("--max-batch", type=int, default=64, help="(default 64)")
-    pl.add_argument("--max-model-len", type=int, default=163840, help="(default 163840)")
     pl.add_argument(
-        "--kv-format", choices=("bf16", "fp8"), default="fp8", help="(default fp8; serve's: bf16)"
+        "--max-batch",
+        type=int,
+        default=64,
+        help="requests decoded at once, as serve's flag (default: %(default)s; serve's: 8)",
+    )
+    pl.add_argument(
+        "--max-model-len",
+        type=int,
+        default=163840,
+        help="longest prompt + output, as serve's flag (default: %(default)s)",
+    )
+    pl.add_argument(
+        "--kv-format",
+        choices=KV_FORMATS,
+        default="fp8",
+        help="KV cache rows, as serve's flag (default: %(default)s; serve's: bf16)",
     )
     pl.add_argument(
         "--fp8-weights",
@@ -391,19 +506,43 @@ def parser() -> argparse.ArgumentParser:
         help="an FP8 config's weights: kept FP8 (auto, the default; fp8) or dequantised at "
         "load (bf16), as serve's flag",
     )
-    pl.add_argument("--no-offload", action="store_true")
-    pl.add_argument("--no-prefill-buffer", action="store_true", help="as serve's flag")
+    pl.add_argument(
+        "--no-offload", action="store_true", help="the whole KV cache on the GPU, as serve's flag"
+    )
+    pl.add_argument(
+        "--no-prefill-buffer",
+        action="store_true",
+        help="no prompt buffer of --max-model-len rows a layer on the GPU, as serve's flag",
+    )
     _prefetch_args(pl)  # the staging buffers they size are planned
-    pl.add_argument("--gpu", choices=("h200", "h20", "h100"), default="h200", help="(default h200)")
-    pl.add_argument("--gpu-mem-gib", type=float, default=None, help="overrides --gpu")
-    pl.add_argument("--host-mem-gib", type=float, default=None, help="per node; unchecked if unset")
+    pl.add_argument(
+        "--gpu",
+        choices=("h200", "h20", "h100"),
+        default="h200",
+        help="the GPU whose memory is planned (default: %(default)s)",
+    )
+    pl.add_argument(
+        "--gpu-mem-gib", type=float, default=None, help="GPU memory in GiB (default: --gpu's)"
+    )
+    pl.add_argument(
+        "--host-mem-gib",
+        type=float,
+        default=None,
+        help="host memory per node in GiB (default: none, the host pools unchecked)",
+    )
     pl.add_argument(
         "--gpus-per-node",
         type=int,
         default=8,
-        help="GPUs (ranks) of one host: their host pools share --host-mem-gib",
+        help="GPUs (ranks) of one host: their host pools share --host-mem-gib (default: "
+        "%(default)s)",
     )
-    pl.add_argument("--reserve-gib", type=float, default=8.0, help="activations, graphs, NCCL")
+    pl.add_argument(
+        "--reserve-gib",
+        type=float,
+        default=8.0,
+        help="GiB a GPU keeps for activations, graphs, NCCL (default: %(default)s)",
+    )
     _process_args(pl)
 
     sub.add_parser("bench", help="end-to-end offloading vs GPU-only benchmark (see bench --help)")

@@ -63,7 +63,8 @@ def breakdown_key(system: str, weights: str, prefetch: str, pool: int) -> str:
     return " ".join(parts + [str(pool)]) if parts != ["offload-eager"] else str(pool)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench's flags (``--preset tiny`` swaps in ``TINY_DEFAULTS``: ``main``)."""
     ap = argparse.ArgumentParser(
         prog="echo-compile bench",
         description=harness.__doc__,
@@ -75,68 +76,121 @@ def main(argv: list[str] | None = None) -> int:
         default="bench",
         help="tiny: a CPU dry run of the harness (its own defaults: "
         + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in TINY_DEFAULTS.items())
-        + ")",
+        + "; default: %(default)s)",
     )
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument(
+        "--layers", type=int, default=4, help="the model's layers (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--experts",
+        type=int,
+        default=16,
+        help="routed experts, a multiple of 8, at least 16 (default: %(default)s)",
+    )
     ap.add_argument(
         "--workload",
         choices=("long", "sharegpt"),
         default="long",
-        help="long: InfiniteBench-like lengths (--min-ctx/--max-ctx); sharegpt: short prompts",
+        help="long: InfiniteBench-like lengths (--min-ctx/--max-ctx); sharegpt: short prompts "
+        "(default: %(default)s)",
     )
     ap.add_argument(
         "--mode",
         choices=("decode-only", "full"),
         default="decode-only",
         help="decode-only: inject each prompt's KV (PD-disaggregated); full: prefill it too "
-        "(the compiled sparse prefill of a served engine; --eager-prefill: eager chunks)",
+        "(the compiled sparse prefill of a served engine; --eager-prefill: eager chunks; "
+        "default: %(default)s)",
     )
     ap.add_argument(
         "--eager-prefill",
         action="store_true",
         help="--mode full: run the prefill chunks eagerly instead of compiled",
     )
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--min-ctx", type=int, default=80_000)
-    ap.add_argument("--max-ctx", type=int, default=100_000)
+    ap.add_argument(
+        "--requests", type=int, default=64, help="requests per run (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--min-ctx",
+        type=int,
+        default=80_000,
+        help="long: shortest context in tokens (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-ctx",
+        type=int,
+        default=100_000,
+        help="long: longest context in tokens (default: %(default)s)",
+    )
     ap.add_argument(
         "--output-len",
         type=int,
         default=128,
-        help="tokens per request (InfiniteBench: 256; 128 keeps the default run under 10 min)",
+        help="tokens per request (InfiniteBench: 256; 128 keeps the default run under 10 min; "
+        "default: %(default)s)",
     )
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, 0 is greedy (default: %(default)s)",
+    )
     ap.add_argument(
         "--locality",
         type=float,
         default=BENCH_LOCALITY,
         help="the locality model's knob λ in [0, 1) planted in the random weights (0: none; "
-        "docs/prefetch.md, 'Locality model'; benchmarks/calibrate_locality.py calibrates it)",
+        "docs/prefetch.md, 'Locality model'; benchmarks/calibrate_locality.py calibrates it; "
+        "default: %(default)s)",
     )
     ap.add_argument(
         "--repeat",
         type=float,
         default=0.0,
         help="probability that a decode input repeats the previous one (a second locality "
-        "knob; e2e_h200.json was taken with --locality 0 --repeat 1)",
+        "knob; e2e_h200.json was taken with --locality 0 --repeat 1; default: %(default)s)",
     )
-    ap.add_argument("--gpu-pools", default="325000,200000,110000", help="N_G per layer, each")
-    ap.add_argument("--host-tokens", type=int, default=0, help="default: enough for every request")
-    ap.add_argument("--kv-format", choices=("bf16", "fp8"), default="fp8")
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument(
+        "--gpu-pools",
+        default="325000,200000,110000",
+        help="GPU pool rows per layer (N_G), comma-separated to run each (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--host-tokens",
+        type=int,
+        default=0,
+        help="host pool rows per layer (default: 0, enough for every request)",
+    )
+    ap.add_argument(
+        "--kv-format",
+        choices=("bf16", "fp8"),
+        default="fp8",
+        help="KV cache rows: bf16, or fp8 (FlashMLA's 656-byte row; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=64,
+        help="requests decoded at once at most (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="the systems to run, comma-separated (the description above says what each is; "
+        "default: %(default)s)",
+    )
     ap.add_argument(
         "--kernel-backend",
         choices=BACKENDS,
         default=DEFAULT_BACKEND,
-        help="the decode indexer's kernels, for every system (docs/backends.md)",
+        help="the decode indexer's kernels, for every system (docs/backends.md; default: "
+        "%(default)s)",
     )
     ap.add_argument(
         "--prefetch",
         default="off",
         help="lossless decode prefetch of the offloading systems, comma-separated to run each: "
-        "off, request, global (docs/prefetch.md)",
+        "off, request, global (docs/prefetch.md; default: %(default)s)",
     )
     ap.add_argument(
         "--prefill-first",
@@ -148,14 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         "--async-scheduling",
         default="off",
         help="launch each decode step before reading the last one's tokens (EngineConfig."
-        "async_scheduling), comma-separated to run each: off, on",
+        "async_scheduling), comma-separated to run each: off, on (default: %(default)s)",
     )
     ap.add_argument(
         "--prefetch-margin",
         type=float,
         default=PREFETCH_MARGIN,
         help="the prefetch threshold's margin over the EMA of the k-th score, in EMAs of the "
-        f"k-th score's distance from it (default {PREFETCH_MARGIN:g}; 0 = ECHO's threshold)",
+        f"k-th score's distance from it (default: {PREFETCH_MARGIN:g}; 0 = ECHO's threshold)",
     )
     ap.add_argument(
         "--prefetch-cap",
@@ -177,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's weights, comma-separated to run each: bf16 (as drawn), awq, fp8 (those "
         "weights quantised in memory and served as the loader serves an AutoAWQ / official FP8 "
         "checkpoint of them; fp8 kept FP8, as --fp8-weights' default serves an FP8 checkpoint; "
-        "docs/quantization.md, 'End to end')",
+        "docs/quantization.md, 'End to end'; default: %(default)s)",
     )
     ap.add_argument(
         "--eager-pools",
@@ -188,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rates",
         default="2,4,8,16",
-        help="Poisson request rates (req/s) of the rate sweep (Fig. 12); empty: no sweep",
+        help="Poisson request rates (req/s) of the rate sweep (Fig. 12); empty: no sweep "
+        "(default: %(default)s)",
     )
     ap.add_argument(
         "--rate-pool",
@@ -196,12 +251,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the sweep's GPU pool (default: 200000 if among --gpu-pools, else the first of them)",
     )
-    ap.add_argument("--rate-requests", type=int, default=16, help="requests per sweep point")
+    ap.add_argument(
+        "--rate-requests",
+        type=int,
+        default=16,
+        help="requests per sweep point (default: %(default)s)",
+    )
     ap.add_argument(
         "--breakdown-steps",
         type=int,
         default=8,
-        help="profiled eager steps of offload-eager and gpu-only (at --eager-pools); 0: none",
+        help="profiled eager steps of offload-eager and gpu-only (at --eager-pools); 0: none "
+        "(default: %(default)s)",
     )
     ap.add_argument(
         "--breakdown-graphs",
@@ -217,18 +278,46 @@ def main(argv: list[str] | None = None) -> int:
         help="run every system eagerly (a quick dry run of the harness; the numbers then say "
         "nothing about CUDA graphs)",
     )
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (torchrun)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel feed-forward ranks")
-    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (instead of --tp)")
     ap.add_argument(
-        "--collective-timeout", type=float, default=300.0, help="seconds (dp/tp/ep > 1)"
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda when available)",
+    )
+    ap.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel attention ranks (torchrun; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel feed-forward ranks (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks, instead of --tp (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank waits for the others before it stops (dp/tp/ep > 1; default: "
+        "%(default)s)",
     )
     ap.add_argument(
         "--out",
         help="the JSON results (default: e2e_PRESET_DEVICE.json in the current directory; the "
         "committed results under benchmarks/results/ are written only when named)",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     if ap.parse_known_args(argv)[0].preset == "tiny":
         ap.set_defaults(**TINY_DEFAULTS)  # flags given still win
     a = ap.parse_args(argv)
