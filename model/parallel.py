@@ -58,15 +58,68 @@ def split_block(config: ModelConfig) -> int:
     return QUANT_BLOCK if config.quantization is not None else 1
 
 
-def shard_dim(total: int, tp: int, what: str, block: int = 1) -> int:
-    """``total / tp``, or a ValueError naming ``what`` when the split is not even (in whole
-    ``block``s of features: a quantised checkpoint's, ``split_block``)."""
-    if total % (tp * block):
+def whole_splits(total: int, block: int = 1) -> list[int]:
+    """The rank counts that split ``total`` features in whole ``block``s: the divisors of
+    ``total / block`` (none when ``block`` does not divide ``total``)."""
+    if total % block:
+        return []
+    n = total // block
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _counts(counts: list[int], shown: int = 12) -> str:
+    more = ", ..." if len(counts) > shown else ""
+    return ", ".join(map(str, counts[:shown])) + more if counts else "none"
+
+
+def shard_dim(
+    total: int, tp: int, what: str, block: int = 1, counts: list[int] | None = None
+) -> int:
+    """``total / tp``, or a ValueError naming ``what`` and the rank counts that work when the
+    split is not even (in whole ``block``s of features: a quantised checkpoint's,
+    ``split_block``): ``counts``, the model's (``ffn_rank_counts``), else ``total``'s own."""
+    if tp < 1 or total % (tp * block):
         how = f"in whole blocks of {block}" if block > 1 else "evenly"
+        valid = whole_splits(total, block) if counts is None else counts
         raise ValueError(
-            f"{what}={total} cannot be split {how} over {tp} feed-forward ranks (tp or ep)"
+            f"{what}={total} cannot be split {how} over {tp} feed-forward ranks (tp or ep); "
+            f"the counts that work: {_counts(valid)}"
         )
     return total // tp
+
+
+def ffn_dims(config: ModelConfig, ep: bool = False) -> list[tuple[str, int, int]]:
+    """``(what, features, block)`` of every dimension ``parallelize_ffn`` splits over the
+    feed-forward ranks (``ep``: the routed experts by expert)."""
+    block, moe = split_block(config), config.moe_intermediate_size
+    dims = []
+    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        dims.append(("intermediate_size", config.intermediate_size, block))
+    if not ep:
+        dims.append(("moe_intermediate_size", moe, block))
+    else:
+        dims.append(("n_routed_experts", config.n_routed_experts, 1))
+        if config.n_shared_experts > 0:
+            dims.append(("shared experts' features", config.n_shared_experts * moe, block))
+    return dims
+
+
+def ffn_rank_counts(config: ModelConfig, ep: bool = False) -> list[int]:
+    """The feed-forward rank counts (tp, or ep with ``ep``) that split every dimension of
+    ``ffn_dims`` whole."""
+    common = None
+    for _, total, block in ffn_dims(config, ep):
+        ok = set(whole_splits(total, block))
+        common = ok if common is None else common & ok
+    return sorted(common) if common is not None else [1]
+
+
+def check_ffn_split(config: ModelConfig, ranks: int, ep: bool = False) -> None:
+    """A ValueError naming the first dimension ``ranks`` feed-forward ranks cannot split and the
+    counts that split them all (before any layer is built)."""
+    counts = ffn_rank_counts(config, ep)
+    for what, total, block in ffn_dims(config, ep):
+        shard_dim(total, ranks, what, block, counts)
 
 
 def all_gather_rows(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
@@ -189,6 +242,7 @@ def parallelize_ffn(model: nn.Module, config: ModelConfig, g: TPGroup, ep: bool 
     """Replace, in place, every block's ``mlp`` of ``model`` (``DeepseekV32ForCausalLM``, built
     on the meta device before loading) by its TP version for group ``g`` (``ep``: the routed
     experts split by expert instead, ``EPMoE``)."""
+    check_ffn_split(config, g.size, ep)
     for i, block in enumerate(model.model.layers):
         if config.is_moe_layer(i):
             block.mlp = EPMoE(config, g) if ep else TPMoE(config, g)

@@ -31,7 +31,7 @@ from model.loader import (
     load_weights,
     read_checkpoint_meta,
 )
-from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn
+from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn, shard_dim
 
 FP8_BLOCK = AWQ_GROUP = QUANT_BLOCK
 _FFN = re.compile(
@@ -94,13 +94,8 @@ def read_shard(f, name: str, file: str, g: TPGroup, ep: bool = False) -> torch.T
     shape = sl.get_shape()
     n = shape[axis]
     block = _block_rows(name, sl.get_dtype())
-    if n % (g.size * block):
-        raise ValueError(
-            f"tensor {name!r} in {file}: {n} along axis {axis} cannot be split over tp={g.size} "
-            f"ranks in whole blocks of {block} (choose a tp that divides the intermediate size "
-            "into multiples of the block)"
-        )
-    part = n // g.size
+    # (the model's dimensions were checked when it was built: this is the file's tensor)
+    part = shard_dim(n, g.size, f"tensor {name!r} in {file}: axis {axis}", block)
     idx = [slice(None)] * len(shape)
     idx[axis] = slice(g.rank * part, (g.rank + 1) * part)
     return sl[tuple(idx)]

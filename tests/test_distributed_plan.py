@@ -177,6 +177,23 @@ def test_plan_command(capsys):
     assert "intermediate_size=18432 cannot be split in whole blocks of 128 over 32" in err
 
 
+def test_plan_names_the_rank_counts_that_split_the_model(capsys):
+    """A feed-forward rank count the model cannot split is refused with the counts that split
+    every feed-forward dimension (V3.2 AWQ: 2048 expert features in blocks of 128 -> 16 blocks),
+    not only the one that failed (fp8's dense 18432 = 144 blocks would allow 3 or 24)."""
+    from model.parallel import ffn_rank_counts
+
+    for argv in (["--gpus", "3"], ["--gpus", "3", "--ep"], ["--quant", "fp8", "--gpus", "24"]):
+        assert cli_main(["plan", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "cannot be split" in err and "the counts that work: 1, 2, 4, 8, 16\n" in err, err
+    assert ffn_rank_counts(v32_config("bf16")) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024,
+                                                   2048]  # fmt: skip
+    # by expert: 256 experts, but the shared expert's 2048 features are still split
+    assert ffn_rank_counts(v32_config("bf16"), ep=True) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert ffn_rank_counts(preset_config("tiny")) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
 def test_estimate_script(tmp_path):
     from benchmarks.estimate_multi_gpu import main
 
