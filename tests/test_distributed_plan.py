@@ -161,6 +161,8 @@ def test_plan_command(capsys):
     # the host pools of one node's ranks against one host's memory (16 GPUs: 2 nodes of 8)
     assert cli_main(["plan", "--gpus", "16", "--host-mem-gib", "1000"]) == 0
     assert "625.2 GiB per node (8 ranks; 2 nodes)" in capsys.readouterr().out
+    assert cli_main(["plan", "--gpus", "1"]) == 2  # too big for one H200, the table printed first
+    assert "GiB per node (1 rank; 1 node)" in capsys.readouterr().out
     one_host = ["--gpus-per-node", "16", "--host-mem-gib", "1000"]
     assert cli_main(["plan", "--gpus", "16", *one_host]) == 2
     assert "need 1250.5 GiB a node (16 ranks x 78.2)" in capsys.readouterr().err

@@ -196,13 +196,16 @@ class MemoryPlan:
         lines.append(f"  {'total':<16} {self.gpu_total_gib:9.2f} GiB of {self.gpu_mem_gib:g} GiB")
         host = f"  host KV pool     {self.host_gib_per_rank:9.2f} GiB per rank"
         nodes = -(-self.ranks // self.gpus_per_node)
-        lines.append(
-            host + f", {self.host_total_gib:.1f} GiB per node ({self.ranks_per_node} ranks; "
-            f"{nodes} node{'s' if nodes > 1 else ''})"
-        )
+        per_node = f"{counted(self.ranks_per_node, 'rank')}; {counted(nodes, 'node')}"
+        lines.append(host + f", {self.host_total_gib:.1f} GiB per node ({per_node})")
         lines.append("  fits" if not self.problems() else "  DOES NOT FIT: " + "; ".join(
             self.problems()))  # fmt: skip
         return "\n".join(lines)
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: "1 rank", "2 ranks"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def memory_plan(
