@@ -411,7 +411,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 # NOTE: each DSML tag is ~25 byte-level tokens of the tiny tokenizer, so one forced call is ~150
-# decode steps: one mode per case keeps this file fast.
+# decode steps: one mode per case keeps this file fast. SCHEMA's strings are bounded (maxLength,
+# enum): a free string the random weights would write until max_tokens (docs/server.md, tools).
 @pytest.mark.parametrize(
     "stream, choice", [(False, NAMED), (True, "required")], ids=["named", "required-stream"]
 )
