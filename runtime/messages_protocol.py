@@ -39,7 +39,7 @@ class MessagesRequest(_Strict):
     stream: bool | None = None
     tools: list[dict[str, Any]] | None = None  # {"name", "description", "input_schema"}
     tool_choice: dict[str, Any] | None = None  # {"type": auto | any | tool | none, "name"}
-    thinking: dict[str, Any] | None = None  # {"type": "enabled", "budget_tokens"} | disabled
+    thinking: dict[str, Any] | None = None  # {"type": "enabled", "budget_tokens"} | adaptive | ...
     metadata: dict[str, Any] | None = None  # {"user_id"}: chat's user
 
 
@@ -93,15 +93,18 @@ def check_messages(req: MessagesRequest) -> None:
 
 
 def thinking(req: MessagesRequest) -> bool:
-    """``thinking``'s type: "enabled" turns thinking mode on (DeepSeek-V3.2 has one depth of
-    thinking: ``budget_tokens`` is checked, not enforced), "disabled" leaves it off."""
+    """``thinking``'s type: "enabled" and "adaptive" (the model decides how much to think: the
+    SDK's and Claude Code's choice for newer models) turn thinking mode on (DeepSeek-V3.2 has one
+    depth of thinking: ``budget_tokens`` is checked, not enforced), "disabled" leaves it off."""
     if req.thinking is None:
         return False
     kind = req.thinking.get("type")
     if kind == "disabled":
         return False
+    if kind == "adaptive":
+        return True
     if kind != "enabled":
-        msg = f"thinking.type must be enabled or disabled, got {kind!r}"
+        msg = f"thinking.type must be enabled, adaptive or disabled, got {kind!r}"
         raise APIError(400, msg, param="thinking")
     budget = req.thinking.get("budget_tokens")
     if type(budget) is not int or budget < 1:

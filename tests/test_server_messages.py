@@ -202,6 +202,20 @@ def test_thinking(served: tuple[str, PromptedEngine], stream: bool) -> None:
     assert off["content"] == [{"type": "text", "text": "Let me see.</think>Four."}]
 
 
+def test_adaptive_thinking_is_thinking_mode(served: tuple[str, PromptedEngine]) -> None:
+    """``{"type": "adaptive"}`` (the SDK's ThinkingConfigAdaptiveParam: what Claude Code sends for
+    newer models) is thinking mode, as ``enabled`` is; another type is a 400 naming them."""
+    url, engine = served
+    _say(engine, "Let me see.</think>Four.")
+    msgs = [{"role": "user", "content": "2+2?"}]
+    m = _message(url, messages=msgs, thinking={"type": "adaptive", "display": "summarized"})
+    assert [b["type"] for b in m["content"]] == ["thinking", "text"]
+    assert m["content"][0]["thinking"] == "Let me see."
+    r = _post(url, messages=msgs, thinking={"type": "sometimes"})
+    assert r.status_code == 400
+    assert "enabled, adaptive or disabled" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_use_round_trip(served: tuple[str, PromptedEngine], stream: bool) -> None:
     """The call comes back as a tool_use block; the tool_use and its tool_result sent back
