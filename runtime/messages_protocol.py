@@ -7,10 +7,11 @@ continued (Anthropic's prefill: chat's ``continue_final_message``). The chat rou
 renamed back to the fields the client sent (``renamed``), and every error of the route is
 answered in Anthropic's shape (``error_response``).
 
-As Anthropic's API does, a field it does not know is a 400 naming it; so are images, documents
-and Anthropic's server tools. ``cache_control`` is accepted and ignored (the prefix cache needs
-no marks); ``thinking.budget_tokens`` is accepted, not enforced (``max_tokens`` caps the
-thinking and the reply together).
+A field this route cannot honour (``UNSUPPORTED_MESSAGES``) is a 400 naming it, and so are
+images, documents and Anthropic's server tools; any other field it does not know is ignored
+(Claude Code sends some), as on the other routes. ``cache_control`` is accepted and ignored (the
+prefix cache needs no marks); ``thinking.budget_tokens`` is accepted, not enforced
+(``max_tokens`` caps the thinking and the reply together).
 """
 
 from __future__ import annotations
