@@ -206,6 +206,8 @@ def _blocks(content: Any, at: str) -> list[dict[str, Any]]:
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
         raise APIError(400, f"{at} must be a string or a list of blocks", param="messages")
+    if not content:  # (a turn of no blocks was no message at all: the turns around it joined)
+        raise APIError(400, f"{at}: at least one block is required", param="messages")
     return content
 
 

@@ -317,6 +317,16 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
         ),  # fmt: skip
         ({"messages": [{"role": "system", "content": "x"}]}, r"messages\[0\]\.role must be user"),
         ({"messages": []}, r"at least one message"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "A"},
+                    {"role": "user", "content": []},
+                ]
+            },
+            r"^messages\[2\]\.content: at least one block",
+        ),  # fmt: skip
         ({"system": [{"type": "image"}]}, r"^system\[0\] must be a text block"),
         ({"thinking": {"type": "enabled"}}, r"^thinking\.budget_tokens must be an integer"),
         (
