@@ -14,17 +14,11 @@ def check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
     before the weights load: a deployment that cannot fit is refused in seconds, naming what
     does not. Anything else the check meets (a bad checkpoint or option: the loader says so
     next; a config the planner cannot count) makes it step aside with a warning."""
-    import os
-
     from model.loader import read_checkpoint_meta
     from runtime.distributed import plan
 
     try:
-        device, local_ranks = config.device, 1
-        if config.world_size > 1:  # torchrun: this rank's GPU; the ranks sharing this host
-            if device in ("cuda", "cuda:0"):
-                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        device, local_ranks = plan.rank_memory_device(config)  # (torchrun: this rank's GPU)
         _, model_config, _ = read_checkpoint_meta(path)
         gpu, host = plan.device_memory_gib(device)
         plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks)

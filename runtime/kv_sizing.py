@@ -182,8 +182,6 @@ def size_engine(
     keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
     that cannot count the config) leaves ``config`` as it is, with a warning. A fraction given
     (not None) where it sizes nothing is warned about, naming the flag."""
-    import os
-
     if not config.offload:  # no GPU pool: nothing to size in gpu_tokens
         given = given | {"gpu_tokens"}
     cuda = config.device.startswith("cuda")
@@ -212,11 +210,7 @@ def size_engine(
     from runtime.distributed import plan
 
     try:
-        device, local_ranks = config.device, 1
-        if config.world_size > 1:  # torchrun: this rank's GPU; the ranks sharing this host
-            if device in ("cuda", "cuda:0"):
-                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        device, local_ranks = plan.rank_memory_device(config)  # (torchrun: this rank's GPU)
         _, mc, _ = read_checkpoint_meta(path)
         _, host_gib = plan.device_memory_gib(device)
         memory = Memory(int(host_gib * GIB), plan.gpu_total_bytes(device), local_ranks)

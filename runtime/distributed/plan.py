@@ -282,6 +282,20 @@ def check_fits(
         raise DoesNotFit(f"does not fit {engine.device}: " + "; ".join(problems))
 
 
+def rank_memory_device(config: EngineConfig) -> tuple[str, int]:
+    """The device whose memory this rank plans with, and the ranks sharing its host's memory:
+    ``config.device`` alone; under torchrun (``world_size`` > 1) a bare ``cuda`` / ``cuda:0`` is
+    this rank's GPU, ``cuda:<LOCAL_RANK>``, and ``LOCAL_WORLD_SIZE`` ranks share the host."""
+    import os
+
+    device, local_ranks = config.device, 1
+    if config.world_size > 1:
+        if device in ("cuda", "cuda:0"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return device, local_ranks
+
+
 def device_memory_gib(device: str) -> tuple[float, float]:
     """The GPU's free memory now and the memory the host lets this process use (physical, or
     the container's limit), GiB. Free, not total: other processes, and other engines of this
