@@ -44,6 +44,14 @@ class MessagesRequest(_Strict):
     metadata: dict[str, Any] | None = None  # {"user_id"}: chat's user
 
 
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a message's fields without ``max_tokens`` (what
+    Claude Code sends to size its context); counted as the message's prompt renders."""
+
+    max_tokens: int = 1  # (not Anthropic's field here: one token of room for the render's check)
+    stream: None = None
+
+
 # Fields of the Messages API this server cannot honour, with the values that leave them off
 # (openai_protocol.refuse_unsupported): any other value is a 400 naming the field. Any other field
 # is ignored, as the other routes and DeepSeek's own Anthropic endpoint do (Claude Code sends
@@ -81,9 +89,9 @@ def anthropic_body(e: APIError) -> dict[str, Any]:
 
 
 def error_response(e: APIError, path: str) -> JSONResponse:
-    """The answer to ``e`` on the route ``path``: Anthropic's shape on the Messages route,
-    OpenAI's elsewhere."""
-    if path == MESSAGES_PATH:
+    """The answer to ``e`` on the route ``path``: Anthropic's shape on the Messages route and
+    its sub-paths (``count_tokens``, or one this server lacks), OpenAI's elsewhere."""
+    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
         return JSONResponse(anthropic_body(e), status_code=e.status)
     return e.response()
 

@@ -109,6 +109,7 @@ def build_app(
     app.post("/v1/chat/completions")(h.chat)
     app.post("/v1/responses")(h.responses)
     app.post("/v1/messages")(h.messages)
+    app.post("/v1/messages/count_tokens")(h.count_tokens)
     app.post("/tokenize")(h.tokenize)
     app.post("/detokenize")(h.detokenize)
     app.get("/metrics")(h.prometheus)

@@ -12,7 +12,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from runtime.messages_output import MessageBuilder
-from runtime.messages_protocol import MessagesRequest, chat_request, check_messages, renamed
+from runtime.messages_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_request,
+    check_messages,
+    renamed,
+)
+from runtime.openai_protocol import APIError
 from runtime.outputs import RequestOutput
 from runtime.server_chat import ChatRun
 from runtime.server_translated import TranslatedHandlers
@@ -38,3 +45,15 @@ class MessagesHandlers(TranslatedHandlers):
             )
 
         return await self.run_translated(chat, mid, request, builder, lambda e: renamed(e, where))
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        """``/v1/messages/count_tokens``: the prompt's tokens as ``messages`` renders it (its
+        system, tools, thinking); a prompt past the context is the same 400 as there."""
+        self.check_model(req.model)
+        check_messages(req)
+        chat, where = chat_request(req)
+        try:
+            run = await self.prepare_chat(chat)
+        except APIError as e:
+            raise renamed(e, where) from e
+        return {"input_tokens": len(run.choices[0].ids)}

@@ -494,3 +494,24 @@ def test_the_official_anthropic_client_reads_the_message_and_its_stream(
             model=MODEL, max_tokens=8, messages=hi, extra_body={"mcp_servers": [{"u": 1}]}
         )
     assert bad.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_count_tokens_is_the_prompt_messages_renders(served: tuple[str, PromptedEngine]) -> None:
+    """``/v1/messages/count_tokens`` (Claude Code sizes its context with it; the SDK's
+    ``messages.count_tokens``): the tokens of the prompt a message with the same system, turns,
+    tools and thinking renders to; the route's other sub-paths answer in Anthropic's shape."""
+    url, engine = served
+    _say(engine, "Hello there!")
+    turns = [{"role": "user", "content": "Weather in Paris?"}]
+    body = dict(system="Be brief.", messages=turns, tools=[WEATHER],
+                thinking={"type": "enabled", "budget_tokens": 16})  # fmt: skip
+    _message(url, **body)
+    rendered = list(engine.prompt)
+    n = _anthropic(url).messages.count_tokens(model=MODEL, **body).input_tokens
+    assert n == len(rendered) > 0
+    without = _anthropic(url).messages.count_tokens(model=MODEL, messages=turns).input_tokens
+    assert 0 < without < n
+    r = httpx.post(url + "/v1/messages/count_tokens", json={"model": "nope", "messages": turns})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(url + "/v1/messages/batches", json={}, timeout=30)
+    assert r.status_code in (404, 405) and r.json()["type"] == "error"
