@@ -293,8 +293,9 @@ class Engine:
             self._pool_checks.clear()  # counts of the pools before the reset
 
     def reset_stats(self) -> None:
-        """Zero the step/token counters and the pools' hit/recall totals, and forget finished
-        requests (benchmarks: one engine measures several workloads in turn)."""
+        """Zero the step/token counters, the pools' hit/recall totals and the prefix cache's
+        lookup counters (its pages stay cached), and forget finished requests (benchmarks: one
+        engine measures several workloads in turn)."""
         self.num_steps = self.num_decode_steps = self.decode_rows = self.generated_tokens = 0
         self.decode_steps_ahead = self.discarded_rows = 0
         self.prompt_kv_load_s = self.host_gap_s = 0.0
@@ -304,6 +305,8 @@ class Engine:
         self._recent.clear()
         self.finished_requests.clear()
         self.cache.reset_stats()
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.reset_stats()
 
     def check_pools(self) -> None:
         """Raise if a recall ever had more misses than free GPU-pool rows. The scheduler's

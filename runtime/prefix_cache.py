@@ -54,6 +54,10 @@ class PrefixCache:
         # prompt tokens looked up, and those found cached (admissions that may use the cache)
         self.queries = self.hits = 0
 
+    def reset_stats(self) -> None:
+        """Zero the lookup counters (``Engine.reset_stats``); the cached pages stay."""
+        self.queries = self.hits = 0
+
     @property
     def num_pages(self) -> int:
         return len(self._key)

@@ -240,6 +240,15 @@ class Scheduler:
         assert pages is not None  # _can_admit
         return pages
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached page no request holds (vLLM's ``reset_prefix_cache``), through the
+        release hook; returns how many. Pages running requests hold stay cached."""
+        if self.prefix is None:
+            return 0
+        pages = self.prefix.evict(self.prefix.num_evictable)
+        self._release_and_free(pages)
+        return len(pages)
+
     @property
     def pages_in_use(self) -> int:
         """Host pages requests hold: the cached pages no request holds count as free (an

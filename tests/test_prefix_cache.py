@@ -574,6 +574,119 @@ def test_a_later_turn_reuses_the_answer_pages(tiny):
     assert eng.scheduler.prefix.hits == 4 * PAGE
 
 
+def test_offload_equals_gpu_only_with_the_cache_on_both(tiny):
+    """The lossless property with prefix caching on in both engines (LLM's default, so the
+    demo's two): requests on one document, some arriving after it is cached, hitting it; every
+    step (prefill chunk or decode) is the same in both, logits bit for bit."""
+    model, _ = tiny
+    doc = _toks(66, 230)
+    first = [doc + _toks(67, 40), _toks(68, 180)]
+    later = [doc + _toks(69 + i, 20 + 30 * i) for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for offload in (True, False):
+        eng = _engine(tiny, True, offload=offload, max_batch=3,
+                      gpu_tokens=3 * model.config.index_topk)  # fmt: skip
+        log = _record_logits(eng)
+        toks = _serve(eng, first)
+        for i, p in enumerate(later):
+            eng.add_request(f"l{i}", p, params)
+        toks |= {k: [t for o in v for t in o.new_token_ids] for k, v in _outputs(eng).items()}
+        runs[offload] = (toks, log, eng.scheduler.prefix.hits)
+    (t_off, log_off, hits), (t_gpu, log_gpu, hits_gpu) = runs[True], runs[False]
+    assert hits == hits_gpu == 3 * 3 * PAGE  # each later request on the document's 3 pages
+    assert t_off == t_gpu
+    assert len(log_off) == len(log_gpu)
+    for (d1, ids1, a), (d2, ids2, b) in zip(log_off, log_gpu):
+        assert (d1, ids1) == (d2, ids2) and torch.equal(a, b), (d1, ids1)
+
+
+def _outputs(eng: Engine) -> dict[str, list]:
+    """Step until done: each request's outputs (StepOutput) in order."""
+    out: dict[str, list] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).append(o)
+    return out
+
+
+def test_prompt_logprobs_requests_compute_the_whole_prompt_on_a_cached_document(tiny):
+    """A request (and a group of n = 2) asking for ``prompt_logprobs`` on a cached document
+    takes no cached page (vLLM skips the cache for them too): every prompt position's logprobs
+    are computed, equal to the engine without the cache, and it reports no cached token."""
+    doc = _toks(60, 200)
+    prompt = doc + _toks(61, 30)
+    lp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache, max_batch=4)
+        _serve(eng, [doc + _toks(62, 10)])  # caches the document's pages
+        eng.add_request("lp", prompt, lp)
+        eng.add_request_group(["g0", "g1"], prompt, [lp, lp])
+        runs[cache] = (_outputs(eng), eng)
+    (plain, _), (cached, eng) = runs[False], runs[True]
+    for rid in ("lp", "g0", "g1"):
+        assert cached[rid][0].prompt_logprobs == plain[rid][0].prompt_logprobs
+        assert len(cached[rid][0].prompt_logprobs) == len(prompt)
+        assert cached[rid][0].cached_tokens == 0
+        assert [o.new_token_ids for o in cached[rid]] == [o.new_token_ids for o in plain[rid]]
+    assert eng.scheduler.prefix.hits == 0 and eng.scheduler.prefix.num_pages > 0
+
+
+def test_a_grammar_request_on_a_cached_document_gives_the_same_tokens(tiny):
+    """Structured output masks the sampled tokens only: a JSON-schema request whose prompt
+    starts on cached pages samples what it samples without the cache."""
+    from runtime.structured_output import json_schema_grammar
+    from tests.test_structured_output import SCHEMA
+
+    doc = _toks(70, 200)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=3,
+                            grammar=json_schema_grammar(SCHEMA))  # fmt: skip
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache)
+        _serve(eng, [doc + _toks(71, 10)])
+        eng.add_request("js", doc + _toks(72, 30), params)
+        runs[cache] = [t for o in _outputs(eng)["js"] for t in o.new_token_ids]
+        if cache:
+            assert eng.scheduler.prefix.hits == 3 * PAGE
+    assert runs[True] == runs[False] and runs[True][-1] == tiny[0].config.eos_token_id
+
+
+def test_reset_stats_zeroes_the_lookups_and_keeps_the_pages(tiny):
+    eng = _engine(tiny, True)
+    doc = _toks(63, 200)
+    _serve(eng, [doc + [5], doc + [6]])
+    m = eng.metrics()
+    assert m["prefix_cache_hits"] == 3 * PAGE and m["prefix_cache_queries"] == 2 * 201
+    pages = m["prefix_cache_pages"]
+    eng.reset_stats()
+    m = eng.metrics()
+    assert (m["prefix_cache_queries"], m["prefix_cache_hits"]) == (0.0, 0.0)
+    assert m["prefix_cache_hit_rate"] == 0.0 and m["prefix_cache_pages"] == pages
+    _serve(eng, [doc + [7]])  # the pages stayed: a hit
+    assert eng.metrics()["prefix_cache_hit_rate"] == pytest.approx(3 * PAGE / 201)
+
+
+def test_reset_prefix_cache_evicts_what_no_request_holds(tiny):
+    """``Scheduler.reset_prefix_cache``: the pages no request holds are evicted (their GPU-pool
+    rows released), a running request's are not; an idle engine's pools are then empty."""
+    eng = _engine(tiny, True)
+    s = eng.scheduler
+    doc = _toks(64, 200)
+    _serve(eng, [doc + [5], _toks(65, 150)])
+    assert s.prefix.num_pages == 5 and s.pages.num_used == 5
+    eng.add_request("r", doc + [6], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.step()  # admitted on the document's 3 cached pages
+    assert s.reset_prefix_cache() == 2  # the other prompt's: the document's are held
+    assert s.prefix.num_pages == 3
+    _outputs(eng)
+    n = s.prefix.num_pages
+    assert s.reset_prefix_cache() == n >= 3 and s.prefix.num_pages == s.prefix.num_evictable == 0
+    assert s.pages.num_free == s.pages.num_pages
+    assert eng.cache.stats()["gpu_pool_usage"] == 0.0
+
+
 def test_engine_config_prefix_caching():
     assert (
         EngineConfig(enable_prefix_caching=True)
@@ -622,9 +735,18 @@ def test_server_reports_cached_tokens_and_metrics():
             ]
             assert [u.prompt_tokens_details.cached_tokens for u in usage] == [0, 2 * PAGE]
             assert usage[1].prompt_tokens == 170
+            # n = 2 on the document (one shared prefill): its cached tokens counted once, as
+            # its prompt tokens are; prompt_logprobs computes the whole prompt: none cached
+            lp = {"extra_body": {"prompt_logprobs": 1}}
+            for extra, cached in (({"n": 2}, 2 * PAGE), (lp, 0)):
+                u = client.completions.create(
+                    model="tiny", prompt=doc + _toks(53, 20), max_tokens=2, temperature=0, **extra
+                ).usage
+                assert (u.prompt_tokens, u.prompt_tokens_details.cached_tokens) == (170, cached)
             text = httpx.get(base + "/metrics").text
             rate = next(ln for ln in text.splitlines() if ln.startswith("echo_prefix_cache_hit"))
-            assert float(rate.split()[-1]) == pytest.approx(128 / 340)
+            # (the prompt_logprobs request looked nothing up)
+            assert float(rate.split()[-1]) == pytest.approx(2 * 128 / 510)
             # idle: the cached pages no request holds are free to an admission, so the pool
             # reads empty (it read 1 - free / pages: nearly full with a warm cache)
             assert llm.engine.scheduler.prefix.num_evictable > 0
