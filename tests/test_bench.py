@@ -270,6 +270,26 @@ def test_full_mode_prefills_instead_of_injecting(model) -> None:
         sut.close()
 
 
+def test_neither_system_caches_prefixes(model, monkeypatch) -> None:
+    """A System runs the same prompts again (one seed): the second full run prefills them all
+    again, offloading and GPU-only alike, whatever EngineConfig's default."""
+    config = bench.EngineConfig
+    monkeypatch.setattr(  # the engine's default turned on: the harness must still say off
+        bench, "EngineConfig", lambda **kw: config(**{"enable_prefix_caching": True} | kw)
+    )
+    wl = bench.Workload(requests=2, min_ctx=150, max_ctx=200, output_len=2, prefill=True)
+    for system, pool in (("offload-eager", 256), ("gpu-only", 512)):
+        sut = bench.System(model, system, pool, 4096, "fp8", 512, 2, (), "cpu", 0.0, seed=0)
+        steps = []
+        for _ in range(2):
+            sut.run(wl)
+            eng = sut.engine
+            steps.append(eng.num_steps - eng.num_decode_steps)  # prefill chunks
+        assert not sut.engine.config.enable_prefix_caching
+        assert steps[0] == steps[1] > 0, (system, steps)
+        sut.close()
+
+
 @pytest.mark.parametrize("prefill_first", [False, True])
 def test_full_mode_cli(tmp_path, prefill_first) -> None:
     out = tmp_path / "full.json"

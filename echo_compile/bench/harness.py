@@ -300,6 +300,10 @@ class System:
             prefetch_margin=prefetch_margin,
             async_scheduling=async_scheduling,
             decode_during_prefill=decode_during_prefill,
+            # neither system caches prefixes: a System runs workload after workload (the same
+            # seed, the same prompts), and a later run's cached prompts would skip the prefill
+            # the comparison measures (benchmarks/bench_prefix_cache.py measures the cache)
+            enable_prefix_caching=False,
             **(prefetch_limits or {}),
         )
         if parallel is not None:
