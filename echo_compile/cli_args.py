@@ -210,9 +210,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-prefix-caching",
-        action="store_true",
-        help="keep finished sequences' full KV pages in the host pool for later prompts that "
-        "start with the same tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep sequences' full KV pages in the host pool for later prompts that start with "
+        "the same tokens (default: on, as vLLM's; --no-enable-prefix-caching turns it off)",
     )
     p.add_argument(
         "--async-scheduling",
@@ -268,7 +269,6 @@ def engine_options(a: argparse.Namespace) -> dict:
         async_scheduling=a.async_scheduling,
         decode_during_prefill=not a.prefill_first,
         prefill_buffer=not a.no_prefill_buffer,
-        enable_prefix_caching=a.enable_prefix_caching,
     )
     if a.device:
         opts["device"] = a.device
@@ -281,7 +281,9 @@ def engine_options(a: argparse.Namespace) -> dict:
             raise ValueError(
                 f"--decode-buckets must be comma-separated integers, got {a.decode_buckets!r}"
             ) from None
-    opts.update(given(a, ("prefill_chunk", *PREFETCH_OPTIONS, "prefetch_margin")))
+    # left out: EngineConfig's default (prefix caching on)
+    opts.update(given(a, ("prefill_chunk", "enable_prefix_caching", "prefetch_margin")))
+    opts.update(given(a, PREFETCH_OPTIONS))
     # left out: sized from the checkpoint and the memory (runtime/kv_sizing.py, via LLM)
     opts.update(given(a, SIZED_OPTIONS))
     return opts

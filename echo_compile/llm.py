@@ -64,6 +64,9 @@ class LLM:
     checkpoint and the memory, ``host_memory_fraction`` of the host's and
     ``gpu_memory_utilization`` of the GPU's, vLLM's name: runtime/kv_sizing.py; on the CPU they
     are ``EngineConfig``'s),
+    ``enable_prefix_caching`` (default here: True, as vLLM's, unlike ``EngineConfig``'s; a
+    prompt that starts with the full 64-token pages of an earlier sequence skips their prefill,
+    runtime/prefix_cache.py),
     ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill, one graph per chunk
     bucket, for any ``max_model_len``; False: eager prefill), ``dp`` / ``tp`` (multi-process: run
     the same script on every rank under torchrun, docs/multi_gpu.md). ``compile`` (default: on
@@ -100,6 +103,10 @@ class LLM:
         configure_threads()  # once per process: ECHO_COMPILE_THREADS, else by usable cores
         if "device" not in engine_options:
             engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        # on here, as vLLM's (serve and generate build an LLM: --no-enable-prefix-caching);
+        # EngineConfig's own default is off, so an engine built directly (the tests, the bench)
+        # holds no page once its requests are done
+        engine_options.setdefault("enable_prefix_caching", True)
         config = EngineConfig(**engine_options)
         check_device(config.device, python=True)
         path = resolve_model(model)

@@ -117,7 +117,8 @@ VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
     "--load-format": Always(
         "weights are read from the checkpoint's safetensors shards", ("auto", "safetensors")
     ),
-    # (--gpu-memory-utilization is ours too, the same knob: cli_args.py)
+    # (--gpu-memory-utilization is ours too, the same knob: cli_args.py; so are
+    # --enable-prefix-caching and --no-enable-prefix-caching, on by default as vLLM's)
     "--chat-template": Refused(
         "the chat template is DeepSeek-V3.2's encoding (runtime/chat_template.py); no other "
         "template is read"

@@ -93,7 +93,9 @@ class EngineConfig:
     prefill_buffer: bool = True
     # keep sequences' full computed 64-token pages in the host pool for later prompts that start
     # with the same tokens, and skip their prefill (runtime/prefix_cache.py; each DP rank its own
-    # cache, requests placed where their prompt is cached: runtime/distributed/balance.py)
+    # cache, requests placed where their prompt is cached: runtime/distributed/balance.py). Off
+    # for an engine built directly; LLM (and so serve and generate) turns it on unless told not
+    # to, as vLLM does (--no-enable-prefix-caching)
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:

@@ -308,13 +308,16 @@ def test_engine_flags_reach_the_engine_options(cmd):
     """Each scheduling and memory flag sets its EngineConfig field (defaults otherwise)."""
     parse = cli_args.parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
-    keys = ("prefill_buffer", "decode_during_prefill", "async_scheduling", "enable_prefix_caching")
+    keys = ("prefill_buffer", "decode_during_prefill", "async_scheduling")
     opts = cli_args.engine_options(parse([cmd, *base]))
-    assert [opts[k] for k in keys] == [True, True, False, False]
-    flags = ["--no-prefill-buffer", "--prefill-first", "--async-scheduling",
-             "--enable-prefix-caching"]  # fmt: skip
+    assert [opts[k] for k in keys] == [True, True, False]
+    # prefix caching left out: LLM's default (on, as vLLM's), not EngineConfig's (off)
+    assert "enable_prefix_caching" not in opts
+    flags = ["--no-prefill-buffer", "--prefill-first", "--async-scheduling"]
     opts = cli_args.engine_options(parse([cmd, *base, *flags]))
-    assert [opts[k] for k in keys] == [False, False, True, True]
+    assert [opts[k] for k in keys] == [False, False, True]
+    for flag, on in (("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False)):
+        assert cli_args.engine_options(parse([cmd, *base, flag]))["enable_prefix_caching"] is on
 
 
 @pytest.mark.parametrize("cmd", ["generate", "serve"])

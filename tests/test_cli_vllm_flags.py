@@ -140,6 +140,19 @@ def test_a_launch_line_with_vllms_model_flags_parses(caplog):
     assert parsed("serve", "--fp8-weights", "fp8", "--quantization", "awq").fp8_weights == "fp8"
 
 
+@pytest.mark.parametrize("cmd", [["serve"], ["generate", "x"]])
+def test_vllms_prefix_caching_switches_are_ours(cmd):
+    """vLLM's --enable-prefix-caching / --no-enable-prefix-caching are our own flags (not in the
+    table), with vLLM's default: left out, LLM's default (on) stands."""
+    from echo_compile.vllm_flags import VLLM_FLAGS
+
+    assert not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(VLLM_FLAGS)
+    assert "enable_prefix_caching" not in cli_args.engine_options(parsed(*cmd, *RECIPE[:2]))
+    for flag, on in (("--no-enable-prefix-caching", False), ("--enable-prefix-caching", True)):
+        opts = cli_args.engine_options(parsed(*cmd, *RECIPE[:2], flag))
+        assert opts["enable_prefix_caching"] is on
+
+
 def test_block_size_is_the_kv_page():
     from custom_ops.kv_format import PAGE
     from echo_compile.vllm_flags import VLLM_FLAGS

@@ -687,6 +687,19 @@ def test_reset_prefix_cache_evicts_what_no_request_holds(tiny):
     assert eng.cache.stats()["gpu_pool_usage"] == 0.0
 
 
+def test_llm_caches_prefixes_unless_told_not_to():
+    """LLM (and so serve and generate) turns prefix caching on by default, as vLLM does;
+    ``enable_prefix_caching=False`` (--no-enable-prefix-caching) turns it off; EngineConfig's
+    own default stays off (an engine built directly holds nothing once its requests end)."""
+    from echo_compile.llm import LLM
+
+    opts = dict(device="cpu", compile=False, max_batch=2, host_tokens=64 * 16,
+                gpu_tokens=2 * 32, max_model_len=512, progress=False)  # fmt: skip
+    assert LLM("tiny", **opts).engine.scheduler.prefix is not None
+    assert LLM("tiny", enable_prefix_caching=False, **opts).engine.scheduler.prefix is None
+    assert not EngineConfig().enable_prefix_caching
+
+
 def test_engine_config_prefix_caching():
     assert (
         EngineConfig(enable_prefix_caching=True)

@@ -239,11 +239,18 @@ def wait_for(
 def assert_pools_empty(aengine: AsyncEngine) -> None:
     m = wait_for(aengine, lambda m: (m["running"], m["waiting"]) == (0.0, 0.0))
     assert (m["running"], m["waiting"]) == (0.0, 0.0), m
+    # (the prefix cache's pages no request holds count as free)
     assert m["host_pool_usage"] == 0.0, m  # pages.num_free == pages.num_pages
-    assert m["gpu_pool_usage"] == 0.0, m  # no GPU pool row of any layer is held
     # Nothing runs, waits or is queued now, so the loop thread sleeps and the engine can be read.
     eng = aengine.engine
-    assert eng.scheduler.pages.num_free == eng.scheduler.pages.num_pages
+    s = eng.scheduler
+    if s.prefix is not None:  # (LLM's default) every page still used is the cache's alone
+        assert s.pages.num_used == s.prefix.num_pages == s.prefix.num_evictable, m
+        # its GPU-pool rows stay mapped until it evicts them: evict all, then nothing is held
+        assert s.reset_prefix_cache() == m["prefix_cache_pages"]
+        m = metrics(aengine)
+    assert m["gpu_pool_usage"] == 0.0, m  # no GPU pool row of any layer is held
+    assert s.pages.num_free == s.pages.num_pages
     assert eng.cache.stats()["gpu_pool_usage_per_layer"] == [0.0] * len(eng.cache.layers)
 
 
