@@ -270,6 +270,8 @@ def _assistant(blocks: list[dict[str, Any]], at: str) -> dict[str, Any]:
             if not isinstance(b.get("thinking"), str):
                 raise APIError(400, f"{bat}.thinking must be a string", param="messages")
             reasoning.append(b["thinking"])
+        elif kind == "redacted_thinking":  # Anthropic's encrypted reasoning: nothing to read
+            continue  # (a conversation begun on Anthropic's API goes on here without it)
         elif kind == "tool_use":
             call_id, name, args = b.get("id"), b.get("name"), b.get("input")
             if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, dict)):
@@ -278,7 +280,8 @@ def _assistant(blocks: list[dict[str, Any]], at: str) -> dict[str, Any]:
             fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
             calls.append({"id": call_id, "type": "function", "function": fn})
         else:
-            raise APIError(400, _refused(bat, kind, "text, thinking or tool_use"), param="messages")
+            allowed = "text, thinking, redacted_thinking or tool_use"
+            raise APIError(400, _refused(bat, kind, allowed), param="messages")
     msg: dict[str, Any] = {"role": "assistant", "content": texts or None}
     if reasoning:
         msg["reasoning"] = "".join(reasoning)

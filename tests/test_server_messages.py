@@ -275,6 +275,12 @@ def test_a_thinking_block_sent_back_is_the_reasoning(served: tuple[str, Prompted
     kw = {"chat_template_kwargs": {"thinking": True}, "continue_final_message": True,
           "add_generation_prompt": False}  # fmt: skip
     assert engine.prompt == _chat_prompt(url, engine, chat, **kw)
+    # a redacted_thinking block (Anthropic's encrypted reasoning, in a conversation begun there)
+    # has nothing to read: the turn renders as without it
+    redacted = {"type": "redacted_thinking", "data": "EmwKAhgBEgy..."}
+    turns[1]["content"].insert(1, redacted)
+    m = _message(url, messages=turns, thinking=think)
+    assert engine.prompt == _chat_prompt(url, engine, chat, **kw)
 
 
 @pytest.mark.parametrize("stream", [False, True])
