@@ -142,6 +142,28 @@ def test_admission_starts_on_the_cached_prefix_and_evicts_when_short():
     _check_refs(s)
 
 
+def test_a_pool_full_of_cached_pages_admits_a_request_needing_all_of_it():
+    """Pages only the cache holds never keep a request out: finished requests leave a tree of
+    cached pages (a branch under a shared parent) over all but the free ones, and a request of
+    the whole pool is admitted at once, every cached page evicted (children with their
+    parents), while the balancer sees the whole pool as available."""
+    s = _sched(8)
+    doc = _toks(40, 3 * PAGE)
+    for rid, prompt in (("a", doc + [1]), ("b", doc[: 2 * PAGE] + _toks(41, PAGE) + [2]),
+                        ("c", _toks(42, 2 * PAGE) + [3])):  # fmt: skip
+        r = _req(rid, prompt)
+        s.add(r)
+        s.schedule()
+        _finish(s, r)
+    assert s.prefix.num_pages == 3 + 1 + 2 == s.prefix.num_evictable  # b's page 2: a branch
+    assert s.pages_in_use == 0 and s.placement(_toks(43, 10), True)[1] == 8
+    x = _req("x", _toks(43, 8 * PAGE - 4), max_tokens=4)
+    s.add(x)
+    assert s.schedule().requests == [x] and x.status is Status.RUNNING and not s.waiting
+    assert len(x.pages) == 8 and s.pages.num_free == 0 and s.prefix.num_pages == 0
+    _check_refs(s)
+
+
 def a_pages(s: Scheduler, tokens: list[int]) -> list[int]:
     return s.prefix.match(tokens, len(tokens) // PAGE)
 
@@ -572,6 +594,32 @@ def test_a_later_turn_reuses_the_answer_pages(tiny):
     req_prefills = sum(1 for d, _, _ in log[n_before:] if not d)
     assert req_prefills == 1  # [256, 289): the 4 cached pages skipped
     assert eng.scheduler.prefix.hits == 4 * PAGE
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "gpu-only"])
+def test_a_request_needing_the_whole_pool_evicts_every_cached_page(tiny, offload):
+    """Finished requests leave the host pool full of pages only the cache holds; a request
+    needing every page is admitted at its first step (evicting them all, their GPU-pool slots
+    forgotten first) and gives the tokens of an engine that never cached."""
+    big = _toks(50, 8 * PAGE - 6)
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache, offload=offload, host_tokens=8 * PAGE, max_model_len=8 * PAGE)
+        if cache:  # 4 + 2 + 1 pages cached: 7 of the 8
+            _serve(eng, [_toks(51, 4 * PAGE + 1), _toks(52, 2 * PAGE + 1), _toks(53, PAGE + 1)])
+            s = eng.scheduler
+            assert s.prefix.num_pages == s.prefix.num_evictable == 7 and s.pages_in_use == 0
+        eng.add_request("big", big, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        first = eng.step()
+        assert eng.scheduler.running and not eng.scheduler.waiting and first == []
+        assert eng.scheduler.pages.num_free == 0 and eng.scheduler.pages_in_use == 8
+        out = {o.request_id: o.new_token_ids for o in first}
+        for k, v in _outputs(eng).items():
+            out.setdefault(k, []).extend(t for o in v for t in o.new_token_ids)
+        runs[cache] = out["big"]
+        if cache:
+            assert eng.scheduler.prefix.hits == 0
+    assert len(runs[True]) == 6 and runs[True] == runs[False]
 
 
 def test_offload_equals_gpu_only_with_the_cache_on_both(tiny):
