@@ -649,6 +649,49 @@ def test_offload_equals_gpu_only_with_the_cache_on_both(tiny):
         assert (d1, ids1) == (d2, ids2) and torch.equal(a, b), (d1, ids1)
 
 
+def test_a_received_prompt_kv_is_cached_once_written_and_a_failed_load_is_not(tiny):
+    """A prompt whose KV another engine computed (prefill/decode disaggregation) registers its
+    full pages once the rows are written, as a prefill's would be: a later local request on the
+    same document starts on them and decodes the logits of a full local prefill (the same
+    64-token chunks wrote the rows there). A load that fails partway registers nothing."""
+    doc, tail = _toks(70, 4 * PAGE + 20), _toks(71, 30)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sender = _engine(tiny, False)
+    sender.add_request("s", doc, SamplingParams(max_tokens=1))
+    while sender.requests["s"].in_prefill:
+        sender.step()
+    kv = sender.prompt_kv("s")
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache)
+        log = _record_logits(eng)
+        if cache:
+            eng.add_request("recv", doc, params, prompt_kv=kv)
+            _outputs(eng)
+            assert eng.scheduler.prefix.num_pages == 4  # the received rows' 4 full pages
+            del log[:]
+        eng.add_request("local", doc[: 4 * PAGE] + tail, params)
+        _outputs(eng)
+        runs[cache] = ([x for d, _, x in log if d], eng.scheduler.prefix)
+    (dec0, _), (dec1, prefix) = runs[False], runs[True]
+    assert prefix.hits == 4 * PAGE and len(dec0) == len(dec1) == 4
+    assert all(torch.equal(a, b) for a, b in zip(dec0, dec1))
+
+    class Failing:  # the connector dies after the first layer
+        num_layers, num_tokens, row_bytes = kv.num_layers, kv.num_tokens, kv.row_bytes
+
+        def chunk(self, layer, start, end):
+            if layer > 0:
+                raise OSError("connection reset")
+            return kv.chunk(layer, start, end)
+
+    eng = _engine(tiny, True)
+    eng.add_request("bad", doc, params, prompt_kv=Failing())
+    with pytest.raises(OSError, match="connection reset"):
+        eng.step()
+    assert eng.scheduler.prefix.num_pages == 0 and eng.scheduler.pages.num_used == 0
+
+
 def _outputs(eng: Engine) -> dict[str, list]:
     """Step until done: each request's outputs (StepOutput) in order."""
     out: dict[str, list] = {}
