@@ -692,6 +692,43 @@ def test_a_received_prompt_kv_is_cached_once_written_and_a_failed_load_is_not(ti
     assert eng.scheduler.prefix.num_pages == 0 and eng.scheduler.pages.num_used == 0
 
 
+@pytest.mark.parametrize(("failing", "kept"), [("prefill", 1), ("decode", 2)])
+def test_recover_keeps_only_pages_whose_rows_were_complete(tiny, failing, kept):
+    """A step that fails (here before it writes anything: the second prefill chunk, or the
+    first decode step, each of which would fill a page) registers none of its rows: after
+    Engine.recover the cache holds the pages earlier steps completed, and a later request on
+    the document decodes the logits of an engine that never cached."""
+    doc = _toks(80, 3 * PAGE - 1)  # + 1 token: 3 chunks of 64, 64, 63, then the first decode
+    later = doc + _toks(81, 40)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for cache in (False, True):
+        eng = _engine(tiny, cache)
+        if cache:
+            forward = eng.runner.forward
+
+            def fail_once(batch, *a, forward=forward):
+                fails = batch.is_decode if failing == "decode" else batch.chunk_start == PAGE
+                if fails and batch.requests[0].request_id == "doc":
+                    raise RuntimeError("step failed")
+                return forward(batch, *a)
+
+            eng.runner.forward = fail_once
+            eng.add_request("doc", doc + [1], params)
+            with pytest.raises(RuntimeError, match="step failed"):
+                while eng.has_unfinished():
+                    eng.step()
+            eng.recover()
+            eng.runner.forward = forward
+            assert eng.scheduler.prefix.num_pages == kept  # what the completed steps wrote
+        log = _record_logits(eng)
+        eng.add_request("later", later, params)
+        _outputs(eng)
+        runs[cache] = [x for d, _, x in log if d]
+    assert eng.scheduler.prefix.hits == kept * PAGE and len(runs[True]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
+
+
 def _outputs(eng: Engine) -> dict[str, list]:
     """Step until done: each request's outputs (StepOutput) in order."""
     out: dict[str, list] = {}
