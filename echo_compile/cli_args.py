@@ -281,7 +281,7 @@ def engine_options(a: argparse.Namespace) -> dict:
             raise ValueError(
                 f"--decode-buckets must be comma-separated integers, got {a.decode_buckets!r}"
             ) from None
-    # left out: EngineConfig's default (prefix caching on)
+    # left out: EngineConfig's default (prefix caching: LLM turns it on unless given)
     opts.update(given(a, ("prefill_chunk", "enable_prefix_caching", "prefetch_margin")))
     opts.update(given(a, PREFETCH_OPTIONS))
     # left out: sized from the checkpoint and the memory (runtime/kv_sizing.py, via LLM)
