@@ -23,12 +23,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Alias:
     """vLLM's name for our flag ``ours``; ``values``: vLLM's values as ours (None: the same); a
-    value mapped to None leaves ours as it is, a no-op logged as one, for the reason ``noop``."""
+    value mapped to None leaves ours as it is, a no-op logged as one, for the reason ``noop``;
+    ``agrees``: per value of ours, other values of ours that say the same (given beside it, no
+    conflict)."""
 
     ours: str
     type: Callable = str
     values: dict[str, str | None] | None = None
     noop: str = ""
+    agrees: dict[str, tuple[str, ...]] | None = None
     switch = False
 
 
@@ -111,6 +114,7 @@ VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
         "--fp8-weights",
         values=QUANTIZATIONS,
         noop="an AWQ checkpoint is read as AWQ from its config.json (checked to be AWQ)",
+        agrees={"fp8": ("auto",)},  # auto keeps the FP8 checkpoint --quantization fp8 checks
     ),
     # NOTE: 64 is custom_ops.kv_format.PAGE (not imported: it imports torch); a test ties them
     "--block-size": Always("the KV cache's page is 64 tokens, FlashMLA's (fixed)", ("64",)),
@@ -249,7 +253,8 @@ def apply_vllm_flags(a: argparse.Namespace, argv: Sequence[str] = ()) -> None:
                     continue
                 v = kind.values[v]
             dest = kind.ours[2:].replace("-", "_")
-            if _spelled_in(kind.ours, argv, exact) and getattr(a, dest) != v:
+            same = (v, *(kind.agrees or {}).get(v, ()))
+            if _spelled_in(kind.ours, argv, exact) and getattr(a, dest) not in same:
                 raise ValueError(
                     f"{flag} {given[flag]} and {kind.ours} {getattr(a, dest)} say different "
                     "things: give one"

@@ -112,6 +112,8 @@ def _no_load(*a, **k):
         # ours abbreviated, as argparse takes it (the vLLM one silently won over --max-ba 8)
         (["--max-ba", "8", "--max-num-seqs", "16"], ["--max-num-seqs 16 and --max-batch 8"]),
         (["--kv-f=fp8", "--kv-cache-dtype", "auto"], ["--kv-cache-dtype auto and --kv-format"]),
+        (["--fp8-weights", "bf16", "--quantization", "fp8"],
+         ["--quantization fp8 and --fp8-weights bf16 say different things"]),
     ],
 )
 def test_flags_not_honoured_are_one_line_before_the_model_loads(flags, parts, capsys, monkeypatch):
@@ -230,6 +232,11 @@ def test_one_setting_in_both_spellings_with_one_value_is_taken():
     a = cli_args.parser().parse_args(argv)
     apply_vllm_flags(a, argv)
     assert (a.max_batch, a.kv_format) == (16, "fp8")
+    # --quantization fp8 beside --fp8-weights auto: both keep the FP8 checkpoint FP8
+    argv = ["serve", "--quantization", "fp8", "--fp8-weights", "auto"]
+    a = cli_args.parser().parse_args(argv)
+    apply_vllm_flags(a, argv)
+    assert a.fp8_weights == "fp8"
     # a value or positional that merely starts like one of ours is not it
     argv = ["serve", "--max-num-seqs", "16", "--", "--max-b"]
     a = cli_args.parser().parse_args(argv)
