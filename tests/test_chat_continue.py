@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from server_utils import BOS, EOS, make_tokenizer_dir
-from test_chat_thinking import BLOCK, CALL, PING, ScriptedEngine, _client, _say, fake_server
+from test_chat_thinking import BLOCK, CALL, PING, ScriptedEngine, fake_server, openai_client, say
 from test_server import MODEL
 
 from model.checkpoint import CHAT_TEMPLATE as TINY_TEMPLATE
@@ -160,14 +160,14 @@ def _tokenize(url: str, body: dict) -> httpx.Response:
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_continues_the_final_message(served, stream: bool) -> None:
     url, engine = served
-    _say(engine, " there!")
+    say(engine, " there!")
     msgs = [HI, said("Hello")]
     kw = dict(model=MODEL, messages=msgs, extra_body=CONTINUE)
     if stream:
-        chunks = list(_client(url).chat.completions.create(**kw, stream=True))
+        chunks = list(openai_client(url).chat.completions.create(**kw, stream=True))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:
-        content = _client(url).chat.completions.create(**kw).choices[0].message.content
+        content = openai_client(url).chat.completions.create(**kw).choices[0].message.content
     assert content == " there!"  # the continuation only, as vLLM's
     # the test tokenizer's template, cut after the content: no <|end|>, no new turn
     want = engine.tokenizer.encode(f"{BOS}<|user|>Hi<|end|><|assistant|>Hello", add_bos=False)
@@ -177,9 +177,9 @@ def test_chat_continues_the_final_message(served, stream: bool) -> None:
 
 def test_chat_without_the_generation_prompt(served) -> None:
     url, engine = served
-    _say(engine, "x")
+    say(engine, "x")
     extra = {"add_generation_prompt": False}
-    _client(url).chat.completions.create(model=MODEL, messages=[HI], extra_body=extra)
+    openai_client(url).chat.completions.create(model=MODEL, messages=[HI], extra_body=extra)
     want = engine.tokenizer.encode(f"{BOS}<|user|>Hi<|end|>", add_bos=False)
     assert engine.prompt == want
     assert _tokenize(url, {"messages": [HI], **extra}).json()["tokens"] == want
@@ -187,10 +187,10 @@ def test_chat_without_the_generation_prompt(served) -> None:
 
 def test_thinking_mode_continuation_is_split_by_where_it_starts(served) -> None:
     url, engine = served
-    client = _client(url)
+    client = openai_client(url)
     bos, eos = engine.tokenizer.bos_token, engine.tokenizer.eos_token
     # continuing the content: the reply is all content (its reasoning was closed in the prompt)
-    _say(engine, " world</think>!")
+    say(engine, " world</think>!")
     msgs = [HI, said("Hello", "greet")]
     m = (
         client.chat.completions.create(model=MODEL, messages=msgs, extra_body={**CONTINUE, **THINK})
@@ -202,7 +202,7 @@ def test_thinking_mode_continuation_is_split_by_where_it_starts(served) -> None:
     assert want.endswith(f"{A}<think>greet</think>Hello")
     assert engine.prompt == engine.tokenizer.encode(want, add_bos=False)
     # continuing the reasoning: split at </think> as a thinking reply
-    _say(engine, " more.</think>Hi!")
+    say(engine, " more.</think>Hi!")
     msgs = [HI, said(None, "greet")]
     m = (
         client.chat.completions.create(model=MODEL, messages=msgs, extra_body={**CONTINUE, **THINK})
@@ -230,9 +230,9 @@ def test_thinking_mode_continuation_is_split_by_where_it_starts(served) -> None:
 )
 def test_bad_continuations_are_a_400_naming_the_field(served, msgs, extra, match) -> None:
     url, engine = served
-    _say(engine, "x")
+    say(engine, "x")
     with pytest.raises(openai.BadRequestError) as e:
-        _client(url).chat.completions.create(model=MODEL, messages=msgs, extra_body=extra)
+        openai_client(url).chat.completions.create(model=MODEL, messages=msgs, extra_body=extra)
     err = e.value.body
     assert err["param"] == "continue_final_message"
     assert re.search(match, err["message"])
@@ -245,16 +245,16 @@ def test_deepseek_prefix_true_continues_the_last_message(served) -> None:
     assistant's, continues it as continue_final_message does (ignored once: a new turn began);
     on any other message it is a 400 naming it."""
     url, engine = served
-    _say(engine, " there!")
+    say(engine, " there!")
     msgs = [HI, {**said("Hello"), "prefix": True}]
-    c = _client(url).chat.completions.create(model=MODEL, messages=msgs)
+    c = openai_client(url).chat.completions.create(model=MODEL, messages=msgs)
     assert c.choices[0].message.content == " there!"
     want = engine.tokenizer.encode(f"{BOS}<|user|>Hi<|end|><|assistant|>Hello", add_bos=False)
     assert engine.prompt == want
     assert _tokenize(url, {"messages": msgs}).json()["tokens"] == want
     for bad, i in (([{**HI, "prefix": True}], 0), ([HI, {**said("x"), "prefix": True}, HI], 1)):
         with pytest.raises(openai.BadRequestError) as e:
-            _client(url).chat.completions.create(model=MODEL, messages=bad)
+            openai_client(url).chat.completions.create(model=MODEL, messages=bad)
         assert e.value.body["param"] == f"messages[{i}].prefix"
         assert _tokenize(url, {"messages": bad}).status_code == 400
 
@@ -268,10 +268,10 @@ def test_a_prefix_that_cannot_continue_names_prefix(served, last: dict, match: s
     """``prefix: true`` on a last message that cannot be continued: the 400 names the field the
     client sent (``messages[i].prefix``), not vLLM's ``continue_final_message`` it never sent."""
     url, engine = served
-    _say(engine, "x")
+    say(engine, "x")
     msgs = [HI, {**last, "prefix": True}]
     with pytest.raises(openai.BadRequestError) as e:
-        _client(url).chat.completions.create(model=MODEL, messages=msgs)
+        openai_client(url).chat.completions.create(model=MODEL, messages=msgs)
     err = e.value.body
     assert err["param"] == "messages[1].prefix"
     assert err["message"].startswith("messages[1].prefix") and re.search(match, err["message"])
@@ -282,7 +282,7 @@ def test_a_prefix_that_cannot_continue_names_prefix(served, last: dict, match: s
 # ---- echo (vLLM's): the last message, the assistant's, before the reply ------------------------
 def _create(url: str, msgs: list, extra: dict, stream: bool, **kw):
     """(content, reasoning, chunks) of a chat request, joined over the deltas when streamed."""
-    r = _client(url).chat.completions.create(
+    r = openai_client(url).chat.completions.create(
         model=MODEL, messages=msgs, extra_body={"echo": True, **extra}, stream=stream, **kw
     )
     if not stream:
@@ -298,7 +298,7 @@ def _create(url: str, msgs: list, extra: dict, stream: bool, **kw):
 @pytest.mark.parametrize("stream", [False, True])
 def test_echo_puts_the_continued_message_before_the_reply(served, stream: bool) -> None:
     url, engine = served
-    _say(engine, " there!")
+    say(engine, " there!")
     content, _, chunks = _create(url, [HI, said("Hello")], CONTINUE, stream, n=2)
     assert content == "Hello there!"
     if stream:  # vLLM's: every choice's role, then every choice's echo, without logprobs
@@ -319,7 +319,7 @@ def test_echo_has_no_logprobs_and_counts_no_tokens(served, stream: bool) -> None
     """vLLM's chat echo: the logprobs and usage are the generated tokens' only; n choices each
     start with the message (its text parts joined as the template joins them)."""
     url, engine = served
-    _say(engine, " there!")
+    say(engine, " there!")
     parts = said([{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}])
     kw = dict(logprobs=True, top_logprobs=1, n=2)
     opts = {"stream_options": {"include_usage": True}} if stream else {}
@@ -343,14 +343,14 @@ def test_echo_in_thinking_mode_puts_back_the_part_continued(served, stream: bool
     url, engine = served
     extra = {**CONTINUE, **THINK}
     # continuing the content: the content echoed (vLLM's), the reply all content
-    _say(engine, " world")
+    say(engine, " world")
     got = _create(url, [HI, said("Hello", "greet")], extra, stream)[:2]
     assert got == ("Hello world", None)
     # continuing the reasoning (no rule in vLLM): its reasoning before the reply's
-    _say(engine, " more.</think>Hi!")
+    say(engine, " more.</think>Hi!")
     assert _create(url, [HI, said(None, "greet")], extra, stream)[:2] == ("Hi!", "greet more.")
     # a reasoning never closed: the content is "" (vLLM's echo makes it a string), not null
-    _say(engine, " more.")
+    say(engine, " more.")
     content, reasoning, _ = _create(url, [HI, said(None, "greet")], extra, stream)
     assert (content, reasoning) == ("", "greet more.")
 

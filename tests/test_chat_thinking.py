@@ -185,14 +185,24 @@ def fake_server(engine: ScriptedEngine) -> Iterator[str]:
         a.shutdown()
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedEngine]]:
-    engine = ScriptedEngine(Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+@contextmanager
+def scripted_server(
+    factory: pytest.TempPathFactory, cls: type[ScriptedEngine] = ScriptedEngine
+) -> Iterator[tuple[str, ScriptedEngine]]:
+    """A ``cls`` engine on the tiny test tokenizer behind ``fake_server``: (base URL, engine);
+    the served fixtures of the chat, Responses and Messages tests."""
+    engine = cls(Tokenizer.from_dir(make_tokenizer_dir(factory.mktemp("tok"))))
     with fake_server(engine) as base:
         yield base, engine
 
 
-def _client(url: str) -> openai.OpenAI:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedEngine]]:
+    with scripted_server(tmp_path_factory) as s:
+        yield s
+
+
+def openai_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
 
 
@@ -200,14 +210,15 @@ THINK = {"chat_template_kwargs": {"thinking": True}}
 HI = [{"role": "user", "content": "Hi"}]
 
 
-def _say(engine: ScriptedEngine, text: str) -> None:
+def say(engine: ScriptedEngine, text: str) -> None:
+    """The scripted engine's next replies: ``text``'s tokens, then EOS."""
     engine.script = engine.tokenizer.encode(text, add_bos=False)
 
 
 def test_reasoning_is_split_from_the_content(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, "Let me see.</think>Hello there!")
+    client = openai_client(url)
+    say(engine, "Let me see.</think>Hello there!")
     r = client.chat.completions.create(model=MODEL, messages=HI, extra_body=THINK, n=2)
     for c in r.choices:
         m = c.message
@@ -240,14 +251,14 @@ def test_reasoning_is_split_from_the_content(served: tuple[str, ScriptedEngine])
 
 def test_max_tokens_while_thinking_is_all_reasoning(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
-    _say(engine, "Let me see.</think>Hello there!")
+    say(engine, "Let me see.</think>Hello there!")
     n = len(engine.tokenizer.encode("Let me", add_bos=False))
     want = engine.tokenizer.decode(engine.script[:n])
     kw = dict(model=MODEL, messages=HI, extra_body=THINK, max_tokens=n)
-    c = _client(url).chat.completions.create(**kw).choices[0]
+    c = openai_client(url).chat.completions.create(**kw).choices[0]
     assert c.finish_reason == "length" and c.message.content is None
     assert c.message.reasoning_content == want
-    chunks = list(_client(url).chat.completions.create(**kw, stream=True))
+    chunks = list(openai_client(url).chat.completions.create(**kw, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == want
     assert not "".join(d.content or "" for d in deltas)
@@ -258,19 +269,19 @@ def test_tool_calls_are_parsed_from_the_content_only(
     served: tuple[str, ScriptedEngine], stream: bool
 ) -> None:
     url, engine = served
-    _say(engine, "I should ping.</think>\n\n" + BLOCK)
+    say(engine, "I should ping.</think>\n\n" + BLOCK)
     kw = dict(model=MODEL, messages=HI, extra_body=THINK, tools=[PING])
     if stream:
         deltas = [
             c.choices[0].delta
-            for c in _client(url).chat.completions.create(**kw, stream=True)
+            for c in openai_client(url).chat.completions.create(**kw, stream=True)
             if c.choices
         ]
         reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
         content = "".join(d.content or "" for d in deltas)
         calls = [t for d in deltas for t in (d.tool_calls or [])]
     else:
-        m = _client(url).chat.completions.create(**kw).choices[0].message
+        m = openai_client(url).chat.completions.create(**kw).choices[0].message
         reasoning, content, calls = m.reasoning_content, m.content, m.tool_calls
     assert reasoning == "I should ping." and not content
     assert [t.function.name for t in calls] == ["ping"]
@@ -278,8 +289,8 @@ def test_tool_calls_are_parsed_from_the_content_only(
 
 def test_bad_chat_template_kwargs_are_a_400(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
-    _say(engine, "x")
-    client = _client(url)
+    say(engine, "x")
+    client = openai_client(url)
     for bad in ({"thinking": "yes"}, {"enable_thinking": 1}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(
@@ -318,8 +329,10 @@ def test_a_grammar_starts_after_the_reasoning_in_thinking_mode(
     tests/test_thinking_grammar.py), and the reply's content after the reasoning is the call or
     the JSON. Without thinking the grammar starts at the first token, as before."""
     url, engine = served
-    _say(engine, "Let me see.</think>" + script)
-    c = _client(url).chat.completions.create(model=MODEL, messages=HI, extra_body=THINK, **extra)
+    say(engine, "Let me see.</think>" + script)
+    c = openai_client(url).chat.completions.create(
+        model=MODEL, messages=HI, extra_body=THINK, **extra
+    )
     m = c.choices[0].message
     assert engine.params is not None and engine.params.grammar is not None
     assert engine.params.grammar_after_reasoning
@@ -329,8 +342,8 @@ def test_a_grammar_starts_after_the_reasoning_in_thinking_mode(
         assert [t.function.name for t in m.tool_calls] == ["ping"]
     else:
         assert c.choices[0].finish_reason == "stop" and m.content == '{"a":1}'
-    _say(engine, script)
-    r = _client(url).chat.completions.create(model=MODEL, messages=HI, **extra)
+    say(engine, script)
+    r = openai_client(url).chat.completions.create(model=MODEL, messages=HI, **extra)
     assert r.choices[0].finish_reason in ("stop", "tool_calls")
     assert not engine.params.grammar_after_reasoning
 
@@ -342,10 +355,10 @@ def test_a_continued_answer_in_thinking_mode_has_its_grammar_from_the_first_toke
     is content and a response format's grammar starts at once, not after a </think> that never
     comes."""
     url, engine = served
-    _say(engine, '1}')
+    say(engine, '1}')
     msgs = [*HI, {"role": "assistant", "content": '{"a":'}]
     extra = {**THINK, "continue_final_message": True, "add_generation_prompt": False}
-    c = _client(url).chat.completions.create(
+    c = openai_client(url).chat.completions.create(
         model=MODEL, messages=msgs, extra_body=extra, response_format={"type": "json_object"}
     )
     assert engine.params is not None and engine.params.grammar is not None

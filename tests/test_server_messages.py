@@ -29,13 +29,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_utils import make_tokenizer_dir, running_server
-from test_chat_thinking import BLOCK, ScriptedEngine, fake_server
+from server_utils import running_server
+from test_chat_thinking import BLOCK, ScriptedEngine, say, scripted_server
 from test_server import MODEL, _Req
 
 from runtime.async_engine import AsyncEngine
 from runtime.server import build_app
-from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import CALLS_BEGIN, CALLS_END
 
 D = "｜DSML｜"
@@ -62,13 +61,8 @@ class PromptedEngine(ScriptedEngine):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, PromptedEngine]]:
-    engine = PromptedEngine(Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
-    with fake_server(engine) as base:
-        yield base, engine
-
-
-def _say(engine: ScriptedEngine, text: str) -> None:
-    engine.script = engine.tokenizer.encode(text, add_bos=False)
+    with scripted_server(tmp_path_factory, PromptedEngine) as s:
+        yield s
 
 
 def _post(url: str, **body) -> httpx.Response:  # noqa: ANN003
@@ -146,7 +140,7 @@ def _chat_prompt(url: str, engine: PromptedEngine, messages: list, **kw) -> list
 
 def test_a_message_with_a_system_prompt(served: tuple[str, PromptedEngine]) -> None:
     url, engine = served
-    _say(engine, "Hello there!")
+    say(engine, "Hello there!")
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     m = _message(url, system=system, messages=[{"role": "user", "content": "Hi"}],
                  temperature=0.5, top_k=7, metadata={"user_id": "u1"})  # fmt: skip
@@ -165,7 +159,7 @@ def test_a_message_with_a_system_prompt(served: tuple[str, PromptedEngine]) -> N
 
 def test_the_stream_adds_up_to_the_message(served: tuple[str, PromptedEngine]) -> None:
     url, engine = served
-    _say(engine, "Hello there!")
+    say(engine, "Hello there!")
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     events = _events(url, messages=msgs)
     kinds = [e["type"] for e in events]
@@ -188,7 +182,7 @@ def test_the_stream_adds_up_to_the_message(served: tuple[str, PromptedEngine]) -
 @pytest.mark.parametrize("stream", [False, True])
 def test_thinking(served: tuple[str, PromptedEngine], stream: bool) -> None:
     url, engine = served
-    _say(engine, "Let me see.</think>Four.")
+    say(engine, "Let me see.</think>Four.")
     body = dict(messages=[{"role": "user", "content": "2+2?"}],
                 thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
     m = _streamed_message(_events(url, **body)) if stream else _message(url, **body)
@@ -206,7 +200,7 @@ def test_adaptive_thinking_is_thinking_mode(served: tuple[str, PromptedEngine]) 
     """``{"type": "adaptive"}`` (the SDK's ThinkingConfigAdaptiveParam: what Claude Code sends for
     newer models) is thinking mode, as ``enabled`` is; another type is a 400 naming them."""
     url, engine = served
-    _say(engine, "Let me see.</think>Four.")
+    say(engine, "Let me see.</think>Four.")
     msgs = [{"role": "user", "content": "2+2?"}]
     m = _message(url, messages=msgs, thinking={"type": "adaptive", "display": "summarized"})
     assert [b["type"] for b in m["content"]] == ["thinking", "text"]
@@ -221,7 +215,7 @@ def test_a_tool_use_round_trip(served: tuple[str, PromptedEngine], stream: bool)
     """The call comes back as a tool_use block; the tool_use and its tool_result sent back
     render as the chat route's assistant tool call and tool message."""
     url, engine = served
-    _say(engine, "\n\n" + CALL)
+    say(engine, "\n\n" + CALL)
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     body = dict(messages=ask, tools=[WEATHER], tool_choice={"type": "auto"})
     m = _streamed_message(_events(url, **body)) if stream else _message(url, **body)
@@ -230,7 +224,7 @@ def test_a_tool_use_round_trip(served: tuple[str, PromptedEngine], stream: bool)
     assert (use["type"], use["name"], use["input"]) == ("tool_use", "weather", {"city": "Paris"})
     assert (m["stop_reason"], m["stop_sequence"]) == ("tool_use", None)
     assert engine.params is not None and engine.params.grammar is None  # auto: not forced
-    _say(engine, "Sunny.")
+    say(engine, "Sunny.")
     result = {"type": "tool_result", "tool_use_id": use["id"],
               "content": [{"type": "text", "text": "sunny"}]}  # fmt: skip
     turns = [*ask, {"role": "assistant", "content": [use]},
@@ -247,7 +241,7 @@ def test_a_tool_use_round_trip(served: tuple[str, PromptedEngine], stream: bool)
 
 def test_tool_choice_any_and_tool_force_a_call(served: tuple[str, PromptedEngine]) -> None:
     url, engine = served
-    _say(engine, "\n\n" + BLOCK)
+    say(engine, "\n\n" + BLOCK)
     ping = {"name": "ping", "input_schema": {"type": "object", "properties": {}}}
     for choice in ({"type": "any"}, {"type": "tool", "name": "ping"}):
         engine.params = None
@@ -263,7 +257,7 @@ def test_a_thinking_block_sent_back_is_the_reasoning(served: tuple[str, Prompted
     """An assistant turn's thinking block is its reasoning; a last assistant turn is continued
     (Anthropic's prefill), as chat's continue_final_message."""
     url, engine = served
-    _say(engine, " there")
+    say(engine, " there")
     turns = [{"role": "user", "content": "Hi"},
              {"role": "assistant", "content": [{"type": "thinking", "thinking": "greet",
                                                 "signature": ""},
@@ -286,7 +280,7 @@ def test_a_thinking_block_sent_back_is_the_reasoning(served: tuple[str, Prompted
 @pytest.mark.parametrize("stream", [False, True])
 def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], stream: bool) -> None:
     url, engine = served
-    _say(engine, "Hello there, how are you?")
+    say(engine, "Hello there, how are you?")
     hi = [{"role": "user", "content": "Hi"}]
 
     def ask(**kw) -> dict:  # noqa: ANN003
@@ -365,7 +359,7 @@ def test_bad_requests_are_anthropic_shaped_400s(
     served: tuple[str, PromptedEngine], body: dict, match: str
 ) -> None:
     url, engine = served
-    _say(engine, "x")
+    say(engine, "x")
     body = {"messages": [{"role": "user", "content": "Hi"}], **body}
     r = _post(url, **body)
     assert r.status_code == 400, r.text
@@ -384,7 +378,7 @@ def test_other_errors_are_anthropic_shaped(served: tuple[str, PromptedEngine]) -
     r = httpx.post(url + "/v1/messages", content="{bad", timeout=30,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and r.json()["type"] == "error"
-    _say(engine, "Hello")
+    say(engine, "Hello")
     engine.fail_steps = 1
     r = _post(url, messages=[{"role": "user", "content": "Hi"}])
     assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
@@ -400,7 +394,7 @@ def test_other_errors_are_anthropic_shaped(served: tuple[str, PromptedEngine]) -
 def test_x_api_key_and_the_concurrency_limit(served: tuple[str, PromptedEngine]) -> None:
     _, scripted = served
     engine = ScriptedEngine(scripted.tokenizer, step_s=0.01)
-    _say(engine, "Hello " * 60)  # ~0.6 s of generation: the second request comes meanwhile
+    say(engine, "Hello " * 60)  # ~0.6 s of generation: the second request comes meanwhile
     a = AsyncEngine(engine)
     body = {"model": MODEL, "max_tokens": 60, "messages": [{"role": "user", "content": "Hi"}]}
     key = {"x-api-key": "sekrit", "anthropic-version": "2023-06-01"}
@@ -432,7 +426,7 @@ def test_x_api_key_and_the_concurrency_limit(served: tuple[str, PromptedEngine])
 def test_a_tool_result_without_content(served: tuple[str, PromptedEngine]) -> None:
     """A ``tool_result``'s content is optional: an empty tool message."""
     url, engine = served
-    _say(engine, "ok")
+    say(engine, "ok")
     use = {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}}
     turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [use]},
              {"role": "user", "content": [{"type": "tool_result",
@@ -450,7 +444,7 @@ def test_fields_it_need_not_honour_are_ignored(served: tuple[str, PromptedEngine
     later API versions) is ignored, as DeepSeek's Anthropic endpoint ignores it: the message is
     the one without them."""
     url, engine = served
-    _say(engine, "Hello there!")
+    say(engine, "Hello there!")
     hi = [{"role": "user", "content": "Hi"}]
     m = _message(
         url, messages=hi, max_tokens=16, service_tier="priority", some_future_field={"a": 1},
@@ -473,12 +467,12 @@ def test_the_official_anthropic_client_reads_the_message_and_its_stream(
     a tool call included."""
     url, engine = served
     client = _anthropic(url)
-    _say(engine, "Hello there!")
+    say(engine, "Hello there!")
     hi = [{"role": "user", "content": "Hi"}]
     m = client.messages.create(model=MODEL, max_tokens=64, messages=hi, system="Be brief.")
     assert m.content[0].type == "text" and m.content[0].text == "Hello there!"
     assert m.stop_reason == "end_turn" and m.usage.output_tokens == len(engine.script) + 1  # EOS
-    _say(engine, "Let me see.</think>Four.")
+    say(engine, "Let me see.</think>Four.")
     with client.messages.stream(
         model=MODEL, max_tokens=64, messages=hi, thinking={"type": "enabled", "budget_tokens": 32}
     ) as s:
@@ -486,7 +480,7 @@ def test_the_official_anthropic_client_reads_the_message_and_its_stream(
         final = s.get_final_message()
     assert text == "Four." and [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == "Let me see." and final.stop_reason == "end_turn"
-    _say(engine, "\n\n" + CALL)
+    say(engine, "\n\n" + CALL)
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     with client.messages.stream(model=MODEL, max_tokens=200, messages=ask, tools=[WEATHER]) as s:
         final = s.get_final_message()
@@ -507,7 +501,7 @@ def test_count_tokens_is_the_prompt_messages_renders(served: tuple[str, Prompted
     ``messages.count_tokens``): the tokens of the prompt a message with the same system, turns,
     tools and thinking renders to; the route's other sub-paths answer in Anthropic's shape."""
     url, engine = served
-    _say(engine, "Hello there!")
+    say(engine, "Hello there!")
     turns = [{"role": "user", "content": "Weather in Paris?"}]
     body = dict(system="Be brief.", messages=turns, tools=[WEATHER],
                 thinking={"type": "enabled", "budget_tokens": 16})  # fmt: skip

@@ -15,13 +15,12 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
-from server_utils import make_tokenizer_dir, running_server
-from test_chat_thinking import BLOCK, ScriptedEngine, fake_server
+from server_utils import running_server
+from test_chat_thinking import BLOCK, ScriptedEngine, openai_client, say, scripted_server
 from test_server import MODEL
 
 from runtime.async_engine import AsyncEngine
 from runtime.server import build_app
-from runtime.tokenizer import Tokenizer
 
 PING = {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -29,17 +28,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedEngine]]:
-    engine = ScriptedEngine(Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
-    with fake_server(engine) as base:
-        yield base, engine
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
-
-
-def _say(engine: ScriptedEngine, text: str) -> None:
-    engine.script = engine.tokenizer.encode(text, add_bos=False)
+    with scripted_server(tmp_path_factory) as s:
+        yield s
 
 
 def _prompt_tokens(client: openai.OpenAI, messages: list, **kw) -> int:  # noqa: ANN003
@@ -50,8 +40,8 @@ def _prompt_tokens(client: openai.OpenAI, messages: list, **kw) -> int:  # noqa:
 
 def test_a_response_with_instructions(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, "Hello there!")
+    client = openai_client(url)
+    say(engine, "Hello there!")
     r = client.responses.create(
         model=MODEL, input="Hi", instructions="Be brief.", metadata={"k": "v"}, temperature=0.5
     )
@@ -77,8 +67,8 @@ def test_input_items_render_as_the_chat_messages(served: tuple[str, ScriptedEngi
     """Message items with text parts, a function call and its output: the chat route's prompt
     for the same conversation."""
     url, engine = served
-    client = _client(url)
-    _say(engine, "ok")
+    client = openai_client(url)
+    say(engine, "ok")
     items = [
         {"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
         {"type": "message", "role": "user", "content": "Ping?"},
@@ -113,8 +103,8 @@ def _events(client: openai.OpenAI, **kw) -> list:  # noqa: ANN003
 
 def test_streamed_events_end_with_the_response(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, "Hello there!")
+    client = openai_client(url)
+    say(engine, "Hello there!")
     events = _events(client, input="Hi")
     kinds = [e.type for e in events]
     assert kinds[:5] == [
@@ -146,8 +136,8 @@ def test_reasoning_effort_is_thinking_mode(
     served: tuple[str, ScriptedEngine], stream: bool
 ) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, "Let me see.</think>Four.")
+    client = openai_client(url)
+    say(engine, "Let me see.</think>Four.")
     kw = dict(model=MODEL, input="2+2?", reasoning={"effort": "high"})
     if stream:
         events = _events(client, **{k: v for k, v in kw.items() if k != "model"})
@@ -178,8 +168,8 @@ def test_json_schema_format_is_the_chat_response_format(
     served: tuple[str, ScriptedEngine],
 ) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, '{"a": 1}')
+    client = openai_client(url)
+    say(engine, '{"a": 1}')
     fmt = {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}
     r = client.responses.create(model=MODEL, input="Give a", text={"format": fmt})
     assert engine.params is not None and engine.params.grammar is not None
@@ -195,8 +185,8 @@ def test_json_schema_format_is_the_chat_response_format(
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_function_call(served: tuple[str, ScriptedEngine], stream: bool) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, "\n\n" + BLOCK)
+    client = openai_client(url)
+    say(engine, "\n\n" + BLOCK)
     kw = dict(input="Ping it", tools=[PING], tool_choice={"type": "function", "name": "ping"})
     if stream:
         events = _events(client, **kw)
@@ -215,8 +205,8 @@ def test_a_function_call(served: tuple[str, ScriptedEngine], stream: bool) -> No
 @pytest.mark.parametrize("stream", [False, True])
 def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], stream: bool) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, "Hello there, how are you?")
+    client = openai_client(url)
+    say(engine, "Hello there, how are you?")
     if stream:
         events = _events(client, input="Hi", max_output_tokens=3)
         assert events[-1].type == "response.incomplete"
@@ -258,7 +248,7 @@ def test_bad_requests_are_a_400_naming_the_field(
     served: tuple[str, ScriptedEngine], kw: dict, param: str, match: str
 ) -> None:
     url, engine = served
-    _say(engine, "x")
+    say(engine, "x")
     body = {"model": MODEL, "input": "Hi", **kw}
     r = httpx.post(url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
@@ -269,7 +259,7 @@ def test_bad_requests_are_a_400_naming_the_field(
 
 def test_a_client_that_leaves_aborts_the_request(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
-    _say(engine, "Hello")
+    say(engine, "Hello")
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 150, "ignore_eos": True,
             "stream": True}  # fmt: skip
     engine.step_s = 0.01  # 1.5 s of generation: far longer than noticing the disconnect takes
@@ -289,8 +279,8 @@ def test_a_client_that_leaves_aborts_the_request(served: tuple[str, ScriptedEngi
 
 def test_an_engine_failure(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
-    client = _client(url)
-    _say(engine, "Hello")
+    client = openai_client(url)
+    say(engine, "Hello")
     engine.fail_steps = 1
     with pytest.raises(openai.InternalServerError):
         client.responses.create(model=MODEL, input="Hi")
@@ -303,7 +293,7 @@ def test_an_engine_failure(served: tuple[str, ScriptedEngine]) -> None:
 def test_responses_count_against_the_concurrency_limit(served: tuple[str, ScriptedEngine]) -> None:
     _, scripted = served
     engine = ScriptedEngine(scripted.tokenizer, step_s=0.01)
-    _say(engine, "Hello")
+    say(engine, "Hello")
     a = AsyncEngine(engine)
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 60, "ignore_eos": True}
     try:
@@ -326,7 +316,7 @@ def test_store_true_openai_s_default_is_answered_unstored(
     """``store: true`` (what OpenAI's API assumes when it is left out, and what agent frameworks
     send) is served, as vLLM serves it without its store; the response says it was not stored."""
     url, engine = served
-    _say(engine, "Hello there!")
-    r = _client(url).responses.create(model=MODEL, input="Hi", store=True)
+    say(engine, "Hello there!")
+    r = openai_client(url).responses.create(model=MODEL, input="Hi", store=True)
     _strict(r, Response)
     assert r.status == "completed" and r.store is False and r.output_text == "Hello there!"
