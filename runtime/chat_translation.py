@@ -39,8 +39,16 @@ def renamed(
     param = renames.get(e.param or "", e.param)
     msg = re.sub(r"messages\[(\d+)\]", lambda m: _at(where, int(m.group(1))), message or e.message)
     if e.param in renames:
-        msg = msg.replace(e.param, param or "")
+        msg = field_renamed(msg, e.param, param or "")
     return APIError(e.status, msg, param=param, code=e.code, type_=e.type)
+
+
+def field_renamed(text: str, field: str, name: str) -> str:
+    """``text`` with each reference to the field ``field`` (a whole name, or a path's first part:
+    ``stop``, ``stop[0]``, ``stop.x``) written ``name``. NOTE: not inside other words or names
+    (``nonstop``, ``user-facing``, ``max_tokens`` for ``tokens``, ``x.stop``), nor in a quoted
+    value (one the client sent: ``got ['stop']``)."""
+    return re.sub(rf"(?<![\w.'\"-]){re.escape(field)}(?![\w'\"-])", lambda _: name, text)
 
 
 def _at(where: list[str], k: int) -> str:

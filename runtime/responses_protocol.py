@@ -132,7 +132,7 @@ def renamed(e: APIError, where: list[str]) -> APIError:
     its format and flat tools reworded."""
     msg = e.message
     if e.param == "response_format":
-        msg = msg.replace("response_format", "text.format")
+        msg = chat_translation.field_renamed(msg, "response_format", "text.format")
     elif e.param == "tools":  # (the flat tools have no .function)
         msg = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", msg)
     return chat_translation.renamed(e, where, _RENAMES, msg)

@@ -339,6 +339,7 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
         ),  # fmt: skip
         ({"tool_choice": {"type": "sometimes"}}, r"^tool_choice\.type must be auto, any"),
         ({"stop_sequences": "how"}, r"^stop_sequences"),
+        ({"stop_sequences": ["nonstop", ""]}, r"^stop_sequences must .* got \['nonstop', ''\]$"),
         ({"max_tokens": 0}, r"max_tokens"),
         (
             {

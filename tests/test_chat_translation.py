@@ -1,0 +1,72 @@
+"""``runtime.chat_translation.renamed``: the chat route's error in the client's names renames the
+field where the text refers to it, and leaves prose, other names and the client's values be."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import messages_protocol, responses_protocol
+from runtime.chat_translation import renamed
+from runtime.openai_protocol import APIError
+
+
+@pytest.mark.parametrize(
+    "param, renames, text, want",
+    [
+        # a value the client sent, and a word holding the field's name
+        (
+            "stop",
+            {"stop": "stop_sequences"},
+            "stop must be a non-empty string or a list of them, got ['nonstop', 'stop', '']",
+            "stop_sequences must be a non-empty string or a list of them, "
+            "got ['nonstop', 'stop', '']",
+        ),
+        # a longer name holding it, and a path of another field ending in it
+        (
+            "tokens",
+            {"tokens": "count"},
+            "tokens must be <= max_tokens (tools.tokens), got 3; tokens[0] too",
+            "count must be <= max_tokens (tools.tokens), got 3; count[0] too",
+        ),
+        # prose: a one-letter field, and the field's name in words
+        (
+            "n",
+            {"n": "count"},
+            "n must be an integer >= 1 when sampling is on, not n-ary",
+            "count must be an integer >= 1 when sampling is on, not n-ary",
+        ),
+        (
+            "user",
+            {"user": "metadata"},
+            "user is too long: a username-like, user-facing id is expected",
+            "metadata is too long: a username-like, user-facing id is expected",
+        ),
+    ],
+    ids=["stop", "tokens", "n", "user"],
+)
+def test_renames_only_references_to_the_field(
+    param: str, renames: dict[str, str], text: str, want: str
+) -> None:
+    e = renamed(APIError(400, text, param=param), [], renames)
+    assert (e.message, e.param) == (want, renames[param])
+
+
+def test_messages_route_keeps_stop_values() -> None:
+    e = APIError(400, "stop must be a non-empty string or a list of them, got ['nonstop', '']",
+                 param="stop")  # fmt: skip
+    out = messages_protocol.renamed(e, ["messages[0]"])
+    assert out.param == "stop_sequences"
+    assert out.message == (
+        "stop_sequences must be a non-empty string or a list of them, got ['nonstop', '']"
+    )
+
+
+def test_responses_route_renames_format_and_messages() -> None:
+    e = APIError(400, "response_format.type must be text, got 'response_format'",
+                 param="response_format")  # fmt: skip
+    out = responses_protocol.renamed(e, ["input[0]"])
+    assert (out.message, out.param) == ("text.format.type must be text, got 'response_format'",
+                                        "text")  # fmt: skip
+    e = APIError(400, "messages[1]: messages must alternate", param="messages")
+    out = responses_protocol.renamed(e, ["instructions", "input[0]"])
+    assert (out.message, out.param) == ("input[0]: input must alternate", "input")
