@@ -11,7 +11,9 @@ profile's time by category). The model of one rank's decode step at B requests p
   times 61 layers, plus the head once; the eager profile's split scaled to the compiled step;
 - feed-forward (58 MoE layers, 3 dense), memory bound: bytes of the rank's weight shard that the
   step touches (each of the 256 experts is touched if any of the N x B tokens picks it, 8 picks
-  per token, taken as uniform) at the HBM bandwidth the measured MoE achieved;
+  per token, taken as uniform) at the HBM bandwidth the measured MoE achieved; an FP8 checkpoint
+  as served (``--fp8-weights``, LLM's option: by default kept FP8, one byte a weight and an fp32
+  scale per 128x128 block; ``bf16``: dequantised at load);
 - communication per feed-forward layer: all-gather of the N x B rows (bf16) and reduce-scatter of
   the fp32 partial sums, ring volume (N-1)/N of each, at ``--link-gbs`` plus ``--latency-us`` per
   collective (assumptions, flags);
@@ -29,14 +31,19 @@ import sys
 import time
 from pathlib import Path
 
+from model.fp8_weights import BLOCK, FP8_WEIGHTS, resolve_fp8_weights
+
 LAYERS, MOE_LAYERS, DENSE_LAYERS = 61, 58, 3
 EXPERTS, PICKS, HIDDEN, MOE_INTER, DENSE_INTER = 256, 8, 7168, 2048, 18432
 ATTN_SIDE = ("attention", "indexer", "cache management", "other")
 
 
-def expert_bytes(quant: str) -> float:
-    """Bytes per weight element as resident: bf16 2, AWQ 4 bits + fp16 scale/zero per 128."""
-    return {"bf16": 2.0, "fp8": 2.0, "awq": 0.5 + 2.5 / 128}[quant]  # fp8: dequantised at load
+def expert_bytes(quant: str, fp8_weights: str = "fp8") -> float:
+    """Bytes per weight element as resident: bf16 2; FP8 kept (``fp8_weights`` as
+    ``resolve_fp8_weights`` resolves it) 1 + an fp32 scale per 128x128 block, dequantised 2;
+    AWQ 4 bits + fp16 scale/zero per 128."""
+    fp8 = 1.0 + 4.0 / BLOCK**2 if fp8_weights == "fp8" else 2.0
+    return {"bf16": 2.0, "fp8": fp8, "awq": 0.5 + 2.5 / 128}[quant]
 
 
 def touched(tokens: int) -> float:
@@ -53,7 +60,9 @@ def calibrated_bandwidth(row: dict, model: dict) -> float:
     return n_moe * experts * per_expert / (row["breakdown"]["ms_per_step"]["moe"] * 1e-3)
 
 
-def estimate_row(row: dict, model: dict, n: int, quant: str, a: argparse.Namespace) -> dict:
+def estimate_row(row: dict, model: dict, n: int, per_elem: float, a: argparse.Namespace) -> dict:
+    """One measured row's estimate on ``n`` ranks, the feed-forward at ``per_elem`` bytes a
+    weight (``expert_bytes``)."""
     b = row["batch"]
     bd = row["breakdown"]["ms_per_step"]
     bw = calibrated_bandwidth(row, model)
@@ -61,7 +70,6 @@ def estimate_row(row: dict, model: dict, n: int, quant: str, a: argparse.Namespa
     # weight read out of it at the calibrated bandwidth
     head_ms = model["vocab_size"] * model["hidden_size"] * 2 / bw * 1e3
     per_layer = (sum(bd[k] for k in ATTN_SIDE) - head_ms) / model["num_hidden_layers"]
-    per_elem = expert_bytes(quant)
     t_tokens = n * b
     moe_bytes = (touched(t_tokens) + 1) * 3 * MOE_INTER * HIDDEN * per_elem / n  # + shared
     dense_bytes = 3 * DENSE_INTER * HIDDEN * per_elem / n
@@ -95,8 +103,7 @@ def effective_batch(quant: str, n: int, ctx: int, a: argparse.Namespace) -> dict
     cfg = v32_config(quant)
     # a host pool of one context: the plan's prefill buffer is then sized for ``ctx`` tokens
     eng = plan_engine(n, n, a.gpu_tokens, -(-ctx // 64) * 64, 64, a.kv_format, True, ctx)
-    # (fp8 dequantised, as expert_bytes times it, not the served default, kept FP8)
-    plan = memory_plan(cfg, eng, a.gpu_mem_gib, None, a.reserve_gib, fp8_weights="bf16")
+    plan = memory_plan(cfg, eng, a.gpu_mem_gib, None, a.reserve_gib, fp8_weights=a.fp8_weights)
     fixed = plan.gpu_gib["weights"] + plan.gpu_gib["prefill buffer"] + a.reserve_gib
     per_req_gpu = ctx * LAYERS * (ROW_BYTES[a.kv_format] + INDEX_ROW_BYTES) / GIB
     per_req_off = ctx * LAYERS * INDEX_ROW_BYTES / GIB  # the indexer cache stays on the GPU
@@ -119,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", default="benchmarks/results/step_h200.json")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--quant", choices=("awq", "bf16", "fp8"), default="awq")
+    ap.add_argument("--fp8-weights", choices=FP8_WEIGHTS, default="auto",
+                    help="an FP8 checkpoint's weights as LLM's option serves them")  # fmt: skip
     ap.add_argument("--link-gbs", type=float, default=300.0, help="achieved NVLink GB/s per GPU")
     ap.add_argument("--latency-us", type=float, default=15.0, help="per collective")
     ap.add_argument("--gpu-mem-gib", type=float, default=139.8)
@@ -131,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.gpus < 1 or a.link_gbs <= 0:
         print("estimate_multi_gpu: --gpus and --link-gbs must be positive", file=sys.stderr)
+        return 2
+    from runtime.distributed.plan import v32_config
+
+    try:
+        served = resolve_fp8_weights(a.fp8_weights, v32_config(a.quant), f"--quant {a.quant}")
+    except ValueError as e:
+        print(f"estimate_multi_gpu: {e}", file=sys.stderr)
         return 2
     try:
         meas = json.loads(Path(a.step).read_text())
@@ -147,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": {},
         "effective_batch": [],
     }
+    per_elem = expert_bytes(a.quant, served)
     for n in sorted({1, a.gpus}):
-        res["rows"][str(n)] = [estimate_row(r, meas["model"], n, a.quant, a) for r in meas["rows"]]
+        res["rows"][str(n)] = [estimate_row(r, meas["model"], n, per_elem, a) for r in meas["rows"]]
     for ctx in (int(c) for c in a.contexts.split(",")):
         res["effective_batch"].append(effective_batch(a.quant, a.gpus, ctx, a))
     for n, rows in res["rows"].items():

@@ -349,3 +349,30 @@ def test_llm_on_cpu_refuses_a_host_pool_past_memory_before_loading(monkeypatch):
         LLM("tiny", device="cpu", host_tokens=1 << 20, compile=False, progress=False)
     with pytest.raises(AssertionError, match="loaded"):  # a pool that fits: the load runs
         LLM("tiny", device="cpu", host_tokens=1 << 14, compile=False, progress=False)
+
+
+def test_estimate_counts_fp8_as_served(tmp_path, capsys):
+    """An FP8 checkpoint is estimated as LLM serves it by default, kept FP8 (one byte a weight and
+    an fp32 scale per 128x128 block, in the feed-forward reads and in the memory plan), and
+    dequantised only when ``--fp8-weights bf16`` asks for it."""
+    from benchmarks.estimate_multi_gpu import expert_bytes, main
+
+    assert expert_bytes("fp8") == 1 + 4 / 128**2 and expert_bytes("fp8", "bf16") == 2.0
+    res = {}
+    for how in ("auto", "bf16"):
+        out = tmp_path / f"{how}.json"
+        argv = ["--quant", "fp8", "--fp8-weights", how, "--contexts", "32768", "--out", str(out)]
+        assert main(argv) == 0
+        res[how] = json.loads(out.read_text())
+    for kept, deq in zip(res["auto"]["rows"]["8"], res["bf16"]["rows"]["8"]):
+        assert kept["offload"]["ffn_ms"] == pytest.approx(
+            deq["offload"]["ffn_ms"] * (1 + 4 / 128**2) / 2
+        )
+    kept, deq = res["auto"]["effective_batch"][0], res["bf16"]["effective_batch"][0]
+    # the plan's weights: 92.69 GiB kept FP8, 179.68 dequantised (docs/multi_gpu.md)
+    assert kept["gpu_free_for_kv_gib"] - deq["gpu_free_for_kv_gib"] == pytest.approx(
+        179.68 - 92.69, abs=0.01
+    )
+    assert kept["gpu_only"] > 0 == deq["gpu_only"]
+    assert main(["--quant", "awq", "--fp8-weights", "fp8"]) == 2
+    assert "needs an FP8 checkpoint" in capsys.readouterr().err
