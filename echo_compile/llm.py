@@ -15,7 +15,7 @@ import torch
 
 from echo_compile.compiled import StepCompiler
 from echo_compile.devices import check_device
-from echo_compile.memory_checks import check_fits, check_host_pool
+from echo_compile.memory_checks import check_fits, check_host_pool, rank_weights
 from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
 from runtime.engine import Engine, EngineConfig, StepOutput
@@ -123,16 +123,19 @@ class LLM:
             else:  # "auto" on a checkpoint converted to bf16 (no weight_scale_inv tensors)
                 how = "bf16 as stored (its config.json declares FP8, its tensors have no scales)"
             logging.getLogger(__name__).info("FP8 checkpoint: weights %s", how)
-        # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line)
+        # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line);
+        # the rank's weights counted once for the sizing and the memory check (the sizing
+        # changes no split they depend on)
         given = set(SIZED) & set(engine_options)
+        weights = rank_weights(ckpt, config, fp8_weights)
         config = size_engine(
-            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization
+            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights
         )
         # the tokenizer, the generation config and the options against the model config, in
         # seconds: a mistake there is not found after minutes of reading weights
         inputs = read_engine_inputs(path, config, generation_config)
         if config.device.startswith("cuda"):
-            check_fits(path, config, fp8_weights)
+            check_fits(path, config, fp8_weights, weights)
         else:
             check_host_pool(path, config)
         compiled = compile if compile is not None else config.device.startswith("cuda")

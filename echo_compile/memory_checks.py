@@ -6,14 +6,31 @@ from __future__ import annotations
 
 import logging
 
+from model.config import ModelConfig
 from runtime.engine_config import EngineConfig
 
 
-def check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
+def rank_weights(model_config: ModelConfig, config: EngineConfig, fp8_weights: str) -> int | None:
+    """On CUDA, this rank's weight bytes (``plan.rank_weight_bytes``), counted once for the KV
+    sizing and the memory check, which both take them; None on the CPU (neither reads them) or
+    where the planner cannot count them (the sizing and the check then try and say why they
+    step aside)."""
+    if not config.device.startswith("cuda"):
+        return None
+    from runtime.distributed import plan
+
+    try:
+        return plan.rank_weight_bytes(model_config, config, fp8_weights)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def check_fits(path, config: EngineConfig, fp8_weights: str, weights: int | None = None) -> None:
     """The memory plan of this rank (runtime/distributed/plan.py) against its GPU and host,
     before the weights load: a deployment that cannot fit is refused in seconds, naming what
     does not. Anything else the check meets (a bad checkpoint or option: the loader says so
-    next; a config the planner cannot count) makes it step aside with a warning."""
+    next; a config the planner cannot count) makes it step aside with a warning. ``weights``:
+    ``rank_weights`` (None: counted here)."""
     from model.loader import read_checkpoint_meta
     from runtime.distributed import plan
 
@@ -21,7 +38,7 @@ def check_fits(path, config: EngineConfig, fp8_weights: str) -> None:
         device, local_ranks = plan.rank_memory_device(config)  # (torchrun: this rank's GPU)
         _, model_config, _ = read_checkpoint_meta(path)
         gpu, host = plan.device_memory_gib(device)
-        plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks)
+        plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks, weights)
     except plan.DoesNotFit:
         raise
     except Exception as e:  # noqa: BLE001

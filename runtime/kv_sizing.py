@@ -177,11 +177,13 @@ def size_engine(
     fp8_weights: str = "auto",
     host_memory_fraction: float | None = None,
     gpu_memory_utilization: float | None = None,
+    weights: int | None = None,
 ) -> EngineConfig:
     """``config`` with ``auto_sizes``'s sizes for this rank's GPU and host (CUDA only; the CPU
     keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
     that cannot count the config) leaves ``config`` as it is, with a warning. A fraction given
-    (not None) where it sizes nothing is warned about, naming the flag."""
+    (not None) where it sizes nothing is warned about, naming the flag. ``weights``: the rank's
+    ``plan.rank_weight_bytes`` if already counted (else counted here)."""
     if not config.offload:  # no GPU pool: nothing to size in gpu_tokens
         given = given | {"gpu_tokens"}
     cuda = config.device.startswith("cuda")
@@ -214,7 +216,7 @@ def size_engine(
         _, mc, _ = read_checkpoint_meta(path)
         _, host_gib = plan.device_memory_gib(device)
         memory = Memory(int(host_gib * GIB), plan.gpu_total_bytes(device), local_ranks)
-        w = plan.weight_bytes(mc, config.ffn_ranks, ep=config.ep > 1, fp8_weights=fp8_weights)
+        w = plan.rank_weight_bytes(mc, config, fp8_weights) if weights is None else weights
     except Exception as e:  # noqa: BLE001
         logger.warning("KV sizing from memory skipped (%s: %s): EngineConfig's defaults for %s",
                        type(e).__name__, e, ", ".join(sorted(set(SIZED) - given)))  # fmt: skip

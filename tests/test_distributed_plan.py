@@ -376,3 +376,50 @@ def test_estimate_counts_fp8_as_served(tmp_path, capsys):
     assert kept["gpu_only"] > 0 == deq["gpu_only"]
     assert main(["--quant", "awq", "--fp8-weights", "fp8"]) == 2
     assert "needs an FP8 checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_llm_counts_the_weights_once(monkeypatch, dp):
+    """LLM on a (pretended) GPU counts its rank's weight bytes once (a meta-device build of the
+    whole model: seconds for V3.2), and the KV sizing and the memory check both take that count
+    (they counted one each)."""
+    import echo_compile.llm
+    import model.loader
+    from echo_compile.llm import LLM
+    from runtime import kv_sizing
+    from runtime.distributed import dist_engine, plan
+
+    class Loaded(Exception):
+        pass
+
+    def no_load(*a, **k):
+        raise Loaded
+
+    counted, taken = [], []
+    real_count, real_sizes, real_plan = plan.weight_bytes, kv_sizing.auto_sizes, plan.memory_plan
+
+    def count(*a, **k):
+        counted.append(real_count(*a, **k))
+        return counted[-1]
+
+    def sizes(mc, config, given, memory, weight_bytes, *a, **k):
+        taken.append(weight_bytes)
+        return real_sizes(mc, config, given, memory, weight_bytes, *a, **k)
+
+    def memory_plan(*a, **k):
+        p = real_plan(*a, **k)
+        taken.append(round(p.gpu_gib["weights"] * plan.GIB))
+        return p
+
+    monkeypatch.setattr(model.loader, "load_model", no_load)
+    monkeypatch.setattr(dist_engine, "build_distributed_engine", no_load)
+    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (139.8, 1000.0))
+    monkeypatch.setattr(plan, "gpu_total_bytes", lambda device: int(139.8 * plan.GIB))
+    monkeypatch.setattr(plan, "weight_bytes", count)
+    monkeypatch.setattr(kv_sizing, "auto_sizes", sizes)
+    monkeypatch.setattr(plan, "memory_plan", memory_plan)
+    with pytest.raises(Loaded):
+        LLM("tiny", device="cuda", dp=dp, compile=False, progress=False)
+    assert len(counted) == 1, counted
+    assert taken == counted * 2  # the sizing's, the check's

@@ -85,6 +85,13 @@ def weight_bytes(
     return sum(t.numel() * t.element_size() for t in tensors) + repacked
 
 
+def rank_weight_bytes(config: ModelConfig, engine: EngineConfig, fp8_weights: str = "auto") -> int:
+    """``weight_bytes`` of one rank of ``engine`` (its feed-forward split, by expert or not): what
+    the memory plan and the KV sizing (runtime/kv_sizing.py) count as its weights. NOTE: a
+    meta-device build of the whole model, seconds for V3.2: ``LLM`` counts it once for both."""
+    return weight_bytes(config, engine.ffn_ranks, ep=engine.ep > 1, fp8_weights=fp8_weights)
+
+
 def cache_bytes(cfg: CacheConfig) -> dict[str, int]:
     """Device and host bytes of a ``KVCache`` of ``cfg`` (mirrors custom_ops/cache/kv_cache.py
     allocation by allocation, a pool's and a staging's buffers from the functions ``GpuPool`` and
@@ -216,10 +223,11 @@ def memory_plan(
     reserve_gib: float = 8.0,
     fp8_weights: str = "auto",
     gpus_per_node: int = 8,
+    weights: int | None = None,
 ) -> MemoryPlan:
     """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config`` (``fp8_weights``:
     as ``LLM``'s, for an FP8 checkpoint; ``gpus_per_node``: the ranks whose host pools share one
-    host's ``host_mem_gib``)."""
+    host's ``host_mem_gib``; ``weights``: the rank's ``rank_weight_bytes`` if already counted)."""
     if not (0 < gpu_mem_gib < math.inf and 0 <= reserve_gib < math.inf):
         raise ValueError(
             f"gpu_mem_gib must be a finite number > 0 and reserve_gib one >= 0, got "
@@ -236,7 +244,7 @@ def memory_plan(
     q += " (experts by expert)" if engine.ep > 1 else ""
     cache = cache_bytes(engine.cache_config(config))
     host = cache.pop("host kv pool")
-    w = weight_bytes(config, engine.ffn_ranks, ep=engine.ep > 1, fp8_weights=fp8_weights)
+    w = rank_weight_bytes(config, engine, fp8_weights) if weights is None else weights
     gpu = {"weights": w, **cache}
     return MemoryPlan(
         q,
@@ -268,14 +276,18 @@ def check_fits(
     host_mem_gib: float,
     fp8_weights: str = "auto",
     local_ranks: int = 1,
+    weights: int | None = None,
 ) -> None:
     """Refuse, before anything is loaded, what cannot fit: one rank's weights and KV cache alone
     over ``gpu_mem_gib``, or the host KV pools of the ``local_ranks`` ranks sharing this host
     (one pool each, whatever the split) over ``host_mem_gib``. No reserve is counted
     (activations and CUDA graphs come on top), so it refuses only what would certainly fail:
     an out-of-memory error minutes into loading becomes one line at once. ``gpu_mem_gib``: the
-    GPU's free memory (``device_memory_gib``), as the refusal says."""
-    plan = memory_plan(config, engine, gpu_mem_gib, host_mem_gib, 0.0, fp8_weights, local_ranks)
+    GPU's free memory (``device_memory_gib``), as the refusal says; ``weights``: as
+    ``memory_plan``'s."""
+    plan = memory_plan(
+        config, engine, gpu_mem_gib, host_mem_gib, 0.0, fp8_weights, local_ranks, weights
+    )
     plan = replace(plan, gpu_free=True)
     problems = plan.problems()
     if problems:
