@@ -2,8 +2,9 @@
 Code send) and its translation into the chat request the chat route runs
 (``runtime.server_chat``): ``system`` and the content blocks become chat messages (a
 ``tool_result`` block a tool message, an assistant's ``thinking`` block its reasoning),
-``thinking`` thinking mode, the tools and tool_choice chat's; a last assistant turn is
-continued (Anthropic's prefill: chat's ``continue_final_message``). The chat route's errors are
+``thinking`` thinking mode, the tools and tool_choice chat's, ``output_format`` (structured
+outputs) chat's ``response_format``; a last assistant turn is continued (Anthropic's prefill:
+chat's ``continue_final_message``). The chat route's errors are
 renamed back to the fields the client sent (``renamed``), and every error of the route is
 answered in Anthropic's shape (``error_response``).
 
@@ -42,6 +43,10 @@ class MessagesRequest(_Strict):
     tool_choice: dict[str, Any] | None = None  # {"type": auto | any | tool | none, "name"}
     thinking: dict[str, Any] | None = None  # {"type": "enabled", "budget_tokens"} | adaptive | ...
     metadata: dict[str, Any] | None = None  # {"user_id"}: chat's user
+    # structured outputs, {"type": "json_schema", "schema"}: the beta's field, and the GA one's
+    # (what the SDK's messages.create(output_config=...) and messages.parse send; effort ignored)
+    output_format: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format", "effort"}
 
 
 class CountTokensRequest(MessagesRequest):
@@ -59,7 +64,6 @@ class CountTokensRequest(MessagesRequest):
 UNSUPPORTED_MESSAGES: dict[str, tuple[Any, ...]] = {
     "container": (),  # Anthropic's code-execution container
     "mcp_servers": ([],),  # tools run by Anthropic's servers
-    "output_format": (),  # the structured-outputs beta: a grammar this route does not map yet
 }
 # chat's field names -> the Messages field the client sent
 _RENAMES = {
@@ -146,19 +150,51 @@ def chat_request(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None,
         "chat_template_kwargs": {"thinking": thinking(req)},
+        "response_format": _response_format(req),
     }
     if req.messages[-1].get("role") == "assistant":  # Anthropic's prefill: the reply continues it
         body.update(add_generation_prompt=False, continue_final_message=True)
     return validated_chat(body, where, _RENAMES, "messages"), where
 
 
-def renamed(e: APIError, where: list[str]) -> APIError:
+def renamed(e: APIError, where: list[str], fmt: str = "output_format") -> APIError:
     """The chat route's error ``e`` in the Messages request's names (``chat_translation``), its
-    tools' fields reworded."""
+    tools' fields reworded; ``fmt``: the field the structured output came in (``format_field``)."""
     msg = e.message
     if e.param == "tools":  # (the tools have no .function; their schema is input_schema)
         msg = msg.replace(".function.parameters", ".input_schema").replace(".function.", ".")
-    return chat_translation.renamed(e, where, _RENAMES, msg)
+    # (also where tool_choice's error names it: a forced call and a format are one grammar each)
+    msg = msg.replace("response_format", fmt)
+    if e.param == "response_format" and not msg.startswith(fmt):  # the engine's grammar check
+        msg = f"{fmt}: {msg}"  # (Anthropic's shape has no param: the message names the field)
+    return chat_translation.renamed(e, where, {**_RENAMES, "response_format": fmt}, msg)
+
+
+def format_field(req: MessagesRequest) -> str:
+    """The field ``req``'s structured output came in: ``output_format`` (the beta's) or
+    ``output_config.format`` (the GA form)."""
+    if req.output_format is None and (req.output_config or {}).get("format") is not None:
+        return "output_config.format"
+    return "output_format"
+
+
+def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
+    """Chat's ``response_format`` of the structured output ``{"type": "json_schema", "schema"}``
+    (None: free text). The chat route compiles its grammar; in thinking mode the grammar starts
+    after the reasoning (``runtime.reasoning.thinking_params``), as on chat."""
+    config = (req.output_config or {}).get("format")
+    if req.output_format is not None and config is not None:
+        msg = "output_format and output_config.format cannot both be given (they are one format)"
+        raise APIError(400, msg, param="output_format")
+    at, fmt = format_field(req), req.output_format if req.output_format is not None else config
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind != "json_schema":
+        raise APIError(400, f"{at}.type must be json_schema, got {kind!r}", param=at)
+    if not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, f"{at}.schema must be a JSON schema object", param=at)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _tool(i: int, tool: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from runtime.messages_protocol import (
     MessagesRequest,
     chat_request,
     check_messages,
+    format_field,
     renamed,
 )
 from runtime.openai_protocol import APIError
@@ -32,6 +33,7 @@ class MessagesHandlers(TranslatedHandlers):
         self.check_model(req.model)
         check_messages(req)
         chat, where = chat_request(req)
+        fmt = format_field(req)
         mid = f"msg_{uuid.uuid4().hex}"
 
         def builder(run: ChatRun) -> MessageBuilder:
@@ -44,7 +46,9 @@ class MessagesHandlers(TranslatedHandlers):
                 mid, req.model, len(choice.ids), run.in_reasoning, run.plan, stop_string
             )
 
-        return await self.run_translated(chat, mid, request, builder, lambda e: renamed(e, where))
+        return await self.run_translated(
+            chat, mid, request, builder, lambda e: renamed(e, where, fmt)
+        )
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         """``/v1/messages/count_tokens``: the prompt's tokens as ``messages`` renders it (its
@@ -55,5 +59,5 @@ class MessagesHandlers(TranslatedHandlers):
         try:
             run = await self.prepare_chat(chat)
         except APIError as e:
-            raise renamed(e, where) from e
+            raise renamed(e, where, format_field(req)) from e
         return {"input_tokens": len(run.choices[0].ids)}

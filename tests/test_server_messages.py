@@ -253,6 +253,73 @@ def test_tool_choice_any_and_tool_force_a_call(served: tuple[str, PromptedEngine
         ]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_format_is_chats_json_schema_response_format(
+    served: tuple[str, PromptedEngine], stream: bool
+) -> None:
+    """``output_format`` (structured outputs) is chat's ``response_format`` json_schema: the same
+    grammar reaches the engine, and the reply's text is the JSON; in thinking mode the grammar
+    starts after the reasoning, as on chat."""
+    url, engine = served
+    say(engine, '{"city":"Paris"}')
+    ask = [{"role": "user", "content": "Weather where?"}]
+    fmt = {"type": "json_schema", "schema": WEATHER_SCHEMA}
+    body = dict(messages=ask, output_format=fmt)
+    m = _streamed_message(_events(url, **body)) if stream else _message(url, **body)
+    assert m["content"] == [{"type": "text", "text": '{"city":"Paris"}'}]
+    assert json.loads(m["content"][0]["text"]) == {"city": "Paris"}
+    params = engine.params
+    assert params is not None and params.grammar is not None
+    assert not params.grammar_after_reasoning
+    chat = {"type": "json_schema", "json_schema": {"name": "output", "schema": WEATHER_SCHEMA}}
+    assert engine.prompt == _chat_prompt(url, engine, ask, response_format=chat)
+    assert engine.params is not None and engine.params.grammar == params.grammar
+    assert json.loads(params.grammar)["grammars"][0]["json_schema"]["required"] == ["city"]
+    say(engine, 'Paris, then.</think>{"city":"Paris"}')
+    think = {"type": "enabled", "budget_tokens": 64}
+    m = _message(url, messages=ask, output_format=fmt, thinking=think)
+    assert m["content"] == [
+        {"type": "thinking", "thinking": "Paris, then.", "signature": ""},
+        {"type": "text", "text": '{"city":"Paris"}'},
+    ]
+    assert engine.params is not None and engine.params.grammar == params.grammar
+    assert engine.params.grammar_after_reasoning  # (the JSON follows </think>)
+    _chat_prompt(url, engine, ask, response_format=chat, chat_template_kwargs={"thinking": True})
+    assert engine.params.grammar_after_reasoning
+
+
+def test_output_format_through_the_anthropic_sdk(served: tuple[str, PromptedEngine]) -> None:
+    """The SDK's ``output_config={"format": ...}`` (the GA form; ``messages.parse`` sends it too)
+    and the beta's ``output_format`` (sent as an extra field) ask for the same grammar."""
+    url, engine = served
+    client = _anthropic(url)
+    say(engine, '{"city":"Paris"}')
+    ask = [{"role": "user", "content": "Weather where?"}]
+    fmt = {"type": "json_schema", "schema": WEATHER_SCHEMA}
+    m = client.messages.create(model=MODEL, max_tokens=64, messages=ask,
+                               output_config={"format": fmt})  # fmt: skip
+    assert [b.type for b in m.content] == ["text"]
+    assert json.loads(m.content[0].text) == {"city": "Paris"}
+    assert engine.params is not None and engine.params.grammar is not None
+    grammar, engine.params = engine.params.grammar, None
+    m = client.beta.messages.create(model=MODEL, max_tokens=64, messages=ask,
+                                    extra_body={"output_format": fmt})  # fmt: skip
+    assert json.loads(m.content[0].text) == {"city": "Paris"}
+    assert engine.params is not None and engine.params.grammar == grammar
+
+
+def test_a_format_the_grammar_check_refuses_names_output_format() -> None:
+    """The engine's grammar check (a schema llguidance cannot compile: chat's response_format
+    error) names the field the format came in, as Anthropic's shape has no param."""
+    from runtime.messages_protocol import anthropic_body, renamed
+    from runtime.openai_protocol import APIError
+
+    e = APIError(400, "the grammar does not compile: bad $ref", param="response_format")
+    for field in ("output_format", "output_config.format"):
+        msg = anthropic_body(renamed(e, [], field))["error"]["message"]
+        assert msg == f"{field}: the grammar does not compile: bad $ref"
+
+
 def test_a_thinking_block_sent_back_is_the_reasoning(served: tuple[str, PromptedEngine]) -> None:
     """An assistant turn's thinking block is its reasoning; a last assistant turn is continued
     (Anthropic's prefill), as chat's continue_final_message."""
@@ -299,7 +366,31 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
     ("body", "match"),
     [
         ({"max_tokens": None}, r"max_tokens"),
-        ({"output_format": {"type": "json_schema"}}, r"^output_format is not supported"),
+        ({"output_format": {"type": "json_schema"}}, r"^output_format\.schema must be a JSON"),
+        (
+            {"output_format": {"type": "json_object", "schema": {}}},
+            r"^output_format\.type must be json_schema, got 'json_object'",
+        ),  # fmt: skip
+        ({"output_format": "json"}, r"^output_format"),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": []}}},
+            r"^output_config\.format\.schema must be a JSON schema object",
+        ),  # fmt: skip
+        (
+            {
+                "output_format": {"type": "json_schema", "schema": {}},
+                "output_config": {"format": {"type": "json_schema", "schema": {}}},
+            },
+            r"^output_format and output_config\.format cannot both be given",
+        ),  # fmt: skip
+        (
+            {
+                "output_format": {"type": "json_schema", "schema": WEATHER_SCHEMA},
+                "tools": [WEATHER],
+                "tool_choice": {"type": "any"},
+            },
+            r"^tool_choice required or a named function cannot be combined with output_format$",
+        ),  # fmt: skip
         ({"mcp_servers": [{"url": "x"}]}, r"^mcp_servers is not supported"),
         (
             {
