@@ -38,6 +38,18 @@ from runtime.tool_calls import ToolCall, ToolPlan, plan_tools
 
 
 @dataclass
+class ChatPrompt:
+    """A chat request's prompt (``ChatHandlers.chat_prompt``)."""
+
+    ids: list[int]
+    plan: ToolPlan | None
+    in_reasoning: bool  # the reply starts inside the reasoning (thinking mode)
+    msgs: list[dict[str, Any]]  # the messages as sent
+    cont: bool  # the last message is continued
+    max_tokens: int  # the reply's, checked against the context (what it leaves, when unset)
+
+
+@dataclass
 class ChatRun:
     """A chat request ready to run (``ChatHandlers.prepare_chat``)."""
 
@@ -52,10 +64,10 @@ class ChatRun:
 class ChatHandlers(HandlersBase):
     """``/v1/chat/completions`` and the encoding of a conversation."""
 
-    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatRun:
-        """``req`` made ready to run: its prompt rendered and encoded, its sampling parameters
-        (a forced call's or a response format's grammar; after the reasoning in thinking mode)
-        and its choices. The Responses route runs its requests through it too."""
+    async def chat_prompt(self, req: ChatCompletionRequest) -> ChatPrompt:
+        """``req``'s prompt rendered and encoded, and the room the context leaves its reply
+        checked; no sampling parameter and no grammar (``/v1/messages/count_tokens`` counts it
+        so: compiling a forced call's or a response format's grammar would change no count)."""
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         thinking = request_thinking(req.chat_template_kwargs)
         msgs = [m.model_dump() for m in req.messages]
@@ -67,19 +79,27 @@ class ChatHandlers(HandlersBase):
         in_reasoning = reply_in_reasoning(msgs, thinking, cont)
         ids = self.truncated(ids, req)
         max_tokens = self.max_tokens(len(ids), getattr(req, req.max_tokens_field), "messages")
+        return ChatPrompt(ids, plan, in_reasoning, msgs, cont, max_tokens)
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """``req`` made ready to run: its prompt (``chat_prompt``), its sampling parameters
+        (a forced call's or a response format's grammar; after the reasoning in thinking mode)
+        and its choices. The Responses route runs its requests through it too."""
+        p = await self.chat_prompt(req)
+        plan = p.plan
         vocab, defaults = self.tokenizer.vocab_size, self.engine.sampling_defaults
-        params = sampling_params(req, max_tokens, bool(req.logprobs), vocab, defaults)
+        params = sampling_params(req, p.max_tokens, bool(req.logprobs), vocab, defaults)
         forced = plan is not None and plan.grammar_text is not None
         if forced:
             try:
                 params = dataclasses.replace(params, grammar=_call_grammar(plan, params))
             except SamplingParamsError as e:  # e.g. min_tokens with a grammar
                 raise APIError(400, str(e), param=e.param) from e
-        if in_reasoning:  # the forced block or JSON follows the reasoning, in the content
+        if p.in_reasoning:  # the forced block or JSON follows the reasoning, in the content
             params = thinking_params(params)
-        choices = self.choices_of([(ids, "")], params, req.n or 1)
+        choices = self.choices_of([(p.ids, "")], params, req.n or 1)
         grammar_param = "tool_choice" if forced else "response_format"
-        return ChatRun(choices, plan, in_reasoning, grammar_param, msgs, cont)
+        return ChatRun(choices, plan, p.in_reasoning, grammar_param, p.msgs, p.cont)
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.perf_counter()

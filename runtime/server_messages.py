@@ -52,12 +52,13 @@ class MessagesHandlers(TranslatedHandlers):
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         """``/v1/messages/count_tokens``: the prompt's tokens as ``messages`` renders it (its
-        system, tools, thinking); a prompt past the context is the same 400 as there."""
+        system, tools, thinking); a prompt past the context is the same 400 as there. Only the
+        prompt is prepared (``chat_prompt``): no grammar is compiled."""
         self.check_model(req.model)
         check_messages(req)
         chat, where = chat_request(req)
         try:
-            run = await self.prepare_chat(chat)
+            prompt = await self.chat_prompt(chat)
         except APIError as e:
             raise renamed(e, where, format_field(req)) from e
-        return {"input_tokens": len(run.choices[0].ids)}
+        return {"input_tokens": len(prompt.ids)}

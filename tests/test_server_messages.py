@@ -607,3 +607,52 @@ def test_count_tokens_is_the_prompt_messages_renders(served: tuple[str, Prompted
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(url + "/v1/messages/batches", json={}, timeout=30)
     assert r.status_code in (404, 405) and r.json()["type"] == "error"
+
+
+def test_count_tokens_is_the_prefill_of_a_forced_call_with_system_and_thinking(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """The count is the prompt the create route prefills, for a request whose tool_choice forces
+    a tool (a grammar on the create route), with a system prompt and thinking."""
+    url, engine = served
+    say(engine, "Let me see.</think>\n\n" + CALL)
+    turns = [{"role": "user", "content": "Weather in Paris?"}]
+    body = dict(system="Be brief.", messages=turns, tools=[WEATHER],
+                tool_choice={"type": "tool", "name": "weather"},
+                thinking={"type": "enabled", "budget_tokens": 16})  # fmt: skip
+    m = _message(url, **body)
+    assert engine.params is not None and engine.params.grammar is not None  # (forced)
+    assert [b["type"] for b in m["content"]] == ["thinking", "tool_use"]
+    n = _anthropic(url).messages.count_tokens(model=MODEL, **body).input_tokens
+    assert n == len(engine.prompt) == m["usage"]["input_tokens"]
+
+
+def test_count_tokens_compiles_no_grammar(
+    served: tuple[str, PromptedEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """count_tokens renders and counts the prompt only: with every grammar compile made to raise,
+    a forced tool's and an output format's requests are counted, and counted as before."""
+    url, engine = served
+    forced = dict(system="Be brief.", messages=[{"role": "user", "content": "Weather?"}],
+                  tools=[WEATHER], tool_choice={"type": "any"},
+                  thinking={"type": "enabled", "budget_tokens": 16})  # fmt: skip
+    schema = {"type": "json_schema", "schema": WEATHER_SCHEMA}
+    fmt = dict(messages=[{"role": "user", "content": "Weather?"}], output_config={"format": schema})
+    client = _anthropic(url)
+    before = [client.messages.count_tokens(model=MODEL, **b).input_tokens for b in (forced, fmt)]
+
+    def compile_(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a grammar was compiled")
+
+    import runtime.server_chat
+    import runtime.structured_output
+
+    for mod, name in [(runtime.server_chat, "lark_grammar"),
+                      (runtime.server_chat, "json_schema_problem"),
+                      (runtime.structured_output, "json_schema_grammar")]:  # fmt: skip
+        monkeypatch.setattr(mod, name, compile_)
+    # (the create route compiles them: the patches bite)
+    say(engine, "x")
+    assert _post(url, **forced).status_code == 500 and _post(url, **fmt).status_code == 500
+    after = [client.messages.count_tokens(model=MODEL, **b).input_tokens for b in (forced, fmt)]
+    assert after == before and all(n > 0 for n in after)
