@@ -1,7 +1,10 @@
 """An Anthropic Messages API message built from a chat request's engine outputs: its content
 blocks (a ``thinking`` block in thinking mode, a ``text`` block, ``tool_use`` blocks), its
 ``stop_reason`` and usage, and, streamed, Anthropic's events (``message_start``,
-``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``).
+``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``). The
+usage is Anthropic's: ``input_tokens`` the prompt tokens not read from the prefix cache,
+``cache_read_input_tokens`` those read from it, the same in ``message_start``, ``message_delta``
+and the whole message.
 
 The reply is read by ``runtime.chat_reply.ReplyStream`` whether it is streamed or not, so the
 message a stream adds up to is the one a non-streamed request gets.
@@ -39,19 +42,22 @@ class MessageBuilder:
         stop_string: Callable[[RequestOutput], Any],
     ) -> None:
         self.mid, self.model, self.stop_string = mid, model, stop_string
+        self.n_prompt = n_prompt
         self.reply = ReplyStream(in_reasoning, plan)
         self.content: list[dict[str, Any]] = []  # the blocks (the last one may be open)
         self.open = False
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.usage: dict[str, int] = _usage(n_prompt, 0, 0)
+        self.started = False  # message_start was sent
 
     def start(self) -> list[Event]:
-        return [{"type": "message_start", "message": self.response()}, {"type": "ping"}]
+        """Nothing yet: ``message_start`` comes with the first output (``_begin``)."""
+        return []
 
     def feed(self, out: StepOutput) -> list[Event]:
+        events = self._begin(out.cached_tokens)
         part = self.reply.feed(out.new_text, out.finished)
-        events: list[Event] = []
         if part.reasoning:
             events += self._delta("thinking", part.reasoning)
         if part.content:
@@ -80,9 +86,11 @@ class MessageBuilder:
             self.stop_reason, self.stop_sequence = "stop_sequence", stop
         else:
             self.stop_reason = "end_turn"
+        events = self._begin(cached or 0)
         self.usage = _usage(res.prompt_tokens, res.completion_tokens, cached or 0)
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
         return [
+            *events,
             {"type": "message_delta", "delta": delta, "usage": dict(self.usage)},
             {"type": "message_stop"},
         ]
@@ -102,6 +110,18 @@ class MessageBuilder:
     def error(self, err: APIError) -> Event:
         """The stream's ``error`` event: the request failed after the stream began."""
         return anthropic_body(err)
+
+    def _begin(self, cached: int) -> list[Event]:
+        """``message_start`` and a ``ping``, once, before the first output's events. NOTE: it
+        waits for that output because its usage splits the prompt into
+        ``cache_read_input_tokens`` (``cached``: the prefix cache's hit, known once the request
+        is scheduled) and ``input_tokens`` (the rest), as the final usage does: sent before, it
+        could only say the whole prompt was uncached."""
+        if self.started:
+            return []
+        self.started = True
+        self.usage = _usage(self.n_prompt, 0, cached)
+        return [{"type": "message_start", "message": self.response()}, {"type": "ping"}]
 
     # ---- the open block: the thinking's or the text's, streamed -------------------------------
     def _delta(self, kind: str, delta: str) -> list[Event]:

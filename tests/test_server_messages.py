@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -35,6 +36,7 @@ from test_server import MODEL, _Req
 
 from runtime.async_engine import AsyncEngine
 from runtime.server import build_app
+from runtime.step_output import StepOutput
 from runtime.tool_calls import CALLS_BEGIN, CALLS_END
 
 D = "｜DSML｜"
@@ -57,6 +59,19 @@ class PromptedEngine(ScriptedEngine):
     def cycle(self, r: _Req) -> list[int]:
         self.prompt = list(r.prompt)
         return super().cycle(r)
+
+
+class CachingEngine(PromptedEngine):
+    """The prompted engine with a prefix cache that serves the first ``cached`` prompt tokens."""
+
+    config = SimpleNamespace(enable_prefix_caching=True)  # (AsyncEngine.caches_prefixes)
+    cached = 0
+
+    def step(self) -> list[StepOutput]:
+        outs = super().step()
+        for out in outs:
+            out.cached_tokens = min(self.cached, out.prompt_tokens)
+        return outs
 
 
 @pytest.fixture(scope="module")
@@ -656,3 +671,27 @@ def test_count_tokens_compiles_no_grammar(
     assert _post(url, **forced).status_code == 500 and _post(url, **fmt).status_code == 500
     after = [client.messages.count_tokens(model=MODEL, **b).input_tokens for b in (forced, fmt)]
     assert after == before and all(n > 0 for n in after)
+
+
+def test_usage_reads_the_prefix_cache_the_same_throughout(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens not read from the cache,
+    ``cache_read_input_tokens`` those read from it; message_start, message_delta and the whole
+    message say the same, and the SDK's streamed message too."""
+    with scripted_server(tmp_path_factory, CachingEngine) as (url, engine):
+        say(engine, "Hello there!")
+        engine.cached = 4
+        hi = [{"role": "user", "content": "Hi, how are you doing today?"}]
+        events = _events(url, messages=hi)
+        n = len(engine.prompt)
+        assert n > 4
+        read = {"input_tokens": n - 4, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 4}  # fmt: skip
+        out = len(engine.script) + 1  # the script, then EOS
+        assert events[0]["message"]["usage"] == {**read, "output_tokens": 0}
+        assert events[-2]["usage"] == {**read, "output_tokens": out}
+        assert _message(url, messages=hi)["usage"] == {**read, "output_tokens": out}
+        with _anthropic(url).messages.stream(model=MODEL, max_tokens=64, messages=hi) as s:
+            usage = s.get_final_message().usage
+        assert (usage.input_tokens, usage.cache_read_input_tokens) == (n - 4, 4)
