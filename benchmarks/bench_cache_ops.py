@@ -121,7 +121,7 @@ def public(r: dict) -> dict:
 def make_pool(fmt: str, gen: torch.Generator, resident_from: int) -> tuple[GpuPool, torch.Tensor]:
     """A full pool holding random host slots of [0, resident_from); misses come from above."""
     cfg = CacheConfig(1, N_H, N_G, TOPK, fmt=fmt, max_batch=B)
-    host = allocate_host_rows(1, N_H, cfg.row_bytes, DEV, pinned=True, zero=False)[0]
+    host = allocate_host_rows(1, N_H, cfg.row_bytes, DEV, pinned=True)[0]
     host.random_(0, 256)  # a kernel writing the pinned pool over PCIe
     pool = GpuPool(cfg, DEV)
     fill_random(pool, N_G, gen, host_kv=host, host_slots=torch.arange(resident_from))

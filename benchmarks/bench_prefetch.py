@@ -87,8 +87,7 @@ class Setup:
         self.cfg = CacheConfig(1, n_h, sz["n_g"], topk, fmt=fmt, max_batch=B, prefetch="request",
                                prefetch_cap=n_stage // B)  # fmt: skip
         pinned = dev.type == "cuda"
-        self.host = allocate_host_rows(1, n_h, self.cfg.row_bytes, dev, pinned=pinned,
-                                       zero=False)[0]  # fmt: skip
+        self.host = allocate_host_rows(1, n_h, self.cfg.row_bytes, dev, pinned=pinned)[0]
         self.host.random_(0, 256, generator=None)
         self.pool = GpuPool(self.cfg, dev)
         self.staging = Staging(self.cfg, dev)

@@ -40,7 +40,7 @@ SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printe
 def host_rows(n_h: int, row: int) -> torch.Tensor:
     """A random host layer: pinned UVA memory on CUDA, filled by a GPU kernel writing over PCIe."""
     if DEV == "cuda":
-        host = allocate_host_rows(1, n_h, row, torch.device(DEV), pinned=True, zero=False)[0]
+        host = allocate_host_rows(1, n_h, row, torch.device(DEV), pinned=True)[0]
     else:
         host = torch.empty(n_h, row, dtype=torch.uint8)
     return host.random_(0, 256)
