@@ -36,3 +36,22 @@ def test_mapped_memory_is_zero_and_fault_in_covers_every_byte(monkeypatch, huge)
 def test_a_mapping_that_cannot_be_made_names_its_size():
     with pytest.raises(ValueError, match=r"host KV pool: mapping \d+ bytes .*GiB.*--host-tokens"):
         hp.map_anonymous(2**62)
+
+
+def test_a_forked_child_does_not_inherit_the_mapping():
+    """A child (a compile worker, a subprocess started by fork) gets no copy of the pool: the
+    kernel would copy every pinned page of a private mapping into it at the fork."""
+    import os
+    import signal
+
+    n = 1 << 20
+    ptr = hp.map_anonymous(n)
+    try:
+        hp.fault_in([(ptr, n)])
+        pid = os.fork()
+        if pid == 0:  # the child: reading the pool's address faults when it is not mapped
+            os._exit(ctypes.c_uint8.from_address(ptr + n // 2).value + 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
+    finally:
+        hp.unmap(ptr, n)

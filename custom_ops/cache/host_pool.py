@@ -61,7 +61,7 @@ def _check_size(num_layers: int, n_tokens: int, row_bytes: int, available: int, 
 # The kernel hands anonymous memory out zero-filled.
 HUGE_PAGES = True  # madvise(MADV_HUGEPAGE); False: 4 KB pages (6.3 s for the 64 GiB above)
 FAULT_CHUNK = 64 << 20  # bytes a thread faults in at a time
-_PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, _MADV_HUGEPAGE = 0x3, 0x22, 14
+_PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, _MADV_DONTFORK, _MADV_HUGEPAGE = 0x3, 0x22, 10, 14
 
 
 def _libc() -> ctypes.CDLL:
@@ -76,7 +76,9 @@ def _libc() -> ctypes.CDLL:
 
 def map_anonymous(nbytes: int) -> int:
     """``nbytes`` of private anonymous memory (zero-filled, not yet faulted in), huge pages
-    advised when ``HUGE_PAGES`` (ignored where the kernel has none); its address."""
+    advised when ``HUGE_PAGES`` (ignored where the kernel has none); its address. It is not
+    inherited by a forked child (``MADV_DONTFORK``, as CUDA's own pinned memory): the kernel
+    would otherwise copy every pinned page of a private mapping into the child at the fork."""
     libc = _libc()
     ptr = libc.mmap(None, nbytes, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
     if ptr is None or ptr == ctypes.c_void_p(-1).value:
@@ -85,6 +87,7 @@ def map_anonymous(nbytes: int) -> int:
             f"host KV pool: mapping {nbytes} bytes ({nbytes / 2**30:.2f} GiB) failed: "
             f"{os.strerror(err)}; lower host_tokens (--host-tokens)"
         )
+    libc.madvise(ptr, nbytes, _MADV_DONTFORK)
     if HUGE_PAGES:
         libc.madvise(ptr, nbytes, _MADV_HUGEPAGE)
     return ptr
