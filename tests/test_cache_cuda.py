@@ -54,10 +54,12 @@ def full_pool(fmt: str, gen: torch.Generator):
     return pool, host
 
 
-def test_pinned_host_pool_is_uva():
+def test_pinned_host_pool_is_uva(caplog):
     if DEV != "cuda":
         pytest.skip("needs CUDA")
-    layers = allocate_host_rows(2, 4096, 656, torch.device("cuda"), pinned=True)
+    with caplog.at_level("INFO", logger="custom_ops.cache.host_pool"):
+        layers = allocate_host_rows(2, 4096, 656, torch.device("cuda"), pinned=True)
+    assert "2 layers x 4096 rows x 656 B = 0.0 GiB pinned in" in caplog.text
     assert all(t.is_cuda and t.shape == (4096, 656) for t in layers)
     assert layers[0].data_ptr() != layers[1].data_ptr()
     assert not bool(layers[0].any())  # zeroed at allocation

@@ -18,10 +18,14 @@ the byte count, instead of an opaque allocator error (or the OOM killer) later.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def _host_memory_limit() -> int:
@@ -182,6 +186,7 @@ def allocate_host_rows(
             for _ in range(num_layers)
         ]
     nbytes = n_tokens * row_bytes
+    t0 = time.perf_counter()
     ptrs: list[int] = []
     try:
         ptrs.extend(map_anonymous(nbytes) for _ in range(num_layers))
@@ -192,6 +197,10 @@ def allocate_host_rows(
     finally:
         for p in ptrs:
             unmap(p, nbytes)
+    logger.info(
+        "host KV pool: %d layers x %d rows x %d B = %.1f GiB pinned in %.1f s",
+        num_layers, n_tokens, row_bytes, num_layers * nbytes / 2**30, time.perf_counter() - t0,
+    )  # fmt: skip
     return [r.cuda() for r in rows]
 
 
