@@ -6,7 +6,7 @@ by side in one run, and how fast the recall's row copy reads each way's memory:
 For each total size (spread over ``--layers`` layers of ``--row-bytes`` rows, a separate block a
 layer as the engine allocates it), wall-clock seconds of:
 - ``hostalloc``: ``cudaHostAlloc(Mapped | Portable)`` a layer, then one ``memset`` a layer on one
-  thread (how custom_ops/cache/host_pool.py pinned before it mapped its own memory);
+  thread (the way that custom_ops/cache/host_pool.py's own mapping replaces);
 - ``served``: ``allocate_host_rows`` as it is (anonymous memory with transparent huge pages
   advised, faulted in by threads, ``cudaHostRegister``ed); ``served_4k``: the same with
   ``HUGE_PAGES`` off;
