@@ -43,12 +43,18 @@ def renamed(
     return APIError(e.status, msg, param=param, code=e.code, type_=e.type)
 
 
+# a quoted value (a repr the text echoes: 'a', "it's", 'a \'b\''), its opening quote not an
+# apostrophe (``client's``)
+_QUOTED = r"""(?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+
+
 def field_renamed(text: str, field: str, name: str) -> str:
     """``text`` with each reference to the field ``field`` (a whole name, or a path's first part:
     ``stop``, ``stop[0]``, ``stop.x``) written ``name``. NOTE: not inside other words or names
-    (``nonstop``, ``user-facing``, ``max_tokens`` for ``tokens``, ``x.stop``), nor in a quoted
-    value (one the client sent: ``got ['stop']``)."""
-    return re.sub(rf"(?<![\w.'\"-]){re.escape(field)}(?![\w'\"-])", lambda _: name, text)
+    (``nonstop``, ``user-facing``, ``max_tokens`` for ``tokens``, ``x.stop``), nor anywhere in a
+    quoted value (one the client sent: ``got ['stop', 'do not stop']``, ``'#/$defs/stop'``)."""
+    ref = rf"(?<![\w.'\"-]){re.escape(field)}(?![\w'\"-])"
+    return re.sub(f"({_QUOTED})|{ref}", lambda m: m.group(1) or name, text)
 
 
 def _at(where: list[str], k: int) -> str:

@@ -41,8 +41,25 @@ from runtime.openai_protocol import APIError
             "user is too long: a username-like, user-facing id is expected",
             "metadata is too long: a username-like, user-facing id is expected",
         ),
+        # the field's name inside a value the client sent, not at its start
+        (
+            "stop",
+            {"stop": "stop_sequences"},
+            "stop must be a non-empty string or a list of them, "
+            "got ['do not stop now', \"it's stop time\"]",
+            "stop_sequences must be a non-empty string or a list of them, "
+            "got ['do not stop now', \"it's stop time\"]",
+        ),
+        (
+            "response_format",
+            {"response_format": "output_format"},
+            "response_format: the grammar does not compile: Pointer '/$defs/response_format/a' "
+            "does not exist; the client's response_format",
+            "output_format: the grammar does not compile: Pointer '/$defs/response_format/a' "
+            "does not exist; the client's output_format",
+        ),
     ],
-    ids=["stop", "tokens", "n", "user"],
+    ids=["stop", "tokens", "n", "user", "stop-in-value", "format-in-value"],
 )
 def test_renames_only_references_to_the_field(
     param: str, renames: dict[str, str], text: str, want: str

@@ -446,6 +446,10 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
         ({"tool_choice": {"type": "sometimes"}}, r"^tool_choice\.type must be auto, any"),
         ({"stop_sequences": "how"}, r"^stop_sequences"),
         ({"stop_sequences": ["nonstop", ""]}, r"^stop_sequences must .* got \['nonstop', ''\]$"),
+        (
+            {"stop_sequences": ["do not stop now", ""]},
+            r"^stop_sequences must .* got \['do not stop now', ''\]$",
+        ),  # fmt: skip
         ({"max_tokens": 0}, r"max_tokens"),
         (
             {
