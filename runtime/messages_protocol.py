@@ -164,7 +164,7 @@ def renamed(e: APIError, where: list[str], fmt: str = "output_format") -> APIErr
     if e.param == "tools":  # (the tools have no .function; their schema is input_schema)
         msg = msg.replace(".function.parameters", ".input_schema").replace(".function.", ".")
     # (also where tool_choice's error names it: a forced call and a format are one grammar each)
-    msg = msg.replace("response_format", fmt)
+    msg = chat_translation.field_renamed(msg, "response_format", fmt)
     if e.param == "response_format" and not msg.startswith(fmt):  # the engine's grammar check
         msg = f"{fmt}: {msg}"  # (Anthropic's shape has no param: the message names the field)
     return chat_translation.renamed(e, where, {**_RENAMES, "response_format": fmt}, msg)

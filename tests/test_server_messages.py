@@ -333,6 +333,11 @@ def test_a_format_the_grammar_check_refuses_names_output_format() -> None:
     for field in ("output_format", "output_config.format"):
         msg = anthropic_body(renamed(e, [], field))["error"]["message"]
         assert msg == f"{field}: the grammar does not compile: bad $ref"
+    # (a value of the client's schema the error quotes is left as sent)
+    bad = "the grammar does not compile: Pointer '/$defs/response_format/a' does not exist"
+    for field in ("output_format", "output_config.format"):
+        msg = anthropic_body(renamed(APIError(400, bad, param="response_format"), [], field))
+        assert msg["error"]["message"] == f"{field}: {bad}"
 
 
 def test_a_thinking_block_sent_back_is_the_reasoning(served: tuple[str, PromptedEngine]) -> None:
