@@ -1,10 +1,15 @@
 """The pinned host pool's memory, the parts that run on any Linux host (custom_ops/cache/
 host_pool.py): the anonymous mapping and the threads that fault it in. Registering it with CUDA
-is tests/test_cache_cuda.py's (test_pinned_host_pool_is_uva)."""
+is tests/test_cache_cuda.py's (test_pinned_host_pool_is_uva); here a stand-in for cuda.bindings
+checks who owns, unregisters and unmaps what."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import sys
+import types
 
 import pytest
 import torch
@@ -55,3 +60,75 @@ def test_a_forked_child_does_not_inherit_the_mapping():
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
     finally:
         hp.unmap(ptr, n)
+
+
+class FakeCudart(types.ModuleType):
+    """cuda.bindings.runtime's calls PinnedRows makes, recorded; ``fail_at``: the registration
+    (0-based) that fails."""
+
+    cudaHostRegisterMapped, cudaHostRegisterPortable = 2, 1
+    cudaError_t = types.SimpleNamespace(cudaSuccess=0, cudaErrorMemoryAllocation=2)
+
+    def __init__(self, fail_at: int = -1):
+        super().__init__("cuda.bindings.runtime")
+        self.fail_at, self.registered, self.unregistered = fail_at, [], []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> tuple:  # noqa: N802
+        if len(self.registered) == self.fail_at:
+            self.fail_at = -1
+            return (self.cudaError_t.cudaErrorMemoryAllocation,)
+        self.registered.append(ptr)
+        return (self.cudaError_t.cudaSuccess,)
+
+    def cudaHostGetDevicePointer(self, ptr: int, flags: int) -> tuple:  # noqa: N802
+        return self.cudaError_t.cudaSuccess, ptr
+
+    def cudaHostUnregister(self, ptr: int) -> tuple:  # noqa: N802
+        self.unregistered.append(ptr)
+        return (self.cudaError_t.cudaSuccess,)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """PinnedRows on this host: a stand-in cudart, no device switch; every unmap recorded."""
+    cudart = FakeCudart()
+    cuda, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
+    cuda.bindings, bindings.runtime = bindings, cudart
+    for name, mod in (("cuda", cuda), ("cuda.bindings", bindings),
+                      ("cuda.bindings.runtime", cudart)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    unmapped: list[int] = []
+    real_unmap = hp.unmap
+
+    def unmap(ptr: int, nbytes: int) -> None:
+        unmapped.append(ptr)
+        real_unmap(ptr, nbytes)
+
+    monkeypatch.setattr(hp, "unmap", unmap)
+    yield cudart, unmapped
+    gc.collect()
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failed_registration_unmaps_every_layer_once(fake_cuda, fail_at):
+    """A layer's cudaHostRegister fails: the error names the size; every layer's mapping is
+    unmapped exactly once, and only the registered ones unregistered."""
+    cudart, unmapped = fake_cuda
+    cudart.fail_at = fail_at
+    with pytest.raises(ValueError, match=r"pinning 16384 bytes .*cudaHostRegister.*--host-tokens"):
+        hp.allocate_host_rows(4, 4, 4096, torch.device("cuda"), pinned=True)
+    gc.collect()
+    assert len(unmapped) == 4 == len(set(unmapped)), unmapped
+    assert sorted(cudart.unregistered) == sorted(cudart.registered)
+    assert len(cudart.registered) == fail_at
+
+
+def test_without_cuda_bindings_every_layer_is_unmapped(fake_cuda, monkeypatch):
+    """cuda.bindings missing: the ImportError, and no layer's mapping left behind."""
+    _, unmapped = fake_cuda
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(ImportError):
+        hp.allocate_host_rows(3, 4, 4096, torch.device("cuda"), pinned=True)
+    gc.collect()
+    assert len(unmapped) == 3 == len(set(unmapped)), unmapped

@@ -119,17 +119,19 @@ class PinnedRows:
     object then owns; 0: mapped and faulted in here."""
 
     def __init__(self, n_tokens: int, row_bytes: int, device: torch.device, ptr: int = 0):
-        from cuda.bindings import runtime as cudart  # lazily: only CUDA machines need it
-
-        self._cudart = cudart
         self.shape = (n_tokens, row_bytes)
         self.nbytes = n_tokens * row_bytes
         self.device = device
-        self.ptr = 0
+        self.ptr = 0  # registered: unregistered by __del__
+        # NOTE: owned before anything else can raise (the import included): unmapped by
+        # __del__, registered or not
+        self._mapped = ptr
         if not ptr:
-            ptr = map_anonymous(self.nbytes)
+            self._mapped = ptr = map_anonymous(self.nbytes)
             fault_in([(ptr, self.nbytes)])
-        self._mapped = ptr  # unmapped by __del__, registered or not
+        from cuda.bindings import runtime as cudart  # lazily: only CUDA machines need it
+
+        self._cudart = cudart
         flags = cudart.cudaHostRegisterMapped | cudart.cudaHostRegisterPortable
         with torch.cuda.device(device):
             (err,) = cudart.cudaHostRegister(ptr, self.nbytes, flags)
