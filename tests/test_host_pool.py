@@ -10,6 +10,7 @@ import ctypes
 import gc
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -108,6 +109,23 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(hp, "unmap", unmap)
     yield cudart, unmapped
     gc.collect()
+
+
+def test_a_view_of_the_cpu_view_keeps_the_rows(fake_cuda):
+    """Any view of ``cpu()`` (a slice, a reshape) keeps the mapping: it is unmapped once the last
+    view goes, not with the tensor ``cpu()`` returned."""
+    cudart, unmapped = fake_cuda
+    pr = hp.PinnedRows(4, 4096, torch.device("cuda"))
+    owner, ptr = weakref.ref(pr), pr.ptr
+    rows = pr.cpu()[1:3].view(-1)
+    del pr
+    gc.collect()
+    assert owner() is not None and unmapped == []
+    rows.fill_(5)  # (a segfault were it unmapped)
+    assert int(rows.sum()) == 5 * 2 * 4096
+    del rows
+    gc.collect()
+    assert owner() is None and unmapped == [ptr] and cudart.unregistered == [ptr]
 
 
 @pytest.mark.parametrize("fail_at", [0, 2])

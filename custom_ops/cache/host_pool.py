@@ -114,7 +114,8 @@ def fault_in(spans: list[tuple[int, int]]) -> None:
 class PinnedRows:
     """One layer's pinned, device-mapped host rows: anonymous memory (``map_anonymous``)
     registered with CUDA as mapped and portable. ``cuda()`` is the CUDA-typed view kernels use;
-    ``cpu()`` a CPU view of the same bytes. Both keep this object (and so the memory) alive.
+    ``cpu()`` a CPU view of the same bytes. Both, and any view of them, keep this object (and so
+    the memory) alive.
     ``ptr``: ``nbytes`` the caller mapped and faulted in (``allocate_host_rows``), which this
     object then owns; 0: mapped and faulted in here."""
 
@@ -159,9 +160,11 @@ class PinnedRows:
 
     def cpu(self) -> torch.Tensor:
         buf = (ctypes.c_uint8 * self.nbytes).from_address(self._mapped)
-        t = torch.frombuffer(buf, dtype=torch.uint8).view(self.shape)
-        t._echo_pinned_owner = self  # keep the allocation alive as long as the view
-        return t
+        # NOTE: on the buffer, which the tensor's storage holds, so every view of this tensor
+        # (a slice, a reshape) keeps the allocation alive; an attribute of the tensor would go
+        # with the tensor while a view of it still reads the unmapped memory
+        buf._echo_pinned_owner = self
+        return torch.frombuffer(buf, dtype=torch.uint8).view(self.shape)
 
     def __del__(self) -> None:
         if getattr(self, "ptr", 0):
