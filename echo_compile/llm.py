@@ -22,7 +22,7 @@ from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
 from runtime.kv_sizing import SIZED, size_engine
 from runtime.outputs import RequestOutput
-from runtime.progress import progress_bar
+from runtime.progress import LoadProgress, progress_bar
 from runtime.reasoning import thinking_params
 from runtime.sampling_params import SamplingParams, truncate_prompt
 from runtime.tokenizer import Tokenizer
@@ -145,13 +145,16 @@ class LLM:
 
             self.engine = build_distributed_engine(
                 path, config, model, StepCompiler if compiled else None, fp8_weights=fp8_weights,
-                inputs=inputs,
+                inputs=inputs, progress=progress,
             )  # fmt: skip
         else:
             # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
+            loading = LoadProgress(enabled=progress)
             net, extras = load_model(
-                path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights
-            )
+                path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
+                progress=loading,
+            )  # fmt: skip
+            logging.getLogger(__name__).info(loading.close())
             self.engine = Engine.from_loaded(
                 net, extras, config, model_name=model,
                 compiler=StepCompiler(config.device) if compiled else None, inputs=inputs,

@@ -11,11 +11,15 @@ tensor is placed by an explicit name mapping (docs/CONTRACTS.md), shard by shard
 Every problem raises ``ValueError`` naming the tensor and the file: missing, unexpected, wrong
 shape, wrong kind of dtype, a shard the index names that is not there, FP8 scales that are not
 powers of two where config.json declares ``scale_fmt: ue8m0``.
+A caller that shows the load's progress passes ``progress(n, total)``: called after each tensor
+is read, ``n`` its bytes, ``total`` those the whole load reads (from the shards' headers, before
+any tensor is), so the ``n`` sum to ``total`` (the bar is the caller's: ``runtime.progress``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 from collections import defaultdict
@@ -42,6 +46,13 @@ _EXPERT = re.compile(
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 FP16_MIN_NORMAL = torch.finfo(torch.float16).tiny  # 2^-14
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# bytes per element of safetensors' dtype names (a header's sizes, before any tensor is read)
+_ITEMSIZE = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2"), 1),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 2),
+    **dict.fromkeys(("I32", "U32", "F32"), 4),
+    **dict.fromkeys(("I64", "U64", "F64"), 8),
+}
 
 
 @dataclass
@@ -352,17 +363,24 @@ def open_shard(path: Path, file: str):
         raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
 
 
-def checked_shards(path: Path) -> tuple[str, dict[str, list[str]], set[str]]:
+def checked_shards(path: Path) -> tuple[str, dict[str, list[str]], set[str], dict[str, int]]:
     """``_shards``, with every shard's header read and held against the index before any tensor
     is: an unreadable shard (a truncated download, a git-lfs pointer) or one that lacks or adds a
     tensor is found in seconds, not after the shards before it were read (minutes on V3.2). Also
-    returns the names stored as e4m3, from the same headers (``_Loader.check_names``)."""
+    returns, from the same headers, the names stored as e4m3 (``_Loader.check_names``) and each
+    tensor's bytes (the load's progress)."""
     index, files = _shards(path)
     fp8: set[str] = set()
+    nbytes: dict[str, int] = {}
     for file, names in files.items():
         with open_shard(path, file) as f:
             keys = set(f.keys())
-            fp8.update(n for n in keys if f.get_slice(n).get_dtype() == "F8_E4M3")
+            for n in keys:
+                sl = f.get_slice(n)
+                dtype = sl.get_dtype()
+                if dtype == "F8_E4M3":
+                    fp8.add(n)
+                nbytes[n] = math.prod(sl.get_shape()) * _ITEMSIZE.get(dtype, 0)
         missing = [name for name in names if name not in keys]
         if missing:
             raise ValueError(
@@ -375,7 +393,7 @@ def checked_shards(path: Path) -> tuple[str, dict[str, list[str]], set[str]]:
                 f"unexpected tensor {extra[0]!r} in {path / file}: not listed for this file "
                 f"in {path / index}"
             )
-    return index, files, fp8
+    return index, files, fp8, nbytes
 
 
 def load_weights(
@@ -386,26 +404,40 @@ def load_weights(
     keep_mtp: bool = True,
     local: Callable[[str], str | None] | None = None,
     read: Callable[[Any, str, str], torch.Tensor] | None = None,
+    read_bytes: Callable[[str, int], int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Materialise ``model`` (built on the meta device) on ``device`` and fill it from the
     checkpoint at ``path``; returns the MTP tensors kept aside (none read if not ``keep_mtp``).
     Raises ``ValueError`` on any missing / unexpected / misshapen tensor, the names checked
     before any tensor is read. One rank's shard (``model.shard_loader``): ``local(name)`` is the
     model's name of checkpoint tensor ``name``, None for one not read here, and ``read(f, name,
-    file)`` reads its part from the open shard ``f`` (default: all of it)."""
+    file)`` reads its part from the open shard ``f`` (default: all of it), ``read_bytes(name,
+    n)`` the bytes of that part of the ``n``-byte tensor (default: ``n``). ``progress(n, total)``
+    (module docstring): after each tensor read, ``n`` the bytes of the tensor as read (its
+    ``nbytes``, as stored in the file), ``total`` the sum of every ``n`` of this load."""
     path = Path(path)
     local = local or (lambda name: name)
-    index, files, fp8 = checked_shards(path)
+    index, files, fp8, nbytes = checked_shards(path)
     model.to_empty(device=device)  # (before the loader, which holds the parameters)
     loader = _Loader(model, config, path)
     here = {f: [n for n in map(local, names) if n is not None] for f, names in files.items()}
     loader.check_names(here, {n for n in map(local, fp8) if n is not None}, index)
-    for file, names in files.items():
+    # (checkpoint name, the model's name) of every tensor read, shard by shard
+    todo = {
+        file: [(n, ours) for n in names
+               if (keep_mtp or not loader.is_mtp(n)) and (ours := local(n)) is not None]
+        for file, names in files.items()
+    }  # fmt: skip
+    size = read_bytes or (lambda name, n: n)
+    total = sum(size(n, nbytes[n]) for todo_f in todo.values() for n, _ in todo_f)
+    for file, names in todo.items():
         with open_shard(path, file) as f:
-            for name in names:
-                if (keep_mtp or not loader.is_mtp(name)) and (ours := local(name)) is not None:
-                    t = f.get_tensor(name) if read is None else read(f, name, file)
-                    loader.add(ours, t, file)
+            for name, ours in names:
+                t = f.get_tensor(name) if read is None else read(f, name, file)
+                if progress is not None:
+                    progress(t.nbytes, total)
+                loader.add(ours, t, file)
     loader.finish(index)
     _init_non_persistent_buffers(model)
     return loader.mtp
@@ -443,13 +475,14 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     keep_mtp: bool = True,
     fp8_weights: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, LoadExtras]:
     """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``) as
     ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights.
     ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies).
     ``fp8_weights`` (FP8 checkpoints, ``model.fp8_weights.resolve_fp8_weights``): ``"auto"``
     (default) and ``"fp8"`` keep the linears FP8 (``model.fp8_weights.FP8Linear``), ``"bf16"``
-    dequantises every FP8 weight at load (the reference)."""
+    dequantises every FP8 weight at load (the reference). ``progress``: ``load_weights``'."""
     from model.model import DeepseekV32ForCausalLM
 
     path, config, _ = read_checkpoint_meta(path_or_name)
@@ -466,7 +499,7 @@ def load_model(
         from model.awq import convert_to_awq
 
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
-    mtp = load_weights(model, path, config, device, keep_mtp)
+    mtp = load_weights(model, path, config, device, keep_mtp, progress=progress)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path, mtp)
 

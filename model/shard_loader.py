@@ -16,6 +16,7 @@ The name mapping, the FP8 dequantisation and every missing/unexpected/misshapen 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,12 +83,18 @@ def _block_rows(name: str, dtype: str) -> int:
     return 1
 
 
+def _read_axis(name: str, g: TPGroup, ep: bool) -> int | None:
+    """The axis along which this rank reads a part of tensor ``name``; None: it reads it whole
+    (``ep``: routed experts are read whole, the caller picks the rank's experts)."""
+    if g.size == 1 or (ep and _ROUTED.fullmatch(name)):
+        return None
+    return shard_axis(name)
+
+
 def read_shard(f, name: str, file: str, g: TPGroup, ep: bool = False) -> torch.Tensor:
     """This rank's part of tensor ``name`` from the open safetensors file ``f`` (``ep``: routed
     experts are read whole, the caller picks the rank's experts)."""
-    axis = shard_axis(name) if g.size > 1 else None
-    if ep and _ROUTED.fullmatch(name):
-        axis = None
+    axis = _read_axis(name, g, ep)
     if axis is None:
         return f.get_tensor(name)
     sl = f.get_slice(name)
@@ -102,10 +109,17 @@ def read_shard(f, name: str, file: str, g: TPGroup, ep: bool = False) -> torch.T
 
 
 def load_shard_weights(
-    model: nn.Module, path: Path, config: ModelConfig, device, g: TPGroup, ep: bool = False
+    model: nn.Module,
+    path: Path,
+    config: ModelConfig,
+    device,
+    g: TPGroup,
+    ep: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ):
     """``model.loader.load_weights`` for one rank: each tensor's shard read. The MTP layer is not
-    read (it is not served); with ``ep``, nor are other ranks' experts."""
+    read (it is not served); with ``ep``, nor are other ranks' experts. ``progress``:
+    ``load_weights``' (the bytes of the rank's parts)."""
 
     def local(name: str) -> str | None:  # the rank's name of a tensor; None: not read here
         return local_expert_name(name, g, config.n_routed_experts) if ep else name
@@ -113,7 +127,13 @@ def load_shard_weights(
     def read(f, name: str, file: str) -> torch.Tensor:
         return read_shard(f, name, str(path / file), g, ep)
 
-    load_weights(model, path, config, device, keep_mtp=False, local=local, read=read)
+    def read_bytes(name: str, n: int) -> int:  # (read_shard's part: 1/g.size of the axis)
+        return n if _read_axis(name, g, ep) is None else n // g.size
+
+    load_weights(
+        model, path, config, device, keep_mtp=False, local=local, read=read,
+        read_bytes=read_bytes, progress=progress,
+    )  # fmt: skip
 
 
 def build_sharded_model(
@@ -151,16 +171,18 @@ def load_sharded_model(
     dtype: torch.dtype = torch.bfloat16,
     ep: bool = False,
     fp8_weights: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, LoadExtras]:
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
     (``ep``: its routed experts whole instead of a slice of every expert). ``fp8_weights``
     (FP8 checkpoints): ``"auto"`` (default) / ``"fp8"`` keep the weights FP8, ``"bf16"``
     dequantises them at load (``model.fp8_weights.resolve_fp8_weights``); FP8 or not, each
     shard cut on 128x128 block boundaries (a split that is not is refused when the model is built,
-    naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it)."""
+    naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it).
+    ``progress``: ``model.loader.load_weights``'."""
     path, config, _ = read_checkpoint_meta(path_or_name)
     model = build_sharded_model(config, g, dtype, ep, fp8_scaled_modules(path, config, fp8_weights))
-    load_shard_weights(model, path, config, device, g, ep)
+    load_shard_weights(model, path, config, device, g, ep, progress)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path)
 

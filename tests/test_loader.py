@@ -660,3 +660,36 @@ def test_generated_weights_give_sane_logits(loaded, tiny_fp8):
     fp8_model, _ = load_model(tiny_fp8, fp8_weights="bf16")
     fp8 = last_logits(fp8_model, prompts[0])
     assert torch.corrcoef(torch.stack([fp8, logits[0]]))[0, 1] > 0.98
+
+
+def stored(path, keep=lambda name: True) -> tuple[int, int]:
+    """(how many, their bytes) of the tensors in the shards at ``path`` that ``keep`` names."""
+    ts = [t for shard in path.glob("*.safetensors") for n, t in load_file(shard).items() if keep(n)]
+    return len(ts), sum(t.nbytes for t in ts)
+
+
+def test_progress_counts_every_byte_read_once(tiny, tiny_fp8):
+    """``progress(n, total)``, once per tensor read: the ``n`` sum to ``total``, the bytes of the
+    tensors read as stored (the MTP layer's not, where it is not kept; sharded, one rank's part of
+    each feed-forward tensor)."""
+    mtp = re.compile(rf"model\.layers\.{TINY.num_hidden_layers}\.")
+    calls = []
+    for path, keep_mtp in ((tiny, True), (tiny, False), (tiny_fp8, True)):
+        calls.clear()
+        load_model(path, keep_mtp=keep_mtp, progress=lambda n, total: calls.append((n, total)))
+        count, read = stored(path, lambda n, k=keep_mtp: k or not mtp.match(n))
+        assert len(calls) == count
+        assert sum(n for n, _ in calls) == read
+        assert {t for _, t in calls} == {read}
+    count, whole = stored(tiny, lambda n: not mtp.match(n))
+    half = TINY.n_routed_experts // 2
+    theirs = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+    rank1, _ = stored(tiny, lambda n: not mtp.match(n) and (m := theirs.match(n)) is not None
+                      and int(m.group(1)) >= half)  # fmt: skip
+    for ep in (False, True):
+        calls.clear()
+        load_sharded_model(tiny, TPGroup(0, 2, "", gather=True), ep=ep,
+                           progress=lambda n, total: calls.append((n, total)))
+        assert sum(n for n, _ in calls) == calls[0][1] < whole
+        assert {t for _, t in calls} == {calls[0][1]}
+        assert len(calls) == count - (rank1 if ep else 0)  # EP: rank 1's experts are not read

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import io
+import re
 
 from test_engines import make
 
 from model.checkpoint import resolve_model
 from model.loader import load_model
-from runtime.progress import progress_bar
+from runtime.progress import LoadProgress, progress_bar
 
 
 class Terminal(io.StringIO):
@@ -50,3 +51,31 @@ def test_the_warmup_summary_is_logged_not_printed(capsys, caplog, monkeypatch):
     assert [r.getMessage() for r in caplog.records if "captured" in r.getMessage()] == [
         f"captured {n} step graphs in 1.5 s"
     ]
+
+
+def test_the_load_bar_counts_bytes_on_a_terminal_only():
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        loading = LoadProgress(file=stream)
+        load_model(resolve_model("tiny"), progress=loading)
+        line = loading.close()
+        assert ("loading weights" in stream.getvalue()) == shown
+        if shown:  # bytes, unit-scaled (15.9M of 15.9M; B/s): the whole tiny checkpoint read
+            assert re.search(r"loading weights: 100%\|.*\| (\d+\.\dM)/\1 .*B/s", stream.getvalue())
+        assert re.fullmatch(r"read \d+\.\d\d GB of weights in \d+\.\d s \(\d+\.\d\d GB/s\)", line)
+    silent = LoadProgress(enabled=False, file=Terminal())
+    load_model(resolve_model("tiny"), progress=silent)
+    silent.close()
+    assert silent.read > 0 and silent.kw["file"].getvalue() == ""
+
+
+def test_the_load_summary_is_logged(caplog, capsys):
+    """One INFO line when the weights are in: GB read, seconds, GB/s; no bar into a log."""
+    import logging
+
+    from echo_compile.llm import LLM
+
+    caplog.set_level(logging.INFO, logger="echo_compile.llm")
+    LLM("tiny", compile=False, progress=True, device="cpu")
+    lines = [r.getMessage() for r in caplog.records if "of weights in" in r.getMessage()]
+    assert len(lines) == 1 and re.fullmatch(r"read 0\.\d\d GB of weights in .* GB/s\)", lines[0])
+    assert "loading weights" not in capsys.readouterr().err

@@ -15,6 +15,7 @@ fails at once with ``RankFailure`` instead of waiting for the timeout.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from dataclasses import replace
 from typing import Any
@@ -32,6 +33,7 @@ from runtime.engine import Engine, StepOutput
 from runtime.engine_config import EngineConfig
 from runtime.engine_inputs import EngineInputs, read_engine_inputs
 from runtime.model_runner import StepCompiler, next_bucket
+from runtime.progress import LoadProgress
 from runtime.prompt_kv import check_uncut
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_prompt
@@ -266,13 +268,15 @@ def build_distributed_engine(
     fp8_weights: str = "auto",
     generation_config: str = "auto",
     inputs: EngineInputs | None = None,
+    progress: bool = True,
 ) -> DistributedEngine:
     """Join the process group (collectives time out after ``config.collective_timeout_s``), load
     this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
     ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
     device, or None for eager. ``fp8_weights``: as ``load_model``'s (FP8 kept per shard);
     ``generation_config``: as ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller
-    read them (else they are read here, before the weights)."""
+    read them (else they are read here, before the weights); ``progress``: rank 0 draws the bar
+    of its load (one bar on the launcher's terminal), every rank logs its load's summary line."""
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
 
@@ -294,12 +298,17 @@ def build_distributed_engine(
     config = replace(config, device=ctx.device)
     inputs = inputs or read_engine_inputs(path, config, generation_config)
     g = tp_group(ctx, config)
+    loading = LoadProgress(enabled=progress and ctx.rank == 0)
     if g.size > 1:
         net, extras = load_sharded_model(
-            path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights
-        )
+            path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights,
+            progress=loading,
+        )  # fmt: skip
     else:
-        net, extras = load_model(path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights)
+        net, extras = load_model(
+            path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights, progress=loading
+        )
+    logging.getLogger(__name__).info("rank %d: %s", ctx.rank, loading.close())
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
     engine = Engine.from_loaded(
         net, extras, config, model_name=model_name, compiler=compiler, inputs=inputs
