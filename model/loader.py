@@ -14,6 +14,8 @@ powers of two where config.json declares ``scale_fmt: ue8m0``.
 A caller that shows the load's progress passes ``progress(n, total)``: called after each tensor
 is read, ``n`` its bytes, ``total`` those the whole load reads (from the shards' headers, before
 any tensor is), so the ``n`` sum to ``total`` (the bar is the caller's: ``runtime.progress``).
+Shards are read one after another: reading ahead in threads was measured slower
+(benchmarks/bench_load.py; docs/model_notes.md, "Loading the shards").
 """
 
 from __future__ import annotations
