@@ -259,6 +259,15 @@ def tp_group(ctx: DistContext, config: EngineConfig) -> TPGroup:
     return TPGroup(ctx.rank, ctx.world_size, ctx.group_name, gather=config.dp > 1)
 
 
+def join(config: EngineConfig) -> DistContext:
+    """This rank's place in the job: the process group joined (collectives time out after
+    ``config.collective_timeout_s``), a bare ``cuda`` / ``cuda:0`` read as ``cuda:<LOCAL_RANK>``.
+    ``LLM`` joins before the KV sizing, whose automatic sizes the ranks agree on
+    (runtime/kv_sizing.py), and passes the context on to ``build_distributed_engine``."""
+    dev = None if config.device in ("cuda", "cuda:0") else config.device
+    return init_distributed(dev, config.collective_timeout_s)
+
+
 def build_distributed_engine(
     path,
     config: EngineConfig,
@@ -270,19 +279,17 @@ def build_distributed_engine(
     inputs: EngineInputs | None = None,
     progress: bool = True,
 ) -> DistributedEngine:
-    """Join the process group (collectives time out after ``config.collective_timeout_s``), load
-    this rank's shard and build its engine. ``config.device`` "cuda" becomes this rank's
-    ``cuda:<LOCAL_RANK>``. ``compiler_factory(device)``: a ``StepCompiler`` for the rank's
-    device, or None for eager. ``fp8_weights``: as ``load_model``'s (FP8 kept per shard);
-    ``generation_config``: as ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller
-    read them (else they are read here, before the weights); ``progress``: rank 0 draws the bar
-    of its load (one bar on the launcher's terminal), every rank logs its load's summary line."""
+    """Join the process group (``join``; ``ctx``: already joined), load this rank's shard and
+    build its engine. ``config.device`` "cuda" becomes this rank's ``cuda:<LOCAL_RANK>``.
+    ``compiler_factory(device)``: a ``StepCompiler`` for the rank's device, or None for eager.
+    ``fp8_weights``: as ``load_model``'s (FP8 kept per shard); ``generation_config``: as
+    ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller read them (else they are
+    read here, before the weights); ``progress``: rank 0 draws the bar of its load (one bar on
+    the launcher's terminal), every rank logs its load's summary line."""
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
 
-    if ctx is None:
-        dev = None if config.device in ("cuda", "cuda:0") else config.device
-        ctx = init_distributed(dev, config.collective_timeout_s)
+    ctx = ctx or join(config)
     if ctx.world_size != config.world_size:
         raise ValueError(
             f"dp={config.dp}, tp={config.tp}, ep={config.ep} need {config.world_size} processes, "
