@@ -62,8 +62,8 @@ class LLM:
     ``offload`` (False: the whole KV cache on the device), ``max_model_len``, ``prefill_chunk``,
     (on CUDA, ``max_model_len``, ``host_tokens`` and ``gpu_tokens`` left out are sized from the
     checkpoint and the memory, ``host_memory_fraction`` of the host's and
-    ``gpu_memory_utilization`` of the GPU's, vLLM's name: runtime/kv_sizing.py; on the CPU they
-    are ``EngineConfig``'s),
+    ``gpu_memory_utilization`` of the GPU's, vLLM's name: runtime/kv_sizing.py; under torchrun
+    the least of each over the ranks; on the CPU they are ``EngineConfig``'s),
     ``enable_prefix_caching`` (default here: True, as vLLM's, unlike ``EngineConfig``'s; a
     prompt that starts with the full 64-token pages of an earlier sequence skips their prefill,
     runtime/prefix_cache.py),
@@ -125,12 +125,19 @@ class LLM:
             logging.getLogger(__name__).info("FP8 checkpoint: weights %s", how)
         # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line);
         # the rank's weights counted once for the sizing and the memory check (the sizing
-        # changes no split they depend on)
+        # changes no split they depend on). A rank of a dp/tp/ep job joins the process group
+        # first: the ranks take the least of each automatic size, so all size alike
+        ctx = None
+        if config.world_size > 1:
+            from runtime.distributed.dist_engine import join
+
+            ctx = join(config)
         given = set(SIZED) & set(engine_options)
         weights = rank_weights(ckpt, config, fp8_weights)
         config = size_engine(
-            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights
-        )
+            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
+            weights, ctx,
+        )  # fmt: skip
         # the tokenizer, the generation config and the options against the model config, in
         # seconds: a mistake there is not found after minutes of reading weights
         inputs = read_engine_inputs(path, config, generation_config)
@@ -144,7 +151,7 @@ class LLM:
             from runtime.distributed.dist_engine import build_distributed_engine
 
             self.engine = build_distributed_engine(
-                path, config, model, StepCompiler if compiled else None, fp8_weights=fp8_weights,
+                path, config, model, StepCompiler if compiled else None, ctx, fp8_weights,
                 inputs=inputs, progress=progress,
             )  # fmt: skip
         else:

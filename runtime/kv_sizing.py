@@ -17,6 +17,10 @@ On a CUDA device, for one rank (docs/server.md, "Limits"):
   the GPU's total memory, so every rank of a job on like GPUs picks the same sizes), at least
   ``max_batch x index_topk`` (a full decode batch's selection), at most ``host_tokens``.
 
+Under torchrun (dp / tp / ep > 1) each rank sizes from its own memory, then every size left out
+is the least over the ranks (runtime/distributed/size_agreement.py), so that all run one
+configuration; a rank whose own choice was more says so in its line.
+
 On the CPU (the tests' and the demo's engine, never a real deployment: an eager prefill there
 costs time in ``max_model_len``) the sizes stay ``EngineConfig``'s small defaults.
 The bytes are the memory plan's (runtime/distributed/plan.py), the one count of them.
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # (imported lazily: the command line reads this module's constants for its
     # help, and `--help` must not import torch)
     from model.config import ModelConfig
+    from runtime.distributed.process import DistContext
     from runtime.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -178,12 +183,61 @@ def size_engine(
     host_memory_fraction: float | None = None,
     gpu_memory_utilization: float | None = None,
     weights: int | None = None,
+    ctx: DistContext | None = None,
 ) -> EngineConfig:
     """``config`` with ``auto_sizes``'s sizes for this rank's GPU and host (CUDA only; the CPU
     keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
     that cannot count the config) leaves ``config`` as it is, with a warning. A fraction given
     (not None) where it sizes nothing is warned about, naming the flag. ``weights``: the rank's
-    ``plan.rank_weight_bytes`` if already counted (else counted here)."""
+    ``plan.rank_weight_bytes`` if already counted (else counted here). ``ctx``: this rank's
+    place in a multi-rank job (``dist_engine.join``), which every rank of it passes: each size
+    left out is then the least over the ranks (``size_agreement.agree_min``, a collective every
+    rank makes, on the CPU too), as vLLM takes its workers' least KV block count, and a rank
+    whose own choice was more says so in its line, naming the rank that limited it; a rank
+    that cannot size (a given context that does not fit its memory) stops every rank with its
+    error."""
+    if ctx is None or ctx.world_size == 1:
+        config, why = _own_sizes(
+            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights
+        )
+        if why:
+            logger.info("%s", why)
+        return config
+    from runtime.distributed.size_agreement import agree_min
+
+    own, why, error = config, "", None
+    try:
+        own, why = _own_sizes(
+            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights
+        )
+    except ValueError as e:  # (every rank must reach the agreement: it raises there, on all)
+        error = str(e)
+    # a size the user gave is the same on every rank (check_same_options): not agreed on
+    auto = [k for k in SIZED if k not in given and (config.offload or k != "gpu_tokens")]
+    agreed = agree_min(ctx, {k: getattr(own, k) for k in auto}, error)
+    lowered = {k: v for k, (v, _) in agreed.items() if v < getattr(own, k)}
+    if lowered:
+        notes = ", ".join(
+            f"{k} {v} (rank {agreed[k][1]}'s; this rank's {getattr(own, k)})"
+            for k, v in lowered.items()
+        )
+        why = (why or "KV sizing:") + f"; the least over the {ctx.world_size} ranks: {notes}"
+        own = dataclasses.replace(own, **lowered)
+    if why:
+        logger.info("%s", why)
+    return own
+
+
+def _own_sizes(
+    path,
+    config: EngineConfig,
+    given: set[str],
+    fp8_weights: str,
+    host_memory_fraction: float | None,
+    gpu_memory_utilization: float | None,
+    weights: int | None,
+) -> tuple[EngineConfig, str]:
+    """``size_engine`` for this rank alone: the config and its line (empty: nothing sized)."""
     if not config.offload:  # no GPU pool: nothing to size in gpu_tokens
         given = given | {"gpu_tokens"}
     cuda = config.device.startswith("cuda")
@@ -207,7 +261,7 @@ def size_engine(
     )
     check_fractions(host_memory_fraction, gpu_memory_utilization)
     if not cuda or set(SIZED) <= given:
-        return config
+        return config, ""
     from model.loader import read_checkpoint_meta
     from runtime.distributed import plan
 
@@ -220,10 +274,9 @@ def size_engine(
     except Exception as e:  # noqa: BLE001
         logger.warning("KV sizing from memory skipped (%s: %s): EngineConfig's defaults for %s",
                        type(e).__name__, e, ", ".join(sorted(set(SIZED) - given)))  # fmt: skip
-        return config
+        return config, ""
     s = auto_sizes(mc, config, given, memory, w, host_memory_fraction, gpu_memory_utilization)
-    if s.why:
-        logger.info("%s", s.why)
-    return dataclasses.replace(
+    sized = dataclasses.replace(
         config, max_model_len=s.max_model_len, host_tokens=s.host_tokens, gpu_tokens=s.gpu_tokens
     )
+    return sized, s.why

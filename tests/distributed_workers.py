@@ -426,3 +426,56 @@ def reset_stats_worker(rank: int, out: str) -> None:
         follow(eng)
     (Path(out) / f"rank{rank}.txt").write_text(f"{eng.calls}")
     finish()
+
+
+def kv_sizing_worker(rank: int, out: str, memory: list, lowered: list) -> None:
+    """Size the tiny model as a CUDA rank of a dp=2 job, from faked memory (``memory[rank]``:
+    host GiB, GPU total GiB): this rank's own sizes (alone), the agreed ones and their log lines,
+    and what a given context that does not fit one rank's host raises on each. Then an ``LLM``
+    of dp=2 on the CPU whose ranks' own sizes are ``lowered[rank]`` (max_model_len, host_tokens,
+    gpu_tokens): the sizes its ranks were built with, or the error that stopped them."""
+    import dataclasses
+    import logging
+
+    from model.checkpoint import resolve_model
+    from runtime import kv_sizing
+    from runtime.distributed import plan
+    from runtime.distributed.process import init_distributed
+    from runtime.engine_config import EngineConfig
+
+    host_gib, gpu_gib = memory[rank]
+    plan.device_memory_gib = lambda device: (gpu_gib, host_gib)
+    plan.gpu_total_bytes = lambda device: int(gpu_gib * kv_sizing.GIB)
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: lines.append(r.getMessage())
+    kv_sizing.logger.addHandler(handler)
+    kv_sizing.logger.setLevel(logging.INFO)
+    ctx = init_distributed("cpu", timeout_s=60.0)
+    path, config = resolve_model("tiny"), EngineConfig(device="cuda", dp=2)
+    sized = ("max_model_len", "host_tokens", "gpu_tokens")
+    rec: dict = {"own": [getattr(kv_sizing.size_engine(path, config, set()), k) for k in sized]}
+    del lines[:]
+    agreed = kv_sizing.size_engine(path, config, set(), ctx=ctx)
+    rec["agreed"], rec["lines"] = [getattr(agreed, k) for k in sized], list(lines)
+    given = dataclasses.replace(config, max_model_len=163840)
+    try:
+        kv_sizing.size_engine(path, given, {"max_model_len"}, ctx=ctx)
+        rec["given"] = "sized"
+    except ValueError as e:
+        rec["given"] = str(e)
+    # the LLM: its ranks' own sizes made to differ (on the CPU the rule keeps the defaults)
+    own = dict(zip(sized, lowered[rank]))
+    kv_sizing._own_sizes = lambda path, config, *a: (dataclasses.replace(config, **own), "")
+    from echo_compile.llm import LLM
+
+    try:
+        llm = LLM("tiny", compile=False, progress=False, device="cpu", dp=2, max_batch=2,
+                  collective_timeout_s=60.0)  # fmt: skip
+        rec["llm"] = [getattr(llm.engine.engine.config, k) for k in sized]
+        rec["llm"].append(llm.engine.max_model_len)
+        del llm
+    except ValueError as e:
+        rec["llm"] = str(e)
+    torch.save(rec, Path(out) / f"rank{rank}.pt")
+    end()
