@@ -107,9 +107,10 @@ class MessageBuilder:
             "usage": dict(self.usage),
         }
 
-    def error(self, err: APIError) -> Event:
-        """The stream's ``error`` event: the request failed after the stream began."""
-        return anthropic_body(err)
+    def error(self, err: APIError) -> list[Event]:
+        """The stream's ``error`` event, its last: the request failed after the stream began
+        (``overloaded_error`` for a shutdown's 503, ``api_error`` for a 500)."""
+        return [anthropic_body(err)]
 
     def _begin(self, cached: int) -> list[Event]:
         """``message_start`` and a ``ping``, once, before the first output's events. NOTE: it

@@ -1,6 +1,7 @@
 """A Responses API response built from a chat request's engine outputs: its output items (a
 ``reasoning`` item in thinking mode, a ``message``, ``function_call`` items) and, streamed, the
-events the openai client's typed stream parses (``response.created`` ... ``response.completed``).
+events the openai client's typed stream parses (``response.created`` ... ``response.completed``,
+or ``response.failed`` when the request fails after the stream began).
 
 The reply is read by ``runtime.chat_reply.ReplyStream`` whether it is streamed or not, so the
 response a stream ends with is the one a non-streamed request gets.
@@ -54,6 +55,7 @@ class ResponseBuilder:
         self.calls: list[ToolCall] = []  # parsed at the end
         self.status = "in_progress"
         self.usage: dict[str, Any] | None = None
+        self.failure: dict[str, str] | None = None  # the response's error, once it failed
 
     def start(self) -> list[Event]:
         return [self._event("response.created", response=self.response()),
@@ -116,7 +118,7 @@ class ResponseBuilder:
             "created_at": self.created_at,
             "status": self.status,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "error": None,
+            "error": self.failure,
             "model": req.model,
             "output": [dict(x) for x in self.output],
             "instructions": req.instructions,
@@ -191,10 +193,15 @@ class ResponseBuilder:
                         item=dict(item)),
         ]  # fmt: skip
 
-    def error(self, err: APIError) -> Event:
-        """The stream's ``error`` event: the request failed after the stream began."""
-        code = err.code or err.type
-        return self._event("error", code=code, message=err.message, param=err.param)
+    def error(self, err: APIError) -> list[Event]:
+        """The stream's last events when the request failed after the stream began: the open
+        item closed ``incomplete``, then ``response.failed``, its response ``failed`` with the
+        ``error`` (``code``, ``message``), as the Responses API ends a response that fails."""
+        events = self._close("incomplete")
+        self.status = "failed"
+        code = "server_error" if err.status >= 500 else err.code or err.type  # (the API's code)
+        self.failure = {"code": code, "message": err.message}
+        return [*events, self._event("response.failed", response=self.response())]
 
     def _event(self, kind: str, **fields: Any) -> Event:
         self.seq += 1

@@ -26,13 +26,15 @@ logger = logging.getLogger(__name__)
 
 class ReplyBuilder(Protocol):
     """A route's reply from one request's engine outputs: each call returns the stream's events
-    so far; ``response`` is the whole object (after ``finish``)."""
+    so far; ``response`` is the whole object (after ``finish``); ``error`` the stream's last
+    events when the request fails after the stream began (an engine failure, a shutdown's
+    abort, an error in the handler)."""
 
     def start(self) -> list[Event]: ...
     def feed(self, out: StepOutput) -> list[Event]: ...
     def finish(self, res: RequestOutput, cached: int | None) -> list[Event]: ...
     def response(self) -> dict[str, Any]: ...
-    def error(self, err: APIError) -> Event: ...
+    def error(self, err: APIError) -> list[Event]: ...
 
 
 class TranslatedHandlers(ChatHandlers):
@@ -103,7 +105,8 @@ class TranslatedHandlers(ChatHandlers):
                             yield sse(e, e["type"])
                         if (err := failure(out.finish_reason, out.error)) is not None:
                             observe(out.finish_reason)
-                            yield sse(build.error(err), "error")
+                            for e in build.error(err):
+                                yield sse(e, e["type"])
                             return
                 if res.finish_reason is None:  # the client left
                     return
@@ -116,7 +119,8 @@ class TranslatedHandlers(ChatHandlers):
                 err = e if isinstance(e, APIError) else APIError(
                     500, "internal server error", type_="server_error"
                 )  # fmt: skip
-                yield sse(build.error(err), "error")
+                for e in build.error(err):
+                    yield sse(e, e["type"])
             finally:  # also when the response is cancelled on a disconnect
                 observe("abort")
 

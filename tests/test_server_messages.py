@@ -612,6 +612,37 @@ def test_the_official_anthropic_client_reads_the_message_and_its_stream(
     assert bad.value.body["error"]["type"] == "invalid_request_error"
 
 
+def test_an_engine_shut_down_mid_stream_ends_it_with_an_overloaded_error(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """The engine closed while a message streams (a shutdown's grace period over): its last
+    event is Anthropic's ``error``, an ``overloaded_error`` (the server going away), which the
+    Anthropic SDK raises on, after the text so far."""
+    import anthropic
+
+    _, scripted = served
+    engine = ScriptedEngine(scripted.tokenizer, step_s=0.01)
+    say(engine, "Hello " * 100)
+    a = AsyncEngine(engine)
+    hi = [{"role": "user", "content": "Hi"}]
+    text = []
+    try:
+        with (
+            running_server(build_app(a, MODEL)) as base,
+            pytest.raises(anthropic.APIStatusError) as err,
+            _anthropic(base).messages.stream(model=MODEL, max_tokens=200, messages=hi) as s,
+        ):
+            for t in s.text_stream:
+                text.append(t)
+                if len(text) == 2:
+                    a.shutdown()  # (the engine loop ends every open stream with "abort")
+    finally:
+        a.shutdown()
+    assert len(text) >= 2 and err.value.body["type"] == "error", err.value.body
+    assert err.value.body["error"]["type"] == "overloaded_error"
+    assert "shutting down" in err.value.body["error"]["message"]
+
+
 def test_count_tokens_is_the_prompt_messages_renders(served: tuple[str, PromptedEngine]) -> None:
     """``/v1/messages/count_tokens`` (Claude Code sizes its context with it; the SDK's
     ``messages.count_tokens``): the tokens of the prompt a message with the same system, turns,

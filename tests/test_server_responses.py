@@ -286,8 +286,42 @@ def test_an_engine_failure(served: tuple[str, ScriptedEngine]) -> None:
         client.responses.create(model=MODEL, input="Hi")
     engine.fail_steps = 1
     events = _events(client, input="Hi")
-    assert events[-1].type == "error" and "generation failed" in events[-1].message
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+    assert "generation failed" in events[-1].response.error.message
     assert client.responses.create(model=MODEL, input="Hi").output_text == "Hello"
+
+
+def test_an_engine_shut_down_mid_stream_ends_it_with_response_failed(
+    served: tuple[str, ScriptedEngine],
+) -> None:
+    """The engine closed while a response streams (a shutdown's grace period over): the stream
+    ends as the Responses API ends a failed response, the open item closed ``incomplete`` with
+    the text so far, then ``response.failed`` with a ``server_error``; the openai client's
+    types parse every event."""
+    _, scripted = served
+    engine = ScriptedEngine(scripted.tokenizer, step_s=0.01)
+    say(engine, "Hello " * 100)
+    a = AsyncEngine(engine)
+    try:
+        with running_server(build_app(a, MODEL)) as base:
+            stream = openai_client(base).responses.create(model=MODEL, input="Hi", stream=True)
+            events = []
+            for e in stream:
+                _strict(e, ResponseStreamEvent)
+                events.append(e)
+                if e.type == "response.output_text.delta" and len(events) == 6:
+                    a.shutdown()  # (the engine loop ends every open stream with "abort")
+    finally:
+        a.shutdown()
+    kinds = [e.type for e in events]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.failed"], kinds  # fmt: skip
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "shutting down" in failed.error.message
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    [item] = failed.output
+    assert item.status == "incomplete" and item.content[0].text == text != ""
 
 
 def test_responses_count_against_the_concurrency_limit(served: tuple[str, ScriptedEngine]) -> None:
