@@ -6,6 +6,7 @@ back to the fields the client sent. ``where[k]`` is the field chat message k cam
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,10 +35,12 @@ def renamed(
     e: APIError, where: list[str], renames: dict[str, str], message: str | None = None
 ) -> APIError:
     """The chat route's error ``e`` in the client's names: its param (``renames``), the messages
-    it names (``messages[k]`` -> ``where[k]``) and the field its text names. ``message``: ``e``'s
-    text with a route's own rewording done first."""
+    it names (``messages[k]`` -> ``where[k]``) and the field its text names, neither inside a
+    value it quotes (``unquoted_sub``). ``message``: ``e``'s text with a route's own rewording
+    done first."""
     param = renames.get(e.param or "", e.param)
-    msg = re.sub(r"messages\[(\d+)\]", lambda m: _at(where, int(m.group(1))), message or e.message)
+    text = message or e.message
+    msg = unquoted_sub(r"messages\[(?P<k>\d+)\]", lambda m: _at(where, int(m["k"])), text)
     if e.param in renames:
         msg = field_renamed(msg, e.param, param or "")
     return APIError(e.status, msg, param=param, code=e.code, type_=e.type)
@@ -48,13 +51,20 @@ def renamed(
 _QUOTED = r"""(?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
 
 
+def unquoted_sub(pattern: str, repl: Callable[[re.Match[str]], str], text: str) -> str:
+    """``re.sub(pattern, repl, text)`` outside quoted values: the error's own words and paths
+    are rewritten, a value it echoes from the client (a stop string, a tool call id, a schema's
+    text: ``got ['messages[0]']``) is kept whole. ``pattern``'s groups are read by name."""
+    return re.sub(f"(?P<_quoted>{_QUOTED})|{pattern}", lambda m: m["_quoted"] or repl(m), text)
+
+
 def field_renamed(text: str, field: str, name: str) -> str:
     """``text`` with each reference to the field ``field`` (a whole name, or a path's first part:
     ``stop``, ``stop[0]``, ``stop.x``) written ``name``. NOTE: not inside other words or names
     (``nonstop``, ``user-facing``, ``max_tokens`` for ``tokens``, ``x.stop``), nor anywhere in a
     quoted value (one the client sent: ``got ['stop', 'do not stop']``, ``'#/$defs/stop'``)."""
     ref = rf"(?<![\w.'\"-]){re.escape(field)}(?![\w'\"-])"
-    return re.sub(f"({_QUOTED})|{ref}", lambda m: m.group(1) or name, text)
+    return unquoted_sub(ref, lambda m: name, text)
 
 
 def _at(where: list[str], k: int) -> str:

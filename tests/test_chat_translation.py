@@ -87,3 +87,31 @@ def test_responses_route_renames_format_and_messages() -> None:
     e = APIError(400, "messages[1]: messages must alternate", param="messages")
     out = responses_protocol.renamed(e, ["instructions", "input[0]"])
     assert (out.message, out.param) == ("input[0]: input must alternate", "input")
+
+
+@pytest.mark.parametrize(
+    "param, text, want",
+    [
+        # a tool call id the client sent, echoed in quotes: the paths around it are renamed
+        (
+            "messages",
+            "messages[3].tool_call_id 'messages[0]' matches none of messages[2].tool_calls",
+            "input[2].tool_call_id 'messages[0]' matches none of input[1].tool_calls",
+        ),
+        # a stop string of the client's, in a repr list (escaped quotes and all)
+        (
+            "stop",
+            "stop must be a non-empty string or a list of them, got ['messages[1]', \"it's "
+            "messages[2]\", 'a \\'messages[0]\\'', '']",
+            "stop must be a non-empty string or a list of them, got ['messages[1]', \"it's "
+            "messages[2]\", 'a \\'messages[0]\\'', '']",
+        ),
+    ],
+    ids=["tool-call-id", "stop-values"],
+)
+def test_messages_inside_a_quoted_value_are_the_clients(param: str, text: str, want: str) -> None:
+    """``messages[k]`` is renamed where the error names chat's message k, not inside a value
+    it echoes from the client (the rule ``field_renamed`` keeps: ``unquoted_sub``)."""
+    where = ["instructions", "input[0]", "input[1]", "input[2]"]
+    e = renamed(APIError(400, text, param=param), where, {})
+    assert e.message == want

@@ -555,6 +555,25 @@ def test_a_tool_result_without_content(served: tuple[str, PromptedEngine]) -> No
     assert engine.prompt == _chat_prompt(url, engine, chat, tools=[CHAT_WEATHER])
 
 
+def test_a_tool_use_id_that_reads_like_a_path_is_echoed_as_sent(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """A tool_result whose tool_use_id answers no call: the error names the blocks by the
+    client's indices (the system prompt is chat's messages[0]), and the id it quotes back is the
+    client's, even one that reads like a path (it was renamed too: 'system')."""
+    url, engine = served
+    say(engine, "ok")
+    use = {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "messages[0]", "content": "sunny"}
+    turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [use]},
+             {"role": "user", "content": [result]}]  # fmt: skip
+    r = _post(url, system="Be brief.", messages=turns, tools=[WEATHER])
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("messages[2].content[0].") and "'messages[0]'" in msg, msg
+    assert "matches none of messages[1].tool_calls" in msg, msg
+
+
 def test_fields_it_need_not_honour_are_ignored(served: tuple[str, PromptedEngine]) -> None:
     """What Claude Code sends beside the message (context_management, a service tier, fields of
     later API versions) is ignored, as DeepSeek's Anthropic endpoint ignores it: the message is
