@@ -67,5 +67,19 @@ def field_renamed(text: str, field: str, name: str) -> str:
     return unquoted_sub(ref, lambda m: name, text)
 
 
+def tools_flattened(text: str, schema: str) -> str:
+    """``text`` with chat's tool paths as a route's flat tools name them (they have no
+    ``function``): ``tools[i].function.parameters`` -> ``tools[i].<schema>`` (``input_schema`` on
+    Messages), ``tools[i].function.name`` -> ``tools[i].name``. NOTE: only a path that starts at
+    ``tools[i]``, outside quoted values: a parameter's name or a schema's text that holds
+    ``.function.`` is the client's (``tools[0]: a.function.b.minLength must be ...``)."""
+
+    def flat(m: re.Match[str]) -> str:
+        return f"{m['at']}.{schema if m['params'] else ''}"
+
+    path = r"(?P<at>(?<![\w.])tools\[\d+\])\.function\.(?P<params>parameters(?!\w))?"
+    return unquoted_sub(path, flat, text)
+
+
 def _at(where: list[str], k: int) -> str:
     return where[k] if k < len(where) else f"messages[{k}]"

@@ -162,7 +162,7 @@ def renamed(e: APIError, where: list[str], fmt: str = "output_format") -> APIErr
     tools' fields reworded; ``fmt``: the field the structured output came in (``format_field``)."""
     msg = e.message
     if e.param == "tools":  # (the tools have no .function; their schema is input_schema)
-        msg = msg.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+        msg = chat_translation.tools_flattened(msg, "input_schema")
     # (also where tool_choice's error names it: a forced call and a format are one grammar each)
     msg = chat_translation.field_renamed(msg, "response_format", fmt)
     if e.param == "response_format" and not msg.startswith(fmt):  # the engine's grammar check

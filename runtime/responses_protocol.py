@@ -12,7 +12,6 @@ are the fields
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from runtime import chat_translation
@@ -134,7 +133,7 @@ def renamed(e: APIError, where: list[str]) -> APIError:
     if e.param == "response_format":
         msg = chat_translation.field_renamed(msg, "response_format", "text.format")
     elif e.param == "tools":  # (the flat tools have no .function)
-        msg = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", msg)
+        msg = chat_translation.tools_flattened(msg, "parameters")
     return chat_translation.renamed(e, where, _RENAMES, msg)
 
 

@@ -115,3 +115,37 @@ def test_messages_inside_a_quoted_value_are_the_clients(param: str, text: str, w
     where = ["instructions", "input[0]", "input[1]", "input[2]"]
     e = renamed(APIError(400, text, param=param), where, {})
     assert e.message == want
+
+
+KEY = "tools[0]: a.function.parameters.minLength must be a non-negative integer, got -1"
+QUOTED = "tools[2]: parameter name 'tools[0].function.x\"' cannot be written in DSML"
+
+
+@pytest.mark.parametrize(
+    "text, messages, responses",
+    [
+        ("tools[1].function.parameters must be a JSON schema object",
+         "tools[1].input_schema must be a JSON schema object",
+         "tools[1].parameters must be a JSON schema object"),
+        ("tools[0].function.parameters.required must be a list of names",
+         "tools[0].input_schema.required must be a list of names",
+         "tools[0].parameters.required must be a list of names"),
+        ("tools[10].function.name must match [A-Za-z0-9_-]{1,64}",
+         "tools[10].name must match [A-Za-z0-9_-]{1,64}",
+         "tools[10].name must match [A-Za-z0-9_-]{1,64}"),
+        # a parameter's name holding .function., bare or quoted: the client's, kept
+        (KEY, KEY, KEY),
+        (QUOTED, QUOTED, QUOTED),
+    ],
+    ids=["parameters", "parameters-path", "name", "bare-key", "quoted-key"],
+)  # fmt: skip
+def test_tool_paths_are_the_flat_tools_and_nothing_else(
+    text: str, messages: str, responses: str
+) -> None:
+    """Chat's ``tools[i].function.`` paths in the routes' flat tools' names (Messages: the
+    schema is ``input_schema``; Responses: ``parameters``), only where the path starts at
+    ``tools[i]`` and outside quoted values."""
+    out = messages_protocol.renamed(APIError(400, text, param="tools"), ["messages[0]"])
+    assert (out.message, out.param) == (messages, "tools")
+    out = responses_protocol.renamed(APIError(400, text, param="tools"), ["input[0]"])
+    assert (out.message, out.param) == (responses, "tools")

@@ -42,6 +42,9 @@ from runtime.tool_calls import CALLS_BEGIN, CALLS_END
 D = "｜DSML｜"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}},
                   "required": ["city"]}  # fmt: skip
+# a parameter whose name reads like chat's tool path, and a bad bound to be named
+DOTTED = {"a.function.parameters": {"type": "string", "minLength": -1}}
+DOTTED_SCHEMA = {"type": "object", "properties": DOTTED}
 WEATHER = {"name": "weather", "description": "The weather.", "input_schema": WEATHER_SCHEMA}
 CHAT_WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather.",
                                                   "parameters": WEATHER_SCHEMA}}  # fmt: skip
@@ -449,6 +452,14 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
             r"^tool_choice: 'nope' is not one of",
         ),  # fmt: skip
         ({"tool_choice": {"type": "sometimes"}}, r"^tool_choice\.type must be auto, any"),
+        (
+            {"tools": [{**WEATHER, "input_schema": {"type": "object", "properties": []}}]},
+            r"^tools\[0\]\.input_schema must be a JSON schema object$",
+        ),  # fmt: skip
+        (  # a parameter's name is the client's, though it holds .function.
+            {"tools": [{**WEATHER, "input_schema": DOTTED_SCHEMA}]},
+            r"^tools\[0\]: a\.function\.parameters\.minLength must be a non-negative integer",
+        ),  # fmt: skip
         ({"stop_sequences": "how"}, r"^stop_sequences"),
         ({"stop_sequences": ["nonstop", ""]}, r"^stop_sequences must .* got \['nonstop', ''\]$"),
         (
