@@ -47,7 +47,6 @@ from custom_ops.backends.select import DEFAULT_BACKEND
 from custom_ops.cache.config import PREFETCH_MARGIN
 from echo_compile import settings
 from echo_compile.devices import check_device
-from echo_compile.regional import mark_feed_forward_regions
 from model.model import DeepseekV32ForCausalLM
 from runtime.engine_config import EngineConfig
 from runtime.model_runner import ModelRunner, StepModule, build_runner
@@ -177,26 +176,15 @@ class StepCompiler:
     """runtime.model_runner.StepCompiler: fullgraph, static shapes, reduce-overhead (CUDA graphs)
     on CUDA, with echo_compile.settings; ``strict`` (tests) makes a cudagraph skip an error.
     ``backend`` other than Inductor: CPU tests of the compile plumbing (Dynamo's caches, guards,
-    fullgraph) that cannot afford Inductor's minute per graph on a small CPU. ``regional``
-    (opt-in, CPU-checked only): each layer's feed-forward compiled once per kind and reused
-    (echo_compile/regional.py); it marks the step's model."""
+    fullgraph) that cannot afford Inductor's minute per graph on a small CPU."""
 
-    def __init__(
-        self,
-        device: str | torch.device,
-        strict: bool = False,
-        backend: str = "inductor",
-        regional: bool = False,
-    ):
+    def __init__(self, device: str | torch.device, strict: bool = False, backend: str = "inductor"):
         self.device = torch.device(device)
         self.strict = strict
         self.backend = backend
-        self.regional = regional
 
     def __call__(self, step: StepModule, num_graphs: int) -> CompiledStep:
         settings.apply(num_graphs, strict=self.strict)
-        if self.regional:
-            mark_feed_forward_regions(step.model)
         opts = {}
         if self.backend == "inductor":
             opts["mode"] = settings.compile_mode(self.device)
@@ -312,7 +300,6 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     device: str | torch.device | None = None,
     strict: bool = False,
     warmup_now: bool = False,
-    regional: bool = False,
 ) -> CompiledModel:
     """Compile ``model`` (a ``model.DeepseekV32ForCausalLM``) for offloaded decode; see the module
     docstring for the call signature and the state the returned object owns.
@@ -322,10 +309,8 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     ``max_model_len``, ``decode_buckets``, ``prefill_chunk``, ``compile_prefill`` (its prefill
     policy), ``kernel_backend``, ``prefetch``, ``prefetch_cap``, ``prefetch_ratio``,
     ``prefetch_margin`` and ``prefill_buffer``. The others are this function's: ``device`` (by
-    default the model's), ``strict`` (a skipped CUDA graph is an error), ``warmup_now``
-    (warm up before returning) and ``regional`` (opt-in, off by default: each layer's
-    feed-forward compiled once per kind and reused, echo_compile/regional.py; it marks
-    ``model``). EngineConfig's serving options (dp/tp/ep, the scheduler's,
+    default the model's), ``strict`` (a skipped CUDA graph is an error) and ``warmup_now``
+    (warm up before returning). EngineConfig's serving options (dp/tp/ep, the scheduler's,
     prefix caching) are the engine's (``LLM``): a ``CompiledModel`` has no scheduler."""
     if not isinstance(model, DeepseekV32ForCausalLM):
         raise TypeError(
@@ -352,7 +337,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
         prefill_buffer=prefill_buffer,
     )
     check_device(config.device, python=True)
-    cm = CompiledModel(build_runner(model, config, StepCompiler(device, strict, regional=regional)))
+    cm = CompiledModel(build_runner(model, config, StepCompiler(device, strict)))
     if warmup_now:
         cm.warmup()
     return cm
