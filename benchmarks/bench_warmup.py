@@ -12,13 +12,13 @@ Writes the buckets, the total seconds and their mean per bucket, and the environ
 versions, threads, date).
 
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python -m benchmarks.bench_warmup --layers 1 2 4 8 \
-        [--regional] [--out benchmarks/results/warmup_layers_cpu.json]
+        [--out benchmarks/results/warmup_layers_cpu.json]
 
 ``--layers``: how warm-up grows with the layer count. The tiny architecture (random weights) with
 each number of layers (layer 0 dense, the rest MoE: first_k_dense_replace 1), ONE decode graph
 (bucket B=1, prefill not compiled), each count in a fresh process (no kernel compiled for one
 count is reused by another); the seconds of ``cm.warmup()`` and a linear fit of them against the
-layer count. ``--regional``: with ``echo_compile.compile(regional=True)``.
+layer count.
 """
 
 from __future__ import annotations
@@ -51,12 +51,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the JSON (default: benchmarks/results/warmup_DEVICE.json)")  # fmt: skip
     ap.add_argument("--layers", type=int, nargs="+", default=None,
                     help="layer counts: one decode graph each, in its own process")  # fmt: skip
-    ap.add_argument("--regional", action="store_true",
-                    help="with --layers: compile(regional=True)")  # fmt: skip
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # (the child)
     a = ap.parse_args(argv)
     if a.one is not None:
-        print(json.dumps(one_decode_graph(a.one, a.device, a.regional)))
+        print(json.dumps(one_decode_graph(a.one, a.device)))
         return 0
     if a.layers:
         return layer_sweep(a)
@@ -102,7 +100,7 @@ def _write(out: Path, res: dict) -> None:
     print(f"wrote {out}")
 
 
-def one_decode_graph(layers: int, device: str, regional: bool) -> dict:
+def one_decode_graph(layers: int, device: str) -> dict:
     """The tiny architecture with ``layers`` layers, random weights: ``cm.warmup()`` seconds of
     its one decode graph (B=1), and Dynamo's graph and graph-break counts."""
     from torch._dynamo.utils import counters
@@ -113,7 +111,7 @@ def one_decode_graph(layers: int, device: str, regional: bool) -> dict:
     model.to_empty(device=device).random_init_()
     cm = echo_compile.compile(
         model, host_tokens=4096, gpu_tokens=1024, max_batch=1, decode_buckets=(1,),
-        compile_prefill=False, regional=regional,
+        compile_prefill=False,
     )  # fmt: skip
     counters.clear()
     total = cm.warmup(progress=False)
@@ -139,7 +137,7 @@ def layer_sweep(a: argparse.Namespace) -> int:
     rows = []
     for n in a.layers:
         cmd = [sys.executable, "-m", "benchmarks.bench_warmup", "--one", str(n), "--device",
-               a.device] + (["--regional"] if a.regional else [])  # fmt: skip
+               a.device]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
@@ -147,10 +145,8 @@ def layer_sweep(a: argparse.Namespace) -> int:
         "what": "one decode graph (B=1) of the tiny architecture by layer count: cm.warmup() s",
         "command": _cold_prefix()
         + "python -m benchmarks.bench_warmup --layers "
-        + " ".join(map(str, a.layers))
-        + (" --regional" if a.regional else ""),
+        + " ".join(map(str, a.layers)),
         "env": _env(),
-        "regional": a.regional,
         "rows": rows,
     }
     if len(rows) > 1:
@@ -159,8 +155,7 @@ def layer_sweep(a: argparse.Namespace) -> int:
         # an extrapolation of the tiny architecture's compile time, not a measurement
         res["extrapolated_61_layers_s"] = round(base + 61 * per, 1)
         print(f"fit: {base:.1f} s + {per:.2f} s a layer; 61 layers: {base + 61 * per:.0f} s")
-    tag = "_regional" if a.regional else ""
-    _write(Path(a.out or f"benchmarks/results/warmup_layers{tag}_{a.device}.json"), res)
+    _write(Path(a.out or f"benchmarks/results/warmup_layers_{a.device}.json"), res)
     return 0
 
 
