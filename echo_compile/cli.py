@@ -17,6 +17,7 @@ from echo_compile.cli_args import (
     sampling_params,
     serve_options,
 )
+from echo_compile.compile_cache import configure_compile_cache
 from echo_compile.devices import check_device
 from echo_compile.vllm_flags import apply_vllm_flags, check_quantization
 
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         from echo_compile.threads import configure_threads
 
         configure_logging(log_level(a))
+        configure_compile_cache()
         apply_vllm_flags(a, argv)  # (logs the vLLM flags taken as no-ops)
         configure_threads(a.threads)
         return COMMANDS[a.cmd](a)

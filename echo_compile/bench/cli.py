@@ -35,6 +35,7 @@ from echo_compile.bench.harness import (
     sharegpt_like,
     weight_bytes,
 )
+from echo_compile.compile_cache import configure_compile_cache
 from echo_compile.devices import check_device
 from model.locality import BENCH_LOCALITY
 from model.quantize import WEIGHTS
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if ap.parse_known_args(argv)[0].preset == "tiny":
         ap.set_defaults(**TINY_DEFAULTS)  # flags given still win
     a = ap.parse_args(argv)
+    configure_compile_cache()
     if a.out is None:
         a.out = f"e2e_{a.preset}_{a.device.split(':')[0]}.json"
     if a.preset != "tiny" and not a.device.startswith("cuda"):
