@@ -156,11 +156,11 @@ class LLM:
             )  # fmt: skip
         else:
             # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
-            loading = LoadProgress(enabled=progress)
-            net, extras = load_model(
-                path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
-                progress=loading,
-            )  # fmt: skip
+            with LoadProgress(enabled=progress) as loading:
+                net, extras = load_model(
+                    path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
+                    progress=loading,
+                )  # fmt: skip
             logging.getLogger(__name__).info(loading.close())
             self.engine = Engine.from_loaded(
                 net, extras, config, model_name=model,

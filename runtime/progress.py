@@ -24,7 +24,9 @@ def progress_bar(iterable: Iterable | None = None, *, enabled: bool = True, **kw
 class LoadProgress:
     """The loaders' ``progress(n, total)`` callback (``model.loader.load_weights``): a bar of the
     bytes read, made at the first call (the loader knows ``total`` only then), and the load's
-    summary line. Timed from its creation: make it just before the load."""
+    summary line. Timed from its creation: make it just before the load, as a ``with`` block
+    around it, which closes the bar however the load ends (one that fails midway leaves no bar
+    open on the line the error is written to)."""
 
     def __init__(self, enabled: bool = True, **kw: Any):
         self.enabled = enabled
@@ -32,6 +34,13 @@ class LoadProgress:
         self.bar: Any = None
         self.read = 0  # bytes
         self.start = time.perf_counter()
+        self.seconds: float | None = None  # the load's, once closed
+
+    def __enter__(self) -> LoadProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __call__(self, n: int, total: int) -> None:
         if self.bar is None:
@@ -43,9 +52,12 @@ class LoadProgress:
         self.read += n
 
     def close(self) -> str:
-        """Close the bar; the summary line to log: "read G GB of weights in S s (R GB/s)"."""
+        """Close the bar (again: a no-op); the summary line to log: "read G GB of weights in S s
+        (R GB/s)", timed to the first close."""
         if self.bar is not None:
             self.bar.close()
-        s = time.perf_counter() - self.start
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self.start
+        s = self.seconds
         gb = self.read / 1e9
         return f"read {gb:.2f} GB of weights in {s:.1f} s ({gb / max(s, 1e-9):.2f} GB/s)"

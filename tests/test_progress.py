@@ -79,3 +79,35 @@ def test_the_load_summary_is_logged(caplog, capsys):
     lines = [r.getMessage() for r in caplog.records if "of weights in" in r.getMessage()]
     assert len(lines) == 1 and re.fullmatch(r"read 0\.\d\d GB of weights in .* GB/s\)", lines[0])
     assert "loading weights" not in capsys.readouterr().err
+
+
+def test_a_load_that_fails_midway_closes_its_bar(tmp_path, monkeypatch):
+    """A tensor misshapen in the last shard (found as it is read, after the first shards): the
+    bar is closed, its line ended, by the time the caller handles the error (the CLI's error
+    line went on the bar's line, and the bar was drawn again below it when collected)."""
+    import shutil
+    import sys
+
+    import pytest
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    from echo_compile.llm import LLM
+
+    path = tmp_path / "ck"
+    shutil.copytree(resolve_model("tiny"), path)
+    last = sorted(path.glob("model-*.safetensors"))[-1]
+    t = load_file(last)
+    name = next(n for n in t if n.endswith("norm.weight") and ".layers." not in n)
+    t[name] = t[name][:-1].clone()
+    save_file(t, str(last), metadata={"format": "pt"})
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}.*shape"):
+        try:
+            LLM(str(path), compile=False, progress=True, device="cpu")
+        except ValueError:  # as a caller handles it: the error's line is next on the terminal
+            drawn = sys.stderr.getvalue()
+            bars = [b for b in list(tqdm._instances) if b.desc == "loading weights"]
+            raise
+    assert "loading weights" in drawn and drawn.endswith("\n"), drawn
+    assert bars == []

@@ -305,16 +305,17 @@ def build_distributed_engine(
     config = replace(config, device=ctx.device)
     inputs = inputs or read_engine_inputs(path, config, generation_config)
     g = tp_group(ctx, config)
-    loading = LoadProgress(enabled=progress and ctx.rank == 0)
-    if g.size > 1:
-        net, extras = load_sharded_model(
-            path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights,
-            progress=loading,
-        )  # fmt: skip
-    else:
-        net, extras = load_model(
-            path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights, progress=loading
-        )
+    with LoadProgress(enabled=progress and ctx.rank == 0) as loading:
+        if g.size > 1:
+            net, extras = load_sharded_model(
+                path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights,
+                progress=loading,
+            )  # fmt: skip
+        else:
+            net, extras = load_model(
+                path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights,
+                progress=loading,
+            )  # fmt: skip
     logging.getLogger(__name__).info("rank %d: %s", ctx.rank, loading.close())
     compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
     engine = Engine.from_loaded(
