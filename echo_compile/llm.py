@@ -18,6 +18,7 @@ from echo_compile.devices import check_device
 from echo_compile.memory_checks import check_fits, check_host_pool, rank_weights
 from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
+from runtime.distributed.process import ended_on_error
 from runtime.engine import Engine, EngineConfig, StepOutput
 from runtime.engine_inputs import read_engine_inputs
 from runtime.kv_sizing import SIZED, size_engine
@@ -127,60 +128,67 @@ class LLM:
         # the rank's weights counted once for the sizing and the memory check (the sizing
         # changes no split they depend on). A rank of a dp/tp/ep job joins the process group
         # first: the ranks take the least of each automatic size, so all size alike
-        ctx = None
+        ctx, joined = None, False
         if config.world_size > 1:
+            import torch.distributed as dist
+
             from runtime.distributed.dist_engine import join
 
+            joined = not dist.is_initialized()  # (a caller's own group is the caller's to end)
             ctx = join(config)
-        given = set(SIZED) & set(engine_options)
-        weights = rank_weights(ckpt, config, fp8_weights)
-        config = size_engine(
-            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
-            weights, ctx,
-        )  # fmt: skip
-        # the tokenizer, the generation config and the options against the model config, in
-        # seconds: a mistake there is not found after minutes of reading weights
-        inputs = read_engine_inputs(path, config, generation_config)
-        if config.device.startswith("cuda"):
-            check_fits(path, config, fp8_weights, weights)
-        else:
-            check_host_pool(path, config)
-        compiled = compile if compile is not None else config.device.startswith("cuda")
-        if config.world_size > 1:
-            # one rank of a dp/tp job (torchrun): every rank runs this same code (docs/multi_gpu.md)
-            from runtime.distributed.dist_engine import build_distributed_engine
+        with ended_on_error(joined):  # (an error after the join: the group ended)
+            given = set(SIZED) & set(engine_options)
+            weights = rank_weights(ckpt, config, fp8_weights)
+            config = size_engine(
+                path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
+                weights, ctx,
+            )  # fmt: skip
+            # the tokenizer, the generation config and the options against the model config, in
+            # seconds: a mistake there is not found after minutes of reading weights
+            inputs = read_engine_inputs(path, config, generation_config)
+            if config.device.startswith("cuda"):
+                check_fits(path, config, fp8_weights, weights)
+            else:
+                check_host_pool(path, config)
+            compiled = compile if compile is not None else config.device.startswith("cuda")
+            if config.world_size > 1:
+                # one rank of a dp/tp job (torchrun): every rank runs this same code
+                # (docs/multi_gpu.md)
+                from runtime.distributed.dist_engine import build_distributed_engine
 
-            self.engine = build_distributed_engine(
-                path, config, model, StepCompiler if compiled else None, ctx, fp8_weights,
-                inputs=inputs, progress=progress,
-            )  # fmt: skip
-        else:
-            # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
-            with LoadProgress(enabled=progress) as loading:
-                net, extras = load_model(
-                    path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
-                    progress=loading,
+                self.engine = build_distributed_engine(
+                    path, config, model, StepCompiler if compiled else None, ctx, fp8_weights,
+                    inputs=inputs, progress=progress,
                 )  # fmt: skip
-            logging.getLogger(__name__).info(loading.close())
-            self.engine = Engine.from_loaded(
-                net, extras, config, model_name=model,
-                compiler=StepCompiler(config.device) if compiled else None, inputs=inputs,
-            )  # fmt: skip
-        mc = self.engine.model_config
-        asked, limit = engine_options.get("max_model_len"), config.model_len(mc)
-        if asked is not None and limit < asked:  # (serve's start-up line names it too)
-            logging.getLogger(__name__).warning(
-                "max_model_len %d: requests get %d tokens at most, the least of it, the model's "
-                "max_position_embeddings (%d) and host_tokens (%d)",
-                asked, limit, mc.max_position_embeddings, config.host_tokens,
-            )  # fmt: skip
-        # warm-up captures every bucket, then forbids recompiles of the engine's steps: from here
-        # on a request can never trigger a compile
-        self.warmup_s = self.engine.runner.warmup(progress=progress) if compiled else 0.0
-        if compiled and progress:
-            # NOTE: a log line, not a print: generate()'s output is the caller's stdout
-            n = self.engine.runner.num_graphs
-            logging.getLogger(__name__).info("captured %d step graphs in %.1f s", n, self.warmup_s)
+            else:
+                # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
+                with LoadProgress(enabled=progress) as loading:
+                    net, extras = load_model(
+                        path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
+                        progress=loading,
+                    )  # fmt: skip
+                logging.getLogger(__name__).info(loading.close())
+                self.engine = Engine.from_loaded(
+                    net, extras, config, model_name=model,
+                    compiler=StepCompiler(config.device) if compiled else None, inputs=inputs,
+                )  # fmt: skip
+            mc = self.engine.model_config
+            asked, limit = engine_options.get("max_model_len"), config.model_len(mc)
+            if asked is not None and limit < asked:  # (serve's start-up line names it too)
+                logging.getLogger(__name__).warning(
+                    "max_model_len %d: requests get %d tokens at most, the least of it, the "
+                    "model's max_position_embeddings (%d) and host_tokens (%d)",
+                    asked, limit, mc.max_position_embeddings, config.host_tokens,
+                )  # fmt: skip
+            # warm-up captures every bucket, then forbids recompiles of the engine's steps: from
+            # here on a request can never trigger a compile
+            self.warmup_s = self.engine.runner.warmup(progress=progress) if compiled else 0.0
+            if compiled and progress:
+                # NOTE: a log line, not a print: generate()'s output is the caller's stdout
+                n = self.engine.runner.num_graphs
+                logging.getLogger(__name__).info(
+                    "captured %d step graphs in %.1f s", n, self.warmup_s
+                )
         self._ids = itertools.count()
         # request id -> outputs of a live generate() / stream request not yet read by its caller
         self._outputs: dict[str, list[StepOutput]] = {}

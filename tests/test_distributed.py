@@ -317,3 +317,13 @@ def test_cli_generate_refused_prompt_ends_every_rank_cleanly(tmp_path, capfd):
                                                   "128", " ".join(["word"] * 200)))  # fmt: skip
     err = capfd.readouterr().err
     assert err.count("exceeds the context limit of 128 tokens (host_tokens") == 2, err
+
+
+def test_cli_generate_options_refused_after_the_join_end_every_rank_cleanly(tmp_path, capfd):
+    """An engine option the model config refuses (``--gpu-tokens`` below a request's top-k,
+    read_engine_inputs), found once LLM joined the process group for the KV size agreement:
+    every rank says why and returns 2 with its group destroyed (it was left up, to the
+    interpreter's finalization, as no error before the join leaves it)."""
+    spawn(cli_generate_worker, 2, str(tmp_path), ("--gpu-tokens", "8"))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2 False"] * 2
+    assert capfd.readouterr().err.count("cannot hold one request's selection") == 2

@@ -131,6 +131,21 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+@contextmanager
+def ended_on_error(joined: bool) -> Iterator[None]:
+    """Around a rank's start-up after it joined the process group (``joined``: the group is its
+    own, created by that join; a caller's group is the caller's to end): an error destroys the
+    group (``shutdown``) before it propagates, so the rank does not exit with the group up, left
+    to the interpreter's finalization (where gloo's teardown aborted a rank now and then), and
+    the other ranks' next collective fails at once."""
+    try:
+        yield
+    except BaseException:
+        if joined:
+            shutdown()
+        raise
+
+
 def finish() -> None:
     """The clean end of a multi-process job: wait for every rank, then destroy the group. A rank
     that tears gloo down while a peer still uses its connections can abort the peer ("terminate
