@@ -437,9 +437,9 @@ def load_weights(
         with open_shard(path, file) as f:
             for name, ours in names:
                 t = f.get_tensor(name) if read is None else read(f, name, file)
+                loader.add(ours, t, file)  # (the copy is the read: get_tensor maps the file)
                 if progress is not None:
                     progress(t.nbytes, total)
-                loader.add(ours, t, file)
     loader.finish(index)
     _init_non_persistent_buffers(model)
     return loader.mtp
