@@ -1,7 +1,8 @@
 """A request of another API (Responses, Anthropic's Messages) translated into the chat request the
 chat route runs: the translated body validated as chat's, and the chat route's errors renamed
 back to the fields the client sent. ``where[k]`` is the field chat message k came from (e.g.
-``input[2]``, ``system``, ``messages[1].content[0]``)."""
+``input[2]``, ``system``, ``messages[1].content[0]``): an ``Origin`` where the translation moved
+fields under it (a tool result's id, an assistant's tool calls)."""
 
 from __future__ import annotations
 
@@ -31,16 +32,41 @@ def validated_chat(
         raise APIError(400, f"{at}: {err.get('msg')}", param=param) from e
 
 
+class Origin(str):
+    """The client's field a chat message came from (the string: ``input[2]``), with the client's
+    paths of chat's fields under the message that the translation moved (``fields``: a path
+    under ``messages[k]`` -> the client's, e.g. ``.tool_call_id`` -> ``input[2].call_id``,
+    ``.tool_calls[0]`` -> ``input[3]``); a path not in ``fields`` is taken to be under the
+    string's field."""
+
+    fields: dict[str, str]
+
+    def __new__(cls, at: str, fields: dict[str, str] | None = None) -> Origin:
+        self = super().__new__(cls, at)
+        self.fields = dict(fields or {})
+        return self
+
+
 def renamed(
-    e: APIError, where: list[str], renames: dict[str, str], message: str | None = None
+    e: APIError,
+    where: list[str],
+    renames: dict[str, str],
+    message: str | None = None,
+    words: dict[str, str] | None = None,
 ) -> APIError:
-    """The chat route's error ``e`` in the client's names: its param (``renames``), the messages
-    it names (``messages[k]`` -> ``where[k]``) and the field its text names, neither inside a
-    value it quotes (``unquoted_sub``). ``message``: ``e``'s text with a route's own rewording
-    done first."""
+    """The chat route's error ``e`` in the client's names: its param (``renames``), the paths
+    under the messages it names (``messages[k]...`` -> ``where[k]``, or its ``Origin.fields``),
+    the field its text names, and chat's words for its tool fields (``words``: a phrase ->
+    the route's, e.g. ``"a tool message"`` -> ``"a tool_result block"``), none inside a value it
+    quotes (``unquoted_sub``). ``message``: ``e``'s text with a route's own rewording done
+    first."""
     param = renames.get(e.param or "", e.param)
     text = message or e.message
-    msg = unquoted_sub(r"messages\[(?P<k>\d+)\]", lambda m: _at(where, int(m["k"])), text)
+    if words:  # (chat's words, before the paths around them are the client's)
+        phrases = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+        text = unquoted_sub(f"(?P<w>{phrases})", lambda m: words[m["w"]], text)
+    path = r"messages\[(?P<k>\d+)\](?P<rest>(?:\.\w+|\[\d+\])*)"
+    msg = unquoted_sub(path, lambda m: _at(where, int(m["k"]), m["rest"]), text)
     if e.param in renames:
         msg = field_renamed(msg, e.param, param or "")
     return APIError(e.status, msg, param=param, code=e.code, type_=e.type)
@@ -81,5 +107,14 @@ def tools_flattened(text: str, schema: str) -> str:
     return unquoted_sub(path, flat, text)
 
 
-def _at(where: list[str], k: int) -> str:
-    return where[k] if k < len(where) else f"messages[{k}]"
+def _at(where: list[str], k: int, rest: str) -> str:
+    """The client's path of chat's ``messages[k]<rest>``: the longest start of ``rest`` that
+    ``where[k]``'s ``Origin.fields`` moves, else ``rest`` under ``where[k]``."""
+    if k >= len(where):
+        return f"messages[{k}]{rest}"
+    fields: dict[str, str] = getattr(where[k], "fields", {})
+    parts = re.findall(r"\.\w+|\[\d+\]", rest)
+    for n in range(len(parts), 0, -1):
+        if (head := "".join(parts[:n])) in fields:
+            return fields[head] + "".join(parts[n:])
+    return str(where[k]) + rest

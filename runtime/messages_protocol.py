@@ -23,7 +23,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from runtime import chat_translation
-from runtime.chat_translation import validated_chat
+from runtime.chat_translation import Origin, validated_chat
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 MESSAGES_PATH = "/v1/messages"
@@ -73,6 +73,14 @@ _RENAMES = {
     "parallel_tool_calls": "tool_choice",
     "user": "metadata",
     "continue_final_message": "messages",
+}
+# chat's words for its tool fields -> the blocks the client sent (a tool_use_id, a call's
+# block: the messages' Origin.fields)
+_TOOL_WORDS = {
+    "a tool message": "a tool_result block",
+    "an assistant's tool_calls": "an assistant's tool_use blocks",
+    "reasoning_content or tool_calls": "a thinking block or tool_use blocks",
+    "has tool_calls": "has tool_use blocks",
 }
 # Anthropic's error type of each status (its other 4xx: invalid_request_error)
 _ERROR_TYPES = {
@@ -167,7 +175,8 @@ def renamed(e: APIError, where: list[str], fmt: str = "output_format") -> APIErr
     msg = chat_translation.field_renamed(msg, "response_format", fmt)
     if e.param == "response_format" and not msg.startswith(fmt):  # the engine's grammar check
         msg = f"{fmt}: {msg}"  # (Anthropic's shape has no param: the message names the field)
-    return chat_translation.renamed(e, where, {**_RENAMES, "response_format": fmt}, msg)
+    renames = {**_RENAMES, "response_format": fmt}
+    return chat_translation.renamed(e, where, renames, msg, _TOOL_WORDS)
 
 
 def format_field(req: MessagesRequest) -> str:
@@ -270,8 +279,9 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
             raise APIError(400, msg, param="messages")
         blocks = _blocks(turn.get("content"), f"{at}.content")
         if role == "assistant":
-            msgs.append(_assistant(blocks, at))
-            where.append(at)
+            origin = Origin(at)
+            msgs.append(_assistant(blocks, origin))
+            where.append(origin)
             continue
         texts: list[dict[str, Any]] | None = None  # the open user message's parts
         for j, b in enumerate(blocks):
@@ -282,7 +292,7 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
                 content = b.get("content")  # (optional: a result with no output)
                 output = _text("" if content is None else content, f"{bat}.content", "messages")
                 msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": output})
-                where.append(bat)
+                where.append(Origin(bat, {".tool_call_id": f"{bat}.tool_use_id"}))
                 texts = None
             elif kind == "text":
                 if texts is None:
@@ -295,8 +305,9 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
     return msgs, where
 
 
-def _assistant(blocks: list[dict[str, Any]], at: str) -> dict[str, Any]:
-    """An assistant turn as a chat message: its text, reasoning and tool calls."""
+def _assistant(blocks: list[dict[str, Any]], at: Origin) -> dict[str, Any]:
+    """An assistant turn as a chat message: its text, reasoning and tool calls (each call's
+    block, and the calls, in ``at.fields``)."""
     texts, reasoning, calls = [], [], []
     for j, b in enumerate(blocks):
         bat, kind = f"{at}.content[{j}]", b.get("type")
@@ -314,6 +325,7 @@ def _assistant(blocks: list[dict[str, Any]], at: str) -> dict[str, Any]:
                 msg = f"{bat}: a tool_use block needs a string id and name and an object input"
                 raise APIError(400, msg, param="messages")
             fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+            at.fields[f".tool_calls[{len(calls)}]"] = bat
             calls.append({"id": call_id, "type": "function", "function": fn})
         else:
             allowed = "text, thinking, redacted_thinking or tool_use"
@@ -323,6 +335,7 @@ def _assistant(blocks: list[dict[str, Any]], at: str) -> dict[str, Any]:
         msg["reasoning"] = "".join(reasoning)
     if calls:
         msg["tool_calls"] = calls
+        at.fields[".tool_calls"] = f"the tool_use blocks of {at}"
     return msg
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime import chat_translation
-from runtime.chat_translation import validated_chat
+from runtime.chat_translation import Origin, validated_chat
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 
@@ -73,6 +73,15 @@ _RENAMES = {
     "chat_template_kwargs": "reasoning",
 }
 
+# chat's words for its tool fields -> the items the client sent (a call_id, a call's item, an
+# output: the messages' Origin.fields)
+_TOOL_WORDS = {
+    "a tool message": "a function_call_output item",
+    "an assistant's tool_calls": "an assistant's function_call items",
+    "reasoning_content or tool_calls": "a reasoning item or function_call items",
+    "tool_choice: function.name": "tool_choice.name",
+}
+
 
 def check_responses(req: ResponsesRequest) -> None:
     """400 for what this server does not do, naming the field."""
@@ -106,7 +115,7 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str
     messages, where = _messages(req.input)
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
-        where.insert(0, "instructions")
+        where.insert(0, Origin("instructions"))
     body: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
@@ -134,7 +143,7 @@ def renamed(e: APIError, where: list[str]) -> APIError:
         msg = chat_translation.field_renamed(msg, "response_format", "text.format")
     elif e.param == "tools":  # (the flat tools have no .function)
         msg = chat_translation.tools_flattened(msg, "parameters")
-    return chat_translation.renamed(e, where, _RENAMES, msg)
+    return chat_translation.renamed(e, where, _RENAMES, msg, _TOOL_WORDS)
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -191,14 +200,14 @@ def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str | list[dict[str,
     return out
 
 
-def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Origin]]:
     """Chat messages of ``input``, and the item each starts at. A reasoning item, an assistant
     message and function calls that follow one another are one assistant turn; a function
     call's output is a tool message."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}], ["input"]
+        return [{"role": "user", "content": items}], [Origin("input")]
     msgs: list[dict[str, Any]] = []
-    where: list[str] = []
+    where: list[Origin] = []
     last = None  # the kind of the previous item
     for i, item in enumerate(items):
         at = f"input[{i}]"
@@ -214,7 +223,7 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
                 turn["content"] = content
             else:
                 msgs.append({"role": role, "content": content})
-                where.append(at)
+                where.append(Origin(at))
             last = "assistant" if role == "assistant" else "message"
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function", "function": {
@@ -224,16 +233,22 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
                 raise APIError(400, msg, param="input")
             if turn is None:
                 msgs.append({"role": "assistant", "content": None})
-                where.append(at)
+                where.append(Origin(at))
                 turn = msgs[-1]
-            turn.setdefault("tool_calls", []).append(call)
+            calls, fields = turn.setdefault("tool_calls", []), where[-1].fields
+            fields[f".tool_calls[{len(calls)}]"] = at
+            fields[f".tool_calls[{len(calls)}].function.arguments"] = f"{at}.arguments"
+            calls.append(call)
+            fields[".tool_calls"] = "the function_call items " + ", ".join(
+                fields[f".tool_calls[{j}]"] for j in range(len(calls))
+            )
             last = "function_call"
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{at}.call_id must be a string", param="input")
             output = _text(item.get("output"), f"{at}.output", ("input_text",))
             msgs.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-            where.append(at)
+            where.append(Origin(at, {".tool_call_id": f"{at}.call_id", ".content": f"{at}.output"}))
             last = "function_call_output"
         elif kind == "reasoning":
             parts = item.get("content") or []
@@ -241,7 +256,7 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
                 raise APIError(400, f"{at}.content must be a list of parts", param="input")
             text = "".join(p.get("text") or "" for p in parts if p.get("type") == "reasoning_text")
             msgs.append({"role": "assistant", "content": None, "reasoning": text})
-            where.append(at)
+            where.append(Origin(at))
             last = "reasoning"
         else:
             msg = (

@@ -582,7 +582,7 @@ def test_a_tool_use_id_that_reads_like_a_path_is_echoed_as_sent(
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert msg.startswith("messages[2].content[0].") and "'messages[0]'" in msg, msg
-    assert "matches none of messages[1].tool_calls" in msg, msg
+    assert "matches none of the tool_use blocks of messages[1]" in msg, msg
 
 
 def test_fields_it_need_not_honour_are_ignored(served: tuple[str, PromptedEngine]) -> None:
