@@ -9,7 +9,8 @@ from __future__ import annotations
 import prometheus_client as prom
 import pytest
 import torch
-from distributed_workers import metrics_error_worker, metrics_worker, reset_stats_worker
+from distributed_workers import metrics_worker
+from driver_workers import metrics_error_worker, reset_stats_worker
 from engine_records import random_prompts
 
 from runtime.distributed.metrics import DERIVED, MEAN, SUM, WEIGHTED, aggregate

@@ -114,7 +114,7 @@ def test_two_rank_server_answers_the_openai_client_like_one_process():
 
 
 def test_driver_heartbeat_keeps_an_idle_follower_alive(tmp_path):
-    from distributed_workers import heartbeat_worker
+    from driver_workers import heartbeat_worker
 
     spawn(heartbeat_worker, 2, str(tmp_path))
     assert int((tmp_path / "rank0.txt").read_text()) >= 3  # 3 s idle, a ping every 0.5 s
@@ -126,7 +126,7 @@ def test_driver_stops_the_server_once_a_rank_is_gone(tmp_path):
     """A follower that dies ends the multi-rank engine: the driver says so once (serve then
     stops the HTTP server and exits 1) and refuses later calls with that reason. It kept
     serving: /health ok, each request answered with the dead group's error, never exiting."""
-    from distributed_workers import driver_failure_worker
+    from driver_workers import driver_failure_worker
 
     ctx = spawn(driver_failure_worker, 2, str(tmp_path), join=False)
     for p in ctx.processes:
