@@ -10,20 +10,14 @@ choice, not the library's: an application embedding ``LLM`` keeps torch's defaul
 
 from __future__ import annotations
 
-import logging
 import os
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def configure_compile_cache() -> str:
-    """Set ``TORCHINDUCTOR_CACHE_DIR`` to the project's cache when it is not set (one INFO line
-    says which directory is used); the directory in use."""
+    """Set ``TORCHINDUCTOR_CACHE_DIR`` to the project's cache when it is not set; the directory
+    in use (``LLM``'s "captured N step graphs" line names the one the compile used)."""
     from model.checkpoint import cache_dir
 
-    given = ENV in os.environ
-    path = os.environ.setdefault(ENV, str(cache_dir() / "inductor"))
-    logging.getLogger(__name__).info(
-        "compile cache: %s (%s)", path, f"${ENV}" if given else f"${ENV} to move it"
-    )
-    return path
+    return os.environ.setdefault(ENV, str(cache_dir() / "inductor"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -186,8 +187,9 @@ class LLM:
             if compiled and progress:
                 # NOTE: a log line, not a print: generate()'s output is the caller's stdout
                 n = self.engine.runner.num_graphs
+                where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")
                 logging.getLogger(__name__).info(
-                    "captured %d step graphs in %.1f s", n, self.warmup_s
+                    "captured %d step graphs in %.1f s (compile cache: %s)", n, self.warmup_s, where
                 )
         self._ids = itertools.count()
         # request id -> outputs of a live generate() / stream request not yet read by its caller

@@ -16,7 +16,7 @@ def test_the_cache_goes_under_the_projects_cache_unless_set(monkeypatch, tmp_pat
     assert configure_compile_cache() == str(tmp_path / "mine") == os.environ[ENV]
 
 
-def test_the_command_sets_it(monkeypatch, tmp_path, capsys):
+def test_the_command_sets_it(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("ECHO_COMPILE_CACHE", str(tmp_path))
     assert cli.main(["plan", "--quant", "awq"]) == 0

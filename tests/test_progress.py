@@ -48,8 +48,11 @@ def test_the_warmup_summary_is_logged_not_printed(capsys, caplog, monkeypatch):
     llm = LLM("tiny", compile=True, progress=True, device="cpu")
     assert "captured" not in capsys.readouterr().out
     n = llm.engine.runner.num_graphs
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/the/cache")
+    caplog.clear()
+    llm = LLM("tiny", compile=True, progress=True, device="cpu")
     assert [r.getMessage() for r in caplog.records if "captured" in r.getMessage()] == [
-        f"captured {n} step graphs in 1.5 s"
+        f"captured {n} step graphs in 1.5 s (compile cache: /the/cache)"
     ]
 
 
