@@ -339,3 +339,46 @@ def test_bench_records_the_resolved_plans_as_runs():
     assert plan_runs((T, D, D, F)) == {
         "1": "triton/triton", "2-3": "deep_gemm/triton", "4": "deep_gemm/flashinfer"
     }  # fmt: skip
+
+
+def test_plan_of_is_the_batch_index_and_guards_ranges_not_sizes():
+    """``plan_of`` is ``plans[min(B, len) - 1]`` for every size, and a step traced with a
+    symbolic batch (benchmarks/bench_dynamic_decode.py) compiles once per run of equal plans:
+    indexing the tuple by the batch guarded ``B == k``, a graph per size."""
+    from custom_ops.cache.config import CacheConfig
+    from custom_ops.cache.kv_cache import KVCache
+
+    T, D, F = (
+        sel.Plan("triton", "triton"),
+        sel.Plan("deep_gemm", "triton"),
+        sel.Plan("deep_gemm", "flashinfer"),
+    )
+    for plans in ((T,) * 4, (T, D, D, F), (D,) * 3 + (F,), (T,)):
+        for b in range(1, 9):
+            assert sel.plan_of(plans, b) == plans[min(b, len(plans)) - 1]
+
+    def traced(fn, sizes):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        step = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+        for n in sizes:
+            x = torch.zeros(n, dtype=torch.int32)
+            torch._dynamo.mark_dynamic(x, 0)
+            step(x)
+        return len(graphs)
+
+    plans = (T, D, D, F)
+    assert traced(lambda x: x + len(sel.plan_of(plans, x.shape[0]).topk), (2, 3, 4, 5)) == 2
+    # the cache's call (begin_decode, as LayerKV.select): CPU plans are all Triton, one graph
+    cfg = CacheConfig(num_layers=1, host_tokens=64 * 4, gpu_tokens=128, topk=32, max_batch=4)
+    cache = KVCache(cfg, "cpu")
+
+    def decode(x):
+        cache.begin_decode(x)
+        return x + 1
+
+    assert traced(decode, (2, 3, 4)) == 1

@@ -112,8 +112,23 @@ def plan(backend: str, batch: int, device: torch.device | str) -> Plan:
 
 def plans_for(backend: str, max_batch: int, device: torch.device | str) -> tuple[Plan, ...]:
     """``plan`` of every batch size 1..max_batch, decided once when the cache is built (the
-    traced step then only indexes a tuple: no import machinery under torch.compile)."""
+    traced step then only picks from a tuple, plan_of: no import machinery under torch.compile)."""
     return tuple(plan(backend, b, device) for b in range(1, max_batch + 1))
+
+
+def plan_of(plans: tuple[Plan, ...], batch) -> Plan:
+    """``plans[min(batch, len(plans)) - 1]`` (``plans_for``'s tuple), found by comparing ``batch``
+    with the first batch of each run of equal plans, never by indexing with it.
+
+    NOTE: the same plan for static shapes. Under a symbolic batch (a decode step compiled with a
+    dynamic batch dimension, benchmarks/bench_dynamic_decode.py) an index guards the size itself,
+    ``B == k``: a graph per size; a comparison guards a range, and plans that are all equal (CPU,
+    ``triton``) guard nothing."""
+    out = plans[0]
+    for i in range(1, len(plans)):
+        if plans[i] != plans[i - 1] and batch >= i + 1:
+            out = plans[i]
+    return out
 
 
 def indexer_select(

@@ -105,7 +105,7 @@ class LayerKV(nn.Module):
         if self.staging is not None:  # the fused prefetch indexer (Triton only): same outputs
             return self.staging.select(self.index_k, self.host_kv, self.pool, q_fp8, weights,
                                        block_table, seq_lens, self.topk)  # fmt: skip
-        plan = self.plans[min(q_fp8.shape[0], len(self.plans)) - 1]
+        plan = backends.plan_of(self.plans, q_fp8.shape[0])
         return backends.indexer_select(
             plan, q_fp8, weights, self.index_k, block_table, seq_lens, self.topk,
             self.dg_schedule, self.fi_row_states,
@@ -189,7 +189,7 @@ class KVCache(nn.Module):
         """Once per decode step, before the layers: DeepGEMM's schedule of this step's lengths,
         which every layer's indexer reads (a no-op when this batch size does not use it)."""
         first = self.layers[0]
-        plan = first.plans[min(seq_lens.shape[0], len(first.plans)) - 1]
+        plan = backends.plan_of(first.plans, seq_lens.shape[0])
         if plan.scores == "deep_gemm" and first.dg_schedule is not None:
             dg_paged_mqa_schedule(seq_lens, first.dg_schedule)
 
