@@ -1,0 +1,218 @@
+"""One compile for every decode bucket? A feasibility study, not the engine's path.
+
+The engine compiles its decode step once per decode bucket, static shapes
+(``echo_compile.compiled.StepCompiler``: ``dynamic=False``). This compares, on the tiny checkpoint
+with decode buckets 1, 2, 4, 8 (prefill eager), each in a fresh process:
+
+- ``static``: the engine's compiler, ``runner.warmup()`` (3 calls a bucket, then frozen);
+- ``dynamic``: the same step compiled ONCE with dim 0 (the batch) of its six inputs marked dynamic
+  (``torch._dynamo.mark_dynamic`` before each call; ``dynamic=False`` otherwise, so nothing else
+  turns dynamic), the same warm-up;
+- ``eager``: no compile.
+
+Each then runs greedy requests, 1, 2, 4 and 8 at a time (decode batches of every size up to 8:
+the buckets, and the sizes between padded to them), with
+the steps frozen (``fail_on_recompile``): the warm-up seconds, Dynamo's graphs (one Inductor
+compile each, ``fullgraph``), graph breaks, every recompile's guard failure, and the decode logits
+of dynamic vs static vs eager, step by step.
+
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python -m benchmarks.bench_dynamic_decode \
+        [--steps 4] [--out benchmarks/results/dynamic_decode_cpu.json]
+
+``--backend aot_eager``: Dynamo and AOT tracing only (fake implementations, guards), no Inductor:
+finds the blockers in seconds. NOTE: CPU only says whether it traces, compiles and agrees; CUDA
+graphs (one capture per size under cudagraph trees, zero skips) and Triton's speed with symbolic
+shapes need a GPU (docs/compile.md, "One compile for every decode bucket?").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_warmup import _cold_prefix, _env, _write
+from echo_compile import settings
+from echo_compile.compiled import CompiledStep, StepCompiler, _own_code
+from model.checkpoint import resolve_model
+from model.loader import load_model
+from runtime.engine import Engine, EngineConfig
+from runtime.model_runner import StepModule
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer import Tokenizer
+
+BUCKETS = (1, 2, 4, 8)
+MODES = ("eager", "static", "dynamic")
+
+
+class DynamicBatchCompiler:
+    """A ``runtime.model_runner.StepCompiler``: ONE ``torch.compile`` of the step whose inputs'
+    dim 0 (decode: the batch, in all six) is marked dynamic at every call; otherwise the
+    engine's settings (``fullgraph``, ``settings.apply``, ``CompiledStep``'s pinned globals)."""
+
+    def __init__(self, device: torch.device, backend: str = "inductor"):
+        self.device = device
+        self.backend = backend
+
+    def __call__(self, step: StepModule, num_graphs: int) -> CompiledStep:
+        settings.apply(num_graphs)
+        opts = {"mode": settings.compile_mode(self.device)} if self.backend == "inductor" else {}
+        method = _own_code(step)
+        fn = torch.compile(method, fullgraph=True, dynamic=False, backend=self.backend, **opts)
+
+        def marked(*args: torch.Tensor) -> torch.Tensor:
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 0)
+            return fn(*args)
+
+        return CompiledStep(marked, self.device, method.__func__.__code__)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
+    """One mode in this process: warm-up, then 1, 2, 4, 8 greedy requests; the decode logits
+    (``[B, V]`` per step) saved to ``logits_out``."""
+    from torch._dynamo.utils import counters
+
+    path = resolve_model("tiny")
+    model, _ = load_model(path)
+    device = next(model.parameters()).device
+    compiler = {
+        "eager": None,
+        "static": StepCompiler(device, backend=backend),
+        "dynamic": DynamicBatchCompiler(device, backend),
+    }[mode]
+    b = max(BUCKETS)
+    cfg = EngineConfig(
+        max_batch=b, host_tokens=16384, gpu_tokens=b * model.config.index_topk, max_model_len=512,
+        decode_buckets=BUCKETS, prefill_chunk=64, compile_prefill=False, device=str(device),
+    )  # fmt: skip
+    engine = Engine(model, model.config, Tokenizer.from_dir(path), cfg, compiler=compiler)
+    recompiles = _Lines()
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(recompiles)
+    counters.clear()
+    # the 1-minute load average: another process on a shared machine inflates the seconds
+    res: dict = {"mode": mode, "backend": backend, "loadavg_before": os.getloadavg()[0]}
+    t0 = time.perf_counter()
+    try:
+        res["warmup_s"] = round(engine.runner.warmup(progress=False), 1) if compiler else 0.0
+    except Exception as e:  # a blocker: report it exactly
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback_tail"] = traceback.format_exc().splitlines()[-12:]
+        res["failed_after_s"] = round(time.perf_counter() - t0, 1)
+        return res
+    res["loadavg_after_warmup"] = os.getloadavg()[0]
+    res["graphs"] = counters["stats"]["unique_graphs"]
+    res["graph_breaks"] = sum(counters["graph_break"].values())
+    logs: list[torch.Tensor] = []
+    fwd = engine.runner.forward
+
+    def rec(batch, *ahead):
+        out = fwd(batch, *ahead)
+        if batch.is_decode:
+            logs.append(out.clone())
+        return out
+
+    engine.runner.forward = rec
+    rng = random.Random(5)
+    try:
+        for b in BUCKETS:
+            # prefills go one a step: b more tokens, so that all b decode together for ~steps
+            params = SamplingParams(max_tokens=steps + b, temperature=0.0, ignore_eos=True)
+            for i in range(b):
+                prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(20, 60))]
+                engine.add_request(f"b{b}r{i}", prompt, params)
+            while engine.has_unfinished():
+                engine.step()
+    except Exception as e:  # a recompile refused after warm-up, a failing op
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback_tail"] = traceback.format_exc().splitlines()[-12:]
+    res["graphs_after_serving"] = counters["stats"]["unique_graphs"]
+    res["recompile_log"] = [ln for r in recompiles.lines for ln in r.splitlines()]
+    res["decode_batches"] = [int(t.shape[0]) for t in logs]
+    torch.save(logs, logits_out)
+    return res
+
+
+def _compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    """Step by step: how many equal (``torch.equal``), the max abs diff by batch size."""
+    by: dict[int, float] = {}
+    equal = 0
+    for x, y in zip(a, b, strict=True):
+        equal += int(torch.equal(x, y))
+        d = float((x - y).abs().max())
+        by[x.shape[0]] = max(by.get(x.shape[0], 0.0), d)
+    scale = max(float(t.abs().max()) for t in a)
+    return {"steps": len(a), "equal_steps": equal, "max_abs_diff_by_batch": by,
+            "max_abs_logit": round(scale, 3)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4, help="greedy tokens a request (default 4)")
+    ap.add_argument("--backend", default="inductor", help="inductor (default) or aot_eager")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--out", default="benchmarks/results/dynamic_decode_cpu.json", help="the JSON")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (the child: a mode)
+    ap.add_argument("--logits", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one is not None:
+        print(json.dumps(run_mode(a.one, a.backend, a.steps, a.logits)))
+        return 0
+    rows, logits = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in a.modes:  # each in a fresh process: no kernel of one reused by another
+            f = f"{tmp}/{mode}.pt"
+            cmd = [sys.executable, "-m", "benchmarks.bench_dynamic_decode", "--one", mode,
+                   "--backend", a.backend, "--steps", str(a.steps), "--logits", f]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                rows[mode] = {"mode": mode, "error": done.stderr.strip().splitlines()[-12:]}
+            else:
+                rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+                if Path(f).exists():
+                    logits[mode] = torch.load(f)
+            print({k: v for k, v in rows[mode].items() if k != "recompile_log"}, flush=True)
+    pairs = [("dynamic", "static"), ("dynamic", "eager"), ("static", "eager")]
+    cmp = {f"{x}_vs_{y}": _compare(logits[x], logits[y])
+           for x, y in pairs if x in logits and y in logits}  # fmt: skip
+    for k, v in cmp.items():
+        print(k, v)
+    command = f"python -m benchmarks.bench_dynamic_decode --steps {a.steps}"
+    if a.backend != "inductor":
+        command += f" --backend {a.backend}"
+    res = {
+        "what": "decode buckets 1,2,4,8 of the tiny checkpoint (prefill eager): the engine's "
+        "static compile per bucket vs one compile with the batch dim marked dynamic; "
+        "runner.warmup() seconds (3 calls a bucket), Dynamo graphs, logits step by step",
+        "command": _cold_prefix() + command,
+        "env": _env(),
+        "buckets": list(BUCKETS),
+        "modes": rows,
+        "logits": cmp,
+    }
+    _write(Path(a.out), res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
