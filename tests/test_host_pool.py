@@ -56,6 +56,11 @@ def test_a_forked_child_does_not_inherit_the_mapping():
         hp.fault_in([(ptr, n)])
         pid = os.fork()
         if pid == 0:  # the child: reading the pool's address faults when it is not mapped
+            import faulthandler
+            import resource
+
+            faulthandler.disable()  # (pytest's handler would print the expected fault's stack)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # and no core file
             os._exit(ctypes.c_uint8.from_address(ptr + n // 2).value + 3)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
