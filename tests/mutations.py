@@ -207,6 +207,23 @@ MUTATIONS = [
         "weights = scores.gather(1, indices)",
         ("tests/test_golden_logits.py",),
     ),
+    Mutation(
+        "ranks keep their own KV sizes, not the least over the ranks",
+        "runtime/distributed/size_agreement.py",
+        "agreed[name] = min(values)",
+        "agreed[name] = next(v for v in values if v[1] == ctx.rank)",
+        (
+            "tests/test_distributed_size_agreement.py::"
+            "test_every_rank_takes_the_least_of_each_automatic_size",
+        ),
+    ),
+    Mutation(
+        "the host pool's fault-in misses each span's last partial chunk",
+        "custom_ops/cache/host_pool.py",
+        "for o in range(0, n, FAULT_CHUNK)]",
+        "for o in range(0, n - FAULT_CHUNK + 1, FAULT_CHUNK)]",
+        ("tests/test_host_pool.py",),
+    ),
 ]
 
 
