@@ -328,15 +328,17 @@ def test_prefetch_plans_ask_no_library(monkeypatch):
 
 
 def test_bench_records_the_resolved_plans_as_runs():
-    from echo_compile.bench.harness import plan_runs
+    from echo_compile.bench.harness import plan_labels
 
     T, D, F = (
         sel.Plan("triton", "triton"),
         sel.Plan("deep_gemm", "triton"),
         sel.Plan("deep_gemm", "flashinfer"),
     )
-    assert plan_runs((D,) * 63 + (F,)) == {"1-63": "deep_gemm/triton", "64": "deep_gemm/flashinfer"}
-    assert plan_runs((T, D, D, F)) == {
+    assert plan_labels((D,) * 63 + (F,)) == {
+        "1-63": "deep_gemm/triton", "64": "deep_gemm/flashinfer"
+    }  # fmt: skip
+    assert plan_labels((T, D, D, F)) == {
         "1": "triton/triton", "2-3": "deep_gemm/triton", "4": "deep_gemm/flashinfer"
     }  # fmt: skip
 
@@ -355,7 +357,7 @@ def test_plan_of_is_the_batch_index_and_guards_ranges_not_sizes():
     )
     for plans in ((T,) * 4, (T, D, D, F), (D,) * 3 + (F,), (T,)):
         for b in range(1, 9):
-            assert sel.plan_of(plans, b) == plans[min(b, len(plans)) - 1]
+            assert sel.plan_of(sel.plan_runs(plans), b) == plans[min(b, len(plans)) - 1]
 
     def traced(fn, sizes):
         graphs = []
@@ -372,7 +374,8 @@ def test_plan_of_is_the_batch_index_and_guards_ranges_not_sizes():
         return len(graphs)
 
     plans = (T, D, D, F)
-    assert traced(lambda x: x + len(sel.plan_of(plans, x.shape[0]).topk), (2, 3, 4, 5)) == 2
+    runs = sel.plan_runs(plans)
+    assert traced(lambda x: x + len(sel.plan_of(runs, x.shape[0]).topk), (2, 3, 4, 5)) == 2
     # the cache's call (begin_decode, as LayerKV.select): CPU plans are all Triton, one graph
     cfg = CacheConfig(num_layers=1, host_tokens=64 * 4, gpu_tokens=128, topk=32, max_batch=4)
     cache = KVCache(cfg, "cpu")

@@ -116,18 +116,24 @@ def plans_for(backend: str, max_batch: int, device: torch.device | str) -> tuple
     return tuple(plan(backend, b, device) for b in range(1, max_batch + 1))
 
 
-def plan_of(plans: tuple[Plan, ...], batch) -> Plan:
-    """``plans[min(batch, len(plans)) - 1]`` (``plans_for``'s tuple), found by comparing ``batch``
-    with the first batch of each run of equal plans, never by indexing with it.
+def plan_runs(plans: tuple[Plan, ...]) -> tuple[tuple[int, Plan], ...]:
+    """``plans_for``'s tuple as its runs of equal plans: (the run's first batch size, its plan),
+    in order (one run on CPU or with ``triton``, two or three with ``auto``)."""
+    return tuple((b, p) for b, p in enumerate(plans, 1) if b == 1 or p != plans[b - 2])
+
+
+def plan_of(runs: tuple[tuple[int, Plan], ...], batch) -> Plan:
+    """The plan of ``batch`` rows (``plans[min(batch, len(plans)) - 1]``) from ``plan_runs``,
+    found by comparing ``batch`` with each run's first size, never by indexing with it.
 
     NOTE: the same plan for static shapes. Under a symbolic batch (a decode step compiled with a
     dynamic batch dimension, benchmarks/bench_dynamic_decode.py) an index guards the size itself,
     ``B == k``: a graph per size; a comparison guards a range, and plans that are all equal (CPU,
     ``triton``) guard nothing."""
-    out = plans[0]
-    for i in range(1, len(plans)):
-        if plans[i] != plans[i - 1] and batch >= i + 1:
-            out = plans[i]
+    out = runs[0][1]
+    for first, p in runs[1:]:
+        if batch >= first:
+            out = p
     return out
 
 

@@ -61,6 +61,7 @@ class LayerKV(nn.Module):
         # the indexer's backend per decode batch size, and the library buffers every layer shares
         # (KVCache decides and allocates them once: indexer_plans; None when no plan uses one)
         self.plans = plans if plans is not None else indexer_plans(cfg, device)
+        self.plan_runs = backends.plan_runs(self.plans)  # what a step picks its plan from
         for name in ("dg_schedule", "fi_row_states"):
             self.register_buffer(name, (shared or {}).get(name), persistent=False)
         # prefill's scores backend by chunk tokens (no buffer: DeepGEMM's prefill logits need none)
@@ -105,7 +106,7 @@ class LayerKV(nn.Module):
         if self.staging is not None:  # the fused prefetch indexer (Triton only): same outputs
             return self.staging.select(self.index_k, self.host_kv, self.pool, q_fp8, weights,
                                        block_table, seq_lens, self.topk)  # fmt: skip
-        plan = backends.plan_of(self.plans, q_fp8.shape[0])
+        plan = backends.plan_of(self.plan_runs, q_fp8.shape[0])
         return backends.indexer_select(
             plan, q_fp8, weights, self.index_k, block_table, seq_lens, self.topk,
             self.dg_schedule, self.fi_row_states,
@@ -189,7 +190,7 @@ class KVCache(nn.Module):
         """Once per decode step, before the layers: DeepGEMM's schedule of this step's lengths,
         which every layer's indexer reads (a no-op when this batch size does not use it)."""
         first = self.layers[0]
-        plan = backends.plan_of(first.plans, seq_lens.shape[0])
+        plan = backends.plan_of(first.plan_runs, seq_lens.shape[0])
         if plan.scores == "deep_gemm" and first.dg_schedule is not None:
             dg_paged_mqa_schedule(seq_lens, first.dg_schedule)
 

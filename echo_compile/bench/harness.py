@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from custom_ops.backends.select import DEFAULT_BACKEND
+from custom_ops.backends.select import DEFAULT_BACKEND, plan_runs
 from custom_ops.cache.config import PREFETCH_MARGIN, max_decode_rows
 from custom_ops.fp8 import act_quant, fp8_round_trip
 from custom_ops.kv_format import (
@@ -205,16 +205,15 @@ class SystemResult:
     weight_bytes: int = 0
 
 
-def plan_runs(plans) -> dict[str, str]:
-    """``LayerKV.plans`` (one per batch size 1..N) as runs of equal plans."""
-    out: dict[str, str] = {}
-    start = 1
-    for b in range(1, len(plans) + 1):
-        if b == len(plans) or plans[b] != plans[start - 1]:
-            p = plans[start - 1]
-            out[f"{start}-{b}" if b > start else str(b)] = f"{p.scores}/{p.topk}"
-            start = b + 1
-    return out
+def plan_labels(plans) -> dict[str, str]:
+    """``LayerKV.plans`` (one per batch size 1..N) as runs of equal plans (``plan_runs``), each
+    labelled by its sizes: {"1-63": "deep_gemm/triton", "64": "deep_gemm/flashinfer"}."""
+    runs = plan_runs(plans)
+    ends = [first - 1 for first, _ in runs[1:]] + [len(plans)]
+    return {
+        (f"{first}-{end}" if end > first else str(first)): f"{p.scores}/{p.topk}"
+        for (first, p), end in zip(runs, ends)
+    }
 
 
 def json_safe(x):
@@ -436,7 +435,7 @@ class System:
             prefetched_per_step=list(m["prefetched_per_step"]),
             prefetch_precision=list(m["prefetch_precision"]),
             prefetch_coverage=list(m["prefetch_coverage"]),
-            indexer_plans=plan_runs(engine.cache.layers[0].plans),
+            indexer_plans=plan_labels(engine.cache.layers[0].plans),
             weights=self.weights,
             weight_bytes=self.weight_bytes,
         )
