@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,9 +127,16 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
     logs: list[torch.Tensor] = []
     fwd = engine.runner.forward
 
+    times: dict[int, list[float]] = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
     def rec(batch, *ahead):
+        sync()
+        t = time.perf_counter()
         out = fwd(batch, *ahead)
+        sync()
         if batch.is_decode:
+            times.setdefault(int(out.shape[0]), []).append(time.perf_counter() - t)
             logs.append(out.clone())
         return out
 
@@ -147,6 +155,11 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
         res["error"] = f"{type(e).__name__}: {e}"
         res["traceback_tail"] = traceback.format_exc().splitlines()[-12:]
     res["graphs_after_serving"] = counters["stats"]["unique_graphs"]
+    # CUDA: reduce-overhead's graphs (a skip runs that call eagerly; a partition splits a graph)
+    res["cudagraph"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    res["decode_step_ms_median"] = {
+        b: round(statistics.median(ts) * 1e3, 3) for b, ts in sorted(times.items())
+    }
     res["recompile_log"] = [ln for r in recompiles.lines for ln in r.splitlines()]
     res["decode_batches"] = [int(t.shape[0]) for t in logs]
     torch.save(logs, logits_out)
