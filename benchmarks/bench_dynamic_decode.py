@@ -5,9 +5,9 @@ The engine compiles its decode step once per decode bucket, static shapes
 with decode buckets 1, 2, 4, 8 (prefill eager), each in a fresh process:
 
 - ``static``: the engine's compiler, ``runner.warmup()`` (3 calls a bucket, then frozen);
-- ``dynamic``: the same step compiled ONCE with dim 0 (the batch) of its six inputs marked dynamic
-  (``torch._dynamo.mark_dynamic`` before each call; ``dynamic=False`` otherwise, so nothing else
-  turns dynamic), the same warm-up;
+- ``dynamic``: ``EngineConfig(dynamic_decode=True)``: the same step compiled ONCE with dim 0 (the
+  batch) of its six inputs marked dynamic (``torch._dynamo.mark_dynamic`` before each call;
+  ``dynamic=False`` otherwise, so nothing else turns dynamic), the same warm-up;
 - ``eager``: no compile.
 
 Each then runs greedy requests, 1, 2, 4 and 8 at a time (decode batches of every size up to 8:
@@ -23,6 +23,12 @@ of dynamic vs static vs eager, step by step.
 finds the blockers in seconds. NOTE: CPU only says whether it traces, compiles and agrees; CUDA
 graphs (one capture per size under cudagraph trees, zero skips) and Triton's speed with symbolic
 shapes need a GPU (docs/compile.md, "One compile for every decode bucket?").
+
+``--speed`` (a GPU): the decode step's speed instead, on the bench model (``--layers``,
+``--experts``; offloading, fp8 KV, ``--ctx`` tokens a request, decode-only as ``echo-compile
+bench``): one engine per mode (static, dynamic; each in a fresh process) with decode buckets 1, 2,
+4, ..., 64, its warm-up seconds and Dynamo graphs, then the median decode step with 1, 16 and 64
+requests in that same engine.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import json
 import logging
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,40 +48,16 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_warmup import _cold_prefix, _env, _write
-from echo_compile import settings
-from echo_compile.compiled import CompiledStep, StepCompiler, _own_code
+from echo_compile.bench.harness import System, Workload, build_model
+from echo_compile.compiled import StepCompiler
 from model.checkpoint import resolve_model
 from model.loader import load_model
 from runtime.engine import Engine, EngineConfig
-from runtime.model_runner import StepModule
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
 BUCKETS = (1, 2, 4, 8)
 MODES = ("eager", "static", "dynamic")
-
-
-class DynamicBatchCompiler:
-    """A ``runtime.model_runner.StepCompiler``: ONE ``torch.compile`` of the step whose inputs'
-    dim 0 (decode: the batch, in all six) is marked dynamic at every call; otherwise the
-    engine's settings (``fullgraph``, ``settings.apply``, ``CompiledStep``'s pinned globals)."""
-
-    def __init__(self, device: torch.device, backend: str = "inductor"):
-        self.device = device
-        self.backend = backend
-
-    def __call__(self, step: StepModule, num_graphs: int) -> CompiledStep:
-        settings.apply(num_graphs)
-        opts = {"mode": settings.compile_mode(self.device)} if self.backend == "inductor" else {}
-        method = _own_code(step)
-        fn = torch.compile(method, fullgraph=True, dynamic=False, backend=self.backend, **opts)
-
-        def marked(*args: torch.Tensor) -> torch.Tensor:
-            for t in args:
-                torch._dynamo.mark_dynamic(t, 0)
-            return fn(*args)
-
-        return CompiledStep(marked, self.device, method.__func__.__code__)
 
 
 class _Lines(logging.Handler):
@@ -96,15 +77,12 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
     path = resolve_model("tiny")
     model, _ = load_model(path)
     device = next(model.parameters()).device
-    compiler = {
-        "eager": None,
-        "static": StepCompiler(device, backend=backend),
-        "dynamic": DynamicBatchCompiler(device, backend),
-    }[mode]
+    compiler = None if mode == "eager" else StepCompiler(device, backend=backend)
     b = max(BUCKETS)
     cfg = EngineConfig(
         max_batch=b, host_tokens=16384, gpu_tokens=b * model.config.index_topk, max_model_len=512,
         decode_buckets=BUCKETS, prefill_chunk=64, compile_prefill=False, device=str(device),
+        dynamic_decode=mode == "dynamic",
     )  # fmt: skip
     engine = Engine(model, model.config, Tokenizer.from_dir(path), cfg, compiler=compiler)
     recompiles = _Lines()
@@ -127,16 +105,9 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
     logs: list[torch.Tensor] = []
     fwd = engine.runner.forward
 
-    times: dict[int, list[float]] = {}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
     def rec(batch, *ahead):
-        sync()
-        t = time.perf_counter()
         out = fwd(batch, *ahead)
-        sync()
         if batch.is_decode:
-            times.setdefault(int(out.shape[0]), []).append(time.perf_counter() - t)
             logs.append(out.clone())
         return out
 
@@ -157,12 +128,41 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
     res["graphs_after_serving"] = counters["stats"]["unique_graphs"]
     # CUDA: reduce-overhead's graphs (a skip runs that call eagerly; a partition splits a graph)
     res["cudagraph"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
-    res["decode_step_ms_median"] = {
-        b: round(statistics.median(ts) * 1e3, 3) for b, ts in sorted(times.items())
-    }
     res["recompile_log"] = [ln for r in recompiles.lines for ln in r.splitlines()]
     res["decode_batches"] = [int(t.shape[0]) for t in logs]
     torch.save(logs, logits_out)
+    return res
+
+
+SPEED_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SPEED_BATCHES = (1, 16, 64)
+
+
+def run_speed(mode: str, layers: int, experts: int, ctx: int, steps: int) -> dict:
+    """One mode's engine on the bench model (in this process): warm-up seconds, Dynamo graphs,
+    the cudagraph counters, and the median decode step with 1, 16 and 64 requests."""
+    from torch._dynamo.utils import counters
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model("bench", layers, experts, device)
+    per_req = -(-(ctx + steps + 64) // 64) * 64  # whole pages
+    b = max(SPEED_BUCKETS)
+    counters.clear()
+    sut = System(
+        model, "offload", max(b * model.config.index_topk, 200_000), b * per_req, "fp8", per_req,
+        b, SPEED_BUCKETS, device, 1.0, dynamic_decode=mode == "dynamic",
+    )  # fmt: skip
+    res: dict = {"mode": mode, "warmup_s": round(sut.warmup_s, 1)}
+    res["graphs"] = counters["stats"]["unique_graphs"]
+    res["graph_breaks"] = sum(counters["graph_break"].values())
+    res["step_ms_median"] = {}
+    for n in SPEED_BATCHES:
+        r = sut.run(Workload(requests=n, min_ctx=ctx, max_ctx=ctx, output_len=steps))
+        res["step_ms_median"][n] = round(r.step_ms_median, 3)
+        print(mode, n, r.step_ms_median, file=sys.stderr, flush=True)
+    res["graphs_after_serving"] = counters["stats"]["unique_graphs"]
+    res["cudagraph"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    sut.close()
     return res
 
 
@@ -185,12 +185,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="inductor", help="inductor (default) or aot_eager")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--out", default="benchmarks/results/dynamic_decode_cpu.json", help="the JSON")
+    ap.add_argument("--speed", action="store_true", help="the step's speed on the bench model")
+    ap.add_argument("--layers", type=int, default=4, help="--speed: the bench model's layers")
+    ap.add_argument("--experts", type=int, default=16, help="--speed: its routed experts")
+    ap.add_argument("--ctx", type=int, default=32768, help="--speed: tokens a request")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (the child: a mode)
     ap.add_argument("--logits", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one is not None:
-        print(json.dumps(run_mode(a.one, a.backend, a.steps, a.logits)))
+        if a.speed:
+            res = run_speed(a.one, a.layers, a.experts, a.ctx, a.steps)
+        else:
+            res = run_mode(a.one, a.backend, a.steps, a.logits)
+        print(json.dumps(res))
         return 0
+    if a.speed:
+        return _speed(a)
     rows, logits = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in a.modes:  # each in a fresh process: no kernel of one reused by another
@@ -222,6 +232,34 @@ def main(argv: list[str] | None = None) -> int:
         "buckets": list(BUCKETS),
         "modes": rows,
         "logits": cmp,
+    }
+    _write(Path(a.out), res)
+    return 0
+
+
+def _speed(a: argparse.Namespace) -> int:
+    rows = {}
+    for mode in ("static", "dynamic"):  # each in a fresh process
+        cmd = [sys.executable, "-m", "benchmarks.bench_dynamic_decode", "--speed", "--one", mode,
+               "--layers", str(a.layers), "--experts", str(a.experts), "--ctx", str(a.ctx),
+               "--steps", str(a.steps)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            rows[mode] = {"mode": mode, "error": done.stderr.strip().splitlines()[-12:]}
+        else:
+            rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(rows[mode], flush=True)
+    command = (
+        f"python -m benchmarks.bench_dynamic_decode --speed --layers {a.layers} --experts "
+        f"{a.experts} --ctx {a.ctx} --steps {a.steps}"
+    )
+    res = {
+        "what": "the bench model's decode step (offloading, fp8 KV, decode-only), one engine per "
+        f"mode with decode buckets {list(SPEED_BUCKETS)}: warm-up, Dynamo graphs, median step "
+        f"at {list(SPEED_BATCHES)} requests",
+        "command": _cold_prefix() + command,
+        "env": _env(),
+        "modes": rows,
     }
     _write(Path(a.out), res)
     return 0

@@ -197,6 +197,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "last = --max-batch (default: EngineConfig's, runtime/engine_config.py)",
     )
     p.add_argument(
+        "--dynamic-decode",
+        action="store_true",
+        help="compile the decode step once for every bucket, its batch dim symbolic (two "
+        "compiles instead of one per bucket; docs/compile.md)",
+    )
+    p.add_argument(
         "--prefill-first",
         action="store_true",
         help="decoding requests wait for every pending prefill chunk (default: they decode a step "
@@ -269,6 +275,7 @@ def engine_options(a: argparse.Namespace) -> dict:
         async_scheduling=a.async_scheduling,
         decode_during_prefill=not a.prefill_first,
         prefill_buffer=not a.no_prefill_buffer,
+        dynamic_decode=a.dynamic_decode,
     )
     if a.device:
         opts["device"] = a.device

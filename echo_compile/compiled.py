@@ -183,14 +183,36 @@ class StepCompiler:
         self.strict = strict
         self.backend = backend
 
-    def __call__(self, step: StepModule, num_graphs: int) -> CompiledStep:
+    def __call__(
+        self, step: StepModule, num_graphs: int, dynamic_batch: bool = False
+    ) -> CompiledStep:
         settings.apply(num_graphs, strict=self.strict)
         opts = {}
         if self.backend == "inductor":
             opts["mode"] = settings.compile_mode(self.device)
         method = _own_code(step)
         fn = torch.compile(method, fullgraph=True, dynamic=False, backend=self.backend, **opts)
+        if dynamic_batch:
+            fn = _batch_dynamic(fn)
         return CompiledStep(fn, self.device, method.__func__.__code__)
+
+
+def _batch_dynamic(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` with dim 0 of every input marked dynamic at each call (EngineConfig.dynamic_decode:
+    in a decode step all six inputs are batch-sized), ``dynamic=False`` otherwise, so nothing
+    else turns symbolic.
+
+    NOTE: Dynamo specializes a size-1 dim whatever the mark, so the first call (B = 1) compiles a
+    static graph and the second one graph guarded ``2 <= B`` that serves every larger bucket;
+    reduce-overhead then records a CUDA graph per batch size as it first sees it, in warm-up
+    (docs/compile.md, "One compile for every decode bucket?")."""
+
+    def marked(*args: torch.Tensor) -> torch.Tensor:
+        for t in args:
+            torch._dynamo.mark_dynamic(t, 0)
+        return fn(*args)
+
+    return marked
 
 
 class CompiledModel:
@@ -297,6 +319,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     prefetch_ratio: float = 1 / 512,
     prefetch_margin: float = PREFETCH_MARGIN,
     prefill_buffer: bool = True,
+    dynamic_decode: bool = False,
     device: str | torch.device | None = None,
     strict: bool = False,
     warmup_now: bool = False,
@@ -308,10 +331,11 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     ``host_tokens``, ``gpu_tokens``, ``kv_format``, ``offload``, ``max_batch``,
     ``max_model_len``, ``decode_buckets``, ``prefill_chunk``, ``compile_prefill`` (its prefill
     policy), ``kernel_backend``, ``prefetch``, ``prefetch_cap``, ``prefetch_ratio``,
-    ``prefetch_margin`` and ``prefill_buffer``. The others are this function's: ``device`` (by
-    default the model's), ``strict`` (a skipped CUDA graph is an error) and ``warmup_now``
-    (warm up before returning). EngineConfig's serving options (dp/tp/ep, the scheduler's,
-    prefix caching) are the engine's (``LLM``): a ``CompiledModel`` has no scheduler."""
+    ``prefetch_margin``, ``prefill_buffer`` and ``dynamic_decode``. The others are this
+    function's: ``device`` (by default the model's), ``strict`` (a skipped CUDA graph is an
+    error) and ``warmup_now`` (warm up before returning). EngineConfig's serving options
+    (dp/tp/ep, the scheduler's, prefix caching) are the engine's (``LLM``): a ``CompiledModel``
+    has no scheduler."""
     if not isinstance(model, DeepseekV32ForCausalLM):
         raise TypeError(
             f"echo_compile.compile takes a model.DeepseekV32ForCausalLM (load_model gives one), "
@@ -335,6 +359,7 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
         prefetch_ratio=prefetch_ratio,
         prefetch_margin=prefetch_margin,
         prefill_buffer=prefill_buffer,
+        dynamic_decode=dynamic_decode,
     )
     check_device(config.device, python=True)
     cm = CompiledModel(build_runner(model, config, StepCompiler(device, strict)))

@@ -70,10 +70,12 @@ class LLM:
     prompt that starts with the full 64-token pages of an earlier sequence skips their prefill,
     runtime/prefix_cache.py),
     ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill, one graph per chunk
-    bucket, for any ``max_model_len``; False: eager prefill), ``dp`` / ``tp`` (multi-process: run
-    the same script on every rank under torchrun, docs/multi_gpu.md). ``compile`` (default: on
-    CUDA) captures every bucket into CUDA graphs at start-up, then forbids recompiles. Any number of
-    engines may live in one process: each owns its compiled steps. ``fp8_weights`` (FP8
+    bucket, for any ``max_model_len``; False: eager prefill), ``dynamic_decode`` (one decode
+    compile for every bucket, its batch dim symbolic; default off: one per bucket), ``dp`` /
+    ``tp`` (multi-process: run the same script on every rank under torchrun,
+    docs/multi_gpu.md). ``compile`` (default: on CUDA) captures every bucket into CUDA graphs at
+    start-up, then forbids recompiles. Any number of engines may live in one process: each owns its
+    compiled steps. ``fp8_weights`` (FP8
     checkpoints): ``"auto"`` (default) keeps them FP8, one byte per weight, as vLLM serves them
     (docs/quantization.md; sharded on block boundaries with dp/tp/ep), as does ``"fp8"`` (an
     error on a checkpoint that is not FP8); ``"bf16"`` dequantises them at load (the reference);

@@ -97,6 +97,11 @@ class EngineConfig:
     # for an engine built directly; LLM (and so serve and generate) turns it on unless told not
     # to, as vLLM does (--no-enable-prefix-caching)
     enable_prefix_caching: bool = False
+    # compiled engines only: compile the decode step once for every bucket, its batch dim
+    # symbolic (two Dynamo graphs, B = 1 and B >= 2, a CUDA graph captured per bucket), where
+    # the default compiles each bucket on its own (docs/compile.md, "One compile for every
+    # decode bucket?")
+    dynamic_decode: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -142,6 +147,8 @@ class EngineConfig:
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
             )
+        if not isinstance(self.dynamic_decode, bool):
+            raise ValueError(f"dynamic_decode must be True or False, got {self.dynamic_decode!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(
                 f"async_scheduling must be True or False, got {self.async_scheduling!r}"

@@ -79,9 +79,12 @@ class CompiledStep(Protocol):
 class StepCompiler(Protocol):
     """Turns an eager step into a compiled one that serves ``num_graphs`` input shapes (one per
     bucket). echo_compile.compiled.StepCompiler is the one implementation: it holds every compiler
-    setting, and runtime never imports it."""
+    setting, and runtime never imports it. ``dynamic_batch``: one compile whose batch dim is
+    symbolic serves every bucket (EngineConfig.dynamic_decode)."""
 
-    def __call__(self, step: StepModule, num_graphs: int) -> CompiledStep: ...
+    def __call__(
+        self, step: StepModule, num_graphs: int, dynamic_batch: bool = False
+    ) -> CompiledStep: ...
 
 
 class ModelRunner:
@@ -98,6 +101,7 @@ class ModelRunner:
         prefill_buckets: Sequence[int],
         compiler: StepCompiler | None = None,
         compile_prefill: bool = True,
+        dynamic_decode: bool = False,
     ):
         self.model = model
         self.cache = cache
@@ -116,7 +120,7 @@ class ModelRunner:
         # (kind, buckets, compiled step) of every compiled step, for warm-up
         self.compiled: list[tuple[str, tuple[int, ...], CompiledStep]] = []
         if compiler is not None:
-            dec = compiler(self.decode_step, len(self.decode_buckets))
+            dec = compiler(self.decode_step, len(self.decode_buckets), dynamic_batch=dynamic_decode)
             self.decode_fn = dec
             self.compiled.append(("decode", self.decode_buckets, dec))
             if compile_prefill:
@@ -375,4 +379,5 @@ def build_runner(
         config.prefill_buckets,
         compiler=compiler,
         compile_prefill=config.prefill_compiled(mc),
+        dynamic_decode=config.dynamic_decode,
     )

@@ -200,6 +200,12 @@ def parser() -> argparse.ArgumentParser:
         "(EngineConfig.decode_during_prefill=False; by default decodes run between chunks)",
     )
     ap.add_argument(
+        "--dynamic-decode",
+        action="store_true",
+        help="compile the decode step once for every bucket, its batch dim symbolic "
+        "(EngineConfig.dynamic_decode)",
+    )
+    ap.add_argument(
         "--async-scheduling",
         default="off",
         help="launch each decode step before reading the last one's tokens (EngineConfig."
@@ -466,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch_margin": a.prefetch_margin,
         "async_scheduling": asyncs,
         "decode_during_prefill": not a.prefill_first,
+        "dynamic_decode": a.dynamic_decode,
         "weights": formats,
         "weight_bytes": {},
         "compiled": a.compile,
@@ -528,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                 compile_prefill=wl.prefill and not a.eager_prefill,
                 prefetch_margin=a.prefetch_margin, prefetch_limits=limits,
                 async_scheduling=asynchronous,
-                decode_during_prefill=not a.prefill_first,
+                decode_during_prefill=not a.prefill_first, dynamic_decode=a.dynamic_decode,
             )  # fmt: skip
             for run in runs:
                 r = sut.run(run)

@@ -272,6 +272,7 @@ class System:
         prefetch_limits: dict | None = None,  # prefetch_cap / prefetch_ratio (EngineConfig's)
         async_scheduling: bool = False,  # EngineConfig.async_scheduling
         decode_during_prefill: bool = True,  # EngineConfig.decode_during_prefill
+        dynamic_decode: bool = False,  # EngineConfig.dynamic_decode
     ):
         self.locality = RepeatPrevious(repeat, seed)  # first: a bad repeat fails before any build
         from echo_compile.compiled import StepCompiler
@@ -299,6 +300,7 @@ class System:
             prefetch_margin=prefetch_margin,
             async_scheduling=async_scheduling,
             decode_during_prefill=decode_during_prefill,
+            dynamic_decode=dynamic_decode,
             # neither system caches prefixes: a System runs workload after workload (the same
             # seed, the same prompts), and a later run's cached prompts would skip the prefill
             # the comparison measures (benchmarks/bench_prefix_cache.py measures the cache)

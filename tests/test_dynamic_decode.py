@@ -1,0 +1,88 @@
+"""EngineConfig.dynamic_decode: one decode compile for every bucket, its batch dim symbolic.
+
+CPU (Dynamo and AOT tracing, ``aot_eager``: Inductor's minute per graph is the GPU test's): two
+Dynamo graphs for buckets 1, 2, 4 (B = 1 specialized, one graph for B >= 2), no recompile while
+serving batches of 1-3 rows, the logits equal to the per-bucket engine's step by step. CUDA
+(``-m cuda``): the same under Inductor and reduce-overhead with the cudagraph gates (zero skips,
+zero partitions, no graph break), and offloading on vs off bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_compile import drive  # the compile tests' three-request driver
+from torch._dynamo.utils import counters
+
+from echo_compile.compiled import StepCompiler
+from model.checkpoint import resolve_model
+from model.loader import load_model
+from runtime.engine import Engine, EngineConfig
+from runtime.tokenizer import Tokenizer
+
+
+def _tiny(device: str = "cpu"):
+    path = resolve_model("tiny")
+    return load_model(path, device=device)[0], Tokenizer.from_dir(path)
+
+
+def _engine(tiny, dynamic: bool, backend: str, offload: bool = True, strict: bool = False):
+    model, tok = tiny
+    device = str(next(model.parameters()).device)
+    cfg = EngineConfig(
+        max_batch=4, host_tokens=4096, gpu_tokens=4 * model.config.index_topk, offload=offload,
+        max_model_len=512, decode_buckets=(1, 2, 4), prefill_chunk=64, device=device,
+        compile_prefill=False, dynamic_decode=dynamic,
+    )  # fmt: skip
+    compiler = StepCompiler(device, strict=strict, backend=backend)
+    return Engine(model, model.config, tok, cfg, compiler=compiler)
+
+
+def _serve(tiny, dynamic: bool, backend: str, **kw) -> tuple[list[torch.Tensor], int]:
+    """Warm-up, then the driver's requests with recompiles refused: (logits, Dynamo graphs)."""
+    torch._dynamo.reset()
+    counters.clear()
+    eng = _engine(tiny, dynamic, backend, **kw)
+    eng.runner.warmup(calls=2, progress=False)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        logs = drive(eng)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
+    return logs, graphs
+
+
+def test_dynamic_decode_must_be_bool():
+    with pytest.raises(ValueError, match="dynamic_decode must be True or False, got 'yes'"):
+        EngineConfig(dynamic_decode="yes")
+
+
+def test_one_compile_serves_every_bucket_with_equal_logits():
+    tiny = _tiny()
+    dyn, n_dyn = _serve(tiny, True, "aot_eager")
+    static, n_static = _serve(tiny, False, "aot_eager")
+    assert (n_static, n_dyn) == (3, 2)  # a graph per bucket; B = 1 and B >= 2
+    assert {t.shape[0] for t in dyn} == {1, 2, 3}  # every size served, 3 padded to 4
+    assert len(dyn) == len(static) >= 12
+    for a, b in zip(dyn, static, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_dynamic_decode_graph_gates_and_lossless_cuda():
+    import torch._inductor.config as ic
+
+    tiny = _tiny("cuda")
+    ic.fx_graph_cache = False
+    logs, graphs = {}, {}
+    for offload in (True, False):  # cudagraph_or_error: a skip is an error
+        logs[offload], graphs[offload] = _serve(
+            tiny, True, "inductor", offload=offload, strict=True
+        )
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        assert counters["inductor"].get("cudagraph_partitions", 0) == 0
+        assert dict(counters["graph_break"]) == {}
+    assert graphs == {True: 2, False: 2}
+    static, _ = _serve(tiny, False, "inductor", strict=True)
+    assert len(logs[True]) >= 12
+    for a, b, c in zip(logs[True], logs[False], static, strict=True):
+        assert torch.equal(a, b)  # offloading changes nothing
+        assert torch.equal(a, c)  # nor does the symbolic batch
