@@ -238,17 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _speed(a: argparse.Namespace) -> int:
-    rows = {}
-    for mode in ("static", "dynamic"):  # each in a fresh process
-        cmd = [sys.executable, "-m", "benchmarks.bench_dynamic_decode", "--speed", "--one", mode,
-               "--layers", str(a.layers), "--experts", str(a.experts), "--ctx", str(a.ctx),
-               "--steps", str(a.steps)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            rows[mode] = {"mode": mode, "error": done.stderr.strip().splitlines()[-12:]}
-        else:
-            rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(rows[mode], flush=True)
+    rows: dict = {}
     command = (
         f"python -m benchmarks.bench_dynamic_decode --speed --layers {a.layers} --experts "
         f"{a.experts} --ctx {a.ctx} --steps {a.steps}"
@@ -261,7 +251,17 @@ def _speed(a: argparse.Namespace) -> int:
         "env": _env(),
         "modes": rows,
     }
-    _write(Path(a.out), res)
+    for mode in ("static", "dynamic"):  # each in a fresh process
+        cmd = [sys.executable, "-m", "benchmarks.bench_dynamic_decode", "--speed", "--one", mode,
+               "--layers", str(a.layers), "--experts", str(a.experts), "--ctx", str(a.ctx),
+               "--steps", str(a.steps)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            rows[mode] = {"mode": mode, "error": done.stderr.strip().splitlines()[-12:]}
+        else:
+            rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(rows[mode], flush=True)
+        _write(Path(a.out), res)  # after each mode: a run cut short keeps the first
     return 0
 
 

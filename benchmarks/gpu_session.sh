@@ -64,7 +64,7 @@ verify)
   (stage cuda_lossless 420 $T tests/test_lossless_cuda.py -k "not long_prompts" \
      tests/test_lossless.py tests/test_lossless_short.py) &
   (stage cuda_engines 420 $T tests/test_engines_cuda.py) &
-  (stage cuda_compile 420 $T tests/test_compile_cuda.py) &
+  (stage cuda_compile 420 $T tests/test_compile_cuda.py tests/test_dynamic_decode.py) &
   (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefill_gather.py tests/test_prefix_cache.py tests/test_prefetch.py \
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
      tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py \
