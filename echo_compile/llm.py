@@ -101,8 +101,8 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         **engine_options,
     ):
-        from model.checkpoint import resolve_model
         from model.loader import load_model, read_checkpoint_meta, served_fp8_weights
+        from runtime.distributed.plan import rank_memory_device
 
         configure_threads()  # once per process: ECHO_COMPILE_THREADS, else by usable cores
         if "device" not in engine_options:
@@ -113,11 +113,13 @@ class LLM:
         engine_options.setdefault("enable_prefix_caching", True)
         config = EngineConfig(**engine_options)
         check_device(config.device, python=True)
-        path = resolve_model(model)
+        # the checkpoint's config, generation config and tokenizer's presence, read once: the
+        # sizing, the checks, the engine inputs and the load (every rank's) all take this meta
+        meta = read_checkpoint_meta(model)
+        path, ckpt = meta.path, meta.config
         self.model_path = path
         # one choice of the FP8 checkpoint's weights, which the sizing, the memory check and
         # the load (every rank's) all take
-        _, ckpt, _ = read_checkpoint_meta(path)
         asked, fp8_weights = fp8_weights, served_fp8_weights(path, ckpt, fp8_weights)
         if ckpt.quantization is not None and ckpt.quantization.method == "fp8":
             if fp8_weights == "fp8":
@@ -128,9 +130,10 @@ class LLM:
                 how = "bf16 as stored (its config.json declares FP8, its tensors have no scales)"
             logging.getLogger(__name__).info("FP8 checkpoint: weights %s", how)
         # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line);
-        # the rank's weights counted once for the sizing and the memory check (the sizing
-        # changes no split they depend on). A rank of a dp/tp/ep job joins the process group
-        # first: the ranks take the least of each automatic size, so all size alike
+        # the rank's weights and memory device found once for the sizing and the memory check
+        # (the sizing changes no split or device they depend on). A rank of a dp/tp/ep job
+        # joins the process group first: the ranks take the least of each automatic size, so
+        # all size alike
         ctx, joined = None, False
         if config.world_size > 1:
             import torch.distributed as dist
@@ -142,17 +145,18 @@ class LLM:
         with ended_on_error(joined):  # (an error after the join: the group ended)
             given = set(SIZED) & set(engine_options)
             weights = rank_weights(ckpt, config, fp8_weights)
+            memory_device = rank_memory_device(config)  # (torchrun: this rank's GPU)
             config = size_engine(
-                path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
-                weights, ctx,
+                meta, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
+                weights, ctx, memory_device,
             )  # fmt: skip
             # the tokenizer, the generation config and the options against the model config, in
             # seconds: a mistake there is not found after minutes of reading weights
-            inputs = read_engine_inputs(path, config, generation_config)
+            inputs = read_engine_inputs(meta, config, generation_config)
             if config.device.startswith("cuda"):
-                check_fits(path, config, fp8_weights, weights)
+                check_fits(meta, config, fp8_weights, weights, memory_device)
             else:
-                check_host_pool(path, config)
+                check_host_pool(meta, config)
             compiled = compile if compile is not None else config.device.startswith("cuda")
             if config.world_size > 1:
                 # one rank of a dp/tp job (torchrun): every rank runs this same code
@@ -160,14 +164,14 @@ class LLM:
                 from runtime.distributed.dist_engine import build_distributed_engine
 
                 self.engine = build_distributed_engine(
-                    path, config, model, StepCompiler if compiled else None, ctx, fp8_weights,
+                    meta, config, model, StepCompiler if compiled else None, ctx, fp8_weights,
                     inputs=inputs, progress=progress,
                 )  # fmt: skip
             else:
                 # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
                 with LoadProgress(enabled=progress) as loading:
                     net, extras = load_model(
-                        path, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
+                        meta, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
                         progress=loading,
                     )  # fmt: skip
                 logging.getLogger(__name__).info(loading.close())

@@ -25,18 +25,27 @@ def rank_weights(model_config: ModelConfig, config: EngineConfig, fp8_weights: s
         return None
 
 
-def check_fits(path, config: EngineConfig, fp8_weights: str, weights: int | None = None) -> None:
+def check_fits(
+    path,
+    config: EngineConfig,
+    fp8_weights: str,
+    weights: int | None = None,
+    memory_device: tuple[str, int] | None = None,
+) -> None:
     """The memory plan of this rank (runtime/distributed/plan.py) against its GPU and host,
     before the weights load: a deployment that cannot fit is refused in seconds, naming what
     does not. Anything else the check meets (a bad checkpoint or option: the loader says so
-    next; a config the planner cannot count) makes it step aside with a warning. ``weights``:
-    ``rank_weights`` (None: counted here)."""
-    from model.loader import read_checkpoint_meta
+    next; a config the planner cannot count) makes it step aside with a warning. ``path``: the
+    checkpoint directory, or its ``model.loader.CheckpointMeta`` already read; ``weights``:
+    ``rank_weights`` (None: counted here); ``memory_device``: ``plan.rank_memory_device``'s
+    (None: found here)."""
+    from model.loader import checkpoint_meta
     from runtime.distributed import plan
 
     try:
-        device, local_ranks = plan.rank_memory_device(config)  # (torchrun: this rank's GPU)
-        _, model_config, _ = read_checkpoint_meta(path)
+        # (torchrun: this rank's GPU)
+        device, local_ranks = memory_device or plan.rank_memory_device(config)
+        _, model_config, _ = checkpoint_meta(path)
         gpu, host = plan.device_memory_gib(device)
         plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks, weights)
     except plan.DoesNotFit:
@@ -48,10 +57,10 @@ def check_fits(path, config: EngineConfig, fp8_weights: str, weights: int | None
 def check_host_pool(path, config: EngineConfig) -> None:
     """On the CPU: the KV pool against this machine's memory before any weight is read (the
     refusal ``allocate_host_rows`` makes when the engine allocates it, minutes later for a real
-    checkpoint), naming ``--host-tokens`` and the bytes."""
+    checkpoint), naming ``--host-tokens`` and the bytes. ``path``: as ``check_fits``'."""
     from custom_ops.cache.host_pool import check_host_rows
-    from model.loader import read_checkpoint_meta
+    from model.loader import checkpoint_meta
 
-    _, model_config, _ = read_checkpoint_meta(path)
+    _, model_config, _ = checkpoint_meta(path)
     cc = config.cache_config(model_config)
     check_host_rows(cc.num_layers, cc.host_tokens, cc.row_bytes, config.device, cc.offload)

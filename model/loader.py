@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -472,22 +472,23 @@ def _cast_half_params(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def load_model(
-    path_or_name: str | Path,
+    path_or_name: str | Path | CheckpointMeta,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     keep_mtp: bool = True,
     fp8_weights: str = "auto",
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, LoadExtras]:
-    """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``) as
-    ``DeepseekV32ForCausalLM`` on ``device``; ``dtype`` is the dtype of its 16-bit weights.
+    """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``; or
+    its ``CheckpointMeta``, already read) as ``DeepseekV32ForCausalLM`` on ``device``; ``dtype``
+    is the dtype of its 16-bit weights.
     ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies).
     ``fp8_weights`` (FP8 checkpoints, ``model.fp8_weights.resolve_fp8_weights``): ``"auto"``
     (default) and ``"fp8"`` keep the linears FP8 (``model.fp8_weights.FP8Linear``), ``"bf16"``
     dequantises every FP8 weight at load (the reference). ``progress``: ``load_weights``'."""
     from model.model import DeepseekV32ForCausalLM
 
-    path, config, _ = read_checkpoint_meta(path_or_name)
+    path, config, _ = checkpoint_meta(path_or_name)
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
@@ -535,10 +536,22 @@ def served_fp8_weights(path: Path, config: ModelConfig, fp8_weights: str) -> str
     return "bf16" if fp8_scaled_modules(path, config, fp8_weights) is None else "fp8"
 
 
-def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, Any]:
-    """A checkpoint directory's path, model config and generation config (``{}`` when absent;
-    the ``ValueError`` naming it when it is not valid JSON), with its tokenizer checked present:
-    what every loader (whole or sharded) reads first."""
+class CheckpointMeta(NamedTuple):
+    """What a start-up reads of a checkpoint directory before any weight
+    (``read_checkpoint_meta``). Read once and passed down (``LLM``: to the FP8 choice, the KV
+    sizing, the memory checks, the engine inputs and the load), not cached: engines of other
+    checkpoints may live in the same process."""
+
+    path: Path
+    config: ModelConfig
+    # {} when absent; the ValueError naming it when it is not valid JSON (raised only where it
+    # is used: generation_config "none" skips it)
+    generation_config: Any
+
+
+def read_checkpoint_meta(path_or_name: str | Path) -> CheckpointMeta:
+    """A checkpoint directory's path, model config and generation config, with its tokenizer
+    checked present: what every loader (whole or sharded) reads first."""
     path = resolve_model(path_or_name)
     raw = _read_json(_require(path, "config.json"), "model config")
     if not isinstance(raw, dict):  # NOTE: from_dict would fail on it with an AttributeError
@@ -550,7 +563,12 @@ def read_checkpoint_meta(path_or_name: str | Path) -> tuple[Path, ModelConfig, A
         generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
     except ValueError as e:  # NOTE: raised only where it is used: generation_config "none" skips it
         generation_config = e
-    return path, config, generation_config
+    return CheckpointMeta(path, config, generation_config)
+
+
+def checkpoint_meta(source: str | Path | CheckpointMeta) -> CheckpointMeta:
+    """``source``'s meta: as given where it was already read, else ``read_checkpoint_meta``'s."""
+    return source if isinstance(source, CheckpointMeta) else read_checkpoint_meta(source)
 
 
 def finish_loaded_model(

@@ -24,13 +24,14 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.loader import (
+    CheckpointMeta,
     LoadExtras,
     _cast_half_params,
     _init_non_persistent_buffers,
+    checkpoint_meta,
     finish_loaded_model,
     fp8_scaled_modules,
     load_weights,
-    read_checkpoint_meta,
 )
 from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn, shard_dim
 
@@ -165,7 +166,7 @@ def build_sharded_model(
 
 
 def load_sharded_model(
-    path_or_name: str | Path,
+    path_or_name: str | Path | CheckpointMeta,
     g: TPGroup,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
@@ -174,13 +175,14 @@ def load_sharded_model(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, LoadExtras]:
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
-    (``ep``: its routed experts whole instead of a slice of every expert). ``fp8_weights``
+    (``ep``: its routed experts whole instead of a slice of every expert). ``path_or_name``: as
+    ``load_model``'s. ``fp8_weights``
     (FP8 checkpoints): ``"auto"`` (default) / ``"fp8"`` keep the weights FP8, ``"bf16"``
     dequantises them at load (``model.fp8_weights.resolve_fp8_weights``); FP8 or not, each
     shard cut on 128x128 block boundaries (a split that is not is refused when the model is built,
     naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it).
     ``progress``: ``model.loader.load_weights``'."""
-    path, config, _ = read_checkpoint_meta(path_or_name)
+    path, config, _ = checkpoint_meta(path_or_name)
     model = build_sharded_model(config, g, dtype, ep, fp8_scaled_modules(path, config, fp8_weights))
     load_shard_weights(model, path, config, device, g, ep, progress)
     finish_loaded_model(model, config, device, dtype)

@@ -27,10 +27,11 @@ def read_engine_inputs(path, config: EngineConfig, generation_config: str = "aut
     config's bos/eos ids standing in for tokens its tokenizer_config.json has no entry for; a
     BOS or EOS past the model's vocabulary refused) and,
     with ``generation_config`` "auto", the request defaults and EOS ids its generation_config.json
-    sets (``runtime.sampling_params.generation_defaults``; "none": the file is not read)."""
-    from model.loader import read_checkpoint_meta
+    sets (``runtime.sampling_params.generation_defaults``; "none": the file is not read).
+    ``path``: the checkpoint directory, or its ``model.loader.CheckpointMeta`` already read."""
+    from model.loader import checkpoint_meta
 
-    path, mc, generation = read_checkpoint_meta(path)
+    path, mc, generation = checkpoint_meta(path)
     config.cache_config(mc)  # raises ValueError naming the option
     tokenizer = Tokenizer.from_dir(path, mc.bos_token_id, mc.eos_token_id)
     tokenizer.check_vocab(mc.vocab_size)

@@ -184,12 +184,15 @@ def size_engine(
     gpu_memory_utilization: float | None = None,
     weights: int | None = None,
     ctx: DistContext | None = None,
+    memory_device: tuple[str, int] | None = None,
 ) -> EngineConfig:
     """``config`` with ``auto_sizes``'s sizes for this rank's GPU and host (CUDA only; the CPU
     keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
     that cannot count the config) leaves ``config`` as it is, with a warning. A fraction given
-    (not None) where it sizes nothing is warned about, naming the flag. ``weights``: the rank's
-    ``plan.rank_weight_bytes`` if already counted (else counted here). ``ctx``: this rank's
+    (not None) where it sizes nothing is warned about, naming the flag. ``path``: the checkpoint
+    directory, or its ``model.loader.CheckpointMeta`` already read. ``weights``: the rank's
+    ``plan.rank_weight_bytes`` if already counted (else counted here); ``memory_device``:
+    ``plan.rank_memory_device``'s, if already found (else found here). ``ctx``: this rank's
     place in a multi-rank job (``dist_engine.join``), which every rank of it passes: each size
     left out is then the least over the ranks (``size_agreement.agree_min``, a collective every
     rank makes, on the CPU too), as vLLM takes its workers' least KV block count, and a rank
@@ -198,8 +201,9 @@ def size_engine(
     error."""
     if ctx is None or ctx.world_size == 1:
         config, why = _own_sizes(
-            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights
-        )
+            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights,
+            memory_device,
+        )  # fmt: skip
         if why:
             logger.info("%s", why)
         return config
@@ -208,8 +212,9 @@ def size_engine(
     own, why, error = config, "", None
     try:
         own, why = _own_sizes(
-            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights
-        )
+            path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights,
+            memory_device,
+        )  # fmt: skip
     except ValueError as e:  # (every rank must reach the agreement: it raises there, on all)
         error = str(e)
     # a size the user gave is the same on every rank (check_same_options): not agreed on
@@ -236,6 +241,7 @@ def _own_sizes(
     host_memory_fraction: float | None,
     gpu_memory_utilization: float | None,
     weights: int | None,
+    memory_device: tuple[str, int] | None,
 ) -> tuple[EngineConfig, str]:
     """``size_engine`` for this rank alone: the config and its line (empty: nothing sized)."""
     if not config.offload:  # no GPU pool: nothing to size in gpu_tokens
@@ -262,12 +268,13 @@ def _own_sizes(
     check_fractions(host_memory_fraction, gpu_memory_utilization)
     if not cuda or set(SIZED) <= given:
         return config, ""
-    from model.loader import read_checkpoint_meta
+    from model.loader import checkpoint_meta
     from runtime.distributed import plan
 
     try:
-        device, local_ranks = plan.rank_memory_device(config)  # (torchrun: this rank's GPU)
-        _, mc, _ = read_checkpoint_meta(path)
+        # (torchrun: this rank's GPU)
+        device, local_ranks = memory_device or plan.rank_memory_device(config)
+        _, mc, _ = checkpoint_meta(path)
         _, host_gib = plan.device_memory_gib(device)
         memory = Memory(int(host_gib * GIB), plan.gpu_total_bytes(device), local_ranks)
         w = plan.rank_weight_bytes(mc, config, fp8_weights) if weights is None else weights

@@ -280,7 +280,8 @@ def build_distributed_engine(
     progress: bool = True,
 ) -> DistributedEngine:
     """Join the process group (``join``; ``ctx``: already joined), load this rank's shard and
-    build its engine. ``config.device`` "cuda" becomes this rank's ``cuda:<LOCAL_RANK>``.
+    build its engine. ``path``: the checkpoint directory, or its ``model.loader.CheckpointMeta``
+    already read. ``config.device`` "cuda" becomes this rank's ``cuda:<LOCAL_RANK>``.
     ``compiler_factory(device)``: a ``StepCompiler`` for the rank's device, or None for eager.
     ``fp8_weights``: as ``load_model``'s (FP8 kept per shard); ``generation_config``: as
     ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller read them (else they are

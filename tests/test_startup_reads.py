@@ -1,0 +1,73 @@
+"""One start-up of ``LLM`` (the offline API and the server's) reads its checkpoint's meta
+(``model.loader.read_checkpoint_meta``: config.json, generation_config.json, the tokenizer's
+presence) once and finds the device whose memory it plans with (``plan.rank_memory_device``)
+once: each is passed down to the sizing, the checks, the engine inputs and the load, which
+read nothing of it again."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import model.loader
+from runtime.distributed import plan
+
+
+class Loaded(Exception):
+    """The load was reached (the test stops there)."""
+
+
+def _count(monkeypatch, module, name: str) -> list[int]:
+    """Count the calls of ``module.name``, wherever it is imported from: every loaded module
+    holding the same function (an import at a module's top) gets the counting one too."""
+    real, calls = getattr(module, name), [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    for m in list(sys.modules.values()):
+        if getattr(m, name, None) is real:
+            monkeypatch.setattr(m, name, counted)
+    return calls
+
+
+def test_a_cpu_start_up_reads_the_checkpoint_meta_once(monkeypatch):
+    """The whole start-up on the CPU: the FP8 choice, the host pool's check, the engine inputs
+    and the load."""
+    from echo_compile.llm import LLM
+
+    reads = _count(monkeypatch, model.loader, "read_checkpoint_meta")
+    llm = LLM("tiny", device="cpu", compile=False, progress=False, max_batch=2)
+    assert llm.engine.model_config.vocab_size > 0
+    assert reads[0] == 1
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_cuda_start_up_reads_the_meta_and_the_memory_device_once(monkeypatch, dp):
+    """On a (pretended) GPU, up to the load: the sizing and the memory check both take the
+    checkpoint's model config and this rank's memory device from ``LLM``; the load (one
+    process's, or a dp rank's build) takes the meta already read."""
+    import echo_compile.llm
+    from runtime.distributed import dist_engine
+
+    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)
+    monkeypatch.setattr(plan, "device_memory_gib", lambda d: (139.8, 1000.0))
+    monkeypatch.setattr(plan, "gpu_total_bytes", lambda d: int(139.8 * 2**30))
+    if dp > 1:  # no process group: the ranks' agreement is this rank's own sizes
+        monkeypatch.setattr(dist_engine, "join", lambda config: None)
+    reads = _count(monkeypatch, model.loader, "read_checkpoint_meta")
+    devices = _count(monkeypatch, plan, "rank_memory_device")
+    sources = []
+
+    def stop(source, *a, **k):
+        sources.append(source)
+        raise Loaded
+
+    monkeypatch.setattr(model.loader, "load_model", stop)
+    monkeypatch.setattr(dist_engine, "build_distributed_engine", stop)
+    with pytest.raises(Loaded):
+        echo_compile.llm.LLM("tiny", device="cuda", dp=dp, compile=False, progress=False)
+    assert (reads[0], devices[0]) == (1, 1)
+    assert isinstance(sources[0], model.loader.CheckpointMeta)  # (the load reads no meta again)
