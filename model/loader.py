@@ -12,8 +12,9 @@ Every problem raises ``ValueError`` naming the tensor and the file: missing, une
 shape, wrong kind of dtype, a shard the index names that is not there, FP8 scales that are not
 powers of two where config.json declares ``scale_fmt: ue8m0``.
 A caller that shows the load's progress passes ``progress(n, total)``: called after each tensor
-is read, ``n`` its bytes, ``total`` those the whole load reads (from the shards' headers, before
-any tensor is), so the ``n`` sum to ``total`` (the bar is the caller's: ``runtime.progress``).
+is read, ``n`` its bytes, ``total`` those the whole load reads, both from the shards' headers
+before any tensor is read (a tensor's span in its file, whatever its dtype: ``tensor_bytes``), so
+the ``n`` sum to ``total`` (the bar is the caller's: ``runtime.progress``).
 Shards are read one after another: reading ahead in threads was measured slower
 (benchmarks/bench_load.py; docs/model_notes.md, "Loading the shards").
 """
@@ -21,8 +22,8 @@ Shards are read one after another: reading ahead in threads was measured slower
 from __future__ import annotations
 
 import json
-import math
 import re
+import struct
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -48,13 +49,6 @@ _EXPERT = re.compile(
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 FP16_MIN_NORMAL = torch.finfo(torch.float16).tiny  # 2^-14
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-# bytes per element of safetensors' dtype names (a header's sizes, before any tensor is read)
-_ITEMSIZE = {
-    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2"), 1),
-    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 2),
-    **dict.fromkeys(("I32", "U32", "F32"), 4),
-    **dict.fromkeys(("I64", "U64", "F64"), 8),
-}
 
 
 @dataclass
@@ -365,24 +359,41 @@ def open_shard(path: Path, file: str):
         raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
 
 
+def shard_header(file: Path) -> dict[str, dict[str, Any]]:
+    """A safetensors file's header, ``{tensor name: {"dtype", "shape", "data_offsets"}}`` (its
+    ``__metadata__`` left out): read where ``open_shard`` accepted the file, which checks the
+    header against the file (offsets contiguous, each span the size its dtype and shape give,
+    the file as long as they say)."""
+    with open(file, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))  # (safetensors: a little-endian u64 length)
+        header = json.loads(fh.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_bytes(entry: dict[str, Any]) -> int:
+    """A tensor's bytes in its file, from its header entry (``shard_header``): its
+    ``data_offsets`` [start, end), whatever its dtype (a table of bytes per dtype name counted 0
+    for a name it lacked, C64 or F8_E4M3FNUZ, and the load's bar fell short of what it read)."""
+    start, end = entry["data_offsets"]
+    return end - start
+
+
 def checked_shards(path: Path) -> tuple[str, dict[str, list[str]], set[str], dict[str, int]]:
     """``_shards``, with every shard's header read and held against the index before any tensor
     is: an unreadable shard (a truncated download, a git-lfs pointer) or one that lacks or adds a
     tensor is found in seconds, not after the shards before it were read (minutes on V3.2). Also
     returns, from the same headers, the names stored as e4m3 (``_Loader.check_names``) and each
-    tensor's bytes (the load's progress)."""
+    tensor's bytes (``tensor_bytes``: the load's progress)."""
     index, files = _shards(path)
     fp8: set[str] = set()
     nbytes: dict[str, int] = {}
     for file, names in files.items():
-        with open_shard(path, file) as f:
-            keys = set(f.keys())
-            for n in keys:
-                sl = f.get_slice(n)
-                dtype = sl.get_dtype()
-                if dtype == "F8_E4M3":
-                    fp8.add(n)
-                nbytes[n] = math.prod(sl.get_shape()) * _ITEMSIZE.get(dtype, 0)
+        with open_shard(path, file):  # (the file checked against its header: then read that)
+            header = shard_header(path / file)
+        keys = set(header)
+        fp8.update(n for n, entry in header.items() if entry["dtype"] == "F8_E4M3")
+        nbytes.update((n, tensor_bytes(entry)) for n, entry in header.items())
         missing = [name for name in names if name not in keys]
         if missing:
             raise ValueError(
@@ -416,8 +427,8 @@ def load_weights(
     model's name of checkpoint tensor ``name``, None for one not read here, and ``read(f, name,
     file)`` reads its part from the open shard ``f`` (default: all of it), ``read_bytes(name,
     n)`` the bytes of that part of the ``n``-byte tensor (default: ``n``). ``progress(n, total)``
-    (module docstring): after each tensor read, ``n`` the bytes of the tensor as read (its
-    ``nbytes``, as stored in the file), ``total`` the sum of every ``n`` of this load."""
+    (module docstring): after each tensor read, ``n`` its bytes as read (``read_bytes`` of its
+    bytes in the file, ``tensor_bytes``), ``total`` the sum of every ``n`` of this load."""
     path = Path(path)
     local = local or (lambda name: name)
     index, files, fp8, nbytes = checked_shards(path)
@@ -439,7 +450,7 @@ def load_weights(
                 t = f.get_tensor(name) if read is None else read(f, name, file)
                 loader.add(ours, t, file)  # (the copy is the read: get_tensor maps the file)
                 if progress is not None:
-                    progress(t.nbytes, total)
+                    progress(size(name, nbytes[name]), total)
     loader.finish(index)
     _init_non_persistent_buffers(model)
     return loader.mtp

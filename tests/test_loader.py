@@ -693,3 +693,27 @@ def test_progress_counts_every_byte_read_once(tiny, tiny_fp8):
         assert sum(n for n, _ in calls) == calls[0][1] < whole
         assert {t for _, t in calls} == {calls[0][1]}
         assert len(calls) == count - (rank1 if ep else 0)  # EP: rank 1's experts are not read
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e5m2fnuz])
+def test_progress_counts_a_dtype_of_any_name_by_its_span_in_the_file(tiny, tmp_path, dtype):
+    """A tensor's bytes are its span in the file (the header's ``data_offsets``), whatever its
+    dtype: an MTP tensor (kept aside as stored, so the load takes any dtype) in a dtype that a
+    table of bytes per safetensors dtype name lacked (C64, F8_E5M2FNUZ) counts in ``total`` and
+    in its ``n`` as the other tensors do (counted 0, the bar's total fell short of the bytes
+    read)."""
+    path = copy_ckpt(tiny, tmp_path)
+    name = f"model.layers.{TINY.num_hidden_layers}.shared_head.norm.weight"
+
+    def recast(t, shard):
+        if name in t:
+            t[name] = torch.ones(t[name].shape).to(dtype)
+
+    edit(path, recast)
+    calls = []
+    _, extras = load_model(path, progress=lambda n, total: calls.append((n, total)))
+    assert extras.mtp[name].dtype == dtype
+    count, read = stored(path)
+    assert len(calls) == count
+    assert sum(n for n, _ in calls) == read
+    assert {t for _, t in calls} == {read}
