@@ -21,26 +21,21 @@ Shards are read one after another: reading ahead in threads was measured slower
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 import warnings
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from model.checkpoint import resolve_model
 from model.config import ModelConfig
 from model.fp8_weights import is_ue8m0, resolve_fp8_weights, weight_dequant_fp8
+from model.shards import checked_shards, open_shard, read_json, shard_files
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 _EXPERT = re.compile(
     r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
@@ -319,96 +314,6 @@ class _Loader:
             )
 
 
-def _read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise ValueError(f"{path.parent}: no {path.name} ({what})")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-
-
-def _shards(path: Path) -> tuple[str, dict[str, list[str]]]:
-    """(index file name, {shard file: [tensor names]}) of the checkpoint at ``path``."""
-    if (path / INDEX_FILE).is_file():
-        index = _read_json(path / INDEX_FILE, "the shard index")
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise ValueError(f"{path / INDEX_FILE}: expected a 'weight_map' of tensor -> file")
-        files: dict[str, list[str]] = defaultdict(list)
-        for name, f in wm.items():
-            files[f].append(name)
-        for f, names in files.items():
-            if not (path / f).is_file():
-                raise ValueError(
-                    f"{path / INDEX_FILE} names shard {f!r} (e.g. for tensor {names[0]!r}), "
-                    f"but {path / f} does not exist"
-                )
-        return INDEX_FILE, dict(files)
-    if (path / SINGLE_FILE).is_file():
-        with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
-            return SINGLE_FILE, {SINGLE_FILE: list(f.keys())}
-    raise ValueError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE}")
-
-
-def open_shard(path: Path, file: str):
-    """``safe_open`` of one shard, its failure a ValueError naming the file."""
-    try:
-        return safe_open(str(path / file), framework="pt", device="cpu")
-    except (OSError, SafetensorError) as e:
-        raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from e
-
-
-def shard_header(file: Path) -> dict[str, dict[str, Any]]:
-    """A safetensors file's header, ``{tensor name: {"dtype", "shape", "data_offsets"}}`` (its
-    ``__metadata__`` left out): read where ``open_shard`` accepted the file, which checks the
-    header against the file (offsets contiguous, each span the size its dtype and shape give,
-    the file as long as they say)."""
-    with open(file, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))  # (safetensors: a little-endian u64 length)
-        header = json.loads(fh.read(size))
-    header.pop("__metadata__", None)
-    return header
-
-
-def tensor_bytes(entry: dict[str, Any]) -> int:
-    """A tensor's bytes in its file, from its header entry (``shard_header``): its
-    ``data_offsets`` [start, end), whatever its dtype (a table of bytes per dtype name counted 0
-    for a name it lacked, C64 or F8_E4M3FNUZ, and the load's bar fell short of what it read)."""
-    start, end = entry["data_offsets"]
-    return end - start
-
-
-def checked_shards(path: Path) -> tuple[str, dict[str, list[str]], set[str], dict[str, int]]:
-    """``_shards``, with every shard's header read and held against the index before any tensor
-    is: an unreadable shard (a truncated download, a git-lfs pointer) or one that lacks or adds a
-    tensor is found in seconds, not after the shards before it were read (minutes on V3.2). Also
-    returns, from the same headers, the names stored as e4m3 (``_Loader.check_names``) and each
-    tensor's bytes (``tensor_bytes``: the load's progress)."""
-    index, files = _shards(path)
-    fp8: set[str] = set()
-    nbytes: dict[str, int] = {}
-    for file, names in files.items():
-        with open_shard(path, file):  # (the file checked against its header: then read that)
-            header = shard_header(path / file)
-        keys = set(header)
-        fp8.update(n for n, entry in header.items() if entry["dtype"] == "F8_E4M3")
-        nbytes.update((n, tensor_bytes(entry)) for n, entry in header.items())
-        missing = [name for name in names if name not in keys]
-        if missing:
-            raise ValueError(
-                f"missing tensor {missing[0]!r}: {path / index} places it in {path / file}, "
-                "which does not contain it"
-            )
-        extra = sorted(keys - set(names))
-        if extra:
-            raise ValueError(
-                f"unexpected tensor {extra[0]!r} in {path / file}: not listed for this file "
-                f"in {path / index}"
-            )
-    return index, files, fp8, nbytes
-
-
 def load_weights(
     model: nn.Module,
     path: str | Path,
@@ -526,7 +431,7 @@ def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set
     it holds under ``"auto"`` (None), and is a ValueError under an explicit ``"fp8"``."""
     if resolve_fp8_weights(fp8_weights, config, str(path)) == "bf16":
         return None
-    _, files = _shards(path)
+    _, files = shard_files(path)
     scaled = {n.removesuffix(".weight_scale_inv") for names in files.values()
               for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
     if not scaled and fp8_weights == "auto":
@@ -564,14 +469,14 @@ def read_checkpoint_meta(path_or_name: str | Path) -> CheckpointMeta:
     """A checkpoint directory's path, model config and generation config, with its tokenizer
     checked present: what every loader (whole or sharded) reads first."""
     path = resolve_model(path_or_name)
-    raw = _read_json(_require(path, "config.json"), "model config")
+    raw = read_json(_require(path, "config.json"), "model config")
     if not isinstance(raw, dict):  # NOTE: from_dict would fail on it with an AttributeError
         raise ValueError(f"{path}/config.json: expected a JSON object, not {type(raw).__name__}")
     config = ModelConfig.from_dict(raw)
     _require(path, "tokenizer.json")
     gen = path / "generation_config.json"
     try:
-        generation_config = _read_json(gen, "generation config") if gen.is_file() else {}
+        generation_config = read_json(gen, "generation config") if gen.is_file() else {}
     except ValueError as e:  # NOTE: raised only where it is used: generation_config "none" skips it
         generation_config = e
     return CheckpointMeta(path, config, generation_config)
