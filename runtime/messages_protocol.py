@@ -18,6 +18,7 @@ prefix cache needs no marks); ``thinking.budget_tokens`` is accepted, not enforc
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -81,7 +82,13 @@ _TOOL_WORDS = {
     "an assistant's tool_calls": "an assistant's tool_use blocks",
     "reasoning_content or tool_calls": "a thinking block or tool_use blocks",
     "has tool_calls": "has tool_use blocks",
+    # chat's tool_choice values -> the Messages types the client sent (required: any; a named
+    # function: tool)
+    "tool_choice: required needs": "tool_choice: type any needs",
+    "tool_choice required or a named function": "tool_choice of type any or tool",
 }
+# chat's error on a named function that is not a tool: the name is the Messages choice's own field
+_CHOICE_NAME = re.compile(r"^tool_choice: (?=.* is not one of the request's tools$)")
 # Anthropic's error type of each status (its other 4xx: invalid_request_error)
 _ERROR_TYPES = {
     401: "authentication_error",
@@ -171,6 +178,8 @@ def renamed(e: APIError, where: list[str], fmt: str = "output_format") -> APIErr
     msg = e.message
     if e.param == "tools":  # (the tools have no .function; their schema is input_schema)
         msg = chat_translation.tools_flattened(msg, "input_schema")
+    elif e.param == "tool_choice":
+        msg = _CHOICE_NAME.sub("tool_choice.name: ", msg)
     # (also where tool_choice's error names it: a forced call and a format are one grammar each)
     msg = chat_translation.field_renamed(msg, "response_format", fmt)
     if e.param == "response_format" and not msg.startswith(fmt):  # the engine's grammar check

@@ -412,7 +412,7 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
                 "tools": [WEATHER],
                 "tool_choice": {"type": "any"},
             },
-            r"^tool_choice required or a named function cannot be combined with output_format$",
+            r"^tool_choice of type any or tool cannot be combined with output_format$",
         ),  # fmt: skip
         ({"mcp_servers": [{"url": "x"}]}, r"^mcp_servers is not supported"),
         (
@@ -449,7 +449,11 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
         ),  # fmt: skip
         (
             {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
-            r"^tool_choice: 'nope' is not one of",
+            r"^tool_choice\.name: 'nope' is not one of the request's tools$",
+        ),  # fmt: skip
+        (  # (chat's required: named as the client's type any)
+            {"tools": [], "tool_choice": {"type": "any"}},
+            r"^tool_choice: type any needs at least one tool$",
         ),  # fmt: skip
         ({"tool_choice": {"type": "sometimes"}}, r"^tool_choice\.type must be auto, any"),
         (
