@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from runtime.openai_protocol import APIError, ChatCompletionRequest
+from runtime.tokenizer import lone_surrogate
 
 
 def validated_chat(
@@ -30,6 +31,18 @@ def validated_chat(
         else:
             at = param = renames.get(loc[0], loc[0]) if loc else items
         raise APIError(400, f"{at}: {err.get('msg')}", param=param) from e
+
+
+def joined(texts: list[tuple[str, str]], param: str) -> str:
+    """The texts a translation joins into one chat field (a Messages turn's thinking blocks, a
+    Responses reasoning item's parts: chat's ``reasoning``), each ``(text, the client's path of
+    it)``. A lone surrogate in one is a 400 naming that path and the index in its own text
+    (chat's words), where chat's check would name the joined field at an index of the join."""
+    for text, at in texts:
+        if (j := lone_surrogate(text)) is not None:
+            msg = f"{at} contains a lone UTF-16 surrogate at index {j}"
+            raise APIError(400, msg, param=param)
+    return "".join(text for text, _ in texts)
 
 
 class Origin(str):

@@ -325,7 +325,7 @@ def _assistant(blocks: list[dict[str, Any]], at: Origin) -> dict[str, Any]:
         elif kind == "thinking":
             if not isinstance(b.get("thinking"), str):
                 raise APIError(400, f"{bat}.thinking must be a string", param="messages")
-            reasoning.append(b["thinking"])
+            reasoning.append((b["thinking"], f"{bat}.thinking"))
         elif kind == "redacted_thinking":  # Anthropic's encrypted reasoning: nothing to read
             continue  # (a conversation begun on Anthropic's API goes on here without it)
         elif kind == "tool_use":
@@ -341,7 +341,7 @@ def _assistant(blocks: list[dict[str, Any]], at: Origin) -> dict[str, Any]:
             raise APIError(400, _refused(bat, kind, allowed), param="messages")
     msg: dict[str, Any] = {"role": "assistant", "content": texts or None}
     if reasoning:
-        msg["reasoning"] = "".join(reasoning)
+        msg["reasoning"] = chat_translation.joined(reasoning, "messages")
     if calls:
         msg["tool_calls"] = calls
         at.fields[".tool_calls"] = f"the tool_use blocks of {at}"

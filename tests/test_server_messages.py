@@ -367,6 +367,36 @@ def test_a_thinking_block_sent_back_is_the_reasoning(served: tuple[str, Prompted
     assert engine.prompt == _chat_prompt(url, engine, chat, **kw)
 
 
+@pytest.mark.parametrize(
+    ("blocks", "want"),
+    [
+        ([{"type": "thinking", "thinking": "\ud800", "signature": ""}],
+         "messages[1].content[0].thinking contains a lone UTF-16 surrogate at index 0"),
+        (  # the index is in the block's own text, not in the turn's thinking joined
+            [{"type": "text", "text": "A"}, {"type": "thinking", "thinking": "ok"},
+             {"type": "thinking", "thinking": "b\udc00"}],
+            "messages[1].content[2].thinking contains a lone UTF-16 surrogate at index 1",
+        ),
+    ],
+    ids=["one-block", "second-block"],
+)  # fmt: skip
+def test_a_lone_surrogate_in_a_thinking_block_names_the_block(
+    served: tuple[str, PromptedEngine], blocks: list, want: str
+) -> None:
+    """Not chat's messages[i].reasoning, a field the client never sent."""
+    url, engine = served
+    say(engine, "x")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": blocks},
+             {"role": "user", "content": "Go on"}]  # fmt: skip
+    # (json.dumps escapes a lone surrogate, which UTF-8 cannot encode)
+    body = json.dumps({"model": MODEL, "max_tokens": 10, "messages": turns})
+    r = httpx.post(url + "/v1/messages", content=body, timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = {"type": "invalid_request_error", "message": want}
+    assert r.json() == {"type": "error", "error": error}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], stream: bool) -> None:
     url, engine = served
