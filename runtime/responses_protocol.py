@@ -221,6 +221,8 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             content = _text(item.get("content"), f"{at}.content", kinds)
             if role == "assistant" and turn is not None and last == "reasoning":
                 turn["content"] = content
+                # (the turn is named by its reasoning item: its content is this item's)
+                where[-1].fields[".content"] = f"{at}.content"
             else:
                 msgs.append({"role": role, "content": content})
                 where.append(Origin(at))

@@ -257,6 +257,40 @@ def test_bad_requests_are_a_400_naming_the_field(
     assert re.search(match, err["message"]), err
 
 
+HI = {"role": "user", "content": "Hi"}
+THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]}
+
+
+@pytest.mark.parametrize(
+    ("items", "want"),
+    [
+        (  # the message after a reasoning item is one chat message with it; its content, its own
+            [HI, THOUGHT, {"role": "assistant", "content": "a\ud800"}, HI],
+            "input[2].content contains a lone UTF-16 surrogate at index 1",
+        ),
+        (  # ... and so is a function call after them
+            [HI, THOUGHT, {"role": "assistant", "content": [{"type": "output_text", "text": "a"},
+             {"type": "output_text", "text": "\udc00"}]},
+             {"type": "function_call", "call_id": "c1", "name": "ping", "arguments": "{}"}, HI],
+            "input[2].content contains a lone UTF-16 surrogate at index 0",
+        ),
+    ],
+    ids=["message", "message-and-call"],
+)  # fmt: skip
+def test_an_error_names_the_input_item_it_is_about(
+    served: tuple[str, ScriptedEngine], items: list, want: str
+) -> None:
+    url, engine = served
+    say(engine, "x")
+    # (json.dumps escapes a lone surrogate, which UTF-8 cannot encode)
+    body = json.dumps({"model": MODEL, "input": items, "tools": [PING]})
+    r = httpx.post(url + "/v1/responses", content=body, timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["message"], err["param"]) == (want, "input")
+
+
 def test_a_client_that_leaves_aborts_the_request(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
     say(engine, "Hello")
