@@ -256,7 +256,14 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             parts = item.get("content") or []
             if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
                 raise APIError(400, f"{at}.content must be a list of parts", param="input")
-            text = "".join(p.get("text") or "" for p in parts if p.get("type") == "reasoning_text")
+            texts = []  # (each part's text, and where it is: chat's reasoning is them joined)
+            for j, p in enumerate(parts):
+                if p.get("type") != "reasoning_text":
+                    continue
+                if not isinstance(p.get("text"), str):
+                    raise APIError(400, f"{at}.content[{j}].text must be a string", param="input")
+                texts.append((p["text"], f"{at}.content[{j}].text"))
+            text = chat_translation.joined(texts, "input")
             msgs.append({"role": "assistant", "content": None, "reasoning": text})
             where.append(Origin(at))
             last = "reasoning"

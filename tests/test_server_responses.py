@@ -274,8 +274,18 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
              {"type": "function_call", "call_id": "c1", "name": "ping", "arguments": "{}"}, HI],
             "input[2].content contains a lone UTF-16 surrogate at index 0",
         ),
+        (  # a reasoning item's part, and the index in its own text (not chat's reasoning)
+            [HI, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "ok"},
+                                                   {"type": "reasoning_text", "text": "x\ud800"}]},
+             HI],
+            "input[1].content[1].text contains a lone UTF-16 surrogate at index 1",
+        ),
+        (
+            [HI, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}, HI],
+            "input[1].content[0].text must be a string",
+        ),
     ],
-    ids=["message", "message-and-call"],
+    ids=["message", "message-and-call", "reasoning-part", "reasoning-text"],
 )  # fmt: skip
 def test_an_error_names_the_input_item_it_is_about(
     served: tuple[str, ScriptedEngine], items: list, want: str
