@@ -64,6 +64,8 @@ SAMPLING_EXTRAS = (
     "min_tokens",
 )
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# a message item's roles (chat's tool message is a function_call_output item here)
+ROLES = ("system", "developer", "user", "assistant")
 # chat's field names -> the Responses field the client sent
 _RENAMES = {
     "messages": "input",
@@ -217,6 +219,11 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
         turn = msgs[-1] if msgs and last in ("reasoning", "assistant", "function_call") else None
         if kind == "message":
             role = item.get("role")
+            if role not in ROLES:
+                msg = f"{at}.role must be one of {', '.join(ROLES)}, got {role!r}"
+                if role == "tool":
+                    msg += " (a tool's result is a function_call_output item)"
+                raise APIError(400, msg, param="input")
             kinds = ("output_text",) if role == "assistant" else ("input_text",)
             content = _text(item.get("content"), f"{at}.content", kinds)
             if role == "assistant" and turn is not None and last == "reasoning":

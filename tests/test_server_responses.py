@@ -24,6 +24,8 @@ from runtime.server import build_app
 
 PING = {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+HI = {"role": "user", "content": "Hi"}
+CALL = {"type": "function_call", "call_id": "c1", "name": "ping", "arguments": "{}"}
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +232,20 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
             "input",
             r"input\[0\]\.content\[0\] must be a input_text part",
         ),
-        ({"input": [{"role": "robot", "content": "x"}]}, "input", r"input\[0\]\.role must be"),
+        (
+            {"input": [{"role": "robot", "content": "x"}]},
+            "input",
+            r"^input\[0\]\.role must be one of system, developer, user, assistant, got 'robot'$",
+        ),
+        (  # chat's role, not the Responses API's: a tool's result is an item of its own
+            {
+                "input": [HI, CALL, {"role": "tool", "content": "pong", "tool_call_id": "c1"}],
+                "tools": [PING],
+            },
+            "input",
+            r"^input\[2\]\.role must be one of system, developer, user, assistant, got 'tool' "
+            r"\(a tool's result is a function_call_output item\)$",
+        ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", r"input\[0\]\.type"),
         ({"input": []}, "input", "must not be an empty list"),
         ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
@@ -257,7 +272,6 @@ def test_bad_requests_are_a_400_naming_the_field(
     assert re.search(match, err["message"]), err
 
 
-HI = {"role": "user", "content": "Hi"}
 THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]}
 
 
@@ -271,7 +285,7 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
         (  # ... and so is a function call after them
             [HI, THOUGHT, {"role": "assistant", "content": [{"type": "output_text", "text": "a"},
              {"type": "output_text", "text": "\udc00"}]},
-             {"type": "function_call", "call_id": "c1", "name": "ping", "arguments": "{}"}, HI],
+             CALL, HI],
             "input[2].content contains a lone UTF-16 surrogate at index 0",
         ),
         (  # a reasoning item's part, and the index in its own text (not chat's reasoning)
