@@ -141,10 +141,10 @@ def renamed(e: APIError, where: list[str]) -> APIError:
     """The chat route's error ``e`` in the Responses request's names (``chat_translation``),
     its format and flat tools reworded."""
     msg = e.message
-    if e.param == "response_format":
-        msg = chat_translation.field_renamed(msg, "response_format", "text.format")
-    elif e.param == "tools":  # (the flat tools have no .function)
+    if e.param == "tools":  # (the flat tools have no .function)
         msg = chat_translation.tools_flattened(msg, "parameters")
+    # (also where tool_choice's error names it: a forced call and a format are one grammar each)
+    msg = chat_translation.field_renamed(msg, "response_format", "text.format")
     return chat_translation.renamed(e, where, _RENAMES, msg, _TOOL_WORDS)
 
 

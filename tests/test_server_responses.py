@@ -255,6 +255,15 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
             "tool_choice",
             "not one of the request's tools",
         ),
+        (  # (one grammar a request: named as the client's text.format, not chat's field)
+            {
+                "tools": [PING],
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}},
+            },
+            "tool_choice",
+            r"^tool_choice required or a named function cannot be combined with text\.format$",
+        ),
         ({"instructions": 5}, "instructions", "instructions"),
     ],  # fmt: skip
     ids=lambda v: v if isinstance(v, str) else None,
