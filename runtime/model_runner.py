@@ -149,7 +149,12 @@ class ModelRunner:
                 f"replay), got {calls!r}"
             )
         t0 = time.perf_counter()
-        jobs = [(kind, b, fn) for kind, buckets, fn in self.compiled for b in buckets]
+        # largest bucket first: a dynamic decode step (EngineConfig.dynamic_decode) compiles its
+        # symbolic graph at the first batch above 1 it sees, and Inductor picks its kernels'
+        # configs for that size: the largest, where a step takes longest (docs/compile.md)
+        jobs = [
+            (kind, b, fn) for kind, buckets, fn in self.compiled for b in sorted(buckets)[::-1]
+        ]
         for _, _, fn in self.compiled:
             fn.frozen = False
         bar = progress_bar(jobs, enabled=progress, desc="capturing graphs", unit="graph")

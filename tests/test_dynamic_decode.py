@@ -86,3 +86,25 @@ def test_dynamic_decode_graph_gates_and_lossless_cuda():
     for a, b, c in zip(logs[True], logs[False], static, strict=True):
         assert torch.equal(a, b)  # offloading changes nothing
         assert torch.equal(a, c)  # nor does the symbolic batch
+
+
+def test_warmup_captures_the_largest_bucket_first():
+    """The dynamic graph is compiled at the first batch above 1 the warm-up runs: the largest."""
+    from runtime.model_runner import build_runner
+
+    seen: list[tuple[str, int]] = []
+
+    class Recorder:
+        def __init__(self, step, num_graphs, dynamic_batch=False):
+            self.kind = "decode" if step.is_decode else "prefill"
+            self.frozen = False
+
+        def __call__(self, *args):
+            seen.append((self.kind, args[0].shape[0]))
+
+    model, _ = _tiny()
+    cfg = EngineConfig(max_batch=8, decode_buckets=(1, 2, 8), prefill_chunk=64, max_model_len=512)
+    build_runner(model, cfg, Recorder).warmup(calls=1, progress=False)
+    assert [b for k, b in seen if k == "decode"] == [8, 2, 1]
+    prefill = [b for k, b in seen if k == "prefill"]
+    assert prefill == sorted(prefill, reverse=True) and len(prefill) > 1
