@@ -71,7 +71,8 @@ class LLM:
     runtime/prefix_cache.py),
     ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill, one graph per chunk
     bucket, for any ``max_model_len``; False: eager prefill), ``dynamic_decode`` (one decode
-    compile for every bucket, its batch dim symbolic; default off: one per bucket), ``dp`` /
+    compile for every bucket, its batch dim symbolic; default off: one per bucket; an eager
+    engine refuses it), ``dp`` /
     ``tp`` (multi-process: run the same script on every rank under torchrun,
     docs/multi_gpu.md). ``compile`` (default: on CUDA) captures every bucket into CUDA graphs at
     start-up, then forbids recompiles. Any number of engines may live in one process: each owns its
@@ -158,6 +159,13 @@ class LLM:
             else:
                 check_host_pool(meta, config)
             compiled = compile if compile is not None else config.device.startswith("cuda")
+            if config.dynamic_decode and not compiled:  # (before minutes of reading weights)
+                raise ValueError(
+                    f"dynamic_decode (--dynamic-decode) is how the decode step is compiled, but "
+                    f"this engine runs eagerly on {config.device} (compile={compile!r}; the "
+                    "default compiles on CUDA only): pass compile=True (--compile) or leave "
+                    "dynamic_decode off"
+                )
             if config.world_size > 1:
                 # one rank of a dp/tp job (torchrun): every rank runs this same code
                 # (docs/multi_gpu.md)

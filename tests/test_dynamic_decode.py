@@ -55,6 +55,22 @@ def test_dynamic_decode_must_be_bool():
         EngineConfig(dynamic_decode="yes")
 
 
+@pytest.mark.parametrize("compile_", [None, False])
+def test_dynamic_decode_on_an_eager_llm_is_refused_before_the_load(monkeypatch, compile_):
+    """An eager engine (the CPU's default, or compile=False) has no decode compile for the
+    option to change: refused naming both, before any weight is read (it was ignored: the
+    engine ran eagerly)."""
+    import model.loader
+    from echo_compile.llm import LLM
+
+    def load(*a, **k):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(model.loader, "load_model", load)
+    with pytest.raises(ValueError, match=r"dynamic_decode .* runs eagerly on cpu .*compile=True"):
+        LLM("tiny", device="cpu", compile=compile_, progress=False, dynamic_decode=True)
+
+
 def test_one_compile_serves_every_bucket_with_equal_logits():
     tiny = _tiny()
     dyn, n_dyn = _serve(tiny, True, "aot_eager")
