@@ -1,6 +1,6 @@
-"""One compile for every decode bucket? A feasibility study, not the engine's path.
+"""One compile for every decode bucket? EngineConfig.dynamic_decode against the default.
 
-The engine compiles its decode step once per decode bucket, static shapes
+By default the engine compiles its decode step once per decode bucket, static shapes
 (``echo_compile.compiled.StepCompiler``: ``dynamic=False``). This compares, on the tiny checkpoint
 with decode buckets 1, 2, 4, 8 (prefill eager), each in a fresh process:
 

@@ -202,9 +202,10 @@ def _batch_dynamic(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
     in a decode step all six inputs are batch-sized), ``dynamic=False`` otherwise, so nothing
     else turns symbolic.
 
-    NOTE: Dynamo specializes a size-1 dim whatever the mark, so the first call (B = 1) compiles a
-    static graph and the second one graph guarded ``2 <= B`` that serves every larger bucket;
-    reduce-overhead then records a CUDA graph per batch size as it first sees it, in warm-up
+    NOTE: Dynamo specializes a size-1 dim whatever the mark, so a call at B = 1 compiles a static
+    graph of its own and the first call above 1 (the warm-up's largest bucket: ``ModelRunner.
+    warmup`` runs them largest first) one graph guarded ``2 <= B`` that serves every bucket above
+    1; reduce-overhead then records a CUDA graph per batch size as it first sees it, in warm-up
     (docs/compile.md, "One compile for every decode bucket?")."""
 
     def marked(*args: torch.Tensor) -> torch.Tensor:
