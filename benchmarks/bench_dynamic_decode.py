@@ -28,7 +28,8 @@ shapes need a GPU (docs/compile.md, "One compile for every decode bucket?").
 ``--experts``; offloading, fp8 KV, ``--ctx`` tokens a request, decode-only as ``echo-compile
 bench``): one engine per mode (static, dynamic; each in a fresh process) with decode buckets 1, 2,
 4, ..., 64, its warm-up seconds and Dynamo graphs, then the median decode step with 1, 16 and 64
-requests in that same engine.
+requests in that same engine (written to ``benchmarks/results/dynamic_decode_speed.json`` unless
+``--out``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Tokenizer
 
 BUCKETS = (1, 2, 4, 8)
+OUT = "benchmarks/results/dynamic_decode_cpu.json"
+SPEED_OUT = "benchmarks/results/dynamic_decode_speed.json"
 MODES = ("eager", "static", "dynamic")
 
 
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="greedy tokens a request (default 4)")
     ap.add_argument("--backend", default="inductor", help="inductor (default) or aot_eager")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--out", default="benchmarks/results/dynamic_decode_cpu.json", help="the JSON")
+    ap.add_argument("--out", default=None, help=f"the JSON (default {OUT}; --speed: {SPEED_OUT})")
     ap.add_argument("--speed", action="store_true", help="the step's speed on the bench model")
     ap.add_argument("--layers", type=int, default=4, help="--speed: the bench model's layers")
     ap.add_argument("--experts", type=int, default=16, help="--speed: its routed experts")
@@ -192,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (the child: a mode)
     ap.add_argument("--logits", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    # NOTE: --speed's default is its own file: it wrote the CPU study's (results/ holds it)
+    a.out = a.out or (SPEED_OUT if a.speed else OUT)
     if a.one is not None:
         if a.speed:
             res = run_speed(a.one, a.layers, a.experts, a.ctx, a.steps)

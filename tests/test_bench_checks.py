@@ -1,6 +1,7 @@
 """The correctness logic of four H200 benchmarks, on CPU: the sampling contract check of
 benchmarks/bench_sampling_backends.py, the selections of benchmarks/bench_prefill_overlap.py and
-the dry runs of benchmarks/bench_prefill_gather.py and benchmarks/bench_prefix_cache.py."""
+the dry runs of benchmarks/bench_prefill_gather.py and benchmarks/bench_prefix_cache.py; and
+where benchmarks/bench_dynamic_decode.py writes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import torch
 
+from benchmarks import bench_dynamic_decode as dynamic
 from benchmarks import bench_prefill as prefill
 from benchmarks import bench_prefill_gather as gather
 from benchmarks import bench_prefill_overlap as overlap
@@ -79,3 +81,20 @@ def test_prefill_bench_dry_run_checks_pass_and_times_the_path_without_the_buffer
     assert not bad, bad
     assert all(res["no_buffer_logits_equal"].values())
     assert any(t["path"] == "sparse_no_buffer" and t["ttft_s"] > 0 for t in res["ttft"])
+
+
+def test_dynamic_decode_speed_keeps_the_cpu_study_file(monkeypatch):
+    """``--speed`` without ``--out`` writes a file of its own, not the CPU study's
+    (results/dynamic_decode_cpu.json, which its default overwrote); given ``--out``, that."""
+    import subprocess
+
+    written = []
+    done = subprocess.CompletedProcess([], 0, stdout='{"mode": "m"}\n', stderr="")
+    monkeypatch.setattr(dynamic.subprocess, "run", lambda *a, **k: done)
+    monkeypatch.setattr(dynamic, "_write", lambda out, res: written.append(str(out)))
+    dynamic.main(["--speed"])
+    assert len(set(written)) == 1  # (after each mode)
+    assert written[0].endswith(".json") and "dynamic_decode_cpu" not in written[0]
+    written.clear()
+    dynamic.main(["--speed", "--out", "x.json"])
+    assert set(written) == {"x.json"}
