@@ -4,8 +4,9 @@
 - the model (weights, static),
 - the ``KVCache`` (host KV pool, paged indexer cache, per-layer GPU pools: static buffers that the
   captured graphs mutate in place),
-- one compiled decode step per decode bucket and (unless ``compile_prefill=False``) one compiled
-  prefill step per chunk bucket, for any context limit (an uncompiled prefill runs eagerly).
+- one compiled decode step per decode bucket (``dynamic_decode``: one for every bucket, its
+  batch dim symbolic) and (unless ``compile_prefill=False``) one compiled prefill step per chunk
+  bucket, for any context limit (an uncompiled prefill runs eagerly).
 
 Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conventions)::
 
