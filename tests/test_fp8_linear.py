@@ -314,7 +314,9 @@ def test_dispatch_rules_at_v32_shapes():
     # BN 64 on the narrow and the K = 16384 weights (x quantised first there), 128 elsewhere
     assert [FK.fp8_config(1, n, k, 132)["BN"] for n, k in ((576, 7168), (7168, 16384))] == [64, 64]
     assert FK.fp8_config(1, 2048, 7168, 132)["BN"] == 128
-    assert FK.fp8_config(64, 7168, 16384, 132)["BN"] == 128
+    assert FK.fp8_config(32, 7168, 16384, 132)["BM"] == 32  # M <= 32: the rule below it
+    deep = FK.fp8_config(64, 7168, 16384, 132)  # M > 32 on K = 16384: 64 x 64, split-K 2
+    assert (deep["BM"], deep["BN"], deep["SPLIT_K"], deep["PREQUANT"]) == (64, 64, 2, True)
     assert FK.fp8_config(1, 7168, 16384, 132)["PREQUANT"]
     # decode rows on K < 16384: SWAP, one wave of programs of at most 8 K blocks (K x N: split)
     splits = {(7168, 4096): 8, (7168, 2048): 8, (2048, 7168): 4, (7168, 576): 16}
