@@ -1,10 +1,11 @@
 """EngineConfig.dynamic_decode: one decode compile for every bucket, its batch dim symbolic.
 
-CPU (Dynamo and AOT tracing, ``aot_eager``: Inductor's minute per graph is the GPU test's): two
-Dynamo graphs for buckets 1, 2, 4 (B = 1 specialized, one graph for B >= 2), no recompile while
-serving batches of 1-3 rows, the logits equal to the per-bucket engine's step by step. CUDA
-(``-m cuda``): the same under Inductor and reduce-overhead with the cudagraph gates (zero skips,
-zero partitions, no graph break), and offloading on vs off bit-identical."""
+CPU (Dynamo and AOT tracing, ``aot_eager``: Inductor's minute per graph is the GPU test's; the
+bf16, FP8 and AWQ tiny checkpoints): two Dynamo graphs for buckets 1, 2, 4 (B = 1 specialized,
+one graph for B >= 2), no recompile while serving batches of 1-3 rows, the logits equal to the
+per-bucket engine's step by step. CUDA (``-m cuda``): the same under Inductor and reduce-overhead
+with the cudagraph gates (zero skips, zero partitions, no graph break), and offloading on vs off
+bit-identical."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from runtime.engine import Engine, EngineConfig
 from runtime.tokenizer import Tokenizer
 
 
-def _tiny(device: str = "cpu"):
-    path = resolve_model("tiny")
+def _tiny(device: str = "cpu", checkpoint: str = "tiny"):
+    path = resolve_model(checkpoint)
     return load_model(path, device=device)[0], Tokenizer.from_dir(path)
 
 
@@ -71,8 +72,10 @@ def test_dynamic_decode_on_an_eager_llm_is_refused_before_the_load(monkeypatch, 
         LLM("tiny", device="cpu", compile=compile_, progress=False, dynamic_decode=True)
 
 
-def test_one_compile_serves_every_bucket_with_equal_logits():
-    tiny = _tiny()
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny-fp8", "tiny-awq"])
+def test_one_compile_serves_every_bucket_with_equal_logits(checkpoint):
+    """bf16, FP8 and AWQ weights: their weight ops traced with a symbolic batch too."""
+    tiny = _tiny(checkpoint=checkpoint)
     dyn, n_dyn = _serve(tiny, True, "aot_eager")
     static, n_static = _serve(tiny, False, "aot_eager")
     assert (n_static, n_dyn) == (3, 2)  # a graph per bucket; B = 1 and B >= 2
