@@ -6,14 +6,14 @@ import argparse
 import pytest
 
 from echo_compile import cli_args
-from echo_compile.bench import cli as bench_cli
+from echo_compile.bench import flags as bench_flags
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
     ap = cli_args.parser()
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
     # (`bench` there is a placeholder: the bench's flags are its own parser's)
-    return {**sub.choices, "bench": bench_cli.parser()}
+    return {**sub.choices, "bench": bench_flags.parser()}
 
 
 SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction)

@@ -3,5 +3,6 @@
 It drives the engine through its public API only (``Engine.add_request(..., prompt_kv=...)`` for
 the decode-only runs, ``Engine.logits_processors`` for the locality knob) and profiles eager
 decode steps. ``harness`` holds the systems under test and the workloads, ``cli`` the command
-line, ``breakdown`` the per-category profile of a decode step. Nothing in the product imports it.
+line's run loop (its flags in ``flags``, their usage checks in ``checks``), ``breakdown`` the
+per-category profile of a decode step. Nothing in the product imports it.
 """

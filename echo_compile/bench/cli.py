@@ -1,4 +1,5 @@
-"""The command line of ``echo-compile bench`` (the harness and what it measures: harness.py).
+"""The command line of ``echo-compile bench`` (the harness and what it measures: harness.py; its
+flags: flags.py; the checks of their sizes and ranks: checks.py).
 
     python -m echo_compile.cli bench [options]     (= echo-compile bench; --help lists them)
 
@@ -7,7 +8,6 @@ and writes one JSON (after every run, so a cut-short session keeps what it measu
 
 from __future__ import annotations
 
-import argparse
 import gc
 import itertools
 import json
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from custom_ops.backends.select import BACKENDS, DEFAULT_BACKEND
-from custom_ops.cache.config import PREFETCH_MARGIN, check_prefetch
+from custom_ops.cache.config import check_prefetch
 from custom_ops.kv_format import PAGE, pages_for, whole_pages
 from echo_compile import settings
-from echo_compile.bench import harness
+from echo_compile.bench.checks import check_sizes, index_topk, number_list, parallel_config
+from echo_compile.bench.flags import TINY_DEFAULTS, parser
 from echo_compile.bench.harness import (
     SYSTEMS,
     System,
@@ -36,22 +36,8 @@ from echo_compile.bench.harness import (
     weight_bytes,
 )
 from echo_compile.compile_cache import configure_compile_cache
-from echo_compile.devices import check_device
-from model.locality import BENCH_LOCALITY
 from model.quantize import WEIGHTS
 from runtime.engine_config import EngineConfig
-
-# --preset tiny's sizes where no flag sets them: a dry run of the harness in about a minute on
-# two CPU cores (the bench preset's 64 requests of 80K-100K tokens took ~20 GB of host memory)
-TINY_DEFAULTS = {"requests": 4, "min_ctx": 200, "max_ctx": 300, "output_len": 4, "max_batch": 4}
-
-
-def _numbers(ap: argparse.ArgumentParser, flag: str, s: str, kind: type) -> list:
-    """A comma-separated list of ``kind``; a bad item is a usage error naming ``flag``."""
-    try:
-        return [kind(x) for x in s.split(",") if x]
-    except ValueError:
-        ap.error(f"{flag}: {s!r} is not a comma-separated list of {kind.__name__}s")
 
 
 def breakdown_key(system: str, weights: str, prefetch: str, pool: int) -> str:
@@ -62,265 +48,6 @@ def breakdown_key(system: str, weights: str, prefetch: str, pool: int) -> str:
     parts = [system] + [weights] * (weights != "bf16")
     parts += [f"prefetch-{prefetch}"] * (prefetch != "off")
     return " ".join(parts + [str(pool)]) if parts != ["offload-eager"] else str(pool)
-
-
-def parser() -> argparse.ArgumentParser:
-    """The bench's flags (``--preset tiny`` swaps in ``TINY_DEFAULTS``: ``main``)."""
-    ap = argparse.ArgumentParser(
-        prog="echo-compile bench",
-        description=harness.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument(
-        "--preset",
-        choices=("bench", "tiny"),
-        default="bench",
-        help="tiny: a CPU dry run of the harness (its own defaults: "
-        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in TINY_DEFAULTS.items())
-        + "; default: %(default)s)",
-    )
-    ap.add_argument(
-        "--layers", type=int, default=4, help="the model's layers (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--experts",
-        type=int,
-        default=16,
-        help="routed experts, a multiple of 8, at least 16 (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--workload",
-        choices=("long", "sharegpt"),
-        default="long",
-        help="long: InfiniteBench-like lengths (--min-ctx/--max-ctx); sharegpt: short prompts "
-        "(default: %(default)s)",
-    )
-    ap.add_argument(
-        "--mode",
-        choices=("decode-only", "full"),
-        default="decode-only",
-        help="decode-only: inject each prompt's KV (PD-disaggregated); full: prefill it too "
-        "(the compiled sparse prefill of a served engine; --eager-prefill: eager chunks; "
-        "default: %(default)s)",
-    )
-    ap.add_argument(
-        "--eager-prefill",
-        action="store_true",
-        help="--mode full: run the prefill chunks eagerly instead of compiled",
-    )
-    ap.add_argument(
-        "--requests", type=int, default=64, help="requests per run (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--min-ctx",
-        type=int,
-        default=80_000,
-        help="long: shortest context in tokens (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--max-ctx",
-        type=int,
-        default=100_000,
-        help="long: longest context in tokens (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--output-len",
-        type=int,
-        default=128,
-        help="tokens per request (InfiniteBench: 256; 128 keeps the default run under 10 min; "
-        "default: %(default)s)",
-    )
-    ap.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature, 0 is greedy (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--locality",
-        type=float,
-        default=BENCH_LOCALITY,
-        help="the locality model's knob λ in [0, 1) planted in the random weights (0: none; "
-        "docs/prefetch.md, 'Locality model'; benchmarks/calibrate_locality.py calibrates it; "
-        "default: %(default)s)",
-    )
-    ap.add_argument(
-        "--repeat",
-        type=float,
-        default=0.0,
-        help="probability that a decode input repeats the previous one (a second locality "
-        "knob; e2e_h200.json was taken with --locality 0 --repeat 1; default: %(default)s)",
-    )
-    ap.add_argument(
-        "--gpu-pools",
-        default="325000,200000,110000",
-        help="GPU pool rows per layer (N_G), comma-separated to run each (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--host-tokens",
-        type=int,
-        default=0,
-        help="host pool rows per layer (default: 0, enough for every request)",
-    )
-    ap.add_argument(
-        "--kv-format",
-        choices=("bf16", "fp8"),
-        default="fp8",
-        help="KV cache rows: bf16, or fp8 (FlashMLA's 656-byte row; default: %(default)s)",
-    )
-    ap.add_argument(
-        "--max-batch",
-        type=int,
-        default=64,
-        help="requests decoded at once at most (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--systems",
-        default=",".join(SYSTEMS),
-        help="the systems to run, comma-separated (the description above says what each is; "
-        "default: %(default)s)",
-    )
-    ap.add_argument(
-        "--kernel-backend",
-        choices=BACKENDS,
-        default=DEFAULT_BACKEND,
-        help="the decode indexer's kernels, for every system (docs/backends.md; default: "
-        "%(default)s)",
-    )
-    ap.add_argument(
-        "--prefetch",
-        default="off",
-        help="lossless decode prefetch of the offloading systems, comma-separated to run each: "
-        "off, request, global (docs/prefetch.md; default: %(default)s)",
-    )
-    ap.add_argument(
-        "--prefill-first",
-        action="store_true",
-        help="--mode full: decoding requests wait for every pending prefill chunk "
-        "(EngineConfig.decode_during_prefill=False; by default decodes run between chunks)",
-    )
-    ap.add_argument(
-        "--dynamic-decode",
-        action="store_true",
-        help="compile the decode step once for every bucket, its batch dim symbolic "
-        "(EngineConfig.dynamic_decode)",
-    )
-    ap.add_argument(
-        "--async-scheduling",
-        default="off",
-        help="launch each decode step before reading the last one's tokens (EngineConfig."
-        "async_scheduling), comma-separated to run each: off, on (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--prefetch-margin",
-        type=float,
-        default=PREFETCH_MARGIN,
-        help="the prefetch threshold's margin over the EMA of the k-th score, in EMAs of the "
-        f"k-th score's distance from it (default: {PREFETCH_MARGIN:g}; 0 = ECHO's threshold)",
-    )
-    ap.add_argument(
-        "--prefetch-cap",
-        type=int,
-        default=None,
-        help="staged rows per request and layer: the request mode's cap and, times the batch, "
-        "the staging buffer (default: EngineConfig.prefetch_cap)",
-    )
-    ap.add_argument(
-        "--prefetch-ratio",
-        type=float,
-        default=None,
-        help="the global mode's budget, staged rows per context token of the batch (default: "
-        "EngineConfig.prefetch_ratio)",
-    )
-    ap.add_argument(
-        "--weights",
-        default="bf16",
-        help="the model's weights, comma-separated to run each: bf16 (as drawn), awq, fp8 (those "
-        "weights quantised in memory and served as the loader serves an AutoAWQ / official FP8 "
-        "checkpoint of them; fp8 kept FP8, as --fp8-weights' default serves an FP8 checkpoint; "
-        "docs/quantization.md, 'End to end'; default: %(default)s)",
-    )
-    ap.add_argument(
-        "--eager-pools",
-        default=None,
-        help="pools at which offload-eager runs (default: 200000 if among --gpu-pools, else the "
-        "first of them)",
-    )
-    ap.add_argument(
-        "--rates",
-        default="2,4,8,16",
-        help="Poisson request rates (req/s) of the rate sweep (Fig. 12); empty: no sweep "
-        "(default: %(default)s)",
-    )
-    ap.add_argument(
-        "--rate-pool",
-        type=int,
-        default=None,
-        help="the sweep's GPU pool (default: 200000 if among --gpu-pools, else the first of them)",
-    )
-    ap.add_argument(
-        "--rate-requests",
-        type=int,
-        default=16,
-        help="requests per sweep point (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--breakdown-steps",
-        type=int,
-        default=8,
-        help="profiled eager steps of offload-eager and gpu-only (at --eager-pools); 0: none "
-        "(default: %(default)s)",
-    )
-    ap.add_argument(
-        "--breakdown-graphs",
-        action="store_true",
-        help="profile the compiled systems' own steps (CUDA graph replays, offload included, "
-        "each --prefetch mode) instead of eager ones: the kernels by name, the total and the "
-        "cache ops' share (their kernels by name), no other categories",
-    )
-    ap.add_argument(
-        "--no-compile",
-        dest="compile",
-        action="store_false",
-        help="run every system eagerly (a quick dry run of the harness; the numbers then say "
-        "nothing about CUDA graphs)",
-    )
-    ap.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda (default: cuda when available)",
-    )
-    ap.add_argument(
-        "--dp",
-        type=int,
-        default=1,
-        help="data-parallel attention ranks (torchrun; default: %(default)s)",
-    )
-    ap.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor-parallel feed-forward ranks (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel ranks, instead of --tp (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a rank waits for the others before it stops (dp/tp/ep > 1; default: "
-        "%(default)s)",
-    )
-    ap.add_argument(
-        "--out",
-        help="the JSON results (default: e2e_PRESET_DEVICE.json in the current directory; the "
-        "committed results under benchmarks/results/ are written only when named)",
-    )
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--preset {a.preset} needs a CUDA device (--device is {a.device!r}); "
             "use --preset tiny for a CPU dry run of the harness"
         )
-    _check_sizes(a, ap)
+    check_sizes(a, ap)
     systems = a.systems.split(",")
     for s in systems:
         if s not in SYSTEMS:
@@ -374,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= a.locality < 1.0:
         ap.error(f"--locality must be in [0, 1), got {a.locality}")
     pools, rates = (
-        _numbers(ap, "--gpu-pools", a.gpu_pools, int),
-        _numbers(ap, "--rates", a.rates, float),
+        number_list(ap, "--gpu-pools", a.gpu_pools, int),
+        number_list(ap, "--rates", a.rates, float),
     )
-    par = _parallel_config(a, ap)
+    par = parallel_config(a, ap)
     if par is not None and (rates or a.breakdown_steps):
         # NOTE: the sweep's arrivals follow each rank's own clock (the ranks would add requests
         # at different steps), and the profiler reads one process: both stay single-process
@@ -392,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--gpu-pools: give at least one pool size")
     # NOTE: a pool is otherwise checked only when its systems are built: --gpu-pools 200000,0
     # failed after every run at 200000 (minutes on a GPU), not before the model was built
-    topk = _topk(a)
+    topk = index_topk(a)
     for p in pools:
         if p < 1 or (any(s != "gpu-only" for s in systems) and p < topk):
             ap.error(
@@ -408,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--requests and --rate-requests must be at least 1")
     default_pool = 200_000 if 200_000 in pools else pools[0]
     eager_pools = (
-        _numbers(ap, "--eager-pools", a.eager_pools, int)
+        number_list(ap, "--eager-pools", a.eager_pools, int)
         if a.eager_pools is not None
         else [default_pool]
     )
@@ -580,67 +307,3 @@ def main(argv: list[str] | None = None) -> int:
 
         finish()
     return 0
-
-
-def _check_sizes(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
-    """The device, the workload's sizes and the model options, as usage errors."""
-    try:
-        torch.device(a.device)
-    except RuntimeError as e:
-        ap.error(f"--device {a.device!r}: {e}")
-    try:
-        check_device(a.device)
-    except ValueError as e:
-        ap.error(str(e))
-    for flag in ("max_batch", "output_len", "min_ctx"):
-        if getattr(a, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
-    if a.max_ctx < a.min_ctx:
-        ap.error(f"--max-ctx {a.max_ctx} is below --min-ctx {a.min_ctx}")
-    if a.breakdown_steps < 0:  # (it meant no breakdown, as 0 says)
-        ap.error(f"--breakdown-steps must be at least 0, got {a.breakdown_steps}")
-    for flag in ("eager_prefill", "prefill_first"):  # (ignored by decode-only runs)
-        if getattr(a, flag) and a.mode != "full":
-            ap.error(f"--{flag.replace('_', '-')} applies to --mode full only")
-    given = [f for f in ("min_ctx", "max_ctx", "output_len") if getattr(a, f) != ap.get_default(f)]
-    if a.workload == "sharegpt" and given:
-        own = sharegpt_like(1)
-        ap.error(
-            f"--workload sharegpt has its own lengths ({own.min_ctx}-{own.max_ctx} prompt tokens, "
-            f"{own.output_len} generated): "
-            + ", ".join(f"--{f.replace('_', '-')}" for f in given)
-            + " would be ignored"
-        )
-    if a.preset == "tiny" and (a.layers, a.experts) != (
-        ap.get_default("layers"),
-        ap.get_default("experts"),
-    ):
-        ap.error("--layers / --experts size the bench preset; --preset tiny is fixed")
-
-
-def _topk(a: argparse.Namespace) -> int:
-    """The index top-k of the model ``build_model`` builds for these options (its config only)."""
-    from model.presets import preset_config
-
-    if a.preset == "tiny":
-        return preset_config("tiny").index_topk
-    return preset_config("bench", num_layers=a.layers, n_experts=a.experts).index_topk
-
-
-def _parallel_config(a: argparse.Namespace, ap: argparse.ArgumentParser):
-    """The dp/tp/ep options checked (an ``EngineConfig`` holding them), or None for one
-    process."""
-    from runtime.engine_config import EngineConfig
-
-    if (a.dp, a.tp, a.ep) == (1, 1, 1):  # (0 or less: EngineConfig's error below)
-        return None
-    try:
-        return EngineConfig(
-            dp=a.dp,
-            tp=a.tp,
-            ep=a.ep,
-            collective_timeout_s=a.collective_timeout,
-            async_scheduling="on" in a.async_scheduling.split(","),
-        )
-    except ValueError as e:
-        ap.error(str(e))
