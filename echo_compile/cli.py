@@ -1,5 +1,6 @@
-"""The ``echo-compile`` command: demo, generate, serve, make-checkpoint, plan, bench (the flags
-and the options they give are in cli_args.py)."""
+"""The ``echo-compile`` command: demo, generate, serve, make-checkpoint, plan, bench (the parser
+is cli_args.py's; the flags and the options they give: engine_args.py, serve_args.py,
+generate_args.py, plan_args.py, process_args.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,13 @@ import gc
 import logging
 import sys
 
-from echo_compile.cli_args import (
-    PREFETCH_OPTIONS,
-    engine_options,
-    given,
-    log_level,
-    parser,
-    sampling_params,
-    serve_options,
-)
+from echo_compile.cli_args import parser
 from echo_compile.compile_cache import configure_compile_cache
 from echo_compile.devices import check_device
+from echo_compile.engine_args import PREFETCH_OPTIONS, engine_options, given
+from echo_compile.generate_args import sampling_params
+from echo_compile.process_args import log_level
+from echo_compile.serve_args import serve_options
 from echo_compile.vllm_flags import apply_vllm_flags, check_quantization
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's

@@ -6,7 +6,7 @@ vLLM's parallel sizes, translated together (vLLM splits the model its way, flag 
 ours); a flag that says what this server always does (accepted for the values that say so, a
 no-op named in one log line at start-up, any other value an error); a flag (or switch) this
 engine cannot honour (an error saying what to use instead). vLLM's ``vllm serve MODEL``
-positional is serve's ``MODEL`` (cli_args.py)."""
+positional is serve's ``MODEL`` (serve_args.py)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ VLLM_FLAGS: dict[str, Alias | Parallel | Always | Refused] = {
     "--load-format": Always(
         "weights are read from the checkpoint's safetensors shards", ("auto", "safetensors")
     ),
-    # (--gpu-memory-utilization is ours too, the same knob: cli_args.py; so are
+    # (--gpu-memory-utilization is ours too, the same knob: engine_args.py; so are
     # --enable-prefix-caching and --no-enable-prefix-caching, on by default as vLLM's)
     "--chat-template": Refused(
         "the chat template is DeepSeek-V3.2's encoding (runtime/chat_template.py); no other "

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo_compile import cli, cli_args, threads
+from echo_compile import cli, cli_args, engine_args, threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -309,15 +309,15 @@ def test_engine_flags_reach_the_engine_options(cmd):
     parse = cli_args.parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
     keys = ("prefill_buffer", "decode_during_prefill", "async_scheduling")
-    opts = cli_args.engine_options(parse([cmd, *base]))
+    opts = engine_args.engine_options(parse([cmd, *base]))
     assert [opts[k] for k in keys] == [True, True, False]
     # prefix caching left out: LLM's default (on, as vLLM's), not EngineConfig's (off)
     assert "enable_prefix_caching" not in opts
     flags = ["--no-prefill-buffer", "--prefill-first", "--async-scheduling"]
-    opts = cli_args.engine_options(parse([cmd, *base, *flags]))
+    opts = engine_args.engine_options(parse([cmd, *base, *flags]))
     assert [opts[k] for k in keys] == [False, False, True]
     for flag, on in (("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False)):
-        assert cli_args.engine_options(parse([cmd, *base, flag]))["enable_prefix_caching"] is on
+        assert engine_args.engine_options(parse([cmd, *base, flag]))["enable_prefix_caching"] is on
 
 
 @pytest.mark.parametrize("cmd", ["generate", "serve"])
@@ -327,10 +327,10 @@ def test_prefetch_flags_reach_the_engine_options(cmd):
     parse = cli_args.parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
     keys = ("prefetch", "prefetch_cap", "prefetch_ratio", "prefetch_margin")
-    assert not set(keys) & set(cli_args.engine_options(parse([cmd, *base])))
+    assert not set(keys) & set(engine_args.engine_options(parse([cmd, *base])))
     flags = ["--prefetch", "global", "--prefetch-cap", "128", "--prefetch-ratio", "0.01",
              "--prefetch-margin", "0"]  # fmt: skip
-    opts = cli_args.engine_options(parse([cmd, *base, *flags]))
+    opts = engine_args.engine_options(parse([cmd, *base, *flags]))
     assert [opts[k] for k in keys] == ["global", 128, 0.01, 0.0]
 
 
@@ -363,9 +363,9 @@ def test_generate_with_prefetch_prints_the_text_without_it(capsys, monkeypatch):
 def test_chunk_and_bucket_flags_reach_the_engine_options(cmd):
     parse = cli_args.parser().parse_args
     base = ["--model", "tiny"] + (["x"] if cmd == "generate" else [])
-    opts = cli_args.engine_options(parse([cmd, *base]))
+    opts = engine_args.engine_options(parse([cmd, *base]))
     assert "prefill_chunk" not in opts and "decode_buckets" not in opts  # EngineConfig's
-    opts = cli_args.engine_options(parse([cmd, *base, "--prefill-chunk", "512",
+    opts = engine_args.engine_options(parse([cmd, *base, "--prefill-chunk", "512",
                                       "--decode-buckets", "1,3,8"]))  # fmt: skip
     assert (opts["prefill_chunk"], opts["decode_buckets"]) == (512, (1, 3, 8))
 

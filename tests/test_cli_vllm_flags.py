@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from echo_compile import cli, cli_args
+from echo_compile import cli, cli_args, engine_args, serve_args
 from echo_compile.vllm_flags import apply_vllm_flags
 
 # vLLM's recipe for V3.2 (docs.vllm.ai, DeepSeek-V3_2), the model a directory here
@@ -53,7 +53,7 @@ def test_aliases_set_our_engine_options(cmd):
     base = [cmd] + (["x"] if cmd == "generate" else [])
     flags = ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-dtype",
              "fp8", "--trust-remote-code", "--enable-chunked-prefill"]  # fmt: skip
-    opts = cli_args.engine_options(parsed(*base, *flags))
+    opts = engine_args.engine_options(parsed(*base, *flags))
     assert (opts["max_batch"], opts["prefill_chunk"], opts["kv_format"]) == (64, 4096, "fp8")
     for value, ours in (("auto", "bf16"), ("bfloat16", "bf16"), ("fp8_ds_mla", "fp8")):
         a = parsed(*base, "--kv-format", "fp8" if ours == "bf16" else "bf16",
@@ -149,9 +149,9 @@ def test_vllms_prefix_caching_switches_are_ours(cmd):
     from echo_compile.vllm_flags import VLLM_FLAGS
 
     assert not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(VLLM_FLAGS)
-    assert "enable_prefix_caching" not in cli_args.engine_options(parsed(*cmd, *RECIPE[:2]))
+    assert "enable_prefix_caching" not in engine_args.engine_options(parsed(*cmd, *RECIPE[:2]))
     for flag, on in (("--no-enable-prefix-caching", False), ("--enable-prefix-caching", True)):
-        opts = cli_args.engine_options(parsed(*cmd, *RECIPE[:2], flag))
+        opts = engine_args.engine_options(parsed(*cmd, *RECIPE[:2], flag))
         assert opts["enable_prefix_caching"] is on
 
 
@@ -192,7 +192,7 @@ def test_uvicorn_log_level_reaches_uvicorn(monkeypatch):
     monkeypatch.setattr(server, "build_app", lambda *a, **k: "app")
     monkeypatch.setattr(server, "startup_summary", lambda *a: "")
     for flags, level in (([], "info"), (["--uvicorn-log-level", "WARNING"], "warning")):
-        server.serve(Engine(), "m", **cli_args.serve_options(parsed("serve", *flags)))
+        server.serve(Engine(), "m", **serve_args.serve_options(parsed("serve", *flags)))
         assert seen.pop() == level
 
 

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from echo_compile import cli_args
+from echo_compile import cli_args, engine_args
 from model.checkpoint import resolve_model
 from model.config import ModelConfig
 from runtime.engine_config import EngineConfig
@@ -109,10 +109,10 @@ def test_sizes_left_out_on_the_command_line_are_left_to_the_rule(cmd):
     base = [cmd, "--model", "tiny"] + (["x"] if cmd == "generate" else [])
     keys = ("max_model_len", "host_tokens", "gpu_tokens", "host_memory_fraction",
             "gpu_memory_utilization")  # fmt: skip
-    assert not set(keys) & set(cli_args.engine_options(parse(base)))
+    assert not set(keys) & set(engine_args.engine_options(parse(base)))
     flags = ["--max-model-len", "8192", "--host-tokens", "65536", "--gpu-tokens", "4096",
              "--host-memory-fraction", "0.5", "--gpu-memory-utilization", "0.85"]  # fmt: skip
-    opts = cli_args.engine_options(parse([*base, *flags]))
+    opts = engine_args.engine_options(parse([*base, *flags]))
     assert [opts[k] for k in keys] == [8192, 65536, 4096, 0.5, 0.85]
 
 

@@ -387,7 +387,8 @@ def test_context_errors_name_the_flags_to_raise(url: str) -> None:
 
 
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from echo_compile.cli_args import parser, serve_options
+    from echo_compile.cli_args import parser
+    from echo_compile.serve_args import serve_options
 
     monkeypatch.setenv("ECHO_COMPILE_API_KEY", "from-env")
     assert serve_options(parser().parse_args(["serve"]))["api_key"] == "from-env"
