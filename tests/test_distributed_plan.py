@@ -328,6 +328,25 @@ def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch)
     assert seen and set(seen) == {"cuda:1"}  # (the sizing of the pools reads it too)
 
 
+def test_llm_under_torchrun_names_a_local_world_size_that_is_not_an_integer(monkeypatch):
+    """A LOCAL_WORLD_SIZE torchrun could not have set stops the start-up with the variable and
+    its value (it was int()'s bare "invalid literal"), as a bad RANK / LOCAL_RANK does."""
+    import echo_compile.llm
+    from echo_compile.llm import LLM
+    from runtime.distributed import plan
+    from runtime.engine_config import EngineConfig
+
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (100.0, 100.0))
+    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"^environment variable LOCAL_WORLD_SIZE='two' is not"):
+        LLM("tiny", device="cuda", dp=2, compile=False, progress=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1.0")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK='1.0' is not an integer"):
+        plan.rank_memory_device(EngineConfig(device="cuda", dp=2))
+
+
 def test_llm_on_cpu_refuses_a_host_pool_past_memory_before_loading(monkeypatch):
     """The CPU engine's KV pool lives in host memory: a pool the machine cannot hold is refused
     with its bytes and the flag before any weight is read (it was refused after the load)."""

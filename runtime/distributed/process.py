@@ -42,7 +42,9 @@ class DistContext:
     timeout_s: float
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """The torchrun variable ``name`` as an integer (``default`` when unset); a value that is
+    not one is a ``ValueError`` naming the variable and its value."""
     v = os.environ.get(name)
     if v is None:
         return default
@@ -62,8 +64,8 @@ def init_distributed(
     created with; ``timeout_s`` then only names it in error messages."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local = _env_int("LOCAL_RANK", rank)
+    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    local = env_int("LOCAL_RANK", rank)
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
     if device is None:
