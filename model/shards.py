@@ -45,7 +45,7 @@ def shard_files(path: Path) -> tuple[str, dict[str, list[str]]]:
                 )
         return INDEX_FILE, dict(files)
     if (path / SINGLE_FILE).is_file():
-        with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
+        with open_shard(path, SINGLE_FILE) as f:
             return SINGLE_FILE, {SINGLE_FILE: list(f.keys())}
     raise ValueError(f"{path}: no {INDEX_FILE} or {SINGLE_FILE}")
 

@@ -292,6 +292,19 @@ def test_bad_shards_are_found_before_any_tensor_is_read(tiny, tmp_path, monkeypa
     assert reads == []
 
 
+def test_an_unreadable_single_file_checkpoint_is_named(tiny, tmp_path):
+    """A model.safetensors with no index (the single-file layout) that safetensors cannot read
+    fails naming the file, as a shard of an indexed checkpoint does (it was safetensors' own
+    error, naming no file)."""
+    path = copy_ckpt(tiny, tmp_path)
+    for f in path.glob("model*.safetensors*"):
+        f.unlink()
+    (path / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path / 'model.safetensors'))}: not a "
+                                         r"readable safetensors file \("):
+        load_model(path)
+
+
 @pytest.mark.parametrize("fp8_weights", ["bf16", "fp8"])
 def test_missing_tensors_are_found_before_any_tensor_is_read(
     tiny, tiny_fp8, tmp_path, monkeypatch, fp8_weights
