@@ -102,7 +102,7 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         **engine_options,
     ):
-        from model.loader import load_model, read_checkpoint_meta, served_fp8_weights
+        from model.loader import fp8_choice, load_model, read_checkpoint_meta
         from runtime.distributed.plan import rank_memory_device
 
         configure_threads()  # once per process: ECHO_COMPILE_THREADS, else by usable cores
@@ -120,8 +120,9 @@ class LLM:
         path, ckpt = meta.path, meta.config
         self.model_path = path
         # one choice of the FP8 checkpoint's weights, which the sizing, the memory check and
-        # the load (every rank's) all take
-        asked, fp8_weights = fp8_weights, served_fp8_weights(path, ckpt, fp8_weights)
+        # the load (every rank's) all take: the load its modules kept FP8, found here
+        fp8 = fp8_choice(path, ckpt, fp8_weights)
+        asked, fp8_weights = fp8_weights, fp8.weights
         if ckpt.quantization is not None and ckpt.quantization.method == "fp8":
             if fp8_weights == "fp8":
                 how = "kept FP8 (--fp8-weights bf16 dequantises them at load)"
@@ -172,14 +173,14 @@ class LLM:
                 from runtime.distributed.dist_engine import build_distributed_engine
 
                 self.engine = build_distributed_engine(
-                    meta, config, model, StepCompiler if compiled else None, ctx, fp8_weights,
+                    meta, config, model, StepCompiler if compiled else None, ctx, fp8,
                     inputs=inputs, progress=progress,
                 )  # fmt: skip
             else:
                 # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
                 with LoadProgress(enabled=progress) as loading:
                     net, extras = load_model(
-                        meta, device=config.device, keep_mtp=False, fp8_weights=fp8_weights,
+                        meta, device=config.device, keep_mtp=False, fp8_weights=fp8,
                         progress=loading,
                     )  # fmt: skip
                 logging.getLogger(__name__).info(loading.close())

@@ -392,7 +392,7 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     keep_mtp: bool = True,
-    fp8_weights: str = "auto",
+    fp8_weights: str | FP8Choice = "auto",
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, LoadExtras]:
     """Load a checkpoint directory (or a built-in name: ``tiny``, ``tiny-fp8``, ``tiny-awq``; or
@@ -401,7 +401,8 @@ def load_model(
     ``keep_mtp=False`` skips reading the MTP layer (a whole MoE block plus embed/head copies).
     ``fp8_weights`` (FP8 checkpoints, ``model.fp8_weights.resolve_fp8_weights``): ``"auto"``
     (default) and ``"fp8"`` keep the linears FP8 (``model.fp8_weights.FP8Linear``), ``"bf16"``
-    dequantises every FP8 weight at load (the reference). ``progress``: ``load_weights``'."""
+    dequantises every FP8 weight at load (the reference); or the ``FP8Choice`` already made
+    for this checkpoint (``fp8_choice``). ``progress``: ``load_weights``'."""
     from model.model import DeepseekV32ForCausalLM
 
     path, config, _ = checkpoint_meta(path_or_name)
@@ -409,7 +410,7 @@ def load_model(
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
     awq = config.quantization is not None and config.quantization.method == "awq"
-    scaled = fp8_scaled_modules(path, config, fp8_weights)
+    scaled = fp8_choice(path, config, fp8_weights).modules
     if scaled is not None:
         from model.fp8_weights import convert_to_fp8
 
@@ -445,11 +446,24 @@ def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set
     return scaled
 
 
-def served_fp8_weights(path: Path, config: ModelConfig, fp8_weights: str) -> str:
-    """What ``load_model`` serves for ``fp8_weights``: ``"fp8"`` (weights kept FP8) or ``"bf16"``
-    (``fp8_scaled_modules``' rule: "auto" keeps what the checkpoint holds), for the readers that
-    must agree with the load before it (the memory plan, the sizing)."""
-    return "bf16" if fp8_scaled_modules(path, config, fp8_weights) is None else "fp8"
+class FP8Choice(NamedTuple):
+    """``fp8_weights`` resolved against one checkpoint (``fp8_choice``). Found once and passed
+    down (``LLM``: ``weights`` to the sizing and the memory checks, the whole choice to the load,
+    whole or sharded), as ``CheckpointMeta`` is: the load walks no shard listing for it again."""
+
+    weights: str  # what the load serves: "fp8" (kept FP8) or "bf16"
+    modules: set[str] | None  # those kept FP8 (``fp8_scaled_modules``'); None: "bf16"
+
+
+def fp8_choice(path: Path, config: ModelConfig, fp8_weights: str | FP8Choice) -> FP8Choice:
+    """What ``load_model`` serves for ``fp8_weights`` (``fp8_scaled_modules``' rule: "auto"
+    keeps what the checkpoint holds), for the readers that must agree with the load before it
+    (the memory plan, the sizing) and for the load itself; a choice already made is returned
+    as given."""
+    if isinstance(fp8_weights, FP8Choice):
+        return fp8_weights
+    scaled = fp8_scaled_modules(path, config, fp8_weights)
+    return FP8Choice("bf16" if scaled is None else "fp8", scaled)
 
 
 class CheckpointMeta(NamedTuple):

@@ -25,12 +25,13 @@ from torch import nn
 from model.config import ModelConfig
 from model.loader import (
     CheckpointMeta,
+    FP8Choice,
     LoadExtras,
     _cast_half_params,
     _init_non_persistent_buffers,
     checkpoint_meta,
     finish_loaded_model,
-    fp8_scaled_modules,
+    fp8_choice,
     load_weights,
 )
 from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn, shard_dim
@@ -171,19 +172,20 @@ def load_sharded_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     ep: bool = False,
-    fp8_weights: str = "auto",
+    fp8_weights: str | FP8Choice = "auto",
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, LoadExtras]:
     """``model.loader.load_model`` for TP rank ``g.rank`` of ``g.size``: only its shard read
     (``ep``: its routed experts whole instead of a slice of every expert). ``path_or_name``: as
     ``load_model``'s. ``fp8_weights``
     (FP8 checkpoints): ``"auto"`` (default) / ``"fp8"`` keep the weights FP8, ``"bf16"``
-    dequantises them at load (``model.fp8_weights.resolve_fp8_weights``); FP8 or not, each
+    dequantises them at load (``model.fp8_weights.resolve_fp8_weights``), or the
+    ``model.loader.FP8Choice`` already made; FP8 or not, each
     shard cut on 128x128 block boundaries (a split that is not is refused when the model is built,
     naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it).
     ``progress``: ``model.loader.load_weights``'."""
     path, config, _ = checkpoint_meta(path_or_name)
-    model = build_sharded_model(config, g, dtype, ep, fp8_scaled_modules(path, config, fp8_weights))
+    model = build_sharded_model(config, g, dtype, ep, fp8_choice(path, config, fp8_weights).modules)
     load_shard_weights(model, path, config, device, g, ep, progress)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path)

@@ -1,7 +1,8 @@
 """One start-up of ``LLM`` (the offline API and the server's) reads its checkpoint's meta
 (``model.loader.read_checkpoint_meta``: config.json, generation_config.json, the tokenizer's
-presence) once and finds the device whose memory it plans with (``plan.rank_memory_device``)
-once: each is passed down to the sizing, the checks, the engine inputs and the load, which
+presence) once, finds the device whose memory it plans with (``plan.rank_memory_device``)
+once and, for an FP8 checkpoint, the modules kept FP8 (``model.loader.fp8_choice``) once: each
+is passed down to the sizing, the checks, the engine inputs and the load, which
 read nothing of it again."""
 
 from __future__ import annotations
@@ -71,3 +72,27 @@ def test_a_cuda_start_up_reads_the_meta_and_the_memory_device_once(monkeypatch, 
         echo_compile.llm.LLM("tiny", device="cuda", dp=dp, compile=False, progress=False)
     assert (reads[0], devices[0]) == (1, 1)
     assert isinstance(sources[0], model.loader.CheckpointMeta)  # (the load reads no meta again)
+
+
+def test_an_fp8_start_up_finds_the_modules_kept_fp8_once(monkeypatch):
+    """An FP8 checkpoint's start-up walks its shard listing for the modules kept FP8
+    (``fp8_scaled_modules``) once: the choice the sizing and the checks read and the modules the
+    load converts come from the same walk (it was made again inside the load)."""
+    from echo_compile.llm import LLM
+    from model.checkpoint import resolve_model
+    from model.fp8_weights import FP8Linear
+
+    scans = _count(monkeypatch, model.loader, "fp8_scaled_modules")
+    llm = LLM(str(resolve_model("tiny-fp8")), device="cpu", compile=False, progress=False,
+              max_batch=2)  # fmt: skip
+    assert any(isinstance(m, FP8Linear) for m in llm.engine.runner.model.modules())  # kept FP8
+    assert scans[0] == 1
+    # a tp rank's load (build_distributed_engine's) takes the choice made too
+    from model.parallel import TPGroup
+    from model.shard_loader import load_sharded_model
+
+    meta = model.loader.read_checkpoint_meta("tiny-fp8")
+    choice = model.loader.fp8_choice(meta.path, meta.config, "auto")
+    shard, _ = load_sharded_model(meta, TPGroup(0, 1, "", gather=False), fp8_weights=choice)
+    assert any(isinstance(m, FP8Linear) for m in shard.modules())
+    assert scans[0] == 2

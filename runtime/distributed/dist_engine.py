@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import random
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from runtime.prompt_kv import check_uncut
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_prompt
 from runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from model.loader import FP8Choice
 
 
 class DistributedEngine:
@@ -274,7 +277,7 @@ def build_distributed_engine(
     model_name: str = "model",
     compiler_factory=None,
     ctx: DistContext | None = None,
-    fp8_weights: str = "auto",
+    fp8_weights: str | FP8Choice = "auto",
     generation_config: str = "auto",
     inputs: EngineInputs | None = None,
     progress: bool = True,
@@ -283,11 +286,12 @@ def build_distributed_engine(
     build its engine. ``path``: the checkpoint directory, or its ``model.loader.CheckpointMeta``
     already read. ``config.device`` "cuda" becomes this rank's ``cuda:<LOCAL_RANK>``.
     ``compiler_factory(device)``: a ``StepCompiler`` for the rank's device, or None for eager.
-    ``fp8_weights``: as ``load_model``'s (FP8 kept per shard); ``generation_config``: as
+    ``fp8_weights``: as ``load_model``'s, the option or the ``FP8Choice`` already made (FP8
+    kept per shard); ``generation_config``: as
     ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller read them (else they are
     read here, before the weights); ``progress``: rank 0 draws the bar of its load (one bar on
     the launcher's terminal), every rank logs its load's summary line."""
-    from model.loader import load_model
+    from model.loader import FP8Choice, load_model
     from model.shard_loader import load_sharded_model
 
     ctx = ctx or join(config)
@@ -300,7 +304,8 @@ def build_distributed_engine(
     check_same_options(
         ctx,
         dict(dataclasses.asdict(config), device=config.device.split(":")[0],
-             fp8_weights=fp8_weights, generation_config=generation_config,
+             fp8_weights=fp8_weights.weights if isinstance(fp8_weights, FP8Choice) else fp8_weights,
+             generation_config=generation_config,
              compiled=compiler_factory is not None),
     )  # fmt: skip
     config = replace(config, device=ctx.device)
