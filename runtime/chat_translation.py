@@ -33,16 +33,21 @@ def validated_chat(
         raise APIError(400, f"{at}: {err.get('msg')}", param=param) from e
 
 
+def checked(text: str, at: str, param: str) -> str:
+    """``text``, one of the texts a translation joins into one chat field, at the client's path
+    ``at``: a lone surrogate in it is a 400 naming that path and the index in its own text
+    (chat's words), where chat's check would name the joined field (at an index of the join,
+    or with no word of which part)."""
+    if (j := lone_surrogate(text)) is not None:
+        raise APIError(400, f"{at} contains a lone UTF-16 surrogate at index {j}", param=param)
+    return text
+
+
 def joined(texts: list[tuple[str, str]], param: str) -> str:
     """The texts a translation joins into one chat field (a Messages turn's thinking blocks, a
     Responses reasoning item's parts: chat's ``reasoning``), each ``(text, the client's path of
-    it)``. A lone surrogate in one is a 400 naming that path and the index in its own text
-    (chat's words), where chat's check would name the joined field at an index of the join."""
-    for text, at in texts:
-        if (j := lone_surrogate(text)) is not None:
-            msg = f"{at} contains a lone UTF-16 surrogate at index {j}"
-            raise APIError(400, msg, param=param)
-    return "".join(text for text, _ in texts)
+    it)``, each ``checked``."""
+    return "".join([checked(text, at, param) for text, at in texts])
 
 
 class Origin(str):

@@ -148,7 +148,7 @@ def chat_request(req: MessagesRequest) -> tuple[ChatCompletionRequest, list[str]
     if req.system is not None:
         system = _text(req.system, "system", "system")
         messages.insert(0, {"role": "system", "content": system})
-        where.insert(0, "system")
+        where.insert(0, Origin("system", {".content": "system"}))  # (a string is system itself)
     choice = req.tool_choice or {}
     user = (req.metadata or {}).get("user_id")
     body: dict[str, Any] = {
@@ -247,19 +247,25 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
 
 
 def _text(content: Any, at: str, param: str) -> str | list[dict[str, Any]]:
-    """A string, or text blocks as chat's text parts (a block's ``cache_control`` ignored)."""
+    """A string, or text blocks as chat's text parts (``_text_part``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{at} must be a string or a list of text blocks", param=param)
-    out = []
-    for j, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind != "text" or not isinstance(b.get("text"), str):
-            msg = f"{at}[{j}] must be a text block with a string text, got type {kind!r}"
-            raise APIError(400, msg, param=param)
-        out.append({"type": "text", "text": b["text"]})
-    return out
+    return [_text_part(b, f"{at}[{j}]", param) for j, b in enumerate(content)]
+
+
+def _text_part(b: Any, at: str, param: str, text_at: str | None = None) -> dict[str, Any]:
+    """The text block at ``at`` as chat's text part (its ``cache_control`` ignored). Chat joins
+    a message's parts and names a lone surrogate in any of them as the message's content: here
+    it names the block's own ``text`` (``text_at``: a string content's own path, where the
+    string was made one block)."""
+    kind = b.get("type") if isinstance(b, dict) else None
+    if kind != "text" or not isinstance(b.get("text"), str):
+        msg = f"{at} must be a text block with a string text, got type {kind!r}"
+        raise APIError(400, msg, param=param)
+    text = chat_translation.checked(b["text"], text_at or f"{at}.text", param)
+    return {"type": "text", "text": text}
 
 
 def _blocks(content: Any, at: str) -> list[dict[str, Any]]:
@@ -287,9 +293,11 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
             msg = f"{at}.role must be user or assistant, got {role!r}"
             raise APIError(400, msg, param="messages")
         blocks = _blocks(turn.get("content"), f"{at}.content")
+        # (a string content, made one text block, is its own text's path)
+        text_at = f"{at}.content" if isinstance(turn.get("content"), str) else None
         if role == "assistant":
             origin = Origin(at)
-            msgs.append(_assistant(blocks, origin))
+            msgs.append(_assistant(blocks, origin, text_at))
             where.append(origin)
             continue
         texts: list[dict[str, Any]] | None = None  # the open user message's parts
@@ -308,20 +316,22 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
                     texts = []
                     msgs.append({"role": "user", "content": texts})
                     where.append(at if j == 0 else bat)
-                texts += _text([b], f"{at}.content", "messages")
+                texts.append(_text_part(b, bat, "messages", text_at))
             else:
                 raise APIError(400, _refused(bat, kind, "text or tool_result"), param="messages")
     return msgs, where
 
 
-def _assistant(blocks: list[dict[str, Any]], at: Origin) -> dict[str, Any]:
+def _assistant(
+    blocks: list[dict[str, Any]], at: Origin, text_at: str | None = None
+) -> dict[str, Any]:
     """An assistant turn as a chat message: its text, reasoning and tool calls (each call's
-    block, and the calls, in ``at.fields``)."""
+    block, and the calls, in ``at.fields``); ``text_at``: as ``_text_part``'s."""
     texts, reasoning, calls = [], [], []
     for j, b in enumerate(blocks):
         bat, kind = f"{at}.content[{j}]", b.get("type")
         if kind == "text":
-            texts += _text([b], f"{at}.content", "messages")
+            texts.append(_text_part(b, bat, "messages", text_at))
         elif kind == "thinking":
             if not isinstance(b.get("thinking"), str):
                 raise APIError(400, f"{bat}.thinking must be a string", param="messages")

@@ -397,6 +397,87 @@ def test_a_lone_surrogate_in_a_thinking_block_names_the_block(
     assert r.json() == {"type": "error", "error": error}
 
 
+TOOL_TURNS = [{"role": "user", "content": "Weather?"},
+              {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                                 "name": "weather", "input": {"city": "Paris"}}]}]
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [
+        (  # after a tool_result: the block's own text, not the tool_result's shape of it
+            {"messages": [*TOOL_TURNS, {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"},
+                {"type": "text", "text": "\ud800"}]}]},
+            "messages[2].content[1].text contains a lone UTF-16 surrogate at index 0",
+        ),
+        (  # the second text block of a turn, not the turn's content
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "A"},
+                                                       {"type": "text", "text": "b\udc00"}]}]},
+            "messages[0].content[1].text contains a lone UTF-16 surrogate at index 1",
+        ),
+        (  # an assistant turn's text block
+            {"messages": [*HI, {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "ok"}, {"type": "text", "text": "\udfff"}]},
+                {"role": "user", "content": "Go on"}]},
+            "messages[1].content[1].text contains a lone UTF-16 surrogate at index 0",
+        ),
+        (  # a string content is its own text
+            {"messages": [*HI, {"role": "assistant", "content": "Hello"},
+                          {"role": "user", "content": "x\ud800"}]},
+            "messages[2].content contains a lone UTF-16 surrogate at index 1",
+        ),
+        (  # a tool_result's text blocks
+            {"messages": [*TOOL_TURNS, {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1",
+                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\ud800"}]}
+            ]}]},
+            "messages[2].content[0].content[1].text contains a lone UTF-16 surrogate at index 0",
+        ),
+        (  # system: a string, its blocks
+            {"system": "\ud800", "messages": HI},
+            "system contains a lone UTF-16 surrogate at index 0",
+        ),
+        (
+            {"system": [{"type": "text", "text": "a"}, {"type": "text", "text": "\ud800"}],
+             "messages": HI},
+            "system[1].text contains a lone UTF-16 surrogate at index 0",
+        ),
+    ],
+    ids=["after-tool-result", "second-text", "assistant-text", "string", "tool-result-text",
+         "system", "system-text"],
+)  # fmt: skip
+def test_a_lone_surrogate_in_a_text_block_names_the_block(
+    served: tuple[str, PromptedEngine], fields: dict, want: str
+) -> None:
+    """A text block's own path, messages[i].content[j].text, wherever it stands in its turn (it
+    was the chat message's content under the field the message began at: after a tool_result
+    block, messages[2].content[1].content, a field the client never sent)."""
+    url, engine = served
+    say(engine, "x")
+    body = json.dumps({"model": MODEL, "max_tokens": 10, "tools": [WEATHER], **fields})
+    r = httpx.post(url + "/v1/messages", content=body, timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": want}}  # fmt: skip
+
+
+def test_a_text_block_with_no_string_text_names_the_block(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """Its index in the turn (a block after a tool_result block was named content[0])."""
+    url, _ = served
+    turns = [*TOOL_TURNS, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"},
+        {"type": "text", "text": 5}]}]  # fmt: skip
+    r = _post(url, messages=turns, tools=[WEATHER])
+    assert r.status_code == 400, r.text
+    want = "messages[2].content[1] must be a text block with a string text, got type 'text'"
+    assert r.json()["error"]["message"] == want
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], stream: bool) -> None:
     url, engine = served
