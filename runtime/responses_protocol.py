@@ -271,6 +271,9 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
                     raise APIError(400, f"{at}.content[{j}].text must be a string", param="input")
                 texts.append((p["text"], f"{at}.content[{j}].text"))
             text = chat_translation.joined(texts, "input")
+            # (content None until an assistant message after it gives its own, named after that
+            # message: with none, chat has nothing of the client's there to refuse, so no error
+            # names this item's .content for the turn's)
             msgs.append({"role": "assistant", "content": None, "reasoning": text})
             where.append(Origin(at))
             last = "reasoning"

@@ -324,6 +324,33 @@ def test_an_error_names_the_input_item_it_is_about(
     assert (err["message"], err["param"]) == (want, "input")
 
 
+@pytest.mark.parametrize(
+    ("items", "thinking"),
+    [([HI, THOUGHT], False), ([HI, THOUGHT, CALL, {"type": "function_call_output",
+                                                    "call_id": "c1", "output": "pong"}], True)],
+    ids=["last", "before-a-call"],
+)  # fmt: skip
+def test_a_reasoning_item_with_no_message_after_it_is_a_turn_with_no_content(
+    served: tuple[str, ScriptedEngine], items: list, thinking: bool
+) -> None:
+    """Its turn is chat's assistant message with a null content (its reasoning the item's
+    text): chat has nothing of the client's at that message's content, so none of its rules
+    can fail there and name it after the reasoning item (``input[k].content``, the item's
+    parts); an assistant message after the item brings its own content, named after it."""
+    url, engine = served
+    client = openai_client(url)
+    say(engine, "ok")
+    kw = {"reasoning": {"effort": "high"}} if thinking else {}
+    r = client.responses.create(model=MODEL, input=items, tools=[PING], **kw)
+    call = {"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+    turn = {"role": "assistant", "content": None, "reasoning": "r"}
+    output = {"role": "tool", "tool_call_id": "c1", "content": "pong"}
+    msgs = [HI, {**turn, "tool_calls": [call]}, output] if thinking else [HI, turn]
+    chat_tool = {"type": "function", "function": {k: v for k, v in PING.items() if k != "type"}}
+    think = {"extra_body": {"chat_template_kwargs": {"thinking": True}}} if thinking else {}
+    assert r.usage.input_tokens == _prompt_tokens(client, msgs, tools=[chat_tool], **think)
+
+
 def test_a_client_that_leaves_aborts_the_request(served: tuple[str, ScriptedEngine]) -> None:
     url, engine = served
     say(engine, "Hello")
