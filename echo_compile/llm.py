@@ -70,24 +70,22 @@ class LLM:
     prompt that starts with the full 64-token pages of an earlier sequence skips their prefill,
     runtime/prefix_cache.py),
     ``decode_buckets``, ``device``, ``compile_prefill`` (None: compile prefill, one graph per chunk
-    bucket, for any ``max_model_len``; False: eager prefill), ``dynamic_decode`` (one decode
-    compile for every bucket, its batch dim symbolic; default off: one per bucket; an eager
-    engine refuses it), ``dp`` /
-    ``tp`` (multi-process: run the same script on every rank under torchrun,
+    bucket, for any ``max_model_len``; False: eager prefill), ``dynamic_decode`` (one decode compile
+    for every bucket, its batch dim symbolic; default off: one per bucket; an eager engine refuses
+    it), ``dp`` / ``tp`` (multi-process: run the same script on every rank under torchrun,
     docs/multi_gpu.md). ``compile`` (default: on CUDA) captures every bucket into CUDA graphs at
     start-up, then forbids recompiles. Any number of engines may live in one process: each owns its
-    compiled steps. ``fp8_weights`` (FP8
-    checkpoints): ``"auto"`` (default) keeps them FP8, one byte per weight, as vLLM serves them
-    (docs/quantization.md; sharded on block boundaries with dp/tp/ep), as does ``"fp8"`` (an
-    error on a checkpoint that is not FP8); ``"bf16"`` dequantises them at load (the reference);
-    which one is logged at start-up. ``generation_config``: ``"auto"`` (default) takes a request's
-    unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) from the
-    checkpoint's ``generation_config.json``, as vLLM does, in ``generate()`` without params (its
-    ``max_new_tokens`` too, as their ``max_tokens``, capped at what the context leaves) and in
-    the server; ``"none"``:
-    ``SamplingParams()``'s defaults (``engine.sampling_defaults``). ``progress``: the warm-up's
-    "capturing graphs" bar, drawn only when stderr is a terminal (no redraws in a log), then a
-    one-line summary logged at INFO (``echo_compile.llm``; the CLI's ``--log-level``).
+    compiled steps. ``fp8_weights`` (FP8 checkpoints): ``"auto"`` (default) keeps them FP8, one byte
+    per weight, as vLLM serves them (docs/quantization.md; sharded on block boundaries with
+    dp/tp/ep), as does ``"fp8"`` (an error on a checkpoint that is not FP8); ``"bf16"`` dequantises
+    them at load (the reference); which one is logged at start-up. ``generation_config``: ``"auto"``
+    (default) takes a request's unset sampling fields (temperature, top_p, top_k, min_p,
+    repetition_penalty) from the checkpoint's ``generation_config.json``, as vLLM does, in
+    ``generate()`` without params (its ``max_new_tokens`` too, as their ``max_tokens``, capped at
+    what the context leaves) and in the server; ``"none"``: ``SamplingParams()``'s defaults
+    (``engine.sampling_defaults``). ``progress``: the warm-up's "capturing graphs" bar, drawn only
+    when stderr is a terminal (no redraws in a log), then a one-line summary logged at INFO
+    (``echo_compile.llm``; the CLI's ``--log-level``).
     """
 
     def __init__(
