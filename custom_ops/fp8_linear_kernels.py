@@ -162,10 +162,13 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
             split *= 2
         return {"BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": False,
                 "SWAP": True, "num_warps": 8, "num_stages": 4}  # fmt: skip
-    if k >= 16384 and m > 32:
+    if k >= 16384 and 32 < m <= 128:
         # K = 16384 at M = 64-128 (H100, gpu_session32 call 3, docs/quantization.md): 64 x 64
         # tiles, split-K 2, x quantised first: 65.1 / 72.0 µs against the rule below's 81.9 /
-        # 86.1 at M = 64 / 128 (at M = 32 62.1 against 54.4: the rule below keeps it)
+        # 86.1 at M = 64 / 128 (at M = 32 62.1 against 54.4: the rule below keeps it). NOTE:
+        # not past the M measured: a prefill chunk's split-K 2 would need a tile counter per
+        # output tile (more than ``tile_counters.COUNTERS`` from ~37K rows on N = 7168) and
+        # fp32 partials of 2 x M x N; the rule below splits no tile there
         return {"BM": 64, "BN": 64, "SPLIT_K": 2, "FUSED": True, "PREQUANT": True,
                 "num_warps": 4, "num_stages": 3}  # fmt: skip
     while tiles * split < 2 * num_sms and split * 2 <= kb and split < 16:

@@ -328,6 +328,18 @@ def test_dispatch_rules_at_v32_shapes():
     assert not FK.fp8_config(1, 7168, 16384, 132).get("SWAP")
 
 
+def test_split_k_configs_fit_the_tile_counters_at_every_m():
+    """A split-K launch holds one tile counter per output tile (``tile_counters.COUNTERS``): no
+    configuration splits more tiles than that, at decode, prefill-chunk or larger M (the
+    K = 16384 rule split every M above 32, so 112 x 586 tiles at M = 37504 on 16384 x 7168
+    raised in ``counters``)."""
+    for n, k in ((7168, 16384), (7168, 4096), (2048, 7168), (576, 7168)):
+        for m in (1, 16, 64, 128, 256, 2048, 16384, 37504, 65536):
+            cfg = FK.fp8_config(m, n, k, 132)
+            tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
+            assert cfg["SPLIT_K"] == 1 or tiles <= TC.COUNTERS, (m, n, k, cfg)
+
+
 def test_bench_fp8_help_on_cpu():
     import subprocess
     import sys
