@@ -347,6 +347,21 @@ def test_llm_under_torchrun_names_a_local_world_size_that_is_not_an_integer(monk
         plan.rank_memory_device(EngineConfig(device="cuda", dp=2))
 
 
+def test_rank_memory_device_is_the_gpu_the_join_takes_without_local_rank(monkeypatch):
+    """A launch that sets RANK but no LOCAL_RANK (one process per GPU by hand): the join takes
+    ``cuda:<RANK>`` (``process.init_distributed``), so the memory checked is that GPU's, not
+    cuda:0's for every rank."""
+    from runtime.distributed import plan
+    from runtime.engine_config import EngineConfig
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert plan.rank_memory_device(EngineConfig(device="cuda", dp=2)) == ("cuda:1", 2)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # (set, it wins, as in the join)
+    assert plan.rank_memory_device(EngineConfig(device="cuda", dp=2)) == ("cuda:0", 2)
+
+
 def test_llm_on_cpu_refuses_a_host_pool_past_memory_before_loading(monkeypatch):
     """The CPU engine's KV pool lives in host memory: a pool the machine cannot hold is refused
     with its bytes and the flag before any weight is read (it was refused after the load)."""

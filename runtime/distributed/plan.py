@@ -297,7 +297,8 @@ def check_fits(
 def rank_memory_device(config: EngineConfig) -> tuple[str, int]:
     """The device whose memory this rank plans with, and the ranks sharing its host's memory:
     ``config.device`` alone; under torchrun (``world_size`` > 1) a bare ``cuda`` / ``cuda:0`` is
-    this rank's GPU, ``cuda:<LOCAL_RANK>``, and ``LOCAL_WORLD_SIZE`` ranks share the host. A
+    this rank's GPU, ``cuda:<LOCAL_RANK>`` (unset: ``RANK``, the GPU the join takes,
+    ``process.init_distributed``), and ``LOCAL_WORLD_SIZE`` ranks share the host. A
     variable that is not an integer is a ``ValueError`` naming it and its value, as the process
     group's join makes (torchrun sets both: such a value is a broken launch, not a memory the
     sizing could step aside from)."""
@@ -306,7 +307,7 @@ def rank_memory_device(config: EngineConfig) -> tuple[str, int]:
     device, local_ranks = config.device, 1
     if config.world_size > 1:
         if device in ("cuda", "cuda:0"):
-            device = f"cuda:{env_int('LOCAL_RANK', 0)}"
+            device = f"cuda:{env_int('LOCAL_RANK', env_int('RANK', 0))}"
         local_ranks = env_int("LOCAL_WORLD_SIZE", 1)
     return device, local_ranks
 
