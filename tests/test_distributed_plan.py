@@ -341,6 +341,10 @@ def test_llm_under_torchrun_names_a_local_world_size_that_is_not_an_integer(monk
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ValueError, match=r"^environment variable LOCAL_WORLD_SIZE='two' is not"):
         LLM("tiny", device="cuda", dp=2, compile=False, progress=False)
+    for bad in ("0", "-2"):  # the sizing divides by it: ZeroDivisionError, a negative share
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match=rf"LOCAL_WORLD_SIZE={bad} must be at least 1"):
+            plan.rank_memory_device(EngineConfig(device="cuda", dp=2))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1.0")
     with pytest.raises(ValueError, match=r"LOCAL_RANK='1.0' is not an integer"):

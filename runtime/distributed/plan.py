@@ -309,6 +309,11 @@ def rank_memory_device(config: EngineConfig) -> tuple[str, int]:
         if device in ("cuda", "cuda:0"):
             device = f"cuda:{env_int('LOCAL_RANK', env_int('RANK', 0))}"
         local_ranks = env_int("LOCAL_WORLD_SIZE", 1)
+        if local_ranks < 1:  # (the sizing divides the host's memory by it)
+            raise ValueError(
+                f"environment variable LOCAL_WORLD_SIZE={local_ranks} must be at least 1 (the "
+                "ranks on this host, as torchrun sets it)"
+            )
     return device, local_ranks
 
 
