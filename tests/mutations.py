@@ -33,6 +33,27 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "dynamic_decode compiles per bucket (the batch never marked dynamic)",
+        "echo_compile/compiled.py",
+        "        if dynamic_batch:\n            fn = _batch_dynamic(fn)",
+        "        pass",
+        ("tests/test_dynamic_decode.py::test_one_compile_serves_every_bucket_with_equal_logits",),
+    ),
+    Mutation(
+        "warm-up captures the smallest bucket first",
+        "runtime/model_runner.py",
+        "for b in sorted(buckets)[::-1]",
+        "for b in sorted(buckets)",
+        ("tests/test_dynamic_decode.py::test_warmup_captures_the_largest_bucket_first",),
+    ),
+    Mutation(
+        "fp8 K = 16384 split-K rule at every M above 32",
+        "custom_ops/fp8_linear_kernels.py",
+        "if k >= 16384 and 32 < m <= 128:",
+        "if k >= 16384 and m > 32:",
+        ("tests/test_fp8_linear.py::test_split_k_configs_fit_the_tile_counters_at_every_m",),
+    ),
+    Mutation(
         "scheduler ignores B x topk <= gpu_tokens",
         "custom_ops/cache/config.py",
         "return min(max_batch, gpu_tokens // topk)",
