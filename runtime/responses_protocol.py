@@ -186,7 +186,10 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
 
 
 def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str | list[dict[str, Any]] | None:
-    """A message's content (a string, or text parts of ``kinds``) as chat's."""
+    """A message's content (a string, or text parts of ``kinds``) as chat's. Chat joins a
+    message's parts and names a lone surrogate in any of them as the message's content: here it
+    names the part's own ``text`` (``{at}[j].text``) and the index in that text (a string
+    content is left to chat's check, which names it ``at``)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -198,7 +201,8 @@ def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str | list[dict[str,
             want = " or ".join(kinds)
             msg = f"{at}[{j}] must be a {want} part with a string text, got type {kind!r}"
             raise APIError(400, msg, param="input")
-        out.append({"type": "text", "text": p["text"]})
+        text = chat_translation.checked(p["text"], f"{at}[{j}].text", "input")
+        out.append({"type": "text", "text": text})
     return out
 
 

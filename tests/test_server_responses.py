@@ -291,11 +291,31 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
             [HI, THOUGHT, {"role": "assistant", "content": "a\ud800"}, HI],
             "input[2].content contains a lone UTF-16 surrogate at index 1",
         ),
-        (  # ... and so is a function call after them
+        (  # ... and so is a function call after them; a part names its own text
             [HI, THOUGHT, {"role": "assistant", "content": [{"type": "output_text", "text": "a"},
              {"type": "output_text", "text": "\udc00"}]},
              CALL, HI],
-            "input[2].content contains a lone UTF-16 surrogate at index 0",
+            "input[2].content[1].text contains a lone UTF-16 surrogate at index 0",
+        ),
+        (  # a message's first text part, not chat's content of the parts joined
+            [{"role": "user", "content": [{"type": "input_text", "text": "a\ud800"},
+                                          {"type": "input_text", "text": "b"}]}],
+            "input[0].content[0].text contains a lone UTF-16 surrogate at index 1",
+        ),
+        (  # its second, and the index in that part's own text
+            [HI, {"role": "user", "content": [{"type": "input_text", "text": "ok"},
+                                              {"type": "input_text", "text": "xy\ud800"}]}],
+            "input[1].content[1].text contains a lone UTF-16 surrogate at index 2",
+        ),
+        (  # a string content is the content itself
+            [HI, {"role": "user", "content": "Hi\ud800"}],
+            "input[1].content contains a lone UTF-16 surrogate at index 2",
+        ),
+        (  # a function_call_output's output parts name theirs
+            [HI, CALL, {"type": "function_call_output", "call_id": "c1",
+                        "output": [{"type": "input_text", "text": "p"},
+                                   {"type": "input_text", "text": "\ud800"}]}],
+            "input[2].output[1].text contains a lone UTF-16 surrogate at index 0",
         ),
         (  # a reasoning item's part, and the index in its own text (not chat's reasoning)
             [HI, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "ok"},
@@ -308,7 +328,8 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
             "input[1].content[0].text must be a string",
         ),
     ],
-    ids=["message", "message-and-call", "reasoning-part", "reasoning-text"],
+    ids=["message", "message-and-call", "first-part", "second-part", "string-content",
+         "output-part", "reasoning-part", "reasoning-text"],
 )  # fmt: skip
 def test_an_error_names_the_input_item_it_is_about(
     served: tuple[str, ScriptedEngine], items: list, want: str
