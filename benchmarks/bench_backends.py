@@ -272,7 +272,9 @@ def suggest_auto_table(rows: list[dict]) -> dict:
 def bench_step(res: dict, batches: list[int], ctx: int, steps: int, backends: list[str]) -> None:
     from dataclasses import asdict
 
-    from echo_compile.bench.harness import System, Workload, build_model
+    from echo_compile.bench.harness import System
+    from echo_compile.bench.model_builder import build_model
+    from echo_compile.bench.workload import Workload
 
     model = build_model("bench", 4, 16, DEV)
     per_req = -(-(ctx + steps + 64) // 64) * 64

@@ -49,7 +49,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_warmup import _cold_prefix, _env, _write
-from echo_compile.bench.harness import System, Workload, build_model
+from echo_compile.bench.harness import System
+from echo_compile.bench.model_builder import build_model
+from echo_compile.bench.workload import Workload
 from echo_compile.compiled import StepCompiler
 from model.checkpoint import resolve_model
 from model.loader import load_model

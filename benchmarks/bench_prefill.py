@@ -64,7 +64,8 @@ from custom_ops.backends.deep_gemm_ops import prefill_logits_width  # noqa: E402
 from custom_ops.cache.config import CacheConfig  # noqa: E402
 from custom_ops.cache.kv_cache import KVCache  # noqa: E402
 from custom_ops.kv_format import PAGE, pages_for  # noqa: E402
-from echo_compile.bench.harness import build_model, environment  # noqa: E402
+from echo_compile.bench.model_builder import build_model  # noqa: E402
+from echo_compile.bench.result import environment  # noqa: E402
 from model.forward_meta import ForwardMeta  # noqa: E402
 from model.prefill_ref import explicit_prefill_in  # noqa: E402
 from model.quantize import quantize_in_memory  # noqa: E402

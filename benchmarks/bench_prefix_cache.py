@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from echo_compile.bench.harness import build_model, environment
+from echo_compile.bench.model_builder import build_model
+from echo_compile.bench.result import environment
 from runtime.engine import Engine, EngineConfig
 from runtime.sampling_params import SamplingParams
 

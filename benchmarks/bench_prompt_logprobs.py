@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_prompt_logprobs: needs a CUDA device")
         return 2
-    from echo_compile.bench.harness import environment
+    from echo_compile.bench.result import environment
 
     res: dict = {**environment(), "checks": {}, "timings": []}
 

@@ -25,7 +25,10 @@ from pathlib import Path
 
 import torch
 
-from echo_compile.bench.harness import System, Workload, build_model, environment, json_safe
+from echo_compile.bench.harness import System
+from echo_compile.bench.model_builder import build_model
+from echo_compile.bench.result import environment, json_safe
+from echo_compile.bench.workload import Workload
 
 
 def main(argv: list[str] | None = None) -> int:

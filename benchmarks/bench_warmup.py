@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import echo_compile
-from echo_compile.bench.harness import environment
+from echo_compile.bench.result import environment
 from model.config import ModelConfig
 from model.loader import load_model
 from model.model import DeepseekV32ForCausalLM

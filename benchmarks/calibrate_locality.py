@@ -28,8 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from custom_ops.kv_format import PAGE, pages_for
-from echo_compile.bench.harness import System, Workload, build_model, environment
+from echo_compile.bench.harness import System
 from echo_compile.bench.locality import OverlapProbe
+from echo_compile.bench.model_builder import build_model
+from echo_compile.bench.result import environment
+from echo_compile.bench.workload import Workload
 from model.locality import BENCH_LOCALITY, FIRST_LOCAL_LAYER, plant_locality
 
 PUBLISHED = {"deep": (0.35, 0.50), "layers_0_1": (0.01, 0.02)}

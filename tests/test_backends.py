@@ -328,7 +328,7 @@ def test_prefetch_plans_ask_no_library(monkeypatch):
 
 
 def test_bench_records_the_resolved_plans_as_runs():
-    from echo_compile.bench.harness import plan_labels
+    from echo_compile.bench.result import plan_labels
 
     T, D, F = (
         sel.Plan("triton", "triton"),

@@ -15,6 +15,8 @@ import pytest
 from echo_compile.bench import cli as bench_cli
 from echo_compile.bench import harness as bench
 from echo_compile.bench.breakdown import CATEGORIES
+from echo_compile.bench.model_builder import build_model
+from echo_compile.bench.workload import Workload
 
 ARGS = [
     "--preset", "tiny", "--device", "cpu", "--requests", "4", "--min-ctx", "200",
@@ -24,7 +26,7 @@ ARGS = [
 
 @pytest.fixture(scope="module")
 def model():
-    return bench.build_model("tiny", 0, 0, "cpu")
+    return build_model("tiny", 0, 0, "cpu")
 
 
 def test_bench_writes_every_run_and_a_breakdown(tmp_path, monkeypatch) -> None:
@@ -154,7 +156,7 @@ def _eager_system(model, repeat: float) -> bench.System:
 
 
 def test_repeat_feeds_the_previous_input_and_raises_locality(model) -> None:
-    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=12, temperature=1.0)
+    wl = Workload(requests=2, min_ctx=300, max_ctx=300, output_len=12, temperature=1.0)
     hit = {}
     for repeat in (0.0, 1.0):
         sut = _eager_system(model, repeat)
@@ -171,7 +173,7 @@ def test_repeat_feeds_the_previous_input_and_raises_locality(model) -> None:
 
 def test_runs_of_one_system_do_not_leak_into_each_other(model) -> None:
     """A System reused for a second workload reports exactly what a fresh System reports."""
-    wl = bench.Workload(requests=3, min_ctx=200, max_ctx=300, output_len=5, temperature=1.0)
+    wl = Workload(requests=3, min_ctx=200, max_ctx=300, output_len=5, temperature=1.0)
     first = _eager_system(model, 0.5)
     first.run(replace(wl, seed=7, output_len=3))  # a different workload first
     again = first.run(wl)
@@ -257,7 +259,7 @@ def test_bench_engine_rejects_bad_repeat(model) -> None:
 
 def test_full_mode_prefills_instead_of_injecting(model) -> None:
     """--mode full: the engine runs prefill steps for the prompts and no KV is injected."""
-    wl = bench.Workload(requests=2, min_ctx=150, max_ctx=200, output_len=4)
+    wl = Workload(requests=2, min_ctx=150, max_ctx=200, output_len=4)
     for prefill in (False, True):
         sut = _eager_system(model, 0.0)
         r = sut.run(replace(wl, prefill=prefill))
@@ -277,7 +279,7 @@ def test_neither_system_caches_prefixes(model, monkeypatch) -> None:
     monkeypatch.setattr(  # the engine's default turned on: the harness must still say off
         bench, "EngineConfig", lambda **kw: config(**{"enable_prefix_caching": True} | kw)
     )
-    wl = bench.Workload(requests=2, min_ctx=150, max_ctx=200, output_len=2, prefill=True)
+    wl = Workload(requests=2, min_ctx=150, max_ctx=200, output_len=2, prefill=True)
     for system, pool in (("offload-eager", 256), ("gpu-only", 512)):
         sut = bench.System(model, system, pool, 4096, "fp8", 512, 2, (), "cpu", 0.0, seed=0)
         steps = []
@@ -331,7 +333,7 @@ def test_breakdown_records_the_batch_it_profiled(model) -> None:
     """A host pool of 9 pages holds one of these requests with the breakdown's 9 tokens (5 pages
     each), not two: the profiled steps decode one row, and that is the batch recorded (it said
     2, the requests it added)."""
-    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=3)
+    wl = Workload(requests=2, min_ctx=300, max_ctx=300, output_len=3)
     sut = bench.System(model, "offload-eager", 256, 576, "fp8", 512, 2, (), "cpu", 0.0)
     assert bench.breakdown_tokens(2, 1) == 9
     bd = sut.breakdown(wl, warm_steps=1, steps=2)
@@ -355,7 +357,7 @@ def test_bench_sizes_its_pools_for_a_breakdown_longer_than_the_output(tmp_path) 
 def test_breakdown_of_a_compiled_system_runs_eagerly_and_leaves_it_as_it_was(model) -> None:
     """...unless ``graphs=True``: then its own compiled steps, no module hooked (a hook would
     recompile the frozen step, which raises)."""
-    wl = bench.Workload(requests=1, min_ctx=200, max_ctx=200, output_len=3)
+    wl = Workload(requests=1, min_ctx=200, max_ctx=200, output_len=3)
     sut = bench.System(model, "gpu-only", 320, 320, "fp8", 320, 1, (), "cpu", 1.0)
     bd = sut.breakdown(wl, warm_steps=1, steps=2)
     assert bd["total_ms"] > 0 and bd["batch"] == 1
@@ -534,8 +536,8 @@ def test_graph_breakdown_charges_the_cache_kernels() -> None:
     cache management, by name (no op claims a kernel inside a graph), and the rest to other."""
     from echo_compile.bench.breakdown import cache_kernel_names
 
-    model = bench.build_model("tiny", 0, 0, "cuda")
-    wl = bench.Workload(requests=2, min_ctx=200, max_ctx=200, output_len=3)
+    model = build_model("tiny", 0, 0, "cuda")
+    wl = Workload(requests=2, min_ctx=200, max_ctx=200, output_len=3)
     sut = bench.System(model, "offload", 320, 4096, "fp8", 1024, 2, (), "cuda", 1.0)
     sut.run(wl)
     g = sut.breakdown(wl, warm_steps=1, steps=2, graphs=True)

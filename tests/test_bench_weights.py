@@ -12,7 +12,7 @@ from test_loader import last_logits
 from torch import nn
 
 from echo_compile.bench import cli as bench_cli
-from echo_compile.bench import harness as bench
+from echo_compile.bench.model_builder import build_model
 from model.awq import AWQExperts, AWQLinear
 from model.fp8_weights import FP8Experts, FP8Linear, weight_dequant_fp8, weight_quant_fp8
 from model.loader import load_model
@@ -50,7 +50,7 @@ def test_in_memory_quantisation_is_the_loaded_checkpoint(weights, name, kw) -> N
 
 @pytest.fixture(scope="module")
 def built() -> dict[str, nn.Module]:
-    return {w: bench.build_model("tiny", 0, 0, "cpu", 0.5, w) for w in ("bf16", "awq", "fp8")}
+    return {w: build_model("tiny", 0, 0, "cpu", 0.5, w) for w in ("bf16", "awq", "fp8")}
 
 
 def test_awq_bench_model_has_the_served_modules(built) -> None:
@@ -156,7 +156,7 @@ def test_bench_rejects_bad_weights(extra, message, capsys, tmp_path) -> None:
 
 def test_bad_weights_raise_value_errors(built) -> None:
     with pytest.raises(ValueError, match="weights must be one of bf16, awq, fp8, got 'int4'"):
-        bench.build_model("tiny", 0, 0, "cpu", weights="int4")
+        build_model("tiny", 0, 0, "cpu", weights="int4")
     with pytest.raises(ValueError, match="already quantised"):
         quantize_in_memory(built["awq"], "fp8")
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from benchmarks import calibrate_locality as cal
-from echo_compile.bench.harness import System, Workload, build_model
+from echo_compile.bench.harness import System
 from echo_compile.bench.locality import OverlapProbe
+from echo_compile.bench.model_builder import build_model
+from echo_compile.bench.workload import Workload
 from model.locality import FIRST_LOCAL_LAYER, plant_locality
 from model.model import DeepseekV32ForCausalLM
 from model.presets import preset_config

@@ -126,9 +126,11 @@ def test_bench_system_with_prefetch_reports_it_and_the_overlap():
     """echo-compile bench's System: prefetch metrics and pool rows per request in the result; the
     breakdown measures the consecutive-step top-k overlap from the indexer's own selections."""
     from echo_compile.bench import harness as bench
+    from echo_compile.bench.model_builder import build_model
+    from echo_compile.bench.workload import Workload
 
-    model = bench.build_model("tiny", 4, 16, "cpu")
-    wl = bench.Workload(requests=2, min_ctx=300, max_ctx=300, output_len=6, temperature=1.0)
+    model = build_model("tiny", 4, 16, "cpu")
+    wl = Workload(requests=2, min_ctx=300, max_ctx=300, output_len=6, temperature=1.0)
     sut = bench.System(model, "offload-eager", 96, 4096, "fp8", 512, 2, (), "cpu", 1.0, seed=0,
                        prefetch="request")  # fmt: skip
     r = sut.run(wl)

@@ -8,7 +8,7 @@ import argparse
 
 import torch
 
-from echo_compile.bench.harness import sharegpt_like
+from echo_compile.bench.workload import sharegpt_like
 from echo_compile.devices import check_device
 
 

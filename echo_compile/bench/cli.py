@@ -23,18 +23,10 @@ from custom_ops.kv_format import PAGE, pages_for, whole_pages
 from echo_compile import settings
 from echo_compile.bench.checks import check_sizes, index_topk, number_list, parallel_config
 from echo_compile.bench.flags import TINY_DEFAULTS, parser
-from echo_compile.bench.harness import (
-    SYSTEMS,
-    System,
-    Workload,
-    batch_cap,
-    breakdown_tokens,
-    build_model,
-    environment,
-    json_safe,
-    sharegpt_like,
-    weight_bytes,
-)
+from echo_compile.bench.harness import SYSTEMS, System, batch_cap, breakdown_tokens
+from echo_compile.bench.model_builder import build_model, weight_bytes
+from echo_compile.bench.result import environment, json_safe
+from echo_compile.bench.workload import Workload, sharegpt_like
 from echo_compile.compile_cache import configure_compile_cache
 from model.quantize import WEIGHTS
 from runtime.engine_config import EngineConfig

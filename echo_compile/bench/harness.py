@@ -38,203 +38,21 @@ eager steps of offload-eager and gpu-only are also profiled for the time breakdo
 from __future__ import annotations
 
 import gc
-import math
-import platform
 import random
 import time
-import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from custom_ops.backends.select import DEFAULT_BACKEND, plan_runs
+from custom_ops.backends.select import DEFAULT_BACKEND
 from custom_ops.cache.config import PREFETCH_MARGIN, max_decode_rows
-from custom_ops.fp8 import act_quant, fp8_round_trip
-from custom_ops.kv_format import (
-    PAGE,
-    ROW_BYTES,
-    pack_index_k,
-    pack_kv_rows,
-    pages_for,
-    whole_pages,
-)
-from model.quantize import check_weights, quantize_in_memory, weights_format
+from custom_ops.kv_format import PAGE, pages_for, whole_pages
+from echo_compile.bench.model_builder import weight_bytes
+from echo_compile.bench.result import SystemResult, percentiles, plan_labels
+from echo_compile.bench.workload import RandomPromptKV, RepeatPrevious, Workload
+from model.quantize import weights_format
 from runtime.engine import Engine, EngineConfig
-from runtime.sampler import force_tokens
 from runtime.sampling_params import SamplingParams
-
-
-@dataclass
-class Workload:
-    requests: int = 64
-    min_ctx: int = 80_000
-    max_ctx: int = 100_000
-    output_len: int = 256
-    rate: float = float("inf")  # requests/s (Poisson); inf = all at once
-    temperature: float = 0.0
-    seed: int = 0
-    prefill: bool = False  # full mode: the engine prefills each prompt instead of injecting KV
-
-    def lengths(self) -> list[int]:
-        rng = random.Random(self.seed)
-        return [rng.randint(self.min_ctx, self.max_ctx) for _ in range(self.requests)]
-
-    def arrivals(self) -> list[float]:
-        if self.rate == float("inf"):
-            return [0.0] * self.requests
-        rng = random.Random(self.seed + 1)
-        t, out = 0.0, []
-        for _ in range(self.requests):
-            t += rng.expovariate(self.rate)
-            out.append(t)
-        return out
-
-
-def sharegpt_like(requests: int, seed: int = 0) -> Workload:
-    """Short-context workload: inputs ~ U(64, 1024), 256 outputs (ShareGPT's median input is a few
-    hundred tokens); documented, not sampled from the data set."""
-    return Workload(requests=requests, min_ctx=64, max_ctx=1024, output_len=256, seed=seed)
-
-
-class RandomPromptKV:
-    """A request's prompt KV as a prefill instance would send it (a ``runtime.prompt_kv`` source):
-    random FP8-round-tripped latents and random indexer keys, made chunk by chunk as the engine
-    writes them, so a 100K-token prompt is never held whole.
-
-    NOTE: one generator serves every chunk, so the rows depend on the order in which chunks are
-    asked for; the engine asks chunk by chunk, every layer of a chunk in turn, always."""
-
-    def __init__(
-        self, request_id: str, num_tokens: int, num_layers: int, fmt: str, device, seed: int = 0
-    ):
-        self.num_tokens, self.num_layers, self.fmt = num_tokens, num_layers, fmt
-        self.row_bytes = ROW_BYTES[fmt]
-        self.device = torch.device(device)
-        # crc32, not hash(): Python salts str hashes per process, and the KV must be reproducible
-        self.gen = torch.Generator(device=self.device)
-        self.gen.manual_seed(seed + zlib.crc32(request_id.encode()))
-
-    def chunk(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n, gen, dev = end - start, self.gen, self.device
-        c = torch.randn(n, 512, generator=gen, device=dev)
-        pe = torch.randn(n, 64, generator=gen, device=dev)
-        k = torch.randn(n, 128, generator=gen, device=dev)
-        kq, ks = act_quant(k)
-        rows = pack_kv_rows(fp8_round_trip(c.bfloat16()), pe.bfloat16(), self.fmt)
-        return rows, pack_index_k(kq, ks.squeeze(-1))
-
-
-class RepeatPrevious:
-    """The benchmark's locality knob, a logits processor (``Engine.logits_processors``): with
-    probability ``repeat`` a request's next input token is its previous input token instead of
-    the one the model would pick (that row's logits become a point mass on it, so sampling still
-    runs every step; the benchmark reads no logprob)."""
-
-    def __init__(self, repeat: float, seed: int = 0):
-        if not 0.0 <= repeat <= 1.0:
-            raise ValueError(f"repeat must be a probability in [0, 1], got {repeat!r}")
-        self.repeat = repeat
-        self.reseed(seed)
-
-    def reseed(self, seed: int) -> None:
-        """Restart the knob's random stream (each benchmark run starts from the same state)."""
-        self.rng = random.Random(seed)
-
-    def __call__(self, reqs, logits: torch.Tensor) -> torch.Tensor:
-        if self.repeat <= 0:
-            return logits
-        rows = [i for i in range(len(reqs)) if self.rng.random() < self.repeat]
-        prev = [reqs[i].output_ids[-1] if reqs[i].output_ids else reqs[i].prompt_ids[-1]
-                for i in rows]  # fmt: skip
-        return force_tokens(logits, rows, prev)
-
-
-@dataclass
-class SystemResult:
-    system: str
-    gpu_pool_tokens: int
-    mode: str
-    rate: float
-    requests: int
-    throughput_tok_s: float
-    effective_batch: float
-    max_batch: int
-    decode_steps: int
-    generated_tokens: int
-    wall_s: float
-    inject_s: float
-    serve_s: float  # wall - inject: the time the throughput divides by
-    steps_s: float  # of which in engine steps (decode, and prefill in full mode)
-    add_s: float  # and in taking requests in (engine.add_request: checks, queueing)
-    step_ms_median: float
-    step_ms: dict[str, float] = field(default_factory=dict)  # percentiles, mean and max
-    ttft_s: dict[str, float] = field(default_factory=dict)
-    itl_ms: dict[str, float] = field(default_factory=dict)
-    hit_rate: list[float] = field(default_factory=list)
-    recalled_rows_per_step: float = 0.0
-    # mean host time a decode step from the last step's tokens to its call (engine.metrics():
-    # the GPU idles at least that long)
-    decode_host_gap_ms: float = 0.0
-    # asynchronous scheduling: whether on, the share of decode steps launched one token ahead
-    # (no host gap: not in the mean above) and the rows of finished requests they computed
-    async_scheduling: bool = False
-    decode_ahead_fraction: float = 0.0
-    discarded_rows: int = 0
-    # (CUDA) the GPU's mean idle time between back-to-back decode steps, as it timed it with
-    # events, over decode_gpu_idle_gaps gaps (0 gaps: not measured, a CPU run)
-    decode_gpu_idle_ms: float = 0.0
-    decode_gpu_idle_gaps: int = 0
-    warmup_s: float = 0.0
-    # the GPU pool rows each decoding request has per layer (N_G / effective batch): the hit rate
-    # means something only next to it (docs/prefetch.md, "Locality")
-    pool_rows_per_request: float = 0.0
-    prefetch: str = "off"
-    # the staging limits of a prefetching run (0 without prefetch): rows per request and layer
-    # (the staging buffer is max_batch x it) and the global mode's rows per context token
-    prefetch_cap: int = 0
-    prefetch_ratio: float = 0.0
-    prefetched_per_step: list[float] = field(default_factory=list)
-    prefetch_precision: list[float] = field(default_factory=list)
-    prefetch_coverage: list[float] = field(default_factory=list)
-    # who computed the decode indexer, by batch sizes (kernel_backend as resolved: a missing
-    # library, a CPU or a head count DeepGEMM refuses gives triton): {"1-16": "deep_gemm/triton"}
-    indexer_plans: dict[str, str] = field(default_factory=dict)
-    # the model's weights (--weights): bf16, or served as an AWQ / FP8 checkpoint of them, and
-    # the bytes of its parameters on the device
-    weights: str = "bf16"
-    weight_bytes: int = 0
-
-
-def plan_labels(plans) -> dict[str, str]:
-    """``LayerKV.plans`` (one per batch size 1..N) as runs of equal plans (``plan_runs``), each
-    labelled by its sizes: {"1-63": "deep_gemm/triton", "64": "deep_gemm/flashinfer"}."""
-    runs = plan_runs(plans)
-    ends = [first - 1 for first, _ in runs[1:]] + [len(plans)]
-    return {
-        (f"{first}-{end}" if end > first else str(first)): f"{p.scores}/{p.topk}"
-        for (first, p), end in zip(runs, ends)
-    }
-
-
-def json_safe(x):
-    """``x`` with every non-finite float as a string ("inf": a rate of all requests at once), so
-    the file is JSON every parser reads (``float()`` reads the strings back)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [json_safe(v) for v in x]
-    return x
-
-
-def _pct(xs: list[float], scale: float = 1.0) -> dict[str, float]:
-    if not xs:
-        return {}
-    t = torch.tensor(xs, dtype=torch.float64) * scale
-    return {f"p{q}": float(torch.quantile(t, q / 100)) for q in (50, 90, 99)} | {
-        "mean": float(t.mean())
-    }
 
 
 def batch_cap(system: str, gpu_tokens: int, topk: int, min_len: int, max_batch: int) -> int:
@@ -401,6 +219,7 @@ class System:
         # batch, step times, hit rates and latencies below are this rank's
         gen = sum(len(r.output_ids) for r in reqs) if front is engine else emitted
         batch = engine.decode_rows / max(engine.num_decode_steps, 1)
+        step_ms = percentiles(step_times, 1e3)
         return SystemResult(
             system=self.system,
             gpu_pool_tokens=self.gpu_tokens,
@@ -417,10 +236,10 @@ class System:
             serve_s=wall - self.inject_s,
             steps_s=sum(step_times),  # net of injection, like every step time
             add_s=add_s,
-            step_ms_median=_pct(step_times, 1e3).get("p50", 0.0),  # step_ms's p50
-            step_ms=_pct(step_times, 1e3) | ({"max": max(step_times) * 1e3} if step_times else {}),
-            ttft_s=_pct(ttft),
-            itl_ms=_pct(itl, 1e3),
+            step_ms_median=step_ms.get("p50", 0.0),  # step_ms's p50
+            step_ms=step_ms | ({"max": max(step_times) * 1e3} if step_times else {}),
+            ttft_s=percentiles(ttft),
+            itl_ms=percentiles(itl, 1e3),
             hit_rate=list(m["hit_rate"]),
             recalled_rows_per_step=float(m["recalled_rows_per_step"]),
             decode_host_gap_ms=float(m["decode_host_gap_ms"]),
@@ -527,59 +346,3 @@ def breakdown_tokens(steps: int, warm_steps: int = 4) -> int:
     """Tokens each request of ``System.breakdown`` generates: the warm-up and profiled steps, then
     the overlap probe's (+ 6). The engine's host pool and context limit must hold them too."""
     return warm_steps + steps + 6
-
-
-def build_model(
-    preset: str,
-    layers: int,
-    experts: int,
-    device: str,
-    locality: float = 0.0,
-    weights: str = "bf16",
-) -> torch.nn.Module:
-    """The benchmark model with deterministic random weights, built directly on ``device``:
-    ``bench`` (real V3.2 attention/indexer dims, ``layers`` and ``experts`` chosen) or ``tiny``;
-    ``locality`` > 0 plants the locality model (model/locality.py) into the weights.
-    ``weights`` ``awq`` / ``fp8``: those bf16 weights (locality planted) then quantised in memory
-    into what the loader serves for an AutoAWQ / official FP8 checkpoint of them
-    (``model.quantize``; FP8 as ``fp8_weights="fp8"``: e4m3 weights, 128 x 128 block scales)."""
-    from model.model import DeepseekV32ForCausalLM
-    from model.presets import preset_config
-
-    check_weights(weights)  # before any work
-    if preset == "bench":
-        cfg = preset_config("bench", num_layers=layers, n_experts=experts)
-    else:
-        cfg = preset_config("tiny")
-    with torch.device(device):
-        model = DeepseekV32ForCausalLM(cfg)
-    model.random_init_(seed=0, locality=locality).eval()
-    quantize_in_memory(model, weights)
-    return model
-
-
-def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of ``model``'s parameters (on its device) by dtype, and their ``total``: AWQ's int32
-    words and fp16 scales, FP8's e4m3 weights and fp32 block scales, the 16-bit rest."""
-    out: dict[str, int] = {}
-    for p in model.parameters():
-        key = str(p.dtype).removeprefix("torch.")
-        out[key] = out.get(key, 0) + p.numel() * p.element_size()
-    return dict(sorted(out.items())) | {"total": sum(out.values())}
-
-
-def environment() -> dict:
-    import triton
-
-    env = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-    }
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    else:
-        env["device"] = "cpu"
-    return env
