@@ -151,10 +151,17 @@ class CompiledStep:
     ``_GLOBALS``: thread count, default dtype, fp32 matmul precision, reduced-precision
     reductions) with autocast off, whatever the caller's (``_pinned_globals``)."""
 
-    def __init__(self, compiled: Callable[..., torch.Tensor], device: torch.device, code):
+    def __init__(
+        self,
+        compiled: Callable[..., torch.Tensor],
+        device: torch.device,
+        code,
+        dynamic_batch: bool = False,
+    ):
         self.compiled = compiled
         self.device = device
         self.code = code
+        self.dynamic_batch = dynamic_batch
         self.frozen = False  # set by ModelRunner.warmup
         self.globals = _torch_globals()
 
@@ -165,6 +172,8 @@ class CompiledStep:
         # reproducible compiles and runs (settings.py says why), scoped to our own calls as the
         # stance below is, so that other torch users in the process are not affected
         with settings.deterministic_algorithms(), _pinned_globals(self.globals, self.device):
+            if self.dynamic_batch and not self.frozen:
+                _mark_batch_dynamic(args)
             if self.frozen:
                 # after warm-up no request may trigger a compile
                 with torch.compiler.set_stance("fail_on_recompile"):
@@ -193,28 +202,23 @@ class StepCompiler:
             opts["mode"] = settings.compile_mode(self.device)
         method = _own_code(step)
         fn = torch.compile(method, fullgraph=True, dynamic=False, backend=self.backend, **opts)
-        if dynamic_batch:
-            fn = _batch_dynamic(fn)
-        return CompiledStep(fn, self.device, method.__func__.__code__)
+        return CompiledStep(fn, self.device, method.__func__.__code__, dynamic_batch)
 
 
-def _batch_dynamic(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` with dim 0 of every input marked dynamic at each call (EngineConfig.dynamic_decode:
-    in a decode step all six inputs are batch-sized), ``dynamic=False`` otherwise, so nothing
-    else turns symbolic.
+def _mark_batch_dynamic(args: tuple[torch.Tensor, ...]) -> None:
+    """Dim 0 of every input marked dynamic (EngineConfig.dynamic_decode: in a decode step all six
+    inputs are batch-sized; ``dynamic=False`` otherwise, so nothing else turns symbolic).
 
-    NOTE: Dynamo specializes a size-1 dim whatever the mark, so a call at B = 1 compiles a static
-    graph of its own and the first call above 1 (the warm-up's largest bucket: ``ModelRunner.
-    warmup`` runs them largest first) one graph guarded ``2 <= B`` that serves every bucket above
-    1; reduce-overhead then records a CUDA graph per batch size as it first sees it, in warm-up
-    (docs/compile.md, "One compile for every decode bucket?")."""
-
-    def marked(*args: torch.Tensor) -> torch.Tensor:
-        for t in args:
-            torch._dynamo.mark_dynamic(t, 0)
-        return fn(*args)
-
-    return marked
+    NOTE: only until the step is frozen: the marks matter to a compile, and none follows warm-up
+    (the graph's guards read the sizes, not the marks), and six ``mark_dynamic`` calls are
+    host time a decode step would pay for nothing. Dynamo specializes a
+    size-1 dim whatever the mark, so a call at B = 1 compiles a static graph of its own and the
+    first call above 1 (the warm-up's largest bucket: ``ModelRunner.warmup`` runs them largest
+    first) one graph guarded ``2 <= B`` that serves every bucket above 1; reduce-overhead then
+    records a CUDA graph per batch size as it first sees it, in warm-up (docs/compile.md, "One
+    compile for every decode bucket?")."""
+    for t in args:
+        torch._dynamo.mark_dynamic(t, 0)
 
 
 class CompiledModel:

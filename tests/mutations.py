@@ -35,8 +35,8 @@ MUTATIONS = [
     Mutation(
         "dynamic_decode compiles per bucket (the batch never marked dynamic)",
         "echo_compile/compiled.py",
-        "        if dynamic_batch:\n            fn = _batch_dynamic(fn)",
-        "        pass",
+        "                _mark_batch_dynamic(args)",
+        "                pass",
         ("tests/test_dynamic_decode.py::test_one_compile_serves_every_bucket_with_equal_logits",),
     ),
     Mutation(
