@@ -172,7 +172,7 @@ class LLM:
 
                 self.engine = build_distributed_engine(
                     meta, config, model, StepCompiler if compiled else None, ctx, fp8,
-                    inputs=inputs, progress=progress,
+                    generation_config=generation_config, inputs=inputs, progress=progress,
                 )  # fmt: skip
             else:
                 # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)

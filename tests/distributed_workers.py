@@ -255,17 +255,18 @@ def prefix_worker(rank: int, out: str, opts: dict, waves: list, timeout_s: float
     end()
 
 
-def cli_generate_worker(rank: int, out: str, extra: tuple = ()) -> None:
+def cli_generate_worker(rank: int, out: str, extra: tuple = (), own: tuple = ((), ())) -> None:
     """``echo-compile generate --dp 2 --tp 2`` as torchrun runs it on each rank; records its exit
     code and whether the process group is still up when it returns (left to the interpreter's
     finalization, gloo's teardown aborted a rank now and then). ``extra``: flags, then prompts
-    that go before "hello there"."""
+    that go before "hello there"; ``own[rank]``: flags this rank alone is given."""
     import torch.distributed as dist
 
     from echo_compile.cli import main
 
     argv = ["generate", "--dp", "2", "--tp", "2", "--device", "cpu", "--no-compile",
-            "--collective-timeout", "60", *extra, "hello there", "--max-tokens", "2"]  # fmt: skip
+            "--collective-timeout", "60", *own[rank], *extra, "hello there",
+            "--max-tokens", "2"]  # fmt: skip
     rc = main(argv)
     (Path(out) / f"rank{rank}.txt").write_text(f"{rc} {dist.is_initialized()}")
 

@@ -327,3 +327,14 @@ def test_cli_generate_options_refused_after_the_join_end_every_rank_cleanly(tmp_
     spawn(cli_generate_worker, 2, str(tmp_path), ("--gpu-tokens", "8"))
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2 False"] * 2
     assert capfd.readouterr().err.count("cannot hold one request's selection") == 2
+
+
+def test_cli_generate_ranks_given_other_generation_configs_are_refused(tmp_path, capfd):
+    """A rank started with ``--generation-config none`` where rank 0 has ``auto`` samples from
+    other defaults (the checkpoint's or SamplingParams'): every rank names the option and returns
+    2 before a weight loads (LLM did not pass it to the options check, which compared the
+    default on every rank and built the ranks)."""
+    spawn(cli_generate_worker, 2, str(tmp_path), (), ((), ("--generation-config", "none")))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2 False"] * 2
+    err = capfd.readouterr().err
+    assert err.count("generation_config: rank 0 has 'auto', rank 1 has 'none'") == 2, err
