@@ -324,6 +324,7 @@ def load_weights(
     read: Callable[[Any, str, str], torch.Tensor] | None = None,
     read_bytes: Callable[[str, int], int] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    shards: tuple[str, dict[str, list[str]]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Materialise ``model`` (built on the meta device) on ``device`` and fill it from the
     checkpoint at ``path``; returns the MTP tensors kept aside (none read if not ``keep_mtp``).
@@ -333,10 +334,12 @@ def load_weights(
     file)`` reads its part from the open shard ``f`` (default: all of it), ``read_bytes(name,
     n)`` the bytes of that part of the ``n``-byte tensor (default: ``n``). ``progress(n, total)``
     (module docstring): after each tensor read, ``n`` its bytes as read (``read_bytes`` of its
-    bytes in the file, ``tensor_bytes``), ``total`` the sum of every ``n`` of this load."""
+    bytes in the file, ``tensor_bytes``), ``total`` the sum of every ``n`` of this load.
+    ``shards``: the checkpoint's ``shard_files`` listing where the caller already read it
+    (``FP8Choice.shards``), else read here."""
     path = Path(path)
     local = local or (lambda name: name)
-    index, files, fp8, nbytes = checked_shards(path)
+    index, files, fp8, nbytes = checked_shards(path, shards)
     model.to_empty(device=device)  # (before the loader, which holds the parameters)
     loader = _Loader(model, config, path)
     here = {f: [n for n in map(local, names) if n is not None] for f, names in files.items()}
@@ -410,7 +413,8 @@ def load_model(
         model = DeepseekV32ForCausalLM(config)
     _cast_half_params(model, dtype)
     awq = config.quantization is not None and config.quantization.method == "awq"
-    scaled = fp8_choice(path, config, fp8_weights).modules
+    choice = fp8_choice(path, config, fp8_weights)
+    scaled = choice.modules
     if scaled is not None:
         from model.fp8_weights import convert_to_fp8
 
@@ -419,20 +423,21 @@ def load_model(
         from model.awq import convert_to_awq
 
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
-    mtp = load_weights(model, path, config, device, keep_mtp, progress=progress)
+    mtp = load_weights(model, path, config, device, keep_mtp, progress=progress,
+                       shards=choice.shards)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path, mtp)
 
 
-def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set[str] | None:
-    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``), or None where
-    ``fp8_weights`` resolves to ``"bf16"`` (``resolve_fp8_weights``: its ValueErrors). A
-    checkpoint whose config.json says FP8 but that has no scales (its weights converted to bf16,
-    e.g. by DeepSeek's fp8_cast_bf16.py, with config.json left as it was) is served as the bf16
-    it holds under ``"auto"`` (None), and is a ValueError under an explicit ``"fp8"``."""
-    if resolve_fp8_weights(fp8_weights, config, str(path)) == "bf16":
-        return None
-    _, files = shard_files(path)
+def fp8_scaled_modules(
+    path: Path, fp8_weights: str, files: dict[str, list[str]]
+) -> set[str] | None:
+    """The modules to keep FP8 (those the checkpoint gives a ``weight_scale_inv``; ``files``:
+    its ``shard_files`` listing), for ``fp8_weights`` that ``resolve_fp8_weights`` did not
+    resolve to ``"bf16"``. A checkpoint whose config.json says FP8 but that has no scales (its
+    weights converted to bf16, e.g. by DeepSeek's fp8_cast_bf16.py, with config.json left as it
+    was) is served as the bf16 it holds under ``"auto"`` (None), and is a ValueError under an
+    explicit ``"fp8"``."""
     scaled = {n.removesuffix(".weight_scale_inv") for names in files.values()
               for n in names if n.endswith(".weight_scale_inv")}  # fmt: skip
     if not scaled and fp8_weights == "auto":
@@ -449,10 +454,14 @@ def fp8_scaled_modules(path: Path, config: ModelConfig, fp8_weights: str) -> set
 class FP8Choice(NamedTuple):
     """``fp8_weights`` resolved against one checkpoint (``fp8_choice``). Found once and passed
     down (``LLM``: ``weights`` to the sizing and the memory checks, the whole choice to the load,
-    whole or sharded), as ``CheckpointMeta`` is: the load walks no shard listing for it again."""
+    whole or sharded), as ``CheckpointMeta`` is: the load walks no shard listing for it again,
+    and reads no shard index again (it takes ``shards``)."""
 
     weights: str  # what the load serves: "fp8" (kept FP8) or "bf16"
     modules: set[str] | None  # those kept FP8 (``fp8_scaled_modules``'); None: "bf16"
+    # the shard listing (``shard_files``') the walk read, for the load; None: none read (the
+    # options resolved to "bf16" without it), the load reads it
+    shards: tuple[str, dict[str, list[str]]] | None = None
 
 
 def fp8_choice(path: Path, config: ModelConfig, fp8_weights: str | FP8Choice) -> FP8Choice:
@@ -462,8 +471,11 @@ def fp8_choice(path: Path, config: ModelConfig, fp8_weights: str | FP8Choice) ->
     as given."""
     if isinstance(fp8_weights, FP8Choice):
         return fp8_weights
-    scaled = fp8_scaled_modules(path, config, fp8_weights)
-    return FP8Choice("bf16" if scaled is None else "fp8", scaled)
+    if resolve_fp8_weights(fp8_weights, config, str(path)) == "bf16":  # (its ValueErrors)
+        return FP8Choice("bf16", None)
+    shards = shard_files(path)
+    scaled = fp8_scaled_modules(path, fp8_weights, shards[1])
+    return FP8Choice("bf16" if scaled is None else "fp8", scaled, shards)
 
 
 class CheckpointMeta(NamedTuple):

@@ -118,10 +118,11 @@ def load_shard_weights(
     g: TPGroup,
     ep: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    shards: tuple[str, dict[str, list[str]]] | None = None,
 ):
     """``model.loader.load_weights`` for one rank: each tensor's shard read. The MTP layer is not
     read (it is not served); with ``ep``, nor are other ranks' experts. ``progress``:
-    ``load_weights``' (the bytes of the rank's parts)."""
+    ``load_weights``' (the bytes of the rank's parts); ``shards``: ``load_weights``'."""
 
     def local(name: str) -> str | None:  # the rank's name of a tensor; None: not read here
         return local_expert_name(name, g, config.n_routed_experts) if ep else name
@@ -134,7 +135,7 @@ def load_shard_weights(
 
     load_weights(
         model, path, config, device, keep_mtp=False, local=local, read=read,
-        read_bytes=read_bytes, progress=progress,
+        read_bytes=read_bytes, progress=progress, shards=shards,
     )  # fmt: skip
 
 
@@ -185,8 +186,9 @@ def load_sharded_model(
     naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it).
     ``progress``: ``model.loader.load_weights``'."""
     path, config, _ = checkpoint_meta(path_or_name)
-    model = build_sharded_model(config, g, dtype, ep, fp8_choice(path, config, fp8_weights).modules)
-    load_shard_weights(model, path, config, device, g, ep, progress)
+    choice = fp8_choice(path, config, fp8_weights)
+    model = build_sharded_model(config, g, dtype, ep, choice.modules)
+    load_shard_weights(model, path, config, device, g, ep, progress, choice.shards)
     finish_loaded_model(model, config, device, dtype)
     return model, LoadExtras(config, path)
 

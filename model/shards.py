@@ -78,13 +78,16 @@ def tensor_bytes(entry: dict[str, Any]) -> int:
     return end - start
 
 
-def checked_shards(path: Path) -> tuple[str, dict[str, list[str]], set[str], dict[str, int]]:
+def checked_shards(
+    path: Path, listing: tuple[str, dict[str, list[str]]] | None = None
+) -> tuple[str, dict[str, list[str]], set[str], dict[str, int]]:
     """``shard_files``, with every shard's header read and held against the index before any tensor
     is: an unreadable shard (a truncated download, a git-lfs pointer) or one that lacks or adds a
     tensor is found in seconds, not after the shards before it were read (minutes on V3.2). Also
     returns, from the same headers, the names stored as e4m3 (``_Loader.check_names``) and each
-    tensor's bytes (``tensor_bytes``: the load's progress)."""
-    index, files = shard_files(path)
+    tensor's bytes (``tensor_bytes``: the load's progress). ``listing``: ``shard_files``' result
+    where the caller already read it (the index is not read again), else read here."""
+    index, files = listing or shard_files(path)
     fp8: set[str] = set()
     nbytes: dict[str, int] = {}
     for file, names in files.items():

@@ -1,17 +1,19 @@
 """One start-up of ``LLM`` (the offline API and the server's) reads its checkpoint's meta
 (``model.loader.read_checkpoint_meta``: config.json, generation_config.json, the tokenizer's
 presence) once, finds the device whose memory it plans with (``plan.rank_memory_device``)
-once and, for an FP8 checkpoint, the modules kept FP8 (``model.loader.fp8_choice``) once: each
-is passed down to the sizing, the checks, the engine inputs and the load, which
-read nothing of it again."""
+once and, for an FP8 checkpoint, the modules kept FP8 (``model.loader.fp8_choice``) and its shard
+listing (``model.shards.shard_files``) once: each is passed down to the sizing, the checks, the
+engine inputs and the load, which read nothing of it again."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
+import torch
 
 import model.loader
+import model.shards
 from runtime.distributed import plan
 
 
@@ -77,16 +79,19 @@ def test_a_cuda_start_up_reads_the_meta_and_the_memory_device_once(monkeypatch, 
 def test_an_fp8_start_up_finds_the_modules_kept_fp8_once(monkeypatch):
     """An FP8 checkpoint's start-up walks its shard listing for the modules kept FP8
     (``fp8_scaled_modules``) once: the choice the sizing and the checks read and the modules the
-    load converts come from the same walk (it was made again inside the load)."""
+    load converts come from the same walk (it was made again inside the load). The load takes
+    the listing that walk read (``FP8Choice.shards``): the shard index is read once (the load
+    read it again, ``checked_shards``), whole or sharded."""
     from echo_compile.llm import LLM
     from model.checkpoint import resolve_model
     from model.fp8_weights import FP8Linear
 
     scans = _count(monkeypatch, model.loader, "fp8_scaled_modules")
+    listings = _count(monkeypatch, model.shards, "shard_files")
     llm = LLM(str(resolve_model("tiny-fp8")), device="cpu", compile=False, progress=False,
               max_batch=2)  # fmt: skip
     assert any(isinstance(m, FP8Linear) for m in llm.engine.runner.model.modules())  # kept FP8
-    assert scans[0] == 1
+    assert (scans[0], listings[0]) == (1, 1)
     # a tp rank's load (build_distributed_engine's) takes the choice made too
     from model.parallel import TPGroup
     from model.shard_loader import load_sharded_model
@@ -95,4 +100,19 @@ def test_an_fp8_start_up_finds_the_modules_kept_fp8_once(monkeypatch):
     choice = model.loader.fp8_choice(meta.path, meta.config, "auto")
     shard, _ = load_sharded_model(meta, TPGroup(0, 1, "", gather=False), fp8_weights=choice)
     assert any(isinstance(m, FP8Linear) for m in shard.modules())
-    assert scans[0] == 2
+    assert (scans[0], listings[0]) == (2, 2)
+
+
+def test_a_bf16_load_reads_the_shard_listing_once(monkeypatch):
+    """A load whose FP8 choice read no listing (a bf16 checkpoint) reads it in the load, once;
+    ``load_weights`` called alone reads it itself."""
+    from model.model import DeepseekV32ForCausalLM
+
+    listings = _count(monkeypatch, model.shards, "shard_files")
+    model.loader.load_model("tiny")
+    assert listings[0] == 1
+    meta = model.loader.read_checkpoint_meta("tiny")
+    with torch.device("meta"):
+        net = DeepseekV32ForCausalLM(meta.config)
+    model.loader.load_weights(net, meta.path, meta.config)
+    assert listings[0] == 2
