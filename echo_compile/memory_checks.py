@@ -35,16 +35,17 @@ def check_fits(
     """The memory plan of this rank (runtime/distributed/plan.py) against its GPU and host,
     before the weights load: a deployment that cannot fit is refused in seconds, naming what
     does not. Anything else the check meets (a bad checkpoint or option: the loader says so
-    next; a config the planner cannot count) makes it step aside with a warning. ``path``: the
+    next; a config the planner cannot count) makes it step aside with a warning, but a bad
+    LOCAL_RANK / LOCAL_WORLD_SIZE (``plan.rank_memory_device``'s ValueError). ``path``: the
     checkpoint directory, or its ``model.loader.CheckpointMeta`` already read; ``weights``:
     ``rank_weights`` (None: counted here); ``memory_device``: ``plan.rank_memory_device``'s
     (None: found here)."""
     from model.loader import checkpoint_meta
     from runtime.distributed import plan
 
+    # (torchrun: this rank's GPU; a bad LOCAL_RANK / LOCAL_WORLD_SIZE raises, as in the sizing)
+    device, local_ranks = memory_device or plan.rank_memory_device(config)
     try:
-        # (torchrun: this rank's GPU)
-        device, local_ranks = memory_device or plan.rank_memory_device(config)
         _, model_config, _ = checkpoint_meta(path)
         gpu, host = plan.device_memory_gib(device)
         plan.check_fits(model_config, config, gpu, host, fp8_weights, local_ranks, weights)

@@ -188,7 +188,8 @@ def size_engine(
 ) -> EngineConfig:
     """``config`` with ``auto_sizes``'s sizes for this rank's GPU and host (CUDA only; the CPU
     keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
-    that cannot count the config) leaves ``config`` as it is, with a warning. A fraction given
+    that cannot count the config) leaves ``config`` as it is, with a warning; a torchrun
+    variable that is not one (``plan.rank_memory_device``'s ValueError) raises. A fraction given
     (not None) where it sizes nothing is warned about, naming the flag. ``path``: the checkpoint
     directory, or its ``model.loader.CheckpointMeta`` already read. ``weights``: the rank's
     ``plan.rank_weight_bytes`` if already counted (else counted here); ``memory_device``:
@@ -271,9 +272,10 @@ def _own_sizes(
     from model.loader import checkpoint_meta
     from runtime.distributed import plan
 
+    # (torchrun: this rank's GPU; a bad LOCAL_RANK / LOCAL_WORLD_SIZE is a broken launch, its
+    # ValueError raised as LLM's, not a memory the sizing steps aside from)
+    device, local_ranks = memory_device or plan.rank_memory_device(config)
     try:
-        # (torchrun: this rank's GPU)
-        device, local_ranks = memory_device or plan.rank_memory_device(config)
         _, mc, _ = checkpoint_meta(path)
         _, host_gib = plan.device_memory_gib(device)
         memory = Memory(int(host_gib * GIB), plan.gpu_total_bytes(device), local_ranks)

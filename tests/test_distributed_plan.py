@@ -351,6 +351,28 @@ def test_llm_under_torchrun_names_a_local_world_size_that_is_not_an_integer(monk
         plan.rank_memory_device(EngineConfig(device="cuda", dp=2))
 
 
+@pytest.mark.parametrize("bad", ["two", "0"])
+def test_the_sizing_and_the_memory_check_alone_name_a_bad_local_world_size(monkeypatch, bad):
+    """``size_engine`` and ``check_fits`` called without the rank's memory device (LLM passes the
+    one it found) find it themselves, and a LOCAL_WORLD_SIZE that is not a number of ranks is
+    the same named error as LLM's (inside their step-aside, it was a warning and the defaults,
+    or no check)."""
+    from echo_compile.memory_checks import check_fits
+    from runtime import kv_sizing
+    from runtime.distributed import plan
+    from runtime.engine_config import EngineConfig
+
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (100.0, 100.0))
+    monkeypatch.setattr(plan, "gpu_total_bytes", lambda device: 100 * 2**30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+    config = EngineConfig(device="cuda", dp=2)
+    named = r"LOCAL_WORLD_SIZE='two' is not an integer" if bad == "two" else "must be at least 1"
+    with pytest.raises(ValueError, match=named):
+        kv_sizing.size_engine("tiny", config, set())
+    with pytest.raises(ValueError, match=named):
+        check_fits("tiny", config, "auto")
+
+
 def test_rank_memory_device_is_the_gpu_the_join_takes_without_local_rank(monkeypatch):
     """A launch that sets RANK but no LOCAL_RANK (one process per GPU by hand): the join takes
     ``cuda:<RANK>`` (``process.init_distributed``), so the memory checked is that GPU's, not
