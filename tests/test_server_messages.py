@@ -464,17 +464,48 @@ def test_a_lone_surrogate_in_a_text_block_names_the_block(
                                                    "message": want}}  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "block, want",
+    [
+        ({"type": "text", "text": 5}, "messages[2].content[1].text must be a string, got int"),
+        ({"type": "text"}, "messages[2].content[1].text must be a string, got no text"),
+    ],
+)
 def test_a_text_block_with_no_string_text_names_the_block(
-    served: tuple[str, PromptedEngine],
+    served: tuple[str, PromptedEngine], block: dict, want: str
 ) -> None:
-    """Its index in the turn (a block after a tool_result block was named content[0])."""
+    """Its index in the turn (a block after a tool_result block was named content[0]), and what
+    is wrong with it: a text block's text that is not a string is named as the text (it was "must
+    be a text block with a string text, got type 'text'", of a block that is one)."""
     url, _ = served
     turns = [*TOOL_TURNS, {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"},
-        {"type": "text", "text": 5}]}]  # fmt: skip
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}, block]}]  # fmt: skip
     r = _post(url, messages=turns, tools=[WEATHER])
     assert r.status_code == 400, r.text
-    want = "messages[2].content[1] must be a text block with a string text, got type 'text'"
+    assert r.json()["error"]["message"] == want
+
+
+@pytest.mark.parametrize(
+    "fields, want",
+    [
+        ({"system": [{"type": "text", "text": ["Be brief."]}]},
+         "system[0].text must be a string, got list"),
+        ({"system": [{"type": "image"}]}, "system[0] must be a text block, got type 'image'"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]}]}]},
+         "messages[0].content[0].content[0].text must be a string, got no text"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": ["Sunny"]}]}]},
+         "messages[0].content[0].content[0] must be a text block, got str"),
+    ],
+)  # fmt: skip
+def test_a_system_or_tool_result_text_block_names_what_is_wrong(
+    served: tuple[str, PromptedEngine], fields: dict, want: str
+) -> None:
+    """The system prompt's and a tool result's text blocks, worded as a turn's."""
+    url, _ = served
+    r = _post(url, **{"messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == want
 
 
