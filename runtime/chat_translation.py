@@ -43,6 +43,21 @@ def checked(text: str, at: str, param: str) -> str:
     return text
 
 
+def part_text(p: Any, at: str, param: str, kinds: tuple[str, ...], noun: str) -> str:
+    """The string ``text`` of the text part at ``at`` (a Messages ``text`` block, a Responses
+    ``input_text`` / ``output_text`` part: ``kinds``, ``noun`` "block" / "part"), unchecked for
+    surrogates (``checked``, under the caller's path); a 400 that says what is wrong: the part
+    (``at must be a text block, got type 'image'``) or, of a part that is one, its text
+    (``at.text must be a string, got int``)."""
+    if not isinstance(p, dict) or p.get("type") not in kinds:
+        got = f"type {p.get('type')!r}" if isinstance(p, dict) else type(p).__name__
+        raise APIError(400, f"{at} must be a {' or '.join(kinds)} {noun}, got {got}", param=param)
+    if not isinstance(p.get("text"), str):
+        got = type(p["text"]).__name__ if "text" in p else "no text"
+        raise APIError(400, f"{at}.text must be a string, got {got}", param=param)
+    return p["text"]
+
+
 def joined(texts: list[tuple[str, str]], param: str) -> str:
     """The texts a translation joins into one chat field (a Messages turn's thinking blocks, a
     Responses reasoning item's parts: chat's ``reasoning``), each ``(text, the client's path of

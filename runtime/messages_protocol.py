@@ -260,13 +260,8 @@ def _text_part(b: Any, at: str, param: str, text_at: str | None = None) -> dict[
     a message's parts and names a lone surrogate in any of them as the message's content: here
     it names the block's own ``text`` (``text_at``: a string content's own path, where the
     string was made one block)."""
-    if not isinstance(b, dict) or b.get("type") != "text":
-        got = f"type {b.get('type')!r}" if isinstance(b, dict) else type(b).__name__
-        raise APIError(400, f"{at} must be a text block, got {got}", param=param)
-    if not isinstance(b.get("text"), str):  # (the block is one: what is wrong is its text)
-        got = type(b["text"]).__name__ if "text" in b else "no text"
-        raise APIError(400, f"{at}.text must be a string, got {got}", param=param)
-    text = chat_translation.checked(b["text"], text_at or f"{at}.text", param)
+    text = chat_translation.part_text(b, at, param, ("text",), "block")
+    text = chat_translation.checked(text, text_at or f"{at}.text", param)
     return {"type": "text", "text": text}
 
 

@@ -196,12 +196,8 @@ def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str | list[dict[str,
         raise APIError(400, f"{at} must be a string or a list of parts", param="input")
     out = []
     for j, p in enumerate(content):
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind not in kinds or not isinstance(p.get("text"), str):
-            want = " or ".join(kinds)
-            msg = f"{at}[{j}] must be a {want} part with a string text, got type {kind!r}"
-            raise APIError(400, msg, param="input")
-        text = chat_translation.checked(p["text"], f"{at}[{j}].text", "input")
+        text = chat_translation.part_text(p, f"{at}[{j}]", "input", kinds, "part")
+        text = chat_translation.checked(text, f"{at}[{j}].text", "input")
         out.append({"type": "text", "text": text})
     return out
 

@@ -230,7 +230,17 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input",
-            r"input\[0\]\.content\[0\] must be a input_text part",
+            r"input\[0\]\.content\[0\] must be a input_text part, got type 'input_image'$",
+        ),
+        (  # a part that is one, whose text is not a string: named as its text
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input",
+            r"^input\[0\]\.content\[0\]\.text must be a string, got int$",
+        ),
+        (
+            {"input": [HI, {"role": "assistant", "content": [{"type": "output_text"}]}]},
+            "input",
+            r"^input\[1\]\.content\[0\]\.text must be a string, got no text$",
         ),
         (
             {"input": [{"role": "robot", "content": "x"}]},
