@@ -33,7 +33,7 @@ from custom_ops import awq_pairs as P
 from custom_ops import awq_repack as R
 from custom_ops.awq import awq_dequantize_t, awq_unpack
 from custom_ops.awq_format import AWQ_ORDER, AWQ_REVERSE_ORDER, GROUP, PACK
-from model.config import QuantConfig
+from model.quant_config import QuantConfig
 
 AWQ_TENSORS = ("qweight", "qzeros", "scales")  # an AutoAWQ linear's (and expert block's) tensors
 

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from model.config import ModelConfig, QuantConfig
+from model.config import ModelConfig
 from model.fp8_weights import scale_shape, weight_quant_fp8
 from model.presets import preset_config
+from model.quant_config import QuantConfig
 
 # Bump whenever the generated files change (weights, tokenizer, layout): it names the cache dir.
 CHECKPOINT_VERSION = 2  # 2: tiny-fp8 scales are ue8m0 (powers of two), as its config declares

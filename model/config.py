@@ -1,9 +1,11 @@
 """ModelConfig: a DeepSeek-V3.2 configuration parsed from a Hugging Face ``config.json``.
 
-Every quirk of the HF format is handled here and nowhere else (docs/model_notes.md): the yarn
-``rope_scaling`` block (key ``type`` or ``rope_type``), the ``quantization_config`` for the official
-FP8 checkpoints and for AutoAWQ "gemm" checkpoints, and the derived constants (YaRN softmax scale).
-Bad input raises ``ValueError`` naming the field.
+Every quirk of the HF format is handled in ``ModelConfig.from_dict`` and the two block parsers it
+calls, nowhere else (docs/model_notes.md): the yarn ``rope_scaling`` block (key ``type`` or
+``rope_type``) and transformers v5's ``rope_parameters`` (model/rope_scaling.py), the
+``quantization_config`` for the official FP8 checkpoints and for AutoAWQ "gemm" checkpoints
+(model/quant_config.py); here the fields themselves, their cross-checks and the derived constants
+(YaRN softmax scale). Bad input raises ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from custom_ops.kv_format import INDEX_DIM, KV_LORA, ROPE
+from model.config_fields import expect, typed
+from model.quant_config import QuantConfig
+from model.rope_scaling import RopeScaling, parse_rope_scaling, with_rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 
@@ -23,143 +28,6 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 KV_LORA_RANK = KV_LORA
 QK_ROPE_HEAD_DIM = ROPE
 INDEX_HEAD_DIM = INDEX_DIM
-
-
-def _expect(ok: bool, name: str, what: str, value: Any) -> None:
-    """A config.json field of the wrong type: one error naming it (not a traceback later)."""
-    if not ok:
-        raise ValueError(f"config.json field {name!r}: expected {what}, got {value!r}")
-
-
-def _typed(name: str, v: Any, typ: type) -> Any:
-    """A config.json value as ``typ``: int takes an integral number (7168.0 too), float any
-    finite number, bool and str only themselves; else one error naming the field."""
-    if typ in (int, float):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        ok = ok and (typ is float or float(v).is_integer())
-        _expect(ok, name, "an integer" if typ is int else "a number", v)
-        return typ(v)
-    _expect(isinstance(v, typ), name, "a boolean" if typ is bool else "a string", v)
-    return v
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """``quantization_config``: ``fp8`` (official, 128x128 blocks) or ``awq`` (AutoAWQ gemm)."""
-
-    method: str  # "fp8" | "awq"
-    weight_block_size: tuple[int, int] = (128, 128)  # fp8
-    scale_fmt: str | None = None  # fp8: "ue8m0" => power-of-two activation scales
-    bits: int = 4  # awq
-    group_size: int = 128  # awq
-    zero_point: bool = True  # awq
-    version: str = "gemm"  # awq
-    modules_to_not_convert: tuple[str, ...] = ()  # awq, matched as substrings
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> QuantConfig:
-        method = d.get("quant_method")
-        if method == "fp8":
-            if d.get("fmt", "e4m3") != "e4m3":
-                raise ValueError(
-                    f"quantization_config.fmt: only 'e4m3' is supported, got {d['fmt']!r}"
-                )
-            block = d.get("weight_block_size", (128, 128))
-            _expect(isinstance(block, (list, tuple)), "quantization_config.weight_block_size",
-                    "a list [128, 128]", block)  # fmt: skip
-            block = tuple(block)
-            if block != (128, 128):
-                raise ValueError(
-                    "quantization_config.weight_block_size: only [128, 128] is supported, "
-                    f"got {list(block)}"
-                )
-            # NOTE: an unknown scale_fmt would silently serve non-power-of-two activation scales;
-            # static activation scales (input_scale tensors) are not implemented
-            scale_fmt = d.get("scale_fmt")
-            if scale_fmt not in (None, "ue8m0"):
-                raise ValueError(
-                    "quantization_config.scale_fmt: expected 'ue8m0' or absent, "
-                    f"got {scale_fmt!r}"
-                )
-            scheme = d.get("activation_scheme", "dynamic")
-            if scheme not in (None, "dynamic"):
-                raise ValueError(
-                    "quantization_config.activation_scheme: only 'dynamic' is supported, "
-                    f"got {scheme!r}"
-                )
-            return QuantConfig(method="fp8", weight_block_size=block, scale_fmt=scale_fmt)
-        if method == "awq":
-            bits = d.get("bits", d.get("w_bit"))
-            group = d.get("group_size", d.get("q_group_size"))
-            version = str(d.get("version", "gemm")).lower()
-            zero = d.get("zero_point", True)
-            if bits != 4:
-                raise ValueError(
-                    f"quantization_config.bits: only 4-bit AWQ is supported, got {bits!r}"
-                )
-            if group != 128:
-                raise ValueError(
-                    f"quantization_config.group_size: only 128 is supported, got {group!r}"
-                )
-            if version != "gemm":
-                raise ValueError(
-                    "quantization_config.version: only the 'gemm' AWQ layout is supported, "
-                    f"got {version!r}"
-                )
-            if zero is not True:
-                raise ValueError(
-                    "quantization_config.zero_point: only zero_point=true AWQ is supported"
-                )
-            skip = d.get("modules_to_not_convert") or ()
-            ok = isinstance(skip, (list, tuple)) and all(isinstance(m, str) for m in skip)
-            _expect(ok, "quantization_config.modules_to_not_convert", "a list of strings", skip)
-            return QuantConfig(
-                method="awq",
-                bits=4,
-                group_size=128,
-                zero_point=True,
-                version="gemm",
-                modules_to_not_convert=tuple(skip),
-            )
-        raise ValueError(
-            f"quantization_config.quant_method: expected 'fp8' or 'awq', got {method!r}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        if self.method == "fp8":
-            d: dict[str, Any] = {
-                "activation_scheme": "dynamic",
-                "fmt": "e4m3",
-                "quant_method": "fp8",
-                "weight_block_size": list(self.weight_block_size),
-            }
-            if self.scale_fmt is not None:
-                d["scale_fmt"] = self.scale_fmt
-            return d
-        return {
-            "quant_method": "awq",
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "version": self.version,
-            "zero_point": self.zero_point,
-            "modules_to_not_convert": list(self.modules_to_not_convert),
-        }
-
-    def awq_skips(self, module_name: str) -> bool:
-        """True when an AWQ checkpoint keeps ``module_name`` in 16-bit (substring match)."""
-        return any(s in module_name for s in self.modules_to_not_convert)
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """YaRN parameters (``rope_scaling`` with type ``yarn``)."""
-
-    factor: float = 40.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
 
 
 # (field name, type) of every required config.json field, in V3.2's config.json order.
@@ -202,84 +70,6 @@ _OPTIONAL: dict[str, type] = {
     "eos_token_id": int,  # or a list of them: the first (all of them: eos_token_ids)
     "torch_dtype": str,
 }
-# rope_scaling's fields: (type, default when absent or null)
-_ROPE_FIELDS: dict[str, tuple[type, Any]] = {
-    "factor": (float, 40.0),
-    "original_max_position_embeddings": (int, 4096),
-    "beta_fast": (float, 32.0),
-    "beta_slow": (float, 1.0),
-    "mscale": (float, 1.0),
-    "mscale_all_dim": (float, 1.0),
-}
-
-
-def _rope_scaling(rs: Any, name: str) -> RopeScaling | None:
-    """config.json's ``name`` (``rope_scaling``, or transformers v5's ``rope_parameters``) as
-    YaRN parameters; None where there is none (absent, or v5's ``rope_type: default``)."""
-    if rs is None:
-        return None
-    _expect(isinstance(rs, dict), name, "an object", rs)
-    key = "type" if "type" in rs else "rope_type"
-    kind = rs.get(key)
-    if kind == "default" and name == "rope_parameters":
-        return None
-    if kind != "yarn":
-        kinds = "'yarn' or 'default'" if name == "rope_parameters" else "'yarn'"
-        raise ValueError(
-            f"config.json field '{name}.{key}': only {kinds} is supported, got {kind!r}"
-        )
-    out = RopeScaling(**{
-        k: default if rs.get(k) is None else _typed(f"{name}.{k}", rs[k], typ)
-        for k, (typ, default) in _ROPE_FIELDS.items()
-    })  # fmt: skip
-    # Values the YaRN formulas cannot take (log(factor), log(original / beta): a bare "math
-    # domain error" or ZeroDivisionError later), and a factor below 1, for which transformers
-    # and vLLM scale nothing while 0.1 * ln(factor) + 1 would shrink the softmax scale.
-    for k, low in (("factor", 1), ("original_max_position_embeddings", 1)):
-        _expect(getattr(out, k) >= low, f"{name}.{k}", f"a number >= {low}", rs.get(k))
-    for k in ("beta_fast", "beta_slow"):
-        _expect(getattr(out, k) > 0, f"{name}.{k}", "a positive number", rs.get(k))
-    # NOTE: cos/sin keep unit magnitude (model/rope.py); transformers and vLLM scale them by
-    # mscale(mscale) / mscale(mscale_all_dim), 1 only where the two are equal: others would be
-    # served silently different
-    if out.factor > 1 and out.mscale != out.mscale_all_dim:  # (factor 1: both scale by 1)
-
-        def given(k: str) -> str:
-            return str(rs[k]) if rs.get(k) is not None else f"absent: the default {getattr(out, k)}"
-
-        raise ValueError(
-            f"config.json fields '{name}.mscale' ({given('mscale')}) and '{name}.mscale_all_dim' "
-            f"({given('mscale_all_dim')}) differ: only equal ones are supported"
-        )
-    return out
-
-
-def _with_rope_parameters(d: dict[str, Any]) -> dict[str, Any]:
-    """``d`` with transformers v5's ``rope_parameters`` (``rope_theta``, ``rope_type`` and the
-    YaRN fields in one object) read as v4's ``rope_theta`` and ``rope_scaling``. Where a v4 field
-    is given too it must say the same (one of them silently winning would change the outputs)."""
-    rp = d.get("rope_parameters")
-    if rp is None:
-        return d
-    _expect(isinstance(rp, dict), "rope_parameters", "an object", rp)
-    d = dict(d)
-    if rp.get("rope_theta") is not None:
-        theta = _typed("rope_parameters.rope_theta", rp["rope_theta"], float)
-        top = d.get("rope_theta")
-        if top is not None and _typed("rope_theta", top, float) != theta:
-            raise ValueError(
-                f"config.json fields 'rope_theta' ({top!r}) and 'rope_parameters.rope_theta' "
-                f"({rp['rope_theta']!r}) disagree"
-            )
-        d["rope_theta"] = theta
-    v5 = _rope_scaling(rp, "rope_parameters")
-    if d.get("rope_scaling") is not None and _rope_scaling(d["rope_scaling"], "rope_scaling") != v5:
-        raise ValueError(
-            "config.json fields 'rope_scaling' and 'rope_parameters' disagree: "
-            f"{d['rope_scaling']!r} against {rp!r}"
-        )
-    d["rope_scaling"] = None if v5 is None else {"type": "yarn", **asdict(v5)}
-    return d
 
 
 @dataclass(frozen=True)
@@ -461,25 +251,25 @@ class ModelConfig:
                 "config.json field 'model_type': expected one of "
                 f"{SUPPORTED_MODEL_TYPES}, got {mt!r}"
             )
-        d = _with_rope_parameters(d)
+        d = with_rope_parameters(d)
         kw: dict[str, Any] = {}
         for name, typ in _REQUIRED:
             if name not in d:
                 raise ValueError(f"config.json field {name!r} is missing")
-            kw[name] = _typed(name, d[name], typ)
-        kw["rope_scaling"] = _rope_scaling(d.get("rope_scaling"), "rope_scaling")
+            kw[name] = typed(name, d[name], typ)
+        kw["rope_scaling"] = parse_rope_scaling(d.get("rope_scaling"), "rope_scaling")
         for name, typ in _OPTIONAL.items():
             v = d.get(name)
             if v is None:
                 continue
             if name == "eos_token_id" and isinstance(v, list):  # several: the first is the EOS
-                _expect(bool(v), name, "an integer or a non-empty list of them", v)
-                kw["eos_token_ids"] = tuple(_typed(name, t, typ) for t in v)
+                expect(bool(v), name, "an integer or a non-empty list of them", v)
+                kw["eos_token_ids"] = tuple(typed(name, t, typ) for t in v)
                 v = v[0]
-            kw[name] = _typed(name, v, typ)
+            kw[name] = typed(name, v, typ)
         q = d.get("quantization_config")
         if q is not None:
-            _expect(isinstance(q, dict), "quantization_config", "an object", q)
+            expect(isinstance(q, dict), "quantization_config", "an object", q)
             kw["quantization"] = QuantConfig.from_dict(q)
         return ModelConfig(**kw)
 

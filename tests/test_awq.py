@@ -20,7 +20,7 @@ from model.awq import (
     convert_to_awq,
     densify_awq,
 )
-from model.config import QuantConfig
+from model.quant_config import QuantConfig
 
 SPEC_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # docs/model_notes.md, written out again on purpose
 
