@@ -13,7 +13,7 @@ from custom_ops.cache.config import PREFETCH_MARGIN, CacheConfig, check_prefetch
 from custom_ops.kv_format import pages_for
 from model.config import ModelConfig
 from runtime.request import PAGE
-from runtime.scheduler import SchedulerConfig
+from runtime.scheduler_config import SchedulerConfig
 
 # A compiled prefill has fixed shapes: its block table always spans max_model_len (see
 # ModelRunner.prefill_inputs). The sparse prefill ops read only each query's causal prefix of it

@@ -26,49 +26,18 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from custom_ops.cache.config import max_decode_rows
 from custom_ops.kv_format import pages_for
 from runtime.host_slots import HostSlotAllocator
 from runtime.prefill_sharing import PrefillGroup, head_of, share_prompt_logprobs
 from runtime.prefix_cache import PrefixCache
 from runtime.request import PAGE, Request, Status
+from runtime.scheduler_config import SchedulerConfig
 
 # release(pages): called with host pages about to go back to the free list (last holder gone), so
 # the GPU pools forget their slots first; copy_rows(src slots, dst slots): the fork's copy of a
 # group's last prompt page, in every layer (the engine's, which owns the cache)
 PageHook = Callable[[list[int]], None]
 CopyHook = Callable[[list[int], list[int]], None]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch: int  # the largest decode bucket
-    max_model_len: int  # longest prompt + output a request may have
-    host_tokens: int  # host KV pool rows (a multiple of PAGE)
-    topk: int  # index_topk: rows a request selects per layer per step
-    gpu_tokens: int | None = None  # per-layer GPU pool rows when offloading; None = GPU-only
-    prefill_chunk: int = 2048
-    # a decode step of the requests past their prefill between two prefill chunks (False: every
-    # pending prefill chunk first)
-    decode_during_prefill: bool = True
-    # keep sequences' full computed pages for later prompts that start with them
-    enable_prefix_caching: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_batch <= 0 or self.prefill_chunk <= 0 or self.max_model_len <= 0:
-            raise ValueError(
-                "SchedulerConfig: max_batch, prefill_chunk and max_model_len must be positive"
-            )
-        if self.gpu_tokens is not None and self.gpu_tokens < self.topk:
-            raise ValueError(
-                f"GPU pool of {self.gpu_tokens} tokens per layer cannot hold one selection "
-                f"of {self.topk}"
-            )
-
-    @property
-    def max_running(self) -> int:
-        """Decode rows the GPU pools can serve at once (B x topk <= N_G)."""
-        return max_decode_rows(self.max_batch, self.topk, self.gpu_tokens)
 
 
 @dataclass

@@ -280,7 +280,8 @@ def test_the_balancer_weighs_a_waiting_group_by_all_its_sequences():
     """``placement`` (what the dp balancer compares between ranks) counted a queued group as its
     one head: the pages and tokens of one sequence, not of n."""
     from runtime.request import Request
-    from runtime.scheduler import Scheduler, SchedulerConfig
+    from runtime.scheduler import Scheduler
+    from runtime.scheduler_config import SchedulerConfig
 
     cfg = SchedulerConfig(max_batch=4, max_model_len=512, host_tokens=64 * 16, topk=32,
                           gpu_tokens=128)  # fmt: skip

@@ -17,7 +17,8 @@ from runtime.host_slots import HostSlotAllocator
 from runtime.prefix_cache import PrefixCache
 from runtime.request import PAGE, Request, Status
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler import Scheduler
+from runtime.scheduler_config import SchedulerConfig
 from runtime.tokenizer import Tokenizer
 from tests.test_lossless import _record_logits
 

@@ -10,7 +10,8 @@ from engine_records import random_prompts, run, tiny
 from runtime.engine import EngineConfig
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler import Scheduler
+from runtime.scheduler_config import SchedulerConfig
 
 CHUNK = 64
 
