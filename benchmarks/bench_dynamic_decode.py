@@ -172,16 +172,26 @@ def run_speed(mode: str, layers: int, experts: int, ctx: int, steps: int) -> dic
 
 
 def _compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
-    """Step by step: how many equal (``torch.equal``), the max abs diff by batch size."""
+    """Step by step: how many equal (``torch.equal``), the max abs diff by batch size and by
+    step, and the first step whose greedy tokens (the logits' argmax) differ: from there the
+    two runs decode different tokens, so their later logits differ by more than rounding;
+    ``max_abs_diff_before_divergence`` is over the steps that had the same inputs (to that one)."""
     by: dict[int, float] = {}
-    equal = 0
-    for x, y in zip(a, b, strict=True):
+    equal, diverged, before = 0, None, 0.0
+    steps = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         equal += int(torch.equal(x, y))
         d = float((x - y).abs().max())
+        steps.append(round(d, 4))
         by[x.shape[0]] = max(by.get(x.shape[0], 0.0), d)
+        if diverged is None:
+            before = max(before, d)
+            if not torch.equal(x.argmax(-1), y.argmax(-1)):
+                diverged = i
     scale = max(float(t.abs().max()) for t in a)
     return {"steps": len(a), "equal_steps": equal, "max_abs_diff_by_batch": by,
-            "max_abs_logit": round(scale, 3)}  # fmt: skip
+            "max_abs_logit": round(scale, 3), "first_divergent_step": diverged,
+            "max_abs_diff_before_divergence": before, "max_abs_diff_by_step": steps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

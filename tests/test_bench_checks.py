@@ -98,3 +98,18 @@ def test_dynamic_decode_speed_keeps_the_cpu_study_file(monkeypatch):
     written.clear()
     dynamic.main(["--speed", "--out", "x.json"])
     assert set(written) == {"x.json"}
+
+
+def test_dynamic_decode_compare_names_the_first_step_whose_tokens_differ():
+    """Logits that differ by rounding until one step's argmax flips: the diff before the
+    divergence is the rounding's, not the later steps' (decoded from other tokens)."""
+    a = [torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 1.0]])]
+    b = [torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.25]]), torch.tensor([[3.0, 4.0]])]
+    b.append(torch.tensor([[0.0, 9.0]]))
+    a.append(torch.tensor([[0.0, 1.0]]))
+    r = dynamic._compare(a, b)
+    assert r["equal_steps"] == 1
+    assert r["first_divergent_step"] == 2
+    assert r["max_abs_diff_before_divergence"] == 3.0  # steps 0-2: the inputs were the same
+    assert r["max_abs_diff_by_step"] == [0.0, 0.25, 3.0, 8.0]
+    assert dynamic._compare(a, a)["first_divergent_step"] is None
