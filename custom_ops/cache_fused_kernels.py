@@ -134,6 +134,7 @@ def _recall_kernel(
     SELF_ROWS: tl.constexpr = 0,
     LOOK_UNITS: tl.constexpr = 512,
     OUT_EARLY: tl.constexpr = False,
+    STAMP: tl.constexpr = True,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
@@ -156,7 +157,9 @@ def _recall_kernel(
     OUT_EARLY (cache_kernels.RECALL_OUT_EARLY): the output programs do not wait for the lookup;
     each writes the entries whose slot it can already read (_out_early: every hit) and waits, as
     the copy does, only if its block holds a miss (a few blocks in a steady step), then writes
-    those (_out_late)."""
+    those (_out_late).
+
+    STAMP = False: a timing probe only (cache_kernels.PROBE_LOOKUP_STAMPS)."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
     scan0 = n_look + n_scan  # the pass's first program
@@ -166,7 +169,7 @@ def _recall_kernel(
             tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
         r0, r1, head = _lookup(
             pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total, cap, n_g, True,
-            LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS,
+            LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS, STAMP,
         )  # fmt: skip
         _signal(meta + M_LOOKED)
         if SELF_ROWS > 0:

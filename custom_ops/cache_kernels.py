@@ -103,6 +103,12 @@ LOOKUP_COPY_ROWS_STAGED = 0
 # hits) without waiting for the lookup, and wait only where their block holds a miss
 # (cache_fused_kernels._recall_kernel); False: every output program waits for the lookup.
 RECALL_OUT_EARLY = True
+# A timing probe, never for serving: False drops the recall lookup's stamps of its hits (one
+# scattered 4-byte store per selected entry into gpu_priority; the eviction order is then
+# wrong). The benchmark's sweep (bench_cache_ops.sweep_one_launch) times the recall without
+# them: the most that keeping the stamp beside host_to_gpu (the store in the sector the lookup
+# already reads) could save.
+PROBE_LOOKUP_STAMPS = True
 # Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,
 # eviction/placement, copy) and allocate (its one program): each launch may start
 # while the one before finishes, and its programs wait (griddepcontrol.wait) for it before their
@@ -344,7 +350,8 @@ def _recall_fused(
         SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
         SELF_ROWS=LOOKUP_COPY_ROWS_STAGED if staged else LOOKUP_COPY_ROWS,
-        LOOK_UNITS=LOOKUP_COPY_UNITS, OUT_EARLY=RECALL_OUT_EARLY, num_warps=LIST_WARPS,
+        LOOK_UNITS=LOOKUP_COPY_UNITS, OUT_EARLY=RECALL_OUT_EARLY, STAMP=PROBE_LOOKUP_STAMPS,
+        num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

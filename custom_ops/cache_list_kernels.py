@@ -132,6 +132,7 @@ def _lookup(
     SKIP_CLEAN: tl.constexpr,
     PLACE_EARLY: tl.constexpr,
     SELF_ROWS: tl.constexpr = 0,
+    STAMP: tl.constexpr = True,
 ):
     """Program ``pid`` of the lookup: stamp resident selected slots with the clock (protect).
     With MISSES: claim each distinct missing host slot once (atomic exchange -1 -> PENDING:
@@ -150,7 +151,10 @@ def _lookup(
     SELF_ROWS > 0 (with PLACE_EARLY; cache_kernels.LOOKUP_COPY_ROWS, or LOOKUP_COPY_ROWS_STAGED):
     the first SELF_ROWS ranks this block placed are this program's to copy (_copy_claimed, once
     its lookup is signalled); their miss_host entries are stored as -1 - h, so the copy programs
-    skip them. Returns that rank range [r0, r1) and the HEAD it read."""
+    skip them. Returns that rank range [r0, r1) and the HEAD it read.
+
+    STAMP = False (cache_kernels.PROBE_LOOKUP_STAMPS, a timing probe only): the hits are not
+    stamped, which breaks the eviction order."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0
@@ -163,7 +167,8 @@ def _lookup(
         head = tl.load(meta + M_HEAD)
     r0 = clock * 0  # this block's early-placed ranks: [r0, r1)
     r1 = clock * 0
-    tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
+    if STAMP:
+        tl.store(prio + g, tl.zeros([BLOCK], tl.int32) + clock, mask=valid & (g >= 0))
     if MISSES:
         miss = valid & (g == -1)
         any_miss = tl.sum(miss.to(tl.int32), axis=0)
