@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 # script) does not import torch: `echo-compile --help` answers at once.
 _EXPORTS = {
     "LLM": "echo_compile.llm",
-    "GenerationResult": "echo_compile.llm",
+    "GenerationResult": "echo_compile.generation_result",
     "generate": "echo_compile.llm",
     "CompiledModel": "echo_compile.compiled",
     "compile": "echo_compile.compiled",
@@ -26,7 +26,8 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from echo_compile.compiled import CompiledModel, compile  # noqa: A004
-    from echo_compile.llm import LLM, GenerationResult, generate
+    from echo_compile.generation_result import GenerationResult
+    from echo_compile.llm import LLM, generate
     from runtime.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompiledModel", "GenerationResult", "SamplingParams", "compile", "generate"]

@@ -4,55 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
-import os
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, overload
 
-import torch
-
-from echo_compile.compiled import StepCompiler
-from echo_compile.devices import check_device
-from echo_compile.memory_checks import check_fits, check_host_pool, rank_weights
+from echo_compile.generation_result import GenerationResult, ResultAccumulator
+from echo_compile.startup import start_engine
 from echo_compile.threads import configure_threads
 from runtime.chat_template import render_chat, reply_in_reasoning, thinking_of
-from runtime.distributed.process import ended_on_error
-from runtime.engine import Engine, EngineConfig, StepOutput
-from runtime.engine_inputs import read_engine_inputs
-from runtime.kv_sizing import SIZED, size_engine
-from runtime.outputs import RequestOutput
-from runtime.progress import LoadProgress, progress_bar
+from runtime.engine import Engine, StepOutput
+from runtime.progress import progress_bar
 from runtime.reasoning import thinking_params
 from runtime.sampling_params import SamplingParams, truncate_prompt
 from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import functions_of
-
-
-@dataclass
-class RequestStats:
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_s: float  # time to first token
-    latency_s: float  # arrival to finish
-    itl_s: list[float] = field(default_factory=list)  # inter-token latencies
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[float] | None  # params.logprobs: each generated token's
-    stats: RequestStats
-    # params.top_logprobs > 0: per generated token, that many most likely (token id, logprob)
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
-    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -100,110 +65,12 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         **engine_options,
     ):
-        from model.loader import fp8_choice, load_model, read_checkpoint_meta
-        from runtime.distributed.plan import rank_memory_device
-
         configure_threads()  # once per process: ECHO_COMPILE_THREADS, else by usable cores
-        if "device" not in engine_options:
-            engine_options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-        # on here, as vLLM's (serve and generate build an LLM: --no-enable-prefix-caching);
-        # EngineConfig's own default is off, so an engine built directly (the tests, the bench)
-        # holds no page once its requests are done
-        engine_options.setdefault("enable_prefix_caching", True)
-        config = EngineConfig(**engine_options)
-        check_device(config.device, python=True)
-        # the checkpoint's config, generation config and tokenizer's presence, read once: the
-        # sizing, the checks, the engine inputs and the load (every rank's) all take this meta
-        meta = read_checkpoint_meta(model)
-        path, ckpt = meta.path, meta.config
-        self.model_path = path
-        # one choice of the FP8 checkpoint's weights, which the sizing, the memory check and
-        # the load (every rank's) all take: the load its modules kept FP8, found here
-        fp8 = fp8_choice(path, ckpt, fp8_weights)
-        asked, fp8_weights = fp8_weights, fp8.weights
-        if ckpt.quantization is not None and ckpt.quantization.method == "fp8":
-            if fp8_weights == "fp8":
-                how = "kept FP8 (--fp8-weights bf16 dequantises them at load)"
-            elif asked == "bf16":
-                how = "dequantised to bf16 at load (--fp8-weights bf16)"
-            else:  # "auto" on a checkpoint converted to bf16 (no weight_scale_inv tensors)
-                how = "bf16 as stored (its config.json declares FP8, its tensors have no scales)"
-            logging.getLogger(__name__).info("FP8 checkpoint: weights %s", how)
-        # on CUDA, the sizes left out chosen from the checkpoint and the memory (one log line);
-        # the rank's weights and memory device found once for the sizing and the memory check
-        # (the sizing changes no split or device they depend on). A rank of a dp/tp/ep job
-        # joins the process group first: the ranks take the least of each automatic size, so
-        # all size alike
-        ctx, joined = None, False
-        if config.world_size > 1:
-            import torch.distributed as dist
-
-            from runtime.distributed.dist_engine import join
-
-            joined = not dist.is_initialized()  # (a caller's own group is the caller's to end)
-            ctx = join(config)
-        with ended_on_error(joined):  # (an error after the join: the group ended)
-            given = set(SIZED) & set(engine_options)
-            weights = rank_weights(ckpt, config, fp8_weights)
-            memory_device = rank_memory_device(config)  # (torchrun: this rank's GPU)
-            config = size_engine(
-                meta, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
-                weights, ctx, memory_device,
-            )  # fmt: skip
-            # the tokenizer, the generation config and the options against the model config, in
-            # seconds: a mistake there is not found after minutes of reading weights
-            inputs = read_engine_inputs(meta, config, generation_config)
-            if config.device.startswith("cuda"):
-                check_fits(meta, config, fp8_weights, weights, memory_device)
-            else:
-                check_host_pool(meta, config)
-            compiled = compile if compile is not None else config.device.startswith("cuda")
-            if config.dynamic_decode and not compiled:  # (before minutes of reading weights)
-                raise ValueError(
-                    f"dynamic_decode (--dynamic-decode) is how the decode step is compiled, but "
-                    f"this engine runs eagerly on {config.device} (compile={compile!r}; the "
-                    "default compiles on CUDA only): pass compile=True (--compile) or leave "
-                    "dynamic_decode off"
-                )
-            if config.world_size > 1:
-                # one rank of a dp/tp job (torchrun): every rank runs this same code
-                # (docs/multi_gpu.md)
-                from runtime.distributed.dist_engine import build_distributed_engine
-
-                self.engine = build_distributed_engine(
-                    meta, config, model, StepCompiler if compiled else None, ctx, fp8,
-                    generation_config=generation_config, inputs=inputs, progress=progress,
-                )  # fmt: skip
-            else:
-                # (keep_mtp=False: the MTP layer is never run; held, it is GiBs of host memory)
-                with LoadProgress(enabled=progress) as loading:
-                    net, extras = load_model(
-                        meta, device=config.device, keep_mtp=False, fp8_weights=fp8,
-                        progress=loading,
-                    )  # fmt: skip
-                logging.getLogger(__name__).info(loading.close())
-                self.engine = Engine.from_loaded(
-                    net, extras, config, model_name=model,
-                    compiler=StepCompiler(config.device) if compiled else None, inputs=inputs,
-                )  # fmt: skip
-            mc = self.engine.model_config
-            asked, limit = engine_options.get("max_model_len"), config.model_len(mc)
-            if asked is not None and limit < asked:  # (serve's start-up line names it too)
-                logging.getLogger(__name__).warning(
-                    "max_model_len %d: requests get %d tokens at most, the least of it, the "
-                    "model's max_position_embeddings (%d) and host_tokens (%d)",
-                    asked, limit, mc.max_position_embeddings, config.host_tokens,
-                )  # fmt: skip
-            # warm-up captures every bucket, then forbids recompiles of the engine's steps: from
-            # here on a request can never trigger a compile
-            self.warmup_s = self.engine.runner.warmup(progress=progress) if compiled else 0.0
-            if compiled and progress:
-                # NOTE: a log line, not a print: generate()'s output is the caller's stdout
-                n = self.engine.runner.num_graphs
-                where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")
-                logging.getLogger(__name__).info(
-                    "captured %d step graphs in %.1f s (compile cache: %s)", n, self.warmup_s, where
-                )
+        self.engine, self.model_path, self.warmup_s = start_engine(
+            model, engine_options, compile=compile, progress=progress, fp8_weights=fp8_weights,
+            generation_config=generation_config, host_memory_fraction=host_memory_fraction,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )  # fmt: skip
         self._ids = itertools.count()
         # request id -> outputs of a live generate() / stream request not yet read by its caller
         self._outputs: dict[str, list[StepOutput]] = {}
@@ -277,7 +144,8 @@ class LLM:
             raise ValueError(f"{len(encoded)} {what}s but {len(params)} sampling params")
         ids = [f"gen-{next(self._ids)}" for _ in encoded]
         acc = {
-            i: _Acc(i, e, sp or self._defaults(len(e))) for i, e, sp in zip(ids, encoded, params)
+            i: ResultAccumulator(i, e, sp or self._defaults(len(e)))
+            for i, e, sp in zip(ids, encoded, params)
         }
         added: list[str] = []
         try:
@@ -471,43 +339,6 @@ def _named(where: str) -> Iterator[None]:
     except (TypeError, ValueError) as e:
         e.args = (f"{where}: {e}",)
         raise
-
-
-class _Acc:
-    """One request of a ``generate()`` call: its step outputs (``RequestOutput``) and arrival."""
-
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
-        self.out = RequestOutput()
-        self.t0 = time.perf_counter()
-
-    @property
-    def done(self) -> bool:
-        return self.out.finished
-
-    def add(self, out: StepOutput) -> None:
-        self.out.add(out)
-
-    def result(self) -> GenerationResult:
-        o, t = self.out, self.out.token_times
-        stats = RequestStats(
-            len(self.prompt_ids),
-            len(o.token_ids),
-            (t[0] - self.t0) if t else 0.0,
-            (t[-1] - self.t0) if t else 0.0,
-            [b - a for a, b in zip(t, t[1:])],
-        )
-        return GenerationResult(
-            self.request_id,
-            self.prompt_ids,
-            o.text,
-            o.token_ids,
-            o.finish_reason,
-            o.logprobs if self.params.logprobs else None,
-            stats,
-            o.top_logprobs if self.params.top_logprobs else None,
-            o.prompt_logprobs,
-        )
 
 
 def generate(

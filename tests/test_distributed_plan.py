@@ -276,7 +276,7 @@ def test_device_memory_is_the_gpu_s_free_memory(monkeypatch):
 def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
     """LLM(device="cuda") runs the check before any weight loads: a GPU too small is one
     ValueError and the loader is never called; a check that cannot run steps aside."""
-    import echo_compile.llm
+    import echo_compile.startup
     import model.loader
     from echo_compile.llm import LLM
     from runtime.distributed import plan
@@ -285,7 +285,7 @@ def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
         raise AssertionError("loaded")
 
     monkeypatch.setattr(model.loader, "load_model", no_load)
-    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
+    monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)  # a GPU, faked
     monkeypatch.setattr(plan, "device_memory_gib", lambda device: (1e-4, 1000.0))
     with pytest.raises(ValueError, match=r"does not fit cuda: bf16 on dp=1 tp=1: a GPU needs"):
         LLM("tiny", device="cuda", compile=False, progress=False)
@@ -309,7 +309,7 @@ def test_llm_on_cuda_checks_the_plan_before_loading(monkeypatch):
 def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch):
     """A rank of a dp/tp job checks the GPU of its LOCAL_RANK and its host's memory against
     the pools of LOCAL_WORLD_SIZE ranks (before any process group or weight)."""
-    import echo_compile.llm
+    import echo_compile.startup
     from echo_compile.llm import LLM
     from runtime.distributed import plan
 
@@ -320,7 +320,7 @@ def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch)
         return 100.0, 1e-4  # a host too small for two pools
 
     monkeypatch.setattr(plan, "device_memory_gib", memory)
-    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
+    monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)  # a GPU, faked
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(plan.DoesNotFit, match=r"the host KV pools need .* \(2 ranks x "):
@@ -331,13 +331,13 @@ def test_llm_under_torchrun_checks_its_own_gpu_and_the_host_s_ranks(monkeypatch)
 def test_llm_under_torchrun_names_a_local_world_size_that_is_not_an_integer(monkeypatch):
     """A LOCAL_WORLD_SIZE torchrun could not have set stops the start-up with the variable and
     its value (it was int()'s bare "invalid literal"), as a bad RANK / LOCAL_RANK does."""
-    import echo_compile.llm
+    import echo_compile.startup
     from echo_compile.llm import LLM
     from runtime.distributed import plan
     from runtime.engine_config import EngineConfig
 
     monkeypatch.setattr(plan, "device_memory_gib", lambda device: (100.0, 100.0))
-    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
+    monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)  # a GPU, faked
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ValueError, match=r"^environment variable LOCAL_WORLD_SIZE='two' is not"):
         LLM("tiny", device="cuda", dp=2, compile=False, progress=False)
@@ -443,7 +443,7 @@ def test_llm_counts_the_weights_once(monkeypatch, dp):
     """LLM on a (pretended) GPU counts its rank's weight bytes once (a meta-device build of the
     whole model: seconds for V3.2), and the KV sizing and the memory check both take that count
     (they counted one each)."""
-    import echo_compile.llm
+    import echo_compile.startup
     import model.loader
     from echo_compile.llm import LLM
     from runtime import kv_sizing
@@ -473,7 +473,7 @@ def test_llm_counts_the_weights_once(monkeypatch, dp):
 
     monkeypatch.setattr(model.loader, "load_model", no_load)
     monkeypatch.setattr(dist_engine, "build_distributed_engine", no_load)
-    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)  # a GPU, pretended
+    monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)  # a GPU, faked
     monkeypatch.setattr(plan, "device_memory_gib", lambda device: (139.8, 1000.0))
     monkeypatch.setattr(plan, "gpu_total_bytes", lambda device: int(139.8 * plan.GIB))
     monkeypatch.setattr(plan, "weight_bytes", count)

@@ -91,13 +91,13 @@ def test_llm_resolves_the_choice_once_for_every_reader(
     """LLM's default on the CPU and on a (pretended) GPU: an FP8 checkpoint kept FP8, and the
     sizing, the memory check and the load (one process's or a dp rank's) all get that value,
     named in one start-up line; other checkpoints load as they are, with no line."""
-    import echo_compile.llm
+    import echo_compile.startup
     import model.loader
     from echo_compile.llm import LLM
     from runtime.distributed import dist_engine, plan
 
     if device == "cuda":  # a GPU, pretended: 139.8 GiB free, 1000 GiB of host
-        monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)
+        monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)
         monkeypatch.setattr(plan, "device_memory_gib", lambda d: (139.8, 1000.0))
         monkeypatch.setattr(plan, "gpu_total_bytes", lambda d: int(139.8 * 2**30))
     seen: list[tuple[str, str]] = []

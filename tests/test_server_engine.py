@@ -30,7 +30,8 @@ import pytest
 import torch
 from server_utils import running_server
 
-from echo_compile.llm import LLM, GenerationResult
+from echo_compile.generation_result import GenerationResult
+from echo_compile.llm import LLM
 from model.awq import AWQExperts, AWQLinear
 from runtime.async_engine import AsyncEngine
 from runtime.sampling_params import SamplingParams

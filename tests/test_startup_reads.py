@@ -53,9 +53,10 @@ def test_a_cuda_start_up_reads_the_meta_and_the_memory_device_once(monkeypatch, 
     checkpoint's model config and this rank's memory device from ``LLM``; the load (one
     process's, or a dp rank's build) takes the meta already read."""
     import echo_compile.llm
+    import echo_compile.startup
     from runtime.distributed import dist_engine
 
-    monkeypatch.setattr(echo_compile.llm, "check_device", lambda *a, **k: None)
+    monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)
     monkeypatch.setattr(plan, "device_memory_gib", lambda d: (139.8, 1000.0))
     monkeypatch.setattr(plan, "gpu_total_bytes", lambda d: int(139.8 * 2**30))
     if dp > 1:  # no process group: the ranks' agreement is this rank's own sizes

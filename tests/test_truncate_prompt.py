@@ -14,7 +14,8 @@ import openai
 import pytest
 from server_utils import running_server
 
-from echo_compile.llm import LLM, GenerationResult
+from echo_compile.generation_result import GenerationResult
+from echo_compile.llm import LLM
 from model.checkpoint import resolve_model
 from model.loader import load_model
 from runtime.async_engine import AsyncEngine

@@ -1,0 +1,73 @@
+"""What ``LLM.generate()`` / ``LLM.chat()`` return for one request (``GenerationResult``, its
+``RequestStats``), and how one request's step outputs are collected into it
+(``ResultAccumulator``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from runtime.engine import StepOutput
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float  # time to first token
+    latency_s: float  # arrival to finish
+    itl_s: list[float] = field(default_factory=list)  # inter-token latencies
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None  # params.logprobs: each generated token's
+    stats: RequestStats
+    # params.top_logprobs > 0: per generated token, that many most likely (token id, logprob)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
+    prompt_logprobs: list | None = None
+
+
+class ResultAccumulator:
+    """One request of a ``generate()`` call: its step outputs (``RequestOutput``) and arrival."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.out = RequestOutput()
+        self.t0 = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.out.finished
+
+    def add(self, out: StepOutput) -> None:
+        self.out.add(out)
+
+    def result(self) -> GenerationResult:
+        o, t = self.out, self.out.token_times
+        stats = RequestStats(
+            len(self.prompt_ids),
+            len(o.token_ids),
+            (t[0] - self.t0) if t else 0.0,
+            (t[-1] - self.t0) if t else 0.0,
+            [b - a for a, b in zip(t, t[1:])],
+        )
+        return GenerationResult(
+            self.request_id,
+            self.prompt_ids,
+            o.text,
+            o.token_ids,
+            o.finish_reason,
+            o.logprobs if self.params.logprobs else None,
+            stats,
+            o.top_logprobs if self.params.top_logprobs else None,
+            o.prompt_logprobs,
+        )
