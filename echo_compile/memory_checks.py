@@ -37,10 +37,10 @@ def check_fits(
     does not. Anything else the check meets (a bad checkpoint or option: the loader says so
     next; a config the planner cannot count) makes it step aside with a warning, but a bad
     LOCAL_RANK / LOCAL_WORLD_SIZE (``plan.rank_memory_device``'s ValueError). ``path``: the
-    checkpoint directory, or its ``model.loader.CheckpointMeta`` already read; ``weights``:
+    checkpoint directory, or its ``model.checkpoint_meta.CheckpointMeta`` already read; ``weights``:
     ``rank_weights`` (None: counted here); ``memory_device``: ``plan.rank_memory_device``'s
     (None: found here)."""
-    from model.loader import checkpoint_meta
+    from model.checkpoint_meta import checkpoint_meta
     from runtime.distributed import plan
 
     # (torchrun: this rank's GPU; a bad LOCAL_RANK / LOCAL_WORLD_SIZE raises, as in the sizing)
@@ -60,7 +60,7 @@ def check_host_pool(path, config: EngineConfig) -> None:
     refusal ``allocate_host_rows`` makes when the engine allocates it, minutes later for a real
     checkpoint), naming ``--host-tokens`` and the bytes. ``path``: as ``check_fits``'."""
     from custom_ops.cache.host_pool import check_host_rows
-    from model.loader import checkpoint_meta
+    from model.checkpoint_meta import checkpoint_meta
 
     _, model_config, _ = checkpoint_meta(path)
     cc = config.cache_config(model_config)

@@ -42,7 +42,9 @@ def start_engine(
     """``LLM(model, ...)``'s engine (its arguments, ``LLM``'s docstring), the checkpoint's
     directory and the warm-up's seconds (0.0 for an eager engine). ``engine_options`` gets the
     defaults filled in (``device``, ``enable_prefix_caching``)."""
-    from model.loader import fp8_choice, load_model, read_checkpoint_meta
+    from model.checkpoint_meta import read_checkpoint_meta
+    from model.fp8_choice import fp8_choice
+    from model.loader import load_model
     from runtime.distributed.plan import rank_memory_device
 
     if "device" not in engine_options:

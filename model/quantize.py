@@ -120,7 +120,8 @@ def _to_fp8(model: nn.Module, shell: nn.Module, config) -> list[str]:
         else:
             new = FP8Experts.from_dense(old.w13_weight, old.w2_weight, ue8m0)
         _swap(model, name, new)
-    # the rest of the FP8-stored linears: dequantised at load (model/loader.py, _Loader._dequant)
+    # the rest of the FP8-stored linears: dequantised at load (model/weight_placer.py,
+    # WeightPlacer._dequant)
     for name in sorted(scaled - set(names)):
         experts = _EXPERT_SLICE.match(name)
         if experts is not None and _in_model(model, experts.group(1)):

@@ -10,7 +10,7 @@ of a dense MLP, shared expert or routed expert is read only in this rank's rows 
   ``scales [in/128, out]`` (whole 128-row groups, whole packed int32 words).
 ``gate_proj``/``up_proj`` are split along their output features, ``down_proj`` along its input.
 The name mapping, the FP8 dequantisation and every missing/unexpected/misshapen check are
-``model.loader``'s, applied to the sliced tensors.
+``model.weight_placer``'s (through ``model.loader.load_weights``), applied to the sliced tensors.
 """
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from model.checkpoint_meta import CheckpointMeta, checkpoint_meta
 from model.config import ModelConfig
+from model.fp8_choice import FP8Choice, fp8_choice
 from model.loader import (
-    CheckpointMeta,
-    FP8Choice,
     LoadExtras,
     _cast_half_params,
     _init_non_persistent_buffers,
-    checkpoint_meta,
     finish_loaded_model,
-    fp8_choice,
     load_weights,
 )
 from model.parallel import QUANT_BLOCK, TPGroup, parallelize_ffn, shard_dim
@@ -181,7 +179,7 @@ def load_sharded_model(
     ``load_model``'s. ``fp8_weights``
     (FP8 checkpoints): ``"auto"`` (default) / ``"fp8"`` keep the weights FP8, ``"bf16"``
     dequantises them at load (``model.fp8_weights.resolve_fp8_weights``), or the
-    ``model.loader.FP8Choice`` already made; FP8 or not, each
+    ``model.fp8_choice.FP8Choice`` already made; FP8 or not, each
     shard cut on 128x128 block boundaries (a split that is not is refused when the model is built,
     naming the feed-forward size; ``read_shard`` checks each tensor again as it reads it).
     ``progress``: ``model.loader.load_weights``'."""

@@ -84,7 +84,7 @@ def checked_shards(
     """``shard_files``, with every shard's header read and held against the index before any tensor
     is: an unreadable shard (a truncated download, a git-lfs pointer) or one that lacks or adds a
     tensor is found in seconds, not after the shards before it were read (minutes on V3.2). Also
-    returns, from the same headers, the names stored as e4m3 (``_Loader.check_names``) and each
+    returns, from the same headers, the names stored as e4m3 (``WeightPlacer.check_names``) and each
     tensor's bytes (``tensor_bytes``: the load's progress). ``listing``: ``shard_files``' result
     where the caller already read it (the index is not read again), else read here."""
     index, files = listing or shard_files(path)

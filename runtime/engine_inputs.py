@@ -28,8 +28,9 @@ def read_engine_inputs(path, config: EngineConfig, generation_config: str = "aut
     BOS or EOS past the model's vocabulary refused) and,
     with ``generation_config`` "auto", the request defaults and EOS ids its generation_config.json
     sets (``runtime.sampling_params.generation_defaults``; "none": the file is not read).
-    ``path``: the checkpoint directory, or its ``model.loader.CheckpointMeta`` already read."""
-    from model.loader import checkpoint_meta
+    ``path``: the checkpoint directory, or its ``model.checkpoint_meta.CheckpointMeta`` already
+    read."""
+    from model.checkpoint_meta import checkpoint_meta
 
     path, mc, generation = checkpoint_meta(path)
     config.cache_config(mc)  # raises ValueError naming the option

@@ -191,7 +191,7 @@ def size_engine(
     that cannot count the config) leaves ``config`` as it is, with a warning; a torchrun
     variable that is not one (``plan.rank_memory_device``'s ValueError) raises. A fraction given
     (not None) where it sizes nothing is warned about, naming the flag. ``path``: the checkpoint
-    directory, or its ``model.loader.CheckpointMeta`` already read. ``weights``: the rank's
+    directory, or its ``model.checkpoint_meta.CheckpointMeta`` already read. ``weights``: the rank's
     ``plan.rank_weight_bytes`` if already counted (else counted here); ``memory_device``:
     ``plan.rank_memory_device``'s, if already found (else found here). ``ctx``: this rank's
     place in a multi-rank job (``dist_engine.join``), which every rank of it passes: each size
@@ -269,7 +269,7 @@ def _own_sizes(
     check_fractions(host_memory_fraction, gpu_memory_utilization)
     if not cuda or set(SIZED) <= given:
         return config, ""
-    from model.loader import checkpoint_meta
+    from model.checkpoint_meta import checkpoint_meta
     from runtime.distributed import plan
 
     # (torchrun: this rank's GPU; a bad LOCAL_RANK / LOCAL_WORLD_SIZE is a broken launch, its

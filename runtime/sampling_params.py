@@ -354,7 +354,7 @@ def generation_defaults(gen: Any, mode: str = "auto") -> SamplingParams:
     if mode == "none":
         return SamplingParams()
     ignore = UNREAD_HINT
-    if isinstance(gen, ValueError):  # not valid JSON (model.loader.read_checkpoint_meta)
+    if isinstance(gen, ValueError):  # not valid JSON (model.checkpoint_meta.read_checkpoint_meta)
         raise ValueError(f"{gen} {ignore}") from gen
     if not isinstance(gen, dict):
         raise ValueError(f"generation_config.json: expected a JSON object, got {gen!r} {ignore}")

@@ -214,7 +214,7 @@ def test_estimate_script(tmp_path):
 def test_check_fits_refuses_only_what_cannot_fit():
     """Weights + KV cache over the GPU's memory, or the host pool over the host's RAM: refused
     with what needs how much; enough of both: nothing (no reserve counted)."""
-    from model.loader import read_checkpoint_meta
+    from model.checkpoint_meta import read_checkpoint_meta
     from runtime.distributed.plan import check_fits
     from runtime.engine_config import EngineConfig
 

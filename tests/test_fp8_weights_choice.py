@@ -92,6 +92,7 @@ def test_llm_resolves_the_choice_once_for_every_reader(
     sizing, the memory check and the load (one process's or a dp rank's) all get that value,
     named in one start-up line; other checkpoints load as they are, with no line."""
     import echo_compile.startup
+    import model.fp8_choice
     import model.loader
     from echo_compile.llm import LLM
     from runtime.distributed import dist_engine, plan
@@ -114,7 +115,7 @@ def test_llm_resolves_the_choice_once_for_every_reader(
     else:
         assert readers.isdisjoint({"weight_bytes", "check_fits"}), seen
     # (the load gets the choice made, FP8Choice: the modules kept FP8 with the value)
-    served = [v.weights if isinstance(v, model.loader.FP8Choice) else v for _, v in seen]
+    served = [v.weights if isinstance(v, model.fp8_choice.FP8Choice) else v for _, v in seen]
     assert seen and all(v == want for v in served), seen
     lines = [r.getMessage() for r in caplog.records if "FP8 checkpoint" in r.getMessage()]
     assert (lines == []) if log is None else (len(lines) == 1 and log in lines[0]), lines

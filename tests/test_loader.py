@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from model import checkpoint as ck
+from model.checkpoint_meta import read_checkpoint_meta
 from model.fp8_weights import weight_dequant_fp8
-from model.loader import load_model, load_weights, read_checkpoint_meta
+from model.loader import load_model, load_weights
 from model.parallel import TPGroup
 from model.presets import preset_config
 from model.shard_loader import load_sharded_model
@@ -273,10 +274,11 @@ def test_index_entry_missing_from_its_file(tiny, tmp_path):
 def test_bad_shards_are_found_before_any_tensor_is_read(tiny, tmp_path, monkeypatch):
     """Every shard's header is checked against the index first: an unreadable last shard, or
     one that lacks a tensor, fails before the shards before it are read (minutes on V3.2)."""
-    import model.loader
+    import model.weight_placer
 
     reads = []
-    monkeypatch.setattr(model.loader._Loader, "add", lambda self, name, *a: reads.append(name))
+    placer = model.weight_placer.WeightPlacer
+    monkeypatch.setattr(placer, "add", lambda self, name, *a: reads.append(name))
     path = copy_ckpt(tiny, tmp_path / "a")
     last = sorted({shard_of(path, n) for n in json.loads(
         (path / "model.safetensors.index.json").read_text())["weight_map"]})[-1]  # fmt: skip
@@ -312,10 +314,11 @@ def test_missing_tensors_are_found_before_any_tensor_is_read(
     """A tensor the checkpoint lacks (index and shard agreeing: a partial conversion), a scale
     without its FP8 weight or an FP8 weight without its scale: named from the shards' headers,
     before any tensor is read, not after all of them (minutes on V3.2)."""
-    import model.loader
+    import model.weight_placer
 
     reads = []
-    monkeypatch.setattr(model.loader._Loader, "add", lambda self, name, *a: reads.append(name))
+    placer = model.weight_placer.WeightPlacer
+    monkeypatch.setattr(placer, "add", lambda self, name, *a: reads.append(name))
     scale = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
     weight = scale.removesuffix("_scale_inv")
     routed = "model.layers.1.mlp.experts.3.down_proj.weight"  # rank 0's under ep = 2

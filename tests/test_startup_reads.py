@@ -1,9 +1,10 @@
 """One start-up of ``LLM`` (the offline API and the server's) reads its checkpoint's meta
-(``model.loader.read_checkpoint_meta``: config.json, generation_config.json, the tokenizer's
-presence) once, finds the device whose memory it plans with (``plan.rank_memory_device``)
-once and, for an FP8 checkpoint, the modules kept FP8 (``model.loader.fp8_choice``) and its shard
-listing (``model.shards.shard_files``) once: each is passed down to the sizing, the checks, the
-engine inputs and the load, which read nothing of it again."""
+(``model.checkpoint_meta.read_checkpoint_meta``: config.json, generation_config.json, the
+tokenizer's presence) once, finds the device whose memory it plans with
+(``plan.rank_memory_device``) once and, for an FP8 checkpoint, the modules kept FP8
+(``model.fp8_choice.fp8_choice``) and its shard listing (``model.shards.shard_files``) once: each
+is passed down to the sizing, the checks, the engine inputs and the load, which read nothing of it
+again."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 import pytest
 import torch
 
+import model.checkpoint_meta
+import model.fp8_choice
 import model.loader
 import model.shards
 from runtime.distributed import plan
@@ -41,7 +44,7 @@ def test_a_cpu_start_up_reads_the_checkpoint_meta_once(monkeypatch):
     and the load."""
     from echo_compile.llm import LLM
 
-    reads = _count(monkeypatch, model.loader, "read_checkpoint_meta")
+    reads = _count(monkeypatch, model.checkpoint_meta, "read_checkpoint_meta")
     llm = LLM("tiny", device="cpu", compile=False, progress=False, max_batch=2)
     assert llm.engine.model_config.vocab_size > 0
     assert reads[0] == 1
@@ -61,7 +64,7 @@ def test_a_cuda_start_up_reads_the_meta_and_the_memory_device_once(monkeypatch, 
     monkeypatch.setattr(plan, "gpu_total_bytes", lambda d: int(139.8 * 2**30))
     if dp > 1:  # no process group: the ranks' agreement is this rank's own sizes
         monkeypatch.setattr(dist_engine, "join", lambda config: None)
-    reads = _count(monkeypatch, model.loader, "read_checkpoint_meta")
+    reads = _count(monkeypatch, model.checkpoint_meta, "read_checkpoint_meta")
     devices = _count(monkeypatch, plan, "rank_memory_device")
     sources = []
 
@@ -74,7 +77,8 @@ def test_a_cuda_start_up_reads_the_meta_and_the_memory_device_once(monkeypatch, 
     with pytest.raises(Loaded):
         echo_compile.llm.LLM("tiny", device="cuda", dp=dp, compile=False, progress=False)
     assert (reads[0], devices[0]) == (1, 1)
-    assert isinstance(sources[0], model.loader.CheckpointMeta)  # (the load reads no meta again)
+    # (the load reads no meta again)
+    assert isinstance(sources[0], model.checkpoint_meta.CheckpointMeta)
 
 
 def test_an_fp8_start_up_finds_the_modules_kept_fp8_once(monkeypatch):
@@ -87,7 +91,7 @@ def test_an_fp8_start_up_finds_the_modules_kept_fp8_once(monkeypatch):
     from model.checkpoint import resolve_model
     from model.fp8_weights import FP8Linear
 
-    scans = _count(monkeypatch, model.loader, "fp8_scaled_modules")
+    scans = _count(monkeypatch, model.fp8_choice, "fp8_scaled_modules")
     listings = _count(monkeypatch, model.shards, "shard_files")
     llm = LLM(str(resolve_model("tiny-fp8")), device="cpu", compile=False, progress=False,
               max_batch=2)  # fmt: skip
@@ -97,8 +101,8 @@ def test_an_fp8_start_up_finds_the_modules_kept_fp8_once(monkeypatch):
     from model.parallel import TPGroup
     from model.shard_loader import load_sharded_model
 
-    meta = model.loader.read_checkpoint_meta("tiny-fp8")
-    choice = model.loader.fp8_choice(meta.path, meta.config, "auto")
+    meta = model.checkpoint_meta.read_checkpoint_meta("tiny-fp8")
+    choice = model.fp8_choice.fp8_choice(meta.path, meta.config, "auto")
     shard, _ = load_sharded_model(meta, TPGroup(0, 1, "", gather=False), fp8_weights=choice)
     assert any(isinstance(m, FP8Linear) for m in shard.modules())
     assert (scans[0], listings[0]) == (2, 2)
@@ -112,7 +116,7 @@ def test_a_bf16_load_reads_the_shard_listing_once(monkeypatch):
     listings = _count(monkeypatch, model.shards, "shard_files")
     model.loader.load_model("tiny")
     assert listings[0] == 1
-    meta = model.loader.read_checkpoint_meta("tiny")
+    meta = model.checkpoint_meta.read_checkpoint_meta("tiny")
     with torch.device("meta"):
         net = DeepseekV32ForCausalLM(meta.config)
     model.loader.load_weights(net, meta.path, meta.config)

@@ -40,7 +40,7 @@ from runtime.sampling_params import SamplingParams, fill_max_tokens, truncate_pr
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from model.loader import FP8Choice
+    from model.fp8_choice import FP8Choice
 
 
 class DistributedEngine:
@@ -283,15 +283,17 @@ def build_distributed_engine(
     progress: bool = True,
 ) -> DistributedEngine:
     """Join the process group (``join``; ``ctx``: already joined), load this rank's shard and
-    build its engine. ``path``: the checkpoint directory, or its ``model.loader.CheckpointMeta``
-    already read. ``config.device`` "cuda" becomes this rank's ``cuda:<LOCAL_RANK>``.
+    build its engine. ``path``: the checkpoint directory, or its
+    ``model.checkpoint_meta.CheckpointMeta`` already read. ``config.device`` "cuda" becomes this
+    rank's ``cuda:<LOCAL_RANK>``.
     ``compiler_factory(device)``: a ``StepCompiler`` for the rank's device, or None for eager.
     ``fp8_weights``: as ``load_model``'s, the option or the ``FP8Choice`` already made (FP8
     kept per shard); ``generation_config``: as
     ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller read them (else they are
     read here, before the weights); ``progress``: rank 0 draws the bar of its load (one bar on
     the launcher's terminal), every rank logs its load's summary line."""
-    from model.loader import FP8Choice, load_model
+    from model.fp8_choice import FP8Choice
+    from model.loader import load_model
     from model.shard_loader import load_sharded_model
 
     ctx = ctx or join(config)
