@@ -108,12 +108,14 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
     res["graphs"] = counters["stats"]["unique_graphs"]
     res["graph_breaks"] = sum(counters["graph_break"].values())
     logs: list[torch.Tensor] = []
+    rows: list[list[str]] = []  # each decode step's requests, in its logits' row order
     fwd = engine.runner.forward
 
     def rec(batch, *ahead):
         out = fwd(batch, *ahead)
         if batch.is_decode:
             logs.append(out.clone())
+            rows.append([r.request_id for r in batch.requests])
         return out
 
     engine.runner.forward = rec
@@ -135,7 +137,7 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
     res["cudagraph"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
     res["recompile_log"] = [ln for r in recompiles.lines for ln in r.splitlines()]
     res["decode_batches"] = [int(t.shape[0]) for t in logs]
-    torch.save(logs, logits_out)
+    torch.save({"logits": logs, "requests": rows}, logits_out)
     return res
 
 
@@ -171,27 +173,36 @@ def run_speed(mode: str, layers: int, experts: int, ctx: int, steps: int) -> dic
     return res
 
 
-def _compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
-    """Step by step: how many equal (``torch.equal``), the max abs diff by batch size and by
-    step, and the first step whose greedy tokens (the logits' argmax) differ: from there the
-    two runs decode different tokens, so their later logits differ by more than rounding;
-    ``max_abs_diff_before_divergence`` is over the steps that had the same inputs (to that one)."""
+def _compare(a: dict, b: dict) -> dict:
+    """Two runs' decode steps (``run_mode``'s file: each step's logits and its requests, row by
+    row; both runs schedule alike), step by step: how many equal (``torch.equal``), the max abs
+    diff by batch size and by step, the first step where a request's greedy token (the logits'
+    argmax) differs, and ``max_abs_diff_same_inputs``: over the rows of the requests that had
+    decoded the same tokens so far (a request whose token differed decodes other tokens after
+    it, so its later rows differ by more than rounding; the other requests of its batch, and
+    the later requests, started from the same prompts, do not)."""
     by: dict[int, float] = {}
-    equal, diverged, before = 0, None, 0.0
+    equal, first, same = 0, None, 0.0
+    diverged: set[str] = set()  # the requests whose greedy tokens differed
     steps = []
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+    for i, (x, y, ids) in enumerate(zip(a["logits"], b["logits"], a["requests"], strict=True)):
         equal += int(torch.equal(x, y))
-        d = float((x - y).abs().max())
-        steps.append(round(d, 4))
-        by[x.shape[0]] = max(by.get(x.shape[0], 0.0), d)
-        if diverged is None:
-            before = max(before, d)
-            if not torch.equal(x.argmax(-1), y.argmax(-1)):
-                diverged = i
-    scale = max(float(t.abs().max()) for t in a)
-    return {"steps": len(a), "equal_steps": equal, "max_abs_diff_by_batch": by,
-            "max_abs_logit": round(scale, 3), "first_divergent_step": diverged,
-            "max_abs_diff_before_divergence": before, "max_abs_diff_by_step": steps}  # fmt: skip
+        d = (x - y).abs().amax(-1)  # [B]
+        steps.append(round(float(d.max()), 4))
+        by[x.shape[0]] = max(by.get(x.shape[0], 0.0), float(d.max()))
+        flips = x.argmax(-1) != y.argmax(-1)  # [B]
+        for row, rid in enumerate(ids):
+            if rid in diverged:
+                continue
+            same = max(same, float(d[row]))
+            if flips[row]:
+                diverged.add(rid)
+                first = i if first is None else first
+    scale = max(float(t.abs().max()) for t in a["logits"])
+    return {"steps": len(a["logits"]), "equal_steps": equal, "max_abs_diff_by_batch": by,
+            "max_abs_logit": round(scale, 3), "first_divergent_step": first,
+            "diverged_requests": len(diverged), "max_abs_diff_same_inputs": same,
+            "max_abs_diff_by_step": steps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

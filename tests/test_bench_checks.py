@@ -101,15 +101,21 @@ def test_dynamic_decode_speed_keeps_the_cpu_study_file(monkeypatch):
 
 
 def test_dynamic_decode_compare_names_the_first_step_whose_tokens_differ():
-    """Logits that differ by rounding until one step's argmax flips: the diff before the
-    divergence is the rounding's, not the later steps' (decoded from other tokens)."""
-    a = [torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 1.0]])]
-    b = [torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.25]]), torch.tensor([[3.0, 4.0]])]
-    b.append(torch.tensor([[0.0, 9.0]]))
-    a.append(torch.tensor([[0.0, 1.0]]))
+    """Logits that differ by rounding until one request's argmax flips: that request's later rows
+    (decoded from other tokens) are left out of the same-input diff, while the other request of
+    its batch and a later request (started from the same prompt in both runs) are counted; the
+    diff was taken only up to the first flip, over every row."""
+    t = torch.tensor
+    a = {"logits": [t([[1.0, 2.0]]), t([[2.0, 1.9]]), t([[0.0, 1.0], [1.0, 2.0]]),
+                    t([[5.0, 1.0], [2.0, 1.0]])],
+         "requests": [["r1"], ["r1"], ["r1", "r2"], ["r2", "r3"]]}  # fmt: skip
+    b = {"logits": [t([[1.0, 2.25]]), t([[2.0, 2.1]]), t([[0.0, 9.0], [1.0, 2.5]]),
+                    t([[5.0, 1.5], [2.0, 1.0]])],
+         "requests": a["requests"]}  # fmt: skip
     r = dynamic._compare(a, b)
-    assert r["equal_steps"] == 1
-    assert r["first_divergent_step"] == 2
-    assert r["max_abs_diff_before_divergence"] == 3.0  # steps 0-2: the inputs were the same
-    assert r["max_abs_diff_by_step"] == [0.0, 0.25, 3.0, 8.0]
-    assert dynamic._compare(a, a)["first_divergent_step"] is None
+    assert r["equal_steps"] == 0
+    assert (r["first_divergent_step"], r["diverged_requests"]) == (1, 1)
+    assert r["max_abs_diff_same_inputs"] == 0.5  # r2's, not r1's 8.0 after its flip
+    assert r["max_abs_diff_by_step"] == [0.25, 0.2, 8.0, 0.5]
+    same = dynamic._compare(a, a)
+    assert (same["first_divergent_step"], same["diverged_requests"]) == (None, 0)
