@@ -1,10 +1,14 @@
 """What a start-up reads of a checkpoint directory before any weight: its path, model config and
 generation config, with its tokenizer checked present (``CheckpointMeta``, read once by
 ``read_checkpoint_meta`` and passed down to the FP8 choice, the KV sizing, the memory checks, the
-engine inputs and the load, whole or sharded)."""
+engine inputs and the load, whole or sharded); and the short hash of it and of the shard listing
+that the ranks of a dp/tp/ep job compare (``checkpoint_fingerprint``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,3 +56,36 @@ def _require(path: Path, name: str) -> Path:
     if not (path / name).is_file():
         raise ValueError(f"{path}: no {name} (not a Hugging Face checkpoint directory?)")
     return path / name
+
+
+@dataclass(frozen=True)
+class CheckpointFingerprint:
+    """A checkpoint's ``checkpoint_fingerprint``: equal where the digests are (the path is only
+    shown: hosts may mount the same checkpoint at other paths)."""
+
+    digest: str
+    path: str = field(compare=False)
+
+    def __repr__(self) -> str:  # (how check_same_options names it)
+        return f"{self.digest} ({self.path})"
+
+
+def checkpoint_fingerprint(
+    meta: CheckpointMeta, shards: tuple[str, dict[str, list[str]]]
+) -> CheckpointFingerprint:
+    """A short hash of what a start-up reads of a checkpoint before any weight: its model config
+    (as parsed, ``ModelConfig``: a config.json key the engine ignores is left out), its
+    generation config and its shard listing (``shards``, ``model.shards.shard_files``': the
+    index's tensor -> file map, or the single file's tensor names). Nothing is read for it. The
+    ranks of a dp/tp/ep job compare it (``check_same_options``): ranks given other checkpoints
+    of the same shapes would build and mix their weights. Not the weights' bytes (minutes to hash
+    on V3.2): two checkpoints with the same config and the same tensors in the same files (a
+    fine-tune saved as its base was) have the same fingerprint."""
+    gen = meta.generation_config
+    index, files = shards
+    listing = sorted((file, sorted(names)) for file, names in files.items())
+    h = hashlib.sha256(repr(meta.config).encode())
+    # (an unreadable generation config: its error names the path, which may differ by host)
+    h.update(b"invalid" if isinstance(gen, Exception) else json.dumps(gen, sort_keys=True).encode())
+    h.update(json.dumps([index, listing]).encode())
+    return CheckpointFingerprint(h.hexdigest()[:12], str(meta.path))

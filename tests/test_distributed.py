@@ -338,3 +338,45 @@ def test_cli_generate_ranks_given_other_generation_configs_are_refused(tmp_path,
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2 False"] * 2
     err = capfd.readouterr().err
     assert err.count("generation_config: rank 0 has 'auto', rank 1 has 'none'") == 2, err
+
+
+def _tiny_copy(tmp_path, **config):
+    """The tiny checkpoint copied to ``tmp_path/ckpt``, its config.json's ``config`` changed."""
+    import json
+    import shutil
+
+    from model.checkpoint import resolve_model
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(resolve_model("tiny"), path)
+    c = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**c, **config}))
+    return path
+
+
+def test_cli_generate_ranks_given_other_checkpoints_are_refused(tmp_path, capfd):
+    """A rank given another checkpoint of the same shapes (here one config value, rms_norm_eps,
+    differs) built and mixed its weights with rank 0's: every rank names the checkpoints by
+    their fingerprints and paths and returns 2 before a weight loads."""
+    from model.checkpoint import resolve_model
+    from model.checkpoint_meta import checkpoint_fingerprint, read_checkpoint_meta
+    from model.shards import shard_files
+
+    other = _tiny_copy(tmp_path, rms_norm_eps=2e-6)
+    spawn(cli_generate_worker, 2, str(tmp_path), (), ((), ("--model", str(other))))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["2 False"] * 2
+    ours, theirs = (
+        checkpoint_fingerprint(read_checkpoint_meta(p), shard_files(p))
+        for p in (resolve_model("tiny"), other)
+    )
+    assert ours != theirs
+    err = capfd.readouterr().err
+    assert err.count(f"checkpoint: rank 0 has {ours!r}, rank 1 has {theirs!r}") == 2, err
+
+
+def test_cli_generate_ranks_given_the_checkpoint_at_other_paths_run(tmp_path):
+    """The same checkpoint mounted at another path on another host is not another checkpoint:
+    the ranks compare its fingerprint, not its path."""
+    other = _tiny_copy(tmp_path)
+    spawn(cli_generate_worker, 2, str(tmp_path), (), ((), ("--model", str(other))))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["0 False"] * 2

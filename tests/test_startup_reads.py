@@ -121,3 +121,26 @@ def test_a_bf16_load_reads_the_shard_listing_once(monkeypatch):
         net = DeepseekV32ForCausalLM(meta.config)
     model.loader.load_weights(net, meta.path, meta.config)
     assert listings[0] == 2
+
+
+def test_a_rank_build_reads_the_shard_listing_once(monkeypatch):
+    """A dp/tp rank's build (``build_distributed_engine``) reads the shard listing once, before
+    the options check (the checkpoint's fingerprint hashes it), and its load takes it: the
+    index is not read again; the meta it is given is not read again either."""
+    import torch.distributed as dist
+
+    from runtime.distributed.dist_engine import build_distributed_engine
+    from runtime.distributed.process import DistContext
+    from runtime.engine_config import EngineConfig
+
+    def gather(out, obj, group=None):  # (rank 1 given rank 0's options)
+        out[:] = [obj, obj]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    meta = model.checkpoint_meta.read_checkpoint_meta("tiny")
+    reads = _count(monkeypatch, model.checkpoint_meta, "read_checkpoint_meta")
+    listings = _count(monkeypatch, model.shards, "shard_files")
+    ctx = DistContext(0, 2, 0, "cpu", "gloo", "0", None, 10.0)
+    engine = build_distributed_engine(meta, EngineConfig(dp=2, tp=2, device="cpu"), ctx=ctx)
+    assert engine.dp == 2
+    assert (reads[0], listings[0]) == (0, 1)

@@ -237,8 +237,11 @@ class DistributedEngine:
 def check_same_options(ctx: DistContext, options: dict) -> None:
     """Every rank must be built with rank 0's engine options: a rank with another ``tp``,
     ``max_batch`` or ``kv_format`` meets other collectives (gloo aborted it with "collective
-    mismatch", blamed on its peers; NCCL may hang or mix buffers) or samples from other numbers.
-    A ``ValueError`` on every rank naming each option that differs, before any weight loads."""
+    mismatch", blamed on its peers; NCCL may hang or mix buffers) or samples from other numbers;
+    one given another checkpoint of the same shapes (``checkpoint``: its
+    ``model.checkpoint_meta.checkpoint_fingerprint``, not its path) builds and mixes its weights
+    with the others'. A ``ValueError`` on every rank naming each option that differs, before any
+    weight loads."""
     every = [None] * ctx.world_size
     with guarded(ctx, "the engine options check"):
         dist.all_gather_object(every, options, group=ctx.cpu_group)
@@ -292,9 +295,11 @@ def build_distributed_engine(
     ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller read them (else they are
     read here, before the weights); ``progress``: rank 0 draws the bar of its load (one bar on
     the launcher's terminal), every rank logs its load's summary line."""
-    from model.fp8_choice import FP8Choice
+    from model.checkpoint_meta import checkpoint_fingerprint, checkpoint_meta
+    from model.fp8_choice import FP8Choice, fp8_choice
     from model.loader import load_model
     from model.shard_loader import load_sharded_model
+    from model.shards import shard_files
 
     ctx = ctx or join(config)
     if ctx.world_size != config.world_size:
@@ -303,25 +308,31 @@ def build_distributed_engine(
             f"but this job has {ctx.world_size}: launch with torchrun --nproc-per-node "
             f"{config.world_size}"
         )
+    asked = fp8_weights.weights if isinstance(fp8_weights, FP8Choice) else fp8_weights
+    # the shard listing read once, here: the checkpoint's fingerprint hashes it and the load
+    # takes it (an FP8 checkpoint's choice read it already)
+    meta = checkpoint_meta(path)
+    choice = fp8_choice(meta.path, meta.config, fp8_weights)
+    choice = choice._replace(shards=choice.shards or shard_files(meta.path))
     check_same_options(
         ctx,
         dict(dataclasses.asdict(config), device=config.device.split(":")[0],
-             fp8_weights=fp8_weights.weights if isinstance(fp8_weights, FP8Choice) else fp8_weights,
-             generation_config=generation_config,
-             compiled=compiler_factory is not None),
+             fp8_weights=asked, generation_config=generation_config,
+             compiled=compiler_factory is not None,
+             checkpoint=checkpoint_fingerprint(meta, choice.shards)),
     )  # fmt: skip
     config = replace(config, device=ctx.device)
-    inputs = inputs or read_engine_inputs(path, config, generation_config)
+    inputs = inputs or read_engine_inputs(meta, config, generation_config)
     g = tp_group(ctx, config)
     with LoadProgress(enabled=progress and ctx.rank == 0) as loading:
         if g.size > 1:
             net, extras = load_sharded_model(
-                path, g, device=ctx.device, ep=config.ep > 1, fp8_weights=fp8_weights,
+                meta, g, device=ctx.device, ep=config.ep > 1, fp8_weights=choice,
                 progress=loading,
             )  # fmt: skip
         else:
             net, extras = load_model(
-                path, device=ctx.device, keep_mtp=False, fp8_weights=fp8_weights,
+                meta, device=ctx.device, keep_mtp=False, fp8_weights=choice,
                 progress=loading,
             )  # fmt: skip
     logging.getLogger(__name__).info("rank %d: %s", ctx.rank, loading.close())

@@ -1,0 +1,72 @@
+"""A checkpoint's fingerprint (model/checkpoint_meta.py, ``checkpoint_fingerprint``), which the
+ranks of a dp/tp/ep job compare: it sees the model config, the generation config and the shard
+listing, not the path (hosts may mount the same checkpoint elsewhere) nor the weights' bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from model.checkpoint import resolve_model
+from model.checkpoint_meta import checkpoint_fingerprint, read_checkpoint_meta
+from model.shards import INDEX_FILE, shard_files
+
+
+def fingerprint(path):
+    meta = read_checkpoint_meta(path)
+    return checkpoint_fingerprint(meta, shard_files(meta.path))
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """The tiny checkpoint copied to another directory."""
+    dst = tmp_path / "copy"
+    shutil.copytree(resolve_model("tiny"), dst)
+    return dst
+
+
+def _edit_json(path, fn):
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data))
+
+
+def test_the_same_checkpoint_at_another_path_has_the_same_fingerprint(copy):
+    ours, theirs = fingerprint(resolve_model("tiny")), fingerprint(copy)
+    assert ours == theirs
+    assert repr(theirs) == f"{theirs.digest} ({copy})"  # (the path shown, not compared)
+    assert len(ours.digest) == 12
+
+
+def test_a_config_value_changes_the_fingerprint(copy):
+    _edit_json(copy / "config.json", lambda c: c.update(rms_norm_eps=c["rms_norm_eps"] * 2))
+    assert fingerprint(copy) != fingerprint(resolve_model("tiny"))
+
+
+def test_a_generation_config_value_changes_the_fingerprint(copy):
+    _edit_json(copy / "generation_config.json", lambda g: g.update(temperature=0.123))
+    assert fingerprint(copy) != fingerprint(resolve_model("tiny"))
+
+
+def test_the_shard_listing_changes_the_fingerprint(copy):
+    """A tensor the index places in another shard (the listing only: no tensor is read)."""
+
+    def move(index):
+        name, file = next(iter(index["weight_map"].items()))
+        others = sorted(set(index["weight_map"].values()) - {file})
+        index["weight_map"][name] = others[0]
+
+    _edit_json(copy / INDEX_FILE, move)
+    assert fingerprint(copy) != fingerprint(resolve_model("tiny"))
+
+
+def test_the_weights_bytes_are_not_compared(copy):
+    """Documented (docs/multi_gpu.md): hashing them would take minutes on V3.2."""
+    shard = json.loads((copy / INDEX_FILE).read_text())["weight_map"]["model.norm.weight"]
+    tensors = load_file(copy / shard)
+    tensors["model.norm.weight"] += 1
+    save_file(tensors, str(copy / shard), metadata={"format": "pt"})
+    assert fingerprint(copy) == fingerprint(resolve_model("tiny"))
