@@ -47,15 +47,44 @@ def part_text(p: Any, at: str, param: str, kinds: tuple[str, ...], noun: str) ->
     """The string ``text`` of the text part at ``at`` (a Messages ``text`` block, a Responses
     ``input_text`` / ``output_text`` part: ``kinds``, ``noun`` "block" / "part"), unchecked for
     surrogates (``checked``, under the caller's path); a 400 that says what is wrong: the part
-    (``at must be a text block, got type 'image'``) or, of a part that is one, its text
-    (``at.text must be a string, got int``)."""
+    (``at must be a text block, got type 'image'``, ``at must be an input_text part, got
+    string``) or, of a part that is one, its text (``string_field``'s ``at.text must be a
+    string, got null``)."""
     if not isinstance(p, dict) or p.get("type") not in kinds:
-        got = f"type {p.get('type')!r}" if isinstance(p, dict) else type(p).__name__
-        raise APIError(400, f"{at} must be a {' or '.join(kinds)} {noun}, got {got}", param=param)
-    if not isinstance(p.get("text"), str):
-        got = type(p["text"]).__name__ if "text" in p else "no text"
-        raise APIError(400, f"{at}.text must be a string, got {got}", param=param)
-    return p["text"]
+        got = f"type {p.get('type')!r}" if isinstance(p, dict) else json_type(p)
+        kind = " or ".join(kinds)
+        raise APIError(400, f"{at} must be {_article(kind)} {kind} {noun}, got {got}", param=param)
+    return string_field(p, "text", at, param)
+
+
+def string_field(d: dict[str, Any], key: str, at: str, param: str) -> str:
+    """``d[key]``, a string, where ``d`` is the object at ``at``; else a 400 naming the field
+    and what it holds in JSON's words (``json_type``), or that it is absent: ``input[1].text
+    must be a string, got null`` / ``got no text``."""
+    value = d.get(key)
+    if not isinstance(value, str):
+        got = json_type(value) if key in d else f"no {key}"
+        raise APIError(400, f"{at}.{key} must be a string, got {got}", param=param)
+    return value
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a value of a request's body, as an error names what it got instead:
+    null, boolean, integer, number, string, array or object (Python's names, ``NoneType``,
+    ``bool``, ``list``, ``dict``, are not the client's)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # (before int: a bool is one)
+        return "boolean"
+    for kind, name in ((int, "integer"), (float, "number"), (str, "string"), (list, "array")):
+        if isinstance(value, kind):
+            return name
+    return "object" if isinstance(value, dict) else type(value).__name__
+
+
+def _article(word: str) -> str:
+    """``word``'s indefinite article: an input_text part, a text block."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def joined(texts: list[tuple[str, str]], param: str) -> str:

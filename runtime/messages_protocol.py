@@ -301,8 +301,7 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
         for j, b in enumerate(blocks):
             bat, kind = f"{at}.content[{j}]", b.get("type")
             if kind == "tool_result":
-                if not isinstance(b.get("tool_use_id"), str):
-                    raise APIError(400, f"{bat}.tool_use_id must be a string", param="messages")
+                chat_translation.string_field(b, "tool_use_id", bat, "messages")
                 content = b.get("content")  # (optional: a result with no output)
                 output = _text("" if content is None else content, f"{bat}.content", "messages")
                 msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": output})
@@ -330,9 +329,8 @@ def _assistant(
         if kind == "text":
             texts.append(_text_part(b, bat, "messages", text_at))
         elif kind == "thinking":
-            if not isinstance(b.get("thinking"), str):
-                raise APIError(400, f"{bat}.thinking must be a string", param="messages")
-            reasoning.append((b["thinking"], f"{bat}.thinking"))
+            thinking = chat_translation.string_field(b, "thinking", bat, "messages")
+            reasoning.append((thinking, f"{bat}.thinking"))
         elif kind == "redacted_thinking":  # Anthropic's encrypted reasoning: nothing to read
             continue  # (a conversation begun on Anthropic's API goes on here without it)
         elif kind == "tool_use":

@@ -253,8 +253,7 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             )
             last = "function_call"
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise APIError(400, f"{at}.call_id must be a string", param="input")
+            chat_translation.string_field(item, "call_id", at, "input")
             output = _text(item.get("output"), f"{at}.output", ("input_text",))
             msgs.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
             where.append(Origin(at, {".tool_call_id": f"{at}.call_id", ".content": f"{at}.output"}))
@@ -267,9 +266,8 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             for j, p in enumerate(parts):
                 if p.get("type") != "reasoning_text":
                     continue
-                if not isinstance(p.get("text"), str):
-                    raise APIError(400, f"{at}.content[{j}].text must be a string", param="input")
-                texts.append((p["text"], f"{at}.content[{j}].text"))
+                text = chat_translation.string_field(p, "text", f"{at}.content[{j}]", "input")
+                texts.append((text, f"{at}.content[{j}].text"))
             text = chat_translation.joined(texts, "input")
             # (content None until an assistant message after it gives its own, named after that
             # message: with none, chat has nothing of the client's there to refuse, so no error

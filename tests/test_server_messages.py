@@ -467,10 +467,16 @@ def test_a_lone_surrogate_in_a_text_block_names_the_block(
 @pytest.mark.parametrize(
     "block, want",
     [
-        ({"type": "text", "text": 5}, "messages[2].content[1].text must be a string, got int"),
+        ({"type": "text", "text": 5}, "messages[2].content[1].text must be a string, got integer"),
         ({"type": "text"}, "messages[2].content[1].text must be a string, got no text"),
+        # JSON's type names, not Python's (NoneType, bool, float, dict)
+        ({"type": "text", "text": None}, "messages[2].content[1].text must be a string, got null"),
+        ({"type": "text", "text": True},
+         "messages[2].content[1].text must be a string, got boolean"),
+        ({"type": "text", "text": 0.5}, "messages[2].content[1].text must be a string, got number"),
+        ({"type": "text", "text": {}}, "messages[2].content[1].text must be a string, got object"),
     ],
-)
+)  # fmt: skip
 def test_a_text_block_with_no_string_text_names_the_block(
     served: tuple[str, PromptedEngine], block: dict, want: str
 ) -> None:
@@ -489,14 +495,23 @@ def test_a_text_block_with_no_string_text_names_the_block(
     "fields, want",
     [
         ({"system": [{"type": "text", "text": ["Be brief."]}]},
-         "system[0].text must be a string, got list"),
+         "system[0].text must be a string, got array"),
         ({"system": [{"type": "image"}]}, "system[0] must be a text block, got type 'image'"),
         ({"messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]}]}]},
          "messages[0].content[0].content[0].text must be a string, got no text"),
         ({"messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": ["Sunny"]}]}]},
-         "messages[0].content[0].content[0] must be a text block, got str"),
+         "messages[0].content[0].content[0] must be a text block, got string"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [None]}]}]},
+         "messages[0].content[0].content[0] must be a text block, got null"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": None, "content": "Sunny"}]}]},
+         "messages[0].content[0].tool_use_id must be a string, got null"),
+        ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": 5}, {"type": "text", "text": "Hello"}]}]},
+         "messages[1].content[0].thinking must be a string, got integer"),
     ],
 )  # fmt: skip
 def test_a_system_or_tool_result_text_block_names_what_is_wrong(

@@ -230,12 +230,22 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input",
-            r"input\[0\]\.content\[0\] must be a input_text part, got type 'input_image'$",
+            r"input\[0\]\.content\[0\] must be an input_text part, got type 'input_image'$",
+        ),
+        (
+            {"input": [HI, {"role": "assistant", "content": ["Hello"]}]},
+            "input",
+            r"^input\[1\]\.content\[0\] must be an output_text part, got string$",
+        ),
+        (  # JSON's type names, not Python's
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]},
+            "input",
+            r"^input\[0\]\.content\[0\]\.text must be a string, got null$",
         ),
         (  # a part that is one, whose text is not a string: named as its text
             {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
             "input",
-            r"^input\[0\]\.content\[0\]\.text must be a string, got int$",
+            r"^input\[0\]\.content\[0\]\.text must be a string, got integer$",
         ),
         (
             {"input": [HI, {"role": "assistant", "content": [{"type": "output_text"}]}]},
@@ -335,11 +345,25 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
         ),
         (
             [HI, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}, HI],
-            "input[1].content[0].text must be a string",
+            "input[1].content[0].text must be a string, got integer",
+        ),
+        (  # what a text part's error says of its text, as the other parts' do
+            [HI, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": None}]},
+             HI],
+            "input[1].content[0].text must be a string, got null",
+        ),
+        (
+            [HI, {"type": "reasoning", "content": [{"type": "reasoning_text"}]}, HI],
+            "input[1].content[0].text must be a string, got no text",
+        ),
+        (
+            [HI, CALL, {"type": "function_call_output", "call_id": 1, "output": "pong"}],
+            "input[2].call_id must be a string, got integer",
         ),
     ],
     ids=["message", "message-and-call", "first-part", "second-part", "string-content",
-         "output-part", "reasoning-part", "reasoning-text"],
+         "output-part", "reasoning-part", "reasoning-text", "reasoning-null-text",
+         "reasoning-no-text", "call-id"],
 )  # fmt: skip
 def test_an_error_names_the_input_item_it_is_about(
     served: tuple[str, ScriptedEngine], items: list, want: str
