@@ -189,17 +189,18 @@ def size_engine(
     """``config`` with ``auto_sizes``'s sizes for this rank's GPU and host (CUDA only; the CPU
     keeps ``config``), logged in one line. Memory that cannot be read (no driver, a planner
     that cannot count the config) leaves ``config`` as it is, with a warning; a torchrun
-    variable that is not one (``plan.rank_memory_device``'s ValueError) raises. A fraction given
-    (not None) where it sizes nothing is warned about, naming the flag. ``path``: the checkpoint
-    directory, or its ``model.checkpoint_meta.CheckpointMeta`` already read. ``weights``: the rank's
-    ``plan.rank_weight_bytes`` if already counted (else counted here); ``memory_device``:
-    ``plan.rank_memory_device``'s, if already found (else found here). ``ctx``: this rank's
-    place in a multi-rank job (``dist_engine.join``), which every rank of it passes: each size
-    left out is then the least over the ranks (``size_agreement.agree_min``, a collective every
-    rank makes, on the CPU too), as vLLM takes its workers' least KV block count, and a rank
-    whose own choice was more says so in its line, naming the rank that limited it; a rank
-    that cannot size (a given context that does not fit its memory) stops every rank with its
-    error."""
+    variable that is not an integer (``LOCAL_RANK``, ``RANK``, ``LOCAL_WORLD_SIZE``), or a
+    ``LOCAL_WORLD_SIZE`` below 1, raises (``plan.rank_memory_device``'s ValueError). A fraction
+    given (not None) where it sizes nothing is warned about, naming the flag. ``path``: the
+    checkpoint directory, or its ``model.checkpoint_meta.CheckpointMeta`` already read.
+    ``weights``: the rank's ``plan.rank_weight_bytes`` if already counted (else counted here);
+    ``memory_device``: ``plan.rank_memory_device``'s, if already found (else found here).
+    ``ctx``: this rank's place in a multi-rank job (``dist_engine.join``), which every rank of it
+    passes: each size left out is then the least over the ranks (``size_agreement.agree_min``,
+    a collective every rank makes, on the CPU too), as vLLM takes its workers' least KV block
+    count, and a rank whose own choice was more says so in its line, naming the rank that
+    limited it; a rank that cannot size (a given context that does not fit its memory) stops
+    every rank with its error."""
     if ctx is None or ctx.world_size == 1:
         config, why = _own_sizes(
             path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights,

@@ -300,8 +300,8 @@ def rank_memory_device(config: EngineConfig) -> tuple[str, int]:
     this rank's GPU, ``cuda:<LOCAL_RANK>`` (unset: ``RANK``, the GPU the join takes,
     ``process.init_distributed``), and ``LOCAL_WORLD_SIZE`` ranks share the host. A
     variable that is not an integer is a ``ValueError`` naming it and its value, as the process
-    group's join makes (torchrun sets both: such a value is a broken launch, not a memory the
-    sizing could step aside from)."""
+    group's join makes, and so is a ``LOCAL_WORLD_SIZE`` below 1 (torchrun sets them: such a
+    value is a broken launch, not a memory the sizing could step aside from)."""
     from runtime.distributed.process import env_int
 
     device, local_ranks = config.device, 1
