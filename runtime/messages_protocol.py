@@ -34,7 +34,9 @@ class MessagesRequest(_Strict):
     model: str
     messages: list[dict[str, Any]]  # {"role": user | assistant, "content": str | blocks}
     max_tokens: int  # required, as Anthropic's API requires it
-    system: str | list[dict[str, Any]] | None = None  # a string or text blocks
+    # a string or text blocks; list[Any], not list[dict]: a block that is not an object is
+    # _text's 400 ("system[0] must be a text block, got string"), not pydantic's "system.str"
+    system: str | list[Any] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

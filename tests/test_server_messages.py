@@ -497,6 +497,8 @@ def test_a_text_block_with_no_string_text_names_the_block(
         ({"system": [{"type": "text", "text": ["Be brief."]}]},
          "system[0].text must be a string, got array"),
         ({"system": [{"type": "image"}]}, "system[0] must be a text block, got type 'image'"),
+        # (a block that is no object: the system prompt's own 400, not pydantic's "system.str")
+        ({"system": ["Be brief."]}, "system[0] must be a text block, got string"),
         ({"messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]}]}]},
          "messages[0].content[0].content[0].text must be a string, got no text"),
