@@ -71,11 +71,13 @@ class CheckpointFingerprint:
 
 
 def checkpoint_fingerprint(
-    meta: CheckpointMeta, shards: tuple[str, dict[str, list[str]]]
+    meta: CheckpointMeta, shards: tuple[str, dict[str, list[str]]], generation_config: str = "auto"
 ) -> CheckpointFingerprint:
     """A short hash of what a start-up reads of a checkpoint before any weight: its model config
     (as parsed, ``ModelConfig``: a config.json key the engine ignores is left out), its
-    generation config and its shard listing (``shards``, ``model.shards.shard_files``': the
+    generation config where ``generation_config`` (``LLM``'s option) is "auto" (under "none" the
+    file is not read, so ranks whose copies of it differ, or lack it, or hold one that is not
+    JSON, run alike) and its shard listing (``shards``, ``model.shards.shard_files``': the
     index's tensor -> file map, or the single file's tensor names). Nothing is read for it. The
     ranks of a dp/tp/ep job compare it (``check_same_options``): ranks given other checkpoints
     of the same shapes would build and mix their weights. Not the weights' bytes (minutes to hash
@@ -85,7 +87,11 @@ def checkpoint_fingerprint(
     index, files = shards
     listing = sorted((file, sorted(names)) for file, names in files.items())
     h = hashlib.sha256(repr(meta.config).encode())
-    # (an unreadable generation config: its error names the path, which may differ by host)
-    h.update(b"invalid" if isinstance(gen, Exception) else json.dumps(gen, sort_keys=True).encode())
+    if generation_config != "auto":  # NOTE: "none": unread (UNREAD_HINT advises it for a bad one)
+        h.update(b"unread")
+    elif isinstance(gen, Exception):  # (unreadable: its error names the path, which may differ)
+        h.update(b"invalid")
+    else:
+        h.update(json.dumps(gen, sort_keys=True).encode())
     h.update(json.dumps([index, listing]).encode())
     return CheckpointFingerprint(h.hexdigest()[:12], str(meta.path))

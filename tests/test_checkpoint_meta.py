@@ -15,9 +15,9 @@ from model.checkpoint_meta import checkpoint_fingerprint, read_checkpoint_meta
 from model.shards import INDEX_FILE, shard_files
 
 
-def fingerprint(path):
+def fingerprint(path, generation_config="auto"):
     meta = read_checkpoint_meta(path)
-    return checkpoint_fingerprint(meta, shard_files(meta.path))
+    return checkpoint_fingerprint(meta, shard_files(meta.path), generation_config)
 
 
 @pytest.fixture
@@ -70,3 +70,50 @@ def test_the_weights_bytes_are_not_compared(copy):
     tensors["model.norm.weight"] += 1
     save_file(tensors, str(copy / shard), metadata={"format": "pt"})
     assert fingerprint(copy) == fingerprint(resolve_model("tiny"))
+
+
+@pytest.mark.parametrize("edit", ["changed", "absent", "not JSON"])
+def test_a_generation_config_left_unread_is_left_out(copy, edit):
+    """Under generation_config "none" the file is not read (the hint of its errors advises it
+    for a file that is not JSON): ranks whose copies of it differ run alike, so the fingerprint
+    leaves it out; under "auto" it is in."""
+    gen = copy / "generation_config.json"
+    if edit == "changed":
+        _edit_json(gen, lambda g: g.update(temperature=0.123))
+    elif edit == "absent":
+        gen.unlink()
+    else:
+        gen.write_text("{")
+    tiny = resolve_model("tiny")
+    assert fingerprint(copy, "none") == fingerprint(tiny, "none")
+    assert fingerprint(copy) != fingerprint(tiny)
+
+
+def test_a_rank_build_compares_the_fingerprint_of_its_generation_config_option(copy, monkeypatch):
+    """``build_distributed_engine`` hashes the generation config as its ``generation_config``
+    option reads it: with "none", a rank whose generation_config.json is not JSON sends rank 0's
+    fingerprint (it was refused: "checkpoint: rank 0 has ..., rank 1 has ...")."""
+    import torch.distributed as dist
+
+    from runtime.distributed.dist_engine import build_distributed_engine
+    from runtime.distributed.process import DistContext
+    from runtime.engine_config import EngineConfig
+
+    class Sent(Exception):
+        pass
+
+    sent = []
+
+    def gather(out, obj, group=None):  # (what this rank sends to the options check)
+        sent.append(obj["checkpoint"])
+        raise Sent
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    (copy / "generation_config.json").write_text("{")
+    ctx = DistContext(0, 2, 0, "cpu", "gloo", "0", None, 10.0)
+    for path in (resolve_model("tiny"), copy):
+        with pytest.raises(Sent):
+            build_distributed_engine(
+                str(path), EngineConfig(dp=2, device="cpu"), ctx=ctx, generation_config="none"
+            )
+    assert sent[0] == sent[1]

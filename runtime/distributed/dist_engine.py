@@ -319,7 +319,7 @@ def build_distributed_engine(
         dict(dataclasses.asdict(config), device=config.device.split(":")[0],
              fp8_weights=asked, generation_config=generation_config,
              compiled=compiler_factory is not None,
-             checkpoint=checkpoint_fingerprint(meta, choice.shards)),
+             checkpoint=checkpoint_fingerprint(meta, choice.shards, generation_config)),
     )  # fmt: skip
     config = replace(config, device=ctx.device)
     inputs = inputs or read_engine_inputs(meta, config, generation_config)
