@@ -111,7 +111,7 @@ for upr, staged, nap, claimed, early in (
                    LIST_BLOCK=K.LIST_BLOCK, SCAN_BLOCK=K.FUSED_SCAN_BLOCK, PAD=K.PAD_BLOCK,
                    SKIP_CLEAN=True, EARLY=True, CACHE="", STAGED=staged, SLEEP_NS=nap,
                    SELF_ROWS=32 if claimed else 0, LOOK_UNITS=K.LOOKUP_COPY_UNITS,
-                   OUT_EARLY=early),
+                   OUT_EARLY=early, STAMP=K.PROBE_LOOKUP_STAMPS),
                    f"recall[one launch, {upr}, staged={staged}, sleep={nap}, "
                    f"claimed={claimed}, out_early={early}]")  # fmt: skip
     if not early:  # (RECALL_OUT_EARLY off: compiles; the v4 counts below are the default's)
