@@ -180,7 +180,10 @@ def _compare(a: dict, b: dict) -> dict:
     argmax) differs, and ``max_abs_diff_same_inputs``: over the rows of the requests that had
     decoded the same tokens so far (a request whose token differed decodes other tokens after
     it, so its later rows differ by more than rounding; the other requests of its batch, and
-    the later requests, started from the same prompts, do not)."""
+    the later requests, started from the same prompts, do not). Runs that scheduled
+    differently (another request, or another row order, at some step) raise ``ValueError``: their
+    rows would not be the same requests' logits."""
+    _check_same_schedule(a["requests"], b["requests"])
     by: dict[int, float] = {}
     equal, first, same = 0, None, 0.0
     diverged: set[str] = set()  # the requests whose greedy tokens differed
@@ -203,6 +206,22 @@ def _compare(a: dict, b: dict) -> dict:
             "max_abs_logit": round(scale, 3), "first_divergent_step": first,
             "diverged_requests": len(diverged), "max_abs_diff_same_inputs": same,
             "max_abs_diff_by_step": steps}  # fmt: skip
+
+
+def _check_same_schedule(a: list[list[str]], b: list[list[str]]) -> None:
+    """Raise ``ValueError`` naming the first decode step whose requests (in row order) differ
+    between two runs, or their step counts if one ran more steps."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if list(x) != list(y):
+            raise ValueError(
+                f"the two runs scheduled differently: decode step {i} ran requests {list(x)} in "
+                f"one and {list(y)} in the other, so their logits cannot be compared row by row"
+            )
+    if len(a) != len(b):
+        raise ValueError(
+            f"the two runs scheduled differently: {len(a)} decode steps in one and {len(b)} in "
+            "the other, so their logits cannot be compared step by step"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from benchmarks import bench_dynamic_decode as dynamic
@@ -119,3 +120,17 @@ def test_dynamic_decode_compare_names_the_first_step_whose_tokens_differ():
     assert r["max_abs_diff_by_step"] == [0.25, 0.2, 8.0, 0.5]
     same = dynamic._compare(a, a)
     assert (same["first_divergent_step"], same["diverged_requests"]) == (None, 0)
+
+
+def test_dynamic_decode_compare_refuses_runs_that_scheduled_differently():
+    """Rows are compared as the same requests' logits, so the two runs must have scheduled alike:
+    another request order at a step, or another step count, is named, not compared."""
+    t = torch.tensor
+    a = {"logits": [t([[1.0, 2.0]]), t([[0.0, 1.0], [1.0, 2.0]])],
+         "requests": [["r1"], ["r1", "r2"]]}  # fmt: skip
+    swapped = {"logits": a["logits"], "requests": [["r1"], ["r2", "r1"]]}
+    with pytest.raises(ValueError, match=r"decode step 1 ran requests \['r1', 'r2'\]"):
+        dynamic._compare(a, swapped)
+    longer = {"logits": a["logits"] + [t([[1.0, 2.0]])], "requests": a["requests"] + [["r2"]]}
+    with pytest.raises(ValueError, match="2 decode steps in one and 3 in the other"):
+        dynamic._compare(a, longer)
