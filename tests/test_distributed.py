@@ -372,6 +372,7 @@ def test_cli_generate_ranks_given_other_checkpoints_are_refused(tmp_path, capfd)
     assert ours != theirs
     err = capfd.readouterr().err
     assert err.count(f"checkpoint: rank 0 has {ours!r}, rank 1 has {theirs!r}") == 2, err
+    assert err.count("and the same checkpoint (compared by its fingerprint: config,") == 2, err
 
 
 def test_cli_generate_ranks_given_the_checkpoint_at_other_paths_run(tmp_path):

@@ -297,10 +297,13 @@ def test_the_model_steps_guard_blames_peers_only_for_collective_failures():
 def test_ranks_built_with_other_engine_options_are_refused_naming_them(monkeypatch):
     """A rank given another tp (or kv_format, max_batch, ...) than rank 0 is refused on every
     rank before a weight loads, naming the option: with tp it met other collectives (gloo
-    aborted it: "collective mismatch"), with kv_format it silently computed other numbers."""
+    aborted it: "collective mismatch"), with kv_format it silently computed other numbers. The
+    refusal's wording covers the checkpoint too: the same path may hold other files on another
+    host, so "the same command on each" alone would not explain it."""
     import torch.distributed as dist
 
     from model.checkpoint import resolve_model
+    from model.checkpoint_meta import CheckpointFingerprint
     from runtime.distributed.dist_engine import build_distributed_engine
     from runtime.distributed.process import DistContext
 
@@ -314,5 +317,16 @@ def test_ranks_built_with_other_engine_options_are_refused_naming_them(monkeypat
     monkeypatch.setattr(dist, "all_gather_object", gather)
     with pytest.raises(ValueError, match="kv_format: rank 0 has 'bf16', rank 1 has 'fp8'; tp: "):
         build_distributed_engine(resolve_model("tiny"), config, ctx=ctx)
+    # another checkpoint at rank 0's path (another host's files): the wording names that case too
+    other = {"checkpoint": CheckpointFingerprint("9c41", str(resolve_model("tiny")))}
+    with pytest.raises(ValueError) as err:
+        build_distributed_engine(resolve_model("tiny"), config, ctx=ctx)
+    assert str(err.value).startswith(
+        "every rank of a dp/tp/ep job must be given the same engine options (torchrun runs the "
+        "same command on each) and the same checkpoint (compared by its fingerprint: config, "
+        "generation config, shard listing; one path may hold other files on other hosts): "
+        "checkpoint: rank 0 has "
+    ), err.value
+    assert str(err.value).endswith(f"rank 1 has 9c41 ({resolve_model('tiny')})"), err.value
     other = {}  # the same options everywhere: built
     assert build_distributed_engine(resolve_model("tiny"), config, ctx=ctx).dp == 2
