@@ -49,9 +49,10 @@ def part_text(p: Any, at: str, param: str, kinds: tuple[str, ...], noun: str) ->
     surrogates (``checked``, under the caller's path); a 400 that says what is wrong: the part
     (``at must be a text block, got type 'image'``, ``at must be an input_text part, got
     string``) or, of a part that is one, its text (``string_field``'s ``at.text must be a
-    string, got null``)."""
+    string, got null``; of a part with no type, ``got no type``)."""
     if not isinstance(p, dict) or p.get("type") not in kinds:
-        got = f"type {p.get('type')!r}" if isinstance(p, dict) else json_type(p)
+        got = json_type(p) if not isinstance(p, dict) else type_value(p)
+        got = f"type {got}" if isinstance(p, dict) and "type" in p else got
         kind = " or ".join(kinds)
         raise APIError(400, f"{at} must be {_article(kind)} {kind} {noun}, got {got}", param=param)
     return string_field(p, "text", at, param)
@@ -66,6 +67,16 @@ def string_field(d: dict[str, Any], key: str, at: str, param: str) -> str:
         got = json_type(value) if key in d else f"no {key}"
         raise APIError(400, f"{at}.{key} must be a string, got {got}", param=param)
     return value
+
+
+def type_value(d: dict[str, Any]) -> str:
+    """The ``type`` of the object ``d`` as an error says what it got: a string quoted
+    (``'image'``), another value by its JSON type (``null``, ``integer``: ``json_type``), ``no
+    type`` where it is absent."""
+    if "type" not in d:
+        return "no type"
+    kind = d["type"]
+    return repr(kind) if isinstance(kind, str) else json_type(kind)
 
 
 def json_type(value: Any) -> str:

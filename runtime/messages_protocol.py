@@ -24,7 +24,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from runtime import chat_translation
-from runtime.chat_translation import Origin, validated_chat
+from runtime.chat_translation import Origin, json_type, validated_chat
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 MESSAGES_PATH = "/v1/messages"
@@ -253,7 +253,8 @@ def _text(content: Any, at: str, param: str) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{at} must be a string or a list of text blocks", param=param)
+        msg = f"{at} must be a string or a list of text blocks, got {json_type(content)}"
+        raise APIError(400, msg, param=param)
     return [_text_part(b, f"{at}[{j}]", param) for j, b in enumerate(content)]
 
 
@@ -271,8 +272,13 @@ def _blocks(content: Any, at: str) -> list[dict[str, Any]]:
     """A message's content as a list of blocks (a string is one text block)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise APIError(400, f"{at} must be a string or a list of blocks", param="messages")
+    if not isinstance(content, list):
+        msg = f"{at} must be a string or a list of blocks, got {json_type(content)}"
+        raise APIError(400, msg, param="messages")
+    for j, b in enumerate(content):
+        if not isinstance(b, dict):
+            msg = f"{at}[{j}] must be a block (an object), got {json_type(b)}"
+            raise APIError(400, msg, param="messages")
     if not content:  # (a turn of no blocks was no message at all: the turns around it joined)
         raise APIError(400, f"{at}: at least one block is required", param="messages")
     return content
@@ -316,7 +322,7 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
                     where.append(at if j == 0 else bat)
                 texts.append(_text_part(b, bat, "messages", text_at))
             else:
-                raise APIError(400, _refused(bat, kind, "text or tool_result"), param="messages")
+                raise APIError(400, _refused(bat, b, "text or tool_result"), param="messages")
     return msgs, where
 
 
@@ -345,7 +351,7 @@ def _assistant(
             calls.append({"id": call_id, "type": "function", "function": fn})
         else:
             allowed = "text, thinking, redacted_thinking or tool_use"
-            raise APIError(400, _refused(bat, kind, allowed), param="messages")
+            raise APIError(400, _refused(bat, b, allowed), param="messages")
     msg: dict[str, Any] = {"role": "assistant", "content": texts or None}
     if reasoning:
         msg["reasoning"] = chat_translation.joined(reasoning, "messages")
@@ -355,7 +361,10 @@ def _assistant(
     return msg
 
 
-def _refused(at: str, kind: Any, allowed: str) -> str:
+def _refused(at: str, block: dict[str, Any], allowed: str) -> str:
+    """Why the block at ``at`` is refused: its type is not ``allowed`` in its turn (what it got
+    in JSON's words: ``'image'``, ``null``, ``no type``), or is one this server never reads."""
+    kind = block.get("type")
     if kind in ("image", "document"):
         return f"{at}: {kind} blocks are not supported by this server (text only)"
-    return f"{at}.type must be {allowed} here, got {kind!r}"
+    return f"{at}.type must be {allowed} here, got {chat_translation.type_value(block)}"

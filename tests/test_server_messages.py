@@ -497,6 +497,8 @@ def test_a_text_block_with_no_string_text_names_the_block(
         ({"system": [{"type": "text", "text": ["Be brief."]}]},
          "system[0].text must be a string, got array"),
         ({"system": [{"type": "image"}]}, "system[0] must be a text block, got type 'image'"),
+        # (a block with no type: "got no type", not "got type None")
+        ({"system": [{"text": "Be brief."}]}, "system[0] must be a text block, got no type"),
         # (a block that is no object: the system prompt's own 400, not pydantic's "system.str")
         ({"system": ["Be brief."]}, "system[0] must be a text block, got string"),
         ({"messages": [{"role": "user", "content": [
@@ -522,6 +524,43 @@ def test_a_system_or_tool_result_text_block_names_what_is_wrong(
     """The system prompt's and a tool result's text blocks, worded as a turn's."""
     url, _ = served
     r = _post(url, **{"messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == want
+
+
+@pytest.mark.parametrize(
+    "turns, want",
+    [
+        # a block with no type, or a type that is no string: said in JSON's words (it was
+        # "got type None", "got None")
+        ([{"role": "user", "content": [{"text": "Hi"}]}],
+         "messages[0].content[0].type must be text or tool_result here, got no type"),
+        ([{"role": "user", "content": [{"type": None, "text": "Hi"}]}],
+         "messages[0].content[0].type must be text or tool_result here, got null"),
+        ([*HI, {"role": "assistant", "content": [{"type": 5}]}],
+         "messages[1].content[0].type must be text, thinking, redacted_thinking or tool_use "
+         "here, got integer"),
+        ([{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"text": "Sunny"}]}]}],
+         "messages[0].content[0].content[0] must be a text block, got no type"),
+        ([{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": None}]}]}],
+         "messages[0].content[0].content[0] must be a text block, got type null"),
+        # a content that is no string or list, or a block that is no object: what it is
+        ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}],
+         "messages[0].content[0].content must be a string or a list of text blocks, got integer"),
+        ([{"role": "user", "content": {"type": "text", "text": "Hi"}}],
+         "messages[0].content must be a string or a list of blocks, got object"),
+        ([{"role": "user", "content": ["Hi"]}],
+         "messages[0].content[0] must be a block (an object), got string"),
+    ],
+)  # fmt: skip
+def test_a_block_or_content_of_the_wrong_type_is_named_in_json_words(
+    served: tuple[str, PromptedEngine], turns: list, want: str
+) -> None:
+    """What was sent instead, by its JSON type or as absent, as a text's errors say it."""
+    url, _ = served
+    r = _post(url, messages=turns)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == want
 
