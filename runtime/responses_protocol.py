@@ -15,13 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 from runtime import chat_translation
-from runtime.chat_translation import Origin, validated_chat
+from runtime.chat_translation import Origin, json_type, validated_chat
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 
 class ResponsesRequest(_Strict):
     model: str
-    input: str | list[dict[str, Any]]  # a user message, or a list of items (chat_request)
+    # a user message, or a list of items (chat_request); list[Any], not list[dict]: an item that
+    # is not an object is _messages' 400 ("input[0] must be an item (an object), got string"),
+    # not pydantic's "input.str"
+    input: str | list[Any]
     instructions: str | None = None  # a system message, placed first
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -193,7 +196,8 @@ def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str | list[dict[str,
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{at} must be a string or a list of parts", param="input")
+        msg = f"{at} must be a string or a list of parts, got {json_type(content)}"
+        raise APIError(400, msg, param="input")
     out = []
     for j, p in enumerate(content):
         text = chat_translation.part_text(p, f"{at}[{j}]", "input", kinds, "part")
@@ -202,7 +206,7 @@ def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str | list[dict[str,
     return out
 
 
-def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Origin]]:
+def _messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[Origin]]:
     """Chat messages of ``input``, and the item each starts at. A reasoning item, an assistant
     message and function calls that follow one another are one assistant turn; a function
     call's output is a tool message."""
@@ -214,7 +218,8 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     for i, item in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(item, dict):
-            raise APIError(400, f"{at} must be an item (an object)", param="input")
+            msg = f"{at} must be an item (an object), got {json_type(item)}"
+            raise APIError(400, msg, param="input")
         kind = item.get("type", "message")
         turn = msgs[-1] if msgs and last in ("reasoning", "assistant", "function_call") else None
         if kind == "message":
@@ -235,11 +240,12 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
                 where.append(Origin(at))
             last = "assistant" if role == "assistant" else "message"
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function", "function": {
-                "name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
-            if not all(isinstance(x, str) for x in (call["id"], *call["function"].values())):
-                msg = f"{at}: a function_call needs string call_id, name and arguments"
-                raise APIError(400, msg, param="input")
+            call_id, name, args = (
+                chat_translation.string_field(item, key, at, "input")
+                for key in ("call_id", "name", "arguments")
+            )
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": args}}  # fmt: skip
             if turn is None:
                 msgs.append({"role": "assistant", "content": None})
                 where.append(Origin(at))
@@ -260,10 +266,14 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             last = "function_call_output"
         elif kind == "reasoning":
             parts = item.get("content") or []
-            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
-                raise APIError(400, f"{at}.content must be a list of parts", param="input")
+            if not isinstance(parts, list):
+                msg = f"{at}.content must be a list of parts, got {json_type(parts)}"
+                raise APIError(400, msg, param="input")
             texts = []  # (each part's text, and where it is: chat's reasoning is them joined)
             for j, p in enumerate(parts):
+                if not isinstance(p, dict):
+                    msg = f"{at}.content[{j}] must be a part (an object), got {json_type(p)}"
+                    raise APIError(400, msg, param="input")
                 if p.get("type") != "reasoning_text":
                     continue
                 text = chat_translation.string_field(p, "text", f"{at}.content[{j}]", "input")

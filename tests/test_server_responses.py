@@ -360,10 +360,40 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
             [HI, CALL, {"type": "function_call_output", "call_id": 1, "output": "pong"}],
             "input[2].call_id must be a string, got integer",
         ),
+        # what was sent instead, in JSON's words (the route's own 400, not pydantic's
+        # "input.str ...", which named the wrong alternative of input)
+        (["hi"], "input[0] must be an item (an object), got string"),
+        ([HI, None], "input[1] must be an item (an object), got null"),
+        (  # (a part with no type: "got no type", not "got type None")
+            [{"role": "user", "content": [{"text": "Hi"}]}],
+            "input[0].content[0] must be an input_text part, got no type",
+        ),
+        (
+            [{"role": "user", "content": {"type": "input_text", "text": "Hi"}}],
+            "input[0].content must be a string or a list of parts, got object",
+        ),
+        (
+            [HI, {"type": "function_call", "call_id": "c1", "arguments": "{}"}],
+            "input[1].name must be a string, got no name",
+        ),
+        (
+            [HI, {"type": "function_call", "call_id": "c1", "name": "ping", "arguments": {}}],
+            "input[1].arguments must be a string, got object",
+        ),
+        (
+            [HI, {"type": "reasoning", "content": "thought"}, HI],
+            "input[1].content must be a list of parts, got string",
+        ),
+        (
+            [HI, {"type": "reasoning", "content": ["thought"]}, HI],
+            "input[1].content[0] must be a part (an object), got string",
+        ),
     ],
     ids=["message", "message-and-call", "first-part", "second-part", "string-content",
          "output-part", "reasoning-part", "reasoning-text", "reasoning-null-text",
-         "reasoning-no-text", "call-id"],
+         "reasoning-no-text", "call-id", "string-item", "null-item", "untyped-part",
+         "object-content", "call-no-name", "call-object-arguments", "reasoning-string",
+         "reasoning-string-part"],
 )  # fmt: skip
 def test_an_error_names_the_input_item_it_is_about(
     served: tuple[str, ScriptedEngine], items: list, want: str
