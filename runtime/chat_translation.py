@@ -51,8 +51,7 @@ def part_text(p: Any, at: str, param: str, kinds: tuple[str, ...], noun: str) ->
     string``) or, of a part that is one, its text (``string_field``'s ``at.text must be a
     string, got null``; of a part with no type, ``got no type``)."""
     if not isinstance(p, dict) or p.get("type") not in kinds:
-        got = json_type(p) if not isinstance(p, dict) else type_value(p)
-        got = f"type {got}" if isinstance(p, dict) and "type" in p else got
+        got = type_named(p) if isinstance(p, dict) else json_type(p)
         kind = " or ".join(kinds)
         raise APIError(400, f"{at} must be {_article(kind)} {kind} {noun}, got {got}", param=param)
     return string_field(p, "text", at, param)
@@ -77,6 +76,13 @@ def type_value(d: dict[str, Any]) -> str:
         return "no type"
     kind = d["type"]
     return repr(kind) if isinstance(kind, str) else json_type(kind)
+
+
+def type_named(d: dict[str, Any]) -> str:
+    """``type_value`` where the error names the object, not its ``type`` field (``at must be a
+    text block, got ...``, ``tools[0]: only function tools are supported, got ...``): ``type
+    'image'``, ``type null``, ``no type``."""
+    return f"type {type_value(d)}" if "type" in d else type_value(d)
 
 
 def json_type(value: Any) -> str:

@@ -134,7 +134,8 @@ def thinking(req: MessagesRequest) -> bool:
     if kind == "adaptive":
         return True
     if kind != "enabled":
-        msg = f"thinking.type must be enabled, adaptive or disabled, got {kind!r}"
+        got = chat_translation.type_value(req.thinking)
+        msg = f"thinking.type must be enabled, adaptive or disabled, got {got}"
         raise APIError(400, msg, param="thinking")
     budget = req.thinking.get("budget_tokens")
     if type(budget) is not int or budget < 1:
@@ -209,19 +210,21 @@ def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
     at, fmt = format_field(req), req.output_format if req.output_format is not None else config
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind != "json_schema":
-        raise APIError(400, f"{at}.type must be json_schema, got {kind!r}", param=at)
+    if not isinstance(fmt, dict):  # (output_config's format: output_format is an object)
+        raise APIError(400, f"{at} must be an object, got {json_type(fmt)}", param=at)
+    if fmt.get("type") != "json_schema":
+        got = chat_translation.type_value(fmt)
+        raise APIError(400, f"{at}.type must be json_schema, got {got}", param=at)
     if not isinstance(fmt.get("schema"), dict):
         raise APIError(400, f"{at}.schema must be a JSON schema object", param=at)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def _tool(i: int, tool: Any) -> dict[str, Any]:
+def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     """A Messages tool as chat's function tool."""
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind not in (None, "custom"):
-        msg = f"tools[{i}]: only custom tools (name, input_schema) are supported, got type {kind!r}"
+    if tool.get("type") not in (None, "custom"):
+        got = chat_translation.type_named(tool)
+        msg = f"tools[{i}]: only custom tools (name, input_schema) are supported, got {got}"
         raise APIError(400, msg, param="tools")
     if not isinstance(tool.get("input_schema"), dict):
         raise APIError(400, f"tools[{i}].input_schema: Field required", param="tools")
@@ -242,8 +245,9 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
             raise APIError(400, "tool_choice.name: a tool choice needs a name", param="tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     named = {"auto": "auto", "any": "required", "none": "none"}
-    if kind not in named:
-        msg = f"tool_choice.type must be auto, any, tool or none, got {kind!r}"
+    if not isinstance(kind, str) or kind not in named:  # (a list or object: unhashable)
+        got = chat_translation.type_value(choice)
+        msg = f"tool_choice.type must be auto, any, tool or none, got {got}"
         raise APIError(400, msg, param="tool_choice")
     return named[kind]
 

@@ -565,6 +565,47 @@ def test_a_block_or_content_of_the_wrong_type_is_named_in_json_words(
     assert r.json()["error"]["message"] == want
 
 
+@pytest.mark.parametrize(
+    "fields, want",
+    [
+        # a field's type that is missing or no string, said in JSON's words (it was "got None",
+        # "got 5"); a string quoted, as before
+        ({"tool_choice": {}}, "tool_choice.type must be auto, any, tool or none, got no type"),
+        ({"tool_choice": {"type": None}},
+         "tool_choice.type must be auto, any, tool or none, got null"),
+        ({"tool_choice": {"type": "sometimes"}},
+         "tool_choice.type must be auto, any, tool or none, got 'sometimes'"),
+        # (an unhashable type: the same 400, not a 500 from the lookup of it)
+        ({"tool_choice": {"type": ["auto"]}},
+         "tool_choice.type must be auto, any, tool or none, got array"),
+        ({"thinking": {"budget_tokens": 1024}},
+         "thinking.type must be enabled, adaptive or disabled, got no type"),
+        ({"thinking": {"type": True}},
+         "thinking.type must be enabled, adaptive or disabled, got boolean"),
+        ({"output_format": {"schema": {}}}, "output_format.type must be json_schema, got no type"),
+        ({"output_format": {"type": None, "schema": {}}},
+         "output_format.type must be json_schema, got null"),
+        ({"output_config": {"format": {"type": 1, "schema": {}}}},
+         "output_config.format.type must be json_schema, got integer"),
+        ({"output_config": {"format": "json"}},
+         "output_config.format must be an object, got string"),
+        ({"tools": [{**WEATHER, "type": 5}]},
+         "tools[0]: only custom tools (name, input_schema) are supported, got type integer"),
+        ({"tools": [{**WEATHER, "type": "bash_20250124"}]},
+         "tools[0]: only custom tools (name, input_schema) are supported, got type "
+         "'bash_20250124'"),
+    ],
+)  # fmt: skip
+def test_a_type_of_the_wrong_kind_is_named_in_json_words(
+    served: tuple[str, PromptedEngine], fields: dict, want: str
+) -> None:
+    """``tool_choice``, ``thinking``, ``output_format`` and a tool's ``type``, as a block's."""
+    url, _ = served
+    r = _post(url, messages=HI, **fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == want
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], stream: bool) -> None:
     url, engine = served
