@@ -32,7 +32,10 @@ MESSAGES_PATH = "/v1/messages"
 
 class MessagesRequest(_Strict):
     model: str
-    messages: list[dict[str, Any]]  # {"role": user | assistant, "content": str | blocks}
+    # {"role": user | assistant, "content": str | blocks}; list[Any], not list[dict]: a turn that
+    # is not an object is _messages' 400 ("messages[0] must be a message (an object), got
+    # string"), not pydantic's "messages.0"
+    messages: list[Any]
     max_tokens: int  # required, as Anthropic's API requires it
     # a string or text blocks; list[Any], not list[dict]: a block that is not an object is
     # _text's 400 ("system[0] must be a text block, got string"), not pydantic's "system.str"
@@ -288,7 +291,7 @@ def _blocks(content: Any, at: str) -> list[dict[str, Any]]:
     return content
 
 
-def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _messages(turns: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """Chat messages of ``messages``, and the field each came from. A user turn's
     ``tool_result`` blocks are tool messages and its text blocks a user message, in their order;
     an assistant turn's thinking is its reasoning, its ``tool_use`` blocks its tool calls."""
@@ -297,7 +300,11 @@ def _messages(turns: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[s
     msgs: list[dict[str, Any]] = []
     where: list[str] = []
     for i, turn in enumerate(turns):
-        at, role = f"messages[{i}]", turn.get("role")
+        at = f"messages[{i}]"
+        if not isinstance(turn, dict):
+            msg = f"{at} must be a message (an object), got {json_type(turn)}"
+            raise APIError(400, msg, param="messages")
+        role = turn.get("role")
         if role not in ("user", "assistant"):
             msg = f"{at}.role must be user or assistant, got {role!r}"
             raise APIError(400, msg, param="messages")

@@ -553,6 +553,10 @@ def test_a_system_or_tool_result_text_block_names_what_is_wrong(
          "messages[0].content must be a string or a list of blocks, got object"),
         ([{"role": "user", "content": ["Hi"]}],
          "messages[0].content[0] must be a block (an object), got string"),
+        # a turn that is no object: the route's own 400, not pydantic's "messages.0: Input
+        # should be a valid dictionary"
+        (["hi"], "messages[0] must be a message (an object), got string"),
+        ([*HI, None], "messages[1] must be a message (an object), got null"),
     ],
 )  # fmt: skip
 def test_a_block_or_content_of_the_wrong_type_is_named_in_json_words(
