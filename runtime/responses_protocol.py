@@ -157,7 +157,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise APIError(400, f"text.format must be an object, got {fmt!r}", param="text")
+        raise APIError(400, f"text.format must be an object, got {json_type(fmt)}", param="text")
     if fmt.get("type") != "json_schema":
         return fmt
     if "schema" not in fmt:
@@ -166,11 +166,11 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _tool(i: int, tool: Any) -> dict[str, Any]:
+def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     """A flat function tool as chat's nested one."""
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function":
-        msg = f"tools[{i}]: only function tools are supported, got type {kind!r}"
+    if tool.get("type") != "function":
+        got = chat_translation.type_named(tool)
+        msg = f"tools[{i}]: only function tools are supported, got {got}"
         raise APIError(400, msg, param="tools")
     if "function" in tool and "name" not in tool:
         msg = f'tools[{i}]: a Responses function tool is flat: {{"type": "function", "name", ...}}'
@@ -288,7 +288,7 @@ def _messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[Origin
         else:
             msg = (
                 f"{at}.type must be message, function_call, function_call_output or reasoning, "
-                f"got {kind!r}"
+                f"got {chat_translation.type_value(item)}"
             )
             raise APIError(400, msg, param="input")
     if not msgs:

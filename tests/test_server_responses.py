@@ -285,6 +285,25 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
             r"^tool_choice required or a named function cannot be combined with text\.format$",
         ),
         ({"instructions": 5}, "instructions", "instructions"),
+        # a tool's type and a format that is no object, in JSON's words (they were "got type
+        # None", "got 'json'", "got []")
+        (
+            {"tools": [{"name": "ping", "parameters": {}}]},
+            "tools",
+            r"^tools\[0\]: only function tools are supported, got no type$",
+        ),
+        (
+            {"tools": [{**PING, "type": None}]},
+            "tools",
+            r"^tools\[0\]: only function tools are supported, got type null$",
+        ),
+        (
+            {"tools": [{"type": "web_search"}]},
+            "tools",
+            r"^tools\[0\]: only function tools are supported, got type 'web_search'$",
+        ),
+        ({"text": {"format": "json"}}, "text", r"^text\.format must be an object, got string$"),
+        ({"text": {"format": []}}, "text", r"^text\.format must be an object, got array$"),
     ],  # fmt: skip
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -388,12 +407,19 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
             [HI, {"type": "reasoning", "content": ["thought"]}, HI],
             "input[1].content[0] must be a part (an object), got string",
         ),
+        # an item's type that is no string (it was "got None")
+        ([{"type": None, "role": "user", "content": "Hi"}],
+         "input[0].type must be message, function_call, function_call_output or reasoning, "
+         "got null"),
+        ([HI, {"type": 3}],
+         "input[1].type must be message, function_call, function_call_output or reasoning, "
+         "got integer"),
     ],
     ids=["message", "message-and-call", "first-part", "second-part", "string-content",
          "output-part", "reasoning-part", "reasoning-text", "reasoning-null-text",
          "reasoning-no-text", "call-id", "string-item", "null-item", "untyped-part",
          "object-content", "call-no-name", "call-object-arguments", "reasoning-string",
-         "reasoning-string-part"],
+         "reasoning-string-part", "null-type", "integer-type"],
 )  # fmt: skip
 def test_an_error_names_the_input_item_it_is_about(
     served: tuple[str, ScriptedEngine], items: list, want: str
