@@ -265,7 +265,9 @@ def _messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[Origin
             where.append(Origin(at, {".tool_call_id": f"{at}.call_id", ".content": f"{at}.output"}))
             last = "function_call_output"
         elif kind == "reasoning":
-            parts = item.get("content") or []
+            # (absent or null: no parts; another falsy value, "" or false, is no list of them)
+            parts = item.get("content")
+            parts = [] if parts is None else parts
             if not isinstance(parts, list):
                 msg = f"{at}.content must be a list of parts, got {json_type(parts)}"
                 raise APIError(400, msg, param="input")

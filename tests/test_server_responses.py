@@ -407,6 +407,14 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
             [HI, {"type": "reasoning", "content": ["thought"]}, HI],
             "input[1].content[0] must be a part (an object), got string",
         ),
+        # a falsy content that is not absent or null is no list of parts either (it was read
+        # as none)
+        ([HI, {"type": "reasoning", "content": ""}, HI],
+         "input[1].content must be a list of parts, got string"),
+        ([HI, {"type": "reasoning", "content": 0}, HI],
+         "input[1].content must be a list of parts, got integer"),
+        ([HI, {"type": "reasoning", "content": False}, HI],
+         "input[1].content must be a list of parts, got boolean"),
         # an item's type that is no string (it was "got None")
         ([{"type": None, "role": "user", "content": "Hi"}],
          "input[0].type must be message, function_call, function_call_output or reasoning, "
@@ -419,7 +427,8 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
          "output-part", "reasoning-part", "reasoning-text", "reasoning-null-text",
          "reasoning-no-text", "call-id", "string-item", "null-item", "untyped-part",
          "object-content", "call-no-name", "call-object-arguments", "reasoning-string",
-         "reasoning-string-part", "null-type", "integer-type"],
+         "reasoning-string-part", "reasoning-empty-string", "reasoning-zero",
+         "reasoning-false", "null-type", "integer-type"],
 )  # fmt: skip
 def test_an_error_names_the_input_item_it_is_about(
     served: tuple[str, ScriptedEngine], items: list, want: str
