@@ -56,8 +56,8 @@ import triton  # noqa: E402
 
 from benchmarks.cuda_timer import graph_time  # noqa: E402
 from custom_ops import indexer_kernels as ik  # noqa: E402
-from custom_ops import prefetch as pf  # noqa: E402
 from custom_ops import prefetch_kernels as pk  # noqa: E402
+from custom_ops import prefetch_layout as pl  # noqa: E402
 from custom_ops import prefetch_scores as ps  # noqa: E402
 from custom_ops.cache.config import CacheConfig  # noqa: E402
 from custom_ops.cache.gpu_pool import GpuPool  # noqa: E402
@@ -101,10 +101,10 @@ class Setup:
         kths = [ik.indexer_topk_cuda(q, *self.args[1:], topk)[1] for q in reversed(past[1:])]
         self.keys = self.inp["block_table"][:, 0].long()  # each request's first host page
         ema = torch.zeros_like(self.staging.ema)
-        ema[pf.EMA_LEVEL, self.keys] = kths[0]
+        ema[pl.EMA_LEVEL, self.keys] = kths[0]
         for kth in kths[1:]:  # the op's own update, oldest first
-            pf.update_ema(ema, kth, self.inp["seq_lens"], self.inp["block_table"], 0.0)
-        self.level0, self.dev0 = ema[pf.EMA_LEVEL, self.keys], ema[pf.EMA_DEV, self.keys]
+            pl.update_ema(ema, kth, self.inp["seq_lens"], self.inp["block_table"], 0.0)
+        self.level0, self.dev0 = ema[pl.EMA_LEVEL, self.keys], ema[pl.EMA_DEV, self.keys]
         self.gen = torch.Generator().manual_seed(seed)
 
     def set_hit_rate(self, h: float, steady: bool = False) -> None:
@@ -137,9 +137,9 @@ class Setup:
             getattr(self.pool, n).copy_(t)
         self.staging.reset()
         ema = self.staging.ema
-        ema[pf.EMA_LEVEL, self.keys], ema[pf.EMA_DEV, self.keys] = self.level0, self.dev0
-        ema[pf.EMA_THR, self.keys] = (
-            pf.threshold(self.level0, self.dev0, margin) if thr is None else thr
+        ema[pl.EMA_LEVEL, self.keys], ema[pl.EMA_DEV, self.keys] = self.level0, self.dev0
+        ema[pl.EMA_THR, self.keys] = (
+            pl.threshold(self.level0, self.dev0, margin) if thr is None else thr
         )
 
 
@@ -162,7 +162,7 @@ def check_fused(s: Setup, cap: int, ratio: float, margin: float, rows: int, vari
     the candidates computed from the unfused scores."""
     s.restore(margin)
     st = s.staging
-    thr = st.ema[pf.EMA_THR, s.keys].clone()
+    thr = st.ema[pl.EMA_THR, s.keys].clone()
     host, kth = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio, margin),
                                               rows_per_block=rows, variant=variant)  # fmt: skip
     ok = torch.equal(host, s.sel) and torch.equal(kth, s.kth)
@@ -176,7 +176,7 @@ def check_fused(s: Setup, cap: int, ratio: float, margin: float, rows: int, vari
     is_cand[slots[cand]] = True
     ok &= bool(is_cand[sh[live]].all())
     ok &= torch.equal(st.stage_kv[live], s.host[sh[live]])
-    ok &= int(st.totals[pf.PF_CANDIDATES]) == int(cand.sum())
+    ok &= int(st.totals[pl.PF_CANDIDATES]) == int(cand.sum())
     return {"pass": bool(ok), "staged": int(live.sum()), "candidates": int(cand.sum())}
 
 
@@ -199,7 +199,7 @@ def check_recall(s: Setup, cap: int, ratio: float, margin: float, rows: int, var
     in_sel = torch.zeros(s.cfg.host_tokens, dtype=torch.bool, device=s.dev)
     in_sel[sel[missed0[host >= 0]]] = True
     useful = int(in_sel[torch.unique(staged)].sum())  # a host slot staged twice is promoted once
-    ok &= int(st.totals[pf.PF_PROMOTED]) == useful
+    ok &= int(st.totals[pl.PF_PROMOTED]) == useful
     n_miss = int(missed0[host >= 0].sum())
     return {
         "pass": bool(ok),
@@ -254,8 +254,8 @@ def check_all_staged(s: Setup, st: Staging) -> dict:
     want[live & ~hit] ^= MARK
     ok = torch.equal(s.pool.gpu_kv[out[live].long()], want[live])
     ok &= not bool((st.stage_host >= 0).any()) and not bool((st.host_stage >= 0).any())
-    ok &= int(st.totals[pf.PF_PROMOTED]) == n
-    return {"pass": bool(ok), "misses": n, "promoted": int(st.totals[pf.PF_PROMOTED]),
+    ok &= int(st.totals[pl.PF_PROMOTED]) == n
+    return {"pass": bool(ok), "misses": n, "promoted": int(st.totals[pl.PF_PROMOTED]),
             "evicted": int(s.pool.totals[EVICTED])}  # fmt: skip
 
 
@@ -315,7 +315,7 @@ def fused_scores(s: Setup, st: Staging, rows: int, variant: str) -> None:
     p = s.pool
     ps.scores_variant(variant)(
         *s.args, pk._words(s.host, "host_kv"), p.host_to_gpu, pk._words(st.stage_kv, "stage_kv"),
-        st.stage_host, st.host_stage, st.stage_ctr, st.ema[pf.EMA_THR], st.totals,
+        st.stage_host, st.host_stage, st.stage_ctr, st.ema[pl.EMA_THR], st.totals,
         s.cfg.prefetch_cap, 0.0,
         ik.IndexerConfig(), rows,
     )  # fmt: skip
@@ -491,7 +491,7 @@ def main() -> None:
             "variant": v0, "rows": pf_rows[0], "case": "nothing staged (threshold +inf)"})
     kth, lens, bt = s.kth.clone(), s.inp["seq_lens"], s.inp["block_table"]
     attempt(parts, "ema_update_torch_us",
-            lambda: timed(lambda: pf.update_ema(st.ema, kth, lens, bt, 2.0), None, R))  # fmt: skip
+            lambda: timed(lambda: pl.update_ema(st.ema, kth, lens, bt, 2.0), None, R))  # fmt: skip
     attempt(parts, "ema_update_triton_us",
             lambda: timed(lambda: pk.ema_update_cuda(st.ema, kth, lens, bt, 2.0), None,
                           R))  # fmt: skip

@@ -1,4 +1,5 @@
-"""CUDA implementations of the prefetch ops (semantics and references in custom_ops/prefetch.py).
+"""CUDA implementations of the prefetch ops (semantics and references in
+custom_ops/prefetch_ref.py).
 
 - ``indexer_topk_prefetch_cuda``: a fused scores + staging kernel (the variants of
   prefetch_scores.py), the unchanged exact top-k, the in-graph EMA update (``_ema_kernel``: one

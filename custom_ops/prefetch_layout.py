@@ -1,6 +1,6 @@
-"""What the prefetch ops' references (prefetch.py) and their kernels (prefetch_kernels.py) share:
-the statistics layout and the in-graph threshold update (a module of its own, so the kernels do
-not import the op registrations that import them)."""
+"""What the prefetch ops' references (prefetch_ref.py) and their kernels (prefetch_kernels.py)
+share: the statistics layout and the in-graph threshold update (a module of its own, so the
+kernels do not import the op registrations that import them)."""
 
 from __future__ import annotations
 

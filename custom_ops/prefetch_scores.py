@@ -1,4 +1,4 @@
-"""Variants of the fused indexer-scores + prefetch kernel (semantics: custom_ops/prefetch.py).
+"""Variants of the fused indexer-scores + prefetch kernel (semantics: custom_ops/prefetch_ref.py).
 
 The fused kernel must cost what the unfused ``_scores_kernel`` costs when nothing qualifies (on
 the H200 the first version, ``"tile"``, made the whole indexer 36% slower with nothing staged:
@@ -277,7 +277,7 @@ def _scores_prefetch_kernel(
 
 def index_scores_prefetch(*args, **kwargs) -> torch.Tensor:
     """Index scores [B, P*64] fp32 as ``index_scores``, staging candidates on the way
-    (``_scores_prefetch_kernel``; semantics in custom_ops/prefetch.py; arguments as
+    (``_scores_prefetch_kernel``; semantics in custom_ops/prefetch_ref.py; arguments as
     ``launch_scores_prefetch`` after its kernel)."""
     return launch_scores_prefetch(_scores_prefetch_kernel, *args, **kwargs)
 

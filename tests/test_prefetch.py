@@ -1,7 +1,8 @@
-"""Lossless prefetch (custom_ops/prefetch.py): the reference ops, the fused Triton indexer and
-the staged recall (TRITON_INTERPRET=1 on CPU, as they are on a GPU), and the lossless property at
-the cache level: prefetch on (both caps, thresholds normal / forced too low / too high) vs off vs
-GPU-only give the same selection and the same attended rows (torch.equal), bf16 and fp8."""
+"""Lossless prefetch (custom_ops/prefetch.py, prefetch_ref.py): the reference ops, the fused
+Triton indexer and the staged recall (TRITON_INTERPRET=1 on CPU, as they are on a GPU), and the
+lossless property at the cache level: prefetch on (both caps, thresholds normal / forced too low /
+too high) vs off vs GPU-only give the same selection and the same attended rows (torch.equal),
+bf16 and fp8."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from custom_ops import indexer_kernels as ik
 from custom_ops import prefetch as pf
 from custom_ops import prefetch_kernels as pk
+from custom_ops import prefetch_layout as pl
+from custom_ops import prefetch_ref as pr
 from custom_ops import prefetch_scores as ps
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.invariants import check_pool
@@ -30,8 +33,8 @@ def _staging(B, n_h, row, cap, device):
         stage_host=torch.full((B * cap,), -1, **i32),
         host_stage=torch.full((n_h,), -1, **i32),
         stage_ctr=torch.zeros(B + 1, **i32),
-        ema=torch.zeros(pf.EMA_ROWS, n_h // 64 + 1, dtype=torch.float32, device=device),
-        pf_stats=torch.zeros(pf.PF_LEN, dtype=torch.int64, device=device),
+        ema=torch.zeros(pl.EMA_ROWS, n_h // 64 + 1, dtype=torch.float32, device=device),
+        pf_stats=torch.zeros(pl.PF_LEN, dtype=torch.int64, device=device),
     )
 
 
@@ -76,23 +79,23 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     """impl: the reference, or a variant of the fused kernel (custom_ops/prefetch_scores.py)."""
     B, cap, topk = 3, 16, 32
     inp, host_kv, h2g, st = _prefetch_case(11, device)
-    score, slots = pf.index_scores_ref(
+    score, slots = pr.index_scores_ref(
         *[inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     )
     fill = {"normal": None, "low": float("-inf"), "high": float("inf")}[thr]
     # thresholds live at each request's first host page (the last entry: padded rows)
-    keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[1])
+    keys = pl.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[1])
     ema = st["ema"]
     if fill is None:  # a threshold inside the scores: the 40th best score of each request
         t = torch.sort(score, dim=1, descending=True).values[:, 39].clamp(min=-1e30)
-        ema[pf.EMA_THR, keys] = ema[pf.EMA_LEVEL, keys] = t
+        ema[pl.EMA_THR, keys] = ema[pl.EMA_LEVEL, keys] = t
     else:
-        ema[pf.EMA_THR].fill_(fill)
-        ema[pf.EMA_LEVEL].fill_(-fill)  # the kernel stages by the threshold row alone
+        ema[pl.EMA_THR].fill_(fill)
+        ema[pl.EMA_LEVEL].fill_(-fill)  # the kernel stages by the threshold row alone
     ema_all = ema.clone()
-    ema0, level0 = ema_all[pf.EMA_THR, keys], ema_all[pf.EMA_LEVEL, keys]
+    ema0, level0 = ema_all[pl.EMA_THR, keys], ema_all[pl.EMA_LEVEL, keys]
     if impl == "ref":
-        host, kth = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, topk, cap, ratio)
+        host, kth = _run(pr.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, topk, cap, ratio)
         want = _candidates(score, slots, h2g, ema0)
     else:  # the fused kernel, many rows per block so only the caps bind
         host, kth = _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, topk, cap, ratio,
@@ -111,12 +114,12 @@ def test_prefetch_indexer(impl, thr, ratio, device):
         host_r, kth_r = indexer_topk_ref(**inp, topk=topk)
         assert torch.equal(host, host_r) and torch.equal(kth, kth_r)
     n_cand = sum(len(w) for w in want)
-    assert int(st["pf_stats"][pf.PF_CANDIDATES]) == n_cand
+    assert int(st["pf_stats"][pl.PF_CANDIDATES]) == n_cand
     got = _staged(st, B, cap, ratio)
     if thr == "high":
         assert n_cand == 0 and not (st["stage_host"] >= 0).any()
     if ratio > 0:
-        limit = int(pf.stage_limit(inp["seq_lens"], B * cap, ratio))
+        limit = int(pr.stage_limit(inp["seq_lens"], B * cap, ratio))
         assert got <= set().union(*want) and len(got) == min(limit, n_cand)
     else:
         for b in range(B):
@@ -133,8 +136,8 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     # requests only
     live = inp["seq_lens"] > 0
     exp = torch.where(live, 0.5 * level0 + 0.5 * kth, level0)
-    assert torch.equal(ema[pf.EMA_LEVEL, keys], exp)
-    assert torch.equal(ema[pf.EMA_THR, keys], torch.where(live, exp, ema0))
+    assert torch.equal(ema[pl.EMA_LEVEL, keys], exp)
+    assert torch.equal(ema[pl.EMA_THR, keys], torch.where(live, exp, ema0))
     other = torch.ones_like(ema_all[0], dtype=torch.bool)
     other[keys] = False
     assert torch.equal(ema[:, other], ema_all[:, other])  # no other request's state moved
@@ -146,11 +149,11 @@ def test_post_variant_bounds_and_chunks(device):
     candidates within the caps, every staged row a copy of its host row."""
     B, cap, topk, rows = 3, 16, 32, 2
     inp, host_kv, h2g, st = _prefetch_case(21, device)
-    st["ema"][pf.EMA_THR].fill_(float("-inf"))  # every off-GPU live token is a candidate
+    st["ema"][pl.EMA_THR].fill_(float("-inf"))  # every off-GPU live token is a candidate
     _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, topk, cap, 0.0, cfg=SMALL,
          rows_per_block=rows, variant="post")  # fmt: skip
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
-    score, slots = pf.index_scores_ref(*args)
+    score, slots = pr.index_scores_ref(*args)
     want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
     got = _staged(st, B, cap, 0.0)
     per_prog = rows * SMALL.score_tokens // SMALL.score_block
@@ -167,7 +170,7 @@ def test_post_variant_bounds_and_chunks(device):
     live = (sh >= 0).nonzero().flatten()
     assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
     assert torch.equal(st["host_stage"][sh[live]].long(), live)
-    assert int(st["pf_stats"][pf.PF_CANDIDATES]) == sum(len(w) for w in want)
+    assert int(st["pf_stats"][pl.PF_CANDIDATES]) == sum(len(w) for w in want)
 
 
 def test_post_variant_at_32_score_blocks_a_program(device):
@@ -176,12 +179,12 @@ def test_post_variant_at_32_score_blocks_a_program(device):
     row, exactly the off-GPU live tokens are staged, each a copy of its host row."""
     B, cap = 3, 1024
     inp, host_kv, h2g, st = _prefetch_case(23, device, P=20, lens=(1100, 17, 700), cap=cap)
-    st["ema"][pf.EMA_THR].fill_(float("-inf"))
+    st["ema"][pl.EMA_THR].fill_(float("-inf"))
     wide = ik.IndexerConfig(score_block=16, score_tokens=512, sel_block=64, sel_chunk=64)
     _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, 32, cap, 0.0, cfg=wide,
          rows_per_block=64, variant="post")  # fmt: skip
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
-    score, slots = pf.index_scores_ref(*args)
+    score, slots = pr.index_scores_ref(*args)
     want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
     assert len(want[0]) > 512  # request 0's candidates span two programs
     assert _staged(st, B, cap, 0.0) == want
@@ -207,9 +210,9 @@ def test_ema_kernel_matches_update_ema(device, margin):
     threshold is level + margin x dev (the level alone at margin 0)."""
     g = torch.Generator().manual_seed(3)
     for B in (1, 5, 16):
-        ema = torch.randn(pf.EMA_ROWS, 40, generator=g) * 10
-        ema[pf.EMA_DEV] = ema[pf.EMA_DEV].abs()
-        ema[pf.EMA_LEVEL, ::7] = float("-inf")
+        ema = torch.randn(pl.EMA_ROWS, 40, generator=g) * 10
+        ema[pl.EMA_DEV] = ema[pl.EMA_DEV].abs()
+        ema[pl.EMA_LEVEL, ::7] = float("-inf")
         ema[:, 2::5] = 0.0  # fresh requests (a new or released one's state)
         kth = torch.randn(B, generator=g) * 10
         kth[::3] = float("-inf")
@@ -221,22 +224,22 @@ def test_ema_kernel_matches_update_ema(device, margin):
             lens[1] = 50
         ema, kth, lens, bt = (x.to(device) for x in (ema, kth, lens, bt))
         want, old = ema.clone(), ema.clone()
-        pf.update_ema(want, kth, lens, bt, margin)
+        pl.update_ema(want, kth, lens, bt, margin)
         pk.ema_update_cuda(ema, kth, lens, bt, margin)
         assert torch.equal(ema.isnan(), want.isnan())
         assert torch.equal(ema.nan_to_num(), want.nan_to_num())
         holders = [i for i in range(min(B, 3)) if lens[i] > 0]
         if B > 1:  # the shared key took the first live holder's k-th score
             k0 = int(bt[0, 0])
-            k, lv, dv = kth[holders[0]], old[pf.EMA_LEVEL, k0], old[pf.EMA_DEV, k0]
-            level = pf.EMA_ALPHA * k + (1 - pf.EMA_ALPHA) * lv
-            dev = pf.EMA_ALPHA * (k - lv).abs() + (1 - pf.EMA_ALPHA) * dv
+            k, lv, dv = kth[holders[0]], old[pl.EMA_LEVEL, k0], old[pl.EMA_DEV, k0]
+            level = pl.EMA_ALPHA * k + (1 - pl.EMA_ALPHA) * lv
+            dev = pl.EMA_ALPHA * (k - lv).abs() + (1 - pl.EMA_ALPHA) * dv
             if lv == 0 and dv == 0:  # its first update
                 level, dev = k, torch.zeros_like(k)
-            assert torch.equal(want[pf.EMA_LEVEL, k0], level)
-            assert torch.equal(want[pf.EMA_DEV, k0].nan_to_num(), dev.nan_to_num())
+            assert torch.equal(want[pl.EMA_LEVEL, k0], level)
+            assert torch.equal(want[pl.EMA_DEV, k0].nan_to_num(), dev.nan_to_num())
             thr = level + margin * dev if margin else level
-            assert torch.equal(want[pf.EMA_THR, k0].nan_to_num(), thr.nan_to_num())
+            assert torch.equal(want[pl.EMA_THR, k0].nan_to_num(), thr.nan_to_num())
 
 
 def test_margin_raises_the_threshold_by_the_kth_movement():
@@ -246,27 +249,27 @@ def test_margin_raises_the_threshold_by_the_kth_movement():
     threshold row alone (a level of -inf under a threshold of +inf stages nothing)."""
     for margin in (0.0, 1.5):
         inp, host_kv, h2g, st = _prefetch_case(31, "cpu")
-        k1 = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, 32, 16, 0.0, margin)[1]
-        keys = pf.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[1])
+        k1 = _run(pr.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, 32, 16, 0.0, margin)[1]
+        keys = pl.ema_keys(inp["block_table"], inp["seq_lens"], st["ema"].shape[1])
         live = inp["seq_lens"] > 0
         e = st["ema"][:, keys]
-        assert torch.equal(e[pf.EMA_LEVEL][live], k1[live]) and not e[pf.EMA_DEV].any()
-        assert torch.equal(e[pf.EMA_THR][live], k1[live])
+        assert torch.equal(e[pl.EMA_LEVEL][live], k1[live]) and not e[pl.EMA_DEV].any()
+        assert torch.equal(e[pl.EMA_THR][live], k1[live])
         inp["weights"] = inp["weights"] * 1.25  # every score, so the k-th, moves
-        k2 = _run(pf.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, 32, 16, 0.0, margin)[1]
+        k2 = _run(pr.indexer_topk_prefetch_ref, inp, host_kv, h2g, st, 32, 16, 0.0, margin)[1]
         assert not torch.equal(k2[live], k1[live])
         e = st["ema"][:, keys]
         level = 0.5 * k2 + 0.5 * k1
         dev = 0.5 * (k2 - k1).abs()
-        assert torch.equal(e[pf.EMA_LEVEL][live], level[live])
-        assert torch.equal(e[pf.EMA_DEV][live], dev[live])
+        assert torch.equal(e[pl.EMA_LEVEL][live], level[live])
+        assert torch.equal(e[pl.EMA_DEV][live], dev[live])
         exp = level + margin * dev if margin else level
-        assert torch.equal(e[pf.EMA_THR][live], exp[live])
-    st["ema"][pf.EMA_THR].fill_(float("inf"))
-    st["ema"][pf.EMA_LEVEL].fill_(float("-inf"))
+        assert torch.equal(e[pl.EMA_THR][live], exp[live])
+    st["ema"][pl.EMA_THR].fill_(float("inf"))
+    st["ema"][pl.EMA_LEVEL].fill_(float("-inf"))
     st["pf_stats"].zero_()
     _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, 32, 16, 0.0, 1.5, cfg=SMALL)
-    assert int(st["pf_stats"][pf.PF_CANDIDATES]) == 0
+    assert int(st["pf_stats"][pl.PF_CANDIDATES]) == 0
 
 
 def _cache(fmt, prefetch, offload=True, cap=8, device="cpu"):
@@ -329,7 +332,7 @@ def check_lossless_cache(fmt, mode, thr, device):
         mix = (torch.rand(3, 8, 128, generator=g) < 0.8).to(device)
         q = torch.where(mix, base["q_fp8"], inp["q_fp8"].to(device))
         if thr is not None:
-            on.staging.ema[pf.EMA_THR].fill_(float("-inf") if thr == "low" else float("inf"))
+            on.staging.ema[pl.EMA_THR].fill_(float("-inf") if thr == "low" else float("inf"))
         rows = {}
         for k, c in caches.items():
             layer = c.layers[0]
@@ -362,16 +365,16 @@ def check_lossless_cache(fmt, mode, thr, device):
                 assert torch.equal(getattr(p_on, name), getattr(p_off, name)), name
     t = on.staging.totals.tolist()
     if thr == "high":
-        assert t[pf.PF_STAGED] == 0
+        assert t[pl.PF_STAGED] == 0
     else:
-        assert t[pf.PF_STAGED] > 0 and t[pf.PF_PROMOTED] > 0  # prefetch really served misses
+        assert t[pl.PF_STAGED] > 0 and t[pl.PF_PROMOTED] > 0  # prefetch really served misses
     st = caches["on"].stats()
     assert len(st["prefetch_precision"]) == 1 and 0.0 <= st["prefetch_coverage"][0] <= 1.0
     # staged rows count as misses (on the GPU the victims' order within an age bucket comes from
     # atomics, so the resident sets of on and off may part after ties: the count is checked)
     per = caches["on"].layer_stats()[0]
     assert per["recalled"] == n_miss and per["host_copied"] == n_host
-    assert t[pf.PF_PROMOTED] == n_miss - n_host
+    assert t[pl.PF_PROMOTED] == n_miss - n_host
     assert st["hit_rate"][0] == pytest.approx(1 - n_miss / n_sel)
 
 
@@ -425,7 +428,7 @@ def test_recall_staged_triton_matches_reference(staged_mode):
             inp = make_indexer_inputs(3, 6, 8, [1, 1, 1], g)
             sel, _ = layer.select(inp["q_fp8"], inp["weights"], bt, lens + step)
             s, p = layer.staging, layer.pool
-            fn = pf.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
+            fn = pr.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
             slots = fn(*_recall_staged_args(layer, sel))
             check_pool(p, selected=sel, gpu_slots=slots, host_kv=layer.host_kv)
             res.append((sel, p.gpu_kv[slots.clamp(min=0).long()], s.totals.clone(),
@@ -456,7 +459,7 @@ def _staged_misses_are_read_from_staging(impl: str):
     planted = {int(h): s.stage_kv[int(s.host_stage[h])].clone() for h in staged_h}
     h_sel = torch.unique(sel[sel >= 0].long())
     missed = h_sel[p.host_to_gpu[h_sel] < 0]
-    fn = pf.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
+    fn = pr.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
     fn(*_recall_staged_args(layer, sel))
     from_stage = 0
     for h in missed.tolist():
@@ -467,8 +470,8 @@ def _staged_misses_are_read_from_staging(impl: str):
     assert from_stage > 0 and from_stage < missed.numel()  # both sources were exercised
     assert (s.stage_host == -1).all() and (s.host_stage == -1).all() and not s.stage_ctr.any()
     promoted = sum(h in planted for h in missed.tolist())
-    assert s.totals[pf.PF_STAGED] == staged_h.numel() and s.totals[pf.PF_PROMOTED] == promoted
-    assert s.totals[pf.PF_STEPS] == 1
+    assert s.totals[pl.PF_STAGED] == staged_h.numel() and s.totals[pl.PF_PROMOTED] == promoted
+    assert s.totals[pl.PF_STEPS] == 1
 
 
 def test_bad_inputs_raise():
@@ -619,7 +622,7 @@ def test_prefetch_op_rejects_bad_threshold_state_and_margin():
     negative or non-finite margin."""
     inp, host_kv, h2g, st = _prefetch_case(5, "cpu")
     n = st["ema"].shape[1]
-    for bad in (torch.zeros(n), torch.zeros(n, pf.EMA_ROWS).t()):
+    for bad in (torch.zeros(n), torch.zeros(n, pl.EMA_ROWS).t()):
         with pytest.raises(ValueError, match="ema a contiguous"):
             _run(pf.indexer_topk_prefetch, inp, host_kv, h2g, dict(st, ema=bad), 32, 16, 0.0)
     for margin in (-0.5, float("inf"), float("nan")):
@@ -650,7 +653,7 @@ def test_thresholds_follow_requests_not_rows():
     bt = torch.arange(18, dtype=torch.int32).view(3, 6)
     lens = torch.tensor([300, 200, 380], dtype=torch.int32)
     _, kth = layer.select(inp["q_fp8"], inp["weights"], bt, lens)
-    level = layer.staging.ema[pf.EMA_LEVEL]
+    level = layer.staging.ema[pl.EMA_LEVEL]
     assert torch.equal(level[[0, 6, 12]], kth)  # a first update: the k-th score itself
     perm = torch.tensor([2, 0, 1])
     inp["weights"] = inp["weights"] * 2  # new k-th scores, each request's own

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import custom_ops  # noqa: F401  (registers the echo:: ops this module calls)
-from custom_ops import prefetch as pf
 from custom_ops.cache.config import CacheConfig
 from custom_ops.kv_format import PAGE
+from custom_ops.prefetch_layout import EMA_ROWS, PF_LEN
 
 # the per-layer metrics KVCache.stats() lists (step stats, /metrics, bench JSON)
 PREFETCH_STATS = ("prefetched_per_step", "prefetch_precision", "prefetch_coverage")
@@ -37,8 +37,8 @@ def staging_buffers(cfg: CacheConfig) -> dict[str, tuple[tuple[int, ...], torch.
         "stage_host": ((n_stage,), torch.int32, -1),
         "host_stage": ((cfg.host_tokens,), torch.int32, -1),
         "stage_ctr": ((cfg.max_batch + 1,), torch.int32, 0),
-        "ema": ((pf.EMA_ROWS, n_ema), torch.float32, 0),
-        "totals": ((pf.PF_LEN,), torch.int64, 0),
+        "ema": ((EMA_ROWS, n_ema), torch.float32, 0),
+        "totals": ((PF_LEN,), torch.int64, 0),
     }
 
 
