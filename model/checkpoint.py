@@ -231,7 +231,7 @@ def _quantize(name: str, w: torch.Tensor, q: QuantConfig | None) -> dict[str, to
         return {name: w8, module + ".weight_scale_inv": s}
     if not _awq_quantized(module, q):
         return {name: w}
-    from model.awq import awq_quantize  # NOTE: only the AWQ flavour needs model/awq.py
+    from model.awq_quant import awq_quantize  # NOTE: only the AWQ flavour needs model/awq_quant.py
 
     qweight, qzeros, scales = awq_quantize(w)
     return {module + ".qweight": qweight, module + ".qzeros": qzeros, module + ".scales": scales}
@@ -328,7 +328,7 @@ def make_checkpoint(out_dir: str | Path, preset: str | ModelConfig = "tiny", fp8
     path.
 
     The same arguments give byte-identical files. ``fp8``: official 128x128-block FP8 linears;
-    ``awq``: AWQ 4-bit linears (via ``model.awq``) outside ``awq_modules_to_not_convert``. The
+    ``awq``: AWQ 4-bit linears (via ``model.awq_quant``) outside ``awq_modules_to_not_convert``. The
     quantised flavours are computed from the bf16 flavour's weights of the same ``seed``.
     """
     if isinstance(preset, ModelConfig):

@@ -148,7 +148,7 @@ def load_model(
 
         convert_to_fp8(model, scaled, config.quantization.scale_fmt == "ue8m0")
     if awq:
-        from model.awq import convert_to_awq
+        from model.awq_convert import convert_to_awq
 
         convert_to_awq(model, config.quantization)  # NOTE: after the cast: scales stay fp16
     mtp = load_weights(model, path, config, device, keep_mtp, progress=progress,
@@ -163,7 +163,7 @@ def finish_loaded_model(
     """After the weights are in (whole or sharded loader): AWQ's kv_b_proj densified and, on
     CUDA, the fast int4 layouts and the split-K kernels' tile counters; frozen, eval mode."""
     if config.quantization is not None and config.quantization.method == "awq":
-        from model.awq import densify_awq, repack_awq_model
+        from model.awq_convert import densify_awq, repack_awq_model
 
         densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
         if torch.device(device).type == "cuda":  # the fast layouts (CPU keeps the AutoAWQ one)

@@ -86,7 +86,8 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _to_awq(model: nn.Module, shell: nn.Module, config) -> list[str]:
-    from model.awq import AWQExperts, AWQLinear, convert_to_awq
+    from model.awq import AWQExperts, AWQLinear
+    from model.awq_convert import convert_to_awq
 
     names = convert_to_awq(shell, config.quantization)
     for name in names:

@@ -159,7 +159,7 @@ def build_sharded_model(
 
         convert_to_fp8(model, fp8_modules, config.quantization.scale_fmt == "ue8m0")
     if config.quantization is not None and config.quantization.method == "awq":
-        from model.awq import convert_to_awq
+        from model.awq_convert import convert_to_awq
 
         convert_to_awq(model, config.quantization)
     return model

@@ -9,17 +9,10 @@ from torch import nn
 
 from custom_ops import awq as ops
 from custom_ops import awq_kernels as K
-from model.awq import (
-    AWQExperts,
-    AWQLinear,
-    awq_dequantize,
-    awq_dequantize_t,
-    awq_pack,
-    awq_quantize,
-    awq_unpack,
-    convert_to_awq,
-    densify_awq,
-)
+from custom_ops.awq import awq_dequantize_t, awq_unpack
+from model.awq import AWQExperts, AWQLinear
+from model.awq_convert import convert_to_awq, densify_awq
+from model.awq_quant import awq_dequantize, awq_pack, awq_quantize
 from model.quant_config import QuantConfig
 
 SPEC_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # docs/model_notes.md, written out again on purpose

@@ -13,7 +13,8 @@ from torch import nn
 
 from custom_ops import awq as ops
 from custom_ops import awq_repack as R
-from model.awq import AWQExperts, AWQLinear, repack_awq_model
+from model.awq import AWQExperts, AWQLinear
+from model.awq_convert import repack_awq_model
 from model.checkpoint import resolve_model
 from model.loader import load_model
 

@@ -445,7 +445,8 @@ def test_compiled_reduce_overhead_across_batch_sizes():
     outside the graphs' memory pool)."""
     from torch import nn
 
-    from model.awq import AWQLinear, repack_awq_model
+    from model.awq import AWQLinear
+    from model.awq_convert import repack_awq_model
 
     torch.manual_seed(0)
     dense = [nn.Linear(7168, 2048, bias=False), nn.Linear(2048, 7168, bias=False)]

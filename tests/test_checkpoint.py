@@ -242,7 +242,9 @@ def test_make_checkpoint_bad_arguments(tmp_path):
         ck.make_checkpoint(tmp_path / "c", preset="huge")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("model.awq") is None, reason="model/awq.py not there")
+@pytest.mark.skipif(
+    importlib.util.find_spec("model.awq_quant") is None, reason="model/awq_quant.py not there"
+)
 def test_awq_checkpoint_matches_its_specs(tmp_path):
     from custom_ops.awq import awq_dequantize_t
 

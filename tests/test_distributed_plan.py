@@ -75,7 +75,7 @@ def test_awq_weight_bytes_are_the_repacked_gpu_shard(tmp_path):
     """On a GPU the loader repacks AWQ for the fast kernels (packed zero points and scales of 4
     bytes a group and column, a tinygemm copy of the small linears): the plan counts that layout
     (it counted AutoAWQ's, 1.57 GiB a rank short for V3.2 on 8 GPUs); the CPU keeps AutoAWQ's."""
-    from model.awq import repack_awq_model
+    from model.awq_convert import repack_awq_model
     from model.checkpoint import make_checkpoint
     from model.config import ModelConfig
     from model.loader import load_model

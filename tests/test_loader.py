@@ -616,9 +616,11 @@ def test_awq_scales_fp16_would_change_are_refused(tmp_path):
         assert torch.equal(load(held.to(dtype))[0, :3].float(), held[0, :3])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("model.awq") is None, reason="model/awq.py not there")
+@pytest.mark.skipif(
+    importlib.util.find_spec("model.awq_quant") is None, reason="model/awq_quant.py not there"
+)
 def test_awq_checkpoint_loads_into_the_model(tmp_path, loaded):
-    from model.awq import awq_dequantize
+    from model.awq_quant import awq_dequantize
 
     path = ck.make_checkpoint(tmp_path / "awq", awq=True)
     model, extras = load_model(path)

@@ -74,7 +74,7 @@ def weight_bytes(
     fp8 = fp8_checkpoint_modules(config) if kept else None
     model = build_sharded_model(config, TPGroup(rank, tp, "", gather=True), ep=ep, fp8_modules=fp8)
     if config.quantization is not None and config.quantization.method == "awq":
-        from model.awq import densify_awq, repacked_growth
+        from model.awq_convert import densify_awq, repacked_growth
 
         densify_awq(model)  # as load_sharded_model does (kv_b_proj bf16)
         # and on a GPU model.loader.finish_loaded_model repacks it (the CPU keeps AutoAWQ's)
