@@ -1,7 +1,6 @@
 """The tiny checkpoint generator (model/checkpoint.py), its tokenizer and the FP8 block weights."""
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -242,9 +241,6 @@ def test_make_checkpoint_bad_arguments(tmp_path):
         ck.make_checkpoint(tmp_path / "c", preset="huge")
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("model.awq_quant") is None, reason="model/awq_quant.py not there"
-)
 def test_awq_checkpoint_matches_its_specs(tmp_path):
     from custom_ops.awq import awq_dequantize_t
 

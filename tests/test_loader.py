@@ -1,6 +1,5 @@
 """The safetensors loader (model/loader.py) against generated tiny checkpoints."""
 
-import importlib.util
 import json
 import logging
 import re
@@ -616,9 +615,6 @@ def test_awq_scales_fp16_would_change_are_refused(tmp_path):
         assert torch.equal(load(held.to(dtype))[0, :3].float(), held[0, :3])
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("model.awq_quant") is None, reason="model/awq_quant.py not there"
-)
 def test_awq_checkpoint_loads_into_the_model(tmp_path, loaded):
     from model.awq_quant import awq_dequantize
 
