@@ -204,3 +204,37 @@ def test_slice_concat_baseline_is_the_median_of_its_rounds(tiny, monkeypatch):
     assert out["alloc_plus_free_gpu_us"] == pytest.approx(30)
     assert len(out["rounds_wall_us"]) == 5 and out["alloc_plus_free_wall_us"] > 0
     assert out["free_list_len"] == bench.N_G
+
+
+def test_sweep_times_the_stamp_probe_on_the_steady_step(tiny, monkeypatch):
+    """The sweep's PROBE_LOOKUP_STAMPS row has its 37-miss steady figure, not an error: on a
+    refill period the eviction takes hits the probe left unstamped, which later steps recall
+    again (the misses' count fails, as the pool check did); the defaults' row keeps every
+    figure. The 2048-miss calls and free (which the probe leaves alike) are faked here."""
+    monkeypatch.setattr(bench, "N_H", 4096)
+    monkeypatch.setattr(bench, "N_G", 1024)  # (room for 16 steps of 37 misses and the hits)
+    monkeypatch.setattr(bench, "STEADY_FREE", 600)  # (so that the steady step evicts nothing)
+    pool = GpuPool(CacheConfig(1, 4096, 1024, 64, fmt="fp8", max_batch=2), "cpu")
+    fake = lambda *a, **k: {"median_us": 1.0}  # noqa: E731
+    monkeypatch.setattr(bench, "recall_all_misses", fake)
+    monkeypatch.setattr(bench, "bench_free", fake)
+    gen = torch.Generator().manual_seed(4)
+    host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8, generator=gen)
+    box = {"fresh": torch.arange(2048, 4096)}  # (the faked 2048-miss calls' only)
+
+    def recall(n_miss, calls, free_before):
+        def run():
+            fill_random(pool, 1024 - free_before, gen, host_kv=host, host_slots=torch.arange(2048))
+            fresh = torch.arange(2048, 4096)  # (not resident: misses, as many as each run needs)
+            return bench.bench_recall(pool, host, n_miss, calls, fresh, gen, 1)[0]
+
+        return run
+
+    out = bench.sweep_one_launch(pool, host, recall, box, 1, gen)
+    for rnd in (0, 1):
+        assert out[f"round{rnd}_PROBE_LOOKUP_STAMPS_False"] == {"recall_37_steady_us": 1.0}
+        assert set(out[f"round{rnd}_default"]) == {
+            "recall_37_steady_us", "recall_37_period_us", "recall_2048_period_us",
+            "recall_2048_steady_us", "free_37_steady_us", "free_37_period_us",
+        }, out[f"round{rnd}_default"]  # fmt: skip
+    assert K.PROBE_LOOKUP_STAMPS  # (the defaults restored)
