@@ -208,6 +208,20 @@ def _compare(a: dict, b: dict) -> dict:
             "max_abs_diff_by_step": steps}  # fmt: skip
 
 
+def compare_pairs(logits: dict[str, dict]) -> dict:
+    """``_compare`` of each pair of modes that both ran; a pair that cannot be compared (the runs
+    scheduled differently) records its error, so the other pairs' results are still written."""
+    pairs = [("dynamic", "static"), ("dynamic", "eager"), ("static", "eager")]
+    out = {}
+    for x, y in pairs:
+        if x in logits and y in logits:
+            try:
+                out[f"{x}_vs_{y}"] = _compare(logits[x], logits[y])
+            except ValueError as e:
+                out[f"{x}_vs_{y}"] = {"error": str(e)}
+    return out
+
+
 def _check_same_schedule(a: list[list[str]], b: list[list[str]]) -> None:
     """Raise ``ValueError`` naming the first decode step whose requests (in row order) differ
     between two runs, or their step counts if one ran more steps."""
@@ -262,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 if Path(f).exists():
                     logits[mode] = torch.load(f)
             print({k: v for k, v in rows[mode].items() if k != "recompile_log"}, flush=True)
-    pairs = [("dynamic", "static"), ("dynamic", "eager"), ("static", "eager")]
-    cmp = {f"{x}_vs_{y}": _compare(logits[x], logits[y])
-           for x, y in pairs if x in logits and y in logits}  # fmt: skip
+    cmp = compare_pairs(logits)
     for k, v in cmp.items():
         print(k, v)
     command = f"python -m benchmarks.bench_dynamic_decode --steps {a.steps}"

@@ -134,3 +134,17 @@ def test_dynamic_decode_compare_refuses_runs_that_scheduled_differently():
     longer = {"logits": a["logits"] + [t([[1.0, 2.0]])], "requests": a["requests"] + [["r2"]]}
     with pytest.raises(ValueError, match="2 decode steps in one and 3 in the other"):
         dynamic._compare(a, longer)
+
+
+def test_dynamic_decode_pairs_keep_their_results_when_one_pair_cannot_be_compared():
+    """One mode that scheduled differently costs only its pairs: the others are still compared
+    (the JSON is written with the error in place of that pair's figures)."""
+    t = torch.tensor
+    a = {"logits": [t([[1.0, 2.0]]), t([[0.0, 1.0], [1.0, 2.0]])],
+         "requests": [["r1"], ["r1", "r2"]]}  # fmt: skip
+    swapped = {"logits": a["logits"], "requests": [["r1"], ["r2", "r1"]]}
+    out = dynamic.compare_pairs({"dynamic": a, "static": a, "eager": swapped})
+    assert out["dynamic_vs_static"]["equal_steps"] == 2
+    assert "scheduled differently" in out["dynamic_vs_eager"]["error"]
+    assert "scheduled differently" in out["static_vs_eager"]["error"]
+    assert list(dynamic.compare_pairs({"dynamic": a, "eager": a})) == ["dynamic_vs_eager"]
