@@ -324,7 +324,8 @@ def test_ranks_built_with_other_engine_options_are_refused_naming_them(monkeypat
     assert str(err.value).startswith(
         "every rank of a dp/tp/ep job must be given the same engine options (torchrun runs the "
         "same command on each) and the same checkpoint (compared by its fingerprint: config, "
-        "generation config, shard listing; one path may hold other files on other hosts): "
+        "generation config when read, shard listing; one path may hold other files on other "
+        "hosts): "
         "checkpoint: rank 0 has "
     ), err.value
     assert str(err.value).endswith(f"rank 1 has 9c41 ({resolve_model('tiny')})"), err.value

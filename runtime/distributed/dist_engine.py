@@ -255,8 +255,8 @@ def check_same_options(ctx: DistContext, options: dict) -> None:
         raise ValueError(
             "every rank of a dp/tp/ep job must be given the same engine options (torchrun runs "
             "the same command on each) and the same checkpoint (compared by its fingerprint: "
-            "config, generation config, shard listing; one path may hold other files on other "
-            "hosts): " + "; ".join(diff)
+            "config, generation config when read, shard listing; one path may hold other files "
+            "on other hosts): " + "; ".join(diff)
         )
 
 
