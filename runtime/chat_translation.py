@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from runtime.json_words import json_type, type_named
 from runtime.openai_protocol import APIError, ChatCompletionRequest
 from runtime.tokenizer import lone_surrogate
 
@@ -66,37 +67,6 @@ def string_field(d: dict[str, Any], key: str, at: str, param: str) -> str:
         got = json_type(value) if key in d else f"no {key}"
         raise APIError(400, f"{at}.{key} must be a string, got {got}", param=param)
     return value
-
-
-def type_value(d: dict[str, Any]) -> str:
-    """The ``type`` of the object ``d`` as an error says what it got: a string quoted
-    (``'image'``), another value by its JSON type (``null``, ``integer``: ``json_type``), ``no
-    type`` where it is absent."""
-    if "type" not in d:
-        return "no type"
-    kind = d["type"]
-    return repr(kind) if isinstance(kind, str) else json_type(kind)
-
-
-def type_named(d: dict[str, Any]) -> str:
-    """``type_value`` where the error names the object, not its ``type`` field (``at must be a
-    text block, got ...``, ``tools[0]: only function tools are supported, got ...``): ``type
-    'image'``, ``type null``, ``no type``."""
-    return f"type {type_value(d)}" if "type" in d else type_value(d)
-
-
-def json_type(value: Any) -> str:
-    """The JSON type of a value of a request's body, as an error names what it got instead:
-    null, boolean, integer, number, string, array or object (Python's names, ``NoneType``,
-    ``bool``, ``list``, ``dict``, are not the client's)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):  # (before int: a bool is one)
-        return "boolean"
-    for kind, name in ((int, "integer"), (float, "number"), (str, "string"), (list, "array")):
-        if isinstance(value, kind):
-            return name
-    return "object" if isinstance(value, dict) else type(value).__name__
 
 
 def _article(word: str) -> str:

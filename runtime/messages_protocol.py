@@ -24,7 +24,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from runtime import chat_translation
-from runtime.chat_translation import Origin, json_type, validated_chat
+from runtime.chat_translation import Origin, validated_chat
+from runtime.json_words import json_type, type_named, type_value
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 MESSAGES_PATH = "/v1/messages"
@@ -137,7 +138,7 @@ def thinking(req: MessagesRequest) -> bool:
     if kind == "adaptive":
         return True
     if kind != "enabled":
-        got = chat_translation.type_value(req.thinking)
+        got = type_value(req.thinking)
         msg = f"thinking.type must be enabled, adaptive or disabled, got {got}"
         raise APIError(400, msg, param="thinking")
     budget = req.thinking.get("budget_tokens")
@@ -216,7 +217,7 @@ def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):  # (output_config's format: output_format is an object)
         raise APIError(400, f"{at} must be an object, got {json_type(fmt)}", param=at)
     if fmt.get("type") != "json_schema":
-        got = chat_translation.type_value(fmt)
+        got = type_value(fmt)
         raise APIError(400, f"{at}.type must be json_schema, got {got}", param=at)
     if not isinstance(fmt.get("schema"), dict):
         raise APIError(400, f"{at}.schema must be a JSON schema object", param=at)
@@ -226,7 +227,7 @@ def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
 def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     """A Messages tool as chat's function tool."""
     if tool.get("type") not in (None, "custom"):
-        got = chat_translation.type_named(tool)
+        got = type_named(tool)
         msg = f"tools[{i}]: only custom tools (name, input_schema) are supported, got {got}"
         raise APIError(400, msg, param="tools")
     if not isinstance(tool.get("input_schema"), dict):
@@ -249,7 +250,7 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
         return {"type": "function", "function": {"name": choice["name"]}}
     named = {"auto": "auto", "any": "required", "none": "none"}
     if not isinstance(kind, str) or kind not in named:  # (a list or object: unhashable)
-        got = chat_translation.type_value(choice)
+        got = type_value(choice)
         msg = f"tool_choice.type must be auto, any, tool or none, got {got}"
         raise APIError(400, msg, param="tool_choice")
     return named[kind]
@@ -378,4 +379,4 @@ def _refused(at: str, block: dict[str, Any], allowed: str) -> str:
     kind = block.get("type")
     if kind in ("image", "document"):
         return f"{at}: {kind} blocks are not supported by this server (text only)"
-    return f"{at}.type must be {allowed} here, got {chat_translation.type_value(block)}"
+    return f"{at}.type must be {allowed} here, got {type_value(block)}"

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from runtime import chat_translation
-from runtime.chat_translation import Origin, json_type, validated_chat
+from runtime.chat_translation import Origin, validated_chat
+from runtime.json_words import json_type, type_named, type_value
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 
@@ -169,7 +170,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     """A flat function tool as chat's nested one."""
     if tool.get("type") != "function":
-        got = chat_translation.type_named(tool)
+        got = type_named(tool)
         msg = f"tools[{i}]: only function tools are supported, got {got}"
         raise APIError(400, msg, param="tools")
     if "function" in tool and "name" not in tool:
@@ -290,7 +291,7 @@ def _messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[Origin
         else:
             msg = (
                 f"{at}.type must be message, function_call, function_call_output or reasoning, "
-                f"got {chat_translation.type_value(item)}"
+                f"got {type_value(item)}"
             )
             raise APIError(400, msg, param="input")
     if not msgs:
