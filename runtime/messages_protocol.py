@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from runtime import chat_translation
 from runtime.chat_translation import Origin, validated_chat
-from runtime.json_words import json_type, type_named, type_value
+from runtime.json_words import field_value, json_type, type_named, type_value
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 MESSAGES_PATH = "/v1/messages"
@@ -307,7 +307,7 @@ def _messages(turns: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
             raise APIError(400, msg, param="messages")
         role = turn.get("role")
         if role not in ("user", "assistant"):
-            msg = f"{at}.role must be user or assistant, got {role!r}"
+            msg = f"{at}.role must be user or assistant, got {field_value(turn, 'role')}"
             raise APIError(400, msg, param="messages")
         blocks = _blocks(turn.get("content"), f"{at}.content")
         # (a string content, made one text block, is its own text's path)

@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime import chat_translation
 from runtime.chat_translation import Origin, validated_chat
-from runtime.json_words import json_type, type_named, type_value
+from runtime.json_words import field_value, json_type, type_named, type_value
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 
@@ -226,7 +226,8 @@ def _messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[Origin
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
-                msg = f"{at}.role must be one of {', '.join(ROLES)}, got {role!r}"
+                got = field_value(item, "role")
+                msg = f"{at}.role must be one of {', '.join(ROLES)}, got {got}"
                 if role == "tool":
                     msg += " (a tool's result is a function_call_output item)"
                 raise APIError(400, msg, param="input")

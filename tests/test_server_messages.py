@@ -673,6 +673,15 @@ def test_max_tokens_and_stop_sequences(served: tuple[str, PromptedEngine], strea
             r"^messages\[0\]\.content\[1\]: image blocks are not supported",
         ),  # fmt: skip
         ({"messages": [{"role": "system", "content": "x"}]}, r"messages\[0\]\.role must be user"),
+        # a role absent or no string, in JSON's words (was "got None", "got True", "got {'a': 1}")
+        (
+            {"messages": [{"content": "x"}]},
+            r"^messages\[0\]\.role must be user or assistant, got no role$",
+        ),
+        ({"messages": [{"role": None, "content": "x"}]}, r"\.role must be .*, got null$"),
+        ({"messages": [{"role": True, "content": "x"}]}, r"\.role must be .*, got boolean$"),
+        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, r"\.role must be .*, got object$"),
+        ({"messages": [{"role": "system", "content": "x"}]}, r"\.role must be .*, got 'system'$"),
         ({"messages": []}, r"at least one message"),
         (
             {

@@ -257,6 +257,15 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
             "input",
             r"^input\[0\]\.role must be one of system, developer, user, assistant, got 'robot'$",
         ),
+        # a role absent or no string, in JSON's words (was "got None", "got True", "got {'a': 1}")
+        ({"input": [{"content": "x"}]}, "input",
+         r"^input\[0\]\.role must be one of system, developer, user, assistant, got no role$"),
+        ({"input": [{"type": "message", "role": None, "content": "x"}]}, "input",
+         r"^input\[0\]\.role must be one of .*, got null$"),
+        ({"input": [{"role": True, "content": "x"}]}, "input",
+         r"^input\[0\]\.role must be one of .*, got boolean$"),
+        ({"input": [HI, {"role": {"a": 1}, "content": "x"}]}, "input",
+         r"^input\[1\]\.role must be one of .*, got object$"),
         (  # chat's role, not the Responses API's: a tool's result is an item of its own
             {
                 "input": [HI, CALL, {"role": "tool", "content": "pong", "tool_call_id": "c1"}],
