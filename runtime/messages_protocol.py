@@ -143,7 +143,9 @@ def thinking(req: MessagesRequest) -> bool:
         raise APIError(400, msg, param="thinking")
     budget = req.thinking.get("budget_tokens")
     if type(budget) is not int or budget < 1:
-        msg = f"thinking.budget_tokens must be an integer >= 1, got {budget!r}"
+        # (an integer out of range is said as sent; another value by its JSON type)
+        got = budget if type(budget) is int else field_value(req.thinking, "budget_tokens")
+        msg = f"thinking.budget_tokens must be an integer >= 1, got {got}"
         raise APIError(400, msg, param="thinking")
     return True
 

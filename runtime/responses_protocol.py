@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime import chat_translation
 from runtime.chat_translation import Origin, validated_chat
-from runtime.json_words import field_value, json_type, type_named, type_value
+from runtime.json_words import field_value, json_type, type_named, type_value, value_named
 from runtime.openai_protocol import APIError, ChatCompletionRequest, _Strict, refuse_unsupported
 
 
@@ -110,7 +110,7 @@ def thinking(req: ResponsesRequest) -> bool:
         return False
     effort = req.reasoning.get("effort")
     if effort is not None and effort not in EFFORTS:
-        msg = f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}"
+        msg = f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {value_named(effort)}"
         raise APIError(400, msg, param="reasoning")
     return effort != "none"
 

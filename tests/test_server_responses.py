@@ -278,7 +278,11 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", r"input\[0\]\.type"),
         ({"input": []}, "input", "must not be an empty list"),
         ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
-        ({"reasoning": {"effort": "huge"}}, "reasoning", "reasoning.effort must be one of"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning",
+         r"^reasoning\.effort must be one of none, .*, xhigh, got 'huge'$"),
+        # in JSON's words (they were "got True", "got 3")
+        ({"reasoning": {"effort": True}}, "reasoning", r"^reasoning\.effort .*, got boolean$"),
+        ({"reasoning": {"effort": 3}}, "reasoning", r"^reasoning\.effort .*, got integer$"),
         (
             {"tool_choice": {"type": "function", "name": "nope"}, "tools": [PING]},
             "tool_choice",
