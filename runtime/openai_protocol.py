@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from runtime.json_words import type_value
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 
 CONTEXT_CODE = "context_length_exceeded"
@@ -302,9 +303,11 @@ def response_grammar(fmt: dict[str, Any] | None) -> str | None:
     """The llguidance grammar ``response_format`` asks for (None: free text)."""
     from runtime.structured_output import json_schema_grammar
 
-    kind = None if fmt is None else fmt.get("type")
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
     try:
-        if fmt is None or kind == "text":
+        if kind == "text":
             return None
         if kind == "json_object":
             return json_schema_grammar(None)
@@ -315,7 +318,7 @@ def response_grammar(fmt: dict[str, Any] | None) -> str | None:
             return json_schema_grammar(spec.get("schema", {}))
     except ValueError as e:
         raise APIError(400, f"response_format: {e}", param="response_format") from e
-    msg = f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+    msg = f"response_format.type must be text, json_object or json_schema, got {type_value(fmt)}"
     raise APIError(400, msg, param="response_format")
 
 

@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.json_words import field_value
 from runtime.tokenizer import lone_surrogate
 
 DSML = "｜DSML｜"
@@ -94,7 +95,8 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan 
             raise ValueError('tool_choice: an object must be {"type": "function", "function": ...}')
         name = fn.get("name")
         if not isinstance(name, str):
-            raise ValueError(f"tool_choice: function.name must be a string, got {name!r}")
+            got = field_value(fn, "name")
+            raise ValueError(f"tool_choice: function.name must be a string, got {got}")
         if name not in {f["name"] for f in functions}:
             raise ValueError(f"tool_choice: {name!r} is not one of the request's tools")
         forced = [f for f in functions if f["name"] == name]

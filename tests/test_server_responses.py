@@ -317,6 +317,16 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
         ),
         ({"text": {"format": "json"}}, "text", r"^text\.format must be an object, got string$"),
         ({"text": {"format": []}}, "text", r"^text\.format must be an object, got array$"),
+        # the chat route's own checks, in JSON's words (they were "got None", "got 5")
+        ({"text": {"format": {"type": None}}}, "text",
+         r"^text\.format\.type must be text, json_object or json_schema, got null$"),
+        ({"text": {"format": {"type": "xml"}}}, "text",
+         r"^text\.format\.type must be text, json_object or json_schema, got 'xml'$"),
+        ({"text": {"format": {}}}, "text", r"^text\.format\.type must be .*, got no type$"),
+        ({"tool_choice": {"type": "function", "name": 5}, "tools": [PING]}, "tool_choice",
+         r"^tool_choice\.name must be a string, got integer$"),
+        ({"tool_choice": {"type": "function", "name": None}, "tools": [PING]}, "tool_choice",
+         r"^tool_choice\.name must be a string, got null$"),
     ],  # fmt: skip
     ids=lambda v: v if isinstance(v, str) else None,
 )
