@@ -247,9 +247,8 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
         return None
     kind = choice.get("type")
     if kind == "tool":
-        if not isinstance(choice.get("name"), str):
-            raise APIError(400, "tool_choice.name: a tool choice needs a name", param="tool_choice")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        name = chat_translation.string_field(choice, "name", "tool_choice", "tool_choice")
+        return {"type": "function", "function": {"name": name}}
     named = {"auto": "auto", "any": "required", "none": "none"}
     if not isinstance(kind, str) or kind not in named:  # (a list or object: unhashable)
         got = type_value(choice)

@@ -586,6 +586,12 @@ def test_a_block_or_content_of_the_wrong_type_is_named_in_json_words(
          "thinking.type must be enabled, adaptive or disabled, got no type"),
         ({"thinking": {"type": True}},
          "thinking.type must be enabled, adaptive or disabled, got boolean"),
+        # a tool choice's name absent or no string (it was "a tool choice needs a name", with
+        # no word of what was sent)
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool"}},
+         "tool_choice.name must be a string, got no name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": None}},
+         "tool_choice.name must be a string, got null"),
         # budget_tokens in JSON's words (it was "got None", "got True", "got '8'"); an integer
         # out of range as sent
         ({"thinking": {"type": "enabled"}},
