@@ -61,7 +61,7 @@ class CountTokensRequest(MessagesRequest):
     Claude Code sends to size its context); counted as the message's prompt renders."""
 
     max_tokens: int = 1  # (not Anthropic's field here: one token of room for the render's check)
-    stream: None = None
+    # stream: false (or absent) is taken, a count has nothing to stream; true is check_count's 400
 
 
 # Fields of the Messages API this server cannot honour, with the values that leave them off
@@ -124,6 +124,15 @@ def error_response(e: APIError, path: str) -> JSONResponse:
 def check_messages(req: MessagesRequest) -> None:
     """400 for a field this server cannot honour, naming it; other unknown fields are ignored."""
     refuse_unsupported(req.model_extra or {}, UNSUPPORTED_MESSAGES)
+
+
+def check_count(req: CountTokensRequest) -> None:
+    """400 for what a token count cannot do, naming it: ``stream: true`` (a count is one
+    number, nothing to stream; ``false`` is taken, as a client that sends a message's fields
+    may)."""
+    if req.stream:
+        msg = "stream: a token count is not streamed; send stream false or leave it out"
+        raise APIError(400, msg, param="stream")
 
 
 def thinking(req: MessagesRequest) -> bool:

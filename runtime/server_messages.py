@@ -16,6 +16,7 @@ from runtime.messages_protocol import (
     CountTokensRequest,
     MessagesRequest,
     chat_request,
+    check_count,
     check_messages,
     format_field,
     renamed,
@@ -56,6 +57,7 @@ class MessagesHandlers(TranslatedHandlers):
         prompt is prepared (``chat_prompt``): no grammar is compiled."""
         self.check_model(req.model)
         check_messages(req)
+        check_count(req)
         chat, where = chat_request(req)
         try:
             prompt = await self.chat_prompt(chat)

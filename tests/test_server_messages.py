@@ -970,6 +970,26 @@ def test_count_tokens_is_the_prompt_messages_renders(served: tuple[str, Prompted
     assert r.status_code in (404, 405) and r.json()["type"] == "error"
 
 
+def test_count_tokens_takes_stream_false_and_refuses_true(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """A count has nothing to stream: ``stream: false`` (a message's fields sent as they are)
+    is counted as if absent (it was pydantic's "stream: Input should be None"), ``true`` is a
+    400 that says so, in Anthropic's shape."""
+    url, _ = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    counts = []
+    for extra in ({}, {"stream": False}):
+        r = httpx.post(url + "/v1/messages/count_tokens", json={**body, **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        counts.append(r.json()["input_tokens"])
+    assert counts[0] == counts[1] > 0
+    r = httpx.post(url + "/v1/messages/count_tokens", json={**body, "stream": True}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message":
+        "stream: a token count is not streamed; send stream false or leave it out"}}  # fmt: skip
+
+
 def test_count_tokens_is_the_prefill_of_a_forced_call_with_system_and_thinking(
     served: tuple[str, PromptedEngine],
 ) -> None:
