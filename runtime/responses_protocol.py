@@ -262,7 +262,11 @@ def _messages(items: str | list[Any]) -> tuple[list[dict[str, Any]], list[Origin
             last = "function_call"
         elif kind == "function_call_output":
             chat_translation.string_field(item, "call_id", at, "input")
-            output = _text(item.get("output"), f"{at}.output", ("input_text",))
+            if item.get("output") is None:  # (_text takes None, a message's no content)
+                got = field_value(item, "output")
+                msg = f"{at}.output must be a string or a list of parts, got {got}"
+                raise APIError(400, msg, param="input")
+            output = _text(item["output"], f"{at}.output", ("input_text",))
             msgs.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
             where.append(Origin(at, {".tool_call_id": f"{at}.call_id", ".content": f"{at}.output"}))
             last = "function_call_output"

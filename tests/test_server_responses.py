@@ -402,6 +402,14 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
             [HI, CALL, {"type": "function_call_output", "call_id": 1, "output": "pong"}],
             "input[2].call_id must be a string, got integer",
         ),
+        # an output that is null or absent, named with what was sent (it was chat's tool
+        # message's error, with no word of it)
+        ([HI, CALL, {"type": "function_call_output", "call_id": "c1", "output": None}],
+         "input[2].output must be a string or a list of parts, got null"),
+        ([HI, CALL, {"type": "function_call_output", "call_id": "c1"}],
+         "input[2].output must be a string or a list of parts, got no output"),
+        ([HI, CALL, {"type": "function_call_output", "call_id": "c1", "output": 5}],
+         "input[2].output must be a string or a list of parts, got integer"),
         # what was sent instead, in JSON's words (the route's own 400, not pydantic's
         # "input.str ...", which named the wrong alternative of input)
         (["hi"], "input[0] must be an item (an object), got string"),
@@ -448,7 +456,8 @@ THOUGHT = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "
     ],
     ids=["message", "message-and-call", "first-part", "second-part", "string-content",
          "output-part", "reasoning-part", "reasoning-text", "reasoning-null-text",
-         "reasoning-no-text", "call-id", "string-item", "null-item", "untyped-part",
+         "reasoning-no-text", "call-id", "null-output", "no-output", "integer-output",
+         "string-item", "null-item", "untyped-part",
          "object-content", "call-no-name", "call-object-arguments", "reasoning-string",
          "reasoning-string-part", "reasoning-empty-string", "reasoning-zero",
          "reasoning-false", "null-type", "integer-type"],
