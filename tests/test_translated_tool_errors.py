@@ -109,7 +109,7 @@ def _output(call_id: str, output: str = "pong") -> dict:
         (
             {"tools": [PING], "tool_choice": {"type": "function", "name": 5}},
             "tool_choice",
-            "tool_choice.name must be a string, got 5",
+            "tool_choice.name must be a string, got integer",
         ),
         (  # thinking mode: an earlier assistant message after the last user message
             {"reasoning": {"effort": "high"}, "input": [
