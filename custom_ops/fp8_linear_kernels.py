@@ -162,6 +162,21 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
             split *= 2
         return {"BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": False,
                 "SWAP": True, "num_warps": 8, "num_stages": 4}  # fmt: skip
+    if k < 16384 and 32 < m <= 128:
+        # M = 33-128 on K < 16384 (H100, gpu_session34 call 1, docs/quantization.md): x quantised
+        # first, 64 x 64 tiles on 4 warps, 4 stages, split-K until one wave (tiles x split >=
+        # SMs). Against the rule below (64 x 128 tiles, x quantised in every N tile, split until
+        # two programs per SM; µs at M = 64 / 128): 7168 x 4096 22.2 / 29.0 against 40.0 / 47.4
+        # (split 4 / 2), 7168 x 2048 18.2 against 37.9 at M = 128 (split 4), 2048 x 7168 13.8 /
+        # 15.4 against 27.1 / 30.9 (split 2 / 1); the splits of fewer tiles (7168 x 2048 at
+        # M = 64, 7168 x 576) extend the rule past the splits measured (4 there: 16.1, 14.3 /
+        # 14.7 µs against 24.5, 19.5 / 27.5)
+        bm = bn = 64
+        tiles = -(-m // bm) * -(-n // bn)
+        while split < 16 and split * 2 <= kb and tiles * split < num_sms:
+            split *= 2
+        return {"BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": True,
+                "num_warps": 4, "num_stages": 4}  # fmt: skip
     if k >= 16384 and 32 < m <= 128:
         # K = 16384 at M = 64-128 (H100, gpu_session32 call 3, docs/quantization.md): 64 x 64
         # tiles, split-K 2, x quantised first: 65.1 / 72.0 µs against the rule below's 81.9 /

@@ -65,6 +65,7 @@ CASES = [  # (M, K, N, ue8m0, config)
     (3, 256, 200, True, dict(BM=16, BN=64, SPLIT_K=2, SWAP=True)),  # the product transposed
     (6, 512, 200, False, dict(BM=16, BN=128, SPLIT_K=4, FUSED=True, SWAP=True)),
     (17, 256, 64, True, dict(BM=32, BN=64, SPLIT_K=1, PREQUANT=True, SWAP=True)),
+    (40, 512, 200, True, None),  # the heuristic at M = 33-128: x quantised first, split-K
 ]
 
 
@@ -326,6 +327,14 @@ def test_dispatch_rules_at_v32_shapes():
             assert cfg["SPLIT_K"] == split and cfg["SWAP"] and cfg["num_stages"] == 4, (k, n, cfg)
     assert not FK.fp8_config(17, 4096, 7168, 132).get("SWAP")
     assert not FK.fp8_config(1, 7168, 16384, 132).get("SWAP")
+    # M = 33-128 on K < 16384: x quantised first, 64 x 64 tiles, split-K to one wave of programs
+    splits = {(7168, 4096, 64): 4, (7168, 4096, 128): 2, (7168, 2048, 128): 4,
+              (2048, 7168, 64): 2, (2048, 7168, 128): 1, (7168, 576, 64): 16}  # fmt: skip
+    for (k, n, m), split in splits.items():
+        cfg = FK.fp8_config(m, n, k, 132)
+        got = (cfg["BM"], cfg["BN"], cfg["SPLIT_K"], cfg["PREQUANT"], cfg.get("SWAP", False))
+        assert got == (64, 64, split, True, False), (k, n, m, cfg)
+    assert FK.fp8_config(129, 4096, 7168, 132)["BN"] == 128  # above 128: the rule before
 
 
 def test_split_k_configs_fit_the_tile_counters_at_every_m():
