@@ -19,6 +19,9 @@ of dynamic vs static vs eager, step by step.
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python -m benchmarks.bench_dynamic_decode \
         [--steps 4] [--out benchmarks/results/dynamic_decode_cpu.json]
 
+``--backend inductor_no_graphs``: Inductor's kernels without CUDA graphs (on a GPU, which of the
+two changes the compiled step's bits against eager).
+
 ``--backend aot_eager``: Dynamo and AOT tracing only (fake implementations, guards), no Inductor:
 finds the blockers in seconds. NOTE: CPU only says whether it traces, compiles and agrees; CUDA
 graphs (one capture per size under cudagraph trees, zero skips) and Triton's speed with symbolic
@@ -63,6 +66,7 @@ BUCKETS = (1, 2, 4, 8)
 OUT = "benchmarks/results/dynamic_decode_cpu.json"
 SPEED_OUT = "benchmarks/results/dynamic_decode_speed.json"
 MODES = ("eager", "static", "dynamic")
+BACKENDS = ("inductor", "inductor_no_graphs", "aot_eager")
 
 
 class _Lines(logging.Handler):
@@ -82,7 +86,10 @@ def run_mode(mode: str, backend: str, steps: int, logits_out: str) -> dict:
     path = resolve_model("tiny")
     model, _ = load_model(path)
     device = next(model.parameters()).device
-    compiler = None if mode == "eager" else StepCompiler(device, backend=backend)
+    graphs = backend != "inductor_no_graphs"
+    compiler = None if mode == "eager" else StepCompiler(
+        device, backend=backend if graphs else "inductor", cuda_graphs=graphs
+    )  # fmt: skip
     b = max(BUCKETS)
     cfg = EngineConfig(
         max_batch=b, host_tokens=16384, gpu_tokens=b * model.config.index_topk, max_model_len=512,
@@ -241,7 +248,8 @@ def _check_same_schedule(a: list[list[str]], b: list[list[str]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="greedy tokens a request (default 4)")
-    ap.add_argument("--backend", default="inductor", help="inductor (default) or aot_eager")
+    ap.add_argument("--backend", default="inductor", choices=BACKENDS,
+                    help="inductor (default), inductor_no_graphs (no CUDA graphs) or aot_eager")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--out", default=None, help=f"the JSON (default {OUT}; --speed: {SPEED_OUT})")
     ap.add_argument("--speed", action="store_true", help="the step's speed on the bench model")

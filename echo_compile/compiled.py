@@ -186,19 +186,25 @@ class StepCompiler:
     """runtime.model_runner.StepCompiler: fullgraph, static shapes, reduce-overhead (CUDA graphs)
     on CUDA, with echo_compile.settings; ``strict`` (tests) makes a cudagraph skip an error.
     ``backend`` other than Inductor: CPU tests of the compile plumbing (Dynamo's caches, guards,
-    fullgraph) that cannot afford Inductor's minute per graph on a small CPU."""
+    fullgraph) that cannot afford Inductor's minute per graph on a small CPU. ``cuda_graphs =
+    False``: Inductor's kernels without the CUDA graphs around them (a diagnostic: which of the
+    two changes a GPU step's bits, ``bench_dynamic_decode --backend inductor_no_graphs``)."""
 
-    def __init__(self, device: str | torch.device, strict: bool = False, backend: str = "inductor"):
+    def __init__(
+        self, device: str | torch.device, strict: bool = False, backend: str = "inductor",
+        cuda_graphs: bool = True,
+    ):  # fmt: skip
         self.device = torch.device(device)
         self.strict = strict
         self.backend = backend
+        self.cuda_graphs = cuda_graphs
 
     def __call__(
         self, step: StepModule, num_graphs: int, dynamic_batch: bool = False
     ) -> CompiledStep:
         settings.apply(num_graphs, strict=self.strict)
         opts = {}
-        if self.backend == "inductor":
+        if self.backend == "inductor" and self.cuda_graphs:
             opts["mode"] = settings.compile_mode(self.device)
         method = _own_code(step)
         fn = torch.compile(method, fullgraph=True, dynamic=False, backend=self.backend, **opts)

@@ -278,3 +278,28 @@ def test_settings_make_inductor_deterministic():
     settings.apply(1)
     assert inductor_config.deterministic is True
     assert inductor_config.emulate_precision_casts is True
+
+
+@pytest.mark.parametrize("graphs, mode", [(True, "reduce-overhead"), (False, None)])
+def test_step_compiler_cuda_graphs_flag_sets_the_compile_mode(monkeypatch, graphs, mode):
+    """``StepCompiler(cuda_graphs=False)`` (``bench_dynamic_decode --backend
+    inductor_no_graphs``) compiles a CUDA step with Inductor but without reduce-overhead's CUDA
+    graphs; the default keeps them. Checked at the ``torch.compile`` call (no GPU here)."""
+    import echo_compile.compiled as C
+
+    seen = {}
+
+    def fake_compile(fn, **kw):
+        seen.update(kw)
+        return fn
+
+    monkeypatch.setattr(C.torch, "compile", fake_compile)
+
+    class Step(torch.nn.Module):
+        is_decode = True
+
+        def forward(self, x):
+            return x
+
+    C.StepCompiler("cuda", cuda_graphs=graphs)(Step(), num_graphs=1)
+    assert seen["backend"] == "inductor" and seen.get("mode") == mode
