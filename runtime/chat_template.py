@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from runtime.json_words import field_value, json_type, value_named
 from runtime.tokenizer import Tokenizer, lone_surrogate
 from runtime.tool_calls import render_calls
 
@@ -138,7 +139,8 @@ def render_dsv32(
                 out += ["\n</function_results>", f"\n\n{opening(i)}"]
                 open_turn = True
         else:
-            msg = f"messages[{i + first}].role must be one of {', '.join(ROLES)}, got {role!r}"
+            got = field_value(m, "role")
+            msg = f"messages[{i + first}].role must be one of {', '.join(ROLES)}, got {got}"
             raise ValueError(msg)
     if not open_turn:  # e.g. a system prompt alone: open the assistant's turn
         out.append(f"{ASSISTANT}{opening(len(messages))}")
@@ -177,10 +179,11 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             # (e.g. a conversation nested one list too deep: it was an AttributeError on
             # list.get)
-            raise ValueError(f"messages[{i}] must be a message (a dict), got {type(m).__name__}")
+            raise ValueError(f"messages[{i}] must be a message (an object), got {json_type(m)}")
         role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
         if role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            got = field_value(m, "role")
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {got}")
         if isinstance(content, list):
             texts = [p.get("text") if isinstance(p, dict) else None for p in content]
             kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
@@ -197,7 +200,9 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+            got = field_value(m, "content")
+            msg = f"messages[{i}].content must be a string or a list of text parts, got {got}"
+            raise ValueError(msg)
         if calls and role != "assistant":
             raise ValueError(f"messages[{i}]: only an assistant message has tool_calls")
         out.append(
@@ -299,10 +304,11 @@ def thinking_of(kwargs: dict[str, Any] | None) -> bool:
     if kwargs is None:
         return False
     if not isinstance(kwargs, dict):
-        raise ValueError(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}")
+        raise ValueError(f"chat_template_kwargs must be an object, got {json_type(kwargs)}")
     for key in THINKING_KEYS:
         if kwargs.get(key) is not None and not isinstance(kwargs[key], bool):
-            raise ValueError(f"chat_template_kwargs.{key} must be a boolean, got {kwargs[key]!r}")
+            got = value_named(kwargs[key])
+            raise ValueError(f"chat_template_kwargs.{key} must be a boolean, got {got}")
     return any(kwargs.get(key) for key in THINKING_KEYS)
 
 

@@ -2,7 +2,8 @@
 ``boolean``, ``integer``, ... (``json_type``), a field's string quoted (``'image'``) or that it
 is absent (``no role``: ``field_value``). Python's words (``None``, ``True``, ``{'a': 1}``,
 ``NoneType``) are not the client's. Below the routes' protocol modules (``openai_protocol``,
-``tool_calls``, ``chat_translation``), which all say it so."""
+``tool_calls``, ``chat_translation``) and the chat rendering (``chat_template``, ``tokenizer``'s
+``validate_messages``), which all say it so."""
 
 from __future__ import annotations
 

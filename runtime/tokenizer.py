@@ -13,6 +13,8 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from runtime.json_words import field_value, json_type
+
 logger = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -68,13 +70,15 @@ def validate_messages(messages: Any) -> None:
         raise ValueError("messages must be a non-empty list")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+            msg = f"messages[{i}] must be an object with 'role' and 'content', got {json_type(m)}"
+            raise ValueError(msg)
         if m.get("role") not in CHAT_ROLES:
-            raise ValueError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}"
-            )
+            got = field_value(m, "role")
+            msg = f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {got}"
+            raise ValueError(msg)
         if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
+            got = field_value(m, "content")
+            raise ValueError(f"messages[{i}].content must be a string, got {got}")
 
 
 class Tokenizer:

@@ -114,8 +114,13 @@ def test_thinking_of_reads_vllms_keys() -> None:
     assert thinking_of(None) is False and thinking_of({}) is False
     assert thinking_of({"thinking": True}) and thinking_of({"enable_thinking": True})
     assert thinking_of({"thinking": False, "foo": 1}) is False  # other keys: ignored, as vLLM
-    with pytest.raises(ValueError, match="chat_template_kwargs.enable_thinking must be a bool"):
+    # what was sent, in JSON's words (it was "got 1", "got list")
+    with pytest.raises(ValueError, match=r"\.enable_thinking must be a boolean, got integer$"):
         thinking_of({"enable_thinking": 1})
+    with pytest.raises(ValueError, match=r"kwargs\.thinking must be a boolean, got 'yes'$"):
+        thinking_of({"thinking": "yes"})
+    with pytest.raises(ValueError, match=r"chat_template_kwargs must be an object, got array$"):
+        thinking_of([])  # type: ignore[arg-type]
 
 
 # ---- the reasoning split -----------------------------------------------------------------------

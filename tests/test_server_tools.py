@@ -218,20 +218,39 @@ def test_render_pairs_results_with_calls_by_id() -> None:
             + [{"role": "tool", "content": "x"}],
             "must follow",
         ),
-        ([{"role": "robot", "content": "x"}], "role must be one of"),
-        ([{"role": "user", "content": None}], "content must be a string"),
+        ([{"role": "robot", "content": "x"}], r"role must be one of .*, got 'robot'$"),
+        # a role absent or no string, in JSON's words (it was "got None", "got 5")
+        ([{"content": "x"}], r"^messages\[0\]\.role must be one of .*, got no role$"),
+        ([{"role": None, "content": "x"}], r"^messages\[0\]\.role must be one of .*, got null$"),
+        ([{"role": 5, "content": "x"}], r"^messages\[0\]\.role must be one of .*, got integer$"),
+        ([{"role": "user", "content": None}], r"content must be a string .*, got null$"),
+        ([{"role": "user"}], r"content must be a string .*, got no content$"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts must be"),
         (
             [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
             "not JSON",
         ),
         # a list of conversations (vLLM's LLM.chat batches them) to LLM.chat: it takes one
-        ([[{"role": "user", "content": "q"}]], r"messages\[0\] must be a message \(a dict\)"),
+        (
+            [[{"role": "user", "content": "q"}]],
+            r"^messages\[0\] must be a message \(an object\), got array$",
+        ),
+        ([None], r"^messages\[0\] must be a message \(an object\), got null$"),
     ],
 )
 def test_render_bad_messages_name_the_problem(msgs: list, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         render_dsv32(normalise_messages(msgs), None, "", "")
+
+
+@pytest.mark.parametrize("role, got", [(None, "null"), (5, "integer"), ("bob", "'bob'")])
+def test_render_names_a_bad_role_in_json_words(role: object, got: str) -> None:
+    # render_dsv32 called with messages normalise_messages did not check (it was "got None",
+    # "got 5")
+    msgs = [{"role": "system", "content": "s"}, {"role": role, "content": "x"}]
+    fns = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
+    with pytest.raises(ValueError, match=rf"^messages\[1\]\.role must be one of .*, got {got}$"):
+        render_dsv32(msgs, fns, "", "")
 
 
 # ---- the plan and the grammar ------------------------------------------------------------------

@@ -140,10 +140,17 @@ def test_chat_template_and_jinja_file(tmp_path: Path, tok: Tokenizer) -> None:
     [
         ([], "non-empty list"),
         ("hi", "non-empty list"),
-        (["hi"], r"messages\[0\] must be an object"),
-        ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role"),
-        ([{"role": "user"}], r"messages\[0\]\.content"),
-        ([{"role": "user", "content": "a"}, {"role": "user", "content": 3}], r"messages\[1\]"),
+        (["hi"], r"messages\[0\] must be an object .*, got string$"),
+        ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role .*, got 'tool'$"),
+        ([{"role": "user"}], r"messages\[0\]\.content must be a string, got no content$"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": 3}],
+            r"^messages\[1\]\.content must be a string, got integer$",
+        ),
+        # a role absent or no string, in JSON's words (it was "got None", "got 5")
+        ([{"content": "x"}], r"^messages\[0\]\.role must be one of .*, got no role$"),
+        ([{"role": None, "content": "x"}], r"^messages\[0\]\.role must be one of .*, got null$"),
+        ([{"role": 5, "content": "x"}], r"^messages\[0\]\.role must be one of .*, got integer$"),
         ([{"role": "assistant", "content": "x"}], "must not start with an assistant"),
     ],
 )
