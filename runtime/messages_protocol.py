@@ -236,7 +236,11 @@ def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
 
 
 def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
-    """A Messages tool as chat's function tool."""
+    """A Messages tool as chat's function tool. Its ``type`` absent is a custom tool, as
+    Anthropic's; a ``type`` sent is a string (null is no custom tool: it was taken as one)."""
+    if "type" in tool and not isinstance(tool["type"], str):
+        msg = f"tools[{i}].type must be custom (or absent), got {json_type(tool['type'])}"
+        raise APIError(400, msg, param="tools")
     if tool.get("type") not in (None, "custom"):
         got = type_named(tool)
         msg = f"tools[{i}]: only custom tools (name, input_schema) are supported, got {got}"

@@ -613,8 +613,13 @@ def test_a_block_or_content_of_the_wrong_type_is_named_in_json_words(
          "output_config.format.type must be json_schema, got integer"),
         ({"output_config": {"format": "json"}},
          "output_config.format must be an object, got string"),
+        # a tool's type sent and no string names the field (null was taken as a custom tool)
         ({"tools": [{**WEATHER, "type": 5}]},
-         "tools[0]: only custom tools (name, input_schema) are supported, got type integer"),
+         "tools[0].type must be custom (or absent), got integer"),
+        ({"tools": [WEATHER, {**WEATHER, "type": None}]},
+         "tools[1].type must be custom (or absent), got null"),
+        ({"tools": [{**WEATHER, "type": ["custom"]}]},
+         "tools[0].type must be custom (or absent), got array"),
         ({"tools": [{**WEATHER, "type": "bash_20250124"}]},
          "tools[0]: only custom tools (name, input_schema) are supported, got type "
          "'bash_20250124'"),
