@@ -47,15 +47,21 @@ class FP8Choice(NamedTuple):
     shards: tuple[str, dict[str, list[str]]] | None = None
 
 
-def fp8_choice(path: Path, config: ModelConfig, fp8_weights: str | FP8Choice) -> FP8Choice:
+def fp8_choice(
+    path: Path,
+    config: ModelConfig,
+    fp8_weights: str | FP8Choice,
+    shards: tuple[str, dict[str, list[str]]] | None = None,
+) -> FP8Choice:
     """What ``load_model`` serves for ``fp8_weights`` (``fp8_scaled_modules``' rule: "auto"
     keeps what the checkpoint holds), for the readers that must agree with the load before it
     (the memory plan, the sizing) and for the load itself; a choice already made is returned
-    as given."""
+    as given. ``shards``: the checkpoint's ``shard_files`` listing when the caller read it
+    already (else it is read here, when the choice needs it)."""
     if isinstance(fp8_weights, FP8Choice):
         return fp8_weights
     if resolve_fp8_weights(fp8_weights, config, str(path)) == "bf16":  # (its ValueErrors)
         return FP8Choice("bf16", None)
-    shards = shard_files(path)
+    shards = shards or shard_files(path)
     scaled = fp8_scaled_modules(path, fp8_weights, shards[1])
     return FP8Choice("bf16" if scaled is None else "fp8", scaled, shards)

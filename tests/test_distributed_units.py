@@ -331,3 +331,31 @@ def test_ranks_built_with_other_engine_options_are_refused_naming_them(monkeypat
     assert str(err.value).endswith(f"rank 1 has 9c41 ({resolve_model('tiny')})"), err.value
     other = {}  # the same options everywhere: built
     assert build_distributed_engine(resolve_model("tiny"), config, ctx=ctx).dp == 2
+
+
+def test_a_rank_given_an_fp8_weights_the_checkpoint_refuses_is_refused_by_the_options_check(
+    monkeypatch,
+):
+    """``build_distributed_engine`` called with an ``fp8_weights`` string checks the ranks'
+    options before it resolves the string against the checkpoint: rank 1 given ``fp8`` for a
+    bf16 checkpoint (rank 0 ``auto``) raised "needs an FP8 checkpoint" on rank 1 alone, before
+    the check's collective, and rank 0 waited in it until the collective timeout; now every
+    rank gets the check's error naming fp8_weights."""
+    import torch.distributed as dist
+
+    from model.checkpoint import resolve_model
+    from runtime.distributed.dist_engine import build_distributed_engine
+    from runtime.distributed.process import DistContext
+
+    ctx = DistContext(1, 2, 1, "cpu", "gloo", "0", None, 10.0)  # this process: rank 1
+    gathered = []
+
+    def gather(out, obj, group=None):  # rank 0's options are this rank's but for fp8_weights
+        gathered.append(obj)
+        out[:] = [dict(obj, fp8_weights="auto"), obj]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    config = EngineConfig(dp=2, tp=2, device="cpu")
+    with pytest.raises(ValueError, match="fp8_weights: rank 0 has 'auto', rank 1 has 'fp8'$"):
+        build_distributed_engine(resolve_model("tiny"), config, ctx=ctx, fp8_weights="fp8")
+    assert len(gathered) == 1

@@ -123,10 +123,12 @@ def test_a_bf16_load_reads_the_shard_listing_once(monkeypatch):
     assert listings[0] == 2
 
 
-def test_a_rank_build_reads_the_shard_listing_once(monkeypatch):
+@pytest.mark.parametrize("name", ["tiny", "tiny-fp8"])
+def test_a_rank_build_reads_the_shard_listing_once(monkeypatch, name: str):
     """A dp/tp rank's build (``build_distributed_engine``) reads the shard listing once, before
-    the options check (the checkpoint's fingerprint hashes it), and its load takes it: the
-    index is not read again; the meta it is given is not read again either."""
+    the options check (the checkpoint's fingerprint hashes it), and its FP8 choice (made after
+    the check: an FP8 checkpoint's walks that listing) and its load take it: the index is not
+    read again; the meta it is given is not read again either."""
     import torch.distributed as dist
 
     from runtime.distributed.dist_engine import build_distributed_engine
@@ -137,10 +139,11 @@ def test_a_rank_build_reads_the_shard_listing_once(monkeypatch):
         out[:] = [obj, obj]
 
     monkeypatch.setattr(dist, "all_gather_object", gather)
-    meta = model.checkpoint_meta.read_checkpoint_meta("tiny")
+    meta = model.checkpoint_meta.read_checkpoint_meta(name)
     reads = _count(monkeypatch, model.checkpoint_meta, "read_checkpoint_meta")
     listings = _count(monkeypatch, model.shards, "shard_files")
     ctx = DistContext(0, 2, 0, "cpu", "gloo", "0", None, 10.0)
-    engine = build_distributed_engine(meta, EngineConfig(dp=2, tp=2, device="cpu"), ctx=ctx)
+    tp = 2 if name == "tiny" else 1  # (tiny-fp8's experts are one FP8 block wide: no tp)
+    engine = build_distributed_engine(meta, EngineConfig(dp=2, tp=tp, device="cpu"), ctx=ctx)
     assert engine.dp == 2
     assert (reads[0], listings[0]) == (0, 1)

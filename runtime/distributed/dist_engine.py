@@ -311,18 +311,24 @@ def build_distributed_engine(
             f"{config.world_size}"
         )
     asked = fp8_weights.weights if isinstance(fp8_weights, FP8Choice) else fp8_weights
-    # the shard listing read once, here: the checkpoint's fingerprint hashes it and the load
-    # takes it (an FP8 checkpoint's choice read it already)
+    # the shard listing read once, here: the checkpoint's fingerprint hashes it, the FP8 choice
+    # and the load take it (a choice already made may hold it)
     meta = checkpoint_meta(path)
-    choice = fp8_choice(meta.path, meta.config, fp8_weights)
-    choice = choice._replace(shards=choice.shards or shard_files(meta.path))
+    made = fp8_weights.shards if isinstance(fp8_weights, FP8Choice) else None
+    shards = made or shard_files(meta.path)
     check_same_options(
         ctx,
         dict(dataclasses.asdict(config), device=config.device.split(":")[0],
              fp8_weights=asked, generation_config=generation_config,
              compiled=compiler_factory is not None,
-             checkpoint=checkpoint_fingerprint(meta, choice.shards, generation_config)),
+             checkpoint=checkpoint_fingerprint(meta, shards, generation_config)),
     )  # fmt: skip
+    # NOTE: the FP8 choice after the check: one rank's fp8_weights that the checkpoint refuses
+    # (another rank's options) raised on that rank alone, before the check's collective, and
+    # left the others waiting in it; with the options and the checkpoint the same everywhere,
+    # the choice (and any error of it) is the same on every rank
+    choice = fp8_choice(meta.path, meta.config, fp8_weights, shards)
+    choice = choice._replace(shards=choice.shards or shards)
     config = replace(config, device=ctx.device)
     inputs = inputs or read_engine_inputs(meta, config, generation_config)
     g = tp_group(ctx, config)
