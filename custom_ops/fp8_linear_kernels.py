@@ -134,10 +134,12 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     split 8 (was 16), 13.2 / 13.6 / 13.7 / 14.6 against 16.7 / 17.2 / 17.4 / 18.1; 7168 x 2048,
     split 8 (16), 9.9-10.7 against 10.8-11.6; 2048 x 7168, split 4 (8), 9.7-10.3 against
     12.6-13.5 (4 warps, 3 stages 8.9-9.9); 7168 x 576 keeps split 16 (halving it: 8.2-8.8
-    against 7.6-7.8). Everywhere else the rule below: split until about two programs per SM.
-    Timed at
-    M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2 on 4 warps and
-    call 5 on the 8-warp default; larger M keeps the first guess, 4 warps and BN 128):
+    against 7.6-7.8). At M = 33-128 (H100) the branches below say theirs: x quantised first on
+    64 x 64 tiles, split-K to one wave on K < 16384, split-K 2 on K = 16384. Everywhere else
+    (M <= 16 on K = 16384, M = 17-32, M > 128) the last rule: split until about two programs
+    per SM. Timed at M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2
+    on 4 warps and call 5 on the 8-warp default; M > 128 keeps the first guess, 4 warps and
+    BN 128):
     - FUSED against a separate sum on 4 warps (call 2): at M = 1 2.2 µs less on 7168 x 576 and
       7168 x 2048, more on 2048 x 7168 and 16384 x 7168, and from M = 4 0.1-4.8 µs more on every
       shape; on the 8-warp default (``gpu_session18`` call 4, M = 1-16) 0.5-2.4 µs less on every
