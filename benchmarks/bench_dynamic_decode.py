@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="greedy tokens a request (default 4)")
     ap.add_argument("--backend", default="inductor", choices=BACKENDS,
-                    help="inductor (default), inductor_no_graphs (no CUDA graphs) or aot_eager")
+                    help="inductor (default), inductor_no_graphs (no CUDA graphs) or aot_eager "
+                    "(the logits comparison; --speed takes inductor only)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--out", default=None, help=f"the JSON (default {OUT}; --speed: {SPEED_OUT})")
     ap.add_argument("--speed", action="store_true", help="the step's speed on the bench model")
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (the child: a mode)
     ap.add_argument("--logits", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.speed and a.backend != "inductor":  # (it was run with the engine's compile, silently)
+        ap.error(f"--backend {a.backend}: --speed times the engine's own compile (Inductor, CUDA "
+                 "graphs); --backend applies to the logits comparison only")  # fmt: skip
     # NOTE: --speed's default is its own file: it wrote the CPU study's (results/ holds it)
     a.out = a.out or (SPEED_OUT if a.speed else OUT)
     if a.one is not None:

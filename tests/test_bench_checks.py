@@ -101,6 +101,17 @@ def test_dynamic_decode_speed_keeps_the_cpu_study_file(monkeypatch):
     assert set(written) == {"x.json"}
 
 
+@pytest.mark.parametrize("backend", ["inductor_no_graphs", "aot_eager"])
+def test_dynamic_decode_speed_refuses_another_backend(monkeypatch, capsys, backend):
+    """``--speed`` times the engine's own compile: given ``--backend`` (``inductor_no_graphs``
+    to time the step without CUDA graphs) it ran Inductor with CUDA graphs and said nothing; now
+    it is an error naming the flag, before any engine runs."""
+    monkeypatch.setattr(dynamic.subprocess, "run", lambda *a, **k: pytest.fail("ran a mode"))
+    with pytest.raises(SystemExit):
+        dynamic.main(["--speed", "--backend", backend])
+    assert f"--backend {backend}: --speed times the engine's own compile" in capsys.readouterr().err
+
+
 def test_dynamic_decode_compare_names_the_first_step_whose_tokens_differ():
     """Logits that differ by rounding until one request's argmax flips: that request's later rows
     (decoded from other tokens) are left out of the same-input diff, while the other request of
