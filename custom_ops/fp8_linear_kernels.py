@@ -135,7 +135,8 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     split 8 (16), 9.9-10.7 against 10.8-11.6; 2048 x 7168, split 4 (8), 9.7-10.3 against
     12.6-13.5 (4 warps, 3 stages 8.9-9.9); 7168 x 576 keeps split 16 (halving it: 8.2-8.8
     against 7.6-7.8). At M = 33-128 (H100) the branches below say theirs: x quantised first on
-    64 x 64 tiles, split-K to one wave on K < 16384, split-K 2 on K = 16384. Everywhere else
+    64-column tiles, split-K to one wave on K < 16384 (128-row tiles on 8 warps above M = 64),
+    split-K 4 / 2 on K = 16384 (M <= 64 / above). Everywhere else
     (M <= 16 on K = 16384, M = 17-32, M > 128) the last rule: split until about two programs
     per SM. Timed at M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2
     on 4 warps and call 5 on the 8-warp default; M > 128 keeps the first guess, 4 warps and
@@ -165,29 +166,32 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
         return {"BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": False,
                 "SWAP": True, "num_warps": 8, "num_stages": 4}  # fmt: skip
     if k < 16384 and 32 < m <= 128:
-        # M = 33-128 on K < 16384 (H100, gpu_session34 call 1, docs/quantization.md): x quantised
-        # first, 64 x 64 tiles on 4 warps, 4 stages, split-K until one wave (tiles x split >=
-        # SMs). Against the rule below (64 x 128 tiles, x quantised in every N tile, split until
-        # two programs per SM; µs at M = 64 / 128): 7168 x 4096 22.2 / 29.0 against 40.0 / 47.4
-        # (split 4 / 2), 7168 x 2048 18.2 against 37.9 at M = 128 (split 4), 2048 x 7168 13.8 /
-        # 15.4 against 27.1 / 30.9 (split 2 / 1); the splits of fewer tiles (7168 x 2048 at
-        # M = 64, 7168 x 576) extend the rule past the splits measured (4 there: 16.1, 14.3 /
-        # 14.7 µs against 24.5, 19.5 / 27.5)
-        bm = bn = 64
-        tiles = -(-m // bm) * -(-n // bn)
-        while split < 16 and split * 2 <= kb and tiles * split < num_sms:
+        # M = 33-128 on K < 16384 (H100, gpu_session34 calls 1 and 2, docs/quantization.md): x
+        # quantised first, 64-column tiles, 4 stages, the smallest power-of-two split-K (at most
+        # 8: 16 was slower on 7168 x 576, 13.1-13.9 µs against 11.8-12.3) that gives one wave of
+        # 64-row tiles (tiles x split >= SMs); above M = 64, 128-row tiles on 8 warps with that
+        # split (as many warps as the 64-row wave). Against the rule below (64 x 128 tiles, x
+        # quantised in every N tile; call 1, µs at M = 64 / 128): 7168 x 4096 22.1 / 26.5
+        # against 40.0 / 47.4, 7168 x 2048 17.3 / 18.1 against 24.5 / 37.9, 2048 x 7168 13.9 /
+        # 13.7 against 27.1 / 30.9, 7168 x 576 12.3 / 15.2 against 19.5 / 27.5 (this rule's
+        # configurations as call 2 timed them)
+        tiles = -(-m // 64) * -(-n // 64)
+        while split < 8 and split * 2 <= kb and tiles * split < num_sms:
             split *= 2
-        return {"BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": True,
-                "num_warps": 4, "num_stages": 4}  # fmt: skip
+        wide = m > 64
+        return {"BM": 128 if wide else 64, "BN": 64, "SPLIT_K": split, "FUSED": True,
+                "PREQUANT": True, "num_warps": 8 if wide else 4, "num_stages": 4}  # fmt: skip
     if k >= 16384 and 32 < m <= 128:
-        # K = 16384 at M = 64-128 (H100, gpu_session32 call 3, docs/quantization.md): 64 x 64
-        # tiles, split-K 2, x quantised first: 65.1 / 72.0 µs against the rule below's 81.9 /
-        # 86.1 at M = 64 / 128 (at M = 32 62.1 against 54.4: the rule below keeps it). NOTE:
-        # not past the M measured: a prefill chunk's split-K 2 would need a tile counter per
-        # output tile (more than ``tile_counters.COUNTERS`` from ~37K rows on N = 7168) and
-        # fp32 partials of 2 x M x N; the rule below splits no tile there
-        return {"BM": 64, "BN": 64, "SPLIT_K": 2, "FUSED": True, "PREQUANT": True,
-                "num_warps": 4, "num_stages": 3}  # fmt: skip
+        # K = 16384 at M = 33-128 (H100, gpu_session32 call 3, docs/quantization.md): 64 x 64
+        # tiles, x quantised first: split-K 2 gave 65.1 / 72.0 µs against the rule below's
+        # 81.9 / 86.1 at M = 64 / 128 (at M = 32 62.1 against 54.4: the rule below keeps it);
+        # split-K 4 up to M = 64 (gpu_session34 call 2: 54.8 / 56.5 against split 2's 62.9 /
+        # 64.4 at M = 48 / 64; 75.7 / 81.3 against 67.2 / 70.7 at M = 96 / 128). NOTE: not past
+        # the M measured: a prefill chunk's split-K would need a tile counter per output tile
+        # (more than ``tile_counters.COUNTERS`` from ~37K rows on N = 7168) and fp32 partials
+        # of split x M x N; the rule below splits no tile there
+        return {"BM": 64, "BN": 64, "SPLIT_K": 4 if m <= 64 else 2, "FUSED": True,
+                "PREQUANT": True, "num_warps": 4, "num_stages": 3}  # fmt: skip
     while tiles * split < 2 * num_sms and split * 2 <= kb and split < 16:
         split *= 2
     return {

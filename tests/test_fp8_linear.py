@@ -66,6 +66,7 @@ CASES = [  # (M, K, N, ue8m0, config)
     (6, 512, 200, False, dict(BM=16, BN=128, SPLIT_K=4, FUSED=True, SWAP=True)),
     (17, 256, 64, True, dict(BM=32, BN=64, SPLIT_K=1, PREQUANT=True, SWAP=True)),
     (40, 512, 200, True, None),  # the heuristic at M = 33-128: x quantised first, split-K
+    (70, 256, 72, False, None),  # the heuristic above M = 64: 128-row tiles, split-K
 ]
 
 
@@ -316,8 +317,9 @@ def test_dispatch_rules_at_v32_shapes():
     assert [FK.fp8_config(1, n, k, 132)["BN"] for n, k in ((576, 7168), (7168, 16384))] == [64, 64]
     assert FK.fp8_config(1, 2048, 7168, 132)["BN"] == 128
     assert FK.fp8_config(32, 7168, 16384, 132)["BM"] == 32  # M <= 32: the rule below it
-    deep = FK.fp8_config(64, 7168, 16384, 132)  # M > 32 on K = 16384: 64 x 64, split-K 2
-    assert (deep["BM"], deep["BN"], deep["SPLIT_K"], deep["PREQUANT"]) == (64, 64, 2, True)
+    for m, split in ((64, 4), (128, 2)):  # M > 32 on K = 16384: 64 x 64, split-K 4 / 2
+        deep = FK.fp8_config(m, 7168, 16384, 132)
+        assert (deep["BM"], deep["BN"], deep["SPLIT_K"], deep["PREQUANT"]) == (64, 64, split, True)
     assert FK.fp8_config(1, 7168, 16384, 132)["PREQUANT"]
     # decode rows on K < 16384: SWAP, one wave of programs of at most 8 K blocks (K x N: split)
     splits = {(7168, 4096): 8, (7168, 2048): 8, (2048, 7168): 4, (7168, 576): 16}
@@ -327,13 +329,17 @@ def test_dispatch_rules_at_v32_shapes():
             assert cfg["SPLIT_K"] == split and cfg["SWAP"] and cfg["num_stages"] == 4, (k, n, cfg)
     assert not FK.fp8_config(17, 4096, 7168, 132).get("SWAP")
     assert not FK.fp8_config(1, 7168, 16384, 132).get("SWAP")
-    # M = 33-128 on K < 16384: x quantised first, 64 x 64 tiles, split-K to one wave of programs
-    splits = {(7168, 4096, 64): 4, (7168, 4096, 128): 2, (7168, 2048, 128): 4,
-              (2048, 7168, 64): 2, (2048, 7168, 128): 1, (7168, 576, 64): 16}  # fmt: skip
+    # M = 33-128 on K < 16384: x quantised first, 64-column tiles, split-K (at most 8) to one
+    # wave of 64-row tiles; above M = 64 128-row tiles on 8 warps
+    splits = {(7168, 4096, 64): 4, (7168, 4096, 128): 2, (7168, 2048, 64): 8,
+              (7168, 2048, 128): 4, (2048, 7168, 64): 2, (2048, 7168, 128): 1,
+              (7168, 576, 64): 8, (7168, 576, 128): 8}  # fmt: skip
     for (k, n, m), split in splits.items():
         cfg = FK.fp8_config(m, n, k, 132)
-        got = (cfg["BM"], cfg["BN"], cfg["SPLIT_K"], cfg["PREQUANT"], cfg.get("SWAP", False))
-        assert got == (64, 64, split, True, False), (k, n, m, cfg)
+        wide = m > 64
+        got = (cfg["BM"], cfg["BN"], cfg["SPLIT_K"], cfg["PREQUANT"], cfg.get("SWAP", False),
+               cfg["num_warps"])  # fmt: skip
+        assert got == (128 if wide else 64, 64, split, True, False, 8 if wide else 4), (k, n, m)
     assert FK.fp8_config(129, 4096, 7168, 132)["BN"] == 128  # above 128: the rule before
 
 
