@@ -8,7 +8,9 @@ mapping of docs/CONTRACTS.md, one tensor at a time into the materialised paramet
   axis) of ``mlp.experts.w13_S`` / ``mlp.experts.w2_S``;
 - layers ``>= num_hidden_layers`` (MTP) -> kept aside, unconverted.
 Every problem raises ``ValueError`` naming the tensor and the file: missing, unexpected, wrong
-shape, wrong kind of dtype, FP8 scales that are not finite and >= 0, AWQ scales fp16 would change;
+shape, wrong kind of dtype, FP8 scales that are not finite and >= 0, AWQ scales fp16 would change,
+a config.json ``num_hidden_layers`` other than the checkpoint's decoder layers (the MTP layer told
+apart by its ``eh_proj``);
 FP8 scales that are not powers of two where config.json declares ``scale_fmt: ue8m0`` are one
 warning. The shards' reading is ``model.loader.load_weights``'.
 """
@@ -251,6 +253,7 @@ class WeightPlacer:
         """Before any tensor is read, from the shards' names (``fp8``: those stored as e4m3)
         alone: an FP8 weight or scale without its partner, or parameters no tensor provides,
         fail in seconds instead of after every shard was read (minutes on V3.2)."""
+        self._check_layer_count(files)
         where = {n: f for f, names in files.items() for n in names if not self.is_mtp(n)}
         covered: set[tuple[str, int | None, int | None]] = set()
         for name, file in where.items():
@@ -271,6 +274,40 @@ class WeightPlacer:
                 )
             covered.add(_target(name).piece)
         self._raise_missing(covered, index)
+
+    def _check_layer_count(self, files: dict[str, list[str]]) -> None:
+        """config.json's ``num_hidden_layers`` against the checkpoint's layers: an MTP layer (the
+        one with an ``eh_proj``) is the first layer past the decoder layers. NOTE: a count one
+        short loaded silently, the last decoder layer kept aside as if it were the MTP layer (a
+        checkpoint without its MTP layer: nothing else missing, a wrong model); one too many
+        was an "unexpected tensor" of the MTP layer that named no config field."""
+        n = self.config.num_hidden_layers
+        first: dict[int, tuple[str, str]] = {}  # layer -> (its first tensor, its file)
+        mtp: dict[int, tuple[str, str]] = {}  # MTP layer -> (its eh_proj tensor, its file)
+        for file, names in files.items():
+            for name in names:
+                if (lm := _LAYER.match(name)) is None:
+                    continue
+                layer = int(lm.group(1))
+                first.setdefault(layer, (name, file))
+                if name.startswith(f"model.layers.{layer}.eh_proj."):
+                    mtp.setdefault(layer, (name, file))
+        field = f"config.json field 'num_hidden_layers' is {n}"
+        for layer in sorted(first):
+            if layer >= n and layer not in mtp:
+                name, file = first[layer]
+                raise ValueError(
+                    f"{field}, but the checkpoint has a decoder layer {layer} (e.g. "
+                    f"{self._where(name, file)}; it has no eh_proj, so it is not an MTP layer): "
+                    "num_hidden_layers must count every decoder layer"
+                )
+            if layer < n and layer in mtp:
+                name, file = mtp[layer]
+                raise ValueError(
+                    f"{field}, but layer {layer} of the checkpoint is an MTP layer "
+                    f"({self._where(name, file)}): num_hidden_layers must count the decoder "
+                    "layers only"
+                )
 
     def _raise_missing(self, loaded: set[tuple[str, int | None, int | None]], index: str) -> None:
         missing: list[str] = []

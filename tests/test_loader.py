@@ -248,6 +248,45 @@ def test_expert_beyond_the_model_is_unexpected(tiny, tmp_path):
         load_model(path)
 
 
+def set_config(path, **fields):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(fields)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("strip_mtp", [False, True], ids=["with-mtp", "mtp-stripped"])
+def test_num_hidden_layers_short_of_the_checkpoint_is_named(tiny, tmp_path, strip_mtp):
+    """config.json counting one decoder layer fewer than the checkpoint holds: the last decoder
+    layer was kept aside as the MTP layer and the model served one layer short, silently (with
+    the MTP layer stripped, as quantised uploads do, nothing at all was left over). Named from
+    the names alone, by the MTP layer's own eh_proj; the sharded load checks the same."""
+    path = copy_ckpt(tiny, tmp_path)
+    n = TINY.num_hidden_layers
+    set_config(path, num_hidden_layers=n - 1)
+    if strip_mtp:
+        mtp = f"model.layers.{n}."
+        edit(path, lambda t, shard: [t.pop(k) for k in list(t) if k.startswith(mtp)])
+    msg = (rf"config\.json field 'num_hidden_layers' is {n - 1}, but the checkpoint has a "
+           rf"decoder layer {n - 1} \(e\.g\. tensor 'model\.layers\.{n - 1}\..*' in .*model-0000\d"
+           r"-of-0000\d\.safetensors; it has no eh_proj")
+    with pytest.raises(ValueError, match=msg):
+        load_model(path, keep_mtp=False)
+    with pytest.raises(ValueError, match=msg):
+        load_sharded_model(path, TPGroup(0, 2, "", gather=True))
+
+
+def test_num_hidden_layers_past_the_checkpoint_is_named(tiny, tmp_path):
+    """One decoder layer too many in config.json: the MTP layer taken for a decoder layer was an
+    "unexpected tensor 'model.layers.4.embed_tokens.weight'" that named no config field."""
+    path = copy_ckpt(tiny, tmp_path)
+    n = TINY.num_hidden_layers
+    set_config(path, num_hidden_layers=n + 1)
+    with pytest.raises(ValueError, match=rf"config\.json field 'num_hidden_layers' is {n + 1}, but "
+                                         rf"layer {n} of the checkpoint is an MTP layer \(tensor "
+                                         rf"'model\.layers\.{n}\.eh_proj\.weight' in "):
+        load_model(path)
+
+
 def test_missing_tensor_is_named(tiny, tmp_path):
     path = copy_ckpt(tiny, tmp_path)
     gone = ("model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.0.input_layernorm.weight")
