@@ -158,7 +158,7 @@ class Tokenizer:
         if cfg_file.is_file():
             try:
                 cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:  # (the latter named no file)
                 raise ValueError(f"{cfg_file}: invalid JSON: {e}") from e
             if not isinstance(cfg, dict):  # (cfg.get below: an AttributeError)
                 raise ValueError(f"{cfg_file}: expected a JSON object, not {type(cfg).__name__}")
@@ -173,7 +173,10 @@ class Tokenizer:
                 )  # fmt: skip
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:  # (a bare codec error named no file)
+                raise ValueError(f"{jinja_file}: not UTF-8 text: {e}") from e
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{cfg_file}: chat_template must be a string")
         add_bos = cfg.get("add_bos_token")

@@ -70,6 +70,16 @@ def test_from_dir_errors(tmp_path: Path) -> None:
     (d / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match="invalid JSON"):
         Tokenizer.from_dir(d)
+    # not UTF-8 (a file saved in another encoding): named, as its invalid JSON is (it was a
+    # bare "'utf-8' codec can't decode byte 0xff" naming no file); chat_template.jinja alike
+    (d / "tokenizer_config.json").write_bytes(b"\xff{}")
+    with pytest.raises(ValueError, match=r"t/tokenizer_config\.json: invalid JSON: 'utf-8' codec"):
+        Tokenizer.from_dir(d)
+    (d / "tokenizer_config.json").write_text("{}")
+    (d / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(ValueError, match=r"t/chat_template\.jinja: not UTF-8 text: 'utf-8' codec"):
+        Tokenizer.from_dir(d)
+    (d / "chat_template.jinja").unlink()
     (d / "tokenizer_config.json").write_text("[]")  # was an AttributeError ('list' ... 'get')
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: expected a JSON object"):
         Tokenizer.from_dir(d)
