@@ -22,6 +22,7 @@ from model.quant_config import QuantConfig
 from model.rope_scaling import RopeScaling, parse_rope_scaling, with_rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
+ARCHITECTURE = "DeepseekV32ForCausalLM"  # config.json's architectures must name it, where given
 
 # Cache formats are hard-wired to the latent, rope and indexer-key widths of custom_ops.kv_format
 # (docs/model_notes.md, fixed dimensions): a config with others is refused below.
@@ -251,6 +252,14 @@ class ModelConfig:
                 "config.json field 'model_type': expected one of "
                 f"{SUPPORTED_MODEL_TYPES}, got {mt!r}"
             )
+        # NOTE: a config.json naming another model class (a V3 or Llama export given V3.2's
+        # model_type) loaded as V3.2 without a word; vLLM picks the model by this field. Absent
+        # or null is let be (model_type says it)
+        arch = d.get("architectures")
+        if arch is not None:
+            ok = isinstance(arch, list) and all(isinstance(a, str) for a in arch)
+            expect(ok, "architectures", "a list of model class names", arch)
+            expect(ARCHITECTURE in arch, "architectures", f"a list naming {ARCHITECTURE!r}", arch)
         d = with_rope_parameters(d)
         kw: dict[str, Any] = {}
         for name, typ in _REQUIRED:
@@ -291,7 +300,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` form (inverse of ``from_dict``)."""
         d: dict[str, Any] = {
-            "architectures": ["DeepseekV32ForCausalLM"],
+            "architectures": [ARCHITECTURE],
             "model_type": "deepseek_v32",
         }
         for k, v in asdict(self).items():

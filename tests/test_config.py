@@ -22,6 +22,10 @@ def test_bench_softmax_scale_matches_reference():
     "change, field",
     [
         ({"model_type": "llama"}, "model_type"),
+        # another model class than V3.2's (was loaded as V3.2 without a word), or not a list
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, "architectures"),
+        ({"architectures": "DeepseekV32ForCausalLM"}, "architectures"),
+        ({"architectures": [["DeepseekV32ForCausalLM"]]}, "architectures"),
         ({"n_routed_experts": 9}, "n_routed_experts"),
         ({"kv_lora_rank": 256}, "kv_lora_rank"),
         ({"hidden_size": 200}, "hidden_size"),
@@ -137,6 +141,11 @@ def test_optional_fields_of_the_right_type_load():
     d.update(num_nextn_predict_layers=1.0, hidden_size=float(d["hidden_size"]))  # integral
     c = ModelConfig.from_dict(d)
     assert c.num_nextn_predict_layers == 1 and isinstance(c.hidden_size, int)
+    for arch in (None, ["DeepseekV32ForCausalLM", "AnotherHead"]):  # model_type says it / named
+        d["architectures"] = arch
+        assert ModelConfig.from_dict(d) == c
+    del d["architectures"]
+    assert ModelConfig.from_dict(d) == c
 
 
 def v5_rope(d, **rope_parameters):
