@@ -79,7 +79,8 @@ class QuantConfig:
                 )
             if zero is not True:
                 raise ValueError(
-                    "quantization_config.zero_point: only zero_point=true AWQ is supported"
+                    "quantization_config.zero_point: only zero_point=true AWQ is supported, "
+                    f"got {zero!r}"
                 )
             skip = d.get("modules_to_not_convert") or ()
             ok = isinstance(skip, (list, tuple)) and all(isinstance(m, str) for m in skip)

@@ -112,6 +112,17 @@ def test_bad_config_names_the_field(change, field):
         ModelConfig.from_dict(d)
 
 
+def test_awq_zero_point_names_what_it_found():
+    """zero_point false (symmetric AWQ) or of the wrong type: the message shows the stored value
+    (it said only what was supported)."""
+    d = tiny_config_dict()
+    for bad in (False, "true"):
+        d["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                    "zero_point": bad}  # fmt: skip
+        with pytest.raises(ValueError, match=rf"zero_point: only .* got {bad!r}$"):
+            ModelConfig.from_dict(d)
+
+
 def test_awq_bits_and_group_of_the_wrong_type_are_shown_as_stored():
     """``"bits": "4"`` was reported as "only 4-bit AWQ is supported, got 4"."""
     d = tiny_config_dict()
