@@ -109,19 +109,27 @@ class HandlersBase:
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from e
 
-    def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
+    def max_tokens(
+        self, n_prompt: int, max_tokens: int | None, param: str, defaulted: bool = False
+    ) -> int:
         """Reject prompt + max_tokens over the context; a missing max_tokens (chat) becomes what
-        the context leaves. Other bad values are left to SamplingParams to name."""
+        the context leaves. Other bad values are left to SamplingParams to name. ``defaulted``:
+        ``max_tokens`` is the default of a request that set none (completions' 16, refused over
+        the context as vLLM refuses it), which the 400 says, with the most that would fit."""
         limit = self.engine.max_model_len
         head = f"This model's maximum context length is {limit} tokens. However, "
+        if (max_tokens is None or defaulted) and n_prompt >= limit:
+            raise self.context_error(str(n_prompt), param)
         if max_tokens is None:
-            if n_prompt >= limit:
-                raise self.context_error(str(n_prompt), param)
             return limit - n_prompt
         if max_tokens >= 1 and n_prompt + max_tokens > limit:
+            why = ""
+            if defaulted:
+                room = limit - n_prompt
+                why = f", the default max_tokens, as the request set none: set it to at most {room}"
             msg = (
                 f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
-                f"{max_tokens} for the completion).{self.context_note}"
+                f"{max_tokens} for the completion{why}).{self.context_note}"
             )
             raise APIError(400, head + msg, param=param, code=CONTEXT_CODE)
         return max_tokens

@@ -74,7 +74,7 @@ class CompletionHandlers(HandlersBase):
         defaults = self.engine.sampling_defaults
         params = sampling_params(req, max_tokens, req.logprobs is not None, vocab, defaults)
         for ids, _ in prompts:
-            self.max_tokens(len(ids), max_tokens, "prompt")
+            self.max_tokens(len(ids), max_tokens, "prompt", defaulted=req.max_tokens is None)
         # echo with logprobs: the prompt's tokens come first in the logprobs, their entries from
         # the prompt_logprobs path (None for the first token, as OpenAI and vLLM return it)
         echo_lps = bool(req.echo) and req.logprobs is not None

@@ -528,6 +528,24 @@ def test_context_check_at_exactly_the_limit(url: str, tok: Tokenizer) -> None:
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_completions_default_max_tokens_over_the_context_says_it_was_not_set(url: str) -> None:
+    """A completion without max_tokens gets OpenAI's 16; a prompt that leaves fewer is a 400, as
+    vLLM answers it, whose message says the 16 is the default (the client sent none) and what
+    max_tokens would fit. A prompt of the whole context leaves no room at all, named as such."""
+    body = {"model": MODEL, "prompt": [5] * (MAX_MODEL_LEN - 10)}
+    for stream in (False, True):
+        r = _post(url, C, {**body, "stream": stream})
+        msg = _error(r, 400, "prompt")
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert f"({MAX_MODEL_LEN - 10} in the prompt, 16 for the completion, " in msg, msg
+        assert "the default max_tokens, as the request set none: set it to at most 10)" in msg
+    msg = _error(_post(url, C, {**body, "max_tokens": 16}), 400, "prompt")  # sent: no such note
+    assert "16 for the completion)." in msg, msg
+    msg = _error(_post(url, C, {**body, "prompt": [5] * MAX_MODEL_LEN}), 400, "prompt")
+    assert f"your prompt has {MAX_MODEL_LEN} tokens, which leaves no room" in msg, msg
+    assert _post(url, C, {**body, "prompt": [5] * (MAX_MODEL_LEN - 16)}).status_code == 200
+
+
 def test_api_key_is_checked_before_the_body_is_read(aengine: AsyncEngine) -> None:
     """Without the key, a body over the cap is a 401, not a 413: nothing was read."""
     app = build_app(aengine, MODEL, api_key="k", max_body_bytes=100)
