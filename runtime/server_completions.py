@@ -115,12 +115,17 @@ class CompletionHandlers(HandlersBase):
             offsets[i] = starts.pop()
             if req.logprobs is None:
                 return None
-            alternatives = None
-            if req.logprobs and top:
-                alternatives = [
-                    None if pos is None else {self.token_string(t): lp for t, lp in pos}
-                    for pos in top
-                ]
+            # OpenAI's legacy rule, as vLLM keeps it: each position's top N, then the chosen token
+            # itself when it is not among them (up to logprobs + 1 entries; logprobs 0: the chosen
+            # token alone). None where the token has no logprob (an echoed prompt's first).
+            tops = top or [[] for _ in token_ids]
+            alternatives = [
+                None if pos is None or own is None else {
+                    self.token_string(t): v
+                    for t, v in (pos if any(t == tok for t, _ in pos) else [*pos, (tok, own)])
+                }
+                for tok, own, pos in zip(token_ids, lps, tops, strict=True)
+            ]  # fmt: skip
             return {
                 "tokens": toks,
                 "token_logprobs": lps,
@@ -129,21 +134,20 @@ class CompletionHandlers(HandlersBase):
             }
 
         def echoed(i: int, entries: list | None) -> tuple[list[int], list, list[Top | None]]:
-            """echo with logprobs: the prompt's ids, logprobs and alternatives, to go before the
-            generated ones. A prompt position's alternatives are its top N and the prompt token
-            itself (OpenAI: up to logprobs + 1)."""
+            """echo with logprobs: the prompt's ids, logprobs and top N alternatives, to go before
+            the generated ones (``logprobs`` adds the prompt token itself, as it adds a chosen
+            one)."""
             if not echo_lps or entries is None:
                 return [], [], []
             ids, lps, tops = choices[i].ids, [], []
-            for tok, e in zip(ids, entries, strict=True):
+            for e in entries:
                 if e is None:
                     lps.append(None)
                     tops.append(None)
                     continue
                 lp, _, alts = e
-                alts = alts[: req.logprobs]
                 lps.append(lp)
-                tops.append(alts + [(tok, lp)] if all(t != tok for t, _ in alts) else alts)
+                tops.append(alts[: req.logprobs])
             return list(ids), lps, tops
 
         def first() -> list[dict[str, Any]]:  # echo: the prompt comes first

@@ -330,3 +330,28 @@ def test_benchmark_script_runs_its_cli_on_cpu() -> None:
     assert e.value.code == 0
     if not torch.cuda.is_available():
         assert bench.main(["--out", "/dev/null"]) == 2  # says it needs CUDA, writes nothing
+
+
+def test_completion_top_logprobs_hold_the_chosen_token(url: str) -> None:
+    """Completions ``logprobs: N`` (OpenAI's legacy rule, vLLM's): each generated position's
+    top_logprobs are the top N and the chosen token with its own logprob, up to N + 1 entries,
+    as the echoed prompt's positions are; ``logprobs: 0``: the chosen token alone. Sampled at a
+    high temperature, so chosen tokens outside the top N come up; streamed equal to not."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=1.5, seed=1)
+    for n in (0, 2):
+        lp = client.completions.create(**kw, logprobs=n).choices[0].logprobs
+        outside = 0
+        for tok, own, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert tok in alts and len(alts) <= n + 1, (tok, alts)
+            ranked = sorted(alts.values(), reverse=True)
+            if len(alts) == n + 1:  # the chosen token came after the top N
+                outside += 1
+                assert alts[tok] == own and own <= ranked[-1], (tok, own, alts)
+        assert outside > 0  # (the case the rule is about came up)
+        chunks = client.completions.create(**kw, logprobs=n, stream=True)
+        streamed = [t for c in chunks if c.choices[0].logprobs
+                    for t in c.choices[0].logprobs.top_logprobs]  # fmt: skip
+        assert streamed == lp.top_logprobs
