@@ -8,6 +8,7 @@ import functools
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -115,17 +116,14 @@ class CompletionHandlers(HandlersBase):
             offsets[i] = starts.pop()
             if req.logprobs is None:
                 return None
-            # OpenAI's legacy rule, as vLLM keeps it: each position's top N, then the chosen token
-            # itself when it is not among them (up to logprobs + 1 entries; logprobs 0: the chosen
-            # token alone). None where the token has no logprob (an echoed prompt's first).
+            # None where the token has no logprob (an echoed prompt's first)
             tops = top or [[] for _ in token_ids]
             alternatives = [
-                None if pos is None or own is None else {
-                    self.token_string(t): v
-                    for t, v in (pos if any(t == tok for t, _ in pos) else [*pos, (tok, own)])
-                }
+                None
+                if pos is None or own is None
+                else top_entries(pos, tok, own, self.token_string)
                 for tok, own, pos in zip(token_ids, lps, tops, strict=True)
-            ]  # fmt: skip
+            ]
             return {
                 "tokens": toks,
                 "token_logprobs": lps,
@@ -211,6 +209,16 @@ class CompletionHandlers(HandlersBase):
         return await self.respond(
             request, streams, choices, req, head, chunk, final, t0, first, keep, prompt_only
         )
+
+
+def top_entries(
+    top: Top, token: int, logprob: float, text: Callable[[int], str]
+) -> dict[str, float]:
+    """One position's ``top_logprobs`` (OpenAI's legacy rule, as vLLM keeps it): its top N
+    (``top``), then the chosen ``token`` itself with its ``logprob`` when it is not among them (up
+    to N + 1 entries; N = 0: the chosen token alone), keyed by their strings (``text``)."""
+    pairs = top if any(t == token for t, _ in top) else [*top, (token, logprob)]
+    return {text(t): v for t, v in pairs}
 
 
 def best_of_order(results: list[RequestOutput], best_of: int, n: int) -> list[int]:
