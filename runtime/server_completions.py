@@ -216,9 +216,13 @@ def top_entries(
 ) -> dict[str, float]:
     """One position's ``top_logprobs`` (OpenAI's legacy rule, as vLLM keeps it): its top N
     (``top``), then the chosen ``token`` itself with its ``logprob`` when it is not among them (up
-    to N + 1 entries; N = 0: the chosen token alone), keyed by their strings (``text``)."""
-    pairs = top if any(t == token for t, _ in top) else [*top, (token, logprob)]
-    return {text(t): v for t, v in pairs}
+    to N + 1 entries; N = 0: the chosen token alone), keyed by their strings (``text``). NOTE:
+    a chosen token whose string is a top one's (byte pieces all read "\ufffd") leaves that entry
+    as it is, as vLLM writes them (the chosen first, the top N over it): its own logprob put
+    under that string claimed a likelier token's place."""
+    out = {text(t): v for t, v in top}
+    out.setdefault(text(token), logprob)
+    return out
 
 
 def best_of_order(results: list[RequestOutput], best_of: int, n: int) -> list[int]:

@@ -175,18 +175,17 @@ def test_server_prompt_logprobs_vllm_shape(url: str) -> None:
 def _echo_want(prompt: list[int], plp: list, n: int) -> tuple[list, list]:
     """The prompt part echo + logprobs=n should have, from the served ``prompt_logprobs``
     (id-keyed, ranked): token_logprobs, and top_logprobs keyed by token string (the top n, then
-    the prompt token itself when it is not among them)."""
+    the prompt token itself when its string is not among theirs)."""
     _, tok = tiny()
     lps, tops = [None], [None]
     for pos in range(1, len(prompt)):
         entry = plp[pos]
         own = entry[str(prompt[pos])]["logprob"]
         alts = sorted((e["rank"], int(t), e["logprob"]) for t, e in entry.items() if e["rank"] <= n)
-        pairs = [(t, v) for _, t, v in alts]
-        if all(t != prompt[pos] for t, _ in pairs):
-            pairs.append((prompt[pos], own))
+        top = {tok.decode([t], skip_special_tokens=False): v for _, t, v in alts}
+        top.setdefault(tok.decode([prompt[pos]], skip_special_tokens=False), own)
         lps.append(own)
-        tops.append({tok.decode([t], skip_special_tokens=False): v for t, v in pairs})
+        tops.append(top)
     return lps, tops
 
 
@@ -220,9 +219,14 @@ def test_echo_with_logprobs_puts_the_prompt_first(url: str, n: int, plp_n: int) 
     assert lp.text_offset == offsets
     if n <= plp_n:  # prompt_logprobs shows every alternative echo returns
         assert lp.top_logprobs[: len(prompt)] == want_tops
-    else:  # it shows the first plp_n of them
-        assert all(d is None or set(w.items()) < set(d.items()) for d, w in
-                   zip(lp.top_logprobs[: len(prompt)], want_tops, strict=True))  # fmt: skip
+    else:  # it shows the first plp_n of them, each among echo's, and the prompt token's string
+        assert lp.top_logprobs[0] is None
+        for pos in range(1, len(prompt)):
+            d = lp.top_logprobs[pos]
+            assert strings[pos] in d
+            for t, e in plp[pos].items():
+                if e["rank"] <= plp_n:
+                    assert d[tok.decode([int(t)], skip_special_tokens=False)] == e["logprob"]
         assert all(len(d) > len(w) for d, w in zip(lp.top_logprobs[1:], want_tops[1:]))
     # without prompt_logprobs: the same logprobs, and no prompt_logprobs field
     alone = client.completions.create(**kw, echo=True).choices[0]
@@ -355,3 +359,17 @@ def test_completion_top_logprobs_hold_the_chosen_token(url: str) -> None:
         streamed = [t for c in chunks if c.choices[0].logprobs
                     for t in c.choices[0].logprobs.top_logprobs]  # fmt: skip
         assert streamed == lp.top_logprobs
+
+
+def test_completion_chosen_token_never_overwrites_a_top_one() -> None:
+    """A chosen token outside the top N whose string is one of theirs (byte-level pieces of
+    characters all read "\ufffd": the tiny model, sampled, gives them): the top N keep their own
+    logprobs under that string, as vLLM writes them (the chosen token first, the top N over it).
+    The chosen one's logprob overwrote the likelier token's, and N + 1 entries became N."""
+    from runtime.server_completions import top_entries
+
+    text = {7: "\ufffd", 8: "\ufffd", 9: "a"}.__getitem__
+    assert top_entries([(7, -3.4), (9, -3.5)], 8, -5.1, text) == {"\ufffd": -3.4, "a": -3.5}
+    assert top_entries([(9, -3.5)], 8, -5.1, text) == {"a": -3.5, "\ufffd": -5.1}  # N + 1
+    assert top_entries([(7, -3.4), (9, -3.5)], 9, -3.5, text) == {"\ufffd": -3.4, "a": -3.5}
+    assert top_entries([], 8, -5.1, text) == {"\ufffd": -5.1}  # logprobs 0
