@@ -49,7 +49,9 @@ def run_demo(a: argparse.Namespace) -> int:
         device=device,
         progress=False,
         compile=a.compile,
-        max_model_len=a.max_len + a.max_tokens + 64,
+        # (the longest request drawn: within the host pool below, which a given context
+        # past it is refused by; --max-len + --max-tokens was, for a few requests)
+        max_model_len=max(lens) + a.max_tokens,
     )
     # host pages: each request reserves ceil((prompt + max_tokens) / 64) pages
     host = sum(pages_for(n + a.max_tokens) for n in lens) * PAGE

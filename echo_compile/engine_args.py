@@ -76,16 +76,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--host-tokens",
         type=int,
         default=None,
-        help="host KV pool rows per layer (default on CUDA: --max-batch requests of "
-        "--max-model-len, at most what --host-memory-fraction holds; on the CPU 16384)",
+        help="host KV pool rows (tokens) per layer, a multiple of 64 (default on CUDA: "
+        "--max-batch requests of --max-model-len, at most what --host-memory-fraction holds; on "
+        "the CPU 16384)",
     )
     p.add_argument(
         "--gpu-tokens",
         type=int,
         default=None,
-        help="GPU pool rows per layer (default on CUDA: what --gpu-memory-utilization leaves "
-        f"after the weights, the other KV buffers and a reserve of {RESERVE_GIB:g} GiB; on the CPU "
-        "1024)",
+        help="GPU pool rows (tokens) per layer, at most --host-tokens (default on CUDA: what "
+        "--gpu-memory-utilization leaves after the weights, the other KV buffers and a reserve "
+        f"of {RESERVE_GIB:g} GiB; on the CPU 1024)",
     )
     p.add_argument(
         "--host-memory-fraction",
@@ -124,10 +125,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="longest prompt + output a request may have (default on CUDA: the model's "
-        "max_position_embeddings, lowered to what the host pool holds; on the CPU 4096; capped "
-        "by --host-tokens; the prefill keeps this many rows a layer on the device unless "
-        "--no-prefill-buffer)",
+        help="longest prompt + output a request may have, in tokens (default on CUDA: the "
+        "model's max_position_embeddings, lowered to what the host pool holds; on the CPU 4096; "
+        "a given one past max_position_embeddings or --host-tokens is refused; the prefill "
+        "keeps this many rows a layer on the device unless --no-prefill-buffer)",
     )
     p.add_argument(
         "--prefill-chunk",

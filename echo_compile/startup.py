@@ -17,7 +17,7 @@ from echo_compile.memory_checks import check_fits, check_host_pool, rank_weights
 from runtime.distributed.process import ended_on_error
 from runtime.engine import Engine, EngineConfig
 from runtime.engine_inputs import read_engine_inputs
-from runtime.kv_sizing import SIZED, size_engine
+from runtime.kv_sizing import SIZED, check_given_context, check_given_gpu_pool, size_engine
 from runtime.progress import LoadProgress
 
 if TYPE_CHECKING:
@@ -88,10 +88,13 @@ def start_engine(
         given = set(SIZED) & set(engine_options)
         weights = rank_weights(ckpt, config, fp8_weights)
         memory_device = rank_memory_device(config)  # (torchrun: this rank's GPU)
+        # a given context the model or the pool cannot serve, refused as given (not lowered)
+        check_given_context(ckpt, config, given)
         config = size_engine(
             meta, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
             weights, ctx, memory_device,
         )  # fmt: skip
+        check_given_gpu_pool(config, given)
         # the tokenizer, the generation config and the options against the model config, in
         # seconds: a mistake there is not found after minutes of reading weights
         inputs = read_engine_inputs(meta, config, generation_config)
@@ -127,14 +130,6 @@ def start_engine(
             engine = Engine.from_loaded(
                 net, extras, config, model_name=model,
                 compiler=StepCompiler(config.device) if compiled else None, inputs=inputs,
-            )  # fmt: skip
-        mc = engine.model_config
-        asked, limit = engine_options.get("max_model_len"), config.model_len(mc)
-        if asked is not None and limit < asked:  # (serve's start-up line names it too)
-            _log.warning(
-                "max_model_len %d: requests get %d tokens at most, the least of it, the "
-                "model's max_position_embeddings (%d) and host_tokens (%d)",
-                asked, limit, mc.max_position_embeddings, config.host_tokens,
             )  # fmt: skip
         # warm-up captures every bucket, then forbids recompiles of the engine's steps: from
         # here on a request can never trigger a compile

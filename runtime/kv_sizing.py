@@ -73,6 +73,55 @@ def check_fractions(host_memory_fraction: float, gpu_memory_utilization: float) 
             raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
 
 
+def check_given_context(mc: ModelConfig, config: EngineConfig, given: set[str]) -> None:
+    """A ``max_model_len`` the user gave (``given`` names it), before the sizing and the load:
+    refused where the model's positions or the host pool cannot serve it, naming the flags and
+    the fix, as vLLM refuses a ``max_model_len`` past the model's or past its KV cache (it was
+    lowered, with a warning only after the weights had loaded). The host pool bounds it where it
+    is not sized after this check: a given ``host_tokens``, or the CPU's default; on CUDA a pool
+    left out is sized to hold it (``auto_sizes`` refuses where memory cannot)."""
+    if "max_model_len" not in given:
+        return
+    from custom_ops.kv_format import PAGE, pages_for
+
+    asked, positions = config.max_model_len, mc.max_position_embeddings
+    if asked > positions:
+        rs = mc.rope_scaling
+        yarn = (
+            f", already YaRN-scaled: {rs.factor:g} x original {rs.original_max_position_embeddings}"
+            if rs is not None and positions > rs.original_max_position_embeddings
+            else ""
+        )
+        raise ValueError(
+            f"--max-model-len {asked} is more than the model's max_position_embeddings "
+            f"{positions} (config.json{yarn}): positions past it were never trained; lower "
+            f"--max-model-len to at most {positions}"
+        )
+    sized_later = config.device.startswith("cuda") and "host_tokens" not in given
+    if asked > config.host_tokens and not sized_later:
+        whose = "--host-tokens" if "host_tokens" in given else "the CPU's default --host-tokens"
+        need = pages_for(asked) * PAGE
+        raise ValueError(
+            f"--max-model-len {asked} is more than the host KV pool holds: {whose} "
+            f"{config.host_tokens} rows a layer, and a request reserves its rows at admission; "
+            f"give --host-tokens {need} (or more, a multiple of {PAGE}) or lower --max-model-len "
+            f"to at most {config.host_tokens}"
+        )
+
+
+def check_given_gpu_pool(config: EngineConfig, given: set[str]) -> None:
+    """A ``gpu_tokens`` the user gave against the host pool (``config`` sized): the GPU pool
+    caches host pool rows, so rows past ``host_tokens`` are GPU memory never used; refused,
+    naming both and the fix (a pool left out is sized to at most ``host_tokens``)."""
+    if "gpu_tokens" in given and config.offload and config.gpu_tokens > config.host_tokens:
+        raise ValueError(
+            f"--gpu-tokens {config.gpu_tokens} is more than --host-tokens {config.host_tokens}: "
+            "the GPU pool caches rows of the host pool, so the rows past it would never be "
+            f"used; lower --gpu-tokens to at most {config.host_tokens}, raise --host-tokens, or "
+            "keep the whole KV cache on the GPU (--no-offload)"
+        )
+
+
 def _gpu_cache_bytes(mc: ModelConfig, config: EngineConfig, host: int, gpu: int) -> int:
     """The KV cache's device bytes (the plan's count) with ``host`` / ``gpu`` rows a layer."""
     from runtime.distributed.plan import cache_bytes

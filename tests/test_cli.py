@@ -143,8 +143,9 @@ def test_cuda_without_cuda_is_one_line(capsys, monkeypatch, cmd):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("echo_compile.llm.LLM", no_load)
+    # (demo's first: patched second, its first import took the patched LLM, kept after the test)
     monkeypatch.setattr("echo_compile.demo.LLM", no_load)
+    monkeypatch.setattr("echo_compile.llm.LLM", no_load)
     rc, _, err = run_main(capsys, cmd[0], "--device", "cuda", *cmd[1:])
     assert_one_line_error(rc, err, "--device cuda: CUDA is not available")
 
@@ -215,6 +216,15 @@ def test_demo_flags_are_checked_before_the_models_load(capsys, monkeypatch, flag
     monkeypatch.setattr("echo_compile.demo.LLM", no_load)
     rc, _, err = run_main(capsys, "demo", "--device", "cpu", *flags)
     assert_one_line_error(rc, err, what)
+
+
+def test_demo_sizes_its_context_within_the_pool_it_sizes(capsys):
+    """The demo's context is its longest request drawn, within the host pool of the requests'
+    pages (it was --max-len + --max-tokens + 64, past the pool of one short request: a given
+    context past a given pool is refused at start-up)."""
+    flags = ["--requests", "1", "--min-len", "100", "--max-len", "300", "--max-tokens", "4"]
+    rc, out, err = run_main(capsys, "demo", "--device", "cpu", *flags)
+    assert rc == 0 and "(tokens and logprobs bit for bit vs GPU-only): PASS" in out, err
 
 
 def test_bad_thread_counts_are_one_line(capsys, monkeypatch, tmp_path):

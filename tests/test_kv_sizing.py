@@ -176,3 +176,73 @@ def test_a_fraction_that_sizes_nothing_is_warned_about_naming_the_flag(caplog):
     caplog.clear()
     assert size_engine(path, cpu, set()) is cpu  # left out: nothing to say
     assert caplog.text == ""
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """``LLM``'s loader replaced: a start-up that passes its checks stops with "loaded"."""
+    import model.loader
+
+    def load(*a, **k):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(model.loader, "load_model", load)
+
+
+@pytest.mark.parametrize(
+    "options, parts",
+    [  # past the model's positions (V3.2's 163840, YaRN already applied): not lowered to them
+        (dict(max_model_len=200000, host_tokens=262144),
+         ("--max-model-len 200000", "max_position_embeddings 163840", "40 x original 4096",
+          "at most 163840")),
+        # past a given host pool: a request could never be admitted (it was lowered to the pool)
+        (dict(max_model_len=100000, host_tokens=16384),
+         ("--max-model-len 100000", "--host-tokens 16384 rows", "give --host-tokens 100032",
+          "lower --max-model-len to at most 16384")),
+        # the CPU keeps its default pool: named as the default
+        (dict(max_model_len=100000),
+         ("the CPU's default --host-tokens 16384", "--host-tokens 100032")),
+    ],
+)
+def test_a_given_context_the_model_or_pool_cannot_serve_is_refused_before_the_load(
+    no_load, options, parts
+):
+    from echo_compile.llm import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM("tiny", device="cpu", compile=False, progress=False, **options)
+    for part in parts:
+        assert part in str(e.value), (part, str(e.value))
+    with pytest.raises(AssertionError, match="loaded"):  # what fits starts
+        LLM("tiny", device="cpu", compile=False, progress=False, max_model_len=16384)
+
+
+def test_a_given_context_is_refused_on_cuda_too_where_the_sizing_lowered_it(no_load, monkeypatch):
+    """On CUDA the sizing capped a given context at the positions or a given pool silently."""
+    import echo_compile.startup
+    from echo_compile.llm import LLM
+    from runtime.distributed import plan
+
+    monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (80.0, 100.0))
+    monkeypatch.setattr(plan, "gpu_total_bytes", lambda device: 80 * GIB)
+    for options, part in ((dict(max_model_len=200000), "max_position_embeddings 163840"),
+                          (dict(max_model_len=100000, host_tokens=16384), "--host-tokens 16384")):
+        with pytest.raises(ValueError, match=part):
+            LLM("tiny", device="cuda", compile=False, progress=False, **options)
+    with pytest.raises(AssertionError, match="loaded"):  # a pool left out is sized to hold it
+        LLM("tiny", device="cuda", compile=False, progress=False, max_model_len=100000)
+
+
+def test_a_given_gpu_pool_past_the_host_pool_is_refused(no_load, monkeypatch):
+    """The GPU pool caches host rows: past ``host_tokens`` its rows are never used."""
+    from echo_compile.llm import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM("tiny", device="cpu", compile=False, progress=False, host_tokens=1024, gpu_tokens=4096)
+    for part in ("--gpu-tokens 4096", "--host-tokens 1024", "at most 1024", "--no-offload"):
+        assert part in str(e.value), (part, str(e.value))
+    for fine in (dict(host_tokens=1024, gpu_tokens=1024),
+                 dict(host_tokens=1024, gpu_tokens=4096, offload=False)):  # fmt: skip
+        with pytest.raises(AssertionError, match="loaded"):
+            LLM("tiny", device="cpu", compile=False, progress=False, **fine)

@@ -545,20 +545,6 @@ def test_llm_generate_returns_top_and_prompt_logprobs_as_the_stream() -> None:
     assert plain.top_logprobs is None and plain.prompt_logprobs is None
 
 
-def test_llm_warns_when_it_serves_less_context_than_asked(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    opts = {**ENGINE_OPTIONS, "max_model_len": 10**6}
-    with caplog.at_level("WARNING", logger="echo_compile.llm"):
-        llm = LLM(MODEL, offload=True, **opts)
-    limit = llm.engine.max_model_len
-    assert limit < 10**6 and f"max_model_len 1000000: requests get {limit} tokens" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="echo_compile.llm"):
-        LLM(MODEL, offload=True, **{**ENGINE_OPTIONS, "max_model_len": limit})
-    assert "requests get" not in caplog.text
-
-
 def test_llm_takes_the_checkpoint_sampling_defaults() -> None:
     """``generation_config="auto"``: a request without params samples as the checkpoint's
     generation_config.json says (the tiny one: top_p 0.95); "none": SamplingParams()'s."""
