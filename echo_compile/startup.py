@@ -17,7 +17,13 @@ from echo_compile.memory_checks import check_fits, check_host_pool, rank_weights
 from runtime.distributed.process import ended_on_error
 from runtime.engine import Engine, EngineConfig
 from runtime.engine_inputs import read_engine_inputs
-from runtime.kv_sizing import SIZED, check_given_context, check_given_gpu_pool, size_engine
+from runtime.kv_sizing import (
+    SIZED,
+    check_given_context,
+    check_given_gpu_pool,
+    size_engine,
+    warn_capped_batch,
+)
 from runtime.progress import LoadProgress
 
 if TYPE_CHECKING:
@@ -95,6 +101,7 @@ def start_engine(
             weights, ctx, memory_device,
         )  # fmt: skip
         check_given_gpu_pool(config, given)
+        warn_capped_batch(ckpt, config)  # (a small GPU pool: fewer requests a step)
         # the tokenizer, the generation config and the options against the model config, in
         # seconds: a mistake there is not found after minutes of reading weights
         inputs = read_engine_inputs(meta, config, generation_config)

@@ -122,6 +122,29 @@ def check_given_gpu_pool(config: EngineConfig, given: set[str]) -> None:
         )
 
 
+def warn_capped_batch(mc: ModelConfig, config: EngineConfig) -> str | None:
+    """The warning (logged, and returned; None: none) where the GPU pool cannot hold a full
+    decode batch's selections (``max_decode_rows``: each decoding request keeps ``index_topk``
+    rows a layer in it), so a step decodes fewer than ``max_batch`` requests: allowed (a small
+    pool is a choice), but said at start-up, with the flags that would decode them all, rather
+    than found from the throughput."""
+    from custom_ops.cache.config import max_decode_rows
+
+    topk = mc.index_topk
+    rows = max_decode_rows(config.max_batch, topk, config.gpu_tokens if config.offload else None)
+    if rows >= config.max_batch:
+        return None
+    msg = (
+        f"--max-batch {config.max_batch}: a decode step holds at most {rows} requests, "
+        f"--gpu-tokens {config.gpu_tokens} // index_topk {topk} (each decoding request keeps its "
+        f"{topk} selected rows a layer in the GPU pool); --gpu-tokens "
+        f"{config.max_batch * topk} decodes --max-batch at once, --max-batch {rows} captures "
+        "no bucket that never runs"
+    )
+    logger.warning("%s", msg)
+    return msg
+
+
 def _gpu_cache_bytes(mc: ModelConfig, config: EngineConfig, host: int, gpu: int) -> int:
     """The KV cache's device bytes (the plan's count) with ``host`` / ``gpu`` rows a layer."""
     from runtime.distributed.plan import cache_bytes

@@ -246,3 +246,22 @@ def test_a_given_gpu_pool_past_the_host_pool_is_refused(no_load, monkeypatch):
                  dict(host_tokens=1024, gpu_tokens=4096, offload=False)):  # fmt: skip
         with pytest.raises(AssertionError, match="loaded"):
             LLM("tiny", device="cpu", compile=False, progress=False, **fine)
+
+
+def test_a_gpu_pool_that_caps_the_decode_batch_is_warned_about_at_start_up(no_load, caplog):
+    """gpu_tokens < max_batch x index_topk: a step decodes gpu_tokens // topk requests, not
+    max_batch (allowed: said once at start-up, naming the flags that decode them all)."""
+    from echo_compile.llm import LLM
+
+    caplog.set_level(logging.WARNING, logger="runtime.kv_sizing")
+    with pytest.raises(AssertionError, match="loaded"):
+        LLM("tiny", device="cpu", compile=False, progress=False, max_batch=8, gpu_tokens=64)
+    for part in ("--max-batch 8: a decode step holds at most 2 requests", "--gpu-tokens 64",
+                 "--gpu-tokens 256 decodes", "--max-batch 2"):  # fmt: skip
+        assert part in caplog.text, (part, caplog.text)
+    caplog.clear()
+    full_batch = (dict(gpu_tokens=256), dict(gpu_tokens=64, offload=False))  # max_batch 8
+    for full in full_batch:
+        with pytest.raises(AssertionError, match="loaded"):
+            LLM("tiny", device="cpu", compile=False, progress=False, **full)
+    assert "decode step holds" not in caplog.text
