@@ -483,3 +483,44 @@ def test_llm_counts_the_weights_once(monkeypatch, dp):
         LLM("tiny", device="cuda", dp=dp, compile=False, progress=False)
     assert len(counted) == 1, counted
     assert taken == counted * 2  # the sizing's, the check's
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--max-batch", "4", "--host-tokens", "8192", "--gpu-tokens", "512",
+         "--max-model-len", "2048", "--kv-format", "fp8"],
+        ["--max-batch", "2", "--host-tokens", "4096", "--gpu-tokens", "256",
+         "--max-model-len", "4096", "--prefetch", "request", "--prefetch-cap", "128",
+         "--kv-format", "bf16"],  # (plan's default is fp8, serve's bf16: given here)
+        ["--max-batch", "4", "--host-tokens", "4096", "--max-model-len", "1024", "--no-offload",
+         "--no-prefill-buffer", "--kv-format", "bf16"],
+    ],
+    ids=["fp8", "prefetch", "gpu_only"],
+)  # fmt: skip
+def test_plan_counts_what_serve_allocates_for_the_same_flags(monkeypatch, capsys, flags):
+    """``echo-compile plan --model DIR`` with serve's sizing flags plans the KV cache that
+    ``serve`` (``LLM`` with ``engine_options``) allocates for them, byte for byte."""
+    from echo_compile.cli_args import parser
+    from echo_compile.engine_args import engine_options
+    from echo_compile.llm import LLM
+    from runtime.distributed import plan as plan_module
+
+    planned = {}
+    real_plan = plan_module.memory_plan
+
+    def spy(config, engine, *a, **k):
+        planned.update(cache_bytes(engine.cache_config(config)))
+        return real_plan(config, engine, *a, **k)
+
+    monkeypatch.setattr(plan_module, "memory_plan", spy)
+    assert cli_main(["plan", "--model", "tiny", "--gpus", "1", *flags]) == 0, capsys.readouterr()
+    options = engine_options(parser().parse_args(["serve", "--device", "cpu", *flags]))
+    llm = LLM("tiny", compile=False, progress=False, **options)
+    cache = llm.engine.cache
+    assert cache_bytes(cache.config) == planned
+    host = sum(layer.host_kv.numel() for layer in cache.layers)  # (uint8 rows)
+    if not cache.config.offload:  # GPU-only: the "host" rows are the device's KV cache
+        host = 0
+    assert planned["host kv pool"] == host
+    assert sum(v for k, v in planned.items() if k != "host kv pool") == nbytes(cache) - host
