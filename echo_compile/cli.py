@@ -90,6 +90,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _plan(a: argparse.Namespace) -> int:
     from runtime.distributed.plan import GPU_MEM_GIB, memory_plan, plan_engine, v32_config
+    from runtime.kv_sizing import check_given_context, check_given_gpu_pool
 
     if a.model is not None:
         if a.quant is not None:
@@ -106,6 +107,9 @@ def _plan(a: argparse.Namespace) -> int:
     eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
                       a.kv_format, not a.no_offload, a.max_model_len, ep,
                       not a.no_prefill_buffer, **given(a, PREFETCH_OPTIONS))  # fmt: skip
+    # the sizes as serve takes them given: a context or GPU pool serve refuses is refused here
+    check_given_context(config, eng, {"max_model_len", "host_tokens"})
+    check_given_gpu_pool(eng, {"gpu_tokens"})
     mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
     plan = memory_plan(
         config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node

@@ -132,7 +132,8 @@ def test_plan_command(capsys):
     # the sizes the numbers are of, as serve's flags: plan's defaults are not serve's
     sizes = "--max-batch 64 --max-model-len 163840 --kv-format fp8 --gpu-tokens 200000"
     assert f"  for {sizes} --host-tokens 2097152\n" in out, out
-    assert cli_main(["plan", "--no-offload", "--host-tokens", "65536", "--max-batch", "4"]) == 0
+    assert cli_main(["plan", "--no-offload", "--host-tokens", "65536", "--max-batch", "4",
+                     "--max-model-len", "65536"]) == 0  # fmt: skip
     assert "for --max-batch 4 " in (out := capsys.readouterr().out), out
     assert "--no-offload --host-tokens 65536\n" in out and "--gpu-tokens" not in out, out
     assert cli_main(["plan", "--quant", "awq", "--no-prefill-buffer"]) == 0
@@ -524,3 +525,19 @@ def test_plan_counts_what_serve_allocates_for_the_same_flags(monkeypatch, capsys
         host = 0
     assert planned["host kv pool"] == host
     assert sum(v for k, v in planned.items() if k != "host kv pool") == nbytes(cache) - host
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-model-len", "200000"], "more than the model's max_position_embeddings 163840"),
+        (["--host-tokens", "65536"], "--max-model-len 163840 is more than the host KV pool"),
+        (["--host-tokens", "65536", "--max-model-len", "65536", "--gpu-tokens", "200000"],
+         "--gpu-tokens 200000 is more than --host-tokens 65536"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_the_sizes_serve_refuses(capsys, flags, message):
+    """A context past the model's positions or the host pool, a GPU pool past the host pool:
+    serve refuses them at start-up, so plan does (it planned them, the context lowered)."""
+    assert cli_main(["plan", *flags]) == 2
+    assert message in capsys.readouterr().err
