@@ -541,3 +541,32 @@ def test_plan_refuses_the_sizes_serve_refuses(capsys, flags, message):
     serve refuses them at start-up, so plan does (it planned them, the context lowered)."""
     assert cli_main(["plan", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_refusal_names_the_rows_that_fit_and_they_do():
+    """The GPU's and the host's refusals name the --gpu-tokens / --host-tokens that fit (as vLLM
+    names the fix), and a rank given that many fits."""
+    import re
+    from dataclasses import replace
+
+    from model.checkpoint_meta import read_checkpoint_meta
+    from runtime.distributed.plan import check_fits
+    from runtime.engine_config import EngineConfig
+
+    _, config, _ = read_checkpoint_meta("tiny")
+    for eng in (EngineConfig(device="cuda", host_tokens=1 << 20, gpu_tokens=1 << 19),
+                EngineConfig(device="cuda", host_tokens=1 << 19, offload=False)):  # fmt: skip
+        plan = memory_plan(config, eng, 100.0, None, 0.0)
+        gpu = sum(plan.gpu_gib.values()) * 0.6  # the KV rows dominate: a smaller pool fits
+        host = plan.host_gib_per_rank * 0.6 if eng.offload else 100.0
+        with pytest.raises(ValueError) as e:
+            check_fits(config, eng, gpu, host)
+        named = dict((f, int(n)) for f, n in re.findall(r"(--\w+-tokens) (\d+) fits", str(e.value)))
+        assert set(named) == ({"--gpu-tokens", "--host-tokens"} if eng.offload
+                              else {"--host-tokens"}), str(e.value)  # fmt: skip
+        if eng.offload:  # each alone fits its own memory
+            check_fits(config, replace(eng, gpu_tokens=named["--gpu-tokens"]), gpu, 100.0)
+            check_fits(config, replace(eng, host_tokens=named["--host-tokens"]), 100.0, host)
+        else:
+            check_fits(config, replace(eng, host_tokens=named["--host-tokens"]), gpu, host)
+        assert all(n > 0.5 * (1 << 18) for n in named.values())  # not needlessly small

@@ -169,17 +169,26 @@ class MemoryPlan:
                     f"--host-tokens {self.host_tokens} rows a layer, no offloading")  # fmt: skip
             has = f"{self.gpu_mem_gib:g} GiB"
             has = f"{self.gpu_mem_gib:.1f} GiB free" if self.gpu_free else has
+            # the rows that fit: the excess taken off the KV rows alone (the pools' maps and
+            # the indexer cache shrink with them too, so the count is on the safe side)
+            rows = self.gpu_tokens if self.offload else self.host_tokens
+            over = self.gpu_total_gib - self.gpu_mem_gib
+            fit = (int(rows * (1 - over / kv)) // PAGE * PAGE) if kv > over else 0
+            name = "--gpu-tokens" if self.offload else "--host-tokens"
+            fix = f"; {name} {fit} fits" if fit > 0 and not dequant else ""
             out.append(
                 f"{self.quant} on dp={self.dp} tp={self.tp}: a GPU needs "
                 f"{self.gpu_total_gib:.1f} GiB ({w:.1f} GiB weights, {kv:.1f} GiB {what}: "
-                f"{flag}) but has {has}{why}"
+                f"{flag}) but has {has}{why}{fix}"
             )
         if self.host_mem_gib is not None and self.host_total_gib > self.host_mem_gib:
             n = self.ranks_per_node
             ranks = f" a node ({n} ranks x {self.host_gib_per_rank:.1f})" if n > 1 else ""
+            fit = int(self.host_tokens * self.host_mem_gib / self.host_total_gib) // PAGE * PAGE
             out.append(
                 f"the host KV pools need {self.host_total_gib:.1f} GiB{ranks}, --host-tokens "
                 f"{self.host_tokens} rows a layer, but the host has {self.host_mem_gib:.1f} GiB"
+                + (f"; --host-tokens {fit} fits" if fit > 0 else "")
             )
         return out
 
