@@ -219,10 +219,13 @@ def auto_sizes(
             )  # fmt: skip
             max_len = host
         ranks = f" / {memory.local_ranks} ranks" if memory.local_ranks > 1 else ""
+        # fewer than max_batch requests of the whole context: said, as vLLM's "maximum
+        # concurrency" line (the others wait for pages; shorter requests still batch)
+        held = f"; holds {host // one} of them at once" if host < want else ""
         why.append(
             f"host_tokens {host} ({host * layers * row / GIB:.1f} GiB: max_batch "
             f"{config.max_batch} x {max_len}, at most {host_memory_fraction:g} x "
-            f"{memory.host_bytes / GIB:.0f} GiB host{ranks})"
+            f"{memory.host_bytes / GIB:.0f} GiB host{ranks}{held})"
         )
     if "gpu_tokens" in given or not config.offload:
         gpu = config.gpu_tokens

@@ -265,3 +265,15 @@ def test_a_gpu_pool_that_caps_the_decode_batch_is_warned_about_at_start_up(no_lo
         with pytest.raises(AssertionError, match="loaded"):
             LLM("tiny", device="cpu", compile=False, progress=False, **full)
     assert "decode step holds" not in caplog.text
+
+
+def test_a_host_pool_for_fewer_than_max_batch_requests_says_how_many_it_holds(tiny):
+    """max_batch 64 of 100000 tokens in 1 GiB of host: the pool holds one of them at a time,
+    which the line says (it named only "max_batch 64 x 100000, at most ...")."""
+    config = EngineConfig(device="cuda", max_model_len=100000, max_batch=64)
+    one_gib = Memory(host_bytes=GIB, gpu_total_bytes=80 * GIB)
+    s = auto_sizes(tiny, config, {"max_model_len", "max_batch"}, one_gib, weight_bytes=0)
+    assert s.host_tokens // 100032 == 1
+    assert "max_batch 64 x 100000, at most 0.8 x 1 GiB host; holds 1 of them at once)" in s.why
+    s = auto_sizes(tiny, config, {"max_model_len", "max_batch"}, BIG, weight_bytes=0)
+    assert s.host_tokens == 64 * 100032 and "holds" not in s.why
