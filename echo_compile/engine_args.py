@@ -25,6 +25,25 @@ SIZED_OPTIONS = (*SIZED, "host_memory_fraction", "gpu_memory_utilization")
 PREFETCH_OPTIONS = ("prefetch", "prefetch_cap", "prefetch_ratio")
 
 
+def token_count(value: str) -> int:
+    """A token count as vLLM's ``--max-model-len`` takes it: an integer, or one with a suffix,
+    k / m / g for powers of 1000 and K / M / G for powers of 1024 (``100k`` = 100000, ``128K`` =
+    131072, ``25.6k`` = 25600); a count that is not whole is refused, naming the value."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    v = value.strip()
+    scale = units.get(v[-1:], 1)
+    try:
+        n = float(v[:-1]) * scale if scale > 1 else int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid token count: {value!r} (an integer, or with k / m / g for 1000s, K / M / G "
+            "for 1024s: 100k, 128K)"
+        ) from None
+    if n != n or n in (float("inf"), float("-inf")) or n != int(n):  # (nan, inf: not counts)
+        raise argparse.ArgumentTypeError(f"invalid token count: {value!r} is {n:g}, not whole")
+    return int(n)
+
+
 def add_prefetch_args(p: argparse.ArgumentParser) -> None:
     """The prefetch flags (``PREFETCH_OPTIONS``), which serve, generate and plan take."""
     p.add_argument(
@@ -74,7 +93,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--host-tokens",
-        type=int,
+        type=token_count,
         default=None,
         help="host KV pool rows (tokens) per layer, a multiple of 64 (default on CUDA: "
         "--max-batch requests of --max-model-len, at most what --host-memory-fraction holds; on "
@@ -82,7 +101,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpu-tokens",
-        type=int,
+        type=token_count,
         default=None,
         help="GPU pool rows (tokens) per layer, at most --host-tokens (default on CUDA: what "
         "--gpu-memory-utilization leaves after the weights, the other KV buffers and a reserve "
@@ -123,9 +142,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=token_count,
         default=None,
-        help="longest prompt + output a request may have, in tokens (default on CUDA: the "
+        help="longest prompt + output a request may have, in tokens (100k, 128K as vLLM takes "
+        "them; default on CUDA: the "
         "model's max_position_embeddings, lowered to what the host pool holds; on the CPU 4096; "
         "a given one past max_position_embeddings or --host-tokens is refused; the prefill "
         "keeps this many rows a layer on the device unless --no-prefill-buffer)",

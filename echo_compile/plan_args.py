@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from echo_compile.engine_args import KV_FORMATS, add_prefetch_args
+from echo_compile.engine_args import KV_FORMATS, add_prefetch_args, token_count
 from echo_compile.process_args import add_process_args
 
 # NOTE: no torch here either: the flags are in every --help (cli_args.py says why).
@@ -37,13 +37,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     # NOTE: the defaults plan the 8 x H200 deployment (docs/multi_gpu.md, $SIZES), not serve's
     p.add_argument(
         "--gpu-tokens",
-        type=int,
+        type=token_count,
         default=200000,
         help="GPU pool rows per layer (default: %(default)s)",
     )
     p.add_argument(
         "--host-tokens",
-        type=int,
+        type=token_count,
         default=1 << 21,
         help="host pool rows per layer (default: %(default)s)",
     )
@@ -55,7 +55,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=token_count,
         default=163840,
         help="longest prompt + output, as serve's flag (default: %(default)s)",
     )

@@ -463,3 +463,21 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_frees_the_port(capsys, mon
     assert rc == 130 and err == "echo-compile: interrupted\n", (rc, err)
     with socket.socket() as again:
         again.bind(("127.0.0.1", port))
+
+
+def test_token_counts_take_vllm_s_suffixes(capsys):
+    """--max-model-len 100k, as vLLM takes it (k: 1000s, K: 1024s), and the pools' sizes alike:
+    it was an argparse error, "invalid int value: '100k'"."""
+    from echo_compile.cli_args import parser
+
+    a = parser().parse_args(["serve", "--max-model-len", "100k", "--host-tokens", "128K",
+                             "--gpu-tokens", "25.6k"])  # fmt: skip
+    assert (a.max_model_len, a.host_tokens, a.gpu_tokens) == (100000, 131072, 25600)
+    rc, out, _ = run_main(capsys, "plan", "--model", "tiny", "--gpus", "1", "--max-model-len",
+                          "100k", "--host-tokens", "1M")  # fmt: skip
+    assert rc == 0 and "--max-model-len 100000 " in out and "--host-tokens 1048576\n" in out, out
+    for bad, why in (("10x", "invalid token count: '10x'"), ("1.5", "'1.5'"),
+                     ("1.0001k", "is 1000.1, not whole"), ("infk", "'infk'")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parser().parse_args(["serve", "--max-model-len", bad])
+        assert why in capsys.readouterr().err
