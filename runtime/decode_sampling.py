@@ -1,6 +1,7 @@
 """A decode step's tokens, sampled on the device: the grammar's mask, the sampling controls, the
 engine's logits processors, then ``runtime.sampler.sample``, with each row's token, logprob, top
-alternatives and (when checked) unusable-logits stage put in one tensor on its way to the host
+alternatives (with the chosen token's logprob among them) and (when checked) unusable-logits
+stage put in one tensor on its way to the host
 (``runtime.readback.SampledStep``; no host sync here)."""
 
 from __future__ import annotations
@@ -87,9 +88,14 @@ def sample_decode(
     cols = [tok.double()[:, None], lp.double()[:, None]]
     if n_top:
         # top alternatives: log_softmax of the logits sampled from, before temperature /
-        # top-k / top-p (what a greedy row's own logprob is computed from)
-        top = torch.log_softmax(logits, dim=-1).topk(n_top, dim=-1)
+        # top-k / top-p (what a greedy row's own logprob is computed from); then the chosen
+        # token's logprob in that same distribution (a sampled row's ``lp`` is of the processed
+        # one), for a top-N list that adds the chosen token (completions' N + 1 rule)
+        raw = torch.log_softmax(logits, dim=-1)
+        top = raw.topk(n_top, dim=-1)
+        chosen = raw.gather(1, tok[:, None]).clamp(min=LOGPROB_FLOOR)
         cols += [top.indices.double(), top.values.clamp(min=LOGPROB_FLOOR).double()]
+        cols.append(chosen.double())
     checked = bool(stages)
     if checked:  # an unusable row fails its request when read (Engine._complete)
         cols.append(bad_stage(stages).double()[:, None])

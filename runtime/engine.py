@@ -417,7 +417,7 @@ class Engine:
         """Read a decode step's tokens (the step's one host sync) and hand them to its requests;
         a request that finished after the step was launched (asynchronous scheduling) is
         skipped."""
-        toks, lps, tops = s.read()
+        toks, lps, tops, chosen = s.read()
         now = self._tokens_at = time.perf_counter()
         if self._last_end is not None and s.started is not None:
             # both have run (reading s waited for its end, which the GPU ran after its start)
@@ -429,7 +429,7 @@ class Engine:
         self.decode_steps_ahead += s.ahead
         outs = []
         bad = s.bad_stages or [0] * len(toks)
-        for r, tok, lp, top, stage in zip(s.batch.requests, toks, lps, tops, bad):
+        for r, tok, lp, top, raw, stage in zip(s.batch.requests, toks, lps, tops, chosen, bad):
             if r.status is Status.FINISHED:
                 self.discarded_rows += 1
                 continue
@@ -447,7 +447,7 @@ class Engine:
             if reason is not None:
                 self._finish(r, reason)
             r.check()
-            outs.append(token_output(r, tok, lp, top, text, reason))
+            outs.append(token_output(r, tok, lp, top, raw, text, reason))
         self._pool_checks.poll()
         if any(o.finished for o in outs):
             self._pool_checks.add(self.cache.overflow())

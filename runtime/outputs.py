@@ -17,6 +17,8 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)  # empty unless the request asked for them
     # per token, its params.top_logprobs most likely (token id, logprob); empty unless asked
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # per token, its own logprob in top_logprobs' distribution (StepOutput.new_top_chosen)
+    top_chosen: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each output
     finish_reason: str | None = None  # None: not finished (or the stream was left early)
     prompt_tokens: int = 0
@@ -36,6 +38,7 @@ class RequestOutput:
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
         self.top_logprobs += out.new_top_logprobs or []
+        self.top_chosen += out.new_top_chosen or []
         self.token_times.append(time.perf_counter())
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs

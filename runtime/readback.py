@@ -35,12 +35,13 @@ def to_host(x: torch.Tensor, timed: bool = False) -> tuple[torch.Tensor, torch.c
 class SampledStep:
     """A decode step whose tokens were sampled on the device and not read yet: the next step
     launched ahead takes ``tokens`` as its input ids; ``host`` receives, per row, the token id,
-    its logprob and ``n_top`` alternatives' ids and logprobs (float64: token ids are exact);
-    ``copied`` (CUDA) is recorded after that copy, so reading waits for this step alone."""
+    its logprob, and with ``n_top`` alternatives their ids and logprobs, then the token's own
+    logprob in their distribution (float64: token ids are exact); ``copied`` (CUDA) is recorded
+    after that copy, so reading waits for this step alone."""
 
     batch: ScheduledBatch
     tokens: torch.Tensor  # int64 [n], on the device
-    host: torch.Tensor  # float64 [n, 2 + 2 n_top], pinned host memory on CUDA
+    host: torch.Tensor  # float64 [n, 2 (+ 2 n_top + 1)], pinned host memory on CUDA
     n_top: int
     copied: torch.cuda.Event | None  # (CUDA, timed) after the copy to ``host``
     ahead: bool  # launched before the step before it was read
@@ -54,9 +55,11 @@ class SampledStep:
         if self.copied is not None:
             self.copied.synchronize()
 
-    def read(self) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
-        """Token ids, logprobs and (per request, its ``top_logprobs`` many, else None) top
-        alternatives, once this step's copy has passed: the step's one wait."""
+    def read(self) -> tuple[list[int], list[float], list[TopLogprobs | None], list[float | None]]:
+        """Token ids, logprobs, (per request, its ``top_logprobs`` many, else None) top
+        alternatives and the token's logprob in the alternatives' distribution (the raw
+        log-softmax; None with no alternatives), once this step's copy has passed: the step's
+        one wait."""
         self.wait()
         rows = self.host.tolist()
         toks = [int(row[0]) for row in rows]
@@ -64,13 +67,14 @@ class SampledStep:
         if self.checked:
             self.bad_stages = [int(row[-1]) for row in rows]
         if not self.n_top:
-            return toks, lps, [None] * len(rows)
-        n, tops = self.n_top, []
+            return toks, lps, [None] * len(rows), [None] * len(rows)
+        n, tops, chosen = self.n_top, [], []
         for row, r in zip(rows, self.batch.requests):
             k = r.params.top_logprobs
             ids, vs = row[2 : 2 + n], row[2 + n : 2 + 2 * n]
             tops.append([(int(i), v) for i, v in zip(ids[:k], vs[:k])] if k else None)
-        return toks, lps, tops
+            chosen.append(row[2 + 2 * n] if k else None)
+        return toks, lps, tops, chosen
 
 
 class PoolChecks:

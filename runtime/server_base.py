@@ -267,6 +267,7 @@ class HandlersBase:
                     out, new_token_ids=[], new_text="", completion_tokens=0,
                     new_logprobs=None if out.new_logprobs is None else [],
                     new_top_logprobs=None if out.new_top_logprobs is None else [],
+                    new_top_chosen=None if out.new_top_chosen is None else [],
                     finish_reason="length" if out.finish_reason == "stop" else out.finish_reason,
                 )  # fmt: skip
             results[i].add(out)

@@ -30,13 +30,24 @@ class StepOutput:
     cached_tokens: int = 0
     # finish_reason "error": what went wrong, when the engine knows (a logits processor's output)
     error: str | None = None
+    # per new token, its logprob in new_top_logprobs' distribution (the raw log-softmax, before
+    # temperature / top-k / top-p; new_logprobs' is after them for a sampled token): what a top
+    # list that adds the chosen token puts beside the top ones; None with new_top_logprobs
+    new_top_chosen: list[float] | None = None
 
 
 def token_output(
-    r: Request, tok: int, lp: float, top: TopLogprobs | None, text: str, reason: str | None
+    r: Request,
+    tok: int,
+    lp: float,
+    top: TopLogprobs | None,
+    raw: float | None,
+    text: str,
+    reason: str | None,
 ) -> StepOutput:
     """The output of ``r``'s token ``tok`` (appended already), its logprob ``lp``, alternatives
-    ``top``, detokenized ``text`` and finish ``reason`` (None: it goes on)."""
+    ``top`` and its own logprob ``raw`` in their distribution, detokenized ``text`` and finish
+    ``reason`` (None: it goes on)."""
     return StepOutput(
         r.request_id,
         [tok],
@@ -50,6 +61,7 @@ def token_output(
         # with the first token: None for the first prompt token, then the prefill's
         r.prompt_logprobs_out() if len(r.output_ids) == 1 else None,
         r.cached_tokens,
+        new_top_chosen=None if top is None else [raw],
     )
 
 
@@ -82,4 +94,5 @@ def error_output(req: Request, msg: str) -> StepOutput:
         req.request_id, [], [] if req.params.logprobs else None, "", True, "error",
         len(req.prompt_ids), n, [] if req.params.top_logprobs else None,
         req.prompt_logprobs_out() if n == 0 else None, req.cached_tokens, msg,
+        [] if req.params.top_logprobs else None,
     )  # fmt: skip

@@ -259,6 +259,54 @@ def test_engine_top_logprobs_against_the_recorded_logits() -> None:
     assert step == 4
 
 
+def test_engine_chosen_token_logprob_in_the_top_logprobs_distribution() -> None:
+    """``new_top_chosen``: each token's logprob in its top_logprobs' distribution (the raw
+    log-softmax of the recorded logits), for a sampled row too, whose reported logprob is of the
+    top-k-renormalised distribution it was sampled from; a greedy row's equals its logprob; a
+    request without top_logprobs gets none."""
+    from runtime.engine import Engine
+
+    model, tok = tiny("cpu")
+    prompts = random_prompts([20, 30, 40], model.config.vocab_size, seed=5)
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, top_k=2, seed=3, top_logprobs=1,
+                             logprobs=True, ignore_eos=True)  # fmt: skip
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, top_logprobs=1, logprobs=True,
+                            ignore_eos=True)  # fmt: skip
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng = Engine(model, model.config, tok, _cfg(True, 3, model.config.index_topk))
+    logs: list[torch.Tensor] = []
+    fwd = eng.runner.forward
+
+    def recording(batch):  # noqa: ANN001, ANN202
+        out = fwd(batch)
+        if batch.is_decode:
+            logs.append(out[: len(batch.requests)].float().clone())
+        return out
+
+    eng.runner.forward = recording
+    for rid, p, params in zip("abc", prompts, [sampled, greedy, plain]):
+        eng.add_request(rid, p, params)  # NOTE: the batch is [a, b, c] in add order
+    step, outside = 0, 0
+    while eng.has_unfinished():
+        outs = {o.request_id: o for o in eng.step()}
+        if not outs:
+            continue
+        for row, rid in enumerate("ab"):
+            o = outs[rid]
+            (t,), (own,), (raw,) = o.new_token_ids, o.new_logprobs, o.new_top_chosen
+            want = float(torch.log_softmax(logs[step][row], dim=-1)[t])
+            assert raw == pytest.approx(want, abs=1e-6), (rid, step)
+            (top,) = o.new_top_logprobs
+            if rid == "b":
+                assert raw == own
+            elif t != top[0][0]:  # sampled second of the top 2: below the top one, and below
+                outside += 1  # its own logprob, of the two tokens' renormalised distribution
+                assert raw <= top[0][1] and raw < own, (step, raw, own, top)
+        assert outs["c"].new_top_chosen is None
+        step += 1
+    assert step == 8 and outside > 0  # (a sampled token outside the top 1 came up)
+
+
 def test_masked_tokens_report_a_finite_logprob_floor() -> None:
     """min_p masks all but the likeliest tokens to -inf; JSON cannot carry -inf, so reported
     logprobs are floored at LOGPROB_FLOOR (the server returned 500 before)."""
