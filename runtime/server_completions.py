@@ -109,7 +109,10 @@ class CompletionHandlers(HandlersBase):
             lps: list[float | None],
             start: int,
             top: list[Top | None] | None,
+            chosen: list[float | None],
         ) -> dict | None:
+            """``chosen``: per token, its logprob in ``top``'s distribution, which its
+            ``top_logprobs`` entry takes (None: its own, ``lps``'; logprobs 0 has no ``top``)."""
             toks = self.token_strings(token_ids)
             # running sums (echo of a 100K-token prompt: a sum per token was quadratic, minutes)
             starts = list(itertools.accumulate(map(len, toks), initial=start))
@@ -121,8 +124,8 @@ class CompletionHandlers(HandlersBase):
             alternatives = [
                 None
                 if pos is None or own is None
-                else top_entries(pos, tok, own, self.token_string)
-                for tok, own, pos in zip(token_ids, lps, tops, strict=True)
+                else top_entries(pos, tok, own if raw is None else raw, self.token_string)
+                for tok, own, pos, raw in zip(token_ids, lps, tops, chosen, strict=True)
             ]
             return {
                 "tokens": toks,
@@ -166,12 +169,14 @@ class CompletionHandlers(HandlersBase):
             e_ids, e_lps, e_tops = echoed(i, prompt_lps)
             text = (choices[i].text if e_ids else "") + out.new_text
             top = out.new_top_logprobs or [[] for _ in out.new_token_ids]
+            raw = out.new_top_chosen or [None] * len(out.new_token_ids)
             lp = logprobs(
                 i,
                 e_ids + out.new_token_ids,
                 e_lps + (out.new_logprobs or []),
                 offsets[i],
                 e_tops + top if e_ids else out.new_top_logprobs,
+                e_lps + raw,  # (a prompt token's logprob is of its top N's distribution)
             )
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
             if prompt_lps is not None and req.prompt_logprobs is not None:  # with the first token
@@ -187,12 +192,14 @@ class CompletionHandlers(HandlersBase):
             for i, res in enumerate(results):
                 e_ids, e_lps, e_tops = echoed(i, res.prompt_logprobs)
                 top = tops[i] or [[] for _ in res.token_ids]
+                raw = res.top_chosen or [None] * len(res.token_ids)
                 lp = logprobs(
                     i,
                     e_ids + res.token_ids,
                     e_lps + res.logprobs,
                     0,
                     e_tops + top if e_ids else tops[i],
+                    e_lps + raw,
                 )
                 text = (choices[i].text if req.echo else "") + res.text
                 out.append(
@@ -216,7 +223,9 @@ def top_entries(
 ) -> dict[str, float]:
     """One position's ``top_logprobs`` (OpenAI's legacy rule, as vLLM keeps it): its top N
     (``top``), then the chosen ``token`` itself with its ``logprob`` when it is not among them (up
-    to N + 1 entries; N = 0: the chosen token alone), keyed by their strings (``text``). NOTE:
+    to N + 1 entries; N = 0: the chosen token alone), keyed by their strings (``text``).
+    ``logprob`` must be of the top N's distribution (a sampled token's reported logprob is after
+    temperature / top-k / top-p, theirs before: ``StepOutput.new_top_chosen``). NOTE:
     a chosen token whose string is a top one's (byte pieces all read "\ufffd") leaves that entry
     as it is, as vLLM writes them (the chosen first, the top N over it): its own logprob put
     under that string claimed a likelier token's place."""

@@ -338,9 +338,10 @@ def test_benchmark_script_runs_its_cli_on_cpu() -> None:
 
 def test_completion_top_logprobs_hold_the_chosen_token(url: str) -> None:
     """Completions ``logprobs: N`` (OpenAI's legacy rule, vLLM's): each generated position's
-    top_logprobs are the top N and the chosen token with its own logprob, up to N + 1 entries,
-    as the echoed prompt's positions are; ``logprobs: 0``: the chosen token alone. Sampled at a
-    high temperature, so chosen tokens outside the top N come up; streamed equal to not."""
+    top_logprobs are the top N and the chosen token, up to N + 1 entries, as the echoed prompt's
+    positions are; ``logprobs: 0``: the chosen token alone, with its own logprob. Sampled at a
+    high temperature, so chosen tokens outside the top N come up, their entry the logprob of the
+    top N's distribution (before temperature), below theirs; streamed equal to not."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -351,14 +352,49 @@ def test_completion_top_logprobs_hold_the_chosen_token(url: str) -> None:
         for tok, own, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
             assert tok in alts and len(alts) <= n + 1, (tok, alts)
             ranked = sorted(alts.values(), reverse=True)
-            if len(alts) == n + 1:  # the chosen token came after the top N
+            if n == 0:
+                assert alts == {tok: own}
+            elif len(alts) == n + 1:  # the chosen token came after the top N
                 outside += 1
-                assert alts[tok] == own and own <= ranked[-1], (tok, own, alts)
-        assert outside > 0  # (the case the rule is about came up)
+                assert alts[tok] == ranked[-1] < ranked[-2], (tok, own, alts)
+        assert outside > 0 or n == 0  # (the case the rule is about came up)
         chunks = client.completions.create(**kw, logprobs=n, stream=True)
         streamed = [t for c in chunks if c.choices[0].logprobs
                     for t in c.choices[0].logprobs.top_logprobs]  # fmt: skip
         assert streamed == lp.top_logprobs
+
+
+def test_completion_chosen_token_entry_is_of_the_top_ones_distribution(url: str) -> None:
+    """top_k 2, ``logprobs: 1``: a chosen token outside the top 1 is the second likeliest, and its
+    top_logprobs entry is its logprob in the top one's distribution (the raw log-softmax), below
+    the top one's, with the two together at most probability 1; its token_logprobs value stays
+    that of the distribution it was sampled from (the two tokens renormalised: higher). The entry
+    took the token_logprobs value, and looked likelier than the top one."""
+    import math
+
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="tiny", prompt="Hello", max_tokens=16, temperature=1.0, seed=2, logprobs=1,
+              extra_body={"top_k": 2})  # fmt: skip
+    lp = client.completions.create(**kw).choices[0].logprobs
+    outside = 0
+    for tok, own, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert tok in alts
+        if len(alts) < 2:  # the chosen token is the top one (or a byte piece reading as it)
+            continue
+        outside += 1
+        (top,) = (v for t, v in alts.items() if t != tok)
+        assert alts[tok] <= top and math.exp(alts[tok]) + math.exp(top) <= 1 + 1e-6, alts
+        assert alts[tok] < own, (tok, own, alts)
+        # of two tokens, renormalised: log p2 - log(p1 + p2)
+        assert own == pytest.approx(alts[tok] - math.log(math.exp(top) + math.exp(alts[tok])),
+                                    abs=1e-4)  # fmt: skip
+    assert outside > 0  # (a sampled token outside the top 1 came up)
+    chunks = client.completions.create(**kw, stream=True)
+    streamed = [t for c in chunks if c.choices[0].logprobs
+                for t in c.choices[0].logprobs.top_logprobs]  # fmt: skip
+    assert streamed == lp.top_logprobs
 
 
 def test_completion_chosen_token_never_overwrites_a_top_one() -> None:
