@@ -4,6 +4,7 @@ and format ones) and the engine options they give, ``LLM``'s keyword arguments."
 from __future__ import annotations
 
 import argparse
+from decimal import Decimal
 
 from echo_compile.process_args import add_process_args
 from runtime.kv_sizing import GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION, RESERVE_GIB, SIZED
@@ -33,14 +34,20 @@ def token_count(value: str) -> int:
     v = value.strip()
     scale = units.get(v[-1:], 1)
     try:
-        n = float(v[:-1]) * scale if scale > 1 else int(v)
-    except ValueError:
+        # (a Decimal: a float's 4.1 x 10**6 is 4099999.9999999995, "not whole")
+        n = Decimal(v[:-1]) * scale if scale > 1 else Decimal(int(v))
+    except (ValueError, ArithmeticError):
         raise argparse.ArgumentTypeError(
             f"invalid token count: {value!r} (an integer, or with k / m / g for 1000s, K / M / G "
             "for 1024s: 100k, 128K)"
         ) from None
-    if n != n or n in (float("inf"), float("-inf")) or n != int(n):  # (nan, inf: not counts)
-        raise argparse.ArgumentTypeError(f"invalid token count: {value!r} is {n:g}, not whole")
+    why = "not whole" if not n.is_finite() or n != n.to_integral_value() else None  # (nan, inf)
+    if why is None and abs(n) >= 2**63:  # (1e999999999k: int() of it would take minutes)
+        why = "too large"
+    if why is not None:
+        raise argparse.ArgumentTypeError(
+            f"invalid token count: {value!r} is {n.normalize():g}, {why}"
+        )
     return int(n)
 
 

@@ -1,6 +1,7 @@
 """The ``echo-compile`` command as a user drives it: --help without torch, one-line user errors
 (exit 2) and flags checked before any model loads."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -481,3 +482,15 @@ def test_token_counts_take_vllm_s_suffixes(capsys):
         with pytest.raises(SystemExit):
             parser().parse_args(["serve", "--max-model-len", bad])
         assert why in capsys.readouterr().err
+
+
+def test_token_counts_with_decimals_are_exact():
+    """A decimal with a suffix is counted exactly (in floats, 4.1 x 10**6 is 4099999.9999999995,
+    and '4.1m' was refused as "not whole"); a count too large for an int64 is refused."""
+    from echo_compile.engine_args import token_count
+
+    got = [token_count(v) for v in ("4.1m", "8.2g", "25.6k", "1.5M", "1e3k", "0.3k")]
+    assert got == [4100000, 8200000000, 25600, 1572864, 1000000, 300]
+    for bad in ("1.0001k", "nank", "1e999999999k"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"invalid token count: '{bad}'"):
+            token_count(bad)
