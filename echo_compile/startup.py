@@ -100,6 +100,7 @@ def start_engine(
             meta, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization,
             weights, ctx, memory_device,
         )  # fmt: skip
+        check_given_context(ckpt, config, given, sized=True)  # (a sizing skipped: the default)
         check_given_gpu_pool(config, given)
         warn_capped_batch(ckpt, config)  # (a small GPU pool: fewer requests a step)
         # the tokenizer, the generation config and the options against the model config, in

@@ -73,13 +73,18 @@ def check_fractions(host_memory_fraction: float, gpu_memory_utilization: float) 
             raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
 
 
-def check_given_context(mc: ModelConfig, config: EngineConfig, given: set[str]) -> None:
+def check_given_context(
+    mc: ModelConfig, config: EngineConfig, given: set[str], sized: bool = False
+) -> None:
     """A ``max_model_len`` the user gave (``given`` names it), before the sizing and the load:
     refused where the model's positions or the host pool cannot serve it, naming the flags and
     the fix, as vLLM refuses a ``max_model_len`` past the model's or past its KV cache (it was
     lowered, with a warning only after the weights had loaded). The host pool bounds it where it
     is not sized after this check: a given ``host_tokens``, or the CPU's default; on CUDA a pool
-    left out is sized to hold it (``auto_sizes`` refuses where memory cannot)."""
+    left out is sized to hold it (``auto_sizes`` refuses where memory cannot). ``sized``: called
+    again after ``size_engine``, where a CUDA pool left out may have kept ``EngineConfig``'s
+    default (the sizing from memory skipped, on this rank or the one the ranks' least came from),
+    which then bounds it too: it was capped there without a word."""
     if "max_model_len" not in given:
         return
     from custom_ops.kv_format import PAGE, pages_for
@@ -97,15 +102,19 @@ def check_given_context(mc: ModelConfig, config: EngineConfig, given: set[str]) 
             f"{positions} (config.json{yarn}): positions past it were never trained; lower "
             f"--max-model-len to at most {positions}"
         )
-    sized_later = config.device.startswith("cuda") and "host_tokens" not in given
+    cuda = config.device.startswith("cuda")
+    sized_later = cuda and "host_tokens" not in given and not sized
     if asked > config.host_tokens and not sized_later:
-        whose = "--host-tokens" if "host_tokens" in given else "the CPU's default --host-tokens"
+        whose, why = "--host-tokens", ""
+        if "host_tokens" not in given:
+            whose = "the default --host-tokens" if cuda else "the CPU's default --host-tokens"
+            why = " (EngineConfig's: the sizing from memory was skipped)" if cuda else ""
         need = pages_for(asked) * PAGE
         raise ValueError(
             f"--max-model-len {asked} is more than the host KV pool holds: {whose} "
-            f"{config.host_tokens} rows a layer, and a request reserves its rows at admission; "
-            f"give --host-tokens {need} (or more, a multiple of {PAGE}) or lower --max-model-len "
-            f"to at most {config.host_tokens}"
+            f"{config.host_tokens} rows a layer{why}, and a request reserves its rows at "
+            f"admission; give --host-tokens {need} (or more, a multiple of {PAGE}) or lower "
+            f"--max-model-len to at most {config.host_tokens}"
         )
 
 

@@ -234,6 +234,28 @@ def test_a_given_context_is_refused_on_cuda_too_where_the_sizing_lowered_it(no_l
         LLM("tiny", device="cuda", compile=False, progress=False, max_model_len=100000)
 
 
+def test_a_given_context_is_refused_where_the_sizing_from_memory_was_skipped(no_load, monkeypatch):
+    """CUDA memory that cannot be read leaves EngineConfig's host pool (16384 rows): a given
+    context past it was capped there without a word (the warning after the load is gone)."""
+    import echo_compile.startup
+    from echo_compile.llm import LLM
+    from runtime.distributed import plan
+
+    def no_driver(device):
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(echo_compile.startup, "check_device", lambda *a, **k: None)
+    monkeypatch.setattr(echo_compile.startup, "check_fits", lambda *a, **k: None)
+    monkeypatch.setattr(plan, "gpu_total_bytes", no_driver)
+    with pytest.raises(ValueError) as e:
+        LLM("tiny", device="cuda", compile=False, progress=False, max_model_len=100000)
+    for part in ("--max-model-len 100000", "the default --host-tokens 16384",
+                 "sizing from memory was skipped", "give --host-tokens 100032"):  # fmt: skip
+        assert part in str(e.value), (part, str(e.value))
+    with pytest.raises(AssertionError, match="loaded"):  # what fits the default pool starts
+        LLM("tiny", device="cuda", compile=False, progress=False, max_model_len=16384)
+
+
 def test_a_given_gpu_pool_past_the_host_pool_is_refused(no_load, monkeypatch):
     """The GPU pool caches host rows: past ``host_tokens`` its rows are never used."""
     from echo_compile.llm import LLM
