@@ -14,6 +14,7 @@ from echo_compile.compile_cache import configure_compile_cache
 from echo_compile.devices import check_device
 from echo_compile.engine_args import PREFETCH_OPTIONS, engine_options, given
 from echo_compile.generate_args import sampling_params
+from echo_compile.plan_args import PLAN_GPU_TOKENS
 from echo_compile.process_args import log_level
 from echo_compile.serve_args import serve_options
 from echo_compile.vllm_flags import apply_vllm_flags, check_quantization
@@ -104,12 +105,19 @@ def _plan(a: argparse.Namespace) -> int:
     dp = a.gpus if a.dp is None else a.dp  # (0 is refused by the planner, not replaced)
     tp = a.gpus if a.tp is None else a.tp
     ep = tp if a.ep else 1
-    eng = plan_engine(dp, 1 if a.ep else tp, a.gpu_tokens, a.host_tokens, a.max_batch,
-                      a.kv_format, not a.no_offload, a.max_model_len, ep,
+    # the sizes as serve takes them: left out, capped at the host pool (serve's context and
+    # GPU pool left out are); given, one serve refuses is refused here
+    sized = {k for k in ("max_model_len", "gpu_tokens") if getattr(a, k) is not None}
+    max_len, gpu_tokens = a.max_model_len, a.gpu_tokens
+    if max_len is None:
+        max_len = min(config.max_position_embeddings, a.host_tokens)
+    if gpu_tokens is None:
+        gpu_tokens = min(PLAN_GPU_TOKENS, a.host_tokens)
+    eng = plan_engine(dp, 1 if a.ep else tp, gpu_tokens, a.host_tokens, a.max_batch,
+                      a.kv_format, not a.no_offload, max_len, ep,
                       not a.no_prefill_buffer, **given(a, PREFETCH_OPTIONS))  # fmt: skip
-    # the sizes as serve takes them given: a context or GPU pool serve refuses is refused here
-    check_given_context(config, eng, {"max_model_len", "host_tokens"})
-    check_given_gpu_pool(eng, {"gpu_tokens"})
+    check_given_context(config, eng, sized | {"host_tokens"})
+    check_given_gpu_pool(eng, sized)
     mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
     plan = memory_plan(
         config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node

@@ -10,6 +10,8 @@ from echo_compile.process_args import add_process_args
 
 # NOTE: no torch here either: the flags are in every --help (cli_args.py says why).
 
+PLAN_GPU_TOKENS = 200000  # the 8 x H200 deployment's GPU pool, when --gpu-tokens is left out
+
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     """plan's flags: the deployment (weights, ranks), its sizes as serve's flags, the GPU and host
@@ -38,8 +40,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-tokens",
         type=token_count,
-        default=200000,
-        help="GPU pool rows per layer (default: %(default)s)",
+        default=None,
+        help=f"GPU pool rows per layer (default: {PLAN_GPU_TOKENS}, at most --host-tokens)",
     )
     p.add_argument(
         "--host-tokens",
@@ -56,8 +58,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len",
         type=token_count,
-        default=163840,
-        help="longest prompt + output, as serve's flag (default: %(default)s)",
+        default=None,
+        help="longest prompt + output, as serve's flag (default: the model's "
+        "max_position_embeddings, V3.2's 163840, at most --host-tokens, as serve's)",
     )
     p.add_argument(
         "--kv-format",

@@ -531,7 +531,8 @@ def test_plan_counts_what_serve_allocates_for_the_same_flags(monkeypatch, capsys
     "flags, message",
     [
         (["--max-model-len", "200000"], "more than the model's max_position_embeddings 163840"),
-        (["--host-tokens", "65536"], "--max-model-len 163840 is more than the host KV pool"),
+        (["--host-tokens", "65536", "--max-model-len", "163840"],
+         "--max-model-len 163840 is more than the host KV pool"),
         (["--host-tokens", "65536", "--max-model-len", "65536", "--gpu-tokens", "200000"],
          "--gpu-tokens 200000 is more than --host-tokens 65536"),
     ],
@@ -541,6 +542,19 @@ def test_plan_refuses_the_sizes_serve_refuses(capsys, flags, message):
     serve refuses them at start-up, so plan does (it planned them, the context lowered)."""
     assert cli_main(["plan", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_caps_the_sizes_left_out_at_the_host_pool_as_serve_does(capsys):
+    """plan's --max-model-len and --gpu-tokens left out are capped at --host-tokens, as serve
+    caps a context and a GPU pool left out: ``plan --host-tokens 65536`` was refused for a
+    --max-model-len 163840 it was not given, which serve with the same flags is not."""
+    assert cli_main(["plan", "--host-tokens", "64K"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "--max-model-len 65536 " in out and "--gpu-tokens 65536 --host-tokens 65536\n" in out
+    assert cli_main(["plan", "--no-offload", "--host-tokens", "65536", "--max-batch", "4"]) == 0
+    assert "--max-model-len 65536 " in capsys.readouterr().out
+    assert cli_main(["plan"]) == 0  # the defaults: V3.2's whole context, a 200000-row GPU pool
+    assert "--max-model-len 163840 --kv-format fp8 --gpu-tokens 200000 " in capsys.readouterr().out
 
 
 def test_a_refusal_names_the_rows_that_fit_and_they_do():
