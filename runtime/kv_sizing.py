@@ -110,8 +110,9 @@ def check_given_context(
             whose = "the default --host-tokens" if cuda else "the CPU's default --host-tokens"
             why = " (EngineConfig's: the sizing from memory was skipped)" if cuda else ""
         need = pages_for(asked) * PAGE
+        pool = "host KV pool" if config.offload else "KV pool (GPU-only: on the device)"
         raise ValueError(
-            f"--max-model-len {asked} is more than the host KV pool holds: {whose} "
+            f"--max-model-len {asked} is more than the {pool} holds: {whose} "
             f"{config.host_tokens} rows a layer{why}, and a request reserves its rows at "
             f"admission; give --host-tokens {need} (or more, a multiple of {PAGE}) or lower "
             f"--max-model-len to at most {config.host_tokens}"
@@ -141,7 +142,7 @@ def warn_capped_batch(mc: ModelConfig, config: EngineConfig) -> str | None:
 
     topk = mc.index_topk
     rows = max_decode_rows(config.max_batch, topk, config.gpu_tokens if config.offload else None)
-    if rows >= config.max_batch:
+    if rows >= config.max_batch or rows == 0:  # (0: a pool below index_topk, refused by name)
         return None
     msg = (
         f"--max-batch {config.max_batch}: a decode step holds at most {rows} requests, "

@@ -287,6 +287,25 @@ def test_a_gpu_pool_that_caps_the_decode_batch_is_warned_about_at_start_up(no_lo
         with pytest.raises(AssertionError, match="loaded"):
             LLM("tiny", device="cpu", compile=False, progress=False, **full)
     assert "decode step holds" not in caplog.text
+    # a pool below one request's selections is refused by name, not first warned about as a
+    # batch of 0 ("--max-batch 0")
+    with pytest.raises(ValueError, match="gpu_tokens"):
+        LLM("tiny", device="cpu", compile=False, progress=False, max_batch=8, gpu_tokens=16)
+    assert "decode step holds" not in caplog.text
+
+
+def test_a_given_context_past_a_gpu_only_pool_names_that_pool(no_load):
+    """GPU-only (``offload=False``): the pool ``host_tokens`` sizes lives on the device, and the
+    refusal says so rather than naming a host pool."""
+    from echo_compile.llm import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM("tiny", device="cpu", compile=False, progress=False, offload=False,
+            host_tokens=16384, max_model_len=100000)  # fmt: skip
+    assert "more than the KV pool (GPU-only: on the device) holds" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="more than the host KV pool holds"):
+        LLM("tiny", device="cpu", compile=False, progress=False, host_tokens=16384,
+            max_model_len=100000)  # fmt: skip
 
 
 def test_a_host_pool_for_fewer_than_max_batch_requests_says_how_many_it_holds(tiny):
