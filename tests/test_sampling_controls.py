@@ -220,6 +220,22 @@ def test_engine_offload_on_off_identical_with_controls() -> None:
     assert run(_cfg(True, len(lens), topk), prompts, plain)[2] != out_off
 
 
+def _record_decode_logits(eng) -> list[torch.Tensor]:  # noqa: ANN001
+    """The logits of each decode step ``eng`` runs from now on (its batch's rows), appended to
+    the returned list."""
+    logs: list[torch.Tensor] = []
+    fwd = eng.runner.forward
+
+    def recording(batch):  # noqa: ANN001, ANN202
+        out = fwd(batch)
+        if batch.is_decode:
+            logs.append(out[: len(batch.requests)].float().clone())
+        return out
+
+    eng.runner.forward = recording
+    return logs
+
+
 def test_engine_top_logprobs_against_the_recorded_logits() -> None:
     """top_logprobs = log_softmax(logits).topk(N) of each decode row, the chosen greedy token
     first; a request that does not ask gets none."""
@@ -232,16 +248,7 @@ def test_engine_top_logprobs_against_the_recorded_logits() -> None:
 
     model, tok = tiny("cpu")
     eng = Engine(model, model.config, tok, _cfg(True, 2, model.config.index_topk))
-    logs: list[torch.Tensor] = []
-    fwd = eng.runner.forward
-
-    def recording(batch):  # noqa: ANN001, ANN202
-        out = fwd(batch)
-        if batch.is_decode:
-            logs.append(out[: len(batch.requests)].float().clone())
-        return out
-
-    eng.runner.forward = recording
+    logs = _record_decode_logits(eng)
     eng.add_request("a", prompts[0], ask)
     eng.add_request("b", prompts[1], plain)
     step = 0
@@ -274,16 +281,7 @@ def test_engine_chosen_token_logprob_in_the_top_logprobs_distribution() -> None:
                             ignore_eos=True)  # fmt: skip
     plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eng = Engine(model, model.config, tok, _cfg(True, 3, model.config.index_topk))
-    logs: list[torch.Tensor] = []
-    fwd = eng.runner.forward
-
-    def recording(batch):  # noqa: ANN001, ANN202
-        out = fwd(batch)
-        if batch.is_decode:
-            logs.append(out[: len(batch.requests)].float().clone())
-        return out
-
-    eng.runner.forward = recording
+    logs = _record_decode_logits(eng)
     for rid, p, params in zip("abc", prompts, [sampled, greedy, plain]):
         eng.add_request(rid, p, params)  # NOTE: the batch is [a, b, c] in add order
     step, outside = 0, 0
