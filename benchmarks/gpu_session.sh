@@ -116,8 +116,8 @@ time)
   on awq_parts && stage bench_awq_parts 150 python -m benchmarks.bench_awq_parts \
     --moe-batches 1,2,4,8,16 --sweep-batches 1,2 --batches '' --ab-rounds 3 --budget-s 120 \
     --out "$W/awq_parts_h200.json"
-  # FP8_ARGS: other sizes (e.g. --batches 1,2,4,8,16,128 --experts 0)
-  on fp8 && stage bench_fp8 300 python -m benchmarks.bench_fp8 --batches 1,16,128 --moe-batches 1,8,64 \
+  # FP8_ARGS: other sizes (e.g. --batches 1,2,4,8,16,128 --experts 0); FP8_LIMIT: the stage's limit
+  on fp8 && stage bench_fp8 "${FP8_LIMIT-300}" python -m benchmarks.bench_fp8 --batches 1,16,128 --moe-batches 1,8,64 \
     --budget-s 250 ${FP8_ARGS-} --out "$W/fp8_h200.json"
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"

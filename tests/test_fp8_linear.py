@@ -284,7 +284,7 @@ def test_moe_fp8_on_gpu_256_experts():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 16, 128])
+@pytest.mark.parametrize("m", [1, 16, 33, 64, 96, 128])  # both branches of the M = 33-128 rule
 def test_kernel_on_gpu_at_v32_shapes(m):
     gen = torch.Generator("cuda").manual_seed(m)
     for k, n in ((7168, 4096), (16384, 7168), (7168, 2048), (2048, 7168), (7168, 576)):
