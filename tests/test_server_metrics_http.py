@@ -1,8 +1,7 @@
 """/metrics over HTTP on the REAL tiny engine (CPU, KV offloaded, lossless prefetch), as a
 Prometheus scraper reads it: the text parses as the exposition format, the request gauges fall
-back to 0 once requests finish or are aborted, the request histograms observe one TTFT, the
-inter-token gaps after it and one end-to-end latency per request, and two servers in one process
-keep their own series."""
+back to 0 once requests finish, are aborted or fail, the counters only grow (a failed step does
+not restart them), and two servers in one process keep their own series."""
 
 from __future__ import annotations
 
@@ -174,6 +173,58 @@ def test_gauges_fall_back_after_abort(served: tuple[str, AsyncEngine]) -> None:
     for name in ("echo_running_requests", "echo_waiting_requests", "echo_host_pool_usage"):
         assert after[(name, ())] == 0.0, name
     assert after[aborts] - before.get(aborts, 0.0) == 4
+
+
+def test_a_failed_step_does_not_restart_the_counters(
+    served: tuple[str, AsyncEngine], llm: LLM
+) -> None:
+    """A step that raises fails its request and empties the GPU pools (Engine.recover). The
+    lookup counters, the hit rate and the prefetch shares go on from where they were: the
+    engine's totals restarted from 0, so the counters missed every lookup until the totals
+    passed their old values again (a request after the failure moved them by nothing), and
+    prefetch coverage read 0."""
+    url, aengine = served
+    sel0 = by_layer(scrape(url)[0], "echo_gpu_pool_selected_total")
+    assert complete(url).status_code == 200
+    s1, _ = scrape(url)
+    sel1 = by_layer(s1, "echo_gpu_pool_selected_total")
+    one = {layer: v - sel0.get(layer, 0.0) for layer, v in sel1.items()}  # a request's lookups
+    cov1 = by_layer(s1, "echo_prefetch_coverage")
+    assert sel1 and all(v > 0 for v in one.values())
+    assert any(v > 0 for v in cov1.values())
+
+    forward, calls = llm.engine.runner.forward, [0]
+
+    def failing(batch: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:  # a decode step, after some lookups
+            raise RuntimeError("simulated step failure")
+        return forward(batch)
+
+    llm.engine.runner.forward = failing
+    try:
+        r = complete(url)
+    finally:
+        llm.engine.runner.forward = forward
+    assert r.status_code == 500
+    deadline = time.monotonic() + 30  # recover() runs on the loop thread after the 500 went out
+    while asyncio.run(aengine.metrics())["gpu_pool_usage"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s2, _ = scrape(url)
+    # the shares are of every lookup since start: the failure changed none of them
+    assert by_layer(s2, "echo_prefetch_coverage") == pytest.approx(cov1, rel=0.5)
+    assert all(v > 0 for v in by_layer(s2, "echo_gpu_pool_hit_rate").values())
+    assert complete(url).status_code == 200  # as many lookups again as the first request
+    s3, _ = scrape(url)
+    sel3 = by_layer(s3, "echo_gpu_pool_selected_total")
+    rec3 = by_layer(s3, "echo_gpu_pool_recalled_total")
+    snap = llm.engine.metrics()
+    for layer, n in one.items():
+        assert sel3[layer] - sel1[layer] >= n, layer
+        assert sel3[layer] == snap["gpu_pool_selected"][int(layer)]  # nothing lost on the way
+        assert s3[("echo_gpu_pool_hit_rate", (("layer", layer),))] == pytest.approx(
+            1 - rec3[layer] / sel3[layer]
+        )
 
 
 def test_two_servers_in_one_process_keep_their_own_series(

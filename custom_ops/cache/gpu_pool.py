@@ -128,7 +128,9 @@ class GpuPool(nn.Module):
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Empty the pool (in place: the buffers keep their addresses)."""
+        """Empty the pool (in place: the buffers keep their addresses). The running ``totals``
+        stay: they count every lookup since start (or ``KVCache.reset_stats``), and /metrics
+        exports them as counters, which a reset here (after a failed step) would restart."""
         self.gpu_free.copy_(torch.arange(self.gpu_free.numel(), dtype=torch.int32))
         self.gpu_priority.fill_(-1)
         self.gpu_to_host.fill_(-1)
@@ -137,4 +139,3 @@ class GpuPool(nn.Module):
         self.meta.zero_()
         self.meta[C.NFREE] = self.gpu_to_host.shape[0]
         self.hist.zero_()
-        self.totals.zero_()

@@ -233,7 +233,8 @@ class KVCache(nn.Module):
 
     def reset_pools(self) -> None:
         """Empty every layer's GPU pool in place. Nothing is lost: the host pool is authoritative.
-        Used after a failed step, whose half-applied recall may have left the maps inconsistent."""
+        Used after a failed step, whose half-applied recall may have left the maps inconsistent.
+        The running hit/recall and prefetch totals stay (``reset_stats`` zeroes them)."""
         for layer in self.layers:
             if layer.pool is not None:
                 layer.pool.reset()

@@ -129,8 +129,9 @@ class Staging(nn.Module):
 
     @torch.no_grad()
     def reset(self) -> None:
+        """Empty the staging state; the running ``totals`` stay, as the pool's do (``GpuPool.
+        reset``): the prefetch shares are of every step since start."""
         self.stage_host.fill_(-1)
         self.host_stage.fill_(-1)
         self.stage_ctr.zero_()
         self.ema.zero_()
-        self.totals.zero_()
