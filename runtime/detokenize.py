@@ -53,6 +53,7 @@ class RequestDetokenizer:
                 prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
+                min_tokens=params.min_tokens,
             )
             if tokenizer is not None
             else None

@@ -60,8 +60,9 @@ class SamplingParams:
       object stays hashable.
     - ``min_p``: in [0, 1]; drop tokens whose probability (after temperature) is below
       ``min_p`` times the top token's. Ignored by greedy rows (the argmax always survives).
-    - ``min_tokens``: EOS and ``stop_token_ids`` cannot be chosen before this many tokens
-      (stop strings still apply); at most ``max_tokens``.
+    - ``min_tokens``: EOS and ``stop_token_ids`` cannot be chosen before this many tokens, and
+      no stop string ends in their text (one that ends in a later token's does; vLLM's rule);
+      at most ``max_tokens``.
     - ``grammar``: an llguidance grammar (``runtime.structured_output.json_schema_grammar`` makes
       one from a JSON schema) the output must follow; None: free text.
     - ``grammar_after_reasoning``: the grammar starts after the reasoning, at the token after the

@@ -290,6 +290,9 @@ class StopStringChecker:
     ``feed`` returns the text that is safe to show: it holds back a tail that could be the start
     of a stop string, and after a hit returns only the text before the stop string (``hit`` then
     names it). ``flush`` returns the held-back tail when generation ends for another reason.
+    ``feed(text, check=False)`` (text of a request's first ``min_tokens`` tokens) matches nothing
+    that ends in that text, as vLLM's ``min_tokens``; a stop string that starts there and ends in
+    text fed later still matches, so its possible start is held back all the same.
     """
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
@@ -298,24 +301,28 @@ class StopStringChecker:
         self.stop = tuple(stop)
         self.hit: str | None = None
         self._held = ""
+        self._unchecked = 0  # how many leading characters of _held were fed with check=False
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, check: bool = True) -> str:
         if self.hit is not None:
             return ""
         buf = self._held + text
-        # The held tail contains no complete stop string, so every match in buf is new. Generation
-        # stops where the first stop string is complete (earliest end; on a tie, the longer one):
-        # the same answer however the text is chunked.
+        # Only a match that ends past the unchecked text counts (none when this text is
+        # unchecked too); the checked part of the held tail holds no complete stop string, so
+        # every such match is new. Generation stops where the first stop string is complete
+        # (earliest end; on a tie, the longer one): the same answer however the text is chunked.
+        unchecked = len(buf) if not check else self._unchecked
         best: tuple[int, int] | None = None
         for s in self.stop:
-            i = buf.find(s)
+            i = buf.find(s, max(unchecked - len(s) + 1, 0))
             if i != -1 and (best is None or (i + len(s), i) < best):
                 best, self.hit = (i + len(s), i), s
         if best is not None:
-            self._held = ""
+            self._held, self._unchecked = "", 0
             return buf[: best[1]]
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep :]
+        self._unchecked = max(unchecked - (len(buf) - keep), 0)
         return buf[: len(buf) - keep]
 
     def _partial_tail(self, buf: str) -> int:
@@ -329,7 +336,7 @@ class StopStringChecker:
         return longest
 
     def flush(self) -> str:
-        held, self._held = self._held, ""
+        held, self._held, self._unchecked = self._held, "", 0
         return "" if self.hit is not None else held
 
 
@@ -349,6 +356,8 @@ class IncrementalDetokenizer:
     ``spaces_between_special_tokens`` False (with ``skip_special_tokens`` False): an added token
     fed right after another adds its own text alone, whatever space the decoder would put before
     it (vLLM's fast-tokenizer detokenizer's rule); the byte-level decoder puts none.
+    ``min_tokens`` (the request's, as vLLM's): no stop string matches that ends in the text of the
+    first ``min_tokens`` tokens fed (one that starts there and ends later does).
     """
 
     # Prompt tokens used as decoding context: enough for any tokenizer's merge window.
@@ -361,8 +370,11 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self._fed = 0  # generated tokens fed so far
         self.skip_special_tokens = skip_special_tokens
         # vLLM's: the rule applies only where special tokens are kept
         self._join_added = not (skip_special_tokens or spaces_between_special_tokens)
@@ -395,19 +407,26 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(token_id)
+        self._fed += 1
         if self._join_added:
             added = self.tokenizer.added_token_text(token_id)
             after_added, self._last_added = self._last_added, added is not None
             if added is not None and after_added and self._read == len(self._ids) - 1:
                 # (nothing pending: the added token before it was shown whole)
                 self._prefix, self._read = self._read, len(self._ids)
-                return self._emit(self._stop.feed(added))
+                return self._emit(self._stop.feed(added, self._checks_stop))
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""  # nothing new, or an incomplete UTF-8 sequence: wait for more bytes
         self._prefix, self._read = self._read, len(self._ids)
-        return self._emit(self._stop.feed(new_text[len(prefix_text) :]))
+        return self._emit(self._stop.feed(new_text[len(prefix_text) :], self._checks_stop))
+
+    @property
+    def _checks_stop(self) -> bool:
+        """The text made now may end a stop string: past the first ``min_tokens`` tokens (the
+        text a token completes counts as that token's, as vLLM counts it)."""
+        return self._fed > self.min_tokens
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (an incomplete character is
@@ -417,7 +436,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         pending = self._decode(self._ids[self._prefix :])[len(prefix_text) :]
         self._prefix = self._read = len(self._ids)
-        return self._emit(self._stop.feed(pending) + self._stop.flush())
+        return self._emit(self._stop.feed(pending, self._checks_stop) + self._stop.flush())
 
     def _emit(self, delta: str) -> str:
         if delta:

@@ -37,7 +37,7 @@ def test_detokenizer_text_is_its_deltas_in_linear_time(tmp_path: Path) -> None:
     # NOTE: the deltas are its own slices of decoded text; made Pieces where the stop checker
     # hands them out, so that a copy of the text so far per delta is counted
     feed = detok._stop.feed
-    detok._stop.feed = lambda text: Piece(feed(text))  # type: ignore[method-assign]
+    detok._stop.feed = lambda text, check=True: Piece(feed(text, check))  # type: ignore[method-assign]
     Piece.copied = 0
     ids = tok.encode("Hello world. " * 300, add_bos=False)
     deltas = [detok.add(i) for i in ids] + [detok.flush()]

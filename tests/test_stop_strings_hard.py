@@ -17,11 +17,13 @@ from runtime.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokeniz
 ALPHA = "ab"  # two letters: partial matches and overlaps are the common case
 
 
-def expected_output(text: str, stops: list[str]) -> str:
+def expected_output(text: str, stops: list[str], unchecked: int = 0) -> str:
     """Written from the rule: stop where a stop string is first complete (earliest end, then the
-    earliest start, i.e. the longest of those ending there); the text before it is the output."""
+    earliest start, i.e. the longest of those ending there); the text before it is the output.
+    ``unchecked``: no stop string ending in the first that many characters counts (the text of
+    a request's first ``min_tokens`` tokens, vLLM's rule)."""
     best = None
-    for end in range(1, len(text) + 1):
+    for end in range(unchecked + 1, len(text) + 1):
         starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
         if starts:
             best = min(starts)
@@ -75,6 +77,25 @@ def test_stop_string_split_across_chunks(case):
     want = expected_output(text, stops)
     assert out == want
     assert (c.hit is not None) == any(s in text for s in stops)
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_case(), st.integers(0, 20))
+@example(("abab", ["ab"], [1, 2, 3]), 2)  # the first hit unchecked: the second one counts
+@example(("abab", ["bab", "ab"], [1, 3]), 2)  # "bab" straddles the boundary: it counts
+@example(("aab", ["b", "aab"], [2]), 2)  # unchecked "aa" held as a prefix of "aab", then a hit
+@example(("abc", ["b", "abc"], [2]), 2)  # "b" ended unchecked inside the held "ab": not a hit
+def test_stop_string_not_matched_in_unchecked_text(case, unchecked: int) -> None:
+    """Text fed with ``check=False`` (a request's first ``min_tokens`` tokens) ends no stop string;
+    one that starts there and ends in later text does, whatever the chunks (it stopped on the
+    first "ab" of "abab" with min_tokens past it, vLLM's rule being the second)."""
+    text, stops, cuts = case
+    unchecked = min(unchecked, len(text))
+    c = StopStringChecker(stops)
+    bounds = sorted({0, len(text), unchecked, *cuts})
+    out = "".join(c.feed(text[a:b], check=b > unchecked) for a, b in itertools.pairwise(bounds))
+    out += c.flush()
+    assert out == expected_output(text, stops, unchecked)
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +155,29 @@ def test_feed_in_time_linear_in_the_text() -> None:
 def _feed_chunks(stops: list[str], chunks: list[str]) -> tuple[str, StopStringChecker]:
     c = StopStringChecker(stops)
     return "".join(c.feed(ch) for ch in chunks) + c.flush(), c
+
+
+def test_min_tokens_holds_back_stop_strings(tok: Tokenizer) -> None:
+    """A request's stop strings do not end it within its first ``min_tokens`` tokens, as vLLM's
+    ``min_tokens`` (EOS and ``stop_token_ids`` are held back on the device): the first stop
+    string that ends in a later token's text does. It stopped on the first "l" of "hello"."""
+    from runtime.detokenize import RequestDetokenizer
+    from runtime.sampling_params import SamplingParams
+
+    text = "hello world! The quick brown fox "
+    ids = tok.encode(text, add_bos=False)
+    ends = list(itertools.accumulate(len(tok.decode([i])) for i in ids))
+    assert ends[-1] == len(text) and len(ids) > 4
+    for m in range(len(ids)):
+        params = SamplingParams(max_tokens=len(ids), min_tokens=m, stop=("l", "o w", "fox"))
+        rd = RequestDetokenizer(tok, params, [], {tok.eos_token_id})
+        out, reason, n = "", None, 0
+        while reason is None:
+            delta, reason = rd.add(ids[n], n + 1)
+            out, n = out + delta, n + 1
+        unchecked = ends[m - 1] if m else 0
+        want = expected_output(text, list(params.stop), unchecked)
+        assert (out, reason) == (want, "stop" if want != text else "length"), m
+        if reason == "stop":  # on the token that completes the stop string
+            hit = len(want) + len(rd.detok.stop_string)
+            assert ends[n - 1] >= hit and (n == 1 or ends[n - 2] < hit) and n > m, m
