@@ -34,6 +34,9 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
     prompt_logprobs: list | None = None
+    # finish_reason "error": why (no token left to sample: its own parameters or a logits
+    # processor, named), as the server's error response says it; None otherwise
+    error: str | None = None
 
 
 class ResultAccumulator:
@@ -70,4 +73,5 @@ class ResultAccumulator:
             stats,
             o.top_logprobs if self.params.top_logprobs else None,
             o.prompt_logprobs,
+            o.error,
         )

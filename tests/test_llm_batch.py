@@ -68,6 +68,19 @@ def test_generate_names_the_bad_prompt_and_queues_nothing(
     assert_nothing_queued(llm)
 
 
+def test_a_request_ending_with_an_error_says_why(llm: LLM) -> None:
+    """A request left with no token to sample (min_tokens holding back every id, all of them
+    stop_token_ids) ends with finish_reason "error" and its result says why, as the server's
+    error response does (the reason was only logged); the others of the batch finish."""
+    every = tuple(range(llm.engine.model_config.vocab_size))
+    masked = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=every, temperature=0)
+    bad, good = llm.generate([[5, 6, 7], [5, 6, 7]], [masked, PARAMS])
+    assert (bad.finish_reason, bad.token_ids, bad.text) == ("error", [], "")
+    assert bad.error is not None and "min_tokens 2" in bad.error and "stop_token_ids" in bad.error
+    assert (good.finish_reason, len(good.token_ids), good.error) == ("length", 3, None)
+    assert_nothing_queued(llm)
+
+
 def test_chat_takes_one_conversation_or_a_list_of_them(llm: LLM) -> None:
     """A list of conversations (vLLM's batch form) is a list of results, one a conversation in
     order, each rendered as the conversation alone; one conversation is still one result. The
