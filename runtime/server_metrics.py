@@ -25,9 +25,20 @@ import prometheus_client as prom
 
 from runtime.outputs import RequestOutput
 
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, float("inf"))
+INF = float("inf")
+# echo_request_latency_seconds: its first bounds as they always were, then vLLM's top ones, so a
+# long generation (a 128K context's prefill alone can pass 300 s) lands in a finite bucket
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 480, 960, 1920, 7680, INF)
+# vLLM's own bounds (vllm/v1/metrics/loggers.py), so a vLLM dashboard's quantiles read the same
+VLLM_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0, INF,
+)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, INF,
+)  # fmt: skip
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, INF)
 
 
 class ServerMetrics:
@@ -138,7 +149,7 @@ class ServerMetrics:
             "End-to-end request latency",
             labels,
             registry=r,
-            buckets=LATENCY_BUCKETS,
+            buckets=VLLM_E2E_BUCKETS,
         )
         self.v_finished = prom.Counter(
             "vllm:request_success",

@@ -9,6 +9,7 @@ from test_engines import PROMPTS, make
 
 from model.checkpoint import resolve_model
 from model.loader import load_model
+from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.server_metrics import ServerMetrics
 
@@ -42,6 +43,24 @@ def test_no_hit_rate_before_a_lookup_and_counters_follow_the_engine_totals():
     met.update({**snap, "gpu_pool_selected": [0.0, 0.0]}, 0)  # reset_stats, nothing since
     lines = scrape(met)
     assert not any(k.startswith("echo_gpu_pool_hit_rate{") for k in lines)  # not the old rates
+
+
+def test_long_latencies_land_in_finite_buckets():
+    """A TTFT past 60 s (a 128K-context prefill) and a request past 300 s (a long generation)
+    each land in a finite bucket of their histograms, not in +Inf alone: vLLM's bounds go up to
+    2560 s (TTFT) and 7680 s (end to end)."""
+    met = ServerMetrics("tiny")
+    met.observe(RequestOutput(prompt_tokens=3, finish_reason="stop"), 0.0, 5000.0, [2000.0, 2001])
+    lines = scrape(met)
+    for name, le in (
+        ("vllm:time_to_first_token_seconds", "2560.0"),
+        ("vllm:e2e_request_latency_seconds", "7680.0"),
+        ("echo_request_latency_seconds", "7680.0"),
+    ):
+        buckets = {k: v for k, v in lines.items() if k.startswith(name + "_bucket")}
+        assert [v for k, v in buckets.items() if f'le="{le}"' in k] == [1.0], name
+        below = [v for k, v in buckets.items() if "+Inf" not in k and f'le="{le}"' not in k]
+        assert below and max(below) == 0.0, name  # in the top finite bucket only
 
 
 def test_engine_snapshot_has_the_totals_and_no_hit_rate_series_before_traffic():
