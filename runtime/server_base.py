@@ -50,7 +50,7 @@ class HandlersBase:
         self.engine, self.model_names = engine, model_names
         self.model_name = model_names[0]  # the metrics' model_name label
         self.tokenizer = engine.tokenizer
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, engine.max_model_len)
         self._told_closed = False  # /metrics logged that the engine stopped (it does so once)
         # one token's text, by id: prompt_logprobs of a long prompt name ~21 tokens per position
         # (millions of decodes on the event loop otherwise); bounded by the vocabulary

@@ -5,8 +5,9 @@ Two families (docs/server.md has the table):
   lookups and misses (a scraper derives hit rates over any window from them), and the original
   request metrics, unlabelled as they always were;
 - ``vllm:*``: the names a vLLM dashboard reads, labelled ``model_name``: running / waiting, prompt
-  and generation token counters, prefix-cache queries and hits (tokens), TTFT / inter-token /
-  end-to-end histograms, finished requests by ``finished_reason``, KV-cache usage.
+  and generation token counters, per-request prompt / generation token histograms, prefix-cache
+  queries and hits (tokens), TTFT / inter-token / end-to-end histograms, finished requests by
+  ``finished_reason``, KV-cache usage.
 
 Data parallel (``serve --dp N``): the snapshot is the deployment's (``runtime.distributed.
 metrics.aggregate``: the ``echo_*`` series are over all ranks, unlabelled as on one GPU) with
@@ -39,6 +40,18 @@ TTFT_BUCKETS = (
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, INF,
 )  # fmt: skip
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, INF)
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's bounds for per-request token counts (its ``build_1_2_5_buckets``): 1, 2, 5, 10,
+    20, 50, ... up to ``max_model_len``, no count can pass (+Inf is added by the histogram)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class ServerMetrics:
@@ -81,7 +94,8 @@ class ServerMetrics:
         "host_pool_usage": ("vllm:kv_cache_usage_perc", "Fraction of the KV cache requests hold"),
     }
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        """``max_model_len``: the context limit, the top bound of the token histograms."""
         r = self.registry = prom.CollectorRegistry()
         self.model_name = model_name
         prom.ProcessCollector(registry=r)
@@ -129,6 +143,21 @@ class ServerMetrics:
         self.v_prompt = prom.Counter("vllm:prompt_tokens", "Prompt tokens", labels, registry=r)
         self.v_generation = prom.Counter(
             "vllm:generation_tokens", "Generated tokens", labels, registry=r
+        )
+        tokens = token_buckets(max_model_len)
+        self.v_prompt_hist = prom.Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per finished request",
+            labels,
+            registry=r,
+            buckets=tokens,
+        )
+        self.v_generation_hist = prom.Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens per finished request",
+            labels,
+            registry=r,
+            buckets=tokens,
         )
         self.v_ttft = prom.Histogram(
             "vllm:time_to_first_token_seconds",
@@ -225,6 +254,8 @@ class ServerMetrics:
         self.latency.observe(t_end - t0)
         self.v_e2e.labels(m).observe(t_end - t0)
         self.v_prompt.labels(m).inc(res.prompt_tokens)
+        self.v_prompt_hist.labels(m).observe(res.prompt_tokens)
+        self.v_generation_hist.labels(m).observe(res.completion_tokens)
         self.v_finished.labels(m, str(res.finish_reason)).inc()
         if times:
             self.v_ttft.labels(m).observe(times[0] - t0)

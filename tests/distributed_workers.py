@@ -294,7 +294,7 @@ def metrics_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: fl
         while driver.has_unfinished():
             driver.step()
         rec["driver"] = driver.metrics()
-        met = ServerMetrics("tiny")
+        met = ServerMetrics("tiny", 512)
         met.update(rec["driver"], 0)
         import prometheus_client as prom
 

@@ -74,7 +74,7 @@ def test_server_labels_engine_series_per_dp_rank_and_sums_the_rest():
     a = _snap()
     b = _snap(running=2.0, gpu_pool_selected=[0.0, 24.0], gpu_pool_recalled=[0.0, 3.0],
               prefix_cache_queries=2.0, prefix_cache_hits=0.0)  # fmt: skip
-    met = ServerMetrics("tiny")
+    met = ServerMetrics("tiny", 512)
     met.update(aggregate([a, b]), 0)
     lines = scrape(met)
     assert lines['vllm:num_requests_running{engine="0",model_name="tiny"}'] == 1.0
@@ -88,7 +88,7 @@ def test_server_labels_engine_series_per_dp_rank_and_sums_the_rest():
     met.update(aggregate([a, b2]), 0)
     assert scrape(met)['echo_gpu_pool_selected_total{layer="1"}'] == 38.0  # (not 32 + 14)
     # one GPU: the same series, vLLM's engine="0" on the engine-side vllm:* ones
-    one = ServerMetrics("tiny")
+    one = ServerMetrics("tiny", 512)
     one.update(a, 0)
     lines = scrape(one)
     assert lines['vllm:num_requests_running{engine="0",model_name="tiny"}'] == 1.0

@@ -63,7 +63,7 @@ def test_prefetch_equals_gpu_only_bit_for_bit_cuda(fmt, mode):
 
 
 def test_prefetch_metrics_exported():
-    met = ServerMetrics("tiny")
+    met = ServerMetrics("tiny", 512)
     snap = {"hit_rate": [0.5], "prefetched_per_step": [3.0, 4.0], "prefetch_precision": [0.25],
             "prefetch_coverage": [0.75]}  # fmt: skip
     met.update(snap, 0)

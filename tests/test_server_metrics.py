@@ -21,7 +21,7 @@ def scrape(met: ServerMetrics) -> dict[str, float]:
 
 
 def test_no_hit_rate_before_a_lookup_and_counters_follow_the_engine_totals():
-    met = ServerMetrics("tiny")
+    met = ServerMetrics("tiny", 512)
     snap = {"hit_rate": [1.0, 0.75], "gpu_pool_selected": [0.0, 8.0],
             "gpu_pool_recalled": [0.0, 2.0], "prefix_cache_queries": 64.0,
             "prefix_cache_hits": 32.0}  # fmt: skip
@@ -49,7 +49,7 @@ def test_long_latencies_land_in_finite_buckets():
     """A TTFT past 60 s (a 128K-context prefill) and a request past 300 s (a long generation)
     each land in a finite bucket of their histograms, not in +Inf alone: vLLM's bounds go up to
     2560 s (TTFT) and 7680 s (end to end)."""
-    met = ServerMetrics("tiny")
+    met = ServerMetrics("tiny", 512)
     met.observe(RequestOutput(prompt_tokens=3, finish_reason="stop"), 0.0, 5000.0, [2000.0, 2001])
     lines = scrape(met)
     for name, le in (
@@ -65,7 +65,7 @@ def test_long_latencies_land_in_finite_buckets():
 
 def test_engine_snapshot_has_the_totals_and_no_hit_rate_series_before_traffic():
     eng = make(load_model(resolve_model("tiny"))[0], compiled=False)
-    met = ServerMetrics("tiny")
+    met = ServerMetrics("tiny", 512)
     before = eng.metrics()
     n_layers = len(before["hit_rate"])
     assert n_layers > 0 and before["gpu_pool_selected"] == [0.0] * n_layers

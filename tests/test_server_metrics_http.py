@@ -126,6 +126,35 @@ def test_ttft_itl_and_e2e_observe_one_request_each(served: tuple[str, AsyncEngin
     assert delta("vllm:generation_tokens_total") == 6
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_request_token_histograms_observe_the_prompt_and_the_generation(
+    served: tuple[str, AsyncEngine], stream: bool
+) -> None:
+    """vLLM's vllm:request_prompt_tokens / vllm:request_generation_tokens: one request with a
+    P-token prompt and G generated tokens observes P and G, each in its 1-2-5 bucket; the
+    bounds end at the last one within max_model_len (500 of 512), then +Inf."""
+    url, _ = served
+    p, g = len(PROMPT), 6
+    before, _ = scrape(url)
+    r = complete(url, max_tokens=g, ignore_eos=True, stream=stream)
+    assert r.status_code == 200
+    after, _ = scrape(url)
+    m = (("model_name", MODEL),)
+
+    def delta(name: str, le: str | None = None) -> float:
+        key = (name, m) if le is None else (name, (("le", le), *m))
+        return after[key] - before.get(key, 0.0)
+
+    for name, n, (below, at) in (
+        ("vllm:request_prompt_tokens", p, ("100.0", "200.0")),  # P = 141
+        ("vllm:request_generation_tokens", g, ("5.0", "10.0")),
+    ):
+        assert (delta(name + "_count"), delta(name + "_sum")) == (1, n), name
+        assert (delta(name + "_bucket", below), delta(name + "_bucket", at)) == (0, 1), name
+        bounds = [dict(lab)["le"] for (k, lab), _ in after.items() if k == name + "_bucket"]
+        assert bounds[-2:] == ["500.0", "+Inf"] and "1000.0" not in bounds, name
+
+
 def test_gauges_fall_back_after_abort(served: tuple[str, AsyncEngine]) -> None:
     """Four streams on a batch of 2 (two running, two waiting), the clients leave: running,
     waiting and the KV-cache usage read 0 again, and each counts as an abort."""
