@@ -35,7 +35,9 @@ def eos_ids(
 
 class RequestDetokenizer:
     """Feeds a request's generated tokens to the incremental detokenizer and decides when it
-    finishes. Without a tokenizer (benchmarks) only token-level rules apply and no text is made."""
+    finishes. Without a tokenizer (benchmarks) only token-level rules apply and no text is made.
+    ``stop_string``: the stop string that ended the request (None: it ended otherwise, or goes
+    on), as the stop checker matched it, min_tokens' rule included."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class RequestDetokenizer:
     ):
         self.params = params
         self.eos = eos_token_ids
+        self.stop_string: str | None = None
         self.detok = (
             IncrementalDetokenizer(
                 tokenizer,
@@ -66,11 +69,13 @@ class RequestDetokenizer:
             return (self.detok.flush() if self.detok else ""), "stop"
         text = self.detok.add(token_id) if self.detok else ""
         if self.detok is not None and self.detok.stopped:
+            self.stop_string = self.detok.stop_string
             return text, "stop"
         if num_generated >= p.max_tokens:
             if self.detok is None:
                 return text, "length"
             text += self.detok.flush()
             # the held-back tail (an unfinished character) may complete a stop string only now
+            self.stop_string = self.detok.stop_string
             return text, "stop" if self.detok.stopped else "length"
         return text, None

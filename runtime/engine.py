@@ -443,11 +443,12 @@ class Engine:
             r.token_times.append(now)
             if r.first_token_time is None:
                 r.first_token_time = now
-            text, reason = self._detok[r.request_id].add(tok, len(r.output_ids))
+            detok = self._detok[r.request_id]
+            text, reason = detok.add(tok, len(r.output_ids))
             if reason is not None:
                 self._finish(r, reason)
             r.check()
-            outs.append(token_output(r, tok, lp, top, raw, text, reason))
+            outs.append(token_output(r, tok, lp, top, raw, text, reason, detok.stop_string))
         self._pool_checks.poll()
         if any(o.finished for o in outs):
             self._pool_checks.add(self.cache.overflow())

@@ -27,6 +27,7 @@ class RequestOutput:
     # params.prompt_logprobs: [None, (logprob, rank, top) of prompt token 1, ...]
     prompt_logprobs: list | None = None
     error: str | None = None  # finish_reason "error": what went wrong, when the engine says
+    stop_string: str | None = None  # the stop string that ended it (StepOutput.stop_string)
     # the text's pieces, one per step, joined when ``text`` is read: ``str +=`` on an attribute
     # copies the whole text each step (CPython reuses the buffer only for a local), quadratic in
     # the output's length
@@ -46,6 +47,7 @@ class RequestOutput:
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens = out.cached_tokens
         self.error = out.error
+        self.stop_string = out.stop_string
 
     @property
     def text(self) -> str:

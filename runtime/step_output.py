@@ -34,6 +34,9 @@ class StepOutput:
     # temperature / top-k / top-p; new_logprobs' is after them for a sampled token): what a top
     # list that adds the chosen token puts beside the top ones; None with new_top_logprobs
     new_top_chosen: list[float] | None = None
+    # the stop string that ended the request, as its stop checker matched it (min_tokens' rule
+    # included): vLLM's stop_reason when a stop string ended it; None when anything else did
+    stop_string: str | None = None
 
 
 def token_output(
@@ -44,10 +47,11 @@ def token_output(
     raw: float | None,
     text: str,
     reason: str | None,
+    stop_string: str | None = None,
 ) -> StepOutput:
     """The output of ``r``'s token ``tok`` (appended already), its logprob ``lp``, alternatives
-    ``top`` and its own logprob ``raw`` in their distribution, detokenized ``text`` and finish
-    ``reason`` (None: it goes on)."""
+    ``top`` and its own logprob ``raw`` in their distribution, detokenized ``text``, finish
+    ``reason`` (None: it goes on) and the ``stop_string`` that ended it, if one did."""
     return StepOutput(
         r.request_id,
         [tok],
@@ -62,6 +66,7 @@ def token_output(
         r.prompt_logprobs_out() if len(r.output_ids) == 1 else None,
         r.cached_tokens,
         new_top_chosen=None if top is None else [raw],
+        stop_string=stop_string,
     )
 
 

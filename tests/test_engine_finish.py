@@ -14,12 +14,14 @@ import shutil
 import pytest
 import torch
 from engine_records import tiny
+from stop_cases import min_tokens_stops
 
 from model.checkpoint import resolve_model
 from model.loader import load_model
 from runtime.detokenize import eos_ids
 from runtime.engine import Engine, EngineConfig
 from runtime.sampling_params import SamplingParams
+from runtime.step_output import StepOutput
 
 N = 16
 CFG = EngineConfig(max_batch=2, host_tokens=64 * 4, gpu_tokens=64, max_model_len=128)
@@ -31,21 +33,29 @@ def _run(
 ) -> tuple[list[int], list[str], str]:
     """(token ids, per-step text deltas, finish reason) of PROMPT decoded alone (on ``eng``, a
     fresh engine)."""
+    ids, texts, last = _run_to_end(params, eos, eng)
+    return ids, texts, last.finish_reason
+
+
+def _run_to_end(
+    params: SamplingParams, eos: int | None = None, eng: Engine | None = None
+) -> tuple[list[int], list[str], StepOutput]:
+    """``_run``'s token ids and text deltas, and the request's last (finished) output."""
     model, tok = tiny()
     mc = model.config if eos is None else dataclasses.replace(model.config, eos_token_id=eos)
     eng = eng or Engine(model, mc, tok, CFG)
     eng.add_request("r", tok.encode(PROMPT), params)
-    ids, texts, reasons = [], [], []
+    ids, texts, finished = [], [], []
     while eng.has_unfinished():
         for o in eng.step():
             ids += o.new_token_ids
             texts.append(o.new_text)
             if o.finished:
-                reasons.append(o.finish_reason)
-    assert len(reasons) == 1, reasons  # exactly one finished output
+                finished.append(o)
+    assert len(finished) == 1, finished  # exactly one finished output
     assert eng.scheduler.pages.num_free == eng.scheduler.pages.num_pages
     assert eng.cache.stats()["gpu_pool_usage"] == 0.0
-    return ids, texts, reasons[0]
+    return ids, texts, finished[0]
 
 
 def _params(**kw) -> SamplingParams:
@@ -158,6 +168,27 @@ def test_stop_string_split_across_tokens(reference):
     assert reason == "stop"
     assert "".join(texts) == full[:cut]  # cut before the stop string, nothing of it streamed
     assert ids == ref[: i + 2]  # ends on the token that completed the stop string
+
+
+def test_min_tokens_stop_string_inside_them_then_later(reference):
+    """With min_tokens, a stop string whose first occurrence ends in the first min_tokens tokens'
+    text does not stop the request; the first one to end after them does, and the output names
+    it (``stop_string``, the server's stop_reason), not the one that occurs first in the text."""
+    ref, deltas = reference
+    case = min_tokens_stops(deltas)
+    full = "".join(deltas)
+    for stop, want, cut, n in [
+        ((case.inside,), case.inside, case.again, case.again_tokens),
+        ((case.inside, case.later), case.later, case.cut, case.cut_tokens),
+    ]:
+        params = _params(stop=stop, ignore_eos=True, min_tokens=case.min_tokens)
+        ids, texts, last = _run_to_end(params)
+        assert (last.finish_reason, last.stop_string) == ("stop", want), stop
+        assert "".join(texts) == full[:cut]  # cut before the occurrence after min_tokens
+        assert ids == ref[:n]  # ends on the token that completed it
+    # without min_tokens the first occurrence stops it, and is the one named
+    ids, texts, last = _run_to_end(_params(stop=(case.later, case.inside), ignore_eos=True))
+    assert (last.stop_string, "".join(texts)) == (case.inside, full[: full.find(case.inside)])
 
 
 def test_recover_frees_every_page_when_release_raises(monkeypatch):
