@@ -269,6 +269,7 @@ class HandlersBase:
                     new_top_logprobs=None if out.new_top_logprobs is None else [],
                     new_top_chosen=None if out.new_top_chosen is None else [],
                     finish_reason="length" if out.finish_reason == "stop" else out.finish_reason,
+                    stop_string=None,
                 )  # fmt: skip
             results[i].add(out)
             if out.new_token_ids:
@@ -363,19 +364,17 @@ class HandlersBase:
 
     def stop_reason(self, params: SamplingParams, res: RequestOutput) -> int | str | None:
         """vLLM's ``stop_reason``: the stop token id or stop string that ended the choice; None
-        for EOS, a length limit, or an abort."""
+        for EOS, a length limit, or an abort. The stop string is the one the engine's stop
+        checker matched (``RequestOutput.stop_string``): with ``min_tokens`` an earlier
+        occurrence of it, or of another, may lie in the text before it."""
         if res.finish_reason != "stop" or not res.token_ids:
             return None
         last = res.token_ids[-1]
         if last in params.stop_token_ids:
             return last
-        if not params.stop or (last in self.engine.eos_token_ids and not params.ignore_eos):
+        if last in self.engine.eos_token_ids and not params.ignore_eos:
             return None
-        # The stop checker ends at the first complete stop string (earliest end, then the longer):
-        # the same rule over the whole decoded output finds which one it was.
-        full = self.tokenizer.decode(res.token_ids, params.skip_special_tokens)
-        hits = [(i + len(s), i, s) for s in params.stop if (i := full.find(s)) >= 0]
-        return min(hits)[2] if hits else None
+        return res.stop_string
 
 
 def _wrap_seed(seed: int) -> int:

@@ -105,11 +105,11 @@ class FakeEngine:
                 text += r.detok.flush()
                 del self.running[r.rid]
             lp = [-(len(r.out) - 1) / 10] if p.logprobs else None
-            outs.append(
-                StepOutput(
-                    r.rid, [tok], lp, text, reason is not None, reason, len(r.prompt), len(r.out)
-                )
+            out = StepOutput(
+                r.rid, [tok], lp, text, reason is not None, reason, len(r.prompt), len(r.out)
             )
+            out.stop_string = r.detok.stop_string
+            outs.append(out)
         return outs
 
     def cycle(self, r: _Req) -> list[int]:

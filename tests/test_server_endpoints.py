@@ -491,6 +491,38 @@ def test_stop_reason_of_a_request_ended_by_any_eos_id(tok: Tokenizer) -> None:
     assert HandlersBase.stop_reason(handlers, params, res) is None  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_stop_reason_is_the_stop_string_the_checker_matched(stream: bool) -> None:
+    """Without min_tokens too, the stop string that ended a choice is the one the stop checker
+    matched in the streamed text, which a SentencePiece-style tokenizer decodes with the prompt
+    as context: the output's first token is " world" there, "world" alone. stop_reason was
+    found again in the output decoded alone: "world" of the two, none of " world" alone."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "\u2581Hello": 3, "\u2581world": 4}
+    raw = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    raw.add_special_tokens(["<s>", "</s>"])
+    sp = Tokenizer(raw, bos_token="<s>", eos_token="</s>")
+    assert sp.decode([4]) == "world"  # (the leading space is stripped at a decode's start)
+    a = AsyncEngine(FakeEngine(sp))  # its "model" writes the prompt reversed: " world" first
+    try:
+        with running_server(build_app(a, MODEL)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            for stop in ([" world"], ["world", " world"]):
+                kw = dict(model=MODEL, prompt="Hello world", max_tokens=4, stop=stop)
+                if stream:
+                    *_, last = client.completions.create(**kw, stream=True)
+                    c = last.choices[0]
+                else:
+                    c = client.completions.create(**kw).choices[0]
+                assert (c.finish_reason, c.model_extra["stop_reason"]) == ("stop", " world")
+                assert stream or c.text == ""
+    finally:
+        a.shutdown()
+
+
 def test_continuous_usage_stats(url: str, tok: Tokenizer) -> None:
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     ids = tok.encode("Hello world")

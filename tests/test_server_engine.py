@@ -29,6 +29,7 @@ import openai
 import pytest
 import torch
 from server_utils import running_server
+from stop_cases import min_tokens_stops
 
 from echo_compile.generation_result import GenerationResult
 from echo_compile.llm import LLM
@@ -621,6 +622,42 @@ def test_sampling_controls_through_the_real_engine(
     ids, _ = tokens(presence_penalty=2.0, frequency_penalty=2.0,
                     extra_body={"repetition_penalty": 2.0, "min_p": 0.1})  # fmt: skip
     assert len(ids) == 6 and len(set(ids)) == 6  # penalised greedy: no token twice
+    assert_pools_empty(aengine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_min_tokens_stop_reason_names_the_stop_string_that_stopped(
+    url: str, aengine: AsyncEngine, stream: bool
+) -> None:
+    """With min_tokens, a stop string whose first occurrence ends in the first min_tokens tokens'
+    text does not stop the choice, a later one does: the text is cut before the later one and
+    stop_reason names the string that stopped it (it named the whole text's first stop string,
+    here the one held back)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    body: dict[str, Any] = dict(model=MODEL, prompt=BY_NAME["text-mix"].prompt, max_tokens=16,
+                                temperature=0.0)  # fmt: skip
+    # the text each token completes, as the engine streams it (logprobs: a chunk per token)
+    chunks = [c.choices[0] for c in client.completions.create(**body, logprobs=0, stream=True)]
+    assert all(len(c.logprobs.tokens) == 1 for c in chunks)
+    deltas = [c.text for c in chunks]
+    full = "".join(deltas)
+    case = min_tokens_stops(deltas)
+
+    def ask(stop: list[str]) -> tuple[str, str | None, str | int | None]:
+        kw = dict(stop=stop, extra_body={"min_tokens": case.min_tokens})
+        if not stream:
+            c = client.completions.create(**body, **kw).choices[0]
+            return c.text, c.finish_reason, c.model_extra["stop_reason"]
+        text, reason, why = "", None, None
+        for chunk in client.completions.create(**body, **kw, stream=True):
+            for c in chunk.choices:
+                text += c.text
+                reason = c.finish_reason or reason
+                why = c.model_extra.get("stop_reason") or why
+        return text, reason, why
+
+    assert ask([case.inside]) == (full[: case.again], "stop", case.inside)
+    assert ask([case.inside, case.later]) == (full[: case.cut], "stop", case.later)
     assert_pools_empty(aengine)
 
 
