@@ -65,7 +65,6 @@ def fp8_linear_kernel(
     M, N, K, stride_xm, stride_os, stride_om, SPLIT_K, stride_xs_m, stride_xs_kb,
     BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
     PREQUANT: tl.constexpr = False, FUSED: tl.constexpr = False, SWAP: tl.constexpr = False,
-    DQ: tl.constexpr = False,
 ):  # fmt: skip
     """out[split, m, n] over this split's K blocks. Grid: (cdiv(N, BN), cdiv(M, BM), SPLIT_K).
     SWAP: each K block's product is computed transposed (``w @ x8^T``, [BN, BM]: the weight
@@ -108,17 +107,7 @@ def fp8_linear_kernel(
             other=0.0,
         )  # fmt: skip  [BN, 128] e4m3
         sw = tl.load(ws_ptr + nb * KB + kb)
-        if DQ:  # both tiles dequantised to bf16 (exact for power-of-two scales), one chained MMA
-            xb = x8.to(tl.float32) * s[:, None]
-            wb = w.to(tl.float32) * sw
-            if not INTERPRET:  # (the interpreter's bf16 dot is wrong; fp32 holds the same values)
-                xb = xb.to(tl.bfloat16)
-                wb = wb.to(tl.bfloat16)
-            if SWAP:
-                acc_t = tl.dot(wb, tl.trans(xb), acc_t)
-            else:
-                acc = tl.dot(xb, tl.trans(wb), acc)
-        elif SWAP:
+        if SWAP:
             acc_t += (_fp8_dot_t(w, x8, INTERPRET) * s[None, :]) * sw
         else:
             acc += (_fp8_dot(x8, w, INTERPRET) * s[:, None]) * sw
@@ -245,7 +234,6 @@ def fp8_linear_triton(
         x, w8, w_scale, out, xs, y, cnt, m, n, k, x.stride(0), out.stride(0), out.stride(1),
         split, xs.stride(0), xs.stride(-1), BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
         PREQUANT=prequant, FUSED=fused, SWAP=bool(cfg.get("SWAP", False)),
-        DQ=bool(cfg.get("DQ", False)),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if split == 1 or fused:
