@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from runtime.engine import StepOutput
@@ -37,13 +38,24 @@ class GenerationResult:
     # finish_reason "error": why (no token left to sample: its own parameters or a logits
     # processor, named), as the server's error response says it; None otherwise
     error: str | None = None
+    # vLLM's CompletionOutput.stop_reason: the stop token id or stop string that ended it; None
+    # for EOS, a length limit or an error (RequestOutput.stop_reason, as the server's)
+    stop_reason: int | str | None = None
 
 
 class ResultAccumulator:
-    """One request of a ``generate()`` call: its step outputs (``RequestOutput``) and arrival."""
+    """One request of a ``generate()`` call: its step outputs (``RequestOutput``) and arrival;
+    ``eos_token_ids`` are the engine's (``Engine.eos_token_ids``), for ``stop_reason``."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: Collection[int],
+    ):
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.eos_token_ids = eos_token_ids  # the engine's, for stop_reason
         self.out = RequestOutput()
         self.t0 = time.perf_counter()
 
@@ -74,4 +86,5 @@ class ResultAccumulator:
             o.top_logprobs if self.params.top_logprobs else None,
             o.prompt_logprobs,
             o.error,
+            o.stop_reason(self.params, self.eos_token_ids),
         )

@@ -144,7 +144,7 @@ class LLM:
             raise ValueError(f"{len(encoded)} {what}s but {len(params)} sampling params")
         ids = [f"gen-{next(self._ids)}" for _ in encoded]
         acc = {
-            i: ResultAccumulator(i, e, sp or self._defaults(len(e)))
+            i: ResultAccumulator(i, e, sp or self._defaults(len(e)), self.engine.eos_token_ids)
             for i, e, sp in zip(ids, encoded, params)
         }
         added: list[str] = []

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from runtime.engine import StepOutput
+    from runtime.sampling_params import SamplingParams
 
 
 @dataclass
@@ -59,6 +62,24 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def stop_reason(
+        self, params: SamplingParams, eos_token_ids: Collection[int]
+    ) -> int | str | None:
+        """vLLM's ``stop_reason`` for this request run with ``params`` by an engine whose EOS ids
+        are ``eos_token_ids``: the stop token id or stop string that ended it; None for EOS, a
+        length limit, an error or an abort. The stop string is the one the engine's stop checker
+        matched (``stop_string``): with ``min_tokens`` an earlier occurrence of it, or of another,
+        may lie in the text before it. The one rule behind the server's ``stop_reason`` and
+        ``GenerationResult.stop_reason``."""
+        if self.finish_reason != "stop" or not self.token_ids:
+            return None
+        last = self.token_ids[-1]
+        if last in params.stop_token_ids:
+            return last
+        if last in eos_token_ids and not params.ignore_eos:
+            return None
+        return self.stop_string
 
     def usage(self) -> dict[str, int]:
         p, c = self.prompt_tokens, self.completion_tokens

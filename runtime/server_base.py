@@ -320,7 +320,9 @@ class HandlersBase:
                 choices[:] = [choices[i] for i in order]
             body = final(results, usage(), [r.top_logprobs for r in results])
             for c, res in zip(body["choices"], results, strict=True):
-                c["stop_reason"] = self.stop_reason(choices[c["index"]].params, res)
+                c["stop_reason"] = res.stop_reason(
+                    choices[c["index"]].params, self.engine.eos_token_ids
+                )
             return JSONResponse(body)
 
         async def events() -> AsyncIterator[str]:
@@ -338,8 +340,8 @@ class HandlersBase:
                             return
                         if (c := chunk(i, out)) is not None:
                             if out.finished:
-                                c["choices"][0]["stop_reason"] = self.stop_reason(
-                                    choices[i].params, results[i]
+                                c["choices"][0]["stop_reason"] = results[i].stop_reason(
+                                    choices[i].params, self.engine.eos_token_ids
                                 )
                             yield sse({**c, "usage": usage()} if continuous else c)
                 if any(r.finish_reason is None for r in results):  # the client left
@@ -361,20 +363,6 @@ class HandlersBase:
 
         headers = {"Cache-Control": "no-cache"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-    def stop_reason(self, params: SamplingParams, res: RequestOutput) -> int | str | None:
-        """vLLM's ``stop_reason``: the stop token id or stop string that ended the choice; None
-        for EOS, a length limit, or an abort. The stop string is the one the engine's stop
-        checker matched (``RequestOutput.stop_string``): with ``min_tokens`` an earlier
-        occurrence of it, or of another, may lie in the text before it."""
-        if res.finish_reason != "stop" or not res.token_ids:
-            return None
-        last = res.token_ids[-1]
-        if last in params.stop_token_ids:
-            return last
-        if last in self.engine.eos_token_ids and not params.ignore_eos:
-            return None
-        return res.stop_string
 
 
 def _wrap_seed(seed: int) -> int:

@@ -5,9 +5,11 @@ them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
+from stop_cases import min_tokens_stops
 
 from echo_compile.llm import LLM
 from runtime.chat_template import normalise_messages, render_dsv32
@@ -228,3 +230,25 @@ def test_chat_names_a_lone_surrogate_by_message(llm: LLM) -> None:
                        r"lone UTF-16 surrogate at index 3"):  # fmt: skip
         llm.chat(convs, PARAMS)
     assert_nothing_queued(llm)
+
+
+def test_results_name_the_stop_that_ended_them(llm: LLM) -> None:
+    """``GenerationResult.stop_reason`` is vLLM's ``CompletionOutput.stop_reason``, by the
+    server's rule: the stop string the stop checker matched (with min_tokens, not the one that
+    occurs first in the text), the stop token id, and None for EOS or a length limit."""
+    prompt = "The cache holds"
+    base = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    deltas = [o.new_text for o in llm.generate_stream(prompt, base)]
+    case = min_tokens_stops(deltas)
+    tok, eos = llm.generate([prompt], base)[0].token_ids[1], min(llm.engine.eos_token_ids)
+    params = [
+        replace(base, stop=(case.inside, case.later), min_tokens=case.min_tokens),
+        replace(base, stop_token_ids=(tok,)),
+        replace(base, ignore_eos=False, logit_bias={eos: 100.0}),  # EOS first
+        base,
+    ]
+    got = llm.generate([prompt] * len(params), params)
+    assert [(r.finish_reason, r.stop_reason) for r in got] == [
+        ("stop", case.later), ("stop", tok), ("stop", None), ("length", None)
+    ]  # fmt: skip
+    assert got[2].token_ids == [eos]

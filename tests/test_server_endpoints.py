@@ -473,22 +473,17 @@ def test_stop_reason(url: str, tok: Tokenizer) -> None:
 def test_stop_reason_of_a_request_ended_by_any_eos_id(tok: Tokenizer) -> None:
     """A choice that ended on one of the engine's EOS ids (generation_config.json may add ids
     besides the tokenizer's) has no stop_reason, even when that token's text is a stop string."""
-    from types import SimpleNamespace
-
     from runtime.outputs import RequestOutput
     from runtime.sampling_params import SamplingParams
-    from runtime.server_base import HandlersBase
 
     ids = tok.encode("Hello world")
     other_eos = ids[-1]
     text = tok.decode([other_eos])
-    handlers = SimpleNamespace(
-        engine=SimpleNamespace(eos_token_ids=frozenset({tok.eos_token_id, other_eos})),
-        tokenizer=tok,
-    )
-    res = RequestOutput(token_ids=ids, finish_reason="stop")
-    params = SamplingParams(stop=(text,))
-    assert HandlersBase.stop_reason(handlers, params, res) is None  # type: ignore[arg-type]
+    eos_token_ids = frozenset({tok.eos_token_id, other_eos})
+    res = RequestOutput(token_ids=ids, finish_reason="stop", stop_string=text)
+    assert res.stop_reason(SamplingParams(stop=(text,)), eos_token_ids) is None
+    # under ignore_eos that token did not end it as EOS: the stop string did
+    assert res.stop_reason(SamplingParams(stop=(text,), ignore_eos=True), eos_token_ids) == text
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
