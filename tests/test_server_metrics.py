@@ -63,6 +63,21 @@ def test_long_latencies_land_in_finite_buckets():
         assert below and max(below) == 0.0, name  # in the top finite bucket only
 
 
+def test_inter_token_latency_takes_vllms_buckets():
+    """vllm:inter_token_latency_seconds has vLLM's bounds, 10 ms to 80 s: a gap of 60 s between
+    two outputs (a decode stalled behind a long prefill chunk) lands in the 80 s bucket, not in
+    +Inf alone (the top finite bound was 5 s)."""
+    met = ServerMetrics("tiny", 512)
+    met.observe(RequestOutput(prompt_tokens=3, finish_reason="stop"), 0.0, 100.0, [1.0, 61.0])
+    name = "vllm:inter_token_latency_seconds_bucket"
+    le = {k.split('le="')[1].split('"')[0]: v for k, v in scrape(met).items() if k.startswith(name)}
+    assert list(le) == [
+        "0.01", "0.025", "0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.4", "0.5", "0.75", "1.0",
+        "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "+Inf",
+    ]  # fmt: skip
+    assert (le["40.0"], le["80.0"]) == (0.0, 1.0)
+
+
 def test_engine_snapshot_has_the_totals_and_no_hit_rate_series_before_traffic():
     eng = make(load_model(resolve_model("tiny"))[0], compiled=False)
     met = ServerMetrics("tiny", 512)
