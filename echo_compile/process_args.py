@@ -17,8 +17,9 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: $ECHO_COMPILE_THREADS, else $OMP_NUM_THREADS, else "
-        "1 on up to 2 usable cores and half the cores above; see echo_compile/threads.py)",
+        help="CPU threads for torch, at most the usable cores (default: $ECHO_COMPILE_THREADS, "
+        "else $OMP_NUM_THREADS, else 1 on up to 2 usable cores and half the cores above; see "
+        "echo_compile/threads.py)",
     )
 
 

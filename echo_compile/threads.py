@@ -8,8 +8,8 @@ wall and 26-38 s CPU with two: the second thread only spins. So: one thread on u
 above that half of them (not measured: about the physical cores where CPUs are hyperthreads, and
 headroom for the server's and the tokenizer's threads).
 
-Override with ``--threads N`` on the command line or ``ECHO_COMPILE_THREADS=N``; a set
-``OMP_NUM_THREADS`` (which torch already honours) is left alone.
+Override with ``--threads N`` on the command line or ``ECHO_COMPILE_THREADS=N`` (at most the usable
+cores); a set ``OMP_NUM_THREADS`` (which torch already honours) is left alone.
 """
 
 from __future__ import annotations
@@ -56,12 +56,16 @@ def default_threads(cores: int) -> int:
 
 
 def _positive_int(value: object, what: str) -> int:
+    """``value`` as a thread count: a positive integer, at most the usable cores (more only spin,
+    see above; tens of thousands crashed the process in torch.set_num_threads, SIGSEGV)."""
     try:
         n = int(str(value).strip())
     except ValueError:
         n = 0
     if n < 1 or isinstance(value, bool):
         raise ValueError(f"{what} must be a positive integer (CPU threads), got {value!r}")
+    if n > (cores := usable_cores()):
+        raise ValueError(f"{what} must be at most the {cores} usable CPU cores, got {value!r}")
     return n
 
 

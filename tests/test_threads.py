@@ -51,6 +51,17 @@ def test_bad_requests_are_refused(bad):
         threads.choose_threads(bad, {})
 
 
+def test_more_threads_than_usable_cores_are_refused(monkeypatch):
+    """A thread count above the usable cores is an error naming its source and value (100000
+    crashed the process in torch.set_num_threads, SIGSEGV, no error line)."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    assert threads.choose_threads(4, {}) == 4
+    with pytest.raises(ValueError, match=r"--threads must be at most the 4 usable CPU cores"):
+        threads.choose_threads(5, {})
+    with pytest.raises(ValueError, match=r"ECHO_COMPILE_THREADS must be at most the 4 .*'100000'"):
+        threads.choose_threads(None, {"ECHO_COMPILE_THREADS": "100000"})
+
+
 def test_configure_applies_once_and_leaves_a_later_choice_alone(monkeypatch):
     monkeypatch.setenv("ECHO_COMPILE_THREADS", "1")
     assert threads.configure_threads() == 1 == torch.get_num_threads()
