@@ -9,7 +9,7 @@ import gc
 import logging
 import sys
 
-from echo_compile.cli_args import parser
+from echo_compile.cli_args import parser, valued_flags
 from echo_compile.compile_cache import configure_compile_cache
 from echo_compile.devices import check_device
 from echo_compile.engine_args import PREFETCH_OPTIONS, engine_options, given
@@ -28,6 +28,9 @@ from echo_compile.vllm_flags import apply_vllm_flags, check_quantization
 USER_ERRORS = (ValueError, OSError)
 
 # the packages whose loggers --log-level sets (the library configures no logging of its own)
+# an option whose name in the engine's errors is not its flag's dest
+OPTION_DESTS = {"collective_timeout_s": "collective_timeout"}
+
 LOGGED_PACKAGES = ("echo_compile", "runtime", "model", "custom_ops")
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 
@@ -102,6 +105,8 @@ def _plan(a: argparse.Namespace) -> int:
         config = ModelConfig.from_json(resolve_model(a.model) / "config.json")
     else:
         config = v32_config(a.quant or "awq")
+    if a.gpus < 1:  # (the planner's error would name dp / tp, which were not given)
+        raise ValueError(f"--gpus must be at least 1, got {a.gpus}")
     dp = a.gpus if a.dp is None else a.dp  # (0 is refused by the planner, not replaced)
     tp = a.gpus if a.tp is None else a.tp
     ep = tp if a.ep else 1
@@ -235,21 +240,29 @@ COMMANDS = {
 }
 
 
-def _user_error(e: BaseException) -> int:
+def _user_error(e: BaseException, flags: dict[str, str]) -> int:
+    """One error line; a config error naming an option the command line set by a flag
+    (EngineConfig's "max_batch must be ...") names the flag ("--max-batch must be ...")."""
     msg = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
+    name, _, rest = msg.partition(" ")
+    if rest.startswith("must ") and (flag := flags.get(OPTION_DESTS.get(name, name))):
+        msg = f"{flag} {rest}"
     print(f"echo-compile: error: {msg}", file=sys.stderr)
     return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    flags: dict[str, str] = {}
     try:
         # every option after `bench` belongs to the benchmark's parser (`-- bench` too)
         if argv[:1] == ["bench"] or argv[:2] == ["--", "bench"]:
             from echo_compile.bench.cli import main as bench_main
 
             return bench_main(argv[argv.index("bench") + 1 :])
-        a = parser().parse_args(argv)  # --help and usage errors exit here, before any torch
+        ap = parser()
+        a = ap.parse_args(argv)  # --help and usage errors exit here, before any torch
+        flags = valued_flags(ap, a.cmd)
         from echo_compile.threads import configure_threads
 
         configure_logging(log_level(a))
@@ -258,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_threads(a.threads)
         return COMMANDS[a.cmd](a)
     except USER_ERRORS as e:
-        return _user_error(e)
+        return _user_error(e, flags)
     except KeyboardInterrupt:  # Ctrl-C while loading (a running server drains instead)
         print("echo-compile: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended

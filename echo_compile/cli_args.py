@@ -48,6 +48,14 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def valued_flags(ap: argparse.ArgumentParser, cmd: str) -> dict[str, str]:
+    """The options of subcommand ``cmd`` that take a value, as their flag by their option name
+    (``max_batch``: ``--max-batch``), for errors that name the option (``cli._user_error``)."""
+    sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction))
+    acts = sub.choices[cmd]._actions
+    return {x.dest: x.option_strings[0] for x in acts if x.option_strings and x.nargs != 0}
+
+
 def _demo_args(p: argparse.ArgumentParser) -> None:
     """demo's flags: the tiny model's random prompts and how they run."""
     p.add_argument("--model", default="tiny", help=MODEL_HELP)

@@ -94,7 +94,7 @@ def test_bad_model_dir_is_one_line(capsys, tmp_path):
 
 def test_bad_kernel_backend_is_one_line(capsys):
     rc, _, err = run_main(capsys, "generate", "--device", "cpu", "--kernel-backend", "nope", "hi")
-    assert_one_line_error(rc, err, "kernel_backend", "'nope'")
+    assert_one_line_error(rc, err, "--kernel-backend", "'nope'")
 
 
 def test_kernel_backend_default_is_one_constant():
@@ -188,9 +188,9 @@ def test_a_bug_still_tracebacks(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "flags, param",
     [
-        (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top_p"),
-        (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
     ],
 )
 def test_sampling_flags_are_checked_before_the_model_loads(capsys, monkeypatch, flags, param):
@@ -205,7 +205,7 @@ def test_sampling_flags_are_checked_before_the_model_loads(capsys, monkeypatch, 
 @pytest.mark.parametrize(
     "flags, what",
     [
-        (["--max-tokens", "0"], "max_tokens"),
+        (["--max-tokens", "0"], "--max-tokens"),
         (["--min-len", "500", "--max-len", "100"], "--min-len"),
         (["--requests", "0"], "--requests"),
     ],
@@ -386,20 +386,44 @@ def test_chunk_and_bucket_flags_reach_the_engine_options(cmd):
     "flags, message",
     [
         (["--decode-buckets", "1,x"], "--decode-buckets must be comma-separated integers"),
-        (["--decode-buckets", "2,1,8"], "decode_buckets must be increasing and end at max_batch"),
-        (["--prefill-chunk", "100"], "prefill_chunk must be a multiple of 16"),
+        (["--decode-buckets", "2,1,8"], "--decode-buckets must be increasing and end at max_batch"),
+        (["--prefill-chunk", "100"], "--prefill-chunk must be a multiple of 16"),
         (["--prefetch", "request", "--no-offload"], "prefetch='request' needs offloading"),
-        (["--prefetch", "request", "--prefetch-cap", "0"], "prefetch_cap must be a positive"),
+        (["--prefetch", "request", "--prefetch-cap", "0"], "--prefetch-cap must be a positive"),
         (["--prefetch", "request", "--prefetch-cap", "10000000"], "cap must be at most host_tok"),
-        (["--prefetch", "global", "--prefetch-ratio", "-1"], "prefetch_ratio must be in (0, 1]"),
-        (["--prefetch", "global", "--prefetch-ratio", "inf"], "prefetch_ratio must be in (0, 1]"),
-        (["--prefetch-margin", "inf"], "prefetch_margin must be a finite number >= 0"),
+        (["--prefetch", "global", "--prefetch-ratio", "-1"], "--prefetch-ratio must be in (0, 1]"),
+        (["--prefetch", "global", "--prefetch-ratio", "inf"], "--prefetch-ratio must be in (0, 1]"),
+        (["--prefetch-margin", "inf"], "--prefetch-margin must be a finite number >= 0"),
     ],
 )
 def test_generate_refuses_bad_engine_options_in_one_line(flags, message, capsys):
     assert cli.main(["generate", "hi", "--max-tokens", "1", "--no-compile", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("echo-compile: error:") and message in err and "\n" not in err
+
+
+GEN = ["generate", "hi", "--device", "cpu", "--no-compile"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*GEN, "--max-batch", "0"], "--max-batch must be a positive integer, got 0"),
+        ([*GEN, "--host-tokens", "100"], "--host-tokens must be a multiple of 64, got 100"),
+        ([*GEN, "--collective-timeout", "-1"], "--collective-timeout must be a positive"),
+        ([*GEN, "--kernel-backend", "foo"], "--kernel-backend must be one of auto,"),
+        ([*GEN, "--max-tokens", "0"], "--max-tokens must be an integer >= 1"),
+        (["demo", "--device", "cpu", "--max-tokens", "-1"], "--max-tokens must be an integer >= 1"),
+        (["plan", "--max-batch", "-1"], "--max-batch must be a positive integer, got -1"),
+        (["plan", "--gpus", "0"], "--gpus must be at least 1, got 0"),
+    ],
+)
+def test_an_option_refused_by_the_engine_is_named_by_its_flag(argv, message, capsys):
+    """A value the engine's configuration refuses is named by the flag that gave it, as the
+    flags checked by the CLI itself are (it named the option's Python name, ``max_batch``; plan
+    --gpus 0 named dp, which was not given)."""
+    rc, _, err = run_main(capsys, *argv)
+    assert_one_line_error(rc, err, message)
 
 
 def test_tp_without_torchrun_says_so_even_when_the_default_port_is_taken():

@@ -168,9 +168,9 @@ def test_plan_command(capsys):
     assert cli_main(["plan", "--gpus", "16", *one_host]) == 2
     assert "need 1250.5 GiB a node (16 ranks x 78.2)" in capsys.readouterr().err
     for flags, message in (  # NaN compared false everywhere: "total nan GiB ... fits"
-        (["--gpu-mem-gib", "nan"], "gpu_mem_gib must be a finite number > 0"),
+        (["--gpu-mem-gib", "nan"], "--gpu-mem-gib must be a finite number > 0"),
         (["--reserve-gib", "nan"], "reserve_gib one >= 0, got 139.8 and nan"),
-        (["--host-mem-gib", "-1"], "host_mem_gib must be a finite number > 0, got -1.0"),
+        (["--host-mem-gib", "-1"], "--host-mem-gib must be a finite number > 0, got -1.0"),
     ):
         assert cli_main(["plan", *flags]) == 2
         assert message in capsys.readouterr().err
