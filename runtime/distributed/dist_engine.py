@@ -28,6 +28,7 @@ from model.parallel import TPGroup
 from runtime.distributed.balance import RankLoad, assign
 from runtime.distributed.metrics import aggregate
 from runtime.distributed.process import DistContext, guarded, init_distributed, shutdown
+from runtime.distributed.rank_errors import rank_errors
 from runtime.distributed.step_sync import agree
 from runtime.engine import Engine, StepOutput
 from runtime.engine_config import EngineConfig
@@ -296,7 +297,9 @@ def build_distributed_engine(
     kept per shard); ``generation_config``: as
     ``LLM``'s; ``inputs``: ``read_engine_inputs``'s, when the caller read them (else they are
     read here, before the weights); ``progress``: rank 0 draws the bar of its load (one bar on
-    the launcher's terminal), every rank logs its load's summary line."""
+    the launcher's terminal), every rank logs its load's summary line. An error of one rank's
+    checks or load (a shard its host cannot read, out of memory) is raised on every rank, named
+    with that rank (``rank_errors``), once all of them have run that step."""
     from model.checkpoint_meta import checkpoint_fingerprint, checkpoint_meta
     from model.fp8_choice import FP8Choice, fp8_choice
     from model.loader import load_model
@@ -304,48 +307,52 @@ def build_distributed_engine(
     from model.shards import shard_files
 
     ctx = ctx or join(config)
-    if ctx.world_size != config.world_size:
-        raise ValueError(
-            f"dp={config.dp}, tp={config.tp}, ep={config.ep} need {config.world_size} processes, "
-            f"but this job has {ctx.world_size}: launch with torchrun --nproc-per-node "
-            f"{config.world_size}"
-        )
-    asked = fp8_weights.weights if isinstance(fp8_weights, FP8Choice) else fp8_weights
-    # the shard listing read once, here: the checkpoint's fingerprint hashes it, the FP8 choice
-    # and the load take it (a choice already made may hold it)
-    meta = checkpoint_meta(path)
-    made = fp8_weights.shards if isinstance(fp8_weights, FP8Choice) else None
-    shards = made or shard_files(meta.path)
+    # NOTE: every step a rank can fail alone (a checkpoint file its host lacks, its own option,
+    # out of memory) runs inside rank_errors, with no collective inside: a rank that raised
+    # there alone ended its group and left the others a RankFailure naming no cause (or minutes
+    # of loading first); now every rank raises that rank's error, named, at the exchange
+    with rank_errors(ctx, "the start-up checks"):
+        if ctx.world_size != config.world_size:
+            raise ValueError(
+                f"dp={config.dp}, tp={config.tp}, ep={config.ep} need {config.world_size} "
+                f"processes, but this job has {ctx.world_size}: launch with torchrun "
+                f"--nproc-per-node {config.world_size}"
+            )
+        asked = fp8_weights.weights if isinstance(fp8_weights, FP8Choice) else fp8_weights
+        # the shard listing read once, here: the checkpoint's fingerprint hashes it, the FP8
+        # choice and the load take it (a choice already made may hold it)
+        meta = checkpoint_meta(path)
+        made = fp8_weights.shards if isinstance(fp8_weights, FP8Choice) else None
+        shards = made or shard_files(meta.path)
+        fingerprint = checkpoint_fingerprint(meta, shards, generation_config)
     check_same_options(
         ctx,
         dict(dataclasses.asdict(config), device=config.device.split(":")[0],
              fp8_weights=asked, generation_config=generation_config,
-             compiled=compiler_factory is not None,
-             checkpoint=checkpoint_fingerprint(meta, shards, generation_config)),
+             compiled=compiler_factory is not None, checkpoint=fingerprint),
     )  # fmt: skip
-    # NOTE: the FP8 choice after the check: one rank's fp8_weights that the checkpoint refuses
-    # (another rank's options) raised on that rank alone, before the check's collective, and
-    # left the others waiting in it; with the options and the checkpoint the same everywhere,
-    # the choice (and any error of it) is the same on every rank
-    choice = fp8_choice(meta.path, meta.config, fp8_weights, shards)
-    choice = choice._replace(shards=choice.shards or shards)
-    config = replace(config, device=ctx.device)
-    inputs = inputs or read_engine_inputs(meta, config, generation_config)
-    g = tp_group(ctx, config)
-    with LoadProgress(enabled=progress and ctx.rank == 0) as loading:
-        if g.size > 1:
-            net, extras = load_sharded_model(
-                meta, g, device=ctx.device, ep=config.ep > 1, fp8_weights=choice,
-                progress=loading,
-            )  # fmt: skip
-        else:
-            net, extras = load_model(
-                meta, device=ctx.device, keep_mtp=False, fp8_weights=choice,
-                progress=loading,
-            )  # fmt: skip
-    logging.getLogger(__name__).info("rank %d: %s", ctx.rank, loading.close())
-    compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
-    engine = Engine.from_loaded(
-        net, extras, config, model_name=model_name, compiler=compiler, inputs=inputs
-    )
+    with rank_errors(ctx, "the weight load"):
+        # (the FP8 choice after the check: with the options and the checkpoint the same
+        # everywhere, the choice, and any error of it, is the same on every rank)
+        choice = fp8_choice(meta.path, meta.config, fp8_weights, shards)
+        choice = choice._replace(shards=choice.shards or shards)
+        config = replace(config, device=ctx.device)
+        inputs = inputs or read_engine_inputs(meta, config, generation_config)
+        g = tp_group(ctx, config)
+        with LoadProgress(enabled=progress and ctx.rank == 0) as loading:
+            if g.size > 1:
+                net, extras = load_sharded_model(
+                    meta, g, device=ctx.device, ep=config.ep > 1, fp8_weights=choice,
+                    progress=loading,
+                )  # fmt: skip
+            else:
+                net, extras = load_model(
+                    meta, device=ctx.device, keep_mtp=False, fp8_weights=choice,
+                    progress=loading,
+                )  # fmt: skip
+        logging.getLogger(__name__).info("rank %d: %s", ctx.rank, loading.close())
+        compiler: StepCompiler | None = compiler_factory(ctx.device) if compiler_factory else None
+        engine = Engine.from_loaded(
+            net, extras, config, model_name=model_name, compiler=compiler, inputs=inputs
+        )
     return DistributedEngine(engine, ctx, config.dp)

@@ -1,0 +1,56 @@
+"""A start-up error on one rank of a two-process gloo job (docs/multi_gpu.md, "Process model"):
+every rank exits with that error, named with the failing rank, within seconds; none waits in a
+collective or the join. Each job runs under a deadline: a rank still running is killed and the
+test fails ("hung"), it does not block the suite."""
+
+from __future__ import annotations
+
+import shutil
+
+from distributed_workers import cli_generate_worker
+
+from runtime.distributed.process import spawn
+
+DEADLINE_S = 30.0
+
+
+def _run_bounded(fn, *args) -> None:
+    """``spawn(fn, 2, *args)``, every rank given ``DEADLINE_S`` in all to end."""
+    import time
+
+    ctx = spawn(fn, 2, *args, join=False)
+    end = time.monotonic() + DEADLINE_S
+    for p in ctx.processes:
+        p.join(max(0.1, end - time.monotonic()))
+    hung = [r for r, p in enumerate(ctx.processes) if p.exitcode is None]
+    for r in hung:
+        ctx.processes[r].kill()
+        ctx.processes[r].join()
+    assert not hung, f"ranks {hung} were still running after {DEADLINE_S:g} s (a hang)"
+
+
+def _tiny_copy(tmp_path):
+    from model.checkpoint import resolve_model
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(resolve_model("tiny"), path)
+    return path
+
+
+def _codes(tmp_path) -> list[str]:
+    return [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+
+
+def test_a_shard_unreadable_on_one_rank_stops_every_rank_naming_it(tmp_path, capfd):
+    """Rank 1's copy of the checkpoint has a truncated shard (a bad copy on one host): its
+    fingerprint (config, shard listing) is rank 0's, so the ranks build, and the load fails on
+    rank 1 alone. Every rank returns 2 with rank 1's error (rank 0 ran on to its first request
+    and failed there with a RankFailure naming no cause, a traceback and no exit code)."""
+    other = _tiny_copy(tmp_path)
+    shard = other / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    _run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--model", str(other))))
+    assert _codes(tmp_path) == ["2 False"] * 2
+    err = capfd.readouterr().err
+    assert err.count("not a readable safetensors file") == 2, err
+    assert err.count("echo-compile: error: rank 1: ") == 1, err  # rank 0's line names rank 1
