@@ -54,3 +54,26 @@ def test_a_shard_unreadable_on_one_rank_stops_every_rank_naming_it(tmp_path, cap
     err = capfd.readouterr().err
     assert err.count("not a readable safetensors file") == 2, err
     assert err.count("echo-compile: error: rank 1: ") == 1, err  # rank 0's line names rank 1
+
+
+def test_an_option_only_one_rank_is_given_stops_every_rank_naming_it(tmp_path, capfd):
+    """Rank 1 alone given ``--fp8-weights fp8`` for the (bf16) tiny checkpoint: its option was
+    resolved, and refused, before the join, on rank 1 alone, and rank 0 waited in the join until
+    the collective timeout (60 s here). Now every rank names the option that differs, and
+    returns 2."""
+    _run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--fp8-weights", "fp8")))
+    assert _codes(tmp_path) == ["2 False"] * 2
+    err = capfd.readouterr().err
+    assert err.count("fp8_weights: rank 0 has 'auto', rank 1 has 'fp8'") == 2, err
+
+
+def test_a_checkpoint_missing_on_one_rank_stops_every_rank_naming_it(tmp_path, capfd):
+    """Rank 1's ``--model`` directory does not exist (not mounted on its host): it was read
+    before the join, on rank 1 alone, and rank 0 waited in the join until the collective
+    timeout. Now every rank returns 2 with rank 1's error."""
+    missing = tmp_path / "not-mounted"
+    _run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--model", str(missing))))
+    assert _codes(tmp_path) == ["2 False"] * 2
+    err = capfd.readouterr().err
+    assert err.count(str(missing)) == 2, err
+    assert err.count("echo-compile: error: rank 1: ") == 1, err
