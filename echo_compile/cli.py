@@ -17,7 +17,7 @@ from echo_compile.generate_args import sampling_params
 from echo_compile.plan_args import PLAN_GPU_TOKENS
 from echo_compile.process_args import log_level
 from echo_compile.serve_args import serve_options
-from echo_compile.vllm_flags import apply_vllm_flags, check_quantization
+from echo_compile.vllm_flags import aliased_flags, apply_vllm_flags, check_quantization
 
 # NOTE: nothing here imports torch at module level: `echo-compile --help` (and a subcommand's
 # --help) must answer without the seconds torch takes to import. Commands import what they run.
@@ -27,10 +27,10 @@ from echo_compile.vllm_flags import apply_vllm_flags, check_quantization
 # SamplingParamsError). They print one line and exit 2; anything else is a bug and tracebacks.
 USER_ERRORS = (ValueError, OSError)
 
-# the packages whose loggers --log-level sets (the library configures no logging of its own)
 # an option whose name in the engine's errors is not its flag's dest
 OPTION_DESTS = {"collective_timeout_s": "collective_timeout"}
 
+# the packages whose loggers --log-level sets (the library configures no logging of its own)
 LOGGED_PACKAGES = ("echo_compile", "runtime", "model", "custom_ops")
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(log_level(a))
         configure_compile_cache()
         apply_vllm_flags(a, argv)  # (logs the vLLM flags taken as no-ops)
+        flags.update(aliased_flags(a))  # (--max-num-seqs gave max_batch: an error names it)
         configure_threads(a.threads)
         return COMMANDS[a.cmd](a)
     except USER_ERRORS as e:

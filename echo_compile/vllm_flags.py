@@ -276,6 +276,19 @@ def apply_vllm_flags(a: argparse.Namespace, argv: Sequence[str] = ()) -> None:
         logger.info("vLLM flags taken as what this server does anyway: %s", ", ".join(noops))
 
 
+def aliased_flags(a: argparse.Namespace) -> dict[str, str]:
+    """The vLLM flags given that set one of our options, by that option's name (``max_batch``:
+    ``--max-num-seqs``): an error about the option names the flag that gave its value
+    (``cli._user_error``). A value mapped to a no-op sets nothing, and is left out."""
+    out = {}
+    for flag, kind in VLLM_FLAGS.items():
+        v = getattr(a, _dest(flag), None)
+        if isinstance(kind, Alias) and v is not None:
+            if kind.values is None or kind.values.get(v) is not None:
+                out[kind.ours[2:].replace("-", "_")] = flag
+    return out
+
+
 def check_quantization(method: str | None, model: str) -> None:
     """vLLM's ``--quantization method`` against MODEL's config.json, before any weight loads: a
     one-line ValueError naming the flag, the checkpoint's format and what to do when they differ

@@ -426,6 +426,21 @@ def test_an_option_refused_by_the_engine_is_named_by_its_flag(argv, message, cap
     assert_one_line_error(rc, err, message)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*GEN, "--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
+        ([*GEN, "--max-num-batched-tokens", "100"], "--max-num-batched-tokens must be a multiple"),
+        (["serve", "tiny", "--device", "cpu", "--max-num-seqs", "0"], "--max-num-seqs must be"),
+    ],
+)
+def test_an_option_set_by_a_vllm_flag_is_named_by_that_flag(argv, message, capsys):
+    """A value a vLLM flag gave one of our options (``--max-num-seqs``: ``max_batch``) is named
+    by the vLLM flag when the engine refuses it: it named ``--max-batch``, which was not given."""
+    rc, _, err = run_main(capsys, *argv)
+    assert_one_line_error(rc, err, message)
+
+
 def test_tp_without_torchrun_says_so_even_when_the_default_port_is_taken():
     """One process asked for tp=2 gets the "launch with torchrun" error, also while another job
     holds MASTER_PORT's default (29500): it joined its one-process group there and failed with
