@@ -136,6 +136,7 @@ class Setup:
         for n, t in self.snap.items():
             getattr(self.pool, n).copy_(t)
         self.staging.reset()
+        self.staging.totals.zero_()  # (reset keeps the running totals; the checks read one step)
         ema = self.staging.ema
         ema[pl.EMA_LEVEL, self.keys], ema[pl.EMA_DEV, self.keys] = self.level0, self.dev0
         ema[pl.EMA_THR, self.keys] = (
@@ -228,6 +229,7 @@ def stage_all_misses(s: Setup, st: Staging, mark: int = 0) -> int:
     are the host's XOR it, so a check can tell where a row came from); returns the misses."""
     s.restore()
     st.reset()
+    st.totals.zero_()  # (as restore's: the check reads this step's promotions alone)
     sel = s.sel[s.sel >= 0].long()
     miss = torch.unique(sel[s.pool.host_to_gpu[sel] < 0])
     n = miss.numel()
