@@ -14,7 +14,6 @@ from echo_compile.compile_cache import configure_compile_cache
 from echo_compile.devices import check_device
 from echo_compile.engine_args import PREFETCH_OPTIONS, engine_options, given
 from echo_compile.generate_args import sampling_params
-from echo_compile.plan_args import PLAN_GPU_TOKENS
 from echo_compile.process_args import log_level
 from echo_compile.serve_args import serve_options
 from echo_compile.vllm_flags import aliased_flags, apply_vllm_flags, check_quantization
@@ -93,8 +92,25 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _plan(a: argparse.Namespace) -> int:
-    from runtime.distributed.plan import GPU_MEM_GIB, memory_plan, plan_engine, v32_config
-    from runtime.kv_sizing import check_given_context, check_given_gpu_pool
+    from runtime.distributed.plan import (
+        GPU_MEM_GIB,
+        check_memory,
+        memory_plan,
+        plan_engine,
+        rank_weight_bytes,
+        v32_config,
+    )
+    from runtime.engine_config import EngineConfig
+    from runtime.kv_sizing import (
+        GIB,
+        GPU_MEMORY_UTILIZATION,
+        HOST_MEMORY_FRACTION,
+        SIZED,
+        Memory,
+        check_given_context,
+        check_given_gpu_pool,
+        sized_config,
+    )
 
     if a.model is not None:
         if a.quant is not None:
@@ -110,24 +126,50 @@ def _plan(a: argparse.Namespace) -> int:
     dp = a.gpus if a.dp is None else a.dp  # (0 is refused by the planner, not replaced)
     tp = a.gpus if a.tp is None else a.tp
     ep = tp if a.ep else 1
-    # the sizes as serve takes them: left out, capped at the host pool (serve's context and
-    # GPU pool left out are); given, one serve refuses is refused here
-    sized = {k for k in ("max_model_len", "gpu_tokens") if getattr(a, k) is not None}
-    max_len, gpu_tokens = a.max_model_len, a.gpu_tokens
-    if max_len is None:
-        max_len = min(config.max_position_embeddings, a.host_tokens)
-    if gpu_tokens is None:
-        gpu_tokens = min(PLAN_GPU_TOKENS, a.host_tokens)
-    eng = plan_engine(dp, 1 if a.ep else tp, gpu_tokens, a.host_tokens, a.max_batch,
-                      a.kv_format, not a.no_offload, max_len, ep,
-                      not a.no_prefill_buffer, **given(a, PREFETCH_OPTIONS))  # fmt: skip
-    check_given_context(config, eng, sized | {"host_tokens"})
-    check_given_gpu_pool(eng, sized)
+    # the sizes as serve takes them: given, they stand (one serve refuses is refused here);
+    # left out, serve's start-up rule chooses them (kv_sizing.sized_config) from this plan's
+    # memory, where serve reads its own (the ranks of a plan are alike: their least is theirs)
+    named = {k for k in SIZED if getattr(a, k) is not None}
+    d = EngineConfig()  # (a size left out: a placeholder the sizing replaces)
+    eng = plan_engine(dp, 1 if a.ep else tp, d.gpu_tokens if a.gpu_tokens is None else a.gpu_tokens,
+                      d.host_tokens if a.host_tokens is None else a.host_tokens, a.max_batch,
+                      a.kv_format, not a.no_offload,
+                      d.max_model_len if a.max_model_len is None else a.max_model_len, ep,
+                      not a.no_prefill_buffer, device="cuda",
+                      **given(a, PREFETCH_OPTIONS))  # fmt: skip
+    check_given_context(config, eng, named)
     mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
+    check_memory(mem, a.host_mem_gib, a.reserve_gib, a.gpus_per_node)  # (before the sizing)
+    weights, sizing = None, "sizes as given"
+    if not set(SIZED) <= named | ({"gpu_tokens"} if a.no_offload else set()):
+        # (first: a split the model refuses is the deployment's error, not the memory's)
+        weights = rank_weight_bytes(config, eng, a.fp8_weights)
+        if a.host_mem_gib is None:
+            left = ", ".join("--" + k.replace("_", "-") for k in SIZED if k not in named)
+            raise ValueError(
+                f"{left} left out: chosen from the GPU's and the host's memory, as serve chooses "
+                "them; give --host-mem-gib (one host's memory, GiB) or the sizes"
+            )
+        ranks = min(max(dp, tp), a.gpus_per_node)  # (sharing one host: LOCAL_WORLD_SIZE)
+        memory = Memory(int(a.host_mem_gib * GIB), int(mem * GIB), ranks)
+        fractions = (
+            HOST_MEMORY_FRACTION if a.host_memory_fraction is None else a.host_memory_fraction,
+            GPU_MEMORY_UTILIZATION
+            if a.gpu_memory_utilization is None
+            else a.gpu_memory_utilization,
+        )
+        eng, sizing = sized_config(
+            config, eng, named, memory, weights, *fractions, int(a.reserve_gib * GIB)
+        )
+        sizing = "chosen as serve chooses them: " + sizing.removeprefix("KV sizing: ")
+        check_given_context(config, eng, named, sized=True)
+        if named:
+            sizing += "; given: " + ", ".join("--" + k.replace("_", "-") for k in sorted(named))
+    check_given_gpu_pool(eng, named)
     plan = memory_plan(
-        config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node
+        config, eng, mem, a.host_mem_gib, a.reserve_gib, a.fp8_weights, a.gpus_per_node, weights
     )
-    print(plan.table())
+    print(plan.table(sizing))
     plan.check()  # a plan that does not fit: one error line, exit 2
     return 0
 

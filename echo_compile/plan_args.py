@@ -1,5 +1,6 @@
 """``echo-compile plan``'s flags: a dp/tp deployment of V3.2 to plan the per-GPU memory of, with
-serve's sizing flags (its defaults: the 8 x H200 deployment, not serve's)."""
+serve's sizing flags (its defaults: the 8 x H200 deployment, not serve's; the sizes left out are
+chosen as serve chooses them, from the GPU's and the host's memory)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import argparse
 
 from echo_compile.engine_args import KV_FORMATS, add_prefetch_args, token_count
 from echo_compile.process_args import add_process_args
+from runtime.kv_sizing import GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION, RESERVE_GIB
 
 # NOTE: no torch here either: the flags are in every --help (cli_args.py says why).
 
-PLAN_GPU_TOKENS = 200000  # the 8 x H200 deployment's GPU pool, when --gpu-tokens is left out
+AUTO = "default: chosen as serve chooses it, from --gpu's memory and --host-mem-gib"
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -36,18 +38,21 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel (with --ep: expert-parallel) feed-forward ranks (default: --gpus)",
     )
     p.add_argument("--ep", action="store_true", help="routed experts split by expert, not tp")
-    # NOTE: the defaults plan the 8 x H200 deployment (docs/multi_gpu.md, $SIZES), not serve's
+    # NOTE: the defaults plan the 8 x H200 deployment (docs/multi_gpu.md), not serve's; the
+    # sizes left out are serve's choice for it (runtime/kv_sizing.py, the one rule)
     p.add_argument(
         "--gpu-tokens",
         type=token_count,
         default=None,
-        help=f"GPU pool rows per layer (default: {PLAN_GPU_TOKENS}, at most --host-tokens)",
+        help=f"GPU pool rows per layer, at most --host-tokens ({AUTO}, after the weights, the "
+        "other KV buffers and --reserve-gib)",
     )
     p.add_argument(
         "--host-tokens",
         type=token_count,
-        default=1 << 21,
-        help="host pool rows per layer (default: %(default)s)",
+        default=None,
+        help=f"host pool rows per layer ({AUTO}: --max-batch requests of --max-model-len, at "
+        "most what --host-memory-fraction of it holds)",
     )
     p.add_argument(
         "--max-batch",
@@ -60,7 +65,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         type=token_count,
         default=None,
         help="longest prompt + output, as serve's flag (default: the model's "
-        "max_position_embeddings, V3.2's 163840, at most --host-tokens, as serve's)",
+        "max_position_embeddings, V3.2's 163840, at most what the host pool holds, as serve's)",
     )
     p.add_argument(
         "--kv-format",
@@ -97,7 +102,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         "--host-mem-gib",
         type=float,
         default=None,
-        help="host memory per node in GiB (default: none, the host pools unchecked)",
+        help="host memory per node in GiB, the memory serve would read: sizes --host-tokens "
+        "and checks the host pools (default: none, the host pools unchecked; needed where a "
+        "size is left out)",
     )
     p.add_argument(
         "--gpus-per-node",
@@ -109,7 +116,22 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reserve-gib",
         type=float,
-        default=8.0,
-        help="GiB a GPU keeps for activations, graphs, NCCL (default: %(default)s)",
+        default=RESERVE_GIB,
+        help="GiB a GPU keeps for activations, graphs, NCCL, as serve's sizing keeps "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--host-memory-fraction",
+        type=float,
+        default=None,
+        help="as serve's: the share of --host-mem-gib the host KV pools of a host's ranks may "
+        f"take, when --host-tokens is left out (default: {HOST_MEMORY_FRACTION:g})",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="as serve's (vLLM's): the share of the GPU's memory that sizes --gpu-tokens when it "
+        f"is left out (default: {GPU_MEMORY_UTILIZATION:g})",
     )
     add_process_args(p)

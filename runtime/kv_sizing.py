@@ -370,7 +370,29 @@ def _own_sizes(
         logger.warning("KV sizing from memory skipped (%s: %s): EngineConfig's defaults for %s",
                        type(e).__name__, e, ", ".join(sorted(set(SIZED) - given)))  # fmt: skip
         return config, ""
-    s = auto_sizes(mc, config, given, memory, w, host_memory_fraction, gpu_memory_utilization)
+    return sized_config(mc, config, given, memory, w, host_memory_fraction, gpu_memory_utilization)
+
+
+def sized_config(
+    mc: ModelConfig,
+    config: EngineConfig,
+    given: set[str],
+    memory: Memory,
+    weight_bytes: int,
+    host_memory_fraction: float = HOST_MEMORY_FRACTION,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    reserve_bytes: int = int(RESERVE_GIB * GIB),
+) -> tuple[EngineConfig, str]:
+    """``config`` with ``auto_sizes``'s sizes for a CUDA rank of ``memory`` and
+    ``weight_bytes``, and its line: what a rank's start-up (``size_engine``, from the memory it
+    reads) and ``echo-compile plan`` (from the memory it is given) both size with, so the plan
+    shows what serve would choose."""
+    if not config.offload:  # no GPU pool: nothing to size in gpu_tokens
+        given = given | {"gpu_tokens"}
+    s = auto_sizes(
+        mc, config, given, memory, weight_bytes, host_memory_fraction, gpu_memory_utilization,
+        reserve_bytes,
+    )  # fmt: skip
     sized = dataclasses.replace(
         config, max_model_len=s.max_model_len, host_tokens=s.host_tokens, gpu_tokens=s.gpu_tokens
     )

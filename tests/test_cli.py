@@ -515,7 +515,7 @@ def test_token_counts_take_vllm_s_suffixes(capsys):
                              "--gpu-tokens", "25.6k"])  # fmt: skip
     assert (a.max_model_len, a.host_tokens, a.gpu_tokens) == (100000, 131072, 25600)
     rc, out, _ = run_main(capsys, "plan", "--model", "tiny", "--gpus", "1", "--max-model-len",
-                          "100k", "--host-tokens", "1M")  # fmt: skip
+                          "100k", "--host-tokens", "1M", "--gpu-tokens", "64k")  # fmt: skip
     assert rc == 0 and "--max-model-len 100000 " in out and "--host-tokens 1048576\n" in out, out
     for bad, why in (("10x", "invalid token count: '10x'"), ("1.5", "'1.5'"),
                      ("1.0001k", "is 1000.1, not whole"), ("infk", "'infk'")):  # fmt: skip

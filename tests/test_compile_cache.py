@@ -19,5 +19,5 @@ def test_the_cache_goes_under_the_projects_cache_unless_set(monkeypatch, tmp_pat
 def test_the_command_sets_it(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("ECHO_COMPILE_CACHE", str(tmp_path))
-    assert cli.main(["plan", "--quant", "awq"]) == 0
+    assert cli.main(["plan", "--quant", "awq", "--host-mem-gib", "1536"]) == 0
     assert os.environ[ENV] == str(tmp_path / "inductor")

@@ -17,6 +17,10 @@ from model.presets import preset_config
 from model.shard_loader import load_sharded_model
 from runtime.distributed.plan import cache_bytes, memory_plan, plan_engine, v32_config, weight_bytes
 
+# the 8 x H200 deployment's sizes given (docs/multi_gpu.md, $SIZES): left out, plan chooses them
+# as serve does, from --host-mem-gib
+SIZES = ["--gpu-tokens", "200000", "--host-tokens", "2097152", "--max-model-len", "163840"]
+
 
 def nbytes(module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
@@ -126,7 +130,7 @@ def test_v32_plans_on_8_h200():
 
 
 def test_plan_command(capsys):
-    assert cli_main(["plan", "--quant", "awq"]) == 0
+    assert cli_main(["plan", "--quant", "awq", *SIZES]) == 0
     out = capsys.readouterr().out
     assert "fits" in out
     # the sizes the numbers are of, as serve's flags: plan's defaults are not serve's
@@ -136,7 +140,7 @@ def test_plan_command(capsys):
                      "--max-model-len", "65536"]) == 0  # fmt: skip
     assert "for --max-batch 4 " in (out := capsys.readouterr().out), out
     assert "--no-offload --host-tokens 65536\n" in out and "--gpu-tokens" not in out, out
-    assert cli_main(["plan", "--quant", "awq", "--no-prefill-buffer"]) == 0
+    assert cli_main(["plan", "--quant", "awq", "--no-prefill-buffer", *SIZES]) == 0
     out = capsys.readouterr().out
     assert "prefill buffer        0.00 GiB" in out and "prefetch staging      0.00 GiB" in out
     # the staging buffers of prefetch, as serve's flags size them
@@ -144,14 +148,15 @@ def test_plan_command(capsys):
     eng = plan_engine(8, 8, 200_000, 1 << 21, 64, prefetch="request", prefetch_cap=256)
     staged = memory_plan(v32_config("awq"), eng, 139.8).gpu_gib["prefetch staging"]
     assert staged > 1.0  # 61 layers x (16384 fp8 rows + the maps of 2^21 host rows)
-    assert cli_main(["plan", "--quant", "awq", *flags]) == 0
+    assert cli_main(["plan", "--quant", "awq", *flags, *SIZES]) == 0
     assert f"prefetch staging {staged:9.2f} GiB" in capsys.readouterr().out
-    assert cli_main(["plan", "--quant", "awq", "--prefetch", "request", "--no-offload"]) == 2
+    flags = ["--prefetch", "request", "--no-offload"]
+    assert cli_main(["plan", "--quant", "awq", *flags, *SIZES]) == 2
     assert "needs offloading" in capsys.readouterr().err
-    assert cli_main(["plan", "--quant", "fp8"]) == 0  # the FP8 release kept FP8 by default
+    assert cli_main(["plan", "--quant", "fp8", *SIZES]) == 0  # the FP8 release kept FP8 by default
     out = capsys.readouterr().out
     assert "fp8 (kept fp8) weights" in out and "  fits" in out
-    assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "bf16"]) == 2
+    assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "bf16", *SIZES]) == 2
     assert "the plan does not fit" in capsys.readouterr().err
     # --dp 0 / --tp 0 are refused as --gpus 0 is, not replaced by --gpus
     for flag in ("--dp", "--tp"):
@@ -160,19 +165,20 @@ def test_plan_command(capsys):
     assert cli_main(["plan", "--model", "tiny", "--quant", "fp8", "--gpus", "1"]) == 2
     assert "--model plans the checkpoint's own" in capsys.readouterr().err
     # the host pools of one node's ranks against one host's memory (16 GPUs: 2 nodes of 8)
-    assert cli_main(["plan", "--gpus", "16", "--host-mem-gib", "1000"]) == 0
+    assert cli_main(["plan", "--gpus", "16", "--host-mem-gib", "1000", *SIZES]) == 0
     assert "625.2 GiB per node (8 ranks; 2 nodes)" in capsys.readouterr().out
-    assert cli_main(["plan", "--gpus", "1"]) == 2  # too big for one H200, the table printed first
+    # too big for one H200, the table printed first
+    assert cli_main(["plan", "--gpus", "1", *SIZES]) == 2
     assert "GiB per node (1 rank; 1 node)" in capsys.readouterr().out
     one_host = ["--gpus-per-node", "16", "--host-mem-gib", "1000"]
-    assert cli_main(["plan", "--gpus", "16", *one_host]) == 2
+    assert cli_main(["plan", "--gpus", "16", *one_host, *SIZES]) == 2
     assert "need 1250.5 GiB a node (16 ranks x 78.2)" in capsys.readouterr().err
     for flags, message in (  # NaN compared false everywhere: "total nan GiB ... fits"
         (["--gpu-mem-gib", "nan"], "--gpu-mem-gib must be a finite number > 0"),
         (["--reserve-gib", "nan"], "reserve_gib one >= 0, got 139.8 and nan"),
         (["--host-mem-gib", "-1"], "--host-mem-gib must be a finite number > 0, got -1.0"),
     ):
-        assert cli_main(["plan", *flags]) == 2
+        assert cli_main(["plan", *flags, *SIZES]) == 2
         assert message in capsys.readouterr().err
     # a split the loader refuses is refused here too: 18432 / 32 = 4.5 FP8 blocks of 128
     assert cli_main(["plan", "--quant", "fp8", "--fp8-weights", "fp8", "--gpus", "32"]) == 2
@@ -548,13 +554,14 @@ def test_plan_caps_the_sizes_left_out_at_the_host_pool_as_serve_does(capsys):
     """plan's --max-model-len and --gpu-tokens left out are capped at --host-tokens, as serve
     caps a context and a GPU pool left out: ``plan --host-tokens 65536`` was refused for a
     --max-model-len 163840 it was not given, which serve with the same flags is not."""
-    assert cli_main(["plan", "--host-tokens", "64K"]) == 0, capsys.readouterr().err
+    host = ["--host-mem-gib", "1536"]
+    assert cli_main(["plan", "--host-tokens", "64K", *host]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "--max-model-len 65536 " in out and "--gpu-tokens 65536 --host-tokens 65536\n" in out
-    assert cli_main(["plan", "--no-offload", "--host-tokens", "65536", "--max-batch", "4"]) == 0
+    assert "max_model_len 65536 (the given host_tokens)" in out and "given: --host-tokens" in out
+    flags = ["--no-offload", "--host-tokens", "65536", "--max-batch", "4", *host]
+    assert cli_main(["plan", *flags]) == 0
     assert "--max-model-len 65536 " in capsys.readouterr().out
-    assert cli_main(["plan"]) == 0  # the defaults: V3.2's whole context, a 200000-row GPU pool
-    assert "--max-model-len 163840 --kv-format fp8 --gpu-tokens 200000 " in capsys.readouterr().out
 
 
 def test_a_refusal_names_the_rows_that_fit_and_they_do():
@@ -584,3 +591,24 @@ def test_a_refusal_names_the_rows_that_fit_and_they_do():
         else:
             check_fits(config, replace(eng, host_tokens=named["--host-tokens"]), gpu, host)
         assert all(n > 0.5 * (1 << 18) for n in named.values())  # not needlessly small
+
+
+def test_plan_shows_the_sizes_serve_chooses_for_the_deployment(capsys):
+    """Left out, plan's sizes are serve's choice for the deployment planned (docs/multi_gpu.md's
+    and docs/server.md's numbers: AWQ V3.2 on 8 x H200 with 1.5 TiB hosts, serve's --max-batch
+    8 and bf16 rows), and the plan says where each came from; given, a size stands as given."""
+    deploy = ["plan", "--quant", "awq", "--max-batch", "8", "--host-mem-gib", "1536"]
+    assert cli_main([*deploy, "--kv-format", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "  for --max-batch 8 --max-model-len 163840 --kv-format bf16 --gpu-tokens 609339 " \
+        "--host-tokens 1310720\n" in out, out  # fmt: skip
+    assert "  (chosen as serve chooses them: max_model_len 163840 (the model's" in out
+    assert "at most 0.8 x 1536 GiB host / 8 ranks)" in out
+    assert cli_main([*deploy, "--gpu-tokens", "100000"]) == 0  # (fp8 rows, plan's default)
+    out = capsys.readouterr().out
+    assert "--gpu-tokens 100000 --host-tokens 1310720\n" in out and "given: --gpu-tokens)" in out
+    assert cli_main(["plan", "--quant", "awq", *SIZES]) == 0
+    assert "  (sizes as given)\n" in capsys.readouterr().out
+    assert cli_main(["plan", "--quant", "awq", "--host-tokens", "2097152"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len, --gpu-tokens left out" in err and "give --host-mem-gib" in err

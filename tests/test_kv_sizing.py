@@ -318,3 +318,39 @@ def test_a_host_pool_for_fewer_than_max_batch_requests_says_how_many_it_holds(ti
     assert "max_batch 64 x 100000, at most 0.8 x 1 GiB host; holds 1 of them at once)" in s.why
     s = auto_sizes(tiny, config, {"max_model_len", "max_batch"}, BIG, weight_bytes=0)
     assert s.host_tokens == 64 * 100032 and "holds" not in s.why
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--gpu-tokens", "2048"], ["--max-model-len", "8192", "--kv-format", "fp8",
+     "--no-prefill-buffer"], ["--no-offload", "--max-batch", "2"]],
+    ids=["left_out", "gpu_given", "context_given", "gpu_only"],
+)  # fmt: skip
+@pytest.mark.parametrize("host_gib, gpu_gib", [(1024.0, 80.0), (0.5, 80.0), (1024.0, 9.0)])
+def test_plan_chooses_the_sizes_serve_chooses_at_start_up(monkeypatch, capsys, flags, host_gib,
+                                                          gpu_gib):  # fmt: skip
+    """``echo-compile plan`` with the sizes left out shows what a CUDA rank's start-up
+    (``size_engine`` over serve's flags) chooses for the same memory: the host's and the GPU's
+    (faked here for the start-up, given to plan), the same weights and reserve."""
+    import re
+
+    from echo_compile.cli import main
+    from runtime.distributed import plan
+    from runtime.kv_sizing import SIZED
+
+    monkeypatch.setattr(plan, "device_memory_gib", lambda device: (gpu_gib, host_gib))
+    monkeypatch.setattr(plan, "gpu_total_bytes", lambda device: int(gpu_gib * GIB))
+    both = ["--model", "tiny", "--max-batch", "4", "--kv-format", "bf16", *flags]
+    options = engine_args.engine_options(cli_args.parser().parse_args(["serve", *both]))
+    config = EngineConfig(**{**options, "device": "cuda"})
+    started = size_engine(resolve_model("tiny"), config, set(SIZED) & set(options),
+                          memory_device=("cuda:0", 1))  # fmt: skip
+    rc = main(["plan", "--gpus", "1", "--host-mem-gib", str(host_gib), "--gpu-mem-gib",
+               str(gpu_gib), *both])  # fmt: skip
+    out = capsys.readouterr().out
+    # (a GPU too small for anything: serve's least sizes, which plan, as serve's check, refuses)
+    assert rc == (2 if gpu_gib < 10 and "--no-offload" in flags else 0), out
+    planned = {k: int(re.search(f"--{k.replace('_', '-')} (\\d+)", out)[1])
+               for k in SIZED if k != "gpu_tokens" or started.offload}  # fmt: skip
+    assert planned == {k: getattr(started, k) for k in planned}, out
+    assert "chosen as serve chooses them: " in out

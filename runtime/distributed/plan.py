@@ -198,7 +198,9 @@ class MemoryPlan:
         if p:
             raise ValueError("the plan does not fit: " + "; ".join(p))
 
-    def table(self) -> str:
+    def table(self, sizing: str = "") -> str:
+        """The plan, one item a line; ``sizing``: where the sizes came from (given, or chosen as
+        serve chooses them: ``kv_sizing.sized_config``'s line), after the sizes."""
         lines = [f"per-GPU memory plan: {self.quant} weights, dp={self.dp} tp={self.tp}"]
         if self.max_batch:  # the sizes planned, as serve's flags (plan's defaults are not serve's)
             pools = f"--gpu-tokens {self.gpu_tokens}" if self.offload else "--no-offload"
@@ -206,6 +208,8 @@ class MemoryPlan:
                 f"  for --max-batch {self.max_batch} --max-model-len {self.max_model_len} "
                 f"--kv-format {self.kv_format} {pools} --host-tokens {self.host_tokens}"
             )
+        if sizing:
+            lines.append(f"  ({sizing})")
         for k, v in self.gpu_gib.items():
             lines.append(f"  {k:<16} {v:9.2f} GiB")
         lines.append(f"  {'reserve (guess)':<16} {self.reserve_gib:9.2f} GiB")
@@ -224,6 +228,22 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def check_memory(
+    gpu_mem_gib: float, host_mem_gib: float | None, reserve_gib: float, gpus_per_node: int
+) -> None:
+    """``memory_plan``'s memory, refused by name where it is not a finite amount (NaN compares
+    false everywhere: a NaN GPU was "total nan GiB ... fits")."""
+    if not (0 < gpu_mem_gib < math.inf and 0 <= reserve_gib < math.inf):
+        raise ValueError(
+            f"gpu_mem_gib must be a finite number > 0 and reserve_gib one >= 0, got "
+            f"{gpu_mem_gib} and {reserve_gib}"
+        )
+    if host_mem_gib is not None and not 0 < host_mem_gib < math.inf:
+        raise ValueError(f"host_mem_gib must be a finite number > 0, got {host_mem_gib}")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
+
+
 def memory_plan(
     config: ModelConfig,
     engine: EngineConfig,
@@ -237,15 +257,7 @@ def memory_plan(
     """The plan of one rank of ``engine`` (dp, tp, pools) serving ``config`` (``fp8_weights``:
     as ``LLM``'s, for an FP8 checkpoint; ``gpus_per_node``: the ranks whose host pools share one
     host's ``host_mem_gib``; ``weights``: the rank's ``rank_weight_bytes`` if already counted)."""
-    if not (0 < gpu_mem_gib < math.inf and 0 <= reserve_gib < math.inf):
-        raise ValueError(
-            f"gpu_mem_gib must be a finite number > 0 and reserve_gib one >= 0, got "
-            f"{gpu_mem_gib} and {reserve_gib}"
-        )
-    if host_mem_gib is not None and not 0 < host_mem_gib < math.inf:
-        raise ValueError(f"host_mem_gib must be a finite number > 0, got {host_mem_gib}")
-    if gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
+    check_memory(gpu_mem_gib, host_mem_gib, reserve_gib, gpus_per_node)
     q = config.quantization.method if config.quantization is not None else "bf16"
     fp8_weights = resolve_fp8_weights(fp8_weights, config, f"this config ({q})")
     if q == "fp8":
