@@ -120,9 +120,19 @@ def check_given_context(
 
 
 def check_given_gpu_pool(config: EngineConfig, given: set[str]) -> None:
-    """A ``gpu_tokens`` the user gave against the host pool (``config`` sized): the GPU pool
-    caches host pool rows, so rows past ``host_tokens`` are GPU memory never used; refused,
-    naming both and the fix (a pool left out is sized to at most ``host_tokens``)."""
+    """A ``gpu_tokens`` the user gave against the pools (``config`` sized), for every entry point
+    (``LLM``, so serve and generate, and ``plan``). Offloading: the GPU pool caches host pool
+    rows, so rows past ``host_tokens`` are GPU memory never used; refused, naming both and the
+    fix (a pool left out is sized to at most ``host_tokens``). Without offloading there is no GPU
+    pool (the whole KV cache is on the GPU, ``host_tokens`` rows): warned about, naming the flag
+    and the one that sizes that cache, as a fraction that sizes nothing is (``size_engine``);
+    allocating nothing, it is not refused (a script may pass one set of sizes to both modes)."""
+    if "gpu_tokens" in given and not config.offload:
+        logger.warning(
+            "--gpu-tokens %d has no effect: it sizes offloading's GPU pool, and without "
+            "offloading (--no-offload) the whole KV cache is on the GPU, sized by --host-tokens "
+            "(%d rows a layer)", config.gpu_tokens, config.host_tokens,
+        )  # fmt: skip
     if "gpu_tokens" in given and config.offload and config.gpu_tokens > config.host_tokens:
         raise ValueError(
             f"--gpu-tokens {config.gpu_tokens} is more than --host-tokens {config.host_tokens}: "

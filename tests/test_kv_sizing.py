@@ -270,6 +270,45 @@ def test_a_given_gpu_pool_past_the_host_pool_is_refused(no_load, monkeypatch):
             LLM("tiny", device="cpu", compile=False, progress=False, **fine)
 
 
+@pytest.mark.parametrize("entry", ["LLM", "generate", "serve", "plan"])
+def test_a_given_gpu_pool_without_offloading_is_warned_about_naming_the_flag(
+    entry, no_load, monkeypatch, caplog
+):
+    """GPU-only has no GPU pool (the whole KV cache is on the GPU, ``host_tokens`` rows): a
+    given ``gpu_tokens`` sizes nothing, said by every entry point that takes it (it was ignored
+    without a word); left out, or with offloading, nothing is said."""
+    from echo_compile.cli import main
+    from echo_compile.llm import LLM
+
+    def start(*flags: str) -> None:
+        if entry == "LLM":
+            opts = {"offload": "--no-offload" not in flags}
+            if "--gpu-tokens" in flags:
+                opts["gpu_tokens"] = int(flags[flags.index("--gpu-tokens") + 1])
+            with pytest.raises(AssertionError, match="loaded"):
+                LLM("tiny", device="cpu", compile=False, progress=False, **opts)
+        elif entry == "plan":  # (sizes given: plan needs no memory)
+            sizes = ["--host-tokens", "65536", "--max-model-len", "65536", "--max-batch", "4"]
+            if "--no-offload" not in flags:
+                sizes += [] if "--gpu-tokens" in flags else ["--gpu-tokens", "4096"]
+            assert main(["plan", "--model", "tiny", *sizes, *flags]) == 0
+        else:
+            monkeypatch.setattr("runtime.server_lifecycle.bind_socket", lambda *a: None)
+            prompt = ["x"] if entry == "generate" else []
+            with pytest.raises(AssertionError, match="loaded"):
+                main([entry, "--model", "tiny", "--device", "cpu", *flags, *prompt])
+
+    caplog.set_level(logging.WARNING, logger="runtime.kv_sizing")
+    start("--no-offload", "--gpu-tokens", "512")
+    assert "--gpu-tokens 512 has no effect" in caplog.text, caplog.text
+    assert "without offloading (--no-offload) the whole KV cache is on the GPU" in caplog.text
+    assert "sized by --host-tokens" in caplog.text
+    caplog.clear()
+    start("--no-offload")
+    start("--gpu-tokens", "512")
+    assert "has no effect" not in caplog.text, caplog.text
+
+
 def test_a_gpu_pool_that_caps_the_decode_batch_is_warned_about_at_start_up(no_load, caplog):
     """gpu_tokens < max_batch x index_topk: a step decodes gpu_tokens // topk requests, not
     max_batch (allowed: said once at start-up, naming the flags that decode them all)."""
