@@ -294,8 +294,10 @@ def size_engine(
     passes: each size left out is then the least over the ranks (``size_agreement.agree_min``,
     a collective every rank makes, on the CPU too), as vLLM takes its workers' least KV block
     count, and a rank whose own choice was more says so in its line, naming the rank that
-    limited it; a rank that cannot size (a given context that does not fit its memory) stops
-    every rank with its error."""
+    limited it; a rank whose own sizing raises (a given context that does not fit its memory, a
+    read that fails) stops every rank with its error, named with that rank (``rank_errors``: a
+    ``ValueError`` or ``OSError`` there is a ``ValueError`` on the others, anything else a
+    ``RankFailure``), before the agreement."""
     if ctx is None or ctx.world_size == 1:
         config, why = _own_sizes(
             path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights,
@@ -304,19 +306,20 @@ def size_engine(
         if why:
             logger.info("%s", why)
         return config
+    from runtime.distributed.rank_errors import rank_errors
     from runtime.distributed.size_agreement import agree_min
 
-    own, why, error = config, "", None
-    try:
+    # NOTE: any error of this rank's own sizing (not only a ValueError: an OSError, a
+    # RuntimeError) is exchanged before the agreement's collective; raised here alone, it left
+    # the others a RankFailure naming no cause at the agreement
+    with rank_errors(ctx, "the KV sizing"):
         own, why = _own_sizes(
             path, config, given, fp8_weights, host_memory_fraction, gpu_memory_utilization, weights,
             memory_device,
         )  # fmt: skip
-    except ValueError as e:  # (every rank must reach the agreement: it raises there, on all)
-        error = str(e)
     # a size the user gave is the same on every rank (check_same_options): not agreed on
     auto = [k for k in SIZED if k not in given and (config.offload or k != "gpu_tokens")]
-    agreed = agree_min(ctx, {k: getattr(own, k) for k in auto}, error)
+    agreed = agree_min(ctx, {k: getattr(own, k) for k in auto})
     lowered = {k: v for k, (v, _) in agreed.items() if v < getattr(own, k)}
     if lowered:
         notes = ", ".join(

@@ -271,6 +271,49 @@ def cli_generate_worker(rank: int, out: str, extra: tuple = (), own: tuple = (()
     (Path(out) / f"rank{rank}.txt").write_text(f"{rc} {dist.is_initialized()}")
 
 
+def sizing_error_worker(rank: int, out: str, cli: bool) -> None:
+    """Rank 1 alone fails its own KV sizing (``kv_sizing._own_sizes`` raises, as a read of its
+    memory could), each rank records what it raised. ``cli``: ``echo-compile generate --dp 2
+    --tp 2`` with an OSError, its exit code recorded; else ``size_engine`` itself, as a rank of
+    a dp=2 job, with an OSError, then a RuntimeError: each error's type and message."""
+    from runtime import kv_sizing
+
+    own_sizes = kv_sizing._own_sizes
+
+    def fail(error: Exception):
+        def sizes(path, config, *a):
+            if rank == 1:
+                raise error
+            return own_sizes(path, config, *a)
+
+        kv_sizing._own_sizes = sizes
+
+    if cli:
+        fail(OSError("cannot read /proc/meminfo"))
+        cli_generate_worker(rank, out)
+        return
+    from model.checkpoint import resolve_model
+    from runtime.distributed.process import init_distributed
+    from runtime.engine_config import EngineConfig
+
+    ctx = init_distributed("cpu", timeout_s=60.0)
+    path, config = resolve_model("tiny"), EngineConfig(device="cpu", dp=2)
+    rec = {}
+    for error in (OSError("cannot read /proc/meminfo"), RuntimeError("CUDA driver error")):
+        fail(error)
+        try:
+            kv_sizing.size_engine(path, config, set(), ctx=ctx)
+            rec[type(error).__name__] = "sized"
+        except Exception as e:  # noqa: BLE001
+            rec[type(error).__name__] = (type(e).__name__, str(e))
+    # the group is still up after each error: a sizing of every rank still agrees
+    kv_sizing._own_sizes = own_sizes
+    after = kv_sizing.size_engine(path, config, set(), ctx=ctx)
+    rec["after"] = tuple(getattr(after, k) for k in kv_sizing.SIZED)
+    torch.save(rec, Path(out) / f"rank{rank}.pt")
+    end()
+
+
 def metrics_worker(rank: int, out: str, opts: dict, prompts: list, timeout_s: float) -> None:
     """``serve --dp 2``'s engines without HTTP: rank 0 drives (``DriverEngine``) requests to
     their end, then reads the driver's metrics and the server's scrape of them; rank 1 follows.

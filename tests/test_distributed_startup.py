@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import shutil
 
-from distributed_workers import cli_generate_worker
+import torch
+from distributed_workers import cli_generate_worker, sizing_error_worker
 
 from runtime.distributed.process import spawn
 
@@ -77,3 +78,32 @@ def test_a_checkpoint_missing_on_one_rank_stops_every_rank_naming_it(tmp_path, c
     err = capfd.readouterr().err
     assert err.count(str(missing)) == 2, err
     assert err.count("echo-compile: error: rank 1: ") == 1, err
+
+
+def test_a_sizing_that_fails_on_one_rank_stops_every_rank_naming_its_error(tmp_path):
+    """Rank 1's own KV sizing raises (an OSError, a RuntimeError: not only a ValueError): only a
+    ValueError was passed into the ranks' size agreement, so rank 1 raised alone and rank 0 got
+    a RankFailure naming no cause at the agreement. Now rank 1 raises its own error and rank 0
+    that error, named with rank 1 (``rank_errors``' rule: an OSError a ValueError, anything
+    else a RankFailure), and the group is still up for the next collective."""
+    _run_bounded(sizing_error_worker, str(tmp_path), False)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r1["OSError"] == ("OSError", "cannot read /proc/meminfo")
+    assert r0["OSError"] == ("ValueError", "rank 1: OSError: cannot read /proc/meminfo")
+    assert r1["RuntimeError"] == ("RuntimeError", "CUDA driver error")
+    assert r0["RuntimeError"] == (
+        "RankFailure",
+        "rank 1/2: the KV sizing failed: RuntimeError: CUDA driver error",
+    )
+    assert r0["after"] == r1["after"] == (4096, 16384, 1024)  # (the CPU's sizes)
+
+
+def test_a_sizing_oserror_on_one_rank_is_every_ranks_exit_2_naming_it(tmp_path, capfd):
+    """``echo-compile generate --dp 2 --tp 2`` whose rank 1 cannot read its memory (an OSError
+    from its sizing): every rank returns 2 (the CLI's code for a user's error), rank 0's line
+    naming rank 1 and the error's type."""
+    _run_bounded(sizing_error_worker, str(tmp_path), True)
+    assert _codes(tmp_path) == ["2 False"] * 2
+    err = capfd.readouterr().err
+    assert err.count("cannot read /proc/meminfo") == 2, err
+    assert err.count("echo-compile: error: rank 1: OSError: cannot read /proc/meminfo") == 1, err

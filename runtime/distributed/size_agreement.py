@@ -19,23 +19,16 @@ import torch.distributed as dist
 from runtime.distributed.process import DistContext, guarded
 
 
-def agree_min(
-    ctx: DistContext, own: dict[str, int], error: str | None = None
-) -> dict[str, tuple[int, int]]:
-    """Every rank's ``own`` sizes gathered (a gloo all-gather on every rank, whatever it has to
-    say): name -> (the least over the ranks that have the name, the first rank with it). A
-    gather, not an all-reduce with MIN, so the result names the rank that limited each size.
-    ``error``: this rank could not size (its ValueError's text); then every rank raises a
-    ValueError with the first rank's error, so none waits in a later collective for it."""
+def agree_min(ctx: DistContext, own: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Every rank's ``own`` sizes gathered (a gloo all-gather on every rank): name -> (the least
+    over the ranks that have the name, the first rank with it). A gather, not an all-reduce with
+    MIN, so the result names the rank that limited each size. A rank that could not size has
+    stopped every rank before this (``kv_sizing.size_engine``, through ``rank_errors``)."""
     every: list = [None] * ctx.world_size
     with guarded(ctx, "the KV size agreement"):
-        dist.all_gather_object(every, (own, error), group=ctx.cpu_group)
-    errors = [(r, e) for r, (_, e) in enumerate(every) if e is not None]
-    if errors:
-        r, e = errors[0]
-        raise ValueError(e if r == ctx.rank else f"rank {r}: {e}")
+        dist.all_gather_object(every, own, group=ctx.cpu_group)
     agreed = {}
     for name in own:
-        values = [(sizes[name], r) for r, (sizes, _) in enumerate(every) if name in sizes]
+        values = [(sizes[name], r) for r, sizes in enumerate(every) if name in sizes]
         agreed[name] = min(values)
     return agreed
