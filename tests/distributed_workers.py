@@ -402,3 +402,70 @@ def kv_sizing_worker(rank: int, out: str, memory: list, lowered: list) -> None:
         rec["llm"] = str(e)
     torch.save(rec, Path(out) / f"rank{rank}.pt")
     end()
+
+
+def run_bounded(fn, *args, deadline_s: float = 30.0) -> None:
+    """``spawn(fn, 2, *args)``, every rank given ``deadline_s`` in all to end: a rank still
+    running then is killed and the test fails as a hang (it does not block the suite)."""
+    from runtime.distributed.process import spawn
+
+    ctx = spawn(fn, 2, *args, join=False)
+    end_at = time.monotonic() + deadline_s
+    for p in ctx.processes:
+        p.join(max(0.1, end_at - time.monotonic()))
+    hung = [r for r, p in enumerate(ctx.processes) if p.exitcode is None]
+    for r in hung:
+        ctx.processes[r].kill()
+        ctx.processes[r].join()
+    assert not hung, f"ranks {hung} were still running after {deadline_s:g} s (a hang)"
+
+
+def step_raise_worker(
+    rank: int, out: str, opts: dict, prompts: list, where: str, drive: bool = False
+) -> None:
+    """Rank 1's step raises a ``RuntimeError`` (``where``: "schedule", in its third scheduling,
+    before the step agreement; "model", in its third decode forward, between the model's
+    collectives); every rank records the error it ends with. ``drive``: as ``serve`` runs, rank
+    0 drives (``DriverEngine``, whose ``failure`` it records too) and rank 1 follows."""
+    from echo_compile.llm import LLM
+    from runtime.distributed.driver import DriverEngine, follow
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=20.0, **opts
+    )
+    eng, calls = llm.engine.engine, [0]
+    target = "_schedule" if where == "schedule" else "decode_fn"
+    owner = eng if where == "schedule" else eng.runner
+    real = getattr(owner, target)
+
+    def failing(*args):  # noqa: ANN002, ANN202
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            raise RuntimeError("injected step failure: bad tensor on rank 1")
+        return real(*args)
+
+    setattr(owner, target, failing)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    lines = []
+    try:
+        if drive and rank == 0:
+            driver = DriverEngine(llm.engine)
+            try:
+                for i, p in enumerate(prompts):
+                    driver.add_request(f"r{i}", p, params)
+                while True:
+                    driver.step()
+            finally:
+                lines.append(str(driver.failure))
+                driver.close(failed=True)
+        elif drive:
+            follow(llm.engine)
+        else:
+            for i, p in enumerate(prompts):
+                llm.engine.add_request(f"r{i}", p, params)
+            while True:
+                llm.engine.step()
+    except Exception as e:  # noqa: BLE001  (the test checks which, and its message)
+        lines.insert(0, f"{type(e).__name__}: {e}")
+    (Path(out) / f"rank{rank}.txt").write_text("\n".join(x.replace("\n", " ") for x in lines))

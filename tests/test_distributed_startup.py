@@ -1,33 +1,14 @@
 """A start-up error on one rank of a two-process gloo job (docs/multi_gpu.md, "Process model"):
 every rank exits with that error, named with the failing rank, within seconds; none waits in a
 collective or the join. Each job runs under a deadline: a rank still running is killed and the
-test fails ("hung"), it does not block the suite."""
+test fails ("hung"), it does not block the suite (``run_bounded``)."""
 
 from __future__ import annotations
 
 import shutil
 
 import torch
-from distributed_workers import cli_generate_worker, sizing_error_worker
-
-from runtime.distributed.process import spawn
-
-DEADLINE_S = 30.0
-
-
-def _run_bounded(fn, *args) -> None:
-    """``spawn(fn, 2, *args)``, every rank given ``DEADLINE_S`` in all to end."""
-    import time
-
-    ctx = spawn(fn, 2, *args, join=False)
-    end = time.monotonic() + DEADLINE_S
-    for p in ctx.processes:
-        p.join(max(0.1, end - time.monotonic()))
-    hung = [r for r, p in enumerate(ctx.processes) if p.exitcode is None]
-    for r in hung:
-        ctx.processes[r].kill()
-        ctx.processes[r].join()
-    assert not hung, f"ranks {hung} were still running after {DEADLINE_S:g} s (a hang)"
+from distributed_workers import cli_generate_worker, run_bounded, sizing_error_worker
 
 
 def _tiny_copy(tmp_path):
@@ -50,7 +31,7 @@ def test_a_shard_unreadable_on_one_rank_stops_every_rank_naming_it(tmp_path, cap
     other = _tiny_copy(tmp_path)
     shard = other / "model-00002-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
-    _run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--model", str(other))))
+    run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--model", str(other))))
     assert _codes(tmp_path) == ["2 False"] * 2
     err = capfd.readouterr().err
     assert err.count("not a readable safetensors file") == 2, err
@@ -62,7 +43,7 @@ def test_an_option_only_one_rank_is_given_stops_every_rank_naming_it(tmp_path, c
     resolved, and refused, before the join, on rank 1 alone, and rank 0 waited in the join until
     the collective timeout (60 s here). Now every rank names the option that differs, and
     returns 2."""
-    _run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--fp8-weights", "fp8")))
+    run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--fp8-weights", "fp8")))
     assert _codes(tmp_path) == ["2 False"] * 2
     err = capfd.readouterr().err
     assert err.count("fp8_weights: rank 0 has 'auto', rank 1 has 'fp8'") == 2, err
@@ -73,7 +54,7 @@ def test_a_checkpoint_missing_on_one_rank_stops_every_rank_naming_it(tmp_path, c
     before the join, on rank 1 alone, and rank 0 waited in the join until the collective
     timeout. Now every rank returns 2 with rank 1's error."""
     missing = tmp_path / "not-mounted"
-    _run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--model", str(missing))))
+    run_bounded(cli_generate_worker, str(tmp_path), (), ((), ("--model", str(missing))))
     assert _codes(tmp_path) == ["2 False"] * 2
     err = capfd.readouterr().err
     assert err.count(str(missing)) == 2, err
@@ -86,7 +67,7 @@ def test_a_sizing_that_fails_on_one_rank_stops_every_rank_naming_its_error(tmp_p
     a RankFailure naming no cause at the agreement. Now rank 1 raises its own error and rank 0
     that error, named with rank 1 (``rank_errors``' rule: an OSError a ValueError, anything
     else a RankFailure), and the group is still up for the next collective."""
-    _run_bounded(sizing_error_worker, str(tmp_path), False)
+    run_bounded(sizing_error_worker, str(tmp_path), False)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r1["OSError"] == ("OSError", "cannot read /proc/meminfo")
     assert r0["OSError"] == ("ValueError", "rank 1: OSError: cannot read /proc/meminfo")
@@ -102,7 +83,7 @@ def test_a_sizing_oserror_on_one_rank_is_every_ranks_exit_2_naming_it(tmp_path, 
     """``echo-compile generate --dp 2 --tp 2`` whose rank 1 cannot read its memory (an OSError
     from its sizing): every rank returns 2 (the CLI's code for a user's error), rank 0's line
     naming rank 1 and the error's type."""
-    _run_bounded(sizing_error_worker, str(tmp_path), True)
+    run_bounded(sizing_error_worker, str(tmp_path), True)
     assert _codes(tmp_path) == ["2 False"] * 2
     err = capfd.readouterr().err
     assert err.count("cannot read /proc/meminfo") == 2, err

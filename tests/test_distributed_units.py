@@ -5,6 +5,8 @@ up to the whole block's output."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -292,6 +294,30 @@ def test_the_model_steps_guard_blames_peers_only_for_collective_failures():
     with pytest.raises(RankFailure):  # the step agreement: every error there is a peer's
         with guarded(ctx, "the step agreement"):
             raise RuntimeError("shape mismatch")
+
+
+def test_a_failing_ranks_note_names_its_error_in_the_others_rank_failure():
+    """The failing rank's note (failure_note) turns the others' RankFailure from "another rank
+    failed" into that rank's error; the first note stays, a rank reads none of its own, and
+    with no note (a rank killed) the failure reads as before, after a bounded wait."""
+    import torch.distributed as dist
+
+    from runtime.distributed.failure_note import leave_note, read_note
+    from runtime.distributed.process import DistContext, RankFailure, guarded
+
+    store = dist.HashStore()
+    zero, one = (DistContext(r, 2, r, "cpu", "gloo", "0", None, 10.0, store) for r in (0, 1))
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    with pytest.raises(RankFailure, match="another rank failed"):
+        with guarded(zero, "the step agreement"):  # no note yet
+            raise gone
+    leave_note(one, ValueError("bad tensor\nsecond line"), "its step")
+    leave_note(zero, RuntimeError("later, because of rank 1"), "its step")  # not kept
+    assert read_note(one, 0.1) is None  # its own
+    want = "rank 1: ValueError: bad tensor (raised in its step; rank 0/2 stops: the step agreement"
+    with pytest.raises(RankFailure, match=re.escape(want)):
+        with guarded(zero, "the step agreement"):
+            raise gone
 
 
 def test_ranks_built_with_other_engine_options_are_refused_naming_them(monkeypatch):

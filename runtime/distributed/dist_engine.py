@@ -8,8 +8,9 @@ script everywhere); rank 0's arguments are the ones used (broadcast), so the ran
   step's outputs of all ranks are gathered so every rank's front end sees every request.
 - ``dp == 1`` (tensor-parallel only): every rank holds every request and runs the same batches
   (the same seeds, the same all-reduced logits), so every rank samples the same tokens.
-A rank whose step raises aborts the process group, so that the other ranks' next collective
-fails at once with ``RankFailure`` instead of waiting for the timeout.
+A rank whose step raises leaves its error in the job's store (``failure_note``) and aborts the
+process group, so that the other ranks' next collective fails at once with a ``RankFailure``
+naming that rank and its error (``rank 1: RuntimeError: ...``) instead of waiting for the timeout.
 """
 
 from __future__ import annotations
@@ -26,8 +27,15 @@ import torch.distributed as dist
 from custom_ops.kv_format import pages_for
 from model.parallel import TPGroup
 from runtime.distributed.balance import RankLoad, assign
+from runtime.distributed.failure_note import leave_note
 from runtime.distributed.metrics import aggregate
-from runtime.distributed.process import DistContext, guarded, init_distributed, shutdown
+from runtime.distributed.process import (
+    DistContext,
+    RankFailure,
+    guarded,
+    init_distributed,
+    shutdown,
+)
 from runtime.distributed.rank_errors import rank_errors
 from runtime.distributed.step_sync import agree
 from runtime.engine import Engine, StepOutput
@@ -181,7 +189,9 @@ class DistributedEngine:
     def step(self) -> list[StepOutput]:
         try:
             return self._step()
-        except Exception:
+        except Exception as e:
+            if not isinstance(e, RankFailure):  # this rank's own error: the others name it
+                leave_note(self.ctx, e, "its step")
             shutdown()  # the others' next collective fails now instead of at the timeout
             raise
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.distributed.failure_note import job_store, read_note
+
 DEFAULT_TIMEOUT_S = 300.0  # model loading on a real checkpoint takes minutes: keep it generous
 
 
@@ -40,6 +42,8 @@ class DistContext:
     group_name: str  # the default group's name (the functional collectives' key)
     cpu_group: Any  # gloo ProcessGroup for control messages (the default group under gloo)
     timeout_s: float
+    # the job's key-value store (failure_note: a failing rank's error for the others); None: none
+    store: Any = None
 
 
 def env_int(name: str, default: int) -> int:
@@ -92,6 +96,7 @@ def init_distributed(
         dist.group.WORLD.group_name,
         cpu_group if cpu_group is not None else dist.group.WORLD,
         timeout_s,
+        job_store(),
     )
 
 
@@ -111,7 +116,9 @@ def is_collective_failure(e: BaseException) -> bool:
 
 @contextmanager
 def guarded(ctx: DistContext, what: str, only_collectives: bool = False) -> Iterator[None]:
-    """Turn a collective's failure (peer gone, timeout) into one ``RankFailure`` that says so.
+    """Turn a collective's failure (peer gone, timeout) into one ``RankFailure`` that says so,
+    naming the failing rank's own error when it left one (``failure_note``: ``rank <r>:
+    <ExceptionType>: <message>``).
     ``only_collectives``: around code that does more than communicate (the model step), any other
     error passes unchanged (this rank's own, blamed on nobody else)."""
     try:
@@ -121,6 +128,11 @@ def guarded(ctx: DistContext, what: str, only_collectives: bool = False) -> Iter
     except (RuntimeError, dist.DistError) as e:
         if only_collectives and not is_collective_failure(e):
             raise
+        note = read_note(ctx)
+        if note is not None:  # the rank that failed left its error: name it, not the transport
+            where, text = note
+            here = f"rank {ctx.rank}/{ctx.world_size}"
+            raise RankFailure(f"{text} (raised in {where}; {here} stops: {what} failed)") from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RankFailure(
             f"rank {ctx.rank}/{ctx.world_size}: {what} failed (timeout {ctx.timeout_s:g} s): "

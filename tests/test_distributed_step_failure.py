@@ -1,0 +1,42 @@
+"""A step that raises on one rank of a two-process gloo job (docs/multi_gpu.md, "Process
+model"): every rank stops with that rank's error, named ``rank 1: <type>: <message>`` on the
+others (``runtime/distributed/failure_note.py``), offline and under the serve driver, whose
+``failure`` (the server's error line and log) names it too. Before, the other ranks' error said
+only that "another rank failed". Each job runs under a deadline (``run_bounded``): a rank still
+running is killed and the test fails as a hang."""
+
+from __future__ import annotations
+
+import pytest
+from distributed_workers import run_bounded, step_raise_worker
+from engine_records import random_prompts
+
+OPTS = dict(max_batch=4, host_tokens=64 * 16, max_model_len=256, prefill_chunk=64, dp=2, tp=2)
+RAISED = "RuntimeError: injected step failure: bad tensor on rank 1"
+
+
+def _errors(tmp_path) -> list[list[str]]:
+    return [(tmp_path / f"rank{r}.txt").read_text().split("\n") for r in range(2)]
+
+
+@pytest.mark.parametrize("where", ["schedule", "model"])
+def test_a_step_raising_on_one_rank_names_it_on_every_rank(tmp_path, where):
+    """``schedule``: rank 1 raises before the step agreement, where rank 0 waits; ``model``: in
+    its decode forward, while rank 0 is inside the model's collectives."""
+    prompts = random_prompts([30, 30], 512, seed=5)
+    run_bounded(step_raise_worker, str(tmp_path), OPTS, prompts, where)
+    (zero,), (one,) = _errors(tmp_path)
+    assert one == RAISED  # the failing rank: its own error, as it is
+    assert zero.startswith(f"RankFailure: rank 1: {RAISED} (raised in its step; rank 0/2 stops:")
+    assert "another rank failed" not in zero, zero
+
+
+def test_a_followers_step_raising_is_named_in_the_drivers_failure(tmp_path):
+    """Under ``serve``: rank 1's step raises while rank 0 drives; rank 0's step error and the
+    driver's ``failure`` (what serve prints and the failed requests carry) name rank 1's error."""
+    prompts = random_prompts([30, 30], 512, seed=5)
+    run_bounded(step_raise_worker, str(tmp_path), OPTS, prompts, "model", True)
+    (zero, failure), (one,) = _errors(tmp_path)
+    assert one == RAISED
+    assert zero.startswith(f"RankFailure: rank 1: {RAISED} (raised in its step;"), zero
+    assert failure == f"the multi-rank engine stopped: {zero}"
