@@ -469,3 +469,40 @@ def step_raise_worker(
     except Exception as e:  # noqa: BLE001  (the test checks which, and its message)
         lines.insert(0, f"{type(e).__name__}: {e}")
     (Path(out) / f"rank{rank}.txt").write_text("\n".join(x.replace("\n", " ") for x in lines))
+
+
+def add_raise_worker(rank: int, out: str, opts: dict, prompts: list) -> None:
+    """Rank 1's placement of the first prompt raises (an error of one rank before the add's
+    first gather); every rank records what that add raised, then runs the other prompts to their
+    end and records the ids that finished."""
+    from echo_compile.llm import LLM
+
+    torch.set_num_threads(1)
+    llm = LLM(
+        "tiny", compile=False, progress=False, device="cpu", collective_timeout_s=20.0, **opts
+    )
+    sched = llm.engine.engine.scheduler
+    placement = sched.placement
+
+    def failing(prompt_ids, takes):  # noqa: ANN001, ANN202
+        if rank == 1 and list(prompt_ids) == list(prompts[0]):
+            raise RuntimeError("injected placement failure on rank 1")
+        return placement(prompt_ids, takes)
+
+    sched.placement = failing
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    lines = []
+    try:
+        llm.engine.add_request("bad", prompts[0], params)
+        lines.append("accepted")
+    except Exception as e:  # noqa: BLE001  (the test checks which, and its message)
+        lines.append(f"{type(e).__name__}: {e}")
+    for i, p in enumerate(prompts[1:]):
+        llm.engine.add_request(f"r{i}", p, params)
+    done = []
+    while llm.engine.has_unfinished():
+        done += [o.request_id for o in llm.engine.step() if o.finished]
+    lines.append(" ".join(sorted(done)))
+    (Path(out) / f"rank{rank}.txt").write_text("\n".join(lines))
+    del llm
+    end()

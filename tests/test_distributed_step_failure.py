@@ -40,3 +40,15 @@ def test_a_followers_step_raising_is_named_in_the_drivers_failure(tmp_path):
     assert one == RAISED
     assert zero.startswith(f"RankFailure: rank 1: {RAISED} (raised in its step;"), zero
     assert failure == f"the multi-rank engine stopped: {zero}"
+
+
+def test_an_add_failing_on_one_rank_is_refused_on_every_rank_naming_it(tmp_path):
+    """Rank 1's placement of a request raises (before the add's first gather): every rank
+    refuses the request with rank 1's error, and the ranks go on together (it raised on rank 1
+    alone, which met rank 0's load exchange with its next request's broadcast)."""
+    from distributed_workers import add_raise_worker
+
+    prompts = random_prompts([30, 30, 30], 512, seed=5)
+    run_bounded(add_raise_worker, str(tmp_path), OPTS, prompts)
+    want = "ValueError: rank 1: RuntimeError: injected placement failure on rank 1"
+    assert _errors(tmp_path) == [[want, "r0 r1"]] * 2

@@ -119,6 +119,42 @@ class DistributedEngine:
         request_id, ids, params = self._broadcast(
             (request_id, list(prompt_token_ids), params), "the request broadcast"
         )
+        # NOTE: the checks below run on every rank alike, but one may still fail on one rank
+        # alone (its own prompt_kv, its placement): that rank raised here while the others
+        # waited for it in the load exchange, or met its next command there (a follower goes on
+        # after a refused add). Its error travels with its load: refused on every rank.
+        load = error = None
+        try:
+            ids, params, load = self._checked(request_id, ids, params, prompt_kv)
+        except Exception as e:  # noqa: BLE001 (every rank must reach the load exchange)
+            error = e
+        every = self._gather((load, _refusal(error)), "the load exchange")
+        refusals = [(r, text) for r, (_, text) in enumerate(every) if text is not None]
+        if refusals:
+            if isinstance(error, ValueError):
+                raise error  # this rank's own refusal (every rank's, for the checks made alike)
+            r, text = refusals[0]
+            raise ValueError(f"rank {r}: {text}") from error
+        loads = [rank_load for rank_load, _ in every][: self.dp]
+        target = assign(
+            pages_for(len(ids) + params.max_tokens), len(ids) + params.max_tokens, loads
+        )
+        err = None
+        if target == self.dp_rank:
+            try:
+                self.engine.add_request(request_id, ids, params, prompt_kv=prompt_kv)
+            except Exception as e:  # noqa: BLE001 (every rank must reach the gather below)
+                err = _refusal(e)
+        errors = [e for e in self._gather(err, "the admission result") if e is not None]
+        if errors:  # refused on its rank: refused everywhere, with that rank's reason
+            raise ValueError(errors[0])
+        self.owner[request_id] = target
+
+    def _checked(
+        self, request_id: str, ids: list[int], params: SamplingParams, prompt_kv
+    ) -> tuple[list[int], SamplingParams, RankLoad]:
+        """``add_request``'s checks of the broadcast request, on this rank: its prompt truncated,
+        its ``max_tokens`` filled, and this rank's load for the balancer."""
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         kept = truncate_prompt(ids, params, self.max_model_len)  # before the checks that read it
@@ -136,21 +172,7 @@ class DistributedEngine:
         # the context limit first, as one GPU checks it (every rank has the same limits and
         # refuses alike): past the host pool, the balancer's refusal named pages instead
         self.engine.scheduler.check(Request(request_id, ids, params))
-        load = self.load(ids, params, prompt_kv is not None)
-        loads = self._gather(load, "the load exchange")[: self.dp]
-        target = assign(
-            pages_for(len(ids) + params.max_tokens), len(ids) + params.max_tokens, loads
-        )
-        err = None
-        if target == self.dp_rank:
-            try:
-                self.engine.add_request(request_id, ids, params, prompt_kv=prompt_kv)
-            except Exception as e:  # noqa: BLE001 (every rank must reach the gather below)
-                err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        errors = [e for e in self._gather(err, "the admission result") if e is not None]
-        if errors:  # refused on its rank: refused everywhere, with that rank's reason
-            raise ValueError(errors[0])
-        self.owner[request_id] = target
+        return ids, params, self.load(ids, params, prompt_kv is not None)
 
     def abort_request(self, request_id: str) -> None:
         if self.owner.pop(request_id, None) == self.dp_rank:
@@ -243,6 +265,14 @@ class DistributedEngine:
             if o.finished:
                 self.owner.pop(o.request_id, None)
         return outs
+
+
+def _refusal(error: Exception | None) -> str | None:
+    """A request's refusal as the other ranks say it: a ``ValueError``'s message (the user's
+    request), anything else with its type."""
+    if error is None:
+        return None
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
 def check_same_options(ctx: DistContext, options: dict) -> None:
