@@ -52,3 +52,17 @@ def test_an_add_failing_on_one_rank_is_refused_on_every_rank_naming_it(tmp_path)
     run_bounded(add_raise_worker, str(tmp_path), OPTS, prompts)
     want = "ValueError: rank 1: RuntimeError: injected placement failure on rank 1"
     assert _errors(tmp_path) == [[want, "r0 r1"]] * 2
+
+
+def test_a_new_job_does_not_name_an_earlier_jobs_failure(tmp_path):
+    """A job joined on the store of an earlier one (the same port while that job's context is
+    still held, or torchrun's agent store, which outlives every job of its attempt) read the
+    earlier job's note: a later collective failure named a step error of another job. Rank 0
+    clears the note as it creates the group; the failure then reads as one with no note."""
+    from distributed_workers import stale_note_worker
+
+    run_bounded(stale_note_worker, str(tmp_path))
+    text = (tmp_path / "rank0.txt").read_text()
+    assert "the first job's step failure" not in text, text
+    assert text.startswith("RankFailure: rank 0/2: the step agreement failed"), text
+    assert "another rank failed" in text, text

@@ -10,7 +10,9 @@ was set up through: no collective, and it outlives the group); a rank whose coll
 (``process.guarded``) reads it, waiting ``READ_WAIT_S`` at most, and names that error, as vLLM's
 and SGLang's workers all stop with the failing worker's error. No note (a rank killed, or one
 that hung): the failure reads as before. The first note of a job stays (``compare_set``): the
-ranks that fail after it fail because of it.
+ranks that fail after it fail because of it. A job's first rank clears the key as it creates
+the group (``clear_note``): a store can outlive a job (torchrun's agent store, or a store the
+process still holds, re-joined on the same port), and a new job read the last one's note.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def job_store() -> Any | None:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
+
+
+def clear_note(store: Any | None) -> None:
+    """Remove an earlier job's note from ``store`` (called by rank 0 as it creates the group,
+    before any collective, so before any rank of this job can leave one): the key outlives a
+    job where the store does, and that job's error was named as this one's."""
+    if store is None:
+        return
+    try:
+        store.delete_key(KEY)
+    except Exception:  # noqa: BLE001 (no note, or a store without deletes: nothing to clear)
+        logger.debug("no earlier failure note cleared", exc_info=True)
 
 
 def leave_note(ctx: DistContext, error: BaseException, where: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.distributed.failure_note import job_store, read_note
+from runtime.distributed.failure_note import clear_note, job_store, read_note
 
 DEFAULT_TIMEOUT_S = 300.0  # model loading on a real checkpoint takes minutes: keep it generous
 
@@ -86,6 +86,8 @@ def init_distributed(
         os.environ.setdefault("MASTER_PORT", "29500" if world > 1 else str(free_port()))
         kw = {"device_id": torch.device(device)} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
+        if rank == 0:  # (a new job: an earlier job's failure note in the same store is not ours)
+            clear_note(job_store())
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return DistContext(
         rank,
