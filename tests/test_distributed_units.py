@@ -320,6 +320,30 @@ def test_a_failing_ranks_note_names_its_error_in_the_others_rank_failure():
             raise gone
 
 
+def test_a_ranks_own_start_up_error_is_raised_when_the_exchange_also_fails(monkeypatch):
+    """A rank whose start-up step raised meets a peer gone in the exchange of errors
+    (rank_errors): it stops with its own error (an OSError: the CLI's exit 2, its message), the
+    exchange's RankFailure its context; it raised only "another rank failed" and lost its own.
+    A rank with nothing of its own raises the RankFailure."""
+    import torch.distributed as dist
+
+    from runtime.distributed.process import DistContext, RankFailure
+    from runtime.distributed.rank_errors import rank_errors
+
+    def gone(out, obj, group=None):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    monkeypatch.setattr(dist, "all_gather_object", gone)
+    ctx = DistContext(1, 2, 1, "cpu", "gloo", "0", None, 10.0)
+    with pytest.raises(OSError, match="shard unreadable") as raised:
+        with rank_errors(ctx, "the weight load"):
+            raise OSError("shard unreadable")
+    assert isinstance(raised.value.__context__, RankFailure)
+    with pytest.raises(RankFailure, match="another rank failed"):
+        with rank_errors(ctx, "the weight load"):
+            pass
+
+
 def test_ranks_built_with_other_engine_options_are_refused_naming_them(monkeypatch):
     """A rank given another tp (or kv_format, max_batch, ...) than rank 0 is refused on every
     rank before a weight loads, naming the option: with tp it met other collectives (gloo

@@ -30,14 +30,23 @@ def raise_first(ctx: DistContext, error: Exception | None, what: str) -> None:
     raises the first failing rank's: that rank its own exception as it is, the others a
     ``ValueError`` (a ``ValueError`` or ``OSError`` there) or a ``RankFailure`` (anything
     else) whose message starts with ``rank <r>:`` and holds that rank's message. A collective:
-    every rank calls it, whatever it has to say."""
+    every rank calls it, whatever it has to say. The exchange itself failing (a peer gone: a
+    ``RankFailure``): a rank with an error of its own raises that, the others the failure."""
     mine = None
     if error is not None:
         text = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
         mine = (isinstance(error, _USER), text)
     every: list = [None] * ctx.world_size
-    with guarded(ctx, what):
-        dist.all_gather_object(every, mine, group=ctx.cpu_group)
+    try:
+        with guarded(ctx, what):
+            dist.all_gather_object(every, mine, group=ctx.cpu_group)
+    except RankFailure:
+        # NOTE: a peer gone as well: this rank's own error, not the exchange's failure, is what
+        # it stops with (as if alone; the failure its context): the RankFailure hid it, and a
+        # user's error (exit 2) became a traceback naming only "another rank failed"
+        if error is not None:
+            raise error  # noqa: B904 (the RankFailure stays its __context__, not its cause)
+        raise
     failed = [(r, e) for r, e in enumerate(every) if e is not None]
     if not failed:
         return
