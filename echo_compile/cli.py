@@ -144,14 +144,14 @@ def _plan(a: argparse.Namespace) -> int:
     if not set(SIZED) <= named | ({"gpu_tokens"} if a.no_offload else set()):
         # (first: a split the model refuses is the deployment's error, not the memory's)
         weights = rank_weight_bytes(config, eng, a.fp8_weights)
-        if a.host_mem_gib is None:
-            left = ", ".join("--" + k.replace("_", "-") for k in SIZED if k not in named)
+        # the host's memory sizes only an offloading host pool left out (kv_sizing.auto_sizes)
+        if a.host_mem_gib is None and "host_tokens" not in named and not a.no_offload:
             raise ValueError(
-                f"{left} left out: chosen from the GPU's and the host's memory, as serve chooses "
-                "them; give --host-mem-gib (one host's memory, GiB) or the sizes"
+                "--host-tokens left out: chosen from the host's memory, as serve chooses it; "
+                "give --host-mem-gib (one host's memory, GiB) or --host-tokens"
             )
         ranks = min(max(dp, tp), a.gpus_per_node)  # (sharing one host: LOCAL_WORLD_SIZE)
-        memory = Memory(int(a.host_mem_gib * GIB), int(mem * GIB), ranks)
+        memory = Memory(int((a.host_mem_gib or 0) * GIB), int(mem * GIB), ranks)
         fractions = (
             HOST_MEMORY_FRACTION if a.host_memory_fraction is None else a.host_memory_fraction,
             GPU_MEMORY_UTILIZATION

@@ -242,10 +242,14 @@ def auto_sizes(
         # fewer than max_batch requests of the whole context: said, as vLLM's "maximum
         # concurrency" line (the others wait for pages; shorter requests still batch)
         held = f"; holds {host // one} of them at once" if host < want else ""
+        cap_text = (  # without offloading the pool is on the GPU: the host caps nothing
+            f"at most {host_memory_fraction:g} x {memory.host_bytes / GIB:.0f} GiB host{ranks}"
+            if config.offload
+            else "on the GPU, at most what its memory holds"
+        )
         why.append(
             f"host_tokens {host} ({host * layers * row / GIB:.1f} GiB: max_batch "
-            f"{config.max_batch} x {max_len}, at most {host_memory_fraction:g} x "
-            f"{memory.host_bytes / GIB:.0f} GiB host{ranks}{held})"
+            f"{config.max_batch} x {max_len}, {cap_text}{held})"
         )
     if "gpu_tokens" in given or not config.offload:
         gpu = config.gpu_tokens

@@ -609,6 +609,18 @@ def test_plan_shows_the_sizes_serve_chooses_for_the_deployment(capsys):
     assert "--gpu-tokens 100000 --host-tokens 1310720\n" in out and "given: --gpu-tokens)" in out
     assert cli_main(["plan", "--quant", "awq", *SIZES]) == 0
     assert "  (sizes as given)\n" in capsys.readouterr().out
-    assert cli_main(["plan", "--quant", "awq", "--host-tokens", "2097152"]) == 2
+    assert cli_main(["plan", "--quant", "awq"]) == 2  # the host pool is sized from the host
     err = capsys.readouterr().err
-    assert "--max-model-len, --gpu-tokens left out" in err and "give --host-mem-gib" in err
+    assert "--host-tokens left out" in err and "give --host-mem-gib" in err
+
+
+def test_plan_needs_the_hosts_memory_only_for_a_host_pool_it_sizes(capsys):
+    """A given --host-tokens, or no offloading (the pool on the GPU), leaves the host's memory
+    out of the sizing: plan sizes the rest without --host-mem-gib (it refused, naming the host's
+    memory), and the GPU-only sizing line does not name a host it did not use."""
+    assert cli_main(["plan", "--quant", "awq", "--host-tokens", "2097152"]) == 0
+    out = capsys.readouterr().out
+    assert "--host-tokens 2097152\n" in out and "given: --host-tokens)" in out, out
+    assert cli_main(["plan", "--quant", "awq", "--no-offload", "--max-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "on the GPU, at most what its memory holds" in out and "GiB host" not in out, out
