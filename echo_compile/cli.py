@@ -299,9 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # every option after `bench` belongs to the benchmark's parser (`-- bench` too)
         if argv[:1] == ["bench"] or argv[:2] == ["--", "bench"]:
-            from echo_compile.bench.cli import main as bench_main
+            from echo_compile.bench.flags import parse
 
-            return bench_main(argv[argv.index("bench") + 1 :])
+            rest = argv[argv.index("bench") + 1 :]
+            ap, a = parse(rest)  # --help and usage errors exit here, before any torch
+            from echo_compile.bench.cli import run
+
+            return run(ap, a, rest)
         ap = parser()
         a = ap.parse_args(argv)  # --help and usage errors exit here, before any torch
         flags = valued_flags(ap, a.cmd)

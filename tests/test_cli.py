@@ -50,7 +50,9 @@ def assert_one_line_error(rc: int, err: str, *parts: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [[], ["demo"], ["generate"], ["serve"], ["make-checkpoint"]], ids=lambda a: a[:1]
+    "args",
+    [[], ["demo"], ["generate"], ["serve"], ["make-checkpoint"], ["plan"], ["bench"]],
+    ids=lambda a: a[:1],
 )
 def test_help_does_not_import_torch(args):
     r = subprocess.run(
@@ -63,7 +65,28 @@ def test_help_does_not_import_torch(args):
     assert r.returncode == 0, r.stderr
     *usage, verdict = r.stdout.strip().splitlines()
     assert verdict == "NO-TORCH 0"
-    assert usage[0].startswith("usage: echo-compile")
+    assert usage[0].startswith(" ".join(["usage: echo-compile", *args]))
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["generate"], "the following arguments are required: prompts"),
+        (["bench", "--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+        (["bench", "--requests", "x"], "argument --requests: invalid int value: 'x'"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_usage_errors_do_not_import_torch(args, error):
+    r = subprocess.run(
+        [sys.executable, "-c", HELP_PROBE, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.stdout.strip() == "NO-TORCH 2", r.stderr
+    assert error in r.stderr.strip().splitlines()[-1], r.stderr
 
 
 @pytest.mark.parametrize("argv", [["bench", "--help"], ["--", "bench", "--help"]])

@@ -40,3 +40,19 @@ def test_every_subcommand_has_help():
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
     assert {c.dest for c in sub._choices_actions} == set(sub.choices)
     assert all(c.help for c in sub._choices_actions)
+
+
+def test_the_bench_flags_spell_the_engines_defaults():
+    """bench/flags.py imports no torch, so it spells the defaults of modules that do: theirs."""
+    from custom_ops.backends import select
+    from custom_ops.cache.config import PREFETCH_MARGIN
+    from echo_compile.bench.harness import SYSTEMS
+    from model.locality import BENCH_LOCALITY
+
+    ap = bench_flags.parser()
+    kernel_backend = next(a for a in ap._actions if a.dest == "kernel_backend")
+    assert kernel_backend.choices == select.BACKENDS
+    assert ap.get_default("kernel_backend") == select.DEFAULT_BACKEND
+    assert ap.get_default("prefetch_margin") == PREFETCH_MARGIN
+    assert ap.get_default("locality") == BENCH_LOCALITY
+    assert ap.get_default("systems") == ",".join(SYSTEMS)

@@ -8,6 +8,7 @@ and writes one JSON (after every run, so a cut-short session keeps what it measu
 
 from __future__ import annotations
 
+import argparse
 import gc
 import itertools
 import json
@@ -22,8 +23,9 @@ from custom_ops.cache.config import check_prefetch
 from custom_ops.kv_format import PAGE, pages_for, whole_pages
 from echo_compile import settings
 from echo_compile.bench.checks import check_sizes, index_topk, number_list, parallel_config
-from echo_compile.bench.flags import TINY_DEFAULTS, parser
-from echo_compile.bench.harness import SYSTEMS, System, batch_cap, breakdown_tokens
+from echo_compile.bench.experiment import SYSTEMS
+from echo_compile.bench.flags import parse
+from echo_compile.bench.harness import System, batch_cap, breakdown_tokens
 from echo_compile.bench.model_builder import build_model, weight_bytes
 from echo_compile.bench.result import environment, json_safe
 from echo_compile.bench.workload import Workload, sharegpt_like
@@ -43,10 +45,15 @@ def breakdown_key(system: str, weights: str, prefetch: str, pool: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser()
-    if ap.parse_known_args(argv)[0].preset == "tiny":
-        ap.set_defaults(**TINY_DEFAULTS)  # flags given still win
-    a = ap.parse_args(argv)
+    """``echo-compile bench ARGV`` (None: the process's arguments)."""
+    return run(*parse(argv), argv)
+
+
+def run(ap: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str] | None) -> int:
+    """The bench of ``a``, the options ``flags.parse`` read from ``argv`` (the echo-compile
+    command parses before it imports this module: its --help needs no torch)."""
+    if a.device is None:
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
     configure_compile_cache()
     if a.out is None:
         a.out = f"e2e_{a.preset}_{a.device.split(':')[0]}.json"

@@ -4,24 +4,37 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+from echo_compile.bench import experiment
+from echo_compile.bench.experiment import SYSTEMS
 
-from custom_ops.backends.select import BACKENDS, DEFAULT_BACKEND
-from custom_ops.cache.config import PREFETCH_MARGIN
-from echo_compile.bench import harness
-from echo_compile.bench.harness import SYSTEMS
-from model.locality import BENCH_LOCALITY
+# NOTE: no torch here: `echo-compile bench --help` and a usage error answer without the seconds
+# torch takes to import (echo_compile/cli_args.py says why), so the defaults that live in modules
+# importing torch are spelled here (tests/test_cli_help.py holds them to those constants):
+BACKENDS = ("auto", "triton", "deep_gemm", "flashinfer")  # custom_ops.backends.select.BACKENDS
+DEFAULT_BACKEND = "auto"  # custom_ops.backends.select.DEFAULT_BACKEND
+PREFETCH_MARGIN = 2.0  # custom_ops.cache.config.PREFETCH_MARGIN
+BENCH_LOCALITY = 0.86  # model.locality.BENCH_LOCALITY
 
 # --preset tiny's sizes where no flag sets them: a dry run of the harness in about a minute on
 # two CPU cores (the bench preset's 64 requests of 80K-100K tokens took ~20 GB of host memory)
 TINY_DEFAULTS = {"requests": 4, "min_ctx": 200, "max_ctx": 300, "output_len": 4, "max_batch": 4}
 
 
+def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the options of ``argv`` (None: the process's arguments); ``--preset tiny``
+    swaps in ``TINY_DEFAULTS``, the flags given still win. ``--help`` and usage errors exit
+    here, before any torch; ``--device`` is left None when not given (cli.run picks it)."""
+    ap = parser()
+    if ap.parse_known_args(argv)[0].preset == "tiny":
+        ap.set_defaults(**TINY_DEFAULTS)
+    return ap, ap.parse_args(argv)
+
+
 def parser() -> argparse.ArgumentParser:
-    """The bench's flags (``--preset tiny`` swaps in ``TINY_DEFAULTS``: ``cli.main``)."""
+    """The bench's flags (``--preset tiny``'s own defaults: ``parse``)."""
     ap = argparse.ArgumentParser(
         prog="echo-compile bench",
-        description=harness.__doc__,
+        description=experiment.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
@@ -240,8 +253,8 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda (default: cuda when available)",
+        default=None,
+        help="cpu or cuda (default: cuda when available, else cpu)",
     )
     ap.add_argument(
         "--dp",
