@@ -161,6 +161,37 @@ def test_corrupt_config_json_from_the_command_line(tmp_path):
     assert_one_line_error(r.returncode, r.stderr, f"{tmp_path / 'config.json'}: not valid JSON")
 
 
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m echo_compile.cli ARGV`` as a user runs it."""
+    env = dict(os.environ, ECHO_COMPILE_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "echo_compile.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+# a value a flag refuses: the whole of stderr, as the user reads it
+FLAG_ERRORS = {
+    "reserve-gib": (
+        ["plan", "--reserve-gib", "-1"],
+        "--reserve-gib must be a finite number >= 0, got -1.0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAG_ERRORS))
+def test_an_error_names_the_flag_and_its_rule(case, tmp_path):
+    """One line naming the flag (not the Python option), its rule as the command line reads it
+    and the value; exit 2, no traceback, no warning before it."""
+    argv, line = FLAG_ERRORS[case]
+    r = run_cli(*[str(tmp_path / "ck") if x == "OUT" else x for x in argv])
+    assert (r.returncode, r.stderr) == (2, f"echo-compile: error: {line}\n")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
 @pytest.mark.parametrize("cmd", [["generate", "hi"], ["demo"], ["serve"]], ids=lambda c: c[0])
 def test_cuda_without_cuda_is_one_line(capsys, monkeypatch, cmd):

@@ -175,7 +175,7 @@ def test_plan_command(capsys):
     assert "need 1250.5 GiB a node (16 ranks x 78.2)" in capsys.readouterr().err
     for flags, message in (  # NaN compared false everywhere: "total nan GiB ... fits"
         (["--gpu-mem-gib", "nan"], "--gpu-mem-gib must be a finite number > 0"),
-        (["--reserve-gib", "nan"], "reserve_gib one >= 0, got 139.8 and nan"),
+        (["--reserve-gib", "nan"], "--reserve-gib must be a finite number >= 0, got nan"),
         (["--host-mem-gib", "-1"], "--host-mem-gib must be a finite number > 0, got -1.0"),
     ):
         assert cli_main(["plan", *flags, *SIZES]) == 2

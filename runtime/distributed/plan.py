@@ -233,11 +233,11 @@ def check_memory(
 ) -> None:
     """``memory_plan``'s memory, refused by name where it is not a finite amount (NaN compares
     false everywhere: a NaN GPU was "total nan GiB ... fits")."""
-    if not (0 < gpu_mem_gib < math.inf and 0 <= reserve_gib < math.inf):
-        raise ValueError(
-            f"gpu_mem_gib must be a finite number > 0 and reserve_gib one >= 0, got "
-            f"{gpu_mem_gib} and {reserve_gib}"
-        )
+    # (one message each: the command line names the option's flag, "--reserve-gib must be ...")
+    if not 0 < gpu_mem_gib < math.inf:
+        raise ValueError(f"gpu_mem_gib must be a finite number > 0, got {gpu_mem_gib}")
+    if not 0 <= reserve_gib < math.inf:
+        raise ValueError(f"reserve_gib must be a finite number >= 0, got {reserve_gib}")
     if host_mem_gib is not None and not 0 < host_mem_gib < math.inf:
         raise ValueError(f"host_mem_gib must be a finite number > 0, got {host_mem_gib}")
     if gpus_per_node < 1:
