@@ -284,11 +284,12 @@ COMMANDS = {
 
 def _user_error(e: BaseException, flags: dict[str, str]) -> int:
     """One error line; a config error naming an option the command line set by a flag
-    (EngineConfig's "max_batch must be ...") names the flag ("--max-batch must be ...")."""
+    (EngineConfig's "max_batch must be ...") names the flag ("--max-batch must be ..."), and
+    states the flag's own rule: an option's "or None" (left unset) is no value a flag takes."""
     msg = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
     name, _, rest = msg.partition(" ")
     if rest.startswith("must ") and (flag := flags.get(OPTION_DESTS.get(name, name))):
-        msg = f"{flag} {rest}"
+        msg = f"{flag} {rest.replace(' or None, got ', ', got ', 1)}"
     print(f"echo-compile: error: {msg}", file=sys.stderr)
     return 2
 

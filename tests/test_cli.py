@@ -180,6 +180,10 @@ FLAG_ERRORS = {
         ["plan", "--reserve-gib", "-1"],
         "--reserve-gib must be a finite number >= 0, got -1.0",
     ),
+    "max-tokens": (
+        ["generate", "--device", "cpu", "--max-tokens", "0", "hi"],
+        "--max-tokens must be an integer >= 1, got 0",
+    ),
 }
 
 
