@@ -26,8 +26,8 @@ from echo_compile.vllm_flags import aliased_flags, apply_vllm_flags, check_quant
 # SamplingParamsError). They print one line and exit 2; anything else is a bug and tracebacks.
 USER_ERRORS = (ValueError, OSError)
 
-# an option whose name in the engine's errors is not its flag's dest
-OPTION_DESTS = {"collective_timeout_s": "collective_timeout"}
+# an option whose name in the engine's (or a preset's) errors is not its flag's dest
+OPTION_DESTS = {"collective_timeout_s": "collective_timeout", "n_experts": "experts"}
 
 # the packages whose loggers --log-level sets (the library configures no logging of its own)
 LOGGED_PACKAGES = ("echo_compile", "runtime", "model", "custom_ops")
@@ -261,13 +261,19 @@ def _serve_multi_rank(llm, a: argparse.Namespace, options: dict) -> int:
 def _make_checkpoint(a: argparse.Namespace) -> int:
     from model.checkpoint import make_checkpoint
 
-    kw = {}
+    kw, given = {}, []
     for flag, key in (("layers", "num_layers"), ("experts", "n_experts")):
         v = getattr(a, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag} must be at least 1, got {v}")
         if v is not None:
             kw[key] = v
+            given.append(f"--{flag} {v}")
+    if a.preset == "tiny" and given:  # (make_checkpoint's own error names its Python options)
+        raise ValueError(
+            f"{' '.join(given)}: the bench preset's sizes (--preset bench); the tiny preset's are "
+            "fixed"
+        )
     out = make_checkpoint(a.out, preset=a.preset, fp8=a.fp8, awq=a.awq, seed=a.seed, **kw)
     print(f"wrote {out}")
     return 0

@@ -70,7 +70,7 @@ def bench_config_dict(num_layers: int = 4, n_experts: int = 16) -> dict[str, Any
     dense) and ``n_experts`` routed experts (8 groups, 4 chosen, 8 experts per token)."""
     if n_experts % 8 or n_experts < 16:
         raise ValueError(
-            f"bench preset: n_experts must be a multiple of 8 and >= 16, got {n_experts}"
+            f"n_experts must be a multiple of 8 and >= 16 in the bench preset, got {n_experts}"
         )
     d = tiny_config_dict()
     d.update(

@@ -184,6 +184,14 @@ FLAG_ERRORS = {
         ["generate", "--device", "cpu", "--max-tokens", "0", "hi"],
         "--max-tokens must be an integer >= 1, got 0",
     ),
+    "experts-tiny": (
+        ["make-checkpoint", "--out", "OUT", "--experts", "16"],
+        "--experts 16: the bench preset's sizes (--preset bench); the tiny preset's are fixed",
+    ),
+    "experts-bench": (
+        ["make-checkpoint", "--preset", "bench", "--out", "OUT", "--experts", "12"],
+        "--experts must be a multiple of 8 and >= 16 in the bench preset, got 12",
+    ),
 }
 
 
@@ -194,6 +202,7 @@ def test_an_error_names_the_flag_and_its_rule(case, tmp_path):
     argv, line = FLAG_ERRORS[case]
     r = run_cli(*[str(tmp_path / "ck") if x == "OUT" else x for x in argv])
     assert (r.returncode, r.stderr) == (2, f"echo-compile: error: {line}\n")
+    assert not (tmp_path / "ck").exists()  # (make-checkpoint: refused before it wrote)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
