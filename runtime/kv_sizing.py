@@ -355,21 +355,23 @@ def _own_sizes(
         "host_memory_fraction": cuda and config.offload and "host_tokens" not in given,
         "gpu_memory_utilization": cuda and not set(SIZED) <= given,
     }
-    for name, v in (("host_memory_fraction", host_memory_fraction),
-                    ("gpu_memory_utilization", gpu_memory_utilization)):  # fmt: skip
-        if v is not None and not applies[name]:
-            logger.warning(
-                "--%s %s has no effect: it sizes what is left out of --max-model-len / "
-                "--host-tokens / --gpu-tokens on CUDA%s", name.replace("_", "-"), v,
-                "" if cuda else f" (this engine runs on {config.device})",
-            )  # fmt: skip
+    fractions = (("host_memory_fraction", host_memory_fraction),
+                 ("gpu_memory_utilization", gpu_memory_utilization))  # fmt: skip
     host_memory_fraction = (
         HOST_MEMORY_FRACTION if host_memory_fraction is None else host_memory_fraction
     )
     gpu_memory_utilization = (
         GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
     )
+    # NOTE: before the warning below: a bad value is an error, not also a no-op (two lines)
     check_fractions(host_memory_fraction, gpu_memory_utilization)
+    for name, v in fractions:  # (as given: None was left out)
+        if v is not None and not applies[name]:
+            logger.warning(
+                "--%s %s has no effect: it sizes what is left out of --max-model-len / "
+                "--host-tokens / --gpu-tokens on CUDA%s", name.replace("_", "-"), v,
+                "" if cuda else f" (this engine runs on {config.device})",
+            )  # fmt: skip
     if not cuda or set(SIZED) <= given:
         return config, ""
     from model.checkpoint_meta import checkpoint_meta

@@ -192,6 +192,15 @@ FLAG_ERRORS = {
         ["make-checkpoint", "--preset", "bench", "--out", "OUT", "--experts", "12"],
         "--experts must be a multiple of 8 and >= 16 in the bench preset, got 12",
     ),
+    # (on the CPU the fractions size nothing, which is warned about: a bad one is refused alone)
+    "host-memory-fraction": (
+        ["generate", "--device", "cpu", "--host-memory-fraction", "2", "hi"],
+        "--host-memory-fraction must be a number in (0, 1], got 2.0",
+    ),
+    "gpu-memory-utilization": (
+        ["generate", "--device", "cpu", "--gpu-memory-utilization", "-1", "hi"],
+        "--gpu-memory-utilization must be a number in (0, 1], got -1.0",
+    ),
 }
 
 
