@@ -107,6 +107,7 @@ def _plan(a: argparse.Namespace) -> int:
         HOST_MEMORY_FRACTION,
         SIZED,
         Memory,
+        check_fractions,
         check_given_context,
         check_given_gpu_pool,
         sized_config,
@@ -140,6 +141,11 @@ def _plan(a: argparse.Namespace) -> int:
     check_given_context(config, eng, named)
     mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else GPU_MEM_GIB[a.gpu]
     check_memory(mem, a.host_mem_gib, a.reserve_gib, a.gpus_per_node)  # (before the sizing)
+    fractions = (  # checked even where they size nothing, as serve's
+        HOST_MEMORY_FRACTION if a.host_memory_fraction is None else a.host_memory_fraction,
+        GPU_MEMORY_UTILIZATION if a.gpu_memory_utilization is None else a.gpu_memory_utilization,
+    )
+    check_fractions(*fractions)
     weights, sizing = None, "sizes as given"
     if not set(SIZED) <= named | ({"gpu_tokens"} if a.no_offload else set()):
         # (first: a split the model refuses is the deployment's error, not the memory's)
@@ -152,12 +158,6 @@ def _plan(a: argparse.Namespace) -> int:
             )
         ranks = min(max(dp, tp), a.gpus_per_node)  # (sharing one host: LOCAL_WORLD_SIZE)
         memory = Memory(int((a.host_mem_gib or 0) * GIB), int(mem * GIB), ranks)
-        fractions = (
-            HOST_MEMORY_FRACTION if a.host_memory_fraction is None else a.host_memory_fraction,
-            GPU_MEMORY_UTILIZATION
-            if a.gpu_memory_utilization is None
-            else a.gpu_memory_utilization,
-        )
         eng, sizing = sized_config(
             config, eng, named, memory, weights, *fractions, int(a.reserve_gib * GIB)
         )

@@ -624,3 +624,10 @@ def test_plan_needs_the_hosts_memory_only_for_a_host_pool_it_sizes(capsys):
     assert cli_main(["plan", "--quant", "awq", "--no-offload", "--max-batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "on the GPU, at most what its memory holds" in out and "GiB host" not in out, out
+
+
+def test_plan_refuses_a_bad_fraction_even_with_every_size_given(capsys):
+    """A fraction out of range is refused where it sizes nothing, as serve refuses it (plan
+    printed the plan and said it fits)."""
+    assert cli_main(["plan", "--quant", "awq", *SIZES, "--host-memory-fraction", "2"]) == 2
+    assert "--host-memory-fraction" in capsys.readouterr().err
