@@ -45,17 +45,19 @@ class GenerationResult:
 
 class ResultAccumulator:
     """One request of a ``generate()`` call: its step outputs (``RequestOutput``) and arrival;
-    ``eos_token_ids`` are the engine's (``Engine.eos_token_ids``), for ``stop_reason``."""
+    ``eos_token_id`` (the tokenizer's) and ``eos_token_ids`` (``Engine.eos_token_ids``) are the
+    engine's, for ``stop_reason``."""
 
     def __init__(
         self,
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        eos_token_id: int | None,
         eos_token_ids: Collection[int],
     ):
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
-        self.eos_token_ids = eos_token_ids  # the engine's, for stop_reason
+        self.eos_token_id, self.eos_token_ids = eos_token_id, eos_token_ids  # for stop_reason
         self.out = RequestOutput()
         self.t0 = time.perf_counter()
 
@@ -86,5 +88,5 @@ class ResultAccumulator:
             o.top_logprobs if self.params.top_logprobs else None,
             o.prompt_logprobs,
             o.error,
-            o.stop_reason(self.params, self.eos_token_ids),
+            o.stop_reason(self.params, self.eos_token_id, self.eos_token_ids),
         )

@@ -143,8 +143,9 @@ class LLM:
         if len(params) != len(encoded):
             raise ValueError(f"{len(encoded)} {what}s but {len(params)} sampling params")
         ids = [f"gen-{next(self._ids)}" for _ in encoded]
+        eos = (self.tokenizer.eos_token_id, self.engine.eos_token_ids)
         acc = {
-            i: ResultAccumulator(i, e, sp or self._defaults(len(e)), self.engine.eos_token_ids)
+            i: ResultAccumulator(i, e, sp or self._defaults(len(e)), *eos)
             for i, e, sp in zip(ids, encoded, params)
         }
         added: list[str] = []

@@ -144,6 +144,9 @@ class AsyncEngine:
         self.eos_token_ids: frozenset[int] = getattr(
             engine, "eos_token_ids", frozenset({self.tokenizer.eos_token_id})
         )
+        # the tokenizer's EOS, of those the one vLLM reports no stop_reason for (the others are
+        # stop token ids there: RequestOutput.stop_reason)
+        self.eos_token_id: int | None = self.tokenizer.eos_token_id
         self.max_model_len: int = engine.max_model_len
         self.generation_tokens_total = 0  # tokens handed to callers (a Prometheus counter)
         self._cond = threading.Condition()

@@ -193,6 +193,10 @@ class HandlersBase:
             )
         return text
 
+    def stop_reason(self, res: RequestOutput, params: SamplingParams) -> int | str | None:
+        """vLLM's ``stop_reason`` of a finished choice (``RequestOutput.stop_reason``)."""
+        return res.stop_reason(params, self.engine.eos_token_id, self.engine.eos_token_ids)
+
     def prompt_logprobs(
         self, ids: list[int], entries: list, top_n: int | None = None
     ) -> list[dict[str, Any] | None]:
@@ -320,9 +324,7 @@ class HandlersBase:
                 choices[:] = [choices[i] for i in order]
             body = final(results, usage(), [r.top_logprobs for r in results])
             for c, res in zip(body["choices"], results, strict=True):
-                c["stop_reason"] = res.stop_reason(
-                    choices[c["index"]].params, self.engine.eos_token_ids
-                )
+                c["stop_reason"] = self.stop_reason(res, choices[c["index"]].params)
             return JSONResponse(body)
 
         async def events() -> AsyncIterator[str]:
@@ -340,8 +342,8 @@ class HandlersBase:
                             return
                         if (c := chunk(i, out)) is not None:
                             if out.finished:
-                                c["choices"][0]["stop_reason"] = results[i].stop_reason(
-                                    choices[i].params, self.engine.eos_token_ids
+                                c["choices"][0]["stop_reason"] = self.stop_reason(
+                                    results[i], choices[i].params
                                 )
                             yield sse({**c, "usage": usage()} if continuous else c)
                 if any(r.finish_reason is None for r in results):  # the client left

@@ -41,7 +41,7 @@ class MessagesHandlers(TranslatedHandlers):
             choice = run.choices[0]
 
             def stop_string(res: RequestOutput) -> int | str | None:
-                return res.stop_reason(choice.params, self.engine.eos_token_ids)
+                return self.stop_reason(res, choice.params)
 
             return MessageBuilder(
                 mid, req.model, len(choice.ids), run.in_reasoning, run.plan, stop_string

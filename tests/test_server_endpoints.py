@@ -470,20 +470,28 @@ def test_stop_reason(url: str, tok: Tokenizer) -> None:
     assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
 
 
-def test_stop_reason_of_a_request_ended_by_any_eos_id(tok: Tokenizer) -> None:
+def test_stop_reason_of_a_request_ended_by_an_eos_id(tok: Tokenizer) -> None:
     """A choice that ended on one of the engine's EOS ids (generation_config.json may add ids
-    besides the tokenizer's) has no stop_reason, even when that token's text is a stop string."""
+    besides the tokenizer's) has no stop_reason, even when that token's text is a stop string,
+    or when stop_token_ids names the tokenizer's EOS (vLLM checks that EOS first)."""
     from runtime.outputs import RequestOutput
     from runtime.sampling_params import SamplingParams
 
     ids = tok.encode("Hello world")
-    other_eos = ids[-1]
+    eos, other_eos = tok.eos_token_id, ids[-1]
+    eos_token_ids = frozenset({eos, other_eos})
+
+    def why(last: int, matched: str | None = None, **fields) -> int | str | None:
+        res = RequestOutput(token_ids=[*ids[:-1], last], finish_reason="stop", stop_string=matched)
+        return res.stop_reason(SamplingParams(**fields), eos, eos_token_ids)
+
+    assert why(eos) is None
+    assert why(eos, stop_token_ids=(eos,)) is None
+    assert why(eos, stop_token_ids=(eos,), ignore_eos=True) == eos
     text = tok.decode([other_eos])
-    eos_token_ids = frozenset({tok.eos_token_id, other_eos})
-    res = RequestOutput(token_ids=ids, finish_reason="stop", stop_string=text)
-    assert res.stop_reason(SamplingParams(stop=(text,)), eos_token_ids) is None
+    assert why(other_eos, text, stop=(text,)) is None
     # under ignore_eos that token did not end it as EOS: the stop string did
-    assert res.stop_reason(SamplingParams(stop=(text,), ignore_eos=True), eos_token_ids) == text
+    assert why(other_eos, text, stop=(text,), ignore_eos=True) == text
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
