@@ -38,8 +38,9 @@ class GenerationResult:
     # finish_reason "error": why (no token left to sample: its own parameters or a logits
     # processor, named), as the server's error response says it; None otherwise
     error: str | None = None
-    # vLLM's CompletionOutput.stop_reason: the stop token id or stop string that ended it; None
-    # for EOS, a length limit or an error (RequestOutput.stop_reason, as the server's)
+    # vLLM's CompletionOutput.stop_reason: the stop token id (generation_config.json's other EOS
+    # ids too) or stop string that ended it; None for the tokenizer's EOS, a length limit or an
+    # error (RequestOutput.stop_reason, as the server's)
     stop_reason: int | str | None = None
 
 

@@ -68,22 +68,22 @@ class RequestOutput:
     ) -> int | str | None:
         """vLLM's ``stop_reason`` for this request run with ``params`` by an engine whose EOS is
         ``eos_token_id`` (the tokenizer's; None: none) and whose EOS ids are ``eos_token_ids``:
-        the stop token id or stop string that ended it; None for EOS, a length limit, an error
-        or an abort. As in vLLM, whose scheduler checks the tokenizer's EOS first
-        (``check_stop``), a ``stop_token_ids`` entry that is that id reports None too (unless
-        ``ignore_eos``). The stop string is the one the engine's stop checker matched
-        (``stop_string``): with ``min_tokens`` an earlier occurrence of it, or of another, may
-        lie in the text before it. The one rule behind the server's ``stop_reason`` and
-        ``GenerationResult.stop_reason``."""
+        the stop token id or stop string that ended it; None for the tokenizer's EOS, a length
+        limit, an error or an abort. As in vLLM, only the tokenizer's EOS is "EOS" there: its
+        scheduler checks it first (``check_stop``), so a ``stop_token_ids`` entry that is that id
+        reports None too (unless ``ignore_eos``), and the checkpoint's other EOS ids are folded
+        into the request's ``stop_token_ids`` (``SamplingParams.update_from_generation_config``,
+        unless ``ignore_eos``), so each reports its id. The stop string is the one the engine's
+        stop checker matched (``stop_string``): with ``min_tokens`` an earlier occurrence of it,
+        or of another, may lie in the text before it. The one rule behind the server's
+        ``stop_reason`` and ``GenerationResult.stop_reason``."""
         if self.finish_reason != "stop" or not self.token_ids:
             return None
         last, eos_stops = self.token_ids[-1], not params.ignore_eos
         if eos_stops and last == eos_token_id:
             return None
-        if last in params.stop_token_ids:
+        if last in params.stop_token_ids or (eos_stops and last in eos_token_ids):
             return last
-        if eos_stops and last in eos_token_ids:
-            return None
         return self.stop_string
 
     def usage(self) -> dict[str, int]:

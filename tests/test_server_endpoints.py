@@ -471,9 +471,10 @@ def test_stop_reason(url: str, tok: Tokenizer) -> None:
 
 
 def test_stop_reason_of_a_request_ended_by_an_eos_id(tok: Tokenizer) -> None:
-    """A choice that ended on one of the engine's EOS ids (generation_config.json may add ids
-    besides the tokenizer's) has no stop_reason, even when that token's text is a stop string,
-    or when stop_token_ids names the tokenizer's EOS (vLLM checks that EOS first)."""
+    """vLLM's rule: a choice that ended on the tokenizer's EOS has no stop_reason, even when
+    stop_token_ids names it (vLLM checks that EOS first) or its text is a stop string; one that
+    ended on another of the engine's EOS ids (generation_config.json may add them, which vLLM
+    folds into stop_token_ids) has that id (tests/test_stop_reason_eos.py: end to end)."""
     from runtime.outputs import RequestOutput
     from runtime.sampling_params import SamplingParams
 
@@ -485,12 +486,14 @@ def test_stop_reason_of_a_request_ended_by_an_eos_id(tok: Tokenizer) -> None:
         res = RequestOutput(token_ids=[*ids[:-1], last], finish_reason="stop", stop_string=matched)
         return res.stop_reason(SamplingParams(**fields), eos, eos_token_ids)
 
-    assert why(eos) is None
+    text = tok.decode([eos], skip_special_tokens=False)
+    assert why(eos) is None and why(eos, text, stop=(text,)) is None
     assert why(eos, stop_token_ids=(eos,)) is None
     assert why(eos, stop_token_ids=(eos,), ignore_eos=True) == eos
-    text = tok.decode([other_eos])
-    assert why(other_eos, text, stop=(text,)) is None
+    assert why(other_eos) == other_eos
+    assert why(other_eos, stop_token_ids=(other_eos,)) == other_eos
     # under ignore_eos that token did not end it as EOS: the stop string did
+    text = tok.decode([other_eos])
     assert why(other_eos, text, stop=(text,), ignore_eos=True) == text
 
 
