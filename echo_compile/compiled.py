@@ -29,6 +29,11 @@ refused recompile.
 in order) and returns the logits of the chunk's last token [1, V]. Outputs are cloned, so they
 survive the next CUDA-graph replay. The engine (runtime.engine.Engine) drives the same object.
 
+The GPU pools cache host rows by host slot: before a sequence's pages are handed to another
+sequence, ``cm.release(pages)`` forgets them (the engine's scheduler does this at a request's
+finish); without it the next owner's decode steps would attend the old rows cached under those
+slots.
+
 NOTE: a prefill keeps its context in one device prefill buffer per layer, indexed by position: run
 one request's chunks in order, one request at a time (as the engine's scheduler does); chunks of
 two requests interleaved would read each other's rows.
@@ -46,6 +51,7 @@ from torch import nn
 
 from custom_ops.backends.select import DEFAULT_BACKEND
 from custom_ops.cache.config import PREFETCH_MARGIN
+from custom_ops.kv_format import PAGE
 from echo_compile import settings
 from echo_compile.devices import check_device
 from model.model import DeepseekV32ForCausalLM
@@ -240,6 +246,38 @@ class CompiledModel:
 
     def warmup(self, calls: int = 3, progress: bool = True) -> float:
         return self.runner.warmup(calls, progress)
+
+    def release(self, pages: Sequence[int] | torch.Tensor) -> None:
+        """Forget the host ``pages`` (a sequence's block-table entries, ids in ``[0, host_tokens //
+        64)``) in every layer's GPU pool: call it when a sequence is done, before its pages hold
+        another's rows. Its rows stay in the host pool; only the GPU copies are dropped.
+
+        NOTE: the pools map host slot -> GPU row; a prefill or decode writing new rows into a
+        slot does not update that map, so a page reused without ``release`` served the next
+        sequence the old sequence's rows (silently different logits)."""
+        if isinstance(pages, torch.Tensor):
+            if pages.dim() > 1 or pages.dtype.is_floating_point or pages.dtype == torch.bool:
+                raise ValueError(
+                    f"pages must be a 1-D integer tensor or a list of ints, got a {pages.dtype} "
+                    f"tensor of shape {list(pages.shape)}"
+                )
+            ids = pages.reshape(-1).tolist()
+        else:
+            ids = list(pages)
+        n_pages = self.cache.config.host_tokens // PAGE
+        bad = [p for p in ids if isinstance(p, bool) or not isinstance(p, int)]
+        bad += [p for p in ids if p not in bad and not 0 <= p < n_pages]
+        if bad:
+            raise ValueError(
+                f"pages must be host page ids in [0, {n_pages}) (host_tokens "
+                f"{self.cache.config.host_tokens} // {PAGE}), got {bad[0]!r}"
+            )
+        if not ids:
+            return
+        dev = self.runner.device
+        first = torch.tensor(ids, dtype=torch.int64).to(dev)[:, None] * PAGE
+        with torch.inference_mode(False), torch.no_grad():
+            self.cache.release((first + torch.arange(PAGE, device=dev)).flatten())
 
     def decode(self, input_ids, positions, out_slots, block_table, seq_lens) -> torch.Tensor:
         n = self._check(True, input_ids, positions, out_slots, block_table, seq_lens)

@@ -284,3 +284,56 @@ def test_warmup_refuses_fewer_than_one_call():
         with pytest.raises(ValueError, match="warmup calls must be a positive integer"):
             cm.warmup(calls=bad, progress=False)
     assert not any(fn.frozen for _, _, fn in cm.runner.compiled)
+
+
+def _tiny_eager(max_batch: int = 2):
+    """A CompiledModel of the tiny model whose steps run eagerly (no compiler: the cache and
+    input logic is what the tests below test, not a compile)."""
+    from echo_compile.compiled import CompiledModel
+    from runtime.engine_config import EngineConfig
+    from runtime.model_runner import build_runner
+
+    model, _ = load_model(resolve_model("tiny"))
+    cfg = EngineConfig(max_batch=max_batch, host_tokens=1024,
+                       gpu_tokens=max_batch * model.config.index_topk, max_model_len=256,
+                       prefill_chunk=64, device="cpu")  # fmt: skip
+    return CompiledModel(build_runner(model, cfg))
+
+
+def _greedy(cm, ids: torch.Tensor, pages: list[int], steps: int = 3) -> list[torch.Tensor]:
+    """Prefill ``ids`` into host ``pages``, then ``steps`` greedy decode steps: every logits."""
+    bt = torch.zeros(1, cm.runner.pages_per_seq, dtype=torch.int32)
+    bt[0, : len(pages)] = torch.tensor(pages)
+    n = ids.shape[0]
+    pos = torch.arange(n)
+    slots = bt[0, pos // 64].long() * 64 + pos % 64
+    out = [cm.prefill(ids, pos, slots, bt, torch.tensor([n], dtype=torch.int32))]
+    for s in range(steps):
+        p = torch.tensor([n + s])
+        slot = bt[0, p // 64].long() * 64 + p % 64
+        out.append(cm.decode(out[-1].argmax(-1), p, slot, bt, (p + 1).int()))
+    return out
+
+
+def test_release_lets_a_sequence_reuse_another_s_pages():
+    """The GPU pools map host slot -> GPU row, and writing new rows into a slot does not update
+    that map: a second sequence in the first one's pages attended the first one's rows in its
+    decode steps (different logits, silently). ``release(pages)`` forgets them: the second
+    sequence's logits equal those of a fresh object. Bad page ids are refused, naming them, and
+    leave the object usable."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(2, 500, (n,), generator=g) for n in (50, 40))
+    cm = _tiny_eager()
+    _greedy(cm, a, [0, 1])
+    n_pages = 1024 // 64
+    for bad, shown in (([0, n_pages], str(n_pages)), ([-1], "-1"), ([1.0], "1.0")):
+        want = rf"pages must be host page ids in \[0, 16\).*got {shown}"
+        with pytest.raises(ValueError, match=want):
+            cm.release(bad)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        cm.release(torch.tensor([[0.0]]))
+    cm.release(torch.tensor([0, 1]))
+    reused = _greedy(cm, b, [0, 1])
+    fresh = _greedy(_tiny_eager(), b, [0, 1])
+    for got, want in zip(reused, fresh, strict=True):
+        assert torch.equal(got, want)
