@@ -17,8 +17,13 @@ Call signature (all device tensors; see docs/CONTRACTS.md for the slot/page conv
 
 ``input_ids``, ``positions``, ``out_slots`` are int64, ``block_table`` and ``seq_lens`` int32;
 ``block_table`` has ``runner.pages_per_seq`` columns (a prefill's may have fewer when prefill is
-not compiled). A wrong dtype, shape or device is a ``ValueError`` naming the tensor; the values
-(pages, slots, positions) are the caller's to get right. Any strides do (a view is copied to
+not compiled). A wrong dtype, shape or device is a ``ValueError`` naming the tensor. On the CPU
+the values are checked too (reading them costs no device sync there): token ids in ``[0,
+vocab_size)``, positions in ``[0, max_model_len)``, each below its row's ``seq_lens``, which are
+at most ``max_model_len``, out slots ``-1`` or host slots, block-table entries host pages; a bad
+one is a ``ValueError`` naming the tensor and the value, raised before anything runs. On CUDA
+the values (pages, slots, positions, ids) are the caller's to get right: checking them would
+sync with the device. Any strides do (a view is copied to
 the row-major layout the steps were compiled on). The steps run without autograd, whatever the
 caller's grad or inference mode, with autocast off and in the torch globals of ``compile()``'s
 time (CPU threads, default dtype, fp32 matmul precision, reduced-precision reductions), whatever
@@ -342,7 +347,40 @@ class CompiledModel:
             raise ValueError(msg)
         if lens.shape != (rows,):
             raise ValueError(f"seq_lens must be [{rows}], got {list(lens.shape)}")
+        if dev.type == "cpu" and n > 0:
+            self._check_values(is_decode, *inputs)
         return n
+
+    def _check_values(self, is_decode: bool, *inputs: torch.Tensor) -> None:
+        """The values of host (CPU) inputs, whose reads cost no device sync: out of range they
+        were an IndexError naming no argument, or no error at all (a position past
+        ``max_model_len``: logits of rows outside the block table), and a step that failed
+        midway could leave the GPU pools' maps half updated."""
+        ids, pos, slots, bt, lens = inputs
+        cfg, limit = self.cache.config, self.runner.max_model_len
+        vocab = self.model.config.vocab_size
+        n_pages = cfg.host_tokens // PAGE
+        if is_decode:  # rows of seq_len 0 are padding (the runner's own): nothing to check
+            real = lens > 0
+            row_lens = lens
+        else:
+            real = torch.ones_like(pos, dtype=torch.bool)
+            row_lens = lens.expand(pos.shape[0])
+        checks = (
+            ("input_ids", ids, (ids < 0) | (ids >= vocab), f"in [0, {vocab}) (vocab_size)"),
+            ("positions", pos, (pos < 0) | (pos >= limit), f"in [0, {limit}) (max_model_len)"),
+            ("seq_lens", lens, (lens < 0) | (lens > limit), f"in [0, {limit}] (max_model_len)"),
+            ("positions", pos, real & (pos >= row_lens), "below their row's seq_lens"),
+            ("out_slots", slots, (slots < -1) | (slots >= cfg.host_tokens),
+             f"-1 or host slots in [0, {cfg.host_tokens}) (host_tokens)"),
+            ("block_table", bt, (bt < 0) | (bt >= n_pages),
+             f"host pages in [0, {n_pages}) (host_tokens // {PAGE})"),
+        )  # fmt: skip
+        for name, t, bad, rule in checks:
+            if bool(bad.any()):
+                first = bad.nonzero()[0].tolist()
+                at = first[0] if len(first) == 1 else tuple(first)
+                raise ValueError(f"{name} must be {rule}, got {t[at].item()} at {name}[{at}]")
 
 
 def _buckets(b):

@@ -106,6 +106,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
+        self.max_model_len = max_model_len  # the context limit: positions < it
         self.pages_per_seq = pages_for(max_model_len)
         self.decode_buckets = tuple(decode_buckets)
         self.prefill_buckets = tuple(prefill_buckets)

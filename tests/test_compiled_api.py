@@ -337,3 +337,44 @@ def test_release_lets_a_sequence_reuse_another_s_pages():
     fresh = _greedy(_tiny_eager(), b, [0, 1])
     for got, want in zip(reused, fresh, strict=True):
         assert torch.equal(got, want)
+
+
+def test_cpu_inputs_with_bad_values_are_refused_naming_them_and_nothing_is_lost():
+    """On the CPU the values are read too (no device sync there): a token id out of the vocab,
+    a position past max_model_len (it ran, on rows outside the block table), a slot or page
+    outside the host pool, a position at or past its row's seq_lens. Each is a ValueError
+    naming the tensor and the value, raised before the step runs: a sequence already prefilled
+    decodes afterwards with the logits it would have had."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 500, (30,), generator=g)
+    want = _greedy(_tiny_eager(), ids, [2], steps=1)
+    cm = _tiny_eager()
+    P = cm.runner.pages_per_seq
+    bt = torch.zeros(1, P, dtype=torch.int32)
+    bt[0, 0] = 2
+    n = ids.shape[0]
+    pos = torch.arange(n)
+    out = cm.prefill(ids, pos, 128 + pos, bt, torch.tensor([n], dtype=torch.int32))
+    assert torch.equal(out, want[0])
+    p = torch.tensor([n])
+    good = (out.argmax(-1), p, 128 + p, bt, (p + 1).int())
+    for i, bad, match in (
+        (0, torch.tensor([512]), r"input_ids must be in \[0, 512\) \(vocab_size\), got 512 at "
+                                 r"input_ids\[0\]"),
+        (0, torch.tensor([-3]), r"input_ids must be .*, got -3"),
+        (1, torch.tensor([256]), r"positions must be in \[0, 256\) \(max_model_len\), got 256"),
+        (4, torch.tensor([257], dtype=torch.int32), r"seq_lens must be in \[0, 256\].*got 257"),
+        (1, torch.tensor([n + 1]), r"positions must be below their row's seq_lens, got 31"),
+        (2, torch.tensor([1024]), r"out_slots must be -1 or host slots in \[0, 1024\).*got 1024"),
+        (3, torch.full((1, P), 16, dtype=torch.int32),
+         r"block_table must be host pages in \[0, 16\).*got 16 at block_table\[\(0, 0\)\]"),
+    ):  # fmt: skip
+        args = list(good)
+        args[i] = bad
+        with pytest.raises(ValueError, match=match):
+            cm.decode(*args)
+    bad_ids = ids.clone()
+    bad_ids[7] = 600
+    with pytest.raises(ValueError, match=r"input_ids must be .*, got 600 at input_ids\[7\]"):
+        cm.prefill(bad_ids, pos, 128 + pos, bt, torch.tensor([n], dtype=torch.int32))
+    assert torch.equal(cm.decode(*good), want[1])
