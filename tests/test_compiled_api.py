@@ -302,17 +302,7 @@ def _tiny_eager(max_batch: int = 2):
 
 def _greedy(cm, ids: torch.Tensor, pages: list[int], steps: int = 3) -> list[torch.Tensor]:
     """Prefill ``ids`` into host ``pages``, then ``steps`` greedy decode steps: every logits."""
-    bt = torch.zeros(1, cm.runner.pages_per_seq, dtype=torch.int32)
-    bt[0, : len(pages)] = torch.tensor(pages)
-    n = ids.shape[0]
-    pos = torch.arange(n)
-    slots = bt[0, pos // 64].long() * 64 + pos % 64
-    out = [cm.prefill(ids, pos, slots, bt, torch.tensor([n], dtype=torch.int32))]
-    for s in range(steps):
-        p = torch.tensor([n + s])
-        slot = bt[0, p // 64].long() * 64 + p % 64
-        out.append(cm.decode(out[-1].argmax(-1), p, slot, bt, (p + 1).int()))
-    return out
+    return list(_greedy_steps(cm, ids, pages, steps))
 
 
 def test_release_lets_a_sequence_reuse_another_s_pages():
@@ -378,3 +368,44 @@ def test_cpu_inputs_with_bad_values_are_refused_naming_them_and_nothing_is_lost(
     with pytest.raises(ValueError, match=r"input_ids must be .*, got 600 at input_ids\[7\]"):
         cm.prefill(bad_ids, pos, 128 + pos, bt, torch.tensor([n], dtype=torch.int32))
     assert torch.equal(cm.decode(*good), want[1])
+
+
+def test_matches_generate_and_two_compiled_objects_do_not_interfere():
+    """The object gives generate()'s greedy tokens for the same prompts (both eager), and two
+    compiled objects in one process, their calls interleaved, each give the eager object's
+    logits bit for bit (aot_eager, as above: each owns its compiled steps and cache)."""
+    from echo_compile import LLM
+    from runtime.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(2, 500, (n,), generator=g) for n in (50, 60))
+    eager = _tiny_eager()
+    want = [_greedy(eager, a, [0, 1]), _greedy(eager, b, [2, 3])]
+    llm = LLM("tiny", compile=False, max_batch=2, host_tokens=1024, gpu_tokens=64,
+              max_model_len=256, prefill_chunk=64, enable_prefix_caching=False,
+              generation_config="none")  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    res = llm.generate([a.tolist(), b.tolist()], params)
+    for r, logits in zip(res, want, strict=True):
+        assert r.token_ids == [int(x.argmax(-1)) for x in logits]
+    c1, c2 = _tiny_aot_eager(), _tiny_aot_eager()
+    for cm in (c1, c2):
+        cm.warmup(calls=1, progress=False)
+    one, two = _greedy_steps(c1, a, [0, 1]), _greedy_steps(c2, b, [2, 3])
+    for w1, w2 in zip(*want, strict=True):
+        assert torch.equal(next(one), w1) and torch.equal(next(two), w2)
+
+
+def _greedy_steps(cm, ids: torch.Tensor, pages: list[int], steps: int = 3):
+    """``_greedy``'s logits one call at a time (a generator), for interleaving objects."""
+    bt = torch.zeros(1, cm.runner.pages_per_seq, dtype=torch.int32)
+    bt[0, : len(pages)] = torch.tensor(pages)
+    n = ids.shape[0]
+    pos = torch.arange(n)
+    out = cm.prefill(ids, pos, bt[0, pos // 64].long() * 64 + pos % 64, bt,
+                     torch.tensor([n], dtype=torch.int32))  # fmt: skip
+    yield out
+    for s in range(steps):
+        p = torch.tensor([n + s])
+        out = cm.decode(out.argmax(-1), p, bt[0, p // 64].long() * 64 + p % 64, bt, (p + 1).int())
+        yield out
