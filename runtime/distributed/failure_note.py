@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from runtime.distributed.process import DistContext
+
+class RankContext(Protocol):
+    """What these functions read of a ``process.DistContext`` (that module imports this one)."""
+
+    rank: int
+    world_size: int
+    store: Any
+
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,7 @@ def clear_note(store: Any | None) -> None:
         logger.debug("no earlier failure note cleared", exc_info=True)
 
 
-def leave_note(ctx: DistContext, error: BaseException, where: str) -> None:
+def leave_note(ctx: RankContext, error: BaseException, where: str) -> None:
     """Record this rank's ``error`` (raised in ``where``, e.g. "its step") for the other ranks,
     before this rank ends the group. Never raises: the rank goes on to raise ``error`` itself."""
     if ctx.store is None or ctx.world_size == 1:
@@ -70,7 +76,7 @@ def leave_note(ctx: DistContext, error: BaseException, where: str) -> None:
         logger.warning("rank %d: could not leave its error for the other ranks", ctx.rank)
 
 
-def read_note(ctx: DistContext, wait_s: float = READ_WAIT_S) -> tuple[str, str] | None:
+def read_note(ctx: RankContext, wait_s: float = READ_WAIT_S) -> tuple[str, str] | None:
     """Another rank's note, ``(where, "rank <r>: <type>: <message>")``, or None when there is none
     after ``wait_s`` (or the store cannot be reached: its host gone) or the note is this rank's."""
     if ctx.store is None or ctx.world_size == 1:
