@@ -506,31 +506,3 @@ def add_raise_worker(rank: int, out: str, opts: dict, prompts: list) -> None:
     (Path(out) / f"rank{rank}.txt").write_text("\n".join(lines))
     del llm
     end()
-
-
-def stale_note_worker(rank: int, out: str) -> None:
-    """Two jobs, one after the other, in the same processes on the same port: the first's rank
-    1 leaves its failure note (failure_note.leave_note, as its failed step does) and the group
-    ends while rank 0 still holds that job's context (a failed engine kept by its traceback), so
-    the second job joins the same store; then rank 0 of the second job meets a collective
-    failure with no note of that job, and records the RankFailure it raises."""
-    import torch.distributed as dist
-
-    from runtime.distributed.failure_note import leave_note
-    from runtime.distributed.process import guarded, init_distributed, shutdown
-
-    first = init_distributed("cpu", timeout_s=20.0)
-    if rank == 1:
-        leave_note(first, RuntimeError("the first job's step failure"), "its step")
-    dist.barrier()
-    shutdown()
-    second = init_distributed("cpu", timeout_s=20.0)
-    dist.barrier()
-    if rank == 0:
-        try:
-            with guarded(second, "the step agreement"):
-                raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
-        except Exception as e:  # noqa: BLE001  (the test checks its message)
-            (Path(out) / "rank0.txt").write_text(f"{type(e).__name__}: {e}")
-    del first
-    end()
