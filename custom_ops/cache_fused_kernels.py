@@ -33,6 +33,7 @@ from custom_ops.cache_constexpr import (
     M_NFREE,
     M_NMISS,
     M_PLACED,
+    M_STAMPED,
 )
 from custom_ops.cache_list_kernels import (
     _copy_claimed,
@@ -135,6 +136,7 @@ def _recall_kernel(
     LOOK_UNITS: tl.constexpr = 512,
     OUT_EARLY: tl.constexpr = False,
     STAMP: tl.constexpr = True,
+    STAMP_LATE: tl.constexpr = False,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
@@ -159,6 +161,12 @@ def _recall_kernel(
     the copy does, only if its block holds a miss (a few blocks in a steady step), then writes
     those (_out_late).
 
+    STAMP_LATE (cache_kernels.RECALL_STAMP_LATE): a lookup program stamps its hits after it
+    signals LOOKED, then signals STAMPED, so the release that the copy and the output wait for
+    does not wait for those scattered stores too. Only the histogram reads the stamps, so it waits
+    for STAMPED (which orders everything LOOKED does); the pass reads them only after HISTED. A
+    hit's slot is still stamped before any eviction may start.
+
     STAMP = False: a timing probe only (cache_kernels.PROBE_LOOKUP_STAMPS)."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
@@ -167,16 +175,23 @@ def _recall_kernel(
     if pid < n_look:
         if pid == 0:  # the free count before any program of this launch can change it
             tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
-        r0, r1, head = _lookup(
+        r0, r1, head, h, g, clock = _lookup(
             pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total, cap, n_g, True,
-            LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS, STAMP,
+            LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS, STAMP and not STAMP_LATE,
         )  # fmt: skip
         _signal(meta + M_LOOKED)
+        if STAMP_LATE and STAMP:
+            tl.store(prio + g, tl.zeros_like(g) + clock, mask=(h >= 0) & (g >= 0))
         if SELF_ROWS > 0:
             _copy_claimed(host_kv, gpu_kv, stage_kv, hstage, miss_host, ring, head, n_g, r0, r1,
                           UPR, LOOK_UNITS, CACHE, STAGED)  # fmt: skip
+        if STAMP_LATE:
+            _signal(meta + M_STAMPED)
     elif pid < scan0:
-        _wait(meta + M_LOOKED, n_look, SLEEP_NS)
+        if STAMP_LATE:
+            _wait(meta + M_STAMPED, n_look, SLEEP_NS)
+        else:
+            _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         _hist(pid - n_look, prio, meta, hist, n_miss, n_g, cap, SCAN_BLOCK)
         _signal(meta + M_HISTED)
     elif pid < copy0:
@@ -220,3 +235,4 @@ def _recall_kernel(
         tl.atomic_xchg(meta + M_PLACED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_COPIED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_FREE0, 0, sem="relaxed")
+        tl.atomic_xchg(meta + M_STAMPED, 0, sem="relaxed")  # (the histogram waited for it)

@@ -24,21 +24,28 @@ from runtime.host_slots import HostSlotAllocator
 
 
 @pytest.fixture(
-    params=[(True, K.LOOKUP_COPY_ROWS, True), (True, 2, True), (True, 0, True),
-            (True, K.LOOKUP_COPY_ROWS, False), (False, 0, True)],  # fmt: skip
+    params=[(True, K.LOOKUP_COPY_ROWS, True, K.RECALL_STAMP_LATE), (True, 2, True, None),
+            (True, 0, True, None), (True, K.LOOKUP_COPY_ROWS, False, None),
+            (True, K.LOOKUP_COPY_ROWS, True, not K.RECALL_STAMP_LATE), (False, 0, True, None)],
     ids=["one-launch", "one-launch-lookup-copies-2", "one-launch-copy-programs-only",
-         "one-launch-output-after-lookup", "launches"],  # fmt: skip
-)
+         "one-launch-output-after-lookup", "one-launch-stamps-" + (
+             "first" if K.RECALL_STAMP_LATE else "late"), "launches"],
+)  # fmt: skip
 def device(request, device, monkeypatch):
     """Every kernel test runs free and recall in one launch (K.FUSED, the default) with each
     lookup program copying up to K.LOOKUP_COPY_ROWS (the default), 2 or none of the rows it
     places (the copy programs copy the rest), with the output programs waiting for the lookup
-    (K.RECALL_OUT_EARLY off), and as a launch per phase. (The interpreter runs the programs in id
-    order, so the early output reads final slots here and its late path only sees PENDING past
-    the capacity; the reads that race the lookup are exercised by tests/test_cache_cuda.py.)"""
-    monkeypatch.setattr(K, "FUSED", request.param[0])
-    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", request.param[1])
-    monkeypatch.setattr(K, "RECALL_OUT_EARLY", request.param[2])
+    (K.RECALL_OUT_EARLY off), with the recall's stamps of its hits placed the other way than
+    the default (K.RECALL_STAMP_LATE), and as a launch per phase. (The interpreter runs the
+    programs in id order, so the early output reads final slots here and its late path only sees
+    PENDING past the capacity; the reads that race the lookup are exercised by
+    tests/test_cache_cuda.py.)"""
+    fused, rows, early, late = request.param
+    monkeypatch.setattr(K, "FUSED", fused)
+    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", rows)
+    monkeypatch.setattr(K, "RECALL_OUT_EARLY", early)
+    if late is not None:
+        monkeypatch.setattr(K, "RECALL_STAMP_LATE", late)
     return device
 
 
