@@ -171,8 +171,8 @@ def check_fused(s: Setup, cap: int, ratio: float, margin: float, rows: int, vari
     t = torch.arange(scores.shape[1], device=s.dev)
     slots = s.inp["block_table"][:, t // 64].long() * 64 + t % 64
     cand = (scores > thr[:, None]) & (s.pool.host_to_gpu[slots] < 0)
-    sh = st.stage_host.long()
-    live = sh >= 0
+    live = pl.live_staged(st.stage_host, st.stage_ctr)
+    sh = st.stage_host & pl.HOST_MASK
     is_cand = torch.zeros(s.cfg.host_tokens, dtype=torch.bool, device=s.dev)
     is_cand[slots[cand]] = True
     ok &= bool(is_cand[sh[live]].all())
@@ -183,20 +183,22 @@ def check_fused(s: Setup, cap: int, ratio: float, margin: float, rows: int, vari
 
 def check_recall(s: Setup, cap: int, ratio: float, margin: float, rows: int, variant: str) -> dict:
     """One prefetch step: the pool invariants, the selection's rows equal to the host's, the
-    staging emptied, promoted == staged and missed; returns precision and coverage."""
+    staging state left as the staging call left it (no entry live for the next epoch), promoted
+    == staged and missed; returns precision and coverage."""
     s.restore(margin)
     st = s.staging
     missed0 = s.pool.host_to_gpu[s.sel.clamp(min=0).long()] < 0
     host, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio, margin),
                                             rows_per_block=rows,
                                             variant=variant)  # fmt: skip
-    staged = st.stage_host[st.stage_host >= 0].long()
+    staged = st.stage_host[pl.live_staged(st.stage_host, st.stage_ctr)] & pl.HOST_MASK
+    before = staging_state(st)
     out = pk.recall_staged_cuda(*recall_args(s, st, host))
     torch.cuda.synchronize() if s.dev.type == "cuda" else None
     check_pool(s.pool, selected=host, gpu_slots=out, host_kv=s.host)
     sel = host[host >= 0].long()
     ok = torch.equal(s.pool.gpu_kv[out[host >= 0].long()], s.host[sel])
-    ok &= not bool((st.stage_host >= 0).any()) and not bool((st.host_stage >= 0).any())
+    ok &= staging_untouched(st, before)
     in_sel = torch.zeros(s.cfg.host_tokens, dtype=torch.bool, device=s.dev)
     in_sel[sel[missed0[host >= 0]]] = True
     useful = int(in_sel[torch.unique(staged)].sum())  # a host slot staged twice is promoted once
@@ -212,10 +214,22 @@ def check_recall(s: Setup, cap: int, ratio: float, margin: float, rows: int, var
     }
 
 
+def staging_state(st: Staging) -> tuple:
+    return st.stage_host.clone(), st.host_stage.clone(), st.stage_ctr.clone()
+
+
+def staging_untouched(st: Staging, before: tuple) -> bool:
+    """The recall wrote no staging state, and no entry is live for the next epoch (the tags of
+    this step's entries are stale once the next staging call advances the epoch)."""
+    ok = all(torch.equal(a, b) for a, b in zip(before, staging_state(st)))
+    nxt = st.stage_ctr.clone()
+    nxt[-1] += 1
+    return ok and not bool(pl.live_staged(st.stage_host, nxt).any())
+
+
 def all_staged(s: Setup, n_stage: int) -> Staging:
     """A staging buffer for perfect prefetch: room for every miss of the step at the current hit
-    rate, and at least the configurations' ``n_stage`` rows (its emptying launch then covers the
-    slots theirs does, no fewer)."""
+    rate, and at least the configurations' ``n_stage`` rows."""
     B = s.sz["B"]
     cap = triton.cdiv(max(n_stage, s.n_miss), B)
     cfg = CacheConfig(1, s.cfg.host_tokens, s.cfg.gpu_tokens, s.sz["topk"], fmt=s.cfg.fmt,
@@ -233,7 +247,7 @@ def stage_all_misses(s: Setup, st: Staging, mark: int = 0) -> int:
     sel = s.sel[s.sel >= 0].long()
     miss = torch.unique(sel[s.pool.host_to_gpu[sel] < 0])
     n = miss.numel()
-    st.stage_host[:n] = miss.to(torch.int32)
+    st.stage_host[:n] = pl.stage_tag(st.stage_ctr[-1], miss)  # live in the current epoch
     st.host_stage[miss] = torch.arange(n, dtype=torch.int32, device=s.dev)
     st.stage_kv[:n] = s.host[miss] ^ mark
     return n
@@ -245,8 +259,9 @@ MARK = 0x5A  # check_all_staged's staged rows: the host's XOR this
 def check_all_staged(s: Setup, st: Staging) -> dict:
     """Perfect prefetch, then the staged recall: the pool invariants, every miss's row read from
     staging (marked rows: the host's XOR ``MARK``) and every hit's left as it was, the staging
-    emptied, every miss promoted."""
+    state untouched, every miss promoted."""
     n = stage_all_misses(s, st, MARK)
+    before = staging_state(st)
     live = s.sel >= 0
     hit = live & (s.pool.host_to_gpu[s.sel.clamp(min=0).long()] >= 0)
     out = pk.recall_staged_cuda(*recall_args(s, st, s.sel))
@@ -255,7 +270,7 @@ def check_all_staged(s: Setup, st: Staging) -> dict:
     want = s.host[s.sel.clamp(min=0).long()]
     want[live & ~hit] ^= MARK
     ok = torch.equal(s.pool.gpu_kv[out[live].long()], want[live])
-    ok &= not bool((st.stage_host >= 0).any()) and not bool((st.host_stage >= 0).any())
+    ok &= staging_untouched(st, before)
     ok &= int(st.totals[pl.PF_PROMOTED]) == n
     return {"pass": bool(ok), "misses": n, "promoted": int(st.totals[pl.PF_PROMOTED]),
             "evicted": int(s.pool.totals[EVICTED])}  # fmt: skip

@@ -5,9 +5,8 @@ and hit rates, with a full pool (the recall evicts) and with free slots (``stead
 
 Timed side by side in one run, in ``--rounds`` rounds (the order reversed every other round):
 - ``plain``: echo::recall (PCIe reads);
-- ``staged``: echo::recall_staged as the op runs it (the recall's launch, then the launch that
-  empties the staging buffer), ``staged_no_clear`` (the recall's launch alone) and
-  ``clear_alone`` (the emptying launch alone);
+- ``staged``: echo::recall_staged as the op runs it (the recall's launch alone: staged entries
+  are tagged with their step's epoch, so nothing is emptied after it; docs/prefetch.md);
 - ``plain_self0`` / ``staged_self32``: the lookup programs copying none / up to 32 of the rows
   they placed (``LOOKUP_COPY_ROWS`` / ``LOOKUP_COPY_ROWS_STAGED``; the defaults are 32 / 0);
 - ``per_phase``: the recall as a launch per phase, with its kernels' device times from the
@@ -54,13 +53,6 @@ def variants(s: bp.Setup, st) -> dict:
     def staged():
         pk.recall_staged_cuda(*bp.recall_args(s, st, s.sel))
 
-    def no_clear():
-        a = bp.recall_args(s, st, s.sel)
-        ck.recall_cuda(*a[:12], stage_kv=st.stage_kv, host_stage=st.host_stage)
-
-    def clear():
-        pk.clear(st.stage_host, st.host_stage, s.pool.host_to_gpu, st.stage_ctr, st.totals)
-
     def plain():
         s.pool.recall(s.host, s.sel)
 
@@ -70,8 +62,6 @@ def variants(s: bp.Setup, st) -> dict:
     return {
         "plain": ({}, plain, s.restore),
         "staged": ({}, staged, restage),
-        "staged_no_clear": ({}, no_clear, restage),
-        "clear_alone": ({}, clear, restage),
         "plain_self0": ({"LOOKUP_COPY_ROWS": 0}, plain, s.restore),
         "staged_self32": ({"LOOKUP_COPY_ROWS_STAGED": 32}, staged, restage),
     }

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from custom_ops import cache_layout as C
 from custom_ops.kv_format import INDEX_PAGE_BYTES, INDEX_ROW_BYTES, PAGE
+from custom_ops.prefetch_layout import EPOCH_SHIFT, PF_PROMOTED
 
 # Globals read inside kernels must be constexpr.
 M_CLOCK = tl.constexpr(C.CLOCK)
@@ -40,3 +41,6 @@ PENDING = tl.constexpr(C.PENDING)
 PAGE_C = tl.constexpr(PAGE)
 IDX_PAGE_W = tl.constexpr(INDEX_PAGE_BYTES // 4)  # int32 words per indexer-cache page (2112)
 IDX_ROW_W = tl.constexpr(INDEX_ROW_BYTES // 4)  # 33 words: 32 of fp8 values, 1 fp32 scale
+# echo::recall_staged's copy: the staging tags (prefetch_layout) and the promoted-rows count
+STAGE_SHIFT = tl.constexpr(EPOCH_SHIFT)
+PF_PROMOTED_C = tl.constexpr(PF_PROMOTED)

@@ -114,6 +114,9 @@ def _recall_kernel(
     out,
     stage_kv,
     hstage,
+    shost,
+    epoch_ptr,
+    pfs,
     total,
     n_g,
     cap,
@@ -122,6 +125,7 @@ def _recall_kernel(
     n_scan,
     n_copy,
     n_out,
+    n_stage,
     UPR: tl.constexpr,
     UNITS: tl.constexpr,
     LIST_BLOCK: tl.constexpr,
@@ -167,6 +171,9 @@ def _recall_kernel(
     for STAMPED (which orders everything LOOKED does); the pass reads them only after HISTED. A
     hit's slot is still stamped before any eviction may start.
 
+    STAGED (echo::recall_staged): every copy reads the misses staged in the current epoch from
+    stage_kv (the tag rule of cache_list_kernels._move_units) and counts them in pf_stats.
+
     STAMP = False: a timing probe only (cache_kernels.PROBE_LOOKUP_STAMPS)."""
     pid = tl.program_id(0)
     n_miss = meta + M_NMISS  # the live miss count, as a pointer
@@ -183,8 +190,9 @@ def _recall_kernel(
         if STAMP_LATE and STAMP:
             tl.store(prio + g, tl.zeros_like(g) + clock, mask=(h >= 0) & (g >= 0))
         if SELF_ROWS > 0:
-            _copy_claimed(host_kv, gpu_kv, stage_kv, hstage, miss_host, ring, head, n_g, r0, r1,
-                          UPR, LOOK_UNITS, CACHE, STAGED)  # fmt: skip
+            _copy_claimed(host_kv, gpu_kv, stage_kv, hstage, shost, epoch_ptr, pfs, n_stage,
+                          miss_host, ring, head, n_g, r0, r1, UPR, LOOK_UNITS, CACHE,
+                          STAGED)  # fmt: skip
         if STAMP_LATE:
             _signal(meta + M_STAMPED)
     elif pid < scan0:
@@ -222,7 +230,8 @@ def _recall_kernel(
             rows_max = cap
         _copy_out(
             pid - copy0, host_kv, gpu_kv, miss_host, h2g, host_slots, out, rows_ptr, rows_max,
-            stage_kv, hstage, total, n_copy, cap, UPR, UNITS, LIST_BLOCK, EARLY, CACHE, STAGED,
+            stage_kv, hstage, shost, epoch_ptr, pfs, n_stage, total, n_copy, cap, UPR, UNITS,
+            LIST_BLOCK, EARLY, CACHE, STAGED,
         )  # fmt: skip
         _signal(meta + M_COPIED)
     else:

@@ -288,18 +288,24 @@ def recall_cuda(
     host_slots,
     stage_kv=None,
     host_stage=None,
+    stage_host=None,
+    stage_ctr=None,
+    pf_stats=None,
 ) -> torch.Tensor:
     """1 launch (FUSED), else 4: lookup (protect hits, claim misses), histogram (returns at once
     unless an eviction is due), eviction + placement in one pass, row copy + output (whose last
-    program finalises a placement that evicted nothing: the handoff). With ``stage_kv`` /
-    ``host_stage`` (echo::recall_staged) a staged miss is copied from staging."""
+    program finalises a placement that evicted nothing: the handoff). With the staging state
+    (echo::recall_staged: ``stage_kv``, ``host_stage``, ``stage_host``, ``stage_ctr``,
+    ``pf_stats``) a miss staged in the current epoch is copied from staging and counted as
+    promoted (``staging_args``)."""
+    stg = staging_args(stage_kv, host_stage, stage_host, stage_ctr, pf_stats)
     hs = host_slots.reshape(-1)
     total, cap, n_g = hs.numel(), indices.shape[0], gpu_to_host.shape[0]
     out = torch.empty_like(host_slots)
     if FUSED:
         _recall_fused(
             host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host,
-            meta, hist, stats, hs, out.view(-1), stage_kv, host_stage,
+            meta, hist, stats, hs, out.view(-1), stg,
         )  # fmt: skip
         return out
     n_miss = meta[C.NMISS : C.NMISS + 1]  # the live miss count, as a pointer
@@ -325,9 +331,24 @@ def recall_cuda(
     )  # fmt: skip
     copy_rows(
         host_kv, gpu_kv, miss_host, host_to_gpu, meta, stats, hs, out.view(-1),
-        stage_kv=stage_kv, host_stage=host_stage,
+        staging=stg,
     )  # fmt: skip
     return out
+
+
+def staging_args(stage_kv, host_stage, stage_host, stage_ctr, pf_stats) -> tuple | None:
+    """The STAGED copy's arguments (cache_list_kernels._move_units), or None without staging:
+    stage_kv as words, host_stage, the tags stage_host, the epoch word (stage_ctr's last), pf_stats
+    and S."""
+    if stage_kv is None:
+        return None
+    return (_words(stage_kv, "stage_kv", True), host_stage, stage_host, stage_ctr[-1:], pf_stats,
+            stage_kv.shape[0])  # fmt: skip
+
+
+def _unstaged(gpu_words, host_to_gpu, stats) -> tuple:
+    """Placeholders for the staging arguments without STAGED (never read)."""
+    return (gpu_words, host_to_gpu, host_to_gpu, host_to_gpu, stats, 0)
 
 
 def _sleep_ns(device: torch.device) -> int:
@@ -336,21 +357,20 @@ def _sleep_ns(device: torch.device) -> int:
 
 def _recall_fused(
     host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
-    hist, stats, hs, out, stage_kv, host_stage,
+    hist, stats, hs, out, stg,
 ) -> None:  # fmt: skip
     if host_kv.shape[1] % 16:
         raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
     total, n_g = hs.numel(), gpu_to_host.shape[0]
     n_look, n_scan = _grid(total, LIST_BLOCK)[0], _grid(n_g, FUSED_SCAN_BLOCK)[0]
     n_copy, n_out = _num_copy_programs(hs.device), triton.cdiv(total, LIST_BLOCK)
-    staged = stage_kv is not None
+    staged = stg is not None
     gpu_words = _words(gpu_kv, "gpu_kv", True)
+    stg = stg or _unstaged(gpu_words, host_to_gpu, stats)
     _recall_kernel[(n_look + 2 * n_scan + n_copy + n_out + 1,)](
         _words(host_kv, "host_kv", True), gpu_words, hs, host_to_gpu, gpu_priority, gpu_free,
-        gpu_to_host, indices, miss_host, meta, hist, stats, out,
-        _words(stage_kv, "stage_kv", True) if staged else gpu_words,
-        host_stage if staged else host_to_gpu,  # (unread without STAGED)
-        total, n_g, indices.shape[0], C.reserve_slots(n_g), n_look, n_scan, n_copy, n_out,
+        gpu_to_host, indices, miss_host, meta, hist, stats, out, *stg[:5],
+        total, n_g, indices.shape[0], C.reserve_slots(n_g), n_look, n_scan, n_copy, n_out, stg[5],
         UPR=host_kv.shape[1] // 16, UNITS=COPY_UNITS, LIST_BLOCK=LIST_BLOCK,
         SCAN_BLOCK=FUSED_SCAN_BLOCK, PAD=PAD_BLOCK, SKIP_CLEAN=LOOKUP_SKIP_CLEAN,
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
@@ -374,21 +394,21 @@ def copy_rows(
     warps: int | None = None,
     early: bool | None = None,
     cache: str | None = None,
-    stage_kv: torch.Tensor | None = None,
-    host_stage: torch.Tensor | None = None,
+    staging: tuple | None = None,
 ) -> None:
-    """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots (from
-    ``stage_kv[host_stage[h]]`` where that is >= 0, when given; else from the host), and
-    out = host_to_gpu[hs]. The other keyword arguments override the module's copy configuration
-    (the benchmark tries a few)."""
+    """Recall's last launch: rows of miss_host[:meta[LAST_ALLOC]] -> their GPU slots (with
+    ``staging``, ``staging_args``' tuple: from ``stage_kv[host_stage[h]]`` where h is staged in
+    the current epoch; else from the host), and out = host_to_gpu[hs]. The other keyword
+    arguments override the module's copy configuration (the benchmark tries a few)."""
     if host_kv.shape[1] % 16:
         raise ValueError(f"recall: row width {host_kv.shape[1]} B must be a multiple of 16")
     n_copy = _num_copy_programs(hs.device)
     if programs_per_sm is not None and hs.device.type == "cuda":
         n_copy = programs_per_sm * torch.cuda.get_device_properties(hs.device).multi_processor_count
     total = hs.numel()
-    staged = stage_kv is not None
+    staged = staging is not None
     gpu_words = _words(gpu_kv, "gpu_kv", True)
+    stg = staging or _unstaged(gpu_words, host_to_gpu, stats)
     _copy_out_kernel[(n_copy + triton.cdiv(total, LIST_BLOCK) + int(COPY_OWN_FINAL),)](
         _words(host_kv, "host_kv", True),
         gpu_words,
@@ -398,11 +418,11 @@ def copy_rows(
         out,
         meta,
         stats,
-        _words(stage_kv, "stage_kv", True) if staged else gpu_words,
-        host_stage if staged else host_to_gpu,  # (unread without STAGED)
+        *stg[:5],
         total,
         n_copy,
         miss_host.shape[0],
+        stg[5],
         UPR=host_kv.shape[1] // 16,
         UNITS=units or COPY_UNITS,
         BLOCK=LIST_BLOCK,

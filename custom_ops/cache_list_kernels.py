@@ -39,9 +39,11 @@ from custom_ops.cache_constexpr import (
     M_VICT_CTR,
     PAGE_C,
     PENDING,
+    PF_PROMOTED_C,
     S_RECALLED,
     S_SELECTED,
     S_STEPS,
+    STAGE_SHIFT,
 )
 
 
@@ -213,6 +215,9 @@ def _copy_units(
     h2g,
     stage_kv,
     hstage,
+    shost,
+    ehi,
+    n_stage,
     u,
     r,
     h,
@@ -223,48 +228,82 @@ def _copy_units(
     STAGED: tl.constexpr,
 ):
     """Units u (rows r, host slots h = miss_host[r]) host -> GPU slot host_to_gpu[h], those below
-    nunits whose h is not marked (< 0: a lookup program copies that row, _lookup's SELF_ROWS)."""
+    nunits whose h is not marked (< 0: a lookup program copies that row, _lookup's SELF_ROWS).
+    Returns _move_units' count of rows read from staging."""
     um = (u < nunits) & (h >= 0)
     g = tl.load(h2g + h, mask=um, other=0)
-    _move_units(host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR, CACHE, STAGED)
+    return _move_units(host_kv, gpu_kv, stage_kv, hstage, shost, ehi, n_stage, u, r, h, g, um,
+                       UPR, CACHE, STAGED)  # fmt: skip
 
 
 @triton.jit
 def _move_units(
-    host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR: tl.constexpr, CACHE: tl.constexpr,
-    STAGED: tl.constexpr,
+    host_kv, gpu_kv, stage_kv, hstage, shost, ehi, n_stage, u, r, h, g, um, UPR: tl.constexpr,
+    CACHE: tl.constexpr, STAGED: tl.constexpr,
 ):  # fmt: skip
     """Units u (16-byte word 4 (u - r * UPR) of row r: host slot h -> GPU slot g) where um.
-    STAGED (echo::recall_staged): a row with hstage[h] >= 0 is read from stage_kv (device memory,
-    a copy of the host row) instead of over PCIe."""
+    STAGED (echo::recall_staged): a row staged in the current epoch is read from stage_kv
+    (device memory, a copy of the host row) instead of over PCIe: s = hstage[h] in [0, n_stage)
+    and its tag shost[s] == ehi | h (ehi: the epoch << 32, prefetch_layout.staged_source). The
+    tag and the staged row depend on s alone, so both loads are issued together; a stale entry
+    (its tag another step's or another row's) reads the host. Returns the rows read from staging
+    among these units (each counted at its first word; 0 without STAGED)."""
     word = (u - r * UPR) * 4
     src = h.to(tl.int64) * (UPR * 4) + word
     dst = g.to(tl.int64) * (UPR * 4) + word
     m2 = um[:, None]
     w4 = tl.arange(0, 4)
+    n_staged = 0
     if STAGED:
         s = tl.load(hstage + h, mask=um, other=-1)
-        staged = (s >= 0)[:, None]
-        ssrc = s.to(tl.int64) * (UPR * 4) + word
+        sv = um & (s >= 0) & (s < n_stage)
+        s64 = s.to(tl.int64)
+        tag = tl.load(shost + s64, mask=sv, other=-1)
+        ssrc = s64 * (UPR * 4) + word
+        vs = tl.load(stage_kv + ssrc[:, None] + w4[None, :], mask=sv[:, None])
+        live = sv & (tag == (ehi | h.to(tl.int64)))
+        staged = live[:, None]
         vh = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2 & ~staged, cache_modifier=CACHE)
-        vs = tl.load(stage_kv + ssrc[:, None] + w4[None, :], mask=m2 & staged)
         v = tl.where(staged, vs, vh)
+        n_staged = tl.sum((live & (word == 0)).to(tl.int32), 0)
     else:
         v = tl.load(host_kv + src[:, None] + w4[None, :], mask=m2, cache_modifier=CACHE)
     tl.store(gpu_kv + dst[:, None] + w4[None, :], v, mask=m2)
+    return n_staged
+
+
+@triton.jit
+def _stage_epoch(epoch_ptr, STAGED: tl.constexpr):
+    """The current staging epoch << 32 (prefetch_layout), read once per copy program; 0 (unread)
+    without STAGED."""
+    ehi = 0
+    if STAGED:
+        ehi = tl.load(epoch_ptr).to(tl.int64) << STAGE_SHIFT
+    return ehi
+
+
+@triton.jit
+def _count_promoted(pfs, n, STAGED: tl.constexpr):
+    """One atomic per copy program: its rows read from staging into pf_stats[PF_PROMOTED]."""
+    if STAGED:
+        tl.atomic_add(pfs + PF_PROMOTED_C, n.to(tl.int64), mask=n > 0, sem="relaxed")
 
 
 @triton.jit
 def _copy_claimed(
-    host_kv, gpu_kv, stage_kv, hstage, miss_host, ring, head, n_g, r0, r1, UPR: tl.constexpr,
-    UNITS: tl.constexpr, CACHE: tl.constexpr, STAGED: tl.constexpr,
+    host_kv, gpu_kv, stage_kv, hstage, shost, epoch_ptr, pfs, n_stage, miss_host, ring, head,
+    n_g, r0, r1, UPR: tl.constexpr, UNITS: tl.constexpr, CACHE: tl.constexpr,
+    STAGED: tl.constexpr,
 ):  # fmt: skip
     """The rows of miss ranks [r0, r1), which this lookup program claimed, placed at the ring's
     entries HEAD + r and marked in miss_host as -1 - h (_lookup's SELF_ROWS), host -> GPU in
     UNITS 16-byte units at a time (cache_kernels.LOOKUP_COPY_ROWS). The GPU slot is read from the
     ring, not from host_to_gpu: a duplicate's exchange in another lookup program may hold that
     entry at PENDING for a moment. No program writes those ring entries or miss ranks in this
-    launch (pushes land at or after HEAD + max(misses, free), cache_fused_kernels.py)."""
+    launch (pushes land at or after HEAD + max(misses, free), cache_fused_kernels.py). STAGED:
+    the rows read from staging are counted (_move_units, _count_promoted)."""
+    ehi = _stage_epoch(epoch_ptr, STAGED)
+    n_staged = 0
     for start in range(r0 * UPR, r1 * UPR, UNITS):
         u = start + tl.arange(0, UNITS)
         um = u < r1 * UPR
@@ -272,7 +311,9 @@ def _copy_claimed(
         h = -1 - tl.load(miss_host + r, mask=um, other=-1)
         at = head + r
         g = tl.load(ring + tl.where(at >= n_g, at - n_g, at), mask=um, other=0)
-        _move_units(host_kv, gpu_kv, stage_kv, hstage, u, r, h, g, um, UPR, CACHE, STAGED)
+        n_staged += _move_units(host_kv, gpu_kv, stage_kv, hstage, shost, ehi, n_stage, u, r, h,
+                                g, um, UPR, CACHE, STAGED)  # fmt: skip
+    _count_promoted(pfs, n_staged, STAGED)
 
 
 @triton.jit
@@ -287,9 +328,13 @@ def _copy_out_kernel(
     stats,
     stage_kv,
     hstage,
+    shost,
+    epoch_ptr,
+    pfs,
     total,
     n_copy,
     cap,
+    n_stage,
     UPR: tl.constexpr,
     UNITS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -311,7 +356,8 @@ def _copy_out_kernel(
     pid = tl.program_id(0)
     _copy_out(
         pid, host_kv, gpu_kv, miss_host, h2g, host_slots, out, meta + M_LAST_ALLOC, cap,
-        stage_kv, hstage, total, n_copy, cap, UPR, UNITS, BLOCK, EARLY, CACHE, STAGED,
+        stage_kv, hstage, shost, epoch_ptr, pfs, n_stage, total, n_copy, cap, UPR, UNITS, BLOCK,
+        EARLY, CACHE, STAGED,
     )  # fmt: skip
     fin = pid == 0
     if OWN_FINAL:
@@ -333,6 +379,10 @@ def _copy_out(
     rows_max,
     stage_kv,
     hstage,
+    shost,
+    epoch_ptr,
+    pfs,
+    n_stage,
     total,
     n_copy,
     cap,
@@ -346,8 +396,10 @@ def _copy_out(
     """Program ``pid`` of the copy/output launch: programs [0, n_copy) copy the rows of
     miss_host[:min(*rows_ptr, rows_max)] (but those a lookup program copies), the next
     cdiv(total, BLOCK) write the output
-    (_copy_out_kernel)."""
+    (_copy_out_kernel). STAGED: the staging arguments of _move_units; a copy program reads the
+    epoch once and adds its rows read from staging to pf_stats once (_count_promoted)."""
     if pid < n_copy:
+        ehi = _stage_epoch(epoch_ptr, STAGED)
         # The first iteration's list read (miss_host, CAP entries) does not wait for the count:
         # it is issued beside the load of meta[LAST_ALLOC], so the host read starts one round
         # trip earlier (the chain was count -> miss_host -> host row; the host read needs only
@@ -361,16 +413,15 @@ def _copy_out(
         else:
             nunits = tl.minimum(tl.load(rows_ptr), rows_max) * UPR
             h0 = tl.load(miss_host + r0, mask=u0 < nunits, other=0)
-        _copy_units(
-            host_kv, gpu_kv, h2g, stage_kv, hstage, u0, r0, h0, nunits, UPR, UNITS, CACHE, STAGED
-        )
+        n_staged = _copy_units(host_kv, gpu_kv, h2g, stage_kv, hstage, shost, ehi, n_stage, u0,
+                               r0, h0, nunits, UPR, UNITS, CACHE, STAGED)  # fmt: skip
         for start in range((pid + n_copy) * UNITS, nunits, n_copy * UNITS):
             u = start + tl.arange(0, UNITS)
             r = u // UPR
             h = tl.load(miss_host + r, mask=u < nunits, other=0)
-            _copy_units(
-                host_kv, gpu_kv, h2g, stage_kv, hstage, u, r, h, nunits, UPR, UNITS, CACHE, STAGED
-            )
+            n_staged += _copy_units(host_kv, gpu_kv, h2g, stage_kv, hstage, shost, ehi, n_stage,
+                                    u, r, h, nunits, UPR, UNITS, CACHE, STAGED)  # fmt: skip
+        _count_promoted(pfs, n_staged, STAGED)
     else:
         offs = (pid - n_copy) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < total

@@ -61,6 +61,7 @@ from custom_ops.cache_layout import (
     evict_target,
 )
 from custom_ops.kv_format import INDEX_PAGE_BYTES, PAGE
+from custom_ops.prefetch_layout import PF_PROMOTED, staged_source
 
 
 def _host_in_range(op: str, name: str, h: torch.Tensor, n_h: int) -> None:
@@ -180,10 +181,13 @@ def free_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, meta, st
 
 def recall_ref(
     host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_gpu, indices, miss_host, meta,
-    stats, host_slots, stage_kv=None, host_stage=None,
+    stats, host_slots, stage_kv=None, host_stage=None, stage_host=None, stage_ctr=None,
+    pf_stats=None,
 ) -> torch.Tensor:  # fmt: skip
-    """With ``stage_kv`` / ``host_stage`` (echo::recall_staged): a miss h with host_stage[h] >= 0
-    is copied from stage_kv[host_stage[h]] (a copy of its host row) instead of the host."""
+    """With the staging state (echo::recall_staged): a placed miss h that is staged in the
+    current epoch (``prefetch_layout.staged_source``: host_stage[h] a slot whose stage_host tag
+    is h's with the epoch word stage_ctr[-1]) is copied from stage_kv[host_stage[h]] (a copy of
+    its host row) instead of the host, and counted in pf_stats[PF_PROMOTED]."""
     hs = host_slots.long()
     valid = hs >= 0
     _host_in_range("recall", "host_slots", hs[valid], host_to_gpu.shape[0])
@@ -207,9 +211,9 @@ def recall_ref(
     placed = placeable[: slots.numel()]
     gpu_kv[slots] = host_kv[placed].to(gpu_kv.device)
     if host_stage is not None:
-        src = host_stage[placed].long()
-        staged = src >= 0
+        staged, src = staged_source(placed.long(), host_stage, stage_host, stage_ctr[-1])
         gpu_kv[slots[staged]] = stage_kv[src[staged]]
+        pf_stats[PF_PROMOTED] += int(staged.sum())  # a host slot is placed once
     miss_host[: placeable.numel()] = placeable.to(torch.int32)
     out = torch.where(valid, host_to_gpu[hc], -1).to(torch.int32)
     stats[RECALLED] += slots.numel()

@@ -40,23 +40,26 @@ def _check_staging(
         raise ValueError(f"{op}: stage_kv must be uint8 [S, {host_kv.shape[1]}]")
     S = stage_kv.shape[0]
     for name, t, dt, n in (
-        ("stage_host", stage_host, torch.int32, S),
+        ("stage_host", stage_host, torch.int64, S),
         ("host_stage", host_stage, torch.int32, n_h),
         ("pf_stats", pf_stats, torch.int64, PF_LEN),
     ):
         if t.dtype != dt or t.shape != (n,):
             raise ValueError(f"{op}: {name} must be {dt} [{n}], got {t.dtype} {list(t.shape)}")
-    if stage_ctr.dtype != torch.int32 or stage_ctr.dim() != 1:
-        raise ValueError(f"{op}: stage_ctr must be a 1-D int32 tensor")
+    if stage_ctr.dtype != torch.int32 or stage_ctr.dim() != 1 or stage_ctr.shape[0] < 2:
+        raise ValueError(
+            f"{op}: stage_ctr must be a 1-D int32 tensor of claim counters and the staging epoch "
+            f"(its last word), got {stage_ctr.dtype} {list(stage_ctr.shape)}"
+        )
     if B is not None:
         if (
-            stage_ctr.shape[0] < B + 1
+            stage_ctr.shape[0] < B + 2
             or ema.dtype != torch.float32
             or ema.shape != (EMA_ROWS, n_h // 64 + 1)
             or not ema.is_contiguous()
         ):
             raise ValueError(
-                f"{op}: stage_ctr must hold >= B + 1 = {B + 1} counters and ema a contiguous "
+                f"{op}: stage_ctr must hold >= B + 2 = {B + 2} words and ema a contiguous "
                 f"fp32 [{EMA_ROWS}, N_H / 64 + 1 = {n_h // 64 + 1}] (a batch of {B}), got "
                 f"stage_ctr {list(stage_ctr.shape)}, ema {ema.dtype} {list(ema.shape)}"
             )
@@ -161,9 +164,9 @@ def indexer_topk_prefetch(
     host_kv: torch.Tensor,  # [N_H, row] uint8 (UVA view of pinned memory on CUDA)
     host_to_gpu: torch.Tensor,  # [N_H] int32: the layer's pool map (read only)
     stage_kv: torch.Tensor,  # [S, row] uint8: staging rows
-    stage_host: torch.Tensor,  # [S] int32: host slot staged in each slot, -1 empty
+    stage_host: torch.Tensor,  # [S] int64: tag epoch << 32 | h of each slot, -1 never staged
     host_stage: torch.Tensor,  # [N_H] int32: staging slot of each host slot, -1 none
-    stage_ctr: torch.Tensor,  # [>= B + 1] int32 zeros: per-request claims, then the global one
+    stage_ctr: torch.Tensor,  # [>= B + 2] int32: claims per request, the global one, ..., epoch
     ema: torch.Tensor,  # [EMA_ROWS, N_H / 64 + 1] fp32: threshold, level, dev (prefetch_layout)
     pf_stats: torch.Tensor,  # [PF_LEN] int64
     cap: int,  # rows per request (ratio == 0)
@@ -224,8 +227,7 @@ def _(q_fp8, weights, *rest):
         "meta",
         "hist",
         "stats",
-        *_STAGING[1:],  # stage_kv is read, not written
-        "pf_stats",
+        "pf_stats",  # (the staging state is read, not written: stale entries fail their tags)
     ),
 )
 def recall_staged(
@@ -247,8 +249,8 @@ def recall_staged(
     stage_ctr: torch.Tensor,
     pf_stats: torch.Tensor,
 ) -> torch.Tensor:
-    """``echo::recall`` (same output and pool semantics) whose staged misses are copied
-    GPU -> GPU from staging; empties the staging buffer (module docstring)."""
+    """``echo::recall`` (same output and pool semantics) whose misses staged in the current
+    epoch are copied GPU -> GPU from staging (prefetch_ref's module docstring)."""
     args = (
         host_kv,
         gpu_kv,

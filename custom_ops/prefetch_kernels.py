@@ -4,10 +4,13 @@ custom_ops/prefetch_ref.py).
 - ``indexer_topk_prefetch_cuda``: a fused scores + staging kernel (the variants of
   prefetch_scores.py), the unchanged exact top-k, the in-graph EMA update (``_ema_kernel``: one
   launch where the torch expression of ``update_ema`` took about ten small ones; it also
-  writes the next step's thresholds, level + margin x dev).
+  writes the next step's thresholds, level + margin x dev, and ends the step's staging: the
+  claim counters back to 0, the epoch word advanced to the epoch the staged rows are tagged with,
+  one more step counted).
 - ``recall_staged_cuda``: ``echo::recall``'s launches with staging as the copy's second source
-  (a staged miss is read GPU -> GPU), then ``_clear_kernel`` (statistics, empty the staging
-  buffer, reset the claim counters).
+  (a miss staged in the current epoch is read GPU -> GPU and counted as promoted). Nothing runs
+  after it: the next staging call's tags carry the next epoch, so this step's entries need no
+  clearing.
 Static grids, live counts read on the device, no host syncs: CUDA-graph safe.
 """
 
@@ -18,22 +21,11 @@ import triton
 import triton.language as tl
 
 from custom_ops import indexer_kernels as ik
-from custom_ops.prefetch_layout import (
-    EMA_ALPHA,
-    EMA_DEV,
-    EMA_LEVEL,
-    EMA_THR,
-    PF_PROMOTED,
-    PF_STAGED,
-    PF_STEPS,
-)
+from custom_ops.prefetch_layout import EMA_ALPHA, EMA_DEV, EMA_LEVEL, EMA_THR, PF_STEPS
 from custom_ops.prefetch_scores import scores_variant
 
-LIST_BLOCK = 1024
 # staged rows per score block at most ("tile"); "post" gives a program rows x TPP / BT in all
 PF_ROWS = 8
-_S_PROMOTED = tl.constexpr(PF_PROMOTED)
-_S_STAGED = tl.constexpr(PF_STAGED)
 _S_STEPS = tl.constexpr(PF_STEPS)
 _A_NEW = tl.constexpr(EMA_ALPHA)  # update_ema's two weights, as the Python floats it uses
 _A_OLD = tl.constexpr(1.0 - EMA_ALPHA)
@@ -97,12 +89,20 @@ def indexer_topk_prefetch_cuda(
         rows_per_block,
     )
     host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
-    ema_update_cuda(ema, kth, seq_lens, block_table, margin)
+    ema_update_cuda(ema, kth, seq_lens, block_table, margin, stage_ctr, pf_stats)
     return host, kth
 
 
 @triton.jit
-def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, n_ema, margin, BP: tl.constexpr):
+def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, n_ema, margin, ctr_ptr, n_ctr,
+                pfs_ptr, BP: tl.constexpr, END_STAGING: tl.constexpr,
+                CTR_BLOCK: tl.constexpr = 128):  # fmt: skip
+    if END_STAGING:  # prefetch_ref.end_staging: after the scoring, which claimed and tagged
+        for start in range(0, n_ctr - 1, CTR_BLOCK):
+            c = start + tl.arange(0, CTR_BLOCK)
+            tl.store(ctr_ptr + c, tl.zeros([CTR_BLOCK], tl.int32), mask=c < n_ctr - 1)
+        tl.store(ctr_ptr + n_ctr - 1, tl.load(ctr_ptr + n_ctr - 1) + 1)
+        tl.atomic_add(pfs_ptr + _S_STEPS, 1, sem="relaxed")
     r = tl.arange(0, BP)
     live = r < B
     live &= tl.load(sl_ptr + r, mask=live, other=0) > 0
@@ -122,50 +122,21 @@ def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, n_ema, margin, B
     tl.store(ema_ptr + _DEV * n_ema + key, new_dev, mask=live)
 
 
-def ema_update_cuda(ema, kth, seq_lens, block_table, margin: float) -> None:
+def ema_update_cuda(ema, kth, seq_lens, block_table, margin: float, stage_ctr=None,
+                    pf_stats=None) -> None:  # fmt: skip
     """``prefetch_layout.update_ema`` in one launch, bit for bit (no FMA contraction: every
     product is rounded as torch rounds it). Of live rows that share a first page (an n > 1
     group) only the first writes it, as in the reference, so no two lanes store to one entry;
-    padded rows leave the dump column as it was, as the reference does."""
+    padded rows leave the dump column as it was, as the reference does. With ``stage_ctr`` and
+    ``pf_stats`` the same launch ends the step's staging (``prefetch_ref.end_staging``): it runs
+    after the scoring kernel, so no claim or tag of this step can follow it."""
     B = seq_lens.shape[0]
+    end = stage_ctr is not None
     _ema_kernel[(1,)](
         ema, kth, seq_lens, block_table, block_table.stride(0), B, ema.shape[1], float(margin),
-        BP=max(2, triton.next_power_of_2(B)), num_warps=1, enable_fp_fusion=False,
-    )  # fmt: skip
-
-
-@triton.jit
-def _clear_kernel(stage_host, hstage, h2g, stage_ctr, pf_stats, n_stage, n_ctr,
-                  BLOCK: tl.constexpr):  # fmt: skip
-    """After the recall: count the staged rows and the promoted ones (staged rows now on the
-    GPU), empty the staging buffer; program 0 also resets the claim counters and counts the
-    step. A host slot staged twice (two requests sharing a page) is counted once: only one
-    exchange on host_stage sees its entry."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    h = tl.load(stage_host + offs, mask=offs < n_stage, other=-1)
-    live = h >= 0
-    old = tl.atomic_xchg(hstage + h, tl.full([BLOCK], -1, tl.int32), mask=live, sem="relaxed")
-    first = live & (old >= 0)
-    g = tl.load(h2g + h, mask=first, other=-1)
-    tl.store(stage_host + offs, tl.full([BLOCK], -1, tl.int32), mask=live)
-    staged = tl.sum(live.to(tl.int64), 0)
-    promoted = tl.sum((first & (g >= 0)).to(tl.int64), 0)
-    tl.atomic_add(pf_stats + _S_STAGED, staged, mask=staged > 0, sem="relaxed")
-    tl.atomic_add(pf_stats + _S_PROMOTED, promoted, mask=promoted > 0, sem="relaxed")
-    if pid == 0:
-        for start in range(0, n_ctr, BLOCK):
-            c = start + tl.arange(0, BLOCK)
-            tl.store(stage_ctr + c, tl.zeros([BLOCK], tl.int32), mask=c < n_ctr)
-        tl.atomic_add(pf_stats + _S_STEPS, staged * 0 + 1, sem="relaxed")
-
-
-def clear(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats) -> None:
-    """The launch that empties the staging buffer after the recall (``_clear_kernel``)."""
-    n_stage = stage_host.shape[0]
-    _clear_kernel[(max(1, triton.cdiv(n_stage, LIST_BLOCK)),)](
-        stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats, n_stage, stage_ctr.shape[0],
-        BLOCK=LIST_BLOCK, num_warps=4,
+        stage_ctr if end else seq_lens, stage_ctr.shape[0] if end else 0,
+        pf_stats if end else ema, BP=max(2, triton.next_power_of_2(B)), END_STAGING=end,
+        num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -188,11 +159,11 @@ def recall_staged_cuda(
     stage_ctr,
     pf_stats,
 ):
-    """echo::recall (one launch, or four with cache_kernels.FUSED off), the copy reading staged
-    misses from staging, then ``clear``."""
+    """echo::recall (one launch, or four with cache_kernels.FUSED off), the copy reading the
+    misses staged in the current epoch from staging and counting them (PF_PROMOTED)."""
     from custom_ops import cache_kernels
 
-    out = cache_kernels.recall_cuda(
+    return cache_kernels.recall_cuda(
         host_kv,
         gpu_kv,
         gpu_free,
@@ -207,6 +178,7 @@ def recall_staged_cuda(
         host_slots,
         stage_kv=stage_kv,
         host_stage=host_stage,
+        stage_host=stage_host,
+        stage_ctr=stage_ctr,
+        pf_stats=pf_stats,
     )
-    clear(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats)
-    return out

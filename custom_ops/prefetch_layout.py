@@ -10,14 +10,47 @@ import torch
 PF_CANDIDATES = 0  # score > threshold and not on the GPU (before the cap)
 PF_STAGED = 1  # rows copied host -> staging
 PF_PROMOTED = 2  # staged rows the exact top-k selected, moved staging -> pool
-PF_STEPS = 3  # recall_staged calls
+PF_STEPS = 3  # indexer_topk_prefetch calls (staging epochs; one recall_staged follows each)
 PF_LEN = 4
+# ---- staging tags -------------------------------------------------------------------------------
+# ``stage_host [S]`` int64 holds ``epoch << EPOCH_SHIFT | h`` for a slot staged in step ``epoch``
+# (-1: never staged); the staging epoch is the last word of ``stage_ctr`` (int32, from 0). A
+# staging call writes its tags with the epoch word + 1 and then stores that; the recall treats a
+# miss h as staged only when ``s = host_stage[h]`` is a slot in [0, S) whose tag is the current
+# epoch's for h. Earlier steps' entries are never cleared: their tags no longer match.
+EPOCH_SHIFT = 32
+HOST_MASK = (1 << EPOCH_SHIFT) - 1
 EMA_ALPHA = 0.5  # weight of the newest k-th score (ECHO)
 # The threshold state ``ema [EMA_ROWS, N_H / 64 + 1]`` fp32, one column per request (ema_keys):
 EMA_THR = 0  # the staging threshold the fused indexer reads: level + margin * dev
 EMA_LEVEL = 1  # EMA of the exact k-th score (ECHO's threshold)
 EMA_DEV = 2  # EMA of |k-th score - level|: how far the k-th score strays from its EMA
 EMA_ROWS = 3
+
+
+def stage_tag(epoch: torch.Tensor | int, h: torch.Tensor) -> torch.Tensor:
+    """int64 tags ``epoch << 32 | h`` of host slots ``h`` staged in step ``epoch``."""
+    if isinstance(epoch, torch.Tensor):
+        epoch = epoch.long()
+    return (epoch << EPOCH_SHIFT) | h.long()
+
+
+def live_staged(stage_host: torch.Tensor, stage_ctr: torch.Tensor) -> torch.Tensor:
+    """[S] bool: the staging slots whose tag is the current epoch's (``stage_ctr[-1]``), i.e.
+    staged by the last staging call; their host slots are ``stage_host & HOST_MASK``."""
+    return (stage_host != -1) & ((stage_host >> EPOCH_SHIFT) == stage_ctr[-1].long())
+
+
+def staged_source(h: torch.Tensor, host_stage: torch.Tensor, stage_host: torch.Tensor,
+                  epoch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The recall's rule for host slots ``h`` (int64, in range): (staged [n] bool, slot [n]
+    int64). h is staged iff ``s = host_stage[h]`` is in [0, S) and ``stage_host[s]`` is h's tag
+    of the current ``epoch``: a stale entry (its slot since restaged for another row, or its
+    host row rewritten since it was staged) fails the tag, so its bytes come from the host."""
+    s = host_stage[h].long()
+    ok = (s >= 0) & (s < stage_host.shape[0])
+    tag = stage_host[s.clamp(0, stage_host.shape[0] - 1)]
+    return ok & (tag == stage_tag(epoch, h)), s
 
 
 def ema_keys(block_table: torch.Tensor, seq_lens: torch.Tensor, n_ema: int) -> torch.Tensor:

@@ -14,21 +14,27 @@ on the GPU (``host_to_gpu[h] == -1``). Two caps, chosen by ``ratio``:
   (the paper: a counter proportional to the context, as the scoring time is).
 Which candidates win when a cap binds is scan order in the reference (request-major, then
 position) and atomics order in the kernel: either way only performance depends on it. A staged row
-is recorded in ``stage_host[slot] = h`` and ``host_stage[h] = slot``. Then the exact top-k, then
+is recorded in ``stage_host[slot] = (E + 1) << 32 | h`` (a tag: E is the staging epoch, the last
+word of ``stage_ctr``; prefetch_layout) and ``host_stage[h] = slot``. Then the exact top-k, then
 the threshold update for live requests (in-graph, ``prefetch_layout.update_ema``): the level is
 ECHO's EMA (alpha 0.5) of the exact k-th score, the deviation an EMA of how far the k-th score
 moved, and the next threshold is ``level + margin * dev`` (margin 0: ECHO's). The state lives
 in ``ema [EMA_ROWS, N_H / 64 + 1]``, a column per request keyed by its first host page
-(``ema_keys``).
+(``ema_keys``). Last, the step's staging ends (``end_staging``): the claim counters back to 0
+and the epoch word to E + 1, so exactly this call's tags are live.
 
 ``recall_staged`` is ``echo::recall`` with staging as a second source: the same lookup, eviction
 and placement (staged rows still count as misses, so the pool evicts exactly what a recall
 without prefetch would: prefetch never changes the pool's policy), and the attended set is the
 exact top-k whatever was staged; only the bytes of a staged miss come from staging (GPU -> GPU)
-instead of over PCIe. Then the staging buffer is emptied (``clear_staging``).
+instead of over PCIe. A miss h is staged iff ``host_stage[h]`` is a slot whose tag is h's in the
+current epoch (``prefetch_layout.staged_source``). Nothing is emptied after it: the next staging
+call's tags carry the next epoch, so every entry left from this step (a slot restaged for another
+row, a host row rewritten since) fails the tag and is read from the host.
 
 Statistics (``pf_stats`` int64, cumulative, read between steps): candidates, rows staged, staged
-rows promoted into the pool (staged and selected and missed), steps.
+rows promoted into the pool (placed misses copied from staging, each host slot once), steps
+(staging calls).
 """
 
 from __future__ import annotations
@@ -41,10 +47,10 @@ from custom_ops.kv_format import PAGE, index_cache_gather
 from custom_ops.prefetch_layout import (
     EMA_THR,
     PF_CANDIDATES,
-    PF_PROMOTED,
     PF_STAGED,
     PF_STEPS,
     ema_keys,
+    stage_tag,
     update_ema,
 )
 
@@ -77,12 +83,14 @@ def stage_ref(
     stage_kv,
     stage_host,
     host_stage,
+    stage_ctr,
     ema,
     pf_stats,
     cap: int,
     ratio: float,
 ) -> None:
-    """The prefetch decision and copies of indexer_topk_prefetch (scan order when a cap binds)."""
+    """The prefetch decision and copies of indexer_topk_prefetch (scan order when a cap binds),
+    tagged with the next epoch (the epoch word stage_ctr[-1] + 1)."""
     B, L = score.shape
     S = stage_kv.shape[0]
     thr = ema[EMA_THR, ema_keys(slots[:, :1] // PAGE, seq_lens, ema.shape[1])][:, None]
@@ -99,8 +107,17 @@ def stage_ref(
         hs = slots[keep]
         st = (torch.arange(B, device=score.device)[:, None] * cap + rank)[keep]
     stage_kv[st] = host_kv[hs].to(stage_kv.device)
-    stage_host[st] = hs.to(torch.int32)
+    stage_host[st] = stage_tag(stage_ctr[-1] + 1, hs)
     host_stage[hs] = st.to(torch.int32)
+    pf_stats[PF_STAGED] += hs.numel()
+
+
+def end_staging(stage_ctr, pf_stats) -> None:
+    """The end of a staging call (after the top-k): the claim counters back to 0, the epoch word
+    to the epoch this call tagged its rows with, one more step."""
+    stage_ctr[:-1] = 0
+    stage_ctr[-1] += 1
+    pf_stats[PF_STEPS] += 1
 
 
 def indexer_topk_prefetch_ref(
@@ -132,6 +149,7 @@ def indexer_topk_prefetch_ref(
         stage_kv,
         stage_host,
         host_stage,
+        stage_ctr,
         ema,
         pf_stats,
         cap,
@@ -139,21 +157,8 @@ def indexer_topk_prefetch_ref(
     )
     host, kth = indexer_topk_ref(q_fp8, weights, index_cache, block_table, seq_lens, topk)
     update_ema(ema, kth, seq_lens, block_table, margin)
+    end_staging(stage_ctr, pf_stats)
     return host, kth
-
-
-def clear_staging(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats) -> None:
-    """After the recall: count the staged rows and the promoted ones (staged rows now on the GPU:
-    a staged row was not on the GPU when staged, so it is there now only because the recall
-    selected and placed it, from staging), then empty the staging buffer."""
-    live = stage_host >= 0
-    h = stage_host[live].long()
-    pf_stats[PF_STAGED] += int(live.sum())
-    pf_stats[PF_PROMOTED] += int((host_to_gpu[torch.unique(h)] >= 0).sum())
-    pf_stats[PF_STEPS] += 1
-    host_stage[h] = -1
-    stage_host.fill_(-1)
-    stage_ctr.zero_()
 
 
 def recall_staged_ref(
@@ -175,7 +180,7 @@ def recall_staged_ref(
     stage_ctr,
     pf_stats,
 ):
-    out = recall_ref(
+    return recall_ref(
         host_kv,
         gpu_kv,
         gpu_free,
@@ -189,6 +194,7 @@ def recall_staged_ref(
         host_slots,
         stage_kv,
         host_stage,
+        stage_host,
+        stage_ctr,
+        pf_stats,
     )
-    clear_staging(stage_host, host_stage, host_to_gpu, stage_ctr, pf_stats)
-    return out

@@ -18,6 +18,10 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   overlap the scoring of the other programs on the SM. A program stages at most
   rows_per_block x TPP / BT rows, as in ``"tile"``.
 
+Both record a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
+read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and count the
+rows they keep in pf_stats[PF_STAGED].
+
 Both give the same scores (bit for bit: the same scoring code) and the same candidate set; which
 candidates are staged may differ (atomics order when a cap binds; and "post" budgets per program,
 so a block with more than rows_per_block candidates can stage more), which only changes
@@ -32,20 +36,23 @@ import triton.language as tl
 
 from custom_ops.indexer_kernels import IndexerConfig
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
+from custom_ops.prefetch_layout import EPOCH_SHIFT, PF_STAGED
 
 _PAGE = tl.constexpr(PAGE)  # the constants of indexer_kernels' scoring loop
 _DIM = tl.constexpr(INDEX_DIM)
 _PAGE_BYTES = tl.constexpr(INDEX_PAGE_BYTES)
 _SCALE_OFF = tl.constexpr(PAGE * INDEX_DIM // 4)
 _PAGE_F32 = tl.constexpr(INDEX_PAGE_BYTES // 4)
+_S_STAGED = tl.constexpr(PF_STAGED)
+_SHIFT = tl.constexpr(EPOCH_SHIFT)
 DEFAULT_VARIANT = "post"
 
 
 @triton.jit
 def _scores_prefetch_post_kernel(
     q_ptr, w_ptr, kv_ptr, ks_ptr, bt_ptr, sl_ptr, score_ptr, ema_ptr, h2g_ptr, hstage_ptr,
-    shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap, n_stage, ratio,
-    HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
+    shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap,
+    n_stage, ratio, HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
     ROW_WP: tl.constexpr,
 ):  # fmt: skip
@@ -89,15 +96,16 @@ def _scores_prefetch_post_kernel(
     # ---- staging, only where some live score beats the threshold
     if tl.max((over_bits != 0).to(tl.int32), 0) > 0:
         _stage_program(b, start, seq_len, over_bits, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
-                       hstage_ptr, shost_ptr, ctr_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap,
-                       n_stage, ratio, TPP, BT, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
+                       hstage_ptr, shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B,
+                       cap, n_stage, ratio, TPP, BT, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
                        ROW_WP)  # fmt: skip
 
 
 @triton.jit
 def _stage_program(
     b, start, seq_len, over_bits, bt_row, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr, ctr_ptr,
-    pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr, BT: tl.constexpr,
+    epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
+    BT: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr,
     ROW_W: tl.constexpr, ROW_WP: tl.constexpr,
 ):  # fmt: skip
@@ -136,9 +144,12 @@ def _stage_program(
         lr = tl.cumsum(ci, 0) - 1  # rank among this program's candidates
         keep = cand & (lr < n_keep)
         slot = slot0 + base + lr
-        tl.store(shost_ptr + slot, h, mask=keep)
+        # the tag: the next epoch (this call's; the epoch word is advanced after the top-k)
+        tag = ((tl.load(epoch_ptr) + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
+        tl.store(shost_ptr + slot, tag, mask=keep)
         tl.store(hstage_ptr + h, slot, mask=keep)
-        # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep]
+        # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep] (tags:
+        # the host slot is the low 32 bits)
         tl.debug_barrier()
         rr = tl.arange(0, ROWS)
         cols = tl.arange(0, ROW_WP)
@@ -147,12 +158,13 @@ def _stage_program(
         for j in range(0, n_keep, ROWS):
             r = j + rr
             rm = r < n_keep
-            hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int64)
+            hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int32).to(tl.int64)
             sj = (first + r).to(tl.int64)
             m2 = rm[:, None] & cmask[None, :]
             v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
             tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
         tl.atomic_add(pfs_ptr, nc.to(tl.int64), sem="relaxed")
+        tl.atomic_add(pfs_ptr + _S_STAGED, n_keep.to(tl.int64), mask=n_keep > 0, sem="relaxed")
 
 
 def index_scores_prefetch_post(*args, **kwargs) -> torch.Tensor:
@@ -173,9 +185,10 @@ def _scores_prefetch_kernel(
     ema_ptr,  # [N_H / 64 + 1] fp32: thresholds (ema[EMA_THR]), keyed by first host page
     h2g_ptr,  # [N_H] int32: the layer's host -> GPU map (read)
     hstage_ptr,  # [N_H] int32 out: staging slot of each staged host slot
-    shost_ptr,  # [S] int32 out: host slot of each staging slot
-    ctr_ptr,  # [>= B + 1] int32 zeros: claims per request, then the global claim counter
-    pfs_ptr,  # [4] int64: prefetch statistics (candidates at 0)
+    shost_ptr,  # [S] int64 out: tag (epoch << 32 | host slot) of each staging slot
+    ctr_ptr,  # [>= B + 2] int32 zeros: claims per request, then the global claim counter
+    epoch_ptr,  # [1] int32: the staging epoch E (stage_ctr's last word); tags carry E + 1
+    pfs_ptr,  # [4] int64: prefetch statistics (candidates, staged)
     src_ptr,  # host_kv as int32 words [N_H, ROW_W] (UVA on CUDA)
     dst_ptr,  # stage_kv as int32 words [S, ROW_W]
     n_heads,
@@ -227,6 +240,7 @@ def _scores_prefetch_kernel(
     n_live = tl.minimum(tl.maximum(seq_len - start, 0), TPP)
     n_iter = tl.cdiv(n_live, BT)
     n_cand = 0
+    n_staged = 0
     for i in tl.range(0, n_iter, num_stages=STAGES):
         t = start + i * BT + tt
         live = t < seq_len
@@ -260,7 +274,9 @@ def _scores_prefetch_kernel(
                 n_keep = tl.minimum(tl.maximum(limit - base, 0), claim)
                 keep = cand & (lr < n_keep)
                 slot = slot0 + base + lr
-                tl.store(shost_ptr + slot, h, mask=keep)
+                n_staged += n_keep
+                tag = ((tl.load(epoch_ptr) + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
+                tl.store(shost_ptr + slot, tag, mask=keep)
                 tl.store(hstage_ptr + h, slot, mask=keep)
                 # the kept candidates' rows, compacted by rank: copy row j = candidate lr == j
                 pick = keep[:, None] & (lr[:, None] == rr[None, :])  # [BT, ROWS]
@@ -273,6 +289,7 @@ def _scores_prefetch_kernel(
         t = start + i * BT + tt
         tl.store(score_ptr + b * L + t, tl.full([BT], float("-inf"), tl.float32), mask=t < L)
     tl.atomic_add(pfs_ptr, n_cand.to(tl.int64), mask=n_cand > 0, sem="relaxed")
+    tl.atomic_add(pfs_ptr + _S_STAGED, n_staged.to(tl.int64), mask=n_staged > 0, sem="relaxed")
 
 
 def index_scores_prefetch(*args, **kwargs) -> torch.Tensor:
@@ -292,9 +309,9 @@ def launch_scores_prefetch(
     host_words: torch.Tensor,  # host_kv as int32 [N_H, row / 4]
     host_to_gpu: torch.Tensor,  # [N_H] int32
     stage_words: torch.Tensor,  # stage_kv as int32 [S, row / 4]
-    stage_host: torch.Tensor,  # [S] int32
+    stage_host: torch.Tensor,  # [S] int64 tags
     host_stage: torch.Tensor,  # [N_H] int32
-    stage_ctr: torch.Tensor,  # [>= B + 1] int32 zeros
+    stage_ctr: torch.Tensor,  # [>= B + 2] int32: zero claim counters, the epoch last
     ema: torch.Tensor,  # [N_H / 64 + 1] fp32: the thresholds, ema[EMA_THR] (prefetch_layout)
     pf_stats: torch.Tensor,  # [4] int64
     cap: int,
@@ -320,8 +337,8 @@ def launch_scores_prefetch(
     kernel[grid](
         q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
         block_table, seq_lens, scores, ema, host_to_gpu, host_stage, stage_host, stage_ctr,
-        pf_stats, host_words, stage_words, n_heads, block_table.stride(0), L, B, cap,
-        stage_words.shape[0], float(ratio), HP=max(16, triton.next_power_of_2(n_heads)),
+        stage_ctr[-1:], pf_stats, host_words, stage_words, n_heads, block_table.stride(0), L, B,
+        cap, stage_words.shape[0], float(ratio), HP=max(16, triton.next_power_of_2(n_heads)),
         BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
         BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
         ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps,

@@ -73,7 +73,8 @@ for pdl in (False, True):
     compile_(PS._evict_hist_kernel, HK, dict(BLOCK=K.SCAN_BLOCK, PDL=pdl), f"hist[pdl={pdl}]")
 CP = [("host_kv", I32), ("gpu_kv", I32), ("miss_host", I32), ("h2g", I32), ("host_slots", I32),
       ("out", I32), ("meta", I32), ("stats", I64), ("stage_kv", I32), ("hstage", I32),
-      ("total", "i32"), ("n_copy", "i32"), ("cap", "i32")]
+      ("shost", I64), ("epoch_ptr", I32), ("pfs", I64), ("total", "i32"), ("n_copy", "i32"),
+      ("cap", "i32"), ("n_stage", "i32")]
 for upr in (41, 72):  # fp8 and bf16 rows
     for early, cache, own, units in ((True, "", True, K.COPY_UNITS), (False, ".cg", False, 1024)):
         ptx = compile_(LS._copy_out_kernel, CP, dict(UPR=upr, UNITS=units, BLOCK=K.LIST_BLOCK,
@@ -98,8 +99,9 @@ compile_(FS._free_kernel, FK, dict(LIST_BLOCK=K.FREE_LIST_BLOCK, SCAN_BLOCK=K.FU
 RK = [("host_kv", I32), ("gpu_kv", I32), ("host_slots", I32), ("h2g", I32), ("prio", I32),
       ("ring", I32), ("g2h", I32), ("indices", I32), ("miss_host", I32), ("meta", I32),
       ("hist", I32), ("stats", I64), ("out", I32), ("stage_kv", I32), ("hstage", I32),
-      ("total", "i32"), ("n_g", "i32"), ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"),
-      ("n_scan", "i32"), ("n_copy", "i32"), ("n_out", "i32")]
+      ("shost", I64), ("epoch_ptr", I32), ("pfs", I64), ("total", "i32"), ("n_g", "i32"),
+      ("cap", "i32"), ("reserve", "i32"), ("n_look", "i32"), ("n_scan", "i32"), ("n_copy", "i32"),
+      ("n_out", "i32"), ("n_stage", "i32")]
 # (claimed: cache_kernels.LOOKUP_COPY_ROWS, the lookup programs copy rows they placed, with
 # 16-byte loads of their own beside the copy programs')
 v4 = {}

@@ -30,9 +30,9 @@ def _staging(B, n_h, row, cap, device):
     i32 = dict(dtype=torch.int32, device=device)
     return dict(
         stage_kv=torch.zeros(B * cap, row, dtype=torch.uint8, device=device),
-        stage_host=torch.full((B * cap,), -1, **i32),
+        stage_host=torch.full((B * cap,), -1, dtype=torch.int64, device=device),
         host_stage=torch.full((n_h,), -1, **i32),
-        stage_ctr=torch.zeros(B + 1, **i32),
+        stage_ctr=torch.zeros(B + 2, **i32),
         ema=torch.zeros(pl.EMA_ROWS, n_h // 64 + 1, dtype=torch.float32, device=device),
         pf_stats=torch.zeros(pl.PF_LEN, dtype=torch.int64, device=device),
     )
@@ -62,8 +62,15 @@ def _candidates(score, slots, h2g, thr):
             for b in range(score.shape[0])]  # fmt: skip
 
 
+def _live(stage_host, stage_ctr):
+    """(staging slots live in the current epoch, their host slots) [n] int64 each."""
+    live = pl.live_staged(stage_host, stage_ctr).nonzero().flatten()
+    return live, stage_host[live] & pl.HOST_MASK
+
+
 def _staged(st, B, cap, ratio):
-    sh = st["stage_host"]
+    live = pl.live_staged(st["stage_host"], st["stage_ctr"])
+    sh = torch.where(live, st["stage_host"] & pl.HOST_MASK, -1)
     if ratio > 0:
         return set(sh[sh >= 0].tolist())
     return [set(x[x >= 0].tolist()) for x in sh.view(B, cap)]
@@ -126,12 +133,15 @@ def test_prefetch_indexer(impl, thr, ratio, device):
             assert got[b] <= want[b] and len(got[b]) == min(cap, len(want[b]))
     if thr == "low":
         assert n_cand > B * cap  # the cap was hit
-    # staged rows are copies of their host rows; host_stage is the inverse map
-    sh = st["stage_host"].long()
-    live = (sh >= 0).nonzero().flatten()
-    assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
-    assert torch.equal(st["host_stage"][sh[live]].long(), live)
+    # staged rows are copies of their host rows; host_stage is the inverse map; every staged row
+    # carries the first epoch's tag, and the staged count is the rows kept
+    assert int(st["stage_ctr"][-1]) == 1 and not st["stage_ctr"][:-1].any()
+    live, h = _live(st["stage_host"], st["stage_ctr"])
+    assert torch.equal(st["stage_host"] >= 0, pl.live_staged(st["stage_host"], st["stage_ctr"]))
+    assert torch.equal(st["stage_kv"][live], host_kv[h])
+    assert torch.equal(st["host_stage"][h].long(), live)
     assert int((st["host_stage"] >= 0).sum()) == live.numel()
+    assert st["pf_stats"][pl.PF_STAGED] == live.numel() and st["pf_stats"][pl.PF_STEPS] == 1
     # the level moved halfway to the k-th score and (margin 0) is the next threshold, for live
     # requests only
     live = inp["seq_lens"] > 0
@@ -166,10 +176,9 @@ def test_post_variant_bounds_and_chunks(device):
         per = torch.bincount(prog[is_cand], minlength=int(prog.max()) + 1)
         assert len(got[b]) == min(cap, int(per.clamp(max=per_prog).sum()))
     assert len(got[0]) > rows  # request 0 copied in several chunks
-    sh = st["stage_host"].long()
-    live = (sh >= 0).nonzero().flatten()
-    assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
-    assert torch.equal(st["host_stage"][sh[live]].long(), live)
+    live, h = _live(st["stage_host"], st["stage_ctr"])
+    assert torch.equal(st["stage_kv"][live], host_kv[h])
+    assert torch.equal(st["host_stage"][h].long(), live)
     assert int(st["pf_stats"][pl.PF_CANDIDATES]) == sum(len(w) for w in want)
 
 
@@ -188,9 +197,8 @@ def test_post_variant_at_32_score_blocks_a_program(device):
     want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
     assert len(want[0]) > 512  # request 0's candidates span two programs
     assert _staged(st, B, cap, 0.0) == want
-    sh = st["stage_host"].long()
-    live = (sh >= 0).nonzero().flatten()
-    assert torch.equal(st["stage_kv"][live], host_kv[sh[live]])
+    live, h = _live(st["stage_host"], st["stage_ctr"])
+    assert torch.equal(st["stage_kv"][live], host_kv[h])
 
 
 def test_post_variant_refuses_more_than_32_score_blocks_a_program(device):
@@ -315,7 +323,8 @@ def test_prefetch_lossless_cache_cuda(fmt, mode, thr, variant, monkeypatch):
 def check_lossless_cache(fmt, mode, thr, device):
     """Steps of select + fetch over drifting queries, a pool that evicts every step: the attended
     rows are torch.equal to GPU-only's and to prefetch off's; each recall evicts what the
-    misses need (plus the reserve); the pool invariants hold; staging is empty between steps."""
+    misses need (plus the reserve); the pool invariants hold; the recall writes no staging state
+    and no entry is live for the next epoch between steps."""
     caches = {k: _cache(fmt, p, off, device=device) for k, p, off in
               (("gpu", "off", False), ("off", "off", True), ("on", mode, True))}  # fmt: skip
     for c in caches.values():
@@ -343,8 +352,11 @@ def check_lossless_cache(fmt, mode, thr, device):
                 g0 = pool.host_to_gpu[h0]
                 misses = int((g0 < 0).sum())
                 n_miss, n_sel = n_miss + misses, n_sel + g0.numel()
-                n_host += int(((g0 < 0) & (layer.staging.host_stage[h0] < 0)).sum())
+                st = layer.staging
+                staged = pl.staged_source(h0, st.host_stage, st.stage_host, st.stage_ctr[-1])[0]
+                n_host += int(((g0 < 0) & ~staged).sum())
                 free0, ev0 = int(pool.meta[NFREE]), int(pool.totals[EVICTED])
+                maps0 = (st.stage_host.clone(), st.host_stage.clone(), st.stage_ctr.clone())
             pool_kv, slots = layer.fetch(sel)
             rows[k] = (sel, pool_kv[slots.clamp(min=0).long()] * (slots >= 0)[..., None])
             if k == "on":
@@ -353,8 +365,13 @@ def check_lossless_cache(fmt, mode, thr, device):
                 reserve = reserve_slots(pool.gpu_free.numel())
                 assert ev == 0 if needed == 0 else needed <= ev <= needed + reserve
                 check_pool(pool, selected=sel, gpu_slots=slots, host_kv=layer.host_kv)
-                assert not (layer.staging.stage_host >= 0).any()
-                assert not (layer.staging.host_stage >= 0).any()
+                # the recall leaves the staging state as it was, and nothing is live for the
+                # next epoch: the next step's staging starts from no live entry
+                for a, b in zip(maps0, (st.stage_host, st.host_stage, st.stage_ctr)):
+                    assert torch.equal(a, b)
+                nxt = st.stage_ctr.clone()
+                nxt[-1] += 1
+                assert not pl.live_staged(st.stage_host, nxt).any()
         for k in ("off", "on"):
             assert torch.equal(rows[k][0], rows["gpu"][0]) and torch.equal(
                 rows[k][1], rows["gpu"][1]
@@ -432,11 +449,12 @@ def test_recall_staged_triton_matches_reference(staged_mode):
             slots = fn(*_recall_staged_args(layer, sel))
             check_pool(p, selected=sel, gpu_slots=slots, host_kv=layer.host_kv)
             res.append((sel, p.gpu_kv[slots.clamp(min=0).long()], s.totals.clone(),
-                        p.totals.clone()))  # fmt: skip
+                        p.totals.clone(), s.stage_host.clone(), s.host_stage.clone(),
+                        s.stage_ctr.clone()))  # fmt: skip
         outs.append(res)
-    for (s1, r1, t1, p1), (s2, r2, t2, p2) in zip(*outs):
-        assert torch.equal(s1, s2) and torch.equal(r1, r2)
-        assert torch.equal(t1, t2) and torch.equal(p1, p2)
+    for a, b in zip(*outs):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
 
 
 def test_staged_misses_are_read_from_staging_reference():
@@ -450,13 +468,14 @@ def test_staged_misses_are_read_from_staging_triton(staged_mode):
 def _staged_misses_are_read_from_staging(impl: str):
     """A staged miss's row comes from staging, the other misses' from the host: staging is
     planted with rows unlike the host's (which the engine never does) so the source shows; the
-    staging buffer is empty afterwards and the statistics count what was staged and promoted."""
+    recall writes no staging state and the statistics count what was staged and promoted."""
     layer, sel = _selected_layer(16, [300, 200, 370])
     s, p = layer.staging, layer.pool
-    staged_h = s.stage_host[s.stage_host >= 0].long()
+    live, staged_h = _live(s.stage_host, s.stage_ctr)
     assert staged_h.numel() > 0
-    s.stage_kv.copy_(~layer.host_kv[s.stage_host.clamp(min=0).long()])  # unlike the host rows
+    s.stage_kv[live] = ~layer.host_kv[staged_h]  # unlike the host rows
     planted = {int(h): s.stage_kv[int(s.host_stage[h])].clone() for h in staged_h}
+    state0 = (s.stage_host.clone(), s.host_stage.clone(), s.stage_ctr.clone())
     h_sel = torch.unique(sel[sel >= 0].long())
     missed = h_sel[p.host_to_gpu[h_sel] < 0]
     fn = pr.recall_staged_ref if impl == "ref" else pk.recall_staged_cuda
@@ -468,7 +487,9 @@ def _staged_misses_are_read_from_staging(impl: str):
         from_stage += h in planted
         assert torch.equal(row, want), f"host slot {h}: wrong source"
     assert from_stage > 0 and from_stage < missed.numel()  # both sources were exercised
-    assert (s.stage_host == -1).all() and (s.host_stage == -1).all() and not s.stage_ctr.any()
+    for a, b in zip(state0, (s.stage_host, s.host_stage, s.stage_ctr)):
+        assert torch.equal(a, b)
+    assert int(s.stage_ctr[-1]) == 1 and not s.stage_ctr[:-1].any()  # one staging call
     promoted = sum(h in planted for h in missed.tolist())
     assert s.totals[pl.PF_STAGED] == staged_h.numel() and s.totals[pl.PF_PROMOTED] == promoted
     assert s.totals[pl.PF_STEPS] == 1
@@ -503,8 +524,7 @@ def test_bench_staged_recall_dry_run(tmp_path):
     res = json.loads(out.read_text())
     assert set(res["results"]) == {"h0.9", "h0.9_steady"}
     for r in res["results"].values():
-        names = {"plain", "staged", "staged_no_clear", "clear_alone", "plain_self0",
-                 "staged_self32"}  # fmt: skip
+        names = {"plain", "staged", "plain_self0", "staged_self32"}
         assert r["misses"] > 0 and set(r["median_us"]) == names
 
 

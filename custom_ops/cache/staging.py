@@ -34,9 +34,11 @@ def staging_buffers(cfg: CacheConfig) -> dict[str, tuple[tuple[int, ...], torch.
     n_ema = cfg.host_tokens // PAGE + 1
     return {
         "stage_kv": ((n_stage, cfg.row_bytes), torch.uint8, 0),
-        "stage_host": ((n_stage,), torch.int32, -1),
+        # tags epoch << 32 | host slot (prefetch_layout), -1 never staged
+        "stage_host": ((n_stage,), torch.int64, -1),
         "host_stage": ((cfg.host_tokens,), torch.int32, -1),
-        "stage_ctr": ((cfg.max_batch + 1,), torch.int32, 0),
+        # claim counters per request, the global one, then the staging epoch (the last word)
+        "stage_ctr": ((cfg.max_batch + 2,), torch.int32, 0),
         "ema": ((EMA_ROWS, n_ema), torch.float32, 0),
         "totals": ((PF_LEN,), torch.int64, 0),
     }
@@ -129,8 +131,9 @@ class Staging(nn.Module):
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Empty the staging state; the running ``totals`` stay, as the pool's do (``GpuPool.
-        reset``): the prefetch shares are of every step since start."""
+        """Empty the staging state (the tags too: the epoch starts again at 0); the running
+        ``totals`` stay, as the pool's do (``GpuPool.reset``): the prefetch shares are of every
+        step since start."""
         self.stage_host.fill_(-1)
         self.host_stage.fill_(-1)
         self.stage_ctr.zero_()

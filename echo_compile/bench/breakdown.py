@@ -47,17 +47,16 @@ _REGION = "echo_breakdown:"
 
 
 def cache_kernel_names() -> frozenset[str]:
-    """The cache ops' Triton kernels by name (the staged recall's clear too): inside a CUDA graph
-    no op claims a kernel, so a graph replay's cache management is found by these names (unique
-    among the project's kernels, a test checks)."""
+    """The cache ops' Triton kernels by name (the staged recall runs the recall's): inside a CUDA
+    graph no op claims a kernel, so a graph replay's cache management is found by these names
+    (unique among the project's kernels, a test checks)."""
     from custom_ops import cache_fused_kernels as F
     from custom_ops import cache_list_kernels as L
     from custom_ops import cache_pool_kernels as P
-    from custom_ops import prefetch_kernels as PK
 
     kernels = (F._free_kernel, F._recall_kernel, L._lookup_kernel, L._copy_out_kernel,
                L._release_kernel, L._offload_kernel, P._evict_hist_kernel, P._allocate_kernel,
-               P._evict_place_kernel, PK._clear_kernel)  # fmt: skip
+               P._evict_place_kernel)  # fmt: skip
     return frozenset(k.fn.__name__ for k in kernels)
 
 
