@@ -2,10 +2,10 @@
 copies candidates into, its two maps, the per-request threshold state (EMAs of the exact k-th
 score and of its distance from that EMA, prefetch_layout) and the prefetch statistics. Every
 tensor is a module buffer allocated once, so CUDA graphs replay over it. Memory per layer: S x
-row bytes of staging (S = max_batch x prefetch_cap; 64 x 64 bf16 rows: 4.7 MB), 4 x N_H bytes
-for host_stage (the ``pool_size + slot`` encoding ECHO puts in host_to_gpu would change the
-recall's meaning of that map, so the map is separate) and 12 x N_H / 64 bytes of threshold
-state.
+row bytes of staging (S = max_batch x prefetch_cap; 64 x 64 bf16 rows: 4.7 MB), 8 x S bytes of
+epoch tags (stage_host), 4 x N_H bytes for host_stage (the ``pool_size + slot`` encoding ECHO
+puts in host_to_gpu would change the recall's meaning of that map, so the map is separate) and
+12 x N_H / 64 bytes of threshold state.
 """
 
 from __future__ import annotations
