@@ -110,7 +110,10 @@ _ERROR_TYPES = {
 def anthropic_body(e: APIError) -> dict[str, Any]:
     """``e`` in Anthropic's error shape (its message names the field; there is no ``param``)."""
     kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    error = {"type": kind, "message": e.message}
+    if e.details is not None:
+        error["details"] = e.details
+    return {"type": "error", "error": error}
 
 
 def error_response(e: APIError, path: str) -> JSONResponse:
@@ -122,8 +125,23 @@ def error_response(e: APIError, path: str) -> JSONResponse:
 
 
 def check_messages(req: MessagesRequest) -> None:
-    """400 for a field this server cannot honour, naming it; other unknown fields are ignored."""
-    refuse_unsupported(req.model_extra or {}, UNSUPPORTED_MESSAGES)
+    """400 for a field this server cannot honour, naming it; other unknown fields are ignored.
+
+    ``thread`` (server-held conversation state: ``{"type": "continue", "previous_message_id"}``
+    sends only the new turn) is refused, as the Responses route refuses
+    ``previous_response_id``: this server keeps no messages. Ignored, a continued turn would run
+    on its last messages alone. The error carries Anthropic's ``thread_unsupported_request``
+    code, on which the SDK's tool runner (which asks for a thread by default) sends the turn
+    again with the whole conversation and no ``thread``."""
+    extra = req.model_extra or {}
+    if extra.get("thread") is not None:
+        msg = (
+            "thread is not supported: this server keeps no messages; send the whole "
+            "conversation in messages, without thread"
+        )
+        details = {"error_code": "thread_unsupported_request"}
+        raise APIError(400, msg, param="thread", details=details)
+    refuse_unsupported(extra, UNSUPPORTED_MESSAGES)
 
 
 def check_count(req: CountTokensRequest) -> None:

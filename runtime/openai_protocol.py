@@ -29,6 +29,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str = "invalid_request_error",
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
@@ -38,6 +39,9 @@ class APIError(Exception):
             code,
             type_,
         )
+        # Anthropic's machine-readable ``error.details`` (its SDK acts on ``error_code``); only
+        # the Messages route's shape carries it (messages_protocol.anthropic_body)
+        self.details = details
 
     def body(self) -> dict[str, Any]:
         return {

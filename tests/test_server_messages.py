@@ -923,6 +923,43 @@ def test_the_official_anthropic_client_reads_the_message_and_its_stream(
     assert bad.value.body["error"]["type"] == "invalid_request_error"
 
 
+def test_the_sdk_s_tool_runner_asks_for_a_thread_and_gets_the_whole_conversation(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """The Anthropic SDK's tool runner (``client.beta.messages.tool_runner``) asks for a
+    server-held thread (``thread: {"type": "create"}``), then sends only the new turn, the
+    tool_result, with ``thread: {"type": "continue", ...}``. This server keeps no messages: the
+    thread is refused with Anthropic's ``thread_unsupported_request`` code, on which the SDK
+    sends every turn whole. Ignored, the continued turn was a lone tool_result, a 400."""
+    import anthropic
+    from anthropic import beta_tool
+
+    url, engine = served
+    client = _anthropic(url)
+    hi = [{"role": "user", "content": "Weather in Paris?"}]
+    with pytest.raises(anthropic.BadRequestError, match="thread is not supported") as e:
+        client.beta.messages.create(
+            model=MODEL, max_tokens=8, messages=hi, extra_body={"thread": {"type": "create"}}
+        )
+    assert e.value.body["error"]["details"] == {"error_code": "thread_unsupported_request"}
+
+    @beta_tool
+    def weather(city: str) -> str:
+        """The weather."""
+        say(engine, "Sunny.")  # the model's next reply, once it has the result
+        return f"sunny in {city}"
+
+    say(engine, "\n\n" + CALL)
+    replies = list(client.beta.messages.tool_runner(
+        model=MODEL, max_tokens=200, messages=hi, tools=[weather]
+    ))  # fmt: skip
+    assert [b.type for b in replies[0].content] == ["tool_use"]
+    assert [(b.type, b.text) for b in replies[1].content] == [("text", "Sunny.")]
+    # the last turn rendered the whole conversation: the call and its result too
+    prompt = engine.tokenizer.decode(engine.prompt)
+    assert "Weather in Paris?" in prompt and "sunny in Paris" in prompt
+
+
 def test_an_engine_shut_down_mid_stream_ends_it_with_an_overloaded_error(
     served: tuple[str, PromptedEngine],
 ) -> None:
