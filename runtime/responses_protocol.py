@@ -7,7 +7,8 @@ tools chat's nested ones. The chat route's errors are renamed back to the fields
 Nothing is stored: ``store: true`` (OpenAI's default) is answered unstored (the response says
 ``store: false``, as vLLM answers it without its store), ``previous_response_id`` is refused, as
 are the fields
-``UNSUPPORTED_RESPONSES`` lists, rather than silently ignored.
+``UNSUPPORTED_RESPONSES`` lists, rather than silently ignored (``include`` but what ``INCLUDED``
+names, which a response has anyway).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ UNSUPPORTED_RESPONSES: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (0,),
     "n": (1,),
 }
+# What ``include`` may ask for that a response here has anyway: a stateless client's reasoning to
+# send back (the openai client's Responses tool runner always asks for it). The reasoning item's
+# text is returned as it is, in its ``content``, and read back from an input item, so there is
+# nothing to encrypt.
+INCLUDED = ("reasoning.encrypted_content",)
 # vLLM's sampling extensions, passed to the chat request as they are (its types and rules)
 SAMPLING_EXTRAS = (
     "top_k",
@@ -100,6 +106,9 @@ def check_responses(req: ResponsesRequest) -> None:
             "conversation in input"
         )
         raise APIError(400, msg, param="previous_response_id")
+    include = extra.get("include")
+    if isinstance(include, list):  # (what it asks for beyond INCLUDED is refused)
+        extra = {**extra, "include": [x for x in include if x not in INCLUDED]}
     refuse_unsupported(extra, UNSUPPORTED_RESPONSES)
 
 

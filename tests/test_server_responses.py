@@ -18,6 +18,8 @@ from pydantic import BaseModel, TypeAdapter
 from server_utils import running_server
 from test_chat_thinking import BLOCK, ScriptedEngine, openai_client, say, scripted_server
 from test_server import MODEL
+from test_server_messages import CALL as WEATHER_CALL
+from test_server_messages import PromptedEngine
 
 from runtime.async_engine import AsyncEngine
 from runtime.server import build_app
@@ -225,7 +227,12 @@ def test_max_output_tokens_is_incomplete(served: tuple[str, ScriptedEngine], str
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
         ({"background": True}, "background", "background is not supported"),
-        ({"include": ["reasoning.encrypted_content"]}, "include", "include is not supported"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "include is not supported"),
+        (  # what it asks beyond reasoning.encrypted_content (which a response has anyway)
+            {"include": ["reasoning.encrypted_content", "file_search_call.results"]},
+            "include",
+            "include is not supported",
+        ),
         ({"tools": [{"type": "web_search"}]}, "tools", r"tools\[0\]: only function tools"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
@@ -600,3 +607,33 @@ def test_store_true_openai_s_default_is_answered_unstored(
     r = openai_client(url).responses.create(model=MODEL, input="Hi", store=True)
     _strict(r, Response)
     assert r.status == "completed" and r.store is False and r.output_text == "Hello there!"
+
+
+def test_the_openai_client_s_tool_runner_asks_for_the_reasoning_and_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The openai client's Responses tool runner sends every request with ``include:
+    ["reasoning.encrypted_content"]`` (a stateless client's reasoning to send back). A response
+    here has its reasoning in the clear anyway, so it is taken: the runner's call, its output
+    and the reasoning item go back as input, and the run ends with the model's answer. Refused,
+    the runner stopped at its first request."""
+    from openai.lib._tools import pydantic_responses_function_tool
+    from openai.lib.responses_tool_runner import RegisteredFunction, ResponsesToolRunner
+
+    class Weather(BaseModel):
+        city: str
+
+    def weather(args: Weather) -> str:
+        say(engine, "Done.</think>Sunny.")  # the model's next reply, once it has the result
+        return f"sunny in {args.city}"
+
+    tool = pydantic_responses_function_tool(Weather, name="weather")
+    runner = ResponsesToolRunner(functions=[RegisteredFunction.from_tool(tool, execute=weather)])
+    params = {"model": MODEL, "input": "Weather in Paris?", "reasoning": {"effort": "low"}}
+    with scripted_server(tmp_path_factory, PromptedEngine) as (url, engine):
+        say(engine, "Hmm.</think>\n\n" + WEATHER_CALL)
+        r = runner.run(openai_client(url), params)  # type: ignore[arg-type]
+    assert r.status == "completed" and r.output_text == "Sunny."
+    # the last turn rendered the whole run: the reasoning, the call and its result
+    prompt = engine.tokenizer.decode(engine.prompt)
+    assert "Hmm." in prompt and "sunny in Paris" in prompt
