@@ -166,8 +166,9 @@ def _recall_kernel(
     those (_out_late).
 
     STAMP_LATE (cache_kernels.RECALL_STAMP_LATE): a lookup program stamps its hits after it
-    signals LOOKED, then signals STAMPED, so the release that the copy and the output wait for
-    does not wait for those scattered stores too. Only the histogram reads the stamps, so it waits
+    signals LOOKED, then signals STAMPED (before its own copy, SELF_ROWS: nothing waits for that),
+    so the release that the copy and the output wait for does not wait for those scattered stores
+    too. Only the histogram reads the stamps, so it waits
     for STAMPED (which orders everything LOOKED does); the pass reads them only after HISTED. A
     hit's slot is still stamped before any eviction may start.
 
@@ -187,14 +188,14 @@ def _recall_kernel(
             LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS, STAMP and not STAMP_LATE,
         )  # fmt: skip
         _signal(meta + M_LOOKED)
-        if STAMP_LATE and STAMP:
-            tl.store(prio + g, tl.zeros_like(g) + clock, mask=(h >= 0) & (g >= 0))
+        if STAMP_LATE:  # (before this program's copy: the histogram must not wait for it)
+            if STAMP:
+                tl.store(prio + g, tl.zeros_like(g) + clock, mask=(h >= 0) & (g >= 0))
+            _signal(meta + M_STAMPED)
         if SELF_ROWS > 0:
             _copy_claimed(host_kv, gpu_kv, stage_kv, hstage, shost, epoch_ptr, pfs, n_stage,
                           miss_host, ring, head, n_g, r0, r1, UPR, LOOK_UNITS, CACHE,
                           STAGED)  # fmt: skip
-        if STAMP_LATE:
-            _signal(meta + M_STAMPED)
     elif pid < scan0:
         if STAMP_LATE:
             _wait(meta + M_STAMPED, n_look, SLEEP_NS)
