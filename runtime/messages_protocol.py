@@ -8,7 +8,8 @@ chat's ``continue_final_message``). The chat route's errors are
 renamed back to the fields the client sent (``renamed``), and every error of the route is
 answered in Anthropic's shape (``error_response``).
 
-A field this route cannot honour (``UNSUPPORTED_MESSAGES``) is a 400 naming it, and so are
+A field this route cannot honour (``UNSUPPORTED_MESSAGES``; ``thread``, with Anthropic's
+``thread_unsupported_request`` code, ``check_messages``) is a 400 naming it, and so are
 images, documents and Anthropic's server tools; any other field it does not know is ignored
 (Claude Code sends some), as on the other routes. ``cache_control`` is accepted and ignored (the
 prefix cache needs no marks); ``thinking.budget_tokens`` is accepted, not enforced
