@@ -1,16 +1,21 @@
 """Prefetch end to end on the tiny checkpoint: decoding with lossless prefetch gives logits
-bit-identical (torch.equal) to prefetch off and to GPU-only, with a pool that evicts every step;
-its per-layer metrics reach the step stats and /metrics."""
+bit-identical (torch.equal) to prefetch off and to GPU-only, with a pool that evicts every step,
+also while finished requests' host slots go to new requests; its per-layer metrics reach the step
+stats and /metrics."""
 
 from __future__ import annotations
+
+import random
 
 import prometheus_client as prom
 import pytest
 import torch
 
+from custom_ops.prefetch_layout import PF_PROMOTED, PF_STAGED
 from model.checkpoint import resolve_model
 from model.loader import load_model
-from runtime.engine import EngineConfig
+from runtime.engine import Engine, EngineConfig
+from runtime.sampling_params import SamplingParams
 from runtime.server_metrics import ServerMetrics
 from runtime.tokenizer import Tokenizer
 from tests import test_lossless as tl
@@ -53,6 +58,78 @@ def check(device: str, fmt: str, mode: str, cap: int, lens: list[int], steps: in
 @pytest.mark.parametrize("fmt,mode,cap", [("bf16", "request", 16), ("fp8", "global", 64)])
 def test_prefetch_equals_gpu_only_bit_for_bit(fmt, mode, cap):
     check("cpu", fmt, mode, cap, lens=[97, 150, 211], steps=12)
+
+
+# (prompt length, max_tokens, step it is added at): lengths and budgets differ, so requests finish
+# at different steps, and the later ones take the host pages the finished ones released
+CHURN = [(150, 6, 0), (97, 20, 0), (211, 9, 0), (120, 12, 0), (180, 7, 8), (90, 14, 16)]
+
+
+def _run_churn(model, tok, offload: bool, **kw):
+    """CHURN on a 2-row engine whose host pool holds two requests (8 pages) and whose GPU pool
+    one selection per row; returns the engine, its forward log (test_lossless._record_logits),
+    each request's tokens and every page list the host slot allocator handed out."""
+    topk = model.config.index_topk
+    eng = Engine(model, model.config, tok, EngineConfig(
+        max_batch=2, host_tokens=64 * 8, gpu_tokens=2 * topk, offload=offload,
+        max_model_len=320, prefill_chunk=64, **kw))  # fmt: skip
+    log = tl._record_logits(eng)
+    handed: list[list[int]] = []
+    alloc = eng.scheduler.pages.alloc
+
+    def logged_alloc(n):
+        pages = alloc(n)
+        handed.append(list(pages or []))
+        return pages
+
+    eng.scheduler.pages.alloc = logged_alloc
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, model.config.vocab_size) for _ in range(n)] for n, _, _ in CHURN]
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while step == 0 or eng.has_unfinished():
+        for i, (_, max_tokens, at) in enumerate(CHURN):
+            if at == step:
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                eng.add_request(f"r{i}", prompts[i], params)
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    assert step > max(at for _, _, at in CHURN), "a request was never added"
+    return eng, log, tokens, handed
+
+
+def test_prefetch_lossless_under_request_churn():
+    """Requests finish at different steps and new ones are admitted into their released host
+    slots while prefetch stages rows every step: the staging maps keep entries of the earlier
+    owners' rows (docs/prefetch.md, "Staging epochs"), which the recall must never read for the
+    new owner. Tokens and every step's logits equal prefetch off's and GPU-only's."""
+    path = resolve_model("tiny")
+    model, _ = load_model(path)
+    tok = Tokenizer.from_dir(path)
+    runs = {  # margin 0 (ECHO's threshold) stages the most rows: stale entries abound
+        "request": _run_churn(model, tok, True, prefetch="request", prefetch_cap=16,
+                              prefetch_margin=0),  # fmt: skip
+        "off": _run_churn(model, tok, True),
+        "gpu": _run_churn(model, tok, False),
+    }
+    eng, log_on, tokens_on, handed = runs["request"]
+    # not vacuous: host pages were handed out again, and the pool evicted while rows were staged
+    # and read from staging
+    pages = [p for lst in handed for p in lst]
+    assert len(pages) > len(set(pages)), handed
+    assert [len(tokens_on[f"r{i}"]) for i in range(len(CHURN))] == [mt for _, mt, _ in CHURN]
+    stats = eng.cache.stats()
+    assert all(h < 1.0 for h in stats["hit_rate"]) and stats["recalled_rows_per_step"] >= 1.0
+    totals = sum(layer.staging.totals for layer in eng.cache.layers if layer.staging is not None)
+    assert totals[PF_STAGED] > 0 and totals[PF_PROMOTED] > 0, totals
+    for name in ("off", "gpu"):
+        _, log, tokens, other = runs[name]
+        assert other == handed and len(log) == len(log_on) > 30, name
+        for (d1, ids1, a), (d2, ids2, b) in zip(log_on, log):
+            assert (d1, ids1) == (d2, ids2)
+            assert torch.equal(a, b), f"{name}: logits differ at a step of {ids1}"
+        assert tokens == tokens_on, name
 
 
 @pytest.mark.cuda
