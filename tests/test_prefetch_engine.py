@@ -65,14 +65,14 @@ def test_prefetch_equals_gpu_only_bit_for_bit(fmt, mode, cap):
 CHURN = [(150, 6, 0), (97, 20, 0), (211, 9, 0), (120, 12, 0), (180, 7, 8), (90, 14, 16)]
 
 
-def _run_churn(model, tok, offload: bool, **kw):
+def _run_churn(model, tok, offload: bool, device: str = "cpu", **kw):
     """CHURN on a 2-row engine whose host pool holds two requests (8 pages) and whose GPU pool
     one selection per row; returns the engine, its forward log (test_lossless._record_logits),
     each request's tokens and every page list the host slot allocator handed out."""
     topk = model.config.index_topk
     eng = Engine(model, model.config, tok, EngineConfig(
         max_batch=2, host_tokens=64 * 8, gpu_tokens=2 * topk, offload=offload,
-        max_model_len=320, prefill_chunk=64, **kw))  # fmt: skip
+        max_model_len=320, prefill_chunk=64, device=device, **kw))  # fmt: skip
     log = tl._record_logits(eng)
     handed: list[list[int]] = []
     alloc = eng.scheduler.pages.alloc
@@ -103,15 +103,25 @@ def test_prefetch_lossless_under_request_churn():
     """Requests finish at different steps and new ones are admitted into their released host
     slots while prefetch stages rows every step: the staging maps keep entries of the earlier
     owners' rows (docs/prefetch.md, "Staging epochs"), which the recall must never read for the
-    new owner. Tokens and every step's logits equal prefetch off's and GPU-only's."""
+    new owner. Tokens and every step's logits equal prefetch off's and GPU-only's. (On the CPU
+    the reference ops; the Triton kernels: the cuda variant below.)"""
+    check_churn("cpu")
+
+
+@pytest.mark.cuda
+def test_prefetch_lossless_under_request_churn_cuda():
+    check_churn("cuda")
+
+
+def check_churn(device: str) -> None:
     path = resolve_model("tiny")
-    model, _ = load_model(path)
+    model, _ = load_model(path, device=device)
     tok = Tokenizer.from_dir(path)
     runs = {  # margin 0 (ECHO's threshold) stages the most rows: stale entries abound
-        "request": _run_churn(model, tok, True, prefetch="request", prefetch_cap=16,
+        "request": _run_churn(model, tok, True, device, prefetch="request", prefetch_cap=16,
                               prefetch_margin=0),  # fmt: skip
-        "off": _run_churn(model, tok, True),
-        "gpu": _run_churn(model, tok, False),
+        "off": _run_churn(model, tok, True, device),
+        "gpu": _run_churn(model, tok, False, device),
     }
     eng, log_on, tokens_on, handed = runs["request"]
     # not vacuous: host pages were handed out again, and the pool evicted while rows were staged
