@@ -511,8 +511,7 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
     change of one cache_kernels setting from the defaults: list entries per program of free's
     lookup (FREE_LIST_BLOCK) and of recall's lookup and output (LIST_BLOCK), pool slots per
     histogram / pass program (FUSED_SCAN_BLOCK), rows each lookup program copies itself
-    (LOOKUP_COPY_ROWS), the output before the lookup ends or after it (RECALL_OUT_EARLY), the
-    recall's stamps of its hits after its lookup's signal or before it (RECALL_STAMP_LATE), and
+    (LOOKUP_COPY_ROWS), the output before the lookup ends or after it (RECALL_OUT_EARLY), and
     the probe without the lookup's stamps of its hits (PROBE_LOOKUP_STAMPS: wrong eviction order,
     timed only: what a stamp beside host_to_gpu could at most save; on the 37-miss steady step
     alone, where nothing is evicted). Each is timed on whole refill periods (the amortized
@@ -522,13 +521,12 @@ def sweep_one_launch(pool, host, recall: Callable, box: dict, reps: int, gen) ->
     cap = pool.capacity
     n2k = min(2048, cap)
     names = ("FREE_LIST_BLOCK", "LIST_BLOCK", "FUSED_SCAN_BLOCK", "LOOKUP_COPY_ROWS",
-             "RECALL_OUT_EARLY", "RECALL_STAMP_LATE", "PROBE_LOOKUP_STAMPS")
+             "RECALL_OUT_EARLY", "PROBE_LOOKUP_STAMPS")
     defaults = {n: getattr(K, n) for n in names}
     configs = ({"FREE_LIST_BLOCK": 512}, {"LIST_BLOCK": 512}, {"FUSED_SCAN_BLOCK": 512},
                {"FUSED_SCAN_BLOCK": 2048},
                {"LOOKUP_COPY_ROWS": 0}, {"LOOKUP_COPY_ROWS": 16}, {"LOOKUP_COPY_ROWS": 128},
                {"RECALL_OUT_EARLY": not defaults["RECALL_OUT_EARLY"]},
-               {"RECALL_STAMP_LATE": not defaults["RECALL_STAMP_LATE"]},
                {"PROBE_LOOKUP_STAMPS": False}, {})  # fmt: skip
     for rnd in range(2):
         for change in configs:

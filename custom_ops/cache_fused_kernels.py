@@ -33,7 +33,6 @@ from custom_ops.cache_constexpr import (
     M_NFREE,
     M_NMISS,
     M_PLACED,
-    M_STAMPED,
 )
 from custom_ops.cache_list_kernels import (
     _copy_claimed,
@@ -140,7 +139,6 @@ def _recall_kernel(
     LOOK_UNITS: tl.constexpr = 512,
     OUT_EARLY: tl.constexpr = False,
     STAMP: tl.constexpr = True,
-    STAMP_LATE: tl.constexpr = False,
 ):
     """echo::recall: lookup [n_look) -> histogram [n_scan) -> eviction + placement [n_scan) ->
     row copy [n_copy) and output [n_out) -> one finalising program. The lookup places the misses
@@ -165,13 +163,6 @@ def _recall_kernel(
     the copy does, only if its block holds a miss (a few blocks in a steady step), then writes
     those (_out_late).
 
-    STAMP_LATE (cache_kernels.RECALL_STAMP_LATE): a lookup program stamps its hits after it
-    signals LOOKED, then signals STAMPED (before its own copy, SELF_ROWS: nothing waits for that),
-    so the release that the copy and the output wait for does not wait for those scattered stores
-    too. Only the histogram reads the stamps, so it waits
-    for STAMPED (which orders everything LOOKED does); the pass reads them only after HISTED. A
-    hit's slot is still stamped before any eviction may start.
-
     STAGED (echo::recall_staged): every copy reads the misses staged in the current epoch from
     stage_kv (the tag rule of cache_list_kernels._move_units) and counts them in pf_stats.
 
@@ -183,24 +174,17 @@ def _recall_kernel(
     if pid < n_look:
         if pid == 0:  # the free count before any program of this launch can change it
             tl.store(meta + M_FREE0, tl.load(meta + M_NFREE))
-        r0, r1, head, h, g, clock = _lookup(
+        r0, r1, head = _lookup(
             pid, host_slots, h2g, prio, ring, g2h, miss_host, meta, stats, total, cap, n_g, True,
-            LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS, STAMP and not STAMP_LATE,
+            LIST_BLOCK, SKIP_CLEAN, True, SELF_ROWS, STAMP,
         )  # fmt: skip
         _signal(meta + M_LOOKED)
-        if STAMP_LATE:  # (before this program's copy: the histogram must not wait for it)
-            if STAMP:
-                tl.store(prio + g, tl.zeros_like(g) + clock, mask=(h >= 0) & (g >= 0))
-            _signal(meta + M_STAMPED)
         if SELF_ROWS > 0:
             _copy_claimed(host_kv, gpu_kv, stage_kv, hstage, shost, epoch_ptr, pfs, n_stage,
                           miss_host, ring, head, n_g, r0, r1, UPR, LOOK_UNITS, CACHE,
                           STAGED)  # fmt: skip
     elif pid < scan0:
-        if STAMP_LATE:
-            _wait(meta + M_STAMPED, n_look, SLEEP_NS)
-        else:
-            _wait(meta + M_LOOKED, n_look, SLEEP_NS)
+        _wait(meta + M_LOOKED, n_look, SLEEP_NS)
         _hist(pid - n_look, prio, meta, hist, n_miss, n_g, cap, SCAN_BLOCK)
         _signal(meta + M_HISTED)
     elif pid < copy0:
@@ -245,4 +229,3 @@ def _recall_kernel(
         tl.atomic_xchg(meta + M_PLACED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_COPIED, 0, sem="relaxed")
         tl.atomic_xchg(meta + M_FREE0, 0, sem="relaxed")
-        tl.atomic_xchg(meta + M_STAMPED, 0, sem="relaxed")  # (the histogram waited for it)

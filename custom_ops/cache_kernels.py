@@ -109,11 +109,6 @@ RECALL_OUT_EARLY = True
 # them: the most that keeping the stamp beside host_to_gpu (the store in the sector the lookup
 # already reads) could save.
 PROBE_LOOKUP_STAMPS = True
-# The one-launch recall's lookup programs stamp their hits after signalling the lookup (and
-# signal that apart), so the copy and the output do not wait for those stores to drain; the
-# histogram waits for the stamps (cache_fused_kernels._recall_kernel). False: the stamps come
-# first, inside the lookup, as the other lookups do. Not yet timed against False: off.
-RECALL_STAMP_LATE = False
 # Programmatic dependent launch (sm_90) for the launches of free, recall (lookup, histogram,
 # eviction/placement, copy) and allocate (its one program): each launch may start
 # while the one before finishes, and its programs wait (griddepcontrol.wait) for it before their
@@ -376,7 +371,7 @@ def _recall_fused(
         EARLY=COPY_EARLY, CACHE=COPY_CACHE, STAGED=staged, SLEEP_NS=_sleep_ns(hs.device),
         SELF_ROWS=LOOKUP_COPY_ROWS_STAGED if staged else LOOKUP_COPY_ROWS,
         LOOK_UNITS=LOOKUP_COPY_UNITS, OUT_EARLY=RECALL_OUT_EARLY, STAMP=PROBE_LOOKUP_STAMPS,
-        STAMP_LATE=RECALL_STAMP_LATE, num_warps=LIST_WARPS,
+        num_warps=LIST_WARPS,
     )  # fmt: skip
 
 

@@ -28,10 +28,8 @@ HISTED = 14  # the histogram
 PLACED = 15  # the eviction + placement pass
 COPIED = 16  # the row copy and the output
 FREE0 = 17  # the free count when the one-launch recall started (its lookup's copy)
-STAMPED = 18  # the one-launch recall's stamps of its hits, after LOOKED (RECALL_STAMP_LATE)
 META_LEN = 20
-SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE, LOOKED, HISTED, PLACED, COPIED, FREE0,
-           STAMPED)  # fmt: skip
+SCRATCH = (NMISS, ALLOC_CTR, VICT_CTR, EQ_CTR, DONE, LOOKED, HISTED, PLACED, COPIED, FREE0)
 
 # ---- stats layout (int64, cumulative) -----------------------------------------------------------
 SELECTED = 0  # valid selected entries seen by recall

@@ -153,12 +153,10 @@ def _lookup(
     SELF_ROWS > 0 (with PLACE_EARLY; cache_kernels.LOOKUP_COPY_ROWS, or LOOKUP_COPY_ROWS_STAGED):
     the first SELF_ROWS ranks this block placed are this program's to copy (_copy_claimed, once
     its lookup is signalled); their miss_host entries are stored as -1 - h, so the copy programs
-    skip them. Returns that rank range [r0, r1), the HEAD it read, and (h, g, clock) below.
+    skip them. Returns that rank range [r0, r1) and the HEAD it read.
 
-    STAMP = False: the hits are not stamped here. The one-launch recall stamps them itself after
-    signalling its lookup (cache_kernels.RECALL_STAMP_LATE, with what this returns: the entries'
-    host slots h, the GPU slots g read for them and the clock); otherwise only as a timing probe
-    (cache_kernels.PROBE_LOOKUP_STAMPS), which breaks the eviction order."""
+    STAMP = False (cache_kernels.PROBE_LOOKUP_STAMPS, a timing probe only): the hits are not
+    stamped, which breaks the eviction order."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1).to(tl.int32)
     valid = h >= 0
@@ -205,7 +203,7 @@ def _lookup(
                 tl.store(h2g + h, old, mask=miss & (old >= 0))  # a duplicate took a placed slot
         nvalid = tl.sum(valid.to(tl.int32), axis=0)
         tl.atomic_add(stats + S_SELECTED, nvalid.to(tl.int64), sem="relaxed")
-    return r0, r1, head, h, g, clock
+    return r0, r1, head
 
 
 @triton.jit

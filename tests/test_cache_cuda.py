@@ -80,19 +80,17 @@ def test_pinned_host_pool_is_uva(caplog):
     assert torch.equal(cpu_view[slots.cpu()], rows.cpu())
 
 
-@pytest.mark.parametrize("mode", ["one-launch", "launches", "pdl", "copy-programs", "stamps"])
+@pytest.mark.parametrize("mode", ["one-launch", "launches", "pdl", "copy-programs"])
 def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
     """A recall of 37 misses with free slots to spare (the steady step of issue 18) takes the
     ring's 37 entries from HEAD (the last program moves HEAD: the handoff), evicts nothing, in
     one launch, in a launch per phase and with programmatic dependent launch; eagerly and
     replayed from a CUDA graph, and matches the reference up to placement (the miss list's order
     comes from the lookup blocks' atomics)."""
-    monkeypatch.setattr(K, "FUSED", mode in ("one-launch", "copy-programs", "stamps"))
+    monkeypatch.setattr(K, "FUSED", mode in ("one-launch", "copy-programs"))
     monkeypatch.setattr(K, "LAUNCH_PDL", mode == "pdl")
     if mode == "copy-programs":  # no lookup program copies a row
         monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", 0)
-    if mode == "stamps":  # the hits' stamps placed the other way than the default
-        monkeypatch.setattr(K, "RECALL_STAMP_LATE", not K.RECALL_STAMP_LATE)
     gen = torch.Generator().manual_seed(SEED + 1)
     print(f"seed {SEED + 1}")
     cfg = CacheConfig(1, N_H, N_G, TOPK, fmt="fp8", max_batch=B)
@@ -128,16 +126,13 @@ def test_full_size_steady_recall_pops_the_ring(mode, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "fused, lookup_rows, late",
-    [(True, K.LOOKUP_COPY_ROWS, K.RECALL_STAMP_LATE), (True, 0, K.RECALL_STAMP_LATE),
-     (True, K.LOOKUP_COPY_ROWS, not K.RECALL_STAMP_LATE), (False, 0, K.RECALL_STAMP_LATE)],
-    ids=["one-launch", "copy-programs", "stamps-other-way", "launches"],
+    "fused, lookup_rows", [(True, K.LOOKUP_COPY_ROWS), (True, 0), (False, 0)],
+    ids=["one-launch", "copy-programs", "launches"],
 )  # fmt: skip
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-def test_full_size_kernels_match_reference(fmt, fused, lookup_rows, late, monkeypatch):
+def test_full_size_kernels_match_reference(fmt, fused, lookup_rows, monkeypatch):
     monkeypatch.setattr(K, "FUSED", fused)
     monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", lookup_rows)
-    monkeypatch.setattr(K, "RECALL_STAMP_LATE", late)
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
     pool, host = full_pool(fmt, gen)

@@ -9,13 +9,9 @@ import random
 
 import pytest
 import torch
-import triton
-import triton.language as tl  # noqa: F401  (the interpreter wants it beside a jit function)
 
-from custom_ops import cache_fused_kernels as FS
 from custom_ops import cache_kernels as K
 from custom_ops import cache_layout as L
-from custom_ops import cache_list_kernels as LS
 from custom_ops import cache_ops as C
 from custom_ops.cache.config import CacheConfig
 from custom_ops.cache.gpu_pool import GpuPool
@@ -28,28 +24,21 @@ from runtime.host_slots import HostSlotAllocator
 
 
 @pytest.fixture(
-    params=[(True, K.LOOKUP_COPY_ROWS, True, K.RECALL_STAMP_LATE), (True, 2, True, None),
-            (True, 0, True, None), (True, K.LOOKUP_COPY_ROWS, False, None),
-            (True, K.LOOKUP_COPY_ROWS, True, not K.RECALL_STAMP_LATE), (False, 0, True, None)],
+    params=[(True, K.LOOKUP_COPY_ROWS, True), (True, 2, True), (True, 0, True),
+            (True, K.LOOKUP_COPY_ROWS, False), (False, 0, True)],  # fmt: skip
     ids=["one-launch", "one-launch-lookup-copies-2", "one-launch-copy-programs-only",
-         "one-launch-output-after-lookup", "one-launch-stamps-" + (
-             "first" if K.RECALL_STAMP_LATE else "late"), "launches"],
-)  # fmt: skip
+         "one-launch-output-after-lookup", "launches"],  # fmt: skip
+)
 def device(request, device, monkeypatch):
     """Every kernel test runs free and recall in one launch (K.FUSED, the default) with each
     lookup program copying up to K.LOOKUP_COPY_ROWS (the default), 2 or none of the rows it
     places (the copy programs copy the rest), with the output programs waiting for the lookup
-    (K.RECALL_OUT_EARLY off), with the recall's stamps of its hits placed the other way than
-    the default (K.RECALL_STAMP_LATE), and as a launch per phase. (The interpreter runs the
-    programs in id order, so the early output reads final slots here and its late path only sees
-    PENDING past the capacity; the reads that race the lookup are exercised by
-    tests/test_cache_cuda.py.)"""
-    fused, rows, early, late = request.param
-    monkeypatch.setattr(K, "FUSED", fused)
-    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", rows)
-    monkeypatch.setattr(K, "RECALL_OUT_EARLY", early)
-    if late is not None:
-        monkeypatch.setattr(K, "RECALL_STAMP_LATE", late)
+    (K.RECALL_OUT_EARLY off), and as a launch per phase. (The interpreter runs the programs in id
+    order, so the early output reads final slots here and its late path only sees PENDING past
+    the capacity; the reads that race the lookup are exercised by tests/test_cache_cuda.py.)"""
+    monkeypatch.setattr(K, "FUSED", request.param[0])
+    monkeypatch.setattr(K, "LOOKUP_COPY_ROWS", request.param[1])
+    monkeypatch.setattr(K, "RECALL_OUT_EARLY", request.param[2])
     return device
 
 
@@ -397,48 +386,6 @@ def test_lookup_programs_copy_their_first_rows_and_the_copy_programs_the_rest(
         sizes = [16] + [2] * 15
         want = sum(max(0, min(n, rows, free - r)) for r, n in zip(firsts, sizes, strict=True))
         assert int((ker.miss_host[:46] < 0).sum()) == want
-
-
-_CALLS: list = []  # what the recorders below saw, in order
-
-
-@triton.jit
-def _record_signal(ctr):
-    _CALLS.append(int(ctr.handle.data[0]))  # (the interpreter: the counter's address)
-    LS._signal(ctr)
-
-
-@triton.jit
-def _record_copy(*args):
-    _CALLS.append("copy")
-    return LS._copy_claimed(*args)
-
-
-def test_late_stamps_are_signalled_before_the_lookup_programs_copies(monkeypatch):
-    """K.RECALL_STAMP_LATE: a lookup program signals STAMPED (which the histogram waits for)
-    right after its stamps, before it copies the rows it claimed (K.LOOKUP_COPY_ROWS), so no
-    program of the launch waits for those host reads (cache_fused_kernels._recall_kernel). The
-    interpreter runs the kernel's helpers as Python: each program's signals and copy are
-    recorded in order."""
-    if not type(FS._signal).__name__.startswith("Interpreted"):
-        pytest.skip("records the interpreter's calls (TRITON_INTERPRET=1)")
-    monkeypatch.setattr(K, "FUSED", True)
-    monkeypatch.setattr(K, "RECALL_STAMP_LATE", True)
-    monkeypatch.setattr(K, "LIST_BLOCK", 16)
-    monkeypatch.setattr(FS, "_signal", _record_signal)
-    monkeypatch.setattr(FS, "_copy_claimed", _record_copy)
-    _CALLS.clear()
-    pool, host_kv, gen = make_pool(1024, 4096, 64, 4, "fp8", "cpu", 0, 900)
-    h2g = pool.host_to_gpu
-    hs = torch.nonzero(h2g >= 0).flatten()[:256].clone()
-    hs[:16] = torch.nonzero(h2g < 0).flatten()[:16]  # block 0 places 16 misses and copies some
-    hs = hs.int().view(4, 64)
-    K.recall_cuda(host_kv, pool.gpu_kv, *state(pool), pool.indices, pool.miss_host, pool.meta,
-                  pool.hist, pool.totals, hs)  # fmt: skip
-    check_pool(pool, selected=hs, host_kv=host_kv)
-    names = {pool.meta.data_ptr() + 4 * getattr(L, n): n for n in ("LOOKED", "STAMPED")}
-    lookups = [names.get(e, e) for e in _CALLS if e == "copy" or e in names]
-    assert lookups == ["LOOKED", "STAMPED", "copy"] * 16, lookups[:6]
 
 
 @pytest.mark.parametrize("case", CASES)
