@@ -138,9 +138,10 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     64-column tiles, split-K to one wave on K < 16384 (128-row tiles on 8 warps above M = 64),
     split-K 4 / 2 on K = 16384 (M <= 64 / above). Everywhere else
     (M <= 16 on K = 16384, M = 17-32, M > 128) the last rule: split until about two programs
-    per SM. Timed at M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2
-    on 4 warps and call 5 on the 8-warp default; M > 128 keeps the first guess, 4 warps and
-    BN 128):
+    per SM (at M = 17-32 on K < 16384 with SWAP: the H100 run cited at the return below).
+    Timed at M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2 on 4
+    warps and call 5 on the 8-warp default; M > 128 keeps the first guess, 4 warps and BN
+    128):
     - FUSED against a separate sum on 4 warps (call 2): at M = 1 2.2 µs less on 7168 x 576 and
       7168 x 2048, more on 2048 x 7168 and 16384 x 7168, and from M = 4 0.1-4.8 µs more on every
       shape; on the 8-warp default (``gpu_session18`` call 4, M = 1-16) 0.5-2.4 µs less on every
@@ -194,8 +195,13 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
                 "PREQUANT": True, "num_warps": 4, "num_stages": 3}  # fmt: skip
     while tiles * split < 2 * num_sms and split * 2 <= kb and split < 16:
         split *= 2
+    # M = 17-32 on K < 16384: the product transposed (SWAP) as at decode. H100, gpu_session36
+    # call 3 (docs/quantization.md), µs at M = 32 with SWAP against without: 7168 x 4096 23.7
+    # against 28.9, 7168 x 2048 15.8 against 18.0, 2048 x 7168 17.7 against 20.9, 7168 x 576
+    # 9.3 against 9.8 (on 16384 x 7168 it lost: 60.0 against 52.2)
     return {
         "BM": bm, "BN": bn, "SPLIT_K": split, "FUSED": True, "PREQUANT": k >= 16384,
+        "SWAP": bm == 32 and k < 16384,
         "num_warps": 8 if bm <= 32 and k < 16384 else 4, "num_stages": 3,
     }  # fmt: skip
 

@@ -65,6 +65,7 @@ CASES = [  # (M, K, N, ue8m0, config)
     (3, 256, 200, True, dict(BM=16, BN=64, SPLIT_K=2, SWAP=True)),  # the product transposed
     (6, 512, 200, False, dict(BM=16, BN=128, SPLIT_K=4, FUSED=True, SWAP=True)),
     (17, 256, 64, True, dict(BM=32, BN=64, SPLIT_K=1, PREQUANT=True, SWAP=True)),
+    (24, 512, 200, False, None),  # the heuristic at M = 17-32: SWAP, x quantised in the loop
     (40, 512, 200, True, None),  # the heuristic at M = 33-128: x quantised first, split-K
     (70, 256, 72, False, None),  # the heuristic above M = 64: 128-row tiles, split-K
 ]
@@ -284,7 +285,7 @@ def test_moe_fp8_on_gpu_256_experts():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 16, 33, 64, 96, 128])  # both branches of the M = 33-128 rule
+@pytest.mark.parametrize("m", [1, 16, 32, 33, 64, 96, 128])  # SWAP at 32; the M = 33-128 rule
 def test_kernel_on_gpu_at_v32_shapes(m):
     gen = torch.Generator("cuda").manual_seed(m)
     for k, n in ((7168, 4096), (16384, 7168), (7168, 2048), (2048, 7168), (7168, 576)):
@@ -327,7 +328,10 @@ def test_dispatch_rules_at_v32_shapes():
         for m in (1, 16):
             cfg = FK.fp8_config(m, n, k, 132)
             assert cfg["SPLIT_K"] == split and cfg["SWAP"] and cfg["num_stages"] == 4, (k, n, cfg)
-    assert not FK.fp8_config(17, 4096, 7168, 132).get("SWAP")
+    # M = 17-32: SWAP on K < 16384 (gpu_session36), not on K = 16384
+    assert FK.fp8_config(17, 4096, 7168, 132)["SWAP"] and FK.fp8_config(32, 576, 7168, 132)["SWAP"]
+    assert FK.fp8_config(32, 4096, 7168, 132)["BM"] == 32
+    assert not FK.fp8_config(32, 7168, 16384, 132).get("SWAP")
     assert not FK.fp8_config(1, 7168, 16384, 132).get("SWAP")
     # M = 33-128 on K < 16384: x quantised first, 64-column tiles, split-K (at most 8) to one
     # wave of 64-row tiles; above M = 64 128-row tiles on 8 warps
