@@ -17,6 +17,12 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   the map up once, claim once, and copy their kept rows ``rows_per_block`` at a time; the copies
   overlap the scoring of the other programs on the SM. A program stages at most
   rows_per_block x TPP / BT rows, as in ``"tile"``.
+- ``"early"``: ``"post"`` with the map looked up inside the scoring loop: each tile's tokens above
+  the threshold gather their ``host_to_gpu`` entries right after the tile is scored, and the
+  next tile's iteration folds them into the bits (so the bits say "candidate", above the
+  threshold and not on the GPU, and the load's latency hides under a tile of scoring). The tail
+  then runs only in programs with candidates, starts at the claim, and reads the epoch word
+  beside its first load instead of after the claim.
 
 Both record a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
 read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and count the
@@ -54,10 +60,11 @@ def _scores_prefetch_post_kernel(
     shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap,
     n_stage, ratio, HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr,
+    ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``_scores_prefetch_kernel``; the staging after the scoring
-    loop, for programs with a score above the threshold only (module docstring)."""
+    loop, for programs with a score above the threshold only (module docstring). EARLY: the
+    ``"early"`` variant (the map looked up in the loop, the bits mark candidates)."""
     b = tl.program_id(0)
     start = tl.program_id(1) * TPP
     seq_len = tl.load(sl_ptr + b)
@@ -72,7 +79,10 @@ def _scores_prefetch_post_kernel(
     n_live = tl.minimum(tl.maximum(seq_len - start, 0), TPP)
     n_iter = tl.cdiv(n_live, BT)
     thr = tl.load(ema_ptr + tl.load(bt_ptr + b * bt_stride))  # padded rows: nothing is live
-    over_bits = tl.zeros([BT], tl.int32)  # bit i: token start + i BT + lane beats the threshold
+    # bit i: token start + i BT + lane beats the threshold (EARLY: and is not on the GPU)
+    over_bits = tl.zeros([BT], tl.int32)
+    over_prev = tl.zeros([BT], tl.int32)  # EARLY: the last tile's tokens above the threshold,
+    g_prev = tl.zeros([BT], tl.int32)  # and their map entries, still in flight
     # ---- the scoring loop of _scores_kernel, unchanged but for the comparison
     for i in tl.range(0, n_iter, num_stages=STAGES):
         t = start + i * BT + tt
@@ -89,7 +99,17 @@ def _scores_prefetch_post_kernel(
         s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * ks
         s = tl.where(live, s, float("-inf"))
         tl.store(score_ptr + b * L + t, s, mask=t < L)
-        over_bits = over_bits | ((s > thr).to(tl.int32) << i)  # dead tokens are -inf; NaN: no
+        over = s > thr  # dead tokens are -inf; NaN: no
+        if EARLY:  # the last tile's lookups, issued a tile of scoring ago; then this tile's
+            cand = (over_prev != 0) & (g_prev < 0)
+            over_bits = over_bits | (cand.to(tl.int32) << tl.maximum(i - 1, 0))
+            g_prev = tl.load(h2g_ptr + page * _PAGE + off, mask=over, other=0)
+            over_prev = over.to(tl.int32)
+        else:
+            over_bits = over_bits | (over.to(tl.int32) << i)
+    if EARLY:
+        cand = (over_prev != 0) & (g_prev < 0)
+        over_bits = over_bits | (cand.to(tl.int32) << tl.maximum(n_iter - 1, 0))
     for i in range(n_iter, TPP // BT):
         t = start + i * BT + tt
         tl.store(score_ptr + b * L + t, tl.full([BT], float("-inf"), tl.float32), mask=t < L)
@@ -98,7 +118,7 @@ def _scores_prefetch_post_kernel(
         _stage_program(b, start, seq_len, over_bits, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
                        hstage_ptr, shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B,
                        cap, n_stage, ratio, TPP, BT, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
-                       ROW_WP)  # fmt: skip
+                       ROW_WP, EARLY)  # fmt: skip
 
 
 @triton.jit
@@ -107,12 +127,15 @@ def _stage_program(
     epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
     BT: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr,
-    ROW_W: tl.constexpr, ROW_WP: tl.constexpr,
+    ROW_W: tl.constexpr, ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Stage the candidates of one program's TPP tokens, whole-program vectors (one gather of the
     map, one claim atomic, so one chain of memory latencies instead of one per tile): at most
     MAXROWS rows (rows_per_block per score tile), copied host -> staging ROWS rows at a time.
-    ``over_bits`` [BT]: bit i of lane j set where token start + i BT + j beat the threshold."""
+    ``over_bits`` [BT]: bit i of lane j set where token start + i BT + j beat the threshold
+    (EARLY: and is a candidate, the map already looked up)."""
+    if EARLY:  # beside the page loads, off the claim's chain
+        epoch = tl.load(epoch_ptr)
     if GLOBAL:
         bb = tl.arange(0, BP)
         ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
@@ -133,8 +156,11 @@ def _stage_program(
     tiles = tl.arange(0, TPP // BT)
     over = live & (tl.reshape((over_bits[None, :] >> tiles[:, None]) & 1, [TPP]) != 0)
     h = page * _PAGE + t % _PAGE
-    g = tl.load(h2g_ptr + h, mask=over, other=0)
-    cand = over & (g < 0)
+    if EARLY:
+        cand = over
+    else:
+        g = tl.load(h2g_ptr + h, mask=over, other=0)
+        cand = over & (g < 0)
     ci = cand.to(tl.int32)
     nc = tl.sum(ci, 0)
     if nc > 0:
@@ -145,7 +171,9 @@ def _stage_program(
         keep = cand & (lr < n_keep)
         slot = slot0 + base + lr
         # the tag: the next epoch (this call's; the epoch word is advanced after the top-k)
-        tag = ((tl.load(epoch_ptr) + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
+        if not EARLY:  # "post": read here, on the chain after the claim
+            epoch = tl.load(epoch_ptr)
+        tag = ((epoch + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
         tl.store(shost_ptr + slot, tag, mask=keep)
         tl.store(hstage_ptr + h, slot, mask=keep)
         # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep] (tags:
@@ -170,7 +198,12 @@ def _stage_program(
 def index_scores_prefetch_post(*args, **kwargs) -> torch.Tensor:
     """``index_scores_prefetch`` (same arguments and result) with the
     ``"post"`` kernel."""
-    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, **kwargs)
+    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, EARLY=False, **kwargs)
+
+
+def index_scores_prefetch_early(*args, **kwargs) -> torch.Tensor:
+    """``index_scores_prefetch`` (same arguments and result) with the ``"early"`` kernel."""
+    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, EARLY=True, **kwargs)
 
 
 @triton.jit
@@ -318,6 +351,7 @@ def launch_scores_prefetch(
     ratio: float,
     cfg: IndexerConfig,
     rows_per_block: int = 8,
+    **consts,  # the kernel's own constexprs (the post kernel's EARLY)
 ) -> torch.Tensor:
     """The launch every fused scores + prefetch kernel shares (same arguments, same grid)."""
     B, n_heads = q_u8.shape[:2]
@@ -341,12 +375,16 @@ def launch_scores_prefetch(
         cap, stage_words.shape[0], float(ratio), HP=max(16, triton.next_power_of_2(n_heads)),
         BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
         BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
-        ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps,
+        ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps, **consts,
     )  # fmt: skip
     return scores
 
 
-SCORES_VARIANTS = {"tile": index_scores_prefetch, "post": index_scores_prefetch_post}
+SCORES_VARIANTS = {
+    "tile": index_scores_prefetch,
+    "post": index_scores_prefetch_post,
+    "early": index_scores_prefetch_early,
+}
 
 
 def scores_variant(name: str | None):

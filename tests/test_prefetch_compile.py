@@ -26,13 +26,15 @@ ARGS = [("q_ptr", U8), ("w_ptr", F32), ("kv_ptr", U8), ("ks_ptr", F32), ("bt_ptr
         ("pfs_ptr", I64),
         ("src_ptr", I32), ("dst_ptr", I32), ("n_heads", "i32"), ("bt_stride", "i32"),
         ("L", "i32"), ("B", "i32"), ("cap", "i32"), ("n_stage", "i32"), ("ratio", "fp32")]
-for name, kern in (("post", PS._scores_prefetch_post_kernel), ("tile", PS._scores_prefetch_kernel)):
+POST = PS._scores_prefetch_post_kernel
+for name, kern, own in (("post", POST, dict(EARLY=False)), ("early", POST, dict(EARLY=True)),
+                        ("tile", PS._scores_prefetch_kernel, {})):
     for glob in (False, True):
         # bf16 rows (288 words) and fp8 rows (164), the launcher's constexprs at 64 index heads
         for row_w in (288, 164):
             consts = dict(HP=64, BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages,
                           GLOBAL=glob, BP=16, ROWS=8, ROW_W=row_w,
-                          ROW_WP=triton.next_power_of_2(row_w))
+                          ROW_WP=triton.next_power_of_2(row_w), **own)
             sig = {a: t for a, t in ARGS}
             sig.update({k: "constexpr" for k in consts})
             attrs = {(i,): [["tt.divisibility", 16]] for i, (_, t) in enumerate(ARGS)
@@ -65,4 +67,4 @@ for end in (False, True):
 
 
 def test_prefetch_scores_kernels_compile_for_sm90():
-    assert_compiles(SCRIPT, 10)
+    assert_compiles(SCRIPT, 14)
