@@ -65,7 +65,8 @@ def over(budget_s: float) -> bool:
 
 
 def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
-    """Launch configurations around ``p_config``: tile width, warps, stages, split-K depth."""
+    """Launch configurations around ``p_config``: tile width, warps, stages, split-K depth; at
+    M <= 16 the GEMV kernel's too."""
     bt = PK.tokens_tile(m)
     shapes = [(64, 4, 4), (128, 4, 4), (128, 4, 6), (128, 8, 4), (256, 8, 4)]
     if bt >= 64:
@@ -77,6 +78,10 @@ def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
             c.update(num_warps=warps, num_stages=stages, SCALED=False)
             if c not in out:
                 out.append(c)
+    if m <= 16:  # the GEMV-shaped kernel (custom_ops/awq_gemv_kernels.py)
+        out += [{"GEMV": True, "num_warps": 4}, {"GEMV": True, "num_warps": 8},
+                {"GEMV": True, "GEMV_WAVES": 2, "num_warps": 4},
+                {"GEMV": True, "GEMV_CHUNK": 16384, "num_warps": 4}]  # fmt: skip
     return out
 
 
