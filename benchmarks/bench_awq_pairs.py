@@ -12,7 +12,8 @@ side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launc
    int4 GEMM where it imports, and the pair kernel: its heuristic (``p_config``) and every
    candidate of ``linear_candidates`` (``pair_best_us`` and its config, exact weights); from
    M = 32 the SCALED kernel's candidates too (``scaled_candidates``, W rounded to bf16).
-   ``--no-sweeps``: the served configurations only.
+   ``--no-sweeps``: the served configurations only; ``--gemv-sweep``: the GEMV kernel's
+   candidates only (``gemv_candidates``).
 3. Prefill, M in ``--prefill-batches``: bf16, the exact-weight pair kernel, the SCALED kernel's
    best wide tile, and the weight dequantised once then ``F.linear`` (served from
    ``awq_pairs_kernels.DEQUANT_MIN_M``), and the dequantisation alone.
@@ -78,11 +79,15 @@ def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
             c.update(num_warps=warps, num_stages=stages, SCALED=False)
             if c not in out:
                 out.append(c)
-    if m <= 16:  # the GEMV-shaped kernel (custom_ops/awq_gemv_kernels.py)
-        out += [{"GEMV": True, "num_warps": 4}, {"GEMV": True, "num_warps": 8},
-                {"GEMV": True, "GEMV_WAVES": 2, "num_warps": 4},
-                {"GEMV": True, "GEMV_CHUNK": 16384, "num_warps": 4}]  # fmt: skip
-    return out
+    return out + (gemv_candidates() if m <= 16 else [])
+
+
+def gemv_candidates() -> list[dict]:
+    """The GEMV-shaped kernel (custom_ops/awq_gemv_kernels.py): its rule, 8 warps, two programs
+    a SM, 16 KB steps."""
+    return [{"GEMV": True, "num_warps": 4}, {"GEMV": True, "num_warps": 8},
+            {"GEMV": True, "GEMV_WAVES": 2, "num_warps": 4},
+            {"GEMV": True, "GEMV_CHUNK": 16384, "num_warps": 4}]  # fmt: skip
 
 
 def scaled_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
@@ -206,8 +211,8 @@ def check(result: dict) -> None:
 
 
 def bench_linear(
-    k: int, n: int, batches: list[int], hbm: float, budget_s: float, sweeps: bool = True,
-    scaled_min_m: int = 32,
+    k: int, n: int, batches: list[int], hbm: float, budget_s: float,
+    sweeps: bool | str = True, scaled_min_m: int = 32,
 ) -> list[dict]:  # fmt: skip
     rows = []
     wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
@@ -242,7 +247,8 @@ def bench_linear(
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
                                                           f"{row['served_path']}_us")]  # fmt: skip
         sweep = []
-        for c in linear_candidates(m, n, k, sms) if sweeps else ():
+        cands = gemv_candidates() if sweeps == "gemv" else linear_candidates(m, n, k, sms)
+        for c in cands if sweeps else ():
             us = _time(
                 [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
             )
@@ -250,7 +256,7 @@ def bench_linear(
         ok = [s for s in sweep if not math.isnan(s["us"])] + [{"config": cfg, "us": row["pair_us"]}]
         best = min(ok, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
         row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
-        if sweeps and m >= scaled_min_m:
+        if sweeps is True and m >= scaled_min_m:
             ss = []
             for c in scaled_candidates(m, n, k, sms):
                 calls = [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c)
@@ -386,6 +392,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-sweeps", action="store_true",
                     help="time the served configurations only (no launch-configuration sweeps)")
+    ap.add_argument("--gemv-sweep", action="store_true",
+                    help="the linears' sweep times the GEMV kernel's candidates only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq_pairs: needs a CUDA GPU")
@@ -415,7 +423,8 @@ def main() -> None:
     result["linear"], result["prefill"] = [], []
     for k, n in (shapes or LINEAR_SHAPES) if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
-                                         args.budget_s * 0.5, not args.no_sweeps)  # fmt: skip
+                                         args.budget_s * 0.5,
+                                         "gemv" if args.gemv_sweep else not args.no_sweeps)
         save()
         torch.cuda.empty_cache()
     for k, n in (shapes or LINEAR_SHAPES) if args.prefill_batches else ():
