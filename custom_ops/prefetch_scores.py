@@ -24,14 +24,14 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   then runs only in programs with candidates, starts at the claim, and reads the epoch word
   beside its first load instead of after the claim.
 
-Both record a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
-read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and count the
-rows they keep in pf_stats[PF_STAGED].
+Each records a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
+read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and counts the
+rows it keeps in pf_stats[PF_STAGED].
 
-Both give the same scores (bit for bit: the same scoring code) and the same candidate set; which
-candidates are staged may differ (atomics order when a cap binds; and "post" budgets per program,
-so a block with more than rows_per_block candidates can stage more), which only changes
-performance: the attended set is the exact top-k either way.
+All give the same scores (bit for bit: the same scoring code) and the same candidate set; which
+candidates are staged may differ (atomics order when a cap binds; and "post" and "early" budget
+per program, so a block with more than rows_per_block candidates can stage more), which only
+changes performance: the attended set is the exact top-k either way.
 """
 
 from __future__ import annotations
