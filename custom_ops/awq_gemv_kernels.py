@@ -54,8 +54,8 @@ def w4a16_gemv_kernel(
     w_mask = n_mask[None, :, None]
     w_next = tl.load(qw_ptr + gg[:, None, None] * n16 + col,
                      mask=(gg < G)[:, None, None] & w_mask, other=0)  # fmt: skip
-    x_rows = x_ptr + offs_m[:, None, None] * stride_xm
     acc = tl.zeros([MP, BN], dtype=tl.float32)
+    rows = tl.arange(0, MP)
     for c in range(0, tl.cdiv(G, CG)):
         w = w_next
         g1 = (c + 1) * CG + gg  # the next step's words, issued before this step's sums
@@ -66,32 +66,42 @@ def w4a16_gemv_kernel(
         zs = tl.load(zs_ptr + g[:, None] * N + offs_n[None, :], mask=gm[:, None] & n_mask[None, :],
                      other=0)  # fmt: skip
         zf = ((zs & 0xFF).to(tl.float32) + 8388608.0)[:, :, None]  # 2^23 + z, [CG, BN, 1]
-        x_grp = x_rows + g[None, :, None] * _GROUP + 2 * pp[None, None, :]  # [MP, CG, 16]
-        x_mask = m_mask[:, None, None] & gm[None, :, None]
-        part = tl.zeros([MP, CG, BN, 16], dtype=tl.float32)
-        for s in tl.static_range(4):
-            for h in tl.static_range(2):
-                q = ((w >> (4 * s + 16 * h)) & 0xF) | 0x4B000000
-                qz = q.to(tl.float32, bitcast=True) - zf  # q - z, exact
-                xk = tl.load(x_grp + (32 * s + h), mask=x_mask, other=0.0).to(tl.float32)
-                part += xk[:, :, None, :] * qz[None, :, :, :]
-        acc += tl.sum(tl.sum(part, axis=3) * _scale_f32(zs)[None, :, :], axis=1)
+        sc = _scale_f32(zs)
+        x_grp = g[:, None] * _GROUP + 2 * pp[None, :]  # [CG, 16]: K row 2 p of each group
+        x_mask = gm[:, None] & (pp < 16)[None, :]
+        for mi in tl.static_range(MP):  # a token at a time: the registers do not grow with MP
+            row = tl.minimum(pid_m * MP + mi, M - 1)  # (a row past M is computed, not stored)
+            x_row = x_ptr + row * stride_xm + x_grp
+            part = tl.zeros([CG, BN, 16], dtype=tl.float32)
+            for s in tl.static_range(4):
+                for h in tl.static_range(2):
+                    q = ((w >> (4 * s + 16 * h)) & 0xF) | 0x4B000000
+                    qz = q.to(tl.float32, bitcast=True) - zf  # q - z, exact
+                    xk = tl.load(x_row + (32 * s + h), mask=x_mask, other=0.0).to(tl.float32)
+                    part += xk[:, None, :] * qz
+            d = tl.sum(tl.sum(part, axis=2) * sc, axis=0)  # [BN]
+            acc += tl.where(rows[:, None] == mi, d[None, :], 0.0)
     mask = m_mask[:, None] & n_mask[None, :]
     _store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask, INTERPRET)
 
 
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
 def w4a16_gemv_config(m: int, n: int, k: int, num_sms: int, waves: float = 1.0,
-                      chunk_bytes: int = 8192) -> dict:  # fmt: skip
-    """MP: the tokens' power of two, at most 4; BN: the widest power-of-two column block (at
-    most 128) that still gives ``waves`` x SMs programs; CG: groups a step so that a step's words
-    are about ``chunk_bytes`` (64 bytes a column and group; two steps in flight a program)."""
-    mp = min(4, triton.next_power_of_2(max(m, 1)))
+                      chunk_bytes: int = 8192, mp: int | None = None) -> dict:  # fmt: skip
+    """MP (unless given): the tokens' power of two, at most 4; BN: the widest power-of-two
+    column block (at most 128) that still gives ``waves`` x SMs programs; CG: groups a step so
+    that a step's words are about ``chunk_bytes`` (64 bytes a column and group; two steps in
+    flight a program)."""
+    mp = mp or min(4, triton.next_power_of_2(max(m, 1)))
     m_blocks = -(-m // mp)
     bn = 128
     while bn > 2 and -(-n // bn) * m_blocks < waves * num_sms:
         bn //= 2
-    cg = max(1, chunk_bytes // (bn * 64))
-    cg = min(1 << (cg.bit_length() - 1), triton.next_power_of_2(k // GROUP))
+    cg = _pow2_floor(chunk_bytes // (bn * 64))
+    cg = min(cg, triton.next_power_of_2(k // GROUP))  # (never past K's groups)
     return {"GEMV": True, "GEMV_MP": mp, "GEMV_BN": bn, "GEMV_CG": cg, "num_warps": 4}
 
 
@@ -107,7 +117,7 @@ def w4a16_gemv(
     if x.stride(1) != 1:
         x = x.contiguous()
     auto = w4a16_gemv_config(m, n, k, _num_sms(x.device), cfg.get("GEMV_WAVES", 1.0),
-                             cfg.get("GEMV_CHUNK", 8192))  # fmt: skip
+                             cfg.get("GEMV_CHUNK", 8192), cfg.get("GEMV_MP"))  # fmt: skip
     mp, bn, cg = (int(cfg.get(f"GEMV_{key}", auto[f"GEMV_{key}"])) for key in ("MP", "BN", "CG"))
     for name, v in (("MP", mp), ("BN", bn), ("CG", cg)):
         if v < 1 or v > 128 or v & (v - 1):

@@ -49,38 +49,45 @@ def fp8_gemv_kernel(
     KB = K // 128
     ws_row = ws_ptr + (pid_n * BN) // 128 * KB
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([MP, BN], dtype=tl.float32)
+    rows = tl.arange(0, MP)
     w_next = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0)
     for c in range(0, tl.cdiv(KB, CB)):
         w = w_next
         k1 = (c + 1) * CB * 128 + kk  # the next chunk's loads, issued before this one's sums
         w_next = tl.load(w_rows + k1[None, :], mask=n_mask[:, None] & (k1 < K)[None, :], other=0.0)
+        wf = tl.reshape(w.to(tl.float32), [BN, CB, 128])
         k0 = c * CB * 128 + kk
-        x = tl.load(x_rows + k0[None, :], mask=m_mask[:, None] & (k0 < K)[None, :], other=0.0)
-        x8, s = _quant_tile(tl.reshape(x.to(tl.float32), [MP * CB, 128]), UE8M0, INTERPRET)
-        xq = tl.reshape(x8.to(tl.float32), [MP, 1, CB, 128])
-        wf = tl.reshape(w.to(tl.float32), [1, BN, CB, 128])
-        d = tl.sum(xq * wf, axis=3)  # [MP, BN, CB]: one fp32 dot per K block
         kb = c * CB + cbs
         sw = tl.load(ws_row + kb, mask=kb < KB, other=0.0)  # past K: zero dots, zero scales
-        acc += tl.sum((d * tl.reshape(s, [MP, 1, CB])) * sw[None, None, :], axis=2)
+        for mi in tl.static_range(MP):  # a token at a time: the registers do not grow with MP
+            row = tl.minimum(pid_m * MP + mi, M - 1)  # (a row past M is computed, not stored)
+            x = tl.load(x_ptr + row * stride_xm + k0, mask=k0 < K, other=0.0)
+            x8, s = _quant_tile(tl.reshape(x.to(tl.float32), [CB, 128]), UE8M0, INTERPRET)
+            d = tl.sum(x8.to(tl.float32)[None, :, :] * wf, axis=2)  # [BN, CB]: a dot per K block
+            part = tl.sum((d * s[None, :]) * sw[None, :], axis=1)  # [BN]
+            acc += tl.where(rows[:, None] == mi, part[None, :], 0.0)
     mask = m_mask[:, None] & n_mask[None, :]
     _store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask, INTERPRET)
 
 
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
 def fp8_gemv_config(m: int, n: int, k: int, num_sms: int, waves: float = 1.0,
-                    chunk_bytes: int = 8192) -> dict:  # fmt: skip
-    """MP: the tokens' power of two, at most 4; BN: the widest power-of-two row block (at most
-    128) that still gives ``waves`` x SMs programs; CB: K blocks a step so that a step's weight
-    chunk is about ``chunk_bytes`` (two chunks in flight a program)."""
-    mp = min(4, triton.next_power_of_2(max(m, 1)))
+                    chunk_bytes: int = 8192, mp: int | None = None) -> dict:  # fmt: skip
+    """MP (unless given): the tokens' power of two, at most 4; BN: the widest power-of-two row
+    block (at most 128) that still gives ``waves`` x SMs programs; CB: K blocks a step so that a
+    step's weight chunk is about ``chunk_bytes`` (two chunks in flight a program; as many fp32
+    products a step, 64 a thread at 8192 on 4 warps)."""
+    mp = mp or min(4, triton.next_power_of_2(max(m, 1)))
     m_blocks = -(-m // mp)
-    bn = 128
+    bn = BLOCK
     while bn > 2 and -(-n // bn) * m_blocks < waves * num_sms:
         bn //= 2
-    cb = max(1, chunk_bytes // (bn * BLOCK))
-    cb = min(1 << (cb.bit_length() - 1), triton.next_power_of_2(k // BLOCK))  # (tl.arange)
+    cb = _pow2_floor(chunk_bytes // (bn * BLOCK))
+    cb = min(cb, triton.next_power_of_2(k // BLOCK))  # (never past K's blocks)
     return {"GEMV": True, "GEMV_MP": mp, "GEMV_BN": bn, "GEMV_CB": cb, "num_warps": 4}
 
 
@@ -94,7 +101,7 @@ def fp8_gemv(
     m, k = x.shape
     n = w8.shape[0]
     auto = fp8_gemv_config(m, n, k, _num_sms(x.device), cfg.get("GEMV_WAVES", 1.0),
-                           cfg.get("GEMV_CHUNK", 8192))  # fmt: skip
+                           cfg.get("GEMV_CHUNK", 8192), cfg.get("GEMV_MP"))  # fmt: skip
     mp, bn, cb = (int(cfg.get(f"GEMV_{key}", auto[f"GEMV_{key}"])) for key in ("MP", "BN", "CB"))
     for name, v, top in (("MP", mp, 64), ("BN", bn, BLOCK), ("CB", cb, 64)):
         if v < 1 or v > top or v & (v - 1):
