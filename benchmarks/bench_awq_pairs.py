@@ -84,10 +84,11 @@ def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
 
 def gemv_candidates() -> list[dict]:
     """The GEMV-shaped kernel (custom_ops/awq_gemv_kernels.py): its rule, 8 warps, two programs
-    a SM, 16 KB steps."""
+    a SM, 16 KB steps, up to 16 tokens a program (the weights read once at M <= 16)."""
     return [{"GEMV": True, "num_warps": 4}, {"GEMV": True, "num_warps": 8},
             {"GEMV": True, "GEMV_WAVES": 2, "num_warps": 4},
-            {"GEMV": True, "GEMV_CHUNK": 16384, "num_warps": 4}]  # fmt: skip
+            {"GEMV": True, "GEMV_CHUNK": 16384, "num_warps": 4},
+            {"GEMV": True, "GEMV_MP": 16, "num_warps": 4}]  # fmt: skip
 
 
 def scaled_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:

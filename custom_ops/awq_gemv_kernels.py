@@ -91,11 +91,11 @@ def _pow2_floor(v: int) -> int:
 
 def w4a16_gemv_config(m: int, n: int, k: int, num_sms: int, waves: float = 1.0,
                       chunk_bytes: int = 8192, mp: int | None = None) -> dict:  # fmt: skip
-    """MP (unless given): the tokens' power of two, at most 4; BN: the widest power-of-two
+    """MP: the tokens' power of two, at most ``mp`` (default 4); BN: the widest power-of-two
     column block (at most 128) that still gives ``waves`` x SMs programs; CG: groups a step so
     that a step's words are about ``chunk_bytes`` (64 bytes a column and group; two steps in
     flight a program)."""
-    mp = mp or min(4, triton.next_power_of_2(max(m, 1)))
+    mp = min(mp or 4, triton.next_power_of_2(max(m, 1)))
     m_blocks = -(-m // mp)
     bn = 128
     while bn > 2 and -(-n // bn) * m_blocks < waves * num_sms:
@@ -118,7 +118,8 @@ def w4a16_gemv(
         x = x.contiguous()
     auto = w4a16_gemv_config(m, n, k, _num_sms(x.device), cfg.get("GEMV_WAVES", 1.0),
                              cfg.get("GEMV_CHUNK", 8192), cfg.get("GEMV_MP"))  # fmt: skip
-    mp, bn, cg = (int(cfg.get(f"GEMV_{key}", auto[f"GEMV_{key}"])) for key in ("MP", "BN", "CG"))
+    mp = auto["GEMV_MP"]  # (GEMV_MP caps it: no token block wider than the tokens)
+    bn, cg = (int(cfg.get(f"GEMV_{key}", auto[f"GEMV_{key}"])) for key in ("BN", "CG"))
     for name, v in (("MP", mp), ("BN", bn), ("CG", cg)):
         if v < 1 or v > 128 or v & (v - 1):
             raise ValueError(f"w4a16_linear_p: bad GEMV config {cfg}: GEMV_{name} must be a "

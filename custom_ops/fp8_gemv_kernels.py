@@ -77,11 +77,11 @@ def _pow2_floor(v: int) -> int:
 
 def fp8_gemv_config(m: int, n: int, k: int, num_sms: int, waves: float = 1.0,
                     chunk_bytes: int = 8192, mp: int | None = None) -> dict:  # fmt: skip
-    """MP (unless given): the tokens' power of two, at most 4; BN: the widest power-of-two row
+    """MP: the tokens' power of two, at most ``mp`` (default 4); BN: the widest power-of-two row
     block (at most 128) that still gives ``waves`` x SMs programs; CB: K blocks a step so that a
     step's weight chunk is about ``chunk_bytes`` (two chunks in flight a program; as many fp32
     products a step, 64 a thread at 8192 on 4 warps)."""
-    mp = mp or min(4, triton.next_power_of_2(max(m, 1)))
+    mp = min(mp or 4, triton.next_power_of_2(max(m, 1)))
     m_blocks = -(-m // mp)
     bn = BLOCK
     while bn > 2 and -(-n // bn) * m_blocks < waves * num_sms:
@@ -102,7 +102,8 @@ def fp8_gemv(
     n = w8.shape[0]
     auto = fp8_gemv_config(m, n, k, _num_sms(x.device), cfg.get("GEMV_WAVES", 1.0),
                            cfg.get("GEMV_CHUNK", 8192), cfg.get("GEMV_MP"))  # fmt: skip
-    mp, bn, cb = (int(cfg.get(f"GEMV_{key}", auto[f"GEMV_{key}"])) for key in ("MP", "BN", "CB"))
+    mp = auto["GEMV_MP"]  # (GEMV_MP caps it: no token block wider than the tokens)
+    bn, cb = (int(cfg.get(f"GEMV_{key}", auto[f"GEMV_{key}"])) for key in ("BN", "CB"))
     for name, v, top in (("MP", mp, 64), ("BN", bn, BLOCK), ("CB", cb, 64)):
         if v < 1 or v > top or v & (v - 1):
             raise ValueError(f"fp8_linear: bad GEMV config {cfg}: GEMV_{name} must be a power "
