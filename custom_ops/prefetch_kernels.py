@@ -24,7 +24,8 @@ from custom_ops import indexer_kernels as ik
 from custom_ops.prefetch_layout import EMA_ALPHA, EMA_DEV, EMA_LEVEL, EMA_THR, PF_STEPS
 from custom_ops.prefetch_scores import scores_variant
 
-# staged rows per score block at most ("tile"); "post" gives a program rows x TPP / BT in all
+# staged rows per score block at most ("tile"); "post" and "early" give a program rows x TPP / BT
+# in all
 PF_ROWS = 8
 _S_STEPS = tl.constexpr(PF_STEPS)
 _A_NEW = tl.constexpr(EMA_ALPHA)  # update_ema's two weights, as the Python floats it uses

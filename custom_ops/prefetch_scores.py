@@ -51,7 +51,7 @@ _SCALE_OFF = tl.constexpr(PAGE * INDEX_DIM // 4)
 _PAGE_F32 = tl.constexpr(INDEX_PAGE_BYTES // 4)
 _S_STAGED = tl.constexpr(PF_STAGED)
 _SHIFT = tl.constexpr(EPOCH_SHIFT)
-DEFAULT_VARIANT = "post"
+DEFAULT_VARIANT = "early"
 
 
 @triton.jit

@@ -153,15 +153,16 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     assert torch.equal(ema[:, other], ema_all[:, other])  # no other request's state moved
 
 
-def test_post_variant_bounds_and_chunks(device):
-    """The "post" kernel with 2 rows per tile: a program claims at most 2 x TPP / BT rows and
-    copies them 2 at a time (several copy iterations); the staged set is a subset of the
-    candidates within the caps, every staged row a copy of its host row."""
+@pytest.mark.parametrize("variant", ["post", "early"])
+def test_post_variant_bounds_and_chunks(device, variant):
+    """The post kernel (both forms) with 2 rows per tile: a program claims at most 2 x TPP / BT
+    rows and copies them 2 at a time (several copy iterations); the staged set is a subset of
+    the candidates within the caps, every staged row a copy of its host row."""
     B, cap, topk, rows = 3, 16, 32, 2
     inp, host_kv, h2g, st = _prefetch_case(21, device)
     st["ema"][pl.EMA_THR].fill_(float("-inf"))  # every off-GPU live token is a candidate
     _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, topk, cap, 0.0, cfg=SMALL,
-         rows_per_block=rows, variant="post")  # fmt: skip
+         rows_per_block=rows, variant=variant)  # fmt: skip
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     score, slots = pr.index_scores_ref(*args)
     want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
@@ -182,16 +183,18 @@ def test_post_variant_bounds_and_chunks(device):
     assert int(st["pf_stats"][pl.PF_CANDIDATES]) == sum(len(w) for w in want)
 
 
-def test_post_variant_at_32_score_blocks_a_program(device):
-    """The post kernel's bits at their widest: 32 score blocks a program (bit 31 is the int32's
-    sign bit) and programs that start past token 0. With the threshold at -inf and room for every
-    row, exactly the off-GPU live tokens are staged, each a copy of its host row."""
+@pytest.mark.parametrize("variant", ["post", "early"])
+def test_post_variant_at_32_score_blocks_a_program(device, variant):
+    """The post kernel's bits (both forms) at their widest: 32 score blocks a program (bit 31 is
+    the int32's sign bit) and programs that start past token 0. With the threshold at -inf and
+    room for every row, exactly the off-GPU live tokens are staged, each a copy of its host
+    row."""
     B, cap = 3, 1024
     inp, host_kv, h2g, st = _prefetch_case(23, device, P=20, lens=(1100, 17, 700), cap=cap)
     st["ema"][pl.EMA_THR].fill_(float("-inf"))
     wide = ik.IndexerConfig(score_block=16, score_tokens=512, sel_block=64, sel_chunk=64)
     _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, 32, cap, 0.0, cfg=wide,
-         rows_per_block=64, variant="post")  # fmt: skip
+         rows_per_block=64, variant=variant)  # fmt: skip
     args = [inp[k] for k in ("q_fp8", "weights", "index_cache", "block_table", "seq_lens")]
     score, slots = pr.index_scores_ref(*args)
     want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
@@ -201,14 +204,15 @@ def test_post_variant_at_32_score_blocks_a_program(device):
     assert torch.equal(st["stage_kv"][live], host_kv[h])
 
 
-def test_post_variant_refuses_more_than_32_score_blocks_a_program(device):
+@pytest.mark.parametrize("variant", ["post", "early"])
+def test_post_variant_refuses_more_than_32_score_blocks_a_program(device, variant):
     """The post kernel keeps one bit per score block of a program in an int32: a configuration
     with more blocks a program is an error naming them, not a wrong candidate set."""
     inp, host_kv, h2g, st = _prefetch_case(21, device)
     wide = ik.IndexerConfig(score_block=16, score_tokens=1024, sel_block=64, sel_chunk=64)
     with pytest.raises(ValueError, match="at most 32 score blocks a program.*= 64"):
         _run(pk.indexer_topk_prefetch_cuda, inp, host_kv, h2g, st, 32, 16, 0.0, cfg=wide,
-             variant="post")  # fmt: skip
+             variant=variant)  # fmt: skip
 
 
 @pytest.mark.parametrize("margin", [0.0, 2.0, 0.37])
