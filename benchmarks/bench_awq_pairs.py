@@ -12,8 +12,7 @@ side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launc
    int4 GEMM where it imports, and the pair kernel: its heuristic (``p_config``) and every
    candidate of ``linear_candidates`` (``pair_best_us`` and its config, exact weights); from
    M = 32 the SCALED kernel's candidates too (``scaled_candidates``, W rounded to bf16).
-   ``--no-sweeps``: the served configurations only; ``--gemv-sweep``: the GEMV kernel's
-   candidates only (``gemv_candidates``).
+   ``--no-sweeps``: the served configurations only.
 3. Prefill, M in ``--prefill-batches``: bf16, the exact-weight pair kernel, the SCALED kernel's
    best wide tile, and the weight dequantised once then ``F.linear`` (served from
    ``awq_pairs_kernels.DEQUANT_MIN_M``), and the dequantisation alone.
@@ -66,8 +65,7 @@ def over(budget_s: float) -> bool:
 
 
 def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
-    """Launch configurations around ``p_config``: tile width, warps, stages, split-K depth; at
-    M <= 16 the GEMV kernel's too."""
+    """Launch configurations around ``p_config``: tile width, warps, stages, split-K depth."""
     bt = PK.tokens_tile(m)
     shapes = [(64, 4, 4), (128, 4, 4), (128, 4, 6), (128, 8, 4), (256, 8, 4)]
     if bt >= 64:
@@ -79,16 +77,7 @@ def linear_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
             c.update(num_warps=warps, num_stages=stages, SCALED=False)
             if c not in out:
                 out.append(c)
-    return out + (gemv_candidates() if m <= 16 else [])
-
-
-def gemv_candidates() -> list[dict]:
-    """The GEMV-shaped kernel (custom_ops/awq_gemv_kernels.py): its rule, 8 warps, two programs
-    a SM, 16 KB steps, up to 16 tokens a program (the weights read once at M <= 16)."""
-    return [{"GEMV": True, "num_warps": 4}, {"GEMV": True, "num_warps": 8},
-            {"GEMV": True, "GEMV_WAVES": 2, "num_warps": 4},
-            {"GEMV": True, "GEMV_CHUNK": 16384, "num_warps": 4},
-            {"GEMV": True, "GEMV_MP": 16, "num_warps": 4}]  # fmt: skip
+    return out
 
 
 def scaled_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
@@ -212,8 +201,8 @@ def check(result: dict) -> None:
 
 
 def bench_linear(
-    k: int, n: int, batches: list[int], hbm: float, budget_s: float,
-    sweeps: bool | str = True, scaled_min_m: int = 32,
+    k: int, n: int, batches: list[int], hbm: float, budget_s: float, sweeps: bool = True,
+    scaled_min_m: int = 32,
 ) -> list[dict]:  # fmt: skip
     rows = []
     wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
@@ -248,8 +237,7 @@ def bench_linear(
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
                                                           f"{row['served_path']}_us")]  # fmt: skip
         sweep = []
-        cands = gemv_candidates() if sweeps == "gemv" else linear_candidates(m, n, k, sms)
-        for c in cands if sweeps else ():
+        for c in linear_candidates(m, n, k, sms) if sweeps else ():
             us = _time(
                 [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
             )
@@ -257,7 +245,7 @@ def bench_linear(
         ok = [s for s in sweep if not math.isnan(s["us"])] + [{"config": cfg, "us": row["pair_us"]}]
         best = min(ok, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
         row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
-        if sweeps is True and m >= scaled_min_m:
+        if sweeps and m >= scaled_min_m:
             ss = []
             for c in scaled_candidates(m, n, k, sms):
                 calls = [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c)
@@ -393,8 +381,6 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-sweeps", action="store_true",
                     help="time the served configurations only (no launch-configuration sweeps)")
-    ap.add_argument("--gemv-sweep", action="store_true",
-                    help="the linears' sweep times the GEMV kernel's candidates only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq_pairs: needs a CUDA GPU")
@@ -424,8 +410,7 @@ def main() -> None:
     result["linear"], result["prefill"] = [], []
     for k, n in (shapes or LINEAR_SHAPES) if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
-                                         args.budget_s * 0.5,
-                                         "gemv" if args.gemv_sweep else not args.no_sweeps)
+                                         args.budget_s * 0.5, not args.no_sweeps)  # fmt: skip
         save()
         torch.cuda.empty_cache()
     for k, n in (shapes or LINEAR_SHAPES) if args.prefill_batches else ():

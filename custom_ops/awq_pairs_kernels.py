@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from custom_ops.awq_format import GROUP, check_pairs, check_x16
-from custom_ops.awq_gemv_kernels import w4a16_gemv
 from custom_ops.awq_kernels import (
     _num_sms,
     _round16,
@@ -302,8 +301,6 @@ def w4a16_linear_p_triton(
     cfg = config or p_config(m, n, k, _num_sms(x.device))
     if cfg.get("DEQUANT"):  # many tokens: the weight once in x's dtype, then a dense GEMM
         return torch.nn.functional.linear(x, dequant_p_triton(qweight_p, zs_p, x.dtype, mode))
-    if cfg.get("GEMV"):  # few tokens: the GEMV-shaped kernel (custom_ops/awq_gemv_kernels.py)
-        return w4a16_gemv(x, qweight_p, zs_p, cfg)
     _check_config("w4a16_linear_p", cfg)
     split = cfg["SPLIT_K"]
     if split == 1:

@@ -30,7 +30,6 @@ from custom_ops.awq_kernels import (
     splitk_last_sum,
     splitk_sum_kernel,
 )
-from custom_ops.fp8_gemv_kernels import fp8_gemv
 from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
 from custom_ops.fp8_quant_kernels import _quant_tile
 from custom_ops.moe_align import moe_align
@@ -212,8 +211,7 @@ def fp8_linear_triton(
     config: dict | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``x [M, K] -> [M, N]`` with FP8 block-scaled weights (see custom_ops/fp8_linear.py).
-    ``config["PREQUANT"]``: quantise x in a launch of its own first (``act_quant_dg``);
-    ``config["GEMV"]``: the few-token kernel instead (``fp8_gemv_kernels``)."""
+    ``config["PREQUANT"]``: quantise x in a launch of its own first (``act_quant_dg``)."""
     check_fp8_linear(x, w8, w_scale)
     m, k = x.shape
     n = w8.shape[0]
@@ -221,8 +219,6 @@ def fp8_linear_triton(
         x = x.contiguous()
     out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     cfg = config or fp8_config(m, n, k, _num_sms(x.device))
-    if cfg.get("GEMV"):  # the few-token kernel (custom_ops/fp8_gemv_kernels.py)
-        return fp8_gemv(x, w8, w_scale, ue8m0, cfg)
     prequant = bool(cfg.get("PREQUANT", False))
     xs = x  # any pointer: unused unless prequant
     if prequant:
