@@ -1,5 +1,5 @@
 """The cache layout (cache_layout.py, kv_format.py) as Triton constexprs, for the cache kernels
-(cache_pool_kernels.py, cache_list_kernels.py)."""
+(cache_pool_kernels.py, cache_list_kernels.py, cache_release_kernels.py, cache_sync.py)."""
 
 from __future__ import annotations
 

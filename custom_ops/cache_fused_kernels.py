@@ -41,10 +41,9 @@ from custom_ops.cache_list_kernels import (
     _out_early,
     _out_late,
     _recall_final,
-    _signal,
-    _wait,
 )
 from custom_ops.cache_pool_kernels import _evict_place, _hist
+from custom_ops.cache_sync import _signal, _wait
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Launchers and launch configuration of the cache-manager ops' Triton kernels (cache_ref.py has
 the semantics and the references; the kernels: cache_pool_kernels.py for the pool scans,
-cache_list_kernels.py for the list/token ones). The configuration and switches are module
+cache_list_kernels.py for recall's list ones, cache_release_kernels.py for release and offload,
+cache_sync.py for how their programs coordinate). The configuration and switches are module
 globals read at launch, so the benchmark and tests set them here.
 
 All grids are static (sized by the pool, the list or the SM count); the live counts (how many to
@@ -47,14 +48,10 @@ import triton
 
 from custom_ops import cache_layout as C
 from custom_ops.cache_fused_kernels import _free_kernel, _recall_kernel
-from custom_ops.cache_list_kernels import (
-    PDL_AVAILABLE,
-    _copy_out_kernel,
-    _lookup_kernel,
-    _offload_kernel,
-    _release_kernel,
-)
+from custom_ops.cache_list_kernels import _copy_out_kernel, _lookup_kernel
 from custom_ops.cache_pool_kernels import _allocate_kernel, _evict_hist_kernel, _evict_place_kernel
+from custom_ops.cache_release_kernels import _offload_kernel, _release_kernel
+from custom_ops.cache_sync import PDL_AVAILABLE
 
 # Launch configuration (chosen by reasoning, not measured: see docs/cache_ops.md; the benchmark
 # can try others). Pool passes: 196 programs of 1024 slots at N_G = 200K, ~1.5 per SM, one atomic

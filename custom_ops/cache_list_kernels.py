@@ -1,43 +1,23 @@
 """Triton kernels of the cache-manager ops over a list of host slots or tokens (grids sized by
-the list): recall's lookup (also free's protect), recall's row copy + output, release, and
-offload; launched by cache_kernels.py, whose docstring gives the coordination."""
+the list): recall's lookup (also free's protect) and recall's row copy + output; launched by
+cache_kernels.py, whose docstring gives the coordination (release and offload:
+cache_release_kernels.py; the programs' coordination: cache_sync.py)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-try:  # grid dependency control (Triton >= 3.3); without it PDL stays off (PDL_AVAILABLE)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    PDL_AVAILABLE = True
-except ImportError:  # pragma: no cover - older Triton: the launchers never set PDL
-    PDL_AVAILABLE = False
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-
 from custom_ops.cache_constexpr import (
     CLOCK_MASK,
-    IDX_PAGE_W,
-    IDX_ROW_W,
     M_ALLOC_CTR,
     M_CLOCK,
-    M_DONE,
     M_HEAD,
     M_IDX_HW,
     M_LAST_ALLOC,
     M_LAST_MISS,
     M_NFREE,
     M_NMISS,
-    M_VICT_CTR,
-    PAGE_C,
     PENDING,
     PF_PROMOTED_C,
     S_RECALLED,
@@ -45,50 +25,7 @@ from custom_ops.cache_constexpr import (
     S_STEPS,
     STAGE_SHIFT,
 )
-
-
-# ---- helpers ------------------------------------------------------------------------------------
-@triton.jit
-def _pdl_start():
-    """Programmatic dependent launch (cache_kernels.LAUNCH_PDL, sm_90): let the next launch of
-    the op start now (its programs wait in their own gdc_wait), then wait until the previous
-    launch has finished and its writes are visible. So every read of this kernel sees the whole
-    previous launch, as without PDL; only the launch latency overlaps. Not for the interpreter."""
-    gdc_launch_dependents()
-    gdc_wait()
-
-
-@triton.jit
-def _last_program(meta, nprog):
-    """True in the last of ``nprog`` programs to get here; each of them must call it once."""
-    tl.debug_barrier()  # all threads' stores of this program are issued before the release
-    done = tl.atomic_add(meta + M_DONE, 1, sem="acq_rel")
-    return done == nprog - 1
-
-
-@triton.jit
-def _signal(ctr):
-    """A phase of a one-launch op is done in this program: its writes are released to the
-    programs that _wait on ``ctr`` (cache_fused_kernels.py)."""
-    tl.debug_barrier()  # all threads' stores of this program are issued before the release
-    tl.atomic_add(ctr, 1, sem="release")
-
-
-@triton.jit
-def _wait(ctr, target, SLEEP_NS: tl.constexpr = 0):
-    """Spin until ``target`` programs have _signal-ed ``ctr``; then their writes are visible to
-    every thread of this program. Only ever called on counters of lower-numbered programs.
-    SLEEP_NS > 0 (CUDA only): nanosleep between polls, so hundreds of waiting programs do not
-    keep the counter's L2 line busy."""
-    c = tl.atomic_add(ctr, 0, sem="acquire")
-    while c < target:
-        if SLEEP_NS > 0:
-            c = tl.inline_asm_elementwise(
-                f"nanosleep.u32 {SLEEP_NS}; mov.b32 $0, $1;", "=r,r", [c], dtype=tl.int32,
-                is_pure=False, pack=1,
-            )  # fmt: skip
-        c = tl.atomic_add(ctr, 0, sem="acquire")
-    tl.debug_barrier()  # the other threads' reads follow thread 0's acquire
+from custom_ops.cache_sync import _pdl_start
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -482,58 +419,3 @@ def _recall_final(meta, stats):
     tl.store(meta + M_CLOCK, (clock + 1) & CLOCK_MASK)
     tl.atomic_add(stats + S_RECALLED, nalloc.to(tl.int64), sem="relaxed")
     tl.atomic_add(stats + S_STEPS, nalloc.to(tl.int64) * 0 + 1, sem="relaxed")
-
-
-@triton.jit
-def _release_kernel(
-    host_slots, h2g, g2h, prio, ring, meta, total, n_h, n_g, BLOCK: tl.constexpr
-):  # fmt: skip
-    """Drop host slots from the maps (the exchange makes duplicates in the list free once) and
-    push their GPU slots onto the ring of free slots behind its last entry: position
-    HEAD + NFREE + j, j from one atomicAdd per block on meta[VICT_CTR] plus a prefix sum. The
-    last program (meta[DONE]) adds the count to NFREE and resets the counter, so no program
-    reads NFREE after another changed it."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    h = tl.load(host_slots + offs, mask=offs < total, other=-1)
-    head = tl.load(meta + M_HEAD)
-    nfree = tl.load(meta + M_NFREE)
-    valid = (h >= 0) & (h < n_h)
-    h = tl.where(valid, h, 0).to(tl.int32)
-    old = tl.atomic_xchg(h2g + h, tl.full([BLOCK], -1, tl.int32), mask=valid, sem="relaxed")
-    rel = valid & (old >= 0)
-    minus1 = tl.full([BLOCK], -1, tl.int32)
-    tl.store(g2h + old, minus1, mask=rel)
-    tl.store(prio + old, minus1, mask=rel)
-    ri = rel.to(tl.int32)
-    c = tl.sum(ri, axis=0)
-    if c > 0:
-        j = tl.atomic_add(meta + M_VICT_CTR, c, sem="relaxed") + tl.cumsum(ri, axis=0) - 1
-        pos = head + nfree + j
-        tl.store(ring + tl.where(pos >= n_g, pos - n_g, pos), old, mask=rel)
-    if _last_program(meta, tl.num_programs(0)):
-        pushed = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
-        tl.store(meta + M_NFREE, nfree + pushed)
-        tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")
-
-
-@triton.jit
-def _offload_kernel(
-    host_kv, index_k, rows, index_rows, slots, ROW_W: tl.constexpr, ROW_WP: tl.constexpr
-):
-    """Token t: its KV row -> host_kv[slot] (UVA writes) and its indexer key (32 words of fp8
-    values, 1 word of fp32 scale) -> the paged indexer cache. Slot -1: nothing."""
-    t = tl.program_id(0)
-    s = tl.load(slots + t).to(tl.int64)
-    if s >= 0:
-        cols = tl.arange(0, ROW_WP)
-        cmask = cols < ROW_W
-        v = tl.load(rows + t.to(tl.int64) * ROW_W + cols, mask=cmask)
-        tl.store(host_kv + s * ROW_W + cols, v, mask=cmask)
-        page = s // PAGE_C
-        off = s % PAGE_C
-        c32 = tl.arange(0, 32)
-        kv = tl.load(index_rows + t.to(tl.int64) * IDX_ROW_W + c32)
-        tl.store(index_k + page * IDX_PAGE_W + off * 32 + c32, kv)
-        sc = tl.load(index_rows + t.to(tl.int64) * IDX_ROW_W + 32)
-        tl.store(index_k + page * IDX_PAGE_W + PAGE_C * 32 + off, sc)

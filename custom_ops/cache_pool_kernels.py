@@ -33,7 +33,7 @@ from custom_ops.cache_constexpr import (
     NBINS,
     S_EVICTED,
 )
-from custom_ops.cache_list_kernels import _last_program, _pdl_start
+from custom_ops.cache_sync import _last_program, _pdl_start
 
 
 # ---- helpers ------------------------------------------------------------------------------------

@@ -487,7 +487,8 @@ def test_cache_kernel_names_are_every_cache_kernel_and_no_other() -> None:
     names = cache_kernel_names()
     kernels = _triton_kernels()
     assert len(kernels) > 30  # the scan found the project's kernels
-    cache_files = {"cache_fused_kernels.py", "cache_list_kernels.py", "cache_pool_kernels.py"}
+    cache_files = {"cache_fused_kernels.py", "cache_list_kernels.py", "cache_pool_kernels.py",
+                   "cache_release_kernels.py"}
     assert {n for f, n in kernels if f in cache_files} == names
     for name in names:  # defined once in the project: an indexer kernel is never charged
         assert [f for f, n in kernels if n == name] in [[f] for f in cache_files], name

@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 from custom_ops import cache_kernels as K  # the launch configuration
 from custom_ops import cache_list_kernels as LS
 from custom_ops import cache_pool_kernels as PS
+from custom_ops import cache_release_kernels as RL
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -129,11 +130,11 @@ for upr, staged, nap, claimed, early in (
     if ptx and not (re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)
                     and re.search(r"(red|atom)\.global\.gpu\.release", ptx)):
         print(f"FAIL recall[one launch, {upr}]: no acquire polls / release adds in the PTX")
-compile_(LS._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
+compile_(RL._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), ("prio", I32),
                              ("ring", I32), ("meta", I32), ("total", "i32"), ("n_h", "i32"),
                              ("n_g", "i32")],
          dict(BLOCK=K.LIST_BLOCK), "release")
-compile_(LS._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
+compile_(RL._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
                              ("index_rows", I32), ("slots", "*i64")],
          dict(ROW_W=164, ROW_WP=256), "offload")
 """

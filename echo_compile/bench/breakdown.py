@@ -53,9 +53,10 @@ def cache_kernel_names() -> frozenset[str]:
     from custom_ops import cache_fused_kernels as F
     from custom_ops import cache_list_kernels as L
     from custom_ops import cache_pool_kernels as P
+    from custom_ops import cache_release_kernels as R
 
     kernels = (F._free_kernel, F._recall_kernel, L._lookup_kernel, L._copy_out_kernel,
-               L._release_kernel, L._offload_kernel, P._evict_hist_kernel, P._allocate_kernel,
+               R._release_kernel, R._offload_kernel, P._evict_hist_kernel, P._allocate_kernel,
                P._evict_place_kernel)  # fmt: skip
     return frozenset(k.fn.__name__ for k in kernels)
 
