@@ -165,7 +165,7 @@ def check_fused(s: Setup, cap: int, ratio: float, margin: float, rows: int, vari
     st = s.staging
     thr = st.ema[pl.EMA_THR, s.keys].clone()
     host, kth = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio, margin),
-                                              rows_per_block=rows, **vargs(variant))  # fmt: skip
+                                              rows_per_block=rows, variant=variant)  # fmt: skip
     ok = torch.equal(host, s.sel) and torch.equal(kth, s.kth)
     scores = ik.index_scores(*s.args, ik.IndexerConfig())
     t = torch.arange(scores.shape[1], device=s.dev)
@@ -190,7 +190,7 @@ def check_recall(s: Setup, cap: int, ratio: float, margin: float, rows: int, var
     missed0 = s.pool.host_to_gpu[s.sel.clamp(min=0).long()] < 0
     host, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, cap, ratio, margin),
                                             rows_per_block=rows,
-                                            **vargs(variant))  # fmt: skip
+                                            variant=variant)  # fmt: skip
     staged = st.stage_host[pl.live_staged(st.stage_host, st.stage_ctr)] & pl.HOST_MASK
     before = staging_state(st)
     out = pk.recall_staged_cuda(*recall_args(s, st, host))
@@ -327,22 +327,14 @@ def time_all_staged(s: Setup, st: Staging, reps: int) -> float:
                  lambda: stage_all_misses(s, st), reps)  # fmt: skip
 
 
-def vargs(variant: str) -> dict:
-    """The op's arguments for a ``--variants`` entry: a fused scores kernel's name
-    (prefetch_scores.SCORES_VARIANTS), optionally with ``:rN``, its scores kernel capped at N
-    registers a thread (``IndexerConfig.score_maxnreg``): ``early:r168``."""
-    name, _, regs = variant.partition(":r")
-    return {"variant": name, "cfg": ik.IndexerConfig(score_maxnreg=int(regs) if regs else None)}
-
-
 def fused_scores(s: Setup, st: Staging, rows: int, variant: str) -> None:
     """The fused scores kernel alone (no top-k, no threshold update), as the op launches it."""
-    p, v = s.pool, vargs(variant)
-    ps.scores_variant(v["variant"])(
+    p = s.pool
+    ps.scores_variant(variant)(
         *s.args, pk._words(s.host, "host_kv"), p.host_to_gpu, pk._words(st.stage_kv, "stage_kv"),
         st.stage_host, st.host_stage, st.stage_ctr, st.ema[pl.EMA_THR], st.totals,
         s.cfg.prefetch_cap, 0.0,
-        v["cfg"], rows,
+        ik.IndexerConfig(), rows,
     )  # fmt: skip
 
 
@@ -401,7 +393,7 @@ def main() -> None:
     variants = [x for x in a.variants.split(",") if x]
     margins = [float(x) for x in a.margins.split(",") if x]
     for v in variants:
-        ps.scores_variant(vargs(v)["variant"])  # an unknown name: a clear error before any work
+        ps.scores_variant(v)  # an unknown name: a clear error before any work
     if dry:
         caps, ratios = sorted({min(c, 16) for c in caps}), [r * 10 for r in ratios]
     n_stage = sz["B"] * max(caps + [int(sz["ctx"] * r) for r in ratios])
@@ -434,7 +426,7 @@ def main() -> None:
     s = Setup(sz, a.fmt, dev, n_stage)
     topk, B = sz["topk"], sz["B"]
     configs = [(f"cap{c}", c, 0.0) for c in caps] + [(f"ratio{r:g}", 0, r) for r in ratios]
-    sfx = {v: "" if v == ps.DEFAULT_VARIANT else "_" + v.replace(":", "_") for v in variants}
+    sfx = {v: "" if v == ps.DEFAULT_VARIANT else f"_{v}" for v in variants}
     configs = [(f"{n}_m{m:g}_rows{r}{sfx[v]}", c, q, m, r, v) for n, c, q in configs
                for m in margins for r in pf_rows for v in variants]  # fmt: skip
     for h in hit_rates:
@@ -476,16 +468,6 @@ def main() -> None:
             lambda: timed(lambda: ik.index_scores(*s.args, cfg), s.restore, R))  # fmt: skip
     attempt(parts, "indexer_us",
             lambda: timed(lambda: ik.indexer_topk_cuda(*s.args, topk), s.restore, R))  # fmt: skip
-    # the unfused kernels at each register cap a variant names ("early:r168"): the indexer's own
-    # gain, beside the default (and, in the rounds below, "indexer_rN": capped against uncapped)
-    regs = sorted({vargs(v)["cfg"].score_maxnreg for v in variants} - {None})
-    for n in regs:
-        c = ik.IndexerConfig(score_maxnreg=n)
-        attempt(parts, f"scores_r{n}_us",
-                lambda c=c: timed(lambda: ik.index_scores(*s.args, c), s.restore, R))  # fmt: skip
-        attempt(parts, f"indexer_r{n}_us",
-                lambda c=c: timed(lambda: ik.indexer_topk_cuda(*s.args, topk, c), s.restore,
-                                  R))  # fmt: skip
     inf = torch.full((B,), float("inf"), device=dev)
     # a map with every host row resident: the tokens above the threshold are looked up, none
     # is a candidate (the lookups' cost without the copies)
@@ -498,14 +480,14 @@ def main() -> None:
 
             def indexer(w=rows, v=v):
                 args = staged_args(s, st, caps[0], 0.0, 0.0)
-                pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, **vargs(v))
+                pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, variant=v)
 
             attempt(parts, f"fused_indexer_nothing_staged{sfx[v]}_rows{rows}_us",
                     lambda f=indexer: timed(f, lambda: s.restore(thr=inf), R))  # fmt: skip
 
             def no_candidates(w=rows, v=v):  # the run's thresholds, every row on the GPU
                 args = staged_args(s, st, caps[0], 0.0, 0.0, resident)
-                pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, **vargs(v))
+                pk.indexer_topk_prefetch_cuda(*args, rows_per_block=w, variant=v)
 
             attempt(parts, f"fused_indexer_no_candidates{sfx[v]}_rows{rows}_us",
                     lambda f=no_candidates: timed(f, s.restore, R))  # fmt: skip
@@ -514,7 +496,7 @@ def main() -> None:
 
         def fused_indexer(w=pf_rows[0], v=v0):
             pk.indexer_topk_prefetch_cuda(*staged_args(s, st, caps[0], 0.0, 0.0),
-                                          rows_per_block=w, **vargs(v))  # fmt: skip
+                                          rows_per_block=w, variant=v)  # fmt: skip
 
         pairs = {
             "indexer": (lambda: ik.indexer_topk_cuda(*s.args, topk), fused_indexer,
@@ -522,12 +504,6 @@ def main() -> None:
             "scores": (lambda: ik.index_scores(*s.args, cfg),
                        lambda: fused_scores(s, st, pf_rows[0], v0), lambda: s.restore(thr=inf)),
         }  # fmt: skip
-        for n in regs:  # "fused": the capped unfused indexer (its slowdown < 0: faster)
-            pairs[f"indexer_r{n}"] = (
-                lambda: ik.indexer_topk_cuda(*s.args, topk),
-                lambda n=n: ik.indexer_topk_cuda(*s.args, topk, ik.IndexerConfig(score_maxnreg=n)),
-                lambda: s.restore(thr=inf),
-            )
         attempt(res, "fusion_ab", lambda: fusion_ab(pairs, a.ab_rounds, R) | {
             "variant": v0, "rows": pf_rows[0], "case": "nothing staged (threshold +inf)"})
     kth, lens, bt = s.kth.clone(), s.inp["seq_lens"], s.inp["block_table"]
@@ -558,11 +534,11 @@ def main() -> None:
 
             def fused(c=cap_, q=ratio, m=m, w=rows, v=v):
                 pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q, m), rows_per_block=w,
-                                              **vargs(v))  # fmt: skip
+                                              variant=v)  # fmt: skip
 
             def step(c=cap_, q=ratio, m=m, w=rows, v=v):
                 sel, _ = pk.indexer_topk_prefetch_cuda(*staged_args(s, st, c, q, m),
-                                                       rows_per_block=w, **vargs(v))  # fmt: skip
+                                                       rows_per_block=w, variant=v)  # fmt: skip
                 pk.recall_staged_cuda(*recall_args(s, st, sel))
 
             attempt(r, f"{name}_fused_indexer_us",

@@ -52,9 +52,6 @@ class IndexerConfig:
     score_tokens: int = 1024  # tokens per program of the scores kernel (multiple of score_block)
     score_warps: int = 4
     score_stages: int = 3
-    # registers a thread of the scores kernels (unfused and fused; None: the compiler's choice).
-    # 168 lets 3 CTAs of 4 warps share an SM's 64K registers
-    score_maxnreg: int | None = None
     fuse_hist: bool = False  # first radix histogram inside the scores kernel
     sel_block: int = 2048  # scores per iteration of the selection passes (power of two)
     sel_chunk: int | None = None  # tokens per selection program; None: about 4 programs per SM
@@ -362,14 +359,8 @@ def index_scores(
         FUSE_HIST=fuse,
         STAGES=cfg.score_stages,
         num_warps=cfg.score_warps,
-        **score_regs(cfg),
     )
     return scores
-
-
-def score_regs(cfg: IndexerConfig) -> dict:
-    """The scores kernels' launch option capping their registers (none without a cap)."""
-    return {} if cfg.score_maxnreg is None else {"maxnreg": cfg.score_maxnreg}
 
 
 def topk_from_scores(

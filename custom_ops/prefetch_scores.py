@@ -29,9 +29,6 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   runs beside the claim's atomic instead of after it and after a re-read of the tags just
   stored. A lower bound of the claim, the counter read at the tail's start, keeps a program
   whose cap is spent from reading rows it cannot keep. Not yet timed.
-- ``"wide"``: ``"preread"`` on programs of twice the indexer's ``score_tokens`` (2048 by
-  default): half as many programs, so half as many staging tails, each with twice the tokens.
-  Not yet timed.
 
 Each records a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
 read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and counts the
@@ -49,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.indexer_kernels import IndexerConfig, score_regs
+from custom_ops.indexer_kernels import IndexerConfig
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
 from custom_ops.prefetch_layout import EPOCH_SHIFT, PF_STAGED
 
@@ -241,16 +238,6 @@ def index_scores_prefetch_preread(*args, **kwargs) -> torch.Tensor:
     )
 
 
-def index_scores_prefetch_wide(*args, **kwargs) -> torch.Tensor:
-    """``index_scores_prefetch`` (same arguments and result) with the ``"preread"`` kernel on
-    programs of twice the indexer's ``score_tokens``: half as many staging tails."""
-    cfg = args[15]  # (launch_scores_prefetch's arguments, positional as the op passes them)
-    return launch_scores_prefetch(
-        _scores_prefetch_post_kernel, *args, EARLY=True, PREREAD=True,
-        program_tokens=2 * cfg.score_tokens, **kwargs,
-    )  # fmt: skip
-
-
 @triton.jit
 def _scores_prefetch_kernel(
     q_ptr,
@@ -396,34 +383,31 @@ def launch_scores_prefetch(
     ratio: float,
     cfg: IndexerConfig,
     rows_per_block: int = 8,
-    program_tokens: int | None = None,  # tokens a program scores (None: cfg.score_tokens)
-    **consts,  # the kernel's own constexprs (the post kernel's EARLY, PREREAD)
+    **consts,  # the kernel's own constexprs (the post kernel's EARLY)
 ) -> torch.Tensor:
     """The launch every fused scores + prefetch kernel shares (same arguments, same grid)."""
     B, n_heads = q_u8.shape[:2]
     L = block_table.shape[1] * PAGE
-    tpp = program_tokens or cfg.score_tokens
-    if tpp % cfg.score_block or cfg.score_block % 16:
+    if cfg.score_tokens % cfg.score_block or cfg.score_block % 16:
         raise ValueError("score_tokens must be a multiple of score_block, itself of 16")
-    if kernel is _scores_prefetch_post_kernel and tpp // cfg.score_block > 32:
+    if kernel is _scores_prefetch_post_kernel and cfg.score_tokens // cfg.score_block > 32:
         raise ValueError(  # its bits of the tiles above the threshold are one int32 a lane
             f"the post prefetch kernel takes at most 32 score blocks a program: score_tokens / "
-            f"score_block = {tpp // cfg.score_block}"
+            f"score_block = {cfg.score_tokens // cfg.score_block}"
         )
     if rows_per_block <= 0 or rows_per_block & (rows_per_block - 1):
         raise ValueError(f"rows_per_block must be a power of two, got {rows_per_block}")
     scores = torch.empty((B, L), dtype=torch.float32, device=q_u8.device)
     row_w = host_words.shape[1]
-    grid = (B, triton.cdiv(L, tpp))
+    grid = (B, triton.cdiv(L, cfg.score_tokens))
     kernel[grid](
         q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
         block_table, seq_lens, scores, ema, host_to_gpu, host_stage, stage_host, stage_ctr,
         stage_ctr[-1:], pf_stats, host_words, stage_words, n_heads, block_table.stride(0), L, B,
         cap, stage_words.shape[0], float(ratio), HP=max(16, triton.next_power_of_2(n_heads)),
-        BT=cfg.score_block, TPP=tpp, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
+        BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages, GLOBAL=ratio > 0,
         BP=max(2, triton.next_power_of_2(B)), ROWS=rows_per_block, ROW_W=row_w,
-        ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps, **score_regs(cfg),
-        **consts,
+        ROW_WP=triton.next_power_of_2(row_w), num_warps=cfg.score_warps, **consts,
     )  # fmt: skip
     return scores
 
@@ -433,7 +417,6 @@ SCORES_VARIANTS = {
     "post": index_scores_prefetch_post,
     "early": index_scores_prefetch_early,
     "preread": index_scores_prefetch_preread,
-    "wide": index_scores_prefetch_wide,
 }
 
 

@@ -228,8 +228,7 @@ def test_scores_and_histogram(case: int, device: str) -> None:
 
 @pytest.mark.parametrize("cfg", [SMALL, ik.IndexerConfig(), ik.IndexerConfig(fuse_hist=False,
                                  sel_block=32, sel_chunk=96), ik.IndexerConfig(fuse_hist=True,
-                                 score_tokens=128, sel_block=64, sel_chunk=64),
-                                 ik.IndexerConfig(score_maxnreg=168)])  # fmt: skip
+                                 score_tokens=128, sel_block=64, sel_chunk=64)])  # fmt: skip
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_indexer_topk_vs_reference(case: int, cfg: ik.IndexerConfig, device: str) -> None:
     B, P, Hi, lens, topk = CASES[case]

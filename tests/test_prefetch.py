@@ -153,9 +153,9 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     assert torch.equal(ema[:, other], ema_all[:, other])  # no other request's state moved
 
 
-@pytest.mark.parametrize("variant", ["post", "early", "preread", "wide"])
+@pytest.mark.parametrize("variant", ["post", "early", "preread"])
 def test_post_variant_bounds_and_chunks(device, variant):
-    """The post kernel (every form) with 2 rows per tile: a program claims at most 2 x TPP / BT
+    """The post kernel (both forms) with 2 rows per tile: a program claims at most 2 x TPP / BT
     rows and copies them 2 at a time (several copy iterations); the staged set is a subset of
     the candidates within the caps, every staged row a copy of its host row."""
     B, cap, topk, rows = 3, 16, 32, 2
@@ -167,12 +167,11 @@ def test_post_variant_bounds_and_chunks(device, variant):
     score, slots = pr.index_scores_ref(*args)
     want = _candidates(score, slots, h2g, score.new_full((B,), float("-inf")))
     got = _staged(st, B, cap, 0.0)
-    tpp = SMALL.score_tokens * (2 if variant == "wide" else 1)  # tokens a program
-    per_prog = rows * tpp // SMALL.score_block
+    per_prog = rows * SMALL.score_tokens // SMALL.score_block
     for b in range(B):
         assert got[b] <= want[b]
         # each program stages at most per_prog of its own candidates; the request at most cap
-        prog = torch.arange(slots.shape[1]) // tpp
+        prog = torch.arange(slots.shape[1]) // SMALL.score_tokens
         is_cand = torch.tensor([int(h) in want[b] for h in slots[b].tolist()])
         is_cand &= torch.arange(slots.shape[1]) < int(inp["seq_lens"][b])
         per = torch.bincount(prog[is_cand], minlength=int(prog.max()) + 1)
