@@ -24,11 +24,6 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   scoring). The tail then runs only in programs with candidates, starts at the claim, and reads
   the epoch word beside its first load instead of after the claim. 3.2-5.7 µs faster than
   ``"post"`` per indexer + recall on an H100 (docs/prefetch.md, gpu_session37).
-- ``"preread"``: ``"early"`` with the host rows of a program's first ``rows_per_block``
-  candidates read before its claim (compacted by rank from the bits): their PCIe round trip
-  runs beside the claim's atomic instead of after it and after a re-read of the tags just
-  stored. A lower bound of the claim, the counter read at the tail's start, keeps a program
-  whose cap is spent from reading rows it cannot keep. Not yet timed.
 
 Each records a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
 read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and counts the
@@ -66,12 +61,11 @@ def _scores_prefetch_post_kernel(
     shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap,
     n_stage, ratio, HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr, EARLY: tl.constexpr, PREREAD: tl.constexpr,
+    ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``_scores_prefetch_kernel``; the staging after the scoring
     loop, for programs with a score above the threshold only (module docstring). EARLY: the
-    ``"early"`` variant (the map looked up in the loop, the bits mark candidates); PREREAD (with
-    EARLY): ``"preread"`` (the first rows read before the claim)."""
+    ``"early"`` variant (the map looked up in the loop, the bits mark candidates)."""
     b = tl.program_id(0)
     start = tl.program_id(1) * TPP
     seq_len = tl.load(sl_ptr + b)
@@ -125,7 +119,7 @@ def _scores_prefetch_post_kernel(
         _stage_program(b, start, seq_len, over_bits, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
                        hstage_ptr, shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B,
                        cap, n_stage, ratio, TPP, BT, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
-                       ROW_WP, EARLY, PREREAD)  # fmt: skip
+                       ROW_WP, EARLY)  # fmt: skip
 
 
 @triton.jit
@@ -134,15 +128,13 @@ def _stage_program(
     epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
     BT: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr,
-    ROW_W: tl.constexpr, ROW_WP: tl.constexpr, EARLY: tl.constexpr, PREREAD: tl.constexpr,
+    ROW_W: tl.constexpr, ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Stage the candidates of one program's TPP tokens, whole-program vectors (one gather of the
     map, one claim atomic, so one chain of memory latencies instead of one per tile): at most
     MAXROWS rows (rows_per_block per score tile), copied host -> staging ROWS rows at a time.
     ``over_bits`` [BT]: bit i of lane j set where token start + i BT + j beat the threshold
-    (EARLY: and is a candidate, the map already looked up). PREREAD: the host rows of the first
-    ROWS candidates are read before the claim, so that their PCIe round trip runs beside the
-    claim's instead of after it and a re-read of the tags just stored."""
+    (EARLY: and is a candidate, the map already looked up)."""
     if EARLY:  # beside the page loads, off the claim's chain
         epoch = tl.load(epoch_ptr)
     if GLOBAL:
@@ -155,8 +147,6 @@ def _stage_program(
         limit = cap
         ctr = ctr_ptr + b
         slot0 = b * cap
-    if PREREAD:  # a lower bound of the claim's base (the counter only grows in a call)
-        seen = tl.load(ctr)
     t = start + tl.arange(0, TPP)
     live = t < seq_len
     # the pages are loaded beside the map's chain, not in it (16 distinct entries per program)
@@ -174,20 +164,11 @@ def _stage_program(
         cand = over & (g < 0)
     ci = cand.to(tl.int32)
     nc = tl.sum(ci, 0)
-    rr = tl.arange(0, ROWS)
-    cols = tl.arange(0, ROW_WP)
-    cmask = cols < ROW_W
     if nc > 0:
-        lr = tl.cumsum(ci, 0) - 1  # rank among this program's candidates
-        if PREREAD:  # the first ROWS candidates, compacted by rank; every row a kept one needs
-            pick = cand[:, None] & (lr[:, None] == rr[None, :])  # [TPP, ROWS]
-            h0 = tl.sum(tl.where(pick, h[:, None], 0), axis=0).to(tl.int64)
-            n_read = tl.minimum(tl.minimum(nc, ROWS), tl.maximum(limit - seen, 0))
-            v0 = tl.load(src_ptr + h0[:, None] * ROW_W + cols[None, :],
-                         mask=(rr < n_read)[:, None] & cmask[None, :])  # fmt: skip
         claim = tl.minimum(nc, MAXROWS)  # claim only what this program copies: no holes
         base = tl.atomic_add(ctr, claim, sem="relaxed")
-        n_keep = tl.minimum(tl.maximum(limit - base, 0), claim)  # <= n_read for the first ROWS
+        n_keep = tl.minimum(tl.maximum(limit - base, 0), claim)
+        lr = tl.cumsum(ci, 0) - 1  # rank among this program's candidates
         keep = cand & (lr < n_keep)
         slot = slot0 + base + lr
         # the tag: the next epoch (this call's; the epoch word is advanced after the top-k)
@@ -196,15 +177,14 @@ def _stage_program(
         tag = ((epoch + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
         tl.store(shost_ptr + slot, tag, mask=keep)
         tl.store(hstage_ptr + h, slot, mask=keep)
-        first = slot0 + base
-        if PREREAD:
-            s0 = (first + rr).to(tl.int64)
-            tl.store(dst_ptr + s0[:, None] * ROW_W + cols[None, :], v0,
-                     mask=(rr < n_keep)[:, None] & cmask[None, :])  # fmt: skip
         # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep] (tags:
         # the host slot is the low 32 bits)
         tl.debug_barrier()
-        for j in range(ROWS * PREREAD, n_keep, ROWS):  # PREREAD: the first ROWS done
+        rr = tl.arange(0, ROWS)
+        cols = tl.arange(0, ROW_WP)
+        cmask = cols < ROW_W
+        first = slot0 + base
+        for j in range(0, n_keep, ROWS):
             r = j + rr
             rm = r < n_keep
             hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int32).to(tl.int64)
@@ -219,23 +199,12 @@ def _stage_program(
 def index_scores_prefetch_post(*args, **kwargs) -> torch.Tensor:
     """``index_scores_prefetch`` (same arguments and result) with the
     ``"post"`` kernel."""
-    return launch_scores_prefetch(
-        _scores_prefetch_post_kernel, *args, EARLY=False, PREREAD=False, **kwargs
-    )
+    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, EARLY=False, **kwargs)
 
 
 def index_scores_prefetch_early(*args, **kwargs) -> torch.Tensor:
     """``index_scores_prefetch`` (same arguments and result) with the ``"early"`` kernel."""
-    return launch_scores_prefetch(
-        _scores_prefetch_post_kernel, *args, EARLY=True, PREREAD=False, **kwargs
-    )
-
-
-def index_scores_prefetch_preread(*args, **kwargs) -> torch.Tensor:
-    """``index_scores_prefetch`` (same arguments and result) with the ``"preread"`` kernel."""
-    return launch_scores_prefetch(
-        _scores_prefetch_post_kernel, *args, EARLY=True, PREREAD=True, **kwargs
-    )
+    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, EARLY=True, **kwargs)
 
 
 @triton.jit
@@ -416,7 +385,6 @@ SCORES_VARIANTS = {
     "tile": index_scores_prefetch,
     "post": index_scores_prefetch_post,
     "early": index_scores_prefetch_early,
-    "preread": index_scores_prefetch_preread,
 }
 
 

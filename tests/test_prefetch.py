@@ -153,7 +153,7 @@ def test_prefetch_indexer(impl, thr, ratio, device):
     assert torch.equal(ema[:, other], ema_all[:, other])  # no other request's state moved
 
 
-@pytest.mark.parametrize("variant", ["post", "early", "preread"])
+@pytest.mark.parametrize("variant", ["post", "early"])
 def test_post_variant_bounds_and_chunks(device, variant):
     """The post kernel (both forms) with 2 rows per tile: a program claims at most 2 x TPP / BT
     rows and copies them 2 at a time (several copy iterations); the staged set is a subset of
@@ -183,7 +183,7 @@ def test_post_variant_bounds_and_chunks(device, variant):
     assert int(st["pf_stats"][pl.PF_CANDIDATES]) == sum(len(w) for w in want)
 
 
-@pytest.mark.parametrize("variant", ["post", "early", "preread"])
+@pytest.mark.parametrize("variant", ["post", "early"])
 def test_post_variant_at_32_score_blocks_a_program(device, variant):
     """The post kernel's bits (both forms) at their widest: 32 score blocks a program (bit 31 is
     the int32's sign bit) and programs that start past token 0. With the threshold at -inf and
@@ -204,7 +204,7 @@ def test_post_variant_at_32_score_blocks_a_program(device, variant):
     assert torch.equal(st["stage_kv"][live], host_kv[h])
 
 
-@pytest.mark.parametrize("variant", ["post", "early", "preread"])
+@pytest.mark.parametrize("variant", ["post", "early"])
 def test_post_variant_refuses_more_than_32_score_blocks_a_program(device, variant):
     """The post kernel keeps one bit per score block of a program in an int32: a configuration
     with more blocks a program is an error naming them, not a wrong candidate set."""
