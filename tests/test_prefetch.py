@@ -581,6 +581,20 @@ def test_bench_prefetch_perfect_prefetch_check_sees_where_rows_come_from(monkeyp
     assert bp.check_all_staged(s, st)["pass"] is False
 
 
+def test_bench_prefetch_rounds_take_each_figures_median():
+    """bench_prefetch's figures are the medians of the rounds where they were timed: a round
+    whose timing failed is left out of that figure, and a figure failed in every round keeps
+    its error."""
+    from benchmarks import bench_prefetch as bp
+
+    err = {"error": "RuntimeError: x"}
+    rounds = [{"a_us": 3.0, "b_us": err, "c_us": err},
+              {"a_us": 1.0, "b_us": 7.0, "c_us": err},
+              {"a_us": 2.0, "b_us": 5.0}]  # fmt: skip
+    assert bp.median_rounds(rounds) == {"a_us": 2.0, "b_us": 6.0, "c_us": err}
+    assert bp.median_rounds([{"x": 4.0}]) == {"x": 4.0}
+
+
 def test_bench_prefetch_bounds_and_amortized_figures():
     """bench_prefetch's derived figures from made-up timings: both bounds as documented, a
     failed part leaving its bound out, and the refill period of the reserve."""
