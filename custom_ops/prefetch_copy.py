@@ -1,0 +1,145 @@
+"""The ``"async"`` prefetch variant's row copy: a kernel of its own, beside the scoring.
+
+In the other variants a scoring program copies its candidates' rows host -> staging itself, at
+the end of its scoring loop, so the last wave of programs' copies has no scoring left to hide
+under, and every program that stages holds its SM through PCIe round trips. Here the scoring
+kernel only claims and tags (``prefetch_scores.index_scores_prefetch_claim``), and this kernel,
+launched on a side stream before it, copies the rows while the scoring, the exact top-k and the
+threshold update run; the op joins the side stream before it returns.
+
+The protocol, on the words at the end of ``stage_ctr`` (``[..., DONE, SCORED, EPOCH]``, E the
+epoch word):
+- the scoring kernel claims slots through the claim counters and tags each staged slot
+  ``(E + 1) << 32 | h`` (prefetch_layout);
+- the threshold update after the top-k (``prefetch_kernels._ema_kernel``, SIGNAL) stores
+  SCORED = E + 1 (release): the claims are final;
+- this kernel's programs walk the staging slots in chunks of ROWS: a chunk is copied once it is
+  wholly claimed (or SCORED says no more claims come) and each of its claimed slots carries this
+  epoch's tag; the host slot is the tag's low word;
+- its last program waits for SCORED, then ends the step's staging as ``end_staging`` does: the
+  claim counters, DONE and SCORED back to 0, the epoch word to E + 1.
+
+Only the last program advances the epoch, and only after SCORED, so every program reads the same
+E, and the scoring kernel (which reads E for its tags) has finished. No deadlock: this kernel
+waits only for the main stream's kernels, which never wait for it, and it takes at most half the
+SMs (one small program each), so those kernels always find SMs to run on. Under the interpreter
+(no streams) the op launches it after the threshold update: every wait is then already met.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.prefetch_layout import EPOCH_SHIFT, HOST_MASK
+from custom_ops.prefetch_scores import claim_space
+
+_SHIFT = tl.constexpr(EPOCH_SHIFT)
+_HOST_MASK = tl.constexpr(HOST_MASK)
+COPY_ROWS = 8  # rows a chunk (one round trip of host reads per chunk)
+COPY_WARPS = 4
+SLEEP_NS = 256  # between polls of a chunk that is not ready
+
+
+@triton.jit
+def _sleep(x, SLEEP: tl.constexpr):
+    """nanosleep (CUDA only; the interpreter never waits), passing ``x`` through."""
+    if SLEEP > 0:
+        x = tl.inline_asm_elementwise(
+            f"nanosleep.u32 {SLEEP}; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
+def _copy_staged_kernel(
+    sl_ptr, ctr_ptr, n_ctr, shost_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, n_prog,
+    GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, UPR: tl.constexpr,
+    UNITS_P: tl.constexpr, SLEEP: tl.constexpr,
+):  # fmt: skip
+    """Program p copies chunks p, p + n_prog, ... (module docstring). A chunk is ROWS slots of
+    one claim range: GLOBAL, [c ROWS, c ROWS + ROWS) of the budget; else request c // per_req's
+    range, rows (c % per_req) ROWS on. Rows are UPR 16-byte units; a chunk's units are one
+    [UNITS_P, 4] int32 tile (one load, one store)."""
+    pid = tl.program_id(0)
+    epoch = tl.load(ctr_ptr + n_ctr - 1)
+    want = epoch + 1  # this call's tags (and SCORED once the claims are final)
+    per_req = tl.cdiv(cap, ROWS)
+    n_chunks = tl.cdiv(n_stage, ROWS) if GLOBAL else B * per_req
+    u = tl.arange(0, UNITS_P)
+    row = u // UPR
+    w4 = tl.arange(0, 4)
+    rr = tl.arange(0, ROWS)
+    for c in range(pid, n_chunks, n_prog):
+        b = 0 if GLOBAL else c // per_req
+        first = c * ROWS if GLOBAL else (c % per_req) * ROWS
+        limit, ctr, slot0 = claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
+        end = first * 0
+        ready = first * 0
+        while ready == 0:
+            scored = tl.atomic_add(ctr_ptr + n_ctr - 2, 0, sem="acquire") == want
+            claimed = tl.minimum(tl.atomic_add(ctr, 0, sem="relaxed"), limit)
+            end = tl.minimum(first + ROWS, claimed)
+            if scored | (claimed >= first + ROWS):  # nothing more will be claimed in it
+                rm = first + rr < end
+                tag = tl.load(shost_ptr + slot0 + first + rr, mask=rm, other=0, volatile=True)
+                late = tl.sum((rm & ((tag >> _SHIFT) != want)).to(tl.int32), 0)
+                ready = (late == 0).to(tl.int32)
+            if ready == 0:
+                end = _sleep(end, SLEEP)
+        if end > first:
+            tl.debug_barrier()  # every thread's view of the tags follows the poll's
+            um = (u < ROWS * UPR) & (first + row < end)
+            slot = (slot0 + first + row).to(tl.int64)
+            tag = tl.load(shost_ptr + slot, mask=um, other=0, volatile=True)
+            h = tag & _HOST_MASK
+            word = (u - row * UPR) * 4
+            m2 = um[:, None]
+            v = tl.load(src_ptr + (h * (UPR * 4) + word)[:, None] + w4[None, :], mask=m2)
+            tl.store(dst_ptr + (slot * (UPR * 4) + word)[:, None] + w4[None, :], v, mask=m2)
+    # the end of the step's staging, in the last program once the claims are final
+    tl.debug_barrier()
+    done = tl.atomic_add(ctr_ptr + n_ctr - 3, 1, sem="acq_rel")
+    if done == n_prog - 1:
+        s = tl.atomic_add(ctr_ptr + n_ctr - 2, 0, sem="acquire")
+        while s != want:
+            s = tl.atomic_add(ctr_ptr + n_ctr - 2, 0, sem="acquire")
+            s = _sleep(s, SLEEP)
+        for start in range(0, n_ctr - 1, 128):
+            i = start + tl.arange(0, 128)
+            tl.store(ctr_ptr + i, tl.zeros([128], tl.int32), mask=i < n_ctr - 1)
+        tl.store(ctr_ptr + n_ctr - 1, want)
+
+
+def copy_staged_cuda(seq_lens, stage_ctr, stage_host, host_words, stage_words, cap: int,
+                     ratio: float, B: int) -> None:  # fmt: skip
+    """Launch ``_copy_staged_kernel`` on the current stream (the op puts it on a side stream)."""
+    row_w = host_words.shape[1]
+    if row_w % 4:
+        raise ValueError(f"the async staging copy moves 16-byte units: rows of {row_w * 4} B")
+    n_stage = stage_words.shape[0]
+    upr = row_w // 4
+    n_chunks = triton.cdiv(n_stage, COPY_ROWS) if ratio > 0 else B * triton.cdiv(cap, COPY_ROWS)
+    dev = seq_lens.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+    n_prog = max(1, min(sms // 2, n_chunks))
+    _copy_staged_kernel[(n_prog,)](
+        seq_lens, stage_ctr, stage_ctr.shape[0], stage_host, host_words, stage_words, B, cap,
+        n_stage, float(ratio), n_prog, GLOBAL=ratio > 0, BP=max(2, triton.next_power_of_2(B)),
+        ROWS=COPY_ROWS, UPR=upr, UNITS_P=triton.next_power_of_2(COPY_ROWS * upr),
+        SLEEP=SLEEP_NS if dev.type == "cuda" else 0, num_warps=COPY_WARPS,
+    )  # fmt: skip
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the copy (created once, so CUDA graphs capture the same
+    fork and join every time)."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE:
+        _SIDE[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE[idx]
