@@ -109,11 +109,16 @@ class Setup:
             pl.update_ema(ema, kth, self.inp["seq_lens"], self.inp["block_table"], 0.0)
         self.level0, self.dev0 = ema[pl.EMA_LEVEL, self.keys], ema[pl.EMA_DEV, self.keys]
         self.gen = torch.Generator().manual_seed(seed)
+        self.states: dict = {}  # (h, steady) -> (snapshot, misses): set_hit_rate's draws
 
     def set_hit_rate(self, h: float, steady: bool = False) -> None:
         """A full pool (the paper's setup: the recall evicts) with a random fraction h of each
         request's selection resident; ``steady``: as many slots free as the recall places plus
-        the reserve, as the reserve leaves most steps (docs/cache_ops.md): it evicts nothing."""
+        the reserve, as the reserve leaves most steps (docs/cache_ops.md): it evicts nothing.
+        Each (h, steady) is drawn once: its snapshot is kept, so the rounds time one state."""
+        if (h, steady) in self.states:
+            self.snap, self.n_miss = self.states[(h, steady)]
+            return
         sel = self.sel.cpu().long()
         B, k = sel.shape
         keep = torch.rand(B, k, generator=self.gen).argsort(dim=1) < round(h * k)
@@ -132,6 +137,7 @@ class Setup:
         fill_random(self.pool, slots.numel(), self.gen, host_kv=self.host, host_slots=slots)
         self.pool.totals.zero_()
         self.snap = {n: b.clone() for n, b in self.pool.named_buffers()}
+        self.states[(h, steady)] = self.snap, self.n_miss
 
     def restore(self, margin: float = 0.0, thr: torch.Tensor | None = None) -> None:
         """The pool's snapshot, empty staging, the threshold state of the previous steps
@@ -396,7 +402,7 @@ def main() -> None:
     ap.add_argument("--hit-rates", default=",".join(map(str, HIT_RATES)))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of the bound's parts and the steps (figures: their medians)")  # fmt: skip
+                    help="rounds of the parts and the steps (figures: their medians)")  # fmt: skip
     ap.add_argument("--ab-rounds", type=int, default=6,
                     help="alternating rounds of the unfused kernels beside the fused ones "
                     "with nothing staged (default variant, first --pf-rows)")  # fmt: skip

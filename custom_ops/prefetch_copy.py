@@ -21,9 +21,10 @@ epoch word):
 
 Only the last program advances the epoch, and only after SCORED, so every program reads the same
 E, and the scoring kernel (which reads E for its tags) has finished. No deadlock: this kernel
-waits only for the main stream's kernels, which never wait for it, and it takes at most half the
-SMs (one small program each), so those kernels always find SMs to run on. Under the interpreter
-(no streams) the op launches it after the threshold update: every wait is then already met.
+waits only for the main stream's kernels, which never wait for it, and it takes a small program
+on one SM in COPY_SM_SHARE at most, so those kernels always find SMs to run on. Under the
+interpreter (no streams) the op launches it after the threshold update: every wait is then
+already met.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ _SHIFT = tl.constexpr(EPOCH_SHIFT)
 _HOST_MASK = tl.constexpr(HOST_MASK)
 COPY_ROWS = 8  # rows a chunk (one round trip of host reads per chunk)
 COPY_WARPS = 4
-SLEEP_NS = 256  # between polls of a chunk that is not ready
+COPY_SM_SHARE = 2  # one program per this many SMs
+SLEEP_NS = 512  # between polls of a chunk that is not ready
 
 
 @triton.jit
@@ -51,6 +53,17 @@ def _sleep(x, SLEEP: tl.constexpr):
             is_pure=False, pack=1,
         )  # fmt: skip
     return x
+
+
+@triton.jit
+def _scored(ptr, want):
+    """Whether SCORED (at ``ptr``) says the claims are final. Polled relaxed (an acquire load
+    on every poll would invalidate the SM's L1 under the scoring programs beside it); once it
+    does, read again with acquire, so the claim counters read after it are the final ones."""
+    s = tl.atomic_add(ptr, 0, sem="relaxed")
+    if s == want:
+        s = tl.atomic_add(ptr, 0, sem="acquire")
+    return s == want
 
 
 @triton.jit
@@ -79,7 +92,7 @@ def _copy_staged_kernel(
         end = first * 0
         ready = first * 0
         while ready == 0:
-            scored = tl.atomic_add(ctr_ptr + n_ctr - 2, 0, sem="acquire") == want
+            scored = _scored(ctr_ptr + n_ctr - 2, want)
             claimed = tl.minimum(tl.atomic_add(ctr, 0, sem="relaxed"), limit)
             end = tl.minimum(first + ROWS, claimed)
             if scored | (claimed >= first + ROWS):  # nothing more will be claimed in it
@@ -103,10 +116,9 @@ def _copy_staged_kernel(
     tl.debug_barrier()
     done = tl.atomic_add(ctr_ptr + n_ctr - 3, 1, sem="acq_rel")
     if done == n_prog - 1:
-        s = tl.atomic_add(ctr_ptr + n_ctr - 2, 0, sem="acquire")
-        while s != want:
-            s = tl.atomic_add(ctr_ptr + n_ctr - 2, 0, sem="acquire")
-            s = _sleep(s, SLEEP)
+        scored = _scored(ctr_ptr + n_ctr - 2, want)
+        while not scored:
+            scored = _scored(ctr_ptr + n_ctr - 2, _sleep(want, SLEEP))
         for start in range(0, n_ctr - 1, 128):
             i = start + tl.arange(0, 128)
             tl.store(ctr_ptr + i, tl.zeros([128], tl.int32), mask=i < n_ctr - 1)
@@ -124,7 +136,7 @@ def copy_staged_cuda(seq_lens, stage_ctr, stage_host, host_words, stage_words, c
     n_chunks = triton.cdiv(n_stage, COPY_ROWS) if ratio > 0 else B * triton.cdiv(cap, COPY_ROWS)
     dev = seq_lens.device
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-    n_prog = max(1, min(sms // 2, n_chunks))
+    n_prog = max(1, min(sms // COPY_SM_SHARE, n_chunks))
     _copy_staged_kernel[(n_prog,)](
         seq_lens, stage_ctr, stage_ctr.shape[0], stage_host, host_words, stage_words, B, cap,
         n_stage, float(ratio), n_prog, GLOBAL=ratio > 0, BP=max(2, triton.next_power_of_2(B)),
