@@ -18,8 +18,6 @@ Static grids, live counts read on the device, no host syncs: CUDA-graph safe.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -90,10 +88,18 @@ def indexer_topk_prefetch_cuda(
             f"{B + tail} words (the copy's counters), got {stage_ctr.shape[0]}"
         )
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+
+    def copy():
+        prefetch_copy.copy_staged_cuda(seq_lens, stage_ctr, stage_host,
+                                       _words(host_kv, "host_kv"), _words(stage_kv, "stage_kv"),
+                                       cap, ratio, B)  # fmt: skip
+
     streams = apart and host_kv.is_cuda  # the interpreter: one after another, the copy last
-    if streams:  # the copy's side stream starts here, beside the scoring
+    if streams:  # the copy on a side stream, launched first: its programs are resident
         main, side = torch.cuda.current_stream(), prefetch_copy.side_stream(host_kv.device)
-        side.wait_stream(main)
+        side.wait_stream(main)  # before the scoring's fill the SMs
+        with torch.cuda.stream(side):
+            copy()
     scores = launch(
         q_fp8,
         weights,
@@ -115,14 +121,10 @@ def indexer_topk_prefetch_cuda(
     )
     host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
     ema_update_cuda(ema, kth, seq_lens, block_table, margin, stage_ctr, pf_stats, apart)
-    if apart:
-        with torch.cuda.stream(side) if streams else contextlib.nullcontext():
-            prefetch_copy.copy_staged_cuda(seq_lens, stage_ctr, stage_host,
-                                           _words(host_kv, "host_kv"),
-                                           _words(stage_kv, "stage_kv"), cap, ratio,
-                                           B)  # fmt: skip
-        if streams:
-            main.wait_stream(side)
+    if streams:
+        main.wait_stream(side)
+    elif apart:
+        copy()
     return host, kth
 
 
