@@ -24,6 +24,9 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   scoring). The tail then runs only in programs with candidates, starts at the claim, and reads
   the epoch word beside its first load instead of after the claim. 3.2-5.7 µs faster than
   ``"post"`` per indexer + recall on an H100 (docs/prefetch.md, gpu_session37).
+- ``"async"``: ``"early"``'s scoring and claims without the copy: a program that stages claims
+  its slots and tags them, and prefetch_copy.py's kernel, on a side stream, copies the rows
+  beside the scoring and the top-k (so the last wave's copies need not follow its scoring).
 
 Each records a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
 read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and counts the
