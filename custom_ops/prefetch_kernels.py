@@ -2,9 +2,7 @@
 custom_ops/prefetch_ref.py).
 
 - ``indexer_topk_prefetch_cuda``: a fused scores + staging kernel (the variants of
-  prefetch_scores.py; ``"async"``'s only claims, and prefetch_copy.py's kernel copies the rows on
-  a side stream beside the scoring and the top-k), the unchanged exact top-k, the in-graph EMA
-  update (``_ema_kernel``: one
+  prefetch_scores.py), the unchanged exact top-k, the in-graph EMA update (``_ema_kernel``: one
   launch where the torch expression of ``update_ema`` took about ten small ones; it also
   writes the next step's thresholds, level + margin x dev, and ends the step's staging: the
   claim counters back to 0, the epoch word advanced to the epoch the staged rows are tagged with,
@@ -23,15 +21,7 @@ import triton
 import triton.language as tl
 
 from custom_ops import indexer_kernels as ik
-from custom_ops import prefetch_copy, prefetch_scores
-from custom_ops.prefetch_layout import (
-    CTR_TAIL,
-    EMA_ALPHA,
-    EMA_DEV,
-    EMA_LEVEL,
-    EMA_THR,
-    PF_STEPS,
-)
+from custom_ops.prefetch_layout import EMA_ALPHA, EMA_DEV, EMA_LEVEL, EMA_THR, PF_STEPS
 from custom_ops.prefetch_scores import scores_variant
 
 # staged rows per score block at most ("tile"); "post" and "early" give a program rows x TPP / BT
@@ -77,29 +67,9 @@ def indexer_topk_prefetch_cuda(
     names the fused scores kernel (prefetch_scores.SCORES_VARIANTS, None: its default)."""
     cfg = cfg or ik.IndexerConfig()
     launch = scores_variant(variant)
-    apart = (variant or prefetch_scores.DEFAULT_VARIANT) in prefetch_scores.COPY_APART
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("indexer_topk_prefetch: block_table and seq_lens must be int32")
-    B = seq_lens.shape[0]
-    tail = CTR_TAIL
-    if apart and stage_ctr.shape[0] < B + tail:
-        raise ValueError(
-            f"indexer_topk_prefetch: the {variant!r} variant needs stage_ctr of >= B + {tail} = "
-            f"{B + tail} words (the copy's counters), got {stage_ctr.shape[0]}"
-        )
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-
-    def copy():
-        prefetch_copy.copy_staged_cuda(seq_lens, stage_ctr, stage_host,
-                                       _words(host_kv, "host_kv"), _words(stage_kv, "stage_kv"),
-                                       cap, ratio, B)  # fmt: skip
-
-    streams = apart and host_kv.is_cuda  # the interpreter: one after another, the copy last
-    if streams:  # the copy on a side stream, launched first: its programs are resident
-        main, side = torch.cuda.current_stream(), prefetch_copy.side_stream(host_kv.device)
-        side.wait_stream(main)  # before the scoring's fill the SMs
-        with torch.cuda.stream(side):
-            copy()
     scores = launch(
         q_fp8,
         weights,
@@ -120,26 +90,19 @@ def indexer_topk_prefetch_cuda(
         rows_per_block,
     )
     host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
-    ema_update_cuda(ema, kth, seq_lens, block_table, margin, stage_ctr, pf_stats, apart)
-    if streams:
-        main.wait_stream(side)
-    elif apart:
-        copy()
+    ema_update_cuda(ema, kth, seq_lens, block_table, margin, stage_ctr, pf_stats)
     return host, kth
 
 
 @triton.jit
 def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, n_ema, margin, ctr_ptr, n_ctr,
-                pfs_ptr, BP: tl.constexpr, END_STAGING: tl.constexpr, SIGNAL: tl.constexpr,
+                pfs_ptr, BP: tl.constexpr, END_STAGING: tl.constexpr,
                 CTR_BLOCK: tl.constexpr = 128):  # fmt: skip
     if END_STAGING:  # prefetch_ref.end_staging: after the scoring, which claimed and tagged
         for start in range(0, n_ctr - 1, CTR_BLOCK):
             c = start + tl.arange(0, CTR_BLOCK)
             tl.store(ctr_ptr + c, tl.zeros([CTR_BLOCK], tl.int32), mask=c < n_ctr - 1)
         tl.store(ctr_ptr + n_ctr - 1, tl.load(ctr_ptr + n_ctr - 1) + 1)
-        tl.atomic_add(pfs_ptr + _S_STEPS, 1, sem="relaxed")
-    if SIGNAL:  # "async": the claims are final (SCORED = E + 1); the copy kernel ends the staging
-        tl.atomic_xchg(ctr_ptr + n_ctr - 2, tl.load(ctr_ptr + n_ctr - 1) + 1, sem="release")
         tl.atomic_add(pfs_ptr + _S_STEPS, 1, sem="relaxed")
     r = tl.arange(0, BP)
     live = r < B
@@ -161,23 +124,20 @@ def _ema_kernel(ema_ptr, kth_ptr, sl_ptr, bt_ptr, bt_stride, B, n_ema, margin, c
 
 
 def ema_update_cuda(ema, kth, seq_lens, block_table, margin: float, stage_ctr=None,
-                    pf_stats=None, copy_apart: bool = False) -> None:  # fmt: skip
+                    pf_stats=None) -> None:  # fmt: skip
     """``prefetch_layout.update_ema`` in one launch, bit for bit (no FMA contraction: every
     product is rounded as torch rounds it). Of live rows that share a first page (an n > 1
     group) only the first writes it, as in the reference, so no two lanes store to one entry;
     padded rows leave the dump column as it was, as the reference does. With ``stage_ctr`` and
     ``pf_stats`` the same launch ends the step's staging (``prefetch_ref.end_staging``): it runs
-    after the scoring kernel, so no claim or tag of this step can follow it. ``copy_apart``
-    (``"async"``): it only says the claims are final (prefetch_copy.py), whose copy kernel then
-    ends the staging."""
+    after the scoring kernel, so no claim or tag of this step can follow it."""
     B = seq_lens.shape[0]
     end = stage_ctr is not None
     _ema_kernel[(1,)](
         ema, kth, seq_lens, block_table, block_table.stride(0), B, ema.shape[1], float(margin),
         stage_ctr if end else seq_lens, stage_ctr.shape[0] if end else 0,
-        pf_stats if end else ema, BP=max(2, triton.next_power_of_2(B)),
-        END_STAGING=end and not copy_apart, SIGNAL=end and copy_apart, num_warps=1,
-        enable_fp_fusion=False,
+        pf_stats if end else ema, BP=max(2, triton.next_power_of_2(B)), END_STAGING=end,
+        num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
 
 
