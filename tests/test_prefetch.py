@@ -533,17 +533,28 @@ def test_bench_staged_recall_dry_run(tmp_path):
 
 
 def test_bench_prefetch_dry_run(tmp_path):
-    """benchmarks/bench_prefetch.py's checks at toy sizes (CPU, interpreter): all PASS."""
+    """benchmarks/bench_prefetch.py's checks at toy sizes (CPU, interpreter): all PASS; and its
+    timing code runs through (a wall-clock call each): every figure and derived figure there,
+    from two rounds."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "pf.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_prefetch", "--dry-run", "--caps", "16",
-           "--ratios", "0.004", "--hit-rates", "0.9", "--margins", "0,2", "--out",
-           str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+           "--ratios", "0.004", "--hit-rates", "0.9", "--margins", "0,2", "--rounds", "2",
+           "--ab-rounds", "1", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     res = json.loads(out.read_text())
+    assert res["timer"].startswith("one wall-clock call") and len(res["rounds"]) == 2
+    r, parts = res["results"]["h0.9"], res["results"]["parts"]
+    assert all(isinstance(parts[k], float) for k in ("scores_us", "indexer_us", "recall_h1.0_us"))
+    for name in ("cap16_m2_rows8", "ratio0.04_m0_rows8_tile"):  # (the dry run: 10x the ratios)
+        for key in (f"{name}_us", f"steady_{name}_us", f"{name}_of_bound",
+                    f"amortized_{name}_of_bound"):  # fmt: skip
+            assert isinstance(r[key], float), key
+    assert r["bound_us"] > 0 and r["refill_period"] >= 1
+    assert res["fusion_ab"]["indexer_slowdown_median"] is not None
     # 2 checks x 4 configurations x variants, and the perfect prefetch's (every miss staged) on
     # the full pool (it evicts the misses and the reserve) and with free slots (it evicts none)
     assert res["all_pass"] and len(res["checks"]) == 2 * 4 * len(ps.SCORES_VARIANTS) + 2
