@@ -32,7 +32,7 @@ def _staging(B, n_h, row, cap, device):
         stage_kv=torch.zeros(B * cap, row, dtype=torch.uint8, device=device),
         stage_host=torch.full((B * cap,), -1, dtype=torch.int64, device=device),
         host_stage=torch.full((n_h,), -1, **i32),
-        stage_ctr=torch.zeros(B + 2, **i32),
+        stage_ctr=torch.zeros(B + pl.CTR_TAIL, **i32),
         ema=torch.zeros(pl.EMA_ROWS, n_h // 64 + 1, dtype=torch.float32, device=device),
         pf_stats=torch.zeros(pl.PF_LEN, dtype=torch.int64, device=device),
     )

@@ -1,0 +1,148 @@
+"""The ``"side"`` prefetch variant's row copy: a kernel of its own, beside the scoring.
+
+In the other variants a scoring program copies its candidates' rows host -> staging itself, after
+its scoring loop, so it holds its SM slot through PCIe round trips; the programs of a wave reach
+their tails together, and while they wait nothing scores. Here the scoring kernel only claims and
+tags (``prefetch_scores.index_scores_prefetch_side``), and this kernel, on a side stream, copies
+the rows while the scoring and the exact top-k run; the op joins the side stream before the
+threshold update, which ends the step's staging as in the other variants.
+
+The protocol, on ``stage_ctr`` (``[claims..., global, ..., DONE, EPOCH]``, E the epoch word):
+- the scoring kernel claims slots through the claim counters, tags each staged slot
+  ``(E + 1) << 32 | h`` (prefetch_layout), and every program adds 1 to DONE at its end (release,
+  after a barrier, so its claim and tags come first);
+- this kernel's programs walk the staging slots in chunks of COPY_ROWS: a chunk is copied once it
+  is wholly claimed (or DONE says every scoring program has finished: no more claims come) and
+  each of its claimed slots carries this epoch's tag; the host slot is the tag's low word.
+
+No deadlock: this kernel waits only for the scoring kernel, which waits for nothing, and it takes
+one small program per COPY_SM_SHARE SMs, so the scoring always finds SMs to run on. The op
+launches it after the scoring kernel when it runs eagerly (a kernel's lazy module load may wait
+for the kernels running: this one would then wait for a scoring kernel not yet launched), and
+first while a CUDA graph is captured (nothing runs then, and a replay loads nothing), so that in
+the graph its programs can be resident before the scoring's fill the SMs. Under the interpreter
+(no streams) it runs after the scoring kernel: every wait is then already met.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.prefetch_layout import EPOCH_SHIFT, HOST_MASK
+from custom_ops.prefetch_scores import claim_space
+
+_SHIFT = tl.constexpr(EPOCH_SHIFT)
+_HOST_MASK = tl.constexpr(HOST_MASK)
+COPY_ROWS = 8  # rows a chunk (one round trip of host reads per chunk)
+COPY_SM_SHARE = 2  # one program per this many SMs
+SLEEP_NS = 256  # between polls of a chunk that is not ready
+
+
+@triton.jit
+def _sleep(x, SLEEP: tl.constexpr):
+    """nanosleep (CUDA only; the interpreter never waits), passing ``x`` through."""
+    if SLEEP > 0:
+        x = tl.inline_asm_elementwise(
+            f"nanosleep.u32 {SLEEP}; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
+def _scored(ptr, n_score):
+    """Whether every scoring program has counted itself done in DONE (at ``ptr``). Polled
+    relaxed (an acquire on every poll would invalidate the SM's L1 under the scoring programs
+    beside it); once it has, read again with acquire, so the claim counters and tags read after
+    it are final."""
+    s = tl.atomic_add(ptr, 0, sem="relaxed")
+    if s == n_score:
+        s = tl.atomic_add(ptr, 0, sem="acquire")
+    return s == n_score
+
+
+@triton.jit
+def _copy_staged_kernel(
+    sl_ptr, ctr_ptr, n_ctr, shost_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, n_prog, n_score,
+    GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, UPR: tl.constexpr,
+    UNITS_P: tl.constexpr, SLEEP: tl.constexpr,
+):  # fmt: skip
+    """Program p copies chunks p, p + n_prog, ... (module docstring). A chunk is ROWS slots of
+    one claim range: GLOBAL, [c ROWS, c ROWS + ROWS) of the budget; else request c // per_req's
+    range, rows (c % per_req) ROWS on. Rows are UPR 16-byte units; a chunk's units are one
+    [UNITS_P, 4] int32 tile (one load, one store)."""
+    pid = tl.program_id(0)
+    want = tl.load(ctr_ptr + n_ctr - 1) + 1  # this call's tags
+    done_ptr = ctr_ptr + n_ctr - 2
+    per_req = tl.cdiv(cap, ROWS)
+    limit, ctr, slot0 = claim_space(0, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
+    n_chunks = tl.cdiv(limit, ROWS) if GLOBAL else B * per_req
+    u = tl.arange(0, UNITS_P)
+    row = u // UPR
+    w4 = tl.arange(0, 4)
+    rr = tl.arange(0, ROWS)
+    for c in range(pid, n_chunks, n_prog):
+        b = 0 if GLOBAL else c // per_req
+        first = c * ROWS if GLOBAL else (c % per_req) * ROWS
+        limit, ctr, slot0 = claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
+        end = first * 0
+        ready = first * 0
+        while ready == 0:
+            scored = _scored(done_ptr, n_score)
+            claimed = tl.minimum(tl.atomic_add(ctr, 0, sem="relaxed"), limit)
+            end = tl.minimum(first + ROWS, claimed)
+            if scored | (claimed >= first + ROWS):  # nothing more will be claimed in it
+                rm = first + rr < end
+                tag = tl.load(shost_ptr + slot0 + first + rr, mask=rm, other=0, volatile=True)
+                late = tl.sum((rm & ((tag >> _SHIFT) != want)).to(tl.int32), 0)
+                ready = (late == 0).to(tl.int32)
+            if ready == 0:
+                end = _sleep(end, SLEEP)
+        if end > first:
+            tl.debug_barrier()  # every thread's view of the tags follows the poll's
+            um = (u < ROWS * UPR) & (first + row < end)
+            slot = (slot0 + first + row).to(tl.int64)
+            tag = tl.load(shost_ptr + slot, mask=um, other=0, volatile=True)
+            h = tag & _HOST_MASK
+            word = (u - row * UPR) * 4
+            m2 = um[:, None]
+            v = tl.load(src_ptr + (h * (UPR * 4) + word)[:, None] + w4[None, :], mask=m2)
+            tl.store(dst_ptr + (slot * (UPR * 4) + word)[:, None] + w4[None, :], v, mask=m2)
+
+
+def copy_staged_cuda(seq_lens, stage_ctr, stage_host, host_words, stage_words, cap: int,
+                     ratio: float, n_score: int) -> None:  # fmt: skip
+    """Launch ``_copy_staged_kernel`` on the current stream (the op puts it on a side stream);
+    ``n_score``: the scoring kernel's program count, which DONE reaches when it has finished."""
+    row_w = host_words.shape[1]
+    if row_w % 4:
+        raise ValueError(f"the side staging copy moves 16-byte units: rows of {row_w * 4} B")
+    B = seq_lens.shape[0]
+    n_stage = stage_words.shape[0]
+    upr = row_w // 4
+    n_chunks = triton.cdiv(n_stage, COPY_ROWS) if ratio > 0 else B * triton.cdiv(cap, COPY_ROWS)
+    dev = seq_lens.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+    n_prog = max(1, min(sms // COPY_SM_SHARE, n_chunks))
+    units = triton.next_power_of_2(COPY_ROWS * upr)
+    _copy_staged_kernel[(n_prog,)](
+        seq_lens, stage_ctr, stage_ctr.shape[0], stage_host, host_words, stage_words, B, cap,
+        n_stage, float(ratio), n_prog, n_score, GLOBAL=ratio > 0,
+        BP=max(2, triton.next_power_of_2(B)), ROWS=COPY_ROWS, UPR=upr, UNITS_P=units,
+        SLEEP=SLEEP_NS if dev.type == "cuda" else 0, num_warps=max(4, min(8, units // 64)),
+    )  # fmt: skip
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the copy, at the highest priority (eagerly, its programs
+    are then dispatched ahead of the scoring kernel's waiting ones); created once, so CUDA graphs
+    capture the same fork and join every time."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE:
+        _SIDE[idx] = torch.cuda.Stream(device=idx, priority=-100)
+    return _SIDE[idx]
