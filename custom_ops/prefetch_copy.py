@@ -127,12 +127,36 @@ def copy_staged_cuda(seq_lens, stage_ctr, stage_host, host_words, stage_words, c
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
     n_prog = max(1, min(sms // COPY_SM_SHARE, n_chunks))
     units = triton.next_power_of_2(COPY_ROWS * upr)
-    _copy_staged_kernel[(n_prog,)](
+    k = _copy_staged_kernel[(n_prog,)](
         seq_lens, stage_ctr, stage_ctr.shape[0], stage_host, host_words, stage_words, B, cap,
         n_stage, float(ratio), n_prog, n_score, GLOBAL=ratio > 0,
         BP=max(2, triton.next_power_of_2(B)), ROWS=COPY_ROWS, UPR=upr, UNITS_P=units,
         SLEEP=SLEEP_NS if dev.type == "cuda" else 0, num_warps=max(4, min(8, units // 64)),
     )  # fmt: skip
+    if dev.type == "cuda" and COPY_CARVEOUT is not None:
+        _prefer_shared(k.function, COPY_CARVEOUT)
+
+
+# The copy kernel's preferred shared-memory carveout (percent of the SM's L1/shared, CUDA's
+# CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT). It needs almost no shared memory, so by
+# default an SM that runs it first may be set to a small shared size, on which the scoring
+# kernel's programs (26 KB each) do not fit until it exits; the largest carveout leaves room
+# for them. None: the default.
+COPY_CARVEOUT: int | None = 100
+_CARVED: set[int] = set()
+
+
+def _prefer_shared(function: int, percent: int) -> None:
+    """Set a compiled kernel's preferred carveout once (through the driver API)."""
+    if function in _CARVED:
+        return
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    rc = lib.cuFuncSetAttribute(ctypes.c_void_p(function), 9, ctypes.c_int(percent))
+    if rc != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) failed: {rc}")
+    _CARVED.add(function)
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
