@@ -9,19 +9,22 @@ threshold update, which ends the step's staging as in the other variants.
 
 The protocol, on ``stage_ctr`` (``[claims..., global, ..., DONE, EPOCH]``, E the epoch word):
 - the scoring kernel claims slots through the claim counters, tags each staged slot
-  ``(E + 1) << 32 | h`` (prefetch_layout), and every program adds 1 to DONE at its end (release,
-  after a barrier, so its claim and tags come first);
+  ``stage_tag(E + 1, h) | PENDING`` (prefetch_layout.PENDING_BIT), and every program adds 1 to
+  DONE at its end (release, after a barrier, so its claim and tags come first);
 - this kernel's programs walk the staging slots in chunks of COPY_ROWS: a chunk is copied once it
   is wholly claimed (or DONE says every scoring program has finished: no more claims come) and
-  each of its claimed slots carries this epoch's tag; the host slot is the tag's low word.
+  each of its claimed slots carries this epoch's pending tag (the host slot is the tag's low
+  word); then its tags are rewritten without the bit. The recall, after the op's join, trusts
+  exact tags only: a row whose tag is still pending is read from the host.
 
-No deadlock: this kernel waits only for the scoring kernel, which waits for nothing, and it takes
-one small program per COPY_SM_SHARE SMs, so the scoring always finds SMs to run on. The op
-launches it after the scoring kernel when it runs eagerly (a kernel's lazy module load may wait
-for the kernels running: this one would then wait for a scoring kernel not yet launched), and
-first while a CUDA graph is captured (nothing runs then, and a replay loads nothing), so that in
-the graph its programs can be resident before the scoring's fill the SMs. Under the interpreter
-(no streams) it runs after the scoring kernel: every wait is then already met.
+So the attended set and every byte read never depend on this kernel: it may copy all, some or
+none of the rows. That is what makes its waits safe. It waits only for the scoring kernel, and
+only for WAIT_NS from its start: CUDA does not promise that two kernels of two streams run at
+once (a CUDA graph may run its branches one after the other; a lazy module load may wait for the
+kernels running), and a copy kernel run before the scoring could otherwise wait forever. The op
+launches it after the scoring kernel when it runs eagerly, and first while a CUDA graph is
+captured, so that in the graph its programs can be resident before the scoring's fill the SMs.
+Under the interpreter (no streams) it runs after the scoring kernel: every wait is then met.
 """
 
 from __future__ import annotations
@@ -30,14 +33,20 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.prefetch_layout import EPOCH_SHIFT, HOST_MASK
+from custom_ops.prefetch_layout import EPOCH_SHIFT, HOST_MASK, PENDING_BIT
 from custom_ops.prefetch_scores import claim_space
 
 _SHIFT = tl.constexpr(EPOCH_SHIFT)
 _HOST_MASK = tl.constexpr(HOST_MASK)
+_PENDING_HI = tl.constexpr(1 << (PENDING_BIT - EPOCH_SHIFT))  # the pending bit in tag >> 32
 COPY_ROWS = 8  # rows a chunk (one round trip of host reads per chunk)
 COPY_SM_SHARE = 2  # one program per this many SMs
 SLEEP_NS = 256  # between polls of a chunk that is not ready
+# A program stops waiting this long after its start (%globaltimer): the chunks it has not copied
+# keep their pending tags, and the recall reads those rows from the host. Far above a scoring
+# kernel's time (~120 us at 16 x 128K tokens); it bounds what a copy kernel run without the
+# scoring beside it costs (CUDA does not promise that kernels of two streams run concurrently).
+WAIT_NS = 5_000_000
 
 
 @triton.jit
@@ -49,6 +58,14 @@ def _sleep(x, SLEEP: tl.constexpr):
             is_pure=False, pack=1,
         )  # fmt: skip
     return x
+
+
+@triton.jit
+def _now(x):
+    """The GPU's global nanosecond timer (CUDA only), ``x`` only giving the shape."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -67,14 +84,18 @@ def _scored(ptr, n_score):
 def _copy_staged_kernel(
     sl_ptr, ctr_ptr, n_ctr, shost_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, n_prog, n_score,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, UPR: tl.constexpr,
-    UNITS_P: tl.constexpr, SLEEP: tl.constexpr,
+    UNITS_P: tl.constexpr, SLEEP: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
     """Program p copies chunks p, p + n_prog, ... (module docstring). A chunk is ROWS slots of
     one claim range: GLOBAL, [c ROWS, c ROWS + ROWS) of the budget; else request c // per_req's
     range, rows (c % per_req) ROWS on. Rows are UPR 16-byte units; a chunk's units are one
-    [UNITS_P, 4] int32 tile (one load, one store)."""
+    [UNITS_P, 4] int32 tile (one load, one store); then its tags lose the pending bit. WAIT > 0:
+    after WAIT ns a program copies no more chunks (their rows stay pending: the host's)."""
     pid = tl.program_id(0)
     want = tl.load(ctr_ptr + n_ctr - 1) + 1  # this call's tags
+    pending = want | _PENDING_HI  # a claimed slot's tag >> 32 until its row is copied
+    if WAIT > 0:
+        t0 = _now(pid)
     done_ptr = ctr_ptr + n_ctr - 2
     per_req = tl.cdiv(cap, ROWS)
     limit, ctr, slot0 = claim_space(0, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
@@ -89,18 +110,21 @@ def _copy_staged_kernel(
         limit, ctr, slot0 = claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
         end = first * 0
         ready = first * 0
-        while ready == 0:
+        late = first * 0  # 1: given up
+        while (ready == 0) & (late == 0):
             scored = _scored(done_ptr, n_score)
             claimed = tl.minimum(tl.atomic_add(ctr, 0, sem="relaxed"), limit)
             end = tl.minimum(first + ROWS, claimed)
             if scored | (claimed >= first + ROWS):  # nothing more will be claimed in it
                 rm = first + rr < end
                 tag = tl.load(shost_ptr + slot0 + first + rr, mask=rm, other=0, volatile=True)
-                late = tl.sum((rm & ((tag >> _SHIFT) != want)).to(tl.int32), 0)
-                ready = (late == 0).to(tl.int32)
+                n_late = tl.sum((rm & ((tag >> _SHIFT) != pending)).to(tl.int32), 0)
+                ready = (n_late == 0).to(tl.int32)
             if ready == 0:
+                if WAIT > 0:
+                    late = (_now(pid) - t0 > WAIT).to(tl.int32)
                 end = _sleep(end, SLEEP)
-        if end > first:
+        if (ready != 0) & (end > first):
             tl.debug_barrier()  # every thread's view of the tags follows the poll's
             um = (u < ROWS * UPR) & (first + row < end)
             slot = (slot0 + first + row).to(tl.int64)
@@ -110,6 +134,11 @@ def _copy_staged_kernel(
             m2 = um[:, None]
             v = tl.load(src_ptr + (h * (UPR * 4) + word)[:, None] + w4[None, :], mask=m2)
             tl.store(dst_ptr + (slot * (UPR * 4) + word)[:, None] + w4[None, :], v, mask=m2)
+            # the row is there: its exact tag (the recall reads after the op's join)
+            rm = first + rr < end
+            tag = tl.load(shost_ptr + slot0 + first + rr, mask=rm, other=0, volatile=True)
+            tl.store(shost_ptr + slot0 + first + rr, (want.to(tl.int64) << _SHIFT) |
+                     (tag & _HOST_MASK), mask=rm)  # fmt: skip
 
 
 def copy_staged_cuda(seq_lens, stage_ctr, stage_host, host_words, stage_words, cap: int,
@@ -131,7 +160,8 @@ def copy_staged_cuda(seq_lens, stage_ctr, stage_host, host_words, stage_words, c
         seq_lens, stage_ctr, stage_ctr.shape[0], stage_host, host_words, stage_words, B, cap,
         n_stage, float(ratio), n_prog, n_score, GLOBAL=ratio > 0,
         BP=max(2, triton.next_power_of_2(B)), ROWS=COPY_ROWS, UPR=upr, UNITS_P=units,
-        SLEEP=SLEEP_NS if dev.type == "cuda" else 0, num_warps=max(4, min(8, units // 64)),
+        SLEEP=SLEEP_NS if dev.type == "cuda" else 0, WAIT=WAIT_NS if dev.type == "cuda" else 0,
+        num_warps=max(4, min(8, units // 64)),
     )  # fmt: skip
     if dev.type == "cuda" and COPY_CARVEOUT is not None:
         _prefer_shared(k.function, COPY_CARVEOUT)

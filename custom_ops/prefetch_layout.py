@@ -24,6 +24,10 @@ EPOCH_SHIFT = 32
 # kernel waits on it: prefetch_copy.py), and the epoch word last
 CTR_TAIL = 3
 HOST_MASK = (1 << EPOCH_SHIFT) - 1
+# ``"side"``: the scoring kernel tags a claimed slot ``stage_tag(E + 1, h) | PENDING``, and the copy
+# kernel (prefetch_copy.py) rewrites the tag without this bit once the row is in stage_kv; the
+# recall trusts exact tags only, so a row the copy did not reach is read from the host
+PENDING_BIT = 62
 EMA_ALPHA = 0.5  # weight of the newest k-th score (ECHO)
 # The threshold state ``ema [EMA_ROWS, N_H / 64 + 1]`` fp32, one column per request (ema_keys):
 EMA_THR = 0  # the staging threshold the fused indexer reads: level + margin * dev

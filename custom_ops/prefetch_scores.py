@@ -25,9 +25,10 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   the epoch word beside its first load instead of after the claim. 3.2-5.7 µs faster than
   ``"post"`` per indexer + recall on an H100 (docs/prefetch.md, gpu_session37).
 - ``"side"``: ``"early"``'s scoring and claims without the copy: a program that stages claims its
-  slots and tags them, and every program counts itself done at its end; prefetch_copy.py's
-  kernel, on a side stream, copies the rows while the scoring and the top-k run, so no scoring
-  program holds its SM through PCIe round trips.
+  slots and tags them pending (prefetch_layout.PENDING_BIT), and every program counts itself done
+  at its end; prefetch_copy.py's kernel, on a side stream, copies the rows while the scoring and
+  the top-k run and then writes their tags, so no scoring program holds its SM through PCIe
+  round trips.
 
 Each records a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
 read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and counts the
@@ -47,7 +48,7 @@ import triton.language as tl
 
 from custom_ops.indexer_kernels import IndexerConfig
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
-from custom_ops.prefetch_layout import EPOCH_SHIFT, PF_STAGED
+from custom_ops.prefetch_layout import EPOCH_SHIFT, PENDING_BIT, PF_STAGED
 
 _PAGE = tl.constexpr(PAGE)  # the constants of indexer_kernels' scoring loop
 _DIM = tl.constexpr(INDEX_DIM)
@@ -56,6 +57,7 @@ _SCALE_OFF = tl.constexpr(PAGE * INDEX_DIM // 4)
 _PAGE_F32 = tl.constexpr(INDEX_PAGE_BYTES // 4)
 _S_STAGED = tl.constexpr(PF_STAGED)
 _SHIFT = tl.constexpr(EPOCH_SHIFT)
+_PENDING = tl.constexpr(1 << PENDING_BIT)  # the bit of a pending tag ("side")
 DEFAULT_VARIANT = "early"
 
 
@@ -196,6 +198,8 @@ def _stage_program(
         if not EARLY:  # "post": read here, on the chain after the claim
             epoch = tl.load(epoch_ptr)
         tag = ((epoch + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
+        if not COPY:  # the copy kernel drops the bit once the row is there
+            tag = tag | _PENDING
         tl.store(shost_ptr + slot, tag, mask=keep)
         tl.store(hstage_ptr + h, slot, mask=keep)
         if COPY:

@@ -74,7 +74,7 @@ for glob in (False, True):
     for upr in (72, 41):  # bf16 rows (1152 B) and fp8 rows (656 B) in 16-byte units
         units = triton.next_power_of_2(PC.COPY_ROWS * upr)
         consts = dict(GLOBAL=glob, BP=16, ROWS=PC.COPY_ROWS, UPR=upr, UNITS_P=units,
-                      SLEEP=PC.SLEEP_NS)
+                      SLEEP=PC.SLEEP_NS, WAIT=PC.WAIT_NS)
         sig = {a: t for a, t in CK}
         sig.update({k: "constexpr" for k in consts})
         attrs = {(i,): [["tt.divisibility", 16]] for i, (_, t) in enumerate(CK) if t[0] == "*"}
