@@ -2,9 +2,7 @@
 custom_ops/prefetch_ref.py).
 
 - ``indexer_topk_prefetch_cuda``: a fused scores + staging kernel (the variants of
-  prefetch_scores.py; ``"side"``'s only claims, and prefetch_copy.py's kernel copies the rows on
-  a side stream beside the scoring and the top-k), the unchanged exact top-k, the in-graph EMA
-  update (``_ema_kernel``: one
+  prefetch_scores.py), the unchanged exact top-k, the in-graph EMA update (``_ema_kernel``: one
   launch where the torch expression of ``update_ema`` took about ten small ones; it also
   writes the next step's thresholds, level + margin x dev, and ends the step's staging: the
   claim counters back to 0, the epoch word advanced to the epoch the staged rows are tagged with,
@@ -23,9 +21,7 @@ import triton
 import triton.language as tl
 
 from custom_ops import indexer_kernels as ik
-from custom_ops import prefetch_copy, prefetch_scores
-from custom_ops.kv_format import PAGE
-from custom_ops.prefetch_layout import CTR_TAIL, EMA_ALPHA, EMA_DEV, EMA_LEVEL, EMA_THR, PF_STEPS
+from custom_ops.prefetch_layout import EMA_ALPHA, EMA_DEV, EMA_LEVEL, EMA_THR, PF_STEPS
 from custom_ops.prefetch_scores import scores_variant
 
 # staged rows per score block at most ("tile"); "post" and "early" give a program rows x TPP / BT
@@ -71,48 +67,29 @@ def indexer_topk_prefetch_cuda(
     names the fused scores kernel (prefetch_scores.SCORES_VARIANTS, None: its default)."""
     cfg = cfg or ik.IndexerConfig()
     launch = scores_variant(variant)
-    apart = (variant or prefetch_scores.DEFAULT_VARIANT) in prefetch_scores.COPY_APART
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("indexer_topk_prefetch: block_table and seq_lens must be int32")
-    B = seq_lens.shape[0]
-    if stage_ctr.shape[0] < B + CTR_TAIL:
-        raise ValueError(
-            f"indexer_topk_prefetch: stage_ctr must hold >= B + {CTR_TAIL} = {B + CTR_TAIL} "
-            f"words (claims, done, epoch), got {stage_ctr.shape[0]}"
-        )
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-
-    def scores():
-        return launch(q_fp8, weights, index_cache, block_table, seq_lens,
-                      _words(host_kv, "host_kv"), host_to_gpu, _words(stage_kv, "stage_kv"),
-                      stage_host, host_stage, stage_ctr,
-                      ema[EMA_THR],  # the thresholds, one per first host page
-                      pf_stats, cap, ratio, cfg, rows_per_block)  # fmt: skip
-
-    def copy():  # the scoring grid's program count: what DONE reaches (prefetch_copy.py)
-        n_score = B * triton.cdiv(block_table.shape[1] * PAGE, cfg.score_tokens)
-        prefetch_copy.copy_staged_cuda(seq_lens, stage_ctr, stage_host,
-                                       _words(host_kv, "host_kv"), _words(stage_kv, "stage_kv"),
-                                       cap, ratio, n_score)  # fmt: skip
-
-    if apart and host_kv.is_cuda:  # the copy on a side stream, forked before the scoring
-        main, side = torch.cuda.current_stream(), prefetch_copy.side_stream(host_kv.device)
-        side.wait_stream(main)
-        if torch.cuda.is_current_stream_capturing():  # first: resident before the scoring's
-            with torch.cuda.stream(side):
-                copy()
-            s = scores()
-        else:  # eagerly after it (prefetch_copy.py: lazy module loads may wait for kernels)
-            s = scores()
-            with torch.cuda.stream(side):
-                copy()
-        host, kth = ik.topk_from_scores(s, block_table, seq_lens, topk, cfg)
-        main.wait_stream(side)
-    else:
-        s = scores()
-        if apart:  # the interpreter: one after another
-            copy()
-        host, kth = ik.topk_from_scores(s, block_table, seq_lens, topk, cfg)
+    scores = launch(
+        q_fp8,
+        weights,
+        index_cache,
+        block_table,
+        seq_lens,
+        _words(host_kv, "host_kv"),
+        host_to_gpu,
+        _words(stage_kv, "stage_kv"),
+        stage_host,
+        host_stage,
+        stage_ctr,
+        ema[EMA_THR],  # the thresholds, one per first host page
+        pf_stats,
+        cap,
+        ratio,
+        cfg,
+        rows_per_block,
+    )
+    host, kth = ik.topk_from_scores(scores, block_table, seq_lens, topk, cfg)
     ema_update_cuda(ema, kth, seq_lens, block_table, margin, stage_ctr, pf_stats)
     return host, kth
 

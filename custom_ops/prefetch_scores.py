@@ -24,11 +24,6 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   scoring). The tail then runs only in programs with candidates, starts at the claim, and reads
   the epoch word beside its first load instead of after the claim. 3.2-5.7 µs faster than
   ``"post"`` per indexer + recall on an H100 (docs/prefetch.md, gpu_session37).
-- ``"side"``: ``"early"``'s scoring and claims without the copy: a program that stages claims its
-  slots and tags them pending (prefetch_layout.PENDING_BIT), and every program counts itself done
-  at its end; prefetch_copy.py's kernel, on a side stream, copies the rows while the scoring and
-  the top-k run and then writes their tags, so no scoring program holds its SM through PCIe
-  round trips.
 
 Each records a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
 read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and counts the
@@ -48,7 +43,7 @@ import triton.language as tl
 
 from custom_ops.indexer_kernels import IndexerConfig
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
-from custom_ops.prefetch_layout import EPOCH_SHIFT, PENDING_BIT, PF_STAGED
+from custom_ops.prefetch_layout import EPOCH_SHIFT, PF_STAGED
 
 _PAGE = tl.constexpr(PAGE)  # the constants of indexer_kernels' scoring loop
 _DIM = tl.constexpr(INDEX_DIM)
@@ -57,7 +52,6 @@ _SCALE_OFF = tl.constexpr(PAGE * INDEX_DIM // 4)
 _PAGE_F32 = tl.constexpr(INDEX_PAGE_BYTES // 4)
 _S_STAGED = tl.constexpr(PF_STAGED)
 _SHIFT = tl.constexpr(EPOCH_SHIFT)
-_PENDING = tl.constexpr(1 << PENDING_BIT)  # the bit of a pending tag ("side")
 DEFAULT_VARIANT = "early"
 
 
@@ -67,13 +61,11 @@ def _scores_prefetch_post_kernel(
     shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap,
     n_stage, ratio, HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr, EARLY: tl.constexpr, COPY: tl.constexpr = True,
+    ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``_scores_prefetch_kernel``; the staging after the scoring
     loop, for programs with a score above the threshold only (module docstring). EARLY: the
-    ``"early"`` variant (the map looked up in the loop, the bits mark candidates). COPY = False
-    (``"side"``): claim and tag only, then count this program done in the word before the epoch
-    (release, after a barrier: its claim and tags come first); prefetch_copy.py copies."""
+    ``"early"`` variant (the map looked up in the loop, the bits mark candidates)."""
     b = tl.program_id(0)
     start = tl.program_id(1) * TPP
     seq_len = tl.load(sl_ptr + b)
@@ -127,30 +119,7 @@ def _scores_prefetch_post_kernel(
         _stage_program(b, start, seq_len, over_bits, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
                        hstage_ptr, shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B,
                        cap, n_stage, ratio, TPP, BT, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
-                       ROW_WP, EARLY, COPY)  # fmt: skip
-    if not COPY:
-        tl.debug_barrier()
-        tl.atomic_add(epoch_ptr - 1, 1, sem="release")
-
-
-@triton.jit
-def claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL: tl.constexpr,
-                BP: tl.constexpr):  # fmt: skip
-    """Where request ``b`` claims staging slots: (limit, its claim counter, its first slot).
-    GLOBAL: one budget for all, floor(sum(seq_lens) x ratio) rows at most S, claimed through
-    ctr[B] from slot 0 (prefetch_ref.stage_limit); else ``cap`` rows of request b's own range,
-    claimed through ctr[b]."""
-    if GLOBAL:
-        bb = tl.arange(0, BP)
-        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
-        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
-        ctr = ctr_ptr + B
-        slot0 = b * 0
-    else:
-        limit = cap + b * 0
-        ctr = ctr_ptr + b
-        slot0 = b * cap
-    return limit, ctr, slot0
+                       ROW_WP, EARLY)  # fmt: skip
 
 
 @triton.jit
@@ -159,17 +128,25 @@ def _stage_program(
     epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
     BT: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr,
-    ROW_W: tl.constexpr, ROW_WP: tl.constexpr, EARLY: tl.constexpr, COPY: tl.constexpr,
+    ROW_W: tl.constexpr, ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Stage the candidates of one program's TPP tokens, whole-program vectors (one gather of the
     map, one claim atomic, so one chain of memory latencies instead of one per tile): at most
     MAXROWS rows (rows_per_block per score tile), copied host -> staging ROWS rows at a time.
     ``over_bits`` [BT]: bit i of lane j set where token start + i BT + j beat the threshold
-    (EARLY: and is a candidate, the map already looked up). COPY = False: the rows are left to
-    prefetch_copy.py's kernel (every slot below the claim counter and the limit is tagged)."""
+    (EARLY: and is a candidate, the map already looked up)."""
     if EARLY:  # beside the page loads, off the claim's chain
         epoch = tl.load(epoch_ptr)
-    limit, ctr, slot0 = claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
+    if GLOBAL:
+        bb = tl.arange(0, BP)
+        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
+        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
+        ctr = ctr_ptr + B
+        slot0 = 0
+    else:
+        limit = cap
+        ctr = ctr_ptr + b
+        slot0 = b * cap
     t = start + tl.arange(0, TPP)
     live = t < seq_len
     # the pages are loaded beside the map's chain, not in it (16 distinct entries per program)
@@ -198,26 +175,23 @@ def _stage_program(
         if not EARLY:  # "post": read here, on the chain after the claim
             epoch = tl.load(epoch_ptr)
         tag = ((epoch + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
-        if not COPY:  # the copy kernel drops the bit once the row is there
-            tag = tag | _PENDING
         tl.store(shost_ptr + slot, tag, mask=keep)
         tl.store(hstage_ptr + h, slot, mask=keep)
-        if COPY:
-            # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep]
-            # (tags: the host slot is the low 32 bits)
-            tl.debug_barrier()
-            rr = tl.arange(0, ROWS)
-            cols = tl.arange(0, ROW_WP)
-            cmask = cols < ROW_W
-            first = slot0 + base
-            for j in range(0, n_keep, ROWS):
-                r = j + rr
-                rm = r < n_keep
-                hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int32).to(tl.int64)
-                sj = (first + r).to(tl.int64)
-                m2 = rm[:, None] & cmask[None, :]
-                v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
-                tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
+        # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep] (tags:
+        # the host slot is the low 32 bits)
+        tl.debug_barrier()
+        rr = tl.arange(0, ROWS)
+        cols = tl.arange(0, ROW_WP)
+        cmask = cols < ROW_W
+        first = slot0 + base
+        for j in range(0, n_keep, ROWS):
+            r = j + rr
+            rm = r < n_keep
+            hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int32).to(tl.int64)
+            sj = (first + r).to(tl.int64)
+            m2 = rm[:, None] & cmask[None, :]
+            v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
+            tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
         tl.atomic_add(pfs_ptr, nc.to(tl.int64), sem="relaxed")
         tl.atomic_add(pfs_ptr + _S_STAGED, n_keep.to(tl.int64), mask=n_keep > 0, sem="relaxed")
 
@@ -371,7 +345,7 @@ def launch_scores_prefetch(
     stage_words: torch.Tensor,  # stage_kv as int32 [S, row / 4]
     stage_host: torch.Tensor,  # [S] int64 tags
     host_stage: torch.Tensor,  # [N_H] int32
-    stage_ctr: torch.Tensor,  # [>= B + 3] int32: zero claim counters, done, the epoch last
+    stage_ctr: torch.Tensor,  # [>= B + 2] int32: zero claim counters, the epoch last
     ema: torch.Tensor,  # [N_H / 64 + 1] fp32: the thresholds, ema[EMA_THR] (prefetch_layout)
     pf_stats: torch.Tensor,  # [4] int64
     cap: int,
@@ -407,21 +381,11 @@ def launch_scores_prefetch(
     return scores
 
 
-def index_scores_prefetch_side(*args, **kwargs) -> torch.Tensor:
-    """``"side"``'s scores kernel: ``"early"`` without the copy (claims, tags and counts only;
-    the rows are copied by prefetch_copy.py's kernel, which the op launches beside it)."""
-    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, EARLY=True, COPY=False,
-                                  **kwargs)  # fmt: skip
-
-
 SCORES_VARIANTS = {
     "tile": index_scores_prefetch,
     "post": index_scores_prefetch_post,
     "early": index_scores_prefetch_early,
-    "side": index_scores_prefetch_side,
 }
-# the variants whose scores kernel only claims and tags: the op copies the rows beside it
-COPY_APART = ("side",)
 
 
 def scores_variant(name: str | None):
