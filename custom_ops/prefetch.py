@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from custom_ops.indexer import _check as _check_indexer
-from custom_ops.prefetch_layout import CTR_TAIL, EMA_ROWS, PF_LEN
+from custom_ops.prefetch_layout import EMA_ROWS, PF_LEN
 from custom_ops.prefetch_ref import indexer_topk_prefetch_ref, recall_staged_ref
 
 
@@ -53,14 +53,13 @@ def _check_staging(
         )
     if B is not None:
         if (
-            stage_ctr.shape[0] < B + CTR_TAIL
+            stage_ctr.shape[0] < B + 2
             or ema.dtype != torch.float32
             or ema.shape != (EMA_ROWS, n_h // 64 + 1)
             or not ema.is_contiguous()
         ):
             raise ValueError(
-                f"{op}: stage_ctr must hold >= B + {CTR_TAIL} = {B + CTR_TAIL} words and ema a "
-                f"contiguous "
+                f"{op}: stage_ctr must hold >= B + 2 = {B + 2} words and ema a contiguous "
                 f"fp32 [{EMA_ROWS}, N_H / 64 + 1 = {n_h // 64 + 1}] (a batch of {B}), got "
                 f"stage_ctr {list(stage_ctr.shape)}, ema {ema.dtype} {list(ema.shape)}"
             )
@@ -167,7 +166,7 @@ def indexer_topk_prefetch(
     stage_kv: torch.Tensor,  # [S, row] uint8: staging rows
     stage_host: torch.Tensor,  # [S] int64: tag epoch << 32 | h of each slot, -1 never staged
     host_stage: torch.Tensor,  # [N_H] int32: staging slot of each host slot, -1 none
-    stage_ctr: torch.Tensor,  # [>= B + CTR_TAIL] int32: claims, the global one, ..., epoch
+    stage_ctr: torch.Tensor,  # [>= B + 2] int32: claims per request, the global one, ..., epoch
     ema: torch.Tensor,  # [EMA_ROWS, N_H / 64 + 1] fp32: threshold, level, dev (prefetch_layout)
     pf_stats: torch.Tensor,  # [PF_LEN] int64
     cap: int,  # rows per request (ratio == 0)

@@ -19,15 +19,7 @@ PF_LEN = 4
 # miss h as staged only when ``s = host_stage[h]`` is a slot in [0, S) whose tag is the current
 # epoch's for h. Earlier steps' entries are never cleared: their tags no longer match.
 EPOCH_SHIFT = 32
-# ``stage_ctr [max_batch + CTR_TAIL]`` int32: the claim counters of requests [0, B), the global
-# one at B, the count of scoring programs done second to last (the ``"side"`` variant's copy
-# programs wait on it: prefetch_scores.py), and the epoch word last
-CTR_TAIL = 3
 HOST_MASK = (1 << EPOCH_SHIFT) - 1
-# ``"side"``: a scoring program tags a claimed slot ``stage_tag(E + 1, h) | PENDING``, and a copy
-# program (prefetch_scores._copy_role) rewrites the tag without this bit once the row is in
-# stage_kv; the recall trusts exact tags only, so a row no copy reached is read from the host
-PENDING_BIT = 62
 EMA_ALPHA = 0.5  # weight of the newest k-th score (ECHO)
 # The threshold state ``ema [EMA_ROWS, N_H / 64 + 1]`` fp32, one column per request (ema_keys):
 EMA_THR = 0  # the staging threshold the fused indexer reads: level + margin * dev

@@ -24,15 +24,6 @@ benchmarks/results/prefetch_h200.json). Variants, chosen by name (``SCORES_VARIA
   scoring). The tail then runs only in programs with candidates, starts at the claim, and reads
   the epoch word beside its first load instead of after the claim. 3.2-5.7 µs faster than
   ``"post"`` per indexer + recall on an H100 (docs/prefetch.md, gpu_session37).
-- ``"side"``: ``"early"``'s scoring and claims without the copy in the scoring programs: a
-  program that stages claims its slots and tags them pending (prefetch_layout.PENDING_BIT), and
-  every scoring program counts itself done at its end. The grid has one more request index, B,
-  whose first programs copy (``SIDE_COPY_PROGRAMS``, ``_copy_role``): dispatched in the first wave,
-  they
-  copy the claimed rows while the scoring runs and then write their exact tags; so no scoring
-  program holds its SM through PCIe round trips, and the copies need no second kernel (CUDA does
-  not promise that two kernels run at once). A copy program waits for claims at most
-  ``SIDE_WAIT_NS``; what it did not copy stays pending and is read from the host.
 
 Each records a staged row as ``stage_host[slot] = (E + 1) << 32 | h`` (E: the staging epoch word,
 read once by a program that stages; prefetch_layout) and ``host_stage[h] = slot``, and counts the
@@ -52,7 +43,7 @@ import triton.language as tl
 
 from custom_ops.indexer_kernels import IndexerConfig
 from custom_ops.kv_format import INDEX_DIM, INDEX_PAGE_BYTES, PAGE
-from custom_ops.prefetch_layout import EPOCH_SHIFT, HOST_MASK, PENDING_BIT, PF_STAGED
+from custom_ops.prefetch_layout import EPOCH_SHIFT, PF_STAGED
 
 _PAGE = tl.constexpr(PAGE)  # the constants of indexer_kernels' scoring loop
 _DIM = tl.constexpr(INDEX_DIM)
@@ -61,18 +52,6 @@ _SCALE_OFF = tl.constexpr(PAGE * INDEX_DIM // 4)
 _PAGE_F32 = tl.constexpr(INDEX_PAGE_BYTES // 4)
 _S_STAGED = tl.constexpr(PF_STAGED)
 _SHIFT = tl.constexpr(EPOCH_SHIFT)
-_PENDING = tl.constexpr(1 << PENDING_BIT)  # the bit of a pending tag ("side")
-_PENDING_HI = tl.constexpr(1 << (PENDING_BIT - EPOCH_SHIFT))  # that bit in tag >> 32
-_HOST_MASK = tl.constexpr(HOST_MASK)
-# "side": its copy programs (at most; programs (B, j) of the grid, j < the tiles a request), the
-# rows a chunk (one round trip of host reads) at most, the poll's sleep, and how long a copy
-# program waits at most (ns from its start): far above a scoring kernel's time (~120 us at 16 x
-# 128K tokens), it bounds what a copy program costs if the scoring programs do not run beside it
-SIDE_COPY_PROGRAMS = 8
-SIDE_CHUNK_ROWS = 16
-_CHUNK = tl.constexpr(SIDE_CHUNK_ROWS)
-SIDE_SLEEP_NS = 256
-SIDE_WAIT_NS = 5_000_000
 DEFAULT_VARIANT = "early"
 
 
@@ -82,21 +61,13 @@ def _scores_prefetch_post_kernel(
     shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, n_heads, bt_stride, L, B, cap,
     n_stage, ratio, HP: tl.constexpr, BT: tl.constexpr, TPP: tl.constexpr, STAGES: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, ROW_W: tl.constexpr,
-    ROW_WP: tl.constexpr, EARLY: tl.constexpr, COPY: tl.constexpr = True, NC: tl.constexpr = 0,
-    UNITS_P: tl.constexpr = 16, SLEEP: tl.constexpr = 0, WAIT: tl.constexpr = 0,
+    ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``_scores_prefetch_kernel``; the staging after the scoring
     loop, for programs with a score above the threshold only (module docstring). EARLY: the
-    ``"early"`` variant (the map looked up in the loop, the bits mark candidates). COPY = False
-    (``"side"``, grid (B + 1, tiles)): a scoring program claims and tags pending only, then
-    counts itself done in the word before the epoch (release, after a barrier: its claim and tags
-    come first); programs (B, j < NC) copy the claimed rows (``_copy_role``) and score nothing."""
+    ``"early"`` variant (the map looked up in the loop, the bits mark candidates)."""
     b = tl.program_id(0)
     start = tl.program_id(1) * TPP
-    if not COPY:  # "side": programs (B, j) copy; they have no live token
-        is_copy = b == B
-        start = tl.where(is_copy, L, start)
-        b = tl.minimum(b, B - 1)
     seq_len = tl.load(sl_ptr + b)
     hh = tl.arange(0, HP)
     dd = tl.arange(0, _DIM)
@@ -148,131 +119,7 @@ def _scores_prefetch_post_kernel(
         _stage_program(b, start, seq_len, over_bits, bt_ptr + b * bt_stride, sl_ptr, h2g_ptr,
                        hstage_ptr, shost_ptr, ctr_ptr, epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B,
                        cap, n_stage, ratio, TPP, BT, GLOBAL, BP, ROWS, TPP // BT * ROWS, ROW_W,
-                       ROW_WP, EARLY, COPY)  # fmt: skip
-    if not COPY:
-        if is_copy:
-            j = tl.program_id(1)
-            if (NC > 0) & (j < NC):
-                _copy_role(j, NC, sl_ptr, ctr_ptr, epoch_ptr, shost_ptr, src_ptr, dst_ptr, B,
-                           cap, n_stage, ratio, B * tl.num_programs(1), GLOBAL, BP, ROW_W // 4,
-                           UNITS_P, SLEEP, WAIT)  # fmt: skip
-        else:
-            tl.debug_barrier()
-            tl.atomic_add(epoch_ptr - 1, 1, sem="release")
-
-
-@triton.jit
-def _now(x):
-    """The GPU's global nanosecond timer (CUDA only), ``x`` only giving the shape."""
-    return tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _sleep(x, SLEEP: tl.constexpr):
-    """nanosleep (CUDA only; the interpreter never waits), passing ``x`` through."""
-    if SLEEP > 0:
-        x = tl.inline_asm_elementwise(
-            f"nanosleep.u32 {SLEEP}; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-    return x
-
-
-@triton.jit
-def _scored(ptr, n_score):
-    """Whether every scoring program has counted itself done (the word at ``ptr``). Polled
-    relaxed (an acquire on every poll would invalidate the SM's L1 under the scoring programs
-    beside it); once it has, read again with acquire, so the claim counters and tags read after
-    it are final."""
-    s = tl.atomic_add(ptr, 0, sem="relaxed")
-    if s == n_score:
-        s = tl.atomic_add(ptr, 0, sem="acquire")
-    return s == n_score
-
-
-@triton.jit
-def _copy_role(
-    j, NC, sl_ptr, ctr_ptr, epoch_ptr, shost_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio,
-    n_score, GLOBAL: tl.constexpr, BP: tl.constexpr, UPR: tl.constexpr, UNITS_P: tl.constexpr,
-    SLEEP: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    """``"side"``'s copy program j of NC: chunks j, j + NC, ... of CHUNK claimed slots (GLOBAL:
-    [c CHUNK, c CHUNK + CHUNK) of the budget; else request c // per_req's range, rows
-    (c % per_req) CHUNK on). A chunk is copied once it is wholly claimed (or every scoring program
-    is done: no more claims come) and each of its claimed slots carries this step's pending tag;
-    its rows (UPR 16-byte units each: one [UNITS_P, 4] int32 tile) go host -> staging, then its
-    tags lose the pending bit. WAIT > 0: WAIT ns after the program's start it copies no more
-    chunks; their rows stay pending, and the recall reads them from the host."""
-    CHUNK: tl.constexpr = _CHUNK
-    want = tl.load(epoch_ptr) + 1  # this call's tags
-    pending = want | _PENDING_HI
-    done_ptr = epoch_ptr - 1
-    if WAIT > 0:
-        t0 = _now(j)
-    per_req = tl.cdiv(cap, CHUNK)
-    limit, ctr, slot0 = claim_space(0, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
-    n_chunks = tl.cdiv(limit, CHUNK) if GLOBAL else B * per_req
-    u = tl.arange(0, UNITS_P)
-    row = u // UPR
-    w4 = tl.arange(0, 4)
-    rr = tl.arange(0, CHUNK)
-    for c in range(j, n_chunks, NC):
-        bc = 0 if GLOBAL else c // per_req
-        first = c * CHUNK if GLOBAL else (c % per_req) * CHUNK
-        limit, ctr, slot0 = claim_space(bc, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
-        end = first * 0
-        ready = first * 0
-        late = first * 0  # 1: given up
-        while (ready == 0) & (late == 0):
-            scored = _scored(done_ptr, n_score)
-            claimed = tl.minimum(tl.atomic_add(ctr, 0, sem="relaxed"), limit)
-            end = tl.minimum(first + CHUNK, claimed)
-            if scored | (claimed >= first + CHUNK):  # nothing more will be claimed in it
-                rm = first + rr < end
-                tag = tl.load(shost_ptr + slot0 + first + rr, mask=rm, other=0, volatile=True)
-                n_late = tl.sum((rm & ((tag >> _SHIFT) != pending)).to(tl.int32), 0)
-                ready = (n_late == 0).to(tl.int32)
-            if ready == 0:
-                if WAIT > 0:
-                    late = (_now(j) - t0 > WAIT).to(tl.int32)
-                end = _sleep(end, SLEEP)
-        if (ready != 0) & (end > first):
-            tl.debug_barrier()  # every thread's view of the tags follows the poll's
-            um = (u < CHUNK * UPR) & (first + row < end)
-            slot = (slot0 + first + row).to(tl.int64)
-            tag = tl.load(shost_ptr + slot, mask=um, other=0, volatile=True)
-            h = tag & _HOST_MASK
-            word = (u - row * UPR) * 4
-            m2 = um[:, None]
-            v = tl.load(src_ptr + (h * (UPR * 4) + word)[:, None] + w4[None, :], mask=m2)
-            tl.store(dst_ptr + (slot * (UPR * 4) + word)[:, None] + w4[None, :], v, mask=m2)
-            # the row is there: its exact tag (the recall runs after this launch)
-            rm = first + rr < end
-            tag = tl.load(shost_ptr + slot0 + first + rr, mask=rm, other=0, volatile=True)
-            tl.store(shost_ptr + slot0 + first + rr, (want.to(tl.int64) << _SHIFT) |
-                     (tag & _HOST_MASK), mask=rm)  # fmt: skip
-
-
-@triton.jit
-def claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL: tl.constexpr,
-                BP: tl.constexpr):  # fmt: skip
-    """Where request ``b`` claims staging slots: (limit, its claim counter, its first slot).
-    GLOBAL: one budget for all, floor(sum(seq_lens) x ratio) rows at most S, claimed through
-    ctr[B] from slot 0 (prefetch_ref.stage_limit); else ``cap`` rows of request b's own range,
-    claimed through ctr[b]."""
-    if GLOBAL:
-        bb = tl.arange(0, BP)
-        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
-        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
-        ctr = ctr_ptr + B
-        slot0 = b * 0
-    else:
-        limit = cap + b * 0
-        ctr = ctr_ptr + b
-        slot0 = b * cap
-    return limit, ctr, slot0
+                       ROW_WP, EARLY)  # fmt: skip
 
 
 @triton.jit
@@ -281,17 +128,25 @@ def _stage_program(
     epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
     BT: tl.constexpr,
     GLOBAL: tl.constexpr, BP: tl.constexpr, ROWS: tl.constexpr, MAXROWS: tl.constexpr,
-    ROW_W: tl.constexpr, ROW_WP: tl.constexpr, EARLY: tl.constexpr, COPY: tl.constexpr,
+    ROW_W: tl.constexpr, ROW_WP: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Stage the candidates of one program's TPP tokens, whole-program vectors (one gather of the
     map, one claim atomic, so one chain of memory latencies instead of one per tile): at most
     MAXROWS rows (rows_per_block per score tile), copied host -> staging ROWS rows at a time.
     ``over_bits`` [BT]: bit i of lane j set where token start + i BT + j beat the threshold
-    (EARLY: and is a candidate, the map already looked up). COPY = False: the rows are left to
-    the copy programs (every slot below the claim counter and the limit is tagged pending)."""
+    (EARLY: and is a candidate, the map already looked up)."""
     if EARLY:  # beside the page loads, off the claim's chain
         epoch = tl.load(epoch_ptr)
-    limit, ctr, slot0 = claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
+    if GLOBAL:
+        bb = tl.arange(0, BP)
+        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
+        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
+        ctr = ctr_ptr + B
+        slot0 = 0
+    else:
+        limit = cap
+        ctr = ctr_ptr + b
+        slot0 = b * cap
     t = start + tl.arange(0, TPP)
     live = t < seq_len
     # the pages are loaded beside the map's chain, not in it (16 distinct entries per program)
@@ -320,26 +175,23 @@ def _stage_program(
         if not EARLY:  # "post": read here, on the chain after the claim
             epoch = tl.load(epoch_ptr)
         tag = ((epoch + 1).to(tl.int64) << _SHIFT) | h.to(tl.int64)
-        if not COPY:  # the copy kernel drops the bit once the row is there
-            tag = tag | _PENDING
         tl.store(shost_ptr + slot, tag, mask=keep)
         tl.store(hstage_ptr + h, slot, mask=keep)
-        if COPY:
-            # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep]
-            # (tags: the host slot is the low 32 bits)
-            tl.debug_barrier()
-            rr = tl.arange(0, ROWS)
-            cols = tl.arange(0, ROW_WP)
-            cmask = cols < ROW_W
-            first = slot0 + base
-            for j in range(0, n_keep, ROWS):
-                r = j + rr
-                rm = r < n_keep
-                hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int32).to(tl.int64)
-                sj = (first + r).to(tl.int64)
-                m2 = rm[:, None] & cmask[None, :]
-                v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
-                tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
+        # the kept host slots are now compacted in stage_host[slot0 + base :][: n_keep] (tags:
+        # the host slot is the low 32 bits)
+        tl.debug_barrier()
+        rr = tl.arange(0, ROWS)
+        cols = tl.arange(0, ROW_WP)
+        cmask = cols < ROW_W
+        first = slot0 + base
+        for j in range(0, n_keep, ROWS):
+            r = j + rr
+            rm = r < n_keep
+            hj = tl.load(shost_ptr + first + r, mask=rm, other=0).to(tl.int32).to(tl.int64)
+            sj = (first + r).to(tl.int64)
+            m2 = rm[:, None] & cmask[None, :]
+            v = tl.load(src_ptr + hj[:, None] * ROW_W + cols[None, :], mask=m2)
+            tl.store(dst_ptr + sj[:, None] * ROW_W + cols[None, :], v, mask=m2)
         tl.atomic_add(pfs_ptr, nc.to(tl.int64), sem="relaxed")
         tl.atomic_add(pfs_ptr + _S_STAGED, n_keep.to(tl.int64), mask=n_keep > 0, sem="relaxed")
 
@@ -493,7 +345,7 @@ def launch_scores_prefetch(
     stage_words: torch.Tensor,  # stage_kv as int32 [S, row / 4]
     stage_host: torch.Tensor,  # [S] int64 tags
     host_stage: torch.Tensor,  # [N_H] int32
-    stage_ctr: torch.Tensor,  # [>= B + 3] int32: zero claim counters, done, the epoch last
+    stage_ctr: torch.Tensor,  # [>= B + 2] int32: zero claim counters, the epoch last
     ema: torch.Tensor,  # [N_H / 64 + 1] fp32: the thresholds, ema[EMA_THR] (prefetch_layout)
     pf_stats: torch.Tensor,  # [4] int64
     cap: int,
@@ -517,14 +369,6 @@ def launch_scores_prefetch(
     scores = torch.empty((B, L), dtype=torch.float32, device=q_u8.device)
     row_w = host_words.shape[1]
     grid = (B, triton.cdiv(L, cfg.score_tokens))
-    if consts.get("COPY", True) is False:  # "side": a last column of copy programs
-        if row_w % 4:
-            raise ValueError(f"the side variant copies 16-byte units: rows of {row_w * 4} B")
-        cuda = q_u8.device.type == "cuda"
-        consts |= dict(NC=min(SIDE_COPY_PROGRAMS, grid[1]),
-                       UNITS_P=triton.next_power_of_2(SIDE_CHUNK_ROWS * row_w // 4),
-                       SLEEP=SIDE_SLEEP_NS if cuda else 0, WAIT=SIDE_WAIT_NS if cuda else 0)
-        grid = (B + 1, grid[1])
     kernel[grid](
         q_u8.contiguous(), weights.contiguous(), index_cache, index_cache.view(torch.float32),
         block_table, seq_lens, scores, ema, host_to_gpu, host_stage, stage_host, stage_ctr,
@@ -537,18 +381,10 @@ def launch_scores_prefetch(
     return scores
 
 
-def index_scores_prefetch_side(*args, **kwargs) -> torch.Tensor:
-    """``"side"``'s scores kernel: ``"early"``, the copies done by copy programs beside the
-    scoring ones (module docstring)."""
-    return launch_scores_prefetch(_scores_prefetch_post_kernel, *args, EARLY=True, COPY=False,
-                                  **kwargs)  # fmt: skip
-
-
 SCORES_VARIANTS = {
     "tile": index_scores_prefetch,
     "post": index_scores_prefetch_post,
     "early": index_scores_prefetch_early,
-    "side": index_scores_prefetch_side,
 }
 
 

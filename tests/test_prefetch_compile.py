@@ -1,9 +1,9 @@
-"""The fused indexer-scores + prefetch kernels (custom_ops/prefetch_scores.py), every variant
-(``"side"`` with its copy programs), per-request cap and global budget, and the threshold update
-that ends a staging step (prefetch_kernels._ema_kernel, with and without the epoch's advance),
-compile for an H200 (sm_90) without a GPU: the interpreter that runs their CPU tests does not
-lower what the compiler lowers (the "post" kernel's bits of the tiles above the threshold are
-unpacked by a broadcast and a reshape; the staging tags are int64)."""
+"""The fused indexer-scores + prefetch kernels (custom_ops/prefetch_scores.py), every variant,
+per-request cap and global budget, and the threshold update that ends a staging step
+(prefetch_kernels._ema_kernel, with and without the epoch's advance), compile for an H200
+(sm_90) without a GPU: the interpreter that runs their CPU tests does not lower what the compiler
+lowers (the "post" kernel's bits of the tiles above the threshold are unpacked by a broadcast and
+a reshape; the staging tags are int64)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,7 @@ ARGS = [("q_ptr", U8), ("w_ptr", F32), ("kv_ptr", U8), ("ks_ptr", F32), ("bt_ptr
         ("src_ptr", I32), ("dst_ptr", I32), ("n_heads", "i32"), ("bt_stride", "i32"),
         ("L", "i32"), ("B", "i32"), ("cap", "i32"), ("n_stage", "i32"), ("ratio", "fp32")]
 POST = PS._scores_prefetch_post_kernel
-NO_SIDE = dict(COPY=True, NC=0, UNITS_P=16, SLEEP=0, WAIT=0)
-for name, kern, own in (("post", POST, dict(EARLY=False, **NO_SIDE)),
-                        ("early", POST, dict(EARLY=True, **NO_SIDE)),
-                        ("side", POST, dict(EARLY=True, COPY=False, NC=PS.SIDE_COPY_PROGRAMS,
-                                            SLEEP=PS.SIDE_SLEEP_NS, WAIT=PS.SIDE_WAIT_NS)),
+for name, kern, own in (("post", POST, dict(EARLY=False)), ("early", POST, dict(EARLY=True)),
                         ("tile", PS._scores_prefetch_kernel, {})):
     for glob in (False, True):
         # bf16 rows (288 words) and fp8 rows (164), the launcher's constexprs at 64 index heads
@@ -39,8 +35,6 @@ for name, kern, own in (("post", POST, dict(EARLY=False, **NO_SIDE)),
             consts = dict(HP=64, BT=cfg.score_block, TPP=cfg.score_tokens, STAGES=cfg.score_stages,
                           GLOBAL=glob, BP=16, ROWS=8, ROW_W=row_w,
                           ROW_WP=triton.next_power_of_2(row_w), **own)
-            if name == "side":  # the launcher's copy tile
-                consts["UNITS_P"] = triton.next_power_of_2(PS.SIDE_CHUNK_ROWS * row_w // 4)
             sig = {a: t for a, t in ARGS}
             sig.update({k: "constexpr" for k in consts})
             attrs = {(i,): [["tt.divisibility", 16]] for i, (_, t) in enumerate(ARGS)
@@ -73,4 +67,4 @@ for end in (False, True):
 
 
 def test_prefetch_scores_kernels_compile_for_sm90():
-    assert_compiles(SCRIPT, 18)
+    assert_compiles(SCRIPT, 14)

@@ -18,7 +18,7 @@ from torch import nn
 import custom_ops  # noqa: F401  (registers the echo:: ops this module calls)
 from custom_ops.cache.config import CacheConfig
 from custom_ops.kv_format import PAGE
-from custom_ops.prefetch_layout import CTR_TAIL, EMA_ROWS, PF_LEN
+from custom_ops.prefetch_layout import EMA_ROWS, PF_LEN
 
 # the per-layer metrics KVCache.stats() lists (step stats, /metrics, bench JSON)
 PREFETCH_STATS = ("prefetched_per_step", "prefetch_precision", "prefetch_coverage")
@@ -37,9 +37,8 @@ def staging_buffers(cfg: CacheConfig) -> dict[str, tuple[tuple[int, ...], torch.
         # tags epoch << 32 | host slot (prefetch_layout), -1 never staged
         "stage_host": ((n_stage,), torch.int64, -1),
         "host_stage": ((cfg.host_tokens,), torch.int32, -1),
-        # claim counters per request, the global one, ..., the scoring programs done, the staging
-        # epoch (the last word; prefetch_layout.CTR_TAIL)
-        "stage_ctr": ((cfg.max_batch + CTR_TAIL,), torch.int32, 0),
+        # claim counters per request, the global one, then the staging epoch (the last word)
+        "stage_ctr": ((cfg.max_batch + 2,), torch.int32, 0),
         "ema": ((EMA_ROWS, n_ema), torch.float32, 0),
         "totals": ((PF_LEN,), torch.int64, 0),
     }
