@@ -122,7 +122,7 @@ time)
   on calibrate && stage calibrate_locality 100 python -m benchmarks.calibrate_locality \
     --knobs "${KNOBS-0.8,0.93,0.97}" --budget-s 70 --out "$W/calibrate_locality_h200.json"
   on prefetch && stage bench_prefetch 240 python -m benchmarks.bench_prefetch --caps 64 \
-    --ratios "${PF_RATIOS-0.002,0.004}" --margins "${PF_MARGINS-0,1,2,3}" --variants "${PF_VARIANTS-early}" \
+    --ratios "${PF_RATIOS-0.002,0.004,0.006}" --margins "${PF_MARGINS-1,2,3,4}" --variants "${PF_VARIANTS-early}" \
     --pf-rows 8 --out "$W/prefetch_h200.json"
   on staged_recall && stage bench_staged_recall 150 python -m benchmarks.bench_staged_recall \
     --out "$W/staged_recall_h200.json"
