@@ -715,3 +715,25 @@ def test_thresholds_follow_requests_not_rows():
     c.release(torch.arange(6 * 64, 12 * 64))  # the second request's pages
     ema = layer.staging.ema
     assert not ema[:, 6].any() and torch.equal(level[[0, 12]], (0.5 * kth2 + 0.5 * kth)[[0, 2]])
+
+
+def test_summarize_prefetch_tabulates_a_committed_run():
+    """benchmarks/summarize_prefetch.py on a committed H100 run: one row per configuration of
+    each hit rate, its figures from the JSON (gpu_session40 call 6: 0.917 of the bound at budget
+    0.006, margin 4), '-' where a figure is missing."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import summarize_prefetch as sp
+
+    results = Path(__file__).parent.parent / "benchmarks/results"
+    path = results / "gpu_session40/call6_prefetch_h05_budgets_h100.json"
+    res = json.loads(path.read_text())
+    r = res["results"]["h0.5"]
+    got = dict(sp.rows(r))
+    assert len(got) == 10 and got["ratio0.006_m4_rows8"][3] == "0.917"
+    assert got["ratio0.006_m4_rows8"][0] == f"{r['ratio0.006_m4_rows8_us']:.1f}"
+    text = sp.summarize(res)
+    assert "checks PASS, 3 rounds" in text and "| ratio0.003_m3_rows8 |" in text
+    del r["ratio0.003_m3_rows8_precision"]
+    assert dict(sp.rows(r))["ratio0.003_m3_rows8"][6] == "-"
