@@ -114,7 +114,10 @@ def build_app(
     app.post("/detokenize")(h.detokenize)
     app.get("/metrics")(h.prometheus)
 
+    created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+
     def card(name: str) -> dict[str, Any]:
+        # OpenAI's model object, and Anthropic's fields beside it (type, display_name, created_at)
         return {
             "id": name,
             "object": "model",
@@ -122,11 +125,16 @@ def build_app(
             "owned_by": "echo-compile",
             "root": names[0],
             "max_model_len": async_engine.max_model_len,
+            "type": "model",
+            "display_name": name,
+            "created_at": created_at,
         }
 
     @app.get("/v1/models")
     async def _models() -> dict[str, Any]:
-        return {"object": "list", "data": [card(n) for n in names]}
+        # (first_id, last_id, has_more: Anthropic's page; one page holds every name)
+        return {"object": "list", "data": [card(n) for n in names], "first_id": names[0],
+                "last_id": names[-1], "has_more": False}  # fmt: skip
 
     @app.get("/v1/models/{model_id:path}")
     async def _model(model_id: str) -> dict[str, Any]:

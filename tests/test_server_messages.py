@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -1103,3 +1104,23 @@ def test_usage_reads_the_prefix_cache_the_same_throughout(
         with _anthropic(url).messages.stream(model=MODEL, max_tokens=64, messages=hi) as s:
             usage = s.get_final_message().usage
         assert (usage.input_tokens, usage.cache_read_input_tokens) == (n - 4, 4)
+
+
+def test_the_anthropic_client_lists_and_retrieves_the_models(
+    served: tuple[str, PromptedEngine],
+) -> None:
+    """``GET /v1/models`` and ``/v1/models/{id}`` serve Anthropic's model objects too (``type``,
+    ``display_name``, ``created_at`` as RFC 3339; the page's ``first_id`` / ``last_id`` /
+    ``has_more``) beside OpenAI's fields, so its SDK's ``models.list`` / ``retrieve`` parse them
+    with no field missing."""
+    import datetime as dt
+
+    url, _ = served
+    client = _anthropic(url)
+    page = client.models.list()
+    assert [m.id for m in page.data] == [MODEL] and page.has_more is False
+    assert page.first_id == page.last_id == MODEL
+    for m in (page.data[0], client.models.retrieve(MODEL)):
+        assert m.id == MODEL and m.type == "model" and m.display_name == MODEL
+        assert isinstance(m.created_at, dt.datetime) and m.created_at.tzinfo is not None
+        assert abs(m.created_at.timestamp() - time.time()) < 3600  # the server's start
