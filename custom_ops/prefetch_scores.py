@@ -123,6 +123,26 @@ def _scores_prefetch_post_kernel(
 
 
 @triton.jit
+def claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL: tl.constexpr,
+                BP: tl.constexpr):  # fmt: skip
+    """Where request ``b`` claims staging slots: (limit, its claim counter, its first slot).
+    GLOBAL: one budget for all, floor(sum(seq_lens) x ratio) rows at most S, claimed through
+    ctr[B] from slot 0 (prefetch_ref.stage_limit); else ``cap`` rows of request b's own range,
+    claimed through ctr[b]."""
+    if GLOBAL:
+        bb = tl.arange(0, BP)
+        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
+        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
+        ctr = ctr_ptr + B
+        slot0 = b * 0
+    else:
+        limit = cap + b * 0
+        ctr = ctr_ptr + b
+        slot0 = b * cap
+    return limit, ctr, slot0
+
+
+@triton.jit
 def _stage_program(
     b, start, seq_len, over_bits, bt_row, sl_ptr, h2g_ptr, hstage_ptr, shost_ptr, ctr_ptr,
     epoch_ptr, pfs_ptr, src_ptr, dst_ptr, B, cap, n_stage, ratio, TPP: tl.constexpr,
@@ -137,16 +157,7 @@ def _stage_program(
     (EARLY: and is a candidate, the map already looked up)."""
     if EARLY:  # beside the page loads, off the claim's chain
         epoch = tl.load(epoch_ptr)
-    if GLOBAL:
-        bb = tl.arange(0, BP)
-        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
-        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
-        ctr = ctr_ptr + B
-        slot0 = 0
-    else:
-        limit = cap
-        ctr = ctr_ptr + b
-        slot0 = b * cap
+    limit, ctr, slot0 = claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
     t = start + tl.arange(0, TPP)
     live = t < seq_len
     # the pages are loaded beside the map's chain, not in it (16 distinct entries per program)
@@ -258,16 +269,7 @@ def _scores_prefetch_kernel(
     q = q.to(tl.float8e4nv, bitcast=True)  # [HP, 128]
     w = tl.load(w_ptr + b * n_heads + hh, mask=hm, other=0.0)
     thr = tl.load(ema_ptr + tl.load(bt_ptr + b * bt_stride))  # padded rows: any, nothing is live
-    if GLOBAL:
-        bb = tl.arange(0, BP)
-        ctx = tl.sum(tl.load(sl_ptr + bb, mask=bb < B, other=0).to(tl.float32), 0)
-        limit = tl.minimum(tl.floor(ctx * ratio).to(tl.int32), n_stage)
-        ctr = ctr_ptr + B
-        slot0 = 0
-    else:
-        limit = cap
-        ctr = ctr_ptr + b
-        slot0 = b * cap
+    limit, ctr, slot0 = claim_space(b, sl_ptr, ctr_ptr, B, cap, n_stage, ratio, GLOBAL, BP)
     rr = tl.arange(0, ROWS)
     cols = tl.arange(0, ROW_WP)
     cmask = cols < ROW_W
