@@ -93,6 +93,44 @@ def scaled_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     return out
 
 
+def xa_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """The XA kernel (x the MMA's A operand, the weight rounded as SCALED's through shared
+    memory; ``awq_pairs_xa_kernels``): 64- and 128-token tiles (up to the tokens' own tile),
+    64-256 columns, split-K to about one or two programs per SM."""
+    bt_max, out = PK.tokens_tile(m) if m <= 128 else 128, []
+    tiles = ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8), (128, 256, 8))
+    for bt, bn, warps in tiles:
+        if bt > max(64, bt_max):
+            continue
+        for ppsm in (1, 2):
+            c = PK.p_config(m, n, k, sms, programs_per_sm=ppsm, bn=bn)
+            c.update(BT=bt, num_warps=warps, num_stages=3, SCALED=False, XA=True, FUSED=False)
+            c["SPLIT_K"] = _split(m, n, k, sms, bt, bn, ppsm)
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def _split(m: int, n: int, k: int, sms: int, bt: int, bn: int, ppsm: int) -> int:
+    """The smallest power-of-two split-K (at most 16, at least 4 groups a split) that gives
+    ``ppsm`` programs per SM or more."""
+    tiles, split = -(-n // bn) * -(-m // bt), 1
+    while tiles * split < ppsm * sms and split * 2 * 4 <= k // 128 and split < 16:
+        split *= 2
+    return split
+
+
+def _xa_sweep(row: dict, m: int, n: int, k: int, sms: int, x, wp) -> None:
+    """Time ``xa_candidates`` into ``row`` (``xa_sweep``, ``xa_best_us`` and its config)."""
+    xs = []
+    for c in xa_candidates(m, n, k, sms):
+        calls = [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
+        xs.append({"config": c, "us": _time(calls)})
+    xb = min(xs, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
+    row.update(xa_best_us=xb["us"], xa_best_config=xb["config"], xa_sweep=xs,
+               xa_best_x_bf16=row["bf16_us"] / xb["us"])  # fmt: skip
+
+
 def moe_scaled_candidates(t: int) -> list[dict]:
     """The MoE's SCALED passes (W rounded to bf16): the rule's row block and twice it (at most
     128 pairs), 64 columns on 4 warps or 128 on 8."""
@@ -144,6 +182,20 @@ def check(result: dict) -> None:
                 own = rel_err(sa, (x.float() @ w16).bfloat16())
                 record(result, "linear/scaled vs its weights", own, 1e-2, K=k, N=n, M=m)
                 record(result, "linear/scaled vs exact", rel_err(sa, ref), 1e-2, K=k, N=n, M=m)
+                if m >= 64:  # XA: x the A operand, SCALED's weights; split, fused or not
+                    xc = {"BN": 128, "BT": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3,
+                          "XA": True, "FUSED": False}  # fmt: skip
+                    xa = PK.w4a16_linear_p_triton(x, *p, config=xc, mode=PK.MODE_ASM)
+                    xb = PK.w4a16_linear_p_triton(x, *p, config=xc, mode=PK.MODE_OPS)
+                    record(result, "linear/xa asm==ops", 0.0 if torch.equal(xa, xb) else 1.0,
+                           None, K=k, N=n, M=m)  # fmt: skip
+                    own = rel_err(xa, (x.float() @ w16).bfloat16())
+                    record(result, "linear/xa vs its weights", own, 1e-3, K=k, N=n, M=m)
+                    xf = [PK.w4a16_linear_p_triton(x, *p, config={**xc, "FUSED": True})
+                          for _ in range(10)]  # fmt: skip
+                    same = all(torch.equal(f, xa) for f in xf)
+                    record(result, "linear/xa fused==unfused", 0.0 if same else 1.0, None,
+                           K=k, N=n, M=m)  # fmt: skip
                 if cfg["SPLIT_K"] > 1:  # the fused reduction: the same bits, 20 times over
                     c = {**cfg, "FUSED": True}
                     same = all(torch.equal(PK.w4a16_linear_p_triton(x, *p, config=c), a)
@@ -202,7 +254,7 @@ def check(result: dict) -> None:
 
 def bench_linear(
     k: int, n: int, batches: list[int], hbm: float, budget_s: float, sweeps: bool = True,
-    scaled_min_m: int = 32,
+    scaled_min_m: int = 32, xa: bool = False,
 ) -> list[dict]:  # fmt: skip
     rows = []
     wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
@@ -254,6 +306,8 @@ def bench_linear(
             sb = min(ss, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
             row.update(scaled_best_us=sb["us"], scaled_best_config=sb["config"],
                        scaled_sweep=ss, scaled_best_x_bf16=row["bf16_us"] / sb["us"])
+        if xa and m >= 32:
+            _xa_sweep(row, m, n, k, sms, x, wp)
         bf = row["bf16_us"]
         row["pair_x_bf16"] = bf / row["pair_us"]
         row["pair_best_x_bf16"] = bf / row["pair_best_us"]
@@ -266,12 +320,15 @@ def bench_linear(
               f"{row['pair_us']:.1f} fused {row.get('pair_fused_us', math.nan):.1f} best "
               f"{row['pair_best_us']:.1f} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} scaled best "
-              f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')}",
+              f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')} xa best "
+              f"{row.get('xa_best_us', math.nan):.1f} {row.get('xa_best_config')}",
               flush=True)  # fmt: skip
     return rows
 
 
-def bench_prefill(k: int, n: int, batches: list[int], budget_s: float) -> list[dict]:
+def bench_prefill(
+    k: int, n: int, batches: list[int], budget_s: float, xa: bool = False
+) -> list[dict]:
     """Prefill token counts: bf16 ``F.linear``, the pair kernel (``p_config``'s tile), the
     SCALED kernel's best wide tile, and the weight dequantised once (``dequant_p``) then
     ``F.linear`` (cuBLAS), and the dequantisation alone."""
@@ -303,12 +360,15 @@ def bench_prefill(k: int, n: int, batches: list[int], budget_s: float) -> list[d
             x, *w, config={"DEQUANT": True}) for w in wp])  # fmt: skip
         row["dequant_us"] = _time([lambda w=w: PK.dequant_p_triton(*w, torch.bfloat16)
                                    for w in wp])  # fmt: skip
+        if xa:
+            _xa_sweep(row, m, n, k, sms, x, wp)
         for key in ("pair", "scaled_best", "dequant_mm"):
             row[f"{key}_x_bf16"] = row["bf16_us"] / row[f"{key}_us"]
         rows.append(row)
         print(f"  prefill {k}x{n} M={m}: bf16 {row['bf16_us']:.1f} pair {row['pair_us']:.1f} "
               f"scaled {row['scaled_best_us']:.1f} {best[1]} dequant+mm "
-              f"{row['dequant_mm_us']:.1f} (dequant {row['dequant_us']:.1f})", flush=True)
+              f"{row['dequant_mm_us']:.1f} (dequant {row['dequant_us']:.1f}) xa best "
+              f"{row.get('xa_best_us', math.nan):.1f} {row.get('xa_best_config')}", flush=True)
     return rows
 
 
@@ -381,6 +441,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-sweeps", action="store_true",
                     help="time the served configurations only (no launch-configuration sweeps)")
+    ap.add_argument("--xa", action="store_true",
+                    help="also time the XA kernel's candidates (xa_candidates) from M = 32 and "
+                         "in the prefill section")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq_pairs: needs a CUDA GPU")
@@ -410,12 +473,14 @@ def main() -> None:
     result["linear"], result["prefill"] = [], []
     for k, n in (shapes or LINEAR_SHAPES) if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
-                                         args.budget_s * 0.5, not args.no_sweeps)  # fmt: skip
+                                         args.budget_s * 0.5, not args.no_sweeps,
+                                         xa=args.xa)  # fmt: skip
         save()
         torch.cuda.empty_cache()
     for k, n in (shapes or LINEAR_SHAPES) if args.prefill_batches else ():
         result["prefill"] += bench_prefill(
-            k, n, [int(b) for b in args.prefill_batches.split(",") if b], args.budget_s * 0.75
+            k, n, [int(b) for b in args.prefill_batches.split(",") if b], args.budget_s * 0.75,
+            args.xa,
         )
         save()
         torch.cuda.empty_cache()
@@ -438,10 +503,17 @@ def main() -> None:
             print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
                   f"{r['pair_best_us']:6.1f} {r['scaled_best_us']:6.1f} "
                   f"{r['scaled_best_x_bf16']:6.2f}")  # fmt: skip
-    print(f"{'prefill K x N':>14} {'M':>5} {'bf16':>8} {'pair':>8} {'scaled':>8} {'deq+mm':>8}")
+    print(f"{'xa K x N':>14} {'M':>4} {'bf16':>6} {'served':>6} {'xa':>6} {'x bf16':>6}")
+    for r in result["linear"]:
+        if "xa_best_us" in r:
+            print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
+                  f"{r['served_us']:6.1f} {r['xa_best_us']:6.1f} {r['xa_best_x_bf16']:6.2f}")
+    print(f"{'prefill K x N':>14} {'M':>5} {'bf16':>8} {'pair':>8} {'scaled':>8} {'deq+mm':>8} "
+          f"{'xa':>8}")  # fmt: skip
     for r in result["prefill"]:
         print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>5} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "
-              f"{r['scaled_best_us']:8.1f} {r['dequant_mm_us']:8.1f}")  # fmt: skip
+              f"{r['scaled_best_us']:8.1f} {r['dequant_mm_us']:8.1f} "
+              f"{r.get('xa_best_us', math.nan):8.1f}")  # fmt: skip
     print(f"{'moe T':>6} {'bf16':>8} {'pair':>8} {'best':>8} {'x bf16':>6} {'scaled':>8}")
     for r in result["moe"]:
         print(f"{r['T']:>6} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "

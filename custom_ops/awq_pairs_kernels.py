@@ -37,103 +37,18 @@ import triton.language as tl
 from custom_ops.awq_format import GROUP, check_pairs, check_x16
 from custom_ops.awq_kernels import (
     _num_sms,
-    _round16,
     _store,
     splitk_last_sum,
     splitk_sum_kernel,
 )
+from custom_ops.awq_pairs_steps import _group_part, _pair, _scale, _ss, _zz
+from custom_ops.awq_pairs_xa_kernels import w4a16_p_xa_kernel
 from custom_ops.tile_counters import _COUNTERS, COUNTERS, reserve_counters  # noqa: F401
 from custom_ops.tile_counters import counters as _counters
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
 DEFAULT_MODE = MODE_INTERPRET if _INTERPRET else MODE_ASM
-
-
-@triton.jit
-def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
-          SCALED: tl.constexpr = False):  # fmt: skip
-    """``(q - z)`` of the nibbles at bits ``4 s`` (lo) and ``16 + 4 s`` (hi) of each word ``w``
-    (int32 [R, C]); ``zz`` is ``(c + z) * 0x10001`` (the 16-bit pair ``(c + z, c + z)``, c the
-    magic number). Returns ``(lo, hi)``, 16-bit (fp32 under MODE 2). SCALED: ``(q - z) * s``
-    instead, rounded to 16 bits once (``ss``: the 16-bit pair ``(s, s)`` of the group's scale in
-    x's dtype, ``_ss``); one more instruction per pair, and W is rounded to x's dtype."""
-    if MODE == 0:
-        dt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
-        op: tl.constexpr = "f16x2" if FP16 else "bf16x2"
-        # bf16, SCALED: "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
-        # sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }"
-        asm: tl.constexpr = (
-            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, "
-            + ("0x64006400" if FP16 else "0x43004300") + ", 0xEA; sub.rn." + op + " t, t, $3; "
-            + ("mul.rn." + op + " t, t, $4; " if SCALED else "") + "mov.b32 {$0, $1}, t; }"
-        )  # fmt: skip
-        args = [w >> (4 * s), zz, ss] if SCALED else [w >> (4 * s), zz]
-        lo, hi = tl.inline_asm_elementwise(
-            asm, "=h,=h,r,r,r" if SCALED else "=h,=h,r,r", args, dtype=(dt.value, dt.value),
-            is_pure=True, pack=1,
-        )
-    elif MODE == 1:
-        dt = tl.float16 if FP16 else tl.bfloat16
-        magic = 0x6400 if FP16 else 0x4300
-        c = (zz & 0xFFFF).to(tl.int16).to(dt, bitcast=True)  # c + z, exact
-        lo = ((((w >> (4 * s)) & 0xF) | magic).to(tl.int16).to(dt, bitcast=True)) - c
-        hi = ((((w >> (16 + 4 * s)) & 0xF) | magic).to(tl.int16).to(dt, bitcast=True)) - c
-        if SCALED:
-            sc = (ss & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
-            lo = (lo.to(tl.float32) * sc.to(tl.float32)).to(dt)  # exact product, one rounding
-            hi = (hi.to(tl.float32) * sc.to(tl.float32)).to(dt)
-    else:
-        dt = tl.float16 if FP16 else tl.bfloat16
-        c = ((zz & 0xFFFF) - (0x6400 if FP16 else 0x4300)).to(tl.float32)  # z
-        lo = ((w >> (4 * s)) & 0xF).to(tl.float32) - c
-        hi = ((w >> (16 + 4 * s)) & 0xF).to(tl.float32) - c
-        if SCALED:  # the interpreter's fp32 -> bf16 truncates: _round16 rounds to nearest
-            sc = (ss & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
-            lo = _round16(lo * sc, dt, True)
-            hi = _round16(hi * sc, dt, True)
-    return lo, hi
-
-
-@triton.jit
-def _group_part(part, w, zz, x_cols, t_mask, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
-                SCALED: tl.constexpr = False):  # fmt: skip
-    """``part [BN, BT] += W_g [BN, 128] @ x_g^T [128, BT]`` for one group: ``w [BN, 16]`` its
-    words, ``x_cols [32, BT]`` pointers to x[token, group start + c] (c < 32). SCALED: W_g
-    carries the group's scale (``_pair``)."""
-    for s in tl.static_range(4):
-        xs = tl.load(x_cols + 32 * s, mask=t_mask[None, :], other=0.0)  # [32, BT]
-        lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
-        a = tl.reshape(tl.join(lo, hi), [w.shape[0], 32])  # column 2 p + h = K row 32 s + 2 p + h
-        if MODE == 2:
-            part = tl.dot(a, xs.to(tl.float32), part)
-        else:
-            part = tl.dot(a, xs, part)
-    return part
-
-
-@triton.jit
-def _zz(zs, FP16: tl.constexpr):
-    """The 16-bit pair ``(c + z, c + z)`` of the zero points in ``zs [BN]`` (the ``zs_p`` words:
-    z in bits 0..7) as int32 [BN, 16] (broadcast along the words)."""
-    zz = ((zs & 0xFF) + (0x6400 if FP16 else 0x4300)) * 0x10001
-    return zz[:, None] + tl.zeros([zs.shape[0], 16], dtype=tl.int32)
-
-
-@triton.jit
-def _scale(zs):
-    """The scales in ``zs [BN]`` (fp16 in bits 16..31), as fp32."""
-    return (zs >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _ss(zs, FP16: tl.constexpr, INTERPRET: tl.constexpr):
-    """The 16-bit pair ``(s, s)`` of the scales in ``zs [BN]``, rounded to x's dtype, as int32
-    [BN, 16]."""
-    dt = tl.float16 if FP16 else tl.bfloat16
-    s = _round16(_scale(zs), dt, INTERPRET).to(dt)  # exact: already a dt value
-    bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return (bits * 0x10001)[:, None] + tl.zeros([zs.shape[0], 16], dtype=tl.int32)
 
 
 @triton.jit
@@ -311,12 +226,15 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
-    w4a16_p_kernel[grid](
+    if cfg.get("XA"):  # x the MMA's A operand, the weight rounded as SCALED's
+        kernel, extra = w4a16_p_xa_kernel, {}
+    else:
+        kernel, extra = w4a16_p_kernel, {"SCALED": cfg.get("SCALED", False)}
+    kernel[grid](
         x, qweight_p, zs_p, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
-        MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
-        num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 4),
+        MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 4), **extra,
     )  # fmt: skip
     if split == 1 or fused:
         return y

@@ -12,16 +12,8 @@ import triton.language as tl
 
 from custom_ops.awq_format import GROUP
 from custom_ops.awq_kernels import _store
-from custom_ops.awq_pairs_kernels import (
-    _INTERPRET,
-    DEFAULT_MODE,
-    _check_config,
-    _counters,
-    _group_part,
-    _scale,
-    _ss,
-    _zz,
-)
+from custom_ops.awq_pairs_kernels import _INTERPRET, DEFAULT_MODE, _check_config, _counters
+from custom_ops.awq_pairs_steps import _group_part, _scale, _ss, _zz
 from custom_ops.moe_align import moe_align
 
 

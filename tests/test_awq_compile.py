@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from custom_ops import awq_pairs_kernels as PK
 from custom_ops import awq_pairs_moe as PM
+from custom_ops import awq_pairs_xa_kernels as XK
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -67,6 +68,15 @@ for x in ("bf16", "fp16"):
             name = f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}]"
             ptx = compile_(PM.moe_p_kernel, args, consts, name, warps)
             check_mul(ptx, mode, scaled, f"moe[{x}, scaled {scaled}, gated {gated}]")
+        for bn, bt, warps, fused in ((128, 64, 4, True), (256, 128, 8, False)):
+            args = [("x_ptr", "*" + x), ("qw_ptr", "*i32"), ("zs_ptr", "*i32"),
+                    ("out_ptr", "*fp32"), ("y_ptr", "*" + x), ("cnt_ptr", "*i32"),
+                    ("M", "i32"), ("N", "i32"), ("G", "i32"), ("stride_xm", "i32"),
+                    ("stride_os", "i32"), ("stride_om", "i32"), ("SPLIT_K", "i32")]
+            consts = dict(BN=bn, BT=bt, FP16=fp16, MODE=mode, FUSED=fused, INTERPRET=False)
+            ptx = compile_(XK.w4a16_p_xa_kernel, args, consts,
+                           f"xa[{x}, mode {mode}, {bn}x{bt}]", warps)  # fmt: skip
+            check_mul(ptx, mode, True, f"xa[{x}]")
         args = [("qw_ptr", "*i32"), ("zs_ptr", "*i32"), ("w_ptr", "*" + x),
                 ("N", "i32"), ("K", "i32")]
         consts = dict(BN=64, FP16=fp16, MODE=mode, INTERPRET=False)
@@ -76,4 +86,4 @@ for x in ("bf16", "fp16"):
 
 
 def test_pair_kernels_compile_for_sm90():
-    assert_compiles(SCRIPT, 36)
+    assert_compiles(SCRIPT, 44)
