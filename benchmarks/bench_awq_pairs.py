@@ -158,7 +158,7 @@ def record(result: dict, op: str, err, bound: float | None, **where) -> None:
     print(f"  check {op} {where}: {'PASS' if ok else 'FAIL'} {err}", flush=True)
 
 
-def check(result: dict) -> None:
+def check(result: dict, extra: dict | None = None) -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     for k, n in LINEAR_SHAPES[:2]:
         w = rand_awq(k, n, gen=gen)
@@ -182,6 +182,15 @@ def check(result: dict) -> None:
                 own = rel_err(sa, (x.float() @ w16).bfloat16())
                 record(result, "linear/scaled vs its weights", own, 1e-2, K=k, N=n, M=m)
                 record(result, "linear/scaled vs exact", rel_err(sa, ref), 1e-2, K=k, N=n, M=m)
+                if extra:  # --extra's configuration: PTX == ops, and within the AWQ bound
+                    ec = {**cfg, **extra}
+                    ea = PK.w4a16_linear_p_triton(x, *p, config=ec, mode=PK.MODE_ASM)
+                    eb = PK.w4a16_linear_p_triton(x, *p, config=ec, mode=PK.MODE_OPS)
+                    record(result, "linear/extra asm==ops", 0.0 if torch.equal(ea, eb) else 1.0,
+                           None, K=k, N=n, M=m)  # fmt: skip
+                    record(result, "linear/extra", rel_err(ea, ref), 1e-2, K=k, N=n, M=m)
+                    record(result, "linear/extra vs served config", rel_err(ea, a), 1e-3,
+                           K=k, N=n, M=m)  # fmt: skip
                 if m >= 64:  # XA: x the A operand, SCALED's weights; split, fused or not
                     xc = {"BN": 128, "BT": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3,
                           "XA": True, "FUSED": False}  # fmt: skip
@@ -254,7 +263,7 @@ def check(result: dict) -> None:
 
 def bench_linear(
     k: int, n: int, batches: list[int], hbm: float, budget_s: float, sweeps: bool = True,
-    scaled_min_m: int = 32, xa: bool = False,
+    scaled_min_m: int = 32, xa: bool = False, extra: dict | None = None,
 ) -> list[dict]:  # fmt: skip
     rows = []
     wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
@@ -284,6 +293,12 @@ def bench_linear(
                                           PK.w4a16_linear_p_triton(x, *w, config=c)
                                           for w in wp])  # fmt: skip
         pair_served = "pair_fused_us" if cfg.get("FUSED") and cfg["SPLIT_K"] > 1 else "pair_us"
+        row["pair_served_us"] = row[pair_served]
+        if extra:  # the served configuration with --extra's keys, fused as served
+            c = {**cfg, **extra, "FUSED": pair_served == "pair_fused_us"}
+            row["extra_config"] = c
+            row["extra_us"] = _time([lambda w=w, x=x, c=c: PK.w4a16_linear_p_triton(x, *w, config=c)
+                                     for w in wp])  # fmt: skip
         served_tg = R.use_tinygemm(m, x.dtype, R.tinygemm_max_m(k, n))
         row["served_path"] = "tinygemm" if served_tg else R.LARGE_M_PATH
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
@@ -316,7 +331,8 @@ def bench_linear(
         row["pair_best_frac_hbm"] = row["pair_best_weight_GBps"] / hbm
         rows.append(row)
         print(f"  linear {k}x{n} M={m}: bf16 {bf:.1f} tinygemm {row['tinygemm_us']:.1f} served "
-              f"{row['served_us']:.1f} fbgemm {row.get('fbgemm_us', math.nan):.1f} pair "
+              f"{row['served_us']:.1f} extra {row.get('extra_us', math.nan):.1f} fbgemm "
+              f"{row.get('fbgemm_us', math.nan):.1f} pair "
               f"{row['pair_us']:.1f} fused {row.get('pair_fused_us', math.nan):.1f} best "
               f"{row['pair_best_us']:.1f} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} scaled best "
@@ -444,6 +460,9 @@ def main() -> None:
     ap.add_argument("--xa", action="store_true",
                     help="also time the XA kernel's candidates (xa_candidates) from M = 32 and "
                          "in the prefill section")  # fmt: skip
+    ap.add_argument("--extra", default="",
+                    help='JSON keys merged into the served configuration, timed beside it as '
+                         'extra_us (e.g. {"GROUP_DOT":true})')  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_awq_pairs: needs a CUDA GPU")
@@ -467,14 +486,14 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
 
     result["hbm_copy_GBps"] = hbm = copy_ceiling_gbps()
-    check(result)
+    check(result, json.loads(args.extra or "{}"))
     save()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     result["linear"], result["prefill"] = [], []
     for k, n in (shapes or LINEAR_SHAPES) if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
                                          args.budget_s * 0.5, not args.no_sweeps,
-                                         xa=args.xa)  # fmt: skip
+                                         xa=args.xa, extra=json.loads(args.extra or "{}"))
         save()
         torch.cuda.empty_cache()
     for k, n in (shapes or LINEAR_SHAPES) if args.prefill_batches else ():
@@ -503,6 +522,12 @@ def main() -> None:
             print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
                   f"{r['pair_best_us']:6.1f} {r['scaled_best_us']:6.1f} "
                   f"{r['scaled_best_x_bf16']:6.2f}")  # fmt: skip
+    print(f"{'extra K x N':>14} {'M':>4} {'bf16':>6} {'pair':>6} {'extra':>6} {'x pair':>8}")
+    for r in result["linear"]:
+        if "extra_us" in r:
+            print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
+                  f"{r['pair_served_us']:6.1f} {r['extra_us']:6.1f} "
+                  f"{r['pair_served_us'] / r['extra_us']:8.3f}")  # fmt: skip
     print(f"{'xa K x N':>14} {'M':>4} {'bf16':>6} {'served':>6} {'xa':>6} {'x bf16':>6}")
     for r in result["linear"]:
         if "xa_best_us" in r:

@@ -41,7 +41,7 @@ from custom_ops.awq_kernels import (
     splitk_last_sum,
     splitk_sum_kernel,
 )
-from custom_ops.awq_pairs_steps import _group_part, _pair, _scale, _ss, _zz
+from custom_ops.awq_pairs_steps import _group_part, _group_tile_any, _pair, _scale, _ss, _zz
 from custom_ops.awq_pairs_xa_kernels import w4a16_p_xa_kernel
 from custom_ops.tile_counters import _COUNTERS, COUNTERS, reserve_counters  # noqa: F401
 from custom_ops.tile_counters import counters as _counters
@@ -57,6 +57,7 @@ def w4a16_p_kernel(
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
+    GROUP_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
     1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K).
@@ -81,6 +82,7 @@ def w4a16_p_kernel(
     g1 = tl.minimum(g0 + per_split, G)
     offs_p = tl.arange(0, 16)
     x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm + tl.arange(0, 32)[:, None]
+    x_g = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm + tl.arange(0, 128)[:, None]
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     for g in range(g0, g1):
         col = g * N + offs_n  # [BN] (group, column) index
@@ -88,7 +90,16 @@ def w4a16_p_kernel(
                     mask=n_mask[:, None], other=0)  # fmt: skip
         zs = tl.load(zs_ptr + col, mask=n_mask, other=0)  # [BN] (zero point, scale) words
         zz = _zz(zs, FP16)
-        if SCALED:
+        if GROUP_DOT:
+            xg = tl.load(x_g + g * 128, mask=t_mask[None, :], other=0.0)  # [128, BT]
+            if MODE == 2:
+                xg = xg.to(tl.float32)
+            a = _group_tile_any(w, zz, _ss(zs, FP16, INTERPRET), FP16, MODE, SCALED)
+            if SCALED:
+                acc = tl.dot(a, xg, acc)
+            else:
+                acc += tl.dot(a, xg) * _scale(zs)[:, None]
+        elif SCALED:
             acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE,
                               _ss(zs, FP16, INTERPRET), True)  # fmt: skip
         else:
@@ -229,7 +240,8 @@ def w4a16_linear_p_triton(
     if cfg.get("XA"):  # x the MMA's A operand, the weight rounded as SCALED's
         kernel, extra = w4a16_p_xa_kernel, {}
     else:
-        kernel, extra = w4a16_p_kernel, {"SCALED": cfg.get("SCALED", False)}
+        kernel, extra = w4a16_p_kernel, {"SCALED": cfg.get("SCALED", False),
+                                         "GROUP_DOT": cfg.get("GROUP_DOT", False)}  # fmt: skip
     kernel[grid](
         x, qweight_p, zs_p, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,

@@ -95,3 +95,18 @@ def _ss(zs, FP16: tl.constexpr, INTERPRET: tl.constexpr):
     s = _round16(_scale(zs), dt, INTERPRET).to(dt)  # exact: already a dt value
     bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return (bits * 0x10001)[:, None] + tl.zeros([zs.shape[0], 16], dtype=tl.int32)
+
+
+@triton.jit
+def _slice_g(w, zz, ss, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
+             SCALED: tl.constexpr):  # fmt: skip
+    lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
+    return tl.reshape(tl.join(lo, hi), [w.shape[0], 32])
+
+
+@triton.jit
+def _group_tile_any(w, zz, ss, FP16: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
+    s0, s1 = _slice_g(w, zz, ss, 0, FP16, MODE, SCALED), _slice_g(w, zz, ss, 1, FP16, MODE, SCALED)
+    s2, s3 = _slice_g(w, zz, ss, 2, FP16, MODE, SCALED), _slice_g(w, zz, ss, 3, FP16, MODE, SCALED)
+    t = tl.join(tl.join(s0, s1), tl.join(s2, s3))
+    return tl.reshape(tl.permute(t, (0, 3, 2, 1)), [w.shape[0], 128])
