@@ -19,6 +19,8 @@ side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launc
 4. MoE, 256 experts, top-8, T in ``--moe-batches``: the bf16 grouped Triton MoE (what the bf16
    model runs) and the pair MoE (served), heuristic and candidates, and the SCALED passes'
    candidates (``moe_scaled_candidates``).
+``--extra JSON``: keys merged into the served configurations (linear and MoE), checked (PTX ==
+ops, against the reference) and timed beside them as ``extra_us``.
 Each graph holds R calls over R weight copies (or routings), so weights come from HBM, not L2
 (``bench_awq``'s method). A section stops starting new points once ``--budget-s`` is spent.
 """
@@ -93,44 +95,6 @@ def scaled_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     return out
 
 
-def xa_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
-    """The XA kernel (x the MMA's A operand, the weight rounded as SCALED's through shared
-    memory; ``awq_pairs_xa_kernels``): 64- and 128-token tiles (up to the tokens' own tile),
-    64-256 columns, split-K to about one or two programs per SM."""
-    bt_max, out = PK.tokens_tile(m) if m <= 128 else 128, []
-    tiles = ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8), (128, 256, 8))
-    for bt, bn, warps in tiles:
-        if bt > max(64, bt_max):
-            continue
-        for ppsm in (1, 2):
-            c = PK.p_config(m, n, k, sms, programs_per_sm=ppsm, bn=bn)
-            c.update(BT=bt, num_warps=warps, num_stages=3, SCALED=False, XA=True, FUSED=False)
-            c["SPLIT_K"] = _split(m, n, k, sms, bt, bn, ppsm)
-            if c not in out:
-                out.append(c)
-    return out
-
-
-def _split(m: int, n: int, k: int, sms: int, bt: int, bn: int, ppsm: int) -> int:
-    """The smallest power-of-two split-K (at most 16, at least 4 groups a split) that gives
-    ``ppsm`` programs per SM or more."""
-    tiles, split = -(-n // bn) * -(-m // bt), 1
-    while tiles * split < ppsm * sms and split * 2 * 4 <= k // 128 and split < 16:
-        split *= 2
-    return split
-
-
-def _xa_sweep(row: dict, m: int, n: int, k: int, sms: int, x, wp) -> None:
-    """Time ``xa_candidates`` into ``row`` (``xa_sweep``, ``xa_best_us`` and its config)."""
-    xs = []
-    for c in xa_candidates(m, n, k, sms):
-        calls = [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
-        xs.append({"config": c, "us": _time(calls)})
-    xb = min(xs, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
-    row.update(xa_best_us=xb["us"], xa_best_config=xb["config"], xa_sweep=xs,
-               xa_best_x_bf16=row["bf16_us"] / xb["us"])  # fmt: skip
-
-
 def moe_scaled_candidates(t: int) -> list[dict]:
     """The MoE's SCALED passes (W rounded to bf16): the rule's row block and twice it (at most
     128 pairs), 64 columns on 4 warps or 128 on 8."""
@@ -191,20 +155,6 @@ def check(result: dict, extra: dict | None = None) -> None:
                     record(result, "linear/extra", rel_err(ea, ref), 1e-2, K=k, N=n, M=m)
                     record(result, "linear/extra vs served config", rel_err(ea, a), 1e-3,
                            K=k, N=n, M=m)  # fmt: skip
-                if m >= 64:  # XA: x the A operand, SCALED's weights; split, fused or not
-                    xc = {"BN": 128, "BT": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3,
-                          "XA": True, "FUSED": False}  # fmt: skip
-                    xa = PK.w4a16_linear_p_triton(x, *p, config=xc, mode=PK.MODE_ASM)
-                    xb = PK.w4a16_linear_p_triton(x, *p, config=xc, mode=PK.MODE_OPS)
-                    record(result, "linear/xa asm==ops", 0.0 if torch.equal(xa, xb) else 1.0,
-                           None, K=k, N=n, M=m)  # fmt: skip
-                    own = rel_err(xa, (x.float() @ w16).bfloat16())
-                    record(result, "linear/xa vs its weights", own, 1e-3, K=k, N=n, M=m)
-                    xf = [PK.w4a16_linear_p_triton(x, *p, config={**xc, "FUSED": True})
-                          for _ in range(10)]  # fmt: skip
-                    same = all(torch.equal(f, xa) for f in xf)
-                    record(result, "linear/xa fused==unfused", 0.0 if same else 1.0, None,
-                           K=k, N=n, M=m)  # fmt: skip
                 if cfg["SPLIT_K"] > 1:  # the fused reduction: the same bits, 20 times over
                     c = {**cfg, "FUSED": True}
                     same = all(torch.equal(PK.w4a16_linear_p_triton(x, *p, config=c), a)
@@ -239,6 +189,13 @@ def check(result: dict, extra: dict | None = None) -> None:
             record(result, "moe/scaled asm==ops", 0.0 if torch.equal(sa, sb) else 1.0, None,
                    E=e, T=t)  # fmt: skip
             record(result, "moe/scaled vs exact", rel_err(sa, ref), 1e-2, E=e, T=t)
+            if extra:  # --extra's configuration: PTX == ops, within the bound
+                ec = {**PM.moe_p_config(t * TOPK, e), **extra}
+                ea = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=ec, mode=PK.MODE_ASM)
+                eb = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=ec, mode=PK.MODE_OPS)
+                record(result, "moe/extra asm==ops", 0.0 if torch.equal(ea, eb) else 1.0, None,
+                       E=e, T=t)  # fmt: skip
+                record(result, "moe/extra", rel_err(ea, ref), 5e-3, E=e, T=t)
             c = {**PM.moe_p_config(t * TOPK, e), "SPLIT_K": 4}  # the split gate/up pass
             c4 = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c)
             same = all(torch.equal(PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c), c4)
@@ -263,7 +220,7 @@ def check(result: dict, extra: dict | None = None) -> None:
 
 def bench_linear(
     k: int, n: int, batches: list[int], hbm: float, budget_s: float, sweeps: bool = True,
-    scaled_min_m: int = 32, xa: bool = False, extra: dict | None = None,
+    scaled_min_m: int = 32, extra: dict | None = None,
 ) -> list[dict]:  # fmt: skip
     rows = []
     wa = [rand_awq(k, n) for _ in range(copies_for(awq_bytes(k, n)))]
@@ -321,8 +278,6 @@ def bench_linear(
             sb = min(ss, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
             row.update(scaled_best_us=sb["us"], scaled_best_config=sb["config"],
                        scaled_sweep=ss, scaled_best_x_bf16=row["bf16_us"] / sb["us"])
-        if xa and m >= 32:
-            _xa_sweep(row, m, n, k, sms, x, wp)
         bf = row["bf16_us"]
         row["pair_x_bf16"] = bf / row["pair_us"]
         row["pair_best_x_bf16"] = bf / row["pair_best_us"]
@@ -336,15 +291,12 @@ def bench_linear(
               f"{row['pair_us']:.1f} fused {row.get('pair_fused_us', math.nan):.1f} best "
               f"{row['pair_best_us']:.1f} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} scaled best "
-              f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')} xa best "
-              f"{row.get('xa_best_us', math.nan):.1f} {row.get('xa_best_config')}",
+              f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')}",
               flush=True)  # fmt: skip
     return rows
 
 
-def bench_prefill(
-    k: int, n: int, batches: list[int], budget_s: float, xa: bool = False
-) -> list[dict]:
+def bench_prefill(k: int, n: int, batches: list[int], budget_s: float) -> list[dict]:
     """Prefill token counts: bf16 ``F.linear``, the pair kernel (``p_config``'s tile), the
     SCALED kernel's best wide tile, and the weight dequantised once (``dequant_p``) then
     ``F.linear`` (cuBLAS), and the dequantisation alone."""
@@ -376,19 +328,18 @@ def bench_prefill(
             x, *w, config={"DEQUANT": True}) for w in wp])  # fmt: skip
         row["dequant_us"] = _time([lambda w=w: PK.dequant_p_triton(*w, torch.bfloat16)
                                    for w in wp])  # fmt: skip
-        if xa:
-            _xa_sweep(row, m, n, k, sms, x, wp)
         for key in ("pair", "scaled_best", "dequant_mm"):
             row[f"{key}_x_bf16"] = row["bf16_us"] / row[f"{key}_us"]
         rows.append(row)
         print(f"  prefill {k}x{n} M={m}: bf16 {row['bf16_us']:.1f} pair {row['pair_us']:.1f} "
               f"scaled {row['scaled_best_us']:.1f} {best[1]} dequant+mm "
-              f"{row['dequant_mm_us']:.1f} (dequant {row['dequant_us']:.1f}) xa best "
-              f"{row.get('xa_best_us', math.nan):.1f} {row.get('xa_best_config')}", flush=True)
+              f"{row['dequant_mm_us']:.1f} (dequant {row['dequant_us']:.1f})", flush=True)
     return rows
 
 
-def bench_moe(batches: list[int], hbm: float, budget_s: float, sweeps: bool = True) -> list[dict]:
+def bench_moe(
+    batches: list[int], hbm: float, budget_s: float, sweeps: bool = True, extra: dict | None = None
+) -> list[dict]:
     e, rows = 256, []
     w13, w2 = rand_awq(D, 2 * I_MOE, (e,)), rand_awq(I_MOE, D, (e,))
     p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
@@ -414,6 +365,9 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float, sweeps: bool = Tr
         cfg = PM.moe_p_config(t * TOPK, e)
         row["pair_config"] = cfg
         row["pair_us"] = pair_us(cfg)
+        if extra:  # the served configuration with --extra's keys
+            row["extra_config"] = {**cfg, **extra}
+            row["extra_us"] = pair_us(row["extra_config"])
         sweep = [{"config": c, "us": pair_us(c)} for c in moe_candidates(t)] if sweeps else []
         scaled = [{"config": c, "us": pair_us(c)} for c in moe_scaled_candidates(t)]
         if scaled:
@@ -435,7 +389,8 @@ def bench_moe(batches: list[int], hbm: float, budget_s: float, sweeps: bool = Tr
         row["pair_best_frac_hbm"] = row["pair_best_weight_GBps"] / hbm
         rows.append(row)
         print(f"  moe T={t} ({touched:.0f} experts): bf16 {row['bf16_us']:.1f} "
-              f"pair {row['pair_us']:.1f} best {row['pair_best_us']:.1f} scaled best "
+              f"pair {row['pair_us']:.1f} extra {row.get('extra_us', math.nan):.1f} best "
+              f"{row['pair_best_us']:.1f} scaled best "
               f"{row.get('scaled_best_us', math.nan):.1f} {row.get('scaled_best_config')} "
               f"({row['pair_best_x_bf16']:.2f}x bf16) {best['config']} split 2/4/8: "
               f"{row.get('pair_split2_us', math.nan):.1f} / "
@@ -457,9 +412,6 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-sweeps", action="store_true",
                     help="time the served configurations only (no launch-configuration sweeps)")
-    ap.add_argument("--xa", action="store_true",
-                    help="also time the XA kernel's candidates (xa_candidates) from M = 32 and "
-                         "in the prefill section")  # fmt: skip
     ap.add_argument("--extra", default="",
                     help='JSON keys merged into the served configuration, timed beside it as '
                          'extra_us (e.g. {"GROUP_DOT":true})')  # fmt: skip
@@ -493,18 +445,18 @@ def main() -> None:
     for k, n in (shapes or LINEAR_SHAPES) if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
                                          args.budget_s * 0.5, not args.no_sweeps,
-                                         xa=args.xa, extra=json.loads(args.extra or "{}"))
+                                         extra=json.loads(args.extra or "{}"))
         save()
         torch.cuda.empty_cache()
     for k, n in (shapes or LINEAR_SHAPES) if args.prefill_batches else ():
         result["prefill"] += bench_prefill(
-            k, n, [int(b) for b in args.prefill_batches.split(",") if b], args.budget_s * 0.75,
-            args.xa,
+            k, n, [int(b) for b in args.prefill_batches.split(",") if b], args.budget_s * 0.75
         )
         save()
         torch.cuda.empty_cache()
     result["moe"] = bench_moe(
-        [int(b) for b in args.moe_batches.split(",") if b], hbm, args.budget_s, not args.no_sweeps
+        [int(b) for b in args.moe_batches.split(",") if b], hbm, args.budget_s, not args.no_sweeps,
+        json.loads(args.extra or "{}"),
     )
     save()
     fails = [c for c in result["check"] if not c["pass"]]
@@ -528,22 +480,16 @@ def main() -> None:
             print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
                   f"{r['pair_served_us']:6.1f} {r['extra_us']:6.1f} "
                   f"{r['pair_served_us'] / r['extra_us']:8.3f}")  # fmt: skip
-    print(f"{'xa K x N':>14} {'M':>4} {'bf16':>6} {'served':>6} {'xa':>6} {'x bf16':>6}")
-    for r in result["linear"]:
-        if "xa_best_us" in r:
-            print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
-                  f"{r['served_us']:6.1f} {r['xa_best_us']:6.1f} {r['xa_best_x_bf16']:6.2f}")
-    print(f"{'prefill K x N':>14} {'M':>5} {'bf16':>8} {'pair':>8} {'scaled':>8} {'deq+mm':>8} "
-          f"{'xa':>8}")  # fmt: skip
+    print(f"{'prefill K x N':>14} {'M':>5} {'bf16':>8} {'pair':>8} {'scaled':>8} {'deq+mm':>8}")
     for r in result["prefill"]:
         print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>5} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "
-              f"{r['scaled_best_us']:8.1f} {r['dequant_mm_us']:8.1f} "
-              f"{r.get('xa_best_us', math.nan):8.1f}")  # fmt: skip
-    print(f"{'moe T':>6} {'bf16':>8} {'pair':>8} {'best':>8} {'x bf16':>6} {'scaled':>8}")
+              f"{r['scaled_best_us']:8.1f} {r['dequant_mm_us']:8.1f}")  # fmt: skip
+    print(f"{'moe T':>6} {'bf16':>8} {'pair':>8} {'best':>8} {'x bf16':>6} {'scaled':>8} "
+          f"{'extra':>8}")  # fmt: skip
     for r in result["moe"]:
         print(f"{r['T']:>6} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "
               f"{r['pair_best_us']:8.1f} {r['pair_best_x_bf16']:6.2f} "
-              f"{r.get('scaled_best_us', math.nan):8.1f}")  # fmt: skip
+              f"{r.get('scaled_best_us', math.nan):8.1f} {r.get('extra_us', math.nan):8.1f}")
     print(f"wrote {out} in {time.monotonic() - START:.0f} s")
 
 

@@ -41,8 +41,7 @@ from custom_ops.awq_kernels import (
     splitk_last_sum,
     splitk_sum_kernel,
 )
-from custom_ops.awq_pairs_steps import _group_part, _group_tile_any, _pair, _scale, _ss, _zz
-from custom_ops.awq_pairs_xa_kernels import w4a16_p_xa_kernel
+from custom_ops.awq_pairs_steps import _group_part, _pair, _scale, _ss, _zz
 from custom_ops.tile_counters import _COUNTERS, COUNTERS, reserve_counters  # noqa: F401
 from custom_ops.tile_counters import counters as _counters
 
@@ -81,8 +80,7 @@ def w4a16_p_kernel(
     g0 = pid_k * per_split
     g1 = tl.minimum(g0 + per_split, G)
     offs_p = tl.arange(0, 16)
-    x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm + tl.arange(0, 32)[:, None]
-    x_g = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm + tl.arange(0, 128)[:, None]
+    x_base = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm  # [1, BT]
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     for g in range(g0, g1):
         col = g * N + offs_n  # [BN] (group, column) index
@@ -90,21 +88,12 @@ def w4a16_p_kernel(
                     mask=n_mask[:, None], other=0)  # fmt: skip
         zs = tl.load(zs_ptr + col, mask=n_mask, other=0)  # [BN] (zero point, scale) words
         zz = _zz(zs, FP16)
-        if GROUP_DOT:
-            xg = tl.load(x_g + g * 128, mask=t_mask[None, :], other=0.0)  # [128, BT]
-            if MODE == 2:
-                xg = xg.to(tl.float32)
-            a = _group_tile_any(w, zz, _ss(zs, FP16, INTERPRET), FP16, MODE, SCALED)
-            if SCALED:
-                acc = tl.dot(a, xg, acc)
-            else:
-                acc += tl.dot(a, xg) * _scale(zs)[:, None]
-        elif SCALED:
-            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE,
-                              _ss(zs, FP16, INTERPRET), True)  # fmt: skip
+        if SCALED:
+            acc = _group_part(acc, w, zz, x_base + g * 128, t_mask, FP16, MODE,
+                              _ss(zs, FP16, INTERPRET), True, GROUP_DOT)  # fmt: skip
         else:
-            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
-                               t_mask, FP16, MODE)  # fmt: skip
+            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_base + g * 128,
+                               t_mask, FP16, MODE, GROUP_DOT=GROUP_DOT)  # fmt: skip
             acc += part * _scale(zs)[:, None]
     mask = t_mask[None, :] & n_mask[:, None]
     tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
@@ -237,16 +226,12 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
-    if cfg.get("XA"):  # x the MMA's A operand, the weight rounded as SCALED's
-        kernel, extra = w4a16_p_xa_kernel, {}
-    else:
-        kernel, extra = w4a16_p_kernel, {"SCALED": cfg.get("SCALED", False),
-                                         "GROUP_DOT": cfg.get("GROUP_DOT", False)}  # fmt: skip
-    kernel[grid](
+    w4a16_p_kernel[grid](
         x, qweight_p, zs_p, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
-        MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 4), **extra,
+        MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
+        GROUP_DOT=cfg.get("GROUP_DOT", False), num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     if split == 1 or fused:
         return y

@@ -24,7 +24,7 @@ def moe_p_kernel(
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     SPLIT: tl.constexpr, SUM_K: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr,
-    SCALED: tl.constexpr = False,
+    SCALED: tl.constexpr = False, GROUP_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """One row block (BT pairs of one expert, ``custom_ops.moe_align``) x BN output columns over
     pair-layout expert weights ``w [E, G, NW, 16]``, ``zs [E, G, NW]`` (NW = 2N when GATED:
@@ -59,8 +59,7 @@ def moe_p_kernel(
     n_mask = offs_n < N
     offs_p = tl.arange(0, 16)
     NW = 2 * N if GATED else N
-    x_cols = (a_ptr + (ids // A_ROW_DIV)[None, :].to(tl.int64) * stride_am
-              + tl.arange(0, 32)[:, None])  # fmt: skip
+    x_base = a_ptr + (ids // A_ROW_DIV)[None, :].to(tl.int64) * stride_am  # [1, BT]
     e64 = e.to(tl.int64)
     w_base = w_ptr + e64 * G * NW * 16
     zs_base = e64 * G * NW
@@ -79,11 +78,11 @@ def moe_p_kernel(
         zs = tl.load(zs_ptr + zs_base + col, mask=n_mask, other=0)  # (zero point, scale) words
         zz = _zz(zs, FP16)
         if SCALED:
-            acc = _group_part(acc, w, zz, x_cols + g * 128, t_mask, FP16, MODE,
-                              _ss(zs, FP16, INTERPRET), True)  # fmt: skip
+            acc = _group_part(acc, w, zz, x_base + g * 128, t_mask, FP16, MODE,
+                              _ss(zs, FP16, INTERPRET), True, GROUP_DOT)  # fmt: skip
         else:
-            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_cols + g * 128,
-                               t_mask, FP16, MODE)  # fmt: skip
+            part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_base + g * 128,
+                               t_mask, FP16, MODE, GROUP_DOT=GROUP_DOT)  # fmt: skip
             acc += part * _scale(zs)[:, None]
         if GATED:
             w_up = tl.load(w_base + (col + N)[:, None].to(tl.int64) * 16 + offs_p[None, :],
@@ -91,11 +90,12 @@ def moe_p_kernel(
             zs_up = tl.load(zs_ptr + zs_base + col + N, mask=n_mask, other=0)
             zz_up = _zz(zs_up, FP16)
             if SCALED:
-                acc_up = _group_part(acc_up, w_up, zz_up, x_cols + g * 128, t_mask, FP16, MODE,
-                                     _ss(zs_up, FP16, INTERPRET), True)  # fmt: skip
+                acc_up = _group_part(acc_up, w_up, zz_up, x_base + g * 128, t_mask, FP16, MODE,
+                                     _ss(zs_up, FP16, INTERPRET), True, GROUP_DOT)  # fmt: skip
             else:
                 part_up = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w_up, zz_up,
-                                      x_cols + g * 128, t_mask, FP16, MODE)  # fmt: skip
+                                      x_base + g * 128, t_mask, FP16, MODE,
+                                      GROUP_DOT=GROUP_DOT)  # fmt: skip
                 acc_up += part_up * _scale(zs_up)[:, None]
     if SPLIT:
         slots = tl.num_programs(0) * BT
@@ -235,7 +235,8 @@ def moe_w4a16_p_triton(
     tw = topk_weights.reshape(-1).float().contiguous()  # [P]
     common = dict(
         BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16, MODE=mode,
-        INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False), num_warps=cfg.get("num_warps", 4),
+        INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
+        GROUP_DOT=cfg.get("GROUP_DOT", False), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     h = torch.empty((p, inter), device=x.device, dtype=x.dtype)  # silu(gate) * up per pair

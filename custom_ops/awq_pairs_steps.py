@@ -1,7 +1,6 @@
-"""The pair layout's dequantisation steps (``awq_format.py``), shared by the W4A16 kernels: the
-linear with the weight as the wgmma's A operand (``awq_pairs_kernels``), the linear with x as it
-(``awq_pairs_xa_kernels``) and the fused MoE (``awq_pairs_moe``). ``awq_pairs_kernels``' module
-docstring explains the steps and ``MODE``."""
+"""The pair layout's dequantisation steps (``awq_format.py``), shared by the W4A16 linear
+(``awq_pairs_kernels``, whose module docstring explains the steps and ``MODE``) and the fused MoE
+(``awq_pairs_moe``): a pair of weights from its word, a group's slices and their MMAs."""
 
 from __future__ import annotations
 
@@ -57,20 +56,51 @@ def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, ss=Non
 
 
 @triton.jit
-def _group_part(part, w, zz, x_cols, t_mask, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
-                SCALED: tl.constexpr = False):  # fmt: skip
+def _group_part(part, w, zz, x_base, t_mask, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
+                SCALED: tl.constexpr = False, GROUP_DOT: tl.constexpr = False):  # fmt: skip
     """``part [BN, BT] += W_g [BN, 128] @ x_g^T [128, BT]`` for one group: ``w [BN, 16]`` its
-    words, ``x_cols [32, BT]`` pointers to x[token, group start + c] (c < 32). SCALED: W_g
-    carries the group's scale (``_pair``)."""
-    for s in tl.static_range(4):
-        xs = tl.load(x_cols + 32 * s, mask=t_mask[None, :], other=0.0)  # [32, BT]
-        lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
-        a = tl.reshape(tl.join(lo, hi), [w.shape[0], 32])  # column 2 p + h = K row 32 s + 2 p + h
+    words, ``x_base [1, BT]`` pointers to x[token, group start]. SCALED: W_g carries the group's
+    scale (``_pair``). By default four MMAs of 32 K rows, each waited for before the next
+    slice's weights are formed; GROUP_DOT: the group's 128 K rows as one operand
+    (``_group_tile``), one MMA and one wait a group."""
+    if GROUP_DOT:
+        xg = tl.load(x_base + tl.arange(0, 128)[:, None], mask=t_mask[None, :], other=0.0)
+        a = _group_tile(w, zz, ss, FP16, MODE, SCALED)
         if MODE == 2:
-            part = tl.dot(a, xs.to(tl.float32), part)
+            part = tl.dot(a, xg.to(tl.float32), part)
         else:
-            part = tl.dot(a, xs, part)
+            part = tl.dot(a, xg, part)
+    else:
+        x_cols = x_base + tl.arange(0, 32)[:, None]  # [32, BT]
+        for s in tl.static_range(4):
+            xs = tl.load(x_cols + 32 * s, mask=t_mask[None, :], other=0.0)  # [32, BT]
+            a = _slice(w, zz, ss, s, FP16, MODE, SCALED)
+            if MODE == 2:
+                part = tl.dot(a, xs.to(tl.float32), part)
+            else:
+                part = tl.dot(a, xs, part)
     return part
+
+
+@triton.jit
+def _slice(w, zz, ss, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
+           SCALED: tl.constexpr):  # fmt: skip
+    """``[BN, 32]``: K rows ``32 s .. 32 s + 31`` of the group, in K order."""
+    lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
+    return tl.reshape(tl.join(lo, hi), [w.shape[0], 32])  # column 2 p + h = K row 32 s + 2 p + h
+
+
+@triton.jit
+def _group_tile(w, zz, ss, FP16: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
+    """``[BN, 128]``: the whole group's weights in K order, so one MMA takes the group. ``join``
+    stacks along a new last axis: ``[BN, 32, 2, 2]`` holds slice ``s_lo + 2 s_hi`` at
+    ``[:, c, s_lo, s_hi]``, and the permute puts the slice index above the column (registers
+    relabelled: in the sm_90 code the tile is the wgmma's register operand with no shared-memory
+    round trip)."""
+    s0, s1 = _slice(w, zz, ss, 0, FP16, MODE, SCALED), _slice(w, zz, ss, 1, FP16, MODE, SCALED)
+    s2, s3 = _slice(w, zz, ss, 2, FP16, MODE, SCALED), _slice(w, zz, ss, 3, FP16, MODE, SCALED)
+    t = tl.join(tl.join(s0, s1), tl.join(s2, s3))
+    return tl.reshape(tl.permute(t, (0, 3, 2, 1)), [w.shape[0], 128])
 
 
 @triton.jit
@@ -96,17 +126,3 @@ def _ss(zs, FP16: tl.constexpr, INTERPRET: tl.constexpr):
     bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return (bits * 0x10001)[:, None] + tl.zeros([zs.shape[0], 16], dtype=tl.int32)
 
-
-@triton.jit
-def _slice_g(w, zz, ss, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
-             SCALED: tl.constexpr):  # fmt: skip
-    lo, hi = _pair(w, zz, s, FP16, MODE, ss, SCALED)
-    return tl.reshape(tl.join(lo, hi), [w.shape[0], 32])
-
-
-@triton.jit
-def _group_tile_any(w, zz, ss, FP16: tl.constexpr, MODE: tl.constexpr, SCALED: tl.constexpr):
-    s0, s1 = _slice_g(w, zz, ss, 0, FP16, MODE, SCALED), _slice_g(w, zz, ss, 1, FP16, MODE, SCALED)
-    s2, s3 = _slice_g(w, zz, ss, 2, FP16, MODE, SCALED), _slice_g(w, zz, ss, 3, FP16, MODE, SCALED)
-    t = tl.join(tl.join(s0, s1), tl.join(s2, s3))
-    return tl.reshape(tl.permute(t, (0, 3, 2, 1)), [w.shape[0], 128])

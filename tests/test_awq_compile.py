@@ -13,7 +13,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from custom_ops import awq_pairs_kernels as PK
 from custom_ops import awq_pairs_moe as PM
-from custom_ops import awq_pairs_xa_kernels as XK
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -42,20 +41,24 @@ def check_mul(ptx, mode, scaled, name):
 for x in ("bf16", "fp16"):
     fp16 = x == "fp16"
     for mode in (PK.MODE_ASM, PK.MODE_OPS):
-        for scaled, bn, bt, warps in ((False, 64, 16, 4), (True, 128, 32, 8), (False, 128, 64, 8),
-                                      (True, 128, 128, 8), (True, 256, 64, 8)):
+        for scaled, bn, bt, warps, gd in ((False, 64, 16, 4, False), (True, 128, 32, 8, False),
+                                          (False, 128, 64, 8, False), (True, 128, 128, 8, False),
+                                          (True, 256, 64, 8, False), (False, 128, 16, 4, True),
+                                          (True, 128, 128, 8, True)):
             args = [("x_ptr", "*" + x), ("qw_ptr", "*i32"), ("zs_ptr", "*i32"),
                     ("out_ptr", "*fp32"), ("y_ptr", "*" + x),
                     ("cnt_ptr", "*i32"), ("M", "i32"), ("N", "i32"), ("G", "i32"),
                     ("stride_xm", "i32"), ("stride_os", "i32"), ("stride_om", "i32"),
                     ("SPLIT_K", "i32")]
             consts = dict(BN=bn, BT=bt, FP16=fp16, MODE=mode, FUSED=not scaled, INTERPRET=False,
-                          SCALED=scaled)
+                          SCALED=scaled, GROUP_DOT=gd)
             ptx = compile_(PK.w4a16_p_kernel, args, consts,
-                           f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}]", warps)
+                           f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}, gd {gd}]", warps)
             check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
-        for scaled, gated, bn, bt, warps in ((False, True, 64, 16, 4), (True, True, 128, 128, 8),
-                                             (True, False, 64, 64, 4)):
+        for scaled, gated, bn, bt, warps, gd in ((False, True, 64, 16, 4, False),
+                                                 (True, True, 128, 128, 8, False),
+                                                 (True, False, 64, 64, 4, False),
+                                                 (False, True, 64, 16, 4, True)):
             args = [("a_ptr", "*" + x), ("w_ptr", "*i32"), ("zs_ptr", "*i32"),
                     ("out_ptr", "*" + x if gated else "*fp32"), ("sorted_ids_ptr", "*i32"),
                     ("block_expert_ptr", "*i32"), ("topk_w_ptr", "*fp32"), ("ws_ptr", "*fp32"),
@@ -64,19 +67,10 @@ for x in ("bf16", "fp16"):
                     ("stride_am", "i32"), ("stride_om", "i32"), ("SPLIT_K", "i32")]
             consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, BN=bn,
                           BT=bt, FP16=fp16, MODE=mode, SPLIT=False, SUM_K=False, TOPK=8,
-                          INTERPRET=False, SCALED=scaled)
-            name = f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}]"
+                          INTERPRET=False, SCALED=scaled, GROUP_DOT=gd)
+            name = f"moe[{x}, mode {mode}, scaled {scaled}, gated {gated}, {bn}x{bt}, gd {gd}]"
             ptx = compile_(PM.moe_p_kernel, args, consts, name, warps)
             check_mul(ptx, mode, scaled, f"moe[{x}, scaled {scaled}, gated {gated}]")
-        for bn, bt, warps, fused in ((128, 64, 4, True), (256, 128, 8, False)):
-            args = [("x_ptr", "*" + x), ("qw_ptr", "*i32"), ("zs_ptr", "*i32"),
-                    ("out_ptr", "*fp32"), ("y_ptr", "*" + x), ("cnt_ptr", "*i32"),
-                    ("M", "i32"), ("N", "i32"), ("G", "i32"), ("stride_xm", "i32"),
-                    ("stride_os", "i32"), ("stride_om", "i32"), ("SPLIT_K", "i32")]
-            consts = dict(BN=bn, BT=bt, FP16=fp16, MODE=mode, FUSED=fused, INTERPRET=False)
-            ptx = compile_(XK.w4a16_p_xa_kernel, args, consts,
-                           f"xa[{x}, mode {mode}, {bn}x{bt}]", warps)  # fmt: skip
-            check_mul(ptx, mode, True, f"xa[{x}]")
         args = [("qw_ptr", "*i32"), ("zs_ptr", "*i32"), ("w_ptr", "*" + x),
                 ("N", "i32"), ("K", "i32")]
         consts = dict(BN=64, FP16=fp16, MODE=mode, INTERPRET=False)
@@ -86,4 +80,4 @@ for x in ("bf16", "fp16"):
 
 
 def test_pair_kernels_compile_for_sm90():
-    assert_compiles(SCRIPT, 44)
+    assert_compiles(SCRIPT, 48)

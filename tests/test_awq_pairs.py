@@ -157,30 +157,30 @@ def test_scaled_kernel_and_dequant_match_the_rounded_weights(k, n, m, dtype, cfg
 @pytest.mark.parametrize(
     "k,n,m,dtype,cfg",
     [
-        (256, 64, 3, torch.bfloat16, {"BN": 64, "BT": 64, "SPLIT_K": 1}),
-        (384, 128, 70, torch.bfloat16, {"BN": 64, "BT": 64, "SPLIT_K": 2}),  # uneven split, 2 tiles
-        (256, 96, 20, torch.float16, {"BN": 64, "BT": 64, "SPLIT_K": 1}),  # N % BN
-        (512, 128, 130, torch.bfloat16, {"BN": 128, "BT": 128, "SPLIT_K": 3}),  # M % BT
-        (256, 64, 5, torch.bfloat16, {"BN": 64, "BT": 64, "SPLIT_K": 4}),  # an empty split
+        (256, 64, 3, torch.bfloat16, {"BN": 64, "BT": 16, "SPLIT_K": 1}),
+        (384, 128, 70, torch.bfloat16, {"BN": 64, "BT": 64, "SPLIT_K": 2}),  # uneven split
+        (256, 96, 20, torch.float16, {"BN": 64, "BT": 32, "SPLIT_K": 1}),  # N % BN
     ],
 )
-def test_xa_kernel_matches_the_rounded_weights(k, n, m, dtype, cfg):
-    """XA (x the MMA's A operand, ``awq_pairs_xa_kernels``) computes with SCALED's weights,
-    ``(q - z) * s`` rounded to x's dtype: within fp32 order of that product (the exact weights
-    are ~3e-3 away in bf16, so the bound tells the two apart); the fused split-K sum is the
-    two-launch sum bit for bit."""
-    g = torch.Generator().manual_seed(3 * k + n + m)
+def test_group_dot_matches_the_four_slices(k, n, m, dtype, cfg):
+    """GROUP_DOT (one MMA over the group's 128 K rows, ``_group_tile``) computes what the four
+    32-row MMAs compute: within fp32 order of them, exact weights and SCALED, the linear and the
+    MoE."""
+    g = torch.Generator().manual_seed(5 * k + n + m)
     qw, qz, s = _awq_weights(k, n, g, torch.float16)
     pw = P.pair_awq(qw, qz, s)
-    w16 = P.dequantize_pairs_t(*pw, dtype=dtype)
     x = torch.randn(m, k, generator=g).to(dtype)
-    cfg = {**cfg, "XA": True, "num_warps": 4, "num_stages": 1}
-    y = PK.w4a16_linear_p_triton(x, *pw, config=cfg)
-    assert y.dtype == dtype and y.shape == (m, n)
-    assert _rel(y, (x.float() @ w16).to(dtype)) < 5e-5
-    assert _rel(y, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
-    if cfg["SPLIT_K"] > 1:
-        assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config={**cfg, "FUSED": True}), y)
+    for scaled in (False, True):
+        c = {**cfg, "SCALED": scaled, "num_warps": 4, "num_stages": 1}
+        a = PK.w4a16_linear_p_triton(x, *pw, config=c)
+        b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "GROUP_DOT": True})
+        assert _rel(b, a) < 1e-5 and _rel(b, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
+    x, ids, tw, w13, w2 = _moe_inputs(4, 4, 2, 256, 128, g, dtype)
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    c = {"BN": 64, "BT": 16, "num_warps": 4, "num_stages": 1}
+    a = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c)
+    b = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config={**c, "GROUP_DOT": True})
+    assert _rel(b, a) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -342,30 +342,44 @@ def test_scaled_kernel_and_dequant_on_gpu():
 
 
 @pytest.mark.cuda
-def test_xa_kernel_on_gpu():
-    """XA at V3.2 shapes and 64-1024 tokens: PTX == Triton ops bit for bit, within fp32 order
-    of the rounded weights (bounds as for SCALED above), the fused split-K sum equal to the
-    two-launch one on 20 calls, in bf16 and fp16."""
-    gen = torch.Generator("cuda").manual_seed(23)
+def test_group_dot_on_gpu():
+    """GROUP_DOT at V3.2 shapes, decode to 128 tokens: PTX == Triton ops bit for bit, within
+    fp32 order of the four-slice kernel (exact and SCALED, bf16 and fp16), the fused split-K sum
+    equal to the two-launch one on 20 calls; the MoE's PTX == ops and within fp32 order too."""
+    gen = torch.Generator("cuda").manual_seed(29)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for k, n in ((7168, 4096), (2048, 7168)):
         pw = P.pair_awq(*_rand_awq_cuda(k, n, gen))
         for dtype in (torch.bfloat16, torch.float16):
-            w16 = P.dequantize_pairs_t(*pw, dtype=dtype)
-            bound = 1e-3 if dtype == torch.bfloat16 else 1e-4
-            for m, bt, bn, warps, split in ((64, 64, 128, 4, 4), (100, 64, 256, 8, 2),
-                                            (128, 128, 128, 8, 4), (1024, 128, 256, 8, 1)):
+            for m in (1, 16, 64, 128):
                 x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
-                cfg = {"BN": bn, "BT": bt, "SPLIT_K": split, "num_warps": warps, "num_stages": 3,
-                       "XA": True, "FUSED": False}  # fmt: skip
-                a = PK.w4a16_linear_p_triton(x, *pw, config=cfg, mode=PK.MODE_ASM)
-                b = PK.w4a16_linear_p_triton(x, *pw, config=cfg, mode=PK.MODE_OPS)
-                assert torch.equal(a, b)
-                assert _rel(a, (x.float() @ w16).to(dtype)) < bound
-                if split > 1:
-                    fused = {**cfg, "FUSED": True}
-                    for _ in range(20):
-                        assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config=fused), a)
+                cfg = {**PK.p_config(m, n, k, sms), "FUSED": False}
+                for scaled in (False, True):
+                    c = {**cfg, "SCALED": scaled, "GROUP_DOT": True}
+                    a = PK.w4a16_linear_p_triton(x, *pw, config=c, mode=PK.MODE_ASM)
+                    assert torch.equal(a, PK.w4a16_linear_p_triton(x, *pw, config=c,
+                                                                   mode=PK.MODE_OPS))  # fmt: skip
+                    four = PK.w4a16_linear_p_triton(x, *pw, config={**c, "GROUP_DOT": False})
+                    assert _rel(a, four) < 2e-3  # fp32 in another order, then the rounding
+                    if c["SPLIT_K"] > 1:
+                        fused = {**c, "FUSED": True}
+                        for _ in range(20):
+                            assert torch.equal(PK.w4a16_linear_p_triton(x, *pw, config=fused), a)
     assert not PK._COUNTERS[x.device].any()
+    e = 16
+    w13 = _rand_awq_cuda(7168, 2 * 2048, gen, (e,))
+    w2 = _rand_awq_cuda(2048, 7168, gen, (e,))
+    p13, p2 = P.pair_awq_experts(*w13), P.pair_awq_experts(*w2)
+    for t in (1, 8, 64):
+        x = torch.randn(t, 7168, device="cuda", generator=gen).bfloat16()
+        ids = torch.rand(t, e, device="cuda", generator=gen).topk(8, dim=-1).indices
+        tw = torch.rand(t, 8, device="cuda", generator=gen)
+        c = {**PM.moe_p_config(t * 8, e), "GROUP_DOT": True}
+        a = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c, mode=PK.MODE_ASM)
+        b = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config=c, mode=PK.MODE_OPS)
+        assert torch.equal(a, b)
+        four = PM.moe_w4a16_p_triton(x, ids, tw, *p13, *p2, config={**c, "GROUP_DOT": False})
+        assert _rel(a, four) < 2e-3
 
 
 @pytest.mark.cuda
