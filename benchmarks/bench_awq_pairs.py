@@ -20,7 +20,8 @@ side by side with what serves AWQ today, bf16, tinygemm and fbgemm, plus a launc
    model runs) and the pair MoE (served), heuristic and candidates, and the SCALED passes'
    candidates (``moe_scaled_candidates``).
 ``--extra JSON``: keys merged into the served configurations (linear and MoE), checked (PTX ==
-ops, against the reference) and timed beside them as ``extra_us``.
+ops, against the reference) and timed beside them as ``extra_us``; with sweeps, every linear
+candidate is timed with them too (``extra_sweep``, ``extra_best_us``).
 Each graph holds R calls over R weight copies (or routings), so weights come from HBM, not L2
 (``bench_awq``'s method). A section stops starting new points once ``--budget-s`` is spent.
 """
@@ -260,12 +261,17 @@ def bench_linear(
         row["served_path"] = "tinygemm" if served_tg else R.LARGE_M_PATH
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
                                                           f"{row['served_path']}_us")]  # fmt: skip
-        sweep = []
+        sweep, extra_sweep = [], []
         for c in linear_candidates(m, n, k, sms) if sweeps else ():
-            us = _time(
-                [lambda w=w, c=c, x=x: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp]
-            )
-            sweep.append({"config": c, "us": us})
+            for cc, into in ((c, sweep), ({**c, **extra} if extra else None, extra_sweep)):
+                if cc is not None:
+                    us = _time([lambda w=w, c=cc, x=x: PK.w4a16_linear_p_triton(x, *w, config=c)
+                                for w in wp])  # fmt: skip
+                    into.append({"config": cc, "us": us})
+        if extra_sweep:  # every candidate with --extra's keys too
+            eb = min(extra_sweep, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
+            row.update(extra_sweep=extra_sweep, extra_best_us=eb["us"],
+                       extra_best_config=eb["config"])  # fmt: skip
         ok = [s for s in sweep if not math.isnan(s["us"])] + [{"config": cfg, "us": row["pair_us"]}]
         best = min(ok, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
         row.update(pair_best_us=best["us"], pair_best_config=best["config"], pair_sweep=sweep)
@@ -479,7 +485,9 @@ def main() -> None:
         if "extra_us" in r:
             print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>4} {r['bf16_us']:6.1f} "
                   f"{r['pair_served_us']:6.1f} {r['extra_us']:6.1f} "
-                  f"{r['pair_served_us'] / r['extra_us']:8.3f}")  # fmt: skip
+                  f"{r['pair_served_us'] / r['extra_us']:8.3f} sweep best "
+                  f"{r['pair_best_us']:.1f} / with extra {r.get('extra_best_us', math.nan):.1f} "
+                  f"{r.get('extra_best_config', '')}")  # fmt: skip
     print(f"{'prefill K x N':>14} {'M':>5} {'bf16':>8} {'pair':>8} {'scaled':>8} {'deq+mm':>8}")
     for r in result["prefill"]:
         print(f"{r['in']:>6}x{r['out']:<7} {r['M']:>5} {r['bf16_us']:8.1f} {r['pair_us']:8.1f} "
