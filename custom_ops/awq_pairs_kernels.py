@@ -171,6 +171,14 @@ def p_config(
       best wide tile on every shape at M = 160, 192 and 256
       (``gpu_session16/call1_awq_pairs_served_h200.json``: 16384 x 7168 125.6-140.0 µs against
       152.6-153.7, 7168 x 2048 22.4-25.0 against 68.7-70.6).
+    - ``GROUP_DOT`` (one MMA a group, ``awq_pairs_steps._group_part``) on the 16- and 128-token
+      tiles (M <= 16, 64 < M <= 128) of linears below ``SCALED_MIN_WEIGHTS``, from H100 runs
+      (``benchmarks/results/gpu_session41/call4_*``, two rounds, the four-slice kernel / GROUP_DOT
+      at the rule's configuration): 1.10-1.32x on 7168 x 2048 at M = 1-16, 1.04-1.07x at M = 1
+      and 16 on 7168 x 4096 and 2048 x 7168 (0.99-1.02x at 2-8), 0.99-1.14x at M = 96-128
+      (7168 x 4096, M = 128: 24.5 / 25.2 against 22.8 / 22.1 µs); not at 32-64 tokens
+      (0.98-0.99x on two of the three shapes), not on 16384 x 7168 (0.77-0.96x at M = 1 and
+      16-128), not in the MoE (0.96-1.00x).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
@@ -190,6 +198,7 @@ def p_config(
         split = min(split, 32)
     if cfg["BN"] >= 256:
         cfg["num_warps"] = 8
+    cfg["GROUP_DOT"] = k * n < SCALED_MIN_WEIGHTS and (bt == 16 or 64 < m <= 128)
     return {**cfg, "SPLIT_K": split, "FUSED": bt == 16}
 
 

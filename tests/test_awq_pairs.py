@@ -256,24 +256,25 @@ def test_moe_kernel_sums_tokens_with_skipped_pairs():
 def test_config_rules():
     # the H200 sweep's winners (awq_pairs_zs_sweep_h200.json), as the rule returns them
     want = {"BN": 128, "BT": 16, "num_warps": 4, "num_stages": 4, "SPLIT_K": 8, "FUSED": True,
-            "SCALED": False}  # fmt: skip
+            "SCALED": False, "GROUP_DOT": True}  # fmt: skip
     assert PK.p_config(1, 4096, 7168, 132) == want
     assert PK.p_config(16, 2048, 7168, 132) == {**want, "BN": 64}  # N < 4096: 64 columns
     assert PK.p_config(8, 7168, 2048, 132)["SPLIT_K"] == 4  # G / 4
-    want = {**want, "BT": 32, "FUSED": False}
+    assert not PK.p_config(1, 7168, 16384, 132)["GROUP_DOT"]  # 2^26 weights: four slices
+    want = {**want, "BT": 32, "FUSED": False, "GROUP_DOT": False}
     assert PK.p_config(32, 4096, 7168, 132) == want
     assert PK.p_config(32, 7168, 16384, 132)["SPLIT_K"] == 4  # about 2 programs per SM
     want = {**want, "BT": 64, "num_stages": 3}
     assert PK.p_config(64, 4096, 7168, 132) == want
     want = {"BN": 128, "BT": 128, "num_warps": 8, "num_stages": 3, "SPLIT_K": 4, "FUSED": False,
-            "SCALED": True}  # fmt: skip
+            "SCALED": True, "GROUP_DOT": False}  # fmt: skip
     assert PK.p_config(128, 7168, 16384, 132) == want  # 2^26 weights or more: SCALED
     assert PK.p_config(128, 2048, 7168, 132) == {  # smaller: the exact kernel on 64 columns
         "BN": 64, "BT": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8, "FUSED": False,
-        "SCALED": False}  # fmt: skip
-    # two token tiles: the exact kernel on 64 columns, on every shape
+        "SCALED": False, "GROUP_DOT": True}  # fmt: skip
+    # two token tiles: the exact kernel on 64 columns, on every shape, four slices
     assert PK.p_config(200, 7168, 16384, 132) == {**PK.p_config(128, 2048, 7168, 132),
-                                                   "SPLIT_K": 1}  # fmt: skip
+                                                   "SPLIT_K": 1, "GROUP_DOT": False}  # fmt: skip
     assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
     assert not PK.uses_dequant(256) and PK.uses_dequant(257)
     assert [PK.tokens_tile(m) for m in (1, 16, 17, 64, 65, 500)] == [16, 16, 32, 64, 128, 128]
