@@ -1,5 +1,6 @@
 """The pair-layout W4A16 kernels compile for an H200 (sm_90) without a GPU, in the configurations
-the launchers and the benchmark use: the interpreter that runs their CPU tests takes the fp32
+the launchers and the benchmark use (and the linear's loop waits for its MMAs once a group with
+GROUP_DOT, once a slice without): the interpreter that runs their CPU tests takes the fp32
 MODE and never builds the inline PTX or the 16-bit dot operands, so this catches what only the
 compiler sees (as ``test_cache_compile.py`` does for the cache kernels); the MoE's passes too."""
 
@@ -55,6 +56,9 @@ for x in ("bf16", "fp16"):
             ptx = compile_(PK.w4a16_p_kernel, args, consts,
                            f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}, gd {gd}]", warps)
             check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
+            waits = ptx.count("wgmma.wait_group.sync.aligned 0;")  # the loop's full waits
+            if ptx and waits != (1 if gd else 4):  # GROUP_DOT: one a group, else one a slice
+                print(f"FAIL linear[{x}, gd {gd}]: {waits} full wgmma waits")
         for scaled, gated, bn, bt, warps, gd in ((False, True, 64, 16, 4, False),
                                                  (True, True, 128, 128, 8, False),
                                                  (True, False, 64, 64, 4, False),
