@@ -261,13 +261,14 @@ def bench_linear(
         row["served_path"] = "tinygemm" if served_tg else R.LARGE_M_PATH
         row["served_us"] = row[{"pairs": pair_served}.get(row["served_path"],
                                                           f"{row['served_path']}_us")]  # fmt: skip
+        def us(c: dict, x=x) -> float:
+            return _time([lambda w=w: PK.w4a16_linear_p_triton(x, *w, config=c) for w in wp])
+
         sweep, extra_sweep = [], []
         for c in linear_candidates(m, n, k, sms) if sweeps else ():
-            for cc, into in ((c, sweep), ({**c, **extra} if extra else None, extra_sweep)):
-                if cc is not None:
-                    us = _time([lambda w=w, c=cc, x=x: PK.w4a16_linear_p_triton(x, *w, config=c)
-                                for w in wp])  # fmt: skip
-                    into.append({"config": cc, "us": us})
+            sweep.append({"config": c, "us": us(c)})
+            if extra:
+                extra_sweep.append({"config": {**c, **extra}, "us": us({**c, **extra})})
         if extra_sweep:  # every candidate with --extra's keys too
             eb = min(extra_sweep, key=lambda s: s["us"] if not math.isnan(s["us"]) else math.inf)
             row.update(extra_sweep=extra_sweep, extra_best_us=eb["us"],
@@ -444,14 +445,15 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
 
     result["hbm_copy_GBps"] = hbm = copy_ceiling_gbps()
-    check(result, json.loads(args.extra or "{}"))
+    extra = json.loads(args.extra or "{}")
+    check(result, extra)
     save()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     result["linear"], result["prefill"] = [], []
     for k, n in (shapes or LINEAR_SHAPES) if args.batches else ():
         result["linear"] += bench_linear(k, n, [int(b) for b in args.batches.split(",") if b], hbm,
                                          args.budget_s * 0.5, not args.no_sweeps,
-                                         extra=json.loads(args.extra or "{}"))
+                                         extra=extra)
         save()
         torch.cuda.empty_cache()
     for k, n in (shapes or LINEAR_SHAPES) if args.prefill_batches else ():
@@ -462,7 +464,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     result["moe"] = bench_moe(
         [int(b) for b in args.moe_batches.split(",") if b], hbm, args.budget_s, not args.no_sweeps,
-        json.loads(args.extra or "{}"),
+        extra,
     )
     save()
     fails = [c for c in result["check"] if not c["pass"]]
