@@ -52,11 +52,11 @@ DEFAULT_MODE = MODE_INTERPRET if _INTERPRET else MODE_ASM
 
 @triton.jit
 def w4a16_p_kernel(
-    x_ptr, qw_ptr, zs_ptr, out_ptr, y_ptr, cnt_ptr,
+    x_ptr, qw_ptr, zs_ptr, out_ptr, y_ptr, cnt_ptr, qw_desc, zs_desc,
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
-    GROUP_DOT: tl.constexpr = False,
+    GROUP_DOT: tl.constexpr = False, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
     1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K).
@@ -68,7 +68,13 @@ def w4a16_p_kernel(
 
     SCALED: the group's scale multiplies the 16-bit weights (W rounded to x's dtype, as AutoAWQ's
     and vLLM's kernels compute) and one accumulator runs over every group: no per-group partial
-    product, its registers and its rescale (``p_config``'s wide tiles above M = 64)."""
+    product, its registers and its rescale (``p_config``'s wide tiles above M = 64).
+
+    TMA: the words and the (zero point, scale) words come by the tensor memory accelerator
+    (``qw_desc``: qweight_p as [G N, 16] in [BN, 16] blocks; ``zs_desc``: zs_p [G, N] in [1, BN]
+    blocks): one bulk copy a tile, issued by one thread, instead of every thread's ``cp.async``
+    and its address arithmetic. Rows past N read the next group's columns (or zeros past the
+    end); their outputs are never stored."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -83,10 +89,14 @@ def w4a16_p_kernel(
     x_base = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm  # [1, BT]
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     for g in range(g0, g1):
-        col = g * N + offs_n  # [BN] (group, column) index
-        w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
-                    mask=n_mask[:, None], other=0)  # fmt: skip
-        zs = tl.load(zs_ptr + col, mask=n_mask, other=0)  # [BN] (zero point, scale) words
+        if TMA:
+            w = qw_desc.load([g * N + pid_n * BN, 0])
+            zs = tl.reshape(zs_desc.load([g, pid_n * BN]), [BN])
+        else:
+            col = g * N + offs_n  # [BN] (group, column) index
+            w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
+                        mask=n_mask[:, None], other=0)  # fmt: skip
+            zs = tl.load(zs_ptr + col, mask=n_mask, other=0)  # [BN] (zero point, scale) words
         zz = _zz(zs, FP16)
         if SCALED:
             acc = _group_part(acc, w, zz, x_base + g * 128, t_mask, FP16, MODE,
@@ -210,6 +220,24 @@ def _check_config(name: str, cfg: dict) -> None:
         )
 
 
+def _descriptors(qweight_p: torch.Tensor, zs_p: torch.Tensor, bn: int) -> tuple:
+    """The ``TMA`` kernel's tensor descriptors (``w4a16_p_kernel``): the words as [G N, 16] in
+    [BN, 16] blocks, the (zero point, scale) words [G, N] in [1, BN] blocks."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    g, n, _ = qweight_p.shape
+    if n % 4 or qweight_p.data_ptr() % 16 or zs_p.data_ptr() % 16:
+        raise ValueError(
+            f"w4a16_linear_p: TMA needs N a multiple of 4 and 16-byte aligned weights, got N = "
+            f"{n}, qweight_p at {qweight_p.data_ptr() % 16} and zs_p at {zs_p.data_ptr() % 16} "
+            "(mod 16)"
+        )
+    return (
+        TensorDescriptor(qweight_p, [g * n, 16], [16, 1], [bn, 16]),
+        TensorDescriptor(zs_p, [g, n], [n, 1], [1, bn]),
+    )
+
+
 def w4a16_linear_p_triton(
     x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor, config: dict | None = None,
     mode: int = DEFAULT_MODE,
@@ -235,11 +263,12 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
+    qw_desc, zs_desc = _descriptors(qweight_p, zs_p, cfg["BN"]) if cfg.get("TMA") else (None, None)
     w4a16_p_kernel[grid](
-        x, qweight_p, zs_p, out, y, cnt, m, n, k // GROUP, x.stride(0), out.stride(0),
+        x, qweight_p, zs_p, out, y, cnt, qw_desc, zs_desc, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
         MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
-        GROUP_DOT=cfg.get("GROUP_DOT", False), num_warps=cfg.get("num_warps", 4),
+        GROUP_DOT=cfg.get("GROUP_DOT", False), TMA=cfg.get("TMA", False), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     if split == 1 or fused:

@@ -1,6 +1,6 @@
 """The pair-layout W4A16 kernels compile for an H200 (sm_90) without a GPU, in the configurations
 the launchers and the benchmark use (and the linear's loop waits for its MMAs once a group with
-GROUP_DOT, once a slice without): the interpreter that runs their CPU tests takes the fp32
+GROUP_DOT, once a slice without; with TMA its words come by bulk tensor copies): the interpreter that runs their CPU tests takes the fp32
 MODE and never builds the inline PTX or the 16-bit dot operands, so this catches what only the
 compiler sees (as ``test_cache_compile.py`` does for the cache kernels); the MoE's passes too."""
 
@@ -42,23 +42,35 @@ def check_mul(ptx, mode, scaled, name):
 for x in ("bf16", "fp16"):
     fp16 = x == "fp16"
     for mode in (PK.MODE_ASM, PK.MODE_OPS):
-        for scaled, bn, bt, warps, gd in ((False, 64, 16, 4, False), (True, 128, 32, 8, False),
-                                          (False, 128, 64, 8, False), (True, 128, 128, 8, False),
-                                          (True, 256, 64, 8, False), (False, 128, 16, 4, True),
-                                          (True, 128, 128, 8, True)):
+        for scaled, bn, bt, warps, gd, tma in ((False, 64, 16, 4, False, False),
+                                               (True, 128, 32, 8, False, False),
+                                               (False, 128, 64, 8, False, False),
+                                               (True, 128, 128, 8, False, False),
+                                               (True, 256, 64, 8, False, False),
+                                               (False, 128, 16, 4, True, False),
+                                               (True, 128, 128, 8, True, False),
+                                               (False, 128, 16, 4, True, True),
+                                               (False, 64, 128, 4, False, True)):
             args = [("x_ptr", "*" + x), ("qw_ptr", "*i32"), ("zs_ptr", "*i32"),
-                    ("out_ptr", "*fp32"), ("y_ptr", "*" + x),
-                    ("cnt_ptr", "*i32"), ("M", "i32"), ("N", "i32"), ("G", "i32"),
+                    ("out_ptr", "*fp32"), ("y_ptr", "*" + x), ("cnt_ptr", "*i32"),
+                    ("qw_desc", f"tensordesc<i32[{bn}, 16]>" if tma else "constexpr"),
+                    ("zs_desc", f"tensordesc<i32[1, {bn}]>" if tma else "constexpr"),
+                    ("M", "i32"), ("N", "i32"), ("G", "i32"),
                     ("stride_xm", "i32"), ("stride_os", "i32"), ("stride_om", "i32"),
                     ("SPLIT_K", "i32")]
             consts = dict(BN=bn, BT=bt, FP16=fp16, MODE=mode, FUSED=not scaled, INTERPRET=False,
-                          SCALED=scaled, GROUP_DOT=gd)
-            ptx = compile_(PK.w4a16_p_kernel, args, consts,
-                           f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}, gd {gd}]", warps)
+                          SCALED=scaled, GROUP_DOT=gd, TMA=tma)
+            if not tma:
+                consts.update(qw_desc=None, zs_desc=None)
+            name = f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}, gd {gd}, tma {tma}]"
+            ptx = compile_(PK.w4a16_p_kernel, args, consts, name, warps)
             check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
             waits = ptx.count("wgmma.wait_group.sync.aligned 0;")  # the loop's full waits
             if ptx and waits != (1 if gd else 4):  # GROUP_DOT: one a group, else one a slice
                 print(f"FAIL linear[{x}, gd {gd}]: {waits} full wgmma waits")
+            # TMA: the words come by bulk tensor copies (two a stage), the pointer path's never
+            if ptx and ("cp.async.bulk.tensor" in ptx) != tma:
+                print(f"FAIL {name}: bulk tensor copies in the PTX: {not tma}")
         for scaled, gated, bn, bt, warps, gd in ((False, True, 64, 16, 4, False),
                                                  (True, True, 128, 128, 8, False),
                                                  (True, False, 64, 64, 4, False),
@@ -84,4 +96,4 @@ for x in ("bf16", "fp16"):
 
 
 def test_pair_kernels_compile_for_sm90():
-    assert_compiles(SCRIPT, 48)
+    assert_compiles(SCRIPT, 56)

@@ -184,6 +184,35 @@ def test_group_dot_matches_the_four_slices(k, n, m, dtype, cfg):
 
 
 @pytest.mark.parametrize(
+    "k,n,m,dtype,cfg",
+    [
+        (256, 64, 3, torch.bfloat16, {"BN": 64, "BT": 16, "SPLIT_K": 2, "FUSED": True}),
+        (384, 128, 70, torch.bfloat16, {"BN": 64, "BT": 64, "SPLIT_K": 2}),  # uneven split
+        (256, 96, 20, torch.float16, {"BN": 64, "BT": 32, "SPLIT_K": 1}),  # N % BN
+        (512, 40, 5, torch.bfloat16, {"BN": 64, "BT": 16, "SPLIT_K": 3}),  # N < BN
+    ],
+)
+def test_tma_loads_equal_pointer_loads(k, n, m, dtype, cfg):
+    """TMA (the words and the zero-point / scale words by tensor descriptors) computes the same
+    bits as the pointer loads: exact weights and SCALED, four slices and GROUP_DOT; the rows it
+    reads past N (the next group's columns, or zeros) never reach the output."""
+    g = torch.Generator().manual_seed(11 * k + n + m)
+    qw, qz, s = _awq_weights(k, n, g, torch.float16)
+    pw = P.pair_awq(qw, qz, s)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    for scaled in (False, True):
+        for gd in (False, True):
+            c = {**cfg, "SCALED": scaled, "GROUP_DOT": gd, "num_warps": 4, "num_stages": 1}
+            a = PK.w4a16_linear_p_triton(x, *pw, config=c)
+            b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": True})
+            assert torch.equal(b, a), (scaled, gd)
+    assert _rel(b, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
+    bad = torch.zeros(k // 128, 6, 16, dtype=torch.int32), torch.zeros(k // 128, 6, dtype=torch.int32)
+    with pytest.raises(ValueError, match="TMA needs N a multiple of 4"):
+        PK.w4a16_linear_p_triton(x, *bad, config={**cfg, "TMA": True})
+
+
+@pytest.mark.parametrize(
     "t,e,topk,d,inter,dtype,cfg",
     [
         (1, 4, 2, 128, 128, torch.bfloat16, {"BN": 64, "BT": 16}),
