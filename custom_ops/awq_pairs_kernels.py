@@ -263,12 +263,13 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
-    qw_desc, zs_desc = _descriptors(qweight_p, zs_p, cfg["BN"]) if cfg.get("TMA") else (None, None)
+    tma = cfg.get("TMA", False)
+    descs = _descriptors(qweight_p, zs_p, cfg["BN"]) if tma else (None, None)
     w4a16_p_kernel[grid](
-        x, qweight_p, zs_p, out, y, cnt, qw_desc, zs_desc, m, n, k // GROUP, x.stride(0), out.stride(0),
+        x, qweight_p, zs_p, out, y, cnt, *descs, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,
         MODE=mode, FUSED=fused, INTERPRET=_INTERPRET, SCALED=cfg.get("SCALED", False),
-        GROUP_DOT=cfg.get("GROUP_DOT", False), TMA=cfg.get("TMA", False), num_warps=cfg.get("num_warps", 4),
+        GROUP_DOT=cfg.get("GROUP_DOT", False), TMA=tma, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 4),
     )  # fmt: skip
     if split == 1 or fused:

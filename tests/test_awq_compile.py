@@ -1,6 +1,7 @@
 """The pair-layout W4A16 kernels compile for an H200 (sm_90) without a GPU, in the configurations
 the launchers and the benchmark use (and the linear's loop waits for its MMAs once a group with
-GROUP_DOT, once a slice without; with TMA its words come by bulk tensor copies): the interpreter that runs their CPU tests takes the fp32
+GROUP_DOT, once a slice without; with TMA its words come by bulk tensor copies): the
+interpreter that runs their CPU tests takes the fp32
 MODE and never builds the inline PTX or the 16-bit dot operands, so this catches what only the
 compiler sees (as ``test_cache_compile.py`` does for the cache kernels); the MoE's passes too."""
 

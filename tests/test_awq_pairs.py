@@ -207,7 +207,7 @@ def test_tma_loads_equal_pointer_loads(k, n, m, dtype, cfg):
             b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": True})
             assert torch.equal(b, a), (scaled, gd)
     assert _rel(b, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
-    bad = torch.zeros(k // 128, 6, 16, dtype=torch.int32), torch.zeros(k // 128, 6, dtype=torch.int32)
+    bad = [torch.zeros(k // 128, 6, *w, dtype=torch.int32) for w in ((16,), ())]
     with pytest.raises(ValueError, match="TMA needs N a multiple of 4"):
         PK.w4a16_linear_p_triton(x, *bad, config={**cfg, "TMA": True})
 
@@ -369,6 +369,28 @@ def test_scaled_kernel_and_dequant_on_gpu():
                     b = PK.w4a16_linear_p_triton(x, *pw, config=cfg, mode=PK.MODE_OPS)
                     assert torch.equal(a, b)
                     assert _rel(a, (x.float() @ w16).to(dtype)) < bound
+
+
+@pytest.mark.cuda
+def test_tma_on_gpu():
+    """TMA at V3.2 shapes (16384 x 7168 too), decode to 256 tokens, the served configuration with
+    the key flipped: the same bits as the pointer loads, exact and SCALED, four slices and
+    GROUP_DOT, the fused split-K sum on 5 calls each."""
+    gen = torch.Generator("cuda").manual_seed(31)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for k, n in ((7168, 4096), (2048, 7168), (16384, 7168)):
+        pw = P.pair_awq(*_rand_awq_cuda(k, n, gen))
+        for m in (1, 5, 16, 64, 128, 200):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            cfg = PK.p_config(m, n, k, sms)
+            for scaled in (False, True):
+                for gd in (False, True):
+                    c = {**cfg, "SCALED": scaled, "GROUP_DOT": gd}
+                    a = PK.w4a16_linear_p_triton(x, *pw, config=c)
+                    for _ in range(5):
+                        b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": True})
+                        assert torch.equal(a, b), (k, n, m, scaled, gd)
+    assert not PK._COUNTERS[x.device].any()
 
 
 @pytest.mark.cuda
