@@ -52,7 +52,7 @@ DEFAULT_MODE = MODE_INTERPRET if _INTERPRET else MODE_ASM
 
 @triton.jit
 def w4a16_p_kernel(
-    x_ptr, qw_ptr, zs_ptr, out_ptr, y_ptr, cnt_ptr, qw_desc, zs_desc,
+    x_ptr, qw_ptr, zs_ptr, out_ptr, y_ptr, cnt_ptr, qw_desc, zs_desc, x_desc,
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
@@ -89,9 +89,12 @@ def w4a16_p_kernel(
     x_base = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm  # [1, BT]
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     for g in range(g0, g1):
+        xg = None
         if TMA:
             w = qw_desc.load([g * N + pid_n * BN, 0])
             zs = tl.reshape(zs_desc.load([g, pid_n * BN]), [BN])
+            if GROUP_DOT:
+                xg = tl.trans(x_desc.load([pid_t * BT, g * 128]))
         else:
             col = g * N + offs_n  # [BN] (group, column) index
             w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
@@ -100,10 +103,10 @@ def w4a16_p_kernel(
         zz = _zz(zs, FP16)
         if SCALED:
             acc = _group_part(acc, w, zz, x_base + g * 128, t_mask, FP16, MODE,
-                              _ss(zs, FP16, INTERPRET), True, GROUP_DOT)  # fmt: skip
+                              _ss(zs, FP16, INTERPRET), True, GROUP_DOT, xg)  # fmt: skip
         else:
             part = _group_part(tl.zeros([BN, BT], dtype=tl.float32), w, zz, x_base + g * 128,
-                               t_mask, FP16, MODE, GROUP_DOT=GROUP_DOT)  # fmt: skip
+                               t_mask, FP16, MODE, GROUP_DOT=GROUP_DOT, xg=xg)  # fmt: skip
             acc += part * _scale(zs)[:, None]
     mask = t_mask[None, :] & n_mask[:, None]
     tile_offs = offs_t[None, :] * stride_om + offs_n[:, None]
@@ -220,9 +223,10 @@ def _check_config(name: str, cfg: dict) -> None:
         )
 
 
-def _descriptors(qweight_p: torch.Tensor, zs_p: torch.Tensor, bn: int) -> tuple:
+def _descriptors(x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor, cfg: dict) -> tuple:
     """The ``TMA`` kernel's tensor descriptors (``w4a16_p_kernel``): the words as [G N, 16] in
-    [BN, 16] blocks, the (zero point, scale) words [G, N] in [1, BN] blocks."""
+    [BN, 16] blocks, the (zero point, scale) words [G, N] in [1, BN] blocks, x [M, K] in
+    [BT, 128] blocks (a group's tokens; GROUP_DOT only)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     g, n, _ = qweight_p.shape
@@ -232,9 +236,11 @@ def _descriptors(qweight_p: torch.Tensor, zs_p: torch.Tensor, bn: int) -> tuple:
             f"{n}, qweight_p at {qweight_p.data_ptr() % 16} and zs_p at {zs_p.data_ptr() % 16} "
             "(mod 16)"
         )
+    bn, bt = cfg["BN"], cfg["BT"]
     return (
         TensorDescriptor(qweight_p, [g * n, 16], [16, 1], [bn, 16]),
         TensorDescriptor(zs_p, [g, n], [n, 1], [1, bn]),
+        TensorDescriptor.from_tensor(x, [bt, GROUP]) if cfg.get("GROUP_DOT") else None,
     )
 
 
@@ -264,7 +270,9 @@ def w4a16_linear_p_triton(
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
     tma = cfg.get("TMA", False)
-    descs = _descriptors(qweight_p, zs_p, cfg["BN"]) if tma else (None, None)
+    if tma and (x.data_ptr() % 16 or x.stride(0) % 8):  # a descriptor's base and row stride
+        x = x.clone()
+    descs = _descriptors(x, qweight_p, zs_p, cfg) if tma else (None, None, None)
     w4a16_p_kernel[grid](
         x, qweight_p, zs_p, out, y, cnt, *descs, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,

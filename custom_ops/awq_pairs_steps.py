@@ -57,14 +57,16 @@ def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, ss=Non
 
 @triton.jit
 def _group_part(part, w, zz, x_base, t_mask, FP16: tl.constexpr, MODE: tl.constexpr, ss=None,
-                SCALED: tl.constexpr = False, GROUP_DOT: tl.constexpr = False):  # fmt: skip
+                SCALED: tl.constexpr = False, GROUP_DOT: tl.constexpr = False,
+                xg=None):  # fmt: skip
     """``part [BN, BT] += W_g [BN, 128] @ x_g^T [128, BT]`` for one group: ``w [BN, 16]`` its
     words, ``x_base [1, BT]`` pointers to x[token, group start]. SCALED: W_g carries the group's
     scale (``_pair``). By default four MMAs of 32 K rows, each waited for before the next
     slice's weights are formed; GROUP_DOT: the group's 128 K rows as one operand
     (``_group_tile``), one MMA and one wait a group."""
     if GROUP_DOT:
-        xg = tl.load(x_base + tl.arange(0, 128)[:, None], mask=t_mask[None, :], other=0.0)
+        if xg is None:
+            xg = tl.load(x_base + tl.arange(0, 128)[:, None], mask=t_mask[None, :], other=0.0)
         a = _group_tile(w, zz, ss, FP16, MODE, SCALED)
         if MODE == 2:
             part = tl.dot(a, xg.to(tl.float32), part)

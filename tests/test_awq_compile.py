@@ -56,6 +56,7 @@ for x in ("bf16", "fp16"):
                     ("out_ptr", "*fp32"), ("y_ptr", "*" + x), ("cnt_ptr", "*i32"),
                     ("qw_desc", f"tensordesc<i32[{bn}, 16]>" if tma else "constexpr"),
                     ("zs_desc", f"tensordesc<i32[1, {bn}]>" if tma else "constexpr"),
+                    ("x_desc", f"tensordesc<{x}[{bt}, 128]>" if tma and gd else "constexpr"),
                     ("M", "i32"), ("N", "i32"), ("G", "i32"),
                     ("stride_xm", "i32"), ("stride_os", "i32"), ("stride_om", "i32"),
                     ("SPLIT_K", "i32")]
@@ -63,15 +64,20 @@ for x in ("bf16", "fp16"):
                           SCALED=scaled, GROUP_DOT=gd, TMA=tma)
             if not tma:
                 consts.update(qw_desc=None, zs_desc=None)
+            if not (tma and gd):
+                consts.update(x_desc=None)
             name = f"linear[{x}, mode {mode}, scaled {scaled}, {bn}x{bt}, gd {gd}, tma {tma}]"
             ptx = compile_(PK.w4a16_p_kernel, args, consts, name, warps)
             check_mul(ptx, mode, scaled, f"linear[{x}, scaled {scaled}]")
             waits = ptx.count("wgmma.wait_group.sync.aligned 0;")  # the loop's full waits
             if ptx and waits != (1 if gd else 4):  # GROUP_DOT: one a group, else one a slice
                 print(f"FAIL linear[{x}, gd {gd}]: {waits} full wgmma waits")
-            # TMA: the words come by bulk tensor copies (two a stage), the pointer path's never
+            # TMA: the words come by bulk tensor copies, the pointer path's never; with
+            # GROUP_DOT x too, so no cp.async is left
             if ptx and ("cp.async.bulk.tensor" in ptx) != tma:
                 print(f"FAIL {name}: bulk tensor copies in the PTX: {not tma}")
+            if ptx and tma and gd and "cp.async.cg" in ptx:
+                print(f"FAIL {name}: cp.async left with x by TMA")
         for scaled, gated, bn, bt, warps, gd in ((False, True, 64, 16, 4, False),
                                                  (True, True, 128, 128, 8, False),
                                                  (True, False, 64, 64, 4, False),

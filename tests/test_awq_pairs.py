@@ -193,9 +193,10 @@ def test_group_dot_matches_the_four_slices(k, n, m, dtype, cfg):
     ],
 )
 def test_tma_loads_equal_pointer_loads(k, n, m, dtype, cfg):
-    """TMA (the words and the zero-point / scale words by tensor descriptors) computes the same
-    bits as the pointer loads: exact weights and SCALED, four slices and GROUP_DOT; the rows it
-    reads past N (the next group's columns, or zeros) never reach the output."""
+    """TMA (the words, the zero-point / scale words and, with GROUP_DOT, x by tensor
+    descriptors) computes the same bits as the pointer loads: exact weights and SCALED, four
+    slices and GROUP_DOT, x with rows off 16 bytes (copied first); the rows it reads past N (the
+    next group's columns, or zeros) never reach the output."""
     g = torch.Generator().manual_seed(11 * k + n + m)
     qw, qz, s = _awq_weights(k, n, g, torch.float16)
     pw = P.pair_awq(qw, qz, s)
@@ -207,6 +208,10 @@ def test_tma_loads_equal_pointer_loads(k, n, m, dtype, cfg):
             b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": True})
             assert torch.equal(b, a), (scaled, gd)
     assert _rel(b, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
+    xs = torch.cat([torch.zeros(m, 1, dtype=dtype), x], 1)[:, 1:]  # rows 2 bytes off 16
+    c = {**cfg, "GROUP_DOT": True, "num_warps": 4, "num_stages": 1}
+    want = PK.w4a16_linear_p_triton(x, *pw, config=c)
+    assert torch.equal(PK.w4a16_linear_p_triton(xs, *pw, config={**c, "TMA": True}), want)
     bad = [torch.zeros(k // 128, 6, *w, dtype=torch.int32) for w in ((16,), ())]
     with pytest.raises(ValueError, match="TMA needs N a multiple of 4"):
         PK.w4a16_linear_p_triton(x, *bad, config={**cfg, "TMA": True})
