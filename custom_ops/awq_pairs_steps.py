@@ -32,7 +32,7 @@ def _pair(w, zz, s: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr, ss=Non
         lo, hi = tl.inline_asm_elementwise(
             asm, "=h,=h,r,r,r" if SCALED else "=h,=h,r,r", args, dtype=(dt.value, dt.value),
             is_pure=True, pack=1,
-        )
+        )  # fmt: skip
     elif MODE == 1:
         dt = tl.float16 if FP16 else tl.bfloat16
         magic = 0x6400 if FP16 else 0x4300
@@ -127,4 +127,3 @@ def _ss(zs, FP16: tl.constexpr, INTERPRET: tl.constexpr):
     s = _round16(_scale(zs), dt, INTERPRET).to(dt)  # exact: already a dt value
     bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return (bits * 0x10001)[:, None] + tl.zeros([zs.shape[0], 16], dtype=tl.int32)
-
