@@ -44,6 +44,7 @@ from custom_ops.awq_kernels import (
 from custom_ops.awq_pairs_steps import _group_part, _pair, _scale, _ss, _zz
 from custom_ops.tile_counters import _COUNTERS, COUNTERS, reserve_counters  # noqa: F401
 from custom_ops.tile_counters import counters as _counters
+from custom_ops.tma import activations, descriptor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
@@ -227,20 +228,12 @@ def _descriptors(x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor, c
     """The ``TMA`` kernel's tensor descriptors (``w4a16_p_kernel``): the words as [G N, 16] in
     [BN, 16] blocks, the (zero point, scale) words [G, N] in [1, BN] blocks, x [M, K] in
     [BT, 128] blocks (a group's tokens; GROUP_DOT only)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     g, n, _ = qweight_p.shape
-    if n % 4 or qweight_p.data_ptr() % 16 or zs_p.data_ptr() % 16:
-        raise ValueError(
-            f"w4a16_linear_p: TMA needs N a multiple of 4 and 16-byte aligned weights, got N = "
-            f"{n}, qweight_p at {qweight_p.data_ptr() % 16} and zs_p at {zs_p.data_ptr() % 16} "
-            "(mod 16)"
-        )
-    bn, bt = cfg["BN"], cfg["BT"]
+    bn, name = cfg["BN"], "w4a16_linear_p"
     return (
-        TensorDescriptor(qweight_p, [g * n, 16], [16, 1], [bn, 16]),
-        TensorDescriptor(zs_p, [g, n], [n, 1], [1, bn]),
-        TensorDescriptor.from_tensor(x, [bt, GROUP]) if cfg.get("GROUP_DOT") else None,
+        descriptor(name, qweight_p, [bn, 16], [g * n, 16]),
+        descriptor(name, zs_p, [1, bn]),
+        descriptor(name, x, [cfg["BT"], GROUP]) if cfg.get("GROUP_DOT") else None,
     )
 
 
@@ -270,8 +263,8 @@ def w4a16_linear_p_triton(
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
     tma = cfg.get("TMA", False)
-    if tma and (x.data_ptr() % 16 or x.stride(0) % 8):  # a descriptor's base and row stride
-        x = x.clone()
+    if tma:
+        x = activations(x)
     descs = _descriptors(x, qweight_p, zs_p, cfg) if tma else (None, None, None)
     w4a16_p_kernel[grid](
         x, qweight_p, zs_p, out, y, cnt, *descs, m, n, k // GROUP, x.stride(0), out.stride(0),

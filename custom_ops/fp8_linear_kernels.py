@@ -34,6 +34,7 @@ from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
 from custom_ops.fp8_quant_kernels import _quant_tile
 from custom_ops.moe_align import moe_align
 from custom_ops.tile_counters import counters
+from custom_ops.tma import activations, descriptor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -61,10 +62,11 @@ def _fp8_dot_t(w, x8, INTERPRET: tl.constexpr):
 
 @triton.jit
 def fp8_linear_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, xs_ptr, y_ptr, cnt_ptr,
+    x_ptr, w_ptr, ws_ptr, out_ptr, xs_ptr, y_ptr, cnt_ptr, x_desc, w_desc,
     M, N, K, stride_xm, stride_os, stride_om, SPLIT_K, stride_xs_m, stride_xs_kb,
     BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
     PREQUANT: tl.constexpr = False, FUSED: tl.constexpr = False, SWAP: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """out[split, m, n] over this split's K blocks. Grid: (cdiv(N, BN), cdiv(M, BM), SPLIT_K).
     SWAP: each K block's product is computed transposed (``w @ x8^T``, [BN, BM]: the weight
@@ -73,7 +75,9 @@ def fp8_linear_kernel(
     PREQUANT: x is already e4m3 with its scales at ``xs_ptr`` (``act_quant_dg``), so the loop
     only loads, multiplies and scales. FUSED (SPLIT_K > 1): the tile's last split sums the fp32
     partials in split order into ``y [M, N]`` (``w4a16_p_kernel``'s counter protocol,
-    ``custom_ops.tile_counters``): the bits of ``splitk_sum_kernel``, one launch fewer."""
+    ``custom_ops.tile_counters``): the bits of ``splitk_sum_kernel``, one launch fewer.
+    TMA: the x and weight tiles come by tensor descriptors (``custom_ops/tma.py``; x_desc and
+    w_desc in [BM, 128] and [BN, 128] blocks, zeros past M and N as the masked loads give)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -92,20 +96,24 @@ def fp8_linear_kernel(
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(kb0, kb1):
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + kb * 128 + offs_k[None, :],
-            mask=m_mask[:, None], other=0.0,
-        )  # fmt: skip
+        if TMA:
+            x = x_desc.load([pid_m * BM, kb * 128])
+            w = w_desc.load([pid_n * BN, kb * 128])  # [BN, 128] e4m3
+        else:
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + kb * 128 + offs_k[None, :],
+                mask=m_mask[:, None], other=0.0,
+            )  # fmt: skip
+            w = tl.load(
+                w_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + offs_k[None, :],
+                mask=n_mask[:, None],
+                other=0.0,
+            )  # fmt: skip  [BN, 128] e4m3
         if PREQUANT:
             x8 = x
             s = tl.load(xs_ptr + offs_m * stride_xs_m + kb * stride_xs_kb, mask=m_mask, other=0.0)
         else:
             x8, s = _quant_tile(x.to(tl.float32), UE8M0, INTERPRET)  # [BM, 128] e4m3, [BM]
-        w = tl.load(
-            w_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + offs_k[None, :],
-            mask=n_mask[:, None],
-            other=0.0,
-        )  # fmt: skip  [BN, 128] e4m3
         sw = tl.load(ws_ptr + nb * KB + kb)
         if SWAP:
             acc_t += (_fp8_dot_t(w, x8, INTERPRET) * s[None, :]) * sw
@@ -236,10 +244,15 @@ def fp8_linear_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=out_dtype)
     cnt = counters(x.device, grid[0] * grid[1]) if fused else out
+    tma = bool(cfg.get("TMA", False))
+    descs = (None, None)
+    if tma:
+        x = activations(x)
+        descs = descriptor("fp8_linear", x, [bm, BLOCK]), descriptor("fp8_linear", w8, [bn, BLOCK])
     fp8_linear_kernel[grid](
-        x, w8, w_scale, out, xs, y, cnt, m, n, k, x.stride(0), out.stride(0), out.stride(1),
+        x, w8, w_scale, out, xs, y, cnt, *descs, m, n, k, x.stride(0), out.stride(0), out.stride(1),
         split, xs.stride(0), xs.stride(-1), BM=bm, BN=bn, UE8M0=ue8m0, INTERPRET=_INTERPRET,
-        PREQUANT=prequant, FUSED=fused, SWAP=bool(cfg.get("SWAP", False)),
+        PREQUANT=prequant, FUSED=fused, SWAP=bool(cfg.get("SWAP", False)), TMA=tma,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if split == 1 or fused:

@@ -87,6 +87,8 @@ def test_kernel_matches_reference(case):
     if cfg is not None and cfg.get("FUSED"):  # the same bits as the separate sum, counters reset
         assert torch.equal(y, FK.fp8_linear_triton(x, w8, ws, ue8m0, {**cfg, "FUSED": False}))
         assert not TC._COUNTERS[x.device].any()
+    if cfg is not None:  # x and the weight by tensor descriptors: the same bits
+        assert torch.equal(y, FK.fp8_linear_triton(x, w8, ws, ue8m0, {**cfg, "TMA": True}))
 
 
 def test_opcheck_and_bad_inputs():
@@ -298,6 +300,7 @@ def test_kernel_on_gpu_at_v32_shapes(m):
             cfg = {**FK.fp8_config(m, n, k, 132), "PREQUANT": pre}
             y = FK.fp8_linear_triton(x, w8, ws, True, config=cfg)
             assert _rel(y, ref) < 5e-3
+            assert torch.equal(y, FK.fp8_linear_triton(x, w8, ws, True, {**cfg, "TMA": True}))
             if cfg["SPLIT_K"] > 1:  # the last split's sum: the separate launch's bits, on the GPU
                 whole = FK.fp8_linear_triton(x, w8, ws, True, config={**cfg, "FUSED": False})
                 assert torch.equal(y, whole) and not TC._COUNTERS[x.device].any()

@@ -1,0 +1,39 @@
+"""Tensor descriptors for the kernels' ``TMA`` loads (Hopper's tensor memory accelerator: one
+bulk copy a tile, issued by one thread, in place of every thread's ``cp.async`` and its address
+arithmetic). A descriptor needs its base and every row stride 16-byte aligned; rows and columns
+past the tensor's shape load as zeros."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+
+def activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when a descriptor can cover it, else a contiguous copy that can (activations
+    are small; weights are never copied: ``descriptor`` raises)."""
+    return x if _aligned(x) and x.stride(-1) == 1 else x.contiguous().clone()
+
+
+def descriptor(name: str, t: torch.Tensor, block: list[int], shape: list[int] | None = None):
+    """A descriptor of ``t`` (viewed as ``shape``, row-major, when given) in ``block`` tiles;
+    ValueError naming ``name`` unless it is 16-byte aligned."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    shape = list(shape or t.shape)
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    if shape == list(t.shape):
+        strides = list(t.stride())
+    elif not t.is_contiguous():
+        raise ValueError(f"{name}: a TMA view {shape} needs a contiguous tensor")
+    if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in strides[:-1]):
+        raise ValueError(
+            f"{name}: TMA needs a 16-byte aligned base and row strides, got {list(t.shape)} "
+            f"{t.dtype} at {t.data_ptr() % 16} (mod 16) with strides {strides}"
+        )
+    return TensorDescriptor(t, shape, strides, block)
