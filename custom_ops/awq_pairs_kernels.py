@@ -57,7 +57,7 @@ def w4a16_p_kernel(
     M, N, G, stride_xm, stride_os, stride_om, SPLIT_K,
     BN: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr,
     FUSED: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr = False,
-    GROUP_DOT: tl.constexpr = False, TMA: tl.constexpr = False,
+    GROUP_DOT: tl.constexpr = False, TMA: tl.constexpr = 0,
 ):  # fmt: skip
     """out[split, m, n] = sum over this split's groups of x[m, k] W^T[k, n] (fp32 when SPLIT_K >
     1, else out's dtype). Grid: (cdiv(N, BN), cdiv(M, BT), SPLIT_K).
@@ -71,11 +71,12 @@ def w4a16_p_kernel(
     and vLLM's kernels compute) and one accumulator runs over every group: no per-group partial
     product, its registers and its rescale (``p_config``'s wide tiles above M = 64).
 
-    TMA: the words and the (zero point, scale) words come by the tensor memory accelerator
-    (``qw_desc``: qweight_p as [G N, 16] in [BN, 16] blocks; ``zs_desc``: zs_p [G, N] in [1, BN]
-    blocks): one bulk copy a tile, issued by one thread, instead of every thread's ``cp.async``
-    and its address arithmetic. Rows past N read the next group's columns (or zeros past the
-    end); their outputs are never stored."""
+    TMA (a bitmask: ``TMA_W``, ``TMA_ZS``, ``TMA_X``): these loads come by the tensor memory
+    accelerator (``custom_ops/tma.py``), one bulk copy a tile issued by one thread instead of
+    every thread's ``cp.async`` and its address arithmetic: the words (``qw_desc``: qweight_p as
+    [G N, 16] in [BN, 16] blocks; rows past N read the next group's columns, or zeros past the
+    end, and their outputs are never stored), the (zero point, scale) words (``zs_desc``: zs_p
+    [G, N] in [1, BN] blocks), x's group tile with GROUP_DOT (``x_desc``: [BT, 128] blocks)."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -90,17 +91,19 @@ def w4a16_p_kernel(
     x_base = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm  # [1, BT]
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     for g in range(g0, g1):
-        xg = None
-        if TMA:
+        col = g * N + offs_n  # [BN] (group, column) index
+        if TMA & 1:  # TMA_W
             w = qw_desc.load([g * N + pid_n * BN, 0])
-            zs = tl.reshape(zs_desc.load([g, pid_n * BN]), [BN])
-            if GROUP_DOT:
-                xg = tl.trans(x_desc.load([pid_t * BT, g * 128]))
         else:
-            col = g * N + offs_n  # [BN] (group, column) index
             w = tl.load(qw_ptr + col[:, None].to(tl.int64) * 16 + offs_p[None, :],
                         mask=n_mask[:, None], other=0)  # fmt: skip
+        if TMA & 2:  # TMA_ZS
+            zs = tl.reshape(zs_desc.load([g, pid_n * BN]), [BN])
+        else:
             zs = tl.load(zs_ptr + col, mask=n_mask, other=0)  # [BN] (zero point, scale) words
+        xg = None
+        if TMA & 4 and GROUP_DOT:  # TMA_X
+            xg = tl.trans(x_desc.load([pid_t * BT, g * 128]))
         zz = _zz(zs, FP16)
         if SCALED:
             acc = _group_part(acc, w, zz, x_base + g * 128, t_mask, FP16, MODE,
@@ -224,16 +227,19 @@ def _check_config(name: str, cfg: dict) -> None:
         )
 
 
+TMA_W, TMA_ZS, TMA_X = 1, 2, 4  # the TMA bitmask of w4a16_p_kernel
+
+
 def _descriptors(x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor, cfg: dict) -> tuple:
-    """The ``TMA`` kernel's tensor descriptors (``w4a16_p_kernel``): the words as [G N, 16] in
-    [BN, 16] blocks, the (zero point, scale) words [G, N] in [1, BN] blocks, x [M, K] in
-    [BT, 128] blocks (a group's tokens; GROUP_DOT only)."""
+    """The ``TMA`` kernel's tensor descriptors (``w4a16_p_kernel``), None where its bit is off:
+    the words as [G N, 16] in [BN, 16] blocks, the (zero point, scale) words [G, N] in [1, BN]
+    blocks, x [M, K] in [BT, 128] blocks (a group's tokens; GROUP_DOT only)."""
     g, n, _ = qweight_p.shape
-    bn, name = cfg["BN"], "w4a16_linear_p"
+    tma, bn, name = int(cfg.get("TMA", 0)), cfg["BN"], "w4a16_linear_p"
     return (
-        descriptor(name, qweight_p, [bn, 16], [g * n, 16]),
-        descriptor(name, zs_p, [1, bn]),
-        descriptor(name, x, [cfg["BT"], GROUP]) if cfg.get("GROUP_DOT") else None,
+        descriptor(name, qweight_p, [bn, 16], [g * n, 16]) if tma & TMA_W else None,
+        descriptor(name, zs_p, [1, bn]) if tma & TMA_ZS else None,
+        descriptor(name, x, [cfg["BT"], GROUP]) if tma & TMA_X and cfg.get("GROUP_DOT") else None,
     )
 
 
@@ -262,10 +268,10 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
-    tma = cfg.get("TMA", False)
-    if tma:
+    tma = int(cfg.get("TMA", 0))
+    if tma & TMA_X:
         x = activations(x)
-    descs = _descriptors(x, qweight_p, zs_p, cfg) if tma else (None, None, None)
+    descs = _descriptors(x, qweight_p, zs_p, cfg)
     w4a16_p_kernel[grid](
         x, qweight_p, zs_p, out, y, cnt, *descs, m, n, k // GROUP, x.stride(0), out.stride(0),
         out.stride(1), split, BN=cfg["BN"], BT=cfg["BT"], FP16=x.dtype == torch.float16,

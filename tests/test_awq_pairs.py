@@ -205,16 +205,17 @@ def test_tma_loads_equal_pointer_loads(k, n, m, dtype, cfg):
         for gd in (False, True):
             c = {**cfg, "SCALED": scaled, "GROUP_DOT": gd, "num_warps": 4, "num_stages": 1}
             a = PK.w4a16_linear_p_triton(x, *pw, config=c)
-            b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": True})
-            assert torch.equal(b, a), (scaled, gd)
+            for tma in (PK.TMA_W, PK.TMA_ZS, PK.TMA_X, 7):
+                b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": tma})
+                assert torch.equal(b, a), (scaled, gd, tma)
     assert _rel(b, P.w4a16_linear_p_ref(x, *pw)) < 1e-2
     xs = torch.cat([torch.zeros(m, 1, dtype=dtype), x], 1)[:, 1:]  # rows 2 bytes off 16
     c = {**cfg, "GROUP_DOT": True, "num_warps": 4, "num_stages": 1}
     want = PK.w4a16_linear_p_triton(x, *pw, config=c)
-    assert torch.equal(PK.w4a16_linear_p_triton(xs, *pw, config={**c, "TMA": True}), want)
+    assert torch.equal(PK.w4a16_linear_p_triton(xs, *pw, config={**c, "TMA": 7}), want)
     bad = [torch.zeros(k // 128, 6, *w, dtype=torch.int32) for w in ((16,), ())]
     with pytest.raises(ValueError, match="w4a16_linear_p: TMA needs a 16-byte aligned"):
-        PK.w4a16_linear_p_triton(x, *bad, config={**cfg, "TMA": True})
+        PK.w4a16_linear_p_triton(x, *bad, config={**cfg, "TMA": PK.TMA_ZS})
 
 
 @pytest.mark.parametrize(
@@ -392,9 +393,10 @@ def test_tma_on_gpu():
                 for gd in (False, True):
                     c = {**cfg, "SCALED": scaled, "GROUP_DOT": gd}
                     a = PK.w4a16_linear_p_triton(x, *pw, config=c)
-                    for _ in range(5):
-                        b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": True})
-                        assert torch.equal(a, b), (k, n, m, scaled, gd)
+                    for tma in (PK.TMA_W, 7):
+                        for _ in range(3):
+                            b = PK.w4a16_linear_p_triton(x, *pw, config={**c, "TMA": tma})
+                            assert torch.equal(a, b), (k, n, m, scaled, gd, tma)
     assert not PK._COUNTERS[x.device].any()
 
 
