@@ -44,7 +44,7 @@ from custom_ops.awq_kernels import (
 from custom_ops.awq_pairs_steps import _group_part, _pair, _scale, _ss, _zz
 from custom_ops.tile_counters import _COUNTERS, COUNTERS, reserve_counters  # noqa: F401
 from custom_ops.tile_counters import counters as _counters
-from custom_ops.tma import activations, descriptor
+from custom_ops.tma import activations, descriptor, supported
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_ASM, MODE_OPS, MODE_INTERPRET = 0, 1, 2
@@ -268,7 +268,8 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
-    tma = int(cfg.get("TMA", 0))
+    tma = int(cfg.get("TMA", 0)) if supported(x.device) else 0
+    cfg = {**cfg, "TMA": tma}
     if tma & TMA_X:
         x = activations(x)
     descs = _descriptors(x, qweight_p, zs_p, cfg)

@@ -34,7 +34,7 @@ from custom_ops.fp8_linear_format import BLOCK, check_fp8_linear
 from custom_ops.fp8_quant_kernels import _quant_tile
 from custom_ops.moe_align import moe_align
 from custom_ops.tile_counters import counters
-from custom_ops.tma import activations, descriptor
+from custom_ops.tma import activations, descriptor, supported
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -244,7 +244,7 @@ def fp8_linear_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=out_dtype)
     cnt = counters(x.device, grid[0] * grid[1]) if fused else out
-    tma = bool(cfg.get("TMA", False))
+    tma = bool(cfg.get("TMA", False)) and supported(x.device)
     descs = (None, None)
     if tma:
         x = activations(x)

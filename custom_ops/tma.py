@@ -37,3 +37,9 @@ def descriptor(name: str, t: torch.Tensor, block: list[int], shape: list[int] | 
             f"{t.dtype} at {t.data_ptr() % 16} (mod 16) with strides {strides}"
         )
     return TensorDescriptor(t, shape, strides, block)
+
+
+def supported(device: torch.device) -> bool:
+    """TMA runs here: a Hopper or newer GPU (sm_90+), or the CPU's Triton interpreter. A rule
+    that takes it elsewhere (an A100) falls back to the pointer loads."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
