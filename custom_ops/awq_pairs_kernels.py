@@ -163,6 +163,7 @@ def uses_dequant(m: int) -> bool:
     return m >= DEQUANT_MIN_M
 
 
+TMA_W, TMA_ZS, TMA_X = 1, 2, 4  # the TMA bitmask of w4a16_p_kernel
 SCALED_MIN_WEIGHTS = 1 << 26  # at 65 <= M <= 128, SCALED on linears this large (p_config)
 
 
@@ -196,6 +197,11 @@ def p_config(
       (7168 x 4096, M = 128: 24.5 / 25.2 against 22.8 / 22.1 µs); not at 32-64 tokens
       (0.98-0.99x on two of the three shapes), not on 16384 x 7168 (0.77-0.96x at M = 1 and
       16-128), not in the MoE (0.96-1.00x).
+    - ``TMA`` (every load by the tensor memory accelerator) where GROUP_DOT runs a full 128-token
+      tile (M = 128), from one H100 call (``benchmarks/results/gpu_session42/call1_*``, the rule's
+      configuration / with TMA, µs): 7168 x 4096 22.3 / 20.0 and 22.7 / 20.1 (two runs),
+      7168 x 2048 15.5 / 14.1, 2048 x 7168 15.6 / 13.9; not at M = 96 (0.98-1.02x) nor at
+      M <= 64 (0.78-0.99x at M = 1-32, 0.96-1.06x at 64).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
@@ -216,6 +222,8 @@ def p_config(
     if cfg["BN"] >= 256:
         cfg["num_warps"] = 8
     cfg["GROUP_DOT"] = k * n < SCALED_MIN_WEIGHTS and (bt == 16 or 64 < m <= 128)
+    if cfg["GROUP_DOT"] and m == 128:  # a full 128-token tile: every load by TMA
+        cfg["TMA"] = TMA_W | TMA_ZS | TMA_X
     return {**cfg, "SPLIT_K": split, "FUSED": bt == 16}
 
 
@@ -225,9 +233,6 @@ def _check_config(name: str, cfg: dict) -> None:
             f"{name}: bad config {cfg}: need BN a multiple of 64, BT a power of two >= 16, "
             "SPLIT_K >= 1"
         )
-
-
-TMA_W, TMA_ZS, TMA_X = 1, 2, 4  # the TMA bitmask of w4a16_p_kernel
 
 
 def _descriptors(x: torch.Tensor, qweight_p: torch.Tensor, zs_p: torch.Tensor, cfg: dict) -> tuple:

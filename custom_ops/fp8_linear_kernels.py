@@ -144,7 +144,12 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     12.6-13.5 (4 warps, 3 stages 8.9-9.9); 7168 x 576 keeps split 16 (halving it: 8.2-8.8
     against 7.6-7.8). At M = 33-128 (H100) the branches below say theirs: x quantised first on
     64-column tiles, split-K to one wave on K < 16384 (128-row tiles on 8 warps above M = 64),
-    split-K 4 / 2 on K = 16384 (M <= 64 / above). Everywhere else
+    split-K 4 / 2 on K = 16384 (M <= 64 / above), both with x and the weight by TMA (one H100
+    call, ``benchmarks/results/gpu_session42/call1_fp8_tma_h100.json``, the rule's configuration
+    / with TMA at M = 64 and 128, µs: 7168 x 4096 22.2 / 20.5, 26.9 / 23.6; 16384 x 7168
+    58.6 / 58.8, 71.8 / 67.3; 7168 x 2048 17.4 / 16.6, 18.1 / 17.3; 2048 x 7168 13.9 / 13.6,
+    13.7 / 12.0; 7168 x 576 12.4 / 11.5, 15.1 / 15.0; at M <= 16, 0.96-1.02x: not taken).
+    Everywhere else
     (M <= 16 on K = 16384, M = 17-32, M > 128) the last rule: split until about two programs
     per SM (at M = 17-32 on K < 16384 with SWAP: the H100 run cited at the return below).
     Timed at M = 1-32 on the H200 (``bench_fp8 --configs``, docs/quantization.md, call 2 on 4
@@ -189,7 +194,8 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
             split *= 2
         wide = m > 64
         return {"BM": 128 if wide else 64, "BN": 64, "SPLIT_K": split, "FUSED": True,
-                "PREQUANT": True, "num_warps": 8 if wide else 4, "num_stages": 4}  # fmt: skip
+                "PREQUANT": True, "num_warps": 8 if wide else 4, "num_stages": 4,
+                "TMA": True}  # fmt: skip
     if k >= 16384 and 32 < m <= 128:
         # K = 16384 at M = 33-128 (H100, gpu_session32 call 3, docs/quantization.md): 64 x 64
         # tiles, x quantised first: split-K 2 gave 65.1 / 72.0 µs against the rule below's
@@ -200,7 +206,7 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
         # (more than ``tile_counters.COUNTERS`` from ~37K rows on N = 7168) and fp32 partials
         # of split x M x N; the rule below splits no tile there
         return {"BM": 64, "BN": 64, "SPLIT_K": 4 if m <= 64 else 2, "FUSED": True,
-                "PREQUANT": True, "num_warps": 4, "num_stages": 3}  # fmt: skip
+                "PREQUANT": True, "num_warps": 4, "num_stages": 3, "TMA": True}  # fmt: skip
     while tiles * split < 2 * num_sms and split * 2 <= kb and split < 16:
         split *= 2
     # M = 17-32 on K < 16384: the product transposed (SWAP) as at decode. H100, gpu_session36

@@ -304,11 +304,14 @@ def test_config_rules():
     want = {"BN": 128, "BT": 128, "num_warps": 8, "num_stages": 3, "SPLIT_K": 4, "FUSED": False,
             "SCALED": True, "GROUP_DOT": False}  # fmt: skip
     assert PK.p_config(128, 7168, 16384, 132) == want  # 2^26 weights or more: SCALED
-    assert PK.p_config(128, 2048, 7168, 132) == {  # smaller: the exact kernel on 64 columns
+    # smaller: the exact kernel on 64 columns; a full tile: every load by TMA
+    assert PK.p_config(128, 2048, 7168, 132) == {
         "BN": 64, "BT": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8, "FUSED": False,
-        "SCALED": False, "GROUP_DOT": True}  # fmt: skip
+        "SCALED": False, "GROUP_DOT": True, "TMA": 7}  # fmt: skip
+    assert "TMA" not in PK.p_config(96, 2048, 7168, 132)  # a part-filled tile: pointer loads
+    assert not any("TMA" in PK.p_config(m, 2048, 7168, 132) for m in (1, 16, 32, 64))
     # two token tiles: the exact kernel on 64 columns, on every shape, four slices
-    assert PK.p_config(200, 7168, 16384, 132) == {**PK.p_config(128, 2048, 7168, 132),
+    assert PK.p_config(200, 7168, 16384, 132) == {**PK.p_config(96, 2048, 7168, 132),
                                                    "SPLIT_K": 1, "GROUP_DOT": False}  # fmt: skip
     assert PK.p_config(300, 4096, 128, 132)["SPLIT_K"] == 1  # one group: no split
     assert not PK.uses_dequant(256) and PK.uses_dequant(257)

@@ -324,6 +324,7 @@ def test_dispatch_rules_at_v32_shapes():
     for m, split in ((64, 4), (128, 2)):  # M > 32 on K = 16384: 64 x 64, split-K 4 / 2
         deep = FK.fp8_config(m, 7168, 16384, 132)
         assert (deep["BM"], deep["BN"], deep["SPLIT_K"], deep["PREQUANT"]) == (64, 64, split, True)
+        assert deep["TMA"]  # x and the weight by TMA at M = 33-128
     assert FK.fp8_config(1, 7168, 16384, 132)["PREQUANT"]
     # decode rows on K < 16384: SWAP, one wave of programs of at most 8 K blocks (K x N: split)
     splits = {(7168, 4096): 8, (7168, 2048): 8, (2048, 7168): 4, (7168, 576): 16}
@@ -345,8 +346,9 @@ def test_dispatch_rules_at_v32_shapes():
         cfg = FK.fp8_config(m, n, k, 132)
         wide = m > 64
         got = (cfg["BM"], cfg["BN"], cfg["SPLIT_K"], cfg["PREQUANT"], cfg.get("SWAP", False),
-               cfg["num_warps"])  # fmt: skip
-        assert got == (128 if wide else 64, 64, split, True, False, 8 if wide else 4), (k, n, m)
+               cfg["num_warps"], cfg["TMA"])  # fmt: skip
+        assert got == (128 if wide else 64, 64, split, True, False, 8 if wide else 4, True), m
+    assert not any(FK.fp8_config(m, 4096, 7168, 132).get("TMA") for m in (1, 16, 32, 129))
     assert FK.fp8_config(129, 4096, 7168, 132)["BN"] == 128  # above 128: the rule before
 
 
