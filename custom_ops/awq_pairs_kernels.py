@@ -201,7 +201,7 @@ def p_config(
       tile (M = 128), from one H100 call (``benchmarks/results/gpu_session42/call1_*``, the rule's
       configuration / with TMA, µs): 7168 x 4096 22.3 / 20.0 and 22.7 / 20.1 (two runs),
       7168 x 2048 15.5 / 14.1, 2048 x 7168 15.6 / 13.9; not at M = 96 (0.98-1.02x) nor at
-      M <= 64 (0.78-0.99x at M = 1-32, 0.96-1.06x at 64).
+      M <= 64 (0.88-0.98x at M = 1-32, 0.96-1.06x at 64).
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
@@ -273,7 +273,9 @@ def w4a16_linear_p_triton(
     fused = split > 1 and cfg.get("FUSED", False)
     y = out[0] if split == 1 else torch.empty((m, n), device=x.device, dtype=x.dtype)
     cnt = _counters(x.device, grid[0] * grid[1]) if fused else out
-    tma = int(cfg.get("TMA", 0)) if supported(x.device) else 0
+    tma = int(cfg.get("TMA", 0))
+    if tma and not supported(x.device):
+        tma = 0
     cfg = {**cfg, "TMA": tma}
     if tma & TMA_X:
         x = activations(x)

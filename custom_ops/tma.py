@@ -15,7 +15,9 @@ def _aligned(t: torch.Tensor) -> bool:
 def activations(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when a descriptor can cover it, else a contiguous copy that can (activations
     are small; weights are never copied: ``descriptor`` raises)."""
-    return x if _aligned(x) and x.stride(-1) == 1 else x.contiguous().clone()
+    return (
+        x if _aligned(x) and x.stride(-1) == 1 else x.clone(memory_format=torch.contiguous_format)
+    )
 
 
 def descriptor(name: str, t: torch.Tensor, block: list[int], shape: list[int] | None = None):

@@ -87,8 +87,10 @@ def test_kernel_matches_reference(case):
     if cfg is not None and cfg.get("FUSED"):  # the same bits as the separate sum, counters reset
         assert torch.equal(y, FK.fp8_linear_triton(x, w8, ws, ue8m0, {**cfg, "FUSED": False}))
         assert not TC._COUNTERS[x.device].any()
-    if cfg is not None:  # x and the weight by tensor descriptors: the same bits
-        assert torch.equal(y, FK.fp8_linear_triton(x, w8, ws, ue8m0, {**cfg, "TMA": True}))
+    # x and the weight by tensor descriptors or pointer loads (the rule's cases too): the same bits
+    base = cfg or FK.fp8_config(m, n, k, FK._num_sms(x.device))
+    flip = {**base, "TMA": not base.get("TMA", False)}
+    assert torch.equal(y, FK.fp8_linear_triton(x, w8, ws, ue8m0, flip))
 
 
 def test_opcheck_and_bad_inputs():
