@@ -8,32 +8,32 @@ from __future__ import annotations
 import torch
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+def _aligned(t: torch.Tensor, strides: list[int]) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in strides[:-1])
 
 
 def activations(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when a descriptor can cover it, else a contiguous copy that can (activations
     are small; weights are never copied: ``descriptor`` raises)."""
-    return (
-        x if _aligned(x) and x.stride(-1) == 1 else x.clone(memory_format=torch.contiguous_format)
-    )
+    if _aligned(x, list(x.stride())) and x.stride(-1) == 1:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def descriptor(name: str, t: torch.Tensor, block: list[int], shape: list[int] | None = None):
-    """A descriptor of ``t`` (viewed as ``shape``, row-major, when given) in ``block`` tiles;
-    ValueError naming ``name`` unless it is 16-byte aligned."""
+    """A descriptor of ``t`` (or of contiguous ``t`` viewed as ``shape``, row-major) in ``block``
+    tiles; ValueError naming ``name`` unless it is 16-byte aligned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    shape = list(shape or t.shape)
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    if shape == list(t.shape):
-        strides = list(t.stride())
-    elif not t.is_contiguous():
+    if shape is None:
+        shape, strides = list(t.shape), list(t.stride())
+    elif t.is_contiguous():
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+    else:
         raise ValueError(f"{name}: a TMA view {shape} needs a contiguous tensor")
-    if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in strides[:-1]):
+    if not _aligned(t, strides):
         raise ValueError(
             f"{name}: TMA needs a 16-byte aligned base and row strides, got {list(t.shape)} "
             f"{t.dtype} at {t.data_ptr() % 16} (mod 16) with strides {strides}"
