@@ -164,7 +164,7 @@ def uses_dequant(m: int) -> bool:
 
 
 TMA_W, TMA_ZS, TMA_X = 1, 2, 4  # the TMA bitmask of w4a16_p_kernel
-SCALED_MIN_WEIGHTS = 1 << 26  # at 65 <= M <= 128, SCALED on linears this large (p_config)
+SCALED_MIN_WEIGHTS = 1 << 26  # at 65 <= M < 128, SCALED on linears this large (p_config)
 
 
 def p_config(
@@ -182,8 +182,9 @@ def p_config(
       against 11.3-41.5);
     - 64 < m <= 128: the exact kernel on BN = 64, 4 warps, 3 stages (M = 128: 24.1 / 15.7 /
       15.7 µs on 7168 x 4096, 7168 x 2048, 2048 x 7168 against SCALED's best 24.3 / 17.0 / 17.0),
-      but SCALED (BN = 128, 8 warps, 3 stages) on linears of ``SCALED_MIN_WEIGHTS`` weights or
-      more (16384 x 7168: 64.9 against 76.9); split until about 2 programs per SM;
+      but below M = 128 SCALED (BN = 128, 8 warps, 3 stages) on linears of
+      ``SCALED_MIN_WEIGHTS`` weights or more (16384 x 7168: 64.9 against 76.9); split until
+      about 2 programs per SM;
     - 128 < m <= 256 (two 128-token tiles; above, ``uses_dequant``): the exact kernel on BN = 64,
       4 warps, 3 stages on every shape (no ``SCALED_MIN_WEIGHTS`` exception), which beat SCALED's
       best wide tile on every shape at M = 160, 192 and 256
@@ -202,10 +203,16 @@ def p_config(
       configuration / with TMA, µs): 7168 x 4096 22.3 / 20.0 and 22.7 / 20.1 (two runs),
       7168 x 2048 15.5 / 14.1, 2048 x 7168 15.6 / 13.9; not at M = 96 (0.98-1.02x) nor at
       M <= 64 (0.88-0.98x at M = 1-32, 0.96-1.06x at 64).
+    - M = 128 on linears of ``SCALED_MIN_WEIGHTS`` weights or more: the exact kernel with
+      GROUP_DOT and TMA like the smaller ones, not SCALED, from the H200 sweep at M = 128
+      (``benchmarks/results/gpu_session43/call2_awq_sweep128_h200.json``, every candidate with
+      GROUP_DOT and TMA beside it): 16384 x 7168 60.8 µs on BN = 64, SPLIT_K = 2 against 66.1
+      for SCALED (the rule then) and 76.3 for the four-slice exact kernel's best tile; on the
+      three smaller shapes the rule's tile was the best of the sweep with or without the keys.
     ``programs_per_sm`` / ``bn`` override the rule (the sweep's candidates)."""
     bt = tokens_tile(m)
     groups = k // GROUP
-    if 64 < m <= 128 and k * n >= SCALED_MIN_WEIGHTS:
+    if 64 < m < 128 and k * n >= SCALED_MIN_WEIGHTS:
         cfg = {"BN": bn or 128, "BT": bt, "num_warps": 8, "num_stages": 3, "SCALED": True}
     else:
         cfg = {"BN": bn or (128 if n >= 4096 and bt <= 64 else 64), "BT": bt, "num_warps": 4,
@@ -221,8 +228,9 @@ def p_config(
         split = min(split, 32)
     if cfg["BN"] >= 256:
         cfg["num_warps"] = 8
-    cfg["GROUP_DOT"] = k * n < SCALED_MIN_WEIGHTS and (bt == 16 or 64 < m <= 128)
-    if cfg["GROUP_DOT"] and m == 128:  # a full 128-token tile: every load by TMA
+    small = k * n < SCALED_MIN_WEIGHTS
+    cfg["GROUP_DOT"] = m == 128 or small and (bt == 16 or 64 < m < 128)
+    if m == 128:  # a full 128-token tile: every load by TMA
         cfg["TMA"] = TMA_W | TMA_ZS | TMA_X
     return {**cfg, "SPLIT_K": split, "FUSED": bt == 16}
 

@@ -144,7 +144,8 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     12.6-13.5 (4 warps, 3 stages 8.9-9.9); 7168 x 576 keeps split 16 (halving it: 8.2-8.8
     against 7.6-7.8). At M = 33-128 (H100) the branches below say theirs: x quantised first on
     64-column tiles, split-K to one wave on K < 16384 (128-row tiles on 8 warps above M = 64),
-    split-K 4 / 2 on K = 16384 (M <= 64 / above), both with x and the weight by TMA (one H100
+    split-K 4 / 2 on K = 16384 (M <= 64 / above), both with x and the weight by TMA (on
+    K = 16384 not at M = 65-127: the comment at its branch says why; one H100
     call, ``benchmarks/results/gpu_session42/call1_fp8_tma_h100.json``, the rule's configuration
     / with TMA at M = 64 and 128, µs: 7168 x 4096 22.2 / 20.5, 26.9 / 23.6; 16384 x 7168
     58.6 / 58.8, 71.8 / 67.3; 7168 x 2048 17.4 / 16.6, 18.1 / 17.3; 2048 x 7168 13.9 / 13.6,
@@ -204,9 +205,12 @@ def fp8_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
         # 64.4 at M = 48 / 64; 75.7 / 81.3 against 67.2 / 70.7 at M = 96 / 128). NOTE: not past
         # the M measured: a prefill chunk's split-K would need a tile counter per output tile
         # (more than ``tile_counters.COUNTERS`` from ~37K rows on N = 7168) and fp32 partials
-        # of split x M x N; the rule below splits no tile there
+        # of split x M x N; the rule below splits no tile there. TMA at M <= 64 and 128 only:
+        # on the H200 at M = 96 it took 75.1 µs against 60.1 with pointer loads (at 48 / 64 /
+        # 128 43.4 / 45.7 / 58.4 against 44.7 / 46.8 / 63.2; gpu_session43/call1_fp8_h200.json)
         return {"BM": 64, "BN": 64, "SPLIT_K": 4 if m <= 64 else 2, "FUSED": True,
-                "PREQUANT": True, "num_warps": 4, "num_stages": 3, "TMA": True}  # fmt: skip
+                "PREQUANT": True, "num_warps": 4, "num_stages": 3,
+                "TMA": m <= 64 or m == 128}  # fmt: skip
     while tiles * split < 2 * num_sms and split * 2 <= kb and split < 16:
         split *= 2
     # M = 17-32 on K < 16384: the product transposed (SWAP) as at decode. H100, gpu_session36

@@ -303,7 +303,11 @@ def test_config_rules():
     assert PK.p_config(64, 4096, 7168, 132) == want
     want = {"BN": 128, "BT": 128, "num_warps": 8, "num_stages": 3, "SPLIT_K": 4, "FUSED": False,
             "SCALED": True, "GROUP_DOT": False}  # fmt: skip
-    assert PK.p_config(128, 7168, 16384, 132) == want  # 2^26 weights or more: SCALED
+    assert PK.p_config(96, 7168, 16384, 132) == want  # 2^26 weights or more: SCALED below 128
+    assert PK.p_config(127, 7168, 16384, 132) == want
+    assert PK.p_config(128, 7168, 16384, 132) == {  # a full tile: exact, GROUP_DOT, TMA
+        "BN": 64, "BT": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 2, "FUSED": False,
+        "SCALED": False, "GROUP_DOT": True, "TMA": 7}  # fmt: skip
     # smaller: the exact kernel on 64 columns; a full tile: every load by TMA
     assert PK.p_config(128, 2048, 7168, 132) == {
         "BN": 64, "BT": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 8, "FUSED": False,
