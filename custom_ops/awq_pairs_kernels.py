@@ -229,7 +229,7 @@ def p_config(
     if cfg["BN"] >= 256:
         cfg["num_warps"] = 8
     small = k * n < SCALED_MIN_WEIGHTS
-    cfg["GROUP_DOT"] = m == 128 or small and (bt == 16 or 64 < m < 128)
+    cfg["GROUP_DOT"] = m == 128 or (small and (bt == 16 or 64 < m < 128))
     if m == 128:  # a full 128-token tile: every load by TMA
         cfg["TMA"] = TMA_W | TMA_ZS | TMA_X
     return {**cfg, "SPLIT_K": split, "FUSED": bt == 16}
