@@ -2,7 +2,7 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
-#                                           # fixup overlap prefill prefill_gather prefix_cache cache_ops awq awq_pairs awq_parts sampling fp8 calibrate
+#                                           # fixup overlap prefill prefill_gather prefix_cache cache_ops row_stride awq awq_pairs awq_parts sampling fp8 calibrate
 #                                           # prefetch staged_recall step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends quant async prefetch;
@@ -106,6 +106,7 @@ time)
   on prefix_cache && stage bench_prefix_cache 300 python -m benchmarks.bench_prefix_cache \
     --out "$W/prefix_cache_h200.json"
   on cache_ops && stage bench_cache_ops 280 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
+  on row_stride && stage bench_row_stride 120 python -m benchmarks.bench_row_stride --out "$W/row_stride_h200.json"
   # (150 s: on a fresh machine the kernels' compiles ran it past 60, gpu_session25)
   on awq && stage bench_awq 150 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 110 --out "$W/awq_h200.json"
   on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \
