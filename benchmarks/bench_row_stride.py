@@ -9,7 +9,10 @@ whole lines. This times the recall's gather kernel (``bench_cache_ops.bench_copy
 at row widths 640-1152 bytes and reports each as the time per row and as the bandwidth of the
 656 bytes an fp8 row holds. If a padded width (672 = 21 x 32 B sectors, 704, 768 = 6 lines)
 moves 2048 rows faster than 656 does, padding the host pool's rows would raise the fp8 recall's
-useful bandwidth by that much, at (width - 656) / 656 more host memory per row.
+useful bandwidth by that much, at (width - 656) / 656 more host memory per row. Widths 640 and
+16 time the other layout that would align the rows at no memory cost: the 16 bytes of scales in
+a host array of their own beside 640-byte rows (c_kv and k_pe, five whole lines); the sum of the
+two gathers' times bounds one kernel that reads both.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import triton
 from benchmarks.bench_cache_ops import N_H, bench_copy
 
 FP8_ROW = 656
-WIDTHS = (640, 656, 672, 704, 768, 1152)
+WIDTHS = (16, 640, 656, 672, 704, 768, 1152)
 
 
 def main() -> None:
