@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.bench_cache_ops import N_H, bench_copy
+from benchmarks.bench_cache_ops import DEV, N_H, bench_copy
+from custom_ops.cache.host_pool import allocate_host_rows
 
 FP8_ROW = 656
 WIDTHS = (16, 640, 656, 672, 704, 768, 1152)
@@ -54,8 +55,8 @@ def main() -> None:
     print("| width B | rows | gather us | ns/row | GB/s moved | GB/s of 656 B | memcpy GB/s |")
     print("|---|---|---|---|---|---|---|")
     for w in map(int, args.widths.split(",")):
-        host = torch.empty(N_H, w, dtype=torch.uint8, pin_memory=True)
-        host.view(torch.int32).random_(generator=gen)
+        host = allocate_host_rows(1, N_H, w, DEV, pinned=True)[0]  # device-mapped, as served
+        host.random_(0, 256)
         for n in map(int, args.rows.split(",")):
             r = bench_copy(host, n, 8, gen, args.reps)
             us = r["gather_kernel_us"]
