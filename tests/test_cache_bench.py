@@ -109,9 +109,10 @@ def test_new_vs_pairs_only_ops_timed_both_ways():
     }
 
 
-def test_cli_help():
+@pytest.mark.parametrize("module", ["bench_cache_ops", "bench_row_stride"])
+def test_cli_help(module):
     r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_cache_ops", "--help"],
+        [sys.executable, "-m", f"benchmarks.{module}", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
