@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call (<= 10 minutes) on the H200, at the repo root:
-#   bash benchmarks/gpu_session.sh verify   # every cuda-marked test, in concurrent groups
+#   bash benchmarks/gpu_session.sh verify [NAME ...]  # every cuda-marked test, in concurrent groups (or
+#                                           # the NAMEd ones: lossless_bf16 lossless_fp8 lossless engines
+#                                           # compile prefill_prefetch kernels backends prefill_dg auto_step)
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup overlap prefill prefill_gather prefix_cache cache_ops row_stride awq awq_pairs awq_parts sampling fp8 calibrate
 #                                           # prefetch staged_recall step)
@@ -53,42 +55,46 @@ echo "backends installed: $BACKENDS" | tee -a "$log"
 packjit() { [ "$BACKENDS" = 1 ] && tar czf "$OUT/jit.tgz" -C .jit . ; }
 T="python -m pytest -q -m cuda -rfEs -p no:cacheprovider"
 
-case "${1:-verify}" in
+mode=${1:-verify}
+[ $# -gt 0 ] && shift
+names=" $* "  # the stages (verify, time, e2e) to run; none named: all of them
+on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
+case "$mode" in
 verify)
+  # All groups at once ran past 10 minutes on the H200 of gpu_session44 (kernels and
+  # prefill_prefetch were cut at 420 s beside the others): name some groups per call then, e.g.
+  # `verify kernels prefill_prefetch` and `verify lossless_bf16 lossless_fp8 lossless engines compile`.
   # the lossless group in three processes: in one it ran past 420 s beside the other groups
   long=tests/test_lossless_cuda.py::test_compiled_offload_equals_gpu_only_long_prompts
-  (stage cuda_lossless_bf16 420 $T "$long[bf16]") &
-  (stage cuda_lossless_fp8 420 $T "$long[fp8]") &
+  on lossless_bf16 && (stage cuda_lossless_bf16 420 $T "$long[bf16]") &
+  on lossless_fp8 && (stage cuda_lossless_fp8 420 $T "$long[fp8]") &
   # the compiled engines in processes of their own: with the lossless tests in one process they
   # ran past 420 s on a fresh machine (three tests of theirs alone took 310 s, gpu_session22)
-  (stage cuda_lossless 420 $T tests/test_lossless_cuda.py -k "not long_prompts" \
+  on lossless && (stage cuda_lossless 420 $T tests/test_lossless_cuda.py -k "not long_prompts" \
      tests/test_lossless.py tests/test_lossless_short.py) &
-  (stage cuda_engines 420 $T tests/test_engines_cuda.py) &
-  (stage cuda_compile 420 $T tests/test_compile_cuda.py tests/test_dynamic_decode.py) &
-  (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefill_gather.py tests/test_prefix_cache.py tests/test_prefetch.py \
+  on engines && (stage cuda_engines 420 $T tests/test_engines_cuda.py) &
+  on compile && (stage cuda_compile 420 $T tests/test_compile_cuda.py tests/test_dynamic_decode.py) &
+  on prefill_prefetch && (stage cuda_prefill_prefetch 420 $T tests/test_prefill_cuda.py tests/test_prefill_gather.py tests/test_prefix_cache.py tests/test_prefetch.py \
      tests/test_prefetch_engine.py tests/test_sampling_controls_cuda.py tests/test_prompt_kv.py \
      tests/test_prefill_sharing.py tests/test_prompt_logprobs.py tests/test_locality.py \
      tests/test_bench_weights.py) &
-  (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_dispatch.py \
+  on kernels && (stage cuda_kernels 420 $T tests/test_cache_cuda.py tests/test_awq_dispatch.py \
      tests/test_fp8_linear.py tests/test_awq_moe_bf16.py tests/test_awq_cuda.py tests/test_awq_pairs.py \
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
      tests/test_distributed_ep.py tests/test_ties_fixup.py tests/test_cache_ops.py \
      tests/test_decode_kernels.py) &
   if [ "$BACKENDS" = 1 ]; then
-    (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
+    on backends && (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
     # DeepGEMM's prefill scores (fp8_mqa_logits): vs the reference, exact sets, a compiled engine
-    (stage cuda_prefill_dg 300 $T tests/test_prefill_deep_gemm_cuda.py) &
+    on prefill_dg && (stage cuda_prefill_dg 300 $T tests/test_prefill_deep_gemm_cuda.py) &
     # the compiled decode step with kernel_backend=auto (B = 64), errors reported where they occur
-    (stage auto_step 480 env CUDA_LAUNCH_BLOCKING=1 python -m benchmarks.bench_backends --no-ops \
+    on auto_step && (stage auto_step 480 env CUDA_LAUNCH_BLOCKING=1 python -m benchmarks.bench_backends --no-ops \
        --step-batches "${STEP_BATCHES-64}" --step-backends auto --out "$W/auto_step.json") &
   fi
   wait
   ;;
 time)
-  shift
-  names=" $* "
-  on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
   if [ "$BACKENDS" = 1 ] && on backends; then
     stage bench_backends 165 python -m benchmarks.bench_backends --step-batches "${STEP_BATCHES-64}" \
       --out "$W/backends_h200.json"
@@ -136,9 +142,6 @@ time)
   ;;
 e2e)  # the end-to-end bench (echo-compile bench), one run per stage, in this order; all of them
   # take ~15 minutes, more than a call: name the ones to run
-  shift
-  names=" $* "
-  on() { [ "$names" = "  " ] || [[ "$names" == *" $1 "* ]]; }
   B="python -m echo_compile.cli bench --rates '' --breakdown-steps 0"
   at32k="--min-ctx 32000 --max-ctx 32000 --gpu-pools 200000"
   # full: prefill included; each system alone (the prefill graphs' warm-up is ~150 s a system);
@@ -179,7 +182,6 @@ multi)  # issue 21 (docs/multi_gpu.md): the NCCL tests, then the end-to-end benc
   # and TP MoE on N GPUs (dpN: N = 1 is the one-GPU baseline of the scaling), offload and GPU-only,
   # the pools of the paper's three GPUs per rank (POOLS); each dpN stage alone takes most of a call.
   # NVLink multicast stays off (the device documentation, KINDS.md), in every process torchrun starts.
-  shift
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
   echo "GPUs: $ngpu" | tee -a "$log"
@@ -197,7 +199,6 @@ multi)  # issue 21 (docs/multi_gpu.md): the NCCL tests, then the end-to-end benc
   done
   ;;
 tests)  # groups separated by ',': tests a.py b.py , c.py  -> two concurrent processes
-  shift
   i=0; group=()
   run_group() { i=$((i + 1)); (stage "tests_$i" "${TESTS_LIMIT-400}" $T "${group[@]}"; packjit) & group=(); }
   for a in "$@"; do
