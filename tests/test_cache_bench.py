@@ -187,6 +187,7 @@ def test_recall_period_chain_recalls_distinct_rows_per_call(tiny, monkeypatch):
 def test_slice_concat_baseline_is_the_median_of_its_rounds(tiny, monkeypatch):
     """The SGLang baseline runs in rounds; its figures are the rounds' medians, each round kept,
     and the free list stays whole (every allocation freed)."""
+
     class Event:  # a fake CUDA event: GPU time per round of 10, 30, 20, 50, 40 us a pair
         gpu = iter([10, 30, 20, 50, 40])
 
