@@ -93,13 +93,12 @@ def test_asynchronous_scheduling_under_cuda_graphs():
     async_out, async_m = run(True)
     assert async_out == sync_out
     assert sync_m["decode_ahead_fraction"] == 0.0 and async_m["decode_ahead_fraction"] > 0.5
-    # the GPU's own idle time between decode steps is measured in both loops. Which loop idles
-    # less is a benchmark (`echo-compile bench --async-scheduling off,on`), not asserted here: the
-    # tiny model's steps are host-bound, and beside the other test processes of a GPU run the
-    # two were 0.693 and 0.685 ms (benchmarks/results/gpu_session44/call3_cuda_engines.log).
+    # the GPU's own idle time between decode steps is measured in both loops (its gaps counted);
+    # which loop idles less is a benchmark (`echo-compile bench --async-scheduling off,on`), not
+    # asserted here: the tiny model's steps are host-bound, and beside the other test processes
+    # of a GPU run the two were 0.693 and 0.685 ms (gpu_session44/call3_cuda_engines.log).
     # That the steps do overlap is checked directly below.
-    for m in (sync_m, async_m):
-        assert m["decode_gpu_idle_gaps"] > 10 and m["decode_gpu_idle_ms"] >= 0.0
+    assert sync_m["decode_gpu_idle_gaps"] > 10 and async_m["decode_gpu_idle_gaps"] > 10
 
     # the overlap itself: when step() returns, the step it launched ahead is still running on
     # the device (reading the step before waited for that step alone, not the whole stream)
