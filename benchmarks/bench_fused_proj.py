@@ -1,0 +1,132 @@
+"""MLA's two projections of the hidden state, ``q_a_proj`` (7168 -> 1536) and
+``kv_a_proj_with_mqa`` (7168 -> 576), as two linears against one fused linear
+(``model.fused_proj.fuse_linears``), in each weights format as served (bf16 ``nn.Linear``,
+``FP8Linear``, ``AWQLinear`` repacked by ``repack_awq_model``), at decode and prefill token counts.
+
+    python -m benchmarks.bench_fused_proj --out $OUT/fused_proj_h200.json
+
+Each graph runs R calls over R different weight copies (more bytes than the L2 holds, as in a
+decode step where every layer has its own weights): ``two_us`` is ``q_a(x)`` then ``kv_a(x)``,
+``fused_us`` the fused module's one call, per layer, median over replays (benchmarks.cuda_timer).
+First it checks, per format and M, that the fused output's columns equal the two outputs within
+the GEMMs' rounding (``rel_err``; ``bit_equal`` says whether they are identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.cuda_timer import Backend, graph_time
+from model.awq import AWQLinear
+from model.awq_convert import repack_awq_model
+from model.fp8_weights import FP8Linear
+from model.fused_proj import fuse_linears
+
+D, Q_LORA, KV_A = 7168, 1536, 576
+FORMATS = ("bf16", "fp8", "awq")
+L2_BYTES = 60 << 20
+
+
+def make_parts(fmt: str, d: int, outs: tuple[int, ...], device, gen) -> list[nn.Module]:
+    """Random linears ``d -> out`` in ``fmt``, not yet repacked."""
+    parts = []
+    for n in outs:
+        lin = nn.Linear(d, n, bias=False, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, d, generator=gen, device=device) * 0.02)
+        if fmt == "fp8":
+            lin = FP8Linear.from_linear(lin)
+        elif fmt == "awq":
+            lin = AWQLinear.from_linear(lin)
+        parts.append(lin.requires_grad_(False))
+    return parts
+
+
+def layer(fmt: str, d: int, outs: tuple[int, ...], device, gen) -> tuple[list, nn.Module]:
+    """One layer's separate linears and their fusion, both served as the model serves them."""
+    parts = make_parts(fmt, d, outs, device, gen)
+    fused = fuse_linears(parts)
+    if fmt == "awq":  # after the fusion, as the loader does it
+        repack_awq_model(nn.ModuleList([*parts, fused]))
+    return parts, fused
+
+
+def weight_bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def check(parts, fused, x) -> dict:
+    with torch.no_grad():
+        two = torch.cat([p(x) for p in parts], -1).float()
+        one = fused(x).float()
+    err = ((one - two).norm() / two.norm().clamp_min(1e-30)).item()
+    return {"rel_err": err, "bit_equal": bool(torch.equal(one, two)), "pass": err < 1e-2}
+
+
+def bench(fmt: str, ms: list[int], d: int, outs: tuple[int, ...], reps: int, device,
+          backend: Backend | None = None, copies: int | None = None) -> list[dict]:  # fmt: skip
+    gen = torch.Generator(device).manual_seed(0)
+    first = layer(fmt, d, outs, device, gen)
+    nbytes = weight_bytes(first[1])
+    r = copies or max(2, min(32, math.ceil(4 * L2_BYTES / nbytes)))
+    layers = [first] + [layer(fmt, d, outs, device, gen) for _ in range(r - 1)]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, d, generator=gen, device=device).bfloat16()
+        row = {"format": fmt, "M": m, "K": d, "N": list(outs), "copies": r,
+               "fused_weight_MB": nbytes / 1e6, **check(*first, x)}  # fmt: skip
+        with torch.no_grad():
+            two = graph_time([lambda p=p, x=x: [q(x) for q in p] for p, _ in layers], reps,
+                             backend=backend)  # fmt: skip
+            one = graph_time([lambda f=f, x=x: f(x) for _, f in layers], reps, backend=backend)
+        row |= {"two_us": two.median_us, "fused_us": one.median_us,
+                "speedup": two.median_us / one.median_us}  # fmt: skip
+        rows.append(row)
+        print(f"| {fmt} | {m} | {row['two_us']:.2f} | {row['fused_us']:.2f} | "
+              f"{row['speedup']:.3f} | {row['rel_err']:.1e} {row['bit_equal']} |",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/fused_proj_h200.json")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--batches", default="1,4,16,64,128,1024")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    args = ap.parse_args()
+    import triton
+
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "command": "python -m benchmarks.bench_fused_proj "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),  # fmt: skip
+        "method": "CUDA graph of R layers' calls over distinct weights; per-layer median us",
+        "rows": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print("| format | M | two linears us | fused us | speedup | rel_err, bit-equal |")
+    print("|---|---|---|---|---|---|")
+    ms = [int(b) for b in args.batches.split(",")]
+    for fmt in args.formats.split(","):
+        try:
+            res["rows"] += bench(fmt, ms, D, (Q_LORA, KV_A), args.reps, torch.device("cuda"))
+        except Exception as e:  # noqa: BLE001  (recorded; the other formats go on)
+            res.setdefault("errors", []).append({"format": fmt, "error": repr(e)})
+            print(f"{fmt}: {e!r}", flush=True)
+        out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
