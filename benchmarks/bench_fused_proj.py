@@ -1,14 +1,16 @@
 """MLA's two projections of the hidden state, ``q_a_proj`` (7168 -> 1536) and
 ``kv_a_proj_with_mqa`` (7168 -> 576), as two linears against one fused linear
-(``model.fused_proj.fuse_linears``), in each weights format as served (bf16 ``nn.Linear``,
+(``model.fused_proj.fuse_linears``; as a candidate, the indexer's ``wk`` (7168 -> 128) a third
+part), in each weights format as served (bf16 ``nn.Linear``,
 ``FP8Linear``, ``AWQLinear`` repacked by ``repack_awq_model``), at decode and prefill token counts.
 
     python -m benchmarks.bench_fused_proj --out $OUT/fused_proj_h200.json
 
 Each graph runs R calls over R different weight copies (more bytes than the L2 holds, as in a
-decode step where every layer has its own weights): ``two_us`` is ``q_a(x)`` then ``kv_a(x)``,
-``fused_us`` the fused module's one call, per layer, median over replays (benchmarks.cuda_timer).
-First it checks, per format and M, that the fused output's columns equal the two outputs within
+decode step where every layer has its own weights): ``parts_us`` is the parts called one after the
+other (``N``: their widths), ``fused_us`` the fused module's one call, per layer, median over
+replays (benchmarks.cuda_timer).
+First it checks, per format and M, that the fused output's columns equal the parts' outputs within
 the GEMMs' rounding (``rel_err``; ``bit_equal`` says whether they are identical).
 """
 
@@ -29,7 +31,11 @@ from model.awq_convert import repack_awq_model
 from model.fp8_weights import FP8Linear
 from model.fused_proj import fuse_linears
 
-D, Q_LORA, KV_A = 7168, 1536, 576
+D = 7168
+# the linears fused: what the model serves (q_a_proj, kv_a_proj_with_mqa) and a candidate with
+# the indexer's wk between them (whole 128-row blocks before the ragged 576, for FP8; AWQ
+# checkpoints keep the indexer 16-bit, so not for AWQ)
+VARIANTS = {"q_a+kv_a": (1536, 576), "q_a+wk+kv_a": (1536, 128, 576)}
 FORMATS = ("bf16", "fp8", "awq")
 L2_BYTES = 60 << 20
 
@@ -83,13 +89,13 @@ def bench(fmt: str, ms: list[int], d: int, outs: tuple[int, ...], reps: int, dev
         row = {"format": fmt, "M": m, "K": d, "N": list(outs), "copies": r,
                "fused_weight_MB": nbytes / 1e6, **check(*first, x)}  # fmt: skip
         with torch.no_grad():
-            two = graph_time([lambda p=p, x=x: [q(x) for q in p] for p, _ in layers], reps,
+            parts = graph_time([lambda p=p, x=x: [q(x) for q in p] for p, _ in layers], reps,
                              backend=backend)  # fmt: skip
             one = graph_time([lambda f=f, x=x: f(x) for _, f in layers], reps, backend=backend)
-        row |= {"two_us": two.median_us, "fused_us": one.median_us,
-                "speedup": two.median_us / one.median_us}  # fmt: skip
+        row |= {"parts_us": parts.median_us, "fused_us": one.median_us,
+                "speedup": parts.median_us / one.median_us}  # fmt: skip
         rows.append(row)
-        print(f"| {fmt} | {m} | {row['two_us']:.2f} | {row['fused_us']:.2f} | "
+        print(f"| {fmt} {list(outs)} | {m} | {row['parts_us']:.2f} | {row['fused_us']:.2f} | "
               f"{row['speedup']:.3f} | {row['rel_err']:.1e} {row['bit_equal']} |",
               flush=True)  # fmt: skip
     return rows
@@ -101,6 +107,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--batches", default="1,4,16,64,128,1024")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     import triton
 
@@ -116,16 +123,20 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print("| format | M | two linears us | fused us | speedup | rel_err, bit-equal |")
+    print("| format [N] | M | parts us | fused us | speedup | rel_err, bit-equal |")
     print("|---|---|---|---|---|---|")
     ms = [int(b) for b in args.batches.split(",")]
-    for fmt in args.formats.split(","):
-        try:
-            res["rows"] += bench(fmt, ms, D, (Q_LORA, KV_A), args.reps, torch.device("cuda"))
-        except Exception as e:  # noqa: BLE001  (recorded; the other formats go on)
-            res.setdefault("errors", []).append({"format": fmt, "error": repr(e)})
-            print(f"{fmt}: {e!r}", flush=True)
-        out.write_text(json.dumps(res, indent=2))
+    for variant in args.variants.split(","):
+        for fmt in args.formats.split(","):
+            if fmt == "awq" and len(VARIANTS[variant]) > 2:
+                continue  # (the variants' comment)
+            try:
+                rows = bench(fmt, ms, D, VARIANTS[variant], args.reps, torch.device("cuda"))
+                res["rows"] += [{"variant": variant, **r} for r in rows]
+            except Exception as e:  # noqa: BLE001  (recorded; the others go on)
+                res.setdefault("errors", []).append({"format": fmt, "error": repr(e)})
+                print(f"{variant} {fmt}: {e!r}", flush=True)
+            out.write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":
