@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.bench_awq import copies_for, rel_err
 from benchmarks.cuda_timer import Backend, graph_time
 from model.awq import AWQLinear
 from model.awq_convert import repack_awq_model
@@ -37,7 +37,6 @@ D = 7168
 # checkpoints keep the indexer 16-bit, so not for AWQ)
 VARIANTS = {"q_a+kv_a": (1536, 576), "q_a+wk+kv_a": (1536, 128, 576)}
 FORMATS = ("bf16", "fp8", "awq")
-L2_BYTES = 60 << 20
 
 
 def make_parts(fmt: str, d: int, outs: tuple[int, ...], device, gen) -> list[nn.Module]:
@@ -70,10 +69,10 @@ def weight_bytes(m: nn.Module) -> int:
 
 def check(parts, fused, x) -> dict:
     with torch.no_grad():
-        two = torch.cat([p(x) for p in parts], -1).float()
+        each = torch.cat([p(x) for p in parts], -1).float()
         one = fused(x).float()
-    err = ((one - two).norm() / two.norm().clamp_min(1e-30)).item()
-    return {"rel_err": err, "bit_equal": bool(torch.equal(one, two)), "pass": err < 1e-2}
+    err = rel_err(one, each)
+    return {"rel_err": err, "bit_equal": bool(torch.equal(one, each)), "pass": err < 1e-2}
 
 
 def bench(fmt: str, ms: list[int], d: int, outs: tuple[int, ...], reps: int, device,
@@ -81,7 +80,7 @@ def bench(fmt: str, ms: list[int], d: int, outs: tuple[int, ...], reps: int, dev
     gen = torch.Generator(device).manual_seed(0)
     first = layer(fmt, d, outs, device, gen)
     nbytes = weight_bytes(first[1])
-    r = copies or max(2, min(32, math.ceil(4 * L2_BYTES / nbytes)))
+    r = copies or copies_for(nbytes)
     layers = [first] + [layer(fmt, d, outs, device, gen) for _ in range(r - 1)]
     rows = []
     for m in ms:
