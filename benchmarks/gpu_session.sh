@@ -4,7 +4,7 @@
 #                                           # the NAMEd ones: lossless_bf16 lossless_fp8 lossless engines
 #                                           # compile prefill_prefetch kernels backends prefill_dg auto_step)
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
-#                                           # fixup overlap prefill prefill_gather prefix_cache cache_ops row_stride fused_proj awq awq_pairs awq_parts sampling fp8 calibrate
+#                                           # fixup overlap prefill prefill_gather prefix_cache cache_ops row_stride fused_proj release awq awq_pairs awq_parts sampling fp8 calibrate
 #                                           # prefetch staged_recall step)
 #   bash benchmarks/gpu_session.sh tests FILE ...     # some cuda tests, one process per FILE group
 #   bash benchmarks/gpu_session.sh e2e [NAME ...]     # end-to-end benches (full decode backends quant async prefetch;
@@ -83,7 +83,7 @@ verify)
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
      tests/test_distributed_ep.py tests/test_ties_fixup.py tests/test_cache_ops.py \
-     tests/test_decode_kernels.py) &
+     tests/test_decode_kernels.py tests/test_release_layers.py tests/test_warm_kernels_cuda.py) &
   if [ "$BACKENDS" = 1 ]; then
     on backends && (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
     # DeepGEMM's prefill scores (fp8_mqa_logits): vs the reference, exact sets, a compiled engine
@@ -114,6 +114,7 @@ time)
   on cache_ops && stage bench_cache_ops 280 python -m benchmarks.bench_cache_ops --reps 5 --out "$W/cache_ops_h200.json"
   on row_stride && stage bench_row_stride 120 python -m benchmarks.bench_row_stride --out "$W/row_stride_h200.json"
   on fused_proj && stage bench_fused_proj 150 python -m benchmarks.bench_fused_proj --out "$W/fused_proj_h200.json"
+  on release && stage bench_release 120 python -m benchmarks.bench_release --out "$W/release_h200.json"
   # (150 s: on a fresh machine the kernels' compiles ran it past 60, gpu_session25)
   on awq && stage bench_awq 150 python -m benchmarks.bench_awq --batches 1,8,32,128 --budget-s 110 --out "$W/awq_h200.json"
   on sampling && stage bench_sampling_backends 240 python -m benchmarks.bench_sampling_backends \

@@ -50,7 +50,11 @@ from custom_ops import cache_layout as C
 from custom_ops.cache_fused_kernels import _free_kernel, _recall_kernel
 from custom_ops.cache_list_kernels import _copy_out_kernel, _lookup_kernel
 from custom_ops.cache_pool_kernels import _allocate_kernel, _evict_hist_kernel, _evict_place_kernel
-from custom_ops.cache_release_kernels import _offload_kernel, _release_kernel
+from custom_ops.cache_release_kernels import (
+    _offload_kernel,
+    _release_kernel,
+    _release_layers_kernel,
+)
 from custom_ops.cache_sync import PDL_AVAILABLE
 
 # Launch configuration (chosen by reasoning, not measured: see docs/cache_ops.md; the benchmark
@@ -439,6 +443,32 @@ def release_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_sl
         hs.numel(),
         host_to_gpu.shape[0],
         gpu_to_host.shape[0],
+        BLOCK=LIST_BLOCK,
+        num_warps=4,
+    )
+
+
+def release_layers_cuda(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, ema,
+                        host_slots) -> None:  # fmt: skip
+    """echo::release_layers' CUDA path: one launch, a grid row per layer; the layers' buffers
+    reach it as a table of their addresses (one small pinned copy)."""
+    hs = host_slots.reshape(-1)
+    cols = [host_to_gpu, gpu_to_host, gpu_priority, gpu_free, meta] + ([ema] if ema else [])
+    ptrs = [[t.data_ptr() for t in col] for col in cols]
+    pinned = hs.is_cuda  # (the interpreter tests run it on CPU tensors)
+    table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pinned)
+    table = table.to(hs.device, non_blocking=True)
+    n_layers = len(meta)
+    _release_layers_kernel[(_grid(hs.numel(), LIST_BLOCK)[0], n_layers)](
+        hs,
+        table,
+        hs.numel(),
+        host_to_gpu[0].shape[0],
+        gpu_to_host[0].shape[0],
+        n_layers,
+        ema[0].shape[1] if ema else 0,
+        FORGET=bool(ema),
+        EMA_ROWS=ema[0].shape[0] if ema else 1,
         BLOCK=LIST_BLOCK,
         num_warps=4,
     )

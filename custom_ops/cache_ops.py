@@ -1,7 +1,8 @@
 """The cache ops' registrations (``echo::allocate``, ``echo::free``, ``echo::recall``,
-``echo::release``, ``echo::offload``) and their input checks. The semantics, the state they act on
-and the pure-torch references (every op's default kernel, and the specification its Triton
-kernel is tested against) are in cache_ref.py; the CUDA launchers in cache_kernels.py.
+``echo::release``, ``echo::release_layers``, ``echo::offload``) and their input checks. The
+semantics, the state they act on and the pure-torch references (every op's default kernel, and
+the specification its Triton kernel is tested against) are in cache_ref.py; the CUDA launchers
+in cache_kernels.py.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from custom_ops.cache_ref import (  # noqa: F401  (also read as cache_ops.*_ref)
     free_ref,
     offload_ref,
     recall_ref,
+    release_layers_ref,
     release_ref,
 )
-from custom_ops.kv_format import INDEX_ROW_BYTES
+from custom_ops.kv_format import INDEX_ROW_BYTES, PAGE
 
 
 def _check_state(
@@ -120,6 +122,39 @@ def _check_recall(host_kv, gpu_kv, gpu_free, gpu_priority, gpu_to_host, host_to_
 def _check_release(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots):
     _check_state("release", gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta)
     _check_slots("release", "host_slots", host_slots, gpu_free.device)
+
+
+def _check_release_layers(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, ema,
+                          host_slots):  # fmt: skip
+    lists = {"gpu_free": gpu_free, "gpu_priority": gpu_priority, "gpu_to_host": gpu_to_host,
+             "host_to_gpu": host_to_gpu, "meta": meta}  # fmt: skip
+    n = len(meta)
+    for name, lst in lists.items():
+        if len(lst) != n or n == 0:
+            raise ValueError(f"release_layers: {name} has {len(lst)} layers, meta {n} (> 0)")
+    if ema and len(ema) != n:
+        raise ValueError(f"release_layers: ema has {len(ema)} layers, meta {n} (or none)")
+    # one layer's state checked whole; the others must match it (the kernel reads their sizes
+    # from the first)
+    _check_release(gpu_free[0], gpu_priority[0], gpu_to_host[0], host_to_gpu[0], meta[0],
+                   host_slots)  # fmt: skip
+    for name, lst in lists.items():
+        first = lst[0]
+        for i, t in enumerate(lst):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(
+                    f"release_layers: {name}[{i}] is {t.dtype} {list(t.shape)} on {t.device}, "
+                    f"layer 0's {first.dtype} {list(first.shape)} on {first.device}"
+                )
+    n_ema = host_to_gpu[0].shape[0] // PAGE + 1
+    for i, e in enumerate(ema):
+        if e.dim() != 2 or e.shape[1] != n_ema or e.dtype != torch.float32 or (
+            e.device != meta[0].device or not e.is_contiguous()
+        ):
+            raise ValueError(
+                f"release_layers: ema[{i}] must be contiguous float32 [rows, {n_ema}] on "
+                f"{meta[0].device}, got {e.dtype} {list(e.shape)} on {e.device}"
+            )
 
 
 def _check_offload(host_kv, index_k, rows, index_rows, slots):
@@ -259,6 +294,33 @@ release.register_kernel("cuda")(_cuda_kernel(_check_release, "release_cuda"))
 
 @release.register_fake
 def _(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slots) -> None:
+    return None
+
+
+@torch.library.custom_op("echo::release_layers", mutates_args=(*_MAPS, "meta", "ema"))
+def release_layers(
+    gpu_free: list[torch.Tensor],  # each: one layer's pool state, as echo::release's
+    gpu_priority: list[torch.Tensor],
+    gpu_to_host: list[torch.Tensor],
+    host_to_gpu: list[torch.Tensor],
+    meta: list[torch.Tensor],
+    ema: list[torch.Tensor],  # each layer's prefetch threshold state; [] when prefetch is off
+    host_slots: torch.Tensor,  # host slots of finished requests (any shape, -1 ignored)
+) -> None:
+    """echo::release in every layer's pool at once (one launch on CUDA, not one per layer),
+    and each layer's prefetch threshold state of the slots' host pages back to 0."""
+    args = (gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, ema, host_slots)
+    _check_release_layers(*args)
+    release_layers_ref(*args)
+
+
+release_layers.register_kernel("cuda")(
+    _cuda_kernel(_check_release_layers, "release_layers_cuda")
+)
+
+
+@release_layers.register_fake
+def _(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, ema, host_slots) -> None:
     return None
 
 

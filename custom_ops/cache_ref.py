@@ -238,6 +238,20 @@ def release_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, host_slo
     _push_ref(gpu_free, meta, g)
 
 
+def release_layers_ref(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, ema,
+                       host_slots) -> None:  # fmt: skip
+    """release in every layer's pool (the lists: one entry per layer), and, given each layer's
+    prefetch threshold state ``ema`` [EMA_ROWS, N_H / 64 + 1] (an empty list: prefetch is
+    off), its columns of the slots' host pages back to 0, ECHO's start: the next request keyed
+    by one of them does not inherit a stranger's threshold."""
+    for state in zip(gpu_free, gpu_priority, gpu_to_host, host_to_gpu, meta, strict=True):
+        release_ref(*state, host_slots)
+    h = host_slots.reshape(-1).long()
+    pages = h[h >= 0] // PAGE
+    for e in ema:
+        e.index_fill_(1, pages, 0.0)
+
+
 def offload_ref(host_kv, index_k, rows, index_rows, slots) -> None:
     keep = slots >= 0
     s = slots[keep].long()

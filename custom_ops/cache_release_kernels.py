@@ -1,5 +1,6 @@
-"""Triton kernels of the two list ops outside recall and free: release (a finished request's
-host slots leave the maps, their GPU slots go back to the ring) and offload (new tokens' rows to
+"""Triton kernels of the list ops outside recall and free: release (a finished request's host
+slots leave the maps, their GPU slots go back to the ring; release_layers: in every layer's pool at
+once, its prefetch threshold state reset too) and offload (new tokens' rows to
 the host pool and their keys to the paged indexer cache); launched by cache_kernels.py."""
 
 from __future__ import annotations
@@ -20,15 +21,13 @@ from custom_ops.cache_sync import _last_program
 
 
 @triton.jit
-def _release_kernel(
-    host_slots, h2g, g2h, prio, ring, meta, total, n_h, n_g, BLOCK: tl.constexpr
-):  # fmt: skip
-    """Drop host slots from the maps (the exchange makes duplicates in the list free once) and
-    push their GPU slots onto the ring of free slots behind its last entry: position
-    HEAD + NFREE + j, j from one atomicAdd per block on meta[VICT_CTR] plus a prefix sum. The
-    last program (meta[DONE]) adds the count to NFREE and resets the counter, so no program
-    reads NFREE after another changed it."""
-    pid = tl.program_id(0)
+def _release_slots(host_slots, h2g, g2h, prio, ring, meta, total, n_h, n_g, pid, nprog,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """Program ``pid`` of ``nprog``: drop its block of host slots from one pool's maps (the
+    exchange makes duplicates in the list free once) and push their GPU slots onto the ring of
+    free slots behind its last entry: position HEAD + NFREE + j, j from one atomicAdd per block
+    on meta[VICT_CTR] plus a prefix sum. The last program (meta[DONE]) adds the count to NFREE
+    and resets the counter, so no program reads NFREE after another changed it."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(host_slots + offs, mask=offs < total, other=-1)
     head = tl.load(meta + M_HEAD)
@@ -46,10 +45,54 @@ def _release_kernel(
         j = tl.atomic_add(meta + M_VICT_CTR, c, sem="relaxed") + tl.cumsum(ri, axis=0) - 1
         pos = head + nfree + j
         tl.store(ring + tl.where(pos >= n_g, pos - n_g, pos), old, mask=rel)
-    if _last_program(meta, tl.num_programs(0)):
+    if _last_program(meta, nprog):
         pushed = tl.atomic_xchg(meta + M_VICT_CTR, 0, sem="relaxed")
         tl.store(meta + M_NFREE, nfree + pushed)
         tl.atomic_xchg(meta + M_DONE, 0, sem="relaxed")
+
+
+@triton.jit
+def _release_kernel(
+    host_slots, h2g, g2h, prio, ring, meta, total, n_h, n_g, BLOCK: tl.constexpr
+):  # fmt: skip
+    """echo::release: one pool, a program per block of host slots."""
+    _release_slots(host_slots, h2g, g2h, prio, ring, meta, total, n_h, n_g, tl.program_id(0),
+                   tl.num_programs(0), BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _ptr(table, col, layer, n_layers, DT: tl.constexpr):
+    """Entry (col, layer) of a [cols, n_layers] table of int64 addresses, as a pointer to DT."""
+    return tl.load(table + col * n_layers + layer).to(tl.pointer_type(DT))
+
+
+@triton.jit
+def _release_layers_kernel(
+    host_slots, table, total, n_h, n_g, n_layers, n_ema,
+    FORGET: tl.constexpr, EMA_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """echo::release_layers: program (i, l) is release's program i on layer l's pool, whose
+    buffers are the addresses in column l of ``table`` (rows: host_to_gpu, gpu_to_host,
+    gpu_priority, gpu_free, meta, then with FORGET the threshold state ``ema``). With FORGET
+    it also zeroes the ``ema`` columns (EMA_ROWS x n_ema fp32) of its slots' host pages."""
+    pid = tl.program_id(0)
+    layer = tl.program_id(1)
+    h2g = _ptr(table, 0, layer, n_layers, tl.int32)
+    g2h = _ptr(table, 1, layer, n_layers, tl.int32)
+    prio = _ptr(table, 2, layer, n_layers, tl.int32)
+    ring = _ptr(table, 3, layer, n_layers, tl.int32)
+    meta = _ptr(table, 4, layer, n_layers, tl.int32)
+    if FORGET:
+        ema = _ptr(table, 5, layer, n_layers, tl.float32)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        h = tl.load(host_slots + offs, mask=offs < total, other=-1)
+        valid = (h >= 0) & (h < n_h)
+        page = tl.where(valid, h, 0) // PAGE_C
+        zero = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(EMA_ROWS):
+            tl.store(ema + r * n_ema + page, zero, mask=valid)
+    _release_slots(host_slots, h2g, g2h, prio, ring, meta, total, n_h, n_g, pid,
+                   tl.num_programs(0), BLOCK)  # fmt: skip
 
 
 @triton.jit

@@ -134,6 +134,13 @@ compile_(RL._release_kernel, [("host_slots", I32), ("h2g", I32), ("g2h", I32), (
                              ("ring", I32), ("meta", I32), ("total", "i32"), ("n_h", "i32"),
                              ("n_g", "i32")],
          dict(BLOCK=K.LIST_BLOCK), "release")
+# every layer's release in one launch: the pool buffers' addresses from a table (int -> pointer)
+for forget, slots in ((True, "*i64"), (False, "*i64"), (True, I32)):
+    compile_(RL._release_layers_kernel, [("host_slots", slots), ("table", I64), ("total", "i32"),
+                                         ("n_h", "i32"), ("n_g", "i32"), ("n_layers", "i32"),
+                                         ("n_ema", "i32")],
+             dict(FORGET=forget, EMA_ROWS=3, BLOCK=K.LIST_BLOCK),
+             f"release_layers[forget={forget}, {slots}]")  # fmt: skip
 compile_(RL._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
                              ("index_rows", I32), ("slots", "*i64")],
          dict(ROW_W=164, ROW_WP=256), "offload")
@@ -141,4 +148,4 @@ compile_(RL._offload_kernel, [("host_kv", I32), ("index_k", I32), ("rows", I32),
 
 
 def test_every_cache_kernel_compiles_for_sm90():
-    assert_compiles(SCRIPT, 28)
+    assert_compiles(SCRIPT, 31)

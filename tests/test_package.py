@@ -14,7 +14,8 @@ from test_decode_kernels import _att_inputs, _gen, make_indexer_inputs
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("custom_ops", "model", "runtime", "echo_compile")
 ECHO_OPS = (
-    "allocate", "free", "recall", "release", "offload", "indexer_topk", "sparse_mla_decode",
+    "allocate", "free", "recall", "release", "release_layers", "offload", "indexer_topk",
+    "sparse_mla_decode",
     "w4a16_linear", "moe_w4a16", "moe_bf16",
     "w4a16_linear_p", "moe_w4a16_p", "fp8_linear",
     "moe_fp8",

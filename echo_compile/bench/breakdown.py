@@ -36,6 +36,7 @@ _OPS = {
     "echo::recall": "cache management",
     "echo::recall_staged": "cache management",
     "echo::release": "cache management",
+    "echo::release_layers": "cache management",
     "echo::offload": "cache management",
     "echo::moe_bf16": "moe",
     "echo::moe_w4a16": "moe",
@@ -56,8 +57,8 @@ def cache_kernel_names() -> frozenset[str]:
     from custom_ops import cache_release_kernels as R
 
     kernels = (F._free_kernel, F._recall_kernel, L._lookup_kernel, L._copy_out_kernel,
-               R._release_kernel, R._offload_kernel, P._evict_hist_kernel, P._allocate_kernel,
-               P._evict_place_kernel)  # fmt: skip
+               R._release_kernel, R._release_layers_kernel, R._offload_kernel, P._evict_hist_kernel,
+               P._allocate_kernel, P._evict_place_kernel)  # fmt: skip
     return frozenset(k.fn.__name__ for k in kernels)
 
 
