@@ -695,7 +695,7 @@ def test_opcheck_prefetch_ops():
 
 def test_thresholds_follow_requests_not_rows():
     """A request's threshold is keyed by its first host page: swapping batch rows keeps each
-    request's own; release (KVCache.release -> Staging.forget) resets only its pages'."""
+    request's own; release (KVCache.release -> echo::release_layers) resets only its pages'."""
     c = _cache("bf16", "request", cap=8)
     _fill(c, _gen(14, "cpu"), "bf16")
     layer = c.layers[0]

@@ -195,29 +195,33 @@ class KVCache(nn.Module):
             dg_paged_mqa_schedule(seq_lens, first.dg_schedule)
 
     def release(self, host_slots: torch.Tensor) -> None:
-        """Forget a finished request's host slots in every layer's GPU pool (echo::release).
-        Call it before the pages are handed out again: a stale host->GPU entry would serve the
-        old rows to the next owner. Freeing the pages is the scheduler's HostSlotAllocator's job."""
-        slots32 = host_slots.to(torch.int32)  # once, not per layer
-        for layer in self.layers:
-            if layer.pool is not None:
-                layer.pool.release(slots32)
-            if layer.staging is not None:
-                layer.staging.forget(host_slots)
+        """Forget a finished request's host slots in every layer's GPU pool, and its prefetch
+        threshold state (echo::release_layers: one launch for all layers). Call it before the
+        pages are handed out again: a stale host->GPU entry would serve the old rows to the
+        next owner. Freeing the pages is the scheduler's HostSlotAllocator's job."""
+        pools = [layer.pool for layer in self.layers if layer.pool is not None]
+        if not pools:
+            return
+        ema = [layer.staging.ema for layer in self.layers if layer.staging is not None]
+        torch.ops.echo.release_layers(
+            [p.gpu_free for p in pools], [p.gpu_priority for p in pools],
+            [p.gpu_to_host for p in pools], [p.host_to_gpu for p in pools],
+            [p.meta for p in pools], ema, host_slots,
+        )  # fmt: skip
 
     @torch.no_grad()
     def warm_kernels(self) -> None:
         """Run the ops that serving calls outside the captured graphs once on nothing (every slot
         -1: no row is written, no map changes), so that their Triton kernels compile here and
-        not on a request's path: echo::release at a request's finish (its first call held the
-        whole batch's step up by ~0.4 s on the H200) and echo::offload (prompt-KV loads)."""
+        not on a request's path: echo::release_layers at a request's finish (echo::release's
+        first call held the whole batch's step up by ~0.4 s on the H200) and echo::offload
+        (prompt-KV loads)."""
         cfg, device = self.config, self.layers[0].host_kv.device
         nothing = torch.full((PAGE,), -1, dtype=torch.int64, device=device)
         rows = torch.zeros(PAGE, cfg.row_bytes, dtype=torch.uint8, device=device)
         index_rows = torch.zeros(PAGE, INDEX_ROW_BYTES, dtype=torch.uint8, device=device)
+        self.release(nothing)
         for layer in self.layers:
-            if layer.pool is not None:  # as release() calls it
-                layer.pool.release(nothing.to(torch.int32))
             layer.store(rows, index_rows, nothing)
 
     @torch.no_grad()

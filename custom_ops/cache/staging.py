@@ -121,15 +121,6 @@ class Staging(nn.Module):
         }
 
     @torch.no_grad()
-    def forget(self, host_slots: torch.Tensor) -> None:
-        """A finished request's pages: their threshold state back to 0 (ECHO's start), so the
-        next request keyed by one of them does not inherit a stranger's threshold. No host
-        sync."""
-        h = host_slots.reshape(-1).long()
-        dump = self.ema.shape[1] - 1
-        self.ema.index_fill_(1, torch.where(h >= 0, h // PAGE, dump), 0.0)
-
-    @torch.no_grad()
     def reset(self) -> None:
         """Empty the staging state (the tags too: the epoch starts again at 0); the running
         ``totals`` stay, as the pool's do (``GpuPool.reset``): the prefetch shares are of every
