@@ -1,8 +1,6 @@
 """One linear for several that read the same input: ``fuse_linears([a, b])`` is a module of their
-type whose output is ``cat([a(x), b(x)], -1)``, so a step would read ``x`` once and launch one
-GEMM (and, FP8, quantise ``x`` once) where it launches two. A candidate for MLA's ``q_a_proj``
-and ``kv_a_proj_with_mqa``, not served: ``benchmarks/bench_fused_proj.py`` times it
-(docs/model_notes.md, MLA).
+type whose output is ``cat([a(x), b(x)], -1)``, so a decode step reads ``x`` once and launches one
+GEMM (and, FP8, quantises ``x`` once) where it launched two.
 
 The rule for each type (the parts' outputs stacked along ``out``; nothing is recomputed):
 - ``nn.Linear`` (no bias): the weights concatenated along ``out``;

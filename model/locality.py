@@ -56,7 +56,7 @@ def _readers(model) -> list[torch.Tensor]:
     out = [model.lm_head.weight]
     for block in model.model.layers:
         a = block.self_attn
-        out += [a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight]
+        out += list(a.a_weights())  # q_a_proj's, kv_a_proj_with_mqa's (views once fused)
         out += [a.indexer.wk.weight, a.indexer.weights_proj.weight]
         mlps = [block.mlp]
         if hasattr(block.mlp, "experts"):  # MoE
@@ -102,7 +102,7 @@ def _scales(model, channel: int, seed: int) -> list[tuple[float, float, float]]:
     for block in model.model.layers:
         x = block.input_layernorm(res)
         a = block.self_attn
-        qa = a.q_a_proj(x).float().pow(2).mean().sqrt().item()
+        qa = a.project_a(x)[0].float().pow(2).mean().sqrt().item()
         wp = a.indexer.weights_proj(x.float()).pow(2).mean().sqrt().item()
         out.append((x[:, channel].float().mean().item(), qa, wp))
         y = block.mlp(block.post_attention_layernorm(res))
@@ -139,7 +139,8 @@ def plant_locality(model, locality: float, seed: int = 0, std: float = 0.02) -> 
         f = f / f.norm()
         # |column * chan| = ratio * |step-dependent part| (rms * sqrt(dim))
         col = f * (ratio * qa_rms * math.sqrt(cfg.q_lora_rank) / chan)
-        a.q_a_proj.weight[:, channel] = col.to(a.q_a_proj.weight)
+        wa = a.a_weights()[0]  # q_a_proj's
+        wa[:, channel] = col.to(wa)
         # MLA's query does not read f (only the indexer's wq_b does): a fixed part in every MLA
         # query makes the model's output, so its greedy next token, repeat step after step, and a
         # repeated input token is locality at layers 0-1 too (measured on the tiny preset: 0.03

@@ -35,6 +35,7 @@ from custom_ops.kv_format import (
 )
 from model.config import ModelConfig
 from model.forward_meta import ForwardMeta
+from model.fused_proj import fusable, fuse_linears
 from model.moe import MLP, MoE
 from model.rope import YarnRotary, apply_rope, hadamard_matrix, rotate_activation
 
@@ -149,16 +150,46 @@ class MLA(nn.Module):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.index_topk = config.index_topk
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_a_dim = self.kv_lora_rank + self.qk_rope_head_dim  # 576: c_kv then k_pe
         self.softmax_scale = config.softmax_scale  # 192^-0.5 * YaRN mscale² (0.1352 for V3.2)
         d, h, eps = config.hidden_size, self.n_heads, config.rms_norm_eps
         self.q_a_proj = _linear(d, config.q_lora_rank)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps)
         self.q_b_proj = _linear(config.q_lora_rank, h * self.qk_head_dim)
-        self.kv_a_proj_with_mqa = _linear(d, self.kv_lora_rank + self.qk_rope_head_dim)
+        self.kv_a_proj_with_mqa = _linear(d, self.kv_a_dim)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
         self.kv_b_proj = _linear(self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim))
         self.o_proj = _linear(h * self.v_head_dim, d)
         self.indexer = Indexer(config)
+        # q_a_proj and kv_a_proj_with_mqa as one linear once fuse_a_projections() ran (they read
+        # the same x: one GEMM, and for FP8 one activation quantisation, instead of two)
+        self.qkv_a_proj: nn.Module | None = None
+
+    def fuse_a_projections(self) -> bool:
+        """Replace ``q_a_proj`` and ``kv_a_proj_with_mqa`` by one linear of their type
+        (``model.fused_proj``; both then None); False, changing nothing, where they cannot be
+        fused (e.g. AWQ modules already repacked) or already are."""
+        parts = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        if self.qkv_a_proj is not None or not fusable(parts):
+            return False
+        self.qkv_a_proj = fuse_linears(parts)
+        self.q_a_proj = self.kv_a_proj_with_mqa = None
+        return True
+
+    def project_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, D]`` -> ``q_a_proj(x) [T, q_lora]``, ``kv_a_proj_with_mqa(x) [T, 576]``
+        (one GEMM once fused)."""
+        if self.qkv_a_proj is not None:
+            return self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_a_dim], -1)
+        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+
+    def a_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 16-bit weights of ``q_a_proj`` and ``kv_a_proj_with_mqa`` (row views of the fused
+        one once fused), for code that edits them in place (model/locality.py)."""
+        if self.qkv_a_proj is not None:
+            return self.qkv_a_proj.weight.split([self.q_lora_rank, self.kv_a_dim])
+        return self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight
 
     def forward(
         self,
@@ -170,12 +201,12 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         """``x [T, D]`` (attn-normed) -> ``[T, D]``; writes the tokens' rows into the cache."""
         t = x.shape[0]
-        qr = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]: also the indexer's query input
+        q_a, kv = self.project_a(x)  # [T, q_lora], [T, 576]
+        qr = self.q_a_layernorm(q_a)  # [T, q_lora]: also the indexer's query input
         q = self.q_b_proj(qr).view(t, self.n_heads, self.qk_head_dim)  # [T, H, 192]
         # nope FIRST in MLA, rope interleaved (docs/model_notes.md, rope layouts)
         q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, interleaved=True)  # [T, H, 64]
-        kv = self.kv_a_proj_with_mqa(x)  # [T, 576]
         c_kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         # the reference: the deployed cache is FP8, so the latent goes through FP8 and back before
         # it is cached or used; k_pe stays bf16.
@@ -396,6 +427,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         if h.is_cuda:
             return torch.mm(h, w.t(), out_dtype=torch.float32)  # [B, V]
         return F.linear(h.float(), w.float())  # [B, V]
+
+    def fuse_a_projections(self) -> int:
+        """Every layer's ``MLA.fuse_a_projections``, once the weights are final (what serves a
+        model does it: ``runtime.model_runner.build_runner``); returns how many layers fused."""
+        return sum(m.fuse_a_projections() for m in self.modules() if isinstance(m, MLA))
 
     @torch.no_grad()
     def init_buffers(self) -> None:

@@ -365,7 +365,9 @@ def build_runner(
 ) -> ModelRunner:
     """The one way a runner is made (``Engine`` and ``echo_compile.compile``): its cache, buckets
     and context limit from ``config`` and the model's config (default ``model.config``), its steps
-    compiled by ``compiler`` (prefill as ``config.prefill_compiled`` says) or eager."""
+    compiled by ``compiler`` (prefill as ``config.prefill_compiled`` says) or eager. The model's
+    weights are final here, so it fuses MLA's two projections of ``x`` in place
+    (``fuse_a_projections``, docs/model_notes.md, MLA)."""
     mc = model_config if model_config is not None else model.config
     device = torch.device(config.device)
     emb = model.model.embed_tokens.weight  # bf16 in every checkpoint format (model.checkpoint)
@@ -376,6 +378,7 @@ def build_runner(
             f"the model's weights are {emb.dtype}: its steps run the bf16 weights load_model "
             "gives (a model cast with .float() or .half() is not supported)"
         )
+    model.fuse_a_projections()
     return ModelRunner(
         model,
         KVCache(config.cache_config(mc), device),

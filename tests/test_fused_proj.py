@@ -6,13 +6,17 @@ import time
 
 import pytest
 import torch
+from test_loader import last_logits
 from torch import nn
 
 from benchmarks import bench_fused_proj as B
+from echo_compile.bench.model_builder import build_model
 from model.awq import AWQLinear
 from model.awq_convert import repack_awq_model
 from model.fp8_weights import FP8Linear
 from model.fused_proj import fusable, fuse_linears
+from runtime.engine_config import EngineConfig
+from runtime.model_runner import build_runner
 
 
 def _parts(fmt, outs, d=256, seed=0):
@@ -102,6 +106,31 @@ def test_bench_runs_and_checks(fmt):
     rows = B.bench(fmt, [1, 3], 256, (128, 64), 2, torch.device("cpu"), WallClock(), copies=2)
     assert [r["M"] for r in rows] == [1, 3]
     assert all(r["pass"] and r["parts_us"] > 0 and r["fused_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "awq"])
+def test_model_fused_gives_the_same_logits(weights):
+    """``fuse_a_projections`` on the tiny model in each format: every layer whose two
+    projections share a type fuses (AWQ's 16-bit first and last layers too), the parts are gone,
+    and the logits stay those of the two GEMMs within their rounding."""
+    model = build_model("tiny", 0, 0, "cpu", 0.0, weights)
+    prompt = [0, 44, 73, 341, 83]
+    before = last_logits(model, prompt)
+    assert model.fuse_a_projections() == len(model.model.layers)
+    assert model.fuse_a_projections() == 0  # once
+    for block in model.model.layers:
+        a = block.self_attn
+        assert a.q_a_proj is None and a.kv_a_proj_with_mqa is None and a.qkv_a_proj is not None
+    after = last_logits(model, prompt)
+    torch.testing.assert_close(after, before, rtol=0.0, atol=2e-2 * before.abs().max().item())
+    assert torch.equal(after.argmax(), before.argmax())
+
+
+def test_runner_fuses_the_model_it_serves():
+    model = build_model("tiny", 0, 0, "cpu")
+    assert model.model.layers[0].self_attn.qkv_a_proj is None
+    build_runner(model, EngineConfig(device="cpu", max_model_len=256, host_tokens=1024))
+    assert all(b.self_attn.qkv_a_proj is not None for b in model.model.layers)
 
 
 def test_bench_cli_help():
