@@ -1,6 +1,7 @@
 """A finished request's release in every layer's GPU pool: one ``echo::release`` launch per layer
 (and the prefetch threshold reset per layer), as ``KVCache.release`` did, against
-``echo::release_layers``, one launch for all layers (what it does now).
+``echo::release_layers``, one launch for all layers (what it does now), and on a GPU that op's
+CUDA launcher alone (``launcher``: the op less its dispatch and input checks).
 
     python -m benchmarks.bench_release --out $OUT/release_h200.json
 
@@ -10,7 +11,7 @@ pages of 64) and way, median over ``--reps`` calls, each from the same pool stat
 outside the timed window): ``host_us`` (the call returns: the time the engine loop waits) and
 ``total_us`` (the call and a device synchronize: when its work is done). The layers' pools are
 full, every slot of the request resident in each, as when a request ends after its last step.
-Checked first: both ways leave every layer's maps, meta and threshold state equal (ring order up
+Checked first: every way leaves every layer's maps, meta and threshold state equal (ring order up
 to the blocks' atomics).
 """
 
@@ -64,7 +65,14 @@ def one_launch(pools, ema, slots: torch.Tensor) -> None:
     torch.ops.echo.release_layers(*lists, ema, slots)
 
 
-WAYS = {"per_layer": per_layer, "one_launch": one_launch}
+def launcher(pools, ema, slots: torch.Tensor) -> None:
+    """echo::release_layers' CUDA launcher alone: the op's cost less its dispatch and checks."""
+    from custom_ops.cache_kernels import release_layers_cuda
+
+    release_layers_cuda(*[[getattr(p, name) for p in pools] for name in BUFFERS], ema, slots)
+
+
+WAYS = {"per_layer": per_layer, "one_launch": one_launch, "launcher": launcher}
 
 
 def snapshot(pools, ema) -> list[torch.Tensor]:
@@ -98,16 +106,21 @@ def bench(n_layers: int, n_g: int, n_h: int, pages: list[int], reps: int, device
     pools, ema = make_layers(n_layers, n_g, n_h, device)
     snap = snapshot(pools, ema)
     res: dict = {}
+    # (the launcher needs a GPU, or the interpreter: TRITON_INTERPRET=1)
+    ways = {k: w for k, w in WAYS.items() if k != "launcher" or device.type == "cuda"}
     for n in pages:
         slots = torch.arange(n * PAGE, dtype=torch.int64, device=device)
         after = {}
-        for name, way in WAYS.items():  # checked (and warmed: Triton compiles) first
+        for name, way in ways.items():  # checked (and warmed: Triton compiles) first
             restore(pools, ema, snap)
             way(pools, ema, slots)
             sync(device)
             after[name] = state(pools, ema)
-        row: dict = {"tokens": n * PAGE, "equal": after["per_layer"] == after["one_launch"]}
-        for name, way in WAYS.items():
+        row: dict = {
+            "tokens": n * PAGE,
+            "equal": all(a == after["per_layer"] for a in after.values()),
+        }
+        for name, way in ways.items():
             host, total = [], []
             for _ in range(reps):
                 restore(pools, ema, snap)
