@@ -141,3 +141,23 @@ def test_bench_cli_help():
         timeout=120,
     )
     assert r.returncode == 0 and "--variants" in r.stdout
+
+
+def test_awq_is_fused_at_load_before_its_cuda_repack(monkeypatch):
+    """On CUDA the loader repacks AWQ modules, which cannot be fused after: it fuses MLA's two
+    projections first (finish_loaded_model, run here on CPU tensors as if for CUDA; the tile
+    counters it would reserve there are not needed). The fused, repacked model's logits stay the
+    unfused AutoAWQ model's within rounding."""
+    import custom_ops.tile_counters as tc
+    from model.loader import finish_loaded_model
+
+    model = build_model("tiny", 0, 0, "cpu", 0.0, "awq")
+    prompt = [0, 44, 73, 341, 83]
+    before = last_logits(model, prompt)
+    monkeypatch.setattr(tc, "reserve_counters", lambda device: None)
+    finish_loaded_model(model, model.config, "cuda", torch.bfloat16)
+    attn = [b.self_attn for b in model.model.layers]
+    assert all(a.qkv_a_proj is not None and a.q_a_proj is None for a in attn)
+    assert any(isinstance(a.qkv_a_proj, AWQLinear) and a.qkv_a_proj.repacked for a in attn)
+    after = last_logits(model, prompt)
+    torch.testing.assert_close(after, before, rtol=0.0, atol=2e-2 * before.abs().max().item())
