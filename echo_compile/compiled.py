@@ -424,7 +424,8 @@ def compile(  # noqa: A001  (the public name: echo_compile.compile)
     error) and ``warmup_now`` (warm up before returning). EngineConfig's serving options
     (dp/tp/ep, the scheduler's, prefix caching) are the engine's (``LLM``): a ``CompiledModel``
     has no scheduler. ``model`` is prepared for serving in place (``build_runner``: MLA's
-    ``q_a_proj`` and ``kv_a_proj_with_mqa`` become one ``qkv_a_proj``, docs/model_notes.md)."""
+    ``q_a_proj``, ``kv_a_proj_with_mqa`` and the indexer's ``wk`` become one ``qkv_a_proj``,
+    docs/model_notes.md)."""
     if not isinstance(model, DeepseekV32ForCausalLM):
         raise TypeError(
             f"echo_compile.compile takes a model.DeepseekV32ForCausalLM (load_model gives one), "

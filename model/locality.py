@@ -56,8 +56,8 @@ def _readers(model) -> list[torch.Tensor]:
     out = [model.lm_head.weight]
     for block in model.model.layers:
         a = block.self_attn
-        out += list(a.a_weights())  # q_a_proj's, kv_a_proj_with_mqa's (views once fused)
-        out += [a.indexer.wk.weight, a.indexer.weights_proj.weight]
+        out += list(a.a_weights())  # q_a_proj's, kv_a_proj_with_mqa's, wk's (views once fused)
+        out += [a.indexer.weights_proj.weight]
         mlps = [block.mlp]
         if hasattr(block.mlp, "experts"):  # MoE
             out += [block.mlp.gate.weight, block.mlp.experts.w13_weight]

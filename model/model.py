@@ -112,16 +112,22 @@ class Indexer(nn.Module):
             self.hadamard.copy_(hadamard_matrix(self.head_dim, device=self.hadamard.device))
 
     def forward(
-        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        wk_x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, D]`` (attn-normed), ``qr [T, q_lora]`` -> (q e4m3 ``[T, Hi, 128]``, head weights
-        fp32 ``[T, Hi]``, key rows uint8 ``[T, 132]`` for the indexer cache)."""
+        fp32 ``[T, Hi]``, key rows uint8 ``[T, 132]`` for the indexer cache). ``wk_x``: ``wk(x)``
+        when MLA's fused projection computed it (``wk`` is then None)."""
         t = x.shape[0]
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)  # [T, Hi, 128]
         # rope FIRST in the indexer, and non-interleaved (docs/model_notes.md, rope layouts)
         q_pe, q_nope = torch.split(q, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         q = torch.cat([apply_rope(q_pe, cos, sin, interleaved=False), q_nope], dim=-1)
-        k = self.k_norm(self.wk(x))  # [T, 128]
+        k = self.k_norm(self.wk(x) if wk_x is None else wk_x)  # [T, 128]
         k_pe, k_nope = torch.split(k, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         k = torch.cat([apply_rope(k_pe, cos, sin, interleaved=False), k_nope], dim=-1)
         # Hadamard before FP8 spreads outliers; q·k is unchanged in exact arithmetic.
@@ -162,34 +168,48 @@ class MLA(nn.Module):
         self.kv_b_proj = _linear(self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim))
         self.o_proj = _linear(h * self.v_head_dim, d)
         self.indexer = Indexer(config)
-        # q_a_proj and kv_a_proj_with_mqa as one linear once fuse_a_projections() ran (they read
-        # the same x: one GEMM, and for FP8 one activation quantisation, instead of two)
+        # q_a_proj, kv_a_proj_with_mqa and (where it has their type) the indexer's wk as one
+        # linear once fuse_a_projections() ran (they read the same x: one GEMM, and for FP8 one
+        # activation quantisation); a_splits: its outputs' widths, in order
         self.qkv_a_proj: nn.Module | None = None
+        self.a_splits: list[int] = []
 
     def fuse_a_projections(self) -> bool:
-        """Replace ``q_a_proj`` and ``kv_a_proj_with_mqa`` by one linear of their type
-        (``model.fused_proj``; both then None); False, changing nothing, where they cannot be
-        fused (e.g. AWQ modules already repacked) or already are."""
-        parts = [self.q_a_proj, self.kv_a_proj_with_mqa]
-        if self.qkv_a_proj is not None or not fusable(parts):
+        """Replace ``q_a_proj``, ``kv_a_proj_with_mqa`` and, where it is a linear of their type,
+        the indexer's ``wk`` by one linear ``[q_a | wk | kv_a]`` (``model.fused_proj``; wk in
+        the middle keeps FP8's 128-row blocks whole; the parts then None). AWQ checkpoints keep
+        the indexer 16-bit: there q_a and kv_a alone. False, changing nothing, where they cannot
+        be fused (e.g. AWQ modules already repacked) or already are."""
+        if self.qkv_a_proj is not None:
+            return False
+        three = [self.q_a_proj, self.indexer.wk, self.kv_a_proj_with_mqa]
+        parts = three if fusable(three) else [self.q_a_proj, self.kv_a_proj_with_mqa]
+        if not fusable(parts):
             return False
         self.qkv_a_proj = fuse_linears(parts)
+        self.a_splits = [p.out_features for p in parts]
         self.q_a_proj = self.kv_a_proj_with_mqa = None
+        if len(parts) == 3:
+            self.indexer.wk = None
         return True
 
-    def project_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, D]`` -> ``q_a_proj(x) [T, q_lora]``, ``kv_a_proj_with_mqa(x) [T, 576]``
-        (one GEMM once fused)."""
-        if self.qkv_a_proj is not None:
-            return self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_a_dim], -1)
-        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+    def project_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``x [T, D]`` -> ``q_a_proj(x) [T, q_lora]``, ``kv_a_proj_with_mqa(x) [T, 576]``, and
+        the indexer's ``wk(x) [T, 128]`` where the fused linear computes it (else None: the
+        indexer does). One GEMM once fused."""
+        if self.qkv_a_proj is None:
+            return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
+        out = self.qkv_a_proj(x).split(self.a_splits, -1)
+        return (out[0], out[2], out[1]) if len(out) == 3 else (out[0], out[1], None)
 
-    def a_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The 16-bit weights of ``q_a_proj`` and ``kv_a_proj_with_mqa`` (row views of the fused
-        one once fused), for code that edits them in place (model/locality.py)."""
-        if self.qkv_a_proj is not None:
-            return self.qkv_a_proj.weight.split([self.q_lora_rank, self.kv_a_dim])
-        return self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight
+    def a_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 16-bit weights of ``q_a_proj``, ``kv_a_proj_with_mqa`` and the indexer's ``wk``
+        (row views of the fused one once fused), for code that edits them in place
+        (model/locality.py)."""
+        if self.qkv_a_proj is None:
+            return self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight, self.indexer.wk.weight
+        w = self.qkv_a_proj.weight.split(self.a_splits)
+        return (w[0], w[2], w[1]) if len(w) == 3 else (w[0], w[1], self.indexer.wk.weight)
 
     def forward(
         self,
@@ -201,7 +221,7 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         """``x [T, D]`` (attn-normed) -> ``[T, D]``; writes the tokens' rows into the cache."""
         t = x.shape[0]
-        q_a, kv = self.project_a(x)  # [T, q_lora], [T, 576]
+        q_a, kv, wk_x = self.project_a(x)  # [T, q_lora], [T, 576], [T, 128] or None
         qr = self.q_a_layernorm(q_a)  # [T, q_lora]: also the indexer's query input
         q = self.q_b_proj(qr).view(t, self.n_heads, self.qk_head_dim)  # [T, H, 192]
         # nope FIRST in MLA, rope interleaved (docs/model_notes.md, rope layouts)
@@ -212,7 +232,7 @@ class MLA(nn.Module):
         # it is cached or used; k_pe stays bf16.
         c_kv = fp8_round_trip(self.kv_a_layernorm(c_kv))  # [T, 512]
         k_pe = apply_rope(k_pe, cos, sin, interleaved=True)  # [T, 64]
-        q_idx, w_idx, index_rows = self.indexer(x, qr, cos, sin)
+        q_idx, w_idx, index_rows = self.indexer(x, qr, cos, sin, wk_x)
         rows = pack_kv_rows(c_kv, k_pe, cache_layer.fmt)  # [T, row] uint8
         # padding (slot -1) writes nothing; a prefill keeps its rows on the device for later chunks
         cache_layer.store(

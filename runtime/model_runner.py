@@ -366,7 +366,7 @@ def build_runner(
     """The one way a runner is made (``Engine`` and ``echo_compile.compile``): its cache, buckets
     and context limit from ``config`` and the model's config (default ``model.config``), its steps
     compiled by ``compiler`` (prefill as ``config.prefill_compiled`` says) or eager. The model's
-    weights are final here, so it fuses MLA's two projections of ``x`` in place
+    weights are final here, so it fuses MLA's projections of ``x`` in place
     (``fuse_a_projections``, docs/model_notes.md, MLA)."""
     mc = model_config if model_config is not None else model.config
     device = torch.device(config.device)

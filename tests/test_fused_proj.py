@@ -110,17 +110,23 @@ def test_bench_runs_and_checks(fmt):
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "awq"])
 def test_model_fused_gives_the_same_logits(weights):
-    """``fuse_a_projections`` on the tiny model in each format: every layer whose two
-    projections share a type fuses (AWQ's 16-bit first and last layers too), the parts are gone,
-    and the logits stay those of the two GEMMs within their rounding."""
+    """``fuse_a_projections`` on the tiny model in each format: every layer's q_a and kv_a
+    fuse, with the indexer's wk between them where it has their type (not AWQ's quantised
+    layers, whose indexer stays 16-bit; their 16-bit first and last layers do), the parts are
+    gone, and the logits stay those of the separate GEMMs within their rounding."""
     model = build_model("tiny", 0, 0, "cpu", 0.0, weights)
     prompt = [0, 44, 73, 341, 83]
     before = last_logits(model, prompt)
+    wk_types = [type(b.self_attn.indexer.wk) for b in model.model.layers]
+    q_types = [type(b.self_attn.q_a_proj) for b in model.model.layers]
     assert model.fuse_a_projections() == len(model.model.layers)
     assert model.fuse_a_projections() == 0  # once
-    for block in model.model.layers:
+    for block, wk_t, q_t in zip(model.model.layers, wk_types, q_types, strict=True):
         a = block.self_attn
         assert a.q_a_proj is None and a.kv_a_proj_with_mqa is None and a.qkv_a_proj is not None
+        three = wk_t is q_t
+        assert (a.indexer.wk is None) == three and len(a.a_splits) == (3 if three else 2)
+    assert (weights == "awq") == any(b.self_attn.indexer.wk is not None for b in model.model.layers)
     after = last_logits(model, prompt)
     torch.testing.assert_close(after, before, rtol=0.0, atol=2e-2 * before.abs().max().item())
     assert torch.equal(after.argmax(), before.argmax())
