@@ -2,7 +2,7 @@
 # One device call (<= 10 minutes) on the H200, at the repo root:
 #   bash benchmarks/gpu_session.sh verify [NAME ...]  # every cuda-marked test, in concurrent groups (or
 #                                           # the NAMEd ones: lossless_bf16 lossless_fp8 lossless engines
-#                                           # compile prefill_prefetch kernels backends prefill_dg auto_step)
+#                                           # compile prefill_prefetch kernels release backends prefill_dg auto_step)
 #   bash benchmarks/gpu_session.sh time [NAME ...]   # the kernel benchmarks (or the NAMEd ones: backends
 #                                           # fixup overlap prefill prefill_gather prefix_cache cache_ops row_stride fused_proj release awq awq_pairs awq_parts sampling fp8 calibrate
 #                                           # prefetch staged_recall step)
@@ -83,7 +83,9 @@ verify)
      tests/test_decode_kernels_cuda.py tests/test_attended_set.py tests/test_model.py \
      tests/test_sampler.py tests/test_cuda_timer.py tests/test_distributed_cuda.py \
      tests/test_distributed_ep.py tests/test_ties_fixup.py tests/test_cache_ops.py \
-     tests/test_decode_kernels.py tests/test_release_layers.py tests/test_warm_kernels_cuda.py) &
+     tests/test_decode_kernels.py) &
+  # a finish's release in every layer (one launch) and no JIT compile while serving after warm-up
+  on release && (stage cuda_release 300 $T tests/test_release_layers.py tests/test_warm_kernels_cuda.py) &
   if [ "$BACKENDS" = 1 ]; then
     on backends && (stage cuda_backends 480 $T tests/test_backends_cuda.py tests/test_fp8_deep_gemm.py; packjit) &
     # DeepGEMM's prefill scores (fp8_mqa_logits): vs the reference, exact sets, a compiled engine
