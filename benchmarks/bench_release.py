@@ -91,7 +91,7 @@ def sync(device: torch.device) -> None:
 
 
 def state(pools, ema) -> list:
-    """What both ways must agree on: each layer's resident host slots, meta, ring contents (as a
+    """What every way must agree on: each layer's resident host slots, meta, ring contents (as a
     set) and threshold state."""
     out = []
     for p, e in zip(pools, ema, strict=True):
