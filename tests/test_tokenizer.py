@@ -341,3 +341,17 @@ def test_tiny_checkpoint_tokenizer(tmp_path: Path) -> None:
     detok = IncrementalDetokenizer(tok, stop=("the",), prompt_ids=ids)
     out = "".join(_stream(detok, tok.encode(" The morning train 🚂 left the station", False)))
     assert out == " The morning train 🚂 left " and detok.stopped
+
+
+def test_bench_detokenize_streams_the_same_text(tmp_path) -> None:
+    """benchmarks/bench_detokenize.py: both ways stream the training text identically and each
+    has a time per token."""
+    import json
+
+    from benchmarks import bench_detokenize as B
+
+    out = tmp_path / "detok.json"
+    B.main(["--reps", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["same_text"] and r["tokens"] > 500
+    assert r["incremental"]["us_per_token"] > 0 and r["decode_stream"]["us_per_token"] > 0
