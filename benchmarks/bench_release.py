@@ -142,6 +142,14 @@ def bench(n_layers: int, n_g: int, n_h: int, pages: list[int], reps: int, device
     return res
 
 
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="results JSON path")
@@ -162,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
+        "triton": triton_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "layers": a.layers, "gpu_tokens": a.gpu_tokens, "host_tokens": a.host_tokens,
         "reps": a.reps, "by_pages": rows,
     }  # fmt: skip

@@ -165,16 +165,13 @@ def finish_loaded_model(
     counters; frozen, eval mode."""
     if config.quantization is not None and config.quantization.method == "awq":
         from model.awq_convert import densify_awq, repack_awq_model
-        from model.model import MLA
 
         densify_awq(model, dtype=dtype)  # kv_b_proj -> bf16 weight (MLA reads W_UK / W_UV)
         if torch.device(device).type == "cuda":  # the fast layouts (CPU keeps the AutoAWQ one)
-            # MLA's two projections of x as one GEMM (build_runner fuses every other format's),
+            # MLA's projections of x as one GEMM (build_runner fuses every other format's),
             # here because AutoAWQ tensors can be fused and repacked ones cannot
             # (docs/model_notes.md, MLA)
-            for m in model.modules():
-                if isinstance(m, MLA):
-                    m.fuse_a_projections()
+            model.fuse_a_projections()
             repack_awq_model(model)
     if torch.device(device).type == "cuda":  # outside any CUDA-graph pool (tile_counters)
         from custom_ops.tile_counters import reserve_counters
